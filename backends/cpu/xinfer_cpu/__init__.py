@@ -1,0 +1,1 @@
+"""xinfer's CPU backend: plain torch, the reference for every other backend."""

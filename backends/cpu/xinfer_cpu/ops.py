@@ -1,0 +1,108 @@
+"""Reference ops in plain torch (see :class:`xinfer.ops.Ops` for the contract)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+
+
+class CpuOps:
+    device_type = "cpu"
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        out = (normed * weight.float()).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor):
+        cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, R/2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        out = torch.empty_like(q)
+        cu = meta.cu_seqlens_q.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for b, context_len in enumerate(seq_lens):
+            start, end = cu[b], cu[b + 1]
+            if end == start:
+                continue
+            k = _gather(k_cache, meta.block_tables[b], context_len)
+            v = _gather(v_cache, meta.block_tables[b], context_len)
+            out[start:end] = attend(q[start:end], k, v, scale, window, softcap)
+        return out
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Causal attention of the last ``len(q)`` positions over ``len(k)`` keys, in fp32.
+
+    q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
+    """
+    num_q, num_heads, _ = q.shape
+    context_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(context_len - num_q, context_len).unsqueeze(1)
+    k_pos = torch.arange(context_len).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def _gather(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, Hkv, D]
+    return blocks.flatten(0, 1)[:context_len]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rot_dim = cos.shape[-1] * 2
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x_pass), dim=-1) if x_pass.numel() else rotated

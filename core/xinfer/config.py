@@ -1,0 +1,88 @@
+"""Engine settings, validated once at construction (pydantic)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+}
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class ModelConfig(_Config):
+    model: str | None = Field(None, description="HF folder, .gguf file or folder holding one; None: embedded default")
+    dtype: str = Field("auto", description="auto, bfloat16/bf16, float16/f16, float32/f32")
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="context limit; default: the model's")
+    seed: int = 0
+
+
+class CacheConfig(_Config):
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    num_blocks: int | None = Field(None, gt=0, description="KV blocks; overrides the memory plan")
+    kv_fraction: float | None = Field(
+        None, gt=0, le=1, description="share of device memory for weights + KV (GPU), of free RAM (CPU)"
+    )
+    kv_cache_dtype: Literal["auto"] = "auto"
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(_Config):
+    max_num_seqs: int = Field(256, gt=0, description="sequences in a running batch")
+    max_num_batched_tokens: int = Field(
+        8192, gt=0, description="tokens per step; longer prefills are chunked"
+    )
+
+
+class DeviceConfig(_Config):
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ...")
+    backend: str | None = Field(None, description="backend plugin by name; default: best available")
+    enforce_eager: bool = Field(False, description="no CUDA graphs")
+
+
+class EngineConfig(_Config):
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: DeviceConfig = DeviceConfig()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (``dtype=..., block_size=...``)."""
+        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        values: dict[str, dict] = {name: {} for name in groups}
+        for key, value in kwargs.items():
+            owner = next((g for g, c in groups.items() if key in c.model_fields), None)
+            if owner is None:
+                known = sorted(f for c in groups.values() for f in c.model_fields)
+                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+            values[owner][key] = value
+        return cls(**{g: c(**values[g]) for g, c in groups.items()})
+
+
+def resolve_dtype(name: str, config_dtype: torch.dtype | str | None, device_type: str) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device_type == "cpu":
+        return torch.float32
+    if isinstance(config_dtype, str):
+        config_dtype = DTYPES.get(config_dtype.removeprefix("torch."))
+    return config_dtype if config_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

@@ -1,0 +1,163 @@
+"""The engine: requests in, one scheduled model step at a time, token deltas out."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xinfer.backend import select_backend
+from xinfer.config import EngineConfig, resolve_dtype
+from xinfer.engine.block_manager import BlockManager
+from xinfer.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from xinfer.engine.runner import ModelRunner
+from xinfer.engine.scheduler import Scheduler
+from xinfer.engine.sequence import Sequence
+from xinfer.engine.stop import TextStream
+from xinfer.loading.loader import load_config, load_model
+from xinfer import ops
+from xinfer.sampling import SamplingParams
+
+log = logging.getLogger("xinfer")
+
+
+@dataclass
+class StepOutput:
+    """What one step added to one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any = None):
+        self.config = config
+        self.backend, backend_ops, self.device = select_backend(config.device)
+        ops.use(backend_ops)
+        path = Path(config.model.model)
+        self.hf_config = load_config(path)
+        self.dtype = resolve_dtype(config.model.dtype, getattr(self.hf_config, "dtype", None), self.device.type)
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(path, self.hf_config, self.device, self.dtype, config.model.load_format)
+        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(_eos_ids(self.hf_config, tokenizer))
+        cache = config.cache
+        num_blocks = plan_num_blocks(self.model, cache, self.device, self.dtype)
+        if num_blocks * cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks of "
+                f"{cache.block_size}), fewer than max_model_len={self.max_model_len}: "
+                f"lower max_model_len or give the cache more memory"
+            )
+        allocate_kv_cache(self.model, num_blocks, cache.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(self.model, cache.block_size, self.device, config.model.seed)
+        self.sequences: dict[str, Sequence] = {}
+        self.streams: dict[str, TextStream] = {}
+        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size, num_blocks * cache.block_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, the model's context is {self.max_model_len} tokens: "
+                f"the prompt must be shorter to leave room for at least one generated token"
+            )
+        vocab_size = self.hf_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        self.sequences[request_id] = seq
+        detokenizer = self._detokenizer(params) if self.tokenizer is not None else None
+        self.streams[request_id] = TextStream(detokenizer, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        self.streams.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled, result = self.runner.step(batch)
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(item.seq)
+        if result is None:
+            return []
+        return [
+            self._append(seq, token, logprobs)
+            for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs)
+        ]
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        stream = self.streams[seq.request_id]
+        text, stop_string = stream.push(token)
+        reason, stop_reason = self._finish_reason(seq, token, stop_string)
+        if reason is not None:
+            text += stream.flush()
+            self.scheduler.finish(seq, reason)
+            seq.stop_reason = stop_reason
+            del self.sequences[seq.request_id], self.streams[seq.request_id]
+        return StepOutput(
+            seq.request_id,
+            [token],
+            text,
+            [logprobs] if logprobs is not None else [],
+            seq.num_cached_tokens,
+            finished=reason is not None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+        )
+
+    def _finish_reason(self, seq: Sequence, token: int, stop_string: str | None):
+        params = seq.params
+        if stop_string is not None:
+            return "stop", stop_string
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if token in seq.eos_token_ids and not params.ignore_eos:
+                return "stop", None
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _detokenizer(self, params: SamplingParams):
+        from xinfer.text.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

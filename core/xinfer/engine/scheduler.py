@@ -1,0 +1,97 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget. Running sequences go first (one token each when
+decoding, a chunk when still prefilling), then waiting ones join while budget,
+blocks and ``max_num_seqs`` allow. When blocks run out, the most recently started
+sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from xinfer.config import SchedulerConfig
+from xinfer.engine.block_manager import BlockManager
+from xinfer.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """Whether this step computes the sequence's last token, so it samples the next."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted below to make room
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_computed_tokens = self.block_manager.match_prefix(seq)
+                if not seq.scheduled_once:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                self.block_manager.release(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status, seq.scheduled_once = Status.RUNNING, True
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (stopped, aborted or failed) and free its blocks."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.release(seq)
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,44 @@
+"""Hook specifications of xinfer's plugin system (pluggy project "xinfer").
+
+A plugin is a module named by an entry point in the group ``xinfer``. It implements
+any of the hooks below with ``@hookimpl``. Hooks return names and lazy
+``"module:attribute"`` strings so that discovering plugins imports neither torch
+nor a device runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pluggy
+
+PROJECT = "xinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A hardware backend.
+
+    ``ops`` and ``is_available`` are "module:attribute" strings: the first names a
+    class implementing :class:`xinfer.ops.Ops`, the second a function returning
+    whether the backend can run on this machine. Among available backends for a
+    device type, the highest ``priority`` wins unless one is asked for by name.
+    """
+
+    name: str
+    device_type: str
+    ops: str
+    is_available: str
+    priority: int = 0
+
+
+@hookspec
+def xinfer_architectures() -> dict[str, str]:
+    """Model classes by HF ``architectures`` name, as "module:Class" strings."""
+
+
+@hookspec
+def xinfer_backends() -> list[BackendSpec]:
+    """Hardware backends this plugin provides."""

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from xinfer import ops
+from xinfer.forward_context import attention_metadata
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer: stores this step's K/V in the layer's cache,
+    then attends over each sequence's cached context.
+
+    ``q`` [T, H*D], ``k``/``v`` [T, Hkv*D] in; [T, H*D] out. The engine binds
+    ``k_cache``/``v_cache`` before the first forward.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.window = window
+        self.softcap = softcap
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        meta = attention_metadata()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        ops.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = ops.attention(
+            q, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap
+        )
+        return out.flatten(1)

@@ -1,0 +1,27 @@
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to vocabulary logits (fp32), optionally soft-capped."""
+
+    def __init__(self, vocab_size: int, dim: int, softcap: float | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+        self.softcap = softcap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits

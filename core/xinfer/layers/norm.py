@@ -1,0 +1,17 @@
+import torch
+from torch import Tensor, nn
+
+from xinfer import ops
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * weight``; with ``residual``, adds it first and
+    returns ``(normed, x + residual)``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)

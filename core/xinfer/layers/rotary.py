@@ -1,0 +1,89 @@
+"""Rotary position embeddings: a precomputed cos || sin table per position.
+
+Scaling variants follow the formulas of their papers / model cards; the kind is
+``rope_type`` in the HF config's rope parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from xinfer import ops
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters of ``config`` (for ``layer_type`` where they differ per
+    layer type), from ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
+    params = getattr(config, "rope_parameters", None)
+    if params and layer_type in params:
+        params = params[layer_type]
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return params
+
+
+def _default(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
+    # fp32 like the reference implementations, so positions rotate identically
+    return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim), 1.0
+
+
+def _linear(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
+    inv_freq, _ = _default(base, dim, params)
+    return inv_freq / params["factor"], 1.0
+
+
+def _llama3(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
+    inv_freq, _ = _default(base, dim, params)
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, blended)
+    return torch.where(wavelen < old_context / high, inv_freq, scaled), 1.0
+
+
+def _yarn(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
+    factor = params["factor"]
+    old_context = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast", 32), params.get("beta_slow", 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolation, _ = _default(base, dim, params)
+    inv_freq = extrapolation / factor * ramp + extrapolation * (1 - ramp)
+    mscale = params.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+    return inv_freq, mscale
+
+
+_INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
+        super().__init__()
+        rope_type = params["rope_type"]
+        if rope_type not in _INV_FREQ:
+            raise NotImplementedError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}"
+            )
+        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq, mscale = _INV_FREQ[rope_type](params["rope_theta"], self.rotary_dim, params)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * mscale
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.rotary(q, k, positions, self.cos_sin)

@@ -1,0 +1,73 @@
+"""Build a model from its config and fill it with checkpoint or dummy weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, PretrainedConfig
+
+from xinfer import registry
+from xinfer.loading.safetensors import iter_safetensors
+from xinfer.model import CausalLM
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "text_config", None) if _is_wrapper(config) else config
+
+
+def _is_wrapper(config: PretrainedConfig) -> bool:
+    return getattr(config, "text_config", None) is not None and not getattr(config, "num_hidden_layers", None)
+
+
+def architecture_of(config: PretrainedConfig) -> str:
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ValueError("the model config names no architecture (config.json lacks 'architectures')")
+    return architectures[0]
+
+
+def build_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    cls = registry.model_class(architecture_of(config))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    path: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, load_format: str
+) -> CausalLM:
+    model = build_model(config, device, dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(checkpoint_tensors(path, load_format))
+    return model
+
+
+def checkpoint_tensors(path: Path, load_format: str) -> Iterable[tuple[str, Tensor]]:
+    if load_format in ("auto", "safetensors"):
+        return iter_safetensors(path)
+    raise ValueError(f"load_format {load_format!r} cannot read {path}")
+
+
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights of the right shapes (for benchmarks): matrices ~ N(0, 0.02),
+    vectors (norms, biases) ~ 1 + N(0, 0.02)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for param in model.parameters():
+        noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
+        value = noise * 0.02 + (1.0 if param.dim() == 1 else 0.0)
+        param.data.copy_(value)
+
+
+def describe(config: Any) -> str:
+    return f"{architecture_of(config)} ({getattr(config, 'num_hidden_layers', '?')} layers)"

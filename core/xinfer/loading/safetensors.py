@@ -1,0 +1,33 @@
+"""Tensors of an HF folder's safetensors files, sharded or not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from safetensors import safe_open
+from torch import Tensor
+from tqdm.auto import tqdm
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
+    files = safetensors_files(folder)
+    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update()

@@ -1,0 +1,69 @@
+"""Checkpoint tensors into model parameters, by HF name."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from xinfer.layers.linear import MergedLinear
+from xinfer.model import CausalLM
+
+
+class MissingWeightsError(ValueError):
+    pass
+
+
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if any(name.endswith(ignored) for ignored in model.ignored_weights):
+            continue
+        target, shard = _packed_target(name, model.packed_modules)
+        if target not in params:
+            continue  # a tensor this model does not use (e.g. an untied lm_head copy)
+        param = params[target]
+        if shard is None:
+            _copy(param.data, tensor, target)
+        else:
+            module = modules[target.rsplit(".", 1)[0]]
+            assert isinstance(module, MergedLinear)
+            offset, size = module.shard_offset(shard)
+            _copy(param.data[offset : offset + size], tensor, name)
+        loaded.add(target if shard is None else f"{target}:{shard}")
+    _check_complete(model, params, loaded)
+    return loaded
+
+
+def _packed_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    for part, (merged, shard) in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{merged}."), shard
+    return name, None
+
+
+def _copy(dst: Tensor, src: Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _check_complete(model: CausalLM, params: dict[str, Tensor], loaded: set[str]) -> None:
+    shard_names = {n.rsplit(":", 1)[0] for n in loaded if ":" in n}
+    loaded_ids = {id(params[n]) for n in loaded if ":" not in n}
+    modules = dict(model.named_modules())
+    missing = []
+    for name, param in model.named_parameters():
+        module = modules.get(name.rsplit(".", 1)[0])
+        if isinstance(module, MergedLinear) and name in shard_names:
+            expected = {f"{name}:{s}" for s in module.shard_sizes}
+            missing += sorted(expected - loaded)
+        elif id(param) not in loaded_ids:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise MissingWeightsError(f"checkpoint lacks {len(missing)} weight(s) the model needs: {shown}")

@@ -1,0 +1,39 @@
+"""The base of every architecture a plugin provides."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Iterable
+
+from torch import Tensor, nn
+
+
+class CausalLM(nn.Module):
+    """A decoder over a flat batch of tokens (no batch dimension).
+
+    Subclasses build their layers from ``config`` (an HF ``PretrainedConfig``) in
+    ``__init__``, keep parameter names equal to the HF checkpoint's, and name in
+    ``packed_modules`` the checkpoint projections they store merged:
+    ``{"q_proj": ("qkv_proj", "q")}`` loads ``...q_proj.weight`` into shard ``"q"``
+    of ``...qkv_proj.weight``.
+    """
+
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {}
+    ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """Hidden states [T, hidden] of the tokens ``input_ids`` at ``positions``."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits [N, vocab] of the rows of ``hidden`` that are sampled."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters; returns the names loaded."""
+        from xinfer.loading.weights import load_weights
+
+        return load_weights(self, weights)

@@ -1,0 +1,135 @@
+"""The kernel interface every backend implements, and the one in use.
+
+Models call the functions of this module; :func:`use` points them at a backend.
+Shapes are flat over the tokens of a step (no batch dimension):
+``T`` tokens, ``H`` query heads, ``Hkv`` KV heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries sit in the flat batch, and where its KV lives.
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; these are the
+    last ``q_len`` positions of a context of ``seq_lens[b]`` tokens, whose KV is in
+    the cache blocks ``block_tables[b]`` (this step's KV included: it is written
+    before attention runs). Token ``i`` of the step goes to cache slot
+    ``slot_mapping[i] = block * block_size + offset``; a negative slot is skipped
+    (padding).
+    """
+
+    cu_seqlens_q: Tensor  # [B + 1] int32
+    seq_lens: Tensor  # [B] int32
+    block_tables: Tensor  # [B, max_blocks] int32
+    slot_mapping: Tensor  # [T] int64
+    max_seqlen_q: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class Ops(Protocol):
+    """What a backend provides. The CPU backend is the reference implementation."""
+
+    device_type: str
+
+    def rms_norm(
+        self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``x * rsqrt(mean(x^2) + eps) * weight``, computed in fp32.
+
+        With ``residual``, normalizes ``x + residual`` and also returns that sum
+        (the next residual).
+        """
+
+    def rotary(
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate the first ``R`` dims of each head of ``q`` [T, H, D] and ``k`` [T, Hkv, D]
+        in rotate-half (NeoX) form; ``cos_sin`` is [max_pos, R] as cos || sin halves."""
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        """``silu(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
+
+    def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
+        """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
+
+    def write_kv(
+        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
+        """Store ``k``, ``v`` [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D]."""
+
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """Causal paged attention of ``q`` [T, H, D] over each sequence's cached KV.
+
+        A query at position ``p`` sees keys at positions ``p - window < j <= p``
+        (all ``j <= p`` without a window). With ``softcap``, scores become
+        ``softcap * tanh(scores / softcap)`` before masking. Returns [T, H, D].
+        """
+
+
+_current: Ops | None = None
+
+
+def use(ops: Ops) -> None:
+    global _current
+    _current = ops
+
+
+def current() -> Ops:
+    if _current is None:
+        raise RuntimeError("no backend in use: call xinfer.ops.use(...) first")
+    return _current
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    return current().rms_norm(x, weight, eps, residual)
+
+
+def rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    return current().rotary(q, k, positions, cos_sin)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    return current().silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    return current().gelu_tanh_and_mul(x)
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    current().write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    return current().attention(q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+

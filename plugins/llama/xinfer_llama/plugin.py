@@ -1,0 +1,10 @@
+from xinfer.hooks import hookimpl
+
+
+@hookimpl
+def xinfer_architectures() -> dict[str, str]:
+    return {
+        "LlamaForCausalLM": "xinfer_llama.llama:LlamaForCausalLM",
+        "MistralForCausalLM": "xinfer_llama.llama:MistralForCausalLM",
+        "Phi3ForCausalLM": "xinfer_llama.phi3:Phi3ForCausalLM",
+    }
