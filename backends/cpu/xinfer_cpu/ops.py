@@ -74,22 +74,24 @@ def attend(
 
     q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
     """
-    num_q, num_heads, _ = q.shape
+    num_q, num_heads, head_dim = q.shape
     context_len, num_kv_heads, _ = k.shape
+    dtype = q.dtype
     group = num_heads // num_kv_heads
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    # heads grouped by the KV head they share: [Hkv, group * Q, D]
+    q = q.float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).flatten(1, 2)
+    k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    q_pos = torch.arange(context_len - num_q, context_len).unsqueeze(1)
+    q_pos = torch.arange(context_len - num_q, context_len).repeat(group).unsqueeze(1)
     k_pos = torch.arange(context_len).unsqueeze(0)
     visible = k_pos <= q_pos
     if window is not None:
         visible &= k_pos > q_pos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = (probs @ v).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(num_q, num_heads, head_dim).to(dtype)
 
 
 def _gather(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:

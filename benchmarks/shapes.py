@@ -1,0 +1,45 @@
+"""Real models' shapes, for benchmarks on dummy weights (no checkpoint needed)."""
+
+from __future__ import annotations
+
+import tempfile
+
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+
+SHAPES = {
+    "smollm2-135m": lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, tie_word_embeddings=True, architectures=["LlamaForCausalLM"],
+    ),
+    "qwen3-0.6b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"],
+    ),
+    "llama-3.1-8b": lambda: LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192, rope_theta=500000.0),
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+    ),
+}
+
+
+def shape_folder(name: str) -> str:
+    """A folder holding only the config.json of shape ``name`` (load with load_format="dummy")."""
+    config: PretrainedConfig = SHAPES[name]()
+    folder = tempfile.mkdtemp(prefix=f"xinfer-{name}-")
+    config.save_pretrained(folder)
+    return folder
+
+
+def weight_bytes(config: PretrainedConfig, itemsize: int) -> int:
+    """Bytes of weights a decode step reads (embedding rows are gathered, not read whole)."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    attn = h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    mlp = 3 * h * i
+    norms = 2 * h + (2 * d if isinstance(config, Qwen3Config) else 0)
+    return itemsize * (layers * (attn + mlp + norms) + h + config.vocab_size * h)

@@ -1,0 +1,140 @@
+"""Continuous batching, preemption, prefix caching and bad input on a tiny Llama."""
+
+import pytest
+from transformers import LlamaConfig
+
+from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model=model_dir, dtype="float32", num_blocks=256, max_num_batched_tokens=512)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert not llm.engine.has_unfinished()
+
+
+PROMPTS = [prompt(3 + 7 * i, seed=i) for i in range(16)]  # 3 .. 108 tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=24, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_batch_gives_each_prompt_what_it_gets_alone(llm, params):
+    together = llm.generate(PROMPTS, params)
+    alone = [llm.generate([p], params)[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert_all_blocks_free(llm)
+
+
+def test_requests_join_a_running_batch(llm):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS[:4]]
+    llm.engine.add_request("early", PROMPTS[0], params)
+    llm.engine.step()
+    llm.engine.step()  # "early" is decoding when the others arrive
+    stream = llm.stream(PROMPTS[1:4], params)
+    got = {}
+    for delta in stream:
+        got.setdefault(delta.prompt_token_ids[0], []).extend(delta.outputs[0].token_ids)
+    early = []
+    while llm.engine.has_unfinished():
+        early += [t for o in llm.engine.step() if o.request_id == "early" for t in o.token_ids]
+    assert [got[p[0]] for p in PROMPTS[1:4]] == expected[1:4]
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [prompt(30, seed=i) for i in range(8)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    small = LLM(model=model_dir, dtype="float32", num_blocks=8, max_model_len=128, block_size=16)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert got == expected
+    assert small.engine.stats().num_preemptions > 0
+    assert_all_blocks_free(small)
+
+
+def test_prefix_cache_reports_cached_tokens_and_keeps_outputs(model_dir, llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    shared = prompt(70, seed=42)
+    first, second = shared + prompt(5, seed=1), shared + prompt(9, seed=2)
+    llm.generate([first], params)
+    cached = llm.generate([second], params)[0]
+    assert cached.num_cached_tokens == 64  # the four full 16-token blocks of the shared prefix
+    uncached_llm = LLM(model=model_dir, dtype="float32", num_blocks=64, enable_prefix_caching=False)
+    uncached = uncached_llm.generate([second], params)[0]
+    assert uncached.num_cached_tokens == 0
+    assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
+
+
+def test_chunked_prefill_gives_the_same_tokens(model_dir, llm):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    long_prompt = prompt(200, seed=3)
+    chunked = LLM(model=model_dir, dtype="float32", num_blocks=64, max_num_batched_tokens=48)
+    assert chunked.generate([long_prompt], params)[0].outputs[0].token_ids == (
+        llm.generate([long_prompt], params)[0].outputs[0].token_ids
+    )
+
+
+def test_sampling_controls(llm):
+    tokens = prompt(20, seed=5)
+    greedy = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    first = greedy.outputs[0].token_ids[0]
+    stopped = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]))[0]
+    assert stopped.outputs[0].token_ids == [first] and stopped.outputs[0].finish_reason == "stop"
+    held = llm.generate(
+        [tokens], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=3)
+    )[0]
+    assert len(held.outputs[0].token_ids) >= 3 and held.outputs[0].token_ids[0] != first
+    with_logprobs = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=2, logprobs=3))[0]
+    step = with_logprobs.outputs[0].logprobs[0]
+    assert first in step and len(step) == 3 and max(step, key=step.get) == first
+    top1 = llm.generate([tokens], SamplingParams(temperature=5.0, top_k=1, seed=3, max_tokens=8, ignore_eos=True))[0]
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True, n=2)
+    a, b = llm.generate([tokens], seeded)[0], llm.generate([tokens], seeded)[0]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert a.outputs[0].token_ids != a.outputs[1].token_ids
+    penalized = llm.generate(
+        [tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+    )[0]
+    plain = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert len(set(penalized.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        ([[]], SamplingParams(), "prompt is empty"),
+        ([list(range(1, 300)) * 2], SamplingParams(), "598 tokens"),
+        ([[1, 2, 3]], dict(max_tokens=0), "max_tokens must be at least 1, got 0"),
+        ([[1, 2, 3]], dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        ([[1, 2, 3]], dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        ([[1, 2, 3]], dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+        ([[1, 2, 99999]], SamplingParams(), "[0, 320)"),
+    ],
+)
+def test_bad_requests_raise_clear_errors_and_leave_no_blocks(llm, prompts, params, message):
+    with pytest.raises(ValueError) as error:
+        sampling = params if isinstance(params, SamplingParams) else SamplingParams(**params)
+        llm.generate([[5, 6, 7]] + prompts, sampling)  # the good first prompt must be undone too
+    assert message in str(error.value)
+    assert_all_blocks_free(llm)

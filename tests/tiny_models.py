@@ -1,0 +1,58 @@
+"""Tiny random HF models saved as safetensors folders: the reference for every
+architecture test. transformers' modeling code is the oracle; nothing here is ours."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from xinfer.engine.engine import LLMEngine
+from xinfer.engine.scheduler import ScheduledSeq
+from xinfer.engine.sequence import Sequence
+from xinfer.forward_context import forward_context
+from xinfer.sampling import SamplingParams
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def save_tiny_model(config: PretrainedConfig, folder: Path, seed: int = 0):
+    """Random HF model of ``config`` (fp32, eager attention) saved to ``folder``; returns it."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def prompt(length: int, vocab_size: int = COMMON["vocab_size"], seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 1000 + length)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+@torch.inference_mode()
+def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``token_ids``, computed through the paged KV cache."""
+    seq = Sequence("prefill-logits", token_ids, SamplingParams())
+    assert engine.block_manager.allocate(seq, len(token_ids))
+    try:
+        batch = [ScheduledSeq(seq, len(token_ids))]
+        input_ids, positions, meta, _ = engine.runner.prepare(batch)
+        with forward_context(meta):
+            hidden = engine.model(input_ids, positions)
+        return engine.model.compute_logits(hidden)
+    finally:
+        engine.block_manager.release(seq)
