@@ -24,6 +24,16 @@ from xinfer.sampling import SamplingParams
 log = logging.getLogger("xinfer")
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int  # in blocks
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
 @dataclass
 class StepOutput:
     """What one step added to one request."""
@@ -96,6 +106,16 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage,
+            prefix_cache_queries=self.block_manager.queries,
+            prefix_cache_hits=self.block_manager.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
