@@ -8,8 +8,9 @@ Shapes are flat over the tokens of a step (no batch dimension):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
+import torch
 from torch import Tensor
 
 
@@ -84,6 +85,26 @@ class Ops(Protocol):
         (all ``j <= p`` without a window). With ``softcap``, scores become
         ``softcap * tanh(scores / softcap)`` before masking. Returns [T, H, D].
         """
+
+
+DecodeForward = Callable[[Tensor, Tensor, AttentionMetadata], Tensor]
+DecodeRunner = Callable[[Tensor, Tensor, AttentionMetadata], "Tensor | None"]
+
+
+class CapturesDecode(Protocol):
+    """Optional: a backend that can record decode steps and replay them cheaply."""
+
+    def capture_decode(
+        self,
+        forward: DecodeForward,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> DecodeRunner:
+        """Record ``forward`` (input ids, positions, metadata -> logits) for decode
+        batches of up to ``max_num_seqs`` sequences (one token each). The returned
+        runner computes the same logits, or returns None for a batch it cannot take."""
 
 
 _current: Ops | None = None

@@ -73,6 +73,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(self.model, cache.block_size, self.device, config.model.seed)
+        if not config.device.enforce_eager:
+            self.runner.capture_decode(config.scheduler.max_num_seqs, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
         log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size, num_blocks * cache.block_size)

@@ -11,7 +11,8 @@ from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
-from xinfer.ops import AttentionMetadata
+from xinfer import ops
+from xinfer.ops import AttentionMetadata, DecodeRunner
 
 
 class ModelRunner:
@@ -20,17 +21,34 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        self.decode_graphs: DecodeRunner | None = None
+
+    @torch.inference_mode()
+    def capture_decode(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Let the backend capture decode steps (CUDA graphs) if it can."""
+        capture = getattr(ops.current(), "capture_decode", None)
+        if capture is not None:
+            max_blocks = -(-max_model_len // self.block_size)
+            self.decode_graphs = capture(self.decode_logits, max_num_seqs, max_blocks, max_model_len, self.device)
+
+    def decode_logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        with forward_context(meta):
+            return self.model.compute_logits(self.model(input_ids, positions))
 
     @torch.inference_mode()
     def step(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput | None]:
         """Runs ``batch``; returns the sequences that sampled a token, and their tokens."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)
         sampling = [s.seq for s in batch if s.completes_prompt]
-        if not sampling:
-            return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = None
+        if self.decode_graphs is not None and len(sampling) == len(input_ids):
+            logits = self.decode_graphs(input_ids, positions, meta)
+        if logits is None:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)
+            if not sampling:
+                return [], None
+            logits = self.model.compute_logits(hidden[sample_rows])
         return sampling, self.sampler(logits, sampling)
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
