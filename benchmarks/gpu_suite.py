@@ -1,0 +1,76 @@
+"""Everything the GPU machine checks and times, in one call: correctness first, then
+benchmarks each beside its peer. Writes results.jsonl and logs into OUT_DIR and
+prints a table last.
+
+    python benchmarks/gpu_suite.py OUT_DIR [--only NAME ...] [--gpt-fast-dir .peers/gpt-fast]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PY = sys.executable
+
+
+def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
+    offline = [PY, str(HERE / "offline.py")]
+    return {
+        "kernels": [PY, "-m", "pytest", "-q", "-x", str(ROOT / "tests/backends")],
+        "bandwidth": [PY, str(HERE / "bandwidth.py")],
+        "decode-8b": offline + ["--shape", "llama-3.1-8b", "--batch", "1", "--input-len", "128",
+                                "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16"],
+        "gpt-fast-8b": [PY, str(HERE / "peers/gpt_fast.py"), "--gpt-fast-dir", gpt_fast_dir],
+        "kernel-times": [PY, str(HERE / "kernels_cuda.py")],
+        "throughput-qwen3-0.6b": offline + ["--shape", "qwen3-0.6b", "--num-requests", "256",
+                                           "--input-len", "100:1024", "--output-len", "100:1024",
+                                           "--dtype", "bfloat16"],
+        "throughput-8b": offline + ["--shape", "llama-3.1-8b", "--num-requests", "1000",
+                                   "--input-len", "50:1000", "--output-len", "50:500", "--dtype", "bfloat16"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--gpt-fast-dir", default=str(ROOT / ".peers/gpt-fast"))
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per step")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    rows = []
+    for name, command in steps(args.gpt_fast_dir).items():
+        if args.only and name not in args.only:
+            continue
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
+            status, stdout, stderr = ("ok" if result.returncode == 0 else f"exit {result.returncode}"), result.stdout, result.stderr
+        except subprocess.TimeoutExpired as e:
+            status, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+            stdout, stderr = (s.decode() if isinstance(s, bytes) else s for s in (stdout, stderr))
+        seconds = time.perf_counter() - start
+        (out / "logs.txt").open("a").write(f"==== {name} ({status}, {seconds:.0f} s)\n{stdout}\n{stderr[-6000:]}\n")
+        figures = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        for figure in figures:
+            figure["step"] = name
+            (out / "results.jsonl").open("a").write(json.dumps(figure) + "\n")
+        summary = stdout.strip().splitlines()[-1] if stdout.strip() else stderr.strip()[-200:]
+        rows.append((name, status, seconds, figures[-1] if figures else summary))
+        print(f"[{name}] {status} in {seconds:.0f} s", flush=True)
+    print("\n| step | status | seconds | result |\n|---|---|---|---|")
+    for name, status, seconds, result in rows:
+        print(f"| {name} | {status} | {seconds:.0f} | {json.dumps(result) if isinstance(result, dict) else result} |")
+
+
+if __name__ == "__main__":
+    main()

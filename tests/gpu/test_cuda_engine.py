@@ -1,0 +1,54 @@
+"""End to end on the GPU: the cuda backend (Triton kernels, CUDA graphs) gives the
+CPU backend's tokens. Runs on the GPU machine (benchmarks/gpu_suite.py)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device; benchmarks/gpu_suite.py runs it on the GPU machine"
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]),
+    "qwen3-window": lambda: Qwen3Config(
+        **COMMON, head_dim=64, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+        architectures=["Qwen3ForCausalLM"],
+    ),
+}
+PROMPTS = [prompt(n, seed=n) for n in (1, 5, 17, 40, 63, 100)]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    save_tiny_model(CONFIGS[request.param](), folder)
+    return str(folder)
+
+
+def tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_greedy_tokens_equal_cpu_backend(model_dir, enforce_eager):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128)
+    gpu = LLM(model=model_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
+              enforce_eager=enforce_eager)
+    assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)
+
+
+def test_gpu_batch_invariance(model_dir):
+    gpu = LLM(model=model_dir, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=16)
+    many = [prompt(3 + 7 * i, seed=i) for i in range(16)]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
+    ):
+        together = tokens(gpu, many, params)
+        alone = [tokens(gpu, [p], params)[0] for p in many]
+        assert together == alone
