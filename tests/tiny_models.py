@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
-from xinfer.forward_context import forward_context
+from xinfer import ops
 from xinfer.sampling import SamplingParams
 
 COMMON = dict(
@@ -49,10 +49,9 @@ def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     seq = Sequence("prefill-logits", token_ids, SamplingParams())
     assert engine.block_manager.allocate(seq, len(token_ids))
     try:
-        batch = [ScheduledSeq(seq, len(token_ids))]
-        input_ids, positions, meta, _ = engine.runner.prepare(batch)
-        with forward_context(meta):
-            hidden = engine.model(input_ids, positions)
-        return engine.model.compute_logits(hidden)
+        runner = engine.runner
+        batch = runner.prepare([ScheduledSeq(seq, len(token_ids))])
+        with ops.use(engine.ops):
+            return runner.logits(*runner.to_device(batch))
     finally:
         engine.block_manager.release(seq)

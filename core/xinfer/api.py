@@ -54,8 +54,31 @@ class LLM:
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **options: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options), tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        if template is None:
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = template.render(
+                conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            )
+            # the template writes BOS itself
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, params)
 
     def generate(
         self,

@@ -42,3 +42,23 @@ def xinfer_architectures() -> dict[str, str]:
 @hookspec
 def xinfer_backends() -> list[BackendSpec]:
     """Hardware backends this plugin provides."""
+
+
+@hookspec
+def xinfer_gguf_architectures() -> dict[str, str]:
+    """GGUF adapters by GGUF ``general.architecture`` name, as "module:attribute" strings.
+
+    The attribute is an adapter object, or a class instantiated without arguments, with
+    (see :class:`xinfer.loading.gguf.GGUFArchitecture`):
+
+    - ``model_type: str | None``: the transformers ``model_type`` of the config to build
+      (``None``: the GGUF architecture name itself);
+    - ``config(metadata, fields) -> dict``: config fields to add or override, given the
+      GGUF metadata and the generic fields already read from it;
+    - ``undo_conversion(hf_name, tensor, config) -> Tensor``: the HF checkpoint value of a
+      dequantized float32 tensor, undoing what llama.cpp's converter changed (a Q/K row
+      permutation, an offset stored on norm weights, ...).
+
+    Subclass :class:`xinfer.loading.gguf.GGUFAdapter` (the identity) to override only
+    what differs. An architecture without an adapter loads through the identity.
+    """

@@ -32,6 +32,19 @@ class CausalLM(nn.Module):
         """fp32 logits [N, vocab] of the rows of ``hidden`` that are sampled."""
         raise NotImplementedError
 
+    def checkpoint_names(self) -> set[str]:
+        """The names of the checkpoint tensors this model loads (packed shards by their
+        own names)."""
+        names = set()
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            parts = [part for part, (merged, _) in self.packed_modules.items() if f".{merged}." in name]
+            for part in parts:
+                merged = self.packed_modules[part][0]
+                names.add(name.replace(f".{merged}.", f".{part}."))
+            if not parts:
+                names.add(name)
+        return names
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the names loaded."""
         from xinfer.loading.weights import load_weights

@@ -18,7 +18,9 @@ from xinfer.engine.scheduler import Scheduler
 from xinfer.engine.sequence import Sequence
 from xinfer.engine.stop import TextStream
 from xinfer.loading.loader import load_config, load_model
-from xinfer import ops
+from xinfer.loading.resolve import resolve_model_path
+from xinfer.text.detokenizer import IncrementalDetokenizer
+from xinfer.text.tokenizer import Tokenizer
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
@@ -51,16 +53,16 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
         self.config = config
-        self.backend, backend_ops, self.device = select_backend(config.device)
-        ops.use(backend_ops)
-        path = Path(config.model.model)
+        self.backend, self.ops, self.device = select_backend(config.device)
+        path = resolve_model_path(config.model.model)
+        self.model_path = path
         self.hf_config = load_config(path)
         self.dtype = resolve_dtype(config.model.dtype, getattr(self.hf_config, "dtype", None), self.device.type)
         torch.manual_seed(config.model.seed)
         self.model = load_model(path, self.hf_config, self.device, self.dtype, config.model.load_format)
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
-        self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(_eos_ids(self.hf_config, tokenizer))
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
         cache = config.cache
         num_blocks = plan_num_blocks(self.model, cache, self.device, self.dtype)
         if num_blocks * cache.block_size < self.max_model_len:
@@ -72,7 +74,7 @@ class LLMEngine:
         allocate_kv_cache(self.model, num_blocks, cache.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(self.model, cache.block_size, self.device, config.model.seed)
+        self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
         if not config.device.enforce_eager:
             self.runner.capture_decode(config.scheduler.max_num_seqs, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
@@ -95,7 +97,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         self.sequences[request_id] = seq
-        detokenizer = self._detokenizer(params) if self.tokenizer is not None else None
+        detokenizer = self._detokenizer(params, prompt_token_ids) if self.tokenizer is not None else None
         self.streams[request_id] = TextStream(detokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
@@ -142,7 +144,7 @@ class LLMEngine:
         text, stop_string = stream.push(token)
         reason, stop_reason = self._finish_reason(seq, token, stop_string)
         if reason is not None:
-            text += stream.flush()
+            text += stream.finish()
             self.scheduler.finish(seq, reason)
             seq.stop_reason = stop_reason
             del self.sequences[seq.request_id], self.streams[seq.request_id]
@@ -172,10 +174,16 @@ class LLMEngine:
             return "length", None
         return None, None
 
-    def _detokenizer(self, params: SamplingParams):
-        from xinfer.text.detokenizer import IncrementalDetokenizer
+    def _detokenizer(self, params: SamplingParams, prompt_token_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_token_ids
+        )
 
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+
+def _load_tokenizer(path: Path) -> Tokenizer | None:
+    if path.suffix == ".gguf" or (path / "tokenizer.json").is_file():
+        return Tokenizer.from_path(path)
+    return None
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -8,6 +8,8 @@ from typing import Protocol
 class Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
 
+    def flush(self) -> str: ...
+
 
 class TextStream:
     """Holds back the tail that could still become a stop string."""
@@ -18,6 +20,7 @@ class TextStream:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.stopped = False
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Adds a token; returns the new text safe to emit and the stop string hit, if any."""
@@ -29,11 +32,14 @@ class TextStream:
         hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
         if hits:
             index, stop = min(hits)
-            self.text = self.text[:index]
-            return self.flush(), stop
+            self.text, self.stopped = self.text[:index], True
+            return self._take(index), stop
         return self._take(len(self.text) - self.hold), None
 
-    def flush(self) -> str:
+    def finish(self) -> str:
+        """The rest of the text, once the sequence ends."""
+        if self.detokenizer is not None and not self.stopped:
+            self.text += self.detokenizer.flush()
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:

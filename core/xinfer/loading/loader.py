@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
 
 from xinfer import registry
+from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.safetensors import iter_safetensors
 from xinfer.model import CausalLM
 
 
 def load_config(path: Path) -> PretrainedConfig:
+    if path.suffix == ".gguf":
+        return load_gguf_config(path)
     config = AutoConfig.from_pretrained(path)
     return getattr(config, "text_config", None) if _is_wrapper(config) else config
 
@@ -49,12 +52,15 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights(checkpoint_tensors(path, load_format))
+        model.load_weights(checkpoint_tensors(path, load_format, model))
     return model
 
 
-def checkpoint_tensors(path: Path, load_format: str) -> Iterable[tuple[str, Tensor]]:
-    if load_format in ("auto", "safetensors"):
+def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterable[tuple[str, Tensor]]:
+    is_gguf = path.suffix == ".gguf"
+    if load_format == "gguf" or (load_format == "auto" and is_gguf):
+        return iter_gguf_weights(path, model.config, model.checkpoint_names())
+    if load_format in ("auto", "safetensors") and not is_gguf:
         return iter_safetensors(path)
     raise ValueError(f"load_format {load_format!r} cannot read {path}")
 
@@ -67,7 +73,3 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
         noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
         value = noise * 0.02 + (1.0 if param.dim() == 1 else 0.0)
         param.data.copy_(value)
-
-
-def describe(config: Any) -> str:
-    return f"{architecture_of(config)} ({getattr(config, 'num_hidden_layers', '?')} layers)"

@@ -8,3 +8,8 @@ def xinfer_architectures() -> dict[str, str]:
         "MistralForCausalLM": "xinfer_llama.llama:MistralForCausalLM",
         "Phi3ForCausalLM": "xinfer_llama.phi3:Phi3ForCausalLM",
     }
+
+
+@hookimpl
+def xinfer_gguf_architectures() -> dict[str, str]:
+    return {"llama": "xinfer_llama.gguf:LlamaGGUF"}

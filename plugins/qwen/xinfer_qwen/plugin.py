@@ -7,3 +7,8 @@ def xinfer_architectures() -> dict[str, str]:
         "Qwen2ForCausalLM": "xinfer_qwen.qwen:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "xinfer_qwen.qwen:Qwen3ForCausalLM",
     }
+
+
+@hookimpl
+def xinfer_gguf_architectures() -> dict[str, str]:
+    return {"qwen2": "xinfer_qwen.gguf:QWEN2", "qwen3": "xinfer_qwen.gguf:QWEN3"}

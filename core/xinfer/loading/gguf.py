@@ -1,0 +1,174 @@
+"""GGUF checkpoints: an HF config from the metadata, and tensors under HF checkpoint names.
+
+Tensors are dequantized to float32 at load. What llama.cpp's converter changed on the way
+from the HF checkpoint (a row permutation, an offset on norm weights...) is undone by the
+architecture's :class:`GGUFAdapter`, which the plugin owning the architecture registers
+through the ``xinfer_gguf_architectures`` hook; the core knows no architecture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from xinfer import registry
+from xinfer.loading.gguf_file import GGUFFile
+
+log = logging.getLogger(__name__)
+
+# "<arch>.<key>" metadata -> HF config field, for keys every architecture spells the same
+_CONFIG_FIELDS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
+
+
+@runtime_checkable
+class GGUFArchitecture(Protocol):
+    """How one GGUF architecture differs from the HF checkpoint it was converted from."""
+
+    model_type: str | None  # transformers' model_type; None: the GGUF architecture name
+
+    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        """Config fields to add or override, given the generic ``fields`` read so far."""
+        ...
+
+    def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
+        """The HF checkpoint's value of tensor ``hf_name`` from its dequantized GGUF value."""
+        ...
+
+
+class GGUFAdapter:
+    """The identity adapter: the GGUF stores the HF tensors unchanged."""
+
+    def __init__(self, model_type: str | None = None):
+        self.model_type = model_type
+
+    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
+        return tensor
+
+
+def gguf_adapter(architecture: str) -> GGUFArchitecture:
+    """The adapter a plugin registered for ``architecture``, else the identity."""
+    merged: dict[str, str] = {}
+    for found in reversed(registry.plugin_manager().hook.xinfer_gguf_architectures()):
+        merged.update(found)  # the first plugin registered wins
+    if architecture not in merged:
+        return GGUFAdapter()
+    adapter = registry.load_object(merged[architecture])
+    return adapter() if isinstance(adapter, type) else adapter
+
+
+def _open(path: str | Path | GGUFFile) -> GGUFFile:
+    return path if isinstance(path, GGUFFile) else GGUFFile(path)
+
+
+def load_gguf_config(path: str | Path | GGUFFile) -> PretrainedConfig:
+    file = _open(path)
+    meta, arch = file.metadata, file.architecture
+    adapter = gguf_adapter(arch)
+    fields: dict[str, Any] = {
+        field: _plain(meta[f"{arch}.{key}"]) for key, field in _CONFIG_FIELDS.items() if f"{arch}.{key}" in meta
+    }
+    fields.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
+    for field, name in _TOKEN_IDS.items():
+        if (token_id := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
+            fields[field] = int(token_id)
+    if (scaling := _rope_scaling(meta, arch)) is not None:
+        fields["rope_scaling"] = scaling
+    # llama.cpp writes the output projection only when it is not the embedding matrix
+    fields["tie_word_embeddings"] = "output.weight" not in file.tensors
+    fields.update(adapter.config(meta, fields))
+    model_type = adapter.model_type or arch
+    fields.setdefault("architectures", [_causal_lm_class(model_type)])
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or factor is None or float(factor) == 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    if (context := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+        scaling["original_max_position_embeddings"] = int(context)
+    for key in ("beta_fast", "beta_slow"):
+        if (value := meta.get(f"{arch}.rope.scaling.yarn_{key}")) is not None:
+            scaling[key] = float(value)
+    return scaling
+
+
+def _causal_lm_class(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"transformers knows no causal LM of model_type {model_type!r}")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def gguf_to_hf_names(architecture: str, config: PretrainedConfig, hf_names: Iterable[str]) -> dict[str, str]:
+    """GGUF tensor name -> HF checkpoint name: gguf's own table (HF -> GGUF), inverted
+    over the checkpoint names the model expects."""
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ValueError(f"the gguf package knows no architecture {architecture!r}")
+    table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = {}
+    for hf_name in hf_names:
+        base, dot, suffix = hf_name.rpartition(".")
+        gguf_base = table.get_name(base)
+        if gguf_base is not None:
+            names[f"{gguf_base}{dot}{suffix}"] = hf_name
+    return names
+
+
+def iter_gguf_weights(
+    path: str | Path | GGUFFile, config: PretrainedConfig, hf_names: Iterable[str]
+) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the file that maps to one of ``hf_names`` (the checkpoint names
+    the model loads) as (HF name, float32 tensor), in file order."""
+    file = _open(path)
+    adapter = gguf_adapter(file.architecture)
+    names = gguf_to_hf_names(file.architecture, config, hf_names)
+    unmapped = [n for n in file.tensors if n not in names]
+    if unmapped:
+        log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s",
+                    file.path.name, len(unmapped), ", ".join(unmapped[:5]))
+    for name in tqdm(file.tensors, desc=f"Loading {file.path.name}", unit="tensor"):
+        if name in names:
+            yield names[name], adapter.undo_conversion(names[name], dequantize(file, name), config)
+
+
+def dequantize(file: GGUFFile, name: str) -> Tensor:
+    values = gguf.quants.dequantize(file.raw(name), file.tensors[name].ggml_type)
+    if not values.flags.writeable or values.dtype != np.float32:  # F32 is a view of the mmap
+        values = values.astype(np.float32)
+    return torch.from_numpy(values)

@@ -1,0 +1,142 @@
+"""A GGUF file read in place: metadata as plain Python values, tensors as views of an mmap.
+
+``gguf.GGUFReader`` builds a numpy view per array element, which takes seconds for a
+262k-token vocabulary; this reader parses the header with ``struct`` and reads numeric
+arrays with one ``np.frombuffer`` each.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF value type -> (struct format, numpy dtype) for scalars; 8 = string, 9 = array.
+_SCALARS: dict[int, tuple[str, np.dtype]] = {
+    0: ("<B", np.dtype("<u1")),
+    1: ("<b", np.dtype("<i1")),
+    2: ("<H", np.dtype("<u2")),
+    3: ("<h", np.dtype("<i2")),
+    4: ("<I", np.dtype("<u4")),
+    5: ("<i", np.dtype("<i4")),
+    6: ("<f", np.dtype("<f4")),
+    7: ("<?", np.dtype("?")),
+    10: ("<Q", np.dtype("<u8")),
+    11: ("<q", np.dtype("<i8")),
+    12: ("<d", np.dtype("<f8")),
+}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFormatError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: the reverse of GGML's ne
+    ggml_type: GGMLQuantizationType
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, pos: int = 0):
+        self.buf, self.pos = buf, pos
+
+    def unpack(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype][0])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array()
+        raise GGUFFormatError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+
+    def array(self) -> list | np.ndarray:
+        etype, count = self.unpack("<I"), self.unpack("<Q")
+        if etype in _SCALARS:
+            dtype = _SCALARS[etype][1]
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return values
+        return [self.value(etype) for _ in range(count)]
+
+
+class GGUFFile:
+    """Metadata and tensor layout of one GGUF file (little-endian, version 2 or 3)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        cur = _Cursor(self._mmap)
+        if self._mmap[:4] != _MAGIC:
+            raise GGUFFormatError(f"{self.path} is not a GGUF file")
+        cur.pos = 4
+        self.version = cur.unpack("<I")
+        if self.version not in (2, 3):
+            raise GGUFFormatError(f"{self.path}: unsupported GGUF version {self.version}")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.unpack("<I"))
+        layouts = [self._tensor_layout(cur) for _ in range(n_tensors)]
+        alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        data_start = -(-cur.pos // alignment) * alignment
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, shape, ggml_type, rel_offset in layouts:
+            self.tensors[name] = GGUFTensorInfo(
+                name, shape, ggml_type, data_start + rel_offset, _nbytes(shape, ggml_type)
+            )
+
+    @staticmethod
+    def _tensor_layout(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+        name = cur.string()
+        ne = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+        ggml_type = GGMLQuantizationType(cur.unpack("<I"))
+        offset = cur.unpack("<Q")
+        return name, tuple(reversed(ne)), ggml_type, offset
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of a tensor, shaped as ``gguf.quants.dequantize`` expects."""
+        info = self.tensors[name]
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        row_bytes = info.shape[-1] // block * type_size
+        data = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return data.reshape(*info.shape[:-1], row_bytes)
+
+    def close(self) -> None:
+        self._mmap.close()
+
+
+def _nbytes(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    if shape[-1] % block:
+        raise GGUFFormatError(f"row of {shape[-1]} values is not a whole number of {block}-blocks")
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size

@@ -1,0 +1,115 @@
+"""Chat templates, rendered the way transformers' ``apply_chat_template`` renders them.
+
+Templates come from model files and are untrusted code (CVE-2024-34359), so they run only
+in jinja2's ``ImmutableSandboxedEnvironment``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile, or that fails while rendering."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters and sorts keys; HF templates expect neither
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """JSON-like data only: the template must not reach methods of caller objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    # subclasses (str enums, numpy scalars, ...) carry extra methods: back to the base type
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _message(message: Any) -> dict[str, Any]:
+    # keys set to None (OpenAI clients send content=None, tool_calls=None) are dropped, as
+    # transformers does: templates test for a key's presence, not for None
+    plain = _plain(message)
+    if not isinstance(plain, dict):
+        raise ChatTemplateError(f"a chat message must be a mapping, got {type(message).__name__}")
+    return {k: v for k, v in plain.items() if v is not None}
+
+
+class ChatTemplate:
+    """A compiled chat template; ``origin`` names where it came from in every error."""
+
+    def __init__(self, source: str, origin: str, bos_token: str | None = None,
+                 eos_token: str | None = None):
+        self.source, self.origin = source, origin
+        self.bos_token, self.eos_token = bos_token, eos_token
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template from {origin} does not compile: {_describe(e)}") from e
+
+    def render(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+               tools: Sequence[Any] | None = None, documents: Sequence[Any] | None = None,
+               **extra: Any) -> str:
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **_plain(extra)}
+        try:
+            return self._template.render(
+                messages=[_message(m) for m in messages],
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # the template is code: whatever it raises is its failure
+            raise ChatTemplateError(f"chat template from {self.origin} failed: {_describe(e)}") from e
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(origin={self.origin!r})"
+
+
+def _describe(e: Exception) -> str:
+    line = getattr(e, "lineno", None)
+    where = f" (line {line})" if line else ""
+    return f"{type(e).__name__}: {e}{where}"

@@ -1,0 +1,60 @@
+"""Streaming text out of generated token ids, one delta per token.
+
+Decoding a token alone is wrong: SentencePiece drops the leading space of the first piece,
+and a character split over byte-fallback tokens decodes to U+FFFD until its last byte
+arrives. So each step decodes a short window, ``ids[prefix:]``, and emits what it adds to
+``ids[prefix:read]``, the part already emitted; a tail ending in U+FFFD waits for more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_REPLACEMENT = "\ufffd"
+# prompt tokens kept as context for the first generated token (vLLM uses 5 too)
+_PROMPT_CONTEXT = 5
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """``push`` each generated id; the deltas (then ``flush``) concatenate to
+    ``tokenizer.decode(generated ids)``, or to its continuation of ``prompt_ids``."""
+
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.prefix = 0  # ids[prefix:read] is context already emitted
+        self.read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        emitted = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) <= len(emitted) or text.endswith(_REPLACEMENT):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        self._forget_emitted()
+        return text[len(emitted):]
+
+    def flush(self) -> str:
+        """What is still held back (a trailing incomplete character) at the end of a stream."""
+        emitted = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(emitted):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _forget_emitted(self) -> None:
+        # keep memory O(window): ids before the context window are never decoded again
+        if self.prefix > 64:
+            del self.ids[:self.prefix]
+            self.read -= self.prefix
+            self.prefix = 0

@@ -1,0 +1,144 @@
+"""A ``tokenizers.Tokenizer`` rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+Two vocabulary kinds, following how llama.cpp tokenizes them:
+
+- ``gpt2``: byte-level BPE with the stored merges, split by the pre-tokenizer named in
+  ``tokenizer.ggml.pre``.
+- ``llama``: SentencePiece BPE. llama.cpp merges the adjacent pair whose joined piece has
+  the highest score; a BPE whose merge ranks follow those scores does the same. Characters
+  outside the vocabulary fall back to ``<0xNN>`` byte tokens.
+
+Control tokens become special added tokens and user-defined ones plain added tokens: both
+are matched whole in the raw text before any normalization, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import processors
+
+log = logging.getLogger(__name__)
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPM_SPACE = "\u2581"
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> the splits llama.cpp applies before byte-level BPE
+_PRE_SPLITS: dict[str, list[pre_tokenizers.PreTokenizer]] = {}
+for _name in ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
+    _PRE_SPLITS[_name] = []
+for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"):
+    _PRE_SPLITS[_name] = [pre_tokenizers.Digits(individual_digits=True)]
+
+
+def _regex_split(pattern: str) -> list[pre_tokenizers.PreTokenizer]:
+    return [pre_tokenizers.Split(Regex(pattern), behavior="isolated")]
+
+
+for _name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral", "dbrx"):
+    _PRE_SPLITS[_name] = _regex_split(_LLAMA3_SPLIT)
+for _name in ("qwen2", "deepseek-r1-qwen", "megrez"):
+    _PRE_SPLITS[_name] = _regex_split(_QWEN2_SPLIT)
+
+
+def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    if kind == "gpt2":
+        tok = _byte_level_bpe(tokens, list(meta["tokenizer.ggml.merges"]), meta.get("tokenizer.ggml.pre"))
+    elif kind == "llama":
+        scores = [float(s) for s in meta["tokenizer.ggml.scores"]]
+        unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+        space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        tok = _sentencepiece_bpe(tokens, scores, types, unk_id, space_prefix)
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
+    _add_special_tokens(tok, tokens, types)
+    return tok
+
+
+def post_processor(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None,
+                   add_bos: bool, add_eos: bool) -> processors.TemplateProcessing:
+    """``[bos] $A [eos]`` with each end present only when asked for and defined."""
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+    pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
+    special = {**({bos: bos_id} if add_bos else {}), **({eos: eos_id} if add_eos else {})}
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                         special_tokens=list(special.items()))
+
+
+def _vocab(tokens: Sequence[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a duplicated spelling keeps its first id, like llama.cpp
+    return vocab
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=False))
+    splits = _PRE_SPLITS.get(pre or "default")
+    if splits is None:
+        log.warning("unknown GGUF pre-tokenizer %r; splitting like GPT-2", pre)
+        splits = []
+    uses_own_regex = any(isinstance(s, pre_tokenizers.Split) for s in splits)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not uses_own_regex)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
+                       unk_id: int | None, space_prefix: bool) -> Tokenizer:
+    unk = tokens[unk_id] if unk_id is not None else None
+    model = models.BPE(vocab=_vocab(tokens), merges=_merges_by_score(tokens, scores, types),
+                       unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        # llama.cpp prefixes a space only to the first piece of text, as Metaspace "first" does
+        tok.normalizer = None
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE, prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a normal token into two normal tokens, best joined score first."""
+    normal = {t for t, kind in zip(tokens, types) if kind == NORMAL}
+    ranked: list[tuple[float, int, str, str]] = []
+    for i, (piece, kind) in enumerate(zip(tokens, types)):
+        if kind != NORMAL or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[i], i, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, kind in zip(tokens, types) if kind in (CONTROL, UNKNOWN)]
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)

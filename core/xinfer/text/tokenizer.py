@@ -1,0 +1,147 @@
+"""Text <-> token ids for a model, from an HF tokenizer folder or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from xinfer.loading.gguf_file import GGUFFile
+from xinfer.text.chat_template import ChatTemplate
+from xinfer.text.gguf_vocab import CONTROL, build_tokenizer, post_processor
+
+# Control tokens that end a turn, which llama.cpp also stops on besides the declared EOS.
+_END_OF_TURN_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "_<EOT>", "<|return|>", "<|call|>", "<end_of_utterance>",
+})
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS and the chat template."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None,
+                 extra_eos_ids: Iterable[int] = (), chat_template: ChatTemplate | None = None):
+        self.backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = self._id_of(bos_token)
+        declared = {self._id_of(eos_token)} | set(extra_eos_ids)
+        self.eos_token_ids: set[int] = {i for i in declared if i is not None}
+        self.chat_template = chat_template
+
+    # -- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> Tokenizer:
+        """A ``.gguf`` file or an HF folder."""
+        path = Path(path)
+        return cls.from_gguf(path) if path.suffix == ".gguf" else cls.from_folder(path)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+        bos = _token_text(config.get("bos_token", special_map.get("bos_token")))
+        eos = _token_text(config.get("eos_token", special_map.get("eos_token")))
+        # tokenizer.json's post-processor already adds what the model wants; the config's
+        # add_bos/add_eos flags only fill in for a tokenizer.json that has none
+        if backend.post_processor is None:
+            backend.post_processor = post_processor(
+                bos, _id(backend, bos), eos, _id(backend, eos),
+                bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False)))
+        # generation stops on every EOS the model declares, not only the tokenizer's own
+        declared = [_as_ids(_read_json(folder / name).get("eos_token_id"))
+                    for name in ("generation_config.json", "config.json")]
+        template = _folder_chat_template(folder, config, bos, eos)
+        return cls(backend, bos, eos, [i for ids in declared for i in ids], template)
+
+    @classmethod
+    def from_gguf(cls, path_or_file: str | Path | GGUFFile) -> Tokenizer:
+        gguf = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
+        meta = gguf.metadata
+        backend = build_tokenizer(meta)
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        eos = tokens[eos_id] if eos_id is not None else None
+        sentencepiece = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp adds BOS there by default
+        backend.post_processor = post_processor(
+            bos, bos_id, eos, eos_id,
+            bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)),
+            bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+        types = meta.get("tokenizer.ggml.token_type")
+        end_of_turn = {i for i, t in enumerate(tokens)
+                       if t in _END_OF_TURN_TEXTS and (types is None or types[i] == CONTROL)}
+        declared = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")} - {None}
+        source = meta.get("tokenizer.chat_template")
+        template = ChatTemplate(source, f"GGUF metadata of {gguf.path}", bos, eos) if source else None
+        return cls(backend, bos, eos, end_of_turn | declared, template)
+
+    # -- text <-> ids -------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                            tools: Sequence[Any] | None = None, **extra: Any) -> list[int]:
+        """Render with the model's template, then encode without adding BOS again (the
+        template writes it where the model wants it)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use plain prompts")
+        text = self.chat_template.render(messages, add_generation_prompt, tools, **extra)
+        return self.encode(text, add_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
+    return None if token is None else backend.token_to_id(token)
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _folder_chat_template(folder: Path, config: dict[str, Any], bos: str | None,
+                          eos: str | None) -> ChatTemplate | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), bos, eos)
+    source = config.get("chat_template")
+    if isinstance(source, list):  # [{"name": ..., "template": ...}], "default" is the chat one
+        named = {t["name"]: t["template"] for t in source}
+        source = named.get("default")
+    if not source:
+        return None
+    return ChatTemplate(source, str(folder / "tokenizer_config.json"), bos, eos)

@@ -1,0 +1,11 @@
+from xinfer.hooks import hookimpl
+
+
+@hookimpl
+def xinfer_architectures() -> dict[str, str]:
+    return {"Gemma3ForCausalLM": "xinfer_gemma.gemma3:Gemma3ForCausalLM"}
+
+
+@hookimpl
+def xinfer_gguf_architectures() -> dict[str, str]:
+    return {"gemma3": "xinfer_gemma.gguf:Gemma3GGUF"}

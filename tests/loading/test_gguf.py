@@ -1,0 +1,213 @@
+"""GGUF configs and weights against transformers' GGUF loader (and the HF weights they
+came from, for files written here the way llama.cpp's converter writes them)."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
+from xinfer.loading.loader import build_model
+from xinfer.loading.gguf_file import GGUFFile
+
+# fields whose value says where a file came from or how it was loaded, not what the model is
+_PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",
+               "quantization_config"}
+
+
+def _differences(ours, reference) -> dict:
+    a, b = ours.to_dict(), reference.to_dict()
+    return {k: (a.get(k), b.get(k)) for k in (set(a) | set(b)) - _PROVENANCE if a.get(k) != b.get(k)}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_config_matches_transformers(model):
+    ours, reference = load_gguf_config(gguf_path(model)), hf_model(model).config
+    assert type(ours) is type(reference)
+    assert _differences(ours, reference) == {}
+    assert ours.architectures == [AutoModelForCausalLM._model_mapping[type(reference)].__name__]
+
+
+def test_gemma3_config_reads_what_llama_cpp_hard_codes():
+    config = load_gguf_config(gguf_path("gemma3"))
+    # Gemma-3-270M's published config.json: 5 sliding layers then a global one, local rope
+    # base 10k, global 1M, window 512, queries scaled by head_dim 256, tied embeddings
+    assert config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+    assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
+    assert (config.sliding_window, config.head_dim, config.query_pre_attn_scalar) == (512, 256, 256)
+    assert config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_weights_match_transformers(model):
+    path = gguf_path(model)
+    reference = hf_model(model).state_dict()
+    config = load_gguf_config(path)
+    ours = dict(iter_gguf_weights(path, config, checkpoint_names(config)))
+    assert len(ours) == len(GGUFFile(path).tensors), "a tensor of the file has no HF name"
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert set(ours) == set(reference) - tied
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, reference[name]), name
+
+
+# -- files written here the way llama.cpp's converter writes qwen2 / qwen3 -----------------
+
+TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-6, rope_theta=1_000_000.0, bos_token_id=1, eos_token_id=2)
+TINY_MODELS = {
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+}
+# stored exactly, so that they compare with the HF originals: the q/k rows prove that
+# neither the file nor the loader permutes them for these architectures
+EXACT = ("q_proj", "k_proj", "norm", "bias")
+
+
+def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
+    if any(part in hf_name for part in EXACT):
+        return gguf.GGMLQuantizationType.F32
+    if "embed" in hf_name or "lm_head" in hf_name:
+        return gguf.GGMLQuantizationType.F16
+    return gguf.GGMLQuantizationType.Q8_0
+
+
+def write_gguf(model, arch: str, path: Path) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if "head_dim" in config.to_diff_dict():
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        qtype = _storage(hf_name)
+        values = tensor.float().numpy()
+        data = values if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(values, qtype)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny_gguf(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_MODELS[request.param]()).float()
+    path = tmp_path_factory.mktemp(request.param) / "tiny.gguf"
+    write_gguf(model, request.param, path)
+    return path, model
+
+
+def test_tiny_config_matches_transformers(tiny_gguf):
+    path, _ = tiny_gguf
+    reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    ours = load_gguf_config(path)
+    assert type(ours) is type(reference)
+    # transformers reads no head_dim for qwen3 (it keeps its 128 default): ours is the file's
+    differences = _differences(ours, reference)
+    if "head_dim" in differences:
+        assert differences.pop("head_dim")[0] == GGUFFile(path).metadata["qwen3.attention.key_length"]
+    assert differences == {}
+
+
+def test_tiny_weights_match_transformers_and_the_originals(tiny_gguf):
+    path, original = tiny_gguf
+    config = load_gguf_config(path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    ).state_dict()
+    ours = dict(iter_gguf_weights(path, config, checkpoint_names(config)))
+    expected = original.state_dict()
+    assert set(ours) == set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, reference[name]), name
+        if _storage(name) == gguf.GGMLQuantizationType.F32:
+            assert torch.equal(tensor, expected[name]), name
+        else:
+            torch.testing.assert_close(tensor, expected[name], atol=2e-2 * expected[name].abs().max(), rtol=0)
+
+
+# -- dequantization of each block type -------------------------------------------------------
+
+K_AND_LEGACY = ["Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _file_with(tmp_path: Path, qtype: gguf.GGMLQuantizationType, raw: np.ndarray) -> GGUFFile:
+    writer = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
+    writer.add_tensor("t.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(tmp_path / "t.gguf")
+
+
+@pytest.mark.parametrize("type_name", K_AND_LEGACY)
+def test_dequantize_matches_transformers_kernels(tmp_path, type_name):
+    from transformers.integrations.gguf.dequant import dequantize as reference
+
+    from xinfer.loading.gguf import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(0).integers(0, 256, (4, 3 * block_bytes), dtype=np.uint8)
+    ours = dequantize(_file_with(tmp_path, qtype, raw), "t.weight")
+    expected = reference(torch.from_numpy(raw.reshape(-1)), int(qtype)).reshape(4, 3 * block)
+    assert ours.shape == expected.shape
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
+def test_dequantize_float_types(tmp_path, type_name):
+    from xinfer.loading.gguf import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = torch.randn(4, 64)
+    stored = values.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name])
+    raw = stored.view(torch.uint8).numpy() if type_name != "F32" else stored.numpy()
+    ours = dequantize(_file_with(tmp_path, qtype, raw), "t.weight")
+    assert torch.equal(ours, stored.float())
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_dequantize_q5_recovers_values(tmp_path, type_name):
+    from xinfer.loading.gguf import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    ours = dequantize(_file_with(tmp_path, qtype, gguf.quants.quantize(values, qtype)), "t.weight")
+    # 5 bits over each block of 32: within one step (range/31) of the original
+    steps = (values.reshape(4, 2, 32).max(-1) - values.reshape(4, 2, 32).min(-1)) / 31
+    error = np.abs(ours.numpy() - values).reshape(4, 2, 32).max(-1)
+    assert (error <= steps).all()
+
+
+def checkpoint_names(config) -> set[str]:
+    return build_model(config, torch.device("meta"), torch.float32).checkpoint_names()

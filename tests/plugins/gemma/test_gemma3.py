@@ -1,0 +1,74 @@
+"""Gemma3ForCausalLM against HF transformers' modeling code (fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig
+
+from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+
+WINDOW = 16
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+
+
+def gemma3_config(**overrides) -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": len(LAYER_TYPES)},
+        head_dim=32,
+        layer_types=LAYER_TYPES,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,  # differs from head_dim, so the scale is checked
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        tie_word_embeddings=True,
+        architectures=["Gemma3ForCausalLM"],
+        **overrides,
+    )
+
+
+CONFIGS = {
+    "gemma3": lambda: gemma3_config(),
+    "gemma3-softcaps": lambda: gemma3_config(attn_logit_softcapping=20.0, final_logit_softcapping=5.0),
+}
+PROMPT_LENGTHS = (3, 17, 61)  # 17 and 61 run past the 16-token window
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    # HF initializes Gemma norm weights to 0 (a scale of 1); random ones check the 1 + w
+    generator = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_model(CONFIGS[request.param](), folder)
+    _randomize_norms(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_prefill_logits_match_hf(models, length):
+    hf, llm = models
+    tokens = prompt(length)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    error = ((got - expected).abs().max(dim=-1).values / expected.abs().max(dim=-1).values).max()
+    assert error <= 1e-4, f"max|diff|/max|HF logit| = {error:.2e} (worst position)"
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_greedy_tokens_match_hf_generate(models, length):
+    hf, llm = models
+    tokens = prompt(length, seed=1)
+    expected = hf.generate(
+        torch.tensor([tokens]), max_new_tokens=32, min_new_tokens=32, do_sample=False
+    )[0, length:].tolist()
+    out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected

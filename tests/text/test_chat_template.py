@@ -1,0 +1,163 @@
+"""Chat templates rendered as transformers' ``apply_chat_template`` renders them."""
+
+import json
+
+import pytest
+
+from tests.loading.gguf_models import GEMMA, SMOLLM, gguf_path, hf_tokenizer
+from xinfer.text.chat_template import ChatTemplate, ChatTemplateError
+from xinfer.text.tokenizer import Tokenizer
+
+TURNS = [
+    {"role": "user", "content": "Hi! Who are you?"},
+    {"role": "assistant", "content": "  A helpful assistant.  "},
+    {"role": "user", "content": "Écris « bonjour » en 日本語 🙂"},
+]
+CONVERSATIONS = {
+    "system": [{"role": "system", "content": "You answer briefly."}, *TURNS],
+    "no-system": TURNS,
+    "single-turn": TURNS[:1],
+}
+
+# Gemma-3-270M is a base model without a template; this one is written in Gemma's turn
+# format (system text folded into the first user turn, "model" role, BOS from the template)
+GEMMA_STYLE_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set prefix = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if (message['role'] == 'user') != loop.index0 is even -%}
+        {{ raise_exception('roles must alternate user/assistant') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}
+    {{- message['content'] | trim }}<end_of_turn>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+# what HF templates lean on: tojson (no HTML escaping, kwargs), namespace, loop controls,
+# tools, whitespace control by trim_blocks/lstrip_blocks
+FEATURES_TEMPLATE = """
+{%- set ns = namespace(count=0) %}
+{% if tools %}
+  Tools: {{ tools | tojson }}
+  Indented: {{ tools[0] | tojson(indent=2) }}
+{% endif %}
+{% for m in messages %}
+    {% if m.role == 'system' %}{% continue %}{% endif %}
+    {% set ns.count = ns.count + 1 %}
+    [{{ m.role }}] {{ m.content }}
+    {% if ns.count > 2 %}{% break %}{% endif %}
+{% endfor %}
+{{ ns.count }} {{ 'gen' if add_generation_prompt else 'nogen' }} {{ eos_token }}
+"""
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Météo <à> & \"lieu\"",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return Tokenizer.from_gguf(gguf_path(SMOLLM))
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    """An HF tokenizer folder (saved by transformers) whose config carries a chat template;
+    with transformers' and our reading of it."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("gemma-tokenizer")
+    hf_tokenizer(GEMMA).save_pretrained(folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = GEMMA_STYLE_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return AutoTokenizer.from_pretrained(folder), Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+def test_smollm_gguf_template_matches_transformers(smollm, conversation, add_generation_prompt):
+    messages = CONVERSATIONS[conversation]
+    expected = hf_tokenizer(SMOLLM).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert smollm.chat_template.render(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+def test_smollm_chat_ids_match_transformers(smollm, conversation):
+    messages = CONVERSATIONS[conversation]
+    expected = hf_tokenizer(SMOLLM).apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert smollm.apply_chat_template(messages) == list(expected)
+
+
+def test_gemma_gguf_has_no_template_like_transformers():
+    assert Tokenizer.from_gguf(gguf_path(GEMMA)).chat_template is None
+    assert hf_tokenizer(GEMMA).chat_template is None
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+def test_gemma_folder_template_matches_transformers(gemma_folder, conversation, add_generation_prompt):
+    reference, ours = gemma_folder
+    messages = CONVERSATIONS[conversation]
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    rendered = ours.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    assert rendered == expected
+    assert ours.encode(rendered, add_special_tokens=False) == reference.encode(rendered, add_special_tokens=False)
+    assert ours.encode("hello") == reference.encode("hello")  # BOS rule of the folder
+    assert (ours.bos_token, ours.eos_token) == (reference.bos_token, reference.eos_token)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_template_features_match_transformers(smollm, add_generation_prompt):
+    messages = CONVERSATIONS["system"]
+    expected = hf_tokenizer(SMOLLM).apply_chat_template(
+        messages, tools=TOOLS, chat_template=FEATURES_TEMPLATE, tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
+    ours = ChatTemplate(FEATURES_TEMPLATE, "test", smollm.bos_token, smollm.eos_token)
+    assert ours.render(messages, add_generation_prompt=add_generation_prompt, tools=TOOLS) == expected
+
+
+def test_template_drops_none_fields_like_transformers(smollm):
+    messages = [{"role": "user", "content": "hi", "tool_calls": None}]
+    template = "{% for m in messages %}{{ m.role }}:{{ 'tool_calls' in m }}{% endfor %}"
+    expected = hf_tokenizer(SMOLLM).apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert ChatTemplate(template, "test").render(messages) == expected
+
+
+def test_syntax_error_names_the_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(hf_tokenizer(SMOLLM).backend_tokenizer.to_str())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ChatTemplateError, match="chat_template.jinja"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_raise_exception_names_the_gguf(smollm):
+    gemma_style = ChatTemplate(GEMMA_STYLE_TEMPLATE, f"GGUF metadata of {gguf_path(SMOLLM)}", "<bos>")
+    with pytest.raises(ChatTemplateError, match="roles must alternate") as error:
+        gemma_style.render([{"role": "assistant", "content": "first"}])
+    assert f"GGUF metadata of {gguf_path(SMOLLM)}" in str(error.value)
+
+
+def test_undefined_is_an_error_naming_the_origin():
+    template = ChatTemplate("{{ messages[0].content.missing.deeper }}", "somewhere/tokenizer_config.json")
+    with pytest.raises(ChatTemplateError, match="somewhere/tokenizer_config.json.*Undefined"):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_sandbox_refuses_python_internals():
+    template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", "evil.gguf")
+    with pytest.raises(ChatTemplateError, match="evil.gguf"):
+        template.render([{"role": "user", "content": "x"}])

@@ -1,0 +1,127 @@
+"""Tokenizers built from GGUF metadata against transformers' and llama.cpp's readings."""
+
+import pytest
+
+from tests.loading.gguf_models import MODELS, gguf_path, hf_tokenizer, llama_cpp_vocab
+from xinfer.text.detokenizer import IncrementalDetokenizer
+from xinfer.text.tokenizer import Tokenizer
+
+MIXED = (
+    "Hello world!  Café naïve résumé — déjà vu, Ångström. 東京は晴れ、北京欢迎你 한국어 "
+    "🌞🚀👩‍💻 def f(x):\n    return x**2  # 12345\n\n\tTabs   and    spaces 3.14159 "
+    "l'été, don't I'll \u00a0nbsp 𝔘𠀋 (rare: byte fallback)   \n"
+)
+TEXTS = [MIXED, "plain english text", "  leading spaces", "trailing spaces   ", "数字123数字", "a\n\n\nb"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ours(model):
+    return Tokenizer.from_gguf(gguf_path(model))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_match_transformers(model, ours, text):
+    reference = hf_tokenizer(model)
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_match_llama_cpp(model, ours, text):
+    vocab = llama_cpp_vocab(model)
+    assert ours.encode(text) == vocab.tokenize(text.encode(), add_bos=True, special=True)
+
+
+def test_special_tokens_match_transformers(model, ours):
+    reference = hf_tokenizer(model)
+    assert ours.bos_token == reference.bos_token
+    assert ours.eos_token == reference.eos_token
+    assert ours.bos_token_id == reference.bos_token_id
+    assert reference.eos_token_id in ours.eos_token_ids
+    assert ours.vocab_size == len(reference)
+    # a special token written in the text is one token, as in a rendered chat prompt
+    text = f"{reference.eos_token}x"
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_inverts_encode(ours, text):
+    assert ours.decode(ours.encode(text)) == text
+
+
+def test_decode_matches_transformers(model, ours):
+    reference = hf_tokenizer(model)
+    ids = ours.encode(MIXED)
+    assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_streamed_deltas_concatenate_to_decode(ours, skip_special_tokens):
+    ids = ours.encode(MIXED + ours.eos_token + " after eos")
+    stream = IncrementalDetokenizer(ours, skip_special_tokens=skip_special_tokens)
+    deltas = [stream.push(i) for i in ids]
+    text = "".join(deltas) + stream.flush()
+    assert text == ours.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert not any("\ufffd" in d for d in deltas), "a delta split a UTF-8 character"
+
+
+def test_stream_continues_a_prompt(ours):
+    ids = ours.encode(MIXED)
+    prompt, generated = ids[:7], ids[7:]
+    stream = IncrementalDetokenizer(ours, prompt_ids=prompt)
+    text = "".join(stream.push(i) for i in generated) + stream.flush()
+    assert ours.decode(prompt) + text == ours.decode(ids)
+
+
+def test_stream_decodes_a_bounded_window(ours):
+    windows = []
+
+    class Recording:
+        def decode(self, ids, skip_special_tokens=True):
+            windows.append(len(ids))
+            return ours.decode(ids, skip_special_tokens)
+
+    ids = ours.encode(MIXED * 8)
+    stream = IncrementalDetokenizer(Recording())
+    for i in ids:
+        stream.push(i)
+    assert len(ids) > 200 and max(windows) <= 8, f"decoded windows up to {max(windows)} ids"
+
+
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+def test_folder_tokenizer_matches_transformers(tmp_path, add_bos_token):
+    import json
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    hf_tokenizer("smollm2").save_pretrained(tmp_path)
+    config_file = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("add_bos_token", None)
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    config_file.write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    reference, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_folder(tmp_path)
+    assert ours.encode(MIXED) == reference.encode(MIXED)
+    assert ours.decode(ours.encode(MIXED)) == reference.decode(reference.encode(MIXED), skip_special_tokens=True)
+    assert (ours.bos_token_id, ours.eos_token) == (reference.bos_token_id, reference.eos_token)
+    assert ours.eos_token_ids == set(GenerationConfig.from_pretrained(tmp_path).eos_token_id)
+
+
+def test_eos_ids_are_end_of_generation_for_llama_cpp(model, ours):
+    vocab = llama_cpp_vocab(model)._model.vocab  # skips when llama.cpp is absent
+    import llama_cpp
+
+    end_of_generation = {i for i in range(ours.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    assert llama_cpp.llama_vocab_eos(vocab) in ours.eos_token_ids
+    assert ours.eos_token_ids <= end_of_generation
+    # turn ends of chat models are among them: <|im_end|> for SmolLM2, <end_of_turn> for Gemma
+    turn_end = {"<|im_end|>", "<end_of_turn>"} & {ours.id_to_token(i) for i in end_of_generation}
+    assert {ours.token_to_id(t) for t in turn_end} <= ours.eos_token_ids
