@@ -24,6 +24,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
     offline = [PY, str(HERE / "offline.py")]
     return {
         "kernels": [PY, "-m", "pytest", "-q", "-x", str(ROOT / "tests/backends")],
+        "e2e": [PY, "-m", "pytest", "-q", "-x", str(ROOT / "tests/gpu")],
         "bandwidth": [PY, str(HERE / "bandwidth.py")],
         "decode-8b": offline + ["--shape", "llama-3.1-8b", "--batch", "1", "--input-len", "128",
                                 "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16"],

@@ -8,7 +8,8 @@ Shapes are flat over the tokens of a step (no batch dimension):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from contextlib import contextmanager
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -87,8 +88,26 @@ class Ops(Protocol):
         """
 
 
+@dataclass
+class HostBatch:
+    """A step's inputs as host lists, before they are copied to the device."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens_q: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]  # one row per sequence, unpadded
+    sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+
+    @property
+    def is_decode(self) -> bool:
+        """One token per sequence, each sampled."""
+        return len(self.sample_rows) == len(self.input_ids)
+
+
 DecodeForward = Callable[[Tensor, Tensor, AttentionMetadata], Tensor]
-DecodeRunner = Callable[[Tensor, Tensor, AttentionMetadata], "Tensor | None"]
+DecodeRunner = Callable[[HostBatch], "Tensor | None"]
 
 
 class CapturesDecode(Protocol):
@@ -104,15 +123,22 @@ class CapturesDecode(Protocol):
     ) -> DecodeRunner:
         """Record ``forward`` (input ids, positions, metadata -> logits) for decode
         batches of up to ``max_num_seqs`` sequences (one token each). The returned
-        runner computes the same logits, or returns None for a batch it cannot take."""
+        runner computes the logits of a decode :class:`HostBatch`, or returns None for
+        a batch it cannot take."""
 
 
 _current: Ops | None = None
 
 
-def use(ops: Ops) -> None:
+@contextmanager
+def use(ops: Ops) -> Iterator[None]:
+    """Compute with ``ops`` inside the block (engines in one process may differ)."""
     global _current
-    _current = ops
+    previous, _current = _current, ops
+    try:
+        yield
+    finally:
+        _current = previous
 
 
 def current() -> Ops:

@@ -6,18 +6,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from xinfer import ops
 from xinfer.engine.sampler import Sampler, SamplerOutput
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
-from xinfer import ops
-from xinfer.ops import AttentionMetadata, DecodeRunner
+from xinfer.ops import AttentionMetadata, DecodeRunner, HostBatch, Ops
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, model: CausalLM, backend: Ops, block_size: int, device: torch.device, seed: int = 0):
         self.model = model
+        self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
@@ -26,64 +27,60 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode(self, max_num_seqs: int, max_model_len: int) -> None:
         """Let the backend capture decode steps (CUDA graphs) if it can."""
-        capture = getattr(ops.current(), "capture_decode", None)
+        capture = getattr(self.backend, "capture_decode", None)
         if capture is not None:
             max_blocks = -(-max_model_len // self.block_size)
-            self.decode_graphs = capture(self.decode_logits, max_num_seqs, max_blocks, max_model_len, self.device)
+            with ops.use(self.backend):
+                self.decode_graphs = capture(self.logits, max_num_seqs, max_blocks, max_model_len, self.device)
 
-    def decode_logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+    def logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         with forward_context(meta):
             return self.model.compute_logits(self.model(input_ids, positions))
 
     @torch.inference_mode()
-    def step(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Runs ``batch``; returns the sequences that sampled a token, and their tokens."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        sampling = [s.seq for s in batch if s.completes_prompt]
-        logits = None
-        if self.decode_graphs is not None and len(sampling) == len(input_ids):
-            logits = self.decode_graphs(input_ids, positions, meta)
-        if logits is None:
-            with forward_context(meta):
-                hidden = self.model(input_ids, positions)
-            if not sampling:
-                return [], None
-            logits = self.model.compute_logits(hidden[sample_rows])
-        return sampling, self.sampler(logits, sampling)
+    def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Runs a step; returns the sequences that sampled a token, and their tokens."""
+        batch = self.prepare(scheduled)
+        sampling = [s.seq for s in scheduled if s.completes_prompt]
+        with ops.use(self.backend):
+            logits = self.decode_graphs(batch) if self.decode_graphs and batch.is_decode else None
+            if logits is None:
+                input_ids, positions, meta = self.to_device(batch)
+                with forward_context(meta):
+                    hidden = self.model(input_ids, positions)
+                if not sampling:
+                    return [], None
+                rows = torch.tensor(batch.sample_rows).to(self.device, non_blocking=True)
+                logits = self.model.compute_logits(hidden[rows])
+            return sampling, self.sampler(logits, sampling)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for item in batch:
+    def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
+        batch = HostBatch([], [], [], [0], [], [], [])
+        for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [self._slot(seq, p) for p in range(start, end)]
-            cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
-            seq_lens.append(end)
+            batch.input_ids += seq.token_ids[start:end]
+            batch.positions += range(start, end)
+            batch.slot_mapping += [self._slot(seq, p) for p in range(start, end)]
+            batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
+            batch.seq_lens.append(end)
+            batch.block_tables.append(seq.block_table)
             if item.completes_prompt:
-                sample_rows.append(cu_seqlens[-1] - 1)
-        width = max(len(s.seq.block_table) for s in batch)
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in batch]
+                batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
+        return batch
+
+    def to_device(self, batch: HostBatch) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        width = max(len(row) for row in batch.block_tables)
+        tables = [row + [0] * (width - len(row)) for row in batch.block_tables]
         meta = AttentionMetadata(
-            cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
+            cu_seqlens_q=self._tensor(batch.cu_seqlens_q, torch.int32),
+            seq_lens=self._tensor(batch.seq_lens, torch.int32),
             block_tables=self._tensor(tables, torch.int32),
-            slot_mapping=self._tensor(slots, torch.int64),
-            max_seqlen_q=max(s.num_new_tokens for s in batch),
-            max_seq_len=max(seq_lens),
+            slot_mapping=self._tensor(batch.slot_mapping, torch.int64),
+            max_seqlen_q=max(b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:])),
+            max_seq_len=max(batch.seq_lens),
         )
-        return (
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(sample_rows, torch.int64),
-        )
+        return self._tensor(batch.input_ids, torch.int64), self._tensor(batch.positions, torch.int64), meta
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -4,6 +4,12 @@ Every step has a token budget. Running sequences go first (one token each when
 decoding, a chunk when still prefilling), then waiting ones join while budget,
 blocks and ``max_num_seqs`` allow. When blocks run out, the most recently started
 sequence is preempted: its blocks are freed and it is recomputed later.
+
+A step that carries prompt tokens cannot replay a captured decode graph, and an
+eager step costs hundreds of kernel launches; so once the batch is nearly full,
+waiting prompts are admitted in groups (when an eighth of the sequence slots are
+free, or when they would fill the token budget) rather than one per finished
+sequence.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted and self._admitting(scheduled):
             if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -79,6 +85,17 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _admitting(self, scheduled: list[ScheduledSeq]) -> bool:
+        if any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled):
+            return True  # this step is eager anyway
+        free_slots = self.config.max_num_seqs - len(self.running)
+        waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
+        return (
+            not self.running
+            or free_slots >= max(1, self.config.max_num_seqs // 8)
+            or waiting_tokens >= self.config.max_num_batched_tokens
+        )
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (stopped, aborted or failed) and free its blocks."""
