@@ -1,0 +1,1 @@
+"""Triton kernels of the CUDA backend, one file per kernel family."""

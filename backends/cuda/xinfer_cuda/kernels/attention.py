@@ -1,0 +1,537 @@
+"""Paged attention over the block tables of :class:`xinfer.ops.AttentionMetadata`.
+
+Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, base 2):
+
+- ``_prefill_kernel`` for any batch with ``max_seqlen_q > 1`` (prefill, chunked
+  prefill, prefix-cached prefill, prefill mixed with decodes). One program per
+  (query tile, sequence, KV head); the rows of a tile are (query, head of the KV
+  head's group) pairs, so a K/V tile loaded once serves the whole GQA group.
+- ``_decode_kernel`` + ``_decode_reduce_kernel`` for ``max_seqlen_q == 1``
+  (flash-decoding): each sequence's context is split across ``NUM_SPLITS`` programs
+  per KV head, which write partial (acc, max, sum); the reduce merges them. The grid
+  depends only on tensor shapes and the split lengths are computed from ``seq_lens``
+  inside the kernels, so a captured CUDA graph stays valid as contexts grow.
+
+K/V addresses are computed per token through the block table, so the cache block size
+(any power of two) is independent of the tile size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+# Finite "minus infinity" for running maxima: a row that sees no key in a tile keeps
+# exp2(-inf - NEG_BIG) == 0 and exp2(NEG_BIG - NEG_BIG) == 1 instead of NaN.
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+
+MASK_NONE: tl.constexpr = tl.constexpr(0)  # every key of the range is visible to every row
+MASK_BOUNDS: tl.constexpr = tl.constexpr(1)  # keys past the end of the range are hidden
+MASK_CAUSAL: tl.constexpr = tl.constexpr(2)  # causal (and window) mask per row
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attend_keys(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    start,
+    end,
+    k_head_ptr,
+    v_head_ptr,
+    block_table_ptr,
+    stride_block,
+    stride_slot,
+    score_scale,
+    cap_scale,
+    window,
+    MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Fold the keys at positions [start, end) into the running (acc, l_i, m_i).
+
+    ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches.
+    """
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < HEAD_DIM
+    for tile_start in range(start, end, BLOCK_N):
+        k_pos = tile_start + tl.arange(0, BLOCK_N)
+        in_range = k_pos < end
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        kv_mask = in_range[:, None] & d_ok[None, :]
+        offs = (block * stride_block + slot * stride_slot)[:, None] + dims[None, :]
+        k = tl.load(k_head_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_head_ptr + offs, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_SOFTCAP:
+            s = cap_scale * _tanh(s * score_scale)
+        else:
+            s = s * score_scale
+        if MASK == MASK_BOUNDS:
+            s = tl.where(in_range[None, :], s, float("-inf"))
+        if MASK == MASK_CAUSAL:
+            visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    score_scale,
+    cap_scale,
+    window,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    GROUP: tl.constexpr,
+    Q_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Last query tiles first: under the causal mask they see the most keys, and starting
+    # them first shortens the tail of the launch.
+    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_q = q_tile * Q_PER_TILE
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # the step's queries are the last q_len positions
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = first_q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < Q_PER_TILE * GROUP) & (q_idx < q_len)
+    q_pos = ctx_start + q_idx
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < HEAD_DIM
+    q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys [full_lo, full_hi) are visible to every row of the tile and need no mask;
+    # the ones before (window edge) and after (causal diagonal) do.
+    first_pos = ctx_start + first_q
+    last_pos = ctx_start + tl.minimum(first_q + Q_PER_TILE, q_len) - 1
+    hi = last_pos + 1
+    full_hi = first_pos + 1
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
+    else:
+        lo = 0
+        full_lo = 0
+    full_end = full_lo + tl.maximum(full_hi - full_lo, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_cache_head
+    v_head = v_cache_ptr + kv_head * stride_cache_head
+    if HAS_WINDOW:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, lo, full_lo,
+            k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+            score_scale, cap_scale, window,
+            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, full_lo, full_end,
+        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        score_scale, cap_scale, window,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, full_end, hi,
+        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        score_scale, cap_scale, window,
+        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+    )  # fmt: skip
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = (q_start + q_idx).to(tl.int64) * stride_o_tok + head * stride_o_head
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _split_range(
+    seq_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr
+):
+    """First visible key of a decode query and the length of each split (a multiple of
+    MIN_SPLIT); the decode and reduce kernels must agree on both."""
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = seq_len * 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), MIN_SPLIT) * MIN_SPLIT
+    return lo, tl.maximum(split_len, MIN_SPLIT)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    score_scale,
+    cap_scale,
+    window,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    num_heads,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo, split_len = _split_range(seq_len, window, HAS_WINDOW, NUM_SPLITS, MIN_SPLIT)
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if NUM_SPLITS > 1:
+        if start >= end:  # the reduce kernel skips this split too
+            return
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < HEAD_DIM
+    q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_cache_head
+    v_head = v_cache_ptr + kv_head * stride_cache_head
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, start, full_end,
+        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        score_scale, cap_scale, window,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, full_end, end,
+        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        score_scale, cap_scale, window,
+        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+    )  # fmt: skip
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+        o_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        p_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=p_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    window,
+    stride_o_tok,
+    stride_o_head,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo, split_len = _split_range(seq_len, window, HAS_WINDOW, NUM_SPLITS, MIN_SPLIT)
+    num_active = tl.cdiv(seq_len - lo, split_len)
+
+    splits = tl.arange(0, NUM_SPLITS)
+    active = splits < num_active
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part, mask=active, other=NEG_BIG)
+    total = tl.load(part_sum_ptr + part, mask=active, other=0.0)
+    weight = tl.where(active, tl.exp2(m - tl.max(m, 0)), 0.0)
+    denom = tl.sum(weight * total, 0)
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < HEAD_DIM
+    acc_mask = active[:, None] & d_ok[None, :]
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=acc_mask, other=0.0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(out_ptr + o_off + dims, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # rows of a tile: (query, head) pairs
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+MAX_SPLITS = 64
+
+# Preferred first; the first whose shared memory fits the device is used. Sizes checked
+# by compiling for sm_80 and sm_90 (no spills).
+_PREFILL_TILES = {
+    64: [TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2)],
+    128: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 2), TileConfig(64, 32, 4, 1)],
+    256: [TileConfig(64, 32, 8, 2), TileConfig(64, 32, 8, 1), TileConfig(32, 32, 4, 1)],
+}
+_DECODE_TILES = {
+    64: [TileConfig(16, 64, 4, 2)],
+    128: [TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 2)],
+    256: [TileConfig(16, 32, 4, 2), TileConfig(16, 16, 4, 1)],
+}
+# Dots on the FMA units (before sm_80, or fp32 in "ieee" precision) need small tiles to
+# stay out of register spills.
+_FMA_TILES = TileConfig(16, 16, 4, 1)
+_INTERPRETER_TILES = TileConfig(16, 16, 4, 1)  # small tiles, so small tests cross tiles
+
+
+@functools.cache
+def _device_limits(index: int) -> tuple[int, int, int]:
+    """(compute capability major, multiprocessors, shared memory per block in bytes)."""
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    major, _ = torch.cuda.get_device_capability(index)
+    return major, props["multiprocessor_count"], props["max_shared_mem"]
+
+
+def _shared_bytes(cfg: TileConfig, head_dim: int, elem_size: int) -> int:
+    # Q tile plus num_stages K and V tiles; an upper bound of what Triton allocates.
+    block_d = triton.next_power_of_2(head_dim)
+    return (cfg.num_stages * 2 * cfg.block_n + cfg.block_m) * block_d * elem_size
+
+
+def _pick(table: dict[int, list[TileConfig]], head_dim: int, q: Tensor) -> TileConfig:
+    if q.device.type != "cuda":
+        return _INTERPRETER_TILES
+    major, _, max_shared = _device_limits(q.device.index or 0)
+    if major < 8 or q.dtype == torch.float32:
+        return _FMA_TILES
+    candidates = table[min(d for d in table if d >= min(head_dim, 256))]
+    for cfg in candidates:
+        if _shared_bytes(cfg, head_dim, q.element_size()) <= max_shared:
+            return cfg
+    return _FMA_TILES
+
+
+def prefill_config(head_dim: int, q: Tensor) -> TileConfig:
+    return _pick(_PREFILL_TILES, head_dim, q)
+
+
+def decode_config(head_dim: int, q: Tensor) -> TileConfig:
+    return _pick(_DECODE_TILES, head_dim, q)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _device_limits(device.index or 0)[1]
+
+
+def decode_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, min_split: int
+) -> int:
+    """Splits per (sequence, KV head): enough programs for about two waves over the
+    multiprocessors, from shapes only (graph-safe). A power of two."""
+    wanted = triton.cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
+    useful = triton.cdiv(max_context, min_split)
+    splits = max(1, min(wanted, useful, MAX_SPLITS))
+    return triton.next_power_of_2(splits)
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    out: Tensor | None = None,
+    num_splits: int | None = None,
+    prefill_tiles: TileConfig | None = None,
+    decode_tiles: TileConfig | None = None,
+) -> Tensor:
+    """Causal paged attention of ``q`` [T, H, D] over caches [num_blocks, block_size, Hkv, D].
+
+    ``num_splits`` (a power of two) overrides the decode split count; the tile configs
+    override the defaults (for tests and tuning).
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    has_window = window is not None
+    has_softcap = softcap is not None and softcap > 0
+    # s -> s * scale, or with a cap: cap * tanh(s * scale / cap); both then times log2(e).
+    score_scale = scale / softcap if has_softcap else scale * LOG2E
+    cap_scale = softcap * LOG2E if has_softcap else 0.0
+    common = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        HAS_WINDOW=has_window,
+        HAS_SOFTCAP=has_softcap,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share a layout"
+    cache_strides = (*k_cache.stride()[:3], meta.block_tables.stride(0))
+    window_arg = window if has_window else 0
+
+    if meta.max_seqlen_q > 1:
+        cfg = prefill_tiles or prefill_config(head_dim, q)
+        block_m = max(cfg.block_m, triton.next_power_of_2(group))
+        q_per_tile = block_m // group
+        grid = (triton.cdiv(meta.max_seqlen_q, q_per_tile), meta.num_seqs, num_kv_heads)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out,
+            meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            score_scale, cap_scale, window_arg,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *cache_strides,
+            GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+        return out
+
+    cfg = decode_tiles or decode_config(head_dim, q)
+    block_m = max(cfg.block_m, triton.next_power_of_2(group))
+    min_split = max(2 * cfg.block_n, 64)
+    if num_splits is None:
+        max_context = meta.block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(
+            meta.num_seqs, num_kv_heads, max_context, _num_sms(q.device), min_split
+        )
+    assert num_splits & (num_splits - 1) == 0, num_splits
+    if num_splits > 1:
+        part_shape = (meta.num_seqs, num_heads, num_splits)
+        part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
+        part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    _decode_kernel[(meta.num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        score_scale, cap_scale, window_arg,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *cache_strides, num_heads,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(meta.num_seqs, num_heads)](
+            out, part_acc, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
+            out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"], NUM_SPLITS=num_splits,
+            MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4,
+        )  # fmt: skip
+    return out

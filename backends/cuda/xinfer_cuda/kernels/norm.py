@@ -1,0 +1,91 @@
+"""RMSNorm, alone or fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_new_residual,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        # Round the sum to the input dtype before normalizing, like the reference does:
+        # the rounded sum is what the next layer receives as its residual.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as [rows, cols] with unit column stride, a view where possible."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def rms_norm(
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    residual: Tensor | None = None,
+    out: Tensor | None = None,
+    new_residual: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm over the last dim of ``x``; with ``residual``, of ``x + residual``,
+    returning ``(out, x + residual)``."""
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    out2 = out.view(-1, n_cols)
+    if residual is not None:
+        r2 = _rows(residual)
+        if new_residual is None:
+            new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        nr2 = new_residual.view(-1, n_cols)
+    else:
+        r2 = nr2 = x2  # unused
+    if x2.shape[0] == 0:
+        return out if residual is None else (out, new_residual)
+    block = triton.next_power_of_2(n_cols)
+    num_warps = min(max(block // 512, 1), 16)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
+        r2,
+        weight.contiguous(),
+        out2,
+        nr2,
+        x2.stride(0),
+        r2.stride(0),
+        out2.stride(0),
+        nr2.stride(0),
+        n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return out if residual is None else (out, new_residual)

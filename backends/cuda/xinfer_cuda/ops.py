@@ -1,0 +1,59 @@
+"""Triton ops for CUDA GPUs (see :class:`xinfer.ops.Ops` for the contract).
+
+The kernels take any tensors Triton can address, so under ``TRITON_INTERPRET=1`` they
+also run on CPU tensors (that is how CI tests them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels import activation, attention, kv_write, norm, rotary
+
+
+def is_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class CudaOps:
+    device_type = "cuda"
+
+    def rms_norm(
+        self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return norm.rms_norm(x, weight, eps, residual)
+
+    def rotary(
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        return rotary.rotary(q, k, positions, cos_sin)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        return activation.silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
+        return activation.gelu_tanh_and_mul(x)
+
+    def write_kv(
+        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
+        kv_write.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attention(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+
+    def capture_decode(self, forward, max_num_seqs, max_blocks_per_seq, max_seq_len, device):
+        from xinfer_cuda.graphs import DecodeGraphs
+
+        return DecodeGraphs(forward, max_num_seqs, max_blocks_per_seq, max_seq_len, device)

@@ -1,0 +1,301 @@
+"""Time each kernel of the CUDA backend on Llama-3.1-8B shapes; one JSON line per case.
+
+    python benchmarks/kernels_cuda.py [--out DIR] [--sweep]
+    python benchmarks/kernels_cuda.py --smoke     # tiny shapes, CPU, Triton interpreter
+
+Shapes: hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336, bf16, KV block
+size 16; decode at batch 1 (contexts 1k and 32k) and batch 64 (8k), prefill of 2048
+tokens (row kernels at 1, 64 and 2048 tokens).
+
+Method: each case captures a CUDA graph of many calls that rotate over enough input sets
+to exceed the L2 several times (so the bytes come from HBM and launch gaps are amortized),
+and ``triton.testing.do_bench`` times its replays (median; it also flushes the L2 before
+each). ``bytes`` is the fewest bytes the kernel must move (each input read once, each
+output written once; split-K partials not counted), reported against the copy bandwidth
+measured in the same run (a large device-to-device copy, read + write bytes). Attention
+also reports TFLOP/s (causal: half the score matrix).
+
+``--sweep`` also times the attention kernels over alternative tile shapes and decode
+split counts. ``--smoke`` checks this script under the interpreter (times meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # rotate inputs over at least this much memory
+MAX_INPUT_SETS = 64
+MIN_CALLS_PER_GRAPH = 20
+# --sweep: (block_m, block_n, num_warps, num_stages) alternatives and decode split counts
+SWEEP_SPLITS = (1, 4, 16, 64)
+SWEEP_DECODE_TILES = ((16, 32, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3), (16, 64, 8, 2))
+SWEEP_PREFILL_TILES = ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 2))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 14336
+    block_size: int = 16
+    max_pos: int = 131072
+    row_tokens: tuple[int, ...] = (1, 64, 2048)
+    decode: tuple[tuple[int, int], ...] = ((1, 1024), (1, 32768), (64, 8192))  # (batch, context)
+    prefill_tokens: int = 2048
+    copy_bytes: int = 1 << 30
+
+
+SMOKE = Shapes(
+    hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, max_pos=1024,
+    row_tokens=(1, 8), decode=((1, 64), (4, 100)), prefill_tokens=40, copy_bytes=1 << 20,
+)  # fmt: skip
+
+
+@dataclass
+class Case:
+    kernel: str
+    case: str
+    make_call: Callable[[], Callable[[], object]]  # builds one input set, returns its call
+    set_bytes: int  # memory one input set occupies
+    bytes: int  # fewest bytes one call moves
+    flops: int = 0
+    extra: dict | None = None
+
+
+def _rand(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[Case]:
+    el = torch.tensor([], dtype=dtype).element_size()
+    cos_sin = _rand(s.max_pos, s.head_dim, dtype=torch.float32, device=device)  # one per model
+    cases = []
+    for t in s.row_tokens:
+        h, i = s.hidden, s.intermediate
+
+        def norm(t=t):
+            x, w = _rand(t, h, dtype=dtype, device=device), _rand(h, dtype=dtype, device=device)
+            return lambda: ops.rms_norm(x, w, 1e-5)
+
+        def norm_residual(t=t):
+            x, r = _rand(t, h, dtype=dtype, device=device), _rand(t, h, dtype=dtype, device=device)
+            w = _rand(h, dtype=dtype, device=device)
+            return lambda: ops.rms_norm(x, w, 1e-5, r)
+
+        def rotary(t=t):
+            q = _rand(t, s.heads, s.head_dim, dtype=dtype, device=device)
+            k = _rand(t, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+            pos = torch.randint(0, s.max_pos, (t,), device=device)
+            return lambda: ops.rotary(q, k, pos, cos_sin)
+
+        def act(name, t=t):
+            def make():
+                x = _rand(t, 2 * i, dtype=dtype, device=device)
+                fn = getattr(ops, name)
+                return lambda: fn(x)
+
+            return make
+
+        def write_kv(t=t):
+            num_blocks = math.ceil(t / s.block_size) * 4
+            k = _rand(t, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+            v = _rand(t, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+            cache_shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)
+            k_cache = _rand(*cache_shape, dtype=dtype, device=device)
+            v_cache = _rand(*cache_shape, dtype=dtype, device=device)
+            slots = torch.randperm(num_blocks * s.block_size, device=device)[:t]
+            return lambda: ops.write_kv(k, v, k_cache, v_cache, slots)
+
+        qk = t * (s.heads + s.kv_heads) * s.head_dim * el
+        kv = 2 * t * s.kv_heads * s.head_dim * el
+        cache = 4 * math.ceil(t / s.block_size) * s.block_size * s.kv_heads * s.head_dim * el * 2
+        cases += [
+            Case("rms_norm", f"t{t}", norm, 2 * t * h * el + h * el, 2 * t * h * el + h * el),
+            Case("rms_norm_residual", f"t{t}", norm_residual, 4 * t * h * el + h * el, 4 * t * h * el + h * el),
+            Case("rotary", f"t{t}", rotary, 2 * qk, 2 * qk + t * (s.head_dim * 4 + 8)),
+            Case("silu_and_mul", f"t{t}", act("silu_and_mul"), 3 * t * i * el, 3 * t * i * el),
+            Case("gelu_tanh_and_mul", f"t{t}", act("gelu_tanh_and_mul"), 3 * t * i * el, 3 * t * i * el),
+            Case("write_kv", f"t{t}", write_kv, kv + cache, 2 * kv + 8 * t),
+        ]  # fmt: skip
+    return cases
+
+
+def _attention_inputs(s, q_lens, seq_lens, dtype, device):
+    from xinfer.ops import AttentionMetadata
+
+    blocks = [math.ceil(n / s.block_size) for n in seq_lens]
+    num_blocks = sum(blocks)
+    cache_shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)
+    k_cache = _rand(*cache_shape, dtype=dtype, device=device)
+    v_cache = _rand(*cache_shape, dtype=dtype, device=device)
+    order = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = order[start : start + n]
+        start += n
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=device),
+        max_seqlen_q=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    q = _rand(sum(q_lens), s.heads, s.head_dim, dtype=dtype, device=device)
+    return q, k_cache, v_cache, meta
+
+
+def attention_cases(s: Shapes, dtype: torch.dtype, device: torch.device, sweep: bool) -> list[Case]:
+    from xinfer_cuda.kernels import attention
+
+    el = torch.tensor([], dtype=dtype).element_size()
+    scale = s.head_dim**-0.5
+    qo_bytes_per_token = 2 * s.heads * s.head_dim * el
+    kv_bytes_per_token = 2 * s.kv_heads * s.head_dim * el
+    cases = []
+
+    def case(kernel, name, q_lens, seq_lens, flops, **overrides):
+        def make():
+            q, k_cache, v_cache, meta = _attention_inputs(s, q_lens, seq_lens, dtype, device)
+            return lambda: attention.paged_attention(q, k_cache, v_cache, meta, scale, **overrides)
+
+        kv = sum(seq_lens) * kv_bytes_per_token
+        qo = sum(q_lens) * qo_bytes_per_token
+        extra = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in overrides.items()}
+        return Case(kernel, name, make, kv + qo, kv + qo, flops, extra or None)
+
+    for batch, context in s.decode:
+        flops = 4 * batch * context * s.heads * s.head_dim
+        name, q_lens, seq_lens = f"b{batch}_ctx{context}", [1] * batch, [context] * batch
+        cases.append(case("attention_decode", name, q_lens, seq_lens, flops))
+        if sweep:
+            for splits in SWEEP_SPLITS:
+                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, num_splits=splits))
+            for tiles in SWEEP_DECODE_TILES:
+                tile_config = attention.TileConfig(*tiles)
+                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, decode_tiles=tile_config))
+    t = s.prefill_tokens
+    flops = 4 * (t * (t + 1) // 2) * s.heads * s.head_dim
+    cases.append(case("attention_prefill", f"t{t}", [t], [t], flops))
+    if sweep:
+        for tiles in SWEEP_PREFILL_TILES:
+            tile_config = attention.TileConfig(*tiles)
+            cases.append(case("attention_prefill", f"t{t}", [t], [t], flops, prefill_tiles=tile_config))
+    return cases
+
+
+def time_case(case: Case, device: torch.device, smoke: bool) -> tuple[float, int, int]:
+    """Seconds per call, input sets, calls per graph."""
+    sets = max(1, min(MAX_INPUT_SETS, math.ceil(L2_FLUSH_BYTES / max(case.set_bytes, 1))))
+    if smoke:
+        sets = 2
+    calls = [case.make_call() for _ in range(sets)]
+    for call in calls:  # compile, and warm up outside the capture
+        call()
+    n = sets * math.ceil(MIN_CALLS_PER_GRAPH / sets)
+    if smoke:
+        start = time.perf_counter()
+        for i in range(n):
+            calls[i % sets]()
+        return (time.perf_counter() - start) / n, sets, n
+    import triton.testing
+
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % sets]()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    del graph
+    return ms * 1e-3 / n, sets, n
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, smoke: bool) -> float:
+    """Bytes per second of a device-to-device copy (read + write)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    case = Case("copy", "", lambda: (lambda: dst.copy_(src)), 2 * nbytes, 2 * nbytes)
+    seconds, _, _ = time_case(case, device, smoke)
+    return 2 * nbytes / seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="folder for results.jsonl (also printed)")
+    parser.add_argument("--sweep", action="store_true", help="also time attention tile shapes and split counts")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--only", default="", help="comma-separated kernel names to run")
+    args = parser.parse_args(argv)
+
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+        device, dtype, shapes = torch.device("cpu"), torch.float16, SMOKE
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device (use --smoke to check the script on CPU)")
+        device, dtype, shapes = torch.device("cuda"), torch.bfloat16, Shapes()
+
+    import triton
+
+    from xinfer_cuda.ops import CudaOps
+
+    torch.manual_seed(0)
+    header = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join([os.path.basename(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])]),
+    }
+    copy_bw = copy_bandwidth(shapes.copy_bytes, device, args.smoke)
+    lines = [header, {"kernel": "copy", "bytes": 2 * shapes.copy_bytes, "gb_per_s": round(copy_bw / 1e9, 1)}]
+    for line in lines:
+        print(json.dumps(line), flush=True)
+
+    cases = row_cases(shapes, CudaOps(), dtype, device) + attention_cases(shapes, dtype, device, args.sweep)
+    only = {name for name in args.only.split(",") if name}
+    for case in cases:
+        if only and case.kernel not in only:
+            continue
+        seconds, sets, calls = time_case(case, device, args.smoke)
+        line = {
+            "kernel": case.kernel,
+            "case": case.case,
+            "bytes": case.bytes,
+            "time_us": round(seconds * 1e6, 3),
+            "gb_per_s": round(case.bytes / seconds / 1e9, 1),
+            "frac_copy_bw": round(case.bytes / seconds / copy_bw, 3),
+            "input_sets": sets,
+            "calls_per_graph": calls,
+        }
+        if case.flops:
+            line["tflop_per_s"] = round(case.flops / seconds / 1e12, 2)
+        if case.extra:
+            line["overrides"] = case.extra
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kernels_cuda.jsonl"), "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,848 @@
+// xInfer chat UI: the page's main module.
+//
+// Model output is untrusted. It only reaches the DOM through markdown.js
+// (text nodes, http(s)-only links) or through textContent; nothing here uses
+// innerHTML.
+
+import { ApiError, ServerDownError, listModels, loadConfig, streamChat } from './api.js';
+import { icon } from './icons.js';
+import { renderMarkdown, splitThink } from './markdown.js';
+import {
+  DEFAULT_SETTINGS, StorageError, isConversationsKey, loadConversations, loadCurrentId, loadSettings,
+  newConversation, parseImport, saveConversations, saveCurrentId, saveSettings, titleFrom,
+} from './store.js';
+import { copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
+
+const $ = (sel) => document.querySelector(sel);
+
+const state = {
+  convs: loadConversations(),
+  currentId: loadCurrentId(),
+  settings: loadSettings(),
+  models: [],
+  model: null, // {id, maxModelLen}
+  online: null, // null: unknown yet
+  gen: null, // the running generation: {convId, msg, controller, ...}
+  editingId: null, // id of the user message being edited
+};
+
+const ui = {
+  app: $('#app'),
+  sidebar: $('#sidebar'),
+  convList: $('#conv-list'),
+  messages: $('#messages'),
+  scroller: $('#scroller'),
+  empty: $('#empty'),
+  input: $('#input'),
+  composer: $('#composer'),
+  send: $('#send'),
+  stop: $('#stop'),
+  modelName: $('#model-name'),
+  modelSelect: $('#model-select'),
+  modelCtx: $('#model-ctx'),
+  statusDot: $('#status-dot'),
+  banner: $('#banner'),
+  jump: $('#jump'),
+  settings: $('#settings'),
+  toasts: $('#toasts'),
+  sysIndicator: $('#sys-indicator'),
+};
+
+// ------------------------------------------------------------------ utils ---
+
+function toast(text, kind = 'info') {
+  const t = h('div', { className: `toast ${kind}`, text, attrs: { role: kind === 'error' ? 'alert' : 'status' } });
+  ui.toasts.appendChild(t);
+  setTimeout(() => t.classList.add('out'), 2600);
+  setTimeout(() => t.remove(), 3000);
+}
+
+function current() {
+  return state.convs.find((c) => c.id === state.currentId) || null;
+}
+
+let saveTimer = null;
+function persist({ soon = false } = {}) {
+  const write = () => {
+    saveTimer = null;
+    try {
+      saveConversations(state.convs);
+    } catch (e) {
+      toast(e instanceof StorageError ? e.message : String(e), 'error');
+    }
+  };
+  if (soon) {
+    if (!saveTimer) saveTimer = setTimeout(write, 750);
+    return;
+  }
+  if (saveTimer) clearTimeout(saveTimer);
+  write();
+}
+
+function iconButton(name, title, onClick, extra = '') {
+  const b = h('button', { className: `icon-btn ${extra}`.trim(), title, attrs: { type: 'button', 'aria-label': title } });
+  b.appendChild(icon(name, 16));
+  if (onClick) b.addEventListener('click', onClick);
+  return b;
+}
+
+function downloadJSON(name, data) {
+  const blob = new Blob([JSON.stringify(data, null, 2)], { type: 'application/json' });
+  const url = URL.createObjectURL(blob);
+  const a = h('a', { attrs: { href: url, download: name } });
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 1000);
+}
+
+function fileName(title) {
+  const slug = (title || 'chat').toLowerCase().replace(/[^a-z0-9]+/g, '-').replace(/^-|-$/g, '').slice(0, 40) || 'chat';
+  return `xinfer-${slug}.json`;
+}
+
+function exportable(conv) {
+  const strip = ({ pending, ...m }) => m; // eslint-disable-line no-unused-vars
+  return { ...conv, messages: conv.messages.map(strip), exported: new Date().toISOString(), app: 'xinfer-ui' };
+}
+
+// --------------------------------------------------------------- server ---
+
+function setOnline(online) {
+  if (state.online === online) return;
+  state.online = online;
+  ui.statusDot.className = `status-dot ${online ? 'online' : 'offline'}`;
+  ui.statusDot.title = online ? 'Connected' : 'Server unreachable';
+  ui.banner.hidden = online;
+  if (!online) {
+    ui.banner.replaceChildren(icon('plug', 16), h('span', {
+      text: 'Cannot reach the xInfer server. Retrying… Check that "xinfer --ui-server" is still running.',
+    }));
+    pollServer();
+  }
+}
+
+let pollTimer = null;
+function pollServer() {
+  if (pollTimer) return;
+  const tick = async () => {
+    pollTimer = null;
+    const ok = await refreshModels();
+    if (!ok) pollTimer = setTimeout(tick, 3000);
+  };
+  pollTimer = setTimeout(tick, 3000);
+}
+
+let configLoaded = false;
+
+/** Load config (once) and the model list; returns true when the server answered. */
+async function refreshModels() {
+  try {
+    if (!configLoaded) {
+      await loadConfig();
+      configLoaded = true;
+    }
+    const models = await listModels();
+    state.models = models;
+    const keep = state.model && models.find((m) => m.id === state.model.id);
+    state.model = keep || models[0] || null;
+    renderModel();
+    setOnline(true);
+    return true;
+  } catch (e) {
+    if (e instanceof ServerDownError) {
+      setOnline(false);
+    } else {
+      setOnline(true);
+      const notReady = e instanceof ApiError && e.status >= 500;
+      ui.modelName.textContent = notReady ? 'Server starting…' : 'Model list unavailable';
+      ui.modelName.title = e.message;
+      if (notReady) pollServer(); // e.g. 503 while the model loads
+      if (e instanceof ApiError && e.status === 401) toast(`Unauthorized: ${e.message}`, 'error');
+    }
+    return false;
+  }
+}
+
+function renderModel() {
+  const m = state.model;
+  if (m && m.id.includes('/')) {
+    // "org/name": the org part is hidden on narrow screens.
+    const cut = m.id.lastIndexOf('/') + 1;
+    ui.modelName.replaceChildren(h('span', { className: 'model-org', text: m.id.slice(0, cut) }), document.createTextNode(m.id.slice(cut)));
+  } else {
+    ui.modelName.textContent = m ? m.id : 'No model loaded';
+  }
+  ui.modelName.title = m ? m.id : '';
+  if (m) ui.modelName.dataset.model = m.id;
+  else delete ui.modelName.dataset.model;
+  ui.modelCtx.textContent = m && m.maxModelLen ? `${formatContext(m.maxModelLen)} context` : '';
+  ui.modelCtx.title = m && m.maxModelLen ? `Max context: ${formatInt(m.maxModelLen)} tokens` : '';
+  ui.modelCtx.hidden = !(m && m.maxModelLen);
+  if (state.models.length > 1) {
+    ui.modelSelect.replaceChildren(...state.models.map((x) => {
+      const o = h('option', { text: x.id });
+      o.value = x.id;
+      o.selected = m && x.id === m.id;
+      return o;
+    }));
+    ui.modelSelect.hidden = false;
+    ui.modelName.hidden = true;
+  } else {
+    ui.modelSelect.hidden = true;
+    ui.modelName.hidden = false;
+  }
+  const emptyModel = $('#empty-model');
+  if (emptyModel) emptyModel.textContent = m ? m.id : '';
+}
+
+// -------------------------------------------------------------- sidebar ---
+
+function renderSidebar() {
+  const items = state.convs.map((c) => {
+    const title = h('span', { className: 'conv-title', text: c.title });
+    const open = h('button', {
+      className: 'conv-open',
+      title: `${c.title}\n${relativeTime(c.updated)}`,
+      attrs: { type: 'button' },
+      on: { click: () => openConversation(c.id) },
+    }, title);
+    const actions = h('div', { className: 'conv-actions' },
+      iconButton('edit', 'Rename', (e) => { e.stopPropagation(); startRename(c.id); }),
+      iconButton('download', 'Export as JSON', (e) => { e.stopPropagation(); downloadJSON(fileName(c.title), exportable(c)); }),
+      iconButton('trash', 'Delete', (e) => { e.stopPropagation(); askDelete(c.id, e.currentTarget); }, 'danger'));
+    return h('div', {
+      className: `conv-item${c.id === state.currentId ? ' active' : ''}`,
+      dataset: { convId: c.id },
+    }, open, actions);
+  });
+  if (!items.length) items.push(h('div', { className: 'conv-empty', text: 'No conversations yet' }));
+  ui.convList.replaceChildren(...items);
+}
+
+function startRename(id) {
+  const conv = state.convs.find((c) => c.id === id);
+  const item = ui.convList.querySelector(`[data-conv-id="${CSS.escape(id)}"]`);
+  if (!conv || !item) return;
+  const input = h('input', { className: 'conv-rename', attrs: { type: 'text', 'aria-label': 'Conversation name', maxlength: '200' } });
+  input.value = conv.title;
+  let done = false;
+  const finish = (save) => {
+    if (done) return;
+    done = true;
+    const v = input.value.trim();
+    if (save && v) {
+      conv.title = v;
+      persist();
+      if (conv.id === state.currentId) document.title = `${conv.title} · xInfer`;
+    }
+    renderSidebar();
+  };
+  input.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter') { e.preventDefault(); finish(true); }
+    else if (e.key === 'Escape') { e.preventDefault(); finish(false); }
+  });
+  input.addEventListener('blur', () => finish(true));
+  item.replaceChildren(input);
+  input.focus();
+  input.select();
+}
+
+function askDelete(id, button) {
+  if (button.classList.contains('confirm')) {
+    deleteConversation(id);
+    return;
+  }
+  button.classList.add('confirm');
+  button.title = 'Click again to delete';
+  button.replaceChildren(h('span', { text: 'Delete?' }));
+  setTimeout(() => { if (button.isConnected) renderSidebar(); }, 3000);
+}
+
+function deleteConversation(id) {
+  if (state.gen && state.gen.convId === id) state.gen.controller.abort();
+  state.convs = state.convs.filter((c) => c.id !== id);
+  persist();
+  if (state.currentId === id) {
+    state.currentId = state.convs[0] ? state.convs[0].id : null;
+    saveCurrentId(state.currentId);
+  }
+  renderAll();
+}
+
+function openConversation(id) {
+  state.currentId = id;
+  state.editingId = null;
+  saveCurrentId(id);
+  ui.app.classList.remove('sidebar-open');
+  renderAll();
+  scrollToBottom(true);
+  ui.input.focus();
+}
+
+function newChat() {
+  // Reuse an existing empty conversation instead of piling them up.
+  const empty = state.convs.find((c) => c.messages.length === 0);
+  if (empty) {
+    openConversation(empty.id);
+    return;
+  }
+  state.currentId = null;
+  state.editingId = null;
+  saveCurrentId(null);
+  ui.app.classList.remove('sidebar-open');
+  renderAll();
+  ui.input.focus();
+}
+
+// ------------------------------------------------------------- messages ---
+
+function isLast(conv, msg, role) {
+  for (let i = conv.messages.length - 1; i >= 0; i--) {
+    if (conv.messages[i].role === role) return conv.messages[i] === msg;
+  }
+  return false;
+}
+
+function renderMessages() {
+  const conv = current();
+  const msgs = conv ? conv.messages : [];
+  ui.empty.hidden = msgs.length > 0;
+  ui.messages.replaceChildren(...msgs.map((m) => (m.role === 'user' ? userView(conv, m) : assistantView(conv, m))));
+  document.title = conv && conv.messages.length ? `${conv.title} · xInfer` : 'xInfer';
+  updateJump();
+}
+
+function renderAll() {
+  renderSidebar();
+  renderMessages();
+  renderComposer();
+}
+
+function userView(conv, msg) {
+  const node = h('div', { className: 'msg user', dataset: { msgId: msg.id, role: 'user' } });
+  const busy = !!state.gen;
+  if (state.editingId === msg.id) {
+    const ta = h('textarea', { className: 'edit-box', attrs: { 'aria-label': 'Edit message', rows: '3' } });
+    ta.value = msg.content;
+    const cancel = h('button', { className: 'btn', text: 'Cancel', attrs: { type: 'button' }, on: { click: () => { state.editingId = null; renderMessages(); } } });
+    const save = h('button', { className: 'btn primary', text: 'Send', attrs: { type: 'button' }, on: { click: () => submitEdit(conv, msg, ta.value) } });
+    ta.addEventListener('keydown', (e) => {
+      if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); submitEdit(conv, msg, ta.value); }
+      else if (e.key === 'Escape') { e.preventDefault(); state.editingId = null; renderMessages(); }
+    });
+    node.append(h('div', { className: 'edit-wrap' }, ta, h('div', { className: 'edit-actions' }, cancel, save)));
+    requestAnimationFrame(() => { autosize(ta, 400); ta.focus(); ta.setSelectionRange(ta.value.length, ta.value.length); });
+    ta.addEventListener('input', () => autosize(ta, 400));
+    return node;
+  }
+  const bubble = h('div', { className: 'bubble', text: msg.content });
+  const actions = h('div', { className: 'msg-actions' },
+    copyButton(() => msg.content));
+  if (isLast(conv, msg, 'user') && !busy) {
+    actions.appendChild(iconButton('edit', 'Edit message', () => { state.editingId = msg.id; renderMessages(); }, 'edit-btn'));
+    actions.classList.add('always');
+  }
+  node.append(bubble, actions);
+  return node;
+}
+
+function copyButton(getText) {
+  const b = iconButton('copy', 'Copy', async () => {
+    const ok = await copyText(getText());
+    b.replaceChildren(icon(ok ? 'check' : 'alert', 16));
+    setTimeout(() => b.replaceChildren(icon('copy', 16)), 1200);
+  }, 'copy-btn');
+  return b;
+}
+
+function assistantView(conv, msg) {
+  const node = h('div', { className: 'msg assistant', dataset: { msgId: msg.id, role: 'assistant' } });
+  const avatar = h('div', { className: 'avatar', attrs: { 'aria-hidden': 'true' }, text: 'x' });
+  const summary = h('summary', {}, h('span', { className: 'reasoning-label', text: 'Reasoning' }));
+  const reasoning = h('details', { className: 'reasoning' }, summary, h('div', { className: 'reasoning-content md' }));
+  reasoning.hidden = true;
+  const body = h('div', { className: 'msg-body' },
+    reasoning,
+    h('div', { className: 'msg-content md' }),
+    h('div', { className: 'typing', attrs: { 'aria-label': 'Waiting for the reply' } }, h('span'), h('span'), h('span')),
+    h('div', { className: 'msg-error', attrs: { role: 'alert' } }),
+    h('div', { className: 'msg-footer' }, h('div', { className: 'stats', dataset: { testid: 'stats' } }), h('div', { className: 'msg-actions' })));
+  node.append(avatar, body);
+  updateAssistant(node, conv, msg);
+  return node;
+}
+
+const rendered = new WeakMap(); // .msg-content element -> the markdown it shows
+
+/** Update an assistant message's node from `msg` (called for every streamed frame). */
+function updateAssistant(node, conv, msg) {
+  const streaming = !!msg.pending;
+  const parts = splitThink(msg.content);
+  const reasoningText = [msg.reasoning || '', parts.reasoning].filter((s) => s.trim()).join('\n\n');
+  const thinking = streaming && (parts.thinking || (!!msg.reasoning && !parts.answer));
+  node.classList.toggle('streaming', streaming);
+
+  const details = node.querySelector('.reasoning');
+  details.hidden = !reasoningText.trim();
+  if (!details.hidden) {
+    const label = details.querySelector('.reasoning-label');
+    const secs = msg.stats && msg.stats.thinkMs ? ` for ${formatSeconds(msg.stats.thinkMs)}` : '';
+    label.textContent = thinking ? 'Thinking…' : `Reasoning${secs ? ` (thought${secs})` : ''}`;
+    details.classList.toggle('thinking', thinking);
+    renderMarkdown(reasoningText.trim(), details.querySelector('.reasoning-content'));
+  }
+
+  const content = node.querySelector('.msg-content');
+  if (rendered.get(content) !== parts.answer) {
+    rendered.set(content, parts.answer);
+    renderMarkdown(parts.answer, content);
+  }
+  content.hidden = !parts.answer;
+
+  const waiting = streaming && !parts.answer && !reasoningText;
+  node.querySelector('.typing').hidden = !waiting;
+
+  const errBox = node.querySelector('.msg-error');
+  errBox.replaceChildren(...(msg.error ? errorView(msg) : []));
+  errBox.hidden = !msg.error;
+
+  renderStats(node.querySelector('.stats'), msg);
+
+  const actions = node.querySelector('.msg-actions');
+  const list = [];
+  if (!streaming) {
+    if (msg.content) list.push(copyButton(() => splitThink(msg.content).answer || msg.content));
+    // A failed reply without text has its own buttons in the error box.
+    if (isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !state.gen &&
+        !(msg.error && !msg.content)) {
+      list.push(iconButton('regen', 'Regenerate reply', () => regenerate(conv), 'regen-btn'));
+    }
+  }
+  actions.replaceChildren(...list);
+  actions.classList.toggle('always', list.some((b) => b.classList.contains('regen-btn')));
+}
+
+function errorView(msg) {
+  const e = msg.error;
+  const retry = h('button', { className: 'btn', text: 'Retry', attrs: { type: 'button' }, on: { click: () => regenerate(current()) } });
+  const canRetry = !state.gen && current() && current().messages[current().messages.length - 1] === msg;
+  if (e.kind === 'down') {
+    return [h('div', { className: 'err-title' }, icon('plug', 16), h('span', { text: 'Cannot reach the xInfer server' })),
+      h('p', { text: 'The request could not be sent or the connection was lost. Check that the server is running, then retry.' }),
+      canRetry ? retry : null].filter(Boolean);
+  }
+  if (e.kind === 'overflow' && (e.param === 'max_tokens' || /max_tokens/.test(e.message)) && state.settings.maxTokens) {
+    const max = state.model && state.model.maxModelLen;
+    const clear = h('button', {
+      className: 'btn primary', text: 'Clear "Max tokens" and retry', attrs: { type: 'button' },
+      on: { click: () => { state.settings.maxTokens = null; persistSettings(); regenerate(current()); } },
+    });
+    return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: '"Max tokens" does not fit in the context' })),
+      h('p', { text: `The prompt and the reply must fit in the model's context window${max ? ` of ${formatInt(max)} tokens` : ''}; "Max tokens" is ${formatInt(state.settings.maxTokens)}. Lower it in the settings, or clear it to use the rest of the context.` }),
+      h('p', { className: 'err-detail', text: e.message }),
+      canRetry ? h('div', { className: 'err-actions' }, clear) : null].filter(Boolean);
+  }
+  if (e.kind === 'overflow') {
+    const max = state.model && state.model.maxModelLen;
+    const newBtn = h('button', { className: 'btn primary', text: 'New chat', attrs: { type: 'button' }, on: { click: newChat } });
+    const hint = state.settings.maxTokens
+      ? ` Start a new chat, edit your last message, or lower "Max tokens" (now ${formatInt(state.settings.maxTokens)}) in the settings.`
+      : ' Start a new chat or edit your last message to make it shorter.';
+    return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The conversation is too long for this model' })),
+      h('p', { text: `It does not fit in the model's context window${max ? ` of ${formatInt(max)} tokens` : ''}.${hint}` }),
+      h('p', { className: 'err-detail', text: e.message }),
+      h('div', { className: 'err-actions' }, newBtn)];
+  }
+  if (e.kind === 'stream') {
+    return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The reply was interrupted' })),
+      h('p', { className: 'err-detail', text: e.message }), canRetry ? retry : null].filter(Boolean);
+  }
+  return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: `The server returned an error${e.status ? ` (${e.status})` : ''}` })),
+    h('p', { className: 'err-detail', text: e.message }), canRetry ? retry : null].filter(Boolean);
+}
+
+function renderStats(box, msg) {
+  const s = msg.stats || {};
+  const items = [];
+  const stat = (key, text, title) => items.push(h('span', { className: `stat stat-${key}`, text, title, dataset: { stat: key } }));
+  const approx = s.approx ? '~' : '';
+  if (s.tps !== undefined && s.tps !== null) stat('tps', `${approx}${s.tps.toFixed(1)} tok/s`, 'Generation speed (tokens per second after the first token)');
+  if (s.ttftMs !== undefined && s.ttftMs !== null) stat('ttft', `TTFT ${formatSeconds(s.ttftMs)}`, 'Time to first token');
+  if (s.promptTokens !== undefined && s.promptTokens !== null) {
+    stat('in', `${formatInt(s.promptTokens)} in`, 'Prompt tokens');
+    if (s.cachedTokens !== undefined && s.cachedTokens !== null) stat('cached', `${formatInt(s.cachedTokens)} cached`, 'Prompt tokens served from the prefix cache');
+  }
+  if (s.completionTokens !== undefined && s.completionTokens !== null) stat('out', `${approx}${formatInt(s.completionTokens)} out`, 'Completion tokens');
+  if (msg.stopped) stat('stopped', 'stopped', 'Generation was stopped');
+  else if (s.finishReason === 'length') stat('length', 'max tokens reached', 'The reply hit the max-tokens limit');
+  box.replaceChildren(...items);
+  box.hidden = !items.length;
+}
+
+// -------------------------------------------------------------- scrolling ---
+
+let stick = true;
+
+function nearBottom() {
+  const s = ui.scroller;
+  return s.scrollHeight - s.scrollTop - s.clientHeight < 80;
+}
+
+function scrollToBottom(force = false) {
+  if (force) stick = true;
+  if (stick) ui.scroller.scrollTop = ui.scroller.scrollHeight;
+  updateJump();
+}
+
+function updateJump() {
+  ui.jump.hidden = nearBottom();
+}
+
+// ------------------------------------------------------------ generation ---
+
+function historyFor(conv, upTo) {
+  const out = [];
+  const sys = (state.settings.systemPrompt || '').trim();
+  if (sys) out.push({ role: 'system', content: sys });
+  for (const m of conv.messages) {
+    if (m === upTo) break;
+    const content = m.role === 'assistant' ? splitThink(m.content).answer : m.content;
+    if (!content.trim()) continue; // failed or empty replies are not sent back
+    const prev = out[out.length - 1];
+    // Keep roles alternating (chat templates may require it): merge neighbours.
+    if (prev && prev.role === m.role) prev.content += `\n\n${content}`;
+    else out.push({ role: m.role, content });
+  }
+  return out;
+}
+
+function payloadFor(conv, msg) {
+  const s = state.settings;
+  const p = { messages: historyFor(conv, msg) };
+  if (state.model) p.model = state.model.id;
+  if (Number.isFinite(s.temperature)) p.temperature = s.temperature;
+  if (Number.isFinite(s.topP)) p.top_p = s.topP;
+  if (Number.isFinite(s.maxTokens) && s.maxTokens > 0) p.max_tokens = s.maxTokens;
+  return p;
+}
+
+let frame = 0;
+function scheduleUpdate(conv, msg) {
+  if (frame) return;
+  frame = requestAnimationFrame(() => {
+    frame = 0;
+    if (conv.id !== state.currentId) return;
+    const wasStuck = nearBottom() || stick;
+    const node = ui.messages.querySelector(`[data-msg-id="${CSS.escape(msg.id)}"]`);
+    if (node) updateAssistant(node, conv, msg);
+    if (wasStuck) scrollToBottom();
+  });
+}
+
+async function generate(conv) {
+  if (state.gen) return;
+  const msg = { id: uid(), role: 'assistant', content: '', reasoning: '', stats: {}, pending: true };
+  if (state.model) msg.model = state.model.id;
+  conv.messages.push(msg);
+  conv.updated = Date.now();
+  const controller = new AbortController();
+  const gen = { convId: conv.id, msg, controller };
+  state.gen = gen;
+  state.editingId = null;
+  // Move the conversation to the top of the list.
+  state.convs = [conv, ...state.convs.filter((c) => c !== conv)];
+  persist();
+  renderAll();
+  scrollToBottom(true);
+
+  const t0 = performance.now();
+  let tFirst = null;
+  let tAnswer = null;
+  let pieces = 0;
+  let usage = null;
+  try {
+    if (!state.model) await refreshModels();
+    if (state.model && !msg.model) msg.model = state.model.id;
+    let answered = false;
+    for await (const chunk of streamChat(payloadFor(conv, msg), controller.signal)) {
+      if (!answered) { answered = true; setOnline(true); }
+      if (chunk.usage) usage = chunk.usage;
+      const choice = chunk.choices && chunk.choices[0];
+      if (!choice) continue;
+      const delta = choice.delta || {};
+      const r = delta.reasoning_content ?? delta.reasoning;
+      const c = delta.content;
+      if (r || c) {
+        const now = performance.now();
+        if (tFirst === null) tFirst = now;
+        pieces += 1;
+        if (r) msg.reasoning += r;
+        if (c) {
+          msg.content += c;
+          if (tAnswer === null && splitThink(msg.content).answer) tAnswer = now;
+        }
+        // Live speed while streaming (approximate: one chunk ~ one token).
+        msg.stats = { ...msg.stats, ttftMs: tFirst - t0, approx: true };
+        if (pieces > 1 && now - tFirst > 250) msg.stats.tps = (pieces - 1) / ((now - tFirst) / 1000);
+      }
+      if (choice.finish_reason) msg.stats.finishReason = choice.finish_reason;
+      persist({ soon: true });
+      scheduleUpdate(conv, msg);
+    }
+    setOnline(true);
+  } catch (e) {
+    if (e && e.name === 'AbortError') {
+      msg.stopped = true;
+    } else if (e instanceof ServerDownError) {
+      msg.error = { kind: pieces ? 'stream' : 'down', message: pieces ? 'The connection to the server was lost.' : e.message };
+      setOnline(false);
+    } else if (e instanceof ApiError) {
+      msg.error = { kind: e.contextOverflow ? 'overflow' : 'api', message: e.message, status: e.status || null, param: e.param || null };
+      setOnline(true);
+    } else {
+      msg.error = { kind: 'api', message: String((e && e.message) || e) };
+      console.error(e);
+    }
+  } finally {
+    const tEnd = performance.now();
+    const stats = { finishReason: msg.stats.finishReason };
+    if (tFirst !== null) stats.ttftMs = tFirst - t0;
+    if (tAnswer !== null && (msg.reasoning || splitThink(msg.content).reasoning)) stats.thinkMs = tAnswer - tFirst;
+    let out = pieces;
+    if (usage) {
+      if (Number.isFinite(usage.prompt_tokens)) stats.promptTokens = usage.prompt_tokens;
+      if (Number.isFinite(usage.completion_tokens)) out = usage.completion_tokens;
+      const details = usage.prompt_tokens_details;
+      if (details && Number.isFinite(details.cached_tokens)) stats.cachedTokens = details.cached_tokens;
+    } else {
+      stats.approx = true;
+    }
+    if (tFirst !== null) {
+      stats.completionTokens = out;
+      const decodeMs = tEnd - tFirst;
+      if (out > 1 && decodeMs > 0) stats.tps = (out - 1) / (decodeMs / 1000);
+      else if (out > 0) stats.tps = out / ((tEnd - t0) / 1000);
+    } else if (usage) {
+      stats.completionTokens = out;
+    }
+    stats.durationMs = tEnd - t0;
+    msg.stats = stats;
+    delete msg.pending;
+    if (state.gen === gen) state.gen = null;
+    conv.updated = Date.now();
+    persist();
+    if (frame) { cancelAnimationFrame(frame); frame = 0; }
+    if (conv.id === state.currentId) {
+      const wasStuck = nearBottom() || stick;
+      renderMessages();
+      if (wasStuck) scrollToBottom();
+    }
+    renderComposer();
+  }
+}
+
+function send(text) {
+  if (state.gen) return;
+  const content = text.trim();
+  if (!content) return;
+  let conv = current();
+  if (!conv) {
+    conv = newConversation();
+    state.convs.unshift(conv);
+    state.currentId = conv.id;
+    saveCurrentId(conv.id);
+  }
+  // A failed reply with no text is replaced by the next one.
+  const last = conv.messages[conv.messages.length - 1];
+  if (last && last.role === 'assistant' && last.error && !last.content) conv.messages.pop();
+  conv.messages.push({ id: uid(), role: 'user', content });
+  if (conv.title === 'New chat' || conv.messages.filter((m) => m.role === 'user').length === 1) conv.title = titleFrom(content);
+  ui.input.value = '';
+  autosize(ui.input);
+  generate(conv);
+}
+
+function regenerate(conv) {
+  if (!conv || state.gen) return;
+  while (conv.messages.length && conv.messages[conv.messages.length - 1].role === 'assistant') conv.messages.pop();
+  if (!conv.messages.length) return;
+  generate(conv);
+}
+
+function submitEdit(conv, msg, text) {
+  const content = text.trim();
+  if (!content || state.gen) return;
+  const i = conv.messages.indexOf(msg);
+  if (i === -1) return;
+  msg.content = content;
+  conv.messages.splice(i + 1);
+  if (i === 0) conv.title = titleFrom(content);
+  state.editingId = null;
+  generate(conv);
+}
+
+function stop() {
+  if (state.gen) state.gen.controller.abort();
+}
+
+// -------------------------------------------------------------- composer ---
+
+function autosize(ta, max = 220) {
+  ta.style.height = 'auto';
+  ta.style.height = `${Math.min(ta.scrollHeight, max)}px`;
+}
+
+function renderComposer() {
+  const busy = !!state.gen;
+  ui.send.hidden = busy;
+  ui.stop.hidden = !busy;
+  ui.send.disabled = !ui.input.value.trim();
+  const sys = (state.settings.systemPrompt || '').trim();
+  ui.sysIndicator.textContent = sys ? `System prompt: ${sys.length > 60 ? `${sys.slice(0, 57)}…` : sys}` : '';
+  ui.sysIndicator.hidden = !sys;
+  $('#open-settings').classList.toggle('has-dot', !!sys);
+}
+
+// -------------------------------------------------------------- settings ---
+
+function persistSettings() {
+  try {
+    saveSettings(state.settings);
+  } catch (e) {
+    toast(e.message, 'error');
+  }
+  renderComposer();
+}
+
+function bindSettings() {
+  const f = {
+    system: $('#set-system'),
+    temp: $('#set-temperature'),
+    tempNum: $('#set-temperature-num'),
+    topP: $('#set-top-p'),
+    topPNum: $('#set-top-p-num'),
+    maxTokens: $('#set-max-tokens'),
+  };
+  const fill = () => {
+    const s = state.settings;
+    f.system.value = s.systemPrompt || '';
+    f.temp.value = f.tempNum.value = String(s.temperature);
+    f.topP.value = f.topPNum.value = String(s.topP);
+    f.maxTokens.value = s.maxTokens ? String(s.maxTokens) : '';
+    f.maxTokens.max = state.model && state.model.maxModelLen ? String(state.model.maxModelLen) : '';
+    const ctx = $('#max-tokens-hint');
+    ctx.textContent = state.model && state.model.maxModelLen
+      ? `Empty: up to the rest of the context (${formatInt(state.model.maxModelLen)} tokens in all).`
+      : 'Empty: the server decides.';
+  };
+  const save = persistSettings;
+  const num = (v, lo, hi) => {
+    const x = parseFloat(v);
+    return Number.isFinite(x) ? Math.min(hi, Math.max(lo, x)) : null;
+  };
+  f.system.addEventListener('input', () => { state.settings.systemPrompt = f.system.value; save(); });
+  const pair = (range, box, key, lo, hi) => {
+    range.addEventListener('input', () => { box.value = range.value; state.settings[key] = num(range.value, lo, hi); save(); });
+    box.addEventListener('input', () => {
+      const x = num(box.value, lo, hi);
+      if (x !== null) { range.value = String(x); state.settings[key] = x; save(); }
+    });
+    box.addEventListener('change', () => { box.value = String(state.settings[key] ?? DEFAULT_SETTINGS[key]); });
+  };
+  pair(f.temp, f.tempNum, 'temperature', 0, 2);
+  pair(f.topP, f.topPNum, 'topP', 0, 1);
+  f.maxTokens.addEventListener('input', () => {
+    const x = parseInt(f.maxTokens.value, 10);
+    state.settings.maxTokens = Number.isFinite(x) && x > 0 ? x : null;
+    save();
+  });
+  $('#settings-reset').addEventListener('click', () => {
+    state.settings = { ...DEFAULT_SETTINGS };
+    fill();
+    save();
+  });
+  $('#open-settings').addEventListener('click', () => { fill(); ui.settings.showModal(); });
+  $('#settings-close').addEventListener('click', () => ui.settings.close());
+  ui.settings.addEventListener('click', (e) => { if (e.target === ui.settings) ui.settings.close(); });
+}
+
+// ------------------------------------------------------------------ init ---
+
+function bind() {
+  for (const el of document.querySelectorAll('[data-icon]')) el.prepend(icon(el.dataset.icon, Number(el.dataset.iconSize) || 18));
+
+  ui.composer.addEventListener('submit', (e) => { e.preventDefault(); send(ui.input.value); });
+  ui.input.addEventListener('input', () => { autosize(ui.input); renderComposer(); });
+  ui.input.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      if (!state.gen) send(ui.input.value);
+    } else if (e.key === 'Escape' && state.gen) {
+      e.preventDefault();
+      stop();
+    }
+  });
+  ui.stop.addEventListener('click', stop);
+  $('#new-chat').addEventListener('click', newChat);
+  $('#open-sidebar').addEventListener('click', () => ui.app.classList.add('sidebar-open'));
+  $('#close-sidebar').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
+  $('#backdrop').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
+  $('#export-current').addEventListener('click', () => {
+    const conv = current();
+    if (!conv || !conv.messages.length) { toast('Nothing to export yet'); return; }
+    downloadJSON(fileName(conv.title), exportable(conv));
+  });
+  $('#export-all').addEventListener('click', () => {
+    if (!state.convs.length) { toast('Nothing to export yet'); return; }
+    downloadJSON('xinfer-conversations.json', { app: 'xinfer-ui', exported: new Date().toISOString(), conversations: state.convs.map(exportable) });
+  });
+  $('#import-file').addEventListener('change', async (e) => {
+    const file = e.target.files && e.target.files[0];
+    e.target.value = '';
+    if (!file) return;
+    try {
+      const list = parseImport(await file.text());
+      const ids = new Set(state.convs.map((c) => c.id));
+      for (const c of list) if (ids.has(c.id)) c.id = uid();
+      state.convs = [...list, ...state.convs].sort((a, b) => b.updated - a.updated);
+      persist();
+      openConversation(list[0].id);
+      toast(`Imported ${list.length} conversation${list.length > 1 ? 's' : ''}`);
+    } catch (err) {
+      toast(`Import failed: ${err.message}`, 'error');
+    }
+  });
+  ui.modelSelect.addEventListener('change', () => {
+    state.model = state.models.find((m) => m.id === ui.modelSelect.value) || state.model;
+    renderModel();
+  });
+  ui.scroller.addEventListener('scroll', () => {
+    stick = nearBottom();
+    updateJump();
+  }, { passive: true });
+  ui.jump.addEventListener('click', () => { scrollToBottom(true); });
+  for (const b of document.querySelectorAll('.suggestion')) {
+    b.addEventListener('click', () => send(b.dataset.prompt || b.textContent));
+  }
+  window.addEventListener('storage', (e) => {
+    // Another tab changed the conversations: follow it unless we are generating.
+    if (!isConversationsKey(e.key) || state.gen) return;
+    state.convs = loadConversations();
+    if (!current()) state.currentId = state.convs[0] ? state.convs[0].id : null;
+    renderAll();
+  });
+  bindSettings();
+}
+
+function init() {
+  bind();
+  if (state.currentId && !current()) state.currentId = null;
+  renderAll();
+  scrollToBottom(true);
+  refreshModels();
+  ui.input.focus();
+  document.documentElement.dataset.ready = 'true';
+}
+
+init();

@@ -1,0 +1,171 @@
+"""Compile every kernel launch of the CUDA backend for GPU targets, on a machine without a GPU.
+
+The interpreter runs the kernels' logic but accepts code the GPU compiler rejects; this
+lowers each launch the wrappers make (Llama-like shapes, several head dims, window and
+softcap) through Triton's real pipeline to a cubin for each target. Usage:
+
+    python tests/backends/compile_check.py [--dtype bfloat16] 90 80
+
+Prints one line per kernel variant (registers and spills when cuobjdump is there) and
+exits non-zero if any variant fails to compile. Must run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels import activation, attention, kv_write, norm, rotary
+
+MODULES = (activation, attention, kv_write, norm, rotary)
+POINTER_TYPES = {
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+
+
+LAUNCHES: list = []
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: LAUNCHES.append((self.fn, args, kwargs))
+
+
+for _module in MODULES:
+    for _name, _obj in list(vars(_module).items()):
+        if isinstance(_obj, triton.runtime.jit.JITFunction) and _name.endswith("_kernel"):
+            setattr(_module, _name, _Recorder(_obj))
+
+
+def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
+    LAUNCHES.clear()
+
+    def t(*shape, dt=dtype):
+        return torch.randn(*shape).to(dt)
+
+    norm.rms_norm(t(4, 4096), t(4096), 1e-6)
+    norm.rms_norm(t(4, 4096), t(4096), 1e-6, t(4, 4096))
+    positions = torch.zeros(4, dtype=torch.int64)
+    rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32))
+    rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32))
+    rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32), inplace=True)
+    activation.silu_and_mul(t(4, 2 * 14336))
+    activation.gelu_tanh_and_mul(t(4, 2 * 14336))
+    kv_write.write_kv(t(4, 8, 128), t(4, 8, 128), t(16, 16, 8, 128), t(16, 16, 8, 128), positions)
+
+    element_size = torch.tensor([], dtype=dtype).element_size()
+
+    def tiles(table, head_dim):  # what attention._pick chooses on such a device
+        if cc < 80 or dtype == torch.float32:
+            return attention._FMA_TILES
+        candidates = table[min(d for d in table if d >= head_dim)]
+        fitting = [c for c in candidates if attention._shared_bytes(c, head_dim, element_size) <= shared_mem]
+        return fitting[0] if fitting else attention._FMA_TILES
+
+    # (head dim, heads, kv heads, window, softcap, [(q_len, decode splits), ...])
+    variants = [
+        (128, 32, 8, None, None, [(1, 4), (1, 1), (8, None)]),
+        (256, 8, 4, 512, 50.0, [(1, 4), (8, None)]),
+        (64, 32, 32, 128, None, [(8, None)]),
+        (32, 8, 8, None, 30.0, [(1, 2)]),
+    ]
+    for head_dim, heads, kv_heads, window, softcap, steps in variants:
+        for q_len, splits in steps:
+            cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+            meta = AttentionMetadata(
+                cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
+                torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
+            )  # fmt: skip
+            cache = t(4, 16, kv_heads, head_dim)
+            attention.paged_attention(
+                t(2 * q_len, heads, head_dim), cache, cache.clone(), meta, 0.1, window, softcap,
+                num_splits=splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
+                decode_tiles=tiles(attention._DECODE_TILES, head_dim),
+            )  # fmt: skip
+    return list(LAUNCHES)
+
+
+def compile_launch(fn, args, kwargs, target: GPUTarget):
+    """Compile as the JIT would for these arguments (16-byte aligned pointers, ints
+    divisible by 16 marked so)."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        if isinstance(arg, torch.Tensor):
+            signature[name] = POINTER_TYPES[arg.dtype]
+        elif isinstance(arg, bool):
+            signature[name] = "i1"
+        elif isinstance(arg, int):
+            signature[name] = "i32" if abs(arg) < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+        if isinstance(arg, torch.Tensor) or (type(arg) is int and arg % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in fn.arg_names[len(args) :]:
+        signature[name] = "constexpr"
+        constexprs[name] = kwargs[name]
+    options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+
+
+def resource_usage(cubin: bytes) -> str:
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return f"regs {found.group(1)} stack {found.group(2)}" if found else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("targets", nargs="*", type=int, default=[90, 80])
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
+    dtype = getattr(torch, args.dtype)
+    shared_mem = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
+    failures = 0
+    for cc in args.targets:
+        launches = record_launches(dtype, shared_mem.get(cc, 101376), cc)
+        seen = set()
+        for fn, call_args, kwargs in launches:
+            constexprs = {n: kwargs[n] for n in fn.arg_names if n in kwargs}
+            key = (fn.__name__, repr(sorted(constexprs.items())), repr(sorted(kwargs.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            label = f"sm_{cc} {fn.__name__} {constexprs}"
+            try:
+                kernel = compile_launch(fn, call_args, kwargs, GPUTarget("cuda", cc, 32))
+            except Exception as error:  # report every failure, not just the first
+                failures += 1
+                print(f"FAIL {label}: {type(error).__name__}: {error}")
+                continue
+            print(f"ok   {label} shared {kernel.metadata.shared} {resource_usage(kernel.asm['cubin'])}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,547 @@
+"""Browser tests of the built-in chat UI (``xinfer --ui-server``).
+
+They start ``python -m xinfer.server --ui-server --port P`` on the default model
+(API on P, UI on P+1), open the page in Debian's Chromium through Playwright and
+chat with the real model. Tests about how the page renders untrusted output or
+error states replace the ``/v1/chat/completions`` answer with ``page.route``, so
+they are deterministic.
+
+Needs: ``pip install playwright`` (the wheel ships the driver; no ``playwright
+install``) and ``apt-get install chromium`` (``/usr/bin/chromium``).
+
+Environment:
+  XINFER_CHROMIUM                 browser binary (default /usr/bin/chromium)
+  XINFER_UI_TEST_URL              use a UI server that is already running
+                                  (e.g. http://127.0.0.1:8001/) instead of starting one
+  XINFER_UI_TEST_API_URL          its API server, if not the same origin
+  XINFER_UI_TEST_SERVER_ARGS      extra flags for the server (e.g. "--m /path/to/model")
+  XINFER_UI_TEST_STARTUP_TIMEOUT  seconds to wait for /health (default 300)
+  XINFER_UI_UPDATE_SCREENSHOT=1   also copy the screenshot over docs/ui.png
+                                  (it is copied anyway when docs/ui.png is missing)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+
+# The Prometheus gauge of requests being generated. To confirm with the server's author.
+METRIC_RUNNING = "xinfer_num_requests_running"
+# After Stop, the server must have dropped the request within this many seconds
+# (plus one decode step: the engine aborts between steps, and a step can take
+# long on a busy CPU; the page's live tok/s gives the step time).
+STOP_DEADLINE_S = 1.0
+
+REPO = Path(__file__).resolve().parents[2]
+OUT_DIR = REPO / "test-output" / "ui"
+DOCS_SCREENSHOT = REPO / "docs" / "ui.png"
+CHROMIUM = os.environ.get("XINFER_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+STARTUP_TIMEOUT_S = float(os.environ.get("XINFER_UI_TEST_STARTUP_TIMEOUT", "300"))
+REPLY_TIMEOUT_MS = 180_000
+SETTINGS_KEY = "xinfer.ui.settings.v1"
+FRANCE = "What is the capital of France? Answer in one sentence."
+
+
+# --------------------------------------------------------------- helpers ---
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")
+
+
+def _free_port_pair() -> int:
+    """A port P such that P and P+1 are both free (API on P, UI on P+1)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports")
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class Server:
+    def __init__(self, ui: str, api: str):
+        self.ui = ui.rstrip("/") + "/"
+        self.api = api.rstrip("/") + "/"
+
+    def metrics(self) -> str:
+        last = None
+        for base in dict.fromkeys([self.ui, self.api]):
+            status, body = _get(base + "metrics")
+            if status == 200:
+                return body
+            last = status
+        raise AssertionError(f"/metrics answered {last}")
+
+    def running(self) -> float | None:
+        """The value of METRIC_RUNNING (summed over label sets), or None if absent."""
+        total = None
+        pat = re.compile(rf"^{re.escape(METRIC_RUNNING)}(\{{[^}}]*\}})?\s+(\S+)")
+        for line in self.metrics().splitlines():
+            m = pat.match(line)
+            if m:
+                total = (total or 0.0) + float(m.group(2))
+        return total
+
+
+@pytest.fixture(scope="module")
+def server():
+    url = os.environ.get("XINFER_UI_TEST_URL")
+    if url:
+        yield Server(url, os.environ.get("XINFER_UI_TEST_API_URL", url))
+        return
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    port = _free_port_pair()
+    log_path = OUT_DIR / "server.log"
+    log = open(log_path, "w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "xinfer.server", "--ui-server", "--port", str(port)]
+    cmd += shlex.split(os.environ.get("XINFER_UI_TEST_SERVER_ARGS", ""))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    srv = Server(f"http://127.0.0.1:{port + 1}/", f"http://127.0.0.1:{port}/")
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{_tail(log_path)}")
+            try:
+                ok = _get(srv.api + "health", 2)[0] == 200 and _get(srv.ui, 2)[0] == 200
+            except OSError:
+                ok = False
+            if ok:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        msg = f"{CHROMIUM} not found: apt-get install -y chromium"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(server, browser):
+    """A fresh browser profile (empty localStorage) with greedy, short replies by default."""
+    context = browser.new_context(viewport={"width": 1280, "height": 860}, color_scheme="light", accept_downloads=True)
+    # Only seeds settings when none are saved, so reloads keep what a test changed.
+    context.add_init_script(
+        f"if (!localStorage.getItem({SETTINGS_KEY!r})) localStorage.setItem({SETTINGS_KEY!r}, "
+        + json.dumps(json.dumps({"temperature": 0, "topP": 1, "maxTokens": 64}))
+        + ");"
+    )
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server.ui)
+    _wait_ready(pg)
+    yield pg
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def _wait_ready(pg) -> None:
+    pg.wait_for_selector("html[data-ready='true']")
+    # The header shows the model once /v1/models has listed it.
+    pg.wait_for_selector("#model-name[data-model]", state="attached", timeout=30_000)
+
+
+def _send(pg, text: str) -> None:
+    pg.fill("#input", text)
+    pg.press("#input", "Enter")
+
+
+def _last_reply(pg):
+    return pg.locator(".msg.assistant").last
+
+
+def _wait_reply_done(pg, timeout: float = REPLY_TIMEOUT_MS) -> None:
+    pg.wait_for_function(
+        "() => { const m = [...document.querySelectorAll('.msg.assistant')].pop();"
+        " return m && !m.classList.contains('streaming') }",
+        timeout=timeout,
+    )
+
+
+def _sse(chunks: list[dict], usage: dict | None = None) -> str:
+    base = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": "test"}
+    events = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}]
+    for delta in chunks:
+        events.append({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    if usage:
+        events.append({**base, "choices": [], "usage": usage})
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def _fulfill_sse(route, body: str) -> None:
+    route.fulfill(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}, body=body)
+
+
+def _mock_replies(pg, replies: list[str]) -> list[dict]:
+    """Answer the next chat requests with `replies` (the last one repeats); returns the request bodies."""
+    bodies: list[dict] = []
+
+    def handle(route):
+        bodies.append(json.loads(route.request.post_data or "{}"))
+        text = replies[min(len(bodies) - 1, len(replies) - 1)]
+        pieces = [{"content": text[i : i + 5]} for i in range(0, len(text), 5)]
+        _fulfill_sse(route, _sse(pieces, {"prompt_tokens": 10, "completion_tokens": len(pieces), "total_tokens": 10 + len(pieces)}))
+
+    pg.route("**/v1/chat/completions", handle)
+    return bodies
+
+
+# ----------------------------------------------------------------- tests ---
+
+
+@pytest.mark.timeout(600)
+def test_chat_streams_reply_with_stats(page):
+    header = page.locator("#model-ctx")
+    assert header.is_visible(), "the header should show the model's max context"
+    assert re.search(r"\d+(\.\d+)?K? context", header.inner_text()), header.inner_text()
+
+    # Record every rendered state of the reply while it streams.
+    page.evaluate(
+        """() => {
+          window.__seen = [];
+          new MutationObserver(() => {
+            const m = document.querySelector('.msg.assistant.streaming .msg-content');
+            if (m) window.__seen.push(m.textContent.length);
+          }).observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true});
+        }"""
+    )
+    _send(page, FRANCE)
+    _wait_reply_done(page)
+    reply = _last_reply(page)
+    text = reply.locator(".msg-content").inner_text()
+    assert "Paris" in text, text
+    seen = [n for n in page.evaluate("window.__seen") if n > 0]
+    assert len(set(seen)) >= 2, f"the reply did not stream in (rendered lengths: {seen})"
+
+    tps = reply.locator(".stat-tps").inner_text()
+    assert re.fullmatch(r"\d+(\.\d+)? tok/s", tps), tps
+    assert re.fullmatch(r"TTFT \d+(\.\d+)? m?s", reply.locator(".stat-ttft").inner_text())
+    assert re.fullmatch(r"[\d,]+ in", reply.locator(".stat-in").inner_text())
+    assert re.fullmatch(r"[\d,]+ out", reply.locator(".stat-out").inner_text())
+    assert re.fullmatch(r"[\d,]+ cached", reply.locator(".stat-cached").inner_text())
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    shot = OUT_DIR / "chat.png"
+    page.screenshot(path=str(shot))
+    if os.environ.get("XINFER_UI_UPDATE_SCREENSHOT") == "1" or not DOCS_SCREENSHOT.exists():
+        DOCS_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, DOCS_SCREENSHOT)
+
+
+@pytest.mark.timeout(600)
+def test_stop_aborts_generation(page, server):
+    # A long reply: raise max tokens through the settings dialog.
+    page.click("#open-settings")
+    page.fill("#set-max-tokens", "2048")
+    page.click("#settings .settings-foot .primary")
+    assert json.loads(page.evaluate(f"localStorage.getItem({SETTINGS_KEY!r})"))["maxTokens"] == 2048
+
+    _send(page, "Write a 500-word story about a lighthouse keeper.")
+    content = _last_reply(page).locator(".msg-content")
+    page.wait_for_function(
+        "() => { const m = document.querySelector('.msg.assistant.streaming .msg-content');"
+        " return m && m.textContent.length > 40 }",
+        timeout=REPLY_TIMEOUT_MS,
+    )
+    running = server.running()
+    assert running is not None, (
+        f"{METRIC_RUNNING} is not in /metrics:\n"
+        + "\n".join(line for line in server.metrics().splitlines() if "running" in line)
+    )
+    assert running >= 1, f"{METRIC_RUNNING} is {running} while a reply streams"
+
+    live = _last_reply(page).locator(".stat-tps").inner_text()  # "~12.3 tok/s"
+    tps = float(re.search(r"[\d.]+", live).group())
+    deadline = STOP_DEADLINE_S + 1.0 / max(tps, 0.1)
+    page.click("#stop")
+    t0 = time.monotonic()
+    while True:
+        value = server.running()
+        elapsed = time.monotonic() - t0
+        if value == 0:
+            break
+        assert elapsed <= deadline, f"{METRIC_RUNNING} still {value} {elapsed:.2f} s after Stop (at {live})"
+        time.sleep(0.05)
+    print(f"request dropped {elapsed:.2f} s after Stop (decode speed {live}, deadline {deadline:.2f} s)")
+
+    # The page stopped too: no streaming message, Send is back, the reply is marked.
+    assert page.locator(".msg.assistant.streaming").count() == 0
+    assert page.locator("#stop").is_hidden()
+    assert page.locator("#send").is_visible()
+    assert _last_reply(page).locator(".stat-stopped").is_visible()
+    before = content.inner_text()
+    assert len(before) > 40
+    page.wait_for_timeout(1000)
+    assert content.inner_text() == before, "text kept arriving after Stop"
+
+
+@pytest.mark.timeout(600)
+def test_conversation_survives_reload(page):
+    _send(page, FRANCE)
+    _wait_reply_done(page)
+    reply = _last_reply(page).locator(".msg-content").inner_text()
+    assert reply.strip()
+
+    page.reload()
+    _wait_ready(page)
+    item = page.locator(".conv-item", has_text="What is the capital of France")
+    assert item.count() == 1
+    # Leave it, then open it again from the list.
+    page.click("#new-chat")
+    assert page.locator(".msg").count() == 0
+    item.locator(".conv-open").click()
+    assert page.locator(".msg.user .bubble").inner_text() == FRANCE
+    assert _last_reply(page).locator(".msg-content").inner_text() == reply
+    assert _last_reply(page).locator(".stat-tps").is_visible()
+
+
+@pytest.mark.timeout(120)
+def test_untrusted_markdown_is_shown_as_text(page, server):
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    origin = "/".join(server.ui.split("/")[:3]) + "/"
+    outside: list[str] = []
+
+    def on_request(r):
+        if not r.url.startswith((origin, "data:", "blob:")):
+            outside.append(r.url)
+
+    page.on("request", on_request)
+
+    evil = (
+        'Look: <img src=x onerror="window.__xss=1;alert(1)"> here.\n\n'
+        "<script>window.__xss=2;alert(2)</script>\n\n"
+        "**Bold** and [bad link](javascript:window.__xss=3) and [good link](https://example.com/a) "
+        "and ![pic](https://example.invalid/pic.png) and <a href=\"javascript:alert(4)\">raw</a>\n\n"
+        "<iframe src=\"javascript:alert(5)\"></iframe> <b onmouseover=alert(6)>hover</b>\n\n"
+        "```html\n<script>window.__xss=7</script>\n```\n"
+    )
+    # Split so that tags also arrive across chunk boundaries.
+    pieces = [{"content": evil[i : i + 7]} for i in range(0, len(evil), 7)]
+    body = _sse([{"reasoning_content": "<img src=y onerror=alert(8)> thinking"}] + pieces,
+                {"prompt_tokens": 12, "completion_tokens": len(pieces), "total_tokens": 12 + len(pieces)})
+    page.route("**/v1/chat/completions", lambda route: _fulfill_sse(route, body))
+
+    _send(page, "Show me some HTML")
+    _wait_reply_done(page, 30_000)
+    msg = _last_reply(page)
+    content = msg.locator(".msg-content")
+    text = content.inner_text()
+    assert '<img src=x onerror="window.__xss=1;alert(1)">' in text
+    assert "<script>window.__xss=2;alert(2)</script>" in text
+    assert "<script>window.__xss=7</script>" in msg.locator(".code-block code").inner_text()
+    for sel in ("img", "script", "iframe", "b", "[onerror]", "[onmouseover]", "[src]"):
+        assert msg.locator(sel).count() == 0, f"{sel} element created from model output"
+    assert content.locator("strong").inner_text() == "Bold"  # markdown still works
+    hrefs = content.locator("a").evaluate_all("els => els.map(a => a.getAttribute('href'))")
+    assert hrefs and all(h.startswith(("https://", "http://")) for h in hrefs), hrefs
+    assert "https://example.com/a" in hrefs
+    assert "bad link" in text and not any(h.startswith("javascript") for h in hrefs)
+    # Reasoning is collapsed and also text only.
+    details = msg.locator("details.reasoning")
+    assert details.is_visible() and details.get_attribute("open") is None
+    details.locator("summary").click()
+    assert "<img src=y onerror=alert(8)>" in details.inner_text()
+
+    msg.locator("text=raw").hover()
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.__xss") is None
+    assert dialogs == []
+    assert outside == [], f"the page fetched outside resources: {outside}"
+
+
+@pytest.mark.timeout(120)
+def test_error_states(page):
+    def overflow(route):
+        route.fulfill(status=400, content_type="application/json", body=json.dumps({"error": {
+            "message": "The prompt is too long: 9000 tokens, but the model's context is 8192 tokens.",
+            "type": "invalid_request_error", "param": "messages", "code": None}}))
+
+    page.route("**/v1/chat/completions", overflow)
+    _send(page, "A very long prompt")
+    err = _last_reply(page).locator(".msg-error")
+    err.wait_for()
+    assert "too long for this model" in err.inner_text()
+    assert "9000 tokens" in err.inner_text()
+    page.unroute("**/v1/chat/completions")
+
+    # max_tokens (64 here) leaves no room: the page offers to clear it and retry.
+    bodies: list[dict] = []
+
+    def no_room(route):
+        bodies.append(json.loads(route.request.post_data or "{}"))
+        if "max_tokens" in bodies[-1]:
+            route.fulfill(status=400, content_type="application/json", body=json.dumps({"error": {
+                "message": "the model's context is 8192 tokens; the prompt has 8150 and 64 more were asked for",
+                "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}}))
+        else:
+            _fulfill_sse(route, _sse([{"content": "Short."}]))
+
+    page.route("**/v1/chat/completions", no_room)
+    _send(page, "Another long prompt")
+    err = _last_reply(page).locator(".msg-error")
+    err.wait_for()
+    assert '"Max tokens" does not fit' in err.inner_text()
+    err.locator("button", has_text="Clear").click()
+    _wait_reply_done(page, 30_000)
+    assert _last_reply(page).locator(".msg-content").inner_text() == "Short."
+    assert bodies[-1].get("max_tokens") is None
+    assert json.loads(page.evaluate(f"localStorage.getItem({SETTINGS_KEY!r})"))["maxTokens"] is None
+    page.unroute("**/v1/chat/completions")
+    page.click("#new-chat")
+
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=400, content_type="application/json",
+        body=json.dumps({"error": {"message": "top_p must be in (0, 1]", "type": "invalid_request_error", "param": "top_p", "code": None}})))
+    _send(page, "hello")
+    err = _last_reply(page).locator(".msg-error")
+    err.wait_for()
+    assert "returned an error (400)" in err.inner_text()
+    assert "top_p must be in (0, 1]" in err.inner_text()
+    page.unroute("**/v1/chat/completions")
+
+    page.route("**/v1/chat/completions", lambda route: route.abort("connectionrefused"))
+    page.locator(".msg-error button", has_text="Retry").click()
+    page.wait_for_function("() => document.querySelector('.msg-error')?.textContent.includes('Cannot reach')")
+    assert page.locator("#status-dot.offline").count() == 1
+    page.unroute("**/v1/chat/completions")
+    # The page keeps polling /v1/models and comes back online by itself.
+    page.wait_for_selector("#status-dot.online", timeout=15_000)
+    assert page.locator("#banner").is_hidden()
+    # The failed exchange is not sent back: the request has alternating roles.
+    bodies = _mock_replies(page, ["Fine."])
+    _send(page, "again")
+    _wait_reply_done(page, 30_000)
+    roles = [m["role"] for m in bodies[0]["messages"]]
+    assert roles == ["user"], roles
+    assert bodies[0]["messages"][0]["content"] == "hello\n\nagain"
+
+
+@pytest.mark.timeout(120)
+def test_settings_edit_regenerate_and_manage(page):
+    page.route("**/ui/config.json", lambda route: route.fulfill(
+        status=200, content_type="application/json", body='{"api_key": "sk-test-123"}'))
+    page.reload()
+    _wait_ready(page)
+    auth: list[str | None] = []
+    page.on("request", lambda r: auth.append(r.headers.get("authorization")) if "/v1/chat/completions" in r.url else None)
+    bodies = _mock_replies(page, ["First **answer**.", "Second answer.", "Third answer."])
+
+    page.click("#open-settings")
+    page.fill("#set-system", "You are terse.")
+    page.fill("#set-temperature-num", "0.3")
+    page.fill("#set-top-p-num", "0.8")
+    page.fill("#set-max-tokens", "100")
+    page.click("#settings .settings-foot .primary")
+
+    _send(page, "Hi there")
+    _wait_reply_done(page, 30_000)
+    b = bodies[-1]
+    assert b["stream"] is True and b["stream_options"] == {"include_usage": True}
+    assert b["messages"] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    assert (b["temperature"], b["top_p"], b["max_tokens"]) == (0.3, 0.8, 100)
+    assert b.get("model") == page.locator("#model-name").get_attribute("data-model")
+    assert auth[-1] == "Bearer sk-test-123"
+
+    # Regenerate replaces the last reply.
+    page.click(".regen-btn")
+    _wait_reply_done(page, 30_000)
+    assert page.locator(".msg.assistant").count() == 1
+    assert _last_reply(page).locator(".msg-content").inner_text() == "Second answer."
+    assert bodies[-1]["messages"] == b["messages"]
+
+    # Edit the last user message: the reply after it is regenerated.
+    page.click(".msg.user .edit-btn")
+    page.fill(".edit-box", "Hello again")
+    page.press(".edit-box", "Enter")
+    _wait_reply_done(page, 30_000)
+    assert page.locator(".msg.user .bubble").inner_text() == "Hello again"
+    assert bodies[-1]["messages"][-1] == {"role": "user", "content": "Hello again"}
+    assert _last_reply(page).locator(".msg-content").inner_text() == "Third answer."
+
+    # Rename, export and delete from the sidebar.
+    item = page.locator(".conv-item.active")
+    item.hover()
+    item.locator("button[title='Rename']").click()
+    page.fill(".conv-rename", "My chat")
+    page.press(".conv-rename", "Enter")
+    item = page.locator(".conv-item", has_text="My chat")
+    assert item.count() == 1
+    item.hover()
+    with page.expect_download() as dl:
+        item.locator("button[title='Export as JSON']").click()
+    exported = json.loads(Path(dl.value.path()).read_text())
+    assert exported["title"] == "My chat"
+    assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
+    assert exported["messages"][1]["content"] == "Third answer."
+    item.hover()
+    item.locator("button[title='Delete']").click()
+    item.locator("button[title='Click again to delete']").click()
+    assert page.locator(".conv-item").count() == 0
+    assert page.locator("#empty").is_visible()
