@@ -27,14 +27,14 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "e2e": [PY, "-m", "pytest", "-q", "-x", str(ROOT / "tests/gpu")],
         "bandwidth": [PY, str(HERE / "bandwidth.py")],
         "decode-8b": offline + ["--shape", "llama-3.1-8b", "--batch", "1", "--input-len", "128",
-                                "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16"],
+                                "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16", "--profile"],
         "gpt-fast-8b": [PY, str(HERE / "peers/gpt_fast.py"), "--gpt-fast-dir", gpt_fast_dir],
         "kernel-times": [PY, str(HERE / "kernels_cuda.py")],
         "throughput-qwen3-0.6b": offline + ["--shape", "qwen3-0.6b", "--num-requests", "256",
                                            "--input-len", "100:1024", "--output-len", "100:1024",
-                                           "--dtype", "bfloat16"],
+                                           "--dtype", "bfloat16", "--profile"],
         "throughput-8b": offline + ["--shape", "llama-3.1-8b", "--num-requests", "1000",
-                                   "--input-len", "50:1000", "--output-len", "50:500", "--dtype", "bfloat16"],
+                                   "--input-len", "50:1000", "--output-len", "50:500", "--dtype", "bfloat16", "--profile"],
     }
 
 

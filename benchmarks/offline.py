@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also report host time per step phase")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -46,6 +47,7 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
 
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    phases = time_phases(llm) if args.profile else None
     start = time.perf_counter()
     first_token_at = None
     for _ in llm.stream(prompts, params):
@@ -65,7 +67,40 @@ def main() -> None:
     }
     if args.num_requests == 1:
         result["decode_tok_s"] = round((outputs[0] - 1) / (elapsed - (first_token_at - start)), 2)
+    if phases is not None:
+        result["steps"] = phases.pop("steps")
+        result["ms_per_step"] = {name: round(1e3 * t / max(result["steps"], 1), 3) for name, t in phases.items()}
     print(json.dumps(result))
+
+
+def time_phases(llm: LLM) -> dict[str, float]:
+    """Wraps the engine's step phases with host timers (the device is synchronised at
+    each step's token read-back, so 'sample' holds the device time not hidden)."""
+    totals = {"steps": 0, "schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "step": 0.0}
+    engine, runner = llm.engine, llm.engine.runner
+
+    def timed(owner, name, phase):
+        inner = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                totals[phase] += time.perf_counter() - t
+                if phase == "step":
+                    totals["steps"] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(engine, "step", "step")
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(runner, "prepare", "prepare")
+    timed(runner, "sampler", "sample")
+    if runner.decode_graphs is not None:
+        timed(runner, "decode_graphs", "forward")
+    timed(runner.model, "forward", "forward")
+    return totals
 
 
 if __name__ == "__main__":

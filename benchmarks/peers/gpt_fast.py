@@ -50,6 +50,7 @@ def main() -> None:
             for _ in range(args.new_tokens):
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
                     token, _ = decode_one(model, token.view(1, -1), pos)
+                token = token.clone()  # as generate.py does: the next replay reuses the output buffer
                 pos += 1
             torch.cuda.synchronize()
             return time.perf_counter() - start
