@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PACKAGES := -e '.[serve,test]' $(foreach p,$(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml),-e $(dir $(p)))
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test bench chromium
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml)
@@ -26,7 +26,11 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml backends/
 serve: setup
 	$(BIN)/xinfer --ui-server
 
-test: setup
+# the browser tests drive Debian's Chromium (Playwright's own browser download is not used)
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+test: setup chromium
 	$(BIN)/python -m pytest -q
 
 bench: setup
