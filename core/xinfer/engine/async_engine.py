@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
+from xinfer import ops
 from xinfer.engine.engine import EngineStats, LLMEngine, StepOutput
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
@@ -92,6 +93,7 @@ class AsyncEngine:
         self.stats = EngineStats(0, 0, 0.0, 0, 0, 0)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
+        self._num_adding = 0  # sequences sent to the engine thread, not yet in its queue
         self._handles: dict[str, tuple[RequestHandle, int]] = {}  # child id -> (handle, choice index)
         self._commands: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
@@ -151,8 +153,9 @@ class AsyncEngine:
         or params, from the engine), :class:`QueueFull` or :class:`EngineUnavailable`.
         """
         self._check_available()
-        if self.stats.num_waiting + len(self._commands) + len(children) > self.max_waiting:
-            raise QueueFull(f"{self.stats.num_waiting} requests are waiting (limit {self.max_waiting}); retry later")
+        waiting = self.stats.num_waiting + self._num_adding
+        if waiting >= self.max_waiting:
+            raise QueueFull(f"{waiting} sequences are waiting (limit {self.max_waiting}); retry later")
         request_id = f"req-{next(self._ids)}"
         child_ids = [f"{request_id}-{i}" for i in range(len(children))]
         handle = RequestHandle(request_id, num_prompt_tokens, child_ids)
@@ -160,6 +163,7 @@ class AsyncEngine:
         for index, child_id in enumerate(child_ids):
             self._handles[child_id] = (handle, index)
         self._send("add", (handle, children))
+        self._num_adding += len(children)
         try:
             await handle.accepted
         except BaseException:
@@ -167,6 +171,8 @@ class AsyncEngine:
             for child_id in child_ids:
                 self._handles.pop(child_id, None)
             raise
+        finally:
+            self._num_adding -= len(children)
         return handle
 
     async def stream(self, handle: RequestHandle) -> AsyncIterator[tuple[int, StepOutput]]:
@@ -353,8 +359,10 @@ def hidden_states(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
         engine.block_manager.release(seq)
         raise EngineBusy("the KV cache is full; retry the embedding later")
     try:
-        input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(token_ids))])
-        with forward_context(meta):
-            return engine.model(input_ids, positions).float().cpu()
+        batch = engine.runner.prepare([ScheduledSeq(seq, len(token_ids))])
+        with ops.use(engine.ops):
+            input_ids, positions, meta = engine.runner.to_device(batch)
+            with forward_context(meta):
+                return engine.model(input_ids, positions).float().cpu()
     finally:
         engine.block_manager.release(seq)

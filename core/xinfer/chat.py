@@ -1,0 +1,158 @@
+"""Terminal chat: ``python -m xinfer.chat [flags]`` or ``xinfer --i [flags]``.
+
+The engine runs in this process. Answers stream as they are generated; the
+conversation is kept (oldest turns dropped when it outgrows the context).
+Commands: ``/exit`` (or Ctrl+D), ``/clear``, ``/system TEXT``, ``/help``.
+Ctrl+C stops the answer being written.
+
+``xinfer --prompts "a|b" [--batch N]`` answers the prompts (N copies of them as
+one batch) and prints the answers and the throughput instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from typing import Sequence, TextIO
+
+from xinfer.engine.engine import LLMEngine
+from xinfer.sampling import SamplingParams
+
+HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a system prompt), /help"
+
+
+class Conversation:
+    def __init__(self, engine: LLMEngine, params: SamplingParams):
+        self.engine = engine
+        self.params = params
+        self.system: str | None = None
+        self.turns: list[dict[str, str]] = []
+        self._ids = itertools.count()
+
+    def messages(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.turns
+
+    def prompt(self) -> list[int]:
+        """The conversation's tokens, dropping the oldest turns until an answer fits."""
+        tokenizer = self.engine.tokenizer
+        room = self.engine.max_model_len - (self.params.max_tokens or 1)
+        while True:
+            text = tokenizer.chat_template.render(self.messages(), add_generation_prompt=True)
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(token_ids) <= room or len(self.turns) <= 1:
+                return token_ids[-room:]
+            self.turns = self.turns[2:]
+
+    def reply(self, user_text: str, out: TextIO) -> str:
+        self.turns.append({"role": "user", "content": user_text})
+        request_id = f"chat-{next(self._ids)}"
+        self.engine.add_request(request_id, self.prompt(), self.params)
+        answer = []
+        try:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    out.write(output.text)
+                    out.flush()
+                    answer.append(output.text)
+        except KeyboardInterrupt:
+            self.engine.abort(request_id)
+            out.write(" [stopped]")
+        out.write("\n")
+        text = "".join(answer)
+        self.turns.append({"role": "assistant", "content": text})
+        return text
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens or 1024,
+    )
+
+
+def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
+    interactive = stdin.isatty()
+    out.write(f"xinfer chat ({HELP})\n")
+    while True:
+        if interactive:
+            out.write(">>> ")
+            out.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit", "/bye"):
+            break
+        if line == "/clear":
+            conversation.turns.clear()
+        elif line.startswith("/system"):
+            conversation.system = line.removeprefix("/system").strip() or None
+        elif line == "/help" or line.startswith("/"):
+            out.write(HELP + "\n")
+        else:
+            conversation.reply(line, out)
+
+
+def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, out: TextIO = sys.stdout) -> None:
+    """Runs the prompts as one batch (each as a user turn when the model has a chat template)."""
+    tokenizer, template = engine.tokenizer, engine.tokenizer.chat_template
+    texts: dict[str, list[str]] = {}
+    for i, prompt in enumerate(prompts):
+        if template is not None:
+            prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        engine.add_request(str(i), tokenizer.encode(prompt, add_special_tokens=template is None), params)
+        texts[str(i)] = []
+    start, num_tokens = time.perf_counter(), 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            texts[output.request_id].append(output.text)
+            num_tokens += len(output.token_ids)
+    seconds = time.perf_counter() - start
+    for i, prompt in enumerate(prompts):
+        out.write(f"[{i}] {prompt}\n{''.join(texts[str(i)]).strip()}\n\n")
+    out.write(f"{len(prompts)} requests, {num_tokens} tokens in {seconds:.2f} s: {num_tokens / seconds:.1f} tok/s\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    from xinfer.server.launch import engine_config, resolve_model
+
+    try:
+        path = resolve_model(args)
+        config = engine_config(args, path)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"xinfer: {error}", file=sys.stderr)
+        return 2
+    print(f"loading {path} ...", file=sys.stderr)
+    engine = LLMEngine(config)
+    if engine.tokenizer is None or (engine.tokenizer.chat_template is None and not args.prompts):
+        print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
+        return 2
+    if args.prompts:
+        prompts = [p.strip() for p in args.prompts.split("|") if p.strip()]
+        answer_all(engine, prompts * (args.batch or 1), sampling_params(args))
+        return 0
+    try:
+        chat_loop(Conversation(engine, sampling_params(args)))
+    except KeyboardInterrupt:
+        print()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from xinfer.server.args import parse_args
+
+    return run(parse_args(argv, prog="python -m xinfer.chat"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The FastAPI application: routes, error shapes, API key, body limit."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from xinfer import __version__
+from xinfer.engine.async_engine import EngineUnavailable
+from xinfer.server.auth import APIKeyMiddleware
+from xinfer.server.body import DEFAULT_MAX_BODY_BYTES
+from xinfer.server.disconnect import ClientDisconnected
+from xinfer.server.errors import install_error_handlers
+from xinfer.server.routes import ROUTERS
+from xinfer.server.serving import Serving, unavailable
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
+
+
+def build_app(
+    serving: Serving,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    with_ui: bool = False,
+) -> FastAPI:
+    app = FastAPI(title="xinfer", version=__version__, docs_url="/docs", redoc_url=None)
+    app.state.serving = serving
+    app.state.max_body_bytes = max_body_bytes
+    install_error_handlers(app)
+
+    @app.exception_handler(EngineUnavailable)
+    async def engine_unavailable(_: Request, error: EngineUnavailable) -> Response:
+        return unavailable(error).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    for router in ROUTERS:
+        app.include_router(router)
+    if with_ui:
+        from xinfer.server.ui import mount_ui
+
+        mount_ui(app, api_key)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,178 @@
+"""xinfer's command-line flags (xInfer's names), each also settable as ``XINFER_<FLAG>``.
+
+A flag given on the command line wins over its environment variable. Flags of
+features that arrive later are listed in ``--help`` and refused with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+ENV_PREFIX = "XINFER_"
+DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off", ""}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one worth reading."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve an LLM with an OpenAI-compatible API (the embedded SmolLM2-135M-Instruct when no "
+        "model is given). Every flag can also be set as XINFER_<FLAG>, e.g. XINFER_MAX_NUM_SEQS=8.",
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--m", "--model", dest="model", metavar="ID_OR_PATH",
+                       help="HF model folder, GGUF file, or folder holding one (default: embedded SmolLM2)")
+    model.add_argument("--w", dest="weights", metavar="PATH", help="local safetensors folder")
+    model.add_argument("--f", dest="gguf_file", metavar="FILE", help="GGUF file (or a file inside the --m folder)")
+    model.add_argument("--served-model-name", metavar="NAME", help="model name in the API (default: from the path)")
+    model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
+                       help="auto (the model's, f32 on CPU), bf16, f16, f32")
+    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                       help="dummy: random weights of the right shapes (benchmarks)")
+    model.add_argument("--isq", metavar="TYPE", help="quantize weights at load (q2k..q8_0, w2) [later]")
+
+    device = p.add_argument_group("device")
+    device.add_argument("--d", dest="devices", metavar="IDS", help="device ids, e.g. 0; several = tensor parallel [later]")
+    device.add_argument("--cpu", action="store_true", help="run on the CPU")
+    device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
+
+    capacity = p.add_argument_group("capacity")
+    capacity.add_argument("--max-num-seqs", type=int, default=256, help="sequences in a running batch")
+    capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    capacity.add_argument("--max-tokens", type=int, help="default max generated tokens of a request (default: the rest of the context)")
+    capacity.add_argument("--kv-fraction", type=float, help="share of memory for weights + KV cache")
+    capacity.add_argument("--kvcache-dtype", default="auto", help="KV cache format: auto; fp8, turbo8, turbo4, turbo3 [later]")
+    capacity.add_argument("--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked")
+    capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
+    capacity.add_argument("--prefix-cache-max-tokens", type=int, help="bound the prefix cache [later]")
+
+    sampling = p.add_argument_group("sampling defaults (a request's own values win)")
+    sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    sampling.add_argument("--top-k", type=int, default=0, help="0: off")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2")
+    sampling.add_argument("--seed", type=int, help="default seed of requests (and of the engine's sampler)")
+
+    serving = p.add_argument_group("serving")
+    serving.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serving.add_argument("--port", type=int, default=8000, help="port of the API")
+    serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
+    serving.add_argument("--ui-port", type=int, help="port of the chat UI (default: --port + 1)")
+    serving.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
+    serving.add_argument("--max-waiting", type=int, default=256, help="waiting sequences before answering 429")
+    serving.add_argument("--shutdown-timeout", type=float, default=30.0,
+                         help="seconds in-flight requests may take to finish after SIGTERM")
+    serving.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    serving.add_argument("--health-stall-timeout", type=float, default=300.0,
+                         help="a step running longer makes /health answer 503")
+    serving.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log detail")
+    serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+    chat = p.add_argument_group("terminal")
+    chat.add_argument("--i", dest="interactive", action="store_true", help="interactive terminal chat instead of serving")
+    chat.add_argument("--prompts", help='answer these prompts ("a|b"), print the answers and the speed, exit')
+    chat.add_argument("--batch", type=int, help="with --prompts: run N copies of the prompts as one batch")
+
+    later = p.add_argument_group("later features (listed, not yet available)")
+    later.add_argument("--num-speculative-tokens", type=int, help="speculative decoding [later]")
+    later.add_argument("--draft-model", help="draft model for speculative decoding [later]")
+    later.add_argument("--pd-server", action="store_true", help="prefill/decode disaggregation: server [later]")
+    later.add_argument("--pd-client", action="store_true", help="prefill/decode disaggregation: client [later]")
+    later.add_argument("--pd-url", help="prefill/decode disaggregation: peer URL [later]")
+    later.add_argument("--mcp-config", help="MCP tools config file [later]")
+    later.add_argument("--mcp-command", help="MCP server command [later]")
+    later.add_argument("--mcp-args", help="MCP server arguments [later]")
+    later.add_argument("--enforce-parser", help="tool-call parser [later]")
+    later.add_argument("--num-nodes", type=int, default=1, help="multi-node [later beyond 1]")
+    later.add_argument("--node-rank", type=int, default=0, help="multi-node [later]")
+    later.add_argument("--master-addr", help="multi-node [later]")
+    later.add_argument("--master-port", type=int, help="multi-node [later]")
+    return p
+
+
+LATER_FEATURES = {
+    "isq": "in-situ weight quantization (--isq)",
+    "prefix_cache_max_tokens": "a bounded prefix cache (--prefix-cache-max-tokens)",
+    "num_speculative_tokens": "speculative decoding (--num-speculative-tokens)",
+    "draft_model": "speculative decoding with a draft model (--draft-model)",
+    "pd_server": "prefill/decode disaggregation (--pd-server)",
+    "pd_client": "prefill/decode disaggregation (--pd-client)",
+    "pd_url": "prefill/decode disaggregation (--pd-url)",
+    "mcp_config": "MCP tools (--mcp-config)",
+    "mcp_command": "MCP tools (--mcp-command)",
+    "mcp_args": "MCP tools (--mcp-args)",
+    "enforce_parser": "tool-call parsing (--enforce-parser)",
+    "node_rank": "multi-node serving (--node-rank)",
+    "master_addr": "multi-node serving (--master-addr)",
+    "master_port": "multi-node serving (--master-port)",
+}
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argparse.Namespace:
+    parser = build_parser(prog)
+    apply_environment(parser, os.environ)
+    args = parser.parse_args(argv)
+    refusal = later_feature(args, parser)
+    if refusal:
+        print(f"{prog}: {refusal} is not available yet in this version of xinfer", file=sys.stderr)
+        raise SystemExit(2)
+    return args
+
+
+def later_feature(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    for dest, feature in LATER_FEATURES.items():
+        if getattr(args, dest) != parser.get_default(dest):
+            return feature
+    if args.devices and "," in args.devices:
+        return f"tensor parallel over several devices (--d {args.devices})"
+    if args.kvcache_dtype != "auto":
+        return f"the {args.kvcache_dtype} KV cache format (--kvcache-dtype)"
+    if args.num_nodes != 1:
+        return "multi-node serving (--num-nodes)"
+    return None
+
+
+def env_names(action: argparse.Action) -> list[str]:
+    return [ENV_PREFIX + o.lstrip("-").upper().replace("-", "_") for o in action.option_strings]
+
+
+def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] | os._Environ) -> None:
+    """Makes ``XINFER_<FLAG>`` values the defaults, so that flags still win."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        for name in env_names(action):
+            if name in environ:
+                parser.set_defaults(**{action.dest: _convert(parser, action, name, environ[name])})
+                break
+
+
+def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str) -> Any:
+    if isinstance(action, argparse._StoreTrueAction):
+        value = raw.strip().lower()
+        if value not in TRUE | FALSE:
+            parser.error(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+        return value in TRUE
+    try:
+        value = action.type(raw) if action.type else raw
+    except ValueError:
+        parser.error(f"{name}={raw!r}: not a valid {getattr(action.type, '__name__', 'value')}")
+    if action.choices is not None and value not in action.choices:
+        parser.error(f"{name}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
+    return value

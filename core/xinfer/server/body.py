@@ -1,0 +1,44 @@
+"""Reading a JSON request body: size limit (413), content type and JSON (400)."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from xinfer.server.errors import APIError, bad_request, from_validation
+
+Body = TypeVar("Body", bound=BaseModel)
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    raw = await read_limited(request, request.app.state.max_body_bytes)
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type != "application/json" and not content_type.endswith("+json"):
+        raise bad_request(f"the body must be JSON sent as Content-Type: application/json, not {content_type!r}")
+    if not raw.strip():
+        raise bad_request("the request body is empty")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise from_validation(error) from None
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the body has {size} bytes or more, the limit is {limit} bytes", code="request_too_large")

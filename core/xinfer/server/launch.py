@@ -1,0 +1,202 @@
+"""Starting the server: resolve the model, build the engine (on its own thread),
+run the API (and the UI) under uvicorn, and shut down gracefully on SIGTERM.
+
+SIGTERM (or Ctrl+C) stops accepting connections, answers new requests on open
+connections with 503, lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, then aborts the rest (their streams end with
+``finish_reason: "abort"``) and exits 0. A second Ctrl+C exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import uvicorn
+
+from xinfer.config import EngineConfig
+from xinfer.engine.async_engine import AsyncEngine, EngineState
+from xinfer.engine.engine import LLMEngine
+from xinfer.server.app import build_app
+from xinfer.server.args import parse_args
+from xinfer.server.metrics import Metrics
+from xinfer.server.params import SamplingDefaults
+from xinfer.server.serving import Serving
+
+log = logging.getLogger("xinfer")
+
+STREAM_FLUSH_SECONDS = 2.0
+
+
+def model_source(args: argparse.Namespace) -> str | None:
+    """What ``--w``, ``--f`` and ``--m`` name, before resolution (None: the default model)."""
+    if args.gguf_file and args.model and not Path(args.gguf_file).is_absolute():
+        return str(Path(args.model) / args.gguf_file)
+    return args.gguf_file or args.weights or args.model
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    from xinfer.loading.resolve import resolve_model_path
+
+    return Path(resolve_model_path(model_source(args)))
+
+
+def device_of(args: argparse.Namespace) -> str:
+    if args.cpu:
+        return "cpu"
+    if args.devices:
+        return f"cuda:{int(args.devices)}"
+    return "auto"
+
+
+def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
+    options: dict[str, Any] = dict(
+        model=str(path),
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        seed=args.seed if args.seed is not None else 0,
+        kv_fraction=args.kv_fraction,
+        enable_prefix_caching=not args.disable_prefix_cache,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.prefill_chunk_size,
+        device=device_of(args),
+        enforce_eager=args.disable_cuda_graph,
+    )
+    return EngineConfig.from_kwargs(**options)
+
+
+def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[str]]:
+    """The model's name in the API, and other names requests may use for it."""
+    source = model_source(args)
+    name = args.served_model_name or source or path.stem
+    aliases = {n for n in (source, args.model, str(path), path.name, path.stem) if n}
+    return name, frozenset(aliases - {name})
+
+
+def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
+    return SamplingDefaults(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: :class:`GracefulShutdown` owns SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class GracefulShutdown:
+    def __init__(self, engine: AsyncEngine, servers: list[uvicorn.Server], timeout: float):
+        self.engine = engine
+        self.servers = servers
+        self.timeout = timeout
+        self.exit_code = 0
+        self.task: asyncio.Task | None = None
+
+    def trigger(self, sig: int | None = None) -> None:
+        if self.task is None:
+            log.info("shutting down: finishing in-flight requests (up to %.0f s)", self.timeout)
+            self.task = asyncio.ensure_future(self.drain())
+        elif sig == signal.SIGINT:
+            log.info("second interrupt: exiting now")
+            self.engine.abort_all()
+            for server in self.servers:
+                server.should_exit = server.force_exit = True
+
+    async def drain(self) -> None:
+        self.engine.begin_drain()
+        for server in self.servers:
+            for listener in getattr(server, "servers", []):
+                listener.close()
+        if not await self.engine.wait_idle(self.timeout):
+            log.warning("shutdown timeout: aborting %d request(s)", self.engine.num_in_flight)
+            self.engine.abort_all()
+            await self.engine.wait_idle(STREAM_FLUSH_SECONDS)
+        for server in self.servers:
+            server.should_exit = True
+
+    def fail(self, code: int) -> None:
+        self.exit_code = code
+        self.timeout = 0
+        self.trigger()
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=STREAM_FLUSH_SECONDS,
+        timeout_keep_alive=5,
+    )
+
+
+async def serve(args: argparse.Namespace, path: Path) -> int:
+    loop = asyncio.get_running_loop()
+    config = engine_config(args, path)
+    engine = AsyncEngine(
+        lambda: LLMEngine(config), max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
+    )
+    metrics = Metrics(engine)
+    engine.on_request_done = metrics.request_done
+    name, aliases = served_names(args, path)
+    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases)
+    app = build_app(serving, args.api_key, args.max_body_bytes)
+    servers = [_Server(uvicorn_config(app, args, args.port))]
+    if args.ui_server:
+        ui_app = build_app(serving, args.api_key, args.max_body_bytes, with_ui=True)
+        servers.append(_Server(uvicorn_config(ui_app, args, args.ui_port or args.port + 1)))
+    shutdown = GracefulShutdown(engine, servers, args.shutdown_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, shutdown.trigger, sig)
+    log.info("loading %s", path)
+    engine.start(loop)
+    watcher = asyncio.ensure_future(_exit_if_loading_fails(engine, shutdown))
+    try:
+        await asyncio.gather(*(server.serve() for server in servers))
+    finally:
+        watcher.cancel()
+        engine.stop()
+    return shutdown.exit_code
+
+
+async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+    if engine.state is EngineState.DEAD:
+        log.error("the model could not be loaded: %s", engine.error)
+        shutdown.fail(1)
+    else:
+        log.info("model loaded; serving")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        path = resolve_model(args)
+        engine_config(args, path)  # bad values fail here, in one line, before any port opens
+    except (ValueError, FileNotFoundError) as error:
+        print(f"xinfer: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(args, path))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m xinfer.server") -> int:
+    return run(parse_args(argv, prog))

@@ -1,0 +1,79 @@
+"""Prometheus metrics (``GET /metrics``).
+
+Engine state (running, waiting, KV usage, prefix cache, preemptions) is read from
+the engine thread's last snapshot at scrape time; request figures (tokens,
+latencies, outcomes) are recorded as each request ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from xinfer.engine.async_engine import AsyncEngine, RequestHandle
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class EngineCollector:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats
+        block_size = self.engine.engine.block_manager.block_size if self.engine.engine is not None else 0
+        yield GaugeMetricFamily("xinfer_num_requests_running", "Sequences in the running batch", stats.num_running)
+        yield GaugeMetricFamily("xinfer_num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting)
+        yield GaugeMetricFamily("xinfer_kv_cache_usage", "Share of KV cache blocks in use (0 to 1)", stats.kv_usage)
+        yield CounterMetricFamily(
+            "xinfer_prefix_cache_queries",
+            "Prompt tokens (in full blocks) looked up in the prefix cache",
+            stats.prefix_cache_queries * block_size,
+        )
+        yield CounterMetricFamily(
+            "xinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits * block_size
+        )
+        yield CounterMetricFamily("xinfer_num_preemptions", "Sequences preempted for KV space", stats.num_preemptions)
+        healthy, _ = self.engine.health()
+        yield GaugeMetricFamily("xinfer_engine_healthy", "1 when the engine loop is ready and stepping", int(healthy))
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(engine))
+        r = self.registry
+        self.prompt_tokens = Counter("xinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("xinfer_generation_tokens", "Generated tokens", registry=r)
+        self.finished = Counter(
+            "xinfer_requests_finished", "Requests ended, by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter("xinfer_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
+        self.ttft = Histogram(
+            "xinfer_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "xinfer_inter_token_latency_seconds", "Time between tokens of a choice", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "xinfer_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r
+        )
+
+    def request_done(self, handle: RequestHandle) -> None:
+        self.prompt_tokens.inc(handle.num_prompt_tokens)
+        self.generation_tokens.inc(handle.num_generated)
+        reasons = list(handle.finish_reasons.values())
+        for reason in reasons + ["abort"] * (len(handle.child_ids) - len(reasons)):
+            self.finished.labels(reason).inc()
+        if handle.first_token_time is not None:
+            self.ttft.observe(handle.first_token_time - handle.arrival)
+        for latency in handle.inter_token_latencies:
+            self.itl.observe(latency)
+        self.e2e.observe(time.monotonic() - handle.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""Turning request bodies into prompt token ids: chat templates and plain prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xinfer.server.errors import bad_request
+from xinfer.server.protocol import ChatMessage, Prompt
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: content joined into one string."""
+    result = []
+    for i, message in enumerate(messages):
+        item = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            for part in message.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"content part of type {part.type!r} is not supported: this model takes text only",
+                        param=f"messages.{i}.content",
+                    )
+            item["content"] = "\n".join(part.text for part in message.content)
+        result.append(item)
+    return result
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    from xinfer.text.chat_template import ChatTemplateError
+
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise bad_request("this model has no chat template: use /v1/completions with a plain prompt")
+    dicts = message_dicts(messages)
+    try:
+        text = template.render(
+            dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+        )
+    except ChatTemplateError as error:
+        raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from None
+    except TypeError as error:  # an unknown keyword in chat_template_kwargs
+        raise bad_request(f"chat_template_kwargs: {error}", param="chat_template_kwargs") from None
+    if continue_final_message:
+        text = _cut_after_final_message(text, dicts[-1].get("content", ""))
+    return text
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """The rendered chat up to the end of the last message, so the model continues it."""
+    end = text.rfind(final)
+    if not final or end < 0:
+        raise bad_request("continue_final_message needs a final message with text content")
+    return text[: end + len(final)]
+
+
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    # the template writes any BOS itself
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompts(tokenizer: Any, prompt: Prompt, add_special_tokens: bool = True) -> list[list[int]]:
+    """A completion or embedding prompt: a string, strings, token ids, or lists of them."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    if not token_ids:
+        raise bad_request("a prompt is empty", param=param)
+    low, high = min(token_ids), max(token_ids)
+    if low < 0 or high >= vocab_size:
+        raise bad_request(f"token ids must be in [0, {vocab_size}), got {low}..{high}", param=param)

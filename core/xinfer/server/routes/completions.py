@@ -1,0 +1,132 @@
+"""``POST /v1/completions``: one prompt or many, as text or token ids.
+
+Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from xinfer.engine.async_engine import EngineUnavailable, RequestHandle
+from xinfer.server import sse
+from xinfer.server.body import parse_body
+from xinfer.server.disconnect import unless_disconnected
+from xinfer.server.errors import error_body
+from xinfer.server.logprobs import extend_completion_logprobs
+from xinfer.server.params import choice_params
+from xinfer.server.prompts import check_token_ids, encode_prompts
+from xinfer.server.protocol import CompletionRequest
+from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage, new_id, usage
+from xinfer.server.serving import Serving
+from xinfer.server.streaming import EngineStreamResponse
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(request: Request) -> Response:
+    serving: Serving = request.app.state.serving
+    body = await parse_body(request, CompletionRequest)
+    serving.check_model(body.model)
+    prompts = encode_prompts(serving.tokenizer, body.prompt, body.add_special_tokens)
+    children = []
+    for i, prompt in enumerate(prompts):
+        check_token_ids(prompt, serving.vocab_size, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+        params = choice_params(
+            body, serving.defaults, len(prompt), serving.max_model_len, body.token_limit, body.num_logprobs
+        )
+        children += [(prompt, p) for p in params]
+    handle = await serving.submit(request, children, sum(len(p) for p in prompts))
+    run = CompletionRun(serving, body, handle, prompts)
+    if body.stream:
+        return EngineStreamResponse(run.events(), serving.engine, handle)
+    try:
+        return JSONResponse((await run.collect(request)).model_dump())
+    finally:
+        serving.engine.release(handle)
+
+
+class CompletionRun:
+    def __init__(self, serving: Serving, body: CompletionRequest, handle: RequestHandle, prompts: list[list[int]]):
+        self.serving = serving
+        self.body = body
+        self.handle = handle
+        self.prompts = prompts
+        self.id = new_id("cmpl")
+        num_choices = len(prompts) * body.n
+        self.offsets = [0] * num_choices
+        self.logprobs = [CompletionLogprobs() if body.logprobs is not None else None for _ in range(num_choices)]
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.body.n]
+
+    def echo(self, index: int) -> str:
+        """The prompt's text, for ``echo``; its tokens enter the logprobs without values."""
+        if not self.body.echo:
+            return ""
+        prompt = self.prompt_of(index)
+        self.add_logprobs(index, prompt, [None] * len(prompt))
+        return self.serving.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def add_logprobs(self, index: int, token_ids: list[int], entries: list) -> None:
+        result = self.logprobs[index]
+        if result is not None:
+            self.offsets[index] = extend_completion_logprobs(
+                result, token_ids, entries, self.body.logprobs or 0, self.serving.token_text, self.offsets[index]
+            )
+
+    def usage(self) -> Usage:
+        handle, n = self.handle, self.body.n
+        cached = sum(
+            max((handle.cached_tokens.get(i * n + j, 0) for j in range(n)), default=0) for i in range(len(self.prompts))
+        )
+        return usage(handle.num_prompt_tokens, handle.num_generated, cached)
+
+    async def collect(self, request: Request) -> Completion:
+        num_choices = len(self.offsets)
+        texts = [self.echo(i) for i in range(num_choices)]
+        reasons: list[str | None] = [None] * num_choices
+        stop_reasons: list[str | int | None] = [None] * num_choices
+
+        async def run() -> None:
+            async for index, out in self.serving.engine.stream(self.handle):
+                texts[index] += out.text
+                self.add_logprobs(index, out.token_ids, out.logprobs)
+                if out.finished:
+                    reasons[index], stop_reasons[index] = out.finish_reason, out.stop_reason
+
+        await unless_disconnected(request, run())
+        choices = [
+            CompletionChoice(
+                index=i, text=texts[i], logprobs=self.logprobs[i], finish_reason=reasons[i], stop_reason=stop_reasons[i]
+            )
+            for i in range(num_choices)
+        ]
+        return Completion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None) -> str:
+        logprobs = self.logprobs[index]
+        if logprobs is not None:
+            self.logprobs[index] = CompletionLogprobs()  # each chunk carries only its own tokens
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return sse.event(Completion(id=self.id, model=self.serving.model_name, choices=[choice]))
+
+    async def events(self) -> AsyncIterator[str]:
+        if self.body.echo:
+            for index in range(len(self.offsets)):
+                yield self.chunk(index, self.echo(index))
+        try:
+            async for index, out in self.serving.engine.stream(self.handle):
+                self.add_logprobs(index, out.token_ids, out.logprobs)
+                if out.text or out.finished or self.logprobs[index] is not None:
+                    yield self.chunk(index, out.text, out.finish_reason if out.finished else None)
+        except EngineUnavailable as error:
+            yield sse.event(error_body(503, str(error)))
+            yield sse.DONE
+            return
+        if self.body.include_usage:
+            yield sse.event(Completion(id=self.id, model=self.serving.model_name, choices=[], usage=self.usage()))
+        yield sse.DONE

@@ -1,0 +1,43 @@
+"""``POST /tokenize`` (a prompt or chat messages) and ``POST /detokenize``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from xinfer.server.body import parse_body
+from xinfer.server.prompts import check_token_ids, render_chat
+from xinfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from xinfer.server.responses import DetokenizeResult, TokenizeResult
+from xinfer.server.serving import Serving
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    serving: Serving = request.app.state.serving
+    body = await parse_body(request, TokenizeRequest)
+    serving.check_model(body.model)
+    tokenizer = serving.tokenizer
+    if body.messages is not None:
+        text = render_chat(
+            tokenizer, body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+        )
+        special = bool(body.add_special_tokens)  # a template writes its own BOS
+    else:
+        text, special = body.prompt, body.add_special_tokens is not False
+    tokens = tokenizer.encode(text, add_special_tokens=special)
+    result = TokenizeResult(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len)
+    return JSONResponse(result.model_dump())
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    serving: Serving = request.app.state.serving
+    body = await parse_body(request, DetokenizeRequest)
+    serving.check_model(body.model)
+    if body.tokens:
+        check_token_ids(body.tokens, serving.vocab_size, "tokens")
+    text = serving.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return JSONResponse(DetokenizeResult(prompt=text).model_dump())

@@ -1,0 +1,94 @@
+"""What every route shares: the engine, the served model's name, defaults and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from xinfer.engine.async_engine import AsyncEngine, EngineBusy, EngineUnavailable, QueueFull, RequestHandle
+from xinfer.engine.engine import LLMEngine
+from xinfer.sampling import SamplingParams
+from xinfer.server.disconnect import unless_disconnected
+from xinfer.server.errors import APIError, bad_request
+from xinfer.server.metrics import Metrics
+from xinfer.server.params import SamplingDefaults
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class Serving:
+    engine: AsyncEngine
+    model_name: str
+    model_root: str | None
+    defaults: SamplingDefaults
+    metrics: Metrics
+    aliases: frozenset[str] = frozenset()
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def llm(self) -> LLMEngine:
+        if self.engine.engine is None:
+            raise unavailable(EngineUnavailable(f"the engine is {self.engine.state.value}"))
+        return self.engine.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: send token ids")
+        return tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.hf_config.vocab_size
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name and name not in self.aliases:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def submit(
+        self, request: Request, children: list[tuple[list[int], SamplingParams]], num_prompt_tokens: int
+    ) -> RequestHandle:
+        """Queues the choices of a request; errors become 400, 429 or 503."""
+        try:
+            return await unless_disconnected(request, self.engine.submit(children, num_prompt_tokens))
+        except QueueFull as error:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(
+                429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+            ) from None
+        except EngineUnavailable as error:
+            self.metrics.rejected.labels("unavailable").inc()
+            raise unavailable(error) from None
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+
+    async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
+        try:
+            return await unless_disconnected(request, self.engine.embed(token_ids))
+        except (EngineUnavailable, EngineBusy) as error:
+            raise unavailable(error) from None
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def unavailable(error: Exception) -> APIError:
+    return APIError(503, str(error), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -1,0 +1,123 @@
+"""/v1/chat/completions through the official openai client."""
+
+from __future__ import annotations
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_non_streaming_answer_has_openai_shape(client, model):
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=40)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 40
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_stream_equals_non_stream_at_temperature_0(client, model):
+    whole = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=32)
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=32,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_no_usage_chunk_unless_asked(client, model):
+    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, stream=True))
+    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_finish_reason_stop_length_and_stop_string(client, model):
+    natural = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=200)
+    assert natural.choices[0].finish_reason == "stop"  # the model ends its one sentence
+    assert natural.usage.completion_tokens < 200
+
+    short = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=3)
+    assert short.choices[0].finish_reason == "length"
+    assert short.usage.completion_tokens == 3
+
+    text = natural.choices[0].message.content
+    words = text.split()
+    stop = " " + words[len(words) // 2]  # a stop string the greedy answer is known to contain
+    cut = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=200, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    streamed = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=200, stop=stop, stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[: text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_with_seed_is_reproducible(client, model):
+    ask = dict(model=model, messages=QUESTION, n=2, seed=1234, temperature=1.0, max_tokens=16)
+    first, second = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+    assert all(c.message.content for c in first.choices)
+
+
+def test_repeated_system_prompt_reports_cached_tokens(client, model):
+    system = "You are a meticulous assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    second = client.chat.completions.create(
+        model=model, messages=messages[:1] + [{"role": "user", "content": "Say goodbye."}], max_tokens=4
+    )
+    assert first.usage.prompt_tokens > 300
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256, cached  # the shared system prompt, in whole blocks
+    assert cached < second.usage.prompt_tokens
+
+
+def test_logprobs(client, model):
+    reply = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.logprob == values[0]  # greedy takes the most likely token
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_sampling_parameters_are_accepted(client, model):
+    reply = client.chat.completions.create(
+        model=model, messages=QUESTION, max_completion_tokens=5, temperature=0.7, top_p=0.9,
+        frequency_penalty=0.5, presence_penalty=0.3, seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert reply.usage.completion_tokens <= 5
+
+
+def test_streaming_n_2_interleaves_choices(client, model):
+    ask = dict(model=model, messages=QUESTION, n=2, seed=99, max_tokens=12)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

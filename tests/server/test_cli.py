@@ -1,0 +1,89 @@
+"""The xinfer command line, without loading a model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.server.live import REPO
+from xinfer.server.args import build_parser, parse_args
+
+ISSUE_FLAGS = [
+    "--m", "--model", "--w", "--f", "--d", "--dtype", "--cpu", "--kvcache-dtype", "--max-num-seqs",
+    "--max-model-len", "--max-tokens", "--kv-fraction", "--prefill-chunk-size", "--disable-prefix-cache",
+    "--disable-cuda-graph", "--temperature", "--top-k", "--top-p", "--frequency-penalty", "--presence-penalty",
+    "--seed", "--host", "--port", "--ui-server", "--api-key", "--i", "--isq", "--num-speculative-tokens",
+    "--draft-model", "--pd-server", "--pd-client", "--pd-url", "--mcp-config", "--enforce-parser",
+    "--max-waiting", "--shutdown-timeout",
+]
+
+
+def xinfer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    code = "import sys; from xinfer.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_help_lists_every_flag():
+    result = xinfer("--help")
+    assert result.returncode == 0
+    for flag in ISSUE_FLAGS:
+        assert flag in result.stdout, flag
+
+
+@pytest.mark.parametrize("flags, feature", [
+    (["--isq", "q4k"], "--isq"),
+    (["--d", "0,1"], "tensor parallel"),
+    (["--kvcache-dtype", "turbo4"], "turbo4"),
+    (["--num-speculative-tokens", "2"], "speculative"),
+    (["--pd-server"], "disaggregation"),
+    (["--mcp-config", "tools.json"], "MCP"),
+    (["--num-nodes", "2"], "multi-node"),
+])
+def test_later_features_are_refused_in_one_line(flags, feature):
+    result = xinfer(*flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and feature in lines[0] and "not available yet" in lines[0], result.stderr
+
+
+def test_plugins_lists_name_version_hooks_and_registrations():
+    result = xinfer("plugins")
+    assert result.returncode == 0
+    assert "llama" in result.stdout and "hooks: xinfer_architectures" in result.stdout
+    assert "LlamaForCausalLM" in result.stdout and "backends: cpu" in result.stdout
+
+
+def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("XINFER_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("XINFER_PORT", "9000")
+    monkeypatch.setenv("XINFER_CPU", "yes")
+    monkeypatch.setenv("XINFER_MODEL", "/models/a.gguf")
+    monkeypatch.setenv("XINFER_API_KEY", "sk-env")
+    args = parse_args(["--port", "9100"])
+    assert (args.max_num_seqs, args.port, args.cpu, args.model, args.api_key) == (8, 9100, True, "/models/a.gguf", "sk-env")
+    assert parse_args(["--m", "/models/b"]).model == "/models/b"
+
+
+def test_bad_environment_values_are_one_clear_error():
+    result = xinfer(env={"XINFER_MAX_NUM_SEQS": "many"})
+    assert result.returncode == 2 and "XINFER_MAX_NUM_SEQS='many'" in result.stderr
+    result = xinfer(env={"XINFER_CPU": "maybe"})
+    assert result.returncode == 2 and "XINFER_CPU" in result.stderr
+
+
+def test_defaults_match_xinfer():
+    args = build_parser().parse_args([])
+    assert args.port == 8000 and args.prefill_chunk_size == 8192 and args.model is None
+    assert not args.disable_prefix_cache and not args.ui_server
+
+
+def test_a_missing_model_file_is_one_line():
+    result = xinfer("--m", "/no/such/model.gguf")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "/no/such/model.gguf" in result.stderr

@@ -1,0 +1,144 @@
+"""The engine front without a model: loading, a dead or stuck loop, and /health."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+
+from xinfer.engine.async_engine import AsyncEngine
+from xinfer.engine.engine import EngineStats, StepOutput
+from xinfer.server.app import build_app
+from xinfer.server.metrics import Metrics
+from xinfer.server.params import SamplingDefaults
+from xinfer.server.serving import Serving
+
+
+class ScriptedEngine:
+    """Generates token 7 forever (text "a"); ``step_hook`` runs before each step."""
+
+    max_model_len = 128
+
+    def __init__(self, step_hook=lambda: None):
+        self.step_hook = step_hook
+        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [1, 2, 3],
+                                         decode=lambda ids, skip_special_tokens=True: "a" * len(ids),
+                                         chat_template=None)
+        self.hf_config = SimpleNamespace(vocab_size=100, hidden_size=8)
+        self.block_manager = SimpleNamespace(block_size=16)
+        self.live: dict[str, int] = {}
+
+    def add_request(self, request_id, prompt, params):
+        self.live[request_id] = params.max_tokens
+
+    def abort(self, request_id):
+        self.live.pop(request_id, None)
+
+    def has_unfinished(self):
+        return bool(self.live)
+
+    def stats(self):
+        return EngineStats(len(self.live), 0, 0.0, 0, 0, 0)
+
+    def step(self):
+        self.step_hook()
+        outputs = []
+        for request_id in list(self.live):
+            self.live[request_id] -= 1
+            done = self.live[request_id] == 0
+            if done:
+                del self.live[request_id]
+            outputs.append(StepOutput(request_id, [7], "a", finished=done, finish_reason="length" if done else None))
+        time.sleep(0.01)
+        return outputs
+
+
+async def with_app(factory, body, stall_timeout: float = 300.0):
+    engine = AsyncEngine(factory, stall_timeout=stall_timeout)
+    metrics = Metrics(engine)
+    engine.on_request_done = metrics.request_done
+    app = build_app(Serving(engine, "m", None, SamplingDefaults(), metrics))
+    engine.start()
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+            return await body(http, engine)
+    finally:
+        engine.stop(timeout=5)
+
+
+def completion(max_tokens: int = 3) -> dict:
+    return {"prompt": [1, 2, 3], "max_tokens": max_tokens}
+
+
+def test_health_is_503_while_loading_then_200():
+    loaded = threading.Event()
+
+    def factory():
+        loaded.wait(10)
+        return ScriptedEngine()
+
+    async def body(http, engine):
+        loading = await http.get("/health")
+        busy = await http.post("/v1/completions", json=completion())
+        loaded.set()
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        ready = await http.get("/health")
+        answer = await http.post("/v1/completions", json=completion())
+        return loading, busy, ready, answer
+
+    loading, busy, ready, answer = asyncio.run(with_app(factory, body))
+    assert (loading.status_code, loading.json()["status"]) == (503, "loading")
+    assert busy.status_code == 503 and busy.headers["Retry-After"]
+    assert ready.status_code == 200
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "aaa"
+
+
+def test_a_dead_engine_loop_fails_requests_and_health():
+    def explode():
+        raise RuntimeError("device lost")
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        in_flight = await http.post("/v1/completions", json=completion())
+        health = await http.get("/health")
+        later = await http.post("/v1/completions", json=completion())
+        return in_flight, health, later
+
+    in_flight, health, later = asyncio.run(with_app(lambda: ScriptedEngine(explode), body))
+    assert in_flight.status_code == 503 and "device lost" in in_flight.json()["error"]["message"]
+    assert health.status_code == 503
+    assert health.json()["status"] == "dead" and "device lost" in health.json()["error"]
+    assert later.status_code == 503
+
+
+def test_a_stuck_step_makes_health_503():
+    release = threading.Event()
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        request = asyncio.ensure_future(http.post("/v1/completions", json=completion(1)))
+        await asyncio.sleep(0.6)
+        stuck = await http.get("/health")
+        release.set()
+        await request
+        return stuck, await http.get("/health")
+
+    stuck, recovered = asyncio.run(with_app(lambda: ScriptedEngine(lambda: release.wait(10)), body, stall_timeout=0.3))
+    assert (stuck.status_code, stuck.json()["status"]) == (503, "stalled")
+    assert recovered.status_code == 200
+
+
+def test_failed_loading_is_reported():
+    def factory():
+        raise FileNotFoundError("no weights here")
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        return await http.get("/health")
+
+    health = asyncio.run(with_app(factory, body))
+    assert health.status_code == 503 and "no weights here" in health.json()["error"]

@@ -1,0 +1,118 @@
+"""Bad requests get OpenAI-shaped errors with the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_BODY_BYTES, MAX_MODEL_LEN
+
+HI = [{"role": "user", "content": "Hi"}]
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+LONG_TEXT = "hello " * (MAX_MODEL_LEN + 200)
+
+
+def chat(**fields):
+    return {"messages": HI, "max_tokens": 2, **fields}
+
+
+# (name, path, body or raw bytes, headers, status, param expected in the error (None: don't check), words in message)
+ROWS = [
+    ("missing messages", CHAT, {"max_tokens": 2}, {}, 400, "messages", "required"),
+    ("empty messages", CHAT, {"messages": []}, {}, 400, "messages", "at least 1"),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages.0.role", ""),
+    ("content of wrong type", CHAT, {"messages": [{"role": "user", "content": 42}]}, {}, 400, None, "content"),
+    ("user message without content", CHAT, {"messages": [{"role": "user"}]}, {}, 400, None, "content"),
+    ("image content part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, {}, 400, "messages.0.content", "text only"),
+    ("temperature as a string", CHAT, chat(temperature="hot"), {}, 400, "temperature", ""),
+    ("temperature a number in a string", CHAT, chat(temperature="0.5"), {}, 400, "temperature", ""),
+    ("negative temperature", CHAT, chat(temperature=-1), {}, 400, "temperature", "0"),
+    ("temperature too high", CHAT, chat(temperature=5), {}, 400, "temperature", "2"),
+    ("top_p zero", CHAT, chat(top_p=0), {}, 400, "top_p", ""),
+    ("presence_penalty out of range", CHAT, chat(presence_penalty=3), {}, 400, "presence_penalty", ""),
+    ("max_tokens zero", CHAT, chat(max_tokens=0), {}, 400, "max_tokens", "1"),
+    ("max_tokens negative", CHAT, chat(max_tokens=-5), {}, 400, "max_tokens", ""),
+    ("max_tokens beyond the context", CHAT, chat(max_tokens=10**9), {}, 400, "max_tokens", str(MAX_MODEL_LEN)),
+    ("n zero", CHAT, chat(n=0), {}, 400, "n", ""),
+    ("n huge", CHAT, chat(n=10_000), {}, 400, "n", "16"),
+    ("seed beyond int64", CHAT, chat(seed=2**70), {}, 400, "seed", ""),
+    ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs", "20"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), {}, 400, None, "logprobs"),
+    ("too many stop strings", CHAT, chat(stop=[f"s{i}" for i in range(17)]), {}, 400, None, "16"),
+    ("empty stop string", CHAT, chat(stop=[""]), {}, 400, None, "stop"),
+    ("min_tokens above max_tokens", CHAT, chat(min_tokens=5, max_tokens=2), {}, 400, None, "min_tokens"),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), {}, 400, None, "stream"),
+    ("logit_bias", CHAT, chat(logit_bias={"1": 5}), {}, 400, None, "logit_bias"),
+    ("json_schema response format", CHAT, chat(response_format={"type": "json_schema"}), {}, 400, None,
+     "json_schema"),
+    ("prompt longer than the context", CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}]}, {}, 400,
+     "messages", str(MAX_MODEL_LEN)),
+    ("completion prompt too long", COMPLETIONS, {"prompt": LONG_TEXT}, {}, 400, "prompt", str(MAX_MODEL_LEN)),
+    ("completion without prompt", COMPLETIONS, {"max_tokens": 2}, {}, 400, "prompt", "required"),
+    ("completion with empty prompt list", COMPLETIONS, {"prompt": []}, {}, 400, None, "empty"),
+    ("token id outside the vocabulary", COMPLETIONS, {"prompt": [1, 2, 10**7]}, {}, 400, "prompt", "token ids"),
+    ("negative token id", COMPLETIONS, {"prompt": [-1]}, {}, 400, "prompt", "token ids"),
+    ("completion logprobs 21", COMPLETIONS, {"prompt": "a", "logprobs": 21}, {}, 400, "logprobs", "20"),
+    ("invalid JSON", CHAT, b'{"messages": [', {}, 400, None, "JSON"),
+    ("JSON that is not an object", CHAT, b"[1, 2]", {}, 400, None, "object"),
+    ("empty body", CHAT, b"", {}, 400, None, "empty"),
+    ("wrong content type", CHAT, json.dumps(chat()).encode(), {"Content-Type": "text/plain"}, 400, None,
+     "application/json"),
+    ("unknown model", CHAT, chat(model="no-such-model"), {}, 404, "model", "no-such-model"),
+    ("missing API key", CHAT, chat(), {"Authorization": ""}, 401, None, "API key"),
+    ("wrong API key", CHAT, chat(), {"Authorization": "Bearer sk-wrong-key"}, 401, None, "API key"),
+    ("body over the limit", CHAT, b'{"messages": "' + b"x" * (MAX_BODY_BYTES + 10) + b'"}', {}, 413, None, "limit"),
+    ("embedding encoding unknown", "/v1/embeddings", {"input": "a", "encoding_format": "hex"}, {}, 400,
+     "encoding_format", ""),
+    ("embedding of nothing", "/v1/embeddings", {"input": []}, {}, 400, None, "empty"),
+    ("tokenize with prompt and messages", "/tokenize", {"prompt": "a", "messages": HI}, {}, 400, None, "exactly one"),
+    ("detokenize a negative id", "/detokenize", {"tokens": [-3]}, {}, 400, "tokens", "token ids"),
+    ("unknown route", "/v1/nothing-here", {}, {}, 404, None, "/v1/nothing-here"),
+]
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error"}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row[0] for row in ROWS])
+def test_bad_request(server, row):
+    _, path, body, headers, status, param, words = row
+    request_headers = {**server.headers, "Content-Type": "application/json", **headers}
+    if request_headers.get("Authorization") == "":
+        del request_headers["Authorization"]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + path, content=content, headers=request_headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == ERROR_TYPES[status]
+    assert error["message"] and words.lower() in error["message"].lower(), error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if status == 401:
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_wrong_method(server):
+    response = httpx.get(server.url + CHAT, headers=server.headers)
+    assert response.status_code == 405
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_through_the_client(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-17", messages=HI, max_tokens=1)
+    assert raised.value.body["code"] == "model_not_found"
+
+
+def test_good_request_after_the_bad_ones(server, client, model):
+    for row in ROWS[:5]:
+        test_bad_request(server, row)
+    reply = client.chat.completions.create(model=model, messages=HI, max_tokens=4)
+    assert reply.choices[0].message.content
+    assert httpx.get(server.url + "/health").status_code == 200

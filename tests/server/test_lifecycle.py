@@ -1,0 +1,93 @@
+"""A server of its own: flags from the environment, the bounded queue (429), SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.live import LiveServer
+
+SHUTDOWN_TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    live = LiveServer(
+        "--max-num-seqs", "2", "--max-waiting", "2", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        env={"XINFER_MAX_MODEL_LEN": "512", "XINFER_PORT": "1", "XINFER_DISABLE_PREFIX_CACHE": "true"},
+        name="small-server",
+    ).start()
+    yield live
+    live.stop()
+
+
+def long_chat(max_tokens: int, content: str = "Tell me a story.") -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def test_flags_come_from_the_environment_and_the_command_line_wins(small_server):
+    model = httpx.get(small_server.url + "/v1/models").json()["data"][0]
+    assert model["max_model_len"] == 512  # XINFER_MAX_MODEL_LEN; XINFER_PORT lost to --port
+    small_server.post("/v1/completions", {"prompt": "Hi " * 40, "max_tokens": 1})
+    again = small_server.post("/v1/completions", {"prompt": "Hi " * 40, "max_tokens": 1}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # XINFER_DISABLE_PREFIX_CACHE
+
+
+def test_full_queue_answers_429_with_retry_after(small_server):
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as http:
+            calls = [http.post(small_server.url + "/v1/chat/completions", json=long_chat(48, f"Story {i}."))
+                     for i in range(8)]
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert 200 in statuses and 429 in statuses, statuses
+    assert set(statuses) <= {200, 429}
+    for response in responses:
+        if response.status_code == 429:
+            assert int(response.headers["Retry-After"]) >= 1
+            assert response.json()["error"]["code"] == "queue_full"
+    assert httpx.post(small_server.url + "/v1/chat/completions", json=long_chat(2)).status_code == 200
+
+
+def read_stream(url: str, body: dict, into: dict, started: threading.Event) -> None:
+    events = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    into["events"] = events
+
+
+def test_sigterm_finishes_streams_then_exits_0(small_server):
+    url = small_server.url + "/v1/chat/completions"
+    short, long = {}, {}
+    short_started, long_started = threading.Event(), threading.Event()
+    readers = [
+        threading.Thread(target=read_stream, args=(url, long_chat(450), long, long_started)),
+        threading.Thread(target=read_stream, args=(url, long_chat(24), short, short_started)),
+    ]
+    for reader in readers:
+        reader.start()
+    assert long_started.wait(60) and short_started.wait(60)
+    small_server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.HTTPError):  # no new connections while draining
+        httpx.get(small_server.url + "/health", timeout=5).raise_for_status()
+    for reader in readers:
+        reader.join(SHUTDOWN_TIMEOUT_S + 60)
+    assert small_server.proc.wait(60) == 0
+    for result, expected in ((short, "length"), (long, "abort")):
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert reasons[-1] == expected and reasons.count(expected) == 1

@@ -1,0 +1,128 @@
+"""/v1/completions, /v1/models, /v1/embeddings, /tokenize, /detokenize, /health, /metrics."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+
+import httpx
+
+from tests.server.conftest import MAX_MODEL_LEN
+
+
+def test_completion_with_a_list_of_prompts(client, model):
+    prompts = ["The capital of France is", "One, two, three,"]
+    reply = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0)
+    assert reply.object == "text_completion"
+    assert [c.index for c in reply.choices] == [0, 1]
+    for prompt, choice in zip(prompts, reply.choices):
+        alone = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        assert choice.text == alone.choices[0].text
+        assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 16
+
+
+def test_completion_with_token_ids_matches_text_prompt(client, model, server):
+    prompt = "The capital of France is"
+    token_ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=token_ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(token_ids)
+    two = client.completions.create(model=model, prompt=[token_ids, token_ids[:3]], max_tokens=2, temperature=0)
+    assert len(two.choices) == 2
+
+
+def test_completion_n_with_prompt_list_orders_choices(client, model):
+    reply = client.completions.create(model=model, prompt=["Hello", "Goodbye"], n=2, max_tokens=3, seed=5)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+
+
+def test_completion_echo_and_logprobs(client, model):
+    prompt = "The capital of France is"
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    choice = reply.choices[0]
+    assert choice.text.startswith(prompt)
+    logprobs = choice.logprobs
+    generated = reply.usage.completion_tokens
+    assert len(logprobs.tokens) == reply.usage.prompt_tokens + generated
+    assert logprobs.token_logprobs[: reply.usage.prompt_tokens] == [None] * reply.usage.prompt_tokens
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[-generated:])
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[-generated:])
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_streamed_completion_equals_whole(client, model):
+    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_models_lists_the_served_model(client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+    assert client.models.retrieve(model).id == model
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+def test_embeddings_similarity(client, model):
+    text = "The cat sat on the mat."
+    reply = client.embeddings.create(model=model, input=[text, text, "Quarterly revenue grew by four percent."])
+    first, same, other = (d.embedding for d in reply.data)
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    assert abs(cosine(first, same) - 1) < 1e-4
+    assert cosine(first, other) < 0.999
+    assert reply.usage.prompt_tokens > 0
+    alone = client.embeddings.create(model=model, input=text).data[0].embedding
+    assert abs(cosine(first, alone) - 1) < 1e-4
+
+
+def test_embeddings_float_and_base64_agree(server, model):
+    body = {"model": model, "input": "hello there"}
+    floats = server.post("/v1/embeddings", {**body, "encoding_format": "float"}).json()["data"][0]["embedding"]
+    raw = server.post("/v1/embeddings", {**body, "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    decoded = struct.unpack(f"<{len(floats)}f", base64.b64decode(raw))
+    assert max(abs(a - b) for a, b in zip(floats, decoded)) < 1e-6
+    last = server.post("/v1/embeddings", {**body, "pooling": "last"}).json()["data"][0]["embedding"]
+    assert len(last) == len(floats) and last != floats
+
+
+def test_tokenize_detokenize_round_trip(server, client, model):
+    text = "Hello, world! Ünïcödé and emoji 🙂 survive."
+    tokens = server.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    back = server.post("/detokenize", {"tokens": tokens["tokens"]}).json()
+    assert back["prompt"] == text
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat_tokens = server.post("/tokenize", {"messages": messages}).json()
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert chat_tokens["count"] == reply.usage.prompt_tokens
+
+
+def test_health_is_open_and_metrics_are_exported(server, client, model):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    before = server.metrics()
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    after = server.metrics()
+    for name in (
+        "xinfer_num_requests_running", "xinfer_num_requests_waiting", "xinfer_kv_cache_usage",
+        "xinfer_prefix_cache_queries_total", "xinfer_prefix_cache_hits_total", "xinfer_num_preemptions_total",
+    ):
+        assert name in after, name
+    assert after["xinfer_prompt_tokens_total"] > before.get("xinfer_prompt_tokens_total", 0)
+    assert after["xinfer_generation_tokens_total"] >= before.get("xinfer_generation_tokens_total", 0) + 1
+    for histogram in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        key = f"xinfer_{histogram}_seconds_count"
+        assert after[key] > before.get(key, 0), key
+    assert after['xinfer_requests_finished_total{finish_reason="length"}'] >= 1

@@ -1,0 +1,61 @@
+"""python -m xinfer.chat: streaming answers, history, /exit."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from tests.server.live import REPO
+from xinfer.chat import Conversation, chat_loop
+from xinfer.engine.engine import StepOutput
+from xinfer.sampling import SamplingParams
+
+
+class FakeTemplate:
+    def render(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """Answers every prompt with two tokens; records the prompts it saw."""
+
+    max_model_len = 64
+
+    def __init__(self):
+        self.tokenizer = SimpleNamespace(chat_template=FakeTemplate(), encode=lambda text, add_special_tokens: list(text.encode()))
+        self.prompts, self.pending = [], []
+
+    def add_request(self, request_id, prompt, params):
+        self.prompts.append(bytes(prompt).decode())
+        self.pending = [StepOutput(request_id, [1], "ok"), StepOutput(request_id, [2], "!", finished=True)]
+
+    def has_unfinished(self):
+        return bool(self.pending)
+
+    def step(self):
+        return [self.pending.pop(0)]
+
+
+def test_conversation_keeps_history_and_drops_old_turns_when_full():
+    engine = FakeEngine()
+    conversation = Conversation(engine, SamplingParams(max_tokens=8))
+    out = io.StringIO()
+    chat_loop(conversation, io.StringIO("first\nsecond\n/exit\nnever sent\n"), out)
+    assert engine.prompts == ["<user>first<assistant>", "<user>first<assistant>ok!<user>second<assistant>"]
+    assert out.getvalue().count("ok!\n") == 2
+    chat_loop(conversation, io.StringIO("third\n"), io.StringIO())
+    assert engine.prompts[-1].startswith("<user>second")  # the oldest turn made room
+
+
+def test_python_m_xinfer_chat_streams_answers_and_exits():
+    result = subprocess.run(
+        [sys.executable, "-m", "xinfer.chat", "--max-model-len", "512", "--temperature", "0", "--max-tokens", "24"],
+        input="What is the capital of France?\n/clear\nName a color.\n/exit\n",
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines[0].startswith("xinfer chat")
+    assert len(lines) >= 3 and all(line.strip() for line in lines[1:3])
