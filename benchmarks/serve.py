@@ -63,8 +63,13 @@ def summary(name: str, seconds: list[float]) -> dict[str, float]:
             f"p99_{name}_ms": round(percentile(ms, 99), 2)}
 
 
-async def random_prompts(http: httpx.AsyncClient, count: int, input_len: int, rng: random.Random) -> list[list[int]]:
-    """Token-id prompts of exactly ``input_len`` tokens, cut from random English words."""
+async def random_prompts(
+    http: httpx.AsyncClient, count: int, input_len: int, rng: random.Random, random_ids: int | None = None
+) -> list[list[int]]:
+    """Token-id prompts of exactly ``input_len`` tokens, cut from random English words,
+    or drawn uniformly from ``[0, random_ids)`` (for dummy-weight models without a tokenizer)."""
+    if random_ids:
+        return [[rng.randrange(random_ids) for _ in range(input_len)] for _ in range(count)]
     prompts = []
     for _ in range(count):
         text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
@@ -90,7 +95,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not any(choice.get("text") for choice in chunk.get("choices", [])):
+                if not chunk.get("choices"):  # the usage-only chunk
                     continue
                 now = time.perf_counter()
                 if result.ttft == 0.0:
@@ -158,7 +163,7 @@ async def benchmark(args: argparse.Namespace, base_url: str) -> tuple[dict, list
             raise SystemExit("--num-prompts takes one count, or one per concurrency level")
         runs = []
         for concurrency, count in zip(levels, counts):
-            prompts = await random_prompts(http, count, args.input_len, rng)
+            prompts = await random_prompts(http, count, args.input_len, rng, args.random_ids)
             if args.warmup:
                 await asyncio.gather(*(one_request(http, model, p, 4) for p in prompts[: min(concurrency, 4)]))
             print(json.dumps(await run_level(args, http, model, prompts, concurrency, rng)), flush=True)
@@ -232,6 +237,8 @@ def main() -> None:
     parser.add_argument("--fixed-rate", action="store_true", help="evenly spaced arrivals instead of Poisson")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--random-ids", type=int, metavar="VOCAB",
+                        help="prompts of random token ids below VOCAB instead of tokenized words")
     parser.add_argument("--offline-peer", action="store_true", help="with --launch: rerun in-process afterwards")
     args = parser.parse_args()
 

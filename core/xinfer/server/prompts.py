@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt
@@ -65,14 +65,17 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def encode_prompts(tokenizer: Any, prompt: Prompt, add_special_tokens: bool = True) -> list[list[int]]:
-    """A completion or embedding prompt: a string, strings, token ids, or lists of them."""
+def encode_prompts(
+    tokenizer: Callable[[], Any], prompt: Prompt, add_special_tokens: bool = True
+) -> list[list[int]]:
+    """A completion or embedding prompt: a string, strings, token ids, or lists of them.
+    ``tokenizer`` is asked for only when there is text to encode (token ids need none)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
+        return [tokenizer().encode(prompt, add_special_tokens=add_special_tokens)]
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
+        return [tokenizer().encode(p, add_special_tokens=add_special_tokens) for p in prompt]
     return [list(p) for p in prompt]
 
 

@@ -31,7 +31,7 @@ async def create_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, CompletionRequest)
     serving.check_model(body.model)
-    prompts = encode_prompts(serving.tokenizer, body.prompt, body.add_special_tokens)
+    prompts = encode_prompts(lambda: serving.tokenizer, body.prompt, body.add_special_tokens)
     children = []
     for i, prompt in enumerate(prompts):
         check_token_ids(prompt, serving.vocab_size, "prompt" if len(prompts) == 1 else f"prompt.{i}")

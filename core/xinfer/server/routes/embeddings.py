@@ -23,7 +23,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, EmbeddingRequest)
     serving.check_model(body.model)
-    inputs = encode_prompts(serving.tokenizer, body.input)
+    inputs = encode_prompts(lambda: serving.tokenizer, body.input)
     for i, token_ids in enumerate(inputs):
         check_token_ids(token_ids, serving.vocab_size, "input" if len(inputs) == 1 else f"input.{i}")
     hidden_size = serving.llm.hf_config.hidden_size
