@@ -1,0 +1,54 @@
+"""Both real GGUF models through xinfer against the references nobody here wrote:
+transformers' GGUF loading (logits, fp32) and llama.cpp (greedy tokens)."""
+
+import itertools
+
+import pytest
+import torch
+
+from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from tests.tiny_models import prefill_logits
+from xinfer import LLM, SamplingParams
+
+PARAGRAPH = (
+    "The river wound slowly through the valley, past old stone bridges and fields of wheat. "
+    "In the village, the baker opened his shop before dawn, and the smell of fresh bread drifted "
+    "down the narrow streets. Children ran to school while their parents talked about the harvest, "
+    "the weather, and the price of grain at the market in the next town."
+)
+PROMPTS = ["Once upon a time,", "The three primary colors are", "def fibonacci(n):"]
+MAX_RELATIVE_LOGIT_ERROR = 1e-4  # observed about 1e-6: the same dequantized weights in fp32
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    llm = LLM(model=str(gguf_path(request.param)), dtype="float32", num_blocks=64, max_model_len=1024)
+    return request.param, llm
+
+
+def test_logits_match_transformers_at_every_position(model):
+    name, llm = model
+    ids = llm.tokenizer.encode(PARAGRAPH)
+    assert len(ids) >= 64
+    with torch.inference_mode():
+        expected = hf_model(name)(torch.tensor([ids])).logits[0]
+    got = prefill_logits(llm.engine, ids)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    error = ((got - expected).abs().max(-1).values / expected.abs().max(-1).values).max()
+    assert error <= MAX_RELATIVE_LOGIT_ERROR, f"max|diff|/max|HF logit| = {error:.2e} (worst position)"
+
+
+def test_greedy_tokens_match_llama_cpp(model):
+    name, llm = model
+    try:
+        import llama_cpp
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp)")
+    reference = llama_cpp.Llama(model_path=str(gguf_path(name)), n_ctx=256, n_threads=2, verbose=False)
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        assert ids == reference.tokenize(prompt.encode(), add_bos=llm.tokenizer.bos_token_id in ids[:1])
+        reference.reset()
+        theirs = list(itertools.islice(reference.generate(ids, top_k=1, temp=0.0), 32))
+        ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+        assert ours.outputs[0].token_ids[:16] == theirs[:16], prompt
