@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from xinfer.kv import LayerKVCache
+
 L2_FLUSH_BYTES = 256 << 20  # rotate inputs over at least this much memory
 MAX_INPUT_SETS = 64
 MIN_CALLS_PER_GRAPH = 20
@@ -115,7 +117,8 @@ def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[
             k_cache = _rand(*cache_shape, dtype=dtype, device=device)
             v_cache = _rand(*cache_shape, dtype=dtype, device=device)
             slots = torch.randperm(num_blocks * s.block_size, device=device)[:t]
-            return lambda: ops.write_kv(k, v, k_cache, v_cache, slots)
+            cache = LayerKVCache.plain(k_cache, v_cache)
+            return lambda: ops.write_kv(k, v, cache, slots)
 
         qk = t * (s.heads + s.kv_heads) * s.head_dim * el
         kv = 2 * t * s.kv_heads * s.head_dim * el

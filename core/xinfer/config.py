@@ -39,7 +39,11 @@ class CacheConfig(_Config):
     kv_fraction: float | None = Field(
         None, gt=0, le=1, description="share of device memory for weights + KV (GPU), of free RAM (CPU)"
     )
-    kv_cache_dtype: Literal["auto"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"] = Field(
+        "auto",
+        description="auto: the model dtype; fp8: e4m3 K and V; turbo8: fp8 K, 4-bit V; turbo4/turbo3: "
+        "rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
+    )
     enable_prefix_caching: bool = True
 
 

@@ -14,6 +14,8 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import Tensor
 
+from xinfer.kv import LayerKVCache
+
 
 @dataclass
 class AttentionMetadata:
@@ -65,22 +67,25 @@ class Ops(Protocol):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
-    def write_kv(
-        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
-        """Store ``k``, ``v`` [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D]."""
+    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+        """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the tensors of
+        ``cache.format.quantize``, each [num_blocks, block_size, Hkv, ...])."""
 
     def attention(
         self,
         q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
         """Causal paged attention of ``q`` [T, H, D] over each sequence's cached KV.
+
+        Quantized formats are read in place (dequantized inside the op, never into a
+        full-precision copy of the cache); for formats that rotate keys the query is
+        rotated the same way (``cache.format.prepare_query``), so scores are unchanged
+        and values need no inverse.
 
         A query at position ``p`` sees keys at positions ``p - window < j <= p``
         (all ``j <= p`` without a window). With ``softcap``, scores become
@@ -163,20 +168,19 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
 
 
-def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    current().write_kv(k, v, k_cache, v_cache, slot_mapping)
+def write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+    current().write_kv(k, v, cache, slot_mapping)
 
 
 def attention(
     q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
+    cache: LayerKVCache,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    return current().attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    return current().attention(q, cache, meta, scale, window, softcap)
 
 
 

@@ -31,6 +31,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, Ops
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.kernels import activation, attention, kv_write, norm, rotary
@@ -213,8 +214,8 @@ def check_write_kv(case, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     padding = torch.rand(tokens, device=DEVICE) < 0.3
     slots = torch.where(padding, -1 - torch.randint(0, 5, (tokens,), device=DEVICE), slots)
     k_ref, v_ref = k_cache.cpu(), v_cache.cpu()  # copies
-    CPU.write_kv(k.cpu(), v.cpu(), k_ref, v_ref, slots.cpu())
-    CUDA.write_kv(k, v, k_cache, v_cache, slots)
+    CPU.write_kv(k.cpu(), v.cpu(), LayerKVCache.plain(k_ref, v_ref), slots.cpu())
+    CUDA.write_kv(k, v, LayerKVCache.plain(k_cache, v_cache), slots)
     assert torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)
 
 
@@ -224,8 +225,8 @@ def test_write_kv_strided_views():
     k_cache, v_cache = rand(4, 8, kv_heads, head_dim), rand(4, 8, kv_heads, head_dim)
     slots = torch.tensor([3, -1, 8, 31, 0, 17], device=DEVICE)
     k_ref, v_ref = k_cache.cpu(), v_cache.cpu()
-    CPU.write_kv(kv[:, 0].cpu(), kv[:, 1].cpu(), k_ref, v_ref, slots.cpu())
-    CUDA.write_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
+    CPU.write_kv(kv[:, 0].cpu(), kv[:, 1].cpu(), LayerKVCache.plain(k_ref, v_ref), slots.cpu())
+    CUDA.write_kv(kv[:, 0], kv[:, 1], LayerKVCache.plain(k_cache, v_cache), slots)
     assert torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)
 
 
@@ -246,7 +247,7 @@ class Batch:
             m.slot_mapping.cpu(), m.max_seqlen_q, m.max_seq_len,
         )  # fmt: skip
         q, k, v = ref32(self.q), ref32(self.k_cache), ref32(self.v_cache)
-        return CPU.attention(q, k, v, meta, scale, window, softcap)
+        return CPU.attention(q, LayerKVCache.plain(k, v), meta, scale, window, softcap)
 
 
 def make_batch(
@@ -434,11 +435,11 @@ def test_write_kv_then_attention_mixed_batch(dtype):
     num_tokens = sum(q_lens)
     k, v = rand(num_tokens, kv_heads, head_dim, dtype=dtype), rand(num_tokens, kv_heads, head_dim, dtype=dtype)
     cpu_batch = Batch(batch.q, batch.k_cache.cpu(), batch.v_cache.cpu(), batch.meta)
-    CPU.write_kv(k.cpu(), v.cpu(), cpu_batch.k_cache, cpu_batch.v_cache, batch.meta.slot_mapping.cpu())
-    CUDA.write_kv(k, v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    CPU.write_kv(k.cpu(), v.cpu(), LayerKVCache.plain(cpu_batch.k_cache, cpu_batch.v_cache), batch.meta.slot_mapping.cpu())
+    CUDA.write_kv(k, v, LayerKVCache.plain(batch.k_cache, batch.v_cache), batch.meta.slot_mapping)
     assert torch.allclose(batch.k_cache.cpu(), cpu_batch.k_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.allclose(batch.v_cache.cpu(), cpu_batch.v_cache, rtol=0, atol=0, equal_nan=True)
-    out = CUDA.attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    out = CUDA.attention(batch.q, LayerKVCache.plain(batch.k_cache, batch.v_cache), batch.meta, 0.125)
     check(out, cpu_batch.reference(0.125, None, None), dtype)
 
 

@@ -39,7 +39,6 @@ def test_help_lists_every_flag():
 @pytest.mark.parametrize("flags, feature", [
     (["--isq", "q4k"], "--isq"),
     (["--d", "0,1"], "tensor parallel"),
-    (["--kvcache-dtype", "turbo4"], "turbo4"),
     (["--num-speculative-tokens", "2"], "speculative"),
     (["--pd-server"], "disaggregation"),
     (["--mcp-config", "tools.json"], "MCP"),

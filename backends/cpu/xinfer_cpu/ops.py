@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 
 
@@ -33,31 +34,33 @@ class CpuOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+        stored = cache.format.quantize(k[valid], v[valid], cache.dtype)
+        for name, values in stored.items():
+            tensor = cache[name]
+            tensor.view(-1, *tensor.shape[2:])[slots] = values
 
     def attention(
         self,
         q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
         out = torch.empty_like(q)
+        q = cache.format.prepare_query(q)
         cu = meta.cu_seqlens_q.tolist()
         seq_lens = meta.seq_lens.tolist()
         for b, context_len in enumerate(seq_lens):
             start, end = cu[b], cu[b + 1]
             if end == start:
                 continue
-            k = _gather(k_cache, meta.block_tables[b], context_len)
-            v = _gather(v_cache, meta.block_tables[b], context_len)
+            stored = {n: _gather(t, meta.block_tables[b], context_len) for n, t in cache.tensors.items()}
+            k, v = cache.format.decode(stored)  # one sequence's context, in fp32
             out[start:end] = attend(q[start:end], k, v, scale, window, softcap)
         return out
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from xinfer.kv import LayerKVCache, hadamard
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import activation, attention, kv_write, norm, rotary
+from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
+from xinfer_cuda.kernels.kv_codes import side
 
 
 def is_available() -> bool:
@@ -36,22 +38,29 @@ class CudaOps:
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_tanh_and_mul(x)
 
-    def write_kv(
-        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
-        kv_write.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+        fmt = cache.format
+        if fmt.name == "auto":
+            kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
+            return
+        if fmt.rotate_keys:
+            k = hadamard.rotate(k)  # this step's keys only, before they are quantized
+        kv_quant_write.quant_write(k, side(cache, "k", fmt.key), slot_mapping)
+        kv_quant_write.quant_write(v, side(cache, "v", fmt.value), slot_mapping)
 
     def attention(
         self,
         q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        if cache.format.name == "auto":
+            return attention.paged_attention(q, cache["k"], cache["v"], meta, scale, window, softcap)
+        rotated = cache.format.prepare_query(q).to(q.dtype)
+        return attention.paged_attention_cache(rotated, cache, meta, scale, window, softcap)
 
     def capture_decode(self, forward, max_num_seqs, max_blocks_per_seq, max_seq_len, device):
         from xinfer_cuda.graphs import DecodeGraphs

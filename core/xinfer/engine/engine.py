@@ -16,6 +16,7 @@ from xinfer.engine.kv_cache import allocate_kv_cache, plan_num_blocks
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
 from xinfer.engine.sequence import Sequence
+from xinfer.kv import get_format
 from xinfer.engine.stop import TextStream
 from xinfer.loading.loader import load_config, load_model
 from xinfer.loading.resolve import resolve_model_path
@@ -64,14 +65,15 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
         cache = config.cache
-        num_blocks = plan_num_blocks(self.model, cache, self.device, self.dtype)
+        self.kv_format = get_format(cache.kv_cache_dtype)
+        num_blocks = plan_num_blocks(self.model, cache, self.device, self.dtype, self.kv_format)
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks of "
                 f"{cache.block_size}), fewer than max_model_len={self.max_model_len}: "
                 f"lower max_model_len or give the cache more memory"
             )
-        allocate_kv_cache(self.model, num_blocks, cache.block_size, self.dtype, self.device)
+        allocate_kv_cache(self.model, num_blocks, cache.block_size, self.dtype, self.device, self.kv_format)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
@@ -79,7 +81,10 @@ class LLMEngine:
             self.runner.capture_decode(config.scheduler.max_num_seqs, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
-        log.info("KV cache: %d blocks of %d tokens (%d tokens)", num_blocks, cache.block_size, num_blocks * cache.block_size)
+        log.info(
+            "KV cache (%s): %d blocks of %d tokens (%d tokens)",
+            self.kv_format.name, num_blocks, cache.block_size, num_blocks * cache.block_size,
+        )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:

@@ -1,4 +1,4 @@
-"""KV cache allocation: one K and one V tensor per attention layer, in blocks."""
+"""KV cache allocation: one cache per attention layer, in blocks, in the configured format."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import torch
 
 from xinfer.config import CacheConfig
+from xinfer.kv import KVFormat
 from xinfer.layers.attention import Attention
 from xinfer.model import CausalLM
 
@@ -17,12 +18,15 @@ def attention_layers(model: CausalLM) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    per_token = sum(2 * a.num_kv_heads * a.head_dim for a in attention_layers(model))
-    return per_token * block_size * dtype.itemsize
+def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_format: KVFormat) -> int:
+    """Real bytes of one block over all layers, as ``kv_format`` stores them."""
+    per_token = sum(a.num_kv_heads * kv_format.bytes_per_token(a.head_dim, dtype) for a in attention_layers(model))
+    return per_token * block_size
 
 
-def plan_num_blocks(model: CausalLM, config: CacheConfig, device: torch.device, dtype: torch.dtype) -> int:
+def plan_num_blocks(
+    model: CausalLM, config: CacheConfig, device: torch.device, dtype: torch.dtype, kv_format: KVFormat
+) -> int:
     """Blocks that fit the memory left for the cache (or ``config.num_blocks``)."""
     if config.num_blocks is not None:
         return config.num_blocks
@@ -33,13 +37,11 @@ def plan_num_blocks(model: CausalLM, config: CacheConfig, device: torch.device, 
     else:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = available * config.kv_fraction if config.kv_fraction else min(CPU_DEFAULT_BUDGET, available // 4)
-    return max(int(budget // bytes_per_block(model, config.block_size, dtype)), 0)
+    return max(int(budget // bytes_per_block(model, config.block_size, dtype, kv_format)), 0)
 
 
 def allocate_kv_cache(
-    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, kv_format: KVFormat
 ) -> None:
     for layer in attention_layers(model):
-        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.kv_cache = kv_format.allocate(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype, device)

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.kv import LayerKVCache
 from xinfer.forward_context import attention_metadata
 
 
@@ -12,7 +12,7 @@ class Attention(nn.Module):
     then attends over each sequence's cached context.
 
     ``q`` [T, H*D], ``k``/``v`` [T, Hkv*D] in; [T, H*D] out. The engine binds
-    ``k_cache``/``v_cache`` before the first forward.
+    ``kv_cache`` (allocated by the cache's format) before the first forward.
     """
 
     def __init__(
@@ -31,15 +31,14 @@ class Attention(nn.Module):
         self.scale = scale
         self.window = window
         self.softcap = softcap
-        self.k_cache = self.v_cache = torch.empty(0)
+        self.kv_cache: LayerKVCache | None = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         meta = attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ops.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = ops.attention(
-            q, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap
-        )
+        assert self.kv_cache is not None, "the engine binds the KV cache before the first forward"
+        ops.write_kv(k, v, self.kv_cache, meta.slot_mapping)
+        out = ops.attention(q, self.kv_cache, meta, self.scale, self.window, self.softcap)
         return out.flatten(1)

@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
+
+from xinfer.config import CacheConfig
+
+KV_FORMATS = get_args(CacheConfig.model_fields["kv_cache_dtype"].annotation)
 
 ENV_PREFIX = "XINFER_"
 DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
@@ -56,7 +60,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     capacity.add_argument("--max-tokens", type=int, help="default max generated tokens of a request (default: the rest of the context)")
     capacity.add_argument("--kv-fraction", type=float, help="share of memory for weights + KV cache")
-    capacity.add_argument("--kvcache-dtype", default="auto", help="KV cache format: auto; fp8, turbo8, turbo4, turbo3 [later]")
+    capacity.add_argument("--kvcache-dtype", default="auto", choices=KV_FORMATS,
+                          help="KV cache format (docs/kv-cache.md); auto: the model dtype")
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
     capacity.add_argument("--prefix-cache-max-tokens", type=int, help="bound the prefix cache [later]")
@@ -141,8 +146,6 @@ def later_feature(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             return feature
     if args.devices and "," in args.devices:
         return f"tensor parallel over several devices (--d {args.devices})"
-    if args.kvcache_dtype != "auto":
-        return f"the {args.kvcache_dtype} KV cache format (--kvcache-dtype)"
     if args.num_nodes != 1:
         return "multi-node serving (--num-nodes)"
     return None

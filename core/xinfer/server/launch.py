@@ -63,6 +63,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=args.seed if args.seed is not None else 0,
         kv_fraction=args.kv_fraction,
+        kv_cache_dtype=args.kvcache_dtype,
         enable_prefix_caching=not args.disable_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,

@@ -13,7 +13,10 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   inside the kernels, so a captured CUDA graph stays valid as contexts grow.
 
 K/V addresses are computed per token through the block table, so the cache block size
-(any power of two) is independent of the tile size.
+(any power of two) is independent of the tile size. Each side of the cache has a code
+(``kv_codes.py``): plain caches are loaded as they are; quantized ones (fp8, packed 4-
+and 3-bit, with per-(token, head) scales) are decoded in registers right after each
+tile is loaded, never into a copy of the cache.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels.kv_codes import CODE_PLAIN, PLAIN, Side, load_tile, side
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: a row that sees no key in a tile keeps
@@ -54,9 +59,17 @@ def _attend_keys(
     end,
     k_head_ptr,
     v_head_ptr,
+    k_scale_head_ptr,
+    v_scale_head_ptr,
+    k_levels_ptr,
+    v_levels_ptr,
     block_table_ptr,
-    stride_block,
-    stride_slot,
+    stride_k_block,
+    stride_k_slot,
+    stride_v_block,
+    stride_v_slot,
+    stride_s_block,
+    stride_s_slot,
     score_scale,
     cap_scale,
     window,
@@ -68,22 +81,41 @@ def _attend_keys(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_CODE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_LEVELS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    K_GROUP_BYTES: tl.constexpr,
+    V_CODE: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_LEVELS: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    V_GROUP_BYTES: tl.constexpr,
 ):
     """Fold the keys at positions [start, end) into the running (acc, l_i, m_i).
 
-    ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches.
+    ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches
+    (and the scale pointers at its first scale); quantized tiles are decoded in registers.
     """
-    dims = tl.arange(0, BLOCK_D)
-    d_ok = dims < HEAD_DIM
     for tile_start in range(start, end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = k_pos < end
         block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
-        kv_mask = in_range[:, None] & d_ok[None, :]
-        offs = (block * stride_block + slot * stride_slot)[:, None] + dims[None, :]
-        k = tl.load(k_head_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_head_ptr + offs, mask=kv_mask, other=0.0)
+        k = load_tile(
+            k_head_ptr, k_scale_head_ptr, k_levels_ptr, block, slot, stride_k_block, stride_k_slot,
+            stride_s_block, stride_s_slot, in_range, HEAD_DIM, BLOCK_D,
+            K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES,
+        )  # fmt: skip
+        v = load_tile(
+            v_head_ptr, v_scale_head_ptr, v_levels_ptr, block, slot, stride_v_block, stride_v_slot,
+            stride_s_block, stride_s_slot, in_range, HEAD_DIM, BLOCK_D,
+            V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
+        )  # fmt: skip
+        if K_CODE != CODE_PLAIN:
+            k = k.to(q.dtype)
+        if V_CODE != CODE_PLAIN:
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if HAS_SOFTCAP:
@@ -112,6 +144,10 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_levels_ptr,
+    v_levels_ptr,
     out_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -123,9 +159,15 @@ def _prefill_kernel(
     stride_q_head,
     stride_o_tok,
     stride_o_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
     stride_bt,
     GROUP: tl.constexpr,
     Q_PER_TILE: tl.constexpr,
@@ -137,6 +179,16 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_CODE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_LEVELS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    K_GROUP_BYTES: tl.constexpr,
+    V_CODE: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_LEVELS: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    V_GROUP_BYTES: tl.constexpr,
 ):
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
@@ -179,26 +231,34 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_cache_head
-    v_head = v_cache_ptr + kv_head * stride_cache_head
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    k_scale_head = k_scale_ptr + kv_head * stride_s_head
+    v_scale_head = v_scale_ptr + kv_head * stride_s_head
     if HAS_WINDOW:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, lo, full_lo,
-            k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+            k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window,
             MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+            K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
         )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, full_lo, full_end,
-        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, full_end, hi,
-        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
     )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -226,6 +286,10 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_levels_ptr,
+    v_levels_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
@@ -240,9 +304,15 @@ def _decode_kernel(
     stride_q_head,
     stride_o_tok,
     stride_o_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
     stride_bt,
     num_heads,
     GROUP: tl.constexpr,
@@ -256,6 +326,16 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_CODE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_LEVELS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    K_GROUP_BYTES: tl.constexpr,
+    V_CODE: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_LEVELS: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    V_GROUP_BYTES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -285,20 +365,26 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_cache_head
-    v_head = v_cache_ptr + kv_head * stride_cache_head
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    k_scale_head = k_scale_ptr + kv_head * stride_s_head
+    v_scale_head = v_scale_ptr + kv_head * stride_s_head
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, start, full_end,
-        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, full_end, end,
-        k_head, v_head, block_table, stride_cache_block, stride_cache_slot,
+        k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
+        stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -456,8 +542,44 @@ def paged_attention(
     ``num_splits`` (a power of two) overrides the decode split count; the tile configs
     override the defaults (for tests and tuning).
     """
+    plain_k, plain_v = Side(k_cache, None, None, PLAIN), Side(v_cache, None, None, PLAIN)
+    return attend_sides(
+        q, plain_k, plain_v, meta, scale, window, softcap, out, num_splits, prefill_tiles, decode_tiles
+    )
+
+
+def paged_attention_cache(
+    q: Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    **overrides,
+) -> Tensor:
+    """:func:`paged_attention` over a layer's cache in any format: quantized K/V tiles are
+    decoded in registers inside the loop; ``q`` is expected in the keys' basis already."""
+    fmt = cache.format
+    k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
+    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, **overrides)
+
+
+def attend_sides(
+    q: Tensor,
+    k_side: Side,
+    v_side: Side,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    out: Tensor | None = None,
+    num_splits: int | None = None,
+    prefill_tiles: TileConfig | None = None,
+    decode_tiles: TileConfig | None = None,
+) -> Tensor:
     if q.stride(-1) != 1:
         q = q.contiguous()
+    k_cache, v_cache = k_side.data, v_side.data
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -481,8 +603,11 @@ def paged_attention(
         HAS_SOFTCAP=has_softcap,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    assert k_cache.stride() == v_cache.stride(), "K and V caches must share a layout"
-    cache_strides = (*k_cache.stride()[:3], meta.block_tables.stride(0))
+    scales = k_side.scale_or_data()
+    assert v_side.scale_or_data().stride() == scales.stride(), "K and V scales must share a layout"
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3], meta.block_tables.stride(0))
+    cache_ptrs = (k_cache, v_cache, k_side.scale_or_data(), v_side.scale_or_data(), k_side.levels_or_data(), v_side.levels_or_data())
+    common |= k_side.constexprs("K") | v_side.constexprs("V")
     window_arg = window if has_window else 0
 
     if meta.max_seqlen_q > 1:
@@ -491,7 +616,7 @@ def paged_attention(
         q_per_tile = block_m // group
         grid = (triton.cdiv(meta.max_seqlen_q, q_per_tile), meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](
-            q, k_cache, v_cache, out,
+            q, *cache_ptrs, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             score_scale, cap_scale, window_arg,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -518,7 +643,7 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(meta.num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        q, *cache_ptrs, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

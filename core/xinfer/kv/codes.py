@@ -1,0 +1,66 @@
+"""Scalar codes on per-(token, head) absmax scales, and dense bit packing.
+
+A vector ``x`` [..., D] is stored as integer codes plus one f32 scale. ``n``-level
+uniform codes map ``[-absmax, absmax]`` onto ``0 .. n-1`` with the midpoint at
+``(n-1)/2``: 16 levels (4 bits, two per byte) or 7 levels (3 bits, eight per three
+bytes). fp8 stores ``x / (absmax / 448)`` as e4m3 so the largest entry lands on the
+largest finite e4m3 value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FP8_MAX = 448.0
+TINY = 1e-12  # keeps an all-zero vector's scale nonzero
+
+
+def absmax(x: Tensor) -> Tensor:
+    return x.float().abs().amax(dim=-1).clamp_min(TINY)
+
+
+def uniform_encode(x: Tensor, scale: Tensor, levels: int) -> Tensor:
+    half = (levels - 1) / 2
+    codes = torch.round(x.float() / scale.unsqueeze(-1) * half + half)
+    return codes.clamp(0, levels - 1).to(torch.uint8)
+
+
+def uniform_decode(codes: Tensor, scale: Tensor, levels: int) -> Tensor:
+    half = (levels - 1) / 2
+    return (codes.float() - half) * (scale.unsqueeze(-1) / half)
+
+
+def fp8_encode(x: Tensor, scale: Tensor) -> Tensor:
+    """e4m3 bits as uint8 (uint8 storage keeps the cache indexable on every device)."""
+    scaled = (x.float() / (scale.unsqueeze(-1) / FP8_MAX)).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def fp8_decode(bits: Tensor, scale: Tensor) -> Tensor:
+    return bits.view(torch.float8_e4m3fn).float() * (scale.unsqueeze(-1) / FP8_MAX)
+
+
+def pack4(codes: Tensor) -> Tensor:
+    """[..., D] codes < 16 -> [..., D/2] bytes; element 2i in the low nibble."""
+    pairs = codes.view(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack4(packed: Tensor) -> Tensor:
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack3(codes: Tensor) -> Tensor:
+    """[..., D] codes < 8 -> [..., 3D/8] bytes: eight codes fill a little-endian 24-bit word."""
+    groups = codes.view(*codes.shape[:-1], -1, 8).int()
+    word = sum(groups[..., i] << (3 * i) for i in range(8))
+    packed = torch.stack((word & 0xFF, (word >> 8) & 0xFF, word >> 16), dim=-1)
+    return packed.flatten(-2).to(torch.uint8)
+
+
+def unpack3(packed: Tensor) -> Tensor:
+    triples = packed.view(*packed.shape[:-1], -1, 3).int()
+    word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+    codes = torch.stack([(word >> (3 * i)) & 7 for i in range(8)], dim=-1)
+    return codes.flatten(-2).to(torch.uint8)

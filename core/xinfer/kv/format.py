@@ -1,0 +1,95 @@
+"""A KV cache format (a K codec, a V codec, and whether keys are rotated) and the
+per-layer cache it allocates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from xinfer.kv import hadamard
+from xinfer.kv.codecs import Codec, Field
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    key: Codec
+    value: Codec
+    rotate_keys: bool = False
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, Field]:
+        """Stored tensors by name ("k", "k_scale", "v", ...)."""
+        named = {"k" + f.suffix: f for f in self.key.fields(head_dim, dtype)}
+        named |= {"v" + f.suffix: f for f in self.value.fields(head_dim, dtype)}
+        return named
+
+    def bytes_per_token(self, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Real bytes of K and V of one token for one KV head."""
+        return sum(f.nbytes for f in self.fields(head_dim, dtype).values())
+
+    def allocate(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerKVCache:
+        tensors = {
+            name: torch.zeros((num_blocks, block_size, num_kv_heads, *f.trailing), dtype=f.dtype, device=device)
+            for name, f in self.fields(head_dim, dtype).items()
+        }
+        return LayerKVCache(self, tensors, head_dim, dtype)
+
+    def quantize(self, k: Tensor, v: Tensor, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """k, v [..., D] -> stored tensors [..., *trailing] by name."""
+        dtype = dtype or k.dtype
+        head_dim = k.shape[-1]
+        names = list(self.fields(head_dim, dtype))
+        keys = hadamard.rotate(k) if self.rotate_keys else k
+        stored = self.key.encode(keys, dtype) + self.value.encode(v, dtype)
+        return dict(zip(names, stored))
+
+    def decode(self, stored: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """fp32 keys as attention sees them (rotated for rotating formats), and values."""
+        k = self.key.decode([t for n, t in stored.items() if n.startswith("k")])
+        v = self.value.decode([t for n, t in stored.items() if n.startswith("v")])
+        return k, v
+
+    def dequantize(self, stored: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """fp32 k, v in the model's basis."""
+        k, v = self.decode(stored)
+        return (hadamard.unrotate(k) if self.rotate_keys else k), v
+
+    def prepare_query(self, q: Tensor) -> Tensor:
+        """The query in the keys' basis (fp32 when rotated): rotated like the keys, so no inverse is needed."""
+        return hadamard.rotate(q) if self.rotate_keys else q
+
+
+@dataclass
+class LayerKVCache:
+    """One attention layer's cache: tensors [num_blocks, block_size, Hkv, ...] by name."""
+
+    format: KVFormat
+    tensors: dict[str, Tensor]
+    head_dim: int
+    dtype: torch.dtype  # the model's: what attention computes in
+
+    @classmethod
+    def plain(cls, k_cache: Tensor, v_cache: Tensor) -> LayerKVCache:
+        """The ``auto`` format over existing [num_blocks, block_size, Hkv, D] tensors."""
+        from xinfer.kv.formats import get_format
+
+        return cls(get_format("auto"), {"k": k_cache, "v": v_cache}, k_cache.shape[-1], k_cache.dtype)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    @property
+    def num_blocks(self) -> int:
+        return self["k"].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self["k"].shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self["k"].shape[2]

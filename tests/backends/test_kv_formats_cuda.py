@@ -1,0 +1,176 @@
+"""The CUDA backend's quantized KV formats against the CPU reference (``CpuOps``):
+the write kernel stores what ``KVFormat.quantize`` stores (bit for bit but for
+Lloyd–Max RMS scales, whose sum may round differently), and attention that decodes
+tiles in registers matches the reference attention over the same stored cache.
+
+Runs on the device ``XINFER_KERNEL_DEVICE`` picks (see conftest.py): under the Triton
+interpreter on CPU, small shapes in fp32 and fp16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+
+import pytest
+import torch
+
+from xinfer.kv import LayerKVCache, get_format
+from xinfer.ops import AttentionMetadata
+from xinfer_cpu.ops import CpuOps
+from xinfer_cuda.kernels import attention
+from xinfer_cuda.ops import CudaOps
+
+DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+ON_GPU = DEVICE.type == "cuda"
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+FORMATS = ["fp8", "turbo8", "turbo4", "turbo3", "turbo3-lm"]
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.2e-2}
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+CPU, CUDA = CpuOps(), CudaOps()
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def to_cpu(cache: LayerKVCache) -> LayerKVCache:
+    return LayerKVCache(cache.format, {n: t.cpu() for n, t in cache.tensors.items()}, cache.head_dim, cache.dtype)
+
+
+def assert_same_storage(got: LayerKVCache, want: LayerKVCache) -> None:
+    # Rotated keys come from torch on either device (a GPU rounds the transform
+    # differently), Lloyd–Max RMS scales from a sum that may round differently, and a
+    # GPU's fp32 division is not correctly rounded: values on a rounding boundary may
+    # take the neighbouring code there.
+    inexact_keys = (ON_GPU and want.format.rotate_keys) or "lm" in want.format.name
+    for name, tensor in want.tensors.items():
+        if name == "k_scale" and inexact_keys:
+            torch.testing.assert_close(got[name].cpu(), tensor, rtol=1e-5, atol=0)
+        elif name.endswith("scale"):
+            assert torch.equal(got[name].cpu(), tensor), name
+        else:
+            allowed = 0.01 if name == "k" and inexact_keys else (0.001 if ON_GPU else 0)
+            mismatched = (got[name].cpu() != tensor).float().mean().item()
+            assert mismatched <= allowed, (name, mismatched)
+
+
+def write_case(fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int], q_lens: list[int], block_size: int = 8):
+    """Caches holding ``seq_lens`` tokens per sequence, written by both backends, and the
+    metadata of a step whose queries are the last ``q_lens`` of each."""
+    kv_format = get_format(fmt)
+    kv_heads = 2
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    order = torch.randperm(num_blocks - 1)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    slots, used = [], 0
+    for b, (n, s) in enumerate(zip(blocks_per_seq, seq_lens)):
+        tables[b, :n] = order[used : used + n]
+        used += n
+        slots += [int(tables[b, p // block_size]) * block_size + p % block_size for p in range(s)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    total = len(slots)
+    k = (torch.randn(total, kv_heads, head_dim) * 2).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim).to(dtype)
+    k[: total // 3, :, :3] *= 10  # outlier channels, as real keys have
+    reference = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
+    device_cache = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, DEVICE)
+    CPU.write_kv(k, v, reference, slot_mapping)
+    CUDA.write_kv(k.to(DEVICE), v.to(DEVICE), device_cache, slot_mapping.to(DEVICE))
+    cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64),
+        max_seqlen_q=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return reference, device_cache, meta
+
+
+def on_device(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(
+        meta.cu_seqlens_q.to(DEVICE), meta.seq_lens.to(DEVICE), meta.block_tables.to(DEVICE),
+        meta.slot_mapping.to(DEVICE), meta.max_seqlen_q, meta.max_seq_len,
+    )  # fmt: skip
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.cpu().double(), ref.double()
+    assert torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("fmt", FORMATS + ["turbo4-lm"])
+def test_quantized_write_matches_reference(fmt, head_dim):
+    dtype = torch.float16 if ON_GPU else torch.float32
+    reference, device_cache, _ = write_case(fmt, dtype, head_dim, [13, 5], [1, 1])
+    assert_same_storage(device_cache, reference)
+
+
+def test_fp8_write_rounds_subnormals_and_ties_like_torch():
+    from xinfer_cuda.kernels.kv_codes import side
+    from xinfer_cuda.kernels.kv_quant_write import quant_write
+
+    fmt = get_format("fp8")
+    head_dim = 64
+    x = torch.randn(3, 1, head_dim)
+    x[0, 0, 0] = 448.0  # scale 1: values land on e4m3 as they are
+    x[0, 0, 1:9] = torch.tensor([2**-10, 3 * 2**-10, 2**-9, 1.5 * 2**-9, 0.0019, 1.0625, 1.1875, -3 * 2**-10])
+    x[1] *= 1e-3
+    cache = fmt.allocate(1, 4, 1, head_dim, torch.float32, DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    quant_write(x.to(DEVICE), side(cache, "k", fmt.key), slots)
+    want = fmt.quantize(x, x)["k"]
+    assert torch.equal(cache["k"][0, :3].cpu(), want)
+
+
+# Each format at each head dim and dtype on a GPU; a spread of them in the interpreter.
+ATTENTION_CASES = (
+    [(f, d, t) for f in FORMATS for d in (64, 128, 256) for t in DTYPES]
+    if ON_GPU
+    else [(f, 64, torch.float32) for f in FORMATS]
+    + [("turbo4", 128, torch.float16), ("turbo8", 128, torch.float32), ("turbo3", 256, torch.float16), ("fp8", 256, torch.float16)]
+)
+
+
+@pytest.mark.parametrize("fmt, head_dim, dtype", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{str(c[2])[6:]}") for c in ATTENTION_CASES])
+def test_attention_over_quantized_cache(fmt, head_dim, dtype):
+    """A prefill step (chunked: queries are the last part of each context) and decode
+    steps with one and several splits, all against the reference on the same cache."""
+    reference, device_cache, meta = write_case(fmt, dtype, head_dim, [37, 20, 9], [5, 20, 1])
+    heads = 4
+    scale = head_dim**-0.5
+    q = torch.randn(int(meta.cu_seqlens_q[-1]), heads, head_dim).to(dtype)
+    want = CPU.attention(q.float(), to_cpu(reference), meta, scale)
+    got = CUDA.attention(q.to(DEVICE), device_cache, on_device(meta), scale)
+    assert relative_error(got, want) < TOL[dtype]
+
+    decode = AttentionMetadata(
+        torch.arange(4, dtype=torch.int32), meta.seq_lens, meta.block_tables,
+        torch.full((3,), -1, dtype=torch.int64), 1, meta.max_seq_len,
+    )  # fmt: skip
+    q1 = torch.randn(3, heads, head_dim).to(dtype)
+    want1 = CPU.attention(q1.float(), to_cpu(reference), decode, scale, softcap=30.0)
+    rotated = device_cache.format.prepare_query(q1.to(DEVICE)).to(dtype)
+    for splits in (1, 4):
+        got1 = attention.paged_attention_cache(
+            rotated, device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits
+        )
+        assert relative_error(got1, want1) < TOL[dtype], splits
+
+
+@pytest.mark.parametrize("fmt", ["turbo4"])
+def test_sliding_window_over_quantized_cache(fmt):
+    dtype = torch.float32
+    reference, device_cache, meta = write_case(fmt, dtype, 64, [40, 23], [12, 1])
+    q = torch.randn(13, 2, 64)
+    want = CPU.attention(q, to_cpu(reference), meta, 0.125, window=16)
+    got = CUDA.attention(q.to(DEVICE), device_cache, on_device(meta), 0.125, window=16)
+    assert relative_error(got, want) < TOL[dtype]

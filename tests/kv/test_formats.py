@@ -1,0 +1,128 @@
+import pytest
+import torch
+
+from xinfer.kv import FORMATS, codes, get_format, hadamard
+
+HEAD_DIMS = [64, 128, 256]
+
+
+def _data(head_dim: int, tokens: int = 64, heads: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(head_dim)
+    # keys with a few outlier channels, as real keys have
+    k = torch.randn(tokens, heads, head_dim, generator=gen)
+    k[..., :4] *= 8
+    v = torch.randn(tokens, heads, head_dim, generator=gen)
+    return k, v
+
+
+def _uniform_bound(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """Half a step of the absmax grid, per (token, head)."""
+    return codes.absmax(x).unsqueeze(-1) / (levels - 1) * 1.0001
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_auto_is_lossless(head_dim):
+    k, v = _data(head_dim)
+    k2, v2 = get_format("auto").dequantize(get_format("auto").quantize(k, v))
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", ["fp8", "turbo8"])
+def test_fp8_keys_within_e4m3_rounding(name, head_dim):
+    k, v = _data(head_dim)
+    k2, _ = get_format(name).dequantize(get_format(name).quantize(k, v))
+    bound = k.abs() / 16 + codes.absmax(k).unsqueeze(-1) * 2**-18
+    assert ((k2 - k).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", ["turbo8", "turbo4", "turbo3"])
+def test_four_bit_values_within_half_a_step(name, head_dim):
+    k, v = _data(head_dim)
+    _, v2 = get_format(name).dequantize(get_format(name).quantize(k, v))
+    assert ((v2 - v).abs() <= _uniform_bound(v, 16)).all()
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name,levels", [("turbo4", 16), ("turbo3", 7)])
+def test_rotated_keys_within_half_a_step_of_the_rotated_grid(name, levels, head_dim):
+    k, v = _data(head_dim)
+    fmt = get_format(name)
+    rotated, _ = fmt.decode(fmt.quantize(k, v))
+    exact = hadamard.rotate(k)
+    assert ((rotated - exact).abs() <= _uniform_bound(exact, levels) + 1e-5).all()
+    # and the inverse rotation keeps the error's norm
+    k2, _ = fmt.dequantize(fmt.quantize(k, v))
+    torch.testing.assert_close((k2 - k).norm(dim=-1), (rotated - exact).norm(dim=-1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_error_shrinks_with_bits(head_dim):
+    k, v = _data(head_dim)
+
+    def key_error(name: str) -> float:
+        k2, _ = get_format(name).dequantize(get_format(name).quantize(k, v))
+        return ((k2 - k).norm() / k.norm()).item()
+
+    errors = [key_error(n) for n in ("fp8", "turbo4", "turbo3")]
+    assert errors == sorted(errors) and errors[-1] < 0.3
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_lloyd_max_beats_uniform_on_rotated_keys(bits):
+    k, v = _data(128, tokens=256)
+
+    def key_error(name: str) -> float:
+        k2, _ = get_format(name).dequantize(get_format(name).quantize(k, v))
+        return ((k2 - k).norm() / k.norm()).item()
+
+    assert key_error(f"turbo{bits}-lm") < key_error(f"turbo{bits}")
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_stored_tensors_match_the_declared_layout(name):
+    fmt = get_format(name)
+    k, v = _data(128, tokens=3, heads=2)
+    stored = fmt.quantize(k.half(), v.half())
+    fields = fmt.fields(128, torch.float16)
+    assert list(stored) == list(fields)
+    for n, t in stored.items():
+        assert t.shape == (3, 2, *fields[n].trailing) and t.dtype == fields[n].dtype
+    assert sum(t[0, 0].numel() * t.element_size() for t in stored.values()) == fmt.bytes_per_token(128, torch.float16)
+
+
+def test_packing_round_trips():
+    c4 = torch.randint(0, 16, (5, 128), dtype=torch.uint8)
+    c3 = torch.randint(0, 8, (5, 128), dtype=torch.uint8)
+    assert torch.equal(codes.unpack4(codes.pack4(c4)), c4) and codes.pack4(c4).shape[-1] == 64
+    assert torch.equal(codes.unpack3(codes.pack3(c3)), c3) and codes.pack3(c3).shape[-1] == 48
+
+
+def test_capacity_against_bf16_in_a_fixed_budget():
+    budget = 1 << 30
+    tokens = {n: budget // f.bytes_per_token(128, torch.bfloat16) for n, f in FORMATS.items()}
+    assert tokens["turbo4"] >= 3.7 * tokens["auto"]
+    assert tokens["turbo3"] >= 4.2 * tokens["auto"]
+    assert tokens["turbo8"] >= 2.5 * tokens["auto"] and tokens["fp8"] >= 1.9 * tokens["auto"]
+
+
+def test_bytes_per_token_table():
+    table = {n: [FORMATS[n].bytes_per_token(d) for d in HEAD_DIMS] for n in ("auto", "fp8", "turbo8", "turbo4", "turbo3")}
+    assert table == {
+        "auto": [256, 512, 1024],
+        "fp8": [136, 264, 520],
+        "turbo8": [104, 200, 392],
+        "turbo4": [72, 136, 264],
+        "turbo3": [64, 120, 232],
+    }
+
+
+def test_prepared_query_scores_like_dequantized_keys():
+    fmt = get_format("turbo4")
+    q, (k, v) = torch.randn(8, 4, 128), _data(128, tokens=8)
+    rotated_keys, _ = fmt.decode(fmt.quantize(k, v))
+    k2, _ = fmt.dequantize(fmt.quantize(k, v))
+    torch.testing.assert_close(
+        (fmt.prepare_query(q) * rotated_keys).sum(-1), (q * k2).sum(-1), rtol=1e-4, atol=1e-3
+    )
