@@ -9,10 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from xinfer.engine.engine import LLMEngine
-from xinfer.engine.scheduler import ScheduledSeq
-from xinfer.engine.sequence import Sequence
-from xinfer import ops
-from xinfer.sampling import SamplingParams
 
 COMMON = dict(
     vocab_size=320,
@@ -43,15 +39,7 @@ def prompt(length: int, vocab_size: int = COMMON["vocab_size"], seed: int = 0) -
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
-@torch.inference_mode()
 def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``token_ids``, computed through the paged KV cache."""
-    seq = Sequence("prefill-logits", token_ids, SamplingParams())
-    assert engine.block_manager.allocate(seq, len(token_ids))
-    try:
-        runner = engine.runner
-        batch = runner.prepare([ScheduledSeq(seq, len(token_ids))])
-        with ops.use(engine.ops):
-            return runner.logits(*runner.to_device(batch))
-    finally:
-        engine.block_manager.release(seq)
+    with torch.inference_mode():
+        return engine.model.compute_logits(engine.hidden_states(token_ids))

@@ -20,11 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from xinfer import ops
-from xinfer.engine.engine import EngineStats, LLMEngine, StepOutput
-from xinfer.engine.scheduler import ScheduledSeq
-from xinfer.engine.sequence import Sequence
-from xinfer.forward_context import forward_context
+from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine, StepOutput
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
@@ -44,10 +40,6 @@ class EngineUnavailable(RuntimeError):
 
 class QueueFull(RuntimeError):
     """Too many requests are waiting: 429."""
-
-
-class EngineBusy(RuntimeError):
-    """No KV blocks free for an embedding right now: 503."""
 
 
 @dataclass
@@ -284,8 +276,8 @@ class AsyncEngine:
         elif command == "embed":
             token_ids, future = payload
             try:
-                self._resolve(future, result=[hidden_states(engine, ids) for ids in token_ids])
-            except (ValueError, EngineBusy) as error:
+                self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
+            except (ValueError, KVCacheFull) as error:
                 self._resolve(future, error=error)
         self._snapshot()
 
@@ -339,30 +331,3 @@ class AsyncEngine:
             handle.queue.put_nowait(error)
             if handle.accepted is not None and not handle.accepted.done():
                 handle.accepted.set_exception(error)
-
-
-@torch.inference_mode()
-def hidden_states(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """The model's final hidden states over ``token_ids``, using blocks borrowed from
-    the KV pool for the length of one forward."""
-    if not token_ids:
-        raise ValueError("the input is empty")
-    if len(token_ids) > engine.max_model_len:
-        raise ValueError(
-            f"the input has {len(token_ids)} tokens, the model's context is {engine.max_model_len} tokens"
-        )
-    vocab_size = engine.hf_config.vocab_size
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    seq = Sequence("embedding", token_ids, SamplingParams())
-    if not engine.block_manager.allocate(seq, len(token_ids)):
-        engine.block_manager.release(seq)
-        raise EngineBusy("the KV cache is full; retry the embedding later")
-    try:
-        batch = engine.runner.prepare([ScheduledSeq(seq, len(token_ids))])
-        with ops.use(engine.ops):
-            input_ids, positions, meta = engine.runner.to_device(batch)
-            with forward_context(meta):
-                return engine.model(input_ids, positions).float().cpu()
-    finally:
-        engine.block_manager.release(seq)

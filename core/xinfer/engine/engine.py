@@ -14,7 +14,7 @@ from xinfer.config import EngineConfig, resolve_dtype
 from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.kv_cache import allocate_kv_cache, plan_num_blocks
 from xinfer.engine.runner import ModelRunner
-from xinfer.engine.scheduler import Scheduler
+from xinfer.engine.scheduler import ScheduledSeq, Scheduler
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import get_format
 from xinfer.engine.stop import TextStream
@@ -25,6 +25,10 @@ from xinfer.text.tokenizer import Tokenizer
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
+
+
+class KVCacheFull(RuntimeError):
+    """The KV pool has no room for the request right now; retrying later may succeed."""
 
 
 @dataclass(frozen=True)
@@ -97,15 +101,38 @@ class LLMEngine:
                 f"the prompt has {num_prompt} tokens, the model's context is {self.max_model_len} tokens: "
                 f"the prompt must be shorter to leave room for at least one generated token"
             )
-        vocab_size = self.hf_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        self._check_vocab(prompt_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         self.sequences[request_id] = seq
         detokenizer = self._detokenizer(params, prompt_token_ids) if self.tokenizer is not None else None
         self.streams[request_id] = TextStream(detokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """Final hidden states [T, hidden] over ``token_ids`` (embeddings, prompt scoring),
+        through blocks borrowed from the KV pool for one forward, between steps."""
+        if not token_ids:
+            raise ValueError("the input is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens, the model's context is {self.max_model_len} tokens"
+            )
+        self._check_vocab(token_ids)
+        seq = Sequence("hidden-states", token_ids, SamplingParams())
+        if not self.block_manager.allocate(seq, len(token_ids)):
+            self.block_manager.release(seq)
+            raise KVCacheFull("the KV cache is full; retry later")
+        try:
+            return self.runner.hidden_states(self.runner.prepare([ScheduledSeq(seq, len(token_ids))]))
+        finally:
+            self.block_manager.release(seq)
+
+    def _check_vocab(self, token_ids: list[int]) -> None:
+        vocab_size = self.hf_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(token_ids)}..{max(token_ids)}")
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

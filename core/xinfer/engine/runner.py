@@ -38,6 +38,14 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions))
 
     @torch.inference_mode()
+    def hidden_states(self, batch: HostBatch) -> Tensor:
+        """The model's final hidden states over every token of ``batch``."""
+        with ops.use(self.backend):
+            input_ids, positions, meta = self.to_device(batch)
+            with forward_context(meta):
+                return self.model(input_ids, positions)
+
+    @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput | None]:
         """Runs a step; returns the sequences that sampled a token, and their tokens."""
         batch = self.prepare(scheduled)

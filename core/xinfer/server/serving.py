@@ -7,7 +7,8 @@ from typing import Any
 
 from fastapi import Request
 
-from xinfer.engine.async_engine import AsyncEngine, EngineBusy, EngineUnavailable, QueueFull, RequestHandle
+from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
+from xinfer.engine.engine import KVCacheFull
 from xinfer.engine.engine import LLMEngine
 from xinfer.sampling import SamplingParams
 from xinfer.server.disconnect import unless_disconnected
@@ -78,7 +79,7 @@ class Serving:
     async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
         try:
             return await unless_disconnected(request, self.engine.embed(token_ids))
-        except (EngineUnavailable, EngineBusy) as error:
+        except (EngineUnavailable, KVCacheFull) as error:
             raise unavailable(error) from None
         except ValueError as error:
             raise bad_request(str(error)) from None
