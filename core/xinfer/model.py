@@ -7,6 +7,16 @@ from typing import Any, ClassVar, Iterable
 from torch import Tensor, nn
 
 
+HF_QKV_GATE_UP = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+"""The usual HF checkpoint projections, stored as merged ``qkv_proj`` / ``gate_up_proj``."""
+
+
 class CausalLM(nn.Module):
     """A decoder over a flat batch of tokens (no batch dimension).
 

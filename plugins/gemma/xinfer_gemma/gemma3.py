@@ -25,7 +25,7 @@ from xinfer.layers import (
     VocabEmbedding,
     rope_parameters,
 )
-from xinfer.model import CausalLM
+from xinfer.model import HF_QKV_GATE_UP, CausalLM
 
 
 def layer_type_of(config: Any, layer_index: int) -> str:
@@ -126,13 +126,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"),
-        "up_proj": ("gate_up_proj", "up"),
-    }
+    packed_modules = HF_QKV_GATE_UP
 
     def __init__(self, config: Any):
         super().__init__(config)

@@ -22,7 +22,7 @@ from xinfer.layers import (
     VocabEmbedding,
     rope_parameters,
 )
-from xinfer.model import CausalLM
+from xinfer.model import HF_QKV_GATE_UP, CausalLM
 
 ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
@@ -125,13 +125,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"),
-        "up_proj": ("gate_up_proj", "up"),
-    }
+    packed_modules = HF_QKV_GATE_UP
     qkv_bias: ClassVar[bool | None] = None  # None: the config's attention_bias
     qk_norm: ClassVar[bool] = False
 
