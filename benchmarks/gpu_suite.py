@@ -35,9 +35,10 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "throughput-qwen3-0.6b": offline + ["--shape", "qwen3-0.6b", "--num-requests", "256",
                                            "--input-len", "100:1024", "--output-len", "100:1024",
                                            "--dtype", "bfloat16", "--profile"],
+        # the synthetic tokenizer makes the server stream one chunk per token: TTFT and ITL
         "serve-8b": [PY, str(HERE / "serve.py"), "--launch", "--random-ids", "128000",
-                     "--server-args", f"--m {shape_folder('llama-3.1-8b')} --load-format dummy --dtype bf16 "
-                                      "--max-num-seqs 64 --max-model-len 4096",
+                     "--server-args", f"--m {shape_folder('llama-3.1-8b', tokenizer=True)} "
+                                      "--load-format dummy --dtype bf16 --max-num-seqs 64 --max-model-len 4096",
                      "--concurrency", "1,16,64", "--num-prompts", "4,32,128",
                      "--input-len", "1024", "--output-len", "128"],
         "throughput-8b": offline + ["--shape", "llama-3.1-8b", "--num-requests", "1000",

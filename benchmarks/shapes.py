@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
+from pathlib import Path
 
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 SHAPES = {
@@ -27,12 +30,33 @@ SHAPES = {
 }
 
 
-def shape_folder(name: str) -> str:
-    """A folder holding only the config.json of shape ``name`` (load with load_format="dummy")."""
+def shape_folder(name: str, tokenizer: bool = False) -> str:
+    """A folder holding the config.json of shape ``name`` (load with load_format="dummy"),
+    and with ``tokenizer`` a synthetic tokenizer of the same vocabulary size."""
     config: PretrainedConfig = SHAPES[name]()
     folder = tempfile.mkdtemp(prefix=f"xinfer-{name}-")
     config.save_pretrained(folder)
+    if tokenizer:
+        save_synthetic_tokenizer(folder, config.vocab_size)
     return folder
+
+
+def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
+    """Id ``i`` is the word ``t<i>``: every id decodes to its own non-empty text, so a
+    server streams one chunk per generated token, whatever random weights produce.
+    No id is special (a skipped special token would stream nothing)."""
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins words with spaces
+    return backend
+
+
+def save_synthetic_tokenizer(folder: str | Path, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json of :func:`synthetic_tokenizer` in ``folder``."""
+    folder = Path(folder)
+    synthetic_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "add_bos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def weight_bytes(config: PretrainedConfig, itemsize: int) -> int:
