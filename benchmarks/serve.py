@@ -7,6 +7,12 @@ TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99) in milliseconds.
     python benchmarks/serve.py --launch --concurrency 1,8,32 --input-len 128 --output-len 64
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --request-rate 4 --num-prompts 100
 
+Dummy-weight shapes need ``--random-ids VOCAB`` and a folder from
+``shapes.shape_folder(name, tokenizer=True)``: without a tokenizer the server streams no
+text, so every chunk would arrive at the end and TTFT, TPOT and ITL mean nothing
+(``mean_chunks`` shows how many chunks a request streamed; per-token streaming gives
+``output_len``).
+
 ``--launch`` starts ``python -m xinfer.server`` (with ``--server-args``) on a free port
 and stops it afterwards; with ``--offline-peer`` the same prompts then run through an
 in-process ``LLMEngine`` under the same concurrency caps, so the server's own cost shows.
@@ -45,6 +51,7 @@ class Result:
     ttft: float = 0.0
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    chunks: int = 0
     error: str = ""
 
 
@@ -98,6 +105,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
                 if not chunk.get("choices"):  # the usage-only chunk
                     continue
                 now = time.perf_counter()
+                result.chunks += 1
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:
@@ -141,6 +149,7 @@ async def run_level(args: argparse.Namespace, http: httpx.AsyncClient, model: st
         **summary("tpot", tpots),
         **summary("itl", [gap for r in done for gap in r.itls]),
         **summary("e2el", [r.latency for r in done]),
+        "mean_chunks": round(statistics.fmean(r.chunks for r in done), 2) if done else float("nan"),
     }
     if len(done) < len(results):
         report["first_error"] = next(r.error for r in results if not r.ok)
