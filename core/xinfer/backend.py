@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from xinfer import registry
 from xinfer.config import DeviceConfig
 from xinfer.hooks import BackendSpec
 from xinfer.ops import Ops
+
+
+class DeviceMemory(Protocol):
+    """A device's memory as its allocator sees it, for sizing the KV cache (bytes)."""
+
+    def info(self) -> tuple[int, int]:
+        """Free and total memory of the device (all processes)."""
+
+    def allocated(self) -> int:
+        """Held by this process's tensors now."""
+
+    def reset_peak(self) -> None:
+        """Start a new window for :meth:`peak`."""
+
+    def peak(self) -> int:
+        """The most held by this process's tensors since :meth:`reset_peak`."""
+
+    def release_cached(self) -> None:
+        """Give memory cached by the allocator but held by no tensor back to the device."""
+
+
+def device_memory(spec: BackendSpec, device: torch.device) -> DeviceMemory | None:
+    """The backend's memory statistics for ``device``; None where it keeps none."""
+    return registry.load_object(spec.memory)(device) if spec.memory else None
 
 
 def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device]:

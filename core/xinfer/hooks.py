@@ -25,6 +25,9 @@ class BackendSpec:
     class implementing :class:`xinfer.ops.Ops`, the second a function returning
     whether the backend can run on this machine. Among available backends for a
     device type, the highest ``priority`` wins unless one is asked for by name.
+    ``memory`` optionally names a class taking the ``torch.device`` and implementing
+    :class:`xinfer.backend.DeviceMemory`; without one, the KV cache is sized from
+    free host memory.
     """
 
     name: str
@@ -32,6 +35,7 @@ class BackendSpec:
     ops: str
     is_available: str
     priority: int = 0
+    memory: str | None = None
 
 
 @hookspec

@@ -16,5 +16,6 @@ def xinfer_backends() -> list[BackendSpec]:
             ops="xinfer_cuda.ops:CudaOps",
             is_available="xinfer_cuda.plugin:is_available",
             priority=10,
+            memory="xinfer_cuda.memory:CudaMemory",
         )
     ]
