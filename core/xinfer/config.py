@@ -37,7 +37,12 @@ class CacheConfig(_Config):
     block_size: int = Field(16, gt=0, description="tokens per KV block")
     num_blocks: int | None = Field(None, gt=0, description="KV blocks; overrides the memory plan")
     kv_fraction: float | None = Field(
-        None, gt=0, le=1, description="share of device memory for weights + KV (GPU), of free RAM (CPU)"
+        None,
+        gt=0,
+        le=1,
+        description="GPU: share of the device's total memory this engine may use for weights, activations, "
+        "CUDA graphs and KV cache, the KV cache getting what is left (default 0.9); CPU: share of the free "
+        "RAM after loading the weights that the KV cache gets (default: a quarter, at most 2 GiB)",
     )
     kv_cache_dtype: Literal["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"] = Field(
         "auto",
@@ -48,7 +53,10 @@ class CacheConfig(_Config):
 
 
 class SchedulerConfig(_Config):
-    max_num_seqs: int = Field(256, gt=0, description="sequences in a running batch")
+    max_num_seqs: int | None = Field(
+        None, gt=0, description="sequences in a running batch; default: as many as the planned KV cache holds "
+        "at 1024 tokens each (max_model_len if shorter), at most 256; 256 when num_blocks is given"
+    )
     max_num_batched_tokens: int = Field(
         8192, gt=0, description="tokens per step; longer prefills are chunked"
     )

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from xinfer.backend import select_backend
+from xinfer.backend import device_memory, select_backend
 from xinfer.config import EngineConfig, resolve_dtype
 from xinfer.engine.block_manager import BlockManager
-from xinfer.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from xinfer.engine.kv_cache import allocate_kv_cache
+from xinfer.engine.memory_plan import memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import ScheduledSeq, Scheduler
 from xinfer.engine.sequence import Sequence
@@ -59,6 +60,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
         self.config = config
         self.backend, self.ops, self.device = select_backend(config.device)
+        memory = device_memory(self.backend, self.device)
+        baseline = memory_baseline(memory)
         path = resolve_model_path(config.model.model)
         self.model_path = path
         self.hf_config = load_config(path)
@@ -70,25 +73,18 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
         cache = config.cache
         self.kv_format = get_format(cache.kv_cache_dtype)
-        num_blocks = plan_num_blocks(self.model, cache, self.device, self.dtype, self.kv_format)
-        if num_blocks * cache.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks of "
-                f"{cache.block_size}), fewer than max_model_len={self.max_model_len}: "
-                f"lower max_model_len or give the cache more memory"
-            )
-        allocate_kv_cache(self.model, num_blocks, cache.block_size, self.dtype, self.device, self.kv_format)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
+        plan = plan_memory(config, self.runner, self.max_model_len, self.dtype, self.kv_format, memory, baseline)
+        allocate_kv_cache(self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format)
+        scheduler = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
+        self.config = config = config.model_copy(update={"scheduler": scheduler})
+        self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler, self.block_manager)
+        log.info("%s, KV cache format %s", plan.describe(), self.kv_format.name)
         if not config.device.enforce_eager:
-            self.runner.capture_decode(config.scheduler.max_num_seqs, self.max_model_len)
+            self.runner.capture_decode(plan.max_num_seqs, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
-        log.info(
-            "KV cache (%s): %d blocks of %d tokens (%d tokens)",
-            self.kv_format.name, num_blocks, cache.block_size, num_blocks * cache.block_size,
-        )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:

@@ -6,7 +6,6 @@ import os
 
 import torch
 
-from xinfer.config import CacheConfig
 from xinfer.kv import KVFormat
 from xinfer.layers.attention import Attention
 from xinfer.model import CausalLM
@@ -24,20 +23,11 @@ def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_for
     return per_token * block_size
 
 
-def plan_num_blocks(
-    model: CausalLM, config: CacheConfig, device: torch.device, dtype: torch.dtype, kv_format: KVFormat
-) -> int:
-    """Blocks that fit the memory left for the cache (or ``config.num_blocks``)."""
-    if config.num_blocks is not None:
-        return config.num_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        fraction = config.kv_fraction or 0.9
-        budget = free - (1 - fraction) * total
-    else:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = available * config.kv_fraction if config.kv_fraction else min(CPU_DEFAULT_BUDGET, available // 4)
-    return max(int(budget // bytes_per_block(model, config.block_size, dtype, kv_format)), 0)
+def host_kv_budget(fraction: float | None) -> int:
+    """Bytes of free host memory for the KV cache: ``fraction`` of it, else a quarter
+    up to 2 GiB."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available * fraction) if fraction else min(CPU_DEFAULT_BUDGET, available // 4)
 
 
 def allocate_kv_cache(

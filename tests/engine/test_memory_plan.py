@@ -1,0 +1,155 @@
+"""KV pool and max_num_seqs planning: the arithmetic on fake numbers, and the whole
+measuring path on the CPU through a fake device memory."""
+
+import logging
+
+import pytest
+from transformers import LlamaConfig
+
+from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+from xinfer.engine import engine as engine_module
+from xinfer.engine.kv_cache import bytes_per_block
+from xinfer.engine.memory_plan import (
+    GiB,
+    MAX_NUM_SEQS_CAP,
+    DeviceProfile,
+    derive_max_num_seqs,
+    kv_budget,
+    profile_batch,
+)
+
+H200 = dict(total=140 * GiB, free_at_start=139 * GiB)
+
+
+def test_kv_gets_the_fraction_of_total_memory_less_what_the_engine_needs():
+    profile = DeviceProfile(**H200, weights=15 * GiB, other=1 * GiB, activations=3 * GiB, graphs=GiB // 2)
+    assert kv_budget(profile, 0.9) == int(140 * GiB * 0.9) - int(19.5 * GiB)
+    assert kv_budget(profile, 0.5) == 70 * GiB - int(19.5 * GiB)
+
+
+def test_weights_and_activations_beyond_the_budget_are_one_clear_line():
+    profile = DeviceProfile(**H200, weights=60 * GiB, other=1 * GiB, activations=10 * GiB, graphs=GiB)
+    with pytest.raises(ValueError) as error:
+        kv_budget(profile, 0.5)
+    message = str(error.value)
+    assert "\n" not in message
+    for part in ("weights 60.00 GiB", "activation peak 10.00 GiB", "CUDA graphs 1.00 GiB", "other 1.00 GiB",
+                 "72.00 GiB", "kv_fraction 0.5", "70.00 GiB", "--kv-fraction"):
+        assert part in message, part
+
+
+def test_a_fraction_beyond_the_free_memory_is_refused():
+    profile = DeviceProfile(total=80 * GiB, free_at_start=40 * GiB, weights=GiB, other=0, activations=0, graphs=0)
+    with pytest.raises(ValueError, match=r"asks for 72.00 GiB .* only 40.00 GiB were free .*--kv-fraction"):
+        kv_budget(profile, 0.9)
+    assert kv_budget(profile, 0.45) == 35 * GiB
+
+
+@pytest.mark.parametrize(
+    "capacity, max_model_len, expected",
+    [
+        (10_000_000, 131072, MAX_NUM_SEQS_CAP),  # a large pool: the cap
+        (64 * 1024, 131072, 64),  # 1024 tokens each
+        (64 * 1024, 256, MAX_NUM_SEQS_CAP),  # a short context: sequences are shorter
+        (20 * 256, 256, 20),
+        (500, 8192, 1),  # never none
+    ],
+)
+def test_max_num_seqs_follows_the_kv_capacity(capacity, max_model_len, expected):
+    assert derive_max_num_seqs(capacity, max_model_len) == expected
+
+
+def test_profile_batch_splits_at_the_context_limit_and_writes_no_kv():
+    batch = profile_batch(100, max_model_len=32, block_size=16)
+    assert batch.seq_lens == [32, 32, 32, 4]
+    assert batch.cu_seqlens_q == [0, 32, 64, 96, 100]
+    assert len(batch.input_ids) == len(batch.positions) == 100
+    assert batch.positions[32:35] == [0, 1, 2]
+    assert set(batch.slot_mapping) == {-1}
+    assert [len(row) for row in batch.block_tables] == [2, 2, 2, 1]
+    assert profile_batch(64, max_model_len=64, block_size=16).seq_lens == [64]
+
+
+class FakeMemory:
+    """A device of ``total`` bytes whose free memory and peak are what the test says."""
+
+    def __init__(self, total: int, free: int, peak: int):
+        self.total, self.free, self.peak_bytes = total, free, peak
+        self.calls: list[str] = []
+
+    def info(self) -> tuple[int, int]:
+        self.calls.append("info")
+        return self.free, self.total
+
+    def allocated(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        self.calls.append("reset_peak")
+
+    def peak(self) -> int:
+        self.calls.append("peak")
+        return self.peak_bytes
+
+    def release_cached(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder)
+    return str(folder)
+
+
+def weight_bytes(engine) -> int:
+    return sum(t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()])
+
+
+def test_measured_plan_sizes_the_pool_and_max_num_seqs(model_dir, monkeypatch, caplog):
+    """The profiling forward runs (here on the CPU) and the pool gets total x fraction
+    less the weights and the measured peak; max_num_seqs follows the pool."""
+    fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    with caplog.at_level(logging.INFO, logger="xinfer"):
+        llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_num_batched_tokens=300, max_model_len=128)
+    engine = llm.engine
+    budget = (2 << 20) - weight_bytes(engine) - (512 << 10)
+    num_blocks = engine.block_manager.num_blocks
+    assert num_blocks == budget // bytes_per_block(engine.model, 16, engine.dtype, engine.kv_format)
+    max_num_seqs = engine.config.scheduler.max_num_seqs
+    assert 1 < max_num_seqs == derive_max_num_seqs(num_blocks * 16, 128) < MAX_NUM_SEQS_CAP
+    assert engine.scheduler.config.max_num_seqs == max_num_seqs
+    assert fake.calls.index("reset_peak") < fake.calls.index("peak")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
+    for part in ("kv_fraction 0.5 of 0.00 GiB", "activation peak 0.00 GiB", "CUDA graph reserve 0.00 GiB",
+                 f"{num_blocks * 16} tokens", f"max_num_seqs {max_num_seqs} (derived)"):
+        assert part in line, (part, line)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = LLM(model=model_dir, dtype="float32", num_blocks=64, max_model_len=128)
+    assert llm.generate([prompt(20)], params)[0].outputs[0].token_ids == \
+        reference.generate([prompt(20)], params)[0].outputs[0].token_ids
+
+
+def test_max_num_seqs_given_is_kept(model_dir, monkeypatch):
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: FakeMemory(4 << 20, 4 << 20, 0))
+    llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, max_num_seqs=3)
+    assert llm.engine.config.scheduler.max_num_seqs == 3
+
+
+def test_a_pool_sized_by_hand_keeps_the_usual_max_num_seqs(model_dir):
+    llm = LLM(model=model_dir, dtype="float32", num_blocks=8, max_model_len=128)
+    assert llm.engine.config.scheduler.max_num_seqs == MAX_NUM_SEQS_CAP
+
+
+def test_no_room_left_fails_at_start_up(model_dir, monkeypatch):
+    fake = FakeMemory(total=1 << 30, free=1 << 30, peak=1 << 30)
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        LLM(model=model_dir, dtype="float32", max_model_len=128)
+
+
+def test_too_small_a_pool_for_the_context_names_the_flags(model_dir):
+    with pytest.raises(ValueError, match=r"holds 64 tokens .* max_model_len=128: lower max_model_len \(--max-model-len\)"):
+        LLM(model=model_dir, dtype="float32", num_blocks=4, max_model_len=128)
