@@ -56,10 +56,15 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 
     capacity = p.add_argument_group("capacity")
-    capacity.add_argument("--max-num-seqs", type=int, default=256, help="sequences in a running batch")
+    capacity.add_argument("--max-num-seqs", type=int,
+                          help="sequences in a running batch (default: as many as the KV cache holds at 1024 "
+                          "tokens each, or --max-model-len if shorter, at most 256)")
     capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     capacity.add_argument("--max-tokens", type=int, help="default max generated tokens of a request (default: the rest of the context)")
-    capacity.add_argument("--kv-fraction", type=float, help="share of memory for weights + KV cache")
+    capacity.add_argument("--kv-fraction", type=float,
+                          help="GPU: share of the device's total memory for weights, activations, CUDA graphs "
+                          "and KV cache, which gets the rest (default: 0.9); CPU: share of the free RAM after "
+                          "loading the weights for the KV cache (default: a quarter, at most 2 GiB)")
     capacity.add_argument("--kvcache-dtype", default="auto", choices=KV_FORMATS,
                           help="KV cache format (docs/kv-cache.md); auto: the model dtype")
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked")
