@@ -32,6 +32,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
                                 "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16", "--profile"],
         "gpt-fast-8b": [PY, str(HERE / "peers/gpt_fast.py"), "--gpt-fast-dir", gpt_fast_dir],
         "kernel-times": [PY, str(HERE / "kernels_cuda.py")],
+        "kv-decode-speed": [PY, str(HERE / "kv_decode_speed.py")],
         "throughput-qwen3-0.6b": offline + ["--shape", "qwen3-0.6b", "--num-requests", "256",
                                            "--input-len", "100:1024", "--output-len", "100:1024",
                                            "--dtype", "bfloat16", "--profile"],

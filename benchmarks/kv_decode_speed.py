@@ -1,57 +1,137 @@
-"""Decode attention time per KV format on the GPU (Llama-3.1-8B shape: 32 query heads,
-8 KV heads, head_dim 128; one layer), and the bandwidth each achieves.
+"""Decode speed per KV cache format against bf16 on the GPU, Llama-3.1-8B shape (dummy
+weights), side by side in one run, at batch 1 with contexts 1k and 32k and at batch 64
+with 8k:
 
-    python benchmarks/kv_decode_speed.py
+    python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32]
 
-Prints one JSON line per (batch, context, format): microseconds per call, bytes of
-cache read, and GB/s.
+For each (format, batch, context) the caches of ``batch`` sequences are filled with
+``context`` tokens of random keys and values through the format's own write path, then
+whole decode steps run as the engine runs them (host preparation, the CUDA graph
+replay, sampling). Each JSON line holds the decode tok/s, the step time, the bytes a
+step must read (weights + every sequence's K and V at the format's real bytes per
+token) and the fraction of the copy bandwidth measured in the same run that this
+implies; and, for one layer's attention alone, its time and the cache bytes it read
+per second.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
+import sys
+import time
+from pathlib import Path
 
 import torch
 import triton
 
-from xinfer.kv import get_format
-from xinfer.ops import AttentionMetadata
-from xinfer_cuda.ops import CudaOps
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import copy_bandwidth  # noqa: E402
+from shapes import SHAPES, shape_folder, weight_bytes  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+from xinfer import LLM, SamplingParams, ops  # noqa: E402
+from xinfer.engine.kv_cache import attention_layers  # noqa: E402
+from xinfer.engine.scheduler import ScheduledSeq  # noqa: E402
+from xinfer.engine.sequence import Sequence  # noqa: E402
+from xinfer.forward_context import forward_context  # noqa: E402
+
 CASES = [(1, 1024), (1, 32768), (64, 8192)]
 FORMATS = ["auto", "fp8", "turbo8", "turbo4", "turbo3"]
+SHAPE = "llama-3.1-8b"
+
+
+def fill(llm: LLM, seqs: list[Sequence]) -> None:
+    """Random K/V for every token of ``seqs``, written through the format's write path."""
+    engine = llm.engine
+    config = engine.hf_config
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    slots = torch.tensor(
+        [engine.runner._slot(seq, p) for seq in seqs for p in range(seq.num_tokens)], device=engine.device
+    )
+    with ops.use(engine.ops):
+        for layer in attention_layers(engine.model):
+            for chunk in slots.split(1 << 16):
+                k = torch.randn(len(chunk), kv_heads, head_dim, device=engine.device, dtype=engine.dtype)
+                ops.current().write_kv(k, torch.randn_like(k), layer.kv_cache, chunk)
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
+    engine = llm.engine
+    vocab = engine.hf_config.vocab_size
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(f"speed-{i}", torch.randint(vocab, (context,)).tolist(), SamplingParams(temperature=0))
+        assert engine.block_manager.allocate(seq, context), "KV pool too small for this case"
+        seq.num_computed_tokens = context - 1  # the step computes the last token
+        seqs.append(seq)
+    try:
+        fill(llm, seqs)
+        scheduled = [ScheduledSeq(seq, 1) for seq in seqs]
+        for _ in range(3):
+            engine.runner.step(scheduled)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.runner.step(scheduled)
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - start) / steps
+        layer_us = attention_us(llm, engine.runner.prepare(scheduled))
+    finally:
+        for seq in seqs:
+            engine.block_manager.release(seq)
+    return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "attention_layer_us": layer_us}
+
+
+def attention_us(llm: LLM, batch) -> float:
+    """One layer's attention call (query rotation included) on this batch's metadata."""
+    engine = llm.engine
+    layer = attention_layers(engine.model)[0]
+    config = engine.hf_config
+    input_ids, positions, meta = engine.runner.to_device(batch)
+    q = torch.randn(len(batch.input_ids), config.num_attention_heads, layer.kv_cache.head_dim,
+                    device=engine.device, dtype=engine.dtype)  # fmt: skip
+    scale = layer.kv_cache.head_dim**-0.5
+    with ops.use(engine.ops), forward_context(meta):
+        ms = triton.testing.do_bench(lambda: ops.current().attention(q, layer.kv_cache, meta, scale), rep=200)
+    return ms * 1e3
 
 
 def main() -> None:
-    ops, device = CudaOps(), torch.device("cuda")
-    for batch, context in CASES:
-        blocks_per_seq = context // BLOCK_SIZE
-        num_blocks = batch * blocks_per_seq
-        tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-            block_tables=tables,
-            slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
-            max_seqlen_q=1,
-            max_seq_len=context,
-        )
-        q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        for name in FORMATS:
-            fmt = get_format(name)
-            cache = fmt.allocate(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
-            for start in range(0, num_blocks * BLOCK_SIZE, 1 << 20):  # fill in slices to bound memory
-                slots = torch.arange(start, min(start + (1 << 20), num_blocks * BLOCK_SIZE), device=device)
-                k = torch.randn(len(slots), KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-                ops.write_kv(k, k, cache, slots)
-            ms = triton.testing.do_bench(lambda: ops.attention(q, cache, meta, HEAD_DIM**-0.5), warmup=25, rep=200)
-            read = batch * context * KV_HEADS * fmt.bytes_per_token(HEAD_DIM, torch.bfloat16)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="*", default=FORMATS)
+    parser.add_argument("--steps", type=int, default=32)
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth()
+    config = SHAPES[SHAPE]()
+    weights = weight_bytes(config, 2)
+    head_dim = config.hidden_size // config.num_attention_heads
+    folder = shape_folder(SHAPE)
+    max_len = max(context for _, context in CASES) + 16
+    for name in args.formats:
+        llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", kv_cache_dtype=name,
+                  max_num_seqs=max(b for b, _ in CASES), max_model_len=max_len)  # fmt: skip
+        per_token = llm.engine.kv_format.bytes_per_token(head_dim) * config.num_key_value_heads
+        for batch, context in CASES:
+            figures = decode_steps(llm, batch, context, args.steps)
+            kv_bytes = batch * context * per_token * config.num_hidden_layers
+            step_bytes = weights + kv_bytes
+            limit_tok_s = batch * bandwidth / step_bytes
+            layer_kv = kv_bytes / config.num_hidden_layers
             print(json.dumps({
-                "batch": batch, "context": context, "format": name, "us": round(ms * 1e3, 1),
-                "cache_bytes": read, "GB/s": round(read / ms / 1e6, 1),
+                "format": name, "batch": batch, "context": context,
+                "decode_tok_s": round(figures["tok_s"], 1), "step_ms": round(figures["step_ms"], 3),
+                "step_bytes": step_bytes, "kv_bytes": kv_bytes, "limit_tok_s": round(limit_tok_s, 1),
+                "fraction_of_limit": round(figures["tok_s"] / limit_tok_s, 3),
+                "attention_layer_us": round(figures["attention_layer_us"], 1),
+                "attention_TB_s": round(layer_kv / figures["attention_layer_us"] / 1e6, 3),
+                "copy_TB_s": round(bandwidth / 1e12, 3),
             }), flush=True)  # fmt: skip
-            del cache
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

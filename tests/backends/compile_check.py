@@ -24,11 +24,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import activation, attention, kv_write, norm, rotary
+from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
+from xinfer_cuda.kernels.kv_codes import side
 
-MODULES = (activation, attention, kv_write, norm, rotary)
+MODULES = (activation, attention, kv_quant_write, kv_write, norm, rotary)
+QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo3-lm")
 POINTER_TYPES = {
+    torch.uint8: "*u8",
     torch.float16: "*fp16",
     torch.bfloat16: "*bf16",
     torch.float32: "*fp32",
@@ -101,6 +105,24 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 num_splits=splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
                 decode_tiles=tiles(attention._DECODE_TILES, head_dim),
             )  # fmt: skip
+    # Quantized caches: the write kernel per side and attention (decode and prefill).
+    for name in QUANTIZED:
+        fmt = get_format(name)
+        for head_dim in (64, 128, 256):
+            cache = fmt.allocate(4, 16, 8, head_dim, dtype, torch.device("cpu"))
+            for k_or_v, codec in (("k", fmt.key), ("v", fmt.value)):
+                kv_quant_write.quant_write(t(4, 8, head_dim), side(cache, k_or_v, codec), positions)
+            for q_len, splits in ((1, 4), (8, None)):
+                cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+                meta = AttentionMetadata(
+                    cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
+                    torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
+                )  # fmt: skip
+                attention.paged_attention_cache(
+                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
+                    prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
+                    decode_tiles=tiles(attention._DECODE_TILES, head_dim),
+                )  # fmt: skip
     return list(LAUNCHES)
 
 

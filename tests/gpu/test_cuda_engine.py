@@ -55,3 +55,19 @@ def test_gpu_batch_invariance(model_dir):
         together = tokens(gpu, many, params)
         alone = [tokens(gpu, [p], params)[0] for p in many]
         assert together == alone
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "turbo4", "turbo3"])
+def test_quantized_cache_with_graphs_and_prefix_cache(model_dir, kv_cache_dtype):
+    """A quantized cache under CUDA graphs gives the eager steps' tokens, and prompts
+    served again from the prefix cache (blocks written in that format) give the same."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(model=model_dir, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8,
+                  enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+        first = tokens(llm, PROMPTS, params)
+        assert tokens(llm, PROMPTS, params) == first  # second time through the prefix cache
+        assert llm.engine.stats().prefix_cache_hits > 0
+        runs[eager] = first
+    assert runs[False] == runs[True]

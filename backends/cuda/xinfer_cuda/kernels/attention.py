@@ -22,7 +22,7 @@ tile is loaded, never into a copy of the cache.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels.kv_codes import CODE_PLAIN, PLAIN, Side, load_tile, side
+from xinfer_cuda.kernels.kv_codes import CODE_PLAIN, LLOYD, PLAIN, Side, load_scale, load_stored, side
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: a row that sees no key in a tile keeps
@@ -83,41 +83,38 @@ def _attend_keys(
     PRECISION: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
-    K_LEVELS: tl.constexpr,
-    K_GROUP: tl.constexpr,
-    K_GROUP_BYTES: tl.constexpr,
+    K_OFFSET: tl.constexpr,
+    K_STEP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_BITS: tl.constexpr,
-    V_LEVELS: tl.constexpr,
-    V_GROUP: tl.constexpr,
-    V_GROUP_BYTES: tl.constexpr,
+    V_OFFSET: tl.constexpr,
+    V_STEP: tl.constexpr,
 ):
     """Fold the keys at positions [start, end) into the running (acc, l_i, m_i).
 
     ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches
     (and the scale pointers at its first scale); quantized tiles are decoded in registers.
     """
+    if K_OFFSET != 0.0:
+        q_sum = tl.sum(q.to(tl.float32), 1)
     for tile_start in range(start, end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = k_pos < end
         block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
-        k = load_tile(
-            k_head_ptr, k_scale_head_ptr, k_levels_ptr, block, slot, stride_k_block, stride_k_slot,
-            stride_s_block, stride_s_slot, in_range, HEAD_DIM, BLOCK_D,
-            K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES,
-        )  # fmt: skip
-        v = load_tile(
-            v_head_ptr, v_scale_head_ptr, v_levels_ptr, block, slot, stride_v_block, stride_v_slot,
-            stride_s_block, stride_s_slot, in_range, HEAD_DIM, BLOCK_D,
-            V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
-        )  # fmt: skip
-        if K_CODE != CODE_PLAIN:
-            k = k.to(q.dtype)
-        if V_CODE != CODE_PLAIN:
-            v = v.to(q.dtype)
+        k_row = block * stride_k_block + slot * stride_k_slot
+        k = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, K_CODE, K_BITS, q.dtype)
+        v_row = block * stride_v_block + slot * stride_v_slot
+        v = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, V_CODE, V_BITS, q.dtype)
 
+        # Scores against stored keys, then each key's (offset, scale) applied to its
+        # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if K_CODE != CODE_PLAIN:
+            if K_OFFSET != 0.0:
+                s -= K_OFFSET * q_sum[:, None]
+            k_scale = load_scale(k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
+            s *= (k_scale * K_STEP)[None, :]
         if HAS_SOFTCAP:
             s = cap_scale * _tanh(s * score_scale)
         else:
@@ -134,7 +131,16 @@ def _attend_keys(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        # Likewise each value row's scale goes into p: p @ ((v - offset) * step * scale)
+        # = (p * step * scale) @ v - offset * sum(p * step * scale).
+        if V_CODE == CODE_PLAIN:
+            pv = p.to(v.dtype)
+        else:
+            v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
+            pv = (p * (v_scale * V_STEP)[None, :]).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        if V_OFFSET != 0.0:
+            acc -= V_OFFSET * tl.sum(pv.to(tl.float32), 1)[:, None]
         m_i = m_new
     return acc, l_i, m_i
 
@@ -181,14 +187,12 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
-    K_LEVELS: tl.constexpr,
-    K_GROUP: tl.constexpr,
-    K_GROUP_BYTES: tl.constexpr,
+    K_OFFSET: tl.constexpr,
+    K_STEP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_BITS: tl.constexpr,
-    V_LEVELS: tl.constexpr,
-    V_GROUP: tl.constexpr,
-    V_GROUP_BYTES: tl.constexpr,
+    V_OFFSET: tl.constexpr,
+    V_STEP: tl.constexpr,
 ):
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
@@ -242,7 +246,7 @@ def _prefill_kernel(
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window,
             MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-            K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
+            K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
         )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, full_lo, full_end,
@@ -250,7 +254,7 @@ def _prefill_kernel(
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, full_end, hi,
@@ -258,7 +262,7 @@ def _prefill_kernel(
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -328,14 +332,12 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
-    K_LEVELS: tl.constexpr,
-    K_GROUP: tl.constexpr,
-    K_GROUP_BYTES: tl.constexpr,
+    K_OFFSET: tl.constexpr,
+    K_STEP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_BITS: tl.constexpr,
-    V_LEVELS: tl.constexpr,
-    V_GROUP: tl.constexpr,
-    V_GROUP_BYTES: tl.constexpr,
+    V_OFFSET: tl.constexpr,
+    V_STEP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -376,7 +378,7 @@ def _decode_kernel(
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, q_pos, full_end, end,
@@ -384,7 +386,7 @@ def _decode_kernel(
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
         MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
-        K_CODE, K_BITS, K_LEVELS, K_GROUP, K_GROUP_BYTES, V_CODE, V_BITS, V_LEVELS, V_GROUP, V_GROUP_BYTES,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -607,11 +609,15 @@ def attend_sides(
     assert v_side.scale_or_data().stride() == scales.stride(), "K and V scales must share a layout"
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3], meta.block_tables.stride(0))
     cache_ptrs = (k_cache, v_cache, k_side.scale_or_data(), v_side.scale_or_data(), k_side.levels_or_data(), v_side.levels_or_data())
+    if k_side.code != PLAIN or v_side.code != PLAIN:
+        assert head_dim & (head_dim - 1) == 0, f"quantized caches need a power-of-two head_dim, got {head_dim}"
     common |= k_side.constexprs("K") | v_side.constexprs("V")
     window_arg = window if has_window else 0
 
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
+        if k_side.code == LLOYD and prefill_tiles is None:
+            cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))  # level lookups: fewer registers left
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
         grid = (triton.cdiv(meta.max_seqlen_q, q_per_tile), meta.num_seqs, num_kv_heads)

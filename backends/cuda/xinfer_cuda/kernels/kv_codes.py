@@ -51,13 +51,25 @@ class Side:
     def levels_or_data(self) -> Tensor:
         return self.levels if self.levels is not None else self.data
 
+    @property
+    def offset(self) -> float:
+        """What the stored tile holds at value 0 (the uniform codes' midpoint)."""
+        return (self.num_levels - 1) / 2 if self.code == UNIFORM else 0.0
+
+    @property
+    def step(self) -> float:
+        """value = (stored - offset) * step * per-row scale."""
+        if self.code == UNIFORM:
+            return 1 / self.offset
+        return 256 / FP8_MAX if self.code == FP8 else 1.0
+
     def constexprs(self, prefix: str) -> dict:
+        """How attention reads this side."""
         return {
             f"{prefix}_CODE": self.code,
             f"{prefix}_BITS": self.bits,
-            f"{prefix}_LEVELS": self.num_levels,
-            f"{prefix}_GROUP": self.group,
-            f"{prefix}_GROUP_BYTES": self.group_bytes,
+            f"{prefix}_OFFSET": self.offset,
+            f"{prefix}_STEP": self.step,
         }
 
 
@@ -147,44 +159,56 @@ def encode(x, scale, levels_ptr, CODE: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def load_tile(
+def load_stored(
     head_ptr,
-    scale_head_ptr,
     levels_ptr,
-    block,
-    slot,
-    stride_block,
-    stride_slot,
-    stride_s_block,
-    stride_s_slot,
+    row,
     rows_ok,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CODE: tl.constexpr,
     BITS: tl.constexpr,
-    LEVELS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_BYTES: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):
-    """The [rows, BLOCK_D] tile of one KV head at cache positions (block, slot), decoded
-    in registers (fp32 for quantized codes, the cache dtype for plain). Masked rows and
-    dims read as 0."""
-    dims = tl.arange(0, BLOCK_D)
-    mask = rows_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    row = block * stride_block + slot * stride_slot
-    if CODE == CODE_PLAIN:
-        return tl.load(head_ptr + row[:, None] + dims[None, :], mask=mask, other=0.0)
-    scale = tl.load(scale_head_ptr + block * stride_s_block + slot * stride_s_slot, mask=rows_ok, other=0.0)
-    if CODE == CODE_FP8:
-        bits = tl.load(head_ptr + row[:, None] + dims[None, :], mask=mask, other=0)
-        return fp8_value(bits) * (scale * (256.0 / FP8_MAX_C))[:, None]
-    first_byte = row[:, None] + (dims // GROUP * GROUP_BYTES)[None, :]
-    word = tl.zeros([rows_ok.shape[0], BLOCK_D], tl.int32)
-    for b in tl.static_range(GROUP_BYTES):
-        word |= tl.load(head_ptr + first_byte + b, mask=mask, other=0).to(tl.int32) << (8 * b)
-    code = (word >> (BITS * (dims % GROUP))[None, :]) & ((1 << BITS) - 1)
-    if CODE == CODE_UNIFORM:
-        half: tl.constexpr = (LEVELS - 1) / 2
-        return (code.to(tl.float32) - half) * (scale / half)[:, None]
+    """The [ROWS, BLOCK_D] tile of one KV head at element offsets ``row``, as stored and
+    in ``DTYPE``, before its per-row scale: plain values, e4m3 values / 256, integer
+    codes (uniform) or unit levels (Lloyd–Max). Each row's packed bytes are one
+    contiguous load; the codes are split out in registers. Masked rows read as 0."""
+    if CODE == CODE_PLAIN or CODE == CODE_FP8:
+        dims = tl.arange(0, BLOCK_D)
+        mask = rows_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        x = tl.load(head_ptr + row[:, None] + dims[None, :], mask=mask, other=0)
+        if CODE == CODE_FP8:
+            x = fp8_value(x)
+        return x.to(DTYPE)
+    if BITS == 4:
+        pairs = tl.arange(0, HEAD_DIM // 2)
+        packed = tl.load(head_ptr + row[:, None] + pairs[None, :], mask=rows_ok[:, None], other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, HEAD_DIM])
     else:
-        return tl.load(levels_ptr + code) * scale[:, None]
+        codes = _unpack3(head_ptr, row, rows_ok, ROWS, HEAD_DIM)
+    if CODE == CODE_LLOYD:
+        return tl.load(levels_ptr + codes).to(DTYPE)
+    return codes.to(DTYPE)
+
+
+@triton.jit
+def _unpack3(head_ptr, row, rows_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[ROWS, HEAD_DIM] 3-bit codes: eight per little-endian 24-bit word."""
+    words = tl.arange(0, HEAD_DIM // 8)
+    first = head_ptr + row[:, None] + 3 * words[None, :]
+    mask = rows_ok[:, None]
+    word = tl.load(first, mask=mask, other=0).to(tl.int32)
+    word |= tl.load(first + 1, mask=mask, other=0).to(tl.int32) << 8
+    word |= tl.load(first + 2, mask=mask, other=0).to(tl.int32) << 16
+    # Joined so that code r of a word lands at index r of the flattened last three axes
+    # (4 * bit2 + 2 * bit1 + bit0): the outermost join picks bit 0 of r.
+    even = tl.join(tl.join(word & 7, (word >> 12) & 7), tl.join((word >> 6) & 7, (word >> 18) & 7))
+    odd = tl.join(tl.join((word >> 3) & 7, (word >> 15) & 7), tl.join((word >> 9) & 7, (word >> 21) & 7))
+    return tl.reshape(tl.join(even, odd), [ROWS, HEAD_DIM])
+
+
+@triton.jit
+def load_scale(scale_head_ptr, block, slot, stride_block, stride_slot, rows_ok):
+    return tl.load(scale_head_ptr + block * stride_block + slot * stride_slot, mask=rows_ok, other=0.0)
