@@ -151,5 +151,6 @@ def test_no_room_left_fails_at_start_up(model_dir, monkeypatch):
 
 
 def test_too_small_a_pool_for_the_context_names_the_flags(model_dir):
-    with pytest.raises(ValueError, match=r"holds 64 tokens .* max_model_len=128: lower max_model_len \(--max-model-len\)"):
+    expected = r"holds 64 tokens .* max_model_len=128: lower max_model_len \(--max-model-len\)"
+    with pytest.raises(ValueError, match=expected):
         LLM(model=model_dir, dtype="float32", num_blocks=4, max_model_len=128)
