@@ -35,3 +35,9 @@ def test_signs_are_fixed_and_mixed():
     s = hadamard.signs(128)
     assert torch.equal(s, hadamard.signs(128))
     assert set(s.tolist()) == {-1.0, 1.0} and 30 < (s > 0).sum() < 98
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotation_matrix_is_the_fast_transform_of_the_sign_flip(head_dim):
+    x = torch.randn(16, 3, head_dim)
+    torch.testing.assert_close(hadamard.rotate(x), hadamard.hadamard(x * hadamard.signs(head_dim)), rtol=0, atol=1e-5)

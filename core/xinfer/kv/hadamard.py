@@ -1,8 +1,8 @@
-"""Random sign flip followed by the orthonormal fast Walsh–Hadamard transform.
+"""Random sign flip followed by the orthonormal Walsh–Hadamard transform.
 
-Spreading each key over all coordinates makes the coordinates nearly Gaussian and of
-similar size, so one absmax per vector wastes few levels. The map is orthonormal, so
-``rotate(q) · rotate(k) == q · k`` and the query can be rotated instead of undoing
+Spreading each vector over all coordinates makes the coordinates nearly Gaussian and
+of similar size, so one scale per vector wastes few levels. The map is orthonormal,
+so ``rotate(q) · rotate(k) == q · k`` and the query can be rotated instead of undoing
 the rotation of the keys.
 """
 
@@ -26,7 +26,7 @@ def signs(head_dim: int, device: torch.device = torch.device("cpu")) -> Tensor:
 
 
 def hadamard(x: Tensor) -> Tensor:
-    """Orthonormal WHT over the last dim (a power of two), in fp32; it is its own inverse."""
+    """Orthonormal fast WHT over the last dim (a power of two), in fp32; it is its own inverse."""
     *lead, n = x.shape
     assert n & (n - 1) == 0, f"head_dim {n} is not a power of two"
     y = x.float().reshape(-1, n)
@@ -35,14 +35,21 @@ def hadamard(x: Tensor) -> Tensor:
         pairs = y.view(-1, n // (2 * h), 2, h)
         y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
         h *= 2
-    return (y.reshape(*lead, n) / math.sqrt(n))
+    return y.reshape(*lead, n) / math.sqrt(n)
+
+
+@functools.cache
+def rotation(head_dim: int, device: torch.device = torch.device("cpu")) -> Tensor:
+    """``R = H · diag(s)`` as a [D, D] fp32 matrix, cached per device (one matmul
+    rotates a whole batch of vectors)."""
+    return hadamard(torch.diag(signs(head_dim))).T.contiguous().to(device)
 
 
 def rotate(x: Tensor) -> Tensor:
-    """``H · diag(s) · x`` over the last dim, in fp32."""
-    return hadamard(x.float() * signs(x.shape[-1], x.device))
+    """``R · x`` over the last dim, in fp32."""
+    return x.float() @ rotation(x.shape[-1], x.device).T
 
 
 def unrotate(y: Tensor) -> Tensor:
-    """The inverse of :func:`rotate`: ``diag(s) · H · y``."""
-    return hadamard(y) * signs(y.shape[-1], y.device)
+    """The inverse of :func:`rotate`: ``Rᵀ · y``."""
+    return y.float() @ rotation(y.shape[-1], y.device)
