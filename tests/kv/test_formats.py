@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from xinfer.kv import FORMATS, codes, get_format, hadamard
+from xinfer.kv import FORMATS, KVFormat, codes, get_format, hadamard
+from xinfer.kv.codecs import LloydMax, Plain, Uniform
 
 HEAD_DIMS = [64, 128, 256]
 
@@ -28,24 +29,17 @@ def test_auto_is_lossless(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("name", ["fp8", "turbo8"])
-def test_fp8_keys_within_e4m3_rounding(name, head_dim):
+def test_fp8_within_e4m3_rounding(head_dim):
     k, v = _data(head_dim)
-    k2, _ = get_format(name).dequantize(get_format(name).quantize(k, v))
-    bound = k.abs() / 16 + codes.absmax(k).unsqueeze(-1) * 2**-18
-    assert ((k2 - k).abs() <= bound).all()
+    fmt = get_format("fp8")
+    k2, v2 = fmt.dequantize(fmt.quantize(k, v))
+    for x, x2 in ((k, k2), (v, v2)):
+        bound = x.abs() / 16 + codes.absmax(x).unsqueeze(-1) * 2**-18
+        assert ((x2 - x).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("name", ["turbo8", "turbo4", "turbo3"])
-def test_four_bit_values_within_half_a_step(name, head_dim):
-    k, v = _data(head_dim)
-    _, v2 = get_format(name).dequantize(get_format(name).quantize(k, v))
-    assert ((v2 - v).abs() <= _uniform_bound(v, 16)).all()
-
-
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("name,levels", [("turbo4", 16), ("turbo3", 7)])
+@pytest.mark.parametrize("name,levels", [("turbo8", 255), ("turbo4", 16)])
 def test_rotated_keys_within_half_a_step_of_the_rotated_grid(name, levels, head_dim):
     k, v = _data(head_dim)
     fmt = get_format(name)
@@ -58,6 +52,43 @@ def test_rotated_keys_within_half_a_step_of_the_rotated_grid(name, levels, head_
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", ["turbo8", "turbo4", "turbo3"])
+def test_rotated_values_within_half_a_step_of_the_rotated_grid(name, head_dim):
+    k, v = _data(head_dim)
+    fmt = get_format(name)
+    _, rotated = fmt.decode(fmt.quantize(k, v))
+    exact = hadamard.rotate(v)
+    assert ((rotated - exact).abs() <= _uniform_bound(exact, 16) + 1e-5).all()
+    _, v2 = fmt.dequantize(fmt.quantize(k, v))
+    torch.testing.assert_close((v2 - v).norm(dim=-1), (rotated - exact).norm(dim=-1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", ["turbo3", "turbo4-lm"])
+def test_lloyd_max_keys_take_the_nearest_scaled_level(name, head_dim):
+    k, v = _data(head_dim)
+    fmt = get_format(name)
+    stored = fmt.quantize(k, v)
+    rotated, _ = fmt.decode(stored)
+    exact = hadamard.rotate(k)
+    levels = fmt.key._levels(k.device) * stored["k_scale"][..., None, None]  # [T, H, 1, L]
+    nearest = levels.squeeze(-2).gather(-1, (exact.unsqueeze(-1) - levels).abs().argmin(-1))
+    torch.testing.assert_close(rotated, nearest, rtol=0, atol=1e-5)
+    torch.testing.assert_close(stored["k_scale"], exact.pow(2).mean(-1).sqrt())  # the RMS
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_value_rotation_is_undone_once_after_attention(head_dim):
+    fmt = get_format("turbo4")
+    k, v = _data(head_dim, tokens=16)
+    probs = torch.rand(8, 16).softmax(-1)  # any convex weights over the tokens
+    _, rotated = fmt.decode(fmt.quantize(k, v))
+    _, v2 = fmt.dequantize(fmt.quantize(k, v))
+    out = torch.einsum("qt,thd->qhd", probs, rotated)
+    torch.testing.assert_close(fmt.finish_output(out), torch.einsum("qt,thd->qhd", probs, v2), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_error_shrinks_with_bits(head_dim):
     k, v = _data(head_dim)
 
@@ -65,19 +96,21 @@ def test_error_shrinks_with_bits(head_dim):
         k2, _ = get_format(name).dequantize(get_format(name).quantize(k, v))
         return ((k2 - k).norm() / k.norm()).item()
 
-    errors = [key_error(n) for n in ("fp8", "turbo4", "turbo3")]
-    assert errors == sorted(errors) and errors[-1] < 0.3
+    errors = [key_error(n) for n in ("turbo8", "fp8", "turbo4", "turbo3")]
+    assert errors == sorted(errors) and errors[-1] < 0.2
 
 
-@pytest.mark.parametrize("bits", [3, 4])
-def test_lloyd_max_beats_uniform_on_rotated_keys(bits):
+@pytest.mark.parametrize("levels,bits", [(7, 3), (16, 4)])
+def test_lloyd_max_beats_uniform_on_rotated_keys(levels, bits):
     k, v = _data(128, tokens=256)
+    uniform = KVFormat("uniform", Uniform(levels, bits), Plain(), rotate_keys=True)
+    lloyd_max = KVFormat("lloyd-max", LloydMax(2**bits, bits), Plain(), rotate_keys=True)
 
-    def key_error(name: str) -> float:
-        k2, _ = get_format(name).dequantize(get_format(name).quantize(k, v))
+    def key_error(fmt: KVFormat) -> float:
+        k2, _ = fmt.dequantize(fmt.quantize(k, v))
         return ((k2 - k).norm() / k.norm()).item()
 
-    assert key_error(f"turbo{bits}-lm") < key_error(f"turbo{bits}")
+    assert key_error(lloyd_max) < key_error(uniform)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -95,6 +128,9 @@ def test_stored_tensors_match_the_declared_layout(name):
 def test_packing_round_trips():
     c4 = torch.randint(0, 16, (5, 128), dtype=torch.uint8)
     c3 = torch.randint(0, 8, (5, 128), dtype=torch.uint8)
+    c8 = torch.randint(0, 255, (5, 128), dtype=torch.uint8)
+    eight = Uniform(255, 8)
+    assert torch.equal(eight._unpack(eight._pack(c8)), c8) and eight._pack(c8).shape[-1] == 128
     assert torch.equal(codes.unpack4(codes.pack4(c4)), c4) and codes.pack4(c4).shape[-1] == 64
     assert torch.equal(codes.unpack3(codes.pack3(c3)), c3) and codes.pack3(c3).shape[-1] == 48
 

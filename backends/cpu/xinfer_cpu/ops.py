@@ -51,8 +51,9 @@ class CpuOps:
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        out = torch.empty_like(q)
+        dtype = q.dtype
         q = cache.format.prepare_query(q)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         cu = meta.cu_seqlens_q.tolist()
         seq_lens = meta.seq_lens.tolist()
         for b, context_len in enumerate(seq_lens):
@@ -62,7 +63,7 @@ class CpuOps:
             stored = {n: _gather(t, meta.block_tables[b], context_len) for n, t in cache.tensors.items()}
             k, v = cache.format.decode(stored)  # one sequence's context, in fp32
             out[start:end] = attend(q[start:end], k, v, scale, window, softcap)
-        return out
+        return cache.format.finish_output(out).to(dtype)
 
 
 def attend(

@@ -80,7 +80,8 @@ class Fp8(Codec):
 
 @dataclass(frozen=True)
 class Uniform(Codec):
-    """``levels`` evenly spaced values over [-absmax, absmax]: error <= absmax / (levels - 1)."""
+    """``levels`` evenly spaced values over [-absmax, absmax]: error <= absmax / (levels - 1).
+    Codes take ``bits`` each: 8 (one per byte), 4 (two per byte) or 3 (eight per three bytes)."""
 
     levels: int
     bits: int
@@ -96,10 +97,17 @@ class Uniform(Codec):
         return codes.uniform_decode(self._unpack(stored[0]), stored[1], self.levels)
 
     def _pack(self, c: Tensor) -> Tensor:
-        return codes.pack4(c) if self.bits == 4 else codes.pack3(c)
+        return PACKING[self.bits][0](c)
 
     def _unpack(self, packed: Tensor) -> Tensor:
-        return codes.unpack4(packed) if self.bits == 4 else codes.unpack3(packed)
+        return PACKING[self.bits][1](packed)
+
+
+PACKING = {
+    8: (lambda c: c, lambda p: p),
+    4: (codes.pack4, codes.unpack4),
+    3: (codes.pack3, codes.unpack3),
+}
 
 
 @dataclass(frozen=True)

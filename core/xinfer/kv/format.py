@@ -1,4 +1,4 @@
-"""A KV cache format (a K codec, a V codec, and whether keys are rotated) and the
+"""A KV cache format (a K codec, a V codec, and which sides are rotated) and the
 per-layer cache it allocates."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ class KVFormat:
     key: Codec
     value: Codec
     rotate_keys: bool = False
+    rotate_values: bool = False
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, Field]:
         """Stored tensors by name ("k", "k_scale", "v", ...)."""
@@ -44,11 +45,12 @@ class KVFormat:
         head_dim = k.shape[-1]
         names = list(self.fields(head_dim, dtype))
         keys = hadamard.rotate(k) if self.rotate_keys else k
-        stored = self.key.encode(keys, dtype) + self.value.encode(v, dtype)
+        values = hadamard.rotate(v) if self.rotate_values else v
+        stored = self.key.encode(keys, dtype) + self.value.encode(values, dtype)
         return dict(zip(names, stored))
 
     def decode(self, stored: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """fp32 keys as attention sees them (rotated for rotating formats), and values."""
+        """fp32 keys and values as attention sees them (in the rotated basis where a side is rotated)."""
         k = self.key.decode([t for n, t in stored.items() if n.startswith("k")])
         v = self.value.decode([t for n, t in stored.items() if n.startswith("v")])
         return k, v
@@ -56,11 +58,16 @@ class KVFormat:
     def dequantize(self, stored: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """fp32 k, v in the model's basis."""
         k, v = self.decode(stored)
-        return (hadamard.unrotate(k) if self.rotate_keys else k), v
+        return (hadamard.unrotate(k) if self.rotate_keys else k), (hadamard.unrotate(v) if self.rotate_values else v)
 
     def prepare_query(self, q: Tensor) -> Tensor:
         """The query in the keys' basis (fp32 when rotated): rotated like the keys, so no inverse is needed."""
         return hadamard.rotate(q) if self.rotate_keys else q
+
+    def finish_output(self, out: Tensor) -> Tensor:
+        """Attention output back in the model's basis: ``Σ p·(R v) = R (Σ p·v)``, so with
+        rotated values one inverse rotation per (token, head) undoes it (fp32 then)."""
+        return hadamard.unrotate(out) if self.rotate_values else out
 
 
 @dataclass

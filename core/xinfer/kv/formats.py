@@ -5,20 +5,22 @@ from __future__ import annotations
 from xinfer.kv.codecs import Fp8, LloydMax, Plain, Uniform
 from xinfer.kv.format import KVFormat
 
+EIGHT_BIT = Uniform(levels=255, bits=8)
 FOUR_BIT = Uniform(levels=16, bits=4)
-THREE_BIT = Uniform(levels=7, bits=3)
+THREE_BIT = LloydMax(levels=8, bits=3)  # all 8 codes; beats 7 uniform levels on rotated keys
 
 FORMATS: dict[str, KVFormat] = {
     f.name: f
     for f in (
         KVFormat("auto", Plain(), Plain()),
         KVFormat("fp8", Fp8(), Fp8()),
-        KVFormat("turbo8", Fp8(), FOUR_BIT),
-        KVFormat("turbo4", FOUR_BIT, FOUR_BIT, rotate_keys=True),
-        KVFormat("turbo3", THREE_BIT, FOUR_BIT, rotate_keys=True),
-        # Same bits, Gaussian-optimal levels for the rotated keys (all 8 codes at 3 bits).
-        KVFormat("turbo4-lm", LloydMax(levels=16, bits=4), FOUR_BIT, rotate_keys=True),
-        KVFormat("turbo3-lm", LloydMax(levels=8, bits=3), FOUR_BIT, rotate_keys=True),
+        KVFormat("turbo8", EIGHT_BIT, FOUR_BIT, rotate_keys=True, rotate_values=True),
+        KVFormat("turbo4", FOUR_BIT, FOUR_BIT, rotate_keys=True, rotate_values=True),
+        KVFormat("turbo3", THREE_BIT, FOUR_BIT, rotate_keys=True, rotate_values=True),
+        # turbo4 with Gaussian-optimal levels for the rotated keys
+        KVFormat("turbo4-lm", LloydMax(levels=16, bits=4), FOUR_BIT, rotate_keys=True, rotate_values=True),
+        # the same codecs as turbo3 (whose keys are now Lloyd–Max); kept while configs name it
+        KVFormat("turbo3-lm", THREE_BIT, FOUR_BIT, rotate_keys=True, rotate_values=True),
     )
 }
 
