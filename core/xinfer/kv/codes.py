@@ -2,8 +2,8 @@
 
 A vector ``x`` [..., D] is stored as integer codes plus one f32 scale. ``n``-level
 uniform codes map ``[-absmax, absmax]`` onto ``0 .. n-1`` with the midpoint at
-``(n-1)/2``: 16 levels (4 bits, two per byte) or 7 levels (3 bits, eight per three
-bytes). fp8 stores ``x / (absmax / 448)`` as e4m3 so the largest entry lands on the
+``(n-1)/2``: 255 levels (8 bits, one per byte) or 16 levels (4 bits, two per byte);
+3-bit codes (Lloyd–Max) pack eight per three bytes. fp8 stores ``x / (absmax / 448)`` as e4m3 so the largest entry lands on the
 largest finite e4m3 value.
 """
 
