@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's memory plan
 
     bandwidth = copy_bandwidth()
     config = SHAPES[SHAPE]()

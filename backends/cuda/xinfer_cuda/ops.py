@@ -45,8 +45,11 @@ class CudaOps:
         if fmt.name == "auto":
             kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
             return
+        # This step's keys and values only, before they are quantized.
         if fmt.rotate_keys:
-            k = k @ rotation(k.shape[-1], k.dtype, k.device)  # this step's keys, before they are quantized
+            k = k @ basis(k.shape[-1], k.dtype, k.device)
+        if fmt.rotate_values:
+            v = v @ basis(v.shape[-1], v.dtype, v.device)
         kv_quant_write.quant_write(k, side(cache, "k", fmt.key), slot_mapping)
         kv_quant_write.quant_write(v, side(cache, "v", fmt.value), slot_mapping)
 
@@ -59,11 +62,14 @@ class CudaOps:
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        if cache.format.name == "auto":
+        fmt = cache.format
+        if fmt.name == "auto":
             return attention.paged_attention(q, cache["k"], cache["v"], meta, scale, window, softcap)
-        if cache.format.rotate_keys:
-            q = q @ rotation(q.shape[-1], q.dtype, q.device)
-        return attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
+        rotation = basis(q.shape[-1], q.dtype, q.device)
+        if fmt.rotate_keys:
+            q = q @ rotation
+        out = attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
+        return out @ rotation.T if fmt.rotate_values else out
 
     def capture_decode(self, forward, max_num_seqs, max_blocks_per_seq, max_seq_len, device):
         from xinfer_cuda.graphs import DecodeGraphs
@@ -72,8 +78,9 @@ class CudaOps:
 
 
 @functools.cache
-def rotation(head_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """R with ``x @ R == hadamard.rotate(x)``: one GEMM instead of a launch per butterfly
-    stage. All entries share one magnitude, so rounding R to bf16 scales it uniformly
-    and it stays orthogonal up to that factor (1 - 1e-4 at head_dim 128)."""
-    return hadamard.rotate(torch.eye(head_dim, device=device)).to(dtype)
+def basis(head_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Rᵀ of :func:`hadamard.rotation` in the model dtype: ``x @ basis`` rotates, and
+    ``y @ basis.T`` rotates back, one GEMM each. All entries share one magnitude, so
+    rounding to bf16 scales the matrix uniformly and it stays orthogonal up to that
+    factor (1 - 1e-4 at head_dim 128)."""
+    return hadamard.rotation(head_dim, device).T.contiguous().to(dtype)

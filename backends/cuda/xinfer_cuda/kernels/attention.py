@@ -81,6 +81,7 @@ def _attend_keys(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_OFFSET: tl.constexpr,
@@ -95,21 +96,25 @@ def _attend_keys(
     ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches
     (and the scale pointers at its first scale); quantized tiles are decoded in registers.
     """
+    if K_CODE == CODE_PLAIN:
+        q_k = q
+    else:
+        q_k = q.to(CODE_DTYPE)  # the dtype quantized tiles are built in
     if K_OFFSET != 0.0:
-        q_sum = tl.sum(q.to(tl.float32), 1)
+        q_sum = tl.sum(q_k.to(tl.float32), 1)
     for tile_start in range(start, end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = k_pos < end
         block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         k_row = block * stride_k_block + slot * stride_k_slot
-        k = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, K_CODE, K_BITS, q.dtype)
+        k = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, K_CODE, K_BITS, CODE_DTYPE)
         v_row = block * stride_v_block + slot * stride_v_slot
-        v = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, V_CODE, V_BITS, q.dtype)
+        v = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, V_CODE, V_BITS, CODE_DTYPE)
 
         # Scores against stored keys, then each key's (offset, scale) applied to its
         # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(q_k, tl.trans(k), input_precision=PRECISION)
         if K_CODE != CODE_PLAIN:
             if K_OFFSET != 0.0:
                 s -= K_OFFSET * q_sum[:, None]
@@ -185,6 +190,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_OFFSET: tl.constexpr,
@@ -245,7 +251,7 @@ def _prefill_kernel(
             k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window,
-            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
             K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
         )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
@@ -253,7 +259,7 @@ def _prefill_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
@@ -261,7 +267,7 @@ def _prefill_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
@@ -330,6 +336,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_OFFSET: tl.constexpr,
@@ -377,7 +384,7 @@ def _decode_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
@@ -385,7 +392,7 @@ def _decode_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION,
+        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
@@ -468,6 +475,14 @@ _DECODE_TILES = {
     128: [TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 2)],
     256: [TileConfig(16, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
+# fp8 and 4-bit tiles are fewer bytes and more instructions: longer tiles and twice the
+# programs per multiprocessor (H200 sweep at 64 x 8k and 1 x 32k; 3-bit codes spill
+# with them and keep the plain tiles).
+_PACKED_DECODE_TILES = {
+    64: [TileConfig(16, 128, 4, 2)],
+    128: [TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 2)],
+    256: [TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 2)],
+}
 # Dots on the FMA units (before sm_80, or fp32 in "ieee" precision) need small tiles to
 # stay out of register spills.
 _FMA_TILES = TileConfig(16, 16, 4, 1)
@@ -505,8 +520,8 @@ def prefill_config(head_dim: int, q: Tensor) -> TileConfig:
     return _pick(_PREFILL_TILES, head_dim, q)
 
 
-def decode_config(head_dim: int, q: Tensor) -> TileConfig:
-    return _pick(_DECODE_TILES, head_dim, q)
+def decode_config(head_dim: int, q: Tensor, packed: bool = False) -> TileConfig:
+    return _pick(_PACKED_DECODE_TILES if packed else _DECODE_TILES, head_dim, q)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -516,11 +531,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, min_split: int
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, min_split: int, waves: int = 2
 ) -> int:
-    """Splits per (sequence, KV head): enough programs for about two waves over the
-    multiprocessors, from shapes only (graph-safe). A power of two."""
-    wanted = triton.cdiv(2 * num_sms, max(num_seqs * num_kv_heads, 1))
+    """Splits per (sequence, KV head): enough programs for about ``waves`` waves over
+    the multiprocessors, from shapes only (graph-safe). A power of two."""
+    wanted = triton.cdiv(waves * num_sms, max(num_seqs * num_kv_heads, 1))
     useful = triton.cdiv(max_context, min_split)
     splits = max(1, min(wanted, useful, MAX_SPLITS))
     return triton.next_power_of_2(splits)
@@ -611,7 +626,11 @@ def attend_sides(
     cache_ptrs = (k_cache, v_cache, k_side.scale_or_data(), v_side.scale_or_data(), k_side.levels_or_data(), v_side.levels_or_data())
     if k_side.code != PLAIN or v_side.code != PLAIN:
         assert head_dim & (head_dim - 1) == 0, f"quantized caches need a power-of-two head_dim, got {head_dim}"
-    common |= k_side.constexprs("K") | v_side.constexprs("V")
+    # Quantized tiles are built as fp16 bit patterns (bit operations, no conversions);
+    # fp32 queries (tests, pre-sm_80 fallbacks) keep fp32 tiles.
+    magic = q.dtype != torch.float32
+    common["CODE_DTYPE"] = tl.float16 if magic else tl.float32
+    common |= k_side.constexprs("K", magic) | v_side.constexprs("V", magic)
     window_arg = window if has_window else 0
 
     if meta.max_seqlen_q > 1:
@@ -632,13 +651,15 @@ def attend_sides(
         )  # fmt: skip
         return out
 
-    cfg = decode_tiles or decode_config(head_dim, q)
+    sides = (k_side, v_side)
+    packed = any(s.code != PLAIN for s in sides) and all(s.bits != 3 for s in sides)
+    cfg = decode_tiles or decode_config(head_dim, q, packed)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = max(2 * cfg.block_n, 64)
     if num_splits is None:
         max_context = meta.block_tables.shape[1] * block_size
         num_splits = decode_num_splits(
-            meta.num_seqs, num_kv_heads, max_context, _num_sms(q.device), min_split
+            meta.num_seqs, num_kv_heads, max_context, _num_sms(q.device), min_split, waves=4 if packed else 2
         )
     assert num_splits & (num_splits - 1) == 0, num_splits
     if num_splits > 1:

@@ -39,6 +39,7 @@ class Side:
 
     @property
     def group(self) -> int:
+        """Codes per group of whole bytes."""
         return {4: 2, 3: 8}.get(self.bits, 1)
 
     @property
@@ -51,26 +52,20 @@ class Side:
     def levels_or_data(self) -> Tensor:
         return self.levels if self.levels is not None else self.data
 
-    @property
-    def offset(self) -> float:
-        """What the stored tile holds at value 0 (the uniform codes' midpoint)."""
-        return (self.num_levels - 1) / 2 if self.code == UNIFORM else 0.0
-
-    @property
-    def step(self) -> float:
-        """value = (stored - offset) * step * per-row scale."""
+    def read_as(self, magic: bool) -> tuple[float, float]:
+        """(offset, step) with value = (tile - offset) * step * per-row scale, for the
+        tile :func:`load_stored` returns (``magic``: codes built as fp16 MAGIC + code)."""
         if self.code == UNIFORM:
-            return 1 / self.offset
-        return 256 / FP8_MAX if self.code == FP8 else 1.0
+            half = (self.num_levels - 1) / 2
+            return half + (MAGIC_VALUE if magic else 0.0), 1 / half
+        if self.code == FP8:
+            return 0.0, 256 / FP8_MAX  # tiles hold e4m3 / 256
+        return 0.0, 1.0
 
-    def constexprs(self, prefix: str) -> dict:
+    def constexprs(self, prefix: str, magic: bool) -> dict:
         """How attention reads this side."""
-        return {
-            f"{prefix}_CODE": self.code,
-            f"{prefix}_BITS": self.bits,
-            f"{prefix}_OFFSET": self.offset,
-            f"{prefix}_STEP": self.step,
-        }
+        offset, step = self.read_as(magic)
+        return {f"{prefix}_CODE": self.code, f"{prefix}_BITS": self.bits, f"{prefix}_OFFSET": offset, f"{prefix}_STEP": step}
 
 
 def side(cache: LayerKVCache, name: str, codec: Codec) -> Side:
@@ -99,6 +94,10 @@ def _levels(num_levels: int, device: torch.device) -> Tensor:
 
 FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
 TINY_C: tl.constexpr = tl.constexpr(TINY)
+# fp16 bits 0x6400 are 1024 with a 10-bit mantissa of zeros: OR-ing in a code c < 1024
+# gives the fp16 number 1024 + c, so codes become numbers without a conversion.
+MAGIC_BITS: tl.constexpr = tl.constexpr(0x6400)
+MAGIC_VALUE = 1024.0
 
 
 @triton.jit
@@ -122,11 +121,22 @@ def fp8_bits(y):
 
 @triton.jit
 def fp8_value(bits):
-    """e4m3fn bits -> value / 256: the bits moved into an fp16 (same mantissa, the
-    exponent bias differs by 8)."""
+    """e4m3fn bits -> value / 256 as fp16: the bits moved into an fp16 (same mantissa,
+    the exponent bias differs by 8; subnormals stay exact)."""
     b = bits.to(tl.int16)
     h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
+    return h.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _as_number(codes, DTYPE: tl.constexpr):
+    """Integer codes as ``DTYPE`` numbers: fp16 MAGIC + code (bit operations only), or
+    the code itself in fp32."""
+    if DTYPE == tl.float16:
+        number = (codes.to(tl.int16) | MAGIC_BITS).to(tl.float16, bitcast=True)
+    else:
+        number = codes.to(DTYPE)
+    return number
 
 
 @triton.jit
@@ -171,26 +181,31 @@ def load_stored(
     BITS: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """The [ROWS, BLOCK_D] tile of one KV head at element offsets ``row``, as stored and
-    in ``DTYPE``, before its per-row scale: plain values, e4m3 values / 256, integer
-    codes (uniform) or unit levels (Lloyd–Max). Each row's packed bytes are one
-    contiguous load; the codes are split out in registers. Masked rows read as 0."""
-    if CODE == CODE_PLAIN or CODE == CODE_FP8:
+    """The [ROWS, BLOCK_D] tile of one KV head at element offsets ``row``, as stored,
+    before its per-row scale (:meth:`Side.read_as`): a plain cache's values as they
+    are; else, in ``DTYPE`` (fp16, or fp32 for fp32 queries), e4m3 values / 256,
+    uniform codes (fp16: 1024 + code) or unit Lloyd–Max levels. Each row's packed bytes
+    are one contiguous load, split into codes in registers. Masked rows read as 0."""
+    # One return statement: Triton types every return of a function alike.
+    if CODE == CODE_PLAIN or CODE == CODE_FP8 or BITS == 8:
         dims = tl.arange(0, BLOCK_D)
         mask = rows_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        x = tl.load(head_ptr + row[:, None] + dims[None, :], mask=mask, other=0)
-        if CODE == CODE_FP8:
-            x = fp8_value(x)
-        return x.to(DTYPE)
-    if BITS == 4:
+        codes = tl.load(head_ptr + row[:, None] + dims[None, :], mask=mask, other=0)
+    elif BITS == 4:
         pairs = tl.arange(0, HEAD_DIM // 2)
-        packed = tl.load(head_ptr + row[:, None] + pairs[None, :], mask=rows_ok[:, None], other=0).to(tl.int32)
+        packed = tl.load(head_ptr + row[:, None] + pairs[None, :], mask=rows_ok[:, None], other=0).to(tl.int16)
         codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, HEAD_DIM])
     else:
         codes = _unpack3(head_ptr, row, rows_ok, ROWS, HEAD_DIM)
-    if CODE == CODE_LLOYD:
-        return tl.load(levels_ptr + codes).to(DTYPE)
-    return codes.to(DTYPE)
+    if CODE == CODE_PLAIN:
+        tile = codes
+    elif CODE == CODE_FP8:
+        tile = fp8_value(codes).to(DTYPE)
+    elif CODE == CODE_LLOYD:
+        tile = tl.load(levels_ptr + codes).to(DTYPE)
+    else:
+        tile = _as_number(codes, DTYPE)
+    return tile
 
 
 @triton.jit
