@@ -202,10 +202,24 @@ def load_stored(
     elif CODE == CODE_FP8:
         tile = fp8_value(codes).to(DTYPE)
     elif CODE == CODE_LLOYD:
-        tile = tl.load(levels_ptr + codes).to(DTYPE)
+        tile = _lloyd_level(codes, levels_ptr, BITS, DTYPE)
     else:
         tile = _as_number(codes, DTYPE)
     return tile
+
+
+@triton.jit
+def _lloyd_level(codes, levels_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Unit Lloyd–Max levels of ``codes`` by a chain of selects over the level
+    magnitudes (the table is symmetric: code half + i is +m_i, code half - 1 - i is
+    -m_i); arithmetic instead of a memory gather per element."""
+    half: tl.constexpr = 1 << (BITS - 1)
+    upper = codes >= half
+    index = tl.where(upper, codes - half, half - 1 - codes)
+    magnitude = tl.zeros(codes.shape, DTYPE) + tl.load(levels_ptr + half).to(DTYPE)
+    for i in tl.static_range(1, half):
+        magnitude = tl.where(index == i, tl.load(levels_ptr + half + i).to(DTYPE), magnitude)
+    return tl.where(upper, magnitude, -magnitude)
 
 
 @triton.jit
