@@ -4,8 +4,11 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
 
 - ``_prefill_kernel`` for any batch with ``max_seqlen_q > 1`` (prefill, chunked
   prefill, prefix-cached prefill, prefill mixed with decodes). One program per
-  (query tile, sequence, KV head); the rows of a tile are (query, head of the KV
-  head's group) pairs, so a K/V tile loaded once serves the whole GQA group.
+  (query tile of the flat batch, KV head); each finds its sequence in
+  ``cu_seqlens_q``, so the grid depends only on the token and sequence counts and a
+  step with prompt tokens can be a CUDA graph replay too. The rows of a tile are
+  (query, head of the KV head's group) pairs, so a K/V tile loaded once serves the
+  whole GQA group.
 - ``_decode_kernel`` + ``_decode_reduce_kernel`` for ``max_seqlen_q == 1``
   (flash-decoding): each sequence's context is split across ``NUM_SPLITS`` programs
   per KV head, which write partial (acc, max, sum); the reduce merges them. The grid
@@ -151,6 +154,25 @@ def _attend_keys(
 
 
 @triton.jit
+def _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE: tl.constexpr):
+    """The sequence whose query tiles include ``tile``, by binary search.
+
+    Sequence ``b``'s tiles start at ``cu_seqlens_q[b] // Q_PER_TILE + b``: one more tile
+    per sequence than its share of the flat batch covers a sequence whose queries
+    straddle tile boundaries. The starts increase, so the owner is the last sequence
+    whose start is at most ``tile``.
+    """
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_seqs  # start(lo) <= tile < start(hi), taking start(num_seqs) as infinite
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        owns = tl.load(cu_seqlens_q_ptr + mid) // Q_PER_TILE + mid <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid)
+    return lo
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -163,6 +185,7 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    num_seqs,
     score_scale,
     cap_scale,
     window,
@@ -202,12 +225,12 @@ def _prefill_kernel(
 ):
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
-    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    first_q = q_tile * Q_PER_TILE
+    first_q = (tile - q_start // Q_PER_TILE - seq) * Q_PER_TILE
     if first_q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -639,10 +662,13 @@ def attend_sides(
             cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))  # level lookups: fewer registers left
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
-        grid = (triton.cdiv(meta.max_seqlen_q, q_per_tile), meta.num_seqs, num_kv_heads)
+        # Tiles from shapes only (graph-safe): the last sequence's tiles end before
+        # T // q_per_tile + num_seqs (see _tile_owner); programs past a sequence's
+        # queries exit at once.
+        grid = (num_tokens // q_per_tile + meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](
             q, *cache_ptrs, out,
-            meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
             score_scale, cap_scale, window_arg,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *cache_strides,
