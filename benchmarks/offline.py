@@ -97,8 +97,8 @@ def time_phases(llm: LLM) -> dict[str, float]:
     timed(engine.scheduler, "schedule", "schedule")
     timed(runner, "prepare", "prepare")
     timed(runner, "sampler", "sample")
-    if runner.decode_graphs is not None:
-        timed(runner, "decode_graphs", "forward")
+    if runner.graphs is not None:
+        timed(runner, "graphs", "forward")
     timed(runner.model, "forward", "forward")
     return totals
 

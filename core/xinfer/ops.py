@@ -33,7 +33,7 @@ class AttentionMetadata:
     seq_lens: Tensor  # [B] int32
     block_tables: Tensor  # [B, max_blocks] int32
     slot_mapping: Tensor  # [T] int64
-    max_seqlen_q: int
+    max_seqlen_q: int  # 1 when no sequence has more than one query; else may be an upper bound
     max_seq_len: int
 
     @property
@@ -111,25 +111,28 @@ class HostBatch:
         return len(self.sample_rows) == len(self.input_ids)
 
 
-DecodeForward = Callable[[Tensor, Tensor, AttentionMetadata], Tensor]
-DecodeRunner = Callable[[HostBatch], "Tensor | None"]
+StepForward = Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor]
+"""(input ids, positions, metadata, sample rows) -> fp32 logits of those rows."""
+StepRunner = Callable[[HostBatch], "Tensor | None"]
 
 
-class CapturesDecode(Protocol):
-    """Optional: a backend that can record decode steps and replay them cheaply."""
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest step an engine runs."""
 
-    def capture_decode(
-        self,
-        forward: DecodeForward,
-        max_num_seqs: int,
-        max_blocks_per_seq: int,
-        max_seq_len: int,
-        device: torch.device,
-    ) -> DecodeRunner:
-        """Record ``forward`` (input ids, positions, metadata -> logits) for decode
-        batches of up to ``max_num_seqs`` sequences (one token each). The returned
-        runner computes the logits of a decode :class:`HostBatch`, or returns None for
-        a batch it cannot take."""
+    max_num_seqs: int
+    max_num_tokens: int
+    max_blocks_per_seq: int
+    max_seq_len: int
+
+
+class CapturesSteps(Protocol):
+    """Optional: a backend that can record steps and replay them cheaply."""
+
+    def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepRunner:
+        """Record ``forward`` for steps up to ``limits`` (decode steps and steps with
+        prompt tokens). The returned runner computes the logits [len(sample_rows), vocab]
+        of a :class:`HostBatch`, or returns None for a batch it cannot take."""
 
 
 _current: Ops | None = None

@@ -71,3 +71,51 @@ def test_quantized_cache_with_graphs_and_prefix_cache(model_dir, kv_cache_dtype)
         assert llm.engine.stats().prefix_cache_hits > 0
         runs[eager] = first
     assert runs[False] == runs[True]
+
+
+def staggered_tokens(llm, params) -> dict[str, list[int]]:
+    """Prompts arriving while others decode: steps mixing decodes with new prompts'
+    chunks (the 250-token prompt spans several steps of a 128-token budget)."""
+    engine, out = llm.engine, {}
+
+    def run(num_steps):
+        for _ in range(num_steps):
+            for delta in engine.step():
+                out.setdefault(delta.request_id, []).extend(delta.token_ids)
+
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(f"early-{i}", p, params)
+    run(3)
+    for i, p in enumerate(PROMPTS[2:] + [prompt(250, seed=3)]):
+        engine.add_request(f"late-{i}", p, params)
+        run(i % 2)
+    while engine.has_unfinished():
+        run(1)
+    return out
+
+
+def count_replays(runner) -> list[tuple[bool, bool]]:
+    """(decode step, replayed) for each step the graphs are asked to run."""
+    graphs, seen = runner.graphs, []
+
+    def replay(batch):
+        logits = graphs(batch)
+        seen.append((batch.is_decode, logits is not None))
+        return logits
+
+    runner.graphs = replay
+    return seen
+
+
+def test_mixed_steps_under_graphs_give_eager_and_cpu_tokens(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    limits = dict(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128)
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu", **limits)
+    eager = LLM(model=model_dir, dtype="float32", device="cuda", enforce_eager=True, **limits)
+    graphs = LLM(model=model_dir, dtype="float32", device="cuda", **limits)
+    replays = count_replays(graphs.engine.runner)
+    expected = staggered_tokens(cpu, params)
+    assert staggered_tokens(eager, params) == expected
+    assert staggered_tokens(graphs, params) == expected
+    assert all(replayed for _, replayed in replays)
+    assert {decode for decode, _ in replays} == {True, False}

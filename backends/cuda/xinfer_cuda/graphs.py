@@ -1,100 +1,58 @@
-"""Decode steps as CUDA graph replays.
+"""Engine steps as CUDA graph replays: decode steps and steps with prompt tokens.
 
-Kernel launches cost about a quarter of a millisecond on the benchmark machine, so
-a decode step (hundreds of launches) must be one replay, and what precedes it must
-be few operations: a step's inputs travel in two host-to-device copies (one int64
-and one int32 buffer, whose fixed slices the graph reads) and one scatter of the
-block tables. The forward of one token per sequence is captured for a ladder of
-batch sizes; a batch is padded up to the next size. Padding rows write no KV
-(slot -1) and attend over one token of block 0.
+Kernel launches cost about a quarter of a millisecond on the benchmark machine (a
+VM), and a step is hundreds of them: run eagerly, a step with prompt tokens (prefill,
+chunked prefill, or decodes mixed with a new prompt's chunk, as continuous batching
+makes most steps) pays ~90 ms in launches alone. So every step is one replay, padded
+up to a captured shape (:mod:`xinfer_cuda.static_step`): decode batches for a ladder
+of sizes (the split-K decode kernel), and steps with prompt tokens for powers of two
+of tokens up to the step budget (the prefill kernel, whose grid depends only on the
+token and sequence counts). Before a replay come only the input copies.
+
+Graphs are captured largest first in one memory pool, so the smaller ones reuse the
+largest one's activations; the pool holds about one step of ``max_num_tokens``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 
 import torch
 from torch import Tensor
 
-from xinfer.ops import AttentionMetadata, HostBatch
+from xinfer.ops import HostBatch, StepForward, StepLimits
+from xinfer_cuda.static_step import Bucket, StaticStep, pick_bucket, step_buckets
 
 log = logging.getLogger("xinfer")
-Forward = Callable[[Tensor, Tensor, AttentionMetadata], Tensor]
 
 
-def batch_sizes(max_batch: int) -> list[int]:
-    ladder = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-    return sorted({s for s in ladder if s < max_batch} | {max_batch})
-
-
-class DecodeGraphs:
-    def __init__(
-        self, forward: Forward, max_batch: int, max_blocks_per_seq: int, max_seq_len: int, device: torch.device
-    ):
-        self.sizes = batch_sizes(max_batch)
-        self.max_seq_len = max_seq_len
-        self.max_blocks = max_blocks_per_seq
-        size = self.sizes[-1]
-        # int64 buffer: input ids | positions | slots; int32 buffer: seq lens | tables (packed rows)
-        self.host64 = torch.zeros(3 * size, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(size + size * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
-        self.dev64 = torch.zeros_like(self.host64, device=device)
-        self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.dev64.view(3, size)
-        self.seq_lens = self.dev32[:size]
-        self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, Tensor] = {}
+class StepGraphs:
+    def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
+        self.step = StaticStep(forward, limits, device)
+        self.buckets = step_buckets(limits)
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            forward(*self._inputs(bs))  # warm-up: Triton compiles outside capture
+        for bucket in sorted(self.buckets, key=lambda b: (b.num_tokens, b.decode), reverse=True):
+            self.step.run(bucket)  # warm-up: Triton compiles (and the logits buffer is allocated) outside capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = forward(*self._inputs(bs))
-            self.graphs[bs] = graph
+                self.step.run(bucket)
+            self.graphs[bucket] = graph
         torch.cuda.synchronize(device)
         log.info(
-            "decode CUDA graphs for batch sizes %s: captured in %.1f s, %.2f GiB",
-            self.sizes, time.perf_counter() - start, (torch.cuda.memory_allocated(device) - before) / 2**30,
-        )
-
-    def _inputs(self, bs: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        meta = AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
-            slot_mapping=self.slot_mapping[:bs],
-            max_seqlen_q=1,
-            max_seq_len=self.max_seq_len,
-        )
-        return self.input_ids[:bs], self.positions[:bs], meta
+            "CUDA graphs for decode batches of %s sequences and steps of %s tokens: captured in %.1f s, %.2f GiB",
+            [b.num_seqs for b in self.buckets if b.decode], [b.num_tokens for b in self.buckets if not b.decode],
+            time.perf_counter() - start, (torch.cuda.memory_allocated(device) - before) / 2**30,
+        )  # fmt: skip
 
     def __call__(self, batch: HostBatch) -> Tensor | None:
-        """Logits [n, vocab] of a decode batch of ``n`` sequences, or None when no graph fits."""
-        n = len(batch.input_ids)
-        bs = next((s for s in self.sizes if s >= n), None)
-        width = max(len(row) for row in batch.block_tables)
-        if bs is None or width > self.max_blocks:
+        """Logits [len(sample_rows), vocab] of ``batch``, or None when no graph fits."""
+        bucket = pick_bucket(self.buckets, batch)
+        if bucket is None or not self.step.fits(batch):
             return None
-        size = self.sizes[-1]
-        ids, positions, slots = self.host64.view(3, size)
-        ids[:n] = torch.tensor(batch.input_ids)
-        positions[:n] = torch.tensor(batch.positions)
-        slots[:n] = torch.tensor(batch.slot_mapping)
-        slots[n:bs] = -1
-        self.host32[:n] = torch.tensor(batch.seq_lens)
-        self.host32[n:bs] = 1
-        padded = [block for row in batch.block_tables for block in row + [0] * (width - len(row))]
-        self.host32[size : size + n * width] = torch.tensor(padded, dtype=torch.int32)
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32[: size + n * width].copy_(self.host32[: size + n * width], non_blocking=True)
-        self.block_tables[:n, :width] = self.dev32[size : size + n * width].view(n, width)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.step.load(batch, bucket)
+        self.graphs[bucket].replay()
+        return self.step.logits[: len(batch.sample_rows)]

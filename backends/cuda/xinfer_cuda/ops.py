@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache, hadamard
-from xinfer.ops import AttentionMetadata
+from xinfer.ops import AttentionMetadata, StepForward, StepLimits
+from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
 from xinfer_cuda.kernels.kv_codes import side
 
@@ -71,10 +72,8 @@ class CudaOps:
         out = attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
         return out @ rotation.T if fmt.rotate_values else out
 
-    def capture_decode(self, forward, max_num_seqs, max_blocks_per_seq, max_seq_len, device):
-        from xinfer_cuda.graphs import DecodeGraphs
-
-        return DecodeGraphs(forward, max_num_seqs, max_blocks_per_seq, max_seq_len, device)
+    def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
+        return StepGraphs(forward, limits, device)
 
 
 @functools.cache

@@ -82,7 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.block_manager)
         log.info("%s, KV cache format %s", plan.describe(), self.kv_format.name)
         if not config.device.enforce_eager:
-            self.runner.capture_decode(plan.max_num_seqs, self.max_model_len)
+            self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
 

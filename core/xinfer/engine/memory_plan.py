@@ -1,4 +1,4 @@
-"""How an engine shares out memory: weights, activations, decode CUDA graphs, and the
+"""How an engine shares out memory: weights, activations, step CUDA graphs, and the
 KV cache, which gets what is left; and how many sequences may run at once.
 
 With a backend that keeps memory statistics (:class:`xinfer.backend.DeviceMemory`),
@@ -6,9 +6,10 @@ With a backend that keeps memory statistics (:class:`xinfer.backend.DeviceMemory
 total memory this engine may use. After the weights are loaded, one forward of
 ``max_num_batched_tokens`` tokens, followed by the logits and sampling of as many
 sequences as a step can sample, measures the activation peak; one capture of the
-decode graphs against a one-block cache measures theirs (graphs record the cache's
-addresses, so the engine captures them again once the real cache exists). Without
-statistics (the CPU), the KV cache gets a share of the free host memory.
+step graphs against a one-block cache measures theirs (about one more such peak, in
+the graphs' own pool; graphs record the cache's addresses, so the engine captures
+them again once the real cache exists). Without statistics (the CPU), the KV cache
+gets a share of the free host memory.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class DeviceProfile:
     weights: int  # the model's parameters and buffers
     other: int  # what else the engine holds between steps: runtime, kernels, workspaces
     activations: int  # peak of the largest step above what was held before it
-    graphs: int  # decode CUDA graphs
+    graphs: int  # step CUDA graphs
 
 
 def kv_budget(profile: DeviceProfile, fraction: float) -> int:
@@ -177,13 +178,13 @@ def profile_device(
     num_seqs: int,
     capture: bool,
 ) -> DeviceProfile:
-    """Measure a step's activation peak and the decode graphs, over a one-block cache."""
+    """Measure a step's activation peak and the step graphs, over a one-block cache."""
     free_at_start, total = baseline
     block_size = config.cache.block_size
     allocate_kv_cache(runner.model, 1, block_size, dtype, runner.device, kv_format)
     num_tokens = config.scheduler.max_num_batched_tokens
     activations = peak_activations(runner, memory, profile_batch(num_tokens, max_model_len, block_size), num_seqs)
-    graphs = graph_memory(runner, memory, num_seqs, max_model_len) if capture else 0
+    graphs = graph_memory(runner, memory, num_seqs, num_tokens, max_model_len) if capture else 0
     weights = tensor_bytes(runner.model)
     free, _ = memory.info()
     other = max(0, free_at_start - free - weights)
@@ -223,17 +224,18 @@ def peak_activations(runner: ModelRunner, memory: DeviceMemory, batch: HostBatch
     return max(0, peak)
 
 
-def graph_memory(runner: ModelRunner, memory: DeviceMemory, num_seqs: int, max_model_len: int) -> int:
-    """Device bytes the decode graphs of up to ``num_seqs`` sequences hold (0 where the
-    backend captures none); the graphs are dropped again."""
+def graph_memory(runner: ModelRunner, memory: DeviceMemory, num_seqs: int, num_tokens: int, max_model_len: int) -> int:
+    """Device bytes the step graphs (up to ``num_seqs`` sequences and ``num_tokens``
+    tokens) hold, about one step's activations (0 where the backend captures none);
+    the graphs are dropped again."""
     memory.release_cached()
     free_before, _ = memory.info()
-    runner.capture_decode(num_seqs, max_model_len)
-    if runner.decode_graphs is None:
+    runner.capture_graphs(num_seqs, num_tokens, max_model_len)
+    if runner.graphs is None:
         return 0
     memory.release_cached()
     free_after, _ = memory.info()
-    runner.decode_graphs = None
+    runner.graphs = None
     gc.collect()  # the graphs' memory pool goes back only once nothing refers to them
     memory.release_cached()
     return max(0, free_before - free_after)

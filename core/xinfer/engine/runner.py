@@ -1,5 +1,6 @@
 """One engine step on the device: flatten the scheduled sequences into a batch,
-run the model, and sample the sequences that completed their prompt."""
+run the model (a replay of a recorded step where the backend records them), and
+sample the sequences that completed their prompt."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
-from xinfer.ops import AttentionMetadata, DecodeRunner, HostBatch, Ops
+from xinfer.ops import AttentionMetadata, HostBatch, Ops, StepLimits, StepRunner
 
 
 class ModelRunner:
@@ -22,18 +23,27 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
-        self.decode_graphs: DecodeRunner | None = None
+        self.graphs: StepRunner | None = None
 
     @torch.inference_mode()
-    def capture_decode(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Let the backend capture decode steps (CUDA graphs) if it can."""
-        capture = getattr(self.backend, "capture_decode", None)
+    def capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """Let the backend record steps (CUDA graphs) if it can: a step replayed costs
+        a few launches instead of hundreds."""
+        capture = getattr(self.backend, "capture_steps", None)
         if capture is not None:
             max_blocks = -(-max_model_len // self.block_size)
+            limits = StepLimits(max_num_seqs, max_num_batched_tokens, max_blocks, max_model_len)
             with ops.use(self.backend):
-                self.decode_graphs = capture(self.logits, max_num_seqs, max_blocks, max_model_len, self.device)
+                self.graphs = capture(self.forward, limits, self.device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, sample_rows: Tensor) -> Tensor:
+        """fp32 logits of the rows ``sample_rows`` of a step."""
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden.index_select(0, sample_rows))
 
     def logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """fp32 logits of every row of a step (scoring)."""
         with forward_context(meta):
             return self.model.compute_logits(self.model(input_ids, positions))
 
@@ -51,15 +61,12 @@ class ModelRunner:
         batch = self.prepare(scheduled)
         sampling = [s.seq for s in scheduled if s.completes_prompt]
         with ops.use(self.backend):
-            logits = self.decode_graphs(batch) if self.decode_graphs and batch.is_decode else None
+            logits = self.graphs(batch) if self.graphs else None
             if logits is None:
-                input_ids, positions, meta = self.to_device(batch)
-                with forward_context(meta):
-                    hidden = self.model(input_ids, positions)
-                if not sampling:
-                    return [], None
-                rows = torch.tensor(batch.sample_rows).to(self.device, non_blocking=True)
-                logits = self.model.compute_logits(hidden[rows])
+                rows = self._tensor(batch.sample_rows, torch.int64)
+                logits = self.forward(*self.to_device(batch), rows)
+            if not sampling:
+                return [], None
             return sampling, self.sampler(logits, sampling)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:

@@ -1,0 +1,153 @@
+"""A step padded to a fixed shape and run from static buffers: what a CUDA graph records.
+
+A graph replays the kernels it recorded with their launch shapes and buffer
+addresses, so every step is padded up to a captured shape (a :class:`Bucket`) and its
+inputs are written into the same buffers. Padding tokens (id 0, position 0, slot -1:
+no KV written) belong to no sequence; padding sequences have no query and no context,
+and the attention kernels skip them; padding sample rows read row 0.
+
+Nothing here needs a GPU: on the CPU, :meth:`StaticStep.run` is the captured code run
+eagerly, which is how its equivalence with an unpadded step is tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata, HostBatch, StepForward, StepLimits
+
+MIN_STEP_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A captured step shape: ``num_seqs`` is also the number of logits rows."""
+
+    num_tokens: int
+    num_seqs: int
+    decode: bool  # one token per sequence, each sampled: the split-K decode kernel
+
+
+def decode_sizes(max_num_seqs: int) -> list[int]:
+    ladder = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({s for s in ladder if s < max_num_seqs} | {max_num_seqs})
+
+
+def token_sizes(max_num_tokens: int) -> list[int]:
+    """Powers of two from MIN_STEP_TOKENS, and the largest step."""
+    sizes, size = [], MIN_STEP_TOKENS
+    while size < max_num_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_num_tokens]
+
+
+def step_buckets(limits: StepLimits) -> list[Bucket]:
+    """Decode batches of a ladder of sizes, and steps with prompt tokens of a ladder of
+    token counts (as many sequences as fit both the tokens and ``max_num_seqs``)."""
+    decode = [Bucket(n, n, True) for n in decode_sizes(limits.max_num_seqs)]
+    mixed = [Bucket(t, min(t, limits.max_num_seqs), False) for t in token_sizes(limits.max_num_tokens)]
+    return decode + mixed
+
+
+def pick_bucket(buckets: list[Bucket], batch: HostBatch) -> Bucket | None:
+    """The smallest bucket of ``batch``'s kind that holds it, or None."""
+    num_tokens, num_seqs = len(batch.input_ids), len(batch.seq_lens)
+    fitting = [
+        b for b in buckets
+        if b.decode == batch.is_decode and b.num_tokens >= num_tokens and b.num_seqs >= num_seqs
+    ]  # fmt: skip
+    return min(fitting, key=lambda b: b.num_tokens, default=None)
+
+
+def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
+    """``batch`` grown to ``bucket``'s shape. Block tables stay one row per real
+    sequence, padded to one width (padding sequences read none)."""
+    pad_tokens = bucket.num_tokens - len(batch.input_ids)
+    pad_seqs = bucket.num_seqs - len(batch.seq_lens)
+    width = max(len(row) for row in batch.block_tables)
+    return HostBatch(
+        input_ids=batch.input_ids + [0] * pad_tokens,
+        positions=batch.positions + [0] * pad_tokens,
+        slot_mapping=batch.slot_mapping + [-1] * pad_tokens,
+        cu_seqlens_q=batch.cu_seqlens_q + batch.cu_seqlens_q[-1:] * pad_seqs,
+        seq_lens=batch.seq_lens + [0] * pad_seqs,
+        block_tables=[row + [0] * (width - len(row)) for row in batch.block_tables],
+        sample_rows=batch.sample_rows + [0] * (bucket.num_seqs - len(batch.sample_rows)),
+    )
+
+
+class StaticStep:
+    """The buffers a step reads and the logits buffer it writes, sized for the largest
+    bucket; each bucket reads a prefix of each.
+
+    A step's inputs travel in two host-to-device copies (an int64 buffer: ids |
+    positions | slots | sample rows, and an int32 one: cu_seqlens_q | seq_lens | table
+    rows packed at the step's width) and one scatter of the table rows: few operations,
+    since each costs a launch.
+    """
+
+    def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
+        self.forward = forward
+        self.limits = limits
+        self.max_tokens = tokens = max(limits.max_num_tokens, limits.max_num_seqs)
+        seqs = limits.max_num_seqs
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(3 * tokens + seqs, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * seqs + 1 + seqs * limits.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.block_tables = torch.zeros(seqs, limits.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.dev64[2 * tokens : 3 * tokens].fill_(-1)  # slots: nothing written before the first step
+        self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
+
+    def fits(self, batch: HostBatch) -> bool:
+        return max(len(row) for row in batch.block_tables) <= self.limits.max_blocks_per_seq
+
+    def load(self, batch: HostBatch, bucket: Bucket) -> None:
+        """Write ``batch``, padded to ``bucket``, into the device buffers."""
+        padded = pad_batch(batch, bucket)
+        for host, values in zip(self._views(self.host64, self.host32), self._fields(padded)):
+            host[: len(values)] = torch.tensor(values, dtype=host.dtype)
+        n, width = len(batch.seq_lens), len(padded.block_tables[0])
+        packed = self._tables(self.host32)[: n * width]
+        packed[:] = torch.tensor(padded.block_tables, dtype=torch.int32).flatten()
+        self.dev64.copy_(self.host64, non_blocking=True)
+        used32 = 2 * self.limits.max_num_seqs + 1 + n * width
+        self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
+        self.block_tables[:n, :width] = self._tables(self.dev32)[: n * width].view(n, width)
+
+    def run(self, bucket: Bucket) -> Tensor:
+        """Logits [num_seqs, vocab] of the bucket's sample rows, from the buffers (the
+        code a graph records). Every bucket writes the same buffer, so the graphs hold
+        one set of logits between them."""
+        ids, positions, slots, rows, cu_seqlens_q, seq_lens = self._views(self.dev64, self.dev32)
+        t, s = bucket.num_tokens, bucket.num_seqs
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu_seqlens_q[: s + 1],
+            seq_lens=seq_lens[:s],
+            block_tables=self.block_tables[:s],
+            slot_mapping=slots[:t],
+            max_seqlen_q=1 if bucket.decode else t,  # > 1 selects the prefill kernel
+            max_seq_len=self.limits.max_seq_len,
+        )
+        logits = self.forward(ids[:t], positions[:t], meta, rows[:s])
+        if self.logits is None:
+            self.logits = logits.new_empty(self.limits.max_num_seqs, logits.shape[1])
+        return self.logits[:s].copy_(logits)
+
+    def _views(self, buf64: Tensor, buf32: Tensor) -> list[Tensor]:
+        tokens, seqs = self.max_tokens, self.limits.max_num_seqs
+        ids, positions, slots, rows = buf64.split([tokens] * 3 + [seqs])
+        cu_seqlens_q, seq_lens = buf32[: seqs + 1], buf32[seqs + 1 : 2 * seqs + 1]
+        return [ids, positions, slots, rows, cu_seqlens_q, seq_lens]
+
+    def _fields(self, batch: HostBatch) -> list[list[int]]:
+        return [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows,
+                batch.cu_seqlens_q, batch.seq_lens]  # fmt: skip
+
+    def _tables(self, buf32: Tensor) -> Tensor:
+        return buf32[2 * self.limits.max_num_seqs + 1 :]

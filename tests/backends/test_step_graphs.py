@@ -1,0 +1,151 @@
+"""Steps padded to captured shapes (what the CUDA graphs record), run eagerly on the CPU:
+the bucketing and padding as functions, and padded steps giving the unpadded steps'
+logits and tokens on a tiny model, through the CPU backend and through the CUDA
+backend's kernels (under the Triton interpreter here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams, ops
+from xinfer.engine.runner import ModelRunner
+from xinfer.ops import HostBatch, StepLimits
+from xinfer_cpu.ops import CpuOps
+from xinfer_cuda.ops import CudaOps
+from xinfer_cuda.static_step import (
+    Bucket,
+    StaticStep,
+    decode_sizes,
+    pad_batch,
+    pick_bucket,
+    step_buckets,
+    token_sizes,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def host_batch(q_lens: list[int], seq_lens: list[int], sampled: list[bool], block_size: int = 4) -> HostBatch:
+    batch = HostBatch([], [], [], [0], [], [], [])
+    for b, (q_len, seq_len, sample) in enumerate(zip(q_lens, seq_lens, sampled)):
+        batch.input_ids += [7] * q_len
+        batch.positions += range(seq_len - q_len, seq_len)
+        batch.slot_mapping += [100 * b + p for p in range(seq_len - q_len, seq_len)]
+        batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + q_len)
+        batch.seq_lens.append(seq_len)
+        batch.block_tables.append(list(range(b, b + -(-seq_len // block_size))))
+        if sample:
+            batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
+    return batch
+
+
+def test_ladders():
+    assert decode_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert token_sizes(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert token_sizes(300) == [64, 128, 256, 300]
+    assert token_sizes(20) == [20]
+    buckets = step_buckets(StepLimits(max_num_seqs=100, max_num_tokens=512, max_blocks_per_seq=8, max_seq_len=32))
+    assert [b for b in buckets if not b.decode] == [
+        Bucket(64, 64, False), Bucket(128, 100, False), Bucket(256, 100, False), Bucket(512, 100, False),
+    ]  # fmt: skip
+    assert [b.num_tokens for b in buckets if b.decode] == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+
+
+def test_pick_bucket_by_kind_and_size():
+    buckets = step_buckets(StepLimits(max_num_seqs=8, max_num_tokens=256, max_blocks_per_seq=8, max_seq_len=32))
+    decode = host_batch([1, 1, 1], [5, 9, 2], [True] * 3)
+    assert pick_bucket(buckets, decode) == Bucket(4, 4, True)
+    mixed = host_batch([1, 1, 70], [5, 9, 70], [True, True, False])
+    assert pick_bucket(buckets, mixed) == Bucket(128, 8, False)
+    chunk = host_batch([1], [5], [False])  # one prompt token, not the last: not a decode step
+    assert pick_bucket(buckets, chunk) == Bucket(64, 8, False)
+    assert pick_bucket(buckets, host_batch([257], [257], [True])) is None
+
+
+def test_pad_batch():
+    batch = host_batch([2, 1], [2, 6], [True, True])
+    padded = pad_batch(batch, Bucket(8, 4, False))
+    assert padded.input_ids == [7, 7, 7, 0, 0, 0, 0, 0]
+    assert padded.positions == [0, 1, 5, 0, 0, 0, 0, 0]
+    assert padded.slot_mapping == [0, 1, 105, -1, -1, -1, -1, -1]
+    assert padded.cu_seqlens_q == [0, 2, 3, 3, 3]
+    assert padded.seq_lens == [2, 6, 0, 0]
+    assert padded.block_tables == [[0, 0], [1, 2]]
+    assert padded.sample_rows == [1, 2, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder)
+    return str(folder)
+
+
+LIMITS = dict(max_num_seqs=6, max_num_batched_tokens=128)
+
+
+def mixed_and_decode_batches(llm: LLM) -> list[HostBatch]:
+    """Steps of decodes with a new prompt's first chunk, then with its last, then decodes."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, length in enumerate((5, 17, 3)):
+        engine.add_request(f"early-{i}", prompt(length, seed=i), params)
+    engine.step()
+    engine.step()  # decoding now
+    engine.add_request("late", prompt(150, seed=9), params)  # its first chunk joins the decodes
+    batches = []
+    prepare = engine.runner.prepare
+    engine.runner.prepare = lambda scheduled: batches.append(prepare(scheduled)) or batches[-1]
+    for _ in range(3):
+        engine.step()
+    return batches
+
+
+@pytest.mark.parametrize("backend", [CpuOps(), CudaOps()], ids=["cpu", "cuda-kernels"])
+def test_padded_step_gives_the_unpadded_logits(model_dir, backend):
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128, **LIMITS)
+    runner: ModelRunner = llm.engine.runner
+    runner.backend = backend
+    batches = mixed_and_decode_batches(llm)
+    assert [b.is_decode for b in batches] == [False, False, True]
+    assert [len(b.sample_rows) for b in batches] == [3, 4, 4]  # the first chunk samples nothing
+    limits = StepLimits(6, 128, -(-llm.engine.max_model_len // runner.block_size), llm.engine.max_model_len)
+    step = StaticStep(runner.forward, limits, torch.device("cpu"))
+    with torch.inference_mode(), ops.use(backend):
+        for batch in batches:  # their KV is in the cache: rewriting it is harmless
+            bucket = pick_bucket(step_buckets(limits), batch)
+            eager = runner.forward(*runner.to_device(batch), torch.tensor(batch.sample_rows))
+            step.load(batch, bucket)
+            padded = step.run(bucket)[: len(batch.sample_rows)]
+            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+
+
+class EagerStaticSteps:
+    """The step graphs' runner without capture: pad, load, run."""
+
+    def __init__(self, runner: ModelRunner, limits: StepLimits):
+        self.step = StaticStep(runner.forward, limits, runner.device)
+        self.buckets = step_buckets(limits)
+        self.used: list[Bucket] = []
+
+    def __call__(self, batch: HostBatch):
+        bucket = pick_bucket(self.buckets, batch)
+        self.used.append(bucket)
+        self.step.load(batch, bucket)
+        return self.step.run(bucket)[: len(batch.sample_rows)]
+
+
+def test_engine_with_padded_steps_gives_the_eager_tokens(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [prompt(3 + 29 * i, seed=i) for i in range(8)]
+    eager = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS)
+    padded = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS)
+    engine = padded.engine
+    limits = StepLimits(6, 128, -(-engine.max_model_len // engine.runner.block_size), engine.max_model_len)
+    engine.runner.graphs = steps = EagerStaticSteps(engine.runner, limits)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in padded.generate(prompts, params)] == expected
+    assert {b.decode for b in steps.used} == {True, False}
