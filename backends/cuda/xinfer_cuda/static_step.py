@@ -103,6 +103,10 @@ class StaticStep:
         self.block_tables = torch.zeros(seqs, limits.max_blocks_per_seq, dtype=torch.int32, device=device)
         self.dev64[2 * tokens : 3 * tokens].fill_(-1)  # slots: nothing written before the first step
         self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
+        # Marks the last copies out of the pinned host buffers. A step that samples
+        # nothing returns without waiting for the device, so the next step must wait
+        # for these copies before it rewrites the buffers.
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def fits(self, batch: HostBatch) -> bool:
         return max(len(row) for row in batch.block_tables) <= self.limits.max_blocks_per_seq
@@ -110,6 +114,8 @@ class StaticStep:
     def load(self, batch: HostBatch, bucket: Bucket) -> None:
         """Write ``batch``, padded to ``bucket``, into the device buffers."""
         padded = pad_batch(batch, bucket)
+        if self.copied is not None:
+            self.copied.synchronize()
         for host, values in zip(self._views(self.host64, self.host32), self._fields(padded)):
             host[: len(values)] = torch.tensor(values, dtype=host.dtype)
         n, width = len(batch.seq_lens), len(padded.block_tables[0])
@@ -118,6 +124,8 @@ class StaticStep:
         self.dev64.copy_(self.host64, non_blocking=True)
         used32 = 2 * self.limits.max_num_seqs + 1 + n * width
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.block_tables[:n, :width] = self._tables(self.dev32)[: n * width].view(n, width)
 
     def run(self, bucket: Bucket) -> Tensor:
