@@ -5,11 +5,12 @@ decoding, a chunk when still prefilling), then waiting ones join while budget,
 blocks and ``max_num_seqs`` allow. When blocks run out, the most recently started
 sequence is preempted: its blocks are freed and it is recomputed later.
 
-A step that carries prompt tokens cannot replay a captured decode graph, and an
-eager step costs hundreds of kernel launches; so once the batch is nearly full,
-waiting prompts are admitted in groups (when an eighth of the sequence slots are
-free, or when they would fill the token budget) rather than one per finished
-sequence.
+A step that carries prompt tokens costs more than a pure decode step even when it
+replays a graph (it is padded to a token bucket and its decode rows go through the
+prefill kernel, without split-K); so once the batch is nearly full, waiting prompts
+are admitted in groups (when an eighth of the sequence slots are free, or when they
+would fill the token budget) rather than one per finished sequence. (Measured when
+such steps were eager; with step graphs the group size wants re-measuring.)
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Scheduler:
 
     def _admitting(self, scheduled: list[ScheduledSeq]) -> bool:
         if any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled):
-            return True  # this step is eager anyway
+            return True  # this step carries prompt tokens anyway
         free_slots = self.config.max_num_seqs - len(self.running)
         waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
         return (
