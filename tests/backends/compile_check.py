@@ -30,7 +30,7 @@ from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write,
 from xinfer_cuda.kernels.kv_codes import side
 
 MODULES = (activation, attention, kv_quant_write, kv_write, norm, rotary)
-QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo3-lm")
+QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm")
 POINTER_TYPES = {
     torch.uint8: "*u8",
     torch.float16: "*fp16",

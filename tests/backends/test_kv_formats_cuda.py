@@ -26,7 +26,7 @@ from xinfer_cuda.ops import CudaOps
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-FORMATS = ["fp8", "turbo8", "turbo4", "turbo3", "turbo3-lm"]
+FORMATS = ["fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm"]
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.2e-2}
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -113,7 +113,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("fmt", FORMATS + ["turbo4-lm"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_write_matches_reference(fmt, head_dim):
     dtype = torch.float16 if ON_GPU else torch.float32
     reference, device_cache, _ = write_case(fmt, dtype, head_dim, [13, 5], [1, 1])

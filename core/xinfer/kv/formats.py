@@ -19,8 +19,6 @@ FORMATS: dict[str, KVFormat] = {
         KVFormat("turbo3", THREE_BIT, FOUR_BIT, rotate_keys=True, rotate_values=True),
         # turbo4 with Gaussian-optimal levels for the rotated keys
         KVFormat("turbo4-lm", LloydMax(levels=16, bits=4), FOUR_BIT, rotate_keys=True, rotate_values=True),
-        # the same codecs as turbo3 (whose keys are now Lloyd–Max); kept while configs name it
-        KVFormat("turbo3-lm", THREE_BIT, FOUR_BIT, rotate_keys=True, rotate_values=True),
     )
 }
 
