@@ -39,7 +39,8 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """fp32 logits [N, vocab] of the rows of ``hidden`` that are sampled."""
+        """Logits [N, vocab] of the rows of ``hidden`` that are sampled, in the model dtype
+        (the sampler computes in fp32)."""
         raise NotImplementedError
 
     def checkpoint_names(self) -> set[str]:
