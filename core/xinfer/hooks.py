@@ -27,7 +27,7 @@ class BackendSpec:
     device type, the highest ``priority`` wins unless one is asked for by name.
     ``memory`` optionally names a class taking the ``torch.device`` and implementing
     :class:`xinfer.backend.DeviceMemory`; without one, the KV cache is sized from
-    free host memory.
+    available host memory.
     """
 
     name: str

@@ -24,10 +24,23 @@ def bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_for
 
 
 def host_kv_budget(fraction: float | None) -> int:
-    """Bytes of free host memory for the KV cache: ``fraction`` of it, else a quarter
-    up to 2 GiB."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Bytes of available host memory for the KV cache: ``fraction`` of it, else a
+    quarter up to 2 GiB."""
+    available = available_host_memory()
     return int(available * fraction) if fraction else min(CPU_DEFAULT_BUDGET, available // 4)
+
+
+def available_host_memory() -> int:
+    """What the kernel could hand out without swapping (Linux's MemAvailable, which
+    counts reclaimable page cache; free pages alone can be a small part of it)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def allocate_kv_cache(

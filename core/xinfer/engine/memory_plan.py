@@ -9,7 +9,7 @@ sequences as a step can sample, measures the activation peak; one capture of the
 step graphs against a one-block cache measures theirs (about one more such peak, in
 the graphs' own pool; graphs record the cache's addresses, so the engine captures
 them again once the real cache exists). Without statistics (the CPU), the KV cache
-gets a share of the free host memory.
+gets a share of the available host memory.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def plan_memory(
         num_blocks, source = cache.num_blocks, "num_blocks given"
     elif memory is None or baseline is None:
         budget = host_kv_budget(cache.kv_fraction)
-        num_blocks, source = budget // block_bytes, f"{gib(budget)} of free host memory"
+        num_blocks, source = budget // block_bytes, f"{gib(budget)} of available host memory"
     else:
         num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
         capture = not config.device.enforce_eager
