@@ -69,7 +69,8 @@ class Ops(Protocol):
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the tensors of
-        ``cache.format.quantize``, each [num_blocks, block_size, Hkv, ...])."""
+        ``cache.format.quantize(k, v, cache.dtype, cache.equalizer)``, each
+        [num_blocks, block_size, Hkv, ...])."""
 
     def attention(
         self,
@@ -84,8 +85,9 @@ class Ops(Protocol):
 
         Quantized formats are read in place (dequantized inside the op, never into a
         full-precision copy of the cache); for formats that rotate keys the query is
-        rotated the same way (``cache.format.prepare_query``), so scores are unchanged
-        and values need no inverse.
+        scaled and rotated the same way (``cache.format.prepare_query(q,
+        cache.equalizer)``), so scores are unchanged; where values are rotated the
+        output is rotated back (``cache.format.finish_output``).
 
         A query at position ``p`` sees keys at positions ``p - window < j <= p``
         (all ``j <= p`` without a window). With ``softcap``, scores become

@@ -39,7 +39,8 @@ def _seed(request):
 
 
 def to_cpu(cache: LayerKVCache) -> LayerKVCache:
-    return LayerKVCache(cache.format, {n: t.cpu() for n, t in cache.tensors.items()}, cache.head_dim, cache.dtype)
+    equalizer = cache.equalizer.cpu() if cache.equalizer is not None else None
+    return LayerKVCache(cache.format, {n: t.cpu() for n, t in cache.tensors.items()}, cache.head_dim, cache.dtype, equalizer)
 
 
 def assert_same_storage(got: LayerKVCache, want: LayerKVCache) -> None:
@@ -85,6 +86,9 @@ def write_case(fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int],
     k[: total // 3, :, :3] *= 10  # outlier channels, as real keys have
     reference = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
     device_cache = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, DEVICE)
+    if kv_format.rotate_keys:  # a calibrated key equalizer, as the engine sets one
+        reference.equalizer = torch.rand(kv_heads, head_dim) + 0.5
+        device_cache.equalizer = reference.equalizer.to(DEVICE)
     CPU.write_kv(k, v, reference, slot_mapping)
     CUDA.write_kv(k.to(DEVICE), v.to(DEVICE), device_cache, slot_mapping.to(DEVICE))
     cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
@@ -166,7 +170,7 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     )  # fmt: skip
     q1 = torch.randn(3, heads, head_dim).to(dtype)
     want1 = CPU.attention(q1.float(), reference, decode, scale, softcap=30.0)
-    rotated = device_cache.format.prepare_query(q1.to(DEVICE)).to(dtype)
+    rotated = device_cache.format.prepare_query(q1.to(DEVICE), device_cache.equalizer).to(dtype)
     for splits in (1, 4):
         got1 = device_cache.format.finish_output(attention.paged_attention_cache(
             rotated, device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits

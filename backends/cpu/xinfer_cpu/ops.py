@@ -37,7 +37,7 @@ class CpuOps:
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        stored = cache.format.quantize(k[valid], v[valid], cache.dtype)
+        stored = cache.format.quantize(k[valid], v[valid], cache.dtype, cache.equalizer)
         for name, values in stored.items():
             tensor = cache[name]
             tensor.view(-1, *tensor.shape[2:])[slots] = values
@@ -52,7 +52,7 @@ class CpuOps:
         softcap: float | None = None,
     ) -> Tensor:
         dtype = q.dtype
-        q = cache.format.prepare_query(q)
+        q = cache.format.prepare_query(q, cache.equalizer)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         cu = meta.cu_seqlens_q.tolist()
         seq_lens = meta.seq_lens.tolist()

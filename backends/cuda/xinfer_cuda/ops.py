@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache, hadamard
+from xinfer.kv.equalizer import divide_keys, scale_queries
 from xinfer.ops import AttentionMetadata, StepForward, StepLimits
 from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
@@ -48,6 +49,7 @@ class CudaOps:
             return
         # This step's keys and values only, before they are quantized.
         if fmt.rotate_keys:
+            k = divide_keys(k, cache.equalizer) if cache.equalizer is not None else k
             k = k @ basis(k.shape[-1], k.dtype, k.device)
         if fmt.rotate_values:
             v = v @ basis(v.shape[-1], v.dtype, v.device)
@@ -68,6 +70,7 @@ class CudaOps:
             return attention.paged_attention(q, cache["k"], cache["v"], meta, scale, window, softcap)
         rotation = basis(q.shape[-1], q.dtype, q.device)
         if fmt.rotate_keys:
+            q = scale_queries(q, cache.equalizer) if cache.equalizer is not None else q
             q = q @ rotation
         out = attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
         return out @ rotation.T if fmt.rotate_values else out

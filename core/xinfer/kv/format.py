@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import hadamard
+from xinfer.kv.equalizer import divide_keys, scale_queries
 from xinfer.kv.codecs import Codec, Field
 
 
@@ -39,11 +40,16 @@ class KVFormat:
         }
         return LayerKVCache(self, tensors, head_dim, dtype)
 
-    def quantize(self, k: Tensor, v: Tensor, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """k, v [..., D] -> stored tensors [..., *trailing] by name."""
+    def quantize(
+        self, k: Tensor, v: Tensor, dtype: torch.dtype | None = None, equalizer: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """k, v [..., Hkv, D] -> stored tensors [..., *trailing] by name; rotated keys are
+        divided by the layer's ``equalizer`` [Hkv, D] first (:mod:`xinfer.kv.equalizer`)."""
         dtype = dtype or k.dtype
         head_dim = k.shape[-1]
         names = list(self.fields(head_dim, dtype))
+        if self.rotate_keys and equalizer is not None:
+            k = divide_keys(k, equalizer)
         keys = hadamard.rotate(k) if self.rotate_keys else k
         values = hadamard.rotate(v) if self.rotate_values else v
         stored = self.key.encode(keys, dtype) + self.value.encode(values, dtype)
@@ -55,14 +61,20 @@ class KVFormat:
         v = self.value.decode([t for n, t in stored.items() if n.startswith("v")])
         return k, v
 
-    def dequantize(self, stored: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def dequantize(self, stored: dict[str, Tensor], equalizer: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """fp32 k, v in the model's basis."""
         k, v = self.decode(stored)
-        return (hadamard.unrotate(k) if self.rotate_keys else k), (hadamard.unrotate(v) if self.rotate_values else v)
+        if self.rotate_keys:
+            k = hadamard.unrotate(k)
+            k = k * equalizer if equalizer is not None else k
+        return k, (hadamard.unrotate(v) if self.rotate_values else v)
 
-    def prepare_query(self, q: Tensor) -> Tensor:
-        """The query in the keys' basis (fp32 when rotated): rotated like the keys, so no inverse is needed."""
-        return hadamard.rotate(q) if self.rotate_keys else q
+    def prepare_query(self, q: Tensor, equalizer: Tensor | None = None) -> Tensor:
+        """The query [T, H, D] in the keys' basis (fp32 when rotated): scaled by the
+        equalizer and rotated like the keys, so no inverse is needed."""
+        if not self.rotate_keys:
+            return q
+        return hadamard.rotate(scale_queries(q, equalizer) if equalizer is not None else q)
 
     def finish_output(self, out: Tensor) -> Tensor:
         """Attention output back in the model's basis: ``Σ p·(R v) = R (Σ p·v)``, so with
@@ -78,6 +90,7 @@ class LayerKVCache:
     tensors: dict[str, Tensor]
     head_dim: int
     dtype: torch.dtype  # the model's: what attention computes in
+    equalizer: Tensor | None = None  # [Hkv, D] for rotated keys, set once before any write
 
     @classmethod
     def plain(cls, k_cache: Tensor, v_cache: Tensor) -> LayerKVCache:

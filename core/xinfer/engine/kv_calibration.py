@@ -1,0 +1,97 @@
+"""Calibration of the KV cache's key equalizers (:mod:`xinfer.kv.equalizer`): one
+forward over a fixed text through a temporary model-dtype cache, recording each
+layer's per-channel energy of the keys it writes and the queries it attends with.
+
+Runs once at start-up, after the real cache is allocated and before any token is
+written to it or any CUDA graph is captured (graphs record the equalizer's tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xinfer import ops
+from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
+from xinfer.forward_context import forward_context
+from xinfer.kv import LayerKVCache, get_format
+from xinfer.kv.equalizer import equalizer
+from xinfer.ops import HostBatch
+
+CALIBRATION_TOKENS = 512
+
+
+def calibration_text() -> str:
+    """English prose that ships with Python and is not the quality benchmark's text:
+    the docstrings of a few standard-library modules."""
+    import argparse, collections, json, logging, pathlib, subprocess, threading, typing, unittest  # noqa: E401
+
+    modules = (argparse, collections, typing, json, logging, unittest, subprocess, threading, pathlib)
+    return "\n\n".join(m.__doc__ for m in modules if m.__doc__)
+
+
+def calibration_ids(tokenizer: Any, vocab_size: int, count: int) -> list[int]:
+    if tokenizer is None:  # e.g. dummy weights: any ids will do
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(vocab_size, (count,), generator=generator).tolist()
+    return tokenizer.encode(calibration_text(), add_special_tokens=False)[:count]
+
+
+class EnergyRecorder:
+    """Ops that sum, per cache, the squares of the keys written and of the queries
+    attending, per (KV head, channel); everything is computed by ``inner``."""
+
+    def __init__(self, inner: ops.Ops):
+        self.inner = inner
+        self.keys: dict[int, Tensor] = {}
+        self.queries: dict[int, Tensor] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+        self._add(self.keys, cache, k.float().pow(2).sum(0))
+        self.inner.write_kv(k, v, cache, slot_mapping)
+
+    def attention(self, q: Tensor, cache: LayerKVCache, *args, **kwargs) -> Tensor:
+        tokens, heads, head_dim = q.shape
+        grouped = q.float().view(tokens, cache.num_kv_heads, heads // cache.num_kv_heads, head_dim)
+        self._add(self.queries, cache, grouped.pow(2).sum((0, 2)))
+        return self.inner.attention(q, cache, *args, **kwargs)
+
+    @staticmethod
+    def _add(sums: dict[int, Tensor], cache: LayerKVCache, energy: Tensor) -> None:
+        sums[id(cache)] = sums[id(cache)] + energy if id(cache) in sums else energy
+
+
+@torch.inference_mode()
+def calibrate_equalizers(engine: Any) -> None:
+    """Set ``equalizer`` on every layer's cache when the format rotates keys."""
+    layers = attention_layers(engine.model)
+    if not layers or not engine.kv_format.rotate_keys:
+        return
+    budget = engine.config.scheduler.max_num_batched_tokens  # no step larger than planned for
+    count = min(CALIBRATION_TOKENS, engine.max_model_len, budget)
+    ids = calibration_ids(engine.tokenizer, engine.hf_config.vocab_size, count)
+    block_size = engine.config.cache.block_size
+    num_blocks = -(-len(ids) // block_size)
+    real = [layer.kv_cache for layer in layers]
+    allocate_kv_cache(engine.model, num_blocks, block_size, engine.dtype, engine.device, get_format("auto"))
+    scratch = [layer.kv_cache for layer in layers]
+    recorder = EnergyRecorder(engine.ops)
+    batch = HostBatch(
+        input_ids=ids, positions=list(range(len(ids))), slot_mapping=list(range(len(ids))),
+        cu_seqlens_q=[0, len(ids)], seq_lens=[len(ids)], block_tables=[list(range(num_blocks))], sample_rows=[],
+    )  # fmt: skip
+    try:
+        with ops.use(recorder):
+            input_ids, positions, meta = engine.runner.to_device(batch)
+            with forward_context(meta):
+                engine.model(input_ids, positions)
+    finally:
+        for layer, cache in zip(layers, real):
+            layer.kv_cache = cache
+    for cache, temp in zip(real, scratch):
+        cache.equalizer = equalizer(recorder.queries[id(temp)], recorder.keys[id(temp)]).to(engine.device)
