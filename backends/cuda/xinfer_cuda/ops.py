@@ -66,14 +66,11 @@ class CudaOps:
         softcap: float | None = None,
     ) -> Tensor:
         fmt = cache.format
-        if fmt.name == "auto":
-            return attention.paged_attention(q, cache["k"], cache["v"], meta, scale, window, softcap)
-        rotation = basis(q.shape[-1], q.dtype, q.device)
         if fmt.rotate_keys:
             q = scale_queries(q, cache.equalizer) if cache.equalizer is not None else q
-            q = q @ rotation
+            q = q @ basis(q.shape[-1], q.dtype, q.device)
         out = attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
-        return out @ rotation.T if fmt.rotate_values else out
+        return out @ basis(out.shape[-1], out.dtype, out.device).T if fmt.rotate_values else out
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
         return StepGraphs(forward, limits, device)

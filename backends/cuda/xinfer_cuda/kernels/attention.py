@@ -582,10 +582,10 @@ def paged_attention(
     ``num_splits`` (a power of two) overrides the decode split count; the tile configs
     override the defaults (for tests and tuning).
     """
-    plain_k, plain_v = Side(k_cache, None, None, PLAIN), Side(v_cache, None, None, PLAIN)
-    return attend_sides(
-        q, plain_k, plain_v, meta, scale, window, softcap, out, num_splits, prefill_tiles, decode_tiles
-    )
+    return paged_attention_cache(
+        q, LayerKVCache.plain(k_cache, v_cache), meta, scale, window, softcap,
+        out=out, num_splits=num_splits, prefill_tiles=prefill_tiles, decode_tiles=decode_tiles,
+    )  # fmt: skip
 
 
 def paged_attention_cache(
