@@ -32,6 +32,7 @@ from xinfer_cuda.kernels.kv_codes import side
 MODULES = (activation, attention, kv_quant_write, kv_write, norm, rotary)
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm")
 POINTER_TYPES = {
+    torch.int8: "*i8",
     torch.uint8: "*u8",
     torch.float16: "*fp16",
     torch.bfloat16: "*bf16",
@@ -105,13 +106,18 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 num_splits=splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
                 decode_tiles=tiles(attention._DECODE_TILES, head_dim),
             )  # fmt: skip
-    # Quantized caches: the write kernel per side and attention (decode and prefill).
+    # Quantized caches: the write kernel (both sides) and attention (decode and prefill).
     for name in QUANTIZED:
         fmt = get_format(name)
         for head_dim in (64, 128, 256):
             cache = fmt.allocate(4, 16, 8, head_dim, dtype, torch.device("cpu"))
-            for k_or_v, codec in (("k", fmt.key), ("v", fmt.value)):
-                kv_quant_write.quant_write(t(4, 8, head_dim), side(cache, k_or_v, codec), positions)
+            for tokens in (4, 300):  # decode and prefill tiles
+                kv_quant_write.quant_write_kv(
+                    t(tokens, 8, head_dim), t(tokens, 8, head_dim), side(cache, "k", fmt.key),
+                    side(cache, "v", fmt.value), torch.zeros(tokens, dtype=torch.int64),
+                    rotate_keys=fmt.rotate_keys, rotate_values=fmt.rotate_values,
+                    equalizer=t(8, head_dim, dt=torch.float32),
+                )  # fmt: skip
             for q_len, splits in ((1, 4), (8, None)):
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(

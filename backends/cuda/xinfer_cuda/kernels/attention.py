@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kv import LayerKVCache
+from xinfer.kv import LayerKVCache, hadamard
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels.kv_codes import CODE_PLAIN, LLOYD, PLAIN, Side, load_scale, load_stored, side
 
@@ -49,6 +49,54 @@ MASK_CAUSAL: tl.constexpr = tl.constexpr(2)  # causal (and window) mask per row
 @triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+# Columns of R per dot in the query prologue and output epilogue: a [head_dim, 32]
+# fp32 slice of it on chip at a time, even at head_dim 256.
+ROTATION_CHUNK: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def _load_queries(
+    q_ptr, q_off, row_ok, kv_head, rotation_ptr, equalizer_ptr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, HAS_EQUALIZER: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Query rows [M, BLOCK_D] at element offsets ``q_off``; for rotated keys in the keys'
+    basis, in fp32: ``(q · s) @ Rᵀ`` with the KV head's equalizer ``s``."""
+    dims = tl.arange(0, BLOCK_D)
+    if ROTATE:
+        q = tl.zeros([q_off.shape[0], BLOCK_D], tl.float32)
+        # A loop neither unrolled nor pipelined: fewer live registers, one slice of shared memory.
+        for c in tl.range(0, HEAD_DIM, ROTATION_CHUNK, num_stages=1):
+            ins = c + tl.arange(0, ROTATION_CHUNK)
+            x = tl.load(q_ptr + q_off[:, None] + ins[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            if HAS_EQUALIZER:
+                x *= tl.load(equalizer_ptr + kv_head * HEAD_DIM + ins)[None, :]
+            r = tl.load(rotation_ptr + dims[:, None] * HEAD_DIM + ins[None, :])  # R[:, ins], rows contiguous
+            q = tl.dot(x, tl.trans(r), q, input_precision=PRECISION)
+    else:
+        q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    return q
+
+
+@triton.jit
+def _store_rows(
+    out_ptr, o_off, row_ok, x, rotation_ptr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Store rows x [M, BLOCK_D] at element offsets ``o_off``; for rotated values back in
+    the model's basis first (``x @ R``, a slice of columns at a time)."""
+    dims = tl.arange(0, BLOCK_D)
+    if ROTATE:
+        for c in tl.range(0, HEAD_DIM, ROTATION_CHUNK, num_stages=1):
+            cols = c + tl.arange(0, ROTATION_CHUNK)
+            r = tl.load(rotation_ptr + dims[:, None] * HEAD_DIM + cols[None, :])
+            y = tl.dot(x, r, input_precision=PRECISION)
+            tl.store(out_ptr + o_off[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        tl.store(out_ptr + o_off[:, None] + dims[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -181,6 +229,8 @@ def _prefill_kernel(
     v_scale_ptr,
     k_levels_ptr,
     v_levels_ptr,
+    rotation_ptr,
+    equalizer_ptr,
     out_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -222,6 +272,9 @@ def _prefill_kernel(
     V_BITS: tl.constexpr,
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
+    HAS_EQUALIZER: tl.constexpr,
+    ROTATE_OUT: tl.constexpr,
 ):
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
@@ -241,10 +294,9 @@ def _prefill_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < Q_PER_TILE * GROUP) & (q_idx < q_len)
     q_pos = ctx_start + q_idx
-    dims = tl.arange(0, BLOCK_D)
-    d_ok = dims < HEAD_DIM
     q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _load_queries(q_ptr, q_off, row_ok, kv_head, rotation_ptr, equalizer_ptr,
+                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, PRECISION)  # fmt: skip
 
     # Keys [full_lo, full_hi) are visible to every row of the tile and need no mask;
     # the ones before (window edge) and after (causal diagonal) do.
@@ -296,8 +348,7 @@ def _prefill_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + q_idx).to(tl.int64) * stride_o_tok + head * stride_o_head
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    _store_rows(out_ptr, o_off, row_ok, out, rotation_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, PRECISION)
 
 
 @triton.jit
@@ -323,6 +374,8 @@ def _decode_kernel(
     v_scale_ptr,
     k_levels_ptr,
     v_levels_ptr,
+    rotation_ptr,
+    equalizer_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
@@ -368,6 +421,9 @@ def _decode_kernel(
     V_BITS: tl.constexpr,
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
+    ROTATE_Q: tl.constexpr,
+    HAS_EQUALIZER: tl.constexpr,
+    ROTATE_OUT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -387,10 +443,9 @@ def _decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     head = kv_head * GROUP + rows
-    dims = tl.arange(0, BLOCK_D)
-    d_ok = dims < HEAD_DIM
     q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _load_queries(q_ptr, q_off, row_ok, kv_head, rotation_ptr, equalizer_ptr,
+                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, PRECISION)  # fmt: skip
     q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -419,17 +474,16 @@ def _decode_kernel(
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
+    # Rotating back is linear, so split partials are rotated before the reduce merges them.
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-        o_mask = row_ok[:, None] & d_ok[None, :]
-        tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
+        _store_rows(out_ptr, o_off, row_ok, out, rotation_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, PRECISION)
     else:
         part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        p_mask = row_ok[:, None] & d_ok[None, :]
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=p_mask)
+        _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc, rotation_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, PRECISION)
 
 
 @triton.jit
@@ -598,10 +652,26 @@ def paged_attention_cache(
     **overrides,
 ) -> Tensor:
     """:func:`paged_attention` over a layer's cache in any format: quantized K/V tiles are
-    decoded in registers inside the loop; ``q`` is expected in the keys' basis already."""
+    decoded in registers inside the loop; where the format rotates keys the kernels bring
+    each query into the keys' basis, and where it rotates values the output back."""
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
-    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, **overrides)
+    rotation = None
+    if fmt.rotate_keys or fmt.rotate_values:
+        matrix = hadamard.rotation(cache.head_dim, q.device)
+        rotation = Rotation(matrix, cache.equalizer, fmt.rotate_keys, fmt.rotate_values)
+    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, rotation=rotation, **overrides)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """A rotated cache's basis as the kernels apply it: queries ``(q · equalizer) @ Rᵀ``
+    when keys are rotated, outputs ``y @ R`` when values are."""
+
+    matrix: Tensor  # R [D, D] fp32 (:func:`xinfer.kv.hadamard.rotation`)
+    equalizer: Tensor | None  # [Hkv, D] fp32
+    keys: bool
+    values: bool
 
 
 def attend_sides(
@@ -616,6 +686,7 @@ def attend_sides(
     num_splits: int | None = None,
     prefill_tiles: TileConfig | None = None,
     decode_tiles: TileConfig | None = None,
+    rotation: Rotation | None = None,
 ) -> Tensor:
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -654,6 +725,16 @@ def attend_sides(
     magic = q.dtype != torch.float32
     common["CODE_DTYPE"] = tl.float16 if magic else tl.float32
     common |= k_side.constexprs("K", magic) | v_side.constexprs("V", magic)
+    equalizer = rotation.equalizer if rotation is not None else None
+    common |= dict(
+        ROTATE_Q=rotation is not None and rotation.keys,
+        HAS_EQUALIZER=equalizer is not None,
+        ROTATE_OUT=rotation is not None and rotation.values,
+    )
+    rotation_ptrs = (
+        rotation.matrix if rotation is not None else q,
+        equalizer.float().contiguous() if equalizer is not None else q,
+    )
     window_arg = window if has_window else 0
 
     if meta.max_seqlen_q > 1:
@@ -667,7 +748,7 @@ def attend_sides(
         # queries exit at once.
         grid = (num_tokens // q_per_tile + meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](
-            q, *cache_ptrs, out,
+            q, *cache_ptrs, *rotation_ptrs, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
             score_scale, cap_scale, window_arg,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -696,7 +777,7 @@ def attend_sides(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(meta.num_seqs, num_kv_heads, num_splits)](
-        q, *cache_ptrs, out, part_acc, part_max, part_sum,
+        q, *cache_ptrs, *rotation_ptrs, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

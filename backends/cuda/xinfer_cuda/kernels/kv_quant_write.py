@@ -1,89 +1,209 @@
-"""Store this step's K or V into a quantized paged cache: one program per token
-encodes all of its KV heads (scale, codes, packing) and writes them in place."""
+"""Store this step's K and V into a quantized paged cache in one launch: each program
+takes BLOCK_T tokens of one KV head and one side (K or V), equalizes and rotates them
+where the format does, encodes them (scale, codes, packing) and writes them in place."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kv import hadamard
 from xinfer_cuda.kernels.kv_codes import CODE_FP8, Side, encode, vector_scale
 
 
 @triton.jit
-def _quant_write_kernel(
-    x_ptr,
-    data_ptr,
-    scale_ptr,
+def _pack(codes, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Codes [ROWS, HEAD_DIM] -> words [ROWS, HEAD_DIM / GROUP] with code r of each
+    group at bits BITS * r (the layout of :mod:`xinfer.kv.codes`), in registers."""
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(codes, [ROWS, HEAD_DIM // 2, 2]))
+        word = lo | hi << 4
+    else:
+        # The last axis is bit 0 of r: each split joins neighbours into codes of twice the width.
+        lo, hi = tl.split(tl.reshape(codes, [ROWS, HEAD_DIM // 8, 2, 2, 2]))
+        lo, hi = tl.split(lo | hi << 3)
+        lo, hi = tl.split(lo | hi << 6)
+        word = lo | hi << 12
+    return word
+
+
+@triton.jit
+def _write_side(
+    src,
+    data_dst,
+    scale_dst,
+    rows,
     levels_ptr,
-    slot_mapping_ptr,
-    stride_x_tok,
-    stride_x_head,
-    stride_d_block,
-    stride_d_slot,
-    stride_d_head,
-    stride_s_block,
-    stride_s_slot,
-    stride_s_head,
-    num_kv_heads,
+    basis_ptr,
+    equalizer_row,
+    BLOCK_T: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROTATE: tl.constexpr,
+    EQUALIZE: tl.constexpr,
     CODE: tl.constexpr,
     BITS: tl.constexpr,
     LEVELS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_BYTES: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot < 0:  # padding
-        return
+    """One side of BLOCK_T tokens: ``src``, ``data_dst``, ``scale_dst`` point at each
+    token's row of this head; only ``rows`` are read and written."""
+    dims = tl.arange(0, HEAD_DIM)
+    if ROTATE:
+        # x @ basis / sqrt(D) over chunks of the input dim, so that a chunk of the basis,
+        # not all of it, is on chip at a time. Its ±1 entries times values in the model
+        # dtype are exact, so a tensor-core dot summing in fp32 matches the fp32 reference.
+        x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+        for start in tl.range(0, HEAD_DIM, BLOCK_K):
+            chunk = start + tl.arange(0, BLOCK_K)
+            part = tl.load(src[:, None] + chunk[None, :], mask=rows[:, None], other=0.0)
+            if EQUALIZE:  # rounded to the model dtype, as divide_keys does
+                s = tl.load(equalizer_row + chunk).to(part.dtype).to(tl.float32)
+                part = (part.to(tl.float32) / s[None, :]).to(part.dtype)
+            basis = tl.load(basis_ptr + chunk[:, None] * HEAD_DIM + dims[None, :]).to(part.dtype)
+            x = tl.dot(part, basis, acc=x, input_precision="ieee")
+        x = x * (1.0 / HEAD_DIM**0.5)
+    else:
+        x = tl.load(src[:, None] + dims[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    scale = vector_scale(x, CODE, HEAD_DIM)
+    tl.store(scale_dst, scale, mask=rows)
+    codes = encode(x, scale, levels_ptr, CODE, LEVELS)
+    if CODE == CODE_FP8 or BITS == 8:
+        tl.store(data_dst[:, None] + dims[None, :], codes.to(tl.uint8), mask=rows[:, None])
+    else:
+        word = _pack(codes, BLOCK_T, HEAD_DIM, BITS)
+        group: tl.constexpr = 2 if BITS == 4 else 8
+        group_bytes: tl.constexpr = group * BITS // 8
+        groups = tl.arange(0, HEAD_DIM // group)
+        for b in tl.static_range(group_bytes):
+            byte = ((word >> (8 * b)) & 0xFF).to(tl.uint8)
+            tl.store(data_dst[:, None] + groups[None, :] * group_bytes + b, byte, mask=rows[:, None])
+
+
+@triton.jit
+def _quant_write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    slot_mapping_ptr,
+    basis_ptr,
+    equalizer_ptr,
+    k_data_ptr,
+    k_scale_ptr,
+    k_levels_ptr,
+    v_data_ptr,
+    v_scale_ptr,
+    v_levels_ptr,
+    num_tokens,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_eq_head,
+    stride_kd_block,
+    stride_kd_slot,
+    stride_kd_head,
+    stride_ks_block,
+    stride_ks_slot,
+    stride_ks_head,
+    stride_vd_block,
+    stride_vd_slot,
+    stride_vd_head,
+    stride_vs_block,
+    stride_vs_slot,
+    stride_vs_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EQUALIZE: tl.constexpr,
+    K_ROTATE: tl.constexpr,
+    K_CODE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_LEVELS: tl.constexpr,
+    V_ROTATE: tl.constexpr,
+    V_CODE: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_LEVELS: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    rows = slot >= 0  # in range and not padding
+    slot = tl.maximum(slot, 0)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, BLOCK_H)
-    head_ok = heads < num_kv_heads
-    src = x_ptr + tok * stride_x_tok + heads[:, None] * stride_x_head
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    x = tl.load(src + dims, mask=head_ok[:, None] & (dims < HEAD_DIM), other=0.0).to(tl.float32)
-    scale = vector_scale(x, CODE, HEAD_DIM)
-    s_dst = scale_ptr + block * stride_s_block + offset * stride_s_slot + heads * stride_s_head
-    tl.store(s_dst, scale, mask=head_ok)
-    dst = data_ptr + block * stride_d_block + offset * stride_d_slot + heads[:, None] * stride_d_head
-    if CODE == CODE_FP8:
-        codes = encode(x, scale, levels_ptr, CODE, LEVELS)
-        tl.store(dst + dims, codes.to(tl.uint8), mask=head_ok[:, None] & (dims < HEAD_DIM))
+    tokens = tokens.to(tl.int64)
+    if tl.program_id(2) == 0:  # K and V in programs of their own: twice the parallelism
+        _write_side(
+            k_ptr + tokens * stride_k_tok + head * stride_k_head,
+            k_data_ptr + block * stride_kd_block + offset * stride_kd_slot + head * stride_kd_head,
+            k_scale_ptr + block * stride_ks_block + offset * stride_ks_slot + head * stride_ks_head,
+            rows, k_levels_ptr, basis_ptr, equalizer_ptr + head * stride_eq_head,
+            BLOCK_T, HEAD_DIM, BLOCK_K, K_ROTATE, EQUALIZE, K_CODE, K_BITS, K_LEVELS,
+        )  # fmt: skip
     else:
-        groups = tl.arange(0, BLOCK_D // GROUP)[None, :]
-        group_mask = head_ok[:, None] & (groups < HEAD_DIM // GROUP)
-        word = tl.zeros([BLOCK_H, BLOCK_D // GROUP], tl.int32)
-        for j in tl.static_range(GROUP):
-            xj = tl.load(src + groups * GROUP + j, mask=group_mask, other=0.0).to(tl.float32)
-            word |= encode(xj, scale, levels_ptr, CODE, LEVELS) << (BITS * j)
-        for b in tl.static_range(GROUP_BYTES):
-            tl.store(dst + groups * GROUP_BYTES + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=group_mask)
+        _write_side(
+            v_ptr + tokens * stride_v_tok + head * stride_v_head,
+            v_data_ptr + block * stride_vd_block + offset * stride_vd_slot + head * stride_vd_head,
+            v_scale_ptr + block * stride_vs_block + offset * stride_vs_slot + head * stride_vs_head,
+            rows, v_levels_ptr, basis_ptr, equalizer_ptr,
+            BLOCK_T, HEAD_DIM, BLOCK_K, V_ROTATE, False, V_CODE, V_BITS, V_LEVELS,
+        )  # fmt: skip
 
 
-def quant_write(x: Tensor, side: Side, slot_mapping: Tensor) -> None:
-    """Encode ``x`` [T, Hkv, D] into ``side`` at ``slot_mapping`` (negative: skipped)."""
-    num_tokens, num_kv_heads, head_dim = x.shape
+@functools.cache
+def _signed_basis(head_dim: int, device: torch.device) -> Tensor:
+    """The signs of ``hadamard.rotation(head_dim).T`` as int8 [D, D]: ``x @ it / sqrt(D)``
+    rotates. Cached per device, so a captured CUDA graph never copies it."""
+    return hadamard.rotation(head_dim, device).T.sign().to(torch.int8).contiguous()
+
+
+def quant_write_kv(
+    k: Tensor,
+    v: Tensor,
+    k_side: Side,
+    v_side: Side,
+    slot_mapping: Tensor,
+    *,
+    rotate_keys: bool = False,
+    rotate_values: bool = False,
+    equalizer: Tensor | None = None,
+) -> None:
+    """Encode ``k``, ``v`` [T, Hkv, D] into their sides at ``slot_mapping`` [T]
+    (negative: skipped) as ``KVFormat.quantize`` does: keys divided by ``equalizer``
+    [Hkv, D] (rotated keys only), then :func:`hadamard.rotate` where the flags say.
+    One launch does it all: at batch 1 a launch costs about as much as its work, and
+    the equalizer, two rotation GEMMs and two encodes took five per layer."""
+    num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    data, scale = side.data, side.scale
-    assert data.stride(-1) == 1 and scale is not None
-    assert head_dim % side.group == 0 and head_dim & (head_dim - 1) == 0, head_dim
-    block_h = triton.next_power_of_2(num_kv_heads)
-    _quant_write_kernel[(num_tokens,)](
-        x, data, scale, side.levels_or_data(), slot_mapping,
-        x.stride(0), x.stride(1),
-        data.stride(0), data.stride(1), data.stride(2),
-        scale.stride(0), scale.stride(1), scale.stride(2),
-        num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=data.shape[1], BLOCK_H=block_h, BLOCK_D=head_dim,
-        CODE=side.code, BITS=side.bits, LEVELS=side.num_levels,
-        GROUP=side.group, GROUP_BYTES=side.group_bytes,
-        num_warps=min(max(block_h * head_dim // 512, 1), 8),
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    assert k_side.scale is not None and v_side.scale is not None
+    assert k_side.data.stride(-1) == 1 and v_side.data.stride(-1) == 1
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, head_dim
+    equalize = rotate_keys and equalizer is not None
+    # k stands in for the tensors a launch does not read.
+    basis = _signed_basis(head_dim, k.device) if rotate_keys or rotate_values else k
+    equalizer = equalizer.contiguous() if equalize else k
+    kd, ks, vd, vs = k_side.data, k_side.scale, v_side.data, v_side.scale
+    # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
+    # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
+    block_t = 16 if num_tokens <= 256 else 64
+    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2)](
+        k, v, slot_mapping, basis, equalizer,
+        kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(),
+        num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), equalizer.stride(0),
+        kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
+        BLOCK_K=min(head_dim, 64 if k.element_size() < 4 else 16),  # fp32: an FMA dot, in registers
+        EQUALIZE=equalize,
+        K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels,
+        V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels,
+        num_warps=8,
     )  # fmt: skip
