@@ -1,6 +1,6 @@
 """Time each kernel of the CUDA backend on Llama-3.1-8B shapes; one JSON line per case.
 
-    python benchmarks/kernels_cuda.py [--out DIR] [--sweep]
+    python benchmarks/kernels_cuda.py [--out DIR] [--sweep] [--kv-formats fp8 turbo4 ...]
     python benchmarks/kernels_cuda.py --smoke     # tiny shapes, CPU, Triton interpreter
 
 Shapes: hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336, bf16, KV block
@@ -16,7 +16,9 @@ measured in the same run (a large device-to-device copy, read + write bytes). At
 also reports TFLOP/s (causal: half the score matrix).
 
 ``--sweep`` also times the attention kernels over alternative tile shapes and decode
-split counts. ``--smoke`` checks this script under the interpreter (times meaningless).
+split counts; ``--kv-formats`` adds attention over caches in those formats (filled
+with random keys and values through each format's write path, the equalizer random),
+``bytes`` then counting each format's real bytes per token. ``--smoke`` checks this script under the interpreter (times meaningless).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ MAX_INPUT_SETS = 64
 MIN_CALLS_PER_GRAPH = 20
 # --sweep: (block_m, block_n, num_warps, num_stages) alternatives and decode split counts
 SWEEP_SPLITS = (1, 4, 16, 64)
-SWEEP_DECODE_TILES = ((16, 32, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3), (16, 64, 8, 2))
+SWEEP_DECODE_TILES = ((16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3), (16, 64, 8, 2), (16, 128, 8, 2), (16, 128, 4, 3), (16, 256, 8, 2))
 SWEEP_PREFILL_TILES = ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 2))
 
 
@@ -134,14 +136,21 @@ def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[
     return cases
 
 
-def _attention_inputs(s, q_lens, seq_lens, dtype, device):
+def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
+    from xinfer.kv import get_format
     from xinfer.ops import AttentionMetadata
+    from xinfer_cuda.ops import CudaOps
 
     blocks = [math.ceil(n / s.block_size) for n in seq_lens]
     num_blocks = sum(blocks)
-    cache_shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)
-    k_cache = _rand(*cache_shape, dtype=dtype, device=device)
-    v_cache = _rand(*cache_shape, dtype=dtype, device=device)
+    fmt = get_format(kv_format)
+    cache = fmt.allocate(num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype, device)
+    if fmt.rotate_keys:
+        cache.equalizer = torch.rand(s.kv_heads, s.head_dim, device=device) + 0.5
+    slots = torch.arange(num_blocks * s.block_size, device=device)
+    for chunk in slots.split(1 << 16):  # random keys and values through the format's write path
+        k = _rand(len(chunk), s.kv_heads, s.head_dim, dtype=dtype, device=device)
+        CudaOps().write_kv(k, torch.randn_like(k), cache, chunk)
     order = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks
     tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
     start = 0
@@ -158,41 +167,48 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device):
         max_seq_len=max(seq_lens),
     )
     q = _rand(sum(q_lens), s.heads, s.head_dim, dtype=dtype, device=device)
-    return q, k_cache, v_cache, meta
+    return q, cache, meta
 
 
-def attention_cases(s: Shapes, dtype: torch.dtype, device: torch.device, sweep: bool) -> list[Case]:
+def attention_cases(
+    s: Shapes, dtype: torch.dtype, device: torch.device, sweep: bool, kv_formats: tuple[str, ...] = ()
+) -> list[Case]:
+    from xinfer.kv import get_format
     from xinfer_cuda.kernels import attention
 
     el = torch.tensor([], dtype=dtype).element_size()
     scale = s.head_dim**-0.5
     qo_bytes_per_token = 2 * s.heads * s.head_dim * el
-    kv_bytes_per_token = 2 * s.kv_heads * s.head_dim * el
     cases = []
 
-    def case(kernel, name, q_lens, seq_lens, flops, **overrides):
+    def case(kernel, name, q_lens, seq_lens, flops, kv_format="auto", **overrides):
         def make():
-            q, k_cache, v_cache, meta = _attention_inputs(s, q_lens, seq_lens, dtype, device)
-            return lambda: attention.paged_attention(q, k_cache, v_cache, meta, scale, **overrides)
+            q, cache, meta = _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format)
+            return lambda: attention.paged_attention_cache(q, cache, meta, scale, **overrides)
 
-        kv = sum(seq_lens) * kv_bytes_per_token
+        kv = sum(seq_lens) * s.kv_heads * get_format(kv_format).bytes_per_token(s.head_dim, dtype)
         qo = sum(q_lens) * qo_bytes_per_token
         extra = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in overrides.items()}
+        if kv_format != "auto":
+            extra["kv_cache_dtype"] = kv_format
         return Case(kernel, name, make, kv + qo, kv + qo, flops, extra or None)
 
     for batch, context in s.decode:
         flops = 4 * batch * context * s.heads * s.head_dim
         name, q_lens, seq_lens = f"b{batch}_ctx{context}", [1] * batch, [context] * batch
-        cases.append(case("attention_decode", name, q_lens, seq_lens, flops))
-        if sweep:
+        for kv_format in ("auto", *kv_formats):
+            cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format))
+            if not sweep:
+                continue
             for splits in SWEEP_SPLITS:
-                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, num_splits=splits))
+                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, num_splits=splits))
             for tiles in SWEEP_DECODE_TILES:
                 tile_config = attention.TileConfig(*tiles)
-                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, decode_tiles=tile_config))
+                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode_tiles=tile_config))
     t = s.prefill_tokens
     flops = 4 * (t * (t + 1) // 2) * s.heads * s.head_dim
-    cases.append(case("attention_prefill", f"t{t}", [t], [t], flops))
+    for kv_format in ("auto", *kv_formats):
+        cases.append(case("attention_prefill", f"t{t}", [t], [t], flops, kv_format))
     if sweep:
         for tiles in SWEEP_PREFILL_TILES:
             tile_config = attention.TileConfig(*tiles)
@@ -241,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time attention tile shapes and split counts")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--only", default="", help="comma-separated kernel names to run")
+    parser.add_argument("--kv-formats", nargs="*", default=[], help="also time attention over these KV cache formats")
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -269,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in lines:
         print(json.dumps(line), flush=True)
 
-    cases = row_cases(shapes, CudaOps(), dtype, device) + attention_cases(shapes, dtype, device, args.sweep)
+    cases = row_cases(shapes, CudaOps(), dtype, device) + attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats))
     only = {name for name in args.only.split(",") if name}
     for case in cases:
         if only and case.kernel not in only:
