@@ -148,9 +148,10 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
     if fmt.rotate_keys:
         cache.equalizer = torch.rand(s.kv_heads, s.head_dim, device=device) + 0.5
     slots = torch.arange(num_blocks * s.block_size, device=device)
+    ops = CudaOps()
     for chunk in slots.split(1 << 16):  # random keys and values through the format's write path
         k = _rand(len(chunk), s.kv_heads, s.head_dim, dtype=dtype, device=device)
-        CudaOps().write_kv(k, torch.randn_like(k), cache, chunk)
+        ops.write_kv(k, torch.randn_like(k), cache, chunk)
     order = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks
     tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
     start = 0

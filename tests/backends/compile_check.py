@@ -27,7 +27,6 @@ from triton.compiler import ASTSource
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
-from xinfer_cuda.kernels.kv_codes import side
 
 MODULES = (activation, attention, kv_quant_write, kv_write, norm, rotary)
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm")
@@ -111,13 +110,11 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         fmt = get_format(name)
         for head_dim in (64, 128, 256):
             cache = fmt.allocate(4, 16, 8, head_dim, dtype, torch.device("cpu"))
+            cache.equalizer = t(8, head_dim, dt=torch.float32) if fmt.rotate_keys else None
             for tokens in (4, 300):  # decode and prefill tiles
                 kv_quant_write.quant_write_kv(
-                    t(tokens, 8, head_dim), t(tokens, 8, head_dim), side(cache, "k", fmt.key),
-                    side(cache, "v", fmt.value), torch.zeros(tokens, dtype=torch.int64),
-                    rotate_keys=fmt.rotate_keys, rotate_values=fmt.rotate_values,
-                    equalizer=t(8, head_dim, dt=torch.float32),
-                )  # fmt: skip
+                    t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64)
+                )
             for q_len, splits in ((1, 4), (8, None)):
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(

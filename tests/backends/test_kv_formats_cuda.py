@@ -126,7 +126,6 @@ def test_quantized_write_matches_reference(fmt, head_dim, seq_lens):
 
 
 def test_fp8_write_rounds_subnormals_and_ties_like_torch():
-    from xinfer_cuda.kernels.kv_codes import side
     from xinfer_cuda.kernels.kv_quant_write import quant_write_kv
 
     fmt = get_format("fp8")
@@ -137,7 +136,7 @@ def test_fp8_write_rounds_subnormals_and_ties_like_torch():
     x[1] *= 1e-3
     cache = fmt.allocate(1, 4, 1, head_dim, torch.float32, DEVICE)
     slots = torch.arange(3, device=DEVICE)
-    quant_write_kv(x.to(DEVICE), -x.to(DEVICE), side(cache, "k", fmt.key), side(cache, "v", fmt.value), slots)
+    quant_write_kv(x.to(DEVICE), -x.to(DEVICE), cache, slots)
     want = fmt.quantize(x, -x)
     assert torch.equal(cache["k"][0, :3].cpu(), want["k"])
     assert torch.equal(cache["v"][0, :3].cpu(), want["v"])

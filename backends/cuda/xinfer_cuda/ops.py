@@ -13,7 +13,6 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, StepForward, StepLimits
 from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
-from xinfer_cuda.kernels.kv_codes import side
 
 
 def is_available() -> bool:
@@ -40,14 +39,10 @@ class CudaOps:
         return activation.gelu_tanh_and_mul(x)
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
-        fmt = cache.format
-        if fmt.name == "auto":
+        if cache.format.name == "auto":
             kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
             return
-        kv_quant_write.quant_write_kv(
-            k, v, side(cache, "k", fmt.key), side(cache, "v", fmt.value), slot_mapping,
-            rotate_keys=fmt.rotate_keys, rotate_values=fmt.rotate_values, equalizer=cache.equalizer,
-        )  # fmt: skip
+        kv_quant_write.quant_write_kv(k, v, cache, slot_mapping)
 
     def attention(
         self,

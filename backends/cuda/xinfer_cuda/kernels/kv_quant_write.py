@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kv import hadamard
-from xinfer_cuda.kernels.kv_codes import CODE_FP8, Side, encode, vector_scale
+from xinfer.kv import LayerKVCache, hadamard
+from xinfer_cuda.kernels.kv_codes import CODE_FP8, encode, side, vector_scale
 
 
 @triton.jit
@@ -161,22 +161,15 @@ def _signed_basis(head_dim: int, device: torch.device) -> Tensor:
     return hadamard.rotation(head_dim, device).T.sign().to(torch.int8).contiguous()
 
 
-def quant_write_kv(
-    k: Tensor,
-    v: Tensor,
-    k_side: Side,
-    v_side: Side,
-    slot_mapping: Tensor,
-    *,
-    rotate_keys: bool = False,
-    rotate_values: bool = False,
-    equalizer: Tensor | None = None,
-) -> None:
-    """Encode ``k``, ``v`` [T, Hkv, D] into their sides at ``slot_mapping`` [T]
-    (negative: skipped) as ``KVFormat.quantize`` does: keys divided by ``equalizer``
-    [Hkv, D] (rotated keys only), then :func:`hadamard.rotate` where the flags say.
-    One launch does it all: at batch 1 a launch costs about as much as its work, and
-    the equalizer, two rotation GEMMs and two encodes took five per layer."""
+def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+    """Encode ``k``, ``v`` [T, Hkv, D] into ``cache`` at ``slot_mapping`` [T] (negative:
+    skipped) as ``cache.format.quantize(k, v, cache.dtype, cache.equalizer)`` does:
+    rotated keys divided by the equalizer, then :func:`hadamard.rotate` where the format
+    rotates. One launch does it all: at batch 1 a launch costs about as much as its work,
+    and the equalizer, two rotation GEMMs and two encodes took five per layer."""
+    fmt = cache.format
+    k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
+    rotate_keys, rotate_values, equalizer = fmt.rotate_keys, fmt.rotate_values, cache.equalizer
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
