@@ -147,6 +147,7 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
     cache = fmt.allocate(num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype, device)
     if fmt.rotate_keys:
         cache.equalizer = torch.rand(s.kv_heads, s.head_dim, device=device) + 0.5
+    cache.key_offset = torch.randn(s.kv_heads, s.head_dim, device=device)
     slots = torch.arange(num_blocks * s.block_size, device=device)
     ops = CudaOps()
     for chunk in slots.split(1 << 16):  # random keys and values through the format's write path

@@ -25,7 +25,7 @@ import torch
 
 from xinfer import LLM, SamplingParams, ops
 from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
-from xinfer.engine.kv_calibration import calibrate_equalizers
+from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import get_format
@@ -56,7 +56,7 @@ def use_format(llm: LLM, name: str) -> None:
     engine.kv_format = get_format(name)
     num_blocks = engine.block_manager.num_blocks
     allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format)
-    calibrate_equalizers(engine)  # as the engine does at start-up
+    calibrate_keys(engine)  # as the engine does at start-up
 
 
 @torch.inference_mode()

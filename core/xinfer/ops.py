@@ -69,8 +69,8 @@ class Ops(Protocol):
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the tensors of
-        ``cache.format.quantize(k, v, cache.dtype, cache.equalizer)``, each
-        [num_blocks, block_size, Hkv, ...])."""
+        ``cache.format.quantize(k, v, cache.dtype, cache.equalizer, cache.key_offset)``,
+        each [num_blocks, block_size, Hkv, ...])."""
 
     def attention(
         self,
@@ -87,7 +87,8 @@ class Ops(Protocol):
         full-precision copy of the cache); for formats that rotate keys the query is
         scaled and rotated the same way (``cache.format.prepare_query(q,
         cache.equalizer)``), so scores are unchanged; where values are rotated the
-        output is rotated back (``cache.format.finish_output``).
+        output is rotated back (``cache.format.finish_output``). Stored keys lack the
+        layer's ``key_offset``, which moves a query's scores alike: nothing to undo.
 
         A query at position ``p`` sees keys at positions ``p - window < j <= p``
         (all ``j <= p`` without a window). With ``softcap``, scores become

@@ -39,8 +39,11 @@ def _seed(request):
 
 
 def to_cpu(cache: LayerKVCache) -> LayerKVCache:
-    equalizer = cache.equalizer.cpu() if cache.equalizer is not None else None
-    return LayerKVCache(cache.format, {n: t.cpu() for n, t in cache.tensors.items()}, cache.head_dim, cache.dtype, equalizer)
+    def cpu(t):
+        return t.cpu() if t is not None else None
+
+    tensors = {n: t.cpu() for n, t in cache.tensors.items()}
+    return LayerKVCache(cache.format, tensors, cache.head_dim, cache.dtype, cpu(cache.equalizer), cpu(cache.key_offset))
 
 
 def assert_same_storage(got: LayerKVCache, want: LayerKVCache) -> None:
@@ -86,7 +89,9 @@ def write_case(fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int],
     k[: total // 3, :, :3] *= 10  # outlier channels, as real keys have
     reference = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
     device_cache = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, DEVICE)
-    if kv_format.rotate_keys:  # a calibrated key equalizer, as the engine sets one
+    reference.key_offset = torch.randn(kv_heads, head_dim)  # calibrated key transforms, as the engine sets them
+    device_cache.key_offset = reference.key_offset.to(DEVICE)
+    if kv_format.rotate_keys:
         reference.equalizer = torch.rand(kv_heads, head_dim) + 0.5
         device_cache.equalizer = reference.equalizer.to(DEVICE)
     CPU.write_kv(k, v, reference, slot_mapping)

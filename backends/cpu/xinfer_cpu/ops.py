@@ -37,7 +37,7 @@ class CpuOps:
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        stored = cache.format.quantize(k[valid], v[valid], cache.dtype, cache.equalizer)
+        stored = cache.format.quantize(k[valid], v[valid], cache.dtype, cache.equalizer, cache.key_offset)
         for name, values in stored.items():
             tensor = cache[name]
             tensor.view(-1, *tensor.shape[2:])[slots] = values

@@ -13,7 +13,7 @@ from xinfer.backend import device_memory, select_backend
 from xinfer.config import EngineConfig, resolve_dtype
 from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.kv_cache import allocate_kv_cache
-from xinfer.engine.kv_calibration import calibrate_equalizers
+from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.memory_plan import memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import ScheduledSeq, Scheduler
@@ -77,7 +77,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
         plan = plan_memory(config, self.runner, self.max_model_len, self.dtype, self.kv_format, memory, baseline)
         allocate_kv_cache(self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format)
-        calibrate_equalizers(self)
+        calibrate_keys(self)
         scheduler = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
         self.config = config = config.model_copy(update={"scheduler": scheduler})
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)

@@ -1,6 +1,8 @@
-"""Calibration of the KV cache's key equalizers (:mod:`xinfer.kv.equalizer`): one
-forward over a fixed text through a temporary model-dtype cache, recording each
-layer's per-channel energy of the keys it writes and the queries it attends with.
+"""Calibration of a quantized KV cache's key transforms: the key offset
+(:mod:`xinfer.kv.key_offset`) and, for rotated keys, the equalizer
+(:mod:`xinfer.kv.equalizer`). One forward over a fixed text through a temporary
+model-dtype cache records, per layer, the per-channel sums of the keys it writes and
+of their squares, the energy of the queries it attends with, and whether it caps logits.
 
 Runs once at start-up, after the real cache is allocated and before any token is
 written to it or any CUDA graph is captured (graphs record the equalizer's tensors).
@@ -17,6 +19,7 @@ from xinfer import ops
 from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
 from xinfer.forward_context import forward_context
 from xinfer.kv import LayerKVCache, get_format
+from xinfer.kv.codecs import Plain
 from xinfer.kv.equalizer import equalizer
 from xinfer.ops import HostBatch
 
@@ -39,27 +42,33 @@ def calibration_ids(tokenizer: Any, vocab_size: int, count: int) -> list[int]:
     return tokenizer.encode(calibration_text(), add_special_tokens=False)[:count]
 
 
-class EnergyRecorder:
-    """Ops that sum, per cache, the squares of the keys written and of the queries
-    attending, per (KV head, channel); everything is computed by ``inner``."""
+class KeyStatistics:
+    """Ops that record, per cache and per (KV head, channel), the sums of the keys
+    written, of their squares and of the squares of the queries attending, and which
+    caches cap logits; everything is computed by ``inner``."""
 
     def __init__(self, inner: ops.Ops):
         self.inner = inner
-        self.keys: dict[int, Tensor] = {}
-        self.queries: dict[int, Tensor] = {}
+        self.key_sums: dict[int, Tensor] = {}
+        self.key_energy: dict[int, Tensor] = {}
+        self.query_energy: dict[int, Tensor] = {}
+        self.softcapped: set[int] = set()
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
-        self._add(self.keys, cache, k.float().pow(2).sum(0))
+        self._add(self.key_sums, cache, k.float().sum(0))
+        self._add(self.key_energy, cache, k.float().pow(2).sum(0))
         self.inner.write_kv(k, v, cache, slot_mapping)
 
-    def attention(self, q: Tensor, cache: LayerKVCache, *args, **kwargs) -> Tensor:
+    def attention(self, q: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None) -> Tensor:
         tokens, heads, head_dim = q.shape
         grouped = q.float().view(tokens, cache.num_kv_heads, heads // cache.num_kv_heads, head_dim)
-        self._add(self.queries, cache, grouped.pow(2).sum((0, 2)))
-        return self.inner.attention(q, cache, *args, **kwargs)
+        self._add(self.query_energy, cache, grouped.pow(2).sum((0, 2)))
+        if softcap:
+            self.softcapped.add(id(cache))
+        return self.inner.attention(q, cache, meta, scale, window, softcap)
 
     @staticmethod
     def _add(sums: dict[int, Tensor], cache: LayerKVCache, energy: Tensor) -> None:
@@ -67,10 +76,11 @@ class EnergyRecorder:
 
 
 @torch.inference_mode()
-def calibrate_equalizers(engine: Any) -> None:
-    """Set ``equalizer`` on every layer's cache when the format rotates keys."""
+def calibrate_keys(engine: Any) -> None:
+    """Set ``key_offset`` (no logit softcap) and, where the format rotates keys,
+    ``equalizer`` on every layer's cache when the format quantizes keys."""
     layers = attention_layers(engine.model)
-    if not layers or not engine.kv_format.rotate_keys:
+    if not layers or isinstance(engine.kv_format.key, Plain):
         return
     budget = engine.config.scheduler.max_num_batched_tokens  # no step larger than planned for
     count = min(CALIBRATION_TOKENS, engine.max_model_len, budget)
@@ -80,13 +90,13 @@ def calibrate_equalizers(engine: Any) -> None:
     real = [layer.kv_cache for layer in layers]
     allocate_kv_cache(engine.model, num_blocks, block_size, engine.dtype, engine.device, get_format("auto"))
     scratch = [layer.kv_cache for layer in layers]
-    recorder = EnergyRecorder(engine.ops)
+    stats = KeyStatistics(engine.ops)
     batch = HostBatch(
         input_ids=ids, positions=list(range(len(ids))), slot_mapping=list(range(len(ids))),
         cu_seqlens_q=[0, len(ids)], seq_lens=[len(ids)], block_tables=[list(range(num_blocks))], sample_rows=[],
     )  # fmt: skip
     try:
-        with ops.use(recorder):
+        with ops.use(stats):
             input_ids, positions, meta = engine.runner.to_device(batch)
             with forward_context(meta):
                 engine.model(input_ids, positions)
@@ -94,4 +104,10 @@ def calibrate_equalizers(engine: Any) -> None:
         for layer, cache in zip(layers, real):
             layer.kv_cache = cache
     for cache, temp in zip(real, scratch):
-        cache.equalizer = equalizer(recorder.queries[id(temp)], recorder.keys[id(temp)]).to(engine.device)
+        key_energy = stats.key_energy[id(temp)]
+        if id(temp) not in stats.softcapped:
+            mean = stats.key_sums[id(temp)] / len(ids)
+            cache.key_offset = mean.to(engine.device)
+            key_energy = key_energy - len(ids) * mean.pow(2)  # of the keys as stored
+        if engine.kv_format.rotate_keys:
+            cache.equalizer = equalizer(stats.query_energy[id(temp)], key_energy).to(engine.device)

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import hadamard
-from xinfer.kv.equalizer import divide_keys, scale_queries
 from xinfer.kv.codecs import Codec, Field
+from xinfer.kv.equalizer import divide_keys, scale_queries
+from xinfer.kv.key_offset import subtract_offset
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,21 @@ class KVFormat:
         return LayerKVCache(self, tensors, head_dim, dtype)
 
     def quantize(
-        self, k: Tensor, v: Tensor, dtype: torch.dtype | None = None, equalizer: Tensor | None = None
+        self,
+        k: Tensor,
+        v: Tensor,
+        dtype: torch.dtype | None = None,
+        equalizer: Tensor | None = None,
+        key_offset: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """k, v [..., Hkv, D] -> stored tensors [..., *trailing] by name; rotated keys are
-        divided by the layer's ``equalizer`` [Hkv, D] first (:mod:`xinfer.kv.equalizer`)."""
+        """k, v [..., Hkv, D] -> stored tensors [..., *trailing] by name. Keys first lose
+        the layer's ``key_offset`` [Hkv, D] (:mod:`xinfer.kv.key_offset`), then rotated
+        keys are divided by its ``equalizer`` [Hkv, D] (:mod:`xinfer.kv.equalizer`)."""
         dtype = dtype or k.dtype
         head_dim = k.shape[-1]
         names = list(self.fields(head_dim, dtype))
+        if key_offset is not None:
+            k = subtract_offset(k, key_offset)
         if self.rotate_keys and equalizer is not None:
             k = divide_keys(k, equalizer)
         keys = hadamard.rotate(k) if self.rotate_keys else k
@@ -61,12 +70,15 @@ class KVFormat:
         v = self.value.decode([t for n, t in stored.items() if n.startswith("v")])
         return k, v
 
-    def dequantize(self, stored: dict[str, Tensor], equalizer: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def dequantize(
+        self, stored: dict[str, Tensor], equalizer: Tensor | None = None, key_offset: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """fp32 k, v in the model's basis."""
         k, v = self.decode(stored)
         if self.rotate_keys:
             k = hadamard.unrotate(k)
             k = k * equalizer if equalizer is not None else k
+        k = k + key_offset if key_offset is not None else k
         return k, (hadamard.unrotate(v) if self.rotate_values else v)
 
     def prepare_query(self, q: Tensor, equalizer: Tensor | None = None) -> Tensor:
@@ -91,6 +103,7 @@ class LayerKVCache:
     head_dim: int
     dtype: torch.dtype  # the model's: what attention computes in
     equalizer: Tensor | None = None  # [Hkv, D] for rotated keys, set once before any write
+    key_offset: Tensor | None = None  # [Hkv, D] for quantized keys, likewise
 
     @classmethod
     def plain(cls, k_cache: Tensor, v_cache: Tensor) -> LayerKVCache:

@@ -4,14 +4,13 @@ where the format does, encodes them (scale, codes, packing) and writes them in p
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kv import LayerKVCache, hadamard
+from xinfer.kv import LayerKVCache
+from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import CODE_FP8, encode, side, vector_scale
 
 
@@ -39,18 +38,21 @@ def _write_side(
     rows,
     levels_ptr,
     basis_ptr,
+    offset_row,
     equalizer_row,
     BLOCK_T: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROTATE: tl.constexpr,
+    OFFSET: tl.constexpr,
     EQUALIZE: tl.constexpr,
     CODE: tl.constexpr,
     BITS: tl.constexpr,
     LEVELS: tl.constexpr,
 ):
     """One side of BLOCK_T tokens: ``src``, ``data_dst``, ``scale_dst`` point at each
-    token's row of this head; only ``rows`` are read and written."""
+    token's row of this head; only ``rows`` are read and written. Each step rounds to
+    the model dtype where the reference does: ``k - offset``, then ``/ equalizer``."""
     dims = tl.arange(0, HEAD_DIM)
     if ROTATE:
         # x @ basis / sqrt(D) over chunks of the input dim, so that a chunk of the basis,
@@ -60,14 +62,21 @@ def _write_side(
         for start in tl.range(0, HEAD_DIM, BLOCK_K):
             chunk = start + tl.arange(0, BLOCK_K)
             part = tl.load(src[:, None] + chunk[None, :], mask=rows[:, None], other=0.0)
-            if EQUALIZE:  # rounded to the model dtype, as divide_keys does
+            if OFFSET:
+                c = tl.load(offset_row + chunk).to(part.dtype).to(tl.float32)
+                part = (part.to(tl.float32) - c[None, :]).to(part.dtype)
+            if EQUALIZE:
                 s = tl.load(equalizer_row + chunk).to(part.dtype).to(tl.float32)
                 part = (part.to(tl.float32) / s[None, :]).to(part.dtype)
             basis = tl.load(basis_ptr + chunk[:, None] * HEAD_DIM + dims[None, :]).to(part.dtype)
             x = tl.dot(part, basis, acc=x, input_precision="ieee")
         x = x * (1.0 / HEAD_DIM**0.5)
     else:
-        x = tl.load(src[:, None] + dims[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+        x = tl.load(src[:, None] + dims[None, :], mask=rows[:, None], other=0.0)
+        if OFFSET:
+            c = tl.load(offset_row + dims).to(x.dtype).to(tl.float32)
+            x = (x.to(tl.float32) - c[None, :]).to(x.dtype)
+        x = x.to(tl.float32)
     scale = vector_scale(x, CODE, HEAD_DIM)
     tl.store(scale_dst, scale, mask=rows)
     codes = encode(x, scale, levels_ptr, CODE, LEVELS)
@@ -89,6 +98,7 @@ def _quant_write_kv_kernel(
     v_ptr,
     slot_mapping_ptr,
     basis_ptr,
+    offset_ptr,
     equalizer_ptr,
     k_data_ptr,
     k_scale_ptr,
@@ -101,6 +111,7 @@ def _quant_write_kv_kernel(
     stride_k_head,
     stride_v_tok,
     stride_v_head,
+    stride_off_head,
     stride_eq_head,
     stride_kd_block,
     stride_kd_slot,
@@ -118,6 +129,7 @@ def _quant_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    OFFSET: tl.constexpr,
     EQUALIZE: tl.constexpr,
     K_ROTATE: tl.constexpr,
     K_CODE: tl.constexpr,
@@ -141,31 +153,24 @@ def _quant_write_kv_kernel(
             k_ptr + tokens * stride_k_tok + head * stride_k_head,
             k_data_ptr + block * stride_kd_block + offset * stride_kd_slot + head * stride_kd_head,
             k_scale_ptr + block * stride_ks_block + offset * stride_ks_slot + head * stride_ks_head,
-            rows, k_levels_ptr, basis_ptr, equalizer_ptr + head * stride_eq_head,
-            BLOCK_T, HEAD_DIM, BLOCK_K, K_ROTATE, EQUALIZE, K_CODE, K_BITS, K_LEVELS,
+            rows, k_levels_ptr, basis_ptr, offset_ptr + head * stride_off_head, equalizer_ptr + head * stride_eq_head,
+            BLOCK_T, HEAD_DIM, BLOCK_K, K_ROTATE, OFFSET, EQUALIZE, K_CODE, K_BITS, K_LEVELS,
         )  # fmt: skip
     else:
         _write_side(
             v_ptr + tokens * stride_v_tok + head * stride_v_head,
             v_data_ptr + block * stride_vd_block + offset * stride_vd_slot + head * stride_vd_head,
             v_scale_ptr + block * stride_vs_block + offset * stride_vs_slot + head * stride_vs_head,
-            rows, v_levels_ptr, basis_ptr, equalizer_ptr,
-            BLOCK_T, HEAD_DIM, BLOCK_K, V_ROTATE, False, V_CODE, V_BITS, V_LEVELS,
+            rows, v_levels_ptr, basis_ptr, offset_ptr, equalizer_ptr,
+            BLOCK_T, HEAD_DIM, BLOCK_K, V_ROTATE, False, False, V_CODE, V_BITS, V_LEVELS,
         )  # fmt: skip
-
-
-@functools.cache
-def _signed_basis(head_dim: int, device: torch.device) -> Tensor:
-    """The signs of ``hadamard.rotation(head_dim).T`` as int8 [D, D]: ``x @ it / sqrt(D)``
-    rotates. Cached per device, so a captured CUDA graph never copies it."""
-    return hadamard.rotation(head_dim, device).T.sign().to(torch.int8).contiguous()
 
 
 def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
     """Encode ``k``, ``v`` [T, Hkv, D] into ``cache`` at ``slot_mapping`` [T] (negative:
-    skipped) as ``cache.format.quantize(k, v, cache.dtype, cache.equalizer)`` does:
-    rotated keys divided by the equalizer, then :func:`hadamard.rotate` where the format
-    rotates. One launch does it all: at batch 1 a launch costs about as much as its work,
+    skipped) as ``cache.format.quantize(k, v, cache.dtype, cache.equalizer,
+    cache.key_offset)`` does: keys less the offset, rotated keys divided by the
+    equalizer, then :func:`hadamard.rotate` where the format rotates. One launch does it all: at batch 1 a launch costs about as much as its work,
     and the equalizer, two rotation GEMMs and two encodes took five per layer."""
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
@@ -179,23 +184,25 @@ def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tens
     assert k_side.data.stride(-1) == 1 and v_side.data.stride(-1) == 1
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, head_dim
     equalize = rotate_keys and equalizer is not None
+    offset = cache.key_offset
     # k stands in for the tensors a launch does not read.
-    basis = _signed_basis(head_dim, k.device) if rotate_keys or rotate_values else k
+    basis = signed_basis(head_dim, k.device) if rotate_keys or rotate_values else k
     equalizer = equalizer.contiguous() if equalize else k
+    key_offset = offset.contiguous() if offset is not None else k
     kd, ks, vd, vs = k_side.data, k_side.scale, v_side.data, v_side.scale
     # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
     # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
     block_t = 16 if num_tokens <= 256 else 64
     _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2)](
-        k, v, slot_mapping, basis, equalizer,
+        k, v, slot_mapping, basis, key_offset, equalizer,
         kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(),
         num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), equalizer.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_offset.stride(0), equalizer.stride(0),
         kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
         BLOCK_K=min(head_dim, 64 if k.element_size() < 4 else 16),  # fp32: an FMA dot, in registers
-        EQUALIZE=equalize,
+        OFFSET=offset is not None, EQUALIZE=equalize,
         K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels,
         V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels,
         num_warps=8,
