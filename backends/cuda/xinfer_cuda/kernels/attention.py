@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kv import LayerKVCache, hadamard
+from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import CODE_PLAIN, LLOYD, PLAIN, Side, load_scale, load_stored, side
 
 LOG2E = 1.4426950408889634
@@ -51,30 +52,32 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
-# Columns of R per dot in the query prologue and output epilogue: a [head_dim, 32]
-# fp32 slice of it on chip at a time, even at head_dim 256.
-ROTATION_CHUNK: tl.constexpr = tl.constexpr(32)
+# Rows of the rotation's signs per dot in the query prologue and output epilogue: a
+# [32, head_dim] slice of them on chip at a time, even at head_dim 256 (all below 32).
+ROTATION_CHUNK = 32
 
 
 @triton.jit
 def _load_queries(
-    q_ptr, q_off, row_ok, kv_head, rotation_ptr, equalizer_ptr,
+    q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, HAS_EQUALIZER: tl.constexpr,
-    PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Query rows [M, BLOCK_D] at element offsets ``q_off``; for rotated keys in the keys'
-    basis, in fp32: ``(q · s) @ Rᵀ`` with the KV head's equalizer ``s``."""
+    basis, in fp32: ``(q · s) @ signs / sqrt(D)`` with the KV head's equalizer ``s``
+    (:mod:`xinfer_cuda.kernels.basis`)."""
     dims = tl.arange(0, BLOCK_D)
     if ROTATE:
         q = tl.zeros([q_off.shape[0], BLOCK_D], tl.float32)
         # A loop neither unrolled nor pipelined: fewer live registers, one slice of shared memory.
-        for c in tl.range(0, HEAD_DIM, ROTATION_CHUNK, num_stages=1):
-            ins = c + tl.arange(0, ROTATION_CHUNK)
+        for c in tl.range(0, HEAD_DIM, CHUNK, num_stages=1):
+            ins = c + tl.arange(0, CHUNK)
             x = tl.load(q_ptr + q_off[:, None] + ins[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
             if HAS_EQUALIZER:
                 x *= tl.load(equalizer_ptr + kv_head * HEAD_DIM + ins)[None, :]
-            r = tl.load(rotation_ptr + dims[:, None] * HEAD_DIM + ins[None, :])  # R[:, ins], rows contiguous
-            q = tl.dot(x, tl.trans(r), q, input_precision=PRECISION)
+            signs = tl.load(basis_ptr + ins[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
+            q = tl.dot(x, signs, q, input_precision=PRECISION)
+        q *= 1.0 / HEAD_DIM**0.5
     else:
         q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     return q
@@ -82,17 +85,18 @@ def _load_queries(
 
 @triton.jit
 def _store_rows(
-    out_ptr, o_off, row_ok, x, rotation_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, PRECISION: tl.constexpr,
+    out_ptr, o_off, row_ok, x, basis_ptr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Store rows x [M, BLOCK_D] at element offsets ``o_off``; for rotated values back in
-    the model's basis first (``x @ R``, a slice of columns at a time)."""
+    the model's basis first (``x @ signsᵀ / sqrt(D)``, a slice of columns at a time)."""
     dims = tl.arange(0, BLOCK_D)
     if ROTATE:
-        for c in tl.range(0, HEAD_DIM, ROTATION_CHUNK, num_stages=1):
-            cols = c + tl.arange(0, ROTATION_CHUNK)
-            r = tl.load(rotation_ptr + dims[:, None] * HEAD_DIM + cols[None, :])
-            y = tl.dot(x, r, input_precision=PRECISION)
+        for c in tl.range(0, HEAD_DIM, CHUNK, num_stages=1):
+            cols = c + tl.arange(0, CHUNK)
+            signs = tl.load(basis_ptr + cols[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
+            y = tl.dot(x, tl.trans(signs), input_precision=PRECISION) * (1.0 / HEAD_DIM**0.5)
             tl.store(out_ptr + o_off[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
@@ -229,7 +233,7 @@ def _prefill_kernel(
     v_scale_ptr,
     k_levels_ptr,
     v_levels_ptr,
-    rotation_ptr,
+    basis_ptr,
     equalizer_ptr,
     out_ptr,
     cu_seqlens_q_ptr,
@@ -275,6 +279,7 @@ def _prefill_kernel(
     ROTATE_Q: tl.constexpr,
     HAS_EQUALIZER: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
+    ROTATION_CHUNK: tl.constexpr,
 ):
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
@@ -295,8 +300,8 @@ def _prefill_kernel(
     row_ok = (rows < Q_PER_TILE * GROUP) & (q_idx < q_len)
     q_pos = ctx_start + q_idx
     q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = _load_queries(q_ptr, q_off, row_ok, kv_head, rotation_ptr, equalizer_ptr,
-                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, PRECISION)  # fmt: skip
+    q = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
+                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
     # Keys [full_lo, full_hi) are visible to every row of the tile and need no mask;
     # the ones before (window edge) and after (causal diagonal) do.
@@ -348,7 +353,7 @@ def _prefill_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + q_idx).to(tl.int64) * stride_o_tok + head * stride_o_head
-    _store_rows(out_ptr, o_off, row_ok, out, rotation_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, PRECISION)
+    _store_rows(out_ptr, o_off, row_ok, out, basis_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)
 
 
 @triton.jit
@@ -374,7 +379,7 @@ def _decode_kernel(
     v_scale_ptr,
     k_levels_ptr,
     v_levels_ptr,
-    rotation_ptr,
+    basis_ptr,
     equalizer_ptr,
     out_ptr,
     part_acc_ptr,
@@ -424,6 +429,7 @@ def _decode_kernel(
     ROTATE_Q: tl.constexpr,
     HAS_EQUALIZER: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
+    ROTATION_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -444,8 +450,8 @@ def _decode_kernel(
     row_ok = rows < GROUP
     head = kv_head * GROUP + rows
     q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = _load_queries(q_ptr, q_off, row_ok, kv_head, rotation_ptr, equalizer_ptr,
-                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, PRECISION)  # fmt: skip
+    q = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
+                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
     q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -478,12 +484,12 @@ def _decode_kernel(
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-        _store_rows(out_ptr, o_off, row_ok, out, rotation_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, PRECISION)
+        _store_rows(out_ptr, o_off, row_ok, out, basis_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)
     else:
         part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc, rotation_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, PRECISION)
+        _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc, basis_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)
 
 
 @triton.jit
@@ -658,8 +664,8 @@ def paged_attention_cache(
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
     rotation = None
     if fmt.rotate_keys or fmt.rotate_values:
-        matrix = hadamard.rotation(cache.head_dim, q.device)
-        rotation = Rotation(matrix, cache.equalizer, fmt.rotate_keys, fmt.rotate_values)
+        signs = signed_basis(cache.head_dim, q.device)
+        rotation = Rotation(signs, cache.equalizer, fmt.rotate_keys, fmt.rotate_values)
     return attend_sides(q, k_side, v_side, meta, scale, window, softcap, rotation=rotation, **overrides)
 
 
@@ -668,7 +674,7 @@ class Rotation:
     """A rotated cache's basis as the kernels apply it: queries ``(q · equalizer) @ Rᵀ``
     when keys are rotated, outputs ``y @ R`` when values are."""
 
-    matrix: Tensor  # R [D, D] fp32 (:func:`xinfer.kv.hadamard.rotation`)
+    signs: Tensor  # int8 [D, D] (:func:`xinfer_cuda.kernels.basis.signed_basis`)
     equalizer: Tensor | None  # [Hkv, D] fp32
     keys: bool
     values: bool
@@ -730,9 +736,10 @@ def attend_sides(
         ROTATE_Q=rotation is not None and rotation.keys,
         HAS_EQUALIZER=equalizer is not None,
         ROTATE_OUT=rotation is not None and rotation.values,
+        ROTATION_CHUNK=min(ROTATION_CHUNK, head_dim),
     )
-    rotation_ptrs = (
-        rotation.matrix if rotation is not None else q,
+    basis_ptrs = (
+        rotation.signs if rotation is not None else q,
         equalizer.float().contiguous() if equalizer is not None else q,
     )
     window_arg = window if has_window else 0
@@ -740,7 +747,11 @@ def attend_sides(
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
         if k_side.code == LLOYD and prefill_tiles is None:
-            cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))  # level lookups: fewer registers left
+            # Level lookups leave fewer registers: half the keys per step. Not for 3-bit
+            # codes at 64-key tiles: halved, their scores came out wrong on the H200
+            # (Triton 3.6; right under the interpreter and at every other tile).
+            if not (k_side.bits == 3 and cfg.block_n == 64):
+                cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
         # Tiles from shapes only (graph-safe): the last sequence's tiles end before
@@ -748,7 +759,7 @@ def attend_sides(
         # queries exit at once.
         grid = (num_tokens // q_per_tile + meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](
-            q, *cache_ptrs, *rotation_ptrs, out,
+            q, *cache_ptrs, *basis_ptrs, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
             score_scale, cap_scale, window_arg,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -777,7 +788,7 @@ def attend_sides(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(meta.num_seqs, num_kv_heads, num_splits)](
-        q, *cache_ptrs, *rotation_ptrs, out, part_acc, part_max, part_sum,
+        q, *cache_ptrs, *basis_ptrs, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
