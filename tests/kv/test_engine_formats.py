@@ -3,21 +3,13 @@ guarantees (prefix caching, chunked prefill, preemption give identical tokens wi
 one format), the planner counts real bytes, and real weights still answer."""
 
 import pytest
-from transformers import LlamaConfig
 
-from tests.tiny_models import COMMON, prompt, save_tiny_model
+from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
 from xinfer.engine.kv_cache import bytes_per_block
 
 QUANTIZED = ["fp8", "turbo8", "turbo4", "turbo3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    save_tiny_model(LlamaConfig(**COMMON, head_dim=32, architectures=["LlamaForCausalLM"]), folder)
-    return str(folder)
 
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:

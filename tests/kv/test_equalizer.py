@@ -4,9 +4,8 @@ calibrating it once per layer for formats that rotate keys."""
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
-from tests.tiny_models import COMMON, prompt, save_tiny_model
+from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
 from xinfer.engine.kv_cache import attention_layers
 from xinfer.kv import get_format
@@ -60,13 +59,6 @@ def test_equalizer_cuts_the_score_error_of_rotated_keys(name):
         keys, _ = fmt.dequantize(stored, eq)
         errors[label] = ((grouped_scores(q, keys) - exact).norm() / exact.norm()).item()
     assert errors["equalized"] < 0.7 * errors["plain"], errors
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    save_tiny_model(LlamaConfig(**COMMON, head_dim=32, architectures=["LlamaForCausalLM"]), folder)
-    return str(folder)
 
 
 def test_engine_calibrates_rotated_formats_only(model_dir):

@@ -4,9 +4,7 @@ calibrates it for every format that quantizes keys, and never under a logit soft
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
-from tests.tiny_models import COMMON, save_tiny_model
 from xinfer import LLM
 from xinfer.engine.kv_cache import attention_layers
 from xinfer.engine.kv_calibration import KeyStatistics
@@ -81,13 +79,6 @@ def test_softcapped_caches_are_marked():
     assert id(cache) not in stats.softcapped
     stats.attention(torch.randn(9, 4, 64), cache, meta, 0.125, softcap=30.0)
     assert id(cache) in stats.softcapped
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    save_tiny_model(LlamaConfig(**COMMON, head_dim=32, architectures=["LlamaForCausalLM"]), folder)
-    return str(folder)
 
 
 def test_engine_calibrates_offsets_of_quantized_keys(model_dir):
