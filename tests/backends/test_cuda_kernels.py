@@ -34,7 +34,7 @@ from torch import Tensor
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, Ops
 from xinfer_cpu.ops import CpuOps
-from xinfer_cuda.kernels import activation, attention, kv_write, norm, rotary
+from xinfer_cuda.kernels import activation, attention, norm, rotary
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])

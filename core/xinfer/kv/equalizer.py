@@ -11,7 +11,6 @@ calibration text before any token is cached, so every cached block shares it.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 TINY = 1e-12

@@ -4,7 +4,6 @@ where the format does, encodes them (scale, codes, packing) and writes them in p
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
