@@ -1,6 +1,6 @@
 """The key offset: attention over keys stored less a constant vector is the same
-attention; for keys with a large mean it cuts the quantized formats' error; the engine
-calibrates it for every format that quantizes keys, and never under a logit softcap."""
+attention; for keys with a large mean it cuts the rotated formats' error; the engine
+calibrates it for every format that rotates keys, and never under a logit softcap."""
 
 import pytest
 import torch
@@ -56,7 +56,7 @@ def test_offset_leaves_attention_unchanged(window):
     torch.testing.assert_close(shifted, exact, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "turbo4", "turbo3"])
+@pytest.mark.parametrize("fmt", ["turbo4", "turbo3"])
 def test_offset_cuts_the_error_of_keys_with_a_mean(fmt):
     meta, slots, num_blocks = two_sequences([40, 24], [40, 24])
     k = keys_with_a_mean(64)
@@ -81,12 +81,13 @@ def test_softcapped_caches_are_marked():
     assert id(cache) in stats.softcapped
 
 
-def test_engine_calibrates_offsets_of_quantized_keys(model_dir):
-    for name in ("fp8", "turbo8", "turbo4", "turbo3"):
+def test_engine_calibrates_offsets_of_rotated_keys(model_dir):
+    for name in ("turbo8", "turbo4", "turbo3"):
         llm = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype=name)
         for layer in attention_layers(llm.engine.model):
             c = layer.kv_cache.key_offset
             assert c.shape == (layer.num_kv_heads, layer.head_dim) and torch.isfinite(c).all()
             assert c.abs().sum() > 0
-    plain = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="auto")
-    assert all(layer.kv_cache.key_offset is None for layer in attention_layers(plain.engine.model))
+    for name in ("auto", "fp8"):
+        llm = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype=name)
+        assert all(layer.kv_cache.key_offset is None for layer in attention_layers(llm.engine.model))

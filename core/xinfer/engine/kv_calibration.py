@@ -1,6 +1,5 @@
-"""Calibration of a quantized KV cache's key transforms: the key offset
-(:mod:`xinfer.kv.key_offset`) and, for rotated keys, the equalizer
-(:mod:`xinfer.kv.equalizer`). One forward over a fixed text through a temporary
+"""Calibration of the key transforms of formats that rotate keys: the key offset
+(:mod:`xinfer.kv.key_offset`) and the equalizer (:mod:`xinfer.kv.equalizer`). One forward over a fixed text through a temporary
 model-dtype cache records, per layer, the per-channel sums of the keys it writes and
 of their squares, the energy of the queries it attends with, and whether it caps logits.
 
@@ -19,7 +18,6 @@ from xinfer import ops
 from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
 from xinfer.forward_context import forward_context
 from xinfer.kv import LayerKVCache, get_format
-from xinfer.kv.codecs import Plain
 from xinfer.kv.equalizer import equalizer
 from xinfer.ops import HostBatch
 
@@ -77,10 +75,11 @@ class KeyStatistics:
 
 @torch.inference_mode()
 def calibrate_keys(engine: Any) -> None:
-    """Set ``key_offset`` (no logit softcap) and, where the format rotates keys,
-    ``equalizer`` on every layer's cache when the format quantizes keys."""
+    """Set ``key_offset`` (unless the layer caps logits) and ``equalizer`` on every
+    layer's cache when the format rotates keys. Not for fp8 keys: their error is
+    relative to each entry, and on Gemma-3-270M the offset made fp8 worse (docs/kv-cache.md)."""
     layers = attention_layers(engine.model)
-    if not layers or isinstance(engine.kv_format.key, Plain):
+    if not layers or not engine.kv_format.rotate_keys:
         return
     budget = engine.config.scheduler.max_num_batched_tokens  # no step larger than planned for
     count = min(CALIBRATION_TOKENS, engine.max_model_len, budget)
@@ -109,5 +108,4 @@ def calibrate_keys(engine: Any) -> None:
             mean = stats.key_sums[id(temp)] / len(ids)
             cache.key_offset = mean.to(engine.device)
             key_energy = key_energy - len(ids) * mean.pow(2)  # of the keys as stored
-        if engine.kv_format.rotate_keys:
-            cache.equalizer = equalizer(stats.query_energy[id(temp)], key_energy).to(engine.device)
+        cache.equalizer = equalizer(stats.query_energy[id(temp)], key_energy).to(engine.device)

@@ -103,7 +103,7 @@ class LayerKVCache:
     head_dim: int
     dtype: torch.dtype  # the model's: what attention computes in
     equalizer: Tensor | None = None  # [Hkv, D] for rotated keys, set once before any write
-    key_offset: Tensor | None = None  # [Hkv, D] for quantized keys, likewise
+    key_offset: Tensor | None = None  # [Hkv, D] for rotated keys, likewise
 
     @classmethod
     def plain(cls, k_cache: Tensor, v_cache: Tensor) -> LayerKVCache:
