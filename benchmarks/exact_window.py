@@ -15,15 +15,9 @@ import weakref
 import torch
 from torch import Tensor
 
-from xinfer.kv import LayerKVCache, hadamard
-from xinfer.kv.equalizer import divide_keys
-from xinfer.kv.key_offset import subtract_offset
+from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
-
-
-def _gather(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
-    blocks = cache[block_table[: -(-context_len // cache.shape[1])].long()]
-    return blocks.flatten(0, 1)[:context_len]
+from xinfer_cpu.ops import gather_context
 
 
 class ExactWindow:
@@ -68,13 +62,11 @@ class ExactWindow:
             if end == start:
                 continue
             table = meta.block_tables[b]
-            k, v = fmt.decode({n: _gather(t, table, context_len) for n, t in cache.tensors.items()})
-            ke, ve = _gather(exact_k, table, context_len), _gather(exact_v, table, context_len)
-            # the exact vectors in the basis the stored ones are in
-            ke = subtract_offset(ke, cache.key_offset) if cache.key_offset is not None else ke
-            if fmt.rotate_keys:
-                ke = hadamard.rotate(divide_keys(ke, cache.equalizer) if cache.equalizer is not None else ke)
-            ve = hadamard.rotate(ve) if fmt.rotate_values else ve
+            k, v = fmt.decode({n: gather_context(t, table, context_len) for n, t in cache.tensors.items()})
+            ke, ve = fmt.stored_basis(
+                gather_context(exact_k, table, context_len), gather_context(exact_v, table, context_len),
+                cache.equalizer, cache.key_offset,
+            )  # fmt: skip
             out[start:end] = self._attend(query[start:end], k, v, ke, ve, scale, window, softcap)
         return fmt.finish_output(out).to(q.dtype)
 

@@ -145,9 +145,9 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
     num_blocks = sum(blocks)
     fmt = get_format(kv_format)
     cache = fmt.allocate(num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype, device)
-    if fmt.rotate_keys:
+    if fmt.rotate_keys:  # the key transforms the engine calibrates for such formats
         cache.equalizer = torch.rand(s.kv_heads, s.head_dim, device=device) + 0.5
-    cache.key_offset = torch.randn(s.kv_heads, s.head_dim, device=device)
+        cache.key_offset = torch.randn(s.kv_heads, s.head_dim, device=device)
     slots = torch.arange(num_blocks * s.block_size, device=device)
     ops = CudaOps()
     for chunk in slots.split(1 << 16):  # random keys and values through the format's write path

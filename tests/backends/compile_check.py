@@ -111,7 +111,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         for head_dim in (64, 128, 256):
             cache = fmt.allocate(4, 16, 8, head_dim, dtype, torch.device("cpu"))
             cache.equalizer = t(8, head_dim, dt=torch.float32) if fmt.rotate_keys else None
-            cache.key_offset = t(8, head_dim, dt=torch.float32)
+            cache.key_offset = t(8, head_dim, dt=torch.float32) if fmt.rotate_keys else None
             for tokens in (4, 300):  # decode and prefill tiles
                 kv_quant_write.quant_write_kv(
                     t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64)

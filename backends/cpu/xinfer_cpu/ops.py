@@ -60,7 +60,7 @@ class CpuOps:
             start, end = cu[b], cu[b + 1]
             if end == start:
                 continue
-            stored = {n: _gather(t, meta.block_tables[b], context_len) for n, t in cache.tensors.items()}
+            stored = {n: gather_context(t, meta.block_tables[b], context_len) for n, t in cache.tensors.items()}
             k, v = cache.format.decode(stored)  # one sequence's context, in fp32
             out[start:end] = attend(q[start:end], k, v, scale, window, softcap)
         return cache.format.finish_output(out).to(dtype)
@@ -98,7 +98,8 @@ def attend(
     return out.reshape(num_q, num_heads, head_dim).to(dtype)
 
 
-def _gather(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
+def gather_context(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
+    """The first ``context_len`` positions of one sequence's blocks of ``cache``."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
     blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, Hkv, D]

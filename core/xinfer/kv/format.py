@@ -49,20 +49,28 @@ class KVFormat:
         equalizer: Tensor | None = None,
         key_offset: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """k, v [..., Hkv, D] -> stored tensors [..., *trailing] by name. Keys first lose
-        the layer's ``key_offset`` [Hkv, D] (:mod:`xinfer.kv.key_offset`), then rotated
-        keys are divided by its ``equalizer`` [Hkv, D] (:mod:`xinfer.kv.equalizer`)."""
+        """k, v [..., Hkv, D] -> stored tensors [..., *trailing] by name: encoded in the
+        basis :meth:`stored_basis` brings them to."""
         dtype = dtype or k.dtype
-        head_dim = k.shape[-1]
-        names = list(self.fields(head_dim, dtype))
+        names = list(self.fields(k.shape[-1], dtype))
+        keys, values = self.stored_basis(k, v, equalizer, key_offset)
+        stored = self.key.encode(keys, dtype) + self.value.encode(values, dtype)
+        return dict(zip(names, stored))
+
+    def stored_basis(
+        self, k: Tensor, v: Tensor, equalizer: Tensor | None = None, key_offset: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """k, v [..., Hkv, D] as this format encodes them (and :meth:`decode` returns
+        them): keys less the layer's ``key_offset`` [Hkv, D] (:mod:`xinfer.kv.key_offset`),
+        rotated keys divided by its ``equalizer`` [Hkv, D] (:mod:`xinfer.kv.equalizer`),
+        then each rotated side rotated."""
         if key_offset is not None:
             k = subtract_offset(k, key_offset)
         if self.rotate_keys and equalizer is not None:
             k = divide_keys(k, equalizer)
         keys = hadamard.rotate(k) if self.rotate_keys else k
         values = hadamard.rotate(v) if self.rotate_values else v
-        stored = self.key.encode(keys, dtype) + self.value.encode(values, dtype)
-        return dict(zip(names, stored))
+        return keys, values
 
     def decode(self, stored: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """fp32 keys and values as attention sees them (in the rotated basis where a side is rotated)."""
