@@ -135,6 +135,13 @@ def test_packing_round_trips():
     assert torch.equal(codes.unpack3(codes.pack3(c3)), c3) and codes.pack3(c3).shape[-1] == 48
 
 
+def test_4bit_byte_holds_one_dim_of_each_half():
+    """The layout the kernels read halves from: byte j = dim j | dim D/2 + j << 4."""
+    c4 = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = codes.pack4(c4)
+    assert torch.equal(packed & 0xF, c4[:, :32]) and torch.equal(packed >> 4, c4[:, 32:])
+
+
 def test_capacity_against_bf16_in_a_fixed_budget():
     budget = 1 << 30
     tokens = {n: budget // f.bytes_per_token(128, torch.bfloat16) for n, f in FORMATS.items()}

@@ -42,13 +42,15 @@ def fp8_decode(bits: Tensor, scale: Tensor) -> Tensor:
 
 
 def pack4(codes: Tensor) -> Tensor:
-    """[..., D] codes < 16 -> [..., D/2] bytes; element 2i in the low nibble."""
-    pairs = codes.view(*codes.shape[:-1], -1, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    """[..., D] codes < 16 -> [..., D/2] bytes; byte j holds element j in its low and
+    element D/2 + j in its high nibble (a reader gets each half of the vector from one
+    nibble of every byte, with no interleaving)."""
+    low, high = codes.chunk(2, dim=-1)
+    return low | (high << 4)
 
 
 def unpack4(packed: Tensor) -> Tensor:
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
 
 
 def pack3(codes: Tensor) -> Tensor:

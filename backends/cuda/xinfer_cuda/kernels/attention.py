@@ -35,7 +35,9 @@ from torch import Tensor
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels.basis import signed_basis
-from xinfer_cuda.kernels.kv_codes import CODE_PLAIN, LLOYD, PLAIN, Side, load_scale, load_stored, side
+from xinfer_cuda.kernels.kv_codes import (
+    CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
+)
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: a row that sees no key in a tile keeps
@@ -60,55 +62,70 @@ ROTATION_CHUNK = 32
 @triton.jit
 def _load_queries(
     q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, HAS_EQUALIZER: tl.constexpr,
-    CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
+    HAS_EQUALIZER: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Query rows [M, BLOCK_D] at element offsets ``q_off``; for rotated keys in the keys'
-    basis, in fp32: ``(q · s) @ signs / sqrt(D)`` with the KV head's equalizer ``s``
-    (:mod:`xinfer_cuda.kernels.basis`)."""
-    dims = tl.arange(0, BLOCK_D)
+    """Query rows at element offsets ``q_off`` as two halves [M, HALF_D]
+    (:func:`half_columns`); for rotated keys in the keys' basis, in fp32:
+    ``(q · s) @ signs / sqrt(D)`` with the KV head's equalizer ``s``
+    (:mod:`xinfer_cuda.kernels.basis`), the signs' columns split in halves."""
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, BLOCK_D, HALF_D)
     if ROTATE:
-        q = tl.zeros([q_off.shape[0], BLOCK_D], tl.float32)
+        q_lo = tl.zeros([q_off.shape[0], HALF_D], tl.float32)
+        q_hi = tl.zeros([q_off.shape[0], HALF_D], tl.float32)
         # A loop neither unrolled nor pipelined: fewer live registers, one slice of shared memory.
         for c in tl.range(0, HEAD_DIM, CHUNK, num_stages=1):
             ins = c + tl.arange(0, CHUNK)
             x = tl.load(q_ptr + q_off[:, None] + ins[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
             if HAS_EQUALIZER:
                 x *= tl.load(equalizer_ptr + kv_head * HEAD_DIM + ins)[None, :]
-            signs = tl.load(basis_ptr + ins[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
-            q = tl.dot(x, signs, q, input_precision=PRECISION)
-        q *= 1.0 / HEAD_DIM**0.5
+            signs = basis_ptr + ins[:, None] * HEAD_DIM + cols[None, :]
+            lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
+            hi = tl.load(signs + BLOCK_D // 2, mask=hi_ok[None, :], other=0).to(tl.float32)
+            q_lo = tl.dot(x, lo, q_lo, input_precision=PRECISION)
+            q_hi = tl.dot(x, hi, q_hi, input_precision=PRECISION)
+        q_lo *= 1.0 / HEAD_DIM**0.5
+        q_hi *= 1.0 / HEAD_DIM**0.5
     else:
-        q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    return q
+        at = q_ptr + q_off[:, None] + cols[None, :]
+        q_lo = tl.load(at, mask=row_ok[:, None] & lo_ok[None, :], other=0.0)
+        q_hi = tl.load(at + BLOCK_D // 2, mask=row_ok[:, None] & hi_ok[None, :], other=0.0)
+    return q_lo, q_hi
 
 
 @triton.jit
 def _store_rows(
-    out_ptr, o_off, row_ok, x, basis_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    out_ptr, o_off, row_ok, x_lo, x_hi, basis_ptr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
+    CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Store rows x [M, BLOCK_D] at element offsets ``o_off``; for rotated values back in
-    the model's basis first (``x @ signsᵀ / sqrt(D)``, a slice of columns at a time)."""
-    dims = tl.arange(0, BLOCK_D)
+    """Store rows given as halves (:func:`half_columns`) at element offsets ``o_off``;
+    for rotated values back in the model's basis first (``x @ signsᵀ / sqrt(D)``, a
+    slice of output columns at a time)."""
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, BLOCK_D, HALF_D)
     if ROTATE:
         for c in tl.range(0, HEAD_DIM, CHUNK, num_stages=1):
-            cols = c + tl.arange(0, CHUNK)
-            signs = tl.load(basis_ptr + cols[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
-            y = tl.dot(x, tl.trans(signs), input_precision=PRECISION) * (1.0 / HEAD_DIM**0.5)
-            tl.store(out_ptr + o_off[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            outs = c + tl.arange(0, CHUNK)
+            signs = basis_ptr + outs[:, None] * HEAD_DIM + cols[None, :]
+            lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
+            hi = tl.load(signs + BLOCK_D // 2, mask=hi_ok[None, :], other=0).to(tl.float32)
+            y = tl.dot(x_lo, tl.trans(lo), input_precision=PRECISION)
+            y = tl.dot(x_hi, tl.trans(hi), y, input_precision=PRECISION) * (1.0 / HEAD_DIM**0.5)
+            tl.store(out_ptr + o_off[:, None] + outs[None, :], y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        tl.store(out_ptr + o_off[:, None] + dims[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+        at = out_ptr + o_off[:, None] + cols[None, :]
+        tl.store(at, x_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & lo_ok[None, :])
+        tl.store(at + BLOCK_D // 2, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & hi_ok[None, :])
 
 
 @triton.jit
 def _attend_keys(
-    acc,
+    acc_lo,
+    acc_hi,
     l_i,
     m_i,
-    q,
+    q_lo,
+    q_hi,
     q_pos,
     start,
     end,
@@ -135,8 +152,10 @@ def _attend_keys(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HALF_D: tl.constexpr,
     PRECISION: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
+    DECODE: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_OFFSET: tl.constexpr,
@@ -150,26 +169,32 @@ def _attend_keys(
 
     ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches
     (and the scale pointers at its first scale); quantized tiles are decoded in registers.
+    Rows, tiles and accumulators are halves of the head dimension
+    (:func:`half_columns`): a 4-bit byte holds a dimension of each half, so its two
+    nibbles feed two half-width dots with no shuffle between them.
     """
     if K_CODE == CODE_PLAIN:
-        q_k = q
+        q_k_lo, q_k_hi = q_lo, q_hi
     else:
-        q_k = q.to(CODE_DTYPE)  # the dtype quantized tiles are built in
+        q_k_lo, q_k_hi = q_lo.to(CODE_DTYPE), q_hi.to(CODE_DTYPE)  # the dtype quantized tiles are built in
     if K_OFFSET != 0.0:
-        q_sum = tl.sum(q_k.to(tl.float32), 1)
+        q_sum = tl.sum(q_k_lo.to(tl.float32), 1) + tl.sum(q_k_hi.to(tl.float32), 1)
     for tile_start in range(start, end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = k_pos < end
         block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         k_row = block * stride_k_block + slot * stride_k_slot
-        k = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, K_CODE, K_BITS, CODE_DTYPE)
+        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, HALF_D,
+                                 K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
         v_row = block * stride_v_block + slot * stride_v_slot
-        v = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, V_CODE, V_BITS, CODE_DTYPE)
+        v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, HALF_D,
+                                 V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
 
         # Scores against stored keys, then each key's (offset, scale) applied to its
         # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
-        s = tl.dot(q_k, tl.trans(k), input_precision=PRECISION)
+        s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
+        s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
         if K_CODE != CODE_PLAIN:
             if K_OFFSET != 0.0:
                 s -= K_OFFSET * q_sum[:, None]
@@ -194,15 +219,18 @@ def _attend_keys(
         # Likewise each value row's scale goes into p: p @ ((v - offset) * step * scale)
         # = (p * step * scale) @ v - offset * sum(p * step * scale).
         if V_CODE == CODE_PLAIN:
-            pv = p.to(v.dtype)
+            pv = p.to(v_lo.dtype)
         else:
             v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
-            pv = (p * (v_scale * V_STEP)[None, :]).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+            pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
+        acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
         if V_OFFSET != 0.0:
-            acc -= V_OFFSET * tl.sum(pv.to(tl.float32), 1)[:, None]
+            pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
+            acc_lo -= V_OFFSET * pv_sum
+            acc_hi -= V_OFFSET * pv_sum
         m_i = m_new
-    return acc, l_i, m_i
+    return acc_lo, acc_hi, l_i, m_i
 
 
 @triton.jit
@@ -263,11 +291,13 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
+    DECODE: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_OFFSET: tl.constexpr,
@@ -300,8 +330,8 @@ def _prefill_kernel(
     row_ok = (rows < Q_PER_TILE * GROUP) & (q_idx < q_len)
     q_pos = ctx_start + q_idx
     q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
+    q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
+                               HEAD_DIM, BLOCK_D, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
     # Keys [full_lo, full_hi) are visible to every row of the tile and need no mask;
     # the ones before (window edge) and after (causal diagonal) do.
@@ -319,41 +349,46 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF_D], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_k_head
     v_head = v_cache_ptr + kv_head * stride_v_head
     k_scale_head = k_scale_ptr + kv_head * stride_s_head
     v_scale_head = v_scale_ptr + kv_head * stride_s_head
     if HAS_WINDOW:
-        acc, l_i, m_i = _attend_keys(
-            acc, l_i, m_i, q, q_pos, lo, full_lo,
+        acc_lo, acc_hi, l_i, m_i = _attend_keys(
+            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, lo, full_lo,
             k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window,
-            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
+            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        PRECISION, CODE_DTYPE, DECODE,
             K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
         )  # fmt: skip
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, full_lo, full_end,
+    acc_lo, acc_hi, l_i, m_i = _attend_keys(
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_lo, full_end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, full_end, hi,
+    acc_lo, acc_hi, l_i, m_i = _attend_keys(
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_end, hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
+        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + q_idx).to(tl.int64) * stride_o_tok + head * stride_o_head
-    _store_rows(out_ptr, o_off, row_ok, out, basis_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)
+    _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
+                HEAD_DIM, BLOCK_D, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -411,6 +446,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
@@ -418,6 +454,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
+    DECODE: tl.constexpr,
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_OFFSET: tl.constexpr,
@@ -450,46 +487,51 @@ def _decode_kernel(
     row_ok = rows < GROUP
     head = kv_head * GROUP + rows
     q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-                      HEAD_DIM, BLOCK_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
+    q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
+                               HEAD_DIM, BLOCK_D, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
     q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF_D], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_k_head
     v_head = v_cache_ptr + kv_head * stride_v_head
     k_scale_head = k_scale_ptr + kv_head * stride_s_head
     v_scale_head = v_scale_ptr + kv_head * stride_s_head
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, start, full_end,
+    acc_lo, acc_hi, l_i, m_i = _attend_keys(
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, start, full_end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, full_end, end,
+    acc_lo, acc_hi, l_i, m_i = _attend_keys(
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_end, end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, PRECISION, CODE_DTYPE,
+        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
 
     # Rotating back is linear, so split partials are rotated before the reduce merges them.
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-        _store_rows(out_ptr, o_off, row_ok, out, basis_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)
+        _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
+                    HEAD_DIM, BLOCK_D, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
     else:
         part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc, basis_ptr, HEAD_DIM, BLOCK_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)
+        _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
+                    HEAD_DIM, BLOCK_D, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -558,9 +600,9 @@ _DECODE_TILES = {
     128: [TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 2)],
     256: [TileConfig(16, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
-# fp8 and 4-bit tiles are fewer bytes and more instructions: longer tiles and twice the
-# programs per multiprocessor (H200 sweep at 64 x 8k and 1 x 32k; 3-bit codes spill
-# with them and keep the plain tiles).
+# 4- and 3-bit tiles are fewer bytes and more instructions: where (sequence, KV head)
+# pairs alone fill the multiprocessors, longer tiles (H200 sweep at 64 x 8k; at batch 1
+# the plain tiles' shorter splits win, and fp8 keeps them at every batch).
 _PACKED_DECODE_TILES = {
     64: [TileConfig(16, 128, 4, 2)],
     128: [TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 2)],
@@ -715,6 +757,7 @@ def attend_sides(
     common = dict(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        HALF_D=max(triton.next_power_of_2(head_dim) // 2, 16),
         BLOCK_SIZE=block_size,
         HAS_WINDOW=has_window,
         HAS_SOFTCAP=has_softcap,
@@ -729,8 +772,9 @@ def attend_sides(
     # Quantized tiles are built as fp16 bit patterns (bit operations, no conversions);
     # fp32 queries (tests, pre-sm_80 fallbacks) keep fp32 tiles.
     magic = q.dtype != torch.float32
-    common["CODE_DTYPE"] = tl.float16 if magic else tl.float32
-    common |= k_side.constexprs("K", magic) | v_side.constexprs("V", magic)
+    decode = decode_method(q.device)
+    common |= dict(CODE_DTYPE=tl.float16 if magic else tl.float32, DECODE=decode)
+    common |= k_side.constexprs("K", magic, decode) | v_side.constexprs("V", magic, decode)
     equalizer = rotation.equalizer if rotation is not None else None
     common |= dict(
         ROTATE_Q=rotation is not None and rotation.keys,
@@ -770,14 +814,16 @@ def attend_sides(
         return out
 
     sides = (k_side, v_side)
-    packed = any(s.code != PLAIN for s in sides) and all(s.bits != 3 for s in sides)
-    cfg = decode_tiles or decode_config(head_dim, q, packed)
+    quantized = any(s.code != PLAIN for s in sides)
+    packed = any(s.bits < 8 for s in sides)
+    fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
+    cfg = decode_tiles or decode_config(head_dim, q, packed and fills_gpu)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = max(2 * cfg.block_n, 64)
     if num_splits is None:
         max_context = meta.block_tables.shape[1] * block_size
         num_splits = decode_num_splits(
-            meta.num_seqs, num_kv_heads, max_context, _num_sms(q.device), min_split, waves=4 if packed else 2
+            meta.num_seqs, num_kv_heads, max_context, _num_sms(q.device), min_split, waves=4 if quantized else 2
         )
     assert num_splits & (num_splits - 1) == 0, num_splits
     if num_splits > 1:

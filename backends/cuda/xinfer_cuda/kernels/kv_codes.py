@@ -3,7 +3,8 @@ encoded at write time and decoded in registers inside attention.
 
 Mirrors ``xinfer.kv.codecs`` (the reference) exactly: same scales, same rounding
 (half to even), same bit order. Packed codes come in groups of ``GROUP`` values held
-in ``GROUP_BYTES`` little-endian bytes (4-bit: 2 in 1; 3-bit: 8 in 3).
+in ``GROUP_BYTES`` little-endian bytes (4-bit: 2 in 1, dims j and D/2 + j; 3-bit: 8
+consecutive dims in 3).
 """
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ CODE_PLAIN: tl.constexpr = tl.constexpr(PLAIN)
 CODE_FP8: tl.constexpr = tl.constexpr(FP8)
 CODE_UNIFORM: tl.constexpr = tl.constexpr(UNIFORM)
 CODE_LLOYD: tl.constexpr = tl.constexpr(LLOYD)
+
+# How attention turns stored codes into fp16 numbers: with portable Triton bit
+# operations (the interpreter, any GPU); with PTX that decodes a 32-bit word of packed
+# nibbles at a time (a GPU); and also e4m3 through the hardware conversion (sm_89+).
+PORTABLE, PTX, PTX_FP8 = range(3)
+DECODE_PTX: tl.constexpr = tl.constexpr(PTX)
+DECODE_PTX_FP8: tl.constexpr = tl.constexpr(PTX_FP8)
+
+
+def decode_method(device: torch.device) -> int:
+    if device.type != "cuda":
+        return PORTABLE
+    return PTX_FP8 if torch.cuda.get_device_capability(device) >= (8, 9) else PTX
 
 
 @dataclass(frozen=True)
@@ -52,19 +66,22 @@ class Side:
     def levels_or_data(self) -> Tensor:
         return self.levels if self.levels is not None else self.data
 
-    def read_as(self, magic: bool) -> tuple[float, float]:
+    def read_as(self, magic: bool, decode: int = PORTABLE) -> tuple[float, float]:
         """(offset, step) with value = (tile - offset) * step * per-row scale, for the
-        tile :func:`load_stored` returns (``magic``: codes built as fp16 MAGIC + code)."""
+        tile :func:`load_stored` returns (``magic``: codes built as fp16 MAGIC + code;
+        ``decode``: the decode method)."""
         if self.code == UNIFORM:
             half = (self.num_levels - 1) / 2
             return half + (MAGIC_VALUE if magic else 0.0), 1 / half
         if self.code == FP8:
+            if magic and decode == PTX_FP8:
+                return 0.0, 1 / FP8_MAX  # tiles hold e4m3 values
             return 0.0, 256 / FP8_MAX  # tiles hold e4m3 / 256
         return 0.0, 1.0
 
-    def constexprs(self, prefix: str, magic: bool) -> dict:
+    def constexprs(self, prefix: str, magic: bool, decode: int = PORTABLE) -> dict:
         """How attention reads this side."""
-        offset, step = self.read_as(magic)
+        offset, step = self.read_as(magic, decode)
         return {f"{prefix}_CODE": self.code, f"{prefix}_BITS": self.bits, f"{prefix}_OFFSET": offset, f"{prefix}_STEP": step}
 
 
@@ -169,6 +186,16 @@ def encode(x, scale, levels_ptr, CODE: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def half_columns(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF_D: tl.constexpr):
+    """Columns of the two halves attention holds a row in, and which of them hold
+    dimensions: half 0 is dims [0, BLOCK_D/2), half 1 is [BLOCK_D/2, BLOCK_D), each
+    padded to HALF_D (>= 16, the narrowest dot) and cut at HEAD_DIM."""
+    cols = tl.arange(0, HALF_D)
+    lo_ok = cols < BLOCK_D // 2
+    return cols, lo_ok, lo_ok & (BLOCK_D // 2 + cols < HEAD_DIM)
+
+
+@triton.jit
 def load_stored(
     head_ptr,
     levels_ptr,
@@ -177,28 +204,52 @@ def load_stored(
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HALF_D: tl.constexpr,
     CODE: tl.constexpr,
     BITS: tl.constexpr,
     DTYPE: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
-    """The [ROWS, BLOCK_D] tile of one KV head at element offsets ``row``, as stored,
-    before its per-row scale (:meth:`Side.read_as`): a plain cache's values as they
-    are; else, in ``DTYPE`` (fp16, or fp32 for fp32 queries), e4m3 values / 256,
-    uniform codes (fp16: 1024 + code) or unit Lloyd–Max levels. Each row's packed bytes
-    are one contiguous load, split into codes in registers. Masked rows read as 0."""
+    """The tile of ``ROWS`` rows of one KV head at element offsets ``row`` as two halves
+    [ROWS, HALF_D] (:func:`half_columns`; padding reads as code 0). As stored, before
+    the per-row scale (:meth:`Side.read_as`): a plain cache's values as they are; else,
+    in ``DTYPE`` (fp16, or fp32 for fp32 queries), e4m3 values (/ 256 but for the
+    hardware conversion), uniform codes (fp16: 1024 + code) or unit Lloyd–Max levels.
+    A 4-bit byte holds dim j in its low and dim D/2 + j in its high nibble, so the
+    halves come out of one load with no shuffle. Masked rows read as 0."""
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, BLOCK_D, HALF_D)
     # One return statement: Triton types every return of a function alike.
-    if CODE == CODE_PLAIN or CODE == CODE_FP8 or BITS == 8:
-        dims = tl.arange(0, BLOCK_D)
-        mask = rows_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        codes = tl.load(head_ptr + row[:, None] + dims[None, :], mask=mask, other=0)
-    elif BITS == 4:
-        pairs = tl.arange(0, HEAD_DIM // 2)
-        packed = tl.load(head_ptr + row[:, None] + pairs[None, :], mask=rows_ok[:, None], other=0).to(tl.int16)
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, HEAD_DIM])
+    if BITS == 4:
+        at = head_ptr + row[:, None] + cols[None, :]
+        packed = tl.load(at, mask=rows_ok[:, None] & lo_ok[None, :], other=0)
+        if DECODE >= DECODE_PTX and CODE == CODE_UNIFORM and DTYPE == tl.float16:
+            lo, hi = _nibble_numbers(packed)  # already numbers
+        else:
+            packed = packed.to(tl.int16)
+            lo = _code_values(packed & 0xF, levels_ptr, CODE, BITS, DTYPE, DECODE)
+            hi = _code_values(packed >> 4, levels_ptr, CODE, BITS, DTYPE, DECODE)
+    elif BITS == 3:
+        # BLOCK_D // 16 words hold a half; dims [D/2, D) start after them.
+        lo = _unpack3(head_ptr, row, rows_ok, ROWS, HALF_D, BLOCK_D // 16)
+        hi = _unpack3(head_ptr + 3 * (BLOCK_D // 16), row, rows_ok, ROWS, HALF_D, BLOCK_D // 16)
+        lo = _code_values(lo, levels_ptr, CODE, BITS, DTYPE, DECODE)
+        hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
     else:
-        codes = _unpack3(head_ptr, row, rows_ok, ROWS, HEAD_DIM)
+        at = head_ptr + row[:, None] + cols[None, :]
+        lo = tl.load(at, mask=rows_ok[:, None] & lo_ok[None, :], other=0)
+        hi = tl.load(at + BLOCK_D // 2, mask=rows_ok[:, None] & hi_ok[None, :], other=0)
+        lo = _code_values(lo, levels_ptr, CODE, BITS, DTYPE, DECODE)
+        hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
+    return lo, hi
+
+
+@triton.jit
+def _code_values(codes, levels_ptr, CODE: tl.constexpr, BITS: tl.constexpr, DTYPE: tl.constexpr, DECODE: tl.constexpr):
+    """Stored codes as the numbers :func:`load_stored` describes."""
     if CODE == CODE_PLAIN:
         tile = codes
+    elif CODE == CODE_FP8 and DECODE == DECODE_PTX_FP8 and DTYPE == tl.float16:
+        tile = codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     elif CODE == CODE_FP8:
         tile = fp8_value(codes).to(DTYPE)
     elif CODE == CODE_LLOYD:
@@ -206,6 +257,33 @@ def load_stored(
     else:
         tile = _as_number(codes, DTYPE)
     return tile
+
+
+@triton.jit
+def _nibble_numbers(packed):
+    """fp16 numbers 1024 + code of the low and of the high nibbles of uint8 ``packed``
+    (two tiles of its shape): per 32-bit word of four bytes, two byte permutes, two
+    shifts and four ``lop3`` (``(x & 0x000F000F) | MAGIC``) make eight numbers."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 pair, shifted;
+        prmt.b32 pair, $4, 0, 0x4140;
+        shr.b32 shifted, pair, 4;
+        lop3.b32 $0, pair, 0x000F000F, 0x64006400, 0xea;
+        lop3.b32 $2, shifted, 0x000F000F, 0x64006400, 0xea;
+        prmt.b32 pair, $4, 0, 0x4342;
+        shr.b32 shifted, pair, 4;
+        lop3.b32 $1, pair, 0x000F000F, 0x64006400, 0xea;
+        lop3.b32 $3, shifted, 0x000F000F, 0x64006400, 0xea;
+        }
+        """,
+        "=r,=r,=r,=r,r",
+        [packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -223,19 +301,34 @@ def _lloyd_level(codes, levels_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _unpack3(head_ptr, row, rows_ok, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """[ROWS, HEAD_DIM] 3-bit codes: eight per little-endian 24-bit word."""
-    words = tl.arange(0, HEAD_DIM // 8)
-    first = head_ptr + row[:, None] + 3 * words[None, :]
-    mask = rows_ok[:, None]
+def _unpack3(head_ptr, row, rows_ok, ROWS: tl.constexpr, WIDTH: tl.constexpr, WORDS: tl.constexpr):
+    """[ROWS, WIDTH] 3-bit codes: eight per little-endian 24-bit word, of which ``WORDS``
+    are read (the rest of the columns read as code 0)."""
+    if WIDTH < 32:
+        # Each column shifts its own copy of its word out: the joins below gave wrong
+        # codes on the H200 at 16 columns (Triton 3.6; right under the interpreter).
+        cols = tl.arange(0, WIDTH)
+        first = head_ptr + row[:, None] + 3 * (cols // 8)[None, :]
+        mask = rows_ok[:, None] & (cols < 8 * WORDS)[None, :]
+        word = _load_word3(first, mask)
+        codes = (word >> (3 * (cols % 8))[None, :]) & 7
+    else:
+        words = tl.arange(0, WIDTH // 8)
+        first = head_ptr + row[:, None] + 3 * words[None, :]
+        word = _load_word3(first, rows_ok[:, None] & (words < WORDS)[None, :])
+        # Joined so that code r of a word lands at index r of the flattened last three
+        # axes (4 * bit2 + 2 * bit1 + bit0): the outermost join picks bit 0 of r.
+        even = tl.join(tl.join(word & 7, (word >> 12) & 7), tl.join((word >> 6) & 7, (word >> 18) & 7))
+        odd = tl.join(tl.join((word >> 3) & 7, (word >> 15) & 7), tl.join((word >> 9) & 7, (word >> 21) & 7))
+        codes = tl.reshape(tl.join(even, odd), [ROWS, WIDTH])
+    return codes
+
+
+@triton.jit
+def _load_word3(first, mask):
     word = tl.load(first, mask=mask, other=0).to(tl.int32)
     word |= tl.load(first + 1, mask=mask, other=0).to(tl.int32) << 8
-    word |= tl.load(first + 2, mask=mask, other=0).to(tl.int32) << 16
-    # Joined so that code r of a word lands at index r of the flattened last three axes
-    # (4 * bit2 + 2 * bit1 + bit0): the outermost join picks bit 0 of r.
-    even = tl.join(tl.join(word & 7, (word >> 12) & 7), tl.join((word >> 6) & 7, (word >> 18) & 7))
-    odd = tl.join(tl.join((word >> 3) & 7, (word >> 15) & 7), tl.join((word >> 9) & 7, (word >> 21) & 7))
-    return tl.reshape(tl.join(even, odd), [ROWS, HEAD_DIM])
+    return word | tl.load(first + 2, mask=mask, other=0).to(tl.int32) << 16
 
 
 @triton.jit

@@ -15,10 +15,12 @@ from xinfer_cuda.kernels.kv_codes import CODE_FP8, encode, side, vector_scale
 
 @triton.jit
 def _pack(codes, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Codes [ROWS, HEAD_DIM] -> words [ROWS, HEAD_DIM / GROUP] with code r of each
-    group at bits BITS * r (the layout of :mod:`xinfer.kv.codes`), in registers."""
+    """Codes [ROWS, HEAD_DIM] -> words [ROWS, HEAD_DIM / GROUP] in registers, the layout
+    of :mod:`xinfer.kv.codes`: 4-bit byte j holds dims j and HEAD_DIM/2 + j; 3-bit
+    words hold eight consecutive dims, dim r of the group at bits 3r."""
     if BITS == 4:
-        lo, hi = tl.split(tl.reshape(codes, [ROWS, HEAD_DIM // 2, 2]))
+        halves = tl.permute(tl.reshape(codes, [ROWS, 2, HEAD_DIM // 2]), (0, 2, 1))
+        lo, hi = tl.split(halves)
         word = lo | hi << 4
     else:
         # The last axis is bit 0 of r: each split joins neighbours into codes of twice the width.
