@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+expect = sync_api.expect
 
 # The Prometheus gauge of requests being generated. To confirm with the server's author.
 METRIC_RUNNING = "xinfer_num_requests_running"
@@ -509,21 +510,23 @@ def test_settings_edit_regenerate_and_manage(page):
     assert b.get("model") == page.locator("#model-name").get_attribute("data-model")
     assert auth[-1] == "Bearer sk-test-123"
 
-    # Regenerate replaces the last reply.
+    # Regenerate replaces the last reply. (The previous reply is done too, so wait for
+    # the new one's text rather than for "done".)
     page.click(".regen-btn")
-    _wait_reply_done(page, 30_000)
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Second answer.", timeout=30_000)
     assert page.locator(".msg.assistant").count() == 1
-    assert _last_reply(page).locator(".msg-content").inner_text() == "Second answer."
     assert bodies[-1]["messages"] == b["messages"]
 
     # Edit the last user message: the reply after it is regenerated.
     page.click(".msg.user .edit-btn")
+    # The box moves its caret to the end on the next frame: a fill before that frame
+    # would append to the old text instead of replacing it.
+    expect(page.locator(".edit-box")).to_be_focused()
     page.fill(".edit-box", "Hello again")
     page.press(".edit-box", "Enter")
-    _wait_reply_done(page, 30_000)
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Third answer.", timeout=30_000)
     assert page.locator(".msg.user .bubble").inner_text() == "Hello again"
     assert bodies[-1]["messages"][-1] == {"role": "user", "content": "Hello again"}
-    assert _last_reply(page).locator(".msg-content").inner_text() == "Third answer."
 
     # Rename, export and delete from the sidebar.
     item = page.locator(".conv-item.active")
