@@ -16,7 +16,7 @@ measured in the same run (a large device-to-device copy, read + write bytes). At
 also reports TFLOP/s (causal: half the score matrix).
 
 ``--sweep`` also times the attention kernels over alternative tile shapes and decode
-split counts; ``--kv-formats`` adds attention over caches in those formats (filled
+split counts (and quantized decode with the portable code decode instead of PTX); ``--kv-formats`` adds attention over caches in those formats (filled
 with random keys and values through each format's write path, the equalizer random),
 ``bytes`` then counting each format's real bytes per token. ``--smoke`` checks this script under the interpreter (times meaningless).
 """
@@ -176,7 +176,7 @@ def attention_cases(
     s: Shapes, dtype: torch.dtype, device: torch.device, sweep: bool, kv_formats: tuple[str, ...] = ()
 ) -> list[Case]:
     from xinfer.kv import get_format
-    from xinfer_cuda.kernels import attention
+    from xinfer_cuda.kernels import attention, kv_codes
 
     el = torch.tensor([], dtype=dtype).element_size()
     scale = s.head_dim**-0.5
@@ -207,6 +207,8 @@ def attention_cases(
             for tiles in SWEEP_DECODE_TILES:
                 tile_config = attention.TileConfig(*tiles)
                 cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode_tiles=tile_config))
+            if kv_format != "auto":  # the portable decode against the device's own
+                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode=kv_codes.PORTABLE))
     t = s.prefill_tokens
     flops = 4 * (t * (t + 1) // 2) * s.heads * s.head_dim
     for kv_format in ("auto", *kv_formats):

@@ -700,7 +700,8 @@ def paged_attention_cache(
     **overrides,
 ) -> Tensor:
     """:func:`paged_attention` over a layer's cache in any format: quantized K/V tiles are
-    decoded in registers inside the loop; where the format rotates keys the kernels bring
+    decoded in registers inside the loop (``decode=`` overrides the device's decode
+    method, :func:`~xinfer_cuda.kernels.kv_codes.decode_method`); where the format rotates keys the kernels bring
     each query into the keys' basis, and where it rotates values the output back."""
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
@@ -735,6 +736,7 @@ def attend_sides(
     prefill_tiles: TileConfig | None = None,
     decode_tiles: TileConfig | None = None,
     rotation: Rotation | None = None,
+    decode: int | None = None,
 ) -> Tensor:
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -772,7 +774,7 @@ def attend_sides(
     # Quantized tiles are built as fp16 bit patterns (bit operations, no conversions);
     # fp32 queries (tests, pre-sm_80 fallbacks) keep fp32 tiles.
     magic = q.dtype != torch.float32
-    decode = decode_method(q.device)
+    decode = decode_method(q.device) if decode is None else decode
     common |= dict(CODE_DTYPE=tl.float16 if magic else tl.float32, DECODE=decode)
     common |= k_side.constexprs("K", magic, decode) | v_side.constexprs("V", magic, decode)
     equalizer = rotation.equalizer if rotation is not None else None
