@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
+from xinfer_cuda.kernels import activation, attention, kv_codes, kv_quant_write, kv_write, norm, rotary
 
 MODULES = (activation, attention, kv_quant_write, kv_write, norm, rotary)
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm")
@@ -116,7 +116,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 kv_quant_write.quant_write_kv(
                     t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64)
                 )
-            for q_len, splits in ((1, 4), (8, None)):
+            # The decode tiles of small batches, and of batches that fill the GPU for
+            # 4- and 3-bit caches; codes decoded as on such a GPU (PTX, hardware e4m3).
+            packed = any(getattr(c, "bits", 8) < 8 for c in (fmt.key, fmt.value))
+            decode_tables = [attention._DECODE_TILES] + ([attention._PACKED_DECODE_TILES] if packed else [])
+            steps = [(1, 4, table) for table in decode_tables] + [(8, None, attention._DECODE_TILES)]
+            for q_len, splits, decode_table in steps:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
                     cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
@@ -125,7 +130,8 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 attention.paged_attention_cache(
                     t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
                     prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
-                    decode_tiles=tiles(attention._DECODE_TILES, head_dim),
+                    decode_tiles=tiles(decode_table, head_dim),
+                    decode=kv_codes.PTX_FP8 if cc >= 89 else kv_codes.PTX,
                 )  # fmt: skip
     return list(LAUNCHES)
 
