@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
+from xinfer.kv.codecs import LloydMax
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import activation, attention, kv_codes, kv_quant_write, kv_write, norm, rotary
 
@@ -119,6 +120,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             # The decode tiles of small batches, and of batches that fill the GPU for
             # 4- and 3-bit caches; codes decoded as on such a GPU (PTX, hardware e4m3).
             packed = any(getattr(c, "bits", 8) < 8 for c in (fmt.key, fmt.value))
+            packed = packed and not (cc < 90 and any(isinstance(c, LloydMax) for c in (fmt.key, fmt.value)))
             decode_tables = [attention._DECODE_TILES] + ([attention._PACKED_DECODE_TILES] if packed else [])
             steps = [(1, 4, table) for table in decode_tables] + [(8, None, attention._DECODE_TILES)]
             for q_len, splits, decode_table in steps:

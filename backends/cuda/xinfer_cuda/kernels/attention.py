@@ -819,7 +819,9 @@ def attend_sides(
     quantized = any(s.code != PLAIN for s in sides)
     packed = any(s.bits < 8 for s in sides)
     fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
-    cfg = decode_tiles or decode_config(head_dim, q, packed and fills_gpu)
+    # Lloyd–Max level chains spill at long tiles before sm_90 (compile_check: 520-832 B at sm_80).
+    spills = any(s.code == LLOYD for s in sides) and q.is_cuda and _device_limits(q.device.index or 0)[0] < 9
+    cfg = decode_tiles or decode_config(head_dim, q, packed and fills_gpu and not spills)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = max(2 * cfg.block_n, 64)
     if num_splits is None:
