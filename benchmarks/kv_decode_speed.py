@@ -49,7 +49,7 @@ def fill(llm: LLM, seqs: list[Sequence]) -> None:
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     slots = torch.tensor(
-        [engine.runner._slot(seq, p) for seq in seqs for p in range(seq.num_tokens)], device=engine.device
+        [engine.runner.slot(seq, p) for seq in seqs for p in range(seq.num_tokens)], device=engine.device
     )
     with ops.use(engine.ops):
         for layer in attention_layers(engine.model):

@@ -76,7 +76,7 @@ class ModelRunner:
             end = start + item.num_new_tokens
             batch.input_ids += seq.token_ids[start:end]
             batch.positions += range(start, end)
-            batch.slot_mapping += [self._slot(seq, p) for p in range(start, end)]
+            batch.slot_mapping += [self.slot(seq, p) for p in range(start, end)]
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
             batch.seq_lens.append(end)
             batch.block_tables.append(seq.block_table)
@@ -97,7 +97,8 @@ class ModelRunner:
         )
         return self._tensor(batch.input_ids, torch.int64), self._tensor(batch.positions, torch.int64), meta
 
-    def _slot(self, seq: Sequence, position: int) -> int:
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The cache slot (block * block_size + offset) that holds ``seq``'s ``position``."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _tensor(self, values: list, dtype: torch.dtype) -> Tensor:
