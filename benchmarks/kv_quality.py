@@ -55,8 +55,8 @@ def use_format(llm: LLM, name: str) -> None:
     engine = llm.engine
     engine.kv_format = get_format(name)
     num_blocks = engine.block_manager.num_blocks
-    allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format)
-    calibrate_keys(engine)  # as the engine does at start-up
+    transforms = calibrate_keys(engine)  # as the engine does at start-up
+    allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format, transforms)
 
 
 @torch.inference_mode()

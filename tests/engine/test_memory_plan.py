@@ -4,12 +4,14 @@ measuring path on the CPU through a fake device memory."""
 import logging
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.engine import engine as engine_module
-from xinfer.engine.kv_cache import bytes_per_block
+from xinfer.engine import memory_plan
+from xinfer.engine.kv_cache import attention_layers, bytes_per_block
 from xinfer.engine.memory_plan import (
     GiB,
     MAX_NUM_SEQS_CAP,
@@ -154,3 +156,25 @@ def test_too_small_a_pool_for_the_context_names_the_flags(model_dir):
     expected = r"holds 64 tokens .* max_model_len=128: lower max_model_len \(--max-model-len\)"
     with pytest.raises(ValueError, match=expected):
         LLM(model=model_dir, dtype="float32", num_blocks=4, max_model_len=128)
+
+
+def test_the_profiled_cache_has_the_real_caches_key_transforms(model_dir, monkeypatch):
+    """The plan's one-block cache (which the step graphs are captured over) carries the
+    key offset and equalizer the real cache gets, so both captures compile the same
+    kernel variants."""
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: FakeMemory(4 << 20, 4 << 20, 0))
+    profiled = []
+    measure = memory_plan.peak_activations
+
+    def spy(runner, *args):
+        profiled.extend(layer.kv_cache for layer in attention_layers(runner.model))
+        return measure(runner, *args)
+
+    monkeypatch.setattr(memory_plan, "peak_activations", spy)
+    llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, kv_cache_dtype="turbo4")
+    real = [layer.kv_cache for layer in attention_layers(llm.engine.model)]
+    assert len(profiled) == len(real) > 0
+    for one_block, cache in zip(profiled, real):
+        assert one_block["k"].shape[0] == 1 < cache["k"].shape[0]
+        assert cache.equalizer is not None and torch.equal(one_block.equalizer, cache.equalizer)
+        assert cache.key_offset is not None and torch.equal(one_block.key_offset, cache.key_offset)

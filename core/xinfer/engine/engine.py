@@ -75,9 +75,13 @@ class LLMEngine:
         cache = config.cache
         self.kv_format = get_format(cache.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
-        plan = plan_memory(config, self.runner, self.max_model_len, self.dtype, self.kv_format, memory, baseline)
-        allocate_kv_cache(self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format)
-        calibrate_keys(self)
+        key_transforms = calibrate_keys(self)
+        plan = plan_memory(
+            config, self.runner, self.max_model_len, self.dtype, self.kv_format, memory, baseline, key_transforms
+        )
+        allocate_kv_cache(
+            self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format, key_transforms
+        )
         scheduler = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
         self.config = config = config.model_copy(update={"scheduler": scheduler})
         self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from xinfer.kv import KVFormat
 from xinfer.layers.attention import Attention
 from xinfer.model import CausalLM
+
+if TYPE_CHECKING:
+    from xinfer.engine.kv_calibration import KeyTransforms
 
 CPU_DEFAULT_BUDGET = 2 << 30
 
@@ -44,7 +48,18 @@ def available_host_memory() -> int:
 
 
 def allocate_kv_cache(
-    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, kv_format: KVFormat
+    model: CausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_format: KVFormat,
+    key_transforms: KeyTransforms | None = None,
 ) -> None:
-    for layer in attention_layers(model):
+    """Give every attention layer a cache in ``kv_format``, with the calibrated key
+    transforms where the format has them (:mod:`xinfer.engine.kv_calibration`)."""
+    layers = attention_layers(model)
+    for layer in layers:
         layer.kv_cache = kv_format.allocate(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype, device)
+    if key_transforms is not None:
+        key_transforms.apply([layer.kv_cache for layer in layers])

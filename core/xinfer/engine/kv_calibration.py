@@ -3,12 +3,15 @@
 model-dtype cache records, per layer, the per-channel sums of the keys it writes and
 of their squares, the energy of the queries it attends with, and whether it caps logits.
 
-Runs once at start-up, after the real cache is allocated and before any token is
-written to it or any CUDA graph is captured (graphs record the equalizer's tensors).
+Runs once at start-up, before the memory plan: every cache allocated after it (the
+plan's one-block cache that its graphs are captured over, then the real cache) gets
+the same transforms through :func:`xinfer.engine.kv_cache.allocate_kv_cache`, so both
+captures compile the same kernel variants and every cached block shares them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,20 +76,33 @@ class KeyStatistics:
         sums[id(cache)] = sums[id(cache)] + energy if id(cache) in sums else energy
 
 
+@dataclass(frozen=True)
+class KeyTransforms:
+    """Per attention layer, in model order: the key offset (None where the layer caps
+    logits) and the equalizer."""
+
+    offsets: list[Tensor | None]
+    equalizers: list[Tensor]
+
+    def apply(self, caches: list[LayerKVCache]) -> None:
+        for cache, offset, scale in zip(caches, self.offsets, self.equalizers, strict=True):
+            cache.key_offset, cache.equalizer = offset, scale
+
+
 @torch.inference_mode()
-def calibrate_keys(engine: Any) -> None:
-    """Set ``key_offset`` (unless the layer caps logits) and ``equalizer`` on every
-    layer's cache when the format rotates keys. Not for fp8 keys: their error is
-    relative to each entry, and on Gemma-3-270M the offset made fp8 worse (docs/kv-cache.md)."""
+def calibrate_keys(engine: Any) -> KeyTransforms | None:
+    """The key offset and equalizer of every layer when the format rotates keys (else
+    None). Not for fp8 keys: their error is relative to each entry, and on
+    Gemma-3-270M the offset made fp8 worse (docs/kv-cache.md)."""
     layers = attention_layers(engine.model)
     if not layers or not engine.kv_format.rotate_keys:
-        return
+        return None
     budget = engine.config.scheduler.max_num_batched_tokens  # no step larger than planned for
     count = min(CALIBRATION_TOKENS, engine.max_model_len, budget)
     ids = calibration_ids(engine.tokenizer, engine.hf_config.vocab_size, count)
     block_size = engine.config.cache.block_size
     num_blocks = -(-len(ids) // block_size)
-    real = [layer.kv_cache for layer in layers]
+    previous = [layer.kv_cache for layer in layers]
     allocate_kv_cache(engine.model, num_blocks, block_size, engine.dtype, engine.device, get_format("auto"))
     scratch = [layer.kv_cache for layer in layers]
     stats = KeyStatistics(engine.ops)
@@ -100,12 +116,15 @@ def calibrate_keys(engine: Any) -> None:
             with forward_context(meta):
                 engine.model(input_ids, positions)
     finally:
-        for layer, cache in zip(layers, real):
+        for layer, cache in zip(layers, previous):
             layer.kv_cache = cache
-    for cache, temp in zip(real, scratch):
+    offsets, equalizers = [], []
+    for temp in scratch:
         key_energy = stats.key_energy[id(temp)]
+        offset = None
         if id(temp) not in stats.softcapped:
-            mean = stats.key_sums[id(temp)] / len(ids)
-            cache.key_offset = mean.to(engine.device)
-            key_energy = key_energy - len(ids) * mean.pow(2)  # of the keys as stored
-        cache.equalizer = equalizer(stats.query_energy[id(temp)], key_energy).to(engine.device)
+            offset = stats.key_sums[id(temp)] / len(ids)
+            key_energy = key_energy - len(ids) * offset.pow(2)  # of the keys as stored
+        offsets.append(offset.to(engine.device) if offset is not None else None)
+        equalizers.append(equalizer(stats.query_energy[id(temp)], key_energy).to(engine.device))
+    return KeyTransforms(offsets, equalizers)

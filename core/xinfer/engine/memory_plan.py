@@ -23,6 +23,7 @@ from xinfer import ops
 from xinfer.backend import DeviceMemory
 from xinfer.config import EngineConfig
 from xinfer.engine.kv_cache import allocate_kv_cache, bytes_per_block, host_kv_budget
+from xinfer.engine.kv_calibration import KeyTransforms
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sampler import Sampler
 from xinfer.engine.sequence import Sequence
@@ -124,6 +125,7 @@ def plan_memory(
     kv_format: KVFormat,
     memory: DeviceMemory | None,
     baseline: tuple[int, int] | None,
+    key_transforms: KeyTransforms | None = None,
 ) -> MemoryPlan:
     """Size the KV cache (in blocks) and ``max_num_seqs``, measuring the device when it
     can (over a one-block cache, which the caller's allocation of the planned cache
@@ -140,7 +142,9 @@ def plan_memory(
     else:
         num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
         capture = not config.device.enforce_eager
-        profile = profile_device(runner, memory, baseline, config, max_model_len, dtype, kv_format, num_seqs, capture)
+        profile = profile_device(
+            runner, memory, baseline, config, max_model_len, dtype, kv_format, num_seqs, capture, key_transforms
+        )
         fraction = cache.kv_fraction or DEFAULT_KV_FRACTION
         num_blocks = kv_budget(profile, fraction) // block_bytes
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
@@ -177,11 +181,13 @@ def profile_device(
     kv_format: KVFormat,
     num_seqs: int,
     capture: bool,
+    key_transforms: KeyTransforms | None = None,
 ) -> DeviceProfile:
-    """Measure a step's activation peak and the step graphs, over a one-block cache."""
+    """Measure a step's activation peak and the step graphs, over a one-block cache
+    (with the real cache's key transforms, so the graphs compile the same kernels)."""
     free_at_start, total = baseline
     block_size = config.cache.block_size
-    allocate_kv_cache(runner.model, 1, block_size, dtype, runner.device, kv_format)
+    allocate_kv_cache(runner.model, 1, block_size, dtype, runner.device, kv_format, key_transforms)
     num_tokens = config.scheduler.max_num_batched_tokens
     activations = peak_activations(runner, memory, profile_batch(num_tokens, max_model_len, block_size), num_seqs)
     graphs = graph_memory(runner, memory, num_seqs, num_tokens, max_model_len) if capture else 0
