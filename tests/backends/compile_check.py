@@ -117,11 +117,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 kv_quant_write.quant_write_kv(
                     t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64)
                 )
-            # The decode tiles of small batches, and of batches that fill the GPU for
-            # 4- and 3-bit caches; codes decoded as on such a GPU (PTX, hardware e4m3).
-            packed = any(getattr(c, "bits", 8) < 8 for c in (fmt.key, fmt.value))
-            packed = packed and not (cc < 90 and any(isinstance(c, LloydMax) for c in (fmt.key, fmt.value)))
-            decode_tables = [attention._DECODE_TILES] + ([attention._PACKED_DECODE_TILES] if packed else [])
+            # The decode tiles of small batches and of batches that fill the GPU (not for
+            # Lloyd–Max codes before sm_90); codes decoded as on such a GPU (PTX, hardware e4m3).
+            long_tiles = not (cc < 90 and any(isinstance(c, LloydMax) for c in (fmt.key, fmt.value)))
+            decode_tables = [attention._DECODE_TILES] + ([attention._LONG_DECODE_TILES] if long_tiles else [])
             steps = [(1, 4, table) for table in decode_tables] + [(8, None, attention._DECODE_TILES)]
             for q_len, splits, decode_table in steps:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)

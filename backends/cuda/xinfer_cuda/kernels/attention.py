@@ -36,7 +36,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
-    CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
+    CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, has_second_half, load_scale, load_stored, side,
 )
 
 LOG2E = 1.4426950408889634
@@ -62,14 +62,14 @@ ROTATION_CHUNK = 32
 @triton.jit
 def _load_queries(
     q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
     HAS_EQUALIZER: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Query rows at element offsets ``q_off`` as two halves [M, HALF_D]
     (:func:`half_columns`); for rotated keys in the keys' basis, in fp32:
     ``(q · s) @ signs / sqrt(D)`` with the KV head's equalizer ``s``
     (:mod:`xinfer_cuda.kernels.basis`), the signs' columns split in halves."""
-    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, BLOCK_D, HALF_D)
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, SPLIT, HALF_D)
     if ROTATE:
         q_lo = tl.zeros([q_off.shape[0], HALF_D], tl.float32)
         q_hi = tl.zeros([q_off.shape[0], HALF_D], tl.float32)
@@ -81,41 +81,47 @@ def _load_queries(
                 x *= tl.load(equalizer_ptr + kv_head * HEAD_DIM + ins)[None, :]
             signs = basis_ptr + ins[:, None] * HEAD_DIM + cols[None, :]
             lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
-            hi = tl.load(signs + BLOCK_D // 2, mask=hi_ok[None, :], other=0).to(tl.float32)
             q_lo = tl.dot(x, lo, q_lo, input_precision=PRECISION)
-            q_hi = tl.dot(x, hi, q_hi, input_precision=PRECISION)
+            if has_second_half(HEAD_DIM, SPLIT):
+                hi = tl.load(signs + SPLIT, mask=hi_ok[None, :], other=0).to(tl.float32)
+                q_hi = tl.dot(x, hi, q_hi, input_precision=PRECISION)
         q_lo *= 1.0 / HEAD_DIM**0.5
         q_hi *= 1.0 / HEAD_DIM**0.5
     else:
         at = q_ptr + q_off[:, None] + cols[None, :]
         q_lo = tl.load(at, mask=row_ok[:, None] & lo_ok[None, :], other=0.0)
-        q_hi = tl.load(at + BLOCK_D // 2, mask=row_ok[:, None] & hi_ok[None, :], other=0.0)
+        q_hi = q_lo  # unused when rows are whole
+        if has_second_half(HEAD_DIM, SPLIT):
+            q_hi = tl.load(at + SPLIT, mask=row_ok[:, None] & hi_ok[None, :], other=0.0)
     return q_lo, q_hi
 
 
 @triton.jit
 def _store_rows(
     out_ptr, o_off, row_ok, x_lo, x_hi, basis_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Store rows given as halves (:func:`half_columns`) at element offsets ``o_off``;
     for rotated values back in the model's basis first (``x @ signsᵀ / sqrt(D)``, a
     slice of output columns at a time)."""
-    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, BLOCK_D, HALF_D)
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, SPLIT, HALF_D)
     if ROTATE:
         for c in tl.range(0, HEAD_DIM, CHUNK, num_stages=1):
             outs = c + tl.arange(0, CHUNK)
             signs = basis_ptr + outs[:, None] * HEAD_DIM + cols[None, :]
             lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
-            hi = tl.load(signs + BLOCK_D // 2, mask=hi_ok[None, :], other=0).to(tl.float32)
             y = tl.dot(x_lo, tl.trans(lo), input_precision=PRECISION)
-            y = tl.dot(x_hi, tl.trans(hi), y, input_precision=PRECISION) * (1.0 / HEAD_DIM**0.5)
+            if has_second_half(HEAD_DIM, SPLIT):
+                hi = tl.load(signs + SPLIT, mask=hi_ok[None, :], other=0).to(tl.float32)
+                y = tl.dot(x_hi, tl.trans(hi), y, input_precision=PRECISION)
+            y *= 1.0 / HEAD_DIM**0.5
             tl.store(out_ptr + o_off[:, None] + outs[None, :], y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         at = out_ptr + o_off[:, None] + cols[None, :]
         tl.store(at, x_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & lo_ok[None, :])
-        tl.store(at + BLOCK_D // 2, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & hi_ok[None, :])
+        if has_second_half(HEAD_DIM, SPLIT):
+            tl.store(at + SPLIT, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & hi_ok[None, :])
 
 
 @triton.jit
@@ -151,7 +157,7 @@ def _attend_keys(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
     HALF_D: tl.constexpr,
     PRECISION: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
@@ -169,32 +175,35 @@ def _attend_keys(
 
     ``k_head_ptr`` and ``v_head_ptr`` point at the KV head's first element in the caches
     (and the scale pointers at its first scale); quantized tiles are decoded in registers.
-    Rows, tiles and accumulators are halves of the head dimension
-    (:func:`half_columns`): a 4-bit byte holds a dimension of each half, so its two
-    nibbles feed two half-width dots with no shuffle between them.
+    Rows, tiles and accumulators are halves of the head dimension where the cache has
+    4- or 3-bit codes (:func:`half_columns`): a 4-bit byte holds a dimension of each
+    half, so its two nibbles feed two half-width dots with no shuffle between them.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
     else:
         q_k_lo, q_k_hi = q_lo.to(CODE_DTYPE), q_hi.to(CODE_DTYPE)  # the dtype quantized tiles are built in
     if K_OFFSET != 0.0:
-        q_sum = tl.sum(q_k_lo.to(tl.float32), 1) + tl.sum(q_k_hi.to(tl.float32), 1)
+        q_sum = tl.sum(q_k_lo.to(tl.float32), 1)
+        if has_second_half(HEAD_DIM, SPLIT):
+            q_sum += tl.sum(q_k_hi.to(tl.float32), 1)
     for tile_start in range(start, end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = k_pos < end
         block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         k_row = block * stride_k_block + slot * stride_k_slot
-        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, HALF_D,
+        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                  K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
         v_row = block * stride_v_block + slot * stride_v_slot
-        v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, BLOCK_D, HALF_D,
+        v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                  V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
 
         # Scores against stored keys, then each key's (offset, scale) applied to its
         # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
         s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
-        s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
+        if has_second_half(HEAD_DIM, SPLIT):
+            s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
         if K_CODE != CODE_PLAIN:
             if K_OFFSET != 0.0:
                 s -= K_OFFSET * q_sum[:, None]
@@ -224,7 +233,8 @@ def _attend_keys(
             v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
             pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
         acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
-        acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
+        if has_second_half(HEAD_DIM, SPLIT):
+            acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
         if V_OFFSET != 0.0:
             pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
             acc_lo -= V_OFFSET * pv_sum
@@ -290,7 +300,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
     HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -331,7 +341,7 @@ def _prefill_kernel(
     q_pos = ctx_start + q_idx
     q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
     q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-                               HEAD_DIM, BLOCK_D, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
+                               HEAD_DIM, SPLIT, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
     # Keys [full_lo, full_hi) are visible to every row of the tile and need no mask;
     # the ones before (window edge) and after (causal diagonal) do.
@@ -362,7 +372,7 @@ def _prefill_kernel(
             k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window,
-            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+            MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
             K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
         )  # fmt: skip
@@ -371,7 +381,7 @@ def _prefill_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
@@ -380,7 +390,7 @@ def _prefill_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
@@ -388,7 +398,7 @@ def _prefill_kernel(
     norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + q_idx).to(tl.int64) * stride_o_tok + head * stride_o_head
     _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
-                HEAD_DIM, BLOCK_D, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
+                HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -445,7 +455,7 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
     HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -488,7 +498,7 @@ def _decode_kernel(
     head = kv_head * GROUP + rows
     q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
     q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-                               HEAD_DIM, BLOCK_D, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
+                               HEAD_DIM, SPLIT, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
     q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -506,7 +516,7 @@ def _decode_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
@@ -515,7 +525,7 @@ def _decode_kernel(
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window,
-        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, BLOCK_D, HALF_D,
+        MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
     )  # fmt: skip
@@ -525,13 +535,13 @@ def _decode_kernel(
         norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
         _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
-                    HEAD_DIM, BLOCK_D, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
+                    HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
     else:
         part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
-                    HEAD_DIM, BLOCK_D, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
+                    HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -600,10 +610,10 @@ _DECODE_TILES = {
     128: [TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 2)],
     256: [TileConfig(16, 32, 4, 2), TileConfig(16, 16, 4, 1)],
 }
-# 4- and 3-bit tiles are fewer bytes and more instructions: where (sequence, KV head)
+# Quantized tiles are fewer bytes and more instructions: where (sequence, KV head)
 # pairs alone fill the multiprocessors, longer tiles (H200 sweep at 64 x 8k; at batch 1
-# the plain tiles' shorter splits win, and fp8 keeps them at every batch).
-_PACKED_DECODE_TILES = {
+# the plain tiles' shorter splits win).
+_LONG_DECODE_TILES = {
     64: [TileConfig(16, 128, 4, 2)],
     128: [TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 2)],
     256: [TileConfig(16, 64, 4, 2), TileConfig(16, 32, 4, 2)],
@@ -645,8 +655,8 @@ def prefill_config(head_dim: int, q: Tensor) -> TileConfig:
     return _pick(_PREFILL_TILES, head_dim, q)
 
 
-def decode_config(head_dim: int, q: Tensor, packed: bool = False) -> TileConfig:
-    return _pick(_PACKED_DECODE_TILES if packed else _DECODE_TILES, head_dim, q)
+def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False) -> TileConfig:
+    return _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -756,10 +766,13 @@ def attend_sides(
     # s -> s * scale, or with a cap: cap * tanh(s * scale / cap); both then times log2(e).
     score_scale = scale / softcap if has_softcap else scale * LOG2E
     cap_scale = softcap * LOG2E if has_softcap else 0.0
+    block_d = triton.next_power_of_2(head_dim)
+    # Rows in halves where a side packs 4- or 3-bit codes (see _attend_keys); whole otherwise.
+    split = block_d // 2 if any(s.bits < 8 for s in (k_side, v_side)) else block_d
     common = dict(
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        HALF_D=max(triton.next_power_of_2(head_dim) // 2, 16),
+        SPLIT=split,
+        HALF_D=max(split, 16),
         BLOCK_SIZE=block_size,
         HAS_WINDOW=has_window,
         HAS_SOFTCAP=has_softcap,
@@ -817,11 +830,10 @@ def attend_sides(
 
     sides = (k_side, v_side)
     quantized = any(s.code != PLAIN for s in sides)
-    packed = any(s.bits < 8 for s in sides)
     fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
     # Lloyd–Max level chains spill at long tiles before sm_90 (compile_check: 520-832 B at sm_80).
     spills = any(s.code == LLOYD for s in sides) and q.is_cuda and _device_limits(q.device.index or 0)[0] < 9
-    cfg = decode_tiles or decode_config(head_dim, q, packed and fills_gpu and not spills)
+    cfg = decode_tiles or decode_config(head_dim, q, quantized and fills_gpu and not spills)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = max(2 * cfg.block_n, 64)
     if num_splits is None:
@@ -851,7 +863,7 @@ def attend_sides(
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
             out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=common["BLOCK_D"], NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4,
         )  # fmt: skip
     return out

@@ -186,13 +186,20 @@ def encode(x, scale, levels_ptr, CODE: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def half_columns(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HALF_D: tl.constexpr):
-    """Columns of the two halves attention holds a row in, and which of them hold
-    dimensions: half 0 is dims [0, BLOCK_D/2), half 1 is [BLOCK_D/2, BLOCK_D), each
-    padded to HALF_D (>= 16, the narrowest dot) and cut at HEAD_DIM."""
+def half_columns(HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constexpr):
+    """Columns of the halves attention holds a row in, and which of them hold
+    dimensions: half 0 is dims [0, SPLIT), half 1 is [SPLIT, 2 SPLIT), each padded to
+    HALF_D (>= 16, the narrowest dot) and cut at HEAD_DIM. Caches with 4- or 3-bit
+    codes split rows at D/2; the others keep them whole (SPLIT >= HEAD_DIM: half 1 is
+    empty and :func:`has_second_half` is false)."""
     cols = tl.arange(0, HALF_D)
-    lo_ok = cols < BLOCK_D // 2
-    return cols, lo_ok, lo_ok & (BLOCK_D // 2 + cols < HEAD_DIM)
+    lo_ok = (cols < SPLIT) & (cols < HEAD_DIM)
+    return cols, lo_ok, lo_ok & (SPLIT + cols < HEAD_DIM)
+
+
+@triton.jit
+def has_second_half(HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+    return SPLIT < HEAD_DIM
 
 
 @triton.jit
@@ -203,7 +210,7 @@ def load_stored(
     rows_ok,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
     HALF_D: tl.constexpr,
     CODE: tl.constexpr,
     BITS: tl.constexpr,
@@ -211,13 +218,14 @@ def load_stored(
     DECODE: tl.constexpr,
 ):
     """The tile of ``ROWS`` rows of one KV head at element offsets ``row`` as two halves
-    [ROWS, HALF_D] (:func:`half_columns`; padding reads as code 0). As stored, before
+    [ROWS, HALF_D] (:func:`half_columns`; padding reads as code 0; whole rows give the
+    first half twice). As stored, before
     the per-row scale (:meth:`Side.read_as`): a plain cache's values as they are; else,
     in ``DTYPE`` (fp16, or fp32 for fp32 queries), e4m3 values (/ 256 but for the
     hardware conversion), uniform codes (fp16: 1024 + code) or unit Lloyd–Max levels.
     A 4-bit byte holds dim j in its low and dim D/2 + j in its high nibble, so the
     halves come out of one load with no shuffle. Masked rows read as 0."""
-    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, BLOCK_D, HALF_D)
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, SPLIT, HALF_D)
     # One return statement: Triton types every return of a function alike.
     if BITS == 4:
         at = head_ptr + row[:, None] + cols[None, :]
@@ -229,17 +237,20 @@ def load_stored(
             lo = _code_values(packed & 0xF, levels_ptr, CODE, BITS, DTYPE, DECODE)
             hi = _code_values(packed >> 4, levels_ptr, CODE, BITS, DTYPE, DECODE)
     elif BITS == 3:
-        # BLOCK_D // 16 words hold a half; dims [D/2, D) start after them.
-        lo = _unpack3(head_ptr, row, rows_ok, ROWS, HALF_D, BLOCK_D // 16)
-        hi = _unpack3(head_ptr + 3 * (BLOCK_D // 16), row, rows_ok, ROWS, HALF_D, BLOCK_D // 16)
+        # SPLIT // 8 words hold a half; dims [D/2, D) start after them.
+        lo = _unpack3(head_ptr, row, rows_ok, ROWS, HALF_D, SPLIT // 8)
+        hi = _unpack3(head_ptr + 3 * (SPLIT // 8), row, rows_ok, ROWS, HALF_D, SPLIT // 8)
         lo = _code_values(lo, levels_ptr, CODE, BITS, DTYPE, DECODE)
         hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
     else:
         at = head_ptr + row[:, None] + cols[None, :]
         lo = tl.load(at, mask=rows_ok[:, None] & lo_ok[None, :], other=0)
-        hi = tl.load(at + BLOCK_D // 2, mask=rows_ok[:, None] & hi_ok[None, :], other=0)
         lo = _code_values(lo, levels_ptr, CODE, BITS, DTYPE, DECODE)
-        hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
+        if has_second_half(HEAD_DIM, SPLIT):
+            hi = tl.load(at + SPLIT, mask=rows_ok[:, None] & hi_ok[None, :], other=0)
+            hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
+        else:
+            hi = lo
     return lo, hi
 
 
