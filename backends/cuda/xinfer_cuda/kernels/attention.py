@@ -19,7 +19,9 @@ K/V addresses are computed per token through the block table, so the cache block
 (any power of two) is independent of the tile size. Each side of the cache has a code
 (``kv_codes.py``): plain caches are loaded as they are; quantized ones (fp8, packed 4-
 and 3-bit, with per-(token, head) scales) are decoded in registers right after each
-tile is loaded, never into a copy of the cache.
+tile is loaded, never into a copy of the cache. Where a side packs 4- or 3-bit codes
+the kernels hold rows as two halves of the head dimension, which is how those codes
+are laid out (``SPLIT``; see :func:`~xinfer_cuda.kernels.kv_codes.half_columns`).
 """
 
 from __future__ import annotations
