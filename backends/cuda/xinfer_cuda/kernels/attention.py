@@ -38,7 +38,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
-    CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, has_second_half, load_scale, load_stored, side,
+    CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
 )
 
 LOG2E = 1.4426950408889634
@@ -84,7 +84,7 @@ def _load_queries(
             signs = basis_ptr + ins[:, None] * HEAD_DIM + cols[None, :]
             lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
             q_lo = tl.dot(x, lo, q_lo, input_precision=PRECISION)
-            if has_second_half(HEAD_DIM, SPLIT):
+            if SPLIT < HEAD_DIM:  # a second half
                 hi = tl.load(signs + SPLIT, mask=hi_ok[None, :], other=0).to(tl.float32)
                 q_hi = tl.dot(x, hi, q_hi, input_precision=PRECISION)
         q_lo *= 1.0 / HEAD_DIM**0.5
@@ -93,7 +93,7 @@ def _load_queries(
         at = q_ptr + q_off[:, None] + cols[None, :]
         q_lo = tl.load(at, mask=row_ok[:, None] & lo_ok[None, :], other=0.0)
         q_hi = q_lo  # unused when rows are whole
-        if has_second_half(HEAD_DIM, SPLIT):
+        if SPLIT < HEAD_DIM:  # a second half
             q_hi = tl.load(at + SPLIT, mask=row_ok[:, None] & hi_ok[None, :], other=0.0)
     return q_lo, q_hi
 
@@ -114,7 +114,7 @@ def _store_rows(
             signs = basis_ptr + outs[:, None] * HEAD_DIM + cols[None, :]
             lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
             y = tl.dot(x_lo, tl.trans(lo), input_precision=PRECISION)
-            if has_second_half(HEAD_DIM, SPLIT):
+            if SPLIT < HEAD_DIM:  # a second half
                 hi = tl.load(signs + SPLIT, mask=hi_ok[None, :], other=0).to(tl.float32)
                 y = tl.dot(x_hi, tl.trans(hi), y, input_precision=PRECISION)
             y *= 1.0 / HEAD_DIM**0.5
@@ -122,7 +122,7 @@ def _store_rows(
     else:
         at = out_ptr + o_off[:, None] + cols[None, :]
         tl.store(at, x_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & lo_ok[None, :])
-        if has_second_half(HEAD_DIM, SPLIT):
+        if SPLIT < HEAD_DIM:  # a second half
             tl.store(at + SPLIT, x_hi.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & hi_ok[None, :])
 
 
@@ -187,7 +187,7 @@ def _attend_keys(
         q_k_lo, q_k_hi = q_lo.to(CODE_DTYPE), q_hi.to(CODE_DTYPE)  # the dtype quantized tiles are built in
     if K_OFFSET != 0.0:
         q_sum = tl.sum(q_k_lo.to(tl.float32), 1)
-        if has_second_half(HEAD_DIM, SPLIT):
+        if SPLIT < HEAD_DIM:  # a second half
             q_sum += tl.sum(q_k_hi.to(tl.float32), 1)
     for tile_start in range(start, end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
@@ -204,7 +204,7 @@ def _attend_keys(
         # Scores against stored keys, then each key's (offset, scale) applied to its
         # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
         s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
-        if has_second_half(HEAD_DIM, SPLIT):
+        if SPLIT < HEAD_DIM:  # a second half
             s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
         if K_CODE != CODE_PLAIN:
             if K_OFFSET != 0.0:
@@ -235,7 +235,7 @@ def _attend_keys(
             v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
             pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
         acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
-        if has_second_half(HEAD_DIM, SPLIT):
+        if SPLIT < HEAD_DIM:  # a second half
             acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
         if V_OFFSET != 0.0:
             pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]

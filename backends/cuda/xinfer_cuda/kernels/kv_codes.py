@@ -191,15 +191,11 @@ def half_columns(HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constex
     dimensions: half 0 is dims [0, SPLIT), half 1 is [SPLIT, 2 SPLIT), each padded to
     HALF_D (>= 16, the narrowest dot) and cut at HEAD_DIM. Caches with 4- or 3-bit
     codes split rows at D/2; the others keep them whole (SPLIT >= HEAD_DIM: half 1 is
-    empty and :func:`has_second_half` is false)."""
+    empty: ``SPLIT < HEAD_DIM`` is false)."""
     cols = tl.arange(0, HALF_D)
     lo_ok = (cols < SPLIT) & (cols < HEAD_DIM)
     return cols, lo_ok, lo_ok & (SPLIT + cols < HEAD_DIM)
 
-
-@triton.jit
-def has_second_half(HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
-    return SPLIT < HEAD_DIM
 
 
 @triton.jit
@@ -246,7 +242,7 @@ def load_stored(
         at = head_ptr + row[:, None] + cols[None, :]
         lo = tl.load(at, mask=rows_ok[:, None] & lo_ok[None, :], other=0)
         lo = _code_values(lo, levels_ptr, CODE, BITS, DTYPE, DECODE)
-        if has_second_half(HEAD_DIM, SPLIT):
+        if SPLIT < HEAD_DIM:  # a second half
             hi = tl.load(at + SPLIT, mask=rows_ok[:, None] & hi_ok[None, :], other=0)
             hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
         else:
