@@ -27,6 +27,8 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
     return {
         "kernels": [PY, "-m", "pytest", "-q", "-x", str(ROOT / "tests/backends")],
         "e2e": [PY, "-m", "pytest", "-q", "-x", str(ROOT / "tests/gpu")],
+        # the quantized KV formats alone (a subset of "kernels"), for a call with little time
+        "kv-kernels": [PY, "-m", "pytest", "-q", str(ROOT / "tests/backends/test_kv_formats_cuda.py")],
         "bandwidth": [PY, str(HERE / "bandwidth.py")],
         "decode-8b": offline + ["--shape", "llama-3.1-8b", "--batch", "1", "--input-len", "128",
                                 "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16", "--profile"],
