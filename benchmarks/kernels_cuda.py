@@ -16,7 +16,8 @@ measured in the same run (a large device-to-device copy, read + write bytes). At
 also reports TFLOP/s (causal: half the score matrix).
 
 ``--sweep`` also times the attention kernels over alternative tile shapes and decode
-split counts (and quantized decode with the portable code decode instead of PTX); ``--kv-formats`` adds attention over caches in those formats (filled
+split counts (and quantized decode with the portable code decode instead of PTX);
+``--kv-formats`` adds attention over caches in those formats (filled
 with random keys and values through each format's write path, the equalizer random),
 ``bytes`` then counting each format's real bytes per token. ``--smoke`` checks this script under the interpreter (times meaningless).
 """

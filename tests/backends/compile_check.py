@@ -25,7 +25,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
-from xinfer.kv.codecs import LloydMax
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import activation, attention, kv_codes, kv_quant_write, kv_write, norm, rotary
 
@@ -117,9 +116,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 kv_quant_write.quant_write_kv(
                     t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64)
                 )
-            # The decode tiles of small batches and of batches that fill the GPU (not for
-            # Lloyd–Max codes before sm_90); codes decoded as on such a GPU (PTX, hardware e4m3).
-            long_tiles = not (cc < 90 and any(isinstance(c, LloydMax) for c in (fmt.key, fmt.value)))
+            # The decode tiles of small batches and of batches that fill the GPU; codes
+            # decoded as on such a GPU.
+            sides = (kv_codes.side(cache, "k", fmt.key), kv_codes.side(cache, "v", fmt.value))
+            long_tiles = attention.long_tiles_fit(sides, cc // 10)
             decode_tables = [attention._DECODE_TILES] + ([attention._LONG_DECODE_TILES] if long_tiles else [])
             steps = [(1, 4, table) for table in decode_tables] + [(8, None, attention._DECODE_TILES)]
             for q_len, splits, decode_table in steps:
@@ -132,7 +132,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                     t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
                     prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
                     decode_tiles=tiles(decode_table, head_dim),
-                    decode=kv_codes.PTX_FP8 if cc >= 89 else kv_codes.PTX,
+                    decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
                 )  # fmt: skip
     return list(LAUNCHES)
 

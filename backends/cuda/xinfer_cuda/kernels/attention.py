@@ -240,7 +240,8 @@ def _attend_keys(
         if V_OFFSET != 0.0:
             pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
             acc_lo -= V_OFFSET * pv_sum
-            acc_hi -= V_OFFSET * pv_sum
+            if SPLIT < HEAD_DIM:  # a second half
+                acc_hi -= V_OFFSET * pv_sum
         m_i = m_new
     return acc_lo, acc_hi, l_i, m_i
 
@@ -657,6 +658,14 @@ def prefill_config(head_dim: int, q: Tensor) -> TileConfig:
     return _pick(_PREFILL_TILES, head_dim, q)
 
 
+def long_tiles_fit(sides: tuple[Side, Side], major: int) -> bool:
+    """Whether a quantized cache decodes with :data:`_LONG_DECODE_TILES` on a device of
+    compute capability ``major``: Lloyd–Max level chains spill there before sm_90
+    (compile_check: 520-832 B at sm_80)."""
+    quantized = any(s.code != PLAIN for s in sides)
+    return quantized and not (major < 9 and any(s.code == LLOYD for s in sides))
+
+
 def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False) -> TileConfig:
     return _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
 
@@ -713,8 +722,9 @@ def paged_attention_cache(
 ) -> Tensor:
     """:func:`paged_attention` over a layer's cache in any format: quantized K/V tiles are
     decoded in registers inside the loop (``decode=`` overrides the device's decode
-    method, :func:`~xinfer_cuda.kernels.kv_codes.decode_method`); where the format rotates keys the kernels bring
-    each query into the keys' basis, and where it rotates values the output back."""
+    method, :func:`~xinfer_cuda.kernels.kv_codes.decode_method`); where the format
+    rotates keys the kernels bring each query into the keys' basis, and where it
+    rotates values the output back."""
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
     rotation = None
@@ -833,9 +843,8 @@ def attend_sides(
     sides = (k_side, v_side)
     quantized = any(s.code != PLAIN for s in sides)
     fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
-    # Lloyd–Max level chains spill at long tiles before sm_90 (compile_check: 520-832 B at sm_80).
-    spills = any(s.code == LLOYD for s in sides) and q.is_cuda and _device_limits(q.device.index or 0)[0] < 9
-    cfg = decode_tiles or decode_config(head_dim, q, quantized and fills_gpu and not spills)
+    major = _device_limits(q.device.index or 0)[0] if q.is_cuda else 9
+    cfg = decode_tiles or decode_config(head_dim, q, fills_gpu and long_tiles_fit(sides, major))
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = max(2 * cfg.block_n, 64)
     if num_splits is None:

@@ -9,6 +9,7 @@ consecutive dims in 3).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,16 @@ DECODE_PTX: tl.constexpr = tl.constexpr(PTX)
 DECODE_PTX_FP8: tl.constexpr = tl.constexpr(PTX_FP8)
 
 
+@functools.cache
 def decode_method(device: torch.device) -> int:
+    """The decode method for ``device`` (asked once per device, not per attention call)."""
     if device.type != "cuda":
         return PORTABLE
-    return PTX_FP8 if torch.cuda.get_device_capability(device) >= (8, 9) else PTX
+    return gpu_decode_method(torch.cuda.get_device_capability(device))
+
+
+def gpu_decode_method(capability: tuple[int, int]) -> int:
+    return PTX_FP8 if capability >= (8, 9) else PTX
 
 
 @dataclass(frozen=True)
@@ -190,12 +197,11 @@ def half_columns(HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constex
     """Columns of the halves attention holds a row in, and which of them hold
     dimensions: half 0 is dims [0, SPLIT), half 1 is [SPLIT, 2 SPLIT), each padded to
     HALF_D (>= 16, the narrowest dot) and cut at HEAD_DIM. Caches with 4- or 3-bit
-    codes split rows at D/2; the others keep them whole (SPLIT >= HEAD_DIM: half 1 is
-    empty: ``SPLIT < HEAD_DIM`` is false)."""
+    codes split rows at D/2; the others keep them whole (SPLIT >= HEAD_DIM, so half 1
+    is empty and the kernels skip it: ``SPLIT < HEAD_DIM`` is false)."""
     cols = tl.arange(0, HALF_D)
     lo_ok = (cols < SPLIT) & (cols < HEAD_DIM)
     return cols, lo_ok, lo_ok & (SPLIT + cols < HEAD_DIM)
-
 
 
 @triton.jit
@@ -215,9 +221,8 @@ def load_stored(
 ):
     """The tile of ``ROWS`` rows of one KV head at element offsets ``row`` as two halves
     [ROWS, HALF_D] (:func:`half_columns`; padding reads as code 0; whole rows give the
-    first half twice). As stored, before
-    the per-row scale (:meth:`Side.read_as`): a plain cache's values as they are; else,
-    in ``DTYPE`` (fp16, or fp32 for fp32 queries), e4m3 values (/ 256 but for the
+    first half twice). As stored, before the per-row scale (:meth:`Side.read_as`): a
+    plain cache's values as they are; else, in ``DTYPE`` (fp16, or fp32 for fp32 queries), e4m3 values (/ 256 but for the
     hardware conversion), uniform codes (fp16: 1024 + code) or unit Lloyd–Max levels.
     A 4-bit byte holds dim j in its low and dim D/2 + j in its high nibble, so the
     halves come out of one load with no shuffle. Masked rows read as 0."""
