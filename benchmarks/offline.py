@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -32,8 +33,17 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", action="store_true", help="also report host time per step phase")
+    parser.add_argument("--profile", action="store_true",
+                        help="also report host time per step phase, and step time by kind and captured shape")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list the N kernels that took the most device time (torch profiler)")
+    parser.add_argument("--sizes-per-octave", type=int, default=None,
+                        help="captured step sizes between powers of two (CUDA backend; for A/B runs)")
     args = parser.parse_args()
+    if args.sizes_per_octave:
+        from xinfer_cuda import static_step
+
+        static_step.SIZES_PER_OCTAVE = args.sizes_per_octave
 
     rng = random.Random(args.seed)
     llm = LLM(
@@ -47,12 +57,15 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
 
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    kinds = time_step_kinds(llm) if args.profile else None  # before time_phases wraps runner.graphs
     phases = time_phases(llm) if args.profile else None
-    start = time.perf_counter()
-    first_token_at = None
-    for _ in llm.stream(prompts, params):
-        first_token_at = first_token_at or time.perf_counter()
-    elapsed = time.perf_counter() - start
+    profiler = kernel_profiler() if args.kernels else contextlib.nullcontext()
+    with profiler:
+        start = time.perf_counter()
+        first_token_at = None
+        for _ in llm.stream(prompts, params):
+            first_token_at = first_token_at or time.perf_counter()
+        elapsed = time.perf_counter() - start
     generated = sum(outputs)
     result = {
         "shape": args.shape,
@@ -70,6 +83,9 @@ def main() -> None:
     if phases is not None:
         result["steps"] = phases.pop("steps")
         result["ms_per_step"] = {name: round(1e3 * t / max(result["steps"], 1), 3) for name, t in phases.items()}
+        result["step_kinds"] = summarize(kinds)
+    if args.kernels:
+        result["kernels"] = top_kernels(profiler, args.kernels)
     print(json.dumps(result))
 
 
@@ -101,6 +117,78 @@ def time_phases(llm: LLM) -> dict[str, float]:
         timed(runner, "graphs", "forward")
     timed(runner.model, "forward", "forward")
     return totals
+
+
+def time_step_kinds(llm: LLM) -> dict[tuple[str, int], list[float]]:
+    """Wall time of the runner's steps (each ends reading sampled tokens back, so it
+    is the device's time when the host keeps up), by kind and by the token count of the
+    captured shape replayed (0: eager): {(kind, bucket): [steps, tokens, seconds]}."""
+    from xinfer_cuda.static_step import pick_bucket  # the CUDA backend's shapes; --profile is a GPU tool
+
+    runner, totals = llm.engine.runner, {}
+    buckets = runner.graphs.buckets if runner.graphs else None
+    inner_step, inner_prepare = runner.step, runner.prepare
+    last = {}
+
+    def prepare(scheduled):
+        last["batch"] = batch = inner_prepare(scheduled)
+        return batch
+
+    def step(scheduled):
+        t = time.perf_counter()
+        try:
+            return inner_step(scheduled)
+        finally:
+            batch = last["batch"]
+            bucket = pick_bucket(buckets, batch) if buckets else None
+            key = ("decode" if batch.is_decode else "mixed", bucket.num_tokens if bucket else 0)
+            row = totals.setdefault(key, [0, 0, 0.0])
+            row[0] += 1
+            row[1] += len(batch.input_ids)
+            row[2] += time.perf_counter() - t
+
+    runner.prepare, runner.step = prepare, step
+    return totals
+
+
+def summarize(kinds: dict[tuple[str, int], list[float]]) -> dict[str, dict]:
+    """Per kind: steps, mean real and padded tokens, seconds, and the five shapes that took longest."""
+    out = {}
+    for kind in ("decode", "mixed"):
+        rows = {b: r for (k, b), r in kinds.items() if k == kind}
+        steps = sum(r[0] for r in rows.values())
+        if not steps:
+            continue
+        out[kind] = {
+            "steps": steps,
+            "mean_tokens": round(sum(r[1] for r in rows.values()) / steps, 1),
+            "mean_padded_tokens": round(sum(b * r[0] for b, r in rows.items()) / steps, 1),
+            "seconds": round(sum(r[2] for r in rows.values()), 3),
+            "by_shape": {
+                b: {"steps": r[0], "mean_tokens": round(r[1] / r[0], 1), "ms_per_step": round(1e3 * r[2] / r[0], 2)}
+                for b, r in sorted(rows.items(), key=lambda item: -item[1][2])[:5]
+            },
+        }
+    return out
+
+
+def kernel_profiler():
+    import torch
+
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+
+def top_kernels(profiler, n: int) -> list[dict]:
+    """The n kernels with the most device time over the run (graph replays included),
+    each with its share of the summed kernel time."""
+    events = [e for e in profiler.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    events.sort(key=lambda e: -e.device_time_total)
+    return [
+        {"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 1),
+         "share": round(e.device_time_total / total, 3)}
+        for e in events[:n]
+    ]
 
 
 if __name__ == "__main__":

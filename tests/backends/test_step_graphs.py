@@ -46,12 +46,16 @@ def host_batch(q_lens: list[int], seq_lens: list[int], sampled: list[bool], bloc
 
 def test_ladders():
     assert decode_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
-    assert token_sizes(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    assert token_sizes(300) == [64, 128, 256, 300]
+    assert token_sizes(300) == [64, 80, 96, 112, 128, 160, 192, 224, 256, 300]
     assert token_sizes(20) == [20]
-    buckets = step_buckets(StepLimits(max_num_seqs=100, max_num_tokens=512, max_blocks_per_seq=8, max_seq_len=32))
+    sizes = token_sizes(8192)
+    assert sizes[0] == 64 and sizes[-1] == 8192 and sizes == sorted(set(sizes))
+    # any step of 64 or more tokens is padded by at most a quarter
+    assert all(b <= a * 1.25 for a, b in zip(sizes, sizes[1:])), sizes
+    buckets = step_buckets(StepLimits(max_num_seqs=100, max_num_tokens=160, max_blocks_per_seq=8, max_seq_len=32))
     assert [b for b in buckets if not b.decode] == [
-        Bucket(64, 64, False), Bucket(128, 100, False), Bucket(256, 100, False), Bucket(512, 100, False),
+        Bucket(64, 64, False), Bucket(80, 80, False), Bucket(96, 96, False), Bucket(112, 100, False),
+        Bucket(128, 100, False), Bucket(160, 100, False),
     ]  # fmt: skip
     assert [b.num_tokens for b in buckets if b.decode] == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
 
@@ -61,7 +65,7 @@ def test_pick_bucket_by_kind_and_size():
     decode = host_batch([1, 1, 1], [5, 9, 2], [True] * 3)
     assert pick_bucket(buckets, decode) == Bucket(4, 4, True)
     mixed = host_batch([1, 1, 70], [5, 9, 70], [True, True, False])
-    assert pick_bucket(buckets, mixed) == Bucket(128, 8, False)
+    assert pick_bucket(buckets, mixed) == Bucket(80, 8, False)  # 72 tokens
     chunk = host_batch([1], [5], [False])  # one prompt token, not the last: not a decode step
     assert pick_bucket(buckets, chunk) == Bucket(64, 8, False)
     assert pick_bucket(buckets, host_batch([257], [257], [True])) is None

@@ -20,6 +20,9 @@ from torch import Tensor
 from xinfer.ops import AttentionMetadata, HostBatch, StepForward, StepLimits
 
 MIN_STEP_TOKENS = 64
+# Steps with prompt tokens are compute-bound at a few hundred tokens, so padding costs
+# its share of the step's time; more sizes cost capture time (about 0.3 s each).
+SIZES_PER_OCTAVE = 4
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,13 @@ def decode_sizes(max_num_seqs: int) -> list[int]:
 
 
 def token_sizes(max_num_tokens: int) -> list[int]:
-    """Powers of two from MIN_STEP_TOKENS, and the largest step."""
-    sizes, size = [], MIN_STEP_TOKENS
-    while size < max_num_tokens:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_num_tokens]
+    """From MIN_STEP_TOKENS up, SIZES_PER_OCTAVE sizes between powers of two (so a step
+    is padded by at most 1 / SIZES_PER_OCTAVE of its size), and the largest step."""
+    sizes, octave = set(), MIN_STEP_TOKENS
+    while octave < max_num_tokens:
+        sizes |= {octave + i * octave // SIZES_PER_OCTAVE for i in range(SIZES_PER_OCTAVE)}
+        octave *= 2
+    return sorted({s for s in sizes if s < max_num_tokens} | {max_num_tokens})
 
 
 def step_buckets(limits: StepLimits) -> list[Bucket]:
@@ -139,7 +143,7 @@ class StaticStep:
             seq_lens=seq_lens[:s],
             block_tables=self.block_tables[:s],
             slot_mapping=slots[:t],
-            max_seqlen_q=1 if bucket.decode else t,  # > 1 selects the prefill kernel
+            max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
             max_seq_len=self.limits.max_seq_len,
         )
         logits = self.forward(ids[:t], positions[:t], meta, rows[:s])
