@@ -9,6 +9,7 @@ interpreter on CPU, small shapes in fp32 and fp16.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import zlib
@@ -177,11 +178,13 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     )  # fmt: skip
     q1 = torch.randn(3, heads, head_dim).to(dtype)
     want1 = CPU.attention(q1.float(), reference, decode, scale, softcap=30.0)
-    for splits in (1, 4):
+    # on a GPU also the long tiles that batches filling the multiprocessors get
+    tiles = [None] + ([attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True)] if ON_GPU else [])
+    for splits, tile in itertools.product((1, 4), tiles):
         got1 = attention.paged_attention_cache(
-            q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits
+            q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits, decode_tiles=tile
         )
-        assert relative_error(got1, want1) < TOL[dtype], splits
+        assert relative_error(got1, want1) < TOL[dtype], (splits, tile)
 
 
 @pytest.mark.parametrize("fmt", ["turbo4"])

@@ -6,8 +6,8 @@ blocks and ``max_num_seqs`` allow. When blocks run out, the most recently starte
 sequence is preempted: its blocks are freed and it is recomputed later.
 
 A step that carries prompt tokens costs more than a pure decode step even when it
-replays a graph (it is padded to a token bucket and its decode rows go through the
-prefill kernel, without split-K); so once the batch is nearly full, waiting prompts
+replays a graph (its GEMMs are compute-bound, and it is padded to a token bucket);
+so once the batch is nearly full, waiting prompts
 are admitted in groups (when an eighth of the sequence slots are free, or when they
 would fill the token budget) rather than one per finished sequence. (Measured when
 such steps were eager; with step graphs the group size wants re-measuring.)

@@ -2,18 +2,20 @@
 
 Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, base 2):
 
-- ``_prefill_kernel`` for any batch with ``max_seqlen_q > 1`` (prefill, chunked
-  prefill, prefix-cached prefill, prefill mixed with decodes). One program per
-  (query tile of the flat batch, KV head); each finds its sequence in
-  ``cu_seqlens_q``, so the grid depends only on the token and sequence counts and a
-  step with prompt tokens can be a CUDA graph replay too. The rows of a tile are
-  (query, head of the KV head's group) pairs, so a K/V tile loaded once serves the
-  whole GQA group.
-- ``_decode_kernel`` + ``_decode_reduce_kernel`` for ``max_seqlen_q == 1``
-  (flash-decoding): each sequence's context is split across ``NUM_SPLITS`` programs
-  per KV head, which write partial (acc, max, sum); the reduce merges them. The grid
-  depends only on tensor shapes and the split lengths are computed from ``seq_lens``
-  inside the kernels, so a captured CUDA graph stays valid as contexts grow.
+- ``_prefill_kernel`` for the sequences of a step with more than one query (prefill,
+  chunked prefill, prefix-cached prefill). One program per (query tile of the flat
+  batch, KV head); each finds its sequence in ``cu_seqlens_q``, so the grid depends
+  only on the token and sequence counts and a step with prompt tokens can be a CUDA
+  graph replay too. The rows of a tile are (query, head of the KV head's group)
+  pairs, so a K/V tile loaded once serves the whole GQA group.
+- ``_decode_kernel`` + ``_decode_reduce_kernel`` for the sequences with one query,
+  in decode steps and in steps that mix decodes with prompt chunks (in a prefill
+  tile one query would fill a group's rows of a 128-row tile and leave the rest
+  idle). Flash-decoding: each sequence's context is split across ``NUM_SPLITS``
+  programs per KV head, which write partial (acc, max, sum); the reduce merges them.
+  The grid depends only on tensor shapes and the split lengths are computed from
+  ``seq_lens`` inside the kernels, so a captured CUDA graph stays valid as contexts
+  grow.
 
 K/V addresses are computed per token through the block table, so the cache block size
 (any power of two) is independent of the tile size. Each side of the cache has a code
@@ -332,7 +334,7 @@ def _prefill_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     first_q = (tile - q_start // Q_PER_TILE - seq) * Q_PER_TILE
-    if first_q >= q_len:
+    if first_q >= q_len or q_len == 1:  # one query: the decode kernel's
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_start = seq_len - q_len  # the step's queries are the last q_len positions
@@ -486,7 +488,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_len == 0:
+    if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     lo, split_len = _split_range(seq_len, window, HAS_WINDOW, NUM_SPLITS, MIN_SPLIT)
@@ -569,7 +571,7 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_len == 0:
+    if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     lo, split_len = _split_range(seq_len, window, HAS_WINDOW, NUM_SPLITS, MIN_SPLIT)
@@ -838,7 +840,6 @@ def attend_sides(
             GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
-        return out
 
     sides = (k_side, v_side)
     quantized = any(s.code != PLAIN for s in sides)
