@@ -71,11 +71,11 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
         fill(llm, seqs)
         scheduled = [ScheduledSeq(seq, 1) for seq in seqs]
         for _ in range(3):
-            engine.runner.step(scheduled)
+            engine.runner.step(scheduled).result()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            engine.runner.step(scheduled)
+            engine.runner.step(scheduled).result()
         torch.cuda.synchronize()
         step_s = (time.perf_counter() - start) / steps
         layer_us = attention_us(llm, engine.runner.prepare(scheduled))

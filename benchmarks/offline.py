@@ -11,6 +11,7 @@ import contextlib
 import json
 import random
 import time
+from collections.abc import Callable
 
 from shapes import shape_folder
 
@@ -90,9 +91,13 @@ def main() -> None:
 
 
 def time_phases(llm: LLM) -> dict[str, float]:
-    """Wraps the engine's step phases with host timers (the device is synchronised at
-    each step's token read-back, so 'sample' holds the device time not hidden)."""
-    totals = {"steps": 0, "schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "step": 0.0}
+    """Wraps the engine's step phases with host timers. A step is launched before the
+    one before it is read back; 'read_back' holds the wait for the device that the
+    launch did not hide, and the stop checks."""
+    from xinfer.engine.sampler import SampledTokens
+
+    totals = {"steps": 0, "schedule": 0.0, "prepare": 0.0, "forward": 0.0, "sample": 0.0, "read_back": 0.0,
+              "step": 0.0}  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
 
     def timed(owner, name, phase):
@@ -113,19 +118,21 @@ def time_phases(llm: LLM) -> dict[str, float]:
     timed(engine.scheduler, "schedule", "schedule")
     timed(runner, "prepare", "prepare")
     timed(runner, "sampler", "sample")
+    timed(SampledTokens, "result", "read_back")
     if runner.graphs is not None:
         timed(runner, "graphs", "forward")
     timed(runner.model, "forward", "forward")
     return totals
 
 
-def time_step_kinds(llm: LLM) -> dict[tuple[str, int], list[float]]:
-    """Wall time of the runner's steps (each ends reading sampled tokens back, so it
-    is the device's time when the host keeps up), by kind and by the token count of the
-    captured shape replayed (0: eager): {(kind, bucket): [steps, tokens, seconds]}."""
+def time_step_kinds(llm: LLM) -> list[tuple[tuple[str, int], int, Callable[[], float]]]:
+    """Device time of each step (CUDA events around its launch: input copies, replay,
+    sampling; the engine does not wait for it), by kind and by the token count of the
+    captured shape replayed (0: eager): [((kind, bucket), tokens, seconds)]."""
+    import torch
     from xinfer_cuda.static_step import pick_bucket  # the CUDA backend's shapes; --profile is a GPU tool
 
-    runner, totals = llm.engine.runner, {}
+    runner, records = llm.engine.runner, []
     buckets = runner.graphs.buckets if runner.graphs else None
     inner_step, inner_prepare = runner.step, runner.prepare
     last = {}
@@ -134,25 +141,40 @@ def time_step_kinds(llm: LLM) -> dict[tuple[str, int], list[float]]:
         last["batch"] = batch = inner_prepare(scheduled)
         return batch
 
-    def step(scheduled):
-        t = time.perf_counter()
+    def step(scheduled, previous=None):
+        start, end = (Stamp(), Stamp()) if llm.engine.device.type == "cpu" else (torch.cuda.Event(True), torch.cuda.Event(True))
+        start.record()
         try:
-            return inner_step(scheduled)
+            return inner_step(scheduled, previous)
         finally:
+            end.record()
             batch = last["batch"]
             bucket = pick_bucket(buckets, batch) if buckets else None
             key = ("decode" if batch.is_decode else "mixed", bucket.num_tokens if bucket else 0)
-            row = totals.setdefault(key, [0, 0, 0.0])
-            row[0] += 1
-            row[1] += len(batch.input_ids)
-            row[2] += time.perf_counter() - t
+            records.append((key, len(batch.input_ids), lambda s=start, e=end: s.elapsed_time(e) / 1e3))
 
     runner.prepare, runner.step = prepare, step
-    return totals
+    return records
 
 
-def summarize(kinds: dict[tuple[str, int], list[float]]) -> dict[str, dict]:
+class Stamp:
+    """A host clock with the CUDA event's interface, for the CPU backend (which computes as it launches)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "Stamp") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def summarize(records: list[tuple[tuple[str, int], int, Callable[[], float]]]) -> dict[str, dict]:
     """Per kind: steps, mean real and padded tokens, seconds, and the five shapes that took longest."""
+    kinds: dict[tuple[str, int], list[float]] = {}
+    for key, tokens, seconds in records:
+        row = kinds.setdefault(key, [0, 0, 0.0])
+        row[0] += 1
+        row[1] += tokens
+        row[2] += seconds()
     out = {}
     for kind in ("decode", "mixed"):
         rows = {b: r for (k, b), r in kinds.items() if k == kind}
@@ -163,9 +185,9 @@ def summarize(kinds: dict[tuple[str, int], list[float]]) -> dict[str, dict]:
             "steps": steps,
             "mean_tokens": round(sum(r[1] for r in rows.values()) / steps, 1),
             "mean_padded_tokens": round(sum(b * r[0] for b, r in rows.items()) / steps, 1),
-            "seconds": round(sum(r[2] for r in rows.values()), 3),
+            "device_seconds": round(sum(r[2] for r in rows.values()), 3),
             "by_shape": {
-                b: {"steps": r[0], "mean_tokens": round(r[1] / r[0], 1), "ms_per_step": round(1e3 * r[2] / r[0], 2)}
+                b: {"steps": r[0], "mean_tokens": round(r[1] / r[0], 1), "device_ms_per_step": round(1e3 * r[2] / r[0], 2)}
                 for b, r in sorted(rows.items(), key=lambda item: -item[1][2])[:5]
             },
         }

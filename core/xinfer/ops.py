@@ -114,9 +114,21 @@ class HostBatch:
         return len(self.sample_rows) == len(self.input_ids)
 
 
+@dataclass
+class DeviceTokens:
+    """Input ids of a step that are still on the device (sampled by the step before
+    it and not yet read back): ``input_ids[index] = values``."""
+
+    index: Tensor
+    values: Tensor
+
+    def write_into(self, input_ids: Tensor) -> None:
+        input_ids.index_copy_(0, self.index, self.values)
+
+
 StepForward = Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor]
 """(input ids, positions, metadata, sample rows) -> fp32 logits of those rows."""
-StepRunner = Callable[[HostBatch], "Tensor | None"]
+StepRunner = Callable[[HostBatch, "DeviceTokens | None"], "Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,8 @@ class CapturesSteps(Protocol):
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepRunner:
         """Record ``forward`` for steps up to ``limits`` (decode steps and steps with
         prompt tokens). The returned runner computes the logits [len(sample_rows), vocab]
-        of a :class:`HostBatch`, or returns None for a batch it cannot take."""
+        of a :class:`HostBatch` (with its :class:`DeviceTokens` written in), or returns
+        None for a batch it cannot take."""
 
 
 _current: Ops | None = None

@@ -14,7 +14,8 @@ from transformers import LlamaConfig
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
 from xinfer.engine.runner import ModelRunner
-from xinfer.ops import HostBatch, StepLimits
+from xinfer.engine.sequence import PENDING
+from xinfer.ops import DeviceTokens, HostBatch, StepLimits
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.static_step import (
@@ -102,12 +103,23 @@ def mixed_and_decode_batches(llm: LLM) -> list[HostBatch]:
     engine.step()
     engine.step()  # decoding now
     engine.add_request("late", prompt(150, seed=9), params)  # its first chunk joins the decodes
-    batches = []
+    batches, steps = [], []
     prepare = engine.runner.prepare
-    engine.runner.prepare = lambda scheduled: batches.append(prepare(scheduled)) or batches[-1]
+
+    def recording(scheduled):
+        steps.append([item.seq for item in scheduled])
+        batches.append(prepare(scheduled))
+        return batches[-1]
+
+    engine.runner.prepare = recording
     for _ in range(3):
         engine.step()
-    return batches
+    engine.step()  # reads the third step's tokens back
+    for batch, seqs in zip(batches, steps):  # inputs that were still on the device, as the host now has them
+        for seq, end in zip(seqs, batch.cu_seqlens_q[1:]):
+            if batch.input_ids[end - 1] == PENDING:
+                batch.input_ids[end - 1] = seq.token_ids[batch.positions[end - 1]]
+    return batches[:3]
 
 
 INTERPRETED = os.environ["XINFER_KERNEL_DEVICE"] == "cpu"  # the CUDA kernels take CPU tensors
@@ -144,10 +156,10 @@ class EagerStaticSteps:
         self.buckets = step_buckets(limits)
         self.used: list[Bucket] = []
 
-    def __call__(self, batch: HostBatch):
+    def __call__(self, batch: HostBatch, pending: DeviceTokens | None = None):
         bucket = pick_bucket(self.buckets, batch)
         self.used.append(bucket)
-        self.step.load(batch, bucket)
+        self.step.load(batch, bucket, pending)
         return self.step.run(bucket)[: len(batch.sample_rows)]
 
 

@@ -5,6 +5,7 @@ from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer.engine.sampler import SampledTokens
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,51 @@ def test_sampling_controls(llm):
     )[0]
     plain = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert len(set(penalized.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
+    assert_all_blocks_free(llm)
+
+
+def test_the_host_reads_a_step_back_after_launching_the_next(llm, monkeypatch):
+    events = []
+    launch = llm.engine.runner.step
+
+    def launching(scheduled, previous=None):
+        sampled = launch(scheduled, previous)
+        events.append(("launch", id(sampled)))
+        return sampled
+
+    read = SampledTokens.result
+    monkeypatch.setattr(llm.engine.runner, "step", launching)
+    monkeypatch.setattr(SampledTokens, "result", lambda self: events.append(("read", id(self))) or read(self))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([PROMPTS[3]], params)[0].outputs[0].token_ids
+    events.clear()
+    assert llm.generate([PROMPTS[3]], params)[0].outputs[0].token_ids == alone
+    launches = [key for kind, key in events if kind == "launch"]
+    assert len(launches) == 6
+    for step, following in zip(launches, launches[1:]):
+        assert events.index(("launch", following)) < events.index(("read", step))
+
+
+def test_stop_abort_and_context_limit_while_a_step_is_in_flight(model_dir):
+    llm = LLM(model=model_dir, dtype="float32", num_blocks=64, max_model_len=40)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    b_alone = llm.generate([PROMPTS[2]], greedy)[0].outputs[0].token_ids
+    third = b_alone[2]
+    engine.add_request("a", PROMPTS[1], greedy)
+    engine.add_request("b", PROMPTS[2], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[third]))
+    engine.add_request("c", PROMPTS[4], SamplingParams(temperature=0, ignore_eos=True))  # 31 tokens: 9 fit
+    outputs = engine.step()  # launched the prompts; nothing read back yet
+    assert outputs == []
+    engine.abort("a")
+    got = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    assert "a" not in got
+    assert [o.token_ids[0] for o in got["b"]] == b_alone[:3] and got["b"][-1].finish_reason == "stop"
+    assert len(got["c"]) == 40 - len(PROMPTS[4]) and got["c"][-1].finish_reason == "length"
+    assert [o.finished for o in got["c"]] == [False] * (len(got["c"]) - 1) + [True]
     assert_all_blocks_free(llm)
 
 

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import Tensor
 
-from xinfer.ops import HostBatch, StepForward, StepLimits
+from xinfer.ops import DeviceTokens, HostBatch, StepForward, StepLimits
 from xinfer_cuda.static_step import Bucket, StaticStep, pick_bucket, step_buckets
 
 log = logging.getLogger("xinfer")
@@ -49,11 +49,11 @@ class StepGraphs:
             time.perf_counter() - start, (torch.cuda.memory_allocated(device) - before) / 2**30,
         )  # fmt: skip
 
-    def __call__(self, batch: HostBatch) -> Tensor | None:
+    def __call__(self, batch: HostBatch, pending: DeviceTokens | None = None) -> Tensor | None:
         """Logits [len(sample_rows), vocab] of ``batch``, or None when no graph fits."""
         bucket = pick_bucket(self.buckets, batch)
         if bucket is None or not self.step.fits(batch):
             return None
-        self.step.load(batch, bucket)
+        self.step.load(batch, bucket, pending)
         self.graphs[bucket].replay()
         return self.step.logits[: len(batch.sample_rows)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xinfer.ops import AttentionMetadata, HostBatch, StepForward, StepLimits
+from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, StepForward, StepLimits
 
 MIN_STEP_TOKENS = 64
 # Steps with prompt tokens are compute-bound at a few hundred tokens, so padding costs
@@ -115,7 +115,7 @@ class StaticStep:
     def fits(self, batch: HostBatch) -> bool:
         return max(len(row) for row in batch.block_tables) <= self.limits.max_blocks_per_seq
 
-    def load(self, batch: HostBatch, bucket: Bucket) -> None:
+    def load(self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None) -> None:
         """Write ``batch``, padded to ``bucket``, into the device buffers."""
         padded = pad_batch(batch, bucket)
         if self.copied is not None:
@@ -131,6 +131,8 @@ class StaticStep:
         if self.copied is not None:
             self.copied.record()
         self.block_tables[:n, :width] = self._tables(self.dev32)[: n * width].view(n, width)
+        if pending is not None:
+            pending.write_into(self._views(self.dev64, self.dev32)[0])
 
     def run(self, bucket: Bucket) -> Tensor:
         """Logits [num_seqs, vocab] of the bucket's sample rows, from the buffers (the

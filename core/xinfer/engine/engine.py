@@ -16,8 +16,9 @@ from xinfer.engine.kv_cache import allocate_kv_cache
 from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.memory_plan import memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
+from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq, Scheduler
-from xinfer.engine.sequence import Sequence
+from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.kv import get_format
 from xinfer.engine.stop import TextStream
 from xinfer.loading.loader import load_config, load_model
@@ -91,6 +92,7 @@ class LLMEngine:
             self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
+        self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
@@ -104,7 +106,8 @@ class LLMEngine:
                 f"the prompt must be shorter to leave room for at least one generated token"
             )
         self._check_vocab(prompt_token_ids)
-        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, max_num_tokens=max_num_tokens)
         self.sequences[request_id] = seq
         detokenizer = self._detokenizer(params, prompt_token_ids) if self.tokenizer is not None else None
         self.streams[request_id] = TextStream(detokenizer, params.stop)
@@ -143,7 +146,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -156,22 +159,40 @@ class LLMEngine:
         )
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled, result = self.runner.step(batch)
-        for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(item.seq)
-        if result is None:
-            return []
+        """Launches the next step, then reads back the one before it and returns what it
+        added: the host schedules and prepares a step while the device runs the previous
+        one. Sequences whose last token is still on the device are scheduled with it
+        (:data:`~xinfer.engine.sequence.PENDING`); one that turns out to have stopped
+        has run one step for nothing, and that step's token is dropped."""
+        scheduled = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        outputs = []
+        if previous is not None and any(s.seq.params.has_penalties for s in scheduled):
+            outputs, previous = self._read_back(previous), None  # penalties count every earlier token
+        sampled = self.runner.step(scheduled, previous) if scheduled else None
+        if previous is not None:
+            outputs = self._read_back(previous)
+        for item in scheduled:
+            if not item.seq.finished:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.commit(item.seq)
+        if sampled is not None:
+            for seq in sampled.seqs:
+                seq.token_ids.append(PENDING)
+            self.in_flight = sampled
+        return outputs
+
+    def _read_back(self, sampled: SampledTokens) -> list[StepOutput]:
+        result = sampled.result()
         return [
             self._append(seq, token, logprobs)
-            for seq, token, logprobs in zip(sampled, result.token_ids, result.logprobs)
+            for seq, token, logprobs in zip(sampled.seqs, result.token_ids, result.logprobs)
+            if not seq.finished  # stopped or aborted since this step was launched
         ]
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
-        seq.token_ids.append(token)
+        assert seq.token_ids[-1] == PENDING
+        seq.token_ids[-1] = token
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         stream = self.streams[seq.request_id]

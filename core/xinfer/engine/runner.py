@@ -1,6 +1,10 @@
 """One engine step on the device: flatten the scheduled sequences into a batch,
 run the model (a replay of a recorded step where the backend records them), and
-sample the sequences that completed their prompt."""
+sample the sequences that completed their prompt.
+
+A step is launched without waiting for the one before: a sequence's last token may
+still be on the device (:data:`~xinfer.engine.sequence.PENDING` on the host), and
+then the step reads it from the sampled tokens of the step before."""
 
 from __future__ import annotations
 
@@ -8,12 +12,12 @@ import torch
 from torch import Tensor
 
 from xinfer import ops
-from xinfer.engine.sampler import Sampler, SamplerOutput
+from xinfer.engine.sampler import SampledTokens, Sampler
 from xinfer.engine.scheduler import ScheduledSeq
-from xinfer.engine.sequence import Sequence
+from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
-from xinfer.ops import AttentionMetadata, HostBatch, Ops, StepLimits, StepRunner
+from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, Ops, StepLimits, StepRunner
 
 
 class ModelRunner:
@@ -56,18 +60,37 @@ class ModelRunner:
                 return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Runs a step; returns the sequences that sampled a token, and their tokens."""
+    def step(self, scheduled: list[ScheduledSeq], previous: SampledTokens | None = None) -> SampledTokens | None:
+        """Launches a step; returns the tokens of the sequences that sample one, still on
+        their way to the host. ``previous`` holds the tokens this step's pending inputs are."""
         batch = self.prepare(scheduled)
         sampling = [s.seq for s in scheduled if s.completes_prompt]
         with ops.use(self.backend):
-            logits = self.graphs(batch) if self.graphs else None
+            pending = self._pending_inputs(scheduled, batch, previous)
+            logits = self.graphs(batch, pending) if self.graphs else None
             if logits is None:
                 rows = self._tensor(batch.sample_rows, torch.int64)
-                logits = self.forward(*self.to_device(batch), rows)
-            if not sampling:
-                return [], None
-            return sampling, self.sampler(logits, sampling)
+                input_ids, positions, meta = self.to_device(batch)
+                if pending is not None:
+                    pending.write_into(input_ids)
+                logits = self.forward(input_ids, positions, meta, rows)
+            return self.sampler(logits, sampling) if sampling else None
+
+    def _pending_inputs(
+        self, scheduled: list[ScheduledSeq], batch: HostBatch, previous: SampledTokens | None
+    ) -> DeviceTokens | None:
+        """Where ``batch``'s input ids are tokens the step before sampled and the host has
+        not read yet (only ever a sequence's last token)."""
+        rows = {id(seq): row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
+        index, source = [], []
+        for item, end in zip(scheduled, batch.cu_seqlens_q[1:]):
+            if batch.input_ids[end - 1] == PENDING:
+                index.append(end - 1)
+                source.append(rows[id(item.seq)])
+        if not index:
+            return None
+        source_rows = self._tensor(source, torch.int64)
+        return DeviceTokens(self._tensor(index, torch.int64), previous.tokens.index_select(0, source_rows))
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
         batch = HostBatch([], [], [], [0], [], [], [])

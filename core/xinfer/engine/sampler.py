@@ -23,12 +23,54 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # chosen token and the top-N, per row
 
 
+class SampledTokens:
+    """A step's sampled tokens, still on the device (where the next step can read them
+    as inputs) and on their way to the host: the copies are issued with the sampling,
+    so :meth:`result` waits for this step only, not for steps launched after it."""
+
+    def __init__(self, seqs: list[Sequence], tokens: Tensor, logprobs: Tensor | None):
+        self.seqs, self.tokens = seqs, tokens
+        self.num_top = [s.params.logprobs for s in seqs]
+        found = [tokens]
+        if logprobs is not None:
+            found.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            most = max(n or 0 for n in self.num_top)
+            if most:
+                top = logprobs.topk(most)
+                found += [top.indices, top.values]
+        self._host = [_to_host(t) for t in found]
+        self._copied = torch.cuda.Event() if tokens.is_cuda else None
+        if self._copied is not None:
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_ids, *found = [t.tolist() for t in self._host]
+        logprobs: list[dict[int, float] | None] = [None] * len(token_ids)
+        if found:
+            chosen, *top = found
+            for row, n in enumerate(self.num_top):
+                if n is not None:
+                    logprobs[row] = {token_ids[row]: chosen[row]}
+                    if n:
+                        logprobs[row].update(zip(top[0][row][:n], top[1][row][:n]))
+        return SamplerOutput(token_ids, logprobs)
+
+
+def _to_host(t: Tensor) -> Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
 
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SampledTokens:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
         logits = apply_penalties(logits, seqs)
@@ -40,8 +82,7 @@ class Sampler:
             probs = filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
             noise = torch.stack([self._exponential(seqs[i], probs) for i in sampled_rows])
             tokens[rows] = (probs / noise).argmax(-1)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, _logprobs(raw_logprobs, token_ids, seqs))
+        return SampledTokens(seqs, tokens, raw_logprobs)
 
     def _exponential(self, seq: Sequence, like: Tensor) -> Tensor:
         generator = self.generator
@@ -93,30 +134,13 @@ def filtered_probs(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
-    top_p = column([s.params.top_p for s in seqs])
-    if (top_p < 1).any():
+    if any(s.params.top_p < 1 for s in seqs):
+        top_p = column([s.params.top_p for s in seqs])
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-    min_p = column([s.params.min_p for s in seqs])
-    if (min_p > 0).any():
+    if any(s.params.min_p > 0 for s in seqs):
+        min_p = column([s.params.min_p for s in seqs])
         probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
-
-
-def _logprobs(
-    logprobs: Tensor | None, token_ids: list[int], seqs: list[Sequence]
-) -> list[dict[int, float] | None]:
-    result: list[dict[int, float] | None] = []
-    for row, seq in enumerate(seqs):
-        n = seq.params.logprobs
-        if logprobs is None or n is None:
-            result.append(None)
-            continue
-        top = logprobs[row].topk(n) if n else None
-        entry = {token_ids[row]: logprobs[row, token_ids[row]].item()}
-        if top is not None:
-            entry.update(zip(top.indices.tolist(), top.values.tolist()))
-        result.append(entry)
-    return result

@@ -55,7 +55,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted below to make room
+            if seq.status is not Status.RUNNING or seq.at_limit:  # preempted below, or done when read back
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):

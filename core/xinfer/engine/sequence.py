@@ -1,10 +1,14 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 
 from xinfer.sampling import SamplingParams
+
+PENDING = -1
+"""A token id the device has sampled and the host not yet read (the last one only)."""
 
 
 class Status(enum.Enum):
@@ -21,6 +25,7 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = sys.maxsize  # prompt and output, by max_tokens and the context
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
@@ -56,6 +61,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def at_limit(self) -> bool:
+        """Whether the last token it may have is there (maybe still pending)."""
+        return self.num_tokens >= self.max_num_tokens
 
     @property
     def finished(self) -> bool:
