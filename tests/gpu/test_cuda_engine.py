@@ -98,8 +98,8 @@ def count_replays(runner) -> list[tuple[bool, bool]]:
     """(decode step, replayed) for each step the graphs are asked to run."""
     graphs, seen = runner.graphs, []
 
-    def replay(batch):
-        logits = graphs(batch)
+    def replay(batch, pending=None):
+        logits = graphs(batch, pending)
         seen.append((batch.is_decode, logits is not None))
         return logits
 
