@@ -180,11 +180,14 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     want1 = CPU.attention(q1.float(), reference, decode, scale, softcap=30.0)
     # on a GPU also the long tiles that batches filling the multiprocessors get
     tiles = [None] + ([attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True)] if ON_GPU else [])
-    for splits, tile in itertools.product((1, 4), tiles):
+    # fp8 rows are whole by default; in halves (as 4- and 3-bit rows are) they must agree too
+    layouts = [None, True] if fmt == "fp8" else [None]
+    for splits, tile, halves in itertools.product((1, 4), tiles, layouts):
         got1 = attention.paged_attention_cache(
-            q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits, decode_tiles=tile
-        )
-        assert relative_error(got1, want1) < TOL[dtype], (splits, tile)
+            q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits,
+            decode_tiles=tile, halves=halves,
+        )  # fmt: skip
+        assert relative_error(got1, want1) < TOL[dtype], (splits, tile, halves)
 
 
 @pytest.mark.parametrize("fmt", ["turbo4"])

@@ -761,6 +761,7 @@ def attend_sides(
     decode_tiles: TileConfig | None = None,
     rotation: Rotation | None = None,
     decode: int | None = None,
+    halves: bool | None = None,
 ) -> Tensor:
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -782,7 +783,9 @@ def attend_sides(
     cap_scale = softcap * LOG2E if has_softcap else 0.0
     block_d = triton.next_power_of_2(head_dim)
     # Rows in halves where a side packs 4- or 3-bit codes (see _attend_keys); whole otherwise.
-    split = block_d // 2 if any(s.bits < 8 for s in (k_side, v_side)) else block_d
+    if halves is None:  # an override for A/B timing; both are correct for any format
+        halves = any(s.bits < 8 for s in (k_side, v_side))
+    split = block_d // 2 if halves else block_d
     common = dict(
         HEAD_DIM=head_dim,
         SPLIT=split,
