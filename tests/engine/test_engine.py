@@ -147,8 +147,8 @@ def test_stop_abort_and_context_limit_while_a_step_is_in_flight(model_dir):
     b_alone = llm.generate([PROMPTS[2]], greedy)[0].outputs[0].token_ids
     third = b_alone[2]
     engine.add_request("a", PROMPTS[1], greedy)
-    engine.add_request("b", PROMPTS[2], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[third]))
-    engine.add_request("c", PROMPTS[4], SamplingParams(temperature=0, ignore_eos=True))  # 31 tokens: 9 fit
+    b = engine.add_request("b", PROMPTS[2], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[third]))
+    c = engine.add_request("c", PROMPTS[4], SamplingParams(temperature=0, ignore_eos=True))  # 31 tokens: 9 fit
     outputs = engine.step()  # launched the prompts; nothing read back yet
     assert outputs == []
     engine.abort("a")
@@ -160,6 +160,8 @@ def test_stop_abort_and_context_limit_while_a_step_is_in_flight(model_dir):
     assert [o.token_ids[0] for o in got["b"]] == b_alone[:3] and got["b"][-1].finish_reason == "stop"
     assert len(got["c"]) == 40 - len(PROMPTS[4]) and got["c"][-1].finish_reason == "length"
     assert [o.finished for o in got["c"]] == [False] * (len(got["c"]) - 1) + [True]
+    for seq, name in ((b, "b"), (c, "c")):  # no token left pending on a finished sequence
+        assert seq.output_token_ids == [o.token_ids[0] for o in got[name]]
     assert_all_blocks_free(llm)
 
 

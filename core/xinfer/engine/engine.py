@@ -178,7 +178,8 @@ class LLMEngine:
                 self.block_manager.commit(item.seq)
         if sampled is not None:
             for seq in sampled.seqs:
-                seq.token_ids.append(PENDING)
+                if not seq.finished:
+                    seq.token_ids.append(PENDING)
             self.in_flight = sampled
         return outputs
 
