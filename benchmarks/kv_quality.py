@@ -24,6 +24,7 @@ import time
 import torch
 
 from xinfer import LLM, SamplingParams, ops
+from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
 from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.scheduler import ScheduledSeq
@@ -49,14 +50,19 @@ def model_path(name: str) -> str | None:
     return str(assemble())
 
 
-def use_format(llm: LLM, name: str) -> None:
+def use_format(llm: LLM, name: str, recent_window: int = 0) -> None:
     """Re-bind every layer's cache in ``name`` (the benchmark's engine keeps no prefix
-    cache, so no block written in another format is ever read)."""
+    cache, so no block written in another format is ever read), with a shadow for
+    every block when a quantized format gets a recent window."""
     engine = llm.engine
     engine.kv_format = get_format(name)
     num_blocks = engine.block_manager.num_blocks
+    window = recent_window if name != "auto" else 0
+    num_shadows = num_blocks if window else 0
     transforms = calibrate_keys(engine)  # as the engine does at start-up
-    allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format, transforms)
+    allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format, transforms,
+                      num_shadows, window)  # fmt: skip
+    engine.block_manager = engine.scheduler.block_manager = BlockManager(num_blocks, BLOCK_SIZE, False, num_shadows, window)
 
 
 @torch.inference_mode()
@@ -76,7 +82,9 @@ def window_logprobs(llm: LLM, token_ids: list[int], chunk: int):
         engine.block_manager.release(seq)
 
 
-def text_metrics(llm: LLM, tokens: list[int], window: int, chunk: int, formats: list[str]) -> dict[str, dict]:
+def text_metrics(
+    llm: LLM, tokens: list[int], window: int, chunk: int, formats: list[str], recent_window: int = 0
+) -> dict[str, dict]:
     """Perplexity per format over independent windows of ``tokens``; KL(auto || format)
     and top-1 agreement over every position. ``formats[0]`` is the reference (auto)."""
     sums = {f: {"nll": 0.0, "n": 0, "kl": 0.0, "top1": 0, "rows": 0} for f in formats}
@@ -85,7 +93,7 @@ def text_metrics(llm: LLM, tokens: list[int], window: int, chunk: int, formats: 
         targets = torch.tensor(ids[1:] + [-1])  # the window's last position has no target
         reference = []  # per chunk: auto's probabilities, sum p log p per row, argmax
         for fmt in formats:
-            use_format(llm, fmt)
+            use_format(llm, fmt, recent_window)
             s = sums[fmt]
             for c, logp in enumerate(window_logprobs(llm, ids, chunk)):
                 t = targets[c * chunk : c * chunk + logp.shape[0]]
@@ -112,7 +120,8 @@ def text_metrics(llm: LLM, tokens: list[int], window: int, chunk: int, formats: 
 
 
 def needle_grid(
-    llm: LLM, filler_ids: list[int], lengths: list[int], depths: list[float], formats: list[str], seed: int = 0
+    llm: LLM, filler_ids: list[int], lengths: list[int], depths: list[float], formats: list[str],
+    recent_window: int = 0, seed: int = 0,
 ) -> dict[str, list[bool]]:
     """Per format, whether each (length, depth) case, lengths outer, retrieved its number."""
     tok = llm.tokenizer
@@ -129,7 +138,7 @@ def needle_grid(
     params = SamplingParams(temperature=0, max_tokens=8)
     results = {}
     for fmt in formats:
-        use_format(llm, fmt)
+        use_format(llm, fmt, recent_window)
         outs = llm.generate([c[0] for c in cases], params)
         results[fmt] = [number in o.outputs[0].text for o, (_, number) in zip(outs, cases)]
     return results
@@ -144,6 +153,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk: each reads the cache the chunks before it wrote")
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    parser.add_argument("--kv-recent-window", type=int, default=0,
+                        help="quantized formats read each query's last N positions and its first block exact "
+                        "(the engine's shadow blocks)")
     parser.add_argument("--exact-window", type=int, default=0,
                         help="what-if (exact_window.py): each query reads its last N positions unquantized")
     parser.add_argument("--exact-sink", type=int, default=0, help="what-if: and its context's first N positions")
@@ -164,9 +176,10 @@ def main() -> None:
             llm.engine.ops = llm.engine.runner.backend = ExactWindow(llm.engine.ops, args.exact_window, args.exact_sink)
         tokens = llm.tokenizer.encode(text, add_special_tokens=False)
         t1 = time.time()
-        metrics = text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats)
+        metrics = text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window)
         t2 = time.time()
-        needles = needle_grid(llm, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths, args.formats)
+        needles = needle_grid(llm, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths,
+                              args.formats, args.kv_recent_window)  # fmt: skip
         print(json.dumps({"model": model, "load_s": round(t1 - t0), "text_s": round(t2 - t1), "needle_s": round(time.time() - t2)}))
         base = metrics["auto"]["ppl"]
         head_dim = attention_layers(llm.engine.model)[0].head_dim

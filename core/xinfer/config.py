@@ -49,6 +49,11 @@ class CacheConfig(_Config):
         description="auto: the model dtype; fp8: e4m3 K and V; turbo8: fp8 K, 4-bit V; turbo4/turbo3: "
         "rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
     )
+    kv_recent_window: int = Field(
+        0, ge=0, description="quantized caches: each query reads the keys and values of its last N positions, "
+        "and of its sequence's first block, unquantized (shadow blocks in the model dtype); 0: off. "
+        "See docs/kv-cache.md"
+    )
     enable_prefix_caching: bool = True
 
 

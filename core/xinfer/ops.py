@@ -7,7 +7,7 @@ Shapes are flat over the tokens of a step (no batch dimension):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from contextlib import contextmanager
 from typing import Callable, Iterator, Protocol
 
@@ -35,6 +35,10 @@ class AttentionMetadata:
     slot_mapping: Tensor  # [T] int64
     max_seqlen_q: int  # 1 when no sequence has more than one query; else may be an upper bound
     max_seq_len: int
+    # With a recent window: each block's exact copy in the cache's shadows (-1: none),
+    # and the shadow slot of each token (-1: not written).
+    shadow_tables: Tensor | None = None  # [B, max_blocks] int32
+    shadow_slot_mapping: Tensor | None = None  # [T] int64
 
     @property
     def num_seqs(self) -> int:
@@ -93,6 +97,11 @@ class Ops(Protocol):
         A query at position ``p`` sees keys at positions ``p - window < j <= p``
         (all ``j <= p`` without a window). With ``softcap``, scores become
         ``softcap * tanh(scores / softcap)`` before masking. Returns [T, H, D].
+
+        With shadow blocks (``cache.recent_window`` W > 0 and ``meta.shadow_tables``),
+        key ``j`` comes from its block's shadow where the sequence has one and
+        ``p - j < W`` or ``j`` is in the sequence's first block; from the quantized
+        cache otherwise.
         """
 
 
@@ -107,6 +116,8 @@ class HostBatch:
     seq_lens: list[int]
     block_tables: list[list[int]]  # one row per sequence, unpadded
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
+    shadow_tables: list[list[int]] = field(default_factory=list)  # with a recent window, like block_tables
+    shadow_slot_mapping: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -139,6 +150,15 @@ class StepLimits:
     max_num_tokens: int
     max_blocks_per_seq: int
     max_seq_len: int
+
+
+class KeepsRecentWindow(Protocol):
+    """Optional: a backend whose attention reads shadow blocks (the recent window of a
+    quantized cache, ``cache.shadows``; see :meth:`Ops.attention`)."""
+
+    def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+        """Store ``k``, ``v`` [T, Hkv, D] exactly into ``cache``'s shadow blocks: in the
+        basis the format stores them in (``cache.format.stored_basis``), in the model dtype."""
 
 
 class CapturesSteps(Protocol):
@@ -189,6 +209,10 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
 
 def write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
     current().write_kv(k, v, cache, slot_mapping)
+
+
+def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+    current().write_shadow_kv(k, v, cache, shadow_slots)
 
 
 def attention(

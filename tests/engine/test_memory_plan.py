@@ -20,6 +20,7 @@ from xinfer.engine.memory_plan import (
     kv_budget,
     profile_batch,
 )
+from xinfer.kv import get_format
 
 H200 = dict(total=140 * GiB, free_at_start=139 * GiB)
 
@@ -178,3 +179,21 @@ def test_the_profiled_cache_has_the_real_caches_key_transforms(model_dir, monkey
         assert one_block["k"].shape[0] == 1 < cache["k"].shape[0]
         assert cache.equalizer is not None and torch.equal(one_block.equalizer, cache.equalizer)
         assert cache.key_offset is not None and torch.equal(one_block.key_offset, cache.key_offset)
+
+
+def test_recent_window_shadows_come_out_of_the_planned_pool(model_dir, monkeypatch, caplog):
+    fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    options = dict(dtype="float32", kv_fraction=0.5, max_num_batched_tokens=64, max_model_len=128, max_num_seqs=4,
+                   kv_cache_dtype="turbo4")  # fmt: skip
+    plain = LLM(model=model_dir, **options).engine
+    with caplog.at_level(logging.INFO, logger="xinfer"):
+        windowed = LLM(model=model_dir, kv_recent_window=32, **options).engine
+    shadows = memory_plan.shadow_blocks(4, 64, 32, 16)
+    assert shadows == 4 * (2 + 3) + 4 == len(windowed.block_manager.free_shadows)
+    exact_block = bytes_per_block(windowed.model, 16, windowed.dtype, get_format("auto"))
+    quantized_block = bytes_per_block(windowed.model, 16, windowed.dtype, windowed.kv_format)
+    taken = -(-shadows * exact_block // quantized_block)
+    assert windowed.block_manager.num_blocks == plain.block_manager.num_blocks - taken
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
+    assert f"recent-window shadows {shadows * exact_block / GiB:.2f} GiB ({shadows} blocks)" in line

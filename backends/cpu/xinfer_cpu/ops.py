@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,6 +44,12 @@ class CpuOps:
             tensor = cache[name]
             tensor.view(-1, *tensor.shape[2:])[slots] = values
 
+    def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+        valid = shadow_slots >= 0
+        keys, values = cache.format.stored_basis(k[valid], v[valid], cache.equalizer, cache.key_offset)
+        for shadow, x in zip(cache.shadows, (keys, values)):
+            shadow.view(-1, *shadow.shape[2:])[shadow_slots[valid]] = x.to(shadow.dtype)
+
     def attention(
         self,
         q: Tensor,
@@ -62,8 +70,35 @@ class CpuOps:
                 continue
             stored = {n: gather_context(t, meta.block_tables[b], context_len) for n, t in cache.tensors.items()}
             k, v = cache.format.decode(stored)  # one sequence's context, in fp32
-            out[start:end] = attend(q[start:end], k, v, scale, window, softcap)
+            exact = None
+            if cache.shadows is not None and meta.shadow_tables is not None:
+                exact = shadow_context(cache, meta.shadow_tables[b], context_len)
+            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact)
         return cache.format.finish_output(out).to(dtype)
+
+
+@dataclass
+class ExactKeys:
+    """A context's exact K/V from shadow blocks, and the rule for when a query reads them."""
+
+    k: Tensor  # [L, Hkv, D]
+    v: Tensor
+    has_shadow: Tensor  # [L] bool
+    recent_window: int
+    first_block: int  # positions read exact by every query (the sinks)
+
+    def read_by(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """[Q, L] whether query ``q_pos`` reads key ``k_pos`` exact."""
+        near = (q_pos - k_pos < self.recent_window) | (k_pos < self.first_block)
+        return self.has_shadow & near
+
+
+def shadow_context(cache: LayerKVCache, shadow_table: Tensor, context_len: int) -> ExactKeys:
+    block_size = cache.block_size
+    table = shadow_table[: -(-context_len // block_size)]
+    k, v = (gather_context(s, table.clamp(min=0), context_len).float() for s in cache.shadows)
+    has_shadow = (table >= 0).repeat_interleave(block_size)[:context_len]
+    return ExactKeys(k, v, has_shadow, cache.recent_window, block_size)
 
 
 def attend(
@@ -73,8 +108,10 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    exact: ExactKeys | None = None,
 ) -> Tensor:
-    """Causal attention of the last ``len(q)`` positions over ``len(k)`` keys, in fp32.
+    """Causal attention of the last ``len(q)`` positions over ``len(k)`` keys, in fp32;
+    with ``exact``, each (query, key) pair its rule picks uses the exact K/V instead.
 
     q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
     """
@@ -84,17 +121,25 @@ def attend(
     group = num_heads // num_kv_heads
     # heads grouped by the KV head they share: [Hkv, group * Q, D]
     q = q.float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).flatten(1, 2)
-    k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)
-    scores = q @ k.transpose(1, 2) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+
+    def scores_of(keys: Tensor) -> Tensor:
+        scores = q @ keys.float().transpose(0, 1).transpose(1, 2) * scale
+        return softcap * torch.tanh(scores / softcap) if softcap is not None else scores
+
+    scores = scores_of(k)
     q_pos = torch.arange(context_len - num_q, context_len).repeat(group).unsqueeze(1)
     k_pos = torch.arange(context_len).unsqueeze(0)
+    if exact is not None:
+        from_exact = exact.read_by(q_pos, k_pos)  # [group * Q, L], the same for every KV head
+        scores = torch.where(from_exact, scores_of(exact.k), scores)
     visible = k_pos <= q_pos
     if window is not None:
         visible &= k_pos > q_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    out = (probs @ v).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
+    out = probs @ v.float().transpose(0, 1)
+    if exact is not None:
+        out += (probs * from_exact) @ (exact.v.transpose(0, 1) - v.float().transpose(0, 1))
+    out = out.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
     return out.reshape(num_q, num_heads, head_dim).to(dtype)
 
 

@@ -75,17 +75,27 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
         cache = config.cache
         self.kv_format = get_format(cache.kv_cache_dtype)
+        if cache.kv_recent_window:
+            if cache.kv_cache_dtype == "auto":
+                raise ValueError("kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
+                                 "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)")
+            if not hasattr(self.ops, "write_shadow_kv"):  # xinfer.ops.KeepsRecentWindow
+                raise ValueError(f"the {self.backend.name} backend does not implement kv_recent_window (--kv-recent-window) "
+                                 f"yet: run without it, or on the CPU")
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
         key_transforms = calibrate_keys(self)
         plan = plan_memory(
             config, self.runner, self.max_model_len, self.dtype, self.kv_format, memory, baseline, key_transforms
         )
         allocate_kv_cache(
-            self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format, key_transforms
-        )
+            self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format, key_transforms,
+            plan.num_shadows, cache.kv_recent_window,
+        )  # fmt: skip
         scheduler = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
         self.config = config = config.model_copy(update={"scheduler": scheduler})
-        self.block_manager = BlockManager(plan.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            plan.num_blocks, cache.block_size, cache.enable_prefix_caching, plan.num_shadows, cache.kv_recent_window
+        )
         self.scheduler = Scheduler(scheduler, self.block_manager)
         log.info("%s, KV cache format %s", plan.describe(), self.kv_format.name)
         if not config.device.enforce_eager:
@@ -176,6 +186,7 @@ class LLMEngine:
             if not item.seq.finished:
                 item.seq.num_computed_tokens += item.num_new_tokens
                 self.block_manager.commit(item.seq)
+                self.block_manager.trim(item.seq)
         if sampled is not None:
             for seq in sampled.seqs:
                 if not seq.finished:

@@ -55,11 +55,18 @@ def allocate_kv_cache(
     device: torch.device,
     kv_format: KVFormat,
     key_transforms: KeyTransforms | None = None,
+    num_shadows: int = 0,
+    recent_window: int = 0,
 ) -> None:
     """Give every attention layer a cache in ``kv_format``, with the calibrated key
-    transforms where the format has them (:mod:`xinfer.engine.kv_calibration`)."""
+    transforms where the format has them (:mod:`xinfer.engine.kv_calibration`), and
+    ``num_shadows`` exact blocks for a recent window."""
     layers = attention_layers(model)
     for layer in layers:
         layer.kv_cache = kv_format.allocate(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype, device)
+        if num_shadows:
+            shape = (num_shadows, block_size, layer.num_kv_heads, layer.head_dim)
+            layer.kv_cache.shadows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+            layer.kv_cache.recent_window = recent_window
     if key_transforms is not None:
         key_transforms.apply([layer.kv_cache for layer in layers])

@@ -27,7 +27,7 @@ from xinfer.engine.kv_calibration import KeyTransforms
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sampler import Sampler
 from xinfer.engine.sequence import Sequence
-from xinfer.kv import KVFormat
+from xinfer.kv import KVFormat, get_format
 from xinfer.ops import HostBatch
 from xinfer.sampling import SamplingParams
 
@@ -93,6 +93,8 @@ class MemoryPlan:
     weights: int
     activations: int | None  # None: not measured
     graphs: int | None
+    num_shadows: int = 0  # exact blocks for the recent window
+    shadow_bytes: int = 0  # of one, over all layers
 
     @property
     def capacity_tokens(self) -> int:
@@ -101,12 +103,25 @@ class MemoryPlan:
     def describe(self) -> str:
         activations = gib(self.activations) if self.activations is not None else "not measured"
         graphs = gib(self.graphs) if self.graphs is not None else "none"
+        shadows = (
+            f", recent-window shadows {gib(self.num_shadows * self.shadow_bytes)} ({self.num_shadows} blocks)"
+            if self.num_shadows else ""
+        )  # fmt: skip
         return (
             f"memory plan ({self.source}): weights {gib(self.weights)}, activation peak {activations}, "
             f"CUDA graph reserve {graphs}, KV pool {gib(self.num_blocks * self.block_bytes)} = "
-            f"{self.capacity_tokens} tokens ({self.num_blocks} blocks of {self.block_size}), "
+            f"{self.capacity_tokens} tokens ({self.num_blocks} blocks of {self.block_size}){shadows}, "
             f"max_num_seqs {self.max_num_seqs}{' (derived)' if self.max_num_seqs_derived else ''}"
         )
+
+
+def shadow_blocks(max_num_seqs: int, max_num_batched_tokens: int, window: int, block_size: int) -> int:
+    """Shadows the recent window can hold at once: per running sequence its first block,
+    the blocks within ``window`` of its next token and a partial one at each end, and
+    every block of a step's prompt chunks until the step is done."""
+    if not window:
+        return 0
+    return max_num_seqs * (-(-window // block_size) + 3) + -(-max_num_batched_tokens // block_size)
 
 
 def memory_baseline(memory: DeviceMemory | None) -> tuple[int, int] | None:
@@ -149,6 +164,15 @@ def plan_memory(
         num_blocks = kv_budget(profile, fraction) // block_bytes
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
         activations, graphs = profile.activations, profile.graphs
+    derived = scheduler.max_num_seqs is None and cache.num_blocks is None
+    if derived:
+        max_num_seqs = derive_max_num_seqs(num_blocks * cache.block_size, max_model_len)
+    else:  # a pool sized by hand (tests, forced preemption) keeps the usual default
+        max_num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
+    num_shadows = shadow_blocks(max_num_seqs, scheduler.max_num_batched_tokens, cache.kv_recent_window, cache.block_size)
+    shadow_bytes = bytes_per_block(runner.model, cache.block_size, dtype, get_format("auto")) if num_shadows else 0
+    if cache.num_blocks is None:  # the shadows come out of the planned pool
+        num_blocks -= -(-num_shadows * shadow_bytes // block_bytes)
     capacity = num_blocks * cache.block_size
     if capacity < max_model_len:
         raise ValueError(
@@ -156,14 +180,10 @@ def plan_memory(
             f"max_model_len={max_model_len}: lower max_model_len (--max-model-len) or give the cache more "
             f"memory (--kv-fraction)"
         )
-    derived = scheduler.max_num_seqs is None and cache.num_blocks is None
-    if derived:
-        max_num_seqs = derive_max_num_seqs(capacity, max_model_len)
-    else:  # a pool sized by hand (tests, forced preemption) keeps the usual default
-        max_num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
     return MemoryPlan(
-        num_blocks, cache.block_size, block_bytes, max_num_seqs, derived, source, weights, activations, graphs
-    )
+        num_blocks, cache.block_size, block_bytes, max_num_seqs, derived, source, weights, activations, graphs,
+        num_shadows, shadow_bytes,
+    )  # fmt: skip
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

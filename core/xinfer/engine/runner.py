@@ -103,6 +103,9 @@ class ModelRunner:
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
             batch.seq_lens.append(end)
             batch.block_tables.append(seq.block_table)
+            if seq.shadow_table:
+                batch.shadow_tables.append(seq.shadow_table)
+                batch.shadow_slot_mapping += [self.shadow_slot(seq, p) for p in range(start, end)]
             if item.completes_prompt:
                 batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
         return batch
@@ -118,11 +121,21 @@ class ModelRunner:
             max_seqlen_q=max(b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:])),
             max_seq_len=max(batch.seq_lens),
         )
+        if batch.shadow_tables:
+            assert len(batch.shadow_tables) == len(batch.block_tables), "every sequence has shadows, or none"
+            shadows = [row + [-1] * (width - len(row)) for row in batch.shadow_tables]
+            meta.shadow_tables = self._tensor(shadows, torch.int32)
+            meta.shadow_slot_mapping = self._tensor(batch.shadow_slot_mapping, torch.int64)
         return self._tensor(batch.input_ids, torch.int64), self._tensor(batch.positions, torch.int64), meta
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The cache slot (block * block_size + offset) that holds ``seq``'s ``position``."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def shadow_slot(self, seq: Sequence, position: int) -> int:
+        """The shadow slot of ``seq``'s ``position``, -1 where its block has no shadow."""
+        shadow = seq.shadow_table[position // self.block_size]
+        return shadow * self.block_size + position % self.block_size if shadow >= 0 else -1
 
     def _tensor(self, values: list, dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

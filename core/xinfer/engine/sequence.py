@@ -30,6 +30,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     block_table: list[int] = field(default_factory=list)
+    shadow_table: list[int] = field(default_factory=list)  # exact copies of its blocks, -1: none (recent window)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     status: Status = Status.WAITING
     finish_reason: str | None = None

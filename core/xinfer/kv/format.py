@@ -112,6 +112,9 @@ class LayerKVCache:
     dtype: torch.dtype  # the model's: what attention computes in
     equalizer: Tensor | None = None  # [Hkv, D] for rotated keys, set once before any write
     key_offset: Tensor | None = None  # [Hkv, D] for rotated keys, likewise
+    # Recent window: exact K and V [num_shadows, block_size, Hkv, D] in the stored basis.
+    shadows: tuple[Tensor, Tensor] | None = None
+    recent_window: int = 0
 
     @classmethod
     def plain(cls, k_cache: Tensor, v_cache: Tensor) -> LayerKVCache:

@@ -64,6 +64,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         seed=args.seed if args.seed is not None else 0,
         kv_fraction=args.kv_fraction,
         kv_cache_dtype=args.kvcache_dtype,
+        kv_recent_window=args.kv_recent_window,
         enable_prefix_caching=not args.disable_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
