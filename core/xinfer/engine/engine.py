@@ -235,9 +235,7 @@ class LLMEngine:
                 return "stop", token
             if token in seq.eos_token_ids and not params.ignore_eos:
                 return "stop", None
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if seq.at_limit:  # max_tokens or the context
             return "length", None
         return None, None
 

@@ -89,8 +89,8 @@ class ModelRunner:
                 source.append(rows[id(item.seq)])
         if not index:
             return None
-        source_rows = self._tensor(source, torch.int64)
-        return DeviceTokens(self._tensor(index, torch.int64), previous.tokens.index_select(0, source_rows))
+        index_and_source = self._tensor([index, source], torch.int64)  # one copy to the device
+        return DeviceTokens(index_and_source[0], previous.tokens.index_select(0, index_and_source[1]))
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
         batch = HostBatch([], [], [], [0], [], [], [])
