@@ -210,8 +210,9 @@ def attention_cases(
                 cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode_tiles=tile_config))
             if kv_format != "auto":  # the portable decode against the device's own
                 cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode=kv_codes.PORTABLE))
-            if kv_format in ("auto", "fp8"):  # rows whole by default: against rows in halves
-                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, halves=True))
+            if kv_format in ("auto", "fp8"):  # rows in halves against whole rows
+                for halves in (True, False):
+                    cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, halves=halves))
     t = s.prefill_tokens
     flops = 4 * (t * (t + 1) // 2) * s.heads * s.head_dim
     for kv_format in ("auto", *kv_formats):

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+import types
 
 import torch
 
@@ -26,6 +27,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, args.gpt_fast_dir)
+    try:
+        import tokenizer  # noqa: F401  (needs sentencepiece and tiktoken)
+    except ImportError:  # random token ids need no tokenizer: stand in for generate.py's import
+        sys.modules["tokenizer"] = types.SimpleNamespace(get_tokenizer=None)
     import generate as gf  # noqa: E402  (gpt-fast's generate.py)
     from model import Transformer  # noqa: E402
 

@@ -29,7 +29,7 @@ from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import activation, attention, kv_codes, kv_quant_write, kv_write, norm, rotary
 
 MODULES = (activation, attention, kv_quant_write, kv_write, norm, rotary)
-QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm")
+QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
 POINTER_TYPES = {
     torch.int8: "*i8",
     torch.uint8: "*u8",

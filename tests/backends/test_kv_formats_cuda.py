@@ -1,6 +1,6 @@
 """The CUDA backend's quantized KV formats against the CPU reference (``CpuOps``):
 the write kernel stores what ``KVFormat.quantize`` stores (bit for bit but for
-Lloyd–Max RMS scales, whose sum may round differently), and attention that decodes
+scales on the RMS, whose sum may round differently), and attention that decodes
 tiles in registers matches the reference attention over the same stored cache.
 
 Runs on the device ``XINFER_KERNEL_DEVICE`` picks (see conftest.py): under the Triton
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from xinfer.kv import LayerKVCache, get_format
-from xinfer.kv.codecs import LloydMax
+from xinfer.kv.codecs import Codec
 from xinfer.ops import AttentionMetadata
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.kernels import attention
@@ -27,7 +27,7 @@ from xinfer_cuda.ops import CudaOps
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
-FORMATS = ["fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm"]
+FORMATS = ["fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"]
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.2e-2}
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -47,6 +47,10 @@ def to_cpu(cache: LayerKVCache) -> LayerKVCache:
     return LayerKVCache(cache.format, tensors, cache.head_dim, cache.dtype, cpu(cache.equalizer), cpu(cache.key_offset))
 
 
+def _scales_by_rms(codec: Codec) -> bool:
+    return getattr(codec, "scales_by_rms", False)
+
+
 def assert_same_storage(got: LayerKVCache, want: LayerKVCache) -> None:
     # Rotated sides come from exact products summed in fp32 in another order than the
     # reference's matmul, Lloyd–Max RMS scales from a sum that may round differently,
@@ -54,8 +58,8 @@ def assert_same_storage(got: LayerKVCache, want: LayerKVCache) -> None:
     # may take the neighbouring code there.
     fmt = want.format
     inexact = {
-        "k": fmt.rotate_keys or isinstance(fmt.key, LloydMax),
-        "v": fmt.rotate_values or isinstance(fmt.value, LloydMax),
+        "k": fmt.rotate_keys or _scales_by_rms(fmt.key),
+        "v": fmt.rotate_values or _scales_by_rms(fmt.value),
     }
     for name, tensor in want.tensors.items():
         side_inexact = inexact[name[0]]
@@ -180,8 +184,8 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     want1 = CPU.attention(q1.float(), reference, decode, scale, softcap=30.0)
     # on a GPU also the long tiles that batches filling the multiprocessors get
     tiles = [None] + ([attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True)] if ON_GPU else [])
-    # fp8 rows are whole by default; in halves (as 4- and 3-bit rows are) they must agree too
-    layouts = [None, True] if fmt == "fp8" else [None]
+    # fp8 rows are in halves at small batches and whole at large ones: both must agree
+    layouts = [None, True, False] if fmt == "fp8" else [None]
     for splits, tile, halves in itertools.product((1, 4), tiles, layouts):
         got1 = attention.paged_attention_cache(
             q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits,

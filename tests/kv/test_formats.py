@@ -64,7 +64,7 @@ def test_rotated_values_within_half_a_step_of_the_rotated_grid(name, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("name", ["turbo3", "turbo4-lm"])
+@pytest.mark.parametrize("name", ["turbo3-lm", "turbo4-lm"])
 def test_lloyd_max_keys_take_the_nearest_scaled_level(name, head_dim):
     k, v = _data(head_dim)
     fmt = get_format(name)
@@ -140,6 +140,44 @@ def test_4bit_byte_holds_one_dim_of_each_half():
     c4 = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     packed = codes.pack4(c4)
     assert torch.equal(packed & 0xF, c4[:, :32]) and torch.equal(packed >> 4, c4[:, 32:])
+
+
+def test_3bit_planes_hold_low_pairs_then_high_bits():
+    """The layout the kernels read halves from (``codes.pack3``)."""
+    c3 = torch.randint(0, 8, (3, 64), dtype=torch.uint8)
+    packed = codes.pack3(c3).int()
+    low, high = packed[:, :16], packed[:, 16:]
+    for q in range(4):
+        assert torch.equal((low >> (2 * q)) & 3, c3[:, 16 * q : 16 * (q + 1)].int() & 3)
+    for k in range(8):
+        assert torch.equal((high >> k) & 1, c3[:, 8 * k : 8 * (k + 1)].int() >> 2)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_turbo3_keys_take_the_nearest_level_of_the_rms_grid(head_dim):
+    k, v = _data(head_dim)
+    fmt = get_format("turbo3")
+    stored = fmt.quantize(k, v)
+    rotated, _ = fmt.decode(stored)
+    exact = hadamard.rotate(k)
+    rms = exact.pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(stored["k_scale"], rms * fmt.key.rms_clip)
+    step = (stored["k_scale"] / 3.5).unsqueeze(-1)  # 8 levels at +-0.5 .. +-3.5 steps
+    inside = exact.abs() <= stored["k_scale"].unsqueeze(-1)
+    assert ((rotated - exact).abs()[inside] <= (step / 2 * 1.0001 + 1e-6).expand_as(exact)[inside]).all()
+    saturated = stored["k_scale"].unsqueeze(-1).expand_as(exact)[~inside]
+    assert (~inside).any() and torch.allclose(rotated.abs()[~inside], saturated)
+
+
+def test_rms_grid_beats_absmax_grid_on_rotated_keys():
+    k, v = _data(128, tokens=256)
+
+    def key_error(codec) -> float:
+        fmt = KVFormat("k", codec, Plain(), rotate_keys=True)
+        k2, _ = fmt.dequantize(fmt.quantize(k, v))
+        return ((k2 - k).norm() / k.norm()).item()
+
+    assert key_error(get_format("turbo3").key) < key_error(Uniform(7, 3))
 
 
 def test_capacity_against_bf16_in_a_fixed_budget():

@@ -80,17 +80,25 @@ class Fp8(Codec):
 
 @dataclass(frozen=True)
 class Uniform(Codec):
-    """``levels`` evenly spaced values over [-absmax, absmax]: error <= absmax / (levels - 1).
-    Codes take ``bits`` each: 8 (one per byte), 4 (two per byte) or 3 (eight per three bytes)."""
+    """``levels`` evenly spaced values over [-scale, scale], codes of ``bits`` each: 8 (one
+    per byte), 4 (two per byte) or 3 (eight per three bytes). The scale is the vector's
+    absmax (error <= absmax / (levels - 1)), or with ``rms_clip`` that many times its RMS:
+    for rotated keys, nearly Gaussian, whose absmax grows with the head dim, a grid fitted
+    to the RMS is finer and the rare coordinates beyond it saturate."""
 
     levels: int
     bits: int
+    rms_clip: float | None = None
+
+    @property
+    def scales_by_rms(self) -> bool:
+        return self.rms_clip is not None
 
     def fields(self, head_dim, dtype):
         return [Field("", (head_dim * self.bits // 8,), torch.uint8), Field("_scale", (), torch.float32)]
 
     def encode(self, x, dtype):
-        scale = codes.absmax(x)
+        scale = codes.rms(x) * self.rms_clip if self.scales_by_rms else codes.absmax(x)
         return [self._pack(codes.uniform_encode(x, scale, self.levels)), scale]
 
     def decode(self, stored):
@@ -115,8 +123,12 @@ class LloydMax(Uniform):
     """All ``2**bits`` levels placed for a Gaussian of the vector's RMS (rotated keys
     are close to Gaussian), instead of evenly over the absmax."""
 
+    @property
+    def scales_by_rms(self) -> bool:
+        return True
+
     def encode(self, x, dtype):
-        rms = x.float().pow(2).mean(-1).sqrt().clamp_min(codes.TINY)
+        rms = codes.rms(x)
         levels = self._levels(x.device)
         bounds = (levels[1:] + levels[:-1]) / 2
         c = torch.bucketize(x.float() / rms.unsqueeze(-1), bounds).to(torch.uint8)

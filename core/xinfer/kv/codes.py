@@ -3,8 +3,8 @@
 A vector ``x`` [..., D] is stored as integer codes plus one f32 scale. ``n``-level
 uniform codes map ``[-absmax, absmax]`` onto ``0 .. n-1`` with the midpoint at
 ``(n-1)/2``: 255 levels (8 bits, one per byte) or 16 levels (4 bits, two per byte);
-3-bit codes (Lloyd–Max) pack eight per three bytes. fp8 stores ``x / (absmax / 448)`` as e4m3 so the largest entry lands on the
-largest finite e4m3 value.
+3-bit codes pack eight per three bytes (:func:`pack3`). fp8 stores ``x / (absmax / 448)``
+as e4m3 so the largest entry lands on the largest finite e4m3 value.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ TINY = 1e-12  # keeps an all-zero vector's scale nonzero
 
 def absmax(x: Tensor) -> Tensor:
     return x.float().abs().amax(dim=-1).clamp_min(TINY)
+
+
+def rms(x: Tensor) -> Tensor:
+    return x.float().pow(2).mean(dim=-1).sqrt().clamp_min(TINY)
 
 
 def uniform_encode(x: Tensor, scale: Tensor, levels: int) -> Tensor:
@@ -54,15 +58,23 @@ def unpack4(packed: Tensor) -> Tensor:
 
 
 def pack3(codes: Tensor) -> Tensor:
-    """[..., D] codes < 8 -> [..., 3D/8] bytes: eight codes fill a little-endian 24-bit word."""
-    groups = codes.view(*codes.shape[:-1], -1, 8).int()
-    word = sum(groups[..., i] << (3 * i) for i in range(8))
-    packed = torch.stack((word & 0xFF, (word >> 8) & 0xFF, word >> 16), dim=-1)
-    return packed.flatten(-2).to(torch.uint8)
+    """[..., D] codes < 8 -> [..., 3D/8] bytes in two planes: D/4 bytes of the low two
+    bits, byte i holding dims i, D/4 + i, D/2 + i, 3D/4 + i at bits 0, 2, 4, 6; then D/8
+    bytes of the high bit, byte i holding dims i + kD/8 at bit k. A reader holding a
+    vector as halves gets each column's two codes from one byte of each plane, with
+    shifts that depend only on the column (no bits cross a byte)."""
+    c = codes.int()
+    quarters = (c & 3).unflatten(-1, (4, -1))  # [..., 4, D/4]
+    low = sum(quarters[..., q, :] << (2 * q) for q in range(4))
+    eighths = (c >> 2).unflatten(-1, (8, -1))  # [..., 8, D/8]
+    high = sum(eighths[..., k, :] << k for k in range(8))
+    return torch.cat((low, high), dim=-1).to(torch.uint8)
 
 
 def unpack3(packed: Tensor) -> Tensor:
-    triples = packed.view(*packed.shape[:-1], -1, 3).int()
-    word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
-    codes = torch.stack([(word >> (3 * i)) & 7 for i in range(8)], dim=-1)
-    return codes.flatten(-2).to(torch.uint8)
+    p = packed.int()
+    quarter = p.shape[-1] * 2 // 3  # D/4
+    low, high = p[..., :quarter], p[..., quarter:]
+    low_bits = torch.cat([(low >> (2 * q)) & 3 for q in range(4)], dim=-1)
+    high_bits = torch.cat([(high >> k) & 1 for k in range(8)], dim=-1)
+    return (low_bits | high_bits << 2).to(torch.uint8)

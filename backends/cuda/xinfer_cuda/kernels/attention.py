@@ -736,6 +736,12 @@ def paged_attention_cache(
     return attend_sides(q, k_side, v_side, meta, scale, window, softcap, rotation=rotation, **overrides)
 
 
+def _row_split(block_d: int, halves: bool) -> dict:
+    """The kernels' SPLIT and HALF_D for rows in halves or whole (:func:`half_columns`)."""
+    split = block_d // 2 if halves else block_d
+    return dict(SPLIT=split, HALF_D=max(split, 16))
+
+
 @dataclass(frozen=True)
 class Rotation:
     """A rotated cache's basis as the kernels apply it: queries ``(q · equalizer) @ Rᵀ``
@@ -782,14 +788,20 @@ def attend_sides(
     score_scale = scale / softcap if has_softcap else scale * LOG2E
     cap_scale = softcap * LOG2E if has_softcap else 0.0
     block_d = triton.next_power_of_2(head_dim)
-    # Rows in halves where a side packs 4- or 3-bit codes (see _attend_keys); whole otherwise.
-    if halves is None:  # an override for A/B timing; both are correct for any format
-        halves = any(s.bits < 8 for s in (k_side, v_side))
-    split = block_d // 2 if halves else block_d
+    sides = (k_side, v_side)
+    quantized = any(s.code != PLAIN for s in sides)
+    packed = any(s.bits < 8 for s in sides)  # 4- or 3-bit codes: laid out for rows in halves
+    fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
+    # Rows in halves where a side packs codes (see _attend_keys), and for other quantized
+    # caches in decode at batches that leave multiprocessors idle (H200: fp8 at 1 x 32k
+    # 38 us a layer in halves, 53 whole; at 64 x 8k 394 in halves, 355 whole); whole
+    # otherwise. ``halves`` overrides it for A/B timing where codes are not packed.
+    if halves is None:
+        prefill_halves, decode_halves = packed, packed or (quantized and not fills_gpu)
+    else:
+        prefill_halves = decode_halves = packed or halves
     common = dict(
         HEAD_DIM=head_dim,
-        SPLIT=split,
-        HALF_D=max(split, 16),
         BLOCK_SIZE=block_size,
         HAS_WINDOW=has_window,
         HAS_SOFTCAP=has_softcap,
@@ -823,11 +835,8 @@ def attend_sides(
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
         if k_side.code == LLOYD and prefill_tiles is None:
-            # Level lookups leave fewer registers: half the keys per step. Not for 3-bit
-            # codes at 64-key tiles: halved, their scores came out wrong on the H200
-            # (Triton 3.6; right under the interpreter and at every other tile).
-            if not (k_side.bits == 3 and cfg.block_n == 64):
-                cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))
+            # Level lookups leave fewer registers: half the keys per step.
+            cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
         # Tiles from shapes only (graph-safe): the last sequence's tiles end before
@@ -841,12 +850,9 @@ def attend_sides(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *cache_strides,
             GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, prefill_halves),
         )  # fmt: skip
 
-    sides = (k_side, v_side)
-    quantized = any(s.code != PLAIN for s in sides)
-    fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
     major = _device_limits(q.device.index or 0)[0] if q.is_cuda else 9
     cfg = decode_tiles or decode_config(head_dim, q, fills_gpu and long_tiles_fit(sides, major))
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
@@ -872,7 +878,7 @@ def attend_sides(
         *cache_strides, num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](

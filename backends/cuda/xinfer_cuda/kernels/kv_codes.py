@@ -2,9 +2,8 @@
 encoded at write time and decoded in registers inside attention.
 
 Mirrors ``xinfer.kv.codecs`` (the reference) exactly: same scales, same rounding
-(half to even), same bit order. Packed codes come in groups of ``GROUP`` values held
-in ``GROUP_BYTES`` little-endian bytes (4-bit: 2 in 1, dims j and D/2 + j; 3-bit: 8
-consecutive dims in 3).
+(half to even), same bit order (``xinfer.kv.codes``: a 4-bit byte j holds dims j and
+D/2 + j; 3-bit codes lie in a plane of their low two bits and one of their high bit).
 """
 
 from __future__ import annotations
@@ -57,15 +56,7 @@ class Side:
     code: int  # PLAIN, FP8, UNIFORM or LLOYD
     bits: int = 8
     num_levels: int = 0
-
-    @property
-    def group(self) -> int:
-        """Codes per group of whole bytes."""
-        return {4: 2, 3: 8}.get(self.bits, 1)
-
-    @property
-    def group_bytes(self) -> int:
-        return self.group * self.bits // 8
+    rms_clip: float = 0.0  # UNIFORM: scale = rms_clip * RMS, or the absmax where 0
 
     def scale_or_data(self) -> Tensor:
         return self.scale if self.scale is not None else self.data
@@ -97,7 +88,7 @@ def side(cache: LayerKVCache, name: str, codec: Codec) -> Side:
     if isinstance(codec, LloydMax):
         return Side(data, scale, _levels(codec.levels, data.device), LLOYD, codec.bits, codec.levels)
     if isinstance(codec, Uniform):
-        return Side(data, scale, None, UNIFORM, codec.bits, codec.levels)
+        return Side(data, scale, None, UNIFORM, codec.bits, codec.levels, codec.rms_clip or 0.0)
     if isinstance(codec, Fp8):
         return Side(data, scale, None, FP8)
     if isinstance(codec, Plain):
@@ -105,15 +96,10 @@ def side(cache: LayerKVCache, name: str, codec: Codec) -> Side:
     raise NotImplementedError(f"no Triton code for {type(codec).__name__}")
 
 
-_LEVEL_CACHE: dict[tuple[int, torch.device], Tensor] = {}
-
-
+@functools.cache
 def _levels(num_levels: int, device: torch.device) -> Tensor:
-    key = (num_levels, device)
-    if key not in _LEVEL_CACHE:
-        half = torch.tensor(GAUSSIAN_LEVELS[num_levels])
-        _LEVEL_CACHE[key] = torch.cat((-half.flip(0), half)).to(device)
-    return _LEVEL_CACHE[key]
+    half = torch.tensor(GAUSSIAN_LEVELS[num_levels])
+    return torch.cat((-half.flip(0), half)).to(device)
 
 
 FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -164,13 +150,16 @@ def _as_number(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def vector_scale(x, CODE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Per-row scale of x [rows, D] (zeros past HEAD_DIM): RMS for Lloyd–Max, else absmax."""
+def vector_scale(x, CODE: tl.constexpr, HEAD_DIM: tl.constexpr, RMS_CLIP: tl.constexpr):
+    """Per-row scale of x [rows, D] (zeros past HEAD_DIM): the RMS for Lloyd–Max levels,
+    RMS_CLIP times it for uniform codes on an RMS grid, else the absmax."""
     if CODE == CODE_LLOYD:
-        s = tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM)
+        s = tl.maximum(tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM), TINY_C)
+    elif RMS_CLIP > 0.0:
+        s = tl.maximum(tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM), TINY_C) * RMS_CLIP
     else:
-        s = tl.max(tl.abs(x), 1)
-    return tl.maximum(s, TINY_C)
+        s = tl.maximum(tl.max(tl.abs(x), 1), TINY_C)
+    return s
 
 
 @triton.jit
@@ -238,11 +227,27 @@ def load_stored(
             lo = _code_values(packed & 0xF, levels_ptr, CODE, BITS, DTYPE, DECODE)
             hi = _code_values(packed >> 4, levels_ptr, CODE, BITS, DTYPE, DECODE)
     elif BITS == 3:
-        # SPLIT // 8 words hold a half; dims [D/2, D) start after them.
-        lo = _unpack3(head_ptr, row, rows_ok, ROWS, HALF_D, SPLIT // 8)
-        hi = _unpack3(head_ptr + 3 * (SPLIT // 8), row, rows_ok, ROWS, HALF_D, SPLIT // 8)
-        lo = _code_values(lo, levels_ptr, CODE, BITS, DTYPE, DECODE)
-        hi = _code_values(hi, levels_ptr, CODE, BITS, DTYPE, DECODE)
+        # Column c's two codes: the low bit pairs from byte c % (D/4) of the first plane
+        # at bit 2q, q = c // (D/4) (+ 4 for the second half), the high bits from byte
+        # c % (D/8) of the second at bit k = c // (D/8) (+ 4).
+        quarter: tl.constexpr = HEAD_DIM // 4
+        eighth: tl.constexpr = HEAD_DIM // 8
+        mask = rows_ok[:, None] & lo_ok[None, :]
+        low = tl.load(head_ptr + row[:, None] + (cols % quarter)[None, :], mask=mask, other=0)
+        high = tl.load(head_ptr + quarter + row[:, None] + (cols % eighth)[None, :], mask=mask, other=0)
+        low_shift = 2 * (cols // quarter)
+        high_shift = cols // eighth
+        # The PTX decode takes each word's four neighbouring columns at one pair of
+        # shifts, which they share where D/8 >= 4 (in the layout the compiler gives these
+        # tiles: threads hold 16 neighbouring columns).
+        if DECODE >= DECODE_PTX and CODE == CODE_UNIFORM and DTYPE == tl.float16 and eighth >= 4:
+            shifts = tl.broadcast_to((low_shift | high_shift << 4).to(tl.uint8)[None, :], low.shape)
+            lo, hi = _three_bit_numbers(low, high, shifts)
+        else:
+            low = low.to(tl.int16) >> low_shift[None, :].to(tl.int16)
+            high = high.to(tl.int16) >> high_shift[None, :].to(tl.int16)
+            lo = _code_values((low & 3) | (high & 1) << 2, levels_ptr, CODE, BITS, DTYPE, DECODE)
+            hi = _code_values((low >> 4) & 3 | (high >> 2) & 4, levels_ptr, CODE, BITS, DTYPE, DECODE)
     else:
         at = head_ptr + row[:, None] + cols[None, :]
         lo = tl.load(at, mask=rows_ok[:, None] & lo_ok[None, :], other=0)
@@ -299,6 +304,43 @@ def _nibble_numbers(packed):
 
 
 @triton.jit
+def _three_bit_numbers(low, high, shifts):
+    """fp16 numbers 1024 + code of both halves' 3-bit codes (two tiles of the shape of
+    uint8 ``low`` and ``high``, the bytes of the two planes each column reads), given
+    each column's shifts ``2 q | k << 4`` (:func:`load_stored`). Per word of four
+    columns, which share their shifts: the two shifts, eight bit operations to the
+    eight codes as bytes, and four byte permutes that put 0x64 above each."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 low_shift, high_shift, low, high, bit, lo, hi, magic;
+        and.b32 low_shift, $6, 0xF;
+        bfe.u32 high_shift, $6, 4, 4;
+        shr.b32 low, $4, low_shift;
+        shr.b32 high, $5, high_shift;
+        shl.b32 bit, high, 2;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 lo, low, 0x03030303, bit, 0xea;
+        shr.b32 low, low, 4;
+        shr.b32 bit, high, 2;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 hi, low, 0x03030303, bit, 0xea;
+        mov.b32 magic, 0x64;
+        prmt.b32 $0, lo, magic, 0x4140;
+        prmt.b32 $1, lo, magic, 0x4342;
+        prmt.b32 $2, hi, magic, 0x4140;
+        prmt.b32 $3, hi, magic, 0x4342;
+        }
+        """,
+        "=r,=r,=r,=r,r,r,r",
+        [low, high, shifts],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _lloyd_level(codes, levels_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr):
     """Unit Lloyd–Max levels of ``codes`` by a chain of selects over the level
     magnitudes (the table is symmetric: code half + i is +m_i, code half - 1 - i is
@@ -310,37 +352,6 @@ def _lloyd_level(codes, levels_ptr, BITS: tl.constexpr, DTYPE: tl.constexpr):
     for i in tl.static_range(1, half):
         magnitude = tl.where(index == i, tl.load(levels_ptr + half + i).to(DTYPE), magnitude)
     return tl.where(upper, magnitude, -magnitude)
-
-
-@triton.jit
-def _unpack3(head_ptr, row, rows_ok, ROWS: tl.constexpr, WIDTH: tl.constexpr, WORDS: tl.constexpr):
-    """[ROWS, WIDTH] 3-bit codes: eight per little-endian 24-bit word, of which ``WORDS``
-    are read (the rest of the columns read as code 0)."""
-    if WIDTH < 32:
-        # Each column shifts its own copy of its word out: the joins below gave wrong
-        # codes on the H200 at 16 columns (Triton 3.6; right under the interpreter).
-        cols = tl.arange(0, WIDTH)
-        first = head_ptr + row[:, None] + 3 * (cols // 8)[None, :]
-        mask = rows_ok[:, None] & (cols < 8 * WORDS)[None, :]
-        word = _load_word3(first, mask)
-        codes = (word >> (3 * (cols % 8))[None, :]) & 7
-    else:
-        words = tl.arange(0, WIDTH // 8)
-        first = head_ptr + row[:, None] + 3 * words[None, :]
-        word = _load_word3(first, rows_ok[:, None] & (words < WORDS)[None, :])
-        # Joined so that code r of a word lands at index r of the flattened last three
-        # axes (4 * bit2 + 2 * bit1 + bit0): the outermost join picks bit 0 of r.
-        even = tl.join(tl.join(word & 7, (word >> 12) & 7), tl.join((word >> 6) & 7, (word >> 18) & 7))
-        odd = tl.join(tl.join((word >> 3) & 7, (word >> 15) & 7), tl.join((word >> 9) & 7, (word >> 21) & 7))
-        codes = tl.reshape(tl.join(even, odd), [ROWS, WIDTH])
-    return codes
-
-
-@triton.jit
-def _load_word3(first, mask):
-    word = tl.load(first, mask=mask, other=0).to(tl.int32)
-    word |= tl.load(first + 1, mask=mask, other=0).to(tl.int32) << 8
-    return word | tl.load(first + 2, mask=mask, other=0).to(tl.int32) << 16
 
 
 @triton.jit

@@ -14,21 +14,26 @@ from xinfer_cuda.kernels.kv_codes import CODE_FP8, encode, side, vector_scale
 
 
 @triton.jit
-def _pack(codes, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Codes [ROWS, HEAD_DIM] -> words [ROWS, HEAD_DIM / GROUP] in registers, the layout
-    of :mod:`xinfer.kv.codes`: 4-bit byte j holds dims j and HEAD_DIM/2 + j; 3-bit
-    words hold eight consecutive dims, dim r of the group at bits 3r."""
-    if BITS == 4:
-        halves = tl.permute(tl.reshape(codes, [ROWS, 2, HEAD_DIM // 2]), (0, 2, 1))
-        lo, hi = tl.split(halves)
-        word = lo | hi << 4
-    else:
-        # The last axis is bit 0 of r: each split joins neighbours into codes of twice the width.
-        lo, hi = tl.split(tl.reshape(codes, [ROWS, HEAD_DIM // 8, 2, 2, 2]))
-        lo, hi = tl.split(lo | hi << 3)
-        lo, hi = tl.split(lo | hi << 6)
-        word = lo | hi << 12
-    return word
+def _pack4(codes, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Codes [ROWS, D] -> bytes [ROWS, D/2]: byte j holds dims j and D/2 + j."""
+    lo, hi = tl.split(tl.permute(tl.reshape(codes, [ROWS, 2, HEAD_DIM // 2]), (0, 2, 1)))
+    return lo | hi << 4
+
+
+@triton.jit
+def _pack3(codes, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Codes [ROWS, D] -> the planes of :func:`xinfer.kv.codes.pack3`: [ROWS, D/4] bytes
+    of low bit pairs (dim i + q D/4 at bit 2q) and [ROWS, D/8] bytes of high bits (dim
+    i + k D/8 at bit k). Each split takes the last axis, the lowest bit of q or k."""
+    quarters = tl.reshape(tl.permute(tl.reshape(codes & 3, [ROWS, 4, HEAD_DIM // 4]), (0, 2, 1)), [ROWS, HEAD_DIM // 4, 2, 2])
+    lo, hi = tl.split(quarters)
+    lo, hi = tl.split(lo | hi << 2)
+    low = lo | hi << 4
+    eighths = tl.permute(tl.reshape(codes >> 2, [ROWS, 8, HEAD_DIM // 8]), (0, 2, 1))
+    lo, hi = tl.split(tl.reshape(eighths, [ROWS, HEAD_DIM // 8, 2, 2, 2]))
+    lo, hi = tl.split(lo | hi << 1)
+    lo, hi = tl.split(lo | hi << 2)
+    return low, lo | hi << 4
 
 
 @triton.jit
@@ -50,6 +55,7 @@ def _write_side(
     CODE: tl.constexpr,
     BITS: tl.constexpr,
     LEVELS: tl.constexpr,
+    RMS_CLIP: tl.constexpr,
 ):
     """One side of BLOCK_T tokens: ``src``, ``data_dst``, ``scale_dst`` point at each
     token's row of this head; only ``rows`` are read and written. Each step rounds to
@@ -78,19 +84,20 @@ def _write_side(
             c = tl.load(offset_row + dims).to(x.dtype).to(tl.float32)
             x = (x.to(tl.float32) - c[None, :]).to(x.dtype)
         x = x.to(tl.float32)
-    scale = vector_scale(x, CODE, HEAD_DIM)
+    scale = vector_scale(x, CODE, HEAD_DIM, RMS_CLIP)
     tl.store(scale_dst, scale, mask=rows)
     codes = encode(x, scale, levels_ptr, CODE, LEVELS)
     if CODE == CODE_FP8 or BITS == 8:
         tl.store(data_dst[:, None] + dims[None, :], codes.to(tl.uint8), mask=rows[:, None])
+    elif BITS == 4:
+        halves = tl.arange(0, HEAD_DIM // 2)
+        tl.store(data_dst[:, None] + halves[None, :], _pack4(codes, BLOCK_T, HEAD_DIM).to(tl.uint8), mask=rows[:, None])
     else:
-        word = _pack(codes, BLOCK_T, HEAD_DIM, BITS)
-        group: tl.constexpr = 2 if BITS == 4 else 8
-        group_bytes: tl.constexpr = group * BITS // 8
-        groups = tl.arange(0, HEAD_DIM // group)
-        for b in tl.static_range(group_bytes):
-            byte = ((word >> (8 * b)) & 0xFF).to(tl.uint8)
-            tl.store(data_dst[:, None] + groups[None, :] * group_bytes + b, byte, mask=rows[:, None])
+        low, high = _pack3(codes, BLOCK_T, HEAD_DIM)
+        quarters = tl.arange(0, HEAD_DIM // 4)
+        eighths = tl.arange(0, HEAD_DIM // 8)
+        tl.store(data_dst[:, None] + quarters[None, :], low.to(tl.uint8), mask=rows[:, None])
+        tl.store(data_dst[:, None] + HEAD_DIM // 4 + eighths[None, :], high.to(tl.uint8), mask=rows[:, None])
 
 
 @triton.jit
@@ -136,10 +143,12 @@ def _quant_write_kv_kernel(
     K_CODE: tl.constexpr,
     K_BITS: tl.constexpr,
     K_LEVELS: tl.constexpr,
+    K_CLIP: tl.constexpr,
     V_ROTATE: tl.constexpr,
     V_CODE: tl.constexpr,
     V_BITS: tl.constexpr,
     V_LEVELS: tl.constexpr,
+    V_CLIP: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
@@ -155,7 +164,7 @@ def _quant_write_kv_kernel(
             k_data_ptr + block * stride_kd_block + offset * stride_kd_slot + head * stride_kd_head,
             k_scale_ptr + block * stride_ks_block + offset * stride_ks_slot + head * stride_ks_head,
             rows, k_levels_ptr, basis_ptr, offset_ptr + head * stride_off_head, equalizer_ptr + head * stride_eq_head,
-            BLOCK_T, HEAD_DIM, BLOCK_K, K_ROTATE, OFFSET, EQUALIZE, K_CODE, K_BITS, K_LEVELS,
+            BLOCK_T, HEAD_DIM, BLOCK_K, K_ROTATE, OFFSET, EQUALIZE, K_CODE, K_BITS, K_LEVELS, K_CLIP,
         )  # fmt: skip
     else:
         _write_side(
@@ -163,7 +172,7 @@ def _quant_write_kv_kernel(
             v_data_ptr + block * stride_vd_block + offset * stride_vd_slot + head * stride_vd_head,
             v_scale_ptr + block * stride_vs_block + offset * stride_vs_slot + head * stride_vs_head,
             rows, v_levels_ptr, basis_ptr, offset_ptr, equalizer_ptr,
-            BLOCK_T, HEAD_DIM, BLOCK_K, V_ROTATE, False, False, V_CODE, V_BITS, V_LEVELS,
+            BLOCK_T, HEAD_DIM, BLOCK_K, V_ROTATE, False, False, V_CODE, V_BITS, V_LEVELS, V_CLIP,
         )  # fmt: skip
 
 
@@ -204,7 +213,7 @@ def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tens
         HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
         BLOCK_K=min(head_dim, 64 if k.element_size() < 4 else 16),  # fp32: an FMA dot, in registers
         OFFSET=offset is not None, EQUALIZE=equalize,
-        K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels,
-        V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels,
+        K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
+        V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
         num_warps=8,
     )  # fmt: skip
