@@ -44,9 +44,9 @@ class CacheConfig(_Config):
         "CUDA graphs and KV cache, the KV cache getting what is left (default 0.9); CPU: share of the free "
         "RAM after loading the weights that the KV cache gets (default: a quarter, at most 2 GiB)",
     )
-    kv_cache_dtype: Literal["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm"] = Field(
+    kv_cache_dtype: Literal["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"] = Field(
         "auto",
-        description="auto: the model dtype; fp8: e4m3 K and V; turbo8: fp8 K, 4-bit V; turbo4/turbo3: "
+        description="auto: the model dtype; fp8: e4m3 K and V; turbo8: rotated 8-bit K, 4-bit V; turbo4/turbo3: "
         "rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
     )
     kv_recent_window: int = Field(

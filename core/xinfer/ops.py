@@ -150,6 +150,7 @@ class StepLimits:
     max_num_tokens: int
     max_blocks_per_seq: int
     max_seq_len: int
+    shadows: bool = False  # steps carry shadow tables and slots (a recent window)
 
 
 class KeepsRecentWindow(Protocol):

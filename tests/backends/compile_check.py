@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 import torch
 import triton
@@ -134,6 +135,23 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                     decode_tiles=tiles(decode_table, head_dim),
                     decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
                 )  # fmt: skip
+            # a recent window: shadow writes, and attention reading shadows
+            cache.shadows, cache.recent_window = (t(4, 16, 8, head_dim), t(4, 16, 8, head_dim)), 64
+            kv_quant_write.write_shadow_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, torch.zeros(4, dtype=torch.int64))
+            for q_len, splits in ((1, 4), (8, None)):
+                cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+                meta = AttentionMetadata(
+                    cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
+                    torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100, torch.zeros(2, 256, dtype=torch.int32),
+                )  # fmt: skip
+                prefill = tiles(attention._PREFILL_TILES, head_dim)
+                attention.paged_attention_cache(
+                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
+                    prefill_tiles=replace(prefill, block_n=max(prefill.block_n // 2, 16)),  # as attention halves them
+                    decode_tiles=tiles(attention._DECODE_TILES, head_dim),
+                    decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
+                )  # fmt: skip
+            cache.shadows = None
     return list(LAUNCHES)
 
 

@@ -13,6 +13,7 @@ import itertools
 import math
 import os
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -114,9 +115,10 @@ def write_case(fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int],
 
 
 def on_device(meta: AttentionMetadata) -> AttentionMetadata:
+    shadow_tables = meta.shadow_tables.to(DEVICE) if meta.shadow_tables is not None else None
     return AttentionMetadata(
         meta.cu_seqlens_q.to(DEVICE), meta.seq_lens.to(DEVICE), meta.block_tables.to(DEVICE),
-        meta.slot_mapping.to(DEVICE), meta.max_seqlen_q, meta.max_seq_len,
+        meta.slot_mapping.to(DEVICE), meta.max_seqlen_q, meta.max_seq_len, shadow_tables,
     )  # fmt: skip
 
 
@@ -202,3 +204,49 @@ def test_sliding_window_over_quantized_cache(fmt):
     want = CPU.attention(q, to_cpu(device_cache), meta, 0.125, window=16)
     got = CUDA.attention(q.to(DEVICE), device_cache, on_device(meta), 0.125, window=16)
     assert relative_error(got, want) < TOL[dtype]
+
+
+def with_shadows(cache: LayerKVCache, meta: AttentionMetadata, window: int, drop: int) -> tuple[LayerKVCache, AttentionMetadata]:
+    """The cache with shadow blocks (a recent window of ``window``) and the metadata
+    naming them: every block of each sequence has one but block ``drop`` (a shadow
+    returned or never taken), in scattered order."""
+    num_blocks, block_size, kv_heads, head_dim = cache["k"].shape[:3] + (cache.head_dim,)
+    cache.shadows = tuple(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache.dtype, device=cache["k"].device) for _ in "kv")
+    cache.recent_window = window
+    order = torch.randperm(num_blocks).to(torch.int32)
+    tables = order[meta.block_tables.long()]
+    tables[:, drop] = -1
+    return cache, replace(meta, shadow_tables=tables)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "turbo4", "turbo3"])
+def test_recent_window_reads_shadows_like_the_reference(fmt):
+    """Shadow writes equal the reference's; prefill and decode read each key exact where
+    the CPU backend does (within the window of the query, or in the first block)."""
+    dtype = torch.float32
+    # the decode query at 41 reads 31 on exact, the last key of a 16-key tile
+    reference, device_cache, meta = write_case(fmt, dtype, 64, [45, 42, 9], [13, 1, 9])
+    block_size = reference.block_size
+    reference, meta = with_shadows(reference, meta, window=11, drop=2)
+    device_cache.shadows = tuple(torch.zeros_like(s, device=DEVICE) for s in reference.shadows)
+    device_cache.recent_window = reference.recent_window
+    # every context position written to its shadow slot (the reference of the slots)
+    positions = [torch.arange(n) for n in meta.seq_lens.tolist()]
+    k = torch.randn(sum(len(p) for p in positions), 2, 64)
+    v = torch.randn_like(k)
+    slots = torch.cat([
+        torch.where(meta.shadow_tables[b, p // block_size] >= 0, meta.shadow_tables[b, p // block_size].long() * block_size + p % block_size, -1)
+        for b, p in enumerate(positions)
+    ])  # fmt: skip
+    CPU.write_shadow_kv(k, v, reference, slots)
+    CUDA.write_shadow_kv(k.to(DEVICE), v.to(DEVICE), device_cache, slots.to(DEVICE))
+    for got, want in zip(device_cache.shadows, reference.shadows):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+    q = torch.randn(int(meta.cu_seqlens_q[-1]), 4, 64)
+    want = CPU.attention(q, reference, meta, 0.125)
+    for splits in (1, 4):
+        got = attention.paged_attention_cache(q.to(DEVICE), device_cache, on_device(meta), 0.125, num_splits=splits)
+        assert relative_error(got, want) < TOL[dtype], splits
+    plain = CPU.attention(q, reference, replace(meta, shadow_tables=None), 0.125)
+    assert relative_error(plain, want) > 10 * TOL[dtype]  # the window changed what was read

@@ -125,19 +125,26 @@ def mixed_and_decode_batches(llm: LLM) -> list[HostBatch]:
 INTERPRETED = os.environ["XINFER_KERNEL_DEVICE"] == "cpu"  # the CUDA kernels take CPU tensors
 
 
+# a quantized cache with a recent window: steps carry shadow tables and slots too
+CACHES = {"auto": {}, "fp8-window": dict(kv_cache_dtype="fp8", kv_recent_window=8)}
+
+
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize(
     "backend",
     [CpuOps(), pytest.param(CudaOps(), marks=pytest.mark.skipif(not INTERPRETED, reason="tests/gpu covers the GPU"))],
     ids=["cpu", "cuda-kernels"],
 )
-def test_padded_step_gives_the_unpadded_logits(model_dir, backend):
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128, **LIMITS)
+def test_padded_step_gives_the_unpadded_logits(model_dir, backend, cache):
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128, **LIMITS, **CACHES[cache])
     runner: ModelRunner = llm.engine.runner
     runner.backend = backend
     batches = mixed_and_decode_batches(llm)
     assert [b.is_decode for b in batches] == [False, False, True]
     assert [len(b.sample_rows) for b in batches] == [3, 4, 4]  # the first chunk samples nothing
-    limits = StepLimits(6, 128, -(-llm.engine.max_model_len // runner.block_size), llm.engine.max_model_len)
+    shadows = bool(CACHES[cache])
+    assert all(bool(b.shadow_tables) == shadows for b in batches)
+    limits = StepLimits(6, 128, -(-llm.engine.max_model_len // runner.block_size), llm.engine.max_model_len, shadows)
     step = StaticStep(runner.forward, limits, torch.device("cpu"))
     with torch.inference_mode(), ops.use(backend):
         for batch in batches:  # their KV is in the cache: rewriting it is harmless
@@ -163,13 +170,15 @@ class EagerStaticSteps:
         return self.step.run(bucket)[: len(batch.sample_rows)]
 
 
-def test_engine_with_padded_steps_gives_the_eager_tokens(model_dir):
+@pytest.mark.parametrize("cache", CACHES)
+def test_engine_with_padded_steps_gives_the_eager_tokens(model_dir, cache):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [prompt(3 + 29 * i, seed=i) for i in range(8)]
-    eager = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS)
-    padded = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS)
+    eager = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS, **CACHES[cache])
+    padded = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS, **CACHES[cache])
     engine = padded.engine
-    limits = StepLimits(6, 128, -(-engine.max_model_len // engine.runner.block_size), engine.max_model_len)
+    max_blocks = -(-engine.max_model_len // engine.runner.block_size)
+    limits = StepLimits(6, 128, max_blocks, engine.max_model_len, shadows=bool(CACHES[cache]))
     engine.runner.graphs = steps = EagerStaticSteps(engine.runner, limits)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in padded.generate(prompts, params)] == expected

@@ -73,6 +73,23 @@ def test_quantized_cache_with_graphs_and_prefix_cache(model_dir, kv_cache_dtype)
     assert runs[False] == runs[True]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "turbo3"])
+def test_recent_window_with_graphs(model_dir, kv_cache_dtype):
+    """With a recent window the step graphs give the eager steps' tokens, and a window
+    over the whole context gives the unquantized cache's tokens (every key exact)."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    options = dict(dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8, enable_prefix_caching=False)
+
+    def run(**cache):
+        return {eager: tokens(LLM(model=model_dir, enforce_eager=eager, **options, **cache), PROMPTS, params)
+                for eager in (False, True)}  # fmt: skip
+
+    windowed = run(kv_cache_dtype=kv_cache_dtype, kv_recent_window=16)
+    assert windowed[False] == windowed[True]
+    whole = run(kv_cache_dtype=kv_cache_dtype, kv_recent_window=512)
+    assert whole[False] == whole[True] == run()[False]
+
+
 def staggered_tokens(llm, params) -> dict[str, list[int]]:
     """Prompts arriving while others decode: steps mixing decodes with new prompts'
     chunks (the 250-token prompt spans several steps of a 128-token budget)."""

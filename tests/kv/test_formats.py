@@ -207,3 +207,11 @@ def test_prepared_query_scores_like_dequantized_keys():
     torch.testing.assert_close(
         (fmt.prepare_query(q) * rotated_keys).sum(-1), (q * k2).sum(-1), rtol=1e-4, atol=1e-3
     )
+
+
+def test_the_engine_option_offers_every_registered_format():
+    from typing import get_args
+
+    from xinfer.config import CacheConfig
+
+    assert set(get_args(CacheConfig.model_fields["kv_cache_dtype"].annotation)) == set(FORMATS)

@@ -44,6 +44,9 @@ class CudaOps:
             return
         kv_quant_write.quant_write_kv(k, v, cache, slot_mapping)
 
+    def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+        kv_quant_write.write_shadow_kv(k, v, cache, shadow_slots)
+
     def attention(
         self,
         q: Tensor,

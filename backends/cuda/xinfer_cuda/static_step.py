@@ -81,6 +81,8 @@ def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
         seq_lens=batch.seq_lens + [0] * pad_seqs,
         block_tables=[row + [0] * (width - len(row)) for row in batch.block_tables],
         sample_rows=batch.sample_rows + [0] * (bucket.num_seqs - len(batch.sample_rows)),
+        shadow_tables=[row + [-1] * (width - len(row)) for row in batch.shadow_tables] or [[-1] * width] * len(batch.block_tables),
+        shadow_slot_mapping=batch.shadow_slot_mapping + [-1] * (bucket.num_tokens - len(batch.shadow_slot_mapping)),
     )
 
 
@@ -89,9 +91,10 @@ class StaticStep:
     bucket; each bucket reads a prefix of each.
 
     A step's inputs travel in two host-to-device copies (an int64 buffer: ids |
-    positions | slots | sample rows, and an int32 one: cu_seqlens_q | seq_lens | table
-    rows packed at the step's width) and one scatter of the table rows: few operations,
-    since each costs a launch.
+    positions | slots | sample rows [| shadow slots], and an int32 one: cu_seqlens_q |
+    seq_lens | table rows packed at the step's width [| shadow table rows likewise])
+    and a scatter of the table rows: few operations, since each costs a launch. The
+    bracketed parts are there with a recent window (``limits.shadows``).
     """
 
     def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
@@ -100,12 +103,16 @@ class StaticStep:
         self.max_tokens = tokens = max(limits.max_num_tokens, limits.max_num_seqs)
         seqs = limits.max_num_seqs
         pin = device.type == "cuda"
-        self.host64 = torch.zeros(3 * tokens + seqs, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * seqs + 1 + seqs * limits.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        tables = 2 if limits.shadows else 1
+        self.host64 = torch.zeros((3 + limits.shadows) * tokens + seqs, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * seqs + 1 + tables * seqs * limits.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.block_tables = torch.zeros(seqs, limits.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.dev64[2 * tokens : 3 * tokens].fill_(-1)  # slots: nothing written before the first step
+        self.shadow_tables = torch.full_like(self.block_tables, -1) if limits.shadows else None
+        views = self._views(self.dev64, self.dev32)
+        for slots in (views[2], *views[6:]):  # slots and shadow slots: nothing written before the first step
+            slots.fill_(-1)
         self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
         # Marks the last copies out of the pinned host buffers. A step that samples
         # nothing returns without waiting for the device, so the next step must wait
@@ -123,14 +130,18 @@ class StaticStep:
         for host, values in zip(self._views(self.host64, self.host32), self._fields(padded)):
             host[: len(values)] = torch.tensor(values, dtype=host.dtype)
         n, width = len(batch.seq_lens), len(padded.block_tables[0])
-        packed = self._tables(self.host32)[: n * width]
-        packed[:] = torch.tensor(padded.block_tables, dtype=torch.int32).flatten()
+        rows = [padded.block_tables] + ([padded.shadow_tables] if self.shadow_tables is not None else [])
+        packed = self._tables(self.host32)[: len(rows) * n * width]
+        packed[:] = torch.tensor(rows, dtype=torch.int32).flatten()
         self.dev64.copy_(self.host64, non_blocking=True)
-        used32 = 2 * self.limits.max_num_seqs + 1 + n * width
+        used32 = 2 * self.limits.max_num_seqs + 1 + len(rows) * n * width
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        self.block_tables[:n, :width] = self._tables(self.dev32)[: n * width].view(n, width)
+        on_device = self._tables(self.dev32)[: len(rows) * n * width].view(len(rows), n, width)
+        self.block_tables[:n, :width] = on_device[0]
+        if self.shadow_tables is not None:
+            self.shadow_tables[:n, :width] = on_device[1]
         if pending is not None:
             pending.write_into(self._views(self.dev64, self.dev32)[0])
 
@@ -138,7 +149,7 @@ class StaticStep:
         """Logits [num_seqs, vocab] of the bucket's sample rows, from the buffers (the
         code a graph records). Every bucket writes the same buffer, so the graphs hold
         one set of logits between them."""
-        ids, positions, slots, rows, cu_seqlens_q, seq_lens = self._views(self.dev64, self.dev32)
+        ids, positions, slots, rows, cu_seqlens_q, seq_lens, *shadow_slots = self._views(self.dev64, self.dev32)
         t, s = bucket.num_tokens, bucket.num_seqs
         meta = AttentionMetadata(
             cu_seqlens_q=cu_seqlens_q[: s + 1],
@@ -148,20 +159,24 @@ class StaticStep:
             max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
             max_seq_len=self.limits.max_seq_len,
         )
+        if self.shadow_tables is not None:
+            meta.shadow_tables, meta.shadow_slot_mapping = self.shadow_tables[:s], shadow_slots[0][:t]
         logits = self.forward(ids[:t], positions[:t], meta, rows[:s])
         if self.logits is None:
             self.logits = logits.new_empty(self.limits.max_num_seqs, logits.shape[1])
         return self.logits[:s].copy_(logits)
 
     def _views(self, buf64: Tensor, buf32: Tensor) -> list[Tensor]:
+        """ids, positions, slots, sample rows, cu_seqlens_q, seq_lens [, shadow slots]."""
         tokens, seqs = self.max_tokens, self.limits.max_num_seqs
-        ids, positions, slots, rows = buf64.split([tokens] * 3 + [seqs])
+        ids, positions, slots, rows, *shadow_slots = buf64.split([tokens] * 3 + [seqs] + [tokens] * self.limits.shadows)
         cu_seqlens_q, seq_lens = buf32[: seqs + 1], buf32[seqs + 1 : 2 * seqs + 1]
-        return [ids, positions, slots, rows, cu_seqlens_q, seq_lens]
+        return [ids, positions, slots, rows, cu_seqlens_q, seq_lens, *shadow_slots]
 
     def _fields(self, batch: HostBatch) -> list[list[int]]:
+        shadow_slots = [batch.shadow_slot_mapping] if self.limits.shadows else []
         return [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows,
-                batch.cu_seqlens_q, batch.seq_lens]  # fmt: skip
+                batch.cu_seqlens_q, batch.seq_lens, *shadow_slots]  # fmt: skip
 
     def _tables(self, buf32: Tensor) -> Tensor:
         return buf32[2 * self.limits.max_num_seqs + 1 :]

@@ -99,7 +99,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler, self.block_manager)
         log.info("%s, KV cache format %s", plan.describe(), self.kv_format.name)
         if not config.device.enforce_eager:
-            self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len)
+            self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len,
+                                       shadows=plan.num_shadows > 0)  # fmt: skip
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back

@@ -30,13 +30,13 @@ class ModelRunner:
         self.graphs: StepRunner | None = None
 
     @torch.inference_mode()
-    def capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, shadows: bool = False) -> None:
         """Let the backend record steps (CUDA graphs) if it can: a step replayed costs
         a few launches instead of hundreds."""
         capture = getattr(self.backend, "capture_steps", None)
         if capture is not None:
             max_blocks = -(-max_model_len // self.block_size)
-            limits = StepLimits(max_num_seqs, max_num_batched_tokens, max_blocks, max_model_len)
+            limits = StepLimits(max_num_seqs, max_num_batched_tokens, max_blocks, max_model_len, shadows)
             with ops.use(self.backend):
                 self.graphs = capture(self.forward, limits, self.device)
 

@@ -155,6 +155,13 @@ def _attend_keys(
     score_scale,
     cap_scale,
     window,
+    ek_head_ptr,
+    ev_head_ptr,
+    shadow_table_ptr,
+    stride_e_block,
+    stride_e_slot,
+    recent,
+    near_from,
     MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -174,6 +181,7 @@ def _attend_keys(
     V_BITS: tl.constexpr,
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Fold the keys at positions [start, end) into the running (acc, l_i, m_i).
 
@@ -182,6 +190,13 @@ def _attend_keys(
     Rows, tiles and accumulators are halves of the head dimension where the cache has
     4- or 3-bit codes (:func:`half_columns`): a 4-bit byte holds a dimension of each
     half, so its two nibbles feed two half-width dots with no shuffle between them.
+
+    With ``EXACT`` (a recent window over a quantized cache), a key the row reads exact
+    (its block has a shadow in ``shadow_table_ptr`` and it is within ``recent`` of the
+    row's position or in the first block) is scored and weighted from the shadows
+    ``ek_head_ptr``/``ev_head_ptr`` (model dtype, the stored basis) instead; only tiles
+    from ``near_from`` (the first position any row reads exact by recency) on, and the
+    first block's, hold such keys.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
@@ -213,6 +228,20 @@ def _attend_keys(
                 s -= K_OFFSET * q_sum[:, None]
             k_scale = load_scale(k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
             s *= (k_scale * K_STEP)[None, :]
+        if EXACT:
+            shadow = tl.load(shadow_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=-1)
+            near = (q_pos[:, None] - k_pos[None, :] < recent) | (k_pos[None, :] < BLOCK_SIZE)
+            exact = near & (shadow >= 0)[None, :]
+            tile_near = (tile_start < BLOCK_SIZE) | (tile_start + BLOCK_N > near_from)
+            if tile_near:
+                e_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot
+                e_ok = in_range & (shadow >= 0)
+                ek_lo, ek_hi = load_stored(ek_head_ptr, ek_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                           CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
+                s_exact = tl.dot(q_k_lo, tl.trans(ek_lo.to(CODE_DTYPE)), input_precision=PRECISION)
+                if SPLIT < HEAD_DIM:  # a second half
+                    s_exact = tl.dot(q_k_hi, tl.trans(ek_hi.to(CODE_DTYPE)), s_exact, input_precision=PRECISION)
+                s = tl.where(exact, s_exact, s)
         if HAS_SOFTCAP:
             s = cap_scale * _tanh(s * score_scale)
         else:
@@ -229,6 +258,9 @@ def _attend_keys(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if EXACT:  # the exact keys' weights go to the shadow values below
+            p_exact = tl.where(exact, p, 0.0)
+            p = tl.where(exact, 0.0, p)
         # Likewise each value row's scale goes into p: p @ ((v - offset) * step * scale)
         # = (p * step * scale) @ v - offset * sum(p * step * scale).
         if V_CODE == CODE_PLAIN:
@@ -244,6 +276,15 @@ def _attend_keys(
             acc_lo -= V_OFFSET * pv_sum
             if SPLIT < HEAD_DIM:  # a second half
                 acc_hi -= V_OFFSET * pv_sum
+        if EXACT:
+            if tile_near:
+                ev_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot
+                ev_lo, ev_hi = load_stored(ev_head_ptr, ev_head_ptr, ev_row, in_range & (shadow >= 0), BLOCK_N, HEAD_DIM,
+                                           SPLIT, HALF_D, CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
+                pe = p_exact.to(CODE_DTYPE)
+                acc_lo = tl.dot(pe, ev_lo.to(CODE_DTYPE), acc_lo, input_precision=PRECISION)
+                if SPLIT < HEAD_DIM:  # a second half
+                    acc_hi = tl.dot(pe, ev_hi.to(CODE_DTYPE), acc_hi, input_precision=PRECISION)
         m_i = m_new
     return acc_lo, acc_hi, l_i, m_i
 
@@ -286,6 +327,14 @@ def _prefill_kernel(
     score_scale,
     cap_scale,
     window,
+    ek_cache_ptr,
+    ev_cache_ptr,
+    shadow_tables_ptr,
+    stride_e_block,
+    stride_e_slot,
+    stride_e_head,
+    stride_st,
+    recent,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -325,6 +374,7 @@ def _prefill_kernel(
     HAS_EQUALIZER: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
@@ -371,33 +421,37 @@ def _prefill_kernel(
     v_head = v_cache_ptr + kv_head * stride_v_head
     k_scale_head = k_scale_ptr + kv_head * stride_s_head
     v_scale_head = v_scale_ptr + kv_head * stride_s_head
+    ek_head = ek_cache_ptr + kv_head * stride_e_head
+    ev_head = ev_cache_ptr + kv_head * stride_e_head
+    shadow_table = shadow_tables_ptr + seq.to(tl.int64) * stride_st
+    near_from = first_pos - recent + 1
     if HAS_WINDOW:
         acc_lo, acc_hi, l_i, m_i = _attend_keys(
             acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, lo, full_lo,
             k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-            score_scale, cap_scale, window,
+            score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
             MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-            K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
+            K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
         )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_lo, full_end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-        score_scale, cap_scale, window,
+        score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_end, hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-        score_scale, cap_scale, window,
+        score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
 
     norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -441,6 +495,14 @@ def _decode_kernel(
     score_scale,
     cap_scale,
     window,
+    ek_cache_ptr,
+    ev_cache_ptr,
+    shadow_tables_ptr,
+    stride_e_block,
+    stride_e_slot,
+    stride_e_head,
+    stride_st,
+    recent,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -482,6 +544,7 @@ def _decode_kernel(
     HAS_EQUALIZER: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -515,24 +578,28 @@ def _decode_kernel(
     v_head = v_cache_ptr + kv_head * stride_v_head
     k_scale_head = k_scale_ptr + kv_head * stride_s_head
     v_scale_head = v_scale_ptr + kv_head * stride_s_head
+    ek_head = ek_cache_ptr + kv_head * stride_e_head
+    ev_head = ev_cache_ptr + kv_head * stride_e_head
+    shadow_table = shadow_tables_ptr + seq.to(tl.int64) * stride_st
+    near_from = seq_len - recent
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, start, full_end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-        score_scale, cap_scale, window,
+        score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_end, end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-        score_scale, cap_scale, window,
+        score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
 
     # Rotating back is linear, so split partials are rotated before the reduce merges them.
@@ -733,7 +800,10 @@ def paged_attention_cache(
     if fmt.rotate_keys or fmt.rotate_values:
         signs = signed_basis(cache.head_dim, q.device)
         rotation = Rotation(signs, cache.equalizer, fmt.rotate_keys, fmt.rotate_values)
-    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, rotation=rotation, **overrides)
+    exact = None
+    if cache.shadows is not None and meta.shadow_tables is not None:
+        exact = ExactWindow(*cache.shadows, meta.shadow_tables, cache.recent_window)
+    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, rotation=rotation, exact=exact, **overrides)
 
 
 def _row_split(block_d: int, halves: bool) -> dict:
@@ -753,6 +823,22 @@ class Rotation:
     values: bool
 
 
+@dataclass(frozen=True)
+class ExactWindow:
+    """A quantized cache's recent window as the kernels read it: each sequence's keys
+    within ``recent`` of a query, and its first block, from the shadow blocks where it
+    has them (:meth:`xinfer.ops.Ops.attention`)."""
+
+    k: Tensor  # [num_shadows, block_size, Hkv, D], model dtype, the stored basis
+    v: Tensor
+    tables: Tensor  # [B, max_blocks] int32, -1: no shadow
+    recent: int
+
+    def args(self) -> tuple:
+        assert self.k.stride() == self.v.stride(), "K and V shadows must share a layout"
+        return (self.k, self.v, self.tables, *self.k.stride()[:3], self.tables.stride(0), self.recent)
+
+
 def attend_sides(
     q: Tensor,
     k_side: Side,
@@ -768,6 +854,7 @@ def attend_sides(
     rotation: Rotation | None = None,
     decode: int | None = None,
     halves: bool | None = None,
+    exact: ExactWindow | None = None,
 ) -> Tensor:
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -831,11 +918,15 @@ def attend_sides(
         equalizer.float().contiguous() if equalizer is not None else q,
     )
     window_arg = window if has_window else 0
+    # (q and the block tables stand in for the shadows where there is no window)
+    exact_args = exact.args() if exact is not None else (q, q, meta.block_tables, 0, 0, 0, 0, 0)
+    common |= dict(EXACT=exact is not None)
 
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
-        if k_side.code == LLOYD and prefill_tiles is None:
-            # Level lookups leave fewer registers: half the keys per step.
+        if (k_side.code == LLOYD or exact is not None) and prefill_tiles is None:
+            # Level lookups, or shadow tiles beside the quantized ones, leave fewer
+            # registers: half the keys per step (the window's spilled 56-256 bytes).
             cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
@@ -846,7 +937,7 @@ def attend_sides(
         _prefill_kernel[grid](
             q, *cache_ptrs, *basis_ptrs, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
-            score_scale, cap_scale, window_arg,
+            score_scale, cap_scale, window_arg, *exact_args,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *cache_strides,
             GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
@@ -873,7 +964,7 @@ def attend_sides(
     _decode_kernel[(meta.num_seqs, num_kv_heads, num_splits)](
         q, *cache_ptrs, *basis_ptrs, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        score_scale, cap_scale, window_arg,
+        score_scale, cap_scale, window_arg, *exact_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache_strides, num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer_cuda.kernels.basis import signed_basis
-from xinfer_cuda.kernels.kv_codes import CODE_FP8, encode, side, vector_scale
+from xinfer_cuda.kernels.kv_codes import CODE_FP8, CODE_PLAIN, PLAIN, Side, encode, side, vector_scale
 
 
 @triton.jit
@@ -84,6 +84,9 @@ def _write_side(
             c = tl.load(offset_row + dims).to(x.dtype).to(tl.float32)
             x = (x.to(tl.float32) - c[None, :]).to(x.dtype)
         x = x.to(tl.float32)
+    if CODE == CODE_PLAIN:  # a shadow block: the transformed row, in the model dtype
+        tl.store(data_dst[:, None] + dims[None, :], x.to(data_dst.dtype.element_ty), mask=rows[:, None])
+        return
     scale = vector_scale(x, CODE, HEAD_DIM, RMS_CLIP)
     tl.store(scale_dst, scale, mask=rows)
     codes = encode(x, scale, levels_ptr, CODE, LEVELS)
@@ -183,14 +186,25 @@ def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tens
     equalizer, then :func:`hadamard.rotate` where the format rotates. One launch does it all: at batch 1 a launch costs about as much as its work,
     and the equalizer, two rotation GEMMs and two encodes took five per layer."""
     fmt = cache.format
-    k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
+    _write(k, v, cache, side(cache, "k", fmt.key), side(cache, "v", fmt.value), slot_mapping)
+
+
+def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+    """Store ``k``, ``v`` exactly into ``cache.shadows`` at ``shadow_slots`` (negative:
+    skipped): transformed as :func:`quant_write_kv` transforms them
+    (``cache.format.stored_basis``), in the model dtype, not encoded."""
+    k_shadow, v_shadow = cache.shadows
+    _write(k, v, cache, Side(k_shadow, None, None, PLAIN), Side(v_shadow, None, None, PLAIN), shadow_slots)
+
+
+def _write(k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side, slot_mapping: Tensor) -> None:
+    fmt = cache.format
     rotate_keys, rotate_values, equalizer = fmt.rotate_keys, fmt.rotate_values, cache.equalizer
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    assert k_side.scale is not None and v_side.scale is not None
     assert k_side.data.stride(-1) == 1 and v_side.data.stride(-1) == 1
     assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, head_dim
     equalize = rotate_keys and equalizer is not None
@@ -199,7 +213,7 @@ def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tens
     basis = signed_basis(head_dim, k.device) if rotate_keys or rotate_values else k
     equalizer = equalizer.contiguous() if equalize else k
     key_offset = offset.contiguous() if offset is not None else k
-    kd, ks, vd, vs = k_side.data, k_side.scale, v_side.data, v_side.scale
+    kd, ks, vd, vs = k_side.data, k_side.scale_or_data(), v_side.data, v_side.scale_or_data()
     # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
     # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
     block_t = 16 if num_tokens <= 256 else 64
