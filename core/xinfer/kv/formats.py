@@ -7,9 +7,9 @@ from xinfer.kv.format import KVFormat
 
 EIGHT_BIT = Uniform(levels=255, bits=8)
 FOUR_BIT = Uniform(levels=16, bits=4)
-# All 8 codes on a grid of 1.9 RMS: on rotated keys less error than 7 levels over the
-# absmax, and as little as Lloyd–Max levels, at the decode cost of any uniform code.
-THREE_BIT = Uniform(levels=8, bits=3, rms_clip=1.9)
+# All 8 codes on a grid of 2.2 RMS: on real models' rotated keys as good as Lloyd–Max
+# levels (docs/kv-cache.md), at the decode cost of any uniform code.
+THREE_BIT = Uniform(levels=8, bits=3, rms_clip=2.2)
 
 FORMATS: dict[str, KVFormat] = {
     f.name: f
