@@ -2,7 +2,7 @@
 weights), side by side in one run, at batch 1 with contexts 1k and 32k and at batch 64
 with 8k:
 
-    python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32]
+    python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32] [--kv-recent-window 64]
 
 For each (format, batch, context) the caches of ``batch`` sequences are filled with
 ``context`` tokens of random keys and values through the format's own write path, then
@@ -11,7 +11,8 @@ replay, sampling). Each JSON line holds the decode tok/s, the step time, the byt
 step must read (weights + every sequence's K and V at the format's real bytes per
 token) and the fraction of the copy bandwidth measured in the same run that this
 implies; and, for one layer's attention alone, its time and the cache bytes it read
-per second.
+per second. With ``--kv-recent-window W`` the quantized formats keep each sequence's
+last W positions and first block exact too (shadow blocks, filled like the cache).
 """
 
 from __future__ import annotations
@@ -42,20 +43,36 @@ FORMATS = ["auto", "fp8", "turbo8", "turbo4", "turbo3"]
 SHAPE = "llama-3.1-8b"
 
 
+def allocate(llm: LLM, seq: Sequence, context: int) -> None:
+    """Blocks for ``context`` tokens of ``seq``, its last one to compute. With a recent
+    window, in chunks as prefill takes them, so that shadows out of reach go back."""
+    manager = llm.engine.block_manager
+    chunk = 1024 if manager.window else context
+    for end in [*range(chunk, context, chunk), context]:
+        assert manager.allocate(seq, end), "KV pool too small for this case"
+        seq.num_computed_tokens = end - 1
+        manager.trim(seq)
+
+
 def fill(llm: LLM, seqs: list[Sequence]) -> None:
-    """Random K/V for every token of ``seqs``, written through the format's write path."""
+    """Random K/V for every token of ``seqs``, written through the format's write path
+    (and into the shadow blocks they have)."""
     engine = llm.engine
     config = engine.hf_config
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    slots = torch.tensor(
-        [engine.runner.slot(seq, p) for seq in seqs for p in range(seq.num_tokens)], device=engine.device
-    )
+    positions = [(seq, p) for seq in seqs for p in range(seq.num_tokens)]
+    slots = torch.tensor([engine.runner.slot(seq, p) for seq, p in positions], device=engine.device)
+    writes = [(slots, lambda k, v, cache, chunk: ops.current().write_kv(k, v, cache, chunk))]
+    if engine.block_manager.window:
+        shadows = torch.tensor([engine.runner.shadow_slot(seq, p) for seq, p in positions], device=engine.device)
+        writes.append((shadows, lambda k, v, cache, chunk: ops.current().write_shadow_kv(k, v, cache, chunk)))
     with ops.use(engine.ops):
         for layer in attention_layers(engine.model):
-            for chunk in slots.split(1 << 16):
-                k = torch.randn(len(chunk), kv_heads, head_dim, device=engine.device, dtype=engine.dtype)
-                ops.current().write_kv(k, torch.randn_like(k), layer.kv_cache, chunk)
+            for all_slots, write in writes:
+                for chunk in all_slots.split(1 << 16):
+                    k = torch.randn(len(chunk), kv_heads, head_dim, device=engine.device, dtype=engine.dtype)
+                    write(k, torch.randn_like(k), layer.kv_cache, chunk)
 
 
 def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
@@ -64,8 +81,7 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
     seqs = []
     for i in range(batch):
         seq = Sequence(f"speed-{i}", torch.randint(vocab, (context,)).tolist(), SamplingParams(temperature=0))
-        assert engine.block_manager.allocate(seq, context), "KV pool too small for this case"
-        seq.num_computed_tokens = context - 1  # the step computes the last token
+        allocate(llm, seq, context)  # the step computes the last token
         seqs.append(seq)
     try:
         fill(llm, seqs)
@@ -103,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--kv-recent-window", type=int, default=0, help="quantized formats: keep this many recent positions exact")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's memory plan
 
@@ -113,7 +130,8 @@ def main() -> None:
     folder = shape_folder(SHAPE)
     max_len = max(context for _, context in CASES) + 16
     for name in args.formats:
-        llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", kv_cache_dtype=name,
+        window = args.kv_recent_window if name != "auto" else 0
+        llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", kv_cache_dtype=name, kv_recent_window=window,
                   max_num_seqs=max(b for b, _ in CASES), max_model_len=max_len)  # fmt: skip
         per_token = llm.engine.kv_format.bytes_per_token(head_dim) * config.num_key_value_heads
         for batch, context in CASES:
@@ -123,7 +141,7 @@ def main() -> None:
             limit_tok_s = batch * bandwidth / step_bytes
             layer_kv = kv_bytes / config.num_hidden_layers
             print(json.dumps({
-                "format": name, "batch": batch, "context": context,
+                "format": name, "kv_recent_window": window, "batch": batch, "context": context,
                 "decode_tok_s": round(figures["tok_s"], 1), "step_ms": round(figures["step_ms"], 3),
                 "step_bytes": step_bytes, "kv_bytes": kv_bytes, "limit_tok_s": round(limit_tok_s, 1),
                 "fraction_of_limit": round(figures["tok_s"] / limit_tok_s, 3),
