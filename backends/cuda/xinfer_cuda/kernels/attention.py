@@ -23,7 +23,10 @@ K/V addresses are computed per token through the block table, so the cache block
 and 3-bit, with per-(token, head) scales) are decoded in registers right after each
 tile is loaded, never into a copy of the cache. Where a side packs 4- or 3-bit codes
 the kernels hold rows as two halves of the head dimension, which is how those codes
-are laid out (``SPLIT``; see :func:`~xinfer_cuda.kernels.kv_codes.half_columns`).
+are laid out (``SPLIT``; see :func:`~xinfer_cuda.kernels.kv_codes.half_columns`), and
+so does fp8 decode at batches that leave multiprocessors idle (:func:`attend_sides`).
+With a recent window, keys near each query and in the first block are read from
+exact shadow blocks instead (``EXACT``; :class:`ExactWindow`).
 """
 
 from __future__ import annotations
