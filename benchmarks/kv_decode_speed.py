@@ -63,16 +63,15 @@ def fill(llm: LLM, seqs: list[Sequence]) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     positions = [(seq, p) for seq in seqs for p in range(seq.num_tokens)]
     slots = torch.tensor([engine.runner.slot(seq, p) for seq, p in positions], device=engine.device)
-    writes = [(slots, lambda k, v, cache, chunk: ops.current().write_kv(k, v, cache, chunk))]
+    writes = [(slots, engine.ops.write_kv)]
     if engine.block_manager.window:
         shadows = torch.tensor([engine.runner.shadow_slot(seq, p) for seq, p in positions], device=engine.device)
-        writes.append((shadows, lambda k, v, cache, chunk: ops.current().write_shadow_kv(k, v, cache, chunk)))
-    with ops.use(engine.ops):
-        for layer in attention_layers(engine.model):
-            for all_slots, write in writes:
-                for chunk in all_slots.split(1 << 16):
-                    k = torch.randn(len(chunk), kv_heads, head_dim, device=engine.device, dtype=engine.dtype)
-                    write(k, torch.randn_like(k), layer.kv_cache, chunk)
+        writes.append((shadows, engine.ops.write_shadow_kv))
+    for layer in attention_layers(engine.model):
+        for all_slots, write in writes:
+            for chunk in all_slots.split(1 << 16):
+                k = torch.randn(len(chunk), kv_heads, head_dim, device=engine.device, dtype=engine.dtype)
+                write(k, torch.randn_like(k), layer.kv_cache, chunk)
 
 
 def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:

@@ -70,7 +70,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--kv-recent-window", type=int, default=0, metavar="N",
                           help="with a quantized --kvcache-dtype: keys and values of each query's last N positions "
                           "and of its sequence's first block are read unquantized, from shadow blocks in the model "
-                          "dtype (CPU backend only for now); 0: off")
+                          "dtype (CPU and CUDA backends); 0: off")
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
     capacity.add_argument("--prefix-cache-max-tokens", type=int, help="bound the prefix cache [later]")

@@ -233,12 +233,12 @@ def _attend_keys(
             s *= (k_scale * K_STEP)[None, :]
         if EXACT:
             shadow = tl.load(shadow_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=-1)
+            e_ok = shadow >= 0  # (false past the range)
+            e_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot  # K and V alike
             near = (q_pos[:, None] - k_pos[None, :] < recent) | (k_pos[None, :] < BLOCK_SIZE)
-            exact = near & (shadow >= 0)[None, :]
+            exact = near & e_ok[None, :]
             tile_near = (tile_start < BLOCK_SIZE) | (tile_start + BLOCK_N > near_from)
             if tile_near:
-                e_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot
-                e_ok = in_range & (shadow >= 0)
                 ek_lo, ek_hi = load_stored(ek_head_ptr, ek_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                            CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
                 s_exact = tl.dot(q_k_lo, tl.trans(ek_lo.to(CODE_DTYPE)), input_precision=PRECISION)
@@ -281,9 +281,8 @@ def _attend_keys(
                 acc_hi -= V_OFFSET * pv_sum
         if EXACT:
             if tile_near:
-                ev_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot
-                ev_lo, ev_hi = load_stored(ev_head_ptr, ev_head_ptr, ev_row, in_range & (shadow >= 0), BLOCK_N, HEAD_DIM,
-                                           SPLIT, HALF_D, CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
+                ev_lo, ev_hi = load_stored(ev_head_ptr, ev_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                           CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
                 pe = p_exact.to(CODE_DTYPE)
                 acc_lo = tl.dot(pe, ev_lo.to(CODE_DTYPE), acc_lo, input_precision=PRECISION)
                 if SPLIT < HEAD_DIM:  # a second half

@@ -56,7 +56,7 @@ class Side:
     code: int  # PLAIN, FP8, UNIFORM or LLOYD
     bits: int = 8
     num_levels: int = 0
-    rms_clip: float = 0.0  # UNIFORM: scale = rms_clip * RMS, or the absmax where 0
+    rms_clip: float = 0.0  # the per-row scale: rms_clip * RMS, or the absmax where 0
 
     def scale_or_data(self) -> Tensor:
         return self.scale if self.scale is not None else self.data
@@ -86,7 +86,7 @@ class Side:
 def side(cache: LayerKVCache, name: str, codec: Codec) -> Side:
     data, scale = cache[name], cache.tensors.get(name + "_scale")
     if isinstance(codec, LloydMax):
-        return Side(data, scale, _levels(codec.levels, data.device), LLOYD, codec.bits, codec.levels)
+        return Side(data, scale, _levels(codec.levels, data.device), LLOYD, codec.bits, codec.levels, 1.0)
     if isinstance(codec, Uniform):
         return Side(data, scale, None, UNIFORM, codec.bits, codec.levels, codec.rms_clip or 0.0)
     if isinstance(codec, Fp8):
@@ -150,12 +150,10 @@ def _as_number(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def vector_scale(x, CODE: tl.constexpr, HEAD_DIM: tl.constexpr, RMS_CLIP: tl.constexpr):
-    """Per-row scale of x [rows, D] (zeros past HEAD_DIM): the RMS for Lloyd–Max levels,
-    RMS_CLIP times it for uniform codes on an RMS grid, else the absmax."""
-    if CODE == CODE_LLOYD:
-        s = tl.maximum(tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM), TINY_C)
-    elif RMS_CLIP > 0.0:
+def vector_scale(x, HEAD_DIM: tl.constexpr, RMS_CLIP: tl.constexpr):
+    """Per-row scale of x [rows, D] (zeros past HEAD_DIM): RMS_CLIP times the RMS (1 for
+    Lloyd–Max levels), or the absmax where RMS_CLIP is 0."""
+    if RMS_CLIP > 0.0:
         s = tl.maximum(tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM), TINY_C) * RMS_CLIP
     else:
         s = tl.maximum(tl.max(tl.abs(x), 1), TINY_C)

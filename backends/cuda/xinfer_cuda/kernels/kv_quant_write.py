@@ -87,7 +87,7 @@ def _write_side(
     if CODE == CODE_PLAIN:  # a shadow block: the transformed row, in the model dtype
         tl.store(data_dst[:, None] + dims[None, :], x.to(data_dst.dtype.element_ty), mask=rows[:, None])
         return
-    scale = vector_scale(x, CODE, HEAD_DIM, RMS_CLIP)
+    scale = vector_scale(x, HEAD_DIM, RMS_CLIP)
     tl.store(scale_dst, scale, mask=rows)
     codes = encode(x, scale, levels_ptr, CODE, LEVELS)
     if CODE == CODE_FP8 or BITS == 8:
