@@ -138,17 +138,18 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             # a recent window: shadow writes, and attention reading shadows
             cache.shadows, cache.recent_window = (t(4, 16, 8, head_dim), t(4, 16, 8, head_dim)), 64
             kv_quant_write.write_shadow_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, torch.zeros(4, dtype=torch.int64))
-            for q_len, splits in ((1, 4), (8, None)):
+            for q_len, splits, decode_table in [(1, 4, table) for table in decode_tables] + [(8, None, None)]:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
                     cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
                     torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100, torch.zeros(2, 256, dtype=torch.int32),
                 )  # fmt: skip
                 prefill = tiles(attention._PREFILL_TILES, head_dim)
+                if sides[0].code == kv_codes.LLOYD:  # as attention halves them
+                    prefill = replace(prefill, block_n=max(prefill.block_n // 2, 16))
                 attention.paged_attention_cache(
-                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
-                    prefill_tiles=replace(prefill, block_n=max(prefill.block_n // 2, 16)),  # as attention halves them
-                    decode_tiles=tiles(attention._DECODE_TILES, head_dim),
+                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits, prefill_tiles=prefill,
+                    decode_tiles=tiles(decode_table or attention._DECODE_TILES, head_dim),
                     decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
                 )  # fmt: skip
             cache.shadows = None

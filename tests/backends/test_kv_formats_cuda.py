@@ -224,8 +224,9 @@ def test_recent_window_reads_shadows_like_the_reference(fmt):
     """Shadow writes equal the reference's; prefill and decode read each key exact where
     the CPU backend does (within the window of the query, or in the first block)."""
     dtype = torch.float32
-    # the decode query at 41 reads 31 on exact, the last key of a 16-key tile
-    reference, device_cache, meta = write_case(fmt, dtype, 64, [45, 42, 9], [13, 1, 9])
+    # The decode query at 41 reads 31 on exact, the last key of a 16-key tile; the one
+    # at 79 reads tiles between its first block and its window that hold no exact key.
+    reference, device_cache, meta = write_case(fmt, dtype, 64, [45, 42, 80, 9], [13, 1, 1, 9])
     block_size = reference.block_size
     reference, meta = with_shadows(reference, meta, window=11, drop=2)
     device_cache.shadows = tuple(torch.zeros_like(s, device=DEVICE) for s in reference.shadows)

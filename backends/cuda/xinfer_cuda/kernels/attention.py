@@ -132,6 +132,142 @@ def _store_rows(
 
 
 @triton.jit
+def _attend_tile(
+    acc_lo,
+    acc_hi,
+    l_i,
+    m_i,
+    q_k_lo,
+    q_k_hi,
+    q_sum,
+    q_pos,
+    tile_start,
+    end,
+    k_head_ptr,
+    v_head_ptr,
+    k_scale_head_ptr,
+    v_scale_head_ptr,
+    k_levels_ptr,
+    v_levels_ptr,
+    block_table_ptr,
+    stride_k_block,
+    stride_k_slot,
+    stride_v_block,
+    stride_v_slot,
+    stride_s_block,
+    stride_s_slot,
+    score_scale,
+    cap_scale,
+    window,
+    ek_head_ptr,
+    ev_head_ptr,
+    shadow_table_ptr,
+    stride_e_block,
+    stride_e_slot,
+    recent,
+    MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HALF_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CODE_DTYPE: tl.constexpr,
+    DECODE: tl.constexpr,
+    K_CODE: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_OFFSET: tl.constexpr,
+    K_STEP: tl.constexpr,
+    V_CODE: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_OFFSET: tl.constexpr,
+    V_STEP: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """Fold the tile of keys at ``tile_start`` (those before ``end``) into the running
+    (acc, l_i, m_i). ``q_k_*`` are the queries in the dtype key tiles are built in and
+    ``q_sum`` their sum (used where key codes have an offset); :func:`_attend_keys`
+    describes the rest."""
+    k_pos = tile_start + tl.arange(0, BLOCK_N)
+    in_range = k_pos < end
+    block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    slot = k_pos % BLOCK_SIZE
+    k_row = block * stride_k_block + slot * stride_k_slot
+    k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                             K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+    v_row = block * stride_v_block + slot * stride_v_slot
+    v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                             V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+
+    # Scores against stored keys, then each key's (offset, scale) applied to its
+    # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
+    s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
+    if SPLIT < HEAD_DIM:  # a second half
+        s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
+    if K_CODE != CODE_PLAIN:
+        if K_OFFSET != 0.0:
+            s -= K_OFFSET * q_sum[:, None]
+        k_scale = load_scale(k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
+        s *= (k_scale * K_STEP)[None, :]
+    if EXACT:
+        shadow = tl.load(shadow_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=-1)
+        e_ok = shadow >= 0  # (false past the range)
+        e_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot  # K and V alike
+        near = (q_pos[:, None] - k_pos[None, :] < recent) | (k_pos[None, :] < BLOCK_SIZE)
+        exact = near & e_ok[None, :]
+        ek_lo, ek_hi = load_stored(ek_head_ptr, ek_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                   CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
+        s_exact = tl.dot(q_k_lo, tl.trans(ek_lo.to(CODE_DTYPE)), input_precision=PRECISION)
+        if SPLIT < HEAD_DIM:  # a second half
+            s_exact = tl.dot(q_k_hi, tl.trans(ek_hi.to(CODE_DTYPE)), s_exact, input_precision=PRECISION)
+        s = tl.where(exact, s_exact, s)
+    if HAS_SOFTCAP:
+        s = cap_scale * _tanh(s * score_scale)
+    else:
+        s = s * score_scale
+    if MASK == MASK_BOUNDS:
+        s = tl.where(in_range[None, :], s, float("-inf"))
+    if MASK == MASK_CAUSAL:
+        visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if EXACT:  # the exact keys' weights go to the shadow values below
+        p_exact = tl.where(exact, p, 0.0)
+        p = tl.where(exact, 0.0, p)
+    # Likewise each value row's scale goes into p: p @ ((v - offset) * step * scale)
+    # = (p * step * scale) @ v - offset * sum(p * step * scale).
+    if V_CODE == CODE_PLAIN:
+        pv = p.to(v_lo.dtype)
+    else:
+        v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
+        pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
+    acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
+    if SPLIT < HEAD_DIM:  # a second half
+        acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
+    if V_OFFSET != 0.0:
+        pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
+        acc_lo -= V_OFFSET * pv_sum
+        if SPLIT < HEAD_DIM:  # a second half
+            acc_hi -= V_OFFSET * pv_sum
+    if EXACT:
+        ev_lo, ev_hi = load_stored(ev_head_ptr, ev_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                   CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
+        pe = p_exact.to(CODE_DTYPE)
+        acc_lo = tl.dot(pe, ev_lo.to(CODE_DTYPE), acc_lo, input_precision=PRECISION)
+        if SPLIT < HEAD_DIM:  # a second half
+            acc_hi = tl.dot(pe, ev_hi.to(CODE_DTYPE), acc_hi, input_precision=PRECISION)
+    return acc_lo, acc_hi, l_i, m_new
+
+
+@triton.jit
 def _attend_keys(
     acc_lo,
     acc_hi,
@@ -199,95 +335,57 @@ def _attend_keys(
     row's position or in the first block) is scored and weighted from the shadows
     ``ek_head_ptr``/``ev_head_ptr`` (model dtype, the stored basis) instead; only tiles
     from ``near_from`` (the first position any row reads exact by recency) on, and the
-    first block's, hold such keys.
+    first block's, hold such keys. Those tiles get loops of their own, at tiles of 32
+    keys or fewer (a shadow tile beside each quantized one: long tiles spilled), and the
+    tiles between them read no shadows.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
     else:
         q_k_lo, q_k_hi = q_lo.to(CODE_DTYPE), q_hi.to(CODE_DTYPE)  # the dtype quantized tiles are built in
+    q_sum = l_i  # unused unless key codes have an offset
     if K_OFFSET != 0.0:
         q_sum = tl.sum(q_k_lo.to(tl.float32), 1)
         if SPLIT < HEAD_DIM:  # a second half
             q_sum += tl.sum(q_k_hi.to(tl.float32), 1)
-    for tile_start in range(start, end, BLOCK_N):
-        k_pos = tile_start + tl.arange(0, BLOCK_N)
-        in_range = k_pos < end
-        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        slot = k_pos % BLOCK_SIZE
-        k_row = block * stride_k_block + slot * stride_k_slot
-        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                                 K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
-        v_row = block * stride_v_block + slot * stride_v_slot
-        v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                                 V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
-
-        # Scores against stored keys, then each key's (offset, scale) applied to its
-        # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
-        s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
-        if SPLIT < HEAD_DIM:  # a second half
-            s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
-        if K_CODE != CODE_PLAIN:
-            if K_OFFSET != 0.0:
-                s -= K_OFFSET * q_sum[:, None]
-            k_scale = load_scale(k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
-            s *= (k_scale * K_STEP)[None, :]
-        if EXACT:
-            shadow = tl.load(shadow_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=-1)
-            e_ok = shadow >= 0  # (false past the range)
-            e_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot  # K and V alike
-            near = (q_pos[:, None] - k_pos[None, :] < recent) | (k_pos[None, :] < BLOCK_SIZE)
-            exact = near & e_ok[None, :]
-            tile_near = (tile_start < BLOCK_SIZE) | (tile_start + BLOCK_N > near_from)
-            if tile_near:
-                ek_lo, ek_hi = load_stored(ek_head_ptr, ek_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                                           CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
-                s_exact = tl.dot(q_k_lo, tl.trans(ek_lo.to(CODE_DTYPE)), input_precision=PRECISION)
-                if SPLIT < HEAD_DIM:  # a second half
-                    s_exact = tl.dot(q_k_hi, tl.trans(ek_hi.to(CODE_DTYPE)), s_exact, input_precision=PRECISION)
-                s = tl.where(exact, s_exact, s)
-        if HAS_SOFTCAP:
-            s = cap_scale * _tanh(s * score_scale)
-        else:
-            s = s * score_scale
-        if MASK == MASK_BOUNDS:
-            s = tl.where(in_range[None, :], s, float("-inf"))
-        if MASK == MASK_CAUSAL:
-            visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT:  # the exact keys' weights go to the shadow values below
-            p_exact = tl.where(exact, p, 0.0)
-            p = tl.where(exact, 0.0, p)
-        # Likewise each value row's scale goes into p: p @ ((v - offset) * step * scale)
-        # = (p * step * scale) @ v - offset * sum(p * step * scale).
-        if V_CODE == CODE_PLAIN:
-            pv = p.to(v_lo.dtype)
-        else:
-            v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
-            pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
-        acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
-        if SPLIT < HEAD_DIM:  # a second half
-            acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
-        if V_OFFSET != 0.0:
-            pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
-            acc_lo -= V_OFFSET * pv_sum
-            if SPLIT < HEAD_DIM:  # a second half
-                acc_hi -= V_OFFSET * pv_sum
-        if EXACT:
-            if tile_near:
-                ev_lo, ev_hi = load_stored(ev_head_ptr, ev_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                                           CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
-                pe = p_exact.to(CODE_DTYPE)
-                acc_lo = tl.dot(pe, ev_lo.to(CODE_DTYPE), acc_lo, input_precision=PRECISION)
-                if SPLIT < HEAD_DIM:  # a second half
-                    acc_hi = tl.dot(pe, ev_hi.to(CODE_DTYPE), acc_hi, input_precision=PRECISION)
-        m_i = m_new
+    # With EXACT: tiles holding the first block, tiles that end before near_from (which
+    # read no shadows), the rest.
+    head_end, far_end = start, end
+    if EXACT:
+        EXACT_N: tl.constexpr = 32 if BLOCK_N >= 64 else 16
+        num_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
+        head_tiles = tl.minimum(tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), BLOCK_N), num_tiles)
+        far_tiles = tl.minimum(tl.maximum(tl.maximum(near_from - start, 0) // BLOCK_N, head_tiles), num_tiles)
+        head_end = tl.minimum(start + head_tiles * BLOCK_N, end)
+        far_end = tl.maximum(tl.minimum(start + far_tiles * BLOCK_N, end), head_end)
+        for tile_start in range(start, head_end, EXACT_N):
+            acc_lo, acc_hi, l_i, m_i = _attend_tile(
+                acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, end,
+                k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
+                score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
+                MASK, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+                K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, True,
+            )  # fmt: skip
+    for tile_start in range(head_end, far_end, BLOCK_N):
+        acc_lo, acc_hi, l_i, m_i = _attend_tile(
+            acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, end,
+            k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
+            score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
+            MASK, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+            K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, False,
+        )  # fmt: skip
+    if EXACT:
+        for tile_start in range(far_end, end, EXACT_N):
+            acc_lo, acc_hi, l_i, m_i = _attend_tile(
+                acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, end,
+                k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
+                score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
+                MASK, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+                K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, True,
+            )  # fmt: skip
     return acc_lo, acc_hi, l_i, m_i
 
 
@@ -926,9 +1024,8 @@ def attend_sides(
 
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
-        if (k_side.code == LLOYD or exact is not None) and prefill_tiles is None:
-            # Level lookups, or shadow tiles beside the quantized ones, leave fewer
-            # registers: half the keys per step (the window's spilled 56-256 bytes).
+        if k_side.code == LLOYD and prefill_tiles is None:
+            # Level lookups leave fewer registers: half the keys per step.
             cfg = replace(cfg, block_n=max(cfg.block_n // 2, 16))
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
