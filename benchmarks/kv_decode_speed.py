@@ -47,7 +47,7 @@ def allocate(llm: LLM, seq: Sequence, context: int) -> None:
     """Blocks for ``context`` tokens of ``seq``, its last one to compute. With a recent
     window, in chunks as prefill takes them, so that shadows out of reach go back."""
     manager = llm.engine.block_manager
-    chunk = 1024 if manager.window else context
+    chunk = llm.engine.config.scheduler.max_num_batched_tokens if manager.window else context
     for end in [*range(chunk, context, chunk), context]:
         assert manager.allocate(seq, end), "KV pool too small for this case"
         seq.num_computed_tokens = end - 1
@@ -130,8 +130,10 @@ def main() -> None:
     max_len = max(context for _, context in CASES) + 16
     for name in args.formats:
         window = args.kv_recent_window if name != "auto" else 0
+        # decode steps only: prompt steps no larger than a decode step (fewer graphs to capture)
+        max_num_seqs = max(b for b, _ in CASES)
         llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", kv_cache_dtype=name, kv_recent_window=window,
-                  max_num_seqs=max(b for b, _ in CASES), max_model_len=max_len)  # fmt: skip
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs, max_model_len=max_len)  # fmt: skip
         per_token = llm.engine.kv_format.bytes_per_token(head_dim) * config.num_key_value_heads
         for batch, context in CASES:
             figures = decode_steps(llm, batch, context, args.steps)
