@@ -156,9 +156,6 @@ def main() -> None:
     parser.add_argument("--kv-recent-window", type=int, default=0,
                         help="quantized formats read each query's last N positions and its first block exact "
                         "(the engine's shadow blocks)")
-    parser.add_argument("--exact-window", type=int, default=0,
-                        help="what-if (exact_window.py): each query reads its last N positions unquantized")
-    parser.add_argument("--exact-sink", type=int, default=0, help="what-if: and its context's first N positions")
     args = parser.parse_args()
     assert args.formats[0] == "auto", "the first format is the reference"
     text, digest = corpus()
@@ -170,10 +167,6 @@ def main() -> None:
             model=model_path(model), dtype="float32", enable_prefix_caching=False, num_blocks=1280,
             max_num_batched_tokens=args.chunk, max_model_len=max(args.window, *args.needle_lengths) + 64,
         )  # fmt: skip
-        if args.exact_window or args.exact_sink:
-            from exact_window import ExactWindow
-
-            llm.engine.ops = llm.engine.runner.backend = ExactWindow(llm.engine.ops, args.exact_window, args.exact_sink)
         tokens = llm.tokenizer.encode(text, add_special_tokens=False)
         t1 = time.time()
         metrics = text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window)
