@@ -983,7 +983,8 @@ def attend_sides(
     sides = (k_side, v_side)
     quantized = any(s.code != PLAIN for s in sides)
     packed = any(s.bits < 8 for s in sides)  # 4- or 3-bit codes: laid out for rows in halves
-    fills_gpu = meta.num_seqs * num_kv_heads >= _num_sms(q.device)
+    num_sms = _num_sms(q.device)
+    fills_gpu = meta.num_seqs * num_kv_heads >= num_sms
     # Rows in halves where a side packs codes (see _attend_keys), and for other quantized
     # caches in decode at batches that leave multiprocessors idle (H200: fp8 at 1 x 32k
     # 38 us a layer in halves, 53 whole; at 64 x 8k 394 in halves, 355 whole); whole
@@ -1050,7 +1051,6 @@ def attend_sides(
 
     major = _device_limits(q.device.index or 0)[0] if q.is_cuda else 9
     max_context = meta.block_tables.shape[1] * block_size
-    num_sms = _num_sms(q.device)
     # Quantized caches take long tiles where the (sequence, KV head) pairs fill the
     # multiprocessors, or where each pair's context fills a wave of long-tile splits; the
     # latter in one wave (H200, one layer at 1 x 32k: turbo3 84 -> 52 us, turbo4 44 -> 42,
