@@ -348,32 +348,32 @@ def _attend_keys(
         q_sum = tl.sum(q_k_lo.to(tl.float32), 1)
         if SPLIT < HEAD_DIM:  # a second half
             q_sum += tl.sum(q_k_hi.to(tl.float32), 1)
-    # With EXACT: tiles holding the first block, tiles that end before near_from (which
-    # read no shadows), the rest.
+    # With EXACT: short tiles over the first block, whole tiles up to near_from (they
+    # read no shadows; the last one cut short there), short tiles over the rest. Each
+    # loop hides the keys past its own end.
     head_end, far_end = start, end
+    OWN_END: tl.constexpr = MASK_BOUNDS if MASK == MASK_NONE else MASK
+    PLAIN_MASK: tl.constexpr = OWN_END if EXACT else MASK
     if EXACT:
         EXACT_N: tl.constexpr = 32 if BLOCK_N >= 64 else 16
-        num_tiles = tl.cdiv(tl.maximum(end - start, 0), BLOCK_N)
-        head_tiles = tl.minimum(tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), BLOCK_N), num_tiles)
-        far_tiles = tl.minimum(tl.maximum(tl.maximum(near_from - start, 0) // BLOCK_N, head_tiles), num_tiles)
-        head_end = tl.minimum(start + head_tiles * BLOCK_N, end)
-        far_end = tl.maximum(tl.minimum(start + far_tiles * BLOCK_N, end), head_end)
+        head_end = tl.minimum(start + tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), EXACT_N) * EXACT_N, end)
+        far_end = tl.maximum(tl.minimum(near_from, end), head_end)
         for tile_start in range(start, head_end, EXACT_N):
             acc_lo, acc_hi, l_i, m_i = _attend_tile(
-                acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, end,
+                acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, head_end,
                 k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
                 score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
-                MASK, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+                OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
                 K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, True,
             )  # fmt: skip
     for tile_start in range(head_end, far_end, BLOCK_N):
         acc_lo, acc_hi, l_i, m_i = _attend_tile(
-            acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, end,
+            acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, far_end,
             k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
-            MASK, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+            PLAIN_MASK, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
             K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, False,
         )  # fmt: skip
     if EXACT:
@@ -383,7 +383,7 @@ def _attend_keys(
                 k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
                 score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
-                MASK, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+                OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
                 K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, True,
             )  # fmt: skip
     return acc_lo, acc_hi, l_i, m_i
