@@ -333,11 +333,11 @@ def _attend_keys(
     With ``EXACT`` (a recent window over a quantized cache), a key the row reads exact
     (its block has a shadow in ``shadow_table_ptr`` and it is within ``recent`` of the
     row's position or in the first block) is scored and weighted from the shadows
-    ``ek_head_ptr``/``ev_head_ptr`` (model dtype, the stored basis) instead; only tiles
-    from ``near_from`` (the first position any row reads exact by recency) on, and the
-    first block's, hold such keys. Those tiles get loops of their own, at tiles of 32
-    keys or fewer (a shadow tile beside each quantized one: long tiles spilled), and the
-    tiles between them read no shadows.
+    ``ek_head_ptr``/``ev_head_ptr`` (model dtype, the stored basis) instead. Only the
+    first block and the keys from ``near_from`` (the first position any row reads exact
+    by recency) on can be read so; they go through short tiles of their own (32 keys or
+    fewer: a shadow tile beside each quantized one spilled at long tiles), and the keys
+    between them through whole tiles that read no shadows.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
