@@ -188,7 +188,7 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     tiles = [None] + ([attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True)] if ON_GPU else [])
     # fp8 rows are in halves at small batches and whole at large ones: both must agree
     layouts = [None, True, False] if fmt == "fp8" else [None]
-    for splits, tile, halves in itertools.product((1, 4), tiles, layouts):
+    for splits, tile, halves in itertools.product((1, 4, 32), tiles, layouts):
         got1 = attention.paged_attention_cache(
             q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits,
             decode_tiles=tile, halves=halves,
