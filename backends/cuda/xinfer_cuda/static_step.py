@@ -81,8 +81,10 @@ def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
         seq_lens=batch.seq_lens + [0] * pad_seqs,
         block_tables=[row + [0] * (width - len(row)) for row in batch.block_tables],
         sample_rows=batch.sample_rows + [0] * (bucket.num_seqs - len(batch.sample_rows)),
-        shadow_tables=[row + [-1] * (width - len(row)) for row in batch.shadow_tables] or [[-1] * width] * len(batch.block_tables),
-        shadow_slot_mapping=batch.shadow_slot_mapping + [-1] * (bucket.num_tokens - len(batch.shadow_slot_mapping)),
+        shadow_tables=[row + [-1] * (width - len(row)) for row in batch.shadow_tables],
+        shadow_slot_mapping=batch.shadow_slot_mapping + [-1] * (bucket.num_tokens - len(batch.shadow_slot_mapping))
+        if batch.shadow_tables
+        else [],
     )
 
 
@@ -124,6 +126,7 @@ class StaticStep:
 
     def load(self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None) -> None:
         """Write ``batch``, padded to ``bucket``, into the device buffers."""
+        assert bool(batch.shadow_tables) == self.limits.shadows, "a recent window: every step has shadows, or none"
         padded = pad_batch(batch, bucket)
         if self.copied is not None:
             self.copied.synchronize()

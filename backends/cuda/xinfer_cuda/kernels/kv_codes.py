@@ -154,10 +154,8 @@ def vector_scale(x, HEAD_DIM: tl.constexpr, RMS_CLIP: tl.constexpr):
     """Per-row scale of x [rows, D] (zeros past HEAD_DIM): RMS_CLIP times the RMS (1 for
     Lloyd–Max levels), or the absmax where RMS_CLIP is 0."""
     if RMS_CLIP > 0.0:
-        s = tl.maximum(tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM), TINY_C) * RMS_CLIP
-    else:
-        s = tl.maximum(tl.max(tl.abs(x), 1), TINY_C)
-    return s
+        return tl.maximum(tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM), TINY_C) * RMS_CLIP
+    return tl.maximum(tl.max(tl.abs(x), 1), TINY_C)
 
 
 @triton.jit
