@@ -15,8 +15,13 @@ output written once; split-K partials not counted), reported against the copy ba
 measured in the same run (a large device-to-device copy, read + write bytes). Attention
 also reports TFLOP/s (causal: half the score matrix).
 
-``--sweep`` also times the attention kernels over alternative tile shapes and decode
-split counts (and quantized decode with the portable code decode instead of PTX);
+The projections of batch-1 decode (one row) run through cuBLAS and through the backend's
+one-row linear, which picks cuBLAS or a GEMV tile by measuring each shape (the last line
+lists its picks).
+
+``--sweep`` also times every GEMV tile, and the attention kernels over alternative tile
+shapes and decode split counts (and quantized decode with the portable code decode
+instead of PTX);
 ``--kv-formats`` adds attention over caches in those formats (filled
 with random keys and values through each format's write path, the equalizer random),
 ``bytes`` then counting each format's real bytes per token. ``--smoke`` checks this script under the interpreter (times meaningless).
@@ -53,6 +58,7 @@ class Shapes:
     kv_heads: int = 8
     head_dim: int = 128
     intermediate: int = 14336
+    vocab: int = 128256
     block_size: int = 16
     max_pos: int = 131072
     row_tokens: tuple[int, ...] = (1, 64, 2048)
@@ -62,7 +68,7 @@ class Shapes:
 
 
 SMOKE = Shapes(
-    hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, max_pos=1024,
+    hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1000, max_pos=1024,
     row_tokens=(1, 8), decode=((1, 64), (4, 100)), prefill_tokens=40, copy_bytes=1 << 20,
 )  # fmt: skip
 
@@ -134,6 +140,42 @@ def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[
             Case("gelu_tanh_and_mul", f"t{t}", act("gelu_tanh_and_mul"), 3 * t * i * el, 3 * t * i * el),
             Case("write_kv", f"t{t}", write_kv, kv + cache, 2 * kv + 8 * t),
         ]  # fmt: skip
+    return cases
+
+
+def linear_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device, sweep: bool) -> list[Case]:
+    """The projections of a batch-1 decode step, at one row: cuBLAS, the backend's
+    one-row linear (the kernel it measured fastest for the shape), and with ``sweep``
+    each GEMV tile it chooses from."""
+    import torch.nn.functional as F
+
+    from xinfer_cuda.kernels import gemv
+    from xinfer_cuda.linear import CANDIDATES
+
+    el = torch.tensor([], dtype=dtype).element_size()
+    projections = {
+        "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden),
+        "o": (s.hidden, s.heads * s.head_dim),
+        "gate_up": (2 * s.intermediate, s.hidden),
+        "down": (s.hidden, s.intermediate),
+        "lm_head": (s.vocab, s.hidden),
+    }
+    cases = []
+    for name, (n, k) in projections.items():
+
+        def make(linear, n=n, k=k):
+            def make_call():
+                x, w = _rand(1, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device) * 0.02
+                return lambda: linear(x, w)
+
+            return make_call
+
+        size = (n * k + n + k) * el
+        cases += [Case("linear_cublas", name, make(F.linear), size, size), Case("linear", name, make(ops.linear), size, size)]
+        if sweep:
+            for config in CANDIDATES:
+                cases.append(Case("gemv", name, make(lambda x, w, c=config: gemv.gemv(x, w, None, c)), size, size,
+                                  extra=config.__dict__))  # fmt: skip
     return cases
 
 
@@ -262,7 +304,7 @@ def copy_bandwidth(nbytes: int, device: torch.device, smoke: bool) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for results.jsonl (also printed)")
-    parser.add_argument("--sweep", action="store_true", help="also time attention tile shapes and split counts")
+    parser.add_argument("--sweep", action="store_true", help="also time each GEMV tile, attention tile shapes and split counts")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--only", default="", help="comma-separated kernel names to run")
     parser.add_argument("--kv-formats", nargs="*", default=[], help="also time attention over these KV cache formats")
@@ -294,7 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     for line in lines:
         print(json.dumps(line), flush=True)
 
-    cases = row_cases(shapes, CudaOps(), dtype, device) + attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats))
+    ops = CudaOps()
+    cases = (
+        row_cases(shapes, ops, dtype, device)
+        + linear_cases(shapes, ops, dtype, device, args.sweep)
+        + attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats))
+    )
     only = {name for name in args.only.split(",") if name}
     for case in cases:
         if only and case.kernel not in only:
@@ -318,6 +365,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(line), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    choices = {str(key[0]): config and config.__dict__ for key, config in ops.one_row_linear.choice.items()}
+    if choices:  # the one-row linear's kernel per weight shape (None: cuBLAS)
+        lines.append({"one_row_linear": choices})
+        print(json.dumps(lines[-1]), flush=True)
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from xinfer import ops
 from xinfer.engine.engine import LLMEngine
 
 COMMON = dict(
@@ -41,5 +42,6 @@ def prompt(length: int, vocab_size: int = COMMON["vocab_size"], seed: int = 0) -
 
 def prefill_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``token_ids``, computed through the paged KV cache."""
-    with torch.inference_mode():
-        return engine.model.compute_logits(engine.hidden_states(token_ids))
+    hidden = engine.hidden_states(token_ids)
+    with torch.inference_mode(), ops.use(engine.ops):
+        return engine.model.compute_logits(hidden)

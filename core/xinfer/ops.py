@@ -50,6 +50,9 @@ class Ops(Protocol):
 
     device_type: str
 
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``x @ weight.T + bias`` for ``x`` [T, K] and ``weight`` [N, K]."""
+
     def rms_norm(
         self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
     ) -> Tensor | tuple[Tensor, Tensor]:
@@ -190,6 +193,10 @@ def current() -> Ops:
     if _current is None:
         raise RuntimeError("no backend in use: call xinfer.ops.use(...) first")
     return _current
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return current().linear(x, weight, bias)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):

@@ -34,7 +34,8 @@ from torch import Tensor
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, Ops
 from xinfer_cpu.ops import CpuOps
-from xinfer_cuda.kernels import activation, attention, norm, rotary
+from xinfer_cuda.kernels import activation, attention, gemv, norm, rotary
+from xinfer_cuda.linear import CANDIDATES, OneRowLinear
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -94,6 +95,44 @@ def test_ops_implements_every_protocol_method():
     protocol = {name for name in vars(Ops) if not name.startswith("_")} - {"device_type"}
     assert protocol <= set(dir(CudaOps))
     assert CudaOps.device_type == "cuda"
+
+
+# --- One-row linear -------------------------------------------------------------------
+
+# (N, K): sizes no tile divides mask the last rows and columns
+GEMV_SHAPES = matrix([(37, 100), (64, 1024), (5, 1030)], [(6144, 4096), (4096, 14336), (32003, 4096)])
+
+
+@pytest.mark.parametrize("config", CANDIDATES, ids=str)
+@pytest.mark.parametrize("shape, dtype", GEMV_SHAPES)
+def test_gemv(shape, dtype, config):
+    n, k = shape
+    x, weight, bias = rand(1, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
+    for b in (None, bias):
+        out = gemv.gemv(x, weight, b, config, out=rand(1, n, dtype=dtype) * math.nan)
+        check(out, CPU.linear(ref32(x), ref32(weight), None if b is None else ref32(b)), dtype)
+
+
+def test_one_row_linear_takes_a_gemv_only_where_measured_faster():
+    """Each weight shape is measured once: cuBLAS first, then each candidate tile (the
+    fake timer's order); a GEMV replaces cuBLAS only when clearly faster."""
+    times = {(40, 64): [10.0] + [9.9] * len(CANDIDATES), (24, 64): [10.0] + [9.0] * len(CANDIDATES)}
+    times[(24, 64)][3] = 8.0  # the third candidate
+    measured = []
+
+    def timer(call, weights):
+        call(weights[0])
+        shape = tuple(weights[0].shape)
+        measured.append(shape)
+        return times[shape][sum(s == shape for s in measured) - 1]
+
+    one_row = OneRowLinear(timer, copies=lambda w: [w])
+    for shape in ((40, 64), (24, 64), (40, 64)):
+        x, weight = rand(1, shape[1]), rand(*shape)
+        check(one_row(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
+    assert measured == [(40, 64)] * (1 + len(CANDIDATES)) + [(24, 64)] * (1 + len(CANDIDATES))
+    choices = {key[0]: config for key, config in one_row.choice.items()}
+    assert choices == {(40, 64): None, (24, 64): CANDIDATES[2]}
 
 
 # --- RMSNorm -------------------------------------------------------------------------

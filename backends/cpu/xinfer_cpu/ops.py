@@ -15,6 +15,9 @@ from xinfer.ops import AttentionMetadata
 class CpuOps:
     device_type = "cpu"
 
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return F.linear(x, weight, bias)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
         if residual is not None:
             x = x + residual

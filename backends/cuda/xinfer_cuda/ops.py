@@ -7,12 +7,14 @@ also run on CPU tensors (that is how CI tests them).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, StepForward, StepLimits
 from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
+from xinfer_cuda.linear import OneRowLinear
 
 
 def is_available() -> bool:
@@ -21,6 +23,14 @@ def is_available() -> bool:
 
 class CudaOps:
     device_type = "cuda"
+
+    def __init__(self) -> None:
+        self.one_row_linear = OneRowLinear()
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.shape[0] == 1 and x.is_cuda:  # batch-1 decode: a GEMV may beat cuBLAS (measured per shape)
+            return self.one_row_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(
         self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None

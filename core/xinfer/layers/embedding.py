@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from xinfer import ops
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int):
@@ -21,7 +23,7 @@ class LMHead(nn.Module):
         self.softcap = softcap
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = ops.linear(hidden, self.weight).float()
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
