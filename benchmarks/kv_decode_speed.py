@@ -3,15 +3,17 @@ weights), side by side in one run, at batch 1 with contexts 1k and 32k and at ba
 with 8k:
 
     python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32] [--kv-recent-window 64]
+    python benchmarks/kv_decode_speed.py --smoke   # checks the script on the CPU
 
 For each (format, batch, context) the caches of ``batch`` sequences are filled with
 ``context`` tokens of random keys and values through the format's own write path, then
 whole decode steps run as the engine runs them (host preparation, the CUDA graph
-replay, sampling). Each JSON line holds the decode tok/s, the step time, the bytes a
+replay, sampling; each step launched before the one before it is read back, so the
+host's work overlaps the device's). Each JSON line holds the decode tok/s, the step time, the bytes a
 step must read (weights + every sequence's K and V at the format's real bytes per
 token) and the fraction of the copy bandwidth measured in the same run that this
 implies; and, for one layer's attention alone, its time and the cache bytes it read
-per second. With ``--kv-recent-window W`` the quantized formats keep each sequence's
+per second (a CUDA graph of every layer's attention call, each over its own cache). With ``--kv-recent-window W`` the quantized formats keep each sequence's
 last W positions and first block exact too (shadow blocks, filled like the cache).
 """
 
@@ -41,6 +43,7 @@ from xinfer.forward_context import forward_context  # noqa: E402
 CASES = [(1, 1024), (1, 32768), (64, 8192)]
 FORMATS = ["auto", "fp8", "turbo8", "turbo4", "turbo3"]
 SHAPE = "llama-3.1-8b"
+SMOKE_CASES = [(1, 40), (3, 72)]  # --smoke: SmolLM2's shape on the CPU
 
 
 def allocate(llm: LLM, seq: Sequence, context: int) -> None:
@@ -87,11 +90,16 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
         scheduled = [ScheduledSeq(seq, 1) for seq in seqs]
         for _ in range(3):
             engine.runner.step(scheduled).result()
-        torch.cuda.synchronize()
+        synchronize(engine.device)
+        # As the engine runs them: each step launched before the one before it is read back.
         start = time.perf_counter()
-        for _ in range(steps):
-            engine.runner.step(scheduled).result()
-        torch.cuda.synchronize()
+        in_flight = engine.runner.step(scheduled)
+        for _ in range(steps - 1):
+            launched = engine.runner.step(scheduled)
+            in_flight.result()
+            in_flight = launched
+        in_flight.result()
+        synchronize(engine.device)
         step_s = (time.perf_counter() - start) / steps
         layer_us = attention_us(llm, engine.runner.prepare(scheduled))
     finally:
@@ -101,17 +109,37 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
 
 
 def attention_us(llm: LLM, batch) -> float:
-    """One layer's attention call (query rotation included) on this batch's metadata."""
+    """One layer's attention call (query rotation included) on this batch's metadata:
+    on a GPU the mean over a CUDA graph of one call per layer, each over its own cache
+    (as a step reads them: from HBM, without launch gaps)."""
     engine = llm.engine
-    layer = attention_layers(engine.model)[0]
+    layers = attention_layers(engine.model)
     config = engine.hf_config
     input_ids, positions, meta = engine.runner.to_device(batch)
-    q = torch.randn(len(batch.input_ids), config.num_attention_heads, layer.kv_cache.head_dim,
-                    device=engine.device, dtype=engine.dtype)  # fmt: skip
-    scale = layer.kv_cache.head_dim**-0.5
+    head_dim = layers[0].kv_cache.head_dim
+    q = torch.randn(len(batch.input_ids), config.num_attention_heads, head_dim, device=engine.device, dtype=engine.dtype)
+    scale = head_dim**-0.5
+
+    def all_layers():
+        for layer in layers:
+            ops.current().attention(q, layer.kv_cache, meta, scale)
+
     with ops.use(engine.ops), forward_context(meta):
-        ms = triton.testing.do_bench(lambda: ops.current().attention(q, layer.kv_cache, meta, scale), rep=200)
-    return ms * 1e3
+        all_layers()  # compiles
+        if engine.device.type != "cuda":
+            start = time.perf_counter()
+            all_layers()
+            return (time.perf_counter() - start) / len(layers) * 1e6
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            all_layers()
+    ms = triton.testing.do_bench(graph.replay, rep=200)
+    return ms * 1e3 / len(layers)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -119,23 +147,28 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--kv-recent-window", type=int, default=0, help="quantized formats: keep this many recent positions exact")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check this script on the CPU: SmolLM2's shape, fp32, small contexts (figures meaningless)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's memory plan
 
-    bandwidth = copy_bandwidth()
-    config = SHAPES[SHAPE]()
-    weights = weight_bytes(config, 2)
+    shape, cases, device, dtype = ("smollm2-135m", SMOKE_CASES, "cpu", torch.float32) if args.smoke else (
+        SHAPE, CASES, "cuda", torch.bfloat16)  # fmt: skip
+    bandwidth = float("nan") if args.smoke else copy_bandwidth()
+    config = SHAPES[shape]()
+    weights = weight_bytes(config, dtype.itemsize)
     head_dim = config.hidden_size // config.num_attention_heads
-    folder = shape_folder(SHAPE)
-    max_len = max(context for _, context in CASES) + 16
+    folder = shape_folder(shape)
+    max_len = max(context for _, context in cases) + 16
     for name in args.formats:
         window = args.kv_recent_window if name != "auto" else 0
         # decode steps only: prompt steps no larger than a decode step (fewer graphs to capture)
-        max_num_seqs = max(b for b, _ in CASES)
-        llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", kv_cache_dtype=name, kv_recent_window=window,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs, max_model_len=max_len)  # fmt: skip
-        per_token = llm.engine.kv_format.bytes_per_token(head_dim) * config.num_key_value_heads
-        for batch, context in CASES:
+        max_num_seqs = max(b for b, _ in cases)
+        llm = LLM(model=folder, load_format="dummy", dtype=str(dtype).removeprefix("torch."), device=device, kv_cache_dtype=name,
+                  kv_recent_window=window, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs,
+                  max_model_len=max_len)  # fmt: skip
+        per_token = llm.engine.kv_format.bytes_per_token(head_dim, dtype) * config.num_key_value_heads
+        for batch, context in cases:
             figures = decode_steps(llm, batch, context, args.steps)
             kv_bytes = batch * context * per_token * config.num_hidden_layers
             step_bytes = weights + kv_bytes
@@ -152,7 +185,8 @@ def main() -> None:
             }), flush=True)  # fmt: skip
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
