@@ -34,7 +34,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
                                 "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16", "--profile"],
         "gpt-fast-8b": [PY, str(HERE / "peers/gpt_fast.py"), "--gpt-fast-dir", gpt_fast_dir],
         "kernel-times": [PY, str(HERE / "kernels_cuda.py")],
-        # batch-1 projections: cuBLAS, the backend's pick and every GEMV tile
+        # projections of decode steps of 1 and 16 sequences: cuBLAS, the backend's pick, every tile
         "gemv-sweep": [PY, str(HERE / "kernels_cuda.py"), "--sweep", "--only", "linear_cublas,linear,gemv"],
         # decode attention of the quantized formats over tiles, splits, decode method and row layout
         "kv-decode-sweep": [PY, str(HERE / "kernels_cuda.py"), "--sweep", "--only", "attention_decode",

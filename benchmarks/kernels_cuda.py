@@ -15,11 +15,11 @@ output written once; split-K partials not counted), reported against the copy ba
 measured in the same run (a large device-to-device copy, read + write bytes). Attention
 also reports TFLOP/s (causal: half the score matrix).
 
-The projections of batch-1 decode (one row) run through cuBLAS and through the backend's
-one-row linear, which picks cuBLAS or a GEMV tile by measuring each shape (the last line
-lists its picks).
+The projections of decode steps of 1 and 16 sequences run through cuBLAS and through
+the backend's small-batch linear, which picks cuBLAS or one of its own kernel tiles by
+measuring each shape and row count (the last line lists its picks).
 
-``--sweep`` also times every GEMV tile, and the attention kernels over alternative tile
+``--sweep`` also times every tile of those kernels, and the attention kernels over alternative tile
 shapes and decode split counts (and quantized decode with the portable code decode
 instead of PTX);
 ``--kv-formats`` adds attention over caches in those formats (filled
@@ -30,6 +30,7 @@ with random keys and values through each format's write path, the equalizer rand
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -144,13 +145,13 @@ def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[
 
 
 def linear_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device, sweep: bool) -> list[Case]:
-    """The projections of a batch-1 decode step, at one row: cuBLAS, the backend's
-    one-row linear (the kernel it measured fastest for the shape), and with ``sweep``
-    each GEMV tile it chooses from."""
+    """The projections of decode steps of 1 and 16 sequences: cuBLAS, the backend's
+    small-batch linear (the kernel it measured fastest for the shape and row count),
+    and with ``sweep`` each tile it chooses from."""
     import torch.nn.functional as F
 
     from xinfer_cuda.kernels import gemv
-    from xinfer_cuda.linear import CANDIDATES
+    from xinfer_cuda.linear import candidates
 
     el = torch.tensor([], dtype=dtype).element_size()
     projections = {
@@ -161,21 +162,22 @@ def linear_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device, sweep
         "lm_head": (s.vocab, s.hidden),
     }
     cases = []
-    for name, (n, k) in projections.items():
+    for rows, (name, (n, k)) in itertools.product((1, 16), projections.items()):
 
-        def make(linear, n=n, k=k):
+        def make(linear, rows=rows, n=n, k=k):
             def make_call():
-                x, w = _rand(1, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device) * 0.02
+                x, w = _rand(rows, k, dtype=dtype, device=device), _rand(n, k, dtype=dtype, device=device) * 0.02
                 return lambda: linear(x, w)
 
             return make_call
 
-        size = (n * k + n + k) * el
-        cases += [Case("linear_cublas", name, make(F.linear), size, size), Case("linear", name, make(ops.linear), size, size)]
+        size = (n * k + rows * (n + k)) * el
+        label = f"m{rows}_{name}"
+        cases += [Case("linear_cublas", label, make(F.linear), size, size), Case("linear", label, make(ops.linear), size, size)]
         if sweep:
-            for config in CANDIDATES:
-                cases.append(Case("gemv", name, make(lambda x, w, c=config: gemv.gemv(x, w, None, c)), size, size,
-                                  extra=config.__dict__))  # fmt: skip
+            for tile in candidates(rows):
+                cases.append(Case("gemv", label, make(lambda x, w, t=tile: gemv.gemv(x, w, None, t)), size, size,
+                                  extra={"tile": repr(tile)}))  # fmt: skip
     return cases
 
 
@@ -366,9 +368,9 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    choices = {str(key[0]): config and config.__dict__ for key, config in ops.one_row_linear.choice.items()}
-    if choices:  # the one-row linear's kernel per weight shape (None: cuBLAS)
-        lines.append({"one_row_linear": choices})
+    choices = {f"m{key[0]} {key[1]}": repr(tile) for key, tile in ops.small_batch_linear.choice.items()}
+    if choices:  # the small-batch linear's kernel per row count and weight shape (None: cuBLAS)
+        lines.append({"small_batch_linear": choices})
         print(json.dumps(lines[-1]), flush=True)
 
     if args.out:

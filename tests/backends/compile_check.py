@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import activation, attention, gemv, kv_codes, kv_quant_write, kv_write, norm, rotary
-from xinfer_cuda.linear import CANDIDATES
+from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 
 MODULES = (activation, attention, gemv, kv_quant_write, kv_write, norm, rotary)
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
@@ -75,9 +75,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32))
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32))
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32), inplace=True)
-    for config in CANDIDATES:  # the one-row linear's tiles, as its measurement launches them
-        gemv.gemv(t(1, 4096), t(6144, 4096), None, config)
-    gemv.gemv(t(1, 4096), t(6144, 4096), t(6144), CANDIDATES[0])
+    for tile in ONE_ROW_TILES + DOT_TILES:  # the small-batch linear's tiles, as its measurement launches them
+        gemv.gemv(t(1 if tile in ONE_ROW_TILES else 4, 4096), t(6144, 4096), None, tile)
+    gemv.gemv(t(1, 4096), t(6144, 4096), t(6144), ONE_ROW_TILES[0])
+    gemv.gemv(t(4, 4096), t(6144, 4096), t(6144), DOT_TILES[0])
     activation.silu_and_mul(t(4, 2 * 14336))
     activation.gelu_tanh_and_mul(t(4, 2 * 14336))
     kv_write.write_kv(t(4, 8, 128), t(4, 8, 128), t(16, 16, 8, 128), t(16, 16, 8, 128), positions)

@@ -22,6 +22,7 @@ is kept to what adds coverage.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import zlib
@@ -35,7 +36,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, Ops
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.kernels import activation, attention, gemv, norm, rotary
-from xinfer_cuda.linear import CANDIDATES, OneRowLinear
+from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -97,42 +98,51 @@ def test_ops_implements_every_protocol_method():
     assert CudaOps.device_type == "cuda"
 
 
-# --- One-row linear -------------------------------------------------------------------
+# --- Linear over a few rows --------------------------------------------------------
 
-# (N, K): sizes no tile divides mask the last rows and columns
-GEMV_SHAPES = matrix([(37, 100), (64, 1024), (5, 1030)], [(6144, 4096), (4096, 14336), (32003, 4096)])
+# (rows, N, K): sizes no tile divides mask the last rows and columns
+GEMV_SHAPES = matrix(
+    [(1, 37, 100), (1, 64, 1024), (1, 5, 1030), (3, 40, 96), (16, 64, 512)],
+    [(1, 6144, 4096), (1, 4096, 14336), (1, 32003, 4096), (5, 4096, 4096), (16, 28672, 4096)],
+)
 
 
-@pytest.mark.parametrize("config", CANDIDATES, ids=str)
 @pytest.mark.parametrize("shape, dtype", GEMV_SHAPES)
-def test_gemv(shape, dtype, config):
-    n, k = shape
-    x, weight, bias = rand(1, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
-    for b in (None, bias):
-        out = gemv.gemv(x, weight, b, config, out=rand(1, n, dtype=dtype) * math.nan)
+def test_gemv(shape, dtype):
+    """Every tile the measurement may pick for that many rows."""
+    m, n, k = shape
+    x, weight, bias = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
+    for tile, b in itertools.product(candidates(m), (None, bias)):
+        out = gemv.gemv(x, weight, b, tile, out=rand(m, n, dtype=dtype) * math.nan)
         check(out, CPU.linear(ref32(x), ref32(weight), None if b is None else ref32(b)), dtype)
 
 
-def test_one_row_linear_takes_a_gemv_only_where_measured_faster():
-    """Each weight shape is measured once: cuBLAS first, then each candidate tile (the
-    fake timer's order); a GEMV replaces cuBLAS only when clearly faster."""
-    times = {(40, 64): [10.0] + [9.9] * len(CANDIDATES), (24, 64): [10.0] + [9.0] * len(CANDIDATES)}
-    times[(24, 64)][3] = 8.0  # the third candidate
+def test_small_batch_linear_takes_a_kernel_only_where_measured_faster():
+    """Each weight shape and power-of-two row count is measured once: cuBLAS first,
+    then each candidate tile (the fake timer's order); a tile replaces cuBLAS only
+    when clearly faster."""
+    one, few = len(candidates(1)), len(candidates(4))
+    times = {
+        (1, (40, 64)): [10.0] + [9.9] * one,  # within the margin: cuBLAS stays
+        (1, (24, 64)): [10.0] + [9.0] * 2 + [8.0] + [9.0] * (one - 3),
+        (4, (24, 64)): [10.0] + [9.5] * (few - 1) + [7.0],
+    }
     measured = []
 
     def timer(call, weights):
-        call(weights[0])
-        shape = tuple(weights[0].shape)
-        measured.append(shape)
-        return times[shape][sum(s == shape for s in measured) - 1]
+        rows = call(weights[0]).shape[0]
+        key = (1 << (rows - 1).bit_length(), tuple(weights[0].shape))
+        measured.append(key)
+        return times[key][measured.count(key) - 1]
 
-    one_row = OneRowLinear(timer, copies=lambda w: [w])
-    for shape in ((40, 64), (24, 64), (40, 64)):
-        x, weight = rand(1, shape[1]), rand(*shape)
-        check(one_row(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
-    assert measured == [(40, 64)] * (1 + len(CANDIDATES)) + [(24, 64)] * (1 + len(CANDIDATES))
-    choices = {key[0]: config for key, config in one_row.choice.items()}
-    assert choices == {(40, 64): None, (24, 64): CANDIDATES[2]}
+    linear = SmallBatchLinear(timer, copies=lambda w: [w])
+    for rows, shape in ((1, (40, 64)), (1, (24, 64)), (3, (24, 64)), (4, (24, 64)), (1, (40, 64))):
+        x, weight = rand(rows, shape[1]), rand(*shape)
+        check(linear(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
+    assert measured == [(1, (40, 64))] * (1 + one) + [(1, (24, 64))] * (1 + one) + [(4, (24, 64))] * (1 + few)
+    assert {key[:2]: tile for key, tile in linear.choice.items()} == {
+        (1, (40, 64)): None, (1, (24, 64)): ONE_ROW_TILES[2], (4, (24, 64)): DOT_TILES[-1],
+    }
 
 
 # --- RMSNorm -------------------------------------------------------------------------

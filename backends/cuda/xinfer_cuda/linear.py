@@ -1,11 +1,12 @@
-"""Which kernel runs a one-row linear (batch-1 decode): cuBLAS, or the GEMV kernel in
-one of its tile shapes, measured per weight shape on this GPU when the shape first
-comes up outside a CUDA graph capture (the step graphs' warm-up run).
+"""Which kernel runs a linear over a few rows (decode steps of small batches): cuBLAS,
+or a kernel of :mod:`xinfer_cuda.kernels.gemv` in one of its tile shapes, measured per
+weight shape and row count (rounded up to a power of two) on this GPU when they first
+come up outside a CUDA graph capture (the step graphs' warm-up runs).
 
-Batch-1 decode streams every weight once per token, so the bandwidth these kernels
-reach is the tokens per second. Each candidate is timed as a CUDA graph of calls over
-copies of the weight that overflow the L2 twice (eager launches on a VM take longer
-than the kernel), and cuBLAS is kept unless a GEMV tile beats it by ``MARGIN``.
+Such steps stream every weight once, so the bandwidth these kernels reach is the
+tokens per second. Each candidate is timed as a CUDA graph of calls over copies of
+the weight that overflow the L2 twice (eager launches on a VM take longer than the
+kernel), and cuBLAS is kept unless a tile beats it by ``MARGIN``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from xinfer_cuda.kernels.gemv import GemvConfig, gemv
+from xinfer_cuda.kernels.gemv import DotConfig, GemvConfig, gemv
 
 log = logging.getLogger("xinfer")
 
-CANDIDATES = (
+ONE_ROW_TILES = (
     GemvConfig(4, 1024, 4),
     GemvConfig(8, 1024, 8),
     GemvConfig(8, 512, 4),
@@ -35,6 +36,15 @@ CANDIDATES = (
     GemvConfig(8, 512, 4, unroll=4),
     GemvConfig(16, 256, 4, unroll=4),
 )
+DOT_TILES = (
+    DotConfig(16, 256, 4, 4),
+    DotConfig(16, 512, 4, 3),
+    DotConfig(32, 128, 4, 4),
+    DotConfig(32, 256, 4, 3),
+    DotConfig(64, 64, 4, 6),
+    DotConfig(64, 128, 4, 4),
+)
+Tile = GemvConfig | DotConfig
 MARGIN = 0.97  # a GEMV must take under 97 % of cuBLAS's time to replace it
 MIN_CALLS = 16  # calls per timed graph
 
@@ -73,34 +83,44 @@ def l2_overflowing_copies(weight: Tensor) -> list[Tensor]:
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
-class OneRowLinear:
-    """``x @ weight.T + bias`` for one row of ``x``, by the kernel measured fastest for
-    the weight's shape (``choice``: None for cuBLAS)."""
+def candidates(rows: int, tensor_cores: bool = True) -> tuple[Tile, ...]:
+    """The tiles tried for ``rows`` rows; without tensor cores (before sm_80) dots run on
+    the FMA units and spill: none of them."""
+    dots = DOT_TILES if tensor_cores else ()
+    return ONE_ROW_TILES + dots if rows == 1 else dots
+
+
+class SmallBatchLinear:
+    """``x @ weight.T + bias`` for a few rows of ``x`` (up to
+    :data:`~xinfer_cuda.kernels.gemv.MAX_ROWS`) by the kernel measured fastest for the
+    weight's shape and the row count (``choice``: None for cuBLAS)."""
 
     def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
         self.timer = timer
         self.copies = copies
-        self.choice: dict[tuple, GemvConfig | None] = {}
+        self.choice: dict[tuple, Tile | None] = {}
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        key = (tuple(weight.shape), weight.stride(), weight.dtype, bias is not None)
+        rows = 1 << (x.shape[0] - 1).bit_length()
+        key = (rows, tuple(weight.shape), weight.stride(), weight.dtype, bias is not None)
         if key not in self.choice:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return F.linear(x, weight, bias)  # not measured: the capture's warm-up did not see it
-            self.choice[key] = self.fastest(x, weight, bias)
-        config = self.choice[key]
-        return F.linear(x, weight, bias) if config is None else gemv(x, weight, bias, config)
+            tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
+            self.choice[key] = self.fastest(x, weight, bias, candidates(rows, tensor_cores))
+        tile = self.choice[key]
+        return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile)
 
-    def fastest(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> GemvConfig | None:
-        if weight.stride(1) != 1:
+    def fastest(self, x: Tensor, weight: Tensor, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile | None:
+        if not tiles or weight.stride(1) != 1:
             return None
         try:
             weights = self.copies(weight)
         except torch.OutOfMemoryError:
             return None
         cublas = self.timer(lambda w: F.linear(x, w, bias), weights)
-        times = {c: self.timer(lambda w, c=c: gemv(x, w, bias, c), weights) for c in CANDIDATES}
+        times = {tile: self.timer(lambda w, t=tile: gemv(x, w, bias, t), weights) for tile in tiles}
         best = min(times, key=times.__getitem__)
-        log.debug("one-row linear %s: cuBLAS %.1f us, GEMV %s %.1f us", tuple(weight.shape), cublas * 1e6, best,
-                  times[best] * 1e6)  # fmt: skip
+        log.debug("linear of %d rows over %s: cuBLAS %.1f us, %s %.1f us", x.shape[0], tuple(weight.shape),
+                  cublas * 1e6, best, times[best] * 1e6)  # fmt: skip
         return best if times[best] < MARGIN * cublas else None

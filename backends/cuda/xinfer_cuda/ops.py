@@ -14,7 +14,8 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, StepForward, StepLimits
 from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
-from xinfer_cuda.linear import OneRowLinear
+from xinfer_cuda.kernels.gemv import MAX_ROWS
+from xinfer_cuda.linear import SmallBatchLinear
 
 
 def is_available() -> bool:
@@ -25,11 +26,11 @@ class CudaOps:
     device_type = "cuda"
 
     def __init__(self) -> None:
-        self.one_row_linear = OneRowLinear()
+        self.small_batch_linear = SmallBatchLinear()
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] == 1 and x.is_cuda:  # batch-1 decode: a GEMV may beat cuBLAS (measured per shape)
-            return self.one_row_linear(x, weight, bias)
+        if x.shape[0] <= MAX_ROWS and x.is_cuda:  # small decode batches: maybe not cuBLAS (measured per shape)
+            return self.small_batch_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(
