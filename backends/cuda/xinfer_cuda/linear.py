@@ -45,7 +45,7 @@ DOT_TILES = (
     DotConfig(64, 128, 4, 4),
 )
 Tile = GemvConfig | DotConfig
-MARGIN = 0.97  # a GEMV must take under 97 % of cuBLAS's time to replace it
+MARGIN = 0.97  # a tile must take under 97 % of cuBLAS's time to replace it
 MIN_CALLS = 16  # calls per timed graph
 
 Call = Callable[[Tensor], object]  # one linear over the given weight
