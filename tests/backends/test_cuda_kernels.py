@@ -143,6 +143,9 @@ def test_small_batch_linear_takes_a_kernel_only_where_measured_faster():
     assert {key[:2]: tile for key, tile in linear.choice.items()} == {
         (1, (40, 64)): None, (1, (24, 64)): ONE_ROW_TILES[2], (4, (24, 64)): DOT_TILES[-1],
     }
+    report = linear.report()
+    assert "measured 3 (row count, weight shape) pairs" in report and "own kernels for 2, cuBLAS for 1" in report
+    assert linear.report() is None  # nothing measured since
 
 
 # --- RMSNorm -------------------------------------------------------------------------

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from xinfer_cuda.kernels.gemv import DotConfig, GemvConfig, gemv
+from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, gemv
 
 log = logging.getLogger("xinfer")
 
@@ -91,14 +92,16 @@ def candidates(rows: int, tensor_cores: bool = True) -> tuple[Tile, ...]:
 
 
 class SmallBatchLinear:
-    """``x @ weight.T + bias`` for a few rows of ``x`` (up to
-    :data:`~xinfer_cuda.kernels.gemv.MAX_ROWS`) by the kernel measured fastest for the
-    weight's shape and the row count (``choice``: None for cuBLAS)."""
+    """``x @ weight.T + bias`` for up to :data:`MAX_ROWS` rows of ``x`` by the kernel
+    measured fastest for the weight's shape and the row count (``choice``: None for
+    cuBLAS)."""
 
     def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
         self.timer = timer
         self.copies = copies
         self.choice: dict[tuple, Tile | None] = {}
+        self.measuring_s = 0.0  # since the last report
+        self.reported = 0  # choices in the last report
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = 1 << (x.shape[0] - 1).bit_length()
@@ -107,7 +110,9 @@ class SmallBatchLinear:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return F.linear(x, weight, bias)  # not measured: the capture's warm-up did not see it
             tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
+            start = time.perf_counter()
             self.choice[key] = self.fastest(x, weight, bias, candidates(rows, tensor_cores))
+            self.measuring_s += time.perf_counter() - start
         tile = self.choice[key]
         return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile)
 
@@ -124,3 +129,14 @@ class SmallBatchLinear:
         log.debug("linear of %d rows over %s: cuBLAS %.1f us, %s %.1f us", x.shape[0], tuple(weight.shape),
                   cublas * 1e6, best, times[best] * 1e6)  # fmt: skip
         return best if times[best] < MARGIN * cublas else None
+
+    def report(self) -> str | None:
+        """A line on the choices made since the last report, None if there were none."""
+        new = list(self.choice.values())[self.reported :]
+        if not new:
+            return None
+        own = sum(tile is not None for tile in new)
+        line = (f"linears of up to {MAX_ROWS} rows: measured {len(new)} (row count, weight shape) pairs in "
+                f"{self.measuring_s:.1f} s; own kernels for {own}, cuBLAS for {len(new) - own}")  # fmt: skip
+        self.reported, self.measuring_s = len(self.choice), 0.0
+        return line

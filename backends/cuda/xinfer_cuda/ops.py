@@ -6,6 +6,8 @@ also run on CPU tensors (that is how CI tests them).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -16,6 +18,8 @@ from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
+
+log = logging.getLogger("xinfer")
 
 
 def is_available() -> bool:
@@ -70,4 +74,7 @@ class CudaOps:
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
-        return StepGraphs(forward, limits, device)
+        graphs = StepGraphs(forward, limits, device)  # its warm-up runs measure the small-batch linears
+        if (report := self.small_batch_linear.report()) is not None:
+            log.info(report)
+        return graphs
