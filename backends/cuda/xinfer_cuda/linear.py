@@ -48,6 +48,7 @@ DOT_TILES = (
 Tile = GemvConfig | DotConfig
 MARGIN = 0.97  # a tile must take under 97 % of cuBLAS's time to replace it
 MIN_CALLS = 16  # calls per timed graph
+MAX_COPIES = 32  # of a small weight: past that the model's weights would fit in the L2 anyway
 
 Call = Callable[[Tensor], object]  # one linear over the given weight
 Timer = Callable[[Call, list[Tensor]], float]  # seconds per call, over those weights
@@ -78,9 +79,10 @@ def graph_time(call: Call, weights: list[Tensor]) -> float:
 
 
 def l2_overflowing_copies(weight: Tensor) -> list[Tensor]:
-    """``weight`` and enough copies of it to hold twice the L2 (none for large weights)."""
+    """``weight`` and enough copies of it to hold twice the L2 (none for large weights,
+    at most ``MAX_COPIES`` for small ones)."""
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    count = math.ceil(2 * l2 / (weight.numel() * weight.element_size()))
+    count = min(math.ceil(2 * l2 / (weight.numel() * weight.element_size())), MAX_COPIES)
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
@@ -105,7 +107,7 @@ class SmallBatchLinear:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = 1 << (x.shape[0] - 1).bit_length()
-        key = (rows, tuple(weight.shape), weight.stride(), weight.dtype, bias is not None)
+        key = (rows, tuple(weight.shape), weight.stride(), weight.dtype, bias is not None, x.device)
         if key not in self.choice:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return F.linear(x, weight, bias)  # not measured: the capture's warm-up did not see it

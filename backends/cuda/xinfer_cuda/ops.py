@@ -29,8 +29,7 @@ def is_available() -> bool:
 class CudaOps:
     device_type = "cuda"
 
-    def __init__(self) -> None:
-        self.small_batch_linear = SmallBatchLinear()
+    small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] <= MAX_ROWS and x.is_cuda:  # small decode batches: maybe not cuBLAS (measured per shape)
