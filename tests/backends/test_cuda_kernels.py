@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, Ops
@@ -146,6 +147,23 @@ def test_small_batch_linear_takes_a_kernel_only_where_measured_faster():
     report = linear.report()
     assert "measured 3 (row count, weight shape) pairs" in report and "own kernels for 2, cuBLAS for 1" in report
     assert linear.report() is None  # nothing measured since
+
+
+def test_small_batch_linear_skips_tiles_the_gpu_lacks_resources_for():
+    calls = []
+
+    def timer(call, weights):  # cuBLAS 10, then every tile out of shared memory but the last (5)
+        calls.append(call)
+        if len(calls) == 1 + len(candidates(4)):
+            return 5.0
+        if len(calls) > 1:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return 10.0
+
+    linear = SmallBatchLinear(timer, copies=lambda w: [w])
+    x, weight = rand(4, 64), rand(24, 64)
+    check(linear(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
+    assert list(linear.choice.values()) == [DOT_TILES[-1]]
 
 
 # --- RMSNorm -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, gemv
 
@@ -126,7 +127,14 @@ class SmallBatchLinear:
         except torch.OutOfMemoryError:
             return None
         cublas = self.timer(lambda w: F.linear(x, w, bias), weights)
-        times = {tile: self.timer(lambda w, t=tile: gemv(x, w, bias, t), weights) for tile in tiles}
+        times = {}
+        for tile in tiles:
+            try:
+                times[tile] = self.timer(lambda w, t=tile: gemv(x, w, bias, t), weights)
+            except OutOfResources:  # more shared memory than this GPU has
+                continue
+        if not times:
+            return None
         best = min(times, key=times.__getitem__)
         log.debug("linear of %d rows over %s: cuBLAS %.1f us, %s %.1f us", x.shape[0], tuple(weight.shape),
                   cublas * 1e6, best, times[best] * 1e6)  # fmt: skip
