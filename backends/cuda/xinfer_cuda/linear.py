@@ -122,17 +122,17 @@ class SmallBatchLinear:
     def fastest(self, x: Tensor, weight: Tensor, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile | None:
         if not tiles or weight.stride(1) != 1:
             return None
-        try:
+        try:  # the copies and the timed graphs need memory a full KV pool may have taken (eager steps)
             weights = self.copies(weight)
+            cublas = self.timer(lambda w: F.linear(x, w, bias), weights)
+            times = {}
+            for tile in tiles:
+                try:
+                    times[tile] = self.timer(lambda w, t=tile: gemv(x, w, bias, t), weights)
+                except OutOfResources:  # more shared memory than this GPU has
+                    continue
         except torch.OutOfMemoryError:
             return None
-        cublas = self.timer(lambda w: F.linear(x, w, bias), weights)
-        times = {}
-        for tile in tiles:
-            try:
-                times[tile] = self.timer(lambda w, t=tile: gemv(x, w, bias, t), weights)
-            except OutOfResources:  # more shared memory than this GPU has
-                continue
         if not times:
             return None
         best = min(times, key=times.__getitem__)
