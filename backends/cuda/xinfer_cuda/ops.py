@@ -32,7 +32,7 @@ class CudaOps:
     small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] <= MAX_ROWS and x.is_cuda:  # small decode batches: maybe not cuBLAS (measured per shape)
+        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS:  # small decode batches: measured per shape
             return self.small_batch_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
