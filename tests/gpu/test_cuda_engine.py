@@ -7,6 +7,8 @@ from transformers import LlamaConfig, Qwen3Config
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear
+from xinfer_cuda.ops import CudaOps
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device; benchmarks/gpu_suite.py runs it on the GPU machine"
@@ -136,3 +138,25 @@ def test_mixed_steps_under_graphs_give_eager_and_cpu_tokens(model_dir):
     assert staggered_tokens(graphs, params) == expected
     assert all(replayed for _, replayed in replays)
     assert {decode for decode, _ in replays} == {True, False}
+
+
+class OurKernels(SmallBatchLinear):
+    """Picks, without measuring, a one-row GEMV tile (unrolled) for one row and a dot
+    tile for more."""
+
+    def fastest(self, x, weight, bias, tiles):
+        return ONE_ROW_TILES[7] if x.shape[0] == 1 else DOT_TILES[2]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_small_batch_linears_in_our_kernels_give_cpu_tokens(model_dir, enforce_eager, monkeypatch):
+    """Whatever the measurement picks, the tokens stay the CPU backend's: here every
+    linear of up to 16 rows (decode steps, the LM head) runs in our kernels."""
+    monkeypatch.setattr(CudaOps, "small_batch_linear", OurKernels())
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128)
+    gpu = LLM(model=model_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
+              enforce_eager=enforce_eager)  # fmt: skip
+    for prompts in (PROMPTS, PROMPTS[3:4]):  # decode steps of six sequences, then of one
+        assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
+    assert set(CudaOps.small_batch_linear.choice.values()) == {ONE_ROW_TILES[7], DOT_TILES[2]}
