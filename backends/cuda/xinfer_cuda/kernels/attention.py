@@ -348,44 +348,29 @@ def _attend_keys(
         q_sum = tl.sum(q_k_lo.to(tl.float32), 1)
         if SPLIT < HEAD_DIM:  # a second half
             q_sum += tl.sum(q_k_hi.to(tl.float32), 1)
-    # With EXACT: short tiles over the first block, whole tiles up to near_from (they
-    # read no shadows; the last one cut short there), short tiles over the rest. Each
-    # loop hides the keys past its own end.
-    head_end, far_end = start, end
+    # With EXACT, three spans: short tiles over the first block, whole tiles up to
+    # near_from (they read no shadows; the last one cut short there), short tiles over the
+    # rest; each span hides the keys past its own end. Without, one span: [start, end).
+    EXACT_N: tl.constexpr = 32 if BLOCK_N >= 64 else 16
     OWN_END: tl.constexpr = MASK_BOUNDS if MASK == MASK_NONE else MASK
-    PLAIN_MASK: tl.constexpr = OWN_END if EXACT else MASK
+    head_end, far_end = start, end
     if EXACT:
-        EXACT_N: tl.constexpr = 32 if BLOCK_N >= 64 else 16
         head_end = tl.minimum(start + tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), EXACT_N) * EXACT_N, end)
         far_end = tl.maximum(tl.minimum(near_from, end), head_end)
-        for tile_start in range(start, head_end, EXACT_N):
-            acc_lo, acc_hi, l_i, m_i = _attend_tile(
-                acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, head_end,
-                k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-                score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
-                OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
-                K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, True,
-            )  # fmt: skip
-    for tile_start in range(head_end, far_end, BLOCK_N):
-        acc_lo, acc_hi, l_i, m_i = _attend_tile(
-            acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, far_end,
-            k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-            score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
-            PLAIN_MASK, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
-            K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, False,
-        )  # fmt: skip
-    if EXACT:
-        for tile_start in range(far_end, end, EXACT_N):
-            acc_lo, acc_hi, l_i, m_i = _attend_tile(
-                acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, end,
-                k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-                score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot, recent,
-                OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
-                K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, True,
-            )  # fmt: skip
+    for span in tl.static_range(3):  # (a span's constants are expressions: constexprs cannot be reassigned)
+        if EXACT or span == 1:
+            lo = start if span == 0 else head_end if span == 1 else far_end
+            hi = head_end if span == 0 else far_end if span == 1 else end
+            for tile_start in range(lo, hi, EXACT_N if EXACT and span != 1 else BLOCK_N):
+                acc_lo, acc_hi, l_i, m_i = _attend_tile(
+                    acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, hi,
+                    k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
+                    stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
+                    score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot,
+                    recent, OWN_END if EXACT else MASK, HAS_WINDOW, HAS_SOFTCAP, EXACT_N if EXACT and span != 1 else BLOCK_N,
+                    BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
+                    K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT and span != 1,
+                )  # fmt: skip
     return acc_lo, acc_hi, l_i, m_i
 
 
