@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import activation, attention, gemv, kv_codes, kv_quant_write, kv_write, norm, rotary
+from xinfer_cuda.kernels import activation, attention, gemv, kv_codes, kv_quant_write, kv_write, launch, norm, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 
 MODULES = (activation, attention, gemv, kv_quant_write, kv_write, norm, rotary)
@@ -65,6 +65,7 @@ for _module in MODULES:
 
 def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     LAUNCHES.clear()
+    launch.pdl = lambda device: {"PDL": cc >= 90, "launch_pdl": cc >= 90}  # as on such a GPU
 
     def t(*shape, dt=dtype):
         return torch.randn(*shape).to(dt)

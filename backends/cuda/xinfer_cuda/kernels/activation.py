@@ -7,6 +7,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 
 
@@ -19,7 +22,9 @@ def _act_and_mul_kernel(
     n,
     ACTIVATION: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -48,7 +53,7 @@ def _act_and_mul(x: Tensor, activation: str, out: Tensor | None) -> Tensor:
     grid = (x2.shape[0], triton.cdiv(n, block))
     _act_and_mul_kernel[grid](
         x2, out2, x2.stride(0), out2.stride(0), n,
-        ACTIVATION=activation, BLOCK=block, num_warps=4,
+        ACTIVATION=activation, BLOCK=block, num_warps=4, **launch.pdl(x.device),
     )  # fmt: skip
     return out
 

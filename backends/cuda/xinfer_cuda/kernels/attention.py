@@ -41,10 +41,12 @@ from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
     CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
 )
+from xinfer_cuda.kernels.launch import pdl_entry
 
 LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima: a row that sees no key in a tile keeps
@@ -460,7 +462,9 @@ def _prefill_kernel(
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     # Last query tiles first: under the causal mask they see the most keys, and starting
     # them first shortens the tail of the launch.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -630,7 +634,9 @@ def _decode_kernel(
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
     EXACT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -718,7 +724,9 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -1011,7 +1019,7 @@ def attend_sides(
     window_arg = window if has_window else 0
     # (q and the block tables stand in for the shadows where there is no window)
     exact_args = exact.args() if exact is not None else (q, q, meta.block_tables, 0, 0, 0, 0, 0)
-    common |= dict(EXACT=exact is not None)
+    common |= dict(EXACT=exact is not None) | launch.pdl(q.device)
 
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
@@ -1072,6 +1080,6 @@ def attend_sides(
             out, part_acc, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4,
+            MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4, **launch.pdl(q.device),
         )  # fmt: skip
     return out

@@ -24,6 +24,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
 MAX_ROWS = 16  # the dot's smallest M
 
 
@@ -44,6 +47,20 @@ class DotConfig:
 
 
 @triton.jit
+def _gemv_tiles(w_rows, x_ptr, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at ``k`` of the program's weight rows [BLOCK_N, BLOCK_K] and of ``x``."""
+    cols = k + tl.arange(0, BLOCK_K)
+    if EVEN:
+        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+        x = tl.load(x_ptr + cols)
+    else:
+        w = tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    return w, x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -58,19 +75,18 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
-        cols = k + tl.arange(0, BLOCK_K)
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols)
-        else:
-            w = tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
-            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    # No kernel writes the weights: the first tile's loads go out before the wait for
+    # the kernel that writes x (pdl_entry), the others after it.
+    w, _ = _gemv_tiles(w_rows, x_ptr, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
+    pdl_entry(PDL)
+    _, x = _gemv_tiles(w_rows, x_ptr, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K, loop_unroll_factor=UNROLL):
+        w, x = _gemv_tiles(w_rows, x_ptr, rows, k, N, K, EVEN_N and EVEN_K, BLOCK_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -96,7 +112,9 @@ def _dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     rows = tl.arange(0, 16)  # of x and y
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
     w_cols = w_ptr + outs[None, :].to(tl.int64) * stride_w  # W^T tiles [BLOCK_K, BLOCK_N]
@@ -128,7 +146,8 @@ def gemv(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(n, config.block_n),)
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
-                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps)  # fmt: skip
+                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                  **launch.pdl(x.device))  # fmt: skip
     bias_arg = bias if bias is not None else weight
     if isinstance(config, GemvConfig):
         assert m == 1, m

@@ -9,8 +9,10 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
+from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import CODE_FP8, CODE_PLAIN, PLAIN, Side, encode, side, vector_scale
+from xinfer_cuda.kernels.launch import pdl_entry
 
 
 @triton.jit
@@ -152,7 +154,9 @@ def _quant_write_kv_kernel(
     V_BITS: tl.constexpr,
     V_LEVELS: tl.constexpr,
     V_CLIP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
@@ -229,5 +233,5 @@ def _write(k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side
         OFFSET=offset is not None, EQUALIZE=equalize,
         K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
         V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
-        num_warps=8,
+        num_warps=8, **launch.pdl(k.device),
     )  # fmt: skip

@@ -6,6 +6,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -29,7 +32,9 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:  # padding
@@ -82,4 +87,5 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=min(max(block_h * block_d // 512, 1), 8),
+        **launch.pdl(k.device),
     )

@@ -7,6 +7,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -23,7 +26,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -87,5 +92,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
+        **launch.pdl(x.device),
     )
     return out if residual is None else (out, new_residual)

@@ -7,6 +7,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
 
 @triton.jit
 def _rotate_heads(
@@ -69,7 +72,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     COPY_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_entry(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     half = tl.arange(0, BLOCK_HALF)[None, :]
@@ -150,5 +155,6 @@ def rotary(
         BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
         COPY_PASS=pass_dim > 0 and not inplace,
         num_warps=min(max(block_elems // 512, 1), 8),
+        **launch.pdl(q.device),
     )
     return q_out, k_out
