@@ -72,6 +72,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
 
     norm.rms_norm(t(4, 4096), t(4096), 1e-6)
     norm.rms_norm(t(4, 4096), t(4096), 1e-6, t(4, 4096))
+    norm.rms_norm(t(4, 6144)[:, :4096].view(4, 32, 128), t(128), 1e-6)  # per-head q norm, in place of a copy
     positions = torch.zeros(4, dtype=torch.int64)
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32))
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32))

@@ -203,6 +203,18 @@ def test_rms_norm_strided_rows():
     check(out, CPU.rms_norm(ref32(x), ref32(weight), 1e-6), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_over_the_heads_of_a_fused_projection(dtype):
+    tokens, heads, kv_heads, head_dim = 5, 4, 2, 16
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # rows head_dim apart, tokens a qkv row apart
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    weight = rand(head_dim, dtype=dtype)
+    for x in (q, k):
+        out = norm.rms_norm(x, weight, 1e-6, out=nan_like(x))
+        check(out, CPU.rms_norm(ref32(x), ref32(weight), 1e-6), dtype)
+
+
 # --- Rotary --------------------------------------------------------------------------
 
 # (tokens, heads, kv heads, head dim, rotary dim)
