@@ -119,11 +119,12 @@ def test_sampling_controls(llm):
 
 
 def test_the_host_reads_a_step_back_after_launching_the_next(llm, monkeypatch):
-    events = []
+    events, launched = [], []
     launch = llm.engine.runner.step
 
     def launching(scheduled, previous=None):
         sampled = launch(scheduled, previous)
+        launched.append(sampled)  # alive to the end, so that no later step's tokens reuse its id
         events.append(("launch", id(sampled)))
         return sampled
 
