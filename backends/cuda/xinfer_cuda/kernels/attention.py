@@ -1019,7 +1019,8 @@ def attend_sides(
     window_arg = window if has_window else 0
     # (q and the block tables stand in for the shadows where there is no window)
     exact_args = exact.args() if exact is not None else (q, q, meta.block_tables, 0, 0, 0, 0, 0)
-    common |= dict(EXACT=exact is not None) | launch.pdl(q.device)
+    pdl = launch.pdl(q.device)
+    common |= dict(EXACT=exact is not None) | pdl
 
     if meta.max_seqlen_q > 1:
         cfg = prefill_tiles or prefill_config(head_dim, q)
@@ -1080,6 +1081,6 @@ def attend_sides(
             out, part_acc, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4, **launch.pdl(q.device),
+            MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4, **pdl,
         )  # fmt: skip
     return out

@@ -47,17 +47,22 @@ class DotConfig:
 
 
 @triton.jit
-def _gemv_tiles(w_rows, x_ptr, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K tile at ``k`` of the program's weight rows [BLOCK_N, BLOCK_K] and of ``x``."""
+def _weight_tile(w_rows, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at ``k`` of the program's weight rows: [BLOCK_N, BLOCK_K]."""
     cols = k + tl.arange(0, BLOCK_K)
     if EVEN:
-        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-        x = tl.load(x_ptr + cols)
-    else:
-        w = tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    return w, x
+        return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0,
+                   eviction_policy="evict_first")  # fmt: skip
+
+
+@triton.jit
+def _x_tile(x_ptr, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at ``k`` of the row ``x``: [BLOCK_K]."""
+    cols = k + tl.arange(0, BLOCK_K)
+    if EVEN:
+        return tl.load(x_ptr + cols)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0)
 
 
 @triton.jit
@@ -81,12 +86,13 @@ def _gemv_kernel(
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     # No kernel writes the weights: the first tile's loads go out before the wait for
     # the kernel that writes x (pdl_entry), the others after it.
-    w, _ = _gemv_tiles(w_rows, x_ptr, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
+    w = _weight_tile(w_rows, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
-    _, x = _gemv_tiles(w_rows, x_ptr, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
+    x = _x_tile(x_ptr, 0, K, EVEN_K, BLOCK_K)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, loop_unroll_factor=UNROLL):
-        w, x = _gemv_tiles(w_rows, x_ptr, rows, k, N, K, EVEN_N and EVEN_K, BLOCK_K)
+        w = _weight_tile(w_rows, rows, k, N, K, EVEN_N and EVEN_K, BLOCK_K)
+        x = _x_tile(x_ptr, k, K, EVEN_K, BLOCK_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
