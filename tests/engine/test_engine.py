@@ -141,6 +141,18 @@ def test_the_host_reads_a_step_back_after_launching_the_next(llm, monkeypatch):
         assert events.index(("launch", following)) < events.index(("read", step))
 
 
+def test_steps_put_the_longest_context_first(llm, monkeypatch):
+    batches = []
+    prepare = llm.engine.runner.prepare
+    monkeypatch.setattr(llm.engine.runner, "prepare", lambda scheduled: batches.append(prepare(scheduled)) or batches[-1])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(PROMPTS[::-1], params)  # shortest prompt last in, longest first
+    llm.generate(PROMPTS, params)  # and the other way round
+    assert any(len(b.seq_lens) > 1 for b in batches)
+    for batch in batches:
+        assert batch.seq_lens == sorted(batch.seq_lens, reverse=True)
+
+
 def test_stop_abort_and_context_limit_while_a_step_is_in_flight(model_dir):
     llm = LLM(model=model_dir, dtype="float32", num_blocks=64, max_model_len=40)
     engine = llm.engine

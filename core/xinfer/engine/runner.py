@@ -1,6 +1,6 @@
-"""One engine step on the device: flatten the scheduled sequences into a batch,
-run the model (a replay of a recorded step where the backend records them), and
-sample the sequences that completed their prompt.
+"""One engine step on the device: flatten the scheduled sequences into a batch
+(longest context first), run the model (a replay of a recorded step where the
+backend records them), and sample the sequences that completed their prompt.
 
 A step is launched without waiting for the one before: a sequence's last token may
 still be on the device (:data:`~xinfer.engine.sequence.PENDING` on the host), and
@@ -18,6 +18,14 @@ from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
 from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, Ops, StepLimits, StepRunner
+
+
+def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step's sequences by context length, longest first. Attention work grows with
+    the context; a backend that gives each sequence its own programs, launched in row
+    order, then starts the longest first and ends with short ones instead of waiting
+    on a long one started last (longest-processing-time-first scheduling)."""
+    return sorted(scheduled, key=lambda item: item.seq.num_computed_tokens + item.num_new_tokens, reverse=True)
 
 
 class ModelRunner:
@@ -63,6 +71,7 @@ class ModelRunner:
     def step(self, scheduled: list[ScheduledSeq], previous: SampledTokens | None = None) -> SampledTokens | None:
         """Launches a step; returns the tokens of the sequences that sample one, still on
         their way to the host. ``previous`` holds the tokens this step's pending inputs are."""
+        scheduled = longest_first(scheduled)
         batch = self.prepare(scheduled)
         sampling = [s.seq for s in scheduled if s.completes_prompt]
         with ops.use(self.backend):

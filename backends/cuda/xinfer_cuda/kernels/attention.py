@@ -13,6 +13,8 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   tile one query would fill a group's rows of a 128-row tile and leave the rest
   idle). Flash-decoding: each sequence's context is split across ``NUM_SPLITS``
   programs per KV head, which write partial (acc, max, sum); the reduce merges them.
+  KV heads are the grid's fastest axis, so programs start in row order, every head of
+  a sequence together: the engine's rows come longest context first.
   The grid depends only on tensor shapes and the split lengths are computed from
   ``seq_lens`` inside the kernels, so a captured CUDA graph stays valid as contexts
   grow.
@@ -465,15 +467,17 @@ def _prefill_kernel(
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
-    # Last query tiles first: under the causal mask they see the most keys, and starting
-    # them first shortens the tail of the launch.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Sequences in row order (the engine's rows come longest context first), and each
+    # one's last query tiles first: under the causal mask they see the most keys. The
+    # longest work starts first, which shortens the tail of the launch.
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    first_q = (tile - q_start // Q_PER_TILE - seq) * Q_PER_TILE
-    if first_q >= q_len or q_len == 1:  # one query: the decode kernel's
+    nth_tile = tile - q_start // Q_PER_TILE - seq
+    first_q = (tl.cdiv(q_len, Q_PER_TILE) - 1 - nth_tile) * Q_PER_TILE
+    if first_q < 0 or q_len == 1:  # one query: the decode kernel's
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_start = seq_len - q_len  # the step's queries are the last q_len positions
@@ -637,8 +641,8 @@ def _decode_kernel(
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -1066,7 +1070,7 @@ def attend_sides(
         part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_max = part_sum = out  # unused
-    _decode_kernel[(meta.num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
         q, *cache_ptrs, *basis_ptrs, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg, *exact_args,
