@@ -25,7 +25,7 @@ def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
     the context; a backend that gives each sequence its own programs, launched in row
     order, then starts the longest first and ends with short ones instead of waiting
     on a long one started last (longest-processing-time-first scheduling)."""
-    return sorted(scheduled, key=lambda item: item.seq.num_computed_tokens + item.num_new_tokens, reverse=True)
+    return sorted(scheduled, key=lambda item: item.context_len, reverse=True)
 
 
 class ModelRunner:
@@ -104,8 +104,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
         batch = HostBatch([], [], [], [0], [], [], [])
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
+            seq, start, end = item.seq, item.seq.num_computed_tokens, item.context_len
             batch.input_ids += seq.token_ids[start:end]
             batch.positions += range(start, end)
             batch.slot_mapping += [self.slot(seq, p) for p in range(start, end)]

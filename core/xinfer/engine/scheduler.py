@@ -29,9 +29,14 @@ class ScheduledSeq:
     num_new_tokens: int
 
     @property
+    def context_len(self) -> int:
+        """The tokens this step's attention reads: those already cached and its new ones."""
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
+    @property
     def completes_prompt(self) -> bool:
         """Whether this step computes the sequence's last token, so it samples the next."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.context_len == self.seq.num_tokens
 
 
 class Scheduler:
