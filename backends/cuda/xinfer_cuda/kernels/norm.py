@@ -18,9 +18,7 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     new_residual_ptr,
-    stride_x_outer,
-    stride_x_inner,
-    inner,
+    stride_x,
     stride_residual,
     stride_out,
     stride_new_residual,
@@ -34,8 +32,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x_row = x_ptr + (row // inner) * stride_x_outer + (row % inner) * stride_x_inner
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         # Round the sum to the input dtype before normalizing, like the reference does:
@@ -55,17 +52,6 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _row_layout(x: Tensor) -> tuple[Tensor, int, int, int]:
-    """``x`` [..., cols] as rows the kernel reads in place: (tensor, outer stride, inner
-    stride, inner count), row ``r`` at ``r // inner * outer + r % inner * inner_stride``.
-    A [T, H, D] view such as the query heads of a fused QKV projection's output (per-head
-    q/k norms) is one; reshaping it to rows would copy it, a kernel more per norm."""
-    if x.dim() == 3 and x.stride(-1) == 1:
-        return x, x.stride(0), x.stride(1), x.shape[1]
-    rows = _rows(x)
-    return rows, rows.stride(0), 0, 1
-
-
 def rms_norm(
     x: Tensor,
     weight: Tensor,
@@ -77,8 +63,7 @@ def rms_norm(
     """RMSNorm over the last dim of ``x``; with ``residual``, of ``x + residual``,
     returning ``(out, x + residual)``."""
     n_cols = x.shape[-1]
-    x_rows, stride_outer, stride_inner, inner = _row_layout(x)
-    num_rows = x.numel() // n_cols if n_cols else 0
+    x2 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     out2 = out.view(-1, n_cols)
     if residual is not None:
@@ -87,20 +72,18 @@ def rms_norm(
             new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         nr2 = new_residual.view(-1, n_cols)
     else:
-        r2 = nr2 = out2  # unused
-    if num_rows == 0:
+        r2 = nr2 = x2  # unused
+    if x2.shape[0] == 0:
         return out if residual is None else (out, new_residual)
     block = triton.next_power_of_2(n_cols)
     num_warps = min(max(block // 512, 1), 16)
-    _rms_norm_kernel[(num_rows,)](
-        x_rows,
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
         r2,
         weight.contiguous(),
         out2,
         nr2,
-        stride_outer,
-        stride_inner,
-        inner,
+        x2.stride(0),
         r2.stride(0),
         out2.stride(0),
         nr2.stride(0),
