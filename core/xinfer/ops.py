@@ -45,6 +45,16 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class HeadNorms:
+    """RMSNorm of every query and key head over its head dim, applied before rotation
+    (the q/k norms of Qwen3 and Gemma3): ``x * rsqrt(mean(x^2) + eps) * weight``."""
+
+    q_weight: Tensor  # [D]
+    k_weight: Tensor  # [D]
+    eps: float
+
+
 class Ops(Protocol):
     """What a backend provides. The CPU backend is the reference implementation."""
 
@@ -63,10 +73,14 @@ class Ops(Protocol):
         """
 
     def rotary(
-        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
         """Rotate the first ``R`` dims of each head of ``q`` [T, H, D] and ``k`` [T, Hkv, D]
-        in rotate-half (NeoX) form; ``cos_sin`` is [max_pos, R] as cos || sin halves."""
+        in rotate-half (NeoX) form; ``cos_sin`` is [max_pos, R] as cos || sin halves.
+
+        With ``norms``, each head is first normalized as :meth:`rms_norm` would, its
+        result rounded to the input dtype, so one kernel does what two norms and the
+        rotation did."""
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """``silu(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
@@ -203,8 +217,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return current().rms_norm(x, weight, eps, residual)
 
 
-def rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-    return current().rotary(q, k, positions, cos_sin)
+def rotary(
+    q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
+) -> tuple[Tensor, Tensor]:
+    return current().rotary(q, k, positions, cos_sin, norms)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
-from xinfer.ops import AttentionMetadata
+from xinfer.ops import AttentionMetadata, HeadNorms
 from xinfer_cuda.kernels import activation, attention, gemv, kv_codes, kv_quant_write, kv_write, launch, norm, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 
@@ -72,11 +72,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
 
     norm.rms_norm(t(4, 4096), t(4096), 1e-6)
     norm.rms_norm(t(4, 4096), t(4096), 1e-6, t(4, 4096))
-    norm.rms_norm(t(4, 6144)[:, :4096].view(4, 32, 128), t(128), 1e-6)  # per-head q norm, in place of a copy
     positions = torch.zeros(4, dtype=torch.int64)
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32))
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32))
-    rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32), inplace=True)
+    head_norms = HeadNorms(t(128), t(128), 1e-6)  # q/k norms in the same pass
+    rotary.rotary(t(4, 16, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32), head_norms)
+    rotary.rotary(t(4, 8, 256), t(4, 4, 256), positions, t(64, 256, dt=torch.float32), HeadNorms(t(256), t(256), 1e-6))
     for tile in ONE_ROW_TILES + DOT_TILES:  # the small-batch linear's tiles, as its measurement launches them
         gemv.gemv(t(1 if tile in ONE_ROW_TILES else 4, 4096), t(6144, 4096), None, tile)
     gemv.gemv(t(1, 4096), t(6144, 4096), t(6144), ONE_ROW_TILES[0])

@@ -34,7 +34,7 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, Ops
+from xinfer.ops import AttentionMetadata, HeadNorms, Ops
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.kernels import activation, attention, gemv, norm, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
@@ -203,18 +203,6 @@ def test_rms_norm_strided_rows():
     check(out, CPU.rms_norm(ref32(x), ref32(weight), 1e-6), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norm_over_the_heads_of_a_fused_projection(dtype):
-    tokens, heads, kv_heads, head_dim = 5, 4, 2, 16
-    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # rows head_dim apart, tokens a qkv row apart
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    weight = rand(head_dim, dtype=dtype)
-    for x in (q, k):
-        out = norm.rms_norm(x, weight, 1e-6, out=nan_like(x))
-        check(out, CPU.rms_norm(ref32(x), ref32(weight), 1e-6), dtype)
-
-
 # --- Rotary --------------------------------------------------------------------------
 
 # (tokens, heads, kv heads, head dim, rotary dim)
@@ -230,7 +218,8 @@ def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> Tensor:
 
 
 @pytest.mark.parametrize("case, dtype", ROTARY_CASES)
-def test_rotary(case, dtype):
+@pytest.mark.parametrize("with_norms", [False, True], ids=["plain", "head_norms"])
+def test_rotary(case, dtype, with_norms):
     tokens, heads, kv_heads, head_dim, rot_dim = case
     # q and k as views into one fused qkv projection, like a model passes them.
     qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, scale=2.0)
@@ -239,22 +228,20 @@ def test_rotary(case, dtype):
     max_pos = 4096
     cos_sin = cos_sin_cache(max_pos, rot_dim)
     positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    norms = HeadNorms(rand(head_dim, dtype=dtype), rand(head_dim, dtype=dtype), 1e-5) if with_norms else None
     q_before, k_before = q.clone(), k.clone()
 
     q_out, k_out = rotary.rotary(
-        q, k, positions, cos_sin, q_out=nan_like(q_before), k_out=nan_like(k_before)
+        q, k, positions, cos_sin, norms, q_out=nan_like(q_before), k_out=nan_like(k_before)
     )
-    q_ref, k_ref = CPU.rotary(ref32(q), ref32(k), positions.cpu(), cos_sin.cpu())
+    ref_norms = norms and HeadNorms(ref32(norms.q_weight), ref32(norms.k_weight), norms.eps)
+    q_ref, k_ref = CPU.rotary(ref32(q), ref32(k), positions.cpu(), cos_sin.cpu(), ref_norms)
     check(q_out, q_ref, dtype)
     check(k_out, k_ref, dtype)
-    assert torch.equal(q, q_before) and torch.equal(k, k_before), "out of place wrote its input"
+    assert torch.equal(q, q_before) and torch.equal(k, k_before), "wrote its input"
 
-    api_q, api_k = CUDA.rotary(q, k, positions, cos_sin)
+    api_q, api_k = CUDA.rotary(q, k, positions, cos_sin, norms)
     assert torch.equal(api_q, q_out) and torch.equal(api_k, k_out)
-
-    q_in, k_in = rotary.rotary(q, k, positions, cos_sin, inplace=True)
-    assert q_in.data_ptr() == q.data_ptr()
-    assert torch.equal(q, q_out) and torch.equal(k, k_out)
 
 
 # --- Gated activations ---------------------------------------------------------------

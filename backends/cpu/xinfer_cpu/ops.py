@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata
+from xinfer.ops import AttentionMetadata, HeadNorms
 
 
 class CpuOps:
@@ -27,7 +27,9 @@ class CpuOps:
         out = (normed * weight.float()).to(x.dtype)
         return out if residual is None else (out, residual)
 
-    def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor):
+    def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None):
+        if norms is not None:
+            q, k = self.rms_norm(q, norms.q_weight, norms.eps), self.rms_norm(k, norms.k_weight, norms.eps)
         cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, R/2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

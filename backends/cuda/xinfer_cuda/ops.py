@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, StepForward, StepLimits
+from xinfer.ops import AttentionMetadata, HeadNorms, StepForward, StepLimits
 from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
 from xinfer_cuda.kernels.gemv import MAX_ROWS
@@ -42,9 +42,9 @@ class CudaOps:
         return norm.rms_norm(x, weight, eps, residual)
 
     def rotary(
-        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor
+        self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
-        return rotary.rotary(q, k, positions, cos_sin)
+        return rotary.rotary(q, k, positions, cos_sin, norms)
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         return activation.silu_and_mul(x)

@@ -85,5 +85,7 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * mscale
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
-    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return ops.rotary(q, k, positions, self.cos_sin)
+    def forward(
+        self, positions: Tensor, q: Tensor, k: Tensor, norms: ops.HeadNorms | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return ops.rotary(q, k, positions, self.cos_sin, norms)

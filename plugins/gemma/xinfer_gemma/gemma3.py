@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
+from xinfer import ops
 from xinfer.layers import (
     Attention,
     GeluTanhAndMul,
@@ -58,9 +59,10 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        norms = ops.HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = self.rotary_emb(positions, q, k, norms)
         return self.o_proj(self.attn(q, k, v))
 
 

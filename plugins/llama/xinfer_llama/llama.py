@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
+from xinfer import ops
 from xinfer.layers import (
     Attention,
     GeluTanhAndMul,
@@ -69,9 +70,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        norms = ops.HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        q, k = self.rotary_emb(positions, q, k, norms)
         return self.o_proj(self.attn(q, k, v))
 
 
