@@ -49,7 +49,7 @@ class ModelRunner:
                 self.graphs = capture(self.forward, limits, self.device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, sample_rows: Tensor) -> Tensor:
-        """fp32 logits of the rows ``sample_rows`` of a step."""
+        """Logits of the rows ``sample_rows`` of a step (:meth:`CausalLM.compute_logits`)."""
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden.index_select(0, sample_rows))
@@ -57,7 +57,7 @@ class ModelRunner:
     def logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """fp32 logits of every row of a step (scoring)."""
         with forward_context(meta):
-            return self.model.compute_logits(self.model(input_ids, positions))
+            return self.model.compute_logits(self.model(input_ids, positions)).float()
 
     @torch.inference_mode()
     def hidden_states(self, batch: HostBatch) -> Tensor:

@@ -15,7 +15,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Projects hidden states to vocabulary logits (fp32), optionally soft-capped."""
+    """Projects hidden states to vocabulary logits, in the model dtype; soft-capped ones
+    in fp32. Whoever needs fp32 converts: a greedy step's pick does not."""
 
     def __init__(self, vocab_size: int, dim: int, softcap: float | None = None):
         super().__init__()
@@ -23,7 +24,7 @@ class LMHead(nn.Module):
         self.softcap = softcap
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = ops.linear(hidden, self.weight).float()
+        logits = ops.linear(hidden, self.weight)
         if self.softcap is not None:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
+            logits = self.softcap * torch.tanh(logits.float() / self.softcap)
         return logits

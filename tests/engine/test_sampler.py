@@ -1,0 +1,42 @@
+"""The sampler over logits in the model dtype: a batch of plain greedy rows picks
+from them as they are; anything that computes on them does so in fp32."""
+
+import torch
+
+from xinfer import SamplingParams
+from xinfer.engine.sampler import Sampler
+from xinfer.engine.sequence import Sequence
+
+CPU = torch.device("cpu")
+
+
+def bf16_logits(rows: int, vocab: int = 500) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, vocab, generator=generator) * 4).to(torch.bfloat16)
+
+
+def seqs(*params: SamplingParams) -> list[Sequence]:
+    return [Sequence(f"s{i}", [1, 2, 3], p, num_prompt_tokens=3) for i, p in enumerate(params)]
+
+
+def test_greedy_rows_pick_the_argmax_of_model_dtype_logits():
+    logits = bf16_logits(6)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins, as over fp32
+    picks = Sampler(CPU)(logits.clone(), seqs(*[SamplingParams(temperature=0)] * 6)).result().token_ids
+    assert picks == logits.float().argmax(-1).tolist()
+    assert picks[2] == 7
+
+
+def test_logprobs_and_penalties_are_computed_in_fp32():
+    logits = bf16_logits(2)
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0, repetition_penalty=1.3)]
+    out = Sampler(CPU)(logits.clone(), seqs(*params)).result()
+    reference = logits.float().log_softmax(-1)
+    chosen = out.token_ids[0]
+    assert chosen == reference[0].argmax().item()
+    # fp32 arithmetic: the logprob equals the fp32 reference's, not a bf16 rounding of it
+    assert out.logprobs[0][chosen] == reference[0, chosen].item()
+    penalized = logits[1].float().clone()
+    seen = torch.tensor([1, 2, 3])
+    penalized[seen] = torch.where(penalized[seen] > 0, penalized[seen] / 1.3, penalized[seen] * 1.3)
+    assert out.token_ids[1] == penalized.argmax().item()
