@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, PretrainedConfig
 
 from xinfer import ops
 from xinfer.engine.engine import LLMEngine
@@ -24,6 +24,26 @@ COMMON = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
+
+
+def gemma3_config(**overrides) -> Gemma3TextConfig:
+    """Gemma 3 with sliding (16-token) and full layers, each kind with its own rope."""
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    settings = dict(
+        COMMON,
+        num_hidden_layers=len(layer_types),
+        head_dim=32,
+        layer_types=layer_types,
+        sliding_window=16,
+        query_pre_attn_scalar=24,  # differs from head_dim, so the scale is checked
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        tie_word_embeddings=True,
+        architectures=["Gemma3ForCausalLM"],
+    )
+    return Gemma3TextConfig(**{**settings, **overrides})
 
 
 def save_tiny_model(config: PretrainedConfig, folder: Path, seed: int = 0):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from tests.tiny_models import COMMON, prompt, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear
 from xinfer_cuda.ops import CudaOps
@@ -44,6 +44,18 @@ def test_gpu_greedy_tokens_equal_cpu_backend(model_dir, enforce_eager):
     cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128)
     gpu = LLM(model=model_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
               enforce_eager=enforce_eager)
+    assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)
+
+
+@pytest.mark.parametrize("softcaps", [{}, dict(attn_logit_softcapping=20.0, final_logit_softcapping=5.0)],
+                         ids=["gemma3", "gemma3-softcaps"])
+def test_gemma3_gives_cpu_tokens(softcaps, tmp_path):
+    # q/k norms inside the rotary kernel, head dim 32, sliding and full layers; the
+    # soft-capped LM head returns fp32 logits, the plain one the model dtype
+    save_tiny_model(gemma3_config(initializer_range=0.2, **softcaps), tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    cpu = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_blocks=128)
+    gpu = LLM(model=str(tmp_path), dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8)
     assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)
 
 

@@ -2,31 +2,9 @@
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig
 
-from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
+from tests.tiny_models import gemma3_config, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
-
-WINDOW = 16
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-
-
-def gemma3_config(**overrides) -> Gemma3TextConfig:
-    return Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": len(LAYER_TYPES)},
-        head_dim=32,
-        layer_types=LAYER_TYPES,
-        sliding_window=WINDOW,
-        query_pre_attn_scalar=24,  # differs from head_dim, so the scale is checked
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        },
-        tie_word_embeddings=True,
-        architectures=["Gemma3ForCausalLM"],
-        **overrides,
-    )
-
 
 CONFIGS = {
     "gemma3": lambda: gemma3_config(),
