@@ -75,3 +75,13 @@ def test_engine_calibrates_rotated_formats_only(model_dir):
     for name in ("auto", "fp8"):
         llm = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype=name)
         assert all(layer.kv_cache.equalizer is None for layer in attention_layers(llm.engine.model))
+
+
+def test_calibration_does_not_depend_on_the_engines_limits(model_dir):
+    # else engines that differ only in them store other codes, and greedy tokens differ
+    options = dict(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="turbo4")
+    default = attention_layers(LLM(**options).engine.model)
+    limited = attention_layers(LLM(**options, max_model_len=48, max_num_batched_tokens=16).engine.model)
+    for a, b in zip(default, limited, strict=True):
+        assert torch.equal(a.kv_cache.equalizer, b.kv_cache.equalizer)
+        assert torch.equal(a.kv_cache.key_offset, b.kv_cache.key_offset)

@@ -92,13 +92,17 @@ class KeyTransforms:
 @torch.inference_mode()
 def calibrate_keys(engine: Any) -> KeyTransforms | None:
     """The key offset and equalizer of every layer when the format rotates keys (else
-    None). Not for fp8 keys: their error is relative to each entry, and on
+    None), from one forward of the same tokens at positions 0, 1, ... whatever the
+    engine's ``max_model_len`` and ``max_num_batched_tokens``: those limit requests, and
+    engines that differ only in them must store the same codes. Chunks or shorter
+    sequences would not do: they change the keys' positions, or the last bits of
+    every later layer's keys. Its activations are released before the memory plan
+    measures a step's. Not for fp8 keys: their error is relative to each entry, and on
     Gemma-3-270M the offset made fp8 worse (docs/kv-cache.md)."""
     layers = attention_layers(engine.model)
     if not layers or not engine.kv_format.rotate_keys:
         return None
-    budget = engine.config.scheduler.max_num_batched_tokens  # no step larger than planned for
-    count = min(CALIBRATION_TOKENS, engine.max_model_len, budget)
+    count = min(CALIBRATION_TOKENS, engine.hf_config.max_position_embeddings)
     ids = calibration_ids(engine.tokenizer, engine.hf_config.vocab_size, count)
     block_size = engine.config.cache.block_size
     num_blocks = -(-len(ids) // block_size)
