@@ -46,8 +46,8 @@ class CacheConfig(_Config):
     )
     kv_cache_dtype: Literal["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"] = Field(
         "auto",
-        description="auto: the model dtype; fp8: e4m3 K and V; turbo8: rotated 8-bit K, 4-bit V; turbo4/turbo3: "
-        "rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
+        description="auto: the model dtype; fp8: rotated e4m3 K, e4m3 V; turbo8: rotated 8-bit K, 4-bit V; "
+        "turbo4/turbo3: rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
     )
     kv_recent_window: int = Field(
         0, ge=0, description="quantized caches: each query reads the keys and values of its last N positions, "

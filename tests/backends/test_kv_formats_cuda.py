@@ -18,8 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from xinfer.kv import LayerKVCache, get_format
-from xinfer.kv.codecs import Codec
+from xinfer.kv import KVFormat, LayerKVCache, get_format
+from xinfer.kv.codecs import Codec, Fp8
 from xinfer.ops import AttentionMetadata
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.kernels import attention
@@ -140,7 +140,7 @@ def test_quantized_write_matches_reference(fmt, head_dim, seq_lens):
 def test_fp8_write_rounds_subnormals_and_ties_like_torch():
     from xinfer_cuda.kernels.kv_quant_write import quant_write_kv
 
-    fmt = get_format("fp8")
+    fmt = KVFormat("e4m3", Fp8(), Fp8())  # the codec alone: fp8 rotates its keys
     head_dim = 64
     x = torch.randn(3, 1, head_dim)
     x[0, 0, 0] = 448.0  # scale 1: values land on e4m3 as they are

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from xinfer.kv import FORMATS, KVFormat, codes, get_format, hadamard
-from xinfer.kv.codecs import LloydMax, Plain, Uniform
+from xinfer.kv.codecs import Fp8, LloydMax, Plain, Uniform
 
 HEAD_DIMS = [64, 128, 256]
 
@@ -28,14 +28,25 @@ def test_auto_is_lossless(head_dim):
     assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
+E4M3 = KVFormat("e4m3", Fp8(), Fp8())  # the codec on both sides, nothing rotated
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_fp8_within_e4m3_rounding(head_dim):
+def test_e4m3_within_its_rounding(head_dim):
     k, v = _data(head_dim)
-    fmt = get_format("fp8")
-    k2, v2 = fmt.dequantize(fmt.quantize(k, v))
+    k2, v2 = E4M3.dequantize(E4M3.quantize(k, v))
     for x, x2 in ((k, k2), (v, v2)):
         bound = x.abs() / 16 + codes.absmax(x).unsqueeze(-1) * 2**-18
         assert ((x2 - x).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fp8_stores_rotated_keys_and_plain_values_in_e4m3(head_dim):
+    k, v = _data(head_dim)
+    fmt = get_format("fp8")
+    keys, values = fmt.decode(fmt.quantize(k, v))
+    want_keys, want_values = E4M3.decode(E4M3.quantize(hadamard.rotate(k), v))
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

@@ -97,8 +97,7 @@ def calibrate_keys(engine: Any) -> KeyTransforms | None:
     engines that differ only in them must store the same codes. Chunks or shorter
     sequences would not do: they change the keys' positions, or the last bits of
     every later layer's keys. Its activations are released before the memory plan
-    measures a step's. Not for fp8 keys: their error is relative to each entry, and on
-    Gemma-3-270M the offset made fp8 worse (docs/kv-cache.md)."""
+    measures a step's."""
     layers = attention_layers(engine.model)
     if not layers or not engine.kv_format.rotate_keys:
         return None
