@@ -82,10 +82,11 @@ class LiveServer:
         return samples
 
     def stop(self, timeout: float = 60) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
+        if self.proc is None:
+            return None
         try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()

@@ -11,6 +11,7 @@ import httpx
 
 from xinfer.engine.async_engine import AsyncEngine
 from xinfer.engine.engine import EngineStats, StepOutput
+from xinfer.sampling import SamplingParams
 from xinfer.server.app import build_app
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults
@@ -142,3 +143,37 @@ def test_failed_loading_is_reported():
 
     health = asyncio.run(with_app(factory, body))
     assert health.status_code == 503 and "no weights here" in health.json()["error"]
+
+
+def test_abort_all_ends_streams_while_a_step_runs():
+    steps = 0
+    release = threading.Event()
+
+    def second_step_blocks():
+        nonlocal steps
+        steps += 1
+        if steps > 1:
+            release.wait(30)
+
+    async def body():
+        engine = AsyncEngine(lambda: ScriptedEngine(second_step_blocks))
+        engine.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+            handle = await engine.submit([([1, 2, 3], SamplingParams(max_tokens=100))], 3)
+            stream = engine.stream(handle)
+            first = await anext(stream)
+            engine.abort_all()  # the engine thread is inside its second step now
+            rest = await asyncio.wait_for(collect(stream), 5)
+            return first, rest, engine.num_in_flight
+        finally:
+            release.set()
+            engine.stop(timeout=5)
+
+    async def collect(stream):
+        return [item async for item in stream]
+
+    (_, first), rest, in_flight = asyncio.run(body())
+    assert not first.finished
+    assert [(o.finished, o.finish_reason) for _, o in rest] == [(True, "abort")]
+    assert in_flight == 0

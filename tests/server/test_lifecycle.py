@@ -13,15 +13,17 @@ import pytest
 
 from tests.server.live import LiveServer
 
-SHUTDOWN_TIMEOUT_S = 15  # the 24-token stream must end inside it even on a slow CPU; the 450-token one must not
+# Long enough for in-flight streams to end even on a CPU shared with other jobs, where a
+# step of this model has taken seconds: the drain test must not depend on the machine's speed.
+SHUTDOWN_TIMEOUT_S = 300
+ENV = {"XINFER_MAX_MODEL_LEN": "512", "XINFER_PORT": "1", "XINFER_DISABLE_PREFIX_CACHE": "true"}
 
 
 @pytest.fixture(scope="module")
 def small_server():
     live = LiveServer(
         "--max-num-seqs", "2", "--max-waiting", "2", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-        env={"XINFER_MAX_MODEL_LEN": "512", "XINFER_PORT": "1", "XINFER_DISABLE_PREFIX_CACHE": "true"},
-        name="small-server",
+        env=ENV, name="small-server",
     ).start()
     yield live
     live.stop()
@@ -67,17 +69,30 @@ def read_stream(url: str, body: dict, into: dict, started: threading.Event) -> N
     into["events"] = events
 
 
-def test_sigterm_finishes_streams_then_exits_0(small_server):
-    url = small_server.url + "/v1/chat/completions"
-    short, long = {}, {}
-    short_started, long_started = threading.Event(), threading.Event()
-    readers = [
-        threading.Thread(target=read_stream, args=(url, long_chat(450), long, long_started)),
-        threading.Thread(target=read_stream, args=(url, long_chat(24), short, short_started)),
-    ]
+def start_streams(server: LiveServer, *max_tokens: int) -> tuple[list[threading.Thread], list[dict]]:
+    """Streams one chat per entry; returns once each has its first event."""
+    url = server.url + "/v1/chat/completions"
+    results = [{} for _ in max_tokens]
+    started = [threading.Event() for _ in max_tokens]
+    readers = [threading.Thread(target=read_stream, args=(url, long_chat(n), result, event))
+               for n, result, event in zip(max_tokens, results, started)]
     for reader in readers:
         reader.start()
-    assert long_started.wait(60) and short_started.wait(60)
+    assert all(event.wait(120) for event in started)
+    return readers, results
+
+
+def assert_ended(result: dict, finish_reason: str) -> None:
+    events = result["events"]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert reasons[-1] == finish_reason and reasons.count(finish_reason) == 1
+
+
+def test_sigterm_finishes_streams_in_flight_then_exits_0(small_server):
+    # 32 and 64 tokens: still running when SIGTERM comes, a step being milliseconds at best
+    readers, results = start_streams(small_server, 64, 32)
     small_server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     with pytest.raises(httpx.HTTPError):  # no new connections while draining
@@ -85,9 +100,18 @@ def test_sigterm_finishes_streams_then_exits_0(small_server):
     for reader in readers:
         reader.join(SHUTDOWN_TIMEOUT_S + 60)
     assert small_server.proc.wait(60) == 0
-    for result, expected in ((short, "length"), (long, "abort")):
-        events = result["events"]
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
-        reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
-        assert reasons[-1] == expected and reasons.count(expected) == 1
+    for result in results:
+        assert_ended(result, "length")
+
+
+def test_sigterm_aborts_what_the_timeout_cuts_off_then_exits_0():
+    # 450 tokens cannot finish inside half a second: that takes over 1 ms a step
+    server = LiveServer("--shutdown-timeout", "0.5", env=ENV, name="sigterm-timeout-server").start()
+    try:
+        readers, results = start_streams(server, 450)
+        server.proc.send_signal(signal.SIGTERM)
+        readers[0].join(120)
+        assert server.proc.wait(60) == 0
+        assert_ended(results[0], "abort")
+    finally:
+        server.stop()

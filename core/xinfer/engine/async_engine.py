@@ -64,6 +64,10 @@ class RequestHandle:
         return len(self.finish_reasons) == len(self.child_ids)
 
 
+def _live_children(handle: RequestHandle) -> list[str]:
+    return [child_id for i, child_id in enumerate(handle.child_ids) if i not in handle.finish_reasons]
+
+
 EngineFactory = Callable[[], LLMEngine]
 
 
@@ -125,8 +129,11 @@ class AsyncEngine:
         return not self._handles
 
     def abort_all(self) -> None:
+        """Ends every request now: each stream gets its ``abort`` at once, and the engine
+        thread frees the sequences after its current step (which may take long)."""
         for handle in {id(h): h for h, _ in self._handles.values()}.values():
             self.abort(handle)
+            self._deliver_aborts(_live_children(handle))
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.state is not EngineState.DEAD:
@@ -176,6 +183,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 index, output = item
+                if index in handle.finish_reasons:  # an abort that crossed the choice's last output
+                    continue
                 if output.finished:
                     handle.finish_reasons[index] = output.finish_reason or "abort"
                 yield index, output
@@ -189,7 +198,7 @@ class AsyncEngine:
         self._forget(handle)
 
     def abort(self, handle: RequestHandle) -> None:
-        live = [c for i, c in enumerate(handle.child_ids) if i not in handle.finish_reasons]
+        live = _live_children(handle)
         if live:
             self._send("abort", live)
 
@@ -272,7 +281,6 @@ class AsyncEngine:
         elif command == "abort":
             for child_id in payload:
                 engine.abort(child_id)
-            self.loop.call_soon_threadsafe(self._deliver_aborts, payload)
         elif command == "embed":
             token_ids, future = payload
             try:
