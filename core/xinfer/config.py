@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from xinfer.kv.formats import FORMATS
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -44,7 +46,7 @@ class CacheConfig(_Config):
         "CUDA graphs and KV cache, the KV cache getting what is left (default 0.9); CPU: share of the free "
         "RAM after loading the weights that the KV cache gets (default: a quarter, at most 2 GiB)",
     )
-    kv_cache_dtype: Literal["auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"] = Field(
+    kv_cache_dtype: str = Field(
         "auto",
         description="auto: the model dtype; fp8: rotated e4m3 K, e4m3 V; turbo8: rotated 8-bit K, 4-bit V; "
         "turbo4/turbo3: rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
@@ -55,6 +57,13 @@ class CacheConfig(_Config):
         "See docs/kv-cache.md"
     )
     enable_prefix_caching: bool = True
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        if name not in FORMATS:
+            raise ValueError(f"unknown KV cache format {name!r}; known: {', '.join(FORMATS)}")
+        return name
 
 
 class SchedulerConfig(_Config):

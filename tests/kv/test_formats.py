@@ -220,9 +220,11 @@ def test_prepared_query_scores_like_dequantized_keys():
     )
 
 
-def test_the_engine_option_offers_every_registered_format():
-    from typing import get_args
+def test_the_engine_option_takes_every_registered_format_and_no_other():
+    from pydantic import ValidationError
 
     from xinfer.config import CacheConfig
 
-    assert set(get_args(CacheConfig.model_fields["kv_cache_dtype"].annotation)) == set(FORMATS)
+    assert all(CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name for name in FORMATS)
+    with pytest.raises(ValidationError, match="unknown KV cache format 'fp9'"):
+        CacheConfig(kv_cache_dtype="fp9")
