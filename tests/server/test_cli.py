@@ -86,3 +86,15 @@ def test_a_missing_model_file_is_one_line():
     result = xinfer("--m", "/no/such/model.gguf")
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "/no/such/model.gguf" in result.stderr
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-waiting", "0"), ("--shutdown-timeout", "-1"), ("--max-body-bytes", "0"), ("--health-stall-timeout", "-5"),
+])
+def test_out_of_range_server_values_are_refused(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, value])
+    assert exit_.value.code == 2 and f"{flag}: must be at least" in capsys.readouterr().err
+    env_name = "XINFER_" + flag.lstrip("-").upper().replace("-", "_")
+    result = xinfer(env={env_name: value})
+    assert result.returncode == 2 and f"{env_name}={value!r}: must be at least" in result.stderr

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from xinfer.kv.formats import FORMATS
 
@@ -17,6 +17,19 @@ ENV_PREFIX = "XINFER_"
 DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
+
+
+def _at_least(kind: type, minimum: float) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)``, refused below ``minimum``."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -87,11 +100,11 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
     serving.add_argument("--ui-port", type=int, help="port of the chat UI (default: --port + 1)")
     serving.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
-    serving.add_argument("--max-waiting", type=int, default=256, help="waiting sequences before answering 429")
-    serving.add_argument("--shutdown-timeout", type=float, default=30.0,
+    serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256, help="waiting sequences before answering 429")
+    serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
                          help="seconds in-flight requests may take to finish after SIGTERM")
-    serving.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
-    serving.add_argument("--health-stall-timeout", type=float, default=300.0,
+    serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20, help="larger request bodies get 413")
+    serving.add_argument("--health-stall-timeout", type=_at_least(float, 0), default=300.0,
                          help="a step running longer makes /health answer 503")
     serving.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log detail")
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -183,6 +196,8 @@ def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str
         value = action.type(raw) if action.type else raw
     except ValueError:
         parser.error(f"{name}={raw!r}: not a valid {getattr(action.type, '__name__', 'value')}")
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"{name}={raw!r}: {error}")
     if action.choices is not None and value not in action.choices:
         parser.error(f"{name}={raw!r}: choose one of {', '.join(map(str, action.choices))}")
     return value
