@@ -64,10 +64,6 @@ class RequestHandle:
         return len(self.finish_reasons) == len(self.child_ids)
 
 
-def _live_children(handle: RequestHandle) -> list[str]:
-    return [child_id for i, child_id in enumerate(handle.child_ids) if i not in handle.finish_reasons]
-
-
 EngineFactory = Callable[[], LLMEngine]
 
 
@@ -132,8 +128,7 @@ class AsyncEngine:
         """Ends every request now: each stream gets its ``abort`` at once, and the engine
         thread frees the sequences after its current step (which may take long)."""
         for handle in {id(h): h for h, _ in self._handles.values()}.values():
-            self.abort(handle)
-            self._deliver_aborts(_live_children(handle))
+            self._deliver_aborts(self.abort(handle))
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.state is not EngineState.DEAD:
@@ -197,10 +192,12 @@ class AsyncEngine:
             self.abort(handle)
         self._forget(handle)
 
-    def abort(self, handle: RequestHandle) -> None:
-        live = _live_children(handle)
+    def abort(self, handle: RequestHandle) -> list[str]:
+        """Stops ``handle``'s unfinished choices in the engine; returns their ids."""
+        live = [child_id for i, child_id in enumerate(handle.child_ids) if i not in handle.finish_reasons]
         if live:
             self._send("abort", live)
+        return live
 
     async def embed(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states [T, hidden] of each prompt, computed between steps."""

@@ -4,7 +4,7 @@ from xinfer.layers.activation import GeluTanhAndMul, SiluAndMul
 from xinfer.layers.attention import Attention
 from xinfer.layers.embedding import LMHead, VocabEmbedding
 from xinfer.layers.linear import Linear, MergedLinear
-from xinfer.layers.norm import RMSNorm
+from xinfer.layers.norm import RMSNorm, head_norms
 from xinfer.layers.rotary import RotaryEmbedding, rope_parameters
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "VocabEmbedding",
+    "head_norms",
     "rope_parameters",
 ]

@@ -15,3 +15,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> ops.HeadNorms:
+    """A model's per-head q/k norms as the one argument ``ops.rotary`` applies them from
+    (the two share their eps)."""
+    return ops.HeadNorms(q_norm.weight, k_norm.weight, q_norm.eps)

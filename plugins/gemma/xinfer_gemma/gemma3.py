@@ -14,7 +14,6 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor, nn
 
-from xinfer import ops
 from xinfer.layers import (
     Attention,
     GeluTanhAndMul,
@@ -24,6 +23,7 @@ from xinfer.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
+    head_norms,
     rope_parameters,
 )
 from xinfer.model import HF_QKV_GATE_UP, CausalLM
@@ -61,8 +61,7 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        norms = ops.HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q, k = self.rotary_emb(positions, q, k, norms)
+        q, k = self.rotary_emb(positions, q, k, head_norms(self.q_norm, self.k_norm))
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from xinfer import ops
 from xinfer.layers import (
     Attention,
     GeluTanhAndMul,
@@ -21,6 +20,7 @@ from xinfer.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
+    head_norms,
     rope_parameters,
 )
 from xinfer.model import HF_QKV_GATE_UP, CausalLM
@@ -70,7 +70,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        norms = ops.HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        norms = head_norms(self.q_norm, self.k_norm) if self.qk_norm else None
         q, k = self.rotary_emb(positions, q, k, norms)
         return self.o_proj(self.attn(q, k, v))
 
