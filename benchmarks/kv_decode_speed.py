@@ -4,6 +4,7 @@ with 8k:
 
     python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32] [--kv-recent-window 64]
     python benchmarks/kv_decode_speed.py --smoke   # checks the script on the CPU
+    python benchmarks/kv_decode_speed.py --formats auto fp8 --kernels 12   # + where each step's time goes
 
 For each (format, batch, context) the caches of ``batch`` sequences are filled with
 ``context`` tokens of random keys and values through the format's own write path, then
@@ -14,7 +15,9 @@ step must read (weights + every sequence's K and V at the format's real bytes pe
 token) and the fraction of the copy bandwidth measured in the same run that this
 implies; and, for one layer's attention alone, its time and the cache bytes it read
 per second (a CUDA graph of every layer's attention call, each over its own cache). With ``--kv-recent-window W`` the quantized formats keep each sequence's
-last W positions and first block exact too (shadow blocks, filled like the cache).
+last W positions and first block exact too (shadow blocks, filled like the cache). With
+``--kernels N``, the same steps run once more under the torch profiler (apart from the
+timed run) and each line lists the N kernels that took the most device time per step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bandwidth import copy_bandwidth  # noqa: E402
+from profiling import kernel_profiler, top_kernels  # noqa: E402
 from shapes import SHAPES, shape_folder, weight_bytes  # noqa: E402
 
 from xinfer import LLM, SamplingParams, ops  # noqa: E402
@@ -77,7 +81,23 @@ def fill(llm: LLM, seqs: list[Sequence]) -> None:
                 write(k, torch.randn_like(k), layer.kv_cache, chunk)
 
 
-def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
+def run_steps(llm: LLM, scheduled: list[ScheduledSeq], steps: int) -> float:
+    """Seconds per step over ``steps`` decode steps, each launched before the one before
+    it is read back (as the engine runs them)."""
+    runner = llm.engine.runner
+    synchronize(llm.engine.device)
+    start = time.perf_counter()
+    in_flight = runner.step(scheduled)
+    for _ in range(steps - 1):
+        launched = runner.step(scheduled)
+        in_flight.result()
+        in_flight = launched
+    in_flight.result()
+    synchronize(llm.engine.device)
+    return (time.perf_counter() - start) / steps
+
+
+def decode_steps(llm: LLM, batch: int, context: int, steps: int, kernels: int = 0) -> dict:
     engine = llm.engine
     vocab = engine.hf_config.vocab_size
     seqs = []
@@ -90,22 +110,17 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int) -> dict:
         scheduled = [ScheduledSeq(seq, 1) for seq in seqs]
         for _ in range(3):
             engine.runner.step(scheduled).result()
-        synchronize(engine.device)
-        # As the engine runs them: each step launched before the one before it is read back.
-        start = time.perf_counter()
-        in_flight = engine.runner.step(scheduled)
-        for _ in range(steps - 1):
-            launched = engine.runner.step(scheduled)
-            in_flight.result()
-            in_flight = launched
-        in_flight.result()
-        synchronize(engine.device)
-        step_s = (time.perf_counter() - start) / steps
-        layer_us = attention_us(llm, engine.runner.prepare(scheduled))
+        step_s = run_steps(llm, scheduled, steps)
+        figures = {"step_ms": step_s * 1e3, "tok_s": batch / step_s}
+        figures["attention_layer_us"] = attention_us(llm, engine.runner.prepare(scheduled))
+        if kernels:
+            with kernel_profiler() as profiler:
+                run_steps(llm, scheduled, steps)
+            figures["kernels"] = top_kernels(profiler, kernels, per=steps)
     finally:
         for seq in seqs:
             engine.block_manager.release(seq)
-    return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "attention_layer_us": layer_us}
+    return figures
 
 
 def attention_us(llm: LLM, batch) -> float:
@@ -147,6 +162,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--kv-recent-window", type=int, default=0, help="quantized formats: keep this many recent positions exact")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list the N kernels with the most device time per step (torch profiler, a separate run)")
     parser.add_argument("--smoke", action="store_true",
                         help="check this script on the CPU: SmolLM2's shape, fp32, small contexts (figures meaningless)")
     args = parser.parse_args()
@@ -169,7 +186,7 @@ def main() -> None:
                   max_model_len=max_len)  # fmt: skip
         per_token = llm.engine.kv_format.bytes_per_token(head_dim, dtype) * config.num_key_value_heads
         for batch, context in cases:
-            figures = decode_steps(llm, batch, context, args.steps)
+            figures = decode_steps(llm, batch, context, args.steps, args.kernels)
             kv_bytes = batch * context * per_token * config.num_hidden_layers
             step_bytes = weights + kv_bytes
             limit_tok_s = batch * bandwidth / step_bytes
@@ -182,7 +199,7 @@ def main() -> None:
                 "attention_layer_us": round(figures["attention_layer_us"], 1),
                 "attention_TB_s": round(layer_kv / figures["attention_layer_us"] / 1e6, 3),
                 "copy_TB_s": round(bandwidth / 1e12, 3),
-            }), flush=True)  # fmt: skip
+            } | ({"kernels": figures["kernels"]} if "kernels" in figures else {})), flush=True)  # fmt: skip
         del llm
         gc.collect()
         if device == "cuda":

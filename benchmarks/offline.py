@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable
 
+from profiling import kernel_profiler, top_kernels
 from shapes import shape_folder
 
 from xinfer import LLM, SamplingParams
@@ -192,25 +193,6 @@ def summarize(records: list[tuple[tuple[str, int], int, Callable[[], float]]]) -
             },
         }
     return out
-
-
-def kernel_profiler():
-    import torch
-
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-
-
-def top_kernels(profiler, n: int) -> list[dict]:
-    """The n kernels with the most device time over the run (graph replays included),
-    each with its share of the summed kernel time."""
-    events = [e for e in profiler.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in events)
-    events.sort(key=lambda e: -e.device_time_total)
-    return [
-        {"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 1),
-         "share": round(e.device_time_total / total, 3)}
-        for e in events[:n]
-    ]
 
 
 if __name__ == "__main__":
