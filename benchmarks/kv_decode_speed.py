@@ -13,8 +13,9 @@ replay, sampling; each step launched before the one before it is read back, so t
 host's work overlaps the device's). Each JSON line holds the decode tok/s, the step time, the bytes a
 step must read (weights + every sequence's K and V at the format's real bytes per
 token) and the fraction of the copy bandwidth measured in the same run that this
-implies; and, for one layer's attention alone, its time and the cache bytes it read
-per second (a CUDA graph of every layer's attention call, each over its own cache). With ``--kv-recent-window W`` the quantized formats keep each sequence's
+implies; and, for one layer's attention op alone (the store of the step's K/V and the
+attention), its time and the cache bytes it read per second (a CUDA graph of every
+layer's attention op, each over its own cache). With ``--kv-recent-window W`` the quantized formats keep each sequence's
 last W positions and first block exact too (shadow blocks, filled like the cache). With
 ``--kernels N``, the same steps run once more under the torch profiler (apart from the
 timed run) and each line lists the N kernels that took the most device time per step.
@@ -112,7 +113,7 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, kernels: int = 
             engine.runner.step(scheduled).result()
         step_s = run_steps(llm, scheduled, steps)
         figures = {"step_ms": step_s * 1e3, "tok_s": batch / step_s}
-        figures["attention_layer_us"] = attention_us(llm, engine.runner.prepare(scheduled))
+        figures["attention_op_us"] = attention_us(llm, engine.runner.prepare(scheduled))
         if kernels:
             with kernel_profiler() as profiler:
                 run_steps(llm, scheduled, steps)
@@ -124,20 +125,23 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, kernels: int = 
 
 
 def attention_us(llm: LLM, batch) -> float:
-    """One layer's attention call (query rotation included) on this batch's metadata:
-    on a GPU the mean over a CUDA graph of one call per layer, each over its own cache
-    (as a step reads them: from HBM, without launch gaps)."""
+    """One layer's attention op (storing the step's K/V, then attending, as a step runs
+    it) on this batch's metadata: on a GPU the mean over a CUDA graph of one call per
+    layer, each over its own cache (as a step reads them: from HBM, without launch gaps)."""
     engine = llm.engine
     layers = attention_layers(engine.model)
     config = engine.hf_config
     input_ids, positions, meta = engine.runner.to_device(batch)
     head_dim = layers[0].kv_cache.head_dim
-    q = torch.randn(len(batch.input_ids), config.num_attention_heads, head_dim, device=engine.device, dtype=engine.dtype)
+    tokens = len(batch.input_ids)
+    q = torch.randn(tokens, config.num_attention_heads, head_dim, device=engine.device, dtype=engine.dtype)
+    k = torch.randn(tokens, config.num_key_value_heads, head_dim, device=engine.device, dtype=engine.dtype)
+    v = torch.randn_like(k)
     scale = head_dim**-0.5
 
     def all_layers():
         for layer in layers:
-            ops.current().attention(q, layer.kv_cache, meta, scale)
+            ops.current().attention(q, k, v, layer.kv_cache, meta, scale)
 
     with ops.use(engine.ops), forward_context(meta):
         all_layers()  # compiles
@@ -196,8 +200,8 @@ def main() -> None:
                 "decode_tok_s": round(figures["tok_s"], 1), "step_ms": round(figures["step_ms"], 3),
                 "step_bytes": step_bytes, "kv_bytes": kv_bytes, "limit_tok_s": round(limit_tok_s, 1),
                 "fraction_of_limit": round(figures["tok_s"] / limit_tok_s, 3),
-                "attention_layer_us": round(figures["attention_layer_us"], 1),
-                "attention_TB_s": round(layer_kv / figures["attention_layer_us"] / 1e6, 3),
+                "attention_op_us": round(figures["attention_op_us"], 1),
+                "attention_TB_s": round(layer_kv / figures["attention_op_us"] / 1e6, 3),
                 "copy_TB_s": round(bandwidth / 1e12, 3),
             } | ({"kernels": figures["kernels"]} if "kernels" in figures else {})), flush=True)  # fmt: skip
         del llm

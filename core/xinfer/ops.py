@@ -88,21 +88,27 @@ class Ops(Protocol):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
-    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
-        """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the tensors of
-        ``cache.format.quantize(k, v, cache.dtype, cache.equalizer, cache.key_offset)``,
-        each [num_blocks, block_size, Hkv, ...])."""
-
     def attention(
         self,
         q: Tensor,
+        k: Tensor,
+        v: Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        """Causal paged attention of ``q`` [T, H, D] over each sequence's cached KV.
+        """Store this step's ``k``, ``v`` [T, Hkv, D] in ``cache`` at ``meta.slot_mapping``
+        (negative: skipped), then causal paged attention of ``q`` [T, H, D] over each
+        sequence's cached KV, this step's included. One op, so that a backend may fuse
+        the store with work on the queries.
+
+        The store is in the cache's format: the tensors of ``cache.format.quantize(k, v,
+        cache.dtype, cache.equalizer, cache.key_offset)``, each [num_blocks, block_size,
+        Hkv, ...]; with shadow blocks (``cache.shadows`` and
+        ``meta.shadow_slot_mapping``) also exactly into them, as
+        :meth:`KeepsRecentWindow.write_shadow_kv` does.
 
         Quantized formats are read in place (dequantized inside the op, never into a
         full-precision copy of the cache); for formats that rotate keys the query is
@@ -171,8 +177,8 @@ class StepLimits:
 
 
 class KeepsRecentWindow(Protocol):
-    """Optional: a backend whose attention reads shadow blocks (the recent window of a
-    quantized cache, ``cache.shadows``; see :meth:`Ops.attention`)."""
+    """Optional: a backend whose attention writes and reads shadow blocks (the recent
+    window of a quantized cache, ``cache.shadows``; see :meth:`Ops.attention`)."""
 
     def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] exactly into ``cache``'s shadow blocks: in the
@@ -231,23 +237,17 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
 
 
-def write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
-    current().write_kv(k, v, cache, slot_mapping)
-
-
-def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
-    current().write_shadow_kv(k, v, cache, shadow_slots)
-
-
 def attention(
     q: Tensor,
+    k: Tensor,
+    v: Tensor,
     cache: LayerKVCache,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    return current().attention(q, cache, meta, scale, window, softcap)
+    return current().attention(q, k, v, cache, meta, scale, window, softcap)
 
 
 

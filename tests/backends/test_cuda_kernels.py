@@ -319,7 +319,7 @@ class Batch:
             m.slot_mapping.cpu(), m.max_seqlen_q, m.max_seq_len,
         )  # fmt: skip
         q, k, v = ref32(self.q), ref32(self.k_cache), ref32(self.v_cache)
-        return CPU.attention(q, LayerKVCache.plain(k, v), meta, scale, window, softcap)
+        return CPU.attend(q, LayerKVCache.plain(k, v), meta, scale, window, softcap)
 
 
 def make_batch(
@@ -511,7 +511,7 @@ def test_write_kv_then_attention_mixed_batch(dtype):
     CUDA.write_kv(k, v, LayerKVCache.plain(batch.k_cache, batch.v_cache), batch.meta.slot_mapping)
     assert torch.allclose(batch.k_cache.cpu(), cpu_batch.k_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.allclose(batch.v_cache.cpu(), cpu_batch.v_cache, rtol=0, atol=0, equal_nan=True)
-    out = CUDA.attention(batch.q, LayerKVCache.plain(batch.k_cache, batch.v_cache), batch.meta, 0.125)
+    out = CUDA.attend(batch.q, LayerKVCache.plain(batch.k_cache, batch.v_cache), batch.meta, 0.125)
     check(out, cpu_batch.reference(0.125, None, None), dtype)
 
 

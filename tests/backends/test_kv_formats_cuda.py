@@ -95,9 +95,9 @@ def write_case(fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int],
     k[: total // 3, :, :3] *= 10  # outlier channels, as real keys have
     reference = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
     device_cache = kv_format.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, DEVICE)
-    reference.key_offset = torch.randn(kv_heads, head_dim)  # calibrated key transforms, as the engine sets them
-    device_cache.key_offset = reference.key_offset.to(DEVICE)
-    if kv_format.rotate_keys:
+    if kv_format.rotate_keys:  # calibrated key transforms, as the engine sets them
+        reference.key_offset = torch.randn(kv_heads, head_dim)
+        device_cache.key_offset = reference.key_offset.to(DEVICE)
         reference.equalizer = torch.rand(kv_heads, head_dim) + 0.5
         device_cache.equalizer = reference.equalizer.to(DEVICE)
     CPU.write_kv(k, v, reference, slot_mapping)
@@ -174,8 +174,8 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     heads = 4
     scale = head_dim**-0.5
     q = torch.randn(int(meta.cu_seqlens_q[-1]), heads, head_dim).to(dtype)
-    want = CPU.attention(q.float(), reference, meta, scale)
-    got = CUDA.attention(q.to(DEVICE), device_cache, on_device(meta), scale)
+    want = CPU.attend(q.float(), reference, meta, scale)
+    got = CUDA.attend(q.to(DEVICE), device_cache, on_device(meta), scale)
     assert relative_error(got, want) < TOL[dtype]
 
     decode = AttentionMetadata(
@@ -183,7 +183,7 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
         torch.full((3,), -1, dtype=torch.int64), 1, meta.max_seq_len,
     )  # fmt: skip
     q1 = torch.randn(3, heads, head_dim).to(dtype)
-    want1 = CPU.attention(q1.float(), reference, decode, scale, softcap=30.0)
+    want1 = CPU.attend(q1.float(), reference, decode, scale, softcap=30.0)
     # on a GPU also the long tiles that batches filling the multiprocessors get
     tiles = [None] + ([attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True)] if ON_GPU else [])
     # fp8 rows are in halves at small batches and whole at large ones: both must agree
@@ -201,8 +201,8 @@ def test_sliding_window_over_quantized_cache(fmt):
     dtype = torch.float32
     _, device_cache, meta = write_case(fmt, dtype, 64, [40, 23], [12, 1])
     q = torch.randn(13, 2, 64)
-    want = CPU.attention(q, to_cpu(device_cache), meta, 0.125, window=16)
-    got = CUDA.attention(q.to(DEVICE), device_cache, on_device(meta), 0.125, window=16)
+    want = CPU.attend(q, to_cpu(device_cache), meta, 0.125, window=16)
+    got = CUDA.attend(q.to(DEVICE), device_cache, on_device(meta), 0.125, window=16)
     assert relative_error(got, want) < TOL[dtype]
 
 
@@ -245,9 +245,52 @@ def test_recent_window_reads_shadows_like_the_reference(fmt):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
     q = torch.randn(int(meta.cu_seqlens_q[-1]), 4, 64)
-    want = CPU.attention(q, reference, meta, 0.125)
+    want = CPU.attend(q, reference, meta, 0.125)
     for splits in (1, 4):
         got = attention.paged_attention_cache(q.to(DEVICE), device_cache, on_device(meta), 0.125, num_splits=splits)
         assert relative_error(got, want) < TOL[dtype], splits
-    plain = CPU.attention(q, reference, replace(meta, shadow_tables=None), 0.125)
+    plain = CPU.attend(q, reference, replace(meta, shadow_tables=None), 0.125)
     assert relative_error(plain, want) > 10 * TOL[dtype]  # the window changed what was read
+
+
+def step_slots(cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+    """The slots of each sequence's last ``q_len`` positions: the step's own tokens."""
+    q_lens = meta.cu_seqlens_q.diff().tolist()
+    slots = []
+    for b, (n, q_len) in enumerate(zip(meta.seq_lens.tolist(), q_lens)):
+        for p in range(n - q_len, n):
+            slots.append(int(meta.block_tables[b, p // cache.block_size]) * cache.block_size + p % cache.block_size)
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "fmt, head_dim, dtype",
+    [("fp8", 64, torch.float32), ("turbo4", 128, torch.float16), ("turbo3", 64, torch.float16), ("auto", 64, torch.float16)],
+)
+def test_attention_op_stores_the_step_then_attends(fmt, head_dim, dtype):
+    """The op as a layer calls it: the step's K/V stored like the CPU backend stores
+    them, then attended over with the earlier context. Where keys are rotated, the
+    write launch brings the queries into the keys' basis and attention reads them
+    ready: that must equal the reference's query rotation."""
+    from xinfer_cuda.kernels.kv_quant_write import quant_write_kv
+
+    reference, device_cache, meta = write_case(fmt, dtype, head_dim, [37, 20, 9], [5, 1, 9])
+    meta = replace(meta, slot_mapping=step_slots(reference, meta))
+    tokens, heads, scale = int(meta.cu_seqlens_q[-1]), 4, head_dim**-0.5
+    q = torch.randn(tokens, heads, head_dim).to(dtype)
+    k, v = torch.randn(tokens, 2, head_dim).to(dtype), torch.randn(tokens, 2, head_dim).to(dtype)
+    device_meta = replace(on_device(meta), slot_mapping=meta.slot_mapping.to(DEVICE))
+
+    CPU.attention(q, k, v, reference, meta, scale)
+    got = CUDA.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), device_cache, device_meta, scale)
+    assert_same_storage(device_cache, reference)
+    want = CPU.attend(q.float(), to_cpu(device_cache), meta, scale)  # over what the device stored
+    assert relative_error(got, want) < TOL[dtype]
+
+    kv_format = get_format(fmt)
+    rotated = quant_write_kv(k.to(DEVICE), v.to(DEVICE), device_cache, device_meta.slot_mapping, q.to(DEVICE))
+    if not kv_format.rotate_keys:
+        assert rotated is None
+        return
+    want_q = kv_format.prepare_query(q.float(), reference.equalizer)
+    assert relative_error(rotated.float(), want_q) < TOL[dtype]

@@ -2,6 +2,8 @@
 attention; for keys with a large mean it cuts the rotated formats' error; the engine
 calibrates it for every format that rotates keys, and never under a logit softcap."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def attend(fmt: str, k, v, q, meta, slots, num_blocks, key_offset=None, **kwargs
     cache = get_format(fmt).allocate(num_blocks, 8, k.shape[1], k.shape[2], torch.float32, torch.device("cpu"))
     cache.key_offset = key_offset
     CPU.write_kv(k, v, cache, slots)
-    return CPU.attention(q, cache, meta, k.shape[-1] ** -0.5, **kwargs)
+    return CPU.attend(q, cache, meta, k.shape[-1] ** -0.5, **kwargs)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -74,10 +76,10 @@ def test_softcapped_caches_are_marked():
     meta, slots, num_blocks = two_sequences([9], [9])
     cache = get_format("auto").allocate(num_blocks, 8, 2, 64, torch.float32, torch.device("cpu"))
     stats = KeyStatistics(CPU)
-    stats.write_kv(torch.randn(9, 2, 64), torch.randn(9, 2, 64), cache, slots)
-    stats.attention(torch.randn(9, 4, 64), cache, meta, 0.125)
+    k, v, meta = torch.randn(9, 2, 64), torch.randn(9, 2, 64), replace(meta, slot_mapping=slots)
+    stats.attention(torch.randn(9, 4, 64), k, v, cache, meta, 0.125)
     assert id(cache) not in stats.softcapped
-    stats.attention(torch.randn(9, 4, 64), cache, meta, 0.125, softcap=30.0)
+    stats.attention(torch.randn(9, 4, 64), k, v, cache, meta, 0.125, softcap=30.0)
     assert id(cache) in stats.softcapped
 
 

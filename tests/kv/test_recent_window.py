@@ -32,14 +32,15 @@ def test_attention_reads_exact_keys_within_the_window_and_the_first_block():
     shadow_slots = (shadows.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
     shadow_slots[shadows.repeat_interleave(block_size)[:context] < 0] = -1
     ops = CpuOps()
-    ops.write_kv(k, v, cache, slots)
-    ops.write_shadow_kv(k, v, cache, shadow_slots)
+    earlier = context - num_q  # stored before; the op stores the chunk's own K/V
+    ops.write_kv(k[:earlier], v[:earlier], cache, slots[:earlier])
+    ops.write_shadow_kv(k[:earlier], v[:earlier], cache, shadow_slots[:earlier])
     meta = AttentionMetadata(
         torch.tensor([0, num_q], dtype=torch.int32), torch.tensor([context], dtype=torch.int32), blocks[None],
         slots[-num_q:], num_q, context, shadows[None], shadow_slots[-num_q:],
     )  # fmt: skip
     q = torch.randn(num_q, heads, dim)
-    got = ops.attention(q, cache, meta, dim**-0.5)
+    got = ops.attention(q, k[earlier:], v[earlier:], cache, meta, dim**-0.5)
 
     # the reference: each query attends over a context it picks key by key
     exact_k, exact_v = fmt.stored_basis(k, v)
@@ -56,7 +57,7 @@ def test_attention_reads_exact_keys_within_the_window_and_the_first_block():
         want.append(attend(rotated_q[i : i + 1], keys, values, dim**-0.5))
     want = fmt.finish_output(torch.cat(want))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    plain = ops.attention(q, cache, replace(meta, shadow_tables=None, shadow_slot_mapping=None), dim**-0.5)
+    plain = ops.attend(q, cache, replace(meta, shadow_tables=None, shadow_slot_mapping=None), dim**-0.5)
     assert not torch.allclose(plain, want, atol=1e-3)  # the window changed what was read
 
 

@@ -42,6 +42,7 @@ class CpuOps:
         return F.gelu(gate, approximate="tanh") * up
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+        """The storing half of :meth:`attention` (benchmarks and tests fill caches with it)."""
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
         stored = cache.format.quantize(k[valid], v[valid], cache.dtype, cache.equalizer, cache.key_offset)
@@ -58,12 +59,30 @@ class CpuOps:
     def attention(
         self,
         q: Tensor,
+        k: Tensor,
+        v: Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
+        self.write_kv(k, v, cache, meta.slot_mapping)
+        if cache.shadows is not None and meta.shadow_slot_mapping is not None:
+            self.write_shadow_kv(k, v, cache, meta.shadow_slot_mapping)
+        return self.attend(q, cache, meta, scale, window, softcap)
+
+    def attend(
+        self,
+        q: Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """The attending half of :meth:`attention`, over the cache as it is (the
+        reference the CUDA kernels are tested against)."""
         dtype = q.dtype
         q = cache.format.prepare_query(q, cache.equalizer)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)

@@ -53,15 +53,32 @@ class CudaOps:
         return activation.gelu_tanh_and_mul(x)
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
-        if cache.format.name == "auto":
-            kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
-            return
-        kv_quant_write.quant_write_kv(k, v, cache, slot_mapping)
+        """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the storing half
+        of :meth:`attention`; benchmarks and tests fill caches with it)."""
+        self._store(k, v, cache, slot_mapping)
 
     def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
         kv_quant_write.write_shadow_kv(k, v, cache, shadow_slots)
 
     def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        # A rotated cache's write launch also brings the queries into the keys' basis,
+        # once per (token, head) instead of in every program that reads them.
+        rotated_q = self._store(k, v, cache, meta.slot_mapping, q)
+        if cache.shadows is not None and meta.shadow_slot_mapping is not None:
+            self.write_shadow_kv(k, v, cache, meta.shadow_slot_mapping)
+        return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
+
+    def attend(
         self,
         q: Tensor,
         cache: LayerKVCache,
@@ -70,7 +87,15 @@ class CudaOps:
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
+        """The attending half of :meth:`attention`, over the cache as it is."""
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
+
+    @staticmethod
+    def _store(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor, q: Tensor | None = None) -> Tensor | None:
+        if cache.format.name == "auto":
+            kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
+            return None
+        return kv_quant_write.quant_write_kv(k, v, cache, slot_mapping, q)
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
         graphs = StepGraphs(forward, limits, device)  # its warm-up runs measure the small-batch linears

@@ -58,18 +58,15 @@ class KeyStatistics:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
-        self._add(self.key_sums, cache, k.float().sum(0))
-        self._add(self.key_energy, cache, k.float().pow(2).sum(0))
-        self.inner.write_kv(k, v, cache, slot_mapping)
-
-    def attention(self, q: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None) -> Tensor:
         tokens, heads, head_dim = q.shape
         grouped = q.float().view(tokens, cache.num_kv_heads, heads // cache.num_kv_heads, head_dim)
         self._add(self.query_energy, cache, grouped.pow(2).sum((0, 2)))
+        self._add(self.key_sums, cache, k.float().sum(0))
+        self._add(self.key_energy, cache, k.float().pow(2).sum(0))
         if softcap:
             self.softcapped.add(id(cache))
-        return self.inner.attention(q, cache, meta, scale, window, softcap)
+        return self.inner.attention(q, k, v, cache, meta, scale, window, softcap)
 
     @staticmethod
     def _add(sums: dict[int, Tensor], cache: LayerKVCache, energy: Tensor) -> None:

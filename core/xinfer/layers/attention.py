@@ -39,8 +39,5 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         assert self.kv_cache is not None, "the engine binds the KV cache before the first forward"
-        ops.write_kv(k, v, self.kv_cache, meta.slot_mapping)
-        if self.kv_cache.shadows is not None and meta.shadow_slot_mapping is not None:
-            ops.write_shadow_kv(k, v, self.kv_cache, meta.shadow_slot_mapping)
-        out = ops.attention(q, self.kv_cache, meta, self.scale, self.window, self.softcap)
+        out = ops.attention(q, k, v, self.kv_cache, meta, self.scale, self.window, self.softcap)
         return out.flatten(1)

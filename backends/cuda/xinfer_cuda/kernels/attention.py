@@ -894,8 +894,9 @@ def paged_attention_cache(
     """:func:`paged_attention` over a layer's cache in any format: quantized K/V tiles are
     decoded in registers inside the loop (``decode=`` overrides the device's decode
     method, :func:`~xinfer_cuda.kernels.kv_codes.decode_method`); where the format
-    rotates keys the kernels bring each query into the keys' basis, and where it
-    rotates values the output back."""
+    rotates keys the kernels bring each query into the keys' basis (unless given it
+    as ``rotated_q=``, see :func:`attend_sides`), and where it rotates values the
+    output back."""
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
     rotation = None
@@ -957,7 +958,11 @@ def attend_sides(
     decode: int | None = None,
     halves: bool | None = None,
     exact: ExactWindow | None = None,
+    rotated_q: Tensor | None = None,
 ) -> Tensor:
+    """``rotated_q``: ``q`` already in the keys' basis of a rotated cache
+    (:func:`~xinfer_cuda.kernels.kv_quant_write.quant_write_kv`), read instead of
+    ``q`` and not rotated again; ``q`` still sets the output's dtype and the tiles."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_cache, v_cache = k_side.data, v_side.data
@@ -1010,16 +1015,18 @@ def attend_sides(
     common |= dict(CODE_DTYPE=tl.float16 if magic else tl.float32, DECODE=decode)
     common |= k_side.constexprs("K", magic, decode) | v_side.constexprs("V", magic, decode)
     equalizer = rotation.equalizer if rotation is not None else None
+    rotate_q = rotation is not None and rotation.keys and rotated_q is None
     common |= dict(
-        ROTATE_Q=rotation is not None and rotation.keys,
-        HAS_EQUALIZER=equalizer is not None,
+        ROTATE_Q=rotate_q,
+        HAS_EQUALIZER=equalizer is not None and rotate_q,
         ROTATE_OUT=rotation is not None and rotation.values,
         ROTATION_CHUNK=min(ROTATION_CHUNK, head_dim),
     )
     basis_ptrs = (
         rotation.signs if rotation is not None else q,
-        equalizer.float().contiguous() if equalizer is not None else q,
+        equalizer.float().contiguous() if equalizer is not None and rotate_q else q,
     )
+    q_in = q if rotated_q is None else rotated_q
     window_arg = window if has_window else 0
     # (q and the block tables stand in for the shadows where there is no window)
     exact_args = exact.args() if exact is not None else (q, q, meta.block_tables, 0, 0, 0, 0, 0)
@@ -1038,10 +1045,10 @@ def attend_sides(
         # queries exit at once.
         grid = (num_tokens // q_per_tile + meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](
-            q, *cache_ptrs, *basis_ptrs, out,
+            q_in, *cache_ptrs, *basis_ptrs, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
             score_scale, cap_scale, window_arg, *exact_args,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q_in.stride(0), q_in.stride(1), out.stride(0), out.stride(1),
             *cache_strides,
             GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, prefill_halves),
@@ -1071,10 +1078,10 @@ def attend_sides(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
-        q, *cache_ptrs, *basis_ptrs, out, part_acc, part_max, part_sum,
+        q_in, *cache_ptrs, *basis_ptrs, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg, *exact_args,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q_in.stride(0), q_in.stride(1), out.stride(0), out.stride(1),
         *cache_strides, num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split,

@@ -1,9 +1,13 @@
 """Store this step's K and V into a quantized paged cache in one launch: each program
 takes BLOCK_T tokens of one KV head and one side (K or V), equalizes and rotates them
-where the format does, encodes them (scale, codes, packing) and writes them in place."""
+where the format does, encodes them (scale, codes, packing) and writes them in place.
+Where the format rotates keys, a third set of programs brings the step's queries into
+the keys' basis in the same launch, so attention reads them ready instead of rotating
+them again in every program that shares a query (each split of a long decode)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -106,6 +110,41 @@ def _write_side(
 
 
 @triton.jit
+def _write_queries(
+    src,
+    dst,
+    tokens_ok,
+    stride_src_head,
+    stride_dst_head,
+    basis_ptr,
+    equalizer_row,
+    GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EQUALIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The GROUP query heads of one KV head for BLOCK_T tokens (``src``, ``dst`` point at
+    each token's first head) in the keys' basis, ``(q · e) @ signs / sqrt(D)`` summed in
+    fp32, and stored in ``dst``'s dtype."""
+    dims = tl.arange(0, HEAD_DIM)
+    for g in range(GROUP):
+        x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+        for start in tl.range(0, HEAD_DIM, BLOCK_K):
+            chunk = start + tl.arange(0, BLOCK_K)
+            part = tl.load(src[:, None] + g * stride_src_head + chunk[None, :], mask=tokens_ok[:, None], other=0.0)
+            part = part.to(tl.float32)
+            if EQUALIZE:
+                part *= tl.load(equalizer_row + chunk).to(tl.float32)[None, :]
+            basis = tl.load(basis_ptr + chunk[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
+            x = tl.dot(part, basis, acc=x, input_precision=PRECISION)
+        x = x * (1.0 / HEAD_DIM**0.5)
+        at = dst[:, None] + g * stride_dst_head + dims[None, :]
+        tl.store(at, x.to(dst.dtype.element_ty), mask=tokens_ok[:, None])
+
+
+@triton.jit
 def _quant_write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -119,7 +158,13 @@ def _quant_write_kv_kernel(
     v_data_ptr,
     v_scale_ptr,
     v_levels_ptr,
+    q_ptr,
+    q_out_ptr,
     num_tokens,
+    stride_q_tok,
+    stride_q_head,
+    stride_qo_tok,
+    stride_qo_head,
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -154,11 +199,23 @@ def _quant_write_kv_kernel(
     V_BITS: tl.constexpr,
     V_LEVELS: tl.constexpr,
     V_CLIP: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
+    if tl.program_id(2) == 2:  # the queries of this KV head's group, every token's
+        tokens_ok = tokens < num_tokens
+        q_heads = head * GROUP
+        _write_queries(
+            q_ptr + tokens.to(tl.int64) * stride_q_tok + q_heads * stride_q_head,
+            q_out_ptr + tokens.to(tl.int64) * stride_qo_tok + q_heads * stride_qo_head,
+            tokens_ok, stride_q_head, stride_qo_head, basis_ptr, equalizer_ptr + head * stride_eq_head,
+            GROUP, BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
+        )  # fmt: skip
+        return
     slot = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
     rows = slot >= 0  # in range and not padding
     slot = tl.maximum(slot, 0)
@@ -183,14 +240,22 @@ def _quant_write_kv_kernel(
         )  # fmt: skip
 
 
-def quant_write_kv(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+def quant_write_kv(
+    k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor, q: Tensor | None = None
+) -> Tensor | None:
     """Encode ``k``, ``v`` [T, Hkv, D] into ``cache`` at ``slot_mapping`` [T] (negative:
     skipped) as ``cache.format.quantize(k, v, cache.dtype, cache.equalizer,
     cache.key_offset)`` does: keys less the offset, rotated keys divided by the
     equalizer, then :func:`hadamard.rotate` where the format rotates. One launch does it all: at batch 1 a launch costs about as much as its work,
-    and the equalizer, two rotation GEMMs and two encodes took five per layer."""
+    and the equalizer, two rotation GEMMs and two encodes took five per layer.
+
+    Given the step's queries ``q`` [T, H, D] and a format that rotates keys, the same
+    launch also returns them in the keys' basis, ``cache.format.prepare_query(q,
+    cache.equalizer)``, in the dtype the attention kernels score quantized keys in
+    (fp16; fp32 for fp32 queries); else None."""
     fmt = cache.format
-    _write(k, v, cache, side(cache, "k", fmt.key), side(cache, "v", fmt.value), slot_mapping)
+    queries = q if q is not None and fmt.rotate_keys else None
+    return _write(k, v, cache, side(cache, "k", fmt.key), side(cache, "v", fmt.value), slot_mapping, queries)
 
 
 def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
@@ -201,12 +266,14 @@ def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Ten
     _write(k, v, cache, Side(k_shadow, None, None, PLAIN), Side(v_shadow, None, None, PLAIN), shadow_slots)
 
 
-def _write(k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side, slot_mapping: Tensor) -> None:
+def _write(
+    k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side, slot_mapping: Tensor, q: Tensor | None = None
+) -> Tensor | None:
     fmt = cache.format
     rotate_keys, rotate_values, equalizer = fmt.rotate_keys, fmt.rotate_values, cache.equalizer
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
-        return
+        return None if q is None else torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     assert k_side.data.stride(-1) == 1 and v_side.data.stride(-1) == 1
@@ -221,10 +288,15 @@ def _write(k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side
     # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
     # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
     block_t = 16 if num_tokens <= 256 else 64
-    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2)](
+    if q is not None:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        q_out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
+    q_in, q_out_arg = (q, q_out) if q is not None else (k, k)
+    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 if q is None else 3)](
         k, v, slot_mapping, basis, key_offset, equalizer,
-        kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(),
+        kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(), q_in, q_out_arg,
         num_tokens,
+        q_in.stride(0), q_in.stride(1), q_out_arg.stride(0), q_out_arg.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_offset.stride(0), equalizer.stride(0),
         kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
@@ -233,5 +305,14 @@ def _write(k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side
         OFFSET=offset is not None, EQUALIZE=equalize,
         K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
         V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
+        GROUP=q_in.shape[1] // num_kv_heads if q is not None else 1,
+        PRECISION="ieee" if k.dtype == torch.float32 else "tf32",  # the queries' dots, as attention's own were
         num_warps=8, **launch.pdl(k.device),
     )  # fmt: skip
+    return q_out if q is not None else None
+
+
+def _rotated_query_dtype(q: Tensor) -> torch.dtype:
+    """fp16 for model-dtype queries (what the attention kernels score quantized keys
+    in), fp32 for fp32 ones."""
+    return torch.float32 if q.dtype == torch.float32 else torch.float16
