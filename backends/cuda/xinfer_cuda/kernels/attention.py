@@ -697,7 +697,8 @@ def _decode_kernel(
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
 
-    # Rotating back is linear, so split partials are rotated before the reduce merges them.
+    # Rotating back is linear: split partials stay in the rotated basis, and the reduce
+    # rotates their merge once per (token, head).
     if NUM_SPLITS == 1:
         norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
@@ -708,13 +709,14 @@ def _decode_kernel(
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
-                    HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
+                    HEAD_DIM, SPLIT, HALF_D, False, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
 
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr,
     part_acc_ptr,
+    basis_ptr,
     part_max_ptr,
     part_sum_ptr,
     cu_seqlens_q_ptr,
@@ -728,6 +730,7 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    ROTATE_OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -753,6 +756,9 @@ def _decode_reduce_kernel(
     acc_mask = active[:, None] & d_ok[None, :]
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=acc_mask, other=0.0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    if ROTATE_OUT:  # back in the model's basis: out @ signsᵀ / sqrt(D)
+        signs = tl.load(basis_ptr + dims[:, None] * HEAD_DIM + dims[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0)
+        out = tl.sum(signs.to(tl.float32) * out[None, :], 1) * (1.0 / HEAD_DIM**0.5)
     o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(out_ptr + o_off + dims, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -1089,9 +1095,9 @@ def attend_sides(
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
+            out, part_acc, basis_ptrs[0], part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            MIN_SPLIT=min_split, HAS_WINDOW=has_window, num_warps=4, **pdl,
+            MIN_SPLIT=min_split, HAS_WINDOW=has_window, ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,
         )  # fmt: skip
     return out
