@@ -122,10 +122,11 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             cache = fmt.allocate(4, 16, 8, head_dim, dtype, torch.device("cpu"))
             cache.equalizer = t(8, head_dim, dt=torch.float32) if fmt.rotate_keys else None
             cache.key_offset = t(8, head_dim, dt=torch.float32) if fmt.rotate_keys else None
-            for tokens in (4, 300):  # decode and prefill tiles
+            for tokens in (4, 300):  # decode and prefill tiles; with the queries, as attention writes
                 kv_quant_write.quant_write_kv(
-                    t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64)
-                )
+                    t(tokens, 8, head_dim), t(tokens, 8, head_dim), cache, torch.zeros(tokens, dtype=torch.int64),
+                    t(tokens, 32, head_dim),
+                )  # fmt: skip
             # The decode tiles of small batches and of batches that fill the GPU; codes
             # decoded as on such a GPU.
             sides = (kv_codes.side(cache, "k", fmt.key), kv_codes.side(cache, "v", fmt.value))

@@ -48,6 +48,7 @@ from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
     CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
 )
+from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry
 
 LOG2E = 1.4426950408889634
@@ -65,45 +66,20 @@ def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
-# Rows of the rotation's signs per dot in the query prologue and output epilogue: a
-# [32, head_dim] slice of them on chip at a time, even at head_dim 256 (all below 32).
+# Rows of the rotation's signs per dot in the output epilogue: a [32, head_dim] slice
+# of them on chip at a time, even at head_dim 256 (all below 32).
 ROTATION_CHUNK = 32
 
 
 @triton.jit
-def _load_queries(
-    q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-    HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constexpr, ROTATE: tl.constexpr,
-    HAS_EQUALIZER: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Query rows at element offsets ``q_off`` as two halves [M, HALF_D]
-    (:func:`half_columns`); for rotated keys in the keys' basis, in fp32:
-    ``(q · s) @ signs / sqrt(D)`` with the KV head's equalizer ``s``
-    (:mod:`xinfer_cuda.kernels.basis`), the signs' columns split in halves."""
+def _load_queries(q_ptr, q_off, row_ok, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constexpr):
+    """Query rows at element offsets ``q_off`` as two halves [M, HALF_D] (:func:`half_columns`)."""
     cols, lo_ok, hi_ok = half_columns(HEAD_DIM, SPLIT, HALF_D)
-    if ROTATE:
-        q_lo = tl.zeros([q_off.shape[0], HALF_D], tl.float32)
-        q_hi = tl.zeros([q_off.shape[0], HALF_D], tl.float32)
-        # A loop neither unrolled nor pipelined: fewer live registers, one slice of shared memory.
-        for c in tl.range(0, HEAD_DIM, CHUNK, num_stages=1):
-            ins = c + tl.arange(0, CHUNK)
-            x = tl.load(q_ptr + q_off[:, None] + ins[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            if HAS_EQUALIZER:
-                x *= tl.load(equalizer_ptr + kv_head * HEAD_DIM + ins)[None, :]
-            signs = basis_ptr + ins[:, None] * HEAD_DIM + cols[None, :]
-            lo = tl.load(signs, mask=lo_ok[None, :], other=0).to(tl.float32)
-            q_lo = tl.dot(x, lo, q_lo, input_precision=PRECISION)
-            if SPLIT < HEAD_DIM:  # a second half
-                hi = tl.load(signs + SPLIT, mask=hi_ok[None, :], other=0).to(tl.float32)
-                q_hi = tl.dot(x, hi, q_hi, input_precision=PRECISION)
-        q_lo *= 1.0 / HEAD_DIM**0.5
-        q_hi *= 1.0 / HEAD_DIM**0.5
-    else:
-        at = q_ptr + q_off[:, None] + cols[None, :]
-        q_lo = tl.load(at, mask=row_ok[:, None] & lo_ok[None, :], other=0.0)
-        q_hi = q_lo  # unused when rows are whole
-        if SPLIT < HEAD_DIM:  # a second half
-            q_hi = tl.load(at + SPLIT, mask=row_ok[:, None] & hi_ok[None, :], other=0.0)
+    at = q_ptr + q_off[:, None] + cols[None, :]
+    q_lo = tl.load(at, mask=row_ok[:, None] & lo_ok[None, :], other=0.0)
+    q_hi = q_lo  # unused when rows are whole
+    if SPLIT < HEAD_DIM:  # a second half
+        q_hi = tl.load(at + SPLIT, mask=row_ok[:, None] & hi_ok[None, :], other=0.0)
     return q_lo, q_hi
 
 
@@ -407,7 +383,6 @@ def _prefill_kernel(
     k_levels_ptr,
     v_levels_ptr,
     basis_ptr,
-    equalizer_ptr,
     out_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -459,8 +434,6 @@ def _prefill_kernel(
     V_BITS: tl.constexpr,
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
-    ROTATE_Q: tl.constexpr,
-    HAS_EQUALIZER: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
     EXACT: tl.constexpr,
@@ -488,8 +461,7 @@ def _prefill_kernel(
     row_ok = (rows < Q_PER_TILE * GROUP) & (q_idx < q_len)
     q_pos = ctx_start + q_idx
     q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
-    q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-                               HEAD_DIM, SPLIT, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
+    q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, HEAD_DIM, SPLIT, HALF_D)
 
     # Keys [full_lo, full_hi) are visible to every row of the tile and need no mask;
     # the ones before (window edge) and after (causal diagonal) do.
@@ -577,7 +549,6 @@ def _decode_kernel(
     k_levels_ptr,
     v_levels_ptr,
     basis_ptr,
-    equalizer_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
@@ -633,8 +604,6 @@ def _decode_kernel(
     V_BITS: tl.constexpr,
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
-    ROTATE_Q: tl.constexpr,
-    HAS_EQUALIZER: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
     EXACT: tl.constexpr,
@@ -660,8 +629,7 @@ def _decode_kernel(
     row_ok = rows < GROUP
     head = kv_head * GROUP + rows
     q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
-    q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, kv_head, basis_ptr, equalizer_ptr,
-                               HEAD_DIM, SPLIT, HALF_D, ROTATE_Q, HAS_EQUALIZER, ROTATION_CHUNK, PRECISION)  # fmt: skip
+    q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, HEAD_DIM, SPLIT, HALF_D)
     q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -895,41 +863,32 @@ def paged_attention_cache(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    rotated_q: Tensor | None = None,
     **overrides,
 ) -> Tensor:
     """:func:`paged_attention` over a layer's cache in any format: quantized K/V tiles are
     decoded in registers inside the loop (``decode=`` overrides the device's decode
-    method, :func:`~xinfer_cuda.kernels.kv_codes.decode_method`); where the format
-    rotates keys the kernels bring each query into the keys' basis (unless given it
-    as ``rotated_q=``, see :func:`attend_sides`), and where it rotates values the
-    output back."""
+    method, :func:`~xinfer_cuda.kernels.kv_codes.decode_method`). Where the format
+    rotates keys the kernels read the queries in the keys' basis: ``rotated_q=`` from
+    the step's write launch (:func:`~xinfer_cuda.kernels.kv_quant_write.quant_write_kv`),
+    else rotated here first; where it rotates values they rotate the output back."""
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
-    rotation = None
-    if fmt.rotate_keys or fmt.rotate_values:
-        signs = signed_basis(cache.head_dim, q.device)
-        rotation = Rotation(signs, cache.equalizer, fmt.rotate_keys, fmt.rotate_values)
+    if fmt.rotate_keys:
+        rotated_q = rotate_queries(q, cache) if rotated_q is None else rotated_q
+        overrides.setdefault("out", torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        q = rotated_q
+    out_basis = signed_basis(cache.head_dim, q.device) if fmt.rotate_values else None
     exact = None
     if cache.shadows is not None and meta.shadow_tables is not None:
         exact = ExactWindow(*cache.shadows, meta.shadow_tables, cache.recent_window)
-    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, rotation=rotation, exact=exact, **overrides)
+    return attend_sides(q, k_side, v_side, meta, scale, window, softcap, out_basis=out_basis, exact=exact, **overrides)
 
 
 def _row_split(block_d: int, halves: bool) -> dict:
     """The kernels' SPLIT and HALF_D for rows in halves or whole (:func:`half_columns`)."""
     split = block_d // 2 if halves else block_d
     return dict(SPLIT=split, HALF_D=max(split, 16))
-
-
-@dataclass(frozen=True)
-class Rotation:
-    """A rotated cache's basis as the kernels apply it: queries ``(q · equalizer) @ Rᵀ``
-    when keys are rotated, outputs ``y @ R`` when values are."""
-
-    signs: Tensor  # int8 [D, D] (:func:`xinfer_cuda.kernels.basis.signed_basis`)
-    equalizer: Tensor | None  # [Hkv, D] fp32
-    keys: bool
-    values: bool
 
 
 @dataclass(frozen=True)
@@ -960,15 +919,14 @@ def attend_sides(
     num_splits: int | None = None,
     prefill_tiles: TileConfig | None = None,
     decode_tiles: TileConfig | None = None,
-    rotation: Rotation | None = None,
+    out_basis: Tensor | None = None,
     decode: int | None = None,
     halves: bool | None = None,
     exact: ExactWindow | None = None,
-    rotated_q: Tensor | None = None,
 ) -> Tensor:
-    """``rotated_q``: ``q`` already in the keys' basis of a rotated cache
-    (:func:`~xinfer_cuda.kernels.kv_quant_write.quant_write_kv`), read instead of
-    ``q`` and not rotated again; ``q`` still sets the output's dtype and the tiles."""
+    """Attention of ``q`` over the sides' caches as they are stored: queries already in
+    the keys' basis, and with ``out_basis`` (the rotation's signs, for rotated values)
+    the output rotated back."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_cache, v_cache = k_side.data, v_side.data
@@ -1020,19 +978,8 @@ def attend_sides(
     decode = decode_method(q.device) if decode is None else decode
     common |= dict(CODE_DTYPE=tl.float16 if magic else tl.float32, DECODE=decode)
     common |= k_side.constexprs("K", magic, decode) | v_side.constexprs("V", magic, decode)
-    equalizer = rotation.equalizer if rotation is not None else None
-    rotate_q = rotation is not None and rotation.keys and rotated_q is None
-    common |= dict(
-        ROTATE_Q=rotate_q,
-        HAS_EQUALIZER=equalizer is not None and rotate_q,
-        ROTATE_OUT=rotation is not None and rotation.values,
-        ROTATION_CHUNK=min(ROTATION_CHUNK, head_dim),
-    )
-    basis_ptrs = (
-        rotation.signs if rotation is not None else q,
-        equalizer.float().contiguous() if equalizer is not None and rotate_q else q,
-    )
-    q_in = q if rotated_q is None else rotated_q
+    common |= dict(ROTATE_OUT=out_basis is not None, ROTATION_CHUNK=min(ROTATION_CHUNK, head_dim))
+    basis = out_basis if out_basis is not None else q  # (q stands in where there is none)
     window_arg = window if has_window else 0
     # (q and the block tables stand in for the shadows where there is no window)
     exact_args = exact.args() if exact is not None else (q, q, meta.block_tables, 0, 0, 0, 0, 0)
@@ -1051,10 +998,10 @@ def attend_sides(
         # queries exit at once.
         grid = (num_tokens // q_per_tile + meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](
-            q_in, *cache_ptrs, *basis_ptrs, out,
+            q, *cache_ptrs, basis, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
             score_scale, cap_scale, window_arg, *exact_args,
-            q_in.stride(0), q_in.stride(1), out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *cache_strides,
             GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, prefill_halves),
@@ -1084,10 +1031,10 @@ def attend_sides(
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
-        q_in, *cache_ptrs, *basis_ptrs, out, part_acc, part_max, part_sum,
+        q, *cache_ptrs, basis, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg, *exact_args,
-        q_in.stride(0), q_in.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache_strides, num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
@@ -1095,7 +1042,7 @@ def attend_sides(
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
-            out, part_acc, basis_ptrs[0], part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
+            out, part_acc, basis, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             MIN_SPLIT=min_split, HAS_WINDOW=has_window, ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,

@@ -145,6 +145,37 @@ def _write_queries(
 
 
 @triton.jit
+def _rotate_queries_kernel(
+    q_ptr,
+    q_out_ptr,
+    basis_ptr,
+    equalizer_ptr,
+    num_tokens,
+    stride_q_tok,
+    stride_q_head,
+    stride_qo_tok,
+    stride_qo_head,
+    stride_eq_head,
+    GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EQUALIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_entry(PDL)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    _write_queries(
+        q_ptr + tokens.to(tl.int64) * stride_q_tok + head * GROUP * stride_q_head,
+        q_out_ptr + tokens.to(tl.int64) * stride_qo_tok + head * GROUP * stride_qo_head,
+        tokens < num_tokens, stride_q_head, stride_qo_head, basis_ptr, equalizer_ptr + head * stride_eq_head,
+        GROUP, BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
 def _quant_write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -207,12 +238,10 @@ def _quant_write_kv_kernel(
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     if tl.program_id(2) == 2:  # the queries of this KV head's group, every token's
-        tokens_ok = tokens < num_tokens
-        q_heads = head * GROUP
         _write_queries(
-            q_ptr + tokens.to(tl.int64) * stride_q_tok + q_heads * stride_q_head,
-            q_out_ptr + tokens.to(tl.int64) * stride_qo_tok + q_heads * stride_qo_head,
-            tokens_ok, stride_q_head, stride_qo_head, basis_ptr, equalizer_ptr + head * stride_eq_head,
+            q_ptr + tokens.to(tl.int64) * stride_q_tok + head * GROUP * stride_q_head,
+            q_out_ptr + tokens.to(tl.int64) * stride_qo_tok + head * GROUP * stride_qo_head,
+            tokens < num_tokens, stride_q_head, stride_qo_head, basis_ptr, equalizer_ptr + head * stride_eq_head,
             GROUP, BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
         )  # fmt: skip
         return
@@ -258,6 +287,28 @@ def quant_write_kv(
     return _write(k, v, cache, side(cache, "k", fmt.key), side(cache, "v", fmt.value), slot_mapping, queries)
 
 
+def rotate_queries(q: Tensor, cache: LayerKVCache) -> Tensor:
+    """``q`` [T, H, D] in the keys' basis of ``cache`` (a format that rotates keys), as
+    :func:`quant_write_kv` returns it, in a launch of its own: for attention over a
+    cache without storing a step first."""
+    assert cache.format.rotate_keys, cache.format.name
+    num_tokens, num_heads, head_dim = q.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
+    if num_tokens == 0:
+        return out
+    num_kv_heads = cache.num_kv_heads
+    equalizer = cache.equalizer.contiguous() if cache.equalizer is not None else q
+    _rotate_queries_kernel[(triton.cdiv(num_tokens, 16), num_kv_heads)](
+        q, out, signed_basis(head_dim, q.device), equalizer, num_tokens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), equalizer.stride(0),
+        GROUP=num_heads // num_kv_heads, BLOCK_T=16, HEAD_DIM=head_dim, BLOCK_K=_rotation_chunk(q),
+        EQUALIZE=cache.equalizer is not None, PRECISION=_query_precision(q),
+        num_warps=4, **launch.pdl(q.device),
+    )  # fmt: skip
+    return out
+
+
 def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
     """Store ``k``, ``v`` exactly into ``cache.shadows`` at ``shadow_slots`` (negative:
     skipped): transformed as :func:`quant_write_kv` transforms them
@@ -301,15 +352,26 @@ def _write(
         kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
-        BLOCK_K=min(head_dim, 64 if k.element_size() < 4 else 16),  # fp32: an FMA dot, in registers
+        BLOCK_K=_rotation_chunk(k),
         OFFSET=offset is not None, EQUALIZE=equalize,
         K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
         V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
         GROUP=q_in.shape[1] // num_kv_heads if q is not None else 1,
-        PRECISION="ieee" if k.dtype == torch.float32 else "tf32",  # the queries' dots, as attention's own were
+        PRECISION=_query_precision(k),
         num_warps=8, **launch.pdl(k.device),
     )  # fmt: skip
     return q_out if q is not None else None
+
+
+def _rotation_chunk(x: Tensor) -> int:
+    """Input dims per rotation dot: fp32 dots run on the FMA units, in registers."""
+    return min(x.shape[-1], 64 if x.element_size() < 4 else 16)
+
+
+def _query_precision(x: Tensor) -> str:
+    """The queries' rotation dots: tf32 for model-dtype queries (the scores they meet
+    are fp16 dots), exact fp32 for fp32 ones."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _rotated_query_dtype(q: Tensor) -> torch.dtype:
