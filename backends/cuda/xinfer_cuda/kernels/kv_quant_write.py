@@ -1,8 +1,8 @@
 """Store this step's K and V into a quantized paged cache in one launch: each program
 takes BLOCK_T tokens of one KV head and one side (K or V), equalizes and rotates them
 where the format does, encodes them (scale, codes, packing) and writes them in place.
-Where the format rotates keys, a third set of programs brings the step's queries into
-the keys' basis in the same launch, so attention reads them ready instead of rotating
+Where the format rotates keys, a program per (BLOCK_T tokens, query head) brings the
+step's queries into the keys' basis in the same launch, so attention reads them ready instead of rotating
 them again in every program that shares a query (each split of a long decode)."""
 
 from __future__ import annotations
@@ -110,38 +110,32 @@ def _write_side(
 
 
 @triton.jit
-def _write_queries(
+def _rotate_query_head(
     src,
     dst,
     tokens_ok,
-    stride_src_head,
-    stride_dst_head,
     basis_ptr,
     equalizer_row,
-    GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EQUALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """The GROUP query heads of one KV head for BLOCK_T tokens (``src``, ``dst`` point at
-    each token's first head) in the keys' basis, ``(q · e) @ signs / sqrt(D)`` summed in
-    fp32, and stored in ``dst``'s dtype."""
+    """One query head of BLOCK_T tokens (``src``, ``dst`` point at each token's row) in
+    the keys' basis, ``(q · e) @ signs / sqrt(D)`` summed in fp32, stored in ``dst``'s
+    dtype."""
     dims = tl.arange(0, HEAD_DIM)
-    for g in range(GROUP):
-        x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
-        for start in tl.range(0, HEAD_DIM, BLOCK_K):
-            chunk = start + tl.arange(0, BLOCK_K)
-            part = tl.load(src[:, None] + g * stride_src_head + chunk[None, :], mask=tokens_ok[:, None], other=0.0)
-            part = part.to(tl.float32)
-            if EQUALIZE:
-                part *= tl.load(equalizer_row + chunk).to(tl.float32)[None, :]
-            basis = tl.load(basis_ptr + chunk[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
-            x = tl.dot(part, basis, acc=x, input_precision=PRECISION)
-        x = x * (1.0 / HEAD_DIM**0.5)
-        at = dst[:, None] + g * stride_dst_head + dims[None, :]
-        tl.store(at, x.to(dst.dtype.element_ty), mask=tokens_ok[:, None])
+    x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+    for start in tl.range(0, HEAD_DIM, BLOCK_K):
+        chunk = start + tl.arange(0, BLOCK_K)
+        part = tl.load(src[:, None] + chunk[None, :], mask=tokens_ok[:, None], other=0.0).to(tl.float32)
+        if EQUALIZE:
+            part *= tl.load(equalizer_row + chunk).to(tl.float32)[None, :]
+        basis = tl.load(basis_ptr + chunk[:, None] * HEAD_DIM + dims[None, :]).to(tl.float32)
+        x = tl.dot(part, basis, acc=x, input_precision=PRECISION)
+    x = x * (1.0 / HEAD_DIM**0.5)
+    tl.store(dst[:, None] + dims[None, :], x.to(dst.dtype.element_ty), mask=tokens_ok[:, None])
 
 
 @triton.jit
@@ -165,13 +159,12 @@ def _rotate_queries_kernel(
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     head = tl.program_id(1)
-    _write_queries(
-        q_ptr + tokens.to(tl.int64) * stride_q_tok + head * GROUP * stride_q_head,
-        q_out_ptr + tokens.to(tl.int64) * stride_qo_tok + head * GROUP * stride_qo_head,
-        tokens < num_tokens, stride_q_head, stride_qo_head, basis_ptr, equalizer_ptr + head * stride_eq_head,
-        GROUP, BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
+    _rotate_query_head(
+        q_ptr + tokens * stride_q_tok + head * stride_q_head, q_out_ptr + tokens * stride_qo_tok + head * stride_qo_head,
+        tokens < num_tokens, basis_ptr, equalizer_ptr + head // GROUP * stride_eq_head,
+        BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
     )  # fmt: skip
 
 
@@ -237,12 +230,13 @@ def _quant_write_kv_kernel(
     pdl_entry(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
-    if tl.program_id(2) == 2:  # the queries of this KV head's group, every token's
-        _write_queries(
-            q_ptr + tokens.to(tl.int64) * stride_q_tok + head * GROUP * stride_q_head,
-            q_out_ptr + tokens.to(tl.int64) * stride_qo_tok + head * GROUP * stride_qo_head,
-            tokens < num_tokens, stride_q_head, stride_qo_head, basis_ptr, equalizer_ptr + head * stride_eq_head,
-            GROUP, BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
+    if tl.program_id(2) >= 2:  # a query head of this KV head's group, every token's
+        q_head = head * GROUP + tl.program_id(2) - 2
+        q_rows = tokens.to(tl.int64)
+        _rotate_query_head(
+            q_ptr + q_rows * stride_q_tok + q_head * stride_q_head, q_out_ptr + q_rows * stride_qo_tok + q_head * stride_qo_head,
+            tokens < num_tokens, basis_ptr, equalizer_ptr + head * stride_eq_head,
+            BLOCK_T, HEAD_DIM, BLOCK_K, EQUALIZE, PRECISION,
         )  # fmt: skip
         return
     slot = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
@@ -299,7 +293,7 @@ def rotate_queries(q: Tensor, cache: LayerKVCache) -> Tensor:
         return out
     num_kv_heads = cache.num_kv_heads
     equalizer = cache.equalizer.contiguous() if cache.equalizer is not None else q
-    _rotate_queries_kernel[(triton.cdiv(num_tokens, 16), num_kv_heads)](
+    _rotate_queries_kernel[(triton.cdiv(num_tokens, 16), num_heads)](
         q, out, signed_basis(head_dim, q.device), equalizer, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), equalizer.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_T=16, HEAD_DIM=head_dim, BLOCK_K=_rotation_chunk(q),
@@ -343,7 +337,7 @@ def _write(
         q = q if q.stride(-1) == 1 else q.contiguous()
         q_out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
     q_in, q_out_arg = (q, q_out) if q is not None else (k, k)
-    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 if q is None else 3)](
+    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 if q is None else 2 + q.shape[1] // num_kv_heads)](
         k, v, slot_mapping, basis, key_offset, equalizer,
         kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(), q_in, q_out_arg,
         num_tokens,
