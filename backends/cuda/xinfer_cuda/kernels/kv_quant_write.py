@@ -2,8 +2,9 @@
 takes BLOCK_T tokens of one KV head and one side (K or V), equalizes and rotates them
 where the format does, encodes them (scale, codes, packing) and writes them in place.
 Where the format rotates keys, a program per (BLOCK_T tokens, query head) brings the
-step's queries into the keys' basis in the same launch, so attention reads them ready instead of rotating
-them again in every program that shares a query (each split of a long decode)."""
+step's queries into the keys' basis in the same launch, so attention reads them ready
+instead of rotating them in every program that shares a query (each split of a long
+decode)."""
 
 from __future__ import annotations
 
@@ -333,11 +334,13 @@ def _write(
     # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
     # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
     block_t = 16 if num_tokens <= 256 else 64
+    # Programs per (tokens, KV head): K, V, then one per query head of its group.
+    group = q.shape[1] // num_kv_heads if q is not None else 0
     if q is not None:
         q = q if q.stride(-1) == 1 else q.contiguous()
         q_out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
     q_in, q_out_arg = (q, q_out) if q is not None else (k, k)
-    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 if q is None else 2 + q.shape[1] // num_kv_heads)](
+    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 + group)](
         k, v, slot_mapping, basis, key_offset, equalizer,
         kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(), q_in, q_out_arg,
         num_tokens,
@@ -350,7 +353,7 @@ def _write(
         OFFSET=offset is not None, EQUALIZE=equalize,
         K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
         V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
-        GROUP=q_in.shape[1] // num_kv_heads if q is not None else 1,
+        GROUP=max(group, 1),
         PRECISION=_query_precision(k),
         num_warps=8, **launch.pdl(k.device),
     )  # fmt: skip
