@@ -195,7 +195,7 @@ def main() -> None:
             step_bytes = weights + kv_bytes
             limit_tok_s = batch * bandwidth / step_bytes
             layer_kv = kv_bytes / config.num_hidden_layers
-            print(json.dumps({
+            row = {
                 "format": name, "kv_recent_window": window, "batch": batch, "context": context,
                 "decode_tok_s": round(figures["tok_s"], 1), "step_ms": round(figures["step_ms"], 3),
                 "step_bytes": step_bytes, "kv_bytes": kv_bytes, "limit_tok_s": round(limit_tok_s, 1),
@@ -203,7 +203,10 @@ def main() -> None:
                 "attention_op_us": round(figures["attention_op_us"], 1),
                 "attention_TB_s": round(layer_kv / figures["attention_op_us"] / 1e6, 3),
                 "copy_TB_s": round(bandwidth / 1e12, 3),
-            } | ({"kernels": figures["kernels"]} if "kernels" in figures else {})), flush=True)  # fmt: skip
+            }  # fmt: skip
+            if "kernels" in figures:
+                row["kernels"] = figures["kernels"]
+            print(json.dumps(row), flush=True)
         del llm
         gc.collect()
         if device == "cuda":

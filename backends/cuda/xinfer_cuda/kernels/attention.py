@@ -875,9 +875,9 @@ def paged_attention_cache(
     fmt = cache.format
     k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
     if fmt.rotate_keys:
-        rotated_q = rotate_queries(q, cache) if rotated_q is None else rotated_q
-        overrides.setdefault("out", torch.empty(q.shape, dtype=q.dtype, device=q.device))
-        q = rotated_q
+        if "out" not in overrides:  # in the model's dtype, not the rotated queries'
+            overrides["out"] = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q = rotate_queries(q, cache) if rotated_q is None else rotated_q
     out_basis = signed_basis(cache.head_dim, q.device) if fmt.rotate_values else None
     exact = None
     if cache.shadows is not None and meta.shadow_tables is not None:
