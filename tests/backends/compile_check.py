@@ -151,7 +151,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             if head_dim != 128:
                 continue
             cache.shadows, cache.recent_window = (t(4, 16, 8, head_dim), t(4, 16, 8, head_dim)), 64
-            kv_quant_write.write_shadow_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, torch.zeros(4, dtype=torch.int64))
+            slots = torch.zeros(4, dtype=torch.int64)
+            kv_quant_write.write_shadow_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, slots)
+            # the attention op's store: codes, shadows and queries in one launch
+            kv_quant_write.quant_write_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, slots, t(4, 32, head_dim), slots)
             for q_len, splits, decode_table in [(1, 4, table) for table in decode_tables] + [(8, None, None)]:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(

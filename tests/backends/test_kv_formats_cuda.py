@@ -253,13 +253,16 @@ def test_recent_window_reads_shadows_like_the_reference(fmt):
     assert relative_error(plain, want) > 10 * TOL[dtype]  # the window changed what was read
 
 
-def step_slots(cache: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-    """The slots of each sequence's last ``q_len`` positions: the step's own tokens."""
+def step_slots(cache: LayerKVCache, meta: AttentionMetadata, tables: torch.Tensor | None = None) -> torch.Tensor:
+    """The slots of each sequence's last ``q_len`` positions, the step's own tokens, in
+    the blocks of ``tables`` (the block tables unless given; -1 entries give -1)."""
+    tables = meta.block_tables if tables is None else tables
     q_lens = meta.cu_seqlens_q.diff().tolist()
     slots = []
     for b, (n, q_len) in enumerate(zip(meta.seq_lens.tolist(), q_lens)):
         for p in range(n - q_len, n):
-            slots.append(int(meta.block_tables[b, p // cache.block_size]) * cache.block_size + p % cache.block_size)
+            block = int(tables[b, p // cache.block_size])
+            slots.append(block * cache.block_size + p % cache.block_size if block >= 0 else -1)
     return torch.tensor(slots, dtype=torch.int64)
 
 
@@ -294,3 +297,30 @@ def test_attention_op_stores_the_step_then_attends(fmt, head_dim, dtype):
         return
     want_q = kv_format.prepare_query(q.float(), reference.equalizer)
     assert relative_error(rotated.float(), want_q) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt, dtype", [("fp8", torch.float32), ("turbo3", torch.float16)])
+def test_attention_op_stores_the_step_with_its_shadows(fmt, dtype):
+    """With a recent window the op's one write launch also stores the step's exact
+    copies where a token's block has a shadow (not where it has none): the codes, the
+    shadows and the output equal the CPU backend's."""
+    reference, device_cache, meta = write_case(fmt, dtype, 64, [37, 20, 9], [5, 1, 9])
+    # block 1 has no shadow: the second sequence's decode token (position 19) stores none
+    reference, meta = with_shadows(reference, meta, window=11, drop=1)
+    device_cache.shadows = tuple(torch.zeros_like(s, device=DEVICE) for s in reference.shadows)
+    device_cache.recent_window = reference.recent_window
+    slots, shadow_slots = step_slots(reference, meta), step_slots(reference, meta, meta.shadow_tables)
+    assert (shadow_slots < 0).sum() == 1
+    meta = replace(meta, slot_mapping=slots, shadow_slot_mapping=shadow_slots)
+    tokens, heads, scale = int(meta.cu_seqlens_q[-1]), 4, 0.125
+    q = torch.randn(tokens, heads, 64).to(dtype)
+    k, v = torch.randn(tokens, 2, 64).to(dtype), torch.randn(tokens, 2, 64).to(dtype)
+    device_meta = replace(on_device(meta), slot_mapping=slots.to(DEVICE), shadow_slot_mapping=shadow_slots.to(DEVICE))
+
+    want = CPU.attention(q, k, v, reference, meta, scale)
+    got = CUDA.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), device_cache, device_meta, scale)
+    assert_same_storage(device_cache, reference)
+    for got_shadow, want_shadow in zip(device_cache.shadows, reference.shadows):
+        assert want_shadow.abs().sum() > 0
+        torch.testing.assert_close(got_shadow.cpu().float(), want_shadow.float(), rtol=1e-3, atol=1e-3)
+    assert relative_error(got, want.float()) < TOL[dtype]

@@ -71,11 +71,10 @@ class CudaOps:
         window: int | None = None,
         softcap: float | None = None,
     ) -> Tensor:
-        # A rotated cache's write launch also brings the queries into the keys' basis,
-        # once per (token, head) instead of in every program that reads them.
-        rotated_q = self._store(k, v, cache, meta.slot_mapping, q)
-        if cache.shadows is not None and meta.shadow_slot_mapping is not None:
-            self.write_shadow_kv(k, v, cache, meta.shadow_slot_mapping)
+        # A quantized cache's write launch also stores the recent window's exact copies,
+        # and for a rotated cache brings the queries into the keys' basis, once per
+        # (token, head) instead of in every program that reads them.
+        rotated_q = self._store(k, v, cache, meta.slot_mapping, q, meta.shadow_slot_mapping)
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
 
     def attend(
@@ -91,11 +90,18 @@ class CudaOps:
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
 
     @staticmethod
-    def _store(k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor, q: Tensor | None = None) -> Tensor | None:
-        if cache.format.name == "auto":
+    def _store(
+        k: Tensor,
+        v: Tensor,
+        cache: LayerKVCache,
+        slot_mapping: Tensor,
+        q: Tensor | None = None,
+        shadow_slots: Tensor | None = None,
+    ) -> Tensor | None:
+        if cache.format.name == "auto":  # (the engine keeps no window over an unquantized cache)
             kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
             return None
-        return kv_quant_write.quant_write_kv(k, v, cache, slot_mapping, q)
+        return kv_quant_write.quant_write_kv(k, v, cache, slot_mapping, q, shadow_slots)
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
         graphs = StepGraphs(forward, limits, device)  # its warm-up runs measure the small-batch linears

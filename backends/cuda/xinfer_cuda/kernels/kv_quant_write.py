@@ -16,7 +16,7 @@ from torch import Tensor
 from xinfer.kv import LayerKVCache
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.basis import signed_basis
-from xinfer_cuda.kernels.kv_codes import CODE_FP8, CODE_PLAIN, PLAIN, Side, encode, side, vector_scale
+from xinfer_cuda.kernels.kv_codes import CODE_FP8, encode, side, vector_scale
 from xinfer_cuda.kernels.launch import pdl_entry
 
 
@@ -53,9 +53,12 @@ def _write_side(
     basis_ptr,
     offset_row,
     equalizer_row,
+    shadow_dst,
+    shadow_rows,
     BLOCK_T: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHADOW: tl.constexpr,
     ROTATE: tl.constexpr,
     OFFSET: tl.constexpr,
     EQUALIZE: tl.constexpr,
@@ -65,9 +68,12 @@ def _write_side(
     RMS_CLIP: tl.constexpr,
 ):
     """One side of BLOCK_T tokens: ``src``, ``data_dst``, ``scale_dst`` point at each
-    token's row of this head; only ``rows`` are read and written. Each step rounds to
-    the model dtype where the reference does: ``k - offset``, then ``/ equalizer``."""
+    token's row of this head; only ``rows`` are written. Each step rounds to the model
+    dtype where the reference does: ``k - offset``, then ``/ equalizer``. With
+    ``SHADOW``, the ``shadow_rows`` are also stored exact (transformed, not encoded) at
+    ``shadow_dst``."""
     dims = tl.arange(0, HEAD_DIM)
+    read = rows | shadow_rows if SHADOW else rows
     if ROTATE:
         # x @ basis / sqrt(D) over chunks of the input dim, so that a chunk of the basis,
         # not all of it, is on chip at a time. Its ±1 entries times values in the model
@@ -75,7 +81,7 @@ def _write_side(
         x = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
         for start in tl.range(0, HEAD_DIM, BLOCK_K):
             chunk = start + tl.arange(0, BLOCK_K)
-            part = tl.load(src[:, None] + chunk[None, :], mask=rows[:, None], other=0.0)
+            part = tl.load(src[:, None] + chunk[None, :], mask=read[:, None], other=0.0)
             if OFFSET:
                 c = tl.load(offset_row + chunk).to(part.dtype).to(tl.float32)
                 part = (part.to(tl.float32) - c[None, :]).to(part.dtype)
@@ -86,14 +92,13 @@ def _write_side(
             x = tl.dot(part, basis, acc=x, input_precision="ieee")
         x = x * (1.0 / HEAD_DIM**0.5)
     else:
-        x = tl.load(src[:, None] + dims[None, :], mask=rows[:, None], other=0.0)
+        x = tl.load(src[:, None] + dims[None, :], mask=read[:, None], other=0.0)
         if OFFSET:
             c = tl.load(offset_row + dims).to(x.dtype).to(tl.float32)
             x = (x.to(tl.float32) - c[None, :]).to(x.dtype)
         x = x.to(tl.float32)
-    if CODE == CODE_PLAIN:  # a shadow block: the transformed row, in the model dtype
-        tl.store(data_dst[:, None] + dims[None, :], x.to(data_dst.dtype.element_ty), mask=rows[:, None])
-        return
+    if SHADOW:  # a recent window's exact copy: the transformed row, in the model dtype
+        tl.store(shadow_dst[:, None] + dims[None, :], x.to(shadow_dst.dtype.element_ty), mask=shadow_rows[:, None])
     scale = vector_scale(x, HEAD_DIM, RMS_CLIP)
     tl.store(scale_dst, scale, mask=rows)
     codes = encode(x, scale, levels_ptr, CODE, LEVELS)
@@ -185,6 +190,9 @@ def _quant_write_kv_kernel(
     v_levels_ptr,
     q_ptr,
     q_out_ptr,
+    shadow_slot_ptr,
+    k_shadow_ptr,
+    v_shadow_ptr,
     num_tokens,
     stride_q_tok,
     stride_q_head,
@@ -208,10 +216,14 @@ def _quant_write_kv_kernel(
     stride_vs_block,
     stride_vs_slot,
     stride_vs_head,
+    stride_sh_block,
+    stride_sh_slot,
+    stride_sh_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHADOW: tl.constexpr,
     OFFSET: tl.constexpr,
     EQUALIZE: tl.constexpr,
     K_ROTATE: tl.constexpr,
@@ -245,6 +257,13 @@ def _quant_write_kv_kernel(
     slot = tl.maximum(slot, 0)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
+    shadow_rows = rows
+    shadow_at = 0
+    if SHADOW:  # K and V shadows share a layout
+        shadow = tl.load(shadow_slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+        shadow_rows = shadow >= 0
+        shadow = tl.maximum(shadow, 0)
+        shadow_at = shadow // BLOCK_SIZE * stride_sh_block + shadow % BLOCK_SIZE * stride_sh_slot + head * stride_sh_head
     tokens = tokens.to(tl.int64)
     if tl.program_id(2) == 0:  # K and V in programs of their own: twice the parallelism
         _write_side(
@@ -252,7 +271,8 @@ def _quant_write_kv_kernel(
             k_data_ptr + block * stride_kd_block + offset * stride_kd_slot + head * stride_kd_head,
             k_scale_ptr + block * stride_ks_block + offset * stride_ks_slot + head * stride_ks_head,
             rows, k_levels_ptr, basis_ptr, offset_ptr + head * stride_off_head, equalizer_ptr + head * stride_eq_head,
-            BLOCK_T, HEAD_DIM, BLOCK_K, K_ROTATE, OFFSET, EQUALIZE, K_CODE, K_BITS, K_LEVELS, K_CLIP,
+            k_shadow_ptr + shadow_at, shadow_rows,
+            BLOCK_T, HEAD_DIM, BLOCK_K, SHADOW, K_ROTATE, OFFSET, EQUALIZE, K_CODE, K_BITS, K_LEVELS, K_CLIP,
         )  # fmt: skip
     else:
         _write_side(
@@ -260,12 +280,18 @@ def _quant_write_kv_kernel(
             v_data_ptr + block * stride_vd_block + offset * stride_vd_slot + head * stride_vd_head,
             v_scale_ptr + block * stride_vs_block + offset * stride_vs_slot + head * stride_vs_head,
             rows, v_levels_ptr, basis_ptr, offset_ptr, equalizer_ptr,
-            BLOCK_T, HEAD_DIM, BLOCK_K, V_ROTATE, False, False, V_CODE, V_BITS, V_LEVELS, V_CLIP,
+            v_shadow_ptr + shadow_at, shadow_rows,
+            BLOCK_T, HEAD_DIM, BLOCK_K, SHADOW, V_ROTATE, False, False, V_CODE, V_BITS, V_LEVELS, V_CLIP,
         )  # fmt: skip
 
 
 def quant_write_kv(
-    k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor, q: Tensor | None = None
+    k: Tensor,
+    v: Tensor,
+    cache: LayerKVCache,
+    slot_mapping: Tensor,
+    q: Tensor | None = None,
+    shadow_slots: Tensor | None = None,
 ) -> Tensor | None:
     """Encode ``k``, ``v`` [T, Hkv, D] into ``cache`` at ``slot_mapping`` [T] (negative:
     skipped) as ``cache.format.quantize(k, v, cache.dtype, cache.equalizer,
@@ -276,10 +302,62 @@ def quant_write_kv(
     Given the step's queries ``q`` [T, H, D] and a format that rotates keys, the same
     launch also returns them in the keys' basis, ``cache.format.prepare_query(q,
     cache.equalizer)``, in the dtype the attention kernels score quantized keys in
-    (fp16; fp32 for fp32 queries); else None."""
+    (fp16; fp32 for fp32 queries); else None.
+
+    Given ``shadow_slots`` [T] (negative: none) of a cache with shadow blocks, the same
+    launch also does what :func:`write_shadow_kv` does: one launch where a recent
+    window took two per layer."""
     fmt = cache.format
-    queries = q if q is not None and fmt.rotate_keys else None
-    return _write(k, v, cache, side(cache, "k", fmt.key), side(cache, "v", fmt.value), slot_mapping, queries)
+    q = q if fmt.rotate_keys else None
+    shadow_slots = shadow_slots if cache.shadows is not None else None
+    k_side, v_side = side(cache, "k", fmt.key), side(cache, "v", fmt.value)
+    rotate_keys, rotate_values, equalizer = fmt.rotate_keys, fmt.rotate_values, cache.equalizer
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return None if q is None else torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    assert k_side.data.stride(-1) == 1 and v_side.data.stride(-1) == 1
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, head_dim
+    equalize = rotate_keys and equalizer is not None
+    offset = cache.key_offset
+    # k stands in for the tensors a launch does not read.
+    basis = signed_basis(head_dim, k.device) if rotate_keys or rotate_values else k
+    equalizer = equalizer.contiguous() if equalize else k
+    key_offset = offset.contiguous() if offset is not None else k
+    kd, ks, vd, vs = k_side.data, k_side.scale_or_data(), v_side.data, v_side.scale_or_data()
+    # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
+    # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
+    block_t = 16 if num_tokens <= 256 else 64
+    # Programs per (tokens, KV head): K, V, then one per query head of its group.
+    group = q.shape[1] // num_kv_heads if q is not None else 0
+    if q is not None:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        q_out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
+    q_in, q_out_arg = (q, q_out) if q is not None else (k, k)
+    # (k and the slot mapping stand in where there are no shadows)
+    k_shadow, v_shadow = cache.shadows if shadow_slots is not None else (k, k)
+    assert k_shadow.stride() == v_shadow.stride(), "K and V shadows must share a layout"
+    shadow_strides = k_shadow.stride()[:3] if shadow_slots is not None else (0, 0, 0)
+    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 + group)](
+        k, v, slot_mapping, basis, key_offset, equalizer,
+        kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(), q_in, q_out_arg,
+        shadow_slots if shadow_slots is not None else slot_mapping, k_shadow, v_shadow,
+        num_tokens,
+        q_in.stride(0), q_in.stride(1), q_out_arg.stride(0), q_out_arg.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_offset.stride(0), equalizer.stride(0),
+        kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), *shadow_strides,
+        HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
+        BLOCK_K=_rotation_chunk(k), SHADOW=shadow_slots is not None,
+        OFFSET=offset is not None, EQUALIZE=equalize,
+        K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
+        V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
+        GROUP=max(group, 1),
+        PRECISION=_query_precision(k),
+        num_warps=8, **launch.pdl(k.device),
+    )  # fmt: skip
+    return q_out if q is not None else None
 
 
 def rotate_queries(q: Tensor, cache: LayerKVCache) -> Tensor:
@@ -307,57 +385,10 @@ def rotate_queries(q: Tensor, cache: LayerKVCache) -> Tensor:
 def write_shadow_kv(k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
     """Store ``k``, ``v`` exactly into ``cache.shadows`` at ``shadow_slots`` (negative:
     skipped): transformed as :func:`quant_write_kv` transforms them
-    (``cache.format.stored_basis``), in the model dtype, not encoded."""
-    k_shadow, v_shadow = cache.shadows
-    _write(k, v, cache, Side(k_shadow, None, None, PLAIN), Side(v_shadow, None, None, PLAIN), shadow_slots)
-
-
-def _write(
-    k: Tensor, v: Tensor, cache: LayerKVCache, k_side: Side, v_side: Side, slot_mapping: Tensor, q: Tensor | None = None
-) -> Tensor | None:
-    fmt = cache.format
-    rotate_keys, rotate_values, equalizer = fmt.rotate_keys, fmt.rotate_values, cache.equalizer
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return None if q is None else torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    assert k_side.data.stride(-1) == 1 and v_side.data.stride(-1) == 1
-    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, head_dim
-    equalize = rotate_keys and equalizer is not None
-    offset = cache.key_offset
-    # k stands in for the tensors a launch does not read.
-    basis = signed_basis(head_dim, k.device) if rotate_keys or rotate_values else k
-    equalizer = equalizer.contiguous() if equalize else k
-    key_offset = offset.contiguous() if offset is not None else k
-    kd, ks, vd, vs = k_side.data, k_side.scale_or_data(), v_side.data, v_side.scale_or_data()
-    # 16 rows fill the smallest tensor-core tile; a long prompt's programs take 64, each
-    # loading the basis once (on an H200 about 2x faster at 4096 tokens, slower at 128).
-    block_t = 16 if num_tokens <= 256 else 64
-    # Programs per (tokens, KV head): K, V, then one per query head of its group.
-    group = q.shape[1] // num_kv_heads if q is not None else 0
-    if q is not None:
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        q_out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
-    q_in, q_out_arg = (q, q_out) if q is not None else (k, k)
-    _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 + group)](
-        k, v, slot_mapping, basis, key_offset, equalizer,
-        kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(), q_in, q_out_arg,
-        num_tokens,
-        q_in.stride(0), q_in.stride(1), q_out_arg.stride(0), q_out_arg.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_offset.stride(0), equalizer.stride(0),
-        kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-        HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
-        BLOCK_K=_rotation_chunk(k),
-        OFFSET=offset is not None, EQUALIZE=equalize,
-        K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
-        V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
-        GROUP=max(group, 1),
-        PRECISION=_query_precision(k),
-        num_warps=8, **launch.pdl(k.device),
-    )  # fmt: skip
-    return q_out if q is not None else None
+    (``cache.format.stored_basis``), in the model dtype, not encoded. The write launch
+    with no code rows; the attention op stores both in one launch instead."""
+    no_codes = torch.full_like(shadow_slots, -1)
+    quant_write_kv(k, v, cache, no_codes, shadow_slots=shadow_slots)
 
 
 def _rotation_chunk(x: Tensor) -> int:
