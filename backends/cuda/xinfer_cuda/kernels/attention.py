@@ -13,6 +13,8 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   tile one query would fill a group's rows of a 128-row tile and leave the rest
   idle). Flash-decoding: each sequence's context is split across ``NUM_SPLITS``
   programs per KV head, which write partial (acc, max, sum); the reduce merges them.
+  With a recent window one more program per KV head reads the keys that may be
+  exact (the first block, the last ``recent``) and the splits share the rest.
   KV heads are the grid's fastest axis, so programs start in row order, every head of
   a sequence together: the engine's rows come longest context first.
   The grid depends only on tensor shapes and the split lengths are computed from
@@ -248,6 +250,17 @@ def _attend_tile(
 
 
 @triton.jit
+def _exact_spans(start, end, near_from, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where keys [start, end) split into the spans :func:`_attend_keys` reads with a
+    recent window: exact tiles over the first block up to ``head_end``, plain tiles up to
+    ``far_end`` (the first position any row reads by recency, ``near_from``), exact
+    tiles over the rest."""
+    EXACT_N: tl.constexpr = 32 if BLOCK_N >= 64 else 16  # as _attend_keys reads them
+    head_end = tl.minimum(start + tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), EXACT_N) * EXACT_N, end)
+    return head_end, tl.maximum(tl.minimum(near_from, end), head_end)
+
+
+@triton.jit
 def _attend_keys(
     acc_lo,
     acc_hi,
@@ -335,8 +348,7 @@ def _attend_keys(
     OWN_END: tl.constexpr = MASK_BOUNDS if MASK == MASK_NONE else MASK
     head_end, far_end = start, end
     if EXACT:
-        head_end = tl.minimum(start + tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), EXACT_N) * EXACT_N, end)
-        far_end = tl.maximum(tl.minimum(near_from, end), head_end)
+        head_end, far_end = _exact_spans(start, end, near_from, BLOCK_SIZE, BLOCK_N)
     for span in tl.static_range(3):  # (a span's constants are expressions: constexprs cannot be reassigned)
         if EXACT or span == 1:
             lo = start if span == 0 else head_end if span == 1 else far_end
@@ -526,17 +538,10 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _split_range(
-    seq_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr
-):
-    """First visible key of a decode query and the length of each split (a multiple of
-    MIN_SPLIT); the decode and reduce kernels must agree on both."""
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    else:
-        lo = seq_len * 0
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), MIN_SPLIT) * MIN_SPLIT
-    return lo, tl.maximum(split_len, MIN_SPLIT)
+def _split_len(num_keys, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Keys per split of ``num_keys``: a multiple of MIN_SPLIT."""
+    split_len = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), MIN_SPLIT) * MIN_SPLIT
+    return tl.maximum(split_len, MIN_SPLIT)
 
 
 @triton.jit
@@ -590,6 +595,7 @@ def _decode_kernel(
     HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    NUM_PARTS: tl.constexpr,  # the splits, and with EXACT the exact part
     MIN_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -618,12 +624,27 @@ def _decode_kernel(
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo, split_len = _split_range(seq_len, window, HAS_WINDOW, NUM_SPLITS, MIN_SPLIT)
-    start = lo + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    if NUM_SPLITS > 1:
-        if start >= end:  # the reduce kernel skips this split too
-            return
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = seq_len * 0
+    # With a recent window, a program of its own (part NUM_SPLITS) reads the exact
+    # spans (the first block, the last ``recent`` keys) while the splits share the
+    # plain keys between them: the exact tiles are as slow as whole ones, and in the
+    # last split they lengthened the step's slowest program by a third.
+    near_from = seq_len - recent
+    plain_lo, plain_hi = lo, seq_len
+    if EXACT:
+        plain_lo, plain_hi = _exact_spans(lo, seq_len, near_from, BLOCK_SIZE, BLOCK_N)
+    split_len = _split_len(plain_hi - plain_lo, NUM_SPLITS, MIN_SPLIT)
+    start = plain_lo + split * split_len
+    end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    a_lo, a_hi, b_lo, b_hi = start, full_end, full_end, end
+    if EXACT:
+        exact_part = split == NUM_SPLITS
+        a_lo, a_hi = tl.where(exact_part, lo, a_lo), tl.where(exact_part, plain_lo, a_hi)
+        b_lo, b_hi = tl.where(exact_part, plain_hi, b_lo), tl.where(exact_part, seq_len, b_hi)
 
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
@@ -644,10 +665,10 @@ def _decode_kernel(
     ek_head = ek_cache_ptr + kv_head * stride_e_head
     ev_head = ev_cache_ptr + kv_head * stride_e_head
     shadow_table = shadow_tables_ptr + seq.to(tl.int64) * stride_st
-    near_from = seq_len - recent
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    # [a_lo, a_hi): a split's whole tiles, or the exact part's first block; [b_lo, b_hi):
+    # a split's last tile, or the exact part's recent keys
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
-        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, start, full_end,
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, a_lo, a_hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -656,7 +677,7 @@ def _decode_kernel(
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
-        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_end, end,
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, b_lo, b_hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -667,13 +688,13 @@ def _decode_kernel(
 
     # Rotating back is linear: split partials stay in the rotated basis, and the reduce
     # rotates their merge once per (token, head).
-    if NUM_SPLITS == 1:
+    if NUM_PARTS == 1:
         norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
         _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
     else:
-        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_PARTS + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
@@ -688,16 +709,13 @@ def _decode_reduce_kernel(
     part_max_ptr,
     part_sum_ptr,
     cu_seqlens_q_ptr,
-    seq_lens_ptr,
-    window,
     stride_o_tok,
     stride_o_head,
     num_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr,
     ROTATE_OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -708,13 +726,11 @@ def _decode_reduce_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_len != 1:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    lo, split_len = _split_range(seq_len, window, HAS_WINDOW, NUM_SPLITS, MIN_SPLIT)
-    num_active = tl.cdiv(seq_len - lo, split_len)
 
-    splits = tl.arange(0, NUM_SPLITS)
-    active = splits < num_active
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
+    # (a part that read no keys left max NEG_BIG, sum and acc 0: it weighs nothing)
+    parts = tl.arange(0, BLOCK_PARTS)
+    active = parts < NUM_PARTS
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_PARTS + parts
     m = tl.load(part_max_ptr + part, mask=active, other=NEG_BIG)
     total = tl.load(part_sum_ptr + part, mask=active, other=0.0)
     weight = tl.where(active, tl.exp2(m - tl.max(m, 0)), 0.0)
@@ -1023,28 +1039,29 @@ def attend_sides(
         waves = 1 if long_tiles and not fills_gpu else 4 if quantized else 2
         num_splits = decode_num_splits(meta.num_seqs, num_kv_heads, max_context, num_sms, min_split, waves)
     assert num_splits & (num_splits - 1) == 0, num_splits
-    if num_splits > 1:
-        part_shape = (meta.num_seqs, num_heads, num_splits)
+    num_parts = num_splits + (exact is not None)  # the exact part, with a recent window
+    if num_parts > 1:
+        part_shape = (meta.num_seqs, num_heads, num_parts)
         part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
         part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_max = part_sum = out  # unused
-    _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](
+    _decode_kernel[(num_kv_heads, meta.num_seqs, num_parts)](
         q, *cache_ptrs, basis, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg, *exact_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache_strides, num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
+        NUM_SPLITS=num_splits, NUM_PARTS=num_parts, MIN_SPLIT=min_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
-    if num_splits > 1:
+    if num_parts > 1:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
-            out, part_acc, basis, part_max, part_sum, meta.cu_seqlens_q, meta.seq_lens, window_arg,
+            out, part_acc, basis, part_max, part_sum, meta.cu_seqlens_q,
             out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            MIN_SPLIT=min_split, HAS_WINDOW=has_window, ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
+            ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,
         )  # fmt: skip
     return out
