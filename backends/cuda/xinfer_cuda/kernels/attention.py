@@ -314,6 +314,7 @@ def _attend_keys(
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
     EXACT: tl.constexpr,
+    PLAIN_WHOLE: tl.constexpr = False,
 ):
     """Fold the keys at positions [start, end) into the running (acc, l_i, m_i).
 
@@ -330,7 +331,9 @@ def _attend_keys(
     first block and the keys from ``near_from`` (the first position any row reads exact
     by recency) on can be read so; they go through short tiles of their own (32 keys or
     fewer: a shadow tile beside each quantized one spilled at long tiles), and the keys
-    between them through whole tiles that read no shadows.
+    between them through whole tiles that read no shadows. Those hide the keys past
+    their span's end unless ``PLAIN_WHOLE`` (the caller's whole tiles end where that
+    span does): then they take ``MASK``.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
@@ -359,7 +362,7 @@ def _attend_keys(
                     k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
                     stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
                     score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot,
-                    recent, OWN_END if EXACT else MASK, HAS_WINDOW, HAS_SOFTCAP, EXACT_N if EXACT and span != 1 else BLOCK_N,
+                    recent, MASK if not EXACT or (span == 1 and PLAIN_WHOLE) else OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N if EXACT and span != 1 else BLOCK_N,
                     BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
                     K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT and span != 1,
                 )  # fmt: skip
@@ -674,7 +677,7 @@ def _decode_kernel(
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT, True,  # a split's whole tiles
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, b_lo, b_hi,
