@@ -26,7 +26,9 @@ shapes and decode split counts (and quantized decode with the portable code deco
 instead of PTX);
 ``--kv-formats`` adds attention over caches in those formats (filled
 with random keys and values through each format's write path, the equalizer random),
-``bytes`` then counting each format's real bytes per token. ``--smoke`` checks this script under the interpreter (times meaningless).
+``bytes`` then counting each format's real bytes per token; ``--kv-recent-window W``
+adds each of them with a recent window (every block with a shadow, filled likewise;
+``bytes`` leaves out the few shadow rows read). ``--smoke`` checks this script under the interpreter (times meaningless).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def linear_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device, sweep
     return cases
 
 
-def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
+def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto", recent_window=0):
     from xinfer.kv import get_format
     from xinfer.ops import AttentionMetadata
     from xinfer_cuda.ops import CudaOps
@@ -205,6 +207,15 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
     for b, n in enumerate(blocks):
         tables[b, :n] = order[start : start + n]
         start += n
+    shadow_tables = None
+    if recent_window:  # every block keeps a shadow (the window's reads do not depend on how many)
+        shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)
+        cache.shadows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        cache.recent_window = recent_window
+        for chunk in slots.split(1 << 16):
+            k = _rand(len(chunk), s.kv_heads, s.head_dim, dtype=dtype, device=device)
+            ops.write_shadow_kv(k, torch.randn_like(k), cache, chunk)
+        shadow_tables = tables
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         cu_seqlens_q=cu,
@@ -213,13 +224,19 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto"):
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=device),
         max_seqlen_q=max(q_lens),
         max_seq_len=max(seq_lens),
+        shadow_tables=shadow_tables,
     )
     q = _rand(sum(q_lens), s.heads, s.head_dim, dtype=dtype, device=device)
     return q, cache, meta
 
 
 def attention_cases(
-    s: Shapes, dtype: torch.dtype, device: torch.device, sweep: bool, kv_formats: tuple[str, ...] = ()
+    s: Shapes,
+    dtype: torch.dtype,
+    device: torch.device,
+    sweep: bool,
+    kv_formats: tuple[str, ...] = (),
+    recent_window: int = 0,
 ) -> list[Case]:
     from xinfer.kv import get_format
     from xinfer_cuda.kernels import attention, kv_codes
@@ -229,9 +246,9 @@ def attention_cases(
     qo_bytes_per_token = 2 * s.heads * s.head_dim * el
     cases = []
 
-    def case(kernel, name, q_lens, seq_lens, flops, kv_format="auto", **overrides):
+    def case(kernel, name, q_lens, seq_lens, flops, kv_format="auto", window=0, **overrides):
         def make():
-            q, cache, meta = _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format)
+            q, cache, meta = _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format, window)
             return lambda: attention.paged_attention_cache(q, cache, meta, scale, **overrides)
 
         kv = sum(seq_lens) * s.kv_heads * get_format(kv_format).bytes_per_token(s.head_dim, dtype)
@@ -239,6 +256,8 @@ def attention_cases(
         extra = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in overrides.items()}
         if kv_format != "auto":
             extra["kv_cache_dtype"] = kv_format
+        if window:
+            extra["kv_recent_window"] = window
         return Case(kernel, name, make, kv + qo, kv + qo, flops, extra or None)
 
     for batch, context in s.decode:
@@ -246,6 +265,8 @@ def attention_cases(
         name, q_lens, seq_lens = f"b{batch}_ctx{context}", [1] * batch, [context] * batch
         for kv_format in ("auto", *kv_formats):
             cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format))
+            if recent_window and kv_format != "auto":
+                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, recent_window))
             if not sweep:
                 continue
             for splits in SWEEP_SPLITS:
@@ -262,6 +283,8 @@ def attention_cases(
     flops = 4 * (t * (t + 1) // 2) * s.heads * s.head_dim
     for kv_format in ("auto", *kv_formats):
         cases.append(case("attention_prefill", f"t{t}", [t], [t], flops, kv_format))
+        if recent_window and kv_format != "auto":
+            cases.append(case("attention_prefill", f"t{t}", [t], [t], flops, kv_format, recent_window))
     if sweep:
         for tiles in SWEEP_PREFILL_TILES:
             tile_config = attention.TileConfig(*tiles)
@@ -302,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--only", default="", help="comma-separated kernel names to run")
     parser.add_argument("--kv-formats", nargs="*", default=[], help="also time attention over these KV cache formats")
+    parser.add_argument("--kv-recent-window", type=int, default=0, metavar="W",
+                        help="also time attention over the --kv-formats caches keeping each query's last W keys exact")
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -337,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = (
         row_cases(shapes, ops, dtype, device)
         + linear_cases(shapes, ops, dtype, device, args.sweep)
-        + attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats))
+        + attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats), args.kv_recent_window)
     )
     only = {name for name in args.only.split(",") if name}
     for case in cases:
