@@ -196,26 +196,24 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto", rece
     if fmt.rotate_keys:  # the key transforms the engine calibrates for such formats
         cache.equalizer = torch.rand(s.kv_heads, s.head_dim, device=device) + 0.5
         cache.key_offset = torch.randn(s.kv_heads, s.head_dim, device=device)
+    if recent_window:  # every block keeps a shadow (the window's reads do not depend on how many)
+        shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)
+        cache.shadows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        cache.recent_window = recent_window
     slots = torch.arange(num_blocks * s.block_size, device=device)
     ops = CudaOps()
     for chunk in slots.split(1 << 16):  # random keys and values through the format's write path
         k = _rand(len(chunk), s.kv_heads, s.head_dim, dtype=dtype, device=device)
-        ops.write_kv(k, torch.randn_like(k), cache, chunk)
+        v = torch.randn_like(k)
+        ops.write_kv(k, v, cache, chunk)
+        if recent_window:
+            ops.write_shadow_kv(k, v, cache, chunk)
     order = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks
     tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
     start = 0
     for b, n in enumerate(blocks):
         tables[b, :n] = order[start : start + n]
         start += n
-    shadow_tables = None
-    if recent_window:  # every block keeps a shadow (the window's reads do not depend on how many)
-        shape = (num_blocks, s.block_size, s.kv_heads, s.head_dim)
-        cache.shadows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-        cache.recent_window = recent_window
-        for chunk in slots.split(1 << 16):
-            k = _rand(len(chunk), s.kv_heads, s.head_dim, dtype=dtype, device=device)
-            ops.write_shadow_kv(k, torch.randn_like(k), cache, chunk)
-        shadow_tables = tables
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         cu_seqlens_q=cu,
@@ -224,7 +222,7 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto", rece
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=device),
         max_seqlen_q=max(q_lens),
         max_seq_len=max(seq_lens),
-        shadow_tables=shadow_tables,
+        shadow_tables=tables if recent_window else None,
     )
     q = _rand(sum(q_lens), s.heads, s.head_dim, dtype=dtype, device=device)
     return q, cache, meta

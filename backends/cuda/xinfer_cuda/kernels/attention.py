@@ -598,7 +598,6 @@ def _decode_kernel(
     HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    NUM_PARTS: tl.constexpr,  # the splits, and with EXACT the exact part
     MIN_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -619,6 +618,7 @@ def _decode_kernel(
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
+    NUM_PARTS: tl.constexpr = NUM_SPLITS + EXACT  # the splits, and with EXACT the exact part
     kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -1057,7 +1057,7 @@ def attend_sides(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache_strides, num_heads,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits, NUM_PARTS=num_parts, MIN_SPLIT=min_split,
+        NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
     if num_parts > 1:

@@ -335,21 +335,23 @@ def quant_write_kv(
         q = q if q.stride(-1) == 1 else q.contiguous()
         q_out = torch.empty(q.shape, dtype=_rotated_query_dtype(q), device=q.device)
     q_in, q_out_arg = (q, q_out) if q is not None else (k, k)
-    # (k and the slot mapping stand in where there are no shadows)
-    k_shadow, v_shadow = cache.shadows if shadow_slots is not None else (k, k)
-    assert k_shadow.stride() == v_shadow.stride(), "K and V shadows must share a layout"
-    shadow_strides = k_shadow.stride()[:3] if shadow_slots is not None else (0, 0, 0)
+    shadow = shadow_slots is not None
+    if shadow:
+        k_shadow, v_shadow = cache.shadows
+        assert k_shadow.stride() == v_shadow.stride(), "K and V shadows must share a layout"
+    else:  # (k and the slot mapping stand in)
+        shadow_slots, k_shadow, v_shadow = slot_mapping, k, k
     _quant_write_kv_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads, 2 + group)](
         k, v, slot_mapping, basis, key_offset, equalizer,
         kd, ks, k_side.levels_or_data(), vd, vs, v_side.levels_or_data(), q_in, q_out_arg,
-        shadow_slots if shadow_slots is not None else slot_mapping, k_shadow, v_shadow,
+        shadow_slots, k_shadow, v_shadow,
         num_tokens,
         q_in.stride(0), q_in.stride(1), q_out_arg.stride(0), q_out_arg.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), key_offset.stride(0), equalizer.stride(0),
         kd.stride(0), kd.stride(1), kd.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), *shadow_strides,
+        vd.stride(0), vd.stride(1), vd.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), *k_shadow.stride()[:3],
         HEAD_DIM=head_dim, BLOCK_SIZE=kd.shape[1], BLOCK_T=block_t,
-        BLOCK_K=_rotation_chunk(k), SHADOW=shadow_slots is not None,
+        BLOCK_K=_rotation_chunk(k), SHADOW=shadow,
         OFFSET=offset is not None, EQUALIZE=equalize,
         K_ROTATE=rotate_keys, K_CODE=k_side.code, K_BITS=k_side.bits, K_LEVELS=k_side.num_levels, K_CLIP=k_side.rms_clip,
         V_ROTATE=rotate_values, V_CODE=v_side.code, V_BITS=v_side.bits, V_LEVELS=v_side.num_levels, V_CLIP=v_side.rms_clip,
