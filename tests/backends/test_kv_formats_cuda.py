@@ -219,16 +219,17 @@ def with_shadows(cache: LayerKVCache, meta: AttentionMetadata, window: int, drop
     return cache, replace(meta, shadow_tables=tables)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "turbo4", "turbo3"])
-def test_recent_window_reads_shadows_like_the_reference(fmt):
+@pytest.mark.parametrize("fmt, window", [("fp8", 11), ("turbo4", 11), ("turbo3", 11), ("turbo4", 37)])
+def test_recent_window_reads_shadows_like_the_reference(fmt, window):
     """Shadow writes equal the reference's; prefill and decode read each key exact where
     the CPU backend does (within the window of the query, or in the first block)."""
     dtype = torch.float32
-    # The decode query at 41 reads 31 on exact, the last key of a 16-key tile; the one
-    # at 79 reads tiles between its first block and its window that hold no exact key.
+    # With a window of 11 the decode query at 41 reads 31 on exact, the last key of a
+    # 16-key tile; the one at 79 reads tiles between its first block and its window
+    # that hold no exact key. A window of 37 spreads its keys over three exact tiles.
     reference, device_cache, meta = write_case(fmt, dtype, 64, [45, 42, 80, 9], [13, 1, 1, 9])
     block_size = reference.block_size
-    reference, meta = with_shadows(reference, meta, window=11, drop=2)
+    reference, meta = with_shadows(reference, meta, window=window, drop=2)
     device_cache.shadows = tuple(torch.zeros_like(s, device=DEVICE) for s in reference.shadows)
     device_cache.recent_window = reference.recent_window
     # every context position written to its shadow slot (the reference of the slots)
