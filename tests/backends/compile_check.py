@@ -132,8 +132,11 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             sides = (kv_codes.side(cache, "k", fmt.key), kv_codes.side(cache, "v", fmt.value))
             long_tiles = attention.long_tiles_fit(sides, cc // 10)
             decode_tables = [attention._DECODE_TILES] + ([attention._LONG_DECODE_TILES] if long_tiles else [])
-            steps = [(1, 4, table) for table in decode_tables] + [(8, None, attention._DECODE_TILES)]
-            for q_len, splits, decode_table in steps:
+            steps = [(1, 4, tiles(table, head_dim)) for table in decode_tables] + [(8, None, tiles(attention._DECODE_TILES, head_dim))]
+            deep = replace(steps[-2][2], num_stages=3)  # 3-bit keys' long tiles at small batches
+            if long_tiles and sides[0].bits == 3 and attention._shared_bytes(deep, head_dim, element_size) <= shared_mem:
+                steps.append((1, 4, deep))
+            for q_len, splits, decode_tiles in steps:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
                     cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
@@ -141,8 +144,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 )  # fmt: skip
                 attention.paged_attention_cache(
                     t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
-                    prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
-                    decode_tiles=tiles(decode_table, head_dim),
+                    prefill_tiles=tiles(attention._PREFILL_TILES, head_dim), decode_tiles=decode_tiles,
                     decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
                 )  # fmt: skip
             # A recent window: shadow writes, and attention reading shadows. Its own code

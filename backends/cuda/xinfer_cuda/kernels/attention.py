@@ -825,8 +825,15 @@ def long_tiles_fit(sides: tuple[Side, Side], major: int) -> bool:
     return quantized and not (major < 9 and any(s.code == LLOYD for s in sides))
 
 
-def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False) -> TileConfig:
-    return _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
+def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False, deep: bool = False) -> TileConfig:
+    """The decode tiles; ``deep``: a third pipeline stage where the GPU has the shared
+    memory for it (tensor-core tiles only)."""
+    cfg = _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
+    deeper = replace(cfg, num_stages=3)
+    if deep and cfg not in (_FMA_TILES, _INTERPRETER_TILES):
+        if _shared_bytes(deeper, head_dim, q.element_size()) <= _device_limits(q.device.index or 0)[2]:
+            return deeper
+    return cfg
 
 
 def _min_split(cfg: TileConfig) -> int:
@@ -1035,7 +1042,11 @@ def attend_sides(
     one_wave = triton.cdiv(num_sms, meta.num_seqs * num_kv_heads)
     long_context = max_context >= one_wave * _min_split(decode_config(head_dim, q, long_tiles=True))
     long_tiles = long_tiles_fit(sides, major) and (fills_gpu or long_context)
-    cfg = decode_tiles or decode_config(head_dim, q, long_tiles)
+    # 3-bit keys take a third stage where the batch leaves multiprocessors idle (H200,
+    # one layer at 1 x 32k: turbo3 61.8 -> 53.0 us; at 64 x 8k, a full GPU, 579 -> 623).
+    # Not with a recent window: there it was not timed, and it spills more.
+    deep = long_tiles and not fills_gpu and k_side.bits == 3 and exact is None
+    cfg = decode_tiles or decode_config(head_dim, q, long_tiles, deep)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = _min_split(cfg)
     if num_splits is None:
