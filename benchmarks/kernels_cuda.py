@@ -28,12 +28,16 @@ instead of PTX);
 with random keys and values through each format's write path, the equalizer random),
 ``bytes`` then counting each format's real bytes per token; ``--kv-recent-window W``
 adds each of them with a recent window (every block with a shadow, filled likewise;
-``bytes`` leaves out the few shadow rows read). ``--smoke`` checks this script under the interpreter (times meaningless).
+``bytes`` leaves out the few shadow rows read). ``--attention-variant LABEL=PATH`` times
+the attention cases also through another copy of ``attention.py`` (a branch's, say:
+``git show BRANCH:backends/cuda/xinfer_cuda/kernels/attention.py > /tmp/a.py``), in
+the same process, each line labelled. ``--smoke`` checks this script under the interpreter (times meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import math
@@ -41,6 +45,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -235,9 +240,15 @@ def attention_cases(
     sweep: bool,
     kv_formats: tuple[str, ...] = (),
     recent_window: int = 0,
+    variant: tuple[str, ModuleType] | None = None,
 ) -> list[Case]:
+    """Attention cases; with ``variant`` (label, module), through that module's
+    ``paged_attention_cache`` instead of the backend's, each case labelled."""
     from xinfer.kv import get_format
     from xinfer_cuda.kernels import attention, kv_codes
+
+    if variant is not None:
+        label, attention = variant
 
     el = torch.tensor([], dtype=dtype).element_size()
     scale = s.head_dim**-0.5
@@ -256,6 +267,8 @@ def attention_cases(
             extra["kv_cache_dtype"] = kv_format
         if window:
             extra["kv_recent_window"] = window
+        if variant is not None:
+            extra["attention"] = label
         return Case(kernel, name, make, kv + qo, kv + qo, flops, extra or None)
 
     for batch, context in s.decode:
@@ -316,6 +329,16 @@ def time_case(case: Case, device: torch.device, smoke: bool) -> tuple[float, int
     return ms * 1e-3 / n, sets, n
 
 
+def _load_module(name: str, path: str) -> ModuleType:
+    if not os.path.isfile(path):
+        sys.exit(f"--attention-variant: no file {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for results.jsonl (also printed)")
@@ -325,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-formats", nargs="*", default=[], help="also time attention over these KV cache formats")
     parser.add_argument("--kv-recent-window", type=int, default=0, metavar="W",
                         help="also time attention over the --kv-formats caches keeping each query's last W keys exact")
+    parser.add_argument("--attention-variant", action="append", default=[], metavar="LABEL=PATH",
+                        help="also time the attention cases through another copy of the backend's attention.py "
+                             "(for example one taken from a branch with git show), side by side; repeatable")
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -362,6 +388,10 @@ def main(argv: list[str] | None = None) -> None:
         + linear_cases(shapes, ops, dtype, device, args.sweep)
         + attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats), args.kv_recent_window)
     )
+    for spec in args.attention_variant:
+        label, _, path = spec.partition("=")
+        variant = (label, _load_module(f"xinfer_cuda.kernels.attention_{label}", path))
+        cases += attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats), args.kv_recent_window, variant)
     only = {name for name in args.only.split(",") if name}
     for case in cases:
         if only and case.kernel not in only:
