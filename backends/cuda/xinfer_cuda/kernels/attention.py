@@ -829,8 +829,8 @@ def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False, deep: bool
     """The decode tiles; ``deep``: a third pipeline stage where the GPU has the shared
     memory for it (tensor-core tiles only)."""
     cfg = _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
-    deeper = replace(cfg, num_stages=3)
     if deep and cfg not in (_FMA_TILES, _INTERPRETER_TILES):
+        deeper = replace(cfg, num_stages=3)
         if _shared_bytes(deeper, head_dim, q.element_size()) <= _device_limits(q.device.index or 0)[2]:
             return deeper
     return cfg
