@@ -13,8 +13,9 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   tile one query would fill a group's rows of a 128-row tile and leave the rest
   idle). Flash-decoding: each sequence's context is split across ``NUM_SPLITS``
   programs per KV head, which write partial (acc, max, sum); the reduce merges them.
-  With a recent window one more program per KV head reads the keys that may be
-  exact (the first block, the last ``recent``) and the splits share the rest.
+  With a recent window the keys that may be exact (the first block, the last
+  ``recent``) are read by a launch of its own, one program per (sequence, KV head),
+  on a second stream beside the splits, which share the rest.
   KV heads are the grid's fastest axis, so programs start in row order, every head of
   a sequence together: the engine's rows come longest context first.
   The grid depends only on tensor shapes and the split lengths are computed from
@@ -35,6 +36,7 @@ exact shadow blocks instead (``EXACT``; :class:`ExactWindow`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 
@@ -615,13 +617,14 @@ def _decode_kernel(
     ROTATE_OUT: tl.constexpr,
     ROTATION_CHUNK: tl.constexpr,
     EXACT: tl.constexpr,
+    EXACT_PART: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
     NUM_PARTS: tl.constexpr = NUM_SPLITS + EXACT  # the splits, and with EXACT the exact part
     kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
     seq = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) + NUM_SPLITS * EXACT_PART  # the exact part is part NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
@@ -631,10 +634,11 @@ def _decode_kernel(
         lo = tl.maximum(seq_len - window, 0)
     else:
         lo = seq_len * 0
-    # With a recent window, a program of its own (part NUM_SPLITS) reads the exact
-    # spans (the first block, the last ``recent`` keys) while the splits share the
-    # plain keys between them: the exact tiles are as slow as whole ones, and in the
-    # last split they lengthened the step's slowest program by a third.
+    # With a recent window (EXACT) the splits share the plain keys between them and a
+    # launch of its own (EXACT_PART, part NUM_SPLITS) reads the exact spans (the first
+    # block, the last ``recent`` keys): in the splits' launch its tiles cost every
+    # program registers (spills at 64 x 8k), and in the last split they lengthened the
+    # step's slowest program by a third.
     near_from = seq_len - recent
     plain_lo, plain_hi = lo, seq_len
     if EXACT:
@@ -644,10 +648,8 @@ def _decode_kernel(
     end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     a_lo, a_hi, b_lo, b_hi = start, full_end, full_end, end
-    if EXACT:
-        exact_part = split == NUM_SPLITS
-        a_lo, a_hi = tl.where(exact_part, lo, a_lo), tl.where(exact_part, plain_lo, a_hi)
-        b_lo, b_hi = tl.where(exact_part, plain_hi, b_lo), tl.where(exact_part, seq_len, b_hi)
+    if EXACT_PART:
+        a_lo, a_hi, b_lo, b_hi = lo, plain_lo, plain_hi, seq_len
 
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
@@ -677,7 +679,7 @@ def _decode_kernel(
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT, True,  # a split's whole tiles
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT_PART, True,  # a split's whole tiles
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, b_lo, b_hi,
@@ -686,7 +688,7 @@ def _decode_kernel(
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_BOUNDS, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT_PART,
     )  # fmt: skip
 
     # Rotating back is linear: split partials stay in the rotated basis, and the reduce
@@ -911,6 +913,21 @@ def paged_attention_cache(
     return attend_sides(q, k_side, v_side, meta, scale, window, softcap, out_basis=out_basis, exact=exact, **overrides)
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _fork(device: torch.device) -> torch.cuda.Stream | None:
+    """A second stream that has waited for the current one's work so far (CUDA graph
+    captures follow it), or None off the GPU; the caller joins it back."""
+    if device.type != "cuda":
+        return None
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
 def _row_split(block_d: int, halves: bool) -> dict:
     """The kernels' SPLIT and HALF_D for rows in halves or whole (:func:`half_columns`)."""
     split = block_d // 2 if halves else block_d
@@ -1061,16 +1078,24 @@ def attend_sides(
         part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_max = part_sum = out  # unused
-    _decode_kernel[(num_kv_heads, meta.num_seqs, num_parts)](
+    decode_args = (
         q, *cache_ptrs, basis, out, part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         score_scale, cap_scale, window_arg, *exact_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache_strides, num_heads,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
+    )  # fmt: skip
+    decode_constexprs = dict(
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
+    side = _fork(q.device) if exact is not None else None
+    if exact is not None:  # the exact part, beside the splits where there are streams
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _decode_kernel[(num_kv_heads, meta.num_seqs, 1)](*decode_args, EXACT_PART=True, **decode_constexprs)
+    _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](*decode_args, EXACT_PART=False, **decode_constexprs)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     if num_parts > 1:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
             out, part_acc, basis, part_max, part_sum, meta.cu_seqlens_q,
