@@ -116,6 +116,45 @@ def _store_rows(
 
 
 @triton.jit
+def _code_scores(q_k_lo, q_k_hi, q_sum, k_lo, k_hi, k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot,
+                 rows_ok, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                 K_CODE: tl.constexpr, K_OFFSET: tl.constexpr, K_STEP: tl.constexpr):  # fmt: skip
+    """Scores against stored keys, then each key's (offset, scale) applied to its
+    column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale."""
+    s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
+    if SPLIT < HEAD_DIM:  # a second half
+        s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
+    if K_CODE != CODE_PLAIN:
+        if K_OFFSET != 0.0:
+            s -= K_OFFSET * q_sum[:, None]
+        k_scale = load_scale(k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, rows_ok)
+        s *= (k_scale * K_STEP)[None, :]
+    return s
+
+
+@triton.jit
+def _add_code_values(acc_lo, acc_hi, p, v_lo, v_hi, v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot,
+                     rows_ok, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                     V_CODE: tl.constexpr, V_OFFSET: tl.constexpr, V_STEP: tl.constexpr):  # fmt: skip
+    """acc + p @ stored values; like the keys', each value row's scale goes into p:
+    p @ ((v - offset) * step * scale) = (p * step * scale) @ v - offset * sum(p * step * scale)."""
+    if V_CODE == CODE_PLAIN:
+        pv = p.to(v_lo.dtype)
+    else:
+        v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, rows_ok)
+        pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
+    acc_lo = tl.dot(pv, v_lo, acc_lo, input_precision=PRECISION)
+    if SPLIT < HEAD_DIM:  # a second half
+        acc_hi = tl.dot(pv, v_hi, acc_hi, input_precision=PRECISION)
+    if V_OFFSET != 0.0:
+        pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
+        acc_lo -= V_OFFSET * pv_sum
+        if SPLIT < HEAD_DIM:  # a second half
+            acc_hi -= V_OFFSET * pv_sum
+    return acc_lo, acc_hi
+
+
+@triton.jit
 def _attend_tile(
     acc_lo,
     acc_hi,
@@ -179,34 +218,35 @@ def _attend_tile(
     block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     slot = k_pos % BLOCK_SIZE
     k_row = block * stride_k_block + slot * stride_k_slot
-    k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                             K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
     v_row = block * stride_v_block + slot * stride_v_slot
-    v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                             V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
-
-    # Scores against stored keys, then each key's (offset, scale) applied to its
-    # column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
-    s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
-    if SPLIT < HEAD_DIM:  # a second half
-        s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
-    if K_CODE != CODE_PLAIN:
-        if K_OFFSET != 0.0:
-            s -= K_OFFSET * q_sum[:, None]
-        k_scale = load_scale(k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
-        s *= (k_scale * K_STEP)[None, :]
     if EXACT:
         shadow = tl.load(shadow_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=-1)
         e_ok = shadow >= 0  # (false past the range)
         e_row = tl.maximum(shadow, 0).to(tl.int64) * stride_e_block + slot * stride_e_slot  # K and V alike
         near = (q_pos[:, None] - k_pos[None, :] < recent) | (k_pos[None, :] < BLOCK_SIZE)
         exact = near & e_ok[None, :]
+        # The codes only where a row reads a key of the tile from them: in decode, where
+        # a recent block has no shadow (a prefix-cache hit's), so mostly never.
+        reads_codes = tl.sum((in_range[None, :] & ~exact).to(tl.int32)) > 0
+        s = tl.zeros([q_k_lo.shape[0], BLOCK_N], tl.float32)
+        if reads_codes:
+            k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                     K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+            s = _code_scores(q_k_lo, q_k_hi, q_sum, k_lo, k_hi, k_scale_head_ptr, block, slot, stride_s_block,
+                             stride_s_slot, in_range, HEAD_DIM, SPLIT, PRECISION, K_CODE, K_OFFSET, K_STEP)  # fmt: skip
         ek_lo, ek_hi = load_stored(ek_head_ptr, ek_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                    CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
         s_exact = tl.dot(q_k_lo, tl.trans(ek_lo.to(CODE_DTYPE)), input_precision=PRECISION)
         if SPLIT < HEAD_DIM:  # a second half
             s_exact = tl.dot(q_k_hi, tl.trans(ek_hi.to(CODE_DTYPE)), s_exact, input_precision=PRECISION)
         s = tl.where(exact, s_exact, s)
+    else:
+        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                 K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+        v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                 V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+        s = _code_scores(q_k_lo, q_k_hi, q_sum, k_lo, k_hi, k_scale_head_ptr, block, slot, stride_s_block,
+                         stride_s_slot, in_range, HEAD_DIM, SPLIT, PRECISION, K_CODE, K_OFFSET, K_STEP)  # fmt: skip
     if HAS_SOFTCAP:
         s = cap_scale * _tanh(s * score_scale)
     else:
@@ -223,42 +263,34 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if EXACT:  # the exact keys' weights go to the shadow values below
-        p_exact = tl.where(exact, p, 0.0)
-        p = tl.where(exact, 0.0, p)
-    # Likewise each value row's scale goes into p: p @ ((v - offset) * step * scale)
-    # = (p * step * scale) @ v - offset * sum(p * step * scale).
-    if V_CODE == CODE_PLAIN:
-        pv = p.to(v_lo.dtype)
-    else:
-        v_scale = load_scale(v_scale_head_ptr, block, slot, stride_s_block, stride_s_slot, in_range)
-        pv = (p * (v_scale * V_STEP)[None, :]).to(v_lo.dtype)
-    acc_lo = tl.dot(pv, v_lo, acc_lo * alpha[:, None], input_precision=PRECISION)
-    if SPLIT < HEAD_DIM:  # a second half
-        acc_hi = tl.dot(pv, v_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
-    if V_OFFSET != 0.0:
-        pv_sum = tl.sum(pv.to(tl.float32), 1)[:, None]
-        acc_lo -= V_OFFSET * pv_sum
-        if SPLIT < HEAD_DIM:  # a second half
-            acc_hi -= V_OFFSET * pv_sum
-    if EXACT:
+    acc_lo, acc_hi = acc_lo * alpha[:, None], acc_hi * alpha[:, None]
+    if EXACT:  # the exact keys' weights go to the shadow values, the others' to the codes
         ev_lo, ev_hi = load_stored(ev_head_ptr, ev_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                    CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
-        pe = p_exact.to(CODE_DTYPE)
+        pe = tl.where(exact, p, 0.0).to(CODE_DTYPE)
         acc_lo = tl.dot(pe, ev_lo.to(CODE_DTYPE), acc_lo, input_precision=PRECISION)
         if SPLIT < HEAD_DIM:  # a second half
             acc_hi = tl.dot(pe, ev_hi.to(CODE_DTYPE), acc_hi, input_precision=PRECISION)
+        if reads_codes:
+            v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                     V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+            acc_lo, acc_hi = _add_code_values(acc_lo, acc_hi, tl.where(exact, 0.0, p), v_lo, v_hi, v_scale_head_ptr,
+                                              block, slot, stride_s_block, stride_s_slot, in_range,
+                                              HEAD_DIM, SPLIT, PRECISION, V_CODE, V_OFFSET, V_STEP)  # fmt: skip
+    else:
+        acc_lo, acc_hi = _add_code_values(acc_lo, acc_hi, p, v_lo, v_hi, v_scale_head_ptr,
+                                          block, slot, stride_s_block, stride_s_slot, in_range,
+                                          HEAD_DIM, SPLIT, PRECISION, V_CODE, V_OFFSET, V_STEP)  # fmt: skip
     return acc_lo, acc_hi, l_i, m_new
 
 
 @triton.jit
-def _exact_spans(start, end, near_from, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _exact_spans(start, end, near_from, BLOCK_SIZE: tl.constexpr):
     """Where keys [start, end) split into the spans :func:`_attend_keys` reads with a
-    recent window: exact tiles over the first block up to ``head_end``, plain tiles up to
-    ``far_end`` (the first position any row reads by recency, ``near_from``), exact
+    recent window: exact tiles over the first block up to ``head_end``, plain tiles up
+    to ``far_end`` (the first position any row reads by recency, ``near_from``), exact
     tiles over the rest."""
-    EXACT_N: tl.constexpr = 32 if BLOCK_N >= 64 else 16  # as _attend_keys reads them
-    head_end = tl.minimum(start + tl.cdiv(tl.maximum(BLOCK_SIZE - start, 0), EXACT_N) * EXACT_N, end)
+    head_end = tl.minimum(tl.maximum(start, BLOCK_SIZE), end)
     return head_end, tl.maximum(tl.minimum(near_from, end), head_end)
 
 
@@ -332,7 +364,8 @@ def _attend_keys(
     ``ek_head_ptr``/``ev_head_ptr`` (model dtype, the stored basis) instead. Only the
     first block and the keys from ``near_from`` (the first position any row reads exact
     by recency) on can be read so; they go through short tiles of their own (32 keys or
-    fewer: a shadow tile beside each quantized one spilled at long tiles), and the keys
+    fewer: where a tile reads codes, it reads shadows beside them, and beside a
+    128-key quantized tile they spilled), and the keys
     between them through whole tiles that read no shadows. Those hide the keys past
     their span's end unless ``PLAIN_WHOLE`` (the caller's whole tiles end where that
     span does): then they take ``MASK``.
@@ -353,7 +386,7 @@ def _attend_keys(
     OWN_END: tl.constexpr = MASK_BOUNDS if MASK == MASK_NONE else MASK
     head_end, far_end = start, end
     if EXACT:
-        head_end, far_end = _exact_spans(start, end, near_from, BLOCK_SIZE, BLOCK_N)
+        head_end, far_end = _exact_spans(start, end, near_from, BLOCK_SIZE)
     for span in tl.static_range(3):  # (a span's constants are expressions: constexprs cannot be reassigned)
         if EXACT or span == 1:
             lo = start if span == 0 else head_end if span == 1 else far_end
@@ -642,7 +675,7 @@ def _decode_kernel(
     near_from = seq_len - recent
     plain_lo, plain_hi = lo, seq_len
     if EXACT:
-        plain_lo, plain_hi = _exact_spans(lo, seq_len, near_from, BLOCK_SIZE, BLOCK_N)
+        plain_lo, plain_hi = _exact_spans(lo, seq_len, near_from, BLOCK_SIZE)
     split_len = _split_len(plain_hi - plain_lo, NUM_SPLITS, MIN_SPLIT)
     start = plain_lo + split * split_len
     end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
