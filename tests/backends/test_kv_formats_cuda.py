@@ -160,7 +160,7 @@ ATTENTION_CASES = (
     [(f, d, t) for f in FORMATS for d in (64, 128, 256) for t in DTYPES]
     if ON_GPU
     else [(f, 64, torch.float32) for f in FORMATS]
-    + [("turbo4", 128, torch.float16), ("turbo8", 128, torch.float32), ("turbo3", 256, torch.float16), ("fp8", 256, torch.float16)]
+    + [("turbo4", 128, torch.float16), ("turbo8", 128, torch.float32), ("turbo3", 256, torch.float16), ("fp8", 256, torch.float16), ("turbo3", 128, torch.float32)]
 ) + [("turbo4", 16, torch.float32), ("turbo3", 16, torch.float16)]
 
 

@@ -50,7 +50,8 @@ from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
-    CODE_PLAIN, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
+    CODE_PLAIN, CODE_UNIFORM, DECODE_PTX, LLOYD, MAGIC_BITS, PLAIN, Side, decode_method, half_columns, load_scale,
+    load_stored, side,
 )
 from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry
@@ -116,14 +117,166 @@ def _store_rows(
 
 
 @triton.jit
-def _code_scores(q_k_lo, q_k_hi, q_sum, k_lo, k_hi, k_scale_head_ptr, block, slot, stride_s_block, stride_s_slot,
-                 rows_ok, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                 K_CODE: tl.constexpr, K_OFFSET: tl.constexpr, K_STEP: tl.constexpr):  # fmt: skip
-    """Scores against stored keys, then each key's (offset, scale) applied to its
-    column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale."""
-    s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
-    if SPLIT < HEAD_DIM:  # a second half
-        s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
+def _quarters(x):
+    """The four column quarters of ``x`` [M, C], in order, as [M, C/4] tiles."""
+    M: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    y = tl.reshape(tl.permute(tl.reshape(x, [M, 4, C // 4]), [0, 2, 1]), [M, C // 4, 2, 2])
+    even, odd = tl.split(y)  # quarters 0 and 2, quarters 1 and 3
+    q0, q2 = tl.split(even)
+    q1, q3 = tl.split(odd)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _eighth(low, high, LOW_SHIFT: tl.constexpr, HIGH_BIT: tl.constexpr, DTYPE: tl.constexpr):
+    """3-bit codes of one eighth of the head dimension as numbers (``_as_number``)."""
+    code = (low.to(tl.int16) >> LOW_SHIFT) & 3 | ((high.to(tl.int16) >> HIGH_BIT) & 1) << 2
+    if DTYPE == tl.float16:
+        return (code | MAGIC_BITS).to(tl.float16, bitcast=True)
+    return code.to(DTYPE)
+
+
+@triton.jit
+def _even_eighths(low, high):
+    """fp16 numbers 1024 + code of eighths 0, 2, 4, 6 from the uint8 tiles of the low
+    plane's first E bytes and the high plane: eighth 2q takes bits 2q..2q+1 of ``low``
+    and bit 2q of ``high``. Per word of four keys' bytes, constant shifts: about 5.5
+    instructions per four numbers."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 low, bit, c, magic;
+        mov.b32 magic, 0x64;
+        shl.b32 bit, $9, 2;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, $8, 0x03030303, bit, 0xea;
+        prmt.b32 $0, c, magic, 0x4140;
+        prmt.b32 $1, c, magic, 0x4342;
+        shr.b32 low, $8, 2;
+        and.b32 bit, $9, 0x04040404;
+        lop3.b32 c, low, 0x03030303, bit, 0xea;
+        prmt.b32 $2, c, magic, 0x4140;
+        prmt.b32 $3, c, magic, 0x4342;
+        shr.b32 low, $8, 4;
+        shr.b32 bit, $9, 2;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, low, 0x03030303, bit, 0xea;
+        prmt.b32 $4, c, magic, 0x4140;
+        prmt.b32 $5, c, magic, 0x4342;
+        shr.b32 low, $8, 6;
+        shr.b32 bit, $9, 4;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, low, 0x03030303, bit, 0xea;
+        prmt.b32 $6, c, magic, 0x4140;
+        prmt.b32 $7, c, magic, 0x4342;
+        }
+        """,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+        [low, high],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _odd_eighths(low, high):
+    """As :func:`_even_eighths` for eighths 1, 3, 5, 7: bits 2q..2q+1 of the low plane's
+    second E bytes and bit 2q + 1 of ``high``."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 low, bit, c, magic;
+        mov.b32 magic, 0x64;
+        shl.b32 bit, $9, 1;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, $8, 0x03030303, bit, 0xea;
+        prmt.b32 $0, c, magic, 0x4140;
+        prmt.b32 $1, c, magic, 0x4342;
+        shr.b32 low, $8, 2;
+        shr.b32 bit, $9, 1;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, low, 0x03030303, bit, 0xea;
+        prmt.b32 $2, c, magic, 0x4140;
+        prmt.b32 $3, c, magic, 0x4342;
+        shr.b32 low, $8, 4;
+        shr.b32 bit, $9, 3;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, low, 0x03030303, bit, 0xea;
+        prmt.b32 $4, c, magic, 0x4140;
+        prmt.b32 $5, c, magic, 0x4342;
+        shr.b32 low, $8, 6;
+        shr.b32 bit, $9, 5;
+        and.b32 bit, bit, 0x04040404;
+        lop3.b32 c, low, 0x03030303, bit, 0xea;
+        prmt.b32 $6, c, magic, 0x4140;
+        prmt.b32 $7, c, magic, 0x4342;
+        }
+        """,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+        [low, high],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _three_bit_scores(q_lo, q_hi, head_ptr, row, rows_ok, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+                      DECODE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """q . k for rows of 3-bit codes (``xinfer.kv.codes``: a low plane of D/4 bytes, byte
+    b holding dims b + (D/4) q at bits 2q; a high plane of D/8 bytes, byte j holding dims
+    j + (D/8) k at bit k), read in eighths of E = D/8 dimensions: eighth e's codes are
+    bits 2 (e // 2) of the low plane's bytes [(e % 2) E, (e % 2 + 1) E) and bit e of the
+    high plane's, so each row is three loads of E contiguous bytes and every column of
+    an eighth shares its shifts; the scores are eight dots of depth E against the
+    queries' eighths (``q_lo``, ``q_hi``: the halves of the head dimension)."""
+    E: tl.constexpr = HEAD_DIM // 8
+    at = head_ptr + row[:, None] + tl.arange(0, E)[None, :]
+    ok = rows_ok[:, None]
+    low_even = tl.load(at, mask=ok, other=0)
+    low_odd = tl.load(at + E, mask=ok, other=0)
+    high = tl.load(at + 2 * E, mask=ok, other=0)
+    if DECODE >= DECODE_PTX and DTYPE == tl.float16:
+        k0, k2, k4, k6 = _even_eighths(low_even, high)
+        k1, k3, k5, k7 = _odd_eighths(low_odd, high)
+    else:
+        k0, k2 = _eighth(low_even, high, 0, 0, DTYPE), _eighth(low_even, high, 2, 2, DTYPE)
+        k4, k6 = _eighth(low_even, high, 4, 4, DTYPE), _eighth(low_even, high, 6, 6, DTYPE)
+        k1, k3 = _eighth(low_odd, high, 0, 1, DTYPE), _eighth(low_odd, high, 2, 3, DTYPE)
+        k5, k7 = _eighth(low_odd, high, 4, 5, DTYPE), _eighth(low_odd, high, 6, 7, DTYPE)
+    q0, q1, q2, q3 = _quarters(q_lo)
+    q4, q5, q6, q7 = _quarters(q_hi)
+    s = tl.dot(q0, tl.trans(k0), input_precision=PRECISION)
+    s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
+    s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+    s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
+    s = tl.dot(q4, tl.trans(k4), s, input_precision=PRECISION)
+    s = tl.dot(q5, tl.trans(k5), s, input_precision=PRECISION)
+    s = tl.dot(q6, tl.trans(k6), s, input_precision=PRECISION)
+    return tl.dot(q7, tl.trans(k7), s, input_precision=PRECISION)
+
+
+@triton.jit
+def _code_scores(q_k_lo, q_k_hi, q_sum, k_head_ptr, k_levels_ptr, k_row, k_scale_head_ptr, block, slot,
+                 stride_s_block, stride_s_slot, rows_ok, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 SPLIT: tl.constexpr, HALF_D: tl.constexpr, PRECISION: tl.constexpr, CODE_DTYPE: tl.constexpr,
+                 DECODE: tl.constexpr, K_CODE: tl.constexpr, K_BITS: tl.constexpr, K_OFFSET: tl.constexpr,
+                 K_STEP: tl.constexpr):  # fmt: skip
+    """Scores against the stored keys of ``k_row``, then each key's (offset, scale)
+    applied to its column: q . ((k - offset) * step * scale) = (q . k - offset * sum(q)) * step * scale.
+    Uniform 3-bit keys at D >= 128 are read in eighths of the head dimension
+    (:func:`_three_bit_scores`); other keys as two halves (or whole rows)."""
+    EIGHTHS: tl.constexpr = K_CODE == CODE_UNIFORM and K_BITS == 3 and HEAD_DIM >= 128
+    if EIGHTHS:
+        s = _three_bit_scores(q_k_lo, q_k_hi, k_head_ptr, k_row, rows_ok, HEAD_DIM, CODE_DTYPE, DECODE, PRECISION)
+    else:
+        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, rows_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
+                                 K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
+        s = tl.dot(q_k_lo, tl.trans(k_lo), input_precision=PRECISION)
+        if SPLIT < HEAD_DIM:  # a second half
+            s = tl.dot(q_k_hi, tl.trans(k_hi), s, input_precision=PRECISION)
     if K_CODE != CODE_PLAIN:
         if K_OFFSET != 0.0:
             s -= K_OFFSET * q_sum[:, None]
@@ -230,10 +383,9 @@ def _attend_tile(
         reads_codes = tl.sum((in_range[None, :] & ~exact).to(tl.int32)) > 0
         s = tl.zeros([q_k_lo.shape[0], BLOCK_N], tl.float32)
         if reads_codes:
-            k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                                     K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
-            s = _code_scores(q_k_lo, q_k_hi, q_sum, k_lo, k_hi, k_scale_head_ptr, block, slot, stride_s_block,
-                             stride_s_slot, in_range, HEAD_DIM, SPLIT, PRECISION, K_CODE, K_OFFSET, K_STEP)  # fmt: skip
+            s = _code_scores(q_k_lo, q_k_hi, q_sum, k_head_ptr, k_levels_ptr, k_row, k_scale_head_ptr, block, slot,
+                             stride_s_block, stride_s_slot, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D, PRECISION,
+                             CODE_DTYPE, DECODE, K_CODE, K_BITS, K_OFFSET, K_STEP)  # fmt: skip
         ek_lo, ek_hi = load_stored(ek_head_ptr, ek_head_ptr, e_row, e_ok, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                    CODE_PLAIN, 16, CODE_DTYPE, DECODE)  # fmt: skip
         s_exact = tl.dot(q_k_lo, tl.trans(ek_lo.to(CODE_DTYPE)), input_precision=PRECISION)
@@ -241,12 +393,11 @@ def _attend_tile(
             s_exact = tl.dot(q_k_hi, tl.trans(ek_hi.to(CODE_DTYPE)), s_exact, input_precision=PRECISION)
         s = tl.where(exact, s_exact, s)
     else:
-        k_lo, k_hi = load_stored(k_head_ptr, k_levels_ptr, k_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
-                                 K_CODE, K_BITS, CODE_DTYPE, DECODE)  # fmt: skip
         v_lo, v_hi = load_stored(v_head_ptr, v_levels_ptr, v_row, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D,
                                  V_CODE, V_BITS, CODE_DTYPE, DECODE)  # fmt: skip
-        s = _code_scores(q_k_lo, q_k_hi, q_sum, k_lo, k_hi, k_scale_head_ptr, block, slot, stride_s_block,
-                         stride_s_slot, in_range, HEAD_DIM, SPLIT, PRECISION, K_CODE, K_OFFSET, K_STEP)  # fmt: skip
+        s = _code_scores(q_k_lo, q_k_hi, q_sum, k_head_ptr, k_levels_ptr, k_row, k_scale_head_ptr, block, slot,
+                         stride_s_block, stride_s_slot, in_range, BLOCK_N, HEAD_DIM, SPLIT, HALF_D, PRECISION,
+                         CODE_DTYPE, DECODE, K_CODE, K_BITS, K_OFFSET, K_STEP)  # fmt: skip
     if HAS_SOFTCAP:
         s = cap_scale * _tanh(s * score_scale)
     else:
