@@ -11,7 +11,7 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
 - ``_decode_kernel`` + ``_decode_reduce_kernel`` for the sequences with one query,
   in decode steps and in steps that mix decodes with prompt chunks (in a prefill
   tile one query would fill a group's rows of a 128-row tile and leave the rest
-  idle). Flash-decoding: each sequence's context is split across ``NUM_SPLITS``
+  idle). Flash-decoding: each sequence's context is split across ``num_splits``
   programs per KV head, which write partial (acc, max, sum); the reduce merges them.
   With a recent window the keys that may be exact (the first block, the last
   ``recent``) are read by a launch of its own, one program per (sequence, KV head),
@@ -727,13 +727,13 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _split_len(num_keys, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
+def _split_len(num_keys, num_splits, MIN_SPLIT: tl.constexpr):
     """Keys per split of ``num_keys``: a multiple of MIN_SPLIT."""
-    split_len = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), MIN_SPLIT) * MIN_SPLIT
+    split_len = tl.cdiv(tl.cdiv(num_keys, num_splits), MIN_SPLIT) * MIN_SPLIT
     return tl.maximum(split_len, MIN_SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # (one compile whatever the count)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -776,6 +776,7 @@ def _decode_kernel(
     stride_s_head,
     stride_bt,
     num_heads,
+    num_splits,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -783,8 +784,8 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     HALF_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
+    PARTIAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -805,10 +806,9 @@ def _decode_kernel(
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
-    NUM_PARTS: tl.constexpr = NUM_SPLITS + EXACT  # the splits, and with EXACT the exact part
     kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
     seq = tl.program_id(1)
-    split = tl.program_id(2) + NUM_SPLITS * EXACT_PART  # the exact part is part NUM_SPLITS
+    split = tl.program_id(2) + num_splits * EXACT_PART  # the exact part is part num_splits
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
@@ -819,7 +819,7 @@ def _decode_kernel(
     else:
         lo = seq_len * 0
     # With a recent window (EXACT) the splits share the plain keys between them and a
-    # launch of its own (EXACT_PART, part NUM_SPLITS) reads the exact spans (the first
+    # launch of its own (EXACT_PART, part num_splits) reads the exact spans (the first
     # block, the last ``recent`` keys): in the splits' launch its tiles cost every
     # program registers (spills at 64 x 8k), and in the last split they lengthened the
     # step's slowest program by a third.
@@ -827,7 +827,7 @@ def _decode_kernel(
     plain_lo, plain_hi = lo, seq_len
     if EXACT:
         plain_lo, plain_hi = _exact_spans(lo, seq_len, near_from, BLOCK_SIZE)
-    split_len = _split_len(plain_hi - plain_lo, NUM_SPLITS, MIN_SPLIT)
+    split_len = _split_len(plain_hi - plain_lo, num_splits, MIN_SPLIT)
     start = plain_lo + split * split_len
     end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
@@ -877,13 +877,13 @@ def _decode_kernel(
 
     # Rotating back is linear: split partials stay in the rotated basis, and the reduce
     # rotates their merge once per (token, head).
-    if NUM_PARTS == 1:
+    if not PARTIAL:  # one part: the output itself
         norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
         _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
     else:
-        part = (seq.to(tl.int64) * num_heads + head) * NUM_PARTS + split
+        part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT) + split  # (parts: the splits, the exact one)
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
@@ -1044,6 +1044,26 @@ def decode_num_splits(
     return triton.next_power_of_2(splits)
 
 
+def _programs_per_sm(kernel: triton.JITFunction, args: tuple, constexprs: dict) -> int:
+    """How many programs of ``kernel`` compiled for these arguments one multiprocessor
+    holds at once: by registers (64K, allocated per warp in units of 256), by shared
+    memory, and by warps (64)."""
+    device = next(a.device for a in args if isinstance(a, Tensor))
+    key = (kernel, device.index, *(a.dtype for a in args if isinstance(a, Tensor)), *sorted(constexprs.items()))
+    if key not in _PROGRAMS_PER_SM:
+        compiled = kernel.warmup(*args, grid=(1,), **constexprs)
+        compiled._init_handles()  # (loads it: registers are known from here)
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        warps = compiled.metadata.num_warps
+        by_registers = props["max_num_regs"] // (triton.cdiv(compiled.n_regs * 32, 256) * 256) // warps
+        by_shared = (props["max_shared_mem"] + 1024) // (compiled.metadata.shared + 1024)
+        _PROGRAMS_PER_SM[key] = max(1, min(by_registers, by_shared, 64 // warps))
+    return _PROGRAMS_PER_SM[key]
+
+
+_PROGRAMS_PER_SM: dict[tuple, int] = {}
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -1059,7 +1079,7 @@ def paged_attention(
 ) -> Tensor:
     """Causal paged attention of ``q`` [T, H, D] over caches [num_blocks, block_size, Hkv, D].
 
-    ``num_splits`` (a power of two) overrides the decode split count; the tile configs
+    ``num_splits`` overrides the decode split count; the tile configs
     override the defaults (for tests and tuning).
     """
     return paged_attention_cache(
@@ -1250,39 +1270,56 @@ def attend_sides(
     cfg = decode_tiles or decode_config(head_dim, q, long_tiles, deep)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = _min_split(cfg)
-    if num_splits is None:
+    decode_constexprs = dict(
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
+    )  # fmt: skip
+
+    def decode_args(part_acc: Tensor, part_max: Tensor, part_sum: Tensor, num_splits: int) -> tuple:
+        return (
+            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum,
+            meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            score_scale, cap_scale, window_arg, *exact_args,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *cache_strides, num_heads, num_splits,
+        )  # fmt: skip
+
+    pairs = meta.num_seqs * num_kv_heads
+    if num_splits is None and long_tiles and not fills_gpu and q.is_cuda:
+        # One wave of as many programs as the multiprocessors hold at once, which the
+        # compiled kernel's registers and shared memory say (H200, one layer at 1 x 32k:
+        # 48 splits of 3 programs a multiprocessor against 32: turbo4 38.0 -> 34.0 us,
+        # turbo8 42.5 -> 38.1, fp8 38.6 -> 37.4; 3-bit keys, 2 a multiprocessor, keep 32).
+        stand_in = torch.empty(1, dtype=torch.float32, device=q.device)  # (partials' dtype and alignment)
+        args = decode_args(stand_in, stand_in, stand_in, 2)
+        per_sm = _programs_per_sm(_decode_kernel, args, dict(decode_constexprs, EXACT_PART=False, PARTIAL=True))
+        useful = triton.cdiv(max_context, min_split)
+        num_splits = max(1, min(per_sm * num_sms // pairs, useful, MAX_SPLITS))
+    elif num_splits is None:
         waves = 1 if long_tiles and not fills_gpu else 4 if quantized else 2
         num_splits = decode_num_splits(meta.num_seqs, num_kv_heads, max_context, num_sms, min_split, waves)
-    assert num_splits & (num_splits - 1) == 0, num_splits
     num_parts = num_splits + (exact is not None)  # the exact part, with a recent window
     if num_parts > 1:
         part_shape = (meta.num_seqs, num_heads, num_parts)
-        part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
-        part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+        parts = (
+            torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device),
+            torch.empty(part_shape, dtype=torch.float32, device=q.device),
+            torch.empty(part_shape, dtype=torch.float32, device=q.device),
+        )
     else:
-        part_acc = part_max = part_sum = out  # unused
-    decode_args = (
-        q, *cache_ptrs, basis, out, part_acc, part_max, part_sum,
-        meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        score_scale, cap_scale, window_arg, *exact_args,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *cache_strides, num_heads,
-    )  # fmt: skip
-    decode_constexprs = dict(
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, MIN_SPLIT=min_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
-    )  # fmt: skip
+        parts = (out, out, out)  # unused
+    args = decode_args(*parts, num_splits)
+    decode_constexprs["PARTIAL"] = num_parts > 1
     side = _fork(q.device) if exact is not None else None
     if exact is not None:  # the exact part, beside the splits where there are streams
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _decode_kernel[(num_kv_heads, meta.num_seqs, 1)](*decode_args, EXACT_PART=True, **decode_constexprs)
-    _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](*decode_args, EXACT_PART=False, **decode_constexprs)
+            _decode_kernel[(num_kv_heads, meta.num_seqs, 1)](*args, EXACT_PART=True, **decode_constexprs)
+    _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](*args, EXACT_PART=False, **decode_constexprs)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if num_parts > 1:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
-            out, part_acc, basis, part_max, part_sum, meta.cu_seqlens_q,
+            out, parts[0], basis, parts[1], parts[2], meta.cu_seqlens_q,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
             ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,
