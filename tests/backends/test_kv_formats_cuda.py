@@ -196,6 +196,26 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
         assert relative_error(got1, want1) < TOL[dtype], (splits, tile, halves)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the split count from a compiled kernel's registers: GPU only")
+@pytest.mark.parametrize("fmt", ["fp8", "turbo3"])
+def test_decode_of_one_sequence_fills_one_wave(fmt, monkeypatch):
+    """At batch 1 over a long context the decode takes long tiles in one wave of as many
+    splits as the compiled kernel lets the multiprocessors hold (a count that need not
+    be a power of two), and reads the cache as the reference does."""
+    asked = []
+    programs_per_sm = attention._programs_per_sm
+    monkeypatch.setattr(attention, "_programs_per_sm", lambda *a: asked.append(programs_per_sm(*a)) or asked[-1])
+    dtype, head_dim = torch.float16, 128
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    context = math.ceil(sms / 2) * 2 * attention._LONG_DECODE_TILES[head_dim][0].block_n + 5  # (2 KV heads)
+    _, device_cache, meta = write_case(fmt, dtype, head_dim, [context], [1], block_size=16)
+    q = torch.randn(1, 4, head_dim).to(dtype)
+    want = CPU.attend(q.float(), to_cpu(device_cache), meta, head_dim**-0.5)
+    got = attention.paged_attention_cache(q.to(DEVICE), device_cache, on_device(meta), head_dim**-0.5)
+    assert asked and asked[0] >= 1  # the one-wave rule chose the splits
+    assert relative_error(got, want) < TOL[dtype]
+
+
 @pytest.mark.parametrize("fmt", ["turbo4"])
 def test_sliding_window_over_quantized_cache(fmt):
     dtype = torch.float32
