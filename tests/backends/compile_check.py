@@ -133,10 +133,6 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             long_tiles = attention.long_tiles_fit(sides, cc // 10)
             decode_tables = [attention._DECODE_TILES] + ([attention._LONG_DECODE_TILES] if long_tiles else [])
             steps = [(1, 4, tiles(table, head_dim)) for table in decode_tables] + [(8, None, tiles(attention._DECODE_TILES, head_dim))]
-            if long_tiles and sides[0].bits == 3:  # and 3-bit keys' deeper long tiles at small batches
-                deep = replace(tiles(attention._LONG_DECODE_TILES, head_dim), num_stages=3)
-                if attention._shared_bytes(deep, head_dim, element_size) <= shared_mem:
-                    steps.append((1, 4, deep))
             for q_len, splits, decode_tiles in steps:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(

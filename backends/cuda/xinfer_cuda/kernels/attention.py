@@ -1011,15 +1011,8 @@ def long_tiles_fit(sides: tuple[Side, Side], major: int) -> bool:
     return quantized and not (major < 9 and any(s.code == LLOYD for s in sides))
 
 
-def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False, deep: bool = False) -> TileConfig:
-    """The decode tiles; ``deep``: a third pipeline stage where the GPU has the shared
-    memory for it (tensor-core tiles only)."""
-    cfg = _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
-    if deep and cfg not in (_FMA_TILES, _INTERPRETER_TILES):
-        deeper = replace(cfg, num_stages=3)
-        if _shared_bytes(deeper, head_dim, q.element_size()) <= _device_limits(q.device.index or 0)[2]:
-            return deeper
-    return cfg
+def decode_config(head_dim: int, q: Tensor, long_tiles: bool = False) -> TileConfig:
+    return _pick(_LONG_DECODE_TILES if long_tiles else _DECODE_TILES, head_dim, q)
 
 
 def _min_split(cfg: TileConfig) -> int:
@@ -1263,11 +1256,7 @@ def attend_sides(
     one_wave = triton.cdiv(num_sms, meta.num_seqs * num_kv_heads)
     long_context = max_context >= one_wave * _min_split(decode_config(head_dim, q, long_tiles=True))
     long_tiles = long_tiles_fit(sides, major) and (fills_gpu or long_context)
-    # 3-bit keys take a third stage where the batch leaves multiprocessors idle (H200,
-    # one layer at 1 x 32k: turbo3 61.8 -> 53.0 us; at 64 x 8k, a full GPU, 579 -> 623).
-    # Not with a recent window: there it was not timed, and it spills more.
-    deep = long_tiles and not fills_gpu and k_side.bits == 3 and exact is None
-    cfg = decode_tiles or decode_config(head_dim, q, long_tiles, deep)
+    cfg = decode_tiles or decode_config(head_dim, q, long_tiles)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = _min_split(cfg)
     decode_constexprs = dict(
@@ -1287,14 +1276,15 @@ def attend_sides(
     pairs = meta.num_seqs * num_kv_heads
     if num_splits is None and long_tiles and not fills_gpu and q.is_cuda:
         # One wave of as many programs as the multiprocessors hold at once, which the
-        # compiled kernel's registers and shared memory say (H200, one layer at 1 x 32k:
-        # 48 splits of 3 programs a multiprocessor against 32: turbo4 38.0 -> 34.0 us,
-        # turbo8 42.5 -> 38.1, fp8 38.6 -> 37.4; 3-bit keys, 2 a multiprocessor, keep 32).
+        # compiled kernel's registers and shared memory say, less the exact part's
+        # programs (H200, one layer at 1 x 32k, 3 programs a multiprocessor, 49 splits
+        # against 32: turbo4 38.0 -> 33.6 us, turbo8 42.4 -> 37.4, fp8 38.7 -> 36.7).
         stand_in = torch.empty(1, dtype=torch.float32, device=q.device)  # (partials' dtype and alignment)
         args = decode_args(stand_in, stand_in, stand_in, 2)
         per_sm = _programs_per_sm(_decode_kernel, args, dict(decode_constexprs, EXACT_PART=False, PARTIAL=True))
         useful = triton.cdiv(max_context, min_split)
-        num_splits = max(1, min(per_sm * num_sms // pairs, useful, MAX_SPLITS))
+        exact_programs = pairs if exact is not None else 0
+        num_splits = max(1, min((per_sm * num_sms - exact_programs) // pairs, useful, MAX_SPLITS))
     elif num_splits is None:
         waves = 1 if long_tiles and not fills_gpu else 4 if quantized else 2
         num_splits = decode_num_splits(meta.num_seqs, num_kv_heads, max_context, num_sms, min_split, waves)
