@@ -137,83 +137,42 @@ def _eighth(low, high, LOW_SHIFT: tl.constexpr, HIGH_BIT: tl.constexpr, DTYPE: t
     return code.to(DTYPE)
 
 
-@triton.jit
-def _even_eighths(low, high):
-    """fp16 numbers 1024 + code of eighths 0, 2, 4, 6 from the uint8 tiles of the low
-    plane's first E bytes and the high plane: eighth 2q takes bits 2q..2q+1 of ``low``
-    and bit 2q of ``high``. Per word of four keys' bytes, constant shifts: about 5.5
-    instructions per four numbers."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 low, bit, c, magic;
-        mov.b32 magic, 0x64;
-        shl.b32 bit, $9, 2;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, $8, 0x03030303, bit, 0xea;
-        prmt.b32 $0, c, magic, 0x4140;
-        prmt.b32 $1, c, magic, 0x4342;
-        shr.b32 low, $8, 2;
-        and.b32 bit, $9, 0x04040404;
-        lop3.b32 c, low, 0x03030303, bit, 0xea;
-        prmt.b32 $2, c, magic, 0x4140;
-        prmt.b32 $3, c, magic, 0x4342;
-        shr.b32 low, $8, 4;
-        shr.b32 bit, $9, 2;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, low, 0x03030303, bit, 0xea;
-        prmt.b32 $4, c, magic, 0x4140;
-        prmt.b32 $5, c, magic, 0x4342;
-        shr.b32 low, $8, 6;
-        shr.b32 bit, $9, 4;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, low, 0x03030303, bit, 0xea;
-        prmt.b32 $6, c, magic, 0x4140;
-        prmt.b32 $7, c, magic, 0x4342;
-        }
-        """,
-        "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-        [low, high],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
+def _eighths_ptx(first_high_bit: int) -> str:
+    """PTX for fp16 numbers 1024 + code of four eighths of the head dimension from a
+    word of four keys' low-plane bytes ($8) and one of their high-plane bytes ($9):
+    eighth k takes bits 2k..2k+1 of $8 and bit ``first_high_bit`` + 2k of $9. Constant
+    shifts put the high bit at bit 2, `lop3` merges it with the low bits, byte
+    permutes set 0x64 above each code: about 5.5 instructions per four numbers."""
+    lines = [".reg .b32 low, bit, c, magic;", "mov.b32 magic, 0x64;"]
+    for k in range(4):
+        if k:
+            lines.append(f"shr.b32 low, $8, {2 * k};")
+        shift = first_high_bit + 2 * k - 2
+        if shift:
+            op = "shl" if shift < 0 else "shr"
+            lines += [f"{op}.b32 bit, $9, {abs(shift)};", "and.b32 bit, bit, 0x04040404;"]
+        else:
+            lines.append("and.b32 bit, $9, 0x04040404;")
+        lines += [
+            f"lop3.b32 c, {'low' if k else '$8'}, 0x03030303, bit, 0xea;",
+            f"prmt.b32 ${2 * k}, c, magic, 0x4140;",
+            f"prmt.b32 ${2 * k + 1}, c, magic, 0x4342;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# Eighths 0, 2, 4, 6 come from the low plane's first E bytes, 1, 3, 5, 7 from its
+# second E; eighth e's high bit is bit e of the high plane's byte.
+_EVEN_EIGHTHS_PTX = tl.constexpr(_eighths_ptx(0))
+_ODD_EIGHTHS_PTX = tl.constexpr(_eighths_ptx(1))
 
 
 @triton.jit
-def _odd_eighths(low, high):
-    """As :func:`_even_eighths` for eighths 1, 3, 5, 7: bits 2q..2q+1 of the low plane's
-    second E bytes and bit 2q + 1 of ``high``."""
+def _eighths(low, high, PTX: tl.constexpr):
+    """Four eighths' fp16 numbers from uint8 tiles of the low and high planes
+    (:func:`_eighths_ptx`)."""
     return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 low, bit, c, magic;
-        mov.b32 magic, 0x64;
-        shl.b32 bit, $9, 1;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, $8, 0x03030303, bit, 0xea;
-        prmt.b32 $0, c, magic, 0x4140;
-        prmt.b32 $1, c, magic, 0x4342;
-        shr.b32 low, $8, 2;
-        shr.b32 bit, $9, 1;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, low, 0x03030303, bit, 0xea;
-        prmt.b32 $2, c, magic, 0x4140;
-        prmt.b32 $3, c, magic, 0x4342;
-        shr.b32 low, $8, 4;
-        shr.b32 bit, $9, 3;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, low, 0x03030303, bit, 0xea;
-        prmt.b32 $4, c, magic, 0x4140;
-        prmt.b32 $5, c, magic, 0x4342;
-        shr.b32 low, $8, 6;
-        shr.b32 bit, $9, 5;
-        and.b32 bit, bit, 0x04040404;
-        lop3.b32 c, low, 0x03030303, bit, 0xea;
-        prmt.b32 $6, c, magic, 0x4140;
-        prmt.b32 $7, c, magic, 0x4342;
-        }
-        """,
+        PTX,
         "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
         [low, high],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
@@ -239,8 +198,8 @@ def _three_bit_scores(q_lo, q_hi, head_ptr, row, rows_ok, HEAD_DIM: tl.constexpr
     low_odd = tl.load(at + E, mask=ok, other=0)
     high = tl.load(at + 2 * E, mask=ok, other=0)
     if DECODE >= DECODE_PTX and DTYPE == tl.float16:
-        k0, k2, k4, k6 = _even_eighths(low_even, high)
-        k1, k3, k5, k7 = _odd_eighths(low_odd, high)
+        k0, k2, k4, k6 = _eighths(low_even, high, _EVEN_EIGHTHS_PTX)
+        k1, k3, k5, k7 = _eighths(low_odd, high, _ODD_EIGHTHS_PTX)
     else:
         k0, k2 = _eighth(low_even, high, 0, 0, DTYPE), _eighth(low_even, high, 2, 2, DTYPE)
         k4, k6 = _eighth(low_even, high, 4, 4, DTYPE), _eighth(low_even, high, 6, 6, DTYPE)
@@ -1037,6 +996,9 @@ def decode_num_splits(
     return triton.next_power_of_2(splits)
 
 
+_PROGRAMS_PER_SM: dict[tuple, int] = {}  # (kernel, device, dtypes, constexprs) -> programs
+
+
 def _programs_per_sm(kernel: triton.JITFunction, args: tuple, constexprs: dict) -> int:
     """How many programs of ``kernel`` compiled for these arguments one multiprocessor
     holds at once: by registers (64K, allocated per warp in units of 256), by shared
@@ -1052,9 +1014,6 @@ def _programs_per_sm(kernel: triton.JITFunction, args: tuple, constexprs: dict) 
         by_shared = (props["max_shared_mem"] + 1024) // (compiled.metadata.shared + 1024)
         _PROGRAMS_PER_SM[key] = max(1, min(by_registers, by_shared, 64 // warps))
     return _PROGRAMS_PER_SM[key]
-
-
-_PROGRAMS_PER_SM: dict[tuple, int] = {}
 
 
 def paged_attention(
