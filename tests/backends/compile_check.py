@@ -8,6 +8,9 @@ softcap) through Triton's real pipeline to a cubin for each target. Usage:
 
 Prints one line per kernel variant (registers and spills when cuobjdump is there) and
 exits non-zero if any variant fails to compile. Must run without TRITON_INTERPRET.
+Registers differ between Triton releases; for those of the GPU machine's, put that
+release first on the path (``pip install --target /tmp/triton36 triton==3.6.0``, then
+``PYTHONPATH=/tmp/triton36:...``).
 """
 
 from __future__ import annotations
@@ -185,7 +188,8 @@ def compile_launch(fn, args, kwargs, target: GPUTarget):
             signature[name] = "i32" if abs(arg) < 2**31 else "i64"
         else:
             signature[name] = "fp32"
-        if isinstance(arg, torch.Tensor) or (type(arg) is int and arg % 16 == 0):
+        specialized = name not in fn.do_not_specialize  # (as the JIT: such ints are not marked)
+        if isinstance(arg, torch.Tensor) or (type(arg) is int and arg % 16 == 0 and specialized):
             attrs[(i,)] = [["tt.divisibility", 16]]
     for name in fn.arg_names[len(args) :]:
         signature[name] = "constexpr"
