@@ -2,7 +2,7 @@
 weights), side by side in one run, at batch 1 with contexts 1k and 32k and at batch 64
 with 8k:
 
-    python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32] [--kv-recent-window 64]
+    python benchmarks/kv_decode_speed.py [--formats auto fp8 turbo8 turbo4 turbo3] [--steps 32] [--kv-recent-window 0 16 64]
     python benchmarks/kv_decode_speed.py --smoke   # checks the script on the CPU
     python benchmarks/kv_decode_speed.py --formats auto fp8 --kernels 12   # + where each step's time goes
 
@@ -16,7 +16,8 @@ token) and the fraction of the copy bandwidth measured in the same run that this
 implies; and, for one layer's attention op alone (the store of the step's K/V and the
 attention), its time and the cache bytes it read per second (a CUDA graph of every
 layer's attention op, each over its own cache). With ``--kv-recent-window W`` the quantized formats keep each sequence's
-last W positions and first block exact too (shadow blocks, filled like the cache). With
+last W positions and first block exact too (shadow blocks, filled like the cache); with
+several values each quantized format runs at each of them (0: no window). With
 ``--kernels N``, the same steps run once more under the torch profiler (apart from the
 timed run) and each line lists the N kernels that took the most device time per step.
 """
@@ -165,7 +166,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--kv-recent-window", type=int, default=0, help="quantized formats: keep this many recent positions exact")
+    parser.add_argument("--kv-recent-window", type=int, nargs="+", default=[0], metavar="W",
+                        help="quantized formats: keep this many recent positions exact; several values: each format at each")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also list the N kernels with the most device time per step (torch profiler, a separate run)")
     parser.add_argument("--smoke", action="store_true",
@@ -181,8 +183,8 @@ def main() -> None:
     head_dim = config.hidden_size // config.num_attention_heads
     folder = shape_folder(shape)
     max_len = max(context for _, context in cases) + 16
-    for name in args.formats:
-        window = args.kv_recent_window if name != "auto" else 0
+    runs = [(name, window) for name in args.formats for window in ([0] if name == "auto" else args.kv_recent_window)]
+    for name, window in runs:
         # decode steps only: prompt steps no larger than a decode step (fewer graphs to capture)
         max_num_seqs = max(b for b, _ in cases)
         llm = LLM(model=folder, load_format="dummy", dtype=str(dtype).removeprefix("torch."), device=device, kv_cache_dtype=name,
