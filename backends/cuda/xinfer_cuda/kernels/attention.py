@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -895,18 +896,20 @@ def decode_num_splits(
     return triton.next_power_of_2(splits)
 
 
-_PROGRAMS_PER_SM: dict[tuple, int] = {}  # (kernel, device, dtypes, constexprs) -> programs
+_PROGRAMS_PER_SM: dict[tuple, int] = {}  # (kernel, device and dtypes, constexprs) -> programs
 
 
-def _programs_per_sm(kernel: triton.JITFunction, args: tuple, constexprs: dict) -> int:
-    """How many programs of ``kernel`` compiled for these arguments one multiprocessor
-    holds at once: by registers (64K, allocated per warp in units of 256), by shared
-    memory, and by warps (64)."""
-    device = next(a.device for a in args if isinstance(a, Tensor))
-    key = (kernel, device.index, *(a.dtype for a in args if isinstance(a, Tensor)), *sorted(constexprs.items()))
+def _programs_per_sm(kernel: triton.JITFunction, args: Callable[[], tuple], kind: tuple, constexprs: dict) -> int:
+    """How many programs of ``kernel`` compiled for ``args()`` one multiprocessor holds at
+    once: by registers (64K, allocated per warp in units of 256), by shared memory, and
+    by warps (64). ``kind`` (device and tensor dtypes) and ``constexprs`` tell compiles
+    apart, so the arguments are built only on a first call."""
+    key = (kernel, *kind, *sorted(constexprs.items()))
     if key not in _PROGRAMS_PER_SM:
-        compiled = kernel.warmup(*args, grid=(1,), **constexprs)
+        call_args = args()
+        compiled = kernel.warmup(*call_args, grid=(1,), **constexprs)
         compiled._init_handles()  # (loads it: registers are known from here)
+        device = next(a.device for a in call_args if isinstance(a, Tensor))
         props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
         warps = compiled.metadata.num_warps
         by_registers = props["max_num_regs"] // (triton.cdiv(compiled.n_regs * 32, 256) * 256) // warps
@@ -1131,16 +1134,20 @@ def attend_sides(
             *cache_strides, num_heads, num_splits,
         )  # fmt: skip
 
-    pairs = meta.num_seqs * num_kv_heads
     if num_splits is None and long_tiles and not fills_gpu and q.is_cuda:
         # One wave of as many programs as the multiprocessors hold at once, which the
         # compiled kernel's registers and shared memory say, less the exact part's
         # programs (H200, one layer at 1 x 32k, 3 programs a multiprocessor, 49 splits
         # against 32: turbo4 38.0 -> 33.6 us, turbo8 42.4 -> 37.4, fp8 38.7 -> 36.7).
-        stand_in = torch.empty(1, dtype=torch.float32, device=q.device)  # (partials' dtype and alignment)
-        args = decode_args(stand_in, stand_in, stand_in, 2)
-        per_sm = _programs_per_sm(_decode_kernel, args, dict(decode_constexprs, EXACT_PART=False, PARTIAL=True))
+        def stand_in_args() -> tuple:  # (the partials' dtype and alignment)
+            stand_in = torch.empty(1, dtype=torch.float32, device=q.device)
+            return decode_args(stand_in, stand_in, stand_in, 2)
+
+        kind = (q.device, q.dtype, k_cache.dtype, v_cache.dtype)  # (the other dtypes follow from the constexprs)
+        constexprs = dict(decode_constexprs, EXACT_PART=False, PARTIAL=True)
+        per_sm = _programs_per_sm(_decode_kernel, stand_in_args, kind, constexprs)
         useful = triton.cdiv(max_context, min_split)
+        pairs = meta.num_seqs * num_kv_heads
         exact_programs = pairs if exact is not None else 0
         num_splits = max(1, min((per_sm * num_sms - exact_programs) // pairs, useful, MAX_SPLITS))
     elif num_splits is None:
