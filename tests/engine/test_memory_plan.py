@@ -197,3 +197,26 @@ def test_recent_window_shadows_come_out_of_the_planned_pool(model_dir, monkeypat
     assert windowed.block_manager.num_blocks == plain.block_manager.num_blocks - taken
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
     assert f"recent-window shadows {shadows * exact_block / GiB:.2f} GiB ({shadows} blocks)" in line
+
+
+def test_derived_max_num_seqs_leaves_their_tokens_beside_their_shadows(model_dir, monkeypatch):
+    """Each sequence the planner counts on gets its tokens (the context limit, if
+    shorter than 1024) in the pool left once the shadows of that many are out of it."""
+    fake = FakeMemory(total=8 << 20, free=8 << 20, peak=512 << 10)
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    options = dict(dtype="float32", kv_fraction=0.5, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="turbo4")
+    plain = LLM(model=model_dir, **options).engine
+    windowed = LLM(model=model_dir, kv_recent_window=64, **options).engine
+    seqs = windowed.config.scheduler.max_num_seqs
+    assert seqs < plain.config.scheduler.max_num_seqs < MAX_NUM_SEQS_CAP
+    assert windowed.block_manager.num_blocks * 16 >= seqs * 128
+    assert len(windowed.block_manager.free_shadows) == memory_plan.shadow_blocks(seqs, 64, 64, 16)
+
+
+def test_no_room_beside_the_shadows_names_the_window(model_dir, monkeypatch):
+    fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
+    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    with pytest.raises(ValueError, match=r"holds 0 tokens \(0 blocks of 16\) beside the recent window's \d+ exact "
+                                         r"blocks \(a smaller --kv-recent-window or --prefill-chunk-size"):
+        LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, kv_cache_dtype="turbo4",
+            kv_recent_window=64)  # fmt: skip

@@ -165,20 +165,30 @@ def plan_memory(
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
         activations, graphs = profile.activations, profile.graphs
     derived = scheduler.max_num_seqs is None and cache.num_blocks is None
-    if derived:
+    shadow_bytes = bytes_per_block(runner.model, cache.block_size, dtype, get_format("auto"))
+
+    def shadows_and_pool(max_num_seqs: int) -> tuple[int, int]:
+        """The recent window's shadow blocks for ``max_num_seqs`` sequences, and the
+        quantized blocks left beside them (a planned pool gives up their bytes)."""
+        shadows = shadow_blocks(max_num_seqs, scheduler.max_num_batched_tokens, cache.kv_recent_window, cache.block_size)
+        if cache.num_blocks is not None:
+            return shadows, num_blocks
+        return shadows, num_blocks - -(-shadows * shadow_bytes // block_bytes)
+
+    if derived:  # as many as the pool holds once their shadows are out of it (fewer sequences, fewer shadows)
         max_num_seqs = derive_max_num_seqs(num_blocks * cache.block_size, max_model_len)
+        max_num_seqs = derive_max_num_seqs(max(0, shadows_and_pool(max_num_seqs)[1]) * cache.block_size, max_model_len)
     else:  # a pool sized by hand (tests, forced preemption) keeps the usual default
         max_num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
-    num_shadows = shadow_blocks(max_num_seqs, scheduler.max_num_batched_tokens, cache.kv_recent_window, cache.block_size)
-    shadow_bytes = bytes_per_block(runner.model, cache.block_size, dtype, get_format("auto")) if num_shadows else 0
-    if cache.num_blocks is None:  # the shadows come out of the planned pool
-        num_blocks -= -(-num_shadows * shadow_bytes // block_bytes)
+    num_shadows, num_blocks = shadows_and_pool(max_num_seqs)
     capacity = num_blocks * cache.block_size
     if capacity < max_model_len:
+        shadows = (f" beside the recent window's {num_shadows} exact blocks (a smaller --kv-recent-window or "
+                   f"--prefill-chunk-size needs fewer)" if num_shadows else "")  # fmt: skip
         raise ValueError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size}), fewer than "
-            f"max_model_len={max_model_len}: lower max_model_len (--max-model-len) or give the cache more "
-            f"memory (--kv-fraction)"
+            f"the KV cache holds {max(capacity, 0)} tokens ({max(num_blocks, 0)} blocks of {cache.block_size})"
+            f"{shadows}, fewer than max_model_len={max_model_len}: lower max_model_len (--max-model-len) or give "
+            f"the cache more memory (--kv-fraction)"
         )
     return MemoryPlan(
         num_blocks, cache.block_size, block_bytes, max_num_seqs, derived, source, weights, activations, graphs,
