@@ -71,9 +71,10 @@ class Sampler:
         self.generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SampledTokens:
-        if any(s.params.logprobs is not None or s.params.has_penalties or not s.params.greedy for s in seqs):
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if wants_logprobs or any(s.params.has_penalties or not s.params.greedy for s in seqs):
             logits = logits.float()  # else greedy picks alone: the argmax of the model's own logits
-        raw_logprobs = logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
+        raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
         logits = apply_penalties(logits, seqs)
         logits = mask_stop_tokens_before_min_tokens(logits, seqs)
         tokens = logits.argmax(-1)
