@@ -7,9 +7,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, Phi3Config, Qwen2Config, Qwen3Config
 
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from tests.tiny_models import prefill_logits, prompt
+from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.loader import build_model
 from xinfer.loading.gguf_file import GGUFFile
@@ -65,6 +67,7 @@ TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_laye
 TINY_MODELS = {
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
+    "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=False),
 }
 # stored exactly, so that they compare with the HF originals: the q/k rows prove that
 # neither the file nor the loader permutes them for these architectures
@@ -79,7 +82,7 @@ def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType.Q8_0
 
 
-def write_gguf(model, arch: str, path: Path) -> None:
+def write_gguf(model, arch: str, path: Path, longrope: bool = False) -> None:
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -93,6 +96,11 @@ def write_gguf(model, arch: str, path: Path) -> None:
     if "head_dim" in config.to_diff_dict():
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch == "phi3":  # the rotated dimensions of a head, as llama.cpp's converter writes them
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+        if longrope:  # what the converter adds for the 128k-context models (with their factor tensors)
+            writer.add_rope_scaling_attn_factors(1.19)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
@@ -100,6 +108,8 @@ def write_gguf(model, arch: str, path: Path) -> None:
     writer.add_token_merges([])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    if config.pad_token_id is not None:
+        writer.add_pad_token_id(config.pad_token_id)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                      config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
@@ -126,7 +136,7 @@ def tiny_gguf(request, tmp_path_factory):
 
 
 def test_tiny_config_matches_transformers(tiny_gguf):
-    path, _ = tiny_gguf
+    path, original = tiny_gguf
     reference = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     ours = load_gguf_config(path)
     assert type(ours) is type(reference)
@@ -134,6 +144,10 @@ def test_tiny_config_matches_transformers(tiny_gguf):
     differences = _differences(ours, reference)
     if "head_dim" in differences:
         assert differences.pop("head_dim")[0] == GGUFFile(path).metadata["qwen3.attention.key_length"]
+    # transformers reads no rope.dimension_count for phi3 (it rotates whole heads): ours is the original's
+    for field in ("rope_parameters", "partial_rotary_factor"):
+        if field in differences:
+            assert differences.pop(field)[0] == original.config.to_dict()[field]
     assert differences == {}
 
 
@@ -211,3 +225,30 @@ def test_dequantize_q5_recovers_values(tmp_path, type_name):
 
 def checkpoint_names(config) -> set[str]:
     return build_model(config, torch.device("meta"), torch.float32).checkpoint_names()
+
+
+def test_tiny_phi3_runs_like_transformers(tmp_path):
+    """A Phi3 GGUF with partial rotary (rope.dimension_count) through the engine: the
+    logits of transformers' model over the same dequantized weights, with the rotary
+    share the file names (transformers' own GGUF reading rotates whole heads)."""
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float()
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "phi3", path)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    config = load_gguf_config(path)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
+    tokens = prompt(37, vocab_size=TINY["vocab_size"])
+    expected = reference(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    whole_heads = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    assert not torch.allclose(whole_heads(torch.tensor([tokens])).logits[0], expected, atol=1e-3)
+
+
+def test_phi3_gguf_with_longrope_is_one_clear_error(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float(), "phi3", path, longrope=True)
+    with pytest.raises(ValueError, match="uses LongRoPE"):
+        load_gguf_config(path)

@@ -59,7 +59,7 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
     if kind == "gpt2":
-        tok = _byte_level_bpe(tokens, list(meta["tokenizer.ggml.merges"]), meta.get("tokenizer.ggml.pre"))
+        tok = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges", [])), meta.get("tokenizer.ggml.pre"))
     elif kind == "llama":
         scores = [float(s) for s in meta["tokenizer.ggml.scores"]]
         unk_id = meta.get("tokenizer.ggml.unknown_token_id")

@@ -1,12 +1,15 @@
-"""GGUF files of architecture ``llama`` (Llama, Mistral, SmolLM, ...).
+"""GGUF files of architectures ``llama`` (Llama, Mistral, SmolLM, ...) and ``phi3``.
 
-llama.cpp rotates q/k with adjacent pairs (GPT-J style) where HF rotates the two halves of
-each head (NeoX style), so its converter reorders the rows of every q/k head from
+For ``llama`` llama.cpp rotates q/k with adjacent pairs (GPT-J style) where HF rotates the
+two halves of each head (NeoX style), so its converter reorders the rows of every q/k head from
 ``[x0..x(d/2-1), y0..y(d/2-1)]`` to ``[x0, y0, x1, y1, ...]``. Undoing that gives back the
 HF rows, which our rotary (rotate-half) expects.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor
 from transformers import PretrainedConfig
@@ -31,3 +34,20 @@ class LlamaGGUF(GGUFAdapter):
         if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             return unpermute_rows(tensor, config.num_key_value_heads)
         return tensor
+
+
+class Phi3GGUF(GGUFAdapter):
+    """Phi3 as llama.cpp's converter writes it: the checkpoint's tensors unchanged (its
+    rope for phi3 rotates halves, as HF's does; qkv and gate_up stay fused), and the
+    rotated share of each head as ``rope.dimension_count``."""
+
+    def __init__(self) -> None:
+        super().__init__(model_type="phi3")
+
+    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+        if "phi3.rope.scaling.attn_factor" in metadata:
+            raise ValueError("this Phi3 GGUF uses LongRoPE (the long-context models' rope_type 'longrope'), "
+                             "which xinfer does not support yet")  # fmt: skip
+        head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+        rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
+        return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}

@@ -12,4 +12,4 @@ def xinfer_architectures() -> dict[str, str]:
 
 @hookimpl
 def xinfer_gguf_architectures() -> dict[str, str]:
-    return {"llama": "xinfer_llama.gguf:LlamaGGUF"}
+    return {"llama": "xinfer_llama.gguf:LlamaGGUF", "phi3": "xinfer_llama.gguf:Phi3GGUF"}
