@@ -48,6 +48,6 @@ class Phi3GGUF(GGUFAdapter):
         if "phi3.rope.scaling.attn_factor" in metadata:
             raise ValueError("this Phi3 GGUF uses LongRoPE (the long-context models' rope_type 'longrope'), "
                              "which xinfer does not support yet")  # fmt: skip
-        head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+        head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
         return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
