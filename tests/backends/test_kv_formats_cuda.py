@@ -274,6 +274,24 @@ def test_recent_window_reads_shadows_like_the_reference(fmt, window):
     assert relative_error(plain, want) > 10 * TOL[dtype]  # the window changed what was read
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "turbo3"])
+def test_recent_window_decode_with_long_tiles(fmt):
+    """Decode over 128-key tiles with a window: the splits start at the first whole tile
+    and the exact part takes the rest of it (a context longer than a tile and two
+    within one, the first reaching into its window)."""
+    dtype = torch.float32
+    reference, device_cache, meta = write_case(fmt, dtype, 64, [300, 130, 100], [1, 1, 1])
+    reference, meta = with_shadows(reference, meta, window=11, drop=3)
+    device_cache.shadows = tuple(s.to(DEVICE) for s in reference.shadows)
+    device_cache.recent_window = reference.recent_window
+    q = torch.randn(3, 4, 64)
+    want = CPU.attend(q, reference, meta, 0.125)
+    for splits in (1, 3):
+        got = attention.paged_attention_cache(q.to(DEVICE), device_cache, on_device(meta), 0.125, num_splits=splits,
+                                              decode_tiles=attention._LONG_DECODE_TILES[64][0])  # fmt: skip
+        assert relative_error(got, want) < TOL[dtype], splits
+
+
 def step_slots(cache: LayerKVCache, meta: AttentionMetadata, tables: torch.Tensor | None = None) -> torch.Tensor:
     """The slots of each sequence's last ``q_len`` positions, the step's own tokens, in
     the blocks of ``tables`` (the block tables unless given; -1 entries give -1)."""
