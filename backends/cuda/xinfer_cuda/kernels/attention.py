@@ -723,17 +723,16 @@ def _decode_kernel(
     ev_head = ev_cache_ptr + kv_head * stride_e_head
     shadow_table = shadow_tables_ptr + seq.to(tl.int64) * stride_st
     # [a_lo, a_hi): a split's whole tiles, or the exact part's head (the first block, then
-    # short tiles up to the first split: ``lo`` for near_from puts them in the recent
-    # keys' span, whose tiles read codes where no row reads the key exact); [b_lo, b_hi):
-    # a split's last tile, or the exact part's recent keys
+    # one whole tile up to the first split, hiding the keys past it); [b_lo, b_hi): a
+    # split's last tile, or the exact part's recent keys
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, a_lo, a_hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
-        score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, lo,
+        score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
         MASK_NONE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D,
         PRECISION, CODE_DTYPE, DECODE,
-        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT_PART, True,  # a split's whole tiles
+        K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT_PART,
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
         acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, b_lo, b_hi,
