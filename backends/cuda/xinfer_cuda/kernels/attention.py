@@ -358,7 +358,6 @@ def _attend_keys(
     V_OFFSET: tl.constexpr,
     V_STEP: tl.constexpr,
     EXACT: tl.constexpr,
-    PLAIN_WHOLE: tl.constexpr = False,
 ):
     """Fold the keys at positions [start, end) into the running (acc, l_i, m_i).
 
@@ -376,9 +375,8 @@ def _attend_keys(
     by recency) on can be read so; they go through short tiles of their own (32 keys or
     fewer: where a tile reads codes, it reads shadows beside them, and beside a
     128-key quantized tile they spilled), and the keys
-    between them through whole tiles that read no shadows. Those hide the keys past
-    their span's end unless ``PLAIN_WHOLE`` (the caller's whole tiles end where that
-    span does): then they take ``MASK``.
+    between them through whole tiles that read no shadows and hide the keys past their
+    span's end.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
@@ -407,7 +405,7 @@ def _attend_keys(
                     k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
                     stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
                     score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot,
-                    recent, MASK if not EXACT or (span == 1 and PLAIN_WHOLE) else OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N if EXACT and span != 1 else BLOCK_N,
+                    recent, MASK if not EXACT else OWN_END, HAS_WINDOW, HAS_SOFTCAP, EXACT_N if EXACT and span != 1 else BLOCK_N,
                     BLOCK_SIZE, HEAD_DIM, SPLIT, HALF_D, PRECISION, CODE_DTYPE, DECODE,
                     K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT and span != 1,
                 )  # fmt: skip
