@@ -374,9 +374,8 @@ def _attend_keys(
     first block and the keys from ``near_from`` (the first position any row reads exact
     by recency) on can be read so; they go through short tiles of their own (32 keys or
     fewer: where a tile reads codes, it reads shadows beside them, and beside a
-    128-key quantized tile they spilled), and the keys
-    between them through whole tiles that read no shadows and hide the keys past their
-    span's end.
+    128-key quantized tile they spilled), and the keys between them through whole
+    tiles that read no shadows and hide the keys past their span's end.
     """
     if K_CODE == CODE_PLAIN:
         q_k_lo, q_k_hi = q_lo, q_hi
