@@ -148,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--formats", nargs="+", default=FORMATS)
-    parser.add_argument("--tokens", type=int, default=20480, help="text tokens scored per model")
+    parser.add_argument("--tokens", type=int, default=20480, help="text tokens scored per model (0: the needles only)")
     parser.add_argument("--window", type=int, default=2048, help="tokens per independent sequence")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk: each reads the cache the chunks before it wrote")
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -163,30 +163,37 @@ def main() -> None:
     table = []
     for model in args.models:
         t0 = time.time()
+        max_model_len = max(args.window, *args.needle_lengths) + 64
         llm = LLM(
-            model=model_path(model), dtype="float32", enable_prefix_caching=False, num_blocks=1280,
-            max_num_batched_tokens=args.chunk, max_model_len=max(args.window, *args.needle_lengths) + 64,
+            model=model_path(model), dtype="float32", enable_prefix_caching=False,
+            num_blocks=max(1280, 2 * math.ceil(max_model_len / BLOCK_SIZE)),
+            max_num_batched_tokens=args.chunk, max_model_len=max_model_len,
         )  # fmt: skip
+        context = llm.engine.hf_config.max_position_embeddings
+        if max(args.needle_lengths) + 8 > context:
+            parser.error(f"--needle-lengths: {model}'s context is {context} tokens, a needle prompt and its 8 answer tokens must fit")
         tokens = llm.tokenizer.encode(text, add_special_tokens=False)
         t1 = time.time()
-        metrics = text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window)
+        metrics = text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window) if args.tokens else {}
         t2 = time.time()
         needles = needle_grid(llm, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths,
                               args.formats, args.kv_recent_window)  # fmt: skip
         print(json.dumps({"model": model, "load_s": round(t1 - t0), "text_s": round(t2 - t1), "needle_s": round(time.time() - t2)}))
-        base = metrics["auto"]["ppl"]
         head_dim = attention_layers(llm.engine.model)[0].head_dim
         for fmt in args.formats:
-            row = {"model": model, "format": fmt, **metrics[fmt], "ppl_vs_auto": metrics[fmt]["ppl"] / base - 1,
-                   "needle": sum(needles[fmt]) / len(needles[fmt]), "needle_cases": needles[fmt], "head_dim": head_dim,
+            row = {"model": model, "format": fmt, "needle": sum(needles[fmt]) / len(needles[fmt]),
+                   "needle_cases": needles[fmt], "needle_lengths": args.needle_lengths, "head_dim": head_dim,
                    "bytes_per_token_per_head": get_format(fmt).bytes_per_token(head_dim, torch.bfloat16)}  # fmt: skip
+            if metrics:
+                row |= {**metrics[fmt], "ppl_vs_auto": metrics[fmt]["ppl"] / metrics["auto"]["ppl"] - 1}
             table.append(row)
             print(json.dumps(row), flush=True)
         print(json.dumps({"model": model, "seconds": round(time.time() - t0, 1)}), flush=True)
     print("\n| model | format | perplexity | vs auto | mean KL | top-1 agree | needle |")
     print("|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['model']} | {r['format']} | {r['ppl']:.3f} | {100 * r['ppl_vs_auto']:+.2f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}% | {sum(r['needle_cases'])}/{len(r['needle_cases'])} |")
+        text_cells = f"{r['ppl']:.3f} | {100 * r['ppl_vs_auto']:+.2f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}%" if "ppl" in r else "— | — | — | —"
+        print(f"| {r['model']} | {r['format']} | {text_cells} | {sum(r['needle_cases'])}/{len(r['needle_cases'])} |")
 
 
 if __name__ == "__main__":
