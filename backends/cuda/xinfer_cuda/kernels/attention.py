@@ -681,17 +681,16 @@ def _decode_kernel(
     # step's slowest program by a third.
     near_from = seq_len - recent
     plain_lo, plain_hi = lo, seq_len
-    head_end = plain_lo  # the exact part's first span: [lo, head_end)
     if EXACT:
         plain_lo, plain_hi = _exact_spans(lo, seq_len, near_from, BLOCK_SIZE)
-        head_end = plain_lo
-        if not HAS_WINDOW:
-            # The splits start at a whole tile, as without the window, and the exact part
-            # takes the rest of the first one: tiles at multiples of BLOCK_N load their
-            # block-table entries as vectors (from a start known only to be a block's,
-            # fp8's kernel took 187 registers instead of 168, and 7 % more instructions).
-            plain_lo = BLOCK_N
-            head_end = tl.minimum(plain_hi, BLOCK_N)
+    head_end = plain_lo  # the exact part's first span: [lo, head_end)
+    if EXACT and not HAS_WINDOW:
+        # The splits start at a whole tile, as without the window, and the exact part
+        # takes the rest of the first one: tiles at multiples of BLOCK_N load their
+        # block-table entries as vectors (from a start known only to be a block's,
+        # fp8's kernel took 187 registers instead of 168, and 7 % more instructions).
+        plain_lo = BLOCK_N
+        head_end = tl.minimum(plain_hi, BLOCK_N)
     split_len = _split_len(tl.maximum(plain_hi - plain_lo, 0), num_splits, MIN_SPLIT)
     start = plain_lo + split * split_len
     end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
