@@ -92,12 +92,14 @@ class CpuOps:
             start, end = cu[b], cu[b + 1]
             if end == start:
                 continue
-            stored = {n: gather_context(t, meta.block_tables[b], context_len) for n, t in cache.tensors.items()}
-            k, v = cache.format.decode(stored)  # one sequence's context, in fp32
+            # a sliding window hides every key before the first query's window
+            first = 0 if window is None else max(0, context_len - (end - start) - window + 1)
+            stored = {n: gather_context(t, meta.block_tables[b], context_len, first) for n, t in cache.tensors.items()}
+            k, v = cache.format.decode(stored)  # one sequence's visible context, in fp32
             exact = None
             if cache.shadows is not None and meta.shadow_tables is not None:
-                exact = shadow_context(cache, meta.shadow_tables[b], context_len)
-            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact)
+                exact = shadow_context(cache, meta.shadow_tables[b], context_len, first)
+            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first)
         return cache.format.finish_output(out).to(dtype)
 
 
@@ -117,11 +119,12 @@ class ExactKeys:
         return self.has_shadow & near
 
 
-def shadow_context(cache: LayerKVCache, shadow_table: Tensor, context_len: int) -> ExactKeys:
+def shadow_context(cache: LayerKVCache, shadow_table: Tensor, context_len: int, first: int = 0) -> ExactKeys:
+    """The exact K/V of positions ``first`` to ``context_len``."""
     block_size = cache.block_size
     table = shadow_table[: -(-context_len // block_size)]
-    k, v = (gather_context(s, table.clamp(min=0), context_len).float() for s in cache.shadows)
-    has_shadow = (table >= 0).repeat_interleave(block_size)[:context_len]
+    k, v = (gather_context(s, table.clamp(min=0), context_len, first).float() for s in cache.shadows)
+    has_shadow = (table >= 0).repeat_interleave(block_size)[first:context_len]
     return ExactKeys(k, v, has_shadow, cache.recent_window, block_size)
 
 
@@ -133,14 +136,17 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     exact: ExactKeys | None = None,
+    first: int = 0,
 ) -> Tensor:
-    """Causal attention of the last ``len(q)`` positions over ``len(k)`` keys, in fp32;
-    with ``exact``, each (query, key) pair its rule picks uses the exact K/V instead.
+    """Causal attention of the last ``len(q)`` positions over keys at positions
+    ``first`` to ``first + len(k)``, in fp32; with ``exact``, each (query, key) pair its
+    rule picks uses the exact K/V instead.
 
     q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
     """
     num_q, num_heads, head_dim = q.shape
-    context_len, num_kv_heads, _ = k.shape
+    num_keys, num_kv_heads, _ = k.shape
+    context_len = first + num_keys
     dtype = q.dtype
     group = num_heads // num_kv_heads
     # heads grouped by the KV head they share: [Hkv, group * Q, D]
@@ -152,7 +158,7 @@ def attend(
 
     scores = scores_of(k)
     q_pos = torch.arange(context_len - num_q, context_len).repeat(group).unsqueeze(1)
-    k_pos = torch.arange(context_len).unsqueeze(0)
+    k_pos = torch.arange(first, context_len).unsqueeze(0)
     if exact is not None:
         from_exact = exact.read_by(q_pos, k_pos)  # [group * Q, L], the same for every KV head
         scores = torch.where(from_exact, scores_of(exact.k), scores)
@@ -167,12 +173,13 @@ def attend(
     return out.reshape(num_q, num_heads, head_dim).to(dtype)
 
 
-def gather_context(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
-    """The first ``context_len`` positions of one sequence's blocks of ``cache``."""
+def gather_context(cache: Tensor, block_table: Tensor, context_len: int, first: int = 0) -> Tensor:
+    """Positions ``first`` to ``context_len`` of one sequence's blocks of ``cache``."""
     block_size = cache.shape[1]
-    num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, Hkv, D]
-    return blocks.flatten(0, 1)[:context_len]
+    first_block, last_block = first // block_size, -(-context_len // block_size)
+    blocks = cache[block_table[first_block:last_block].long()]  # [n, block_size, Hkv, D]
+    offset = first_block * block_size
+    return blocks.flatten(0, 1)[first - offset : context_len - offset]
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
