@@ -16,8 +16,11 @@ largest one's activations; the pool holds about one step of ``max_num_tokens``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -35,13 +38,14 @@ class StepGraphs:
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
         pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.buckets, key=lambda b: (b.num_tokens, b.decode), reverse=True):
-            self.step.run(bucket)  # warm-up: Triton compiles (and the logits buffer is allocated) outside capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.step.run(bucket)
-            self.graphs[bucket] = graph
+        with no_garbage_collection():
+            for bucket in sorted(self.buckets, key=lambda b: (b.num_tokens, b.decode), reverse=True):
+                self.step.run(bucket)  # warm-up: Triton compiles (and the logits buffer is allocated) outside capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.step.run(bucket)
+                self.graphs[bucket] = graph
         torch.cuda.synchronize(device)
         log.info(
             "CUDA graphs for decode batches of %s sequences and steps of %s tokens: captured in %.1f s, %.2f GiB",
@@ -57,3 +61,17 @@ class StepGraphs:
         self.step.load(batch, bucket, pending)
         self.graphs[bucket].replay()
         return self.step.logits[: len(batch.sample_rows)]
+
+
+@contextmanager
+def no_garbage_collection() -> Iterator[None]:
+    """Collect first, then not at all: the collector destroying an earlier engine's
+    graphs inside a capture invalidates the capture (CUDA forbids it)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
