@@ -93,7 +93,7 @@ def text_metrics(
     sums = {f: {"nll": 0.0, "n": 0, "kl": 0.0, "top1": 0, "rows": 0} for f in formats}
     for w in range(0, len(tokens) - window + 1, window):
         ids = tokens[w : w + window]
-        targets = torch.tensor(ids[1:] + [-1])  # the window's last position has no target
+        targets = torch.tensor(ids[1:] + [-1], device=llm.engine.device)  # the window's last position has no target
         reference = []  # per chunk: auto's probabilities, sum p log p per row, argmax
         for fmt in formats:
             use_format(llm, fmt, recent_window)
@@ -144,6 +144,7 @@ def needle_grid(
         use_format(llm, fmt, recent_window)
         outs = llm.generate([c[0] for c in cases], params)
         results[fmt] = [number in o.outputs[0].text for o, (_, number) in zip(outs, cases)]
+        print(json.dumps({"format": fmt, "needle_cases": results[fmt]}), flush=True)  # kept if a later format is cut short
     return results
 
 
@@ -161,7 +162,8 @@ def main() -> None:
                         help="quantized formats read each query's last N positions and its first block exact "
                         "(the engine's shadow blocks)")
     args = parser.parse_args()
-    assert args.formats[0] == "auto", "the first format is the reference"
+    if args.tokens and args.formats[0] != "auto":
+        parser.error("--formats: the text metrics compare against auto, which must come first (--tokens 0 runs needles only)")
     text, digest = corpus()
     print(json.dumps({"corpus": "pydoc_data.topics (sorted keys, joined by blank lines)", "sha256": digest, "chars": len(text)}))
     table = []
