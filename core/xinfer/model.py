@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Iterator, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -17,6 +17,16 @@ HF_QKV_GATE_UP = {
 """The usual HF checkpoint projections, stored as merged ``qkv_proj`` / ``gate_up_proj``."""
 
 
+@runtime_checkable
+class ConvertsCheckpoint(Protocol):
+    """A module whose parameters differ from the checkpoint's by a fixed conversion (an
+    offset on norm weights, reordered rows...)."""
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        """The value to load of checkpoint tensor ``name`` (relative to this module)."""
+        ...
+
+
 class CausalLM(nn.Module):
     """A decoder over a flat batch of tokens (no batch dimension).
 
@@ -24,7 +34,8 @@ class CausalLM(nn.Module):
     ``__init__``, keep parameter names equal to the HF checkpoint's, and name in
     ``packed_modules`` the checkpoint projections they store merged:
     ``{"q_proj": ("qkv_proj", "q")}`` loads ``...q_proj.weight`` into shard ``"q"``
-    of ``...qkv_proj.weight``.
+    of ``...qkv_proj.weight``. A module that stores a tensor differently from the
+    checkpoint converts it in ``from_checkpoint`` (see :class:`ConvertsCheckpoint`).
     """
 
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = {}
@@ -60,4 +71,15 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into the parameters; returns the names loaded."""
         from xinfer.loading.weights import load_weights
 
-        return load_weights(self, weights)
+        return load_weights(self, self._converted(weights))
+
+    def _converted(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Each tensor through the ``from_checkpoint`` of the modules it is under, innermost first."""
+        converters = {name: m for name, m in self.named_modules() if isinstance(m, ConvertsCheckpoint)}
+        for name, tensor in weights:
+            parts = name.split(".")
+            for end in range(len(parts) - 1, 0, -1):
+                module = converters.get(".".join(parts[:end]))
+                if module is not None:
+                    tensor = module.from_checkpoint(".".join(parts[end:]), tensor)
+            yield name, tensor

@@ -1,5 +1,6 @@
 """A plugin made here, as a third party would: its own package, pyproject and entry
-point, built and installed with pip. xinfer loads its architecture unchanged."""
+point, built and installed with pip. It composes core blocks alone, imports no other
+plugin, and xinfer loads its architecture unchanged."""
 
 import json
 import os
@@ -27,11 +28,11 @@ tinynet = "xinfer_tinynet"
 
 MODULE = '''
 from xinfer.hooks import hookimpl
-from xinfer_llama.llama import LlamaForCausalLM
+from xinfer.layers import DecoderForCausalLM
 
 
-class TinyNetForCausalLM(LlamaForCausalLM):
-    """A Llama built by a third party, registered under its own name."""
+class TinyNetForCausalLM(DecoderForCausalLM):
+    """A llama-like decoder built by a third party from xinfer's blocks alone."""
 
 
 @hookimpl
@@ -46,7 +47,9 @@ from xinfer.registry import plugins
 llm = LLM(model=sys.argv[1], dtype="float32", num_blocks=32)
 out = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 info = next(p for p in plugins() if p.name == "tinynet")
-print(json.dumps({"tokens": out[0].outputs[0].token_ids, "version": info.version, "archs": info.architectures}))
+packages = sorted({m.split(".")[0] for m in sys.modules if m.startswith("xinfer_")})
+print(json.dumps({"tokens": out[0].outputs[0].token_ids, "version": info.version, "archs": info.architectures,
+                  "packages": packages}))
 """
 
 
@@ -68,7 +71,8 @@ def test_a_pip_installed_plugin_adds_an_architecture(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
 
     tokens = prompt(20)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    pythonpath = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "XINFER_PLUGINS": "tinynet,cpu"}
     result = subprocess.run(
         [sys.executable, "-c", RUN, str(model_dir), json.dumps(tokens)],
         env=env, capture_output=True, text=True, check=True,
@@ -77,6 +81,7 @@ def test_a_pip_installed_plugin_adds_an_architecture(tmp_path):
     expected = hf.generate(torch.tensor([tokens]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert got["tokens"] == expected[0, len(tokens):].tolist()
     assert got["version"] == "0.0.7" and got["archs"] == ["TinyNetForCausalLM"]
+    assert got["packages"] == ["xinfer_cpu", "xinfer_tinynet"], "a plugin other than tinynet and cpu was imported"
 
 
 def test_xinfer_plugins_env_var_limits_loaded_plugins():

@@ -1,22 +1,40 @@
-"""Model building blocks. They compute through :mod:`xinfer.ops`, never a backend directly."""
+"""Model building blocks. They compute through :mod:`xinfer.ops`, never a backend directly.
 
-from xinfer.layers.activation import GeluTanhAndMul, SiluAndMul
+An architecture composes them: most are a :class:`DecoderForCausalLM` with a :class:`DecoderSpec`.
+"""
+
+from xinfer.layers.activation import GeluTanhAndMul, SiluAndMul, gated_activation
 from xinfer.layers.attention import Attention
+from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec, sliding_window
+from xinfer.layers.decoder import DecoderModel
+from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
 from xinfer.layers.embedding import LMHead, VocabEmbedding
 from xinfer.layers.linear import Linear, MergedLinear
+from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm, head_norms
-from xinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
+from xinfer.layers.self_attention import SelfAttention
 
 __all__ = [
     "Attention",
+    "DecoderForCausalLM",
+    "DecoderLayer",
+    "DecoderModel",
+    "DecoderSpec",
+    "GatedMLP",
     "GeluTanhAndMul",
     "LMHead",
     "Linear",
     "MergedLinear",
     "RMSNorm",
     "RotaryEmbedding",
+    "SandwichDecoderLayer",
+    "SelfAttention",
     "SiluAndMul",
     "VocabEmbedding",
+    "gated_activation",
     "head_norms",
+    "pairs_to_halves",
     "rope_parameters",
+    "sliding_window",
 ]

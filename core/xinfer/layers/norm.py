@@ -6,15 +6,23 @@ from xinfer import ops
 
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * weight``; with ``residual``, adds it first and
-    returns ``(normed, x + residual)``."""
+    returns ``(normed, x + residual)``.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    ``weight_offset``: the checkpoint stores ``w`` where the model multiplies by
+    ``weight_offset + w`` (Gemma: 1); the offset is added at load.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0):
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         return ops.rms_norm(x, self.weight, self.eps, residual)
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        return tensor + self.weight_offset if self.weight_offset else tensor
 
 
 def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> ops.HeadNorms:

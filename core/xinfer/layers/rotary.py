@@ -6,6 +6,7 @@ Scaling variants follow the formulas of their papers / model cards; the kind is
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -69,6 +70,18 @@ def _yarn(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
 
 
 _INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+
+
+def pairs_to_halves(rows: Tensor, num_heads: int, rotary_dim: int | None = None) -> Tensor:
+    """Per head, the rotated rows reordered from adjacent pairs ``[x0, y0, x1, y1, ..]`` to
+    halves ``[x0, x1, .., y0, y1, ..]``: rotating the pairs (GPT-J style) is then rotating the
+    halves (NeoX style, as ``ops.rotary`` does). The first ``rotary_dim`` rows of each head
+    rotate (all of them by default); the rest keep their place."""
+    head_dim = rows.shape[0] // num_heads
+    rotary_dim = rotary_dim or head_dim
+    arange = functools.partial(torch.arange, device=rows.device)
+    order = torch.cat((arange(0, rotary_dim, 2), arange(1, rotary_dim, 2), arange(rotary_dim, head_dim)))
+    return rows.unflatten(0, (num_heads, head_dim))[:, order].flatten(0, 1)
 
 
 class RotaryEmbedding(nn.Module):

@@ -2,8 +2,8 @@
 
 For ``llama`` llama.cpp rotates q/k with adjacent pairs (GPT-J style) where HF rotates the
 two halves of each head (NeoX style), so its converter reorders the rows of every q/k head from
-``[x0..x(d/2-1), y0..y(d/2-1)]`` to ``[x0, y0, x1, y1, ...]``. Undoing that gives back the
-HF rows, which our rotary (rotate-half) expects.
+``[x0..x(d/2-1), y0..y(d/2-1)]`` to ``[x0, y0, x1, y1, ...]``. Undoing that (``pairs_to_halves``)
+gives back the HF rows, which our rotary (rotate-half) expects.
 """
 
 from __future__ import annotations
@@ -14,14 +14,8 @@ from typing import Any
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from xinfer.layers import pairs_to_halves
 from xinfer.loading.gguf import GGUFAdapter
-
-
-def unpermute_rows(tensor: Tensor, num_heads: int) -> Tensor:
-    """Per head, rows interleaved in pairs -> the two halves one after the other."""
-    rows = tensor.shape[0]
-    pairs = tensor.reshape(num_heads, rows // num_heads // 2, 2, *tensor.shape[1:])
-    return pairs.transpose(1, 2).reshape(tensor.shape)
 
 
 class LlamaGGUF(GGUFAdapter):
@@ -30,9 +24,9 @@ class LlamaGGUF(GGUFAdapter):
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            return unpermute_rows(tensor, config.num_attention_heads)
+            return pairs_to_halves(tensor, config.num_attention_heads)
         if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            return unpermute_rows(tensor, config.num_key_value_heads)
+            return pairs_to_halves(tensor, config.num_key_value_heads)
         return tensor
 
 

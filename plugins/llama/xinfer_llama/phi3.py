@@ -1,7 +1,7 @@
-from xinfer_llama.llama import LlamaForCausalLM
+from xinfer.layers import DecoderForCausalLM
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(DecoderForCausalLM):
     """Llama whose checkpoint already stores ``qkv_proj`` and ``gate_up_proj`` fused,
     exactly as the merged layers hold them; rope may be partial
     (``partial_rotary_factor``)."""

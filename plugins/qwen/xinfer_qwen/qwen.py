@@ -1,13 +1,13 @@
-from xinfer_llama.llama import LlamaForCausalLM
+from xinfer.layers import DecoderForCausalLM, DecoderSpec
 
 
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Llama with biases on the q, k and v projections."""
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Llama with biases on the q, k and v projections (not on o)."""
 
-    qkv_bias = True
+    spec = DecoderSpec(qkv_bias=True)
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+class Qwen3ForCausalLM(DecoderForCausalLM):
     """Llama with an RMSNorm over each head of q and k before rope."""
 
-    qk_norm = True
+    spec = DecoderSpec(qk_norm=True)

@@ -1,0 +1,109 @@
+"""A decoder-only LM composed of the core blocks; an architecture is a ``DecoderSpec`` plus
+whatever is truly its own."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from xinfer.layers.decoder import DecoderModel
+from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
+from xinfer.layers.embedding import LMHead
+from xinfer.layers.mlp import GatedMLP
+from xinfer.layers.norm import RMSNorm
+from xinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from xinfer.layers.self_attention import SelfAttention
+from xinfer.model import HF_QKV_GATE_UP, CausalLM
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """How an architecture departs from Llama. Sizes and the options HF configs spell alike
+    come from the config: ``attention_bias``, ``mlp_bias``, ``hidden_act``/``hidden_activation``,
+    ``head_dim``, ``layer_types`` and ``sliding_window``, the rope parameters (per layer type,
+    partial), ``query_pre_attn_scalar``, ``final_logit_softcapping``, ``tie_word_embeddings``."""
+
+    qkv_bias: bool | None = None  # None: the config's attention_bias, as o_proj's
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
+    norm_weight_offset: float = 0.0  # norms multiply by offset + w (Gemma: 1)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
+    interleaved_rotary: bool = False  # rotary over adjacent pairs (GPT-J style) rather than halves
+
+
+class DecoderForCausalLM(CausalLM):
+    """Embeddings, decoder layers of ``SelfAttention`` and ``GatedMLP``, final norm, LM head.
+
+    An architecture whose attention or MLP is its own (MoE, MLA, ...) overrides
+    ``attention`` or ``mlp``; the layers take any module.
+    """
+
+    spec: ClassVar[DecoderSpec] = DecoderSpec()
+    packed_modules = HF_QKV_GATE_UP
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+        rotary = {
+            kind: RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config, kind))
+            for kind in set(layer_types)
+        }
+        self.model = DecoderModel(
+            config.vocab_size,
+            config.hidden_size,
+            (self.layer(config, i, rotary[kind]) for i, kind in enumerate(layer_types)),
+            self.rms_norm(config.hidden_size),
+            embed_scale=config.hidden_size**0.5 if self.spec.scale_embeddings else None,
+        )
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, getattr(config, "final_logit_softcapping", None))
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
+        layer = SandwichDecoderLayer if self.spec.sandwich_norms else DecoderLayer
+        norm = functools.partial(self.rms_norm, config.hidden_size)
+        return layer(self.attention(config, index, rotary), self.mlp(config, index), norm)
+
+    def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
+        bias = getattr(config, "attention_bias", False)
+        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
+        return SelfAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            self.head_dim,
+            rotary,
+            qkv_bias=bias if self.spec.qkv_bias is None else self.spec.qkv_bias,
+            o_bias=bias,
+            qk_norm=self.rms_norm if self.spec.qk_norm else None,
+            scale=scalar**-0.5,
+            window=sliding_window(config, index),
+            interleaved_rotary=self.spec.interleaved_rotary,
+        )
+
+    def mlp(self, config: Any, index: int) -> nn.Module:
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        return GatedMLP(config.hidden_size, config.intermediate_size, activation, getattr(config, "mlp_bias", False))
+
+    def rms_norm(self, dim: int) -> RMSNorm:
+        return RMSNorm(dim, self.config.rms_norm_eps, self.spec.norm_weight_offset)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+
+def sliding_window(config: Any, index: int) -> int | None:
+    """Layer ``index``'s window: per ``layer_types`` where the config has them, else the
+    config-wide ``sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[index] == "sliding_attention" else None
+    return window

@@ -1,0 +1,79 @@
+"""The attention block of a decoder layer."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from xinfer.layers.attention import Attention
+from xinfer.layers.linear import Linear, MergedLinear
+from xinfer.layers.norm import RMSNorm, head_norms
+from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves
+
+
+class SelfAttention(nn.Module):
+    """``o_proj(attention(rotary(q_norm(q)), rotary(k_norm(k)), v))`` with q, k, v from one
+    merged projection; the per-head norms (``qk_norm`` builds them, if given) and the rotary
+    are one fused op.
+
+    ``interleaved_rotary``: the checkpoint rotates adjacent pairs (GPT-J style, as GLM) rather
+    than halves. The rows of q and k (and the norm weights) are reordered at load so that
+    the halves ``ops.rotary`` rotates are those pairs; q·k does not change when q and k are
+    reordered alike, and v is untouched.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: Callable[[int], RMSNorm] | None = None,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        interleaved_rotary: bool = False,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
+        self.o_proj = Linear(q_size, hidden_size, o_bias)
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+        self.rotary_emb = rotary
+        self.interleaved_rotary = interleaved_rotary
+        scale = head_dim**-0.5 if scale is None else scale
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale, window=window, softcap=softcap)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.o_proj(self.attn(*self.qkv(positions, x)))
+
+    def qkv(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries [T, H, D] and keys [T, Hkv, D], normed and rotated; values [T, Hkv*D]."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None else None
+        q, k = self.rotary_emb(positions, q, k, norms)
+        return q, k, v
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        if not self.interleaved_rotary:
+            return tensor
+        module = name.split(".")[0]
+        heads = {"q_proj": self.num_heads, "k_proj": self.num_kv_heads, "q_norm": 1, "k_norm": 1}
+        if module in heads:
+            return pairs_to_halves(tensor, heads[module], self.rotary_emb.rotary_dim)
+        if module == "qkv_proj":  # stored fused in the checkpoint
+            q, k, v = tensor.split(list(self.qkv_proj.shard_sizes.values()))
+            rotary_dim = self.rotary_emb.rotary_dim
+            return torch.cat((pairs_to_halves(q, self.num_heads, rotary_dim),
+                              pairs_to_halves(k, self.num_kv_heads, rotary_dim), v))  # fmt: skip
+        return tensor
