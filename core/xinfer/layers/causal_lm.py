@@ -26,7 +26,8 @@ class DecoderSpec:
     ``head_dim``, ``layer_types`` and ``sliding_window``, the rope parameters (per layer type,
     partial), ``query_pre_attn_scalar``, ``final_logit_softcapping``, ``tie_word_embeddings``."""
 
-    qkv_bias: bool | None = None  # None: the config's attention_bias, as o_proj's
+    qkv_bias: bool | None = None  # None: the config's attention_bias
+    o_bias: bool | None = None  # None: the config's attention_bias
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
     norm_weight_offset: float = 0.0  # norms multiply by offset + w (Gemma: 1)
@@ -78,7 +79,7 @@ class DecoderForCausalLM(CausalLM):
             self.head_dim,
             rotary,
             qkv_bias=bias if self.spec.qkv_bias is None else self.spec.qkv_bias,
-            o_bias=bias,
+            o_bias=bias if self.spec.o_bias is None else self.spec.o_bias,
             qk_norm=self.rms_norm if self.spec.qk_norm else None,
             scale=scalar**-0.5,
             window=sliding_window(config, index),

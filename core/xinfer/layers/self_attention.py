@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import Tensor, nn
 
 from xinfer.layers.attention import Attention
@@ -69,11 +68,8 @@ class SelfAttention(nn.Module):
             return tensor
         module = name.split(".")[0]
         heads = {"q_proj": self.num_heads, "k_proj": self.num_kv_heads, "q_norm": 1, "k_norm": 1}
+        if module == "qkv_proj":
+            raise NotImplementedError("interleaved rotary needs the checkpoint's q_proj and k_proj apart")
         if module in heads:
             return pairs_to_halves(tensor, heads[module], self.rotary_emb.rotary_dim)
-        if module == "qkv_proj":  # stored fused in the checkpoint
-            q, k, v = tensor.split(list(self.qkv_proj.shard_sizes.values()))
-            rotary_dim = self.rotary_emb.rotary_dim
-            return torch.cat((pairs_to_halves(q, self.num_heads, rotary_dim),
-                              pairs_to_halves(k, self.num_kv_heads, rotary_dim), v))  # fmt: skip
         return tensor
