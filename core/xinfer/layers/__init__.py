@@ -5,7 +5,7 @@ An architecture composes them: most are a :class:`DecoderForCausalLM` with a :cl
 
 from xinfer.layers.activation import GeluTanhAndMul, SiluAndMul, gated_activation
 from xinfer.layers.attention import Attention
-from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec, sliding_window
+from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec
 from xinfer.layers.decoder import DecoderModel
 from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
 from xinfer.layers.embedding import LMHead, VocabEmbedding
@@ -36,5 +36,4 @@ __all__ = [
     "head_norms",
     "pairs_to_halves",
     "rope_parameters",
-    "sliding_window",
 ]

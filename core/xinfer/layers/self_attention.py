@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
         self.rotary_emb = rotary
         self.interleaved_rotary = interleaved_rotary
         scale = head_dim**-0.5 if scale is None else scale
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale, window=window, softcap=softcap)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=scale, window=window, softcap=softcap)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         return self.o_proj(self.attn(*self.qkv(positions, x)))
