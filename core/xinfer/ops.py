@@ -56,9 +56,13 @@ class HeadNorms:
 
 
 class Ops(Protocol):
-    """What a backend provides. The CPU backend is the reference implementation."""
+    """What a backend provides: every op below, and what it supports beyond them, checked
+    at start-up (:func:`xinfer.backend.check_support`). :class:`xinfer.torch_ops.TorchOps`
+    is the reference of every op; a backend subclasses it and overrides op by op."""
 
-    device_type: str
+    name: str  # as in the backend's BackendSpec
+    kv_formats: frozenset[str] | None  # the KV cache formats attention supports; None: every one
+    recent_window: bool  # attention keeps a recent window exact (KeepsRecentWindow)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``x @ weight.T + bias`` for ``x`` [T, K] and ``weight`` [N, K]."""
@@ -177,8 +181,9 @@ class StepLimits:
 
 
 class KeepsRecentWindow(Protocol):
-    """Optional: a backend whose attention writes and reads shadow blocks (the recent
-    window of a quantized cache, ``cache.shadows``; see :meth:`Ops.attention`)."""
+    """What a backend declaring ``recent_window`` provides besides its attention reading
+    shadow blocks (the recent window of a quantized cache, ``cache.shadows``; see
+    :meth:`Ops.attention`)."""
 
     def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] exactly into ``cache``'s shadow blocks: in the
@@ -250,4 +255,5 @@ def attention(
     return current().attention(q, k, v, cache, meta, scale, window, softcap)
 
 
-
+PRIMITIVES = tuple(name for name, value in vars(Ops).items() if callable(value) and not name.startswith("_"))
+"""The ops every backend implements (the methods of :class:`Ops`)."""
