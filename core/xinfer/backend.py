@@ -7,9 +7,9 @@ from typing import Protocol
 import torch
 
 from xinfer import registry
-from xinfer.config import DeviceConfig
+from xinfer.config import DeviceConfig, EngineConfig
 from xinfer.hooks import BackendSpec
-from xinfer.ops import Ops
+from xinfer.ops import PRIMITIVES, Ops
 
 
 class DeviceMemory(Protocol):
@@ -58,3 +58,18 @@ def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device
     spec = max(available, key=lambda s: s.priority)
     device = wanted if wanted is not None and wanted.type == spec.device_type else torch.device(spec.device_type)
     return spec, registry.load_object(spec.ops)(), device
+
+
+def check_support(spec: BackendSpec, ops: Ops, config: EngineConfig) -> None:
+    """Refuse, in one line, an engine ``config`` that the backend does not support (what it
+    supports is declared on its ops class, see :class:`xinfer.torch_ops.TorchOps`)."""
+    if missing := [name for name in PRIMITIVES if not callable(getattr(ops, name, None))]:
+        raise ValueError(f"the {spec.name} backend lacks the ops {', '.join(missing)}: its plugin is incomplete "
+                         f"(a backend subclasses xinfer.torch_ops.TorchOps); run on another backend")  # fmt: skip
+    cache = config.cache
+    if ops.kv_formats is not None and cache.kv_cache_dtype not in ops.kv_formats:
+        raise ValueError(f"the {spec.name} backend does not support kv_cache_dtype (--kvcache-dtype) "
+                         f"{cache.kv_cache_dtype!r}: choose one of {', '.join(sorted(ops.kv_formats))}")  # fmt: skip
+    if cache.kv_recent_window and not ops.recent_window:
+        raise ValueError(f"the {spec.name} backend does not implement kv_recent_window (--kv-recent-window) yet: "
+                         f"run without it, or on the CPU")  # fmt: skip

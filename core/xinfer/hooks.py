@@ -8,7 +8,8 @@ nor a device runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import pluggy
 
@@ -66,3 +67,26 @@ def xinfer_gguf_architectures() -> dict[str, str]:
     Subclass :class:`xinfer.loading.gguf.GGUFAdapter` (the identity) to override only
     what differs. An architecture without an adapter loads through the identity.
     """
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op a plugin ships (an architecture's MLA or Gated DeltaNet, say), which models
+    call with :func:`xinfer.ops.call`.
+
+    ``reference`` is a "module:function" string naming its plain-torch implementation,
+    which runs on any torch device; ``kernels`` names, by backend name, functions of the
+    same signature that a backend runs instead. A backend runs its kernel from here,
+    else its own method of the op's name, else the reference. A fused op is an op whose
+    reference composes other ops (``xinfer.ops.rms_norm``, ``xinfer.ops.linear``, ...):
+    every backend runs it, and any may fuse it.
+    """
+
+    name: str
+    reference: str
+    kernels: Mapping[str, str] = field(default_factory=dict)
+
+
+@hookspec
+def xinfer_ops() -> list[OpSpec]:
+    """Ops this plugin provides, beyond those every backend implements (:class:`xinfer.ops.Ops`)."""

@@ -3,17 +3,23 @@
 Models call the functions of this module; :func:`use` points them at a backend.
 Shapes are flat over the tokens of a step (no batch dimension):
 ``T`` tokens, ``H`` query heads, ``Hkv`` KV heads, ``D`` head dim.
+
+Besides the ops of :class:`Ops`, plugins register ops of their own
+(:class:`xinfer.hooks.OpSpec`), which models call with :func:`call`.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from contextlib import contextmanager
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 from torch import Tensor
 
+from xinfer import registry
+from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
 
 
@@ -56,9 +62,13 @@ class HeadNorms:
 
 
 class Ops(Protocol):
-    """What a backend provides. The CPU backend is the reference implementation."""
+    """What a backend provides: every op below, and what it supports beyond them, checked
+    at start-up (:func:`xinfer.backend.check_support`). :class:`xinfer.torch_ops.TorchOps`
+    is the reference of every op; a backend subclasses it and overrides op by op."""
 
-    device_type: str
+    name: str  # as in the backend's BackendSpec
+    kv_formats: frozenset[str] | None  # the KV cache formats attention supports; None: every one
+    recent_window: bool  # attention keeps a recent window exact (KeepsRecentWindow)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``x @ weight.T + bias`` for ``x`` [T, K] and ``weight`` [N, K]."""
@@ -177,8 +187,9 @@ class StepLimits:
 
 
 class KeepsRecentWindow(Protocol):
-    """Optional: a backend whose attention writes and reads shadow blocks (the recent
-    window of a quantized cache, ``cache.shadows``; see :meth:`Ops.attention`)."""
+    """What a backend declaring ``recent_window`` provides besides its attention reading
+    shadow blocks (the recent window of a quantized cache, ``cache.shadows``; see
+    :meth:`Ops.attention`)."""
 
     def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] exactly into ``cache``'s shadow blocks: in the
@@ -250,4 +261,39 @@ def attention(
     return current().attention(q, k, v, cache, meta, scale, window, softcap)
 
 
+PRIMITIVES = tuple(name for name, value in vars(Ops).items() if callable(value) and not name.startswith("_"))
+"""The ops every backend implements (the methods of :class:`Ops`)."""
 
+_plugin_functions: weakref.WeakKeyDictionary[Any, dict[str, Callable | None]] = weakref.WeakKeyDictionary()
+
+
+def call(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Run op ``name`` (a plugin's, or one of :data:`PRIMITIVES`) on the backend in use."""
+    return get(name)(*args, **kwargs)
+
+
+def get(name: str) -> Callable:
+    """Op ``name`` as the backend in use runs it: the kernel that the op's plugin registers
+    under the backend's name, else the backend's method of that name, else the op's torch
+    reference. Resolved once per backend."""
+    backend = current()
+    functions = _plugin_functions.setdefault(backend, {})
+    if name not in functions:
+        functions[name] = _plugin_function(backend, name, registry.op_specs())
+    return functions[name] or getattr(backend, name)
+
+
+def _plugin_function(backend: Ops, name: str, specs: Mapping[str, OpSpec]) -> Callable | None:
+    """The plugin's function that runs op ``name`` on ``backend``; None where the backend's
+    own method does (kept apart so that the cache holds no reference to the backend)."""
+    spec = specs.get(name)
+    if spec is None:
+        if name in PRIMITIVES:
+            return None
+        known = ", ".join(sorted({*PRIMITIVES, *specs}))
+        raise ValueError(f"unknown op {name!r}; known ops: {known}. Install the plugin that provides it.")
+    if backend.name in spec.kernels:
+        return registry.load_object(spec.kernels[backend.name])
+    if hasattr(backend, name):
+        return None
+    return registry.load_object(spec.reference)

@@ -98,3 +98,9 @@ def plugins(pm: pluggy.PluginManager | None = None) -> list[PluginInfo]:
             )
         )
     return infos
+
+
+def op_specs(pm: pluggy.PluginManager | None = None) -> dict[str, hooks.OpSpec]:
+    """Plugins' ops by name (:func:`xinfer.ops.call`); the first registered wins."""
+    pm = pm or plugin_manager()
+    return {spec.name: spec for found in reversed(pm.hook.xinfer_ops()) for spec in found}

@@ -1,4 +1,4 @@
-"""The CUDA backend's quantized KV formats against the CPU reference (``CpuOps``):
+"""The CUDA backend's quantized KV formats against the plain-torch reference (``TorchOps``):
 the write kernel stores what ``KVFormat.quantize`` stores (bit for bit but for
 scales on the RMS, whose sum may round differently), and attention that decodes
 tiles in registers matches the reference attention over the same stored cache.
@@ -21,7 +21,7 @@ import torch
 from xinfer.kv import KVFormat, LayerKVCache, get_format
 from xinfer.kv.codecs import Codec, Fp8
 from xinfer.ops import AttentionMetadata
-from xinfer_cpu.ops import CpuOps
+from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import attention
 from xinfer_cuda.ops import CudaOps
 
@@ -32,7 +32,11 @@ FORMATS = ["fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"]
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.2e-2}
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-CPU, CUDA = CpuOps(), CudaOps()
+CPU, CUDA = TorchOps(), CudaOps()
+
+
+def test_the_backend_declares_the_formats_tested_here():
+    assert CudaOps.kv_formats == {"auto", *FORMATS}
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
-from xinfer_cpu.ops import CpuOps, attend
+from xinfer.torch_ops import TorchOps, attend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [prompt(3 + 29 * i, seed=i) for i in range(6)]  # 3 .. 148 tokens
@@ -31,7 +31,7 @@ def test_attention_reads_exact_keys_within_the_window_and_the_first_block():
     slots = (blocks.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
     shadow_slots = (shadows.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context]
     shadow_slots[shadows.repeat_interleave(block_size)[:context] < 0] = -1
-    ops = CpuOps()
+    ops = TorchOps()
     earlier = context - num_q  # stored before; the op stores the chunk's own K/V
     ops.write_kv(k[:earlier], v[:earlier], cache, slots[:earlier])
     ops.write_shadow_kv(k[:earlier], v[:earlier], cache, shadow_slots[:earlier])

@@ -1,1 +1,1 @@
-"""xinfer's CPU backend: plain torch, the reference for every other backend."""
+"""xinfer's CPU backend: the plain-torch reference ops (:mod:`xinfer.torch_ops`) on the CPU."""

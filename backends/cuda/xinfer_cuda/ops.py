@@ -1,4 +1,5 @@
-"""Triton ops for CUDA GPUs (see :class:`xinfer.ops.Ops` for the contract).
+"""Triton ops for CUDA GPUs (see :class:`xinfer.ops.Ops` for the contract); every op
+not overridden here is the plain-torch reference's (:class:`xinfer.torch_ops.TorchOps`).
 
 The kernels take any tensors Triton can address, so under ``TRITON_INTERPRET=1`` they
 also run on CPU tensors (that is how CI tests them).
@@ -9,11 +10,11 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms, StepForward, StepLimits
+from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
 from xinfer_cuda.kernels.gemv import MAX_ROWS
@@ -22,19 +23,18 @@ from xinfer_cuda.linear import SmallBatchLinear
 log = logging.getLogger("xinfer")
 
 
-def is_available() -> bool:
-    return torch.cuda.is_available()
-
-
-class CudaOps:
-    device_type = "cuda"
+class CudaOps(TorchOps):
+    name = "cuda"
+    # the formats whose codecs kernels/kv_codes.py has Triton code for
+    kv_formats = frozenset({"auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"})
+    recent_window = True
 
     small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS:  # small decode batches: measured per shape
             return self.small_batch_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def rms_norm(
         self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None

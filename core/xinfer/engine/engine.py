@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from xinfer.backend import device_memory, select_backend
+from xinfer.backend import check_support, device_memory, select_backend
 from xinfer.config import EngineConfig, resolve_dtype
 from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.kv_cache import allocate_kv_cache
@@ -62,6 +62,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
         self.config = config
         self.backend, self.ops, self.device = select_backend(config.device)
+        check_support(self.backend, self.ops, config)
         memory = device_memory(self.backend, self.device)
         baseline = memory_baseline(memory)
         path = resolve_model_path(config.model.model)
@@ -79,9 +80,6 @@ class LLMEngine:
             if cache.kv_cache_dtype == "auto":
                 raise ValueError("kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
                                  "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)")
-            if not hasattr(self.ops, "write_shadow_kv"):  # xinfer.ops.KeepsRecentWindow
-                raise ValueError(f"the {self.backend.name} backend does not implement kv_recent_window (--kv-recent-window) "
-                                 f"yet: run without it, or on the CPU")
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
         key_transforms = calibrate_keys(self)
         plan = plan_memory(

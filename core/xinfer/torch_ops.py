@@ -1,0 +1,208 @@
+"""Every op in plain torch, on any torch device (see :class:`xinfer.ops.Ops` for the contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xinfer.kv import LayerKVCache
+from xinfer.ops import AttentionMetadata, HeadNorms
+
+
+class TorchOps:
+    """The reference of every op, and the base a backend subclasses to override op by op.
+
+    What a backend supports is declared in class attributes, which
+    :func:`xinfer.backend.check_support` checks once at start-up:
+
+    - ``name``: the backend's name as in its :class:`~xinfer.hooks.BackendSpec` (kernels of
+      plugin ops are registered under it, see :func:`xinfer.ops.get`);
+    - ``kv_formats``: the KV cache formats its attention stores and reads, None for every
+      one (the reference quantizes and decodes through the format itself);
+    - ``recent_window``: its attention keeps the recent window of a quantized cache exact
+      in shadow blocks (:class:`xinfer.ops.KeepsRecentWindow`).
+
+    A subclass that overrides :meth:`attention` declares what its kernel does.
+    """
+
+    name: str = "torch"
+    kv_formats: frozenset[str] | None = None
+    recent_window: bool = True
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        out = (normed * weight.float()).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None):
+        if norms is not None:
+            q, k = self.rms_norm(q, norms.q_weight, norms.eps), self.rms_norm(k, norms.k_weight, norms.eps)
+        cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, R/2] each
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
+        """The storing half of :meth:`attention` (benchmarks and tests fill caches with it)."""
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        stored = cache.format.quantize(k[valid], v[valid], cache.dtype, cache.equalizer, cache.key_offset)
+        for name, values in stored.items():
+            tensor = cache[name]
+            tensor.view(-1, *tensor.shape[2:])[slots] = values
+
+    def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+        valid = shadow_slots >= 0
+        keys, values = cache.format.stored_basis(k[valid], v[valid], cache.equalizer, cache.key_offset)
+        for shadow, x in zip(cache.shadows, (keys, values)):
+            shadow.view(-1, *shadow.shape[2:])[shadow_slots[valid]] = x.to(shadow.dtype)
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        self.write_kv(k, v, cache, meta.slot_mapping)
+        if cache.shadows is not None and meta.shadow_slot_mapping is not None:
+            self.write_shadow_kv(k, v, cache, meta.shadow_slot_mapping)
+        return self.attend(q, cache, meta, scale, window, softcap)
+
+    def attend(
+        self,
+        q: Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """The attending half of :meth:`attention`, over the cache as it is (the
+        reference the CUDA kernels are tested against)."""
+        dtype = q.dtype
+        q = cache.format.prepare_query(q, cache.equalizer)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        cu = meta.cu_seqlens_q.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for b, context_len in enumerate(seq_lens):
+            start, end = cu[b], cu[b + 1]
+            if end == start:
+                continue
+            # a sliding window hides every key before the first query's window
+            first = 0 if window is None else max(0, context_len - (end - start) - window + 1)
+            stored = {n: gather_context(t, meta.block_tables[b], context_len, first) for n, t in cache.tensors.items()}
+            k, v = cache.format.decode(stored)  # one sequence's visible context, in fp32
+            exact = None
+            if cache.shadows is not None and meta.shadow_tables is not None:
+                exact = shadow_context(cache, meta.shadow_tables[b], context_len, first)
+            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first)
+        return cache.format.finish_output(out).to(dtype)
+
+
+@dataclass
+class ExactKeys:
+    """A context's exact K/V from shadow blocks, and the rule for when a query reads them."""
+
+    k: Tensor  # [L, Hkv, D]
+    v: Tensor
+    has_shadow: Tensor  # [L] bool
+    recent_window: int
+    first_block: int  # positions read exact by every query (the sinks)
+
+    def read_by(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """[Q, L] whether query ``q_pos`` reads key ``k_pos`` exact."""
+        near = (q_pos - k_pos < self.recent_window) | (k_pos < self.first_block)
+        return self.has_shadow & near
+
+
+def shadow_context(cache: LayerKVCache, shadow_table: Tensor, context_len: int, first: int = 0) -> ExactKeys:
+    """The exact K/V of positions ``first`` to ``context_len``."""
+    block_size = cache.block_size
+    table = shadow_table[: -(-context_len // block_size)]
+    k, v = (gather_context(s, table.clamp(min=0), context_len, first).float() for s in cache.shadows)
+    has_shadow = (table >= 0).repeat_interleave(block_size)[first:context_len]
+    return ExactKeys(k, v, has_shadow, cache.recent_window, block_size)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    exact: ExactKeys | None = None,
+    first: int = 0,
+) -> Tensor:
+    """Causal attention of the last ``len(q)`` positions over keys at positions
+    ``first`` to ``first + len(k)``, in fp32; with ``exact``, each (query, key) pair its
+    rule picks uses the exact K/V instead.
+
+    q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    context_len = first + num_keys
+    dtype = q.dtype
+    group = num_heads // num_kv_heads
+    # heads grouped by the KV head they share: [Hkv, group * Q, D]
+    q = q.float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).flatten(1, 2)
+
+    def scores_of(keys: Tensor) -> Tensor:
+        scores = q @ keys.float().transpose(0, 1).transpose(1, 2) * scale
+        return softcap * torch.tanh(scores / softcap) if softcap is not None else scores
+
+    scores = scores_of(k)
+    q_pos = torch.arange(context_len - num_q, context_len, device=q.device).repeat(group).unsqueeze(1)
+    k_pos = torch.arange(first, context_len, device=q.device).unsqueeze(0)
+    if exact is not None:
+        from_exact = exact.read_by(q_pos, k_pos)  # [group * Q, L], the same for every KV head
+        scores = torch.where(from_exact, scores_of(exact.k), scores)
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = probs @ v.float().transpose(0, 1)
+    if exact is not None:
+        out += (probs * from_exact) @ (exact.v.transpose(0, 1) - v.float().transpose(0, 1))
+    out = out.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(num_q, num_heads, head_dim).to(dtype)
+
+
+def gather_context(cache: Tensor, block_table: Tensor, context_len: int, first: int = 0) -> Tensor:
+    """Positions ``first`` to ``context_len`` of one sequence's blocks of ``cache``."""
+    block_size = cache.shape[1]
+    first_block, last_block = first // block_size, -(-context_len // block_size)
+    blocks = cache[block_table[first_block:last_block].long()]  # [n, block_size, Hkv, D]
+    offset = first_block * block_size
+    return blocks.flatten(0, 1)[first - offset : context_len - offset]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rot_dim = cos.shape[-1] * 2
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x_pass), dim=-1) if x_pass.numel() else rotated
