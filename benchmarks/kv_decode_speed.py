@@ -41,7 +41,7 @@ from profiling import kernel_profiler, top_kernels  # noqa: E402
 from shapes import SHAPES, shape_folder, weight_bytes  # noqa: E402
 
 from xinfer import LLM, SamplingParams, ops  # noqa: E402
-from xinfer.engine.kv_cache import attention_layers  # noqa: E402
+from xinfer.cache.allocate import attention_layers  # noqa: E402
 from xinfer.engine.scheduler import ScheduledSeq  # noqa: E402
 from xinfer.engine.sequence import Sequence  # noqa: E402
 from xinfer.forward_context import forward_context  # noqa: E402
@@ -80,7 +80,7 @@ def fill(llm: LLM, seqs: list[Sequence]) -> None:
         for all_slots, write in writes:
             for chunk in all_slots.split(1 << 16):
                 k = torch.randn(len(chunk), kv_heads, head_dim, device=engine.device, dtype=engine.dtype)
-                write(k, torch.randn_like(k), layer.kv_cache, chunk)
+                write(k, torch.randn_like(k), layer.cache, chunk)
 
 
 def run_steps(llm: LLM, scheduled: list[ScheduledSeq], steps: int) -> float:
@@ -133,7 +133,7 @@ def attention_us(llm: LLM, batch) -> float:
     layers = attention_layers(engine.model)
     config = engine.hf_config
     input_ids, positions, meta = engine.runner.to_device(batch)
-    head_dim = layers[0].kv_cache.head_dim
+    head_dim = layers[0].cache.head_dim
     tokens = len(batch.input_ids)
     q = torch.randn(tokens, config.num_attention_heads, head_dim, device=engine.device, dtype=engine.dtype)
     k = torch.randn(tokens, config.num_key_value_heads, head_dim, device=engine.device, dtype=engine.dtype)
@@ -142,7 +142,7 @@ def attention_us(llm: LLM, batch) -> float:
 
     def all_layers():
         for layer in layers:
-            ops.current().attention(q, k, v, layer.kv_cache, meta, scale)
+            ops.current().attention(q, k, v, layer.cache, meta, scale)
 
     with ops.use(engine.ops), forward_context(meta):
         all_layers()  # compiles

@@ -56,6 +56,11 @@ class CacheConfig(_Config):
         "and of its sequence's first block, unquantized (shadow blocks in the model dtype); 0: off. "
         "See docs/kv-cache.md"
     )
+    mamba_fraction: float | None = Field(
+        None, gt=0, lt=1, description="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache "
+        "memory their per-sequence states get, which bounds how many sequences run at once; default: enough "
+        "for max_num_seqs, at most half"
+    )
     enable_prefix_caching: bool = True
 
     @field_validator("kv_cache_dtype")

@@ -1,26 +1,41 @@
-"""The per-step state that attention layers read during a model forward."""
+"""The per-step state that caching layers read during a model forward."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
 
-from xinfer.ops import AttentionMetadata
+from torch import Tensor
 
-_metadata: AttentionMetadata | None = None
+from xinfer.ops import AttentionMetadata, StepContext
+
+_step: StepContext | None = None
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
-    global _metadata
-    previous, _metadata = _metadata, metadata
+def forward_context(step: StepContext) -> Iterator[None]:
+    global _step
+    previous, _step = _step, step
     try:
         yield
     finally:
-        _metadata = previous
+        _step = previous
 
 
-def attention_metadata() -> AttentionMetadata:
-    if _metadata is None:
-        raise RuntimeError("attention ran outside a forward_context")
-    return _metadata
+def step_context() -> StepContext:
+    if _step is None:
+        raise RuntimeError("a caching layer ran outside a forward_context")
+    return _step
+
+
+def attention_metadata(page_group: int = 0) -> AttentionMetadata:
+    """Where the step's queries sit, and the KV of ``page_group``'s layers."""
+    return step_context().pages[page_group]
+
+
+def state_slots() -> Tensor:
+    """Each sequence's recurrent-state slot [B]."""
+    slots = step_context().state_slots
+    if slots is None:
+        raise RuntimeError("this step carries no recurrent-state slots: the model declared no RecurrentStateSpec")
+    return slots

@@ -139,23 +139,45 @@ class Ops(Protocol):
 
 
 @dataclass
+class PageBatch:
+    """A step's cache slots and block tables in one page group (host lists)."""
+
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one row per sequence, unpadded
+    shadow_tables: list[list[int]] = field(default_factory=list)  # with a recent window, like block_tables
+    shadow_slot_mapping: list[int] = field(default_factory=list)
+
+
+@dataclass
 class HostBatch:
     """A step's inputs as host lists, before they are copied to the device."""
 
     input_ids: list[int]
     positions: list[int]
-    slot_mapping: list[int]
     cu_seqlens_q: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]  # one row per sequence, unpadded
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
-    shadow_tables: list[list[int]] = field(default_factory=list)  # with a recent window, like block_tables
-    shadow_slot_mapping: list[int] = field(default_factory=list)
+    pages: list[PageBatch]  # one per page group
+    state_slots: list[int] = field(default_factory=list)  # per sequence, with recurrent layers
 
     @property
     def is_decode(self) -> bool:
         """One token per sequence, each sampled."""
         return len(self.sample_rows) == len(self.input_ids)
+
+
+@dataclass
+class StepContext:
+    """What a step's caching layers read: the attention metadata of each page group, and
+    each sequence's recurrent-state slot."""
+
+    pages: list[AttentionMetadata]
+    state_slots: Tensor | None = None  # [B] int32
+
+    @property
+    def seqs(self) -> AttentionMetadata:
+        """The metadata every group shares (query rows and context lengths)."""
+        return self.pages[0]
 
 
 @dataclass
@@ -170,8 +192,8 @@ class DeviceTokens:
         input_ids.index_copy_(0, self.index, self.values)
 
 
-StepForward = Callable[[Tensor, Tensor, AttentionMetadata, Tensor], Tensor]
-"""(input ids, positions, metadata, sample rows) -> fp32 logits of those rows."""
+StepForward = Callable[[Tensor, Tensor, StepContext, Tensor], Tensor]
+"""(input ids, positions, step context, sample rows) -> logits of those rows."""
 StepRunner = Callable[[HostBatch, "DeviceTokens | None"], "Tensor | None"]
 
 
@@ -183,7 +205,9 @@ class StepLimits:
     max_num_tokens: int
     max_blocks_per_seq: int
     max_seq_len: int
+    num_page_groups: int = 1
     shadows: bool = False  # steps carry shadow tables and slots (a recent window)
+    state_slots: bool = False  # steps carry recurrent-state slots
 
 
 class KeepsRecentWindow(Protocol):

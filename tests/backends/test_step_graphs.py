@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tests.tiny_models import COMMON, prompt, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sequence import PENDING
-from xinfer.ops import DeviceTokens, HostBatch, StepLimits
+from xinfer.ops import DeviceTokens, HostBatch, PageBatch, StepLimits
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.static_step import (
@@ -32,14 +32,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 
 
 def host_batch(q_lens: list[int], seq_lens: list[int], sampled: list[bool], block_size: int = 4) -> HostBatch:
-    batch = HostBatch([], [], [], [0], [], [], [])
+    batch = HostBatch([], [], [0], [], [], [PageBatch()])
+    page = batch.pages[0]
     for b, (q_len, seq_len, sample) in enumerate(zip(q_lens, seq_lens, sampled)):
         batch.input_ids += [7] * q_len
         batch.positions += range(seq_len - q_len, seq_len)
-        batch.slot_mapping += [100 * b + p for p in range(seq_len - q_len, seq_len)]
+        page.slot_mapping += [100 * b + p for p in range(seq_len - q_len, seq_len)]
         batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + q_len)
         batch.seq_lens.append(seq_len)
-        batch.block_tables.append(list(range(b, b + -(-seq_len // block_size))))
+        page.block_tables.append(list(range(b, b + -(-seq_len // block_size))))
         if sample:
             batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
     return batch
@@ -77,18 +78,20 @@ def test_pad_batch():
     padded = pad_batch(batch, Bucket(8, 4, False))
     assert padded.input_ids == [7, 7, 7, 0, 0, 0, 0, 0]
     assert padded.positions == [0, 1, 5, 0, 0, 0, 0, 0]
-    assert padded.slot_mapping == [0, 1, 105, -1, -1, -1, -1, -1]
+    assert padded.pages[0].slot_mapping == [0, 1, 105, -1, -1, -1, -1, -1]
     assert padded.cu_seqlens_q == [0, 2, 3, 3, 3]
     assert padded.seq_lens == [2, 6, 0, 0]
-    assert padded.block_tables == [[0, 0], [1, 2]]
+    assert padded.pages[0].block_tables == [[0, 0], [1, 2]]
     assert padded.sample_rows == [1, 2, 0, 0]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder)
-    return str(folder)
+def model_dirs(tmp_path_factory):
+    """A Llama (one page group) and a Gemma 3 with sliding and full layers (two)."""
+    llama, gemma = tmp_path_factory.mktemp("llama"), tmp_path_factory.mktemp("gemma3")
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), llama)
+    save_tiny_model(gemma3_config(sliding_window=12), gemma)
+    return {"llama": str(llama), "gemma3": str(gemma)}
 
 
 LIMITS = dict(max_num_seqs=6, max_num_batched_tokens=128)
@@ -125,8 +128,14 @@ def mixed_and_decode_batches(llm: LLM) -> list[HostBatch]:
 INTERPRETED = os.environ["XINFER_KERNEL_DEVICE"] == "cpu"  # the CUDA kernels take CPU tensors
 
 
-# a quantized cache with a recent window: steps carry shadow tables and slots too
-CACHES = {"auto": {}, "fp8-window": dict(kv_cache_dtype="fp8", kv_recent_window=8)}
+# a quantized cache with a recent window: steps carry shadow tables and slots too; a model
+# with sliding layers: steps carry a page group per window
+CACHES = {
+    "auto": ("llama", {}),
+    "fp8-window": ("llama", dict(kv_cache_dtype="fp8", kv_recent_window=8)),
+    "sliding": ("gemma3", {}),
+    "sliding-fp8-window": ("gemma3", dict(kv_cache_dtype="fp8", kv_recent_window=8)),
+}
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -135,16 +144,19 @@ CACHES = {"auto": {}, "fp8-window": dict(kv_cache_dtype="fp8", kv_recent_window=
     [CpuOps(), pytest.param(CudaOps(), marks=pytest.mark.skipif(not INTERPRETED, reason="tests/gpu covers the GPU"))],
     ids=["cpu", "cuda-kernels"],
 )
-def test_padded_step_gives_the_unpadded_logits(model_dir, backend, cache):
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128, **LIMITS, **CACHES[cache])
+def test_padded_step_gives_the_unpadded_logits(model_dirs, backend, cache):
+    model, options = CACHES[cache]
+    llm = LLM(model=model_dirs[model], dtype="float32", device="cpu", num_blocks=128, **LIMITS, **options)
     runner: ModelRunner = llm.engine.runner
     runner.backend = backend
     batches = mixed_and_decode_batches(llm)
     assert [b.is_decode for b in batches] == [False, False, True]
     assert [len(b.sample_rows) for b in batches] == [3, 4, 4]  # the first chunk samples nothing
-    shadows = bool(CACHES[cache])
-    assert all(bool(b.shadow_tables) == shadows for b in batches)
-    limits = StepLimits(6, 128, -(-llm.engine.max_model_len // runner.block_size), llm.engine.max_model_len, shadows)
+    shadows = bool(options)
+    assert all(len(b.pages) == (2 if model == "gemma3" else 1) for b in batches)
+    assert all(bool(p.shadow_tables) == shadows for b in batches for p in b.pages)
+    max_blocks = -(-llm.engine.max_model_len // runner.block_size)
+    limits = StepLimits(6, 128, max_blocks, llm.engine.max_model_len, len(batches[0].pages), shadows)
     step = StaticStep(runner.forward, limits, torch.device("cpu"))
     with torch.inference_mode(), ops.use(backend):
         for batch in batches:  # their KV is in the cache: rewriting it is harmless
@@ -171,14 +183,15 @@ class EagerStaticSteps:
 
 
 @pytest.mark.parametrize("cache", CACHES)
-def test_engine_with_padded_steps_gives_the_eager_tokens(model_dir, cache):
+def test_engine_with_padded_steps_gives_the_eager_tokens(model_dirs, cache):
+    model, options = CACHES[cache]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [prompt(3 + 29 * i, seed=i) for i in range(8)]
-    eager = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS, **CACHES[cache])
-    padded = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=256, **LIMITS, **CACHES[cache])
+    eager = LLM(model=model_dirs[model], dtype="float32", device="cpu", num_blocks=256, **LIMITS, **options)
+    padded = LLM(model=model_dirs[model], dtype="float32", device="cpu", num_blocks=256, **LIMITS, **options)
     engine = padded.engine
     max_blocks = -(-engine.max_model_len // engine.runner.block_size)
-    limits = StepLimits(6, 128, max_blocks, engine.max_model_len, shadows=bool(CACHES[cache]))
+    limits = StepLimits(6, 128, max_blocks, engine.max_model_len, engine.runner.num_page_groups, bool(options))
     engine.runner.graphs = steps = EagerStaticSteps(engine.runner, limits)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in padded.generate(prompts, params)] == expected

@@ -21,8 +21,7 @@ def llm(model_dir):
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    manager = llm.engine.block_manager
-    assert manager.num_free_blocks == manager.num_blocks
+    assert all(pool.num_free_blocks == pool.num_blocks for pool in llm.engine.cache.pools)
     assert not llm.engine.has_unfinished()
 
 

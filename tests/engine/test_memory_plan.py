@@ -11,7 +11,7 @@ from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.engine import engine as engine_module
 from xinfer.engine import memory_plan
-from xinfer.engine.kv_cache import attention_layers, bytes_per_block
+from xinfer.cache.allocate import attention_layers, bytes_per_block
 from xinfer.engine.memory_plan import (
     GiB,
     MAX_NUM_SEQS_CAP,
@@ -69,8 +69,8 @@ def test_profile_batch_splits_at_the_context_limit_and_writes_no_kv():
     assert batch.cu_seqlens_q == [0, 32, 64, 96, 100]
     assert len(batch.input_ids) == len(batch.positions) == 100
     assert batch.positions[32:35] == [0, 1, 2]
-    assert set(batch.slot_mapping) == {-1}
-    assert [len(row) for row in batch.block_tables] == [2, 2, 2, 1]
+    assert set(batch.pages[0].slot_mapping) == {-1}
+    assert [len(row) for row in batch.pages[0].block_tables] == [2, 2, 2, 1]
     assert profile_batch(64, max_model_len=64, block_size=16).seq_lens == [64]
 
 
@@ -119,7 +119,7 @@ def test_measured_plan_sizes_the_pool_and_max_num_seqs(model_dir, monkeypatch, c
         llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_num_batched_tokens=300, max_model_len=128)
     engine = llm.engine
     budget = (2 << 20) - weight_bytes(engine) - (512 << 10)
-    num_blocks = engine.block_manager.num_blocks
+    num_blocks = engine.cache.pools[0].num_blocks
     assert num_blocks == budget // bytes_per_block(engine.model, 16, engine.dtype, engine.kv_format)
     max_num_seqs = engine.config.scheduler.max_num_seqs
     assert 1 < max_num_seqs == derive_max_num_seqs(num_blocks * 16, 128) < MAX_NUM_SEQS_CAP
@@ -168,12 +168,12 @@ def test_the_profiled_cache_has_the_real_caches_key_transforms(model_dir, monkey
     measure = memory_plan.peak_activations
 
     def spy(runner, *args):
-        profiled.extend(layer.kv_cache for layer in attention_layers(runner.model))
+        profiled.extend(layer.cache for layer in attention_layers(runner.model))
         return measure(runner, *args)
 
     monkeypatch.setattr(memory_plan, "peak_activations", spy)
     llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, kv_cache_dtype="turbo4")
-    real = [layer.kv_cache for layer in attention_layers(llm.engine.model)]
+    real = [layer.cache for layer in attention_layers(llm.engine.model)]
     assert len(profiled) == len(real) > 0
     for one_block, cache in zip(profiled, real):
         assert one_block["k"].shape[0] == 1 < cache["k"].shape[0]
@@ -190,11 +190,11 @@ def test_recent_window_shadows_come_out_of_the_planned_pool(model_dir, monkeypat
     with caplog.at_level(logging.INFO, logger="xinfer"):
         windowed = LLM(model=model_dir, kv_recent_window=32, **options).engine
     shadows = memory_plan.shadow_blocks(4, 64, 32, 16)
-    assert shadows == 4 * (2 + 3) + 4 == len(windowed.block_manager.free_shadows)
+    assert shadows == 4 * (2 + 3) + 4 == len(windowed.cache.pools[0].free_shadows)
     exact_block = bytes_per_block(windowed.model, 16, windowed.dtype, get_format("auto"))
     quantized_block = bytes_per_block(windowed.model, 16, windowed.dtype, windowed.kv_format)
     taken = -(-shadows * exact_block // quantized_block)
-    assert windowed.block_manager.num_blocks == plain.block_manager.num_blocks - taken
+    assert windowed.cache.pools[0].num_blocks == plain.cache.pools[0].num_blocks - taken
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
     assert f"recent-window shadows {shadows * exact_block / GiB:.2f} GiB ({shadows} blocks)" in line
 
@@ -209,8 +209,8 @@ def test_derived_max_num_seqs_leaves_their_tokens_beside_their_shadows(model_dir
     windowed = LLM(model=model_dir, kv_recent_window=64, **options).engine
     seqs = windowed.config.scheduler.max_num_seqs
     assert seqs < plain.config.scheduler.max_num_seqs < MAX_NUM_SEQS_CAP
-    assert windowed.block_manager.num_blocks * 16 >= seqs * 128
-    assert len(windowed.block_manager.free_shadows) == memory_plan.shadow_blocks(seqs, 64, 64, 16)
+    assert windowed.cache.pools[0].num_blocks * 16 >= seqs * 128
+    assert len(windowed.cache.pools[0].free_shadows) == memory_plan.shadow_blocks(seqs, 64, 64, 16)
 
 
 def test_no_room_beside_the_shadows_names_the_window(model_dir, monkeypatch):

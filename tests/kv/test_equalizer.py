@@ -7,7 +7,7 @@ import torch
 
 from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
-from xinfer.engine.kv_cache import attention_layers
+from xinfer.cache.allocate import attention_layers
 from xinfer.kv import get_format
 from xinfer.kv.equalizer import divide_keys, equalizer, scale_queries
 
@@ -64,18 +64,18 @@ def test_equalizer_cuts_the_score_error_of_rotated_keys(name):
 def test_engine_calibrates_rotated_formats_only(model_dir):
     rotated = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="turbo4")
     for layer in attention_layers(rotated.engine.model):
-        s = layer.kv_cache.equalizer
+        s = layer.cache.equalizer
         assert s.shape == (layer.num_kv_heads, layer.head_dim)
         assert torch.isfinite(s).all() and (s > 0).all()
     again = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="turbo4")
     for a, b in zip(attention_layers(rotated.engine.model), attention_layers(again.engine.model)):
-        assert torch.equal(a.kv_cache.equalizer, b.kv_cache.equalizer)  # deterministic
+        assert torch.equal(a.cache.equalizer, b.cache.equalizer)  # deterministic
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(rotated.generate([prompt(20, seed=1)], params)[0].outputs[0].token_ids) == 8
     fp8 = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="fp8")  # rotates its keys
-    assert all(layer.kv_cache.equalizer is not None for layer in attention_layers(fp8.engine.model))
+    assert all(layer.cache.equalizer is not None for layer in attention_layers(fp8.engine.model))
     auto = LLM(model=model_dir, dtype="float32", num_blocks=64)
-    assert all(layer.kv_cache.equalizer is None for layer in attention_layers(auto.engine.model))
+    assert all(layer.cache.equalizer is None for layer in attention_layers(auto.engine.model))
 
 
 def test_calibration_does_not_depend_on_the_engines_limits(model_dir):
@@ -84,5 +84,5 @@ def test_calibration_does_not_depend_on_the_engines_limits(model_dir):
     default = attention_layers(LLM(**options).engine.model)
     limited = attention_layers(LLM(**options, max_model_len=48, max_num_batched_tokens=16).engine.model)
     for a, b in zip(default, limited, strict=True):
-        assert torch.equal(a.kv_cache.equalizer, b.kv_cache.equalizer)
-        assert torch.equal(a.kv_cache.key_offset, b.kv_cache.key_offset)
+        assert torch.equal(a.cache.equalizer, b.cache.equalizer)
+        assert torch.equal(a.cache.key_offset, b.cache.key_offset)

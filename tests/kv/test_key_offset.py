@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xinfer import LLM
-from xinfer.engine.kv_cache import attention_layers
+from xinfer.cache.allocate import attention_layers
 from xinfer.engine.kv_calibration import KeyStatistics
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
@@ -87,8 +87,8 @@ def test_engine_calibrates_offsets_of_rotated_keys(model_dir):
     for name in ("fp8", "turbo8", "turbo4", "turbo3"):
         llm = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype=name)
         for layer in attention_layers(llm.engine.model):
-            c = layer.kv_cache.key_offset
+            c = layer.cache.key_offset
             assert c.shape == (layer.num_kv_heads, layer.head_dim) and torch.isfinite(c).all()
             assert c.abs().sum() > 0
     llm = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="auto")
-    assert all(layer.kv_cache.key_offset is None for layer in attention_layers(llm.engine.model))
+    assert all(layer.cache.key_offset is None for layer in attention_layers(llm.engine.model))

@@ -8,7 +8,8 @@ import torch
 
 from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
-from xinfer.engine.block_manager import BlockManager
+from xinfer.cache.block_pool import BlockPool
+from xinfer.cache.manager import CacheManager
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import get_format
 from xinfer.ops import AttentionMetadata
@@ -83,8 +84,8 @@ def test_chunks_and_preemption_give_the_same_tokens(model_dir):
     assert [o.outputs[0].token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
     assert small.engine.stats().num_preemptions > 0
     for llm in (whole, chunked, small):
-        manager = llm.engine.block_manager
-        assert manager.num_free_blocks == manager.num_blocks and not manager.shadow_of
+        for pool in llm.engine.cache.pools:
+            assert pool.num_free_blocks == pool.num_blocks and not pool.shadow_of
 
 
 def test_bad_settings_are_one_clear_error(model_dir):
@@ -96,28 +97,34 @@ def seq_of(length: int, seed: int = 0) -> Sequence:
     return Sequence(f"s{seed}", prompt(length, seed=seed), SamplingParams())
 
 
+def windowed_manager(num_shadows: int, recent_window: int) -> tuple[CacheManager, BlockPool]:
+    pool = BlockPool(num_blocks=32, block_size=4, num_shadows=num_shadows, recent_window=recent_window)
+    return CacheManager([pool]), pool
+
+
 def test_shadows_follow_the_window_and_block_zero_stays():
-    manager = BlockManager(num_blocks=32, block_size=4, num_shadows=12, window=6)
+    manager, pool = windowed_manager(num_shadows=12, recent_window=6)
     seq = seq_of(30)
     assert manager.allocate(seq, 30)
-    assert all(s >= 0 for s in seq.shadow_table) and len(seq.shadow_table) == 8
+    table = seq.pages[0]
+    assert all(s >= 0 for s in table.shadows) and len(table.shadows) == 8
     seq.num_computed_tokens = 30  # the next query at 30 reads exact keys 25..29 and block 0
     manager.commit(seq)
     manager.trim(seq)
-    kept = [i for i, s in enumerate(seq.shadow_table) if s >= 0]
+    kept = [i for i, s in enumerate(table.shadows) if s >= 0]
     assert kept == [0, 6, 7]  # blocks 6 (24..27) and 7 (28..29); 24 < 25 but shares block 6
-    assert len(manager.free_shadows) == 12 - 3
+    assert len(pool.free_shadows) == 12 - 3
     manager.release(seq)
-    assert len(manager.free_shadows) == 12 - 1  # block 0 keeps its shadow while it is cached
+    assert len(pool.free_shadows) == 12 - 1  # block 0 keeps its shadow while it is cached
 
     again = seq_of(30)
     assert manager.match_prefix(again) == 28
-    assert again.shadow_table == [manager.shadow_of[again.block_table[0]]] + [-1] * 6  # only block 0 exact
+    assert again.pages[0].shadows == [pool.shadow_of[again.pages[0].blocks[0]]] + [-1] * 6  # only block 0 exact
     manager.release(again)
 
 
 def test_a_first_block_whose_shadow_was_reclaimed_is_no_longer_a_hit():
-    manager = BlockManager(num_blocks=32, block_size=4, num_shadows=4, window=4)
+    manager, pool = windowed_manager(num_shadows=4, recent_window=4)
     first = seq_of(12, seed=1)
     assert manager.allocate(first, 12)
     first.num_computed_tokens = 12

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, StepForward, StepLimits
+from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, PageBatch, StepContext, StepForward, StepLimits
 
 MIN_STEP_TOKENS = 64
 # Steps with prompt tokens are compute-bound at a few hundred tokens, so padding costs
@@ -72,19 +72,24 @@ def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
     sequence, padded to one width (padding sequences read none)."""
     pad_tokens = bucket.num_tokens - len(batch.input_ids)
     pad_seqs = bucket.num_seqs - len(batch.seq_lens)
-    width = max(len(row) for row in batch.block_tables)
+    width = max(len(row) for page in batch.pages for row in page.block_tables)
+    pages = [
+        PageBatch(
+            slot_mapping=page.slot_mapping + [-1] * pad_tokens,
+            block_tables=[row + [0] * (width - len(row)) for row in page.block_tables],
+            shadow_tables=[row + [-1] * (width - len(row)) for row in page.shadow_tables],
+            shadow_slot_mapping=page.shadow_slot_mapping + [-1] * pad_tokens if page.shadow_tables else [],
+        )
+        for page in batch.pages
+    ]
     return HostBatch(
         input_ids=batch.input_ids + [0] * pad_tokens,
         positions=batch.positions + [0] * pad_tokens,
-        slot_mapping=batch.slot_mapping + [-1] * pad_tokens,
         cu_seqlens_q=batch.cu_seqlens_q + batch.cu_seqlens_q[-1:] * pad_seqs,
         seq_lens=batch.seq_lens + [0] * pad_seqs,
-        block_tables=[row + [0] * (width - len(row)) for row in batch.block_tables],
         sample_rows=batch.sample_rows + [0] * (bucket.num_seqs - len(batch.sample_rows)),
-        shadow_tables=[row + [-1] * (width - len(row)) for row in batch.shadow_tables],
-        shadow_slot_mapping=batch.shadow_slot_mapping + [-1] * (bucket.num_tokens - len(batch.shadow_slot_mapping))
-        if batch.shadow_tables
-        else [],
+        pages=pages,
+        state_slots=batch.state_slots + [0] * pad_seqs if batch.state_slots else [],
     )
 
 
@@ -93,93 +98,120 @@ class StaticStep:
     bucket; each bucket reads a prefix of each.
 
     A step's inputs travel in two host-to-device copies (an int64 buffer: ids |
-    positions | slots | sample rows [| shadow slots], and an int32 one: cu_seqlens_q |
-    seq_lens | table rows packed at the step's width [| shadow table rows likewise])
-    and a scatter of the table rows: few operations, since each costs a launch. The
-    bracketed parts are there with a recent window (``limits.shadows``).
+    positions | sample rows | each page group's slots [and shadow slots], and an int32
+    one: cu_seqlens_q | seq_lens [| state slots] | each group's table rows [and shadow
+    table rows] packed at the step's width) and a scatter of the table rows: few
+    operations, since each costs a launch. The bracketed parts are there with a recent
+    window (``limits.shadows``) and recurrent layers (``limits.state_slots``).
     """
 
     def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
         self.forward = forward
         self.limits = limits
         self.max_tokens = tokens = max(limits.max_num_tokens, limits.max_num_seqs)
-        seqs = limits.max_num_seqs
+        seqs, groups = limits.max_num_seqs, limits.num_page_groups
+        self.tables_per_group = 2 if limits.shadows else 1
         pin = device.type == "cuda"
-        tables = 2 if limits.shadows else 1
-        self.host64 = torch.zeros((3 + limits.shadows) * tokens + seqs, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * seqs + 1 + tables * seqs * limits.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.host64 = torch.zeros((2 + groups * self.tables_per_group) * tokens + seqs, dtype=torch.int64, pin_memory=pin)
+        self.seq_fields = 3 if limits.state_slots else 2
+        num_tables = groups * self.tables_per_group
+        size32 = self.seq_fields * seqs + 1 + num_tables * seqs * limits.max_blocks_per_seq
+        self.host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.block_tables = torch.zeros(seqs, limits.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.shadow_tables = torch.full_like(self.block_tables, -1) if limits.shadows else None
-        views = self._views(self.dev64, self.dev32)
-        for slots in (views[2], *views[6:]):  # slots and shadow slots: nothing written before the first step
-            slots.fill_(-1)
+        # per group: its block tables, then its shadow tables (-1: no shadow)
+        self.tables = [
+            torch.full((seqs, limits.max_blocks_per_seq), -1 if i % 2 else 0, dtype=torch.int32, device=device)
+            for i in range(num_tables)
+        ]
+        self._token_views(self.dev64)[2].fill_(-1)  # slots and shadow slots: nothing written before the first step
         self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
         # Marks the last copies out of the pinned host buffers. A step that samples
         # nothing returns without waiting for the device, so the next step must wait
         # for these copies before it rewrites the buffers.
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.copied = torch.cuda.Event() if pin else None
 
     def fits(self, batch: HostBatch) -> bool:
-        return max(len(row) for row in batch.block_tables) <= self.limits.max_blocks_per_seq
+        return max(len(row) for page in batch.pages for row in page.block_tables) <= self.limits.max_blocks_per_seq
 
     def load(self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None) -> None:
         """Write ``batch``, padded to ``bucket``, into the device buffers."""
-        assert bool(batch.shadow_tables) == self.limits.shadows, "a recent window: every step has shadows, or none"
+        assert all(bool(p.shadow_tables) == self.limits.shadows for p in batch.pages), "shadows in every step, or none"
         padded = pad_batch(batch, bucket)
         if self.copied is not None:
             self.copied.synchronize()
-        for host, values in zip(self._views(self.host64, self.host32), self._fields(padded)):
+        ids, positions, rows = self._token_views(self.host64)[:2] + [self._rows(self.host64)]
+        for host, values in [(ids, padded.input_ids), (positions, padded.positions), (rows, padded.sample_rows),
+                             *zip(self._slot_views(self.host64), self._slot_fields(padded)),
+                             *zip(self._seq_views(self.host32), self._seq_fields(padded))]:  # fmt: skip
             host[: len(values)] = torch.tensor(values, dtype=host.dtype)
-        n, width = len(batch.seq_lens), len(padded.block_tables[0])
-        rows = [padded.block_tables] + ([padded.shadow_tables] if self.shadow_tables is not None else [])
-        packed = self._tables(self.host32)[: len(rows) * n * width]
-        packed[:] = torch.tensor(rows, dtype=torch.int32).flatten()
+        n, width = len(batch.seq_lens), len(padded.pages[0].block_tables[0])
+        tables = [t for page in padded.pages for t in (page.block_tables, page.shadow_tables)[: self.tables_per_group]]
+        packed = self._packed_tables(self.host32)[: len(tables) * n * width]
+        packed[:] = torch.tensor(tables, dtype=torch.int32).flatten()
         self.dev64.copy_(self.host64, non_blocking=True)
-        used32 = 2 * self.limits.max_num_seqs + 1 + len(rows) * n * width
+        used32 = self.seq_fields * self.limits.max_num_seqs + 1 + len(tables) * n * width
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        on_device = self._tables(self.dev32)[: len(rows) * n * width].view(len(rows), n, width)
-        self.block_tables[:n, :width] = on_device[0]
-        if self.shadow_tables is not None:
-            self.shadow_tables[:n, :width] = on_device[1]
+        on_device = self._packed_tables(self.dev32)[: len(tables) * n * width].view(len(tables), n, width)
+        for table, rows_on_device in zip(self.tables, on_device):
+            table[:n, :width] = rows_on_device
         if pending is not None:
-            pending.write_into(self._views(self.dev64, self.dev32)[0])
+            pending.write_into(self._token_views(self.dev64)[0])
 
     def run(self, bucket: Bucket) -> Tensor:
         """Logits [num_seqs, vocab] of the bucket's sample rows, from the buffers (the
         code a graph records). Every bucket writes the same buffer, so the graphs hold
         one set of logits between them."""
-        ids, positions, slots, rows, cu_seqlens_q, seq_lens, *shadow_slots = self._views(self.dev64, self.dev32)
-        t, s = bucket.num_tokens, bucket.num_seqs
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu_seqlens_q[: s + 1],
-            seq_lens=seq_lens[:s],
-            block_tables=self.block_tables[:s],
-            slot_mapping=slots[:t],
-            max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
-            max_seq_len=self.limits.max_seq_len,
-        )
-        if self.shadow_tables is not None:
-            meta.shadow_tables, meta.shadow_slot_mapping = self.shadow_tables[:s], shadow_slots[0][:t]
-        logits = self.forward(ids[:t], positions[:t], meta, rows[:s])
+        ids, positions = self._token_views(self.dev64)[:2]
+        rows = self._rows(self.dev64)
+        cu_seqlens_q, seq_lens, *state_slots = self._seq_views(self.dev32)
+        slots = self._slot_views(self.dev64)
+        t, s, k = bucket.num_tokens, bucket.num_seqs, self.tables_per_group
+        pages = []
+        for group in range(self.limits.num_page_groups):
+            meta = AttentionMetadata(
+                cu_seqlens_q=cu_seqlens_q[: s + 1],
+                seq_lens=seq_lens[:s],
+                block_tables=self.tables[group * k][:s],
+                slot_mapping=slots[group * k][:t],
+                max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
+                max_seq_len=self.limits.max_seq_len,
+            )
+            if self.limits.shadows:
+                meta.shadow_tables, meta.shadow_slot_mapping = self.tables[group * k + 1][:s], slots[group * k + 1][:t]
+            pages.append(meta)
+        step = StepContext(pages, state_slots[0][:s] if state_slots else None)
+        logits = self.forward(ids[:t], positions[:t], step, rows[:s])
         if self.logits is None:
             self.logits = logits.new_empty(self.limits.max_num_seqs, logits.shape[1])
         return self.logits[:s].copy_(logits)
 
-    def _views(self, buf64: Tensor, buf32: Tensor) -> list[Tensor]:
-        """ids, positions, slots, sample rows, cu_seqlens_q, seq_lens [, shadow slots]."""
-        tokens, seqs = self.max_tokens, self.limits.max_num_seqs
-        ids, positions, slots, rows, *shadow_slots = buf64.split([tokens] * 3 + [seqs] + [tokens] * self.limits.shadows)
-        cu_seqlens_q, seq_lens = buf32[: seqs + 1], buf32[seqs + 1 : 2 * seqs + 1]
-        return [ids, positions, slots, rows, cu_seqlens_q, seq_lens, *shadow_slots]
+    def _token_views(self, buf64: Tensor) -> list[Tensor]:
+        """ids, positions, and every slot mapping as one view (for filling)."""
+        tokens = self.max_tokens
+        slots = buf64[2 * tokens : buf64.shape[0] - self.limits.max_num_seqs]
+        return [buf64[:tokens], buf64[tokens : 2 * tokens], slots]
 
-    def _fields(self, batch: HostBatch) -> list[list[int]]:
-        shadow_slots = [batch.shadow_slot_mapping] if self.limits.shadows else []
-        return [batch.input_ids, batch.positions, batch.slot_mapping, batch.sample_rows,
-                batch.cu_seqlens_q, batch.seq_lens, *shadow_slots]  # fmt: skip
+    def _rows(self, buf64: Tensor) -> Tensor:
+        return buf64[buf64.shape[0] - self.limits.max_num_seqs :]
 
-    def _tables(self, buf32: Tensor) -> Tensor:
-        return buf32[2 * self.limits.max_num_seqs + 1 :]
+    def _slot_views(self, buf64: Tensor) -> list[Tensor]:
+        """Per group: its slots, then its shadow slots."""
+        return list(self._token_views(buf64)[2].split(self.max_tokens))
+
+    def _slot_fields(self, batch: HostBatch) -> list[list[int]]:
+        fields = [(p.slot_mapping, p.shadow_slot_mapping) for p in batch.pages]
+        return [f for pair in fields for f in pair[: self.tables_per_group]]
+
+    def _seq_views(self, buf32: Tensor) -> list[Tensor]:
+        """cu_seqlens_q, seq_lens [, state slots]."""
+        seqs = self.limits.max_num_seqs
+        return [buf32[: seqs + 1], *buf32[seqs + 1 : self.seq_fields * seqs + 1].split(seqs)]
+
+    def _seq_fields(self, batch: HostBatch) -> list[list[int]]:
+        return [batch.cu_seqlens_q, batch.seq_lens] + ([batch.state_slots] if self.limits.state_slots else [])
+
+    def _packed_tables(self, buf32: Tensor) -> Tensor:
+        return buf32[self.seq_fields * self.limits.max_num_seqs + 1 :]

@@ -11,8 +11,10 @@ import torch
 
 from xinfer.backend import check_support, device_memory, select_backend
 from xinfer.config import EngineConfig, resolve_dtype
-from xinfer.engine.block_manager import BlockManager
-from xinfer.engine.kv_cache import allocate_kv_cache
+from xinfer.cache.allocate import CacheLayout, allocate_caches
+from xinfer.cache.block_pool import BlockPool
+from xinfer.cache.manager import CacheManager
+from xinfer.cache.state_pool import StatePool
 from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.memory_plan import memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
@@ -80,25 +82,33 @@ class LLMEngine:
             if cache.kv_cache_dtype == "auto":
                 raise ValueError("kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
                                  "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)")
-        self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed)
-        key_transforms = calibrate_keys(self)
+        layout = CacheLayout.of(self.model)
+        self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed,
+                                  len(layout.groups), bool(layout.state_layers))  # fmt: skip
+        key_transforms = calibrate_keys(self, layout)
         plan = plan_memory(
-            config, self.runner, self.max_model_len, self.dtype, self.kv_format, memory, baseline, key_transforms
-        )
-        allocate_kv_cache(
-            self.model, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format, key_transforms,
-            plan.num_shadows, cache.kv_recent_window,
+            config, self.runner, layout, self.max_model_len, self.dtype, self.kv_format, memory, baseline,
+            key_transforms,
+        )  # fmt: skip
+        allocate_caches(
+            layout, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format, plan.num_state_slots,
+            key_transforms, [pool.num_shadows for pool in plan.pools], cache.kv_recent_window,
         )  # fmt: skip
         scheduler = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
         self.config = config = config.model_copy(update={"scheduler": scheduler})
-        self.block_manager = BlockManager(
-            plan.num_blocks, cache.block_size, cache.enable_prefix_caching, plan.num_shadows, cache.kv_recent_window
-        )
-        self.scheduler = Scheduler(scheduler, self.block_manager)
+        pools = [
+            BlockPool(pool.num_blocks, cache.block_size, pool.window, pool.num_shadows, cache.kv_recent_window)
+            for pool in plan.pools
+        ]
+        states = StatePool(plan.num_state_slots) if plan.num_state_slots else None
+        self.cache = CacheManager(pools, cache.enable_prefix_caching, states)
+        if states is not None and cache.enable_prefix_caching:
+            log.info("prefix caching is off: this model has recurrent layers, whose states are not snapshotted yet")
+        self.scheduler = Scheduler(scheduler, self.cache)
         log.info("%s, KV cache format %s", plan.describe(), self.kv_format.name)
         if not config.device.enforce_eager:
             self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len,
-                                       shadows=plan.num_shadows > 0)  # fmt: skip
+                                       shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
         self.sequences: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
@@ -135,13 +145,13 @@ class LLMEngine:
             )
         self._check_vocab(token_ids)
         seq = Sequence("hidden-states", token_ids, SamplingParams())
-        if not self.block_manager.allocate(seq, len(token_ids)):
-            self.block_manager.release(seq)
+        if not self.cache.allocate(seq, len(token_ids)):
+            self.cache.release(seq)
             raise KVCacheFull("the KV cache is full; retry later")
         try:
             return self.runner.hidden_states(self.runner.prepare([ScheduledSeq(seq, len(token_ids))]))
         finally:
-            self.block_manager.release(seq)
+            self.cache.release(seq)
 
     def _check_vocab(self, token_ids: list[int]) -> None:
         vocab_size = self.hf_config.vocab_size
@@ -161,9 +171,9 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.block_manager.usage,
-            prefix_cache_queries=self.block_manager.queries,
-            prefix_cache_hits=self.block_manager.hits,
+            kv_usage=self.cache.usage,
+            prefix_cache_queries=self.cache.queries,
+            prefix_cache_hits=self.cache.hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
 
@@ -184,8 +194,8 @@ class LLMEngine:
         for item in scheduled:
             if not item.seq.finished:
                 item.seq.num_computed_tokens += item.num_new_tokens
-                self.block_manager.commit(item.seq)
-                self.block_manager.trim(item.seq)
+                self.cache.commit(item.seq)
+                self.cache.trim(item.seq)
         if sampled is not None:
             for seq in sampled.seqs:
                 if not seq.finished:

@@ -5,7 +5,7 @@ of their squares, the energy of the queries it attends with, and whether it caps
 
 Runs once at start-up, before the memory plan: every cache allocated after it (the
 plan's one-block cache that its graphs are captured over, then the real cache) gets
-the same transforms through :func:`xinfer.engine.kv_cache.allocate_kv_cache`, so both
+the same transforms through :func:`xinfer.cache.allocate.allocate_caches`, so both
 captures compile the same kernel variants and every cached block shares them.
 """
 
@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 
 from xinfer import ops
-from xinfer.engine.kv_cache import allocate_kv_cache, attention_layers
+from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.forward_context import forward_context
 from xinfer.kv import LayerKVCache, get_format
 from xinfer.kv.equalizer import equalizer
-from xinfer.ops import HostBatch
+from xinfer.ops import HostBatch, PageBatch
 
 CALIBRATION_TOKENS = 512
 
@@ -87,7 +87,7 @@ class KeyTransforms:
 
 
 @torch.inference_mode()
-def calibrate_keys(engine: Any) -> KeyTransforms | None:
+def calibrate_keys(engine: Any, layout: CacheLayout) -> KeyTransforms | None:
     """The key offset and equalizer of every layer when the format rotates keys (else
     None), from one forward of the same tokens at positions 0, 1, ... whatever the
     engine's ``max_model_len`` and ``max_num_batched_tokens``: those limit requests, and
@@ -95,29 +95,29 @@ def calibrate_keys(engine: Any) -> KeyTransforms | None:
     sequences would not do: they change the keys' positions, or the last bits of
     every later layer's keys. Its activations are released before the memory plan
     measures a step's."""
-    layers = attention_layers(engine.model)
+    layers = layout.attention_layers
     if not layers or not engine.kv_format.rotate_keys:
         return None
     count = min(CALIBRATION_TOKENS, engine.hf_config.max_position_embeddings)
     ids = calibration_ids(engine.tokenizer, engine.hf_config.vocab_size, count)
     block_size = engine.config.cache.block_size
     num_blocks = -(-len(ids) // block_size)
-    previous = [layer.kv_cache for layer in layers]
-    allocate_kv_cache(engine.model, num_blocks, block_size, engine.dtype, engine.device, get_format("auto"))
-    scratch = [layer.kv_cache for layer in layers]
+    previous = [layer.cache for layer in layout.layers]
+    ones = [num_blocks] * len(layout.groups)
+    allocate_caches(layout, ones, block_size, engine.dtype, engine.device, get_format("auto"), 1)
+    scratch = [layer.cache for layer in layers]
     stats = KeyStatistics(engine.ops)
-    batch = HostBatch(
-        input_ids=ids, positions=list(range(len(ids))), slot_mapping=list(range(len(ids))),
-        cu_seqlens_q=[0, len(ids)], seq_lens=[len(ids)], block_tables=[list(range(num_blocks))], sample_rows=[],
-    )  # fmt: skip
+    page = PageBatch(list(range(len(ids))), [list(range(num_blocks))])
+    batch = HostBatch(ids, list(range(len(ids))), [0, len(ids)], [len(ids)], [], [page] * len(layout.groups),
+                      [0] if layout.state_layers else [])  # fmt: skip
     try:
         with ops.use(stats):
-            input_ids, positions, meta = engine.runner.to_device(batch)
-            with forward_context(meta):
+            input_ids, positions, step = engine.runner.to_device(batch)
+            with forward_context(step):
                 engine.model(input_ids, positions)
     finally:
-        for layer, cache in zip(layers, previous):
-            layer.kv_cache = cache
+        for layer, cache in zip(layout.layers, previous):
+            layer.cache = cache
     offsets, equalizers = [], []
     for temp in scratch:
         key_energy = stats.key_energy[id(temp)]

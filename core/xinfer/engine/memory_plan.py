@@ -15,26 +15,29 @@ gets a share of the available host memory.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 import torch
 
 from xinfer import ops
 from xinfer.backend import DeviceMemory
+from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.config import EngineConfig
-from xinfer.engine.kv_cache import allocate_kv_cache, bytes_per_block, host_kv_budget
 from xinfer.engine.kv_calibration import KeyTransforms
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sampler import Sampler
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import KVFormat, get_format
-from xinfer.ops import HostBatch
+from xinfer.ops import HostBatch, PageBatch
 from xinfer.sampling import SamplingParams
 
 GiB = 1 << 30
 DEFAULT_KV_FRACTION = 0.9
 MAX_NUM_SEQS_CAP = 256
 TOKENS_PER_SEQ = 1024  # a typical prompt and answer
+CPU_DEFAULT_BUDGET = 2 << 30
+DEFAULT_STATE_SHARE = 0.5  # at most this share of the cache budget goes to recurrent states by default
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=5)
 
 
@@ -83,36 +86,79 @@ def derive_max_num_seqs(capacity_tokens: int, max_model_len: int) -> int:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class PoolPlan:
+    """One page group's pool."""
+
+    window: int | None
     num_blocks: int
+    block_bytes: int  # of one block, over the group's layers
+    num_shadows: int = 0  # exact blocks for the recent window
+    shadow_bytes: int = 0  # of one, over the group's layers
+
+    def describe(self, block_size: int) -> str:
+        reach = "every position" if self.window is None else f"window {self.window}"
+        shadows = (f", recent-window shadows {gib(self.num_shadows * self.shadow_bytes)} ({self.num_shadows} blocks)"
+                   if self.num_shadows else "")  # fmt: skip
+        return (f"{reach}: {gib(self.num_blocks * self.block_bytes)} = {self.num_blocks * block_size} tokens "
+                f"({self.num_blocks} blocks of {block_size}){shadows}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    pools: list[PoolPlan]  # one per page group
     block_size: int
-    block_bytes: int
     max_num_seqs: int
     max_num_seqs_derived: bool
-    source: str  # what the KV cache was sized from
+    source: str  # what the cache was sized from
     weights: int
     activations: int | None  # None: not measured
     graphs: int | None
-    num_shadows: int = 0  # exact blocks for the recent window
-    shadow_bytes: int = 0  # of one, over all layers
+    num_state_slots: int = 0
+    state_slot_bytes: int = 0
+
+    @property
+    def num_blocks(self) -> list[int]:
+        return [pool.num_blocks for pool in self.pools]
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of the first pool: the context a full-attention layer can hold."""
+        return self.pools[0].num_blocks * self.block_size if self.pools else 0
 
     def describe(self) -> str:
         activations = gib(self.activations) if self.activations is not None else "not measured"
         graphs = gib(self.graphs) if self.graphs is not None else "none"
-        shadows = (
-            f", recent-window shadows {gib(self.num_shadows * self.shadow_bytes)} ({self.num_shadows} blocks)"
-            if self.num_shadows else ""
-        )  # fmt: skip
+        pools = "; ".join(pool.describe(self.block_size) for pool in self.pools)
+        states = (f", recurrent states {gib(self.num_state_slots * self.state_slot_bytes)} "
+                  f"({self.num_state_slots} slots)" if self.num_state_slots else "")  # fmt: skip
         return (
             f"memory plan ({self.source}): weights {gib(self.weights)}, activation peak {activations}, "
-            f"CUDA graph reserve {graphs}, KV pool {gib(self.num_blocks * self.block_bytes)} = "
-            f"{self.capacity_tokens} tokens ({self.num_blocks} blocks of {self.block_size}){shadows}, "
+            f"CUDA graph reserve {graphs}, KV pool {pools}{states}, "
             f"max_num_seqs {self.max_num_seqs}{' (derived)' if self.max_num_seqs_derived else ''}"
         )
+
+
+def blocks_kept(num_tokens: int, window: int | None, block_size: int) -> int:
+    """Blocks a sequence of ``num_tokens`` holds in a pool: all of them, or as many as its
+    window reaches (a partial block at each end)."""
+    blocks = -(-num_tokens // block_size)
+    return blocks if window is None else min(blocks, -(-(window - 1) // block_size) + 1)
+
+
+def split_budget(
+    budget: int, block_bytes: list[int], windows: list[int | None], block_size: int, typical_len: int, step_tokens: int
+) -> list[int]:
+    """Blocks per pool: as many typical sequences as ``budget`` holds, each keeping in
+    every pool what :func:`blocks_kept` says, and beside them in each windowed pool the
+    blocks of one step's prompt tokens (written before the window moves past them). The
+    first pool takes what rounding leaves."""
+    kept = [blocks_kept(typical_len, w, block_size) for w in windows]
+    steps = [0 if w is None else -(-step_tokens // block_size) for w in windows]
+    fixed = sum(n * b for n, b in zip(steps, block_bytes))
+    num_seqs = max(0, budget - fixed) / sum(k * b for k, b in zip(kept, block_bytes))
+    blocks = [int(num_seqs * k) + s for k, s in zip(kept, steps)]
+    blocks[0] = (budget - sum(n * b for n, b in zip(blocks[1:], block_bytes[1:]))) // block_bytes[0]
+    return blocks
 
 
 def shadow_blocks(max_num_seqs: int, max_num_batched_tokens: int, window: int, block_size: int) -> int:
@@ -132,9 +178,30 @@ def memory_baseline(memory: DeviceMemory | None) -> tuple[int, int] | None:
     return memory.info()
 
 
+def host_kv_budget(fraction: float | None) -> int:
+    """Bytes of available host memory for the cache: ``fraction`` of it, else a
+    quarter up to 2 GiB."""
+    available = available_host_memory()
+    return int(available * fraction) if fraction else min(CPU_DEFAULT_BUDGET, available // 4)
+
+
+def available_host_memory() -> int:
+    """What the kernel could hand out without swapping (Linux's MemAvailable, which
+    counts reclaimable page cache; free pages alone can be a small part of it)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def plan_memory(
     config: EngineConfig,
     runner: ModelRunner,
+    layout: CacheLayout,
     max_model_len: int,
     dtype: torch.dtype,
     kv_format: KVFormat,
@@ -142,58 +209,103 @@ def plan_memory(
     baseline: tuple[int, int] | None,
     key_transforms: KeyTransforms | None = None,
 ) -> MemoryPlan:
-    """Size the KV cache (in blocks) and ``max_num_seqs``, measuring the device when it
-    can (over a one-block cache, which the caller's allocation of the planned cache
-    replaces)."""
+    """Size each pool (in blocks), the recurrent-state slots and ``max_num_seqs``,
+    measuring the device when it can (over one-block caches, which the caller's
+    allocation of the planned caches replaces)."""
     cache, scheduler = config.cache, config.scheduler
-    block_bytes = bytes_per_block(runner.model, cache.block_size, dtype, kv_format)
+    block_size, step_tokens = cache.block_size, scheduler.max_num_batched_tokens
+    windows = [group.window for group in layout.groups]
+    block_bytes = layout.block_bytes(block_size, kv_format, dtype)
+    shadow_bytes = layout.block_bytes(block_size, get_format("auto"), dtype)
+    slot_bytes = layout.slot_bytes(dtype)
+    typical_len = min(TOKENS_PER_SEQ, max_model_len)
     weights = tensor_bytes(runner.model)
-    activations = graphs = None
+    wanted_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
+    activations = graphs = budget = None
     if cache.num_blocks is not None:
-        num_blocks, source = cache.num_blocks, "num_blocks given"
+        source = "num_blocks given"
     elif memory is None or baseline is None:
         budget = host_kv_budget(cache.kv_fraction)
-        num_blocks, source = budget // block_bytes, f"{gib(budget)} of available host memory"
+        source = f"{gib(budget)} of available host memory"
     else:
-        num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
         capture = not config.device.enforce_eager
         profile = profile_device(
-            runner, memory, baseline, config, max_model_len, dtype, kv_format, num_seqs, capture, key_transforms
-        )
+            runner, layout, memory, baseline, config, max_model_len, dtype, kv_format, wanted_seqs, capture,
+            key_transforms,
+        )  # fmt: skip
         fraction = cache.kv_fraction or DEFAULT_KV_FRACTION
-        num_blocks = kv_budget(profile, fraction) // block_bytes
+        budget = kv_budget(profile, fraction)
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
         activations, graphs = profile.activations, profile.graphs
+    def blocks_beside(num_slots: int) -> list[int]:
+        """Each pool's blocks once ``num_slots`` recurrent states are out of the budget."""
+        if budget is None:
+            return [cache.num_blocks or 0] * len(windows)
+        left = budget - num_slots * slot_bytes
+        return split_budget(left, block_bytes, windows, block_size, typical_len, step_tokens) if windows else []
+
+    num_slots = 0
+    if slot_bytes:
+        share = cache.mamba_fraction or DEFAULT_STATE_SHARE
+        num_slots = wanted_seqs if budget is None else int(budget * share) // slot_bytes
+        if cache.mamba_fraction is None:
+            num_slots = min(num_slots, wanted_seqs)
+        if num_slots == 0:
+            raise ValueError(
+                f"no room for one sequence's recurrent state ({gib(slot_bytes)}): raise --mamba-fraction "
+                f"or give the cache more memory (--kv-fraction)"
+            )
+    blocks = blocks_beside(num_slots)
     derived = scheduler.max_num_seqs is None and cache.num_blocks is None
-    shadow_bytes = bytes_per_block(runner.model, cache.block_size, dtype, get_format("auto"))
 
-    def shadows_and_pool(max_num_seqs: int) -> tuple[int, int]:
-        """The recent window's shadow blocks for ``max_num_seqs`` sequences, and the
-        quantized blocks left beside them (a planned pool gives up their bytes)."""
-        shadows = shadow_blocks(max_num_seqs, scheduler.max_num_batched_tokens, cache.kv_recent_window, cache.block_size)
-        if cache.num_blocks is not None:
-            return shadows, num_blocks
-        return shadows, num_blocks - -(-shadows * shadow_bytes // block_bytes)
+    def with_shadows(max_num_seqs: int) -> list[PoolPlan]:
+        """Each pool with the recent window's shadows for ``max_num_seqs`` sequences,
+        which a planned pool gives up blocks for (fewer sequences, fewer shadows)."""
+        shadows = shadow_blocks(max_num_seqs, step_tokens, cache.kv_recent_window, block_size)
+        return [
+            PoolPlan(w, n - (0 if budget is None else -(-shadows * s // b)), b, shadows, s)
+            for w, n, b, s in zip(windows, blocks, block_bytes, shadow_bytes)
+        ]
 
-    if derived:  # as many as the pool holds once their shadows are out of it (fewer sequences, fewer shadows)
-        max_num_seqs = derive_max_num_seqs(num_blocks * cache.block_size, max_model_len)
-        max_num_seqs = derive_max_num_seqs(max(0, shadows_and_pool(max_num_seqs)[1]) * cache.block_size, max_model_len)
+    def typical_seqs(pools: list[PoolPlan]) -> int:
+        """How many typical sequences every pool (and the state slots) holds."""
+        fits = [max(0, p.num_blocks - (0 if p.window is None else -(-step_tokens // block_size)))
+                // blocks_kept(typical_len, p.window, block_size) for p in pools]  # fmt: skip
+        return min(fits + ([num_slots] if num_slots else []))
+
+    if derived:
+        without_shadows = [PoolPlan(w, n, b) for w, n, b in zip(windows, blocks, block_bytes)]
+        max_num_seqs = max(1, min(MAX_NUM_SEQS_CAP, typical_seqs(without_shadows)))
+        max_num_seqs = max(1, min(MAX_NUM_SEQS_CAP, typical_seqs(with_shadows(max_num_seqs))))
+        if slot_bytes and cache.mamba_fraction is None and max_num_seqs < num_slots:
+            num_slots = max_num_seqs  # the states no sequence would use go back to the pools
+            blocks = blocks_beside(num_slots)
     else:  # a pool sized by hand (tests, forced preemption) keeps the usual default
-        max_num_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
-    num_shadows, num_blocks = shadows_and_pool(max_num_seqs)
-    capacity = num_blocks * cache.block_size
-    if capacity < max_model_len:
-        shadows = (f" beside the recent window's {num_shadows} exact blocks (a smaller --kv-recent-window or "
-                   f"--prefill-chunk-size needs fewer)" if num_shadows else "")  # fmt: skip
-        raise ValueError(
-            f"the KV cache holds {max(capacity, 0)} tokens ({max(num_blocks, 0)} blocks of {cache.block_size})"
-            f"{shadows}, fewer than max_model_len={max_model_len}: lower max_model_len (--max-model-len) or give "
-            f"the cache more memory (--kv-fraction)"
-        )
+        max_num_seqs = min(wanted_seqs, num_slots) if num_slots else wanted_seqs
+    pools = with_shadows(max_num_seqs)
+    for pool in pools:
+        check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
     return MemoryPlan(
-        num_blocks, cache.block_size, block_bytes, max_num_seqs, derived, source, weights, activations, graphs,
-        num_shadows, shadow_bytes,
-    )  # fmt: skip
+        pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots, slot_bytes
+    )
+
+
+def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int) -> None:
+    """One sequence of ``max_model_len`` tokens must fit in ``pool``."""
+    needed = blocks_kept(max_model_len, pool.window, block_size)
+    if pool.window is not None:
+        needed = min(-(-max_model_len // block_size), needed + -(-step_tokens // block_size))
+    if pool.num_blocks >= needed:
+        return
+    shadows = (f" beside the recent window's {pool.num_shadows} exact blocks (a smaller --kv-recent-window or "
+               f"--prefill-chunk-size needs fewer)" if pool.num_shadows else "")  # fmt: skip
+    pool_name = "KV cache" if pool.window is None else f"KV cache of the layers with window {pool.window}"
+    keeps = "" if pool.window is None else f" (it keeps {needed * block_size} of them there)"
+    raise ValueError(
+        f"the {pool_name} holds {max(pool.num_blocks, 0) * block_size} tokens ({max(pool.num_blocks, 0)} blocks of "
+        f"{block_size}){shadows}, fewer than max_model_len={max_model_len}{keeps}: lower max_model_len "
+        f"(--max-model-len) or give the cache more memory (--kv-fraction)"
+    )
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
@@ -203,6 +315,7 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 def profile_device(
     runner: ModelRunner,
+    layout: CacheLayout,
     memory: DeviceMemory,
     baseline: tuple[int, int],
     config: EngineConfig,
@@ -213,13 +326,15 @@ def profile_device(
     capture: bool,
     key_transforms: KeyTransforms | None = None,
 ) -> DeviceProfile:
-    """Measure a step's activation peak and the step graphs, over a one-block cache
+    """Measure a step's activation peak and the step graphs, over one-block caches
     (with the real cache's key transforms, so the graphs compile the same kernels)."""
     free_at_start, total = baseline
     block_size = config.cache.block_size
-    allocate_kv_cache(runner.model, 1, block_size, dtype, runner.device, kv_format, key_transforms)
+    ones = [1] * len(layout.groups)
+    allocate_caches(layout, ones, block_size, dtype, runner.device, kv_format, 1, key_transforms)
     num_tokens = config.scheduler.max_num_batched_tokens
-    activations = peak_activations(runner, memory, profile_batch(num_tokens, max_model_len, block_size), num_seqs)
+    batch = profile_batch(num_tokens, max_model_len, block_size, len(layout.groups), bool(layout.state_layers))
+    activations = peak_activations(runner, memory, batch, num_seqs)
     graphs = graph_memory(runner, memory, num_seqs, num_tokens, max_model_len) if capture else 0
     weights = tensor_bytes(runner.model)
     free, _ = memory.info()
@@ -227,18 +342,23 @@ def profile_device(
     return DeviceProfile(total, free_at_start, weights, other, activations, graphs)
 
 
-def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> HostBatch:
+def profile_batch(
+    num_tokens: int, max_model_len: int, block_size: int, num_page_groups: int = 1, states: bool = False
+) -> HostBatch:
     """``num_tokens`` dummy prompt tokens in sequences no longer than the context
-    limit, writing no KV (slot -1) and reading block 0."""
+    limit, writing no KV (slot -1), reading block 0 (and state slot 0)."""
     full, rest = divmod(num_tokens, max_model_len)
-    batch = HostBatch([], [], [], [0], [], [], [])
+    batch = HostBatch([], [], [0], [], [], [PageBatch() for _ in range(num_page_groups)])
     for length in [max_model_len] * full + [rest] * (rest > 0):
         batch.input_ids += [0] * length
         batch.positions += range(length)
-        batch.slot_mapping += [-1] * length
         batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + length)
         batch.seq_lens.append(length)
-        batch.block_tables.append([0] * -(-length // block_size))
+        for page in batch.pages:
+            page.slot_mapping += [-1] * length
+            page.block_tables.append([0] * -(-length // block_size))
+        if states:
+            batch.state_slots.append(0)
     return batch
 
 

@@ -14,10 +14,10 @@ from torch import Tensor
 from xinfer import ops
 from xinfer.engine.sampler import SampledTokens, Sampler
 from xinfer.engine.scheduler import ScheduledSeq
-from xinfer.engine.sequence import PENDING, Sequence
+from xinfer.engine.sequence import PENDING
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
-from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, Ops, StepLimits, StepRunner
+from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, Ops, PageBatch, StepContext, StepLimits, StepRunner
 
 
 def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -29,11 +29,22 @@ def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, backend: Ops, block_size: int, device: torch.device, seed: int = 0):
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: Ops,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+        num_page_groups: int = 1,
+        has_state: bool = False,
+    ):
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.num_page_groups = num_page_groups
+        self.has_state = has_state
         self.sampler = Sampler(device, seed)
         self.graphs: StepRunner | None = None
 
@@ -44,27 +55,28 @@ class ModelRunner:
         capture = getattr(self.backend, "capture_steps", None)
         if capture is not None:
             max_blocks = -(-max_model_len // self.block_size)
-            limits = StepLimits(max_num_seqs, max_num_batched_tokens, max_blocks, max_model_len, shadows)
+            limits = StepLimits(max_num_seqs, max_num_batched_tokens, max_blocks, max_model_len,
+                                self.num_page_groups, shadows, self.has_state)  # fmt: skip
             with ops.use(self.backend):
                 self.graphs = capture(self.forward, limits, self.device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, sample_rows: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, step: StepContext, sample_rows: Tensor) -> Tensor:
         """Logits of the rows ``sample_rows`` of a step (:meth:`CausalLM.compute_logits`)."""
-        with forward_context(meta):
+        with forward_context(step):
             hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden.index_select(0, sample_rows))
 
-    def logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+    def logits(self, input_ids: Tensor, positions: Tensor, step: StepContext) -> Tensor:
         """fp32 logits of every row of a step (scoring)."""
-        with forward_context(meta):
+        with forward_context(step):
             return self.model.compute_logits(self.model(input_ids, positions)).float()
 
     @torch.inference_mode()
     def hidden_states(self, batch: HostBatch) -> Tensor:
         """The model's final hidden states over every token of ``batch``."""
         with ops.use(self.backend):
-            input_ids, positions, meta = self.to_device(batch)
-            with forward_context(meta):
+            input_ids, positions, step = self.to_device(batch)
+            with forward_context(step):
                 return self.model(input_ids, positions)
 
     @torch.inference_mode()
@@ -79,10 +91,10 @@ class ModelRunner:
             logits = self.graphs(batch, pending) if self.graphs else None
             if logits is None:
                 rows = self._tensor(batch.sample_rows, torch.int64)
-                input_ids, positions, meta = self.to_device(batch)
+                input_ids, positions, step = self.to_device(batch)
                 if pending is not None:
                     pending.write_into(input_ids)
-                logits = self.forward(input_ids, positions, meta, rows)
+                logits = self.forward(input_ids, positions, step, rows)
             return self.sampler(logits, sampling) if sampling else None
 
     def _pending_inputs(
@@ -98,52 +110,61 @@ class ModelRunner:
                 source.append(rows[id(item.seq)])
         if not index:
             return None
+        assert previous is not None
         index_and_source = self._tensor([index, source], torch.int64)  # one copy to the device
         return DeviceTokens(index_and_source[0], previous.tokens.index_select(0, index_and_source[1]))
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
-        batch = HostBatch([], [], [], [0], [], [], [])
+        batch = HostBatch([], [], [0], [], [], [PageBatch() for _ in range(self.num_page_groups)])
         for item in scheduled:
             seq, start, end = item.seq, item.seq.num_computed_tokens, item.context_len
             batch.input_ids += seq.token_ids[start:end]
             batch.positions += range(start, end)
-            batch.slot_mapping += [self.slot(seq, p) for p in range(start, end)]
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
             batch.seq_lens.append(end)
-            batch.block_tables.append(seq.block_table)
-            if seq.shadow_table:
-                batch.shadow_tables.append(seq.shadow_table)
-                batch.shadow_slot_mapping += [self.shadow_slot(seq, p) for p in range(start, end)]
+            for page, table in zip(batch.pages, seq.pages):
+                page.slot_mapping += [self.slot(table.blocks, p) for p in range(start, end)]
+                page.block_tables.append(table.blocks)
+                if table.shadows:
+                    page.shadow_tables.append(table.shadows)
+                    page.shadow_slot_mapping += [self.slot(table.shadows, p) for p in range(start, end)]
+            if self.has_state:
+                assert seq.state_slot is not None
+                batch.state_slots.append(seq.state_slot)
             if item.completes_prompt:
                 batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
         return batch
 
-    def to_device(self, batch: HostBatch) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        width = max(len(row) for row in batch.block_tables)
-        tables = [row + [0] * (width - len(row)) for row in batch.block_tables]
-        meta = AttentionMetadata(
-            cu_seqlens_q=self._tensor(batch.cu_seqlens_q, torch.int32),
-            seq_lens=self._tensor(batch.seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
-            slot_mapping=self._tensor(batch.slot_mapping, torch.int64),
-            max_seqlen_q=max(b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:])),
-            max_seq_len=max(batch.seq_lens),
-        )
-        if batch.shadow_tables:
-            assert len(batch.shadow_tables) == len(batch.block_tables), "every sequence has shadows, or none"
-            shadows = [row + [-1] * (width - len(row)) for row in batch.shadow_tables]
-            meta.shadow_tables = self._tensor(shadows, torch.int32)
-            meta.shadow_slot_mapping = self._tensor(batch.shadow_slot_mapping, torch.int64)
-        return self._tensor(batch.input_ids, torch.int64), self._tensor(batch.positions, torch.int64), meta
+    def to_device(self, batch: HostBatch) -> tuple[Tensor, Tensor, StepContext]:
+        cu_seqlens_q = self._tensor(batch.cu_seqlens_q, torch.int32)
+        seq_lens = self._tensor(batch.seq_lens, torch.int32)
+        max_seqlen_q = max(b - a for a, b in zip(batch.cu_seqlens_q, batch.cu_seqlens_q[1:]))
+        pages = []
+        for page in batch.pages:
+            width = max(len(row) for row in page.block_tables)
+            meta = AttentionMetadata(
+                cu_seqlens_q=cu_seqlens_q,
+                seq_lens=seq_lens,
+                block_tables=self._tensor([row + [0] * (width - len(row)) for row in page.block_tables], torch.int32),
+                slot_mapping=self._tensor(page.slot_mapping, torch.int64),
+                max_seqlen_q=max_seqlen_q,
+                max_seq_len=max(batch.seq_lens),
+            )
+            if page.shadow_tables:
+                assert len(page.shadow_tables) == len(page.block_tables), "every sequence has shadows, or none"
+                shadows = [row + [-1] * (width - len(row)) for row in page.shadow_tables]
+                meta.shadow_tables = self._tensor(shadows, torch.int32)
+                meta.shadow_slot_mapping = self._tensor(page.shadow_slot_mapping, torch.int64)
+            pages.append(meta)
+        state_slots = self._tensor(batch.state_slots, torch.int32) if batch.state_slots else None
+        step = StepContext(pages, state_slots)
+        return self._tensor(batch.input_ids, torch.int64), self._tensor(batch.positions, torch.int64), step
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        """The cache slot (block * block_size + offset) that holds ``seq``'s ``position``."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
-    def shadow_slot(self, seq: Sequence, position: int) -> int:
-        """The shadow slot of ``seq``'s ``position``, -1 where its block has no shadow."""
-        shadow = seq.shadow_table[position // self.block_size]
-        return shadow * self.block_size + position % self.block_size if shadow >= 0 else -1
+    def slot(self, table: list[int], position: int) -> int:
+        """The cache slot (block * block_size + offset) of ``position`` in ``table``'s
+        blocks; -1 where the table has no block there (a shadow trimmed, none kept)."""
+        block = table[position // self.block_size]
+        return block * self.block_size + position % self.block_size if block >= 0 else -1
 
     def _tensor(self, values: list, dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from xinfer.config import SchedulerConfig
-from xinfer.engine.block_manager import BlockManager
+from xinfer.cache.manager import CacheManager
 from xinfer.engine.sequence import Sequence, Status
 
 
@@ -40,9 +40,9 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
         self.config = config
-        self.block_manager = block_manager
+        self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -63,7 +63,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq.at_limit:  # preempted below, or done when read back
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+            while not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -76,13 +76,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
-            if not seq.block_table:
-                seq.num_computed_tokens = self.block_manager.match_prefix(seq)
+            if not self.cache.holds(seq):
+                seq.num_computed_tokens = self.cache.match_prefix(seq)
                 if not seq.scheduled_once:
                     seq.num_cached_tokens = seq.num_computed_tokens
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                self.block_manager.release(seq)
+            if not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
+                self.cache.release(seq)
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -110,11 +110,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.release(seq)
+        self.cache.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.release(seq)
+        self.cache.release(seq)
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -5,6 +5,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from xinfer.cache.block_pool import PageTable
 from xinfer.sampling import SamplingParams
 
 PENDING = -1
@@ -29,8 +30,8 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
-    block_table: list[int] = field(default_factory=list)
-    shadow_table: list[int] = field(default_factory=list)  # exact copies of its blocks, -1: none (recent window)
+    pages: list[PageTable] = field(default_factory=list)  # its blocks in each page group
+    state_slot: int | None = None  # with recurrent layers
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     status: Status = Status.WAITING
     finish_reason: str | None = None

@@ -3,16 +3,18 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.kv import LayerKVCache
+from xinfer.cache.specs import AttentionSpec
 from xinfer.forward_context import attention_metadata
+from xinfer.kv import LayerKVCache
 
 
 class Attention(nn.Module):
     """Paged attention of one layer: stores this step's K/V in the layer's cache,
     then attends over each sequence's cached context.
 
-    ``q`` [T, H*D], ``k``/``v`` [T, Hkv*D] in; [T, H*D] out. The engine binds
-    ``kv_cache`` (allocated by the cache's format) before the first forward.
+    ``q`` [T, H*D], ``k``/``v`` [T, Hkv*D] in; [T, H*D] out. It caches
+    :class:`~xinfer.cache.specs.AttentionSpec`; the engine binds ``cache`` (allocated in
+    its KV format) and ``page_group`` before the first forward.
     """
 
     def __init__(
@@ -31,13 +33,17 @@ class Attention(nn.Module):
         self.scale = scale
         self.window = window
         self.softcap = softcap
-        self.kv_cache: LayerKVCache | None = None
+        self.cache: LayerKVCache | None = None
+        self.page_group = 0
+
+    def cache_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.num_kv_heads, self.head_dim, self.window)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        meta = attention_metadata()
+        meta = attention_metadata(self.page_group)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        assert self.kv_cache is not None, "the engine binds the KV cache before the first forward"
-        out = ops.attention(q, k, v, self.kv_cache, meta, self.scale, self.window, self.softcap)
+        assert self.cache is not None, "the engine binds the KV cache before the first forward"
+        out = ops.attention(q, k, v, self.cache, meta, self.scale, self.window, self.softcap)
         return out.flatten(1)

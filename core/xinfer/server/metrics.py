@@ -25,7 +25,7 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
-        block_size = self.engine.engine.block_manager.block_size if self.engine.engine is not None else 0
+        block_size = self.engine.engine.cache.block_size if self.engine.engine is not None else 0
         yield GaugeMetricFamily("xinfer_num_requests_running", "Sequences in the running batch", stats.num_running)
         yield GaugeMetricFamily("xinfer_num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting)
         yield GaugeMetricFamily("xinfer_kv_cache_usage", "Share of KV cache blocks in use (0 to 1)", stats.kv_usage)

@@ -1,0 +1,1 @@
+"""What layers cache, and the pools that hold it: see :mod:`xinfer.cache.specs`."""

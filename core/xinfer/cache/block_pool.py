@@ -1,0 +1,211 @@
+"""One page group's blocks: reference counts, a prefix cache, and the blocks a sliding
+window no longer sees given back.
+
+A full block is known by the hash chain of its tokens: ``hash(parent_hash, tokens)``,
+computed once per sequence (:mod:`xinfer.cache.manager`) and the same in every group. A
+freed block keeps its hash (and entries) until it is handed out again, so a later
+request with the same prefix picks it up. Free blocks are reused oldest first.
+
+With a window W, a query at position p reads only positions after p - W: once a
+sequence's next token is past a block's reach, :meth:`BlockPool.trim` gives the block
+back (its table entry becomes :data:`NO_BLOCK`), and a prefix-cache hit needs only the
+blocks the next token reaches.
+
+With a recent window R (quantized caches), a block a sequence computes gets a shadow: an
+exact copy of its entries, which attention reads for keys within R of a query. The
+shadow goes back once the block is more than R behind the sequence's next token, except
+block 0's, which stays with the block (the sinks every later query reads exact), also
+while the block is cached. A table's ``shadows`` name only the shadows of blocks its
+sequence computed and block 0's, so what it reads exact does not depend on other
+sequences; a cached block 0 whose shadow was reclaimed is no longer a prefix-cache hit.
+See docs/kv-cache.md.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+NO_BLOCK = -1
+"""A table entry whose block is out of the window's reach (given back), or a block without a shadow."""
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PageTable:
+    """One sequence's blocks in one page group, and their shadows (recent window)."""
+
+    blocks: list[int] = field(default_factory=list)
+    shadows: list[int] = field(default_factory=list)
+
+
+class BlockPool:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        window: int | None = None,
+        num_shadows: int = 0,
+        recent_window: int = 0,
+    ):
+        self.block_size = block_size
+        self.window = window
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.recent_window = recent_window
+        self.free_shadows = list(range(num_shadows))
+        self.shadow_of: dict[int, int] = {}  # block id -> its shadow
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def first_needed(self, position: int) -> int:
+        """The first block a query at ``position`` reads."""
+        return 0 if self.window is None else max(0, position - self.window + 1) // self.block_size
+
+    # ---- prefix cache ------------------------------------------------------------
+
+    def cached_block(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        block_id = self.cached.get(block_hash)
+        return block_id if block_id is not None and self.blocks[block_id].token_ids == tokens else None
+
+    def serves(self, found: list[int | None], num_blocks: int) -> bool:
+        """Whether the cached blocks ``found`` (per prompt block, None: not cached) let a
+        sequence start computing after its first ``num_blocks`` blocks."""
+        needed = range(self.first_needed(num_blocks * self.block_size), num_blocks)
+        if any(found[i] is None for i in needed):
+            return False
+        sinks = self.recent_window and 0 in needed
+        return not sinks or found[0] in self.shadow_of
+
+    def attach(self, table: PageTable, found: list[int | None], num_blocks: int) -> None:
+        """Give ``table`` the cached blocks of its first ``num_blocks`` that it needs
+        (:meth:`serves` said it can)."""
+        assert not table.blocks
+        first = self.first_needed(num_blocks * self.block_size)
+        for index in range(num_blocks):
+            block_id = found[index] if index >= first else None
+            if block_id is None:
+                table.blocks.append(NO_BLOCK)
+            else:
+                self._take(block_id)
+                table.blocks.append(block_id)
+            if self.recent_window:
+                table.shadows.append(self.shadow_of[block_id] if index == 0 and block_id is not None else NO_BLOCK)
+
+    def commit(self, table: PageTable, hashes: list[int], token_ids: list[int], first: int) -> None:
+        """Register ``table``'s blocks ``first`` to ``len(hashes)`` (full of computed
+        tokens, whose hash chain is ``hashes``) in the prefix cache."""
+        for index in range(first, len(hashes)):
+            if table.blocks[index] == NO_BLOCK:
+                continue
+            block = self.blocks[table.blocks[index]]
+            if hashes[index] not in self.cached:
+                start = index * self.block_size
+                block.hash, block.token_ids = hashes[index], tuple(token_ids[start : start + self.block_size])
+                self.cached[hashes[index]] = block.id
+
+    # ---- allocation --------------------------------------------------------------
+
+    def can_allocate(self, table: PageTable, num_tokens: int) -> bool:
+        missing = self.blocks_needed(num_tokens) - len(table.blocks)
+        if missing > self.num_free_blocks:
+            return False
+        short = self.recent_window and missing > len(self.free_shadows)
+        return not (short and missing > len(self.free_shadows) + len(self._reclaimable_shadows()))
+
+    def allocate(self, table: PageTable, num_tokens: int) -> None:
+        """Make ``table`` cover ``num_tokens`` slots (:meth:`can_allocate` said it can)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(table.blocks)):
+            block_id, _ = self.free.popitem(last=False)
+            self._forget(self.blocks[block_id])
+            self.blocks[block_id].ref_count = 1
+            table.blocks.append(block_id)
+            if self.recent_window:
+                self.shadow_of[block_id] = self._take_shadow()
+                table.shadows.append(self.shadow_of[block_id])
+
+    def trim(self, table: PageTable, num_computed: int) -> None:
+        """Give back what the next token (at ``num_computed``) no longer reads: blocks
+        out of the window's reach, and shadows R or more behind it (never block 0's
+        while the block stays)."""
+        out_of_reach = min(self.first_needed(num_computed), len(table.blocks))
+        for index in range(out_of_reach - 1, -1, -1):
+            if table.blocks[index] == NO_BLOCK:
+                break  # given back before, or never attached
+            self._release(table, index)
+            table.blocks[index] = NO_BLOCK
+            if self.recent_window:
+                table.shadows[index] = NO_BLOCK
+        if not self.recent_window:
+            return
+        done = max(0, num_computed - self.recent_window + 1) // self.block_size  # shadows now out of reach
+        for index in range(min(done, len(table.shadows)) - 1, 0, -1):
+            if table.shadows[index] < 0:
+                break  # trimmed before, or a prefix-cache hit
+            self._release_shadow(table.blocks[index])
+            table.shadows[index] = NO_BLOCK
+
+    def release(self, table: PageTable) -> None:
+        for index in reversed(range(len(table.blocks))):
+            if table.blocks[index] != NO_BLOCK:
+                self._release(table, index)
+        table.blocks.clear()
+        table.shadows.clear()
+
+    def _release(self, table: PageTable, index: int) -> None:
+        block = self.blocks[table.blocks[index]]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block.id] = None
+        keeps_sinks = index == 0 and (block.ref_count > 0 or block.hash is not None)
+        if self.recent_window and table.shadows[index] >= 0 and not keeps_sinks:
+            self._release_shadow(block.id)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.cached.get(block.hash) == block.id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = None, ()
+        self._release_shadow(block.id)
+
+    def _release_shadow(self, block_id: int) -> None:
+        shadow = self.shadow_of.pop(block_id, None)
+        if shadow is not None:
+            self.free_shadows.append(shadow)
+
+    def _reclaimable_shadows(self) -> list[int]:
+        """Blocks no sequence holds that keep a shadow: cached first blocks."""
+        return [b for b in self.shadow_of if self.blocks[b].ref_count == 0]
+
+    def _take_shadow(self) -> int:
+        if not self.free_shadows:
+            oldest = next(b for b in self.free if b in self.shadow_of)
+            self._forget(self.blocks[oldest])  # no longer a prefix-cache hit without its sinks
+        return self.free_shadows.pop()

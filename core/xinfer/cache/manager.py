@@ -1,0 +1,107 @@
+"""A sequence's cache across kinds: a page table in each page group's pool (full
+attention, each sliding window) and, for models with recurrent layers, a state slot.
+
+Allocation is all or nothing across pools. A prefix-cache hit is the longest prefix
+that every pool can serve (:meth:`BlockPool.serves`): the whole prefix for full
+attention, the blocks its window still reaches for a sliding layer. A recurrent state
+has no snapshots yet, so models with one start every prompt from its first token.
+"""
+
+from __future__ import annotations
+
+from xinfer.cache.block_pool import BlockPool, PageTable
+from xinfer.cache.state_pool import StatePool
+from xinfer.engine.sequence import Sequence
+
+
+class CacheManager:
+    def __init__(
+        self, pools: list[BlockPool], enable_prefix_caching: bool = True, states: StatePool | None = None
+    ):
+        assert pools or states, "a model caches something"
+        self.pools = pools
+        self.states = states
+        self.block_size = pools[0].block_size if pools else 1
+        self.enable_prefix_caching = enable_prefix_caching and states is None
+        self.queries = 0  # prefix-cache lookups, in blocks
+        self.hits = 0
+
+    @property
+    def usage(self) -> float:
+        """Share of the scarcest pool held by sequences."""
+        return max([pool.usage for pool in self.pools] + ([self.states.usage] if self.states else []))
+
+    def tables(self, seq: Sequence) -> list[PageTable]:
+        if len(seq.pages) != len(self.pools):
+            seq.pages = [PageTable() for _ in self.pools]
+        return seq.pages
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has blocks or a state slot (it was matched or allocated)."""
+        return seq.state_slot is not None or any(table.blocks for table in seq.pages)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest known prefix of ``seq``; returns its length.
+
+        At least one prompt token is left to compute, so the step that finishes the
+        prompt still produces logits.
+        """
+        tables = self.tables(seq)
+        assert not any(table.blocks for table in tables)
+        if not self.enable_prefix_caching:
+            return 0
+        hashes, chunks, parent = [], [], None
+        for start in range(0, seq.num_tokens - self.block_size, self.block_size):
+            chunk = tuple(seq.token_ids[start : start + self.block_size])
+            parent = hash((parent, chunk))
+            hashes.append(parent)
+            chunks.append(chunk)
+        found = [[pool.cached_block(h, chunk) for h, chunk in zip(hashes, chunks)] for pool in self.pools]
+        num_blocks = len(hashes)
+        while num_blocks and not all(pool.serves(f, num_blocks) for pool, f in zip(self.pools, found)):
+            num_blocks -= 1
+        self.queries += len(hashes)
+        self.hits += num_blocks
+        for pool, f, table in zip(self.pools, found, tables):
+            pool.attach(table, f, num_blocks)
+        seq.block_hashes = hashes[:num_blocks]
+        return num_blocks * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make ``seq``'s tables cover ``num_tokens`` slots, and give it a state slot;
+        False (and nothing taken) where a pool ran out."""
+        tables = self.tables(seq)
+        if not all(pool.can_allocate(table, num_tokens) for pool, table in zip(self.pools, tables)):
+            return False
+        if self.states is not None and seq.state_slot is None:
+            if not self.states.num_free:
+                return False
+            seq.state_slot = self.states.acquire()
+        for pool, table in zip(self.pools, tables):
+            pool.allocate(table, num_tokens)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks that became full of computed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        first = len(seq.block_hashes)
+        for index in range(first, seq.num_computed_tokens // self.block_size):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            start = index * self.block_size
+            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[start : start + self.block_size]))))
+        for pool, table in zip(self.pools, self.tables(seq)):
+            pool.commit(table, seq.block_hashes, seq.token_ids, first)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back what ``seq``'s next token no longer reads."""
+        for pool, table in zip(self.pools, self.tables(seq)):
+            pool.trim(table, seq.num_computed_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        for pool, table in zip(self.pools, self.tables(seq)):
+            pool.release(table)
+        if self.states is not None and seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
+        seq.block_hashes.clear()
