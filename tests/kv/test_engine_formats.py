@@ -6,7 +6,7 @@ import pytest
 
 from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
-from xinfer.cache.allocate import bytes_per_block
+from xinfer.cache.allocate import attention_layers, bytes_per_block
 
 QUANTIZED = ["fp8", "turbo8", "turbo4", "turbo3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -54,7 +54,7 @@ def test_planner_counts_real_bytes(model_dir):
         llm = LLM(model=model_dir, dtype="bfloat16", num_blocks=4, max_model_len=64, kv_cache_dtype=fmt)
         engine = llm.engine
         per_block = bytes_per_block(engine.model, 16, engine.dtype, engine.kv_format)
-        layers = [m.cache for m in engine.model.modules() if getattr(m, "kv_cache", None) is not None]
+        layers = [layer.cache for layer in attention_layers(engine.model)]
         allocated = sum(t.numel() * t.element_size() for c in layers for t in c.tensors.values())
         assert allocated == 4 * per_block
         budget_blocks[fmt] = (1 << 30) // per_block
