@@ -24,8 +24,11 @@ class FakeEngine:
     max_model_len = 64
 
     def __init__(self):
-        self.tokenizer = SimpleNamespace(chat_template=FakeTemplate(), encode=lambda text, add_special_tokens: list(text.encode()),
-                                         decode=lambda ids, skip_special_tokens: bytes(ids).decode())
+        self.tokenizer = SimpleNamespace(
+            chat_template=FakeTemplate(),
+            encode=lambda text, add_special_tokens: list(text.encode()),
+            decode=lambda ids, skip_special_tokens: bytes(ids).decode(),
+        )
         self.prompts, self.pending = [], []
 
     def add_request(self, request_id, prompt, params):

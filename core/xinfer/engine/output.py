@@ -109,8 +109,8 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         """Stops what still runs of the request; its choices give no more output."""
         for sequence_id in self._requests.pop(request_id, ()):
-            if self._choices.pop(sequence_id, None) is not None:
-                self.engine.abort(sequence_id)
+            self._choices.pop(sequence_id, None)
+            self.engine.abort(sequence_id)  # a no-op for a finished one
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns its deltas, one per choice it added to."""
