@@ -18,6 +18,7 @@ import time
 from typing import Sequence, TextIO
 
 from xinfer.engine.engine import LLMEngine
+from xinfer.engine.output import OutputProcessor
 from xinfer.sampling import SamplingParams
 
 HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a system prompt), /help"
@@ -26,6 +27,7 @@ HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a s
 class Conversation:
     def __init__(self, engine: LLMEngine, params: SamplingParams):
         self.engine = engine
+        self.processor = OutputProcessor(engine)
         self.params = params
         self.system: str | None = None
         self.turns: list[dict[str, str]] = []
@@ -48,20 +50,16 @@ class Conversation:
 
     def reply(self, user_text: str, out: TextIO) -> str:
         self.turns.append({"role": "user", "content": user_text})
-        request_id = f"chat-{next(self._ids)}"
-        self.engine.add_request(request_id, self.prompt(), self.params)
-        answer = []
+        answer = self.processor.add(f"chat-{next(self._ids)}", self.prompt(), self.params)
         try:
-            while self.engine.has_unfinished():
-                for output in self.engine.step():
-                    out.write(output.text)
-                    out.flush()
-                    answer.append(output.text)
+            for delta in self.processor.run([answer]):
+                out.write(delta.outputs[0].text)
+                out.flush()
         except KeyboardInterrupt:
-            self.engine.abort(request_id)
+            self.processor.abort(answer.request_id)
             out.write(" [stopped]")
         out.write("\n")
-        text = "".join(answer)
+        text = answer.outputs[0].text
         self.turns.append({"role": "assistant", "content": text})
         return text
 
@@ -106,20 +104,19 @@ def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO
 def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, out: TextIO = sys.stdout) -> None:
     """Runs the prompts as one batch (each as a user turn when the model has a chat template)."""
     tokenizer, template = engine.tokenizer, engine.tokenizer.chat_template
-    texts: dict[str, list[str]] = {}
+    processor = OutputProcessor(engine)
+    answers = []
     for i, prompt in enumerate(prompts):
         if template is not None:
             prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        engine.add_request(str(i), tokenizer.encode(prompt, add_special_tokens=template is None), params)
-        texts[str(i)] = []
-    start, num_tokens = time.perf_counter(), 0
-    while engine.has_unfinished():
-        for output in engine.step():
-            texts[output.request_id].append(output.text)
-            num_tokens += len(output.token_ids)
+        answers.append(processor.add(str(i), tokenizer.encode(prompt, add_special_tokens=template is None), params))
+    start = time.perf_counter()
+    for _ in processor.run(answers):
+        pass
     seconds = time.perf_counter() - start
-    for i, prompt in enumerate(prompts):
-        out.write(f"[{i}] {prompt}\n{''.join(texts[str(i)]).strip()}\n\n")
+    num_tokens = sum(a.usage["completion_tokens"] for a in answers)
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        out.write(f"[{i}] {prompt}\n{answer.outputs[0].text.strip()}\n\n")
     out.write(f"{len(prompts)} requests, {num_tokens} tokens in {seconds:.2f} s: {num_tokens / seconds:.1f} tok/s\n")
 
 

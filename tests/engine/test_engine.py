@@ -177,6 +177,33 @@ def test_stop_abort_and_context_limit_while_a_step_is_in_flight(model_dir):
     assert_all_blocks_free(llm)
 
 
+class LetterTokenizer:
+    """Token ``i`` reads as one letter, so a two-letter stop string always spans two tokens."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_across_tokens_and_n_seeded_choices(model_dir):
+    llm = LLM(model=model_dir, tokenizer=LetterTokenizer(), dtype="float32", num_blocks=64)
+    tokens = prompt(20, seed=6)
+    free = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert free.text == LetterTokenizer().decode(free.token_ids)
+    stop = free.text[5:7]
+    cut = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    end = free.text.index(stop)
+    assert cut.outputs[0].text == free.text[:end] and cut.outputs[0].token_ids == free.token_ids[: end + 2]
+    assert (cut.outputs[0].finish_reason, cut.outputs[0].stop_reason) == ("stop", stop)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True, n=3)
+    choices = llm.generate([tokens], seeded)[0].outputs
+    for i, choice in enumerate(choices):  # choice i samples as a request of its own with seed + i
+        alone = SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8, ignore_eos=True)
+        assert choice.index == i and choice.token_ids == llm.generate([tokens], alone)[0].outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize(
     "prompts, params, message",
     [

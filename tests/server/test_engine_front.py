@@ -52,7 +52,7 @@ class ScriptedEngine:
             done = self.live[request_id] == 0
             if done:
                 del self.live[request_id]
-            outputs.append(StepOutput(request_id, [7], "a", finished=done, finish_reason="length" if done else None))
+            outputs.append(StepOutput(request_id, [7], finish_reason="length" if done else None))
         time.sleep(0.01)
         return outputs
 
@@ -160,7 +160,7 @@ def test_abort_all_ends_streams_while_a_step_runs():
         engine.start()
         try:
             await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
-            handle = await engine.submit([([1, 2, 3], SamplingParams(max_tokens=100))], 3)
+            handle = await engine.submit([([1, 2, 3], SamplingParams(max_tokens=100))])
             stream = engine.stream(handle)
             first = await anext(stream)
             engine.abort_all()  # the engine thread is inside its second step now

@@ -19,17 +19,21 @@ class FakeTemplate:
 
 
 class FakeEngine:
-    """Answers every prompt with two tokens; records the prompts it saw."""
+    """Answers every prompt "ok!" in two steps; records the prompts it saw."""
 
     max_model_len = 64
 
     def __init__(self):
-        self.tokenizer = SimpleNamespace(chat_template=FakeTemplate(), encode=lambda text, add_special_tokens: list(text.encode()))
+        self.tokenizer = SimpleNamespace(
+            chat_template=FakeTemplate(),
+            encode=lambda text, add_special_tokens: list(text.encode()),
+            decode=lambda ids, skip_special_tokens: bytes(ids).decode(),
+        )
         self.prompts, self.pending = [], []
 
     def add_request(self, request_id, prompt, params):
         self.prompts.append(bytes(prompt).decode())
-        self.pending = [StepOutput(request_id, [1], "ok"), StepOutput(request_id, [2], "!", finished=True)]
+        self.pending = [StepOutput(request_id, list(b"ok")), StepOutput(request_id, list(b"!"), finish_reason="stop")]
 
     def has_unfinished(self):
         return bool(self.pending)

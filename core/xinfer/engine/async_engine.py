@@ -15,12 +15,13 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine, StepOutput
+from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine
+from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
@@ -44,24 +45,33 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class RequestHandle:
-    """One client request: ``n`` engine sequences whose outputs share one queue."""
+    """One client request: one or more prompts, each an engine request with its choices,
+    whose outputs share one queue. Choice ``i * n + j`` is choice ``j`` of prompt ``i``."""
 
-    request_id: str
-    num_prompt_tokens: int
-    child_ids: list[str]
+    outputs: list[RequestOutput]  # each prompt's, as far as :meth:`AsyncEngine.stream` has read
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    last_token_time: dict[int, float] = field(default_factory=dict)
+    last_token_time: dict[tuple[int, int], float] = field(default_factory=dict)  # by (prompt, choice)
     inter_token_latencies: list[float] = field(default_factory=list)
     num_generated: int = 0
-    cached_tokens: dict[int, int] = field(default_factory=dict)  # per choice
-    finish_reasons: dict[int, str] = field(default_factory=dict)
     accepted: asyncio.Future | None = None
 
     @property
+    def choices(self) -> list[CompletionOutput]:
+        return [choice for output in self.outputs for choice in output.outputs]
+
+    @property
     def finished(self) -> bool:
-        return len(self.finish_reasons) == len(self.child_ids)
+        return all(output.finished for output in self.outputs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(output.prompt_token_ids) for output in self.outputs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(output.num_cached_tokens for output in self.outputs)
 
 
 EngineFactory = Callable[[], LLMEngine]
@@ -80,13 +90,14 @@ class AsyncEngine:
         self.stall_timeout = stall_timeout
         self.on_request_done = on_request_done
         self.engine: LLMEngine | None = None
+        self.processor: OutputProcessor | None = None
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.stats = EngineStats(0, 0, 0.0, 0, 0, 0)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
         self._num_adding = 0  # sequences sent to the engine thread, not yet in its queue
-        self._handles: dict[str, tuple[RequestHandle, int]] = {}  # child id -> (handle, choice index)
+        self._handles: dict[str, tuple[RequestHandle, int]] = {}  # engine request id -> (handle, prompt position)
         self._commands: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
         self._step_started: float | None = None
@@ -139,9 +150,9 @@ class AsyncEngine:
 
     # ---- requests (event-loop side) ---------------------------------------------
 
-    async def submit(self, children: list[tuple[list[int], SamplingParams]], num_prompt_tokens: int) -> RequestHandle:
-        """Queues one request: a sequence per (prompt token ids, params) entry, its choices.
-        ``num_prompt_tokens`` counts each distinct prompt once (for usage and metrics).
+    async def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
+        """Queues one request: an engine request per (prompt token ids, params) entry,
+        each with the ``n`` choices of its params.
 
         Returns once the engine accepted them all; raises ``ValueError`` (a bad prompt
         or params, from the engine), :class:`QueueFull` or :class:`EngineUnavailable`.
@@ -151,40 +162,49 @@ class AsyncEngine:
         if waiting >= self.max_waiting:
             raise QueueFull(f"{waiting} sequences are waiting (limit {self.max_waiting}); retry later")
         request_id = f"req-{next(self._ids)}"
-        child_ids = [f"{request_id}-{i}" for i in range(len(children))]
-        handle = RequestHandle(request_id, num_prompt_tokens, child_ids)
+        handle = RequestHandle(
+            [RequestOutput.empty(f"{request_id}-{i}", prompt, params) for i, (prompt, params) in enumerate(prompts)]
+        )
         handle.accepted = self.loop.create_future()
-        for index, child_id in enumerate(child_ids):
-            self._handles[child_id] = (handle, index)
-        self._send("add", (handle, children))
-        self._num_adding += len(children)
+        for position, output in enumerate(handle.outputs):
+            self._handles[output.request_id] = (handle, position)
+        self._send("add", (handle, prompts))
+        num_sequences = len(handle.choices)
+        self._num_adding += num_sequences
         try:
             await handle.accepted
         except BaseException:
             self.abort(handle)
-            for child_id in child_ids:
-                self._handles.pop(child_id, None)
+            for output in handle.outputs:
+                self._handles.pop(output.request_id, None)
             raise
         finally:
-            self._num_adding -= len(children)
+            self._num_adding -= num_sequences
         return handle
 
-    async def stream(self, handle: RequestHandle) -> AsyncIterator[tuple[int, StepOutput]]:
-        """Yields (choice index, delta) until every choice finished. Leaving early
-        (the client went away) aborts the request and frees its blocks."""
+    async def stream(self, handle: RequestHandle) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Yields (request-wide choice index, what a step added to that choice) until every
+        choice finished, keeping ``handle.outputs`` up to date. Leaving early (the client
+        went away) aborts the request and frees its blocks."""
         try:
             while not handle.finished:
                 item = await handle.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                index, output = item
-                if index in handle.finish_reasons:  # an abort that crossed the choice's last output
+                position, delta = item
+                output, choice = handle.outputs[position], delta.outputs[0]
+                if output.outputs[choice.index].finished:  # an abort that crossed the choice's last output
                     continue
-                if output.finished:
-                    handle.finish_reasons[index] = output.finish_reason or "abort"
-                yield index, output
+                output.add(delta)
+                yield sum(len(o.outputs) for o in handle.outputs[:position]) + choice.index, choice
         finally:
             self.release(handle)
+
+    async def collect(self, handle: RequestHandle) -> list[CompletionOutput]:
+        """Waits until every choice finished; returns them in request-wide index order."""
+        async for _ in self.stream(handle):
+            pass
+        return handle.choices
 
     def release(self, handle: RequestHandle) -> None:
         """Ends ``handle``'s life: aborts what still runs and stops routing its outputs."""
@@ -193,8 +213,8 @@ class AsyncEngine:
         self._forget(handle)
 
     def abort(self, handle: RequestHandle) -> list[str]:
-        """Stops ``handle``'s unfinished choices in the engine; returns their ids."""
-        live = [child_id for i, child_id in enumerate(handle.child_ids) if i not in handle.finish_reasons]
+        """Stops ``handle``'s unfinished engine requests; returns their ids."""
+        live = [output.request_id for output in handle.outputs if not output.finished]
         if live:
             self._send("abort", live)
         return live
@@ -213,8 +233,8 @@ class AsyncEngine:
 
     def _forget(self, handle: RequestHandle) -> None:
         removed = False
-        for child_id in handle.child_ids:
-            removed |= self._handles.pop(child_id, None) is not None
+        for output in handle.outputs:
+            removed |= self._handles.pop(output.request_id, None) is not None
         if removed and self.on_request_done is not None:
             self.on_request_done(handle)
 
@@ -228,6 +248,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = self.factory()
+            self.processor = OutputProcessor(self.engine)
         except BaseException as error:  # noqa: BLE001 - reported through /health
             log.exception("loading the model failed")
             self._die(f"loading failed: {error}")
@@ -243,7 +264,7 @@ class AsyncEngine:
             self._die(f"{type(error).__name__}: {error}")
 
     def _loop(self) -> None:
-        engine = self.engine
+        engine, processor = self.engine, self.processor
         while True:
             with self._wake:
                 while not self._commands and not engine.has_unfinished():
@@ -256,32 +277,32 @@ class AsyncEngine:
                 self._handle_command(command, payload)
             if engine.has_unfinished():
                 self._step_started = time.monotonic()
-                outputs = engine.step()
+                outputs = processor.step()
                 self._step_started = None
                 self._snapshot()
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _handle_command(self, command: str, payload: Any) -> None:
-        engine = self.engine
+        processor = self.processor
         if command == "add":
-            handle, children = payload
+            handle, prompts = payload
             try:
-                for child_id, (prompt, params) in zip(handle.child_ids, children):
-                    engine.add_request(child_id, prompt, params)
+                for output, (prompt, params) in zip(handle.outputs, prompts):
+                    processor.add(output.request_id, prompt, params)
             except Exception as error:  # noqa: BLE001 - the request fails, the loop goes on
-                for child_id in handle.child_ids:
-                    engine.abort(child_id)
+                for output in handle.outputs:
+                    processor.abort(output.request_id)
                 self._resolve(handle.accepted, error=error)
             else:
                 self._resolve(handle.accepted, result=None)
         elif command == "abort":
-            for child_id in payload:
-                engine.abort(child_id)
+            for request_id in payload:
+                processor.abort(request_id)
         elif command == "embed":
             token_ids, future = payload
             try:
-                self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
+                self._resolve(future, result=[self.engine.hidden_states(ids).float().cpu() for ids in token_ids])
             except (ValueError, KVCacheFull) as error:
                 self._resolve(future, error=error)
         self._snapshot()
@@ -307,29 +328,32 @@ class AsyncEngine:
 
     # ---- back on the event loop ---------------------------------------------------
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
+    def _deliver(self, deltas: list[RequestOutput]) -> None:
         now = time.monotonic()
-        for output in outputs:
-            owner = self._handles.get(output.request_id)
+        for delta in deltas:
+            owner = self._handles.get(delta.request_id)
             if owner is None:
                 continue
-            handle, index = owner
+            handle, position = owner
+            choice = (position, delta.outputs[0].index)
             handle.first_token_time = handle.first_token_time or now
-            previous = handle.last_token_time.get(index)
+            previous = handle.last_token_time.get(choice)
             if previous is not None:
                 handle.inter_token_latencies.append(now - previous)
-            handle.last_token_time[index] = now
-            handle.num_generated += len(output.token_ids)
-            handle.cached_tokens[index] = output.num_cached_tokens
-            handle.queue.put_nowait((index, output))
+            handle.last_token_time[choice] = now
+            handle.num_generated += len(delta.outputs[0].token_ids)
+            handle.queue.put_nowait((position, delta))
 
-    def _deliver_aborts(self, child_ids: list[str]) -> None:
-        for child_id in child_ids:
-            owner = self._handles.get(child_id)
+    def _deliver_aborts(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            owner = self._handles.get(request_id)
             if owner is not None:
-                handle, index = owner
-                aborted = StepOutput(child_id, [], "", finished=True, finish_reason="abort")
-                handle.queue.put_nowait((index, aborted))
+                handle, position = owner
+                output = handle.outputs[position]
+                for choice in output.outputs:
+                    if not choice.finished:
+                        aborted = CompletionOutput(choice.index, finish_reason="abort")
+                        handle.queue.put_nowait((position, replace(output, outputs=[aborted])))
 
     def _fail_all(self, error: BaseException) -> None:
         for handle, _ in list(self._handles.values()):

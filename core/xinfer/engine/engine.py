@@ -1,4 +1,4 @@
-"""The engine: requests in, one scheduled model step at a time, token deltas out."""
+"""The engine: sequences in, one scheduled model step at a time, their new tokens out."""
 
 from __future__ import annotations
 
@@ -22,10 +22,8 @@ from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq, Scheduler
 from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.kv import get_format
-from xinfer.engine.stop import TextStream
 from xinfer.loading.loader import load_config, load_model
 from xinfer.loading.resolve import resolve_model_path
-from xinfer.text.detokenizer import IncrementalDetokenizer
 from xinfer.text.tokenizer import Tokenizer
 from xinfer.sampling import SamplingParams
 
@@ -48,16 +46,18 @@ class EngineStats:
 
 @dataclass
 class StepOutput:
-    """What one step added to one request."""
+    """What one step added to one sequence."""
 
     request_id: str
     token_ids: list[int]
-    text: str
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
-    finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class LLMEngine:
@@ -128,8 +128,6 @@ class LLMEngine:
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, max_num_tokens=max_num_tokens)
         self.sequences[request_id] = seq
-        detokenizer = self._detokenizer(params, prompt_token_ids) if self.tokenizer is not None else None
-        self.streams[request_id] = TextStream(detokenizer, params.stop)
         self.scheduler.add(seq)
         return seq
 
@@ -160,7 +158,6 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
-        self.streams.pop(request_id, None)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
 
@@ -214,31 +211,22 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
         assert seq.token_ids[-1] == PENDING
         seq.token_ids[-1] = token
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        stream = self.streams[seq.request_id]
-        text, stop_string = stream.push(token)
-        reason, stop_reason = self._finish_reason(seq, token, stop_string)
+        reason, stop_reason = self._finish_reason(seq, token)
         if reason is not None:
-            text += stream.finish()
             self.scheduler.finish(seq, reason)
-            seq.stop_reason = stop_reason
-            del self.sequences[seq.request_id], self.streams[seq.request_id]
+            del self.sequences[seq.request_id]
         return StepOutput(
             seq.request_id,
             [token],
-            text,
             [logprobs] if logprobs is not None else [],
             seq.num_cached_tokens,
-            finished=reason is not None,
             finish_reason=reason,
             stop_reason=stop_reason,
         )
 
-    def _finish_reason(self, seq: Sequence, token: int, stop_string: str | None):
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """Why ``token`` ends ``seq``, if it does; stop strings are the output processor's."""
         params = seq.params
-        if stop_string is not None:
-            return "stop", stop_string
         if seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 return "stop", token
@@ -247,11 +235,6 @@ class LLMEngine:
         if seq.at_limit:  # max_tokens or the context
             return "length", None
         return None, None
-
-    def _detokenizer(self, params: SamplingParams, prompt_token_ids: list[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_token_ids
-        )
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:

@@ -39,7 +39,7 @@ class SampledTokens:
                 top = logprobs.topk(most)
                 found += [top.indices, top.values]
         self._host = [_to_host(t) for t in found]
-        self._copied = torch.cuda.Event() if tokens.is_cuda else None
+        self._copied = None if tokens.device.type == "cpu" else torch.Event(device=tokens.device)
         if self._copied is not None:
             self._copied.record()
 
@@ -59,7 +59,7 @@ class SampledTokens:
 
 
 def _to_host(t: Tensor) -> Tensor:
-    if not t.is_cuda:
+    if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)

@@ -35,8 +35,6 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_once: bool = False
 

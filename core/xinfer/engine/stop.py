@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
-
-class Detokenizer(Protocol):
-    def push(self, token_id: int) -> str: ...
-
-    def flush(self) -> str: ...
+from xinfer.text.detokenizer import IncrementalDetokenizer
 
 
 class TextStream:
     """Holds back the tail that could still become a stop string."""
 
-    def __init__(self, detokenizer: Detokenizer | None, stop: list[str]):
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: list[str]):
         self.detokenizer = detokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -22,12 +16,12 @@ class TextStream:
         self.emitted = 0
         self.stopped = False
 
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        """Adds a token; returns the new text safe to emit and the stop string hit, if any."""
+    def push(self, token_ids: list[int]) -> tuple[str, str | None]:
+        """Adds tokens; returns the new text safe to emit and the stop string hit, if any."""
         if self.detokenizer is None:
             return "", None
         previous = len(self.text)
-        self.text += self.detokenizer.push(token_id)
+        self.text += "".join(self.detokenizer.push(token) for token in token_ids)
         search_from = max(0, previous - self.hold)
         hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
         if hits:

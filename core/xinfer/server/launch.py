@@ -51,7 +51,12 @@ def device_of(args: argparse.Namespace) -> str:
     if args.cpu:
         return "cpu"
     if args.devices:
-        return f"cuda:{int(args.devices)}"
+        import torch
+
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None:
+            raise ValueError(f"--d {args.devices} names an accelerator, and this machine has none: run without --d")
+        return str(torch.device(accelerator.type, int(args.devices)))
     return "auto"
 
 

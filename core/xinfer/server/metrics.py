@@ -66,9 +66,8 @@ class Metrics:
     def request_done(self, handle: RequestHandle) -> None:
         self.prompt_tokens.inc(handle.num_prompt_tokens)
         self.generation_tokens.inc(handle.num_generated)
-        reasons = list(handle.finish_reasons.values())
-        for reason in reasons + ["abort"] * (len(handle.child_ids) - len(reasons)):
-            self.finished.labels(reason).inc()
+        for choice in handle.choices:
+            self.finished.labels(choice.finish_reason or "abort").inc()
         if handle.first_token_time is not None:
             self.ttft.observe(handle.first_token_time - handle.arrival)
         for latency in handle.inter_token_latencies:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from xinfer.sampling import SamplingParams
 from xinfer.server.errors import bad_request
@@ -22,15 +22,15 @@ class SamplingDefaults:
     max_tokens: int | None = None
 
 
-def choice_params(
+def request_params(
     body: SamplingFields,
     defaults: SamplingDefaults,
     num_prompt_tokens: int,
     max_model_len: int,
     token_limit: int | None,
     num_logprobs: int | None,
-) -> list[SamplingParams]:
-    """One ``SamplingParams`` per choice; choice ``i`` of a seeded request uses ``seed + i``."""
+) -> SamplingParams:
+    """The ``SamplingParams`` of a request for one prompt, its ``n`` choices included."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise bad_request(
@@ -48,9 +48,9 @@ def choice_params(
             code="context_length_exceeded",
         )
     max_tokens = token_limit or min(defaults.max_tokens or room, room)
-    seed = body.seed if body.seed is not None else defaults.seed
     try:
-        params = SamplingParams(
+        return SamplingParams(
+            n=body.n,
             temperature=_pick(body.temperature, defaults.temperature),
             top_k=_pick(body.top_k, defaults.top_k),
             top_p=_pick(body.top_p, defaults.top_p),
@@ -58,7 +58,7 @@ def choice_params(
             frequency_penalty=_pick(body.frequency_penalty, defaults.frequency_penalty),
             presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),
             repetition_penalty=_pick(body.repetition_penalty, 1.0),
-            seed=seed,
+            seed=_pick(body.seed, defaults.seed),
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             stop=body.stop_strings,
@@ -69,9 +69,6 @@ def choice_params(
         )
     except ValueError as error:
         raise bad_request(str(error)) from None
-    if seed is None:
-        return [params] * body.n
-    return [replace(params, seed=seed + i) for i in range(body.n)]
 
 
 def _pick(value, default):

@@ -59,12 +59,10 @@ class Serving:
                 code="model_not_found",
             )
 
-    async def submit(
-        self, request: Request, children: list[tuple[list[int], SamplingParams]], num_prompt_tokens: int
-    ) -> RequestHandle:
-        """Queues the choices of a request; errors become 400, 429 or 503."""
+    async def submit(self, request: Request, prompts: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
+        """Queues a request's prompts, each with its choices; errors become 400, 429 or 503."""
         try:
-            return await unless_disconnected(request, self.engine.submit(children, num_prompt_tokens))
+            return await unless_disconnected(request, self.engine.submit(prompts))
         except QueueFull as error:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(

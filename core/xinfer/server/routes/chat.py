@@ -13,7 +13,7 @@ from xinfer.server.body import parse_body
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import error_body
 from xinfer.server.logprobs import chat_logprobs
-from xinfer.server.params import choice_params
+from xinfer.server.params import request_params
 from xinfer.server.prompts import check_token_ids, encode_chat, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
@@ -49,10 +49,10 @@ async def create_chat_completion(request: Request) -> Response:
     )
     prompt = encode_chat(serving.tokenizer, text)
     check_token_ids(prompt, serving.vocab_size, "messages")
-    params = choice_params(
+    params = request_params(
         body, serving.defaults, len(prompt), serving.max_model_len, body.token_limit, body.num_logprobs
     )
-    handle = await serving.submit(request, [(prompt, p) for p in params], len(prompt))
+    handle = await serving.submit(request, [(prompt, params)])
     chat = ChatRun(serving, body, handle)
     if body.stream:
         return EngineStreamResponse(chat.events(), serving.engine, handle)
@@ -77,32 +77,19 @@ class ChatRun:
 
     def usage(self) -> Usage:
         handle = self.handle
-        return usage(handle.num_prompt_tokens, handle.num_generated, max(handle.cached_tokens.values(), default=0))
+        return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens)
 
     async def collect(self, request: Request) -> ChatCompletion:
-        n = self.body.n
-        texts, tokens, entries = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        stop_reasons: list[str | int | None] = [None] * n
-
-        async def run() -> None:
-            async for index, out in self.serving.engine.stream(self.handle):
-                texts[index] += out.text
-                tokens[index] += out.token_ids
-                entries[index] += out.logprobs
-                if out.finished:
-                    reasons[index], stop_reasons[index] = out.finish_reason, out.stop_reason
-
-        await unless_disconnected(request, run())
+        done = await unless_disconnected(request, self.serving.engine.collect(self.handle))
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=texts[i]),
-                logprobs=self.logprobs(tokens[i], entries[i]),
-                finish_reason=reasons[i],
-                stop_reason=stop_reasons[i],
+                message=AssistantMessage(content=choice.text),
+                logprobs=self.logprobs(choice.token_ids, choice.logprobs),
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
             )
-            for i in range(n)
+            for i, choice in enumerate(done)
         ]
         return ChatCompletion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
 

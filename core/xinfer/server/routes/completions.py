@@ -16,7 +16,7 @@ from xinfer.server.body import parse_body
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import error_body
 from xinfer.server.logprobs import extend_completion_logprobs
-from xinfer.server.params import choice_params
+from xinfer.server.params import request_params
 from xinfer.server.prompts import check_token_ids, encode_prompts
 from xinfer.server.protocol import CompletionRequest
 from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage, new_id, usage
@@ -32,15 +32,15 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     serving.check_model(body.model)
     prompts = encode_prompts(lambda: serving.tokenizer, body.prompt, body.add_special_tokens)
-    children = []
+    requests = []
     for i, prompt in enumerate(prompts):
         check_token_ids(prompt, serving.vocab_size, "prompt" if len(prompts) == 1 else f"prompt.{i}")
-        params = choice_params(
+        params = request_params(
             body, serving.defaults, len(prompt), serving.max_model_len, body.token_limit, body.num_logprobs
         )
-        children += [(prompt, p) for p in params]
-    handle = await serving.submit(request, children, sum(len(p) for p in prompts))
-    run = CompletionRun(serving, body, handle, prompts)
+        requests.append((prompt, params))
+    handle = await serving.submit(request, requests)
+    run = CompletionRun(serving, body, handle)
     if body.stream:
         return EngineStreamResponse(run.events(), serving.engine, handle)
     try:
@@ -50,24 +50,20 @@ async def create_completion(request: Request) -> Response:
 
 
 class CompletionRun:
-    def __init__(self, serving: Serving, body: CompletionRequest, handle: RequestHandle, prompts: list[list[int]]):
+    def __init__(self, serving: Serving, body: CompletionRequest, handle: RequestHandle):
         self.serving = serving
         self.body = body
         self.handle = handle
-        self.prompts = prompts
         self.id = new_id("cmpl")
-        num_choices = len(prompts) * body.n
+        num_choices = len(handle.choices)
         self.offsets = [0] * num_choices
         self.logprobs = [CompletionLogprobs() if body.logprobs is not None else None for _ in range(num_choices)]
-
-    def prompt_of(self, index: int) -> list[int]:
-        return self.prompts[index // self.body.n]
 
     def echo(self, index: int) -> str:
         """The prompt's text, for ``echo``; its tokens enter the logprobs without values."""
         if not self.body.echo:
             return ""
-        prompt = self.prompt_of(index)
+        prompt = self.handle.outputs[index // self.body.n].prompt_token_ids
         self.add_logprobs(index, prompt, [None] * len(prompt))
         return self.serving.tokenizer.decode(prompt, skip_special_tokens=False)
 
@@ -79,32 +75,17 @@ class CompletionRun:
             )
 
     def usage(self) -> Usage:
-        handle, n = self.handle, self.body.n
-        cached = sum(
-            max((handle.cached_tokens.get(i * n + j, 0) for j in range(n)), default=0) for i in range(len(self.prompts))
-        )
-        return usage(handle.num_prompt_tokens, handle.num_generated, cached)
+        handle = self.handle
+        return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens)
 
     async def collect(self, request: Request) -> Completion:
-        num_choices = len(self.offsets)
-        texts = [self.echo(i) for i in range(num_choices)]
-        reasons: list[str | None] = [None] * num_choices
-        stop_reasons: list[str | int | None] = [None] * num_choices
-
-        async def run() -> None:
-            async for index, out in self.serving.engine.stream(self.handle):
-                texts[index] += out.text
-                self.add_logprobs(index, out.token_ids, out.logprobs)
-                if out.finished:
-                    reasons[index], stop_reasons[index] = out.finish_reason, out.stop_reason
-
-        await unless_disconnected(request, run())
-        choices = [
-            CompletionChoice(
-                index=i, text=texts[i], logprobs=self.logprobs[i], finish_reason=reasons[i], stop_reason=stop_reasons[i]
-            )
-            for i in range(num_choices)
-        ]
+        done = await unless_disconnected(request, self.serving.engine.collect(self.handle))
+        choices = []
+        for i, choice in enumerate(done):
+            text = self.echo(i) + choice.text  # the echo's logprobs first
+            self.add_logprobs(i, choice.token_ids, choice.logprobs)
+            reasons = dict(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+            choices.append(CompletionChoice(index=i, text=text, logprobs=self.logprobs[i], **reasons))
         return Completion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None) -> str:
