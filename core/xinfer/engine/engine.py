@@ -110,7 +110,6 @@ class LLMEngine:
             self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len,
                                        shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
         self.sequences: dict[str, Sequence] = {}
-        self.streams: dict[str, TextStream] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
