@@ -1,0 +1,181 @@
+"""The plugin-author guide's example (docs/plugins.md) is real: its files, extracted from the page, are pip-installed
+from a folder outside the repository, and its architectures, op and GGUF adapter agree with references no one here
+wrote (transformers' models and activation, llama.cpp's q/k permutation)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import ArceeConfig, HeliumConfig
+
+from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import hooks
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+FILE_BLOCK = re.compile(r"^```\w+ file=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+TINY = dict(COMMON, head_dim=16)
+
+
+def guide_files() -> dict[str, str]:
+    blocks = FILE_BLOCK.findall(GUIDE.read_text())
+    names = [name for name, _ in blocks]
+    assert len(names) == len(set(names)), f"a file is shown twice in {GUIDE.name}: {names}"
+    return dict(blocks)
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The guide's plugin folder, and the environment with it installed (only it and the CPU backend loaded)."""
+    root = tmp_path_factory.mktemp("guide")
+    folder = root / "xinfer-community"
+    for name, text in guide_files().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    site = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
+         str(folder)],
+        cwd=root, check=True,
+    )  # fmt: skip
+    pythonpath = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+    return folder, {**os.environ, "PYTHONPATH": pythonpath, "XINFER_PLUGINS": "community,cpu"}
+
+
+def run(code: str, env: dict[str, str], *args: str, cwd: Path) -> dict:
+    result = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_guide_shows_every_file_of_its_plugin():
+    files = guide_files()
+    assert {"pyproject.toml", "xinfer_community/plugin.py", "tests/test_models.py"} <= set(files)
+    tree = GUIDE.read_text().split("```\nxinfer-community/\n", 1)[1].split("```", 1)[0]
+    for name in files:
+        assert Path(name).name in tree, f"{name} is missing from the guide's file tree"
+
+
+GENERATE = """
+import json, sys
+from xinfer import LLM, SamplingParams
+from xinfer.registry import plugins
+llm = LLM(model=sys.argv[1], dtype="float32", num_blocks=32)
+out = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+packages = sorted({m.split(".")[0] for m in sys.modules if m.startswith("xinfer_")})
+print(json.dumps({"tokens": out[0].outputs[0].token_ids, "packages": packages,
+                  "plugins": sorted(p.name for p in plugins())}))
+"""
+
+NEW_MODEL_TYPE = pytest.mark.skipif(
+    not hasattr(hooks, "xinfer_config_classes"), reason="the xinfer_config_classes hook is not in this core yet"
+)
+
+
+@pytest.mark.parametrize(
+    "config, model_type, architecture",
+    [
+        (HeliumConfig(**TINY, architectures=["HeliumForCausalLM"]), "helium", "HeliumForCausalLM"),
+        (ArceeConfig(**TINY, architectures=["ArceeForCausalLM"]), "arcee", "ArceeForCausalLM"),
+        pytest.param(ArceeConfig(**TINY, architectures=["ArceeForCausalLM"]), "acme", "AcmeForCausalLM",
+                     marks=NEW_MODEL_TYPE),
+    ],
+    ids=["helium", "arcee", "acme"],
+)  # fmt: skip
+def test_the_guides_architectures_give_transformers_greedy_tokens(plugin, tmp_path, config, model_type, architecture):
+    folder, env = plugin
+    hf = save_tiny_model(config, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.update(model_type=model_type, architectures=[architecture])  # acme: a model_type transformers lacks
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+
+    tokens = prompt(20)
+    got = run(GENERATE, env, str(tmp_path), json.dumps(tokens), cwd=folder.parent)
+    expected = hf.generate(torch.tensor([tokens]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert got["tokens"] == expected[0, len(tokens) :].tolist()
+    assert got["plugins"] == ["community", "cpu"]
+    assert got["packages"] == ["xinfer_community", "xinfer_cpu"], "the guide's plugin imported another plugin"
+
+
+def test_the_guides_own_tests_pass(plugin):
+    folder, env = plugin
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=folder, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 passed" in result.stdout
+
+
+OP = """
+import json
+import torch
+from transformers.activations import ACT2FN
+from xinfer import ops
+from xinfer_cpu.ops import CpuOps
+from xinfer_cuda.ops import CudaOps
+
+generator = torch.Generator().manual_seed(0)
+results = {}
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(7, 3000, generator=generator).to(dtype)
+    expected = ACT2FN["relu2"](x)
+    for backend in (CpuOps(), CudaOps()):
+        with ops.use(backend):
+            function, got = ops.get("relu2"), ops.call("relu2", x)
+        # exact, but for the kernel in bf16: within one rounding step (Triton's interpreter rounds toward zero)
+        rtol = 2**-7 if backend.name == "cuda" and dtype == torch.bfloat16 else 0
+        results[f"{backend.name} {dtype}"] = [function.__module__, torch.allclose(got, expected, rtol=rtol, atol=0)]
+print(json.dumps(results))
+"""
+
+
+def test_the_guides_op_runs_its_reference_on_the_cpu_and_its_triton_kernel_on_cuda(plugin):
+    pytest.importorskip("triton", reason="the CUDA backend's kernels need Triton")
+    folder, env = plugin
+    # CudaOps only picks the kernel; under Triton's interpreter the kernel runs on CPU tensors
+    got = run(OP, {**env, "TRITON_INTERPRET": "1", "XINFER_PLUGINS": "community"}, cwd=folder.parent)
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert got[f"cpu {dtype}"] == ["xinfer_community.ops", True]
+        assert got[f"cuda {dtype}"] == ["xinfer_community.triton_relu2", True]
+
+
+GGUF = """
+import json, sys
+import torch
+from transformers import ArceeConfig
+from xinfer.loading.gguf import gguf_adapter
+
+config = ArceeConfig(**json.loads(sys.argv[1]))
+adapter = gguf_adapter("arcee")
+torch.manual_seed(0)
+head_dim = config.head_dim
+
+
+def llama_cpp_permute(weights, n_head):  # convert_hf_to_gguf.py, LlamaModel.permute
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+checks = {}
+for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
+    hf = torch.randn(heads * head_dim, config.hidden_size)
+    hf_name = f"model.layers.0.self_attn.{name}.weight"
+    checks[name] = torch.equal(adapter.undo_conversion(hf_name, llama_cpp_permute(hf, heads), config), hf)
+up = torch.randn(config.intermediate_size, config.hidden_size)
+checks["up_proj"] = torch.equal(adapter.undo_conversion("model.layers.0.mlp.up_proj.weight", up, config), up)
+print(json.dumps({"model_type": adapter.model_type, "checks": checks}))
+"""
+
+
+def test_the_guides_gguf_adapter_undoes_llama_cpps_permutation(plugin):
+    folder, env = plugin
+    got = run(GGUF, env, json.dumps(TINY), cwd=folder.parent)
+    assert got == {"model_type": "arcee", "checks": {"q_proj": True, "k_proj": True, "up_proj": True}}
