@@ -90,3 +90,11 @@ class OpSpec:
 @hookspec
 def xinfer_ops() -> list[OpSpec]:
     """Ops this plugin provides, beyond those every backend implements (:class:`xinfer.ops.Ops`)."""
+
+
+@hookspec
+def xinfer_kv_formats() -> dict[str, str]:
+    """KV cache formats by name (``--kvcache-dtype``), as "module:attribute" strings naming a
+    :class:`xinfer.kv.KVFormat` (a key codec, a value codec and which sides are rotated; see
+    docs/kv-cache.md). Attention reads a format through the backend: a backend declares the
+    formats it has kernels for (``kv_formats``), and the plain-torch base reads any."""

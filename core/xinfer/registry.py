@@ -26,6 +26,9 @@ class PluginInfo:
     backends: list[str]
 
 
+BUILTIN = "xinfer-builtin"  # what the core registers through its own hooks (the quantized KV formats)
+
+
 def _allowed_plugins() -> set[str] | None:
     names = os.environ.get("XINFER_PLUGINS", "").strip()
     return {n.strip() for n in names.split(",") if n.strip()} or None
@@ -35,6 +38,7 @@ def make_plugin_manager(allowed: set[str] | None = None) -> pluggy.PluginManager
     """A manager with every installed plugin, or only those named in ``allowed``."""
     pm = pluggy.PluginManager(hooks.PROJECT)
     pm.add_hookspecs(hooks)
+    pm.register(importlib.import_module("xinfer.kv.builtin"), BUILTIN)
     if allowed is None:
         pm.load_setuptools_entrypoints(hooks.PROJECT)
     for name in sorted(allowed or ()):
@@ -104,3 +108,12 @@ def op_specs(pm: pluggy.PluginManager | None = None) -> dict[str, hooks.OpSpec]:
     """Plugins' ops by name (:func:`xinfer.ops.call`); the first registered wins."""
     pm = pm or plugin_manager()
     return {spec.name: spec for found in reversed(pm.hook.xinfer_ops()) for spec in found}
+
+
+def kv_formats(pm: pluggy.PluginManager | None = None) -> dict[str, Any]:
+    """KV cache formats registered through ``xinfer_kv_formats``, by name (first registered wins)."""
+    pm = pm or plugin_manager()
+    merged: dict[str, str] = {}
+    for found in reversed(pm.hook.xinfer_kv_formats()):
+        merged.update(found)
+    return {name: load_object(ref) for name, ref in merged.items()}

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from xinfer.kv import FORMATS, KVFormat, codes, get_format, hadamard
+from xinfer.kv import KVFormat, codes, formats, get_format, hadamard
 from xinfer.kv.codecs import Fp8, LloydMax, Plain, Uniform
 
 HEAD_DIMS = [64, 128, 256]
@@ -124,7 +124,7 @@ def test_lloyd_max_beats_uniform_on_rotated_keys(levels, bits):
     assert key_error(lloyd_max) < key_error(uniform)
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("name", list(formats()))
 def test_stored_tensors_match_the_declared_layout(name):
     fmt = get_format(name)
     k, v = _data(128, tokens=3, heads=2)
@@ -193,14 +193,14 @@ def test_rms_grid_beats_absmax_grid_on_rotated_keys():
 
 def test_capacity_against_bf16_in_a_fixed_budget():
     budget = 1 << 30
-    tokens = {n: budget // f.bytes_per_token(128, torch.bfloat16) for n, f in FORMATS.items()}
+    tokens = {n: budget // f.bytes_per_token(128, torch.bfloat16) for n, f in formats().items()}
     assert tokens["turbo4"] >= 3.7 * tokens["auto"]
     assert tokens["turbo3"] >= 4.2 * tokens["auto"]
     assert tokens["turbo8"] >= 2.5 * tokens["auto"] and tokens["fp8"] >= 1.9 * tokens["auto"]
 
 
 def test_bytes_per_token_table():
-    table = {n: [FORMATS[n].bytes_per_token(d) for d in HEAD_DIMS] for n in ("auto", "fp8", "turbo8", "turbo4", "turbo3")}
+    table = {n: [formats()[n].bytes_per_token(d) for d in HEAD_DIMS] for n in ("auto", "fp8", "turbo8", "turbo4", "turbo3")}
     assert table == {
         "auto": [256, 512, 1024],
         "fp8": [136, 264, 520],
@@ -225,6 +225,6 @@ def test_the_engine_option_takes_every_registered_format_and_no_other():
 
     from xinfer.config import CacheConfig
 
-    assert all(CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name for name in FORMATS)
+    assert all(CacheConfig(kv_cache_dtype=name).kv_cache_dtype == name for name in formats())
     with pytest.raises(ValidationError, match="unknown KV cache format 'fp9'"):
         CacheConfig(kv_cache_dtype="fp9")

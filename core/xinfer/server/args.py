@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from xinfer.kv.formats import FORMATS
+from xinfer.kv.formats import formats
 
 ENV_PREFIX = "XINFER_"
 DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
@@ -76,7 +76,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                           help="GPU: share of the device's total memory for weights, activations, CUDA graphs "
                           "and KV cache, which gets the rest (default: 0.9); CPU: share of the available RAM after "
                           "loading the weights for the KV cache (default: a quarter, at most 2 GiB)")
-    capacity.add_argument("--kvcache-dtype", default="auto", choices=list(FORMATS),
+    capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
                           help="KV cache format (docs/kv-cache.md); auto: the model dtype")
     capacity.add_argument("--kv-recent-window", type=int, default=0, metavar="N",
                           help="with a quantized --kvcache-dtype: keys and values of each query's last N positions "
