@@ -66,3 +66,15 @@ def xinfer_gguf_architectures() -> dict[str, str]:
     Subclass :class:`xinfer.loading.gguf.GGUFAdapter` (the identity) to override only
     what differs. An architecture without an adapter loads through the identity.
     """
+
+
+@hookspec
+def xinfer_config_classes() -> dict[str, str]:
+    """transformers config classes by ``model_type``, as "module:Class" strings, for model types transformers
+    does not know.
+
+    xinfer registers them with ``transformers.AutoConfig.register`` before it reads a model's ``config.json``
+    (or builds the config of a GGUF whose adapter names that ``model_type``), so that a new architecture needs
+    no change to transformers. The class subclasses ``transformers.PretrainedConfig`` and sets ``model_type``
+    to its key. Where transformers knows the ``model_type``, its own class is used.
+    """
