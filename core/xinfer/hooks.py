@@ -98,3 +98,15 @@ def xinfer_kv_formats() -> dict[str, str]:
     :class:`xinfer.kv.KVFormat` (a key codec, a value codec and which sides are rotated; see
     docs/kv-cache.md). Attention reads a format through the backend: a backend declares the
     formats it has kernels for (``kv_formats``), and the plain-torch base reads any."""
+
+
+@hookspec
+def xinfer_config_classes() -> dict[str, str]:
+    """transformers config classes by ``model_type``, as "module:Class" strings, for model types transformers
+    does not know.
+
+    xinfer registers them with ``transformers.AutoConfig.register`` before it reads a model's ``config.json``
+    (or builds the config of a GGUF whose adapter names that ``model_type``), so that a new architecture needs
+    no change to transformers. The class subclasses ``transformers.PretrainedConfig`` and sets ``model_type``
+    to its key. Where transformers knows the ``model_type``, its own class is used.
+    """

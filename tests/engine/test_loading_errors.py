@@ -51,3 +51,95 @@ def test_dummy_weights_need_no_checkpoint(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", load_format="dummy", num_blocks=32)
     weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
     assert weight.std() > 0.01  # random, never zeros
+
+
+# ---- bad files: one line naming the file and what is wrong ---------------------------------------------------
+
+
+def _truncated_gguf(tmp_path, keep: float | int):
+    from tests.loading.gguf_models import SMOLLM, gguf_path
+
+    source = gguf_path(SMOLLM)
+    data = source.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    return path, len(data)
+
+
+def test_a_truncated_gguf_says_how_much_of_it_is_there(tmp_path):
+    from xinfer.loading.errors import amount
+    from xinfer.loading.gguf_file import GGUFFile, GGUFFormatError
+
+    path, full = _truncated_gguf(tmp_path, 0.5)
+    with pytest.raises(GGUFFormatError) as error:
+        GGUFFile(path)
+    held = path.stat().st_size
+    assert str(error.value) == f"{path}: truncated: {amount(held)} of the {amount(full)} the header promises"
+
+
+def test_a_gguf_cut_inside_its_header_says_so(tmp_path):
+    from xinfer.loading.gguf_file import GGUFFile, GGUFFormatError
+
+    path, _ = _truncated_gguf(tmp_path, 1000)
+    with pytest.raises(GGUFFormatError, match="truncated: 1,000 bytes end inside the header"):
+        GGUFFile(path)
+
+
+def _bad_model(tmp_path, kind: str):
+    if kind == "truncated gguf":
+        return _truncated_gguf(tmp_path, 0.5)[0], "truncated: "
+    if kind == "empty gguf":
+        (tmp_path / "empty.gguf").write_bytes(b"")
+        return tmp_path / "empty.gguf", "empty file (0 bytes)"
+    if kind == "not a gguf":
+        (tmp_path / "text.gguf").write_text("hello, world\n")
+        return tmp_path / "text.gguf", "is not a GGUF file"
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    config = tmp_path / "config.json"
+    if kind == "invalid config.json":
+        config.write_text(config.read_text()[:-20])
+        return tmp_path, "config.json: not valid JSON"
+    fields = json.loads(config.read_text())
+    if kind == "unknown model_type":
+        fields["model_type"] = "no-such-type"
+        config.write_text(json.dumps(fields))
+        return tmp_path, "model_type 'no-such-type' is known neither to transformers"
+    fields["architectures"] = ["NoSuchForCausalLM"]
+    config.write_text(json.dumps(fields))
+    return tmp_path, "unknown architecture 'NoSuchForCausalLM'"
+
+
+BAD = ["truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture"]
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_a_bad_model_is_one_line_naming_the_file(tmp_path, kind):
+    from xinfer.loading.loader import check_model
+
+    path, what = _bad_model(tmp_path, kind)
+    with pytest.raises(ValueError) as error:
+        check_model(path)
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message and what in message
+
+
+def _xinfer(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from xinfer.cli import main; sys.exit(main())"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XINFER_CPU": "1"})  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, mode", [("truncated gguf", "--i"), ("invalid config.json", "serve")])
+def test_the_command_line_says_it_in_one_line_and_the_traceback_at_log_debug(tmp_path, kind, mode):
+    path, what = _bad_model(tmp_path, kind)
+    flags = ["--m", str(path)] + (["--i"] if mode == "--i" else ["--port", "0"])
+    result = _xinfer(*flags)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"xinfer: {path}") and what in line
+    debug = _xinfer(*flags, "--log", "debug")
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr and what in debug.stderr

@@ -28,15 +28,15 @@ def xinfer_kv_formats():
 
 @pytest.fixture
 def with_format(monkeypatch):
-    manager = registry.make_plugin_manager({"cpu", "llama"})
-    manager.register(sys.modules[__name__], name="plain-fp8")
-    monkeypatch.setattr(registry, "plugin_manager", lambda: manager)
+    found = registry.discover(["cpu", "llama"], modules={"plain-fp8": sys.modules[__name__]})
+    monkeypatch.setattr(registry, "discovery", lambda: found)
 
 
-def test_the_built_in_formats_come_through_the_hook():
-    manager = registry.make_plugin_manager(set())  # no installed plugin: the core's own
-    assert set(registry.kv_formats(manager)) == {"fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"}
-    assert registry.BUILTIN in dict(manager.list_name_plugin())
+def test_the_built_in_formats_come_through_the_hook(monkeypatch):
+    found = registry.discover([])  # no installed plugin: the core's own
+    monkeypatch.setattr(registry, "discovery", lambda: found)
+    assert set(registry.kv_formats()) == {"fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"}
+    assert registry.BUILTIN in dict(found.manager.list_name_plugin())
 
 
 def test_a_plugin_format_is_an_engine_option_and_runs_on_the_cpu(with_format, tmp_path):

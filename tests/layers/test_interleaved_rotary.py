@@ -62,12 +62,10 @@ class GlmPlugin:
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("glm")
     hf = save_tiny_model(glm_config(), folder)
-    pm = registry.plugin_manager()
-    pm.register(GlmPlugin(), name="glm-test")
-    try:
+    found = registry.discover(["cpu"], modules={"glm-test": GlmPlugin()})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "discovery", lambda: found)
         yield hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
-    finally:
-        pm.unregister(name="glm-test")
 
 
 @pytest.mark.parametrize("length", (3, 17, 61))

@@ -18,6 +18,7 @@ PARAGRAPH = (
 )
 PROMPTS = ["Once upon a time,", "The three primary colors are", "def fibonacci(n):"]
 MAX_RELATIVE_LOGIT_ERROR = 1e-4  # observed about 1e-6: the same dequantized weights in fp32
+MAX_NEAR_TIE_NATS = 0.5  # llama.cpp's 8-bit activations move a token by up to 0.18 nats (measured)
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -38,7 +39,11 @@ def test_logits_match_transformers_at_every_position(model):
     assert error <= MAX_RELATIVE_LOGIT_ERROR, f"max|diff|/max|HF logit| = {error:.2e} (worst position)"
 
 
-def test_greedy_tokens_match_llama_cpp(model):
+def test_llama_cpp_greedy_tokens_are_our_first_choices(model):
+    """llama.cpp's greedy continuation, fed back through xinfer: each token it picks is the one we rank first, or
+    a near-tie with it. llama.cpp multiplies quantized weights with activations quantized to 8 bits, so its logits
+    differ from these fp32 ones by a few percent (measured: 3 to 7 % of the largest logit) and a near-tie can go
+    either way (measured: up to 0.18 nats apart); a wrong weight puts its tokens nats below ours."""
     name, llm = model
     try:
         import llama_cpp
@@ -50,5 +55,7 @@ def test_greedy_tokens_match_llama_cpp(model):
         assert ids == reference.tokenize(prompt.encode(), add_bos=llm.tokenizer.bos_token_id in ids[:1])
         reference.reset()
         theirs = list(itertools.islice(reference.generate(ids, top_k=1, temp=0.0), 32))
-        ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
-        assert ours.outputs[0].token_ids[:16] == theirs[:16], prompt
+        logprobs = torch.log_softmax(prefill_logits(llm.engine, ids + theirs).float(), -1)[len(ids) - 1 : -1]
+        gaps = logprobs.max(-1).values - logprobs[torch.arange(len(theirs)), torch.tensor(theirs)]
+        assert gaps.max() <= MAX_NEAR_TIE_NATS, f"{prompt!r}: llama.cpp's token {int(gaps.argmax())} is " \
+            f"{gaps.max():.2f} nats below our first choice"

@@ -43,9 +43,8 @@ def xinfer_backends():
 
 @pytest.fixture
 def with_nowindow(monkeypatch):
-    manager = registry.make_plugin_manager({"cpu"})
-    manager.register(sys.modules[__name__], name="nowindow")
-    monkeypatch.setattr(registry, "plugin_manager", lambda: manager)
+    found = registry.discover(["cpu"], modules={"nowindow": sys.modules[__name__]})
+    monkeypatch.setattr(registry, "discovery", lambda: found)
 
 
 @pytest.mark.parametrize(

@@ -61,9 +61,8 @@ def xinfer_ops():
 
 @pytest.fixture(autouse=True)
 def plugin(monkeypatch):
-    manager = registry.make_plugin_manager(set())
-    manager.register(sys.modules[__name__], name="fused")
-    monkeypatch.setattr(registry, "plugin_manager", lambda: manager)
+    found = registry.discover([], modules={"fused": sys.modules[__name__]})
+    monkeypatch.setattr(registry, "discovery", lambda: found)
     RAN.clear()
 
 

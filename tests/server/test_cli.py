@@ -55,7 +55,21 @@ def test_plugins_lists_name_version_hooks_and_registrations():
     result = xinfer("plugins")
     assert result.returncode == 0
     assert "llama" in result.stdout and "hooks: xinfer_architectures" in result.stdout
-    assert "LlamaForCausalLM" in result.stdout and "backends: cpu" in result.stdout
+    assert "LlamaForCausalLM" in result.stdout and "GGUF architectures: llama, phi3" in result.stdout
+    assert "backends: cpu (available)" in result.stdout
+    import torch
+
+    cuda = "available" if torch.cuda.is_available() else "unavailable"
+    assert f"backends: cuda ({cuda})" in result.stdout
+
+
+def test_plugins_json_into_a_closed_pipe_ends_quietly():
+    code = "import sys; from xinfer.cli import main; sys.exit(main())"
+    reader_gone = subprocess.Popen([sys.executable, "-c", code, "plugins", "--json"], cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    reader_gone.stdout.close()  # as `| head` does once it has its lines, here before the first one
+    assert reader_gone.wait(timeout=120) == 0
+    assert reader_gone.stderr.read() == b""
 
 
 def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):

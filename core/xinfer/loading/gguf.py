@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from xinfer import registry
+from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,10 @@ class GGUFAdapter:
 
 def gguf_adapter(architecture: str) -> GGUFArchitecture:
     """The adapter a plugin registered for ``architecture``, else the identity."""
-    merged: dict[str, str] = {}
-    for found in reversed(registry.plugin_manager().hook.xinfer_gguf_architectures()):
-        merged.update(found)  # the first plugin registered wins
-    if architecture not in merged:
+    adapters = registry.gguf_architectures()
+    if architecture not in adapters:
         return GGUFAdapter()
-    adapter = registry.load_object(merged[architecture])
+    adapter = registry.load_registered(adapters[architecture])
     return adapter() if isinstance(adapter, type) else adapter
 
 
@@ -88,6 +87,7 @@ def _open(path: str | Path | GGUFFile) -> GGUFFile:
 
 
 def load_gguf_config(path: str | Path | GGUFFile) -> PretrainedConfig:
+    registry.register_config_classes()
     file = _open(path)
     meta, arch = file.metadata, file.architecture
     adapter = gguf_adapter(arch)
@@ -104,7 +104,8 @@ def load_gguf_config(path: str | Path | GGUFFile) -> PretrainedConfig:
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
     fields.update(adapter.config(meta, fields))
     model_type = adapter.model_type or arch
-    fields.setdefault("architectures", [_causal_lm_class(model_type)])
+    if "architectures" not in fields:
+        fields["architectures"] = [_causal_lm_class(model_type, file.path)]
     return AutoConfig.for_model(model_type, **fields)
 
 
@@ -126,11 +127,14 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _causal_lm_class(model_type: str) -> str:
+def _causal_lm_class(model_type: str, path: Path) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"transformers knows no causal LM of model_type {model_type!r}")
+        raise ModelFileError(
+            f"{path}: transformers knows no causal LM of model_type {model_type!r} and no plugin adapts the GGUF "
+            f"architecture (a plugin names its class in the adapter's config(): 'architectures')"
+        )
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 

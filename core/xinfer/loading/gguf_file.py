@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from xinfer.loading.errors import ModelFileError, amount
+
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -36,8 +38,12 @@ _SCALARS: dict[int, tuple[str, np.dtype]] = {
 _STRING, _ARRAY = 8, 9
 
 
-class GGUFFormatError(ValueError):
+class GGUFFormatError(ModelFileError):
     pass
+
+
+class _HeaderEnds(Exception):
+    """The file ends inside its own header."""
 
 
 @dataclass(frozen=True)
@@ -53,16 +59,20 @@ class _Cursor:
     def __init__(self, buf: mmap.mmap, pos: int = 0):
         self.buf, self.pos = buf, pos
 
+    def take(self, n: int) -> int:
+        """Moves past ``n`` bytes; returns where they start."""
+        start, self.pos = self.pos, self.pos + n
+        if self.pos > len(self.buf):
+            raise _HeaderEnds
+        return start
+
     def unpack(self, fmt: str) -> Any:
-        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
-        return value
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
         n = self.unpack("<Q")
-        raw = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        start = self.take(n)
+        return self.buf[start : self.pos].decode("utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
@@ -77,9 +87,7 @@ class _Cursor:
         etype, count = self.unpack("<I"), self.unpack("<Q")
         if etype in _SCALARS:
             dtype = _SCALARS[etype][1]
-            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
-            self.pos += count * dtype.itemsize
-            return values
+            return np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.take(count * dtype.itemsize)).copy()
         return [self.value(etype) for _ in range(count)]
 
 
@@ -88,12 +96,23 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        size = self.path.stat().st_size
+        if size == 0:
+            raise GGUFFormatError(f"{self.path}: empty file (0 bytes)")
         with open(self.path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        cur = _Cursor(self._mmap)
         if self._mmap[:4] != _MAGIC:
-            raise GGUFFormatError(f"{self.path} is not a GGUF file")
-        cur.pos = 4
+            raise GGUFFormatError(f"{self.path} is not a GGUF file (it does not start with {_MAGIC!r})")
+        cur = _Cursor(self._mmap, len(_MAGIC))
+        try:
+            self._read_header(cur)
+        except _HeaderEnds:
+            raise GGUFFormatError(f"{self.path}: truncated: {amount(size)} end inside the header") from None
+        end = max((info.offset + info.nbytes for info in self.tensors.values()), default=size)
+        if end > size:
+            raise GGUFFormatError(f"{self.path}: truncated: {amount(size)} of the {amount(end)} the header promises")
+
+    def _read_header(self, cur: _Cursor) -> None:
         self.version = cur.unpack("<I")
         if self.version not in (2, 3):
             raise GGUFFormatError(f"{self.path}: unsupported GGUF version {self.version}")
@@ -121,6 +140,8 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
+        if "general.architecture" not in self.metadata:
+            raise GGUFFormatError(f"{self.path}: the metadata names no general.architecture")
         return self.metadata["general.architecture"]
 
     def raw(self, name: str) -> np.ndarray:

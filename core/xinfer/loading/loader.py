@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable
 
 import torch
+import transformers
 from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
+from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.safetensors import iter_safetensors
 from xinfer.model import CausalLM
@@ -18,8 +22,40 @@ from xinfer.model import CausalLM
 def load_config(path: Path) -> PretrainedConfig:
     if path.suffix == ".gguf":
         return load_gguf_config(path)
-    config = AutoConfig.from_pretrained(path)
+    config = _hf_config(path)
     return getattr(config, "text_config", None) if _is_wrapper(config) else config
+
+
+def _hf_config(folder: Path) -> PretrainedConfig:
+    registry.register_config_classes()
+    file = folder / "config.json"
+    try:
+        fields = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelFileError(f"{file}: not valid JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise ModelFileError(f"{file}: not a JSON object")
+    model_type = fields.get("model_type")
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        raise ModelFileError(
+            f"{file}: model_type {model_type!r} is known neither to transformers {transformers.__version__} nor to "
+            f"an installed plugin (a plugin adds one with the xinfer_config_classes hook)"
+        )
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, TypeError) as error:
+        raise ModelFileError(f"{file}: {first_line(error)}") from error
+
+
+def check_model(path: Path) -> PretrainedConfig:
+    """The model's config, and its architecture found: everything short of the weights, so that a bad model
+    fails in one line before anything starts."""
+    config = load_config(path)
+    try:
+        registry.model_class(architecture_of(config))
+    except ValueError as error:
+        raise type(error)(f"{path}: {error}") from error
+    return config
 
 
 def _is_wrapper(config: PretrainedConfig) -> bool:
@@ -29,7 +65,7 @@ def _is_wrapper(config: PretrainedConfig) -> bool:
 def architecture_of(config: PretrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
-        raise ValueError("the model config names no architecture (config.json lacks 'architectures')")
+        raise ModelFileError("the model config names no architecture (config.json lacks 'architectures')")
     return architectures[0]
 
 

@@ -51,9 +51,12 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     )
     model = p.add_argument_group("model")
     model.add_argument("--m", "--model", dest="model", metavar="ID_OR_PATH",
-                       help="HF model folder, GGUF file, or folder holding one (default: embedded SmolLM2)")
+                       help="Hugging Face hub id (org/name: downloaded into the hub's cache, HF_TOKEN and "
+                       "HF_HUB_OFFLINE apply), HF model folder, GGUF file, or folder holding one "
+                       "(default: embedded SmolLM2)")
     model.add_argument("--w", dest="weights", metavar="PATH", help="local safetensors folder")
-    model.add_argument("--f", dest="gguf_file", metavar="FILE", help="GGUF file (or a file inside the --m folder)")
+    model.add_argument("--f", dest="gguf_file", metavar="FILE",
+                       help="GGUF file, or the one to use of those in the --m folder or hub repository")
     model.add_argument("--served-model-name", metavar="NAME", help="model name in the API (default: from the path)")
     model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
                        help="auto (the model's, f32 on CPU), bf16, f16, f32")
@@ -106,7 +109,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20, help="larger request bodies get 413")
     serving.add_argument("--health-stall-timeout", type=_at_least(float, 0), default=300.0,
                          help="a step running longer makes /health answer 503")
-    serving.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log detail")
+    serving.add_argument("--log-level", "--log", default="info", choices=["debug", "info", "warning", "error"],
+                         help="log detail (debug: with the traceback of an error)")
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
     chat = p.add_argument_group("terminal")

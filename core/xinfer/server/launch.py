@@ -35,16 +35,27 @@ STREAM_FLUSH_SECONDS = 2.0
 
 
 def model_source(args: argparse.Namespace) -> str | None:
-    """What ``--w``, ``--f`` and ``--m`` name, before resolution (None: the default model)."""
-    if args.gguf_file and args.model and not Path(args.gguf_file).is_absolute():
-        return str(Path(args.model) / args.gguf_file)
-    return args.gguf_file or args.weights or args.model
+    """What ``--w`` or ``--m`` names, before resolution (None: ``--f`` alone, or the default model)."""
+    return args.weights or args.model
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
+    """The model's local path (downloaded first if ``--m`` is a hub id), its config and architecture checked:
+    a bad model fails here in one line (its traceback at ``--log debug``), before anything starts."""
+    from xinfer.loading.loader import check_model
     from xinfer.loading.resolve import resolve_model_path
 
-    return Path(resolve_model_path(model_source(args)))
+    try:
+        path = resolve_model_path(model_source(args), args.gguf_file)
+        check_model(path)
+    except (ValueError, FileNotFoundError):
+        log.debug("the model cannot be loaded", exc_info=True)
+        raise
+    return path
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def device_of(args: argparse.Namespace) -> str:
@@ -81,9 +92,9 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
 
 def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[str]]:
     """The model's name in the API, and other names requests may use for it."""
-    source = model_source(args)
+    source = model_source(args) or args.gguf_file
     name = args.served_model_name or source or path.stem
-    aliases = {n for n in (source, args.model, str(path), path.name, path.stem) if n}
+    aliases = {n for n in (source, args.model, args.gguf_file, str(path), path.name, path.stem) if n}
     return name, frozenset(aliases - {name})
 
 
@@ -195,7 +206,7 @@ async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args)
     try:
         path = resolve_model(args)
         engine_config(args, path)  # bad values fail here, in one line, before any port opens
