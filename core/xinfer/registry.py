@@ -250,6 +250,8 @@ def plugins() -> list[PluginInfo]:
     found = discovery()
     infos = []
     for name, plugin in found.manager.list_name_plugin():
+        if name == BUILTIN:
+            continue  # the core's own, not a plugin
         registered = {hook: sorted(n for n, r in found.tables[hook].items() if any(x.plugin == name for x in r))
                       for hook in NAMED_HOOKS}  # fmt: skip
         specs = plugin.xinfer_backends() if hasattr(plugin, "xinfer_backends") else []
