@@ -108,7 +108,8 @@ def discover(
     for entry_point in importlib.metadata.entry_points(group=hooks.PROJECT):
         entry_points.setdefault(entry_point.name, entry_point)
     for name in sorted(set(allowed or ()) - set(entry_points)):
-        log.warning("XINFER_PLUGINS names %r, which is not installed (installed: %s)", name, ", ".join(sorted(entry_points)))
+        log.warning("XINFER_PLUGINS names %r, which is not installed (installed: %s)",
+                    name, ", ".join(sorted(entry_points)))  # fmt: skip
     if allowed is not None:
         entry_points = {name: ep for name, ep in entry_points.items() if name in allowed}
 
@@ -161,7 +162,7 @@ def _warn_conflicts(found: Discovery, preferred: list[str]) -> None:
                 continue
             winner, others = registrations[0].plugin, [r.plugin for r in registrations[1:]]
             report = log.info if winner in preferred else log.warning
-            report("%s %r is registered by plugins %r and %s: %r's is used (XINFER_PREFER=%s would pick %r's)",
+            report("%s %r is registered by plugins %r and %s; plugin %r wins (XINFER_PREFER=%s would choose %r)",
                    kind, name, winner, " and ".join(map(repr, others)), winner, others[0], others[0])  # fmt: skip
 
 

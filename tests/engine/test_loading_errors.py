@@ -109,7 +109,9 @@ def _bad_model(tmp_path, kind: str):
     return tmp_path, "unknown architecture 'NoSuchForCausalLM'"
 
 
-BAD = ["truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture"]
+BAD = [
+    "truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", BAD)
