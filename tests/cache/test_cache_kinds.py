@@ -176,7 +176,7 @@ class TokenMemory(nn.Module):
             context = meta.seq_lens[b].item()
             blocks = meta.block_tables[b, : -(-context // block_size)].long()
             vectors = self.cache[blocks].flatten(0, 1)[:context]
-            means = vectors.cumsum(0) / torch.arange(1, context + 1).unsqueeze(1)
+            means = vectors.cumsum(0) / torch.arange(1, context + 1, device=x.device).unsqueeze(1)
             out[start:end] = means[context - (end - start) :]
         return out
 
@@ -196,7 +196,7 @@ class RunningSum(nn.Module):
         out = torch.empty_like(x)
         for b, (start, end) in enumerate(zip(meta.cu_seqlens_q.tolist(), meta.cu_seqlens_q[1:].tolist())):
             first = meta.seq_lens[b].item() == end - start  # the sequence's first step: a fresh state
-            before = torch.zeros(self.width) if first else state[slots[b]]
+            before = torch.zeros(self.width, device=x.device) if first else state[slots[b]]
             sums = before + x[start:end].cumsum(0)
             out[start:end] = sums
             state[slots[b]] = sums[-1]
