@@ -41,7 +41,7 @@ def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device
     for the requested device type (any device type for ``auto``)."""
     specs = registry.backends()
     if not specs:
-        raise RuntimeError("no backend plugin is installed (pip install xinfer-cpu)")
+        raise RuntimeError("no backend plugin is installed (from xinfer's repository: pip install ./backends/cpu)")
     wanted = None if config.device == "auto" else torch.device(config.device)
     if config.backend is not None:
         candidates = [s for s in specs if s.name == config.backend]

@@ -22,6 +22,7 @@ import torch
 
 from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
+from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
@@ -250,7 +251,8 @@ class AsyncEngine:
             self.engine = self.factory()
             self.processor = OutputProcessor(self.engine)
         except BaseException as error:  # noqa: BLE001 - reported through /health
-            log.exception("loading the model failed")
+            log.error("loading the model failed: %s: %s", type(error).__name__, first_line(error))
+            log.debug("loading the model failed", exc_info=True)  # the traceback with --log debug
             self._die(f"loading failed: {error}")
             self._loaded.set()
             return
