@@ -18,6 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from shapes import shape_folder  # noqa: E402
+
 ROOT = HERE.parent
 PY = sys.executable
 

@@ -44,9 +44,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
@@ -100,9 +100,9 @@ def _rand(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[Case]:
     el = torch.tensor([], dtype=dtype).element_size()
     cos_sin = _rand(s.max_pos, s.head_dim, dtype=torch.float32, device=device)  # one per model
+    h, i = s.hidden, s.intermediate
     cases = []
     for t in s.row_tokens:
-        h, i = s.hidden, s.intermediate
 
         def norm(t=t):
             x, w = _rand(t, h, dtype=dtype, device=device), _rand(h, dtype=dtype, device=device)

@@ -24,8 +24,8 @@ import time
 import torch
 
 from xinfer import LLM, SamplingParams, ops
-from xinfer.engine.block_manager import BlockManager
 from xinfer.cache.allocate import allocate_kv_cache, attention_layers
+from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence

@@ -131,6 +131,7 @@ def time_step_kinds(llm: LLM) -> list[tuple[tuple[str, int], int, Callable[[], f
     sampling; the engine does not wait for it), by kind and by the token count of the
     captured shape replayed (0: eager): [((kind, bucket), tokens, seconds)]."""
     import torch
+
     from xinfer_cuda.static_step import pick_bucket  # the CUDA backend's shapes; --profile is a GPU tool
 
     runner, records = llm.engine.runner, []
@@ -164,7 +165,7 @@ class Stamp:
     def record(self) -> None:
         self.t = time.perf_counter()
 
-    def elapsed_time(self, end: "Stamp") -> float:
+    def elapsed_time(self, end: Stamp) -> float:
         return (end.t - self.t) * 1e3
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from xinfer.config import EngineConfig
 from xinfer.engine.engine import LLMEngine
@@ -12,7 +13,7 @@ from xinfer.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
-Prompt = Union[str, list[int], dict[str, Any]]
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:

@@ -15,7 +15,8 @@ import argparse
 import itertools
 import sys
 import time
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import OutputProcessor

@@ -93,7 +93,7 @@ class EngineConfig(_Config):
     device: DeviceConfig = DeviceConfig()
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from flat keyword arguments (``dtype=..., block_size=...``)."""
         groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
         values: dict[str, dict] = {name: {} for name in groups}

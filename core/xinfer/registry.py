@@ -188,7 +188,7 @@ def load_registered(registered: Registered) -> Any:
     """What a plugin registered, imported; a failure names the plugin."""
     try:
         return load_object(registered.ref)
-    except Exception as error:  # noqa: BLE001 - whatever the plugin's import raised
+    except Exception as error:  # whatever the plugin's import raised
         raise PluginError(
             f"plugin {registered.plugin!r} registers {registered.ref}, which cannot be loaded: "
             f"{type(error).__name__}: {first_line(error)}"

@@ -15,7 +15,6 @@ from xinfer import LLM, SamplingParams, registry
 from xinfer.cache.block_pool import NO_BLOCK, BlockPool
 from xinfer.cache.manager import CacheManager
 from xinfer.cache.specs import AttentionSpec, RecurrentStateSpec, TokenVectorSpec, page_groups
-from xinfer.engine import engine as engine_module
 from xinfer.engine import memory_plan
 from xinfer.engine.memory_plan import blocks_kept, split_budget
 from xinfer.engine.sequence import Sequence

@@ -1,5 +1,7 @@
 """Continuous batching, preemption, prefix caching and bad input on a tiny Llama."""
 
+import itertools
+
 import pytest
 from transformers import LlamaConfig
 
@@ -136,7 +138,7 @@ def test_the_host_reads_a_step_back_after_launching_the_next(llm, monkeypatch):
     assert llm.generate([PROMPTS[3]], params)[0].outputs[0].token_ids == alone
     launches = [key for kind, key in events if kind == "launch"]
     assert len(launches) == 6
-    for step, following in zip(launches, launches[1:]):
+    for step, following in itertools.pairwise(launches):
         assert events.index(("launch", following)) < events.index(("read", step))
 
 

@@ -9,13 +9,13 @@ from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer.cache.allocate import attention_layers, bytes_per_block
 from xinfer.engine import engine as engine_module
 from xinfer.engine import memory_plan
-from xinfer.cache.allocate import attention_layers, bytes_per_block
 from xinfer.engine.memory_plan import (
-    GiB,
     MAX_NUM_SEQS_CAP,
     DeviceProfile,
+    GiB,
     derive_max_num_seqs,
     kv_budget,
     profile_batch,

@@ -13,8 +13,8 @@ from tests.loading.gguf_models import MODELS, gguf_path, hf_model
 from tests.tiny_models import prefill_logits, prompt
 from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
-from xinfer.loading.loader import build_model
 from xinfer.loading.gguf_file import GGUFFile
+from xinfer.loading.loader import build_model
 
 # fields whose value says where a file came from or how it was loaded, not what the model is
 _PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",

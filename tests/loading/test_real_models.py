@@ -8,7 +8,7 @@ import torch
 
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model
 from tests.tiny_models import prefill_logits
-from xinfer import LLM, SamplingParams
+from xinfer import LLM
 
 PARAGRAPH = (
     "The river wound slowly through the valley, past old stone bridges and fields of wheat. "

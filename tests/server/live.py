@@ -33,12 +33,12 @@ class LiveServer:
         self.log_path = REPO / "test-output" / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self.log_path.parent.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "xinfer.server", "--host", "127.0.0.1", "--port", str(self.port), *self.flags]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -52,14 +52,16 @@ def test_dropped_streams_free_their_kv_blocks(server, client, model):
     async def open_and_drop(i: int):
         body = {"model": model, "messages": [{"role": "user", "content": f"Tell a long story number {i}."}],
                 "max_tokens": 900, "stream": True, "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=120, headers=server.headers) as http:
-            async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                seen = 0
-                async for line in response.aiter_lines():
-                    seen += line.startswith("data:")
-                    if seen >= 3:
-                        return True  # leaving the block closes the connection mid-stream
+        async with (
+            httpx.AsyncClient(timeout=120, headers=server.headers) as http,
+            http.stream("POST", server.url + "/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data:")
+                if seen >= 3:
+                    return True  # leaving the block closes the connection mid-stream
 
     async def run():
         return await asyncio.gather(*(open_and_drop(i) for i in range(20)))

@@ -137,7 +137,7 @@ def server():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     port = _free_port_pair()
     log_path = OUT_DIR / "server.log"
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes it until the fixture ends
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "xinfer.server", "--ui-server", "--port", str(port)]
     cmd += shlex.split(os.environ.get("XINFER_UI_TEST_SERVER_ARGS", ""))

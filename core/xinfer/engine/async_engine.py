@@ -15,8 +15,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import torch
 
@@ -115,9 +116,9 @@ class AsyncEngine:
 
     def health(self) -> tuple[bool, str]:
         """(healthy, status word); a step running longer than ``stall_timeout`` counts as stuck."""
-        if self.state is EngineState.READY and self._step_started is not None:
-            if time.monotonic() - self._step_started > self.stall_timeout:
-                return False, "stalled"
+        started = self._step_started
+        if self.state is EngineState.READY and started is not None and time.monotonic() - started > self.stall_timeout:
+            return False, "stalled"
         return self.state is EngineState.READY, self.state.value
 
     def begin_drain(self) -> None:
@@ -249,7 +250,7 @@ class AsyncEngine:
         try:
             self.engine = self.factory()
             self.processor = OutputProcessor(self.engine)
-        except BaseException as error:  # noqa: BLE001 - reported through /health
+        except BaseException as error:  # reported through /health
             log.exception("loading the model failed")
             self._die(f"loading failed: {error}")
             self._loaded.set()
@@ -259,7 +260,7 @@ class AsyncEngine:
         self._loaded.set()
         try:
             self._loop()
-        except BaseException as error:  # noqa: BLE001
+        except BaseException as error:
             log.exception("the engine loop died")
             self._die(f"{type(error).__name__}: {error}")
 

@@ -30,7 +30,15 @@ CALIBRATION_TOKENS = 512
 def calibration_text() -> str:
     """English prose that ships with Python and is not the quality benchmark's text:
     the docstrings of a few standard-library modules."""
-    import argparse, collections, json, logging, pathlib, subprocess, threading, typing, unittest  # noqa: E401
+    import argparse
+    import collections
+    import json
+    import logging
+    import pathlib
+    import subprocess
+    import threading
+    import typing
+    import unittest
 
     modules = (argparse, collections, typing, json, logging, unittest, subprocess, threading, pathlib)
     return "\n\n".join(m.__doc__ for m in modules if m.__doc__)

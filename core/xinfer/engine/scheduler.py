@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from xinfer.config import SchedulerConfig
 from xinfer.cache.manager import CacheManager
+from xinfer.config import SchedulerConfig
 from xinfer.engine.sequence import Sequence, Status
 
 

@@ -15,8 +15,9 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import uvicorn
 

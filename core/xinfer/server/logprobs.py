@@ -6,7 +6,7 @@ and the top-N alternatives.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from xinfer.server.responses import CompletionLogprobs, TokenLogprob, TopLogprob
 

@@ -18,8 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,16 @@ from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
-    CODE_PLAIN, CODE_UNIFORM, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
+    CODE_PLAIN,
+    CODE_UNIFORM,
+    LLOYD,
+    PLAIN,
+    Side,
+    decode_method,
+    half_columns,
+    load_scale,
+    load_stored,
+    side,
 )
 from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.kv.codecs import Codec, Fp8, GAUSSIAN_LEVELS, LloydMax, Plain, Uniform
+from xinfer.kv.codecs import GAUSSIAN_LEVELS, Codec, Fp8, LloydMax, Plain, Uniform
 from xinfer.kv.codes import FP8_MAX, TINY
 
 PLAIN, FP8, UNIFORM, LLOYD = range(4)

@@ -5,7 +5,7 @@ Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as in OpenAI's API.
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response

@@ -43,7 +43,7 @@ _SECURITY_HEADERS = {
 }
 
 
-def mount_ui(app: "fastapi.FastAPI", api_key: str | None) -> None:
+def mount_ui(app: fastapi.FastAPI, api_key: str | None) -> None:
     """Serve the chat UI from *app*: ``/``, ``/ui/static/*`` and ``/ui/config.json``."""
     from fastapi.responses import FileResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
