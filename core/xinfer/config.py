@@ -95,7 +95,9 @@ class EngineConfig(_Config):
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from flat keyword arguments (``dtype=..., block_size=...``)."""
-        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        groups: dict[str, type[BaseModel]] = {
+            "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig
+        }
         values: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.model_fields), None)

@@ -52,9 +52,10 @@ class SampledTokens:
             chosen, *top = found
             for row, n in enumerate(self.num_top):
                 if n is not None:
-                    logprobs[row] = {token_ids[row]: chosen[row]}
+                    entry = {token_ids[row]: chosen[row]}
                     if n:
-                        logprobs[row].update(zip(top[0][row][:n], top[1][row][:n]))
+                        entry.update(zip(top[0][row][:n], top[1][row][:n]))
+                    logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
 

@@ -85,6 +85,8 @@ def pairs_to_halves(rows: Tensor, num_heads: int, rotary_dim: int | None = None)
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin: Tensor
+
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
         rope_type = params["rope_type"]

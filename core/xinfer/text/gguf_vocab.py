@@ -89,7 +89,7 @@ def _vocab(tokens: Sequence[str]) -> dict[str, int]:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
     tok = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=False))
     splits = _PRE_SPLITS.get(pre or "default")
     if splits is None:

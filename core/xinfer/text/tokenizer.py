@@ -79,7 +79,7 @@ class Tokenizer:
         types = meta.get("tokenizer.ggml.token_type")
         end_of_turn = {i for i, t in enumerate(tokens)
                        if t in _END_OF_TURN_TEXTS and (types is None or types[i] == CONTROL)}
-        declared = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")} - {None}
+        declared = {i for k in ("eot", "eom") if (i := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None}
         source = meta.get("tokenizer.chat_template")
         template = ChatTemplate(source, f"GGUF metadata of {gguf.path}", bos, eos) if source else None
         return cls(backend, bos, eos, end_of_turn | declared, template)
