@@ -757,7 +757,8 @@ def _decode_kernel(
         _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
     else:
-        part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT) + split  # (parts: the splits, the exact one)
+        # parts: the splits, the exact one
+        part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT) + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
