@@ -166,12 +166,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--kv-recent-window", type=int, nargs="+", default=[0], metavar="W",
-                        help="quantized formats: keep this many recent positions exact; several values: each format at each")
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="also list the N kernels with the most device time per step (torch profiler, a separate run)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="check this script on the CPU: SmolLM2's shape, fp32, small contexts (figures meaningless)")
+    parser.add_argument(
+        "--kv-recent-window",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="W",
+        help="quantized formats: keep this many recent positions exact; several values: each format at each",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N kernels with the most device time per step (torch profiler, a separate run)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check this script on the CPU: SmolLM2's shape, fp32, small contexts (figures meaningless)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's memory plan
 

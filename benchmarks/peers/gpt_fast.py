@@ -62,13 +62,17 @@ def main() -> None:
 
     run()  # compile and warm up
     elapsed = run()
-    print(json.dumps({
-        "peer": "gpt-fast" + ("" if args.no_compile else " (torch.compile)"),
-        "model": args.model,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "decode_tok_s": round(args.new_tokens / elapsed, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "peer": "gpt-fast" + ("" if args.no_compile else " (torch.compile)"),
+                "model": args.model,
+                "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens,
+                "decode_tok_s": round(args.new_tokens / elapsed, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

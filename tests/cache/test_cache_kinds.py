@@ -230,7 +230,9 @@ def toy_model_dir(tmp_path, monkeypatch):
     config.save_pretrained(tmp_path)
     known = registry.model_class
     monkeypatch.setattr(
-        registry, "model_class", lambda name, pm=None: CachingToyForCausalLM if name.startswith("CachingToy") else known(name, pm)
+        registry,
+        "model_class",
+        lambda name, pm=None: CachingToyForCausalLM if name.startswith("CachingToy") else known(name, pm),
     )
     return str(tmp_path)
 

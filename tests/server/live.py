@@ -24,7 +24,9 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *flags: str, api_key: str | None = None, env: dict[str, str] | None = None, name: str = "server"):
+    def __init__(
+        self, *flags: str, api_key: str | None = None, env: dict[str, str] | None = None, name: str = "server"
+    ):
         self.flags = list(flags)
         self.api_key = api_key
         self.env = {**os.environ, **(env or {})}

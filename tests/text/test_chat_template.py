@@ -58,8 +58,16 @@ FEATURES_TEMPLATE = """
 {% endfor %}
 {{ ns.count }} {{ 'gen' if add_generation_prompt else 'nogen' }} {{ eos_token }}
 """
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Météo <à> & \"lieu\"",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": 'Météo <à> & "lieu"',
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +131,10 @@ def test_gemma_folder_template_matches_transformers(gemma_folder, conversation, 
 def test_template_features_match_transformers(smollm, add_generation_prompt):
     messages = CONVERSATIONS["system"]
     expected = hf_tokenizer(SMOLLM).apply_chat_template(
-        messages, tools=TOOLS, chat_template=FEATURES_TEMPLATE, tokenize=False,
+        messages,
+        tools=TOOLS,
+        chat_template=FEATURES_TEMPLATE,
+        tokenize=False,
         add_generation_prompt=add_generation_prompt,
     )
     ours = ChatTemplate(FEATURES_TEMPLATE, "test", smollm.bos_token, smollm.eos_token)

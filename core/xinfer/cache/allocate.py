@@ -79,7 +79,9 @@ def allocate_caches(
     for layer in layout.state_layers:
         layer.cache = _state_spec(layer).allocate(num_state_slots, dtype, device)
     if key_transforms is not None:
-        key_transforms.apply([layer.cache for layer in layout.attention_layers if isinstance(layer.cache, LayerKVCache)])
+        key_transforms.apply(
+            [layer.cache for layer in layout.attention_layers if isinstance(layer.cache, LayerKVCache)]
+        )
 
 
 def _state_spec(layer: CachingLayer) -> RecurrentStateSpec:

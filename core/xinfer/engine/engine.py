@@ -79,8 +79,10 @@ class LLMEngine:
         cache = config.cache
         self.kv_format = get_format(cache.kv_cache_dtype)
         if cache.kv_recent_window and cache.kv_cache_dtype == "auto":
-            raise ValueError("kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
-                             "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)")
+            raise ValueError(
+                "kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
+                "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)"
+            )
         layout = CacheLayout.of(self.model)
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed,
                                   len(layout.groups), bool(layout.state_layers))  # fmt: skip

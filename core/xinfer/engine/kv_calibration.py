@@ -66,7 +66,9 @@ class KeyStatistics:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None) -> Tensor:
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None
+    ) -> Tensor:
         tokens, heads, head_dim = q.shape
         grouped = q.float().view(tokens, cache.num_kv_heads, heads // cache.num_kv_heads, head_dim)
         self._add(self.query_energy, cache, grouped.pow(2).sum((0, 2)))

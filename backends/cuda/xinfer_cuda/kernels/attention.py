@@ -805,7 +805,9 @@ def _decode_reduce_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=acc_mask, other=0.0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
     if ROTATE_OUT:  # back in the model's basis: out @ signsᵀ / sqrt(D)
-        signs = tl.load(basis_ptr + dims[:, None] * HEAD_DIM + dims[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0)
+        signs = tl.load(
+            basis_ptr + dims[:, None] * HEAD_DIM + dims[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0
+        )
         out = tl.sum(signs.to(tl.float32) * out[None, :], 1) * (1.0 / HEAD_DIM**0.5)
     o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(out_ptr + o_off + dims, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -1086,7 +1088,14 @@ def attend_sides(
     scales = k_side.scale_or_data()
     assert v_side.scale_or_data().stride() == scales.stride(), "K and V scales must share a layout"
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3], meta.block_tables.stride(0))
-    cache_ptrs = (k_cache, v_cache, k_side.scale_or_data(), v_side.scale_or_data(), k_side.levels_or_data(), v_side.levels_or_data())
+    cache_ptrs = (
+        k_cache,
+        v_cache,
+        k_side.scale_or_data(),
+        v_side.scale_or_data(),
+        k_side.levels_or_data(),
+        v_side.levels_or_data(),
+    )
     if k_side.code != PLAIN or v_side.code != PLAIN:
         assert head_dim & (head_dim - 1) == 0, f"quantized caches need a power-of-two head_dim, got {head_dim}"
     # Quantized tiles are built as fp16 bit patterns (bit operations, no conversions);

@@ -80,7 +80,12 @@ class Side:
     def constexprs(self, prefix: str, magic: bool, decode: int = PORTABLE) -> dict:
         """How attention reads this side."""
         offset, step = self.read_as(magic, decode)
-        return {f"{prefix}_CODE": self.code, f"{prefix}_BITS": self.bits, f"{prefix}_OFFSET": offset, f"{prefix}_STEP": step}
+        return {
+            f"{prefix}_CODE": self.code,
+            f"{prefix}_BITS": self.bits,
+            f"{prefix}_OFFSET": offset,
+            f"{prefix}_STEP": step,
+        }
 
 
 def side(cache: LayerKVCache, name: str, codec: Codec) -> Side:

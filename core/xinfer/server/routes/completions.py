@@ -84,8 +84,15 @@ class CompletionRun:
         for i, choice in enumerate(done):
             text = self.echo(i) + choice.text  # the echo's logprobs first
             self.add_logprobs(i, choice.token_ids, choice.logprobs)
-            choices.append(CompletionChoice(index=i, text=text, logprobs=self.logprobs[i],
-                                            finish_reason=choice.finish_reason, stop_reason=choice.stop_reason))
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    logprobs=self.logprobs[i],
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return Completion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None) -> str:
