@@ -1,5 +1,5 @@
 # One command each: `make serve` installs what serving needs and serves the embedded default
-# model with the chat UI; `make test` installs the test tools too and runs the whole suite.
+# model with the chat UI; `make test` installs the test tools too, runs ruff and mypy, then the whole suite.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -39,7 +39,11 @@ serve: setup
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
+# lint, format and type checks first (seconds), then the suite
 test: setup-test chromium
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -18,6 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from shapes import shape_folder  # noqa: E402
+
 ROOT = HERE.parent
 PY = sys.executable
 
@@ -30,27 +31,87 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         # the quantized KV formats alone (a subset of "kernels"), for a call with little time
         "kv-kernels": [PY, "-m", "pytest", "-q", str(ROOT / "tests/backends/test_kv_formats_cuda.py")],
         "bandwidth": [PY, str(HERE / "bandwidth.py")],
-        "decode-8b": offline + ["--shape", "llama-3.1-8b", "--batch", "1", "--input-len", "128",
-                                "--output-len", "256", "--max-num-seqs", "1", "--dtype", "bfloat16", "--profile"],
+        "decode-8b": offline
+        + [
+            "--shape",
+            "llama-3.1-8b",
+            "--batch",
+            "1",
+            "--input-len",
+            "128",
+            "--output-len",
+            "256",
+            "--max-num-seqs",
+            "1",
+            "--dtype",
+            "bfloat16",
+            "--profile",
+        ],
         "gpt-fast-8b": [PY, str(HERE / "peers/gpt_fast.py"), "--gpt-fast-dir", gpt_fast_dir],
         "kernel-times": [PY, str(HERE / "kernels_cuda.py")],
         # projections of decode steps of 1 and 16 sequences: cuBLAS, the backend's pick, every tile
         "gemv-sweep": [PY, str(HERE / "kernels_cuda.py"), "--sweep", "--only", "linear_cublas,linear,gemv"],
         # decode attention of the quantized formats over tiles, splits, decode method and row layout
-        "kv-decode-sweep": [PY, str(HERE / "kernels_cuda.py"), "--sweep", "--only", "attention_decode",
-                            "--kv-formats", "fp8", "turbo8", "turbo4", "turbo3"],
+        "kv-decode-sweep": [
+            PY,
+            str(HERE / "kernels_cuda.py"),
+            "--sweep",
+            "--only",
+            "attention_decode",
+            "--kv-formats",
+            "fp8",
+            "turbo8",
+            "turbo4",
+            "turbo3",
+        ],
         "kv-decode-speed": [PY, str(HERE / "kv_decode_speed.py")],
-        "throughput-qwen3-0.6b": offline + ["--shape", "qwen3-0.6b", "--num-requests", "256",
-                                           "--input-len", "100:1024", "--output-len", "100:1024",
-                                           "--dtype", "bfloat16", "--profile"],
+        "throughput-qwen3-0.6b": offline
+        + [
+            "--shape",
+            "qwen3-0.6b",
+            "--num-requests",
+            "256",
+            "--input-len",
+            "100:1024",
+            "--output-len",
+            "100:1024",
+            "--dtype",
+            "bfloat16",
+            "--profile",
+        ],
         # the synthetic tokenizer makes the server stream one chunk per token: TTFT and ITL
-        "serve-8b": [PY, str(HERE / "serve.py"), "--launch", "--random-ids", "128000",
-                     "--server-args", f"--m {shape_folder('llama-3.1-8b', tokenizer=True)} "
-                                      "--load-format dummy --dtype bf16 --max-num-seqs 64 --max-model-len 4096",
-                     "--concurrency", "1,16,64", "--num-prompts", "4,32,128",
-                     "--input-len", "1024", "--output-len", "128"],
-        "throughput-8b": offline + ["--shape", "llama-3.1-8b", "--num-requests", "1000",
-                                   "--input-len", "50:1000", "--output-len", "50:500", "--dtype", "bfloat16", "--profile"],
+        "serve-8b": [
+            PY,
+            str(HERE / "serve.py"),
+            "--launch",
+            "--random-ids",
+            "128000",
+            "--server-args",
+            f"--m {shape_folder('llama-3.1-8b', tokenizer=True)} "
+            "--load-format dummy --dtype bf16 --max-num-seqs 64 --max-model-len 4096",
+            "--concurrency",
+            "1,16,64",
+            "--num-prompts",
+            "4,32,128",
+            "--input-len",
+            "1024",
+            "--output-len",
+            "128",
+        ],
+        "throughput-8b": offline
+        + [
+            "--shape",
+            "llama-3.1-8b",
+            "--num-requests",
+            "1000",
+            "--input-len",
+            "50:1000",
+            "--output-len",
+            "50:500",
+            "--dtype",
+            "bfloat16",
+            "--profile",
+        ],
     }
 
 
@@ -77,7 +138,11 @@ def main() -> None:
         try:
             timeout = max(args.timeout, LONGER.get(name, 0))
             result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-            status, stdout, stderr = ("ok" if result.returncode == 0 else f"exit {result.returncode}"), result.stdout, result.stderr
+            status, stdout, stderr = (
+                ("ok" if result.returncode == 0 else f"exit {result.returncode}"),
+                result.stdout,
+                result.stderr,
+            )
         except subprocess.TimeoutExpired as e:
             status, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
             stdout, stderr = (s.decode() if isinstance(s, bytes) else s for s in (stdout, stderr))

@@ -44,9 +44,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
@@ -57,7 +57,16 @@ MAX_INPUT_SETS = 64
 MIN_CALLS_PER_GRAPH = 20
 # --sweep: (block_m, block_n, num_warps, num_stages) alternatives and decode split counts
 SWEEP_SPLITS = (1, 4, 16, 64)
-SWEEP_DECODE_TILES = ((16, 32, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2), (16, 64, 4, 3), (16, 64, 8, 2), (16, 128, 8, 2), (16, 128, 4, 3), (16, 256, 8, 2))
+SWEEP_DECODE_TILES = (
+    (16, 32, 4, 2),
+    (16, 64, 4, 2),
+    (16, 128, 4, 2),
+    (16, 64, 4, 3),
+    (16, 64, 8, 2),
+    (16, 128, 8, 2),
+    (16, 128, 4, 3),
+    (16, 256, 8, 2),
+)
 SWEEP_PREFILL_TILES = ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 2))
 
 
@@ -100,9 +109,9 @@ def _rand(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def row_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device) -> list[Case]:
     el = torch.tensor([], dtype=dtype).element_size()
     cos_sin = _rand(s.max_pos, s.head_dim, dtype=torch.float32, device=device)  # one per model
+    h, i = s.hidden, s.intermediate
     cases = []
     for t in s.row_tokens:
-        h, i = s.hidden, s.intermediate
 
         def norm(t=t):
             x, w = _rand(t, h, dtype=dtype, device=device), _rand(h, dtype=dtype, device=device)
@@ -181,7 +190,10 @@ def linear_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device, sweep
 
         size = (n * k + rows * (n + k)) * el
         label = f"m{rows}_{name}"
-        cases += [Case("linear_cublas", label, make(F.linear), size, size), Case("linear", label, make(ops.linear), size, size)]
+        cases += [
+            Case("linear_cublas", label, make(F.linear), size, size),
+            Case("linear", label, make(ops.linear), size, size),
+        ]
         if sweep:
             for tile in candidates(rows):
                 cases.append(Case("gemv", label, make(lambda x, w, t=tile: gemv.gemv(x, w, None, t)), size, size,
@@ -284,9 +296,13 @@ def attention_cases(
                 cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, num_splits=splits))
             for tiles in SWEEP_DECODE_TILES:
                 tile_config = attention.TileConfig(*tiles)
-                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode_tiles=tile_config))
+                cases.append(
+                    case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode_tiles=tile_config)
+                )
             if kv_format != "auto":  # the portable decode against the device's own
-                cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode=kv_codes.PORTABLE))
+                cases.append(
+                    case("attention_decode", name, q_lens, seq_lens, flops, kv_format, decode=kv_codes.PORTABLE)
+                )
             if kv_format in ("auto", "fp8"):  # rows in halves against whole rows
                 for halves in (True, False):
                     cases.append(case("attention_decode", name, q_lens, seq_lens, flops, kv_format, halves=halves))
@@ -342,15 +358,27 @@ def _load_module(name: str, path: str) -> ModuleType:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="folder for results.jsonl (also printed)")
-    parser.add_argument("--sweep", action="store_true", help="also time each GEMV tile, attention tile shapes and split counts")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time each GEMV tile, attention tile shapes and split counts"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--only", default="", help="comma-separated kernel names to run")
     parser.add_argument("--kv-formats", nargs="*", default=[], help="also time attention over these KV cache formats")
-    parser.add_argument("--kv-recent-window", type=int, default=0, metavar="W",
-                        help="also time attention over the --kv-formats caches keeping each query's last W keys exact")
-    parser.add_argument("--attention-variant", action="append", default=[], metavar="LABEL=PATH",
-                        help="also time the attention cases through another copy of the backend's attention.py "
-                             "(for example one taken from a branch with git show), side by side; repeatable")
+    parser.add_argument(
+        "--kv-recent-window",
+        type=int,
+        default=0,
+        metavar="W",
+        help="also time attention over the --kv-formats caches keeping each query's last W keys exact",
+    )
+    parser.add_argument(
+        "--attention-variant",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also time the attention cases through another copy of the backend's attention.py "
+        "(for example one taken from a branch with git show), side by side; repeatable",
+    )
     args = parser.parse_args(argv)
 
     if args.smoke:
@@ -391,7 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.attention_variant:
         label, _, path = spec.partition("=")
         variant = (label, _load_module(f"xinfer_cuda.kernels.attention_{label}", path))
-        cases += attention_cases(shapes, dtype, device, args.sweep, tuple(args.kv_formats), args.kv_recent_window, variant)
+        cases += attention_cases(
+            shapes, dtype, device, args.sweep, tuple(args.kv_formats), args.kv_recent_window, variant
+        )
     only = {name for name in args.only.split(",") if name}
     for case in cases:
         if only and case.kernel not in only:

@@ -36,15 +36,15 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bandwidth import copy_bandwidth  # noqa: E402
-from profiling import kernel_profiler, top_kernels  # noqa: E402
-from shapes import SHAPES, shape_folder, weight_bytes  # noqa: E402
+from bandwidth import copy_bandwidth
+from profiling import kernel_profiler, top_kernels
+from shapes import SHAPES, shape_folder, weight_bytes
 
-from xinfer import LLM, SamplingParams, ops  # noqa: E402
-from xinfer.cache.allocate import attention_layers  # noqa: E402
-from xinfer.engine.scheduler import ScheduledSeq  # noqa: E402
-from xinfer.engine.sequence import Sequence  # noqa: E402
-from xinfer.forward_context import forward_context  # noqa: E402
+from xinfer import LLM, SamplingParams, ops
+from xinfer.cache.allocate import attention_layers
+from xinfer.engine.scheduler import ScheduledSeq
+from xinfer.engine.sequence import Sequence
+from xinfer.forward_context import forward_context
 
 CASES = [(1, 1024), (1, 32768), (64, 8192)]
 FORMATS = ["auto", "fp8", "turbo8", "turbo4", "turbo3"]
@@ -132,7 +132,7 @@ def attention_us(llm: LLM, batch) -> float:
     engine = llm.engine
     layers = attention_layers(engine.model)
     config = engine.hf_config
-    input_ids, positions, meta = engine.runner.to_device(batch)
+    _, _, meta = engine.runner.to_device(batch)
     head_dim = layers[0].cache.head_dim
     tokens = len(batch.input_ids)
     q = torch.randn(tokens, config.num_attention_heads, head_dim, device=engine.device, dtype=engine.dtype)
@@ -166,12 +166,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=FORMATS)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--kv-recent-window", type=int, nargs="+", default=[0], metavar="W",
-                        help="quantized formats: keep this many recent positions exact; several values: each format at each")
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="also list the N kernels with the most device time per step (torch profiler, a separate run)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="check this script on the CPU: SmolLM2's shape, fp32, small contexts (figures meaningless)")
+    parser.add_argument(
+        "--kv-recent-window",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="W",
+        help="quantized formats: keep this many recent positions exact; several values: each format at each",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N kernels with the most device time per step (torch profiler, a separate run)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check this script on the CPU: SmolLM2's shape, fp32, small contexts (figures meaningless)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's memory plan
 

@@ -24,8 +24,8 @@ import time
 import torch
 
 from xinfer import LLM, SamplingParams, ops
-from xinfer.engine.block_manager import BlockManager
 from xinfer.cache.allocate import allocate_kv_cache, attention_layers
+from xinfer.engine.block_manager import BlockManager
 from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
@@ -65,7 +65,9 @@ def use_format(llm: LLM, name: str, recent_window: int = 0) -> None:
     transforms = calibrate_keys(engine)  # as the engine does at start-up
     allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format, transforms,
                       num_shadows, window)  # fmt: skip
-    engine.block_manager = engine.scheduler.block_manager = BlockManager(num_blocks, BLOCK_SIZE, False, num_shadows, window)
+    engine.block_manager = engine.scheduler.block_manager = BlockManager(
+        num_blocks, BLOCK_SIZE, False, num_shadows, window
+    )
 
 
 @torch.inference_mode()
@@ -123,8 +125,13 @@ def text_metrics(
 
 
 def needle_grid(
-    llm: LLM, filler_ids: list[int], lengths: list[int], depths: list[float], formats: list[str],
-    recent_window: int = 0, seed: int = 0,
+    llm: LLM,
+    filler_ids: list[int],
+    lengths: list[int],
+    depths: list[float],
+    formats: list[str],
+    recent_window: int = 0,
+    seed: int = 0,
 ) -> dict[str, list[bool]]:
     """Per format, whether each (length, depth) case, lengths outer, retrieved its number."""
     tok = llm.tokenizer
@@ -134,7 +141,9 @@ def needle_grid(
         for depth in depths:
             number = str(rng.randint(10000, 99999))
             needle = tok.encode(f" The special magic number is {number}. Remember it. ", add_special_tokens=False)
-            question = tok.encode(" What is the special magic number? The special magic number is", add_special_tokens=False)
+            question = tok.encode(
+                " What is the special magic number? The special magic number is", add_special_tokens=False
+            )
             body = length - len(needle) - len(question)
             at = int(body * depth)
             cases.append((filler_ids[:at] + needle + filler_ids[at:body] + question, number))
@@ -144,28 +153,46 @@ def needle_grid(
         use_format(llm, fmt, recent_window)
         outs = llm.generate([c[0] for c in cases], params)
         results[fmt] = [number in o.outputs[0].text for o, (_, number) in zip(outs, cases)]
-        print(json.dumps({"format": fmt, "needle_cases": results[fmt]}), flush=True)  # kept if a later format is cut short
+        print(
+            json.dumps({"format": fmt, "needle_cases": results[fmt]}), flush=True
+        )  # kept if a later format is cut short
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"],
-                        help="smollm2, gemma3, or paths to models (a .gguf file, an HF folder)")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["smollm2", "gemma3"],
+        help="smollm2, gemma3, or paths to models (a .gguf file, an HF folder)",
+    )
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--tokens", type=int, default=20480, help="text tokens scored per model (0: the needles only)")
     parser.add_argument("--window", type=int, default=2048, help="tokens per independent sequence")
-    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk: each reads the cache the chunks before it wrote")
+    parser.add_argument(
+        "--chunk", type=int, default=512, help="prefill chunk: each reads the cache the chunks before it wrote"
+    )
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
-    parser.add_argument("--kv-recent-window", type=int, default=0,
-                        help="quantized formats read each query's last N positions and its first block exact "
-                        "(the engine's shadow blocks)")
+    parser.add_argument(
+        "--kv-recent-window",
+        type=int,
+        default=0,
+        help="quantized formats read each query's last N positions and its first block exact "
+        "(the engine's shadow blocks)",
+    )
     args = parser.parse_args()
     if args.tokens and args.formats[0] != "auto":
-        parser.error("--formats: the text metrics compare against auto, which must come first (--tokens 0 runs needles only)")
+        parser.error(
+            "--formats: the text metrics compare against auto, which must come first (--tokens 0 runs needles only)"
+        )
     text, digest = corpus()
-    print(json.dumps({"corpus": "pydoc_data.topics (sorted keys, joined by blank lines)", "sha256": digest, "chars": len(text)}))
+    print(
+        json.dumps(
+            {"corpus": "pydoc_data.topics (sorted keys, joined by blank lines)", "sha256": digest, "chars": len(text)}
+        )
+    )
     table = []
     for model in args.models:
         t0 = time.time()
@@ -178,14 +205,29 @@ def main() -> None:
         )  # fmt: skip
         context = llm.engine.hf_config.max_position_embeddings
         if max(args.needle_lengths) + 8 > context:
-            parser.error(f"--needle-lengths: {model}'s context is {context} tokens, a needle prompt and its 8 answer tokens must fit")
+            parser.error(
+                f"--needle-lengths: {model}'s context is {context} tokens, a needle prompt and its 8 answer tokens must fit"
+            )
         tokens = llm.tokenizer.encode(text, add_special_tokens=False)
         t1 = time.time()
-        metrics = text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window) if args.tokens else {}
+        metrics = (
+            text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window)
+            if args.tokens
+            else {}
+        )
         t2 = time.time()
         needles = needle_grid(llm, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths,
                               args.formats, args.kv_recent_window)  # fmt: skip
-        print(json.dumps({"model": model, "load_s": round(t1 - t0), "text_s": round(t2 - t1), "needle_s": round(time.time() - t2)}))
+        print(
+            json.dumps(
+                {
+                    "model": model,
+                    "load_s": round(t1 - t0),
+                    "text_s": round(t2 - t1),
+                    "needle_s": round(time.time() - t2),
+                }
+            )
+        )
         head_dim = attention_layers(llm.engine.model)[0].head_dim
         for fmt in args.formats:
             row = {"model": model, "format": fmt, "needle": sum(needles[fmt]) / len(needles[fmt]),
@@ -199,7 +241,11 @@ def main() -> None:
     print("\n| model | format | perplexity | vs auto | mean KL | top-1 agree | needle |")
     print("|---|---|---|---|---|---|---|")
     for r in table:
-        text_cells = f"{r['ppl']:.3f} | {100 * r['ppl_vs_auto']:+.2f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}%" if "ppl" in r else "— | — | — | —"
+        text_cells = (
+            f"{r['ppl']:.3f} | {100 * r['ppl_vs_auto']:+.2f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}%"
+            if "ppl" in r
+            else "— | — | — | —"
+        )
         print(f"| {r['model']} | {r['format']} | {text_cells} | {sum(r['needle_cases'])}/{len(r['needle_cases'])} |")
 
 

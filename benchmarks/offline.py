@@ -1,7 +1,7 @@
 """Offline generation speed on dummy weights: one JSON line per figure.
 
-    python benchmarks/offline.py --shape smollm2-135m --batch 1 --input-len 128 --output-len 128
-    python benchmarks/offline.py --shape qwen3-0.6b --num-requests 256 --input-len 100:1024 --output-len 100:1024
+python benchmarks/offline.py --shape smollm2-135m --batch 1 --input-len 128 --output-len 128
+python benchmarks/offline.py --shape qwen3-0.6b --num-requests 256 --input-len 100:1024 --output-len 100:1024
 """
 
 from __future__ import annotations
@@ -35,12 +35,24 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", action="store_true",
-                        help="also report host time per step phase, and step time by kind and captured shape")
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="also list the N kernels that took the most device time (torch profiler)")
-    parser.add_argument("--sizes-per-octave", type=int, default=None,
-                        help="captured step sizes between powers of two (CUDA backend; for A/B runs)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also report host time per step phase, and step time by kind and captured shape",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N kernels that took the most device time (torch profiler)",
+    )
+    parser.add_argument(
+        "--sizes-per-octave",
+        type=int,
+        default=None,
+        help="captured step sizes between powers of two (CUDA backend; for A/B runs)",
+    )
     args = parser.parse_args()
     if args.sizes_per_octave:
         from xinfer_cuda import static_step
@@ -49,8 +61,12 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     llm = LLM(
-        model=shape_folder(args.shape), load_format="dummy", dtype=args.dtype, device=args.device,
-        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+        model=shape_folder(args.shape),
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
     )
     vocab = llm.engine.hf_config.vocab_size
     inputs = lengths(args.input_len, args.num_requests, rng)
@@ -131,6 +147,7 @@ def time_step_kinds(llm: LLM) -> list[tuple[tuple[str, int], int, Callable[[], f
     sampling; the engine does not wait for it), by kind and by the token count of the
     captured shape replayed (0: eager): [((kind, bucket), tokens, seconds)]."""
     import torch
+
     from xinfer_cuda.static_step import pick_bucket  # the CUDA backend's shapes; --profile is a GPU tool
 
     runner, records = llm.engine.runner, []
@@ -143,7 +160,9 @@ def time_step_kinds(llm: LLM) -> list[tuple[tuple[str, int], int, Callable[[], f
         return batch
 
     def step(scheduled, previous=None):
-        start, end = (Stamp(), Stamp()) if llm.engine.device.type == "cpu" else (torch.cuda.Event(True), torch.cuda.Event(True))
+        start, end = (
+            (Stamp(), Stamp()) if llm.engine.device.type == "cpu" else (torch.cuda.Event(True), torch.cuda.Event(True))
+        )
         start.record()
         try:
             return inner_step(scheduled, previous)
@@ -164,7 +183,7 @@ class Stamp:
     def record(self) -> None:
         self.t = time.perf_counter()
 
-    def elapsed_time(self, end: "Stamp") -> float:
+    def elapsed_time(self, end: Stamp) -> float:
         return (end.t - self.t) * 1e3
 
 
@@ -188,7 +207,11 @@ def summarize(records: list[tuple[tuple[str, int], int, Callable[[], float]]]) -
             "mean_padded_tokens": round(sum(b * r[0] for b, r in rows.items()) / steps, 1),
             "device_seconds": round(sum(r[2] for r in rows.values()), 3),
             "by_shape": {
-                b: {"steps": r[0], "mean_tokens": round(r[1] / r[0], 1), "device_ms_per_step": round(1e3 * r[2] / r[0], 2)}
+                b: {
+                    "steps": r[0],
+                    "mean_tokens": round(r[1] / r[0], 1),
+                    "device_ms_per_step": round(1e3 * r[2] / r[0], 2),
+                }
                 for b, r in sorted(rows.items(), key=lambda item: -item[1][2])[:5]
             },
         }

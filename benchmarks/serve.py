@@ -66,8 +66,11 @@ def percentile(values: list[float], q: float) -> float:
 def summary(name: str, seconds: list[float]) -> dict[str, float]:
     ms = [s * 1000 for s in seconds]
     mean = statistics.fmean(ms) if ms else float("nan")
-    return {f"mean_{name}_ms": round(mean, 2), f"p50_{name}_ms": round(percentile(ms, 50), 2),
-            f"p99_{name}_ms": round(percentile(ms, 99), 2)}
+    return {
+        f"mean_{name}_ms": round(mean, 2),
+        f"p50_{name}_ms": round(percentile(ms, 50), 2),
+        f"p99_{name}_ms": round(percentile(ms, 99), 2),
+    }
 
 
 async def random_prompts(
@@ -87,8 +90,15 @@ async def random_prompts(
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last, result = start, Result(ok=True)
     try:
@@ -117,8 +127,14 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
     return result
 
 
-async def run_level(args: argparse.Namespace, http: httpx.AsyncClient, model: str, prompts: list[list[int]],
-                    concurrency: int, rng: random.Random) -> dict:
+async def run_level(
+    args: argparse.Namespace,
+    http: httpx.AsyncClient,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    rng: random.Random,
+) -> dict:
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(prompt: list[int]) -> Result:
@@ -138,10 +154,16 @@ async def run_level(args: argparse.Namespace, http: httpx.AsyncClient, model: st
     output_tokens = sum(r.output_tokens for r in done)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     report = {
-        "benchmark": "serve", "concurrency": concurrency, "request_rate": args.request_rate,
-        "arrivals": "fixed" if args.fixed_rate else "poisson", "num_prompts": len(prompts),
-        "input_len": args.input_len, "output_len": args.output_len, "completed": len(done),
-        "failed": len(results) - len(done), "duration_s": round(duration, 2),
+        "benchmark": "serve",
+        "concurrency": concurrency,
+        "request_rate": args.request_rate,
+        "arrivals": "fixed" if args.fixed_rate else "poisson",
+        "num_prompts": len(prompts),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": round(duration, 2),
         "request_throughput": round(len(done) / duration, 3),
         "output_throughput": round(output_tokens / duration, 2),
         "total_token_throughput": round((output_tokens + args.input_len * len(done)) / duration, 2),
@@ -203,11 +225,21 @@ def offline_peer(args: argparse.Namespace, card: dict, runs: list[tuple[int, lis
                 tokens += len(output.token_ids)
                 live -= output.finished
         duration = time.perf_counter() - start
-        print(json.dumps({
-            "benchmark": "offline-peer", "concurrency": concurrency, "num_prompts": len(prompts),
-            "input_len": args.input_len, "output_len": args.output_len, "duration_s": round(duration, 2),
-            "request_throughput": round(len(prompts) / duration, 3), "output_throughput": round(tokens / duration, 2),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "benchmark": "offline-peer",
+                    "concurrency": concurrency,
+                    "num_prompts": len(prompts),
+                    "input_len": args.input_len,
+                    "output_len": args.output_len,
+                    "duration_s": round(duration, 2),
+                    "request_throughput": round(len(prompts) / duration, 3),
+                    "output_throughput": round(tokens / duration, 2),
+                }
+            ),
+            flush=True,
+        )
 
 
 def launch(server_args: str) -> tuple[subprocess.Popen, str]:
@@ -240,14 +272,20 @@ def main() -> None:
     parser.add_argument("--api-key", default=os.environ.get("XINFER_API_KEY"))
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--num-prompts", help="requests per level, or a count per level (default: 2 x concurrency, at least 8)")
+    parser.add_argument(
+        "--num-prompts", help="requests per level, or a count per level (default: 2 x concurrency, at least 8)"
+    )
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated levels, run in turn")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
     parser.add_argument("--fixed-rate", action="store_true", help="evenly spaced arrivals instead of Poisson")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--random-ids", type=int, metavar="VOCAB",
-                        help="prompts of random token ids below VOCAB instead of tokenized words")
+    parser.add_argument(
+        "--random-ids",
+        type=int,
+        metavar="VOCAB",
+        help="prompts of random token ids below VOCAB instead of tokenized words",
+    )
     parser.add_argument("--offline-peer", action="store_true", help="with --launch: rerun in-process afterwards")
     args = parser.parse_args()
 

@@ -31,8 +31,8 @@ def main() -> None:
         import tokenizer  # noqa: F401  (needs sentencepiece and tiktoken)
     except ImportError:  # random token ids need no tokenizer: stand in for generate.py's import
         sys.modules["tokenizer"] = types.SimpleNamespace(get_tokenizer=None)
-    import generate as gf  # noqa: E402  (gpt-fast's generate.py)
-    from model import Transformer  # noqa: E402
+    import generate as gf
+    from model import Transformer
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -62,13 +62,17 @@ def main() -> None:
 
     run()  # compile and warm up
     elapsed = run()
-    print(json.dumps({
-        "peer": "gpt-fast" + ("" if args.no_compile else " (torch.compile)"),
-        "model": args.model,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "decode_tok_s": round(args.new_tokens / elapsed, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "peer": "gpt-fast" + ("" if args.no_compile else " (torch.compile)"),
+                "model": args.model,
+                "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens,
+                "decode_tok_s": round(args.new_tokens / elapsed, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

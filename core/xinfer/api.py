@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 from xinfer.config import EngineConfig
 from xinfer.engine.engine import LLMEngine
@@ -12,7 +13,7 @@ from xinfer.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
-Prompt = Union[str, list[int], dict[str, Any]]
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -38,17 +39,19 @@ class LLM:
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates."""
-        template = self.tokenizer.chat_template if self.tokenizer is not None else None
-        if template is None:
+        tokenizer = self.tokenizer
+        template = tokenizer.chat_template if tokenizer is not None else None
+        if tokenizer is None or template is None:
             raise ValueError("this model has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = messages and isinstance(messages[0], dict)
+        conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         prompts = []
         for conversation in conversations:
             text = template.render(
                 conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
             )
             # the template writes BOS itself
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, params)
 
     def generate(
@@ -92,7 +95,7 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
+            return self._tokenize(prompt["prompt"])
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")

@@ -46,9 +46,7 @@ def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device
     if config.backend is not None:
         candidates = [s for s in specs if s.name == config.backend]
         if not candidates:
-            raise ValueError(
-                f"unknown backend {config.backend!r}; installed: {', '.join(s.name for s in specs)}"
-            )
+            raise ValueError(f"unknown backend {config.backend!r}; installed: {', '.join(s.name for s in specs)}")
     else:
         candidates = [s for s in specs if wanted is None or s.device_type == wanted.type]
     available = [s for s in candidates if registry.load_object(s.is_available)()]

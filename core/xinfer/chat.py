@@ -15,7 +15,8 @@ import argparse
 import itertools
 import sys
 import time
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import OutputProcessor
@@ -26,7 +27,10 @@ HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a s
 
 class Conversation:
     def __init__(self, engine: LLMEngine, params: SamplingParams):
+        if engine.tokenizer is None or engine.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; the terminal chat needs one")
         self.engine = engine
+        self.tokenizer, self.template = engine.tokenizer, engine.tokenizer.chat_template
         self.processor = OutputProcessor(engine)
         self.params = params
         self.system: str | None = None
@@ -39,11 +43,10 @@ class Conversation:
 
     def prompt(self) -> list[int]:
         """The conversation's tokens, dropping the oldest turns until an answer fits."""
-        tokenizer = self.engine.tokenizer
         room = self.engine.max_model_len - (self.params.max_tokens or 1)
         while True:
-            text = tokenizer.chat_template.render(self.messages(), add_generation_prompt=True)
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            text = self.template.render(self.messages(), add_generation_prompt=True)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(token_ids) <= room or len(self.turns) <= 1:
                 return token_ids[-room:]
             self.turns = self.turns[2:]
@@ -103,7 +106,10 @@ def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO
 
 def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, out: TextIO = sys.stdout) -> None:
     """Runs the prompts as one batch (each as a user turn when the model has a chat template)."""
-    tokenizer, template = engine.tokenizer, engine.tokenizer.chat_template
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer; answering prompts needs one")
+    template = tokenizer.chat_template
     processor = OutputProcessor(engine)
     answers = []
     for i, prompt in enumerate(prompts):

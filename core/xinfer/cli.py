@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:

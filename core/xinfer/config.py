@@ -52,14 +52,19 @@ class CacheConfig(_Config):
         "turbo4/turbo3: rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
     )
     kv_recent_window: int = Field(
-        0, ge=0, description="quantized caches: each query reads the keys and values of its last N positions, "
+        0,
+        ge=0,
+        description="quantized caches: each query reads the keys and values of its last N positions, "
         "and of its sequence's first block, unquantized (shadow blocks in the model dtype); 0: off. "
-        "See docs/kv-cache.md"
+        "See docs/kv-cache.md",
     )
     mamba_fraction: float | None = Field(
-        None, gt=0, lt=1, description="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache "
+        None,
+        gt=0,
+        lt=1,
+        description="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache "
         "memory their per-sequence states get, which bounds how many sequences run at once; default: enough "
-        "for max_num_seqs, at most half"
+        "for max_num_seqs, at most half",
     )
     enable_prefix_caching: bool = True
 
@@ -72,12 +77,12 @@ class CacheConfig(_Config):
 
 class SchedulerConfig(_Config):
     max_num_seqs: int | None = Field(
-        None, gt=0, description="sequences in a running batch; default: as many as the planned KV cache holds "
-        "at 1024 tokens each (max_model_len if shorter), at most 256; 256 when num_blocks is given"
+        None,
+        gt=0,
+        description="sequences in a running batch; default: as many as the planned KV cache holds "
+        "at 1024 tokens each (max_model_len if shorter), at most 256; 256 when num_blocks is given",
     )
-    max_num_batched_tokens: int = Field(
-        8192, gt=0, description="tokens per step; longer prefills are chunked"
-    )
+    max_num_batched_tokens: int = Field(8192, gt=0, description="tokens per step; longer prefills are chunked")
 
 
 class DeviceConfig(_Config):
@@ -93,9 +98,14 @@ class EngineConfig(_Config):
     device: DeviceConfig = DeviceConfig()
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from flat keyword arguments (``dtype=..., block_size=...``)."""
-        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        groups: dict[str, type[BaseModel]] = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "device": DeviceConfig,
+        }
         values: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.model_fields), None)

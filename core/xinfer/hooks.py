@@ -8,8 +8,8 @@ nor a device runtime.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import pluggy
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable, Iterator, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor, nn
-
 
 HF_QKV_GATE_UP = {
     "q_proj": ("qkv_proj", "q"),

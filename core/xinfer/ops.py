@@ -11,9 +11,10 @@ Besides the ops of :class:`Ops`, plugins register ops of their own
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor

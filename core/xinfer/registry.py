@@ -21,7 +21,7 @@ import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -104,7 +104,7 @@ def discover(
         pm.register(module, name=name)
         found.order.append(name)
     preferred = preferred or []
-    entry_points = {}
+    entry_points: dict[str, importlib.metadata.EntryPoint] = {}
     for entry_point in importlib.metadata.entry_points(group=hooks.PROJECT):
         entry_points.setdefault(entry_point.name, entry_point)
     for name in sorted(set(allowed or ()) - set(entry_points)):
@@ -188,7 +188,7 @@ def load_registered(registered: Registered) -> Any:
     """What a plugin registered, imported; a failure names the plugin."""
     try:
         return load_object(registered.ref)
-    except Exception as error:  # noqa: BLE001 - whatever the plugin's import raised
+    except Exception as error:  # whatever the plugin's import raised
         raise PluginError(
             f"plugin {registered.plugin!r} registers {registered.ref}, which cannot be loaded: "
             f"{type(error).__name__}: {first_line(error)}"
@@ -211,7 +211,7 @@ def gguf_architectures() -> dict[str, Registered]:
 def backends() -> list[hooks.BackendSpec]:
     found = discovery()
     impls = sorted(found.manager.hook.xinfer_backends.get_hookimpls(), key=lambda impl: found.rank(impl.plugin_name))
-    return [spec for impl in impls for spec in impl.function()]
+    return [spec for impl in impls for spec in cast("list[hooks.BackendSpec]", impl.function())]
 
 
 def model_class(architecture: str) -> type:
@@ -289,6 +289,6 @@ def op_specs() -> dict[str, hooks.OpSpec]:
     impls = sorted(found.manager.hook.xinfer_ops.get_hookimpls(), key=lambda impl: found.rank(impl.plugin_name))
     specs: dict[str, hooks.OpSpec] = {}
     for impl in impls:
-        for spec in impl.function():
+        for spec in cast("list[hooks.OpSpec]", impl.function()):
             specs.setdefault(spec.name, spec)
     return specs

@@ -68,6 +68,7 @@ class TorchOps:
             tensor.view(-1, *tensor.shape[2:])[slots] = values
 
     def write_shadow_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, shadow_slots: Tensor) -> None:
+        assert cache.shadows is not None, "a recent window's writes need the cache's shadow blocks"
         valid = shadow_slots >= 0
         keys, values = cache.format.stored_basis(k[valid], v[valid], cache.equalizer, cache.key_offset)
         for shadow, x in zip(cache.shadows, (keys, values)):
@@ -138,6 +139,7 @@ class ExactKeys:
 
 def shadow_context(cache: LayerKVCache, shadow_table: Tensor, context_len: int, first: int = 0) -> ExactKeys:
     """The exact K/V of positions ``first`` to ``context_len``."""
+    assert cache.shadows is not None, "a recent window's reads need the cache's shadow blocks"
     block_size = cache.block_size
     table = shadow_table[: -(-context_len // block_size)]
     k, v = (gather_context(s, table.clamp(min=0), context_len, first).float() for s in cache.shadows)

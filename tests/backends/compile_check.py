@@ -137,7 +137,9 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             sides = (kv_codes.side(cache, "k", fmt.key), kv_codes.side(cache, "v", fmt.value))
             long_tiles = attention.long_tiles_fit(sides, cc // 10)
             decode_tables = [attention._DECODE_TILES] + ([attention._LONG_DECODE_TILES] if long_tiles else [])
-            steps = [(1, 4, tiles(table, head_dim)) for table in decode_tables] + [(8, None, tiles(attention._DECODE_TILES, head_dim))]
+            steps = [(1, 4, tiles(table, head_dim)) for table in decode_tables] + [
+                (8, None, tiles(attention._DECODE_TILES, head_dim))
+            ]
             for q_len, splits, decode_tiles in steps:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
@@ -221,7 +223,7 @@ def _compile(job: tuple[int, int]) -> str:
     label = f"sm_{cc} {fn.__name__} { {n: kwargs[n] for n in fn.arg_names if n in kwargs} }"
     try:
         kernel = compile_launch(fn, call_args, kwargs, GPUTarget("cuda", cc, 32))
-    except Exception as error:  # report every failure, not just the first
+    except Exception as error:  # noqa: BLE001 - report every failure, not just the first
         return f"FAIL {label}: {type(error).__name__}: {error}"
     return f"ok   {label} shared {kernel.metadata.shared} {resource_usage(kernel.asm['cubin'])}"
 

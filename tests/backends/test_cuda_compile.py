@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.skipif(
-    os.environ["XINFER_KERNEL_DEVICE"] == "cuda", reason="on a GPU the kernel tests compile for real"
-)
+@pytest.mark.skipif(os.environ["XINFER_KERNEL_DEVICE"] == "cuda", reason="on a GPU the kernel tests compile for real")
 @pytest.mark.parametrize("target", [90, 80])
 @pytest.mark.timeout(1200)  # cold cache, 2 cores shared with other jobs (load 4): sm_90 566 s, sm_80 548 s
 def test_kernels_compile_for(target):

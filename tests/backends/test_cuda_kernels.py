@@ -144,7 +144,9 @@ def test_small_batch_linear_takes_a_kernel_only_where_measured_faster():
         check(linear(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
     assert measured == [(1, (40, 64))] * (1 + one) + [(1, (24, 64))] * (1 + one) + [(4, (24, 64))] * (1 + few)
     assert {key[:2]: tile for key, tile in linear.choice.items()} == {
-        (1, (40, 64)): None, (1, (24, 64)): ONE_ROW_TILES[2], (4, (24, 64)): DOT_TILES[-1],
+        (1, (40, 64)): None,
+        (1, (24, 64)): ONE_ROW_TILES[2],
+        (4, (24, 64)): DOT_TILES[-1],
     }
     report = linear.report()
     assert "measured 3 (row count, weight shape) pairs" in report and "own kernels for 2, cuBLAS for 1" in report
@@ -184,9 +186,7 @@ def test_rms_norm(shape, dtype, with_residual):
         assert torch.equal(CUDA.rms_norm(x, weight, eps), out)
         return
     residual = rand(*shape, dtype=dtype)
-    out, new_residual = norm.rms_norm(
-        x, weight, eps, residual, out=nan_like(x), new_residual=nan_like(x)
-    )
+    out, new_residual = norm.rms_norm(x, weight, eps, residual, out=nan_like(x), new_residual=nan_like(x))
     ref_out, ref_residual = CPU.rms_norm(ref32(x), ref32(weight), eps, ref32(residual))
     check(out, ref_out, dtype)
     check(new_residual, ref_residual, dtype)
@@ -210,6 +210,7 @@ ROTARY_CASES = matrix(
     [(2048, 32, 8, 128, 128), (64, 32, 8, 128, 64)],
 )
 
+
 def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> Tensor:
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
@@ -230,9 +231,7 @@ def test_rotary(case, dtype, with_norms):
     norms = HeadNorms(rand(head_dim, dtype=dtype), rand(head_dim, dtype=dtype), 1e-5) if with_norms else None
     q_before, k_before = q.clone(), k.clone()
 
-    q_out, k_out = rotary.rotary(
-        q, k, positions, cos_sin, norms, q_out=nan_like(q_before), k_out=nan_like(k_before)
-    )
+    q_out, k_out = rotary.rotary(q, k, positions, cos_sin, norms, q_out=nan_like(q_before), k_out=nan_like(k_before))
     ref_norms = norms and HeadNorms(ref32(norms.q_weight), ref32(norms.k_weight), norms.eps)
     q_ref, k_ref = CPU.rotary(ref32(q), ref32(k), positions.cpu(), cos_sin.cpu(), ref_norms)
     check(q_out, q_ref, dtype)
@@ -506,7 +505,9 @@ def test_write_kv_then_attention_mixed_batch(dtype):
     num_tokens = sum(q_lens)
     k, v = rand(num_tokens, kv_heads, head_dim, dtype=dtype), rand(num_tokens, kv_heads, head_dim, dtype=dtype)
     cpu_batch = Batch(batch.q, batch.k_cache.cpu(), batch.v_cache.cpu(), batch.meta)
-    CPU.write_kv(k.cpu(), v.cpu(), LayerKVCache.plain(cpu_batch.k_cache, cpu_batch.v_cache), batch.meta.slot_mapping.cpu())
+    CPU.write_kv(
+        k.cpu(), v.cpu(), LayerKVCache.plain(cpu_batch.k_cache, cpu_batch.v_cache), batch.meta.slot_mapping.cpu()
+    )
     CUDA.write_kv(k, v, LayerKVCache.plain(batch.k_cache, batch.v_cache), batch.meta.slot_mapping)
     assert torch.allclose(batch.k_cache.cpu(), cpu_batch.k_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.allclose(batch.v_cache.cpu(), cpu_batch.v_cache, rtol=0, atol=0, equal_nan=True)

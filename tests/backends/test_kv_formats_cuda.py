@@ -78,7 +78,9 @@ def assert_same_storage(got: LayerKVCache, want: LayerKVCache) -> None:
             assert mismatched <= allowed, (name, mismatched)
 
 
-def write_case(fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int], q_lens: list[int], block_size: int = 8):
+def write_case(
+    fmt: str, dtype: torch.dtype, head_dim: int, seq_lens: list[int], q_lens: list[int], block_size: int = 8
+):
     """Caches holding ``seq_lens`` tokens per sequence, written by both backends, and the
     metadata of a step whose queries are the last ``q_lens`` of each."""
     kv_format = get_format(fmt)
@@ -164,11 +166,19 @@ ATTENTION_CASES = (
     [(f, d, t) for f in FORMATS for d in (64, 128, 256) for t in DTYPES]
     if ON_GPU
     else [(f, 64, torch.float32) for f in FORMATS]
-    + [("turbo4", 128, torch.float16), ("turbo8", 128, torch.float32), ("turbo3", 256, torch.float16), ("fp8", 256, torch.float16), ("turbo3", 128, torch.float32)]
+    + [
+        ("turbo4", 128, torch.float16),
+        ("turbo8", 128, torch.float32),
+        ("turbo3", 256, torch.float16),
+        ("fp8", 256, torch.float16),
+        ("turbo3", 128, torch.float32),
+    ]
 ) + [("turbo4", 16, torch.float32), ("turbo3", 16, torch.float16)]
 
 
-@pytest.mark.parametrize("fmt, head_dim, dtype", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{str(c[2])[6:]}") for c in ATTENTION_CASES])
+@pytest.mark.parametrize(
+    "fmt, head_dim, dtype", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{str(c[2])[6:]}") for c in ATTENTION_CASES]
+)
 def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     """A prefill step (chunked: queries are the last part of each context) and decode
     steps with one and several splits, all against the reference attention over the
@@ -230,12 +240,17 @@ def test_sliding_window_over_quantized_cache(fmt):
     assert relative_error(got, want) < TOL[dtype]
 
 
-def with_shadows(cache: LayerKVCache, meta: AttentionMetadata, window: int, drop: int) -> tuple[LayerKVCache, AttentionMetadata]:
+def with_shadows(
+    cache: LayerKVCache, meta: AttentionMetadata, window: int, drop: int
+) -> tuple[LayerKVCache, AttentionMetadata]:
     """The cache with shadow blocks (a recent window of ``window``) and the metadata
     naming them: every block of each sequence has one but block ``drop`` (a shadow
     returned or never taken), in scattered order."""
     num_blocks, block_size, kv_heads, head_dim = cache["k"].shape[:3] + (cache.head_dim,)
-    cache.shadows = tuple(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache.dtype, device=cache["k"].device) for _ in "kv")
+    cache.shadows = tuple(
+        torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=cache.dtype, device=cache["k"].device)
+        for _ in "kv"
+    )
     cache.recent_window = window
     order = torch.randperm(num_blocks).to(torch.int32)
     tables = order[meta.block_tables.long()]
@@ -311,7 +326,12 @@ def step_slots(cache: LayerKVCache, meta: AttentionMetadata, tables: torch.Tenso
 
 @pytest.mark.parametrize(
     "fmt, head_dim, dtype",
-    [("fp8", 64, torch.float32), ("turbo4", 128, torch.float16), ("turbo3", 64, torch.float16), ("auto", 64, torch.float16)],
+    [
+        ("fp8", 64, torch.float32),
+        ("turbo4", 128, torch.float16),
+        ("turbo3", 64, torch.float16),
+        ("auto", 64, torch.float16),
+    ],
 )
 def test_attention_op_stores_the_step_then_attends(fmt, head_dim, dtype):
     """The op as a layer calls it: the step's K/V stored like the CPU backend stores

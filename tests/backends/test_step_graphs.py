@@ -5,6 +5,7 @@ backend's kernels (under the Triton interpreter here)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -53,7 +54,7 @@ def test_ladders():
     sizes = token_sizes(8192)
     assert sizes[0] == 64 and sizes[-1] == 8192 and sizes == sorted(set(sizes))
     # any step of 64 or more tokens is padded by at most a quarter
-    assert all(b <= a * 1.25 for a, b in zip(sizes, sizes[1:])), sizes
+    assert all(b <= a * 1.25 for a, b in itertools.pairwise(sizes)), sizes
     buckets = step_buckets(StepLimits(max_num_seqs=100, max_num_tokens=160, max_blocks_per_seq=8, max_seq_len=32))
     assert [b for b in buckets if not b.decode] == [
         Bucket(64, 64, False), Bucket(80, 80, False), Bucket(96, 96, False), Bucket(112, 100, False),

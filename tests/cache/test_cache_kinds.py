@@ -15,7 +15,6 @@ from xinfer import LLM, SamplingParams, registry
 from xinfer.cache.block_pool import NO_BLOCK, BlockPool
 from xinfer.cache.manager import CacheManager
 from xinfer.cache.specs import AttentionSpec, RecurrentStateSpec, TokenVectorSpec, page_groups
-from xinfer.engine import engine as engine_module
 from xinfer.engine import memory_plan
 from xinfer.engine.memory_plan import blocks_kept, split_budget
 from xinfer.engine.sequence import Sequence
@@ -231,7 +230,9 @@ def toy_model_dir(tmp_path, monkeypatch):
     config.save_pretrained(tmp_path)
     known = registry.model_class
     monkeypatch.setattr(
-        registry, "model_class", lambda name, pm=None: CachingToyForCausalLM if name.startswith("CachingToy") else known(name, pm)
+        registry,
+        "model_class",
+        lambda name, pm=None: CachingToyForCausalLM if name.startswith("CachingToy") else known(name, pm),
     )
     return str(tmp_path)
 

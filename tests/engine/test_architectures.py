@@ -32,11 +32,11 @@ CONFIGS = {
         tie_word_embeddings=False,
         architectures=["Phi3ForCausalLM"],
     ),
-    "qwen2-bias-tied": lambda: Qwen2Config(
-        **COMMON, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]
-    ),
+    "qwen2-bias-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
     "qwen3-qknorm": lambda: Qwen3Config(
-        **{**COMMON, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=False,
+        **{**COMMON, "num_key_value_heads": 1},
+        head_dim=32,
+        tie_word_embeddings=False,
         architectures=["Qwen3ForCausalLM"],
     ),
 }
@@ -64,9 +64,9 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_match_hf_generate(models, length):
     hf, llm = models
     tokens = prompt(length, seed=1)
-    expected = hf.generate(
-        torch.tensor([tokens]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-    )[0, length:].tolist()
+    expected = hf.generate(torch.tensor([tokens]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[
+        0, length:
+    ].tolist()
     out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
     assert out[0].outputs[0].finish_reason == "length"

@@ -1,5 +1,7 @@
 """Continuous batching, preemption, prefix caching and bad input on a tiny Llama."""
 
+import itertools
+
 import pytest
 from transformers import LlamaConfig
 
@@ -96,9 +98,7 @@ def test_sampling_controls(llm):
     first = greedy.outputs[0].token_ids[0]
     stopped = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first]))[0]
     assert stopped.outputs[0].token_ids == [first] and stopped.outputs[0].finish_reason == "stop"
-    held = llm.generate(
-        [tokens], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=3)
-    )[0]
+    held = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=3))[0]
     assert len(held.outputs[0].token_ids) >= 3 and held.outputs[0].token_ids[0] != first
     with_logprobs = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=2, logprobs=3))[0]
     step = with_logprobs.outputs[0].logprobs[0]
@@ -110,7 +110,8 @@ def test_sampling_controls(llm):
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert a.outputs[0].token_ids != a.outputs[1].token_ids
     penalized = llm.generate(
-        [tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0)
+        [tokens],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
     )[0]
     plain = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert len(set(penalized.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
@@ -136,14 +137,16 @@ def test_the_host_reads_a_step_back_after_launching_the_next(llm, monkeypatch):
     assert llm.generate([PROMPTS[3]], params)[0].outputs[0].token_ids == alone
     launches = [key for kind, key in events if kind == "launch"]
     assert len(launches) == 6
-    for step, following in zip(launches, launches[1:]):
+    for step, following in itertools.pairwise(launches):
         assert events.index(("launch", following)) < events.index(("read", step))
 
 
 def test_steps_put_the_longest_context_first(llm, monkeypatch):
     batches = []
     prepare = llm.engine.runner.prepare
-    monkeypatch.setattr(llm.engine.runner, "prepare", lambda scheduled: batches.append(prepare(scheduled)) or batches[-1])
+    monkeypatch.setattr(
+        llm.engine.runner, "prepare", lambda scheduled: batches.append(prepare(scheduled)) or batches[-1]
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(PROMPTS[::-1], params)  # shortest prompt last in, longest first
     llm.generate(PROMPTS, params)  # and the other way round

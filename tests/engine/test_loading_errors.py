@@ -33,8 +33,8 @@ def test_missing_weight_is_named(tmp_path):
 
 
 def test_sharded_checkpoint_with_index_loads(tmp_path):
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"])

@@ -9,13 +9,13 @@ from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer.cache.allocate import attention_layers, bytes_per_block
 from xinfer.engine import engine as engine_module
 from xinfer.engine import memory_plan
-from xinfer.cache.allocate import attention_layers, bytes_per_block
 from xinfer.engine.memory_plan import (
-    GiB,
     MAX_NUM_SEQS_CAP,
     DeviceProfile,
+    GiB,
     derive_max_num_seqs,
     kv_budget,
     profile_batch,
@@ -37,8 +37,16 @@ def test_weights_and_activations_beyond_the_budget_are_one_clear_line():
         kv_budget(profile, 0.5)
     message = str(error.value)
     assert "\n" not in message
-    for part in ("weights 60.00 GiB", "activation peak 10.00 GiB", "CUDA graphs 1.00 GiB", "other 1.00 GiB",
-                 "72.00 GiB", "kv_fraction 0.5", "70.00 GiB", "--kv-fraction"):
+    for part in (
+        "weights 60.00 GiB",
+        "activation peak 10.00 GiB",
+        "CUDA graphs 1.00 GiB",
+        "other 1.00 GiB",
+        "72.00 GiB",
+        "kv_fraction 0.5",
+        "70.00 GiB",
+        "--kv-fraction",
+    ):
         assert part in message, part
 
 
@@ -126,13 +134,20 @@ def test_measured_plan_sizes_the_pool_and_max_num_seqs(model_dir, monkeypatch, c
     assert engine.scheduler.config.max_num_seqs == max_num_seqs
     assert fake.calls.index("reset_peak") < fake.calls.index("peak")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
-    for part in ("kv_fraction 0.5 of 0.00 GiB", "activation peak 0.00 GiB", "CUDA graph reserve 0.00 GiB",
-                 f"{num_blocks * 16} tokens", f"max_num_seqs {max_num_seqs} (derived)"):
+    for part in (
+        "kv_fraction 0.5 of 0.00 GiB",
+        "activation peak 0.00 GiB",
+        "CUDA graph reserve 0.00 GiB",
+        f"{num_blocks * 16} tokens",
+        f"max_num_seqs {max_num_seqs} (derived)",
+    ):
         assert part in line, (part, line)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     reference = LLM(model=model_dir, dtype="float32", num_blocks=64, max_model_len=128)
-    assert llm.generate([prompt(20)], params)[0].outputs[0].token_ids == \
-        reference.generate([prompt(20)], params)[0].outputs[0].token_ids
+    assert (
+        llm.generate([prompt(20)], params)[0].outputs[0].token_ids
+        == reference.generate([prompt(20)], params)[0].outputs[0].token_ids
+    )
 
 
 def test_max_num_seqs_given_is_kept(model_dir, monkeypatch):
@@ -204,7 +219,9 @@ def test_derived_max_num_seqs_leaves_their_tokens_beside_their_shadows(model_dir
     shorter than 1024) in the pool left once the shadows of that many are out of it."""
     fake = FakeMemory(total=8 << 20, free=8 << 20, peak=512 << 10)
     monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
-    options = dict(dtype="float32", kv_fraction=0.5, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="turbo4")
+    options = dict(
+        dtype="float32", kv_fraction=0.5, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="turbo4"
+    )
     plain = LLM(model=model_dir, **options).engine
     windowed = LLM(model=model_dir, kv_recent_window=64, **options).engine
     seqs = windowed.config.scheduler.max_num_seqs
@@ -216,7 +233,10 @@ def test_derived_max_num_seqs_leaves_their_tokens_beside_their_shadows(model_dir
 def test_no_room_beside_the_shadows_names_the_window(model_dir, monkeypatch):
     fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
     monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
-    with pytest.raises(ValueError, match=r"holds 0 tokens \(0 blocks of 16\) beside the recent window's \d+ exact "
-                                         r"blocks \(a smaller --kv-recent-window or --prefill-chunk-size"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 0 tokens \(0 blocks of 16\) beside the recent window's \d+ exact "
+        r"blocks \(a smaller --kv-recent-window or --prefill-chunk-size",
+    ):
         LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, kv_cache_dtype="turbo4",
             kv_recent_window=64)  # fmt: skip

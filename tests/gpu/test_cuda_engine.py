@@ -20,7 +20,10 @@ WIDE = {**COMMON, "initializer_range": 0.2}
 CONFIGS = {
     "llama": lambda: LlamaConfig(**WIDE, architectures=["LlamaForCausalLM"]),
     "qwen3-window": lambda: Qwen3Config(
-        **WIDE, head_dim=64, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+        **WIDE,
+        head_dim=64,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
         architectures=["Qwen3ForCausalLM"],
     ),
 }
@@ -42,13 +45,15 @@ def tokens(llm, prompts, params):
 def test_gpu_greedy_tokens_equal_cpu_backend(model_dir, enforce_eager):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128)
-    gpu = LLM(model=model_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
-              enforce_eager=enforce_eager)
+    gpu = LLM(
+        model=model_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8, enforce_eager=enforce_eager
+    )
     assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)
 
 
-@pytest.mark.parametrize("softcaps", [{}, dict(attn_logit_softcapping=20.0, final_logit_softcapping=5.0)],
-                         ids=["gemma3", "gemma3-softcaps"])
+@pytest.mark.parametrize(
+    "softcaps", [{}, dict(attn_logit_softcapping=20.0, final_logit_softcapping=5.0)], ids=["gemma3", "gemma3-softcaps"]
+)
 def test_gemma3_gives_cpu_tokens(softcaps, tmp_path):
     # q/k norms inside the rotary kernel, head dim 32, sliding and full layers; the
     # soft-capped LM head returns fp32 logits, the plain one the model dtype

@@ -56,5 +56,7 @@ def test_a_plugin_format_is_an_engine_option_and_runs_on_the_cpu(with_format, tm
 
 def test_a_backend_without_kernels_for_it_refuses_it(with_format):
     config = EngineConfig.from_kwargs(kv_cache_dtype="plain-fp8")
-    with pytest.raises(ValueError, match=r"the cuda backend does not support kv_cache_dtype \(--kvcache-dtype\) 'plain-fp8'"):
+    with pytest.raises(
+        ValueError, match=r"the cuda backend does not support kv_cache_dtype \(--kvcache-dtype\) 'plain-fp8'"
+    ):
         check_support(BackendSpec("cuda", "cuda", "-", "-"), CudaOps(), config)

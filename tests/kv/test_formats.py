@@ -200,7 +200,9 @@ def test_capacity_against_bf16_in_a_fixed_budget():
 
 
 def test_bytes_per_token_table():
-    table = {n: [formats()[n].bytes_per_token(d) for d in HEAD_DIMS] for n in ("auto", "fp8", "turbo8", "turbo4", "turbo3")}
+    table = {
+        n: [formats()[n].bytes_per_token(d) for d in HEAD_DIMS] for n in ("auto", "fp8", "turbo8", "turbo4", "turbo3")
+    }
     assert table == {
         "auto": [256, 512, 1024],
         "fp8": [136, 264, 520],
@@ -215,9 +217,7 @@ def test_prepared_query_scores_like_dequantized_keys():
     q, (k, v) = torch.randn(8, 4, 128), _data(128, tokens=8)
     rotated_keys, _ = fmt.decode(fmt.quantize(k, v))
     k2, _ = fmt.dequantize(fmt.quantize(k, v))
-    torch.testing.assert_close(
-        (fmt.prepare_query(q) * rotated_keys).sum(-1), (q * k2).sum(-1), rtol=1e-4, atol=1e-3
-    )
+    torch.testing.assert_close((fmt.prepare_query(q) * rotated_keys).sum(-1), (q * k2).sum(-1), rtol=1e-4, atol=1e-3)
 
 
 def test_the_engine_option_takes_every_registered_format_and_no_other():

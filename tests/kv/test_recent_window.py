@@ -124,7 +124,7 @@ def test_shadows_follow_the_window_and_block_zero_stays():
 
 
 def test_a_first_block_whose_shadow_was_reclaimed_is_no_longer_a_hit():
-    manager, pool = windowed_manager(num_shadows=4, recent_window=4)
+    manager, _ = windowed_manager(num_shadows=4, recent_window=4)
     first = seq_of(12, seed=1)
     assert manager.allocate(first, 12)
     first.num_computed_tokens = 12

@@ -13,12 +13,18 @@ from tests.loading.gguf_models import MODELS, gguf_path, hf_model
 from tests.tiny_models import prefill_logits, prompt
 from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
-from xinfer.loading.loader import build_model
 from xinfer.loading.gguf_file import GGUFFile
+from xinfer.loading.loader import build_model
 
 # fields whose value says where a file came from or how it was loaded, not what the model is
-_PROVENANCE = {"_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",
-               "quantization_config"}
+_PROVENANCE = {
+    "_name_or_path",
+    "_model_name_or_path",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "quantization_config",
+}
 
 
 def _differences(ours, reference) -> dict:
@@ -61,9 +67,19 @@ def test_weights_match_transformers(model):
 
 # -- files written here the way llama.cpp's converter writes qwen2 / qwen3 -----------------
 
-TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            rms_norm_eps=1e-6, rope_theta=1_000_000.0, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 TINY_MODELS = {
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
@@ -110,8 +126,9 @@ def write_gguf(model, arch: str, path: Path, longrope: bool = False) -> None:
     writer.add_eos_token_id(config.eos_token_id)
     if config.pad_token_id is not None:
         writer.add_pad_token_id(config.pad_token_id)
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
-                                     config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
+    )
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -237,7 +254,9 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     write_gguf(original, "phi3", path)
     llm = LLM(model=str(path), dtype="float32", num_blocks=64)
     config = load_gguf_config(path)
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    )
     tokens = prompt(37, vocab_size=TINY["vocab_size"])
     expected = reference(torch.tensor([tokens])).logits[0]
     got = prefill_logits(llm.engine, tokens)

@@ -8,7 +8,7 @@ import torch
 
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model
 from tests.tiny_models import prefill_logits
-from xinfer import LLM, SamplingParams
+from xinfer import LLM
 
 PARAGRAPH = (
     "The river wound slowly through the valley, past old stone bridges and fields of wheat. "
@@ -57,5 +57,6 @@ def test_llama_cpp_greedy_tokens_are_our_first_choices(model):
         theirs = list(itertools.islice(reference.generate(ids, top_k=1, temp=0.0), 32))
         logprobs = torch.log_softmax(prefill_logits(llm.engine, ids + theirs).float(), -1)[len(ids) - 1 : -1]
         gaps = logprobs.max(-1).values - logprobs[torch.arange(len(theirs)), torch.tensor(theirs)]
-        assert gaps.max() <= MAX_NEAR_TIE_NATS, f"{prompt!r}: llama.cpp's token {int(gaps.argmax())} is " \
-            f"{gaps.max():.2f} nats below our first choice"
+        assert gaps.max() <= MAX_NEAR_TIE_NATS, (
+            f"{prompt!r}: llama.cpp's token {int(gaps.argmax())} is {gaps.max():.2f} nats below our first choice"
+        )

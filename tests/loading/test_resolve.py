@@ -22,7 +22,7 @@ def test_gguf_file_and_folder_with_one_gguf(tmp_path):
 def test_folder_with_two_ggufs_names_them(tmp_path):
     for name in ("a.gguf", "b.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
-    with pytest.raises(ModelNotFoundError, match="a.gguf, b.gguf"):
+    with pytest.raises(ModelNotFoundError, match=r"a\.gguf, b\.gguf"):
         resolve_model_path(str(tmp_path))
 
 

@@ -127,7 +127,7 @@ version = "0.0.1"
 doubling = "xinfer_doubling"
 """
 
-MODULE = '''
+MODULE = """
 from xinfer.hooks import OpSpec, hookimpl
 
 
@@ -142,7 +142,7 @@ def double_cpu(x):
 @hookimpl
 def xinfer_ops():
     return [OpSpec("double", "xinfer_doubling:double", {"cpu": "xinfer_doubling:double_cpu"})]
-'''
+"""
 
 RUN = """
 import json, torch

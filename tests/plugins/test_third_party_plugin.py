@@ -60,8 +60,18 @@ def test_a_pip_installed_plugin_adds_an_architecture(tmp_path):
     (package / "xinfer_tinynet.py").write_text(textwrap.dedent(MODULE))
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(package)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(package),
+        ],
         check=True,
     )
     model_dir = tmp_path / "model"
@@ -75,11 +85,14 @@ def test_a_pip_installed_plugin_adds_an_architecture(tmp_path):
     env = {**os.environ, "PYTHONPATH": pythonpath, "XINFER_PLUGINS": "tinynet,cpu"}
     result = subprocess.run(
         [sys.executable, "-c", RUN, str(model_dir), json.dumps(tokens)],
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     got = json.loads(result.stdout.strip().splitlines()[-1])
     expected = hf.generate(torch.tensor([tokens]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert got["tokens"] == expected[0, len(tokens):].tolist()
+    assert got["tokens"] == expected[0, len(tokens) :].tolist()
     assert got["version"] == "0.0.7" and got["archs"] == ["TinyNetForCausalLM"]
     assert got["packages"] == ["xinfer_cpu", "xinfer_tinynet"], "a plugin other than tinynet and cpu was imported"
 

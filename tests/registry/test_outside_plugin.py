@@ -90,4 +90,4 @@ def test_a_plugin_from_outside_the_repo_brings_a_new_model_type(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
     expected = hf.generate(torch.tensor([tokens]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert got == {"tokens": expected[0, len(tokens):].tolist(), "model_type": "tinynet"}
+    assert got == {"tokens": expected[0, len(tokens) :].tolist(), "model_type": "tinynet"}

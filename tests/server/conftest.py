@@ -11,8 +11,12 @@ MAX_BODY_BYTES = 1_000_000
 def server():
     """The embedded default model behind an API key."""
     live = LiveServer(
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
-        api_key=API_KEY, name="server",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+        api_key=API_KEY,
+        name="server",
     ).start()
     yield live
     live.stop()

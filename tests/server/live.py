@@ -24,7 +24,9 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *flags: str, api_key: str | None = None, env: dict[str, str] | None = None, name: str = "server"):
+    def __init__(
+        self, *flags: str, api_key: str | None = None, env: dict[str, str] | None = None, name: str = "server"
+    ):
         self.flags = list(flags)
         self.api_key = api_key
         self.env = {**os.environ, **(env or {})}
@@ -33,12 +35,12 @@ class LiveServer:
         self.log_path = REPO / "test-output" / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self.log_path.parent.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "xinfer.server", "--host", "127.0.0.1", "--port", str(self.port), *self.flags]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -21,8 +21,12 @@ def test_non_streaming_answer_has_openai_shape(client, model):
 def test_stream_equals_non_stream_at_temperature_0(client, model):
     whole = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=32)
     stream = client.chat.completions.create(
-        model=model, messages=QUESTION, temperature=0, max_tokens=32,
-        stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -104,8 +108,14 @@ def test_logprobs(client, model):
 
 def test_sampling_parameters_are_accepted(client, model):
     reply = client.chat.completions.create(
-        model=model, messages=QUESTION, max_completion_tokens=5, temperature=0.7, top_p=0.9,
-        frequency_penalty=0.5, presence_penalty=0.3, seed=7,
+        model=model,
+        messages=QUESTION,
+        max_completion_tokens=5,
+        temperature=0.7,
+        top_p=0.9,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        seed=7,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
     )
     assert reply.usage.completion_tokens <= 5

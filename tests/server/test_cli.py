@@ -12,19 +12,53 @@ from tests.server.live import REPO
 from xinfer.server.args import build_parser, parse_args
 
 ISSUE_FLAGS = [
-    "--m", "--model", "--w", "--f", "--d", "--dtype", "--cpu", "--kvcache-dtype", "--max-num-seqs",
-    "--max-model-len", "--max-tokens", "--kv-fraction", "--prefill-chunk-size", "--disable-prefix-cache",
-    "--disable-cuda-graph", "--temperature", "--top-k", "--top-p", "--frequency-penalty", "--presence-penalty",
-    "--seed", "--host", "--port", "--ui-server", "--api-key", "--i", "--isq", "--num-speculative-tokens",
-    "--draft-model", "--pd-server", "--pd-client", "--pd-url", "--mcp-config", "--enforce-parser",
-    "--max-waiting", "--shutdown-timeout",
+    "--m",
+    "--model",
+    "--w",
+    "--f",
+    "--d",
+    "--dtype",
+    "--cpu",
+    "--kvcache-dtype",
+    "--max-num-seqs",
+    "--max-model-len",
+    "--max-tokens",
+    "--kv-fraction",
+    "--prefill-chunk-size",
+    "--disable-prefix-cache",
+    "--disable-cuda-graph",
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--frequency-penalty",
+    "--presence-penalty",
+    "--seed",
+    "--host",
+    "--port",
+    "--ui-server",
+    "--api-key",
+    "--i",
+    "--isq",
+    "--num-speculative-tokens",
+    "--draft-model",
+    "--pd-server",
+    "--pd-client",
+    "--pd-url",
+    "--mcp-config",
+    "--enforce-parser",
+    "--max-waiting",
+    "--shutdown-timeout",
 ]
 
 
 def xinfer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     code = "import sys; from xinfer.cli import main; sys.exit(main())"
     return subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, **(env or {})},
     )
 
@@ -36,14 +70,17 @@ def test_help_lists_every_flag():
         assert flag in result.stdout, flag
 
 
-@pytest.mark.parametrize("flags, feature", [
-    (["--isq", "q4k"], "--isq"),
-    (["--d", "0,1"], "tensor parallel"),
-    (["--num-speculative-tokens", "2"], "speculative"),
-    (["--pd-server"], "disaggregation"),
-    (["--mcp-config", "tools.json"], "MCP"),
-    (["--num-nodes", "2"], "multi-node"),
-])
+@pytest.mark.parametrize(
+    "flags, feature",
+    [
+        (["--isq", "q4k"], "--isq"),
+        (["--d", "0,1"], "tensor parallel"),
+        (["--num-speculative-tokens", "2"], "speculative"),
+        (["--pd-server"], "disaggregation"),
+        (["--mcp-config", "tools.json"], "MCP"),
+        (["--num-nodes", "2"], "multi-node"),
+    ],
+)
 def test_later_features_are_refused_in_one_line(flags, feature):
     result = xinfer(*flags)
     assert result.returncode == 2
@@ -79,7 +116,13 @@ def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):
     monkeypatch.setenv("XINFER_MODEL", "/models/a.gguf")
     monkeypatch.setenv("XINFER_API_KEY", "sk-env")
     args = parse_args(["--port", "9100"])
-    assert (args.max_num_seqs, args.port, args.cpu, args.model, args.api_key) == (8, 9100, True, "/models/a.gguf", "sk-env")
+    assert (args.max_num_seqs, args.port, args.cpu, args.model, args.api_key) == (
+        8,
+        9100,
+        True,
+        "/models/a.gguf",
+        "sk-env",
+    )
     assert parse_args(["--m", "/models/b"]).model == "/models/b"
 
 
@@ -102,9 +145,15 @@ def test_a_missing_model_file_is_one_line():
     assert len(result.stderr.strip().splitlines()) == 1 and "/no/such/model.gguf" in result.stderr
 
 
-@pytest.mark.parametrize("flag, value", [
-    ("--max-waiting", "0"), ("--shutdown-timeout", "-1"), ("--max-body-bytes", "0"), ("--health-stall-timeout", "-5"),
-])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--max-waiting", "0"),
+        ("--shutdown-timeout", "-1"),
+        ("--max-body-bytes", "0"),
+        ("--health-stall-timeout", "-5"),
+    ],
+)
 def test_out_of_range_server_values_are_refused(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args([flag, value])

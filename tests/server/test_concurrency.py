@@ -28,8 +28,12 @@ def test_16_concurrent_streams_complete_with_the_same_text_as_alone(server, clie
 
     async def stream(messages):
         async with server.async_client(timeout=300) as aclient:
-            chunks = [c async for c in await aclient.chat.completions.create(
-                model=model, messages=messages, temperature=0, max_tokens=12, stream=True)]
+            chunks = [
+                c
+                async for c in await aclient.chat.completions.create(
+                    model=model, messages=messages, temperature=0, max_tokens=12, stream=True
+                )
+            ]
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         return text, chunks[-1].choices[0].finish_reason
 
@@ -50,16 +54,23 @@ def kv_is_free(server) -> bool:
 
 def test_dropped_streams_free_their_kv_blocks(server, client, model):
     async def open_and_drop(i: int):
-        body = {"model": model, "messages": [{"role": "user", "content": f"Tell a long story number {i}."}],
-                "max_tokens": 900, "stream": True, "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=120, headers=server.headers) as http:
-            async with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                seen = 0
-                async for line in response.aiter_lines():
-                    seen += line.startswith("data:")
-                    if seen >= 3:
-                        return True  # leaving the block closes the connection mid-stream
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Tell a long story number {i}."}],
+            "max_tokens": 900,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        async with (
+            httpx.AsyncClient(timeout=120, headers=server.headers) as http,
+            http.stream("POST", server.url + "/v1/chat/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data:")
+                if seen >= 3:
+                    return True  # leaving the block closes the connection mid-stream
 
     async def run():
         return await asyncio.gather(*(open_and_drop(i) for i in range(20)))
@@ -74,8 +85,12 @@ def test_dropped_streams_free_their_kv_blocks(server, client, model):
 
 
 def test_dropped_non_streaming_request_is_aborted(server, model):
-    body = {"model": model, "messages": [{"role": "user", "content": "Write an essay."}],
-            "max_tokens": 900, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Write an essay."}],
+        "max_tokens": 900,
+        "ignore_eos": True,
+    }
     try:
         server.post("/v1/chat/completions", body, timeout=1.5)
     except httpx.TimeoutException:

@@ -23,12 +23,20 @@ PROMPT = [(37 * i + 11) % VOCAB for i in range(20)]
 @pytest.fixture(scope="module")
 def dummy_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dummy-shape")
-    LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)
     save_synthetic_tokenizer(folder, VOCAB)
-    live = LiveServer("--m", str(folder), "--load-format", "dummy", "--cpu", "--max-model-len", "256",
-                      name="dummy-shape").start()
+    live = LiveServer(
+        "--m", str(folder), "--load-format", "dummy", "--cpu", "--max-model-len", "256", name="dummy-shape"
+    ).start()
     yield live
     live.stop()
 

@@ -25,9 +25,11 @@ class ScriptedEngine:
 
     def __init__(self, step_hook=lambda: None):
         self.step_hook = step_hook
-        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [1, 2, 3],
-                                         decode=lambda ids, skip_special_tokens=True: "a" * len(ids),
-                                         chat_template=None)
+        self.tokenizer = SimpleNamespace(
+            encode=lambda text, add_special_tokens=True: [1, 2, 3],
+            decode=lambda ids, skip_special_tokens=True: "a" * len(ids),
+            chat_template=None,
+        )
         self.hf_config = SimpleNamespace(vocab_size=100, hidden_size=8)
         self.block_manager = SimpleNamespace(block_size=16)
         self.live: dict[str, int] = {}

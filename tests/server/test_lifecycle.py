@@ -22,8 +22,14 @@ ENV = {"XINFER_MAX_MODEL_LEN": "512", "XINFER_PORT": "1", "XINFER_DISABLE_PREFIX
 @pytest.fixture(scope="module")
 def small_server():
     live = LiveServer(
-        "--max-num-seqs", "2", "--max-waiting", "2", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-        env=ENV, name="small-server",
+        "--max-num-seqs",
+        "2",
+        "--max-waiting",
+        "2",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        env=ENV,
+        name="small-server",
     ).start()
     yield live
     live.stop()
@@ -44,8 +50,10 @@ def test_flags_come_from_the_environment_and_the_command_line_wins(small_server)
 def test_full_queue_answers_429_with_retry_after(small_server):
     async def burst():
         async with httpx.AsyncClient(timeout=300) as http:
-            calls = [http.post(small_server.url + "/v1/chat/completions", json=long_chat(48, f"Story {i}."))
-                     for i in range(8)]
+            calls = [
+                http.post(small_server.url + "/v1/chat/completions", json=long_chat(48, f"Story {i}."))
+                for i in range(8)
+            ]
             return await asyncio.gather(*calls)
 
     responses = asyncio.run(burst())
@@ -74,8 +82,10 @@ def start_streams(server: LiveServer, *max_tokens: int) -> tuple[list[threading.
     url = server.url + "/v1/chat/completions"
     results = [{} for _ in max_tokens]
     started = [threading.Event() for _ in max_tokens]
-    readers = [threading.Thread(target=read_stream, args=(url, long_chat(n), result, event))
-               for n, result, event in zip(max_tokens, results, started)]
+    readers = [
+        threading.Thread(target=read_stream, args=(url, long_chat(n), result, event))
+        for n, result, event in zip(max_tokens, results, started)
+    ]
     for reader in readers:
         reader.start()
     assert all(event.wait(120) for event in started)

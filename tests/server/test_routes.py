@@ -55,10 +55,16 @@ def test_completion_echo_and_logprobs(client, model):
 
 def test_streamed_completion_equals_whole(client, model):
     whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0)
-    chunks = list(client.completions.create(
-        model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
@@ -116,8 +122,12 @@ def test_health_is_open_and_metrics_are_exported(server, client, model):
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     after = server.metrics()
     for name in (
-        "xinfer_num_requests_running", "xinfer_num_requests_waiting", "xinfer_kv_cache_usage",
-        "xinfer_prefix_cache_queries_total", "xinfer_prefix_cache_hits_total", "xinfer_num_preemptions_total",
+        "xinfer_num_requests_running",
+        "xinfer_num_requests_waiting",
+        "xinfer_kv_cache_usage",
+        "xinfer_prefix_cache_queries_total",
+        "xinfer_prefix_cache_hits_total",
+        "xinfer_num_preemptions_total",
     ):
         assert name in after, name
     assert after["xinfer_prompt_tokens_total"] > before.get("xinfer_prompt_tokens_total", 0)

@@ -15,7 +15,9 @@ from xinfer.sampling import SamplingParams
 
 class FakeTemplate:
     def render(self, messages, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
 
 
 class FakeEngine:
@@ -57,7 +59,10 @@ def test_python_m_xinfer_chat_streams_answers_and_exits():
     result = subprocess.run(
         [sys.executable, "-m", "xinfer.chat", "--max-model-len", "512", "--temperature", "0", "--max-tokens", "24"],
         input="What is the capital of France?\n/clear\nName a color.\n/exit\n",
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]

@@ -58,8 +58,16 @@ FEATURES_TEMPLATE = """
 {% endfor %}
 {{ ns.count }} {{ 'gen' if add_generation_prompt else 'nogen' }} {{ eos_token }}
 """
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Météo <à> & \"lieu\"",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": 'Météo <à> & "lieu"',
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +131,10 @@ def test_gemma_folder_template_matches_transformers(gemma_folder, conversation, 
 def test_template_features_match_transformers(smollm, add_generation_prompt):
     messages = CONVERSATIONS["system"]
     expected = hf_tokenizer(SMOLLM).apply_chat_template(
-        messages, tools=TOOLS, chat_template=FEATURES_TEMPLATE, tokenize=False,
+        messages,
+        tools=TOOLS,
+        chat_template=FEATURES_TEMPLATE,
+        tokenize=False,
         add_generation_prompt=add_generation_prompt,
     )
     ours = ChatTemplate(FEATURES_TEMPLATE, "test", smollm.bos_token, smollm.eos_token)
@@ -140,7 +151,7 @@ def test_template_drops_none_fields_like_transformers(smollm):
 def test_syntax_error_names_the_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text(hf_tokenizer(SMOLLM).backend_tokenizer.to_str())
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
-    with pytest.raises(ChatTemplateError, match="chat_template.jinja"):
+    with pytest.raises(ChatTemplateError, match=r"chat_template\.jinja"):
         Tokenizer.from_folder(tmp_path)
 
 
@@ -153,11 +164,11 @@ def test_raise_exception_names_the_gguf(smollm):
 
 def test_undefined_is_an_error_naming_the_origin():
     template = ChatTemplate("{{ messages[0].content.missing.deeper }}", "somewhere/tokenizer_config.json")
-    with pytest.raises(ChatTemplateError, match="somewhere/tokenizer_config.json.*Undefined"):
+    with pytest.raises(ChatTemplateError, match=r"somewhere/tokenizer_config\.json.*Undefined"):
         template.render([{"role": "user", "content": "x"}])
 
 
 def test_sandbox_refuses_python_internals():
     template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", "evil.gguf")
-    with pytest.raises(ChatTemplateError, match="evil.gguf"):
+    with pytest.raises(ChatTemplateError, match=r"evil\.gguf"):
         template.render([{"role": "user", "content": "x"}])

@@ -52,7 +52,9 @@ def test_every_referenced_file_is_shipped():
 
 
 def test_scripts_use_no_html_sinks():
-    sinks = re.compile(r"\.(innerHTML|outerHTML|insertAdjacentHTML)\s*=|insertAdjacentHTML\(|document\.write|\beval\(|new Function\(")
+    sinks = re.compile(
+        r"\.(innerHTML|outerHTML|insertAdjacentHTML)\s*=|insertAdjacentHTML\(|document\.write|\beval\(|new Function\("
+    )
     for js in STATIC_DIR.glob("*.js"):
         for n, line in enumerate(js.read_text().splitlines(), 1):
             if line.lstrip().startswith("//"):

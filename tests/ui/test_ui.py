@@ -137,7 +137,7 @@ def server():
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     port = _free_port_pair()
     log_path = OUT_DIR / "server.log"
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes it until the fixture ends
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "xinfer.server", "--ui-server", "--port", str(port)]
     cmd += shlex.split(os.environ.get("XINFER_UI_TEST_SERVER_ARGS", ""))
@@ -247,7 +247,10 @@ def _mock_replies(pg, replies: list[str]) -> list[dict]:
         bodies.append(json.loads(route.request.post_data or "{}"))
         text = replies[min(len(bodies) - 1, len(replies) - 1)]
         pieces = [{"content": text[i : i + 5]} for i in range(0, len(text), 5)]
-        _fulfill_sse(route, _sse(pieces, {"prompt_tokens": 10, "completion_tokens": len(pieces), "total_tokens": 10 + len(pieces)}))
+        _fulfill_sse(
+            route,
+            _sse(pieces, {"prompt_tokens": 10, "completion_tokens": len(pieces), "total_tokens": 10 + len(pieces)}),
+        )
 
     pg.route("**/v1/chat/completions", handle)
     return bodies
@@ -311,9 +314,8 @@ def test_stop_aborts_generation(page, server):
         timeout=REPLY_TIMEOUT_MS,
     )
     running = server.running()
-    assert running is not None, (
-        f"{METRIC_RUNNING} is not in /metrics:\n"
-        + "\n".join(line for line in server.metrics().splitlines() if "running" in line)
+    assert running is not None, f"{METRIC_RUNNING} is not in /metrics:\n" + "\n".join(
+        line for line in server.metrics().splitlines() if "running" in line
     )
     assert running >= 1, f"{METRIC_RUNNING} is {running} while a reply streams"
 
@@ -379,14 +381,16 @@ def test_untrusted_markdown_is_shown_as_text(page, server):
         'Look: <img src=x onerror="window.__xss=1;alert(1)"> here.\n\n'
         "<script>window.__xss=2;alert(2)</script>\n\n"
         "**Bold** and [bad link](javascript:window.__xss=3) and [good link](https://example.com/a) "
-        "and ![pic](https://example.invalid/pic.png) and <a href=\"javascript:alert(4)\">raw</a>\n\n"
-        "<iframe src=\"javascript:alert(5)\"></iframe> <b onmouseover=alert(6)>hover</b>\n\n"
+        'and ![pic](https://example.invalid/pic.png) and <a href="javascript:alert(4)">raw</a>\n\n'
+        '<iframe src="javascript:alert(5)"></iframe> <b onmouseover=alert(6)>hover</b>\n\n'
         "```html\n<script>window.__xss=7</script>\n```\n"
     )
     # Split so that tags also arrive across chunk boundaries.
     pieces = [{"content": evil[i : i + 7]} for i in range(0, len(evil), 7)]
-    body = _sse([{"reasoning_content": "<img src=y onerror=alert(8)> thinking"}] + pieces,
-                {"prompt_tokens": 12, "completion_tokens": len(pieces), "total_tokens": 12 + len(pieces)})
+    body = _sse(
+        [{"reasoning_content": "<img src=y onerror=alert(8)> thinking"}] + pieces,
+        {"prompt_tokens": 12, "completion_tokens": len(pieces), "total_tokens": 12 + len(pieces)},
+    )
     page.route("**/v1/chat/completions", lambda route: _fulfill_sse(route, body))
 
     _send(page, "Show me some HTML")
@@ -420,9 +424,20 @@ def test_untrusted_markdown_is_shown_as_text(page, server):
 @pytest.mark.timeout(120)
 def test_error_states(page):
     def overflow(route):
-        route.fulfill(status=400, content_type="application/json", body=json.dumps({"error": {
-            "message": "The prompt is too long: 9000 tokens, but the model's context is 8192 tokens.",
-            "type": "invalid_request_error", "param": "messages", "code": None}}))
+        route.fulfill(
+            status=400,
+            content_type="application/json",
+            body=json.dumps(
+                {
+                    "error": {
+                        "message": "The prompt is too long: 9000 tokens, but the model's context is 8192 tokens.",
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                        "code": None,
+                    }
+                }
+            ),
+        )
 
     page.route("**/v1/chat/completions", overflow)
     _send(page, "A very long prompt")
@@ -438,9 +453,20 @@ def test_error_states(page):
     def no_room(route):
         bodies.append(json.loads(route.request.post_data or "{}"))
         if "max_tokens" in bodies[-1]:
-            route.fulfill(status=400, content_type="application/json", body=json.dumps({"error": {
-                "message": "the model's context is 8192 tokens; the prompt has 8150 and 64 more were asked for",
-                "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}}))
+            route.fulfill(
+                status=400,
+                content_type="application/json",
+                body=json.dumps(
+                    {
+                        "error": {
+                            "message": "the model's context is 8192 tokens; the prompt has 8150 and 64 more were asked for",
+                            "type": "invalid_request_error",
+                            "param": "max_tokens",
+                            "code": "context_length_exceeded",
+                        }
+                    }
+                ),
+            )
         else:
             _fulfill_sse(route, _sse([{"content": "Short."}]))
 
@@ -457,9 +483,23 @@ def test_error_states(page):
     page.unroute("**/v1/chat/completions")
     page.click("#new-chat")
 
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=400, content_type="application/json",
-        body=json.dumps({"error": {"message": "top_p must be in (0, 1]", "type": "invalid_request_error", "param": "top_p", "code": None}})))
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=400,
+            content_type="application/json",
+            body=json.dumps(
+                {
+                    "error": {
+                        "message": "top_p must be in (0, 1]",
+                        "type": "invalid_request_error",
+                        "param": "top_p",
+                        "code": None,
+                    }
+                }
+            ),
+        ),
+    )
     _send(page, "hello")
     err = _last_reply(page).locator(".msg-error")
     err.wait_for()
@@ -486,12 +526,16 @@ def test_error_states(page):
 
 @pytest.mark.timeout(120)
 def test_settings_edit_regenerate_and_manage(page):
-    page.route("**/ui/config.json", lambda route: route.fulfill(
-        status=200, content_type="application/json", body='{"api_key": "sk-test-123"}'))
+    page.route(
+        "**/ui/config.json",
+        lambda route: route.fulfill(status=200, content_type="application/json", body='{"api_key": "sk-test-123"}'),
+    )
     page.reload()
     _wait_ready(page)
     auth: list[str | None] = []
-    page.on("request", lambda r: auth.append(r.headers.get("authorization")) if "/v1/chat/completions" in r.url else None)
+    page.on(
+        "request", lambda r: auth.append(r.headers.get("authorization")) if "/v1/chat/completions" in r.url else None
+    )
     bodies = _mock_replies(page, ["First **answer**.", "Second answer.", "Third answer."])
 
     page.click("#open-settings")

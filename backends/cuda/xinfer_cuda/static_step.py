@@ -112,7 +112,9 @@ class StaticStep:
         seqs, groups = limits.max_num_seqs, limits.num_page_groups
         self.tables_per_group = 2 if limits.shadows else 1
         pin = device.type == "cuda"
-        self.host64 = torch.zeros((2 + groups * self.tables_per_group) * tokens + seqs, dtype=torch.int64, pin_memory=pin)
+        self.host64 = torch.zeros(
+            (2 + groups * self.tables_per_group) * tokens + seqs, dtype=torch.int64, pin_memory=pin
+        )
         self.seq_fields = 3 if limits.state_slots else 2
         num_tables = groups * self.tables_per_group
         size32 = self.seq_fields * seqs + 1 + num_tables * seqs * limits.max_blocks_per_seq

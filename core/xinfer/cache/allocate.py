@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xinfer.cache.specs import AttentionSpec, CachingLayer, PageGroup, RecurrentStateSpec, caching_layers, page_groups
-from xinfer.kv import KVFormat
+from xinfer.kv import KVFormat, LayerKVCache
 from xinfer.layers.attention import Attention
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class CacheLayout:
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one sequence's recurrent state over all layers."""
-        return sum(layer.cache_spec().bytes_per_slot(dtype) for layer in self.state_layers)  # type: ignore[union-attr]
+        return sum(_state_spec(layer).bytes_per_slot(dtype) for layer in self.state_layers)
 
 
 def allocate_caches(
@@ -66,16 +66,28 @@ def allocate_caches(
     for index, (group, blocks) in enumerate(zip(layout.groups, num_blocks, strict=True)):
         shadows = num_shadows[index] if num_shadows else 0
         for layer, spec in zip(group.layers, group.specs):
-            layer.cache = spec.allocate(blocks, block_size, kv_format, dtype, device)
             layer.page_group = index
             if shadows and isinstance(spec, AttentionSpec):
+                cache = spec.allocate(blocks, block_size, kv_format, dtype, device)
                 shape = (shadows, block_size, spec.num_kv_heads, spec.head_dim)
-                layer.cache.shadows = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-                layer.cache.recent_window = recent_window
+                k_shadow, v_shadow = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+                cache.shadows = (k_shadow, v_shadow)
+                cache.recent_window = recent_window
+                layer.cache = cache
+            else:
+                layer.cache = spec.allocate(blocks, block_size, kv_format, dtype, device)
     for layer in layout.state_layers:
-        layer.cache = layer.cache_spec().allocate(num_state_slots, dtype, device)  # type: ignore[union-attr]
+        layer.cache = _state_spec(layer).allocate(num_state_slots, dtype, device)
     if key_transforms is not None:
-        key_transforms.apply([layer.cache for layer in layout.attention_layers])  # type: ignore[misc]
+        key_transforms.apply(
+            [layer.cache for layer in layout.attention_layers if isinstance(layer.cache, LayerKVCache)]
+        )
+
+
+def _state_spec(layer: CachingLayer) -> RecurrentStateSpec:
+    spec = layer.cache_spec()
+    assert isinstance(spec, RecurrentStateSpec), "state layers cache recurrent state"
+    return spec
 
 
 def bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype, kv_format: KVFormat) -> int:

@@ -15,9 +15,7 @@ from xinfer.engine.sequence import Sequence
 
 
 class CacheManager:
-    def __init__(
-        self, pools: list[BlockPool], enable_prefix_caching: bool = True, states: StatePool | None = None
-    ):
+    def __init__(self, pools: list[BlockPool], enable_prefix_caching: bool = True, states: StatePool | None = None):
         assert pools or states, "a model caches something"
         self.pools = pools
         self.states = states

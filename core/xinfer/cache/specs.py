@@ -117,7 +117,7 @@ def page_groups(layers: list[CachingLayer]) -> list[PageGroup]:
         if not isinstance(spec, RecurrentStateSpec):
             by_window.setdefault(spec.window, []).append((layer, spec))
     order = sorted(by_window, key=lambda window: (window is not None, -(window or 0)))
-    return [PageGroup(w, tuple(l for l, _ in by_window[w]), tuple(s for _, s in by_window[w])) for w in order]
+    return [PageGroup(w, tuple(layer for layer, _ in by_window[w]), tuple(s for _, s in by_window[w])) for w in order]
 
 
 def state_layers(layers: list[CachingLayer]) -> list[CachingLayer]:

@@ -15,8 +15,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import torch
 
@@ -116,9 +117,9 @@ class AsyncEngine:
 
     def health(self) -> tuple[bool, str]:
         """(healthy, status word); a step running longer than ``stall_timeout`` counts as stuck."""
-        if self.state is EngineState.READY and self._step_started is not None:
-            if time.monotonic() - self._step_started > self.stall_timeout:
-                return False, "stalled"
+        started = self._step_started
+        if self.state is EngineState.READY and started is not None and time.monotonic() - started > self.stall_timeout:
+            return False, "stalled"
         return self.state is EngineState.READY, self.state.value
 
     def begin_drain(self) -> None:
@@ -166,7 +167,7 @@ class AsyncEngine:
         handle = RequestHandle(
             [RequestOutput.empty(f"{request_id}-{i}", prompt, params) for i, (prompt, params) in enumerate(prompts)]
         )
-        handle.accepted = self.loop.create_future()
+        handle.accepted = self._event_loop.create_future()
         for position, output in enumerate(handle.outputs):
             self._handles[output.request_id] = (handle, position)
         self._send("add", (handle, prompts))
@@ -223,9 +224,14 @@ class AsyncEngine:
     async def embed(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states [T, hidden] of each prompt, computed between steps."""
         self._check_available()
-        future = self.loop.create_future()
+        future = self._event_loop.create_future()
         self._send("embed", (token_ids, future))
         return await future
+
+    @property
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        assert self.loop is not None, "start() binds the event loop"
+        return self.loop
 
     def _check_available(self) -> None:
         if self.state is not EngineState.READY:
@@ -248,25 +254,25 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = self.factory()
-            self.processor = OutputProcessor(self.engine)
-        except BaseException as error:  # noqa: BLE001 - reported through /health
+            engine = self.factory()
+            processor = OutputProcessor(engine)
+        except BaseException as error:  # reported through /health
             log.error("loading the model failed: %s: %s", type(error).__name__, first_line(error))
             log.debug("loading the model failed", exc_info=True)  # the traceback with --log debug
             self._die(f"loading failed: {error}")
             self._loaded.set()
             return
+        self.engine, self.processor = engine, processor
         if self.state is EngineState.LOADING:
             self.state = EngineState.READY
         self._loaded.set()
         try:
-            self._loop()
-        except BaseException as error:  # noqa: BLE001
+            self._loop(engine, processor)
+        except BaseException as error:
             log.exception("the engine loop died")
             self._die(f"{type(error).__name__}: {error}")
 
-    def _loop(self) -> None:
-        engine, processor = self.engine, self.processor
+    def _loop(self, engine: LLMEngine, processor: OutputProcessor) -> None:
         while True:
             with self._wake:
                 while not self._commands and not engine.has_unfinished():
@@ -276,17 +282,16 @@ class AsyncEngine:
             for command, payload in commands:
                 if command == "stop":
                     return
-                self._handle_command(command, payload)
+                self._handle_command(engine, processor, command, payload)
             if engine.has_unfinished():
                 self._step_started = time.monotonic()
                 outputs = processor.step()
                 self._step_started = None
-                self._snapshot()
+                self._snapshot(engine)
                 if outputs:
-                    self.loop.call_soon_threadsafe(self._deliver, outputs)
+                    self._event_loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _handle_command(self, command: str, payload: Any) -> None:
-        processor = self.processor
+    def _handle_command(self, engine: LLMEngine, processor: OutputProcessor, command: str, payload: Any) -> None:
         if command == "add":
             handle, prompts = payload
             try:
@@ -304,10 +309,10 @@ class AsyncEngine:
         elif command == "embed":
             token_ids, future = payload
             try:
-                self._resolve(future, result=[self.engine.hidden_states(ids).float().cpu() for ids in token_ids])
+                self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
             except (ValueError, KVCacheFull) as error:
                 self._resolve(future, error=error)
-        self._snapshot()
+        self._snapshot(engine)
 
     def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
         def set_outcome() -> None:
@@ -318,10 +323,10 @@ class AsyncEngine:
             else:
                 future.set_result(result)
 
-        self.loop.call_soon_threadsafe(set_outcome)
+        self._event_loop.call_soon_threadsafe(set_outcome)
 
-    def _snapshot(self) -> None:
-        self.stats = self.engine.stats()
+    def _snapshot(self, engine: LLMEngine) -> None:
+        self.stats = engine.stats()
 
     def _die(self, message: str) -> None:
         self.state, self.error = EngineState.DEAD, message

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from xinfer.backend import check_support, device_memory, select_backend
-from xinfer.config import EngineConfig, resolve_dtype
 from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
 from xinfer.cache.state_pool import StatePool
+from xinfer.config import EngineConfig, resolve_dtype
 from xinfer.engine.kv_calibration import calibrate_keys
 from xinfer.engine.memory_plan import memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
@@ -24,8 +24,8 @@ from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.kv import get_format
 from xinfer.loading.loader import load_config, load_model
 from xinfer.loading.resolve import resolve_model_path
-from xinfer.text.tokenizer import Tokenizer
 from xinfer.sampling import SamplingParams
+from xinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("xinfer")
 
@@ -78,10 +78,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
         cache = config.cache
         self.kv_format = get_format(cache.kv_cache_dtype)
-        if cache.kv_recent_window:
-            if cache.kv_cache_dtype == "auto":
-                raise ValueError("kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
-                                 "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)")
+        if cache.kv_recent_window and cache.kv_cache_dtype == "auto":
+            raise ValueError(
+                "kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
+                "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)"
+            )
         layout = CacheLayout.of(self.model)
         self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed,
                                   len(layout.groups), bool(layout.state_layers))  # fmt: skip

@@ -30,7 +30,15 @@ CALIBRATION_TOKENS = 512
 def calibration_text() -> str:
     """English prose that ships with Python and is not the quality benchmark's text:
     the docstrings of a few standard-library modules."""
-    import argparse, collections, json, logging, pathlib, subprocess, threading, typing, unittest  # noqa: E401
+    import argparse
+    import collections
+    import json
+    import logging
+    import pathlib
+    import subprocess
+    import threading
+    import typing
+    import unittest
 
     modules = (argparse, collections, typing, json, logging, unittest, subprocess, threading, pathlib)
     return "\n\n".join(m.__doc__ for m in modules if m.__doc__)
@@ -58,7 +66,9 @@ class KeyStatistics:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None) -> Tensor:
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, meta, scale, window=None, softcap=None
+    ) -> Tensor:
         tokens, heads, head_dim = q.shape
         grouped = q.float().view(tokens, cache.num_kv_heads, heads // cache.num_kv_heads, head_dim)
         self._add(self.query_energy, cache, grouped.pow(2).sum((0, 2)))

@@ -237,6 +237,7 @@ def plan_memory(
         budget = kv_budget(profile, fraction)
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
         activations, graphs = profile.activations, profile.graphs
+
     def blocks_beside(num_slots: int) -> list[int]:
         """Each pool's blocks once ``num_slots`` recurrent states are out of the budget."""
         if budget is None:

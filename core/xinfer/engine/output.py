@@ -8,8 +8,8 @@ choice), finish reasons, logprobs and prompt tokens found in the prefix cache.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 from xinfer.engine.engine import LLMEngine, StepOutput
 from xinfer.engine.stop import TextStream

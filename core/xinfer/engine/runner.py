@@ -49,7 +49,9 @@ class ModelRunner:
         self.graphs: StepRunner | None = None
 
     @torch.inference_mode()
-    def capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, shadows: bool = False) -> None:
+    def capture_graphs(
+        self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, shadows: bool = False
+    ) -> None:
         """Let the backend record steps (CUDA graphs) if it can: a step replayed costs
         a few launches instead of hundreds."""
         capture = getattr(self.backend, "capture_steps", None)

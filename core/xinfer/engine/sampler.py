@@ -52,9 +52,10 @@ class SampledTokens:
             chosen, *top = found
             for row, n in enumerate(self.num_top):
                 if n is not None:
-                    logprobs[row] = {token_ids[row]: chosen[row]}
+                    entry = {token_ids[row]: chosen[row]}
                     if n:
-                        logprobs[row].update(zip(top[0][row][:n], top[1][row][:n]))
+                        entry.update(zip(top[0][row][:n], top[1][row][:n]))
+                    logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
 
@@ -104,9 +105,7 @@ def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
             values = logits[row, seen]
-            logits[row, seen] = torch.where(
-                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-            )
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if seq.num_output_tokens and (p.presence_penalty or p.frequency_penalty):
             output = torch.tensor(seq.output_token_ids, device=logits.device)
             counts = torch.bincount(output, minlength=logits.shape[-1])

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from xinfer.config import SchedulerConfig
 from xinfer.cache.manager import CacheManager
+from xinfer.config import SchedulerConfig
 from xinfer.engine.sequence import Sequence, Status
 
 
@@ -41,7 +41,10 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        if config.max_num_seqs is None:
+            raise ValueError("max_num_seqs is not set (the engine sets it from its memory plan)")
         self.config = config
+        self.max_num_seqs = config.max_num_seqs
         self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -73,7 +76,7 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
         while self.waiting and budget > 0 and not preempted and self._admitting(scheduled):
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
             if not self.cache.holds(seq):
@@ -95,11 +98,11 @@ class Scheduler:
     def _admitting(self, scheduled: list[ScheduledSeq]) -> bool:
         if any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled):
             return True  # this step carries prompt tokens anyway
-        free_slots = self.config.max_num_seqs - len(self.running)
+        free_slots = self.max_num_seqs - len(self.running)
         waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
         return (
             not self.running
-            or free_slots >= max(1, self.config.max_num_seqs // 8)
+            or free_slots >= max(1, self.max_num_seqs // 8)
             or waiting_tokens >= self.config.max_num_batched_tokens
         )
 

@@ -33,7 +33,13 @@ class KVFormat:
         return sum(f.nbytes for f in self.fields(head_dim, dtype).values())
 
     def allocate(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> LayerKVCache:
         tensors = {
             name: torch.zeros((num_blocks, block_size, num_kv_heads, *f.trailing), dtype=f.dtype, device=device)

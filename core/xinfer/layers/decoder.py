@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,8 @@ class DecoderModel(nn.Module):
     """Token embeddings (times ``embed_scale``, if given) through the decoder layers, then
     a final norm: hidden states [T, hidden]."""
 
+    embed_scale: Tensor | None
+
     def __init__(
         self, vocab_size: int, hidden_size: int, layers: Iterable[nn.Module], norm: RMSNorm,
         embed_scale: float | None = None,
@@ -21,10 +23,11 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
+        # rounded to the model dtype, as the reference does (55.4256 is 55.5 in bf16)
+        scale = None
         if embed_scale is not None:
-            # rounded to the model dtype, as the reference does (55.4256 is 55.5 in bf16)
-            embed_scale = torch.tensor(embed_scale, dtype=torch.float32).to(torch.get_default_dtype())
-        self.register_buffer("embed_scale", embed_scale, persistent=False)
+            scale = torch.tensor(embed_scale, dtype=torch.float32).to(torch.get_default_dtype())
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         h, residual = self.embed_tokens(input_ids), None

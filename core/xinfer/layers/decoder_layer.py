@@ -7,7 +7,7 @@ The stream ``x`` is carried as ``h + residual``, so that each add fuses into the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 

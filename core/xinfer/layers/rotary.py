@@ -85,13 +85,13 @@ def pairs_to_halves(rows: Tensor, num_heads: int, rotary_dim: int | None = None)
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin: Tensor
+
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
         rope_type = params["rope_type"]
         if rope_type not in _INV_FREQ:
-            raise NotImplementedError(
-                f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}"
-            )
+            raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}")
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq, mscale = _INV_FREQ[rope_type](params["rope_theta"], self.rotary_dim, params)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())

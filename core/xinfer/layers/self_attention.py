@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -59,7 +59,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None else None
+        norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         q, k = self.rotary_emb(positions, q, k, norms)
         return q, k, v
 

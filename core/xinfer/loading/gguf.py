@@ -164,8 +164,12 @@ def iter_gguf_weights(
     names = gguf_to_hf_names(file.architecture, config, hf_names)
     unmapped = [n for n in file.tensors if n not in names]
     if unmapped:
-        log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s",
-                    file.path.name, len(unmapped), ", ".join(unmapped[:5]))
+        log.warning(
+            "%s: %d tensor(s) have no HF counterpart and are skipped: %s",
+            file.path.name,
+            len(unmapped),
+            ", ".join(unmapped[:5]),
+        )
     for name in tqdm(file.tensors, desc=f"Loading {file.path.name}", unit="tensor"):
         if name in names:
             yield names[name], adapter.undo_conversion(names[name], dequantize(file, name), config)

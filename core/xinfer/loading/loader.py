@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import transformers
@@ -23,7 +23,7 @@ def load_config(path: Path) -> PretrainedConfig:
     if path.suffix == ".gguf":
         return load_gguf_config(path)
     config = _hf_config(path)
-    return getattr(config, "text_config", None) if _is_wrapper(config) else config
+    return config.text_config if _is_wrapper(config) else config
 
 
 def _hf_config(folder: Path) -> PretrainedConfig:

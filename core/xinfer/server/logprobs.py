@@ -6,7 +6,7 @@ and the top-N alternatives.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from xinfer.server.responses import CompletionLogprobs, TokenLogprob, TopLogprob
 
@@ -17,9 +17,7 @@ def top_n(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:n]
 
 
-def chat_logprobs(
-    token_ids: list[int], entries: list[dict[int, float]], n: int, text: TokenText
-) -> list[TokenLogprob]:
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], n: int, text: TokenText) -> list[TokenLogprob]:
     def top(token_id: int, logprob: float) -> TopLogprob:
         piece = text(token_id)
         return TopLogprob(token=piece, logprob=logprob, bytes=list(piece.encode()))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt
@@ -14,13 +15,15 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
+            texts = []
             for part in message.content:
                 if part.type != "text" or part.text is None:
                     raise bad_request(
                         f"content part of type {part.type!r} is not supported: this model takes text only",
                         param=f"messages.{i}.content",
                     )
-            item["content"] = "\n".join(part.text for part in message.content)
+                texts.append(part.text)
+            item["content"] = "\n".join(texts)
         result.append(item)
     return result
 
@@ -65,18 +68,16 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def encode_prompts(
-    tokenizer: Callable[[], Any], prompt: Prompt, add_special_tokens: bool = True
-) -> list[list[int]]:
+def encode_prompts(tokenizer: Callable[[], Any], prompt: Prompt, add_special_tokens: bool = True) -> list[list[int]]:
     """A completion or embedding prompt: a string, strings, token ids, or lists of them.
     ``tokenizer`` is asked for only when there is text to encode (token ids need none)."""
     if isinstance(prompt, str):
         return [tokenizer().encode(prompt, add_special_tokens=add_special_tokens)]
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
+        return [list(cast("list[int]", prompt))]
     if all(isinstance(p, str) for p in prompt):
         return [tokenizer().encode(p, add_special_tokens=add_special_tokens) for p in prompt]
-    return [list(p) for p in prompt]
+    return [list(p) for p in cast("list[list[int]]", prompt)]
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -40,7 +40,7 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
 
     @model_validator(mode="after")
-    def _has_content(self) -> "ChatMessage":
+    def _has_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
         return self
@@ -80,7 +80,7 @@ class SamplingFields(_Body):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _check_shared(self) -> "SamplingFields":
+    def _check_shared(self) -> SamplingFields:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
@@ -115,7 +115,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.response_format is not None and self.response_format.type != "text":
@@ -147,7 +147,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
-    def _check_completion(self) -> "CompletionRequest":
+    def _check_completion(self) -> CompletionRequest:
         if self.prompt == [] or self.prompt == [[]]:
             raise ValueError("prompt must not be empty")
         if self.suffix:
@@ -175,7 +175,7 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _check_inputs(self) -> "EmbeddingRequest":
+    def _check_inputs(self) -> EmbeddingRequest:
         if self.input in ("", [], [[]]):
             raise ValueError("input must not be empty")
         if isinstance(self.input, list) and len(self.input) > MAX_EMBEDDING_INPUTS:
@@ -192,7 +192,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self

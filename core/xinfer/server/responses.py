@@ -81,8 +81,8 @@ def _absent_if_none(value: object) -> bool:
 class Delta(BaseModel):
     """Only what changed: later chunks carry no role, the last one may be ``{}``."""
 
-    role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
-    content: str | None = Field(None, exclude_if=_absent_if_none)
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent_if_none)
+    content: str | None = Field(default=None, exclude_if=_absent_if_none)
 
 
 class ChatChunkChoice(BaseModel):

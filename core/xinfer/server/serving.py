@@ -8,8 +8,7 @@ from typing import Any
 from fastapi import Request
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
-from xinfer.engine.engine import KVCacheFull
-from xinfer.engine.engine import LLMEngine
+from xinfer.engine.engine import KVCacheFull, LLMEngine
 from xinfer.sampling import SamplingParams
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request

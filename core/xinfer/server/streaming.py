@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send

@@ -24,11 +24,15 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own tojson escapes HTML characters and sorts keys; HF templates expect neither
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -36,9 +40,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -79,8 +81,7 @@ def _message(message: Any) -> dict[str, Any]:
 class ChatTemplate:
     """A compiled chat template; ``origin`` names where it came from in every error."""
 
-    def __init__(self, source: str, origin: str, bos_token: str | None = None,
-                 eos_token: str | None = None):
+    def __init__(self, source: str, origin: str, bos_token: str | None = None, eos_token: str | None = None):
         self.source, self.origin = source, origin
         self.bos_token, self.eos_token = bos_token, eos_token
         try:
@@ -88,9 +89,14 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template from {origin} does not compile: {_describe(e)}") from e
 
-    def render(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-               tools: Sequence[Any] | None = None, documents: Sequence[Any] | None = None,
-               **extra: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
+        documents: Sequence[Any] | None = None,
+        **extra: Any,
+    ) -> str:
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **_plain(extra)}
         try:
             return self._template.render(

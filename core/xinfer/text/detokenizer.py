@@ -24,8 +24,7 @@ class IncrementalDetokenizer:
     """``push`` each generated id; the deltas (then ``flush``) concatenate to
     ``tokenizer.decode(generated ids)``, or to its continuation of ``prompt_ids``."""
 
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
@@ -34,20 +33,20 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        emitted = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
+        emitted = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         if len(text) <= len(emitted) or text.endswith(_REPLACEMENT):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         self._forget_emitted()
-        return text[len(emitted):]
+        return text[len(emitted) :]
 
     def flush(self) -> str:
         """What is still held back (a trailing incomplete character) at the end of a stream."""
-        emitted = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
+        emitted = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return text[len(emitted):]
+        return text[len(emitted) :]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -55,6 +54,6 @@ class IncrementalDetokenizer:
     def _forget_emitted(self) -> None:
         # keep memory O(window): ids before the context window are never decoded again
         if self.prefix > 64:
-            del self.ids[:self.prefix]
+            del self.ids[: self.prefix]
             self.read -= self.prefix
             self.prefix = 0

@@ -18,8 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +70,17 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     return tok
 
 
-def post_processor(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None,
-                   add_bos: bool, add_eos: bool) -> processors.TemplateProcessing:
+def post_processor(
+    bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None, add_bos: bool, add_eos: bool
+) -> processors.TemplateProcessing:
     """``[bos] $A [eos]`` with each end present only when asked for and defined."""
     add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
     single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
     pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
     special = {**({bos: bos_id} if add_bos else {}), **({eos: eos_id} if add_eos else {})}
-    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
-                                         special_tokens=list(special.items()))
+    return processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair), special_tokens=list(special.items())
+    )
 
 
 def _vocab(tokens: Sequence[str]) -> dict[str, int]:
@@ -90,7 +91,7 @@ def _vocab(tokens: Sequence[str]) -> dict[str, int]:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
     tok = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=False))
     splits = _PRE_SPLITS.get(pre or "default")
     if splits is None:
@@ -103,11 +104,17 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> To
     return tok
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
-                       unk_id: int | None, space_prefix: bool) -> Tokenizer:
+def _sentencepiece_bpe(
+    tokens: list[str], scores: list[float], types: list[int], unk_id: int | None, space_prefix: bool
+) -> Tokenizer:
     unk = tokens[unk_id] if unk_id is not None else None
-    model = models.BPE(vocab=_vocab(tokens), merges=_merges_by_score(tokens, scores, types),
-                       unk_token=unk, fuse_unk=True, byte_fallback=True)
+    model = models.BPE(
+        vocab=_vocab(tokens),
+        merges=_merges_by_score(tokens, scores, types),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Replace(" ", SPM_SPACE)
     steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -136,9 +143,9 @@ def _merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -
 
 
 def _add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
-    special = [AddedToken(t, normalized=False, special=True)
-               for t, kind in zip(tokens, types) if kind in (CONTROL, UNKNOWN)]
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+    special = [
+        AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types) if kind in (CONTROL, UNKNOWN)
+    ]
+    user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED]
     tok.add_special_tokens(special)
     tok.add_tokens(user)

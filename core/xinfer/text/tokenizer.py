@@ -14,17 +14,35 @@ from xinfer.text.chat_template import ChatTemplate
 from xinfer.text.gguf_vocab import CONTROL, build_tokenizer, post_processor
 
 # Control tokens that end a turn, which llama.cpp also stops on besides the declared EOS.
-_END_OF_TURN_TEXTS = frozenset({
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-    "<|end_of_text|>", "<EOT>", "_<EOT>", "<|return|>", "<|call|>", "<end_of_utterance>",
-})
+_END_OF_TURN_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_utterance>",
+    }
+)
 
 
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS and the chat template."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None,
-                 extra_eos_ids: Iterable[int] = (), chat_template: ChatTemplate | None = None):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token: str | None,
+        eos_token: str | None,
+        extra_eos_ids: Iterable[int] = (),
+        chat_template: ChatTemplate | None = None,
+    ):
         self.backend = backend
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = self._id_of(bos_token)
@@ -54,11 +72,17 @@ class Tokenizer:
         # add_bos/add_eos flags only fill in for a tokenizer.json that has none
         if backend.post_processor is None:
             backend.post_processor = post_processor(
-                bos, _id(backend, bos), eos, _id(backend, eos),
-                bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False)))
+                bos,
+                _id(backend, bos),
+                eos,
+                _id(backend, eos),
+                bool(config.get("add_bos_token", False)),
+                bool(config.get("add_eos_token", False)),
+            )
         # generation stops on every EOS the model declares, not only the tokenizer's own
-        declared = [_as_ids(_read_json(folder / name).get("eos_token_id"))
-                    for name in ("generation_config.json", "config.json")]
+        declared = [
+            _as_ids(_read_json(folder / name).get("eos_token_id")) for name in ("generation_config.json", "config.json")
+        ]
         template = _folder_chat_template(folder, config, bos, eos)
         return cls(backend, bos, eos, [i for ids in declared for i in ids], template)
 
@@ -73,13 +97,18 @@ class Tokenizer:
         eos = tokens[eos_id] if eos_id is not None else None
         sentencepiece = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp adds BOS there by default
         backend.post_processor = post_processor(
-            bos, bos_id, eos, eos_id,
+            bos,
+            bos_id,
+            eos,
+            eos_id,
             bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)),
-            bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+            bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        )
         types = meta.get("tokenizer.ggml.token_type")
-        end_of_turn = {i for i, t in enumerate(tokens)
-                       if t in _END_OF_TURN_TEXTS and (types is None or types[i] == CONTROL)}
-        declared = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")} - {None}
+        end_of_turn = {
+            i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS and (types is None or types[i] == CONTROL)
+        }
+        declared = {i for k in ("eot", "eom") if (i := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None}
         source = meta.get("tokenizer.chat_template")
         template = ChatTemplate(source, f"GGUF metadata of {gguf.path}", bos, eos) if source else None
         return cls(backend, bos, eos, end_of_turn | declared, template)
@@ -92,8 +121,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                            tools: Sequence[Any] | None = None, **extra: Any) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Any] | None = None,
+        **extra: Any,
+    ) -> list[int]:
         """Render with the model's template, then encode without adding BOS again (the
         template writes it where the model wants it)."""
         if self.chat_template is None:
@@ -133,8 +167,9 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _folder_chat_template(folder: Path, config: dict[str, Any], bos: str | None,
-                          eos: str | None) -> ChatTemplate | None:
+def _folder_chat_template(
+    folder: Path, config: dict[str, Any], bos: str | None, eos: str | None
+) -> ChatTemplate | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), bos, eos)

@@ -45,8 +45,8 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_match_hf_generate(models, length):
     hf, llm = models
     tokens = prompt(length, seed=1)
-    expected = hf.generate(
-        torch.tensor([tokens]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-    )[0, length:].tolist()
+    expected = hf.generate(torch.tensor([tokens]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[
+        0, length:
+    ].tolist()
     out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected

@@ -35,9 +35,11 @@ def test_prefill_logits_match_transformers(gemma):
 def test_greedy_continuation_matches_transformers(gemma):
     llm, tokenizer = gemma
     ids = tokenizer.encode(PROMPT)
-    expected = hf_model(GEMMA).generate(
-        torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
-    )[0, len(ids):].tolist()
+    expected = (
+        hf_model(GEMMA)
+        .generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids) :]
+        .tolist()
+    )
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == expected
     assert out.text == tokenizer.decode(expected)

@@ -51,7 +51,16 @@ from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
-    CODE_PLAIN, CODE_UNIFORM, LLOYD, PLAIN, Side, decode_method, half_columns, load_scale, load_stored, side,
+    CODE_PLAIN,
+    CODE_UNIFORM,
+    LLOYD,
+    PLAIN,
+    Side,
+    decode_method,
+    half_columns,
+    load_scale,
+    load_stored,
+    side,
 )
 from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry
@@ -748,7 +757,8 @@ def _decode_kernel(
         _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
     else:
-        part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT) + split  # (parts: the splits, the exact one)
+        # parts: the splits, the exact one
+        part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT) + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
@@ -795,7 +805,9 @@ def _decode_reduce_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=acc_mask, other=0.0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
     if ROTATE_OUT:  # back in the model's basis: out @ signsᵀ / sqrt(D)
-        signs = tl.load(basis_ptr + dims[:, None] * HEAD_DIM + dims[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0)
+        signs = tl.load(
+            basis_ptr + dims[:, None] * HEAD_DIM + dims[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0
+        )
         out = tl.sum(signs.to(tl.float32) * out[None, :], 1) * (1.0 / HEAD_DIM**0.5)
     o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(out_ptr + o_off + dims, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -1076,7 +1088,14 @@ def attend_sides(
     scales = k_side.scale_or_data()
     assert v_side.scale_or_data().stride() == scales.stride(), "K and V scales must share a layout"
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3], meta.block_tables.stride(0))
-    cache_ptrs = (k_cache, v_cache, k_side.scale_or_data(), v_side.scale_or_data(), k_side.levels_or_data(), v_side.levels_or_data())
+    cache_ptrs = (
+        k_cache,
+        v_cache,
+        k_side.scale_or_data(),
+        v_side.scale_or_data(),
+        k_side.levels_or_data(),
+        v_side.levels_or_data(),
+    )
     if k_side.code != PLAIN or v_side.code != PLAIN:
         assert head_dim & (head_dim - 1) == 0, f"quantized caches need a power-of-two head_dim, got {head_dim}"
     # Quantized tiles are built as fp16 bit patterns (bit operations, no conversions);

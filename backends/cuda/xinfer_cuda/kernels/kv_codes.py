@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.kv.codecs import Codec, Fp8, GAUSSIAN_LEVELS, LloydMax, Plain, Uniform
+from xinfer.kv.codecs import GAUSSIAN_LEVELS, Codec, Fp8, LloydMax, Plain, Uniform
 from xinfer.kv.codes import FP8_MAX, TINY
 
 PLAIN, FP8, UNIFORM, LLOYD = range(4)
@@ -80,7 +80,12 @@ class Side:
     def constexprs(self, prefix: str, magic: bool, decode: int = PORTABLE) -> dict:
         """How attention reads this side."""
         offset, step = self.read_as(magic, decode)
-        return {f"{prefix}_CODE": self.code, f"{prefix}_BITS": self.bits, f"{prefix}_OFFSET": offset, f"{prefix}_STEP": step}
+        return {
+            f"{prefix}_CODE": self.code,
+            f"{prefix}_BITS": self.bits,
+            f"{prefix}_OFFSET": offset,
+            f"{prefix}_STEP": step,
+        }
 
 
 def side(cache: LayerKVCache, name: str, codec: Codec) -> Side:

@@ -32,7 +32,9 @@ def _pack3(codes, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Codes [ROWS, D] -> the planes of :func:`xinfer.kv.codes.pack3`: [ROWS, D/4] bytes
     of low bit pairs (dim i + q D/4 at bit 2q) and [ROWS, D/8] bytes of high bits (dim
     i + k D/8 at bit k). Each split takes the last axis, the lowest bit of q or k."""
-    quarters = tl.reshape(tl.permute(tl.reshape(codes & 3, [ROWS, 4, HEAD_DIM // 4]), (0, 2, 1)), [ROWS, HEAD_DIM // 4, 2, 2])
+    quarters = tl.reshape(
+        tl.permute(tl.reshape(codes & 3, [ROWS, 4, HEAD_DIM // 4]), (0, 2, 1)), [ROWS, HEAD_DIM // 4, 2, 2]
+    )
     lo, hi = tl.split(quarters)
     lo, hi = tl.split(lo | hi << 2)
     low = lo | hi << 4
@@ -263,7 +265,9 @@ def _quant_write_kv_kernel(
         shadow = tl.load(shadow_slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
         shadow_rows = shadow >= 0
         shadow = tl.maximum(shadow, 0)
-        shadow_at = shadow // BLOCK_SIZE * stride_sh_block + shadow % BLOCK_SIZE * stride_sh_slot + head * stride_sh_head
+        shadow_at = (
+            shadow // BLOCK_SIZE * stride_sh_block + shadow % BLOCK_SIZE * stride_sh_slot + head * stride_sh_head
+        )
     tokens = tokens.to(tl.int64)
     if tl.program_id(2) == 0:  # K and V in programs of their own: twice the parallelism
         _write_side(

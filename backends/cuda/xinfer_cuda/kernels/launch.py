@@ -34,5 +34,7 @@ def _device_supports_pdl(index: int) -> bool:
 def pdl(device: torch.device) -> dict[str, bool]:
     """Launch options of a kernel on ``device``: its ``PDL`` argument and Triton's
     ``launch_pdl``, on where the device supports it."""
-    on = device.type == "cuda" and _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    on = device.type == "cuda" and _device_supports_pdl(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
     return {"PDL": on, "launch_pdl": on}

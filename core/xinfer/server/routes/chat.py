@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -69,8 +69,8 @@ class ChatRun:
         self.handle = handle
         self.id = new_id("chatcmpl")
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs | None:
-        if not self.body.logprobs:
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
+        if not self.body.logprobs or entries is None:
             return None
         n = self.body.top_logprobs or 0
         return ChatLogprobs(content=chat_logprobs(token_ids, entries, n, self.serving.token_text))

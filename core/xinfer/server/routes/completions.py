@@ -5,7 +5,7 @@ Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as in OpenAI's API.
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -67,9 +67,9 @@ class CompletionRun:
         self.add_logprobs(index, prompt, [None] * len(prompt))
         return self.serving.tokenizer.decode(prompt, skip_special_tokens=False)
 
-    def add_logprobs(self, index: int, token_ids: list[int], entries: list) -> None:
+    def add_logprobs(self, index: int, token_ids: list[int], entries: list | None) -> None:
         result = self.logprobs[index]
-        if result is not None:
+        if result is not None and entries is not None:
             self.offsets[index] = extend_completion_logprobs(
                 result, token_ids, entries, self.body.logprobs or 0, self.serving.token_text, self.offsets[index]
             )
@@ -84,8 +84,15 @@ class CompletionRun:
         for i, choice in enumerate(done):
             text = self.echo(i) + choice.text  # the echo's logprobs first
             self.add_logprobs(i, choice.token_ids, choice.logprobs)
-            reasons = dict(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
-            choices.append(CompletionChoice(index=i, text=text, logprobs=self.logprobs[i], **reasons))
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    logprobs=self.logprobs[i],
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return Completion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None) -> str:

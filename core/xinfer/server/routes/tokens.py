@@ -26,6 +26,7 @@ async def tokenize(request: Request) -> JSONResponse:
         )
         special = bool(body.add_special_tokens)  # a template writes its own BOS
     else:
+        assert body.prompt is not None  # the request's validator requires prompt or messages
         text, special = body.prompt, body.add_special_tokens is not False
     tokens = tokenizer.encode(text, add_special_tokens=special)
     result = TokenizeResult(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len)

@@ -43,7 +43,7 @@ _SECURITY_HEADERS = {
 }
 
 
-def mount_ui(app: "fastapi.FastAPI", api_key: str | None) -> None:
+def mount_ui(app: fastapi.FastAPI, api_key: str | None) -> None:
     """Serve the chat UI from *app*: ``/``, ``/ui/static/*`` and ``/ui/config.json``."""
     from fastapi.responses import FileResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
@@ -59,7 +59,7 @@ def mount_ui(app: "fastapi.FastAPI", api_key: str | None) -> None:
         raise RuntimeError(f"xinfer UI files are missing: {index} not found")
 
     class _UIStatic(StaticFiles):
-        async def get_response(self, path, scope):  # type: ignore[override]
+        async def get_response(self, path, scope):
             response = await super().get_response(path, scope)
             for name, value in _SECURITY_HEADERS.items():
                 response.headers.setdefault(name, value)
