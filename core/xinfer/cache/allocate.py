@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xinfer.cache.specs import AttentionSpec, CachingLayer, PageGroup, RecurrentStateSpec, caching_layers, page_groups
+from xinfer.cache.specs import (
+    AttentionSpec,
+    CachingLayer,
+    PageGroup,
+    RecurrentStateSpec,
+    caching_layers,
+    page_groups,
+    state_layers,
+)
 from xinfer.kv import KVFormat, LayerKVCache
 from xinfer.layers.attention import Attention
 
@@ -31,8 +39,7 @@ class CacheLayout:
     @classmethod
     def of(cls, model: torch.nn.Module) -> CacheLayout:
         layers = caching_layers(model)
-        states = [layer for layer in layers if isinstance(layer.cache_spec(), RecurrentStateSpec)]
-        return cls(layers, page_groups(layers), states)
+        return cls(layers, page_groups(layers), state_layers(layers))
 
     @property
     def attention_layers(self) -> list[CachingLayer]:

@@ -40,7 +40,9 @@ class Block:
 
 @dataclass
 class PageTable:
-    """One sequence's blocks in one page group, and their shadows (recent window)."""
+    """One sequence's blocks in one page group, and their shadows (recent window). Entries are
+    never rewritten in place: a step prepared before a trim may still read the lists, so
+    trimming and releasing replace them (allocation only appends)."""
 
     blocks: list[int] = field(default_factory=list)
     shadows: list[int] = field(default_factory=list)
@@ -151,6 +153,13 @@ class BlockPool:
         out of the window's reach, and shadows R or more behind it (never block 0's
         while the block stays)."""
         out_of_reach = min(self.first_needed(num_computed), len(table.blocks))
+        done = max(0, num_computed - self.recent_window + 1) // self.block_size  # shadows now out of reach
+        last_shadow = min(done, len(table.shadows)) - 1  # block 0's stays
+        trims_blocks = out_of_reach > 0 and table.blocks[out_of_reach - 1] != NO_BLOCK
+        trims_shadows = self.recent_window and last_shadow > 0 and table.shadows[last_shadow] >= 0
+        if not (trims_blocks or trims_shadows):
+            return
+        table.blocks, table.shadows = list(table.blocks), list(table.shadows)  # a prepared step may hold the old lists
         for index in range(out_of_reach - 1, -1, -1):
             if table.blocks[index] == NO_BLOCK:
                 break  # given back before, or never attached
@@ -160,8 +169,7 @@ class BlockPool:
                 table.shadows[index] = NO_BLOCK
         if not self.recent_window:
             return
-        done = max(0, num_computed - self.recent_window + 1) // self.block_size  # shadows now out of reach
-        for index in range(min(done, len(table.shadows)) - 1, 0, -1):
+        for index in range(last_shadow, 0, -1):
             if table.shadows[index] < 0:
                 break  # trimmed before, or a prefix-cache hit
             self._release_shadow(table.blocks[index])
@@ -171,8 +179,7 @@ class BlockPool:
         for index in reversed(range(len(table.blocks))):
             if table.blocks[index] != NO_BLOCK:
                 self._release(table, index)
-        table.blocks.clear()
-        table.shadows.clear()
+        table.blocks, table.shadows = [], []
 
     def _release(self, table: PageTable, index: int) -> None:
         block = self.blocks[table.blocks[index]]

@@ -276,8 +276,8 @@ def plan_memory(
 
     if derived:
         without_shadows = [PoolPlan(w, n, b) for w, n, b in zip(windows, blocks, block_bytes)]
-        max_num_seqs = max(1, min(MAX_NUM_SEQS_CAP, typical_seqs(without_shadows)))
-        max_num_seqs = max(1, min(MAX_NUM_SEQS_CAP, typical_seqs(with_shadows(max_num_seqs))))
+        max_num_seqs = derive_max_num_seqs(typical_seqs(without_shadows) * typical_len, max_model_len)
+        max_num_seqs = derive_max_num_seqs(typical_seqs(with_shadows(max_num_seqs)) * typical_len, max_model_len)
         if slot_bytes and cache.mamba_fraction is None and max_num_seqs < num_slots:
             num_slots = max_num_seqs  # the states no sequence would use go back to the pools
             blocks = blocks_beside(num_slots)

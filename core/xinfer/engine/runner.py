@@ -126,9 +126,9 @@ class ModelRunner:
             batch.seq_lens.append(end)
             for page, table in zip(batch.pages, seq.pages):
                 page.slot_mapping += [self.slot(table.blocks, p) for p in range(start, end)]
-                page.block_tables.append(list(table.blocks))  # a copy: trimming rewrites the table
+                page.block_tables.append(table.blocks)
                 if table.shadows:
-                    page.shadow_tables.append(list(table.shadows))
+                    page.shadow_tables.append(table.shadows)
                     page.shadow_slot_mapping += [self.slot(table.shadows, p) for p in range(start, end)]
             if self.has_state:
                 assert seq.state_slot is not None
