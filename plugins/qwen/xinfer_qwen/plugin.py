@@ -13,4 +13,9 @@ def xinfer_architectures() -> dict[str, str]:
 
 @hookimpl
 def xinfer_gguf_architectures() -> dict[str, str]:
-    return {"qwen2": "xinfer_qwen.gguf:QWEN2", "qwen3": "xinfer_qwen.gguf:QWEN3"}
+    return {
+        "qwen2": "xinfer_qwen.gguf:QWEN2",
+        "qwen3": "xinfer_qwen.gguf:QWEN3",
+        "qwen2moe": "xinfer_qwen.gguf:QWEN2_MOE",
+        "qwen3moe": "xinfer_qwen.gguf:QWEN3_MOE",
+    }

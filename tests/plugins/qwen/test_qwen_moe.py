@@ -85,3 +85,82 @@ def test_a_missing_expert_tensor_is_named(models, tmp_path):
     with pytest.raises(MissingWeightsError) as error:
         LLM(model=str(tmp_path), dtype="float32", num_blocks=16)
     assert "lacks 1 weight(s)" in str(error.value) and name in str(error.value)
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's in-memory experts (``gate_up_proj`` [E, 2I, H], ``down_proj``) as llama.cpp's
+    converter stacks them: one [E, ., .] tensor per projection."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def write_moe_gguf(model, arch: str, path) -> None:
+    """A GGUF of ``model`` as llama.cpp's converter writes one (every tensor F32)."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(model.model.layers[0].self_attn.head_dim)
+    writer.add_value_length(model.model.layers[0].self_attn.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
+    )
+    for hf_name, tensor in _stacked_experts(model.state_dict()).items():
+        base, _, suffix = hf_name.rpartition(".")
+        values = tensor.float().numpy()
+        if hf_name.endswith("shared_expert_gate.weight"):
+            values = values[0]  # llama.cpp's converter writes it as a vector
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", values, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+GGUF_CONFIGS = {
+    # llama.cpp has no mlp_only_layers or decoder_sparse_step, and hard-codes norm_topk_prob (qwen3moe: on)
+    "qwen3moe": lambda: Qwen3MoeConfig(**{**COMMON, **EXPERTS}, head_dim=32, norm_topk_prob=True,
+                                       architectures=["Qwen3MoeForCausalLM"]),
+    "qwen2moe": lambda: Qwen2MoeConfig(**{**COMMON, **EXPERTS}, norm_topk_prob=False,
+                                       shared_expert_intermediate_size=48, architectures=["Qwen2MoeForCausalLM"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_CONFIGS))
+def test_gguf_with_stacked_experts_runs_like_the_original(tmp_path, arch):
+    hf = save_tiny_model(GGUF_CONFIGS[arch](), tmp_path / "hf")
+    _spread_routers(hf)
+    write_moe_gguf(hf, arch, tmp_path / "tiny.gguf")
+    llm = LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64)
+    tokens = prompt(29)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
+    got = prefill_logits(llm.engine, tokens).float().log_softmax(-1)
+    assert (got - expected).abs().max() <= 1e-4
