@@ -27,6 +27,24 @@ class ConvertsCheckpoint(Protocol):
         ...
 
 
+@runtime_checkable
+class LoadsCheckpoint(Protocol):
+    """A module whose parameters are laid out unlike the checkpoint's tensors (experts
+    stacked from one tensor per expert): it loads the tensors under it itself."""
+
+    def checkpoint_names(self) -> set[str]:
+        """The checkpoint tensors it loads (relative to this module), in every layout it reads."""
+        ...
+
+    def checkpoint_parts(self) -> set[str]:
+        """What a complete checkpoint fills, named as checkpoint tensors (relative)."""
+        ...
+
+    def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
+        """Copy checkpoint tensor ``name`` (relative) into the parameters; returns the parts it filled."""
+        ...
+
+
 class CausalLM(nn.Module):
     """A decoder over a flat batch of tokens (no batch dimension).
 
@@ -58,7 +76,12 @@ class CausalLM(nn.Module):
         """The names of the checkpoint tensors this model loads (packed shards by their
         own names)."""
         names = set()
+        loaders = self.checkpoint_loaders()
+        for prefix, module in loaders.items():
+            names |= {f"{prefix}.{name}" for name in module.checkpoint_names()}
         for name, _ in self.named_parameters(remove_duplicate=False):
+            if loader_of(name, loaders) is not None:
+                continue
             parts = [part for part, (merged, _) in self.packed_modules.items() if f".{merged}." in name]
             for part in parts:
                 merged = self.packed_modules[part][0]
@@ -66,6 +89,10 @@ class CausalLM(nn.Module):
             if not parts:
                 names.add(name)
         return names
+
+    def checkpoint_loaders(self) -> dict[str, LoadsCheckpoint]:
+        """The modules that load the checkpoint tensors under them themselves, by name."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, LoadsCheckpoint)}
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the names loaded."""
@@ -83,3 +110,9 @@ class CausalLM(nn.Module):
                 if module is not None:
                     tensor = module.from_checkpoint(".".join(parts[end:]), tensor)
             yield name, tensor
+
+
+def loader_of(name: str, loaders: dict[str, LoadsCheckpoint]) -> str | None:
+    """The name of the module of ``loaders`` that tensor ``name`` is under, if any."""
+    parts = name.split(".")
+    return next((prefix for end in range(len(parts) - 1, 0, -1) if (prefix := ".".join(parts[:end])) in loaders), None)

@@ -99,6 +99,20 @@ class Ops(Protocol):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
+    def fused_moe(
+        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+    ) -> Tensor:
+        """The routed experts of a mixture-of-experts block: token ``t`` of ``x`` [T, H] goes
+        through experts ``topk_ids[t]`` [k] and their outputs are summed, weighted by
+        ``topk_weights[t]`` [k] (fp32)::
+
+            out[t] = sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]),  e = topk_ids[t, j]
+
+        ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows, ``w2`` [E, H, I];
+        ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``).
+        The sum is in fp32; returns [T, H] in the dtype of ``x``. No host syncs on CUDA,
+        so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert."""
+
     def attention(
         self,
         q: Tensor,
@@ -271,6 +285,10 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
+
+
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
 
 
 def attention(

@@ -58,6 +58,20 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def fused_moe(
+        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+    ) -> Tensor:
+        act_and_mul = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul}[activation]
+        top_k = topk_ids.shape[1]
+        ids, weights = topk_ids.flatten(), topk_weights.flatten().float()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in ids.unique().tolist():
+            slots = (ids == expert).nonzero().squeeze(1)  # (token, j) pairs routed to the expert
+            tokens = slots // top_k
+            y = F.linear(act_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+            out.index_add_(0, tokens, y.float() * weights[slots, None])
+        return out.to(x.dtype)
+
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """The storing half of :meth:`attention` (benchmarks and tests fill caches with it)."""
         valid = slot_mapping >= 0

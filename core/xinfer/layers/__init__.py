@@ -11,6 +11,7 @@ from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
 from xinfer.layers.embedding import LMHead, VocabEmbedding
 from xinfer.layers.linear import Linear, MergedLinear
 from xinfer.layers.mlp import GatedMLP
+from xinfer.layers.moe import MoE, Router, Routing
 from xinfer.layers.norm import RMSNorm, head_norms
 from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
 from xinfer.layers.self_attention import SelfAttention
@@ -26,8 +27,11 @@ __all__ = [
     "LMHead",
     "Linear",
     "MergedLinear",
+    "MoE",
     "RMSNorm",
     "RotaryEmbedding",
+    "Router",
+    "Routing",
     "SandwichDecoderLayer",
     "SelfAttention",
     "SiluAndMul",

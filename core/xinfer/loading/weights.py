@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from xinfer.layers.linear import MergedLinear
-from xinfer.model import CausalLM
+from xinfer.model import CausalLM, loader_of
 
 
 class MissingWeightsError(ValueError):
@@ -18,9 +18,14 @@ class MissingWeightsError(ValueError):
 def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
+    loaders = model.checkpoint_loaders()
     loaded: set[str] = set()
     for name, tensor in weights:
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
+            continue
+        if (prefix := loader_of(name, loaders)) is not None:
+            parts = loaders[prefix].load_checkpoint(name[len(prefix) + 1 :], tensor)
+            loaded |= {f"{prefix}.{part}" for part in parts}
             continue
         target, shard = _packed_target(name, model.packed_modules)
         if target not in params:
@@ -56,9 +61,14 @@ def _check_complete(model: CausalLM, params: Mapping[str, Tensor], loaded: set[s
     shard_names = {n.rsplit(":", 1)[0] for n in loaded if ":" in n}
     loaded_ids = {id(params[n]) for n in loaded if ":" not in n}
     modules = dict(model.named_modules())
-    missing = []
+    loaders = model.checkpoint_loaders()
+    missing = sorted(
+        f"{p}.{part}" for p, m in loaders.items() for part in m.checkpoint_parts() if f"{p}.{part}" not in loaded
+    )
     for name, param in model.named_parameters():
         module = modules.get(name.rsplit(".", 1)[0])
+        if loader_of(name, loaders) is not None:
+            continue
         if isinstance(module, MergedLinear) and name in shard_names:
             expected = {f"{name}:{s}" for s in module.shard_sizes}
             missing += sorted(expected - loaded)

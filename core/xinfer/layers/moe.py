@@ -1,0 +1,221 @@
+"""Mixture of experts: a router picks ``k`` of ``E`` expert MLPs per token and weighs their
+outputs; shared experts (and a dense MLP) see every token.
+
+The router's math (each line switched on by :class:`Routing`), in fp32 as the references do::
+
+    scores  = score(x @ gate.T)                 # softmax | sigmoid | sqrtsoftplus
+    choice  = scores + e_score_correction_bias  # selection only
+    choice  = keep the topk_group best groups   # n_group groups of E / n_group experts, by their two best
+    ids     = topk(choice, k)                   #   or tid2eid[token_id]: a fixed table
+    weights = scores[ids]
+    weights = weights / sum(weights)            # norm_topk_prob
+    weights = weights * per_expert_scale[ids] * routed_scaling_factor
+
+The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
+[E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xinfer import ops
+from xinfer.layers.activation import GATED_ACTIVATIONS
+from xinfer.layers.linear import Linear
+from xinfer.layers.mlp import GatedMLP
+
+SCORING = {
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+}
+"""Router logits to expert scores, by the HF config's ``scoring_func``."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router turns a token into its ``top_k`` experts and their weights (the
+    module docstring gives the math; HF config fields in the comments)."""
+
+    top_k: int  # num_experts_per_tok
+    scoring: str = "softmax"  # scoring_func
+    renormalize: bool = False  # norm_topk_prob
+    correction_bias: bool = False  # an e_score_correction_bias
+    num_groups: int = 1  # n_group
+    topk_groups: int = 1  # topk_group
+    scaling_factor: float = 1.0  # routed_scaling_factor
+    per_expert_scale: bool = False  # a learned scale per expert on its weight
+    fixed_table: bool = False  # experts from a token-id table (tid2eid) instead of the scores
+    fp32_logits: bool = False  # the router's GEMM in fp32 (its weight kept in fp32)
+
+    def __post_init__(self):
+        if self.scoring not in SCORING:
+            raise ValueError(
+                f"scoring_func {self.scoring!r} is not a routing function xinfer knows; known: {', '.join(SCORING)}"
+            )
+
+
+class Router(nn.Module):
+    """Each token's experts ``ids`` [T, k] and their weights [T, k] (fp32) from hidden
+    states ``x`` [T, H] (and, with a fixed table, the tokens' ids)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, vocab_size: int | None, routing: Routing):
+        super().__init__()
+        if num_experts % routing.num_groups or routing.topk_groups > routing.num_groups:
+            raise ValueError(
+                f"n_group {routing.num_groups} and topk_group {routing.topk_groups} do not fit {num_experts} experts"
+            )
+        self.routing = routing
+        dtype = torch.float32 if routing.fp32_logits else None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+        self.e_score_correction_bias = _vector(num_experts) if routing.correction_bias else None
+        self.per_expert_scale = _vector(num_experts) if routing.per_expert_scale else None
+        if routing.fixed_table:
+            if vocab_size is None:
+                raise ValueError("routing by a fixed token-to-expert table needs the vocabulary size")
+            table = torch.zeros(vocab_size, routing.top_k, dtype=torch.int64)
+            self.tid2eid = nn.Parameter(table, requires_grad=False)
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        routing = self.routing
+        logits = ops.linear(x.float(), self.weight) if routing.fp32_logits else ops.linear(x, self.weight)
+        scores = SCORING[routing.scoring](logits.float())
+        if routing.fixed_table:
+            assert token_ids is not None, "routing by a fixed table needs the tokens' ids"
+            ids = self.tid2eid[token_ids]
+        else:
+            ids = self.select(scores)
+        weights = scores.gather(1, ids)
+        if routing.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale.float()[ids]
+        if routing.scaling_factor != 1.0:
+            weights = weights * routing.scaling_factor
+        return weights, ids
+
+    def select(self, scores: Tensor) -> Tensor:
+        """The ``top_k`` experts of each token by its (corrected, group-limited) scores."""
+        routing = self.routing
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if routing.num_groups > 1:
+            groups = choice.unflatten(-1, (routing.num_groups, -1))  # [T, G, E/G]
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+            best = group_scores.topk(routing.topk_groups, dim=-1).indices
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
+        return choice.topk(routing.top_k, dim=-1).indices
+
+
+def _vector(size: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(size, dtype=torch.float32))
+
+
+_PER_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """``E`` gated MLPs stacked: ``w13`` [E, 2I, H] (gate rows, then up rows), ``w2`` [E, H, I].
+
+    Loads the checkpoint tensors under it itself (:class:`~xinfer.model.LoadsCheckpoint`):
+    one per expert and projection (``{e}.gate_proj.weight``, as HF checkpoints hold them),
+    one per projection stacked over the experts (``gate_proj.weight`` [E, I, H], as GGUF
+    files hold them), or transformers' fused ``gate_up_proj`` [E, 2I, H] and ``down_proj``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
+        super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.activation = activation
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
+
+    def checkpoint_parts(self) -> set[str]:
+        return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJECTIONS}
+
+    def checkpoint_names(self) -> set[str]:
+        return self.checkpoint_parts() | {f"{p}.weight" for p in _PROJECTIONS}
+
+    def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
+        experts: slice | int
+        if match := _PER_EXPERT.fullmatch(name):
+            experts, projection = int(match[1]), match[2]
+        elif name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            experts, projection = slice(None), name.split(".")[0]
+        elif name in ("gate_up_proj", "down_proj"):
+            experts, projection = slice(None), name
+        else:
+            raise ValueError(f"experts: no parameter loads checkpoint tensor {name!r}")
+        if isinstance(experts, int) and not 0 <= experts < self.num_experts:
+            raise ValueError(f"experts: checkpoint tensor {name!r} is beyond the {self.num_experts} experts")
+        size = self.intermediate_size
+        rows = {"gate_proj": slice(0, size), "up_proj": slice(size, 2 * size), "gate_up_proj": slice(None)}
+        param = self.w2 if projection == "down_proj" else self.w13
+        target = param.data[experts] if projection == "down_proj" else param.data[experts, rows[projection]]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        filled = range(self.num_experts)[experts] if isinstance(experts, slice) else [experts]
+        projections = ("gate_proj", "up_proj") if projection == "gate_up_proj" else (projection,)
+        return {f"{e}.{p}.weight" for e in filled for p in projections}
+
+
+class MoE(nn.Module):
+    """The MLP block of an MoE layer: routed experts, plus (where given) shared experts
+    (``shared_expert``: a gated MLP on every token, scaled by ``sigmoid(shared_expert_gate(x))``
+    where gated) and a dense MLP in parallel (``dense_mlp``).
+
+    Checkpoint names are HF's: ``gate`` (the router), ``experts``, ``shared_expert``,
+    ``shared_expert_gate``; ``shared_name`` renames the shared experts (``shared_experts``
+    in GLM and DeepSeek).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: Routing,
+        activation: str = "silu",
+        *,
+        shared_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
+        shared_name: str = "shared_expert",
+        dense_intermediate_size: int = 0,
+        vocab_size: int | None = None,
+    ):
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, vocab_size, routing)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation)
+        self.shared_name = shared_name
+        if shared_intermediate_size:
+            setattr(self, shared_name, GatedMLP(hidden_size, shared_intermediate_size, activation))
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
+        self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        weights, ids = self.gate(x, token_ids)
+        out = self.experts(x, weights, ids)
+        shared = getattr(self, self.shared_name, None)
+        if shared is not None:
+            y = shared(x)
+            if self.shared_expert_gate is not None:
+                y = torch.sigmoid(self.shared_expert_gate(x)) * y
+            out = out + y
+        if self.dense_mlp is not None:
+            out = out + self.dense_mlp(x)
+        return out
