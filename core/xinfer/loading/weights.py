@@ -59,7 +59,7 @@ def _copy(dst: Tensor, src: Tensor, name: str) -> None:
 
 def _check_complete(model: CausalLM, params: Mapping[str, Tensor], loaded: set[str]) -> None:
     shard_names = {n.rsplit(":", 1)[0] for n in loaded if ":" in n}
-    loaded_ids = {id(params[n]) for n in loaded if ":" not in n}
+    loaded_ids = {id(params[n]) for n in loaded if n in params}
     modules = dict(model.named_modules())
     loaders = model.checkpoint_loaders()
     missing = sorted(

@@ -3,7 +3,10 @@ from xinfer.hooks import hookimpl
 
 @hookimpl
 def xinfer_architectures() -> dict[str, str]:
-    return {"Glm4ForCausalLM": "xinfer_glm.glm4:Glm4ForCausalLM"}
+    return {
+        "Glm4ForCausalLM": "xinfer_glm.glm4:Glm4ForCausalLM",
+        "Glm4MoeForCausalLM": "xinfer_glm.glm4_moe:Glm4MoeForCausalLM",
+    }
 
 
 @hookimpl
