@@ -98,6 +98,8 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
             "--output-len",
             "128",
         ],
+        # Qwen3-30B-A3B: batch-1 decode against its bandwidth limit, then 256 requests of 100-1024 in and out
+        "moe-30b-a3b": [PY, str(HERE / "moe.py")],
         "throughput-8b": offline
         + [
             "--shape",
@@ -117,7 +119,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
 
 # Steps that need more than --timeout: one engine start-up (graph capture, kernel
 # compiles) per KV format, ~30 s each for the quantized ones on the H200.
-LONGER = {"kv-decode-speed": 540}
+LONGER = {"kv-decode-speed": 540, "moe-30b-a3b": 590}
 
 
 def main() -> None:

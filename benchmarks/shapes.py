@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 SHAPES = {
     "smollm2-135m": lambda: LlamaConfig(
@@ -34,6 +34,23 @@ SHAPES = {
         rope_theta=1000000.0,
         tie_word_embeddings=True,
         architectures=["Qwen3ForCausalLM"],
+    ),
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        architectures=["Qwen3MoeForCausalLM"],
     ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,

@@ -16,7 +16,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms, StepForward, StepLimits
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
-from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, norm, rotary
+from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, moe, norm, rotary
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
 
@@ -51,6 +51,11 @@ class CudaOps(TorchOps):
 
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_tanh_and_mul(x)
+
+    def fused_moe(
+        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+    ) -> Tensor:
+        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the storing half

@@ -6,6 +6,8 @@ def xinfer_architectures() -> dict[str, str]:
     return {
         "Qwen2ForCausalLM": "xinfer_qwen.qwen:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "xinfer_qwen.qwen:Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM": "xinfer_qwen.qwen_moe:Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM": "xinfer_qwen.qwen_moe:Qwen3MoeForCausalLM",
     }
 
 

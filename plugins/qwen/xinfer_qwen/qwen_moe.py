@@ -1,0 +1,70 @@
+"""Qwen2-MoE and Qwen3-MoE: Qwen2 / Qwen3 whose MLPs are mixtures of experts (MiroThinker
+checkpoints are Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+
+from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, Routing
+
+log = logging.getLogger("xinfer")
+
+
+def is_sparse(config: Any, index: int) -> bool:
+    """Whether layer ``index`` routes to experts (else it has a dense MLP), as HF decides."""
+    step = config.decoder_sparse_step
+    return index not in (config.mlp_only_layers or []) and config.num_experts > 0 and (index + 1) % step == 0
+
+
+def routing(config: Any) -> Routing:
+    return Routing(top_k=config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+
+
+class QwenMoeForCausalLM(DecoderForCausalLM):
+    """Dense MLPs replaced by the mixture-of-experts block where :func:`is_sparse`; a
+    checkpoint's multi-token-prediction layers (``mtp.*``) are skipped."""
+
+    def mlp(self, config: Any, index: int) -> nn.Module:
+        if not is_sparse(config, index):
+            return super().mlp(config, index)
+        return MoE(config.hidden_size, config.num_experts, config.moe_intermediate_size, routing(config),
+                   config.hidden_act, **self.shared_expert(config))  # fmt: skip
+
+    def shared_expert(self, config: Any) -> dict[str, Any]:
+        return {}
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return super().load_weights(_without_mtp(weights))
+
+
+def _without_mtp(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith("mtp."):
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        log.info(
+            "skipped the checkpoint's %d multi-token-prediction (mtp.*) tensors: xinfer does not predict with them",
+            skipped,
+        )
+
+
+class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
+    """Qwen2 attention (q/k/v biases); a shared expert on every token, gated by a sigmoid."""
+
+    spec = DecoderSpec(qkv_bias=True)
+
+    def shared_expert(self, config: Any) -> dict[str, Any]:
+        return {"shared_intermediate_size": config.shared_expert_intermediate_size, "shared_expert_gate": True}
+
+
+class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
+    """Qwen3 attention (per-head q/k norms); no shared expert."""
+
+    spec = DecoderSpec(qk_norm=True)
