@@ -1,5 +1,5 @@
-"""GLM-4 (0414): Llama with rotary over adjacent pairs of each head's first half, and norms on
-the attention's and the MLP's outputs too."""
+"""GLM-4 (0414): Llama with rotary over adjacent pairs of each head's first ``partial_rotary_factor``
+(a half), and norms on the attention's and the MLP's outputs too."""
 
 from __future__ import annotations
 
