@@ -30,7 +30,9 @@ from xinfer.loading.errors import first_line
 
 log = logging.getLogger(__name__)
 
-BUILT_IN_DISTRIBUTIONS = frozenset({"xinfer-llama", "xinfer-qwen", "xinfer-gemma", "xinfer-cpu", "xinfer-cuda"})
+BUILT_IN_DISTRIBUTIONS = frozenset(
+    {"xinfer-llama", "xinfer-qwen", "xinfer-gemma", "xinfer-glm", "xinfer-minimax", "xinfer-cpu", "xinfer-cuda"}
+)
 """This repository's plugins: any other plugin registering one of their names overrides them."""
 
 # hooks returning {name: "module:attribute"}, and what their names are called in messages

@@ -1,0 +1,14 @@
+from xinfer.hooks import hookimpl
+
+
+@hookimpl
+def xinfer_architectures() -> dict[str, str]:
+    return {
+        "Glm4ForCausalLM": "xinfer_glm.glm4:Glm4ForCausalLM",
+        "Glm4MoeForCausalLM": "xinfer_glm.glm4_moe:Glm4MoeForCausalLM",
+    }
+
+
+@hookimpl
+def xinfer_gguf_architectures() -> dict[str, str]:
+    return {"glm4": "xinfer_glm.gguf:Glm4GGUF"}

@@ -1,0 +1,6 @@
+from xinfer.hooks import hookimpl
+
+
+@hookimpl
+def xinfer_architectures() -> dict[str, str]:
+    return {"MiniMaxM2ForCausalLM": "xinfer_minimax.minimax_m2:MiniMaxM2ForCausalLM"}

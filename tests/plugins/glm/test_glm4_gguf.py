@@ -1,0 +1,75 @@
+"""A GGUF of architecture ``glm4`` written here as llama.cpp's converter writes one (the
+checkpoint's tensors unchanged, the rotated share of a head as ``rope.dimension_count``),
+through the engine against transformers' modeling code of the model it came from."""
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.plugins.glm.configs import glm4_config
+from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match, randomize
+from xinfer import LLM
+from xinfer.loading.gguf import load_gguf_config
+
+
+def write_glm4_gguf(model: torch.nn.Module, path: Path) -> None:
+    config = model.config
+    rope = config.rope_parameters
+    writer = gguf.GGUFWriter(path, "glm4")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("glm4")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    torch.manual_seed(0)
+    config = glm4_config(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config).float().eval()
+    randomize(hf)
+    path = tmp_path_factory.mktemp("glm4-gguf") / "tiny.gguf"
+    write_glm4_gguf(hf, path)
+    return hf, LLM(model=str(path), dtype="float32", num_blocks=64), path
+
+
+def test_config_reads_the_rotated_share(models):
+    hf, _, path = models
+    config = load_gguf_config(path)
+    assert config.architectures == ["Glm4ForCausalLM"]
+    assert config.rope_parameters["partial_rotary_factor"] == hf.config.rope_parameters["partial_rotary_factor"]
+
+
+@pytest.mark.parametrize("length", (3, 61))
+def test_prefill_logits_match_hf(models, length):
+    hf, llm, _ = models
+    assert_prefill_logits_match(hf, llm, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    hf, llm, _ = models
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 17)

@@ -1,0 +1,78 @@
+"""A tiny random model through xinfer against transformers' modeling code (fp32, CPU): logits
+at every prompt position, greedy tokens, and the log-probability of each generated token."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.tiny_models import prefill_logits, prompt
+from xinfer import LLM, SamplingParams
+
+NEW_TOKENS = 24
+
+
+def randomize(model: torch.nn.Module, names: tuple[str, ...] = ("norm.weight", ".bias"), seed: int = 1) -> None:
+    """Norm weights and biases away from HF's initial ones and zeros (biases on the scale of the
+    weights, so they do not drown the tokens), so that a norm or bias loaded into the wrong place,
+    or not applied, changes the output."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(names):
+                initial, scale = (1.0, 0.5) if name.endswith("norm.weight") else (0.0, 0.05)
+                param.copy_(initial + scale * torch.randn(param.shape, generator=generator))
+
+
+def assert_prefill_logits_match(hf: torch.nn.Module, llm: LLM, length: int) -> None:
+    tokens = prompt(length)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    error = ((got - expected).abs().max(dim=-1).values / expected.abs().max(dim=-1).values).max()
+    assert error <= 1e-4, f"max|diff|/max|HF logit| = {error:.2e} (worst position)"
+
+
+def assert_greedy_tokens_and_logprobs_match(hf: torch.nn.Module, llm: LLM, length: int) -> None:
+    tokens = prompt(length, seed=1)
+    with torch.inference_mode():
+        hf_out = hf.generate(
+            torch.tensor([tokens]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    expected_tokens = hf_out.sequences[0, length:].tolist()
+    expected_logprobs = [
+        torch.log_softmax(logits[0].float(), dim=-1)[token].item()
+        for logits, token in zip(hf_out.logits, expected_tokens)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    out = llm.generate([tokens], params)[0].outputs[0]
+    assert out.token_ids == expected_tokens
+    assert out.logprobs is not None
+    got_logprobs = [step[token] for step, token in zip(out.logprobs, out.token_ids)]
+    torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
+
+
+def spread_routing(model: torch.nn.Module, seed: int = 2) -> None:
+    """Router weights large enough, and correction biases random enough, that tokens go to many
+    experts and the bias changes the choice (HF initializes the router small and the bias to 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("mlp.gate.weight"):
+                tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+
+
+def router_outputs(model: torch.nn.Module, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MoE layer of a transformers model, its router's logits [T, E] and chosen experts [T, k] on ``tokens``."""
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    routers = [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
+    hooks = [r.register_forward_hook(lambda _m, _i, out: outputs.append((out[0], out[2]))) for r in routers]
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([tokens]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
