@@ -3,15 +3,13 @@ checkpoints are Qwen3-MoE)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor, nn
 
 from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, Routing
-
-log = logging.getLogger("xinfer")
+from xinfer.loading.mtp import without_mtp_layers
 
 
 def is_sparse(config: Any, index: int) -> bool:
@@ -38,21 +36,7 @@ class QwenMoeForCausalLM(DecoderForCausalLM):
         return {}
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        return super().load_weights(_without_mtp(weights))
-
-
-def _without_mtp(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    skipped = 0
-    for name, tensor in weights:
-        if name.startswith("mtp."):
-            skipped += 1
-            continue
-        yield name, tensor
-    if skipped:
-        log.info(
-            "skipped the checkpoint's %d multi-token-prediction (mtp.*) tensors: xinfer does not predict with them",
-            skipped,
-        )
+        return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
 
 
 class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
