@@ -11,6 +11,7 @@ captures compile the same kernel variants and every cached block shares them.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,18 +31,9 @@ CALIBRATION_TOKENS = 512
 def calibration_text() -> str:
     """English prose that ships with Python and is not the quality benchmark's text:
     the docstrings of a few standard-library modules."""
-    import argparse
-    import collections
-    import json
-    import logging
-    import pathlib
-    import subprocess
-    import threading
-    import typing
-    import unittest
-
-    modules = (argparse, collections, typing, json, logging, unittest, subprocess, threading, pathlib)
-    return "\n\n".join(m.__doc__ for m in modules if m.__doc__)
+    names = ("argparse", "collections", "typing", "json", "logging", "unittest", "subprocess", "threading", "pathlib")
+    docs = (importlib.import_module(name).__doc__ for name in names)
+    return "\n\n".join(doc for doc in docs if doc)
 
 
 def calibration_ids(tokenizer: Any, vocab_size: int, max_positions: int) -> list[int]:
