@@ -17,9 +17,9 @@ from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
 from xinfer.cache.recent_window import RecentWindow
 from xinfer.cache.state_pool import StatePool
-from xinfer.config import EngineConfig, resolve_dtype
+from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
-from xinfer.engine.memory_plan import memory_baseline, plan_memory
+from xinfer.engine.memory_plan import MemoryPlan, memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
 from xinfer.forward_context import forward_context
@@ -87,21 +87,25 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     )  # fmt: skip
     scheduler_config = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
     config = config.model_copy(update={"scheduler": scheduler_config})
-    pools = [
-        BlockPool(pool.num_blocks, cache.block_size, pool.window,
-                  RecentWindow(pool.num_shadows, cache.kv_recent_window, cache.block_size) if pool.num_shadows else None)
-        for pool in plan.pools
-    ]  # fmt: skip
-    states = StatePool(plan.num_state_slots) if plan.num_state_slots else None
-    if states is not None and cache.enable_prefix_caching:
-        log.info("prefix caching is off: this model has recurrent layers, whose states are not snapshotted yet")
-    cache_manager = CacheManager(pools, cache.enable_prefix_caching, states)
+    cache_manager = _cache_manager(plan, cache)
     log.info("%s, KV cache format %s", plan.describe(), kv_format.name)
     if not config.device.enforce_eager:
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
     return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
                        Scheduler(scheduler_config, cache_manager))  # fmt: skip
+
+
+def _cache_manager(plan: MemoryPlan, cache: CacheConfig) -> CacheManager:
+    """The planned pools, each given its recent window's shadows where it has them, and state slots."""
+    pools = []
+    for pool in plan.pools:
+        shadows = RecentWindow(pool.num_shadows, cache.kv_recent_window, cache.block_size) if pool.num_shadows else None
+        pools.append(BlockPool(pool.num_blocks, cache.block_size, pool.window, shadows))
+    states = StatePool(plan.num_state_slots) if plan.num_state_slots else None
+    if states is not None and cache.enable_prefix_caching:
+        log.info("prefix caching is off: this model has recurrent layers, whose states are not snapshotted yet")
+    return CacheManager(pools, cache.enable_prefix_caching, states)
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:
