@@ -203,7 +203,7 @@ def linear_cases(s: Shapes, ops, dtype: torch.dtype, device: torch.device, sweep
 
 def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto", recent_window=0):
     from xinfer.kv import get_format
-    from xinfer.ops import AttentionMetadata
+    from xinfer.ops import AttentionMetadata, ShadowPages
     from xinfer_cuda.ops import CudaOps
 
     blocks = [math.ceil(n / s.block_size) for n in seq_lens]
@@ -239,7 +239,7 @@ def _attention_inputs(s, q_lens, seq_lens, dtype, device, kv_format="auto", rece
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=device),
         max_seqlen_q=max(q_lens),
         max_seq_len=max(seq_lens),
-        shadow_tables=tables if recent_window else None,
+        shadows=ShadowPages(tables, torch.full((sum(q_lens),), -1, device=device)) if recent_window else None,
     )
     q = _rand(sum(q_lens), s.heads, s.head_dim, dtype=dtype, device=device)
     return q, cache, meta

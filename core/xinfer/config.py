@@ -10,16 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from xinfer.kv.formats import get_format
 
 DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "f16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "f32": torch.float32,
-    "float": torch.float32,
+    **dict.fromkeys(["bfloat16", "bf16"], torch.bfloat16),
+    **dict.fromkeys(["float16", "fp16", "f16", "half"], torch.float16),
+    **dict.fromkeys(["float32", "fp32", "f32", "float"], torch.float32),
 }
 
 
@@ -100,12 +93,7 @@ class EngineConfig(_Config):
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from flat keyword arguments (``dtype=..., block_size=...``)."""
-        groups: dict[str, type[BaseModel]] = {
-            "model": ModelConfig,
-            "cache": CacheConfig,
-            "scheduler": SchedulerConfig,
-            "device": DeviceConfig,
-        }
+        groups = {name: type(field.default) for name, field in cls.model_fields.items()}
         values: dict[str, dict] = {name: {} for name in groups}
         for key, value in kwargs.items():
             owner = next((g for g, c in groups.items() if key in c.model_fields), None)

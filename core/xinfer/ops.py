@@ -24,6 +24,16 @@ from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
 
 
+@dataclass(frozen=True)
+class ShadowPages:
+    """A recent window's shadow blocks (:class:`xinfer.cache.recent_window.RecentWindow`):
+    each block's exact copy in the cache's ``shadows`` (-1: none), and each token's slot
+    there (-1: not written)."""
+
+    tables: Tensor  # [B, max_blocks] int32
+    slot_mapping: Tensor  # [T] int64
+
+
 @dataclass
 class AttentionMetadata:
     """Where each sequence's queries sit in the flat batch, and where its KV lives.
@@ -42,10 +52,7 @@ class AttentionMetadata:
     slot_mapping: Tensor  # [T] int64
     max_seqlen_q: int  # 1 when no sequence has more than one query; else may be an upper bound
     max_seq_len: int
-    # With a recent window: each block's exact copy in the cache's shadows (-1: none),
-    # and the shadow slot of each token (-1: not written).
-    shadow_tables: Tensor | None = None  # [B, max_blocks] int32
-    shadow_slot_mapping: Tensor | None = None  # [T] int64
+    shadows: ShadowPages | None = None  # with a recent window
 
     @property
     def num_seqs(self) -> int:
@@ -131,9 +138,8 @@ class Ops(Protocol):
 
         The store is in the cache's format: the tensors of ``cache.format.quantize(k, v,
         cache.dtype, cache.equalizer, cache.key_offset)``, each [num_blocks, block_size,
-        Hkv, ...]; with shadow blocks (``cache.shadows`` and
-        ``meta.shadow_slot_mapping``) also exactly into them, as
-        :meth:`KeepsRecentWindow.write_shadow_kv` does.
+        Hkv, ...]; with shadow blocks (``cache.shadows`` and ``meta.shadows``) also
+        exactly into them, as :meth:`KeepsRecentWindow.write_shadow_kv` does.
 
         Quantized formats are read in place (dequantized inside the op, never into a
         full-precision copy of the cache); for formats that rotate keys the query is
@@ -146,7 +152,7 @@ class Ops(Protocol):
         (all ``j <= p`` without a window). With ``softcap``, scores become
         ``softcap * tanh(scores / softcap)`` before masking. Returns [T, H, D].
 
-        With shadow blocks (``cache.recent_window`` W > 0 and ``meta.shadow_tables``),
+        With shadow blocks (``cache.recent_window`` W > 0 and ``meta.shadows``),
         key ``j`` comes from its block's shadow where the sequence has one and
         ``p - j < W`` or ``j`` is in the sequence's first block; from the quantized
         cache otherwise.
@@ -159,8 +165,7 @@ class PageBatch:
 
     slot_mapping: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # one row per sequence, unpadded
-    shadow_tables: list[list[int]] = field(default_factory=list)  # with a recent window, like block_tables
-    shadow_slot_mapping: list[int] = field(default_factory=list)
+    shadows: PageBatch | None = None  # with a recent window: the shadow blocks' slots and tables
 
 
 @dataclass

@@ -100,8 +100,8 @@ class TorchOps:
         softcap: float | None = None,
     ) -> Tensor:
         self.write_kv(k, v, cache, meta.slot_mapping)
-        if cache.shadows is not None and meta.shadow_slot_mapping is not None:
-            self.write_shadow_kv(k, v, cache, meta.shadow_slot_mapping)
+        if meta.shadows is not None:
+            self.write_shadow_kv(k, v, cache, meta.shadows.slot_mapping)
         return self.attend(q, cache, meta, scale, window, softcap)
 
     def attend(
@@ -128,9 +128,7 @@ class TorchOps:
             first = 0 if window is None else max(0, context_len - (end - start) - window + 1)
             stored = {n: gather_context(t, meta.block_tables[b], context_len, first) for n, t in cache.tensors.items()}
             k, v = cache.format.decode(stored)  # one sequence's visible context, in fp32
-            exact = None
-            if cache.shadows is not None and meta.shadow_tables is not None:
-                exact = shadow_context(cache, meta.shadow_tables[b], context_len, first)
+            exact = shadow_context(cache, meta.shadows.tables[b], context_len, first) if meta.shadows else None
             out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first)
         return cache.format.finish_output(out).to(dtype)
 

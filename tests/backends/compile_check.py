@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
-from xinfer.ops import AttentionMetadata, HeadNorms
+from xinfer.ops import AttentionMetadata, HeadNorms, ShadowPages
 from xinfer_cuda.kernels import activation, attention, gemv, kv_codes, kv_quant_write, kv_write, launch, norm, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 
@@ -166,7 +166,8 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
                     cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
-                    torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100, torch.zeros(2, 256, dtype=torch.int32),
+                    torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
+                    ShadowPages(torch.zeros(2, 256, dtype=torch.int32), torch.zeros(2 * q_len, dtype=torch.int64)),
                 )  # fmt: skip
                 prefill = tiles(attention._PREFILL_TILES, head_dim)
                 if sides[0].code == kv_codes.LLOYD:  # as attention halves them

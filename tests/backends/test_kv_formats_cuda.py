@@ -13,14 +13,14 @@ import itertools
 import math
 import os
 import zlib
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import pytest
 import torch
 
 from xinfer.kv import KVFormat, LayerKVCache, get_format
 from xinfer.kv.codecs import Codec, Fp8
-from xinfer.ops import AttentionMetadata
+from xinfer.ops import AttentionMetadata, ShadowPages
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import attention
 from xinfer_cuda.ops import CudaOps
@@ -121,10 +121,10 @@ def write_case(
 
 
 def on_device(meta: AttentionMetadata) -> AttentionMetadata:
-    shadow_tables = meta.shadow_tables.to(DEVICE) if meta.shadow_tables is not None else None
+    shadows = ShadowPages(*(t.to(DEVICE) for t in astuple(meta.shadows))) if meta.shadows is not None else None
     return AttentionMetadata(
         meta.cu_seqlens_q.to(DEVICE), meta.seq_lens.to(DEVICE), meta.block_tables.to(DEVICE),
-        meta.slot_mapping.to(DEVICE), meta.max_seqlen_q, meta.max_seq_len, shadow_tables,
+        meta.slot_mapping.to(DEVICE), meta.max_seqlen_q, meta.max_seq_len, shadows,
     )  # fmt: skip
 
 
@@ -255,7 +255,7 @@ def with_shadows(
     order = torch.randperm(num_blocks).to(torch.int32)
     tables = order[meta.block_tables.long()]
     tables[:, drop] = -1
-    return cache, replace(meta, shadow_tables=tables)
+    return cache, replace(meta, shadows=ShadowPages(tables, torch.full_like(meta.slot_mapping, -1)))
 
 
 @pytest.mark.parametrize("fmt, window", [("fp8", 11), ("turbo4", 11), ("turbo3", 11), ("turbo4", 37)])
@@ -276,7 +276,7 @@ def test_recent_window_reads_shadows_like_the_reference(fmt, window):
     k = torch.randn(sum(len(p) for p in positions), 2, 64)
     v = torch.randn_like(k)
     slots = torch.cat([
-        torch.where(meta.shadow_tables[b, p // block_size] >= 0, meta.shadow_tables[b, p // block_size].long() * block_size + p % block_size, -1)
+        torch.where(meta.shadows.tables[b, p // block_size] >= 0, meta.shadows.tables[b, p // block_size].long() * block_size + p % block_size, -1)
         for b, p in enumerate(positions)
     ])  # fmt: skip
     CPU.write_shadow_kv(k, v, reference, slots)
@@ -289,7 +289,7 @@ def test_recent_window_reads_shadows_like_the_reference(fmt, window):
     for splits in (1, 4):
         got = attention.paged_attention_cache(q.to(DEVICE), device_cache, on_device(meta), 0.125, num_splits=splits)
         assert relative_error(got, want) < TOL[dtype], splits
-    plain = CPU.attend(q, reference, replace(meta, shadow_tables=None), 0.125)
+    plain = CPU.attend(q, reference, replace(meta, shadows=None), 0.125)
     assert relative_error(plain, want) > 10 * TOL[dtype]  # the window changed what was read
 
 
@@ -372,13 +372,13 @@ def test_attention_op_stores_the_step_with_its_shadows(fmt, dtype):
     reference, meta = with_shadows(reference, meta, window=11, drop=1)
     device_cache.shadows = tuple(torch.zeros_like(s, device=DEVICE) for s in reference.shadows)
     device_cache.recent_window = reference.recent_window
-    slots, shadow_slots = step_slots(reference, meta), step_slots(reference, meta, meta.shadow_tables)
+    slots, shadow_slots = step_slots(reference, meta), step_slots(reference, meta, meta.shadows.tables)
     assert (shadow_slots < 0).sum() == 1
-    meta = replace(meta, slot_mapping=slots, shadow_slot_mapping=shadow_slots)
+    meta = replace(meta, slot_mapping=slots, shadows=ShadowPages(meta.shadows.tables, shadow_slots))
     tokens, heads, scale = int(meta.cu_seqlens_q[-1]), 4, 0.125
     q = torch.randn(tokens, heads, 64).to(dtype)
     k, v = torch.randn(tokens, 2, 64).to(dtype), torch.randn(tokens, 2, 64).to(dtype)
-    device_meta = replace(on_device(meta), slot_mapping=slots.to(DEVICE), shadow_slot_mapping=shadow_slots.to(DEVICE))
+    device_meta = on_device(meta)
 
     want = CPU.attention(q, k, v, reference, meta, scale)
     got = CUDA.attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), device_cache, device_meta, scale)

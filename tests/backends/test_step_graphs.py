@@ -155,7 +155,7 @@ def test_padded_step_gives_the_unpadded_logits(model_dirs, backend, cache):
     assert [len(b.sample_rows) for b in batches] == [3, 4, 4]  # the first chunk samples nothing
     shadows = bool(options)
     assert all(len(b.pages) == (2 if model == "gemma3" else 1) for b in batches)
-    assert all(bool(p.shadow_tables) == shadows for b in batches for p in b.pages)
+    assert all((p.shadows is not None) == shadows for b in batches for p in b.pages)
     max_blocks = -(-llm.engine.max_model_len // runner.block_size)
     limits = StepLimits(6, 128, max_blocks, llm.engine.max_model_len, len(batches[0].pages), shadows)
     step = StaticStep(runner.forward, limits, torch.device("cpu"))

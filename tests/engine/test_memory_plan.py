@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.cache.allocate import attention_layers, bytes_per_block
-from xinfer.engine import engine as engine_module
+from xinfer.engine import build as build_module
 from xinfer.engine import memory_plan
 from xinfer.engine.memory_plan import (
     MAX_NUM_SEQS_CAP,
@@ -122,7 +122,7 @@ def test_measured_plan_sizes_the_pool_and_max_num_seqs(model_dir, monkeypatch, c
     """The profiling forward runs (here on the CPU) and the pool gets total x fraction
     less the weights and the measured peak; max_num_seqs follows the pool."""
     fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: fake)
     with caplog.at_level(logging.INFO, logger="xinfer"):
         llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_num_batched_tokens=300, max_model_len=128)
     engine = llm.engine
@@ -151,7 +151,7 @@ def test_measured_plan_sizes_the_pool_and_max_num_seqs(model_dir, monkeypatch, c
 
 
 def test_max_num_seqs_given_is_kept(model_dir, monkeypatch):
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: FakeMemory(4 << 20, 4 << 20, 0))
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: FakeMemory(4 << 20, 4 << 20, 0))
     llm = LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, max_num_seqs=3)
     assert llm.engine.config.scheduler.max_num_seqs == 3
 
@@ -163,7 +163,7 @@ def test_a_pool_sized_by_hand_keeps_the_usual_max_num_seqs(model_dir):
 
 def test_no_room_left_fails_at_start_up(model_dir, monkeypatch):
     fake = FakeMemory(total=1 << 30, free=1 << 30, peak=1 << 30)
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: fake)
     with pytest.raises(ValueError, match="no memory left for the KV cache"):
         LLM(model=model_dir, dtype="float32", max_model_len=128)
 
@@ -178,7 +178,7 @@ def test_the_profiled_cache_has_the_real_caches_key_transforms(model_dir, monkey
     """The plan's one-block cache (which the step graphs are captured over) carries the
     key offset and equalizer the real cache gets, so both captures compile the same
     kernel variants."""
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: FakeMemory(4 << 20, 4 << 20, 0))
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: FakeMemory(4 << 20, 4 << 20, 0))
     profiled = []
     measure = memory_plan.peak_activations
 
@@ -198,14 +198,14 @@ def test_the_profiled_cache_has_the_real_caches_key_transforms(model_dir, monkey
 
 def test_recent_window_shadows_come_out_of_the_planned_pool(model_dir, monkeypatch, caplog):
     fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: fake)
     options = dict(dtype="float32", kv_fraction=0.5, max_num_batched_tokens=64, max_model_len=128, max_num_seqs=4,
                    kv_cache_dtype="turbo4")  # fmt: skip
     plain = LLM(model=model_dir, **options).engine
     with caplog.at_level(logging.INFO, logger="xinfer"):
         windowed = LLM(model=model_dir, kv_recent_window=32, **options).engine
     shadows = memory_plan.shadow_blocks(4, 64, 32, 16)
-    assert shadows == 4 * (2 + 3) + 4 == len(windowed.cache.pools[0].free_shadows)
+    assert shadows == 4 * (2 + 3) + 4 == len(windowed.cache.pools[0].recent_window.free)
     exact_block = bytes_per_block(windowed.model, 16, windowed.dtype, get_format("auto"))
     quantized_block = bytes_per_block(windowed.model, 16, windowed.dtype, windowed.kv_format)
     taken = -(-shadows * exact_block // quantized_block)
@@ -218,7 +218,7 @@ def test_derived_max_num_seqs_leaves_their_tokens_beside_their_shadows(model_dir
     """Each sequence the planner counts on gets its tokens (the context limit, if
     shorter than 1024) in the pool left once the shadows of that many are out of it."""
     fake = FakeMemory(total=8 << 20, free=8 << 20, peak=512 << 10)
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: fake)
     options = dict(
         dtype="float32", kv_fraction=0.5, max_num_batched_tokens=64, max_model_len=128, kv_cache_dtype="turbo4"
     )
@@ -227,12 +227,12 @@ def test_derived_max_num_seqs_leaves_their_tokens_beside_their_shadows(model_dir
     seqs = windowed.config.scheduler.max_num_seqs
     assert seqs < plain.config.scheduler.max_num_seqs < MAX_NUM_SEQS_CAP
     assert windowed.cache.pools[0].num_blocks * 16 >= seqs * 128
-    assert len(windowed.cache.pools[0].free_shadows) == memory_plan.shadow_blocks(seqs, 64, 64, 16)
+    assert len(windowed.cache.pools[0].recent_window.free) == memory_plan.shadow_blocks(seqs, 64, 64, 16)
 
 
 def test_no_room_beside_the_shadows_names_the_window(model_dir, monkeypatch):
     fake = FakeMemory(total=4 << 20, free=4 << 20, peak=512 << 10)
-    monkeypatch.setattr(engine_module, "device_memory", lambda spec, device: fake)
+    monkeypatch.setattr(build_module, "device_memory", lambda spec, device: fake)
     with pytest.raises(
         ValueError,
         match=r"holds 0 tokens \(0 blocks of 16\) beside the recent window's \d+ exact "

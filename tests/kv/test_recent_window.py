@@ -10,9 +10,10 @@ from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
 from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
+from xinfer.cache.recent_window import RecentWindow
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import get_format
-from xinfer.ops import AttentionMetadata
+from xinfer.ops import AttentionMetadata, ShadowPages
 from xinfer.torch_ops import TorchOps, attend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -38,7 +39,7 @@ def test_attention_reads_exact_keys_within_the_window_and_the_first_block():
     ops.write_shadow_kv(k[:earlier], v[:earlier], cache, shadow_slots[:earlier])
     meta = AttentionMetadata(
         torch.tensor([0, num_q], dtype=torch.int32), torch.tensor([context], dtype=torch.int32), blocks[None],
-        slots[-num_q:], num_q, context, shadows[None], shadow_slots[-num_q:],
+        slots[-num_q:], num_q, context, ShadowPages(shadows[None], shadow_slots[-num_q:]),
     )  # fmt: skip
     q = torch.randn(num_q, heads, dim)
     got = ops.attention(q, k[earlier:], v[earlier:], cache, meta, dim**-0.5)
@@ -58,7 +59,7 @@ def test_attention_reads_exact_keys_within_the_window_and_the_first_block():
         want.append(attend(rotated_q[i : i + 1], keys, values, dim**-0.5))
     want = fmt.finish_output(torch.cat(want))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    plain = ops.attend(q, cache, replace(meta, shadow_tables=None, shadow_slot_mapping=None), dim**-0.5)
+    plain = ops.attend(q, cache, replace(meta, shadows=None), dim**-0.5)
     assert not torch.allclose(plain, want, atol=1e-3)  # the window changed what was read
 
 
@@ -85,7 +86,7 @@ def test_chunks_and_preemption_give_the_same_tokens(model_dir):
     assert small.engine.stats().num_preemptions > 0
     for llm in (whole, chunked, small):
         for pool in llm.engine.cache.pools:
-            assert pool.num_free_blocks == pool.num_blocks and not pool.shadow_of
+            assert pool.num_free_blocks == pool.num_blocks and not pool.recent_window.shadow_of
 
 
 def test_bad_settings_are_one_clear_error(model_dir):
@@ -97,13 +98,13 @@ def seq_of(length: int, seed: int = 0) -> Sequence:
     return Sequence(f"s{seed}", prompt(length, seed=seed), SamplingParams())
 
 
-def windowed_manager(num_shadows: int, recent_window: int) -> tuple[CacheManager, BlockPool]:
-    pool = BlockPool(num_blocks=32, block_size=4, num_shadows=num_shadows, recent_window=recent_window)
-    return CacheManager([pool]), pool
+def windowed_manager(num_shadows: int, recent_window: int) -> tuple[CacheManager, RecentWindow]:
+    window = RecentWindow(num_shadows, recent_window, block_size=4)
+    return CacheManager([BlockPool(num_blocks=32, block_size=4, recent_window=window)]), window
 
 
 def test_shadows_follow_the_window_and_block_zero_stays():
-    manager, pool = windowed_manager(num_shadows=12, recent_window=6)
+    manager, window = windowed_manager(num_shadows=12, recent_window=6)
     seq = seq_of(30)
     assert manager.allocate(seq, 30)
     table = seq.pages[0]
@@ -113,13 +114,13 @@ def test_shadows_follow_the_window_and_block_zero_stays():
     manager.trim(seq)
     kept = [i for i, s in enumerate(table.shadows) if s >= 0]
     assert kept == [0, 6, 7]  # blocks 6 (24..27) and 7 (28..29); 24 < 25 but shares block 6
-    assert len(pool.free_shadows) == 12 - 3
+    assert len(window.free) == 12 - 3
     manager.release(seq)
-    assert len(pool.free_shadows) == 12 - 1  # block 0 keeps its shadow while it is cached
+    assert len(window.free) == 12 - 1  # block 0 keeps its shadow while it is cached
 
     again = seq_of(30)
     assert manager.match_prefix(again) == 28
-    assert again.pages[0].shadows == [pool.shadow_of[again.pages[0].blocks[0]]] + [-1] * 6  # only block 0 exact
+    assert again.pages[0].shadows == [window.shadow_of[again.pages[0].blocks[0]]] + [-1] * 6  # only block 0 exact
     manager.release(again)
 
 

@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, PageBatch, StepContext, StepForward, StepLimits
+from xinfer.ops import (
+    AttentionMetadata,
+    DeviceTokens,
+    HostBatch,
+    PageBatch,
+    ShadowPages,
+    StepContext,
+    StepForward,
+    StepLimits,
+)
 
 MIN_STEP_TOKENS = 64
 # Steps with prompt tokens are compute-bound at a few hundred tokens, so padding costs
@@ -73,15 +82,7 @@ def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
     pad_tokens = bucket.num_tokens - len(batch.input_ids)
     pad_seqs = bucket.num_seqs - len(batch.seq_lens)
     width = max(len(row) for page in batch.pages for row in page.block_tables)
-    pages = [
-        PageBatch(
-            slot_mapping=page.slot_mapping + [-1] * pad_tokens,
-            block_tables=[row + [0] * (width - len(row)) for row in page.block_tables],
-            shadow_tables=[row + [-1] * (width - len(row)) for row in page.shadow_tables],
-            shadow_slot_mapping=page.shadow_slot_mapping + [-1] * pad_tokens if page.shadow_tables else [],
-        )
-        for page in batch.pages
-    ]
+    pages = [pad_page(page, pad_tokens, width) for page in batch.pages]
     return HostBatch(
         input_ids=batch.input_ids + [0] * pad_tokens,
         positions=batch.positions + [0] * pad_tokens,
@@ -90,6 +91,16 @@ def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
         sample_rows=batch.sample_rows + [0] * (bucket.num_seqs - len(batch.sample_rows)),
         pages=pages,
         state_slots=batch.state_slots + [0] * pad_seqs if batch.state_slots else [],
+    )
+
+
+def pad_page(page: PageBatch, pad_tokens: int, width: int, no_block: int = 0) -> PageBatch:
+    """``page`` with ``pad_tokens`` more slots (-1: nothing written) and its table rows
+    padded to ``width``; its shadow tables with -1 (no shadow)."""
+    return PageBatch(
+        slot_mapping=page.slot_mapping + [-1] * pad_tokens,
+        block_tables=[row + [no_block] * (width - len(row)) for row in page.block_tables],
+        shadows=pad_page(page.shadows, pad_tokens, width, no_block=-1) if page.shadows is not None else None,
     )
 
 
@@ -138,7 +149,7 @@ class StaticStep:
 
     def load(self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None) -> None:
         """Write ``batch``, padded to ``bucket``, into the device buffers."""
-        assert all(bool(p.shadow_tables) == self.limits.shadows for p in batch.pages), "shadows in every step, or none"
+        assert all((p.shadows is not None) == self.limits.shadows for p in batch.pages), "shadows in every step or none"
         padded = pad_batch(batch, bucket)
         if self.copied is not None:
             self.copied.synchronize()
@@ -148,7 +159,7 @@ class StaticStep:
                              *zip(self._seq_views(self.host32), self._seq_fields(padded))]:  # fmt: skip
             host[: len(values)] = torch.tensor(values, dtype=host.dtype)
         n, width = len(batch.seq_lens), len(padded.pages[0].block_tables[0])
-        tables = [t for page in padded.pages for t in (page.block_tables, page.shadow_tables)[: self.tables_per_group]]
+        tables = [part.block_tables for part in self._page_parts(padded)]
         packed = self._packed_tables(self.host32)[: len(tables) * n * width]
         packed[:] = torch.tensor(tables, dtype=torch.int32).flatten()
         self.dev64.copy_(self.host64, non_blocking=True)
@@ -180,9 +191,8 @@ class StaticStep:
                 slot_mapping=slots[group * k][:t],
                 max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
                 max_seq_len=self.limits.max_seq_len,
+                shadows=ShadowPages(self.tables[group * k + 1][:s], slots[group * k + 1][:t]) if k == 2 else None,
             )
-            if self.limits.shadows:
-                meta.shadow_tables, meta.shadow_slot_mapping = self.tables[group * k + 1][:s], slots[group * k + 1][:t]
             pages.append(meta)
         step = StepContext(pages, state_slots[0][:s] if state_slots else None)
         logits = self.forward(ids[:t], positions[:t], step, rows[:s])
@@ -204,8 +214,12 @@ class StaticStep:
         return list(self._token_views(buf64)[2].split(self.max_tokens))
 
     def _slot_fields(self, batch: HostBatch) -> list[list[int]]:
-        fields = [(p.slot_mapping, p.shadow_slot_mapping) for p in batch.pages]
-        return [f for pair in fields for f in pair[: self.tables_per_group]]
+        return [part.slot_mapping for part in self._page_parts(batch)]
+
+    def _page_parts(self, batch: HostBatch) -> list[PageBatch]:
+        """Per group: its pages, then its shadow pages."""
+        parts = [(page, page.shadows) for page in batch.pages]
+        return [part for pair in parts for part in pair[: self.tables_per_group] if part is not None]
 
     def _seq_views(self, buf32: Tensor) -> list[Tensor]:
         """cu_seqlens_q, seq_lens [, state slots]."""

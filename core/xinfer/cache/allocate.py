@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from xinfer.cache.specs import (
-    AttentionSpec,
     CachingLayer,
     PageGroup,
     RecurrentStateSpec,
@@ -74,15 +73,12 @@ def allocate_caches(
         shadows = num_shadows[index] if num_shadows else 0
         for layer, spec in zip(group.layers, group.specs):
             layer.page_group = index
-            if shadows and isinstance(spec, AttentionSpec):
-                cache = spec.allocate(blocks, block_size, kv_format, dtype, device)
-                shape = (shadows, block_size, spec.num_kv_heads, spec.head_dim)
+            cache = spec.allocate(blocks, block_size, kv_format, dtype, device)
+            if shadows and isinstance(cache, LayerKVCache):
+                shape = (shadows, block_size, cache.num_kv_heads, cache.head_dim)
                 k_shadow, v_shadow = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-                cache.shadows = (k_shadow, v_shadow)
-                cache.recent_window = recent_window
-                layer.cache = cache
-            else:
-                layer.cache = spec.allocate(blocks, block_size, kv_format, dtype, device)
+                cache.shadows, cache.recent_window = (k_shadow, v_shadow), recent_window
+            layer.cache = cache
     for layer in layout.state_layers:
         layer.cache = _state_spec(layer).allocate(num_state_slots, dtype, device)
     if key_transforms is not None:

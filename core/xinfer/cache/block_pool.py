@@ -11,20 +11,18 @@ sequence's next token is past a block's reach, :meth:`BlockPool.trim` gives the 
 back (its table entry becomes :data:`NO_BLOCK`), and a prefix-cache hit needs only the
 blocks the next token reaches.
 
-With a recent window R (quantized caches), a block a sequence computes gets a shadow: an
-exact copy of its entries, which attention reads for keys within R of a query. The
-shadow goes back once the block is more than R behind the sequence's next token, except
-block 0's, which stays with the block (the sinks every later query reads exact), also
-while the block is cached. A table's ``shadows`` name only the shadows of blocks its
-sequence computed and block 0's, so what it reads exact does not depend on other
-sequences; a cached block 0 whose shadow was reclaimed is no longer a prefix-cache hit.
-See docs/kv-cache.md.
+With a recent window (quantized caches), the pool is given its allocation of shadow
+blocks (:class:`xinfer.cache.recent_window.RecentWindow`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xinfer.cache.recent_window import RecentWindow
 
 NO_BLOCK = -1
 """A table entry whose block is out of the window's reach (given back), or a block without a shadow."""
@@ -50,12 +48,7 @@ class PageTable:
 
 class BlockPool:
     def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        window: int | None = None,
-        num_shadows: int = 0,
-        recent_window: int = 0,
+        self, num_blocks: int, block_size: int, window: int | None = None, recent_window: RecentWindow | None = None
     ):
         self.block_size = block_size
         self.window = window
@@ -63,8 +56,6 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.recent_window = recent_window
-        self.free_shadows = list(range(num_shadows))
-        self.shadow_of: dict[int, int] = {}  # block id -> its shadow
 
     @property
     def num_blocks(self) -> int:
@@ -98,8 +89,7 @@ class BlockPool:
         needed = range(self.first_needed(num_blocks * self.block_size), num_blocks)
         if any(found[i] is None for i in needed):
             return False
-        sinks = self.recent_window and 0 in needed
-        return not sinks or found[0] in self.shadow_of
+        return self.recent_window is None or self.recent_window.serves(found, needed)
 
     def attach(self, table: PageTable, found: list[int | None], num_blocks: int) -> None:
         """Give ``table`` the cached blocks of its first ``num_blocks`` that it needs
@@ -108,13 +98,11 @@ class BlockPool:
         first = self.first_needed(num_blocks * self.block_size)
         for index in range(num_blocks):
             block_id = found[index] if index >= first else None
-            if block_id is None:
-                table.blocks.append(NO_BLOCK)
-            else:
+            if block_id is not None:
                 self._take(block_id)
-                table.blocks.append(block_id)
-            if self.recent_window:
-                table.shadows.append(self.shadow_of[block_id] if index == 0 and block_id is not None else NO_BLOCK)
+            table.blocks.append(NO_BLOCK if block_id is None else block_id)
+        if self.recent_window is not None:
+            self.recent_window.attach(table)
 
     def commit(self, table: PageTable, hashes: list[int], token_ids: list[int], first: int) -> None:
         """Register ``table``'s blocks ``first`` to ``len(hashes)`` (full of computed
@@ -134,8 +122,7 @@ class BlockPool:
         missing = self.blocks_needed(num_tokens) - len(table.blocks)
         if missing > self.num_free_blocks:
             return False
-        short = self.recent_window and missing > len(self.free_shadows)
-        return not (short and missing > len(self.free_shadows) + len(self._reclaimable_shadows()))
+        return self.recent_window is None or self.recent_window.can_take(missing, self.blocks)
 
     def allocate(self, table: PageTable, num_tokens: int) -> None:
         """Make ``table`` cover ``num_tokens`` slots (:meth:`can_allocate` said it can)."""
@@ -144,36 +131,26 @@ class BlockPool:
             self._forget(self.blocks[block_id])
             self.blocks[block_id].ref_count = 1
             table.blocks.append(block_id)
-            if self.recent_window:
-                self.shadow_of[block_id] = self._take_shadow()
-                table.shadows.append(self.shadow_of[block_id])
+            if self.recent_window is not None:
+                reclaimed = self.recent_window.take(table, block_id, self.free)
+                if reclaimed is not None:
+                    self._forget(self.blocks[reclaimed])  # no longer a prefix-cache hit without its sinks
 
     def trim(self, table: PageTable, num_computed: int) -> None:
-        """Give back what the next token (at ``num_computed``) no longer reads: blocks
-        out of the window's reach, and shadows R or more behind it (never block 0's
-        while the block stays)."""
+        """Give back what the next token (at ``num_computed``) no longer reads: blocks out
+        of the window's reach (and what the recent window no longer reads)."""
         out_of_reach = min(self.first_needed(num_computed), len(table.blocks))
-        done = max(0, num_computed - self.recent_window + 1) // self.block_size  # shadows now out of reach
-        last_shadow = min(done, len(table.shadows)) - 1  # block 0's stays
-        trims_blocks = out_of_reach > 0 and table.blocks[out_of_reach - 1] != NO_BLOCK
-        trims_shadows = self.recent_window and last_shadow > 0 and table.shadows[last_shadow] >= 0
-        if not (trims_blocks or trims_shadows):
-            return
-        table.blocks, table.shadows = list(table.blocks), list(table.shadows)  # a prepared step may hold the old lists
-        for index in range(out_of_reach - 1, -1, -1):
-            if table.blocks[index] == NO_BLOCK:
-                break  # given back before, or never attached
-            self._release(table, index)
-            table.blocks[index] = NO_BLOCK
-            if self.recent_window:
-                table.shadows[index] = NO_BLOCK
-        if not self.recent_window:
-            return
-        for index in range(last_shadow, 0, -1):
-            if table.shadows[index] < 0:
-                break  # trimmed before, or a prefix-cache hit
-            self._release_shadow(table.blocks[index])
-            table.shadows[index] = NO_BLOCK
+        if out_of_reach > 0 and table.blocks[out_of_reach - 1] != NO_BLOCK:
+            table.blocks, table.shadows = list(table.blocks), list(table.shadows)  # a prepared step may hold the old
+            for index in range(out_of_reach - 1, -1, -1):
+                if table.blocks[index] == NO_BLOCK:
+                    break  # given back before, or never attached
+                self._release(table, index)
+                table.blocks[index] = NO_BLOCK
+                if table.shadows:
+                    table.shadows[index] = NO_BLOCK
+        if self.recent_window is not None:
+            self.recent_window.trim(table, num_computed)
 
     def release(self, table: PageTable) -> None:
         for index in reversed(range(len(table.blocks))):
@@ -187,8 +164,8 @@ class BlockPool:
         if block.ref_count == 0:
             self.free[block.id] = None
         keeps_sinks = index == 0 and (block.ref_count > 0 or block.hash is not None)
-        if self.recent_window and table.shadows[index] >= 0 and not keeps_sinks:
-            self._release_shadow(block.id)
+        if self.recent_window is not None and table.shadows[index] >= 0 and not keeps_sinks:
+            self.recent_window.release(block.id)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -200,19 +177,5 @@ class BlockPool:
         if block.hash is not None and self.cached.get(block.hash) == block.id:
             del self.cached[block.hash]
         block.hash, block.token_ids = None, ()
-        self._release_shadow(block.id)
-
-    def _release_shadow(self, block_id: int) -> None:
-        shadow = self.shadow_of.pop(block_id, None)
-        if shadow is not None:
-            self.free_shadows.append(shadow)
-
-    def _reclaimable_shadows(self) -> list[int]:
-        """Blocks no sequence holds that keep a shadow: cached first blocks."""
-        return [b for b in self.shadow_of if self.blocks[b].ref_count == 0]
-
-    def _take_shadow(self) -> int:
-        if not self.free_shadows:
-            oldest = next(b for b in self.free if b in self.shadow_of)
-            self._forget(self.blocks[oldest])  # no longer a prefix-cache hit without its sinks
-        return self.free_shadows.pop()
+        if self.recent_window is not None:
+            self.recent_window.release(block.id)

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from xinfer.backend import check_support, device_memory, select_backend
-from xinfer.cache.allocate import CacheLayout, allocate_caches
-from xinfer.cache.block_pool import BlockPool
-from xinfer.cache.manager import CacheManager
-from xinfer.cache.state_pool import StatePool
-from xinfer.config import EngineConfig, resolve_dtype
-from xinfer.engine.kv_calibration import calibrate_keys
-from xinfer.engine.memory_plan import memory_baseline, plan_memory
-from xinfer.engine.runner import ModelRunner
+from xinfer.config import EngineConfig
+from xinfer.engine.build import build_engine
 from xinfer.engine.sampler import SampledTokens
-from xinfer.engine.scheduler import ScheduledSeq, Scheduler
+from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
-from xinfer.kv import get_format
-from xinfer.loading.loader import load_config, load_model
-from xinfer.loading.resolve import resolve_model_path
 from xinfer.sampling import SamplingParams
-from xinfer.text.tokenizer import Tokenizer
-
-log = logging.getLogger("xinfer")
 
 
 class KVCacheFull(RuntimeError):
@@ -61,55 +46,21 @@ class StepOutput:
 
 
 class LLMEngine:
+    """Steps the parts start-up builds (:func:`xinfer.engine.build.build_engine`)."""
+
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
-        self.config = config
-        self.backend, self.ops, self.device = select_backend(config.device)
-        check_support(self.backend, self.ops, config)
-        memory = device_memory(self.backend, self.device)
-        baseline = memory_baseline(memory)
-        path = resolve_model_path(config.model.model)
-        self.model_path = path
-        self.hf_config = load_config(path)
-        self.dtype = resolve_dtype(config.model.dtype, getattr(self.hf_config, "dtype", None), self.device.type)
-        torch.manual_seed(config.model.seed)
-        self.model = load_model(path, self.hf_config, self.device, self.dtype, config.model.load_format)
-        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        parts = build_engine(config, tokenizer)
+        self.config = parts.config
+        self.hf_config = parts.hf_config
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.dtype = parts.dtype
+        self.kv_format = parts.kv_format
+        self.runner = parts.runner
+        self.model, self.ops, self.device = self.runner.model, self.runner.backend, self.runner.device
+        self.cache = parts.cache
+        self.scheduler = parts.scheduler
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
-        cache = config.cache
-        self.kv_format = get_format(cache.kv_cache_dtype)
-        if cache.kv_recent_window and cache.kv_cache_dtype == "auto":
-            raise ValueError(
-                "kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
-                "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)"
-            )
-        layout = CacheLayout.of(self.model)
-        self.runner = ModelRunner(self.model, self.ops, cache.block_size, self.device, config.model.seed,
-                                  len(layout.groups), bool(layout.state_layers))  # fmt: skip
-        key_transforms = calibrate_keys(self, layout)
-        plan = plan_memory(
-            config, self.runner, layout, self.max_model_len, self.dtype, self.kv_format, memory, baseline,
-            key_transforms,
-        )  # fmt: skip
-        allocate_caches(
-            layout, plan.num_blocks, cache.block_size, self.dtype, self.device, self.kv_format, plan.num_state_slots,
-            key_transforms, [pool.num_shadows for pool in plan.pools], cache.kv_recent_window,
-        )  # fmt: skip
-        scheduler = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
-        self.config = config = config.model_copy(update={"scheduler": scheduler})
-        pools = [
-            BlockPool(pool.num_blocks, cache.block_size, pool.window, pool.num_shadows, cache.kv_recent_window)
-            for pool in plan.pools
-        ]
-        states = StatePool(plan.num_state_slots) if plan.num_state_slots else None
-        self.cache = CacheManager(pools, cache.enable_prefix_caching, states)
-        if states is not None and cache.enable_prefix_caching:
-            log.info("prefix caching is off: this model has recurrent layers, whose states are not snapshotted yet")
-        self.scheduler = Scheduler(scheduler, self.cache)
-        log.info("%s, KV cache format %s", plan.describe(), self.kv_format.name)
-        if not config.device.enforce_eager:
-            self.runner.capture_graphs(plan.max_num_seqs, scheduler.max_num_batched_tokens, self.max_model_len,
-                                       shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
         self.sequences: dict[str, Sequence] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
 
@@ -235,12 +186,6 @@ class LLMEngine:
         if seq.at_limit:  # max_tokens or the context
             return "length", None
         return None, None
-
-
-def _load_tokenizer(path: Path) -> Tokenizer | None:
-    if path.suffix == ".gguf" or (path / "tokenizer.json").is_file():
-        return Tokenizer.from_path(path)
-    return None
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

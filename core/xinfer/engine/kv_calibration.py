@@ -11,6 +11,8 @@ captures compile the same kernel variants and every cached block shares them.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,6 @@ from torch import Tensor
 
 from xinfer import ops
 from xinfer.cache.allocate import CacheLayout, allocate_caches
-from xinfer.forward_context import forward_context
 from xinfer.kv import LayerKVCache, get_format
 from xinfer.kv.equalizer import equalizer
 from xinfer.ops import HostBatch, PageBatch
@@ -30,21 +31,14 @@ CALIBRATION_TOKENS = 512
 def calibration_text() -> str:
     """English prose that ships with Python and is not the quality benchmark's text:
     the docstrings of a few standard-library modules."""
-    import argparse
-    import collections
-    import json
-    import logging
-    import pathlib
-    import subprocess
-    import threading
-    import typing
-    import unittest
-
-    modules = (argparse, collections, typing, json, logging, unittest, subprocess, threading, pathlib)
-    return "\n\n".join(m.__doc__ for m in modules if m.__doc__)
+    names = ("argparse", "collections", "typing", "json", "logging", "unittest", "subprocess", "threading", "pathlib")
+    docs = (importlib.import_module(name).__doc__ for name in names)
+    return "\n\n".join(doc for doc in docs if doc)
 
 
-def calibration_ids(tokenizer: Any, vocab_size: int, count: int) -> list[int]:
+def calibration_ids(tokenizer: Any, vocab_size: int, max_positions: int) -> list[int]:
+    """The calibration text's first tokens, at most :data:`CALIBRATION_TOKENS` and ``max_positions``."""
+    count = min(CALIBRATION_TOKENS, max_positions)
     if tokenizer is None:  # e.g. dummy weights: any ids will do
         generator = torch.Generator().manual_seed(0)
         return torch.randint(vocab_size, (count,), generator=generator).tolist()
@@ -97,34 +91,33 @@ class KeyTransforms:
 
 
 @torch.inference_mode()
-def calibrate_keys(engine: Any, layout: CacheLayout) -> KeyTransforms | None:
-    """The key offset and equalizer of every layer when the format rotates keys (else
-    None), from one forward of the same tokens at positions 0, 1, ... whatever the
-    engine's ``max_model_len`` and ``max_num_batched_tokens``: those limit requests, and
-    engines that differ only in them must store the same codes. Chunks or shorter
-    sequences would not do: they change the keys' positions, or the last bits of
+def calibrate_keys(
+    forward: Callable[[HostBatch], Tensor],
+    backend: ops.Ops,
+    layout: CacheLayout,
+    ids: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KeyTransforms:
+    """The key offset and equalizer of every attention layer, from one ``forward`` (a batch
+    through the model under the ops in use: ``backend``'s, recorded) of ``ids`` at positions
+    0, 1, ... whatever the engine's ``max_model_len`` and ``max_num_batched_tokens``: those
+    limit requests, and engines that differ only in them must store the same codes. Chunks
+    or shorter sequences would not do: they change the keys' positions, or the last bits of
     every later layer's keys. Its activations are released before the memory plan
     measures a step's."""
-    layers = layout.attention_layers
-    if not layers or not engine.kv_format.rotate_keys:
-        return None
-    count = min(CALIBRATION_TOKENS, engine.hf_config.max_position_embeddings)
-    ids = calibration_ids(engine.tokenizer, engine.hf_config.vocab_size, count)
-    block_size = engine.config.cache.block_size
     num_blocks = -(-len(ids) // block_size)
     previous = [layer.cache for layer in layout.layers]
-    ones = [num_blocks] * len(layout.groups)
-    allocate_caches(layout, ones, block_size, engine.dtype, engine.device, get_format("auto"), 1)
-    scratch = [layer.cache for layer in layers]
-    stats = KeyStatistics(engine.ops)
+    allocate_caches(layout, [num_blocks] * len(layout.groups), block_size, dtype, device, get_format("auto"), 1)
+    scratch = [layer.cache for layer in layout.attention_layers]
+    stats = KeyStatistics(backend)
     page = PageBatch(list(range(len(ids))), [list(range(num_blocks))])
     batch = HostBatch(ids, list(range(len(ids))), [0, len(ids)], [len(ids)], [], [page] * len(layout.groups),
                       [0] if layout.state_layers else [])  # fmt: skip
     try:
         with ops.use(stats):
-            input_ids, positions, step = engine.runner.to_device(batch)
-            with forward_context(step):
-                engine.model(input_ids, positions)
+            forward(batch)
     finally:
         for layer, cache in zip(layout.layers, previous):
             layer.cache = cache
@@ -135,6 +128,6 @@ def calibrate_keys(engine: Any, layout: CacheLayout) -> KeyTransforms | None:
         if id(temp) not in stats.softcapped:
             offset = stats.key_sums[id(temp)] / len(ids)
             key_energy = key_energy - len(ids) * offset.pow(2)  # of the keys as stored
-        offsets.append(offset.to(engine.device) if offset is not None else None)
-        equalizers.append(equalizer(stats.query_energy[id(temp)], key_energy).to(engine.device))
+        offsets.append(offset)
+        equalizers.append(equalizer(stats.query_energy[id(temp)], key_energy))
     return KeyTransforms(offsets, equalizers)

@@ -120,11 +120,6 @@ class MemoryPlan:
     def num_blocks(self) -> list[int]:
         return [pool.num_blocks for pool in self.pools]
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens of the first pool: the context a full-attention layer can hold."""
-        return self.pools[0].num_blocks * self.block_size if self.pools else 0
-
     def describe(self) -> str:
         activations = gib(self.activations) if self.activations is not None else "not measured"
         graphs = gib(self.graphs) if self.graphs is not None else "none"
@@ -227,12 +222,9 @@ def plan_memory(
     elif memory is None or baseline is None:
         budget = host_kv_budget(cache.kv_fraction)
         source = f"{gib(budget)} of available host memory"
-    else:
-        capture = not config.device.enforce_eager
-        profile = profile_device(
-            runner, layout, memory, baseline, config, max_model_len, dtype, kv_format, wanted_seqs, capture,
-            key_transforms,
-        )  # fmt: skip
+    else:  # measured over one-block caches with the real cache's key transforms (the graphs compile its kernels)
+        allocate_caches(layout, [1] * len(windows), block_size, dtype, runner.device, kv_format, 1, key_transforms)
+        profile = profile_device(runner, layout, memory, baseline, config, max_model_len, wanted_seqs)
         fraction = cache.kv_fraction or DEFAULT_KV_FRACTION
         budget = kv_budget(profile, fraction)
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
@@ -321,21 +313,15 @@ def profile_device(
     baseline: tuple[int, int],
     config: EngineConfig,
     max_model_len: int,
-    dtype: torch.dtype,
-    kv_format: KVFormat,
     num_seqs: int,
-    capture: bool,
-    key_transforms: KeyTransforms | None = None,
 ) -> DeviceProfile:
-    """Measure a step's activation peak and the step graphs, over one-block caches
-    (with the real cache's key transforms, so the graphs compile the same kernels)."""
+    """Measure a step's activation peak and the step graphs (over the caches the layers hold)."""
     free_at_start, total = baseline
-    block_size = config.cache.block_size
-    ones = [1] * len(layout.groups)
-    allocate_caches(layout, ones, block_size, dtype, runner.device, kv_format, 1, key_transforms)
     num_tokens = config.scheduler.max_num_batched_tokens
-    batch = profile_batch(num_tokens, max_model_len, block_size, len(layout.groups), bool(layout.state_layers))
+    batch = profile_batch(num_tokens, max_model_len, config.cache.block_size, len(layout.groups),
+                          bool(layout.state_layers))  # fmt: skip
     activations = peak_activations(runner, memory, batch, num_seqs)
+    capture = not config.device.enforce_eager
     graphs = graph_memory(runner, memory, num_seqs, num_tokens, max_model_len) if capture else 0
     weights = tensor_bytes(runner.model)
     free, _ = memory.info()

@@ -128,8 +128,9 @@ class ModelRunner:
                 page.slot_mapping += [self.slot(table.blocks, p) for p in range(start, end)]
                 page.block_tables.append(table.blocks)
                 if table.shadows:
-                    page.shadow_tables.append(table.shadows)
-                    page.shadow_slot_mapping += [self.slot(table.shadows, p) for p in range(start, end)]
+                    page.shadows = page.shadows or PageBatch()
+                    page.shadows.block_tables.append(table.shadows)
+                    page.shadows.slot_mapping += [self.slot(table.shadows, p) for p in range(start, end)]
             if self.has_state:
                 assert seq.state_slot is not None
                 batch.state_slots.append(seq.state_slot)
@@ -152,11 +153,12 @@ class ModelRunner:
                 max_seqlen_q=max_seqlen_q,
                 max_seq_len=max(batch.seq_lens),
             )
-            if page.shadow_tables:
-                assert len(page.shadow_tables) == len(page.block_tables), "every sequence has shadows, or none"
-                shadows = [row + [-1] * (width - len(row)) for row in page.shadow_tables]
-                meta.shadow_tables = self._tensor(shadows, torch.int32)
-                meta.shadow_slot_mapping = self._tensor(page.shadow_slot_mapping, torch.int64)
+            if page.shadows is not None:
+                assert len(page.shadows.block_tables) == len(page.block_tables), "every sequence has shadows, or none"
+                meta.shadows = ops.ShadowPages(
+                    self._tensor([row + [-1] * (width - len(row)) for row in page.shadows.block_tables], torch.int32),
+                    self._tensor(page.shadows.slot_mapping, torch.int64),
+                )
             pages.append(meta)
         state_slots = self._tensor(batch.state_slots, torch.int32) if batch.state_slots else None
         step = StepContext(pages, state_slots)

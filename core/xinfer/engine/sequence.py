@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import enum
 import sys
-import time
 from dataclasses import dataclass, field
 
 from xinfer.cache.block_pool import PageTable
@@ -35,7 +34,6 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     scheduled_once: bool = False
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ with a V codec.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,7 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for n in self.trailing:
-            count *= n
-        return count * self.dtype.itemsize
+        return math.prod(self.trailing) * self.dtype.itemsize
 
 
 class Codec:
@@ -46,9 +44,6 @@ class Codec:
     def decode(self, stored: list[Tensor]) -> Tensor:
         """Back to [..., D] in fp32."""
         raise NotImplementedError
-
-    def bytes_per_vector(self, head_dim: int, dtype: torch.dtype) -> int:
-        return sum(f.nbytes for f in self.fields(head_dim, dtype))
 
 
 class Plain(Codec):

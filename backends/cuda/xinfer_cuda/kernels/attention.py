@@ -984,8 +984,8 @@ def paged_attention_cache(
         q = rotate_queries(q, cache) if rotated_q is None else rotated_q
     out_basis = signed_basis(cache.head_dim, q.device) if fmt.rotate_values else None
     exact = None
-    if cache.shadows is not None and meta.shadow_tables is not None:
-        exact = ExactWindow(*cache.shadows, meta.shadow_tables, cache.recent_window)
+    if cache.shadows is not None and meta.shadows is not None:
+        exact = ExactWindow(*cache.shadows, meta.shadows.tables, cache.recent_window)
     return attend_sides(q, k_side, v_side, meta, scale, window, softcap, out_basis=out_basis, exact=exact, **overrides)
 
 

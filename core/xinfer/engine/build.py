@@ -1,0 +1,114 @@
+"""Start-up, the one path from an engine config to the finished parts an engine steps:
+select the backend, load the model, calibrate, plan memory, allocate, capture."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xinfer.backend import check_support, device_memory, select_backend
+from xinfer.cache.allocate import CacheLayout, allocate_caches
+from xinfer.cache.block_pool import BlockPool
+from xinfer.cache.manager import CacheManager
+from xinfer.cache.recent_window import RecentWindow
+from xinfer.cache.state_pool import StatePool
+from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
+from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
+from xinfer.engine.memory_plan import MemoryPlan, memory_baseline, plan_memory
+from xinfer.engine.runner import ModelRunner
+from xinfer.engine.scheduler import Scheduler
+from xinfer.forward_context import forward_context
+from xinfer.kv import KVFormat, get_format
+from xinfer.loading.loader import load_config, load_model
+from xinfer.loading.resolve import resolve_model_path
+from xinfer.ops import HostBatch
+from xinfer.text.tokenizer import Tokenizer
+
+log = logging.getLogger("xinfer")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What start-up hands the engine, finished."""
+
+    config: EngineConfig  # with the planned max_num_seqs
+    hf_config: Any
+    tokenizer: Any
+    max_model_len: int
+    dtype: torch.dtype
+    kv_format: KVFormat
+    runner: ModelRunner  # its caches allocated, its graphs captured
+    cache: CacheManager
+    scheduler: Scheduler
+
+
+def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
+    """Every part of an engine for ``config`` (``tokenizer``: the model's own if None)."""
+    spec, ops, device = select_backend(config.device)
+    check_support(spec, ops, config)
+    cache = config.cache
+    if cache.kv_recent_window and cache.kv_cache_dtype == "auto":
+        raise ValueError(
+            "kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
+            "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)"
+        )
+    memory = device_memory(spec, device)
+    baseline = memory_baseline(memory)
+    path = resolve_model_path(config.model.model)
+    hf_config = load_config(path)
+    dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
+    torch.manual_seed(config.model.seed)
+    model = load_model(path, hf_config, device, dtype, config.model.load_format)
+    max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+    kv_format = get_format(cache.kv_cache_dtype)
+    layout = CacheLayout.of(model)
+    runner = ModelRunner(model, ops, cache.block_size, device, config.model.seed,
+                         len(layout.groups), bool(layout.state_layers))  # fmt: skip
+    key_transforms = None
+    if kv_format.rotate_keys and layout.attention_layers:
+
+        def forward(batch: HostBatch) -> Tensor:
+            input_ids, positions, step = runner.to_device(batch)
+            with forward_context(step):
+                return model(input_ids, positions)
+
+        ids = calibration_ids(tokenizer, hf_config.vocab_size, hf_config.max_position_embeddings)
+        key_transforms = calibrate_keys(forward, ops, layout, ids, cache.block_size, dtype, device)
+    plan = plan_memory(config, runner, layout, max_model_len, dtype, kv_format, memory, baseline, key_transforms)
+    allocate_caches(
+        layout, plan.num_blocks, cache.block_size, dtype, device, kv_format, plan.num_state_slots,
+        key_transforms, [pool.num_shadows for pool in plan.pools], cache.kv_recent_window,
+    )  # fmt: skip
+    scheduler_config = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
+    config = config.model_copy(update={"scheduler": scheduler_config})
+    cache_manager = _cache_manager(plan, cache)
+    log.info("%s, KV cache format %s", plan.describe(), kv_format.name)
+    if not config.device.enforce_eager:
+        runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
+                              shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
+    return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
+                       Scheduler(scheduler_config, cache_manager))  # fmt: skip
+
+
+def _cache_manager(plan: MemoryPlan, cache: CacheConfig) -> CacheManager:
+    """The planned pools, each given its recent window's shadows where it has them, and state slots."""
+    pools = []
+    for pool in plan.pools:
+        shadows = RecentWindow(pool.num_shadows, cache.kv_recent_window, cache.block_size) if pool.num_shadows else None
+        pools.append(BlockPool(pool.num_blocks, cache.block_size, pool.window, shadows))
+    states = StatePool(plan.num_state_slots) if plan.num_state_slots else None
+    if states is not None and cache.enable_prefix_caching:
+        log.info("prefix caching is off: this model has recurrent layers, whose states are not snapshotted yet")
+    return CacheManager(pools, cache.enable_prefix_caching, states)
+
+
+def _load_tokenizer(path: Path) -> Tokenizer | None:
+    if path.suffix == ".gguf" or (path / "tokenizer.json").is_file():
+        return Tokenizer.from_path(path)
+    return None
