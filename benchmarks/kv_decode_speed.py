@@ -55,8 +55,9 @@ SMOKE_CASES = [(1, 40), (3, 72)]  # --smoke: SmolLM2's shape on the CPU
 def allocate(llm: LLM, seq: Sequence, context: int) -> None:
     """Blocks for ``context`` tokens of ``seq``, its last one to compute. With a recent
     window, in chunks as prefill takes them, so that shadows out of reach go back."""
-    manager = llm.engine.block_manager
-    chunk = llm.engine.config.scheduler.max_num_batched_tokens if manager.window else context
+    manager = llm.engine.cache
+    has_window = any(pool.recent_window for pool in manager.pools)
+    chunk = llm.engine.config.scheduler.max_num_batched_tokens if has_window else context
     for end in [*range(chunk, context, chunk), context]:
         assert manager.allocate(seq, end), "KV pool too small for this case"
         seq.num_computed_tokens = end - 1
@@ -70,11 +71,12 @@ def fill(llm: LLM, seqs: list[Sequence]) -> None:
     config = engine.hf_config
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    positions = [(seq, p) for seq in seqs for p in range(seq.num_tokens)]
-    slots = torch.tensor([engine.runner.slot(seq, p) for seq, p in positions], device=engine.device)
+    positions = [(seq.pages[0], p) for seq in seqs for p in range(seq.num_tokens)]
+    slot = engine.runner.slot
+    slots = torch.tensor([slot(table.blocks, p) for table, p in positions], device=engine.device)
     writes = [(slots, engine.ops.write_kv)]
-    if engine.block_manager.window:
-        shadows = torch.tensor([engine.runner.shadow_slot(seq, p) for seq, p in positions], device=engine.device)
+    if any(table.shadows for table, _ in positions):
+        shadows = torch.tensor([slot(table.shadows, p) for table, p in positions], device=engine.device)
         writes.append((shadows, engine.ops.write_shadow_kv))
     for layer in attention_layers(engine.model):
         for all_slots, write in writes:
@@ -121,7 +123,7 @@ def decode_steps(llm: LLM, batch: int, context: int, steps: int, kernels: int = 
             figures["kernels"] = top_kernels(profiler, kernels, per=steps)
     finally:
         for seq in seqs:
-            engine.block_manager.release(seq)
+            engine.cache.release(seq)
     return figures
 
 
@@ -132,7 +134,8 @@ def attention_us(llm: LLM, batch) -> float:
     engine = llm.engine
     layers = attention_layers(engine.model)
     config = engine.hf_config
-    _, _, meta = engine.runner.to_device(batch)
+    _, _, step = engine.runner.to_device(batch)
+    meta = step.pages[0]
     head_dim = layers[0].cache.head_dim
     tokens = len(batch.input_ids)
     q = torch.randn(tokens, config.num_attention_heads, head_dim, device=engine.device, dtype=engine.dtype)
@@ -144,7 +147,7 @@ def attention_us(llm: LLM, batch) -> float:
         for layer in layers:
             ops.current().attention(q, k, v, layer.cache, meta, scale)
 
-    with ops.use(engine.ops), forward_context(meta):
+    with ops.use(engine.ops), forward_context(step):
         all_layers()  # compiles
         if engine.device.type != "cuda":
             start = time.perf_counter()
