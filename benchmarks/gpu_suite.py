@@ -98,6 +98,11 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
             "--output-len",
             "128",
         ],
+        # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
+        "sharegpt-0.6b": offline + ["--shape", "qwen3-0.6b", "--workload", "sharegpt", "--dtype", "bfloat16"],
+        "sharegpt-8b": offline + ["--shape", "llama-3.1-8b", "--workload", "sharegpt", "--dtype", "bfloat16"],
+        # a 256-row top-p sampling step against the Qwen3-0.6B 256-row decode step, as a ratio
+        "sampler-0.6b": [PY, str(HERE / "sampler.py"), "--shape", "qwen3-0.6b", "--rows", "256"],
         "throughput-8b": offline
         + [
             "--shape",
@@ -117,7 +122,9 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
 
 # Steps that need more than --timeout: one engine start-up (graph capture, kernel
 # compiles) per KV format, ~30 s each for the quantized ones on the H200.
-LONGER = {"kv-decode-speed": 540}
+# The throughput runs time greedy and then sampled generation (twice the work).
+LONGER = {"kv-decode-speed": 540, "throughput-8b": 600, "throughput-qwen3-0.6b": 450, "sharegpt-8b": 600,
+          "sharegpt-0.6b": 450}  # fmt: skip
 
 
 def main() -> None:

@@ -77,8 +77,10 @@ def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
     weights = torch.exp(s - peak)
     keys = order_keys(s)
     with_top_k = (top_k > 0) & (top_k < vocab)
-    kth = keys.sort(-1, descending=True).values.gather(1, (top_k.clamp(1, vocab) - 1))
-    floor = torch.where(with_top_k, kth, keys.min(-1, keepdim=True).values)  # the least key kept by top-k
+    floor = keys.min(-1, keepdim=True).values  # the least key kept by top-k
+    if with_top_k.any():
+        kth = keys.sort(-1, descending=True).values.gather(1, top_k.clamp(1, vocab) - 1)
+        floor = torch.where(with_top_k, kth, floor)
     kept_mass = torch.where(keys >= floor, weights, 0.0).sum(-1, keepdim=True)
     filtered = (with_top_k | (top_p < 1) | (min_p > 0)).squeeze(1) & (temperature > 0).squeeze(1)
 
