@@ -100,6 +100,11 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         ],
         # Qwen3-30B-A3B: batch-1 decode against its bandwidth limit, then 256 requests of 100-1024 in and out
         "moe-30b-a3b": [PY, str(HERE / "moe.py")],
+        # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
+        "sharegpt-0.6b": offline + ["--shape", "qwen3-0.6b", "--workload", "sharegpt", "--dtype", "bfloat16"],
+        "sharegpt-8b": offline + ["--shape", "llama-3.1-8b", "--workload", "sharegpt", "--dtype", "bfloat16"],
+        # a 256-row top-p sampling step against the Qwen3-0.6B 256-row decode step, as a ratio
+        "sampler-0.6b": [PY, str(HERE / "sampler.py"), "--shape", "qwen3-0.6b", "--rows", "256"],
         "throughput-8b": offline
         + [
             "--shape",
@@ -119,7 +124,9 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
 
 # Steps that need more than --timeout: one engine start-up (graph capture, kernel
 # compiles) per KV format, ~30 s each for the quantized ones on the H200.
-LONGER = {"kv-decode-speed": 540, "moe-30b-a3b": 590}
+# The throughput runs time greedy and then sampled generation (twice the work).
+LONGER = {"kv-decode-speed": 540, "moe-30b-a3b": 590, "throughput-8b": 600, "throughput-qwen3-0.6b": 450,
+          "sharegpt-8b": 600, "sharegpt-0.6b": 450}  # fmt: skip
 
 
 def main() -> None:

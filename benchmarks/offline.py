@@ -1,7 +1,14 @@
-"""Offline generation speed on dummy weights: one JSON line per figure.
+"""Offline generation speed on dummy weights: one JSON line per figure, greedy and
+sampled (temperature 0.8, top-p 0.95, a seed per request) side by side: the same
+prompts run greedy, then sampled, in one engine.
 
 python benchmarks/offline.py --shape smollm2-135m --batch 1 --input-len 128 --output-len 128
 python benchmarks/offline.py --shape qwen3-0.6b --num-requests 256 --input-len 100:1024 --output-len 100:1024
+python benchmarks/offline.py --shape qwen3-0.6b --workload sharegpt
+
+``--workload sharegpt``: 1,000 requests (``--num-requests``) whose input and output
+lengths are lognormal with means of about 215 and 198 tokens, as ShareGPT
+conversations (fixed seed), clipped to the model's context.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -18,18 +26,44 @@ from shapes import shape_folder
 
 from xinfer import LLM, SamplingParams
 
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+# ShareGPT-like lengths: lognormal(mu, sigma) has mean exp(mu + sigma^2 / 2)
+SHAREGPT_SIGMA = 1.0
+SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN = 215, 198
+
 
 def lengths(spec: str, n: int, rng: random.Random) -> list[int]:
     low, _, high = spec.partition(":")
     return [rng.randint(int(low), int(high or low)) for _ in range(n)]
 
 
+def lognormal_lengths(mean: float, n: int, rng: random.Random, limit: int) -> list[int]:
+    mu = math.log(mean) - SHAREGPT_SIGMA**2 / 2
+    return [min(max(1, round(rng.lognormvariate(mu, SHAREGPT_SIGMA))), limit) for _ in range(n)]
+
+
+def workload(args: argparse.Namespace, max_model_len: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Input and output lengths of every request."""
+    if args.workload == "uniform":
+        return lengths(args.input_len, args.num_requests, rng), lengths(args.output_len, args.num_requests, rng)
+    inputs = lognormal_lengths(SHAREGPT_INPUT_MEAN, args.num_requests, rng, max_model_len - 1)
+    outputs = lognormal_lengths(SHAREGPT_OUTPUT_MEAN, args.num_requests, rng, max_model_len)
+    return inputs, [min(o, max_model_len - i) for i, o in zip(inputs, outputs)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m")
-    parser.add_argument("--num-requests", "--batch", type=int, default=1, dest="num_requests")
-    parser.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform)")
-    parser.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform)")
+    parser.add_argument("--workload", choices=["uniform", "sharegpt"], default="uniform")
+    parser.add_argument(
+        "--num-requests", "--batch", type=int, default=None, dest="num_requests", help="default 1; sharegpt: 1000"
+    )
+    parser.add_argument("--input-len", default="128", help="N or LOW:HIGH (uniform workload)")
+    parser.add_argument("--output-len", default="128", help="N or LOW:HIGH (uniform workload)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--sampling", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"], help="runs, in turn"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -54,6 +88,8 @@ def main() -> None:
         help="captured step sizes between powers of two (CUDA backend; for A/B runs)",
     )
     args = parser.parse_args()
+    if args.num_requests is None:
+        args.num_requests = 1000 if args.workload == "sharegpt" else 1
     if args.sizes_per_octave:
         from xinfer_cuda import static_step
 
@@ -66,44 +102,61 @@ def main() -> None:
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
     )
     vocab = llm.engine.hf_config.vocab_size
-    inputs = lengths(args.input_len, args.num_requests, rng)
-    outputs = lengths(args.output_len, args.num_requests, rng)
+    inputs, outputs = workload(args, llm.engine.max_model_len, rng)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in inputs]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
 
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     kinds = time_step_kinds(llm) if args.profile else None  # before time_phases wraps runner.graphs
     phases = time_phases(llm) if args.profile else None
-    profiler = kernel_profiler() if args.kernels else contextlib.nullcontext()
-    with profiler:
-        start = time.perf_counter()
-        first_token_at = None
-        for _ in llm.stream(prompts, params):
-            first_token_at = first_token_at or time.perf_counter()
-        elapsed = time.perf_counter() - start
-    generated = sum(outputs)
     result = {
         "shape": args.shape,
         "device": str(llm.engine.device),
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "workload": args.workload,
         "num_requests": args.num_requests,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "output_tok_s": round(generated / elapsed, 2),
-        "total_tok_s": round((generated + sum(inputs)) / elapsed, 2),
-        "seconds": round(elapsed, 3),
+        "input_len": args.input_len if args.workload == "uniform" else round(sum(inputs) / len(inputs), 1),
+        "output_len": args.output_len if args.workload == "uniform" else round(sum(outputs) / len(outputs), 1),
+        "input_tokens": sum(inputs),
+        "output_tokens": sum(outputs),
     }
-    if args.num_requests == 1:
-        result["decode_tok_s"] = round((outputs[0] - 1) / (elapsed - (first_token_at - start)), 2)
-    if phases is not None:
-        result["steps"] = phases.pop("steps")
-        result["ms_per_step"] = {name: round(1e3 * t / max(result["steps"], 1), 3) for name, t in phases.items()}
-        result["step_kinds"] = summarize(kinds)
-    if args.kernels:
-        result["kernels"] = top_kernels(profiler, args.kernels)
+    for sampling in args.sampling:  # greedy figures keep their old names; sampled ones are prefixed
+        prefix = "" if sampling == "greedy" else "sampled_"
+        options = SAMPLED if sampling == "sampled" else dict(temperature=0)
+        params = [
+            SamplingParams(**options, max_tokens=n, ignore_eos=True, seed=i if sampling == "sampled" else None)
+            for i, n in enumerate(outputs)
+        ]
+        if kinds is not None:
+            kinds.clear()
+        if phases is not None:
+            phases.update(dict.fromkeys(phases, 0))
+        profiler = kernel_profiler() if args.kernels else contextlib.nullcontext()
+        with profiler:
+            start = time.perf_counter()
+            first_token_at = None
+            for _ in llm.stream(prompts, params):
+                first_token_at = first_token_at or time.perf_counter()
+            elapsed = time.perf_counter() - start
+        result[f"{prefix}output_tok_s"] = round(sum(outputs) / elapsed, 2)
+        result[f"{prefix}total_tok_s"] = round((sum(outputs) + sum(inputs)) / elapsed, 2)
+        result[f"{prefix}seconds"] = round(elapsed, 3)
+        if args.num_requests == 1:
+            result[f"{prefix}decode_tok_s"] = round((outputs[0] - 1) / (elapsed - (first_token_at - start)), 2)
+        if phases is not None:
+            steps = phases["steps"]
+            result[f"{prefix}steps"] = steps
+            result[f"{prefix}ms_per_step"] = {
+                name: round(1e3 * t / max(steps, 1), 3) for name, t in phases.items() if name != "steps"
+            }
+            result[f"{prefix}step_kinds"] = summarize(kinds)
+        if args.kernels:
+            result[f"{prefix}kernels"] = top_kernels(profiler, args.kernels)
+    if {"greedy", "sampled"} <= set(args.sampling):
+        result["sampled_vs_greedy"] = round(result["sampled_output_tok_s"] / result["output_tok_s"], 3)
     print(json.dumps(result))
 
 
@@ -134,7 +187,7 @@ def time_phases(llm: LLM) -> dict[str, float]:
     timed(engine, "step", "step")
     timed(engine.scheduler, "schedule", "schedule")
     timed(runner, "prepare", "prepare")
-    timed(runner, "sampler", "sample")
+    timed(type(runner.sampler), "__call__", "sample")  # on the class: the engine calls the instance's other methods
     timed(SampledTokens, "result", "read_back")
     if runner.graphs is not None:
         timed(runner, "graphs", "forward")

@@ -1,7 +1,8 @@
 """Load generator for a running xinfer (or any OpenAI-compatible) server, in the manner
 of ``vllm bench serve``: random prompts of a set input length, a fixed output length
 (``ignore_eos``), requests sent at a Poisson or fixed rate under a concurrency cap.
-Prints one JSON line per concurrency level: request and token throughput, and
+Prints one JSON line per concurrency level and sampling mode (greedy, then sampled:
+temperature 0.8, top-p 0.95, a seed per request): request and token throughput, and
 TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99) in milliseconds.
 
     python benchmarks/serve.py --launch --concurrency 1,8,32 --input-len 128 --output-len 64
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -42,6 +44,9 @@ WORDS = (
     "home water room mother area money story fact month lot right study book eye job word business issue "
     "side kind head house service friend father power hour game line end member law car city community name"
 ).split()
+
+
+SAMPLING = {"greedy": {"temperature": 0}, "sampled": {"temperature": 0.8, "top_p": 0.95}}
 
 
 @dataclass
@@ -89,13 +94,16 @@ async def random_prompts(
     return prompts
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, sampling: str = "greedy", seed: int = 0
+) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
         "ignore_eos": True,
-        "temperature": 0,
+        **SAMPLING[sampling],
+        **({"seed": seed} if sampling == "sampled" else {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -134,17 +142,18 @@ async def run_level(
     prompts: list[list[int]],
     concurrency: int,
     rng: random.Random,
+    sampling: str,
 ) -> dict:
     gate = asyncio.Semaphore(concurrency)
 
-    async def limited(prompt: list[int]) -> Result:
+    async def limited(prompt: list[int], seed: int) -> Result:
         async with gate:
-            return await one_request(http, model, prompt, args.output_len)
+            return await one_request(http, model, prompt, args.output_len, sampling, seed)
 
     tasks = []
     start = time.perf_counter()
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(limited(prompt)))
+    for seed, prompt in enumerate(prompts):
+        tasks.append(asyncio.create_task(limited(prompt, seed)))
         if args.request_rate != float("inf"):
             gap = 1 / args.request_rate if args.fixed_rate else rng.expovariate(args.request_rate)
             await asyncio.sleep(gap)
@@ -155,6 +164,7 @@ async def run_level(
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     report = {
         "benchmark": "serve",
+        "sampling": sampling,
         "concurrency": concurrency,
         "request_rate": args.request_rate,
         "arrivals": "fixed" if args.fixed_rate else "poisson",
@@ -197,7 +207,8 @@ async def benchmark(args: argparse.Namespace, base_url: str) -> tuple[dict, list
             prompts = await random_prompts(http, count, args.input_len, rng, args.random_ids)
             if args.warmup:
                 await asyncio.gather(*(one_request(http, model, p, 4) for p in prompts[: min(concurrency, 4)]))
-            print(json.dumps(await run_level(args, http, model, prompts, concurrency, rng)), flush=True)
+            for sampling in args.sampling:
+                print(json.dumps(await run_level(args, http, model, prompts, concurrency, rng, sampling)), flush=True)
             runs.append((concurrency, prompts))
         return card, runs
 
@@ -212,14 +223,15 @@ def offline_peer(args: argparse.Namespace, card: dict, runs: list[tuple[int, lis
         model=card["root"], max_model_len=card["max_model_len"], max_num_seqs=max(c for c, _ in runs)
     )
     engine = LLMEngine(config)
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
-    for concurrency, prompts in runs:
+    for (concurrency, prompts), sampling in itertools.product(runs, args.sampling):
         pending, live, tokens = list(enumerate(prompts)), 0, 0
         start = time.perf_counter()
         while pending or engine.has_unfinished():
             while pending and live < concurrency:
                 index, prompt = pending.pop(0)
-                engine.add_request(f"{concurrency}-{index}", prompt, params)
+                seed = index if sampling == "sampled" else None
+                params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=seed, **SAMPLING[sampling])
+                engine.add_request(f"{concurrency}-{sampling}-{index}", prompt, params)
                 live += 1
             for output in engine.step():
                 tokens += len(output.token_ids)
@@ -229,6 +241,7 @@ def offline_peer(args: argparse.Namespace, card: dict, runs: list[tuple[int, lis
             json.dumps(
                 {
                     "benchmark": "offline-peer",
+                    "sampling": sampling,
                     "concurrency": concurrency,
                     "num_prompts": len(prompts),
                     "input_len": args.input_len,
@@ -287,6 +300,9 @@ def main() -> None:
         help="prompts of random token ids below VOCAB instead of tokenized words",
     )
     parser.add_argument("--offline-peer", action="store_true", help="with --launch: rerun in-process afterwards")
+    parser.add_argument(
+        "--sampling", nargs="+", choices=list(SAMPLING), default=list(SAMPLING), help="modes, in turn at each level"
+    )
     args = parser.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the launched server is stopped too

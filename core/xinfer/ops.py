@@ -22,6 +22,7 @@ from torch import Tensor
 from xinfer import registry
 from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
+from xinfer.sampling import SampledRow, SamplingBatch
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,13 @@ class Ops(Protocol):
         cache otherwise.
         """
 
+    def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
+        """Token ids [B] drawn from ``logits`` [B, vocab] (any float dtype), row ``b`` with
+        row ``b`` of ``params``: greedy rows take their argmax (the first on ties), the
+        others draw exactly what :mod:`xinfer.torch_sampling` defines, from its noise, so
+        every backend draws the same tokens. No host synchronisation: a backend that
+        records steps records the sampling with the forward."""
+
 
 @dataclass
 class PageBatch:
@@ -214,7 +222,7 @@ class DeviceTokens:
 
 StepForward = Callable[[Tensor, Tensor, StepContext, Tensor], Tensor]
 """(input ids, positions, step context, sample rows) -> logits of those rows."""
-StepRunner = Callable[[HostBatch, "DeviceTokens | None"], "Tensor | None"]
+StepRunner = Callable[[HostBatch, "DeviceTokens | None", "list[SampledRow]"], "tuple[Tensor, Tensor] | None"]
 
 
 @dataclass(frozen=True)
@@ -246,8 +254,9 @@ class CapturesSteps(Protocol):
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepRunner:
         """Record ``forward`` for steps up to ``limits`` (decode steps and steps with
         prompt tokens). The returned runner computes the logits [len(sample_rows), vocab]
-        of a :class:`HostBatch` (with its :class:`DeviceTokens` written in), or returns
-        None for a batch it cannot take."""
+        of a :class:`HostBatch` (with its :class:`DeviceTokens` written in) and the tokens
+        :meth:`Ops.sample` draws from them for its sampled rows, or returns None for a
+        batch it cannot take."""
 
 
 _current: Ops | None = None
@@ -294,6 +303,10 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
     return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+
+
+def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
+    return current().sample(logits, params)
 
 
 def attention(

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
 
 
 @dataclass
@@ -60,3 +64,81 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+class SampledRow(NamedTuple):
+    """What a step's sampled row draws with: its request's params, the request's seed
+    (every request has one), and the index in its sequence of the token being drawn."""
+
+    params: SamplingParams
+    seed: int
+    position: int
+
+
+class SamplingBatch:
+    """The sampling parameters of a step's sampled rows, one tensor per field, as views
+    of one byte buffer: a batch travels to the device in one copy, into a fresh buffer
+    or into the static one a recorded step reads (:meth:`copy_`).
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 is off; ``seed`` and ``position`` (the
+    index in its sequence of the token being drawn) key each row's noise. Rows past
+    the ones written are greedy padding. Row ``i`` of a batch samples row ``i`` of
+    the logits (:meth:`xinfer.ops.Ops.sample`); a batch may hold more rows than them."""
+
+    INTS = ("seed", "position", "top_k")  # int64
+    FLOATS = ("temperature", "top_p", "min_p")  # float32
+
+    seed: Tensor
+    position: Tensor
+    top_k: Tensor
+    temperature: Tensor
+    top_p: Tensor
+    min_p: Tensor
+
+    def __init__(self, buffer: Tensor, num_rows: int):
+        self.buffer, self.num_rows = buffer, num_rows
+        ints = buffer[: 8 * len(self.INTS) * num_rows].view(torch.int64).view(len(self.INTS), num_rows)
+        floats = buffer[8 * len(self.INTS) * num_rows :].view(torch.float32).view(len(self.FLOATS), num_rows)
+        for name, view in [*zip(self.INTS, ints), *zip(self.FLOATS, floats)]:
+            setattr(self, name, view)
+
+    @classmethod
+    def empty(cls, num_rows: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> SamplingBatch:
+        size = (8 * len(cls.INTS) + 4 * len(cls.FLOATS)) * num_rows
+        return cls(torch.zeros(size, dtype=torch.uint8, device=device, pin_memory=pin_memory), num_rows)
+
+    @classmethod
+    def of(cls, rows: list[SampledRow], num_rows: int | None = None) -> SamplingBatch:
+        """A host batch of ``rows``, padded to ``num_rows``."""
+        batch = cls.empty(len(rows) if num_rows is None else num_rows)
+        batch.write(rows)
+        return batch
+
+    def write(self, rows: list[SampledRow]) -> None:
+        """Rows ``0 .. len(rows)`` from ``rows``; the rest greedy."""
+        self.buffer.zero_()
+        columns: dict[str, list[int] | list[float]] = {
+            "seed": [_int64(row.seed) for row in rows],
+            "position": [row.position for row in rows],
+            "top_k": [row.params.top_k for row in rows],
+            "temperature": [row.params.temperature for row in rows],
+            "top_p": [row.params.top_p for row in rows],
+            "min_p": [row.params.min_p for row in rows],
+        }
+        self.top_p.fill_(1.0)
+        for name, values in columns.items():
+            view = getattr(self, name)
+            view[: len(values)] = torch.tensor(values, dtype=view.dtype)
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        return SamplingBatch(self.buffer.to(device, non_blocking=True), self.num_rows)
+
+    def copy_(self, source: SamplingBatch) -> None:
+        """Write ``source`` (as many rows) into this batch's buffer in one copy."""
+        assert source.num_rows == self.num_rows, "copies keep the layout: as many rows"
+        self.buffer.copy_(source.buffer, non_blocking=True)
+
+
+def _int64(seed: int) -> int:
+    """``seed`` wrapped into int64 (choice ``i`` of a request seeded near the top adds ``i``)."""
+    return (seed + 2**63) % 2**64 - 2**63

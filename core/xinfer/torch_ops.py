@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms
+from xinfer.sampling import SamplingBatch
 
 
 class TorchOps:
@@ -131,6 +133,9 @@ class TorchOps:
             exact = shadow_context(cache, meta.shadows.tables[b], context_len, first) if meta.shadows else None
             out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first)
         return cache.format.finish_output(out).to(dtype)
+
+    def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
+        return torch_sampling.sample(logits, params)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from xinfer import LLM, SamplingParams, ops
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sequence import PENDING
 from xinfer.ops import DeviceTokens, HostBatch, PageBatch, StepLimits
+from xinfer.sampling import SampledRow
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.static_step import (
@@ -176,11 +177,12 @@ class EagerStaticSteps:
         self.buckets = step_buckets(limits)
         self.used: list[Bucket] = []
 
-    def __call__(self, batch: HostBatch, pending: DeviceTokens | None = None):
+    def __call__(self, batch: HostBatch, pending: DeviceTokens | None = None, sampling: list[SampledRow] = ()):
         bucket = pick_bucket(self.buckets, batch)
         self.used.append(bucket)
-        self.step.load(batch, bucket, pending)
-        return self.step.run(bucket)[: len(batch.sample_rows)]
+        self.step.load(batch, bucket, pending, sampling)
+        rows = len(batch.sample_rows)
+        return self.step.run(bucket)[:rows], self.step.sample(bucket)[:rows]
 
 
 @pytest.mark.parametrize("cache", CACHES)

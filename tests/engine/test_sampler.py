@@ -3,9 +3,10 @@ from them as they are; anything that computes on them does so in fp32."""
 
 import torch
 
-from xinfer import SamplingParams
-from xinfer.engine.sampler import Sampler
+from xinfer import SamplingParams, ops
+from xinfer.engine.sampler import Sampler, SamplerOutput
 from xinfer.engine.sequence import Sequence
+from xinfer.torch_ops import TorchOps
 
 CPU = torch.device("cpu")
 
@@ -19,10 +20,15 @@ def seqs(*params: SamplingParams) -> list[Sequence]:
     return [Sequence(f"s{i}", [1, 2, 3], p, num_prompt_tokens=3) for i, p in enumerate(params)]
 
 
+def sample(logits: torch.Tensor, batch: list[Sequence]) -> SamplerOutput:
+    with ops.use(TorchOps()):
+        return Sampler(CPU)(logits, batch).result()
+
+
 def test_greedy_rows_pick_the_argmax_of_model_dtype_logits():
     logits = bf16_logits(6)
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins, as over fp32
-    picks = Sampler(CPU)(logits.clone(), seqs(*[SamplingParams(temperature=0)] * 6)).result().token_ids
+    picks = sample(logits.clone(), seqs(*[SamplingParams(temperature=0)] * 6)).token_ids
     assert picks == logits.float().argmax(-1).tolist()
     assert picks[2] == 7
 
@@ -30,7 +36,7 @@ def test_greedy_rows_pick_the_argmax_of_model_dtype_logits():
 def test_logprobs_and_penalties_are_computed_in_fp32():
     logits = bf16_logits(2)
     params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0, repetition_penalty=1.3)]
-    out = Sampler(CPU)(logits.clone(), seqs(*params)).result()
+    out = sample(logits.clone(), seqs(*params))
     reference = logits.float().log_softmax(-1)
     chosen = out.token_ids[0]
     assert chosen == reference[0].argmax().item()

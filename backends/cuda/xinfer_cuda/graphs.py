@@ -1,4 +1,5 @@
-"""Engine steps as CUDA graph replays: decode steps and steps with prompt tokens.
+"""Engine steps, forward and sampling, as CUDA graph replays: decode steps and steps
+with prompt tokens.
 
 Kernel launches cost about a quarter of a millisecond on the benchmark machine (a
 VM), and a step is hundreds of them: run eagerly, a step with prompt tokens (prefill,
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from xinfer.ops import DeviceTokens, HostBatch, StepForward, StepLimits
+from xinfer.sampling import SampledRow
 from xinfer_cuda.static_step import Bucket, StaticStep, pick_bucket, step_buckets
 
 log = logging.getLogger("xinfer")
@@ -35,17 +37,19 @@ class StepGraphs:
     def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
         self.step = StaticStep(forward, limits, device)
         self.buckets = step_buckets(limits)
-        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # and the tokens it draws
         start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
         pool = torch.cuda.graph_pool_handle()
         with no_garbage_collection():
             for bucket in sorted(self.buckets, key=lambda b: (b.num_tokens, b.decode), reverse=True):
                 self.step.run(bucket)  # warm-up: Triton compiles (and the logits buffer is allocated) outside capture
+                self.step.sample(bucket)
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.step.run(bucket)
-                self.graphs[bucket] = graph
+                    tokens = self.step.sample(bucket)
+                self.graphs[bucket] = graph, tokens
         torch.cuda.synchronize(device)
         log.info(
             "CUDA graphs for decode batches of %s sequences and steps of %s tokens: captured in %.1f s, %.2f GiB",
@@ -53,14 +57,20 @@ class StepGraphs:
             time.perf_counter() - start, (torch.cuda.memory_allocated(device) - before) / 2**30,
         )  # fmt: skip
 
-    def __call__(self, batch: HostBatch, pending: DeviceTokens | None = None) -> Tensor | None:
-        """Logits [len(sample_rows), vocab] of ``batch``, or None when no graph fits."""
+    def __call__(
+        self, batch: HostBatch, pending: DeviceTokens | None = None, sampling: list[SampledRow] = ()
+    ) -> tuple[Tensor, Tensor] | None:
+        """Logits [len(sample_rows), vocab] of ``batch`` and the tokens drawn from them
+        for ``sampling``, or None when no graph fits. Both are the graphs' buffers: the
+        next replay overwrites them."""
         bucket = pick_bucket(self.buckets, batch)
         if bucket is None or not self.step.fits(batch):
             return None
-        self.step.load(batch, bucket, pending)
-        self.graphs[bucket].replay()
-        return self.step.logits[: len(batch.sample_rows)]
+        self.step.load(batch, bucket, pending, sampling)
+        graph, tokens = self.graphs[bucket]
+        graph.replay()
+        rows = len(batch.sample_rows)
+        return self.step.logits[:rows], tokens[:rows]
 
 
 @contextmanager

@@ -14,9 +14,10 @@ from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms, StepForward, StepLimits
+from xinfer.sampling import SamplingBatch
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
-from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, moe, norm, rotary
+from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, moe, norm, rotary, sampling
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
 
@@ -108,6 +109,9 @@ class CudaOps(TorchOps):
             kv_write.write_kv(k, v, cache["k"], cache["v"], slot_mapping)
             return None
         return kv_quant_write.quant_write_kv(k, v, cache, slot_mapping, q, shadow_slots)
+
+    def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
+        return sampling.sample(logits, params)
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
         graphs = StepGraphs(forward, limits, device)  # its warm-up runs measure the small-batch linears

@@ -1,10 +1,11 @@
-"""A step padded to a fixed shape and run from static buffers: what a CUDA graph records.
+"""A step padded to a fixed shape and run from static buffers, forward and sampling: what
+a CUDA graph records.
 
 A graph replays the kernels it recorded with their launch shapes and buffer
 addresses, so every step is padded up to a captured shape (a :class:`Bucket`) and its
 inputs are written into the same buffers. Padding tokens (id 0, position 0, slot -1:
 no KV written) belong to no sequence; padding sequences have no query and no context,
-and the attention kernels skip them; padding sample rows read row 0.
+and the attention kernels skip them; padding sample rows read row 0 and are greedy.
 
 Nothing here needs a GPU: on the CPU, :meth:`StaticStep.run` is the captured code run
 eagerly, which is how its equivalence with an unpadded step is tested.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from xinfer import ops
 from xinfer.ops import (
     AttentionMetadata,
     DeviceTokens,
@@ -27,6 +29,7 @@ from xinfer.ops import (
     StepForward,
     StepLimits,
 )
+from xinfer.sampling import SampledRow, SamplingBatch
 
 MIN_STEP_TOKENS = 64
 # Steps with prompt tokens are compute-bound at a few hundred tokens, so padding costs
@@ -113,7 +116,8 @@ class StaticStep:
     one: cu_seqlens_q | seq_lens [| state slots] | each group's table rows [and shadow
     table rows] packed at the step's width) and a scatter of the table rows: few
     operations, since each costs a launch. The bracketed parts are there with a recent
-    window (``limits.shadows``) and recurrent layers (``limits.state_slots``).
+    window (``limits.shadows``) and recurrent layers (``limits.state_slots``). The
+    sampled rows' parameters travel in a third copy (:class:`SamplingBatch`).
     """
 
     def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
@@ -138,6 +142,8 @@ class StaticStep:
             for i in range(num_tables)
         ]
         self._token_views(self.dev64)[2].fill_(-1)  # slots and shadow slots: nothing written before the first step
+        self.host_sampling = SamplingBatch.empty(seqs, pin_memory=pin)
+        self.sampling = SamplingBatch.empty(seqs, device)
         self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
         # Marks the last copies out of the pinned host buffers. A step that samples
         # nothing returns without waiting for the device, so the next step must wait
@@ -147,8 +153,10 @@ class StaticStep:
     def fits(self, batch: HostBatch) -> bool:
         return max(len(row) for page in batch.pages for row in page.block_tables) <= self.limits.max_blocks_per_seq
 
-    def load(self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None) -> None:
-        """Write ``batch``, padded to ``bucket``, into the device buffers."""
+    def load(
+        self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None, sampling: list[SampledRow] = ()
+    ) -> None:
+        """Write ``batch``, padded to ``bucket``, and its sampled rows into the device buffers."""
         assert all((p.shadows is not None) == self.limits.shadows for p in batch.pages), "shadows in every step or none"
         padded = pad_batch(batch, bucket)
         if self.copied is not None:
@@ -165,6 +173,8 @@ class StaticStep:
         self.dev64.copy_(self.host64, non_blocking=True)
         used32 = self.seq_fields * self.limits.max_num_seqs + 1 + len(tables) * n * width
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
+        self.host_sampling.write(list(sampling))
+        self.sampling.copy_(self.host_sampling)
         if self.copied is not None:
             self.copied.record()
         on_device = self._packed_tables(self.dev32)[: len(tables) * n * width].view(len(tables), n, width)
@@ -199,6 +209,11 @@ class StaticStep:
         if self.logits is None:
             self.logits = logits.new_empty(self.limits.max_num_seqs, logits.shape[1])
         return self.logits[:s].copy_(logits)
+
+    def sample(self, bucket: Bucket) -> Tensor:
+        """Tokens [num_seqs] drawn from the logits :meth:`run` wrote."""
+        assert self.logits is not None, "run the step first"
+        return ops.sample(self.logits[: bucket.num_seqs], self.sampling)
 
     def _token_views(self, buf64: Tensor) -> list[Tensor]:
         """ids, positions, and every slot mapping as one view (for filling)."""

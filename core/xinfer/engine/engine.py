@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -77,6 +77,8 @@ class LLMEngine:
             )
         self._check_vocab(prompt_token_ids)
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
+        if params.seed is None:  # every request draws from a seed of its own (see engine/sampler.py)
+            params = replace(params, seed=self.runner.sampler.new_seed())
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, max_num_tokens=max_num_tokens)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)

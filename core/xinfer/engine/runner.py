@@ -1,6 +1,7 @@
 """One engine step on the device: flatten the scheduled sequences into a batch
-(longest context first), run the model (a replay of a recorded step where the
-backend records them), and sample the sequences that completed their prompt.
+(longest context first), run the model and sample the sequences that completed their
+prompt (a replay of a recorded step, forward and sampling, where the backend records
+them).
 
 A step is launched without waiting for the one before: a sequence's last token may
 still be on the device (:data:`~xinfer.engine.sequence.PENDING` on the host), and
@@ -90,14 +91,16 @@ class ModelRunner:
         sampling = [s.seq for s in scheduled if s.completes_prompt]
         with ops.use(self.backend):
             pending = self._pending_inputs(scheduled, batch, previous)
-            logits = self.graphs(batch, pending) if self.graphs else None
-            if logits is None:
+            stepped = self.graphs(batch, pending, self.sampler.rows(sampling)) if self.graphs else None
+            if stepped is None:
                 rows = self._tensor(batch.sample_rows, torch.int64)
                 input_ids, positions, step = self.to_device(batch)
                 if pending is not None:
                     pending.write_into(input_ids)
-                logits = self.forward(input_ids, positions, step, rows)
-            return self.sampler(logits, sampling) if sampling else None
+                logits, tokens = self.forward(input_ids, positions, step, rows), None
+            else:
+                logits, tokens = stepped
+            return self.sampler(logits, sampling, tokens) if sampling else None
 
     def _pending_inputs(
         self, scheduled: list[ScheduledSeq], batch: HostBatch, previous: SampledTokens | None

@@ -1,20 +1,27 @@
 """Token choice for a batch of sequences, from their last-position logits.
 
-Order: penalties, then greedy rows take the argmax; the others are divided by
-their temperature, filtered by top-k, top-p and min-p, and sampled. Sampling is
-``argmax(p / e)`` with ``e ~ Exp(1)`` (equivalent to drawing from ``p``); a seeded
-request draws ``e`` from a generator keyed by (seed, output position), so its
-tokens do not depend on what else is in the batch or on preemption.
+The draw itself is one backend op over the whole batch (:meth:`xinfer.ops.Ops.sample`,
+defined by :mod:`xinfer.torch_sampling`), which a backend that records steps runs
+inside the step's recording. Penalties and min_tokens change the logits first; a
+batch with any of them is sampled here, after the step, from the adjusted logits.
+Logprobs are of the model's own distribution, before penalties.
+
+Every request draws its noise from its seed and the position of the token drawn, so
+its tokens do not depend on what else is in the batch or on preemption; a request
+without a seed gets one from the engine's generator when it is added.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from xinfer import ops
 from xinfer.engine.sequence import Sequence
+from xinfer.sampling import SampledRow, SamplingBatch
 
 
 @dataclass
@@ -69,79 +76,75 @@ def _to_host(t: Tensor) -> Tensor:
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
-        self.generator = torch.Generator(device).manual_seed(seed)
+        self.seeds = random.Random(seed)
 
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SampledTokens:
+    def new_seed(self) -> int:
+        """A seed for a request that brings none (drawn on the host: no device sync)."""
+        return self.seeds.getrandbits(63)
+
+    @staticmethod
+    def rows(seqs: list[Sequence]) -> list[SampledRow]:
+        # a sequence built outside the engine (profiling, tests) may have no seed: 0
+        return [SampledRow(s.params, s.params.seed or 0, s.num_tokens) for s in seqs]
+
+    def __call__(self, logits: Tensor, seqs: list[Sequence], tokens: Tensor | None = None) -> SampledTokens:
+        """The tokens of ``seqs`` from their ``logits``; ``tokens``: already drawn from
+        these logits with :meth:`rows` (inside a recorded step), unless penalties or
+        min_tokens change the logits first."""
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
-        if wants_logprobs or any(s.params.has_penalties or not s.params.greedy for s in seqs):
-            logits = logits.float()  # else greedy picks alone: the argmax of the model's own logits
-        raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
-        logits = apply_penalties(logits, seqs)
-        logits = mask_stop_tokens_before_min_tokens(logits, seqs)
-        tokens = logits.argmax(-1)
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            probs = filtered_probs(logits[rows], [seqs[i] for i in sampled_rows])
-            noise = torch.stack([self._exponential(seqs[i], probs) for i in sampled_rows])
-            tokens[rows] = (probs / noise).argmax(-1)
+        raw_logprobs = logits.float().log_softmax(-1) if wants_logprobs else None
+        if any(adjusts_logits(s) for s in seqs):
+            logits = logits.to(torch.float32, copy=True)
+            logits = mask_stop_tokens_before_min_tokens(apply_penalties(logits, seqs), seqs)
+            tokens = None
+        if tokens is None:
+            tokens = ops.sample(logits, SamplingBatch.of(self.rows(seqs)).to(logits.device))
         return SampledTokens(seqs, tokens, raw_logprobs)
 
-    def _exponential(self, seq: Sequence, like: Tensor) -> Tensor:
-        generator = self.generator
-        if seq.params.seed is not None:
-            key = hash((seq.params.seed, seq.num_output_tokens)) & (2**63 - 1)
-            generator = torch.Generator(like.device).manual_seed(key)
-        return torch.empty(like.shape[-1], device=like.device).exponential_(generator=generator)
+
+def adjusts_logits(seq: Sequence) -> bool:
+    return seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens
 
 
 def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     """Repetition penalty (HF: over prompt and output), presence and frequency
-    penalties (OpenAI: over the output)."""
+    penalties (OpenAI: over the output), for the whole batch at once."""
+    rows, vocab = logits.shape
+    seen, output = [], []  # flat indices row * vocab + token
     for row, seq in enumerate(seqs):
         p = seq.params
-        if not p.has_penalties:
-            continue
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if seq.num_output_tokens and (p.presence_penalty or p.frequency_penalty):
-            output = torch.tensor(seq.output_token_ids, device=logits.device)
-            counts = torch.bincount(output, minlength=logits.shape[-1])
-            counts = counts[: logits.shape[-1]].to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            seen += [row * vocab + t for t in set(seq.token_ids)]
+        if p.presence_penalty or p.frequency_penalty:
+            output += [row * vocab + t for t in seq.output_token_ids]
+    if seen:
+        penalty = column([s.params.repetition_penalty for s in seqs], logits.device)
+        was_seen = torch.zeros(rows * vocab, dtype=torch.bool, device=logits.device)
+        was_seen[torch.tensor(seen, device=logits.device)] = True
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(was_seen.view(rows, vocab), penalized, logits)
+    if output:
+        counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=rows * vocab)
+        counts = counts.view(rows, vocab).to(logits.dtype)
+        frequency = column([s.params.frequency_penalty for s in seqs], logits.device)
+        presence = column([s.params.presence_penalty for s in seqs], logits.device)
+        logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
     return logits
 
 
 def mask_stop_tokens_before_min_tokens(logits: Tensor, seqs: list[Sequence]) -> Tensor:
-    for row, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
-            stops = seq.params.stop_token_ids + sorted(seq.eos_token_ids)
-            if stops:
-                logits[row, stops] = float("-inf")
+    vocab = logits.shape[-1]
+    masked = [
+        row * vocab + t
+        for row, seq in enumerate(seqs)
+        if seq.num_output_tokens < seq.params.min_tokens
+        for t in seq.params.stop_token_ids + sorted(seq.eos_token_ids)
+        if t < vocab
+    ]
+    if masked:
+        logits.view(-1)[torch.tensor(masked, device=logits.device)] = float("-inf")
     return logits
 
 
-def filtered_probs(logits: Tensor, seqs: list[Sequence]) -> Tensor:
-    def column(values: list) -> Tensor:
-        return torch.tensor(values, device=logits.device).unsqueeze(1)
-
-    temperature = column([s.params.temperature for s in seqs])
-    logits = logits / temperature
-    top_k = [s.params.top_k for s in seqs]
-    if any(top_k):
-        k = column([min(k, logits.shape[-1]) or logits.shape[-1] for k in top_k])
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if any(s.params.top_p < 1 for s in seqs):
-        top_p = column([s.params.top_p for s in seqs])
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
-    if any(s.params.min_p > 0 for s in seqs):
-        min_p = column([s.params.min_p for s in seqs])
-        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
-    return probs
+def column(values: list[float], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
