@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -22,6 +22,9 @@ from torch import Tensor
 from xinfer import registry
 from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
+
+if TYPE_CHECKING:
+    from xinfer.layers.moe import Routing
 
 
 @dataclass
@@ -112,6 +115,14 @@ class Ops(Protocol):
         ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``).
         The sum is in fp32; returns [T, H] in the dtype of ``x``. No host syncs on CUDA,
         so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert."""
+
+    def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Each token's ``routing.top_k`` experts and their weights from its router logits
+        [T, E]: scores, the correction ``correction_bias`` [E] (fp32) adds for the choice
+        alone, the group limit, renormalization and the scaling factor, as
+        :mod:`xinfer.layers.moe` writes them. Returns the weights [T, k] (fp32) and the
+        ids [T, k] (an integer dtype), best first. A fixed table and a per-expert scale
+        are the router's own (``routing.fixed_table`` and ``per_expert_scale`` are ignored)."""
 
     def attention(
         self,
@@ -289,6 +300,10 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
     return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+
+
+def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    return current().moe_route(logits, routing, correction_bias)
 
 
 def attention(
