@@ -186,29 +186,32 @@ def align_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tens
     return block_slots, block_experts
 
 
-def _grouped_tiles(num_slots: int, num_experts: int, device: torch.device) -> dict[str, int]:
+def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int]:
     """Tiles of the grouped GEMMs. ``BLOCK_M`` holds about all of an expert's slots (mean
     ``m = T*k/E`` plus three of its Poisson deviations, 16..128), so that each expert's
     weights are read about once per step. A 256-row decode step of Qwen3-30B-A3B
     (m = 16, ``BLOCK_M`` 32) is memory-bound: all 128 experts' 1.2 GB per layer read once
     take ~280 µs at 4.2 TB/s, its 19 GFLOP ~30 µs on the tensor cores even with half
-    the rows padding; there tiles of 64 columns by 128 of K and 3 stages keep ~40 KB of
-    weights in flight per program. Prefill (m in the hundreds) is compute-bound: 64- or
-    128-row blocks with 8 warps reuse each weight tile over more rows."""
+    the rows padding; there 64 columns by 128 of K (bf16) and 3 stages keep ~100 KB of
+    weights in flight per SM. Prefill (m in the hundreds) is compute-bound: 64- or
+    128-row blocks with 8 warps reuse each weight tile over more rows. K tiles halve
+    for fp32, to stay within shared memory."""
     mean = num_slots / num_experts
     block_m = min(128, max(16, triton.next_power_of_2(math.ceil(mean + 3 * math.sqrt(mean)))))
-    if device.type != "cuda":  # the interpreter: small tiles run faster
+    if x.device.type != "cuda":  # the interpreter: small tiles run faster
         return {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 32}
+    k_bytes = 256 if block_m <= 32 else 128  # a K tile's bytes per row
+    tiles = {"BLOCK_M": block_m, "BLOCK_K": k_bytes // x.element_size(), "num_stages": 3}
     if block_m <= 32:
-        return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": block_m, "BLOCK_N": 128 if block_m == 64 else 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+        return {**tiles, "BLOCK_N": 64, "num_warps": 4}
+    return {**tiles, "BLOCK_N": 128 if block_m == 64 else 64, "num_warps": 8}
 
 
 def _grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     num_slots = num_tokens * top_k
-    tiles = _grouped_tiles(num_slots, num_experts, x.device)
+    tiles = _grouped_tiles(num_slots, num_experts, x)
     block_slots, block_experts = align_blocks(topk_ids, num_experts, tiles["BLOCK_M"])
     num_blocks = block_experts.numel()
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
@@ -257,24 +260,28 @@ def _slot_gate_up_kernel(
 def _token_down_kernel(
     h_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr, top_k, hidden, inter,
     stride_h, stride_we, stride_wn, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """A tile of a token's output rows: the weighted sum over its k slots, in fp32."""
+    """A tile of a token's output rows: the weighted sum over its k slots, in fp32. The k
+    experts' rows are one [BLOCK_J, BLOCK_N, BLOCK_K] tile, so that each step of the loop
+    has all k experts' weights in flight at once, not one expert's after another's."""
     pdl_entry(PDL)
     token = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_J)
+    slots = token * top_k + j
+    chosen = j < top_k
+    experts = tl.load(ids_ptr + slots, mask=chosen, other=0).to(tl.int64)
+    weights = tl.load(weights_ptr + slots, mask=chosen, other=0.0).to(tl.float32)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in range(top_k):
-        slot = token * top_k + j
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        weight = tl.load(weights_ptr + slot).to(tl.float32)
-        w = w2_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
-        for k in range(0, inter, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            a = weight * tl.load(h_ptr + slot * stride_h + ks, mask=ks < inter, other=0.0).to(tl.float32)
-            w_mask = (rows[:, None] < hidden) & (ks[None, :] < inter)
-            acc += a[None, :] * tl.load(w + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-    out = tl.sum(acc, axis=1)
+    w = w2_ptr + experts[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn
+    h = h_ptr + slots[:, None, None] * stride_h
+    w_rows = chosen[:, None, None] & (rows[None, :, None] < hidden)
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        ks = (k + tl.arange(0, BLOCK_K))[None, None, :]
+        a = tl.load(h + ks, mask=chosen[:, None, None] & (ks < inter), other=0.0).to(tl.float32)
+        acc += a * tl.load(w + ks, mask=w_rows & (ks < inter), other=0.0, eviction_policy="evict_first")
+    out = tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)
     tl.store(out_ptr + token * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rows < hidden)
 
 
@@ -284,9 +291,12 @@ def _per_slot(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Ten
     num_slots = num_tokens * top_k
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    if x.device.type == "cuda":  # down: at least ~256 programs (2 per SM), 16-byte loads of 128-wide K tiles
+    block_j = triton.next_power_of_2(top_k)
+    if x.device.type == "cuda":
+        # down: about 256 programs (2 per SM) where the batch allows, tiles of 8K weights (16 KB: 32 KB in flight
+        # per SM, about what 4.2 TB/s over ~1 µs of latency asks of each of 132 SMs), 16-byte loads along K
         block_n, block_k = 32, 128
-        down_n = min(32, max(8, triton.next_power_of_2(num_tokens * hidden // 256)))
+        down_n = min(64 // block_j, max(8, triton.next_power_of_2(num_tokens * hidden // 256)))
     else:
         block_n, block_k, down_n = 16, 32, 16
     pdl = launch.pdl(x.device)
@@ -296,7 +306,7 @@ def _per_slot(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Ten
     )  # fmt: skip
     _token_down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
         h, w2, weights, out, topk_ids, top_k, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=down_n, BLOCK_K=block_k, num_warps=4, **pdl,
+        BLOCK_J=block_j, BLOCK_N=down_n, BLOCK_K=block_k, num_warps=4, **pdl,
     )  # fmt: skip
     return out
 
