@@ -66,9 +66,9 @@ def _route_kernel(
             group_scores = tl.where(tl.arange(0, NUM_GROUPS) == g, best + second, group_scores)
         kept = tl.zeros((BLOCK_E,), tl.int1)
         for _ in tl.static_range(TOPK_GROUPS):
-            g, _score = _argmax(group_scores, tl.arange(0, NUM_GROUPS))
-            kept |= group == g
-            group_scores = tl.where(tl.arange(0, NUM_GROUPS) == g, -float("inf"), group_scores)
+            best_group, _score = _argmax(group_scores, tl.arange(0, NUM_GROUPS))
+            kept |= group == best_group
+            group_scores = tl.where(tl.arange(0, NUM_GROUPS) == best_group, -float("inf"), group_scores)
         choice = tl.where(kept, choice, -float("inf"))
     slots = tl.arange(0, BLOCK_K)
     ids = tl.zeros((BLOCK_K,), tl.int32)
