@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from xinfer.layers.moe import Routing
+from xinfer import ops
+from xinfer.layers.moe import Router, Routing
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import moe, moe_routing
 from xinfer_cuda.ops import CudaOps
@@ -115,3 +116,30 @@ def test_moe_route_leaves_groups_not_in_a_power_of_two_to_the_reference():
     got = CudaOps().moe_route(logits.to(DEVICE), routing, bias.to(DEVICE))
     expected = TorchOps().moe_route(logits, routing, bias)
     assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        Routing(top_k=4, renormalize=True, per_expert_scale=True),
+        Routing(top_k=4, scoring="sqrtsoftplus", renormalize=True, scaling_factor=1.5, fixed_table=True),
+    ],
+    ids=["per-expert-scale", "fixed-table"],
+)
+def test_router_routes_alike_on_both_backends(routing):
+    """What the kernel leaves to the router (a per-expert scale, a fixed table) still applies."""
+    router = Router(32, 16, 50, routing)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in router.parameters():
+            if param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=generator))
+        if routing.fixed_table:
+            router.tid2eid.copy_(torch.randint(0, 16, router.tid2eid.shape, generator=generator))
+    x, token_ids = torch.randn(9, 32, generator=generator), torch.randint(0, 50, (9,), generator=generator)
+    with ops.use(TorchOps()), torch.no_grad():
+        expected_weights, expected_ids = router(x, token_ids)
+    with ops.use(CudaOps()), torch.no_grad():
+        weights, ids = router.to(DEVICE)(x.to(DEVICE), token_ids.to(DEVICE))
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
