@@ -64,6 +64,17 @@ def test_fused_moe_matches_the_reference(shape, dtype, activation):
     assert error <= TOL[dtype], f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("tokens", [3, 37], ids=["per-slot", "grouped"])
+def test_fused_moe_takes_the_int32_ids_the_router_kernel_gives(tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=generator)
+    w13, w2 = torch.randn(16, 96, 64, generator=generator) / 8, torch.randn(16, 64, 48, generator=generator) / 7
+    weights, ids = routing(tokens, 16, 4, generator)
+    expected = TorchOps().fused_moe(x, w13, w2, weights, ids, "silu")
+    got = moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, weights)), ids.to(DEVICE, torch.int32), "silu")
+    torch.testing.assert_close(got.cpu(), expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [(37, 16, 4, 16), (64, 20, 4, 32), (5, 128, 8, 16)])
 def test_align_blocks_puts_every_slot_once_in_the_fewest_blocks_of_its_expert(tokens, experts, top_k, block_m):
     generator = torch.Generator().manual_seed(tokens)
