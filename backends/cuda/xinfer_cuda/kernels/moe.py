@@ -13,7 +13,7 @@ slots fused, so that no [T*k, H] buffer is written and read back.
   (Qwen3-30B-A3B), ~18 µs at 4.2 TB/s, so the launches (two here, one for the routing)
   are what is left to save; down's row tiles shrink with the batch so that even one
   token spreads over every SM.
-- Grouped (prefill, larger batches): the slots are sorted by expert into blocks of
+- Grouped (prefill, larger batches): the slots are grouped by expert into blocks of
   ``BLOCK_M`` slots of one expert (an expert's last block padded with slot ``T*k``,
   which no program stores) by two small kernels (:func:`align_blocks`). A program
   multiplies its block with a tile of its expert's weights on the tensor cores, so
@@ -130,10 +130,11 @@ def _rank_slots_kernel(ids_ptr, counts_ptr, ranks_ptr, num_slots, BLOCK_S: tl.co
 @triton.jit
 def _place_slots_kernel(
     ids_ptr, counts_ptr, ranks_ptr, block_slots_ptr, block_experts_ptr, num_slots, num_experts, num_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Each slot into its place in its expert's blocks, and each block's expert and pads.
-    Every program sums the experts' block counts itself, so no program waits on another."""
+    """``BLOCK`` slots into their places in their experts' blocks, and ``BLOCK`` blocks'
+    experts and pads. Every program sums the experts' block counts itself, so that none
+    waits on another."""
     pdl_entry(PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
@@ -141,7 +142,7 @@ def _place_slots_kernel(
     end_block = tl.cumsum(blocks, axis=0)  # one past each expert's blocks
     first_block = end_block - blocks
 
-    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = slots < num_slots
     slot_experts = tl.load(ids_ptr + slots, mask=valid, other=0)
     before = experts[None, :] < slot_experts[:, None]
@@ -149,7 +150,7 @@ def _place_slots_kernel(
     position = slot_first_block * BLOCK_M + tl.load(ranks_ptr + slots, mask=valid, other=0)
     tl.store(block_slots_ptr + position, slots, mask=valid)
 
-    block = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     block_expert = tl.sum((end_block[None, :] <= block[:, None]).to(tl.int32), axis=1)  # searchsorted, right
     mine = experts[None, :] == block_expert[:, None]
     count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
@@ -177,11 +178,10 @@ def align_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tens
     block_s = 256
     _rank_slots_kernel[(triton.cdiv(num_slots, block_s),)](ids, counts, ranks, num_slots, BLOCK_S=block_s, **pdl)
     block_e = triton.next_power_of_2(num_experts)
-    block = max(16, 8192 // block_e)  # slots or blocks a program places: [block, BLOCK_E] tiles
-    grid = max(triton.cdiv(num_slots, block), triton.cdiv(num_blocks, block))
-    _place_slots_kernel[(grid,)](
+    block = max(16, 8192 // block_e)  # [block, BLOCK_E] tiles
+    _place_slots_kernel[(triton.cdiv(max(num_slots, num_blocks), block),)](
         ids, counts, ranks, block_slots, block_experts, num_slots, num_experts, num_blocks,
-        BLOCK_M=block_m, BLOCK_S=block, BLOCK_B=block, BLOCK_E=block_e, **pdl,
+        BLOCK_M=block_m, BLOCK=block, BLOCK_E=block_e, **pdl,
     )  # fmt: skip
     return block_slots, block_experts
 
