@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -33,6 +33,9 @@ class ShadowPages:
 
     tables: Tensor  # [B, max_blocks] int32
     slot_mapping: Tensor  # [T] int64
+
+if TYPE_CHECKING:
+    from xinfer.layers.moe import Routing
 
 
 @dataclass
@@ -120,6 +123,14 @@ class Ops(Protocol):
         ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``).
         The sum is in fp32; returns [T, H] in the dtype of ``x``. No host syncs on CUDA,
         so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert."""
+
+    def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Each token's ``routing.top_k`` experts and their weights from its router logits
+        [T, E]: scores, the correction ``correction_bias`` [E] (fp32) adds for the choice
+        alone, the group limit, renormalization and the scaling factor, as
+        :mod:`xinfer.layers.moe` writes them. Returns the weights [T, k] (fp32) and the
+        ids [T, k] (an integer dtype), best first. A fixed table and a per-expert scale
+        are the router's own (``routing.fixed_table`` and ``per_expert_scale`` are ignored)."""
 
     def attention(
         self,
@@ -307,6 +318,10 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
 
 def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
     return current().sample(logits, params)
+
+
+def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    return current().moe_route(logits, routing, correction_bias)
 
 
 def attention(

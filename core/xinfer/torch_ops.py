@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,16 @@ from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms
 from xinfer.sampling import SamplingBatch
+
+if TYPE_CHECKING:
+    from xinfer.layers.moe import Routing
+
+SCORING = {
+    "softmax": lambda logits: logits.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+}
+"""Router logits to expert scores, by the HF config's ``scoring_func``."""
 
 
 class TorchOps:
@@ -73,6 +84,11 @@ class TorchOps:
             y = F.linear(act_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
             out.index_add_(0, tokens, y.float() * weights[slots, None])
         return out.to(x.dtype)
+
+    def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        scores = SCORING[routing.scoring](logits.float())
+        ids = top_experts(scores, routing, correction_bias)
+        return expert_weights(scores, ids, routing), ids
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """The storing half of :meth:`attention` (benchmarks and tests fill caches with it)."""
@@ -225,3 +241,25 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.numel() else rotated
+
+
+def top_experts(scores: Tensor, routing: Routing, correction_bias: Tensor | None) -> Tensor:
+    """The ``top_k`` experts of each token by its (corrected, group-limited) scores [T, E]."""
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if routing.num_groups > 1:
+        groups = choice.unflatten(-1, (routing.num_groups, -1))  # [T, G, E/G]
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(routing.topk_groups, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
+    return choice.topk(routing.top_k, dim=-1).indices
+
+
+def expert_weights(scores: Tensor, ids: Tensor, routing: Routing) -> Tensor:
+    """The weights [T, k] of experts ``ids`` from the scores [T, E]: renormalized, scaled."""
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routing.scaling_factor != 1.0:
+        weights = weights * routing.scaling_factor
+    return weights

@@ -1,10 +1,10 @@
-"""The fused-MoE kernels against the plain-torch reference (``TorchOps.fused_moe``), on the
-device ``XINFER_KERNEL_DEVICE`` picks (on "cpu" under the Triton interpreter; see
-conftest.py and test_cuda_kernels.py for the tolerances' reasoning).
+"""The fused-MoE and routing kernels against the plain-torch references (``TorchOps.fused_moe``,
+``TorchOps.moe_route``), on the device ``XINFER_KERNEL_DEVICE`` picks (on "cpu" under the
+Triton interpreter; see conftest.py and test_cuda_kernels.py for the tolerances' reasoning).
 
 Routings are random with distinct experts per token; the step sizes cover the per-slot
-path (T*k up to 32: decode) and the grouped one (prefill sizes, experts that get no
-slot, blocks padded), with outputs poisoned with NaN first."""
+path (T*k up to 32: decode) and the grouped one (prefill sizes, a decode step of about 16
+slots per expert, experts that get no slot or are not a power of two, blocks padded)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import os
 import pytest
 import torch
 
+from xinfer import ops
+from xinfer.layers.moe import Router, Routing
 from xinfer.torch_ops import TorchOps
-from xinfer_cuda.kernels import moe
+from xinfer_cuda.kernels import moe, moe_routing
+from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
@@ -29,6 +32,8 @@ SHAPES = [
     (4, 8, 8, 96, 40),
     (9, 64, 4, 64, 48),
     (37, 16, 4, 64, 48),
+    (37, 20, 4, 64, 48),
+    (64, 16, 4, 64, 48),
     (130, 8, 2, 80, 64),
 ]
 if ON_GPU:
@@ -59,11 +64,23 @@ def test_fused_moe_matches_the_reference(shape, dtype, activation):
     assert error <= TOL[dtype], f"relative error {error:.2e}"
 
 
-def test_align_blocks_puts_every_slot_once_in_a_block_of_its_expert():
-    generator = torch.Generator().manual_seed(0)
-    _, ids = routing(37, 16, 4, generator)
-    block_slots, block_experts = moe.align_blocks(ids.to(DEVICE), 16, block_m=16)
-    block_slots, block_experts = block_slots.cpu().view(len(block_experts), 16), block_experts.cpu()
+@pytest.mark.parametrize("tokens", [3, 37], ids=["per-slot", "grouped"])
+def test_fused_moe_takes_the_int32_ids_the_router_kernel_gives(tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=generator)
+    w13, w2 = torch.randn(16, 96, 64, generator=generator) / 8, torch.randn(16, 64, 48, generator=generator) / 7
+    weights, ids = routing(tokens, 16, 4, generator)
+    expected = TorchOps().fused_moe(x, w13, w2, weights, ids, "silu")
+    got = moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, weights)), ids.to(DEVICE, torch.int32), "silu")
+    torch.testing.assert_close(got.cpu(), expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(37, 16, 4, 16), (64, 20, 4, 32), (5, 128, 8, 16)])
+def test_align_blocks_puts_every_slot_once_in_the_fewest_blocks_of_its_expert(tokens, experts, top_k, block_m):
+    generator = torch.Generator().manual_seed(tokens)
+    _, ids = routing(tokens, experts, top_k, generator)
+    block_slots, block_experts = moe.align_blocks(ids.to(DEVICE), experts, block_m)
+    block_slots, block_experts = block_slots.cpu().view(len(block_experts), block_m), block_experts.cpu()
     flat = ids.flatten()
     real = block_slots[block_experts >= 0]
     assert sorted(real[real < flat.numel()].tolist()) == list(range(flat.numel()))
@@ -71,3 +88,69 @@ def test_align_blocks_puts_every_slot_once_in_a_block_of_its_expert():
         slots = slots[slots < flat.numel()]
         assert expert >= 0 or slots.numel() == 0
         assert (flat[slots.long()] == expert).all()
+    blocks = torch.bincount(block_experts[block_experts >= 0].long(), minlength=experts)
+    assert torch.equal(blocks, (torch.bincount(flat, minlength=experts) + block_m - 1) // block_m)
+
+
+GLM4 = Routing(6, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=3, scaling_factor=2.5)
+ROUTINGS = {  # (experts, routing)
+    "qwen3": (128, Routing(top_k=8, renormalize=True)),
+    "qwen2": (60, Routing(top_k=4)),
+    "glm4": (64, GLM4),
+    "minimax": (32, Routing(top_k=3, scoring="sigmoid", renormalize=True, correction_bias=True)),
+    "deepseek-v4": (64, Routing(4, "sqrtsoftplus", renormalize=True, correction_bias=True, scaling_factor=1.5)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_moe_route_matches_the_reference(name, dtype):
+    experts, routing = ROUTINGS[name]
+    generator = torch.Generator().manual_seed(experts)
+    # distinct logits, exact in every dtype (multiples of 1/16 up to 8), so that no tie blurs the choice
+    logits = torch.stack([torch.randperm(experts, generator=generator) - experts // 2 for _ in range(23)]) / 16
+    bias = torch.randn(experts, generator=generator) * 0.05 if routing.correction_bias else None
+    expected_weights, expected_ids = TorchOps().moe_route(logits, routing, bias)
+    weights, ids = moe_routing.moe_route(logits.to(DEVICE, dtype), routing, None if bias is None else bias.to(DEVICE))
+    assert weights.dtype == torch.float32 and ids.shape == (23, routing.top_k)
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
+    if routing.num_groups > 1:
+        ungrouped = Routing(**{**routing.__dict__, "num_groups": 1, "topk_groups": 1})
+        assert not torch.equal(TorchOps().moe_route(logits, ungrouped, bias)[1], ids.cpu().long())
+
+
+def test_moe_route_leaves_groups_not_in_a_power_of_two_to_the_reference():
+    routing = Routing(top_k=2, scoring="sigmoid", correction_bias=True, num_groups=3, topk_groups=2)
+    assert not moe_routing.covers(routing)
+    logits, bias = torch.randn(5, 12, generator=torch.Generator().manual_seed(0)), torch.zeros(12)
+    got = CudaOps().moe_route(logits.to(DEVICE), routing, bias.to(DEVICE))
+    expected = TorchOps().moe_route(logits, routing, bias)
+    assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        Routing(top_k=4, renormalize=True, per_expert_scale=True),
+        Routing(top_k=4, scoring="sqrtsoftplus", renormalize=True, scaling_factor=1.5, fixed_table=True),
+    ],
+    ids=["per-expert-scale", "fixed-table"],
+)
+def test_router_routes_alike_on_both_backends(routing):
+    """What the kernel leaves to the router (a per-expert scale, a fixed table) still applies."""
+    router = Router(32, 16, 50, routing)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in router.parameters():
+            if param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=generator))
+        if routing.fixed_table:
+            router.tid2eid.copy_(torch.randint(0, 16, router.tid2eid.shape, generator=generator))
+    x, token_ids = torch.randn(9, 32, generator=generator), torch.randint(0, 50, (9,), generator=generator)
+    with ops.use(TorchOps()), torch.no_grad():
+        expected_weights, expected_ids = router(x, token_ids)
+    with ops.use(CudaOps()), torch.no_grad():
+        weights, ids = router.to(DEVICE)(x.to(DEVICE), token_ids.to(DEVICE))
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)

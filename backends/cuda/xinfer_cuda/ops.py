@@ -8,6 +8,7 @@ also run on CPU tensors (that is how CI tests them).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,9 +18,22 @@ from xinfer.ops import AttentionMetadata, HeadNorms, StepForward, StepLimits
 from xinfer.sampling import SamplingBatch
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
-from xinfer_cuda.kernels import activation, attention, kv_quant_write, kv_write, moe, norm, rotary, sampling
+from xinfer_cuda.kernels import (
+    activation,
+    attention,
+    kv_quant_write,
+    kv_write,
+    moe,
+    moe_routing,
+    norm,
+    rotary,
+    sampling,
+)
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
+
+if TYPE_CHECKING:
+    from xinfer.layers.moe import Routing
 
 log = logging.getLogger("xinfer")
 
@@ -57,6 +71,11 @@ class CudaOps(TorchOps):
         self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
     ) -> Tensor:
         return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+
+    def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        if not moe_routing.covers(routing):
+            return super().moe_route(logits, routing, correction_bias)
+        return moe_routing.moe_route(logits, routing, correction_bias)
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """Store ``k``, ``v`` [T, Hkv, D] into ``cache`` in its format (the storing half

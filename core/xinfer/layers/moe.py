@@ -9,10 +9,11 @@ The router's math (each line switched on by :class:`Routing`), in fp32 as the re
     ids     = topk(choice, k)                   #   or tid2eid[token_id]: a fixed table
     weights = scores[ids]
     weights = weights / sum(weights)            # norm_topk_prob
-    weights = weights * per_expert_scale[ids] * routed_scaling_factor
+    weights = weights * routed_scaling_factor * per_expert_scale[ids]
 
 The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
-[E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`).
+[E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`); the router's math but the
+fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`).
 """
 
 from __future__ import annotations
@@ -21,20 +22,13 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.layers.activation import GATED_ACTIVATIONS
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
-
-SCORING = {
-    "softmax": lambda logits: logits.softmax(dim=-1),
-    "sigmoid": torch.sigmoid,
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-}
-"""Router logits to expert scores, by the HF config's ``scoring_func``."""
+from xinfer.torch_ops import SCORING, expert_weights
 
 
 @dataclass(frozen=True)
@@ -84,32 +78,15 @@ class Router(nn.Module):
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         routing = self.routing
         logits = ops.linear(x.float(), self.weight) if routing.fp32_logits else ops.linear(x, self.weight)
-        scores = SCORING[routing.scoring](logits.float())
         if routing.fixed_table:
             assert token_ids is not None, "routing by a fixed table needs the tokens' ids"
             ids = self.tid2eid[token_ids]
+            weights = expert_weights(SCORING[routing.scoring](logits.float()), ids, routing)
         else:
-            ids = self.select(scores)
-        weights = scores.gather(1, ids)
-        if routing.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights, ids = ops.moe_route(logits, routing, self.e_score_correction_bias)
         if self.per_expert_scale is not None:
             weights = weights * self.per_expert_scale.float()[ids]
-        if routing.scaling_factor != 1.0:
-            weights = weights * routing.scaling_factor
         return weights, ids
-
-    def select(self, scores: Tensor) -> Tensor:
-        """The ``top_k`` experts of each token by its (corrected, group-limited) scores."""
-        routing = self.routing
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
-        if routing.num_groups > 1:
-            groups = choice.unflatten(-1, (routing.num_groups, -1))  # [T, G, E/G]
-            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
-            best = group_scores.topk(routing.topk_groups, dim=-1).indices
-            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-            choice = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
-        return choice.topk(routing.top_k, dim=-1).indices
 
 
 def _vector(size: int) -> nn.Parameter:

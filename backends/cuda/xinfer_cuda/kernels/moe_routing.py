@@ -1,0 +1,112 @@
+"""A router's math in one launch (see :meth:`xinfer.ops.Ops.moe_route`): a program per
+token holds its E scores in registers and picks its experts there, where the torch
+reference takes some ten launches (scores, correction, group top-2s, top-k, gather,
+renormalization, scaling) of a few microseconds each: at batch 1 these, not bytes, are
+the cost.
+
+Ties break to the lower expert, as argmax does; top-k picks the best first, k times.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
+if TYPE_CHECKING:
+    from xinfer.layers.moe import Routing
+
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+@triton.jit
+def _argmax(values, index):
+    """The first index of the largest value, and that value."""
+    best = tl.max(values, axis=0)
+    return tl.min(tl.where(values == best, index, values.shape[0]), axis=0), best
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, group_size, stride_logits, scaling_factor,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    if SCORING == "softmax":
+        exp = tl.exp(logits - tl.max(logits, axis=0))
+        scores = exp / tl.sum(exp, axis=0)
+    elif SCORING == "sigmoid":
+        scores = tl.sigmoid(logits)
+    else:  # sqrtsoftplus; softplus(x) = max(x, 0) + log(1 + exp(-|x|))
+        scores = tl.sqrt(tl.maximum(logits, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(logits))))
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + experts, mask=valid, other=0.0)
+    choice = tl.where(valid, choice, -float("inf"))
+    if NUM_GROUPS > 1:  # keep the TOPK_GROUPS groups whose two best experts score most
+        group = experts // group_size
+        group_scores = tl.full((NUM_GROUPS,), -float("inf"), tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            in_group = tl.where(group == g, choice, -float("inf"))
+            first, best = _argmax(in_group, experts)
+            second = tl.max(tl.where(experts == first, -float("inf"), in_group), axis=0)
+            group_scores = tl.where(tl.arange(0, NUM_GROUPS) == g, best + second, group_scores)
+        kept = tl.zeros((BLOCK_E,), tl.int1)
+        for _ in tl.static_range(TOPK_GROUPS):
+            best_group, _score = _argmax(group_scores, tl.arange(0, NUM_GROUPS))
+            kept |= group == best_group
+            group_scores = tl.where(tl.arange(0, NUM_GROUPS) == best_group, -float("inf"), group_scores)
+        choice = tl.where(kept, choice, -float("inf"))
+    slots = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), tl.int32)
+    weights = tl.zeros((BLOCK_K,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        expert, _best = _argmax(choice, experts)
+        ids = tl.where(slots == j, expert, ids)
+        weights = tl.where(slots == j, tl.sum(tl.where(experts == expert, scores, 0.0), axis=0), weights)
+        choice = tl.where(experts == expert, -float("inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    weights *= scaling_factor
+    out = token * TOP_K + slots
+    tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
+
+
+def covers(routing: Routing) -> bool:
+    """Whether :func:`moe_route` computes ``routing``: every scoring, groups in a power of
+    two (a fixed table and a per-expert scale never reach it)."""
+    return routing.scoring in SCORINGS and routing.num_groups & (routing.num_groups - 1) == 0
+
+
+def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:meth:`xinfer.ops.Ops.moe_route` in one launch: weights [T, k] fp32, ids [T, k] int32."""
+    num_tokens, num_experts = logits.shape
+    top_k = routing.top_k
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    bias = correction_bias if correction_bias is not None else weights  # (unread)
+    _route_kernel[(num_tokens,)](
+        logits, bias, weights, ids, num_experts, num_experts // routing.num_groups, logits.stride(0),
+        routing.scaling_factor, SCORING=routing.scoring, HAS_BIAS=correction_bias is not None,
+        RENORMALIZE=routing.renormalize, NUM_GROUPS=routing.num_groups, TOPK_GROUPS=routing.topk_groups, TOP_K=top_k,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4 if num_experts <= 256 else 8, **launch.pdl(logits.device),
+    )  # fmt: skip
+    return weights, ids
