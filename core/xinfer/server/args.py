@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from argparse import SUPPRESS
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,7 +82,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
         choices=["auto", "safetensors", "gguf", "dummy"],
         help="dummy: random weights of the right shapes (benchmarks)",
     )
-    model.add_argument("--isq", metavar="TYPE", help="quantize weights at load (q2k..q8_0, w2) [later]")
+    model.add_argument(
+        "--isq", metavar="TYPE", default=SUPPRESS, help="quantize weights at load (q2k..q8_0, w2) [later]"
+    )
 
     device = p.add_argument_group("device")
     device.add_argument(
@@ -127,7 +130,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
         "--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked"
     )
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
-    capacity.add_argument("--prefix-cache-max-tokens", type=int, help="bound the prefix cache [later]")
+    capacity.add_argument(
+        "--prefix-cache-max-tokens", type=int, default=SUPPRESS, help="bound the prefix cache [later]"
+    )
 
     sampling = p.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -177,7 +182,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     chat.add_argument("--prompts", help='answer these prompts ("a|b"), print the answers and the speed, exit')
     chat.add_argument("--batch", type=int, help="with --prompts: run N copies of the prompts as one batch")
 
-    later = p.add_argument_group("later features (listed, not yet available)")
+    later = p.add_argument_group("later features (listed, not yet available)", argument_default=SUPPRESS)
     later.add_argument("--num-speculative-tokens", type=int, help="speculative decoding [later]")
     later.add_argument("--draft-model", help="draft model for speculative decoding [later]")
     later.add_argument("--pd-server", action="store_true", help="prefill/decode disaggregation: server [later]")
@@ -188,28 +193,10 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--mcp-args", help="MCP server arguments [later]")
     later.add_argument("--enforce-parser", help="tool-call parser [later]")
     later.add_argument("--num-nodes", type=int, default=1, help="multi-node [later beyond 1]")
-    later.add_argument("--node-rank", type=int, default=0, help="multi-node [later]")
+    later.add_argument("--node-rank", type=int, help="multi-node [later]")
     later.add_argument("--master-addr", help="multi-node [later]")
     later.add_argument("--master-port", type=int, help="multi-node [later]")
     return p
-
-
-LATER_FEATURES = {
-    "isq": "in-situ weight quantization (--isq)",
-    "prefix_cache_max_tokens": "a bounded prefix cache (--prefix-cache-max-tokens)",
-    "num_speculative_tokens": "speculative decoding (--num-speculative-tokens)",
-    "draft_model": "speculative decoding with a draft model (--draft-model)",
-    "pd_server": "prefill/decode disaggregation (--pd-server)",
-    "pd_client": "prefill/decode disaggregation (--pd-client)",
-    "pd_url": "prefill/decode disaggregation (--pd-url)",
-    "mcp_config": "MCP tools (--mcp-config)",
-    "mcp_command": "MCP tools (--mcp-command)",
-    "mcp_args": "MCP tools (--mcp-args)",
-    "enforce_parser": "tool-call parsing (--enforce-parser)",
-    "node_rank": "multi-node serving (--node-rank)",
-    "master_addr": "multi-node serving (--master-addr)",
-    "master_port": "multi-node serving (--master-port)",
-}
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argparse.Namespace:
@@ -224,18 +211,15 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argpa
 
 
 def later_feature(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
-    for dest, feature in LATER_FEATURES.items():
-        if getattr(args, dest) != parser.get_default(dest):
-            return feature
+    """The flag of a feature that arrives later, if one is given: those flags have no default (SUPPRESS)."""
     if args.devices and "," in args.devices:
         return f"tensor parallel over several devices (--d {args.devices})"
     if args.num_nodes != 1:
         return "multi-node serving (--num-nodes)"
+    for action in parser._actions:
+        if action.default is argparse.SUPPRESS and action.dest in vars(args):
+            return f"{action.option_strings[0]} ({(action.help or '').removesuffix(' [later]')})"
     return None
-
-
-def env_names(action: argparse.Action) -> list[str]:
-    return [ENV_PREFIX + o.lstrip("-").upper().replace("-", "_") for o in action.option_strings]
 
 
 def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] | os._Environ) -> None:
@@ -243,7 +227,7 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] |
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        for name in env_names(action):
+        for name in (ENV_PREFIX + o.lstrip("-").upper().replace("-", "_") for o in action.option_strings):
             if name in environ:
                 parser.set_defaults(**{action.dest: _convert(parser, action, name, environ[name])})
                 break

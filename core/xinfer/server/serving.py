@@ -9,11 +9,11 @@ from fastapi import Request
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
 from xinfer.engine.engine import KVCacheFull, LLMEngine
-from xinfer.sampling import SamplingParams
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
 from xinfer.server.metrics import Metrics
-from xinfer.server.params import SamplingDefaults
+from xinfer.server.params import SamplingDefaults, request_params
+from xinfer.server.protocol import GenerationRequest
 
 RETRY_AFTER_SECONDS = 1
 
@@ -58,10 +58,11 @@ class Serving:
                 code="model_not_found",
             )
 
-    async def submit(self, request: Request, prompts: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
-        """Queues a request's prompts, each with its choices; errors become 400, 429 or 503."""
+    async def submit(self, request: Request, body: GenerationRequest, prompts: list[list[int]]) -> RequestHandle:
+        """Queues a request's prompts, each with the body's ``n`` choices; errors become 400, 429 or 503."""
+        entries = [(prompt, request_params(body, self.defaults, len(prompt), self.max_model_len)) for prompt in prompts]
         try:
-            return await unless_disconnected(request, self.engine.submit(prompts))
+            return await unless_disconnected(request, self.engine.submit(entries))
         except QueueFull as error:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
