@@ -44,95 +44,54 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
+    # fmt: off
     p = argparse.ArgumentParser(
-        prog=prog,
-        description="Serve an LLM with an OpenAI-compatible API (the embedded SmolLM2-135M-Instruct when no "
-        "model is given). Every flag can also be set as XINFER_<FLAG>, e.g. XINFER_MAX_NUM_SEQS=8.",
-        formatter_class=_HelpFormatter,
-        allow_abbrev=False,
-    )
+        prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
+        description="Serve an LLM with an OpenAI-compatible API (the embedded SmolLM2-135M-Instruct when no model is "
+        "given). Every flag can also be set as XINFER_<FLAG>, e.g. XINFER_MAX_NUM_SEQS=8.")
     model = p.add_argument_group("model")
-    model.add_argument(
-        "--m",
-        "--model",
-        dest="model",
-        metavar="ID_OR_PATH",
-        help="Hugging Face hub id (org/name: downloaded into the hub's cache, HF_TOKEN and "
-        "HF_HUB_OFFLINE apply), HF model folder, GGUF file, or folder holding one "
-        "(default: embedded SmolLM2)",
-    )
+    model.add_argument("--m", "--model", dest="model", metavar="ID_OR_PATH",
+                       help="Hugging Face hub id (org/name: downloaded into the hub's cache, HF_TOKEN and "
+                       "HF_HUB_OFFLINE apply), HF model folder, GGUF file, or folder holding one (default: embedded "
+                       "SmolLM2)")
     model.add_argument("--w", dest="weights", metavar="PATH", help="local safetensors folder")
-    model.add_argument(
-        "--f",
-        dest="gguf_file",
-        metavar="FILE",
-        help="GGUF file, or the one to use of those in the --m folder or hub repository",
-    )
+    model.add_argument("--f", dest="gguf_file", metavar="FILE",
+                       help="GGUF file, or the one to use of those in the --m folder or hub repository")
     model.add_argument("--served-model-name", metavar="NAME", help="model name in the API (default: from the path)")
-    model.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_NAMES,
-        metavar="DTYPE",
-        help="auto (the model's, f32 on CPU), bf16, f16, f32",
-    )
-    model.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="dummy: random weights of the right shapes (benchmarks)",
-    )
-    model.add_argument(
-        "--isq", metavar="TYPE", default=SUPPRESS, help="quantize weights at load (q2k..q8_0, w2) [later]"
-    )
+    model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
+                       help="auto (the model's, f32 on CPU), bf16, f16, f32")
+    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                       help="dummy: random weights of the right shapes (benchmarks)")
+    model.add_argument("--isq", metavar="TYPE", default=SUPPRESS,
+                       help="quantize weights at load (q2k..q8_0, w2) [later]")
 
     device = p.add_argument_group("device")
-    device.add_argument(
-        "--d", dest="devices", metavar="IDS", help="device ids, e.g. 0; several = tensor parallel [later]"
-    )
+    device.add_argument("--d", dest="devices", metavar="IDS",
+                        help="device ids, e.g. 0; several = tensor parallel [later]")
     device.add_argument("--cpu", action="store_true", help="run on the CPU")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 
     capacity = p.add_argument_group("capacity")
-    capacity.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help="sequences in a running batch (default: as many as the KV cache holds at 1024 "
-        "tokens each, or --max-model-len if shorter, at most 256)",
-    )
+    capacity.add_argument("--max-num-seqs", type=int, help="sequences in a running batch (default: as many as the KV "
+                          "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 256)")
     capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    capacity.add_argument(
-        "--max-tokens", type=int, help="default max generated tokens of a request (default: the rest of the context)"
-    )
-    capacity.add_argument(
-        "--kv-fraction",
-        type=float,
-        help="GPU: share of the device's total memory for weights, activations, CUDA graphs "
-        "and KV cache, which gets the rest (default: 0.9); CPU: share of the available RAM after "
-        "loading the weights for the KV cache (default: a quarter, at most 2 GiB)",
-    )
-    capacity.add_argument(
-        "--kvcache-dtype",
-        default="auto",
-        choices=list(formats()),
-        help="KV cache format (docs/kv-cache.md); auto: the model dtype",
-    )
-    capacity.add_argument(
-        "--kv-recent-window",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with a quantized --kvcache-dtype: keys and values of each query's last N positions "
-        "and of its sequence's first block are read unquantized, from shadow blocks in the model "
-        "dtype (CPU and CUDA backends); 0: off",
-    )
-    capacity.add_argument(
-        "--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked"
-    )
+    capacity.add_argument("--max-tokens", type=int,
+                          help="default max generated tokens of a request (default: the rest of the context)")
+    capacity.add_argument("--kv-fraction", type=float,
+                          help="GPU: share of the device's total memory for weights, activations, CUDA graphs and KV "
+                          "cache, which gets the rest (default: 0.9); CPU: share of the available RAM after loading "
+                          "the weights for the KV cache (default: a quarter, at most 2 GiB)")
+    capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
+                          help="KV cache format (docs/kv-cache.md); auto: the model dtype")
+    capacity.add_argument("--kv-recent-window", type=int, default=0, metavar="N",
+                          help="with a quantized --kvcache-dtype: keys and values of each query's last N positions and "
+                          "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
+                          "(CPU and CUDA backends); 0: off")
+    capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
+                          help="tokens per step; longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
-    capacity.add_argument(
-        "--prefix-cache-max-tokens", type=int, default=SUPPRESS, help="bound the prefix cache [later]"
-    )
+    capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
+                          help="bound the prefix cache [later]")
 
     sampling = p.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -148,39 +107,24 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
     serving.add_argument("--ui-port", type=int, help="port of the chat UI (default: --port + 1)")
     serving.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
-    serving.add_argument(
-        "--max-waiting", type=_at_least(int, 1), default=256, help="waiting sequences before answering 429"
-    )
-    serving.add_argument(
-        "--shutdown-timeout",
-        type=_at_least(float, 0),
-        default=30.0,
-        help="seconds in-flight requests may take to finish after SIGTERM",
-    )
-    serving.add_argument(
-        "--max-body-bytes", type=_at_least(int, 1), default=16 << 20, help="larger request bodies get 413"
-    )
-    serving.add_argument(
-        "--health-stall-timeout",
-        type=_at_least(float, 0),
-        default=300.0,
-        help="a step running longer makes /health answer 503",
-    )
-    serving.add_argument(
-        "--log-level",
-        "--log",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log detail (debug: with the traceback of an error)",
-    )
+    serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256,
+                         help="waiting sequences before answering 429")
+    serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
+                         help="seconds in-flight requests may take to finish after SIGTERM")
+    serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20,
+                         help="larger request bodies get 413")
+    serving.add_argument("--health-stall-timeout", type=_at_least(float, 0), default=300.0,
+                         help="a step running longer makes /health answer 503")
+    serving.add_argument("--log-level", "--log", default="info", choices=["debug", "info", "warning", "error"],
+                         help="log detail (debug: with the traceback of an error)")
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
     chat = p.add_argument_group("terminal")
-    chat.add_argument(
-        "--i", dest="interactive", action="store_true", help="interactive terminal chat instead of serving"
-    )
+    chat.add_argument("--i", dest="interactive", action="store_true",
+                      help="interactive terminal chat instead of serving")
     chat.add_argument("--prompts", help='answer these prompts ("a|b"), print the answers and the speed, exit')
     chat.add_argument("--batch", type=int, help="with --prompts: run N copies of the prompts as one batch")
+    # fmt: on
 
     later = p.add_argument_group("later features (listed, not yet available)", argument_default=SUPPRESS)
     later.add_argument("--num-speculative-tokens", type=int, help="speculative decoding [later]")
