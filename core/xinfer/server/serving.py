@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -16,6 +17,7 @@ from xinfer.server.params import SamplingDefaults, request_params
 from xinfer.server.protocol import GenerationRequest
 
 RETRY_AFTER_SECONDS = 1
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,25 +61,24 @@ class Serving:
             )
 
     async def submit(self, request: Request, body: GenerationRequest, prompts: list[list[int]]) -> RequestHandle:
-        """Queues a request's prompts, each with the body's ``n`` choices; errors become 400, 429 or 503."""
+        """Queues a request's prompts, each with the body's ``n`` choices."""
         entries = [(prompt, request_params(body, self.defaults, len(prompt), self.max_model_len)) for prompt in prompts]
+        return await self._ask(request, self.engine.submit(entries))
+
+    async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
+        return await self._ask(request, self.engine.embed(token_ids))
+
+    async def _ask(self, request: Request, work: Awaitable[T]) -> T:
+        """The engine's answer to ``work``, unless the client leaves first; its errors become 429, 503 or 400."""
         try:
-            return await unless_disconnected(request, self.engine.submit(entries))
+            return await unless_disconnected(request, work)
         except QueueFull as error:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
                 429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
             ) from None
-        except EngineUnavailable as error:
-            self.metrics.rejected.labels("unavailable").inc()
-            raise unavailable(error) from None
-        except ValueError as error:
-            raise bad_request(str(error)) from None
-
-    async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
-        try:
-            return await unless_disconnected(request, self.engine.embed(token_ids))
         except (EngineUnavailable, KVCacheFull) as error:
+            self.metrics.rejected.labels("unavailable").inc()
             raise unavailable(error) from None
         except ValueError as error:
             raise bad_request(str(error)) from None

@@ -1,7 +1,9 @@
-"""A generation request's answer: one JSON body, or SSE chunks tied to its engine request."""
+"""A generation request's answer: one JSON body, or server-sent events tied to its engine request, as OpenAI
+streams them: ``data: {json}`` blocks, then ``data: [DONE]``."""
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
@@ -13,12 +15,19 @@ from starlette.types import Receive, Scope, Send
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, RequestHandle
 from xinfer.engine.output import CompletionOutput
-from xinfer.server import sse
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import error_body
 from xinfer.server.protocol import SamplingFields
 from xinfer.server.responses import Usage, new_id, usage
 from xinfer.server.serving import Serving
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
 
 
 class EngineStreamResponse(StreamingResponse):
@@ -26,7 +35,7 @@ class EngineStreamResponse(StreamingResponse):
     client gone (Starlette cancels the stream), or never started at all."""
 
     def __init__(self, events: AsyncIterator[str], engine: AsyncEngine, handle: RequestHandle):
-        super().__init__(events, media_type="text/event-stream", headers=sse.HEADERS)
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self.engine = engine
         self.handle = handle
 
@@ -76,15 +85,15 @@ class Answer(ABC):
 
     def chunk(self, choices: list[Any], with_usage: bool = False) -> str:
         usage = self.usage() if with_usage else None
-        return sse.event(self.chunk_type(id=self.id, model=self.serving.model_name, choices=choices, usage=usage))
+        return sse_event(self.chunk_type(id=self.id, model=self.serving.model_name, choices=choices, usage=usage))
 
     async def _stream(self) -> AsyncIterator[str]:
         try:
             async for event in self.events():
                 yield event
         except EngineUnavailable as error:
-            yield sse.event(error_body(503, str(error)))
+            yield sse_event(error_body(503, str(error)))
         else:
             if self.body.include_usage:
                 yield self.chunk([], with_usage=True)
-        yield sse.DONE
+        yield SSE_DONE
