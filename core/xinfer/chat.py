@@ -16,6 +16,7 @@ import itertools
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import TextIO
 
 from xinfer.engine.engine import LLMEngine
@@ -67,18 +68,6 @@ class Conversation:
         return text
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens or 1024,
-    )
-
-
 def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
     interactive = stdin.isatty()
     out.write(f"xinfer chat ({HELP})\n")
@@ -127,25 +116,21 @@ def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, ou
 
 
 def run(args: argparse.Namespace) -> int:
-    from xinfer.server.launch import engine_config, resolve_model
+    from xinfer.server.launch import prepare, sampling_defaults
 
-    try:
-        path = resolve_model(args)
-        config = engine_config(args, path)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"xinfer: {error}", file=sys.stderr)
-        return 2
+    path, config = prepare(args)
     print(f"loading {path} ...", file=sys.stderr)
     engine = LLMEngine(config)
     if engine.tokenizer is None or (engine.tokenizer.chat_template is None and not args.prompts):
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2
+    params = SamplingParams(**asdict(sampling_defaults(args)) | {"max_tokens": args.max_tokens or 1024})
     if args.prompts:
         prompts = [p.strip() for p in args.prompts.split("|") if p.strip()]
-        answer_all(engine, prompts * (args.batch or 1), sampling_params(args))
+        answer_all(engine, prompts * (args.batch or 1), params)
         return 0
     try:
-        chat_loop(Conversation(engine, sampling_params(args)))
+        chat_loop(Conversation(engine, params))
     except KeyboardInterrupt:
         print()
     return 0

@@ -54,7 +54,7 @@ def xinfer_gguf_architectures() -> dict[str, str]:
     """GGUF adapters by GGUF ``general.architecture`` name, as "module:attribute" strings.
 
     The attribute is an adapter object, or a class instantiated without arguments, with
-    (see :class:`xinfer.loading.gguf.GGUFArchitecture`):
+    (see :class:`xinfer.loading.gguf.GGUFAdapter`):
 
     - ``model_type: str | None``: the transformers ``model_type`` of the config to build
       (``None``: the GGUF architecture name itself);

@@ -141,13 +141,17 @@ def _distribution(entry_point: importlib.metadata.EntryPoint) -> str:
     return entry_point.dist.name if entry_point.dist else "?"
 
 
+def _ranked(found: Discovery, hook: str) -> list[pluggy.HookImpl]:
+    """The plugins' implementations of ``hook``, in precedence order."""
+    return sorted(getattr(found.manager.hook, hook).get_hookimpls(), key=lambda impl: found.rank(impl.plugin_name))
+
+
 def _collect(found: Discovery, hook: str) -> dict[str, list[Registered]]:
     """Each name registered through ``hook``, with its registrations in precedence order."""
     table: dict[str, list[Registered]] = defaultdict(list)
-    impls = sorted(getattr(found.manager.hook, hook).get_hookimpls(), key=lambda impl: found.rank(impl.plugin_name))
-    for impl in impls:
+    for impl in _ranked(found, hook):
         try:
-            registered = impl.function()
+            registered = cast("dict[str, str]", impl.function())
         except Exception as error:  # noqa: BLE001
             log.warning("plugin %r: %s() failed and is skipped: %s: %s",
                         impl.plugin_name, hook, type(error).__name__, first_line(error))  # fmt: skip
@@ -171,10 +175,6 @@ def _warn_conflicts(found: Discovery, preferred: list[str]) -> None:
 @functools.cache
 def discovery() -> Discovery:
     return discover(_names("XINFER_PLUGINS"), _names("XINFER_PREFER"))
-
-
-def plugin_manager() -> pluggy.PluginManager:
-    return discovery().manager
 
 
 def load_object(ref: str) -> Any:
@@ -211,8 +211,7 @@ def gguf_architectures() -> dict[str, Registered]:
 
 
 def backends() -> list[hooks.BackendSpec]:
-    found = discovery()
-    impls = sorted(found.manager.hook.xinfer_backends.get_hookimpls(), key=lambda impl: found.rank(impl.plugin_name))
+    impls = _ranked(discovery(), "xinfer_backends")
     return [spec for impl in impls for spec in cast("list[hooks.BackendSpec]", impl.function())]
 
 
@@ -287,10 +286,8 @@ def kv_formats() -> dict[str, Any]:
 
 def op_specs() -> dict[str, hooks.OpSpec]:
     """Plugins' ops by name (:func:`xinfer.ops.call`), the first in precedence order winning."""
-    found = discovery()
-    impls = sorted(found.manager.hook.xinfer_ops.get_hookimpls(), key=lambda impl: found.rank(impl.plugin_name))
     specs: dict[str, hooks.OpSpec] = {}
-    for impl in impls:
+    for impl in _ranked(discovery(), "xinfer_ops"):
         for spec in cast("list[hooks.OpSpec]", impl.function()):
             specs.setdefault(spec.name, spec)
     return specs

@@ -76,23 +76,13 @@ class RequestHandle:
         return sum(output.num_cached_tokens for output in self.outputs)
 
 
-EngineFactory = Callable[[], LLMEngine]
-
-
 class AsyncEngine:
-    def __init__(
-        self,
-        factory: EngineFactory,
-        max_waiting: int = 256,
-        stall_timeout: float = 300.0,
-        on_request_done: Callable[[RequestHandle], None] | None = None,
-    ):
+    def __init__(self, factory: Callable[[], LLMEngine], max_waiting: int = 256, stall_timeout: float = 300.0):
         self.factory = factory
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
-        self.on_request_done = on_request_done
+        self.on_request_done: Callable[[RequestHandle], None] | None = None  # the metrics' hook
         self.engine: LLMEngine | None = None
-        self.processor: OutputProcessor | None = None
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.stats = EngineStats(0, 0, 0.0, 0, 0, 0)
@@ -262,7 +252,7 @@ class AsyncEngine:
             self._die(f"loading failed: {error}")
             self._loaded.set()
             return
-        self.engine, self.processor = engine, processor
+        self.engine = engine
         if self.state is EngineState.LOADING:
             self.state = EngineState.READY
         self._loaded.set()
@@ -287,7 +277,7 @@ class AsyncEngine:
                 self._step_started = time.monotonic()
                 outputs = processor.step()
                 self._step_started = None
-                self._snapshot(engine)
+                self.stats = engine.stats()
                 if outputs:
                     self._event_loop.call_soon_threadsafe(self._deliver, outputs)
 
@@ -312,7 +302,7 @@ class AsyncEngine:
                 self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
             except (ValueError, KVCacheFull) as error:
                 self._resolve(future, error=error)
-        self._snapshot(engine)
+        self.stats = engine.stats()
 
     def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
         def set_outcome() -> None:
@@ -324,9 +314,6 @@ class AsyncEngine:
                 future.set_result(result)
 
         self._event_loop.call_soon_threadsafe(set_outcome)
-
-    def _snapshot(self, engine: LLMEngine) -> None:
-        self.stats = engine.stats()
 
     def _die(self, message: str) -> None:
         self.state, self.error = EngineState.DEAD, message

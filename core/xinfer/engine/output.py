@@ -150,7 +150,6 @@ class OutputProcessor:
         return replace(header, outputs=[delta], finished=finished)
 
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return TextStream(None, params.stop)
-        return TextStream(IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt_token_ids), params.stop)
+        tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens
+        detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
+        return TextStream(detokenizer, params.stop)

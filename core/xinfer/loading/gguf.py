@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import gguf
 import numpy as np
@@ -45,35 +45,23 @@ _CONFIG_FIELDS = {
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 
 
-@runtime_checkable
-class GGUFArchitecture(Protocol):
-    """How one GGUF architecture differs from the HF checkpoint it was converted from."""
+class GGUFAdapter:
+    """How one GGUF architecture differs from the HF checkpoint it was converted from; as it stands, the
+    identity: the GGUF stores the HF tensors unchanged. A plugin subclasses it to override what differs."""
 
-    model_type: str | None  # transformers' model_type; None: the GGUF architecture name
+    def __init__(self, model_type: str | None = None):
+        self.model_type = model_type  # transformers' model_type; None: the GGUF architecture name
 
     def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         """Config fields to add or override, given the generic ``fields`` read so far."""
-        ...
-
-    def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
-        """The HF checkpoint's value of tensor ``hf_name`` from its dequantized GGUF value."""
-        ...
-
-
-class GGUFAdapter:
-    """The identity adapter: the GGUF stores the HF tensors unchanged."""
-
-    def __init__(self, model_type: str | None = None):
-        self.model_type = model_type
-
-    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         return {}
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
+        """The HF checkpoint's value of tensor ``hf_name`` from its dequantized GGUF value."""
         return tensor
 
 
-def gguf_adapter(architecture: str) -> GGUFArchitecture:
+def gguf_adapter(architecture: str) -> GGUFAdapter:
     """The adapter a plugin registered for ``architecture``, else the identity."""
     adapters = registry.gguf_architectures()
     if architecture not in adapters:
@@ -82,13 +70,9 @@ def gguf_adapter(architecture: str) -> GGUFArchitecture:
     return adapter() if isinstance(adapter, type) else adapter
 
 
-def _open(path: str | Path | GGUFFile) -> GGUFFile:
-    return path if isinstance(path, GGUFFile) else GGUFFile(path)
-
-
-def load_gguf_config(path: str | Path | GGUFFile) -> PretrainedConfig:
+def load_gguf_config(path: str | Path) -> PretrainedConfig:
     registry.register_config_classes()
-    file = _open(path)
+    file = GGUFFile(path)
     meta, arch = file.metadata, file.architecture
     adapter = gguf_adapter(arch)
     fields: dict[str, Any] = {
@@ -155,21 +139,17 @@ def gguf_to_hf_names(architecture: str, config: PretrainedConfig, hf_names: Iter
 
 
 def iter_gguf_weights(
-    path: str | Path | GGUFFile, config: PretrainedConfig, hf_names: Iterable[str]
+    path: str | Path, config: PretrainedConfig, hf_names: Iterable[str]
 ) -> Iterator[tuple[str, Tensor]]:
     """Every tensor of the file that maps to one of ``hf_names`` (the checkpoint names
     the model loads) as (HF name, float32 tensor), in file order."""
-    file = _open(path)
+    file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names)
     unmapped = [n for n in file.tensors if n not in names]
     if unmapped:
-        log.warning(
-            "%s: %d tensor(s) have no HF counterpart and are skipped: %s",
-            file.path.name,
-            len(unmapped),
-            ", ".join(unmapped[:5]),
-        )
+        shown = ", ".join(unmapped[:5])
+        log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s", file.path.name, len(unmapped), shown)
     for name in tqdm(file.tensors, desc=f"Loading {file.path.name}", unit="tensor"):
         if name in names:
             yield names[name], adapter.undo_conversion(names[name], dequantize(file, name), config)

@@ -21,20 +21,8 @@ from xinfer.loading.errors import ModelFileError, amount
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
-# GGUF value type -> (struct format, numpy dtype) for scalars; 8 = string, 9 = array.
-_SCALARS: dict[int, tuple[str, np.dtype]] = {
-    0: ("<B", np.dtype("<u1")),
-    1: ("<b", np.dtype("<i1")),
-    2: ("<H", np.dtype("<u2")),
-    3: ("<h", np.dtype("<i2")),
-    4: ("<I", np.dtype("<u4")),
-    5: ("<i", np.dtype("<i4")),
-    6: ("<f", np.dtype("<f4")),
-    7: ("<?", np.dtype("?")),
-    10: ("<Q", np.dtype("<u8")),
-    11: ("<q", np.dtype("<i8")),
-    12: ("<d", np.dtype("<f8")),
-}
+# GGUF value type -> its scalars' format, read by struct and, for arrays, numpy; 8 = string, 9 = array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
 
@@ -76,7 +64,7 @@ class _Cursor:
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
-            return self.unpack(_SCALARS[vtype][0])
+            return self.unpack(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -86,7 +74,7 @@ class _Cursor:
     def array(self) -> list | np.ndarray:
         etype, count = self.unpack("<I"), self.unpack("<Q")
         if etype in _SCALARS:
-            dtype = _SCALARS[etype][1]
+            dtype = np.dtype(_SCALARS[etype])
             return np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.take(count * dtype.itemsize)).copy()
         return [self.value(etype) for _ in range(count)]
 
@@ -124,11 +112,10 @@ class GGUFFile:
         layouts = [self._tensor_layout(cur) for _ in range(n_tensors)]
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-cur.pos // alignment) * alignment
-        self.tensors: dict[str, GGUFTensorInfo] = {}
-        for name, shape, ggml_type, rel_offset in layouts:
-            self.tensors[name] = GGUFTensorInfo(
-                name, shape, ggml_type, data_start + rel_offset, _nbytes(shape, ggml_type)
-            )
+        self.tensors = {
+            name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type))
+            for name, shape, ggml_type, offset in layouts
+        }
 
     @staticmethod
     def _tensor_layout(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
@@ -151,9 +138,6 @@ class GGUFFile:
         row_bytes = info.shape[-1] // block * type_size
         data = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.reshape(*info.shape[:-1], row_bytes)
-
-    def close(self) -> None:
-        self._mmap.close()
 
 
 def _nbytes(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:

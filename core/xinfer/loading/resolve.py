@@ -95,23 +95,17 @@ def _repo_files(repo_id: str) -> list[str] | None:
 
 
 def _hub_failure(repo_id: str, gguf_file: str | None, error: Exception) -> str:
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub import constants, errors
 
     what = f"{repo_id}/{gguf_file}" if gguf_file else repo_id
-    if isinstance(error, GatedRepoError):
+    if isinstance(error, errors.GatedRepoError):
         reason = "the repository is gated: accept its terms on huggingface.co and set HF_TOKEN"
-    elif isinstance(error, RepositoryNotFoundError):
+    elif isinstance(error, errors.RepositoryNotFoundError):
         reason = "no such repository (or it is private: set HF_TOKEN)"
-    elif isinstance(error, LocalEntryNotFoundError):
+    elif isinstance(error, errors.LocalEntryNotFoundError):
         offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
         reason = f"not in the local hub cache ({constants.HF_HUB_CACHE}) and {offline}"
-    elif isinstance(error, EntryNotFoundError):
+    elif isinstance(error, errors.EntryNotFoundError):
         reason = f"the repository has no file {gguf_file}"
     else:
         reason = f"{type(error).__name__}: {first_line(error)}"

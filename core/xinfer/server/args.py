@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from argparse import SUPPRESS
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,91 +44,54 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
+    # fmt: off
     p = argparse.ArgumentParser(
-        prog=prog,
-        description="Serve an LLM with an OpenAI-compatible API (the embedded SmolLM2-135M-Instruct when no "
-        "model is given). Every flag can also be set as XINFER_<FLAG>, e.g. XINFER_MAX_NUM_SEQS=8.",
-        formatter_class=_HelpFormatter,
-        allow_abbrev=False,
-    )
+        prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
+        description="Serve an LLM with an OpenAI-compatible API (the embedded SmolLM2-135M-Instruct when no model is "
+        "given). Every flag can also be set as XINFER_<FLAG>, e.g. XINFER_MAX_NUM_SEQS=8.")
     model = p.add_argument_group("model")
-    model.add_argument(
-        "--m",
-        "--model",
-        dest="model",
-        metavar="ID_OR_PATH",
-        help="Hugging Face hub id (org/name: downloaded into the hub's cache, HF_TOKEN and "
-        "HF_HUB_OFFLINE apply), HF model folder, GGUF file, or folder holding one "
-        "(default: embedded SmolLM2)",
-    )
+    model.add_argument("--m", "--model", dest="model", metavar="ID_OR_PATH",
+                       help="Hugging Face hub id (org/name: downloaded into the hub's cache, HF_TOKEN and "
+                       "HF_HUB_OFFLINE apply), HF model folder, GGUF file, or folder holding one (default: embedded "
+                       "SmolLM2)")
     model.add_argument("--w", dest="weights", metavar="PATH", help="local safetensors folder")
-    model.add_argument(
-        "--f",
-        dest="gguf_file",
-        metavar="FILE",
-        help="GGUF file, or the one to use of those in the --m folder or hub repository",
-    )
+    model.add_argument("--f", dest="gguf_file", metavar="FILE",
+                       help="GGUF file, or the one to use of those in the --m folder or hub repository")
     model.add_argument("--served-model-name", metavar="NAME", help="model name in the API (default: from the path)")
-    model.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_NAMES,
-        metavar="DTYPE",
-        help="auto (the model's, f32 on CPU), bf16, f16, f32",
-    )
-    model.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="dummy: random weights of the right shapes (benchmarks)",
-    )
-    model.add_argument("--isq", metavar="TYPE", help="quantize weights at load (q2k..q8_0, w2) [later]")
+    model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
+                       help="auto (the model's, f32 on CPU), bf16, f16, f32")
+    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                       help="dummy: random weights of the right shapes (benchmarks)")
+    model.add_argument("--isq", metavar="TYPE", default=SUPPRESS,
+                       help="quantize weights at load (q2k..q8_0, w2) [later]")
 
     device = p.add_argument_group("device")
-    device.add_argument(
-        "--d", dest="devices", metavar="IDS", help="device ids, e.g. 0; several = tensor parallel [later]"
-    )
+    device.add_argument("--d", dest="devices", metavar="IDS",
+                        help="device ids, e.g. 0; several = tensor parallel [later]")
     device.add_argument("--cpu", action="store_true", help="run on the CPU")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 
     capacity = p.add_argument_group("capacity")
-    capacity.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help="sequences in a running batch (default: as many as the KV cache holds at 1024 "
-        "tokens each, or --max-model-len if shorter, at most 256)",
-    )
+    capacity.add_argument("--max-num-seqs", type=int, help="sequences in a running batch (default: as many as the KV "
+                          "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 256)")
     capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    capacity.add_argument(
-        "--max-tokens", type=int, help="default max generated tokens of a request (default: the rest of the context)"
-    )
-    capacity.add_argument(
-        "--kv-fraction",
-        type=float,
-        help="GPU: share of the device's total memory for weights, activations, CUDA graphs "
-        "and KV cache, which gets the rest (default: 0.9); CPU: share of the available RAM after "
-        "loading the weights for the KV cache (default: a quarter, at most 2 GiB)",
-    )
-    capacity.add_argument(
-        "--kvcache-dtype",
-        default="auto",
-        choices=list(formats()),
-        help="KV cache format (docs/kv-cache.md); auto: the model dtype",
-    )
-    capacity.add_argument(
-        "--kv-recent-window",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with a quantized --kvcache-dtype: keys and values of each query's last N positions "
-        "and of its sequence's first block are read unquantized, from shadow blocks in the model "
-        "dtype (CPU and CUDA backends); 0: off",
-    )
-    capacity.add_argument(
-        "--prefill-chunk-size", type=int, default=8192, help="tokens per step; longer prefills are chunked"
-    )
+    capacity.add_argument("--max-tokens", type=int,
+                          help="default max generated tokens of a request (default: the rest of the context)")
+    capacity.add_argument("--kv-fraction", type=float,
+                          help="GPU: share of the device's total memory for weights, activations, CUDA graphs and KV "
+                          "cache, which gets the rest (default: 0.9); CPU: share of the available RAM after loading "
+                          "the weights for the KV cache (default: a quarter, at most 2 GiB)")
+    capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
+                          help="KV cache format (docs/kv-cache.md); auto: the model dtype")
+    capacity.add_argument("--kv-recent-window", type=int, default=0, metavar="N",
+                          help="with a quantized --kvcache-dtype: keys and values of each query's last N positions and "
+                          "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
+                          "(CPU and CUDA backends); 0: off")
+    capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
+                          help="tokens per step; longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
-    capacity.add_argument("--prefix-cache-max-tokens", type=int, help="bound the prefix cache [later]")
+    capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
+                          help="bound the prefix cache [later]")
 
     sampling = p.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -143,41 +107,26 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
     serving.add_argument("--ui-port", type=int, help="port of the chat UI (default: --port + 1)")
     serving.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
-    serving.add_argument(
-        "--max-waiting", type=_at_least(int, 1), default=256, help="waiting sequences before answering 429"
-    )
-    serving.add_argument(
-        "--shutdown-timeout",
-        type=_at_least(float, 0),
-        default=30.0,
-        help="seconds in-flight requests may take to finish after SIGTERM",
-    )
-    serving.add_argument(
-        "--max-body-bytes", type=_at_least(int, 1), default=16 << 20, help="larger request bodies get 413"
-    )
-    serving.add_argument(
-        "--health-stall-timeout",
-        type=_at_least(float, 0),
-        default=300.0,
-        help="a step running longer makes /health answer 503",
-    )
-    serving.add_argument(
-        "--log-level",
-        "--log",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log detail (debug: with the traceback of an error)",
-    )
+    serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256,
+                         help="waiting sequences before answering 429")
+    serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
+                         help="seconds in-flight requests may take to finish after SIGTERM")
+    serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20,
+                         help="larger request bodies get 413")
+    serving.add_argument("--health-stall-timeout", type=_at_least(float, 0), default=300.0,
+                         help="a step running longer makes /health answer 503")
+    serving.add_argument("--log-level", "--log", default="info", choices=["debug", "info", "warning", "error"],
+                         help="log detail (debug: with the traceback of an error)")
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
     chat = p.add_argument_group("terminal")
-    chat.add_argument(
-        "--i", dest="interactive", action="store_true", help="interactive terminal chat instead of serving"
-    )
+    chat.add_argument("--i", dest="interactive", action="store_true",
+                      help="interactive terminal chat instead of serving")
     chat.add_argument("--prompts", help='answer these prompts ("a|b"), print the answers and the speed, exit')
     chat.add_argument("--batch", type=int, help="with --prompts: run N copies of the prompts as one batch")
+    # fmt: on
 
-    later = p.add_argument_group("later features (listed, not yet available)")
+    later = p.add_argument_group("later features (listed, not yet available)", argument_default=SUPPRESS)
     later.add_argument("--num-speculative-tokens", type=int, help="speculative decoding [later]")
     later.add_argument("--draft-model", help="draft model for speculative decoding [later]")
     later.add_argument("--pd-server", action="store_true", help="prefill/decode disaggregation: server [later]")
@@ -188,28 +137,10 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--mcp-args", help="MCP server arguments [later]")
     later.add_argument("--enforce-parser", help="tool-call parser [later]")
     later.add_argument("--num-nodes", type=int, default=1, help="multi-node [later beyond 1]")
-    later.add_argument("--node-rank", type=int, default=0, help="multi-node [later]")
+    later.add_argument("--node-rank", type=int, help="multi-node [later]")
     later.add_argument("--master-addr", help="multi-node [later]")
     later.add_argument("--master-port", type=int, help="multi-node [later]")
     return p
-
-
-LATER_FEATURES = {
-    "isq": "in-situ weight quantization (--isq)",
-    "prefix_cache_max_tokens": "a bounded prefix cache (--prefix-cache-max-tokens)",
-    "num_speculative_tokens": "speculative decoding (--num-speculative-tokens)",
-    "draft_model": "speculative decoding with a draft model (--draft-model)",
-    "pd_server": "prefill/decode disaggregation (--pd-server)",
-    "pd_client": "prefill/decode disaggregation (--pd-client)",
-    "pd_url": "prefill/decode disaggregation (--pd-url)",
-    "mcp_config": "MCP tools (--mcp-config)",
-    "mcp_command": "MCP tools (--mcp-command)",
-    "mcp_args": "MCP tools (--mcp-args)",
-    "enforce_parser": "tool-call parsing (--enforce-parser)",
-    "node_rank": "multi-node serving (--node-rank)",
-    "master_addr": "multi-node serving (--master-addr)",
-    "master_port": "multi-node serving (--master-port)",
-}
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argparse.Namespace:
@@ -224,18 +155,15 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argpa
 
 
 def later_feature(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
-    for dest, feature in LATER_FEATURES.items():
-        if getattr(args, dest) != parser.get_default(dest):
-            return feature
+    """The flag of a feature that arrives later, if one is given: those flags have no default (SUPPRESS)."""
     if args.devices and "," in args.devices:
         return f"tensor parallel over several devices (--d {args.devices})"
     if args.num_nodes != 1:
         return "multi-node serving (--num-nodes)"
+    for action in parser._actions:
+        if action.default is argparse.SUPPRESS and action.dest in vars(args):
+            return f"{action.option_strings[0]} ({(action.help or '').removesuffix(' [later]')})"
     return None
-
-
-def env_names(action: argparse.Action) -> list[str]:
-    return [ENV_PREFIX + o.lstrip("-").upper().replace("-", "_") for o in action.option_strings]
 
 
 def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] | os._Environ) -> None:
@@ -243,7 +171,7 @@ def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] |
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        for name in env_names(action):
+        for name in (ENV_PREFIX + o.lstrip("-").upper().replace("-", "_") for o in action.option_strings):
             if name in environ:
                 parser.set_defaults(**{action.dest: _convert(parser, action, name, environ[name])})
                 break

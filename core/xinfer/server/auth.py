@@ -23,7 +23,8 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._is_open(scope["path"]) or self._authorized(scope):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         error = APIError(
@@ -34,9 +35,6 @@ class APIKeyMiddleware:
         )
         response: JSONResponse = error.response()
         await response(scope, receive, send)
-
-    def _is_open(self, path: str) -> bool:
-        return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])

@@ -17,16 +17,8 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("xinfer")
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable",
-}
+# the rest are "invalid_request_error" below 500, "internal_error" from 500 on
+ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

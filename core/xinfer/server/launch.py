@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +41,21 @@ def model_source(args: argparse.Namespace) -> str | None:
     return args.weights or args.model
 
 
-def resolve_model(args: argparse.Namespace) -> Path:
-    """The model's local path (downloaded first if ``--m`` is a hub id), its config and architecture checked:
-    a bad model fails here in one line (its traceback at ``--log debug``), before anything starts."""
+def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
+    """The model's local path (downloaded first if ``--m`` is a hub id), its config and architecture checked, and
+    the engine's config: a bad model or value ends the command here in one line (its traceback at ``--log debug``),
+    before anything starts."""
     from xinfer.loading.loader import check_model
     from xinfer.loading.resolve import resolve_model_path
 
     try:
         path = resolve_model_path(model_source(args), args.gguf_file)
         check_model(path)
-    except (ValueError, FileNotFoundError):
+        return path, engine_config(args, path)
+    except (ValueError, FileNotFoundError) as error:
         log.debug("the model cannot be loaded", exc_info=True)
-        raise
-    return path
+        print(f"xinfer: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def setup_logging(args: argparse.Namespace) -> None:
@@ -73,7 +76,7 @@ def device_of(args: argparse.Namespace) -> str:
 
 
 def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
-    options: dict[str, Any] = dict(
+    return EngineConfig.from_kwargs(
         model=str(path),
         dtype=args.dtype,
         load_format=args.load_format,
@@ -88,7 +91,6 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         device=device_of(args),
         enforce_eager=args.disable_cuda_graph,
     )
-    return EngineConfig.from_kwargs(**options)
 
 
 def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[str]]:
@@ -100,15 +102,8 @@ def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[s
 
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
-    return SamplingDefaults(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    """``--temperature``, ``--top-k``, ... (each flag named as its field)."""
+    return SamplingDefaults(**{field.name: getattr(args, field.name) for field in fields(SamplingDefaults)})
 
 
 class _Server(uvicorn.Server):
@@ -168,9 +163,8 @@ def uvicorn_config(app: Any, args: argparse.Namespace, port: int) -> uvicorn.Con
     )
 
 
-async def serve(args: argparse.Namespace, path: Path) -> int:
+async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
-    config = engine_config(args, path)
     engine = AsyncEngine(
         lambda: LLMEngine(config), max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
     )
@@ -208,13 +202,8 @@ async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args)
-    try:
-        path = resolve_model(args)
-        engine_config(args, path)  # bad values fail here, in one line, before any port opens
-    except (ValueError, FileNotFoundError) as error:
-        print(f"xinfer: {error}", file=sys.stderr)
-        return 2
-    return asyncio.run(serve(args, path))
+    path, config = prepare(args)
+    return asyncio.run(serve(args, path, config))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m xinfer.server") -> int:

@@ -63,21 +63,19 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[: end + len(final)]
 
 
-def encode_chat(tokenizer: Any, text: str) -> list[int]:
-    # the template writes any BOS itself
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def encode_prompts(tokenizer: Callable[[], Any], prompt: Prompt, add_special_tokens: bool = True) -> list[list[int]]:
-    """A completion or embedding prompt: a string, strings, token ids, or lists of them.
+def encode_prompts(
+    tokenizer: Callable[[], Any], prompt: Prompt, vocab_size: int, param: str, add_special_tokens: bool = True
+) -> list[list[int]]:
+    """A completion or embedding prompt (a string, strings, token ids, or lists of them) as checked token ids.
     ``tokenizer`` is asked for only when there is text to encode (token ids need none)."""
-    if isinstance(prompt, str):
-        return [tokenizer().encode(prompt, add_special_tokens=add_special_tokens)]
-    if all(isinstance(p, int) for p in prompt):
-        return [list(cast("list[int]", prompt))]
-    if all(isinstance(p, str) for p in prompt):
-        return [tokenizer().encode(p, add_special_tokens=add_special_tokens) for p in prompt]
-    return [list(p) for p in cast("list[list[int]]", prompt)]
+    one = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
+    prompts = cast("list[str | list[int]]", [prompt] if one else prompt)
+    token_ids = [
+        tokenizer().encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p) for p in prompts
+    ]
+    for i, ids in enumerate(token_ids):
+        check_token_ids(ids, vocab_size, param if len(token_ids) == 1 else f"{param}.{i}")
+    return token_ids
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

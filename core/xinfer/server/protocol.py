@@ -81,7 +81,7 @@ class SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
@@ -163,6 +163,9 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
 class EmbeddingRequest(_Body):

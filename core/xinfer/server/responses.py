@@ -74,15 +74,11 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _absent_if_none(value: object) -> bool:
-    return value is None
-
-
 class Delta(BaseModel):
     """Only what changed: later chunks carry no role, the last one may be ``{}``."""
 
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent_if_none)
-    content: str | None = Field(default=None, exclude_if=_absent_if_none)
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda value: value is None)
+    content: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):

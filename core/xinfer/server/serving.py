@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
 from xinfer.engine.engine import KVCacheFull, LLMEngine
-from xinfer.sampling import SamplingParams
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
 from xinfer.server.metrics import Metrics
-from xinfer.server.params import SamplingDefaults
+from xinfer.server.params import SamplingDefaults, request_params
+from xinfer.server.protocol import GenerationRequest
 
 RETRY_AFTER_SECONDS = 1
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,25 +60,25 @@ class Serving:
                 code="model_not_found",
             )
 
-    async def submit(self, request: Request, prompts: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
-        """Queues a request's prompts, each with its choices; errors become 400, 429 or 503."""
+    async def submit(self, request: Request, body: GenerationRequest, prompts: list[list[int]]) -> RequestHandle:
+        """Queues a request's prompts, each with the body's ``n`` choices."""
+        entries = [(prompt, request_params(body, self.defaults, len(prompt), self.max_model_len)) for prompt in prompts]
+        return await self._ask(request, self.engine.submit(entries))
+
+    async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
+        return await self._ask(request, self.engine.embed(token_ids))
+
+    async def _ask(self, request: Request, work: Awaitable[T]) -> T:
+        """The engine's answer to ``work``, unless the client leaves first; its errors become 429, 503 or 400."""
         try:
-            return await unless_disconnected(request, self.engine.submit(prompts))
+            return await unless_disconnected(request, work)
         except QueueFull as error:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(
                 429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
             ) from None
-        except EngineUnavailable as error:
-            self.metrics.rejected.labels("unavailable").inc()
-            raise unavailable(error) from None
-        except ValueError as error:
-            raise bad_request(str(error)) from None
-
-    async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
-        try:
-            return await unless_disconnected(request, self.engine.embed(token_ids))
         except (EngineUnavailable, KVCacheFull) as error:
+            self.metrics.rejected.labels("unavailable").inc()
             raise unavailable(error) from None
         except ValueError as error:
             raise bad_request(str(error)) from None

@@ -1,14 +1,33 @@
-"""A streamed answer tied to its engine request."""
+"""A generation request's answer: one JSON body, or server-sent events tied to its engine request, as OpenAI
+streams them: ``data: {json}`` blocks, then ``data: [DONE]``."""
 
 from __future__ import annotations
 
+import json
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from typing import Any, ClassVar
 
-from fastapi.responses import StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from xinfer.engine.async_engine import AsyncEngine, RequestHandle
-from xinfer.server import sse
+from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, RequestHandle
+from xinfer.engine.output import CompletionOutput
+from xinfer.server.disconnect import unless_disconnected
+from xinfer.server.errors import error_body
+from xinfer.server.protocol import SamplingFields
+from xinfer.server.responses import Usage, new_id, usage
+from xinfer.server.serving import Serving
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
 
 
 class EngineStreamResponse(StreamingResponse):
@@ -16,7 +35,7 @@ class EngineStreamResponse(StreamingResponse):
     client gone (Starlette cancels the stream), or never started at all."""
 
     def __init__(self, events: AsyncIterator[str], engine: AsyncEngine, handle: RequestHandle):
-        super().__init__(events, media_type="text/event-stream", headers=sse.HEADERS)
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self.engine = engine
         self.handle = handle
 
@@ -25,3 +44,56 @@ class EngineStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.engine.release(self.handle)
+
+
+class Answer(ABC):
+    """The answer to a chat or completion request: its choices whole, or streamed as they grow."""
+
+    id_prefix: ClassVar[str]
+    whole_type: ClassVar[type[BaseModel]]  # the answer collected whole
+    chunk_type: ClassVar[type[BaseModel]]  # one streamed chunk of it
+
+    def __init__(self, serving: Serving, body: SamplingFields, handle: RequestHandle):
+        self.serving = serving
+        self.body = body
+        self.handle = handle
+        self.id = new_id(self.id_prefix)
+
+    @abstractmethod
+    def choice(self, index: int, output: CompletionOutput) -> BaseModel:
+        """Choice ``index``, finished, as the whole answer shows it."""
+
+    @abstractmethod
+    def events(self) -> AsyncIterator[str]:
+        """The streamed chunks of the choices, up to their last tokens."""
+
+    async def respond(self, request: Request) -> Response:
+        engine = self.serving.engine
+        if self.body.stream:
+            return EngineStreamResponse(self._stream(), engine, self.handle)
+        try:
+            outputs = await unless_disconnected(request, engine.collect(self.handle))
+            choices = [self.choice(index, output) for index, output in enumerate(outputs)]
+            whole = self.whole_type(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
+            return JSONResponse(whole.model_dump())
+        finally:
+            engine.release(self.handle)
+
+    def usage(self) -> Usage:
+        handle = self.handle
+        return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens)
+
+    def chunk(self, choices: list[Any], with_usage: bool = False) -> str:
+        usage = self.usage() if with_usage else None
+        return sse_event(self.chunk_type(id=self.id, model=self.serving.model_name, choices=choices, usage=usage))
+
+    async def _stream(self) -> AsyncIterator[str]:
+        try:
+            async for event in self.events():
+                yield event
+        except EngineUnavailable as error:
+            yield sse_event(error_body(503, str(error)))
+        else:
+            if self.body.include_usage:
+                yield self.chunk([], with_usage=True)
+        yield SSE_DONE

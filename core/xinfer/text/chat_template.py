@@ -24,26 +24,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # jinja's own tojson escapes HTML characters and sorts keys; HF templates expect neither
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
 
 
@@ -51,15 +41,11 @@ def _plain(value: Any) -> Any:
     """JSON-like data only: the template must not reach methods of caller objects."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    # subclasses (str enums, numpy scalars, ...) carry extra methods: back to the base type
+    # subclasses (str enums, int enums, numpy floats, ...) carry extra methods: back to the base type
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
+    if isinstance(value, (int, float)):
+        return int(value) if isinstance(value, int) else float(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

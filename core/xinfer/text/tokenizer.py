@@ -15,20 +15,8 @@ from xinfer.text.gguf_vocab import CONTROL, build_tokenizer, post_processor
 
 # Control tokens that end a turn, which llama.cpp also stops on besides the declared EOS.
 _END_OF_TURN_TEXTS = frozenset(
-    {
-        "<|eot_id|>",
-        "<|eom_id|>",
-        "<|im_end|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|endoftext|>",
-        "<|end_of_text|>",
-        "<EOT>",
-        "_<EOT>",
-        "<|return|>",
-        "<|call|>",
-        "<end_of_utterance>",
-    }
+    "<|eot_id|> <|eom_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <EOT> _<EOT> <|return|> "
+    "<|call|> <end_of_utterance>".split()
 )
 
 
@@ -45,8 +33,8 @@ class Tokenizer:
     ):
         self.backend = backend
         self.bos_token, self.eos_token = bos_token, eos_token
-        self.bos_token_id = self._id_of(bos_token)
-        declared = {self._id_of(eos_token)} | set(extra_eos_ids)
+        self.bos_token_id = _id(backend, bos_token)
+        declared = {_id(backend, eos_token)} | set(extra_eos_ids)
         self.eos_token_ids: set[int] = {i for i in declared if i is not None}
         self.chat_template = chat_template
 
@@ -71,14 +59,8 @@ class Tokenizer:
         # tokenizer.json's post-processor already adds what the model wants; the config's
         # add_bos/add_eos flags only fill in for a tokenizer.json that has none
         if backend.post_processor is None:
-            backend.post_processor = post_processor(
-                bos,
-                _id(backend, bos),
-                eos,
-                _id(backend, eos),
-                bool(config.get("add_bos_token", False)),
-                bool(config.get("add_eos_token", False)),
-            )
+            add_bos, add_eos = bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
+            backend.post_processor = post_processor(bos, _id(backend, bos), eos, _id(backend, eos), add_bos, add_eos)
         # generation stops on every EOS the model declares, not only the tokenizer's own
         declared = [
             _as_ids(_read_json(folder / name).get("eos_token_id")) for name in ("generation_config.json", "config.json")
@@ -87,8 +69,8 @@ class Tokenizer:
         return cls(backend, bos, eos, [i for ids in declared for i in ids], template)
 
     @classmethod
-    def from_gguf(cls, path_or_file: str | Path | GGUFFile) -> Tokenizer:
-        gguf = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        gguf = GGUFFile(path)
         meta = gguf.metadata
         backend = build_tokenizer(meta)
         tokens = meta["tokenizer.ggml.tokens"]
@@ -96,14 +78,9 @@ class Tokenizer:
         bos = tokens[bos_id] if bos_id is not None else None
         eos = tokens[eos_id] if eos_id is not None else None
         sentencepiece = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp adds BOS there by default
-        backend.post_processor = post_processor(
-            bos,
-            bos_id,
-            eos,
-            eos_id,
-            bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)),
-            bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        )
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        backend.post_processor = post_processor(bos, bos_id, eos, eos_id, add_bos, add_eos)
         types = meta.get("tokenizer.ggml.token_type")
         end_of_turn = {
             i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS and (types is None or types[i] == CONTROL)
@@ -144,9 +121,6 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def _id_of(self, token: str | None) -> int | None:
-        return None if token is None else self.backend.token_to_id(token)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

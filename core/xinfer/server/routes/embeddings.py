@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from xinfer.server.body import parse_body
 from xinfer.server.errors import bad_request
-from xinfer.server.prompts import check_token_ids, encode_prompts
+from xinfer.server.prompts import encode_prompts
 from xinfer.server.protocol import EmbeddingRequest
 from xinfer.server.responses import Embedding, EmbeddingList, usage
 from xinfer.server.serving import Serving
@@ -23,9 +23,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, EmbeddingRequest)
     serving.check_model(body.model)
-    inputs = encode_prompts(lambda: serving.tokenizer, body.input)
-    for i, token_ids in enumerate(inputs):
-        check_token_ids(token_ids, serving.vocab_size, "input" if len(inputs) == 1 else f"input.{i}")
+    inputs = encode_prompts(lambda: serving.tokenizer, body.input, serving.vocab_size, "input")
     hidden_size = serving.llm.hf_config.hidden_size
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise bad_request(f"this model's embeddings have {hidden_size} dimensions", param="dimensions")
