@@ -39,7 +39,9 @@ def decode_bytes_per_token(context_len: float, itemsize: int = 2) -> float:
 
 def offline(*args: str) -> dict:
     command = [sys.executable, str(HERE / "offline.py"), "--shape", SHAPE, "--dtype", "bfloat16", *args]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log and errors pass through
+    if result.returncode != 0:
+        sys.exit(f"offline.py {' '.join(args)} failed (exit {result.returncode})")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -28,21 +28,26 @@ from xinfer.sampling import SampledRow, SamplingBatch
 from xinfer.torch_ops import TorchOps
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int, graphed: bool = True) -> float:
+    """Mean seconds of ``fn``: on a GPU replayed from a CUDA graph (as a step runs it), or eager
+    where ``fn`` waits for the device (the torch reference's data-dependent branches)."""
     fn()  # compiles
     if device.type != "cuda":
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
         return (time.perf_counter() - start) / repeats
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    run = fn
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
+    run()
     begin.record()
     for _ in range(repeats):
-        graph.replay()
+        run()
     end.record()
     end.synchronize()
     return begin.elapsed_time(end) / 1e3 / repeats
@@ -113,10 +118,10 @@ def main() -> None:
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
         "decode_step_ms": round(decode * 1e3, 3),
     }
-    for backend_name, backend in [("", engine.ops), ("torch_reference_", TorchOps())]:
+    for backend_name, backend, graphed in [("", engine.ops, True), ("torch_reference_", TorchOps(), False)]:
         with ops.use(backend):
             for name, batch in batches.items():
-                seconds = seconds_per_call(lambda b=batch: ops.sample(logits, b), device, args.repeats)
+                seconds = seconds_per_call(lambda b=batch: ops.sample(logits, b), device, args.repeats, graphed)
                 result[f"{backend_name}{name}_sample_ms"] = round(seconds * 1e3, 4)
     result["sampled_share_of_decode_step"] = round(result["sampled_sample_ms"] / result["decode_step_ms"], 4)
     result["greedy_share_of_decode_step"] = round(result["greedy_sample_ms"] / result["decode_step_ms"], 4)
