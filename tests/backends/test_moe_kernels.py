@@ -120,6 +120,21 @@ def test_moe_route_matches_the_reference(name, dtype):
         assert not torch.equal(TorchOps().moe_route(logits, ungrouped, bias)[1], ids.cpu().long())
 
 
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_moe_route_names_an_expert_for_nan_and_infinite_logits(name):
+    """A padded row of a captured step routes whatever its buffer holds; fused_moe then reads
+    the weights of the ids it is given, so each must name an expert."""
+    experts, routing = ROUTINGS[name]
+    logits = torch.randn(4, experts, generator=torch.Generator().manual_seed(1))
+    logits[0] = float("nan")
+    logits[1, ::2] = float("nan")
+    logits[2] = float("inf")
+    logits[3] = -float("inf")
+    bias = torch.zeros(experts, device=DEVICE) if routing.correction_bias else None
+    _, ids = moe_routing.moe_route(logits.to(DEVICE), routing, bias)
+    assert ((ids >= 0) & (ids < experts)).all()
+
+
 def test_moe_route_leaves_groups_not_in_a_power_of_two_to_the_reference():
     routing = Routing(top_k=2, scoring="sigmoid", correction_bias=True, num_groups=3, topk_groups=2)
     assert not moe_routing.covers(routing)

@@ -55,7 +55,9 @@ def _route_kernel(
     choice = scores
     if HAS_BIAS:
         choice += tl.load(bias_ptr + experts, mask=valid, other=0.0)
-    choice = tl.where(valid, choice, -float("inf"))
+    # NaN scores (a padded row of a captured step reads whatever its buffer holds) rank last, so
+    # that every id names an expert: fused_moe reads the weights of the ids it is handed
+    choice = tl.where(valid & (choice == choice), choice, -float("inf"))
     if NUM_GROUPS > 1:  # keep the TOPK_GROUPS groups whose two best experts score most
         group = experts // group_size
         group_scores = tl.full((NUM_GROUPS,), -float("inf"), tl.float32)
@@ -75,6 +77,7 @@ def _route_kernel(
     weights = tl.zeros((BLOCK_K,), tl.float32)
     for j in tl.static_range(TOP_K):
         expert, _best = _argmax(choice, experts)
+        expert = tl.minimum(expert, num_experts - 1)
         ids = tl.where(slots == j, expert, ids)
         weights = tl.where(slots == j, tl.sum(tl.where(experts == expert, scores, 0.0), axis=0), weights)
         choice = tl.where(experts == expert, -float("inf"), choice)
