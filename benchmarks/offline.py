@@ -107,9 +107,15 @@ def main() -> None:
     )
     vocab = llm.engine.hf_config.vocab_size
     inputs, outputs = workload(args, llm.engine.max_model_len, rng)
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in inputs]
 
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    def fresh_prompts() -> list[list[int]]:  # each run its own: no run reads another's prefix cache
+        return [[rng.randrange(vocab) for _ in range(n)] for n in inputs]
+
+    # warm-up: every kernel variant and recorded step size the runs meet, greedy and sampled
+    warm = [prompt[:64] for prompt in fresh_prompts()[: args.max_num_seqs]]
+    llm.generate(
+        warm, [SamplingParams(max_tokens=8, ignore_eos=True, **SAMPLED if i % 2 else {}) for i in range(len(warm))]
+    )
     kinds = time_step_kinds(llm) if args.profile else None  # before time_phases wraps runner.graphs
     phases = time_phases(llm) if args.profile else None
     result = {
@@ -130,6 +136,7 @@ def main() -> None:
             SamplingParams(**options, max_tokens=n, ignore_eos=True, seed=i if sampling == "sampled" else None)
             for i, n in enumerate(outputs)
         ]
+        prompts = fresh_prompts()
         if kinds is not None:
             kinds.clear()
         if phases is not None:

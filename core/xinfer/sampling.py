@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -115,20 +116,16 @@ class SamplingBatch:
         return batch
 
     def write(self, rows: list[SampledRow]) -> None:
-        """Rows ``0 .. len(rows)`` from ``rows``; the rest greedy."""
-        self.buffer.zero_()
-        columns: dict[str, list[int] | list[float]] = {
-            "seed": [_int64(row.seed) for row in rows],
-            "position": [row.position for row in rows],
-            "top_k": [row.params.top_k for row in rows],
-            "temperature": [row.params.temperature for row in rows],
-            "top_p": [row.params.top_p for row in rows],
-            "min_p": [row.params.min_p for row in rows],
-        }
-        self.top_p.fill_(1.0)
-        for name, values in columns.items():
-            view = getattr(self, name)
-            view[: len(values)] = torch.tensor(values, dtype=view.dtype)
+        """Rows ``0 .. len(rows)`` from ``rows``; the rest greedy. One packing call into the
+        (host) buffer: a step's host time counts."""
+        pad = [0] * (self.num_rows - len(rows))
+        ints = [_int64(row.seed) for row in rows] + pad
+        ints += [row.position for row in rows] + pad
+        ints += [row.params.top_k for row in rows] + pad
+        floats = [row.params.temperature for row in rows] + pad
+        floats += [row.params.top_p for row in rows] + [1] * len(pad)
+        floats += [row.params.min_p for row in rows] + pad
+        struct.pack_into(f"<{len(ints)}q{len(floats)}f", self.buffer.numpy(), 0, *ints, *floats)
 
     def to(self, device: torch.device) -> SamplingBatch:
         return SamplingBatch(self.buffer.to(device, non_blocking=True), self.num_rows)
