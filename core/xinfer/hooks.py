@@ -58,8 +58,9 @@ def xinfer_gguf_architectures() -> dict[str, str]:
 
     - ``model_type: str | None``: the transformers ``model_type`` of the config to build
       (``None``: the GGUF architecture name itself);
-    - ``config(metadata, fields) -> dict``: config fields to add or override, given the
-      GGUF metadata and the generic fields already read from it;
+    - ``config(metadata, fields, tensor_names) -> dict``: config fields to add or override,
+      given the GGUF metadata, the generic fields already read from it and the names of the
+      file's tensors;
     - ``undo_conversion(hf_name, tensor, config) -> Tensor``: the HF checkpoint value of a
       dequantized float32 tensor, undoing what llama.cpp's converter changed (a Q/K row
       permutation, an offset stored on norm weights, ...).

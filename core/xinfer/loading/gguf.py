@@ -9,7 +9,7 @@ through the ``xinfer_gguf_architectures`` hook; the core knows no architecture.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,11 @@ class GGUFAdapter:
     def __init__(self, model_type: str | None = None):
         self.model_type = model_type  # transformers' model_type; None: the GGUF architecture name
 
-    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        """Config fields to add or override, given the generic ``fields`` read so far."""
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        """Config fields to add or override, given the generic ``fields`` read so far and the names of the
+        file's tensors (some settings, a bias say, show only as a tensor present or not)."""
         return {}
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
@@ -86,7 +89,7 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
         fields["rope_scaling"] = scaling
     # llama.cpp writes the output projection only when it is not the embedding matrix
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
-    fields.update(adapter.config(meta, fields))
+    fields.update(adapter.config(meta, fields, file.tensors.keys()))
     model_type = adapter.model_type or arch
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
@@ -131,7 +134,8 @@ def gguf_to_hf_names(architecture: str, config: PretrainedConfig, hf_names: Iter
     table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
     for hf_name in hf_names:
-        base, dot, suffix = hf_name.rpartition(".")
+        # llama.cpp's converters rename the router's correction bias to a module's bias before the lookup
+        base, dot, suffix = hf_name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")
         gguf_base = table.get_name(base)
         if gguf_base is not None:
             names[f"{gguf_base}{dot}{suffix}"] = hf_name

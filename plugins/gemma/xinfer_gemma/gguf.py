@@ -8,7 +8,7 @@ pattern and the query scale.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -25,7 +25,9 @@ class Gemma3GGUF(GGUFAdapter):
     def __init__(self) -> None:
         super().__init__(model_type="gemma3_text")
 
-    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
         layers = fields["num_hidden_layers"]
         head_dim = fields.get("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
         # as llama.cpp: 27B scales queries by hidden/heads (168), every other size by head_dim

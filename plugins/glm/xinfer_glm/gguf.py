@@ -1,23 +1,67 @@
-"""GGUF files of architecture ``glm4`` (GLM-4-0414).
+"""GGUF files of architectures ``glm4`` (GLM-4-0414) and ``glm4moe`` (GLM-4.5/4.6/4.7).
 
-llama.cpp rotates GLM-4's q/k over adjacent pairs as HF does, so its converter stores the
-checkpoint's tensors unchanged (``gate_up_proj`` fused as ``ffn_up``); the rotated share of
-each head is ``rope.dimension_count``.
+llama.cpp rotates GLM-4's q/k over adjacent pairs as HF does, and GLM-4.5's over halves as HF
+does, so its converter stores the checkpoint's tensors unchanged (GLM-4's ``gate_up_proj`` fused
+as ``ffn_up``, GLM-4.5's experts stacked per projection); the rotated share of each head is
+``rope.dimension_count``. GLM-4.5's ``block_count`` counts its MTP layers too, which are skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from xinfer.loading.gguf import GGUFAdapter
+
+
+def _partial_rotary_factor(arch: str, metadata: Mapping[str, Any], fields: dict[str, Any]) -> float:
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    return int(metadata.get(f"{arch}.rope.dimension_count", head_dim // 2)) / head_dim
 
 
 class Glm4GGUF(GGUFAdapter):
     def __init__(self) -> None:
         super().__init__(model_type="glm4")
 
-    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-        head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
-        rotated = int(metadata.get("glm4.rope.dimension_count", head_dim // 2))
-        return {"partial_rotary_factor": rotated / head_dim}
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        return {"partial_rotary_factor": _partial_rotary_factor("glm4", metadata, fields)}
+
+
+# config field -> "glm4moe.<key>", where the converter writes it
+_MOE_KEYS = {
+    "n_routed_experts": ("expert_count", int),
+    "num_experts_per_tok": ("expert_used_count", int),
+    "moe_intermediate_size": ("expert_feed_forward_length", int),
+    "n_shared_experts": ("expert_shared_count", int),
+    "first_k_dense_replace": ("leading_dense_block_count", int),
+    "n_group": ("expert_group_count", int),
+    "topk_group": ("expert_group_used_count", int),
+    "routed_scaling_factor": ("expert_weights_scale", float),
+    "norm_topk_prob": ("expert_weights_norm", bool),
+}
+
+
+class Glm4MoeGGUF(GGUFAdapter):
+    """Whether q, k and v have biases and q, k norms the file shows only by their tensors."""
+
+    def __init__(self) -> None:
+        super().__init__(model_type="glm4_moe")
+
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        moe = {
+            field: kind(metadata[f"glm4moe.{key}"])
+            for field, (key, kind) in _MOE_KEYS.items()
+            if f"glm4moe.{key}" in metadata
+        }
+        mtp_layers = int(metadata.get("glm4moe.nextn_predict_layers", 0))
+        return {
+            **moe,
+            "num_hidden_layers": fields["num_hidden_layers"] - mtp_layers,
+            "partial_rotary_factor": _partial_rotary_factor("glm4moe", metadata, fields),
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,
+        }

@@ -11,4 +11,4 @@ def xinfer_architectures() -> dict[str, str]:
 
 @hookimpl
 def xinfer_gguf_architectures() -> dict[str, str]:
-    return {"glm4": "xinfer_glm.gguf:Glm4GGUF"}
+    return {"glm4": "xinfer_glm.gguf:Glm4GGUF", "glm4moe": "xinfer_glm.gguf:Glm4MoeGGUF"}

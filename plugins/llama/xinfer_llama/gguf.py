@@ -8,7 +8,7 @@ gives back the HF rows, which our rotary (rotate-half) expects.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -38,7 +38,9 @@ class Phi3GGUF(GGUFAdapter):
     def __init__(self) -> None:
         super().__init__(model_type="phi3")
 
-    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
         if "phi3.rope.scaling.attn_factor" in metadata:
             raise ValueError("this Phi3 GGUF uses LongRoPE (the long-context models' rope_type 'longrope'), "
                              "which xinfer does not support yet")  # fmt: skip

@@ -8,7 +8,7 @@ their own keys, and llama.cpp hard-codes whether the top-k weights are renormali
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -32,7 +32,9 @@ class QwenMoeAdapter(GGUFAdapter):
         super().__init__(model_type)
         self.arch, self.norm_topk_prob = arch, norm_topk_prob
 
-    def config(self, metadata: Mapping[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
         present = {field: f"{self.arch}.{key}" for field, key in _MOE_KEYS.items() if f"{self.arch}.{key}" in metadata}
         return {**{field: int(metadata[key]) for field, key in present.items()}, "norm_topk_prob": self.norm_topk_prob}
 

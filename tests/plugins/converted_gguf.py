@@ -1,0 +1,71 @@
+"""A safetensors checkpoint written as a GGUF the way llama.cpp's converter (convert_hf_to_gguf.py) writes a
+mixture-of-experts model: each projection's experts stacked into one [E, ., .] tensor, the router's
+``e_score_correction_bias`` renamed ``e_score_correction.bias``, every name through gguf's own table, every
+tensor F32. The caller writes the architecture's metadata."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import torch
+from safetensors.torch import load_file
+from transformers import PretrainedConfig
+
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {name: t for file in sorted(folder.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+
+def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if match := _EXPERT.fullmatch(name):
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = tensor
+        else:
+            out[name] = tensor
+    for name, by_index in experts.items():
+        out[name] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
+
+
+def write_converted_gguf(
+    path: Path,
+    arch: str,
+    config: PretrainedConfig,
+    tensors: dict[str, torch.Tensor],
+    block_count: int,
+    add_metadata: Callable[[gguf.GGUFWriter], None],
+) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(block_count)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    add_metadata(writer)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), block_count)
+    for name, tensor in stacked_experts(tensors).items():
+        base, _, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")
+        gguf_base = names.get_name(base)
+        assert gguf_base is not None, f"gguf's table has no {arch} name for {name}"
+        writer.add_tensor(f"{gguf_base}.{suffix}", tensor.float().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
