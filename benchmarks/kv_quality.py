@@ -195,7 +195,8 @@ def main() -> None:
     for model in args.models:
         t0 = time.time()
         max_model_len = max(args.window, *args.needle_lengths) + 64
-        needle_blocks = sum(-(-(n + 8) // BLOCK_SIZE) for n in args.needle_lengths) * len(args.needle_depths)  # every case at once
+        # room for every needle case at once
+        needle_blocks = sum(-(-(n + 8) // BLOCK_SIZE) for n in args.needle_lengths) * len(args.needle_depths)
         llms = engines(
             model_path(model), args.formats, args.kv_recent_window, dtype="float32", device=args.device,
             block_size=BLOCK_SIZE, num_blocks=max(needle_blocks, 2 * math.ceil(max_model_len / BLOCK_SIZE)),
@@ -206,7 +207,8 @@ def main() -> None:
         context = llm.engine.hf_config.max_position_embeddings
         if max(args.needle_lengths) + 8 > context:
             parser.error(
-                f"--needle-lengths: {model}'s context is {context} tokens, a needle prompt and its 8 answer tokens must fit"
+                f"--needle-lengths: {model}'s context is {context} tokens, "
+                "a needle prompt and its 8 answer tokens must fit"
             )
         tokens = llm.tokenizer.encode(text, add_special_tokens=False)
         t1 = time.time()
