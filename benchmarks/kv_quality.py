@@ -3,6 +3,7 @@ through the paged cache path (chunked prefill: every chunk's attention reads the
 quantized cache of the chunks before it and of itself).
 
     .venv/bin/python benchmarks/kv_quality.py [--models smollm2 gemma3] [--tokens 20480]
+    .venv/bin/python benchmarks/kv_quality.py --smoke   # checks the script on the CPU
 
 Prints one JSON line per (model, format) and a markdown table at the end:
 perplexity over a fixed English text (the prose of Python's language reference in
@@ -15,6 +16,7 @@ depths of filler text; retrieved if the greedy continuation contains it).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -24,15 +26,15 @@ import time
 import torch
 
 from xinfer import LLM, SamplingParams, ops
-from xinfer.cache.allocate import allocate_kv_cache, attention_layers
-from xinfer.engine.block_manager import BlockManager
-from xinfer.engine.kv_calibration import calibrate_keys
+from xinfer.cache.allocate import attention_layers
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import get_format
 
 FORMATS = ["auto", "fp8", "turbo8", "turbo4", "turbo3"]
 BLOCK_SIZE = 16
+SMOKE = {"models": ["smollm2"], "formats": ["auto", "turbo4"], "tokens": 256, "window": 128, "chunk": 64,
+         "needle_lengths": [192], "needle_depths": [0.5], "kv_recent_window": 16, "device": "cpu"}  # fmt: skip
 
 
 def corpus() -> tuple[str, str]:
@@ -53,52 +55,48 @@ def model_path(name: str) -> str | None:
     return name
 
 
-def use_format(llm: LLM, name: str, recent_window: int = 0) -> None:
-    """Re-bind every layer's cache in ``name`` (the benchmark's engine keeps no prefix
-    cache, so no block written in another format is ever read), with a shadow for
-    every block when a quantized format gets a recent window."""
-    engine = llm.engine
-    engine.kv_format = get_format(name)
-    num_blocks = engine.block_manager.num_blocks
-    window = recent_window if name != "auto" else 0
-    num_shadows = num_blocks if window else 0
-    transforms = calibrate_keys(engine)  # as the engine does at start-up
-    allocate_kv_cache(engine.model, num_blocks, BLOCK_SIZE, engine.dtype, engine.device, engine.kv_format, transforms,
-                      num_shadows, window)  # fmt: skip
-    engine.block_manager = engine.scheduler.block_manager = BlockManager(
-        num_blocks, BLOCK_SIZE, False, num_shadows, window
-    )
+def engines(model: str | None, formats: list[str], recent_window: int, **options) -> dict[str, LLM]:
+    """One engine per format over the same weights, each started as a server starts it (calibrated,
+    its cache and recent window allocated by the engine's own start-up); none keeps a prefix cache.
+    The formats' engines are alive together: the text metrics compare them position by position."""
+    return {
+        name: LLM(model=model, kv_cache_dtype=name, kv_recent_window=recent_window if name != "auto" else 0,
+                  enable_prefix_caching=False, **options)
+        for name in formats
+    }  # fmt: skip
 
 
 @torch.inference_mode()
 def window_logprobs(llm: LLM, token_ids: list[int], chunk: int):
-    """Log-probabilities at every position of one window, chunk by chunk through the cache."""
+    """Log-probabilities at every position of one window, chunk by chunk through the cache
+    (each chunk's blocks taken and, past a recent window, given back as the scheduler does)."""
     engine = llm.engine
     seq = Sequence("kv-quality", token_ids, SamplingParams())
-    assert engine.block_manager.allocate(seq, len(token_ids))
     try:
         for start in range(0, len(token_ids), chunk):
-            seq.num_computed_tokens = start
-            batch = engine.runner.prepare([ScheduledSeq(seq, min(chunk, len(token_ids) - start))])
+            end = min(start + chunk, len(token_ids))
+            assert engine.cache.allocate(seq, end), "KV pool too small for one window"
+            batch = engine.runner.prepare([ScheduledSeq(seq, end - start)])
             with ops.use(engine.ops):
                 logits = engine.runner.logits(*engine.runner.to_device(batch))
+            seq.num_computed_tokens = end
+            engine.cache.trim(seq)
             yield torch.log_softmax(logits.float(), dim=-1)
     finally:
-        engine.block_manager.release(seq)
+        engine.cache.release(seq)
 
 
-def text_metrics(
-    llm: LLM, tokens: list[int], window: int, chunk: int, formats: list[str], recent_window: int = 0
-) -> dict[str, dict]:
+def text_metrics(llms: dict[str, LLM], tokens: list[int], window: int, chunk: int) -> dict[str, dict]:
     """Perplexity per format over independent windows of ``tokens``; KL(auto || format)
-    and top-1 agreement over every position. ``formats[0]`` is the reference (auto)."""
+    and top-1 agreement over every position. The first engine's format is the reference (auto)."""
+    formats = list(llms)
     sums = {f: {"nll": 0.0, "n": 0, "kl": 0.0, "top1": 0, "rows": 0} for f in formats}
+    device = llms[formats[0]].engine.device
     for w in range(0, len(tokens) - window + 1, window):
         ids = tokens[w : w + window]
-        targets = torch.tensor(ids[1:] + [-1], device=llm.engine.device)  # the window's last position has no target
+        targets = torch.tensor(ids[1:] + [-1], device=device)  # the window's last position has no target
         reference = []  # per chunk: auto's probabilities, sum p log p per row, argmax
-        for fmt in formats:
-            use_format(llm, fmt, recent_window)
+        for fmt, llm in llms.items():
             s = sums[fmt]
             for c, logp in enumerate(window_logprobs(llm, ids, chunk)):
                 t = targets[c * chunk : c * chunk + logp.shape[0]]
@@ -125,16 +123,10 @@ def text_metrics(
 
 
 def needle_grid(
-    llm: LLM,
-    filler_ids: list[int],
-    lengths: list[int],
-    depths: list[float],
-    formats: list[str],
-    recent_window: int = 0,
-    seed: int = 0,
+    llms: dict[str, LLM], filler_ids: list[int], lengths: list[int], depths: list[float], seed: int = 0
 ) -> dict[str, list[bool]]:
     """Per format, whether each (length, depth) case, lengths outer, retrieved its number."""
-    tok = llm.tokenizer
+    tok = next(iter(llms.values())).tokenizer
     rng = random.Random(seed)
     cases = []
     for length in lengths:
@@ -149,8 +141,7 @@ def needle_grid(
             cases.append((filler_ids[:at] + needle + filler_ids[at:body] + question, number))
     params = SamplingParams(temperature=0, max_tokens=8)
     results = {}
-    for fmt in formats:
-        use_format(llm, fmt, recent_window)
+    for fmt, llm in llms.items():
         outs = llm.generate([c[0] for c in cases], params)
         results[fmt] = [number in o.outputs[0].text for o, (_, number) in zip(outs, cases)]
         print(
@@ -182,7 +173,14 @@ def main() -> None:
         help="quantized formats read each query's last N positions and its first block exact "
         "(the engine's shadow blocks)",
     )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    parser.add_argument(
+        "--smoke", action="store_true", help="check this script on the CPU: SmolLM2, small sizes (figures meaningless)"
+    )
     args = parser.parse_args()
+    if args.smoke:  # flags given still win over the smoke sizes
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     if args.tokens and args.formats[0] != "auto":
         parser.error(
             "--formats: the text metrics compare against auto, which must come first (--tokens 0 runs needles only)"
@@ -197,27 +195,26 @@ def main() -> None:
     for model in args.models:
         t0 = time.time()
         max_model_len = max(args.window, *args.needle_lengths) + 64
-        llm = LLM(
-            model=model_path(model), dtype="float32", enable_prefix_caching=False,
-            num_blocks=max(1280, 2 * math.ceil(max_model_len / BLOCK_SIZE)),
+        # room for every needle case at once
+        needle_blocks = sum(-(-(n + 8) // BLOCK_SIZE) for n in args.needle_lengths) * len(args.needle_depths)
+        llms = engines(
+            model_path(model), args.formats, args.kv_recent_window, dtype="float32", device=args.device,
+            block_size=BLOCK_SIZE, num_blocks=max(needle_blocks, 2 * math.ceil(max_model_len / BLOCK_SIZE)),
             max_num_batched_tokens=args.chunk, max_model_len=max_model_len,
-            enforce_eager=True,  # use_format re-binds the caches: graphs captured over the first ones would not see it
+            enforce_eager=True,  # nothing here is timed: no graphs to capture for each engine
         )  # fmt: skip
+        llm = llms[args.formats[0]]
         context = llm.engine.hf_config.max_position_embeddings
         if max(args.needle_lengths) + 8 > context:
             parser.error(
-                f"--needle-lengths: {model}'s context is {context} tokens, a needle prompt and its 8 answer tokens must fit"
+                f"--needle-lengths: {model}'s context is {context} tokens, "
+                "a needle prompt and its 8 answer tokens must fit"
             )
         tokens = llm.tokenizer.encode(text, add_special_tokens=False)
         t1 = time.time()
-        metrics = (
-            text_metrics(llm, tokens[: args.tokens], args.window, args.chunk, args.formats, args.kv_recent_window)
-            if args.tokens
-            else {}
-        )
+        metrics = text_metrics(llms, tokens[: args.tokens], args.window, args.chunk) if args.tokens else {}
         t2 = time.time()
-        needles = needle_grid(llm, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths,
-                              args.formats, args.kv_recent_window)  # fmt: skip
+        needles = needle_grid(llms, tokens[-max(args.needle_lengths) * 2 :], args.needle_lengths, args.needle_depths)
         print(
             json.dumps(
                 {
@@ -238,6 +235,8 @@ def main() -> None:
             table.append(row)
             print(json.dumps(row), flush=True)
         print(json.dumps({"model": model, "seconds": round(time.time() - t0, 1)}), flush=True)
+        del llms, llm
+        gc.collect()
     print("\n| model | format | perplexity | vs auto | mean KL | top-1 agree | needle |")
     print("|---|---|---|---|---|---|---|")
     for r in table:

@@ -1,13 +1,29 @@
-"""Qwen3-30B-A3B on dummy weights (whose random routers spread tokens about evenly over
-the experts): batch-1 decode against its bandwidth limit, and a throughput run. One JSON
-line.
+"""A mixture-of-experts shape on dummy weights (whose random routers spread tokens about
+evenly over the experts): batch-1 decode against its bandwidth limit, and a throughput run.
+One JSON line.
 
 The limit is the copy bandwidth (benchmarks/bandwidth.py) over the bytes a decode step
-reads per token: every layer's attention projections and norms, its router and its
-``num_experts_per_tok`` active experts (not all 128), the KV cache at the mean context
-length, the embedding row and the LM head.
+reads per token (:func:`decode_bytes_per_token`): every layer's attention projections,
+their biases and q/k norms where the config has them, and its two norms; the MLP of the
+first ``first_k_dense_replace`` layers whole; in the others the router (with its correction
+bias, in fp32 where the model keeps it so), the ``num_experts_per_tok`` active experts (not
+all of them) and the shared experts; the KV cache at the mean context length; the embedding
+row, the final norm and the LM head.
 
-    python benchmarks/moe.py [--input-len 128] [--output-len 256]
+    python benchmarks/moe.py [--shape qwen3-30b-a3b] [--input-len 128] [--output-len 256]
+    python benchmarks/moe.py --shape glm-4.5-air
+    python benchmarks/moe.py --smoke   # checks the script on the CPU (a tiny GLM-4.5 shape, fp32)
+
+GLM-4.5-Air's shape, one bf16 decode step at context 0, as
+``decode_bytes_per_token(SHAPES["glm-4.5-air"](), 0)`` counts it (h = 4096, d = 128, 96 query
+and 8 KV heads, 128 experts of 1408 of which 8 are active, one shared, a dense first layer of
+10944, vocabulary 151552, 23 layers)::
+
+    attention  2 x (4096 x 128 x (2 x 96 + 2 x 8) + 128 x (96 + 2 x 8) + 2 x 4096) =     218,148,864 per layer
+    dense MLP  2 x 3 x 4096 x 10944                                                  =     268,959,744 (layer 0)
+    MoE        2 x 9 x 3 x 4096 x 1408 + 4 x (128 x 4096 + 128)                      =     313,524,736 per layer
+    ends       2 x (4096 + 4096 + 151552 x 4096)                                     =   1,241,530,368
+    total      23 x 218,148,864 + 268,959,744 + 22 x 313,524,736 + 1,241,530,368     =  13,425,458,176
 """
 
 from __future__ import annotations
@@ -19,26 +35,43 @@ import sys
 from pathlib import Path
 
 from bandwidth import copy_bandwidth
-from shapes import SHAPES
+from shapes import SHAPES, has_qk_norm
+from transformers import PretrainedConfig
 
 HERE = Path(__file__).resolve().parent
-SHAPE = "qwen3-30b-a3b"
+SMOKE_SHAPE = "glm4-moe-tiny"
 
 
-def decode_bytes_per_token(context_len: float, itemsize: int = 2) -> float:
-    config = SHAPES[SHAPE]()
+def decode_bytes_per_token(config: PretrainedConfig, context_len: float, itemsize: int = 2) -> float:
+    """Bytes one decode step of one sequence at ``context_len`` reads, weights at ``itemsize``."""
     h, d, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
-    attention = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) + 2 * d  # + q/k norms
-    router = h * config.num_experts
-    experts = config.num_experts_per_tok * 3 * h * config.moe_intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    attention = h * d * (2 * heads + 2 * kv_heads)
+    if getattr(config, "attention_bias", False):
+        attention += d * (heads + 2 * kv_heads)  # q, k and v
+    if has_qk_norm(config):
+        attention += 2 * d
     norms = 2 * h
-    kv = context_len * 2 * config.num_key_value_heads * d
-    per_layer = attention + router + experts + norms + kv
-    return itemsize * (layers * per_layer + h + config.vocab_size * h + h)
+    kv = context_len * 2 * kv_heads * d
+    dense = getattr(config, "first_k_dense_replace", 0)
+    dense_mlp = 3 * h * config.intermediate_size
+    experts = config.num_experts_per_tok + getattr(config, "n_shared_experts", 0)
+    moe_mlp = experts * 3 * h * config.moe_intermediate_size
+    ends = h + h + config.vocab_size * h  # the embedding row, the final norm, the LM head
+    per_layer = itemsize * (attention + norms + kv)
+    return (layers * per_layer + itemsize * (dense * dense_mlp + (layers - dense) * moe_mlp + ends)
+            + (layers - dense) * router_bytes(config, itemsize))  # fmt: skip
 
 
-def offline(*args: str) -> dict:
-    command = [sys.executable, str(HERE / "offline.py"), "--shape", SHAPE, "--dtype", "bfloat16", *args]
+def router_bytes(config: PretrainedConfig, itemsize: int) -> int:
+    """GLM-4.5's router keeps its weight and its correction bias in fp32; Qwen3's is the model's dtype."""
+    if config.model_type == "glm4_moe":
+        return 4 * (config.n_routed_experts * config.hidden_size + config.n_routed_experts)
+    return itemsize * config.num_experts * config.hidden_size
+
+
+def offline(shape: str, dtype: str, *args: str) -> dict:
+    command = [sys.executable, str(HERE / "offline.py"), "--shape", shape, "--dtype", dtype, *args]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log and errors pass through
     if result.returncode != 0:
         sys.exit(f"offline.py {' '.join(args)} failed (exit {result.returncode})")
@@ -47,16 +80,23 @@ def offline(*args: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "glm-4.5-air"])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--smoke", action="store_true", help="check this script on the CPU: a tiny GLM-4.5 shape, fp32, short runs"
+    )
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
-    decode = offline("--batch", "1", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                     "--max-num-seqs", "1", "--profile")  # fmt: skip
-    limit = bandwidth / decode_bytes_per_token(args.input_len + args.output_len / 2)
+    shape, dtype, itemsize, device = (SMOKE_SHAPE, "float32", 4, "cpu") if args.smoke else (
+        args.shape, "bfloat16", 2, "auto")  # fmt: skip
+    input_len, output_len = (16, 8) if args.smoke else (args.input_len, args.output_len)
+    bandwidth = float("nan") if args.smoke else copy_bandwidth()
+    decode = offline(shape, dtype, "--device", device, "--batch", "1", "--input-len", str(input_len), "--output-len",
+                     str(output_len), "--max-num-seqs", "1", "--profile")  # fmt: skip
+    limit = bandwidth / decode_bytes_per_token(SHAPES[shape](), input_len + output_len / 2, itemsize)
     result = {
-        "shape": SHAPE,
+        "shape": shape,
         "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
         "decode_tok_s": decode["decode_tok_s"],
         "decode_limit_tok_s": round(limit, 1),
@@ -64,8 +104,9 @@ def main() -> None:
         "decode": decode,
     }
     if not args.skip_throughput:
-        result["throughput"] = offline("--num-requests", "256", "--input-len", "100:1024", "--output-len", "100:1024",
-                                       "--profile")  # fmt: skip
+        requests, lengths = ("8", "8:32") if args.smoke else ("256", "100:1024")
+        result["throughput"] = offline(shape, dtype, "--device", device, "--num-requests", requests, "--input-len",
+                                       lengths, "--output-len", lengths, "--profile")  # fmt: skip
     print(json.dumps(result))
 
 

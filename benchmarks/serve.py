@@ -16,7 +16,11 @@ text, so every chunk would arrive at the end and TTFT, TPOT and ITL mean nothing
 
 ``--launch`` starts ``python -m xinfer.server`` (with ``--server-args``) on a free port
 and stops it afterwards; with ``--offline-peer`` the same prompts then run through an
-in-process ``LLMEngine`` under the same concurrency caps, so the server's own cost shows.
+in-process engine built from the same ``--server-args`` (through the async engine the
+server runs) under the same concurrency caps, so the server's own cost shows. On the CPU:
+
+    python benchmarks/serve.py --launch --server-args "--cpu --max-model-len 256" --concurrency 1,4 \
+        --input-len 32 --output-len 8 --offline-peer
 """
 
 from __future__ import annotations
@@ -188,8 +192,8 @@ async def run_level(
     return report
 
 
-async def benchmark(args: argparse.Namespace, base_url: str) -> tuple[dict, list[tuple[int, list[list[int]]]]]:
-    """Runs every level; returns the served model's card and the prompts of each level."""
+async def benchmark(args: argparse.Namespace, base_url: str) -> list[tuple[int, list[list[int]]]]:
+    """Runs every level; returns the prompts of each level."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as http:
@@ -210,49 +214,67 @@ async def benchmark(args: argparse.Namespace, base_url: str) -> tuple[dict, list
             for sampling in args.sampling:
                 print(json.dumps(await run_level(args, http, model, prompts, concurrency, rng, sampling)), flush=True)
             runs.append((concurrency, prompts))
-        return card, runs
+        return runs
 
 
-def offline_peer(args: argparse.Namespace, card: dict, runs: list[tuple[int, list[list[int]]]]) -> None:
-    """The same prompts through an in-process engine: no HTTP, no event loop."""
-    from xinfer.config import EngineConfig
+async def offline_peer(args: argparse.Namespace, runs: list[tuple[int, list[list[int]]]]) -> None:
+    """The same prompts, under the same caps, through the engine the launched server ran (built from its own
+    arguments, stepped by its own engine thread): no HTTP, no JSON, no streaming of text."""
+    from xinfer.engine.async_engine import AsyncEngine, EngineState
     from xinfer.engine.engine import LLMEngine
     from xinfer.sampling import SamplingParams
+    from xinfer.server.args import parse_args
+    from xinfer.server.launch import prepare
 
-    config = EngineConfig.from_kwargs(
-        model=card["root"], max_model_len=card["max_model_len"], max_num_seqs=max(c for c, _ in runs)
-    )
-    engine = LLMEngine(config)
-    for (concurrency, prompts), sampling in itertools.product(runs, args.sampling):
-        pending, live, tokens = list(enumerate(prompts)), 0, 0
-        start = time.perf_counter()
-        while pending or engine.has_unfinished():
-            while pending and live < concurrency:
-                index, prompt = pending.pop(0)
-                seed = index if sampling == "sampled" else None
-                params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=seed, **SAMPLING[sampling])
-                engine.add_request(f"{concurrency}-{sampling}-{index}", prompt, params)
-                live += 1
-            for output in engine.step():
-                tokens += len(output.token_ids)
-                live -= output.finished
-        duration = time.perf_counter() - start
-        print(
-            json.dumps(
-                {
-                    "benchmark": "offline-peer",
-                    "sampling": sampling,
-                    "concurrency": concurrency,
-                    "num_prompts": len(prompts),
-                    "input_len": args.input_len,
-                    "output_len": args.output_len,
-                    "duration_s": round(duration, 2),
-                    "request_throughput": round(len(prompts) / duration, 3),
-                    "output_throughput": round(tokens / duration, 2),
-                }
-            ),
-            flush=True,
-        )
+    server = parse_args(shlex.split(args.server_args))
+    _, config = prepare(server)
+    engine = AsyncEngine(lambda: LLMEngine(config), max_waiting=server.max_waiting)
+    engine.start()
+    await asyncio.to_thread(engine.wait_loaded)
+    if engine.state is EngineState.DEAD:
+        raise SystemExit(f"the offline peer's engine did not load: {engine.error}")
+
+    async def generate(prompt: list[int], output_len: int, sampling: str = "greedy", seed: int = 0) -> int:
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, seed=seed if sampling == "sampled" else None,
+                                **SAMPLING[sampling])  # fmt: skip
+        choices = await engine.collect(await engine.submit([(prompt, params)]))
+        return len(choices[0].token_ids)
+
+    async def level(prompts: list[list[int]], concurrency: int, sampling: str) -> int:
+        """Output tokens of ``prompts``, each seeded by its index, at most ``concurrency`` at a time."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def limited(prompt: list[int], seed: int) -> int:
+            async with gate:
+                return await generate(prompt, args.output_len, sampling, seed)
+
+        return sum(await asyncio.gather(*(limited(prompt, seed) for seed, prompt in enumerate(prompts))))
+
+    try:
+        for (concurrency, prompts), sampling in itertools.product(runs, args.sampling):
+            if args.warmup:
+                await asyncio.gather(*(generate(p, 4) for p in prompts[: min(concurrency, 4)]))
+            start = time.perf_counter()
+            tokens = await level(prompts, concurrency, sampling)
+            duration = time.perf_counter() - start
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "offline-peer",
+                        "sampling": sampling,
+                        "concurrency": concurrency,
+                        "num_prompts": len(prompts),
+                        "input_len": args.input_len,
+                        "output_len": args.output_len,
+                        "duration_s": round(duration, 2),
+                        "request_throughput": round(len(prompts) / duration, 3),
+                        "output_throughput": round(tokens / duration, 2),
+                    }
+                ),
+                flush=True,
+            )
+    finally:
+        engine.stop()
 
 
 def launch(server_args: str) -> tuple[subprocess.Popen, str]:
@@ -311,13 +333,13 @@ def main() -> None:
     if args.launch:
         proc, base_url = launch(args.server_args)
     try:
-        card, runs = asyncio.run(benchmark(args, base_url))
+        runs = asyncio.run(benchmark(args, base_url))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     if args.offline_peer and proc is not None:
-        offline_peer(args, card, runs)
+        asyncio.run(offline_peer(args, runs))
 
 
 if __name__ == "__main__":

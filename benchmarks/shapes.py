@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import Glm4MoeConfig, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 SHAPES = {
     "smollm2-135m": lambda: LlamaConfig(
@@ -51,6 +51,61 @@ SHAPES = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
         architectures=["Qwen3MoeForCausalLM"],
+    ),
+    # GLM-4.5-Air's layers (zai-org/GLM-4.5-Air config.json: a dense first layer, then 128 experts of which 8 and
+    # one shared expert see each token; biases on q, k and v; rotary over half of each head) but 23 of its 46
+    # layers: 106.0 GB of bf16 weights (2 x 1.24 GB embedding and LM head, 0.49 GB the dense layer, 4.68 GB each
+    # MoE layer), the most that stays within ~110 GB on one H200 (141 GB), leaving the rest for the KV cache.
+    "glm-4.5-air": lambda: Glm4MoeConfig(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=23,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        attention_bias=True,
+        use_qk_norm=False,
+        first_k_dense_replace=1,
+        n_routed_experts=128,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        num_nextn_predict_layers=1,
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        architectures=["Glm4MoeForCausalLM"],
+    ),
+    # GLM-4.5's architecture at toy sizes (q/k norms on, grouped routing, a scaled sum): moe.py --smoke on the CPU
+    "glm4-moe-tiny": lambda: Glm4MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        use_qk_norm=True,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=512,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        tie_word_embeddings=False,
+        architectures=["Glm4MoeForCausalLM"],
     ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,
@@ -103,11 +158,16 @@ def save_synthetic_tokenizer(folder: str | Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
+def has_qk_norm(config: PretrainedConfig) -> bool:
+    """Per-head q/k norms: Qwen3's always, GLM-4.5's where ``use_qk_norm``."""
+    return getattr(config, "use_qk_norm", config.model_type in ("qwen3", "qwen3_moe"))
+
+
 def weight_bytes(config: PretrainedConfig, itemsize: int) -> int:
     """Bytes of weights a decode step reads (embedding rows are gathered, not read whole)."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
     attn = h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
     mlp = 3 * h * i
-    norms = 2 * h + (2 * d if isinstance(config, Qwen3Config) else 0)
+    norms = 2 * h + (2 * d if has_qk_norm(config) else 0)
     return itemsize * (layers * (attn + mlp + norms) + h + config.vocab_size * h)

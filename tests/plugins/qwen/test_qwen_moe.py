@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
+from tests.plugins.hf_parity import spread_routing
 from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.loading.weights import MissingWeightsError
@@ -25,20 +26,11 @@ CONFIGS = {
 PROMPT_LENGTHS = (3, 17, 61)
 
 
-def _spread_routers(model: torch.nn.Module) -> None:
-    """Router weights far from HF's near-zero init, so that each token's experts are
-    clear winners and tokens spread over many of them."""
-    generator = torch.Generator().manual_seed(1)
-    for name, param in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
-            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def models(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = save_tiny_model(CONFIGS[request.param](), folder)
-    _spread_routers(hf)
+    spread_routing(hf)
     hf.save_pretrained(folder, safe_serialization=True)
     return hf, LLM(model=str(folder), dtype="float32", num_blocks=64), folder
 
@@ -156,7 +148,7 @@ GGUF_CONFIGS = {
 @pytest.mark.parametrize("arch", sorted(GGUF_CONFIGS))
 def test_gguf_with_stacked_experts_runs_like_the_original(tmp_path, arch):
     hf = save_tiny_model(GGUF_CONFIGS[arch](), tmp_path / "hf")
-    _spread_routers(hf)
+    spread_routing(hf)
     write_moe_gguf(hf, arch, tmp_path / "tiny.gguf")
     llm = LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64)
     tokens = prompt(29)
