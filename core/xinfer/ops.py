@@ -34,6 +34,7 @@ class ShadowPages:
     tables: Tensor  # [B, max_blocks] int32
     slot_mapping: Tensor  # [T] int64
 
+
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
 

@@ -122,10 +122,11 @@ class SamplingBatch:
         ints = [_int64(row.seed) for row in rows] + pad
         ints += [row.position for row in rows] + pad
         ints += [row.params.top_k for row in rows] + pad
-        floats = [row.params.temperature for row in rows] + pad
-        floats += [row.params.top_p for row in rows] + [1] * len(pad)
-        floats += [row.params.min_p for row in rows] + pad
-        struct.pack_into(f"<{len(ints)}q{len(floats)}f", self.buffer.numpy(), 0, *ints, *floats)
+        zeros = [0.0] * len(pad)
+        floats = [row.params.temperature for row in rows] + zeros
+        floats += [row.params.top_p for row in rows] + [1.0] * len(pad)
+        floats += [row.params.min_p for row in rows] + zeros
+        struct.pack_into(f"<{len(ints)}q{len(floats)}f", self.buffer.numpy().data, 0, *ints, *floats)
 
     def to(self, device: torch.device) -> SamplingBatch:
         return SamplingBatch(self.buffer.to(device, non_blocking=True), self.num_rows)
