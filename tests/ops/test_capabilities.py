@@ -29,7 +29,7 @@ class NoRotaryOps:
     name = "norotary"
     kv_formats = None
     recent_window = False
-    linear = rms_norm = silu_and_mul = gelu_tanh_and_mul = fused_moe = moe_route = attention = TorchOps.linear
+    linear = rms_norm = silu_and_mul = gelu_tanh_and_mul = fused_moe = moe_route = sample = attention = TorchOps.linear
 
 
 def available() -> bool:
