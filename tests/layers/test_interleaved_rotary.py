@@ -1,25 +1,16 @@
 """Interleaved (GPT-J style) rotary through the NeoX-style ``ops.rotary``: q/k rows reordered
 at load (``pairs_to_halves``), against transformers' GLM, which rotates adjacent pairs of the
-first half of each head (fp32, CPU)."""
+first half of each head (fp32, CPU); end to end through the GLM plugin's ``GlmForCausalLM``."""
 
 import pytest
 import torch
-from transformers import GlmConfig
 from transformers.models.glm.modeling_glm import GlmRotaryEmbedding, apply_rotary_pos_emb
 
-from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
-from xinfer import LLM, SamplingParams, ops, registry
-from xinfer.hooks import hookimpl
-from xinfer.layers import DecoderForCausalLM, DecoderSpec, RotaryEmbedding, pairs_to_halves, rope_parameters
-from xinfer.model import HF_QKV_GATE_UP
+from tests.plugins.glm.configs import glm_config
+from tests.tiny_models import prefill_logits, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams, ops
+from xinfer.layers import RotaryEmbedding, pairs_to_halves, rope_parameters
 from xinfer_cpu.ops import CpuOps
-
-
-def glm_config() -> GlmConfig:
-    return GlmConfig(
-        **COMMON, head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
-        attention_bias=True, tie_word_embeddings=False, architectures=["GlmForCausalLM"],
-    )  # fmt: skip
 
 
 def test_reordered_rows_rotated_as_halves_equal_pairs_rotated():
@@ -44,28 +35,11 @@ def test_reordered_rows_rotated_as_halves_equal_pairs_rotated():
     torch.testing.assert_close(scores, torch.einsum("thd,shd->hts", expected_q, expected_k))
 
 
-class GlmForCausalLM(DecoderForCausalLM):
-    """GLM-4 (the first, Llama-shaped one), here to run interleaved rotary end to end: biases
-    on q, k and v but not o; gate_up stored fused; rotary over pairs of each head's first half."""
-
-    spec = DecoderSpec(qkv_bias=True, o_bias=False, interleaved_rotary=True)
-    packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("q_proj", "k_proj", "v_proj")}
-
-
-class GlmPlugin:
-    @hookimpl
-    def xinfer_architectures(self) -> dict[str, str]:
-        return {"GlmForCausalLM": f"{__name__}:GlmForCausalLM"}
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("glm")
     hf = save_tiny_model(glm_config(), folder)
-    found = registry.discover(["cpu"], modules={"glm-test": GlmPlugin()})
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(registry, "discovery", lambda: found)
-        yield hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
 
 
 @pytest.mark.parametrize("length", (3, 17, 61))

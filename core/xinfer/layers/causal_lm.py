@@ -22,11 +22,12 @@ from xinfer.model import HF_QKV_GATE_UP, CausalLM
 @dataclass(frozen=True)
 class DecoderSpec:
     """How an architecture departs from Llama. Sizes and the options HF configs spell alike
-    come from the config: ``attention_bias``, ``mlp_bias``, ``hidden_act``/``hidden_activation``,
-    ``head_dim``, ``layer_types`` and ``sliding_window``, the rope parameters (per layer type,
-    partial), ``query_pre_attn_scalar``, ``final_logit_softcapping``, ``tie_word_embeddings``."""
+    come from the config: ``attention_bias`` (``qkv_bias`` where set apart), ``mlp_bias``,
+    ``hidden_act``/``hidden_activation``, ``head_dim``, ``layer_types`` and ``sliding_window``,
+    the rope parameters (per layer type, partial), ``query_pre_attn_scalar``,
+    ``final_logit_softcapping``, ``tie_word_embeddings``."""
 
-    qkv_bias: bool | None = None  # None: the config's attention_bias
+    qkv_bias: bool | None = None  # None: the config's qkv_bias, else its attention_bias
     o_bias: bool | None = None  # None: the config's attention_bias
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
@@ -78,7 +79,7 @@ class DecoderForCausalLM(CausalLM):
             config.num_key_value_heads,
             self.head_dim,
             rotary,
-            qkv_bias=bias if self.spec.qkv_bias is None else self.spec.qkv_bias,
+            qkv_bias=getattr(config, "qkv_bias", bias) if self.spec.qkv_bias is None else self.spec.qkv_bias,
             o_bias=bias if self.spec.o_bias is None else self.spec.o_bias,
             qk_norm=self.rms_norm if self.spec.qk_norm else None,
             scale=scalar**-0.5,

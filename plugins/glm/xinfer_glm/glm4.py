@@ -1,5 +1,4 @@
-"""GLM-4 (0414): Llama with rotary over adjacent pairs of each head's first ``partial_rotary_factor``
-(a half), and norms on the attention's and the MLP's outputs too."""
+"""GLM-4 (0414): GLM (:mod:`xinfer_glm.glm`) with norms on the attention's and the MLP's outputs too."""
 
 from __future__ import annotations
 
@@ -9,16 +8,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from xinfer.layers import DecoderForCausalLM, DecoderSpec, RMSNorm, RotaryEmbedding
-from xinfer.model import HF_QKV_GATE_UP
+from xinfer.layers import RMSNorm, RotaryEmbedding
+from xinfer_glm.glm import GlmForCausalLM
 
 
-class Glm4ForCausalLM(DecoderForCausalLM):
-    """Biases on q, k and v where the config sets ``attention_bias``, never on o; the checkpoint
-    stores ``gate_up_proj`` fused, as the merged layer holds it."""
-
-    spec = DecoderSpec(o_bias=False, interleaved_rotary=True)
-    packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("q_proj", "k_proj", "v_proj")}
+class Glm4ForCausalLM(GlmForCausalLM):
+    """GLM's attention and MLP in the sandwich layer below."""
 
     def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         norm = functools.partial(self.rms_norm, config.hidden_size)

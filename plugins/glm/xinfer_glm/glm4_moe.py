@@ -38,6 +38,8 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
             scaling_factor=config.routed_scaling_factor,
             fp32_logits=True,
         )
+        if routing.scoring != "sigmoid":
+            raise ValueError(f"scoring_func {routing.scoring!r} is not supported: GLM-4.5 routes by sigmoid scores")
         return MoE(
             config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, routing, config.hidden_act,
             shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,

@@ -4,6 +4,7 @@ from xinfer.hooks import hookimpl
 @hookimpl
 def xinfer_architectures() -> dict[str, str]:
     return {
+        "GlmForCausalLM": "xinfer_glm.glm:GlmForCausalLM",
         "Glm4ForCausalLM": "xinfer_glm.glm4:Glm4ForCausalLM",
         "Glm4MoeForCausalLM": "xinfer_glm.glm4_moe:Glm4MoeForCausalLM",
     }

@@ -38,6 +38,8 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
             renormalize=True,
             correction_bias=True,
         )
+        if routing.scoring != "sigmoid":
+            raise ValueError(f"scoring_func {routing.scoring!r} is not supported: MiniMax-M2 routes by sigmoid scores")
         return MoE(config.hidden_size, config.num_local_experts, config.intermediate_size, routing, config.hidden_act)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

@@ -40,9 +40,10 @@ class QwenMoeForCausalLM(DecoderForCausalLM):
 
 
 class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
-    """Qwen2 attention (q/k/v biases); a shared expert on every token, gated by a sigmoid."""
+    """Qwen2 attention (q/k/v biases where ``qkv_bias``, the default); a shared expert on every
+    token, gated by a sigmoid."""
 
-    spec = DecoderSpec(qkv_bias=True)
+    spec = DecoderSpec(o_bias=False)
 
     def shared_expert(self, config: Any) -> dict[str, Any]:
         return {"shared_intermediate_size": config.shared_expert_intermediate_size, "shared_expert_gate": True}

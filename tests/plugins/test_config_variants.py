@@ -1,0 +1,161 @@
+"""The MoE and GLM architectures on config variants transformers accepts, each against transformers'
+modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
+own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
+layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from transformers import (
+    Glm4Config,
+    Glm4MoeConfig,
+    GlmConfig,
+    MiniMaxM2Config,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+from tests.plugins.hf_parity import (
+    assert_greedy_tokens_and_logprobs_match,
+    assert_prefill_logits_match,
+    randomize,
+    spread_routing,
+)
+from tests.tiny_models import COMMON, save_tiny_model
+from xinfer import LLM
+
+SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+QWEN_MOE = dict(SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, tie_word_embeddings=False)
+GLM = dict(SMALL, head_dim=16, attention_bias=True, tie_word_embeddings=False)
+GLM_MOE = dict(
+    SMALL, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
+    use_qk_norm=True, tie_word_embeddings=False, architectures=["Glm4MoeForCausalLM"],
+)  # fmt: skip
+MINIMAX = dict(
+    SMALL, intermediate_size=16, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+    tie_word_embeddings=False, architectures=["MiniMaxM2ForCausalLM"],
+)  # fmt: skip
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128)
+LLAMA3 = dict(
+    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)  # fmt: skip
+
+
+def qwen2_moe(**overrides) -> Qwen2MoeConfig:
+    return Qwen2MoeConfig(**{**QWEN_MOE, "architectures": ["Qwen2MoeForCausalLM"], **overrides})
+
+
+def qwen3_moe(**overrides) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**{**QWEN_MOE, "architectures": ["Qwen3MoeForCausalLM"], **overrides})
+
+
+def glm(**overrides) -> GlmConfig:
+    return GlmConfig(**{**GLM, "architectures": ["GlmForCausalLM"], **overrides})
+
+
+def glm4(**overrides) -> Glm4Config:
+    return Glm4Config(**{**GLM, "architectures": ["Glm4ForCausalLM"], **overrides})
+
+
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen2-moe no shared expert": lambda: qwen2_moe(shared_expert_intermediate_size=0),
+    "qwen2-moe no qkv bias, renormalized, tied": lambda: qwen2_moe(
+        shared_expert_intermediate_size=24, qkv_bias=False, norm_topk_prob=True, tie_word_embeddings=True
+    ),
+    "qwen2-moe sparse step 2, mlp-only layer 3 of 4": lambda: qwen2_moe(
+        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=24
+    ),
+    "qwen2-moe sliding window below max_window_layers": lambda: qwen2_moe(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=2,
+        shared_expert_intermediate_size=24,
+    ),
+    "qwen2-moe yarn": lambda: qwen2_moe(shared_expert_intermediate_size=24, rope_parameters=YARN),
+    "qwen3-moe attention bias, head_dim 8, top-1": lambda: qwen3_moe(
+        attention_bias=True, head_dim=8, num_experts_per_tok=1, norm_topk_prob=False
+    ),
+    "qwen3-moe sliding window, sparse step 2": lambda: qwen3_moe(
+        use_sliding_window=True, sliding_window=8, decoder_sparse_step=2, norm_topk_prob=True
+    ),
+    "qwen3-moe llama3 rope, tied": lambda: qwen3_moe(rope_parameters=LLAMA3, tie_word_embeddings=True),
+    "glm no bias, full rotary, tied": lambda: glm(
+        attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
+        tie_word_embeddings=True,
+    ),
+    "glm head_dim 32, 4 kv heads": lambda: glm(head_dim=32, num_key_value_heads=4),
+    "glm4 no bias, full rotary, tied": lambda: glm4(
+        attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
+        tie_word_embeddings=True,
+    ),
+    "glm4 head_dim 32, linear rope": lambda: glm4(
+        head_dim=32,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.5),
+    ),
+    "glm4-moe all sparse, no shared expert, raw weights": lambda: Glm4MoeConfig(
+        **{**GLM_MOE, "first_k_dense_replace": 0, "n_shared_experts": 0, "norm_topk_prob": False}
+    ),
+    "glm4-moe 2 dense of 3, 2 shared, one group, no qk norm, no bias": lambda: Glm4MoeConfig(
+        **{**GLM_MOE, "num_hidden_layers": 3, "first_k_dense_replace": 2, "n_shared_experts": 2, "n_group": 1,
+           "topk_group": 1, "use_qk_norm": False, "attention_bias": False}
+    ),
+    "glm4-moe head_dim 8, full rotary, unscaled, tied": lambda: Glm4MoeConfig(
+        **{**GLM_MOE, "head_dim": 8, "routed_scaling_factor": 1.0, "tie_word_embeddings": True,
+           "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)}
+    ),
+    "minimax-m2 full rotary, top-1": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": 16, "num_experts_per_tok": 1}),
+    "minimax-m2 head_dim 8, 16 experts, tied": lambda: MiniMaxM2Config(
+        **{**MINIMAX, "head_dim": 8, "rotary_dim": 4, "num_local_experts": 16, "num_experts_per_tok": 4,
+           "tie_word_embeddings": True}
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("variant")
+    hf = save_tiny_model(CONFIGS[request.param](), folder)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize("length", (5, 29))
+def test_prefill_logits_match_hf(models, length):
+    assert_prefill_logits_match(*models, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    assert_greedy_tokens_and_logprobs_match(*models, 13)
+
+
+ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
+    "qwen2-moe dynamic rope": (
+        lambda: qwen2_moe(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
+        "rope_type 'dynamic' is not supported",
+    ),
+    "glm4-moe experts not in groups": (
+        lambda: Glm4MoeConfig(**{**GLM_MOE, "n_group": 3}),
+        "n_group 3 and topk_group 2 do not fit 16 experts",
+    ),
+    "glm4-moe softmax scores": (
+        lambda: Glm4MoeConfig(**{**GLM_MOE, "scoring_func": "softmax"}),
+        "scoring_func 'softmax' is not supported",
+    ),
+    "minimax-m2 softmax scores": (
+        lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
+        "scoring_func 'softmax' is not supported",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_unsupported_value_is_one_error_naming_the_field(name, tmp_path):
+    config, message = ERRORS[name]
+    save_tiny_model(config(), tmp_path)
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
