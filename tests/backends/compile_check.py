@@ -30,11 +30,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from xinfer.kv import get_format
+from xinfer.layers.moe import Routing
 from xinfer.ops import AttentionMetadata, HeadNorms, ShadowPages
-from xinfer_cuda.kernels import activation, attention, gemv, kv_codes, kv_quant_write, kv_write, launch, norm, rotary
+from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
+from xinfer_cuda.kernels import (
+    activation,
+    attention,
+    gemv,
+    kv_codes,
+    kv_quant_write,
+    kv_write,
+    launch,
+    moe,
+    moe_routing,
+    norm,
+    rotary,
+    sampling,
+)
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 
-MODULES = (activation, attention, gemv, kv_quant_write, kv_write, norm, rotary)
+MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling)
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
 # a format of each key code with a recent window: float (fp8), uniform (4 bits), Lloyd-Max (3 bits)
 WINDOW_FORMATS = ("fp8", "turbo4", "turbo3-lm")
@@ -90,6 +105,19 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     activation.silu_and_mul(t(4, 2 * 14336))
     activation.gelu_tanh_and_mul(t(4, 2 * 14336))
     kv_write.write_kv(t(4, 8, 128), t(4, 8, 128), t(16, 16, 8, 128), t(16, 16, 8, 128), positions)
+    # Mixture of experts at Qwen3-30B-A3B's sizes (weights never written: untouched memory), with
+    # the GPU's tiles: the small-batch path (1 and 4 tokens), the grouped one at a 256-row decode
+    # step's and a prefill chunk's slots per expert
+    moe.gpu_tiles = lambda x: True
+    w13, w2 = torch.empty(128, 2 * 768, 2048, dtype=dtype), torch.empty(128, 2048, 768, dtype=dtype)
+    for tokens in (1, 4, 256, 8192):
+        ids = torch.zeros(tokens, 8, dtype=torch.int32)
+        moe.fused_moe(t(tokens, 2048), w13, w2, torch.rand(tokens, 8), ids, "silu")
+    moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
+    grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
+    moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
+    rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
+    sampling.sample(t(4, 151936), SamplingBatch.of(rows))
 
     element_size = torch.tensor([], dtype=dtype).element_size()
 

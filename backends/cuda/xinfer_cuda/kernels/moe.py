@@ -186,6 +186,12 @@ def align_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tens
     return block_slots, block_experts
 
 
+def gpu_tiles(x: Tensor) -> bool:
+    """Whether launches on ``x`` take the GPU's tiles; under the interpreter small tiles run
+    faster (tests/backends/compile_check.py answers True to compile what a GPU runs)."""
+    return x.device.type == "cuda"
+
+
 def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int]:
     """Tiles of the grouped GEMMs. ``BLOCK_M`` holds about all of an expert's slots (mean
     ``m = T*k/E`` plus three of its Poisson deviations, 16..128), so that each expert's
@@ -198,7 +204,7 @@ def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int
     for fp32, to stay within shared memory."""
     mean = num_slots / num_experts
     block_m = min(128, max(16, triton.next_power_of_2(math.ceil(mean + 3 * math.sqrt(mean)))))
-    if x.device.type != "cuda":  # the interpreter: small tiles run faster
+    if not gpu_tiles(x):
         return {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 32}
     k_bytes = 256 if block_m <= 32 else 128  # a K tile's bytes per row
     tiles = {"BLOCK_M": block_m, "BLOCK_K": k_bytes // x.element_size(), "num_stages": 3}
@@ -292,7 +298,7 @@ def _per_slot(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Ten
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     block_j = triton.next_power_of_2(top_k)
-    if x.device.type == "cuda":
+    if gpu_tiles(x):
         # down: about 256 programs (2 per SM) where the batch allows, tiles of 8K weights (16 KB: 32 KB in flight
         # per SM, about what 4.2 TB/s over ~1 µs of latency asks of each of 132 SMs), 16-byte loads along K
         block_n, block_k = 32, 128
