@@ -59,3 +59,12 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_and_logprobs_match_hf(models):
     hf, llm, _ = models
     assert_greedy_tokens_and_logprobs_match(hf, llm, 17)
+
+
+def test_an_unknown_gating_function_is_one_error_naming_the_key():
+    from xinfer_minimax.gguf import MiniMaxM2GGUF
+
+    metadata = {"minimax-m2.expert_count": 8, "minimax-m2.expert_used_count": 2, "minimax-m2.expert_gating_func": 7}
+    fields = {"hidden_size": 64, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match=r"minimax-m2\.expert_gating_func = 7 .*sigmoid"):
+        MiniMaxM2GGUF().config(metadata, fields, [])
