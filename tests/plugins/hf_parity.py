@@ -3,10 +3,16 @@ at every prompt position, greedy tokens, and the log-probability of each generat
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import prefill_logits, prompt
 from xinfer import LLM, SamplingParams
+from xinfer.loading.weights import MissingWeightsError
 
 NEW_TOKENS = 24
 
@@ -76,3 +82,13 @@ def router_outputs(model: torch.nn.Module, tokens: list[int]) -> list[tuple[torc
         for hook in hooks:
             hook.remove()
     return outputs
+
+
+def assert_missing_tensor_is_named(folder: Path, dropped: str, named: str) -> None:
+    """Loading ``folder``'s checkpoint without its tensor ``dropped`` is one error naming ``named``
+    (the model's name of the weight it would have filled)."""
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[dropped]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(MissingWeightsError, match=re.escape(named)):
+        LLM(model=str(folder), dtype="float32", num_blocks=64)

@@ -16,7 +16,6 @@ import torch
 from transformers import ArceeConfig, HeliumConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
-from xinfer import hooks
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 FILE_BLOCK = re.compile(r"^```\w+ file=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -73,18 +72,13 @@ print(json.dumps({"tokens": out[0].outputs[0].token_ids, "packages": packages,
                   "plugins": sorted(p.name for p in plugins())}))
 """
 
-NEW_MODEL_TYPE = pytest.mark.skipif(
-    not hasattr(hooks, "xinfer_config_classes"), reason="the xinfer_config_classes hook is not in this core yet"
-)
-
 
 @pytest.mark.parametrize(
     "config, model_type, architecture",
     [
         (HeliumConfig(**TINY, architectures=["HeliumForCausalLM"]), "helium", "HeliumForCausalLM"),
         (ArceeConfig(**TINY, architectures=["ArceeForCausalLM"]), "arcee", "ArceeForCausalLM"),
-        pytest.param(ArceeConfig(**TINY, architectures=["ArceeForCausalLM"]), "acme", "AcmeForCausalLM",
-                     marks=NEW_MODEL_TYPE),
+        (ArceeConfig(**TINY, architectures=["ArceeForCausalLM"]), "acme", "AcmeForCausalLM"),
     ],
     ids=["helium", "arcee", "acme"],
 )  # fmt: skip

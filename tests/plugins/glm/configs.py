@@ -5,30 +5,26 @@ from transformers import Glm4Config, Glm4MoeConfig, GlmConfig
 from tests.tiny_models import COMMON
 
 
-def glm_config(**overrides) -> GlmConfig:
-    """GLM-4-9B-hf's shape: rotary over half of each 32-dim head, biases on q, k and v."""
-    settings = dict(
+def dense_settings() -> dict:
+    """GLM-4's shape: rotary over half of each 32-dim head, biases on q, k and v (a fresh dict each call:
+    configs keep what they are given)."""
+    return dict(
         COMMON,
         head_dim=32,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
         attention_bias=True,
         tie_word_embeddings=False,
-        architectures=["GlmForCausalLM"],
     )
-    return GlmConfig(**{**settings, **overrides})
+
+
+def glm_config(**overrides) -> GlmConfig:
+    """GLM-4-9B-hf: Llama's two norms per layer."""
+    return GlmConfig(**{**dense_settings(), "architectures": ["GlmForCausalLM"], **overrides})
 
 
 def glm4_config(**overrides) -> Glm4Config:
-    """Rotary over half of each 32-dim head, biases on q, k and v."""
-    settings = dict(
-        COMMON,
-        head_dim=32,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
-        attention_bias=True,
-        tie_word_embeddings=False,
-        architectures=["Glm4ForCausalLM"],
-    )
-    return Glm4Config(**{**settings, **overrides})
+    """GLM-4-0414: four norms per layer."""
+    return Glm4Config(**{**dense_settings(), "architectures": ["Glm4ForCausalLM"], **overrides})
 
 
 def glm4_moe_config(**overrides) -> Glm4MoeConfig:
