@@ -1,0 +1,157 @@
+"""The multi-head latent attention op (``mla_attention``): its torch reference against a dense,
+unpaged attention written with torch's ``scaled_dot_product_attention``.
+
+Steps are built from dense per-sequence contexts, scattered into a paged cache through
+shuffled (non-contiguous) block tables; the slots no sequence owns and this step's slots
+hold NaN before the op, so a read of an unwritten or foreign slot shows in the output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+from xinfer_deepseek.mla_ops import mla_attention
+
+
+@dataclass
+class Step:
+    q_latent: Tensor  # [T, H, R]
+    q_rope: Tensor  # [T, H, P]
+    latent: Tensor  # [T, R + P]
+    cache: Tensor  # [num_blocks, block_size, R + P]
+    meta: AttentionMetadata
+    contexts: list[Tensor]  # each sequence's rows [L, R + P], dense, this step's included
+    scale: float
+
+    def args(self, device: torch.device | str = "cpu") -> tuple:
+        meta = AttentionMetadata(*(getattr(self.meta, f).to(device) for f in _META_TENSORS), *self.meta_ints)
+        tensors = (self.q_latent, self.q_rope, self.latent, self.cache.clone())
+        return (*(t.to(device) for t in tensors), meta, self.scale)
+
+    @property
+    def meta_ints(self) -> tuple[int, int]:
+        return self.meta.max_seqlen_q, self.meta.max_seq_len
+
+
+_META_TENSORS = ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")
+
+
+def paged_step(
+    q_lens: list[int],
+    context_lens: list[int],
+    heads: int,
+    rank: int,
+    rope: int,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
+    pad_tokens: int = 0,
+    pad_seqs: int = 0,
+    seed: int = 0,
+) -> Step:
+    """A step whose sequence ``b`` has ``q_lens[b]`` queries, the last of a context of
+    ``context_lens[b]`` rows; the earlier rows already cached, this step's in ``latent``.
+    ``pad_tokens`` rows of no sequence (slot -1) and ``pad_seqs`` sequences of no query
+    and no context follow, as in a step padded to a captured shape."""
+    generator = torch.Generator().manual_seed(seed)
+    width = rank + rope
+    contexts = [torch.randn(n, width, generator=generator).to(dtype) for n in context_lens]
+    blocks_of = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_of) + 3  # a few blocks no sequence owns
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    max_blocks = max(blocks_of) + 1
+    tables = torch.zeros(len(q_lens) + pad_seqs, max_blocks, dtype=torch.int32)
+    for b, n in enumerate(blocks_of):
+        tables[b, :n] = torch.tensor(order[sum(blocks_of[:b]) : sum(blocks_of[: b + 1])], dtype=torch.int32)
+
+    cache = torch.full((num_blocks, block_size, width), float("nan"), dtype=dtype)
+    slots, new_rows = [], []
+    for b, (q_len, context) in enumerate(zip(q_lens, contexts)):
+        positions = torch.arange(len(context))
+        slot = tables[b, positions // block_size].long() * block_size + positions % block_size
+        cached = len(context) - q_len
+        cache.view(-1, width)[slot[:cached]] = context[:cached]
+        slots.append(slot[cached:])
+        new_rows.append(context[cached:])
+    slots.append(torch.full((pad_tokens,), -1))
+    new_rows.append(torch.randn(pad_tokens, width, generator=generator).to(dtype))
+
+    num_tokens = sum(q_lens) + pad_tokens
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()] + [sum(q_lens)] * pad_seqs)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+        seq_lens=torch.tensor(context_lens + [0] * pad_seqs, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.cat(slots).long(),
+        max_seqlen_q=max(q_lens),
+        max_seq_len=max(context_lens),
+    )
+    return Step(
+        q_latent=torch.randn(num_tokens, heads, rank, generator=generator).to(dtype),
+        q_rope=torch.randn(num_tokens, heads, rope, generator=generator).to(dtype),
+        latent=torch.cat(new_rows),
+        cache=cache,
+        meta=meta,
+        contexts=contexts,
+        scale=width**-0.5,
+    )
+
+
+def dense_attention(q_latent: Tensor, q_rope: Tensor, context: Tensor, scale: float) -> Tensor:
+    """One sequence's queries [Q, H, ·] over its dense context [L, R + P]: each head's keys are
+    the whole rows and its values their latents; the queries are the last Q positions."""
+    rank, (num_q, heads, _), length = q_latent.shape[-1], q_latent.shape, len(context)
+    q = torch.cat([q_latent, q_rope], dim=-1).double().transpose(0, 1)  # [H, Q, R + P]
+    k = context.double().expand(heads, length, -1)
+    causal = torch.ones(num_q, length, dtype=torch.bool).tril(diagonal=length - num_q)
+    out = F.scaled_dot_product_attention(q, k, k[..., :rank], attn_mask=causal, scale=scale)
+    return out.transpose(0, 1)  # [Q, H, R]
+
+
+def expected_output(step: Step) -> list[tuple[slice, Tensor]]:
+    """Each sequence's rows of the step and the dense attention they should equal."""
+    cu = step.meta.cu_seqlens_q.tolist()
+    return [
+        (rows, dense_attention(step.q_latent[rows], step.q_rope[rows], context, step.scale))
+        for rows, context in ((slice(cu[b], cu[b + 1]), c) for b, c in enumerate(step.contexts))
+    ]
+
+
+def assert_stored(cache: Tensor, step: Step) -> None:
+    """``cache`` holds every sequence's context at its slots, and NaN wherever nothing was written."""
+    expected = step.cache.clone()
+    width, block_size = expected.shape[-1], expected.shape[1]
+    for b, context in enumerate(step.contexts):
+        positions = torch.arange(len(context))
+        slot = step.meta.block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        expected.view(-1, width)[slot] = context
+    torch.testing.assert_close(cache.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+# name: (q_lens, context_lens, pad_tokens, pad_seqs)
+BATCHES = {
+    "decode": ([1, 1, 1], [5, 33, 17], 0, 0),
+    "prefill": ([7, 20], [7, 20], 0, 0),
+    "chunked-prefill": ([9], [40], 0, 0),
+    "mixed-padded": ([1, 12, 1, 5], [50, 12, 1, 21], 3, 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_reference_equals_dense_attention(batch, dtype):
+    q_lens, context_lens, pad_tokens, pad_seqs = BATCHES[batch]
+    step = paged_step(q_lens, context_lens, heads=4, rank=32, rope=16, dtype=dtype, pad_tokens=pad_tokens,
+                      pad_seqs=pad_seqs)  # fmt: skip
+    q_latent, q_rope, latent, cache, meta, scale = step.args()
+    out = mla_attention(q_latent, q_rope, latent, cache, meta, scale)
+    assert out.dtype == dtype and out.shape == step.q_latent.shape
+    assert_stored(cache, step)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    for rows, expected in expected_output(step):
+        torch.testing.assert_close(out[rows].double(), expected, rtol=tol, atol=tol)
+    assert (out[sum(q_lens) :] == 0).all()  # rows of no sequence
