@@ -1,5 +1,7 @@
 """The multi-head latent attention op (``mla_attention``): its torch reference against a dense,
-unpaged attention written with torch's ``scaled_dot_product_attention``.
+unpaged attention written with torch's ``scaled_dot_product_attention``, and the Triton kernels
+against the reference on the device ``XINFER_KERNEL_DEVICE`` picks (conftest.py; on "cpu"
+under the Triton interpreter, tolerances as in tests/backends/test_cuda_kernels.py).
 
 Steps are built from dense per-sequence contexts, scattered into a paged cache through
 shuffled (non-contiguous) block tables; the slots no sequence owns and this step's slots
@@ -7,6 +9,7 @@ hold NaN before the op, so a read of an unwritten or foreign slot shows in the o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
+from xinfer_deepseek.kernels import mla
 from xinfer_deepseek.mla_ops import mla_attention
 
 
@@ -155,3 +159,63 @@ def test_reference_equals_dense_attention(batch, dtype):
     for rows, expected in expected_output(step):
         torch.testing.assert_close(out[rows].double(), expected, rtol=tol, atol=tol)
     assert (out[sum(q_lens) :] == 0).all()  # rows of no sequence
+
+
+DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+ON_GPU = DEVICE.type == "cuda"
+# (the interpreter computes in numpy, which has no bfloat16)
+KERNEL_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+KERNEL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def assert_kernel_matches_reference(step: Step, **overrides) -> None:
+    q_latent, q_rope, latent, cache, meta, scale = step.args(DEVICE)
+    out = mla.mla_attention(q_latent, q_rope, latent, cache, meta, scale, **overrides)
+    expected = mla_attention(*step.args())
+    assert out.dtype == step.q_latent.dtype and out.shape == step.q_latent.shape
+    assert_stored(cache, step)
+    tol = KERNEL_TOL[out.dtype]
+    rows = slice(0, int(step.meta.cu_seqlens_q[-1]))  # (rows of no sequence are left as they are)
+    torch.testing.assert_close(out[rows].cpu().float(), expected[rows].float(), rtol=tol, atol=tol)
+
+
+KERNEL_CASES = [(batch, dtype, None) for batch in BATCHES for dtype in KERNEL_DTYPES]
+KERNEL_CASES += [(batch, dtype, 3) for batch in ("decode", "mixed-padded") for dtype in KERNEL_DTYPES]  # split contexts
+
+
+@pytest.mark.parametrize("batch, dtype, num_splits", KERNEL_CASES, ids=str)
+def test_kernel_matches_the_reference(batch, dtype, num_splits):
+    """20 heads: two groups of 16, the second part padding."""
+    q_lens, context_lens, pad_tokens, pad_seqs = BATCHES[batch]
+    step = paged_step(q_lens, context_lens, heads=20, rank=32, rope=16, dtype=dtype, pad_tokens=pad_tokens,
+                      pad_seqs=pad_seqs, seed=len(q_lens))  # fmt: skip
+    assert_kernel_matches_reference(step, num_splits=num_splits)
+
+
+def test_kernel_with_fewer_heads_than_a_tile_holds():
+    """4 heads: a prefill tile holds several queries' heads, a decode program masks the rest."""
+    q_lens, context_lens, pad_tokens, pad_seqs = BATCHES["mixed-padded"]
+    assert_kernel_matches_reference(paged_step(q_lens, context_lens, heads=4, rank=32, rope=16, pad_tokens=pad_tokens,
+                                               pad_seqs=pad_seqs))  # fmt: skip
+
+
+def test_kernel_at_deepseek_v3_sizes_on_query_views():
+    """R 512, P 64, 16 heads (V2-Lite's); the queries as the layer makes them: ``q_latent`` a
+    head-major product seen token-major, ``q_rope`` a slice of the projected query."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    step = paged_step([1, 6, 1], [40, 6, 19], heads=16, rank=512, rope=64, dtype=dtype, pad_tokens=1, seed=3)
+    step.q_latent = step.q_latent.transpose(0, 1).contiguous().transpose(0, 1)
+    step.q_rope = torch.cat([torch.zeros_like(step.q_rope), step.q_rope], dim=-1)[..., 64:]
+    assert_kernel_matches_reference(step, num_splits=2)
+
+
+# (q_lens, context_lens, block_size): at DeepSeek V3's sizes with its 128 heads, contexts that split
+GPU_STEPS = [([1, 1, 1, 1], [1000, 4097, 17, 2500], 64), ([1, 256, 1], [3000, 1300, 64], 16), ([512], [512], 64)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter would take minutes at these sizes")
+@pytest.mark.parametrize("q_lens, context_lens, block_size", GPU_STEPS, ids=str)
+def test_kernel_at_deepseek_v3_sizes_on_long_contexts(q_lens, context_lens, block_size):
+    step = paged_step(q_lens, context_lens, heads=128, rank=512, rope=64, dtype=torch.bfloat16, block_size=block_size,
+                      pad_tokens=2, pad_seqs=1)  # fmt: skip
+    assert_kernel_matches_reference(step)
