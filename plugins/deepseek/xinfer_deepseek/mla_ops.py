@@ -90,7 +90,7 @@ def attend(
 
 def fp8_groups(rank: int) -> int:
     groups = -(-rank // FP8_GROUP)
-    assert rank % groups == 0 and rank % 4 == 0, f"an fp8 latent cache needs R in equal groups of 4k values, got {rank}"
+    assert rank % groups == 0 and rank % 4 == 0, f"fp8 rows split R in {groups} equal groups, 4-aligned; R={rank}"
     return groups
 
 

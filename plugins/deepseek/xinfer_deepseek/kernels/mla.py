@@ -11,8 +11,9 @@ columns. The kernels read each tile of rows once for many heads: a tile's rows a
 - ``_store_kernel`` writes the step's rows to their slots first (one program a token).
 - ``_decode_kernel`` + ``_reduce_kernel`` for sequences with one query: one program per
   (head group, sequence, split of the context), flash-decoding; the reduce merges the
-  splits' partial (acc, max, sum). A step reads about context x (R + P) x 2 bytes a
-  layer per head group, the point of MLA.
+  splits' partial (acc, max, sum). A layer's decode reads each context row, (R + P) x 2
+  bytes, once from memory (its head groups, neighbours in the grid, share it through L2):
+  the point of MLA.
 - ``_prefill_kernel`` for sequences with more queries (prefill, chunked prefill): one
   program per (tile of queries of the flat batch, head group), under the causal mask.
 
@@ -43,7 +44,7 @@ from xinfer_deepseek.mla_ops import encode_fp8, fp8_groups
 
 
 @triton.jit
-def _store_kernel(latent_ptr, cache_ptr, slot_mapping_ptr, stride_tok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+def _store_kernel(rows_ptr, cache_ptr, slot_mapping_ptr, stride_tok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
                   PDL: tl.constexpr):  # fmt: skip
     pdl_entry(PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -51,7 +52,7 @@ def _store_kernel(latent_ptr, cache_ptr, slot_mapping_ptr, stride_tok, WIDTH: tl
     if slot < 0:  # padding
         return
     cols = tl.arange(0, BLOCK_W)
-    row = tl.load(latent_ptr + tok * stride_tok + cols, mask=cols < WIDTH)
+    row = tl.load(rows_ptr + tok * stride_tok + cols, mask=cols < WIDTH)
     tl.store(cache_ptr + slot * WIDTH + cols, row.to(cache_ptr.dtype.element_ty), mask=cols < WIDTH)
 
 
@@ -281,6 +282,7 @@ class Planes:
         assert cache.is_contiguous(), "a latent cache is [num_blocks, block_size, row], contiguous"
         if not fp8:
             return Planes(cache, cache[..., rank:], cache, False, rank)
+        assert rank & (rank - 1) == 0, f"the fp8 kernels take a power-of-two kv_lora_rank, got {rank}"
         groups = fp8_groups(rank)
         scales, rope = (
             cache.view(torch.float32)[..., rank // 4 :],
