@@ -10,7 +10,7 @@ hold NaN before the op, so a read of an unwritten or foreign slot shows in the o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -34,16 +34,11 @@ class Step:
     scale: float
 
     def args(self, device: torch.device | str = "cpu") -> tuple:
-        meta = AttentionMetadata(*(getattr(self.meta, f).to(device) for f in _META_TENSORS), *self.meta_ints)
+        """The op's arguments on ``device``, over a copy of the cache."""
+        fields = ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")
+        meta = replace(self.meta, **{name: getattr(self.meta, name).to(device) for name in fields})
         tensors = (self.q_latent, self.q_rope, self.latent, self.cache.clone())
         return (*(t.to(device) for t in tensors), meta, self.scale)
-
-    @property
-    def meta_ints(self) -> tuple[int, int]:
-        return self.meta.max_seqlen_q, self.meta.max_seq_len
-
-
-_META_TENSORS = ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")
 
 
 def paged_step(
