@@ -55,7 +55,9 @@ class UpProjection(nn.Module):
         heads, nope_dim, rank = self.w_uk.shape
         expected = (heads * (nope_dim + self.w_uv.shape[1]), rank)
         if name != "weight" or tuple(tensor.shape) != expected:
-            raise ValueError(f"weight kv_b_proj.{name}: checkpoint shape {tuple(tensor.shape)} != model shape {expected}")
+            raise ValueError(
+                f"weight kv_b_proj.{name}: checkpoint shape {tuple(tensor.shape)} != model shape {expected}"
+            )
         key, value = tensor.view(heads, -1, rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
         with torch.no_grad():
             self.w_uk.copy_(key)
@@ -83,9 +85,7 @@ class LatentAttention(nn.Module):
     ``ops.rotary`` rotates (q . k does not change when both are reordered alike).
     """
 
-    def __init__(
-        self, config: Any, rotary: RotaryEmbedding, norm: Callable[[int], RMSNorm], interleaved_rotary: bool
-    ):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, norm: Callable[[int], RMSNorm], interleaved_rotary: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank

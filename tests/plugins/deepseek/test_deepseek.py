@@ -127,4 +127,3 @@ def test_a_quantized_kv_format_is_refused_in_one_line(tmp_path, kv_cache_dtype):
     save_tiny_model(deepseek_v3_config(), tmp_path)
     with pytest.raises(ValueError, match=f"'{kv_cache_dtype}' encodes attention K and V, which this model does not"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
-
