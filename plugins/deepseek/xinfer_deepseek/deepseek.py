@@ -3,7 +3,8 @@ in every layer; the MLP a mixture of experts after the first ``first_k_dense_rep
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -12,6 +13,10 @@ from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.model import HF_QKV_GATE_UP
 from xinfer_deepseek.latent_attention import LatentAttention
+
+# kv_b_proj's halves as llama.cpp's converter names them, and as the module that loads them does
+_CONVERTED_HALF = re.compile(r"\.self_attn\.(k_b_proj|v_b_proj)\.weight$")
+_LOADED_HALF = re.compile(r"\.self_attn\.kv_b_proj\.(k_b_proj|v_b_proj)\.weight$")
 
 
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
@@ -49,8 +54,18 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
             shared_name="shared_experts",
         )  # fmt: skip
 
+    def checkpoint_names(self) -> set[str]:
+        return {_LOADED_HALF.sub(r".self_attn.\1.weight", name) for name in super().checkpoint_names()}
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
+        return super().load_weights(
+            _halves_under_their_loader(without_mtp_layers(weights, self.config.num_hidden_layers))
+        )
+
+
+def _halves_under_their_loader(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    for name, tensor in weights:
+        yield _CONVERTED_HALF.sub(r".self_attn.kv_b_proj.\1.weight", name), tensor
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -30,7 +30,9 @@ from xinfer.layers.rotary import yarn_mscale
 
 class UpProjection(nn.Module):
     """``kv_b_proj`` [H * (N + V), R] held per head as its key half ``w_uk`` [H, N, R] and its value
-    half ``w_uv`` [H, V, R]: the checkpoint's one matrix is split at load."""
+    half ``w_uv`` [H, V, R], split at load. It loads the checkpoint's one matrix (``weight``) or the
+    halves as llama.cpp's converter splits them (``k_b_proj.weight`` [H, R, N], transposed, and
+    ``v_b_proj.weight``)."""
 
     def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_dim: int):
         super().__init__()
@@ -46,23 +48,31 @@ class UpProjection(nn.Module):
         return torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
 
     def checkpoint_names(self) -> set[str]:
-        return {"weight"}
+        return {"weight", *self.checkpoint_parts()}
 
     def checkpoint_parts(self) -> set[str]:
-        return {"weight"}
+        return {"k_b_proj.weight", "v_b_proj.weight"}
 
     def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
         heads, nope_dim, rank = self.w_uk.shape
-        expected = (heads * (nope_dim + self.w_uv.shape[1]), rank)
-        if name != "weight" or tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"weight kv_b_proj.{name}: checkpoint shape {tuple(tensor.shape)} != model shape {expected}"
-            )
-        key, value = tensor.view(heads, -1, rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
-        with torch.no_grad():
-            self.w_uk.copy_(key)
-            self.w_uv.copy_(value)
-        return {"weight"}
+        if name == "weight":
+            halves = tensor.view(heads, -1, rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
+            targets = {"k_b_proj.weight": (self.w_uk, halves[0]), "v_b_proj.weight": (self.w_uv, halves[1])}
+        elif name == "k_b_proj.weight":
+            targets = {name: (self.w_uk, tensor.transpose(1, 2))}
+        elif name == "v_b_proj.weight":
+            targets = {name: (self.w_uv, tensor)}
+        else:
+            raise ValueError(f"kv_b_proj: no parameter loads checkpoint tensor {name!r}")
+        for part, (param, value) in targets.items():
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"weight kv_b_proj ({part}): checkpoint shape {tuple(value.shape)} != model shape "
+                    f"{tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value)
+        return set(targets)
 
 
 def softmax_scale(config: Any) -> float:

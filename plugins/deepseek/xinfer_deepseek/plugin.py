@@ -14,3 +14,8 @@ def xinfer_architectures() -> dict[str, str]:
 def xinfer_ops() -> list[OpSpec]:
     kernels = {"cuda": "xinfer_deepseek.kernels.mla:mla_attention"}
     return [OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels)]
+
+
+@hookimpl
+def xinfer_gguf_architectures() -> dict[str, str]:
+    return {"deepseek2": "xinfer_deepseek.gguf:DeepseekV2GGUF"}

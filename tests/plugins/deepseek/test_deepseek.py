@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from tests.plugins.deepseek.configs import deepseek_v3_config
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
+    assert_missing_tensor_is_named,
     assert_prefill_logits_match,
     randomize,
     spread_routing,
@@ -127,3 +128,9 @@ def test_a_quantized_kv_format_is_refused_in_one_line(tmp_path, kv_cache_dtype):
     save_tiny_model(deepseek_v3_config(), tmp_path)
     with pytest.raises(ValueError, match=f"'{kv_cache_dtype}' encodes attention K and V, which this model does not"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+
+
+def test_a_missing_up_projection_is_named(tmp_path):
+    save_tiny_model(deepseek_v3_config(), tmp_path)
+    dropped = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert_missing_tensor_is_named(tmp_path, dropped, "model.layers.1.self_attn.kv_b_proj.k_b_proj.weight")
