@@ -48,8 +48,9 @@ from xinfer_cuda.kernels import (
     sampling,
 )
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
+from xinfer_deepseek.kernels import mla
 
-MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling)
+MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling, mla)
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
 # a format of each key code with a recent window: float (fp8), uniform (4 bits), Lloyd-Max (3 bits)
 WINDOW_FORMATS = ("fp8", "turbo4", "turbo3-lm")
@@ -118,6 +119,20 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
     rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
     sampling.sample(t(4, 151936), SamplingBatch.of(rows))
+    # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and
+    # fp8 rows: the store, decode with and without splits, prefill
+    mla_tiles = {fp8: mla.TILES["fma" if cc < 80 or dtype == torch.float32 else "gpu-fp8" if fp8 else "gpu"]
+                 for fp8 in (False, True)}  # fmt: skip
+    for heads, q_len, splits in [(128, 1, 4), (128, 1, 1), (16, 1, 4), (128, 8, None), (16, 8, None)]:
+        cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+        meta = AttentionMetadata(
+            cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
+            torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
+        )  # fmt: skip
+        queries = (t(2 * q_len, heads, 512), t(2 * q_len, heads, 64), t(2 * q_len, 576))
+        mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=splits, tiles=mla_tiles[False])
+        fp8_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
+        mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=splits, tiles=mla_tiles[True])
 
     element_size = torch.tensor([], dtype=dtype).element_size()
 

@@ -1,0 +1,401 @@
+"""Multi-head latent attention over a paged latent cache: the CUDA backend's kernels of
+``mla_attention`` and ``mla_attention_fp8`` (:mod:`xinfer_deepseek.mla_ops` holds the
+references and the fp8 row layout).
+
+Every head attends over the same cache rows (latent ``R`` || rope key ``P``), so MLA is
+attention with one KV head of dimension ``R + P`` whose values are the rows' first ``R``
+columns. The kernels read each tile of rows once for many heads: a tile's rows are
+(query, head) pairs, its scores ``q_latent @ latentᵀ + q_rope @ ropeᵀ`` and its output
+``p @ latent`` are two dots and one (fp32 accumulators, online softmax in base 2).
+
+- ``_store_kernel`` writes the step's rows to their slots first (one program a token).
+- ``_decode_kernel`` + ``_reduce_kernel`` for sequences with one query: one program per
+  (head group, sequence, split of the context), flash-decoding; the reduce merges the
+  splits' partial (acc, max, sum). A layer's decode reads each context row, (R + P) x 2
+  bytes, once from memory (its head groups, neighbours in the grid, share it through L2):
+  the point of MLA.
+- ``_prefill_kernel`` for sequences with more queries (prefill, chunked prefill): one
+  program per (tile of queries of the flat batch, head group), under the causal mask.
+
+fp8 rows are encoded by torch ops before the store (no host syncs); the attention kernels
+read a row's parts from their planes (:class:`Planes`) and decode the e4m3 latents on
+their group scales in registers, into the queries' dtype, so the dots are the same.
+
+Grids depend only on tensor shapes and split lengths are computed from ``seq_lens`` in
+the kernels, so decode steps can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.attention import LOG2E, NEG_BIG, _tile_owner, decode_num_splits
+from xinfer_cuda.kernels.kv_codes import FP8_MAX_C, fp8_value
+from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_deepseek.mla_ops import encode_fp8, fp8_groups
+
+
+@triton.jit
+def _store_kernel(rows_ptr, cache_ptr, slot_mapping_ptr, stride_tok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    pdl_entry(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok)
+    if slot < 0:  # padding
+        return
+    cols = tl.arange(0, BLOCK_W)
+    row = tl.load(rows_ptr + tok * stride_tok + cols, mask=cols < WIDTH)
+    tl.store(cache_ptr + slot * WIDTH + cols, row.to(cache_ptr.dtype.element_ty), mask=cols < WIDTH)
+
+
+@triton.jit
+def _load_rows(ptr, offsets, row_ok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows of ``WIDTH`` elements at element ``offsets`` [M], as [M, BLOCK_W] (0 past the end)."""
+    cols = tl.arange(0, BLOCK_W)
+    return tl.load(ptr + offsets[:, None] + cols[None, :], mask=row_ok[:, None] & (cols < WIDTH)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, offsets, row_ok, rows, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    cols = tl.arange(0, BLOCK_W)
+    at = ptr + offsets[:, None] + cols[None, :]
+    tl.store(at, rows.to(ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < WIDTH)[None, :])
+
+
+@triton.jit
+def _dequantize(codes, scales_ptr, rows_ok, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                GROUP: tl.constexpr):  # fmt: skip
+    """e4m3 codes [N, R] (R a multiple of GROUP) on their rows' fp32 group scales at
+    ``scales_ptr`` [N]: code * absmax / 448, in ``DTYPE``."""
+    groups = tl.arange(0, BLOCK_R // GROUP)
+    scales = tl.load(scales_ptr[:, None] + groups[None, :], mask=rows_ok[:, None], other=0.0)
+    scales = (scales * (256.0 / FP8_MAX_C)).to(DTYPE)  # (fp8_value is e4m3 / 256)
+    values = tl.reshape(fp8_value(codes).to(DTYPE), (BLOCK_N, BLOCK_R // GROUP, GROUP))
+    return tl.reshape(values * scales[:, :, None], (BLOCK_N, BLOCK_R))
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q_latent, q_rope, q_pos, start, end, latent_ptr, rope_ptr, scale_ptr, block_table_ptr,
+            score_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, R: tl.constexpr,
+            P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+            LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+            PRECISION: tl.constexpr):  # fmt: skip
+    """Fold the cache rows at positions [start, end) into the running (acc, l_i, m_i) of
+    the query rows; with ``CAUSAL`` a row at ``q_pos`` sees positions up to its own.
+    A row's parts are read from their planes (:class:`Planes`); fp8 latents are decoded
+    in registers into the queries' dtype."""
+    for tile_start in range(start, end, BLOCK_N):
+        k_pos = tile_start + tl.arange(0, BLOCK_N)
+        in_range = k_pos < end
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + k_pos % BLOCK_SIZE
+        latent = _load_rows(latent_ptr, slot * LATENT_STRIDE, in_range, R, BLOCK_R)
+        if FP8:
+            latent = _dequantize(latent, scale_ptr + slot * SCALE_STRIDE, in_range, q_latent.dtype, BLOCK_N, BLOCK_R,
+                                 GROUP)  # fmt: skip
+        rope = _load_rows(rope_ptr, slot * ROPE_STRIDE, in_range, P, BLOCK_P).to(q_rope.dtype)
+        s = tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
+        s = tl.dot(q_rope, tl.trans(rope), s, input_precision=PRECISION) * score_scale
+        visible = in_range[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        weights = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(weights, 1)
+        acc = tl.dot(weights.to(latent.dtype), latent, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_latent_ptr, q_rope_ptr, latent_ptr, rope_ptr, scale_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    block_tables_ptr, num_seqs, num_heads, score_scale,
+    stride_ql_tok, stride_ql_head, stride_qr_tok, stride_qr_head, stride_o_tok, stride_o_head, stride_bt,
+    Q_PER_TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    tile = tl.program_id(0)
+    head_group = tl.program_id(1)
+    seq = _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # each sequence's last query tiles first: under the causal mask they see the most rows
+    first_q = (tl.cdiv(q_len, Q_PER_TILE) - 1 - (tile - q_start // Q_PER_TILE - seq)) * Q_PER_TILE
+    if first_q < 0 or q_len == 1:  # one query: the decode kernel's
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, Q_PER_TILE * BLOCK_H)
+    q_idx = first_q + rows // BLOCK_H
+    head = head_group * BLOCK_H + rows % BLOCK_H
+    row_ok = (head < num_heads) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    q_latent = _load_rows(q_latent_ptr, tok * stride_ql_tok + head * stride_ql_head, row_ok, R, BLOCK_R)
+    q_rope = _load_rows(q_rope_ptr, tok * stride_qr_tok + head * stride_qr_head, row_ok, P, BLOCK_P)
+    q_pos = seq_len - q_len + q_idx
+    last_pos = seq_len - q_len + tl.minimum(first_q + Q_PER_TILE, q_len) - 1
+
+    m_i = tl.full([Q_PER_TILE * BLOCK_H], NEG_BIG, tl.float32)
+    l_i = tl.zeros([Q_PER_TILE * BLOCK_H], tl.float32)
+    acc = tl.zeros([Q_PER_TILE * BLOCK_H, BLOCK_R], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_latent, q_rope, q_pos, 0, last_pos + 1, latent_ptr, rope_ptr, scale_ptr,
+                            block_table, score_scale, True, BLOCK_N, BLOCK_SIZE, R, P, BLOCK_R, BLOCK_P, FP8, GROUP,
+                            LATENT_STRIDE, ROPE_STRIDE, SCALE_STRIDE, PRECISION)  # fmt: skip
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    _store_rows(out_ptr, tok * stride_o_tok + head * stride_o_head, row_ok, out, R, BLOCK_R)
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # (one compile whatever the count)
+def _decode_kernel(
+    q_latent_ptr, q_rope_ptr, latent_ptr, rope_ptr, scale_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    block_tables_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, num_splits, score_scale,
+    stride_ql_tok, stride_ql_head, stride_qr_tok, stride_qr_head, stride_o_tok, stride_o_head, stride_bt,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+    LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, PARTIAL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    head_group = tl.program_id(0)  # fastest: every head group of a sequence's split together
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)  # (empty splits leave neutral partials)
+
+    head = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = head < num_heads
+    tok = q_start.to(tl.int64)
+    q_latent = _load_rows(q_latent_ptr, tok * stride_ql_tok + head * stride_ql_head, row_ok, R, BLOCK_R)
+    q_rope = _load_rows(q_rope_ptr, tok * stride_qr_tok + head * stride_qr_head, row_ok, P, BLOCK_P)
+    m_i = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # (l_i stands in for the query positions, which only a causal mask reads)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_latent, q_rope, l_i, start, end, latent_ptr, rope_ptr, scale_ptr,
+                            block_table, score_scale, False, BLOCK_N, BLOCK_SIZE, R, P, BLOCK_R, BLOCK_P, FP8, GROUP,
+                            LATENT_STRIDE, ROPE_STRIDE, SCALE_STRIDE, PRECISION)  # fmt: skip
+    if PARTIAL:
+        part = (seq.to(tl.int64) * num_heads + head) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        _store_rows(part_acc_ptr, part * R, row_ok, acc, R, BLOCK_R)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        _store_rows(out_ptr, tok * stride_o_tok + head * stride_o_head, row_ok, out, R, BLOCK_R)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_q_ptr, num_heads, stride_o_tok, stride_o_head,
+    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - q_start != 1:
+        return
+    # (a split that read no rows left max NEG_BIG, sum and acc 0: it weighs nothing)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    active = splits < NUM_SPLITS
+    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part, mask=active, other=NEG_BIG)
+    weight = tl.where(active, tl.exp2(m - tl.max(m, 0)), 0.0)
+    total = tl.sum(weight * tl.load(part_sum_ptr + part, mask=active, other=0.0), 0)
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.load(part_acc_ptr + part[:, None] * R + r[None, :], mask=active[:, None] & (r < R)[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + r, out, mask=r < R)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int  # rows of a program: heads (decode), or (query, head) pairs (prefill)
+    block_n: int  # cache rows per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+# name: (decode, prefill). Chosen without a GPU at hand, by compile_check (bf16 queries, R 512, P 64,
+# sm_90 and sm_80): bf16 rows decode in 192-203 registers, prefill in 178-186 with 8 warps (4 spilled
+# 104 bytes); fp8 rows, decoded in registers, in 226-246 with 16-row tiles and 8 warps (32-row tiles
+# spilled 16-3232 bytes). Untimed.
+TILES = {
+    "gpu": (Tiles(16, 32, 4, 2), Tiles(32, 32, 8, 2)),
+    "gpu-fp8": (Tiles(16, 16, 8, 2), Tiles(16, 16, 8, 2)),
+    "fma": (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),  # fp32, or before sm_80
+    "interpreter": (Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)),  # small, so that small tests cross tiles
+}
+MAX_SPLITS = 32
+
+
+def tiles_for(q: Tensor, fp8: bool) -> tuple[Tiles, Tiles]:
+    """The (decode, prefill) tiles for queries ``q`` over bf16 or fp8 rows."""
+    if q.device.type != "cuda":
+        return TILES["interpreter"]
+    if q.dtype == torch.float32 or torch.cuda.get_device_capability(q.device)[0] < 8:
+        return TILES["fma"]
+    return TILES["gpu-fp8" if fp8 else "gpu"]
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@dataclass(frozen=True)
+class Planes:
+    """Where the parts of a cache row lie, for the kernels: each part as a view whose
+    first element is that part of the first row, and the row's length in its elements."""
+
+    latent: Tensor
+    rope: Tensor
+    scales: Tensor  # fp32 group scales (fp8 rows; else a stand-in)
+    fp8: bool
+    group: int  # latent values per scale
+
+    @staticmethod
+    def of(cache: Tensor, rank: int, fp8: bool) -> Planes:
+        assert cache.is_contiguous(), "a latent cache is [num_blocks, block_size, row], contiguous"
+        if not fp8:
+            return Planes(cache, cache[..., rank:], cache, False, rank)
+        assert rank & (rank - 1) == 0, f"the fp8 kernels take a power-of-two kv_lora_rank, got {rank}"
+        groups = fp8_groups(rank)
+        scales, rope = (
+            cache.view(torch.float32)[..., rank // 4 :],
+            cache.view(torch.bfloat16)[..., rank // 2 + 2 * groups :],
+        )
+        return Planes(cache, rope, scales, True, rank // groups)
+
+    def constexprs(self) -> dict:
+        strides = dict(LATENT_STRIDE=self.latent.stride(1), ROPE_STRIDE=self.rope.stride(1),
+                       SCALE_STRIDE=self.scales.stride(1))  # fmt: skip
+        return dict(FP8=self.fp8, GROUP=self.group, **strides)
+
+
+def mla_attention(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent: Tensor,
+    cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
+) -> Tensor:
+    """:func:`xinfer_deepseek.mla_ops.mla_attention` in Triton; ``num_splits`` (decode) and
+    ``tiles`` (decode, prefill) override the defaults, for tests and tuning."""
+    rank = q_latent.shape[-1]
+    return _attention(
+        q_latent, q_rope, latent, cache, Planes.of(cache, rank, fp8=False), meta, scale, num_splits, tiles
+    )
+
+
+def mla_attention_fp8(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent: Tensor,
+    cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
+) -> Tensor:
+    """:func:`xinfer_deepseek.mla_ops.mla_attention_fp8` in Triton: the step's rows are encoded
+    (:func:`~xinfer_deepseek.mla_ops.encode_fp8`, torch ops, no host syncs) and stored, and
+    the kernels decode the cache's latents in registers."""
+    rank = q_latent.shape[-1]
+    rows = encode_fp8(latent, rank)
+    return _attention(q_latent, q_rope, rows, cache, Planes.of(cache, rank, fp8=True), meta, scale, num_splits, tiles)
+
+
+def _attention(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    rows: Tensor,
+    cache: Tensor,
+    planes: Planes,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None,
+    tiles: tuple[Tiles, Tiles] | None,
+) -> Tensor:
+    """Store ``rows`` [T, row] (as the cache holds them), then attend (:func:`mla_attention`)."""
+    num_tokens, num_heads, rank = q_latent.shape
+    _, block_size, width = cache.shape
+    rope_dim = q_rope.shape[-1]
+    assert rows.shape[-1] == width, (rows.shape, cache.shape)
+    q_latent, q_rope, rows = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_rope, rows))
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    pdl = launch.pdl(q_latent.device)
+    _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
+                                 BLOCK_W=triton.next_power_of_2(width), **pdl)  # fmt: skip
+
+    decode_tiles, prefill_tiles = tiles or tiles_for(q_latent, planes.fp8)
+    args = (q_latent, q_rope, planes.latent, planes.rope, planes.scales, out, meta.cu_seqlens_q, meta.seq_lens,
+            meta.block_tables)  # fmt: skip
+    strides = (*q_latent.stride()[:2], *q_rope.stride()[:2], *out.stride()[:2], meta.block_tables.stride(0))
+    constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=triton.next_power_of_2(rank),
+                      BLOCK_P=triton.next_power_of_2(rope_dim), **planes.constexprs(),
+                      PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", **pdl)  # fmt: skip
+    score_scale = scale * LOG2E  # (softmax in base 2)
+
+    if meta.max_seqlen_q > 1:
+        block_h = min(triton.next_power_of_2(num_heads), prefill_tiles.block_m)
+        q_per_tile = prefill_tiles.block_m // block_h
+        # tiles from shapes only (graph-safe): see _tile_owner
+        grid = (num_tokens // q_per_tile + meta.num_seqs, triton.cdiv(num_heads, block_h))
+        _prefill_kernel[grid](
+            *args, meta.num_seqs, num_heads, score_scale, *strides, Q_PER_TILE=q_per_tile, BLOCK_H=block_h,
+            BLOCK_N=prefill_tiles.block_n, num_warps=prefill_tiles.num_warps, num_stages=prefill_tiles.num_stages,
+            **constexprs,
+        )  # fmt: skip
+
+    block_h = max(16, min(triton.next_power_of_2(num_heads), decode_tiles.block_m))  # (tl.dot takes 16 rows or more)
+    head_groups = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        max_context = meta.block_tables.shape[1] * block_size
+        min_split = 4 * decode_tiles.block_n
+        num_splits = decode_num_splits(meta.num_seqs, head_groups, max_context, _num_sms(q_latent.device), min_split)
+        num_splits = min(num_splits, MAX_SPLITS)
+    parts = (out, out, out)  # (unused with one split: the programs write the output)
+    if num_splits > 1:  # each split's acc [R], max and sum per (sequence, head)
+        part_shape = (meta.num_seqs, num_heads, num_splits)
+        parts = (out.new_empty((*part_shape, rank), dtype=torch.float32),
+                 out.new_empty(part_shape, dtype=torch.float32), out.new_empty(part_shape, dtype=torch.float32))  # fmt: skip
+    _decode_kernel[(head_groups, meta.num_seqs, num_splits)](
+        *args, *parts, num_heads, num_splits, score_scale, *strides, BLOCK_H=block_h, BLOCK_N=decode_tiles.block_n,
+        PARTIAL=num_splits > 1, num_warps=decode_tiles.num_warps, num_stages=decode_tiles.num_stages, **constexprs,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(meta.num_seqs, num_heads)](
+            out, *parts, meta.cu_seqlens_q, num_heads, *out.stride()[:2], NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), R=rank, BLOCK_R=triton.next_power_of_2(rank),
+            num_warps=4, **pdl,
+        )  # fmt: skip
+    return out
