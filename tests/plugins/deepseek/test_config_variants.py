@@ -28,12 +28,10 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
         v_head_dim=32, n_shared_experts=2,
     ),
-    "glm-4.7-flash, yarn": lambda: glm4_moe_lite_config(rope_parameters=YARN),
-    "glm-4.7-flash all sparse, 8 groups of 2, top-3": lambda: glm4_moe_lite_config(
-        mlp_layer_types=["sparse"] * 3, n_group=8, topk_group=3
+    "glm-4.7-flash all sparse, 8 groups of 2, top-3, yarn": lambda: glm4_moe_lite_config(
+        mlp_layer_types=["sparse"] * 3, n_group=8, topk_group=3, rope_parameters=YARN
     ),
-    "v2-lite, no q-lora, greedy softmax routing": deepseek_v2_config,
-    "v2 q-lora, yarn": lambda: deepseek_v2_config(q_lora_rank=24, rope_parameters=YARN),
+    "v2-lite: no q-lora, greedy softmax routing, yarn": lambda: deepseek_v2_config(rope_parameters=YARN),
 }  # fmt: skip
 
 
