@@ -23,7 +23,8 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     """Latent attention with interleaved rotary where ``rope_interleave``; experts picked by sigmoid
     scores plus a correction bias among the ``topk_group`` best of ``n_group`` groups, their weights
     renormalized (``norm_topk_prob``) and scaled by ``routed_scaling_factor``; shared experts see every
-    token. The MTP layers after the decoder's are skipped."""
+    token. ``kv_b_proj`` loads whole (HF checkpoints) or as the halves llama.cpp's converter splits it
+    into. The MTP layers after the decoder's are skipped."""
 
     packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}
 
