@@ -7,7 +7,14 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Glm4MoeConfig, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 SHAPES = {
     "smollm2-135m": lambda: LlamaConfig(
@@ -106,6 +113,63 @@ SHAPES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
         tie_word_embeddings=False,
         architectures=["Glm4MoeForCausalLM"],
+    ),
+    # moonshotai/Moonlight-16B-A3B's config.json (DeepSeek-V3's architecture at DeepSeek-V2-Lite's size): 27 layers
+    # of multi-head latent attention without q-LoRA (16 heads, latent 512 + rope key 64), a dense first layer,
+    # then 64 experts of which 6 and 2 shared experts see each token: 16.0 B parameters, 2.9 B read per decoded token
+    "moonlight-16b-a3b": lambda: DeepseekV3Config(
+        vocab_size=163840,
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        first_k_dense_replace=1,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.446,
+        max_position_embeddings=8192,
+        rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        architectures=["DeepseekV3ForCausalLM"],
+    ),
+    # DeepSeek-V3's architecture at toy sizes (q-LoRA, grouped routing): mla.py --smoke on the CPU
+    "deepseek-v3-tiny": lambda: DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=512,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        tie_word_embeddings=False,
+        architectures=["DeepseekV3ForCausalLM"],
     ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,

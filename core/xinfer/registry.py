@@ -31,8 +31,9 @@ from xinfer.loading.errors import first_line
 log = logging.getLogger(__name__)
 
 BUILT_IN_DISTRIBUTIONS = frozenset(
-    {"xinfer-llama", "xinfer-qwen", "xinfer-gemma", "xinfer-glm", "xinfer-minimax", "xinfer-cpu", "xinfer-cuda"}
-)
+    {"xinfer-llama", "xinfer-qwen", "xinfer-gemma", "xinfer-glm", "xinfer-minimax", "xinfer-deepseek", "xinfer-cpu",
+     "xinfer-cuda"}
+)  # fmt: skip
 """This repository's plugins: any other plugin registering one of their names overrides them."""
 
 # hooks returning {name: "module:attribute"}, and what their names are called in messages

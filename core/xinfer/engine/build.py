@@ -68,6 +68,11 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)
+    if kv_format.name != "auto" and not layout.attention_layers:
+        raise ValueError(
+            f"kv_cache_dtype (--kvcache-dtype) {kv_format.name!r} encodes attention K and V, which this model does "
+            f"not cache (its layers cache one vector per token, as multi-head latent attention's latent): use auto"
+        )
     runner = ModelRunner(model, ops, cache.block_size, device, config.model.seed,
                          len(layout.groups), bool(layout.state_layers))  # fmt: skip
     key_transforms = None

@@ -65,8 +65,17 @@ def _yarn(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
     extrapolation, _ = _default(base, dim, params)
     inv_freq = extrapolation / factor * ramp + extrapolation * (1 - ramp)
-    mscale = params.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+    mscale = params.get("attention_factor")
+    if mscale is None and params.get("mscale") and params.get("mscale_all_dim"):  # DeepSeek's: their ratio
+        mscale = yarn_mscale(factor, params["mscale"]) / yarn_mscale(factor, params["mscale_all_dim"])
+    elif mscale is None:
+        mscale = yarn_mscale(factor)
     return inv_freq, mscale
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``factor`` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 _INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}

@@ -1,0 +1,12 @@
+"""GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): DeepSeek-V3's layers, the dense ones named by ``mlp_layer_types``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xinfer_deepseek.deepseek import DeepseekV3ForCausalLM
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    def is_sparse(self, config: Any, index: int) -> bool:
+        return config.mlp_layer_types[index] == "sparse"

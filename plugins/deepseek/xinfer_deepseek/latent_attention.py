@@ -1,0 +1,153 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash) in the absorbed form.
+
+Each token caches one vector that every head shares: its normalised latent ``c`` (``kv_lora_rank`` R
+values) and its rotated rope key ``k_rope`` (``qk_rope_head_dim`` P values). Head h's key would be
+``[W_UK[h] c, k_rope]`` and its value ``W_UV[h] c`` (``kv_b_proj`` holds W_UK and W_UV); neither is
+ever expanded::
+
+    q_latent[h] = q_nope[h] @ W_UK[h]        # the key up-projection folded into the query
+    s[h, j]     = scale * (q_latent[h] . c_j + q_rope[h] . k_rope_j)
+    o_latent[h] = softmax(s[h]) @ c
+    out[h]      = o_latent[h] @ W_UV[h]^T    # the value up-projection after attention
+
+Prefill and decode both run this way, through the op ``mla_attention``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from xinfer import ops
+from xinfer.cache.specs import TokenVectorSpec
+from xinfer.forward_context import attention_metadata
+from xinfer.layers import Linear, RMSNorm, RotaryEmbedding, pairs_to_halves, rope_parameters
+from xinfer.layers.rotary import yarn_mscale
+
+
+class UpProjection(nn.Module):
+    """``kv_b_proj`` [H * (N + V), R] held per head as its key half ``w_uk`` [H, N, R] and its value
+    half ``w_uv`` [H, V, R], split at load. It loads the checkpoint's one matrix (``weight``) or the
+    halves as llama.cpp's converter splits them (``k_b_proj.weight`` [H, R, N], transposed, and
+    ``v_b_proj.weight``)."""
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_dim: int):
+        super().__init__()
+        self.w_uk = nn.Parameter(torch.empty(num_heads, nope_dim, kv_lora_rank))
+        self.w_uv = nn.Parameter(torch.empty(num_heads, v_dim, kv_lora_rank))
+
+    def absorb(self, q_nope: Tensor) -> Tensor:
+        """q_nope [T, H, N] -> q_latent [T, H, R]."""
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
+    def expand(self, o_latent: Tensor) -> Tensor:
+        """o_latent [T, H, R] -> the heads' outputs [T, H * V]."""
+        return torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
+
+    def checkpoint_names(self) -> set[str]:
+        return {"weight", *self.checkpoint_parts()}
+
+    def checkpoint_parts(self) -> set[str]:
+        return {"k_b_proj.weight", "v_b_proj.weight"}
+
+    def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
+        heads, nope_dim, rank = self.w_uk.shape
+        if name == "weight":
+            halves = tensor.view(heads, -1, rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
+            targets = {"k_b_proj.weight": (self.w_uk, halves[0]), "v_b_proj.weight": (self.w_uv, halves[1])}
+        elif name == "k_b_proj.weight":
+            targets = {name: (self.w_uk, tensor.transpose(1, 2))}
+        elif name == "v_b_proj.weight":
+            targets = {name: (self.w_uv, tensor)}
+        else:
+            raise ValueError(f"kv_b_proj: no parameter loads checkpoint tensor {name!r}")
+        for part, (param, value) in targets.items():
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"weight kv_b_proj ({part}): checkpoint shape {tuple(value.shape)} != model shape "
+                    f"{tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value)
+        return set(targets)
+
+
+def softmax_scale(config: Any) -> float:
+    """``1 / sqrt(qk_head_dim)``, times YaRN's ``mscale_all_dim`` temperature squared where the rope is scaled."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        scale *= yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """The attention block of a DeepSeek-style layer (HF names): queries through ``q_a_proj``,
+    ``q_a_layernorm`` and ``q_b_proj`` (q-LoRA) or one ``q_proj`` (``q_lora_rank`` null); the latent
+    and rope key through ``kv_a_proj_with_mqa``, the latent normed by ``kv_a_layernorm``; ``kv_b_proj``
+    split at load (:class:`UpProjection`); ``o_proj``.
+
+    ``interleaved_rotary``: the checkpoint rotates adjacent pairs of the rope dims (``rope_interleave``);
+    those rows of the query and rope-key projections are reordered at load into the halves
+    ``ops.rotary`` rotates (q . k does not change when both are reordered alike).
+    """
+
+    def __init__(self, config: Any, rotary: RotaryEmbedding, norm: Callable[[int], RMSNorm], interleaved_rotary: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
+        q_size = heads * (self.nope_dim + self.rope_dim)
+        if self.q_lora_rank:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
+            self.q_a_layernorm = norm(self.q_lora_rank)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size)
+        else:
+            self.q_proj = Linear(hidden, q_size)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias)
+        self.kv_a_layernorm = norm(self.kv_lora_rank)
+        self.kv_b_proj = UpProjection(heads, self.kv_lora_rank, self.nope_dim, config.v_head_dim)
+        self.o_proj = Linear(heads * config.v_head_dim, hidden, bias)
+        self.rotary_emb = rotary
+        self.interleaved_rotary = interleaved_rotary
+        self.scale = softmax_scale(config)
+        self.cache: Tensor | None = None
+        self.page_group = 0
+
+    def cache_spec(self) -> TokenVectorSpec:
+        return TokenVectorSpec(self.kv_lora_rank + self.rope_dim)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
+            [self.nope_dim, self.rope_dim], dim=-1
+        )
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_rope, k_rope = self.rotary_emb(positions, q_rope.contiguous(), k_rope.unsqueeze(1).contiguous())
+        latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope.squeeze(1)), dim=-1)
+        meta = attention_metadata(self.page_group)
+        assert self.cache is not None, "the engine binds the latent cache before the first forward"
+        q_latent = self.kv_b_proj.absorb(q_nope)
+        o_latent = ops.call("mla_attention", q_latent, q_rope, latent, self.cache, meta, self.scale)
+        return self.o_proj(self.kv_b_proj.expand(o_latent))
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        if not self.interleaved_rotary:
+            return tensor
+        if name.startswith(("q_proj.", "q_b_proj.")):
+            return _rope_rows_to_halves(tensor, self.num_heads, self.rope_dim)
+        if name.startswith("kv_a_proj_with_mqa."):
+            return _rope_rows_to_halves(tensor, 1, self.rope_dim)
+        return tensor
+
+
+def _rope_rows_to_halves(rows: Tensor, num_heads: int, rope_dim: int) -> Tensor:
+    """Each head's last ``rope_dim`` rows (its rope part) from adjacent pairs to halves."""
+    heads = rows.unflatten(0, (num_heads, -1))
+    rest, rope = heads.split([heads.shape[1] - rope_dim, rope_dim], dim=1)
+    rope = pairs_to_halves(rope.flatten(0, 1), num_heads).unflatten(0, (num_heads, rope_dim))
+    return torch.cat((rest, rope), dim=1).flatten(0, 1)

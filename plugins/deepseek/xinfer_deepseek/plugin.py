@@ -1,0 +1,21 @@
+from xinfer.hooks import OpSpec, hookimpl
+
+
+@hookimpl
+def xinfer_architectures() -> dict[str, str]:
+    return {
+        "DeepseekV2ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV3ForCausalLM",
+        "Glm4MoeLiteForCausalLM": "xinfer_deepseek.glm4_moe_lite:Glm4MoeLiteForCausalLM",
+    }
+
+
+@hookimpl
+def xinfer_ops() -> list[OpSpec]:
+    kernels = {"cuda": "xinfer_deepseek.kernels.mla:mla_attention"}
+    return [OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels)]
+
+
+@hookimpl
+def xinfer_gguf_architectures() -> dict[str, str]:
+    return {"deepseek2": "xinfer_deepseek.gguf:DeepseekV2GGUF"}

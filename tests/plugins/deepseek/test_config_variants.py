@@ -1,0 +1,74 @@
+"""The latent-attention architectures on config variants transformers accepts, each against transformers'
+modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields test_deepseek.py
+leaves at one value (the query path, rotary layout and scaling, biases, head sizes, dense and sparse layer
+layouts, routing options), or is another architecture: GLM-4.7-Flash, DeepSeek-V2(-Lite)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from transformers import PretrainedConfig
+
+from tests.plugins.deepseek.configs import YARN, deepseek_v2_config, deepseek_v3_config, glm4_moe_lite_config
+from tests.plugins.hf_parity import (
+    assert_greedy_tokens_and_logprobs_match,
+    assert_prefill_logits_match,
+    randomize,
+    spread_routing,
+)
+from tests.tiny_models import save_tiny_model
+from xinfer import LLM
+
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "v3 no q-lora, yarn with mscale, NeoX rotary, biases": lambda: deepseek_v3_config(
+        q_lora_rank=None, rope_parameters=YARN, rope_interleave=False, attention_bias=True
+    ),
+    "v3 2 dense of 3, one group, raw weights unscaled, v_head_dim 32, 2 shared": lambda: deepseek_v3_config(
+        first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+        v_head_dim=32, n_shared_experts=2,
+    ),
+    "glm-4.7-flash all sparse, 8 groups of 2, top-3, yarn": lambda: glm4_moe_lite_config(
+        mlp_layer_types=["sparse"] * 3, n_group=8, topk_group=3, rope_parameters=YARN
+    ),
+    "v2-lite: no q-lora, greedy softmax routing, yarn": lambda: deepseek_v2_config(rope_parameters=YARN),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("variant")
+    hf = save_tiny_model(CONFIGS[request.param](), folder)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize("length", (5, 29))
+def test_prefill_logits_match_hf(models, length):
+    assert_prefill_logits_match(*models, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    assert_greedy_tokens_and_logprobs_match(*models, 13)
+
+
+ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
+    "v2 group-limited routing": (
+        lambda: deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+        "topk_method 'group_limited_greedy' is not supported",
+    ),
+    "v3 experts not in groups": (
+        lambda: deepseek_v3_config(n_group=3),
+        "n_group 3 and topk_group 2 do not fit 16 experts",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_unsupported_value_is_one_error_naming_the_field(name, tmp_path):
+    config, message = ERRORS[name]
+    save_tiny_model(config(), tmp_path)
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)

@@ -1,0 +1,136 @@
+"""DeepseekV3ForCausalLM against transformers' modeling code (fp32, CPU), which computes attention in the
+expanded form: multi-head latent attention absorbed over a latent cache, q-LoRA, interleaved rotary,
+group-limited routing after a dense layer. Prompts run longer than a block and than the prefill chunk; a
+prompt hitting the prefix cache mid-way and preempted sequences give transformers' tokens too. The
+checkpoint's MTP layer is skipped; a quantized KV format is refused. test_config_variants.py has the other
+architectures and options."""
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.plugins.deepseek.configs import deepseek_v3_config
+from tests.plugins.hf_parity import (
+    assert_greedy_tokens_and_logprobs_match,
+    assert_missing_tensor_is_named,
+    assert_prefill_logits_match,
+    randomize,
+    spread_routing,
+)
+from tests.tiny_models import prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+
+CHUNK = 32  # prefill chunk: the 40-token prompts take two steps
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def save_with_mtp_layer(hf, folder) -> None:
+    """The checkpoint as DeepSeek-V3's: a copy of the last layer stored as layer ``num_hidden_layers``
+    with its NextN projections, which transformers' model does not build."""
+    hf.save_pretrained(folder, safe_serialization=True)
+    last, mtp = hf.config.num_hidden_layers - 1, hf.config.num_hidden_layers
+    tensors = load_file(folder / "model.safetensors")
+    extra = {
+        name.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): tensor.clone()
+        for name, tensor in tensors.items()
+        if name.startswith(f"model.layers.{last}.")
+    }
+    extra[f"model.layers.{mtp}.eh_proj.weight"] = torch.randn(hf.config.hidden_size, 2 * hf.config.hidden_size)
+    save_file(extra, folder / "model-mtp.safetensors")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek-v3")
+    hf = save_tiny_model(deepseek_v3_config(), folder)
+    randomize(hf)
+    spread_routing(hf)
+    save_with_mtp_layer(hf, folder)
+    return hf, folder
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    hf, folder = checkpoint
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK)
+
+
+@pytest.mark.parametrize("length", (3, 40))
+def test_prefill_logits_match_hf(models, length):
+    assert_prefill_logits_match(*models, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    assert_greedy_tokens_and_logprobs_match(*models, 40)
+
+
+def hf_greedy(hf, tokens: list[int]) -> tuple[list[int], list[float]]:
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([tokens]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    new = out.sequences[0, len(tokens) :].tolist()
+    return new, [torch.log_softmax(logits[0], dim=-1)[t].item() for logits, t in zip(out.logits, new)]
+
+
+def assert_matches_hf(hf, tokens: list[int], output) -> None:
+    expected_tokens, expected_logprobs = hf_greedy(hf, tokens)
+    assert output.token_ids == expected_tokens
+    got = [step[token] for step, token in zip(output.logprobs, output.token_ids)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_prefix_cache_hit_mid_prompt_matches_hf(models):
+    hf, llm = models
+    first = prompt(45, seed=3)
+    second = first[:37] + prompt(11, seed=4)  # shares two full blocks of 16, diverges inside the third
+    llm.generate([first], GREEDY)
+    out = llm.generate([second], GREEDY)[0]
+    assert out.num_cached_tokens == 32
+    assert_matches_hf(hf, second, out.outputs[0])
+
+
+def test_preempted_sequences_match_hf(checkpoint):
+    hf, folder = checkpoint
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=7, max_model_len=96, max_num_batched_tokens=CHUNK)
+    prompts = [prompt(44, seed=5), prompt(52, seed=6)]  # 3 + 4 blocks of 16 fill the pool: decode preempts
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats().num_preemptions > 0
+    for tokens, out in zip(prompts, outputs):
+        assert_matches_hf(hf, tokens, out.outputs[0])
+
+
+def test_mtp_layer_skipped_with_a_log_line(checkpoint, caplog):
+    hf, folder = checkpoint
+    with caplog.at_level(logging.INFO, logger="xinfer.loading.mtp"):
+        LLM(model=str(folder), dtype="float32", num_blocks=64)
+    assert [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()] == [
+        f"skipping the checkpoint's MTP layers (model.layers.{hf.config.num_hidden_layers} and on): "
+        "xinfer does not run them"
+    ]
+
+
+def test_the_cache_holds_the_latent_and_rope_key_per_token_and_layer(models):
+    hf, llm = models
+    config = hf.config
+    (pool,) = llm.engine.cache.pools
+    caches = [layer.self_attn.cache for layer in llm.engine.model.model.layers]
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    assert all(tuple(cache.shape) == (pool.num_blocks, 16, width) for cache in caches)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "turbo4"])
+def test_a_quantized_kv_format_is_refused_in_one_line(tmp_path, kv_cache_dtype):
+    save_tiny_model(deepseek_v3_config(), tmp_path)
+    with pytest.raises(ValueError, match=f"'{kv_cache_dtype}' encodes attention K and V, which this model does not"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+
+
+def test_a_missing_up_projection_is_named(tmp_path):
+    save_tiny_model(deepseek_v3_config(), tmp_path)
+    dropped = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert_missing_tensor_is_named(tmp_path, dropped, "model.layers.1.self_attn.kv_b_proj.k_b_proj.weight")

@@ -1,0 +1,138 @@
+"""A GGUF of architecture ``deepseek2`` written here as llama.cpp's converter writes one (latent attention
+as one KV head over the latent, the per-head sizes as ``*_length_mla``, experts stacked, the MTP layer left
+out, ``kv_b_proj`` split per head into ``attn_k_b`` transposed and ``attn_v_b`` as newer files hold it, or
+whole as older ones do), through the engine against transformers' modeling code of the model it came from."""
+
+import gguf
+import pytest
+import torch
+
+from tests.plugins.converted_gguf import checkpoint_tensors, stacked_experts
+from tests.plugins.deepseek.configs import YARN, deepseek_v3_config
+from tests.plugins.deepseek.test_deepseek import save_with_mtp_layer
+from tests.plugins.hf_parity import (
+    assert_greedy_tokens_and_logprobs_match,
+    assert_prefill_logits_match,
+    randomize,
+    spread_routing,
+)
+from tests.tiny_models import save_tiny_model
+from xinfer import LLM
+from xinfer.loading.gguf import load_gguf_config
+
+
+def split_up_projections(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Each ``kv_b_proj`` as the converter splits it: ``k_b_proj`` [H, R, N] and ``v_b_proj`` [H, V, R]."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("kv_b_proj.weight"):
+            heads = tensor.view(config.num_attention_heads, -1, config.kv_lora_rank)
+            k_b, v_b = heads.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
+            out[name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2).contiguous()
+            out[name.replace("kv_b_proj", "v_b_proj")] = v_b.contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+def write_deepseek2_gguf(folder, config, path, split: bool, gating=gguf.ExpertGatingFuncType.SIGMOID) -> None:
+    rope = config.rope_parameters
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if config.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_gating_func(gating)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
+    tensors = {n: t for n, t in checkpoint_tensors(folder).items()
+               if not n.startswith(f"model.layers.{config.num_hidden_layers}.")}  # fmt: skip
+    tensors = stacked_experts(split_up_projections(tensors, config) if split else tensors)
+    for name, tensor in tensors.items():
+        base, _, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")
+        writer.add_tensor(
+            f"{names.get_name(base)}.{suffix}", tensor.float().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# the file keeps mscale_all_dim only: DeepSeek's mscale equals it
+YARN_AS_DEEPSEEK = dict(YARN, mscale=0.8)
+CASES = {
+    "split kv_b, q-lora": (dict(), True),
+    "whole kv_b, no q-lora, yarn": (dict(q_lora_rank=None, rope_parameters=YARN_AS_DEEPSEEK), False),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def models(request, tmp_path_factory):
+    overrides, split = CASES[request.param]
+    folder = tmp_path_factory.mktemp("deepseek2-gguf")
+    hf = save_tiny_model(deepseek_v3_config(**overrides), folder)
+    randomize(hf)
+    spread_routing(hf)
+    save_with_mtp_layer(hf, folder)
+    path = folder / "tiny.gguf"
+    write_deepseek2_gguf(folder, hf.config, path, split)
+    return hf, LLM(model=str(path), dtype="float32", num_blocks=64), path
+
+
+def test_config_reads_the_latent_shape_and_routing(models):
+    hf, _, path = models
+    config = load_gguf_config(path)
+    assert config.architectures == ["DeepseekV3ForCausalLM"]
+    for field in ("num_hidden_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "n_group",
+                  "topk_group", "moe_intermediate_size", "routed_scaling_factor", "norm_topk_prob"):  # fmt: skip
+        assert getattr(config, field) == getattr(hf.config, field), field
+
+
+@pytest.mark.parametrize("length", (3, 40))
+def test_prefill_logits_match_hf(models, length):
+    hf, llm, _ = models
+    assert_prefill_logits_match(hf, llm, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    hf, llm, _ = models
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 17)
+
+
+def test_softmax_gating_is_one_clear_error(tmp_path):
+    hf = save_tiny_model(deepseek_v3_config(), tmp_path)
+    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "v2.gguf", True, gguf.ExpertGatingFuncType.SOFTMAX)
+    with pytest.raises(ValueError, match=r"deepseek2 GGUF with softmax expert gating .* is not supported"):
+        load_gguf_config(tmp_path / "v2.gguf")
