@@ -89,18 +89,17 @@ def test_prefill_log_probs_match_hf(models, length):
     assert error <= 1e-4, f"max|diff| of log-probs = {error:.2e}"
 
 
-@pytest.mark.parametrize("length", (5, 40))
-def test_greedy_tokens_and_logprobs_match_hf_over_chunked_prompts(models, length):
+def test_greedy_tokens_and_logprobs_match_hf_over_a_chunked_prompt(models):
     hf, llm, _ = models
-    assert_greedy_tokens_and_logprobs_match(hf, llm, length)
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 3 * CHUNK - 5)
 
 
 def test_sequences_batched_at_different_lengths_and_preempted_match_hf(models):
     hf, _, folder = models
-    prompts = [prompt(4 + 19 * i, seed=i) for i in range(4)]
-    expected = [hf_greedy(hf, tokens, 12) for tokens in prompts]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    small = LLM(model=str(folder), dtype="float32", num_blocks=8, max_model_len=128, max_num_batched_tokens=CHUNK)
+    prompts = [prompt(4 + 23 * i, seed=i) for i in range(3)]
+    expected = [hf_greedy(hf, tokens, 10) for tokens in prompts]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    small = LLM(model=str(folder), dtype="float32", num_blocks=5, max_model_len=80, max_num_batched_tokens=CHUNK)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == expected
     assert small.engine.stats().num_preemptions > 0
     states = small.engine.cache.states
@@ -111,9 +110,9 @@ def test_two_requests_sharing_a_prefix_match_hf(models):
     hf, llm, _ = models
     shared = prompt(37, seed=7)
     prompts = [shared + prompt(5, seed=8), shared + prompt(9, seed=9)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for tokens in prompts:  # one after the other: the second finds the first's blocks
-        assert llm.generate([tokens], params)[0].outputs[0].token_ids == hf_greedy(hf, tokens, 8)
+        assert llm.generate([tokens], params)[0].outputs[0].token_ids == hf_greedy(hf, tokens, 6)
 
 
 def test_image_text_checkpoint_loads_its_text_part(tmp_path, caplog):
