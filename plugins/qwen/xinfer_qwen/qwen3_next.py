@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RMSNorm, RotaryEmbedding, Routing
@@ -68,13 +69,12 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_b": ("in_proj", "b"),
         "in_proj_a": ("in_proj", "a"),
     }
-    fused_projections: ClassVar[bool] = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba
 
     def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         if config.layer_types[index] != "linear_attention":
             return super().layer(config, index, rotary)
         norm = functools.partial(self.rms_norm, config.hidden_size)
-        return DeltaNetDecoderLayer(GatedDeltaNet(config, self.fused_projections), self.mlp(config, index), norm)
+        return DeltaNetDecoderLayer(GatedDeltaNet(config), self.mlp(config, index), norm)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         return super().load_weights(without_mtp_layers(text_part(weights), self.config.num_hidden_layers))
@@ -95,12 +95,45 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
-    """Qwen3-Next: Qwen3.5-MoE's layers with the DeltaNet's projections fused in two, their
-    rows grouped per key head; dense MLPs where Qwen2-MoE's rules say (``decoder_sparse_step``,
-    ``mlp_only_layers``)."""
-
-    packed_modules = {**HF_QKV_GATE_UP, "in_proj_qkvz": ("in_proj", "qkvz"), "in_proj_ba": ("in_proj", "ba")}
-    fused_projections = True
+    """Qwen3-Next: Qwen3.5-MoE's layers but dense MLPs where Qwen2-MoE's rules say
+    (``decoder_sparse_step``, ``mlp_only_layers``), and the DeltaNet's projections fused in
+    two, ``in_proj_qkvz`` and ``in_proj_ba``, whose rows come per key head (``q | k | v | z``
+    and ``b | a``, the key head's share of the value heads in each): they are split into
+    Qwen3.5's four at load."""
 
     def mlp(self, config: Any, index: int) -> nn.Module:
         return sparse_moe(config, routing(config)) if is_sparse(config, index) else super().mlp(config, index)
+
+    def checkpoint_names(self) -> set[str]:
+        """Qwen3.5's but ``in_proj_ba`` for ``in_proj_b`` and ``in_proj_a``, and ``in_proj_qkvz``
+        besides ``in_proj_qkv`` and ``in_proj_z`` (llama.cpp's converter splits it in those two)."""
+        names = super().checkpoint_names()
+        split = {name for name in names if name.endswith((".in_proj_b.weight", ".in_proj_a.weight"))}
+        fused = {name.replace(".in_proj_qkv.", ".in_proj_qkvz.") for name in names if ".in_proj_qkv." in name}
+        return names - split | fused | {name.replace(".in_proj_b.", ".in_proj_ba.") for name in split}
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return super().load_weights(unfused(weights, self.config))
+
+
+def unfused(weights: Iterable[tuple[str, Tensor]], config: Any) -> Iterator[tuple[str, Tensor]]:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split into Qwen3.5's ``in_proj_qkv``,
+    ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, the rows of each in head order."""
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    key, value = config.linear_key_head_dim, config.linear_value_head_dim * group
+    per_key_head = {  # fused module: the rows of one key head, and where each part goes
+        "in_proj_qkvz": ([key, key, value, value], ["in_proj_qkv", "in_proj_qkv", "in_proj_qkv", "in_proj_z"]),
+        "in_proj_ba": ([group, group], ["in_proj_b", "in_proj_a"]),
+    }
+    for name, tensor in weights:
+        module_path, _, leaf = name.rpartition(".")
+        prefix, _, module = module_path.rpartition(".")
+        if module not in per_key_head:
+            yield name, tensor
+            continue
+        sizes, targets = per_key_head[module]
+        rows: dict[str, list[Tensor]] = {}
+        for target, part in zip(targets, tensor.unflatten(0, (config.linear_num_key_heads, -1)).split(sizes, dim=1)):
+            rows.setdefault(target, []).append(part.flatten(0, 1))
+        for target, parts in rows.items():
+            yield f"{prefix}.{target}.{leaf}", torch.cat(parts)
