@@ -33,4 +33,7 @@ def xinfer_gguf_architectures() -> dict[str, str]:
         "qwen3": "xinfer_qwen.gguf:QWEN3",
         "qwen2moe": "xinfer_qwen.gguf:QWEN2_MOE",
         "qwen3moe": "xinfer_qwen.gguf:QWEN3_MOE",
+        "qwen3next": "xinfer_qwen.gguf:QWEN3_NEXT",
+        "qwen35": "xinfer_qwen.gguf:QWEN3_5",
+        "qwen35moe": "xinfer_qwen.gguf:QWEN3_5_MOE",
     }
