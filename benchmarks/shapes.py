@@ -7,7 +7,15 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Glm4MoeConfig, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    Glm4MoeConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 SHAPES = {
     "smollm2-135m": lambda: LlamaConfig(
@@ -106,6 +114,76 @@ SHAPES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
         tie_word_embeddings=False,
         architectures=["Glm4MoeForCausalLM"],
+    ),
+    # Qwen3.6's hybrids (3 Gated DeltaNet layers to 1 of gated full attention), the text part of their HF configs
+    # (Qwen/Qwen3.6-35B-A3B and Qwen/Qwen3.6-27B config.json's text_config, as Qwen3.5-35B-A3B's and -27B's; written
+    # from memory of those files, no network here: the 35B-A3B's agree with transformers' Qwen3_5MoeTextConfig
+    # defaults, which name Qwen3.5-35B-A3B)
+    "qwen3.6-35b-a3b": lambda: Qwen3_5MoeTextConfig(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        full_attention_interval=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        max_position_embeddings=262144,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForCausalLM"],
+    ),
+    "qwen3.6-27b": lambda: Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        full_attention_interval=4,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=262144,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5ForCausalLM"],
+    ),
+    # Qwen3.6-35B-A3B's architecture at toy sizes (two value heads per key head): hybrid.py --smoke on the CPU
+    "qwen3.6-moe-tiny": lambda: Qwen3_5MoeTextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=512,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForCausalLM"],
     ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,
