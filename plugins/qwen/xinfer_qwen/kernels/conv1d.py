@@ -19,7 +19,7 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.launch import pdl_entry
 
 ACTIVATIONS = (None, "silu", "swish")
-BLOCK_T = 32
+MAX_BLOCK_T = 32
 BLOCK_C = 128
 
 
@@ -96,12 +96,13 @@ def causal_conv1d(
     out = torch.empty_like(x)  # rows of no sequence (a padded step's) are left unwritten
     if x.shape[0] == 0 or meta.num_seqs == 0:
         return out
-    assert width - 1 <= BLOCK_T and state.shape[1:] == (channels, width - 1)
-    grid = (meta.num_seqs, triton.cdiv(channels, BLOCK_C), triton.cdiv(meta.max_seqlen_q, BLOCK_T))
+    assert state.shape[1:] == (channels, width - 1)
+    block_t = triton.next_power_of_2(max(min(meta.max_seqlen_q, MAX_BLOCK_T), width - 1))  # >= K-1: see the top
+    grid = (meta.num_seqs, triton.cdiv(channels, BLOCK_C), triton.cdiv(meta.max_seqlen_q, block_t))
     _causal_conv1d_kernel[grid](
         x, weight.contiguous(), x if bias is None else bias, state, out, meta.cu_seqlens_q, meta.seq_lens, slots,
         x.stride(0), out.stride(0), *state.stride(), channels,
         WIDTH=width, WINDOW=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
-        SILU=activation is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4, **launch.pdl(x.device),
+        SILU=activation is not None, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4, **launch.pdl(x.device),
     )  # fmt: skip
     return out

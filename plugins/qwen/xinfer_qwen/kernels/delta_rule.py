@@ -79,15 +79,23 @@ def _recurrent_kernel(
 
 
 @triton.jit
+def _load_rows(ptr, start, hi, stride_t, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows ``start:start + ROWS`` [ROWS, COLS] (fp32) of a [T, width] matrix at ``ptr`` with row
+    stride ``stride_t``; zeros past row ``hi`` and column ``width``."""
+    rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
+    mask = (rows < hi - start)[:, None] & (cols < width)[None, :]
+    rows_ptr = ptr + start * stride_t + (rows * stride_t)[:, None]
+    return tl.load(rows_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _chunk_rows(k_ptr, g_ptr, beta_ptr, start, hi, k_head, head, stride_k_t, stride_k_h, stride_g_t, stride_beta_t,
                 dim_k, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     """A chunk's normalized keys [CHUNK, BLOCK_K], cumulative log decays and betas [CHUNK];
     zeros past the sequence's end."""
     rows = start + tl.arange(0, CHUNK)
-    ks = tl.arange(0, BLOCK_K)
     in_seq = rows < hi
-    k = tl.load(k_ptr + rows[:, None] * stride_k_t + k_head * stride_k_h + ks[None, :],
-                mask=in_seq[:, None] & (ks < dim_k)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    k = _load_rows(k_ptr + k_head * stride_k_h, start, hi, stride_k_t, dim_k, CHUNK, BLOCK_K)
     g = tl.load(g_ptr + rows * stride_g_t + head, mask=in_seq, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + rows * stride_beta_t + head, mask=in_seq, other=0.0).to(tl.float32)
     return _l2_normalized(k), tl.cumsum(g, axis=0), beta
@@ -123,7 +131,7 @@ def _inverse_kernel(
     a_transposed = gram * (beta[None, :] * tl.trans(_decays(cum_g, CHUNK, False)))  # [j, i] = A_ij
     rows = tl.arange(0, CHUNK)
     inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, CHUNK):
+    for i in range(1, tl.minimum(hi - start, CHUNK)):  # rows past the end stay e_i
         a_i = tl.sum(tl.where(rows[None, :] == i, a_transposed, 0.0), axis=1)  # [j]: A_ij
         inverse -= tl.where(rows[:, None] == i, tl.sum(a_i[:, None] * inverse, axis=0)[None, :], 0.0)
     tl.store(inverse_ptr + ((start + rows) * num_heads + head)[:, None] * CHUNK + rows[None, :], inverse,
@@ -146,7 +154,8 @@ def _chunk_kernel(
     continues = tl.load(seq_lens_ptr + seq) != hi - lo
     k_head = head // GROUP
     ks = tl.arange(0, BLOCK_K)
-    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_first = tl.program_id(2) * BLOCK_V
+    vs = v_first + tl.arange(0, BLOCK_V)
     k_mask, v_mask = ks < dim_k, vs < dim_v
     state_ptrs = (state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_s_slot + head * stride_s_h
                   + ks[:, None] * stride_s_k + vs[None, :])  # fmt: skip
@@ -154,27 +163,28 @@ def _chunk_kernel(
     read_mask = (ks < tl.where(continues, dim_k, 0))[:, None] & v_mask[None, :]  # nothing unless it continues
     s = tl.load(state_ptrs, mask=read_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
     offsets = tl.arange(0, CHUNK)
+    dtype = v_ptr.dtype.element_ty
     for start in range(lo, hi, CHUNK):
         rows = start + offsets
         in_seq = rows < hi
         k, cum_g, beta = _chunk_rows(k_ptr, g_ptr, beta_ptr, start, hi, k_head, head, stride_k_t, stride_k_h,
                                      stride_g_t, stride_beta_t, dim_k, BLOCK_K, CHUNK)  # fmt: skip
-        q = tl.load(q_ptr + rows[:, None] * stride_q_t + k_head * stride_q_h + ks[None, :],
-                    mask=in_seq[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        q = _l2_normalized(q) * scale
-        v = tl.load(v_ptr + rows[:, None] * stride_v_t + head * stride_v_h + vs[None, :],
-                    mask=in_seq[:, None] & v_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        inverse = tl.load(inverse_ptr + (rows * num_heads + head)[:, None] * CHUNK + offsets[None, :],
-                          mask=in_seq[:, None], other=0.0)  # fmt: skip
+        q = _l2_normalized(_load_rows(q_ptr + k_head * stride_q_h, start, hi, stride_q_t, dim_k, CHUNK, BLOCK_K))
+        q *= scale
+        v = _load_rows(v_ptr + head * stride_v_h + v_first, start, hi, stride_v_t, dim_v - v_first, CHUNK, BLOCK_V)
+        inverse = _load_rows(inverse_ptr + head * CHUNK, start, hi, num_heads * CHUNK, CHUNK, CHUNK, CHUNK)
         decay = tl.exp(cum_g)
-        r = beta[:, None] * (v - decay[:, None] * tl.dot(k, s, input_precision=DOT))
-        d = tl.dot(inverse, r, input_precision=DOT)  # [CHUNK, BLOCK_V]: the rows' corrections
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT) * _decays(cum_g, CHUNK, True)
-        o = decay[:, None] * tl.dot(q, s, input_precision=DOT) + tl.dot(scores, d, input_precision=DOT)
+        # the products' operands in the inputs' dtype (fp32 sums), as flash-linear-attention's
+        k_in, q_in, s_in = k.to(dtype), q.to(dtype), s.to(dtype)
+        r = beta[:, None] * (v - decay[:, None] * tl.dot(k_in, s_in, input_precision=DOT))
+        d = tl.dot(inverse.to(dtype), r.to(dtype), input_precision=DOT).to(dtype)  # the rows' corrections
+        scores = tl.dot(q_in, tl.trans(k_in), input_precision=DOT) * _decays(cum_g, CHUNK, True)
+        o = decay[:, None] * tl.dot(q_in, s_in, input_precision=DOT) + tl.dot(scores.to(dtype), d, input_precision=DOT)
         tl.store(out_ptr + rows[:, None] * stride_o_t + head * stride_o_h + vs[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=in_seq[:, None] & v_mask[None, :])  # fmt: skip
         last = tl.sum(tl.where(offsets == CHUNK - 1, cum_g, 0.0), axis=0)  # G past the end: no decay there
-        s = tl.exp(last) * s + tl.dot(tl.trans(k * tl.exp(last - cum_g)[:, None]), d, input_precision=DOT)
+        decayed_k = (k * tl.exp(last - cum_g)[:, None]).to(dtype)
+        s = tl.exp(last) * s + tl.dot(tl.trans(decayed_k), d, input_precision=DOT)
     tl.store(state_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
@@ -215,6 +225,6 @@ def gated_delta_rule(
     )  # fmt: skip
     _chunk_kernel[(meta.num_seqs, v_heads, triton.cdiv(dim_v, CHUNK_BLOCK_V))](
         q, k, v, g, beta, inverse, state, out, meta.cu_seqlens_q, meta.seq_lens, slots, *strides, dim_k, dim_v,
-        v_heads, dim_k**-0.5, BLOCK_V=CHUNK_BLOCK_V, CHUNK=CHUNK, DOT=precision, num_warps=4, **common,
+        v_heads, dim_k**-0.5, BLOCK_V=CHUNK_BLOCK_V, CHUNK=CHUNK, DOT=precision, num_warps=8, num_stages=1, **common,
     )  # fmt: skip
     return out
