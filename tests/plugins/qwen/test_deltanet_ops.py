@@ -7,12 +7,28 @@ order, with a padding sequence."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# The kernels run on the device XINFER_KERNEL_DEVICE picks (unset: CUDA when there is one);
+# on "cpu" under the Triton interpreter, which must be on before anything imports triton
+# (transformers does), as tests/backends/conftest.py does for the backend's kernels.
+os.environ.setdefault("XINFER_KERNEL_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+if os.environ["XINFER_KERNEL_DEVICE"] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from dataclasses import replace
+from itertools import pairwise
+
+import pytest
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from xinfer.ops import AttentionMetadata
 from xinfer_qwen import deltanet_ops
+from xinfer_qwen.kernels import conv1d, delta_rule
+
+DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 
 # (tokens this step, tokens before it) per sequence: starting (0 before), continuing with a
 # long and a short step (fewer than K-1 rows), decode steps, and a padding sequence (0, 0)
@@ -142,3 +158,85 @@ def test_unknown_activation_is_one_clear_error():
     x, weight, bias, state = conv_inputs(torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="unknown activation 'gelu'"):
         deltanet_ops.causal_conv1d(x, weight, bias, state, batch_metadata(), torch.tensor(SLOTS), "gelu")
+
+
+# The kernels against the references
+
+ON_GPU = DEVICE.type == "cuda"
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# the interpreter's tl.dot mishandles bf16 operands (so test_moe_kernels leaves bf16 to the GPU too)
+DOT_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+
+
+def assert_close_on_rows(got: torch.Tensor, expected: torch.Tensor, meta: AttentionMetadata, tol: float):
+    """Relative error over the rows of the step's sequences (the kernels leave others unwritten)."""
+    owned = torch.cat([torch.arange(lo, hi) for lo, hi in pairwise(meta.cu_seqlens_q.tolist())])
+    got, expected = got.cpu().double()[owned], expected.double()[owned]
+    error = (got - expected).norm() / expected.norm()
+    assert error <= tol, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width, channels", [(4, 200), (2, 24)])
+def test_conv1d_kernel_matches_the_reference(dtype, width, channels):
+    generator = torch.Generator().manual_seed(width)
+    tokens = sum(q for q, _ in BATCH)
+    wide = torch.randn(tokens, channels + 16, generator=generator).to(dtype)
+    x = wide[:, 8 : 8 + channels]  # a view with a row stride, as the layer's projections give
+    weight = (torch.randn(channels, width, generator=generator) / 2).to(dtype)
+    bias = torch.randn(channels, generator=generator).to(dtype)
+    state = random_state((8, channels, width - 1), generator).to(dtype)
+    meta, slots = batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32)
+    for with_bias, activation in [(True, "silu"), (False, None)]:
+        expected_state, got_state = state.clone(), state.to(DEVICE)
+        args = (bias if with_bias else None, expected_state, meta, slots, activation)
+        expected = deltanet_ops.causal_conv1d(x, weight, *args)
+        on_device = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x, weight, bias, meta, slots)]
+        got = conv1d.causal_conv1d(*on_device[:2], on_device[2] if with_bias else None, got_state,
+                                           to_device(meta, DEVICE), on_device[4], activation)  # fmt: skip
+        assert got.dtype == dtype
+        assert_close_on_rows(got, expected, meta, TOL[dtype])
+        torch.testing.assert_close(got_state.cpu(), expected_state, rtol=0, atol=0, equal_nan=True)
+
+
+def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    return replace(meta, **{f: getattr(meta, f).to(device) for f in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")})  # fmt: skip
+
+
+DECODE = [(1, 5), (1, 0), (0, 0), (1, 63), (1, 64)]
+# (batch, key heads, value heads, Dk, Dv)
+DELTA_CASES = [
+    ("decode", DECODE, 2, 4, 16, 8),
+    ("mixed", BATCH, 2, 4, 16, 8),
+    ("long", [(130, 0), (1, 7), (65, 64)], 1, 1, 32, 16),
+    ("heads-128", [(70, 0), (1, 9)], 1, 2, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: c[0])
+def test_gated_delta_rule_kernel_matches_the_reference(case, dtype):
+    _, batch, k_heads, v_heads, dk, dv = case
+    generator = torch.Generator().manual_seed(len(batch))
+    slots = SLOTS[: len(batch)]
+    tokens = sum(q for q, _ in batch)
+    # q, k and v as views of one projection, as the layer splits them
+    mixed = torch.randn(tokens, (2 * k_heads * dk + v_heads * dv), generator=generator).to(dtype)
+    q, k, v = mixed.split([k_heads * dk, k_heads * dk, v_heads * dv], dim=1)
+    q, k, v = q.view(tokens, k_heads, dk), k.view(tokens, k_heads, dk), v.view(tokens, v_heads, dv)
+    g = -torch.rand(tokens, v_heads, generator=generator) * 2
+    beta = torch.rand(tokens, v_heads, generator=generator).to(dtype)
+    state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
+    meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
+    expected_state, got_state = state.clone(), state.to(DEVICE)
+    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
+    device = DEVICE
+    got = delta_rule.gated_delta_rule(
+        q.to(device), k.to(device), v.to(device), g.to(device), beta.to(device), got_state, to_device(meta, device),
+        slot_tensor.to(device),
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == v.shape
+    assert_close_on_rows(got, expected, meta, TOL[dtype])
+    error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()
+    assert error <= TOL[dtype], f"state: relative error {error:.2e}"
+    assert got_state.cpu().isnan().equal(expected_state.isnan())  # slots of no sequence untouched
