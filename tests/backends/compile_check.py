@@ -49,8 +49,10 @@ from xinfer_cuda.kernels import (
 )
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 from xinfer_deepseek.kernels import mla
+from xinfer_qwen.kernels import conv1d, delta_rule
 
-MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling, mla)
+MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling)
+MODULES += (conv1d, delta_rule, mla)  # the plugins' kernels: qwen's Gated DeltaNet, deepseek's latent attention
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
 # a format of each key code with a recent window: float (fp8), uniform (4 bits), Lloyd-Max (3 bits)
 WINDOW_FORMATS = ("fp8", "turbo4", "turbo3-lm")
@@ -117,6 +119,19 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
+    # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode
+    # step (the recurrent kernel) and one with prompts (the chunked form); the conv over q, k, v
+    for q_len in (1, 100):
+        meta = AttentionMetadata(
+            torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32), torch.tensor([100, 100], dtype=torch.int32),
+            torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
+        )  # fmt: skip
+        slots = torch.zeros(2, dtype=torch.int32)
+        conv1d.causal_conv1d(t(2 * q_len, 8192), t(8192, 4), None, t(4, 8192, 3), meta, slots)
+        delta_rule.gated_delta_rule(
+            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
+            t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
+        )  # fmt: skip
     rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
     sampling.sample(t(4, 151936), SamplingBatch.of(rows))
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and

@@ -34,6 +34,7 @@ class DecoderSpec:
     norm_weight_offset: float = 0.0  # norms multiply by offset + w (Gemma: 1)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden)
     interleaved_rotary: bool = False  # rotary over adjacent pairs (GPT-J style) rather than halves
+    output_gate: bool = False  # attention output times sigmoid(a gate from q's projection) (Qwen3-Next)
 
 
 class DecoderForCausalLM(CausalLM):
@@ -85,6 +86,7 @@ class DecoderForCausalLM(CausalLM):
             scale=scalar**-0.5,
             window=sliding_window(config, index),
             interleaved_rotary=self.spec.interleaved_rotary,
+            output_gate=self.spec.output_gate,
         )
 
     def mlp(self, config: Any, index: int) -> nn.Module:

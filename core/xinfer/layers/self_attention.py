@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from xinfer.layers.attention import Attention
@@ -21,6 +22,10 @@ class SelfAttention(nn.Module):
     than halves. The rows of q and k (and the norm weights) are reordered at load so that
     the halves ``ops.rotary`` rotates are those pairs; q·k does not change when q and k are
     reordered alike, and v is untouched.
+
+    ``output_gate``: the attention's output is multiplied by ``sigmoid(gate)`` before
+    ``o_proj``, the gate coming from q's projection, which then holds per head the query
+    and then the gate (Qwen3-Next, Qwen3.5).
     """
 
     def __init__(
@@ -38,11 +43,14 @@ class SelfAttention(nn.Module):
         window: int | None = None,
         softcap: float | None = None,
         interleaved_rotary: bool = False,
+        output_gate: bool = False,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = MergedLinear(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
+        self.output_gate = output_gate
+        q_rows = 2 * q_size if output_gate else q_size
+        self.qkv_proj = MergedLinear(hidden_size, {"q": q_rows, "k": kv_size, "v": kv_size}, qkv_bias)
         self.o_proj = Linear(q_size, hidden_size, o_bias)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
@@ -52,16 +60,23 @@ class SelfAttention(nn.Module):
         self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=scale, window=window, softcap=softcap)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        return self.o_proj(self.attn(*self.qkv(positions, x)))
+        q, k, v, gate = self.qkv(positions, x)
+        out = self.attn(q, k, v)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
-    def qkv(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries [T, H, D] and keys [T, Hkv, D], normed and rotated; values [T, Hkv*D]."""
+    def qkv(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Queries [T, H, D] and keys [T, Hkv, D], normed and rotated; values [T, Hkv*D]; the
+        output gate [T, H*D] (None without one)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        gate = None
+        if self.output_gate:
+            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+            q, gate = q.contiguous(), gate.flatten(1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
         q, k = self.rotary_emb(positions, q, k, norms)
-        return q, k, v
+        return q, k, v, gate
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         if not self.interleaved_rotary:

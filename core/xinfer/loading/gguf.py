@@ -125,6 +125,10 @@ def _causal_lm_class(model_type: str, path: Path) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
+# llama.cpp's converters rename these parameters to a module's bias before the lookup
+_CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias", "dt_bias": "dt_proj.bias"}
+
+
 def gguf_to_hf_names(architecture: str, config: PretrainedConfig, hf_names: Iterable[str]) -> dict[str, str]:
     """GGUF tensor name -> HF checkpoint name: gguf's own table (HF -> GGUF), inverted
     over the checkpoint names the model expects."""
@@ -134,11 +138,14 @@ def gguf_to_hf_names(architecture: str, config: PretrainedConfig, hf_names: Iter
     table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
     for hf_name in hf_names:
-        # llama.cpp's converters rename the router's correction bias to a module's bias before the lookup
-        base, dot, suffix = hf_name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")
-        gguf_base = table.get_name(base)
-        if gguf_base is not None:
+        renamed = hf_name
+        for old, new in _CONVERTER_RENAMES.items():
+            renamed = renamed.replace(old, new)
+        base, dot, suffix = renamed.rpartition(".")
+        if (gguf_base := table.get_name(base)) is not None:
             names[f"{gguf_base}{dot}{suffix}"] = hf_name
+        elif (gguf_name := table.get_name(renamed)) is not None:  # a parameter of its own (A_log): no suffix
+            names[gguf_name] = hf_name
     return names
 
 

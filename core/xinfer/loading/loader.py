@@ -23,7 +23,11 @@ def load_config(path: Path) -> PretrainedConfig:
     if path.suffix == ".gguf":
         return load_gguf_config(path)
     config = _hf_config(path)
-    return config.text_config if _is_wrapper(config) else config
+    if not _is_wrapper(config):
+        return config
+    text = config.text_config
+    text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
+    return text
 
 
 def _hf_config(folder: Path) -> PretrainedConfig:

@@ -1,9 +1,16 @@
-"""GGUF files of architectures ``qwen2``, ``qwen3``, ``qwen2moe`` and ``qwen3moe``.
+"""GGUF files of architectures ``qwen2``, ``qwen3``, ``qwen2moe`` and ``qwen3moe``, and of the
+hybrids ``qwen3next``, ``qwen35`` and ``qwen35moe``.
 
 llama.cpp runs these with NeoX-style rotary, so its converter stores q/k unpermuted
 (unlike ``llama``): the tensors are the HF ones (the experts stacked per projection, which
 the MoE block loads as they are). The MoE files carry the expert counts and sizes under
 their own keys, and llama.cpp hard-codes whether the top-k weights are renormalized.
+
+The hybrids' converter changes more (:class:`QwenHybridAdapter` undoes it): zero-centred norm
+weights stored as ``1 + w``, ``A_log`` as ``-exp(A_log)``, Qwen3-Next's ``in_proj_qkvz`` split
+in ``attn_qkv`` and ``attn_gate``, and for Qwen3.5 the value heads reordered from grouped by key
+head (``[k0: v0 v1, k1: v0 v1, ..]``) to tiled (``[k0 k1 ..: v0, k0 k1 ..: v1]``) in every
+tensor that has them; its ``block_count`` counts the MTP layers too, which are skipped.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
@@ -45,3 +53,73 @@ class QwenMoeAdapter(GGUFAdapter):
 
 QWEN2_MOE = QwenMoeAdapter("qwen2moe", "qwen2_moe", norm_topk_prob=False)
 QWEN3_MOE = QwenMoeAdapter("qwen3moe", "qwen3_moe", norm_topk_prob=True)
+
+
+# config field -> "<arch>.<key>" of the Gated DeltaNet layers
+_SSM_KEYS = {
+    "linear_conv_kernel_dim": "ssm.conv_kernel",
+    "linear_key_head_dim": "ssm.state_size",
+    "linear_num_key_heads": "ssm.group_count",
+    "linear_num_value_heads": "ssm.time_step_rank",
+}
+
+
+class QwenHybridAdapter(QwenMoeAdapter):
+    def __init__(self, arch: str, model_type: str, tiled_value_heads: bool, norm_topk_prob: bool | None = None):
+        super().__init__(arch, model_type, norm_topk_prob=bool(norm_topk_prob))
+        self.tiled_value_heads = tiled_value_heads
+        self.renormalizes = norm_topk_prob is not None  # Qwen3.5-MoE always renormalizes: no such field
+
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        moe = super().config(metadata, fields, tensor_names)
+        if not self.renormalizes:
+            del moe["norm_topk_prob"]
+        ssm = {field: int(metadata[f"{self.arch}.{key}"]) for field, key in _SSM_KEYS.items()}
+        ssm["linear_value_head_dim"] = int(metadata[f"{self.arch}.ssm.inner_size"]) // ssm["linear_num_value_heads"]
+        head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+        return {
+            **moe,
+            **ssm,
+            "num_hidden_layers": fields["num_hidden_layers"]
+            - int(metadata.get(f"{self.arch}.nextn_predict_layers", 0)),
+            "full_attention_interval": int(metadata[f"{self.arch}.full_attention_interval"]),
+            "partial_rotary_factor": int(metadata[f"{self.arch}.rope.dimension_count"]) / head_dim,
+        }
+
+    def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
+        tensor = super().undo_conversion(hf_name, tensor, config)
+        if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            tensor = tensor - 1
+        elif hf_name.endswith("A_log"):
+            tensor = torch.log(-tensor)
+        if self.tiled_value_heads and ".linear_attn." in hf_name:
+            tensor = _value_heads_grouped(hf_name, tensor, config)
+        return tensor
+
+
+def _value_heads_grouped(hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
+    """The value heads of a Gated DeltaNet tensor back in HF's order, grouped by key head."""
+    num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    head_v_dim, qk_rows = config.linear_value_head_dim, 2 * num_k_heads * config.linear_key_head_dim
+
+    def grouped(rows: Tensor, head_dim: int, dim: int = 0) -> Tensor:
+        tiled = rows.unflatten(dim, (num_v_heads // num_k_heads, num_k_heads, head_dim))
+        return tiled.transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+    module = hf_name.split(".")[-2] if hf_name.endswith(".weight") else hf_name.split(".")[-1]
+    if module in ("in_proj_qkv", "conv1d"):  # q and k rows, then v's
+        return torch.cat([tensor[:qk_rows], grouped(tensor[qk_rows:], head_v_dim)])
+    if module == "in_proj_z":
+        return grouped(tensor, head_v_dim)
+    if module in ("in_proj_b", "in_proj_a", "A_log", "dt_bias"):
+        return grouped(tensor, 1)
+    if module == "out_proj":
+        return grouped(tensor, head_v_dim, dim=1)
+    return tensor
+
+
+QWEN3_NEXT = QwenHybridAdapter("qwen3next", "qwen3_next", tiled_value_heads=False, norm_topk_prob=True)
+QWEN3_5 = QwenHybridAdapter("qwen35", "qwen3_5_text", tiled_value_heads=True)
+QWEN3_5_MOE = QwenHybridAdapter("qwen35moe", "qwen3_5_moe_text", tiled_value_heads=True)

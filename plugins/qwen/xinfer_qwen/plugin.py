@@ -1,4 +1,4 @@
-from xinfer.hooks import hookimpl
+from xinfer.hooks import OpSpec, hookimpl
 
 
 @hookimpl
@@ -8,7 +8,22 @@ def xinfer_architectures() -> dict[str, str]:
         "Qwen3ForCausalLM": "xinfer_qwen.qwen:Qwen3ForCausalLM",
         "Qwen2MoeForCausalLM": "xinfer_qwen.qwen_moe:Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM": "xinfer_qwen.qwen_moe:Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM": "xinfer_qwen.qwen3_next:Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM": "xinfer_qwen.qwen3_next:Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration": "xinfer_qwen.qwen3_next:Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM": "xinfer_qwen.qwen3_next:Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration": "xinfer_qwen.qwen3_next:Qwen3_5MoeForCausalLM",
     }
+
+
+@hookimpl
+def xinfer_ops() -> list[OpSpec]:
+    return [
+        OpSpec("causal_conv1d", "xinfer_qwen.deltanet_ops:causal_conv1d",
+               {"cuda": "xinfer_qwen.kernels.conv1d:causal_conv1d"}),
+        OpSpec("gated_delta_rule", "xinfer_qwen.deltanet_ops:gated_delta_rule",
+               {"cuda": "xinfer_qwen.kernels.delta_rule:gated_delta_rule"}),
+    ]  # fmt: skip
 
 
 @hookimpl
@@ -18,4 +33,7 @@ def xinfer_gguf_architectures() -> dict[str, str]:
         "qwen3": "xinfer_qwen.gguf:QWEN3",
         "qwen2moe": "xinfer_qwen.gguf:QWEN2_MOE",
         "qwen3moe": "xinfer_qwen.gguf:QWEN3_MOE",
+        "qwen3next": "xinfer_qwen.gguf:QWEN3_NEXT",
+        "qwen35": "xinfer_qwen.gguf:QWEN3_5",
+        "qwen35moe": "xinfer_qwen.gguf:QWEN3_5_MOE",
     }

@@ -1,0 +1,83 @@
+"""The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5 / Qwen3.6 (linear attention with a
+delta-rule state; Yang et al., "Gated Delta Networks", 2024).
+
+Per token: q, k, v through a causal depthwise convolution (SiLU); per value head a decay
+``g = -exp(A_log) * softplus(a + dt_bias)`` and a write strength ``beta = sigmoid(b)``; the
+gated delta rule updates the head's state S [Dk, Dv] and reads ``o = S^T q``; the output is
+``out_proj(rms_norm(o) * silu(z))``. A sequence's conv window and S live in its state slot
+(:class:`~xinfer.cache.specs.RecurrentStateSpec`), so decode costs the same at any length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xinfer import ops
+from xinfer.cache.specs import RecurrentStateSpec
+from xinfer.forward_context import attention_metadata, state_slots
+from xinfer.layers import Linear, MergedLinear, RMSNorm
+
+
+class CausalConv1d(nn.Module):
+    """A depthwise causal convolution over time, ``weight`` [C, K] (HF's Conv1d holds [C, 1, K])."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        return tensor.reshape(self.weight.shape)
+
+
+class GatedDeltaNet(nn.Module):
+    """``x`` [T, hidden] -> [T, hidden]; HF's parameter names (Qwen3.5's). Its input
+    projections are one GEMM, ``in_proj``: ``q | k | v`` (the conv's channels), ``z``, ``b``,
+    ``a``, each over all heads in order."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"Gated DeltaNet with hidden_act {config.hidden_act!r}: only silu is supported")
+        conv_channels = 2 * self.key_dim + self.value_dim  # q, k and v
+        shards = {"qkv": conv_channels, "z": self.value_dim, "b": self.num_v_heads, "a": self.num_v_heads}
+        self.in_proj = MergedLinear(config.hidden_size, shards)
+        self.conv1d = CausalConv1d(conv_channels, config.linear_conv_kernel_dim)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = RMSNorm(self.head_v_dim, config.rms_norm_eps)  # plain weight, unlike the model's other norms
+        self.out_proj = Linear(self.value_dim, config.hidden_size)
+        self.cache: dict[str, Tensor] | None = None
+        self.page_group = 0
+
+    def cache_spec(self) -> RecurrentStateSpec:
+        conv_channels, kernel_size = self.conv1d.weight.shape
+        state = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        return RecurrentStateSpec(shapes={"conv": (conv_channels, kernel_size - 1), "ssm": state}, dtype=torch.float32)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        assert self.cache is not None, "the engine binds the recurrent state before the first forward"
+        meta, slots = attention_metadata(), state_slots()
+        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        qkv = ops.call("causal_conv1d", qkv, self.conv1d.weight, None, self.cache["conv"], meta, slots)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = ops.call(
+            "gated_delta_rule",
+            q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+            k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+            v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
+            g,
+            b.sigmoid(),
+            self.cache["ssm"],
+            meta,
+            slots,
+        )
+        o = self.norm(o) * F.silu(z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
+        return self.out_proj(o.flatten(1))

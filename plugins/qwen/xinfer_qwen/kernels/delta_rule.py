@@ -1,0 +1,230 @@
+"""The gated delta rule (:func:`xinfer_qwen.deltanet_ops.gated_delta_rule` is its reference):
+a recurrent kernel for decode steps, the chunked form for steps with prompts.
+
+Recurrent: one program per (sequence, value head, Dv tile) keeps its tile of the state in
+registers and steps through the sequence's rows.
+
+Chunked (chunks of C = 64 rows, as flash-linear-attention's ``chunk_gated_delta_rule``): in
+a chunk starting from state S0, with ``G_i`` the cumulative log decay up to row i and
+``D_ij = exp(G_i - G_j)`` (j <= i), the rows' corrections ``d_i = beta_i (v_i - S_{i-1}^T k_i)``
+solve the unit lower-triangular system
+
+    d_i + sum_{j<i} beta_i (k_i . k_j) D_ij d_j = beta_i (v_i - exp(G_i) S0^T k_i),   i.e. (I + A) d = r,
+
+and then, with no recurrence left inside the chunk,
+
+    o_i = exp(G_i) S0^T q_i + sum_{j<=i} (q_i . k_j) D_ij d_j
+    S   = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j d_j^T.
+
+:func:`_inverse_kernel` forms ``(I + A)^-1`` of every chunk at once (it does not depend on
+the state); :func:`_chunk_kernel` then walks each sequence's chunks in order, one program
+per (sequence, value head, Dv tile), all in matrix products. Every exponent is <= 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.launch import pdl_entry
+
+CHUNK = 64
+RECURRENT_BLOCK_V = 32
+CHUNK_BLOCK_V = 32
+
+
+@triton.jit
+def _l2_normalized(x):
+    """Rows of ``x`` [R, D] (or ``x`` [D]) over their last dim divided by their L2 norm."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) + 1e-6)
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_beta_t,
+    stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_k, dim_k, dim_v, scale,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    seq, head = tl.program_id(0), tl.program_id(1)
+    lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    if hi == lo:
+        return
+    continues = tl.load(seq_lens_ptr + seq) != hi - lo
+    k_head = head // GROUP
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = ks < dim_k, vs < dim_v
+    state_ptrs = (state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_s_slot + head * stride_s_h
+                  + ks[:, None] * stride_s_k + vs[None, :])  # fmt: skip
+    tile_mask = k_mask[:, None] & v_mask[None, :]
+    read_mask = (ks < tl.where(continues, dim_k, 0))[:, None] & v_mask[None, :]  # nothing unless it continues
+    s = tl.load(state_ptrs, mask=read_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    for t in range(lo, hi):
+        q = tl.load(q_ptr + t * stride_q_t + k_head * stride_q_h + ks, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_k_t + k_head * stride_k_h + ks, mask=k_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_v_t + head * stride_v_h + vs, mask=v_mask, other=0.0).to(tl.float32)
+        q, k = _l2_normalized(q) * scale, _l2_normalized(k)
+        s *= tl.exp(tl.load(g_ptr + t * stride_g_t + head).to(tl.float32))
+        delta = tl.load(beta_ptr + t * stride_beta_t + head).to(tl.float32) * (v - tl.sum(s * k[:, None], axis=0))
+        s += k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + t * stride_o_t + head * stride_o_h + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(state_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _load_rows(ptr, start, hi, stride_t, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows ``start:start + ROWS`` [ROWS, COLS] (fp32) of a [T, width] matrix at ``ptr`` with row
+    stride ``stride_t``; zeros past row ``hi`` and column ``width``."""
+    rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
+    mask = (rows < hi - start)[:, None] & (cols < width)[None, :]
+    rows_ptr = ptr + start * stride_t + (rows * stride_t)[:, None]
+    return tl.load(rows_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_rows(k_ptr, g_ptr, beta_ptr, start, hi, k_head, head, stride_k_t, stride_k_h, stride_g_t, stride_beta_t,
+                dim_k, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """A chunk's normalized keys [CHUNK, BLOCK_K], cumulative log decays and betas [CHUNK];
+    zeros past the sequence's end."""
+    rows = start + tl.arange(0, CHUNK)
+    in_seq = rows < hi
+    k = _load_rows(k_ptr + k_head * stride_k_h, start, hi, stride_k_t, dim_k, CHUNK, BLOCK_K)
+    g = tl.load(g_ptr + rows * stride_g_t + head, mask=in_seq, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_beta_t + head, mask=in_seq, other=0.0).to(tl.float32)
+    return _l2_normalized(k), tl.cumsum(g, axis=0), beta
+
+
+@triton.jit
+def _decays(cum_g, CHUNK: tl.constexpr, INCLUSIVE: tl.constexpr):
+    """``exp(G_i - G_j)`` [CHUNK, CHUNK] where j <= i (j < i unless ``INCLUSIVE``), else 0."""
+    i = tl.arange(0, CHUNK)[:, None]
+    j = tl.arange(0, CHUNK)[None, :]
+    keep = (j <= i) if INCLUSIVE else (j < i)
+    return tl.where(keep, tl.exp(tl.where(keep, cum_g[:, None] - cum_g[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _inverse_kernel(
+    k_ptr, g_ptr, beta_ptr, inverse_ptr, cu_seqlens_ptr,
+    stride_k_t, stride_k_h, stride_g_t, stride_beta_t, dim_k, num_heads,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """``(I + A)^-1`` of one chunk of one head, into rows ``start:start + CHUNK`` of
+    ``inverse`` [T, H, CHUNK], by forward substitution: row i of the inverse is
+    ``e_i - sum_{j<i} A_ij row_j``."""
+    pdl_entry(PDL)
+    seq, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    start = lo + chunk * CHUNK
+    if start >= hi:
+        return
+    k, cum_g, beta = _chunk_rows(k_ptr, g_ptr, beta_ptr, start, hi, head // GROUP, head, stride_k_t, stride_k_h,
+                                 stride_g_t, stride_beta_t, dim_k, BLOCK_K, CHUNK)  # fmt: skip
+    gram = tl.dot(k, tl.trans(k), input_precision=DOT)  # symmetric: [j, i] is k_i . k_j
+    a_transposed = gram * (beta[None, :] * tl.trans(_decays(cum_g, CHUNK, False)))  # [j, i] = A_ij
+    rows = tl.arange(0, CHUNK)
+    inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, tl.minimum(hi - start, CHUNK)):  # rows past the end stay e_i
+        a_i = tl.sum(tl.where(rows[None, :] == i, a_transposed, 0.0), axis=1)  # [j]: A_ij
+        inverse -= tl.where(rows[:, None] == i, tl.sum(a_i[:, None] * inverse, axis=0)[None, :], 0.0)
+    tl.store(inverse_ptr + ((start + rows) * num_heads + head)[:, None] * CHUNK + rows[None, :], inverse,
+             mask=(start + rows < hi)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _chunk_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, inverse_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_beta_t,
+    stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_k, dim_k, dim_v, num_heads, scale,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    seq, head = tl.program_id(0), tl.program_id(1)
+    lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    if hi == lo:
+        return
+    continues = tl.load(seq_lens_ptr + seq) != hi - lo
+    k_head = head // GROUP
+    ks = tl.arange(0, BLOCK_K)
+    v_first = tl.program_id(2) * BLOCK_V
+    vs = v_first + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = ks < dim_k, vs < dim_v
+    state_ptrs = (state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_s_slot + head * stride_s_h
+                  + ks[:, None] * stride_s_k + vs[None, :])  # fmt: skip
+    tile_mask = k_mask[:, None] & v_mask[None, :]
+    read_mask = (ks < tl.where(continues, dim_k, 0))[:, None] & v_mask[None, :]  # nothing unless it continues
+    s = tl.load(state_ptrs, mask=read_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    offsets = tl.arange(0, CHUNK)
+    dtype = v_ptr.dtype.element_ty
+    for start in range(lo, hi, CHUNK):
+        rows = start + offsets
+        in_seq = rows < hi
+        k, cum_g, beta = _chunk_rows(k_ptr, g_ptr, beta_ptr, start, hi, k_head, head, stride_k_t, stride_k_h,
+                                     stride_g_t, stride_beta_t, dim_k, BLOCK_K, CHUNK)  # fmt: skip
+        q = _l2_normalized(_load_rows(q_ptr + k_head * stride_q_h, start, hi, stride_q_t, dim_k, CHUNK, BLOCK_K))
+        q *= scale
+        v = _load_rows(v_ptr + head * stride_v_h + v_first, start, hi, stride_v_t, dim_v - v_first, CHUNK, BLOCK_V)
+        inverse = _load_rows(inverse_ptr + head * CHUNK, start, hi, num_heads * CHUNK, CHUNK, CHUNK, CHUNK)
+        decay = tl.exp(cum_g)
+        # the products' operands in the inputs' dtype (fp32 sums), as flash-linear-attention's
+        k_in, q_in, s_in = k.to(dtype), q.to(dtype), s.to(dtype)
+        r = beta[:, None] * (v - decay[:, None] * tl.dot(k_in, s_in, input_precision=DOT))
+        d = tl.dot(inverse.to(dtype), r.to(dtype), input_precision=DOT).to(dtype)  # the rows' corrections
+        scores = tl.dot(q_in, tl.trans(k_in), input_precision=DOT) * _decays(cum_g, CHUNK, True)
+        o = decay[:, None] * tl.dot(q_in, s_in, input_precision=DOT) + tl.dot(scores.to(dtype), d, input_precision=DOT)
+        tl.store(out_ptr + rows[:, None] * stride_o_t + head * stride_o_h + vs[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=in_seq[:, None] & v_mask[None, :])  # fmt: skip
+        last = tl.sum(tl.where(offsets == CHUNK - 1, cum_g, 0.0), axis=0)  # G past the end: no decay there
+        decayed_k = (k * tl.exp(last - cum_g)[:, None]).to(dtype)
+        s = tl.exp(last) * s + tl.dot(tl.trans(decayed_k), d, input_precision=DOT)
+    tl.store(state_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+) -> Tensor:
+    """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule`; rows of no sequence (a padded
+    step's) are left unwritten."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    tokens, v_heads, dim_v = v.shape
+    dim_k = k.shape[-1]
+    out = torch.empty_like(v)
+    if tokens == 0 or meta.num_seqs == 0:
+        return out
+    block_k = triton.next_power_of_2(dim_k)
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0), *out.stride()[:2],
+               *state.stride()[:3])  # fmt: skip
+    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=block_k, **launch.pdl(v.device))
+    if meta.max_seqlen_q == 1:
+        grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
+        _recurrent_kernel[grid](
+            q, k, v, g, beta, state, out, meta.cu_seqlens_q, meta.seq_lens, slots, *strides, dim_k, dim_v,
+            dim_k**-0.5, BLOCK_V=RECURRENT_BLOCK_V, num_warps=4, **common,
+        )  # fmt: skip
+        return out
+    precision = "tf32x3" if v.dtype == torch.float32 else "tf32"
+    inverse = torch.empty(tokens, v_heads, CHUNK, dtype=torch.float32, device=v.device)
+    _inverse_kernel[(meta.num_seqs, triton.cdiv(meta.max_seqlen_q, CHUNK), v_heads)](
+        k, g, beta, inverse, meta.cu_seqlens_q, *k.stride()[:2], g.stride(0), beta.stride(0), dim_k, v_heads,
+        CHUNK=CHUNK, DOT=precision, num_warps=4, **common,
+    )  # fmt: skip
+    _chunk_kernel[(meta.num_seqs, v_heads, triton.cdiv(dim_v, CHUNK_BLOCK_V))](
+        q, k, v, g, beta, inverse, state, out, meta.cu_seqlens_q, meta.seq_lens, slots, *strides, dim_k, dim_v,
+        v_heads, dim_k**-0.5, BLOCK_V=CHUNK_BLOCK_V, CHUNK=CHUNK, DOT=precision, num_warps=8, num_stages=1, **common,
+    )  # fmt: skip
+    return out

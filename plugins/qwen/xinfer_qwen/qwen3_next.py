@@ -1,0 +1,139 @@
+"""Qwen3-Next and Qwen3.5 / Qwen3.6 (dense and MoE): hybrid decoders, Gated DeltaNet layers
+(``layer_types``: ``linear_attention``) between full-attention layers, three to one.
+
+Their full attention is Qwen3's with a sigmoid output gate (q's projection doubled), rotary
+over a part of each head; every RMSNorm but the DeltaNet's output norm multiplies by
+``1 + w``. Qwen3.5's rope is multimodal (mrope), which for text alone is plain rope. Its
+checkpoints hold the language model under ``model.language_model`` beside a vision tower
+(not loaded here) and multi-token-prediction layers (skipped).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RMSNorm, RotaryEmbedding, Routing
+from xinfer.loading.mtp import without_mtp_layers
+from xinfer.model import HF_QKV_GATE_UP
+from xinfer_qwen.gated_deltanet import GatedDeltaNet
+from xinfer_qwen.qwen_moe import is_sparse, routing
+
+log = logging.getLogger(__name__)
+
+
+class DeltaNetDecoderLayer(nn.Module):
+    """Pre-norm around a Gated DeltaNet (HF's ``linear_attn``) and an MLP, as
+    :class:`xinfer.layers.DecoderLayer` around attention."""
+
+    def __init__(self, linear_attn: GatedDeltaNet, mlp: nn.Module, norm: Callable[[], RMSNorm]):
+        super().__init__()
+        self.linear_attn = linear_attn
+        self.mlp = mlp
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+
+    def forward(self, positions: Tensor, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        h, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
+        h = self.linear_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+def text_part(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """The language model's tensors under the names of a text-only checkpoint; the vision
+    tower's are left out, with one log line."""
+    logged = False
+    for name, tensor in weights:
+        if name.startswith("model.visual."):
+            if not logged:
+                log.info("skipping the checkpoint's vision tower (model.visual.*): xinfer runs the text part")
+                logged = True
+            continue
+        yield name.replace("model.language_model.", "model.", 1), tensor
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    """Qwen3.5 / Qwen3.6 dense; also the text part of ``Qwen3_5ForConditionalGeneration``."""
+
+    spec = DecoderSpec(qk_norm=True, norm_weight_offset=1.0, output_gate=True)
+    packed_modules = {
+        **HF_QKV_GATE_UP,
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
+
+    def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
+        if config.layer_types[index] != "linear_attention":
+            return super().layer(config, index, rotary)
+        norm = functools.partial(self.rms_norm, config.hidden_size)
+        return DeltaNetDecoderLayer(GatedDeltaNet(config), self.mlp(config, index), norm)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return super().load_weights(without_mtp_layers(text_part(weights), self.config.num_hidden_layers))
+
+
+def sparse_moe(config: Any, routing: Routing) -> MoE:
+    """Routed experts and a shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+    return MoE(config.hidden_size, config.num_experts, config.moe_intermediate_size, routing, config.hidden_act,
+               shared_intermediate_size=config.shared_expert_intermediate_size, shared_expert_gate=True)  # fmt: skip
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5 / Qwen3.6 MoE (Qwen3.6-35B-A3B); every layer's MLP is experts, the top-k
+    weights renormalized."""
+
+    def mlp(self, config: Any, index: int) -> nn.Module:
+        return sparse_moe(config, Routing(top_k=config.num_experts_per_tok, renormalize=True))
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's layers but dense MLPs where Qwen2-MoE's rules say
+    (``decoder_sparse_step``, ``mlp_only_layers``), and the DeltaNet's projections fused in
+    two, ``in_proj_qkvz`` and ``in_proj_ba``, whose rows come per key head (``q | k | v | z``
+    and ``b | a``, the key head's share of the value heads in each): they are split into
+    Qwen3.5's four at load."""
+
+    def mlp(self, config: Any, index: int) -> nn.Module:
+        return sparse_moe(config, routing(config)) if is_sparse(config, index) else super().mlp(config, index)
+
+    def checkpoint_names(self) -> set[str]:
+        """Qwen3.5's but ``in_proj_ba`` for ``in_proj_b`` and ``in_proj_a``, and ``in_proj_qkvz``
+        besides ``in_proj_qkv`` and ``in_proj_z`` (llama.cpp's converter splits it in those two)."""
+        names = super().checkpoint_names()
+        split = {name for name in names if name.endswith((".in_proj_b.weight", ".in_proj_a.weight"))}
+        fused = {name.replace(".in_proj_qkv.", ".in_proj_qkvz.") for name in names if ".in_proj_qkv." in name}
+        return names - split | fused | {name.replace(".in_proj_b.", ".in_proj_ba.") for name in split}
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return super().load_weights(unfused(weights, self.config))
+
+
+def unfused(weights: Iterable[tuple[str, Tensor]], config: Any) -> Iterator[tuple[str, Tensor]]:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split into Qwen3.5's ``in_proj_qkv``,
+    ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, the rows of each in head order."""
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    key, value = config.linear_key_head_dim, config.linear_value_head_dim * group
+    per_key_head = {  # fused module: the rows of one key head, and where each part goes
+        "in_proj_qkvz": ([key, key, value, value], ["in_proj_qkv", "in_proj_qkv", "in_proj_qkv", "in_proj_z"]),
+        "in_proj_ba": ([group, group], ["in_proj_b", "in_proj_a"]),
+    }
+    for name, tensor in weights:
+        module_path, _, leaf = name.rpartition(".")
+        prefix, _, module = module_path.rpartition(".")
+        if module not in per_key_head:
+            yield name, tensor
+            continue
+        sizes, targets = per_key_head[module]
+        rows: dict[str, list[Tensor]] = {}
+        for target, part in zip(targets, tensor.unflatten(0, (config.linear_num_key_heads, -1)).split(sizes, dim=1)):
+            rows.setdefault(target, []).append(part.flatten(0, 1))
+        for target, parts in rows.items():
+            yield f"{prefix}.{target}.{leaf}", torch.cat(parts)

@@ -1,0 +1,242 @@
+"""The Gated DeltaNet ops (xinfer_qwen.deltanet_ops) against transformers' torch functions of
+qwen3_next (fp32): the conv against ``causal_conv1d_fn`` (a sequence that starts) and
+``causal_conv1d_update`` (one that continues from its state), the delta rule against
+``torch_recurrent_gated_delta_rule`` and ``torch_chunk_gated_delta_rule``; batches of
+several sequences of different lengths, some starting and some continuing, in slots out of
+order, with a padding sequence."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The kernels run on the device XINFER_KERNEL_DEVICE picks (unset: CUDA when there is one);
+# on "cpu" under the Triton interpreter, which must be on before anything imports triton
+# (transformers does), as tests/backends/conftest.py does for the backend's kernels.
+os.environ.setdefault("XINFER_KERNEL_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+if os.environ["XINFER_KERNEL_DEVICE"] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from dataclasses import replace
+from itertools import pairwise
+
+import pytest
+from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+from xinfer.ops import AttentionMetadata
+from xinfer_qwen import deltanet_ops
+from xinfer_qwen.kernels import conv1d, delta_rule
+
+DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+
+# (tokens this step, tokens before it) per sequence: starting (0 before), continuing with a
+# long and a short step (fewer than K-1 rows), decode steps, and a padding sequence (0, 0)
+BATCH = [(37, 0), (1, 5), (2, 9), (0, 0), (70, 0), (1, 1), (9, 40)]
+SLOTS = [3, 0, 6, 1, 2, 7, 5]
+
+
+def metadata(q_lens: list[int], before: list[int]) -> AttentionMetadata:
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([q + b for q, b in zip(q_lens, before)], dtype=torch.int32)
+    blocks = torch.zeros(len(q_lens), 1, dtype=torch.int32)
+    return AttentionMetadata(cu, seq_lens, blocks, torch.zeros(int(cu[-1]), dtype=torch.int64), max(q_lens), 1)
+
+
+def batch_metadata(batch=BATCH) -> AttentionMetadata:
+    return metadata([q for q, _ in batch], [b for _, b in batch])
+
+
+def random_state(shape, generator, slots=SLOTS, batch=BATCH) -> torch.Tensor:
+    """Random state in every slot, NaN in the slots of sequences that start (never read)."""
+    state = torch.randn(shape, generator=generator)
+    for slot, (q_len, before) in zip(slots, batch):
+        if before == 0 and q_len > 0:
+            state[slot] = float("nan")
+    return state
+
+
+def conv_inputs(generator, channels=24, width=4):
+    tokens = sum(q for q, _ in BATCH)
+    x = torch.randn(tokens, channels, generator=generator)
+    weight = torch.randn(channels, width, generator=generator) / 2
+    bias = torch.randn(channels, generator=generator)
+    state = random_state((8, channels, width - 1), generator)
+    return x, weight, bias, state
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_causal_conv1d_matches_hf(activation, with_bias):
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias, state = conv_inputs(generator)
+    bias = bias if with_bias else None
+    meta, slots = batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32)
+    expected_state = state.clone()
+    out = deltanet_ops.causal_conv1d(x, weight, bias, state, meta, slots, activation)
+    start = 0
+    for slot, (q_len, before) in zip(SLOTS, BATCH):
+        if q_len == 0:
+            continue
+        rows = x[start : start + q_len].T[None]  # [1, C, q_len] as HF lays it out
+        conv_state = expected_state[slot][None].clone() if before else torch.zeros_like(expected_state[slot][None])
+        updated = hf.causal_conv1d_update(rows, conv_state, weight, bias, activation)
+        expected = updated if before else hf.causal_conv1d_fn(rows, weight, bias, activation)
+        expected_state[slot] = conv_state[0]
+        torch.testing.assert_close(out[start : start + q_len], expected[0].T, rtol=1e-5, atol=1e-5)
+        start += q_len
+    torch.testing.assert_close(state, expected_state, rtol=0, atol=0, equal_nan=True)  # the padding's slot untouched
+
+
+def test_causal_conv1d_continued_equals_one_call():
+    generator = torch.Generator().manual_seed(1)
+    x, weight, bias, _ = conv_inputs(generator)
+    x = x[:23]
+    state = torch.full((2, x.shape[1], weight.shape[1] - 1), float("nan"))
+    slots = torch.tensor([1], dtype=torch.int32)
+    whole = deltanet_ops.causal_conv1d(x, weight, bias, state.clone(), metadata([23], [0]), slots)
+    parts, done = [], 0
+    for q_len in (7, 1, 2, 13):  # a step shorter than the window shifts older state in
+        parts.append(deltanet_ops.causal_conv1d(x[done : done + q_len], weight, bias, state, metadata([q_len], [done]), slots))  # fmt: skip
+        done += q_len
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state[1], x[-3:].T)
+
+
+def delta_inputs(generator, batch=BATCH, k_heads=2, v_heads=4, dk=16, dv=8, slots=8):
+    tokens = sum(q for q, _ in batch)
+    q = torch.randn(tokens, k_heads, dk, generator=generator)
+    k = torch.randn(tokens, k_heads, dk, generator=generator)
+    v = torch.randn(tokens, v_heads, dv, generator=generator)
+    g = -torch.rand(tokens, v_heads, generator=generator) * 2  # log decays in (-2, 0]
+    beta = torch.rand(tokens, v_heads, generator=generator)
+    state = random_state((slots, v_heads, dk, dv), generator, SLOTS[: len(batch)], batch) / dk**0.5
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("hf_rule", ["recurrent", "chunk"])
+@pytest.mark.parametrize("heads", [(2, 4), (3, 3)], ids=["gqa", "mha"])
+def test_gated_delta_rule_matches_hf(hf_rule, heads):
+    generator = torch.Generator().manual_seed(2)
+    q, k, v, g, beta, state = delta_inputs(generator, k_heads=heads[0], v_heads=heads[1])
+    expected_state = state.clone()
+    out = deltanet_ops.gated_delta_rule(q, k, v, g, beta, state, batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32))  # fmt: skip
+    rule = hf.torch_recurrent_gated_delta_rule if hf_rule == "recurrent" else hf.torch_chunk_gated_delta_rule
+    start = 0
+    for slot, (q_len, before) in zip(SLOTS, BATCH):
+        if q_len == 0:
+            continue
+        rows = slice(start, start + q_len)
+        initial = None if before == 0 else expected_state[slot][None]
+        expected, final = rule(
+            q[rows][None], k[rows][None], v[rows][None], g[rows][None], beta[rows][None],
+            initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        expected_state[slot] = final[0]
+        torch.testing.assert_close(out[rows], expected[0], rtol=1e-4, atol=1e-5)
+        start += q_len
+    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_gated_delta_rule_continued_equals_one_call():
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, g, beta, _ = delta_inputs(generator, batch=[(30, 0)])
+    state = torch.full((2, 4, 16, 8), float("nan"))
+    slots = torch.tensor([1], dtype=torch.int32)
+    whole_state = state.clone()
+    whole = deltanet_ops.gated_delta_rule(q, k, v, g, beta, whole_state, metadata([30], [0]), slots)
+    parts, done = [], 0
+    for q_len in (11, 1, 18):
+        rows = slice(done, done + q_len)
+        parts.append(deltanet_ops.gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state, metadata([q_len], [done]), slots))  # fmt: skip
+        done += q_len
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state[1], whole_state[1], rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_activation_is_one_clear_error():
+    x, weight, bias, state = conv_inputs(torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        deltanet_ops.causal_conv1d(x, weight, bias, state, batch_metadata(), torch.tensor(SLOTS), "gelu")
+
+
+# The kernels against the references
+
+ON_GPU = DEVICE.type == "cuda"
+TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# the interpreter's tl.dot mishandles bf16 operands (so test_moe_kernels leaves bf16 to the GPU too)
+DOT_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+
+
+def assert_close_on_rows(got: torch.Tensor, expected: torch.Tensor, meta: AttentionMetadata, tol: float):
+    """Relative error over the rows of the step's sequences (the kernels leave others unwritten)."""
+    owned = torch.cat([torch.arange(lo, hi) for lo, hi in pairwise(meta.cu_seqlens_q.tolist())])
+    got, expected = got.cpu().double()[owned], expected.double()[owned]
+    error = (got - expected).norm() / expected.norm()
+    assert error <= tol, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width, channels", [(4, 200), (2, 24)])
+def test_conv1d_kernel_matches_the_reference(dtype, width, channels):
+    generator = torch.Generator().manual_seed(width)
+    tokens = sum(q for q, _ in BATCH)
+    wide = torch.randn(tokens, channels + 16, generator=generator).to(dtype)
+    x = wide[:, 8 : 8 + channels]  # a view with a row stride, as the layer's projections give
+    weight = (torch.randn(channels, width, generator=generator) / 2).to(dtype)
+    bias = torch.randn(channels, generator=generator).to(dtype)
+    state = random_state((8, channels, width - 1), generator).to(dtype)
+    meta, slots = batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32)
+    for with_bias, activation in [(True, "silu"), (False, None)]:
+        expected_state, got_state = state.clone(), state.to(DEVICE)
+        args = (bias if with_bias else None, expected_state, meta, slots, activation)
+        expected = deltanet_ops.causal_conv1d(x, weight, *args)
+        on_device = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x, weight, bias, meta, slots)]
+        got = conv1d.causal_conv1d(*on_device[:2], on_device[2] if with_bias else None, got_state,
+                                           to_device(meta, DEVICE), on_device[4], activation)  # fmt: skip
+        assert got.dtype == dtype
+        assert_close_on_rows(got, expected, meta, TOL[dtype])
+        torch.testing.assert_close(got_state.cpu(), expected_state, rtol=0, atol=0, equal_nan=True)
+
+
+def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    return replace(meta, **{f: getattr(meta, f).to(device) for f in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")})  # fmt: skip
+
+
+DECODE = [(1, 5), (1, 0), (0, 0), (1, 63), (1, 64)]
+# (batch, key heads, value heads, Dk, Dv)
+DELTA_CASES = [
+    ("decode", DECODE, 2, 4, 16, 8),
+    ("mixed", BATCH, 2, 4, 16, 8),
+    ("long", [(130, 0), (1, 7), (65, 64)], 1, 1, 32, 16),
+    ("heads-128", [(70, 0), (1, 9)], 1, 2, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: c[0])
+def test_gated_delta_rule_kernel_matches_the_reference(case, dtype):
+    _, batch, k_heads, v_heads, dk, dv = case
+    generator = torch.Generator().manual_seed(len(batch))
+    slots = SLOTS[: len(batch)]
+    tokens = sum(q for q, _ in batch)
+    # q, k and v as views of one projection, as the layer splits them
+    mixed = torch.randn(tokens, (2 * k_heads * dk + v_heads * dv), generator=generator).to(dtype)
+    q, k, v = mixed.split([k_heads * dk, k_heads * dk, v_heads * dv], dim=1)
+    q, k, v = q.view(tokens, k_heads, dk), k.view(tokens, k_heads, dk), v.view(tokens, v_heads, dv)
+    g = -torch.rand(tokens, v_heads, generator=generator) * 2
+    beta = torch.rand(tokens, v_heads, generator=generator).to(dtype)
+    state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
+    meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
+    expected_state, got_state = state.clone(), state.to(DEVICE)
+    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
+    device = DEVICE
+    got = delta_rule.gated_delta_rule(
+        q.to(device), k.to(device), v.to(device), g.to(device), beta.to(device), got_state, to_device(meta, device),
+        slot_tensor.to(device),
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == v.shape
+    assert_close_on_rows(got, expected, meta, TOL[dtype])
+    error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()
+    assert error <= TOL[dtype], f"state: relative error {error:.2e}"
+    assert got_state.cpu().isnan().equal(expected_state.isnan())  # slots of no sequence untouched

@@ -1,0 +1,134 @@
+"""Qwen3-Next, Qwen3.5 / Qwen3.6 dense and MoE (hybrid: Gated DeltaNet and full-attention layers)
+against transformers' modeling code (fp32, CPU): log-probs at every prompt position, greedy tokens
+and their log-probs with prompts chunked across steps, several sequences batched at different
+lengths, preempted ones recomputed, and two requests sharing a prefix. The text part of a
+Qwen3.5 image-text checkpoint loads without its vision tower."""
+
+import logging
+
+import pytest
+import torch
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
+
+from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, randomize, spread_routing
+from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+
+CHUNK = 16  # max_num_batched_tokens: prompts longer than this are prefilled over several steps
+HYBRID = dict(
+    COMMON,
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    head_dim=32,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+)
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CONFIGS = {
+    "qwen3.5": lambda: Qwen3_5TextConfig(**HYBRID, architectures=["Qwen3_5ForCausalLM"]),
+    "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(
+        **{k: v for k, v in HYBRID.items() if k != "intermediate_size"}, **EXPERTS,
+        architectures=["Qwen3_5MoeForCausalLM"],
+    ),
+    # layer 1 dense (mlp_only_layers), raw top-k weights
+    "qwen3-next": lambda: Qwen3NextConfig(
+        **HYBRID, **EXPERTS, mlp_only_layers=[1], norm_topk_prob=False, architectures=["Qwen3NextForCausalLM"]
+    ),
+}  # fmt: skip
+
+
+def randomize_hybrid(model: torch.nn.Module, seed: int = 3) -> None:
+    """Norms (zero-centred ones too) and biases via :func:`randomize`; each DeltaNet's decay
+    parameters away from HF's initial ones (``dt_bias`` is all ones there): ``A_log`` with decay
+    rates from 0.5 to 4, ``dt_bias`` around 0, so that a head's decay differs from the next's."""
+    randomize(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.5, 4, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_model(CONFIGS[request.param](), folder)
+    randomize_hybrid(hf)
+    spread_routing(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK), folder
+
+
+def hf_greedy(hf: torch.nn.Module, tokens: list[int], count: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([tokens]), max_new_tokens=count, min_new_tokens=count, do_sample=False)
+    return out[0, len(tokens) :].tolist()
+
+
+@pytest.mark.parametrize("length", (3, 17, 61))
+def test_prefill_log_probs_match_hf(models, length):
+    hf, llm, _ = models
+    tokens = prompt(length)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
+    got = prefill_logits(llm.engine, tokens).float().log_softmax(-1)
+    error = (got - expected).abs().max()
+    assert error <= 1e-4, f"max|diff| of log-probs = {error:.2e}"
+
+
+def test_greedy_tokens_and_logprobs_match_hf_over_a_chunked_prompt(models):
+    hf, llm, _ = models
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 3 * CHUNK - 5)
+
+
+def test_sequences_batched_at_different_lengths_and_preempted_match_hf(models):
+    hf, _, folder = models
+    prompts = [prompt(4 + 23 * i, seed=i) for i in range(3)]
+    expected = [hf_greedy(hf, tokens, 10) for tokens in prompts]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    small = LLM(model=str(folder), dtype="float32", num_blocks=5, max_model_len=80, max_num_batched_tokens=CHUNK)
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == expected
+    assert small.engine.stats().num_preemptions > 0
+    states = small.engine.cache.states
+    assert states is not None and states.num_free == states.num_slots
+
+
+def test_two_requests_sharing_a_prefix_match_hf(models):
+    hf, llm, _ = models
+    shared = prompt(37, seed=7)
+    prompts = [shared + prompt(5, seed=8), shared + prompt(9, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for tokens in prompts:  # one after the other: the second finds the first's blocks
+        assert llm.generate([tokens], params)[0].outputs[0].token_ids == hf_greedy(hf, tokens, 6)
+
+
+def test_image_text_checkpoint_loads_its_text_part(tmp_path, caplog):
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"])
+    config = Qwen3_5Config(text_config={**HYBRID, "model_type": "qwen3_5_text"}, vision_config=vision,
+                           architectures=["Qwen3_5ForConditionalGeneration"])  # fmt: skip
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    hf = Qwen3_5ForConditionalGeneration(config).float().eval()
+    randomize_hybrid(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    with caplog.at_level(logging.INFO, logger="xinfer_qwen.qwen3_next"):
+        llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    assert any("vision tower" in r.getMessage() for r in caplog.records)
+    tokens = prompt(29)
+    with torch.inference_mode():
+        expected = hf(input_ids=torch.tensor([tokens])).logits[0].log_softmax(-1)
+    got = prefill_logits(llm.engine, tokens).float().log_softmax(-1)
+    assert (got - expected).abs().max() <= 1e-4

@@ -1,0 +1,152 @@
+"""GGUFs of architectures ``qwen3next``, ``qwen35`` and ``qwen35moe`` written here as llama.cpp's converter
+(convert_hf_to_gguf.py, ``Qwen3NextModel`` and its Qwen3.5 subclasses) writes them — zero-centred norms + 1,
+``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the conv squeezed, Qwen3-Next's ``in_proj_qkvz`` split in
+``attn_qkv`` and ``attn_gate``, Qwen3.5's value heads tiled, experts stacked, an MTP layer counted in
+``block_count`` — through the engine against transformers' modeling code of the model they came from."""
+
+import gguf
+import pytest
+import torch
+
+from tests.plugins.converted_gguf import checkpoint_tensors, stacked_experts
+from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
+from tests.plugins.qwen.test_qwen3_next import CONFIGS, randomize_hybrid, spread_routing
+from tests.tiny_models import save_tiny_model
+from xinfer import LLM
+from xinfer.loading.gguf import load_gguf_config
+
+ARCHS = {"qwen3-next": "qwen3next", "qwen3.5": "qwen35", "qwen3.5-moe": "qwen35moe"}
+# llama.cpp's qwen3next has no dense MLP layers, and renormalizes the top-k weights
+LLAMA_CPP_SETTINGS = {"qwen3-next": dict(mlp_only_layers=[], norm_topk_prob=True)}
+MTP_LAYERS = {"qwen3next": 0, "qwen35": 1, "qwen35moe": 1}  # the converter drops Qwen3-Next's
+
+
+def tiled(rows: torch.Tensor, config, head_dim: int, dim: int = 0) -> torch.Tensor:
+    """Value heads from grouped by key head [Hk, r] to tiled [r, Hk] along ``dim``."""
+    group = config.linear_num_value_heads // config.linear_num_key_heads
+    grouped = rows.unflatten(dim, (config.linear_num_key_heads, group, head_dim))
+    return grouped.transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def per_key_head(tensor: torch.Tensor, config, sizes: list[int]) -> list[torch.Tensor]:
+    return [part.flatten(0, 1) for part in tensor.unflatten(0, (config.linear_num_key_heads, -1)).split(sizes, 1)]
+
+
+def converted(name: str, tensor: torch.Tensor, config, arch: str) -> dict[str, torch.Tensor]:
+    """What the converter writes (HF names, before gguf's table) for one HF tensor."""
+    qk_rows, head_v_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim, config.linear_value_head_dim
+    if arch != "qwen3next" and ".linear_attn." in name:
+        module = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+        if module in ("in_proj_qkv", "conv1d"):
+            rows = tensor.squeeze(1)
+            tensor = torch.cat([rows[:qk_rows], tiled(rows[qk_rows:], config, head_v_dim)])
+        elif module == "in_proj_z":
+            tensor = tiled(tensor, config, head_v_dim)
+        elif module in ("in_proj_b", "in_proj_a", "A_log", "dt_bias"):
+            tensor = tiled(tensor, config, 1)
+        elif module == "out_proj":
+            tensor = tiled(tensor, config, head_v_dim, dim=1)
+    if name.endswith("A_log"):
+        return {name: -tensor.exp()}
+    if name.endswith("dt_bias"):
+        return {name.replace("dt_bias", "dt_proj.bias"): tensor}
+    if name.endswith("conv1d.weight"):
+        return {name: tensor.squeeze(1)}
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return {name: tensor + 1}
+    if name.endswith("in_proj_qkvz.weight"):
+        group = config.linear_num_value_heads // config.linear_num_key_heads
+        key, value = config.linear_key_head_dim, group * head_v_dim
+        q, k, v, z = per_key_head(tensor, config, [key, key, value, value])
+        return {name.replace("qkvz", "qkv"): torch.cat([q, k, v]), name.replace("qkvz", "z"): z}
+    return {name: tensor}
+
+
+def write_gguf(folder, config, arch: str, path) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    block_count = config.num_hidden_layers + MTP_LAYERS[arch]
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(block_count)
+    if arch == "qwen35":
+        writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(config.layer_types.index("full_attention") + 1)  # the configs' are regular
+    if arch != "qwen35":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if MTP_LAYERS[arch]:
+        writer.add_nextn_predict_layers(MTP_LAYERS[arch])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), block_count)
+    tensors = {}
+    for name, tensor in stacked_experts(checkpoint_tensors(folder)).items():
+        tensors |= converted(name, tensor, config, arch)
+    last = config.num_hidden_layers - 1  # MTP layers: copies of the last, after the decoder's
+    tensors |= {
+        n.replace(f"layers.{last}.", f"layers.{last + 1 + i}."): t
+        for n, t in tensors.items()
+        if f"layers.{last}." in n
+        for i in range(MTP_LAYERS[arch])
+    }
+    for name, tensor in tensors.items():
+        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"gguf's table has no {arch} name for {name}"
+        writer.add_tensor(gguf_name, tensor.float().contiguous().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"{request.param}-gguf")
+    config = CONFIGS[request.param]()
+    for field, value in LLAMA_CPP_SETTINGS.get(request.param, {}).items():
+        setattr(config, field, value)
+    hf = save_tiny_model(config, folder)
+    randomize_hybrid(hf)
+    spread_routing(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    path = folder / "tiny.gguf"
+    write_gguf(folder, hf.config, ARCHS[request.param], path)
+    return hf, LLM(model=str(path), dtype="float32", num_blocks=64, max_num_batched_tokens=16), path
+
+
+def test_config_reads_the_hybrid_layers(models):
+    hf, _, path = models
+    config = load_gguf_config(path)
+    assert config.architectures == hf.config.architectures
+    assert config.layer_types == hf.config.layer_types
+    for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim", "head_dim"):  # fmt: skip
+        assert getattr(config, field) == getattr(hf.config, field), field
+    assert config.rope_parameters["partial_rotary_factor"] == hf.config.rope_parameters["partial_rotary_factor"]
+
+
+@pytest.mark.parametrize("length", (3, 61))
+def test_prefill_logits_match_hf(models, length):
+    hf, llm, _ = models
+    assert_prefill_logits_match(hf, llm, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    hf, llm, _ = models
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 21)
