@@ -24,8 +24,8 @@ ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
 
 def _sequences(meta: AttentionMetadata, slots: Tensor):
     """(rows, slot, starts) of each sequence with rows in this step."""
-    bounds, seq_lens, slots = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), slots.tolist()
-    for b, slot in enumerate(slots):
+    bounds, seq_lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+    for b, slot in enumerate(slots.tolist()):
         lo, hi = bounds[b], bounds[b + 1]
         if hi > lo:
             yield slice(lo, hi), slot, seq_lens[b] == hi - lo
