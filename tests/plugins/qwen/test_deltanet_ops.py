@@ -30,10 +30,11 @@ from xinfer_qwen.kernels import conv1d, delta_rule
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 
-# (tokens this step, tokens before it) per sequence: starting (0 before), continuing with a
-# long and a short step (fewer than K-1 rows), decode steps, and a padding sequence (0, 0)
-BATCH = [(37, 0), (1, 5), (2, 9), (0, 0), (70, 0), (1, 1), (9, 40)]
-SLOTS = [3, 0, 6, 1, 2, 7, 5]
+# (tokens this step, tokens before it) per sequence: starting (0 before; one with fewer rows
+# than the conv's K-1), continuing with a long and a short step, decode steps, and a padding
+# sequence (0, 0)
+BATCH = [(37, 0), (1, 5), (2, 9), (0, 0), (70, 0), (1, 1), (9, 40), (2, 0)]
+SLOTS = [3, 0, 6, 1, 2, 7, 5, 4]
 
 
 def metadata(q_lens: list[int], before: list[int]) -> AttentionMetadata:

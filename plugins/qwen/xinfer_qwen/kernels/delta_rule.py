@@ -200,7 +200,8 @@ def gated_delta_rule(
 ) -> Tensor:
     """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule`; rows of no sequence (a padded
     step's) are left unwritten."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
     tokens, v_heads, dim_v = v.shape
     dim_k = k.shape[-1]
     out = torch.empty_like(v)
