@@ -11,9 +11,9 @@ slot) and a prefill step of 8 prompts of 2048 tokens (starting).
 Each case checks the outputs and final states against the torch reference
 (xinfer_qwen.deltanet_ops) and, with fla, fla's against ours (relative errors: the norm of the
 difference over the norm of the reference), then times them with ``triton.testing.do_bench``
-(median, the L2 flushed before each run), replaying a CUDA graph of the call (ours, fla's
-decode) or calling it eagerly (fla's prefill, which prepares its chunk indices on the host;
-``fla_graph``). Where fla takes no fewer key heads than value heads, it gets q and k repeated
+(median, the L2 flushed before each run), replaying a CUDA graph of the call (ours, and fla's
+decode where it can be captured) or calling it eagerly (fla's prefill, which prepares its chunk
+indices on the host; ``fla_graph`` says which). Where fla takes no fewer key heads than value heads, it gets q and k repeated
 (``fla_repeats_qk`` names its error). A decode step is bound by the state's bandwidth: ``GBps`` counts
 a read and a write of the Hv x Dk x Dv x 4 bytes of every sequence's state.
 fla's decode is ``fused_recurrent_gated_delta_rule`` (it returns the final state as a new
@@ -97,6 +97,16 @@ def seconds(fn, device: torch.device, graph: bool = True) -> float:
     return triton.testing.do_bench(captured.replay, return_mode="median") * 1e-3
 
 
+def fla_seconds(fn, decode: bool) -> tuple[float, bool]:
+    """fla's seconds per call, and whether they are a CUDA graph's (its decode, if it can be captured)."""
+    if decode:
+        try:
+            return seconds(fn, torch.device("cuda")), True
+        except RuntimeError:  # a host sync in the call: time it eagerly
+            torch.cuda.synchronize()
+    return seconds(fn, torch.device("cuda"), graph=False), False
+
+
 def fla_delta_rule(t: dict, meta: AttentionMetadata, initial_state: torch.Tensor | None, decode: bool):
     """fla's output and final state on the same inputs, as one varlen batch."""
     rule = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
@@ -146,8 +156,8 @@ def case(name: str, seqs: int, q_len: int, context: int, shape: dict, device: to
             fla_out, fla_state = fla_delta_rule(t, meta, initial, decode)
         result.update(fla_error=relative_error(fla_out[0], expected), fla_state_error=relative_error(fla_state, expected_state),
                       fla_vs_ours=relative_error(ours, fla_out[0]))  # fmt: skip
-        s = seconds(lambda: fla_delta_rule(t, meta, initial, decode), device, graph=decode)
-        result.update(fla_us=s * 1e6, fla_graph=decode, fla_tokens_per_s=seqs * q_len / s)
+        s, graphed = fla_seconds(lambda: fla_delta_rule(t, meta, initial, decode), decode)
+        result.update(fla_us=s * 1e6, fla_graph=graphed, fla_tokens_per_s=seqs * q_len / s)
         if decode:
             result["fla_GBps"] = state_bytes / s / 1e9
     return result
