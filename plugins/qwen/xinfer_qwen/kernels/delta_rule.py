@@ -6,7 +6,7 @@ registers and steps through the sequence's rows.
 
 Chunked (chunks of C = 64 rows, as flash-linear-attention's ``chunk_gated_delta_rule``): in
 a chunk starting from state S0, with ``G_i`` the cumulative log decay up to row i and
-``D_ij = exp(G_i - G_j)`` (j <= i), the rows' corrections ``d_i = beta_i (v_i - S_{i-1}^T k_i)``
+``D_ij = exp(G_i - G_j)`` (j <= i), the rows' corrections ``d_i = beta_i (v_i - (exp(g_i) S_{i-1})^T k_i)``
 solve the unit lower-triangular system
 
     d_i + sum_{j<i} beta_i (k_i . k_j) D_ij d_j = beta_i (v_i - exp(G_i) S0^T k_i),   i.e. (I + A) d = r,
