@@ -2,6 +2,7 @@
 flash-linear-attention's (``fla-core``) where it imports; one JSON line.
 
     python benchmarks/deltanet.py            # on the GPU
+    python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64)
     python benchmarks/deltanet.py --smoke    # tiny shapes, CPU, Triton interpreter (checks the script)
 
 Shapes: 16 key heads and 32 value heads of 128 (bf16; the state fp32), the conv over q, k and
@@ -116,7 +117,9 @@ def fla_delta_rule(t: dict, meta: AttentionMetadata, initial_state: torch.Tensor
     )  # fmt: skip
 
 
-def case(name: str, seqs: int, q_len: int, context: int, shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
+def case(
+    name: str, seqs: int, q_len: int, context: int, shape: dict, device: torch.device, dtype: torch.dtype, sweep: bool
+) -> dict:
     t = inputs(seqs, q_len, shape, device, dtype)
     meta = metadata([q_len] * seqs, [context] * seqs, device)
     decode = q_len == 1
@@ -145,6 +148,16 @@ def case(name: str, seqs: int, q_len: int, context: int, shape: dict, device: to
         result["GBps"] = state_bytes / s / 1e9
     s = seconds(lambda: conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"]), device)
     result["conv_us"] = s * 1e6
+    if sweep:  # the kernel's Dv tile: its time and error at each
+        tile = "RECURRENT_BLOCK_V" if decode else "CHUNK_BLOCK_V"
+        chosen = getattr(delta_rule, tile)
+        for block_v in (16, 32, 64):
+            setattr(delta_rule, tile, block_v)
+            swept = t["state"].clone()
+            out = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"])
+            s = seconds(lambda swept=swept: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"]), device)  # fmt: skip
+            result[f"{tile}={block_v}"] = dict(us=s * 1e6, error=relative_error(out, expected))
+        setattr(delta_rule, tile, chosen)
 
     if chunk_gated_delta_rule is not None and device.type == "cuda":
         try:
@@ -166,15 +179,18 @@ def case(name: str, seqs: int, q_len: int, context: int, shape: dict, device: to
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="also time the delta-rule kernels at each Dv tile")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("deltanet.py: no CUDA device (--smoke runs tiny shapes on the CPU)")
     device = torch.device("cpu" if args.smoke else "cuda")
     shape = TINY if args.smoke else FULL
     dtype = torch.float16 if args.smoke else torch.bfloat16  # (the interpreter's dot mishandles bf16)
-    cases = [case(f"decode-{b}", b, 1, 100, shape, device, dtype) for b in shape["decode_batches"]]
+    cases = [case(f"decode-{b}", b, 1, 100, shape, device, dtype, args.sweep) for b in shape["decode_batches"]]
     prompts, prompt_len = shape["prompts"], shape["prompt_len"]
-    cases.append(case(f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len, shape, device, dtype))
+    cases.append(
+        case(f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len, shape, device, dtype, args.sweep)
+    )
     summary = dict(benchmark="deltanet", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    dtype=str(dtype), fla=chunk_gated_delta_rule is not None, shape=shape, cases=cases)  # fmt: skip
     print(json.dumps(summary))
