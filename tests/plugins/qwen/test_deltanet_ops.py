@@ -30,10 +30,11 @@ from xinfer_qwen.kernels import conv1d, delta_rule
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 
-# (tokens this step, tokens before it) per sequence: starting (0 before), continuing with a
-# long and a short step (fewer than K-1 rows), decode steps, and a padding sequence (0, 0)
-BATCH = [(37, 0), (1, 5), (2, 9), (0, 0), (70, 0), (1, 1), (9, 40)]
-SLOTS = [3, 0, 6, 1, 2, 7, 5]
+# (tokens this step, tokens before it) per sequence: starting (0 before; one with fewer rows
+# than the conv's K-1), continuing with a long and a short step, decode steps, and a padding
+# sequence (0, 0)
+BATCH = [(37, 0), (1, 5), (2, 9), (0, 0), (70, 0), (1, 1), (9, 40), (2, 0)]
+SLOTS = [3, 0, 6, 1, 2, 7, 5, 4]
 
 
 def metadata(q_lens: list[int], before: list[int]) -> AttentionMetadata:
@@ -184,16 +185,16 @@ def test_conv1d_kernel_matches_the_reference(dtype, width, channels):
     wide = torch.randn(tokens, channels + 16, generator=generator).to(dtype)
     x = wide[:, 8 : 8 + channels]  # a view with a row stride, as the layer's projections give
     weight = (torch.randn(channels, width, generator=generator) / 2).to(dtype)
-    bias = torch.randn(channels, generator=generator).to(dtype)
+    some_bias = torch.randn(channels, generator=generator).to(dtype)
     state = random_state((8, channels, width - 1), generator).to(dtype)
     meta, slots = batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32)
-    for with_bias, activation in [(True, "silu"), (False, None)]:
+    for bias, activation in [(some_bias, "silu"), (None, None)]:
         expected_state, got_state = state.clone(), state.to(DEVICE)
-        args = (bias if with_bias else None, expected_state, meta, slots, activation)
-        expected = deltanet_ops.causal_conv1d(x, weight, *args)
-        on_device = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x, weight, bias, meta, slots)]
-        got = conv1d.causal_conv1d(*on_device[:2], on_device[2] if with_bias else None, got_state,
-                                           to_device(meta, DEVICE), on_device[4], activation)  # fmt: skip
+        expected = deltanet_ops.causal_conv1d(x, weight, bias, expected_state, meta, slots, activation)
+        got = conv1d.causal_conv1d(
+            x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE), got_state,
+            to_device(meta, DEVICE), slots.to(DEVICE), activation,
+        )  # fmt: skip
         assert got.dtype == dtype
         assert_close_on_rows(got, expected, meta, TOL[dtype])
         torch.testing.assert_close(got_state.cpu(), expected_state, rtol=0, atol=0, equal_nan=True)
@@ -204,7 +205,7 @@ def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadat
 
 
 DECODE = [(1, 5), (1, 0), (0, 0), (1, 63), (1, 64)]
-# (batch, key heads, value heads, Dk, Dv)
+# (name, batch, key heads, value heads, Dk, Dv)
 DELTA_CASES = [
     ("decode", DECODE, 2, 4, 16, 8),
     ("mixed", BATCH, 2, 4, 16, 8),
@@ -230,11 +231,9 @@ def test_gated_delta_rule_kernel_matches_the_reference(case, dtype):
     meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
     expected_state, got_state = state.clone(), state.to(DEVICE)
     expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
-    device = DEVICE
     got = delta_rule.gated_delta_rule(
-        q.to(device), k.to(device), v.to(device), g.to(device), beta.to(device), got_state, to_device(meta, device),
-        slot_tensor.to(device),
-    )  # fmt: skip
+        *(t.to(DEVICE) for t in (q, k, v, g, beta)), got_state, to_device(meta, DEVICE), slot_tensor.to(DEVICE)
+    )
     assert got.dtype == dtype and got.shape == v.shape
     assert_close_on_rows(got, expected, meta, TOL[dtype])
     error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()

@@ -6,7 +6,7 @@ registers and steps through the sequence's rows.
 
 Chunked (chunks of C = 64 rows, as flash-linear-attention's ``chunk_gated_delta_rule``): in
 a chunk starting from state S0, with ``G_i`` the cumulative log decay up to row i and
-``D_ij = exp(G_i - G_j)`` (j <= i), the rows' corrections ``d_i = beta_i (v_i - S_{i-1}^T k_i)``
+``D_ij = exp(G_i - G_j)`` (j <= i), the rows' corrections ``d_i = beta_i (v_i - (exp(g_i) S_{i-1})^T k_i)``
 solve the unit lower-triangular system
 
     d_i + sum_{j<i} beta_i (k_i . k_j) D_ij d_j = beta_i (v_i - exp(G_i) S0^T k_i),   i.e. (I + A) d = r,
@@ -200,7 +200,8 @@ def gated_delta_rule(
 ) -> Tensor:
     """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule`; rows of no sequence (a padded
     step's) are left unwritten."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
     tokens, v_heads, dim_v = v.shape
     dim_k = k.shape[-1]
     out = torch.empty_like(v)

@@ -1,0 +1,200 @@
+"""The Gated DeltaNet kernels (xinfer_qwen.kernels) at Qwen3.6-35B-A3B's shapes, beside
+flash-linear-attention's (``fla-core``) where it imports; one JSON line.
+
+    python benchmarks/deltanet.py            # on the GPU
+    python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64)
+    python benchmarks/deltanet.py --smoke    # tiny shapes, CPU, Triton interpreter (checks the script)
+
+Shapes: 16 key heads and 32 value heads of 128 (bf16; the state fp32), the conv over q, k and
+v (8192 channels, width 4); decode steps of 1, 64 and 256 sequences (each continuing from its
+slot) and a prefill step of 8 prompts of 2048 tokens (starting).
+
+Each case checks the outputs and final states against the torch reference
+(xinfer_qwen.deltanet_ops) and, with fla, fla's against ours (relative errors: the norm of the
+difference over the norm of the reference), then times them with ``triton.testing.do_bench``
+(median, the L2 flushed before each run), replaying a CUDA graph of the call (ours, and fla's
+decode where it can be captured) or calling it eagerly (fla's prefill, which prepares its chunk
+indices on the host; ``fla_graph`` says which). Where fla takes no fewer key heads than value heads, it gets q and k repeated
+(``fla_repeats_qk`` names its error). A decode step is bound by the state's bandwidth: ``GBps`` counts
+a read and a write of the Hv x Dk x Dv x 4 bytes of every sequence's state.
+fla's decode is ``fused_recurrent_gated_delta_rule`` (it returns the final state as a new
+tensor instead of writing it to the slot), its prefill ``chunk_gated_delta_rule``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # before anything imports triton
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from xinfer.ops import AttentionMetadata  # noqa: E402
+from xinfer_qwen import deltanet_ops  # noqa: E402
+from xinfer_qwen.kernels import conv1d, delta_rule  # noqa: E402
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+except ImportError:
+    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+
+FULL = dict(k_heads=16, v_heads=32, dim=128, width=4, decode_batches=(1, 64, 256), prompts=8, prompt_len=2048)
+TINY = dict(k_heads=2, v_heads=4, dim=16, width=4, decode_batches=(1, 3), prompts=2, prompt_len=70)
+
+
+def metadata(q_lens: list[int], seq_lens: list[int], device: torch.device) -> AttentionMetadata:
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    n = len(q_lens)
+    return AttentionMetadata(
+        cu, torch.tensor(seq_lens, dtype=torch.int32, device=device), torch.zeros(n, 1, dtype=torch.int32, device=device),
+        torch.zeros(int(cu[-1]), dtype=torch.int64, device=device), max(q_lens), max(seq_lens),
+    )  # fmt: skip
+
+
+def inputs(seqs: int, q_len: int, shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    generator = torch.Generator(device=device).manual_seed(seqs * 1000 + q_len)
+    tokens, hk, hv, d = seqs * q_len, shape["k_heads"], shape["v_heads"], shape["dim"]
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=generator, device=device) * scale).to(dtype)
+
+    channels = (2 * hk + hv) * d
+    return dict(
+        q=randn(tokens, hk, d), k=randn(tokens, hk, d), v=randn(tokens, hv, d),
+        g=-torch.rand(tokens, hv, generator=generator, device=device) * 0.5,
+        beta=torch.rand(tokens, hv, generator=generator, device=device).to(dtype),
+        state=torch.randn(seqs, hv, d, d, generator=generator, device=device) * 0.05,
+        x=randn(tokens, channels), weight=randn(channels, shape["width"], scale=0.5),
+        conv_state=randn(seqs, channels, shape["width"] - 1),
+        slots=torch.arange(seqs, dtype=torch.int32, device=device),
+    )  # fmt: skip
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def seconds(fn, device: torch.device, graph: bool = True) -> float:
+    """Seconds per call: of a CUDA graph's replays with ``graph``, else of eager calls."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    import triton.testing
+
+    torch.cuda.synchronize()
+    if not graph:
+        return triton.testing.do_bench(fn, return_mode="median") * 1e-3
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        fn()
+    return triton.testing.do_bench(captured.replay, return_mode="median") * 1e-3
+
+
+def fla_seconds(fn, decode: bool) -> tuple[float, bool]:
+    """fla's seconds per call, and whether they are a CUDA graph's (its decode, if it can be captured)."""
+    if decode:
+        try:
+            return seconds(fn, torch.device("cuda")), True
+        except RuntimeError:  # a host sync in the call: time it eagerly
+            torch.cuda.synchronize()
+    return seconds(fn, torch.device("cuda"), graph=False), False
+
+
+def fla_delta_rule(t: dict, meta: AttentionMetadata, initial_state: torch.Tensor | None, decode: bool):
+    """fla's output and final state on the same inputs, as one varlen batch."""
+    rule = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+    return rule(
+        t["q"][None], t["k"][None], t["v"][None], t["g"][None], t["beta"][None], initial_state=initial_state,
+        output_final_state=True, cu_seqlens=meta.cu_seqlens_q.long(), use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+
+
+def case(
+    name: str, seqs: int, q_len: int, context: int, shape: dict, device: torch.device, dtype: torch.dtype, sweep: bool
+) -> dict:
+    t = inputs(seqs, q_len, shape, device, dtype)
+    meta = metadata([q_len] * seqs, [context] * seqs, device)
+    decode = q_len == 1
+    initial = t["state"] if context > q_len else None
+    # correctness: ours and fla's against the reference (the reference on copies of the states)
+    expected_state = t["state"].clone()
+    expected = deltanet_ops.gated_delta_rule(
+        t["q"], t["k"], t["v"], t["g"], t["beta"], expected_state, meta, t["slots"]
+    )
+    state = t["state"].clone()
+    ours = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"])
+    expected_conv_state = t["conv_state"].clone()
+    expected_conv = deltanet_ops.causal_conv1d(t["x"], t["weight"], None, expected_conv_state, meta, t["slots"])
+    conv_state = t["conv_state"].clone()
+    conv = conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"])
+    result = dict(
+        case=name, seqs=seqs, q_len=q_len,
+        error=relative_error(ours, expected), state_error=relative_error(state, expected_state),
+        conv_error=relative_error(conv, expected_conv), conv_state_error=relative_error(conv_state, expected_conv_state),
+    )  # fmt: skip
+
+    state_bytes = seqs * shape["v_heads"] * shape["dim"] ** 2 * 4 * 2  # read and written once
+    s = seconds(lambda: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"]), device)  # fmt: skip
+    result.update(us=s * 1e6, tokens_per_s=seqs * q_len / s)
+    if decode:
+        result["GBps"] = state_bytes / s / 1e9
+    s = seconds(lambda: conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"]), device)
+    result["conv_us"] = s * 1e6
+    if sweep:  # the kernel's Dv tile: its time and error at each
+        tile = "RECURRENT_BLOCK_V" if decode else "CHUNK_BLOCK_V"
+        chosen = getattr(delta_rule, tile)
+        for block_v in (16, 32, 64):
+            setattr(delta_rule, tile, block_v)
+            swept = t["state"].clone()
+            out = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"])
+            s = seconds(lambda swept=swept: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"]), device)  # fmt: skip
+            result[f"{tile}={block_v}"] = dict(us=s * 1e6, error=relative_error(out, expected))
+        setattr(delta_rule, tile, chosen)
+
+    if chunk_gated_delta_rule is not None and device.type == "cuda":
+        try:
+            fla_out, fla_state = fla_delta_rule(t, meta, initial, decode)
+        except (AssertionError, RuntimeError, ValueError, TypeError) as error:  # fewer key heads than value heads
+            result["fla_repeats_qk"] = f"{type(error).__name__}: {error}"[:200]
+            group = shape["v_heads"] // shape["k_heads"]
+            t = {**t, "q": t["q"].repeat_interleave(group, 1), "k": t["k"].repeat_interleave(group, 1)}
+            fla_out, fla_state = fla_delta_rule(t, meta, initial, decode)
+        result.update(fla_error=relative_error(fla_out[0], expected), fla_state_error=relative_error(fla_state, expected_state),
+                      fla_vs_ours=relative_error(ours, fla_out[0]))  # fmt: skip
+        s, graphed = fla_seconds(lambda: fla_delta_rule(t, meta, initial, decode), decode)
+        result.update(fla_us=s * 1e6, fla_graph=graphed, fla_tokens_per_s=seqs * q_len / s)
+        if decode:
+            result["fla_GBps"] = state_bytes / s / 1e9
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="also time the delta-rule kernels at each Dv tile")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("deltanet.py: no CUDA device (--smoke runs tiny shapes on the CPU)")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shape = TINY if args.smoke else FULL
+    dtype = torch.float16 if args.smoke else torch.bfloat16  # (the interpreter's dot mishandles bf16)
+    cases = [case(f"decode-{b}", b, 1, 100, shape, device, dtype, args.sweep) for b in shape["decode_batches"]]
+    prompts, prompt_len = shape["prompts"], shape["prompt_len"]
+    cases.append(
+        case(f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len, shape, device, dtype, args.sweep)
+    )
+    summary = dict(benchmark="deltanet", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                   dtype=str(dtype), fla=chunk_gated_delta_rule is not None, shape=shape, cases=cases)  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
