@@ -66,7 +66,7 @@ def test_fused_moe_matches_the_reference(shape, dtype, activation):
 
 SLOT_TILES = {  # the per-slot path's variants (benchmarks/moe_kernels.py times them), at the interpreter's sizes
     "first": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, pipelined=False),
-    "pipelined": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, unroll=2),
+    "pipelined": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, up_unroll=2, down_unroll=2),
     "slot-per-program": moe.SlotTiles(up_n=16, up_k=16, down_n=32, down_k=16, down_j=1),
     "split": moe.SlotTiles(up_n=32, up_k=16, down_n=16, down_k=16, down_j=2, down_split=3),
 }

@@ -393,9 +393,9 @@ class SlotTiles:
     ``down_k`` columns a step; with more than one part per token the parts are fp32 partials
     that one more launch sums in a fixed order (deterministic, unlike atomics).
     ``pipelined``: the kernels that load a step's weights while the step before is
-    multiplied, ``unroll`` steps' loads issued together, and whose down issues its first
-    weight loads before waiting for gate/up (False: the first kernels, which ignore
-    ``down_j``, ``down_split`` and ``unroll``)."""
+    multiplied, ``up_unroll`` and ``down_unroll`` steps' loads issued together, and whose
+    down issues its first weight loads before waiting for gate/up (False: the first kernels,
+    which ignore ``down_j``, ``down_split`` and the unrolling)."""
 
     up_n: int
     up_k: int
@@ -405,7 +405,8 @@ class SlotTiles:
     down_split: int = 1
     up_warps: int = 4
     down_warps: int = 4
-    unroll: int = 1
+    up_unroll: int = 1
+    down_unroll: int = 1
     pipelined: bool = True
 
 
@@ -442,7 +443,7 @@ def _per_slot(
         return out
     _gate_up_kernel[(num_slots, triton.cdiv(inter, tiles.up_n))](
         x, w13, h, topk_ids, top_k, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, UNROLL=tiles.unroll,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll,
         num_warps=tiles.up_warps, **pdl,
     )  # fmt: skip
     slots_per_part = min(tiles.down_j or top_k, top_k)
@@ -453,7 +454,7 @@ def _per_slot(
         h, w2, weights, parts, topk_ids, top_k, hidden, inter, chunk, h.stride(0), w2.stride(0), w2.stride(1),
         parts.stride(0), 0 if num_parts == 1 else parts.stride(1),
         BLOCK_J=triton.next_power_of_2(slots_per_part), SPLIT=tiles.down_split, BLOCK_N=tiles.down_n,
-        BLOCK_K=tiles.down_k, UNROLL=tiles.unroll, num_warps=tiles.down_warps, **pdl,
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **pdl,
     )  # fmt: skip
     if num_parts > 1:
         block_p = triton.next_power_of_2(num_parts)
