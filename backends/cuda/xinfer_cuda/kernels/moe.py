@@ -7,12 +7,15 @@ Two GEMM launches either way: gate/up with the activation fused (the slot's ``ac
 slots fused, so that no [T*k, H] buffer is written and read back.
 
 - Per slot (small decode batches, ``T*k <= MAX_SLOTS_PER_SLOT_PATH``): gate/up runs a
-  program per (slot, tile of I rows), down a program per (token, tile of H rows) that
-  loops over the token's k experts and writes the model dtype; both read only the
-  chosen experts' rows, as a GEMV does. At batch 1 a layer's experts are ~75 MB
-  (Qwen3-30B-A3B), ~18 µs at 4.2 TB/s, so the launches (two here, one for the routing)
-  are what is left to save; down's row tiles shrink with the batch so that even one
-  token spreads over every SM.
+  program per (slot, tile of I rows), down a program per (token, tile of H rows) over
+  the token's k experts that writes the model dtype; both read only the chosen experts'
+  rows, as a GEMV does. At batch 1 a layer's experts are ~75 MB (Qwen3-30B-A3B), ~18 µs
+  at 4.2 TB/s, and each program only a few loop steps, so what decides the time is the
+  bytes in flight: the next step's weights load while this step's are multiplied, and
+  down's first ones before gate/up has finished (:class:`SlotTiles` has the variants,
+  down split over slots and chunks of I among them; benchmarks/moe_kernels.py times
+  them). Down's row tiles shrink with the batch so that even one token spreads over
+  every SM.
 - Grouped (prefill, larger batches): the slots are grouped by expert into blocks of
   ``BLOCK_M`` slots of one expert (an expert's last block padded with slot ``T*k``,
   which no program stores) by two small kernels (:func:`align_blocks`). A program
@@ -307,6 +310,7 @@ def _gate_up_kernel(
     w_gate = w13_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
     in_rows = rows[:, None] < inter
+    x_rows = x_row + 0 * rows[:, None]  # x in the weights' shape: their layout, no conversion each step
     first = tl.arange(0, BLOCK_K)[None, :]
     gate_w = tl.load(w_gate + first, mask=in_rows & (first < hidden), other=0.0, eviction_policy="evict_first")
     up_w = tl.load(w_up + first, mask=in_rows & (first < hidden), other=0.0, eviction_policy="evict_first")
@@ -318,7 +322,7 @@ def _gate_up_kernel(
         next_mask = in_rows & (next_ks < hidden)
         next_gate_w = tl.load(w_gate + next_ks, mask=next_mask, other=0.0, eviction_policy="evict_first")
         next_up_w = tl.load(w_up + next_ks, mask=next_mask, other=0.0, eviction_policy="evict_first")
-        a = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
+        a = tl.load(x_rows + ks[None, :], mask=in_rows & (ks[None, :] < hidden), other=0.0).to(tl.float32)
         gate += a * gate_w
         up += a * up_w
         gate_w, up_w = next_gate_w, next_up_w
@@ -351,7 +355,7 @@ def _down_kernel(
     start = (part % SPLIT) * chunk
     end = tl.minimum(start + chunk, inter)
     w = w2_ptr + experts[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn
-    h = h_ptr + slots[:, None, None] * stride_h
+    h = h_ptr + slots[:, None, None] * stride_h + 0 * rows[None, :, None]  # in w's shape: its layout, no conversion
     w_rows = chosen[:, None, None] & (rows[None, :, None] < hidden)
     first = start + tl.arange(0, BLOCK_K)[None, None, :]
     w_tile = tl.load(w + first, mask=w_rows & (first < end), other=0.0, eviction_policy="evict_first")
@@ -361,7 +365,7 @@ def _down_kernel(
         ks = (k + tl.arange(0, BLOCK_K))[None, None, :]
         next_ks = ks + BLOCK_K
         next_w_tile = tl.load(w + next_ks, mask=w_rows & (next_ks < end), other=0.0, eviction_policy="evict_first")
-        a = tl.load(h + ks, mask=chosen[:, None, None] & (ks < end), other=0.0).to(tl.float32)
+        a = tl.load(h + ks, mask=w_rows & (ks < end), other=0.0).to(tl.float32)
         acc += a * w_tile
         w_tile = next_w_tile
     out = tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)
@@ -414,10 +418,11 @@ def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
     """The per-slot tiles for a step of ``num_tokens`` tokens (the interpreter's: small)."""
     if not gpu_tiles(x):
         return SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32)
-    # down: about 256 programs (2 per SM) where the batch allows, tiles of 8K weights (16 KB: 32 KB in flight
-    # per SM, about what 4.2 TB/s over ~1 µs of latency asks of each of 132 SMs), 16-byte loads along K
+    # gate/up: [32, 128] tiles of gate and of up, two steps of each in flight (64 KB a program, ~1.5 programs per SM
+    # at batch 1: more than 4.2 TB/s over ~1 µs of latency asks of each of 132 SMs); down: about 256 programs where
+    # the batch allows, [k, 8, 128] tiles (16 KB) two steps deep, the first loaded before gate/up ends
     down_n = min(64 // triton.next_power_of_2(top_k), max(8, triton.next_power_of_2(num_tokens * 2048 // 256)))
-    return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128, pipelined=False)
+    return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128)
 
 
 def _per_slot(
