@@ -451,14 +451,14 @@ def _per_slot(
         ACTIVATION=ACTIVATIONS[activation], BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll,
         num_warps=tiles.up_warps, **pdl,
     )  # fmt: skip
-    slots_per_part = min(tiles.down_j or top_k, top_k)
-    num_parts = triton.cdiv(top_k, slots_per_part) * tiles.down_split
+    block_j = triton.next_power_of_2(min(tiles.down_j or top_k, top_k))  # slots per part
+    num_parts = triton.cdiv(top_k, block_j) * tiles.down_split
     chunk = triton.cdiv(triton.cdiv(inter, tiles.down_split), tiles.down_k) * tiles.down_k
     parts = out if num_parts == 1 else torch.empty(num_tokens, num_parts, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_n), num_parts)](
         h, w2, weights, parts, topk_ids, top_k, hidden, inter, chunk, h.stride(0), w2.stride(0), w2.stride(1),
         parts.stride(0), 0 if num_parts == 1 else parts.stride(1),
-        BLOCK_J=triton.next_power_of_2(slots_per_part), SPLIT=tiles.down_split, BLOCK_N=tiles.down_n,
+        BLOCK_J=block_j, SPLIT=tiles.down_split, BLOCK_N=tiles.down_n,
         BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **pdl,
     )  # fmt: skip
     if num_parts > 1:
