@@ -418,9 +418,9 @@ def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
     """The per-slot tiles for a step of ``num_tokens`` tokens (the interpreter's: small)."""
     if not gpu_tiles(x):
         return SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32)
-    # gate/up: [32, 128] tiles of gate and of up, two steps of each in flight (64 KB a program, ~1.5 programs per SM
-    # at batch 1: more than 4.2 TB/s over ~1 µs of latency asks of each of 132 SMs); down: about 256 programs where
-    # the batch allows, [k, 8, 128] tiles (16 KB) two steps deep, the first loaded before gate/up ends
+    # 4.2 TB/s over ~1 µs of latency asks for ~4 MB in flight. gate/up: [32, 128] tiles of gate and of up, two steps
+    # in flight (32 KB a program, 192 programs at batch 1: 6 MB); down: about 256 programs where the batch allows,
+    # [k, 8, 128] tiles (16 KB) two steps deep (8 MB), the first loaded before gate/up ends
     down_n = min(64 // triton.next_power_of_2(top_k), max(8, triton.next_power_of_2(num_tokens * 2048 // 256)))
     return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128)
 
