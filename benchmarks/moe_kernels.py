@@ -64,6 +64,7 @@ DOWN = [
 # round 2: gate/up variants (up_n, up_k, up_warps, up_unroll), down at round 1's best
 UP = [
     (32, 128, 4, 1),
+    (32, 128, 8, 1),
     (16, 128, 4, 1),
     (16, 256, 4, 1),
     (8, 256, 4, 1),
