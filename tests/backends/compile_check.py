@@ -116,6 +116,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     for tokens in (1, 4, 256, 8192):
         ids = torch.zeros(tokens, 8, dtype=torch.int32)
         moe.fused_moe(t(tokens, 2048), w13, w2, torch.rand(tokens, 8), ids, "silu")
+    # the per-slot path's other variants at batch 1: down in fp32 parts summed after it, and the first kernels
+    split = moe.SlotTiles(up_n=32, up_k=128, down_n=8, down_k=128, down_split=2)
+    moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", split)
+    moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", replace(split, pipelined=False))
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))

@@ -64,6 +64,31 @@ def test_fused_moe_matches_the_reference(shape, dtype, activation):
     assert error <= TOL[dtype], f"relative error {error:.2e}"
 
 
+SLOT_TILES = {  # the per-slot path's variants (benchmarks/moe_kernels.py times them), at the interpreter's sizes
+    "first": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, pipelined=False),
+    "pipelined": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, up_unroll=2, down_unroll=2),
+    "slot-per-program": moe.SlotTiles(up_n=16, up_k=16, down_n=32, down_k=16, down_j=1),
+    "split": moe.SlotTiles(up_n=32, up_k=16, down_n=16, down_k=16, down_j=2, down_split=3),
+}
+
+
+@pytest.mark.parametrize("variant", SLOT_TILES)
+@pytest.mark.parametrize("shape", [(2, 8, 3, 64, 48), (4, 8, 8, 96, 40), (9, 16, 4, 32, 32)],
+                         ids=lambda s: "T{}-E{}-k{}-H{}-I{}".format(*s))  # fmt: skip
+def test_per_slot_variants_match_the_reference(shape, variant):
+    """Slots split unevenly over programs (k = 3 in pairs), I unevenly over chunks (40 in 3), and a
+    step past the per-slot path's size, which ``tiles`` takes through it anyway."""
+    tokens, experts, top_k, hidden, inter = shape
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=generator) * inter**-0.5
+    weights, ids = routing(tokens, experts, top_k, generator)
+    expected = TorchOps().fused_moe(x, w13, w2, weights, ids, "silu")
+    got = moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)), "silu", SLOT_TILES[variant])
+    torch.testing.assert_close(got.cpu(), expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("tokens", [3, 37], ids=["per-slot", "grouped"])
 def test_fused_moe_takes_the_int32_ids_the_router_kernel_gives(tokens):
     generator = torch.Generator().manual_seed(tokens)

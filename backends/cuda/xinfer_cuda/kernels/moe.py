@@ -7,12 +7,15 @@ Two GEMM launches either way: gate/up with the activation fused (the slot's ``ac
 slots fused, so that no [T*k, H] buffer is written and read back.
 
 - Per slot (small decode batches, ``T*k <= MAX_SLOTS_PER_SLOT_PATH``): gate/up runs a
-  program per (slot, tile of I rows), down a program per (token, tile of H rows) that
-  loops over the token's k experts and writes the model dtype; both read only the
-  chosen experts' rows, as a GEMV does. At batch 1 a layer's experts are ~75 MB
-  (Qwen3-30B-A3B), ~18 µs at 4.2 TB/s, so the launches (two here, one for the routing)
-  are what is left to save; down's row tiles shrink with the batch so that even one
-  token spreads over every SM.
+  program per (slot, tile of I rows), down a program per (token, tile of H rows) over
+  the token's k experts that writes the model dtype; both read only the chosen experts'
+  rows, as a GEMV does. At batch 1 a layer's experts are ~75 MB (Qwen3-30B-A3B), ~18 µs
+  at 4.2 TB/s, and each program only a few loop steps, so what decides the time is the
+  bytes in flight: the next step's weights load while this step's are multiplied, and
+  down's first ones before gate/up has finished (:class:`SlotTiles` has the variants,
+  down split over slots and chunks of I among them; benchmarks/moe_kernels.py times
+  them). Down's row tiles shrink with the batch so that even one token spreads over
+  every SM.
 - Grouped (prefill, larger batches): the slots are grouped by expert into blocks of
   ``BLOCK_M`` slots of one expert (an expert's last block padded with slot ``T*k``,
   which no program stores) by two small kernels (:func:`align_blocks`). A program
@@ -28,6 +31,7 @@ slots fused, so that no [T*k, H] buffer is written and read back.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -291,39 +295,200 @@ def _token_down_kernel(
     tl.store(out_ptr + token * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rows < hidden)
 
 
-def _per_slot(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, h_ptr, ids_ptr, top_k, hidden, inter,
+    stride_x, stride_we, stride_wn, stride_h,
+    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """:func:`_slot_gate_up_kernel` with the next step's weight tiles loading while this step's are multiplied."""
+    pdl_entry(PDL)
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // top_k) * stride_x
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_gate = w13_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + inter * stride_wn
+    in_rows = rows[:, None] < inter
+    x_rows = x_row + 0 * rows[:, None]  # x in the weights' shape: their layout, no conversion each step
+    first = tl.arange(0, BLOCK_K)[None, :]
+    gate_w = tl.load(w_gate + first, mask=in_rows & (first < hidden), other=0.0, eviction_policy="evict_first")
+    up_w = tl.load(w_up + first, mask=in_rows & (first < hidden), other=0.0, eviction_policy="evict_first")
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, hidden, BLOCK_K, loop_unroll_factor=UNROLL):
+        ks = k + tl.arange(0, BLOCK_K)
+        next_ks = ks[None, :] + BLOCK_K
+        next_mask = in_rows & (next_ks < hidden)
+        next_gate_w = tl.load(w_gate + next_ks, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        next_up_w = tl.load(w_up + next_ks, mask=next_mask, other=0.0, eviction_policy="evict_first")
+        a = tl.load(x_rows + ks[None, :], mask=in_rows & (ks[None, :] < hidden), other=0.0).to(tl.float32)
+        gate += a * gate_w
+        up += a * up_w
+        gate_w, up_w = next_gate_w, next_up_w
+    out = _act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
+    tl.store(h_ptr + slot * stride_h + rows, out.to(h_ptr.dtype.element_ty), mask=rows < inter)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w2_ptr, weights_ptr, out_ptr, ids_ptr, top_k, hidden, inter, chunk,
+    stride_h, stride_we, stride_wn, stride_out, stride_out_part,
+    BLOCK_J: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A tile of a token's output rows, over one part of its slots and of I: part ``p`` is
+    slots ``p // SPLIT * BLOCK_J`` on and the ``p % SPLIT``-th ``chunk`` columns, weighted
+    and summed in fp32, the next step's weights loading while this step's are multiplied.
+
+    The routing and the weights are read before the wait for gate/up (``pdl_entry``): only
+    gate/up's output ``h`` is new, and the routing came before gate/up, whose programs had
+    all waited for it before this kernel could start (launch.py)."""
+    token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(2)
+    j = (part // SPLIT) * BLOCK_J + tl.arange(0, BLOCK_J)
+    slots = token * top_k + j
+    chosen = j < top_k
+    experts = tl.load(ids_ptr + slots, mask=chosen, other=0).to(tl.int64)
+    weights = tl.load(weights_ptr + slots, mask=chosen, other=0.0).to(tl.float32)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = (part % SPLIT) * chunk
+    end = tl.minimum(start + chunk, inter)
+    w = w2_ptr + experts[:, None, None] * stride_we + rows[None, :, None].to(tl.int64) * stride_wn
+    h = h_ptr + slots[:, None, None] * stride_h + 0 * rows[None, :, None]  # in w's shape: its layout, no conversion
+    w_rows = chosen[:, None, None] & (rows[None, :, None] < hidden)
+    first = start + tl.arange(0, BLOCK_K)[None, None, :]
+    w_tile = tl.load(w + first, mask=w_rows & (first < end), other=0.0, eviction_policy="evict_first")
+    pdl_entry(PDL)
+    acc = tl.zeros((BLOCK_J, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(start, end, BLOCK_K, loop_unroll_factor=UNROLL):
+        ks = (k + tl.arange(0, BLOCK_K))[None, None, :]
+        next_ks = ks + BLOCK_K
+        next_w_tile = tl.load(w + next_ks, mask=w_rows & (next_ks < end), other=0.0, eviction_policy="evict_first")
+        a = tl.load(h + ks, mask=w_rows & (ks < end), other=0.0).to(tl.float32)
+        acc += a * w_tile
+        w_tile = next_w_tile
+    out = tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)
+    out_row = out_ptr + token * stride_out + part * stride_out_part
+    tl.store(out_row + rows, out.to(out_ptr.dtype.element_ty), mask=rows < hidden)
+
+
+@triton.jit
+def _sum_parts_kernel(
+    parts_ptr, out_ptr, num_parts, hidden, stride_parts, stride_parts_part, stride_out,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A token's output rows: its down parts [num_parts, hidden] summed, in one fixed order."""
+    pdl_entry(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (p < num_parts) & (cols[None, :] < hidden)
+    parts = tl.load(parts_ptr + token * stride_parts + p * stride_parts_part + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_out + cols, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+             mask=cols < hidden)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SlotTiles:
+    """Tiles of the per-slot path. gate/up: a program per (slot, ``up_n`` rows of I), ``up_k``
+    columns of H a step. down: a program per (token, ``down_n`` rows of H, part), a part
+    being ``down_j`` of the token's k slots (0: all) over one of ``down_split`` chunks of I,
+    ``down_k`` columns a step; with more than one part per token the parts are fp32 partials
+    that one more launch sums in a fixed order (deterministic, unlike atomics).
+    ``pipelined``: the kernels that load a step's weights while the step before is
+    multiplied, ``up_unroll`` and ``down_unroll`` steps' loads issued together, and whose
+    down issues its first weight loads before waiting for gate/up (False: the first kernels,
+    which ignore ``down_j``, ``down_split`` and the unrolling)."""
+
+    up_n: int
+    up_k: int
+    down_n: int
+    down_k: int
+    down_j: int = 0
+    down_split: int = 1
+    up_warps: int = 4
+    down_warps: int = 4
+    up_unroll: int = 1
+    down_unroll: int = 1
+    pipelined: bool = True
+
+
+def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
+    """The per-slot tiles for a step of ``num_tokens`` tokens (the interpreter's: small)."""
+    if not gpu_tiles(x):
+        return SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32)
+    # 4.2 TB/s over ~1 µs of latency asks for ~4 MB in flight. gate/up: [32, 128] tiles of gate and of up, two steps
+    # in flight (32 KB a program, 192 programs at batch 1: 6 MB); down: about 256 programs where the batch allows,
+    # [k, 8, 128] tiles (16 KB) two steps deep (8 MB), the first loaded before gate/up ends
+    down_n = min(64 // triton.next_power_of_2(top_k), max(8, triton.next_power_of_2(num_tokens * 2048 // 256)))
+    return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128)
+
+
+def _per_slot(
+    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str, tiles: SlotTiles
+) -> Tensor:
     num_tokens, top_k = topk_ids.shape
     _, hidden, inter = w2.shape
     num_slots = num_tokens * top_k
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    block_j = triton.next_power_of_2(top_k)
-    if gpu_tiles(x):
-        # down: about 256 programs (2 per SM) where the batch allows, tiles of 8K weights (16 KB: 32 KB in flight
-        # per SM, about what 4.2 TB/s over ~1 µs of latency asks of each of 132 SMs), 16-byte loads along K
-        block_n, block_k = 32, 128
-        down_n = min(64 // block_j, max(8, triton.next_power_of_2(num_tokens * hidden // 256)))
-    else:
-        block_n, block_k, down_n = 16, 32, 16
     pdl = launch.pdl(x.device)
-    _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, block_n))](
+    if not tiles.pipelined:
+        _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tiles.up_n))](
+            x, w13, h, topk_ids, top_k, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+            ACTIVATION=ACTIVATIONS[activation], BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, num_warps=tiles.up_warps,
+            **pdl,
+        )  # fmt: skip
+        _token_down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_n))](
+            h, w2, weights, out, topk_ids, top_k, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
+            out.stride(0), BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k,
+            num_warps=tiles.down_warps, **pdl,
+        )  # fmt: skip
+        return out
+    _gate_up_kernel[(num_slots, triton.cdiv(inter, tiles.up_n))](
         x, w13, h, topk_ids, top_k, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        ACTIVATION=ACTIVATIONS[activation], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll,
+        num_warps=tiles.up_warps, **pdl,
     )  # fmt: skip
-    _token_down_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
-        h, w2, weights, out, topk_ids, top_k, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_J=block_j, BLOCK_N=down_n, BLOCK_K=block_k, num_warps=4, **pdl,
+    block_j = triton.next_power_of_2(min(tiles.down_j or top_k, top_k))  # slots per part
+    num_parts = triton.cdiv(top_k, block_j) * tiles.down_split
+    chunk = triton.cdiv(triton.cdiv(inter, tiles.down_split), tiles.down_k) * tiles.down_k
+    parts = out if num_parts == 1 else torch.empty(num_tokens, num_parts, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_n), num_parts)](
+        h, w2, weights, parts, topk_ids, top_k, hidden, inter, chunk, h.stride(0), w2.stride(0), w2.stride(1),
+        parts.stride(0), 0 if num_parts == 1 else parts.stride(1),
+        BLOCK_J=block_j, SPLIT=tiles.down_split, BLOCK_N=tiles.down_n,
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **pdl,
     )  # fmt: skip
+    if num_parts > 1:
+        block_p = triton.next_power_of_2(num_parts)
+        block_n = max(16, 4096 // block_p)
+        _sum_parts_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+            parts, out, num_parts, hidden, parts.stride(0), parts.stride(1), out.stride(0),
+            BLOCK_P=block_p, BLOCK_N=block_n, **pdl,
+        )  # fmt: skip
     return out
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+def fused_moe(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: str,
+    tiles: SlotTiles | None = None,
+) -> Tensor:
     """:meth:`xinfer.ops.Ops.fused_moe` in two launches (and, for larger batches, the
-    three that group the slots by expert and the output's zeroing and cast)."""
+    three that group the slots by expert and the output's zeroing and cast). ``tiles``
+    takes the per-slot path with those tiles, whatever the batch (benchmarks/moe_kernels.py
+    times the alternatives)."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()  # (no copies where they are, as models hold them)
     weights, ids = topk_weights.contiguous(), topk_ids.contiguous()
-    path = _per_slot if num_tokens * top_k <= MAX_SLOTS_PER_SLOT_PATH else _grouped
-    return path(x, w13, w2, weights, ids, activation)
+    if tiles is None and num_tokens * top_k > MAX_SLOTS_PER_SLOT_PATH:
+        return _grouped(x, w13, w2, weights, ids, activation)
+    return _per_slot(x, w13, w2, weights, ids, activation, tiles or slot_tiles(num_tokens, top_k, x))

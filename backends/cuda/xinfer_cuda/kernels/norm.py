@@ -28,10 +28,13 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_entry(PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # No kernel writes the weight: its load goes out before the wait for the kernel that
+    # writes x (pdl_entry), not after the new residual's store, which it could alias.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_entry(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
@@ -41,7 +44,6 @@ def _rms_norm_kernel(
         tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
     x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
