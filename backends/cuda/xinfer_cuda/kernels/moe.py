@@ -418,11 +418,15 @@ def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
     """The per-slot tiles for a step of ``num_tokens`` tokens (the interpreter's: small)."""
     if not gpu_tiles(x):
         return SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32)
-    # 4.2 TB/s over ~1 µs of latency asks for ~4 MB in flight. gate/up: [32, 128] tiles of gate and of up, two steps
-    # in flight (32 KB a program, 192 programs at batch 1: 6 MB); down: about 256 programs where the batch allows,
-    # [k, 8, 128] tiles (16 KB) two steps deep (8 MB), the first loaded before gate/up ends
+    # 4.2 TB/s over ~1 µs of latency asks for ~4 MB in flight; down: about 256 programs where the batch allows, [k, 8,
+    # 128] tiles (16 KB). The rest as `python benchmarks/moe_kernels.py` settled it on the H200 (2026-12-03; Qwen3-30B-
+    # A3B's and GLM-4.5-Air's experts): at 1-2 tokens [16, 256] gate/up tiles and down's loads two steps deep (1 token:
+    # 22.9 µs a layer, 77 % of the copy bandwidth, against 35.4 µs for the first kernels), at 3-4 tokens [32, 128]
+    # gate/up tiles two steps deep
     down_n = min(64 // triton.next_power_of_2(top_k), max(8, triton.next_power_of_2(num_tokens * 2048 // 256)))
-    return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128)
+    if num_tokens <= 2:
+        return SlotTiles(up_n=16, up_k=256, down_n=down_n, down_k=128, down_unroll=2)
+    return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128, up_unroll=2)
 
 
 def _per_slot(
