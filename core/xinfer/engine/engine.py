@@ -168,14 +168,8 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
-        return StepOutput(
-            seq.request_id,
-            [token],
-            [logprobs] if logprobs is not None else [],
-            seq.num_cached_tokens,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-        )
+        token_logprobs = [logprobs] if logprobs is not None else []
+        return StepOutput(seq.request_id, [token], token_logprobs, seq.num_cached_tokens, reason, stop_reason)
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """Why ``token`` ends ``seq``, if it does; stop strings are the output processor's."""
