@@ -40,9 +40,8 @@ class LLM:
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates."""
-        tokenizer = self.tokenizer
-        template = tokenizer.chat_template if tokenizer is not None else None
-        if tokenizer is None or template is None:
+        tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise ValueError("this model has no chat template")
         one = messages and isinstance(messages[0], dict)
         conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
