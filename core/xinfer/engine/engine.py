@@ -118,14 +118,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.cache.usage,
-            prefix_cache_queries=self.cache.queries,
-            prefix_cache_hits=self.cache.hits,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        scheduler, cache = self.scheduler, self.cache
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), cache.usage, cache.queries, cache.hits,
+                           scheduler.num_preemptions)  # fmt: skip
 
     def step(self) -> list[StepOutput]:
         """Launches the next step, then reads back the one before it and returns what it
