@@ -14,6 +14,7 @@ from xinfer.sampling import SamplingParams
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
 Prompt = str | list[int] | dict[str, Any]
+Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
@@ -32,16 +33,15 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        params: Params = None,
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates."""
-        tokenizer = self.tokenizer
-        template = tokenizer.chat_template if tokenizer is not None else None
-        if tokenizer is None or template is None:
+        tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise ValueError("this model has no chat template")
         one = messages and isinstance(messages[0], dict)
         conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
@@ -54,22 +54,14 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, params)
 
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in the order of ``prompts``."""
         outputs = self._add(prompts, params)
         for _ in self.processor.run(outputs):
             pass
         return outputs
 
-    def stream(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> Iterator[RequestOutput]:
         """Yields, as each step produces them, deltas: a ``RequestOutput`` holding only
         the new tokens and text of one choice of one request."""
         yield from self.processor.run(self._add(prompts, params))

@@ -28,8 +28,7 @@ HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a s
 
 class Conversation:
     def __init__(self, engine: LLMEngine, params: SamplingParams):
-        if engine.tokenizer is None or engine.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; the terminal chat needs one")
+        """``engine``'s tokenizer has a chat template (:func:`run` checks)."""
         self.engine = engine
         self.tokenizer, self.template = engine.tokenizer, engine.tokenizer.chat_template
         self.processor = OutputProcessor(engine)
@@ -94,10 +93,9 @@ def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO
 
 
 def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, out: TextIO = sys.stdout) -> None:
-    """Runs the prompts as one batch (each as a user turn when the model has a chat template)."""
+    """Runs the prompts as one batch (each as a user turn when the model has a chat template); ``engine`` has a
+    tokenizer (:func:`run` checks)."""
     tokenizer = engine.tokenizer
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer; answering prompts needs one")
     template = tokenizer.chat_template
     processor = OutputProcessor(engine)
     answers = []

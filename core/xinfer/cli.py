@@ -46,10 +46,7 @@ def list_plugins(as_json: bool = False) -> int:
     from xinfer import registry
 
     infos = registry.plugins()
-    if as_json:
-        print(json.dumps([asdict(info) for info in infos], indent=2))
-    else:
-        print(describe(infos))
+    print(json.dumps([asdict(info) for info in infos], indent=2) if as_json else describe(infos))
     sys.stdout.flush()
     return 0
 

@@ -21,44 +21,29 @@ class _Config(BaseModel):
 
 
 class ModelConfig(_Config):
-    model: str | None = Field(None, description="HF folder, .gguf file or folder holding one; None: embedded default")
-    dtype: str = Field("auto", description="auto, bfloat16/bf16, float16/f16, float32/f32")
+    model: str | None = None  # HF folder, .gguf file or folder holding one; None: the embedded default
+    dtype: str = "auto"  # auto, bfloat16/bf16, float16/f16, float32/f32
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
-    max_model_len: int | None = Field(None, gt=0, description="context limit; default: the model's")
+    max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
     seed: int = 0
 
 
 class CacheConfig(_Config):
-    block_size: int = Field(16, gt=0, description="tokens per KV block")
-    num_blocks: int | None = Field(None, gt=0, description="KV blocks; overrides the memory plan")
-    kv_fraction: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="GPU: share of the device's total memory this engine may use for weights, activations, "
-        "CUDA graphs and KV cache, the KV cache getting what is left (default 0.9); CPU: share of the free "
-        "RAM after loading the weights that the KV cache gets (default: a quarter, at most 2 GiB)",
-    )
-    kv_cache_dtype: str = Field(
-        "auto",
-        description="auto: the model dtype; fp8: rotated e4m3 K, e4m3 V; turbo8: rotated 8-bit K, 4-bit V; "
-        "turbo4/turbo3: rotated 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md",
-    )
-    kv_recent_window: int = Field(
-        0,
-        ge=0,
-        description="quantized caches: each query reads the keys and values of its last N positions, "
-        "and of its sequence's first block, unquantized (shadow blocks in the model dtype); 0: off. "
-        "See docs/kv-cache.md",
-    )
-    mamba_fraction: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache "
-        "memory their per-sequence states get, which bounds how many sequences run at once; default: enough "
-        "for max_num_seqs, at most half",
-    )
+    block_size: int = Field(16, gt=0)  # tokens per KV block
+    num_blocks: int | None = Field(None, gt=0)  # KV blocks; overrides the memory plan
+    # GPU: share of the device's total memory this engine may use for weights, activations, CUDA graphs and KV
+    # cache, the KV cache getting what is left (default 0.9); CPU: share of the free RAM after loading the weights
+    # that the KV cache gets (default: a quarter, at most 2 GiB)
+    kv_fraction: float | None = Field(None, gt=0, le=1)
+    # auto: the model dtype; fp8: rotated e4m3 K, e4m3 V; turbo8: rotated 8-bit K, 4-bit V; turbo4/turbo3: rotated
+    # 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md
+    kv_cache_dtype: str = "auto"
+    # quantized caches: each query reads the keys and values of its last N positions, and of its sequence's first
+    # block, unquantized (shadow blocks in the model dtype); 0: off. See docs/kv-cache.md
+    kv_recent_window: int = Field(0, ge=0)
+    # models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory their per-sequence states get,
+    # which bounds how many sequences run at once; default: enough for max_num_seqs, at most half
+    mamba_fraction: float | None = Field(None, gt=0, lt=1)
     enable_prefix_caching: bool = True
 
     @field_validator("kv_cache_dtype")
@@ -69,19 +54,16 @@ class CacheConfig(_Config):
 
 
 class SchedulerConfig(_Config):
-    max_num_seqs: int | None = Field(
-        None,
-        gt=0,
-        description="sequences in a running batch; default: as many as the planned KV cache holds "
-        "at 1024 tokens each (max_model_len if shorter), at most 256; 256 when num_blocks is given",
-    )
-    max_num_batched_tokens: int = Field(8192, gt=0, description="tokens per step; longer prefills are chunked")
+    # sequences in a running batch; default: as many as the planned KV cache holds at 1024 tokens each
+    # (max_model_len if shorter), at most 256; 256 when num_blocks is given
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int = Field(8192, gt=0)  # tokens per step; longer prefills are chunked
 
 
 class DeviceConfig(_Config):
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ...")
-    backend: str | None = Field(None, description="backend plugin by name; default: best available")
-    enforce_eager: bool = Field(False, description="no CUDA graphs")
+    device: str = "auto"  # auto, cpu, cuda, cuda:1, ...
+    backend: str | None = None  # backend plugin by name; default: the best available
+    enforce_eager: bool = False  # no CUDA graphs
 
 
 class EngineConfig(_Config):

@@ -75,19 +75,13 @@ class CausalLM(nn.Module):
     def checkpoint_names(self) -> set[str]:
         """The names of the checkpoint tensors this model loads (packed shards by their
         own names)."""
-        names = set()
         loaders = self.checkpoint_loaders()
-        for prefix, module in loaders.items():
-            names |= {f"{prefix}.{name}" for name in module.checkpoint_names()}
+        names = {f"{prefix}.{name}" for prefix, module in loaders.items() for name in module.checkpoint_names()}
         for name, _ in self.named_parameters(remove_duplicate=False):
-            if loader_of(name, loaders) is not None:
-                continue
-            parts = [part for part, (merged, _) in self.packed_modules.items() if f".{merged}." in name]
-            for part in parts:
-                merged = self.packed_modules[part][0]
-                names.add(name.replace(f".{merged}.", f".{part}."))
-            if not parts:
-                names.add(name)
+            if loader_of(name, loaders) is None:
+                shards = {name.replace(f".{merged}.", f".{part}.")
+                          for part, (merged, _) in self.packed_modules.items() if f".{merged}." in name}  # fmt: skip
+                names |= shards or {name}
         return names
 
     def checkpoint_loaders(self) -> dict[str, LoadsCheckpoint]:

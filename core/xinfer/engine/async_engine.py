@@ -131,7 +131,12 @@ class AsyncEngine:
         """Ends every request now: each stream gets its ``abort`` at once, and the engine
         thread frees the sequences after its current step (which may take long)."""
         for handle in {id(h): h for h, _ in self._handles.values()}.values():
-            self._deliver_aborts(self.abort(handle))
+            self.abort(handle)
+            for position, output in enumerate(handle.outputs):
+                for choice in output.outputs:
+                    if not choice.finished:
+                        aborted = CompletionOutput(choice.index, finish_reason="abort")
+                        handle.queue.put_nowait((position, replace(output, outputs=[aborted])))
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.state is not EngineState.DEAD:
@@ -337,17 +342,6 @@ class AsyncEngine:
             handle.last_token_time[choice] = now
             handle.num_generated += len(delta.outputs[0].token_ids)
             handle.queue.put_nowait((position, delta))
-
-    def _deliver_aborts(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            owner = self._handles.get(request_id)
-            if owner is not None:
-                handle, position = owner
-                output = handle.outputs[position]
-                for choice in output.outputs:
-                    if not choice.finished:
-                        aborted = CompletionOutput(choice.index, finish_reason="abort")
-                        handle.queue.put_nowait((position, replace(output, outputs=[aborted])))
 
     def _fail_all(self, error: BaseException) -> None:
         for handle, _ in list(self._handles.values()):

@@ -118,14 +118,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.cache.usage,
-            prefix_cache_queries=self.cache.queries,
-            prefix_cache_hits=self.cache.hits,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        scheduler, cache = self.scheduler, self.cache
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), cache.usage, cache.queries, cache.hits,
+                           scheduler.num_preemptions)  # fmt: skip
 
     def step(self) -> list[StepOutput]:
         """Launches the next step, then reads back the one before it and returns what it
@@ -168,14 +163,8 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
-        return StepOutput(
-            seq.request_id,
-            [token],
-            [logprobs] if logprobs is not None else [],
-            seq.num_cached_tokens,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-        )
+        token_logprobs = [logprobs] if logprobs is not None else []
+        return StepOutput(seq.request_id, [token], token_logprobs, seq.num_cached_tokens, reason, stop_reason)
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """Why ``token`` ends ``seq``, if it does; stop strings are the output processor's."""

@@ -65,16 +65,13 @@ class KeyStatistics:
     ) -> Tensor:
         tokens, heads, head_dim = q.shape
         grouped = q.float().view(tokens, cache.num_kv_heads, heads // cache.num_kv_heads, head_dim)
-        self._add(self.query_energy, cache, grouped.pow(2).sum((0, 2)))
-        self._add(self.key_sums, cache, k.float().sum(0))
-        self._add(self.key_energy, cache, k.float().pow(2).sum(0))
+        layer = id(cache)
+        self.query_energy[layer] = self.query_energy.get(layer, 0) + grouped.pow(2).sum((0, 2))
+        self.key_sums[layer] = self.key_sums.get(layer, 0) + k.float().sum(0)
+        self.key_energy[layer] = self.key_energy.get(layer, 0) + k.float().pow(2).sum(0)
         if softcap:
-            self.softcapped.add(id(cache))
+            self.softcapped.add(layer)
         return self.inner.attention(q, k, v, cache, meta, scale, window, softcap)
-
-    @staticmethod
-    def _add(sums: dict[int, Tensor], cache: LayerKVCache, energy: Tensor) -> None:
-        sums[id(cache)] = sums[id(cache)] + energy if id(cache) in sums else energy
 
 
 @dataclass(frozen=True)

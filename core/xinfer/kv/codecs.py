@@ -106,11 +106,7 @@ class Uniform(Codec):
         return PACKING[self.bits][1](packed)
 
 
-PACKING = {
-    8: (lambda c: c, lambda p: p),
-    4: (codes.pack4, codes.unpack4),
-    3: (codes.pack3, codes.unpack3),
-}
+PACKING = {8: (lambda c: c, lambda p: p), 4: (codes.pack4, codes.unpack4), 3: (codes.pack3, codes.unpack3)}
 
 
 @dataclass(frozen=True)

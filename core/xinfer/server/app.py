@@ -18,10 +18,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 
 
 def build_app(
-    serving: Serving,
-    api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    with_ui: bool = False,
+    serving: Serving, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, with_ui: bool = False
 ) -> FastAPI:
     app = FastAPI(title="xinfer", version=__version__, docs_url="/docs", redoc_url=None)
     app.state.serving = serving

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from xinfer.server.errors import APIError
@@ -27,14 +26,9 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        error = APIError(
-            401,
-            "a valid API key is required: send Authorization: Bearer <key>",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-        response: JSONResponse = error.response()
-        await response(scope, receive, send)
+        message = "a valid API key is required: send Authorization: Bearer <key>"
+        error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])

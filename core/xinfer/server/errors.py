@@ -8,6 +8,7 @@ unexpected exception becomes a 500 that names no internals.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,21 +22,16 @@ log = logging.getLogger("xinfer")
 ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
 
 
+@dataclass(eq=False)
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)

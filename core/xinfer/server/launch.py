@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +114,13 @@ class _Server(uvicorn.Server):
         yield
 
 
+@dataclass
 class GracefulShutdown:
-    def __init__(self, engine: AsyncEngine, servers: Sequence[uvicorn.Server], timeout: float):
-        self.engine = engine
-        self.servers = servers
-        self.timeout = timeout
-        self.exit_code = 0
-        self.task: asyncio.Task | None = None
+    engine: AsyncEngine
+    servers: Sequence[uvicorn.Server]
+    timeout: float
+    exit_code: int = 0
+    task: asyncio.Task | None = None
 
     def trigger(self, sig: int | None = None) -> None:
         if self.task is None:
@@ -165,9 +165,7 @@ def uvicorn_config(app: Any, args: argparse.Namespace, port: int) -> uvicorn.Con
 
 async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
-    engine = AsyncEngine(
-        lambda: LLMEngine(config), max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout
-    )
+    engine = AsyncEngine(lambda: LLMEngine(config), args.max_waiting, args.health_stall_timeout)
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)

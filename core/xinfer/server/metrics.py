@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,22 +47,15 @@ class Metrics:
     def __init__(self, engine: AsyncEngine):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineCollector(engine))
-        r = self.registry
-        self.prompt_tokens = Counter("xinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("xinfer_generation_tokens", "Generated tokens", registry=r)
-        self.finished = Counter(
-            "xinfer_requests_finished", "Requests ended, by finish reason", ["finish_reason"], registry=r
-        )
-        self.rejected = Counter("xinfer_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
-        self.ttft = Histogram(
-            "xinfer_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "xinfer_inter_token_latency_seconds", "Time between tokens of a choice", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.e2e = Histogram(
-            "xinfer_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r
-        )
+        counter, histogram = partial(Counter, registry=self.registry), partial(Histogram, registry=self.registry)
+        self.prompt_tokens = counter("xinfer_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("xinfer_generation_tokens", "Generated tokens")
+        self.finished = counter("xinfer_requests_finished", "Requests ended, by finish reason", ["finish_reason"])
+        self.rejected = counter("xinfer_requests_rejected", "Requests refused, by reason", ["reason"])
+        latency = partial(histogram, buckets=LATENCY_BUCKETS)
+        self.ttft = latency("xinfer_time_to_first_token_seconds", "Arrival to first token")
+        self.itl = latency("xinfer_inter_token_latency_seconds", "Time between tokens of a choice")
+        self.e2e = histogram("xinfer_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS)
 
     def request_done(self, handle: RequestHandle) -> None:
         self.prompt_tokens.inc(handle.num_prompt_tokens)

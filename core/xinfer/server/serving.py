@@ -16,7 +16,7 @@ from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params
 from xinfer.server.protocol import GenerationRequest
 
-RETRY_AFTER_SECONDS = 1
+RETRY_AFTER = {"Retry-After": "1"}  # seconds
 T = TypeVar("T")
 
 
@@ -53,12 +53,8 @@ class Serving:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name and name not in self.aliases:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            message = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
+            raise APIError(404, message, param="model", code="model_not_found")
 
     async def submit(self, request: Request, body: GenerationRequest, prompts: list[list[int]]) -> RequestHandle:
         """Queues a request's prompts, each with the body's ``n`` choices."""
@@ -74,9 +70,7 @@ class Serving:
             return await unless_disconnected(request, work)
         except QueueFull as error:
             self.metrics.rejected.labels("queue_full").inc()
-            raise APIError(
-                429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-            ) from None
+            raise APIError(429, str(error), code="queue_full", headers=RETRY_AFTER) from None
         except (EngineUnavailable, KVCacheFull) as error:
             self.metrics.rejected.labels("unavailable").inc()
             raise unavailable(error) from None
@@ -84,11 +78,10 @@ class Serving:
             raise bad_request(str(error)) from None
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        if token_id not in self._token_texts:
+            self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._token_texts[token_id]
 
 
 def unavailable(error: Exception) -> APIError:
-    return APIError(503, str(error), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return APIError(503, str(error), code="unavailable", headers=RETRY_AFTER)

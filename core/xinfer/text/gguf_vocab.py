@@ -35,22 +35,20 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+
+def _regex_split(pattern: str) -> tuple[pre_tokenizers.PreTokenizer]:
+    return (pre_tokenizers.Split(Regex(pattern), behavior="isolated"),)
+
+
 # tokenizer.ggml.pre -> the splits llama.cpp applies before byte-level BPE
-_PRE_SPLITS: dict[str, list[pre_tokenizers.PreTokenizer]] = {}
-for _name in ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
-    _PRE_SPLITS[_name] = []
-for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"):
-    _PRE_SPLITS[_name] = [pre_tokenizers.Digits(individual_digits=True)]
-
-
-def _regex_split(pattern: str) -> list[pre_tokenizers.PreTokenizer]:
-    return [pre_tokenizers.Split(Regex(pattern), behavior="isolated")]
-
-
-for _name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral", "dbrx"):
-    _PRE_SPLITS[_name] = _regex_split(_LLAMA3_SPLIT)
-for _name in ("qwen2", "deepseek-r1-qwen", "megrez"):
-    _PRE_SPLITS[_name] = _regex_split(_QWEN2_SPLIT)
+_PRE_SPLITS: dict[str, tuple[pre_tokenizers.PreTokenizer, ...]] = {
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo", "jais"), ()),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+                    (pre_tokenizers.Digits(individual_digits=True),)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral", "dbrx"),
+                    _regex_split(_LLAMA3_SPLIT)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _regex_split(_QWEN2_SPLIT)),
+}  # fmt: skip
 
 
 def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
@@ -96,7 +94,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> To
     splits = _PRE_SPLITS.get(pre or "default")
     if splits is None:
         log.warning("unknown GGUF pre-tokenizer %r; splitting like GPT-2", pre)
-        splits = []
+        splits = ()
     uses_own_regex = any(isinstance(s, pre_tokenizers.Split) for s in splits)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not uses_own_regex)
     tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])

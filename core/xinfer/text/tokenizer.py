@@ -149,8 +149,7 @@ def _folder_chat_template(
         return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), bos, eos)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": ..., "template": ...}], "default" is the chat one
-        named = {t["name"]: t["template"] for t in source}
-        source = named.get("default")
+        source = {t["name"]: t["template"] for t in source}.get("default")
     if not source:
         return None
     return ChatTemplate(source, str(folder / "tokenizer_config.json"), bos, eos)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import mimetypes
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    import fastapi
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
@@ -43,11 +43,8 @@ _SECURITY_HEADERS = {
 }
 
 
-def mount_ui(app: fastapi.FastAPI, api_key: str | None) -> None:
+def mount_ui(app: FastAPI, api_key: str | None) -> None:
     """Serve the chat UI from *app*: ``/``, ``/ui/static/*`` and ``/ui/config.json``."""
-    from fastapi.responses import FileResponse, JSONResponse
-    from fastapi.staticfiles import StaticFiles
-
     # Some systems map .js to text/plain, and browsers refuse module scripts
     # served that way (with nosniff): pin the types the page needs.
     mimetypes.add_type("text/javascript", ".js")
@@ -75,6 +72,3 @@ def mount_ui(app: fastapi.FastAPI, api_key: str | None) -> None:
     app.add_api_route("/index.html", ui_index, methods=["GET"], include_in_schema=False)
     app.add_api_route("/ui/config.json", ui_config, methods=["GET"], include_in_schema=False)
     app.mount("/ui/static", _UIStatic(directory=STATIC_DIR), name="xinfer-ui-static")
-
-
-__all__ = ["mount_ui", "STATIC_DIR"]
