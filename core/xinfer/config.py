@@ -60,6 +60,12 @@ class CacheConfig(_Config):
         "for max_num_seqs, at most half",
     )
     enable_prefix_caching: bool = True
+    state_snapshot_interval: int = Field(
+        1024,
+        gt=0,
+        description="models with recurrent layers, with prefix caching: a prompt's recurrent state is snapshotted "
+        "every N tokens (rounded down to a multiple of block_size), and at its last block boundary; see docs/cache-kinds.md",
+    )
 
     @field_validator("kv_cache_dtype")
     @classmethod

@@ -115,6 +115,7 @@ class MemoryPlan:
     graphs: int | None
     num_state_slots: int = 0
     state_slot_bytes: int = 0
+    num_snapshot_slots: int = 0  # beside the sequences' slots, for the prefix cache's state snapshots
 
     @property
     def num_blocks(self) -> list[int]:
@@ -124,8 +125,10 @@ class MemoryPlan:
         activations = gib(self.activations) if self.activations is not None else "not measured"
         graphs = gib(self.graphs) if self.graphs is not None else "none"
         pools = "; ".join(pool.describe(self.block_size) for pool in self.pools)
-        states = (f", recurrent states {gib(self.num_state_slots * self.state_slot_bytes)} "
-                  f"({self.num_state_slots} slots)" if self.num_state_slots else "")  # fmt: skip
+        slots = self.num_state_slots + self.num_snapshot_slots
+        snapshots = f" + {self.num_snapshot_slots} snapshots" if self.num_snapshot_slots else ""
+        states = (f", recurrent states {gib(slots * self.state_slot_bytes)} "
+                  f"({self.num_state_slots} slots{snapshots})" if self.num_state_slots else "")  # fmt: skip
         return (
             f"memory plan ({self.source}): weights {gib(self.weights)}, activation peak {activations}, "
             f"CUDA graph reserve {graphs}, KV pool {pools}{states}, "
@@ -213,6 +216,8 @@ def plan_memory(
     block_bytes = layout.block_bytes(block_size, kv_format, dtype)
     shadow_bytes = layout.block_bytes(block_size, get_format("auto"), dtype)
     slot_bytes = layout.slot_bytes(dtype)
+    snapshots = bool(slot_bytes) and cache.enable_prefix_caching  # a snapshot slot beside each sequence's
+    seq_state_bytes = slot_bytes * (2 if snapshots else 1)
     typical_len = min(TOKENS_PER_SEQ, max_model_len)
     weights = tensor_bytes(runner.model)
     wanted_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
@@ -234,18 +239,19 @@ def plan_memory(
         """Each pool's blocks once ``num_slots`` recurrent states are out of the budget."""
         if budget is None:
             return [cache.num_blocks or 0] * len(windows)
-        left = budget - num_slots * slot_bytes
+        left = budget - num_slots * seq_state_bytes
         return split_budget(left, block_bytes, windows, block_size, typical_len, step_tokens) if windows else []
 
     num_slots = 0
     if slot_bytes:
         share = cache.mamba_fraction or DEFAULT_STATE_SHARE
-        num_slots = wanted_seqs if budget is None else int(budget * share) // slot_bytes
+        num_slots = wanted_seqs if budget is None else int(budget * share) // seq_state_bytes
         if cache.mamba_fraction is None:
             num_slots = min(num_slots, wanted_seqs)
         if num_slots == 0:
             raise ValueError(
-                f"no room for one sequence's recurrent state ({gib(slot_bytes)}): raise --mamba-fraction "
+                f"no room for one sequence's recurrent state{' and its snapshot' if snapshots else ''} "
+                f"({gib(seq_state_bytes)}): raise --mamba-fraction "
                 f"or give the cache more memory (--kv-fraction)"
             )
     blocks = blocks_beside(num_slots)
@@ -279,7 +285,8 @@ def plan_memory(
     for pool in pools:
         check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
     return MemoryPlan(
-        pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots, slot_bytes
+        pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots, slot_bytes,
+        num_slots if snapshots else 0,
     )
 
 
