@@ -88,7 +88,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     )  # fmt: skip
     scheduler_config = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
     config = config.model_copy(update={"scheduler": scheduler_config})
-    cache_manager = _cache_manager(plan, cache, [layer.cache for layer in layout.state_layers])
+    cache_manager = _cache_manager(plan, cache, layout.state_caches())
     log.info("%s, KV cache format %s", plan.describe(), kv_format.name)
     if not config.device.enforce_eager:
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,

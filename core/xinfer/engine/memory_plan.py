@@ -284,10 +284,8 @@ def plan_memory(
     pools = with_shadows(max_num_seqs)
     for pool in pools:
         check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
-    return MemoryPlan(
-        pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots, slot_bytes,
-        num_slots if snapshots else 0,
-    )
+    return MemoryPlan(pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots,
+                      slot_bytes, num_slots if snapshots else 0)  # fmt: skip
 
 
 def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int) -> None:
