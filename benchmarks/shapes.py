@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Glm4MoeConfig, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import Glm4MoeConfig, LlamaConfig, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
 SHAPES = {
     "smollm2-135m": lambda: LlamaConfig(
@@ -106,6 +106,26 @@ SHAPES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
         tie_word_embeddings=False,
         architectures=["Glm4MoeForCausalLM"],
+    ),
+    # Qwen3.5's hybrid architecture at toy sizes (Gated DeltaNet, full attention, Gated DeltaNet): prefix_hits.py --smoke
+    "qwen3.5-tiny": lambda: Qwen3_5TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5ForCausalLM"],
     ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,
