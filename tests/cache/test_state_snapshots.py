@@ -197,7 +197,7 @@ PREFIXES = [  # (prompt, prompt tokens it finds cached)
 
 
 def test_prefix_hits_give_the_tokens_of_the_whole_computation(hybrid_dir):
-    llm = hybrid_llm(hybrid_dir, max_num_seqs=16)  # snapshot slots for every prompt's snapshots: none evicted
+    llm = hybrid_llm(hybrid_dir, max_num_seqs=32)  # slots for every prompt's snapshots: none evicted
     prompts = [p for p, _ in PREFIXES]
     expected = [reference_tokens(llm, p) for p in prompts]
     assert run_one_by_one(llm, prompts) == [(tokens, cached) for tokens, (_, cached) in zip(expected, PREFIXES)]
@@ -232,8 +232,8 @@ def test_without_prefix_caching_no_snapshots_and_no_chunk_ends(hybrid_dir):
 
 
 def test_snapshots_are_evicted_when_their_slots_run_out(hybrid_dir):
-    """One sequence at a time: two slots, so one snapshot beside the running sequence, each
-    new one evicting the one before. Evicted snapshots are recomputed, never served stale."""
+    """One sequence at a time: a slot for it and one for a snapshot, each new snapshot
+    evicting the one before. Evicted snapshots are recomputed, never served stale."""
     llm = hybrid_llm(hybrid_dir, max_num_seqs=1)
     states = llm.engine.cache.states
     assert (states.num_slots, states.num_snapshots) == (1, 1)

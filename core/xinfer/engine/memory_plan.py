@@ -38,6 +38,7 @@ MAX_NUM_SEQS_CAP = 256
 TOKENS_PER_SEQ = 1024  # a typical prompt and answer
 CPU_DEFAULT_BUDGET = 2 << 30
 DEFAULT_STATE_SHARE = 0.5  # at most this share of the cache budget goes to recurrent states by default
+STATE_SLOTS_PER_SNAPSHOT = 4  # prefix caching: a state snapshot slot per 4 sequence slots, from the pools' share
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=5)
 
 
@@ -216,8 +217,7 @@ def plan_memory(
     block_bytes = layout.block_bytes(block_size, kv_format, dtype)
     shadow_bytes = layout.block_bytes(block_size, get_format("auto"), dtype)
     slot_bytes = layout.slot_bytes(dtype)
-    snapshots = bool(slot_bytes) and cache.enable_prefix_caching  # a snapshot slot beside each sequence's
-    seq_state_bytes = slot_bytes * (2 if snapshots else 1)
+    snapshots = bool(slot_bytes) and cache.enable_prefix_caching
     typical_len = min(TOKENS_PER_SEQ, max_model_len)
     weights = tensor_bytes(runner.model)
     wanted_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
@@ -235,23 +235,25 @@ def plan_memory(
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
         activations, graphs = profile.activations, profile.graphs
 
+    def snapshot_slots(num_slots: int) -> int:
+        return -(-num_slots // STATE_SLOTS_PER_SNAPSHOT) if snapshots else 0
+
     def blocks_beside(num_slots: int) -> list[int]:
-        """Each pool's blocks once ``num_slots`` recurrent states are out of the budget."""
+        """Each pool's blocks once ``num_slots`` recurrent states and their snapshots are out of the budget."""
         if budget is None:
             return [cache.num_blocks or 0] * len(windows)
-        left = budget - num_slots * seq_state_bytes
+        left = budget - (num_slots + snapshot_slots(num_slots)) * slot_bytes
         return split_budget(left, block_bytes, windows, block_size, typical_len, step_tokens) if windows else []
 
     num_slots = 0
     if slot_bytes:
         share = cache.mamba_fraction or DEFAULT_STATE_SHARE
-        num_slots = wanted_seqs if budget is None else int(budget * share) // seq_state_bytes
+        num_slots = wanted_seqs if budget is None else int(budget * share) // slot_bytes
         if cache.mamba_fraction is None:
             num_slots = min(num_slots, wanted_seqs)
         if num_slots == 0:
             raise ValueError(
-                f"no room for one sequence's recurrent state{' and its snapshot' if snapshots else ''} "
-                f"({gib(seq_state_bytes)}): raise --mamba-fraction "
+                f"no room for one sequence's recurrent state ({gib(slot_bytes)}): raise --mamba-fraction "
                 f"or give the cache more memory (--kv-fraction)"
             )
     blocks = blocks_beside(num_slots)
@@ -285,7 +287,7 @@ def plan_memory(
     for pool in pools:
         check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
     return MemoryPlan(pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots,
-                      slot_bytes, num_slots if snapshots else 0)  # fmt: skip
+                      slot_bytes, snapshot_slots(num_slots))  # fmt: skip
 
 
 def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int) -> None:
