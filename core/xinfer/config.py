@@ -45,6 +45,12 @@ class CacheConfig(_Config):
     # which bounds how many sequences run at once; default: enough for max_num_seqs, at most half
     mamba_fraction: float | None = Field(None, gt=0, lt=1)
     enable_prefix_caching: bool = True
+    state_snapshot_interval: int = Field(
+        1024,
+        gt=0,
+        description="models with recurrent layers, with prefix caching: a prompt's recurrent state is snapshotted "
+        "every N tokens (rounded down to a multiple of block_size), and at its last block boundary; see docs/cache-kinds.md",
+    )
 
     @field_validator("kv_cache_dtype")
     @classmethod

@@ -253,7 +253,6 @@ def test_vectors_per_token_and_states_per_sequence_through_the_engine(toy_model_
     assert [p.window for p in llm.engine.cache.pools] == [None] and llm.engine.cache.states.num_slots == 4
     expected = [reference_tokens(llm.engine.model, p, params.max_tokens) for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-    assert not llm.engine.cache.enable_prefix_caching  # no state snapshots yet: every prompt from its start
     small = LLM(**options, num_blocks=40, max_num_seqs=3, max_model_len=160)
     assert [o.outputs[0].token_ids for o in small.generate(prompts, params)] == expected
     assert small.engine.stats().num_preemptions > 0
@@ -272,3 +271,8 @@ def test_recurrent_states_get_their_memory_share(toy_model_dir, monkeypatch):
     assert shared.cache.states.num_slots == (1 << 20) // 4 // slot_bytes
     assert shared.config.scheduler.max_num_seqs <= shared.cache.states.num_slots
     assert shared.cache.pools[0].num_blocks < default.cache.pools[0].num_blocks
+    for engine in (default, shared):  # the prefix cache's state snapshots: a quarter as many slots, beside
+        assert engine.cache.states.num_snapshots == -(-engine.cache.states.num_slots // 4)
+    uncached = LLM(**options, mamba_fraction=0.25, enable_prefix_caching=False).engine
+    assert uncached.cache.states.num_slots == shared.cache.states.num_slots and not uncached.cache.states.num_snapshots
+    assert uncached.cache.pools[0].num_blocks > shared.cache.pools[0].num_blocks

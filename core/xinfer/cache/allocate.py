@@ -4,9 +4,10 @@ in the sizes the memory plan chose."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
+from torch import Tensor
 
 from xinfer.cache.specs import (
     CachingLayer,
@@ -47,6 +48,10 @@ class CacheLayout:
     def block_bytes(self, block_size: int, kv_format: KVFormat, dtype: torch.dtype) -> list[int]:
         """Real bytes of one block of each group, over its layers, as ``kv_format`` stores them."""
         return [group.bytes_per_token(kv_format, dtype) * block_size for group in self.groups]
+
+    def state_caches(self) -> list[dict[str, Tensor]]:
+        """Each recurrent layer's state tensors, as allocated."""
+        return [cast(dict[str, Tensor], layer.cache) for layer in self.state_layers]
 
     def slot_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one sequence's recurrent state over all layers."""

@@ -3,8 +3,13 @@ attention, each sliding window) and, for models with recurrent layers, a state s
 
 Allocation is all or nothing across pools. A prefix-cache hit is the longest prefix
 that every pool can serve (:meth:`BlockPool.serves`): the whole prefix for full
-attention, the blocks its window still reaches for a sliding layer. A recurrent state
-has no snapshots yet, so models with one start every prompt from its first token.
+attention, the blocks its window still reaches for a sliding layer; with recurrent
+layers, also one whose state was snapshotted (:class:`StatePool`), which the sequence's
+slot starts from. Snapshots are taken where a prefill chunk ends, and the scheduler ends
+chunks at the points :meth:`CacheManager.next_snapshot` names: every
+``snapshot_interval`` tokens, the prompt's last block boundary (a later turn of the
+conversation starts with it), and the end of a prefix the pools served but no snapshot
+did (another sequence shares it, so the next ones hit there).
 """
 
 from __future__ import annotations
@@ -15,12 +20,19 @@ from xinfer.engine.sequence import Sequence
 
 
 class CacheManager:
-    def __init__(self, pools: list[BlockPool], enable_prefix_caching: bool = True, states: StatePool | None = None):
+    def __init__(
+        self,
+        pools: list[BlockPool],
+        enable_prefix_caching: bool = True,
+        states: StatePool | None = None,
+        snapshot_interval: int = 1024,
+    ):
         assert pools or states, "a model caches something"
         self.pools = pools
         self.states = states
         self.block_size = pools[0].block_size if pools else 1
-        self.enable_prefix_caching = enable_prefix_caching and states is None
+        self.snapshot_interval = max(1, snapshot_interval // self.block_size) * self.block_size
+        self.enable_prefix_caching = enable_prefix_caching and (states is None or states.num_snapshots > 0)
         self.queries = 0  # prefix-cache lookups, in blocks
         self.hits = 0
 
@@ -39,7 +51,8 @@ class CacheManager:
         return seq.state_slot is not None or any(table.blocks for table in seq.pages)
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for the longest known prefix of ``seq``; returns its length.
+        """Attach cached blocks (and restore a state snapshot) for the longest known prefix
+        of ``seq``; returns its length.
 
         At least one prompt token is left to compute, so the step that finishes the
         prompt still produces logits.
@@ -55,15 +68,49 @@ class CacheManager:
             hashes.append(parent)
             chunks.append(chunk)
         found = [[pool.cached_block(h, chunk) for h, chunk in zip(hashes, chunks)] for pool in self.pools]
-        num_blocks = len(hashes)
-        while num_blocks and not all(pool.serves(f, num_blocks) for pool, f in zip(self.pools, found)):
-            num_blocks -= 1
+        served = len(hashes)
+        while served and not self._pools_serve(found, served):
+            served -= 1
+        num_blocks = served
+        if self.states is not None:
+            while num_blocks and not (hashes[num_blocks - 1] in self.states.snapshots and
+                                      self._pools_serve(found, num_blocks)):  # fmt: skip
+                num_blocks -= 1
+            if not self.states.num_free:
+                num_blocks = 0
+            seq.state_boundary = served * self.block_size if served > num_blocks else 0
         self.queries += len(hashes)
         self.hits += num_blocks
         for pool, f, table in zip(self.pools, found, tables):
             pool.attach(table, f, num_blocks)
         seq.block_hashes = hashes[:num_blocks]
+        if self.states is not None and num_blocks:
+            snapshot = self.states.snapshot(hashes[num_blocks - 1])
+            assert snapshot is not None
+            seq.state_slot = self.states.restore(snapshot)
         return num_blocks * self.block_size
+
+    def _pools_serve(self, found: list[list[int | None]], num_blocks: int) -> bool:
+        return all(pool.serves(f, num_blocks) for pool, f in zip(self.pools, found))
+
+    def next_snapshot(self, seq: Sequence) -> int:
+        """Where ``seq``'s next prefill chunk ends to snapshot its state: the first snapshot
+        point past its computed tokens, else its length."""
+        if self.states is None or not self.enable_prefix_caching:
+            return seq.num_tokens
+        computed = seq.num_computed_tokens
+        points = ((computed // self.snapshot_interval + 1) * self.snapshot_interval, seq.state_boundary,
+                  self._last_boundary(seq))  # fmt: skip
+        return min([point for point in points if computed < point < seq.num_tokens], default=seq.num_tokens)
+
+    def _is_snapshot_point(self, seq: Sequence, position: int) -> bool:
+        if not 0 < position < seq.num_tokens:
+            return False  # a decode step's, or none
+        return position % self.snapshot_interval == 0 or position in (seq.state_boundary, self._last_boundary(seq))
+
+    def _last_boundary(self, seq: Sequence) -> int:
+        """The longest prefix a sequence with the same tokens can hit (one token is left to compute)."""
+        return (seq.num_tokens - 1) // self.block_size * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Make ``seq``'s tables cover ``num_tokens`` slots, and give it a state slot;
@@ -80,7 +127,8 @@ class CacheManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Register the blocks that became full of computed tokens in the prefix cache."""
+        """Register the blocks that became full of computed tokens in the prefix cache, and
+        snapshot the state where the step ended at a snapshot point."""
         if not self.enable_prefix_caching:
             return
         first = len(seq.block_hashes)
@@ -90,6 +138,9 @@ class CacheManager:
             seq.block_hashes.append(hash((parent, tuple(seq.token_ids[start : start + self.block_size]))))
         for pool, table in zip(self.pools, self.tables(seq)):
             pool.commit(table, seq.block_hashes, seq.token_ids, first)
+        if self.states is not None and self._is_snapshot_point(seq, seq.num_computed_tokens):
+            assert seq.state_slot is not None
+            self.states.take(seq.state_slot, seq.block_hashes[seq.num_computed_tokens // self.block_size - 1])
 
     def trim(self, seq: Sequence) -> None:
         """Give back what ``seq``'s next token no longer reads."""

@@ -87,12 +87,13 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
         key_transforms = calibrate_keys(forward, ops, layout, ids, cache.block_size, dtype, device)
     plan = plan_memory(config, runner, layout, max_model_len, dtype, kv_format, memory, baseline, key_transforms)
     allocate_caches(
-        layout, plan.num_blocks, cache.block_size, dtype, device, kv_format, plan.num_state_slots,
+        layout, plan.num_blocks, cache.block_size, dtype, device, kv_format,
+        plan.num_state_slots + plan.num_snapshot_slots,
         key_transforms, [pool.num_shadows for pool in plan.pools], cache.kv_recent_window,
     )  # fmt: skip
     scheduler_config = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
     config = config.model_copy(update={"scheduler": scheduler_config})
-    cache_manager = _cache_manager(plan, cache)
+    cache_manager = _cache_manager(plan, cache, layout.state_caches())
     log.info("%s, KV cache format %s", plan.describe(), kv_format.name)
     if not config.device.enforce_eager:
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
@@ -101,16 +102,15 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
                        Scheduler(scheduler_config, cache_manager))  # fmt: skip
 
 
-def _cache_manager(plan: MemoryPlan, cache: CacheConfig) -> CacheManager:
-    """The planned pools, each given its recent window's shadows where it has them, and state slots."""
+def _cache_manager(plan: MemoryPlan, cache: CacheConfig, states: list[dict[str, Tensor]]) -> CacheManager:
+    """The planned pools, each given its recent window's shadows where it has them, and state slots
+    over the recurrent layers' ``states``."""
     pools = []
     for pool in plan.pools:
         shadows = RecentWindow(pool.num_shadows, cache.kv_recent_window, cache.block_size) if pool.num_shadows else None
         pools.append(BlockPool(pool.num_blocks, cache.block_size, pool.window, shadows))
-    states = StatePool(plan.num_state_slots) if plan.num_state_slots else None
-    if states is not None and cache.enable_prefix_caching:
-        log.info("prefix caching is off: this model has recurrent layers, whose states are not snapshotted yet")
-    return CacheManager(pools, cache.enable_prefix_caching, states)
+    slots = StatePool(plan.num_state_slots, plan.num_snapshot_slots, states) if plan.num_state_slots else None
+    return CacheManager(pools, cache.enable_prefix_caching, slots, cache.state_snapshot_interval)
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:

@@ -38,6 +38,7 @@ MAX_NUM_SEQS_CAP = 256
 TOKENS_PER_SEQ = 1024  # a typical prompt and answer
 CPU_DEFAULT_BUDGET = 2 << 30
 DEFAULT_STATE_SHARE = 0.5  # at most this share of the cache budget goes to recurrent states by default
+STATE_SLOTS_PER_SNAPSHOT = 4  # prefix caching: a state snapshot slot per 4 sequence slots, from the pools' share
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=5)
 
 
@@ -115,6 +116,7 @@ class MemoryPlan:
     graphs: int | None
     num_state_slots: int = 0
     state_slot_bytes: int = 0
+    num_snapshot_slots: int = 0  # beside the sequences' slots, for the prefix cache's state snapshots
 
     @property
     def num_blocks(self) -> list[int]:
@@ -124,8 +126,10 @@ class MemoryPlan:
         activations = gib(self.activations) if self.activations is not None else "not measured"
         graphs = gib(self.graphs) if self.graphs is not None else "none"
         pools = "; ".join(pool.describe(self.block_size) for pool in self.pools)
-        states = (f", recurrent states {gib(self.num_state_slots * self.state_slot_bytes)} "
-                  f"({self.num_state_slots} slots)" if self.num_state_slots else "")  # fmt: skip
+        slots = self.num_state_slots + self.num_snapshot_slots
+        snapshots = f" + {self.num_snapshot_slots} snapshots" if self.num_snapshot_slots else ""
+        states = (f", recurrent states {gib(slots * self.state_slot_bytes)} "
+                  f"({self.num_state_slots} slots{snapshots})" if self.num_state_slots else "")  # fmt: skip
         return (
             f"memory plan ({self.source}): weights {gib(self.weights)}, activation peak {activations}, "
             f"CUDA graph reserve {graphs}, KV pool {pools}{states}, "
@@ -213,6 +217,7 @@ def plan_memory(
     block_bytes = layout.block_bytes(block_size, kv_format, dtype)
     shadow_bytes = layout.block_bytes(block_size, get_format("auto"), dtype)
     slot_bytes = layout.slot_bytes(dtype)
+    snapshots = bool(slot_bytes) and cache.enable_prefix_caching
     typical_len = min(TOKENS_PER_SEQ, max_model_len)
     weights = tensor_bytes(runner.model)
     wanted_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
@@ -230,11 +235,14 @@ def plan_memory(
         source = f"kv_fraction {fraction:g} of {gib(profile.total)}, other {gib(profile.other)}"
         activations, graphs = profile.activations, profile.graphs
 
+    def snapshot_slots(num_slots: int) -> int:
+        return -(-num_slots // STATE_SLOTS_PER_SNAPSHOT) if snapshots else 0
+
     def blocks_beside(num_slots: int) -> list[int]:
-        """Each pool's blocks once ``num_slots`` recurrent states are out of the budget."""
+        """Each pool's blocks once ``num_slots`` recurrent states and their snapshots are out of the budget."""
         if budget is None:
             return [cache.num_blocks or 0] * len(windows)
-        left = budget - num_slots * slot_bytes
+        left = budget - (num_slots + snapshot_slots(num_slots)) * slot_bytes
         return split_budget(left, block_bytes, windows, block_size, typical_len, step_tokens) if windows else []
 
     num_slots = 0
@@ -278,9 +286,8 @@ def plan_memory(
     pools = with_shadows(max_num_seqs)
     for pool in pools:
         check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
-    return MemoryPlan(
-        pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots, slot_bytes
-    )
+    return MemoryPlan(pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots,
+                      slot_bytes, snapshot_slots(num_slots))  # fmt: skip
 
 
 def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int) -> None:

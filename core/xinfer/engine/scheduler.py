@@ -3,7 +3,8 @@
 Every step has a token budget. Running sequences go first (one token each when
 decoding, a chunk when still prefilling), then waiting ones join while budget,
 blocks and ``max_num_seqs`` allow. When blocks run out, the most recently started
-sequence is preempted: its blocks are freed and it is recomputed later.
+sequence is preempted: its blocks are freed and it is recomputed later. A prompt's
+chunks end where the cache snapshots recurrent state (:meth:`CacheManager.next_snapshot`).
 
 A step that carries prompt tokens costs more than a pure decode step even when it
 replays a graph (its GEMMs are compute-bound, and it is padded to a token bucket);
@@ -65,7 +66,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.at_limit:  # preempted below, or done when read back
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             while not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 victim = self.running[-1]
@@ -83,7 +84,7 @@ class Scheduler:
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
                 if not seq.scheduled_once:
                     seq.num_cached_tokens = seq.num_computed_tokens
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk(seq, budget)
             if not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
                 self.cache.release(seq)
                 seq.num_computed_tokens = 0
@@ -94,6 +95,11 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens ``seq`` computes this step: the rest, within the budget, up to the next
+        point where its recurrent state is snapshotted (models with recurrent layers)."""
+        return min(seq.num_uncomputed_tokens, budget, self.cache.next_snapshot(seq) - seq.num_computed_tokens)
 
     def _admitting(self, scheduled: list[ScheduledSeq]) -> bool:
         if any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled):

@@ -31,6 +31,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     pages: list[PageTable] = field(default_factory=list)  # its blocks in each page group
     state_slot: int | None = None  # with recurrent layers
+    state_boundary: int = 0  # a prefix the block pools served but no state snapshot did: worth one
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     status: Status = Status.WAITING
     finish_reason: str | None = None
