@@ -15,10 +15,12 @@ from tests.plugins.deepseek.configs import deepseek_v3_config
 from tests.plugins.deepseek.test_mla_op import dequantized
 from tests.plugins.hf_parity import randomize, spread_routing
 from tests.tiny_models import prefill_logits, prompt, save_tiny_model
-from xinfer import LLM, SamplingParams
+from xinfer import LLM, SamplingParams, registry
 from xinfer.cache.allocate import CacheLayout
 from xinfer.engine.memory_plan import split_budget
 from xinfer.kv import get_format
+from xinfer_deepseek import mla_ops
+from xinfer_deepseek.kernels import mla
 
 CHUNK = 32
 NEW_TOKENS = 12
@@ -72,6 +74,12 @@ def assert_matches_oracle(hf, tokens: list[int], output) -> None:
     assert output.token_ids == expected_tokens
     got = [step[token] for step, token in zip(output.logprobs, output.token_ids)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=ORACLE_TOL, rtol=0)
+
+
+def test_the_op_runs_its_reference_and_its_cuda_kernel():
+    spec = registry.op_specs()["mla_attention_fp8"]
+    assert registry.load_object(spec.reference) is mla_ops.mla_attention_fp8
+    assert registry.load_object(spec.kernels["cuda"]) is mla.mla_attention_fp8
 
 
 def test_the_cache_holds_fp8_rows(fp8):
