@@ -10,6 +10,7 @@ is not paged: each running sequence owns one fixed slot of it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -44,19 +45,27 @@ class AttentionSpec:
 class TokenVectorSpec:
     """One vector of ``width`` values per token shared by every head: multi-head latent
     attention's latent (its normalised latent and rotated rope key, 576 values in DeepSeek
-    V3), or an indexer's key (DeepSeek V3.2). Stored in ``dtype`` (default: the model's)."""
+    V3), or an indexer's key (DeepSeek V3.2). Stored in ``dtype`` (default: the model's), or,
+    under a KV format named in ``encoded``, as that spec says (the layer reads its cache's
+    dtype to know which); under any other format, as it is."""
 
     width: int
     dtype: torch.dtype | None = None
     window: int | None = None
+    encoded: Mapping[str, TokenVectorSpec] = field(default_factory=dict, hash=False)  # by KV format name
+
+    def stored(self, kv_format: KVFormat) -> TokenVectorSpec:
+        return self.encoded.get(kv_format.name, self)
 
     def bytes_per_token(self, kv_format: KVFormat, dtype: torch.dtype) -> int:
-        return self.width * _nbytes(self.dtype or dtype)
+        spec = self.stored(kv_format)
+        return spec.width * _nbytes(spec.dtype or dtype)
 
     def allocate(
         self, num_blocks: int, block_size: int, kv_format: KVFormat, dtype: torch.dtype, device: torch.device
     ) -> Tensor:
-        return torch.zeros(num_blocks, block_size, self.width, dtype=self.dtype or dtype, device=device)
+        spec = self.stored(kv_format)
+        return torch.zeros(num_blocks, block_size, spec.width, dtype=spec.dtype or dtype, device=device)
 
 
 @dataclass(frozen=True)

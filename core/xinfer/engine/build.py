@@ -16,6 +16,7 @@ from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
 from xinfer.cache.recent_window import RecentWindow
+from xinfer.cache.specs import TokenVectorSpec
 from xinfer.cache.state_pool import StatePool
 from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
@@ -68,11 +69,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)
-    if kv_format.name != "auto" and not layout.attention_layers:
-        raise ValueError(
-            f"kv_cache_dtype (--kvcache-dtype) {kv_format.name!r} encodes attention K and V, which this model does "
-            f"not cache (its layers cache one vector per token, as multi-head latent attention's latent): use auto"
-        )
+    _refuse_a_format_no_layer_stores(kv_format, layout)
     runner = ModelRunner(model, ops, cache.block_size, device, config.model.seed,
                          len(layout.groups), bool(layout.state_layers))  # fmt: skip
     key_transforms = None
@@ -100,6 +97,19 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
     return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
                        Scheduler(scheduler_config, cache_manager))  # fmt: skip
+
+
+def _refuse_a_format_no_layer_stores(kv_format: KVFormat, layout: CacheLayout) -> None:
+    """Attention stores every format; a per-token vector only those it declares an encoding for."""
+    encodings = {name for layer in layout.layers if isinstance(spec := layer.cache_spec(), TokenVectorSpec)
+                 for name in spec.encoded}  # fmt: skip
+    if kv_format.name == "auto" or layout.attention_layers or kv_format.name in encodings:
+        return
+    raise ValueError(
+        f"kv_cache_dtype (--kvcache-dtype) {kv_format.name!r} encodes attention K and V, which this model does not "
+        f"cache (its layers cache one vector per token, as multi-head latent attention's latent): use "
+        f"{' or '.join([*sorted(encodings), 'auto'])}"
+    )
 
 
 def _cache_manager(plan: MemoryPlan, cache: CacheConfig, states: list[dict[str, Tensor]]) -> CacheManager:

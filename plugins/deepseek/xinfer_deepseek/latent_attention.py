@@ -10,7 +10,8 @@ ever expanded::
     o_latent[h] = softmax(s[h]) @ c
     out[h]      = o_latent[h] @ W_UV[h]^T    # the value up-projection after attention
 
-Prefill and decode both run this way, through the op ``mla_attention``.
+Prefill and decode both run this way, through the op ``mla_attention``, or ``mla_attention_fp8`` over
+fp8 rows (``--kvcache-dtype fp8``; the row layout in :mod:`xinfer_deepseek.mla_ops`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from xinfer.cache.specs import TokenVectorSpec
 from xinfer.forward_context import attention_metadata
 from xinfer.layers import Linear, RMSNorm, RotaryEmbedding, pairs_to_halves, rope_parameters
 from xinfer.layers.rotary import yarn_mscale
+from xinfer_deepseek.mla_ops import fp8_row_bytes
 
 
 class UpProjection(nn.Module):
@@ -119,7 +121,9 @@ class LatentAttention(nn.Module):
         self.page_group = 0
 
     def cache_spec(self) -> TokenVectorSpec:
-        return TokenVectorSpec(self.kv_lora_rank + self.rope_dim)
+        """R + P values in the model's dtype; under the KV format fp8, their fp8 row (uint8)."""
+        fp8 = TokenVectorSpec(fp8_row_bytes(self.kv_lora_rank, self.rope_dim), dtype=torch.uint8)
+        return TokenVectorSpec(self.kv_lora_rank + self.rope_dim, encoded={"fp8": fp8})
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
@@ -132,7 +136,8 @@ class LatentAttention(nn.Module):
         meta = attention_metadata(self.page_group)
         assert self.cache is not None, "the engine binds the latent cache before the first forward"
         q_latent = self.kv_b_proj.absorb(q_nope)
-        o_latent = ops.call("mla_attention", q_latent, q_rope, latent, self.cache, meta, self.scale)
+        op = "mla_attention_fp8" if self.cache.dtype == torch.uint8 else "mla_attention"  # (cache_spec)
+        o_latent = ops.call(op, q_latent, q_rope, latent, self.cache, meta, self.scale)
         return self.o_proj(self.kv_b_proj.expand(o_latent))
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:

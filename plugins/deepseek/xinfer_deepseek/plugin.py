@@ -12,8 +12,10 @@ def xinfer_architectures() -> dict[str, str]:
 
 @hookimpl
 def xinfer_ops() -> list[OpSpec]:
-    kernels = {"cuda": "xinfer_deepseek.kernels.mla:mla_attention"}
-    return [OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels)]
+    return [
+        OpSpec(name, f"xinfer_deepseek.mla_ops:{name}", {"cuda": f"xinfer_deepseek.kernels.mla:{name}"})
+        for name in ("mla_attention", "mla_attention_fp8")
+    ]
 
 
 @hookimpl

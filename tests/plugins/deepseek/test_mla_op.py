@@ -113,9 +113,56 @@ def dequantized(rows: Tensor, rank: int) -> Tensor:
     absmax / 448 (groups of up to 128 values), the rope key in bf16."""
     groups = -(-rank // 128)
     latent = rows[:, :rank].float().unflatten(-1, (groups, -1))
-    step = latent.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448  # (a zero group stays zero)
-    latent = (latent / step).to(torch.float8_e4m3fn).float() * step
+    absmax = latent.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)  # (a zero group stays zero)
+    latent = (latent * 448 / absmax).to(torch.float8_e4m3fn).float() * absmax / 448
     return torch.cat([latent.flatten(1), rows[:, rank:].to(torch.bfloat16).float()], dim=1)
+
+
+def e4m3_midpoints() -> Tensor:
+    """The midpoints between adjacent non-negative finite e4m3 values, where a code rounds half to even."""
+    values = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 .. 448 (0x7F: NaN)
+    return (values[1:] + values[:-1]) / 2
+
+
+def rows_near_code_boundaries(num_rows: int, rank: int, rope: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
+    """Rows [num_rows, R + P] whose latent values ``x`` put ``448 x / absmax`` on or within 2 ulps of the
+    midpoints between e4m3 codes, each group's absmax its first value. fp32 rows: random absmax, ``x`` nudged
+    around each midpoint. 16-bit rows can only hit a midpoint exactly (a quotient of 8-bit values misses one
+    by far more than an ulp), and exactly where absmax / 448 is inexact only if 7 divides the midpoint: absmax
+    of 6 bits, midpoints 21 x 2**s and 7 x 2**-10."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = -(-rank // 128)
+    shape = (num_rows, groups, rank // groups)
+    sign = torch.randint(0, 2, shape, generator=generator).double() * 2 - 1
+    midpoints = e4m3_midpoints()
+    if dtype == torch.float32:
+        absmax = torch.randn(num_rows, groups, 1, generator=generator, dtype=torch.float64).exp().float().double()
+        picks = midpoints[torch.randint(0, len(midpoints), shape, generator=generator)]
+        x = (sign * picks * absmax / 448).float()
+        for _ in range(2):  # 0, 1 or 2 ulps towards zero or away
+            nudge = torch.randint(-1, 2, shape, generator=generator)
+            x = torch.where(nudge == 0, x, torch.nextafter(x, nudge.float() * float("inf")))
+    else:
+        sevens = midpoints[(midpoints * 2**10).remainder(7) == 0]
+        mantissas = torch.randint(32, 64, (num_rows, groups, 1), generator=generator).double()
+        mantissas = torch.where(mantissas.remainder(7) == 0, mantissas + 1, mantissas)
+        absmax = mantissas * 2.0 ** torch.randint(-4, 4, mantissas.shape, generator=generator).double()
+        x = sign * sevens[torch.randint(0, len(sevens), shape, generator=generator)] * absmax / 448
+        assert torch.equal(x.to(dtype).double(), x), f"{dtype} holds every value exactly"
+    x[..., 0] = absmax[..., 0].to(x.dtype)
+    rope_keys = torch.randn(num_rows, rope, generator=generator)
+    return torch.cat([x.to(dtype).flatten(1), rope_keys.to(dtype)], dim=1)
+
+
+def rounded_once(rows: Tensor, rank: int) -> Tensor:
+    """The e4m3 codes (uint8) of ``fl32(fl32(x * 448) / absmax)`` for rows' latents, each fp32 op computed in
+    float64 and rounded once to fp32 (a product of two 24-bit numbers is exact in 53 bits; a quotient
+    rounded to 53 then to 24 bits is the quotient rounded once, as 53 >= 2 x 24 + 2)."""
+    groups = -(-rank // 128)
+    x = rows[:, :rank].double().unflatten(-1, (groups, -1))
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    quotient = ((x * 448).float().double() / absmax).float()
+    return quotient.to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
 
 
 def dense_attention(q_latent: Tensor, q_rope: Tensor, context: Tensor, scale: float) -> Tensor:
@@ -250,7 +297,7 @@ def test_fp8_rows_hold_the_documented_layout(rank, rope):
     group_scales = stored[:, rank : rank + 4 * groups].contiguous().view(torch.float32)
     torch.testing.assert_close(group_scales, latent.abs().amax(-1).clamp_min(1e-12), rtol=0, atol=0)
     decoded = stored[:, :rank].view(torch.float8_e4m3fn).float().unflatten(-1, (groups, -1))
-    decoded = decoded * (group_scales / 448)[..., None]
+    decoded = decoded * group_scales[..., None] / 448
     torch.testing.assert_close(decoded.flatten(1), dequantized(rows, rank)[:, :rank], rtol=0, atol=0)
     bound = latent.abs() / 16 + latent.abs().amax(-1, keepdim=True) * 2**-18  # e4m3: 3 mantissa bits
     assert ((decoded - latent).abs() <= bound).all()
@@ -285,3 +332,31 @@ def test_fp8_kernel_at_deepseek_v3_sizes():
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     step = paged_step([1, 6, 1], [300, 6, 19], heads=16, rank=512, rope=64, dtype=dtype, pad_tokens=1, fp8=True)
     assert_kernel_matches_reference(step, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_fp8_codes_round_each_latent_value_once_on_the_kernels_device(dtype):
+    """Rows as the model makes them (fp32 on the CPU, bf16 on a GPU) encoded where the kernels run, against
+    the codes worked out in float64: a step ``absmax / 448`` rounded before the division (on the CPU) or
+    taken as ``absmax * (1 / 448)`` (torch on CUDA, for a division by a Python number) sends about half
+    of these values to the neighbouring code."""
+    rows = rows_near_code_boundaries(512, rank=512, rope=64, dtype=dtype)
+    stored = encode_fp8(rows.to(DEVICE), 512).cpu()
+    codes, expected = stored[:, :512], rounded_once(rows, 512)
+    assert (codes != expected).sum() == 0, f"{(codes != expected).sum()} of {codes.numel()} codes differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, KERNEL_DTYPES[-1]], ids=str)
+def test_fp8_kernel_stores_rows_near_code_boundaries_as_the_reference(dtype):
+    """Every row of a decode step of 64 sequences on a rounding boundary: the kernel path's stored bytes
+    (encoded on the kernels' device) equal the reference's (encoded on the CPU)."""
+    step = paged_step([1] * 64, [3] * 64, heads=16, rank=512, rope=64, dtype=dtype, fp8=True)
+    boundary_rows = rows_near_code_boundaries(3 * 64, rank=512, rope=64, dtype=dtype, seed=1).split(3)
+    step.latent = torch.stack([rows[-1] for rows in boundary_rows])
+    step.stored = [encode_fp8(rows, 512) for rows in boundary_rows]
+    for b, rows in enumerate(step.stored):  # the two cached rows of each sequence
+        slots = step.meta.block_tables[b, 0].long() * 16 + torch.arange(2)
+        step.cache.view(-1, rows.shape[-1])[slots] = rows[:2]
+    q_latent, q_rope, latent, cache, meta, scale = step.args(DEVICE)
+    mla.mla_attention_fp8(q_latent, q_rope, latent, cache, meta, scale)
+    assert_stored(cache, step)

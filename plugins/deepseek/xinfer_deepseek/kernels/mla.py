@@ -17,9 +17,11 @@ columns. The kernels read each tile of rows once for many heads: a tile's rows a
 - ``_prefill_kernel`` for sequences with more queries (prefill, chunked prefill): one
   program per (tile of queries of the flat batch, head group), under the causal mask.
 
-fp8 rows are encoded by torch ops before the store (no host syncs); the attention kernels
-read a row's parts from their planes (:class:`Planes`) and decode the e4m3 latents on
-their group scales in registers, into the queries' dtype, so the dots are the same.
+fp8 rows are encoded by torch ops before the store (no host syncs), which round alike on
+every device (:func:`~xinfer_deepseek.mla_ops.encode_fp8`), so the kernels store the
+reference's bytes; the attention kernels read a row's parts from their planes
+(:class:`Planes`) and decode the e4m3 latents on their group scales in registers, into
+the queries' dtype, so the dots are the same.
 
 Grids depend only on tensor shapes and split lengths are computed from ``seq_lens`` in
 the kernels, so decode steps can be captured in CUDA graphs.
