@@ -93,3 +93,13 @@ def test_kernel_rows_past_the_logits_are_ignored_and_padding_is_greedy():
     got = draw(logits, batch, chunk=32)
     assert got == reference(logits, batch).tolist()
     assert got[2:] == logits[2:].argmax(-1).tolist()
+
+
+def test_kernel_settles_a_wide_boundary_as_the_reference():
+    """6,000 tokens of spread-out logits: the top-p cuts fall among many tokens of similar mass."""
+    logits = torch.randn(6000, generator=torch.Generator().manual_seed(4)) * 3
+    params = [P(temperature=0.8, top_p=0.95), P(temperature=1.0, top_p=0.5), P(temperature=1.0, top_k=1000, top_p=0.5)]
+    rows = [SampledRow(params[i % 3], 70 + i, i) for i in range(6)]
+    batch = SamplingBatch.of(rows)
+    wide = logits.expand(len(rows), -1).contiguous()
+    assert draw(wide, batch, chunk=1024) == reference(wide, batch).tolist()

@@ -35,12 +35,12 @@ from xinfer_cuda.kernels.launch import pdl_entry
 
 CHUNK = 4096  # tokens of a row per program
 BLOCK = 1024  # tokens per iteration of a streaming pass
-BUCKETS = 256
+BUCKETS = 4096
 REGION = 2048  # boundary tokens gathered per row; more are settled over the whole row
 SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
 SEARCH_BLOCK = 128  # boundary tokens per iteration of a threshold search (times PIVOTS)
 PIVOTS = 16
-SLACK = 1e-3  # relative, on the buckets' mass bounds: float sums and exp's rounding
+SLACK = 1e-4  # relative, on the buckets' mass bounds: float sums and exp's rounding
 FIXED = tl.constexpr(4294967296.0)  # 2**32: integer weights, exp(s - peak) in units of 2**-32
 INT32_MAX = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
@@ -163,34 +163,12 @@ def _inv_width(peak, least, BUCKETS: tl.constexpr, SPREAD: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(
+def _plan_kernel(
     logits_ptr, stride, vocab,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    stats_ptr, histogram_ptr,
-    CHUNK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
+    stats_ptr, plan_ptr, bounds_ptr, chunks,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr, SLACK: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
-    pdl_entry(PDL)
-    row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
-    temperature, _, _, _, with_top_k, with_top_p, _ = _filters(
-        row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr
-    )
-    if with_top_k | with_top_p:
-        peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
-        inv_t, inv_width = 1.0 / temperature, _inv_width(peak, least, BUCKETS, SPREAD)
-        counts = tl.zeros((BUCKETS,), tl.int32)
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            tokens = start + tl.arange(0, BLOCK)
-            s = tl.load(logits_ptr + row * stride + tokens, mask=tokens < vocab, other=float("-inf"))
-            counts += tl.histogram(_bucket(s.to(tl.float32) * inv_t, peak, inv_width, BUCKETS), BUCKETS)
-        tl.store(histogram_ptr + (row * chunks + chunk) * BUCKETS + tl.arange(0, BUCKETS), counts)
-
-
-@triton.jit
-def _plan_kernel(
-    vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    stats_ptr, histogram_ptr, plan_ptr, bounds_ptr, chunks,
-    CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr, SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per filtered row: peak, mass, 1 / bucket width, and the buckets of the boundary:
     ``kth`` (the k-th token's, or BUCKETS) and ``[p_lo, p_hi]`` (where the top-p cut may
@@ -208,29 +186,17 @@ def _plan_kernel(
         p_hi = tl.full((), BUCKETS - 1, tl.int32)
         above_kth = tl.full((), 0, tl.int32)
         if with_top_k | with_top_p:
+            inv_t = 1.0 / temperature
             bucket = tl.arange(0, BUCKETS)
             counts = tl.zeros((BUCKETS,), tl.int32)
-            for chunk in range(0, chunks):
-                counts += tl.load(histogram_ptr + (row * chunks + chunk) * BUCKETS + bucket)
-            width = 1.0 / inv_width
-            least_weight = tl.where(bucket < BUCKETS - 1, tl.exp(-(bucket + 1).to(tl.float32) * width), 0.0)
-            low = counts.to(tl.float32) * least_weight * (1.0 - SLACK)
-            high = counts.to(tl.float32) * tl.exp(-bucket.to(tl.float32) * width) * (1.0 + SLACK)
-            least_mass, most_mass = total, total  # of the top-k set
-            if with_top_k:
-                kth = tl.sum((tl.cumsum(counts, 0) < top_k).to(tl.int32), 0)
-                above_kth = tl.sum(tl.where(bucket < kth, counts, 0), 0)
-                kth_weight = tl.sum(tl.where(bucket == kth, least_weight, 0.0), 0)
-                least_mass = tl.sum(tl.where(bucket < kth, low, 0.0), 0) + (top_k - above_kth) * kth_weight * (
-                    1.0 - SLACK
-                )
-                most_mass = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
-            if with_top_p:
-                # token t is kept iff the mass above it < top_p * top-k mass: surely in buckets
-                # where even the most mass up to its bucket's end is below; surely not where
-                # the least mass before its bucket already reaches it
-                p_lo = tl.sum((tl.cumsum(high, 0) < top_p * least_mass).to(tl.int32), 0)
-                p_hi = tl.minimum(tl.sum((tl.cumsum(low, 0) - low < top_p * most_mass).to(tl.int32), 0) - 1, kth)
+            for start in range(0, vocab, BLOCK):
+                tokens = start + tl.arange(0, BLOCK)
+                s = tl.load(logits_ptr + row * stride + tokens, mask=tokens < vocab, other=float("-inf"))
+                counts += tl.histogram(_bucket(s.to(tl.float32) * inv_t, peak, inv_width, BUCKETS), BUCKETS)
+            counts -= tl.where(bucket == BUCKETS - 1, tl.cdiv(vocab, BLOCK) * BLOCK - vocab, 0)  # the padding
+            kth, p_lo, p_hi, above_kth = _boundary(
+                counts, 1.0 / inv_width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS, SLACK
+            )
         tl.store(plan_ptr + row * 3, peak)
         tl.store(plan_ptr + row * 3 + 1, total)
         tl.store(plan_ptr + row * 3 + 2, inv_width)
@@ -240,6 +206,41 @@ def _plan_kernel(
         tl.store(bounds + 2, p_hi)
         tl.store(bounds + 3, above_kth)
         tl.store(bounds + 4, 0)  # boundary tokens gathered
+
+
+@triton.jit
+def _boundary(counts, width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS: tl.constexpr, SLACK: tl.constexpr):
+    """The buckets of the boundary, from the counts: each bucket's mass lies between its
+    count times its edges' weights (``low``, ``high``). The mass above a token is bounded
+    from the top down (the buckets above it) and from the bottom up (the top-k mass less
+    the buckets below it), whichever is tighter: the latter when top_p is near 1."""
+    bucket = tl.arange(0, BUCKETS)
+    least_weight = tl.where(bucket < BUCKETS - 1, tl.exp(-(bucket + 1).to(tl.float32) * width), 0.0)
+    low = counts.to(tl.float32) * least_weight * (1.0 - SLACK)
+    high = counts.to(tl.float32) * tl.exp(-bucket.to(tl.float32) * width) * (1.0 + SLACK)
+    kth = tl.full((), BUCKETS, tl.int32)
+    above_kth = tl.full((), 0, tl.int32)
+    least_mass, most_mass = total * (1.0 - SLACK), total * (1.0 + SLACK)  # of the top-k set
+    if with_top_k:
+        kth = tl.sum((tl.cumsum(counts, 0) < top_k).to(tl.int32), 0)
+        above_kth = tl.sum(tl.where(bucket < kth, counts, 0), 0)
+        kth_weight = tl.sum(tl.where(bucket == kth, least_weight, 0.0), 0)
+        least_mass = tl.sum(tl.where(bucket < kth, low, 0.0), 0) + (top_k - above_kth) * kth_weight * (1.0 - SLACK)
+        most_mass = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
+    p_lo = tl.full((), BUCKETS, tl.int32)
+    p_hi = tl.full((), BUCKETS - 1, tl.int32)
+    if with_top_p:
+        # a token is kept iff the mass above it < top_p * top-k mass: surely where even the
+        # most mass above its bucket's least token is below, surely not where the least mass
+        # above its bucket's largest token reaches it
+        low_to, high_to = tl.cumsum(low, 0), tl.cumsum(high, 0)  # through each bucket
+        low_above_kth = tl.sum(tl.where(bucket < kth, low, 0.0), 0)
+        high_to_kth = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
+        most_above = tl.minimum(high_to, most_mass - tl.maximum(low_above_kth - low_to, 0.0))
+        least_above = tl.maximum(low_to - low, least_mass - (high_to_kth - high_to + high))
+        p_lo = tl.sum((most_above < top_p * least_mass).to(tl.int32), 0)
+        p_hi = tl.minimum(tl.sum((least_above < top_p * most_mass).to(tl.int32), 0) - 1, kth)
+    return kth, p_lo, p_hi, above_kth
 
 
 @triton.jit
@@ -471,7 +472,6 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device
     stats = torch.empty(rows, chunks, 3, dtype=torch.float32, device=device)
-    histogram = torch.empty(rows, chunks, BUCKETS, dtype=torch.int32, device=device)
     plan = torch.empty(rows, 3, dtype=torch.float32, device=device)
     bounds = torch.empty(rows, 5, dtype=torch.int32, device=device)
     sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
@@ -487,13 +487,9 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     _stats_kernel[(rows, chunks)](
         *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
     )
-    _histogram_kernel[(rows, chunks)](
-        *row, *filters, stats, histogram,
-        CHUNK=chunk, CHUNKS=CHUNKS, BLOCK=block, BUCKETS=BUCKETS, SPREAD=SPREAD, **options,
-    )  # fmt: skip
     _plan_kernel[(rows,)](
-        vocab, *filters, stats, histogram, plan, bounds, chunks,
-        CHUNKS=CHUNKS, BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **options,
+        *row, *filters, stats, plan, bounds, chunks,
+        CHUNKS=CHUNKS, BLOCK=BLOCK, BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **{**options, "num_warps": 8},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
         *row, *filters, *noise, plan, bounds, sums, best[1], best_token[1], gathered,
