@@ -113,7 +113,7 @@ def _stats_kernel(
 ):  # fmt: skip
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
-    temperature, _, _, _, _, _, filtered = _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     draws = (temperature > 0.0) & ~filtered
     inv_t = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
     noise_key = _noise_key(seed_ptr, position_ptr, row)
@@ -175,7 +175,7 @@ def _plan_kernel(
     be); above both, every token is kept; below, none; ``above_kth`` tokens lie above kth."""
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
-    temperature, top_k, top_p, _, with_top_k, with_top_p, filtered = _filters(
+    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(
         row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr
     )
     if filtered:
@@ -264,9 +264,9 @@ def _draw_kernel(
     boundary's tokens appended to the row's region."""
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
-    temperature, _, _, min_p, _, _, filtered = _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     if filtered:
-        peak, _, inv_width, kth, p_lo, p_hi, _ = _load_plan(plan_ptr, bounds_ptr, row)
+        peak, total, inv_width, kth, p_lo, p_hi, above_kth = _load_plan(plan_ptr, bounds_ptr, row)
         inv_t = 1.0 / temperature
         noise_key = _noise_key(seed_ptr, position_ptr, row)
         above_mass = tl.full((), 0.0, tl.float32)
@@ -482,7 +482,8 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     noise = (params.seed, params.position)
     row = (logits, logits.stride(0), vocab)
     block = min(BLOCK, chunk)
-    options = {"num_warps": 4, **launch.pdl(device)}
+    # unfused arithmetic: every launch computes the same s and bucket of a token as the others (and s as torch)
+    options = {"num_warps": 4, "enable_fp_fusion": False, **launch.pdl(device)}
     CHUNKS = triton.next_power_of_2(chunks)  # noqa: N806
     _stats_kernel[(rows, chunks)](
         *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
