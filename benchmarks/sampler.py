@@ -112,7 +112,9 @@ def main() -> None:
         "device": str(device),
         "vocab": vocab,
         "logits_dtype": str(engine.dtype).removeprefix("torch."),
-        "mixes": {name: {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k} for name, p in MIXES.items()},
+        "mixes": {
+            name: {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k} for name, p in MIXES.items()
+        },
         "decode_step_ms": {},
         "sample_ms": {name: {} for name in MIXES},
         "share_of_decode_step": {name: {} for name in MIXES},
@@ -123,7 +125,7 @@ def main() -> None:
         logits = (torch.randn(rows, vocab, generator=generator, device=device) * 3).to(engine.dtype)
         for name, params in MIXES.items():
             batch = SamplingBatch.of([SampledRow(params, i, args.input_len) for i in range(rows)]).to(device)
-            seconds = seconds_per_call(lambda b=batch: sample(logits, b), device, args.repeats)
+            seconds = seconds_per_call(lambda logits=logits, batch=batch: sample(logits, batch), device, args.repeats)
             result["sample_ms"][name][rows] = round(seconds * 1e3, 4)
             result["share_of_decode_step"][name][rows] = round(seconds / step, 4)
     print(json.dumps(result))

@@ -30,7 +30,12 @@ ROWS = [
 ]
 
 
-SPLITS = {"one chunk": {}, "chunks": {"chunk": 64}, "uneven chunks": {"chunk": 32}, "whole-row": {"chunk": 64, "region": 4}}
+SPLITS = {
+    "one chunk": {},
+    "chunks": {"chunk": 64},
+    "uneven chunks": {"chunk": 32},
+    "whole-row": {"chunk": 64, "region": 4},
+}
 
 
 def draw(logits: torch.Tensor, batch: SamplingBatch, **split) -> list[int]:

@@ -83,16 +83,25 @@ def _bucket(s, peak, inv_width, BUCKETS: tl.constexpr):
 
 
 @triton.jit
-def _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr):
-    """temperature, top_k, top_p, min_p, and whether top-k / top-p / any filter is on."""
-    temperature = tl.load(temperature_ptr + row)
-    top_k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
-    min_p = tl.load(min_p_ptr + row)
-    with_top_k = (temperature > 0.0) & (top_k > 0) & (top_k < vocab)
-    with_top_p = (temperature > 0.0) & (top_p < 1.0)
-    filtered = with_top_k | with_top_p | ((temperature > 0.0) & (min_p > 0.0))
-    return temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered
+def _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr):
+    return tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
+
+
+@triton.jit
+def _with_top_k(temperature, top_k, vocab):
+    return (temperature > 0.0) & (top_k > 0) & (top_k < vocab)
+
+
+@triton.jit
+def _with_top_p(temperature, top_p):
+    return (temperature > 0.0) & (top_p < 1.0)
+
+
+@triton.jit
+def _filtered(temperature, top_k, top_p, min_p, vocab):
+    return (
+        _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p) | ((temperature > 0.0) & (min_p > 0.0))
+    )
 
 
 @triton.jit
@@ -113,8 +122,8 @@ def _stats_kernel(
 ):  # fmt: skip
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
-    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
-    draws = (temperature > 0.0) & ~filtered
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    draws = (temperature > 0.0) & ~_filtered(temperature, top_k, top_p, min_p, vocab)
     inv_t = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
     noise_key = _noise_key(seed_ptr, position_ptr, row)
     peak = tl.full((), float("-inf"), tl.float32)
@@ -175,9 +184,9 @@ def _plan_kernel(
     be); above both, every token is kept; below, none; ``above_kth`` tokens lie above kth."""
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
-    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(
-        row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr
-    )
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
     if filtered:
         peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
         inv_width = _inv_width(peak, least, BUCKETS, SPREAD)
@@ -264,9 +273,14 @@ def _draw_kernel(
     boundary's tokens appended to the row's region."""
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
-    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
-    if filtered:
-        peak, total, inv_width, kth, p_lo, p_hi, above_kth = _load_plan(plan_ptr, bounds_ptr, row)
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    if _filtered(temperature, top_k, top_p, min_p, vocab):
+        peak, inv_width = tl.load(plan_ptr + row * 3), tl.load(plan_ptr + row * 3 + 2)
+        kth, p_lo, p_hi = (
+            tl.load(bounds_ptr + row * 5),
+            tl.load(bounds_ptr + row * 5 + 1),
+            tl.load(bounds_ptr + row * 5 + 2),
+        )
         inv_t = 1.0 / temperature
         noise_key = _noise_key(seed_ptr, position_ptr, row)
         above_mass = tl.full((), 0.0, tl.float32)
@@ -370,9 +384,9 @@ def _settle_kernel(
 ):  # fmt: skip
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
-    temperature, top_k, top_p, min_p, with_top_k, with_top_p, filtered = _filters(
-        row, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr
-    )
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
     rows, chunk = tl.num_programs(0), tl.arange(0, CHUNKS)
     part = row * chunks + chunk
     # the stats pass drew the unfiltered rows; the draw pass, the filtered rows' tokens above the boundary
@@ -484,7 +498,7 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     block = min(BLOCK, chunk)
     # unfused arithmetic: every launch computes the same s and bucket of a token as the others (and s as torch)
     options = {"num_warps": 4, "enable_fp_fusion": False, **launch.pdl(device)}
-    CHUNKS = triton.next_power_of_2(chunks)  # noqa: N806
+    CHUNKS = triton.next_power_of_2(chunks)
     _stats_kernel[(rows, chunks)](
         *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
     )
