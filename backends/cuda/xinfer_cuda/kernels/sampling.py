@@ -1,25 +1,24 @@
 """A batch's token draws: :func:`xinfer.torch_sampling.sample`, token for token (same
 noise bits, same kept sets), with each row split over chunks of ``CHUNK`` tokens so that
-one row alone still spreads over the GPU. Five launches, three passes over the logits:
+one row alone still spreads over the GPU. Four launches, three passes over the logits:
 
 1. stats (rows x chunks): per chunk the peak, softmax mass and least of ``s = l / T``;
    greedy rows their argmax, unfiltered rows their Gumbel-max draw, which are the tokens;
-2. histogram (rows x chunks; rows with top-k or top-p): counts of ``s`` in ``BUCKETS``
-   buckets below the row's peak, a fixed width each (``1 / BUCKETS`` of the row's spread);
-3. plan (rows): from the counts, the bucket of the k-th token and, from each bucket's
-   mass bounds (its count times its edges' weights), the few buckets where the top-p cut
-   can fall: the boundary;
-4. draw (rows x chunks): the Gumbel-max over the tokens above the boundary (all kept,
+2. plan (rows; rows with top-k or top-p read their logits): counts of ``s`` in ``BUCKETS``
+   buckets below the row's peak (``1 / BUCKETS`` of the row's spread each), and from them
+   the bucket of the k-th token and, from each bucket's mass bounds (its count times its
+   edges' weights), the few buckets where the top-p cut can fall: the boundary;
+3. draw (rows x chunks): the Gumbel-max over the tokens above the boundary (all kept,
    but for min-p, which is one comparison), their mass, and the boundary's token ids
-   gathered (a few hundred);
-5. settle (rows): the exact cuts among the boundary tokens (a threshold search over
+   gathered (a few hundred of a 152k row at top-p 0.95);
+4. settle (rows): the exact cuts among the boundary tokens (a threshold search over
    their order-preserving integer keys, with integer weights: the sums do not depend on
    the order the tokens were gathered in), and the draw over the kept ones.
 
-A boundary of more than ``REGION`` tokens (a nearly flat row) is settled by the same
-search over the whole row, in one program: slower, never wrong. No sort, no host
-synchronisation: a step's sampling is recorded in the step's CUDA graph. The chunk
-size is fixed, so a row's sums, and so its tokens, do not depend on the batch.
+A boundary of more than ``REGION`` tokens is settled by the same search over the whole
+row, in one program: slower, never wrong. No sort, no host synchronisation: a step's
+sampling is recorded in the step's CUDA graph. The chunk size is fixed, so a row's sums,
+and so its tokens, do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -79,7 +78,8 @@ def _order_key(s):
 
 @triton.jit
 def _bucket(s, peak, inv_width, BUCKETS: tl.constexpr):
-    return tl.minimum((peak - s) * inv_width, BUCKETS - 1.0).to(tl.int32)
+    depth = (peak - s) * inv_width
+    return tl.where(depth < BUCKETS - 1.0, depth, BUCKETS - 1.0).to(tl.int32)  # NaN (a row of -inf) too
 
 
 @triton.jit
