@@ -34,6 +34,7 @@ from xinfer_cuda.kernels.launch import pdl_entry
 
 CHUNK = 4096  # tokens of a row per program
 BLOCK = 1024  # tokens per iteration of a streaming pass
+ROW_BLOCK = 4096  # per iteration of the plan's histogram (whose shared bins each iteration clears and reads)
 BUCKETS = 4096
 REGION = 2048  # boundary tokens gathered per row; more are settled over the whole row
 SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
@@ -504,7 +505,8 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     )
     _plan_kernel[(rows,)](
         *row, *filters, stats, plan, bounds, chunks,
-        CHUNKS=CHUNKS, BLOCK=BLOCK, BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **{**options, "num_warps": 8},
+        CHUNKS=CHUNKS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(vocab)), BUCKETS=BUCKETS, SPREAD=SPREAD,
+        SLACK=SLACK, **{**options, "num_warps": 8},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
         *row, *filters, *noise, plan, bounds, sums, best[1], best_token[1], gathered,
