@@ -2,8 +2,9 @@
 noise bits, same kept sets), with each row split over chunks of ``CHUNK`` tokens so that
 one row alone still spreads over the GPU. Four launches, three passes over the logits:
 
-1. stats (rows x chunks): per chunk the peak, softmax mass and least of ``s = l / T``;
-   greedy rows their argmax, unfiltered rows their Gumbel-max draw, which are the tokens;
+1. stats (rows x chunks): per chunk, greedy rows their argmax and unfiltered rows their
+   Gumbel-max draw, which are the tokens; filtered rows the peak, softmax mass and least
+   of ``s = l / T``;
 2. plan (rows; rows with top-k or top-p read their logits): counts of ``s`` in ``BUCKETS``
    buckets below the row's peak (``1 / BUCKETS`` of the row's spread each), and from them
    the bucket of the k-th token and, from each bucket's mass bounds (its count times its
@@ -124,7 +125,8 @@ def _stats_kernel(
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
-    draws = (temperature > 0.0) & ~_filtered(temperature, top_k, top_p, min_p, vocab)
+    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
+    draws = (temperature > 0.0) & ~filtered
     inv_t = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
     noise_key = _noise_key(seed_ptr, position_ptr, row)
     peak = tl.full((), float("-inf"), tl.float32)
@@ -136,16 +138,18 @@ def _stats_kernel(
         tokens = start + tl.arange(0, BLOCK)
         valid = tokens < vocab
         s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-        new_peak = tl.maximum(peak, tl.max(s, 0))
-        rescale = tl.where(new_peak == float("-inf"), 0.0, tl.exp(peak - new_peak))
-        total = total * rescale + tl.sum(tl.where(s == float("-inf"), 0.0, tl.exp(s - new_peak)), 0)
-        peak = new_peak
-        least = tl.minimum(least, tl.min(tl.where(s == float("-inf"), float("inf"), s), 0))
-        if draws:
-            scores = tl.where(valid, s + _gumbel(noise_key, tokens), float("-inf"))
-        else:
-            scores = s
-        best, best_token = _take(best, best_token, scores, tokens)
+        if filtered:  # the plan's statistics
+            new_peak = tl.maximum(peak, tl.max(s, 0))
+            rescale = tl.where(new_peak == float("-inf"), 0.0, tl.exp(peak - new_peak))
+            total = total * rescale + tl.sum(tl.where(s == float("-inf"), 0.0, tl.exp(s - new_peak)), 0)
+            peak = new_peak
+            least = tl.minimum(least, tl.min(tl.where(s == float("-inf"), float("inf"), s), 0))
+        else:  # the token
+            if draws:
+                scores = tl.where(valid, s + _gumbel(noise_key, tokens), float("-inf"))
+            else:
+                scores = s
+            best, best_token = _take(best, best_token, scores, tokens)
     stats = stats_ptr + (row * chunks + chunk) * 3
     tl.store(stats, peak)
     tl.store(stats + 1, total)
