@@ -78,8 +78,8 @@ class SampledRow(NamedTuple):
 
 class SamplingBatch:
     """The sampling parameters of a step's sampled rows, one tensor per field, as views
-    of one byte buffer: a batch travels to the device in one copy, into a fresh buffer
-    or into the static one a recorded step reads (:meth:`copy_`).
+    of one byte buffer (:meth:`nbytes` of them): a batch travels to the device in one
+    copy, alone (:meth:`to`) or as part of a recorded step's input buffer.
 
     ``temperature`` 0 is greedy; ``top_k`` 0 is off; ``seed`` and ``position`` (the
     index in its sequence of the token being drawn) key each row's noise. Rows past
@@ -104,9 +104,12 @@ class SamplingBatch:
             setattr(self, name, view)
 
     @classmethod
-    def empty(cls, num_rows: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> SamplingBatch:
-        size = (8 * len(cls.INTS) + 4 * len(cls.FLOATS)) * num_rows
-        return cls(torch.zeros(size, dtype=torch.uint8, device=device, pin_memory=pin_memory), num_rows)
+    def nbytes(cls, num_rows: int) -> int:
+        return (8 * len(cls.INTS) + 4 * len(cls.FLOATS)) * num_rows
+
+    @classmethod
+    def empty(cls, num_rows: int) -> SamplingBatch:
+        return cls(torch.zeros(cls.nbytes(num_rows), dtype=torch.uint8), num_rows)
 
     @classmethod
     def of(cls, rows: list[SampledRow], num_rows: int | None = None) -> SamplingBatch:
@@ -130,11 +133,6 @@ class SamplingBatch:
 
     def to(self, device: torch.device) -> SamplingBatch:
         return SamplingBatch(self.buffer.to(device, non_blocking=True), self.num_rows)
-
-    def copy_(self, source: SamplingBatch) -> None:
-        """Write ``source`` (as many rows) into this batch's buffer in one copy."""
-        assert source.num_rows == self.num_rows, "copies keep the layout: as many rows"
-        self.buffer.copy_(source.buffer, non_blocking=True)
 
 
 def _int64(seed: int) -> int:

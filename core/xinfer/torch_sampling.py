@@ -11,15 +11,11 @@ set of ``s``, ties included:
   smallest prefix in descending probability whose mass reaches ``top_p``);
 - min-p: its probability is ``>= min_p`` times the largest.
 
-A draw is a Gumbel-max: ``argmax(s + g)``, ``g = -log(-log(u))`` with ``u`` uniform
-from an integer hash of (seed, position, token, round) (:func:`noise`), the same bits in
-torch and in Triton, so a row draws the same tokens whatever else is in the batch.
-
-The filters are applied by rejection, not by sorting: round 0 draws from every token;
-a candidate outside the kept set shows that nothing at or below its ``s`` is kept, so
-round ``r + 1`` draws from the tokens above it (and above the k-th). Each round draws
-from a superset of the kept set, so the accepted token follows the filtered softmax
-exactly. Top-p accepts the first candidate with probability at least ``top_p``.
+A draw is a Gumbel-max over the kept tokens: ``argmax(s + g)``, ``g = -log(-log(u))``
+with ``u`` uniform from an integer hash of (seed, position, token) (:func:`noise`), the
+same bits in torch and in Triton, so a row draws the same tokens whatever else is in
+the batch. The kept set does not depend on the noise, so the draw follows the filtered
+softmax exactly; a kernel finds the set's least ``s`` without sorting.
 """
 
 from __future__ import annotations
@@ -50,10 +46,9 @@ def row_keys(seed: Tensor, position: Tensor) -> Tensor:
     return mix(mix(mix(low) ^ high) ^ (position & MASK32))
 
 
-def noise(keys: Tensor, round: int, vocab: int) -> Tensor:
-    """Gumbel noise [rows, vocab] of round ``round`` for rows of ``keys``."""
-    round_keys = mix((keys + round) & MASK32)
-    bits = mix(mix(torch.arange(vocab, device=keys.device)) ^ round_keys[:, None])
+def noise(keys: Tensor, vocab: int) -> Tensor:
+    """Gumbel noise [rows, vocab] for rows of ``keys``."""
+    bits = mix(mix(torch.arange(vocab, device=keys.device)) ^ mix(keys)[:, None])
     uniform = ((bits >> 9).float() + 0.5) * 2.0**-23  # (0, 1), exactly
     return -torch.log(-torch.log(uniform))
 
@@ -64,6 +59,15 @@ def order_keys(s: Tensor) -> Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
+def mass_above(keys: Tensor, weights: Tensor) -> Tensor:
+    """Per token, the summed ``weights`` of the tokens with a strictly larger key (summed
+    from the largest down)."""
+    ascending, order = keys.sort(-1)
+    from_top = weights.gather(-1, order).flip(-1).cumsum(-1).flip(-1)  # [j]: the sum over ascending[j:]
+    suffix = torch.cat([from_top, torch.zeros_like(from_top[:, :1])], -1)
+    return suffix.gather(-1, torch.searchsorted(ascending, keys, right=True))
+
+
 def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
     """Token ids [rows] drawn from ``logits`` [rows, vocab] (any float dtype)."""
     rows, vocab = logits.shape
@@ -71,34 +75,19 @@ def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
         getattr(params, f)[:rows, None] for f in ("temperature", "top_k", "top_p", "min_p")
     )
     logits = logits.float()
-    greedy = logits.argmax(-1)
     s = logits * (1.0 / torch.where(temperature > 0, temperature, 1.0))
-    peak = s.max(-1, keepdim=True).values
-    weights = torch.exp(s - peak)
+    weights = torch.exp(s - s.max(-1, keepdim=True).values)
     keys = order_keys(s)
+    kept = weights >= min_p
+    in_top_k = torch.ones_like(kept)
     with_top_k = (top_k > 0) & (top_k < vocab)
-    floor = keys.min(-1, keepdim=True).values  # the least key kept by top-k
     if with_top_k.any():
         kth = keys.sort(-1, descending=True).values.gather(1, top_k.clamp(1, vocab) - 1)
-        floor = torch.where(with_top_k, kth, floor)
-    kept_mass = torch.where(keys >= floor, weights, 0.0).sum(-1, keepdim=True)
-    filtered = (with_top_k | (top_p < 1) | (min_p > 0)).squeeze(1) & (temperature > 0).squeeze(1)
-
+        in_top_k = ~with_top_k | (keys >= kth)
+    kept &= in_top_k
+    if (top_p < 1).any():
+        top_k_mass = torch.where(in_top_k, weights, 0.0).sum(-1, keepdim=True)
+        kept &= (top_p >= 1) | (mass_above(keys, weights) < top_p * top_k_mass)
     row_key = row_keys(params.seed[:rows], params.position[:rows])
-    drawn = (s + noise(row_key, 0, vocab)).argmax(-1, keepdim=True)
-    accepted = ~filtered
-    round = 0
-    while not accepted.all():
-        candidate = keys.gather(1, drawn)
-        mass_above = torch.where(keys > candidate, weights, 0.0).sum(-1, keepdim=True)
-        kept = (
-            (candidate >= floor)
-            & ((top_p >= 1) | (mass_above < top_p * kept_mass))
-            & (torch.exp(s.gather(1, drawn) - peak) >= min_p)
-        ).squeeze(1)
-        accepted |= kept
-        round += 1
-        eligible = keys > torch.maximum(candidate, floor - 1)
-        redrawn = torch.where(eligible, s + noise(row_key, round, vocab), float("-inf")).argmax(-1, keepdim=True)
-        drawn = torch.where(accepted[:, None], drawn, redrawn)
-    return torch.where(temperature.squeeze(1) > 0, drawn.squeeze(1), greedy)
+    drawn = torch.where(kept, s + noise(row_key, vocab), float("-inf")).argmax(-1)
+    return torch.where(temperature.squeeze(1) > 0, drawn, logits.argmax(-1))

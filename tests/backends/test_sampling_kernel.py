@@ -1,6 +1,7 @@
 """The CUDA backend's sampling kernel draws the torch reference's tokens: same noise,
-same rejection rounds (on the device ``XINFER_KERNEL_DEVICE`` picks; under the Triton
-interpreter on the CPU)."""
+same kept sets (on the device ``XINFER_KERNEL_DEVICE`` picks; under the Triton interpreter
+on the CPU). Small chunks split these small rows over several programs, and a small
+region sends the boundary to the whole-row settling."""
 
 from __future__ import annotations
 
@@ -29,25 +30,81 @@ ROWS = [
 ]
 
 
+SPLITS = {
+    "one chunk": {},
+    "chunks": {"chunk": 64},
+    "uneven chunks": {"chunk": 32},
+    "whole-row": {"chunk": 64, "region": 4},
+}
+
+
+def draw(logits: torch.Tensor, batch: SamplingBatch, **split) -> list[int]:
+    return sample(logits.to(DEVICE), batch.to(DEVICE), **split).cpu().tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("vocab", [97, 300])
-def test_kernel_draws_the_reference_tokens(dtype, vocab):
-    generator = torch.Generator().manual_seed(vocab)
+@pytest.mark.parametrize("split", SPLITS)
+def test_kernel_draws_the_reference_tokens(dtype, split):
+    generator = torch.Generator().manual_seed(len(split))
     batch = SamplingBatch.of(ROWS)
-    for trial in range(3):
-        logits = (torch.randn(len(ROWS), vocab, generator=generator) * (1 + 2 * trial)).to(dtype)
+    for trial in range(2):
+        logits = (torch.randn(len(ROWS), 300, generator=generator) * (1 + 3 * trial)).to(dtype)
         logits[:, 5] = float("-inf")  # a masked token (min_tokens)
         logits[-1, [3, 8]] = logits[-1].max() + 1  # a greedy tie: the first wins
-        expected = reference(logits, batch)
-        got = sample(logits.to(DEVICE), batch.to(DEVICE)).cpu()
-        assert got.tolist() == expected.tolist()
+        got = draw(logits, batch, **SPLITS[split])
+        assert got == reference(logits, batch).tolist()
         assert got[-1] == 3 and got[0] == logits[0].float().argmax()
+
+
+FILTERS = [P(temperature=0.8, top_p=0.95), P(temperature=0.7, top_p=0.5), P(temperature=1.1, top_k=7),
+           P(temperature=0.9, top_k=40, top_p=0.8, min_p=0.02), P(temperature=1.0, top_k=100, top_p=0.3),
+           P(temperature=1.5, min_p=0.2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("split", ["chunks", "whole-row"])
+def test_kernel_draws_near_the_cuts_as_the_reference(split):
+    """Many draws from one row: they reach the kept sets' least tokens, where the cuts decide."""
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 1.5
+    rows = [SampledRow(FILTERS[i % len(FILTERS)], 1000 + i, i) for i in range(36)]
+    batch = SamplingBatch.of(rows)
+    expected = reference(logits.expand(len(rows), -1), batch).tolist()
+    assert draw(logits.expand(len(rows), -1).contiguous(), batch, **SPLITS[split]) == expected
+    assert len(set(expected)) >= 10
+
+
+def test_kernel_keeps_ties_across_chunks_together():
+    """Logits on a coarse grid: the k-th token and the top-p cut fall in runs of equal logits
+    spread over chunks; and a row with fewer finite logits than top_k."""
+    generator = torch.Generator().manual_seed(2)
+    logits = (torch.randn(8, 200, generator=generator) * 2).round()
+    logits[7, 10:] = float("-inf")
+    params = [P(temperature=1.0, top_k=12), P(temperature=1.0, top_p=0.6), P(temperature=0.5, top_k=30, top_p=0.9)]
+    rows = [SampledRow(params[i % 3], 50 + i, i) for i in range(7)] + [SampledRow(P(temperature=1.0, top_k=50), 9, 9)]
+    batch = SamplingBatch.of(rows)
+    assert draw(logits, batch, chunk=32) == reference(logits, batch).tolist()
+
+
+def test_kernel_draws_a_row_alike_alone_and_in_a_batch():
+    logits = torch.randn(len(ROWS), 300, generator=torch.Generator().manual_seed(3)) * 2
+    together = draw(logits, SamplingBatch.of(ROWS), chunk=64)
+    alone = [draw(logits[i : i + 1], SamplingBatch.of([row]), chunk=64)[0] for i, row in enumerate(ROWS[:4])]
+    assert together[:4] == alone
 
 
 def test_kernel_rows_past_the_logits_are_ignored_and_padding_is_greedy():
     batch = SamplingBatch.empty(6)
     batch.write(ROWS[1:3])  # rows 2.. are greedy padding
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
-    got = sample(logits.to(DEVICE), batch.to(DEVICE)).cpu()
-    assert got.tolist() == reference(logits, batch).tolist()
-    assert got[2:].tolist() == logits[2:].argmax(-1).tolist()
+    got = draw(logits, batch, chunk=32)
+    assert got == reference(logits, batch).tolist()
+    assert got[2:] == logits[2:].argmax(-1).tolist()
+
+
+def test_kernel_settles_a_wide_boundary_as_the_reference():
+    """6,000 tokens of spread-out logits: the top-p cuts fall among many tokens of similar mass."""
+    logits = torch.randn(6000, generator=torch.Generator().manual_seed(4)) * 3
+    params = [P(temperature=0.8, top_p=0.95), P(temperature=1.0, top_p=0.5), P(temperature=1.0, top_k=1000, top_p=0.5)]
+    rows = [SampledRow(params[i % 3], 70 + i, i) for i in range(6)]
+    batch = SamplingBatch.of(rows)
+    wide = logits.expand(len(rows), -1).contiguous()
+    assert draw(wide, batch, chunk=1024) == reference(wide, batch).tolist()

@@ -17,7 +17,7 @@ from xinfer import LLM, SamplingParams, ops
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sequence import PENDING
 from xinfer.ops import DeviceTokens, HostBatch, PageBatch, StepLimits
-from xinfer.sampling import SampledRow
+from xinfer.sampling import SampledRow, SamplingBatch
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.static_step import (
@@ -73,6 +73,18 @@ def test_pick_bucket_by_kind_and_size():
     chunk = host_batch([1], [5], [False])  # one prompt token, not the last: not a decode step
     assert pick_bucket(buckets, chunk) == Bucket(64, 8, False)
     assert pick_bucket(buckets, host_batch([257], [257], [True])) is None
+
+
+def test_load_writes_the_sampled_rows_parameters_in_the_step_s_input_copy():
+    limits = StepLimits(max_num_seqs=4, max_num_tokens=64, max_blocks_per_seq=8, max_seq_len=32)
+    step = StaticStep(None, limits, torch.device("cpu"))
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)
+    rows = [SampledRow(params, 2**40 + i, 7 + i) for i in range(3)]
+    step.load(host_batch([1, 1, 1], [5, 9, 2], [True] * 3), Bucket(4, 4, True), sampling=rows)
+    expected = SamplingBatch.of(rows, 4)  # the fourth row: greedy padding
+    for field in SamplingBatch.INTS + SamplingBatch.FLOATS:
+        assert getattr(step.sampling, field).tolist() == getattr(expected, field).tolist(), field
+    assert step._rows(step.dev64).tolist() == [0, 1, 2, 0]  # the sample rows just before them
 
 
 def test_pad_batch():

@@ -112,12 +112,12 @@ class StaticStep:
     bucket; each bucket reads a prefix of each.
 
     A step's inputs travel in two host-to-device copies (an int64 buffer: ids |
-    positions | sample rows | each page group's slots [and shadow slots], and an int32
-    one: cu_seqlens_q | seq_lens [| state slots] | each group's table rows [and shadow
-    table rows] packed at the step's width) and a scatter of the table rows: few
-    operations, since each costs a launch. The bracketed parts are there with a recent
-    window (``limits.shadows``) and recurrent layers (``limits.state_slots``). The
-    sampled rows' parameters travel in a third copy (:class:`SamplingBatch`).
+    positions | each page group's slots [and shadow slots] | sample rows | the sampled
+    rows' parameters (a :class:`SamplingBatch`'s bytes), and an int32 one: cu_seqlens_q |
+    seq_lens [| state slots] | each group's table rows [and shadow table rows] packed at
+    the step's width) and a scatter of the table rows: few operations, since each costs
+    a launch. The bracketed parts are there with a recent window (``limits.shadows``)
+    and recurrent layers (``limits.state_slots``).
     """
 
     def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
@@ -127,8 +127,11 @@ class StaticStep:
         seqs, groups = limits.max_num_seqs, limits.num_page_groups
         self.tables_per_group = 2 if limits.shadows else 1
         pin = device.type == "cuda"
+        self.sampling_words = -(-SamplingBatch.nbytes(seqs) // 8)  # int64 words
         self.host64 = torch.zeros(
-            (2 + groups * self.tables_per_group) * tokens + seqs, dtype=torch.int64, pin_memory=pin
+            (2 + groups * self.tables_per_group) * tokens + seqs + self.sampling_words,
+            dtype=torch.int64,
+            pin_memory=pin,
         )
         self.seq_fields = 3 if limits.state_slots else 2
         num_tables = groups * self.tables_per_group
@@ -142,8 +145,7 @@ class StaticStep:
             for i in range(num_tables)
         ]
         self._token_views(self.dev64)[2].fill_(-1)  # slots and shadow slots: nothing written before the first step
-        self.host_sampling = SamplingBatch.empty(seqs, pin_memory=pin)
-        self.sampling = SamplingBatch.empty(seqs, device)
+        self.host_sampling, self.sampling = self._sampling(self.host64), self._sampling(self.dev64)
         self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
         # Marks the last copies out of the pinned host buffers. A step that samples
         # nothing returns without waiting for the device, so the next step must wait
@@ -170,11 +172,10 @@ class StaticStep:
         tables = [part.block_tables for part in self._page_parts(padded)]
         packed = self._packed_tables(self.host32)[: len(tables) * n * width]
         packed[:] = torch.tensor(tables, dtype=torch.int32).flatten()
+        self.host_sampling.write(list(sampling))
         self.dev64.copy_(self.host64, non_blocking=True)
         used32 = self.seq_fields * self.limits.max_num_seqs + 1 + len(tables) * n * width
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
-        self.host_sampling.write(list(sampling))
-        self.sampling.copy_(self.host_sampling)
         if self.copied is not None:
             self.copied.record()
         on_device = self._packed_tables(self.dev32)[: len(tables) * n * width].view(len(tables), n, width)
@@ -218,11 +219,18 @@ class StaticStep:
     def _token_views(self, buf64: Tensor) -> list[Tensor]:
         """ids, positions, and every slot mapping as one view (for filling)."""
         tokens = self.max_tokens
-        slots = buf64[2 * tokens : buf64.shape[0] - self.limits.max_num_seqs]
+        slots = buf64[2 * tokens : buf64.shape[0] - self.sampling_words - self.limits.max_num_seqs]
         return [buf64[:tokens], buf64[tokens : 2 * tokens], slots]
 
     def _rows(self, buf64: Tensor) -> Tensor:
-        return buf64[buf64.shape[0] - self.limits.max_num_seqs :]
+        end = buf64.shape[0] - self.sampling_words
+        return buf64[end - self.limits.max_num_seqs : end]
+
+    def _sampling(self, buf64: Tensor) -> SamplingBatch:
+        seqs = self.limits.max_num_seqs
+        return SamplingBatch(
+            buf64[buf64.shape[0] - self.sampling_words :].view(torch.uint8)[: SamplingBatch.nbytes(seqs)], seqs
+        )
 
     def _slot_views(self, buf64: Tensor) -> list[Tensor]:
         """Per group: its slots, then its shadow slots."""

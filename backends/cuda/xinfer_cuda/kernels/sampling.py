@@ -1,23 +1,25 @@
-"""A batch's token draws in one launch: :func:`xinfer.torch_sampling.sample`, token for
-token (same noise bits, same rejection rounds), one program per row.
+"""A batch's token draws: :func:`xinfer.torch_sampling.sample`, token for token (same
+noise bits, same kept sets), with each row split over chunks of ``CHUNK`` tokens so that
+one row alone still spreads over the GPU. Four launches, three passes over the logits:
 
-Passes over a row's logits, each a stream of its ``vocab`` values (the last ones read
-back from L2 where the row still is there):
+1. stats (rows x chunks): per chunk, greedy rows their argmax and unfiltered rows their
+   Gumbel-max draw, which are the tokens; filtered rows the peak, softmax mass and least
+   of ``s = l / T``;
+2. plan (rows; rows with top-k or top-p read their logits): counts of ``s`` in ``BUCKETS``
+   buckets below the row's peak (``1 / BUCKETS`` of the row's spread each), and from them
+   the bucket of the k-th token and, from each bucket's mass bounds (its count times its
+   edges' weights), the few buckets where the top-p cut can fall: the boundary;
+3. draw (rows x chunks): the Gumbel-max over the tokens above the boundary (all kept,
+   but for min-p, which is one comparison), their mass, and the boundary's token ids
+   gathered (a few hundred of a 152k row at top-p 0.95);
+4. settle (rows): the exact cuts among the boundary tokens (a threshold search over
+   their order-preserving integer keys, with integer weights: the sums do not depend on
+   the order the tokens were gathered in), and the draw over the kept ones.
 
-- greedy rows: one (the argmax);
-- every sampled row: one online pass for the peak and the softmax mass of ``s = l / T``,
-  the least ``s`` and the round-0 Gumbel-max draw; without filters that draw is the token;
-- top-k: a threshold search over the order-preserving integer keys of ``s``, ``PIVOTS``
-  thresholds per pass (each pass narrows the range ``PIVOTS + 1`` times: about 7 passes
-  for 32-bit keys), counting and weighing what lies above each, until the k-th largest
-  key and the top-k mass are known exactly;
-- top-p / min-p / top-k: one pass per rejection round, which both weighs the mass above
-  the candidate (to accept it) and draws the next round's candidate above it (in case it
-  is not). Top-p accepts the first candidate with probability >= top_p, so top-p rows
-  take about two passes in all.
-
-No sort, no host synchronisation, no per-row launches: a step's sampling is one kernel
-inside the step's CUDA graph.
+A boundary of more than ``REGION`` tokens is settled by the same search over the whole
+row, in one program: slower, never wrong. No sort, no host synchronisation: a step's
+sampling is recorded in the step's CUDA graph. The chunk size is fixed, so a row's sums,
+and so its tokens, do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -31,9 +33,18 @@ from xinfer.sampling import SamplingBatch
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.launch import pdl_entry
 
-BLOCK = 2048  # logits per iteration of a streaming pass
-SEARCH_BLOCK = 256  # per iteration of a top-k search pass (times PIVOTS comparisons)
+CHUNK = 4096  # tokens of a row per program
+BLOCK = 1024  # tokens per iteration of a streaming pass
+ROW_BLOCK = 4096  # per iteration of the plan's histogram (whose shared bins each iteration clears and reads)
+BUCKETS = 4096
+REGION = 2048  # boundary tokens gathered per row; more are settled over the whole row
+SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
+SEARCH_BLOCK = 128  # boundary tokens per iteration of a threshold search (times PIVOTS)
 PIVOTS = 16
+SLACK = 1e-4  # relative, on the buckets' mass bounds: float sums and exp's rounding
+FIXED = tl.constexpr(4294967296.0)  # 2**32: integer weights, exp(s - peak) in units of 2**-32
+INT32_MAX = tl.constexpr(2147483647)
+INT32_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
@@ -47,10 +58,18 @@ def _mix(x):
 
 
 @triton.jit
-def _gumbel(round_key, tokens):
-    bits = _mix(_mix(tokens.to(tl.uint32)) ^ round_key)
+def _gumbel(noise_key, tokens):
+    bits = _mix(_mix(tokens.to(tl.uint32)) ^ noise_key)
     uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
     return -tl.log(-tl.log(uniform))
+
+
+@triton.jit
+def _noise_key(seed_ptr, position_ptr, row):
+    seed = tl.load(seed_ptr + row)
+    position = tl.load(position_ptr + row)
+    low, high = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _mix(_mix(_mix(_mix(low) ^ high) ^ (position & 0xFFFFFFFF).to(tl.uint32)))
 
 
 @triton.jit
@@ -60,163 +79,445 @@ def _order_key(s):
 
 
 @triton.jit
-def _greedy(row_ptr, vocab, BLOCK: tl.constexpr):
-    best = tl.full((), float("-inf"), tl.float32)
-    best_token = tl.full((), 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        tokens = start + tl.arange(0, BLOCK)
-        logits = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
-        peak = tl.max(logits, 0)
-        take = peak > best  # strictly: the first maximum wins
-        best_token = tl.where(take, start + tl.argmax(logits, 0, tie_break_left=True), best_token)
-        best = tl.where(take, peak, best)
-    return best_token
+def _bucket(s, peak, inv_width, BUCKETS: tl.constexpr):
+    depth = (peak - s) * inv_width
+    return tl.where(depth < BUCKETS - 1.0, depth, BUCKETS - 1.0).to(tl.int32)  # NaN (a row of -inf) too
 
 
 @triton.jit
-def _top_k_floor(row_ptr, vocab, inv_t, peak, least, total, top_k, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr):
-    """The k-th largest key of ``s`` and the mass at or above it."""
-    lo = _order_key(least).to(tl.int64)  # at least k keys at or above lo, fewer than k at or above hi
-    hi = _order_key(peak).to(tl.int64) + 1
-    mass_lo = total
-    steps = tl.arange(0, PIVOTS).to(tl.int64) + 1
-    while hi - lo > 1:
-        pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
-        counts = tl.zeros((PIVOTS,), tl.int32)
-        masses = tl.zeros((PIVOTS,), tl.float32)
-        for start in range(0, vocab, SEARCH_BLOCK):
-            tokens = start + tl.arange(0, SEARCH_BLOCK)
-            valid = tokens < vocab
-            s = tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-            weights = tl.where(valid, tl.exp(s - peak), 0.0)
-            above = (_order_key(s).to(tl.int64)[:, None] >= pivots[None, :]) & valid[:, None]
-            counts += tl.sum(above.to(tl.int32), 0)
-            masses += tl.sum(tl.where(above, weights[:, None], 0.0), 0)
-        enough = counts >= top_k
-        new_lo = tl.max(tl.where(enough, pivots, lo), 0)
-        mass_lo = tl.where(new_lo > lo, tl.max(tl.where(enough & (pivots == new_lo), masses, 0.0), 0), mass_lo)
-        hi = tl.min(tl.where(enough, hi, pivots), 0)
-        lo = new_lo
-    return lo.to(tl.int32), mass_lo
+def _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr):
+    return tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr,
-    stride,
-    vocab,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    min_p_ptr,
-    seed_ptr,
-    position_ptr,
-    out_ptr,
-    BLOCK: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr,
-    PIVOTS: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _with_top_k(temperature, top_k, vocab):
+    return (temperature > 0.0) & (top_k > 0) & (top_k < vocab)
+
+
+@triton.jit
+def _with_top_p(temperature, top_p):
+    return (temperature > 0.0) & (top_p < 1.0)
+
+
+@triton.jit
+def _filtered(temperature, top_k, top_p, min_p, vocab):
+    return (
+        _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p) | ((temperature > 0.0) & (min_p > 0.0))
+    )
+
+
+@triton.jit
+def _take(best, best_token, scores, tokens):
+    """The running best (score, token) after a block: the larger score, the lower token on ties."""
+    top = tl.max(scores, 0)
+    token = tl.min(tl.where(scores == top, tokens, INT32_MAX), 0)
+    take = (top > best) | ((top == best) & (token < best_token))
+    return tl.where(take, top, best), tl.where(take, token, best_token)
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr, stride, vocab,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
+    stats_ptr, best_ptr, best_token_ptr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl_entry(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride
-    temperature = tl.load(temperature_ptr + row)
-    if temperature == 0.0:
-        tl.store(out_ptr + row, _greedy(row_ptr, vocab, BLOCK).to(tl.int64))
-    else:
-        inv_t = 1.0 / temperature
-        top_k = tl.load(top_k_ptr + row)
-        top_p = tl.load(top_p_ptr + row)
-        min_p = tl.load(min_p_ptr + row)
-        seed = tl.load(seed_ptr + row)
-        position = tl.load(position_ptr + row)
-        low, high = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        key = _mix(_mix(_mix(low) ^ high) ^ (position & 0xFFFFFFFF).to(tl.uint32))
-
-        # pass 1: peak, mass, least s, and the round-0 draw (online softmax)
-        peak = tl.full((), float("-inf"), tl.float32)
-        total = tl.full((), 0.0, tl.float32)
-        least = tl.full((), float("inf"), tl.float32)
-        best = tl.full((), float("-inf"), tl.float32)
-        draw = tl.full((), 0, tl.int32)
-        round_key = _mix(key)
-        for start in range(0, vocab, BLOCK):
-            tokens = start + tl.arange(0, BLOCK)
-            valid = tokens < vocab
-            s = tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+    row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
+    draws = (temperature > 0.0) & ~filtered
+    inv_t = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
+    noise_key = _noise_key(seed_ptr, position_ptr, row)
+    peak = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    least = tl.full((), float("inf"), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_token = chunk * CHUNK
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        tokens = start + tl.arange(0, BLOCK)
+        valid = tokens < vocab
+        s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+        if filtered:  # the plan's statistics
             new_peak = tl.maximum(peak, tl.max(s, 0))
             rescale = tl.where(new_peak == float("-inf"), 0.0, tl.exp(peak - new_peak))
-            total = total * rescale + tl.sum(tl.where(valid, tl.exp(s - new_peak), 0.0), 0)
+            total = total * rescale + tl.sum(tl.where(s == float("-inf"), 0.0, tl.exp(s - new_peak)), 0)
             peak = new_peak
-            least = tl.minimum(least, tl.min(tl.where(valid, s, float("inf")), 0))
-            score = tl.where(valid, s + _gumbel(round_key, tokens), float("-inf"))
-            take = tl.max(score, 0) > best
-            draw = tl.where(take, start + tl.argmax(score, 0), draw)
-            best = tl.where(take, tl.max(score, 0), best)
-
-        with_top_k = (top_k > 0) & (top_k < vocab)
-        if with_top_k | (top_p < 1.0) | (min_p > 0.0):
-            floor = _order_key(least)
-            kept_mass = total
-            if with_top_k:
-                floor, kept_mass = _top_k_floor(row_ptr, vocab, inv_t, peak, least, total, top_k, SEARCH_BLOCK, PIVOTS)
-            drawn_s = tl.load(row_ptr + draw).to(tl.float32) * inv_t
-            drawn_key = _order_key(drawn_s)
-            done = tl.full((), 0, tl.int32)
-            round = 0
-            while done == 0:
-                # one pass: the mass above the candidate, and the next round's candidate above it
-                round += 1
-                round_key = _mix(key + round)
-                eligible_above = tl.maximum(drawn_key, floor - 1)
-                mass_above = tl.full((), 0.0, tl.float32)
-                best = tl.full((), float("-inf"), tl.float32)
-                redraw = tl.full((), 0, tl.int32)
-                for start in range(0, vocab, BLOCK):
-                    tokens = start + tl.arange(0, BLOCK)
-                    valid = tokens < vocab
-                    s = tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-                    keys = _order_key(s)
-                    mass_above += tl.sum(tl.where(valid & (keys > drawn_key), tl.exp(s - peak), 0.0), 0)
-                    score = tl.where(valid & (keys > eligible_above), s + _gumbel(round_key, tokens), float("-inf"))
-                    take = tl.max(score, 0) > best
-                    redraw = tl.where(take, start + tl.argmax(score, 0), redraw)
-                    best = tl.where(take, tl.max(score, 0), best)
-                accepted = (
-                    (drawn_key >= floor)
-                    & ((top_p >= 1.0) | (mass_above < top_p * kept_mass))
-                    & (tl.exp(drawn_s - peak) >= min_p)
-                )
-                draw = tl.where(accepted, draw, redraw)
-                done = accepted.to(tl.int32)
-                drawn_s = tl.load(row_ptr + draw).to(tl.float32) * inv_t
-                drawn_key = _order_key(drawn_s)
-        tl.store(out_ptr + row, draw.to(tl.int64))
+            least = tl.minimum(least, tl.min(tl.where(s == float("-inf"), float("inf"), s), 0))
+        else:  # the token
+            if draws:
+                scores = tl.where(valid, s + _gumbel(noise_key, tokens), float("-inf"))
+            else:
+                scores = s
+            best, best_token = _take(best, best_token, scores, tokens)
+    stats = stats_ptr + (row * chunks + chunk) * 3
+    tl.store(stats, peak)
+    tl.store(stats + 1, total)
+    tl.store(stats + 2, least)
+    tl.store(best_ptr + row * chunks + chunk, best)
+    tl.store(best_token_ptr + row * chunks + chunk, best_token)
 
 
-def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
-    """Token ids [rows] drawn from ``logits`` [rows, vocab] (see :meth:`xinfer.ops.Ops.sample`)."""
+@triton.jit
+def _row_stats(stats_ptr, row, chunks, CHUNKS: tl.constexpr):
+    """The row's peak, softmax mass (relative to the peak) and least finite s, from its chunks'."""
+    chunk = tl.arange(0, CHUNKS)
+    stats = stats_ptr + (row * chunks + chunk) * 3
+    part_peak = tl.load(stats, mask=chunk < chunks, other=float("-inf"))
+    peak = tl.max(part_peak, 0)
+    part_total = tl.load(stats + 1, mask=chunk < chunks, other=0.0)
+    total = tl.sum(tl.where(part_peak == float("-inf"), 0.0, part_total * tl.exp(part_peak - peak)), 0)
+    least = tl.min(tl.load(stats + 2, mask=chunk < chunks, other=float("inf")), 0)
+    return peak, total, least
+
+
+@triton.jit
+def _inv_width(peak, least, BUCKETS: tl.constexpr, SPREAD: tl.constexpr):
+    return BUCKETS / tl.maximum(tl.minimum(peak - least, SPREAD), 1e-30)
+
+
+@triton.jit
+def _plan_kernel(
+    logits_ptr, stride, vocab,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    stats_ptr, plan_ptr, bounds_ptr, chunks,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr, SLACK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Per filtered row: peak, mass, 1 / bucket width, and the buckets of the boundary:
+    ``kth`` (the k-th token's, or BUCKETS) and ``[p_lo, p_hi]`` (where the top-p cut may
+    be); above both, every token is kept; below, none; ``above_kth`` tokens lie above kth."""
+    pdl_entry(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
+    if filtered:
+        peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
+        inv_width = _inv_width(peak, least, BUCKETS, SPREAD)
+        kth = tl.full((), BUCKETS, tl.int32)
+        p_lo = tl.full((), BUCKETS, tl.int32)
+        p_hi = tl.full((), BUCKETS - 1, tl.int32)
+        above_kth = tl.full((), 0, tl.int32)
+        if with_top_k | with_top_p:
+            inv_t = 1.0 / temperature
+            bucket = tl.arange(0, BUCKETS)
+            counts = tl.zeros((BUCKETS,), tl.int32)
+            for start in range(0, vocab, BLOCK):
+                tokens = start + tl.arange(0, BLOCK)
+                s = tl.load(logits_ptr + row * stride + tokens, mask=tokens < vocab, other=float("-inf"))
+                counts += tl.histogram(_bucket(s.to(tl.float32) * inv_t, peak, inv_width, BUCKETS), BUCKETS)
+            counts -= tl.where(bucket == BUCKETS - 1, tl.cdiv(vocab, BLOCK) * BLOCK - vocab, 0)  # the padding
+            kth, p_lo, p_hi, above_kth = _boundary(
+                counts, 1.0 / inv_width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS, SLACK
+            )
+        tl.store(plan_ptr + row * 3, peak)
+        tl.store(plan_ptr + row * 3 + 1, total)
+        tl.store(plan_ptr + row * 3 + 2, inv_width)
+        bounds = bounds_ptr + row * 5
+        tl.store(bounds, kth)
+        tl.store(bounds + 1, p_lo)
+        tl.store(bounds + 2, p_hi)
+        tl.store(bounds + 3, above_kth)
+        tl.store(bounds + 4, 0)  # boundary tokens gathered
+
+
+@triton.jit
+def _boundary(counts, width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS: tl.constexpr, SLACK: tl.constexpr):
+    """The buckets of the boundary, from the counts: each bucket's mass lies between its
+    count times its edges' weights (``low``, ``high``). The mass above a token is bounded
+    from the top down (the buckets above it) and from the bottom up (the top-k mass less
+    the buckets below it), whichever is tighter: the latter when top_p is near 1."""
+    bucket = tl.arange(0, BUCKETS)
+    least_weight = tl.where(bucket < BUCKETS - 1, tl.exp(-(bucket + 1).to(tl.float32) * width), 0.0)
+    low = counts.to(tl.float32) * least_weight * (1.0 - SLACK)
+    high = counts.to(tl.float32) * tl.exp(-bucket.to(tl.float32) * width) * (1.0 + SLACK)
+    kth = tl.full((), BUCKETS, tl.int32)
+    above_kth = tl.full((), 0, tl.int32)
+    least_mass, most_mass = total * (1.0 - SLACK), total * (1.0 + SLACK)  # of the top-k set
+    if with_top_k:
+        kth = tl.sum((tl.cumsum(counts, 0) < top_k).to(tl.int32), 0)
+        above_kth = tl.sum(tl.where(bucket < kth, counts, 0), 0)
+        kth_weight = tl.sum(tl.where(bucket == kth, least_weight, 0.0), 0)
+        least_mass = tl.sum(tl.where(bucket < kth, low, 0.0), 0) + (top_k - above_kth) * kth_weight * (1.0 - SLACK)
+        most_mass = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
+    p_lo = tl.full((), BUCKETS, tl.int32)
+    p_hi = tl.full((), BUCKETS - 1, tl.int32)
+    if with_top_p:
+        # a token is kept iff the mass above it < top_p * top-k mass: surely where even the
+        # most mass above its bucket's least token is below, surely not where the least mass
+        # above its bucket's largest token reaches it
+        low_to, high_to = tl.cumsum(low, 0), tl.cumsum(high, 0)  # through each bucket
+        low_above_kth = tl.sum(tl.where(bucket < kth, low, 0.0), 0)
+        high_to_kth = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
+        most_above = tl.minimum(high_to, most_mass - tl.maximum(low_above_kth - low_to, 0.0))
+        least_above = tl.maximum(low_to - low, least_mass - (high_to_kth - high_to + high))
+        p_lo = tl.sum((most_above < top_p * least_mass).to(tl.int32), 0)
+        p_hi = tl.minimum(tl.sum((least_above < top_p * most_mass).to(tl.int32), 0) - 1, kth)
+    return kth, p_lo, p_hi, above_kth
+
+
+@triton.jit
+def _load_plan(plan_ptr, bounds_ptr, row):
+    plan, bounds = plan_ptr + row * 3, bounds_ptr + row * 5
+    return (
+        tl.load(plan), tl.load(plan + 1), tl.load(plan + 2),
+        tl.load(bounds), tl.load(bounds + 1), tl.load(bounds + 2), tl.load(bounds + 3),
+    )  # fmt: skip
+
+
+@triton.jit
+def _draw_kernel(
+    logits_ptr, stride, vocab,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
+    plan_ptr, bounds_ptr, sums_ptr, best_ptr, best_token_ptr, region_ptr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, REGION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Per chunk of a filtered row: the draw among the tokens above the boundary, their mass,
+    the mass between the top-p boundary and kth (the rest of the top-k mass), and the
+    boundary's tokens appended to the row's region."""
+    pdl_entry(PDL)
+    row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    if _filtered(temperature, top_k, top_p, min_p, vocab):
+        peak, inv_width = tl.load(plan_ptr + row * 3), tl.load(plan_ptr + row * 3 + 2)
+        kth, p_lo, p_hi = (
+            tl.load(bounds_ptr + row * 5),
+            tl.load(bounds_ptr + row * 5 + 1),
+            tl.load(bounds_ptr + row * 5 + 2),
+        )
+        inv_t = 1.0 / temperature
+        noise_key = _noise_key(seed_ptr, position_ptr, row)
+        above_mass = tl.full((), 0.0, tl.float32)
+        between_mass = tl.full((), 0.0, tl.float32)
+        best = tl.full((), float("-inf"), tl.float32)
+        best_token = tl.full((), INT32_MAX, tl.int32)
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            tokens = start + tl.arange(0, BLOCK)
+            valid = tokens < vocab
+            s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+            bucket = _bucket(s, peak, inv_width, BUCKETS)
+            weights = tl.where(s == float("-inf"), 0.0, tl.exp(s - peak))
+            above = valid & (bucket < tl.minimum(p_lo, kth))
+            above_mass += tl.sum(tl.where(above, weights, 0.0), 0)
+            between_mass += tl.sum(tl.where(valid & (bucket > p_hi) & (bucket < kth), weights, 0.0), 0)
+            kept = above & (weights >= min_p)
+            if tl.max(kept.to(tl.int32), 0) > 0:
+                scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
+                best, best_token = _take(best, best_token, scores, tokens)
+            boundary = valid & (s > float("-inf")) & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
+            found = tl.sum(boundary.to(tl.int32), 0)
+            if found > 0:
+                first = tl.atomic_add(bounds_ptr + row * 5 + 4, found)
+                slots = first + tl.cumsum(boundary.to(tl.int32), 0) - 1
+                tl.store(region_ptr + row * REGION + slots, tokens, mask=boundary & (slots < REGION))
+        tl.store(sums_ptr + (row * chunks + chunk) * 2, above_mass)
+        tl.store(sums_ptr + (row * chunks + chunk) * 2 + 1, between_mass)
+        tl.store(best_ptr + row * chunks + chunk, best)
+        tl.store(best_token_ptr + row * chunks + chunk, best_token)
+
+
+@triton.jit
+def _tokens(ids_ptr, start, count, GATHERED: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """Tokens ``start ..`` of the boundary (``GATHERED``) or of the whole row."""
+    index = start + tl.arange(0, SEARCH_BLOCK)
+    valid = index < count
+    if GATHERED:
+        tokens = tl.load(ids_ptr + index, mask=valid, other=0)
+    else:
+        tokens = index
+    return tokens, valid
+
+
+@triton.jit
+def _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS: tl.constexpr):
+    """s, its bucket, its integer weight and its key, per token."""
+    s = tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+    weights = tl.where(s == float("-inf"), 0, (tl.exp(s - peak) * FIXED + 0.5).to(tl.int64))
+    return s, _bucket(s, peak, inv_width, BUCKETS), weights, _order_key(s)
+
+
+@triton.jit
+def _search(
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, lo_bucket, hi_bucket, base, target,
+    GATHERED: tl.constexpr, MASS: tl.constexpr,
+    BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+):  # fmt: skip
+    """The largest key ``v`` of the finite tokens in buckets ``lo_bucket ..= hi_bucket`` with
+    ``base`` + their count (or integer mass, ``MASS``) at or above ``v`` reaching ``target``;
+    their least key if none does; INT32_MIN if there are none."""
+    lo = tl.full((), INT32_MAX, tl.int32)
+    hi = tl.full((), INT32_MIN, tl.int32)
+    for start in range(0, count, SEARCH_BLOCK):
+        tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
+        s, bucket, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+        member = valid & (s > float("-inf")) & (bucket >= lo_bucket) & (bucket <= hi_bucket)
+        lo = tl.minimum(lo, tl.min(tl.where(member, keys, INT32_MAX), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(member, keys, INT32_MIN), 0))
+    none = lo > hi
+    lo, hi = lo.to(tl.int64), hi.to(tl.int64) + 1  # base + F(>= lo) reaches target, or lo is the least key
+    steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
+    while hi - lo > 1:
+        pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
+        totals = tl.zeros((PIVOTS,), tl.int64)
+        for start in range(0, count, SEARCH_BLOCK):
+            tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
+            s, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+            member = valid & (s > float("-inf")) & (bucket >= lo_bucket) & (bucket <= hi_bucket)
+            above = member[:, None] & (keys.to(tl.int64)[:, None] >= pivots[None, :])
+            if MASS:
+                totals += tl.sum(tl.where(above, weights[:, None], 0), 0)
+            else:
+                totals += tl.sum(above.to(tl.int64), 0)
+        if MASS:
+            reached = base + totals.to(tl.float32) * (1.0 / FIXED) >= target
+        else:
+            reached = base + totals >= target
+        new_lo = tl.max(tl.where(reached, pivots, lo), 0)
+        hi = tl.min(tl.where(reached, hi, pivots), 0)
+        lo = new_lo
+    return tl.where(none, INT32_MIN, lo.to(tl.int32))
+
+
+@triton.jit
+def _settle_kernel(
+    logits_ptr, stride, vocab,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
+    plan_ptr, bounds_ptr, sums_ptr, best_ptr, best_token_ptr, region_ptr, out_ptr, chunks,
+    CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, REGION: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    PIVOTS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
+    rows, chunk = tl.num_programs(0), tl.arange(0, CHUNKS)
+    part = row * chunks + chunk
+    # the stats pass drew the unfiltered rows; the draw pass, the filtered rows' tokens above the boundary
+    drawn = filtered.to(tl.int64) * rows * chunks + part
+    part_best = tl.load(best_ptr + drawn, mask=chunk < chunks, other=float("-inf"))
+    best = tl.max(part_best, 0)
+    best_token = tl.min(tl.where(part_best == best, tl.load(best_token_ptr + drawn, mask=chunk < chunks), INT32_MAX), 0)
+    if filtered:
+        peak, total, inv_width, kth, p_lo, p_hi, above_kth = _load_plan(plan_ptr, bounds_ptr, row)
+        inv_t = 1.0 / temperature
+        row_ptr = logits_ptr + row * stride
+        noise_key = _noise_key(seed_ptr, position_ptr, row)
+        above_mass = tl.sum(tl.load(sums_ptr + part * 2, mask=chunk < chunks, other=0.0), 0)
+        between_mass = tl.sum(tl.load(sums_ptr + part * 2 + 1, mask=chunk < chunks, other=0.0), 0)
+        gathered = tl.load(bounds_ptr + row * 5 + 4)
+        if gathered <= REGION:
+            cut = _settle(
+                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, kth, kth, p_lo, p_hi,
+                above_kth, above_mass, between_mass, total, top_k, top_p, with_top_k, with_top_p,
+                True, BUCKETS, SEARCH_BLOCK, PIVOTS,
+            )  # fmt: skip
+            best, best_token = _draw(
+                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, cut, min_p, noise_key,
+                best, best_token, True, BUCKETS, SEARCH_BLOCK,
+            )  # fmt: skip
+        else:  # too many boundary tokens: settle over the whole row
+            cut = _settle(
+                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, 0, BUCKETS - 1, 0, BUCKETS - 1,
+                0, 0.0, 0.0, total, top_k, top_p, with_top_k, with_top_p,
+                False, BUCKETS, SEARCH_BLOCK, PIVOTS,
+            )  # fmt: skip
+            best, best_token = _draw(
+                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, cut, min_p, noise_key,
+                tl.full((), float("-inf"), tl.float32), tl.full((), INT32_MAX, tl.int32), False, BUCKETS, SEARCH_BLOCK,
+            )  # fmt: skip
+    tl.store(out_ptr + row, best_token.to(tl.int64))
+
+
+@triton.jit
+def _settle(
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, k_lo, k_hi, p_lo, p_hi,
+    above_kth, above_mass, between_mass, total, top_k, top_p, with_top_k, with_top_p,
+    GATHERED: tl.constexpr, BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+):  # fmt: skip
+    """The least key top-k and top-p keep, from the boundary tokens: the k-th largest key
+    among the tokens of buckets ``[k_lo, k_hi]`` (``above_kth`` lie above them), then the
+    top-p cut among ``[p_lo, p_hi]``'s against top_p times the top-k mass (``above_mass``
+    lies above them; ``between_mass`` between them and ``k_lo``)."""
+    cut = tl.full((), INT32_MIN, tl.int32)
+    top_k_mass = total
+    if with_top_k:
+        cut = _search(
+            row_ptr, ids_ptr, count, inv_t, peak, inv_width, k_lo, k_hi, above_kth, top_k,
+            GATHERED, False, BUCKETS, SEARCH_BLOCK, PIVOTS,
+        )  # fmt: skip
+        mass = tl.zeros((SEARCH_BLOCK,), tl.int64)
+        for start in range(0, count, SEARCH_BLOCK):
+            tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
+            _, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+            mass += tl.where(valid & ((bucket < k_lo) | (keys >= cut)), weights, 0)
+        top_k_mass = above_mass + between_mass + tl.sum(mass, 0).to(tl.float32) * (1.0 / FIXED)
+    if with_top_p & (p_lo <= p_hi):
+        cut = tl.maximum(
+            cut,
+            _search(
+                row_ptr, ids_ptr, count, inv_t, peak, inv_width, p_lo, p_hi, above_mass, top_p * top_k_mass,
+                GATHERED, True, BUCKETS, SEARCH_BLOCK, PIVOTS,
+            ),
+        )  # fmt: skip
+    return cut
+
+
+@triton.jit
+def _draw(
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, cut, min_p, noise_key, best, best_token,
+    GATHERED: tl.constexpr, BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The running best (score, token) over the tokens at or above ``cut`` that min-p keeps."""
+    for start in range(0, count, SEARCH_BLOCK):
+        tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
+        s, _, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+        kept = valid & (keys >= cut) & (tl.exp(s - peak) >= min_p) & (s > float("-inf"))
+        scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
+        best, best_token = _take(best, best_token, scores, tokens)
+    return best, best_token
+
+
+def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: int = REGION) -> Tensor:
+    """Token ids [rows] drawn from ``logits`` [rows, vocab] (see :meth:`xinfer.ops.Ops.sample`);
+    ``chunk`` and ``region`` are small in tests, so that small rows exercise every path."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    _sample_kernel[(rows,)](
-        logits,
-        logits.stride(0),
-        vocab,
-        params.temperature,
-        params.top_k,
-        params.top_p,
-        params.min_p,
-        params.seed,
-        params.position,
-        tokens,
-        BLOCK=min(BLOCK, triton.next_power_of_2(vocab)),
-        SEARCH_BLOCK=min(SEARCH_BLOCK, triton.next_power_of_2(vocab)),
-        PIVOTS=PIVOTS,
-        num_warps=8,
-        **launch.pdl(logits.device),
+    chunks = triton.cdiv(vocab, chunk)
+    device = logits.device
+    stats = torch.empty(rows, chunks, 3, dtype=torch.float32, device=device)
+    plan = torch.empty(rows, 3, dtype=torch.float32, device=device)
+    bounds = torch.empty(rows, 5, dtype=torch.int32, device=device)
+    sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
+    best = torch.empty(2, rows, chunks, dtype=torch.float32, device=device)
+    best_token = torch.empty(2, rows, chunks, dtype=torch.int32, device=device)
+    gathered = torch.empty(rows, region, dtype=torch.int32, device=device)
+    filters = (params.temperature, params.top_k, params.top_p, params.min_p)
+    noise = (params.seed, params.position)
+    row = (logits, logits.stride(0), vocab)
+    block = min(BLOCK, chunk)
+    # unfused arithmetic: every launch computes the same s and bucket of a token as the others (and s as torch)
+    options = {"num_warps": 4, "enable_fp_fusion": False, **launch.pdl(device)}
+    CHUNKS = triton.next_power_of_2(chunks)
+    _stats_kernel[(rows, chunks)](
+        *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
     )
+    _plan_kernel[(rows,)](
+        *row, *filters, stats, plan, bounds, chunks,
+        CHUNKS=CHUNKS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(vocab)), BUCKETS=BUCKETS, SPREAD=SPREAD,
+        SLACK=SLACK, **{**options, "num_warps": 8},
+    )  # fmt: skip
+    _draw_kernel[(rows, chunks)](
+        *row, *filters, *noise, plan, bounds, sums, best[1], best_token[1], gathered,
+        CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, REGION=region, **options,
+    )  # fmt: skip
+    _settle_kernel[(rows,)](
+        *row, *filters, *noise, plan, bounds, sums, best, best_token, gathered, tokens, chunks,
+        CHUNKS=CHUNKS, BUCKETS=BUCKETS, REGION=region, SEARCH_BLOCK=SEARCH_BLOCK, PIVOTS=PIVOTS, **options,
+    )  # fmt: skip
     return tokens
