@@ -42,7 +42,8 @@ def hf_torch_function(name: str):
     return function
 
 
-causal_conv1d_fn, causal_conv1d_update = hf_torch_function("causal_conv1d_fn"), hf_torch_function("causal_conv1d_update")
+causal_conv1d_fn = hf_torch_function("causal_conv1d_fn")
+causal_conv1d_update = hf_torch_function("causal_conv1d_update")
 HF_RULES = {
     "recurrent": hf_torch_function("torch_recurrent_gated_delta_rule"),
     "chunk": hf_torch_function("torch_chunk_gated_delta_rule"),
