@@ -1,5 +1,5 @@
 """The Gated DeltaNet kernels (xinfer_qwen.kernels) at Qwen3.6-35B-A3B's shapes, beside
-flash-linear-attention's (``fla-core``) where it imports; one JSON line.
+flash-linear-attention's (``fla-core``) where it imports; a JSON line of ours, then one with fla's.
 
     python benchmarks/deltanet.py            # on the GPU
     python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64)
@@ -10,15 +10,22 @@ v (8192 channels, width 4); decode steps of 1, 64 and 256 sequences (each contin
 slot) and a prefill step of 8 prompts of 2048 tokens (starting).
 
 Each case checks the outputs and final states against the torch reference
-(xinfer_qwen.deltanet_ops) and, with fla, fla's against ours (relative errors: the norm of the
-difference over the norm of the reference), then times them with ``triton.testing.do_bench``
-(median, the L2 flushed before each run), replaying a CUDA graph of the call (ours, and fla's
-decode where it can be captured) or calling it eagerly (fla's prefill, which prepares its chunk
-indices on the host; ``fla_graph`` says which). Where fla takes no fewer key heads than value heads, it gets q and k repeated
-(``fla_repeats_qk`` names its error). A decode step is bound by the state's bandwidth: ``GBps`` counts
-a read and a write of the Hv x Dk x Dv x 4 bytes of every sequence's state.
-fla's decode is ``fused_recurrent_gated_delta_rule`` (it returns the final state as a new
-tensor instead of writing it to the slot), its prefill ``chunk_gated_delta_rule``.
+(xinfer_qwen.deltanet_ops) (relative errors: the norm of the difference over the norm of the
+reference), then times them with ``triton.testing.do_bench`` (median, the L2 flushed before each
+run), replaying a CUDA graph of the call. Every case of ours runs and is printed before any fla
+call, so that a failing fla call cannot lose our figures; then fla's on the same inputs (errors
+against the reference and against ours), replaying a CUDA graph of its decode where it can be
+captured or calling it eagerly (its prefill, which prepares its chunk indices on the host;
+``fla_graph`` says which). Each fla call is synchronized on its own, so an asynchronous CUDA error
+is reported as ``fla_failure`` naming the call (and ends fla's part: the CUDA context is lost).
+A decode step is bound by the state's bandwidth: ``GBps`` counts a read and a write of the
+Hv x Dk x Dv x 4 bytes of every sequence's state.
+
+fla 0.6.0's decode is ``fused_recurrent_gated_delta_rule(q, k, v, g, gk, gv, beta, ...)`` (it returns
+the final state as a new tensor instead of writing it to the slot), its prefill
+``chunk_gated_delta_rule(q, k, v, g, beta, ...)``: both take [1, T, H, D] contiguous rows, value heads a
+multiple of the key heads, an int64 ``cu_seqlens``, an initial state [N, Hv, Dk, Dv] in fp32, and
+are called with keywords only (the two orders differ: ``beta`` passed fifth is the decode's ``gk``).
 """
 
 from __future__ import annotations
@@ -98,6 +105,20 @@ def seconds(fn, device: torch.device, graph: bool = True) -> float:
     return triton.testing.do_bench(captured.replay, return_mode="median") * 1e-3
 
 
+class FlaFailure(Exception):
+    """A failing fla call, named."""
+
+
+def fla_call(what: str, fn):
+    """``fn()``, synchronized so that an asynchronous CUDA error surfaces here, named by ``what``."""
+    try:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+    except Exception as error:  # any failure of fla's ends its part, named
+        raise FlaFailure(f"{what}: {type(error).__name__}: {error}"[:500]) from error
+
+
 def fla_seconds(fn, decode: bool) -> tuple[float, bool]:
     """fla's seconds per call, and whether they are a CUDA graph's (its decode, if it can be captured)."""
     if decode:
@@ -111,20 +132,22 @@ def fla_seconds(fn, decode: bool) -> tuple[float, bool]:
 def fla_delta_rule(t: dict, meta: AttentionMetadata, initial_state: torch.Tensor | None, decode: bool):
     """fla's output and final state on the same inputs, as one varlen batch."""
     rule = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+    host_lens = {} if decode else dict(cu_seqlens_cpu=meta.cu_seqlens_q.long().cpu())  # (the chunk's only)
     return rule(
-        t["q"][None], t["k"][None], t["v"][None], t["g"][None], t["beta"][None], initial_state=initial_state,
-        output_final_state=True, cu_seqlens=meta.cu_seqlens_q.long(), use_qk_l2norm_in_kernel=True,
+        q=t["q"][None], k=t["k"][None], v=t["v"][None], g=t["g"][None], beta=t["beta"][None],
+        scale=t["q"].shape[-1] ** -0.5, initial_state=initial_state, output_final_state=True,
+        cu_seqlens=meta.cu_seqlens_q.long(), use_qk_l2norm_in_kernel=True, **host_lens,
     )  # fmt: skip
 
 
 def case(
     name: str, seqs: int, q_len: int, context: int, shape: dict, device: torch.device, dtype: torch.dtype, sweep: bool
-) -> dict:
+) -> tuple[dict, dict]:
+    """Our figures of one case, and what fla's comparison needs."""
     t = inputs(seqs, q_len, shape, device, dtype)
     meta = metadata([q_len] * seqs, [context] * seqs, device)
     decode = q_len == 1
-    initial = t["state"] if context > q_len else None
-    # correctness: ours and fla's against the reference (the reference on copies of the states)
+    # correctness against the reference (on copies of the states)
     expected_state = t["state"].clone()
     expected = deltanet_ops.gated_delta_rule(
         t["q"], t["k"], t["v"], t["g"], t["beta"], expected_state, meta, t["slots"]
@@ -159,21 +182,26 @@ def case(
             result[f"{tile}={block_v}"] = dict(us=s * 1e6, error=relative_error(out, expected))
         setattr(delta_rule, tile, chosen)
 
-    if chunk_gated_delta_rule is not None and device.type == "cuda":
-        try:
-            fla_out, fla_state = fla_delta_rule(t, meta, initial, decode)
-        except (AssertionError, RuntimeError, ValueError, TypeError) as error:  # fewer key heads than value heads
-            result["fla_repeats_qk"] = f"{type(error).__name__}: {error}"[:200]
-            group = shape["v_heads"] // shape["k_heads"]
-            t = {**t, "q": t["q"].repeat_interleave(group, 1), "k": t["k"].repeat_interleave(group, 1)}
-            fla_out, fla_state = fla_delta_rule(t, meta, initial, decode)
-        result.update(fla_error=relative_error(fla_out[0], expected), fla_state_error=relative_error(fla_state, expected_state),
-                      fla_vs_ours=relative_error(ours, fla_out[0]))  # fmt: skip
-        s, graphed = fla_seconds(lambda: fla_delta_rule(t, meta, initial, decode), decode)
-        result.update(fla_us=s * 1e6, fla_graph=graphed, fla_tokens_per_s=seqs * q_len / s)
-        if decode:
-            result["fla_GBps"] = state_bytes / s / 1e9
-    return result
+    return result, dict(t=t, meta=meta, decode=decode, initial=t["state"] if context > q_len else None,
+                        expected=expected, expected_state=expected_state, ours=ours, state_bytes=state_bytes)  # fmt: skip
+
+
+def fla_case(
+    result: dict, t: dict, meta: AttentionMetadata, decode: bool, initial: torch.Tensor | None, expected: torch.Tensor,
+    expected_state: torch.Tensor, ours: torch.Tensor, state_bytes: int,
+) -> dict:  # fmt: skip
+    """fla's figures on a case's inputs."""
+    name, seqs, q_len = result["case"], result["seqs"], result["q_len"]
+    fla_out, fla_state = fla_call(f"{name}: fla", lambda: fla_delta_rule(t, meta, initial, decode))
+    errors = dict(fla_error=relative_error(fla_out[0], expected), fla_state_error=relative_error(fla_state, expected_state),
+                  fla_vs_ours=relative_error(ours, fla_out[0]))  # fmt: skip
+    s, graphed = fla_call(
+        f"{name}: fla timed", lambda: fla_seconds(lambda: fla_delta_rule(t, meta, initial, decode), decode)
+    )
+    figures = dict(case=name, **errors, fla_us=s * 1e6, fla_graph=graphed, fla_tokens_per_s=seqs * q_len / s)
+    if decode:
+        figures["fla_GBps"] = state_bytes / s / 1e9
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,16 +212,24 @@ def main(argv: list[str] | None = None) -> None:
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("deltanet.py: no CUDA device (--smoke runs tiny shapes on the CPU)")
     device = torch.device("cpu" if args.smoke else "cuda")
-    shape = TINY if args.smoke else FULL
+    shape: dict = TINY if args.smoke else FULL
     dtype = torch.float16 if args.smoke else torch.bfloat16  # (the interpreter's dot mishandles bf16)
-    cases = [case(f"decode-{b}", b, 1, 100, shape, device, dtype, args.sweep) for b in shape["decode_batches"]]
     prompts, prompt_len = shape["prompts"], shape["prompt_len"]
-    cases.append(
-        case(f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len, shape, device, dtype, args.sweep)
-    )
+    steps = [(f"decode-{b}", b, 1, 100) for b in shape["decode_batches"]]
+    steps.append((f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len))
+    cases = [case(*step, shape, device, dtype, args.sweep) for step in steps]
     summary = dict(benchmark="deltanet", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   dtype=str(dtype), fla=chunk_gated_delta_rule is not None, shape=shape, cases=cases)  # fmt: skip
-    print(json.dumps(summary))
+                   dtype=str(dtype), fla=chunk_gated_delta_rule is not None, shape=shape, cases=[r for r, _ in cases])  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    if chunk_gated_delta_rule is None or device.type != "cuda":
+        return
+    fla_cases = []
+    try:
+        for result, data in cases:
+            fla_cases.append(fla_case(result, **data))
+    except FlaFailure as failure:
+        fla_cases.append(dict(fla_failure=str(failure)))
+    print(json.dumps(dict(benchmark="deltanet-fla", cases=fla_cases)), flush=True)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,14 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
             t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
         )  # fmt: skip
+    # the chunked form in fp32 too (its own dot precision), at 128 and at the tests' small head dim
+    for dim in (128, 16):
+        h = t(200, 48 * dim, dt=torch.float32)
+        delta_rule.gated_delta_rule(
+            h[:, : 16 * dim].view(200, 16, dim), h[:, 16 * dim : 32 * dim].view(200, 16, dim),
+            h[:, 32 * dim :].view(200, 16, dim), t(200, 16, dt=torch.float32), t(200, 16, dt=torch.float32),
+            t(4, 16, dim, dim, dt=torch.float32), meta, slots,
+        )  # fmt: skip
     rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
     sampling.sample(t(4, 151936), SamplingBatch.of(rows))
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and

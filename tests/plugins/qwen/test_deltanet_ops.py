@@ -3,7 +3,10 @@ qwen3_next (fp32): the conv against ``causal_conv1d_fn`` (a sequence that starts
 ``causal_conv1d_update`` (one that continues from its state), the delta rule against
 ``torch_recurrent_gated_delta_rule`` and ``torch_chunk_gated_delta_rule``; batches of
 several sequences of different lengths, some starting and some continuing, in slots out of
-order, with a padding sequence."""
+order, with a padding sequence.
+
+transformers binds those names to flash-linear-attention's or causal-conv1d's kernels when
+they import (CUDA only); the tests unwrap them to its own torch functions, whatever is installed."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ os.environ.setdefault("XINFER_KERNEL_DEVICE", "cuda" if torch.cuda.is_available(
 if os.environ["XINFER_KERNEL_DEVICE"] == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
+import inspect
 from dataclasses import replace
 from itertools import pairwise
 
@@ -29,6 +33,21 @@ from xinfer_qwen import deltanet_ops
 from xinfer_qwen.kernels import conv1d, delta_rule
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+
+
+def hf_torch_function(name: str):
+    """transformers' own torch function ``name`` of qwen3_next, under the wrappers that dispatch to installed kernels."""
+    function = inspect.unwrap(getattr(hf, name))
+    assert function.__module__ == hf.__name__, f"{name} unwraps to {function.__module__}.{function.__qualname__}"
+    return function
+
+
+causal_conv1d_fn = hf_torch_function("causal_conv1d_fn")
+causal_conv1d_update = hf_torch_function("causal_conv1d_update")
+HF_RULES = {
+    "recurrent": hf_torch_function("torch_recurrent_gated_delta_rule"),
+    "chunk": hf_torch_function("torch_chunk_gated_delta_rule"),
+}
 
 # (tokens this step, tokens before it) per sequence: starting (0 before; one with fewer rows
 # than the conv's K-1), continuing with a long and a short step, decode steps, and a padding
@@ -81,8 +100,8 @@ def test_causal_conv1d_matches_hf(activation, with_bias):
             continue
         rows = x[start : start + q_len].T[None]  # [1, C, q_len] as HF lays it out
         conv_state = expected_state[slot][None].clone() if before else torch.zeros_like(expected_state[slot][None])
-        updated = hf.causal_conv1d_update(rows, conv_state, weight, bias, activation)
-        expected = updated if before else hf.causal_conv1d_fn(rows, weight, bias, activation)
+        updated = causal_conv1d_update(rows, conv_state, weight, bias, activation)
+        expected = updated if before else causal_conv1d_fn(rows, weight, bias, activation)
         expected_state[slot] = conv_state[0]
         torch.testing.assert_close(out[start : start + q_len], expected[0].T, rtol=1e-5, atol=1e-5)
         start += q_len
@@ -122,7 +141,7 @@ def test_gated_delta_rule_matches_hf(hf_rule, heads):
     q, k, v, g, beta, state = delta_inputs(generator, k_heads=heads[0], v_heads=heads[1])
     expected_state = state.clone()
     out = deltanet_ops.gated_delta_rule(q, k, v, g, beta, state, batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32))  # fmt: skip
-    rule = hf.torch_recurrent_gated_delta_rule if hf_rule == "recurrent" else hf.torch_chunk_gated_delta_rule
+    rule = HF_RULES[hf_rule]
     start = 0
     for slot, (q_len, before) in zip(SLOTS, BATCH):
         if q_len == 0:
