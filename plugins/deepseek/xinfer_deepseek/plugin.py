@@ -6,6 +6,7 @@ def xinfer_architectures() -> dict[str, str]:
     return {
         "DeepseekV2ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM": "xinfer_deepseek.deepseek_v32:DeepseekV32ForCausalLM",
         "Glm4MoeLiteForCausalLM": "xinfer_deepseek.glm4_moe_lite:Glm4MoeLiteForCausalLM",
     }
 
@@ -13,7 +14,11 @@ def xinfer_architectures() -> dict[str, str]:
 @hookimpl
 def xinfer_ops() -> list[OpSpec]:
     kernels = {"cuda": "xinfer_deepseek.kernels.mla:mla_attention"}
-    return [OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels)]
+    return [
+        OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels),
+        OpSpec("indexer_topk", "xinfer_deepseek.indexer_ops:indexer_topk"),
+        OpSpec("sparse_mla_attention", "xinfer_deepseek.sparse_mla_ops:sparse_mla_attention"),
+    ]
 
 
 @hookimpl
