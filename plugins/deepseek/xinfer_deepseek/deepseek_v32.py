@@ -29,8 +29,10 @@ class SparseLatentAttention(LatentAttention):
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q_nope, q_rope = self.q_b_proj(q_resid).view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
-            [self.nope_dim, self.rope_dim], dim=-1
+        q_nope, q_rope = (
+            self.q_b_proj(q_resid)
+            .view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+            .split([self.nope_dim, self.rope_dim], dim=-1)
         )
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope, k_rope = self.rotary_emb(positions, q_rope.contiguous(), k_rope.unsqueeze(1).contiguous())
