@@ -17,7 +17,11 @@ def xinfer_ops() -> list[OpSpec]:
     return [
         OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels),
         OpSpec("indexer_topk", "xinfer_deepseek.indexer_ops:indexer_topk"),
-        OpSpec("sparse_mla_attention", "xinfer_deepseek.sparse_mla_ops:sparse_mla_attention"),
+        OpSpec(
+            "sparse_mla_attention",
+            "xinfer_deepseek.sparse_mla_ops:sparse_mla_attention",
+            {"cuda": "xinfer_deepseek.kernels.sparse_mla:sparse_mla_attention"},
+        ),
     ]
 
 

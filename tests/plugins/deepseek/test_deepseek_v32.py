@@ -15,7 +15,7 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32In
 
 from tests.plugins.deepseek.configs import latent_settings
 from tests.plugins.deepseek.test_deepseek import assert_matches_hf, hf_greedy
-from tests.plugins.deepseek.test_mla_op import BATCHES, assert_stored, paged_step
+from tests.plugins.deepseek.test_mla_op import BATCHES, DEVICE, KERNEL_DTYPES, KERNEL_TOL, assert_stored, paged_step
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
@@ -25,6 +25,7 @@ from tests.plugins.hf_parity import (
 from tests.tiny_models import prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
 from xinfer_deepseek import indexer_ops
+from xinfer_deepseek.kernels import sparse_mla
 from xinfer_deepseek.sparse_mla_ops import sparse_mla_attention
 
 CHUNK = 32  # prefill chunk: the 40-token prompts take two steps
@@ -169,6 +170,23 @@ def test_sparse_reference_equals_dense_attention_under_the_selection_mask(batch)
         expected = F.scaled_dot_product_attention(q, k, k[..., :32], attn_mask=mask, scale=scale).transpose(0, 1)
         torch.testing.assert_close(out[rows].double(), expected, rtol=1e-5, atol=1e-5)
     assert (out[sum(q_lens) :] == 0).all()  # rows of no sequence
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_sparse_kernel_matches_the_reference(batch, dtype):
+    """20 heads: two groups of 16, the second part padding; 40 selected rows: two tiles of 32, the second
+    part padding."""
+    q_lens, context_lens, pad_tokens, pad_seqs = BATCHES[batch]
+    step = paged_step(q_lens, context_lens, heads=20, rank=32, rope=8, dtype=dtype, pad_tokens=pad_tokens,
+                      pad_seqs=pad_seqs, seed=len(q_lens))  # fmt: skip
+    selected = causal_selection(step, 40, seed=1)
+    q_latent, q_rope, latent, cache, meta, scale = step.args(DEVICE)
+    out = sparse_mla.sparse_mla_attention(q_latent, q_rope, latent, cache, meta, scale, selected.to(DEVICE))
+    expected = sparse_mla_attention(*step.args(), selected)
+    assert_stored(cache, step)
+    tol = KERNEL_TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
