@@ -16,7 +16,11 @@ def xinfer_ops() -> list[OpSpec]:
     kernels = {"cuda": "xinfer_deepseek.kernels.mla:mla_attention"}
     return [
         OpSpec("mla_attention", "xinfer_deepseek.mla_ops:mla_attention", kernels),
-        OpSpec("indexer_topk", "xinfer_deepseek.indexer_ops:indexer_topk"),
+        OpSpec(
+            "indexer_topk",
+            "xinfer_deepseek.indexer_ops:indexer_topk",
+            {"cuda": "xinfer_deepseek.kernels.indexer:indexer_topk"},
+        ),
         OpSpec(
             "sparse_mla_attention",
             "xinfer_deepseek.sparse_mla_ops:sparse_mla_attention",

@@ -25,7 +25,7 @@ from tests.plugins.hf_parity import (
 from tests.tiny_models import prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
 from xinfer_deepseek import indexer_ops
-from xinfer_deepseek.kernels import sparse_mla
+from xinfer_deepseek.kernels import indexer, sparse_mla
 from xinfer_deepseek.sparse_mla_ops import sparse_mla_attention
 
 CHUNK = 32  # prefill chunk: the 40-token prompts take two steps
@@ -212,3 +212,20 @@ def test_indexer_selects_the_best_visible_positions(batch):
             assert (got[got < 0] == -1).all() and (got < 0).sum() == TOPK - len(expected)
             assert got[got >= 0].sort().values.tolist() == expected.tolist()
     assert (selected[sum(q_lens) :] == -1).all()
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_indexer_kernel_selects_as_the_reference(batch):
+    """8 heads of 32 dims (the kernel pads them to a tile of 16), 16 positions a program."""
+    q_lens, context_lens, pad_tokens, pad_seqs = BATCHES[batch]
+    heads, dim = 8, 32
+    step = paged_step(q_lens, context_lens, heads=1, rank=dim, rope=0, pad_tokens=pad_tokens, pad_seqs=pad_seqs)
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(step.q_latent.shape[0], heads, dim, generator=generator)
+    weights = torch.randn(q.shape[0], heads, generator=generator)
+    _, _, keys, cache, meta, _ = step.args(DEVICE)
+    got = indexer.indexer_topk(q.to(DEVICE), keys, weights.to(DEVICE), cache, meta, dim**-0.5, TOPK, block_n=16)
+    _, _, cpu_keys, cpu_cache, cpu_meta, _ = step.args()
+    expected = indexer_ops.indexer_topk(q, cpu_keys, weights, cpu_cache, cpu_meta, dim**-0.5, TOPK)
+    assert_stored(cache, step)
+    assert got.cpu().sort(dim=-1).values.tolist() == expected.sort(dim=-1).values.tolist()
