@@ -126,19 +126,24 @@ class LatentAttention(nn.Module):
         return TokenVectorSpec(self.kv_lora_rank + self.rope_dim, encoded={"fp8": fp8})
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_latent, q_rope, latent, _ = self.project(positions, x)
+        assert self.cache is not None, "the engine binds the latent cache before the first forward"
+        op = "mla_attention_fp8" if self.cache.dtype == torch.uint8 else "mla_attention"  # (cache_spec)
+        o_latent = ops.call(op, q_latent, q_rope, latent, self.cache, attention_metadata(self.page_group), self.scale)
+        return self.o_proj(self.kv_b_proj.expand(o_latent))
+
+    def project(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The absorbed queries [T, H, R], their rotated rope parts [T, H, P], this step's latent rows
+        [T, R + P] (normalised latent || rotated rope key), and the q-LoRA latent (None without q-LoRA)."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_resid) if q_resid is not None else self.q_proj(x)
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1
         )
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope, k_rope = self.rotary_emb(positions, q_rope.contiguous(), k_rope.unsqueeze(1).contiguous())
         latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope.squeeze(1)), dim=-1)
-        meta = attention_metadata(self.page_group)
-        assert self.cache is not None, "the engine binds the latent cache before the first forward"
-        q_latent = self.kv_b_proj.absorb(q_nope)
-        op = "mla_attention_fp8" if self.cache.dtype == torch.uint8 else "mla_attention"  # (cache_spec)
-        o_latent = ops.call(op, q_latent, q_rope, latent, self.cache, meta, self.scale)
-        return self.o_proj(self.kv_b_proj.expand(o_latent))
+        return self.kv_b_proj.absorb(q_nope), q_rope, latent, q_resid
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         if not self.interleaved_rotary:

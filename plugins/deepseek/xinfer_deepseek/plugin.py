@@ -6,15 +6,23 @@ def xinfer_architectures() -> dict[str, str]:
     return {
         "DeepseekV2ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM": "xinfer_deepseek.deepseek_v32:DeepseekV32ForCausalLM",
         "Glm4MoeLiteForCausalLM": "xinfer_deepseek.glm4_moe_lite:Glm4MoeLiteForCausalLM",
     }
 
 
 @hookimpl
 def xinfer_ops() -> list[OpSpec]:
+    def op(name: str, module: str) -> OpSpec:
+        return OpSpec(
+            name, f"xinfer_deepseek.{module}_ops:{name}", {"cuda": f"xinfer_deepseek.kernels.{module}:{name}"}
+        )
+
     return [
-        OpSpec(name, f"xinfer_deepseek.mla_ops:{name}", {"cuda": f"xinfer_deepseek.kernels.mla:{name}"})
-        for name in ("mla_attention", "mla_attention_fp8")
+        op("mla_attention", "mla"),
+        op("mla_attention_fp8", "mla"),
+        op("indexer_topk", "indexer"),
+        op("sparse_mla_attention", "sparse_mla"),
     ]
 
 
