@@ -232,6 +232,8 @@ class Gemma4ForCausalLM(CausalLM):
         for index, (kind, sharing) in enumerate(zip(kinds, config.kv_sharing_modes)):
             layer = config.per_layer_config[index]
             bias, heads = config.attention_bias, config.num_attention_heads
+            if sharing == "reuse" and kind not in sources:
+                raise ValueError(f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none")
             if sharing == "reuse":
                 attn: nn.Module = SharedKVAttention(
                     config.hidden_size, heads, layer.head_dim, rotary[kind], norm, sources[kind], bias
