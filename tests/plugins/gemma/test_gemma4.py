@@ -13,7 +13,7 @@ from tests.plugins.hf_parity import (
     randomize,
 )
 from tests.tiny_models import COMMON, prompt, save_tiny_model
-from xinfer import LLM
+from xinfer import LLM, SamplingParams
 from xinfer.cache.specs import caching_layers
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -103,3 +103,15 @@ def test_routing_spreads_over_the_experts(models):
         for hook in hooks:
             hook.remove()
     assert all(ids.unique().numel() >= hf.config.num_experts * 3 // 4 for ids in chosen)
+
+
+def test_a_batch_of_prompts_matches_hf_prompt_by_prompt(models):
+    # KV-shared layers read their source's pages of each sequence: a batch mixes sequences' pages
+    hf, llm = models
+    prompts = [prompt(length, seed=2) for length in (7, 40, 23)]
+    expected = [
+        hf.generate(torch.tensor([tokens]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(tokens) :]
+        for tokens in prompts
+    ]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [out.outputs[0].token_ids for out in outputs] == [tokens.tolist() for tokens in expected]
