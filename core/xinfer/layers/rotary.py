@@ -78,7 +78,16 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-_INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+def _proportional(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
+    """The first ``partial_rotary_factor`` of a whole head's frequencies, the rest 0 (those
+    dims stay put): the table spans the head, unlike partial rotary's (Gemma 4's global layers)."""
+    rotated = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
+    inv_freq = 1.0 / base ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / dim)
+    return torch.cat((inv_freq, torch.zeros(dim // 2 - rotated))) / params.get("factor", 1.0), 1.0
+
+
+_INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn, "proportional": _proportional}
+_WHOLE_HEAD = {"proportional"}  # rope types whose table spans the head whatever partial_rotary_factor says
 
 
 def pairs_to_halves(rows: Tensor, num_heads: int, rotary_dim: int | None = None) -> Tensor:
@@ -101,7 +110,8 @@ class RotaryEmbedding(nn.Module):
         rope_type = params["rope_type"]
         if rope_type not in _INV_FREQ:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}")
-        self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        partial = 1.0 if rope_type in _WHOLE_HEAD else params.get("partial_rotary_factor", 1.0)
+        self.rotary_dim = int(head_dim * partial)
         inv_freq, mscale = _INV_FREQ[rope_type](params["rope_theta"], self.rotary_dim, params)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
         cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * mscale

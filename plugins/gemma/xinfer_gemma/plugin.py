@@ -3,7 +3,11 @@ from xinfer.hooks import hookimpl
 
 @hookimpl
 def xinfer_architectures() -> dict[str, str]:
-    return {"Gemma3ForCausalLM": "xinfer_gemma.gemma3:Gemma3ForCausalLM"}
+    return {
+        "Gemma3ForCausalLM": "xinfer_gemma.gemma3:Gemma3ForCausalLM",
+        "Gemma4ForCausalLM": "xinfer_gemma.gemma4:Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration": "xinfer_gemma.gemma4:Gemma4ForCausalLM",
+    }
 
 
 @hookimpl

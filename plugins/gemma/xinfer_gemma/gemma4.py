@@ -1,0 +1,291 @@
+"""Gemma 4 (text): ``Gemma4ForCausalLM`` and the language model of ``Gemma4ForConditionalGeneration``.
+
+Gemma 3's sandwich-normed decoder, and where it departs from it:
+
+- sliding and global layers differ in head dim and KV heads (``config.per_layer_config``); global
+  layers may take their values from the key projection (``attention_k_eq_v``, no ``v_proj``);
+- values are RMS-normed too (no weight), and attention scores are not scaled (scale 1.0);
+- global layers rotate by "proportional" rope: a quarter of the whole head's frequencies;
+- norms multiply by ``w`` (not ``1 + w``), and each layer's output is multiplied by its ``layer_scalar``;
+- E-models (``hidden_size_per_layer_input``): a second embedding table, with a projection of the
+  embeddings, gives each layer an input that gates a residual branch after the MLP;
+- the last ``num_kv_shared_layers`` layers cache nothing: they attend over the cache of the last
+  earlier layer of their kind (:class:`SharedKVAttention`), and their MLPs may be twice as wide;
+- MoE (26B-A4B): the dense MLP and the routed experts side by side, each with its own norms, the
+  router on the residual stream with its own weightless norm and scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xinfer import ops
+from xinfer.forward_context import attention_metadata
+from xinfer.layers import (
+    Attention,
+    GatedMLP,
+    Linear,
+    LMHead,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    Router,
+    Routing,
+    VocabEmbedding,
+    head_norms,
+    rope_parameters,
+)
+from xinfer.layers.moe import Experts
+from xinfer.model import HF_QKV_GATE_UP, CausalLM
+
+log = logging.getLogger(__name__)
+
+Norm = Callable[[int], RMSNorm]
+
+
+class Gemma4Attention(nn.Module):
+    """``o_proj(attention(rotary(q_norm(q)), rotary(k_norm(k)), v_norm(v)))`` at scale 1; with
+    ``values_from_keys`` v is the key projection's output (before k's norm and rotary)."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
+        norm: Norm, *, window: int | None, values_from_keys: bool, bias: bool, eps: float,
+    ):  # fmt: skip
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        kv_size = num_kv_heads * head_dim
+        shards = {"q": num_heads * head_dim, "k": kv_size} | ({} if values_from_keys else {"v": kv_size})
+        self.qkv_proj = MergedLinear(hidden_size, shards, bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias)
+        self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
+        self.v_norm_weight: Tensor  # the value norm has no weight of its own
+        self.register_buffer("v_norm_weight", torch.ones(head_dim), persistent=False)
+        self.rotary_emb = rotary
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=1.0, window=window)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        q, k, *v = self.qkv_proj.split(self.qkv_proj(x))
+        values = (v[0] if v else k).reshape(-1, self.head_dim)
+        values = ops.rms_norm(values, self.v_norm_weight, self.eps)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k, head_norms(self.q_norm, self.k_norm))
+        return self.o_proj(self.attn(q, k, values))
+
+
+class SharedKVAttention(nn.Module):
+    """A layer of the KV-shared tail: its own queries, attending over the cache of ``source`` (the
+    last earlier layer of its kind, which wrote this step's keys and values before this layer runs).
+    It caches nothing: it is not a caching layer, and ``source`` is not one of its modules."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, rotary: RotaryEmbedding, norm: Norm,
+                 source: Attention, bias: bool):  # fmt: skip
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim}, bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias)
+        self.q_norm = norm(head_dim)
+        self.rotary_emb = rotary
+        self.source = (source,)  # a tuple, so that nn.Module does not adopt it
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        q = self.qkv_proj(x).view(-1, self.num_heads, self.head_dim)
+        # ops.rotary rotates a (q, k) pair: one of q's heads stands in for the keys this layer lacks
+        q, _ = self.rotary_emb(positions, q, q[:, :1], head_norms(self.q_norm, self.q_norm))
+        return self.o_proj(read_cache(self.source[0], q).flatten(1))
+
+
+def read_cache(attn: Attention, q: Tensor) -> Tensor:
+    """``attn``'s attention of queries ``q`` [T, H, D] over what its cache holds, storing nothing
+    (every slot -1, as padding is skipped)."""
+    meta = attention_metadata(attn.page_group)
+    shadows = meta.shadows
+    if shadows is not None:
+        shadows = dataclasses.replace(shadows, slot_mapping=torch.full_like(shadows.slot_mapping, -1))
+    unwritten = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1), shadows=shadows)
+    kv = q.new_zeros(q.shape[0], attn.num_kv_heads, attn.head_dim)
+    assert attn.cache is not None, "the engine binds the KV cache before the first forward"
+    return ops.attention(q, kv, kv, attn.cache, unwritten, attn.scale, attn.window)
+
+
+class Gemma4Router(Router):
+    """Core's router (softmax, top-k renormalized, times a per-expert scale) on the residual stream
+    normed without weight, times ``scale`` and ``hidden**-0.5`` (folded into ``scale`` at load)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float):
+        super().__init__(hidden_size, num_experts, None, Routing(top_k=top_k, renormalize=True, per_expert_scale=True))
+        self.scale = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return super().forward(ops.rms_norm(x, self.scale, self.eps))
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        return tensor * tensor.shape[0] ** -0.5 if name == "scale" else tensor
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """``x += norm(attn(norm(x)))``; ``x += norm(mlp(norm(x)))`` (with experts: the normed sum of the
+    MLP's and the experts' outputs, each normed); E-models: ``x += norm(proj(gelu(gate(x)) * input))``
+    with this layer's per-layer input; finally ``x *= layer_scalar``."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, intermediate_size: int, norm: Norm):
+        super().__init__()
+        hidden, per_layer = config.hidden_size, config.hidden_size_per_layer_input
+        self.self_attn = self_attn
+        self.mlp = GatedMLP(hidden, intermediate_size, config.hidden_activation)
+        self.input_layernorm = norm(hidden)
+        self.post_attention_layernorm = norm(hidden)
+        self.pre_feedforward_layernorm = norm(hidden)
+        self.post_feedforward_layernorm = norm(hidden)
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.experts: Experts | None = None
+        if config.enable_moe_block:
+            self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, config.rms_norm_eps)
+            self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation)
+            self.pre_feedforward_layernorm_2 = norm(hidden)
+            self.post_feedforward_layernorm_1 = norm(hidden)
+            self.post_feedforward_layernorm_2 = norm(hidden)
+        if per_layer:
+            self.per_layer_input_gate = Linear(hidden, per_layer)
+            self.per_layer_projection = Linear(per_layer, hidden)
+            self.post_per_layer_input_norm = norm(hidden)
+
+    def forward(self, positions: Tensor, x: Tensor, per_layer_input: Tensor | None) -> Tensor:
+        h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        h, x = self.pre_feedforward_layernorm(h, x)
+        out = self.mlp(h)
+        if self.experts is not None:
+            weights, ids = self.router(x)
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(out)
+        if per_layer_input is not None:
+            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+
+def _rounded(scale: float) -> Tensor:
+    # in the model dtype, as the reference scales its embeddings (sqrt(3072) is 55.5 in bf16)
+    return torch.tensor(scale, dtype=torch.float32).to(torch.get_default_dtype())
+
+
+class Gemma4Model(nn.Module):
+    """Scaled embeddings through the layers, then the final norm; E-models also give each layer its
+    per-layer input: ``(norm(proj(embeddings) / sqrt(hidden)) + per_layer_embeddings) / sqrt(2)``."""
+
+    def __init__(self, config: Any, layers: Iterable[nn.Module], norm: Norm):
+        super().__init__()
+        hidden, self.per_layer = config.hidden_size, config.hidden_size_per_layer_input
+        self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm(hidden)
+        self.register_buffer("embed_scale", _rounded(hidden**0.5), persistent=False)
+        if self.per_layer:
+            width = config.num_hidden_layers * self.per_layer
+            self.embed_tokens_per_layer = VocabEmbedding(config.vocab_size_per_layer_input, width)
+            self.register_buffer("per_layer_embed_scale", _rounded(self.per_layer**0.5), persistent=False)
+            self.per_layer_model_projection = Linear(hidden, width)
+            self.per_layer_projection_norm = norm(self.per_layer)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        per_layer_inputs = self.per_layer_inputs(input_ids, x) if self.per_layer else [None] * len(self.layers)
+        for layer, per_layer_input in zip(self.layers, per_layer_inputs):
+            x = layer(positions, x, per_layer_input)
+        return self.norm(x)
+
+    def per_layer_inputs(self, input_ids: Tensor, embeddings: Tensor) -> tuple[Tensor, ...]:
+        """Each layer's input [T, per_layer]."""
+        tokens = self.embed_tokens_per_layer(input_ids) * self.per_layer_embed_scale
+        context = self.per_layer_model_projection(embeddings) * embeddings.shape[-1] ** -0.5
+        context = self.per_layer_projection_norm(context.reshape(-1, self.per_layer)).view_as(tokens)
+        return ((context + tokens) * 2**-0.5).unflatten(-1, (len(self.layers), self.per_layer)).unbind(1)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    packed_modules = HF_QKV_GATE_UP
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        if getattr(config, "use_bidirectional_attention", None) == "all":
+            raise NotImplementedError("Gemma 4 with use_bidirectional_attention='all' is not a causal LM xinfer serves")
+        norm = functools.partial(RMSNorm, eps=config.rms_norm_eps)
+        kinds = config.layer_types
+        rotary = {
+            kind: RotaryEmbedding(
+                config.per_layer_config[kind].head_dim, config.max_position_embeddings, rope_parameters(config, kind)
+            )
+            for kind in set(kinds)
+        }
+        sources: dict[str, Attention] = {}
+        layers = []
+        for index, (kind, sharing) in enumerate(zip(kinds, config.kv_sharing_modes)):
+            layer = config.per_layer_config[index]
+            bias, heads = config.attention_bias, config.num_attention_heads
+            if sharing == "reuse" and kind not in sources:
+                raise ValueError(f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none")
+            if sharing == "reuse":
+                attn: nn.Module = SharedKVAttention(
+                    config.hidden_size, heads, layer.head_dim, rotary[kind], norm, sources[kind], bias
+                )
+            else:
+                sliding = kind == "sliding_attention"
+                attn = Gemma4Attention(
+                    config.hidden_size, heads, layer.num_key_value_heads, layer.head_dim, rotary[kind], norm,
+                    window=config.sliding_window if sliding else None,
+                    values_from_keys=config.attention_k_eq_v and not sliding, bias=bias, eps=config.rms_norm_eps,
+                )  # fmt: skip
+                sources[kind] = attn.attn
+            wide = config.use_double_wide_mlp and sharing == "reuse"
+            layers.append(Gemma4DecoderLayer(config, attn, config.intermediate_size * (2 if wide else 1), norm))
+        self.model = Gemma4Model(config, layers, norm)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.final_logit_softcapping)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return super().load_weights(self._renamed(text_part(weights)))
+
+    def _renamed(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """The router's projection under core's name, and no keys or values for the KV-shared layers
+        (checkpoints may still hold them)."""
+        shared = {
+            f"model.layers.{i}.self_attn." for i, mode in enumerate(self.config.kv_sharing_modes) if mode == "reuse"
+        }
+        for name, tensor in weights:
+            *module, projection, _ = name.split(".")
+            if projection in ("k_proj", "v_proj", "k_norm", "v_norm") and ".".join(module) + "." in shared:
+                continue
+            yield name.replace(".router.proj.", ".router."), tensor
+
+
+_NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def text_part(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """The language model's tensors under the names of a text-only checkpoint; the vision and audio
+    towers' are left out, with one log line."""
+    logged = False
+    for name, tensor in weights:
+        if name.startswith(_NOT_TEXT):
+            if not logged:
+                log.info("skipping the checkpoint's vision and audio towers: xinfer runs Gemma 4's text part")
+                logged = True
+            continue
+        yield name.replace("model.language_model.", "model.", 1), tensor

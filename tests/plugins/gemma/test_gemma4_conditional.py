@@ -1,0 +1,74 @@
+"""Gemma4ForConditionalGeneration's checkpoint: xinfer runs its language model (the vision tower
+skipped with one log line) and matches transformers' model on text prompts (fp32, CPU)."""
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+
+from tests.plugins.gemma.test_gemma4 import DENSE, E_MODEL, randomize_gemma4
+from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
+from tests.tiny_models import COMMON
+from xinfer import LLM
+from xinfer_gemma.gemma4 import text_part
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=16)  # fmt: skip
+VOCAB = COMMON["vocab_size"] + 8  # the special tokens past the ids prompts draw from (HF masks them as media)
+SPECIAL_TOKENS = dict(
+    image_token_id=VOCAB - 7, boi_token_id=VOCAB - 6, eoi_token_id=VOCAB - 5, video_token_id=VOCAB - 4,
+    boa_token_id=VOCAB - 3, eoa_token_index=VOCAB - 2, audio_token_id=VOCAB - 1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma4-vision")
+    text = Gemma4TextConfig(  # pad_token_id: HF masks the media placeholders with it
+        **{
+            **DENSE,
+            **E_MODEL,
+            "architectures": None,
+            "pad_token_id": 0,
+            "vocab_size": VOCAB,
+            "vocab_size_per_layer_input": VOCAB,
+        },
+    )
+    config = Gemma4Config(
+        text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**VISION).to_dict(),
+        architectures=["Gemma4ForConditionalGeneration"], **SPECIAL_TOKENS,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = Gemma4ForConditionalGeneration(config).float().eval()
+    randomize_gemma4(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, folder
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    hf, folder = checkpoint
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=32)
+
+
+def test_the_towers_are_skipped_with_one_log_line(checkpoint, caplog):
+    _, folder = checkpoint
+    tensors = load_file(folder / "model.safetensors")
+    assert any(name.startswith("model.vision_tower.") for name in tensors)
+    with caplog.at_level(logging.INFO, logger="xinfer_gemma.gemma4"):
+        names = [name for name, _ in text_part(tensors.items())]
+    assert all(name.startswith(("model.layers.", "model.embed_tokens", "model.norm", "model.per_layer", "lm_head"))
+               for name in names)  # fmt: skip
+    assert len([r for r in caplog.records if "vision" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("length", (3, 61))
+def test_prefill_logits_match_hf(models, length):
+    assert_prefill_logits_match(*models, length)
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    assert_greedy_tokens_and_logprobs_match(*models, 40)
