@@ -134,7 +134,7 @@ def main() -> None:
         for name, params in [*MIXES.items(), (FLAT, MIXES["top-p"]), (CONSTANT, MIXES["top-p"])]:
             row_logits = worst.get(name, logits)
             batch = SamplingBatch.of([SampledRow(params, i, args.input_len) for i in range(rows)]).to(device)
-            seconds = seconds_per_call(lambda l=row_logits, batch=batch: sample(l, batch), device, args.repeats)
+            seconds = seconds_per_call(lambda x=row_logits, batch=batch: sample(x, batch), device, args.repeats)
             result["sample_ms"][name][rows] = round(seconds * 1e3, 4)
             result["share_of_decode_step"][name][rows] = round(seconds / step, 4)
     print(json.dumps(result))
