@@ -10,7 +10,10 @@ The decode step: the engine's mean wall time per step (steps are pipelined, so t
 what throughput sees) over ``--steps`` steps of that many greedy sequences decoding after
 prompts of ``--input-len`` tokens (dummy weights). The sampling: the CUDA backend's kernel
 over [rows, vocab] random logits in the model dtype (N(0, 3): a few hundred tokens at the
-top-p cut), replayed from a CUDA graph as inside a step, for each mix of parameters.
+top-p cut), replayed from a CUDA graph as inside a step, for each mix of parameters; and
+top-p over near-flat logits (N(0, 0.01) in the model dtype, as from dummy weights: runs of
+tied tokens at the cut) and over constant logits (every token tied: the boundary is the
+whole row, settled by one program per row, the kernel's worst case).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ MIXES = {
     "top-p": SamplingParams(temperature=0.8, top_p=0.95),
     "top-k+top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
 }
+FLAT, CONSTANT = "top-p, flat logits", "top-p, constant logits"
 
 
 def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -116,16 +120,21 @@ def main() -> None:
             name: {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k} for name, p in MIXES.items()
         },
         "decode_step_ms": {},
-        "sample_ms": {name: {} for name in MIXES},
-        "share_of_decode_step": {name: {} for name in MIXES},
+        "sample_ms": {name: {} for name in [*MIXES, FLAT, CONSTANT]},
+        "share_of_decode_step": {name: {} for name in [*MIXES, FLAT, CONSTANT]},
     }
     for rows in row_counts:
         step = decode_step_seconds(llm, rows, args.input_len, args.steps, rng)
         result["decode_step_ms"][rows] = round(step * 1e3, 3)
         logits = (torch.randn(rows, vocab, generator=generator, device=device) * 3).to(engine.dtype)
-        for name, params in MIXES.items():
+        worst = {
+            FLAT: (torch.randn(rows, vocab, generator=generator, device=device) * 0.01).to(engine.dtype),
+            CONSTANT: torch.zeros(rows, vocab, device=device, dtype=engine.dtype),
+        }
+        for name, params in [*MIXES.items(), (FLAT, MIXES["top-p"]), (CONSTANT, MIXES["top-p"])]:
+            row_logits = worst.get(name, logits)
             batch = SamplingBatch.of([SampledRow(params, i, args.input_len) for i in range(rows)]).to(device)
-            seconds = seconds_per_call(lambda logits=logits, batch=batch: sample(logits, batch), device, args.repeats)
+            seconds = seconds_per_call(lambda x=row_logits, batch=batch: sample(x, batch), device, args.repeats)
             result["sample_ms"][name][rows] = round(seconds * 1e3, 4)
             result["share_of_decode_step"][name][rows] = round(seconds / step, 4)
     print(json.dumps(result))

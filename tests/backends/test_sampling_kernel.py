@@ -108,3 +108,14 @@ def test_kernel_settles_a_wide_boundary_as_the_reference():
     batch = SamplingBatch.of(rows)
     wide = logits.expand(len(rows), -1).contiguous()
     assert draw(wide, batch, chunk=1024) == reference(wide, batch).tolist()
+
+
+def test_kernel_draws_near_flat_rows_as_the_reference():
+    """Near-flat rows over many chunks (high temperature, dummy weights): N(0, 0.01) in float16,
+    runs of tied logits at the cuts; and a constant row, whose boundary is the whole row."""
+    logits = (torch.randn(3, 5000, generator=torch.Generator().manual_seed(5)) * 0.01).to(torch.float16)
+    logits[2] = 0.5
+    params = [P(temperature=0.8, top_p=0.95), P(temperature=1.0, top_k=50, top_p=0.95), P(temperature=2.0, top_p=0.5)]
+    rows = [SampledRow(params[i % 3], 90 + i, i) for i in range(3)]
+    batch = SamplingBatch.of(rows)
+    assert draw(logits, batch, chunk=64) == reference(logits, batch).tolist()

@@ -1,18 +1,20 @@
 """A batch's token draws: :func:`xinfer.torch_sampling.sample`, token for token (same
 noise bits, same kept sets), with each row split over chunks of ``CHUNK`` tokens so that
-one row alone still spreads over the GPU. Four launches, three passes over the logits:
+one row alone still spreads over the GPU. Five launches, four passes over the logits:
 
 1. stats (rows x chunks): per chunk, greedy rows their argmax and unfiltered rows their
    Gumbel-max draw, which are the tokens; filtered rows the peak, softmax mass and least
    of ``s = l / T``;
-2. plan (rows; rows with top-k or top-p read their logits): counts of ``s`` in ``BUCKETS``
-   buckets below the row's peak (``1 / BUCKETS`` of the row's spread each), and from them
-   the bucket of the k-th token and, from each bucket's mass bounds (its count times its
-   edges' weights), the few buckets where the top-p cut can fall: the boundary;
-3. draw (rows x chunks): the Gumbel-max over the tokens above the boundary (all kept,
+2. histogram (rows x chunks; rows with top-k or top-p): each chunk's counts of ``s`` in
+   ``BUCKETS`` buckets below the row's peak (``1 / BUCKETS`` of the row's spread each),
+   added atomically to the row's integer counts;
+3. plan (rows; only the counts): the bucket of the k-th token and, from each bucket's
+   mass bounds (its count times its edges' weights), the few buckets where the top-p cut
+   can fall: the boundary;
+4. draw (rows x chunks): the Gumbel-max over the tokens above the boundary (all kept,
    but for min-p, which is one comparison), their mass, and the boundary's token ids
    gathered (a few hundred of a 152k row at top-p 0.95);
-4. settle (rows): the exact cuts among the boundary tokens (a threshold search over
+5. settle (rows): the exact cuts among the boundary tokens (a threshold search over
    their order-preserving integer keys, with integer weights: the sums do not depend on
    the order the tokens were gathered in), and the draw over the kept ones.
 
@@ -35,7 +37,6 @@ from xinfer_cuda.kernels.launch import pdl_entry
 
 CHUNK = 4096  # tokens of a row per program
 BLOCK = 1024  # tokens per iteration of a streaming pass
-ROW_BLOCK = 4096  # per iteration of the plan's histogram (whose shared bins each iteration clears and reads)
 BUCKETS = 4096
 REGION = 2048  # boundary tokens gathered per row; more are settled over the whole row
 SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
@@ -177,12 +178,40 @@ def _inv_width(peak, least, BUCKETS: tl.constexpr, SPREAD: tl.constexpr):
 
 
 @triton.jit
-def _plan_kernel(
+def _histogram_kernel(
     logits_ptr, stride, vocab,
-    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    stats_ptr, plan_ptr, bounds_ptr, chunks,
-    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr, SLACK: tl.constexpr,
+    temperature_ptr, top_k_ptr, top_p_ptr,
+    stats_ptr, counts_ptr, chunks,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
     PDL: tl.constexpr,
+):  # fmt: skip
+    """Per chunk of a row with top-k or top-p: its tokens' counts per bucket of ``s`` below the
+    row's peak, added to the row's (integer sums: the counts do not depend on the order)."""
+    pdl_entry(PDL)
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
+    if _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p):
+        peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
+        inv_width = _inv_width(peak, least, BUCKETS, SPREAD)
+        inv_t = 1.0 / temperature
+        counts = counts_ptr + row * BUCKETS
+        deepest = tl.full((), 0, tl.int32)  # the last bucket's, most of a peaked row: one atomic per chunk
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            tokens = start + tl.arange(0, BLOCK)
+            valid = tokens < vocab
+            s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+            bucket = _bucket(s, peak, inv_width, BUCKETS)
+            deep = bucket == BUCKETS - 1
+            tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int32), mask=valid & ~deep, sem="relaxed")
+            deepest += tl.sum((valid & deep).to(tl.int32), 0)
+        tl.atomic_add(counts + BUCKETS - 1, deepest, sem="relaxed")
+
+
+@triton.jit
+def _plan_kernel(
+    vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    stats_ptr, counts_ptr, plan_ptr, bounds_ptr, chunks,
+    CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr, SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per filtered row: peak, mass, 1 / bucket width, and the buckets of the boundary:
     ``kth`` (the k-th token's, or BUCKETS) and ``[p_lo, p_hi]`` (where the top-p cut may
@@ -200,14 +229,7 @@ def _plan_kernel(
         p_hi = tl.full((), BUCKETS - 1, tl.int32)
         above_kth = tl.full((), 0, tl.int32)
         if with_top_k | with_top_p:
-            inv_t = 1.0 / temperature
-            bucket = tl.arange(0, BUCKETS)
-            counts = tl.zeros((BUCKETS,), tl.int32)
-            for start in range(0, vocab, BLOCK):
-                tokens = start + tl.arange(0, BLOCK)
-                s = tl.load(logits_ptr + row * stride + tokens, mask=tokens < vocab, other=float("-inf"))
-                counts += tl.histogram(_bucket(s.to(tl.float32) * inv_t, peak, inv_width, BUCKETS), BUCKETS)
-            counts -= tl.where(bucket == BUCKETS - 1, tl.cdiv(vocab, BLOCK) * BLOCK - vocab, 0)  # the padding
+            counts = tl.load(counts_ptr + row * BUCKETS + tl.arange(0, BUCKETS))
             kth, p_lo, p_hi, above_kth = _boundary(
                 counts, 1.0 / inv_width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS, SLACK
             )
@@ -491,6 +513,7 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device
     stats = torch.empty(rows, chunks, 3, dtype=torch.float32, device=device)
+    counts = torch.zeros(rows, BUCKETS, dtype=torch.int32, device=device)
     plan = torch.empty(rows, 3, dtype=torch.float32, device=device)
     bounds = torch.empty(rows, 5, dtype=torch.int32, device=device)
     sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
@@ -507,10 +530,13 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     _stats_kernel[(rows, chunks)](
         *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
     )
+    _histogram_kernel[(rows, chunks)](
+        *row, *filters[:3], stats, counts, chunks,
+        CHUNK=chunk, BLOCK=block, CHUNKS=CHUNKS, BUCKETS=BUCKETS, SPREAD=SPREAD, **options,
+    )  # fmt: skip
     _plan_kernel[(rows,)](
-        *row, *filters, stats, plan, bounds, chunks,
-        CHUNKS=CHUNKS, BLOCK=min(ROW_BLOCK, triton.next_power_of_2(vocab)), BUCKETS=BUCKETS, SPREAD=SPREAD,
-        SLACK=SLACK, **{**options, "num_warps": 8},
+        vocab, *filters, stats, counts, plan, bounds, chunks,
+        CHUNKS=CHUNKS, BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **{**options, "num_warps": 8},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
         *row, *filters, *noise, plan, bounds, sums, best[1], best_token[1], gathered,
