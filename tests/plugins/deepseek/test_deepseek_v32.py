@@ -132,7 +132,7 @@ def test_preempted_sequences_match_hf(checkpoint):
 
 def test_the_fp8_latent_format_is_refused_in_one_line(checkpoint):
     """The sparse op reads latent rows in the model's dtype only."""
-    with pytest.raises(ValueError, match="'fp8' encodes attention K and V, which this model does not cache.*use auto"):
+    with pytest.raises(ValueError, match=r"'fp8' encodes attention K and V, which this model does not cache.*use auto"):
         LLM(model=str(checkpoint[1]), dtype="float32", num_blocks=64, kv_cache_dtype="fp8")
 
 
