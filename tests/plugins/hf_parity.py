@@ -40,22 +40,53 @@ def assert_prefill_logits_match(hf: torch.nn.Module, llm: LLM, length: int) -> N
 
 def assert_greedy_tokens_and_logprobs_match(hf: torch.nn.Module, llm: LLM, length: int) -> None:
     tokens = prompt(length, seed=1)
-    with torch.inference_mode():
-        hf_out = hf.generate(
-            torch.tensor([tokens]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    expected_tokens = hf_out.sequences[0, length:].tolist()
-    expected_logprobs = [
-        torch.log_softmax(logits[0].float(), dim=-1)[token].item()
-        for logits, token in zip(hf_out.logits, expected_tokens)
-    ]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     out = llm.generate([tokens], params)[0].outputs[0]
-    assert out.token_ids == expected_tokens
     assert out.logprobs is not None
-    got_logprobs = [step[token] for step, token in zip(out.logprobs, out.token_ids)]
-    torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
+    assert_output_matches_hf(hf, tokens, out, NEW_TOKENS)
+
+
+def hf_greedy(hf: torch.nn.Module, tokens: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``tokens`` and each chosen token's log-probability."""
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([tokens]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    new = out.sequences[0, len(tokens) :].tolist()
+    return new, [torch.log_softmax(logits[0].float(), dim=-1)[t].item() for logits, t in zip(out.logits, new)]
+
+
+def assert_output_matches_hf(hf: torch.nn.Module, tokens: list[int], output, new_tokens: int, atol: float = 1e-4):
+    """``output`` (a greedy completion of ``tokens`` with logprobs) has transformers' tokens and log-probabilities."""
+    expected_tokens, expected_logprobs = hf_greedy(hf, tokens, new_tokens)
+    assert output.token_ids == expected_tokens
+    got = [step[token] for step, token in zip(output.logprobs, output.token_ids)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=atol, rtol=0)
+
+
+def assert_prefix_hit_mid_prompt_matches_hf(
+    hf: torch.nn.Module, llm: LLM, params: SamplingParams, atol: float = 1e-4
+) -> None:
+    """A prompt sharing two full blocks of 16 with an earlier one (diverging inside the third) hits those
+    32 tokens and still gives transformers' tokens."""
+    first = prompt(45, seed=3)
+    second = first[:37] + prompt(11, seed=4)
+    llm.generate([first], params)
+    out = llm.generate([second], params)[0]
+    assert out.num_cached_tokens == 32
+    assert_output_matches_hf(hf, second, out.outputs[0], params.max_tokens, atol)
+
+
+def assert_preempted_sequences_match_hf(
+    hf: torch.nn.Module, llm: LLM, params: SamplingParams, atol: float = 1e-4
+) -> None:
+    """Two prompts of 3 and 4 blocks of 16 through ``llm``, whose pool of 7 blocks makes decoding preempt."""
+    prompts = [prompt(44, seed=5), prompt(52, seed=6)]
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+    for tokens, out in zip(prompts, outputs):
+        assert_output_matches_hf(hf, tokens, out.outputs[0], params.max_tokens, atol)
 
 
 def spread_routing(model: torch.nn.Module, seed: int = 2) -> None:

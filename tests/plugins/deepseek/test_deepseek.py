@@ -15,11 +15,13 @@ from tests.plugins.deepseek.configs import deepseek_v3_config
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_missing_tensor_is_named,
+    assert_preempted_sequences_match_hf,
     assert_prefill_logits_match,
+    assert_prefix_hit_mid_prompt_matches_hf,
     randomize,
     spread_routing,
 )
-from tests.tiny_models import prompt, save_tiny_model
+from tests.tiny_models import save_tiny_model
 from xinfer import LLM, SamplingParams
 
 CHUNK = 32  # prefill chunk: the 40-token prompts take two steps
@@ -67,41 +69,14 @@ def test_greedy_tokens_and_logprobs_match_hf(models):
     assert_greedy_tokens_and_logprobs_match(*models, 40)
 
 
-def hf_greedy(hf, tokens: list[int]) -> tuple[list[int], list[float]]:
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([tokens]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    new = out.sequences[0, len(tokens) :].tolist()
-    return new, [torch.log_softmax(logits[0], dim=-1)[t].item() for logits, t in zip(out.logits, new)]
-
-
-def assert_matches_hf(hf, tokens: list[int], output) -> None:
-    expected_tokens, expected_logprobs = hf_greedy(hf, tokens)
-    assert output.token_ids == expected_tokens
-    got = [step[token] for step, token in zip(output.logprobs, output.token_ids)]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
-
-
 def test_a_prefix_cache_hit_mid_prompt_matches_hf(models):
-    hf, llm = models
-    first = prompt(45, seed=3)
-    second = first[:37] + prompt(11, seed=4)  # shares two full blocks of 16, diverges inside the third
-    llm.generate([first], GREEDY)
-    out = llm.generate([second], GREEDY)[0]
-    assert out.num_cached_tokens == 32
-    assert_matches_hf(hf, second, out.outputs[0])
+    assert_prefix_hit_mid_prompt_matches_hf(*models, GREEDY)
 
 
 def test_preempted_sequences_match_hf(checkpoint):
     hf, folder = checkpoint
     llm = LLM(model=str(folder), dtype="float32", num_blocks=7, max_model_len=96, max_num_batched_tokens=CHUNK)
-    prompts = [prompt(44, seed=5), prompt(52, seed=6)]  # 3 + 4 blocks of 16 fill the pool: decode preempts
-    outputs = llm.generate(prompts, GREEDY)
-    assert llm.engine.stats().num_preemptions > 0
-    for tokens, out in zip(prompts, outputs):
-        assert_matches_hf(hf, tokens, out.outputs[0])
+    assert_preempted_sequences_match_hf(hf, llm, GREEDY)
 
 
 def test_mtp_layer_skipped_with_a_log_line(checkpoint, caplog):

@@ -14,11 +14,13 @@ from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 
 from tests.plugins.deepseek.configs import latent_settings
-from tests.plugins.deepseek.test_deepseek import assert_matches_hf, hf_greedy
 from tests.plugins.deepseek.test_mla_op import BATCHES, DEVICE, KERNEL_DTYPES, KERNEL_TOL, assert_stored, paged_step
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
+    assert_preempted_sequences_match_hf,
     assert_prefill_logits_match,
+    assert_prefix_hit_mid_prompt_matches_hf,
+    hf_greedy,
     randomize,
     spread_routing,
 )
@@ -72,12 +74,12 @@ def test_the_config_attends_sparsely(checkpoint):
     the selection (a dense fallback would fail them)."""
     hf, _ = checkpoint
     tokens = prompt(40, seed=1)
-    sparse, _ = hf_greedy(hf, tokens)
+    sparse, _ = hf_greedy(hf, tokens, NEW_TOKENS)
     indexers = [m for m in hf.modules() if isinstance(m, DeepseekV32Indexer)]
     try:
         for indexer in indexers:
             indexer.index_topk = 1024
-        dense, _ = hf_greedy(hf, tokens)
+        dense, _ = hf_greedy(hf, tokens, NEW_TOKENS)
     finally:
         for indexer in indexers:
             indexer.index_topk = TOPK
@@ -96,7 +98,7 @@ def test_a_wrong_selection_changes_the_tokens(checkpoint, monkeypatch):
     monkeypatch.setattr(ops, "_plugin_functions", weakref.WeakKeyDictionary())  # ops resolved anew
     llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK)
     out = llm.generate([tokens], GREEDY)[0].outputs[0]
-    assert out.token_ids != hf_greedy(hf, tokens)[0]
+    assert out.token_ids != hf_greedy(hf, tokens, NEW_TOKENS)[0]
 
 
 def latest_positions(meta, topk: int, num_tokens: int) -> torch.Tensor:
@@ -111,23 +113,13 @@ def latest_positions(meta, topk: int, num_tokens: int) -> torch.Tensor:
 
 
 def test_a_prefix_cache_hit_mid_prompt_matches_hf(models):
-    hf, llm = models
-    first = prompt(45, seed=3)
-    second = first[:37] + prompt(11, seed=4)  # shares two full blocks of 16, diverges inside the third
-    llm.generate([first], GREEDY)
-    out = llm.generate([second], GREEDY)[0]
-    assert out.num_cached_tokens == 32
-    assert_matches_hf(hf, second, out.outputs[0])
+    assert_prefix_hit_mid_prompt_matches_hf(*models, GREEDY)
 
 
 def test_preempted_sequences_match_hf(checkpoint):
     hf, folder = checkpoint
     llm = LLM(model=str(folder), dtype="float32", num_blocks=7, max_model_len=96, max_num_batched_tokens=CHUNK)
-    prompts = [prompt(44, seed=5), prompt(52, seed=6)]  # 3 + 4 blocks of 16 fill the pool: decode preempts
-    outputs = llm.generate(prompts, GREEDY)
-    assert llm.engine.stats().num_preemptions > 0
-    for tokens, out in zip(prompts, outputs):
-        assert_matches_hf(hf, tokens, out.outputs[0])
+    assert_preempted_sequences_match_hf(hf, llm, GREEDY)
 
 
 def test_the_fp8_latent_format_is_refused_in_one_line(checkpoint):

@@ -13,7 +13,13 @@ import torch
 
 from tests.plugins.deepseek.configs import deepseek_v3_config
 from tests.plugins.deepseek.test_mla_op import dequantized
-from tests.plugins.hf_parity import randomize, spread_routing
+from tests.plugins.hf_parity import (
+    assert_output_matches_hf,
+    assert_preempted_sequences_match_hf,
+    assert_prefix_hit_mid_prompt_matches_hf,
+    randomize,
+    spread_routing,
+)
 from tests.tiny_models import prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, registry
 from xinfer.cache.allocate import CacheLayout
@@ -59,23 +65,6 @@ def fp8(checkpoint):
     return LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK, kv_cache_dtype="fp8")
 
 
-def oracle_greedy(hf, tokens: list[int]) -> tuple[list[int], list[float]]:
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([tokens]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    new = out.sequences[0, len(tokens) :].tolist()
-    return new, [torch.log_softmax(logits[0], dim=-1)[t].item() for logits, t in zip(out.logits, new)]
-
-
-def assert_matches_oracle(hf, tokens: list[int], output) -> None:
-    expected_tokens, expected_logprobs = oracle_greedy(hf, tokens)
-    assert output.token_ids == expected_tokens
-    got = [step[token] for step, token in zip(output.logprobs, output.token_ids)]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=ORACLE_TOL, rtol=0)
-
-
 def test_the_op_runs_its_reference_and_its_cuda_kernel():
     spec = registry.op_specs()["mla_attention_fp8"]
     assert registry.load_object(spec.reference) is mla_ops.mla_attention_fp8
@@ -101,28 +90,19 @@ def test_prefill_logits_match_transformers_over_the_stored_rows(checkpoint, fp8,
 def test_greedy_tokens_and_logprobs_match_transformers_over_the_stored_rows(checkpoint, fp8):
     hf, _ = checkpoint
     tokens = prompt(40, seed=1)
-    assert_matches_oracle(hf, tokens, fp8.generate([tokens], GREEDY)[0].outputs[0])
+    output = fp8.generate([tokens], GREEDY)[0].outputs[0]
+    assert_output_matches_hf(hf, tokens, output, NEW_TOKENS, atol=ORACLE_TOL)
 
 
 def test_a_prefix_cache_hit_mid_prompt_matches(checkpoint, fp8):
-    hf, _ = checkpoint
-    first = prompt(45, seed=3)
-    second = first[:37] + prompt(11, seed=4)  # shares two full blocks of 16, diverges inside the third
-    fp8.generate([first], GREEDY)
-    out = fp8.generate([second], GREEDY)[0]
-    assert out.num_cached_tokens == 32
-    assert_matches_oracle(hf, second, out.outputs[0])
+    assert_prefix_hit_mid_prompt_matches_hf(checkpoint[0], fp8, GREEDY, ORACLE_TOL)
 
 
 def test_preempted_sequences_match(checkpoint):
     hf, folder = checkpoint
     llm = LLM(model=str(folder), dtype="float32", num_blocks=7, max_model_len=96, max_num_batched_tokens=CHUNK,
               kv_cache_dtype="fp8")  # fmt: skip
-    prompts = [prompt(44, seed=5), prompt(52, seed=6)]  # 3 + 4 blocks of 16 fill the pool: decode preempts
-    outputs = llm.generate(prompts, GREEDY)
-    assert llm.engine.stats().num_preemptions > 0
-    for tokens, out in zip(prompts, outputs):
-        assert_matches_oracle(hf, tokens, out.outputs[0])
+    assert_preempted_sequences_match_hf(hf, llm, GREEDY, ORACLE_TOL)
 
 
 def test_the_fp8_cache_stays_close_to_the_unquantized_one(checkpoint, fp8):

@@ -90,10 +90,9 @@ def test_kv_shared_layers_cache_nothing(models):
     assert len(caching_layers(llm.engine.model)) == config.num_hidden_layers - config.num_kv_shared_layers
 
 
+@pytest.mark.parametrize("models", ["moe"], indirect=True)  # the config with a router
 def test_routing_spreads_over_the_experts(models):
     hf, _ = models
-    if not hf.config.enable_moe_block:
-        pytest.skip("a dense model has no router")
     chosen = []
     hooks = [layer.router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2])) for layer in hf.model.layers]
     try:

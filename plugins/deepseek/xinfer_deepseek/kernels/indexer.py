@@ -16,8 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernel_api import pdl, pdl_entry
 from xinfer_deepseek.kernels.mla import _load_rows, _store_kernel
 
 DOT_MIN = 16  # tl.dot's smallest side
@@ -65,9 +64,9 @@ def indexer_topk(
     selected = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return selected
-    pdl = launch.pdl(q.device)
+    launch = pdl(q.device)
     _store_kernel[(num_tokens,)](key, cache, meta.slot_mapping, key.stride(0), WIDTH=dim,
-                                 BLOCK_W=triton.next_power_of_2(dim), **pdl)  # fmt: skip
+                                 BLOCK_W=triton.next_power_of_2(dim), **launch)  # fmt: skip
     width = meta.block_tables.shape[1] * block_size  # every position a page table holds
     scores = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     tokens = torch.arange(num_tokens, device=q.device, dtype=meta.cu_seqlens_q.dtype)
@@ -77,7 +76,7 @@ def indexer_topk(
         num_heads, width, scale, *q.stride()[:2], weights.stride(0), scores.stride(0), meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, D=dim, BLOCK_D=max(DOT_MIN, triton.next_power_of_2(dim)),
         BLOCK_H=max(DOT_MIN, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch,
     )  # fmt: skip
     best, positions = scores.topk(min(topk, width), dim=-1)
     selected[:, : positions.shape[1]] = positions.masked_fill(best == float("-inf"), -1).int()

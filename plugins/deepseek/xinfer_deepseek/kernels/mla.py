@@ -38,10 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.attention import LOG2E, NEG_BIG, _tile_owner, decode_num_splits
-from xinfer_cuda.kernels.kv_codes import FP8_MAX_C, fp8_value
-from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernel_api import FP8_MAX_C, LOG2E, NEG_BIG, decode_num_splits, fp8_value, pdl, pdl_entry, tile_owner
 from xinfer_deepseek.mla_ops import encode_fp8, fp8_groups
 
 
@@ -133,7 +130,7 @@ def _prefill_kernel(
     pdl_entry(PDL)
     tile = tl.program_id(0)
     head_group = tl.program_id(1)
-    seq = _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
+    seq = tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     # each sequence's last query tiles first: under the causal mask they see the most rows
@@ -354,9 +351,9 @@ def _attention(
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    pdl = launch.pdl(q_latent.device)
+    launch = pdl(q_latent.device)
     _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
-                                 BLOCK_W=triton.next_power_of_2(width), **pdl)  # fmt: skip
+                                 BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
 
     decode_tiles, prefill_tiles = tiles or tiles_for(q_latent, planes.fp8)
     args = (q_latent, q_rope, planes.latent, planes.rope, planes.scales, out, meta.cu_seqlens_q, meta.seq_lens,
@@ -364,13 +361,13 @@ def _attention(
     strides = (*q_latent.stride()[:2], *q_rope.stride()[:2], *out.stride()[:2], meta.block_tables.stride(0))
     constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=triton.next_power_of_2(rank),
                       BLOCK_P=triton.next_power_of_2(rope_dim), **planes.constexprs(),
-                      PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", **pdl)  # fmt: skip
+                      PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", **launch)  # fmt: skip
     score_scale = scale * LOG2E  # (softmax in base 2)
 
     if meta.max_seqlen_q > 1:
         block_h = min(triton.next_power_of_2(num_heads), prefill_tiles.block_m)
         q_per_tile = prefill_tiles.block_m // block_h
-        # tiles from shapes only (graph-safe): see _tile_owner
+        # tiles from shapes only (graph-safe): see tile_owner
         grid = (num_tokens // q_per_tile + meta.num_seqs, triton.cdiv(num_heads, block_h))
         _prefill_kernel[grid](
             *args, meta.num_seqs, num_heads, score_scale, *strides, Q_PER_TILE=q_per_tile, BLOCK_H=block_h,
@@ -398,6 +395,6 @@ def _attention(
         _reduce_kernel[(meta.num_seqs, num_heads)](
             out, *parts, meta.cu_seqlens_q, num_heads, *out.stride()[:2], NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits), R=rank, BLOCK_R=triton.next_power_of_2(rank),
-            num_warps=4, **pdl,
+            num_warps=4, **launch,
         )  # fmt: skip
     return out

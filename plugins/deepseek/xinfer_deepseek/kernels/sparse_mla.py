@@ -17,9 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.attention import LOG2E, NEG_BIG
-from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernel_api import LOG2E, NEG_BIG, pdl, pdl_entry
 from xinfer_deepseek.kernels.mla import _load_rows, _store_kernel
 
 DOT_MIN = 16  # tl.dot's smallest side
@@ -93,9 +91,9 @@ def sparse_mla_attention(
     out = torch.zeros(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    pdl = launch.pdl(q_latent.device)
+    launch = pdl(q_latent.device)
     _store_kernel[(num_tokens,)](latent, cache, meta.slot_mapping, latent.stride(0), WIDTH=width,
-                                 BLOCK_W=triton.next_power_of_2(width), **pdl)  # fmt: skip
+                                 BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
     tokens = torch.arange(num_tokens, device=q_latent.device, dtype=meta.cu_seqlens_q.dtype)
     seq_of_token = torch.searchsorted(meta.cu_seqlens_q[1:], tokens, right=True)  # num_seqs: past every sequence
     block_h = max(DOT_MIN, min(block_h, triton.next_power_of_2(num_heads)))
@@ -105,6 +103,6 @@ def sparse_mla_attention(
         selected.shape[1], scale * LOG2E, *q_latent.stride()[:2], *q_rope.stride()[:2], *out.stride()[:2],
         selected.stride(0), meta.block_tables.stride(0), BLOCK_SIZE=block_size, WIDTH=width, R=rank, P=rope_dim,
         BLOCK_R=max(DOT_MIN, triton.next_power_of_2(rank)), BLOCK_P=max(DOT_MIN, triton.next_power_of_2(rope_dim)),
-        BLOCK_H=block_h, BLOCK_N=block_n, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", **pdl,
+        BLOCK_H=block_h, BLOCK_N=block_n, PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", **launch,
     )  # fmt: skip
     return out

@@ -15,8 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernel_api import pdl, pdl_entry
 
 ACTIVATIONS = (None, "silu", "swish")
 MAX_BLOCK_T = 32
@@ -103,6 +102,6 @@ def causal_conv1d(
         x, weight.contiguous(), x if bias is None else bias, state, out, meta.cu_seqlens_q, meta.seq_lens, slots,
         x.stride(0), out.stride(0), *state.stride(), channels,
         WIDTH=width, WINDOW=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
-        SILU=activation is not None, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4, **launch.pdl(x.device),
+        SILU=activation is not None, BLOCK_T=block_t, BLOCK_C=BLOCK_C, num_warps=4, **pdl(x.device),
     )  # fmt: skip
     return out

@@ -29,8 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernel_api import pdl, pdl_entry
 
 CHUNK = 64
 RECURRENT_BLOCK_V = 32
@@ -210,7 +209,7 @@ def gated_delta_rule(
     block_k = triton.next_power_of_2(dim_k)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0), *out.stride()[:2],
                *state.stride()[:3])  # fmt: skip
-    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=block_k, **launch.pdl(v.device))
+    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=block_k, **pdl(v.device))
     if meta.max_seqlen_q == 1:
         grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
         _recurrent_kernel[grid](
