@@ -45,6 +45,27 @@ _CONFIG_FIELDS = {
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 
 
+# HF field of a DeepSeek-style MoE config (DeepSeek V3, GLM-4.5) -> its "<arch>.<key>" metadata and type
+DEEPSEEK_MOE_KEYS: dict[str, tuple[str, type]] = {
+    "n_routed_experts": ("expert_count", int),
+    "num_experts_per_tok": ("expert_used_count", int),
+    "moe_intermediate_size": ("expert_feed_forward_length", int),
+    "n_shared_experts": ("expert_shared_count", int),
+    "first_k_dense_replace": ("leading_dense_block_count", int),
+    "n_group": ("expert_group_count", int),
+    "topk_group": ("expert_group_used_count", int),
+    "routed_scaling_factor": ("expert_weights_scale", float),
+    "norm_topk_prob": ("expert_weights_norm", bool),
+}
+
+
+def read_fields(metadata: Mapping[str, Any], arch: str, keys: Mapping[str, tuple[str, type]]) -> dict[str, Any]:
+    """The config fields of ``keys`` (field -> (key under ``arch``, type)) that the file writes."""
+    return {
+        field: kind(metadata[f"{arch}.{key}"]) for field, (key, kind) in keys.items() if f"{arch}.{key}" in metadata
+    }
+
+
 class GGUFAdapter:
     """How one GGUF architecture differs from the HF checkpoint it was converted from; as it stands, the
     identity: the GGUF stores the HF tensors unchanged. A plugin subclasses it to override what differs."""

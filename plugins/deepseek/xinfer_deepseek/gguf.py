@@ -16,21 +16,14 @@ from typing import Any
 
 from gguf import ExpertGatingFuncType
 
-from xinfer.loading.gguf import GGUFAdapter
+from xinfer.loading.gguf import DEEPSEEK_MOE_KEYS, GGUFAdapter, read_fields
 
-# config field -> "deepseek2.<key>", where the converter writes it
+# config field -> "deepseek2.<key>", where the converter writes it: the latent's shape, then the experts'
 _KEYS = {
     "q_lora_rank": ("attention.q_lora_rank", int),
     "kv_lora_rank": ("attention.kv_lora_rank", int),
     "v_head_dim": ("attention.value_length_mla", int),
-    "n_routed_experts": ("expert_count", int),
-    "num_experts_per_tok": ("expert_used_count", int),
-    "moe_intermediate_size": ("expert_feed_forward_length", int),
-    "n_shared_experts": ("expert_shared_count", int),
-    "first_k_dense_replace": ("leading_dense_block_count", int),
-    "n_group": ("expert_group_count", int),
-    "topk_group": ("expert_group_used_count", int),
-    "routed_scaling_factor": ("expert_weights_scale", float),
+    **DEEPSEEK_MOE_KEYS,
 }
 
 
@@ -47,15 +40,14 @@ class DeepseekV2GGUF(GGUFAdapter):
                 "deepseek2 GGUF with softmax expert gating (DeepSeek-V2, V2.5) is not supported: xinfer reads "
                 "V3-style files (sigmoid gating); load V2 from its safetensors checkpoint"
             )
-        config = {field: kind(metadata[f"deepseek2.{key}"]) for field, (key, kind) in _KEYS.items()
-                  if f"deepseek2.{key}" in metadata}  # fmt: skip
+        config = read_fields(metadata, "deepseek2", _KEYS)
         rope_dim = int(metadata["deepseek2.rope.dimension_count"])
         config |= {
             "architectures": ["DeepseekV3ForCausalLM"],
             "q_lora_rank": config.get("q_lora_rank"),  # none written: no q-LoRA
             "n_group": config.get("n_group", 1),  # none written: no group limit, as llama.cpp reads it
             "topk_group": config.get("topk_group", 1),
-            "norm_topk_prob": bool(metadata.get("deepseek2.expert_weights_norm", False)),
+            "norm_topk_prob": config.get("norm_topk_prob", False),
             "qk_rope_head_dim": rope_dim,
             "qk_nope_head_dim": int(metadata["deepseek2.attention.key_length_mla"]) - rope_dim,
             "head_dim": rope_dim,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from xinfer.loading.gguf import GGUFAdapter
+from xinfer.loading.gguf import DEEPSEEK_MOE_KEYS, GGUFAdapter, read_fields
 
 
 def _partial_rotary_factor(arch: str, metadata: Mapping[str, Any], fields: dict[str, Any]) -> float:
@@ -29,20 +29,6 @@ class Glm4GGUF(GGUFAdapter):
         return {"partial_rotary_factor": _partial_rotary_factor("glm4", metadata, fields)}
 
 
-# config field -> "glm4moe.<key>", where the converter writes it
-_MOE_KEYS = {
-    "n_routed_experts": ("expert_count", int),
-    "num_experts_per_tok": ("expert_used_count", int),
-    "moe_intermediate_size": ("expert_feed_forward_length", int),
-    "n_shared_experts": ("expert_shared_count", int),
-    "first_k_dense_replace": ("leading_dense_block_count", int),
-    "n_group": ("expert_group_count", int),
-    "topk_group": ("expert_group_used_count", int),
-    "routed_scaling_factor": ("expert_weights_scale", float),
-    "norm_topk_prob": ("expert_weights_norm", bool),
-}
-
-
 class Glm4MoeGGUF(GGUFAdapter):
     """Whether q, k and v have biases and q, k norms the file shows only by their tensors."""
 
@@ -52,11 +38,7 @@ class Glm4MoeGGUF(GGUFAdapter):
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
-        moe = {
-            field: kind(metadata[f"glm4moe.{key}"])
-            for field, (key, kind) in _MOE_KEYS.items()
-            if f"glm4moe.{key}" in metadata
-        }
+        moe = read_fields(metadata, "glm4moe", DEEPSEEK_MOE_KEYS)
         mtp_layers = int(metadata.get("glm4moe.nextn_predict_layers", 0))
         return {
             **moe,
