@@ -36,8 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bandwidth import copy_bandwidth
-from moe import offline, router_bytes
+from moe import decode_against_limit, router_bytes, throughput
 from shapes import SHAPES
 from transformers import PretrainedConfig
 
@@ -105,33 +104,17 @@ def main() -> None:
         "--smoke", action="store_true", help="check this script on the CPU: a tiny Qwen3.6-MoE shape, fp32, short runs"
     )
     args = parser.parse_args()
-    shape, dtype, itemsize, device = (SMOKE_SHAPE, "float32", 4, "cpu") if args.smoke else (
-        args.shape, "bfloat16", 2, "auto")  # fmt: skip
+    shape = SMOKE_SHAPE if args.smoke else args.shape
+    result = decode_against_limit(shape, args.smoke, args.input_len, args.output_len, decode_bytes_per_token)
+    config, itemsize = SHAPES[shape](), 4 if args.smoke else 2
     input_len, output_len = (16, 8) if args.smoke else (args.input_len, args.output_len)
-    bandwidth = float("nan") if args.smoke else copy_bandwidth()
-    decode = offline(shape, dtype, "--device", device, "--batch", "1", "--input-len", str(input_len), "--output-len",
-                     str(output_len), "--max-num-seqs", "1", "--profile")  # fmt: skip
-    config = SHAPES[shape]()
-    moved = decode_bytes_per_token(config, input_len + output_len / 2, itemsize)
-    limit = bandwidth / moved
-    moves = {
-        "total": moved,
+    result["bytes_per_token"] = {
+        "total": decode_bytes_per_token(config, input_len + output_len / 2, itemsize),
         "weights": weight_bytes(config, itemsize),
         "state_read_and_written": 2 * state_bytes(config),
     }
-    result = {
-        "shape": shape,
-        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-        "decode_tok_s": decode["decode_tok_s"],
-        "decode_limit_tok_s": round(limit, 1),
-        "decode_fraction_of_limit": round(decode["decode_tok_s"] / limit, 3),
-        "bytes_per_token": moves,
-        "decode": decode,
-    }
     if not args.skip_throughput:
-        requests, lengths = ("8", "8:32") if args.smoke else ("256", "100:1024")
-        result["throughput"] = offline(shape, dtype, "--device", device, "--num-requests", requests, "--input-len",
-                                       lengths, "--output-len", lengths, "--profile")  # fmt: skip
+        result["throughput"] = throughput(shape, args.smoke)
     print(json.dumps(result))
 
 

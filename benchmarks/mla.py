@@ -31,8 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bandwidth import copy_bandwidth
-from moe import offline
+from moe import decode_against_limit
 from shapes import SHAPES
 from transformers import PretrainedConfig
 
@@ -78,29 +77,19 @@ def main() -> None:
         "--smoke", action="store_true", help="check this script on the CPU: a tiny DeepSeek-V3 shape, fp32, short runs"
     )
     args = parser.parse_args()
-    shape, dtype, itemsize, device = (SMOKE_SHAPE, "float32", 4, "cpu") if args.smoke else (
-        SHAPE, "bfloat16", 2, "auto")  # fmt: skip
-    input_len, output_len = (16, 8) if args.smoke else (args.input_len, args.output_len)
-    bandwidth = float("nan") if args.smoke else copy_bandwidth()
-    decode = offline(shape, dtype, "--device", device, "--batch", "1", "--input-len", str(input_len), "--output-len",
-                     str(output_len), "--max-num-seqs", "1", "--profile")  # fmt: skip
+    shape, itemsize = (SMOKE_SHAPE, 4) if args.smoke else (SHAPE, 2)
+    result = decode_against_limit(shape, args.smoke, args.input_len, args.output_len, decode_bytes_per_token)
     config = SHAPES[shape]()
-    limit = bandwidth / decode_bytes_per_token(config, input_len + output_len / 2, itemsize)
     token_bytes = {
         "latent": config.num_hidden_layers * latent_values_per_token(config) * itemsize,
         "mha_expanded": config.num_hidden_layers * expanded_values_per_token(config) * itemsize,
     }
-    print(json.dumps({
-        "shape": shape,
-        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-        "decode_tok_s": decode["decode_tok_s"],
-        "decode_limit_tok_s": round(limit, 1),
-        "decode_fraction_of_limit": round(decode["decode_tok_s"] / limit, 3),
+    result |= {
         "kv_bytes_per_token": token_bytes,
         "kv_capacity_tokens": {kind: int(args.kv_gib * GiB // size) for kind, size in token_bytes.items()},
         "kv_gib": args.kv_gib,
-        "decode": decode,
-    }))  # fmt: skip
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bandwidth import copy_bandwidth
@@ -78,6 +79,39 @@ def offline(shape: str, dtype: str, *args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def decode_against_limit(
+    shape: str,
+    smoke: bool,
+    input_len: int,
+    output_len: int,
+    bytes_per_token: Callable[[PretrainedConfig, float, int], float],
+) -> dict:
+    """Batch-1 decode of ``shape`` (bf16; fp32 on the CPU with ``smoke``, short) against the copy bandwidth over
+    the bytes a token moves at the run's mean context (``bytes_per_token(config, context, itemsize)``)."""
+    dtype, itemsize, device = ("float32", 4, "cpu") if smoke else ("bfloat16", 2, "auto")
+    input_len, output_len = (16, 8) if smoke else (input_len, output_len)
+    bandwidth = float("nan") if smoke else copy_bandwidth()
+    decode = offline(shape, dtype, "--device", device, "--batch", "1", "--input-len", str(input_len), "--output-len",
+                     str(output_len), "--max-num-seqs", "1", "--profile")  # fmt: skip
+    limit = bandwidth / bytes_per_token(SHAPES[shape](), input_len + output_len / 2, itemsize)
+    return {
+        "shape": shape,
+        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+        "decode_tok_s": decode["decode_tok_s"],
+        "decode_limit_tok_s": round(limit, 1),
+        "decode_fraction_of_limit": round(decode["decode_tok_s"] / limit, 3),
+        "decode": decode,
+    }
+
+
+def throughput(shape: str, smoke: bool) -> dict:
+    """256 requests with input and output lengths uniform in 100..1024 (8 short ones with ``smoke``)."""
+    dtype, device = ("float32", "cpu") if smoke else ("bfloat16", "auto")
+    requests, lengths = ("8", "8:32") if smoke else ("256", "100:1024")
+    return offline(shape, dtype, "--device", device, "--num-requests", requests, "--input-len", lengths,
+                   "--output-len", lengths, "--profile")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "glm-4.5-air"])
@@ -88,25 +122,10 @@ def main() -> None:
         "--smoke", action="store_true", help="check this script on the CPU: a tiny GLM-4.5 shape, fp32, short runs"
     )
     args = parser.parse_args()
-    shape, dtype, itemsize, device = (SMOKE_SHAPE, "float32", 4, "cpu") if args.smoke else (
-        args.shape, "bfloat16", 2, "auto")  # fmt: skip
-    input_len, output_len = (16, 8) if args.smoke else (args.input_len, args.output_len)
-    bandwidth = float("nan") if args.smoke else copy_bandwidth()
-    decode = offline(shape, dtype, "--device", device, "--batch", "1", "--input-len", str(input_len), "--output-len",
-                     str(output_len), "--max-num-seqs", "1", "--profile")  # fmt: skip
-    limit = bandwidth / decode_bytes_per_token(SHAPES[shape](), input_len + output_len / 2, itemsize)
-    result = {
-        "shape": shape,
-        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-        "decode_tok_s": decode["decode_tok_s"],
-        "decode_limit_tok_s": round(limit, 1),
-        "decode_fraction_of_limit": round(decode["decode_tok_s"] / limit, 3),
-        "decode": decode,
-    }
+    shape = SMOKE_SHAPE if args.smoke else args.shape
+    result = decode_against_limit(shape, args.smoke, args.input_len, args.output_len, decode_bytes_per_token)
     if not args.skip_throughput:
-        requests, lengths = ("8", "8:32") if args.smoke else ("256", "100:1024")
-        result["throughput"] = offline(shape, dtype, "--device", device, "--num-requests", requests, "--input-len",
-                                       lengths, "--output-len", lengths, "--profile")  # fmt: skip
+        result["throughput"] = throughput(shape, args.smoke)
     print(json.dumps(result))
 
 
