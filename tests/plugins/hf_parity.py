@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_models import prefill_logits, prompt
+from tests.tiny_models import prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.loading.weights import MissingWeightsError
 
@@ -123,3 +123,13 @@ def assert_missing_tensor_is_named(folder: Path, dropped: str, named: str) -> No
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(MissingWeightsError, match=re.escape(named)):
         LLM(model=str(folder), dtype="float32", num_blocks=64)
+
+
+def randomized_model(config, folder: Path) -> tuple[torch.nn.Module, LLM]:
+    """A tiny transformers model of ``config`` with its norms, biases and routers randomized
+    (:func:`randomize`, :func:`spread_routing`), saved to ``folder``, and xinfer's LLM of it."""
+    hf = save_tiny_model(config, folder)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64)

@@ -21,8 +21,7 @@ from transformers import (
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
-    randomize,
-    spread_routing,
+    randomized_model,
 )
 from tests.tiny_models import COMMON, save_tiny_model
 from xinfer import LLM
@@ -116,12 +115,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def models(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("variant")
-    hf = save_tiny_model(CONFIGS[request.param](), folder)
-    randomize(hf)
-    spread_routing(hf)
-    hf.save_pretrained(folder, safe_serialization=True)
-    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64)
+    return randomized_model(CONFIGS[request.param](), tmp_path_factory.mktemp("variant"))
 
 
 @pytest.mark.parametrize("length", (5, 29))
