@@ -36,7 +36,7 @@ from triton.runtime.errors import OutOfResources
 from xinfer.kv import LayerKVCache
 from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms
 from xinfer.torch_ops import TorchOps
-from xinfer_cuda.kernels import activation, attention, gemv, norm, rotary
+from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
 from xinfer_cuda.ops import CudaOps
 
@@ -436,8 +436,9 @@ DECODE_LARGE = {
 DECODE_CASES = DECODE_SMALL | (DECODE_LARGE if ON_GPU else {})
 
 
-# On a GPU the automatic split counts of the large cases stand in for a forced 4.
-@pytest.mark.parametrize("num_splits", [None, 1] + ([] if ON_GPU else [4]), ids=lambda s: f"splits{s or 'auto'}")
+# On a GPU the automatic split counts of the large cases stand in for a forced 4 (merged by the
+# last split program) and 16 (merged by the reduce launch).
+@pytest.mark.parametrize("num_splits", [None, 1] + ([] if ON_GPU else [4, 16]), ids=lambda s: f"splits{s or 'auto'}")
 @pytest.mark.parametrize("name, dtype", matrix(list(DECODE_SMALL), list(DECODE_LARGE), LOW_PRECISION))
 def test_attention_decode(name, dtype, num_splits):
     seq_lens, heads, kv_heads, head_dim, block_size = DECODE_CASES[name]
@@ -455,6 +456,24 @@ def test_attention_decode_window_softcap(window, softcap):
     batch = make_batch([1] * len(seq_lens), seq_lens, 8, 2, 64, 16, torch.float32)
     out = run_attention(batch, 0.5, window, softcap, num_splits=4)
     check(out, batch.reference(0.5, window, softcap), torch.float32)
+
+
+def test_attention_decode_few_splits_merge_without_the_reduce(monkeypatch):
+    """Up to MERGE_SPLITS splits the last program of each (sequence, KV head) merges the
+    partials, with no reduce launch, and leaves its counter at zero for the next layer."""
+    monkeypatch.setattr(attention, "_decode_reduce_kernel", _NoLaunch())
+    batch = make_batch([1, 0, 1, 1], [300, 7, 90, 1], 8, 2, 64, 16, torch.float32)
+    for layer in range(2):
+        out = run_attention(batch, 0.125, num_splits=attention.MERGE_SPLITS)
+        check(out, batch.reference(0.125, None, None), torch.float32)
+        assert int(arrivals.counters(DEVICE, "attention", 1).abs().sum()) == 0, layer
+
+
+class _NoLaunch:
+    """A kernel stand-in that fails when launched."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the reduce kernel launched")
 
 
 def test_attention_decode_skips_empty_sequences():

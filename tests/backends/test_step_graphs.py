@@ -21,6 +21,7 @@ from xinfer.sampling import SampledRow, SamplingBatch
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.static_step import (
+    SHORT_CONTEXT,
     Bucket,
     StaticStep,
     decode_sizes,
@@ -73,6 +74,34 @@ def test_pick_bucket_by_kind_and_size():
     chunk = host_batch([1], [5], [False])  # one prompt token, not the last: not a decode step
     assert pick_bucket(buckets, chunk) == Bucket(64, 8, False)
     assert pick_bucket(buckets, host_batch([257], [257], [True])) is None
+
+
+def test_small_decode_batches_have_short_context_buckets():
+    """Decode batches of up to SHORT_CONTEXT_SEQS sequences whose block tables fit
+    SHORT_CONTEXT tokens take a bucket of that table width (few decode splits, merged
+    without the reduce launch); wider ones, and larger batches, the full width."""
+    limits = StepLimits(max_num_seqs=16, max_num_tokens=256, max_blocks_per_seq=256, max_seq_len=4096)
+    buckets = step_buckets(limits)
+    short = [b for b in buckets if b.max_blocks is not None]
+    assert short == [Bucket(n, n, True, SHORT_CONTEXT * 256 // 4096) for n in (1, 2, 4, 8)]
+    block = 4096 // 256
+    fits = host_batch([1, 1], [SHORT_CONTEXT, 9], [True] * 2, block_size=block)
+    assert pick_bucket(buckets, fits) == Bucket(2, 2, True, SHORT_CONTEXT // block)
+    wider = host_batch([1, 1], [SHORT_CONTEXT + 1, 9], [True] * 2, block_size=block)
+    assert pick_bucket(buckets, wider) == Bucket(2, 2, True)
+    many = host_batch([1] * 9, [5] * 9, [True] * 9, block_size=block)
+    assert pick_bucket(buckets, many) == Bucket(16, 16, True)
+    seen = []
+
+    def forward(ids, positions, context, rows):
+        seen.append(context.seqs.block_tables)
+        return torch.zeros(len(rows), 3)
+
+    step = StaticStep(forward, limits, torch.device("cpu"))
+    bucket = Bucket(2, 2, True, SHORT_CONTEXT // block)
+    step.load(fits, bucket)
+    step.run(bucket)
+    assert seen[0].tolist() == fits.pages[0].block_tables[:1] + [fits.pages[0].block_tables[1] + [0] * 63]
 
 
 def test_load_writes_the_sampled_rows_parameters_in_the_step_s_input_copy():

@@ -6,7 +6,9 @@ VM), and a step is hundreds of them: run eagerly, a step with prompt tokens (pre
 chunked prefill, or decodes mixed with a new prompt's chunk, as continuous batching
 makes most steps) pays ~90 ms in launches alone. So every step is one replay, padded
 up to a captured shape (:mod:`xinfer_cuda.static_step`): decode batches for a ladder
-of sizes (the split-K decode kernel), and steps with prompt tokens for a ladder of
+of sizes (the split-K decode kernel; small ones twice, with block tables for short
+contexts too, whose few splits merge without the reduce launch), and steps with prompt
+tokens for a ladder of
 token counts up to the step budget, four per octave (the prefill kernel, whose grid
 depends only on the token and sequence counts, beside the decode kernel for their
 one-query sequences). Before a replay come only the input copies.

@@ -13,6 +13,7 @@ eagerly, which is how its equivalence with an unpadded step is tested.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,13 @@ MIN_STEP_TOKENS = 64
 SIZES_PER_OCTAVE = 4
 
 
+# Small decode batches get graphs of their own for contexts up to SHORT_CONTEXT tokens: their
+# block tables are that narrow, so the decode kernel splits each context in few parts and
+# merges them itself, without the reduce launch (kernels/attention.py, MERGE_SPLITS).
+SHORT_CONTEXT = 1024
+SHORT_CONTEXT_SEQS = 8
+
+
 @dataclass(frozen=True)
 class Bucket:
     """A captured step shape: ``num_seqs`` is also the number of logits rows."""
@@ -44,6 +52,7 @@ class Bucket:
     num_tokens: int
     num_seqs: int
     decode: bool  # one token per sequence, each sampled: the split-K decode kernel
+    max_blocks: int | None = None  # block table columns (None: every one, max_blocks_per_seq)
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
@@ -65,18 +74,26 @@ def step_buckets(limits: StepLimits) -> list[Bucket]:
     """Decode batches of a ladder of sizes, and steps with prompt tokens of a ladder of
     token counts (as many sequences as fit both the tokens and ``max_num_seqs``)."""
     decode = [Bucket(n, n, True) for n in decode_sizes(limits.max_num_seqs)]
+    short_blocks = -(-limits.max_blocks_per_seq * SHORT_CONTEXT // limits.max_seq_len)
+    if short_blocks < limits.max_blocks_per_seq:
+        decode += [
+            Bucket(b.num_tokens, b.num_seqs, True, short_blocks) for b in decode if b.num_seqs <= SHORT_CONTEXT_SEQS
+        ]
     mixed = [Bucket(t, min(t, limits.max_num_seqs), False) for t in token_sizes(limits.max_num_tokens)]
     return decode + mixed
 
 
 def pick_bucket(buckets: list[Bucket], batch: HostBatch) -> Bucket | None:
-    """The smallest bucket of ``batch``'s kind that holds it, or None."""
+    """The smallest bucket of ``batch``'s kind that holds it (the narrowest block tables
+    among those of its size), or None."""
     num_tokens, num_seqs = len(batch.input_ids), len(batch.seq_lens)
+    width = max(len(row) for page in batch.pages for row in page.block_tables)
     fitting = [
         b for b in buckets
         if b.decode == batch.is_decode and b.num_tokens >= num_tokens and b.num_seqs >= num_seqs
+        and (b.max_blocks is None or b.max_blocks >= width)
     ]  # fmt: skip
-    return min(fitting, key=lambda b: b.num_tokens, default=None)
+    return min(fitting, key=lambda b: (b.num_tokens, b.max_blocks or math.inf), default=None)
 
 
 def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
@@ -193,17 +210,19 @@ class StaticStep:
         cu_seqlens_q, seq_lens, *state_slots = self._seq_views(self.dev32)
         slots = self._slot_views(self.dev64)
         t, s, k = bucket.num_tokens, bucket.num_seqs, self.tables_per_group
+        width = bucket.max_blocks or self.limits.max_blocks_per_seq
         pages = []
         for group in range(self.limits.num_page_groups):
             meta = AttentionMetadata(
                 cu_seqlens_q=cu_seqlens_q[: s + 1],
                 seq_lens=seq_lens[:s],
-                block_tables=self.tables[group * k][:s],
+                block_tables=self.tables[group * k][:s, :width],
                 slot_mapping=slots[group * k][:t],
                 max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
                 max_seq_len=self.limits.max_seq_len,
-                shadows=ShadowPages(self.tables[group * k + 1][:s], slots[group * k + 1][:t]) if k == 2 else None,
-            )
+                shadows=ShadowPages(self.tables[group * k + 1][:s, :width], slots[group * k + 1][:t])
+                if k == 2 else None,
+            )  # fmt: skip
             pages.append(meta)
         step = StepContext(pages, state_slots[0][:s] if state_slots else None)
         logits = self.forward(ids[:t], positions[:t], step, rows[:s])

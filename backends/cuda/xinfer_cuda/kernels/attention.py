@@ -12,7 +12,9 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   in decode steps and in steps that mix decodes with prompt chunks (in a prefill
   tile one query would fill a group's rows of a 128-row tile and leave the rest
   idle). Flash-decoding: each sequence's context is split across ``num_splits``
-  programs per KV head, which write partial (acc, max, sum); the reduce merges them.
+  programs per KV head, which write partial (acc, max, sum); the reduce merges them,
+  or, with few splits (short contexts), the last of a KV head's programs to finish does
+  (a counter per (sequence, KV head)), which saves the reduce's launch.
   With a recent window the keys that may be exact (the first block, the last
   ``recent``) are read by a launch of its own, one program per (sequence, KV head),
   on a second stream beside the splits, which share the rest.
@@ -48,7 +50,8 @@ from torch import Tensor
 
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels import arrivals, launch
+from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.basis import signed_basis
 from xinfer_cuda.kernels.kv_codes import (
     CODE_PLAIN,
@@ -612,6 +615,7 @@ def _decode_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    arrivals_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -651,6 +655,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
     PARTIAL: tl.constexpr,
+    MERGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -763,6 +768,47 @@ def _decode_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, False, ROTATION_CHUNK, PRECISION)  # fmt: skip
+        # The last part of the (sequence, KV head) to finish merges them all (no reduce launch)
+        if MERGE:  # noqa: SIM102 (a constexpr: no atomic is compiled without it)
+            if last_to_arrive(arrivals_ptr + seq * (num_heads // GROUP) + kv_head, num_splits + EXACT):
+                first_part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT)
+                o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+                _merge_parts(out_ptr, o_off, part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, num_splits + EXACT,
+                             row_ok, basis_ptr, BLOCK_M, HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK,
+                             PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _merge_parts(
+    out_ptr, o_off, part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, num_parts, row_ok, basis_ptr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, HALF_D: tl.constexpr,
+    ROTATE_OUT: tl.constexpr, ROTATION_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The output rows merged from their ``num_parts`` partials (acc, max, sum) from
+    ``first_part`` on, as :func:`_decode_reduce_kernel` does, online over the parts."""
+    cols, lo_ok, hi_ok = half_columns(HEAD_DIM, SPLIT, HALF_D)
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, HALF_D], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF_D], tl.float32)
+    for p in range(0, num_parts):
+        part = first_part + p
+        m_p = tl.load(part_max_ptr + part, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+        l_p = tl.load(part_sum_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
+        read = row_ok & (l_p > 0.0)  # (a part that read no keys holds nothing)
+        at = part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :]
+        lo = tl.load(at, mask=read[:, None] & lo_ok[None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_p)
+        alpha, beta = tl.exp2(m_i - m_new), tl.exp2(m_p - m_new)
+        l_i = l_i * alpha + l_p * beta
+        acc_lo = acc_lo * alpha[:, None] + lo * beta[:, None]
+        if SPLIT < HEAD_DIM:  # a second half
+            hi = tl.load(at + SPLIT, mask=read[:, None] & hi_ok[None, :], other=0.0, cache_modifier=".cg")
+            acc_hi = acc_hi * alpha[:, None] + hi * beta[:, None]
+        m_i = m_new
+    norm = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    _store_rows(out_ptr, o_off, row_ok, acc_lo * norm, acc_hi * norm, basis_ptr,
+                HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK, PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -822,6 +868,10 @@ class TileConfig:
 
 
 MAX_SPLITS = 64
+# Up to this many splits the last of a (sequence, KV head)'s programs merges their partials
+# (a serial loop over the parts) instead of a reduce launch; past it the reduce's programs
+# per (sequence, head) merge faster than the one program would.
+MERGE_SPLITS = 8
 
 # Preferred first; the first whose shared memory fits the device is used. Sizes checked
 # by compiling for sm_80 and sm_90 (no spills).
@@ -1150,9 +1200,9 @@ def attend_sides(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
 
-    def decode_args(part_acc: Tensor, part_max: Tensor, part_sum: Tensor, num_splits: int) -> tuple:
+    def decode_args(part_acc: Tensor, part_max: Tensor, part_sum: Tensor, counts: Tensor, num_splits: int) -> tuple:
         return (
-            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum,
+            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum, counts,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             score_scale, cap_scale, window_arg, *exact_args,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -1166,10 +1216,10 @@ def attend_sides(
         # against 32: turbo4 38.0 -> 33.6 us, turbo8 42.4 -> 37.4, fp8 38.7 -> 36.7).
         def stand_in_args() -> tuple:  # (the partials' dtype and alignment)
             stand_in = torch.empty(1, dtype=torch.float32, device=q.device)
-            return decode_args(stand_in, stand_in, stand_in, 2)
+            return decode_args(stand_in, stand_in, stand_in, torch.empty(1, dtype=torch.int32, device=q.device), 2)
 
         kind = (q.device, q.dtype, k_cache.dtype, v_cache.dtype)  # (the other dtypes follow from the constexprs)
-        constexprs = dict(decode_constexprs, EXACT_PART=False, PARTIAL=True)
+        constexprs = dict(decode_constexprs, EXACT_PART=False, PARTIAL=True, MERGE=False)
         per_sm = _programs_per_sm(_decode_kernel, stand_in_args, kind, constexprs)
         useful = triton.cdiv(max_context, min_split)
         pairs = meta.num_seqs * num_kv_heads
@@ -1188,8 +1238,11 @@ def attend_sides(
         )
     else:
         parts = (out, out, out)  # unused
-    args = decode_args(*parts, num_splits)
+    few_splits = 1 < num_parts and num_splits <= MERGE_SPLITS
+    counters = arrivals.counters(q.device, "attention", meta.num_seqs * num_kv_heads) if few_splits else None
+    args = decode_args(*parts, counters if counters is not None else meta.seq_lens, num_splits)
     decode_constexprs["PARTIAL"] = num_parts > 1
+    decode_constexprs["MERGE"] = counters is not None
     side = _fork(q.device) if exact is not None else None
     if exact is not None:  # the exact part, beside the splits where there are streams
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -1197,7 +1250,7 @@ def attend_sides(
     _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](*args, EXACT_PART=False, **decode_constexprs)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
-    if num_parts > 1:
+    if num_parts > 1 and counters is None:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
             out, parts[0], basis, parts[1], parts[2], meta.cu_seqlens_q,
             out.stride(0), out.stride(1), num_heads,
