@@ -95,6 +95,40 @@ class Ops(Protocol):
         (the next residual).
         """
 
+    def norm_linear(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        bias: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """A norm and the linear it feeds as one op, ``(y, normed, h)`` for ``x`` [T, K]::
+
+            h      = x + residual                      # x itself without a residual
+            normed = rms_norm(h, norm_weight, eps)     # as :meth:`rms_norm`, in x's dtype
+            y      = linear(normed, weight, bias)      # normed cast to weight's dtype first
+
+        so that a backend may normalize in the linear's prologue (decode steps of small
+        batches: the norm's own launch costs more than its bytes). ``normed`` and ``h``
+        serve what else reads the normalized input and the next residual."""
+
+    def norm_route(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        routing: Routing,
+        correction_bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A norm, the router's projection it feeds and the routing as one op, ``(weights,
+        ids, normed, h)``: :meth:`norm_linear` of ``x`` into the router's ``weight`` (its
+        logits in the weight's dtype), then :meth:`moe_route` of those logits. At batch 1
+        a backend may do it in one launch (the routing in the last program's epilogue)."""
+
     def rotary(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -297,6 +331,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     return current().rms_norm(x, weight, eps, residual)
+
+
+def norm_linear(
+    x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    return current().norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+def norm_route(
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    routing: Routing,
+    correction_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return current().norm_route(x, residual, norm_weight, eps, weight, routing, correction_bias)
 
 
 def rotary(

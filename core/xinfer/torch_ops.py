@@ -57,6 +57,35 @@ class TorchOps:
         out = (normed * weight.float()).to(x.dtype)
         return out if residual is None else (out, residual)
 
+    def norm_linear(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        bias: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if residual is None:
+            normed, h = self.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, h = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(normed.to(weight.dtype), weight, bias), normed, h
+
+    def norm_route(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        routing: Routing,
+        correction_bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        logits, normed, h = self.norm_linear(x, residual, norm_weight, eps, weight)
+        weights, ids = self.moe_route(logits, routing, correction_bias)
+        return weights, ids, normed, h
+
     def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None):
         if norms is not None:
             q, k = self.rms_norm(q, norms.q_weight, norms.eps), self.rms_norm(k, norms.k_weight, norms.eps)

@@ -36,7 +36,7 @@ from triton.runtime.errors import OutOfResources
 from xinfer.kv import LayerKVCache
 from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms
 from xinfer.torch_ops import TorchOps
-from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, rotary
+from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, norm_linear, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
 from xinfer_cuda.ops import CudaOps
 
@@ -168,6 +168,102 @@ def test_small_batch_linear_skips_tiles_the_gpu_lacks_resources_for():
     x, weight = rand(4, 64), rand(24, 64)
     check(linear(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
     assert list(linear.choice.values()) == [DOT_TILES[-1]]
+
+
+# --- RMSNorm fused into the linear after it -----------------------------------------
+
+NORM_LINEAR_SHAPES = matrix(
+    [(1, 37, 100), (1, 64, 256), (3, 40, 96), (16, 24, 130)],
+    [(1, 4096, 2048), (1, 128, 2048), (4, 5120, 2048)],
+    large_dtypes=[torch.bfloat16],
+)
+
+
+def norm_linear_reference(x, residual, norm_weight, eps, weight, bias):
+    return CPU.norm_linear(*(None if t is None else ref32(t) for t in (x, residual, norm_weight)), eps,
+                           ref32(weight), None if bias is None else ref32(bias))  # fmt: skip
+
+
+@pytest.mark.parametrize("shape, dtype", NORM_LINEAR_SHAPES)
+def test_norm_linear(shape, dtype):
+    """Every tile the measurement may pick, with and without a residual and a bias: the
+    projection, the normalized rows and the new residual."""
+    m, n, k = shape
+    x, residual, norm_weight = rand(m, k, dtype=dtype), rand(m, k, dtype=dtype), rand(k, dtype=dtype)
+    weight, bias = rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
+    tiles = candidates(m)
+    for i, (tile, r, b) in enumerate(itertools.product(tiles, (None, residual), (None, bias))):
+        if ON_GPU or i % 2 == 0 or tile == tiles[-1]:  # (the interpreter: bias on the last tile alone)
+            y, normed, h = norm_linear.norm_linear(x, r, norm_weight, 1e-5, weight, b, tile)
+            ref_y, ref_normed, ref_h = norm_linear_reference(x, r, norm_weight, 1e-5, weight, b)
+            check(y, ref_y, dtype)
+            check(normed, ref_normed, dtype)
+            check(h, ref_h, dtype)
+            if r is None:
+                assert h is x
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_norm_linear_fp32_weight(rows):
+    """A router kept in fp32 behind a norm in the model's dtype: the normalized rows are
+    rounded to that dtype, then the product is fp32 (as ``linear(normed.float(), w)``)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    x, residual, norm_weight = rand(rows, 96, dtype=dtype), rand(rows, 96, dtype=dtype), rand(96, dtype=dtype)
+    weight = rand(24, 96, scale=96**-0.5)
+    for tile in candidates(rows)[:: 1 if ON_GPU else 3]:
+        y, normed, _ = norm_linear.norm_linear(x, residual, norm_weight, 1e-6, weight, None, tile)
+        _, ref_normed, _ = norm_linear_reference(x, residual, norm_weight, 1e-6, weight, None)
+        check(normed, ref_normed, dtype)
+        exact = ref32(normed) @ ref32(weight).T  # the product of the kernel's own rounded rows
+        check(y, exact, torch.float32)
+
+
+def test_small_batch_norm_linear_fuses_only_where_measured_faster():
+    """The fused kernel replaces the norm-then-linear baseline only when clearly faster,
+    measured once per (rows, weight shape, residual) and reported apart from the linears."""
+    x, residual, norm_weight, weight = rand(1, 64), rand(1, 64), rand(64), rand(40, 64)
+    unfused_calls = []
+
+    def unfused(w):
+        unfused_calls.append(w)
+        return CPU.norm_linear(x, residual, norm_weight, 1e-6, w)
+
+    for fused_time, expect_fused in ((9.9, False), (8.0, True)):
+        times = iter([10.0] + [fused_time] * len(candidates(1)))
+
+        def timer(call, weights, times=times):
+            call(weights[0])
+            return next(times)
+
+        linear = SmallBatchLinear(timer, copies=lambda w: [w])
+        for measuring in (True, False):
+            unfused_calls.clear()
+            y, normed, h = linear.norm_linear(x, residual, norm_weight, 1e-6, weight, None, unfused)
+            ref_y, ref_normed, ref_h = CPU.norm_linear(x, residual, norm_weight, 1e-6, weight)
+            check(y, ref_y, torch.float32)
+            check(normed, ref_normed, torch.float32)
+            check(h, ref_h, torch.float32)
+            if not measuring:  # (the measurement times the baseline)
+                assert (unfused_calls == []) == expect_fused
+        assert len(linear.choice) == 1
+        report = linear.report()
+        assert f"the norm fused into the linear for {int(expect_fused)} of 1" in report
+
+
+def test_norm_linear_op_matches_its_parts():
+    """The op, on the backend and the reference, is the norm and then the linear: on
+    small batches the fused kernel (on a GPU), past them the two kernels."""
+    for rows in (1, 40):
+        x, residual, norm_weight = rand(rows, 48), rand(rows, 48), rand(48)
+        weight, bias = rand(20, 48), rand(20)
+        y, normed, h = CUDA.norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
+        ref_normed, ref_h = CPU.rms_norm(ref32(x), ref32(norm_weight), 1e-6, ref32(residual))
+        check(normed, ref_normed, torch.float32)
+        check(h, ref_h, torch.float32)
+        check(y, CPU.linear(ref_normed, ref32(weight), ref32(bias)), torch.float32)
+        y, normed, h = CUDA.norm_linear(x, None, norm_weight, 1e-6, weight)
+        assert h is x
+        check(y, CPU.linear(CPU.rms_norm(ref32(x), ref32(norm_weight), 1e-6), ref32(weight)), torch.float32)
 
 
 # --- RMSNorm -------------------------------------------------------------------------

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from xinfer import ops
+from xinfer.layers import RMSNorm
 from xinfer.layers.moe import Router, Routing
 from xinfer.torch_ops import TorchOps
-from xinfer_cuda.kernels import moe, moe_routing
+from xinfer_cuda.kernels import arrivals, moe, moe_routing, norm_linear
+from xinfer_cuda.linear import ONE_ROW_TILES, SmallBatchLinear
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -194,3 +196,76 @@ def test_router_routes_alike_on_both_backends(routing):
         weights, ids = router.to(DEVICE)(x.to(DEVICE), token_ids.to(DEVICE))
     assert torch.equal(ids.cpu().long(), expected_ids)
     torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first-layer", "residual"])
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_norm_route_matches_the_reference(name, with_residual):
+    """The norm, the router's GEMV and the routing of one row in one launch (the last program
+    routes): the experts, their weights, the normalized row and the new residual, in a few
+    tiles; the launch leaves its counter at zero for the next layer."""
+    experts, routing = ROUTINGS[name]
+    generator = torch.Generator().manual_seed(experts + with_residual)
+    hidden = 96
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    x, norm_weight, weight = randn(1, hidden), randn(hidden), randn(experts, hidden) * hidden**-0.5
+    residual = randn(1, hidden) if with_residual else None
+    bias = randn(experts) * 0.05 if routing.correction_bias else None
+    expected = TorchOps().norm_route(x, residual, norm_weight, 1e-6, weight, routing, bias)
+    on = [None if t is None else t.to(DEVICE) for t in (x, residual, norm_weight, weight, bias)]
+    for tile in ONE_ROW_TILES[:: 1 if ON_GPU else 5]:
+        weights, ids, normed, h = norm_linear.norm_route(*on[:3], 1e-6, on[3], routing, on[4], tile)
+        assert torch.equal(ids.cpu().long(), expected[1]), tile
+        torch.testing.assert_close(weights.cpu(), expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(normed.cpu(), expected[2], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h.cpu(), expected[3], rtol=0, atol=0)
+        assert int(arrivals.counters(DEVICE, "norm_route", 1).abs().sum()) == 0
+
+
+def test_norm_route_rounds_logits_to_the_router_dtype():
+    """With a half-precision router the logits are rounded to it before the routing, as the
+    separate ops' are: the weights equal the reference's from the same rounded logits."""
+    experts, routing = ROUTINGS["qwen3"]
+    generator = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(1, 64, generator=generator), torch.randn(1, 64, generator=generator)
+    norm_weight, weight = torch.randn(64, generator=generator), torch.randn(experts, 64, generator=generator) / 8
+    args = [t.to(DEVICE, torch.float16) for t in (x, residual, norm_weight)]
+    weights, ids, normed, _ = norm_linear.norm_route(*args, 1e-6, weight.to(DEVICE, torch.float16), routing, None,
+                                                      ONE_ROW_TILES[0])  # fmt: skip
+    logits = (normed.cpu().float() @ weight.half().float().T).half()  # the kernel's own normed row
+    expected_weights, expected_ids = TorchOps().moe_route(logits, routing, None)
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=2e-3, atol=1e-4)
+
+
+def test_router_forward_norm_routes_alike_on_both_backends():
+    """The MoE block's fused path (norm into the router, routing with it) gives the unfused
+    block's experts and weights; on the CUDA backend through the measured choice."""
+    router = Router(32, 16, None, Routing(top_k=4, renormalize=True, per_expert_scale=True))
+    norm = RMSNorm(32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in (*router.parameters(), norm.weight):
+            param.copy_(torch.randn(param.shape, generator=generator))
+    h, residual = torch.randn(1, 32, generator=generator), torch.randn(1, 32, generator=generator)
+    with ops.use(TorchOps()), torch.no_grad():
+        normed, new_residual = norm(h, residual)
+        expected_weights, expected_ids = router(normed)
+    times = iter([10.0] + [5.0] * len(ONE_ROW_TILES))  # on a GPU: the fused launch measured faster
+
+    def timer(call, weights):
+        call(weights[0])
+        return next(times)
+
+    backend = CudaOps()
+    backend.small_batch_linear = SmallBatchLinear(timer, copies=lambda w: [w])
+    with ops.use(backend), torch.no_grad():
+        router.to(DEVICE), norm.to(DEVICE)
+        weights, ids, x, residual_out = router.forward_norm(norm, h.to(DEVICE), residual.to(DEVICE))
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.cpu(), normed, rtol=1e-5, atol=1e-6)
+    assert torch.equal(residual_out.cpu(), new_residual)

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,10 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, gemv
+from xinfer_cuda.kernels.norm_linear import norm_linear, norm_route
+
+if TYPE_CHECKING:
+    from xinfer.layers.moe import Routing
 
 log = logging.getLogger("xinfer")
 
@@ -87,6 +92,10 @@ def l2_overflowing_copies(weight: Tensor) -> list[Tensor]:
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
+def _pow2(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
 def candidates(rows: int, tensor_cores: bool = True) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows; without tensor cores (before sm_80) dots run on
     the FMA units and spill: none of them."""
@@ -97,7 +106,8 @@ def candidates(rows: int, tensor_cores: bool = True) -> tuple[Tile, ...]:
 class SmallBatchLinear:
     """``x @ weight.T + bias`` for up to :data:`MAX_ROWS` rows of ``x`` by the kernel
     measured fastest for the weight's shape and the row count (``choice``: None for
-    cuBLAS)."""
+    cuBLAS); and a norm fused into that linear (:meth:`norm_linear`), measured against
+    the norm's kernel followed by the linear (``choice``: None for those two)."""
 
     def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
         self.timer = timer
@@ -107,28 +117,90 @@ class SmallBatchLinear:
         self.reported = 0  # choices in the last report
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        rows = 1 << (x.shape[0] - 1).bit_length()
-        key = (rows, tuple(weight.shape), weight.stride(), weight.dtype, bias is not None, x.device)
-        if key not in self.choice:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return F.linear(x, weight, bias)  # not measured: the capture's warm-up did not see it
-            tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
-            start = time.perf_counter()
-            self.choice[key] = self.fastest(x, weight, bias, candidates(rows, tensor_cores))
-            self.measuring_s += time.perf_counter() - start
-        tile = self.choice[key]
+        key = (_pow2(x.shape[0]), tuple(weight.shape), weight.stride(), weight.dtype, bias is not None, x.device)
+        tile = self._tile(key, x, weight, lambda w: F.linear(x, w, bias), lambda t: lambda w: gemv(x, w, bias, t))
         return F.linear(x, weight, bias) if tile is None else gemv(x, weight, bias, tile)
 
-    def fastest(self, x: Tensor, weight: Tensor, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile | None:
+    def norm_linear(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        bias: Tensor | None,
+        unfused: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]],
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`xinfer.ops.Ops.norm_linear` by the fused kernel in the tile measured
+        fastest, or by ``unfused(weight)`` (the norm's kernel, then this linear) where
+        that was faster."""
+        key = ("norm", _pow2(x.shape[0]), tuple(weight.shape), weight.stride(), weight.dtype, bias is not None,
+               residual is not None, x.device)  # fmt: skip
+
+        def fused(tile: Tile) -> Call:
+            return lambda w: norm_linear(x, residual, norm_weight, eps, w, bias, tile)
+
+        tile = self._tile(key, x, weight, unfused, fused)
+        return unfused(weight) if tile is None else norm_linear(x, residual, norm_weight, eps, weight, bias, tile)
+
+    def norm_route(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        routing: Routing,
+        correction_bias: Tensor | None,
+        unfused: Callable[[Tensor], tuple[Tensor, Tensor, Tensor, Tensor]],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`xinfer.ops.Ops.norm_route` of one row by the one-launch kernel in the tile
+        measured fastest, or by ``unfused(weight)`` (the norm-and-linear op, then the
+        routing's) where that was faster."""
+        key = ("route", tuple(weight.shape), weight.stride(), weight.dtype, residual is not None, routing,
+               correction_bias is not None, x.device)  # fmt: skip
+
+        def fused(tile: Tile) -> Call:
+            assert isinstance(tile, GemvConfig)
+            return lambda w: norm_route(x, residual, norm_weight, eps, w, routing, correction_bias, tile)
+
+        tile = self._tile(key, x, weight, unfused, fused, ONE_ROW_TILES)
+        routed = None if tile is None else fused(tile)(weight)
+        return unfused(weight) if routed is None else routed  # type: ignore[return-value]
+
+    def _tile(
+        self,
+        key: tuple,
+        x: Tensor,
+        weight: Tensor,
+        baseline: Call,
+        tile_call: Callable[[Tile], Call],
+        tiles: tuple[Tile, ...] | None = None,
+    ) -> Tile | None:
+        """The tile chosen for ``key`` (measured on its first call), None for the
+        baseline (also inside a capture whose warm-up did not see the key)."""
+        if key not in self.choice:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None  # not measured: the capture's warm-up did not see it
+            tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
+            start = time.perf_counter()
+            tiles = candidates(_pow2(x.shape[0]), tensor_cores) if tiles is None else tiles
+            self.choice[key] = self.fastest(key, weight, baseline, tile_call, tiles)
+            self.measuring_s += time.perf_counter() - start
+        return self.choice[key]
+
+    def fastest(
+        self, key: tuple, weight: Tensor, baseline: Call, tile_call: Callable[[Tile], Call], tiles: tuple[Tile, ...]
+    ) -> Tile | None:
         if not tiles or weight.stride(1) != 1:
             return None
         try:  # the copies and the timed graphs need memory a full KV pool may have taken (eager steps)
             weights = self.copies(weight)
-            cublas = self.timer(lambda w: F.linear(x, w, bias), weights)
+            base = self.timer(baseline, weights)
             times = {}
             for tile in tiles:
                 try:
-                    times[tile] = self.timer(lambda w, t=tile: gemv(x, w, bias, t), weights)
+                    times[tile] = self.timer(tile_call(tile), weights)
                 except OutOfResources:  # more shared memory than this GPU has
                     continue
         except torch.OutOfMemoryError:
@@ -136,17 +208,26 @@ class SmallBatchLinear:
         if not times:
             return None
         best = min(times, key=times.__getitem__)
-        log.debug("linear of %d rows over %s: cuBLAS %.1f us, %s %.1f us", x.shape[0], tuple(weight.shape),
-                  cublas * 1e6, best, times[best] * 1e6)  # fmt: skip
-        return best if times[best] < MARGIN * cublas else None
+        log.debug("%s rows over %s: baseline %.1f us, %s %.1f us", key, tuple(weight.shape), base * 1e6, best,
+                  times[best] * 1e6)  # fmt: skip
+        return best if times[best] < MARGIN * base else None
 
     def report(self) -> str | None:
         """A line on the choices made since the last report, None if there were none."""
-        new = list(self.choice.values())[self.reported :]
-        if not new:
+        items = list(self.choice.items())[self.reported :]
+        if not items:
             return None
+        new = [tile for key, tile in items if not isinstance(key[0], str)]
+        norms = [tile for key, tile in items if key[0] == "norm"]
+        routes = [tile for key, tile in items if key[0] == "route"]
         own = sum(tile is not None for tile in new)
         line = (f"linears of up to {MAX_ROWS} rows: measured {len(new)} (row count, weight shape) pairs in "
                 f"{self.measuring_s:.1f} s; own kernels for {own}, cuBLAS for {len(new) - own}")  # fmt: skip
+        if norms:
+            fused = sum(tile is not None for tile in norms)
+            line += f"; the norm fused into the linear for {fused} of {len(norms)} (norm, linear) pairs"
+        if routes:
+            fused = sum(tile is not None for tile in routes)
+            line += f"; norm, router and routing in one launch for {fused} of {len(routes)} routers"
         self.reported, self.measuring_s = len(self.choice), 0.0
         return line

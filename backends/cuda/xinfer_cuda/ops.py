@@ -56,6 +56,40 @@ class CudaOps(TorchOps):
     ) -> Tensor | tuple[Tensor, Tensor]:
         return norm.rms_norm(x, weight, eps, residual)
 
+    def norm_linear(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        bias: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        def unfused(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            return super(CudaOps, self).norm_linear(x, residual, norm_weight, eps, w, bias)
+
+        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS:  # small decode batches: measured per shape
+            return self.small_batch_linear.norm_linear(x, residual, norm_weight, eps, weight, bias, unfused)
+        return unfused(weight)
+
+    def norm_route(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        routing: Routing,
+        correction_bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        def unfused(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            return super(CudaOps, self).norm_route(x, residual, norm_weight, eps, w, routing, correction_bias)
+
+        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and moe_routing.covers(routing):  # batch 1: measured
+            return self.small_batch_linear.norm_route(x, residual, norm_weight, eps, weight, routing, correction_bias,
+                                                      unfused)  # fmt: skip
+        return unfused(weight)
+
     def rotary(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:

@@ -7,7 +7,7 @@ from xinfer.layers.activation import GeluTanhAndMul, SiluAndMul, gated_activatio
 from xinfer.layers.attention import Attention
 from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec
 from xinfer.layers.decoder import DecoderModel
-from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
+from xinfer.layers.decoder_layer import DecoderLayer, NormsItsInput, SandwichDecoderLayer, normed_block
 from xinfer.layers.embedding import LMHead, VocabEmbedding
 from xinfer.layers.linear import Linear, MergedLinear
 from xinfer.layers.mlp import GatedMLP
@@ -28,6 +28,7 @@ __all__ = [
     "Linear",
     "MergedLinear",
     "MoE",
+    "NormsItsInput",
     "RMSNorm",
     "RotaryEmbedding",
     "Router",
@@ -38,6 +39,7 @@ __all__ = [
     "VocabEmbedding",
     "gated_activation",
     "head_norms",
+    "normed_block",
     "pairs_to_halves",
     "rope_parameters",
 ]

@@ -2,12 +2,15 @@
 two told apart only by where the norms sit. Any attention or MLP module of the signatures
 ``attn(positions, x)`` and ``mlp(x)`` slots in.
 
-The stream ``x`` is carried as ``h + residual``, so that each add fuses into the next norm.
+The stream ``x`` is carried as ``h + residual``, so that each add fuses into the next norm;
+a block that projects its input first (:class:`NormsItsInput`) takes that norm too, into its
+projection's prologue (:func:`xinfer.ops.norm_linear`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -25,10 +28,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()  # HF's name of the norm before the MLP
 
     def forward(self, positions: Tensor, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        h, residual = _add_and_norm(self.input_layernorm, h, residual)
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = normed_block(self.self_attn, self.input_layernorm, h, residual, positions)
+        return normed_block(self.mlp, self.post_attention_layernorm, h, residual)
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -44,14 +45,29 @@ class SandwichDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm()
 
     def forward(self, positions: Tensor, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        h, residual = _add_and_norm(self.input_layernorm, h, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = normed_block(self.self_attn, self.input_layernorm, h, residual, positions)
+        h, residual = normed_block(self.mlp, self.pre_feedforward_layernorm, self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(h), residual
 
 
-def _add_and_norm(norm: RMSNorm, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(norm(h + residual), h + residual)``; the first layer has no residual yet."""
+@runtime_checkable
+class NormsItsInput(Protocol):
+    """A block whose first step is a projection of its (normalized) input, which takes the
+    norm before it into that projection (:meth:`RMSNorm.project`): ``forward_norm(*args,
+    norm, h, residual)`` is ``(block(*args, norm(h + residual)), h + residual)``. A subclass
+    that changes ``forward`` must change ``forward_norm`` alike."""
+
+    def forward_norm(self, *args: Any) -> tuple[Tensor, Tensor]: ...
+
+
+def normed_block(
+    block: nn.Module, norm: RMSNorm, h: Tensor, residual: Tensor | None, *args: Any
+) -> tuple[Tensor, Tensor]:
+    """``(block(*args, norm(h + residual)), h + residual)``; the first layer has no residual
+    yet (``h`` is the stream). A :class:`NormsItsInput` block applies the norm itself."""
+    if isinstance(block, NormsItsInput):
+        return block.forward_norm(*args, norm, h, residual)
     if residual is None:
-        return norm(h), h
-    return norm(h, residual)
+        return block(*args, norm(h)), h
+    h, residual = norm(h, residual)
+    return block(*args, h), residual

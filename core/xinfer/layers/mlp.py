@@ -2,6 +2,7 @@ from torch import Tensor, nn
 
 from xinfer.layers.activation import gated_activation
 from xinfer.layers.linear import Linear, MergedLinear
+from xinfer.layers.norm import RMSNorm
 
 
 class GatedMLP(nn.Module):
@@ -15,3 +16,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def forward_norm(self, norm: RMSNorm, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of ``norm(h + residual)``, the norm in gate/up, and ``h + residual``."""
+        gate_up, _, residual = norm.project(h, residual, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return self.down_proj(self.act_fn(gate_up)), residual

@@ -28,6 +28,7 @@ from xinfer import ops
 from xinfer.layers.activation import GATED_ACTIVATIONS
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
+from xinfer.layers.norm import RMSNorm
 from xinfer.torch_ops import SCORING, expert_weights
 
 
@@ -76,17 +77,38 @@ class Router(nn.Module):
             self.tid2eid = nn.Parameter(table, requires_grad=False)
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        logits = ops.linear(x.float(), self.weight) if self.routing.fp32_logits else ops.linear(x, self.weight)
+        return self.route(logits, token_ids)
+
+    def forward_norm(
+        self, norm: RMSNorm, h: Tensor, residual: Tensor | None, token_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`forward` of ``norm(h + residual)`` and, for the experts, that normalized input
+        and ``h + residual``: ``(weights, ids, x, residual)``. The norm runs in the router's
+        projection, and the routing with them where it is the scores' (:func:`xinfer.ops.norm_route`)."""
+        if self.routing.fixed_table:
+            logits, x, residual = norm.project(h, residual, self.weight)
+            weights, ids = self.route(logits, token_ids)
+            return weights, ids, x, residual
+        weights, ids, x, residual = ops.norm_route(
+            h, residual, norm.weight, norm.eps, self.weight, self.routing, self.e_score_correction_bias
+        )
+        return self.scaled(weights, ids), ids, x, residual
+
+    def route(self, logits: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` from the router's logits [T, E] (``x @ weight.T``, in the weight's dtype)."""
         routing = self.routing
-        logits = ops.linear(x.float(), self.weight) if routing.fp32_logits else ops.linear(x, self.weight)
         if routing.fixed_table:
             assert token_ids is not None, "routing by a fixed table needs the tokens' ids"
             ids = self.tid2eid[token_ids]
             weights = expert_weights(SCORING[routing.scoring](logits.float()), ids, routing)
         else:
             weights, ids = ops.moe_route(logits, routing, self.e_score_correction_bias)
-        if self.per_expert_scale is not None:
-            weights = weights * self.per_expert_scale.float()[ids]
-        return weights, ids
+        return self.scaled(weights, ids), ids
+
+    def scaled(self, weights: Tensor, ids: Tensor) -> Tensor:
+        """``weights`` times the per-expert scale of ``ids``, where the router has one."""
+        return weights if self.per_expert_scale is None else weights * self.per_expert_scale.float()[ids]
 
 
 def _vector(size: int) -> nn.Parameter:
@@ -185,7 +207,20 @@ class MoE(nn.Module):
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
-        weights, ids = self.gate(x, token_ids)
+        return self.mix(x, *self.gate(x, token_ids))
+
+    def forward_norm(
+        self, norm: RMSNorm, h: Tensor, residual: Tensor | None, token_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of ``norm(h + residual)``, the norm in the router's projection (which
+        also writes the normalized rows the experts read; :meth:`Router.forward_norm`), and
+        ``h + residual``."""
+        weights, ids, x, residual = self.gate.forward_norm(norm, h, residual, token_ids)
+        return self.mix(x, weights, ids), residual
+
+    def mix(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """The experts' weighted outputs for ``x`` [T, H] routed to ``ids``, and the shared
+        experts' and the dense MLP's."""
         out = self.experts(x, weights, ids)
         shared = getattr(self, self.shared_name, None)
         if shared is not None:

@@ -21,6 +21,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
+    def project(
+        self, x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(linear(norm(h), weight, bias), norm(h), h)`` for ``h = x + residual`` (``x``
+        without one): the norm in the prologue of the projection it feeds
+        (:func:`xinfer.ops.norm_linear`)."""
+        return ops.norm_linear(x, residual, self.weight, self.eps, weight, bias)
+
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         return tensor + self.weight_offset if self.weight_offset else tensor
 

@@ -60,14 +60,24 @@ class SelfAttention(nn.Module):
         self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=scale, window=window, softcap=softcap)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        q, k, v, gate = self.qkv(positions, x)
+        return self.attend(positions, self.qkv_proj(x))
+
+    def forward_norm(
+        self, positions: Tensor, norm: RMSNorm, h: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of ``norm(h + residual)``, the norm in the qkv projection, and ``h + residual``."""
+        qkv, _, residual = norm.project(h, residual, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self.attend(positions, qkv), residual
+
+    def attend(self, positions: Tensor, qkv: Tensor) -> Tensor:
+        q, k, v, gate = self.heads(positions, qkv)
         out = self.attn(q, k, v)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
-    def qkv(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """Queries [T, H, D] and keys [T, Hkv, D], normed and rotated; values [T, Hkv*D]; the
-        output gate [T, H*D] (None without one)."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def heads(self, positions: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """From the merged projection's output: queries [T, H, D] and keys [T, Hkv, D],
+        normed and rotated; values [T, Hkv*D]; the output gate [T, H*D] (None without one)."""
+        q, k, v = self.qkv_proj.split(qkv)
         gate = None
         if self.output_gate:
             q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)

@@ -31,8 +31,8 @@ class SparseLatentAttention(LatentAttention):
         """The latent rows in the model's dtype: the sparse op reads no fp8 rows (the KV format fp8 is refused)."""
         return TokenVectorSpec(self.kv_lora_rank + self.rope_dim)
 
-    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        q_latent, q_rope, latent, q_resid = self.project(positions, x)
+    def attend(self, positions: Tensor, x: Tensor, projected: tuple[Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
+        q_latent, q_rope, latent, q_resid = projected
         assert self.cache is not None and q_resid is not None, "a bound cache, and q-LoRA (checked at build)"
         selected = self.indexer(positions, x, q_resid)
         meta = attention_metadata(self.page_group)

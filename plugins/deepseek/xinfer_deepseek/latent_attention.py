@@ -126,17 +126,38 @@ class LatentAttention(nn.Module):
         return TokenVectorSpec(self.kv_lora_rank + self.rope_dim, encoded={"fp8": fp8})
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        q_latent, q_rope, latent, _ = self.project(positions, x)
+        return self.attend(positions, x, self.project(positions, x, self.first_projection(x)))
+
+    def forward_norm(
+        self, positions: Tensor, norm: RMSNorm, h: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of ``norm(h + residual)``, the norm in the first query projection (which
+        also writes the normalized rows the others read), and ``h + residual``."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        q_first, x, residual = norm.project(h, residual, first.weight, first.bias)
+        return self.attend(positions, x, self.project(positions, x, q_first)), residual
+
+    def first_projection(self, x: Tensor) -> Tensor:
+        """``q_a_proj(x)``, or ``q_proj(x)`` without q-LoRA."""
+        return self.q_a_proj(x) if self.q_lora_rank else self.q_proj(x)
+
+    def attend(self, positions: Tensor, x: Tensor, projected: tuple[Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
+        """The output from :meth:`project`'s tensors (``x``, the normalized input, for subclasses)."""
+        q_latent, q_rope, latent, _ = projected
         assert self.cache is not None, "the engine binds the latent cache before the first forward"
         op = "mla_attention_fp8" if self.cache.dtype == torch.uint8 else "mla_attention"  # (cache_spec)
         o_latent = ops.call(op, q_latent, q_rope, latent, self.cache, attention_metadata(self.page_group), self.scale)
         return self.o_proj(self.kv_b_proj.expand(o_latent))
 
-    def project(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def project(self, positions: Tensor, x: Tensor, q_first: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The absorbed queries [T, H, R], their rotated rope parts [T, H, P], this step's latent rows
-        [T, R + P] (normalised latent || rotated rope key), and the q-LoRA latent (None without q-LoRA)."""
-        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
-        q = self.q_b_proj(q_resid) if q_resid is not None else self.q_proj(x)
+        [T, R + P] (normalised latent || rotated rope key), and the q-LoRA latent (None without q-LoRA),
+        from ``x`` and its :meth:`first_projection` ``q_first``. ``q_a_layernorm`` runs in ``q_b_proj``'s
+        prologue."""
+        if self.q_lora_rank:
+            q, q_resid, _ = self.q_a_layernorm.project(q_first, None, self.q_b_proj.weight, self.q_b_proj.bias)
+        else:
+            q, q_resid = q_first, None
         q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1
         )

@@ -67,8 +67,8 @@ class MiniMaxM2Attention(SelfAttention):
         self.q_norm = RMSNorm(num_heads * head_dim, eps)
         self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
 
-    def qkv(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def heads(self, positions: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        q, k, v = self.qkv_proj.split(qkv)
         q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
         k = self.k_norm(k).view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)

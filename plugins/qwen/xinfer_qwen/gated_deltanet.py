@@ -62,9 +62,20 @@ class GatedDeltaNet(nn.Module):
         return RecurrentStateSpec(shapes={"conv": (conv_channels, kernel_size - 1), "ssm": state}, dtype=torch.float32)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.mix(self.in_proj(x))
+
+    def forward_norm(
+        self, positions: Tensor, norm: RMSNorm, h: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of ``norm(h + residual)``, the norm in ``in_proj``, and ``h + residual``."""
+        projected, _, residual = norm.project(h, residual, self.in_proj.weight, self.in_proj.bias)
+        return self.mix(projected), residual
+
+    def mix(self, projected: Tensor) -> Tensor:
+        """The output from ``in_proj``'s [T, qkv | z | b | a]."""
         assert self.cache is not None, "the engine binds the recurrent state before the first forward"
         meta, slots = attention_metadata(), state_slots()
-        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        qkv, z, b, a = self.in_proj.split(projected)
         qkv = ops.call("causal_conv1d", qkv, self.conv1d.weight, None, self.cache["conv"], meta, slots)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())

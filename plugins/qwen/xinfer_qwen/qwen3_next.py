@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RMSNorm, RotaryEmbedding, Routing
+from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RMSNorm, RotaryEmbedding, Routing, normed_block
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.model import HF_QKV_GATE_UP
 from xinfer_qwen.gated_deltanet import GatedDeltaNet
@@ -39,10 +39,8 @@ class DeltaNetDecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
 
     def forward(self, positions: Tensor, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        h, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
-        h = self.linear_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = normed_block(self.linear_attn, self.input_layernorm, h, residual, positions)
+        return normed_block(self.mlp, self.post_attention_layernorm, h, residual)
 
 
 def text_part(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:

@@ -33,18 +33,14 @@ def _argmax(values, index):
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    num_experts, group_size, stride_logits, scaling_factor,
+def route_row(
+    logits, experts, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, scaling_factor,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, BLOCK_E)
+    """One token's routing from its logits [BLOCK_E] (fp32, -inf past ``num_experts``):
+    its weights and ids stored at ``weights_ptr`` and ``ids_ptr`` [TOP_K]."""
     valid = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=-float("inf")).to(tl.float32)
     if SCORING == "softmax":
         exp = tl.exp(logits - tl.max(logits, axis=0))
         scores = exp / tl.sum(exp, axis=0)
@@ -66,7 +62,7 @@ def _route_kernel(
             first, best = _argmax(in_group, experts)
             second = tl.max(tl.where(experts == first, -float("inf"), in_group), axis=0)
             group_scores = tl.where(tl.arange(0, NUM_GROUPS) == g, best + second, group_scores)
-        kept = tl.zeros((BLOCK_E,), tl.int1)
+        kept = tl.zeros(experts.shape, tl.int1)
         for _ in tl.static_range(TOPK_GROUPS):
             best_group, _score = _argmax(group_scores, tl.arange(0, NUM_GROUPS))
             kept |= group == best_group
@@ -84,9 +80,26 @@ def _route_kernel(
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     weights *= scaling_factor
-    out = token * TOP_K + slots
-    tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
-    tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, weights, mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    num_experts, group_size, stride_logits, scaling_factor,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    route_row(logits, experts, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, num_experts,
+              group_size, scaling_factor, SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K,
+              BLOCK_K)  # fmt: skip
 
 
 def covers(routing: Routing) -> bool:
@@ -107,9 +120,16 @@ def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) 
     bias = correction_bias if correction_bias is not None else weights  # (unread)
     _route_kernel[(num_tokens,)](
         logits, bias, weights, ids, num_experts, num_experts // routing.num_groups, logits.stride(0),
-        routing.scaling_factor, SCORING=routing.scoring, HAS_BIAS=correction_bias is not None,
-        RENORMALIZE=routing.renormalize, NUM_GROUPS=routing.num_groups, TOPK_GROUPS=routing.topk_groups, TOP_K=top_k,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        routing.scaling_factor, **route_constexprs(routing, num_experts, correction_bias is not None),
         num_warps=4 if num_experts <= 256 else 8, **launch.pdl(logits.device),
     )  # fmt: skip
     return weights, ids
+
+
+def route_constexprs(routing: Routing, num_experts: int, has_bias: bool) -> dict:
+    """The constexprs of :func:`route_row` (and ``BLOCK_E``) for ``routing``."""
+    return dict(
+        SCORING=routing.scoring, HAS_BIAS=has_bias, RENORMALIZE=routing.renormalize, NUM_GROUPS=routing.num_groups,
+        TOPK_GROUPS=routing.topk_groups, TOP_K=routing.top_k, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_K=triton.next_power_of_2(routing.top_k),
+    )  # fmt: skip
