@@ -126,14 +126,13 @@ class MetalLibrary:
         """``arguments`` in the order of the kernel's source, each checked against its type."""
         params = self.kernels[kernel]
         names = [p.name for p in params]
-        if missing := [n for n in names if n not in arguments]:
-            raise TypeError(
-                f"Metal kernel {kernel} lacks the arguments {', '.join(missing)} (it takes {', '.join(names)})"
+        missing = [n for n in names if n not in arguments]
+        unknown = sorted(set(arguments) - set(names))
+        if missing or unknown:
+            wrong = [f"lacks {', '.join(missing)}"] * bool(missing) + [f"was given {', '.join(unknown)}"] * bool(
+                unknown
             )
-        if unknown := sorted(set(arguments) - set(names)):
-            raise TypeError(
-                f"Metal kernel {kernel} takes no arguments {', '.join(unknown)} (it takes {', '.join(names)})"
-            )
+            raise TypeError(f"Metal kernel {kernel} {' and '.join(wrong)}: its source takes {', '.join(names)}")
         for param in params:
             param.check(kernel, arguments[param.name])
         return [arguments[n] for n in names]
