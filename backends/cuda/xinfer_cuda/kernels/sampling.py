@@ -8,16 +8,17 @@ candidate ``t1 = argmax(s + g)`` over the whole row *is* the draw whenever ``t1`
 (``K`` is part of the row); that needs only the count and mass of the tokens above it,
 and it is so with probability ``mass(K)``: 95 % of the rows at top-p 0.95, every constant
 row. A row whose candidate is not kept has its cut above it, so the exact search that
-settles it looks only at the tokens above a floor (the candidate, or below the k-th
-token when top-p needs the top-k mass). Six launches, two passes over the logits for a
-row settled by its candidate, up to two more (over that row only) for one that is not:
+settles it looks only at the tokens above a floor (the candidate or a probe below the
+k-th token, whichever is higher; the probe alone when top-p needs the top-k mass), and
+its atomics and boundary are those few. Six launches; two passes over the logits for a
+row its candidate settles, two more over a row it does not:
 
 1. stats (rows x chunks): per chunk, greedy rows their argmax, sampled rows their
    Gumbel-max draw (the token of a row without filters, the candidate of the others);
    filtered rows the peak, softmax mass and least of ``s = l / T``;
 2. check (rows x chunks; rows with top-k or top-p): per chunk, the count and mass of
-   the tokens above the candidate, the mass of its ties and the counts above a few
-   floors below it;
+   the tokens above the candidate, the mass of its ties and, with top-k, the counts
+   above a few probes around it (the highest with k tokens above is below the k-th);
 3. histogram (rows x chunks; rows the candidate does not settle): each chunk's counts of
    the ``s`` above the floor in ``BUCKETS`` buckets below the row's peak, added
    atomically to the row's integer counts;
@@ -56,7 +57,7 @@ REGION = 2048  # boundary tokens gathered per row; more are settled over the who
 SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
 SEARCH_BLOCK = 128  # boundary tokens per iteration of a threshold search (times PIVOTS)
 PIVOTS = 16
-FLOORS = 4  # values below a candidate where a row's check counts the tokens above (for the k-th's floor)
+PROBES = 8  # values around a top-k row's candidate where its check counts the tokens above
 SLACK = 1e-4  # relative, on the buckets' mass bounds: float sums and exp's rounding
 FIXED = tl.constexpr(4294967296.0)  # 2**32: integer weights, exp(s - peak) in units of 2**-32
 INT32_MAX = tl.constexpr(2147483647)
@@ -183,10 +184,14 @@ def _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _floors(s1, least, FLOORS: tl.constexpr):
-    """Values below ``s1``, ascending, at 1/2, 1/4, .. of the way down to the least ``s``."""
-    span = tl.where(least < s1, s1 - least, 0.0)
-    return s1 - span * tl.exp2(-(tl.arange(0, FLOORS) + 1).to(tl.float32))
+def _probes(s1, least, peak, PROBES: tl.constexpr):
+    """Values where a top-k row's check counts the tokens above: half below ``s1``, at 1/2,
+    1/4, .. of the way down to the least ``s``, half above, as far up towards the peak."""
+    i = tl.arange(0, PROBES)
+    below = i < PROBES // 2
+    depth = tl.exp2(-(tl.where(below, i, i - PROBES // 2) + 1).to(tl.float32))
+    down = tl.where(least < s1, s1 - least, 0.0)
+    return tl.where(below, s1 - down * depth, peak - (peak - s1) * depth)
 
 
 @triton.jit
@@ -194,25 +199,25 @@ def _check_kernel(
     logits_ptr, stride, vocab,
     temperature_ptr, top_k_ptr, top_p_ptr,
     stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FLOORS: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PROBES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per chunk of a row with top-k or top-p: the count and mass of the tokens above its
-    candidate ``t1``, the mass of the tokens tied with it, and, where top-p needs the
-    top-k mass, the counts above each of :func:`_floors`."""
+    candidate ``t1``, the mass of the tokens tied with it, and with top-k the counts above
+    each of :func:`_probes`."""
     pdl_entry(PDL)
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
-    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
-    if with_top_k | with_top_p:
+    with_top_k = _with_top_k(temperature, top_k, vocab)
+    if with_top_k | _with_top_p(temperature, top_p):
         peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
         inv_t = 1.0 / temperature
         row_ptr = logits_ptr + row * stride
         s1 = tl.load(row_ptr + _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS)).to(tl.float32) * inv_t
-        floors = _floors(s1, least, FLOORS)
+        probes = _probes(s1, least, peak, PROBES)
         count = tl.full((), 0, tl.int32)
         mass = tl.full((), 0.0, tl.float32)
         ties = tl.full((), 0.0, tl.float32)
-        floor_counts = tl.zeros((FLOORS,), tl.int32)
+        probe_counts = tl.zeros((PROBES,), tl.int32)
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             tokens = start + tl.arange(0, BLOCK)
             s = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32) * inv_t
@@ -220,25 +225,26 @@ def _check_kernel(
             count += tl.sum((s > s1).to(tl.int32), 0)
             mass += tl.sum(tl.where(s > s1, weights, 0.0), 0)
             ties += tl.sum(tl.where(s == s1, weights, 0.0), 0)
-            if with_top_k & with_top_p:
-                floor_counts += tl.sum((s[:, None] > floors[None, :]).to(tl.int32), 0)
-        checks = checks_ptr + (row * chunks + chunk) * (3 + FLOORS)
+            if with_top_k:
+                probe_counts += tl.sum((s[:, None] > probes[None, :]).to(tl.int32), 0)
+        checks = checks_ptr + (row * chunks + chunk) * (3 + PROBES)
         tl.store(checks, count.to(tl.float32))  # exact: below 2**24
         tl.store(checks + 1, mass)
         tl.store(checks + 2, ties)
-        tl.store(checks + 3 + tl.arange(0, FLOORS), floor_counts.to(tl.float32))
+        tl.store(checks + 3 + tl.arange(0, PROBES), probe_counts.to(tl.float32))
 
 
 @triton.jit
 def _verdict(
     logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
     stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks,
-    CHUNKS: tl.constexpr, FLOORS: tl.constexpr,
+    CHUNKS: tl.constexpr, PROBES: tl.constexpr,
 ):  # fmt: skip
     """Of a filtered row: whether its candidate ``t1`` is kept (then it is the draw), and
-    else the floor above which the exact search looks: ``s1``, the cut being above it,
-    unless top-p needs the top-k mass while the k-th token lies at or below ``s1``; then
-    the highest of :func:`_floors` with k tokens above it (-inf if none)."""
+    else the floor above which the exact search looks. The cut is above ``s1`` and, with
+    top-k, above the highest probe with k tokens above it: the floor is the higher of
+    the two, but for top-p with the k-th token at or below ``s1``, where top-p needs the
+    top-k mass: then that probe alone (-inf if none)."""
     with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
     peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
     s1 = tl.load(logits_ptr + row * stride + _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS))
@@ -247,7 +253,7 @@ def _verdict(
     floor = s1
     if with_top_k | with_top_p:
         chunk = tl.arange(0, CHUNKS)
-        checks = checks_ptr + (row * chunks + chunk) * (3 + FLOORS)
+        checks = checks_ptr + (row * chunks + chunk) * (3 + PROBES)
         count = tl.sum(tl.load(checks, mask=chunk < chunks, other=0.0), 0)
         mass = tl.sum(tl.load(checks + 1, mask=chunk < chunks, other=0.0), 0)
         ties = tl.sum(tl.load(checks + 2, mask=chunk < chunks, other=0.0), 0)
@@ -255,12 +261,13 @@ def _verdict(
         # with top-k, the top-k mass is unknown but holds every token from t1 up
         top_k_mass = tl.where(with_top_k, mass + ties, total)
         kept = kept & in_top_k & (~with_top_p | (mass < top_p * top_k_mass))
-        if with_top_k & with_top_p & in_top_k:
-            floor_counts = tl.load(
-                checks[:, None] + 3 + tl.arange(0, FLOORS)[None, :], mask=(chunk < chunks)[:, None], other=0.0
+        if with_top_k:
+            probe_counts = tl.load(
+                checks[:, None] + 3 + tl.arange(0, PROBES)[None, :], mask=(chunk < chunks)[:, None], other=0.0
             )
-            enough = tl.sum(floor_counts, 0) >= top_k
-            floor = tl.max(tl.where(enough, _floors(s1, least, FLOORS), float("-inf")), 0)
+            below_kth = tl.sum(probe_counts, 0) >= top_k
+            floor_k = tl.max(tl.where(below_kth, _probes(s1, least, peak, PROBES), float("-inf")), 0)
+            floor = tl.where(with_top_p & in_top_k, floor_k, tl.maximum(s1, floor_k))
     return kept, floor
 
 
@@ -294,7 +301,7 @@ def _histogram_kernel(
     logits_ptr, stride, vocab,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     stats_ptr, best_ptr, best_token_ptr, checks_ptr, counts_ptr, chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, FLOORS: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PROBES: tl.constexpr,
     BUCKETS: tl.constexpr, SPREAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per chunk of a row with top-k or top-p that its candidate does not settle: its counts
@@ -306,7 +313,7 @@ def _histogram_kernel(
     if _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p):
         kept, floor = _verdict(
             logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
-            stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, FLOORS,
+            stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
         )  # fmt: skip
         if not kept:
             peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
@@ -331,7 +338,7 @@ def _histogram_kernel(
 def _plan_kernel(
     logits_ptr, stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     stats_ptr, best_ptr, best_token_ptr, checks_ptr, counts_ptr, plan_ptr, bounds_ptr, chunks,
-    CHUNKS: tl.constexpr, FLOORS: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
+    CHUNKS: tl.constexpr, PROBES: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
     SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per filtered row: whether its candidate settles it; else peak, mass, 1 / bucket
@@ -345,7 +352,7 @@ def _plan_kernel(
     if _filtered(temperature, top_k, top_p, min_p, vocab):
         kept, floor = _verdict(
             logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
-            stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, FLOORS,
+            stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
         )  # fmt: skip
         peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
         inv_width = _inv_width(peak, tl.maximum(least, floor), BUCKETS, SPREAD)
@@ -650,7 +657,7 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device
     stats = torch.empty(rows, chunks, 3, dtype=torch.float32, device=device)
-    checks = torch.empty(rows, chunks, 3 + FLOORS, dtype=torch.float32, device=device)
+    checks = torch.empty(rows, chunks, 3 + PROBES, dtype=torch.float32, device=device)
     counts = torch.zeros(rows, BUCKETS, dtype=torch.int32, device=device)
     plan = torch.empty(rows, 4, dtype=torch.float32, device=device)
     bounds = torch.empty(rows, 6, dtype=torch.int32, device=device)
@@ -665,7 +672,7 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     block = min(BLOCK, chunk)
     # unfused arithmetic: every launch computes the same s and bucket of a token as the others (and s as torch)
     options = {"num_warps": 4, "enable_fp_fusion": False, **launch.pdl(device)}
-    sizes = {"CHUNKS": triton.next_power_of_2(chunks), "FLOORS": FLOORS}
+    sizes = {"CHUNKS": triton.next_power_of_2(chunks), "PROBES": PROBES}
     _stats_kernel[(rows, chunks)](
         *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
     )
