@@ -1,6 +1,7 @@
 """A batch's token draws: :func:`xinfer.torch_sampling.sample`, token for token (same
-noise bits, same kept sets), with each row split over chunks of ``CHUNK`` tokens so that
-one row alone still spreads over the GPU.
+noise bits, the noise within 4e-6 of the reference's float32 values, same kept sets), with
+each row split over chunks of ``CHUNK`` tokens so that one row alone still spreads over
+the GPU.
 
 The noise of a token is fixed by (seed, position, token), so the draw over the kept set
 ``K`` is the Gumbel-max ``argmax_K(s + g)``, and ``K`` is an upper set of ``s``. Hence the
@@ -41,10 +42,13 @@ is fixed, so a row's sums, and so its tokens, do not depend on the batch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import libdevice
 
 from xinfer.sampling import SamplingBatch
 from xinfer_cuda.kernels import launch
@@ -62,6 +66,9 @@ SLACK = 1e-4  # relative, on the buckets' mass bounds: float sums and exp's roun
 FIXED = tl.constexpr(4294967296.0)  # 2**32: integer weights, exp(s - peak) in units of 2**-32
 INT32_MAX = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
+ONE_LESS_HALF_ULP = tl.constexpr(1.0 - 2.0**-24)
+# the hardware's approximate logarithm on a GPU; under the interpreter, which has no libdevice, the exact one
+FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -75,10 +82,27 @@ def _mix(x):
 
 
 @triton.jit
+def _log(x):
+    if FAST_LOG:
+        return libdevice.fast_logf(x)  # lg2.approx: absolute error about 2**-22 on log2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def _gumbel(noise_key, tokens):
+    """The reference's noise, within 4e-6 (a few units in the last place): the draw of every
+    token of a row costs most of a pass, so its two logarithms are the hardware's
+    approximate one, with ``-log(u)`` for ``u`` near 1 (where that one loses the digits)
+    from its series in ``1 - u``."""
     bits = _mix(_mix(tokens.to(tl.uint32)) ^ noise_key)
-    uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-    return -tl.log(-tl.log(uniform))
+    # the reference's ((bits >> 9) + 0.5) * 2**-23 exactly, without a conversion: (1 + k 2**-23) - (1 - 2**-24)
+    uniform = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - ONE_LESS_HALF_ULP
+    gap = 1.0 - uniform  # exact where it is used, u >= 7/8
+    series = gap * tl.fma(
+        gap, tl.fma(gap, tl.fma(gap, tl.fma(gap, tl.fma(gap, 1.0 / 6.0, 0.2), 0.25), 1.0 / 3.0), 0.5), 1.0
+    )
+    return -_log(tl.where(gap < 0.125, series, -_log(uniform)))
 
 
 @triton.jit
@@ -214,23 +238,23 @@ def _check_kernel(
         row_ptr = logits_ptr + row * stride
         s1 = tl.load(row_ptr + _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS)).to(tl.float32) * inv_t
         probes = _probes(s1, least, peak, PROBES)
-        count = tl.full((), 0, tl.int32)
-        mass = tl.full((), 0.0, tl.float32)
-        ties = tl.full((), 0.0, tl.float32)
+        count = tl.zeros((BLOCK,), tl.int32)  # per lane, summed once at the end
+        mass = tl.zeros((BLOCK,), tl.float32)
+        ties = tl.zeros((BLOCK,), tl.float32)
         probe_counts = tl.zeros((PROBES,), tl.int32)
         for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             tokens = start + tl.arange(0, BLOCK)
             s = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32) * inv_t
             weights = tl.where(s == float("-inf"), 0.0, tl.exp(s - peak))
-            count += tl.sum((s > s1).to(tl.int32), 0)
-            mass += tl.sum(tl.where(s > s1, weights, 0.0), 0)
-            ties += tl.sum(tl.where(s == s1, weights, 0.0), 0)
+            count += (s > s1).to(tl.int32)
+            mass += tl.where(s > s1, weights, 0.0)
+            ties += tl.where(s == s1, weights, 0.0)
             if with_top_k:
                 probe_counts += tl.sum((s[:, None] > probes[None, :]).to(tl.int32), 0)
         checks = checks_ptr + (row * chunks + chunk) * (3 + PROBES)
-        tl.store(checks, count.to(tl.float32))  # exact: below 2**24
-        tl.store(checks + 1, mass)
-        tl.store(checks + 2, ties)
+        tl.store(checks, tl.sum(count, 0).to(tl.float32))  # exact: below 2**24
+        tl.store(checks + 1, tl.sum(mass, 0))
+        tl.store(checks + 2, tl.sum(ties, 0))
         tl.store(checks + 3 + tl.arange(0, PROBES), probe_counts.to(tl.float32))
 
 
@@ -673,8 +697,9 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     # unfused arithmetic: every launch computes the same s and bucket of a token as the others (and s as torch)
     options = {"num_warps": 4, "enable_fp_fusion": False, **launch.pdl(device)}
     sizes = {"CHUNKS": triton.next_power_of_2(chunks), "PROBES": PROBES}
+    # the stats pass, which draws every token, holds its whole chunk at once: its five reductions once a program
     _stats_kernel[(rows, chunks)](
-        *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
+        *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=chunk, **{**options, "num_warps": 8}
     )
     _check_kernel[(rows, chunks)](*row, *filters[:3], *candidates, chunks, CHUNK=chunk, BLOCK=block, **sizes, **options)
     _histogram_kernel[(rows, chunks)](
