@@ -534,33 +534,38 @@ def _search(
     their least key if none does; INT32_MIN if there are none."""
     lo = tl.full((), INT32_MAX, tl.int32)
     hi = tl.full((), INT32_MIN, tl.int32)
+    members = tl.full((), 0, tl.int64)
     for start in range(0, count, SEARCH_BLOCK):
         tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
         s, bucket, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
         member = valid & (s > float("-inf")) & (bucket >= lo_bucket) & (bucket <= hi_bucket)
         lo = tl.minimum(lo, tl.min(tl.where(member, keys, INT32_MAX), 0))
         hi = tl.maximum(hi, tl.max(tl.where(member, keys, INT32_MIN), 0))
+        members += tl.sum(member.to(tl.int64), 0)
     none = lo > hi
     lo, hi = lo.to(tl.int64), hi.to(tl.int64) + 1  # base + F(>= lo) reaches target, or lo is the least key
+    at_lo, at_hi = members, tl.full((), 0, tl.int64)  # members at or above lo, hi
     steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
-    while hi - lo > 1:
+    # until one key is left between them (or one member: lo then keeps the same tokens as its key)
+    while (hi - lo > 1) & (at_lo - at_hi > 1):
         pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
         totals = tl.zeros((PIVOTS,), tl.int64)
+        above_count = tl.zeros((PIVOTS,), tl.int64)
         for start in range(0, count, SEARCH_BLOCK):
             tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
             s, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
             member = valid & (s > float("-inf")) & (bucket >= lo_bucket) & (bucket <= hi_bucket)
             above = member[:, None] & (keys.to(tl.int64)[:, None] >= pivots[None, :])
+            above_count += tl.sum(above.to(tl.int64), 0)
             if MASS:
                 totals += tl.sum(tl.where(above, weights[:, None], 0), 0)
-            else:
-                totals += tl.sum(above.to(tl.int64), 0)
         if MASS:
             reached = base + totals.to(tl.float32) * (1.0 / FIXED) >= target
         else:
-            reached = base + totals >= target
-        new_lo = tl.max(tl.where(reached, pivots, lo), 0)
-        hi = tl.min(tl.where(reached, hi, pivots), 0)
+            reached = base + above_count >= target
+        # the highest pivot reached has the fewest members above of those reached; the lowest not, the most
+        new_lo, at_lo = tl.max(tl.where(reached, pivots, lo), 0), tl.min(tl.where(reached, above_count, at_lo), 0)
+        hi, at_hi = tl.min(tl.where(reached, hi, pivots), 0), tl.max(tl.where(reached, at_hi, above_count), 0)
         lo = new_lo
     return tl.where(none, INT32_MIN, lo.to(tl.int32))
 
