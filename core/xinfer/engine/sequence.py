@@ -5,6 +5,7 @@ import sys
 from dataclasses import dataclass, field
 
 from xinfer.cache.block_pool import PageTable
+from xinfer.grammar.matcher import Constraint
 from xinfer.sampling import SamplingParams
 
 PENDING = -1
@@ -36,6 +37,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     scheduled_once: bool = False
+    constraint: Constraint | None = None  # its structured-output grammar, following its tokens
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
