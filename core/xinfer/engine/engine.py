@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,8 +12,10 @@ from xinfer.engine.build import build_engine
 from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
-from xinfer.grammar.matcher import GrammarCompiler
 from xinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xinfer.grammar.matcher import GrammarCompiler
 
 
 class KVCacheFull(RuntimeError):
@@ -92,6 +94,8 @@ class LLMEngine:
         """The compiler of structured-output constraints for this model's vocabulary (built
         when a first request asks for one)."""
         if self._grammars is None:
+            from xinfer.grammar.matcher import GrammarCompiler  # llguidance: only where constraints are asked for
+
             self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         return self._grammars
 

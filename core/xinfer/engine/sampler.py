@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from xinfer import ops
 from xinfer.engine.sequence import Sequence
-from xinfer.grammar.matcher import Constraint, fill_bitmask
 from xinfer.sampling import SampledRow, SamplingBatch
+
+if TYPE_CHECKING:
+    from xinfer.grammar.matcher import Constraint
 
 
 @dataclass
@@ -117,6 +120,8 @@ def wants_mask(seq: Sequence) -> bool:
 def apply_grammar_masks(logits: Tensor, constrained: list[tuple[int, Constraint]]) -> None:
     """The grammar masks of the constrained rows, computed on the host (their matchers
     have followed every earlier token), then applied on the device in one op."""
+    from xinfer.grammar.matcher import fill_bitmask
+
     bitmask = fill_bitmask([constraint for _, constraint in constrained])
     rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
     ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows.to(logits.device))

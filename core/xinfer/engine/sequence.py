@@ -3,10 +3,13 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xinfer.cache.block_pool import PageTable
-from xinfer.grammar.matcher import Constraint
 from xinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xinfer.grammar.matcher import Constraint
 
 PENDING = -1
 """A token id the device has sampled and the host not yet read (the last one only)."""

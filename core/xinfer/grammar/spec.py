@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-import llguidance
-
 # JSON is written as json.dumps writes it (", " and ": "), with no other whitespace: a
 # model cannot pad an answer with blanks forever, and the grammar ends with the document.
 JSON_OPTIONS: dict[str, Any] = {
@@ -56,6 +54,8 @@ class StructuredOutputs:
             raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got {given or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured outputs: choice must be a non-empty list of strings")
+        import llguidance  # imported where a constraint is made: the rest of xinfer runs without it
+
         problem = llguidance.LLMatcher.validate_grammar(self.lark_or_llguidance)
         if problem:
             raise ValueError(f"invalid {self.kind}: {one_line(problem)}")
@@ -68,6 +68,8 @@ class StructuredOutputs:
     @cached_property
     def lark_or_llguidance(self) -> str:
         """The llguidance grammar (its JSON form) of the constraint."""
+        import llguidance
+
         grammar_of = llguidance.LLMatcher
         if self.json is not None or self.json_object:
             schema = self.json if self.json is not None else {"type": "object"}
