@@ -70,7 +70,7 @@ def test_mixed_batch_constrains_its_rows_and_leaves_the_others_alone(llm):
 
 
 def test_each_of_n_choices_follows_the_grammar(llm):
-    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=40, structured_outputs={"json_object": True})
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, structured_outputs={"json_object": True})
     (out,) = llm.generate([chat(llm, "Give me a JSON object about a cat.")], params)
     for choice in out.outputs:
         if choice.finish_reason == "stop":

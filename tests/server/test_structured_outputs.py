@@ -62,6 +62,8 @@ def tiny_client(tiny):
 
 
 def ask_all(client, model: str, extra: dict) -> list:
+    client = client.with_options(timeout=600)  # twenty at once on a 2-core machine
+
     def ask(item):
         topic, schema = item
         return client.chat.completions.create(
