@@ -156,8 +156,11 @@ class LLMEngine:
                 outputs, previous = self._read_back(previous), None
 
         # grammar masks follow every earlier token: read back before sampling, not before the forward
-        constrained = any(s.seq.constraint is not None for s in scheduled)
-        sampled = self.runner.step(scheduled, previous, read_previous if constrained else None) if scheduled else None
+        sampled = None
+        if any(s.seq.constraint is not None for s in scheduled):
+            sampled = self.runner.step(scheduled, previous, before_sampling=read_previous)
+        elif scheduled:
+            sampled = self.runner.step(scheduled, previous)
         read_previous()
         for item in scheduled:
             if not item.seq.finished:
