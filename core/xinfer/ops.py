@@ -178,6 +178,12 @@ class Ops(Protocol):
         every backend draws the same tokens. No host synchronisation: a backend that
         records steps records the sampling with the forward."""
 
+    def apply_token_bitmask(self, logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
+        """Grammar masks, in place: in row ``rows[i]`` of ``logits`` [B, vocab], every token
+        ``t`` whose bit ``t % 32`` of ``bitmask[i, t // 32]`` (int32 [R, words]) is 0 becomes
+        ``-inf``, and so does every token past the bitmask's ``32 * words``. Rows not in
+        ``rows`` [R] (int64) are untouched. One op for the batch's constrained rows."""
+
 
 @dataclass
 class PageBatch:
@@ -319,6 +325,10 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids
 
 def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
     return current().sample(logits, params)
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
+    current().apply_token_bitmask(logits, bitmask, rows)
 
 
 def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:

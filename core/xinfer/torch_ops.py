@@ -153,6 +153,14 @@ class TorchOps:
     def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
         return torch_sampling.sample(logits, params)
 
+    def apply_token_bitmask(self, logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
+        vocab = logits.shape[1]
+        bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+        if allowed.shape[1] < vocab:  # tokens past the bitmask: not allowed
+            allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
 
 @dataclass
 class ExactKeys:

@@ -28,6 +28,7 @@ from xinfer_cuda.kernels import (
     norm,
     rotary,
     sampling,
+    token_bitmask,
 )
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
@@ -131,6 +132,9 @@ class CudaOps(TorchOps):
 
     def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
         return sampling.sample(logits, params)
+
+    def apply_token_bitmask(self, logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
+        token_bitmask.apply_token_bitmask(logits, bitmask, rows)
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
         graphs = StepGraphs(forward, limits, device)  # its warm-up runs measure the small-batch linears

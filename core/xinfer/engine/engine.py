@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xinfer.grammar.matcher import GrammarCompiler
 
 
 class KVCacheFull(RuntimeError):
@@ -63,6 +66,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
         self.sequences: dict[str, Sequence] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
+        self._grammars: GrammarCompiler | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
@@ -80,9 +84,20 @@ class LLMEngine:
         if params.seed is None:  # every request draws from a seed of its own (see engine/sampler.py)
             params = replace(params, seed=self.runner.sampler.new_seed())
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, max_num_tokens=max_num_tokens)
+        if params.structured_outputs is not None:
+            seq.constraint = self.grammars().compile(params.structured_outputs)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured-output constraints for this model's vocabulary (built
+        when a first request asks for one)."""
+        if self._grammars is None:
+            from xinfer.grammar.matcher import GrammarCompiler  # llguidance: only where constraints are asked for
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
@@ -130,12 +145,23 @@ class LLMEngine:
         has run one step for nothing, and that step's token is dropped."""
         scheduled = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
-        outputs = []
+        outputs: list[StepOutput] = []
         if previous is not None and any(s.seq.params.has_penalties for s in scheduled):
             outputs, previous = self._read_back(previous), None  # penalties count every earlier token
-        sampled = self.runner.step(scheduled, previous) if scheduled else None
-        if previous is not None:
-            outputs = self._read_back(previous)
+            scheduled = [s for s in scheduled if not s.seq.finished]  # stopped by that token: their blocks are freed
+
+        def read_previous() -> None:  # on the host while the device runs the forward
+            nonlocal outputs, previous
+            if previous is not None:
+                outputs, previous = self._read_back(previous), None
+
+        # grammar masks follow every earlier token: read back before sampling, not before the forward
+        sampled = None
+        if any(s.seq.constraint is not None for s in scheduled):
+            sampled = self.runner.step(scheduled, previous, before_sampling=read_previous)
+        elif scheduled:
+            sampled = self.runner.step(scheduled, previous)
+        read_previous()
         for item in scheduled:
             if not item.seq.finished:
                 item.seq.num_computed_tokens += item.num_new_tokens
@@ -159,6 +185,8 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
         assert seq.token_ids[-1] == PENDING
         seq.token_ids[-1] = token
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         reason, stop_reason = self._finish_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -174,6 +202,8 @@ class LLMEngine:
                 return "stop", token
             if token in seq.eos_token_ids and not params.ignore_eos:
                 return "stop", None
+        if seq.constraint is not None and seq.constraint.done:  # the grammar allows nothing more
+            return "stop", None
         if seq.at_limit:  # max_tokens or the context
             return "length", None
         return None, None

@@ -9,6 +9,8 @@ then the step reads it from the sampled tokens of the step before."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -83,9 +85,16 @@ class ModelRunner:
                 return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def step(self, scheduled: list[ScheduledSeq], previous: SampledTokens | None = None) -> SampledTokens | None:
+    def step(
+        self,
+        scheduled: list[ScheduledSeq],
+        previous: SampledTokens | None = None,
+        before_sampling: Callable[[], None] | None = None,
+    ) -> SampledTokens | None:
         """Launches a step; returns the tokens of the sequences that sample one, still on
-        their way to the host. ``previous`` holds the tokens this step's pending inputs are."""
+        their way to the host. ``previous`` holds the tokens this step's pending inputs are.
+        ``before_sampling`` runs on the host once the forward is launched, while the device
+        runs it (grammar masks need the tokens of ``previous`` read back first)."""
         scheduled = longest_first(scheduled)
         batch = self.prepare(scheduled)
         sampling = [s.seq for s in scheduled if s.completes_prompt]
@@ -100,6 +109,8 @@ class ModelRunner:
                 logits, tokens = self.forward(input_ids, positions, step, rows), None
             else:
                 logits, tokens = stepped
+            if before_sampling is not None:
+                before_sampling()
             return self.sampler(logits, sampling, tokens) if sampling else None
 
     def _pending_inputs(

@@ -3,9 +3,13 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xinfer.cache.block_pool import PageTable
 from xinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xinfer.grammar.matcher import Constraint
 
 PENDING = -1
 """A token id the device has sampled and the host not yet read (the last one only)."""
@@ -36,6 +40,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     scheduled_once: bool = False
+    constraint: Constraint | None = None  # its structured-output grammar, following its tokens
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from xinfer.kv.formats import formats
+from xinfer.text.reasoning import PARSERS
 
 ENV_PREFIX = "XINFER_"
 DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
@@ -118,6 +119,13 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     serving.add_argument("--log-level", "--log", default="info", choices=["debug", "info", "warning", "error"],
                          help="log detail (debug: with the traceback of an error)")
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+    reasoning = p.add_argument_group("reasoning (<think> blocks split into reasoning_content)")
+    reasoning.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS], metavar="NAME",
+                           help="how answers' reasoning is split out: auto (models whose chat template writes "
+                                "</think>, which is one token), none, or a family's parser: " + ", ".join(PARSERS))
+    reasoning.add_argument("--disable-reasoning", action="store_true",
+                           help="ask templates not to think (enable_thinking=false) and split nothing")
 
     chat = p.add_argument_group("terminal")
     chat.add_argument("--i", dest="interactive", action="store_true",

@@ -13,8 +13,9 @@ from xinfer.engine.engine import KVCacheFull, LLMEngine
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
 from xinfer.server.metrics import Metrics
-from xinfer.server.params import SamplingDefaults, request_params
+from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
 from xinfer.server.protocol import GenerationRequest
+from xinfer.text.reasoning import PARSERS, ReasoningTags, detect
 
 RETRY_AFTER = {"Retry-After": "1"}  # seconds
 T = TypeVar("T")
@@ -28,7 +29,21 @@ class Serving:
     defaults: SamplingDefaults
     metrics: Metrics
     aliases: frozenset[str] = frozenset()
+    reasoning_parser: str = "auto"  # --reasoning-parser: a name of PARSERS, "auto" or "none"
+    disable_reasoning: bool = False  # --disable-reasoning
     _token_texts: dict[int, str] = field(default_factory=dict)
+    _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known
+
+    @property
+    def reasoning_tags(self) -> ReasoningTags | None:
+        """The reasoning block's tags of the served model, where its reasoning is split
+        from its answers (None: not a model that reasons, or reasoning is off)."""
+        if self.disable_reasoning or self.reasoning_parser == "none":
+            return None
+        if not self._reasoning:
+            named = PARSERS.get(self.reasoning_parser)
+            self._reasoning.append(named or detect(self.tokenizer))
+        return self._reasoning[0]
 
     @property
     def llm(self) -> LLMEngine:
@@ -56,9 +71,16 @@ class Serving:
             message = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
             raise APIError(404, message, param="model", code="model_not_found")
 
-    async def submit(self, request: Request, body: GenerationRequest, prompts: list[list[int]]) -> RequestHandle:
-        """Queues a request's prompts, each with the body's ``n`` choices."""
-        entries = [(prompt, request_params(body, self.defaults, len(prompt), self.max_model_len)) for prompt in prompts]
+    async def submit(
+        self, request: Request, body: GenerationRequest, prompts: list[list[int]], after_token_id: int | None = None
+    ) -> RequestHandle:
+        """Queues a request's prompts, each with the body's ``n`` choices; a constraint
+        (structured outputs) applies after ``after_token_id`` where one is given."""
+        constraint = structured_outputs(body, after_token_id)
+        entries = [
+            (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
+            for prompt in prompts
+        ]
         return await self._ask(request, self.engine.submit(entries))
 
     async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
