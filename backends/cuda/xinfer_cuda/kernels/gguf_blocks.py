@@ -82,18 +82,25 @@ def random_packed(n: int, k: int, fmt: BlockFormat, scale: float = 1e-3, device:
 
 
 @triton.jit
+def _load(ptr, mask):
+    if mask is None:  # tiles that no row or block end cuts
+        return tl.load(ptr)
+    return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
 def _byte(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    return _load(ptr, mask).to(tl.int32)
 
 
 @triton.jit
 def _half(ptr, mask):
-    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    return _load(ptr.to(tl.pointer_type(tl.float16)), mask).to(tl.float32)
 
 
 @triton.jit
 def _int8(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return _load(ptr, mask).to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @triton.jit

@@ -103,15 +103,13 @@ def _qgemv_kernel(
     for b0 in range(0, num_blocks, BLOCKS):
         blk, g, has_blk, k0 = _tile_coords(b0, num_blocks, BLOCKS, GROUPS, QK, PARTS * SPAN)
         block = w_rows + blk * NBYTES
-        if EVEN:
-            mask = None
-            x_mask = None
-        else:
-            mask = (rows[:, None, None] < N) & has_blk
-            x_mask = has_blk
+        mask = None if EVEN else (rows[:, None, None] < N) & has_blk
         for p in tl.static_range(PARTS):
             w = decode_part(FMT, block, g, p, j, mask)
-            x = tl.load(x_ptr + k0 + p * SPAN + j, mask=x_mask, other=0.0)
+            if EVEN:
+                x = tl.load(x_ptr + k0 + p * SPAN + j)
+            else:
+                x = tl.load(x_ptr + k0 + p * SPAN + j, mask=has_blk, other=0.0)
             acc += w * x.to(tl.float32)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:

@@ -1,0 +1,220 @@
+"""GGUF-packed weights on the GPU: the Llama-3.1-8B shape with dummy packed weights (random
+bytes with sane fp16 scales) in Q8_0 and Q4_K_M. JSON lines, then a short table.
+
+Q4_K_M is llama.cpp's mix (llama-quant.cpp, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): Q4_K everywhere
+but Q6_K for the output (LM head) and for ``attn_v`` and ``ffn_down`` of the layers
+``use_more_bits`` picks: the first and last eighth of the layers and every third between
+(for 32 layers: 0-3, 6, 9, ..., 27, 28-31, 16 in all). The token embedding stays Q4_K and
+is not read per token (a row is gathered), so it is not counted in the bytes per token.
+
+Modes:
+
+    python benchmarks/quant_decode.py --kernels      # each layer shape and format alone: GB/s
+    python benchmarks/quant_decode.py --linears      # every linear of a decode step in a graph
+    python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on a GGUF of the same shape
+    python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
+
+``--kernels`` times each (shape, format) at 1 and 16 rows as a CUDA graph of calls over
+copies of the weight that overflow the L2 (xinfer_cuda.linear.graph_time), beside cuBLAS on
+the bf16 weight and dequantize-then-cuBLAS, and gives the packed bytes per second against
+the copy bandwidth measured in the same run. ``--linears`` captures one decode step's
+linears (32 x q, k, v, o, gate, up, down, and the LM head) at batch 1, 16 and 64: the
+weights' share of a step, an upper bound on the model's tok/s (attention, norms and
+sampling come on top); the bytes limit is the file's bytes per token over the bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES  # noqa: E402
+from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed  # noqa: E402
+from xinfer_cuda.kernels.quant_linear import dequantize, quant_linear  # noqa: E402
+
+SCHEMES = ("Q8_0", "Q4_K_M")
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str  # llama.cpp's tensor name
+    n: int  # output features
+    k: int  # input features
+    fmt: str
+
+    @property
+    def nbytes(self) -> int:
+        return FORMATS[self.fmt].row_bytes(self.k) * self.n
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down Q4_K_M keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def weights(config, scheme: str) -> list[Weight]:
+    """The linears one decode step reads, in order, in ``scheme``'s types."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d = h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def fmt(more_bits: bool = False) -> str:
+        return scheme if scheme == "Q8_0" else ("Q6_K" if more_bits else "Q4_K")
+
+    out = []
+    for i in range(layers):
+        more = use_more_bits(i, layers)
+        out += [
+            Weight(f"blk.{i}.attn_q.weight", q, h, fmt()),
+            Weight(f"blk.{i}.attn_k.weight", kv, h, fmt()),
+            Weight(f"blk.{i}.attn_v.weight", kv, h, fmt(more)),
+            Weight(f"blk.{i}.attn_output.weight", h, q, fmt()),
+            Weight(f"blk.{i}.ffn_gate.weight", inter, h, fmt()),
+            Weight(f"blk.{i}.ffn_up.weight", inter, h, fmt()),
+            Weight(f"blk.{i}.ffn_down.weight", h, inter, fmt(more)),
+        ]
+    return out + [Weight("output.weight", config.vocab_size, h, fmt(True))]
+
+
+def graph_seconds(call: Callable[[], object], replays: int = 5) -> float:
+    """Seconds per ``call``: the best replay of a CUDA graph of it (eager launches on the
+    GPU machine, a VM, take longer than the kernels)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def wall_seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def emit(record: dict) -> dict:
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list[dict]:
+    from xinfer_cuda.linear import graph_time, l2_overflowing_copies
+
+    shapes = sorted({(w.n, w.k, w.fmt) for scheme in SCHEMES for w in weights(config, scheme)})
+    records = []
+    for n, k, fmt in shapes:
+        packed = random_packed(n, k, FORMATS[fmt], device=device)
+        copies = [packed] if smoke else l2_overflowing_copies(packed)
+        dense = dequantize(packed, fmt, k, torch.bfloat16)
+        dense_copies = [dense] if smoke else [dequantize(c, fmt, k, torch.bfloat16) for c in copies]
+        for rows in (1, 16):
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            if smoke:
+                t = wall_seconds(lambda x=x: quant_linear(x, packed, fmt))
+                times = {"packed": t, "cublas_bf16": t, "dequant_cublas": t}
+            else:
+                times = {
+                    "packed": graph_time(lambda w, x=x: quant_linear(x, w, fmt), copies),
+                    "cublas_bf16": graph_time(lambda w, x=x: F.linear(x, w), dense_copies),
+                    "dequant_cublas": graph_time(lambda w, x=x: F.linear(x, dequantize(w, fmt, k, x.dtype)), copies),
+                }
+            gbps = packed.numel() / times["packed"] / 1e9
+            records.append(emit({"mode": "kernel", "format": fmt, "n": n, "k": k, "rows": rows,
+                                 **{f"{key}_us": round(v * 1e6, 2) for key, v in times.items()},
+                                 "packed_GBps": round(gbps, 1), "of_bandwidth": round(gbps * 1e9 / bandwidth, 3)}))  # fmt: skip
+        del copies, dense_copies
+    return records
+
+
+def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches: list[int]) -> list[dict]:
+    records = []
+    for scheme in SCHEMES:
+        plan = weights(config, scheme)
+        packed = [random_packed(w.n, w.k, FORMATS[w.fmt], device=device) for w in plan]
+        file_bytes = sum(w.nbytes for w in plan)
+        for batch in batches:
+            xs = {k: torch.randn(batch, k, device=device, dtype=torch.bfloat16) for k in {w.k for w in plan}}
+
+            def step(plan=plan, packed=packed, xs=xs) -> None:
+                for w, p in zip(plan, packed):
+                    quant_linear(xs[w.k], p, w.fmt)
+
+            t = wall_seconds(step) if smoke else graph_seconds(step)
+            record = {"mode": "linears", "scheme": scheme, "batch": batch, "step_ms": round(t * 1e3, 3),
+                      "tok_s": round(batch / t, 1), "bytes_per_token_GB": round(file_bytes / 1e9, 3)}  # fmt: skip
+            if batch == 1:
+                limit = bandwidth / file_bytes
+                record |= {"limit_tok_s": round(limit, 1), "of_limit": round(1 / t / limit, 3)}
+            records.append(emit(record))
+        del packed
+    return records
+
+
+def tiny_config():
+    config = SHAPES["llama-3.1-8b"]()
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 512, 2
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 2, 320
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", action="store_true", help="time each (layer shape, format) alone")
+    parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="batch sizes of --linears")
+    parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU, Triton interpreter (times meaningless)")
+    parser.add_argument("--out", type=Path, help="also write the records to this JSON file")
+    args = parser.parse_args()
+    if not (args.kernels or args.linears):
+        args.kernels = args.linears = True
+    if args.smoke:
+        config, device, bandwidth = tiny_config(), torch.device("cpu"), 1e9
+        args.batches = [1, 3]
+    else:
+        from bandwidth import copy_bandwidth
+
+        config, device = SHAPES["llama-3.1-8b"](), torch.device("cuda")
+        bandwidth = copy_bandwidth()
+        emit({"copy_bandwidth_TBps": round(bandwidth / 1e12, 3)})
+    records = []
+    if args.kernels:
+        records += kernels(config, device, bandwidth, args.smoke)
+    if args.linears:
+        records += linears(config, device, bandwidth, args.smoke, args.batches)
+    if args.out:
+        args.out.write_text(json.dumps(records, indent=1))
+    print(f"{'what':44} {'us / ms':>10} {'GB/s or tok/s':>14} {'of limit':>9}")
+    for r in records:
+        if r["mode"] == "kernel":
+            what = f"{r['format']} {r['n']}x{r['k']} rows {r['rows']} (cuBLAS bf16 {r['cublas_bf16_us']} us)"
+            print(f"{what:44} {r['packed_us']:>10} {r['packed_GBps']:>14} {r['of_bandwidth']:>9}")
+        else:
+            what = f"{r['scheme']} linears of a step, batch {r['batch']}"
+            print(f"{what:44} {r['step_ms']:>10} {r['tok_s']:>14} {r.get('of_limit', ''):>9}")
+
+
+if __name__ == "__main__":
+    main()
