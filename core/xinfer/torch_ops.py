@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from torch import Tensor
 from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms
+from xinfer.quant.tensor import QuantizedTensor
 from xinfer.sampling import SamplingBatch
 
 if TYPE_CHECKING:
@@ -25,6 +27,15 @@ SCORING = {
 """Router logits to expert scores, by the HF config's ``scoring_func``."""
 
 
+def _expert_linear(x: Tensor, weights: Tensor, expert: int) -> Tensor:
+    """``x`` through expert ``expert`` of stacked ``weights`` [E, N, K] (quantized ones through their kernels)."""
+    if isinstance(weights, QuantizedTensor):
+        from xinfer import ops
+
+        return ops.linear(x, weights.select(expert))
+    return F.linear(x, weights[expert])
+
+
 class TorchOps:
     """The reference of every op, and the base a backend subclasses to override op by op.
 
@@ -36,7 +47,10 @@ class TorchOps:
     - ``kv_formats``: the KV cache formats its attention stores and reads, None for every
       one (the reference quantizes and decodes through the format itself);
     - ``recent_window``: its attention keeps the recent window of a quantized cache exact
-      in shadow blocks (:class:`xinfer.ops.KeepsRecentWindow`).
+      in shadow blocks (:class:`xinfer.ops.KeepsRecentWindow`);
+    - ``weight_kernels``: the quantized weight formats it runs natively, each naming its
+      :class:`xinfer.quant.WeightKernels` ("module:attribute"); every other format runs
+      through the reference, which dequantizes per call (:mod:`xinfer.quant.dispatch`).
 
     A subclass that overrides :meth:`attention` declares what its kernel does.
     """
@@ -44,6 +58,7 @@ class TorchOps:
     name: str = "torch"
     kv_formats: frozenset[str] | None = None
     recent_window: bool = True
+    weight_kernels: Mapping[str, str] = {}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
@@ -81,7 +96,7 @@ class TorchOps:
         for expert in ids.unique().tolist():
             slots = (ids == expert).nonzero().squeeze(1)  # (token, j) pairs routed to the expert
             tokens = slots // top_k
-            y = F.linear(act_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
+            y = _expert_linear(act_and_mul(_expert_linear(x[tokens], w13, expert)), w2, expert)
             out.index_add_(0, tokens, y.float() * weights[slots, None])
         return out.to(x.dtype)
 
