@@ -11,7 +11,8 @@ Modes:
 
     python benchmarks/quant_decode.py --kernels      # each layer shape and format alone: GB/s
     python benchmarks/quant_decode.py --linears      # every linear of a decode step in a graph
-    python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on a GGUF of the same shape
+    python benchmarks/quant_decode.py --model        # xinfer on a GGUF of the shape (written first)
+    python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on the same GGUF
     python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
 
 ``--kernels`` times each (shape, format) at 1 and 16 rows as a CUDA graph of calls over
@@ -21,6 +22,14 @@ the copy bandwidth measured in the same run. ``--linears`` captures one decode s
 linears (32 x q, k, v, o, gate, up, down, and the LM head) at batch 1, 16 and 64: the
 weights' share of a step, an upper bound on the model's tok/s (attention, norms and
 sampling come on top); the bytes limit is the file's bytes per token over the bandwidth.
+
+``--model`` and ``--llama-cpp`` write a GGUF of the shape per scheme (``--gguf-dir``, kept
+for reuse: ~8.5 GB for Q8_0, ~4.9 GB for Q4_K_M) with the gguf package: the packed weights
+random as above, norms 1, a vocabulary of placeholder tokens. ``--model`` runs xinfer on it
+(benchmarks/offline.py: batch 1, prompt 128, 256 greedy steps, decode tok/s; then the
+``--batches`` above 1 as that many concurrent requests, greedy and sampled). ``--llama-cpp``
+runs llama-cpp-python (all layers on the GPU) on the same file, batch 1 only: its Python API
+has no batched generation (llama.cpp's llama-batched-bench would be the batched peer).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -179,6 +189,108 @@ def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches
     return records
 
 
+def write_gguf(config, scheme: str, path: Path) -> None:
+    """The shape as a llama GGUF in ``scheme``: random packed weights (the token embedding in
+    the scheme's base type), norms of ones, placeholder tokens (and the newline llama.cpp
+    looks up)."""
+    import gguf
+    import numpy as np
+
+    base = "Q8_0" if scheme == "Q8_0" else "Q4_K"
+    plan = weights(config, scheme)
+    plan.insert(0, Weight("token_embd.weight", config.vocab_size, config.hidden_size, base))
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    tokens = [f"t{i}" for i in range(config.vocab_size)]
+    tokens[10] = "\u010a"  # the byte-level newline
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    ones = np.ones(config.hidden_size, dtype=np.float32)
+    for w in plan:
+        if w.name.startswith("blk.") and w.name.endswith("attn_q.weight"):
+            layer = w.name.split(".")[1]
+            writer.add_tensor(f"blk.{layer}.attn_norm.weight", ones)
+            writer.add_tensor(f"blk.{layer}.ffn_norm.weight", ones)
+        packed = random_packed(w.n, w.k, FORMATS[w.fmt]).numpy()
+        writer.add_tensor(w.name, packed, raw_dtype=gguf.GGMLQuantizationType[w.fmt])
+    writer.add_tensor("output_norm.weight", ones)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_file(config, scheme: str, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"llama-3.1-8b-shape-{scheme}.gguf"
+    if not path.exists():
+        start = time.perf_counter()
+        write_gguf(config, scheme, path.with_suffix(".part"))
+        path.with_suffix(".part").rename(path)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr)  # fmt: skip
+    return path
+
+
+def xinfer_model(config, folder: Path, bandwidth: float, batches: list[int]) -> list[dict]:
+    records = []
+    for scheme in SCHEMES:
+        path = gguf_file(config, scheme, folder)
+        file_bytes = sum(w.nbytes for w in weights(config, scheme))
+        for batch in batches:
+            sampling = ["greedy"] if batch == 1 else ["greedy", "sampled"]
+            command = [sys.executable, str(Path(__file__).parent / "offline.py"), "--model", str(path), "--batch",
+                       str(batch), "--input-len", "128", "--output-len", "256", "--sampling", *sampling]  # fmt: skip
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log passes through
+            if result.returncode != 0:
+                records.append(emit({"mode": "model", "scheme": scheme, "batch": batch, "error": result.returncode}))
+                continue
+            run = json.loads(result.stdout.strip().splitlines()[-1])
+            record = {"mode": "model", "scheme": scheme, "batch": batch, "tok_s": run.get("decode_tok_s", run["output_tok_s"]),
+                      "output_tok_s": run["output_tok_s"], "sampled_output_tok_s": run.get("sampled_output_tok_s")}  # fmt: skip
+            if batch == 1:
+                limit = bandwidth / file_bytes
+                record |= {"limit_tok_s": round(limit, 1), "of_limit": round(record["tok_s"] / limit, 3)}
+            records.append(emit(record))
+    return records
+
+
+def llama_cpp(config, folder: Path, bandwidth: float, steps: int = 256) -> list[dict]:
+    import llama_cpp as lc
+
+    records = []
+    for scheme in SCHEMES:
+        path = gguf_file(config, scheme, folder)
+        llm = lc.Llama(model_path=str(path), n_gpu_layers=-1, n_ctx=1024, n_batch=512, verbose=False)
+        prompt = [(i * 7919) % (config.vocab_size - 100) + 100 for i in range(128)]
+        start = first = time.perf_counter()
+        for generated, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
+            if generated == 1:
+                first = time.perf_counter()
+            if generated == steps:
+                break
+        decode_tok_s = (steps - 1) / (time.perf_counter() - first)
+        limit = bandwidth / sum(w.nbytes for w in weights(config, scheme))
+        records.append(emit({"mode": "llama.cpp", "scheme": scheme, "batch": 1, "tok_s": round(decode_tok_s, 1),
+                             "prefill_s": round(first - start, 3), "limit_tok_s": round(limit, 1),
+                             "of_limit": round(decode_tok_s / limit, 3)}))  # fmt: skip
+        del llm
+    return records
+
+
 def tiny_config():
     config = SHAPES["llama-3.1-8b"]()
     config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 512, 2
@@ -190,11 +302,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", action="store_true", help="time each (layer shape, format) alone")
     parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="batch sizes of --linears")
+    parser.add_argument("--model", action="store_true", help="xinfer on a GGUF of the shape (batch 1 and --batches)")
+    parser.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF (batch 1)")
+    parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp/quant_decode"), help="where the GGUFs are kept")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="batch sizes of --linears, --model")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU, Triton interpreter (times meaningless)")
     parser.add_argument("--out", type=Path, help="also write the records to this JSON file")
     args = parser.parse_args()
-    if not (args.kernels or args.linears):
+    if not (args.kernels or args.linears or args.model or args.llama_cpp):
         args.kernels = args.linears = True
     if args.smoke:
         config, device, bandwidth = tiny_config(), torch.device("cpu"), 1e9
@@ -210,6 +325,10 @@ def main() -> None:
         records += kernels(config, device, bandwidth, args.smoke)
     if args.linears:
         records += linears(config, device, bandwidth, args.smoke, args.batches)
+    if args.model:
+        records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches)
+    if args.llama_cpp:
+        records += llama_cpp(config, args.gguf_dir, bandwidth)
     if args.out:
         args.out.write_text(json.dumps(records, indent=1))
     print(f"{'what':44} {'us / ms':>10} {'GB/s or tok/s':>14} {'of limit':>9}")
@@ -217,9 +336,12 @@ def main() -> None:
         if r["mode"] == "kernel":
             what = f"{r['format']} {r['n']}x{r['k']} rows {r['rows']} (cuBLAS bf16 {r['cublas_bf16_us']} us)"
             print(f"{what:44} {r['packed_us']:>10} {r['packed_GBps']:>14} {r['of_bandwidth']:>9}")
-        else:
+        elif r["mode"] == "linears":
             what = f"{r['scheme']} linears of a step, batch {r['batch']}"
             print(f"{what:44} {r['step_ms']:>10} {r['tok_s']:>14} {r.get('of_limit', ''):>9}")
+        else:
+            what = f"{r['mode']} {r['scheme']} decode, batch {r['batch']}"
+            print(f"{what:44} {'':>10} {r.get('tok_s', r.get('error')):>14} {r.get('of_limit', ''):>9}")
 
 
 if __name__ == "__main__":

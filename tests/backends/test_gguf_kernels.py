@@ -20,8 +20,14 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from torch import Tensor
 
+from xinfer import ops
+from xinfer.quant import get_weight_format, quantized
+from xinfer.quant.gguf_formats import GGUF_FORMATS
+from xinfer.torch_ops import TorchOps
+from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
+from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
@@ -112,3 +118,74 @@ def test_unknown_format_and_ragged_rows_are_clear_errors():
         quant_linear(x, torch.zeros(4, 64, dtype=torch.uint8, device=DEVICE), "IQ2_XXS")
     with pytest.raises(ValueError, match="Q4_K: a row of 64 values is not a whole number of 256-value blocks"):
         quant_linear(x, torch.zeros(4, 36, dtype=torch.uint8, device=DEVICE), "Q4_K")
+
+
+# --- fused MoE over packed expert stacks -----------------------------------------------------------
+
+
+def packed_experts(name: str, experts: int, hidden: int, inter: int) -> tuple[Tensor, Tensor]:
+    fmt = FORMATS[name]
+    w13 = random_packed(experts * 2 * inter, hidden, fmt, device=DEVICE).view(experts, 2 * inter, -1)
+    w2 = random_packed(experts * hidden, inter, fmt, device=DEVICE).view(experts, hidden, -1)
+    return w13, w2
+
+
+def reference_moe(x, w13, w2, name, weights, ids, activation) -> Tensor:
+    dense13 = reference_weight(w13.reshape(-1, w13.shape[-1]), name).view(w13.shape[0], w13.shape[1], -1)
+    dense2 = reference_weight(w2.reshape(-1, w2.shape[-1]), name).view(w2.shape[0], w2.shape[1], -1)
+    return TorchOps().fused_moe(x.cpu().float(), dense13, dense2, weights.cpu(), ids.cpu(), activation)
+
+
+def routing(tokens: int, experts: int, top_k: int) -> tuple[Tensor, Tensor]:
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    return (weights / weights.sum(-1, keepdim=True)).to(DEVICE), ids.to(DEVICE)
+
+
+# the MoE kernels' own code is the same for every format (the decoding is tested above)
+MOE_NAMES = NAMES if ON_GPU else ["Q8_0", "Q4_0", "Q4_K", "Q6_K"]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid's inf is right
+@pytest.mark.parametrize("name", MOE_NAMES)
+def test_fused_moe_per_slot(name):
+    """2 tokens, 2 of 4 experts each, in tiles of 64 rows (on the CPU: the interpreter's time
+    goes by programs); a 32-value format's 96 gate/up rows end in a part tile."""
+    fmt = FORMATS[name]
+    hidden, inter = (256, 256) if fmt.qk == 256 else (64, 96)
+    w13, w2 = packed_experts(name, 4, hidden, inter)
+    weights, ids = routing(2, 4, 2)
+    cases = [(torch.float32, "silu")] + ([(torch.float16, "gelu_pytorch_tanh")] if name == "Q4_K" else [])
+    for dtype, activation in cases:
+        x = torch.randn(2, hidden, device=DEVICE).to(dtype)
+        out = quant_moe.fused_moe(x, w13, w2, name, weights, ids, activation, block_n=64)
+        check(out, reference_moe(x, w13, w2, name, weights, ids, activation), dtype)
+
+
+# --- the backend's declaration through the quantized-weight seam -------------------------------------
+
+
+def test_cuda_ops_declare_every_gguf_block_format():
+    assert set(CudaOps.weight_kernels) == {f.name for f in GGUF_FORMATS}
+
+
+def test_linear_and_moe_dispatch_to_the_kernels():
+    """ops.linear and ops.fused_moe on quantized weights reach these kernels under CudaOps
+    (a leading batch dimension kept; past MAX_SLOTS slots the experts one by one)."""
+    backend = CudaOps()
+    fmt = get_weight_format("q4_0")
+    packed = random_packed(5, 64, FORMATS["Q4_0"], device=DEVICE)
+    weight, bias = quantized(packed, fmt, (5, 64)), torch.randn(5, device=DEVICE)
+    x = torch.randn(2, 3, 64, device=DEVICE)
+    with ops.use(backend):
+        out = ops.linear(x, weight, bias)
+    check(out, x.cpu() @ reference_weight(packed, "Q4_0").T + bias.cpu(), torch.float32)
+
+    w13, w2 = packed_experts("Q4_0", 4, 64, 32)
+    q13, q2 = quantized(w13, fmt, (4, 64, 64)), quantized(w2, fmt, (4, 64, 32))
+    for tokens in (1, quant_moe.MAX_SLOTS // 2 + 1):
+        x = torch.randn(tokens, 64, device=DEVICE)
+        weights, ids = routing(tokens, 4, 2)
+        with ops.use(backend):
+            out = ops.fused_moe(x, q13, q2, weights, ids, "silu")
+        check(out, reference_moe(x, w13, w2, "Q4_0", weights, ids, "silu"), torch.float32)

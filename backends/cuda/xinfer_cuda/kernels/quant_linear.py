@@ -74,6 +74,43 @@ def _tile_coords(b0, NUM_BLOCKS, BLOCKS: tl.constexpr, GROUPS: tl.constexpr, QK:
 
 
 @triton.jit
+def row_dots(
+    x_ptr,
+    w_rows,
+    rows,
+    N,
+    K,
+    FMT: tl.constexpr,
+    QK: tl.constexpr,
+    NBYTES: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PARTS: tl.constexpr,
+    SPAN: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """The dot products of the row ``x`` [K] with packed rows ``rows`` [BLOCK_N] of a weight
+    (``w_rows``: their first bytes, [BLOCK_N, 1, 1]), fp32 [BLOCK_N]; ``EVEN``: no row past
+    ``N`` and a whole number of loop steps of ``BLOCKS`` blocks."""
+    j = tl.arange(0, SPAN)[None, None, :]
+    num_blocks = K // QK
+    acc = tl.zeros((BLOCK_N, BLOCKS * GROUPS, SPAN), dtype=tl.float32)
+    for b0 in range(0, num_blocks, BLOCKS):
+        blk, g, has_blk, k0 = _tile_coords(b0, num_blocks, BLOCKS, GROUPS, QK, PARTS * SPAN)
+        block = w_rows + blk * NBYTES
+        mask = None if EVEN else (rows[:, None, None] < N) & has_blk
+        for p in tl.static_range(PARTS):
+            w = decode_part(FMT, block, g, p, j, mask)
+            if EVEN:
+                x = tl.load(x_ptr + k0 + p * SPAN + j)
+            else:
+                x = tl.load(x_ptr + k0 + p * SPAN + j, mask=has_blk, other=0.0)
+            acc += w * x.to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def _qgemv_kernel(
     x_ptr,
     w_ptr,
@@ -97,21 +134,7 @@ def _qgemv_kernel(
     pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + rows[:, None, None].to(tl.int64) * stride_w
-    j = tl.arange(0, SPAN)[None, None, :]
-    num_blocks = K // QK
-    acc = tl.zeros((BLOCK_N, BLOCKS * GROUPS, SPAN), dtype=tl.float32)
-    for b0 in range(0, num_blocks, BLOCKS):
-        blk, g, has_blk, k0 = _tile_coords(b0, num_blocks, BLOCKS, GROUPS, QK, PARTS * SPAN)
-        block = w_rows + blk * NBYTES
-        mask = None if EVEN else (rows[:, None, None] < N) & has_blk
-        for p in tl.static_range(PARTS):
-            w = decode_part(FMT, block, g, p, j, mask)
-            if EVEN:
-                x = tl.load(x_ptr + k0 + p * SPAN + j)
-            else:
-                x = tl.load(x_ptr + k0 + p * SPAN + j, mask=has_blk, other=0.0)
-            acc += w * x.to(tl.float32)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = row_dots(x_ptr, w_rows, rows, N, K, FMT, QK, NBYTES, GROUPS, PARTS, SPAN, EVEN, BLOCK_N, BLOCKS)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -205,11 +228,11 @@ def block_format(name: str) -> BlockFormat:
     return fmt
 
 
-def _format_args(fmt: BlockFormat) -> dict:
+def format_args(fmt: BlockFormat) -> dict:
     return dict(FMT=fmt.name, QK=fmt.qk, NBYTES=fmt.nbytes, GROUPS=fmt.groups, PARTS=fmt.parts, SPAN=fmt.span)
 
 
-def _check_packed(packed: Tensor, fmt: BlockFormat, k: int) -> None:
+def check_packed(packed: Tensor, fmt: BlockFormat, k: int) -> None:
     assert packed.dtype == torch.uint8 and packed.dim() == 2 and packed.stride(1) == 1, (packed.dtype, packed.shape)
     assert packed.shape[1] == fmt.row_bytes(k), (fmt.name, k, packed.shape)
 
@@ -227,7 +250,7 @@ def quant_linear(
     ``config``, one row takes the GEMV and more the dot kernel, in default tiles."""
     fmt = block_format(fmt_name)
     (m, k), n = x.shape, packed.shape[0]
-    _check_packed(packed, fmt, k)
+    check_packed(packed, fmt, k)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
@@ -236,7 +259,7 @@ def quant_linear(
         config = default_gemv(fmt) if m == 1 else default_dot(fmt, m)
     bias_arg = bias if bias is not None else x
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCKS=config.blocks,
-                  num_warps=config.num_warps, **_format_args(fmt), **launch.pdl(x.device))  # fmt: skip
+                  num_warps=config.num_warps, **format_args(fmt), **launch.pdl(x.device))  # fmt: skip
     if isinstance(config, QGemvConfig):
         assert m == 1, m
         even = n % config.block_n == 0 and (k // fmt.qk) % config.blocks == 0
@@ -255,12 +278,12 @@ def quant_linear(
 def dequantize(packed: Tensor, fmt_name: str, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:
     """``W`` [N, k] in ``dtype`` from its GGUF blocks ``packed`` [N, k / qk * nbytes]."""
     fmt = block_format(fmt_name)
-    _check_packed(packed, fmt, k)
+    check_packed(packed, fmt, k)
     n = packed.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=packed.device)
     blocks = max(1, 256 // fmt.qk)
     grid = (triton.cdiv(n, block_n), triton.cdiv(k // fmt.qk, blocks))
     if n and k:
         _dequant_kernel[grid](packed, out, n, k, packed.stride(0), out.stride(0), BLOCK_N=block_n, BLOCKS=blocks,
-                              num_warps=4, **_format_args(fmt), **launch.pdl(packed.device))  # fmt: skip
+                              num_warps=4, **format_args(fmt), **launch.pdl(packed.device))  # fmt: skip
     return out
