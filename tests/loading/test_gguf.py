@@ -1,6 +1,7 @@
 """GGUF configs and weights against transformers' GGUF loader (and the HF weights they
 came from, for files written here the way llama.cpp's converter writes them)."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -15,6 +16,7 @@ from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.loader import build_model
+from xinfer.quant import get_weight_format
 
 # fields whose value says where a file came from or how it was loaded, not what the model is
 _PROVENANCE = {
@@ -98,7 +100,19 @@ def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType.Q8_0
 
 
-def write_gguf(model, arch: str, path: Path, longrope: bool = False) -> None:
+def _quantize(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """llama.cpp's bytes of ``values`` in ``qtype``: the gguf package's where it quantizes to the
+    type, else the core's (the K formats)."""
+    try:
+        return gguf.quants.quantize(values, qtype)
+    except NotImplementedError:
+        return get_weight_format(qtype.name.lower()).quantize(torch.from_numpy(values)).numpy()
+
+
+def write_gguf(
+    model, arch: str, path: Path, longrope: bool = False, storage: Callable[[str], gguf.GGMLQuantizationType] = _storage
+) -> None:
+    """``model`` as llama.cpp's converter writes it, each tensor in the type ``storage`` gives its HF name."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -133,9 +147,9 @@ def write_gguf(model, arch: str, path: Path, longrope: bool = False) -> None:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, _, suffix = hf_name.rpartition(".")
-        qtype = _storage(hf_name)
+        qtype = storage(hf_name)
         values = tensor.float().numpy()
-        data = values if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(values, qtype)
+        data = values if qtype == gguf.GGMLQuantizationType.F32 else _quantize(values, qtype)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
