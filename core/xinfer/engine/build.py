@@ -65,7 +65,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     hf_config = load_config(path)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
-    model = load_model(path, hf_config, device, dtype, config.model.load_format)
+    model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
     prepare_weights(model, ops)
     max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)

@@ -13,7 +13,6 @@ Formats register through the ``xinfer_weight_formats`` hook; the core's GGUF blo
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -209,12 +208,17 @@ class WeightKernels:
     prepared_rows: bool = False
 
 
-@functools.cache
+_loaded: list[tuple[Any, dict[str, WeightFormat]]] = []  # (the discovery, its formats)
+
+
 def weight_formats() -> dict[str, WeightFormat]:
-    """The formats registered through ``xinfer_weight_formats``, by name."""
+    """The formats registered through ``xinfer_weight_formats``, by name (loaded once per plugin discovery)."""
     from xinfer import registry
 
-    return registry.weight_formats()
+    found = registry.discovery()
+    if not _loaded or _loaded[0][0] is not found:
+        _loaded[:] = [(found, registry.weight_formats())]
+    return _loaded[0][1]
 
 
 def get_weight_format(name: str) -> WeightFormat:
