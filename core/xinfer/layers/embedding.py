@@ -12,6 +12,7 @@ class VocabEmbedding(nn.Module):
     """A table of token vectors; a quantized table dequantizes only the rows looked up."""
 
     quantized_weights: ClassVar[tuple[str, ...]] = ("weight",)
+    looks_up_rows: ClassVar[bool] = True  # a backend repacking the table must keep rows readable
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
@@ -20,7 +21,7 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         if isinstance(self.weight, QuantizedTensor):
-            return self.weight.select(input_ids).dequantize(self.compute_dtype)
+            return self.weight.dequantize_rows(input_ids, self.compute_dtype)
         return F.embedding(input_ids, self.weight)
 
 

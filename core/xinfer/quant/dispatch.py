@@ -64,20 +64,23 @@ def fused_moe(
 def prepare_weights(model: nn.Module, backend: Any) -> None:
     """Repack, once, every quantized weight of ``model`` whose format's kernels on ``backend``
     read a layout of their own (``WeightKernels.prepare``)."""
+    looked_up = {id(p) for m in model.modules() if getattr(m, "looks_up_rows", False) for p in m.parameters()}
+    seen: set[int] = set()
     for module in model.modules():
         for param in list(module.parameters(recurse=False)):
-            if isinstance(param, QuantizedTensor):
-                prepared = _prepared(backend, param)
+            if isinstance(param, QuantizedTensor) and id(param) not in seen:
+                seen.add(id(param))
+                prepared = _prepared(backend, param, id(param) in looked_up)
                 if prepared is not param:
                     replace_parameter(model, param, prepared)
 
 
-def _prepared(backend: Any, weight: QuantizedTensor) -> QuantizedTensor:
+def _prepared(backend: Any, weight: QuantizedTensor, looked_up: bool) -> QuantizedTensor:
     if weight.parts:
-        parts = [_prepared(backend, part) for part in weight.parts]
+        parts = [_prepared(backend, part, looked_up) for part in weight.parts]
         return weight if all(p is q for p, q in zip(parts, weight.parts)) else cat_rows(parts)
     kernels = _kernels(backend, weight)
-    if kernels is None or kernels.prepare is None:
+    if kernels is None or kernels.prepare is None or (looked_up and not kernels.prepared_rows):
         return weight
     return kernels.prepare(weight)
 

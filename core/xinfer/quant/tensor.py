@@ -13,7 +13,6 @@ Formats register through the ``xinfer_weight_formats`` hook; the core's GGUF blo
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -32,14 +31,18 @@ class WeightFormat:
     declare kernels for formats itself: ``TorchOps.weight_kernels``).
     """
 
-    name: ClassVar[str]
-    block_values: ClassVar[int]
-    block_bytes: ClassVar[int]
+    name: str
+    block_values: int
+    block_bytes: int
     kernels: ClassVar[Mapping[str, str]] = {}
 
     def dequantize(self, raw: Tensor) -> Tensor:
         """``raw`` uint8 [..., n * block_bytes] -> float32 [..., n * block_values]."""
         raise NotImplementedError
+
+    def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
+        """The values of rows ``index`` (of the first dimension) of a weight stored as ``raw``."""
+        return self.dequantize(raw[index])
 
     def quantize(self, values: Tensor) -> Tensor:
         """float [..., n * block_values] -> uint8 [..., n * block_bytes]."""
@@ -106,6 +109,12 @@ class QuantizedTensor(torch.Tensor):
         if self.parts:
             return cat_rows([part.to_device(device) for part in self.parts])
         return QuantizedTensor(self.raw.to(device), self.format, self.logical_shape)
+
+    def dequantize_rows(self, index: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The values of rows ``index`` alone (an embedding lookup): [*index.shape, K] in ``dtype``."""
+        if self.parts:
+            return self.dequantize(dtype)[index]
+        return self.format.dequantize_rows(self.raw, index).to(dtype)
 
     def select(self, index: int | Tensor) -> QuantizedTensor:  # type: ignore[override]
         """Entries of the first dimension (an expert of stacked experts, rows of an embedding table)."""
@@ -189,19 +198,27 @@ class WeightKernels:
       :meth:`xinfer.ops.Ops.fused_moe`, called where ``w13`` and ``w2`` both have this format;
     - ``prepare(weight) -> QuantizedTensor``: a one-time repack at load into the layout the
       kernels read (a format of the backend's own, whose ``dequantize`` still gives the values).
+      A weight whose rows are looked up (an embedding table, tied to the LM head) is repacked only
+      where ``prepared_rows``: the repacked format's ``dequantize_rows`` reads rows fast.
     """
 
     linear: Any = None
     fused_moe: Any = None
     prepare: Any = None
+    prepared_rows: bool = False
 
 
-@functools.cache
+_loaded: list[tuple[Any, dict[str, WeightFormat]]] = []  # (the discovery, its formats)
+
+
 def weight_formats() -> dict[str, WeightFormat]:
-    """The formats registered through ``xinfer_weight_formats``, by name."""
+    """The formats registered through ``xinfer_weight_formats``, by name (loaded once per plugin discovery)."""
     from xinfer import registry
 
-    return registry.weight_formats()
+    found = registry.discovery()
+    if not _loaded or _loaded[0][0] is not found:
+        _loaded[:] = [(found, registry.weight_formats())]
+    return _loaded[0][1]
 
 
 def get_weight_format(name: str) -> WeightFormat:
