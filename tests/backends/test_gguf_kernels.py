@@ -28,6 +28,7 @@ from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
 from xinfer_cuda.ops import CudaOps
+from xinfer_cuda.quant_weights import MeasuredTiles, candidates
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
@@ -189,3 +190,26 @@ def test_linear_and_moe_dispatch_to_the_kernels():
         with ops.use(backend):
             out = ops.fused_moe(x, q13, q2, weights, ids, "silu")
         check(out, reference_moe(x, w13, w2, "Q4_0", weights, ids, "silu"), torch.float32)
+
+
+def test_measured_tiles_take_the_fastest_candidate_once_per_shape():
+    """Each (format, shape, power-of-two row count) is timed once over every candidate (the fake
+    timer's order: the third is fastest for one row, the last for 3 and 4 rows), and the chosen
+    tile computes the product."""
+    measured = []
+
+    def timer(call, weights):
+        y = call(weights[0])
+        measured.append(y.shape[0])
+        fastest = 2 if y.shape[0] == 1 else len(candidates(FORMATS["Q4_K"], 4)) - 1
+        return 1.0 if measured.count(y.shape[0]) - 1 == fastest else 2.0
+
+    tiles = MeasuredTiles(timer, copies=lambda w: [w])
+    packed = random_packed(8, 256, FORMATS["Q4_K"], device=DEVICE)
+    for rows in (1, 3, 4, 1):
+        x = torch.randn(rows, 256, device=DEVICE)
+        tile = tiles(x, packed, "Q4_K", None)
+        check(quant_linear(x, packed, "Q4_K", None, tile), x.cpu() @ reference_weight(packed, "Q4_K").T, torch.float32)
+    one, few = candidates(FORMATS["Q4_K"], 1), candidates(FORMATS["Q4_K"], 4)
+    assert measured == [1] * len(one) + [3] * len(few)
+    assert list(tiles.choice.values()) == [one[2], few[-1]]
