@@ -15,7 +15,8 @@ Modes:
     python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on the same GGUF
     python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
 
-``--kernels`` times each (shape, format) at 1 and 16 rows as a CUDA graph of calls over
+``--kernels`` times each (shape, format) at 1, 16, 64 and 512 rows (the tile measured as the
+backend measures it up to 64 rows, the default dot tile past that) as a CUDA graph of calls over
 copies of the weight that overflow the L2 (xinfer_cuda.linear.graph_time), beside cuBLAS on
 the bf16 weight and dequantize-then-cuBLAS, and gives the packed bytes per second against
 the copy bandwidth measured in the same run. ``--linears`` captures one decode step's
@@ -53,6 +54,7 @@ from shapes import SHAPES
 
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.quant_linear import dequantize, quant_linear
+from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS
 
 SCHEMES = ("Q8_0", "Q4_K_M")
 
@@ -139,11 +141,12 @@ def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list
         copies = [packed] if smoke else l2_overflowing_copies(packed)
         dense = dequantize(packed, fmt, k, torch.bfloat16)
         dense_copies = [dense] if smoke else [dequantize(c, fmt, k, torch.bfloat16) for c in copies]
-        for rows in (1, 16):
+        for rows in (1, 16) if smoke else (1, 16, 64, 512):
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            tile = GGUF_KERNELS.tiles(x, packed, fmt, None) if rows <= MEASURED_ROWS and not smoke else None
 
-            def packed_call(w: torch.Tensor, x=x, fmt=fmt) -> object:
-                return quant_linear(x, w, fmt)
+            def packed_call(w: torch.Tensor, x=x, fmt=fmt, tile=tile) -> object:
+                return quant_linear(x, w, fmt, None, tile)
 
             def dequant_call(w: torch.Tensor, x=x, fmt=fmt, k=k) -> object:
                 return F.linear(x, dequantize(w, fmt, k, x.dtype))
@@ -158,7 +161,7 @@ def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list
                     "dequant_cublas": graph_time(dequant_call, copies),
                 }
             gbps = packed.numel() / times["packed"] / 1e9
-            records.append(emit({"mode": "kernel", "format": fmt, "n": n, "k": k, "rows": rows,
+            records.append(emit({"mode": "kernel", "format": fmt, "n": n, "k": k, "rows": rows, "tile": str(tile),
                                  **{f"{key}_us": round(v * 1e6, 2) for key, v in times.items()},
                                  "packed_GBps": round(gbps, 1), "of_bandwidth": round(gbps * 1e9 / bandwidth, 3)}))  # fmt: skip
         del copies, dense_copies
@@ -174,9 +177,12 @@ def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches
         for batch in batches:
             xs = {k: torch.randn(batch, k, device=device, dtype=torch.bfloat16) for k in {w.k for w in plan}}
 
-            def step(plan=plan, packed=packed, xs=xs) -> None:
-                for w, p in zip(plan, packed):
-                    quant_linear(xs[w.k], p, w.fmt)
+            tiles = [GGUF_KERNELS.tiles(xs[w.k], p, w.fmt, None) if batch <= MEASURED_ROWS and not smoke else None
+                     for w, p in zip(plan, packed)]  # fmt: skip
+
+            def step(plan=plan, packed=packed, xs=xs, tiles=tiles) -> None:
+                for w, p, tile in zip(plan, packed, tiles):
+                    quant_linear(xs[w.k], p, w.fmt, None, tile)
 
             t = wall_seconds(step) if smoke else graph_seconds(step)
             record = {"mode": "linears", "scheme": scheme, "batch": batch, "step_ms": round(t * 1e3, 3),
@@ -215,7 +221,7 @@ def write_gguf(config, scheme: str, path: Path) -> None:
     tokens[10] = "\u010a"  # the byte-level newline
     writer.add_token_list(tokens)
     writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    writer.add_token_merges(["t 1"])  # (llama.cpp refuses a BPE vocabulary without merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     ones = np.ones(config.hidden_size, dtype=np.float32)
@@ -293,8 +299,8 @@ def llama_cpp(config, folder: Path, bandwidth: float, steps: int = 256) -> list[
 
 def tiny_config():
     config = SHAPES["llama-3.1-8b"]()
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 512, 2
-    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 2, 320
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 256, 2
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 2, 64
     return config
 
 
