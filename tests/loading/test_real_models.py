@@ -10,13 +10,12 @@ import itertools
 import pytest
 import torch
 
-from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
 from tests.tiny_models import prefill_logits
 from xinfer import LLM
 from xinfer.layers.linear import Linear
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.quant import QuantizedTensor
-from xinfer_cpu.ops import CpuOps
 
 PARAGRAPH = (
     "The river wound slowly through the valley, past old stone bridges and fields of wheat. "
@@ -41,9 +40,7 @@ def model(request):
 @pytest.fixture(scope="module", params=MODELS)
 def reference_model(request):
     """The model on the reference path: the CPU backend without its repacking kernels."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(CpuOps, "weight_kernels", {})
-        return request.param, _llm(request.param)
+    return request.param, reference_llm(request.param, dtype="float32", num_blocks=64, max_model_len=1024)
 
 
 def test_weights_stay_packed_in_the_files_bytes(reference_model):
