@@ -13,7 +13,6 @@ from torch import Tensor
 from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms
-from xinfer.quant.tensor import QuantizedTensor
 from xinfer.sampling import SamplingBatch
 
 if TYPE_CHECKING:
@@ -25,15 +24,6 @@ SCORING = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
 }
 """Router logits to expert scores, by the HF config's ``scoring_func``."""
-
-
-def _expert_linear(x: Tensor, weights: Tensor, expert: int) -> Tensor:
-    """``x`` through expert ``expert`` of stacked ``weights`` [E, N, K] (quantized ones through their kernels)."""
-    if isinstance(weights, QuantizedTensor):
-        from xinfer import ops
-
-        return ops.linear(x, weights.select(expert))
-    return F.linear(x, weights[expert])
 
 
 class TorchOps:
@@ -96,7 +86,7 @@ class TorchOps:
         for expert in ids.unique().tolist():
             slots = (ids == expert).nonzero().squeeze(1)  # (token, j) pairs routed to the expert
             tokens = slots // top_k
-            y = _expert_linear(act_and_mul(_expert_linear(x[tokens], w13, expert)), w2, expert)
+            y = F.linear(act_and_mul(F.linear(x[tokens], w13[expert])), w2[expert])
             out.index_add_(0, tokens, y.float() * weights[slots, None])
         return out.to(x.dtype)
 

@@ -16,7 +16,7 @@ from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.loader import build_model
-from xinfer.quant import get_weight_format
+from xinfer.quant import QuantizedTensor, get_weight_format
 
 # fields whose value says where a file came from or how it was loaded, not what the model is
 _PROVENANCE = {
@@ -55,6 +55,7 @@ def test_gemma3_config_reads_what_llama_cpp_hard_codes():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_weights_match_transformers(model):
+    """Every tensor, packed ones dequantized (q/k rows reordered in their packed form), equals transformers'."""
     path = gguf_path(model)
     reference = hf_model(model).state_dict()
     config = load_gguf_config(path)
@@ -63,8 +64,9 @@ def test_weights_match_transformers(model):
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     assert set(ours) == set(reference) - tied
     for name, tensor in ours.items():
-        assert tensor.dtype == torch.float32
-        assert torch.equal(tensor, reference[name]), name
+        values = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor  # packed: as the file
+        assert values.dtype == torch.float32
+        assert torch.equal(values, reference[name]), name
 
 
 # -- files written here the way llama.cpp's converter writes qwen2 / qwen3 -----------------

@@ -8,6 +8,7 @@ import json
 import gguf
 import numpy as np
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
@@ -117,3 +118,46 @@ def test_a_tied_table_is_one_packed_parameter_for_lookups_and_logits(tmp_path):
     assert isinstance(model.lm_head.weight, QuantizedTensor) and model.lm_head.weight is model.model.embed_tokens.weight
     logits = prefill_logits(llm.engine, prompt(16))
     assert float((logits - float_logits).abs().max() / float_logits.abs().max()) <= 0.02
+
+
+@pytest.fixture(scope="module")
+def packed_moe(tmp_path_factory):
+    """A tiny MiniMax-M2 (stacked experts) as a Q8_0 GGUF, and transformers' model holding exactly the values
+    the file holds (quantized and dequantized by the gguf package)."""
+    from tests.plugins.converted_gguf import checkpoint_tensors, write_converted_gguf
+    from tests.plugins.hf_parity import randomize, spread_routing
+    from tests.plugins.minimax.test_minimax_m2 import minimax_m2_config
+    from tests.plugins.minimax.test_minimax_m2_gguf import metadata_writer
+
+    folder = tmp_path_factory.mktemp("moe-q8")
+    hf = save_tiny_model(minimax_m2_config(intermediate_size=64), folder)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    path = folder / "tiny-q8_0.gguf"
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_converted_gguf(path, "minimax-m2", hf.config, checkpoint_tensors(folder), hf.config.num_hidden_layers,
+                         metadata_writer(hf.config), quantize=q8)  # fmt: skip
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() >= 2 and param.shape[-1] % 32 == 0:
+                values = gguf.quants.dequantize(gguf.quants.quantize(param.float().numpy(), q8), q8)
+                param.copy_(torch.from_numpy(values))
+    return hf, path
+
+
+def test_packed_stacked_experts_match_transformers_on_the_files_values(packed_moe):
+    from tests.loading.gguf_models import reference_llm
+    from tests.plugins.hf_parity import assert_prefill_logits_match
+
+    hf, path = packed_moe
+    llm = reference_llm(path, dtype="float32", num_blocks=64)
+    experts = [m for m in llm.engine.model.modules() if hasattr(m, "w13")]
+    assert experts and all(isinstance(m.w13, QuantizedTensor) and isinstance(m.w2, QuantizedTensor) for m in experts)
+    assert_prefill_logits_match(hf, llm, 29)
+    fast = LLM(model=str(path), dtype="float32", num_blocks=64)  # the CPU backend's int8 path for the dense layers
+    tokens = prompt(29)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    error = float((prefill_logits(fast.engine, tokens) - expected).abs().max() / expected.abs().max())
+    assert error <= 0.02, f"CPU fast path: max|diff|/max|HF logit| = {error:.2e}"

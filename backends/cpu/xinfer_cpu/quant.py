@@ -34,12 +34,15 @@ class Int4Packed(WeightFormat):
     def __init__(self, source: str, rows: int, cols: int):
         self.name = f"{source}:cpu-int4"
         self.rows, self.cols = rows, cols
+        self._views: tuple[int, tuple[Tensor, Tensor]] | None = None  # the views of the last buffer split
 
     def split(self, raw: Tensor) -> tuple[Tensor, Tensor]:
-        nibbles = self.rows * self.cols // 2
-        packed = raw[:nibbles].view(self.rows, self.cols // 2)
-        scales_zeros = raw[nibbles:].view(torch.bfloat16).view(self.cols // 32, self.rows, 2)
-        return packed, scales_zeros
+        if self._views is None or self._views[0] != raw.data_ptr():  # a format per tensor: views made once
+            nibbles = self.rows * self.cols // 2
+            packed = raw[:nibbles].view(self.rows, self.cols // 2)
+            scales_zeros = raw[nibbles:].view(torch.bfloat16).view(self.cols // 32, self.rows, 2)
+            self._views = (raw.data_ptr(), (packed, scales_zeros))
+        return self._views[1]
 
     def dequantize(self, raw: Tensor) -> Tensor:
         packed, scales_zeros = self.split(raw)
@@ -59,12 +62,15 @@ class BlockedInt8(WeightFormat):
         self.rows, self.cols, self.block_values = rows, cols, block
         self.scale_dtype, self.mins = scale_dtype, mins
         self.block_bytes = block + (1 + mins) * scale_dtype.itemsize
+        self._views: tuple[int, tuple[Tensor, Tensor, Tensor | None]] | None = None
 
     def split(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        groups, n = self.cols // self.block_values, self.rows
-        q = raw[: groups * n * self.block_values].view(torch.int8).view(groups, n, self.block_values)
-        rest = raw[q.numel() :].view(self.scale_dtype).view(1 + self.mins, groups, n)
-        return q, rest[0], rest[1] if self.mins else None
+        if self._views is None or self._views[0] != raw.data_ptr():  # a format per tensor: views made once
+            groups, n = self.cols // self.block_values, self.rows
+            q = raw[: groups * n * self.block_values].view(torch.int8).view(groups, n, self.block_values)
+            rest = raw[q.numel() :].view(self.scale_dtype).view(1 + self.mins, groups, n)
+            self._views = (raw.data_ptr(), (q, rest[0], rest[1] if self.mins else None))
+        return self._views[1]
 
     def dequantize(self, raw: Tensor) -> Tensor:
         q, scales, mins = self.split(raw)

@@ -51,14 +51,14 @@ def fused_moe(
     backend: Any, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
 ) -> Tensor:
     """:meth:`xinfer.ops.Ops.fused_moe` where ``w13`` or ``w2`` is quantized: the format's kernel
-    where both share a format that has one, else expert by expert through :func:`xinfer.ops.linear`."""
+    where both share a format that has one, else the backend's float MoE over the experts dequantized
+    for this call (no host sync: it runs inside captured steps too)."""
     if isinstance(w13, QuantizedTensor) and isinstance(w2, QuantizedTensor) and w13.format.name == w2.format.name:
         kernels = _kernels(backend, w13)
         if kernels is not None and kernels.fused_moe is not None:
             return kernels.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
-    from xinfer.torch_ops import TorchOps
-
-    return TorchOps.fused_moe(backend, x, w13, w2, topk_weights, topk_ids, activation)
+    w13, w2 = (w.dequantize(x.dtype) if isinstance(w, QuantizedTensor) else w for w in (w13, w2))
+    return backend.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
 
 
 def prepare_weights(model: nn.Module, backend: Any) -> None:

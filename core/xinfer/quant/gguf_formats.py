@@ -36,10 +36,15 @@ def _f16(raw: Tensor) -> Tensor:
     return raw.contiguous().view(torch.float16).float()
 
 
+_SHIFTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
 def _shifted(raw: Tensor, shifts: list[int], mask: int) -> Tensor:
     """Bit fields of each byte: [..., n] -> [..., len(shifts), n], field ``i`` = ``(b >> shifts[i]) & mask``."""
-    by = torch.tensor(shifts, dtype=torch.uint8, device=raw.device)
-    return (raw.unsqueeze(-2) >> by[:, None]) & mask
+    key = (tuple(shifts), raw.device)
+    if key not in _SHIFTS:  # made once per device, not inside a captured CUDA graph's replayed steps
+        _SHIFTS[key] = torch.tensor(shifts, dtype=torch.uint8, device=raw.device)[:, None]
+    return (raw.unsqueeze(-2) >> _SHIFTS[key]) & mask
 
 
 def _nibbles(raw: Tensor) -> Tensor:
