@@ -10,8 +10,8 @@ one comes up outside a CUDA graph capture (the step graphs' warm-up runs), as
 (prefill) take the default tiles. Stacked experts go to
 :func:`xinfer_cuda.kernels.quant_moe.fused_moe`, which reads each chosen expert once per
 slot; past :data:`~xinfer_cuda.kernels.quant_moe.MAX_SLOTS` slots outside a CUDA graph
-capture (prefill) the reference's expert-by-expert loop runs instead, each expert's slots
-one dot-kernel linear (its weights read once per step).
+capture (prefill) the experts go one by one instead, each expert's slots one dot-kernel
+linear (its weights read once per step).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from triton.runtime.errors import OutOfResources
 
 from xinfer import ops
 from xinfer.quant import QuantizedTensor, WeightKernels
-from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, default_dot, default_gemv, quant_linear
@@ -118,7 +117,9 @@ class GgufKernels(WeightKernels):
     ) -> Tensor:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if topk_ids.numel() > quant_moe.MAX_SLOTS and not capturing:
-            return TorchOps.fused_moe(ops.current(), x, w13, w2, topk_weights, topk_ids, activation)
+            backend = ops.current()
+            act_and_mul = {"silu": backend.silu_and_mul, "gelu_pytorch_tanh": backend.gelu_tanh_and_mul}[activation]
+            return quant_moe.expert_by_expert(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, act_and_mul)
         return quant_moe.fused_moe(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, activation)
 
 

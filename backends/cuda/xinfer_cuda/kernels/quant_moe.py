@@ -14,10 +14,13 @@ small-batch path does (:mod:`xinfer_cuda.kernels.moe`), reading only the chosen 
 
 No host syncs (steps are captured in CUDA graphs at any batch). An expert chosen by several
 tokens of a step is read once per slot: past ``MAX_SLOTS`` slots (prefill), outside a graph
-capture, :mod:`xinfer_cuda.quant_weights` takes the experts one by one instead.
+capture, :mod:`xinfer_cuda.quant_weights` takes the experts one by one instead
+(:func:`expert_by_expert`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -28,7 +31,7 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.gguf_blocks import BlockFormat
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.moe import ACTIVATIONS, _act
-from xinfer_cuda.kernels.quant_linear import block_format, format_args, row_dots
+from xinfer_cuda.kernels.quant_linear import block_format, format_args, quant_linear, row_dots
 
 MAX_SLOTS = 256  # past that, outside a capture, expert by expert (quant_weights)
 BLOCK_N = 4
@@ -144,3 +147,25 @@ def fused_moe(
         h, w2, ids, weights, y, hidden, inter, w2.stride(0), w2.stride(1), **_launch_args(fmt, hidden, inter, block_n, x.device)
     )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def expert_by_expert(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    fmt_name: str,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    act_and_mul: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """:func:`fused_moe` for many slots (prefill): each chosen expert's slots through the dot
+    kernel, its weights read once; one host sync (the experts chosen), so not in a capture."""
+    top_k = topk_ids.shape[1]
+    ids, weights = topk_ids.flatten(), topk_weights.flatten().float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        slots = (ids == expert).nonzero().squeeze(1)  # (token, j) pairs routed to the expert
+        tokens = slots // top_k
+        h = act_and_mul(quant_linear(x[tokens], w13[expert], fmt_name))
+        out.index_add_(0, tokens, quant_linear(h, w2[expert], fmt_name).float() * weights[slots, None])
+    return out.to(x.dtype)
