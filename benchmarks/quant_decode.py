@@ -251,7 +251,7 @@ def gguf_file(config, scheme: str, folder: Path) -> Path:
     return path
 
 
-def xinfer_model(config, folder: Path, bandwidth: float, batches: list[int]) -> list[dict]:
+def xinfer_model(config, folder: Path, bandwidth: float, batches: list[int], dtype: str) -> list[dict]:
     records = []
     for scheme in SCHEMES:
         path = gguf_file(config, scheme, folder)
@@ -259,7 +259,7 @@ def xinfer_model(config, folder: Path, bandwidth: float, batches: list[int]) -> 
         for batch in batches:
             sampling = ["greedy"] if batch == 1 else ["greedy", "sampled"]
             command = [sys.executable, str(Path(__file__).parent / "offline.py"), "--model", str(path), "--batch",
-                       str(batch), "--input-len", "128", "--output-len", "256", "--sampling", *sampling]  # fmt: skip
+                       str(batch), "--input-len", "128", "--output-len", "256", "--sampling", *sampling, "--dtype", dtype]  # fmt: skip
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log passes through
             if result.returncode != 0:
                 records.append(emit({"mode": "model", "scheme": scheme, "batch": batch, "error": result.returncode}))
@@ -332,7 +332,7 @@ def main() -> None:
     if args.linears:
         records += linears(config, device, bandwidth, args.smoke, args.batches)
     if args.model:
-        records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches)
+        records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches, "float32" if args.smoke else "bfloat16")
     if args.llama_cpp:
         records += llama_cpp(config, args.gguf_dir, bandwidth)
     if args.out:
