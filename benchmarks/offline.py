@@ -54,6 +54,9 @@ def workload(args: argparse.Namespace, max_model_len: int, rng: random.Random) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument(
+        "--model", help="a model file or folder to load instead of --shape's dummy weights (e.g. a GGUF)"
+    )
     parser.add_argument("--workload", choices=["uniform", "sharegpt"], default="uniform")
     parser.add_argument(
         "--num-requests", "--batch", type=int, default=None, dest="num_requests", help="default 1; sharegpt: 1000"
@@ -97,8 +100,8 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     llm = LLM(
-        model=shape_folder(args.shape),
-        load_format="dummy",
+        model=args.model or shape_folder(args.shape),
+        load_format="auto" if args.model else "dummy",
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
@@ -119,7 +122,7 @@ def main() -> None:
     kinds = time_step_kinds(llm) if args.profile else None  # before time_phases wraps runner.graphs
     phases = time_phases(llm) if args.profile else None
     result = {
-        "shape": args.shape,
+        "shape": args.model or args.shape,
         "device": str(llm.engine.device),
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "workload": args.workload,

@@ -24,6 +24,7 @@ class ModelConfig(_Config):
     model: str | None = None  # HF folder, .gguf file or folder holding one; None: the embedded default
     dtype: str = "auto"  # auto, bfloat16/bf16, float16/f16, float32/f32
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    isq: str | None = None  # quantize float weights at load to this packed format (q8_0, q4_k, ...)
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
     seed: int = 0
 

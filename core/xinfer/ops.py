@@ -22,6 +22,8 @@ from torch import Tensor
 from xinfer import registry
 from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
+from xinfer.quant import dispatch as quantized
+from xinfer.quant.tensor import QuantizedTensor
 from xinfer.sampling import SampledRow, SamplingBatch
 
 
@@ -82,9 +84,11 @@ class Ops(Protocol):
     name: str  # as in the backend's BackendSpec
     kv_formats: frozenset[str] | None  # the KV cache formats attention supports; None: every one
     recent_window: bool  # attention keeps a recent window exact (KeepsRecentWindow)
+    weight_kernels: Mapping[str, str]  # quantized weight format -> "module:attribute" of its WeightKernels
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """``x @ weight.T + bias`` for ``x`` [T, K] and ``weight`` [N, K]."""
+        """``x @ weight.T + bias`` for ``x`` [T, K] and ``weight`` [N, K] (a float tensor: quantized
+        weights go to the kernels of ``weight_kernels``, see :mod:`xinfer.quant.dispatch`)."""
 
     def rms_norm(
         self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
@@ -298,6 +302,8 @@ def current() -> Ops:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if isinstance(weight, QuantizedTensor):
+        return quantized.linear(current(), x, weight, bias)
     return current().linear(x, weight, bias)
 
 
@@ -320,6 +326,8 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+    if isinstance(w13, QuantizedTensor) or isinstance(w2, QuantizedTensor):
+        return quantized.fused_moe(current(), x, w13, w2, topk_weights, topk_ids, activation)
     return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,10 @@ class TorchOps:
     - ``kv_formats``: the KV cache formats its attention stores and reads, None for every
       one (the reference quantizes and decodes through the format itself);
     - ``recent_window``: its attention keeps the recent window of a quantized cache exact
-      in shadow blocks (:class:`xinfer.ops.KeepsRecentWindow`).
+      in shadow blocks (:class:`xinfer.ops.KeepsRecentWindow`);
+    - ``weight_kernels``: the quantized weight formats it runs natively, each naming its
+      :class:`xinfer.quant.WeightKernels` ("module:attribute"); every other format runs
+      through the reference, which dequantizes per call (:mod:`xinfer.quant.dispatch`).
 
     A subclass that overrides :meth:`attention` declares what its kernel does.
     """
@@ -44,6 +48,7 @@ class TorchOps:
     name: str = "torch"
     kv_formats: frozenset[str] | None = None
     recent_window: bool = True
+    weight_kernels: Mapping[str, str] = {}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)

@@ -73,7 +73,6 @@ def test_help_lists_every_flag():
 @pytest.mark.parametrize(
     "flags, feature",
     [
-        (["--isq", "q4k"], "--isq"),
         (["--d", "0,1"], "tensor parallel"),
         (["--num-speculative-tokens", "2"], "speculative"),
         (["--pd-server"], "disaggregation"),

@@ -32,6 +32,7 @@ from xinfer_cuda.kernels import (
 )
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
+from xinfer_cuda.quant_weights import WEIGHT_KERNELS
 
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
@@ -44,6 +45,7 @@ class CudaOps(TorchOps):
     # the formats whose codecs kernels/kv_codes.py has Triton code for
     kv_formats = frozenset({"auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"})
     recent_window = True
+    weight_kernels = WEIGHT_KERNELS  # the GGUF block formats, read packed
 
     small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
 

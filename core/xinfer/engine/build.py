@@ -28,6 +28,7 @@ from xinfer.kv import KVFormat, get_format
 from xinfer.loading.loader import load_config, load_model
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch
+from xinfer.quant.dispatch import prepare_weights
 from xinfer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("xinfer")
@@ -64,7 +65,8 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     hf_config = load_config(path)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
-    model = load_model(path, hf_config, device, dtype, config.model.load_format)
+    model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
+    prepare_weights(model, ops)
     max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)

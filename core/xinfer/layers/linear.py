@@ -3,6 +3,8 @@ matrix (q/k/v, gate/up) so that one GEMM serves them all."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -10,6 +12,10 @@ from xinfer import ops
 
 
 class Linear(nn.Module):
+    """``x @ weight.T + bias``; the weight may be quantized (:class:`xinfer.quant.QuantizedTensor`)."""
+
+    quantized_weights: ClassVar[tuple[str, ...]] = ("weight",)  # the parameters that may be quantized
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))

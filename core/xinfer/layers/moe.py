@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,7 @@ from xinfer import ops
 from xinfer.layers.activation import GATED_ACTIVATIONS
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
+from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.torch_ops import SCORING, expert_weights
 
 
@@ -106,8 +108,11 @@ class Experts(nn.Module):
     files hold them), or transformers' fused ``gate_up_proj`` [E, 2I, H] and ``down_proj``.
     """
 
+    quantized_weights: ClassVar[tuple[str, ...]] = ("w13", "w2")  # stacked packed tensors (GGUF's) stay packed
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
+        self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
@@ -125,6 +130,10 @@ class Experts(nn.Module):
         return self.checkpoint_parts() | {f"{p}.weight" for p in _PROJECTIONS}
 
     def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
+        if isinstance(tensor, QuantizedTensor):
+            if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+                return self._load_packed(name.split(".")[0], tensor)
+            tensor = tensor.dequantize()
         experts: slice | int
         if match := _PER_EXPERT.fullmatch(name):
             experts, projection = int(match[1]), match[2]
@@ -149,6 +158,30 @@ class Experts(nn.Module):
         filled = range(self.num_experts)[experts] if isinstance(experts, slice) else [experts]
         projections = ("gate_proj", "up_proj") if projection == "gate_up_proj" else (projection,)
         return {f"{e}.{p}.weight" for e in filled for p in projections}
+
+    def _load_packed(self, projection: str, tensor: QuantizedTensor) -> set[str]:
+        """A projection stacked over the experts, kept packed: ``w2`` at once, ``w13`` once gate and up
+        are both in (as floats where their formats differ)."""
+        if projection == "down_proj":
+            self._check(projection, tensor.logical_shape, self.w2.shape)
+            self.w2 = nn.Parameter(tensor.to_device(self.w2.device), requires_grad=False)
+        else:
+            self._check(projection, tensor.logical_shape, (self.num_experts, self.intermediate_size, self.w13.shape[2]))
+            self._packed_halves[projection] = tensor
+            if len(self._packed_halves) == 2:
+                gate, up = self._packed_halves.pop("gate_proj"), self._packed_halves.pop("up_proj")
+                if gate.format.name == up.format.name:
+                    self.w13 = nn.Parameter(cat_rows([gate, up]).to_device(self.w13.device), requires_grad=False)
+                else:
+                    with torch.no_grad():
+                        self.w13.copy_(torch.cat([gate.dequantize(), up.dequantize()], dim=1))
+        return {f"{e}.{projection}.weight" for e in range(self.num_experts)}
+
+    def _check(self, projection: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        if tuple(got) != tuple(expected):
+            raise ValueError(
+                f"weight {projection}.weight: checkpoint shape {tuple(got)} != model shape {tuple(expected)}"
+            )
 
 
 class MoE(nn.Module):

@@ -63,8 +63,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                        help="auto (the model's, f32 on CPU), bf16, f16, f32")
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="dummy: random weights of the right shapes (benchmarks)")
-    model.add_argument("--isq", metavar="TYPE", default=SUPPRESS,
-                       help="quantize weights at load (q2k..q8_0, w2) [later]")
+    model.add_argument("--isq", metavar="TYPE",
+                       help="quantize a float checkpoint's weights at load into a packed GGUF format, run as GGUF "
+                       "files are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k")
 
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS",

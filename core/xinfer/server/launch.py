@@ -80,6 +80,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         model=str(path),
         dtype=args.dtype,
         load_format=args.load_format,
+        isq=args.isq,
         max_model_len=args.max_model_len,
         seed=args.seed if args.seed is not None else 0,
         kv_fraction=args.kv_fraction,
