@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from xinfer.layers.linear import MergedLinear
-from xinfer.model import CausalLM, loader_of
+from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
 
 
 class MissingWeightsError(ValueError):
@@ -31,10 +31,13 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[
         if target not in params:
             continue  # a tensor this model does not use (e.g. an untied lm_head copy)
         param = params[target]
+        owner, _, leaf = target.rpartition(".")
+        module = modules[owner]
+        if isinstance(module, ShardsCheckpoint):  # under tensor parallelism: this rank's part
+            tensor = module.rank_part(leaf, shard, tensor)
         if shard is None:
             _copy(param.data, tensor, target)
         else:
-            module = modules[target.rsplit(".", 1)[0]]
             assert isinstance(module, MergedLinear)
             offset, size = module.shard_offset(shard)
             _copy(param.data[offset : offset + size], tensor, name)
