@@ -65,6 +65,7 @@ class MergedLinear(Linear):
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
                  parts: dict[str, Part] | None = None):  # fmt: skip
         self.parts = {name: (parts or {}).get(name, WHOLE) for name in shards}
+        self.full_sizes = dict(shards)
         self.shard_sizes = {name: self.parts[name].size(size) for name, size in shards.items()}
         super().__init__(in_features, sum(self.shard_sizes.values()), bias)
 
@@ -80,4 +81,8 @@ class MergedLinear(Linear):
         raise KeyError(shard)
 
     def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        return tensor if shard is None else self.parts[shard].of(tensor)
+        """Of one shard's tensor, or of the checkpoint's merged one (every shard's), this rank's part."""
+        if shard is not None:
+            return self.parts[shard].of(tensor)
+        shards = tensor.split(list(self.full_sizes.values()))
+        return torch.cat([self.parts[name].of(t) for name, t in zip(self.full_sizes, shards)])
