@@ -125,7 +125,7 @@ class Ranks:
             raise
         except RuntimeError as error:
             for process in self.processes:
-                process.join(1.0)  # a rank that is going away: let the watcher name it
+                process.join(5.0)  # a rank going away (its sockets close before it is gone): name it
             self._watch_once()
             message = self.failure or f"a tensor-parallel rank stopped answering: {str(error).splitlines()[0]}"
             self.failure = message
@@ -145,6 +145,7 @@ class Ranks:
                 self._died(process)
 
     def _died(self, process: BaseProcess) -> None:
+        process.join(1.0)  # reaped, so that its exit code is known
         if self.failure is None:
             self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited with code "
                             f"{process.exitcode}: the engine cannot step")  # fmt: skip

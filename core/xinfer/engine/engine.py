@@ -98,6 +98,11 @@ class LLMEngine:
         ranks.send(("build", config, _picklable(tokenizer)))
         return config, ranks.tp
 
+    def check_ranks(self) -> None:
+        """Raises :class:`~xinfer.distributed.WorkerFailed` if a tensor-parallel rank has died."""
+        if self.ranks is not None:
+            self.ranks.check()
+
     def shutdown(self) -> None:
         """Under tensor parallelism: the other ranks drop this engine (and exit, if it started them)."""
         ranks, self.ranks = self.ranks, None
