@@ -5,7 +5,10 @@ is this process); each model's two engines run one after the other."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from transformers import (
     DeepseekV32Config,
     LlamaConfig,
@@ -25,9 +28,10 @@ from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.distributed.ranks import started
 
-NEW_TOKENS = 10
+DEVICE = os.environ.get("XINFER_TP_DEVICE", "cpu")  # "cuda" on a machine of two GPUs or more (ranks on 0 and 1)
+NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-PROMPTS = [prompt(5), prompt(37, seed=1), prompt(20, seed=2)]
+PROMPTS = [prompt(5), prompt(37, seed=1)]  # the long one over two steps
 
 V32 = latent_settings() | dict(
     index_topk=8, index_n_heads=8, index_head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"],
@@ -58,7 +62,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def ranks():
-    with started(tensor_parallel_size=2, device="cpu") as group:
+    with started(tensor_parallel_size=2, device=DEVICE) as group:
         yield group
 
 
@@ -78,7 +82,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(name, checkpoints, ranks):
     folder = str(checkpoints(name))
-    options = dict(model=folder, dtype="float32", num_blocks=64, max_num_batched_tokens=32)  # the long prompt: 2 chunks
+    options = dict(model=folder, dtype="float32", num_blocks=64, max_num_batched_tokens=32, device=DEVICE)  # 2 chunks
     one = LLM(**options).generate(PROMPTS, GREEDY)
     with LLM(**options, tensor_parallel_size=2) as llm:
         two = llm.generate(PROMPTS, GREEDY)
@@ -94,7 +98,15 @@ def test_heads_that_do_not_split_are_refused_in_one_line(tmp_path, checkpoints, 
     three_heads = {**COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
     save_tiny_model(LlamaConfig(**three_heads, architectures=["LlamaForCausalLM"]), tmp_path)
     with pytest.raises(ValueError, match=r"^tensor parallel 2: attention heads \(3\) does not split evenly"):
-        LLM(model=str(tmp_path), dtype="float32", num_blocks=16, tensor_parallel_size=2)
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=16, tensor_parallel_size=2, device=DEVICE)
     llama = str(checkpoints("llama"))  # the ranks still serve the next engine
-    with LLM(model=llama, dtype="float32", num_blocks=64, tensor_parallel_size=2) as llm:
+    with LLM(model=llama, dtype="float32", num_blocks=64, tensor_parallel_size=2, device=DEVICE) as llm:
         assert len(llm.generate([prompt(4)], GREEDY)[0].outputs[0].token_ids) == NEW_TOKENS
+
+
+def test_hidden_states_of_two_ranks_are_one_ranks(checkpoints, ranks):
+    """The forward between steps (embeddings, scoring) runs on every rank too."""
+    options = dict(model=str(checkpoints("qwen3-moe")), dtype="float32", num_blocks=64, device=DEVICE)
+    expected = LLM(**options).engine.hidden_states(prompt(23))
+    with LLM(**options, tensor_parallel_size=2) as llm:
+        torch.testing.assert_close(llm.engine.hidden_states(prompt(23)), expected, atol=1e-4, rtol=1e-4)

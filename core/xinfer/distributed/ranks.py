@@ -64,6 +64,8 @@ class Ranks:
         self.parallel, self.processes = parallel, processes
         self.failure: str | None = None
         backend = dist.get_default_backend_for_device(device)
+        if device.index is not None:  # the rank's accelerator is the current one (NCCL's communicators bind to it)
+            torch.accelerator.set_device_index(device.index)
         port = parallel.master_port
         dist.init_process_group(
             backend, init_method=f"tcp://{parallel.master_addr}:{port}", rank=rank,
