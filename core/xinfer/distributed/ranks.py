@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.connection
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -34,7 +35,8 @@ from xinfer.distributed.group import TensorParallel, WorkerFailed
 
 log = logging.getLogger("xinfer")
 
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # host messages: a worker waits as long as the engine idles
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+DEATH_GRACE_SECONDS = 5.0  # host messages: a worker waits as long as the engine idles
 
 
 def free_port() -> int:
@@ -120,18 +122,21 @@ class Ranks:
 
     @contextlib.contextmanager
     def failing_as_workers(self) -> Iterator[None]:
-        """A collective that fails because a rank went away raises :class:`WorkerFailed`."""
+        """A collective (or anything) that fails on this rank mid-step leaves the ranks out of step: it
+        raises :class:`WorkerFailed`, naming the rank that died where one of this node's did (gloo fails
+        on a closed connection before the dead process is reaped: it is waited for, briefly), and every
+        later step fails alike."""
         try:
             yield
         except WorkerFailed:
             raise
         except RuntimeError as error:
-            for process in self.processes:
-                process.join(5.0)  # a rank going away (its sockets close before it is gone): name it
-            self._watch_once()
-            message = self.failure or f"a tensor-parallel rank stopped answering: {str(error).splitlines()[0]}"
-            self.failure = message
-            raise WorkerFailed(message) from error
+            deadline = time.monotonic() + DEATH_GRACE_SECONDS
+            while self.failure is None and time.monotonic() < deadline:
+                self._watch_once()
+                time.sleep(0.05)
+            self.failure = self.failure or f"the tensor-parallel step failed: {str(error).splitlines()[0]}"
+            raise WorkerFailed(self.failure) from error
 
     def _watch(self) -> None:
         sentinels = {process.sentinel: process for process in self.processes}

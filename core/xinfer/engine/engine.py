@@ -60,7 +60,8 @@ class LLMEngine:
         if config.parallel.tensor_parallel_size > 1:
             config, tp = self._lead_ranks(config, tokenizer)
         try:
-            parts = build_engine(config, tokenizer, tp)
+            with self.ranks.failing_as_workers() if self.ranks is not None else contextlib.nullcontext():
+                parts = build_engine(config, tokenizer, tp)
         except BaseException:
             self.shutdown()
             raise
