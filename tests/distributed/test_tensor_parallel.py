@@ -52,7 +52,7 @@ CONFIGS = {
     "deepseek-v2": deepseek_v2_config,  # latent attention without q-LoRA
     "glm4-moe-lite": glm4_moe_lite_config,
     "deepseek-v32": lambda: DeepseekV32Config(**V32),  # the indexer whole on every rank
-    "gemma4": gemma4_config,  # attention of its own (whole on each rank), soft-capping
+    "gemma4": gemma4_config,  # attention of its own (one KV head on the global layers), soft-capping
     "gemma4-e": lambda: gemma4_config(**E_MODEL),  # per-layer embeddings, KV-shared layers
     "gemma4-moe": lambda: gemma4_config(**MOE),
     **MOE_CONFIGS,  # qwen2-moe (shared expert), qwen3-moe
