@@ -68,9 +68,8 @@ class Ranks:
         backend = dist.get_default_backend_for_device(device)
         if device.index is not None:  # the rank's accelerator is the current one (NCCL's communicators bind to it)
             torch.accelerator.set_device_index(device.index)
-        port = parallel.master_port
         dist.init_process_group(
-            backend, init_method=f"tcp://{parallel.master_addr}:{port}", rank=rank,
+            backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}", rank=rank,
             world_size=parallel.tensor_parallel_size, timeout=datetime.timedelta(seconds=parallel.timeout),
         )  # fmt: skip
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
@@ -82,14 +81,14 @@ class Ranks:
     @classmethod
     def start(cls, parallel: ParallelConfig, device: DeviceConfig) -> Ranks:
         """This node's ranks: this process the first, the others started here."""
+        from xinfer.distributed.worker import main  # which imports this module
+
         if parallel.master_port is None:
             parallel = parallel.model_copy(update={"master_port": free_port()})
         first = parallel.node_rank * parallel.ranks_per_node
         context = multiprocessing.get_context("spawn")
         processes: list[BaseProcess] = []
         for local in range(1, parallel.ranks_per_node):
-            from xinfer.distributed.worker import main
-
             process = context.Process(target=main, args=(parallel, first + local, rank_device(device, parallel, local)),
                                       name=f"xinfer-rank-{first + local}", daemon=True)  # fmt: skip
             process.start()
