@@ -21,7 +21,8 @@ class LLM:
     """An engine running in this process.
 
     ``LLM(model="path", dtype="bfloat16", block_size=16, ...)`` takes any option of
-    :class:`xinfer.config.EngineConfig` by name.
+    :class:`xinfer.config.EngineConfig` by name; ``tensor_parallel_size=2`` splits the model
+    over two processes (docs/distributed.md).
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **options: Any):
@@ -29,6 +30,16 @@ class LLM:
         self.processor = OutputProcessor(self.engine)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Under tensor parallelism, ends the other ranks' processes (they end with this process too)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def chat(
         self,

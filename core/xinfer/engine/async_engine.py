@@ -21,12 +21,16 @@ from typing import Any
 
 import torch
 
+from xinfer.distributed.group import WorkerFailed
 from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
+
+
+IDLE_CHECK_SECONDS = 1.0
 
 
 class EngineState(enum.Enum):
@@ -104,6 +108,10 @@ class AsyncEngine:
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         return self._loaded.wait(timeout)
+
+    def wait_stopped(self, timeout: float | None = None) -> None:
+        """Until the engine thread ends (stopped, or dead: see ``state``)."""
+        self._thread.join(timeout)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, status word); a step running longer than ``stall_timeout`` counts as stuck."""
@@ -263,15 +271,21 @@ class AsyncEngine:
         self._loaded.set()
         try:
             self._loop(engine, processor)
+        except WorkerFailed as error:  # no traceback: the message says it all
+            log.error("the engine loop died: %s", error)
+            self._die(str(error))
         except BaseException as error:
             log.exception("the engine loop died")
             self._die(f"{type(error).__name__}: {error}")
+        finally:
+            engine.shutdown()
 
     def _loop(self, engine: LLMEngine, processor: OutputProcessor) -> None:
         while True:
             with self._wake:
                 while not self._commands and not engine.has_unfinished():
-                    self._wake.wait()
+                    self._wake.wait(IDLE_CHECK_SECONDS)
+                    engine.check_ranks()  # a tensor-parallel rank that died while idle ends the engine too
                 commands = list(self._commands)
                 self._commands.clear()
             for command, payload in commands:

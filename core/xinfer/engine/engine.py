@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from xinfer.config import EngineConfig
+from xinfer.distributed.group import SINGLE, TensorParallel
 from xinfer.engine.build import build_engine
 from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq
@@ -15,6 +18,7 @@ from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from xinfer.distributed.ranks import Ranks
     from xinfer.grammar.matcher import GrammarCompiler
 
 
@@ -52,7 +56,16 @@ class LLMEngine:
     """Steps the parts start-up builds (:func:`xinfer.engine.build.build_engine`)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
-        parts = build_engine(config, tokenizer)
+        self.ranks: Ranks | None = None
+        self._owns_ranks, tp = False, SINGLE
+        if config.parallel.tensor_parallel_size > 1:
+            config, tp = self._lead_ranks(config, tokenizer)
+        try:
+            with self.ranks.failing_as_workers() if self.ranks is not None else contextlib.nullcontext():
+                parts = build_engine(config, tokenizer, tp)
+        except BaseException:
+            self.shutdown()
+            raise
         self.config = parts.config
         self.hf_config = parts.hf_config
         self.tokenizer = parts.tokenizer
@@ -60,6 +73,7 @@ class LLMEngine:
         self.dtype = parts.dtype
         self.kv_format = parts.kv_format
         self.runner = parts.runner
+        self.runner.ranks = self.ranks
         self.model, self.ops, self.device = self.runner.model, self.runner.backend, self.runner.device
         self.cache = parts.cache
         self.scheduler = parts.scheduler
@@ -67,6 +81,41 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
         self._grammars: GrammarCompiler | None = None
+
+    def _lead_ranks(self, config: EngineConfig, tokenizer: Any) -> tuple[EngineConfig, TensorParallel]:
+        """Under tensor parallelism: the ranks of this process's open group (:func:`xinfer.distributed.ranks.started`)
+        or new ones, told to build their parts; this process is the first rank."""
+        from xinfer.distributed.ranks import Ranks, rank_device  # torch.distributed only where it is used
+
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"node_rank {parallel.node_rank}: only node 0 runs the engine; the other nodes follow it "
+                f"(xinfer --num-nodes {parallel.num_nodes} --node-rank {parallel.node_rank} --master-addr ...)"
+            )
+        ranks = Ranks.active
+        if ranks is None or ranks.parallel.tensor_parallel_size != parallel.tensor_parallel_size:
+            ranks, self._owns_ranks = Ranks.start(parallel, config.device), True
+        self.ranks = ranks
+        config = config.model_copy(update={"device": rank_device(config.device, parallel, 0)})
+        ranks.send(("build", config, _picklable(tokenizer)))
+        return config, ranks.tp
+
+    def check_ranks(self) -> None:
+        """Raises :class:`~xinfer.distributed.WorkerFailed` if a tensor-parallel rank has died."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def shutdown(self) -> None:
+        """Under tensor parallelism: the other ranks drop this engine (and exit, if it started them)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None:
+            return
+        if self._owns_ranks:
+            ranks.close()
+        else:
+            with contextlib.suppress(RuntimeError):
+                ranks.send(("release",))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
@@ -207,6 +256,15 @@ class LLMEngine:
         if seq.at_limit:  # max_tokens or the context
             return "length", None
         return None, None
+
+
+def _picklable(tokenizer: Any) -> Any:
+    """``tokenizer`` if it can be sent to the other ranks; else None (they load the model's own)."""
+    try:
+        pickle.dumps(tokenizer)
+    except Exception:  # noqa: BLE001 - anything that cannot be pickled
+        return None
+    return tokenizer
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

@@ -9,7 +9,9 @@ then the step reads it from the sampled tokens of the step before."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,6 +23,9 @@ from xinfer.engine.sequence import PENDING
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
 from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, Ops, PageBatch, StepContext, StepLimits, StepRunner
+
+if TYPE_CHECKING:
+    from xinfer.distributed.ranks import Ranks
 
 
 def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -50,6 +55,7 @@ class ModelRunner:
         self.has_state = has_state
         self.sampler = Sampler(device, seed)
         self.graphs: StepRunner | None = None
+        self.ranks: Ranks | None = None  # under tensor parallelism, once built
 
     @torch.inference_mode()
     def capture_graphs(
@@ -79,7 +85,7 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, batch: HostBatch) -> Tensor:
         """The model's final hidden states over every token of ``batch``."""
-        with ops.use(self.backend):
+        with ops.use(self.backend), self._leading(("hidden", batch)):
             input_ids, positions, step = self.to_device(batch)
             with forward_context(step):
                 return self.model(input_ids, positions)
@@ -102,16 +108,35 @@ class ModelRunner:
             pending = self._pending_inputs(scheduled, batch, previous)
             stepped = self.graphs(batch, pending, self.sampler.rows(sampling)) if self.graphs else None
             if stepped is None:
-                rows = self._tensor(batch.sample_rows, torch.int64)
-                input_ids, positions, step = self.to_device(batch)
-                if pending is not None:
-                    pending.write_into(input_ids)
-                logits, tokens = self.forward(input_ids, positions, step, rows), None
+                with self._leading(("step", batch, pending is not None)):
+                    logits, tokens = self.eager_forward(batch, pending, share_inputs=pending is not None), None
             else:
                 logits, tokens = stepped
             if before_sampling is not None:
                 before_sampling()
             return self.sampler(logits, sampling, tokens) if sampling else None
+
+    def eager_forward(self, batch: HostBatch, pending: DeviceTokens | None, share_inputs: bool = False) -> Tensor:
+        """Logits of ``batch``'s sampled rows, run eagerly, ``pending`` written into its input ids; with
+        ``share_inputs``, under tensor parallelism, every rank's input ids are the first rank's."""
+        rows = self._tensor(batch.sample_rows, torch.int64)
+        input_ids, positions, step = self.to_device(batch)
+        if pending is not None:
+            pending.write_into(input_ids)
+        if share_inputs and self.ranks is not None:
+            self.ranks.share(input_ids)
+        return self.forward(input_ids, positions, step, rows)
+
+    @contextlib.contextmanager
+    def _leading(self, message: tuple) -> Iterator[None]:
+        """Under tensor parallelism, on the first rank: the other ranks are sent ``message`` (what to run
+        alongside), and a rank that fails meanwhile raises :class:`~xinfer.distributed.WorkerFailed`."""
+        if self.ranks is None or not self.ranks.tp.first:
+            yield
+            return
+        self.ranks.send(message)
+        with self.ranks.failing_as_workers():
+            yield
 
     def _pending_inputs(
         self, scheduled: list[ScheduledSeq], batch: HostBatch, previous: SampledTokens | None

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.distributed.group import current
 from xinfer.layers.activation import GATED_ACTIVATIONS
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
@@ -106,6 +107,9 @@ class Experts(nn.Module):
     one per expert and projection (``{e}.gate_proj.weight``, as HF checkpoints hold them),
     one per projection stacked over the experts (``gate_proj.weight`` [E, I, H], as GGUF
     files hold them), or transformers' fused ``gate_up_proj`` [E, 2I, H] and ``down_proj``.
+
+    Under tensor parallelism every rank holds every expert's part of the intermediate size
+    (``I`` is then this rank's), and the output is summed over the ranks.
     """
 
     quantized_weights: ClassVar[tuple[str, ...]] = ("w13", "w2")  # stacked packed tensors (GGUF's) stay packed
@@ -115,13 +119,15 @@ class Experts(nn.Module):
         self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.tp = current()
+        self.part = self.tp.split(intermediate_size, "the experts' intermediate size")
+        self.num_experts, self.intermediate_size = num_experts, self.part.size(intermediate_size)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
         self.activation = activation
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
+        return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation))
 
     def checkpoint_parts(self) -> set[str]:
         return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJECTIONS}
@@ -131,7 +137,7 @@ class Experts(nn.Module):
 
     def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
         if isinstance(tensor, QuantizedTensor):
-            if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight") and self.part.whole:
                 return self._load_packed(name.split(".")[0], tensor)
             tensor = tensor.dequantize()
         experts: slice | int
@@ -145,6 +151,7 @@ class Experts(nn.Module):
             raise ValueError(f"experts: no parameter loads checkpoint tensor {name!r}")
         if isinstance(experts, int) and not 0 <= experts < self.num_experts:
             raise ValueError(f"experts: checkpoint tensor {name!r} is beyond the {self.num_experts} experts")
+        tensor = self._rank_part(projection, tensor)
         size = self.intermediate_size
         rows = {"gate_proj": slice(0, size), "up_proj": slice(size, 2 * size), "gate_up_proj": slice(None)}
         param = self.w2 if projection == "down_proj" else self.w13
@@ -182,6 +189,16 @@ class Experts(nn.Module):
             raise ValueError(
                 f"weight {projection}.weight: checkpoint shape {tuple(got)} != model shape {tuple(expected)}"
             )
+
+    def _rank_part(self, projection: str, tensor: Tensor) -> Tensor:
+        """This rank's part of the intermediate size: rows of gate and up (of each half of a fused
+        ``gate_up_proj``), columns of down."""
+        if projection == "down_proj":
+            return self.part.of(tensor, dim=-1)
+        dim = tensor.dim() - 2
+        if projection == "gate_up_proj":
+            return torch.cat([self.part.of(half, dim) for half in tensor.chunk(2, dim)], dim)
+        return self.part.of(tensor, dim)
 
 
 class MoE(nn.Module):

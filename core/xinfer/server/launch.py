@@ -70,9 +70,19 @@ def device_of(args: argparse.Namespace) -> str:
 
         accelerator = torch.accelerator.current_accelerator()
         if accelerator is None:
-            raise ValueError(f"--d {args.devices} names an accelerator, and this machine has none: run without --d")
-        return str(torch.device(accelerator.type, int(args.devices)))
+            ids = ",".join(map(str, args.devices))
+            raise ValueError(f"--d {ids} names an accelerator, and this machine has none: run without --d (or --cpu)")
+        return str(torch.device(accelerator.type, args.devices[0]))  # under tensor parallelism, each rank its own
     return "auto"
+
+
+def parallel_options(args: argparse.Namespace) -> dict:
+    """Tensor parallelism: as many ranks per node as ``--d`` names devices (on the CPU, ranks)."""
+    per_node = len(args.devices) if args.devices else 1
+    ids = args.devices if args.devices and not args.cpu else None
+    return dict(tensor_parallel_size=per_node * args.num_nodes, device_ids=ids, num_nodes=args.num_nodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                timeout=args.tp_timeout)  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
@@ -91,6 +101,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         max_num_batched_tokens=args.prefill_chunk_size,
         device=device_of(args),
         enforce_eager=args.disable_cuda_graph,
+        **parallel_options(args),
     )
 
 
@@ -196,13 +207,21 @@ async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown
     if engine.state is EngineState.DEAD:
         log.error("the model could not be loaded: %s", engine.error)
         shutdown.fail(1)
-    else:
-        log.info("model loaded; serving")
+        return
+    log.info("model loaded; serving")
+    await asyncio.get_running_loop().run_in_executor(None, engine.wait_stopped)
+    if engine.state is EngineState.DEAD:  # e.g. a tensor-parallel worker died: its requests have failed
+        log.error("the engine died: %s; exiting", engine.error)
+        shutdown.fail(1)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     path, config = prepare(args)
+    if config.parallel.node_rank > 0:  # this node's ranks follow node 0's engine
+        from xinfer.distributed.worker import run_node
+
+        return run_node(config)
     return asyncio.run(serve(args, path, config))
 
 
