@@ -2,16 +2,24 @@ from torch import Tensor, nn
 
 from xinfer.layers.activation import gated_activation
 from xinfer.layers.linear import Linear, MergedLinear
+from xinfer.torch_ops import clamp_gate_up
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``, with gate and up as one GEMM."""
+    """``down(act(gate(x)) * up(x))``, with gate and up as one GEMM; with ``limit``, the gate
+    clamped to at most ``limit`` and up to ``[-limit, limit]`` first (a clamped SwiGLU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False, limit: float | None = None
+    ):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
         self.act_fn = gated_activation(activation)
+        self.limit = limit
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.limit is not None:
+            gate_up = clamp_gate_up(gate_up, self.limit)
+        return self.down_proj(self.act_fn(gate_up))

@@ -106,8 +106,11 @@ class Experts(nn.Module):
     files hold them), or transformers' fused ``gate_up_proj`` [E, 2I, H] and ``down_proj``.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, limit: float | None = None
+    ):
         super().__init__()
+        self.limit = limit  # a clamped SwiGLU (ops.fused_moe)
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
@@ -116,7 +119,7 @@ class Experts(nn.Module):
         self.activation = activation
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit)
 
     def checkpoint_parts(self) -> set[str]:
         return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJECTIONS}
@@ -158,7 +161,8 @@ class MoE(nn.Module):
 
     Checkpoint names are HF's: ``gate`` (the router), ``experts``, ``shared_expert``,
     ``shared_expert_gate``; ``shared_name`` renames the shared experts (``shared_experts``
-    in GLM and DeepSeek).
+    in GLM and DeepSeek). ``swiglu_limit`` clamps the routed and shared experts' gate and up
+    projections (DeepSeek V4).
     """
 
     def __init__(
@@ -174,13 +178,15 @@ class MoE(nn.Module):
         shared_name: str = "shared_expert",
         dense_intermediate_size: int = 0,
         vocab_size: int | None = None,
+        swiglu_limit: float | None = None,
     ):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, vocab_size, routing)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, swiglu_limit)
         self.shared_name = shared_name
         if shared_intermediate_size:
-            setattr(self, shared_name, GatedMLP(hidden_size, shared_intermediate_size, activation))
+            shared = GatedMLP(hidden_size, shared_intermediate_size, activation, limit=swiglu_limit)
+            setattr(self, shared_name, shared)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None
 
