@@ -72,7 +72,9 @@ class Router(nn.Module):
         if routing.fixed_table:
             if vocab_size is None:
                 raise ValueError("routing by a fixed token-to-expert table needs the vocabulary size")
-            table = torch.zeros(vocab_size, routing.top_k, dtype=torch.int64)
+            # until loaded, every token to top_k distinct experts, the tokens spread over all (dummy weights)
+            first = torch.arange(vocab_size, dtype=torch.int64)[:, None] * routing.top_k
+            table = (first + torch.arange(routing.top_k)) % num_experts
             self.tid2eid = nn.Parameter(table, requires_grad=False)
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:

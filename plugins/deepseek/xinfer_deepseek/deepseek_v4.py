@@ -86,6 +86,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     dequantized there). The MTP layer (``mtp.*``) is loaded and kept as the checkpoint stores it
     (:attr:`mtp`), not run: xinfer has no speculative decoding to run it in."""
 
+    cuda_graphs = False  # (the compressed ops are torch references: loops over the sequences)
     packed_modules = {
         "shared_experts.gate_proj": ("shared_experts.gate_up_proj", "gate"),
         "shared_experts.up_proj": ("shared_experts.gate_up_proj", "up"),
