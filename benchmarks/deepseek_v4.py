@@ -12,7 +12,7 @@ hyper-connection, the final norm and the LM head.
 
 Cache per token at context L: each layer's caches as xinfer allocates them (the model built on the meta
 device, :class:`xinfer.cache.allocate.CacheLayout`), every pool holding what a sequence of L tokens keeps
-there (a windowed pool only its window), over L; at ``--block-size`` 16 (the default: an HCA entry then
+there (a windowed pool only its window), over L; at a ``block_size`` of 16 (the default: an HCA entry then
 takes a block's row of its own, 1 in 8 used) and 128 (no waste). The MLA cache against it: DeepSeek-V3's
 latent and rope key (512 + 64 values) per token in as many layers.
 

@@ -79,7 +79,7 @@ class TokenVectorSpec:
         if block_size % self.ratio and self.ratio % block_size:
             raise ValueError(
                 f"a vector per {self.ratio} tokens needs a block size that divides or is a multiple of "
-                f"{self.ratio}; got --block-size {block_size}"
+                f"{self.ratio}; got block_size {block_size}"
             )
         return max(1, block_size // self.ratio)
 

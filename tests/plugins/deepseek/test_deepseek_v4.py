@@ -5,7 +5,9 @@ indexer keeping 4 of them) and an HCA layer (an entry per 16 tokens), a window o
 hyper-connected streams, a hash-routed first MoE layer. Prompts of 40 to 100 tokens so outgrow the
 window many times over, and the indexer selects among up to 25 entries. Sinks, position biases,
 the streams' mixing and the hash table are random (transformers initialises them to zeros and
-ones). Prefill runs in chunks of 32 tokens, so entries are pooled across chunk boundaries.
+ones). Prefill runs in chunks of 27 tokens, which end inside windows, so windows are pooled from
+rows of two steps. The indexer has 16 heads: with few, entries no head scores above zero tie at 0,
+and which of them a top-k keeps depends on how many entries it ranks (one step's or the prompt's).
 """
 
 import weakref
@@ -31,7 +33,7 @@ from xinfer import LLM, SamplingParams, ops
 from xinfer_deepseek import compressed_ops
 from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name
 
-CHUNK = 32
+CHUNK = 27  # prefill chunks that end inside windows of 4 and 16
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -55,7 +57,7 @@ def deepseek_v4_config(**overrides) -> DeepseekV4Config:
         hc_mult=2,
         o_groups=2,
         o_lora_rank=16,
-        index_n_heads=4,
+        index_n_heads=16,  # (with few heads, scores of entries no head matches tie at 0)
         index_head_dim=16,
         index_topk=4,
         swiglu_limit=0.5,  # small enough that the clamp acts on these weights
