@@ -255,3 +255,17 @@ def _expert_of(name: str) -> tuple[int, int, str]:
 )
 def test_deepseeks_names(deepseek, transformers):
     assert hf_name(deepseek) == transformers
+
+
+def test_hca_entries_spanning_blocks_match_hf(tmp_path):
+    """An entry per 32 tokens, two blocks of 16 (one row per block, the second block's used): greedy
+    tokens over chunked prefill, and a prefix-cache hit of 32 tokens that serves entry 0 while the
+    prompt's second window is pooled anew."""
+    hf = save_tiny_model(deepseek_v4_config(compress_rates={CSA: 4, HCA: 32}), tmp_path)
+    randomize_v4(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = llm_of(tmp_path)
+    hca = llm.engine.model.model.layers[2].self_attn.compressor
+    assert hca.entries.cache.shape[1] == 1
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 90)
+    assert_prefix_hit_mid_prompt_matches_hf(hf, llm, GREEDY)
