@@ -83,8 +83,8 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     """HF names (DeepSeek's own are renamed at load, :mod:`xinfer_deepseek.checkpoint_v4`; MXFP4 experts
-    dequantized there). The MTP layer (``mtp.*``) is loaded and kept as the checkpoint stores it
-    (:attr:`mtp`), not run: xinfer has no speculative decoding to run it in."""
+    dequantized there). The MTP layer (``mtp.*``) is loaded and kept as the checkpoint stores it, in host
+    memory (:attr:`mtp`), not run: xinfer has no speculative decoding to run it in."""
 
     cuda_graphs = False  # (the compressed ops are torch references: loops over the sequences)
     packed_modules = {
@@ -112,9 +112,14 @@ class DeepseekV4ForCausalLM(CausalLM):
     def _keeping_mtp(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in weights:
             if name.startswith("mtp."):
-                self.mtp[name] = tensor.to(self.lm_head.weight.device)
+                self.mtp[name] = tensor.to("cpu")  # (in host memory: nothing reads it on the device)
                 continue
             yield name, tensor
         if self.mtp:
             size = sum(t.numel() * t.element_size() for t in self.mtp.values()) / 2**30
-            log.info("kept the MTP layer's %d tensors (%.2f GiB, as stored): not run", len(self.mtp), size)
+            log.info(
+                "kept the MTP layer's %d tensors (%.2f GiB as stored, in host memory): not run, xinfer has no "
+                "speculative decoding",
+                len(self.mtp),
+                size,
+            )
