@@ -7,7 +7,8 @@ The limit is the copy bandwidth (benchmarks/bandwidth.py) over the bytes a decod
 grouped output's two), norms and sinks, the two hyper-connections (fp32), the compressor's and indexer's
 projections and position biases; the window's rows, the entries the step reads (HCA: all; CSA: the indexer's
 keys, all of them, and the ``index_topk`` selected entries) and, amortised, the open windows' rows each
-pooling reads; the MLP's router, its active and shared experts; the embedding row, the head's
+pooling reads; the MLP's router (its correction bias, or the token's row of the hash table), its active and
+shared experts; the embedding row, the head's
 hyper-connection, the final norm and the LM head.
 
 Cache per token at context L: each layer's caches as xinfer allocates them (the model built on the meta
@@ -51,16 +52,18 @@ def decode_bytes_per_token(config: PretrainedConfig, context_len: float, itemsiz
     hyper = 4 * 2 * ((2 + streams) * streams * (streams * h + 1) + 3)  # fp32: fn, base, scale; two per layer
     mlp = (config.num_experts_per_tok + 1) * 3 * h * config.moe_intermediate_size + h * config.n_routed_experts
     total = 0.0
-    for kind in config.layer_types:
+    for kind, mlp_kind in zip(config.layer_types, config.mlp_layer_types):
         weights = attention + 2 * h + mlp
-        fp32 = 4 * heads + hyper + 4 * config.n_routed_experts  # sinks, mHC, the correction bias
+        fp32 = 4 * heads + hyper  # sinks, the hyper-connections
+        fp32 += 4 * config.n_routed_experts if mlp_kind == "moe" else 8 * config.num_experts_per_tok  # bias; table row
         cache = min(context_len, config.sliding_window) * d
         if kind != "sliding_attention":
             ratio = config.compress_rates[kind]
             overlap = 2 if kind == "compressed_sparse_attention" else 1
             weights += 2 * h * overlap * d + d
             fp32 += 4 * ratio * overlap * d
-            cache += 2 * overlap * overlap * d  # a window of overlap * ratio rows of 2 * overlap * d, every ratio steps
+            if context_len:  # a window of overlap * ratio rows of 2 * overlap * d, every ratio steps
+                cache += 2 * overlap * overlap * d
             entries = context_len / ratio
             if kind == "heavily_compressed_attention":
                 cache += entries * d
@@ -68,7 +71,7 @@ def decode_bytes_per_token(config: PretrainedConfig, context_len: float, itemsiz
                 di, hi = config.index_head_dim, config.index_n_heads
                 weights += 2 * h * 2 * di + di + q_lora * hi * di + h * hi
                 fp32 += 4 * ratio * 2 * di
-                cache += 2 * 2 * 2 * di + entries * di + min(entries, config.index_topk) * d
+                cache += (2 * 2 * 2 * di if context_len else 0) + entries * di + min(entries, config.index_topk) * d
         total += itemsize * (weights + cache) + fp32
     ends = itemsize * (2 * h + config.vocab_size * h) + 4 * (streams * streams * h + streams + 1)
     return total + ends
