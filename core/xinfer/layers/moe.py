@@ -11,6 +11,9 @@ The router's math (each line switched on by :class:`Routing`), in fp32 as the re
     weights = weights / sum(weights)            # norm_topk_prob
     weights = weights * routed_scaling_factor * per_expert_scale[ids]
 
+Where a ``swiglu_limit`` is given (DeepSeek V4), every expert's gate is clamped to at most it and its
+up projection to within it before ``act(gate) * up``, the shared experts' too.
+
 The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
 [E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`); the router's math but the
 fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`).
