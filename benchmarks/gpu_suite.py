@@ -102,6 +102,9 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "moe-30b-a3b": [PY, str(HERE / "moe.py")],
         # issue #32: GLM-4.5-Air's layers, 23 of its 46 (106 GB of bf16): batch-1 decode against its bandwidth limit
         "moe-glm45-air": [PY, str(HERE / "moe.py"), "--shape", "glm-4.5-air", "--skip-throughput"],
+        # issue #36: DeepSeek-V4-Flash's layers, 8 of its 43 (108 GB of bf16): batch-1 decode against its bandwidth
+        # limit (torch references, no step graphs), the cache's tokens per GiB at 128k against an MLA cache
+        "deepseek-v4-flash": [PY, str(HERE / "deepseek_v4.py")],
         # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
         # issue #37: GGUF-packed weights (the kernels' tests, then per-kernel GB/s and a step's linears,
         # then xinfer and llama.cpp on GGUFs of the Llama-3.1-8B shape written there, Q8_0 and Q4_K_M)

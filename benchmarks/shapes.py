@@ -9,6 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     DeepseekV3Config,
+    DeepseekV4Config,
     Glm4MoeConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -172,6 +173,50 @@ SHAPES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         tie_word_embeddings=False,
         architectures=["DeepseekV3ForCausalLM"],
+    ),
+    # DeepSeek-V4-Flash's layers (transformers' DeepseekV4Config defaults, which name deepseek-ai/DeepSeek-V4-Flash-Base:
+    # h 4096, 64 query heads of 512 dims sharing one key-value head, 64 of them rotated; q-LoRA 1024; output in 8
+    # groups of rank 1024; a window of 128 in every layer; CSA an entry per 4 tokens, its indexer 64 heads of 128
+    # keeping 512, HCA an entry per 128; 4 hyper-connected streams; 256 experts of 2048, 6 and a shared one per
+    # token, the first 3 layers hash-routed) but 8 of its 43 layers, in transformers' default schedule for 8
+    # (HCA, HCA, then HCA and CSA alternating): 13.2 GB of bf16 weights per layer (the experts 12.9), 108 GB in
+    # all with the 2 x 1.06 GB embedding and LM head, within one H200 beside the cache. A 128k context (the
+    # compressed rope's YaRN factor 16 over 8k), not the checkpoint's million: the numbers it computes do not
+    # change its speed.
+    "deepseek-v4-flash-8l": lambda: DeepseekV4Config(
+        num_hidden_layers=8,
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=8192),
+        architectures=["DeepseekV4ForCausalLM"],
+    ),
+    # DeepSeek V4's architecture at toy sizes (every layer type): deepseek_v4.py --smoke on the CPU
+    "deepseek-v4-tiny": lambda: DeepseekV4Config(
+        vocab_size=512,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=32,
+        q_lora_rank=24,
+        partial_rotary_factor=0.25,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        sliding_window=8,
+        hc_mult=2,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=4,
+        max_position_embeddings=512,
+        architectures=["DeepseekV4ForCausalLM"],
     ),
     # Qwen3.6's hybrids (3 Gated DeltaNet layers to 1 of gated full attention), the text part of their HF configs
     # (Qwen/Qwen3.6-35B-A3B and Qwen/Qwen3.6-27B config.json's text_config, as Qwen3.5-35B-A3B's and -27B's; written

@@ -68,6 +68,7 @@ class CausalLM(nn.Module):
     """
 
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = {}
+    cuda_graphs: ClassVar[bool] = True  # False: ops that read the step's metadata on the host (run eagerly)
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: Any):

@@ -116,13 +116,23 @@ class Ops(Protocol):
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
     def fused_moe(
-        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+        limit: float | None = None,
     ) -> Tensor:
         """The routed experts of a mixture-of-experts block: token ``t`` of ``x`` [T, H] goes
         through experts ``topk_ids[t]`` [k] and their outputs are summed, weighted by
         ``topk_weights[t]`` [k] (fp32)::
 
             out[t] = sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]),  e = topk_ids[t, j]
+
+        With ``limit`` (a clamped SwiGLU: DeepSeek V4's ``swiglu_limit``), the gate is clamped to at
+        most ``limit`` and the up projection to ``[-limit, limit]`` before ``act_and_mul``.
 
         ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows, ``w2`` [E, H, I];
         ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``).
@@ -325,10 +335,15 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+def fused_moe(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
+    limit: float | None = None,
+) -> Tensor:  # fmt: skip
     if isinstance(w13, QuantizedTensor) or isinstance(w2, QuantizedTensor):
-        return quantized.fused_moe(current(), x, w13, w2, topk_weights, topk_ids, activation)
-    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+        return quantized.fused_moe(current(), x, w13, w2, topk_weights, topk_ids, activation, limit)
+    if limit is None:  # (backends whose fused_moe predates the clamp)
+        return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
 
 
 def sample(logits: Tensor, params: SamplingBatch) -> Tensor:

@@ -77,9 +77,20 @@ class TorchOps:
         return F.gelu(gate, approximate="tanh") * up
 
     def fused_moe(
-        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+        limit: float | None = None,
     ) -> Tensor:
-        act_and_mul = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul}[activation]
+        gated = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul}[activation]
+
+        def act_and_mul(gate_up: Tensor) -> Tensor:
+            return gated(gate_up if limit is None else clamp_gate_up(gate_up, limit))
+
         top_k = topk_ids.shape[1]
         ids, weights = topk_ids.flatten(), topk_weights.flatten().float()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -254,6 +265,12 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.numel() else rotated
+
+
+def clamp_gate_up(gate_up: Tensor, limit: float) -> Tensor:
+    """A clamped SwiGLU's inputs: the gate half [..., :n] at most ``limit``, the up half within ``limit``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat((gate.clamp(max=limit), up.clamp(-limit, limit)), dim=-1)
 
 
 def top_experts(scores: Tensor, routing: Routing, correction_bias: Tensor | None) -> Tensor:

@@ -71,8 +71,17 @@ class CudaOps(TorchOps):
         return activation.gelu_tanh_and_mul(x)
 
     def fused_moe(
-        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+        limit: float | None = None,
     ) -> Tensor:
+        if limit is not None:  # the kernels have no clamp yet: the reference (DeepSeek V4's experts)
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
         return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:

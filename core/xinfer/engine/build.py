@@ -73,6 +73,9 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     with building_for(tp):
         model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
     prepare_weights(model, ops)
+    if not model.cuda_graphs and not config.device.enforce_eager:
+        log.info("%s runs without step graphs: its ops read the step's metadata on the host", type(model).__name__)
+        config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
     max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
