@@ -49,3 +49,22 @@ def tiny_vision_config(**overrides):
 def randomize_vision(model: torch.nn.Module, seed: int = 1) -> None:
     """LayerNorm weights away from 1 and biases away from 0 (see hf_parity.randomize)."""
     randomize(model, ("norm.weight", "norm1.weight", "norm2.weight", ".bias"), seed)
+
+
+IMAGE, VIDEO, VISION_START, VISION_END = 300, 301, 302, 303
+
+
+def tiny_vl_config(**text_overrides):
+    """A tiny Qwen3-VL config: 4 text layers, M-RoPE sections (2, 3, 3) over 8 frequencies,
+    DeepStack from vision blocks 0 and 2 into text layers 0 and 1."""
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})  # fmt: skip
+    vision = tiny_vision_config(out_hidden_size=64).to_dict()
+    config = Qwen3VLConfig(text_config={**text, **text_overrides}, vision_config=vision, image_token_id=IMAGE,
+                           video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)  # fmt: skip
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    return config
