@@ -20,6 +20,12 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 class LLM:
     """An engine running in this process.
 
+    A prompt is a string, token ids, or vLLM's dict: ``{"prompt": str}`` or
+    ``{"prompt_token_ids": [...]}``, with ``"multi_modal_data": {"image": image or [images]}``
+    (``PIL.Image.Image``) for a model that takes images; the prompt marks each image with
+    the model's placeholder (Gemma 3: ``<start_of_image>``), which is expanded into the
+    image's tokens.
+
     ``LLM(model="path", dtype="bfloat16", block_size=16, ...)`` takes any option of
     :class:`xinfer.config.EngineConfig` by name.
     """
@@ -76,7 +82,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 text, token_ids = self._tokenize(prompt)
-                outputs.append(self.processor.add(str(next(self._ids)), token_ids, p, text))
+                data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+                token_ids, multimodal = self.engine.multimodal_prompt(token_ids, data)
+                outputs.append(self.processor.add(str(next(self._ids)), token_ids, p, text, multimodal))
         except Exception:
             for output in outputs:
                 self.processor.abort(output.request_id)

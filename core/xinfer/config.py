@@ -26,6 +26,9 @@ class ModelConfig(_Config):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
     seed: int = 0
+    # models that take images: encoder outputs kept for images seen again (LRU), in embedding rows in all
+    # (a Gemma 3 image is 256)
+    encoder_cache_size: int = Field(8192, ge=0)
 
 
 class CacheConfig(_Config):
