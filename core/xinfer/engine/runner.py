@@ -130,7 +130,7 @@ class ModelRunner:
         for item in scheduled:
             seq, start, end = item.seq, item.seq.num_computed_tokens, item.context_len
             batch.input_ids += seq.token_ids[start:end]
-            batch.positions += range(start, end)
+            batch.positions += seq.positions(start, end) if seq.multimodal else range(start, end)
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
             batch.seq_lens.append(end)
             if seq.multimodal:
@@ -150,7 +150,7 @@ class ModelRunner:
             if item.completes_prompt:
                 batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
         if whole:  # each query sees up to itself, the tokens of such an item up to the item's end
-            batch.key_limits = batch.positions.copy()
+            batch.key_limits = [p for item in scheduled for p in range(item.seq.num_computed_tokens, item.context_len)]
             for piece in whole:
                 batch.key_limits[piece.row : piece.row + piece.last - piece.first] = [piece.range.end - 1] * (
                     piece.last - piece.first

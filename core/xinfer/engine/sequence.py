@@ -44,6 +44,16 @@ class Sequence:
         self.token_ids = list(self.token_ids)
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
 
+    def positions(self, start: int, end: int) -> list[int]:
+        """The positions the model is given for tokens ``start:end``: their indexes, less the
+        :attr:`PlaceholderRange.position_shift` of each item before them."""
+        indexes = list(range(start, end))
+        for r in self.multimodal:
+            if r.position_shift and r.end < end:
+                first = max(r.end, start) - start
+                indexes[first:] = [p - r.position_shift for p in indexes[first:]]
+        return indexes
+
     def block_key(self, start: int, end: int) -> tuple[int, ...]:
         """What identifies the KV of positions ``start:end`` for the prefix cache: the tokens,
         then the content hashes of the items placed there (same tokens, other image: another key)."""

@@ -33,6 +33,9 @@ class MultiModalItem:
     data: Mapping[str, Tensor]  # what the model's encoder takes (e.g. "pixel_values" [C, H, W])
     num_embeddings: int  # the rows the encoder yields: the prompt tokens it fills
     extra: Mapping[str, Any] = field(default_factory=dict)  # processor facts the model needs (e.g. a patch grid)
+    # the positions the item's tokens advance a sequence by, where not one each: the tokens after it
+    # move back by the difference (M-RoPE gives an image max(rows, columns) positions)
+    num_positions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class PlaceholderRange:
     @property
     def end(self) -> int:
         return self.offset + self.item.num_embeddings
+
+    @property
+    def position_shift(self) -> int:
+        """How far back the item moves the positions of the tokens after it."""
+        positions = self.item.num_positions
+        return 0 if positions is None else self.item.num_embeddings - positions
 
 
 @runtime_checkable

@@ -59,7 +59,10 @@ def mrope_positions(length: int, images: Sequence[ImagePlacement]) -> tuple[Tens
     pieces, position, index = [], 0, 0
     for image in sorted(images, key=lambda image: image.offset):
         text = image.offset - index
-        pieces += [torch.arange(position, position + text).expand(3, text), image_positions(position + text, image.grid)]
+        pieces += [
+            torch.arange(position, position + text).expand(3, text),
+            image_positions(position + text, image.grid),
+        ]
         position += text + max(image.grid[1:])
         index = image.end
     pieces.append(torch.arange(position, position + length - index).expand(3, length - index))
@@ -75,14 +78,15 @@ def interleaved_axes(num_frequencies: int, sections: Sequence[int]) -> Tensor:
     return axes
 
 
-class MRotaryEmbedding(nn.Module):
+class MRotaryEmbedding(RotaryEmbedding):
     """A layer's rotary by three positions per token: ``positions`` [3, T] (a step with image
-    tokens), or [T] where every token's three are equal (plain rope)."""
+    tokens), or [T] where every token's three are equal (plain rope). It reads the table of
+    ``rotary``, which the layers share, rather than holding one."""
 
     axes: Tensor
 
     def __init__(self, rotary: RotaryEmbedding, sections: Sequence[int]):
-        super().__init__()
+        nn.Module.__init__(self)  # not RotaryEmbedding's: no table of its own
         self.rotary = rotary
         self.rotary_dim = rotary.rotary_dim
         half = self.rotary_dim // 2

@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+
+from xinfer.multimodal.image import normalized_pixels, resize, to_rgb
 
 MAX_ASPECT_RATIO = 200
 
@@ -77,12 +78,9 @@ def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
 
 
 def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
-    """The image resized (bicubic, on 8-bit RGB as Pillow does), scaled and normalized: [3, H, W] fp32."""
+    """The image in RGB, resized (bicubic, on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
     height, width = smart_resize(image.height, image.width, spec)
-    resized = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
-    x = torch.from_numpy(np.asarray(resized, dtype=np.float32)).permute(2, 0, 1) / 255.0
-    mean, std = torch.tensor(spec.mean).view(3, 1, 1), torch.tensor(spec.std).view(3, 1, 1)
-    return (x - mean) / std
+    return normalized_pixels(resize(to_rgb(image), height, width, "bicubic"), spec.mean, spec.std)
 
 
 def patchify(image: Tensor, spec: ImageSpec) -> tuple[Tensor, tuple[int, int, int]]:

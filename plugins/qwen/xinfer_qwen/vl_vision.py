@@ -46,16 +46,6 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
 
 
-def encoder_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Sequence[int], scale: float) -> Tensor:
-    """Rows ``cu_seqlens[b]:cu_seqlens[b+1]`` of ``q`` [T, H, D] attend to the same rows of ``k``
-    and ``v``, every key visible; [T, H, D]. (The core's non-causal attention op will replace it.)"""
-    out = torch.empty_like(q)
-    for start, end in itertools.pairwise(cu_seqlens):
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
-    return out
-
-
 class PatchEmbedding(nn.Module):
     """The checkpoint's Conv3d (kernel = stride = one patch) as a linear map of flattened patches."""
 
@@ -78,10 +68,10 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, 3 * dim, bias=True)
         self.proj = Linear(dim, dim, bias=True)
 
-    def forward(self, x: Tensor, cos_sin: Tensor, cu_seqlens: Sequence[int]) -> Tensor:
+    def forward(self, x: Tensor, cos_sin: Tensor, cu_seqlens: Tensor) -> Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)
         q, k = ops.rotary(q, k, torch.arange(len(x), device=x.device), cos_sin)
-        out = encoder_attention(q, k, v.contiguous(), cu_seqlens, self.head_dim**-0.5)
+        out = ops.encoder_attention(q, k, v.contiguous(), cu_seqlens, self.head_dim**-0.5)
         return self.proj(out.flatten(1))
 
 
@@ -104,7 +94,7 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: Tensor, cos_sin: Tensor, cu_seqlens: Sequence[int]) -> Tensor:
+    def forward(self, x: Tensor, cos_sin: Tensor, cu_seqlens: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x), cos_sin, cu_seqlens)
         return x + self.mlp(self.norm2(x))
 
@@ -158,10 +148,8 @@ class VisionEncoder(nn.Module):
         x = self.patch_embed(patches)
         x = x + torch.cat([self.positions(grid) for grid in grids]).to(x.dtype)
         cos_sin = torch.cat([self.rotary(grid) for grid in grids])
-        cu_seqlens = [0]
-        for t, h, w in grids:
-            for _ in range(t):  # each frame attends within itself
-                cu_seqlens.append(cu_seqlens[-1] + h * w)
+        frames = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends within itself
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(frames)], dtype=torch.int32, device=x.device)
         deepstack = []
         for index, block in enumerate(self.blocks):
             x = block(x, cos_sin, cu_seqlens)

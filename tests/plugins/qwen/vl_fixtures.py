@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tests.plugins.hf_parity import randomize
+from tests.plugins.hf_parity import assert_output_matches_hf, randomize
+from xinfer import SamplingParams
 from xinfer.model import ConvertsCheckpoint
 
 
@@ -68,3 +72,46 @@ def tiny_vl_config(**text_overrides):
                            video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)  # fmt: skip
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     return config
+
+
+PREPROCESSOR = {"size": {"shortest_edge": 8 * 8, "longest_edge": 8 * 8 * 24}, "patch_size": 4,
+                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def save_randomized(hf, folder):
+    randomize(hf, ("norm.weight", "norm1.weight", "norm2.weight", ".bias"))
+    hf.save_pretrained(folder, safe_serialization=True)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+
+
+def text(n: int, seed: int) -> list[int]:
+    return torch.randint(0, IMAGE, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def with_images(*pieces: list[int] | str) -> list[int]:
+    """Token runs, and an image placeholder (as the chat template writes one) for each "image"."""
+    ids: list[int] = []
+    for piece in pieces:
+        ids += [VISION_START, IMAGE, VISION_END] if piece == "image" else piece
+    return ids
+
+
+def hf_inputs(ids: list[int], images) -> tuple[list[int], dict]:
+    """transformers' processor's expansion of the placeholders and its model inputs."""
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in PREPROCESSOR.items()})
+    inputs = processor(images, return_tensors="pt")
+    counts = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
+    expanded: list[int] = []
+    for token in ids:
+        expanded += [IMAGE] * next(counts) if token == IMAGE else [token]
+    type_ids = (torch.tensor([expanded]) == IMAGE).int()
+    return expanded, {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"],
+                      "mm_token_type_ids": type_ids}  # fmt: skip
+
+
+def assert_matches_hf(hf, llm, ids, images, params=GREEDY, atol=1e-4):
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], params)[0]
+    expanded, inputs = hf_inputs(ids, images)
+    assert out.prompt_token_ids == expanded
+    assert_output_matches_hf(hf, expanded, out.outputs[0], params.max_tokens, atol, **inputs)
