@@ -16,6 +16,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3VLConfig,
 )
 
 SHAPES = {
@@ -263,6 +264,63 @@ SHAPES = {
         tie_word_embeddings=False,
         architectures=["Qwen3_5ForCausalLM"],
     ),
+    # Qwen/Qwen3-VL-8B-Instruct config.json: Qwen3-8B's text model with interleaved M-RoPE, a 27-block ViT
+    # (patch 16, 2x2 merge) with DeepStack from blocks 8, 16 and 24
+    "qwen3-vl-8b": lambda: qwen3_vl_config(
+        text=dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=262144,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
+            ),
+        ),
+        vision=dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            out_hidden_size=4096,
+            patch_size=16,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+        tokens=dict(
+            image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+        ),
+    ),
+    # Qwen3-VL at toy sizes: vision.py --smoke
+    "qwen3-vl-tiny": lambda: qwen3_vl_config(
+        text=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True
+            ),
+        ),
+        vision=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=16,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 2],
+        ),
+        tokens=dict(image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503),
+    ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,
         hidden_size=4096,
@@ -285,6 +343,11 @@ SHAPES = {
 }
 
 
+def qwen3_vl_config(text: dict, vision: dict, tokens: dict) -> Qwen3VLConfig:
+    return Qwen3VLConfig(text_config={**text, "tie_word_embeddings": False}, vision_config=vision, **tokens,
+                         tie_word_embeddings=False, architectures=["Qwen3VLForConditionalGeneration"])  # fmt: skip
+
+
 def shape_folder(name: str, tokenizer: bool = False) -> str:
     """A folder holding the config.json of shape ``name`` (load with load_format="dummy"),
     and with ``tokenizer`` a synthetic tokenizer of the same vocabulary size."""
@@ -292,7 +355,7 @@ def shape_folder(name: str, tokenizer: bool = False) -> str:
     folder = tempfile.mkdtemp(prefix=f"xinfer-{name}-")
     config.save_pretrained(folder)
     if tokenizer:
-        save_synthetic_tokenizer(folder, config.vocab_size)
+        save_synthetic_tokenizer(folder, config.get_text_config().vocab_size)
     return folder
 
 
