@@ -25,6 +25,12 @@ WORDS = ["look", "at", "this", "and", "that", "tell", "me", "what", "you", "see"
 SPECIAL = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
 BOI, EOI, SOFT = 300, 301, 302  # <start_of_image>, <end_of_image>, <image_soft_token>
 TOKENS_PER_IMAGE = 9  # 6x6 patches of 4 pixels, pooled 2x2 into 3x3
+# content lists with {"type": "image"} items, as HF templates take them (Gemma 3's writes <start_of_image>)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>"
+    "{% else %}{{ p['text'] }}{% endif %}{% if not loop.last %} {% endif %}{% endfor %}{% endif %} {% endfor %}"
+)
 VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=24,
               patch_size=4, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
 
@@ -39,6 +45,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>",
+        chat_template=CHAT_TEMPLATE,
     )  # fmt: skip
 
 
