@@ -9,6 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     DeepseekV3Config,
+    Gemma3Config,
     Glm4MoeConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -346,6 +347,28 @@ SHAPES = {
 def qwen3_vl_config(text: dict, vision: dict, tokens: dict) -> Qwen3VLConfig:
     return Qwen3VLConfig(text_config={**text, "tie_word_embeddings": False}, vision_config=vision, **tokens,
                          tie_word_embeddings=False, architectures=["Qwen3VLForConditionalGeneration"])  # fmt: skip
+
+
+def gemma3_4b_vision() -> Gemma3Config:
+    """Gemma-3-4b-it: a 34-layer text model (5 sliding layers per global one) and SigLIP so400m."""
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)]
+    text = dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, layer_types=layer_types,
+        max_position_embeddings=131072, final_logit_softcapping=None,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    )  # fmt: skip
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  image_size=896, patch_size=14, vision_use_head=False)  # fmt: skip
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256, boi_token_index=255999,
+                        eoi_token_index=256000, image_token_index=262144,
+                        architectures=["Gemma3ForConditionalGeneration"])  # fmt: skip
+
+
+SHAPES["gemma3-4b-vision"] = gemma3_4b_vision
 
 
 def shape_folder(name: str, tokenizer: bool = False) -> str:

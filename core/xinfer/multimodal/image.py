@@ -30,15 +30,15 @@ def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
         raise ValueError(
             "the image data is not an image format this server reads (PNG, JPEG, WebP, GIF, BMP)"
         ) from None
-    width, height = image.size
-    if max_pixels is not None and width * height > max_pixels:
-        raise ValueError(
-            f"the image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}"
-        )
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"the image is too large ({error})") from None
+    except Exception as error:  # noqa: BLE001 - Pillow's parsers raise many kinds on broken headers
+        raise ValueError(f"the image data is truncated or corrupt ({type(error).__name__}: {error})") from None
+    check_pixels(image, max_pixels)
     try:
         image.load()
-    except (OSError, SyntaxError, ValueError) as error:  # Pillow's truncated / broken stream errors
-        raise ValueError(f"the image data is truncated or corrupt ({error})") from None
+    except Exception as error:  # noqa: BLE001 - as above, for the pixel data
+        raise ValueError(f"the image data is truncated or corrupt ({type(error).__name__}: {error})") from None
     return image
 
 

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
 from xinfer.server.logprobs import chat_logprobs
-from xinfer.server.prompts import check_token_ids, render_chat
+from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -32,6 +32,8 @@ async def create_chat_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
+    _, urls = message_dicts(body.messages)
+    images = await serving.images(urls) if urls else []
     text = render_chat(
         serving.tokenizer,
         body.messages,
@@ -42,7 +44,8 @@ async def create_chat_completion(request: Request) -> Response:
     )
     prompt = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
     check_token_ids(prompt, serving.vocab_size, "messages")
-    handle = await serving.submit(request, body, [prompt])
+    prompt, multimodal = await serving.multimodal_prompt(prompt, images) if images else (prompt, [])
+    handle = await serving.submit(request, body, [prompt], multimodal)
     return await ChatAnswer(serving, body, handle).respond(request)
 
 
