@@ -45,10 +45,10 @@ class QwenImageProcessor:
     def process(self, modality: str, data: Any) -> MultiModalItem:
         if not isinstance(data, Image.Image):
             raise ValueError(f"an image must be a PIL image, got {type(data).__name__}")
-        patches, grid = patchify(pixels(data, self.spec), self.spec)
-        _, h, w = grid
-        return MultiModalItem("image", image_hash(data), {"patches": patches}, num_tokens(grid, self.spec),
-                              extra={"grid": grid}, num_positions=max(h, w) // self.spec.merge_size)  # fmt: skip
+        image = pixels(data, self.spec)  # patched on the device: the patches repeat it temporal_patch_size times
+        grid = (1, image.shape[1] // self.spec.patch_size, image.shape[2] // self.spec.patch_size)
+        return MultiModalItem("image", image_hash(data), {"pixels": image}, num_tokens(grid, self.spec),
+                              extra={"grid": grid}, num_positions=max(grid[1:]) // self.spec.merge_size)  # fmt: skip
 
     def replacement(self, item: MultiModalItem) -> tuple[list[int], int]:
         return [self.placeholders["image"]] * item.num_embeddings, 0
@@ -87,7 +87,7 @@ class QwenVisionLanguage(DecoderForCausalLM):
     def encode(self, modality: str, items: Sequence[MultiModalItem]) -> list[Tensor]:
         """Each image's merged embeddings, DeepStack levels beside them: [tokens, out_hidden * levels]."""
         device = self.visual.pos_embed.weight.device
-        patches = torch.cat([item.data["patches"] for item in items]).to(device)
+        patches = torch.cat([patchify(item.data["pixels"].to(device), self.image_spec)[0] for item in items])
         out = self.visual(patches, [item.extra["grid"] for item in items])
         return list(out.split([item.num_embeddings for item in items]))
 
