@@ -3,6 +3,8 @@ and the interleaved multimodal rotary (Qwen3-VL's and Qwen3.5's partial one)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -20,8 +22,13 @@ from xinfer.torch_ops import TorchOps
 from xinfer_qwen.mrope import ImagePlacement, MRotaryEmbedding, mrope_positions
 
 
+@functools.cache
+def hf_model() -> Qwen3VLModel:
+    return Qwen3VLModel(tiny_vl_config())
+
+
 def hf_rope_index(ids: list[int], grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
-    model = Qwen3VLModel(tiny_vl_config())
+    model = hf_model()
     input_ids = torch.tensor([ids])
     with torch.inference_mode():
         positions, delta = model.get_rope_index(
