@@ -127,6 +127,17 @@ def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(hf_and_fold
     assert_matches_hf(hf, text, [image(7)], out)
 
 
+def test_chat_takes_image_parts(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look at"},
+                                             {"type": "image_pil", "image_pil": image(9)}]}]  # fmt: skip
+    out = llm.chat(messages, GREEDY)[0]
+    text = processor().tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "look at"}, {"type": "image"}]}], tokenize=False
+    )
+    assert_matches_hf(hf, text.removeprefix("<bos>"), [image(9)], out)
+
+
 def test_a_text_only_model_refuses_images(tmp_path):
     from tests.tiny_models import gemma3_config, save_tiny_model
 
