@@ -45,7 +45,10 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates. A message's
+        content may be a list of parts: ``{"type": "text", "text": ...}`` and, for a model that
+        takes images, ``{"type": "image_pil", "image_pil": PIL image}`` (vLLM's name; ``"image"``
+        with the image under ``"image"`` too), which the template receives as ``{"type": "image"}``."""
         tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
         if template is None:
             raise ValueError("this model has no chat template")
@@ -53,11 +56,13 @@ class LLM:
         conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         prompts = []
         for conversation in conversations:
+            conversation, images = _images_apart(conversation)
             text = template.render(
                 conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
             )
             # the template writes BOS itself
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(prompts, params)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
@@ -101,6 +106,25 @@ class LLM:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
+
+
+def _images_apart(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation with each image part as ``{"type": "image"}``, and the images in order."""
+    images: list[Any] = []
+    messages = []
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind in ("image_pil", "image") and part.get(kind) is not None:
+                    images.append(part[kind])
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        messages.append(message)
+    return messages, images
 
 
 def _is_token_list(prompts: Any) -> bool:

@@ -55,8 +55,8 @@ def processor() -> Gemma3Processor:
     return Gemma3Processor(image_processor=images, tokenizer=tokenizer(), image_seq_length=TOKENS_PER_IMAGE)
 
 
-def save_model(folder: Path) -> Gemma3ForConditionalGeneration:
-    text = gemma3_config(architectures=None, pad_token_id=0)
+def save_model(folder: Path, **text_overrides) -> Gemma3ForConditionalGeneration:
+    text = gemma3_config(architectures=None, pad_token_id=0, **text_overrides)
     config = Gemma3Config(
         text_config=text.to_dict(), vision_config=SiglipVisionConfig(**VISION).to_dict(),
         mm_tokens_per_image=TOKENS_PER_IMAGE, boi_token_index=BOI, eoi_token_index=EOI, image_token_index=SOFT,

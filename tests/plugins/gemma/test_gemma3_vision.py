@@ -70,6 +70,20 @@ def test_prefill_chunks_end_before_an_image_not_inside_it(hf_and_folder):
     assert_matches_hf(hf, TEXT, [image(1)], out)
 
 
+def test_a_chunk_cutting_through_an_image_takes_its_slice_of_the_embeddings(hf_and_folder):
+    """Where image tokens attend causally (as Qwen3-VL's do; transformers' Gemma 3 without token_type_ids),
+    chunks of 12 tokens cut the image (tokens 7 to 16) and each takes its part of the encoder output."""
+    hf, folder = hf_and_folder
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=12)
+    llm.engine.model.attend_within_items = False
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    inputs = hf_inputs(TEXT, [image(1)])
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert_output_matches_hf(hf, out.prompt_token_ids, out.outputs[0], NEW_TOKENS, pixel_values=inputs["pixel_values"])
+    cache = llm.engine.encoder_cache
+    assert (cache.misses, cache.hits) == (1, 1)  # encoded for the first chunk, looked up for the second
+
+
 def test_an_image_longer_than_a_step_is_refused(hf_and_folder):
     llm = LLM(model=str(hf_and_folder[1]), dtype="float32", num_blocks=64, max_num_batched_tokens=TOKENS_PER_IMAGE - 1)
     with pytest.raises(ValueError, match="more than max_num_batched_tokens"):
@@ -111,6 +125,17 @@ def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(hf_and_fold
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": image(7)}}, GREEDY)[0]
     assert out.num_cached_tokens == 16
     assert_matches_hf(hf, text, [image(7)], out)
+
+
+def test_chat_takes_image_parts(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look at"},
+                                             {"type": "image_pil", "image_pil": image(9)}]}]  # fmt: skip
+    out = llm.chat(messages, GREEDY)[0]
+    text = processor().tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "look at"}, {"type": "image"}]}], tokenize=False
+    )
+    assert_matches_hf(hf, text.removeprefix("<bos>"), [image(9)], out)
 
 
 def test_a_text_only_model_refuses_images(tmp_path):
