@@ -120,3 +120,19 @@ def test_moe_text_model_with_an_image_matches_transformers(tmp_path):
     save_randomized(hf, tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
     assert_matches_hf(hf, llm, with_images(text(4, 13), "image", text(5, 14)), [synthetic_image(40, 24, seed=7)])
+
+
+def test_preempted_sequences_with_images_match_transformers(models):
+    """Two prompts of 3 and 4 blocks of 16, each with an image, in a pool of 7 blocks: decoding
+    preempts one, which is recomputed from its image (positions and embeddings again)."""
+    hf, _, folder = models
+    small = LLM(model=str(folder), dtype="float32", num_blocks=7, max_model_len=80)
+    images = [synthetic_image(40, 24, seed=11), synthetic_image(48, 32, seed=12)]  # 15 and 24 tokens
+    ids = [with_images(text(20, 15), "image", text(7, 16)), with_images(text(16, 17), "image", text(10, 18))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outputs = small.generate([{"prompt_token_ids": i, "multi_modal_data": {"image": m}} for i, m in zip(ids, images)],
+                             params)  # fmt: skip
+    assert small.engine.stats().num_preemptions > 0
+    for i, image, out in zip(ids, images, outputs):
+        expanded, inputs = hf_inputs(i, [image])
+        assert_output_matches_hf(hf, expanded, out.outputs[0], params.max_tokens, **inputs)
