@@ -13,6 +13,7 @@ import pytest
 
 from tests.plugins.gemma.gemma3_vision_model import TOKENS_PER_IMAGE, image, save_model
 from tests.server.live import LiveServer
+from xinfer.server.media import parse_limits
 
 MAX_PIXELS = 100 * 100
 
@@ -141,3 +142,28 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_it(client, model):
     assert f"the model {model!r} takes text only" in error.value.body["message"]
     models = client.models.list().data
     assert models[0].model_extra["input_modalities"] == ["text"]
+
+
+@pytest.mark.parametrize("text, limits", [("image=4", {"image": 4}), ('{"image": 2, "video": 0}', {"image": 2, "video": 0}),
+                                          ("image=1,video=2", {"image": 1, "video": 2})])  # fmt: skip
+def test_limits_take_both_syntaxes(text, limits):
+    assert parse_limits(text) == limits
+
+
+@pytest.mark.parametrize("text", ["image", "image=many", '{"image": -1}', "[1]"])
+def test_bad_limits_are_refused(text):
+    with pytest.raises(ValueError, match=r"MODALITY=N|at least 0"):
+        parse_limits(text)
+
+
+def test_a_bad_limit_flag_is_one_line():
+    import subprocess
+    import sys
+
+    code = "import sys; from xinfer.cli import main; sys.exit(main())"
+    result = subprocess.run([sys.executable, "-c", code, "--limit-mm-per-prompt", "image=lots"],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "xinfer: --limit-mm-per-prompt: expected MODALITY=N[,MODALITY=N] or JSON like {\"image\": 4}, got 'image=lots'"
+    ]
