@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -163,8 +164,20 @@ class TorchOps:
             stored = {n: gather_context(t, meta.block_tables[b], context_len, first) for n, t in cache.tensors.items()}
             k, v = cache.format.decode(stored)  # one sequence's visible context, in fp32
             exact = shadow_context(cache, meta.shadows.tables[b], context_len, first) if meta.shadows else None
-            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first)
+            limits = meta.key_limits[start:end] if meta.key_limits is not None else None
+            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first, limits)
         return cache.format.finish_output(out).to(dtype)
+
+    def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        bounds = cu_seqlens.tolist()
+        for start, end in itertools.pairwise(bounds):
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+        return out
 
     def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
         return torch_sampling.sample(logits, params)
@@ -213,10 +226,12 @@ def attend(
     softcap: float | None = None,
     exact: ExactKeys | None = None,
     first: int = 0,
+    key_limits: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of the last ``len(q)`` positions over keys at positions
     ``first`` to ``first + len(k)``, in fp32; with ``exact``, each (query, key) pair its
-    rule picks uses the exact K/V instead.
+    rule picks uses the exact K/V instead; with ``key_limits`` [Q], query ``i`` sees keys
+    up to position ``key_limits[i]`` instead of its own.
 
     q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
     """
@@ -238,7 +253,8 @@ def attend(
     if exact is not None:
         from_exact = exact.read_by(q_pos, k_pos)  # [group * Q, L], the same for every KV head
         scores = torch.where(from_exact, scores_of(exact.k), scores)
-    visible = k_pos <= q_pos
+    limits = q_pos if key_limits is None else key_limits.to(q_pos).repeat(group).unsqueeze(1)
+    visible = k_pos <= limits
     if window is not None:
         visible &= k_pos > q_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)

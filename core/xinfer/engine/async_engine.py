@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -155,9 +155,12 @@ class AsyncEngine:
 
     # ---- requests (event-loop side) ---------------------------------------------
 
-    async def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
+    async def submit(
+        self, prompts: Sequence[tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, list[Any]]]
+    ) -> RequestHandle:
         """Queues one request: an engine request per (prompt token ids, params) entry,
-        each with the ``n`` choices of its params.
+        each with the ``n`` choices of its params; a third element, where the prompt's image
+        embeddings go (:meth:`LLMEngine.multimodal_prompt`).
 
         Returns once the engine accepted them all; raises ``ValueError`` (a bad prompt
         or params, from the engine), :class:`QueueFull` or :class:`EngineUnavailable`.
@@ -168,7 +171,7 @@ class AsyncEngine:
             raise QueueFull(f"{waiting} sequences are waiting (limit {self.max_waiting}); retry later")
         request_id = f"req-{next(self._ids)}"
         handle = RequestHandle(
-            [RequestOutput.empty(f"{request_id}-{i}", prompt, params) for i, (prompt, params) in enumerate(prompts)]
+            [RequestOutput.empty(f"{request_id}-{i}", entry[0], entry[1]) for i, entry in enumerate(prompts)]
         )
         handle.accepted = self._event_loop.create_future()
         for position, output in enumerate(handle.outputs):
@@ -304,8 +307,8 @@ class AsyncEngine:
         if command == "add":
             handle, prompts = payload
             try:
-                for output, (prompt, params) in zip(handle.outputs, prompts):
-                    processor.add(output.request_id, prompt, params)
+                for output, (prompt, params, *multimodal) in zip(handle.outputs, prompts):
+                    processor.add(output.request_id, prompt, params, None, *multimodal)
             except Exception as error:  # noqa: BLE001 - the request fails, the loop goes on
                 for output in handle.outputs:
                     processor.abort(output.request_id)

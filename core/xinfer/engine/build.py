@@ -82,7 +82,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     layout = CacheLayout.of(model)
     _refuse_a_format_no_layer_stores(kv_format, layout)
     runner = ModelRunner(model, ops, cache.block_size, device, config.model.seed,
-                         len(layout.groups), bool(layout.state_layers))  # fmt: skip
+                         len(layout.groups), bool(layout.state_layers), config.model.encoder_cache_size)  # fmt: skip
     key_transforms = None
     if kv_format.rotate_keys and layout.attention_layers:
 

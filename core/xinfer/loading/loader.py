@@ -29,6 +29,7 @@ def load_config(path: Path) -> PretrainedConfig:
         return config
     text = config.text_config
     text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
+    text.multimodal_config = config  # the wrapper (its encoders' configs, media token ids), for models that take them
     return text
 
 

@@ -96,6 +96,19 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
                           help="bound the prefix cache [later]")
 
+    media = p.add_argument_group("images (models that take them)")
+    media.add_argument("--limit-mm-per-prompt", default="image=4", metavar="LIMITS",
+                       help="most items of each modality in one request: image=N (vLLM's JSON {\"image\": N} too)")
+    media.add_argument("--max-image-pixels", type=_at_least(int, 1), default=4096 * 4096,
+                       help="larger images (width x height) get 400")
+    media.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="let requests name images as file:// URLs of files under DIR (default: none)")
+    media.add_argument("--allow-remote-media", action="store_true",
+                       help="fetch images requests name by http(s) URL (default: refused; send data: URLs)")
+    media.add_argument("--encoder-cache-size", type=_at_least(int, 0), default=8192, metavar="N",
+                       help="image encoder outputs kept for images seen again, in embedding rows (a Gemma 3 image: "
+                       "256)")
+
     sampling = p.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     sampling.add_argument("--top-k", type=int, default=0, help="0: off")

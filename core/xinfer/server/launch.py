@@ -27,6 +27,7 @@ from xinfer.engine.async_engine import AsyncEngine, EngineState
 from xinfer.engine.engine import LLMEngine
 from xinfer.server.app import build_app
 from xinfer.server.args import parse_args
+from xinfer.server.media import MediaPolicy, parse_limits
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults
 from xinfer.server.serving import Serving
@@ -51,6 +52,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
     try:
         path = resolve_model_path(model_source(args), args.gguf_file)
         check_model(path)
+        media_policy(args)  # a bad image flag ends here too
         return path, engine_config(args, path)
     except (ValueError, FileNotFoundError) as error:
         log.debug("the model cannot be loaded", exc_info=True)
@@ -99,6 +101,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         enable_prefix_caching=not args.disable_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
+        encoder_cache_size=args.encoder_cache_size,
         device=device_of(args),
         enforce_eager=args.disable_cuda_graph,
         **parallel_options(args),
@@ -111,6 +114,18 @@ def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[s
     name = args.served_model_name or source or path.stem
     aliases = {n for n in (source, args.model, args.gguf_file, str(path), path.name, path.stem) if n}
     return name, frozenset(aliases - {name})
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """Where images may come from, how many and how large (--limit-mm-per-prompt, ...)."""
+    local = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if local is not None and not local.is_dir():
+        raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+    try:
+        limits = parse_limits(args.limit_mm_per_prompt)
+    except ValueError as error:
+        raise ValueError(f"--limit-mm-per-prompt: {error}") from None
+    return MediaPolicy(local, args.allow_remote_media, limits, args.max_image_pixels)
 
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
@@ -181,8 +196,8 @@ async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> i
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
-    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases,
-                      args.reasoning_parser, args.disable_reasoning)  # fmt: skip
+    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
+                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
