@@ -41,6 +41,7 @@ def paged_attention(
     if num_tokens:
         simdgroups = DECODE_SIMDGROUPS if meta.max_seqlen_q == 1 else PREFILL_SIMDGROUPS
         unread = torch.zeros(1, dtype=torch.float32, device=q.device)  # the scales of a plain side
+        limits = meta.key_limits
         LIBRARY.launch(
             "paged_attention",
             threads=[SIMD * simdgroups * num_heads, num_tokens],
@@ -53,6 +54,7 @@ def paged_attention(
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
             seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
             cu_seqlens_q=meta.cu_seqlens_q.to(torch.int32).contiguous(),
+            key_limits=(limits if limits is not None else unread).to(torch.int32).contiguous(),
             out=out,
             num_seqs=meta.num_seqs,
             num_heads=num_heads,
@@ -65,5 +67,6 @@ def paged_attention(
             scale=float(scale),
             window=window or 0,
             softcap=float(softcap or 0.0),
+            has_key_limits=int(limits is not None),
         )
     return cache.format.finish_output(out).to(dtype)

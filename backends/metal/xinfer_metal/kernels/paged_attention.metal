@@ -1,5 +1,5 @@
 // Causal paged attention over the block table, reading each cache side in its format in
-// place (xinfer.ops.Ops.attention): the query is already in the keys' basis and scaled
+// place (xinfer.ops.Ops.attention; with key limits, a query sees keys up to its limit): the query is already in the keys' basis and scaled
 // (rotated formats), and the output stays in the values' basis (the caller rotates back).
 //
 // One threadgroup per (query head, query token), of `num_simdgroups` simdgroups of 32
@@ -12,6 +12,7 @@
 constant constexpr uint MAX_PAIRS = 4;        // head_dim <= 2 * 32 * MAX_PAIRS = 256
 constant constexpr uint MAX_SIMDGROUPS = 8;
 constant constexpr uint MAX_HEAD_DIM = 256;
+constant constexpr float NO_SCORE = -1e30f;  // the running max before any key (no infinities: fast math may drop them)
 
 kernel void paged_attention(
     device const float* q,              // [T, H, D] in the keys' basis
@@ -22,6 +23,7 @@ kernel void paged_attention(
     device const int* block_tables,     // [B, max_blocks]
     device const int* seq_lens,         // [B], this step's tokens included
     device const int* cu_seqlens_q,     // [B + 1]
+    device const int* key_limits,       // [T] or unread: with has_key_limits, query t sees keys up to key_limits[t]
     device float* out,                  // [T, H, D] in the values' basis
     constant long& num_seqs,
     constant long& num_heads,
@@ -34,6 +36,7 @@ kernel void paged_attention(
     constant float& scale,
     constant long& window,              // 0: none; else a query at p sees keys p - window < j <= p
     constant float& softcap,            // 0: none; else scores become softcap * tanh(scores / softcap)
+    constant long& has_key_limits,      // 0: each query sees keys up to its own position (causal)
     uint2 group [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
@@ -58,6 +61,7 @@ kernel void paged_attention(
     long context = seq_lens[seq];
     long position = context - (cu_seqlens_q[seq + 1] - token);  // the query's position in its sequence
     long first = window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+    long last_key = has_key_limits ? long(key_limits[token]) : position;  // (an image's tokens see each other)
     long kv_head = head / (num_heads / num_kv_heads);
     uint half_dim = uint(head_dim / 2);
     device const int* table = block_tables + seq * max_blocks;
@@ -69,8 +73,8 @@ kernel void paged_attention(
         query[p] = j < half_dim ? float2(q_row[j], q_row[half_dim + j]) * scale : float2(0.0f);
         acc[p] = float2(0.0f);
     }
-    float running_max = -INFINITY, running_sum = 0.0f;
-    for (long key = first + simdgroup; key <= position; key += num_simdgroups) {
+    float running_max = NO_SCORE, running_sum = 0.0f;
+    for (long key = first + simdgroup; key <= last_key; key += num_simdgroups) {
         long slot = long(table[key / block_size]) * block_size + key % block_size;
         long row = slot * num_kv_heads + kv_head;
         float partial = 0.0f;
@@ -111,7 +115,7 @@ kernel void paged_attention(
     if (simdgroup != 0) {
         return;
     }
-    float overall_max = -INFINITY;
+    float overall_max = NO_SCORE;
     for (uint g = 0; g < num_simdgroups; ++g) {
         overall_max = max(overall_max, group_max[g]);
     }
@@ -121,8 +125,8 @@ kernel void paged_attention(
         merged[p] = float2(0.0f);
     }
     for (uint g = 0; g < num_simdgroups; ++g) {
-        // a simdgroup that saw no key holds max -inf and sums 0: it adds nothing
-        float weight = group_max[g] == -INFINITY ? 0.0f : exp(group_max[g] - overall_max);
+        // a simdgroup that saw no key holds NO_SCORE and sums 0: it adds nothing
+        float weight = group_max[g] == NO_SCORE ? 0.0f : exp(group_max[g] - overall_max);
         total += group_sum[g] * weight;
         for (uint p = 0; p < MAX_PAIRS; ++p) {
             uint j = lane + 32 * p;
