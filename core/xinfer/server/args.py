@@ -70,7 +70,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
                         help="device ids, e.g. 0; several (0,1) split the model over them, one process each (tensor "
-                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids")
+                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids; ignored with a warning where "
+                        "the accelerator is one device (a Mac's GPU)")
     device.add_argument("--cpu", action="store_true", help="run on the CPU")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 

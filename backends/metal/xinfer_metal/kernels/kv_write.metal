@@ -60,7 +60,7 @@ kernel void quant_write_kv(
     float top = 2.0f * half_levels;
     for (uint j = lane; j < half_dim; j += 32) {
         float2 pair = float2(values[j], values[half_dim + j]);
-        float2 codes = clamp(rint(pair / scale * half_levels + half_levels), 0.0f, top);
+        float2 codes = clamp(rint(pair / scale * half_levels + half_levels), float2(0.0f), float2(top));
         if (codec == UNIFORM4) {
             out[j] = uchar(uint(codes.x) | (uint(codes.y) << 4));
         } else {
