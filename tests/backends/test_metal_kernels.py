@@ -1,7 +1,7 @@
 """The Metal backend's ops against the plain-torch reference (``TorchOps``) on random
 inputs, on Apple silicon: the KV write of every format it declares (the stored codes
 within one level, the scales), and paged attention over the block table, prefill and
-decode, with GQA, a sliding window and a softcap, reading each format in place; then the
+decode, with GQA, a sliding window, a softcap and key limits, reading each format in place; then the
 attention op (store, then attend) end to end. Elsewhere every test here is skipped."""
 
 from __future__ import annotations
@@ -96,6 +96,22 @@ def test_attention_over_the_cache_matches_the_reference(fmt, dtype, head_dim):
             got = METAL.attend(q.to(MPS), cache, step, scale, window, softcap)
             assert got.dtype == dtype and got.shape == q.shape
             assert relative_error(got, want) < TOL[dtype], (step.max_seqlen_q, window, softcap)
+
+
+def test_key_limits_let_a_query_see_later_keys():
+    cache, k, v, slots, meta = paged_case("turbo4", torch.float16, 128, [12], [8], MPS)
+    stored = on_cpu(cache)
+    REFERENCE.write_kv(k.cpu(), v.cpu(), stored, slots.cpu())
+    for name, tensor in stored.tensors.items():
+        cache[name].copy_(tensor)
+    positions = torch.arange(4, 12, dtype=torch.int32)
+    limits = torch.where((positions >= 5) & (positions < 9), 8, positions)
+    q = torch.randn(8, 4, 128).to(torch.float16)
+    cpu_meta = AttentionMetadata(*(t.cpu() for t in (meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                   meta.slot_mapping)), meta.max_seqlen_q, meta.max_seq_len, key_limits=limits)  # fmt: skip
+    meta.key_limits = limits.to(MPS)
+    want = REFERENCE.attend(q.float(), stored, cpu_meta, 0.125)
+    assert relative_error(METAL.attend(q.to(MPS), cache, meta, 0.125), want) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,13 +1,15 @@
 // Causal paged attention over the block table, reading each cache side in its format in
-// place (xinfer.ops.Ops.attention; with key limits, a query sees keys up to its limit): the query is already in the keys' basis and scaled
-// (rotated formats), and the output stays in the values' basis (the caller rotates back).
+// place (xinfer.ops.Ops.attention; with key limits, a query sees keys up to its limit): the
+// query is already in the keys' basis and scaled (rotated formats), and the output stays in
+// the values' basis (the caller rotates back).
 //
 // One threadgroup per (query head, query token), of `num_simdgroups` simdgroups of 32
 // threads. Each simdgroup walks every num_simdgroups-th visible key with its own online
 // softmax, each lane holding the element pairs (j, D/2 + j) for j = lane, lane + 32, ...;
 // the simdgroups' partial sums are then merged in threadgroup memory. Decode (one query
 // per sequence) launches 8 simdgroups, so that a long context is split over them; prefill
-// launches 1 per query token, whose rows already fill the GPU.
+// launches 1 per query token, whose rows already fill the GPU (each walks its keys alone:
+// no tile of queries shares a key load yet).
 
 constant constexpr uint MAX_PAIRS = 4;        // head_dim <= 2 * 32 * MAX_PAIRS = 256
 constant constexpr uint MAX_SIMDGROUPS = 8;
