@@ -12,7 +12,7 @@ def is_available() -> bool:
     if not torch.backends.mps.is_available():
         return False
     if not hasattr(torch.mps, "compile_shader"):
-        log.warning("the metal backend needs torch.mps.compile_shader (torch >= 2.8); this torch %s lacks it: "
+        log.warning("the metal backend needs torch.mps.compile_shader (torch >= 2.7); this torch %s lacks it: "
                     "upgrade torch to run on the Apple GPU", torch.__version__)  # fmt: skip
         return False
     return True
