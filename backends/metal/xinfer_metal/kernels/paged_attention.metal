@@ -76,8 +76,9 @@ kernel void paged_attention(
         acc[p] = float2(0.0f);
     }
     float running_max = NO_SCORE, running_sum = 0.0f;
-    for (long key = first + simdgroup; key <= last_key; key += num_simdgroups) {
-        long slot = long(table[key / block_size]) * block_size + key % block_size;
+    uint keys_per_block = uint(block_size);  // 32-bit: a 64-bit division per key is slow on the GPU
+    for (uint key = uint(first) + simdgroup; key <= uint(last_key); key += num_simdgroups) {
+        long slot = long(table[key / keys_per_block]) * block_size + key % keys_per_block;
         long row = slot * num_kv_heads + kv_head;
         float partial = 0.0f;
         for (uint p = 0; p < MAX_PAIRS; ++p) {
