@@ -71,6 +71,7 @@ class EmulatedLibrary:
             dims = (ctypes.c_ulong * 2)(*threads), (ctypes.c_ulong * 2)(*group_size)
             function(addresses, *dims)
 
+        launch.max_threads_per_threadgroup = 1024  # type: ignore[attr-defined]
         return launch
 
     @staticmethod

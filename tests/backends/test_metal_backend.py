@@ -221,12 +221,16 @@ class Recorder:
     def __init__(self, library: MetalLibrary):
         self.library, self.calls = library, []
 
+    max_threads_per_threadgroup = 1024
+
     def __getattr__(self, kernel: str):
         assert kernel in self.library.kernels, f"no kernel {kernel} in {self.library.files}"
 
         def launch(*args, threads, group_size):
+            assert group_size[0] * group_size[1] <= self.max_threads_per_threadgroup
             self.calls.append((kernel, args, threads, group_size))
 
+        launch.max_threads_per_threadgroup = self.max_threads_per_threadgroup  # type: ignore[attr-defined]
         return launch
 
 
@@ -268,6 +272,13 @@ def test_every_launch_binds_the_arguments_its_source_declares(recorded, fmt, dty
     (*_, threads, group), (*_, decode_threads, decode_group) = recorded[-2:]
     assert group == [32 * attention.PREFILL_SIMDGROUPS, 1] and threads == [32 * 4, 11]
     assert decode_group == [32 * attention.DECODE_SIMDGROUPS, 1] and decode_threads[1] == 2
+
+
+def test_decode_takes_fewer_simdgroups_where_metal_allows_fewer_threads(recorded, monkeypatch):
+    monkeypatch.setattr(Recorder, "max_threads_per_threadgroup", 128)
+    cache, *_, meta = paged_case("auto", torch.float32, 64, [9, 5], [1, 1], CPU)
+    MetalOps().attend(torch.randn(2, 4, 64), cache, meta, 0.125)
+    assert recorded[-1][3] == [128, 1]
 
 
 def test_a_renamed_argument_fails_at_the_binding(recorded, monkeypatch):

@@ -118,9 +118,17 @@ class MetalLibrary:
     def launch(self, kernel: str, threads: list[int], group_size: list[int], **arguments: Any) -> None:
         """Run ``kernel`` over ``threads`` threads (per grid dimension) in threadgroups of
         ``group_size``, its arguments given by name."""
+        getattr(self.library(), kernel)(*self.bind(kernel, arguments), threads=threads, group_size=group_size)
+
+    def max_threads(self, kernel: str) -> int:
+        """The most threads a threadgroup of ``kernel`` may have (Metal lowers it for kernels
+        holding many registers)."""
+        return int(getattr(self.library(), kernel).max_threads_per_threadgroup)
+
+    def library(self) -> Any:
         if self.compiled is None:
             self.compiled = compile_source(self.source)
-        getattr(self.compiled, kernel)(*self.bind(kernel, arguments), threads=threads, group_size=group_size)
+        return self.compiled
 
     def bind(self, kernel: str, arguments: dict[str, Any]) -> list[Any]:
         """``arguments`` in the order of the kernel's source, each checked against its type."""

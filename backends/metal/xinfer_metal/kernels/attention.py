@@ -13,7 +13,9 @@ from xinfer_metal.shaders import MetalLibrary
 
 LIBRARY = MetalLibrary("kv_codes.metal", "paged_attention.metal")
 SIMD = 32
-DECODE_SIMDGROUPS = 8  # one query per sequence: its keys are split over 8 simdgroups (the kernel's MAX_SIMDGROUPS)
+DECODE_SIMDGROUPS = (
+    8  # one query per sequence: its keys split over 8 simdgroups (MAX_SIMDGROUPS; fewer if Metal allows fewer)
+)
 PREFILL_SIMDGROUPS = 1  # a prompt's query rows already fill the GPU
 
 
@@ -40,6 +42,7 @@ def paged_attention(
     out = torch.zeros_like(q)
     if num_tokens:
         simdgroups = DECODE_SIMDGROUPS if meta.max_seqlen_q == 1 else PREFILL_SIMDGROUPS
+        simdgroups = max(1, min(simdgroups, LIBRARY.max_threads("paged_attention") // SIMD))
         unread = torch.zeros(1, dtype=torch.float32, device=q.device)  # the scales of a plain side
         limits = meta.key_limits
         LIBRARY.launch(
