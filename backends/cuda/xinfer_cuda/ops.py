@@ -21,6 +21,7 @@ from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import (
     activation,
     attention,
+    encoder_attention,
     kv_quant_write,
     kv_write,
     moe,
@@ -118,8 +119,8 @@ class CudaOps(TorchOps):
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
 
     def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
-        """Torch's scaled-dot-product attention (its flash kernel) image by image."""
-        return super().encoder_attention(q, k, v, cu_seqlens, scale)
+        """Every image of the batch in one launch."""
+        return encoder_attention.encoder_attention(q, k, v, cu_seqlens, scale)
 
     def attend(
         self,

@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
@@ -24,6 +25,20 @@ class RMSNorm(nn.Module):
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         return tensor + self.weight_offset if self.weight_offset else tensor
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (vision towers): torch's
+    one kernel, its statistics in fp32 whatever the dtype, the output in the input's."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
 def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> ops.HeadNorms:

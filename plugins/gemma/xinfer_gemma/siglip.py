@@ -12,18 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.layers import Linear, MergedLinear
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+from xinfer.layers import LayerNorm, Linear, MergedLinear
 
 
 class SiglipAttention(nn.Module):
