@@ -62,3 +62,30 @@ def test_segments_do_not_see_each_other():
     again = encoder_attention(q, k, v, cu, 0.5)
     assert torch.equal(out[:18], again[:18])
     assert not torch.allclose(out[18:], again[18:])
+
+
+def test_qwen3_vl_tower_on_the_cuda_kernels_matches_transformers():
+    """The whole vision tower (rotary, encoder attention over three images of two grids and a
+    two-frame clip, the mergers) through the CUDA backend's ops, against transformers' fp32 model."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from tests.plugins.qwen.vl_fixtures import load_hf_state, randomize_vision, tiny_vision_config
+    from xinfer import ops
+    from xinfer_cuda.ops import CudaOps
+    from xinfer_qwen.vl_vision import VisionEncoder
+
+    config = tiny_vision_config()
+    config._attn_implementation = "eager"
+    hf = Qwen3VLVisionModel(config).eval()
+    randomize_vision(hf)
+    ours = VisionEncoder(config).eval()
+    load_hf_state(ours, hf)
+    ours.to(DEVICE)
+    grids = torch.tensor([[1, 6, 10], [1, 2, 4], [2, 4, 2], [1, 2, 4]])
+    patches = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 4 * 4)
+    with torch.inference_mode():
+        out = hf(patches, grid_thw=grids)
+        expected = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+        with ops.use(CudaOps()):
+            got = ours(patches.to(DEVICE), [tuple(g) for g in grids.tolist()])
+    check(got, expected, torch.float32)

@@ -112,8 +112,6 @@ class CudaOps(TorchOps):
         # A quantized cache's write launch also stores the recent window's exact copies,
         # and for a rotated cache brings the queries into the keys' basis, once per
         # (token, head) instead of in every program that reads them.
-        if meta.key_limits is not None:  # image tokens that see each other: no kernel takes key limits yet
-            return super().attention(q, k, v, cache, meta, scale, window, softcap)
         shadow_slots = meta.shadows.slot_mapping if meta.shadows is not None else None
         rotated_q = self._store(k, v, cache, meta.slot_mapping, q, shadow_slots)
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
