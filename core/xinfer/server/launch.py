@@ -171,7 +171,7 @@ async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> i
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
     serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases,
-                      args.reasoning_parser, args.disable_reasoning)  # fmt: skip
+                      args.reasoning_parser, args.disable_reasoning, args.enforce_parser)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:

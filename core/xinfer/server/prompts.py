@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -24,8 +25,26 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part.text)
             item["content"] = "\n".join(texts)
+        if message.tool_calls:
+            item["tool_calls"] = [_call_for_template(call) for call in message.tool_calls]
+            item.setdefault("content", "")  # clients send null; templates read it as text (Qwen3: '</think>' in ...)
         result.append(item)
     return result
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call with its arguments as an object, not JSON text: templates
+    write them with ``tojson`` (Llama, Mistral) or as they are (Qwen, which takes either)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def render_chat(
