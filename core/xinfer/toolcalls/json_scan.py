@@ -5,9 +5,12 @@ arguments as the model writes them, so they need positions in the text, not valu
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\r\n"
+# regexes, not loops over characters: a stream scans its open block again at every delta
+_STRUCTURE = re.compile(r'["{}\[\]]')
 
 
 def skip_space(text: str, at: int) -> int:
@@ -26,7 +29,8 @@ def value_end(text: str, start: int) -> int | None:
         return _string_end(text, start)
     if first in "{[":
         depth, at = 0, start
-        while at < len(text):
+        while (found := _STRUCTURE.search(text, at)) is not None:
+            at = found.start()
             char = text[at]
             if char == '"':
                 end = _string_end(text, at)
@@ -50,30 +54,27 @@ def value_end(text: str, start: int) -> int | None:
 
 def find_outside_strings(text: str, marker: str, start: int) -> int:
     """The first ``marker`` in ``text`` from ``start`` that is not inside a JSON string (-1: none)."""
+    pattern = re.compile(re.escape(marker) + '|"')
     at = start
-    while at < len(text):
-        if text.startswith(marker, at):
-            return at
-        if text[at] == '"':
-            end = _string_end(text, at)
-            if end is None:
-                return -1
-            at = end
-            continue
-        at += 1
+    while (found := pattern.search(text, at)) is not None:
+        if found.group() != '"':
+            return found.start()
+        end = _string_end(text, found.start())
+        if end is None:
+            return -1
+        at = end
     return -1
 
 
 def _string_end(text: str, start: int) -> int | None:
-    at = start + 1
-    while at < len(text):
-        char = text[at]
-        if char == "\\":
-            at += 2
-            continue
-        if char == '"':
+    """The end of the JSON string that opens at ``start`` (None while it is open)."""
+    at = start
+    while (at := text.find('"', at + 1)) >= 0:
+        before = at
+        while text[before - 1] == "\\":
+            before -= 1
+        if (at - before) % 2 == 0:  # not escaped
             return at + 1
-        at += 1
     return None
 
 
