@@ -27,6 +27,7 @@ from xinfer.engine.async_engine import AsyncEngine, EngineState
 from xinfer.engine.engine import LLMEngine
 from xinfer.server.app import build_app
 from xinfer.server.args import parse_args
+from xinfer.server.media import MediaPolicy, parse_limits
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults
 from xinfer.server.serving import Serving
@@ -51,6 +52,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
     try:
         path = resolve_model_path(model_source(args), args.gguf_file)
         check_model(path)
+        media_policy(args)  # a bad image flag ends here too
         return path, engine_config(args, path)
     except (ValueError, FileNotFoundError) as error:
         log.debug("the model cannot be loaded", exc_info=True)
@@ -62,20 +64,48 @@ def setup_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def device_of(args: argparse.Namespace) -> str:
+def device_ids(args: argparse.Namespace) -> list[int] | None:
+    """The ids ``--d`` names (with ``--cpu``, CPU ranks). Where the machine's accelerator is a
+    single device (a Mac's GPU), there is nothing to choose or split over: other ids than 0 are
+    ignored with a warning."""
+    if not args.devices or args.cpu:
+        return args.devices
+    import torch
+
+    ids = ",".join(map(str, args.devices))
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise ValueError(f"--d {ids} names an accelerator, and this machine has none: run without --d (or --cpu)")
+    if torch.accelerator.device_count() == 1 and args.devices != [0]:
+        log.warning("--d %s ignored: this machine's accelerator (%s) is one device", ids, accelerator.type)
+        return [0]
+    return args.devices
+
+
+def device_of(args: argparse.Namespace, ids: list[int] | None) -> str:
+    """The engine's device: the CPU, this rank's accelerator of ``ids`` (:func:`device_ids`), or auto."""
     if args.cpu:
         return "cpu"
-    if args.devices:
+    if ids:
         import torch
 
         accelerator = torch.accelerator.current_accelerator()
-        if accelerator is None:
-            raise ValueError(f"--d {args.devices} names an accelerator, and this machine has none: run without --d")
-        return str(torch.device(accelerator.type, int(args.devices)))
+        assert accelerator is not None, "device_ids checked it"
+        return str(torch.device(accelerator.type, ids[0]))  # under tensor parallelism, each rank its own
     return "auto"
 
 
+def parallel_options(args: argparse.Namespace, ids: list[int] | None) -> dict:
+    """Tensor parallelism: as many ranks per node as ``ids`` (:func:`device_ids`) names (on the CPU, ranks)."""
+    per_node = len(ids) if ids else 1
+    accelerators = ids if ids and not args.cpu else None
+    return dict(tensor_parallel_size=per_node * args.num_nodes, device_ids=accelerators, num_nodes=args.num_nodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                timeout=args.tp_timeout)  # fmt: skip
+
+
 def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
+    ids = device_ids(args)
     return EngineConfig.from_kwargs(
         model=str(path),
         dtype=args.dtype,
@@ -89,8 +119,10 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         enable_prefix_caching=not args.disable_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
-        device=device_of(args),
+        encoder_cache_size=args.encoder_cache_size,
+        device=device_of(args, ids),
         enforce_eager=args.disable_cuda_graph,
+        **parallel_options(args, ids),
     )
 
 
@@ -100,6 +132,18 @@ def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[s
     name = args.served_model_name or source or path.stem
     aliases = {n for n in (source, args.model, args.gguf_file, str(path), path.name, path.stem) if n}
     return name, frozenset(aliases - {name})
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """Where images may come from, how many and how large (--limit-mm-per-prompt, ...)."""
+    local = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if local is not None and not local.is_dir():
+        raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+    try:
+        limits = parse_limits(args.limit_mm_per_prompt)
+    except ValueError as error:
+        raise ValueError(f"--limit-mm-per-prompt: {error}") from None
+    return MediaPolicy(local, args.allow_remote_media, limits, args.max_image_pixels)
 
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
@@ -170,8 +214,9 @@ async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> i
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
-    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases,
-                      args.reasoning_parser, args.disable_reasoning, args.enforce_parser)  # fmt: skip
+    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
+                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
+                      tool_parser=args.enforce_parser)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
@@ -196,13 +241,21 @@ async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown
     if engine.state is EngineState.DEAD:
         log.error("the model could not be loaded: %s", engine.error)
         shutdown.fail(1)
-    else:
-        log.info("model loaded; serving")
+        return
+    log.info("model loaded; serving")
+    await asyncio.get_running_loop().run_in_executor(None, engine.wait_stopped)
+    if engine.state is EngineState.DEAD:  # e.g. a tensor-parallel worker died: its requests have failed
+        log.error("the engine died: %s; exiting", engine.error)
+        shutdown.fail(1)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     path, config = prepare(args)
+    if config.parallel.node_rank > 0:  # this node's ranks follow node 0's engine
+        from xinfer.distributed.worker import run_node
+
+        return run_node(config)
     return asyncio.run(serve(args, path, config))
 
 

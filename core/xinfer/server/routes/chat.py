@@ -12,7 +12,7 @@ from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
 from xinfer.server.logprobs import chat_logprobs
-from xinfer.server.prompts import check_token_ids, render_chat
+from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -44,6 +44,8 @@ async def create_chat_completion(request: Request) -> Response:
     tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, serving.tool_family)
     if tools.parser is not None and tools.parser.keeps_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})  # its markers are special tokens
+    _, urls = message_dicts(body.messages)
+    images = await serving.images(urls) if urls else []
     text = render_chat(
         serving.tokenizer,
         body.messages,
@@ -59,7 +61,8 @@ async def create_chat_completion(request: Request) -> Response:
     # a model that reasons here (the template has not closed its block): a constraint waits for the block's end
     thinks = tags is not None and (inside or not text.rstrip().endswith(tags.end))
     end_id = serving.tokenizer.token_to_id(tags.end) if tags is not None and thinks else None
-    handle = await serving.submit(request, body, [prompt], after_token_id=end_id)
+    prompt, multimodal = await serving.multimodal_prompt(prompt, images) if images else (prompt, [])
+    handle = await serving.submit(request, body, [prompt], multimodal, after_token_id=end_id)
     return await ChatAnswer(serving, body, handle, tags, inside, tools).respond(request)
 
 
