@@ -96,3 +96,15 @@ def test_assistant_calls_render_with_arguments_as_objects():
     text = render_chat(SimpleNamespace(chat_template=template), messages, add_generation_prompt=False)
     assert text == '[hi]f:{"a": 1};[][2]', "arguments once encoded, and null content as text"
     assert json.loads(call["function"]["arguments"]) == {"a": 1}  # the request's own message is left as it was
+
+
+def test_templates_that_join_arguments_as_text_get_them_as_sent():
+    template = ChatTemplate(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ '<call>' + c.function.name + ' ' + c.function.arguments }}{% endfor %}{% endfor %}",
+        "test",
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    messages = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content=None, tool_calls=[call])]
+    text = render_chat(SimpleNamespace(chat_template=template), messages, add_generation_prompt=False)
+    assert text == '<call>f {"a":1}'
