@@ -60,6 +60,11 @@ class CudaOps(TorchOps):
     ) -> Tensor | tuple[Tensor, Tensor]:
         return norm.rms_norm(x, weight, eps, residual)
 
+    def layer_norm(
+        self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return norm.layer_norm(x, weight, bias, eps, residual)
+
     def rotary(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,4 @@
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
@@ -28,8 +27,8 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (vision towers): torch's
-    one kernel, its statistics in fp32 whatever the dtype, the output in the input's."""
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (vision towers), in fp32;
+    with ``residual``, adds it first and returns ``(normed, x + residual)`` (one launch on CUDA)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -37,8 +36,8 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
 def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> ops.HeadNorms:

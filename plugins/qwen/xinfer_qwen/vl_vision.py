@@ -83,9 +83,12 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: Tensor, rope: Rope, cu_seqlens: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x), rope, cu_seqlens)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: Tensor, residual: Tensor | None, rope: Rope, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """The stream is ``x + residual`` (``x`` before the first block); returns this block's MLP
+        output and the residual, which the next norm adds (one launch with the norm)."""
+        h, residual = self.norm1(x, residual) if residual is not None else (self.norm1(x), x)
+        h, residual = self.norm2(self.attn(h, rope, cu_seqlens), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -142,10 +145,13 @@ class VisionEncoder(nn.Module):
         frames = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends within itself
         cu_seqlens = torch.tensor([0, *itertools.accumulate(frames)], dtype=torch.int32, device=x.device)
         deepstack = []
+        residual = None
         for index, block in enumerate(self.blocks):
-            x = block(x, rope, cu_seqlens)
+            x, residual = block(x, residual, rope, cu_seqlens)
             if index in self.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(index)](x))
+                merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(index)]
+                deepstack.append(merger(x + residual))
+        x = x if residual is None else x + residual
         return torch.cat([self.merger(x), *deepstack], dim=-1)
 
     def grouped(self, rows: Tensor, h: int, w: int) -> Tensor:
