@@ -83,19 +83,31 @@ def _encoder_attention_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+INTERPRETER_TILES = (16, 16, 4, 1)  # small tiles, so that small tests cross them
+FMA_TILES = (32, 32, 4, 1)  # dots on the FMA units (fp32 in "ieee" precision, before sm_80): no spills
+TENSOR_CORE_TILES = (
+    128,
+    32,
+    8,
+    2,
+)  # sm_90 at head dim 72 (Qwen3-VL, SigLIP): 255 registers, no spill (64 keys: spills)
+
+
 def _tiles(q: Tensor) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     if q.device.type != "cuda":
-        return 16, 16, 4, 1  # the interpreter: small tiles, so that small tests cross them
+        return INTERPRETER_TILES
     if q.dtype == torch.float32 or torch.cuda.get_device_capability(q.device)[0] < 8:
-        return 32, 32, 4, 1  # dots on the FMA units: small tiles, no spills
-    return 128, 64, 8, 2
+        return FMA_TILES
+    return TENSOR_CORE_TILES
 
 
-def encoder_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+def encoder_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float, tiles: tuple[int, int, int, int] | None = None
+) -> Tensor:
     """Rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` of ``q`` [T, H, D] attend to the same rows of ``k``,
     ``v`` [T, Hkv, D] (any strides with unit stride along D), every key visible; [T, H, D] in the
-    dtype of ``q``. One launch for every segment."""
+    dtype of ``q``. One launch for every segment. ``tiles`` overrides (BLOCK_M, BLOCK_N, warps, stages)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -104,7 +116,7 @@ def encoder_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale
     num_seqs = cu_seqlens.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _tiles(q)
+    block_m, block_n, num_warps, num_stages = tiles or _tiles(q)
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _encoder_attention_kernel[grid](
         q, k, v, out, cu_seqlens, num_seqs, scale * LOG2E,
