@@ -219,6 +219,28 @@ def test_conv1d_kernel_matches_the_reference(dtype, width, channels):
         torch.testing.assert_close(got_state.cpu(), expected_state, rtol=0, atol=0, equal_nan=True)
 
 
+def test_conv1d_kernel_over_more_sequences_than_one_search():
+    """A batch of many sequences (more than the kernel's tile search reads at once), decode rows
+    between prompts of several tiles, some continuing: every row and slot against the reference."""
+    generator = torch.Generator().manual_seed(7)
+    count = conv1d.SEARCH + 30
+    q_lens = torch.tensor([1, 1, 2, 40, 1, 3, 70, 1])[torch.randint(8, (count,), generator=generator)].tolist()
+    before = torch.randint(0, 3, (count,), generator=generator).mul(5).tolist()  # 0: the sequence starts
+    channels, width = 24, 4
+    x = torch.randn(sum(q_lens), channels, generator=generator)
+    weight = torch.randn(channels, width, generator=generator) / 2
+    slots = torch.randperm(count + 3, generator=generator)[:count].to(torch.int32)
+    state = torch.randn(count + 3, channels, width - 1, generator=generator)
+    meta = metadata(q_lens, before)
+    expected_state, got_state = state.clone(), state.to(DEVICE)
+    expected = deltanet_ops.causal_conv1d(x, weight, None, expected_state, meta, slots)
+    got = conv1d.causal_conv1d(
+        x.to(DEVICE), weight.to(DEVICE), None, got_state, to_device(meta, DEVICE), slots.to(DEVICE)
+    )
+    assert_close_on_rows(got, expected, meta, TOL[torch.float32])
+    torch.testing.assert_close(got_state.cpu(), expected_state)
+
+
 def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     return replace(meta, **{f: getattr(meta, f).to(device) for f in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")})  # fmt: skip
 
