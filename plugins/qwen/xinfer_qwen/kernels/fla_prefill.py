@@ -1,0 +1,124 @@
+"""flash-linear-attention's chunked gated delta rule (``fla-core``, xinfer-qwen's ``fla`` extra)
+as the prefill of :func:`xinfer_qwen.kernels.delta_rule.gated_delta_rule`, where it imports.
+
+Why: on the H200, at Qwen3.6-35B-A3B's shapes, fla 0.6.0's ``chunk_gated_delta_rule`` takes
+1.58 ms for 8 prompts of 2,048 tokens where our chunk kernel takes 3.06 ms (benchmarks/RESULTS.md,
+fourth session): it solves every chunk's triangular system in parallel and leaves only the
+state's update to the sequential walk, where ours walks each sequence's chunks with all of a
+chunk's products. Our kernel stays: it is the CPU/interpreter path the tests check, the path
+without fla, and the faster one for steps of many short sequences (below).
+
+The adaptation to our cache:
+
+- fla takes the sequences' initial states as one dense [N, Hv, Dk, Dv] fp32 tensor and returns
+  the final states as another, so each call gathers every sequence's slot (zeros for a sequence
+  that starts) and writes the final states back to the slots of the sequences with rows in the
+  step (a padding sequence's slot, slot 0, may be a real sequence's too, so it is skipped).
+  That is four state copies per sequence, each 2 MiB at 32 heads of 128 x 128: a step pays them
+  for every sequence, a CUDA-graph bucket of a few prompt tokens padded to ``max_num_seqs``
+  zero-row sequences too. Hence :func:`wins`: fla only where a step has at least a chunk's
+  rows per sequence (its 1.5 ms saving over 16k tokens is about 0.09 us per token per layer,
+  the copies about 2 us per sequence, so it breaks even near 22 rows per sequence).
+- fla computes its varlen chunk indices on the host from ``cu_seqlens`` (a sync, and under a
+  CUDA graph indices frozen at capture). :func:`chunk_indices` builds them on the device for a
+  count fixed by the step's shape (T / 64 + N, at least the real number), the spare ones
+  naming an extra sequence of zero rows, which fla's kernels skip (their loads and stores are
+  bounded by the sequence's length). So the call can be captured and replayed with other
+  lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernel_api import pdl, pdl_entry
+
+CHUNK = 64  # fla's chunk (its default; the indices below are built for it)
+COPY_BLOCK = 4096
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_rule
+except ImportError:  # the fla extra is not installed
+    _fla_chunk_rule = None
+
+chunk_rule: Any = _fla_chunk_rule  # (the tests put a reference of its contract here)
+
+
+def available() -> bool:
+    return chunk_rule is not None
+
+
+def wins(device: torch.device, tokens: int, num_seqs: int, max_seqlen_q: int) -> bool:
+    """Whether a step of ``tokens`` rows over ``num_seqs`` sequences (padding included) goes to
+    fla: on a GPU (fla's kernels need one), a step with prompt rows and at least a chunk's rows
+    per sequence (see the top)."""
+    return available() and device.type == "cuda" and max_seqlen_q > 1 and tokens >= CHUNK * num_seqs
+
+
+def chunk_indices(cu_seqlens: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
+    """``cu_seqlens`` (int64) with an extra zero-row sequence after the N real ones, and fla's
+    varlen chunk indices [tokens / CHUNK + N, 2]: (sequence, chunk in it) of every sequence's
+    chunks in order, then (N, 0) for the spare rows. Device ops only, no host sync."""
+    cu = cu_seqlens.long()
+    num_seqs = cu.numel() - 1
+    chunks = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    ends = torch.cumsum(chunks, 0)  # one past each sequence's last chunk
+    index = torch.arange(triton.cdiv(tokens, CHUNK) + num_seqs, device=cu.device)
+    seq = torch.searchsorted(ends, index, right=True)  # num_seqs past the last chunk: the extra sequence
+    starts = torch.cat([ends - chunks, ends.new_zeros(1)])
+    spare = seq == num_seqs
+    within = torch.where(spare, 0, index - starts[seq])
+    return torch.cat([cu, cu[-1:]]), torch.stack([seq, within], 1)
+
+
+@triton.jit
+def _write_back_kernel(final_ptr, state_ptr, cu_seqlens_ptr, slots_ptr, stride_state_slot, numel,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """``state[slots[n]] = final[n]`` (a block of it) for a sequence ``n`` with rows in the step."""
+    pdl_entry(PDL)
+    seq = tl.program_id(0)
+    if tl.load(cu_seqlens_ptr + seq + 1) == tl.load(cu_seqlens_ptr + seq):
+        return
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(final_ptr + seq.to(tl.int64) * numel + offsets, mask=offsets < numel)
+    slot_ptr = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_state_slot
+    tl.store(slot_ptr + offsets, values.to(state_ptr.dtype.element_ty), mask=offsets < numel)
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+) -> Tensor:
+    """:func:`xinfer_qwen.deltanet_ops.gated_delta_rule` by fla's ``chunk_gated_delta_rule``;
+    rows of no sequence (a padded step's) are left unwritten (undefined)."""
+    assert chunk_rule is not None, "fla_prefill.gated_delta_rule: fla is not installed"
+    per_slot = state[0].numel()
+    assert state[0].is_contiguous() and state.stride(0) >= per_slot, "gated_delta_rule: each slot's state is one block"
+    tokens, num_seqs = v.shape[0], meta.num_seqs
+    cu_seqlens, indices = chunk_indices(meta.cu_seqlens_q, tokens)
+    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+    continues = (meta.seq_lens != q_lens)[:, None, None, None]
+    initial = torch.zeros((num_seqs + 1, *state.shape[1:]), dtype=torch.float32, device=state.device)
+    initial[:num_seqs] = torch.where(continues, state[slots.long()].float(), 0.0)  # (a new slot may hold NaN)
+    out, final = chunk_rule(
+        q=q[None], k=k[None], v=v[None], g=g.float()[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
+        initial_state=initial, output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=indices,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    _write_back_kernel[(num_seqs, triton.cdiv(per_slot, COPY_BLOCK))](
+        final.contiguous(), state, meta.cu_seqlens_q, slots, state.stride(0), per_slot, BLOCK=COPY_BLOCK,
+        num_warps=4, **pdl(state.device),
+    )  # fmt: skip
+    return out[0]
