@@ -356,3 +356,39 @@ def test_gated_delta_rule_through_fla_matches_the_reference(case, dtype, monkeyp
     if max(q for q, _ in case[1]) == 1:
         pytest.skip("decode steps stay with the recurrent kernel")
     test_gated_delta_rule_kernel_matches_the_reference(case, dtype)
+
+
+@pytest.mark.skipif(not (ON_GPU and fla_prefill.available()), reason="fla's kernels need a GPU and fla-core installed")
+def test_fla_prefill_replays_from_a_cuda_graph_with_other_lengths():
+    """Captured once and replayed after the step's lengths changed in place, as the server's
+    CUDA-graph steps are: the chunk indices are built on the device, so the replay follows the
+    new lengths (fla's own, built on the host, would stay those of the capture)."""
+    generator = torch.Generator().manual_seed(5)
+    captured, replayed = [(130, 0), (70, 10), (60, 0)], [(1, 5), (200, 0), (59, 3)]
+    tokens, k_heads, v_heads, dk, dv, slots = 264, 2, 4, 64, 64, torch.tensor([2, 0, 5], dtype=torch.int32)
+    q, k = (torch.randn(tokens, k_heads, dk, generator=generator).bfloat16() for _ in range(2))
+    v = torch.randn(tokens, v_heads, dv, generator=generator).bfloat16()
+    g = -torch.rand(tokens, v_heads, generator=generator)
+    beta = torch.rand(tokens, v_heads, generator=generator).bfloat16()
+    state = torch.randn(6, v_heads, dk, dv, generator=generator) / dk**0.5
+    inputs = [t.to(DEVICE) for t in (q, k, v, g, beta)]
+
+    def step_metadata(batch):
+        return to_device(metadata([q for q, _ in batch], [b for _, b in batch]), DEVICE)
+
+    meta, device_state, device_slots = step_metadata(captured), state.to(DEVICE), slots.to(DEVICE)
+    fla_prefill.gated_delta_rule(*inputs, device_state.clone(), meta, device_slots)  # warm-up: fla's autotuning
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fla_prefill.gated_delta_rule(*inputs, device_state, meta, device_slots)
+    other = step_metadata(replayed)
+    meta.cu_seqlens_q.copy_(other.cu_seqlens_q)
+    meta.seq_lens.copy_(other.seq_lens)
+    device_state.copy_(state.to(DEVICE))
+    graph.replay()
+    expected_state = state.clone()
+    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, other, slots)
+    assert_close_on_rows(out, expected, other, TOL[torch.bfloat16])
+    error = (device_state.cpu() - expected_state).norm() / expected_state.norm()
+    assert error <= TOL[torch.bfloat16], f"state: relative error {error:.2e}"
