@@ -29,6 +29,7 @@ The adaptation to our cache:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -39,18 +40,30 @@ from torch import Tensor
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernel_api import pdl, pdl_entry
 
+log = logging.getLogger("xinfer")
+
 CHUNK = 64  # fla's chunk (its default; the indices below are built for it)
 COPY_BLOCK = 4096
 
-try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk_rule
-except ImportError:  # the fla extra is not installed
-    _fla_chunk_rule = None
-
-chunk_rule: Any = _fla_chunk_rule  # (the tests put a reference of its contract here)
+UNRESOLVED = object()
+chunk_rule: Any = UNRESOLVED  # fla's function once imported, None without it (the tests put a reference here)
 
 
 def available() -> bool:
+    """Whether fla's ``chunk_gated_delta_rule`` imports (tried once, on the first step that asks:
+    importing fla takes seconds and its own checks of the device)."""
+    global chunk_rule
+    if chunk_rule is UNRESOLVED:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            chunk_rule = chunk_gated_delta_rule
+        except ImportError:  # the fla extra is not installed
+            chunk_rule = None
+        except Exception as error:  # noqa: BLE001 - an fla that fails with this torch/Triton: ours, said once
+            log.warning("fla-core does not import (%s: %s): the Gated DeltaNet prefill stays ours", type(error).__name__,
+                        error)  # fmt: skip
+            chunk_rule = None
     return chunk_rule is not None
 
 
@@ -103,7 +116,7 @@ def gated_delta_rule(
 ) -> Tensor:
     """:func:`xinfer_qwen.deltanet_ops.gated_delta_rule` by fla's ``chunk_gated_delta_rule``;
     rows of no sequence (a padded step's) are left unwritten (undefined)."""
-    assert chunk_rule is not None, "fla_prefill.gated_delta_rule: fla is not installed"
+    assert available(), "fla_prefill.gated_delta_rule: fla is not installed"
     per_slot = state[0].numel()
     assert state[0].is_contiguous() and state.stride(0) >= per_slot, "gated_delta_rule: each slot's state is one block"
     tokens, num_seqs = v.shape[0], meta.num_seqs
