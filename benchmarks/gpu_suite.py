@@ -102,6 +102,36 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "moe-30b-a3b": [PY, str(HERE / "moe.py")],
         # issue #32: GLM-4.5-Air's layers, 23 of its 46 (106 GB of bf16): batch-1 decode against its bandwidth limit
         "moe-glm45-air": [PY, str(HERE / "moe.py"), "--shape", "glm-4.5-air", "--skip-throughput"],
+        # issue #36: DeepSeek-V4-Flash's layers, 8 of its 43 (108 GB of bf16): batch-1 decode against its bandwidth
+        # limit (torch references, no step graphs), the cache's tokens per GiB at 128k against an MLA cache
+        "deepseek-v4-flash": [PY, str(HERE / "deepseek_v4.py")],
+        # issue #35: Qwen3-VL-8B, one 1024x1024 image (1,024 tokens) + 64 text tokens: TTFT, the encoder alone,
+        # and output tok/s of 64 concurrent requests with an image each
+        "vision-qwen3-vl-8b": [
+            PY,
+            str(HERE / "vision.py"),
+            "--shape",
+            "qwen3-vl-8b",
+            "--image-size",
+            "1024",
+            "--text-tokens",
+            "64",
+            "--concurrency",
+            "64",
+        ],
+        # issue #37: GGUF-packed weights (the kernels' tests, then per-kernel GB/s and a step's linears,
+        # then xinfer and llama.cpp on GGUFs of the Llama-3.1-8B shape written there, Q8_0 and Q4_K_M)
+        "quant-kernels": [
+            PY,
+            "-m",
+            "pytest",
+            "-q",
+            str(ROOT / "tests/backends/test_gguf_kernels.py"),
+            str(ROOT / "tests/gpu/test_gguf_packed.py"),
+        ],
+        "quant-decode-kernels": [PY, str(HERE / "quant_decode.py"), "--kernels", "--linears"],
+        "quant-decode-8b": [PY, str(HERE / "quant_decode.py"), "--model"],
+        "quant-decode-llama-cpp": [PY, str(HERE / "quant_decode.py"), "--llama-cpp"],
         # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
         "sharegpt-0.6b": offline + ["--shape", "qwen3-0.6b", "--workload", "sharegpt", "--dtype", "bfloat16"],
         "sharegpt-8b": offline + ["--shape", "llama-3.1-8b", "--workload", "sharegpt", "--dtype", "bfloat16"],
@@ -128,7 +158,8 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
 # compiles) per KV format, ~30 s each for the quantized ones on the H200.
 # The throughput runs time greedy and then sampled generation (twice the work); GLM-4.5-Air's
 # 106 GB of dummy weights take their time to fill.
-LONGER = {"kv-decode-speed": 540, "moe-30b-a3b": 590, "moe-glm45-air": 450, "throughput-8b": 600,
+LONGER = {"quant-decode-kernels": 540, "quant-decode-8b": 600, "quant-decode-llama-cpp": 450,
+          "kv-decode-speed": 540, "moe-30b-a3b": 590, "moe-glm45-air": 450, "throughput-8b": 600,
           "throughput-qwen3-0.6b": 450, "sharegpt-8b": 600, "sharegpt-0.6b": 450}  # fmt: skip
 
 

@@ -5,6 +5,7 @@ prompts run greedy, then sampled, in one engine.
 python benchmarks/offline.py --shape smollm2-135m --batch 1 --input-len 128 --output-len 128
 python benchmarks/offline.py --shape qwen3-0.6b --num-requests 256 --input-len 100:1024 --output-len 100:1024
 python benchmarks/offline.py --shape qwen3-0.6b --workload sharegpt
+python benchmarks/offline.py --shape llama-3.1-8b --workload sharegpt --tensor-parallel-size 2   # 2 GPUs
 
 ``--workload sharegpt``: 1,000 requests (``--num-requests``) whose input and output
 lengths are lognormal with means of about 215 and 198 tokens, as ShareGPT
@@ -54,6 +55,9 @@ def workload(args: argparse.Namespace, max_model_len: int, rng: random.Random) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument(
+        "--model", help="a model file or folder to load instead of --shape's dummy weights (e.g. a GGUF)"
+    )
     parser.add_argument("--workload", choices=["uniform", "sharegpt"], default="uniform")
     parser.add_argument(
         "--num-requests", "--batch", type=int, default=None, dest="num_requests", help="default 1; sharegpt: 1000"
@@ -87,6 +91,12 @@ def main() -> None:
         default=None,
         help="captured step sizes between powers of two (CUDA backend; for A/B runs)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks (one GPU each, steps run eagerly; docs/distributed.md)",
+    )
     args = parser.parse_args()
     if args.num_requests is None:
         args.num_requests = 1000 if args.workload == "sharegpt" else 1
@@ -97,13 +107,14 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     llm = LLM(
-        model=shape_folder(args.shape),
-        load_format="dummy",
+        model=args.model or shape_folder(args.shape),
+        load_format="auto" if args.model else "dummy",
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     vocab = llm.engine.hf_config.vocab_size
     inputs, outputs = workload(args, llm.engine.max_model_len, rng)
@@ -119,7 +130,7 @@ def main() -> None:
     kinds = time_step_kinds(llm) if args.profile else None  # before time_phases wraps runner.graphs
     phases = time_phases(llm) if args.profile else None
     result = {
-        "shape": args.shape,
+        "shape": args.model or args.shape,
         "device": str(llm.engine.device),
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "workload": args.workload,

@@ -11,9 +11,11 @@ what throughput sees) over ``--steps`` steps of that many greedy sequences decod
 prompts of ``--input-len`` tokens (dummy weights). The sampling: the CUDA backend's kernel
 over [rows, vocab] random logits in the model dtype (N(0, 3): a few hundred tokens at the
 top-p cut), replayed from a CUDA graph as inside a step, for each mix of parameters; and
-top-p over near-flat logits (N(0, 0.01) in the model dtype, as from dummy weights: runs of
-tied tokens at the cut) and over constant logits (every token tied: the boundary is the
-whole row, settled by one program per row, the kernel's worst case).
+top-p and top-k over near-flat logits (N(0, 0.01) in the model dtype, as from dummy
+weights: runs of tied tokens at the cut) and top-p over constant logits (every token
+tied). The kernel settles a row by its whole-row Gumbel-max candidate when that is kept
+(two passes; most rows at top-p 0.95, every constant row) and searches the others above
+the candidate: "top-p 0.5" (half the candidates rejected) shows that path's cost.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ MIXES = {
     "temperature": SamplingParams(temperature=0.8),
     "top-p": SamplingParams(temperature=0.8, top_p=0.95),
     "top-k+top-p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+    "top-p 0.5": SamplingParams(temperature=0.8, top_p=0.5),
 }
-FLAT, CONSTANT = "top-p, flat logits", "top-p, constant logits"
+FLAT, FLAT_TOP_K, CONSTANT = "top-p, flat logits", "top-k, flat logits", "top-p, constant logits"
+WORST = {FLAT: MIXES["top-p"], FLAT_TOP_K: SamplingParams(temperature=0.8, top_k=50), CONSTANT: MIXES["top-p"]}
 
 
 def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -117,21 +121,20 @@ def main() -> None:
         "vocab": vocab,
         "logits_dtype": str(engine.dtype).removeprefix("torch."),
         "mixes": {
-            name: {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k} for name, p in MIXES.items()
+            name: {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k}
+            for name, p in {**MIXES, **WORST}.items()
         },
         "decode_step_ms": {},
-        "sample_ms": {name: {} for name in [*MIXES, FLAT, CONSTANT]},
-        "share_of_decode_step": {name: {} for name in [*MIXES, FLAT, CONSTANT]},
+        "sample_ms": {name: {} for name in [*MIXES, *WORST]},
+        "share_of_decode_step": {name: {} for name in [*MIXES, *WORST]},
     }
     for rows in row_counts:
         step = decode_step_seconds(llm, rows, args.input_len, args.steps, rng)
         result["decode_step_ms"][rows] = round(step * 1e3, 3)
         logits = (torch.randn(rows, vocab, generator=generator, device=device) * 3).to(engine.dtype)
-        worst = {
-            FLAT: (torch.randn(rows, vocab, generator=generator, device=device) * 0.01).to(engine.dtype),
-            CONSTANT: torch.zeros(rows, vocab, device=device, dtype=engine.dtype),
-        }
-        for name, params in [*MIXES.items(), (FLAT, MIXES["top-p"]), (CONSTANT, MIXES["top-p"])]:
+        flat = (torch.randn(rows, vocab, generator=generator, device=device) * 0.01).to(engine.dtype)
+        worst = {FLAT: flat, FLAT_TOP_K: flat, CONSTANT: torch.zeros(rows, vocab, device=device, dtype=engine.dtype)}
+        for name, params in [*MIXES.items(), *WORST.items()]:
             row_logits = worst.get(name, logits)
             batch = SamplingBatch.of([SampledRow(params, i, args.input_len) for i in range(rows)]).to(device)
             seconds = seconds_per_call(lambda x=row_logits, batch=batch: sample(x, batch), device, args.repeats)

@@ -111,3 +111,13 @@ def xinfer_config_classes() -> dict[str, str]:
     no change to transformers. The class subclasses ``transformers.PretrainedConfig`` and sets ``model_type``
     to its key. Where transformers knows the ``model_type``, its own class is used.
     """
+
+
+@hookspec
+def xinfer_weight_formats() -> dict[str, str]:
+    """Quantized weight formats by name, as "module:attribute" strings naming a
+    :class:`xinfer.quant.WeightFormat` (or a class instantiated without arguments): its block
+    geometry, ``dequantize`` (the reference every backend can run), optionally ``quantize``
+    (``--isq``) and kernels by backend name. Weights in it are :class:`xinfer.quant.QuantizedTensor`
+    and reach ``xinfer.ops.linear`` and ``xinfer.ops.fused_moe`` as such (docs/plugins.md,
+    "Quantized weights")."""

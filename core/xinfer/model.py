@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor, nn
@@ -24,6 +25,16 @@ class ConvertsCheckpoint(Protocol):
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         """The value to load of checkpoint tensor ``name`` (relative to this module)."""
+        ...
+
+
+@runtime_checkable
+class ShardsCheckpoint(Protocol):
+    """A module split under tensor parallelism: it holds a part of some checkpoint tensors."""
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        """This rank's part of checkpoint tensor ``tensor`` for parameter ``name`` (of this module;
+        ``shard``: the part of a merged projection), after any ``from_checkpoint``."""
         ...
 
 
@@ -57,6 +68,7 @@ class CausalLM(nn.Module):
     """
 
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = {}
+    cuda_graphs: ClassVar[bool] = True  # False: ops that read the step's metadata on the host (run eagerly)
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: Any):
@@ -102,8 +114,19 @@ class CausalLM(nn.Module):
             for end in range(len(parts) - 1, 0, -1):
                 module = converters.get(".".join(parts[:end]))
                 if module is not None:
-                    tensor = module.from_checkpoint(".".join(parts[end:]), tensor)
+                    tensor = convert(tensor, functools.partial(module.from_checkpoint, ".".join(parts[end:])))
             yield name, tensor
+
+
+def convert(tensor: Tensor, conversion: Callable[[Tensor], Tensor]) -> Tensor:
+    """``conversion`` applied to a checkpoint tensor; a quantized one stays packed where the conversion
+    only reorders its rows (:func:`xinfer.quant.permute_rows`), else it is converted dequantized."""
+    from xinfer.quant import QuantizedTensor, permute_rows
+
+    if not isinstance(tensor, QuantizedTensor):
+        return conversion(tensor)
+    permuted = permute_rows(tensor, conversion)
+    return permuted if permuted is not None else conversion(tensor.dequantize())
 
 
 def loader_of(name: str, loaders: dict[str, LoadsCheckpoint]) -> str | None:

@@ -42,9 +42,10 @@ NAMED_HOOKS = {
     "xinfer_gguf_architectures": "GGUF architecture",
     "xinfer_config_classes": "model_type",
     "xinfer_kv_formats": "KV cache format",
+    "xinfer_weight_formats": "weight format",
 }
 BUILTIN = "xinfer-builtin"
-"""What the core registers through its own hooks (the quantized KV formats), below every plugin."""
+"""What the core registers through its own hooks (the quantized KV and weight formats), below every plugin."""
 
 
 class UnknownArchitectureError(ValueError):
@@ -101,7 +102,7 @@ def discover(
     does), and the core's own defaults last."""
     pm = pluggy.PluginManager(hooks.PROJECT)
     pm.add_hookspecs(hooks)
-    pm.register(importlib.import_module("xinfer.kv.builtin"), BUILTIN)
+    pm.register(importlib.import_module("xinfer.builtin"), BUILTIN)
     found = Discovery(pm)
     for name, module in (modules or {}).items():
         pm.register(module, name=name)
@@ -283,6 +284,15 @@ def _availability(spec: hooks.BackendSpec) -> str:
 def kv_formats() -> dict[str, Any]:
     """KV cache formats registered through ``xinfer_kv_formats``, by name."""
     return {name: load_registered(registered) for name, registered in _winners("xinfer_kv_formats").items()}
+
+
+def weight_formats() -> dict[str, Any]:
+    """Quantized weight formats registered through ``xinfer_weight_formats``, by name (classes instantiated)."""
+    formats = {}
+    for name, registered in _winners("xinfer_weight_formats").items():
+        loaded = load_registered(registered)
+        formats[name] = loaded() if isinstance(loaded, type) else loaded
+    return formats
 
 
 def op_specs() -> dict[str, hooks.OpSpec]:

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from xinfer.grammar.spec import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -28,8 +30,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # a dict of its fields is taken too
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

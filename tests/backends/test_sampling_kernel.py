@@ -9,10 +9,13 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
+from xinfer.torch_sampling import noise, row_keys
 from xinfer.torch_sampling import sample as reference
-from xinfer_cuda.kernels.sampling import sample
+from xinfer_cuda.kernels.sampling import _gumbel, _noise_key, sample
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 
@@ -72,23 +75,26 @@ def test_kernel_draws_near_the_cuts_as_the_reference(split):
     assert len(set(expected)) >= 10
 
 
-def test_kernel_keeps_ties_across_chunks_together():
+@pytest.mark.parametrize("region", [2048, 4])
+def test_kernel_keeps_ties_across_chunks_together(region):
     """Logits on a coarse grid: the k-th token and the top-p cut fall in runs of equal logits
-    spread over chunks; and a row with fewer finite logits than top_k."""
+    spread over chunks (a small region: settled over the whole row); and a row with fewer
+    finite logits than top_k."""
     generator = torch.Generator().manual_seed(2)
     logits = (torch.randn(8, 200, generator=generator) * 2).round()
     logits[7, 10:] = float("-inf")
     params = [P(temperature=1.0, top_k=12), P(temperature=1.0, top_p=0.6), P(temperature=0.5, top_k=30, top_p=0.9)]
     rows = [SampledRow(params[i % 3], 50 + i, i) for i in range(7)] + [SampledRow(P(temperature=1.0, top_k=50), 9, 9)]
     batch = SamplingBatch.of(rows)
-    assert draw(logits, batch, chunk=32) == reference(logits, batch).tolist()
+    assert draw(logits, batch, chunk=32, region=region) == reference(logits, batch).tolist()
 
 
 def test_kernel_draws_a_row_alike_alone_and_in_a_batch():
+    """Every kind of row (settled by its candidate or searched) draws alike beside any others."""
     logits = torch.randn(len(ROWS), 300, generator=torch.Generator().manual_seed(3)) * 2
     together = draw(logits, SamplingBatch.of(ROWS), chunk=64)
-    alone = [draw(logits[i : i + 1], SamplingBatch.of([row]), chunk=64)[0] for i, row in enumerate(ROWS[:4])]
-    assert together[:4] == alone
+    alone = [draw(logits[i : i + 1], SamplingBatch.of([row]), chunk=64)[0] for i, row in enumerate(ROWS)]
+    assert together == alone
 
 
 def test_kernel_rows_past_the_logits_are_ignored_and_padding_is_greedy():
@@ -119,3 +125,51 @@ def test_kernel_draws_near_flat_rows_as_the_reference():
     rows = [SampledRow(params[i % 3], 90 + i, i) for i in range(3)]
     batch = SamplingBatch.of(rows)
     assert draw(logits, batch, chunk=64) == reference(logits, batch).tolist()
+
+
+def test_kernel_draws_the_reference_over_many_positions_of_a_small_vocabulary():
+    """The rows of the reference's distribution test, many positions each: candidates kept
+    and not, for every filter, give the reference's draws (and so its distribution)."""
+    logits = torch.tensor(SMALL_VOCABULARY)
+    rows = [SampledRow(p, 4321, position) for position in range(12) for p in FILTERS_OF_THE_DISTRIBUTION_TEST]
+    batch = SamplingBatch.of(rows)
+    wide = logits.expand(len(rows), -1).contiguous()
+    got = draw(wide, batch, chunk=8)
+    assert got == reference(wide, batch).tolist()
+    assert len(set(got)) >= 5  # most of the kept sets drawn
+
+
+SMALL_VOCABULARY = [3.1, 2.9, 2.5, 2.4, 2.0, 1.7, 1.5, 1.1, 0.8, 0.6, 0.2, -0.3, -0.9, -1.4, -2.2, -3.0]
+FILTERS_OF_THE_DISTRIBUTION_TEST = [
+    P(temperature=1.3, top_k=5), P(temperature=1.0, top_p=0.8), P(temperature=0.9, min_p=0.12),
+    P(temperature=0.8, top_k=9, top_p=0.9, min_p=0.05), P(temperature=1.0, top_p=0.3), P(temperature=1.0, top_k=3, top_p=0.5),
+]  # fmt: skip
+
+
+def test_kernel_draws_constant_rows_under_every_filter_as_the_reference():
+    """Every token tied (the case a boundary search finds hardest): the candidate is kept
+    under any filter, and is the reference's draw."""
+    logits = torch.full((len(FILTERS), 3000), 1.25)
+    rows = [SampledRow(p, 600 + i, i) for i, p in enumerate(FILTERS)]
+    batch = SamplingBatch.of(rows)
+    assert draw(logits, batch, chunk=256) == reference(logits, batch).tolist()
+
+
+@triton.jit
+def _noise_kernel(seed_ptr, position_ptr, out_ptr, BLOCK: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + tokens, _gumbel(_noise_key(seed_ptr, position_ptr, 0), tokens))
+
+
+def test_kernel_noise_is_the_reference_noise():
+    """Every token's noise within 4e-6 of the reference's (on a GPU the kernel's logarithms are
+    the hardware's approximate ones; the float32 noise itself has steps of 2e-6 near its top),
+    over 2**20 tokens: all of the uniform's range, close to 1 too."""
+    batch = SamplingBatch.of([SampledRow(P(), 2**40 + 9, 321)])
+    tokens = 2**20
+    got = torch.empty(tokens, device=DEVICE)
+    on_device = batch.to(DEVICE)
+    _noise_kernel[(tokens // 4096,)](on_device.seed, on_device.position, got, BLOCK=4096)
+    expected = noise(row_keys(batch.seed, batch.position), tokens)[0]
+    assert (got.cpu() - expected).abs().max() <= 4e-6
+    assert expected.max() > 13  # uniforms within 2**-19 of 1 among them

@@ -177,3 +177,40 @@ def test_small_batch_linears_in_our_kernels_give_cpu_tokens(model_dir, enforce_e
     for prompts in (PROMPTS, PROMPTS[3:4]):  # decode steps of six sequences, then of one
         assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
     assert set(CudaOps.small_batch_linear.choice.values()) == {ONE_ROW_TILES[7], DOT_TILES[2]}
+
+
+def byte_level_tokenizer(folder, vocab_size: int) -> int:
+    """A byte-level BPE of ``vocab_size`` tokens trained on a few sentences, ``<|end|>`` its
+    id 0 (the model's EOS), saved in ``folder``; returns the EOS id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(['{"name": "sea", "depth": 12}', "the sea is deep and blue"] * 8, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|end|>"}')
+    return tokenizer.token_to_id("<|end|>")
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_constrained_tokens_equal_cpu_backend(tmp_path, enforce_eager):
+    """Grammar masks on the device (the Triton op, pinned bitmask copies, the draw outside
+    the step graph) give the CPU backend's tokens; unconstrained rows in the batch too."""
+    eos = byte_level_tokenizer(tmp_path, COMMON["vocab_size"])
+    save_tiny_model(LlamaConfig(**{**WIDE, "eos_token_id": eos}, architectures=["LlamaForCausalLM"]), tmp_path)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": schema}),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=24, structured_outputs={"regex": "[a-z ]{4,30}"}),
+        SamplingParams(temperature=0.8, seed=6, max_tokens=24, ignore_eos=True),
+    ]
+    prompts = PROMPTS[:4]
+    cpu = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_blocks=128)
+    gpu = LLM(model=str(tmp_path), dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
+              enforce_eager=enforce_eager)  # fmt: skip
+    assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)

@@ -66,3 +66,14 @@ def llama_cpp_vocab(name: str):
 @functools.cache
 def _llama_cpp_vocab(path: str, llama_cpp):
     return llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+
+
+def reference_llm(name: str | Path, **options):
+    """xinfer on the file with packed weights on the reference path (dequantized per call, to the values
+    transformers dequantizes at load), not the CPU backend's repacked bf16-activation matmuls."""
+    from xinfer import LLM
+    from xinfer_cpu.ops import CpuOps
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CpuOps, "weight_kernels", {})
+        return LLM(model=str(gguf_path(name) if isinstance(name, str) else name), **options)

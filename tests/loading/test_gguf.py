@@ -1,6 +1,7 @@
 """GGUF configs and weights against transformers' GGUF loader (and the HF weights they
 came from, for files written here the way llama.cpp's converter writes them)."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -9,12 +10,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Phi3Config, Qwen2Config, Qwen3Config
 
-from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
 from tests.tiny_models import prefill_logits, prompt
-from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.loader import build_model
+from xinfer.quant import QuantizedTensor, get_weight_format
+from xinfer.quant.gguf_formats import GGUF_FORMATS
 
 # fields whose value says where a file came from or how it was loaded, not what the model is
 _PROVENANCE = {
@@ -53,6 +55,7 @@ def test_gemma3_config_reads_what_llama_cpp_hard_codes():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_weights_match_transformers(model):
+    """Every tensor, packed ones dequantized (q/k rows reordered in their packed form), equals transformers'."""
     path = gguf_path(model)
     reference = hf_model(model).state_dict()
     config = load_gguf_config(path)
@@ -61,8 +64,9 @@ def test_weights_match_transformers(model):
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     assert set(ours) == set(reference) - tied
     for name, tensor in ours.items():
-        assert tensor.dtype == torch.float32
-        assert torch.equal(tensor, reference[name]), name
+        values = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor  # packed: as the file
+        assert values.dtype == torch.float32
+        assert torch.equal(values, reference[name]), name
 
 
 # -- files written here the way llama.cpp's converter writes qwen2 / qwen3 -----------------
@@ -98,7 +102,19 @@ def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType.Q8_0
 
 
-def write_gguf(model, arch: str, path: Path, longrope: bool = False) -> None:
+def _quantize(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """llama.cpp's bytes of ``values`` in ``qtype``: the gguf package's where it quantizes to the
+    type, else the core's (the K formats)."""
+    try:
+        return gguf.quants.quantize(values, qtype)
+    except NotImplementedError:
+        return get_weight_format(qtype.name.lower()).quantize(torch.from_numpy(values)).numpy()
+
+
+def write_gguf(
+    model, arch: str, path: Path, longrope: bool = False, storage: Callable[[str], gguf.GGMLQuantizationType] = _storage
+) -> None:
+    """``model`` as llama.cpp's converter writes it, each tensor in the type ``storage`` gives its HF name."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -133,9 +149,9 @@ def write_gguf(model, arch: str, path: Path, longrope: bool = False) -> None:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, _, suffix = hf_name.rpartition(".")
-        qtype = _storage(hf_name)
+        qtype = storage(hf_name)
         values = tensor.float().numpy()
-        data = values if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(values, qtype)
+        data = values if qtype == gguf.GGMLQuantizationType.F32 else _quantize(values, qtype)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -177,12 +193,17 @@ def test_tiny_weights_match_transformers_and_the_originals(tiny_gguf):
     ours = dict(iter_gguf_weights(path, config, checkpoint_names(config)))
     expected = original.state_dict()
     assert set(ours) == set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    for name, tensor in ours.items():
+    for name, packed in ours.items():
+        tensor = packed.dequantize() if isinstance(packed, QuantizedTensor) else packed
+        assert isinstance(packed, QuantizedTensor) == (_storage(name) in PACKED), name
         assert torch.equal(tensor, reference[name]), name
         if _storage(name) == gguf.GGMLQuantizationType.F32:
             assert torch.equal(tensor, expected[name]), name
         else:
             torch.testing.assert_close(tensor, expected[name], atol=2e-2 * expected[name].abs().max(), rtol=0)
+
+
+PACKED = {gguf.GGMLQuantizationType[f.name.upper()] for f in GGUF_FORMATS}
 
 
 # -- dequantization of each block type -------------------------------------------------------
@@ -252,7 +273,7 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     original = AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float()
     path = tmp_path / "tiny.gguf"
     write_gguf(original, "phi3", path)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    llm = reference_llm(path, dtype="float32", num_blocks=64)  # the packed Q8_0 weights dequantized per call
     config = load_gguf_config(path)
     reference = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, config=config, dtype=torch.float32

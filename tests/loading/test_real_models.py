@@ -1,14 +1,21 @@
 """Both real GGUF models through xinfer against the references nobody here wrote:
-transformers' GGUF loading (logits, fp32) and llama.cpp (greedy tokens)."""
+transformers' GGUF loading (logits, fp32) and llama.cpp (greedy tokens).
+
+Their weights stay packed. Logits are compared with transformers on the reference path (dequantized
+per call: the same values transformers dequantizes at load), greedy tokens with llama.cpp on the
+CPU backend's fast path (bf16 activations through torch's int4/int8 matmuls)."""
 
 import itertools
 
 import pytest
 import torch
 
-from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
 from tests.tiny_models import prefill_logits
 from xinfer import LLM
+from xinfer.layers.linear import Linear
+from xinfer.loading.gguf_file import GGUFFile
+from xinfer.quant import QuantizedTensor
 
 PARAGRAPH = (
     "The river wound slowly through the valley, past old stone bridges and fields of wheat. "
@@ -21,14 +28,32 @@ MAX_RELATIVE_LOGIT_ERROR = 1e-4  # observed about 1e-6: the same dequantized wei
 MAX_NEAR_TIE_NATS = 0.5  # llama.cpp's 8-bit activations move a token by up to 0.18 nats (measured)
 
 
+def _llm(name: str) -> LLM:
+    return LLM(model=str(gguf_path(name)), dtype="float32", num_blocks=64, max_model_len=1024)
+
+
 @pytest.fixture(scope="module", params=MODELS)
 def model(request):
-    llm = LLM(model=str(gguf_path(request.param)), dtype="float32", num_blocks=64, max_model_len=1024)
-    return request.param, llm
+    return request.param, _llm(request.param)
 
 
-def test_logits_match_transformers_at_every_position(model):
-    name, llm = model
+@pytest.fixture(scope="module", params=MODELS)
+def reference_model(request):
+    """The model on the reference path: the CPU backend without its repacking kernels."""
+    return request.param, reference_llm(request.param, dtype="float32", num_blocks=64, max_model_len=1024)
+
+
+def test_weights_stay_packed_in_the_files_bytes(reference_model):
+    name, llm = reference_model
+    model = llm.engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.weight, QuantizedTensor) for m in linears)
+    file = GGUFFile(gguf_path(name))
+    assert sum(p.nbytes for p in model.parameters()) == sum(info.nbytes for info in file.tensors.values())
+
+
+def test_logits_match_transformers_at_every_position(reference_model):
+    name, llm = reference_model
     ids = llm.tokenizer.encode(PARAGRAPH)
     assert len(ids) >= 64
     with torch.inference_mode():

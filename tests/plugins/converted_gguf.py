@@ -41,7 +41,10 @@ def write_converted_gguf(
     tensors: dict[str, torch.Tensor],
     block_count: int,
     add_metadata: Callable[[gguf.GGUFWriter], None],
+    quantize: gguf.GGMLQuantizationType | None = None,
 ) -> None:
+    """``quantize``: matrices (and stacked experts) whose rows are whole blocks are written in that type,
+    quantized by the gguf package, as llama.cpp's quantizer leaves norms and vectors in F32."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -64,7 +67,13 @@ def write_converted_gguf(
         base, _, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")
         gguf_base = names.get_name(base)
         assert gguf_base is not None, f"gguf's table has no {arch} name for {name}"
-        writer.add_tensor(f"{gguf_base}.{suffix}", tensor.float().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+        values = tensor.float().numpy()
+        block = gguf.GGML_QUANT_SIZES[quantize][0] if quantize is not None else 0
+        if quantize is not None and values.ndim >= 2 and values.shape[-1] % block == 0:
+            data = gguf.quants.quantize(values, quantize)
+            writer.add_tensor(f"{gguf_base}.{suffix}", data, raw_shape=data.shape, raw_dtype=quantize)
+        else:
+            writer.add_tensor(f"{gguf_base}.{suffix}", values, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

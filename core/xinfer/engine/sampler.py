@@ -4,7 +4,10 @@ The draw itself is one backend op over the whole batch (:meth:`xinfer.ops.Ops.sa
 defined by :mod:`xinfer.torch_sampling`), which a backend that records steps runs
 inside the step's recording. Penalties and min_tokens change the logits first; a
 batch with any of them is sampled here, after the step, from the adjusted logits.
-Logprobs are of the model's own distribution, before penalties.
+Logprobs are of the model's own distribution, before penalties. A row with a grammar
+(structured outputs) has the tokens its grammar forbids masked out after the penalties
+(:func:`apply_grammar_masks`, the one place masks are applied); a batch without any
+grammar builds no mask at all.
 
 Every request draws its noise from its seed and the position of the token drawn, so
 its tokens do not depend on what else is in the batch or on preemption; a request
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -22,6 +26,9 @@ from torch import Tensor
 from xinfer import ops
 from xinfer.engine.sequence import Sequence
 from xinfer.sampling import SampledRow, SamplingBatch
+
+if TYPE_CHECKING:
+    from xinfer.grammar.matcher import Constraint
 
 
 @dataclass
@@ -97,9 +104,27 @@ class Sampler:
             logits = logits.to(torch.float32, copy=True)
             logits = mask_stop_tokens_before_min_tokens(apply_penalties(logits, seqs), seqs)
             tokens = None
+        constrained = [(row, s.constraint) for row, s in enumerate(seqs) if s.constraint is not None and wants_mask(s)]
+        if constrained:
+            apply_grammar_masks(logits, constrained)
+            tokens = None
         if tokens is None:
             tokens = ops.sample(logits, SamplingBatch.of(self.rows(seqs)).to(logits.device))
         return SampledTokens(seqs, tokens, raw_logprobs)
+
+
+def wants_mask(seq: Sequence) -> bool:
+    return seq.constraint is not None and not seq.finished and seq.constraint.wants_mask
+
+
+def apply_grammar_masks(logits: Tensor, constrained: list[tuple[int, Constraint]]) -> None:
+    """The grammar masks of the constrained rows, computed on the host (their matchers
+    have followed every earlier token), then applied on the device in one op."""
+    from xinfer.grammar.matcher import fill_bitmask
+
+    bitmask = fill_bitmask([constraint for _, constraint in constrained])
+    rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
+    ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows.to(logits.device))
 
 
 def adjusts_logits(seq: Sequence) -> bool:

@@ -1,6 +1,9 @@
 """GGUF checkpoints: an HF config from the metadata, and tensors under HF checkpoint names.
 
-Tensors are dequantized to float32 at load. What llama.cpp's converter changed on the way
+Tensors in a block format xinfer registers (:mod:`xinfer.quant.gguf_formats`: Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q2_K..Q6_K) stay packed, as :class:`xinfer.quant.QuantizedTensor` of the file's bytes;
+the others (F32/F16/BF16, and quantized types without a format, as the IQ types: one log line)
+are read as float32. What llama.cpp's converter changed on the way
 from the HF checkpoint (a row permutation, an offset on norm weights...) is undone by the
 architecture's :class:`GGUFAdapter`, which the plugin owning the architecture registers
 through the ``xinfer_gguf_architectures`` hook; the core knows no architecture.
@@ -8,7 +11,9 @@ through the ``xinfer_gguf_architectures`` hook; the core knows no architecture.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,8 @@ from transformers import AutoConfig, PretrainedConfig
 from xinfer import registry
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf_file import GGUFFile
+from xinfer.model import convert
+from xinfer.quant import WeightFormat, quantized, weight_formats
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +181,7 @@ def iter_gguf_weights(
     path: str | Path, config: PretrainedConfig, hf_names: Iterable[str]
 ) -> Iterator[tuple[str, Tensor]]:
     """Every tensor of the file that maps to one of ``hf_names`` (the checkpoint names
-    the model loads) as (HF name, float32 tensor), in file order."""
+    the model loads) as (HF name, tensor), in file order: packed (:func:`read_tensor`) or float32."""
     file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names)
@@ -182,9 +189,32 @@ def iter_gguf_weights(
     if unmapped:
         shown = ", ".join(unmapped[:5])
         log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s", file.path.name, len(unmapped), shown)
+    formats = weight_formats()
+    unpacked = Counter(info.ggml_type.name for n, info in file.tensors.items()
+                       if n in names and info.ggml_type.name.lower() not in formats and info.ggml_type not in _FLOATS)  # fmt: skip
+    if unpacked:
+        shown = ", ".join(f"{kind} ({count} tensors)" for kind, count in sorted(unpacked.items()))
+        log.info("%s: dequantized to float at load (no packed weight format registered for them): %s",
+                 file.path.name, shown)  # fmt: skip
     for name in tqdm(file.tensors, desc=f"Loading {file.path.name}", unit="tensor"):
         if name in names:
-            yield names[name], adapter.undo_conversion(names[name], dequantize(file, name), config)
+            hf_name = names[name]
+            conversion = functools.partial(adapter.undo_conversion, hf_name, config=config)
+            yield hf_name, convert(read_tensor(file, name, formats), conversion)
+
+
+_FLOATS = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
+def read_tensor(file: GGUFFile, name: str, formats: Mapping[str, WeightFormat]) -> Tensor:
+    """Tensor ``name`` of ``file``: kept packed where its type has a weight format in ``formats``,
+    else float32."""
+    info = file.tensors[name]
+    format = formats.get(info.ggml_type.name.lower())
+    if format is None or len(info.shape) < 2:
+        return dequantize(file, name)
+    raw = torch.from_numpy(np.array(file.raw(name)))  # a copy: the mmap is read-only
+    return quantized(raw, format, info.shape, f"{file.path.name}: {name}")
 
 
 def dequantize(file: GGUFFile, name: str) -> Tensor:

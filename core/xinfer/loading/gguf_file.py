@@ -7,6 +7,7 @@ arrays with one ``np.frombuffer`` each.
 
 from __future__ import annotations
 
+import importlib.metadata
 import mmap
 import struct
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from xinfer.loading.errors import ModelFileError, amount
+
+_GGUF_VERSION = importlib.metadata.version("gguf")
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -113,17 +116,26 @@ class GGUFFile:
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors = {
-            name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset, _nbytes(shape, ggml_type))
+            name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset, self._nbytes(name, shape, ggml_type))
             for name, shape, ggml_type, offset in layouts
         }
 
-    @staticmethod
-    def _tensor_layout(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+    def _tensor_layout(self, cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = cur.string()
         ne = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
-        ggml_type = GGMLQuantizationType(cur.unpack("<I"))
+        type_id = cur.unpack("<I")
+        if type_id not in GGMLQuantizationType._value2member_map_:
+            raise GGUFFormatError(f"{self.path}: tensor {name!r} has quantization type {type_id}, which is unknown "
+                                  f"(to the gguf package {_GGUF_VERSION}): a newer llama.cpp type?")  # fmt: skip
         offset = cur.unpack("<Q")
-        return name, tuple(reversed(ne)), ggml_type, offset
+        return name, tuple(reversed(ne)), GGMLQuantizationType(type_id), offset
+
+    def _nbytes(self, name: str, shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        if shape and shape[-1] % block:
+            raise GGUFFormatError(f"{self.path}: tensor {name!r} of shape {shape} contradicts its type "
+                                  f"{ggml_type.name}: rows are not whole {block}-value blocks")  # fmt: skip
+        return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size
 
     @property
     def architecture(self) -> str:
@@ -138,10 +150,3 @@ class GGUFFile:
         row_bytes = info.shape[-1] // block * type_size
         data = np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return data.reshape(*info.shape[:-1], row_bytes)
-
-
-def _nbytes(shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
-    block, type_size = GGML_QUANT_SIZES[ggml_type]
-    if shape[-1] % block:
-        raise GGUFFormatError(f"row of {shape[-1]} values is not a whole number of {block}-blocks")
-    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * type_size

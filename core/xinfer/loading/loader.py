@@ -17,17 +17,38 @@ from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.safetensors import iter_safetensors
 from xinfer.model import CausalLM
+from xinfer.quant.isq import isq_format, quantize_weights
 
 
 def load_config(path: Path) -> PretrainedConfig:
     if path.suffix == ".gguf":
         return load_gguf_config(path)
     config = _hf_config(path)
+    _refuse_quantized_checkpoint(config, path)
     if not _is_wrapper(config):
         return config
     text = config.text_config
     text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
+    text.multimodal_config = config  # the wrapper (its encoders' configs, media token ids), for models that take them
     return text
+
+
+def _refuse_quantized_checkpoint(config: PretrainedConfig, folder: Path) -> None:
+    """A checkpoint stored quantized (fp8 block-scaled, AWQ, GPTQ, ...) would load as garbage through the
+    float path: refused in one line until its format is supported."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        text = getattr(config, "text_config", None)
+        quantization = getattr(text, "quantization_config", None)
+    if not quantization:
+        return
+    fields = quantization if isinstance(quantization, dict) else vars(quantization)
+    method = fields.get("quant_method", "unnamed")
+    detail = f", {fields['fmt']}" if "fmt" in fields else ""
+    raise ModelFileError(
+        f"{folder / 'config.json'}: the checkpoint is quantized (quantization_config quant_method {method!r}{detail}), "
+        f"which xinfer does not load yet: use its bf16 checkpoint (quantize at load with --isq) or a GGUF file"
+    )
 
 
 def _hf_config(folder: Path) -> PretrainedConfig:
@@ -86,13 +107,21 @@ def build_model(config: PretrainedConfig, device: torch.device, dtype: torch.dty
 
 
 def load_model(
-    path: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, load_format: str
+    path: Path,
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str,
+    isq: str | None = None,
 ) -> CausalLM:
+    fmt = isq_format(isq) if isq is not None else None  # a bad name fails before the weights load
     model = build_model(config, device, dtype)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         model.load_weights(checkpoint_tensors(path, load_format, model))
+    if fmt is not None:
+        quantize_weights(model, fmt)
     return model
 
 
@@ -107,9 +136,11 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterabl
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the right shapes (for benchmarks): matrices ~ N(0, 0.02),
-    vectors (norms, biases) ~ 1 + N(0, 0.02)."""
+    vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for param in model.parameters():
+        if not param.dtype.is_floating_point:
+            continue
         noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
         value = noise * 0.02 + (1.0 if param.dim() == 1 else 0.0)
         param.data.copy_(value)

@@ -1,14 +1,21 @@
-"""Checkpoint tensors into model parameters, by HF name."""
+"""Checkpoint tensors into model parameters, by HF name.
+
+A quantized checkpoint tensor (:class:`xinfer.quant.QuantizedTensor`) becomes the parameter itself
+where its module declares the parameter may be quantized (``quantized_weights``); the shards of a
+merged projection are merged packed once all have arrived. Anywhere else it is dequantized."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from xinfer.distributed.group import current
 from xinfer.layers.linear import MergedLinear
-from xinfer.model import CausalLM, loader_of
+from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
+from xinfer.quant import QuantizedTensor, cat_rows
+from xinfer.quant.dispatch import replace_parameter
 
 
 class MissingWeightsError(ValueError):
@@ -20,27 +27,76 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[
     modules = dict(model.named_modules())
     loaders = model.checkpoint_loaders()
     loaded: set[str] = set()
+    packed_shards: dict[str, dict[str, QuantizedTensor]] = {}  # merged weight -> its quantized shards so far
+    float_merged: set[str] = set()  # merged weights with a float shard: all merge as floats
+    split = current().size > 1  # under tensor parallelism a rank loads its part of each split tensor
     for name, tensor in weights:
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
             continue
         if (prefix := loader_of(name, loaders)) is not None:
-            parts = loaders[prefix].load_checkpoint(name[len(prefix) + 1 :], tensor)
+            loader = loaders[prefix]
+            if isinstance(tensor, QuantizedTensor) and not getattr(loader, "quantized_weights", ()):
+                tensor = tensor.dequantize()
+            parts = loader.load_checkpoint(name[len(prefix) + 1 :], tensor)
             loaded |= {f"{prefix}.{part}" for part in parts}
             continue
         target, shard = _packed_target(name, model.packed_modules)
         if target not in params:
             continue  # a tensor this model does not use (e.g. an untied lm_head copy)
-        param = params[target]
+        owner, _, leaf = target.rpartition(".")
+        module = modules[owner]
+        if isinstance(tensor, QuantizedTensor) and (leaf not in getattr(module, "quantized_weights", ()) or split):
+            tensor = tensor.dequantize()  # packed blocks are not split over ranks: a rank's part runs as floats
+        if split and isinstance(module, ShardsCheckpoint):  # under tensor parallelism: this rank's part
+            tensor = module.rank_part(leaf, shard, tensor)
         if shard is None:
-            _copy(param.data, tensor, target)
+            if isinstance(tensor, QuantizedTensor):
+                _replace(model, params, target, tensor)
+            else:
+                _copy(params[target].data, tensor, target)
         else:
-            module = modules[target.rsplit(".", 1)[0]]
             assert isinstance(module, MergedLinear)
             offset, size = module.shard_offset(shard)
-            _copy(param.data[offset : offset + size], tensor, name)
+            if isinstance(tensor, QuantizedTensor) and target not in float_merged:
+                _check_shape(tensor.logical_shape, (size, params[target].shape[1]), name)
+                packed_shards.setdefault(target, {})[shard] = tensor
+                if len(packed_shards[target]) == len(module.shard_sizes):
+                    shards = packed_shards.pop(target)
+                    _replace(model, params, target, cat_rows([shards[s] for s in module.shard_sizes]))
+            else:
+                float_merged.add(target)
+                for other, values in packed_shards.pop(target, {}).items():  # a float shard: merge as floats
+                    start, rows = module.shard_offset(other)
+                    _copy(params[target].data[start : start + rows], values.dequantize(), other)
+                if isinstance(tensor, QuantizedTensor):
+                    tensor = tensor.dequantize()
+                _copy(params[target].data[offset : offset + size], tensor, name)
         loaded.add(target if shard is None else f"{target}:{shard}")
+    for target, shards in packed_shards.items():  # incomplete: what arrived, as floats
+        module = modules[target.rpartition(".")[0]]
+        assert isinstance(module, MergedLinear)
+        for shard, values in shards.items():
+            start, rows = module.shard_offset(shard)
+            _copy(params[target].data[start : start + rows], values.dequantize(), f"{target}:{shard}")
     _check_complete(model, params, loaded)
     return loaded
+
+
+def _replace(model: CausalLM, params: dict[str, nn.Parameter], target: str, tensor: QuantizedTensor) -> None:
+    """The parameter ``target`` (and the names tied to it) becomes the quantized ``tensor``."""
+    old = params[target]
+    _check_shape(tensor.logical_shape, old.shape, target)
+    new = tensor.to_device(old.device)
+    replace_parameter(model, old, new)
+    fresh = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in params.items():
+        if param is old:
+            params[name] = fresh[name]
+
+
+def _check_shape(got: Sequence[int], expected: Sequence[int], name: str) -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(got)} != model shape {tuple(expected)}")
 
 
 def _packed_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
@@ -51,8 +107,7 @@ def _packed_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, 
 
 
 def _copy(dst: Tensor, src: Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"weight {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    _check_shape(src.shape, dst.shape, name)
     with torch.no_grad():
         dst.copy_(src)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from xinfer.grammar import StructuredOutputs
 from xinfer.sampling import SamplingParams
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatCompletionRequest, GenerationRequest
@@ -26,8 +27,39 @@ class SamplingDefaults:
     max_tokens: int | None = None
 
 
+def structured_outputs(body: GenerationRequest, after_token_id: int | None = None) -> StructuredOutputs | None:
+    """The request's constraint (``response_format`` or ``structured_outputs``), checked:
+    a bad schema, regex or grammar is a 400 naming it. ``after_token_id``: it applies
+    after reasoning, which that token ends."""
+    fmt, given = body.response_format, body.structured_outputs
+    param = "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputs(json_object=True, after_token_id=after_token_id)
+        if fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None and fmt.json_schema.json_schema is not None
+            schema, strict = fmt.json_schema.json_schema, bool(fmt.json_schema.strict)
+            return StructuredOutputs(json=schema, strict=strict, after_token_id=after_token_id)
+        if given is not None:
+            return StructuredOutputs(
+                json=given.json_schema,
+                json_object=bool(given.json_object),
+                regex=given.regex,
+                choice=given.choice,
+                grammar=given.grammar,
+                after_token_id=after_token_id,
+            )
+    except ValueError as error:
+        raise bad_request(str(error), param=param, code="invalid_structured_output") from None
+    return None
+
+
 def request_params(
-    body: GenerationRequest, defaults: SamplingDefaults, num_prompt_tokens: int, max_model_len: int
+    body: GenerationRequest,
+    defaults: SamplingDefaults,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """The ``SamplingParams`` of a request for one prompt, its ``n`` choices included."""
     room = max_model_len - num_prompt_tokens
@@ -59,6 +91,7 @@ def request_params(
             ignore_eos=body.ignore_eos,
             logprobs=body.num_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as error:
         raise bad_request(str(error)) from None

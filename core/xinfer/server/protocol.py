@@ -26,14 +26,23 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
 
 
-class TextPart(_Body):
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Body):
+    """A part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url",
+    "image_url": {"url": ...}}``."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -51,8 +60,34 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
+    """OpenAI's ``response_format``."""
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Body):
@@ -78,9 +113,13 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
+        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("give response_format or structured_outputs, not both")
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
@@ -109,7 +148,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -118,8 +157,6 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported yet")
         if self.tool_choice not in (None, "none", "auto"):
             raise ValueError("tool_choice may be 'none' or 'auto'; forcing a tool call is not supported yet")
         if self.continue_final_message and self.add_generation_prompt:

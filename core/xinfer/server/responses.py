@@ -21,20 +21,29 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int | None = None
+) -> Usage:
     details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+    reasoning = CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if reasoning_tokens is not None else None
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=details,
+        completion_tokens_details=reasoning,
     )
 
 
@@ -55,6 +64,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(BaseModel):
@@ -79,6 +89,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda value: value is None)
     content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):
@@ -143,6 +154,9 @@ class ModelCard(BaseModel):
     owned_by: str = "xinfer"
     root: str | None = None
     max_model_len: int | None = None
+    # what a prompt may hold: ["text"], or ["text", "image"] for a model that takes images
+    # (the field OpenRouter's model list uses; vLLM's card has none)
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

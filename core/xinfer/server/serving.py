@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from PIL import Image
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
 from xinfer.engine.engine import KVCacheFull, LLMEngine
+from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
+from xinfer.server.media import MediaPolicy
 from xinfer.server.metrics import Metrics
-from xinfer.server.params import SamplingDefaults, request_params
+from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
 from xinfer.server.protocol import GenerationRequest
+from xinfer.text.reasoning import PARSERS, ReasoningTags, detect
 
 RETRY_AFTER = {"Retry-After": "1"}  # seconds
 T = TypeVar("T")
@@ -28,7 +33,22 @@ class Serving:
     defaults: SamplingDefaults
     metrics: Metrics
     aliases: frozenset[str] = frozenset()
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    reasoning_parser: str = "auto"  # --reasoning-parser: a name of PARSERS, "auto" or "none"
+    disable_reasoning: bool = False  # --disable-reasoning
     _token_texts: dict[int, str] = field(default_factory=dict)
+    _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known
+
+    @property
+    def reasoning_tags(self) -> ReasoningTags | None:
+        """The reasoning block's tags of the served model, where its reasoning is split
+        from its answers (None: not a model that reasons, or reasoning is off)."""
+        if self.disable_reasoning or self.reasoning_parser == "none":
+            return None
+        if not self._reasoning:
+            named = PARSERS.get(self.reasoning_parser)
+            self._reasoning.append(named or detect(self.tokenizer))
+        return self._reasoning[0]
 
     @property
     def llm(self) -> LLMEngine:
@@ -56,10 +76,42 @@ class Serving:
             message = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
             raise APIError(404, message, param="model", code="model_not_found")
 
-    async def submit(self, request: Request, body: GenerationRequest, prompts: list[list[int]]) -> RequestHandle:
-        """Queues a request's prompts, each with the body's ``n`` choices."""
-        entries = [(prompt, request_params(body, self.defaults, len(prompt), self.max_model_len)) for prompt in prompts]
+    async def submit(
+        self,
+        request: Request,
+        body: GenerationRequest,
+        prompts: list[list[int]],
+        multimodal: list[PlaceholderRange] | None = None,
+        after_token_id: int | None = None,
+    ) -> RequestHandle:
+        """Queues a request's prompts, each with the body's ``n`` choices (``multimodal``: where the
+        images of a one-prompt request go); a constraint (structured outputs) applies after
+        ``after_token_id`` where one is given."""
+        constraint = structured_outputs(body, after_token_id)
+        entries: list[Any] = [
+            (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
+            for prompt in prompts
+        ]
+        if multimodal:
+            entries = [(*entries[0], multimodal)]
         return await self._ask(request, self.engine.submit(entries))
+
+    async def images(self, urls: list[tuple[str, str]]) -> list[Image.Image]:
+        """The images of a request (URL, request field), checked against the model and the media policy."""
+        if not self.llm.modalities:
+            raise bad_request(f"the model {self.model_name!r} takes text only: it cannot read images",
+                              param=urls[0][1])  # fmt: skip
+        self.media.check_count("image", len(urls), urls[-1][1])
+        return await asyncio.to_thread(lambda: [self.media.load_image(url, param) for url, param in urls])
+
+    async def multimodal_prompt(
+        self, token_ids: list[int], images: list[Image.Image]
+    ) -> tuple[list[int], list[PlaceholderRange]]:
+        """``token_ids`` with each image's placeholder expanded (the model's processor, off the event loop)."""
+        try:
+            return await asyncio.to_thread(self.llm.multimodal_prompt, token_ids, {"image": images})
+        except ValueError as error:
+            raise bad_request(str(error), param="messages") from None
 
     async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
         return await self._ask(request, self.engine.embed(token_ids))

@@ -81,7 +81,11 @@ class Answer(ABC):
 
     def usage(self) -> Usage:
         handle = self.handle
-        return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens)
+        return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens, self.reasoning_tokens())
+
+    def reasoning_tokens(self) -> int | None:
+        """Output tokens spent reasoning, for a model that reasons; None for one that does not."""
+        return None
 
     def chunk(self, choices: list[Any], with_usage: bool = False) -> str:
         usage = self.usage() if with_usage else None

@@ -1,12 +1,13 @@
 """The real Gemma-3-270M (Q4_K_M GGUF) through xinfer against transformers' GGUF loading
-of the same file (fp32, CPU): same dequantized weights, so logits agree to fp32 rounding."""
+of the same file (fp32, CPU): same dequantized weights (packed, on the reference path), so logits agree to
+fp32 rounding."""
 
 import pytest
 import torch
 
-from tests.loading.gguf_models import GEMMA, gguf_path, hf_model
+from tests.loading.gguf_models import GEMMA, gguf_path, hf_model, reference_llm
 from tests.tiny_models import prefill_logits
-from xinfer import LLM, SamplingParams
+from xinfer import SamplingParams
 from xinfer.text.tokenizer import Tokenizer
 
 # longer than nothing, shorter than the 512-token window: the window itself is checked
@@ -18,7 +19,7 @@ PROMPT = "The capital of France is Paris. The capital of Germany is"
 def gemma():
     path = gguf_path(GEMMA)
     tokenizer = Tokenizer.from_gguf(path)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=32, max_model_len=512, tokenizer=tokenizer)
+    llm = reference_llm(GEMMA, dtype="float32", num_blocks=32, max_model_len=512, tokenizer=tokenizer)
     return llm, tokenizer
 
 

@@ -18,15 +18,19 @@ from xinfer import LLM
 from xinfer.loading.gguf import load_gguf_config
 
 
-def write_minimax_m2_gguf(folder, config, path) -> None:
+def metadata_writer(config):
     def metadata(writer: gguf.GGUFWriter) -> None:
         writer.add_expert_count(config.num_local_experts)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_feed_forward_length(config.intermediate_size)
         writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
 
+    return metadata
+
+
+def write_minimax_m2_gguf(folder, config, path) -> None:
     tensors = checkpoint_tensors(folder)
-    write_converted_gguf(path, "minimax-m2", config, tensors, config.num_hidden_layers, metadata)
+    write_converted_gguf(path, "minimax-m2", config, tensors, config.num_hidden_layers, metadata_writer(config))
 
 
 @pytest.fixture(scope="module")

@@ -1,35 +1,54 @@
 """A batch's token draws: :func:`xinfer.torch_sampling.sample`, token for token (same
-noise bits, same kept sets), with each row split over chunks of ``CHUNK`` tokens so that
-one row alone still spreads over the GPU. Five launches, four passes over the logits:
+noise bits, the noise within 4e-6 of the reference's float32 values, same kept sets), with
+each row split over chunks of ``CHUNK`` tokens so that one row alone still spreads over
+the GPU.
 
-1. stats (rows x chunks): per chunk, greedy rows their argmax and unfiltered rows their
-   Gumbel-max draw, which are the tokens; filtered rows the peak, softmax mass and least
-   of ``s = l / T``;
-2. histogram (rows x chunks; rows with top-k or top-p): each chunk's counts of ``s`` in
-   ``BUCKETS`` buckets below the row's peak (``1 / BUCKETS`` of the row's spread each),
-   added atomically to the row's integer counts;
-3. plan (rows; only the counts): the bucket of the k-th token and, from each bucket's
-   mass bounds (its count times its edges' weights), the few buckets where the top-p cut
-   can fall: the boundary;
-4. draw (rows x chunks): the Gumbel-max over the tokens above the boundary (all kept,
-   but for min-p, which is one comparison), their mass, and the boundary's token ids
-   gathered (a few hundred of a 152k row at top-p 0.95);
-5. settle (rows): the exact cuts among the boundary tokens (a threshold search over
-   their order-preserving integer keys, with integer weights: the sums do not depend on
-   the order the tokens were gathered in), and the draw over the kept ones.
+The noise of a token is fixed by (seed, position, token), so the draw over the kept set
+``K`` is the Gumbel-max ``argmax_K(s + g)``, and ``K`` is an upper set of ``s``. Hence the
+candidate ``t1 = argmax(s + g)`` over the whole row *is* the draw whenever ``t1`` is kept
+(``K`` is part of the row); that needs only the count and mass of the tokens above it,
+and it is so with probability ``mass(K)``: 95 % of the rows at top-p 0.95, every constant
+row. A row whose candidate is not kept has its cut above it, so the exact search that
+settles it looks only at the tokens above a floor (the candidate or a probe below the
+k-th token, whichever is higher; the probe alone when top-p needs the top-k mass), and
+its atomics and boundary are those few. Six launches; two passes over the logits for a
+row its candidate settles, two more over a row it does not:
+
+1. stats (rows x chunks): per chunk, greedy rows their argmax, sampled rows their
+   Gumbel-max draw (the token of a row without filters, the candidate of the others);
+   filtered rows the peak, softmax mass and least of ``s = l / T``;
+2. check (rows x chunks; rows with top-k or top-p): per chunk, the count and mass of
+   the tokens above the candidate, the mass of its ties and, with top-k, the counts
+   above a few probes around it (the highest with k tokens above is below the k-th);
+3. histogram (rows x chunks; rows the candidate does not settle): each chunk's counts of
+   the ``s`` above the floor in ``BUCKETS`` buckets below the row's peak, added
+   atomically to the row's integer counts;
+4. plan (rows; only the counts): whether the candidate settles the row, else the bucket
+   of the k-th token and, from each bucket's mass bounds (its count times its edges'
+   weights), the few buckets where the top-p cut can fall: the boundary;
+5. draw (rows x chunks; unsettled rows): the Gumbel-max over the tokens above the
+   boundary (all kept, but for min-p, which is one comparison), their mass, and the
+   boundary's token ids gathered (a few hundred of a 152k row at top-p 0.95);
+6. settle (rows): the candidate, or the exact cuts among the boundary tokens (a
+   threshold search over their order-preserving integer keys, with integer weights: the
+   sums do not depend on the order the tokens were gathered in) and the draw over the
+   kept ones.
 
 A boundary of more than ``REGION`` tokens is settled by the same search over the whole
-row, in one program: slower, never wrong. No sort, no host synchronisation: a step's
-sampling is recorded in the step's CUDA graph. The chunk size is fixed, so a row's sums,
-and so its tokens, do not depend on the batch.
+row above its floor, in one program: slower, never wrong. No sort, no host
+synchronisation: a step's sampling is recorded in the step's CUDA graph. The chunk size
+is fixed, so a row's sums, and so its tokens, do not depend on the batch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import libdevice
 
 from xinfer.sampling import SamplingBatch
 from xinfer_cuda.kernels import launch
@@ -42,10 +61,14 @@ REGION = 2048  # boundary tokens gathered per row; more are settled over the who
 SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
 SEARCH_BLOCK = 128  # boundary tokens per iteration of a threshold search (times PIVOTS)
 PIVOTS = 16
+PROBES = 8  # values around a top-k row's candidate where its check counts the tokens above
 SLACK = 1e-4  # relative, on the buckets' mass bounds: float sums and exp's rounding
 FIXED = tl.constexpr(4294967296.0)  # 2**32: integer weights, exp(s - peak) in units of 2**-32
 INT32_MAX = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
+ONE_LESS_HALF_ULP = tl.constexpr(1.0 - 2.0**-24)
+# the hardware's approximate logarithm on a GPU; under the interpreter, which has no libdevice, the exact one
+FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -59,10 +82,27 @@ def _mix(x):
 
 
 @triton.jit
+def _log(x):
+    if FAST_LOG:
+        return libdevice.fast_logf(x)  # lg2.approx: absolute error about 2**-22 on log2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def _gumbel(noise_key, tokens):
+    """The reference's noise, within 4e-6 (a few units in the last place): the draw of every
+    token of a row costs most of a pass, so its two logarithms are the hardware's
+    approximate one, with ``-log(u)`` for ``u`` near 1 (where that one loses the digits)
+    from its series in ``1 - u``."""
     bits = _mix(_mix(tokens.to(tl.uint32)) ^ noise_key)
-    uniform = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-    return -tl.log(-tl.log(uniform))
+    # the reference's ((bits >> 9) + 0.5) * 2**-23 exactly, without a conversion: (1 + k 2**-23) - (1 - 2**-24)
+    uniform = ((bits >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - ONE_LESS_HALF_ULP
+    gap = 1.0 - uniform  # exact where it is used, u >= 7/8
+    series = gap * tl.fma(
+        gap, tl.fma(gap, tl.fma(gap, tl.fma(gap, tl.fma(gap, 1.0 / 6.0, 0.2), 0.25), 1.0 / 3.0), 0.5), 1.0
+    )
+    return -_log(tl.where(gap < 0.125, series, -_log(uniform)))
 
 
 @triton.jit
@@ -127,7 +167,7 @@ def _stats_kernel(
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
-    draws = (temperature > 0.0) & ~filtered
+    draws = temperature > 0.0
     inv_t = 1.0 / tl.where(temperature > 0.0, temperature, 1.0)
     noise_key = _noise_key(seed_ptr, position_ptr, row)
     peak = tl.full((), float("-inf"), tl.float32)
@@ -145,18 +185,114 @@ def _stats_kernel(
             total = total * rescale + tl.sum(tl.where(s == float("-inf"), 0.0, tl.exp(s - new_peak)), 0)
             peak = new_peak
             least = tl.minimum(least, tl.min(tl.where(s == float("-inf"), float("inf"), s), 0))
-        else:  # the token
-            if draws:
-                scores = tl.where(valid, s + _gumbel(noise_key, tokens), float("-inf"))
-            else:
-                scores = s
-            best, best_token = _take(best, best_token, scores, tokens)
+        if draws:  # the token, or the candidate
+            scores = tl.where(valid, s + _gumbel(noise_key, tokens), float("-inf"))
+        else:
+            scores = s
+        best, best_token = _take(best, best_token, scores, tokens)
     stats = stats_ptr + (row * chunks + chunk) * 3
     tl.store(stats, peak)
     tl.store(stats + 1, total)
     tl.store(stats + 2, least)
     tl.store(best_ptr + row * chunks + chunk, best)
     tl.store(best_token_ptr + row * chunks + chunk, best_token)
+
+
+@triton.jit
+def _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS: tl.constexpr):
+    """The row's best token over its chunks' (the larger score, the lower token on ties)."""
+    chunk = tl.arange(0, CHUNKS)
+    part_best = tl.load(best_ptr + row * chunks + chunk, mask=chunk < chunks, other=float("-inf"))
+    part_token = tl.load(best_token_ptr + row * chunks + chunk, mask=chunk < chunks, other=INT32_MAX)
+    return tl.min(tl.where(part_best == tl.max(part_best, 0), part_token, INT32_MAX), 0)
+
+
+@triton.jit
+def _probes(s1, least, peak, PROBES: tl.constexpr):
+    """Values where a top-k row's check counts the tokens above: half below ``s1``, at 1/2,
+    1/4, .. of the way down to the least ``s``, half above, as far up towards the peak."""
+    i = tl.arange(0, PROBES)
+    below = i < PROBES // 2
+    depth = tl.exp2(-(tl.where(below, i, i - PROBES // 2) + 1).to(tl.float32))
+    down = tl.where(least < s1, s1 - least, 0.0)
+    return tl.where(below, s1 - down * depth, peak - (peak - s1) * depth)
+
+
+@triton.jit
+def _check_kernel(
+    logits_ptr, stride, vocab,
+    temperature_ptr, top_k_ptr, top_p_ptr,
+    stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PROBES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Per chunk of a row with top-k or top-p: the count and mass of the tokens above its
+    candidate ``t1``, the mass of the tokens tied with it, and with top-k the counts above
+    each of :func:`_probes`."""
+    pdl_entry(PDL)
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
+    with_top_k = _with_top_k(temperature, top_k, vocab)
+    if with_top_k | _with_top_p(temperature, top_p):
+        peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
+        inv_t = 1.0 / temperature
+        row_ptr = logits_ptr + row * stride
+        s1 = tl.load(row_ptr + _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS)).to(tl.float32) * inv_t
+        probes = _probes(s1, least, peak, PROBES)
+        count = tl.zeros((BLOCK,), tl.int32)  # per lane, summed once at the end
+        mass = tl.zeros((BLOCK,), tl.float32)
+        ties = tl.zeros((BLOCK,), tl.float32)
+        probe_counts = tl.zeros((PROBES,), tl.int32)
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            tokens = start + tl.arange(0, BLOCK)
+            s = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32) * inv_t
+            weights = tl.where(s == float("-inf"), 0.0, tl.exp(s - peak))
+            count += (s > s1).to(tl.int32)
+            mass += tl.where(s > s1, weights, 0.0)
+            ties += tl.where(s == s1, weights, 0.0)
+            if with_top_k:
+                probe_counts += tl.sum((s[:, None] > probes[None, :]).to(tl.int32), 0)
+        checks = checks_ptr + (row * chunks + chunk) * (3 + PROBES)
+        tl.store(checks, tl.sum(count, 0).to(tl.float32))  # exact: below 2**24
+        tl.store(checks + 1, tl.sum(mass, 0))
+        tl.store(checks + 2, tl.sum(ties, 0))
+        tl.store(checks + 3 + tl.arange(0, PROBES), probe_counts.to(tl.float32))
+
+
+@triton.jit
+def _verdict(
+    logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
+    stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks,
+    CHUNKS: tl.constexpr, PROBES: tl.constexpr,
+):  # fmt: skip
+    """Of a filtered row: whether its candidate ``t1`` is kept (then it is the draw), and
+    else the floor above which the exact search looks. The cut is above ``s1`` and, with
+    top-k, above the highest probe with k tokens above it: the floor is the higher of
+    the two, but for top-p with the k-th token at or below ``s1``, where top-p needs the
+    top-k mass: then that probe alone (-inf if none)."""
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
+    s1 = tl.load(logits_ptr + row * stride + _candidate(best_ptr, best_token_ptr, row, chunks, CHUNKS))
+    s1 = s1.to(tl.float32) * (1.0 / temperature)
+    kept = tl.exp(s1 - peak) >= min_p
+    floor = s1
+    if with_top_k | with_top_p:
+        chunk = tl.arange(0, CHUNKS)
+        checks = checks_ptr + (row * chunks + chunk) * (3 + PROBES)
+        count = tl.sum(tl.load(checks, mask=chunk < chunks, other=0.0), 0)
+        mass = tl.sum(tl.load(checks + 1, mask=chunk < chunks, other=0.0), 0)
+        ties = tl.sum(tl.load(checks + 2, mask=chunk < chunks, other=0.0), 0)
+        in_top_k = ~with_top_k | (count < top_k)
+        # with top-k, the top-k mass is unknown but holds every token from t1 up
+        top_k_mass = tl.where(with_top_k, mass + ties, total)
+        kept = kept & in_top_k & (~with_top_p | (mass < top_p * top_k_mass))
+        if with_top_k:
+            probe_counts = tl.load(
+                checks[:, None] + 3 + tl.arange(0, PROBES)[None, :], mask=(chunk < chunks)[:, None], other=0.0
+            )
+            below_kth = tl.sum(probe_counts, 0) >= top_k
+            floor_k = tl.max(tl.where(below_kth, _probes(s1, least, peak, PROBES), float("-inf")), 0)
+            floor = tl.where(with_top_p & in_top_k, floor_k, tl.maximum(s1, floor_k))
+    return kept, floor
 
 
 @triton.jit
@@ -173,83 +309,111 @@ def _row_stats(stats_ptr, row, chunks, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _inv_width(peak, least, BUCKETS: tl.constexpr, SPREAD: tl.constexpr):
-    return BUCKETS / tl.maximum(tl.minimum(peak - least, SPREAD), 1e-30)
+def _inv_width(peak, floor, BUCKETS: tl.constexpr, SPREAD: tl.constexpr):
+    return BUCKETS / tl.maximum(tl.minimum(peak - floor, SPREAD), 1e-30)
+
+
+@triton.jit
+def _above(s, floor):
+    """``s`` of the tokens above the floor, -inf for the rest: they are neither kept nor
+    weighed by the exact search (the cut is above the floor)."""
+    return tl.where(s > floor, s, float("-inf"))
 
 
 @triton.jit
 def _histogram_kernel(
     logits_ptr, stride, vocab,
-    temperature_ptr, top_k_ptr, top_p_ptr,
-    stats_ptr, counts_ptr, chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
-    PDL: tl.constexpr,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    stats_ptr, best_ptr, best_token_ptr, checks_ptr, counts_ptr, chunks,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PROBES: tl.constexpr,
+    BUCKETS: tl.constexpr, SPREAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk of a row with top-k or top-p: its tokens' counts per bucket of ``s`` below the
-    row's peak, added to the row's (integer sums: the counts do not depend on the order)."""
+    """Per chunk of a row with top-k or top-p that its candidate does not settle: its counts
+    per bucket of the ``s`` above the floor below the row's peak, added to the row's
+    (integer sums: the counts do not depend on the order)."""
     pdl_entry(PDL)
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    temperature, top_k, top_p = tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
+    temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     if _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p):
-        peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
-        inv_width = _inv_width(peak, least, BUCKETS, SPREAD)
-        inv_t = 1.0 / temperature
-        counts = counts_ptr + row * BUCKETS
-        deepest = tl.full((), 0, tl.int32)  # the last bucket's, most of a peaked row: one atomic per chunk
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            tokens = start + tl.arange(0, BLOCK)
-            valid = tokens < vocab
-            s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-            bucket = _bucket(s, peak, inv_width, BUCKETS)
-            deep = bucket == BUCKETS - 1
-            tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int32), mask=valid & ~deep, sem="relaxed")
-            deepest += tl.sum((valid & deep).to(tl.int32), 0)
-        tl.atomic_add(counts + BUCKETS - 1, deepest, sem="relaxed")
+        kept, floor = _verdict(
+            logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
+            stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
+        )  # fmt: skip
+        if not kept:
+            peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
+            inv_width = _inv_width(peak, tl.maximum(least, floor), BUCKETS, SPREAD)
+            inv_t = 1.0 / temperature
+            counts = counts_ptr + row * BUCKETS
+            deepest = tl.full((), 0, tl.int32)  # the last bucket's, most of a peaked row: one atomic per chunk
+            for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+                tokens = start + tl.arange(0, BLOCK)
+                valid = tokens < vocab
+                s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32)
+                s = _above(s * inv_t, floor)
+                bucket = _bucket(s, peak, inv_width, BUCKETS)
+                counted = s > float("-inf")
+                deep = bucket == BUCKETS - 1
+                tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int32), mask=counted & ~deep, sem="relaxed")
+                deepest += tl.sum((counted & deep).to(tl.int32), 0)
+            tl.atomic_add(counts + BUCKETS - 1, deepest, sem="relaxed")
 
 
 @triton.jit
 def _plan_kernel(
-    vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    stats_ptr, counts_ptr, plan_ptr, bounds_ptr, chunks,
-    CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr, SLACK: tl.constexpr, PDL: tl.constexpr,
+    logits_ptr, stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    stats_ptr, best_ptr, best_token_ptr, checks_ptr, counts_ptr, plan_ptr, bounds_ptr, chunks,
+    CHUNKS: tl.constexpr, PROBES: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
+    SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per filtered row: peak, mass, 1 / bucket width, and the buckets of the boundary:
-    ``kth`` (the k-th token's, or BUCKETS) and ``[p_lo, p_hi]`` (where the top-p cut may
-    be); above both, every token is kept; below, none; ``above_kth`` tokens lie above kth."""
+    """Per filtered row: whether its candidate settles it; else peak, mass, 1 / bucket
+    width, floor, and the buckets of the boundary: ``kth`` (the k-th token's, or BUCKETS)
+    and ``[p_lo, p_hi]`` (where the top-p cut may be); above both, every token is kept;
+    below, none; ``above_kth`` tokens lie above kth."""
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
-    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
-    if filtered:
+    if _filtered(temperature, top_k, top_p, min_p, vocab):
+        kept, floor = _verdict(
+            logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
+            stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
+        )  # fmt: skip
         peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
-        inv_width = _inv_width(peak, least, BUCKETS, SPREAD)
+        inv_width = _inv_width(peak, tl.maximum(least, floor), BUCKETS, SPREAD)
         kth = tl.full((), BUCKETS, tl.int32)
         p_lo = tl.full((), BUCKETS, tl.int32)
         p_hi = tl.full((), BUCKETS - 1, tl.int32)
         above_kth = tl.full((), 0, tl.int32)
-        if with_top_k | with_top_p:
+        if (with_top_k | with_top_p) & ~kept:
             counts = tl.load(counts_ptr + row * BUCKETS + tl.arange(0, BUCKETS))
+            # without top-k, the mass below the floor is in no bucket: no bound from the bottom up
+            whole = with_top_k | (floor == float("-inf"))
             kth, p_lo, p_hi, above_kth = _boundary(
-                counts, 1.0 / inv_width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS, SLACK
+                counts, 1.0 / inv_width, total, top_k, top_p, with_top_k, with_top_p, whole, BUCKETS, SLACK
             )
-        tl.store(plan_ptr + row * 3, peak)
-        tl.store(plan_ptr + row * 3 + 1, total)
-        tl.store(plan_ptr + row * 3 + 2, inv_width)
-        bounds = bounds_ptr + row * 5
+        plan = plan_ptr + row * 4
+        tl.store(plan, peak)
+        tl.store(plan + 1, total)
+        tl.store(plan + 2, inv_width)
+        tl.store(plan + 3, floor)
+        bounds = bounds_ptr + row * 6
         tl.store(bounds, kth)
         tl.store(bounds + 1, p_lo)
         tl.store(bounds + 2, p_hi)
         tl.store(bounds + 3, above_kth)
         tl.store(bounds + 4, 0)  # boundary tokens gathered
+        tl.store(bounds + 5, kept.to(tl.int32))
 
 
 @triton.jit
-def _boundary(counts, width, total, top_k, top_p, with_top_k, with_top_p, BUCKETS: tl.constexpr, SLACK: tl.constexpr):
+def _boundary(
+    counts, width, total, top_k, top_p, with_top_k, with_top_p, whole, BUCKETS: tl.constexpr, SLACK: tl.constexpr
+):
     """The buckets of the boundary, from the counts: each bucket's mass lies between its
     count times its edges' weights (``low``, ``high``). The mass above a token is bounded
-    from the top down (the buckets above it) and from the bottom up (the top-k mass less
-    the buckets below it), whichever is tighter: the latter when top_p is near 1."""
+    from the top down (the buckets above it) and, where the buckets hold the ``whole``
+    top-k mass, from the bottom up (that mass less the buckets below it), whichever is
+    tighter: the latter when top_p is near 1."""
     bucket = tl.arange(0, BUCKETS)
     least_weight = tl.where(bucket < BUCKETS - 1, tl.exp(-(bucket + 1).to(tl.float32) * width), 0.0)
     low = counts.to(tl.float32) * least_weight * (1.0 - SLACK)
@@ -272,8 +436,10 @@ def _boundary(counts, width, total, top_k, top_p, with_top_k, with_top_p, BUCKET
         low_to, high_to = tl.cumsum(low, 0), tl.cumsum(high, 0)  # through each bucket
         low_above_kth = tl.sum(tl.where(bucket < kth, low, 0.0), 0)
         high_to_kth = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
-        most_above = tl.minimum(high_to, most_mass - tl.maximum(low_above_kth - low_to, 0.0))
-        least_above = tl.maximum(low_to - low, least_mass - (high_to_kth - high_to + high))
+        most_above, least_above = high_to, low_to - low
+        if whole:
+            most_above = tl.minimum(most_above, most_mass - tl.maximum(low_above_kth - low_to, 0.0))
+            least_above = tl.maximum(least_above, least_mass - (high_to_kth - high_to + high))
         p_lo = tl.sum((most_above < top_p * least_mass).to(tl.int32), 0)
         p_hi = tl.minimum(tl.sum((least_above < top_p * most_mass).to(tl.int32), 0) - 1, kth)
     return kth, p_lo, p_hi, above_kth
@@ -281,10 +447,11 @@ def _boundary(counts, width, total, top_k, top_p, with_top_k, with_top_p, BUCKET
 
 @triton.jit
 def _load_plan(plan_ptr, bounds_ptr, row):
-    plan, bounds = plan_ptr + row * 3, bounds_ptr + row * 5
+    """peak, total, inv_width, floor, kth, p_lo, p_hi, above_kth, and whether the candidate settles the row."""
+    plan, bounds = plan_ptr + row * 4, bounds_ptr + row * 6
     return (
-        tl.load(plan), tl.load(plan + 1), tl.load(plan + 2),
-        tl.load(bounds), tl.load(bounds + 1), tl.load(bounds + 2), tl.load(bounds + 3),
+        tl.load(plan), tl.load(plan + 1), tl.load(plan + 2), tl.load(plan + 3),
+        tl.load(bounds), tl.load(bounds + 1), tl.load(bounds + 2), tl.load(bounds + 3), tl.load(bounds + 5) != 0,
     )  # fmt: skip
 
 
@@ -295,48 +462,45 @@ def _draw_kernel(
     plan_ptr, bounds_ptr, sums_ptr, best_ptr, best_token_ptr, region_ptr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, REGION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk of a filtered row: the draw among the tokens above the boundary, their mass,
-    the mass between the top-p boundary and kth (the rest of the top-k mass), and the
-    boundary's tokens appended to the row's region."""
+    """Per chunk of a filtered row that its candidate does not settle: the draw among the
+    tokens above the boundary, their mass, the mass between the top-p boundary and kth
+    (the rest of the top-k mass), and the boundary's tokens appended to the row's region."""
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     if _filtered(temperature, top_k, top_p, min_p, vocab):
-        peak, inv_width = tl.load(plan_ptr + row * 3), tl.load(plan_ptr + row * 3 + 2)
-        kth, p_lo, p_hi = (
-            tl.load(bounds_ptr + row * 5),
-            tl.load(bounds_ptr + row * 5 + 1),
-            tl.load(bounds_ptr + row * 5 + 2),
-        )
-        inv_t = 1.0 / temperature
-        noise_key = _noise_key(seed_ptr, position_ptr, row)
-        above_mass = tl.full((), 0.0, tl.float32)
-        between_mass = tl.full((), 0.0, tl.float32)
-        best = tl.full((), float("-inf"), tl.float32)
-        best_token = tl.full((), INT32_MAX, tl.int32)
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            tokens = start + tl.arange(0, BLOCK)
-            valid = tokens < vocab
-            s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-            bucket = _bucket(s, peak, inv_width, BUCKETS)
-            weights = tl.where(s == float("-inf"), 0.0, tl.exp(s - peak))
-            above = valid & (bucket < tl.minimum(p_lo, kth))
-            above_mass += tl.sum(tl.where(above, weights, 0.0), 0)
-            between_mass += tl.sum(tl.where(valid & (bucket > p_hi) & (bucket < kth), weights, 0.0), 0)
-            kept = above & (weights >= min_p)
-            if tl.max(kept.to(tl.int32), 0) > 0:
-                scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
-                best, best_token = _take(best, best_token, scores, tokens)
-            boundary = valid & (s > float("-inf")) & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
-            found = tl.sum(boundary.to(tl.int32), 0)
-            if found > 0:
-                first = tl.atomic_add(bounds_ptr + row * 5 + 4, found)
-                slots = first + tl.cumsum(boundary.to(tl.int32), 0) - 1
-                tl.store(region_ptr + row * REGION + slots, tokens, mask=boundary & (slots < REGION))
-        tl.store(sums_ptr + (row * chunks + chunk) * 2, above_mass)
-        tl.store(sums_ptr + (row * chunks + chunk) * 2 + 1, between_mass)
-        tl.store(best_ptr + row * chunks + chunk, best)
-        tl.store(best_token_ptr + row * chunks + chunk, best_token)
+        peak, _, inv_width, floor, kth, p_lo, p_hi, _, settled = _load_plan(plan_ptr, bounds_ptr, row)
+        if not settled:
+            inv_t = 1.0 / temperature
+            noise_key = _noise_key(seed_ptr, position_ptr, row)
+            above_mass = tl.full((), 0.0, tl.float32)
+            between_mass = tl.full((), 0.0, tl.float32)
+            best = tl.full((), float("-inf"), tl.float32)
+            best_token = tl.full((), INT32_MAX, tl.int32)
+            for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+                tokens = start + tl.arange(0, BLOCK)
+                valid = tokens < vocab
+                s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32)
+                s = _above(s * inv_t, floor)
+                bucket = _bucket(s, peak, inv_width, BUCKETS)
+                weights = tl.where(s == float("-inf"), 0.0, tl.exp(s - peak))
+                above = valid & (bucket < tl.minimum(p_lo, kth))
+                above_mass += tl.sum(tl.where(above, weights, 0.0), 0)
+                between_mass += tl.sum(tl.where(valid & (bucket > p_hi) & (bucket < kth), weights, 0.0), 0)
+                kept = above & (weights >= min_p) & (s > float("-inf"))
+                if tl.max(kept.to(tl.int32), 0) > 0:
+                    scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
+                    best, best_token = _take(best, best_token, scores, tokens)
+                boundary = valid & (s > float("-inf")) & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
+                found = tl.sum(boundary.to(tl.int32), 0)
+                if found > 0:
+                    first = tl.atomic_add(bounds_ptr + row * 6 + 4, found)
+                    slots = first + tl.cumsum(boundary.to(tl.int32), 0) - 1
+                    tl.store(region_ptr + row * REGION + slots, tokens, mask=boundary & (slots < REGION))
+            tl.store(sums_ptr + (row * chunks + chunk) * 2, above_mass)
+            tl.store(sums_ptr + (row * chunks + chunk) * 2 + 1, between_mass)
+            tl.store(best_ptr + row * chunks + chunk, best)
+            tl.store(best_token_ptr + row * chunks + chunk, best_token)
 
 
 @triton.jit
@@ -352,16 +516,16 @@ def _tokens(ids_ptr, start, count, GATHERED: tl.constexpr, SEARCH_BLOCK: tl.cons
 
 
 @triton.jit
-def _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS: tl.constexpr):
-    """s, its bucket, its integer weight and its key, per token."""
-    s = tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+def _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS: tl.constexpr):
+    """s (-inf at or below the floor), its bucket, its integer weight and its key, per token."""
+    s = _above(tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t, floor)
     weights = tl.where(s == float("-inf"), 0, (tl.exp(s - peak) * FIXED + 0.5).to(tl.int64))
     return s, _bucket(s, peak, inv_width, BUCKETS), weights, _order_key(s)
 
 
 @triton.jit
 def _search(
-    row_ptr, ids_ptr, count, inv_t, peak, inv_width, lo_bucket, hi_bucket, base, target,
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, lo_bucket, hi_bucket, base, target,
     GATHERED: tl.constexpr, MASS: tl.constexpr,
     BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
@@ -370,33 +534,38 @@ def _search(
     their least key if none does; INT32_MIN if there are none."""
     lo = tl.full((), INT32_MAX, tl.int32)
     hi = tl.full((), INT32_MIN, tl.int32)
+    members = tl.full((), 0, tl.int64)
     for start in range(0, count, SEARCH_BLOCK):
         tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
-        s, bucket, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+        s, bucket, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
         member = valid & (s > float("-inf")) & (bucket >= lo_bucket) & (bucket <= hi_bucket)
         lo = tl.minimum(lo, tl.min(tl.where(member, keys, INT32_MAX), 0))
         hi = tl.maximum(hi, tl.max(tl.where(member, keys, INT32_MIN), 0))
+        members += tl.sum(member.to(tl.int64), 0)
     none = lo > hi
     lo, hi = lo.to(tl.int64), hi.to(tl.int64) + 1  # base + F(>= lo) reaches target, or lo is the least key
+    at_lo, at_hi = members, tl.full((), 0, tl.int64)  # members at or above lo, hi
     steps = tl.arange(1, PIVOTS + 1).to(tl.int64)
-    while hi - lo > 1:
+    # until one key is left between them (or one member: lo then keeps the same tokens as its key)
+    while (hi - lo > 1) & (at_lo - at_hi > 1):
         pivots = lo + ((hi - lo) * steps) // (PIVOTS + 1)
         totals = tl.zeros((PIVOTS,), tl.int64)
+        above_count = tl.zeros((PIVOTS,), tl.int64)
         for start in range(0, count, SEARCH_BLOCK):
             tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
-            s, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+            s, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
             member = valid & (s > float("-inf")) & (bucket >= lo_bucket) & (bucket <= hi_bucket)
             above = member[:, None] & (keys.to(tl.int64)[:, None] >= pivots[None, :])
+            above_count += tl.sum(above.to(tl.int64), 0)
             if MASS:
                 totals += tl.sum(tl.where(above, weights[:, None], 0), 0)
-            else:
-                totals += tl.sum(above.to(tl.int64), 0)
         if MASS:
             reached = base + totals.to(tl.float32) * (1.0 / FIXED) >= target
         else:
-            reached = base + totals >= target
-        new_lo = tl.max(tl.where(reached, pivots, lo), 0)
-        hi = tl.min(tl.where(reached, hi, pivots), 0)
+            reached = base + above_count >= target
+        # the highest pivot reached has the fewest members above of those reached; the lowest not, the most
+        new_lo, at_lo = tl.max(tl.where(reached, pivots, lo), 0), tl.min(tl.where(reached, above_count, at_lo), 0)
+        hi, at_hi = tl.min(tl.where(reached, hi, pivots), 0), tl.max(tl.where(reached, at_hi, above_count), 0)
         lo = new_lo
     return tl.where(none, INT32_MIN, lo.to(tl.int32))
 
@@ -416,37 +585,41 @@ def _settle_kernel(
     filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
     rows, chunk = tl.num_programs(0), tl.arange(0, CHUNKS)
     part = row * chunks + chunk
-    # the stats pass drew the unfiltered rows; the draw pass, the filtered rows' tokens above the boundary
-    drawn = filtered.to(tl.int64) * rows * chunks + part
+    settled = tl.full((), True, tl.int1)
+    if filtered:
+        settled = tl.load(bounds_ptr + row * 6 + 5) != 0
+    # the stats pass drew the unfiltered rows and the candidates; the draw pass, the other
+    # filtered rows' tokens above the boundary
+    drawn = (~settled).to(tl.int64) * rows * chunks + part
     part_best = tl.load(best_ptr + drawn, mask=chunk < chunks, other=float("-inf"))
     best = tl.max(part_best, 0)
     best_token = tl.min(tl.where(part_best == best, tl.load(best_token_ptr + drawn, mask=chunk < chunks), INT32_MAX), 0)
-    if filtered:
-        peak, total, inv_width, kth, p_lo, p_hi, above_kth = _load_plan(plan_ptr, bounds_ptr, row)
+    if not settled:
+        peak, total, inv_width, floor, kth, p_lo, p_hi, above_kth, _ = _load_plan(plan_ptr, bounds_ptr, row)
         inv_t = 1.0 / temperature
         row_ptr = logits_ptr + row * stride
         noise_key = _noise_key(seed_ptr, position_ptr, row)
         above_mass = tl.sum(tl.load(sums_ptr + part * 2, mask=chunk < chunks, other=0.0), 0)
         between_mass = tl.sum(tl.load(sums_ptr + part * 2 + 1, mask=chunk < chunks, other=0.0), 0)
-        gathered = tl.load(bounds_ptr + row * 5 + 4)
+        gathered = tl.load(bounds_ptr + row * 6 + 4)
         if gathered <= REGION:
             cut = _settle(
-                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, kth, kth, p_lo, p_hi,
+                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, kth, kth, p_lo, p_hi,
                 above_kth, above_mass, between_mass, total, top_k, top_p, with_top_k, with_top_p,
                 True, BUCKETS, SEARCH_BLOCK, PIVOTS,
             )  # fmt: skip
             best, best_token = _draw(
-                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, cut, min_p, noise_key,
+                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, cut, min_p, noise_key,
                 best, best_token, True, BUCKETS, SEARCH_BLOCK,
             )  # fmt: skip
         else:  # too many boundary tokens: settle over the whole row
             cut = _settle(
-                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, 0, BUCKETS - 1, 0, BUCKETS - 1,
+                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, floor, 0, BUCKETS - 1, 0, BUCKETS - 1,
                 0, 0.0, 0.0, total, top_k, top_p, with_top_k, with_top_p,
                 False, BUCKETS, SEARCH_BLOCK, PIVOTS,
             )  # fmt: skip
             best, best_token = _draw(
-                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, cut, min_p, noise_key,
+                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, floor, cut, min_p, noise_key,
                 tl.full((), float("-inf"), tl.float32), tl.full((), INT32_MAX, tl.int32), False, BUCKETS, SEARCH_BLOCK,
             )  # fmt: skip
     tl.store(out_ptr + row, best_token.to(tl.int64))
@@ -454,7 +627,7 @@ def _settle_kernel(
 
 @triton.jit
 def _settle(
-    row_ptr, ids_ptr, count, inv_t, peak, inv_width, k_lo, k_hi, p_lo, p_hi,
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, k_lo, k_hi, p_lo, p_hi,
     above_kth, above_mass, between_mass, total, top_k, top_p, with_top_k, with_top_p,
     GATHERED: tl.constexpr, BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
@@ -466,20 +639,20 @@ def _settle(
     top_k_mass = total
     if with_top_k:
         cut = _search(
-            row_ptr, ids_ptr, count, inv_t, peak, inv_width, k_lo, k_hi, above_kth, top_k,
+            row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, k_lo, k_hi, above_kth, top_k,
             GATHERED, False, BUCKETS, SEARCH_BLOCK, PIVOTS,
         )  # fmt: skip
         mass = tl.zeros((SEARCH_BLOCK,), tl.int64)
         for start in range(0, count, SEARCH_BLOCK):
             tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
-            _, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+            _, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
             mass += tl.where(valid & ((bucket < k_lo) | (keys >= cut)), weights, 0)
         top_k_mass = above_mass + between_mass + tl.sum(mass, 0).to(tl.float32) * (1.0 / FIXED)
     if with_top_p & (p_lo <= p_hi):
         cut = tl.maximum(
             cut,
             _search(
-                row_ptr, ids_ptr, count, inv_t, peak, inv_width, p_lo, p_hi, above_mass, top_p * top_k_mass,
+                row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, p_lo, p_hi, above_mass, top_p * top_k_mass,
                 GATHERED, True, BUCKETS, SEARCH_BLOCK, PIVOTS,
             ),
         )  # fmt: skip
@@ -488,13 +661,13 @@ def _settle(
 
 @triton.jit
 def _draw(
-    row_ptr, ids_ptr, count, inv_t, peak, inv_width, cut, min_p, noise_key, best, best_token,
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, cut, min_p, noise_key, best, best_token,
     GATHERED: tl.constexpr, BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The running best (score, token) over the tokens at or above ``cut`` that min-p keeps."""
     for start in range(0, count, SEARCH_BLOCK):
         tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
-        s, _, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, BUCKETS)
+        s, _, _, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
         kept = valid & (keys >= cut) & (tl.exp(s - peak) >= min_p) & (s > float("-inf"))
         scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
         best, best_token = _take(best, best_token, scores, tokens)
@@ -513,9 +686,10 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device
     stats = torch.empty(rows, chunks, 3, dtype=torch.float32, device=device)
+    checks = torch.empty(rows, chunks, 3 + PROBES, dtype=torch.float32, device=device)
     counts = torch.zeros(rows, BUCKETS, dtype=torch.int32, device=device)
-    plan = torch.empty(rows, 3, dtype=torch.float32, device=device)
-    bounds = torch.empty(rows, 5, dtype=torch.int32, device=device)
+    plan = torch.empty(rows, 4, dtype=torch.float32, device=device)
+    bounds = torch.empty(rows, 6, dtype=torch.int32, device=device)
     sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
     best = torch.empty(2, rows, chunks, dtype=torch.float32, device=device)
     best_token = torch.empty(2, rows, chunks, dtype=torch.int32, device=device)
@@ -523,20 +697,23 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     filters = (params.temperature, params.top_k, params.top_p, params.min_p)
     noise = (params.seed, params.position)
     row = (logits, logits.stride(0), vocab)
+    candidates = (stats, best[0], best_token[0], checks)
     block = min(BLOCK, chunk)
     # unfused arithmetic: every launch computes the same s and bucket of a token as the others (and s as torch)
     options = {"num_warps": 4, "enable_fp_fusion": False, **launch.pdl(device)}
-    CHUNKS = triton.next_power_of_2(chunks)
+    sizes = {"CHUNKS": triton.next_power_of_2(chunks), "PROBES": PROBES}
+    # the stats pass, which draws every token, holds its whole chunk at once: its five reductions once a program
     _stats_kernel[(rows, chunks)](
-        *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=block, **options
+        *row, *filters, *noise, stats, best[0], best_token[0], CHUNK=chunk, BLOCK=chunk, **{**options, "num_warps": 8}
     )
+    _check_kernel[(rows, chunks)](*row, *filters[:3], *candidates, chunks, CHUNK=chunk, BLOCK=block, **sizes, **options)
     _histogram_kernel[(rows, chunks)](
-        *row, *filters[:3], stats, counts, chunks,
-        CHUNK=chunk, BLOCK=block, CHUNKS=CHUNKS, BUCKETS=BUCKETS, SPREAD=SPREAD, **options,
+        *row, *filters, *candidates, counts, chunks,
+        CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, SPREAD=SPREAD, **sizes, **options,
     )  # fmt: skip
     _plan_kernel[(rows,)](
-        vocab, *filters, stats, counts, plan, bounds, chunks,
-        CHUNKS=CHUNKS, BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **{**options, "num_warps": 8},
+        *row, *filters, *candidates, counts, plan, bounds, chunks,
+        BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **sizes, **{**options, "num_warps": 8},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
         *row, *filters, *noise, plan, bounds, sums, best[1], best_token[1], gathered,
@@ -544,6 +721,6 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     )  # fmt: skip
     _settle_kernel[(rows,)](
         *row, *filters, *noise, plan, bounds, sums, best, best_token, gathered, tokens, chunks,
-        CHUNKS=CHUNKS, BUCKETS=BUCKETS, REGION=region, SEARCH_BLOCK=SEARCH_BLOCK, PIVOTS=PIVOTS, **options,
+        CHUNKS=sizes["CHUNKS"], BUCKETS=BUCKETS, REGION=region, SEARCH_BLOCK=SEARCH_BLOCK, PIVOTS=PIVOTS, **options,
     )  # fmt: skip
     return tokens

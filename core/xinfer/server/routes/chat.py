@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
 from xinfer.server.logprobs import chat_logprobs
-from xinfer.server.prompts import check_token_ids, render_chat
+from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -23,6 +25,7 @@ from xinfer.server.responses import (
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import Answer
+from xinfer.text.reasoning import ReasoningStream, ReasoningTags, opens_reasoning, reasoning_token_count, split
 
 router = APIRouter()
 
@@ -32,23 +35,54 @@ async def create_chat_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
+    _, urls = message_dicts(body.messages)
+    images = await serving.images(urls) if urls else []
     text = render_chat(
         serving.tokenizer,
         body.messages,
         body.add_generation_prompt,
         body.continue_final_message,
         body.tools,
-        body.chat_template_kwargs,
+        template_kwargs(body, serving.disable_reasoning),
     )
     prompt = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
     check_token_ids(prompt, serving.vocab_size, "messages")
-    handle = await serving.submit(request, body, [prompt])
-    return await ChatAnswer(serving, body, handle).respond(request)
+    tags = serving.reasoning_tags
+    inside = tags is not None and opens_reasoning(text, tags)
+    # a model that reasons here (the template has not closed its block): a constraint waits for the block's end
+    thinks = tags is not None and (inside or not text.rstrip().endswith(tags.end))
+    end_id = serving.tokenizer.token_to_id(tags.end) if tags is not None and thinks else None
+    prompt, multimodal = await serving.multimodal_prompt(prompt, images) if images else (prompt, [])
+    handle = await serving.submit(request, body, [prompt], multimodal, after_token_id=end_id)
+    return await ChatAnswer(serving, body, handle, tags, inside).respond(request)
+
+
+def template_kwargs(body: ChatCompletionRequest, disable_reasoning: bool) -> dict[str, Any]:
+    """The chat template's extra variables: the request's own, its ``reasoning_effort``, and
+    ``enable_thinking=false`` where reasoning is off (``--disable-reasoning`` or effort
+    ``none``) unless the request set it (templates that do not read it ignore it)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    if disable_reasoning or body.reasoning_effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
 
 
 class ChatAnswer(Answer):
     id_prefix, whole_type, chunk_type = "chatcmpl", ChatCompletion, ChatCompletionChunk
     body: ChatCompletionRequest
+
+    def __init__(
+        self,
+        serving: Serving,
+        body: ChatCompletionRequest,
+        handle: RequestHandle,
+        tags: ReasoningTags | None = None,
+        inside: bool = False,
+    ):
+        super().__init__(serving, body, handle)
+        self.tags, self.inside = tags, inside
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
         if not self.body.logprobs or entries is None:
@@ -57,23 +91,39 @@ class ChatAnswer(Answer):
         return ChatLogprobs(content=chat_logprobs(token_ids, entries, n, self.serving.token_text))
 
     def choice(self, index: int, output: CompletionOutput) -> ChatChoice:
+        reasoning, content = split(output.text, self.tags, self.inside) if self.tags else (None, output.text)
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=output.text),
+            message=AssistantMessage(content=content, reasoning_content=reasoning),
             logprobs=self.logprobs(output.token_ids, output.logprobs),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
         )
 
+    def reasoning_tokens(self) -> int | None:
+        if self.tags is None:
+            return None
+        tokenizer = self.serving.tokenizer
+        start, end = tokenizer.token_to_id(self.tags.start), tokenizer.token_to_id(self.tags.end)
+        return sum(reasoning_token_count(c.token_ids, start, end, self.inside) for c in self.handle.choices)
+
     async def events(self) -> AsyncIterator[str]:
         continuous = self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats
+        splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
         for index in range(self.body.n):
             yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
         async for index, out in self.serving.engine.stream(self.handle):
             logprobs = self.logprobs(out.token_ids, out.logprobs) if out.token_ids else None
-            if not out.text and not out.finished and logprobs is None:
-                continue  # text held back (a possible stop string, an unfinished character)
-            delta = Delta(content=out.text) if out.text else Delta()
+            reasoning, content = "", out.text
+            stream = splits[index]
+            if stream is not None:
+                reasoning, content = stream.push(out.text)
+                if out.finished:
+                    more_reasoning, more_content = stream.finish()
+                    reasoning, content = reasoning + more_reasoning, content + more_content
+            if not reasoning and not content and not out.finished and logprobs is None:
+                continue  # text held back (a possible stop string or tag, an unfinished character)
+            delta = Delta(content=content or None, reasoning_content=reasoning or None)
             reason = out.finish_reason if out.finished else None
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
             yield self.chunk([choice], with_usage=continuous)

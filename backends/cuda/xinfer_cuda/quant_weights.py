@@ -1,0 +1,127 @@
+"""The CUDA backend's kernels for GGUF-packed weights (:class:`xinfer.quant.WeightKernels`),
+declared for every block format :mod:`xinfer_cuda.kernels.gguf_blocks` decodes
+(``CudaOps.weight_kernels``): the weight's bytes are read as loaded, never repacked.
+
+Linears go to :func:`xinfer_cuda.kernels.quant_linear.quant_linear` (one row: the GEMV;
+more: the dot kernel). For up to :data:`MEASURED_ROWS` rows (decode steps) the tile is
+measured per (format, weight shape, row count rounded up to a power of two) the first time
+one comes up outside a CUDA graph capture (the step graphs' warm-up runs), as
+:class:`xinfer_cuda.linear.SmallBatchLinear` does for float weights; larger row counts
+(prefill) take the default tiles. Stacked experts go to
+:func:`xinfer_cuda.kernels.quant_moe.fused_moe`, which reads each chosen expert once per
+slot; past :data:`~xinfer_cuda.kernels.quant_moe.MAX_SLOTS` slots outside a CUDA graph
+capture (prefill) the experts go one by one instead, each expert's slots one dot-kernel
+linear (its weights read once per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from triton.runtime.errors import OutOfResources
+
+from xinfer import ops
+from xinfer.quant import QuantizedTensor, WeightKernels
+from xinfer_cuda.kernels import quant_moe
+from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
+from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, default_dot, default_gemv, quant_linear
+from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies
+
+log = logging.getLogger("xinfer")
+MEASURED_ROWS = 64
+Tile = QGemvConfig | QDotConfig
+
+
+def ggml_type(weight: QuantizedTensor) -> str:
+    """The kernels' name of the weight's format (the core names GGUF formats in lower case)."""
+    return weight.format.name.upper()
+
+
+def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
+    """The tiles tried for ``rows`` rows (a power of two) of ``fmt``: GEMVs of 2 to 16 weight
+    rows a program and 1 or 2 loop steps' blocks for one row, 16-row dots of 32 to 128 columns
+    for a few, and the row count's own dot tile past 16."""
+    if rows == 1:
+        step = max(1, 256 // fmt.qk)
+        return tuple(QGemvConfig(n, b * step, w) for n, b, w in [(4, 1, 4), (2, 2, 4), (8, 1, 4), (4, 2, 8), (8, 2, 8),
+                                                                 (16, 1, 8)])  # fmt: skip
+    step = max(1, 64 // fmt.qk)
+    if rows <= 16:
+        return tuple(QDotConfig(16, n, b * step, w, s) for n, b, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
+                                                                          (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
+    return tuple(QDotConfig(rows, n, step, w, 3) for n, w in [(32, 4), (64, 4), (128, 8)])
+
+
+class MeasuredTiles:
+    """The fastest of :func:`candidates` per (format, weight shape, power-of-two row count,
+    dtype), measured once (``timer`` over ``copies`` of the weight that overflow the L2)."""
+
+    def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
+        self.timer, self.copies = timer, copies
+        self.choice: dict[tuple, Tile] = {}
+
+    def __call__(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None) -> Tile:
+        fmt = FORMATS[fmt_name]
+        rows = 1 << (x.shape[0] - 1).bit_length()
+        key = (fmt_name, rows, tuple(packed.shape), x.dtype, bias is not None, x.device)
+        if key not in self.choice:
+            if (
+                x.is_cuda and torch.cuda.is_current_stream_capturing()
+            ):  # not measured: the capture's warm-up did not see it
+                return default_gemv(fmt) if rows == 1 else default_dot(fmt, rows)
+            self.choice[key] = self.fastest(x, packed, fmt_name, bias, candidates(fmt, rows))
+        return self.choice[key]
+
+    def fastest(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile:
+        times = {}
+        try:
+            copies = self.copies(packed)
+            for tile in tiles:
+                try:
+                    times[tile] = self.timer(lambda w, t=tile: quant_linear(x, w, fmt_name, bias, t), copies)
+                except OutOfResources:
+                    continue
+        except torch.OutOfMemoryError:
+            pass
+        if not times:
+            return tiles[0]
+        best = min(times, key=times.__getitem__)
+        log.debug("%s linear of %d rows over %s: %s %.1f us (first tile %.1f us)", fmt_name, x.shape[0],
+                  tuple(packed.shape), best, times[best] * 1e6, times.get(tiles[0], math.nan) * 1e6)  # fmt: skip
+        return best
+
+
+class GgufKernels(WeightKernels):
+    def __init__(self) -> None:
+        self.tiles = MeasuredTiles()  # one per process: engines reuse its measurements
+
+    def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        fmt = ggml_type(weight)
+        tile = self.tiles(rows, weight.raw, fmt, bias) if rows.is_cuda and 0 < rows.shape[0] <= MEASURED_ROWS else None
+        y = quant_linear(rows, weight.raw, fmt, bias, tile)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def fused_moe(
+        self,
+        x: Tensor,
+        w13: QuantizedTensor,
+        w2: QuantizedTensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+    ) -> Tensor:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if topk_ids.numel() > quant_moe.MAX_SLOTS and not capturing:
+            backend = ops.current()
+            act_and_mul = {"silu": backend.silu_and_mul, "gelu_pytorch_tanh": backend.gelu_tanh_and_mul}[activation]
+            return quant_moe.expert_by_expert(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, act_and_mul)
+        return quant_moe.fused_moe(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, activation)
+
+
+GGUF_KERNELS = GgufKernels()
+WEIGHT_KERNELS = {name.lower(): "xinfer_cuda.quant_weights:GGUF_KERNELS" for name in FORMATS}

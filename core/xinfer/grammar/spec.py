@@ -1,0 +1,108 @@
+"""What a request constrains its output to: a JSON schema, any JSON object, a regex, one
+of a few strings, or a Lark/EBNF grammar (vLLM's ``structured_outputs`` fields, and
+OpenAI's ``response_format``), as one llguidance grammar.
+
+:meth:`StructuredOutputs.grammar` is the single way to turn a constraint into the
+grammar the engine enforces; tool calling builds its constraints the same way
+(``StructuredOutputs(json=schema)`` for one function's arguments,
+``StructuredOutputs(grammar=lark)`` for anything richer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+# JSON is written as json.dumps writes it (", " and ": "), with no other whitespace: a
+# model cannot pad an answer with blanks forever, and the grammar ends with the document.
+JSON_OPTIONS: dict[str, Any] = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of:
+
+    - ``json``: a JSON schema (a dict, or its JSON text); ``strict=False`` lets the
+      schema use keywords the grammar engine does not implement (they are ignored);
+    - ``json_object``: any JSON object;
+    - ``regex``: the whole output matches this regular expression (Rust ``regex`` syntax);
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: a Lark grammar (llguidance's dialect) or a GBNF/EBNF one (``root ::= ...``).
+
+    ``after_token_id``: the constraint applies to what follows this token (the end of a
+    reasoning block, ``</think>``); before it the output is free. Invalid constraints
+    raise ValueError with a one-line message."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    strict: bool = True
+    after_token_id: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of strings")
+        import llguidance  # imported where a constraint is made: the rest of xinfer runs without it
+
+        problem = llguidance.LLMatcher.validate_grammar(self.lark_or_llguidance)
+        if problem:
+            raise ValueError(f"invalid {self.kind}: {one_line(problem)}")
+
+    @property
+    def kind(self) -> str:
+        kind = next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+        return {"json": "JSON schema", "json_object": "JSON object", "grammar": "grammar"}.get(kind, kind)
+
+    @cached_property
+    def lark_or_llguidance(self) -> str:
+        """The llguidance grammar (its JSON form) of the constraint."""
+        import llguidance
+
+        grammar_of = llguidance.LLMatcher
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"invalid JSON schema: not JSON ({error})") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"invalid JSON schema: must be an object, got {type(schema).__name__}")
+            options: Any = {**JSON_OPTIONS, "lenient": not self.strict}
+            return grammar_of.grammar_from_json_schema(schema, overrides=options)
+        if self.regex is not None:
+            return grammar_of.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_of.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        assert self.grammar is not None
+        try:
+            return llguidance.grammar_from("grammar", self.grammar)  # Lark as it is, GBNF converted
+        except ValueError as error:
+            raise ValueError(f"invalid grammar: {one_line(str(error))}") from None
+
+    @classmethod
+    def from_json_schema(cls, schema: dict[str, Any] | str, strict: bool = True) -> StructuredOutputs:
+        return cls(json=schema, strict=strict)
+
+    @classmethod
+    def from_lark(cls, grammar: str) -> StructuredOutputs:
+        return cls(grammar=grammar)
+
+
+def one_line(problem: str) -> str:
+    """llguidance's message without its source excerpts (``  1 | start: ...``, ``   ^``)."""
+    lines = [line.strip() for line in problem.splitlines()]
+    kept = [line for line in lines if line and not line.startswith(("^", "|")) and "|" not in line[:6]]
+    return ": ".join(kept) or problem.strip()

@@ -1,0 +1,306 @@
+"""llama.cpp's GGUF block formats in torch: each block's bytes to its values, vectorized over
+every block at once (and back, for the formats ``--isq`` quantizes to).
+
+Layouts, per block (``f16``: an IEEE half; ``q``: the quantized values):
+
+- Q8_0  (32 values, 34 bytes):  d f16, 32 int8 q;                 x = d*q
+- Q4_0  (32, 18):   d, 16 bytes of nibbles (low nibbles are values 0..15, high 16..31);  x = d*(q-8)
+- Q4_1  (32, 20):   d, m, 16 bytes of nibbles;                   x = d*q + m
+- Q5_0  (32, 22):   d, qh u32 (bit j: the 5th bit of value j), nibbles;   x = d*(q-16)
+- Q5_1  (32, 24):   d, m, qh, nibbles;                           x = d*q + m
+- Q2_K  (256, 84):  16 sub-scales (low nibble scale, high nibble min), 64 bytes of 2-bit q, d, dmin
+- Q3_K  (256, 110): 32 bytes of high bits, 64 bytes of 2-bit q, 12 bytes of 16 6-bit scales, d
+- Q4_K  (256, 144): d, dmin, 12 bytes of 8 6-bit scales and 8 6-bit mins, 128 bytes of nibbles
+- Q5_K  (256, 176): as Q4_K, then 32 bytes of high bits before the nibbles
+- Q6_K  (256, 210): 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales, d
+
+In the K formats a super-block of 256 values has sub-blocks of 16 or 32, each with a 4-, 6- or
+8-bit scale (and min) relative to the super-block's f16 ``d`` (and ``dmin``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from xinfer.hooks import hookimpl
+from xinfer.quant.tensor import WeightFormat
+
+QK_K = 256
+
+
+def _f16(raw: Tensor) -> Tensor:
+    """Little-endian f16 pairs [..., 2k] -> float32 [..., k]."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+_SHIFTS: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _shifted(raw: Tensor, shifts: list[int], mask: int) -> Tensor:
+    """Bit fields of each byte: [..., n] -> [..., len(shifts), n], field ``i`` = ``(b >> shifts[i]) & mask``."""
+    key = (tuple(shifts), raw.device)
+    if key not in _SHIFTS:  # made once per device, not inside a captured CUDA graph's replayed steps
+        _SHIFTS[key] = torch.tensor(shifts, dtype=torch.uint8, device=raw.device)[:, None]
+    return (raw.unsqueeze(-2) >> _SHIFTS[key]) & mask
+
+
+def _nibbles(raw: Tensor) -> Tensor:
+    """[..., n] bytes -> [..., 2n]: the low nibbles, then the high ones."""
+    return _shifted(raw, [0, 4], 0xF).flatten(-2)
+
+
+def _bits(raw: Tensor, count: int) -> Tensor:
+    """[..., n] bytes -> [..., count * n]: bit 0 of every byte, then bit 1, ..."""
+    return _shifted(raw, list(range(count)), 1).flatten(-2)
+
+
+def _qh_bits(qh: Tensor) -> Tensor:
+    """The 32 bits of a little-endian u32 [..., 4] -> [..., 32], bit j of the word at j."""
+    return _shifted(qh, list(range(8)), 1).transpose(-1, -2).flatten(-2)
+
+
+def _half(x: Tensor) -> Tensor:
+    """float32 [..., 1] -> its f16 bytes [..., 2]."""
+    return x.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _pack_nibbles(q: Tensor) -> Tensor:
+    """[..., 2n] values < 16 -> [..., n] bytes (inverse of :func:`_nibbles`)."""
+    low, high = q.to(torch.uint8).chunk(2, dim=-1)
+    return low | (high << 4)
+
+
+def _round_away(x: Tensor) -> Tensor:
+    """Round half away from zero (C's roundf, as llama.cpp's quantizers round)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _inverse(d: Tensor) -> Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+
+
+class GGUFBlockFormat(WeightFormat):
+    """A GGUF block format: :meth:`dequantize` reshapes to one row per block and calls
+    :meth:`decode` (and :meth:`quantize` :meth:`encode`)."""
+
+    ggml_type: ClassVar[str]  # gguf.GGMLQuantizationType's name
+
+    def dequantize(self, raw: Tensor) -> Tensor:
+        *outer, row = raw.shape
+        blocks = raw.reshape(-1, self.block_bytes)
+        return self.decode(blocks).reshape(*outer, row // self.block_bytes * self.block_values)
+
+    def quantize(self, values: Tensor) -> Tensor:
+        *outer, row = values.shape
+        blocks = values.float().reshape(-1, self.block_values)
+        return self.encode(blocks).reshape(*outer, row // self.block_values * self.block_bytes)
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        """uint8 [B, block_bytes] -> float32 [B, block_values]."""
+        raise NotImplementedError
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        """float32 [B, block_values] -> uint8 [B, block_bytes]."""
+        raise NotImplementedError(f"weights cannot be quantized to {self.name} at load")
+
+
+class Q8_0(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q8_0", "Q8_0", 32, 34
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        return _f16(blocks[:, :2]) * blocks[:, 2:].view(torch.int8).float()
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        q = _round_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
+        return torch.cat([_half(d), q], dim=-1)
+
+
+class Q4_0(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q4_0", "Q4_0", 32, 18
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        return _f16(blocks[:, :2]) * (_nibbles(blocks[:, 2:]).float() - 8)
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        d = _signed_absmax(blocks) / -8
+        q = torch.trunc(blocks * _inverse(d) + 8.5).clamp(0, 15)
+        return torch.cat([_half(d), _pack_nibbles(q)], dim=-1)
+
+
+class Q4_1(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q4_1", "Q4_1", 32, 20
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        return _f16(blocks[:, :2]) * _nibbles(blocks[:, 4:]).float() + _f16(blocks[:, 2:4])
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = (high - low) / 15
+        q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, 15)
+        return torch.cat([_half(d), _half(low), _pack_nibbles(q)], dim=-1)
+
+
+class Q5_0(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q5_0", "Q5_0", 32, 22
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        q = _nibbles(blocks[:, 6:]) | (_qh_bits(blocks[:, 2:6]) << 4)
+        return _f16(blocks[:, :2]) * (q.float() - 16)
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        d = _signed_absmax(blocks) / -16
+        q = torch.trunc(blocks * _inverse(d) + 16.5).clamp(0, 31).to(torch.uint8)
+        return torch.cat([_half(d), _pack_high_bits(q), _pack_nibbles(q & 0xF)], dim=-1)
+
+
+class Q5_1(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q5_1", "Q5_1", 32, 24
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        q = _nibbles(blocks[:, 8:]) | (_qh_bits(blocks[:, 4:8]) << 4)
+        return _f16(blocks[:, :2]) * q.float() + _f16(blocks[:, 2:4])
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        d = (high - low) / 31
+        q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, 31).to(torch.uint8)
+        return torch.cat([_half(d), _half(low), _pack_high_bits(q), _pack_nibbles(q & 0xF)], dim=-1)
+
+
+def _signed_absmax(blocks: Tensor) -> Tensor:
+    """Each block's value of largest magnitude, with its sign [B, 1]."""
+    return blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+
+
+def _pack_high_bits(q: Tensor) -> Tensor:
+    """Bit 4 of each of 32 values -> the little-endian u32 ``qh`` [B, 4]."""
+    bits = ((q >> 4) & 1).reshape(-1, 4, 8).to(torch.int32)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=q.device)
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+class Q2_K(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q2_k", "Q2_K", QK_K, 84
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        scales, qs = blocks[:, :16], blocks[:, 16:80]
+        d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+        # each half of 128 values: 32 bytes, 2 bits at shifts 0, 2, 4, 6
+        q = _shifted(qs.reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 16, 16).float()
+        scale = (d * (scales & 0xF).float()).unsqueeze(-1)
+        low = (dmin * (scales >> 4).float()).unsqueeze(-1)
+        return (scale * q - low).flatten(1)
+
+
+class Q3_K(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q3_k", "Q3_K", QK_K, 110
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        hmask, qs, packed, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110])
+        low4 = _shifted(packed[:, :8], [0, 4], 0xF).flatten(1)  # scales 0..7 low nibbles, then 8..15
+        high2 = _shifted(packed[:, 8:], [0, 2, 4, 6], 3).flatten(1)  # scale i: bits at (i // 4) * 2 of byte i % 4
+        scales = (low4 | (high2 << 4)).float() - 32
+        low = _shifted(qs.reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 256)
+        high = _bits(hmask, 8)  # bit j of byte l: value 32 j + l
+        q = low.float() - 4 * (1 - high.float())  # a clear high bit subtracts 4
+        return (d * scales).repeat_interleave(16, dim=1) * q
+
+
+def _k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """The 8 6-bit scales and 8 6-bit mins of Q4_K/Q5_K from their 12 bytes [B, 12]."""
+    d, m, both = packed[:, :4], packed[:, 4:8], packed[:, 8:]
+    scales = torch.cat([d & 0x3F, (both & 0xF) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _pack_k_scales(scales: Tensor, mins: Tensor) -> Tensor:
+    """Inverse of :func:`_k_scales`: integer scales and mins [B, 8] (< 64) -> [B, 12] bytes."""
+    sc, mn = scales.to(torch.uint8), mins.to(torch.uint8)
+    first = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    second = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    third = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    return torch.cat([first, second, third], dim=-1)
+
+
+def _k_nibbles(qs: Tensor) -> Tensor:
+    """128 bytes -> 256 values in 8 sub-blocks of 32: chunk c of 32 bytes holds sub-block 2c in its
+    low nibbles and 2c + 1 in its high ones."""
+    return _shifted(qs.reshape(-1, 4, 32), [0, 4], 0xF).reshape(-1, 8, 32)
+
+
+class Q4_K(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q4_k", "Q4_K", QK_K, 144
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        scales, mins = _k_scales(blocks[:, 4:16])
+        q = _k_nibbles(blocks[:, 16:]).float()
+        return ((d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)).flatten(1)
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        sub = blocks.reshape(-1, 8, 32)
+        low = sub.amin(-1).clamp(max=0)  # each sub-block: x = scale*q - min, min >= 0
+        scale = (sub.amax(-1) - low) / 15
+        d, dmin = scale.amax(-1, keepdim=True) / 63, -low.amin(-1, keepdim=True) / 63
+        d, dmin = d.half().float(), dmin.half().float()
+        scales = torch.round(scale * _inverse(d)).clamp(0, 63)
+        mins = torch.round(-low * _inverse(dmin)).clamp(0, 63)
+        step = (d * scales).unsqueeze(-1)
+        q = torch.round((sub + (dmin * mins).unsqueeze(-1)) * _inverse(step)).clamp(0, 15).to(torch.uint8)
+        chunks = q.reshape(-1, 4, 2, 32)
+        nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).flatten(1)
+        return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), nibbles], dim=-1)
+
+
+class Q5_K(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q5_k", "Q5_K", QK_K, 176
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        scales, mins = _k_scales(blocks[:, 4:16])
+        high = _shifted(blocks[:, 16:48], list(range(8)), 1)  # sub-block j: bit j of the 32 bytes
+        q = (_k_nibbles(blocks[:, 48:]) | (high << 4)).float()
+        return ((d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)).flatten(1)
+
+
+class Q6_K(GGUFBlockFormat):
+    name, ggml_type, block_values, block_bytes = "q6_k", "Q6_K", QK_K, 210
+
+    def decode(self, blocks: Tensor) -> Tensor:
+        low = _shifted(blocks[:, :128].reshape(-1, 2, 64), [0, 4], 0xF).reshape(-1, 8, 32)
+        high = _shifted(blocks[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
+        q = (low | (high << 4)).float().reshape(-1, 16, 16) - 32
+        scales = blocks[:, 192:208].view(torch.int8).float()
+        d = _f16(blocks[:, 208:210])
+        return ((d * scales).unsqueeze(-1) * q).flatten(1)
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        sub = blocks.reshape(-1, 16, 16)
+        scale = _signed_absmax(sub).squeeze(-1) / -32  # each sub-block: x = scale*q, q in [-32, 31]
+        d = (scale.abs().amax(-1, keepdim=True) / 127).half().float()
+        scales = _round_away(scale * _inverse(d)).clamp(-128, 127)
+        step = (d * scales).unsqueeze(-1)
+        q = (_round_away(sub * _inverse(step)).clamp(-32, 31) + 32).to(torch.uint8).reshape(-1, 2, 4, 32)
+        # half h holds values 128 h + 32 i + l: low nibbles of i = 0, 1 / 2, 3 share bytes; high bits of all four
+        low = q & 0xF
+        low_bytes = (low[:, :, :2] | (low[:, :, 2:] << 4)).flatten(1)
+        high = (q >> 4).to(torch.int32)
+        high_bytes = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).to(
+            torch.uint8
+        )
+        scale_bytes = scales.to(torch.int8).view(torch.uint8)
+        return torch.cat([low_bytes, high_bytes.flatten(1), scale_bytes, _half(d)], dim=-1)
+
+
+GGUF_FORMATS: tuple[type[GGUFBlockFormat], ...] = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+"""The block formats GGUF weights stay packed in (named as the ggml type, in lower case)."""
+
+
+@hookimpl
+def xinfer_weight_formats() -> dict[str, str]:
+    return {f.name: f"xinfer.quant.gguf_formats:{f.__name__}" for f in GGUF_FORMATS}

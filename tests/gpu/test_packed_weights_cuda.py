@@ -1,0 +1,43 @@
+"""Packed weights on the GPU: a float checkpoint quantized at load (--isq) runs on the cuda backend, CUDA
+graphs included, and gives the logits of the same packed weights on the CPU's reference path. Runs on the GPU
+machine (qkern's kernels, once registered in CudaOps.weight_kernels, run here instead of the reference)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+from xinfer.quant import QuantizedTensor
+from xinfer_cpu.ops import CpuOps
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device; benchmarks/gpu_suite.py runs it on the GPU machine"
+)
+
+# 256-wide rows: whole blocks of the K formats
+SHAPE = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "initializer_range": 0.2}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-256")
+    save_tiny_model(LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"]), folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("isq", ["q8_0", "q4_0", "q4_k", "q6_k"])
+def test_isq_on_cuda_matches_the_cpu_reference(model_dir, isq, monkeypatch):
+    gpu = LLM(model=model_dir, dtype="float32", device="cuda", isq=isq, num_blocks=64)
+    assert isinstance(gpu.engine.model.model.layers[0].mlp.down_proj.weight, QuantizedTensor)
+    monkeypatch.setattr(CpuOps, "weight_kernels", {})
+    cpu = LLM(model=model_dir, dtype="float32", device="cpu", isq=isq, num_blocks=64)
+    ids = prompt(37)
+    got, expected = prefill_logits(gpu.engine, ids).cpu(), prefill_logits(cpu.engine, ids)
+    error = float((got - expected).abs().max() / expected.abs().max())
+    assert error <= 1e-3, f"{isq}: max|diff|/max|logit| = {error:.2e}"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [prompt(n, seed=n) for n in (3, 20, 41)]
+    gpu_tokens = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]  # decode replays CUDA graphs
+    cpu_tokens = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    assert sum(a[:4] == b[:4] for a, b in zip(gpu_tokens, cpu_tokens)) >= 2

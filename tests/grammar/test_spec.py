@@ -1,0 +1,86 @@
+"""Constraints and their errors, without a model; the bitmask op against a per-token loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xinfer.grammar import StructuredOutputs
+from xinfer.grammar.matcher import Constraint
+from xinfer.torch_ops import TorchOps
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"regex": "[a-"}, r"^invalid regex: .*unclosed character class$"),
+        ({"grammar": "start: foo"}, r'^invalid grammar: .*unknown name: "foo"$'),
+        ({"grammar": "root ::= [a-"}, r"^invalid grammar: "),
+        ({"json": {"type": "objectx"}}, r"^invalid JSON schema: .*objectx"),
+        ({"json": "{not json"}, r"^invalid JSON schema: not JSON"),
+        ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, r"^invalid JSON schema: .*nowhere"),
+        ({"json": {"type": "string", "format": "no-such-format"}}, r"^invalid JSON schema: .*no-such-format"),
+        ({"choice": []}, r"choice must be a non-empty list of strings"),
+        ({}, r"exactly one of .* got none"),
+        ({"regex": "a", "choice": ["b"]}, r"exactly one of .*\['regex', 'choice'\]"),
+    ],
+)
+def test_invalid_constraints_raise_one_line_value_errors(fields, message):
+    with pytest.raises(ValueError, match=message) as error:
+        StructuredOutputs(**fields)
+    assert "\n" not in str(error.value)
+
+
+def test_lenient_schemas_ignore_unknown_keywords_when_not_strict():
+    StructuredOutputs(json={"type": "string", "format": "no-such-format"}, strict=False)
+
+
+def test_gbnf_grammars_are_taken_too():
+    StructuredOutputs(grammar='root ::= "yes" | "no"')
+
+
+def test_bitmask_op_masks_the_cleared_bits_of_the_listed_rows_only():
+    generator = torch.Generator().manual_seed(0)
+    vocab, words = 70, 3  # the bitmask covers 96 tokens: its tail past the vocabulary is ignored
+    logits = torch.randn(4, vocab, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31, (2, words), generator=generator, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([3, 1])
+    out = logits.clone()
+    TorchOps().apply_token_bitmask(out, bitmask, rows)
+    expected = logits.clone()
+    for i, row in enumerate(rows.tolist()):
+        for token in range(vocab):
+            word = int(bitmask[i, token // 32]) & 0xFFFFFFFF
+            if not (word >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    assert torch.equal(out, expected)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+
+
+def test_tokens_past_a_narrow_bitmask_are_masked():
+    logits = torch.zeros(1, 40)
+    TorchOps().apply_token_bitmask(logits, torch.full((1, 1), -1, dtype=torch.int32), torch.tensor([0]))
+    assert torch.isfinite(logits[0, :32]).all() and torch.isinf(logits[0, 32:]).all()
+
+
+class FakeMatcher:
+    def __init__(self):
+        self.consumed: list[int] = []
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed.append(token)
+        return True
+
+
+def test_a_constraint_after_a_token_is_dormant_until_that_token():
+    matcher = FakeMatcher()
+    constraint = Constraint(matcher, words=1, after_token_id=9)  # type: ignore[arg-type]
+    for token in (4, 5, 9):
+        assert not constraint.wants_mask
+        constraint.accept(token)
+    assert constraint.wants_mask
+    constraint.accept(6)
+    assert matcher.consumed == [6]

@@ -1,0 +1,81 @@
+"""The GGUF block formats in torch against the gguf package's numpy reference (llama.cpp's layouts)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from xinfer.quant import get_weight_format, quantized
+from xinfer.quant.gguf_formats import GGUF_FORMATS
+
+FORMATS = [f.name for f in GGUF_FORMATS]
+
+
+def random_blocks(name: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
+    """Random bytes of ``rows`` rows of ``name`` blocks, their f16 scales finite and moderate (random
+    bytes would make some inf or NaN, which compare as nothing)."""
+    fmt = get_weight_format(name)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row, fmt.block_bytes), dtype=np.uint8)
+    halves = rng.uniform(-0.1, 0.1, size=(rows, blocks_per_row, 2)).astype(np.float16).view(np.uint8)
+    for start in _f16_offsets(name):
+        raw[..., start : start + 2] = halves[..., :2] if start % 4 == 0 else halves[..., 2:4]
+    return raw.reshape(rows, blocks_per_row * fmt.block_bytes)
+
+
+def _f16_offsets(name: str) -> list[int]:
+    return {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82],
+            "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[name]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantize_matches_gguf(name: str) -> None:
+    raw = random_blocks(name, rows=7, blocks_per_row=3)
+    ours = get_weight_format(name).dequantize(torch.from_numpy(raw))
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name.upper()])
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_stacked_experts_dequantize_per_expert(name: str) -> None:
+    fmt = get_weight_format(name)
+    raw = torch.from_numpy(random_blocks(name, rows=3 * 5, blocks_per_row=2)).reshape(3, 5, -1)
+    weight = quantized(raw, fmt, (3, 5, 2 * fmt.block_values))
+    full = weight.dequantize()
+    for expert in range(3):
+        torch.testing.assert_close(weight.select(expert).dequantize(), full[expert], rtol=0, atol=0)
+
+
+QUANTIZERS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]  # gguf.quants.quantize has these (bit-exact to ggml)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_quantize_matches_gguf(name: str) -> None:
+    values = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
+    values[0, :32] = 0.0  # an all-zero block
+    ours = get_weight_format(name).quantize(torch.from_numpy(values))
+    expected = gguf.quants.quantize(values, gguf.GGMLQuantizationType[name.upper()])
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+@pytest.mark.parametrize("name, levels", [("q4_k", 15), ("q6_k", 63), ("q8_0", 255), ("q4_0", 15)])
+def test_quantize_round_trip_error_is_within_the_format_steps(name: str, levels: int) -> None:
+    fmt = get_weight_format(name)
+    values = torch.randn(6, 512, generator=torch.Generator().manual_seed(2))
+    back = fmt.dequantize(fmt.quantize(values))
+    span = values.reshape(6, -1, 16).amax(-1) - values.reshape(6, -1, 16).amin(-1)
+    error = (back - values).abs().reshape(6, -1, 16).amax(-1)
+    # a step is about span / levels; scales rounded to few bits add at most another step
+    assert (error <= 2.0 * span / levels + 1e-6).all()
+    assert fmt.quantize(back).shape == (6, 512 // fmt.block_values * fmt.block_bytes)
+
+
+def test_shapes_that_contradict_the_format_name_the_tensor() -> None:
+    fmt = get_weight_format("q4_k")
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight'.*not whole q4_k blocks"):
+        quantized(torch.zeros(4, 144, dtype=torch.uint8), fmt, (4, 200), "blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"'w'.*q4_k bytes of shape \(4, 100\)"):
+        quantized(torch.zeros(4, 100, dtype=torch.uint8), fmt, (4, 256), "w")

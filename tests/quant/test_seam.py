@@ -1,0 +1,167 @@
+"""The quantized-weight seam: ops on packed weights against dequantize-then-compute (the reference
+every backend can run), the CPU backend's repacked fast path against the reference, and formats and
+kernels coming from plugins."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.quant.test_gguf_formats import FORMATS, random_blocks
+from xinfer import ops, registry
+from xinfer.hooks import hookimpl
+from xinfer.layers.embedding import VocabEmbedding
+from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels, cat_rows, get_weight_format, quantized
+from xinfer.quant.dispatch import kernels_for, prepare_weights
+from xinfer.torch_ops import TorchOps
+from xinfer_cpu.ops import CpuOps
+from xinfer_cpu.quant import WEIGHT_KERNELS
+
+# the CPU's int4/int8 matmuls take bf16 activations and (int4) bf16 scales: about 2^-8 relative
+FAST_PATH_TOLERANCE = 2e-2
+
+
+def packed(name: str, shape: tuple[int, ...], seed: int = 0) -> QuantizedTensor:
+    fmt = get_weight_format(name)
+    *outer, rows, cols = shape
+    lead = int(torch.tensor(outer).prod()) if outer else 1
+    raw = torch.from_numpy(random_blocks(name, lead * rows, cols // fmt.block_values, seed))
+    return quantized(raw.reshape(*shape[:-1], -1), fmt, shape)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_linear_reference_is_dequantize_then_matmul(name: str) -> None:
+    weight = packed(name, (40, 512))
+    x, bias = torch.randn(3, 512), torch.randn(40)
+    with ops.use(TorchOps()):
+        got = ops.linear(x, weight, bias)
+    torch.testing.assert_close(got, F.linear(x, weight.dequantize(), bias), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_KERNELS))
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_cpu_fast_path_matches_the_reference(name: str, tokens: int) -> None:
+    backend = CpuOps()
+    weight = packed(name, (48, 512), seed=tokens)
+    prepared = kernels_for(backend, name).prepare(weight)
+    assert prepared.format.name != name and prepared.format.name.startswith(name)
+    x, bias = torch.randn(tokens, 512), torch.randn(48)
+    expected = F.linear(x, weight.dequantize(), bias)
+    with ops.use(backend):
+        got = ops.linear(x, prepared, bias)
+    assert got.dtype == x.dtype and got.shape == expected.shape
+    assert relative_error(got, expected) <= FAST_PATH_TOLERANCE
+    assert relative_error(prepared.dequantize(), weight.dequantize()) <= FAST_PATH_TOLERANCE
+
+
+def test_rows_in_different_formats_run_part_by_part() -> None:
+    """A merged q/k/v whose shards the file stores in Q5_0 and Q8_0 (Gemma 3's Q4_K_M)."""
+    q, v = packed("q5_0", (64, 256)), packed("q8_0", (32, 256), seed=1)
+    merged = cat_rows([q, v])
+    assert merged.parts is not None and merged.logical_shape == (96, 256)
+    assert merged.nbytes == q.nbytes + v.nbytes
+    x = torch.randn(4, 256)
+    expected = x @ torch.cat([q.dequantize(), v.dequantize()]).T
+    with ops.use(TorchOps()):
+        torch.testing.assert_close(ops.linear(x, merged), expected, rtol=0, atol=1e-4)
+    backend = CpuOps()
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(merged, requires_grad=False)
+    prepare_weights(model, backend)
+    with ops.use(backend):
+        assert relative_error(ops.linear(x, model.weight), expected) <= FAST_PATH_TOLERANCE
+
+
+def test_same_format_rows_merge_into_one_tensor() -> None:
+    gate, up = packed("q4_1", (24, 64)), packed("q4_1", (24, 64), seed=1)
+    merged = cat_rows([gate, up])
+    assert merged.parts is None and merged.format.name == "q4_1"
+    torch.testing.assert_close(merged.dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))
+
+
+@pytest.mark.parametrize("backend", [TorchOps(), CpuOps()], ids=["reference", "cpu"])
+def test_fused_moe_on_packed_experts_is_dequantize_then_compute(backend) -> None:
+    experts, hidden, inner, tokens = 4, 256, 256, 6
+    w13, w2 = packed("q4_k", (experts, 2 * inner, hidden)), packed("q6_k", (experts, hidden, inner), seed=1)
+    x = torch.randn(tokens, hidden)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=generator)
+    expected = TorchOps().fused_moe(x, w13.dequantize(), w2.dequantize(), weights, ids, "silu")
+    with ops.use(backend):
+        got = ops.fused_moe(x, w13, w2, weights, ids, "silu")
+    assert relative_error(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("prepare", [False, True], ids=["packed", "cpu-repacked"])
+def test_embedding_dequantizes_only_the_rows_looked_up(prepare: bool) -> None:
+    table = packed("q8_0", (50, 64))
+    embedding = VocabEmbedding(50, 64)
+    embedding.weight = torch.nn.Parameter(table, requires_grad=False)
+    if prepare:
+        prepare_weights(embedding, CpuOps())
+        assert embedding.weight.format.name == "q8_0:cpu-int8"
+    ids = torch.tensor([[3, 49], [0, 3]])
+    torch.testing.assert_close(embedding(ids), table.dequantize()[ids], rtol=0, atol=0)
+
+
+def test_a_table_repacked_without_readable_rows_is_left_packed() -> None:
+    embedding = VocabEmbedding(50, 64)
+    embedding.weight = torch.nn.Parameter(packed("q4_0", (50, 64)), requires_grad=False)
+    prepare_weights(embedding, CpuOps())
+    assert embedding.weight.format.name == "q4_0"
+
+
+class Int8Rows(WeightFormat):
+    """A third party's format: int8 values with one f32 scale per row, stored after the values."""
+
+    name, block_values, block_bytes = "int8-rows", 64, 68
+
+    def dequantize(self, raw: torch.Tensor) -> torch.Tensor:
+        q, scale = raw[..., :64].view(torch.int8).float(), raw[..., 64:].contiguous().view(torch.float32)
+        return q * scale
+
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        scale = values.abs().amax(-1, keepdim=True) / 127
+        q = torch.round(values / scale).to(torch.int8).view(torch.uint8)
+        return torch.cat([q, scale.contiguous().view(torch.uint8)], dim=-1)
+
+    kernels = {"cpu": f"{__name__}:CountingKernels"}
+
+
+class CountingKernels(WeightKernels):
+    calls = 0
+
+    def linear(self, x, weight, bias):
+        CountingKernels.calls += 1
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+@hookimpl
+def xinfer_weight_formats():
+    return {"int8-rows": f"{__name__}:Int8Rows"}
+
+
+def test_a_plugin_format_registers_through_the_hook_and_brings_its_kernels(monkeypatch) -> None:
+    found = registry.discover(["cpu"], modules={"int8-rows": sys.modules[__name__]})
+    monkeypatch.setattr(registry, "discovery", lambda: found)
+    fmt = get_weight_format("int8-rows")
+    assert isinstance(fmt, Int8Rows) and "q4_k" in registry.weight_formats()
+    values = torch.randn(8, 64)
+    weight = quantized(fmt.quantize(values), fmt, (8, 64))
+    x = torch.randn(2, 64)
+    with ops.use(CpuOps()):
+        got = ops.linear(x, weight)
+    assert CountingKernels.calls == 1
+    torch.testing.assert_close(got, x @ weight.dequantize().T)
+    assert relative_error(weight.dequantize(), values) <= 1 / 127
+    with ops.use(TorchOps()):  # no kernels under the reference backend's name: the reference
+        ops.linear(x, weight)
+    assert CountingKernels.calls == 1
