@@ -240,7 +240,7 @@ def fla_case(
     figures = dict(case=name, **errors, fla_us=s * 1e6, fla_graph=graphed, fla_tokens_per_s=seqs * q_len / s)
     if decode:
         figures["fla_GBps"] = state_bytes / s / 1e9
-    if fla_prefill.wins(t["v"].device, seqs * q_len, seqs, q_len):
+    if fla_prefill.wins(t["v"].device, t["v"].dtype, seqs * q_len, seqs, q_len):
         figures.update(op_through_fla(t, meta, expected, expected_state))
     return figures
 

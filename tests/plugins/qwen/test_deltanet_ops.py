@@ -338,21 +338,23 @@ def test_fla_adapter_reads_and_writes_the_slots(monkeypatch):
 
 def test_fla_goes_only_to_gpu_steps_with_a_chunk_of_rows_per_sequence(monkeypatch):
     monkeypatch.setattr(fla_prefill, "chunk_rule", fla_contract)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert fla_prefill.wins(cuda, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)
-    assert not fla_prefill.wins(cuda, tokens=2048, num_seqs=256, max_seqlen_q=2048)  # a bucket padded with sequences
-    assert not fla_prefill.wins(cuda, tokens=256, num_seqs=256, max_seqlen_q=1)  # decode
-    assert not fla_prefill.wins(cpu, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # fla's kernels need a GPU
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert fla_prefill.wins(cuda, bf16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)
+    assert fla_prefill.wins(cuda, torch.float16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)
+    assert not fla_prefill.wins(cuda, bf16, tokens=2048, num_seqs=256, max_seqlen_q=2048)  # a bucket padded with seqs
+    assert not fla_prefill.wins(cuda, bf16, tokens=256, num_seqs=256, max_seqlen_q=1)  # decode
+    assert not fla_prefill.wins(cpu, bf16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # fla's kernels need a GPU
+    assert not fla_prefill.wins(cuda, torch.float32, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # exact products
     monkeypatch.setattr(fla_prefill, "chunk_rule", None)
-    assert not fla_prefill.wins(cuda, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # not installed
+    assert not fla_prefill.wins(cuda, bf16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # not installed
 
 
 @pytest.mark.skipif(not (ON_GPU and fla_prefill.available()), reason="fla's kernels need a GPU and fla-core installed")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: c[0])
 def test_gated_delta_rule_through_fla_matches_the_reference(case, dtype, monkeypatch):
-    """Every case through fla's prefill (the op sends it only prefill-heavy steps)."""
-    monkeypatch.setattr(fla_prefill, "wins", lambda device, tokens, num_seqs, max_seqlen_q: max_seqlen_q > 1)
+    """Every case through fla's prefill (the op sends it only 16-bit prefill-heavy steps)."""
+    monkeypatch.setattr(fla_prefill, "wins", lambda device, dtype, tokens, num_seqs, max_seqlen_q: max_seqlen_q > 1)
     if max(q for q, _ in case[1]) == 1:
         pytest.skip("decode steps stay with the recurrent kernel")
     test_gated_delta_rule_kernel_matches_the_reference(case, dtype)

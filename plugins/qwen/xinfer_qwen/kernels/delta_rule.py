@@ -221,7 +221,7 @@ def gated_delta_rule(
             dim_k**-0.5, BLOCK_V=RECURRENT_BLOCK_V, num_warps=4, **common,
         )  # fmt: skip
         return out
-    if fla_prefill.wins(v.device, tokens, meta.num_seqs, meta.max_seqlen_q):
+    if fla_prefill.wins(v.device, v.dtype, tokens, meta.num_seqs, meta.max_seqlen_q):
         return fla_prefill.gated_delta_rule(q, k, v, g, beta, state, meta, slots)
     # fp32 inputs: exact fp32 products (the tf32x3 tensor-core split gave the mixed-batch test's outputs at 0.9
     # relative error on an H200, Triton 3.6, where the interpreter's exact dots passed); 16-bit inputs: tf32 for

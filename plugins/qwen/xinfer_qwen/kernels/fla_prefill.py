@@ -67,11 +67,15 @@ def available() -> bool:
     return chunk_rule is not None
 
 
-def wins(device: torch.device, tokens: int, num_seqs: int, max_seqlen_q: int) -> bool:
+def wins(device: torch.device, dtype: torch.dtype, tokens: int, num_seqs: int, max_seqlen_q: int) -> bool:
     """Whether a step of ``tokens`` rows over ``num_seqs`` sequences (padding included) goes to
-    fla: on a GPU (fla's kernels need one), a step with prompt rows and at least a chunk's rows
-    per sequence (see the top)."""
-    return available() and device.type == "cuda" and max_seqlen_q > 1 and tokens >= CHUNK * num_seqs
+    fla: on a GPU (fla's kernels need one), in 16 bits (fp32 steps keep our kernel's exact fp32
+    products; fla's run in tf32), a step with prompt rows and at least a chunk's rows per
+    sequence (see the top)."""
+    return (
+        available() and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and max_seqlen_q > 1
+        and tokens >= CHUNK * num_seqs
+    )  # fmt: skip
 
 
 def chunk_indices(cu_seqlens: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
