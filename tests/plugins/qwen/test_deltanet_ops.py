@@ -219,16 +219,20 @@ def test_conv1d_kernel_matches_the_reference(dtype, width, channels):
         torch.testing.assert_close(got_state.cpu(), expected_state, rtol=0, atol=0, equal_nan=True)
 
 
-def test_conv1d_kernel_over_more_sequences_than_one_search():
-    """A batch of many sequences (more than the kernel's tile search reads at once), decode rows
-    between prompts of several tiles, some continuing: every row and slot against the reference."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv1d_kernel_over_more_sequences_than_one_search(dtype, monkeypatch):
+    """A batch of more sequences than the kernel's tile search reads at once (made 16 here, to
+    keep the interpreter quick), decode rows between prompts of several tiles, some continuing:
+    every row and slot against the reference. The state in fp32 whatever the inputs' dtype, as
+    the layer keeps it."""
+    monkeypatch.setattr(conv1d, "SEARCH", 16)
     generator = torch.Generator().manual_seed(7)
-    count = conv1d.SEARCH + 30
+    count = 2 * conv1d.SEARCH + 7
     q_lens = torch.tensor([1, 1, 2, 40, 1, 3, 70, 1])[torch.randint(8, (count,), generator=generator)].tolist()
     before = torch.randint(0, 3, (count,), generator=generator).mul(5).tolist()  # 0: the sequence starts
     channels, width = 24, 4
-    x = torch.randn(sum(q_lens), channels, generator=generator)
-    weight = torch.randn(channels, width, generator=generator) / 2
+    x = torch.randn(sum(q_lens), channels, generator=generator).to(dtype)
+    weight = (torch.randn(channels, width, generator=generator) / 2).to(dtype)
     slots = torch.randperm(count + 3, generator=generator)[:count].to(torch.int32)
     state = torch.randn(count + 3, channels, width - 1, generator=generator)
     meta = metadata(q_lens, before)
@@ -237,7 +241,7 @@ def test_conv1d_kernel_over_more_sequences_than_one_search():
     got = conv1d.causal_conv1d(
         x.to(DEVICE), weight.to(DEVICE), None, got_state, to_device(meta, DEVICE), slots.to(DEVICE)
     )
-    assert_close_on_rows(got, expected, meta, TOL[torch.float32])
+    assert_close_on_rows(got, expected, meta, TOL[dtype])
     torch.testing.assert_close(got_state.cpu(), expected_state)
 
 
