@@ -11,14 +11,16 @@ without fla, and the faster one for steps of many short sequences (below).
 The adaptation to our cache:
 
 - fla takes the sequences' initial states as one dense [N, Hv, Dk, Dv] fp32 tensor and returns
-  the final states as another, so each call gathers every sequence's slot (zeros for a sequence
-  that starts) and writes the final states back to the slots of the sequences with rows in the
-  step (a padding sequence's slot, slot 0, may be a real sequence's too, so it is skipped).
-  That is four state copies per sequence, each 2 MiB at 32 heads of 128 x 128: a step pays them
-  for every sequence, a CUDA-graph bucket of a few prompt tokens padded to ``max_num_seqs``
-  zero-row sequences too. Hence :func:`wins`: fla only where a step has at least a chunk's
-  rows per sequence (its 1.5 ms saving over 16k tokens is about 0.09 us per token per layer,
-  the copies about 2 us per sequence, so it breaks even near 22 rows per sequence).
+  the final states as another, so each call copies the slots of the sequences that continue
+  into the initial states (zeros for those that start) and the final states back to the slots
+  of the sequences with rows in the step (a padding sequence's slot, slot 0, may be a real
+  sequence's too, so it is skipped). fla itself reads, zeroes and writes one state per sequence,
+  padding included: 2 MiB each at 32 heads of 128 x 128. Against our kernel, which reads and
+  writes each real sequence's state once and skips padding, that is about 10 MiB more per real
+  sequence and 6 MiB per padding one (a CUDA-graph bucket of a few prompt tokens is padded to
+  ``max_num_seqs`` sequences), 1.5 to 2.5 us at the H200's bandwidth, where fla saves about
+  0.09 us per token and layer (1.5 ms over 16k tokens). Hence :func:`wins`: fla only where a
+  step has at least a chunk's rows per sequence (the break-even is near 28).
 - fla computes its varlen chunk indices on the host from ``cu_seqlens`` (a sync, and under a
   CUDA graph indices frozen at capture). :func:`chunk_indices` builds them on the device for a
   count fixed by the step's shape (T / 64 + N, at least the real number), the spare ones
@@ -95,6 +97,24 @@ def chunk_indices(cu_seqlens: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
 
 
 @triton.jit
+def _gather_kernel(state_ptr, initial_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr, stride_state_slot, numel,
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """``initial[n] = state[slots[n]]`` (a block of it) for a sequence ``n`` that continues, zeros
+    for one that starts; nothing for a sequence of no rows (fla only carries its state through)."""
+    pdl_entry(PDL)
+    seq = tl.program_id(0)
+    lo = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - lo
+    if q_len == 0:
+        return
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    continues = tl.load(seq_lens_ptr + seq) != q_len
+    slot_ptr = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * stride_state_slot
+    values = tl.load(slot_ptr + offsets, mask=(offsets < tl.where(continues, numel, 0)), other=0.0)  # a new slot: NaN
+    tl.store(initial_ptr + seq.to(tl.int64) * numel + offsets, values.to(tl.float32), mask=offsets < numel)
+
+
+@triton.jit
 def _write_back_kernel(final_ptr, state_ptr, cu_seqlens_ptr, slots_ptr, stride_state_slot, numel,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """``state[slots[n]] = final[n]`` (a block of it) for a sequence ``n`` with rows in the step."""
@@ -125,17 +145,16 @@ def gated_delta_rule(
     assert state[0].is_contiguous() and state.stride(0) >= per_slot, "gated_delta_rule: each slot's state is one block"
     tokens, num_seqs = v.shape[0], meta.num_seqs
     cu_seqlens, indices = chunk_indices(meta.cu_seqlens_q, tokens)
-    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-    continues = (meta.seq_lens != q_lens)[:, None, None, None]
-    initial = torch.zeros((num_seqs + 1, *state.shape[1:]), dtype=torch.float32, device=state.device)
-    initial[:num_seqs] = torch.where(continues, state[slots.long()].float(), 0.0)  # (a new slot may hold NaN)
+    grid = (num_seqs, triton.cdiv(per_slot, COPY_BLOCK))
+    copy = dict(BLOCK=COPY_BLOCK, num_warps=4, **pdl(state.device))
+    # the rows of sequences of no rows (padding, and the spare chunks' extra one) stay undefined: fla only
+    # carries them to its final states, which are not written back
+    initial = torch.empty((num_seqs + 1, *state.shape[1:]), dtype=torch.float32, device=state.device)
+    _gather_kernel[grid](state, initial, meta.cu_seqlens_q, meta.seq_lens, slots, state.stride(0), per_slot, **copy)
     out, final = chunk_rule(
         q=q[None], k=k[None], v=v[None], g=g.float()[None], beta=beta[None], scale=k.shape[-1] ** -0.5,
         initial_state=initial, output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=indices,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
-    _write_back_kernel[(num_seqs, triton.cdiv(per_slot, COPY_BLOCK))](
-        final.contiguous(), state, meta.cu_seqlens_q, slots, state.stride(0), per_slot, BLOCK=COPY_BLOCK,
-        num_warps=4, **pdl(state.device),
-    )  # fmt: skip
+    _write_back_kernel[grid](final.contiguous(), state, meta.cu_seqlens_q, slots, state.stride(0), per_slot, **copy)
     return out[0]
