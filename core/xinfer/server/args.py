@@ -81,7 +81,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
                         help="device ids, e.g. 0; several (0,1) split the model over them, one process each (tensor "
-                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids")
+                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids; ignored with a warning where "
+                        "the accelerator is one device (a Mac's GPU)")
     device.add_argument("--cpu", action="store_true", help="run on the CPU")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 
@@ -92,8 +93,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--max-tokens", type=int,
                           help="default max generated tokens of a request (default: the rest of the context)")
     capacity.add_argument("--kv-fraction", type=float,
-                          help="GPU: share of the device's total memory for weights, activations, CUDA graphs and KV "
-                          "cache, which gets the rest (default: 0.9); CPU: share of the available RAM after loading "
+                          help="GPU: share of the device's total memory (on a Mac: of the memory Metal lets one process "
+                          "keep resident) for weights, activations, CUDA graphs and KV cache, which gets the rest "
+                          "(default: 0.9); CPU: share of the available RAM after loading "
                           "the weights for the KV cache (default: a quarter, at most 2 GiB)")
     capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
                           help="KV cache format (docs/kv-cache.md); auto: the model dtype")
