@@ -2,7 +2,8 @@
 flash-linear-attention's (``fla-core``) where it imports; a JSON line of ours, then one with fla's.
 
     python benchmarks/deltanet.py            # on the GPU
-    python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64)
+    python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64), the conv at
+                                             # each row tile (8 to 64)
     python benchmarks/deltanet.py --smoke    # tiny shapes, CPU, Triton interpreter (checks the script)
 
 Shapes: 16 key heads and 32 value heads of 128 (bf16; the state fp32), the conv over q, k and
@@ -202,9 +203,15 @@ def case(
         result["GBps"] = state_bytes / s / 1e9
     s = seconds(lambda: conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"]), device)
     result["conv_us"] = s * 1e6
-    if sweep:  # the kernel's Dv tile: its time and error at each
+    if sweep:  # the delta-rule kernel's Dv tile, and the conv's row tile: time (and error) at each
         with ours_only():
             result.update(sweep_tiles(t, meta, decode, expected, device))
+        chosen = conv1d.MAX_BLOCK_T
+        for block_t in (8, 16, 32, 64):
+            conv1d.MAX_BLOCK_T = block_t
+            s = seconds(lambda: conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"]), device)
+            result[f"conv MAX_BLOCK_T={block_t}"] = dict(us=s * 1e6)
+        conv1d.MAX_BLOCK_T = chosen
 
     return result, dict(t=t, meta=meta, decode=decode, initial=t["state"] if context > q_len else None,
                         expected=expected, expected_state=expected_state, ours=ours, state_bytes=state_bytes)  # fmt: skip
@@ -248,7 +255,11 @@ def fla_case(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
-    parser.add_argument("--sweep", action="store_true", help="also time the delta-rule kernels at each Dv tile")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the delta-rule kernels at each Dv tile and the conv at each row tile",
+    )
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("deltanet.py: no CUDA device (--smoke runs tiny shapes on the CPU)")

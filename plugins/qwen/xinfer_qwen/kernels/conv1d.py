@@ -10,7 +10,8 @@ cache): contiguous, vectorized rows of channels, which is what makes the kernel
 bandwidth-bound.
 
 A sequence's first tile is the only one that reads or writes its conv state: rows of later
-tiles reach back at most K-1 <= BLOCK_T rows, all of them in this step.
+tiles reach back at most K-1 <= BLOCK_T rows, all of them in this step. Its first K-1 rows,
+the ones that reach into the state, are computed apart in a small tile of their own.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernel_api import pdl, pdl_entry
 
 ACTIVATIONS = (None, "silu", "swish")
-MAX_BLOCK_T = 32
+MAX_BLOCK_T = 16  # 64 registers a thread at 8 warps (Triton 3.6, sm_90): 4 programs an SM; 32 rows take 127
 BLOCK_C = 256
 SEARCH = 128  # sequences the tile search reads at a time
 
@@ -67,6 +68,27 @@ def _state_rows(state_ptr, src, channels, stride_state_c, stride_state_k, in_bou
 
 
 @triton.jit
+def _conv_rows(x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, lo, q_len, rows, channels, in_bounds, stride_x,
+               stride_out, stride_state_c, stride_state_k, continues, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SILU: tl.constexpr, FROM_STATE: tl.constexpr):  # fmt: skip
+    """Writes the output at the sequence's ``rows`` [R] (those in ``0 <= rows < q_len``); the
+    stream before this step, from the state, only ``FROM_STATE`` (rows reaching back before 0)."""
+    acc = tl.zeros([rows.shape[0], channels.shape[0]], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + channels, mask=in_bounds, other=0.0).to(tl.float32)[None, :]
+    for i in tl.static_range(WIDTH):
+        src = rows - (WIDTH - 1) + i
+        u = _x_rows(x_ptr, lo, q_len, src, channels, stride_x, in_bounds)
+        if FROM_STATE:
+            u += _state_rows(state_ptr, src, channels, stride_state_c, stride_state_k, in_bounds, continues, WIDTH)
+        acc += tl.load(weight_ptr + channels * WIDTH + i, mask=in_bounds, other=0.0).to(tl.float32)[None, :] * u
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + (lo + rows).to(tl.int64)[:, None] * stride_out + channels[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=((rows >= 0) & (rows < q_len))[:, None] & in_bounds[None, :])  # fmt: skip
+
+
+@triton.jit
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr,
     stride_x, stride_out, stride_state_slot, stride_state_c, stride_state_k, num_channels, num_seqs,
@@ -82,34 +104,27 @@ def _causal_conv1d_kernel(
     channels = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_bounds = channels < num_channels
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    # the bulk of the rows from this step's x alone: the first tile leaves its first K-1 rows, which
+    # reach into the state, to a small tile of their own (the state's loads, contiguous along the
+    # taps, get a layout of their own: mixed into the whole tile they cost it a trip through
+    # shared memory and twice the registers, as Triton 3.6 compiles it)
+    rows = tl.where(rows < tl.where(row_tile == 0, WIDTH - 1, 0), -1, rows)
+    _conv_rows(x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, lo, q_len, rows, channels, in_bounds, stride_x,
+               stride_out, stride_state_c, stride_state_k, False, WIDTH, HAS_BIAS, SILU, False)  # fmt: skip
 
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + channels, mask=in_bounds, other=0.0).to(tl.float32)[None, :]
-    for i in tl.static_range(WIDTH):
-        w = tl.load(weight_ptr + channels * WIDTH + i, mask=in_bounds, other=0.0).to(tl.float32)
-        acc += w[None, :] * _x_rows(x_ptr, lo, q_len, rows - (WIDTH - 1) + i, channels, stride_x, in_bounds)
-
-    if row_tile == 0:  # the stream before this step; then the state becomes the stream's last K-1 values
+    if row_tile == 0:  # the rows reaching into the state; then the state becomes the stream's last K-1 values
         continues = tl.load(seq_lens_ptr + seq) != q_len
         state_ptr += tl.load(slots_ptr + seq).to(tl.int64) * stride_state_slot
-        for i in tl.static_range(WIDTH - 1):
-            w = tl.load(weight_ptr + channels * WIDTH + i, mask=in_bounds, other=0.0).to(tl.float32)
-            src = rows - (WIDTH - 1) + i
-            acc += w[None, :] * _state_rows(state_ptr, src, channels, stride_state_c, stride_state_k, in_bounds,
-                                            continues, WIDTH)  # fmt: skip
         window = tl.arange(0, WINDOW)
+        first = tl.where(window < WIDTH - 1, window, -1)
+        _conv_rows(x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, lo, q_len, first, channels, in_bounds, stride_x,
+                   stride_out, stride_state_c, stride_state_k, continues, WIDTH, HAS_BIAS, SILU, True)  # fmt: skip
         last_rows = q_len - (WIDTH - 1) + window
         last = _x_rows(x_ptr, lo, q_len, last_rows, channels, stride_x, in_bounds)
         last += _state_rows(state_ptr, last_rows, channels, stride_state_c, stride_state_k, in_bounds, continues, WIDTH)
         tl.debug_barrier()  # every read of the old state (by any thread) before it is overwritten
         tl.store(state_ptr + channels[None, :] * stride_state_c + window[:, None] * stride_state_k,
                  last.to(state_ptr.dtype.element_ty), mask=(window < WIDTH - 1)[:, None] & in_bounds[None, :])  # fmt: skip
-
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + (lo + rows).to(tl.int64)[:, None] * stride_out + channels[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None] & in_bounds[None, :])  # fmt: skip
 
 
 def causal_conv1d(
