@@ -15,6 +15,7 @@ from typing import Any
 
 from xinfer.kv.formats import formats
 from xinfer.text.reasoning import PARSERS
+from xinfer.toolcalls import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "XINFER_"
 DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
@@ -164,6 +165,11 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     reasoning.add_argument("--disable-reasoning", action="store_true",
                            help="ask templates not to think (enable_thinking=false) and split nothing")
 
+    tools = p.add_argument_group("tool calling (tools and tool_choice on chat completions)")
+    tools.add_argument("--enforce-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS], metavar="NAME",
+                       help="how answers' tool calls are read: auto (the format the model's chat template writes), "
+                            "none (answers are text), or a format's parser: " + ", ".join(TOOL_PARSERS))
+
     nodes = p.add_argument_group("multi-node tensor parallel (the same command on every node, each with its "
                                  "--node-rank; node 0 serves, the others follow it)")
     nodes.add_argument("--num-nodes", type=_at_least(int, 1), default=1,
@@ -191,7 +197,6 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--mcp-config", help="MCP tools config file [later]")
     later.add_argument("--mcp-command", help="MCP server command [later]")
     later.add_argument("--mcp-args", help="MCP server arguments [later]")
-    later.add_argument("--enforce-parser", help="tool-call parser [later]")
     return p
 
 

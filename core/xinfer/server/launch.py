@@ -217,7 +217,8 @@ async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> i
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
     serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
-                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning)  # fmt: skip
+                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
+                      tool_parser=args.enforce_parser)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
