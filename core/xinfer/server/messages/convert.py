@@ -104,10 +104,9 @@ USER_BLOCKS = frozenset({"text", "image", "tool_result"})
 ASSISTANT_BLOCKS = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
 
 
-def joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]] | None:
-    """Text parts as one string; parts with an image kept as parts; none as None (a tool-calling turn)."""
-    if not parts:
-        return None
+def joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts as one string (none: "", which every template renders, where some read no missing
+    content); parts with an image kept as parts."""
     if all(part["type"] == "text" for part in parts):
         return "".join(part["text"] for part in parts)
     return parts

@@ -17,7 +17,7 @@ class _Body(BaseModel):
 
 
 class ImageSource(_Body):
-    type: str
+    type: str | None = None  # checked where it is read (an image's), as other blocks have other sources
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
