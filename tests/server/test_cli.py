@@ -45,6 +45,8 @@ ISSUE_FLAGS = [
     "--pd-client",
     "--pd-url",
     "--mcp-config",
+    "--mcp-command",
+    "--mcp-args",
     "--enforce-parser",
     "--max-waiting",
     "--shutdown-timeout",
@@ -76,7 +78,6 @@ def test_help_lists_every_flag():
         (["--d", "0,1"], "tensor parallel"),
         (["--num-speculative-tokens", "2"], "speculative"),
         (["--pd-server"], "disaggregation"),
-        (["--mcp-config", "tools.json"], "MCP"),
         (["--num-nodes", "2"], "multi-node"),
     ],
 )

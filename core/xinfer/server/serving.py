@@ -12,6 +12,7 @@ from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull
 from xinfer.engine.engine import KVCacheFull, LLMEngine
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
+from xinfer.server.mcp.config import MCPSettings
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
 from xinfer.server.protocol import GenerationRequest
@@ -31,6 +32,7 @@ class Serving:
     aliases: frozenset[str] = frozenset()
     reasoning_parser: str = "auto"  # --reasoning-parser: a name of PARSERS, "auto" or "none"
     disable_reasoning: bool = False  # --disable-reasoning
+    mcp: MCPSettings | None = None  # --mcp-command / --mcp-config
     _token_texts: dict[int, str] = field(default_factory=dict)
     _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known
 
