@@ -102,7 +102,23 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "moe-30b-a3b": [PY, str(HERE / "moe.py")],
         # issue #32: GLM-4.5-Air's layers, 23 of its 46 (106 GB of bf16): batch-1 decode against its bandwidth limit
         "moe-glm45-air": [PY, str(HERE / "moe.py"), "--shape", "glm-4.5-air", "--skip-throughput"],
-        # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
+        # issue #36: DeepSeek-V4-Flash's layers, 8 of its 43 (108 GB of bf16): batch-1 decode against its bandwidth
+        # limit (torch references, no step graphs), the cache's tokens per GiB at 128k against an MLA cache
+        "deepseek-v4-flash": [PY, str(HERE / "deepseek_v4.py")],
+        # issue #35: Qwen3-VL-8B, one 1024x1024 image (1,024 tokens) + 64 text tokens: TTFT, the encoder alone,
+        # and output tok/s of 64 concurrent requests with an image each
+        "vision-qwen3-vl-8b": [
+            PY,
+            str(HERE / "vision.py"),
+            "--shape",
+            "qwen3-vl-8b",
+            "--image-size",
+            "1024",
+            "--text-tokens",
+            "64",
+            "--concurrency",
+            "64",
+        ],
         # issue #37: GGUF-packed weights (the kernels' tests, then per-kernel GB/s and a step's linears,
         # then xinfer and llama.cpp on GGUFs of the Llama-3.1-8B shape written there, Q8_0 and Q4_K_M)
         "quant-kernels": [
@@ -116,6 +132,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "quant-decode-kernels": [PY, str(HERE / "quant_decode.py"), "--kernels", "--linears"],
         "quant-decode-8b": [PY, str(HERE / "quant_decode.py"), "--model"],
         "quant-decode-llama-cpp": [PY, str(HERE / "quant_decode.py"), "--llama-cpp"],
+        # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
         "sharegpt-0.6b": offline + ["--shape", "qwen3-0.6b", "--workload", "sharegpt", "--dtype", "bfloat16"],
         "sharegpt-8b": offline + ["--shape", "llama-3.1-8b", "--workload", "sharegpt", "--dtype", "bfloat16"],
         # a 256-row top-p sampling step against the Qwen3-0.6B 256-row decode step, as a ratio

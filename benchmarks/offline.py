@@ -5,6 +5,7 @@ prompts run greedy, then sampled, in one engine.
 python benchmarks/offline.py --shape smollm2-135m --batch 1 --input-len 128 --output-len 128
 python benchmarks/offline.py --shape qwen3-0.6b --num-requests 256 --input-len 100:1024 --output-len 100:1024
 python benchmarks/offline.py --shape qwen3-0.6b --workload sharegpt
+python benchmarks/offline.py --shape llama-3.1-8b --workload sharegpt --tensor-parallel-size 2   # 2 GPUs
 
 ``--workload sharegpt``: 1,000 requests (``--num-requests``) whose input and output
 lengths are lognormal with means of about 215 and 198 tokens, as ShareGPT
@@ -90,6 +91,12 @@ def main() -> None:
         default=None,
         help="captured step sizes between powers of two (CUDA backend; for A/B runs)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks (one GPU each, steps run eagerly; docs/distributed.md)",
+    )
     args = parser.parse_args()
     if args.num_requests is None:
         args.num_requests = 1000 if args.workload == "sharegpt" else 1
@@ -107,6 +114,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     vocab = llm.engine.hf_config.vocab_size
     inputs, outputs = workload(args, llm.engine.max_model_len, rng)

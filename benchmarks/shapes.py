@@ -9,6 +9,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     DeepseekV3Config,
+    DeepseekV4Config,
+    Gemma3Config,
     Glm4MoeConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -16,6 +18,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3VLConfig,
 )
 
 SHAPES = {
@@ -173,6 +176,50 @@ SHAPES = {
         tie_word_embeddings=False,
         architectures=["DeepseekV3ForCausalLM"],
     ),
+    # DeepSeek-V4-Flash's layers (transformers' DeepseekV4Config defaults, which name deepseek-ai/DeepSeek-V4-Flash-Base:
+    # h 4096, 64 query heads of 512 dims sharing one key-value head, 64 of them rotated; q-LoRA 1024; output in 8
+    # groups of rank 1024; a window of 128 in every layer; CSA an entry per 4 tokens, its indexer 64 heads of 128
+    # keeping 512, HCA an entry per 128; 4 hyper-connected streams; 256 experts of 2048, 6 and a shared one per
+    # token, the first 3 layers hash-routed) but 8 of its 43 layers, in transformers' default schedule for 8
+    # (HCA, HCA, then HCA and CSA alternating): 13.2 GB of bf16 weights per layer (the experts 12.9), 108 GB in
+    # all with the 2 x 1.06 GB embedding and LM head, within one H200 beside the cache. A 128k context (the
+    # compressed rope's YaRN factor 16 over 8k), not the checkpoint's million: the numbers it computes do not
+    # change its speed.
+    "deepseek-v4-flash-8l": lambda: DeepseekV4Config(
+        num_hidden_layers=8,
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=8192),
+        architectures=["DeepseekV4ForCausalLM"],
+    ),
+    # DeepSeek V4's architecture at toy sizes (every layer type): deepseek_v4.py --smoke on the CPU
+    "deepseek-v4-tiny": lambda: DeepseekV4Config(
+        vocab_size=512,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=32,
+        q_lora_rank=24,
+        partial_rotary_factor=0.25,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        sliding_window=8,
+        hc_mult=2,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=4,
+        max_position_embeddings=512,
+        architectures=["DeepseekV4ForCausalLM"],
+    ),
     # Qwen3.6's hybrids (3 Gated DeltaNet layers to 1 of gated full attention), the text part of their HF configs
     # (Qwen/Qwen3.6-35B-A3B and Qwen/Qwen3.6-27B config.json's text_config, as Qwen3.5-35B-A3B's and -27B's; written
     # from memory of those files, no network here: the 35B-A3B's agree with transformers' Qwen3_5MoeTextConfig
@@ -263,6 +310,63 @@ SHAPES = {
         tie_word_embeddings=False,
         architectures=["Qwen3_5ForCausalLM"],
     ),
+    # Qwen/Qwen3-VL-8B-Instruct config.json: Qwen3-8B's text model with interleaved M-RoPE, a 27-block ViT
+    # (patch 16, 2x2 merge) with DeepStack from blocks 8, 16 and 24
+    "qwen3-vl-8b": lambda: qwen3_vl_config(
+        text=dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=262144,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True
+            ),
+        ),
+        vision=dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            out_hidden_size=4096,
+            patch_size=16,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+        tokens=dict(
+            image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+        ),
+    ),
+    # Qwen3-VL at toy sizes: vision.py --smoke
+    "qwen3-vl-tiny": lambda: qwen3_vl_config(
+        text=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True
+            ),
+        ),
+        vision=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=16,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 2],
+        ),
+        tokens=dict(image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503),
+    ),
     "llama-3.1-8b": lambda: LlamaConfig(
         vocab_size=128256,
         hidden_size=4096,
@@ -285,6 +389,33 @@ SHAPES = {
 }
 
 
+def qwen3_vl_config(text: dict, vision: dict, tokens: dict) -> Qwen3VLConfig:
+    return Qwen3VLConfig(text_config={**text, "tie_word_embeddings": False}, vision_config=vision, **tokens,
+                         tie_word_embeddings=False, architectures=["Qwen3VLForConditionalGeneration"])  # fmt: skip
+
+
+def gemma3_4b_vision() -> Gemma3Config:
+    """Gemma-3-4b-it: a 34-layer text model (5 sliding layers per global one) and SigLIP so400m."""
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)]
+    text = dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, layer_types=layer_types,
+        max_position_embeddings=131072, final_logit_softcapping=None,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    )  # fmt: skip
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  image_size=896, patch_size=14, vision_use_head=False)  # fmt: skip
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256, boi_token_index=255999,
+                        eoi_token_index=256000, image_token_index=262144,
+                        architectures=["Gemma3ForConditionalGeneration"])  # fmt: skip
+
+
+SHAPES["gemma3-4b-vision"] = gemma3_4b_vision
+
+
 def shape_folder(name: str, tokenizer: bool = False) -> str:
     """A folder holding the config.json of shape ``name`` (load with load_format="dummy"),
     and with ``tokenizer`` a synthetic tokenizer of the same vocabulary size."""
@@ -292,7 +423,7 @@ def shape_folder(name: str, tokenizer: bool = False) -> str:
     folder = tempfile.mkdtemp(prefix=f"xinfer-{name}-")
     config.save_pretrained(folder)
     if tokenizer:
-        save_synthetic_tokenizer(folder, config.vocab_size)
+        save_synthetic_tokenizer(folder, config.get_text_config().vocab_size)
     return folder
 
 

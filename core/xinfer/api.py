@@ -20,8 +20,15 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 class LLM:
     """An engine running in this process.
 
+    A prompt is a string, token ids, or vLLM's dict: ``{"prompt": str}`` or
+    ``{"prompt_token_ids": [...]}``, with ``"multi_modal_data": {"image": image or [images]}``
+    (``PIL.Image.Image``) for a model that takes images; the prompt marks each image with
+    the model's placeholder (Gemma 3: ``<start_of_image>``), which is expanded into the
+    image's tokens.
+
     ``LLM(model="path", dtype="bfloat16", block_size=16, ...)`` takes any option of
-    :class:`xinfer.config.EngineConfig` by name.
+    :class:`xinfer.config.EngineConfig` by name; ``tensor_parallel_size=2`` splits the model
+    over two processes (docs/distributed.md).
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **options: Any):
@@ -29,6 +36,16 @@ class LLM:
         self.processor = OutputProcessor(self.engine)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Under tensor parallelism, ends the other ranks' processes (they end with this process too)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def chat(
         self,
@@ -39,7 +56,10 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates. A message's
+        content may be a list of parts: ``{"type": "text", "text": ...}`` and, for a model that
+        takes images, ``{"type": "image_pil", "image_pil": PIL image}`` (vLLM's name; ``"image"``
+        with the image under ``"image"`` too), which the template receives as ``{"type": "image"}``."""
         tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
         if template is None:
             raise ValueError("this model has no chat template")
@@ -47,11 +67,13 @@ class LLM:
         conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         prompts = []
         for conversation in conversations:
+            conversation, images = _images_apart(conversation)
             text = template.render(
                 conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
             )
             # the template writes BOS itself
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(prompts, params)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
@@ -76,7 +98,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 text, token_ids = self._tokenize(prompt)
-                outputs.append(self.processor.add(str(next(self._ids)), token_ids, p, text))
+                data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+                token_ids, multimodal = self.engine.multimodal_prompt(token_ids, data)
+                outputs.append(self.processor.add(str(next(self._ids)), token_ids, p, text, multimodal))
         except Exception:
             for output in outputs:
                 self.processor.abort(output.request_id)
@@ -93,6 +117,25 @@ class LLM:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
+
+
+def _images_apart(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation with each image part as ``{"type": "image"}``, and the images in order."""
+    images: list[Any] = []
+    messages = []
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind in ("image_pil", "image") and part.get(kind) is not None:
+                    images.append(part[kind])
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        messages.append(message)
+    return messages, images
 
 
 def _is_token_list(prompts: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from xinfer.kv.formats import get_format
 
@@ -27,6 +27,9 @@ class ModelConfig(_Config):
     isq: str | None = None  # quantize float weights at load to this packed format (q8_0, q4_k, ...)
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
     seed: int = 0
+    # models that take images: encoder outputs kept for images seen again (LRU), in embedding rows in all
+    # (a Gemma 3 image is 256)
+    encoder_cache_size: int = Field(8192, ge=0)
 
 
 class CacheConfig(_Config):
@@ -73,11 +76,45 @@ class DeviceConfig(_Config):
     enforce_eager: bool = False  # no CUDA graphs
 
 
+class ParallelConfig(_Config):
+    """Tensor parallelism: one process per rank (docs/distributed.md)."""
+
+    tensor_parallel_size: int = Field(1, gt=0)  # ranks over all nodes
+    device_ids: list[int] | None = None  # this node's accelerator per local rank (--d 0,1); default 0, 1, ...
+    num_nodes: int = Field(1, gt=0)  # machines sharing the ranks evenly; node 0 serves, the others follow it
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"  # node 0's address, where the ranks meet
+    master_port: int | None = Field(None, gt=0, lt=65536)  # default (one node): a free port
+    timeout: float = Field(300.0, gt=0)  # seconds a collective may wait for a rank before failing
+
+    @model_validator(mode="after")
+    def _fits(self) -> ParallelConfig:
+        if self.tensor_parallel_size % self.num_nodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not split evenly over {self.num_nodes} nodes"
+            )
+        if self.node_rank >= self.num_nodes:
+            raise ValueError(f"node_rank {self.node_rank} is not one of the {self.num_nodes} nodes (0..)")
+        if self.num_nodes > 1 and self.master_port is None:
+            raise ValueError("several nodes meet at master_addr:master_port: give master_port (--master-port)")
+        if self.device_ids is not None and len(self.device_ids) != self.ranks_per_node:
+            raise ValueError(
+                f"{len(self.device_ids)} device ids for {self.ranks_per_node} ranks on this node "
+                f"(tensor_parallel_size {self.tensor_parallel_size} over {self.num_nodes} nodes)"
+            )
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.num_nodes
+
+
 class EngineConfig(_Config):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

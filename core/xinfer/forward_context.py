@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from xinfer.ops import AttentionMetadata, StepContext
+
+if TYPE_CHECKING:
+    from xinfer.multimodal.step import MultiModalEmbeddings
 
 _step: StepContext | None = None
 
@@ -39,3 +43,8 @@ def state_slots() -> Tensor:
     if slots is None:
         raise RuntimeError("this step carries no recurrent-state slots: the model declared no RecurrentStateSpec")
     return slots
+
+
+def multimodal() -> MultiModalEmbeddings | None:
+    """The encoder embeddings this step's image tokens take, if it has any (outside a step: none)."""
+    return _step.multimodal if _step is not None else None

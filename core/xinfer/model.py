@@ -29,6 +29,16 @@ class ConvertsCheckpoint(Protocol):
 
 
 @runtime_checkable
+class ShardsCheckpoint(Protocol):
+    """A module split under tensor parallelism: it holds a part of some checkpoint tensors."""
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        """This rank's part of checkpoint tensor ``tensor`` for parameter ``name`` (of this module;
+        ``shard``: the part of a merged projection), after any ``from_checkpoint``."""
+        ...
+
+
+@runtime_checkable
 class LoadsCheckpoint(Protocol):
     """A module whose parameters are laid out unlike the checkpoint's tensors (experts
     stacked from one tensor per expert): it loads the tensors under it itself."""
@@ -58,6 +68,7 @@ class CausalLM(nn.Module):
     """
 
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = {}
+    cuda_graphs: ClassVar[bool] = True  # False: ops that read the step's metadata on the host (run eagerly)
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: Any):

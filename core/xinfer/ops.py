@@ -60,6 +60,10 @@ class AttentionMetadata:
     max_seqlen_q: int  # 1 when no sequence has more than one query; else may be an upper bound
     max_seq_len: int
     shadows: ShadowPages | None = None  # with a recent window
+    # [T] int32, or None: query row i sees keys up to position key_limits[i] (>= its own
+    # position) instead of its own position; set where tokens of one image attend to each
+    # other both ways (MultiModalModel.attend_within_items)
+    key_limits: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -116,13 +120,23 @@ class Ops(Protocol):
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
     def fused_moe(
-        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+        limit: float | None = None,
     ) -> Tensor:
         """The routed experts of a mixture-of-experts block: token ``t`` of ``x`` [T, H] goes
         through experts ``topk_ids[t]`` [k] and their outputs are summed, weighted by
         ``topk_weights[t]`` [k] (fp32)::
 
             out[t] = sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]),  e = topk_ids[t, j]
+
+        With ``limit`` (a clamped SwiGLU: DeepSeek V4's ``swiglu_limit``), the gate is clamped to at
+        most ``limit`` and the up projection to ``[-limit, limit]`` before ``act_and_mul``.
 
         ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows, ``w2`` [E, H, I];
         ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``).
@@ -166,7 +180,8 @@ class Ops(Protocol):
         layer's ``key_offset``, which moves a query's scores alike: nothing to undo.
 
         A query at position ``p`` sees keys at positions ``p - window < j <= p``
-        (all ``j <= p`` without a window). With ``softcap``, scores become
+        (all ``j <= p`` without a window); with ``meta.key_limits``, ``j <= p`` becomes
+        ``j <= key_limits[row]`` (the window's lower bound stays). With ``softcap``, scores become
         ``softcap * tanh(scores / softcap)`` before masking. Returns [T, H, D].
 
         With shadow blocks (``cache.recent_window`` W > 0 and ``meta.shadows``),
@@ -174,6 +189,12 @@ class Ops(Protocol):
         ``p - j < W`` or ``j`` is in the sequence's first block; from the quantized
         cache otherwise.
         """
+
+    def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+        """Non-causal attention within each segment of a flat batch (the patches of one image in
+        a vision encoder): rows ``cu_seqlens[b]:cu_seqlens[b+1]`` of ``q`` [T, H, D] attend to
+        the same rows of ``k``, ``v`` [T, Hkv, D], every key visible. No cache. Returns [T, H, D]
+        in the dtype of ``q``."""
 
     def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
         """Token ids [B] drawn from ``logits`` [B, vocab] (any float dtype), row ``b`` with
@@ -209,6 +230,9 @@ class HostBatch:
     sample_rows: list[int]  # rows of the flat batch whose logits are sampled
     pages: list[PageBatch]  # one per page group
     state_slots: list[int] = field(default_factory=list)  # per sequence, with recurrent layers
+    # the encoder embeddings the step's prompt chunks cover (MultiModalSlice); such a step runs eagerly
+    multimodal: list[Any] = field(default_factory=list)
+    key_limits: list[int] = field(default_factory=list)  # per row, or none (AttentionMetadata.key_limits)
 
     @property
     def is_decode(self) -> bool:
@@ -223,6 +247,7 @@ class StepContext:
 
     pages: list[AttentionMetadata]
     state_slots: Tensor | None = None  # [B] int32
+    multimodal: Any = None  # MultiModalEmbeddings of the step's image tokens, if any
 
     @property
     def seqs(self) -> AttentionMetadata:
@@ -325,10 +350,15 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+def fused_moe(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
+    limit: float | None = None,
+) -> Tensor:  # fmt: skip
     if isinstance(w13, QuantizedTensor) or isinstance(w2, QuantizedTensor):
-        return quantized.fused_moe(current(), x, w13, w2, topk_weights, topk_ids, activation)
-    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+        return quantized.fused_moe(current(), x, w13, w2, topk_weights, topk_ids, activation, limit)
+    if limit is None:  # (backends whose fused_moe predates the clamp)
+        return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
 
 
 def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
@@ -337,6 +367,10 @@ def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> None:
     current().apply_token_bitmask(logits, bitmask, rows)
+
+
+def encoder_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    return current().encoder_attention(q, k, v, cu_seqlens, scale)
 
 
 def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:

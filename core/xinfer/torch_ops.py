@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -77,9 +78,20 @@ class TorchOps:
         return F.gelu(gate, approximate="tanh") * up
 
     def fused_moe(
-        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+        limit: float | None = None,
     ) -> Tensor:
-        act_and_mul = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul}[activation]
+        gated = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul}[activation]
+
+        def act_and_mul(gate_up: Tensor) -> Tensor:
+            return gated(gate_up if limit is None else clamp_gate_up(gate_up, limit))
+
         top_k = topk_ids.shape[1]
         ids, weights = topk_ids.flatten(), topk_weights.flatten().float()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -152,8 +164,20 @@ class TorchOps:
             stored = {n: gather_context(t, meta.block_tables[b], context_len, first) for n, t in cache.tensors.items()}
             k, v = cache.format.decode(stored)  # one sequence's visible context, in fp32
             exact = shadow_context(cache, meta.shadows.tables[b], context_len, first) if meta.shadows else None
-            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first)
+            limits = meta.key_limits[start:end] if meta.key_limits is not None else None
+            out[start:end] = attend(q[start:end], k, v, scale, window, softcap, exact, first, limits)
         return cache.format.finish_output(out).to(dtype)
+
+    def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        bounds = cu_seqlens.tolist()
+        for start, end in itertools.pairwise(bounds):
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+        return out
 
     def sample(self, logits: Tensor, params: SamplingBatch) -> Tensor:
         return torch_sampling.sample(logits, params)
@@ -202,10 +226,12 @@ def attend(
     softcap: float | None = None,
     exact: ExactKeys | None = None,
     first: int = 0,
+    key_limits: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of the last ``len(q)`` positions over keys at positions
     ``first`` to ``first + len(k)``, in fp32; with ``exact``, each (query, key) pair its
-    rule picks uses the exact K/V instead.
+    rule picks uses the exact K/V instead; with ``key_limits`` [Q], query ``i`` sees keys
+    up to position ``key_limits[i]`` instead of its own.
 
     q [Q, H, D], k and v [L, Hkv, D] with H a multiple of Hkv.
     """
@@ -227,7 +253,8 @@ def attend(
     if exact is not None:
         from_exact = exact.read_by(q_pos, k_pos)  # [group * Q, L], the same for every KV head
         scores = torch.where(from_exact, scores_of(exact.k), scores)
-    visible = k_pos <= q_pos
+    limits = q_pos if key_limits is None else key_limits.to(q_pos).repeat(group).unsqueeze(1)
+    visible = k_pos <= limits
     if window is not None:
         visible &= k_pos > q_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
@@ -254,6 +281,12 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.numel() else rotated
+
+
+def clamp_gate_up(gate_up: Tensor, limit: float) -> Tensor:
+    """A clamped SwiGLU's inputs: the gate half [..., :n] at most ``limit``, the up half within ``limit``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat((gate.clamp(max=limit), up.clamp(-limit, limit)), dim=-1)
 
 
 def top_experts(scores: Tensor, routing: Routing, correction_bias: Tensor | None) -> Tensor:

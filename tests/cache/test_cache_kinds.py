@@ -14,7 +14,14 @@ from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, registry
 from xinfer.cache.block_pool import NO_BLOCK, BlockPool
 from xinfer.cache.manager import CacheManager
-from xinfer.cache.specs import AttentionSpec, RecurrentStateSpec, TokenVectorSpec, page_groups
+from xinfer.cache.specs import (
+    AttentionSpec,
+    RecurrentStateSpec,
+    TokenVectorSpec,
+    compressed_rows,
+    compressed_slots,
+    page_groups,
+)
 from xinfer.engine import memory_plan
 from xinfer.engine.memory_plan import blocks_kept, split_budget
 from xinfer.engine.sequence import Sequence
@@ -98,6 +105,33 @@ def test_layers_group_by_the_positions_they_read():
     assert [g.window for g in groups] == [None, 1024, 512]
     assert [len(g.layers) for g in groups] == [2, 1, 2]
     assert groups[0].bytes_per_token(_auto(), torch.bfloat16) == 2 * 2 * 16 * 2 + 576 * 2
+
+
+@pytest.mark.parametrize(("ratio", "rows"), [(4, 4), (16, 1), (32, 1)])
+def test_a_vector_per_ratio_tokens_lives_in_the_block_of_its_last_position(ratio, rows):
+    """Vector ``w`` of a ``ratio`` cache is written by the token at ``(w + 1) * ratio - 1`` into that
+    token's block and read back from there, through a scrambled page table; a block holds
+    ``block_size / ratio`` of them, or one where a window spans blocks."""
+    spec, block_size, num_tokens = TokenVectorSpec(8, ratio=ratio), 16, 96
+    assert spec.rows_per_block(block_size) == rows
+    assert spec.block_bytes(_auto(), torch.float32, block_size) == rows * 8 * 4
+    cache = spec.allocate(10, block_size, _auto(), torch.float32, torch.device("cpu"))
+    table = torch.tensor([7, 2, 9, 0, 5, 3], dtype=torch.int32)
+    positions = torch.arange(num_tokens)
+    slot_mapping = table[positions // block_size].long() * block_size + positions % block_size
+    slots = compressed_slots(slot_mapping, positions, ratio, block_size)
+    assert ((slots >= 0) == ((positions + 1) % ratio == 0)).all()
+    values = torch.randn(num_tokens, 8)
+    cache.view(-1, 8)[slots[slots >= 0]] = values[slots >= 0]
+    count = num_tokens // ratio
+    rows_read = compressed_rows(table, count, ratio, block_size)
+    assert torch.equal(cache.view(-1, 8)[rows_read], values[(torch.arange(count) + 1) * ratio - 1])
+    assert torch.equal(rows_read // rows, table[((torch.arange(count) + 1) * ratio - 1) // block_size].long())
+
+
+def test_a_ratio_that_neither_divides_nor_is_a_multiple_of_the_block_size_is_refused():
+    with pytest.raises(ValueError, match="a vector per 24 tokens needs a block size"):
+        TokenVectorSpec(8, ratio=24).rows_per_block(16)
 
 
 def _auto():

@@ -46,20 +46,24 @@ def assert_greedy_tokens_and_logprobs_match(hf: torch.nn.Module, llm: LLM, lengt
     assert_output_matches_hf(hf, tokens, out, NEW_TOKENS)
 
 
-def hf_greedy(hf: torch.nn.Module, tokens: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation of ``tokens`` and each chosen token's log-probability."""
+def hf_greedy(hf: torch.nn.Module, tokens: list[int], new_tokens: int, **inputs) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``tokens`` and each chosen token's log-probability;
+    ``inputs``: the model's other inputs (``pixel_values``, ``token_type_ids``...)."""
     with torch.inference_mode():
         out = hf.generate(
             torch.tensor([tokens]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
+            output_logits=True, return_dict_in_generate=True, **inputs,
         )  # fmt: skip
     new = out.sequences[0, len(tokens) :].tolist()
     return new, [torch.log_softmax(logits[0].float(), dim=-1)[t].item() for logits, t in zip(out.logits, new)]
 
 
-def assert_output_matches_hf(hf: torch.nn.Module, tokens: list[int], output, new_tokens: int, atol: float = 1e-4):
-    """``output`` (a greedy completion of ``tokens`` with logprobs) has transformers' tokens and log-probabilities."""
-    expected_tokens, expected_logprobs = hf_greedy(hf, tokens, new_tokens)
+def assert_output_matches_hf(
+    hf: torch.nn.Module, tokens: list[int], output, new_tokens: int, atol: float = 1e-4, **inputs
+):
+    """``output`` (a greedy completion of ``tokens`` with logprobs) has transformers' tokens and log-probabilities
+    (``inputs``: as :func:`hf_greedy`'s)."""
+    expected_tokens, expected_logprobs = hf_greedy(hf, tokens, new_tokens, **inputs)
     assert output.token_ids == expected_tokens
     got = [step[token] for step, token in zip(output.logprobs, output.token_ids)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=atol, rtol=0)

@@ -75,10 +75,8 @@ def test_help_lists_every_flag():
 @pytest.mark.parametrize(
     "flags, feature",
     [
-        (["--d", "0,1"], "tensor parallel"),
         (["--num-speculative-tokens", "2"], "speculative"),
         (["--pd-server"], "disaggregation"),
-        (["--num-nodes", "2"], "multi-node"),
     ],
 )
 def test_later_features_are_refused_in_one_line(flags, feature):
@@ -86,6 +84,21 @@ def test_later_features_are_refused_in_one_line(flags, feature):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and feature in lines[0] and "not available yet" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-nodes", "2"], "give --master-port"),
+        (["--num-nodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank 2 is not one of the 2"),
+        (["--d", "0,0"], "distinct device ids"),
+        (["--d", "gpu0"], "device ids such as 0 or 0,1"),
+    ],
+)
+def test_bad_parallel_flags_are_refused(flags, message):
+    result = xinfer(*flags)
+    assert result.returncode == 2
+    assert message in result.stderr.strip().splitlines()[-1], result.stderr
 
 
 def test_plugins_lists_name_version_hooks_and_registrations():

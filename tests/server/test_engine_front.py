@@ -43,6 +43,12 @@ class ScriptedEngine:
     def has_unfinished(self):
         return bool(self.live)
 
+    def check_ranks(self):  # one process: no rank to lose
+        pass
+
+    def shutdown(self):
+        pass
+
     def stats(self):
         return EngineStats(len(self.live), 0, 0.0, 0, 0, 0)
 

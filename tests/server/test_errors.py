@@ -31,7 +31,7 @@ ROWS = [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
         {},
         400,
-        "messages.0.content",
+        "messages.0.content.0.image_url",
         "text only",
     ),
     ("temperature as a string", CHAT, chat(temperature="hot"), {}, 400, "temperature", ""),

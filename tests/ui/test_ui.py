@@ -22,6 +22,7 @@ Environment:
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -592,3 +593,38 @@ def test_settings_edit_regenerate_and_manage(page):
     item.locator("button[title='Click again to delete']").click()
     assert page.locator(".conv-item").count() == 0
     assert page.locator("#empty").is_visible()
+
+
+def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
+    from PIL import Image
+
+    expect(page.locator("#attach")).to_be_hidden()  # the default model takes text only
+
+    def models_taking_images(route):
+        response = route.fetch()
+        body = response.json()
+        for card in body["data"]:
+            card["input_modalities"] = ["text", "image"]
+        route.fulfill(response=response, json=body)
+
+    page.route("**/v1/models", models_taking_images)
+    page.reload()
+    _wait_ready(page)
+    expect(page.locator("#attach")).to_be_visible()
+    picture = tmp_path / "square.png"
+    Image.new("RGB", (8, 6), (200, 30, 40)).save(picture)
+    page.set_input_files("#attach-input", str(picture))
+    expect(page.locator("#attachments img")).to_have_count(1)
+    bodies = _mock_replies(page, ["A red rectangle."])
+    _send(page, "What is in this picture?")
+    _wait_reply_done(page, 30_000)
+    text, image = bodies[0]["messages"][-1]["content"]
+    assert text == {"type": "text", "text": "What is in this picture?"}
+    prefix, data = image["image_url"]["url"].split(",", 1)
+    assert image["type"] == "image_url" and prefix == "data:image/png;base64"
+    assert base64.b64decode(data) == picture.read_bytes()
+    expect(page.locator(".msg.user .msg-images img")).to_have_count(1)
+    expect(page.locator("#attachments")).to_be_hidden()
+    _send(page, "And its colour?")  # the image stays in the history
+    _wait_reply_done(page, 30_000)
+    assert bodies[1]["messages"][0]["content"][1]["image_url"]["url"] == image["image_url"]["url"]

@@ -71,8 +71,17 @@ class CudaOps(TorchOps):
         return activation.gelu_tanh_and_mul(x)
 
     def fused_moe(
-        self, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
+        self,
+        x: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        activation: str,
+        limit: float | None = None,
     ) -> Tensor:
+        if limit is not None:  # the kernels have no clamp yet: the reference (DeepSeek V4's experts)
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
         return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -102,9 +111,15 @@ class CudaOps(TorchOps):
         # A quantized cache's write launch also stores the recent window's exact copies,
         # and for a rotated cache brings the queries into the keys' basis, once per
         # (token, head) instead of in every program that reads them.
+        if meta.key_limits is not None:  # image tokens that see each other: no kernel takes key limits yet
+            return super().attention(q, k, v, cache, meta, scale, window, softcap)
         shadow_slots = meta.shadows.slot_mapping if meta.shadows is not None else None
         rotated_q = self._store(k, v, cache, meta.slot_mapping, q, shadow_slots)
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
+
+    def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+        """Torch's scaled-dot-product attention (its flash kernel) image by image."""
+        return super().encoder_attention(q, k, v, cu_seqlens, scale)
 
     def attend(
         self,

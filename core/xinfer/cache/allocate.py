@@ -47,7 +47,7 @@ class CacheLayout:
 
     def block_bytes(self, block_size: int, kv_format: KVFormat, dtype: torch.dtype) -> list[int]:
         """Real bytes of one block of each group, over its layers, as ``kv_format`` stores them."""
-        return [group.bytes_per_token(kv_format, dtype) * block_size for group in self.groups]
+        return [group.block_bytes(kv_format, dtype, block_size) for group in self.groups]
 
     def state_caches(self) -> list[dict[str, Tensor]]:
         """Each recurrent layer's state tensors, as allocated."""

@@ -18,6 +18,7 @@ blocks (:class:`xinfer.cache.recent_window.RecentWindow`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()  # its key: the tokens, then the content hashes of images among them
 
 
 @dataclass
@@ -104,16 +105,19 @@ class BlockPool:
         if self.recent_window is not None:
             self.recent_window.attach(table)
 
-    def commit(self, table: PageTable, hashes: list[int], token_ids: list[int], first: int) -> None:
+    def commit(
+        self, table: PageTable, hashes: list[int], block_key: Callable[[int, int], tuple[int, ...]], first: int
+    ) -> None:
         """Register ``table``'s blocks ``first`` to ``len(hashes)`` (full of computed
-        tokens, whose hash chain is ``hashes``) in the prefix cache."""
+        tokens, whose hash chain is ``hashes``) in the prefix cache; ``block_key(start, end)``
+        is what identifies positions ``start:end`` (:meth:`Sequence.block_key`)."""
         for index in range(first, len(hashes)):
             if table.blocks[index] == NO_BLOCK:
                 continue
             block = self.blocks[table.blocks[index]]
             if hashes[index] not in self.cached:
                 start = index * self.block_size
-                block.hash, block.token_ids = hashes[index], tuple(token_ids[start : start + self.block_size])
+                block.hash, block.token_ids = hashes[index], block_key(start, start + self.block_size)
                 self.cached[hashes[index]] = block.id
 
     # ---- allocation --------------------------------------------------------------

@@ -63,7 +63,7 @@ class CacheManager:
             return 0
         hashes, chunks, parent = [], [], None
         for start in range(0, seq.num_tokens - self.block_size, self.block_size):
-            chunk = tuple(seq.token_ids[start : start + self.block_size])
+            chunk = seq.block_key(start, start + self.block_size)
             parent = hash((parent, chunk))
             hashes.append(parent)
             chunks.append(chunk)
@@ -135,9 +135,9 @@ class CacheManager:
         for index in range(first, seq.num_computed_tokens // self.block_size):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             start = index * self.block_size
-            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[start : start + self.block_size]))))
+            seq.block_hashes.append(hash((parent, seq.block_key(start, start + self.block_size))))
         for pool, table in zip(self.pools, self.tables(seq)):
-            pool.commit(table, seq.block_hashes, seq.token_ids, first)
+            pool.commit(table, seq.block_hashes, seq.block_key, first)
         if self.states is not None and self._is_snapshot_point(seq, seq.num_computed_tokens):
             assert seq.state_slot is not None
             self.states.take(seq.state_slot, seq.block_hashes[seq.num_computed_tokens // self.block_size - 1])

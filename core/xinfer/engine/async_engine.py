@@ -15,18 +15,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from xinfer.distributed.group import WorkerFailed
 from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
 
 log = logging.getLogger("xinfer")
+
+
+IDLE_CHECK_SECONDS = 1.0
 
 
 class EngineState(enum.Enum):
@@ -105,6 +109,10 @@ class AsyncEngine:
     def wait_loaded(self, timeout: float | None = None) -> bool:
         return self._loaded.wait(timeout)
 
+    def wait_stopped(self, timeout: float | None = None) -> None:
+        """Until the engine thread ends (stopped, or dead: see ``state``)."""
+        self._thread.join(timeout)
+
     def health(self) -> tuple[bool, str]:
         """(healthy, status word); a step running longer than ``stall_timeout`` counts as stuck."""
         started = self._step_started
@@ -147,9 +155,12 @@ class AsyncEngine:
 
     # ---- requests (event-loop side) ---------------------------------------------
 
-    async def submit(self, prompts: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
+    async def submit(
+        self, prompts: Sequence[tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, list[Any]]]
+    ) -> RequestHandle:
         """Queues one request: an engine request per (prompt token ids, params) entry,
-        each with the ``n`` choices of its params.
+        each with the ``n`` choices of its params; a third element, where the prompt's image
+        embeddings go (:meth:`LLMEngine.multimodal_prompt`).
 
         Returns once the engine accepted them all; raises ``ValueError`` (a bad prompt
         or params, from the engine), :class:`QueueFull` or :class:`EngineUnavailable`.
@@ -160,7 +171,7 @@ class AsyncEngine:
             raise QueueFull(f"{waiting} sequences are waiting (limit {self.max_waiting}); retry later")
         request_id = f"req-{next(self._ids)}"
         handle = RequestHandle(
-            [RequestOutput.empty(f"{request_id}-{i}", prompt, params) for i, (prompt, params) in enumerate(prompts)]
+            [RequestOutput.empty(f"{request_id}-{i}", entry[0], entry[1]) for i, entry in enumerate(prompts)]
         )
         handle.accepted = self._event_loop.create_future()
         for position, output in enumerate(handle.outputs):
@@ -263,15 +274,21 @@ class AsyncEngine:
         self._loaded.set()
         try:
             self._loop(engine, processor)
+        except WorkerFailed as error:  # no traceback: the message says it all
+            log.error("the engine loop died: %s", error)
+            self._die(str(error))
         except BaseException as error:
             log.exception("the engine loop died")
             self._die(f"{type(error).__name__}: {error}")
+        finally:
+            engine.shutdown()
 
     def _loop(self, engine: LLMEngine, processor: OutputProcessor) -> None:
         while True:
             with self._wake:
                 while not self._commands and not engine.has_unfinished():
-                    self._wake.wait()
+                    self._wake.wait(IDLE_CHECK_SECONDS)
+                    engine.check_ranks()  # a tensor-parallel rank that died while idle ends the engine too
                 commands = list(self._commands)
                 self._commands.clear()
             for command, payload in commands:
@@ -290,8 +307,8 @@ class AsyncEngine:
         if command == "add":
             handle, prompts = payload
             try:
-                for output, (prompt, params) in zip(handle.outputs, prompts):
-                    processor.add(output.request_id, prompt, params)
+                for output, (prompt, params, *multimodal) in zip(handle.outputs, prompts):
+                    processor.add(output.request_id, prompt, params, None, *multimodal)
             except Exception as error:  # noqa: BLE001 - the request fails, the loop goes on
                 for output in handle.outputs:
                     processor.abort(output.request_id)

@@ -19,8 +19,9 @@ from xinfer.cache.recent_window import RecentWindow
 from xinfer.cache.specs import TokenVectorSpec
 from xinfer.cache.state_pool import StatePool
 from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
+from xinfer.distributed.group import SINGLE, TensorParallel, building_for
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
-from xinfer.engine.memory_plan import MemoryPlan, memory_baseline, plan_memory
+from xinfer.engine.memory_plan import MemoryPlan, held_by_every_rank, memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
 from xinfer.forward_context import forward_context
@@ -49,8 +50,12 @@ class EngineParts:
     scheduler: Scheduler
 
 
-def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
-    """Every part of an engine for ``config`` (``tokenizer``: the model's own if None)."""
+def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel = SINGLE) -> EngineParts:
+    """Every part of an engine for ``config`` (``tokenizer``: the model's own if None); under tensor
+    parallelism, rank ``tp.rank``'s (every rank runs this, its collectives in the same order)."""
+    if tp.size > 1 and not config.device.enforce_eager:
+        log.info("tensor parallel %d: steps run eagerly (no CUDA graphs across ranks yet)", tp.size)
+        config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
     spec, ops, device = select_backend(config.device)
     check_support(spec, ops, config)
     cache = config.cache
@@ -65,15 +70,19 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
     hf_config = load_config(path)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
-    model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
+    with building_for(tp):
+        model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
     prepare_weights(model, ops)
+    if not model.cuda_graphs and not config.device.enforce_eager:
+        log.info("%s runs without step graphs: its ops read the step's metadata on the host", type(model).__name__)
+        config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
     max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)
     _refuse_a_format_no_layer_stores(kv_format, layout)
     runner = ModelRunner(model, ops, cache.block_size, device, config.model.seed,
-                         len(layout.groups), bool(layout.state_layers))  # fmt: skip
+                         len(layout.groups), bool(layout.state_layers), config.model.encoder_cache_size)  # fmt: skip
     key_transforms = None
     if kv_format.rotate_keys and layout.attention_layers:
 
@@ -85,6 +94,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None) -> EngineParts:
         ids = calibration_ids(tokenizer, hf_config.vocab_size, hf_config.max_position_embeddings)
         key_transforms = calibrate_keys(forward, ops, layout, ids, cache.block_size, dtype, device)
     plan = plan_memory(config, runner, layout, max_model_len, dtype, kv_format, memory, baseline, key_transforms)
+    plan = held_by_every_rank(plan, tp)
     allocate_caches(
         layout, plan.num_blocks, cache.block_size, dtype, device, kv_format,
         plan.num_state_slots + plan.num_snapshot_slots,

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from xinfer.config import EngineConfig
+from xinfer.distributed.group import SINGLE, TensorParallel
 from xinfer.engine.build import build_engine
 from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
+from xinfer.multimodal.encoder_cache import EncoderCache
+from xinfer.multimodal.inputs import MultiModalModel, MultiModalProcessor, PlaceholderRange, expand_prompt
 from xinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from xinfer.distributed.ranks import Ranks
     from xinfer.grammar.matcher import GrammarCompiler
 
 
@@ -52,7 +59,16 @@ class LLMEngine:
     """Steps the parts start-up builds (:func:`xinfer.engine.build.build_engine`)."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
-        parts = build_engine(config, tokenizer)
+        self.ranks: Ranks | None = None
+        self._owns_ranks, tp = False, SINGLE
+        if config.parallel.tensor_parallel_size > 1:
+            config, tp = self._lead_ranks(config, tokenizer)
+        try:
+            with self.ranks.failing_as_workers() if self.ranks is not None else contextlib.nullcontext():
+                parts = build_engine(config, tokenizer, tp)
+        except BaseException:
+            self.shutdown()
+            raise
         self.config = parts.config
         self.hf_config = parts.hf_config
         self.tokenizer = parts.tokenizer
@@ -60,15 +76,88 @@ class LLMEngine:
         self.dtype = parts.dtype
         self.kv_format = parts.kv_format
         self.runner = parts.runner
+        self.runner.ranks = self.ranks
         self.model, self.ops, self.device = self.runner.model, self.runner.backend, self.runner.device
         self.cache = parts.cache
         self.scheduler = parts.scheduler
         self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
+        self.mm_processor: MultiModalProcessor | None = None  # for a model that takes images
+        if isinstance(self.model, MultiModalModel):
+            self.mm_processor = self.model.multimodal_processor(self.tokenizer)
         self.sequences: dict[str, Sequence] = {}
         self.in_flight: SampledTokens | None = None  # the last step launched, not yet read back
         self._grammars: GrammarCompiler | None = None
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def _lead_ranks(self, config: EngineConfig, tokenizer: Any) -> tuple[EngineConfig, TensorParallel]:
+        """Under tensor parallelism: the ranks of this process's open group (:func:`xinfer.distributed.ranks.started`)
+        or new ones, told to build their parts; this process is the first rank."""
+        from xinfer.distributed.ranks import Ranks, rank_device  # torch.distributed only where it is used
+
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"node_rank {parallel.node_rank}: only node 0 runs the engine; the other nodes follow it "
+                f"(xinfer --num-nodes {parallel.num_nodes} --node-rank {parallel.node_rank} --master-addr ...)"
+            )
+        ranks = Ranks.active
+        if ranks is None or ranks.parallel.tensor_parallel_size != parallel.tensor_parallel_size:
+            ranks, self._owns_ranks = Ranks.start(parallel, config.device), True
+        self.ranks = ranks
+        config = config.model_copy(update={"device": rank_device(config.device, parallel, 0)})
+        ranks.send(("build", config, _picklable(tokenizer)))
+        return config, ranks.tp
+
+    def check_ranks(self) -> None:
+        """Raises :class:`~xinfer.distributed.WorkerFailed` if a tensor-parallel rank has died."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def shutdown(self) -> None:
+        """Under tensor parallelism: the other ranks drop this engine (and exit, if it started them)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None:
+            return
+        if self._owns_ranks:
+            ranks.close()
+        else:
+            with contextlib.suppress(RuntimeError):
+                ranks.send(("release",))
+
+    @property
+    def modalities(self) -> list[str]:
+        """What the model takes besides text (``image``)."""
+        return sorted(self.mm_processor.placeholders) if self.mm_processor is not None else []
+
+    @property
+    def encoder_cache(self) -> EncoderCache:
+        """Encoder outputs by image content (its ``hits`` count the images not encoded again)."""
+        return self.runner.encoder_cache
+
+    def multimodal_prompt(
+        self, token_ids: list[int], data: Mapping[str, Any] | None
+    ) -> tuple[list[int], list[PlaceholderRange]]:
+        """``token_ids`` with each placeholder of ``data``'s items (vLLM's ``multi_modal_data``:
+        ``{"image": image or [images]}``) expanded, and where each item's embeddings go."""
+        if not data:
+            return list(token_ids), []
+        if self.mm_processor is None:
+            raise ValueError(f"the model {self.config.model.model or 'default'} takes text only, not {', '.join(data)}")
+        items = []
+        for modality, values in data.items():
+            if modality not in self.mm_processor.placeholders:
+                raise ValueError(f"the model takes {', '.join(self.modalities)}, not {modality}")
+            for value in values if isinstance(values, (list, tuple)) else [values]:
+                items.append(self.mm_processor.process(modality, value))
+        return expand_prompt(self.mm_processor, token_ids, items)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        multimodal: list[PlaceholderRange] | None = None,
+    ) -> Sequence:
+        """Queues a sequence; ``multimodal``: where its images' embeddings go (:meth:`multimodal_prompt`)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -83,7 +172,9 @@ class LLMEngine:
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
         if params.seed is None:  # every request draws from a seed of its own (see engine/sampler.py)
             params = replace(params, seed=self.runner.sampler.new_seed())
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, max_num_tokens=max_num_tokens)
+        whole_items = self._check_multimodal(multimodal or [], num_prompt)
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, max_num_tokens=max_num_tokens,
+                       multimodal=list(multimodal or []), whole_items=whole_items)  # fmt: skip
         if params.structured_outputs is not None:
             seq.constraint = self.grammars().compile(params.structured_outputs)
         self.sequences[request_id] = seq
@@ -98,6 +189,21 @@ class LLMEngine:
 
             self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         return self._grammars
+
+    def _check_multimodal(self, ranges: list[PlaceholderRange], num_prompt: int) -> bool:
+        """Refuse ranges the engine cannot run; whether the sequence's chunks keep items whole."""
+        if not ranges:
+            return False
+        if not isinstance(self.model, MultiModalModel):
+            raise ValueError(f"the model {self.config.model.model or 'default'} takes text only")
+        if any(r.offset < 0 or r.end > num_prompt for r in ranges):
+            raise ValueError("an image's tokens lie outside the prompt")
+        whole = self.model.attend_within_items
+        budget = self.config.scheduler.max_num_batched_tokens
+        if whole and (longest := max(r.item.num_embeddings for r in ranges)) > budget:
+            raise ValueError(f"an image takes {longest} tokens, more than max_num_batched_tokens ({budget}): "
+                             f"this model computes an image's tokens in one step")  # fmt: skip
+        return whole
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
@@ -207,6 +313,15 @@ class LLMEngine:
         if seq.at_limit:  # max_tokens or the context
             return "length", None
         return None, None
+
+
+def _picklable(tokenizer: Any) -> Any:
+    """``tokenizer`` if it can be sent to the other ranks; else None (they load the model's own)."""
+    try:
+        pickle.dumps(tokenizer)
+    except Exception:  # noqa: BLE001 - anything that cannot be pickled
+        return None
+    return tokenizer
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:

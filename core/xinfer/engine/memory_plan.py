@@ -14,6 +14,7 @@ gets a share of the available host memory.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from xinfer import ops
 from xinfer.backend import DeviceMemory
 from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.config import EngineConfig
+from xinfer.distributed.group import TensorParallel
 from xinfer.engine.kv_calibration import KeyTransforms
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.sampler import Sampler
@@ -225,7 +227,7 @@ def plan_memory(
     if cache.num_blocks is not None:
         source = "num_blocks given"
     elif memory is None or baseline is None:
-        budget = host_kv_budget(cache.kv_fraction)
+        budget = host_kv_budget(cache.kv_fraction) // config.parallel.ranks_per_node  # the node's ranks share it
         source = f"{gib(budget)} of available host memory"
     else:  # measured over one-block caches with the real cache's key transforms (the graphs compile its kernels)
         allocate_caches(layout, [1] * len(windows), block_size, dtype, runner.device, kv_format, 1, key_transforms)
@@ -288,6 +290,19 @@ def plan_memory(
         check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
     return MemoryPlan(pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots,
                       slot_bytes, snapshot_slots(num_slots))  # fmt: skip
+
+
+def held_by_every_rank(plan: MemoryPlan, tp: TensorParallel) -> MemoryPlan:
+    """Under tensor parallelism, the plan every rank can hold (each number at its least over the
+    ranks): the first rank's scheduler hands out the same blocks and slots on every rank."""
+    pools = plan.pools
+    values = tp.min_over_ranks([plan.max_num_seqs, plan.num_state_slots, plan.num_snapshot_slots,
+                                *(p.num_blocks for p in pools), *(p.num_shadows for p in pools)])  # fmt: skip
+    max_num_seqs, num_state_slots, num_snapshot_slots = values[:3]
+    blocks, shadows = values[3 : 3 + len(pools)], values[3 + len(pools) :]
+    pools = [dataclasses.replace(p, num_blocks=b, num_shadows=n) for p, b, n in zip(pools, blocks, shadows)]
+    return dataclasses.replace(plan, pools=pools, max_num_seqs=max_num_seqs, num_state_slots=num_state_slots,
+                               num_snapshot_slots=num_snapshot_slots)  # fmt: skip
 
 
 def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int) -> None:

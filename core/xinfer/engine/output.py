@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from xinfer.engine.engine import LLMEngine, StepOutput
 from xinfer.engine.stop import TextStream
+from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.sampling import SamplingParams
 from xinfer.text.detokenizer import IncrementalDetokenizer
 
@@ -86,7 +87,7 @@ class OutputProcessor:
         self._choices: dict[str, _Choice] = {}  # by sequence id
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            prompt: str | None = None) -> RequestOutput:  # fmt: skip
+            prompt: str | None = None, multimodal: list[PlaceholderRange] | None = None) -> RequestOutput:  # fmt: skip
         """Adds the request's ``n`` choices to the engine, all or none (choice ``i`` of a
         seeded request uses ``seed + i``); returns the request's output, still empty."""
         if request_id in self._requests:
@@ -98,7 +99,7 @@ class OutputProcessor:
             for index in range(params.n):
                 sequence_id = f"{request_id}-{index}"
                 seed = None if params.seed is None else params.seed + index
-                self.engine.add_request(sequence_id, prompt_token_ids, replace(params, n=1, seed=seed))
+                self.engine.add_request(sequence_id, prompt_token_ids, replace(params, n=1, seed=seed), multimodal)
                 sequence_ids.append(sequence_id)
                 self._choices[sequence_id] = _Choice(header, index, self._text(params, prompt_token_ids))
         except Exception:

@@ -9,7 +9,9 @@ then the step reads it from the sampled tokens of the step before."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,7 +22,12 @@ from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING
 from xinfer.forward_context import forward_context
 from xinfer.model import CausalLM
+from xinfer.multimodal.encoder_cache import EncoderCache
+from xinfer.multimodal.step import MultiModalEmbeddings, MultiModalSlice, gather_embeddings, slices_of
 from xinfer.ops import AttentionMetadata, DeviceTokens, HostBatch, Ops, PageBatch, StepContext, StepLimits, StepRunner
+
+if TYPE_CHECKING:
+    from xinfer.distributed.ranks import Ranks
 
 
 def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -41,6 +48,7 @@ class ModelRunner:
         seed: int = 0,
         num_page_groups: int = 1,
         has_state: bool = False,
+        encoder_cache_size: int = 0,
     ):
         self.model = model
         self.backend = backend
@@ -50,6 +58,8 @@ class ModelRunner:
         self.has_state = has_state
         self.sampler = Sampler(device, seed)
         self.graphs: StepRunner | None = None
+        self.ranks: Ranks | None = None  # under tensor parallelism, once built
+        self.encoder_cache = EncoderCache(encoder_cache_size)
 
     @torch.inference_mode()
     def capture_graphs(
@@ -79,7 +89,7 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, batch: HostBatch) -> Tensor:
         """The model's final hidden states over every token of ``batch``."""
-        with ops.use(self.backend):
+        with ops.use(self.backend), self._leading(("hidden", batch)):
             input_ids, positions, step = self.to_device(batch)
             with forward_context(step):
                 return self.model(input_ids, positions)
@@ -100,18 +110,38 @@ class ModelRunner:
         sampling = [s.seq for s in scheduled if s.completes_prompt]
         with ops.use(self.backend):
             pending = self._pending_inputs(scheduled, batch, previous)
-            stepped = self.graphs(batch, pending, self.sampler.rows(sampling)) if self.graphs else None
+            graphs = self.graphs if not batch.multimodal else None  # steps with image embeddings run eagerly
+            stepped = graphs(batch, pending, self.sampler.rows(sampling)) if graphs else None
             if stepped is None:
-                rows = self._tensor(batch.sample_rows, torch.int64)
-                input_ids, positions, step = self.to_device(batch)
-                if pending is not None:
-                    pending.write_into(input_ids)
-                logits, tokens = self.forward(input_ids, positions, step, rows), None
+                with self._leading(("step", batch, pending is not None)):
+                    logits, tokens = self.eager_forward(batch, pending, share_inputs=pending is not None), None
             else:
                 logits, tokens = stepped
             if before_sampling is not None:
                 before_sampling()
             return self.sampler(logits, sampling, tokens) if sampling else None
+
+    def eager_forward(self, batch: HostBatch, pending: DeviceTokens | None, share_inputs: bool = False) -> Tensor:
+        """Logits of ``batch``'s sampled rows, run eagerly, ``pending`` written into its input ids; with
+        ``share_inputs``, under tensor parallelism, every rank's input ids are the first rank's."""
+        rows = self._tensor(batch.sample_rows, torch.int64)
+        input_ids, positions, step = self.to_device(batch)
+        if pending is not None:
+            pending.write_into(input_ids)
+        if share_inputs and self.ranks is not None:
+            self.ranks.share(input_ids)
+        return self.forward(input_ids, positions, step, rows)
+
+    @contextlib.contextmanager
+    def _leading(self, message: tuple) -> Iterator[None]:
+        """Under tensor parallelism, on the first rank: the other ranks are sent ``message`` (what to run
+        alongside), and a rank that fails meanwhile raises :class:`~xinfer.distributed.WorkerFailed`."""
+        if self.ranks is None or not self.ranks.tp.first:
+            yield
+            return
+        self.ranks.send(message)
+        with self.ranks.failing_as_workers():
+            yield
 
     def _pending_inputs(
         self, scheduled: list[ScheduledSeq], batch: HostBatch, previous: SampledTokens | None
@@ -132,12 +162,17 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
         batch = HostBatch([], [], [0], [], [], [PageBatch() for _ in range(self.num_page_groups)])
+        whole: list[MultiModalSlice] = []
         for item in scheduled:
             seq, start, end = item.seq, item.seq.num_computed_tokens, item.context_len
             batch.input_ids += seq.token_ids[start:end]
-            batch.positions += range(start, end)
+            batch.positions += seq.positions(start, end) if seq.multimodal else range(start, end)
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
             batch.seq_lens.append(end)
+            if seq.multimodal:
+                slices = slices_of(seq.multimodal, batch.cu_seqlens_q[-2], start, end)
+                batch.multimodal += slices
+                whole += slices if seq.whole_items else []
             for page, table in zip(batch.pages, seq.pages):
                 page.slot_mapping += [self.slot(table.blocks, p) for p in range(start, end)]
                 page.block_tables.append(table.blocks)
@@ -150,6 +185,12 @@ class ModelRunner:
                 batch.state_slots.append(seq.state_slot)
             if item.completes_prompt:
                 batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
+        if whole:  # each query sees up to itself, the tokens of such an item up to the item's end
+            batch.key_limits = [p for item in scheduled for p in range(item.seq.num_computed_tokens, item.context_len)]
+            for piece in whole:
+                batch.key_limits[piece.row : piece.row + piece.last - piece.first] = [piece.range.end - 1] * (
+                    piece.last - piece.first
+                )
         return batch
 
     def to_device(self, batch: HostBatch) -> tuple[Tensor, Tensor, StepContext]:
@@ -174,9 +215,20 @@ class ModelRunner:
                     self._tensor(page.shadows.slot_mapping, torch.int64),
                 )
             pages.append(meta)
+        if batch.key_limits:
+            key_limits = self._tensor(batch.key_limits, torch.int32)
+            for meta in pages:
+                meta.key_limits = key_limits
         state_slots = self._tensor(batch.state_slots, torch.int32) if batch.state_slots else None
-        step = StepContext(pages, state_slots)
+        multimodal = self._embeddings(batch.multimodal) if batch.multimodal else None
+        step = StepContext(pages, state_slots, multimodal)
         return self._tensor(batch.input_ids, torch.int64), self._tensor(batch.positions, torch.int64), step
+
+    def _embeddings(self, slices: list[MultiModalSlice]) -> MultiModalEmbeddings:
+        encode = getattr(self.model, "encode", None)
+        if encode is None:
+            raise ValueError(f"{type(self.model).__name__} takes no images")
+        return gather_embeddings(slices, encode, self.encoder_cache, self.device)
 
     def slot(self, table: list[int], position: int) -> int:
         """The cache slot (block * block_size + offset) of ``position`` in ``table``'s

@@ -67,6 +67,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq.at_limit:  # preempted below, or done when read back
                 continue
             num_new = self._chunk(seq, budget)
+            if num_new == 0:  # the rest of an image its tokens must see whole does not fit this step
+                continue
             while not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
                 preempted = True
                 victim = self.running[-1]
@@ -85,7 +87,7 @@ class Scheduler:
                 if not seq.scheduled_once:
                     seq.num_cached_tokens = seq.num_computed_tokens
             num_new = self._chunk(seq, budget)
-            if not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
+            if num_new == 0 or not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
                 self.cache.release(seq)
                 seq.num_computed_tokens = 0
                 break
@@ -98,8 +100,11 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The tokens ``seq`` computes this step: the rest, within the budget, up to the next
-        point where its recurrent state is snapshotted (models with recurrent layers)."""
-        return min(seq.num_uncomputed_tokens, budget, self.cache.next_snapshot(seq) - seq.num_computed_tokens)
+        point where its recurrent state is snapshotted (models with recurrent layers), not
+        ending inside an image whose tokens see each other (:meth:`Sequence.chunk_end`)."""
+        start = seq.num_computed_tokens
+        end = start + min(seq.num_uncomputed_tokens, budget, self.cache.next_snapshot(seq) - start)
+        return seq.chunk_end(start, end) - start
 
     def _admitting(self, scheduled: list[ScheduledSeq]) -> bool:
         if any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from xinfer.cache.block_pool import PageTable
+from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ class Sequence:
     state_slot: int | None = None  # with recurrent layers
     state_boundary: int = 0  # a prefix the block pools served but no state snapshot did: worth one
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
+    multimodal: list[PlaceholderRange] = field(default_factory=list)  # where its images' embeddings go
+    whole_items: bool = False  # a prefill chunk never ends inside one of its items (attend_within_items)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     scheduled_once: bool = False
@@ -45,6 +48,35 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    def positions(self, start: int, end: int) -> list[int]:
+        """The positions the model is given for tokens ``start:end``: their indexes, less the
+        :attr:`PlaceholderRange.position_shift` of each item before them."""
+        indexes = list(range(start, end))
+        for r in self.multimodal:
+            if r.position_shift and r.end < end:
+                first = max(r.end, start) - start
+                indexes[first:] = [p - r.position_shift for p in indexes[first:]]
+        return indexes
+
+    def block_key(self, start: int, end: int) -> tuple[int, ...]:
+        """What identifies the KV of positions ``start:end`` for the prefix cache: the tokens,
+        then the content hashes of the items placed there (same tokens, other image: another key)."""
+        tokens = tuple(self.token_ids[start:end])
+        if not self.multimodal:
+            return tokens
+        return tokens + tuple(r.item.content_hash for r in self.multimodal if r.offset < end and r.end > start)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk from ``start`` that would end at ``end`` ends: before an item it
+        would cut (with ``whole_items``), or after it where the chunk starts inside it; ``start``
+        where neither fits (the chunk waits)."""
+        if not self.whole_items:
+            return end
+        for r in self.multimodal:
+            if r.offset < end < r.end:
+                return r.offset if r.offset > start else start
+        return end
 
     @property
     def num_tokens(self) -> int:

@@ -9,15 +9,16 @@ from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec
 from xinfer.layers.decoder import DecoderModel
 from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
 from xinfer.layers.embedding import LMHead, VocabEmbedding
-from xinfer.layers.linear import Linear, MergedLinear
+from xinfer.layers.linear import ColumnLinear, Linear, MergedLinear, RowLinear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.moe import MoE, Router, Routing
-from xinfer.layers.norm import RMSNorm, head_norms
+from xinfer.layers.norm import RMSNorm, SplitRMSNorm, head_norms
 from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
 from xinfer.layers.self_attention import SelfAttention
 
 __all__ = [
     "Attention",
+    "ColumnLinear",
     "DecoderForCausalLM",
     "DecoderLayer",
     "DecoderModel",
@@ -30,11 +31,13 @@ __all__ = [
     "MoE",
     "RMSNorm",
     "RotaryEmbedding",
+    "RowLinear",
     "Router",
     "Routing",
     "SandwichDecoderLayer",
     "SelfAttention",
     "SiluAndMul",
+    "SplitRMSNorm",
     "VocabEmbedding",
     "gated_activation",
     "head_norms",

@@ -5,13 +5,14 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from xinfer.forward_context import multimodal
 from xinfer.layers.embedding import VocabEmbedding
 from xinfer.layers.norm import RMSNorm
 
 
 class DecoderModel(nn.Module):
-    """Token embeddings (times ``embed_scale``, if given) through the decoder layers, then
-    a final norm: hidden states [T, hidden]."""
+    """Token embeddings (times ``embed_scale``, if given; image tokens take their encoder's
+    embeddings, unscaled) through the decoder layers, then a final norm: hidden states [T, hidden]."""
 
     embed_scale: Tensor | None
 
@@ -33,6 +34,8 @@ class DecoderModel(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if (images := multimodal()) is not None:  # image tokens take their encoder's embeddings
+            h = images.merge(h)
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
         h, _ = self.norm(h, residual)

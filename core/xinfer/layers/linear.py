@@ -1,5 +1,11 @@
 """Linear layers. ``MergedLinear`` stores several checkpoint projections as one
-matrix (q/k/v, gate/up) so that one GEMM serves them all."""
+matrix (q/k/v, gate/up) so that one GEMM serves them all.
+
+Under tensor parallelism (:mod:`xinfer.distributed`) a ``Linear`` is whole on every rank; a
+:class:`ColumnLinear` (and a ``MergedLinear`` given ``parts``) holds this rank's part of the
+output rows and computes only those; a :class:`RowLinear` holds its part of the input columns
+and sums its output over the ranks. Each loads its part of a checkpoint tensor (``rank_part``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.distributed.group import WHOLE, Part, current
 
 
 class Linear(nn.Module):
@@ -25,15 +32,48 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
+class ColumnLinear(Linear):
+    """This rank's ``part`` of the output rows (by default an even split over the ranks)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, part: Part | None = None):
+        self.part = part or current().split(out_features, f"a projection's {out_features} outputs")
+        super().__init__(in_features, self.part.size(out_features), bias)
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        return self.part.of(tensor)
+
+
+class RowLinear(Linear):
+    """This rank's ``part`` of the input columns; the output summed over the ranks, then the bias added."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, part: Part | None = None):
+        self.tp = current()
+        self.part = part or self.tp.split(in_features, f"a projection's {in_features} inputs")
+        super().__init__(self.part.size(in_features), out_features, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(ops.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        return tensor if name == "bias" else self.part.of(tensor, dim=-1)
+
+
 class MergedLinear(Linear):
-    """Outputs of the checkpoint's projections ``shards`` stacked in that order.
+    """Outputs of the checkpoint's projections ``shards`` (their full sizes) stacked in that order;
+    of each, this rank's part where ``parts`` names one (whole elsewhere).
 
     A checkpoint tensor of one shard is loaded with ``load_shard(name, tensor)``.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shards.values()), bias)
-        self.shard_sizes = dict(shards)
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
+                 parts: dict[str, Part] | None = None):  # fmt: skip
+        self.parts = {name: (parts or {}).get(name, WHOLE) for name in shards}
+        self.full_sizes = dict(shards)
+        self.shard_sizes = {name: self.parts[name].size(size) for name, size in shards.items()}
+        super().__init__(in_features, sum(self.shard_sizes.values()), bias)
 
     def split(self, y: Tensor) -> tuple[Tensor, ...]:
         return y.split(list(self.shard_sizes.values()), dim=-1)
@@ -45,3 +85,10 @@ class MergedLinear(Linear):
                 return offset, size
             offset += size
         raise KeyError(shard)
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        """Of one shard's tensor, or of the checkpoint's merged one (every shard's), this rank's part."""
+        if shard is not None:
+            return self.parts[shard].of(tensor)
+        shards = tensor.split(list(self.full_sizes.values()))
+        return torch.cat([self.parts[name].of(t) for name, t in zip(self.full_sizes, shards)])

@@ -11,6 +11,9 @@ The router's math (each line switched on by :class:`Routing`), in fp32 as the re
     weights = weights / sum(weights)            # norm_topk_prob
     weights = weights * routed_scaling_factor * per_expert_scale[ids]
 
+Where a ``swiglu_limit`` is given (DeepSeek V4), every expert's gate is clamped to at most it and its
+up projection to within it before ``act(gate) * up``, the shared experts' too.
+
 The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
 [E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`); the router's math but the
 fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`).
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.distributed.group import current
 from xinfer.layers.activation import GATED_ACTIVATIONS
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
@@ -74,7 +78,9 @@ class Router(nn.Module):
         if routing.fixed_table:
             if vocab_size is None:
                 raise ValueError("routing by a fixed token-to-expert table needs the vocabulary size")
-            table = torch.zeros(vocab_size, routing.top_k, dtype=torch.int64)
+            # until loaded, every token to top_k distinct experts, the tokens spread over all (dummy weights)
+            first = torch.arange(vocab_size, dtype=torch.int64)[:, None] * routing.top_k
+            table = (first + torch.arange(routing.top_k)) % num_experts
             self.tid2eid = nn.Parameter(table, requires_grad=False)
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -106,22 +112,30 @@ class Experts(nn.Module):
     one per expert and projection (``{e}.gate_proj.weight``, as HF checkpoints hold them),
     one per projection stacked over the experts (``gate_proj.weight`` [E, I, H], as GGUF
     files hold them), or transformers' fused ``gate_up_proj`` [E, 2I, H] and ``down_proj``.
+
+    Under tensor parallelism every rank holds every expert's part of the intermediate size
+    (``I`` is then this rank's), and the output is summed over the ranks.
     """
 
     quantized_weights: ClassVar[tuple[str, ...]] = ("w13", "w2")  # stacked packed tensors (GGUF's) stay packed
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, limit: float | None = None
+    ):
         super().__init__()
         self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
+        self.limit = limit  # a clamped SwiGLU (ops.fused_moe)
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.tp = current()
+        self.part = self.tp.split(intermediate_size, "the experts' intermediate size")
+        self.num_experts, self.intermediate_size = num_experts, self.part.size(intermediate_size)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
         self.activation = activation
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation)
+        return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit))
 
     def checkpoint_parts(self) -> set[str]:
         return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJECTIONS}
@@ -131,7 +145,7 @@ class Experts(nn.Module):
 
     def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
         if isinstance(tensor, QuantizedTensor):
-            if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight") and self.part.whole:
                 return self._load_packed(name.split(".")[0], tensor)
             tensor = tensor.dequantize()
         experts: slice | int
@@ -145,6 +159,7 @@ class Experts(nn.Module):
             raise ValueError(f"experts: no parameter loads checkpoint tensor {name!r}")
         if isinstance(experts, int) and not 0 <= experts < self.num_experts:
             raise ValueError(f"experts: checkpoint tensor {name!r} is beyond the {self.num_experts} experts")
+        tensor = self._rank_part(projection, tensor)
         size = self.intermediate_size
         rows = {"gate_proj": slice(0, size), "up_proj": slice(size, 2 * size), "gate_up_proj": slice(None)}
         param = self.w2 if projection == "down_proj" else self.w13
@@ -183,6 +198,16 @@ class Experts(nn.Module):
                 f"weight {projection}.weight: checkpoint shape {tuple(got)} != model shape {tuple(expected)}"
             )
 
+    def _rank_part(self, projection: str, tensor: Tensor) -> Tensor:
+        """This rank's part of the intermediate size: rows of gate and up (of each half of a fused
+        ``gate_up_proj``), columns of down."""
+        if projection == "down_proj":
+            return self.part.of(tensor, dim=-1)
+        dim = tensor.dim() - 2
+        if projection == "gate_up_proj":
+            return torch.cat([self.part.of(half, dim) for half in tensor.chunk(2, dim)], dim)
+        return self.part.of(tensor, dim)
+
 
 class MoE(nn.Module):
     """The MLP block of an MoE layer: routed experts, plus (where given) shared experts
@@ -191,7 +216,8 @@ class MoE(nn.Module):
 
     Checkpoint names are HF's: ``gate`` (the router), ``experts``, ``shared_expert``,
     ``shared_expert_gate``; ``shared_name`` renames the shared experts (``shared_experts``
-    in GLM and DeepSeek).
+    in GLM and DeepSeek). ``swiglu_limit`` clamps the routed and shared experts' gate and up
+    projections (DeepSeek V4).
     """
 
     def __init__(
@@ -207,13 +233,15 @@ class MoE(nn.Module):
         shared_name: str = "shared_expert",
         dense_intermediate_size: int = 0,
         vocab_size: int | None = None,
+        swiglu_limit: float | None = None,
     ):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, vocab_size, routing)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, swiglu_limit)
         self.shared_name = shared_name
         if shared_intermediate_size:
-            setattr(self, shared_name, GatedMLP(hidden_size, shared_intermediate_size, activation))
+            shared = GatedMLP(hidden_size, shared_intermediate_size, activation, limit=swiglu_limit)
+            setattr(self, shared_name, shared)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None
 

@@ -2,6 +2,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.distributed.group import Part, current
 
 
 class RMSNorm(nn.Module):
@@ -29,3 +30,24 @@ def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> ops.HeadNorms:
     """A model's per-head q/k norms as the one argument ``ops.rotary`` applies them from
     (the two share their eps)."""
     return ops.HeadNorms(q_norm.weight, k_norm.weight, q_norm.eps)
+
+
+class SplitRMSNorm(RMSNorm):
+    """An RMSNorm over a vector of ``dim`` values of which this rank holds ``part`` (and that part of
+    the weight): the mean square is summed over the ranks (a replicated part counted on each of its
+    ranks, as the denominator is)."""
+
+    def __init__(self, dim: int, part: Part, eps: float = 1e-6):
+        super().__init__(part.size(dim), eps)
+        self.tp, self.part = current(), part
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        if self.tp.size == 1:
+            return super().forward(x, residual)
+        assert residual is None, "a split norm is not fused with the residual"
+        x32 = x.float()
+        square = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+        return (x32 * torch.rsqrt(square / (x.shape[-1] * self.tp.size) + self.eps) * self.weight.float()).to(x.dtype)
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        return self.part.of(tensor)

@@ -102,17 +102,23 @@ def pairs_to_halves(rows: Tensor, num_heads: int, rotary_dim: int | None = None)
     return rows.unflatten(0, (num_heads, head_dim))[:, order].flatten(0, 1)
 
 
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[Tensor, float]:
+    """The rope's inverse frequencies [rotary_dim / 2] (fp32) and the factor on its cos and sin
+    (YaRN's temperature; 1 otherwise), from rope parameters as :func:`rope_parameters` gives them."""
+    rope_type = params["rope_type"]
+    if rope_type not in _INV_FREQ:
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}")
+    partial = 1.0 if rope_type in _WHOLE_HEAD else params.get("partial_rotary_factor", 1.0)
+    return _INV_FREQ[rope_type](params["rope_theta"], int(head_dim * partial), params)
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin: Tensor
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
-        rope_type = params["rope_type"]
-        if rope_type not in _INV_FREQ:
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}")
-        partial = 1.0 if rope_type in _WHOLE_HEAD else params.get("partial_rotary_factor", 1.0)
-        self.rotary_dim = int(head_dim * partial)
-        inv_freq, mscale = _INV_FREQ[rope_type](params["rope_theta"], self.rotary_dim, params)
+        inv_freq, mscale = inverse_frequencies(head_dim, params)
+        self.rotary_dim = 2 * inv_freq.shape[0]
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
         cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * mscale
         self.register_buffer("cos_sin", cos_sin, persistent=False)

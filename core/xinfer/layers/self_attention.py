@@ -7,8 +7,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from xinfer.distributed.group import current
 from xinfer.layers.attention import Attention
-from xinfer.layers.linear import Linear, MergedLinear
+from xinfer.layers.linear import MergedLinear, RowLinear
 from xinfer.layers.norm import RMSNorm, head_norms
 from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves
 
@@ -26,6 +27,10 @@ class SelfAttention(nn.Module):
     ``output_gate``: the attention's output is multiplied by ``sigmoid(gate)`` before
     ``o_proj``, the gate coming from q's projection, which then holds per head the query
     and then the gate (Qwen3-Next, Qwen3.5).
+
+    Under tensor parallelism each rank computes its part of the heads (KV heads replicated
+    where there are fewer than ranks), and ``o_proj`` sums the ranks' outputs; ``num_heads``
+    and ``num_kv_heads`` are then this rank's.
     """
 
     def __init__(
@@ -46,18 +51,22 @@ class SelfAttention(nn.Module):
         output_gate: bool = False,
     ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        tp = current()
+        heads, kv_heads = tp.split(num_heads, "attention heads"), tp.heads(num_kv_heads, "KV heads")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.output_gate = output_gate
         q_rows = 2 * q_size if output_gate else q_size
-        self.qkv_proj = MergedLinear(hidden_size, {"q": q_rows, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = Linear(q_size, hidden_size, o_bias)
+        parts = {"q": heads, "k": kv_heads, "v": kv_heads}
+        self.qkv_proj = MergedLinear(hidden_size, {"q": q_rows, "k": kv_size, "v": kv_size}, qkv_bias, parts)
+        self.o_proj = RowLinear(q_size, hidden_size, o_bias, heads)
+        self.num_heads, self.num_kv_heads = heads.size(num_heads), kv_heads.size(num_kv_heads)
+        self.head_dim = head_dim
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
         self.rotary_emb = rotary
         self.interleaved_rotary = interleaved_rotary
         scale = head_dim**-0.5 if scale is None else scale
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=scale, window=window, softcap=softcap)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale=scale, window=window, softcap=softcap)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q, k, v, gate = self.qkv(positions, x)
@@ -82,9 +91,8 @@ class SelfAttention(nn.Module):
         if not self.interleaved_rotary:
             return tensor
         module = name.split(".")[0]
-        heads = {"q_proj": self.num_heads, "k_proj": self.num_kv_heads, "q_norm": 1, "k_norm": 1}
         if module == "qkv_proj":
             raise NotImplementedError("interleaved rotary needs the checkpoint's q_proj and k_proj apart")
-        if module in heads:
-            return pairs_to_halves(tensor, heads[module], self.rotary_emb.rotary_dim)
+        if module in ("q_proj", "k_proj", "q_norm", "k_norm"):  # every head of the checkpoint's tensor
+            return pairs_to_halves(tensor, tensor.shape[0] // self.head_dim, self.rotary_emb.rotary_dim)
         return tensor

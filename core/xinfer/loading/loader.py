@@ -29,6 +29,7 @@ def load_config(path: Path) -> PretrainedConfig:
         return config
     text = config.text_config
     text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
+    text.multimodal_config = config  # the wrapper (its encoders' configs, media token ids), for models that take them
     return text
 
 
@@ -135,9 +136,11 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterabl
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the right shapes (for benchmarks): matrices ~ N(0, 0.02),
-    vectors (norms, biases) ~ 1 + N(0, 0.02)."""
+    vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for param in model.parameters():
+        if not param.dtype.is_floating_point:
+            continue
         noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
         value = noise * 0.02 + (1.0 if param.dim() == 1 else 0.0)
         param.data.copy_(value)

@@ -11,8 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from xinfer.distributed.group import current
 from xinfer.layers.linear import MergedLinear
-from xinfer.model import CausalLM, loader_of
+from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
 from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.quant.dispatch import replace_parameter
 
@@ -28,6 +29,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[
     loaded: set[str] = set()
     packed_shards: dict[str, dict[str, QuantizedTensor]] = {}  # merged weight -> its quantized shards so far
     float_merged: set[str] = set()  # merged weights with a float shard: all merge as floats
+    split = current().size > 1  # under tensor parallelism a rank loads its part of each split tensor
     for name, tensor in weights:
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
             continue
@@ -41,10 +43,12 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[
         target, shard = _packed_target(name, model.packed_modules)
         if target not in params:
             continue  # a tensor this model does not use (e.g. an untied lm_head copy)
-        module_name, _, param_name = target.rpartition(".")
-        module = modules[module_name]
-        if isinstance(tensor, QuantizedTensor) and param_name not in getattr(module, "quantized_weights", ()):
-            tensor = tensor.dequantize()
+        owner, _, leaf = target.rpartition(".")
+        module = modules[owner]
+        if isinstance(tensor, QuantizedTensor) and (leaf not in getattr(module, "quantized_weights", ()) or split):
+            tensor = tensor.dequantize()  # packed blocks are not split over ranks: a rank's part runs as floats
+        if split and isinstance(module, ShardsCheckpoint):  # under tensor parallelism: this rank's part
+            tensor = module.rank_part(leaf, shard, tensor)
         if shard is None:
             if isinstance(tensor, QuantizedTensor):
                 _replace(model, params, target, tensor)

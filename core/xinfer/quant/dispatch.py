@@ -48,17 +48,20 @@ def linear(backend: Any, x: Tensor, weight: QuantizedTensor, bias: Tensor | None
 
 
 def fused_moe(
-    backend: Any, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str
-) -> Tensor:
+    backend: Any, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
+    limit: float | None = None,
+) -> Tensor:  # fmt: skip
     """:meth:`xinfer.ops.Ops.fused_moe` where ``w13`` or ``w2`` is quantized: the format's kernel
-    where both share a format that has one, else the backend's float MoE over the experts dequantized
-    for this call (no host sync: it runs inside captured steps too)."""
+    where both share a format that has one (and no clamp is asked for), else the backend's float MoE
+    over the experts dequantized for this call (no host sync: it runs inside captured steps too)."""
     if isinstance(w13, QuantizedTensor) and isinstance(w2, QuantizedTensor) and w13.format.name == w2.format.name:
-        kernels = _kernels(backend, w13)
+        kernels = _kernels(backend, w13) if limit is None else None
         if kernels is not None and kernels.fused_moe is not None:
             return kernels.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
     w13, w2 = (w.dequantize(x.dtype) if isinstance(w, QuantizedTensor) else w for w in (w13, w2))
-    return backend.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    if limit is None:
+        return backend.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+    return backend.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
 
 
 def prepare_weights(model: nn.Module, backend: Any) -> None:

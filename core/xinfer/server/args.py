@@ -68,8 +68,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                        "files are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k")
 
     device = p.add_argument_group("device")
-    device.add_argument("--d", dest="devices", metavar="IDS",
-                        help="device ids, e.g. 0; several = tensor parallel [later]")
+    device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
+                        help="device ids, e.g. 0; several (0,1) split the model over them, one process each (tensor "
+                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids")
     device.add_argument("--cpu", action="store_true", help="run on the CPU")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 
@@ -94,6 +95,19 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
     capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
                           help="bound the prefix cache [later]")
+
+    media = p.add_argument_group("images (models that take them)")
+    media.add_argument("--limit-mm-per-prompt", default="image=4", metavar="LIMITS",
+                       help="most items of each modality in one request: image=N (vLLM's JSON {\"image\": N} too)")
+    media.add_argument("--max-image-pixels", type=_at_least(int, 1), default=4096 * 4096,
+                       help="larger images (width x height) get 400")
+    media.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="let requests name images as file:// URLs of files under DIR (default: none)")
+    media.add_argument("--allow-remote-media", action="store_true",
+                       help="fetch images requests name by http(s) URL (default: refused; send data: URLs)")
+    media.add_argument("--encoder-cache-size", type=_at_least(int, 0), default=8192, metavar="N",
+                       help="image encoder outputs kept for images seen again, in embedding rows (a Gemma 3 image: "
+                       "256)")
 
     sampling = p.add_argument_group("sampling defaults (a request's own values win)")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -143,6 +157,17 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     mcp.add_argument("--mcp-timeout", type=_at_least(float, 0.1), default=30.0,
                      help="seconds an MCP server may take to start or to answer a call (then the request fails)")
 
+    nodes = p.add_argument_group("multi-node tensor parallel (the same command on every node, each with its "
+                                 "--node-rank; node 0 serves, the others follow it)")
+    nodes.add_argument("--num-nodes", type=_at_least(int, 1), default=1,
+                       help="machines sharing the ranks, each running --d's devices")
+    nodes.add_argument("--node-rank", type=_at_least(int, 0), default=0, help="this machine's place, 0..num-nodes-1")
+    nodes.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the ranks meet")
+    nodes.add_argument("--master-port", type=_at_least(int, 1), help="the port they meet at on node 0 (needed with "
+                       "--num-nodes above 1; default on one node: a free one)")
+    nodes.add_argument("--tp-timeout", type=_at_least(float, 1), default=300.0,
+                       help="seconds a rank waits for the others in a step before the engine fails")
+
     chat = p.add_argument_group("terminal")
     chat.add_argument("--i", dest="interactive", action="store_true",
                       help="interactive terminal chat instead of serving")
@@ -157,10 +182,6 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--pd-client", action="store_true", help="prefill/decode disaggregation: client [later]")
     later.add_argument("--pd-url", help="prefill/decode disaggregation: peer URL [later]")
     later.add_argument("--enforce-parser", help="tool-call parser [later]")
-    later.add_argument("--num-nodes", type=int, default=1, help="multi-node [later beyond 1]")
-    later.add_argument("--node-rank", type=int, help="multi-node [later]")
-    later.add_argument("--master-addr", help="multi-node [later]")
-    later.add_argument("--master-port", type=int, help="multi-node [later]")
     return p
 
 
@@ -172,19 +193,39 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argpa
     if refusal:
         print(f"{prog}: {refusal} is not available yet in this version of xinfer", file=sys.stderr)
         raise SystemExit(2)
+    problem = nodes_problem(args)
+    if problem:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     return args
+
+
+def nodes_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the multi-node flags, if anything."""
+    if args.node_rank >= args.num_nodes:
+        return f"--node-rank {args.node_rank} is not one of the {args.num_nodes} nodes (0 to {args.num_nodes - 1})"
+    if args.num_nodes > 1 and args.master_port is None:
+        return "--num-nodes above 1: give --master-port (and --master-addr, node 0's address) on every node"
+    return None
 
 
 def later_feature(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
     """The flag of a feature that arrives later, if one is given: those flags have no default (SUPPRESS)."""
-    if args.devices and "," in args.devices:
-        return f"tensor parallel over several devices (--d {args.devices})"
-    if args.num_nodes != 1:
-        return "multi-node serving (--num-nodes)"
     for action in parser._actions:
         if action.default is argparse.SUPPRESS and action.dest in vars(args):
             return f"{action.option_strings[0]} ({(action.help or '').removesuffix(' [later]')})"
     return None
+
+
+def _device_ids(text: str) -> list[int]:
+    """An argparse type: ``0`` or ``0,1``, distinct ids."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected device ids such as 0 or 0,1, got {text!r}") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected distinct device ids of 0 or more, got {text!r}")
+    return ids
 
 
 def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str] | os._Environ) -> None:

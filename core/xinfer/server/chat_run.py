@@ -9,7 +9,8 @@ from typing import Any
 from fastapi import Request
 
 from xinfer.engine.async_engine import RequestHandle
-from xinfer.server.prompts import check_token_ids, render_chat
+from xinfer.multimodal.inputs import PlaceholderRange
+from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.serving import Serving
 from xinfer.text.reasoning import ReasoningTags, opens_reasoning
@@ -18,7 +19,8 @@ from xinfer.text.reasoning import ReasoningTags, opens_reasoning
 @dataclass(frozen=True)
 class ChatPrompt:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # each image's placeholder expanded
+    multimodal: list[PlaceholderRange]  # where the images go
     tags: ReasoningTags | None  # the model's reasoning tags, where its reasoning is split out
     inside: bool  # the prompt opened a reasoning block: the output starts inside it
 
@@ -28,7 +30,9 @@ class ChatPrompt:
         return self.tags is not None and (self.inside or not self.text.rstrip().endswith(self.tags.end))
 
 
-def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> ChatPrompt:
+async def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> ChatPrompt:
+    _, urls = message_dicts(body.messages)
+    images = await serving.images(urls) if urls else []
     text = render_chat(
         serving.tokenizer,
         body.messages,
@@ -40,16 +44,17 @@ def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> ChatPrompt:
     token_ids = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
     check_token_ids(token_ids, serving.vocab_size, "messages")
     tags = serving.reasoning_tags
-    return ChatPrompt(text, token_ids, tags, tags is not None and opens_reasoning(text, tags))
+    token_ids, multimodal = await serving.multimodal_prompt(token_ids, images) if images else (token_ids, [])
+    return ChatPrompt(text, token_ids, multimodal, tags, tags is not None and opens_reasoning(text, tags))
 
 
 async def submit_chat(
     request: Request, serving: Serving, body: ChatCompletionRequest
 ) -> tuple[RequestHandle, ChatPrompt]:
-    prompt = chat_prompt(serving, body)
+    prompt = await chat_prompt(serving, body)
     # a model that reasons here: a constraint waits for the block's end
     end_id = serving.tokenizer.token_to_id(prompt.tags.end) if prompt.tags is not None and prompt.thinks else None
-    handle = await serving.submit(request, body, [prompt.token_ids], after_token_id=end_id)
+    handle = await serving.submit(request, body, [prompt.token_ids], prompt.multimodal, after_token_id=end_id)
     return handle, prompt
 
 

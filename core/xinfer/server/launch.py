@@ -28,6 +28,7 @@ from xinfer.engine.engine import LLMEngine
 from xinfer.server.app import build_app
 from xinfer.server.args import parse_args
 from xinfer.server.mcp.config import MCPSettings, ServerSpec, server_specs
+from xinfer.server.media import MediaPolicy, parse_limits
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults
 from xinfer.server.serving import Serving
@@ -52,6 +53,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
     try:
         path = resolve_model_path(model_source(args), args.gguf_file)
         check_model(path)
+        media_policy(args)  # a bad image flag ends here too
         return path, engine_config(args, path)
     except (ValueError, FileNotFoundError) as error:
         log.debug("the model cannot be loaded", exc_info=True)
@@ -89,9 +91,19 @@ def device_of(args: argparse.Namespace) -> str:
 
         accelerator = torch.accelerator.current_accelerator()
         if accelerator is None:
-            raise ValueError(f"--d {args.devices} names an accelerator, and this machine has none: run without --d")
-        return str(torch.device(accelerator.type, int(args.devices)))
+            ids = ",".join(map(str, args.devices))
+            raise ValueError(f"--d {ids} names an accelerator, and this machine has none: run without --d (or --cpu)")
+        return str(torch.device(accelerator.type, args.devices[0]))  # under tensor parallelism, each rank its own
     return "auto"
+
+
+def parallel_options(args: argparse.Namespace) -> dict:
+    """Tensor parallelism: as many ranks per node as ``--d`` names devices (on the CPU, ranks)."""
+    per_node = len(args.devices) if args.devices else 1
+    ids = args.devices if args.devices and not args.cpu else None
+    return dict(tensor_parallel_size=per_node * args.num_nodes, device_ids=ids, num_nodes=args.num_nodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                timeout=args.tp_timeout)  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
@@ -108,8 +120,10 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         enable_prefix_caching=not args.disable_prefix_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
+        encoder_cache_size=args.encoder_cache_size,
         device=device_of(args),
         enforce_eager=args.disable_cuda_graph,
+        **parallel_options(args),
     )
 
 
@@ -119,6 +133,18 @@ def served_names(args: argparse.Namespace, path: Path) -> tuple[str, frozenset[s
     name = args.served_model_name or source or path.stem
     aliases = {n for n in (source, args.model, args.gguf_file, str(path), path.name, path.stem) if n}
     return name, frozenset(aliases - {name})
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """Where images may come from, how many and how large (--limit-mm-per-prompt, ...)."""
+    local = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if local is not None and not local.is_dir():
+        raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+    try:
+        limits = parse_limits(args.limit_mm_per_prompt)
+    except ValueError as error:
+        raise ValueError(f"--limit-mm-per-prompt: {error}") from None
+    return MediaPolicy(local, args.allow_remote_media, limits, args.max_image_pixels)
 
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
@@ -192,8 +218,9 @@ async def serve(
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
     mcp = mcp_settings(args, list(mcp_specs))
-    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases,
-                      args.reasoning_parser, args.disable_reasoning, mcp)  # fmt: skip
+    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
+                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
+                      mcp=mcp)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
@@ -223,14 +250,22 @@ async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown
     if engine.state is EngineState.DEAD:
         log.error("the model could not be loaded: %s", engine.error)
         shutdown.fail(1)
-    else:
-        log.info("model loaded; serving")
+        return
+    log.info("model loaded; serving")
+    await asyncio.get_running_loop().run_in_executor(None, engine.wait_stopped)
+    if engine.state is EngineState.DEAD:  # e.g. a tensor-parallel worker died: its requests have failed
+        log.error("the engine died: %s; exiting", engine.error)
+        shutdown.fail(1)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args)
     specs = mcp_servers(args)
     path, config = prepare(args)
+    if config.parallel.node_rank > 0:  # this node's ranks follow node 0's engine
+        from xinfer.distributed.worker import run_node
+
+        return run_node(config)
     return asyncio.run(serve(args, path, config, specs))
 
 

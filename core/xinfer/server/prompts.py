@@ -9,23 +9,30 @@ from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: content joined into one string."""
-    result = []
+def message_dicts(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """Messages as chat templates expect them: text parts joined into one string; where a message has
+    images, its content stays a list, each image an ``{"type": "image"}`` item (as HF templates read
+    them). Also each image's URL, in order, with the request field it came from."""
+    result, images = [], []
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
-            texts = []
-            for part in message.content:
-                if part.type != "text" or part.text is None:
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(message.content):
+                if part.type == "text" and part.text is not None:
+                    parts.append({"type": "text", "text": part.text})
+                elif part.type == "image_url" and part.image_url is not None:
+                    parts.append({"type": "image"})
+                    images.append((part.image_url.url, f"messages.{i}.content.{j}.image_url"))
+                else:
                     raise bad_request(
-                        f"content part of type {part.type!r} is not supported: this model takes text only",
-                        param=f"messages.{i}.content",
+                        f"content part of type {part.type!r} is not supported: parts are text or image_url",
+                        param=f"messages.{i}.content.{j}",
                     )
-                texts.append(part.text)
-            item["content"] = "\n".join(texts)
+            has_image = any(p["type"] == "image" for p in parts)
+            item["content"] = parts if has_image else "\n".join(p["text"] for p in parts)
         result.append(item)
-    return result
+    return result, images
 
 
 def render_chat(
@@ -41,7 +48,7 @@ def render_chat(
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         raise bad_request("this model has no chat template: use /v1/completions with a plain prompt")
-    dicts = message_dicts(messages)
+    dicts, _ = message_dicts(messages)
     try:
         text = template.render(
             dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
@@ -51,7 +58,10 @@ def render_chat(
     except TypeError as error:  # an unknown keyword in chat_template_kwargs
         raise bad_request(f"chat_template_kwargs: {error}", param="chat_template_kwargs") from None
     if continue_final_message:
-        text = _cut_after_final_message(text, dicts[-1].get("content", ""))
+        final = dicts[-1].get("content", "")
+        text = _cut_after_final_message(
+            text, final if isinstance(final, str) else "\n".join(p["text"] for p in final if p["type"] == "text")
+        )
     return text
 
 

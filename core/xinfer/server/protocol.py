@@ -26,14 +26,23 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
 
 
-class TextPart(_Body):
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Body):
+    """A part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url",
+    "image_url": {"url": ...}}``."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None

@@ -154,6 +154,9 @@ class ModelCard(BaseModel):
     owned_by: str = "xinfer"
     root: str | None = None
     max_model_len: int | None = None
+    # what a prompt may hold: ["text"], or ["text", "image"] for a model that takes images
+    # (the field OpenRouter's model list uses; vLLM's card has none)
+    input_modalities: list[str] = Field(default_factory=lambda: ["text"])
 
 
 class ModelList(BaseModel):

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from PIL import Image
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
 from xinfer.engine.engine import KVCacheFull, LLMEngine
+from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
 from xinfer.server.mcp.config import MCPSettings
+from xinfer.server.media import MediaPolicy
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
 from xinfer.server.protocol import GenerationRequest
@@ -30,6 +34,7 @@ class Serving:
     defaults: SamplingDefaults
     metrics: Metrics
     aliases: frozenset[str] = frozenset()
+    media: MediaPolicy = field(default_factory=MediaPolicy)
     reasoning_parser: str = "auto"  # --reasoning-parser: a name of PARSERS, "auto" or "none"
     disable_reasoning: bool = False  # --disable-reasoning
     mcp: MCPSettings | None = None  # --mcp-command / --mcp-config
@@ -74,16 +79,41 @@ class Serving:
             raise APIError(404, message, param="model", code="model_not_found")
 
     async def submit(
-        self, request: Request, body: GenerationRequest, prompts: list[list[int]], after_token_id: int | None = None
+        self,
+        request: Request,
+        body: GenerationRequest,
+        prompts: list[list[int]],
+        multimodal: list[PlaceholderRange] | None = None,
+        after_token_id: int | None = None,
     ) -> RequestHandle:
-        """Queues a request's prompts, each with the body's ``n`` choices; a constraint
-        (structured outputs) applies after ``after_token_id`` where one is given."""
+        """Queues a request's prompts, each with the body's ``n`` choices (``multimodal``: where the
+        images of a one-prompt request go); a constraint (structured outputs) applies after
+        ``after_token_id`` where one is given."""
         constraint = structured_outputs(body, after_token_id)
-        entries = [
+        entries: list[Any] = [
             (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
             for prompt in prompts
         ]
+        if multimodal:
+            entries = [(*entries[0], multimodal)]
         return await self._ask(request, self.engine.submit(entries))
+
+    async def images(self, urls: list[tuple[str, str]]) -> list[Image.Image]:
+        """The images of a request (URL, request field), checked against the model and the media policy."""
+        if not self.llm.modalities:
+            raise bad_request(f"the model {self.model_name!r} takes text only: it cannot read images",
+                              param=urls[0][1])  # fmt: skip
+        self.media.check_count("image", len(urls), urls[-1][1])
+        return await asyncio.to_thread(lambda: [self.media.load_image(url, param) for url, param in urls])
+
+    async def multimodal_prompt(
+        self, token_ids: list[int], images: list[Image.Image]
+    ) -> tuple[list[int], list[PlaceholderRange]]:
+        """``token_ids`` with each image's placeholder expanded (the model's processor, off the event loop)."""
+        try:
+            return await asyncio.to_thread(self.llm.multimodal_prompt, token_ids, {"image": images})
+        except ValueError as error:
+            raise bad_request(str(error), param="messages") from None
 
     async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
         return await self._ask(request, self.engine.embed(token_ids))

@@ -24,8 +24,10 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.cache.specs import TokenVectorSpec
+from xinfer.distributed import current
+from xinfer.distributed.group import WHOLE, Part
 from xinfer.forward_context import attention_metadata
-from xinfer.layers import Linear, RMSNorm, RotaryEmbedding, pairs_to_halves, rope_parameters
+from xinfer.layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, pairs_to_halves, rope_parameters
 from xinfer.layers.rotary import yarn_mscale
 from xinfer_deepseek.mla_ops import fp8_row_bytes
 
@@ -36,10 +38,11 @@ class UpProjection(nn.Module):
     halves as llama.cpp's converter splits them (``k_b_proj.weight`` [H, R, N], transposed, and
     ``v_b_proj.weight``)."""
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_dim: int):
+    def __init__(self, num_heads: int, kv_lora_rank: int, nope_dim: int, v_dim: int, heads: Part = WHOLE):
         super().__init__()
-        self.w_uk = nn.Parameter(torch.empty(num_heads, nope_dim, kv_lora_rank))
-        self.w_uv = nn.Parameter(torch.empty(num_heads, v_dim, kv_lora_rank))
+        self.heads = heads  # this rank's, under tensor parallelism
+        self.w_uk = nn.Parameter(torch.empty(heads.size(num_heads), nope_dim, kv_lora_rank))
+        self.w_uv = nn.Parameter(torch.empty(heads.size(num_heads), v_dim, kv_lora_rank))
 
     def absorb(self, q_nope: Tensor) -> Tensor:
         """q_nope [T, H, N] -> q_latent [T, H, R]."""
@@ -56,9 +59,9 @@ class UpProjection(nn.Module):
         return {"k_b_proj.weight", "v_b_proj.weight"}
 
     def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
-        heads, nope_dim, rank = self.w_uk.shape
+        _, nope_dim, rank = self.w_uk.shape
         if name == "weight":
-            halves = tensor.view(heads, -1, rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
+            halves = tensor.view(-1, nope_dim + self.w_uv.shape[1], rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
             targets = {"k_b_proj.weight": (self.w_uk, halves[0]), "v_b_proj.weight": (self.w_uv, halves[1])}
         elif name == "k_b_proj.weight":
             targets = {name: (self.w_uk, tensor.transpose(1, 2))}
@@ -67,6 +70,7 @@ class UpProjection(nn.Module):
         else:
             raise ValueError(f"kv_b_proj: no parameter loads checkpoint tensor {name!r}")
         for part, (param, value) in targets.items():
+            value = self.heads.of(value)
             if param.shape != value.shape:
                 raise ValueError(
                     f"weight kv_b_proj ({part}): checkpoint shape {tuple(value.shape)} != model shape "
@@ -95,25 +99,29 @@ class LatentAttention(nn.Module):
     ``interleaved_rotary``: the checkpoint rotates adjacent pairs of the rope dims (``rope_interleave``);
     those rows of the query and rope-key projections are reordered at load into the halves
     ``ops.rotary`` rotates (q . k does not change when both are reordered alike).
+
+    Under tensor parallelism each rank computes its part of the heads (``num_heads`` is then this
+    rank's); the latent, which every head reads, is computed and cached whole on every rank.
     """
 
     def __init__(self, config: Any, rotary: RotaryEmbedding, norm: Callable[[int], RMSNorm], interleaved_rotary: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
-        hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
+        hidden, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        part = current().split(heads, "attention heads")
+        self.num_heads = part.size(heads)
         q_size = heads * (self.nope_dim + self.rope_dim)
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = norm(self.q_lora_rank)
-            self.q_b_proj = Linear(self.q_lora_rank, q_size)
+            self.q_b_proj = ColumnLinear(self.q_lora_rank, q_size, part=part)
         else:
-            self.q_proj = Linear(hidden, q_size)
+            self.q_proj = ColumnLinear(hidden, q_size, part=part)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias)
         self.kv_a_layernorm = norm(self.kv_lora_rank)
-        self.kv_b_proj = UpProjection(heads, self.kv_lora_rank, self.nope_dim, config.v_head_dim)
-        self.o_proj = Linear(heads * config.v_head_dim, hidden, bias)
+        self.kv_b_proj = UpProjection(heads, self.kv_lora_rank, self.nope_dim, config.v_head_dim, part)
+        self.o_proj = RowLinear(heads * config.v_head_dim, hidden, bias, part)
         self.rotary_emb = rotary
         self.interleaved_rotary = interleaved_rotary
         self.scale = softmax_scale(config)
@@ -148,8 +156,8 @@ class LatentAttention(nn.Module):
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         if not self.interleaved_rotary:
             return tensor
-        if name.startswith(("q_proj.", "q_b_proj.")):
-            return _rope_rows_to_halves(tensor, self.num_heads, self.rope_dim)
+        if name.startswith(("q_proj.", "q_b_proj.")):  # every head of the checkpoint's tensor
+            return _rope_rows_to_halves(tensor, tensor.shape[0] // (self.nope_dim + self.rope_dim), self.rope_dim)
         if name.startswith("kv_a_proj_with_mqa."):
             return _rope_rows_to_halves(tensor, 1, self.rope_dim)
         return tensor

@@ -7,6 +7,7 @@ def xinfer_architectures() -> dict[str, str]:
         "DeepseekV2ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM": "xinfer_deepseek.deepseek:DeepseekV3ForCausalLM",
         "DeepseekV32ForCausalLM": "xinfer_deepseek.deepseek_v32:DeepseekV32ForCausalLM",
+        "DeepseekV4ForCausalLM": "xinfer_deepseek.deepseek_v4:DeepseekV4ForCausalLM",
         "Glm4MoeLiteForCausalLM": "xinfer_deepseek.glm4_moe_lite:Glm4MoeLiteForCausalLM",
     }
 
@@ -23,7 +24,11 @@ def xinfer_ops() -> list[OpSpec]:
         op("mla_attention_fp8", "mla"),
         op("indexer_topk", "indexer"),
         op("sparse_mla_attention", "sparse_mla"),
+        *(OpSpec(name, f"xinfer_deepseek.compressed_ops:{name}", {}) for name in COMPRESSED_OPS),
     ]
+
+
+COMPRESSED_OPS = ("compress_windows", "compressed_indexer_topk", "v4_attention")  # DeepSeek V4's: references only
 
 
 @hookimpl

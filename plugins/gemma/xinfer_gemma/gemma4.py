@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.distributed import current
 from xinfer.forward_context import attention_metadata
 from xinfer.layers import (
     Attention,
@@ -39,6 +40,7 @@ from xinfer.layers import (
     RotaryEmbedding,
     Router,
     Routing,
+    RowLinear,
     VocabEmbedding,
     head_norms,
     rope_parameters,
@@ -60,16 +62,19 @@ class Gemma4Attention(nn.Module):
         norm: Norm, *, window: int | None, values_from_keys: bool, bias: bool, eps: float,
     ):  # fmt: skip
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        tp = current()  # each rank its part of the heads (KV heads replicated below the rank count)
+        heads, kv_heads = tp.split(num_heads, "attention heads"), tp.heads(num_kv_heads, "KV heads")
+        self.num_heads, self.num_kv_heads = heads.size(num_heads), kv_heads.size(num_kv_heads)
+        self.head_dim, self.eps = head_dim, eps
         kv_size = num_kv_heads * head_dim
         shards = {"q": num_heads * head_dim, "k": kv_size} | ({} if values_from_keys else {"v": kv_size})
-        self.qkv_proj = MergedLinear(hidden_size, shards, bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias)
+        self.qkv_proj = MergedLinear(hidden_size, shards, bias, parts={"q": heads, "k": kv_heads, "v": kv_heads})
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias, heads)
         self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
         self.v_norm_weight: Tensor  # the value norm has no weight of its own
         self.register_buffer("v_norm_weight", torch.ones(head_dim), persistent=False)
         self.rotary_emb = rotary
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale=1.0, window=window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale=1.0, window=window)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q, k, *v = self.qkv_proj.split(self.qkv_proj(x))
@@ -89,9 +94,10 @@ class SharedKVAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, rotary: RotaryEmbedding, norm: Norm,
                  source: Attention, bias: bool):  # fmt: skip
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim}, bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias)
+        heads = current().split(num_heads, "attention heads")  # the same heads as its source's rank reads
+        self.num_heads, self.head_dim = heads.size(num_heads), head_dim
+        self.qkv_proj = MergedLinear(hidden_size, {"q": num_heads * head_dim}, bias, parts={"q": heads})
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, bias, heads)
         self.q_norm = norm(head_dim)
         self.rotary_emb = rotary
         self.source = (source,)  # a tuple, so that nn.Module does not adopt it

@@ -5,6 +5,7 @@ from xinfer.hooks import hookimpl
 def xinfer_architectures() -> dict[str, str]:
     return {
         "Gemma3ForCausalLM": "xinfer_gemma.gemma3:Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration": "xinfer_gemma.gemma3_vision:Gemma3ForConditionalGeneration",
         "Gemma4ForCausalLM": "xinfer_gemma.gemma4:Gemma4ForCausalLM",
         "Gemma4ForConditionalGeneration": "xinfer_gemma.gemma4:Gemma4ForCausalLM",
     }

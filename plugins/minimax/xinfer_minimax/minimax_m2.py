@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from xinfer.layers import DecoderForCausalLM, MoE, RMSNorm, RotaryEmbedding, Routing, SelfAttention
+from xinfer.distributed import current
+from xinfer.layers import DecoderForCausalLM, MoE, RMSNorm, RotaryEmbedding, Routing, SelfAttention, SplitRMSNorm
 from xinfer.loading.mtp import without_mtp_layers
 
 # checkpoint names -> the model's (transformers' own, but the correction bias, which the router holds here)
@@ -55,7 +56,7 @@ def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tenso
 
 class MiniMaxM2Attention(SelfAttention):
     """Self-attention whose q and k are RMS-normed across all heads (one norm of ``heads * head_dim``)
-    before rotary, rather than head by head."""
+    before rotary, rather than head by head (under tensor parallelism, across the ranks' heads)."""
 
     q_norm: RMSNorm
     k_norm: RMSNorm
@@ -64,8 +65,9 @@ class MiniMaxM2Attention(SelfAttention):
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, eps: float
     ):
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, rotary)
-        self.q_norm = RMSNorm(num_heads * head_dim, eps)
-        self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
+        tp = current()
+        self.q_norm = SplitRMSNorm(num_heads * head_dim, tp.split(num_heads, "attention heads"), eps)
+        self.k_norm = SplitRMSNorm(num_kv_heads * head_dim, tp.heads(num_kv_heads, "KV heads"), eps)
 
     def qkv(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))

@@ -18,43 +18,65 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.cache.specs import RecurrentStateSpec
+from xinfer.distributed import current
+from xinfer.distributed.group import WHOLE, Part
 from xinfer.forward_context import attention_metadata, state_slots
-from xinfer.layers import Linear, MergedLinear, RMSNorm
+from xinfer.layers import MergedLinear, RMSNorm, RowLinear
 
 
 class CausalConv1d(nn.Module):
     """A depthwise causal convolution over time, ``weight`` [C, K] (HF's Conv1d holds [C, 1, K])."""
 
-    def __init__(self, channels: int, kernel_size: int):
+    def __init__(self, channels: int, kernel_size: int, part: Part = WHOLE):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.part = part  # this rank's channels, under tensor parallelism
+        self.weight = nn.Parameter(torch.empty(part.size(channels), kernel_size))
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
-        return tensor.reshape(self.weight.shape)
+        return tensor.reshape(tensor.shape[0], -1)
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        return self.part.of(tensor)
 
 
 class GatedDeltaNet(nn.Module):
     """``x`` [T, hidden] -> [T, hidden]; HF's parameter names (Qwen3.5's). Its input
     projections are one GEMM, ``in_proj``: ``q | k | v`` (the conv's channels), ``z``, ``b``,
-    ``a``, each over all heads in order."""
+    ``a``, each over all heads in order.
+
+    Under tensor parallelism each rank runs its part of the key heads and of the value heads (those
+    that read them), and ``out_proj`` sums the ranks' outputs; the head counts are then this rank's."""
 
     def __init__(self, config: Any):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        tp = current()
+        key_heads = tp.split(config.linear_num_key_heads, "DeltaNet key heads")
+        self.value_heads = tp.split(config.linear_num_value_heads, "DeltaNet value heads")
+        self.num_k_heads = key_heads.size(config.linear_num_key_heads)
+        self.num_v_heads = self.value_heads.size(config.linear_num_value_heads)
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         if config.hidden_act != "silu":
             raise NotImplementedError(f"Gated DeltaNet with hidden_act {config.hidden_act!r}: only silu is supported")
-        conv_channels = 2 * self.key_dim + self.value_dim  # q, k and v
-        shards = {"qkv": conv_channels, "z": self.value_dim, "b": self.num_v_heads, "a": self.num_v_heads}
-        self.in_proj = MergedLinear(config.hidden_size, shards)
-        self.conv1d = CausalConv1d(conv_channels, config.linear_conv_kernel_dim)
+        key_dim, value_dim = (
+            config.linear_num_key_heads * self.head_k_dim,
+            config.linear_num_value_heads * self.head_v_dim,
+        )
+        conv = tp.split(2 * key_dim + value_dim, "DeltaNet channels", blocks=(key_dim, key_dim, value_dim))  # q, k, v
+        heads = config.linear_num_value_heads
+        shards = {"qkv": 2 * key_dim + value_dim, "z": value_dim, "b": heads, "a": heads}
+        parts = {"qkv": conv, "z": self.value_heads, "b": self.value_heads, "a": self.value_heads}
+        self.in_proj = MergedLinear(config.hidden_size, shards, parts=parts)
+        self.conv1d = CausalConv1d(2 * key_dim + value_dim, config.linear_conv_kernel_dim, conv)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = RMSNorm(self.head_v_dim, config.rms_norm_eps)  # plain weight, unlike the model's other norms
-        self.out_proj = Linear(self.value_dim, config.hidden_size)
+        self.out_proj = RowLinear(value_dim, config.hidden_size, part=self.value_heads)
         self.cache: dict[str, Tensor] | None = None
         self.page_group = 0
+
+    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+        return self.value_heads.of(tensor)  # A_log, dt_bias
 
     def cache_spec(self) -> RecurrentStateSpec:
         conv_channels, kernel_size = self.conv1d.weight.shape

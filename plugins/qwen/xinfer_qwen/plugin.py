@@ -8,11 +8,13 @@ def xinfer_architectures() -> dict[str, str]:
         "Qwen3ForCausalLM": "xinfer_qwen.qwen:Qwen3ForCausalLM",
         "Qwen2MoeForCausalLM": "xinfer_qwen.qwen_moe:Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM": "xinfer_qwen.qwen_moe:Qwen3MoeForCausalLM",
+        "Qwen3VLForConditionalGeneration": "xinfer_qwen.qwen3_vl:Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration": "xinfer_qwen.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
         "Qwen3NextForCausalLM": "xinfer_qwen.qwen3_next:Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM": "xinfer_qwen.qwen3_next:Qwen3_5ForCausalLM",
-        "Qwen3_5ForConditionalGeneration": "xinfer_qwen.qwen3_next:Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration": "xinfer_qwen.qwen3_vl:Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForCausalLM": "xinfer_qwen.qwen3_next:Qwen3_5MoeForCausalLM",
-        "Qwen3_5MoeForConditionalGeneration": "xinfer_qwen.qwen3_next:Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration": "xinfer_qwen.qwen3_vl:Qwen3_5MoeForConditionalGeneration",
     }
 
 

@@ -3,15 +3,14 @@
 
 Their full attention is Qwen3's with a sigmoid output gate (q's projection doubled), rotary
 over a part of each head; every RMSNorm but the DeltaNet's output norm multiplies by
-``1 + w``. Qwen3.5's rope is multimodal (mrope), which for text alone is plain rope. Its
-checkpoints hold the language model under ``model.language_model`` beside a vision tower
-(not loaded here) and multi-token-prediction layers (skipped).
+``1 + w``. Qwen3.5's rope is multimodal (mrope), which for text alone is plain rope; its
+image-text checkpoints are :mod:`xinfer_qwen.qwen3_vl`'s. Multi-token-prediction layers are
+skipped.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -23,8 +22,6 @@ from xinfer.loading.mtp import without_mtp_layers
 from xinfer.model import HF_QKV_GATE_UP
 from xinfer_qwen.gated_deltanet import GatedDeltaNet
 from xinfer_qwen.qwen_moe import is_sparse, routing
-
-log = logging.getLogger(__name__)
 
 
 class DeltaNetDecoderLayer(nn.Module):
@@ -45,21 +42,8 @@ class DeltaNetDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-def text_part(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """The language model's tensors under the names of a text-only checkpoint; the vision
-    tower's are left out, with one log line."""
-    logged = False
-    for name, tensor in weights:
-        if name.startswith("model.visual."):
-            if not logged:
-                log.info("skipping the checkpoint's vision tower (model.visual.*): xinfer runs the text part")
-                logged = True
-            continue
-        yield name.replace("model.language_model.", "model.", 1), tensor
-
-
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
-    """Qwen3.5 / Qwen3.6 dense; also the text part of ``Qwen3_5ForConditionalGeneration``."""
+    """Qwen3.5 / Qwen3.6 dense (the text model of ``Qwen3_5ForConditionalGeneration``)."""
 
     spec = DecoderSpec(qk_norm=True, norm_weight_offset=1.0, output_gate=True)
     packed_modules = {
@@ -77,7 +61,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return DeltaNetDecoderLayer(GatedDeltaNet(config), self.mlp(config, index), norm)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        return super().load_weights(without_mtp_layers(text_part(weights), self.config.num_hidden_layers))
+        return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
 
 
 def sparse_moe(config: Any, routing: Routing) -> MoE:

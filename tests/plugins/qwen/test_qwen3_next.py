@@ -1,16 +1,12 @@
 """Qwen3-Next, Qwen3.5 / Qwen3.6 dense and MoE (hybrid: Gated DeltaNet and full-attention layers)
 against transformers' modeling code (fp32, CPU): log-probs at every prompt position, greedy tokens
 and their log-probs with prompts chunked across steps, several sequences batched at different
-lengths, preempted ones recomputed, and two requests sharing a prefix. The text part of a
-Qwen3.5 image-text checkpoint loads without its vision tower."""
-
-import logging
+lengths, preempted ones recomputed, and two requests sharing a prefix. (Qwen3.5's image-text
+checkpoints: test_qwen3_5_vl.py.)"""
 
 import pytest
 import torch
 from transformers import (
-    Qwen3_5Config,
-    Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
@@ -113,22 +109,3 @@ def test_two_requests_sharing_a_prefix_match_hf(models):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for tokens in prompts:  # one after the other: the second finds the first's blocks
         assert llm.generate([tokens], params)[0].outputs[0].token_ids == hf_greedy(hf, tokens, 6)
-
-
-def test_image_text_checkpoint_loads_its_text_part(tmp_path, caplog):
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=COMMON["hidden_size"])
-    config = Qwen3_5Config(text_config={**HYBRID, "model_type": "qwen3_5_text"}, vision_config=vision,
-                           architectures=["Qwen3_5ForConditionalGeneration"])  # fmt: skip
-    torch.manual_seed(0)
-    config._attn_implementation = "eager"
-    hf = Qwen3_5ForConditionalGeneration(config).float().eval()
-    randomize_hybrid(hf)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    with caplog.at_level(logging.INFO, logger="xinfer_qwen.qwen3_next"):
-        llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
-    assert any("vision tower" in r.getMessage() for r in caplog.records)
-    tokens = prompt(29)
-    with torch.inference_mode():
-        expected = hf(input_ids=torch.tensor([tokens])).logits[0].log_softmax(-1)
-    got = prefill_logits(llm.engine, tokens).float().log_softmax(-1)
-    assert (got - expected).abs().max() <= 1e-4

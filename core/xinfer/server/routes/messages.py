@@ -36,5 +36,5 @@ async def count_tokens(request: Request) -> JSONResponse:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, CountTokensRequest)
     serving.check_model(body.model)
-    prompt = chat_prompt(serving, chat_request(body))
+    prompt = await chat_prompt(serving, chat_request(body))
     return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())

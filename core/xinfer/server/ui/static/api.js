@@ -94,7 +94,7 @@ export async function loadConfig() {
   return cfg;
 }
 
-/** List models: [{id, max_model_len}, ...]. */
+/** List models: [{id, maxModelLen, images}, ...] (images: it takes images, per input_modalities). */
 export async function listModels(signal) {
   const res = await request('v1/models', { signal, cache: 'no-store' });
   if (!res.ok) throw await errorFromResponse(res);
@@ -102,6 +102,7 @@ export async function listModels(signal) {
   return (body && Array.isArray(body.data) ? body.data : []).map((m) => ({
     id: String(m.id),
     maxModelLen: Number(m.max_model_len || m.context_length || m.max_context_length || 0) || null,
+    images: Array.isArray(m.input_modalities) && m.input_modalities.includes('image'),
   }));
 }
 

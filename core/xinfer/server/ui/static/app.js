@@ -24,6 +24,7 @@ const state = {
   online: null, // null: unknown yet
   gen: null, // the running generation: {convId, msg, controller, ...}
   editingId: null, // id of the user message being edited
+  attachments: [], // data: URLs of the images for the next message
 };
 
 const ui = {
@@ -36,6 +37,9 @@ const ui = {
   input: $('#input'),
   composer: $('#composer'),
   send: $('#send'),
+  attach: $('#attach'),
+  attachInput: $('#attach-input'),
+  attachments: $('#attachments'),
   stop: $('#stop'),
   modelName: $('#model-name'),
   modelSelect: $('#model-select'),
@@ -179,6 +183,7 @@ function renderModel() {
   ui.modelCtx.textContent = m && m.maxModelLen ? `${formatContext(m.maxModelLen)} context` : '';
   ui.modelCtx.title = m && m.maxModelLen ? `Max context: ${formatInt(m.maxModelLen)} tokens` : '';
   ui.modelCtx.hidden = !(m && m.maxModelLen);
+  ui.attach.hidden = !(m && m.images); // only a model that takes images gets an attach button
   if (state.models.length > 1) {
     ui.modelSelect.replaceChildren(...state.models.map((x) => {
       const o = h('option', { text: x.id });
@@ -337,6 +342,10 @@ function userView(conv, msg) {
     return node;
   }
   const bubble = h('div', { className: 'bubble', text: msg.content });
+  if (msg.images && msg.images.length) {
+    const pictures = msg.images.map((url) => h('img', { attrs: { src: url, alt: 'attached image' } }));
+    node.append(h('div', { className: 'msg-images' }, ...pictures));
+  }
   const actions = h('div', { className: 'msg-actions' },
     copyButton(() => msg.content));
   if (isLast(conv, msg, 'user') && !busy) {
@@ -501,18 +510,33 @@ function updateJump() {
 
 // ------------------------------------------------------------ generation ---
 
+/** A message's content as the API takes it: a string, or with images, OpenAI's content parts. */
+function apiContent(text, images) {
+  if (!images || !images.length) return text;
+  const parts = text.trim() ? [{ type: 'text', text }] : [];
+  return parts.concat(images.map((url) => ({ type: 'image_url', image_url: { url } })));
+}
+
+function asParts(content) {
+  return typeof content === 'string' ? [{ type: 'text', text: content }] : content;
+}
+
 function historyFor(conv, upTo) {
   const out = [];
   const sys = (state.settings.systemPrompt || '').trim();
   if (sys) out.push({ role: 'system', content: sys });
   for (const m of conv.messages) {
     if (m === upTo) break;
-    const content = m.role === 'assistant' ? splitThink(m.content).answer : m.content;
-    if (!content.trim()) continue; // failed or empty replies are not sent back
+    const text = m.role === 'assistant' ? splitThink(m.content).answer : m.content;
+    const images = m.role === 'user' ? m.images : null;
+    if (!text.trim() && !(images && images.length)) continue; // failed or empty replies are not sent back
+    const content = apiContent(text, images);
     const prev = out[out.length - 1];
     // Keep roles alternating (chat templates may require it): merge neighbours.
-    if (prev && prev.role === m.role) prev.content += `\n\n${content}`;
-    else out.push({ role: m.role, content });
+    if (prev && prev.role === m.role) {
+      if (typeof prev.content === 'string' && typeof content === 'string') prev.content += `\n\n${content}`;
+      else prev.content = asParts(prev.content).concat(asParts(content));
+    } else out.push({ role: m.role, content });
   }
   return out;
 }
@@ -645,7 +669,8 @@ async function generate(conv) {
 function send(text) {
   if (state.gen) return;
   const content = text.trim();
-  if (!content) return;
+  const images = state.attachments.slice();
+  if (!content && !images.length) return;
   let conv = current();
   if (!conv) {
     conv = newConversation();
@@ -656,8 +681,10 @@ function send(text) {
   // A failed reply with no text is replaced by the next one.
   const last = conv.messages[conv.messages.length - 1];
   if (last && last.role === 'assistant' && last.error && !last.content) conv.messages.pop();
-  conv.messages.push({ id: uid(), role: 'user', content });
-  if (conv.title === 'New chat' || conv.messages.filter((m) => m.role === 'user').length === 1) conv.title = titleFrom(content);
+  conv.messages.push(images.length ? { id: uid(), role: 'user', content, images } : { id: uid(), role: 'user', content });
+  if (conv.title === 'New chat' || conv.messages.filter((m) => m.role === 'user').length === 1) conv.title = titleFrom(content || 'Image');
+  state.attachments = [];
+  renderAttachments();
   ui.input.value = '';
   autosize(ui.input);
   generate(conv);
@@ -693,11 +720,32 @@ function autosize(ta, max = 220) {
   ta.style.height = `${Math.min(ta.scrollHeight, max)}px`;
 }
 
+// ------------------------------------------------------------ attachments ---
+
+/** Images picked for the next message, as data: URLs (the API takes them in image_url parts). */
+function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith('image/')) { toast(`${file.name} is not an image`); continue; }
+    const reader = new FileReader();
+    reader.onload = () => { state.attachments.push(reader.result); renderAttachments(); renderComposer(); };
+    reader.onerror = () => toast(`Could not read ${file.name}`);
+    reader.readAsDataURL(file);
+  }
+}
+
+function renderAttachments() {
+  ui.attachments.replaceChildren(...state.attachments.map((url, i) => h('div', { className: 'attachment' },
+    h('img', { attrs: { src: url, alt: 'attached image' } }),
+    h('button', { className: 'remove', text: '×', attrs: { type: 'button', title: 'Remove', 'aria-label': 'Remove image' },
+      on: { click: () => { state.attachments.splice(i, 1); renderAttachments(); renderComposer(); } } }))));
+  ui.attachments.hidden = !state.attachments.length;
+}
+
 function renderComposer() {
   const busy = !!state.gen;
   ui.send.hidden = busy;
   ui.stop.hidden = !busy;
-  ui.send.disabled = !ui.input.value.trim();
+  ui.send.disabled = !ui.input.value.trim() && !state.attachments.length;
   const sys = (state.settings.systemPrompt || '').trim();
   ui.sysIndicator.textContent = sys ? `System prompt: ${sys.length > 60 ? `${sys.slice(0, 57)}…` : sys}` : '';
   ui.sysIndicator.hidden = !sys;
@@ -774,6 +822,8 @@ function bind() {
 
   ui.composer.addEventListener('submit', (e) => { e.preventDefault(); send(ui.input.value); });
   ui.input.addEventListener('input', () => { autosize(ui.input); renderComposer(); });
+  ui.attach.addEventListener('click', () => ui.attachInput.click());
+  ui.attachInput.addEventListener('change', () => { attachFiles([...ui.attachInput.files]); ui.attachInput.value = ''; });
   ui.input.addEventListener('keydown', (e) => {
     if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
       e.preventDefault();

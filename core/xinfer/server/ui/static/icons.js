@@ -7,6 +7,7 @@ const NS = 'http://www.w3.org/2000/svg';
 
 const PATHS = {
   plus: ['M12 5v14', 'M5 12h14'],
+  image: ['M4 5h16v14H4z', 'M4 16l5-5 4 4 3-3 4 4', 'M15.5 9.5h.01'],
   send: ['M12 19V5', 'M5 12l7-7 7 7'],
   stop: [],
   menu: ['M4 6h16', 'M4 12h16', 'M4 18h16'],

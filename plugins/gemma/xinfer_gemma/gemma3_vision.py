@@ -1,0 +1,114 @@
+"""Gemma 3 with images (``Gemma3ForConditionalGeneration``): the text model of
+:mod:`xinfer_gemma.gemma3`, a SigLIP encoder, and the projector into the text model's space.
+
+An image becomes ``mm_tokens_per_image`` soft tokens: SigLIP's patches (``image_size /
+patch_size`` per side) average-pooled to ``sqrt(mm_tokens_per_image)`` per side, RMS-normed
+(``1 + w``) and projected. In the prompt, each ``<start_of_image>`` becomes ``"\\n\\n"``,
+``<start_of_image>``, the image's soft tokens, ``<end_of_image>``, ``"\\n\\n"``, as transformers'
+processor writes it; the soft tokens of one image attend to each other both ways. Pan and scan
+(cropping wide images into several) is off, as in transformers' processor by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor, nn
+
+from xinfer import ops
+from xinfer.layers import RMSNorm
+from xinfer.multimodal import MultiModalItem
+from xinfer.multimodal.image import image_hash, normalized_pixels, resize, to_rgb
+from xinfer_gemma.gemma3 import Gemma3ForCausalLM
+from xinfer_gemma.siglip import SiglipVisionTransformer
+
+SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
+
+
+class Gemma3Projector(nn.Module):
+    """Patches [B, P, vision] -> soft tokens [B, mm_tokens_per_image, hidden]."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        vision = config.vision_config
+        self.patches_per_side = vision.image_size // vision.patch_size
+        self.pool = self.patches_per_side // int(config.mm_tokens_per_image**0.5)
+        self.mm_soft_emb_norm = RMSNorm(vision.hidden_size, vision.layer_norm_eps, weight_offset=1.0)
+        # stored [hidden, vision] (a linear's layout); the checkpoint's is [vision, hidden]
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(config.text_config.hidden_size, vision.hidden_size))
+
+    def forward(self, patches: Tensor) -> Tensor:
+        side = self.patches_per_side
+        grid = patches.transpose(1, 2).unflatten(2, (side, side))  # [B, vision, side, side]
+        pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2)  # [B, tokens, vision]
+        normed = self.mm_soft_emb_norm(pooled.flatten(0, 1))
+        return ops.linear(normed, self.mm_input_projection_weight).unflatten(0, pooled.shape[:2])
+
+    def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        return tensor.t().contiguous() if name == "mm_input_projection_weight" else tensor
+
+
+class Gemma3ImageProcessor:
+    """Images -> SigLIP's input: RGB, resized to ``image_size`` square (bilinear), ``/ 255``,
+    normalised by mean and std 0.5."""
+
+    def __init__(self, config: Any, tokenizer: Any):
+        self.config = config
+        self.image_size = config.vision_config.image_size
+        self.placeholders = {"image": config.boi_token_index}
+        newlines = tokenizer.encode("\n\n", add_special_tokens=False) if tokenizer is not None else []
+        soft = [config.image_token_index] * config.mm_tokens_per_image
+        self._tokens = [*newlines, config.boi_token_index, *soft, config.eoi_token_index, *newlines]
+        self._start = len(newlines) + 1
+
+    def process(self, modality: str, data: Any) -> MultiModalItem:
+        if not isinstance(data, Image.Image):
+            raise ValueError(f"an image must be a PIL image, got {type(data).__name__}")
+        image = resize(to_rgb(data), self.image_size, self.image_size, "bilinear")
+        pixels = normalized_pixels(image, SIGLIP_MEAN, SIGLIP_STD)
+        return MultiModalItem("image", image_hash(data), {"pixel_values": pixels}, self.config.mm_tokens_per_image)
+
+    def replacement(self, item: MultiModalItem) -> tuple[list[int], int]:
+        return list(self._tokens), self._start
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    attend_within_items: ClassVar[bool] = True
+
+    def __init__(self, config: Any):
+        wrapper = config.multimodal_config  # the loader hands the text config, the wrapper's beside it
+        super().__init__(config)
+        self.wrapper_config = wrapper
+        self.vision_tower = SiglipVisionTransformer(wrapper.vision_config)
+        self.multi_modal_projector = Gemma3Projector(wrapper)
+
+    def multimodal_processor(self, tokenizer: Any) -> Gemma3ImageProcessor:
+        return Gemma3ImageProcessor(self.wrapper_config, tokenizer)
+
+    def encode(self, modality: str, items: Sequence[MultiModalItem]) -> list[Tensor]:
+        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
+        device = self.multi_modal_projector.mm_input_projection_weight.device
+        pixels = torch.stack([item.data["pixel_values"] for item in items]).to(device, dtype)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)))
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        return super().load_weights(_renamed(weights))
+
+
+def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """Checkpoint names as this model's: transformers writes the parts as ``model.language_model.``,
+    ``model.vision_tower.vision_model.``, ``model.multi_modal_projector.`` and, in older checkpoints and
+    what it saves, ``language_model.model.``, ``vision_tower.``, ``multi_modal_projector.``."""
+    for name, tensor in weights:
+        if name.startswith(("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")):
+            name = name.removeprefix("model.")
+        if name.startswith("language_model."):
+            name = name.removeprefix("language_model.")
+            name = name if name.startswith(("model.", "lm_head.")) else "model." + name
+        elif name.startswith("vision_tower.vision_model."):
+            name = "vision_tower." + name.removeprefix("vision_tower.vision_model.")
+        yield name, tensor

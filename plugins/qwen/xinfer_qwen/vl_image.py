@@ -1,0 +1,107 @@
+"""Qwen-VL image preprocessing for the engine (Pillow + torch): an image becomes the flat
+patches the vision encoder embeds and its patch grid ``(t, h, w)``.
+
+The image is resized so that both sides are multiples of ``patch_size * merge_size`` (every
+2x2 group of patches merges into one language-model token) and its area lies within
+``[min_pixels, max_pixels]``, keeping the aspect ratio as closely as it can; then scaled to
+[0, 1], normalized, repeated ``temporal_patch_size`` times along time (a still image is a
+video of identical frames) and cut into patches. Patches come in merge-group order: the
+four patches of a merged token are consecutive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from xinfer.multimodal.image import normalized_pixels, resize, to_rgb
+
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """How a Qwen-VL checkpoint wants its images (``preprocessor_config.json`` and the vision config)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_configs(cls, vision_config: Any, preprocessor: Mapping[str, Any] | None = None) -> ImageSpec:
+        """The vision config's patch sizes; pixel bounds and normalization from the checkpoint's
+        preprocessor config where it has one (``size`` or the older ``min_pixels``/``max_pixels``)."""
+        pre = dict(preprocessor or {})
+        size = pre.get("size") or {}
+        defaults = cls()
+        return cls(
+            patch_size=vision_config.patch_size,
+            temporal_patch_size=vision_config.temporal_patch_size,
+            merge_size=vision_config.spatial_merge_size,
+            min_pixels=pre.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels,
+            max_pixels=pre.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels,
+            mean=tuple(pre.get("image_mean", defaults.mean)),
+            std=tuple(pre.get("image_std", defaults.std)),
+        )
+
+    @property
+    def factor(self) -> int:
+        """The side of one merged token, in pixels."""
+        return self.patch_size * self.merge_size
+
+
+def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
+    """The size (height, width) an image of ``height`` x ``width`` is resized to: sides rounded
+    to multiples of ``spec.factor``, then scaled down (or up) together, by the square root of
+    the area ratio, into ``[min_pixels, max_pixels]``."""
+    if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+        raise ValueError(f"image of {width}x{height}: its aspect ratio is over {MAX_ASPECT_RATIO}")
+    f = spec.factor
+    h, w = round(height / f) * f, round(width / f) * f
+    if h * w > spec.max_pixels:
+        beta = math.sqrt(height * width / spec.max_pixels)
+        h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+    elif h * w < spec.min_pixels:
+        beta = math.sqrt(spec.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+    return h, w
+
+
+def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
+    """The image in RGB, resized (bicubic, on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
+    height, width = smart_resize(image.height, image.width, spec)
+    return normalized_pixels(resize(to_rgb(image), height, width, "bicubic"), spec.mean, spec.std)
+
+
+def patchify(image: Tensor, spec: ImageSpec) -> tuple[Tensor, tuple[int, int, int]]:
+    """``image`` [C, H, W] as patches [h * w, C * temporal * patch * patch] in merge-group order
+    (each patch's values channel, time, row, column), and its grid ``(1, h, w)`` in patches."""
+    c, height, width = image.shape
+    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    h, w = height // p, width // p
+    x = image.reshape(c, h // m, m, p, w // m, m, p)
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # merge row, merge col, row in group, col in group, C, py, px
+    x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # the frame repeated along time
+    return x.reshape(h * w, c * t * p * p), (1, h, w)
+
+
+def preprocess(images: Sequence[Image.Image], spec: ImageSpec) -> tuple[Tensor, Tensor]:
+    """The patches of all ``images`` concatenated [N, patch_dim] and their grids [num_images, 3]."""
+    patches, grids = zip(*(patchify(pixels(image, spec), spec) for image in images))
+    return torch.cat(patches), torch.tensor(grids, dtype=torch.int64)
+
+
+def num_tokens(grid: Sequence[int], spec: ImageSpec) -> int:
+    """The language-model tokens of an image of patch grid ``(t, h, w)``: one per merge group."""
+    t, h, w = grid
+    return t * h * w // spec.merge_size**2

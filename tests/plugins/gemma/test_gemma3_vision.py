@@ -1,0 +1,152 @@
+"""Gemma3ForConditionalGeneration with images against transformers' model and processor (fp32, CPU):
+the prompt expansion, greedy tokens and log-probabilities, prefill chunks around an image, the
+encoder cache, and prefix caching keyed by image content."""
+
+import pytest
+
+from tests.plugins.gemma.gemma3_vision_model import BOI, TOKENS_PER_IMAGE, image, processor, save_model
+from tests.plugins.hf_parity import assert_output_matches_hf, hf_greedy
+from xinfer import LLM, SamplingParams
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+TEXT = "look at <start_of_image> and tell me what you see"
+
+
+@pytest.fixture(scope="module")
+def hf_and_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3-vision")
+    return save_model(folder), folder
+
+
+@pytest.fixture(scope="module")
+def llm(hf_and_folder):
+    return LLM(model=str(hf_and_folder[1]), dtype="float32", num_blocks=64)
+
+
+def hf_inputs(text: str, images) -> dict:
+    return dict(processor()(text=text, images=images, return_tensors="pt"))
+
+
+def assert_matches_hf(hf, text: str, images, output) -> None:
+    inputs = hf_inputs(text, images)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert_output_matches_hf(hf, output.prompt_token_ids, output.outputs[0], NEW_TOKENS,
+                             pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])  # fmt: skip
+
+
+def test_greedy_tokens_and_logprobs_match_hf(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    assert_matches_hf(hf, TEXT, [image(1)], out)
+
+
+def test_the_reference_tells_bidirectional_image_attention_from_causal(hf_and_folder):
+    """The check above can fail on the mask: transformers' causal run over the same inputs differs."""
+    hf, _ = hf_and_folder
+    inputs = hf_inputs(TEXT, [image(1)])
+    ids = inputs["input_ids"][0].tolist()
+    _, both_ways = hf_greedy(hf, ids, 1, pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
+    _, causal = hf_greedy(hf, ids, 1, pixel_values=inputs["pixel_values"])
+    assert abs(both_ways[0] - causal[0]) > 1e-3
+
+
+def test_two_images_and_token_ids_with_placeholders(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    text = "look at <start_of_image> then <start_of_image> and tell me"
+    images = [image(2), image(3, (30, 50))]
+    ids = processor().tokenizer(text)["input_ids"]
+    assert ids.count(BOI) == 2
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert_matches_hf(hf, text, images, out)
+
+
+def test_prefill_chunks_end_before_an_image_not_inside_it(hf_and_folder):
+    """With 12 tokens a step the first chunk would end inside the image (tokens 7 to 16): it ends at 7,
+    the next takes the whole image; the tokens are transformers'."""
+    hf, folder = hf_and_folder
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=12)
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    assert_matches_hf(hf, TEXT, [image(1)], out)
+
+
+def test_a_chunk_cutting_through_an_image_takes_its_slice_of_the_embeddings(hf_and_folder):
+    """Where image tokens attend causally (as Qwen3-VL's do; transformers' Gemma 3 without token_type_ids),
+    chunks of 12 tokens cut the image (tokens 7 to 16) and each takes its part of the encoder output."""
+    hf, folder = hf_and_folder
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=12)
+    llm.engine.model.attend_within_items = False
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    inputs = hf_inputs(TEXT, [image(1)])
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert_output_matches_hf(hf, out.prompt_token_ids, out.outputs[0], NEW_TOKENS, pixel_values=inputs["pixel_values"])
+    cache = llm.engine.encoder_cache
+    assert (cache.misses, cache.hits) == (1, 1)  # encoded for the first chunk, looked up for the second
+
+
+def test_an_image_longer_than_a_step_is_refused(hf_and_folder):
+    llm = LLM(model=str(hf_and_folder[1]), dtype="float32", num_blocks=64, max_num_batched_tokens=TOKENS_PER_IMAGE - 1)
+    with pytest.raises(ValueError, match="more than max_num_batched_tokens"):
+        llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)
+
+
+def test_the_same_image_twice_in_a_batch_is_encoded_once_and_again_not_at_all(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    texts = ["look at <start_of_image> and tell me", "tell me what you see <start_of_image> again"]
+    cache = llm.engine.encoder_cache
+    misses, hits = cache.misses, cache.hits
+    pair = llm.generate([{"prompt": text, "multi_modal_data": {"image": image(8)}} for text in texts], GREEDY)
+    assert cache.misses == misses + 1
+    for text, out in zip(texts, pair):
+        assert_matches_hf(hf, text, [image(8)], out)
+    third = "what you see <start_of_image> and that"  # no prefix in common: its image is looked up
+    llm.generate({"prompt": third, "multi_modal_data": {"image": image(8)}}, GREEDY)
+    assert cache.misses == misses + 1 and cache.hits == hits + 1
+
+
+def test_the_same_tokens_with_another_image_do_not_hit_the_prefix_cache(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    text = "look at this and that picture and <start_of_image> tell me what you see"  # text to 16, image 18 to 27
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": image(5)}}, GREEDY)[0]
+    again = llm.generate({"prompt": text, "multi_modal_data": {"image": image(5)}}, GREEDY)[0]
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    other = llm.generate({"prompt": text, "multi_modal_data": {"image": image(6)}}, GREEDY)[0]
+    assert other.num_cached_tokens == 16  # the text block, not the one holding the other image
+    assert_matches_hf(hf, text, [image(6)], other)
+
+
+def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(hf_and_folder, llm):
+    """The first block (16 tokens) holds part of the image; a prompt that shares it and goes on otherwise
+    takes the rest of the image's embeddings from its encoder output."""
+    hf, _ = hf_and_folder
+    shared = "look at this and <start_of_image>"  # image at 11 to 20
+    llm.generate({"prompt": shared + " tell me", "multi_modal_data": {"image": image(7)}}, GREEDY)
+    text = shared + " what you see again"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image(7)}}, GREEDY)[0]
+    assert out.num_cached_tokens == 16
+    assert_matches_hf(hf, text, [image(7)], out)
+
+
+def test_chat_takes_image_parts(hf_and_folder, llm):
+    hf, _ = hf_and_folder
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look at"},
+                                             {"type": "image_pil", "image_pil": image(9)}]}]  # fmt: skip
+    out = llm.chat(messages, GREEDY)[0]
+    text = processor().tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "look at"}, {"type": "image"}]}], tokenize=False
+    )
+    assert_matches_hf(hf, text.removeprefix("<bos>"), [image(9)], out)
+
+
+def test_a_text_only_model_refuses_images(tmp_path):
+    from tests.tiny_models import gemma3_config, save_tiny_model
+
+    save_tiny_model(gemma3_config(), tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    with pytest.raises(ValueError, match="takes text only"):
+        llm.generate({"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image(1)}})
+
+
+def test_placeholders_and_images_must_agree(llm):
+    with pytest.raises(ValueError, match="1 image placeholder"):
+        llm.generate({"prompt": TEXT, "multi_modal_data": {"image": [image(1), image(2)]}})

@@ -1,0 +1,64 @@
+"""Qwen-VL image preprocessing against transformers' Qwen2-VL image processor (which Qwen3-VL and
+Qwen3.5 use, with their own patch size and normalization)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from tests.plugins.qwen.vl_fixtures import synthetic_image
+from xinfer_qwen.vl_image import ImageSpec, num_tokens, preprocess, smart_resize
+
+QWEN3_VL = ImageSpec(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
+QWEN2_VL = ImageSpec(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 40,
+                     mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))  # fmt: skip
+
+
+def reference(spec: ImageSpec) -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(
+        patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.merge_size,
+        size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        image_mean=list(spec.mean), image_std=list(spec.std),
+    )  # fmt: skip
+
+
+# inside the bounds (rounded), too small (scaled up), too large (scaled down), a long strip
+SIZES = [(97, 150), (20, 33), (640, 480), (300, 40)]
+
+
+@pytest.mark.parametrize("spec", [QWEN3_VL, QWEN2_VL], ids=["qwen3-vl", "qwen2-vl"])
+def test_patches_and_grids_match_transformers(spec: ImageSpec):
+    images = [synthetic_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
+    expected = reference(spec)(images, return_tensors="pt")
+    patches, grids = preprocess(images, spec)
+    assert grids.tolist() == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"].float(), atol=1e-5, rtol=0)
+
+
+def test_resized_sides_are_multiples_of_the_merged_patch_within_the_pixel_bounds():
+    for height, width in [(1, 150), (33, 20), (4000, 3000), (224, 224)]:
+        h, w = smart_resize(height, width, QWEN3_VL)
+        assert h % 32 == 0 and w % 32 == 0
+        assert QWEN3_VL.min_pixels <= h * w <= QWEN3_VL.max_pixels
+
+
+def test_token_count_is_one_per_merge_group():
+    _, grids = preprocess([synthetic_image(97, 150)], QWEN3_VL)
+    t, h, w = grids[0].tolist()
+    assert num_tokens((t, h, w), QWEN3_VL) == h * w // 4
+
+
+def test_extreme_aspect_ratio_is_refused():
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(10, 2500, QWEN3_VL)
+
+
+def test_spec_reads_the_preprocessor_config():
+    class Vision:
+        patch_size, temporal_patch_size, spatial_merge_size = 16, 2, 2
+
+    spec = ImageSpec.from_configs(
+        Vision(), {"size": {"shortest_edge": 1024, "longest_edge": 4096}, "image_mean": [0.1, 0.2, 0.3]}
+    )
+    assert (spec.min_pixels, spec.max_pixels, spec.mean) == (1024, 4096, (0.1, 0.2, 0.3))
