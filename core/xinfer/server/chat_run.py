@@ -23,6 +23,7 @@ class ChatPrompt:
     multimodal: list[PlaceholderRange]  # where the images go
     tags: ReasoningTags | None  # the model's reasoning tags, where its reasoning is split out
     inside: bool  # the prompt opened a reasoning block: the output starts inside it
+    tool_parser: Any = None  # what reads the answer's tool calls (None: it is text only)
 
     @property
     def thinks(self) -> bool:

@@ -5,6 +5,7 @@ reason and usage, ``message_stop``; ``error`` if the engine fails mid-way)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,11 +17,13 @@ from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import anthropic_error_body
+from xinfer.server.messages.calls import Call, read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
     MessageResponse,
     TextBlock,
     ThinkingBlock,
+    ToolUseBlock,
     Usage,
     message_id,
     sse,
@@ -59,16 +62,22 @@ class MessageAnswer:
 
     def message(self, content: list[ContentBlock], output: CompletionOutput | None) -> MessageResponse:
         reason, sequence = stop_reason(output, self.stop_sequences) if output is not None else (None, None)
+        if reason == "end_turn" and any(isinstance(block, ToolUseBlock) for block in content):
+            reason = "tool_use"
         return MessageResponse(id=self.id, model=self.serving.model_name, content=content, stop_reason=reason,
                                stop_sequence=sequence, usage=self.usage())  # fmt: skip
 
-    def blocks(self, output: CompletionOutput) -> list[ContentBlock]:
-        tags = self.prompt.tags
-        reasoning, text = split(output.text, tags, self.prompt.inside) if tags else (None, output.text)
+    @staticmethod
+    def read(prompt: ChatPrompt, output: CompletionOutput) -> tuple[list[ContentBlock], list[Call]]:
+        """A finished output's blocks (thinking, text, tool calls) and its tool calls."""
+        tags = prompt.tags
+        reasoning, text = split(output.text, tags, prompt.inside) if tags else (None, output.text)
+        text, calls = read_calls(prompt, text)
         content: list[ContentBlock] = [ThinkingBlock(thinking=reasoning)] if reasoning is not None else []
-        if text or not content:
+        if text or not (content or calls):
             content.append(TextBlock(text=text))
-        return content
+        content += [ToolUseBlock(id=call.id, name=call.name, input=call.input) for call in calls]
+        return content, calls
 
     async def respond(self, request: Request, stream: bool) -> Response:
         engine = self.serving.engine
@@ -76,11 +85,16 @@ class MessageAnswer:
             return EngineStreamResponse(self.events(), engine, self.handle)
         try:
             [output] = await unless_disconnected(request, engine.collect(self.handle))
-            return JSONResponse(self.message(self.blocks(output), output).model_dump())
+            return JSONResponse(self.message(self.read(self.prompt, output)[0], output).model_dump())
         finally:
             engine.release(self.handle)
 
     async def events(self) -> AsyncIterator[str]:
+        if self.prompt.tool_parser is not None:  # calls are read from the whole answer, then streamed as blocks
+            [output] = await self.serving.engine.collect(self.handle)
+            for event in message_events(self.message(*self.read(self.prompt, output)[:1], output)):
+                yield event
+            return
         start = self.message([], None).model_dump()
         yield sse("message_start", {"type": "message_start", "message": start})
         blocks = BlockStream()
@@ -145,3 +159,30 @@ class BlockStream:
 
     def finish(self) -> list[str]:
         return (self.open("text") if self.index < 0 else []) + self.close()
+
+
+def message_events(message: MessageResponse) -> list[str]:
+    """A whole message as Anthropic's event stream: each block in one delta (a tool call's input as JSON)."""
+    start = message.model_copy(update={"content": [], "stop_reason": None, "stop_sequence": None})
+    events = [sse("message_start", {"type": "message_start", "message": start.model_dump()})]
+    for index, block in enumerate(message.content):
+        whole = block.model_dump()
+        if isinstance(block, TextBlock | ThinkingBlock):
+            kind, (delta_type, field) = block.type, DELTAS[block.type]
+            empty, delta = BLOCK_STARTS[kind], {"type": delta_type, field: whole[field]}
+        elif isinstance(block, ToolUseBlock):
+            empty, delta = whole | {"input": {}}, {"type": "input_json_delta", "partial_json": json.dumps(block.input)}
+        else:  # an MCP call or result the server ran: whole in its start
+            empty, delta = whole, None
+        events.append(
+            sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": empty})
+        )
+        if index == 0:
+            events.append(sse("ping", {"type": "ping"}))
+        if delta is not None:
+            events.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        events.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+    end = {"stop_reason": message.stop_reason, "stop_sequence": message.stop_sequence}
+    events.append(sse("message_delta", {"type": "message_delta", "delta": end, "usage": message.usage.model_dump()}))
+    events.append(sse("message_stop", {"type": "message_stop"}))
+    return events

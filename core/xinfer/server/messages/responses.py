@@ -45,7 +45,24 @@ class ToolUseBlock(BaseModel):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock
+class MCPToolUseBlock(BaseModel):
+    """A call of an MCP tool that the server ran (the shape of Anthropic's MCP connector)."""
+
+    type: Literal["mcp_tool_use"] = "mcp_tool_use"
+    id: str
+    name: str
+    server_name: str
+    input: dict[str, Any]
+
+
+class MCPToolResultBlock(BaseModel):
+    type: Literal["mcp_tool_result"] = "mcp_tool_result"
+    tool_use_id: str
+    is_error: bool = False
+    content: list[TextBlock]
+
+
+ContentBlock = TextBlock | ThinkingBlock | ToolUseBlock | MCPToolUseBlock | MCPToolResultBlock
 
 
 class MessageResponse(BaseModel):
