@@ -167,3 +167,19 @@ def claude(server):
     from tests.server.conftest import API_KEY
 
     return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_an_mcp_call_is_run_and_its_result_fed_back(mcp_claude, mcp_model):
+    """The call is forced (a grammar holds the model to it) in the first round only; the server runs it
+    on the MCP server and the model answers after reading the result."""
+    answer = mcp_claude.messages.create(
+        model=mcp_model, max_tokens=40, messages=TURNS, tool_choice={"type": "tool", "name": "add"},
+        extra_body={"mcp": ["tools"], "temperature": 0},
+    )  # fmt: skip
+    kinds = [block.type for block in answer.content]
+    assert kinds[:2] == ["mcp_tool_use", "mcp_tool_result"], answer
+    use, result = answer.content[0], answer.content[1]
+    assert use.name == "add" and use.server_name == "tools" and set(use.input) == {"a", "b"}
+    assert result.tool_use_id == use.id and not result.is_error
+    assert result.content[0]["text"] == str(use.input["a"] + use.input["b"])
+    assert kinds[-1] == "text" and answer.stop_reason in ("end_turn", "max_tokens")

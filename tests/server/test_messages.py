@@ -236,3 +236,26 @@ def test_thinking_blocks(tiny):
         model=model, max_tokens=10, messages=turns, thinking={"type": "disabled"}, extra_body=GREEDY
     )  # fmt: skip
     assert [block.type for block in off.content] == ["text"]
+
+
+WEATHER = {"name": "weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": False}}  # fmt: skip
+
+
+def test_a_forced_tool_is_a_tool_use_block(claude, model):
+    turns = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "tool", "name": "weather"}
+    message = claude.messages.create(
+        model=model, max_tokens=40, tools=[WEATHER], tool_choice=choice, messages=turns, extra_body=GREEDY
+    )  # fmt: skip
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and len(uses) == 1, message
+    assert uses[0].name == "weather" and uses[0].id
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    with claude.messages.stream(
+        model=model, max_tokens=40, tools=[WEATHER], tool_choice=choice, messages=turns, extra_body=GREEDY
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    streamed = [block for block in final.content if block.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed] == [("weather", uses[0].input)]

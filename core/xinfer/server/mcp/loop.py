@@ -28,6 +28,7 @@ from xinfer.server.messages.responses import (
     MCPToolUseBlock,
     MessageResponse,
     TextBlock,
+    ToolUseBlock,
     message_id,
     usage,
 )
@@ -41,7 +42,7 @@ async def answer_with_mcp(
     content: list[ContentBlock] = []
     prompt_tokens = output_tokens = cached_tokens = 0
     for round_number in range(settings.max_rounds + 1):
-        handle, prompt = await submit_chat(request, serving, chat)
+        handle, prompt, _ = await submit_chat(request, serving, chat)
         try:
             [output] = await unless_disconnected(request, serving.engine.collect(handle))
         finally:
@@ -54,7 +55,10 @@ async def answer_with_mcp(
         if last:
             content += blocks
             break
-        content += [b for b in blocks if not (isinstance(b, TextBlock) and not b.text)]
+        # the round's thinking and text; its calls become mcp_tool_use blocks with their results
+        content += [
+            b for b in blocks if not isinstance(b, ToolUseBlock) and not (isinstance(b, TextBlock) and not b.text)
+        ]
         results = [await run_call(offered, call) for call in calls]
         for call, (text, is_error) in zip(calls, results):
             server = offered[call.name][0].name

@@ -70,8 +70,8 @@ class MessageAnswer:
     @staticmethod
     def read(prompt: ChatPrompt, output: CompletionOutput) -> tuple[list[ContentBlock], list[Call]]:
         """A finished output's blocks (thinking, text, tool calls) and its tool calls."""
-        tags = prompt.tags
-        reasoning, text = split(output.text, tags, prompt.inside) if tags else (None, output.text)
+        tags, text = prompt.tags, prompt.answer_text(output.text)
+        reasoning, text = split(text, tags, prompt.inside) if tags else (None, text)
         text, calls = read_calls(prompt, text)
         content: list[ContentBlock] = [ThinkingBlock(thinking=reasoning)] if reasoning is not None else []
         if text or not (content or calls):

@@ -23,7 +23,7 @@ def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
         return text, []
     parsed = parser.parse(text)
     calls = [Call(c.id, c.name, arguments(c.arguments)) for c in parsed.tool_calls]
-    return (parsed.content if calls else text), calls
+    return (parsed.content or "" if calls else text), calls
 
 
 def arguments(text: str | None) -> dict[str, Any]:

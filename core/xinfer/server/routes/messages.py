@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from xinfer.server.body import parse_body
-from xinfer.server.chat_run import chat_prompt, submit_chat
+from xinfer.server.chat_run import chat_prompt, submit_chat, with_tools
 from xinfer.server.mcp.requests import function_tools, offered_tools
 from xinfer.server.messages.answer import MessageAnswer, message_events
 from xinfer.server.messages.convert import chat_request
@@ -41,7 +41,7 @@ async def create_message(request: Request) -> Response:
         if body.stream:
             return StreamingResponse(iter(message_events(message)), media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(message.model_dump())
-    handle, prompt = await submit_chat(request, serving, chat)
+    handle, prompt, chat = await submit_chat(request, serving, chat)
     return await MessageAnswer(serving, handle, prompt, chat.stop_strings).respond(request, body.stream)
 
 
@@ -51,5 +51,6 @@ async def count_tokens(request: Request) -> JSONResponse:
     body = await parse_body(request, CountTokensRequest)
     serving.check_model(body.model)
     offered = await offered_tools(serving.mcp, body.mcp)
-    prompt = await chat_prompt(serving, chat_request(body, function_tools(offered)))
+    chat, tools = with_tools(serving, chat_request(body, function_tools(offered)))
+    prompt = await chat_prompt(serving, chat, tools)
     return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())
