@@ -49,10 +49,10 @@ from xinfer_cuda.kernels import (
 )
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 from xinfer_deepseek.kernels import mla
-from xinfer_qwen.kernels import conv1d, delta_rule
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
 
 MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling)
-MODULES += (conv1d, delta_rule, mla)  # the plugins' kernels: qwen's Gated DeltaNet, deepseek's latent attention
+MODULES += (conv1d, delta_rule, fla_prefill, mla)  # the plugins' kernels: qwen's Gated DeltaNet, deepseek's MLA
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
 # a format of each key code with a recent window: float (fp8), uniform (4 bits), Lloyd-Max (3 bits)
 WINDOW_FORMATS = ("fp8", "turbo4", "turbo3-lm")
@@ -133,6 +133,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         slots = torch.zeros(2, dtype=torch.int32)
         conv1d.causal_conv1d(t(2 * q_len, 8192), t(8192, 4), None, t(4, 8192, 3), meta, slots)
         delta_rule.gated_delta_rule(
+            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
+            t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
+        )  # fmt: skip
+        # fla's prefill behind the op: our gather and write-back around fla's call (fla's own kernels are not ours)
+        fla_prefill.chunk_rule = lambda **call: (call["v"], call["initial_state"])
+        fla_prefill.gated_delta_rule(
             t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
             t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
         )  # fmt: skip

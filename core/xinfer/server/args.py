@@ -36,6 +36,17 @@ def _at_least(kind: type, minimum: float) -> Callable[[str], Any]:
     return parse
 
 
+def _share(text: str) -> float:
+    """An argparse type: a share strictly between 0 and 1."""
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (both excluded), got {text}")
+    return value
+
+
+_share.__name__ = "float"
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a default only where there is one worth reading."""
 
@@ -96,6 +107,15 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
                           help="tokens per step; longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
+    capacity.add_argument("--mamba-fraction", type=_share, metavar="SHARE",
+                          help="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory for "
+                          "the per-sequence recurrent states, which bounds how many sequences run at once "
+                          "(docs/cache-kinds.md; default: a slot for every sequence the KV cache holds, at most half)")
+    capacity.add_argument("--state-snapshot-interval", type=_at_least(int, 1), default=1024, metavar="N",
+                          help="models with recurrent layers, with prefix caching: snapshot a prompt's recurrent state "
+                          "every N tokens (rounded down to a multiple of the KV block size, at least one block) and at "
+                          "its last block boundary, where later prompts with the same prefix resume "
+                          "(docs/cache-kinds.md); smaller: more hits mid-prompt, more snapshot copies")
     capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
                           help="bound the prefix cache [later]")
 

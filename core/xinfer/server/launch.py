@@ -136,6 +136,8 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         kv_cache_dtype=args.kvcache_dtype,
         kv_recent_window=args.kv_recent_window,
         enable_prefix_caching=not args.disable_prefix_cache,
+        mamba_fraction=args.mamba_fraction,
+        state_snapshot_interval=args.state_snapshot_interval,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
         encoder_cache_size=args.encoder_cache_size,
