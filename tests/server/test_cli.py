@@ -48,6 +48,8 @@ ISSUE_FLAGS = [
     "--pd-client",
     "--pd-url",
     "--mcp-config",
+    "--mcp-command",
+    "--mcp-args",
     "--enforce-parser",
     "--max-waiting",
     "--shutdown-timeout",
@@ -80,7 +82,6 @@ def test_help_lists_every_flag():
     [
         (["--num-speculative-tokens", "2"], "speculative"),
         (["--pd-server"], "disaggregation"),
-        (["--mcp-config", "tools.json"], "MCP"),
     ],
 )
 def test_later_features_are_refused_in_one_line(flags, feature):

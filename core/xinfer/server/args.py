@@ -165,6 +165,22 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     reasoning.add_argument("--disable-reasoning", action="store_true",
                            help="ask templates not to think (enable_thinking=false) and split nothing")
 
+    mcp = p.add_argument_group("MCP tools (offered on /v1/messages requests with \"mcp\": true or a list of "
+                                "server names)")
+    mcp.add_argument("--mcp-command", metavar="CMD", help="an MCP stdio server to start, named \"mcp\"")
+    mcp.add_argument("--mcp-args", metavar="ARGS", help="--mcp-command's arguments, one string split as a shell does")
+    mcp.add_argument("--mcp-config", metavar="FILE",
+                     help='MCP stdio servers in the JSON format Claude Desktop uses: '
+                     '{"mcpServers": {"NAME": {"command": ..., "args": [...], "env": {...}}}}')
+    mcp.add_argument("--mcp-tool-calls", default="server", choices=["server", "client"],
+                     help="server: run the model's calls of MCP tools and feed their results back until it answers; "
+                     "client: return them to the client as tool calls")
+    mcp.add_argument("--mcp-max-rounds", type=_at_least(int, 1), default=8, metavar="N",
+                     help="with --mcp-tool-calls server: rounds of tool calls per request before the answer is "
+                     "returned as it stands")
+    mcp.add_argument("--mcp-timeout", type=_at_least(float, 0.1), default=30.0, metavar="SECONDS",
+                     help="seconds an MCP server may take to start or to answer a call (then the request fails)")
+
     tools = p.add_argument_group("tool calling (tools and tool_choice on chat completions)")
     tools.add_argument("--enforce-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS], metavar="NAME",
                        help="how answers' tool calls are read: auto (the format the model's chat template writes), "
@@ -194,9 +210,6 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--pd-server", action="store_true", help="prefill/decode disaggregation: server [later]")
     later.add_argument("--pd-client", action="store_true", help="prefill/decode disaggregation: client [later]")
     later.add_argument("--pd-url", help="prefill/decode disaggregation: peer URL [later]")
-    later.add_argument("--mcp-config", help="MCP tools config file [later]")
-    later.add_argument("--mcp-command", help="MCP server command [later]")
-    later.add_argument("--mcp-args", help="MCP server arguments [later]")
     return p
 
 
