@@ -137,6 +137,13 @@ class Ops(Protocol):
         logits in the weight's dtype), then :meth:`moe_route` of those logits. At batch 1
         a backend may do it in one launch (the routing in the last program's epilogue)."""
 
+    def layer_norm(
+        self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``(x - mean(x)) * rsqrt(var(x) + eps) * weight + bias`` over the last dim (vision
+        towers), computed in fp32. With ``residual``, normalizes ``x + residual`` (rounded to the
+        input dtype) and also returns that sum (the next residual), as :meth:`rms_norm` does."""
+
     def rotary(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -392,6 +399,10 @@ def norm_route(
         logits, normed, h = norm_linear(x, residual, norm_weight, eps, weight)
         return *moe_route(logits, routing, correction_bias), normed, h
     return current().norm_route(x, residual, norm_weight, eps, weight, routing, correction_bias)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None):
+    return current().layer_norm(x, weight, bias, eps, residual)
 
 
 def rotary(
