@@ -83,9 +83,11 @@ def random_packed(n: int, k: int, fmt: BlockFormat, scale: float = 1e-3, device:
 
 @triton.jit
 def _load(ptr, mask):
+    # (an else, not an early return: Triton 3.6 compiles the code after a constexpr if's return too)
     if mask is None:  # tiles that no row or block end cuts
         return tl.load(ptr)
-    return tl.load(ptr, mask=mask, other=0)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
 
 
 @triton.jit
