@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 BUILT_IN_DISTRIBUTIONS = frozenset(
     {"xinfer-llama", "xinfer-qwen", "xinfer-gemma", "xinfer-glm", "xinfer-minimax", "xinfer-deepseek", "xinfer-cpu",
-     "xinfer-cuda"}
+     "xinfer-cuda", "xinfer-metal"}
 )  # fmt: skip
 """This repository's plugins: any other plugin registering one of their names overrides them."""
 

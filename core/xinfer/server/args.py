@@ -15,6 +15,7 @@ from typing import Any
 
 from xinfer.kv.formats import formats
 from xinfer.text.reasoning import PARSERS
+from xinfer.toolcalls import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "XINFER_"
 DTYPE_NAMES = ["auto", "bf16", "bfloat16", "f16", "fp16", "float16", "half", "f32", "fp32", "float32", "float"]
@@ -70,7 +71,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
                         help="device ids, e.g. 0; several (0,1) split the model over them, one process each (tensor "
-                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids")
+                        "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids; ignored with a warning where "
+                        "the accelerator is one device (a Mac's GPU)")
     device.add_argument("--cpu", action="store_true", help="run on the CPU")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
 
@@ -81,8 +83,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--max-tokens", type=int,
                           help="default max generated tokens of a request (default: the rest of the context)")
     capacity.add_argument("--kv-fraction", type=float,
-                          help="GPU: share of the device's total memory for weights, activations, CUDA graphs and KV "
-                          "cache, which gets the rest (default: 0.9); CPU: share of the available RAM after loading "
+                          help="GPU: share of the device's total memory (on a Mac: of the memory Metal lets one process "
+                          "keep resident) for weights, activations, CUDA graphs and KV cache, which gets the rest "
+                          "(default: 0.9); CPU: share of the available RAM after loading "
                           "the weights for the KV cache (default: a quarter, at most 2 GiB)")
     capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
                           help="KV cache format (docs/kv-cache.md); auto: the model dtype")
@@ -142,6 +145,11 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     reasoning.add_argument("--disable-reasoning", action="store_true",
                            help="ask templates not to think (enable_thinking=false) and split nothing")
 
+    tools = p.add_argument_group("tool calling (tools and tool_choice on chat completions)")
+    tools.add_argument("--enforce-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS], metavar="NAME",
+                       help="how answers' tool calls are read: auto (the format the model's chat template writes), "
+                            "none (answers are text), or a format's parser: " + ", ".join(TOOL_PARSERS))
+
     nodes = p.add_argument_group("multi-node tensor parallel (the same command on every node, each with its "
                                  "--node-rank; node 0 serves, the others follow it)")
     nodes.add_argument("--num-nodes", type=_at_least(int, 1), default=1,
@@ -169,7 +177,6 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--mcp-config", help="MCP tools config file [later]")
     later.add_argument("--mcp-command", help="MCP server command [later]")
     later.add_argument("--mcp-args", help="MCP server arguments [later]")
-    later.add_argument("--enforce-parser", help="tool-call parser [later]")
     return p
 
 

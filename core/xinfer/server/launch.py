@@ -64,30 +64,48 @@ def setup_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def device_of(args: argparse.Namespace) -> str:
+def device_ids(args: argparse.Namespace) -> list[int] | None:
+    """The ids ``--d`` names (with ``--cpu``, CPU ranks). Where the machine's accelerator is a
+    single device (a Mac's GPU), there is nothing to choose or split over: other ids than 0 are
+    ignored with a warning."""
+    if not args.devices or args.cpu:
+        return args.devices
+    import torch
+
+    ids = ",".join(map(str, args.devices))
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise ValueError(f"--d {ids} names an accelerator, and this machine has none: run without --d (or --cpu)")
+    if torch.accelerator.device_count() == 1 and args.devices != [0]:
+        log.warning("--d %s ignored: this machine's accelerator (%s) is one device", ids, accelerator.type)
+        return [0]
+    return args.devices
+
+
+def device_of(args: argparse.Namespace, ids: list[int] | None) -> str:
+    """The engine's device: the CPU, this rank's accelerator of ``ids`` (:func:`device_ids`), or auto."""
     if args.cpu:
         return "cpu"
-    if args.devices:
+    if ids:
         import torch
 
         accelerator = torch.accelerator.current_accelerator()
-        if accelerator is None:
-            ids = ",".join(map(str, args.devices))
-            raise ValueError(f"--d {ids} names an accelerator, and this machine has none: run without --d (or --cpu)")
-        return str(torch.device(accelerator.type, args.devices[0]))  # under tensor parallelism, each rank its own
+        assert accelerator is not None, "device_ids checked it"
+        return str(torch.device(accelerator.type, ids[0]))  # under tensor parallelism, each rank its own
     return "auto"
 
 
-def parallel_options(args: argparse.Namespace) -> dict:
-    """Tensor parallelism: as many ranks per node as ``--d`` names devices (on the CPU, ranks)."""
-    per_node = len(args.devices) if args.devices else 1
-    ids = args.devices if args.devices and not args.cpu else None
-    return dict(tensor_parallel_size=per_node * args.num_nodes, device_ids=ids, num_nodes=args.num_nodes,
+def parallel_options(args: argparse.Namespace, ids: list[int] | None) -> dict:
+    """Tensor parallelism: as many ranks per node as ``ids`` (:func:`device_ids`) names (on the CPU, ranks)."""
+    per_node = len(ids) if ids else 1
+    accelerators = ids if ids and not args.cpu else None
+    return dict(tensor_parallel_size=per_node * args.num_nodes, device_ids=accelerators, num_nodes=args.num_nodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                 timeout=args.tp_timeout)  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
+    ids = device_ids(args)
     return EngineConfig.from_kwargs(
         model=str(path),
         dtype=args.dtype,
@@ -102,9 +120,9 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
         encoder_cache_size=args.encoder_cache_size,
-        device=device_of(args),
+        device=device_of(args, ids),
         enforce_eager=args.disable_cuda_graph,
-        **parallel_options(args),
+        **parallel_options(args, ids),
     )
 
 
@@ -197,7 +215,8 @@ async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> i
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
     serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
-                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning)  # fmt: skip
+                      reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
+                      tool_parser=args.enforce_parser)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:

@@ -8,6 +8,7 @@ from xinfer.grammar import StructuredOutputs
 from xinfer.sampling import SamplingParams
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatCompletionRequest, GenerationRequest
+from xinfer.server.tools import forced_schema
 
 # what a request may leave out, the server's default (or SamplingParams') then applying
 OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
@@ -28,11 +29,21 @@ class SamplingDefaults:
 
 
 def structured_outputs(body: GenerationRequest, after_token_id: int | None = None) -> StructuredOutputs | None:
-    """The request's constraint (``response_format`` or ``structured_outputs``), checked:
+    """The request's constraint (``response_format``, ``structured_outputs``, or the calls a
+    chat request's ``tool_choice`` forces), checked:
     a bad schema, regex or grammar is a 400 naming it. ``after_token_id``: it applies
     after reasoning, which that token ends."""
     fmt, given = body.response_format, body.structured_outputs
     param = "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+    if isinstance(body, ChatCompletionRequest):
+        schema = forced_schema(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if schema is not None:
+            if given is not None or (fmt is not None and fmt.type != "text"):
+                raise bad_request(f"a tool_choice that forces a call cannot be combined with {param}", param=param)
+            try:
+                return StructuredOutputs(json=schema, strict=False, after_token_id=after_token_id)
+            except ValueError as error:
+                raise bad_request(str(error), param="tools", code="invalid_structured_output") from None
     try:
         if fmt is not None and fmt.type == "json_object":
             return StructuredOutputs(json_object=True, after_token_id=after_token_id)

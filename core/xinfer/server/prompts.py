@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -9,10 +10,13 @@ from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt
 
 
-def message_dicts(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+def message_dicts(
+    messages: list[ChatMessage], arguments_as_objects: bool = True
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """Messages as chat templates expect them: text parts joined into one string; where a message has
     images, its content stays a list, each image an ``{"type": "image"}`` item (as HF templates read
-    them). Also each image's URL, in order, with the request field it came from."""
+    them). Also each image's URL, in order, with the request field it came from.
+    ``arguments_as_objects``: assistant tool calls' arguments decoded from their JSON text."""
     result, images = [], []
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
@@ -31,8 +35,27 @@ def message_dicts(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], li
                     )
             has_image = any(p["type"] == "image" for p in parts)
             item["content"] = parts if has_image else "\n".join(p["text"] for p in parts)
+        if message.tool_calls:
+            calls = message.tool_calls
+            item["tool_calls"] = [_call_for_template(call) for call in calls] if arguments_as_objects else calls
+            item.setdefault("content", "")  # clients send null; templates read it as text (Qwen3: '</think>' in ...)
         result.append(item)
     return result, images
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call with its arguments as an object, not JSON text: templates
+    write them with ``tojson`` (Llama, Mistral) or as they are (Qwen, which takes either)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def render_chat(
@@ -50,9 +73,18 @@ def render_chat(
         raise bad_request("this model has no chat template: use /v1/completions with a plain prompt")
     dicts, _ = message_dicts(messages)
     try:
-        text = template.render(
-            dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
-        )
+        try:
+            text = template.render(
+                dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+            )
+        except ChatTemplateError:
+            if not any(m.tool_calls for m in messages):
+                raise
+            # templates that join arguments as text (DeepSeek's: '...' + arguments) take them as the client sent them
+            dicts, _ = message_dicts(messages, arguments_as_objects=False)
+            text = template.render(
+                dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+            )
     except ChatTemplateError as error:
         raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from None
     except TypeError as error:  # an unknown keyword in chat_template_kwargs

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from xinfer.server.tools import check_tool_choice, check_tools
+
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -157,8 +159,9 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice may be 'none' or 'auto'; forcing a tool call is not supported yet")
+        if self.tools is not None:
+            check_tools(self.tools)
+        check_tool_choice(self.tool_choice, self.tools)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=false")
         return self

@@ -61,10 +61,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    tool_calls: list[ToolCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(BaseModel):
@@ -84,12 +96,27 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    arguments: str = ""
+
+
+class ToolCallDeltaItem(BaseModel):
+    """A piece of a streamed call: the first carries its id, type and name."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda value: value is None)
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     """Only what changed: later chunks carry no role, the last one may be ``{}``."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda value: value is None)
     content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    tool_calls: list[ToolCallDeltaItem] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):

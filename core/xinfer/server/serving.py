@@ -20,6 +20,8 @@ from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
 from xinfer.server.protocol import GenerationRequest
 from xinfer.text.reasoning import PARSERS, ReasoningTags, detect
+from xinfer.toolcalls import ToolParser, parser_for
+from xinfer.toolcalls import detect as detect_tool_parser
 
 RETRY_AFTER = {"Retry-After": "1"}  # seconds
 T = TypeVar("T")
@@ -36,6 +38,7 @@ class Serving:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     reasoning_parser: str = "auto"  # --reasoning-parser: a name of PARSERS, "auto" or "none"
     disable_reasoning: bool = False  # --disable-reasoning
+    tool_parser: str = "auto"  # --enforce-parser: a name of toolcalls.PARSERS, "auto" or "none"
     _token_texts: dict[int, str] = field(default_factory=dict)
     _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known
 
@@ -49,6 +52,20 @@ class Serving:
             named = PARSERS.get(self.reasoning_parser)
             self._reasoning.append(named or detect(self.tokenizer))
         return self._reasoning[0]
+
+    @property
+    def tool_family(self) -> type[ToolParser] | None:
+        """The parser of the served model's tool calls (None: answers are read as text only)."""
+        if self.tool_parser == "none":
+            return None
+        if self.tool_parser != "auto":
+            return parser_for(self.tool_parser)
+        template = getattr(self.tokenizer, "chat_template", None)
+        return detect_tool_parser(getattr(template, "source", None))
+
+    def stop_texts(self) -> list[str]:
+        """The text of the end-of-sequence tokens, which an answer decoded with its special tokens ends with."""
+        return [self.token_text(token) for token in sorted(self.llm.eos_token_ids)]
 
     @property
     def llm(self) -> LLMEngine:

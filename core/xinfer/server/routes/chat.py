@@ -22,10 +22,16 @@ from xinfer.server.responses import (
     ChatCompletionChunk,
     ChatLogprobs,
     Delta,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCallDeltaItem,
+    ToolCallItem,
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import Answer
+from xinfer.server.tools import ToolUse, tool_use
 from xinfer.text.reasoning import ReasoningStream, ReasoningTags, opens_reasoning, reasoning_token_count, split
+from xinfer.toolcalls import ToolCallStream
 
 router = APIRouter()
 
@@ -35,6 +41,9 @@ async def create_chat_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
+    tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, serving.tool_family)
+    if tools.parser is not None and tools.parser.keeps_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})  # its markers are special tokens
     _, urls = message_dicts(body.messages)
     images = await serving.images(urls) if urls else []
     text = render_chat(
@@ -42,7 +51,7 @@ async def create_chat_completion(request: Request) -> Response:
         body.messages,
         body.add_generation_prompt,
         body.continue_final_message,
-        body.tools,
+        tools.template_tools,
         template_kwargs(body, serving.disable_reasoning),
     )
     prompt = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
@@ -54,7 +63,7 @@ async def create_chat_completion(request: Request) -> Response:
     end_id = serving.tokenizer.token_to_id(tags.end) if tags is not None and thinks else None
     prompt, multimodal = await serving.multimodal_prompt(prompt, images) if images else (prompt, [])
     handle = await serving.submit(request, body, [prompt], multimodal, after_token_id=end_id)
-    return await ChatAnswer(serving, body, handle, tags, inside).respond(request)
+    return await ChatAnswer(serving, body, handle, tags, inside, tools).respond(request)
 
 
 def template_kwargs(body: ChatCompletionRequest, disable_reasoning: bool) -> dict[str, Any]:
@@ -80,9 +89,19 @@ class ChatAnswer(Answer):
         handle: RequestHandle,
         tags: ReasoningTags | None = None,
         inside: bool = False,
+        tools: ToolUse | None = None,
     ):
         super().__init__(serving, body, handle)
         self.tags, self.inside = tags, inside
+        self.tools = tools or ToolUse()
+        # an answer decoded with its special tokens (for a parser's markers) ends with the end-of-sequence token's
+        self.stop_texts = serving.stop_texts() if not body.skip_special_tokens else []
+
+    def _without_stop_text(self, text: str) -> str:
+        for stop in self.stop_texts:
+            if stop and text.endswith(stop):
+                return text[: -len(stop)]
+        return text
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
         if not self.body.logprobs or entries is None:
@@ -91,12 +110,24 @@ class ChatAnswer(Answer):
         return ChatLogprobs(content=chat_logprobs(token_ids, entries, n, self.serving.token_text))
 
     def choice(self, index: int, output: CompletionOutput) -> ChatChoice:
-        reasoning, content = split(output.text, self.tags, self.inside) if self.tags else (None, output.text)
+        text = self._without_stop_text(output.text)
+        reasoning, answer = split(text, self.tags, self.inside) if self.tags else (None, text)
+        content: str | None = answer
+        calls: list[ToolCallItem] | None = None
+        parser = self.tools.parser
+        if parser is not None:
+            parsed = parser.parse(answer)
+            found = parsed.tool_calls[:1] if not self.tools.parallel else parsed.tool_calls
+            if found:
+                content = parsed.content
+                calls = [
+                    ToolCallItem(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found
+                ]
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=content, reasoning_content=reasoning),
+            message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
             logprobs=self.logprobs(output.token_ids, output.logprobs),
-            finish_reason=output.finish_reason,
+            finish_reason=finish_reason(output.finish_reason, bool(calls)),
             stop_reason=output.stop_reason,
         )
 
@@ -110,20 +141,51 @@ class ChatAnswer(Answer):
     async def events(self) -> AsyncIterator[str]:
         continuous = self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats
         splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
+        parser = self.tools.parser
+        calls = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
         for index in range(self.body.n):
             yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
         async for index, out in self.serving.engine.stream(self.handle):
             logprobs = self.logprobs(out.token_ids, out.logprobs) if out.token_ids else None
-            reasoning, content = "", out.text
+            text = self._without_stop_text(out.text) if out.finished else out.text
+            reasoning, content = "", text
             stream = splits[index]
             if stream is not None:
-                reasoning, content = stream.push(out.text)
+                reasoning, content = stream.push(text)
                 if out.finished:
                     more_reasoning, more_content = stream.finish()
                     reasoning, content = reasoning + more_reasoning, content + more_content
-            if not reasoning and not content and not out.finished and logprobs is None:
-                continue  # text held back (a possible stop string or tag, an unfinished character)
-            delta = Delta(content=content or None, reasoning_content=reasoning or None)
-            reason = out.finish_reason if out.finished else None
+            pieces: list[ToolCallDeltaItem] = []
+            call_stream = calls[index]
+            if call_stream is not None:
+                content, pieces = self._tool_deltas(call_stream, content, out.finished)
+            if not reasoning and not content and not pieces and not out.finished and logprobs is None:
+                continue  # text held back (a possible stop string, tag or call, an unfinished character)
+            delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
+            called = call_stream is not None and bool(call_stream.calls)
+            reason = finish_reason(out.finish_reason, called) if out.finished else None
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
             yield self.chunk([choice], with_usage=continuous)
+
+    def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:
+        """The content and the pieces of tool calls that ``text`` settles (only the first
+        call where parallel calls are off)."""
+        deltas = [stream.push(text)] + ([stream.finish()] if finished else [])
+        content = "".join(d.content for d in deltas)
+        pieces = [
+            ToolCallDeltaItem(
+                index=piece.index,
+                id=piece.id,
+                type="function" if piece.id is not None else None,
+                function=FunctionCallDelta(name=piece.name, arguments=piece.arguments),
+            )
+            for d in deltas
+            for piece in d.tool_calls
+            if self.tools.parallel or piece.index == 0
+        ]
+        return content, pieces
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` where an answer that ended by itself called tools."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -1,0 +1,208 @@
+"""Tool calling through the official ``openai`` client against a live server: a tiny random
+Qwen3 with Qwen3's own chat template (tests/toolcalls/qwen3_chat_template.jinja, as the
+model ships it) over SmolLM2's vocabulary. Random weights choose nothing, so answers are
+held to grammars: ``tool_choice`` ``required`` and named functions by the server's own
+grammar, and under ``auto`` an answer forced (by a regex) to be a call in Qwen's format,
+which the server must read as one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from transformers import Qwen3Config
+
+from tests.server.live import LiveServer
+from tests.tiny_models import save_tiny_model
+from xinfer.loading.resolve import default_model_path
+from xinfer.text.tokenizer import Tokenizer
+
+TEMPLATE = Path(__file__).parents[1] / "toolcalls" / "qwen3_chat_template.jinja"
+NO_THINKING = {"enable_thinking": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris for two days?"}]
+# what Qwen3 writes for a call, held as a regex (the answer of a random model under auto)
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+
+
+def escaped(text: str) -> str:
+    return "".join("\\" + c if c in '{}[]().*+?|^$\\"' else c for c in text).replace("\n", "\\n")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen3-tools")
+    backend = Tokenizer.from_gguf(default_model_path()).backend
+    (folder / "tokenizer.json").write_text(backend.to_str())
+    config = {"chat_template": TEMPLATE.read_text(), "eos_token": "<|im_end|>", "bos_token": None}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    save_tiny_model(
+        Qwen3Config(vocab_size=backend.get_vocab_size(with_added_tokens=True), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=2048, eos_token_id=backend.token_to_id("<|im_end|>"),
+                    architectures=["Qwen3ForCausalLM"]),
+        folder,
+    )  # fmt: skip
+    live = LiveServer("--m", str(folder), "--max-model-len", "2048", "--cpu", name="tiny-qwen3-tools").start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(qwen):
+    return qwen.client(timeout=300)
+
+
+def ask(client, stream: bool = False, **kwargs):
+    kwargs.setdefault("messages", QUESTION)
+    kwargs.setdefault("tools", TOOLS)
+    kwargs.setdefault("max_tokens", 120)
+    extra = {"chat_template_kwargs": NO_THINKING, **kwargs.pop("extra_body", {})}
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, temperature=0, stream=stream, extra_body=extra, **kwargs
+    )
+
+
+def checked_calls(message) -> list[tuple[str, dict]]:
+    calls = []
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+def collect(chunks) -> tuple[str, list[tuple[str, str, str]], str | None]:
+    """Content, (id, name, arguments) of each call, and the finish reason of a streamed answer."""
+    content, calls, reason = "", [], None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for piece in choice.delta.tool_calls or []:
+            if piece.index == len(calls):
+                assert piece.id and piece.type == "function" and piece.function.name, "a call's first piece names it"
+                calls.append([piece.id, piece.function.name, piece.function.arguments or ""])
+            else:
+                assert piece.function.name is None
+                calls[piece.index][2] += piece.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return content, [tuple(c) for c in calls], reason
+
+
+def test_required_call_follows_the_tools_schemas(client):
+    answer = ask(client, tool_choice="required", parallel_tool_calls=False)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(name, _)] = checked_calls(choice.message)
+    assert name in SCHEMAS
+
+
+def test_required_parallel_calls_stream_like_the_whole_answer(client):
+    """A random model may add calls until max_tokens: the calls it finished follow the schemas."""
+    message = ask(client, tool_choice="required", max_tokens=60).choices[0].message
+    whole = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+    content, calls, _ = collect(ask(client, stream=True, tool_choice="required", max_tokens=60))
+    assert content == "" and [c[1:] for c in calls] == [c[1:] for c in whole]
+    assert len({c[0] for c in calls}) == len(calls), "every call has its own id"
+    for _, name, arguments in whole[:-1]:  # the last one may be cut by max_tokens
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_named_function_is_called(client):
+    answer = ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    [(name, _)] = checked_calls(answer.choices[0].message)
+    assert name == "get_time" and answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_named_function_streams_like_the_whole_answer(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = ask(client, tool_choice=choice).choices[0].message.tool_calls[0].function
+    content, calls, reason = collect(ask(client, stream=True, tool_choice=choice))
+    assert content == "" and reason == "tool_calls"
+    assert [(name, arguments) for _, name, arguments in calls] == [(whole.name, whole.arguments)]
+
+
+def test_auto_reads_the_models_own_format_whole_and_streamed(client):
+    extra = {"structured_outputs": {"regex": "Let me check\\.\\n" + escaped(HERMES_CALL)}}
+    message = ask(client, tool_choice="auto", extra_body=extra).choices[0].message
+    assert message.content == "Let me check."
+    assert checked_calls(message) == [("get_weather", {"city": "Rome", "days": 2})]
+    content, calls, reason = collect(ask(client, stream=True, tool_choice="auto", extra_body=extra))
+    assert content == "Let me check." and reason == "tool_calls"
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [
+        ("get_weather", {"city": "Rome", "days": 2})
+    ]
+
+
+def test_tool_choice_none_leaves_the_answer_as_text(client):
+    extra = {"structured_outputs": {"regex": escaped(HERMES_CALL)}}
+    choice = ask(client, tool_choice="none", extra_body=extra).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content == HERMES_CALL
+    assert choice.finish_reason == "stop"
+
+
+def test_round_trip_through_the_template(qwen, client):
+    """A call from the server, sent back with its result, renders as Qwen3 expects, and the model answers."""
+    call = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
+    ]
+    answer = ask(client, messages=messages, max_tokens=5)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+    rendered = httpx.post(qwen.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    text = httpx.post(qwen.url + "/detokenize", json={"tokens": rendered}, timeout=60).json()["prompt"]
+    arguments = json.dumps(json.loads(call.function.arguments))
+    expected_call = f'<tool_call>\n{{"name": "{call.function.name}", "arguments": {arguments}}}\n</tool_call>'
+    assert expected_call in text
+    assert '<|im_start|>user\n<tool_response>\n{"forecast": "sunny"}\n</tool_response><|im_end|>' in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, "parameters"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "name"),
+        ({"tools": [{"type": "retrieval"}]}, "type"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+        ({"tool_choice": {"type": "function", "function": {"name": "missing"}}}, "missing"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": None, "tool_choice": "required"}, "required"),
+    ],
+)
+def test_bad_tools_are_400(client, kwargs, named):
+    if kwargs.get("tools", "") is None:
+        kwargs = {**kwargs, "tools": openai.omit}
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, **kwargs)
+    assert error.value.status_code == 400 and named in error.value.message
+
+
+def test_forced_call_with_response_format_is_400(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        ask(client, tool_choice="required", response_format={"type": "json_object"})
+    assert "tool_choice" in error.value.message
