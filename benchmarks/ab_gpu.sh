@@ -18,6 +18,6 @@ for round in $(seq "$ROUNDS"); do
     dir=.ab/old; [ $tree = new ] && dir=.
     install $dir $tree
     (cd $dir && python3 benchmarks/gpu_suite.py "$OUT/$tree-$round" --only $STEPS --timeout 170 \
-      | grep -o '"output_tok_s": [0-9.]*\|decode_tok_s": [0-9.]*\|"256": {[^}]*}' | tr '\n' ' ' | sed "s/^/$tree round $round: /"; echo)
+      | grep -o '[a-z_]*output_tok_s": [0-9.]*\|decode_tok_s": [0-9.]*\|"256": {[^}]*}' | tr '\n' ' ' | sed "s/^/$tree round $round: /"; echo)
   done
 done

@@ -2,12 +2,18 @@
 flash-linear-attention's (``fla-core``) where it imports; a JSON line of ours, then one with fla's.
 
     python benchmarks/deltanet.py            # on the GPU
-    python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64)
+    python benchmarks/deltanet.py --sweep    # also our delta-rule kernels at each Dv tile (16, 32, 64), the conv at
+                                             # each row tile (8 to 64)
     python benchmarks/deltanet.py --smoke    # tiny shapes, CPU, Triton interpreter (checks the script)
 
 Shapes: 16 key heads and 32 value heads of 128 (bf16; the state fp32), the conv over q, k and
 v (8192 channels, width 4); decode steps of 1, 64 and 256 sequences (each continuing from its
 slot) and a prefill step of 8 prompts of 2048 tokens (starting).
+
+"Ours" is our Triton kernels alone (fla's prefill switched off in xinfer_qwen.kernels.fla_prefill).
+Where fla imports, a prefill case also runs the op as the server dispatches it (``op_us``: fla's
+chunked kernels behind our adapter, gathering the slots' states and writing them back), replayed
+from a CUDA graph as the server's prompt steps are (``op_failure`` if that cannot be captured).
 
 Each case checks the outputs and final states against the torch reference
 (xinfer_qwen.deltanet_ops) (relative errors: the norm of the difference over the norm of the
@@ -31,6 +37,7 @@ are called with keywords only (the two orders differ: ``beta`` passed fifth is t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,7 +51,7 @@ import torch  # noqa: E402
 
 from xinfer.ops import AttentionMetadata  # noqa: E402
 from xinfer_qwen import deltanet_ops  # noqa: E402
-from xinfer_qwen.kernels import conv1d, delta_rule  # noqa: E402
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill  # noqa: E402
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -140,6 +147,29 @@ def fla_delta_rule(t: dict, meta: AttentionMetadata, initial_state: torch.Tensor
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def ours_only():
+    """Our Triton kernels for every step, fla's prefill switched off."""
+    chunk_rule, fla_prefill.chunk_rule = fla_prefill.chunk_rule, None
+    try:
+        yield
+    finally:
+        fla_prefill.chunk_rule = chunk_rule
+
+
+def op_through_fla(t: dict, meta: AttentionMetadata, expected: torch.Tensor, expected_state: torch.Tensor) -> dict:
+    """The op as dispatched to fla's prefill (behind our adapter): its errors, and its time replayed from a CUDA graph."""
+    try:
+        state = t["state"].clone()
+        args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+        out = fla_call("op through fla", lambda: delta_rule.gated_delta_rule(*args, state, meta, t["slots"]))
+        figures = dict(op_error=relative_error(out, expected), op_state_error=relative_error(state, expected_state))
+        s = fla_call("op through fla, graphed", lambda: seconds(lambda: delta_rule.gated_delta_rule(*args, state, meta, t["slots"]), torch.device("cuda")))  # fmt: skip
+        return dict(figures, op_us=s * 1e6, op_tokens_per_s=t["v"].shape[0] / s)
+    except FlaFailure as failure:
+        return dict(op_failure=str(failure))
+
+
 def case(
     name: str, seqs: int, q_len: int, context: int, shape: dict, device: torch.device, dtype: torch.dtype, sweep: bool
 ) -> tuple[dict, dict]:
@@ -153,7 +183,8 @@ def case(
         t["q"], t["k"], t["v"], t["g"], t["beta"], expected_state, meta, t["slots"]
     )
     state = t["state"].clone()
-    ours = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"])
+    with ours_only():
+        ours = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"])
     expected_conv_state = t["conv_state"].clone()
     expected_conv = deltanet_ops.causal_conv1d(t["x"], t["weight"], None, expected_conv_state, meta, t["slots"])
     conv_state = t["conv_state"].clone()
@@ -165,25 +196,40 @@ def case(
     )  # fmt: skip
 
     state_bytes = seqs * shape["v_heads"] * shape["dim"] ** 2 * 4 * 2  # read and written once
-    s = seconds(lambda: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"]), device)  # fmt: skip
+    with ours_only():
+        s = seconds(lambda: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"]), device)  # fmt: skip
     result.update(us=s * 1e6, tokens_per_s=seqs * q_len / s)
     if decode:
         result["GBps"] = state_bytes / s / 1e9
     s = seconds(lambda: conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"]), device)
     result["conv_us"] = s * 1e6
-    if sweep:  # the kernel's Dv tile: its time and error at each
-        tile = "RECURRENT_BLOCK_V" if decode else "CHUNK_BLOCK_V"
-        chosen = getattr(delta_rule, tile)
-        for block_v in (16, 32, 64):
-            setattr(delta_rule, tile, block_v)
-            swept = t["state"].clone()
-            out = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"])
-            s = seconds(lambda swept=swept: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"]), device)  # fmt: skip
-            result[f"{tile}={block_v}"] = dict(us=s * 1e6, error=relative_error(out, expected))
-        setattr(delta_rule, tile, chosen)
+    if sweep:  # the delta-rule kernel's Dv tile, and the conv's row tile: time (and error) at each
+        with ours_only():
+            result.update(sweep_tiles(t, meta, decode, expected, device))
+        chosen = conv1d.MAX_BLOCK_T
+        for block_t in (8, 16, 32, 64):
+            conv1d.MAX_BLOCK_T = block_t
+            s = seconds(lambda: conv1d.causal_conv1d(t["x"], t["weight"], None, conv_state, meta, t["slots"]), device)
+            result[f"conv MAX_BLOCK_T={block_t}"] = dict(us=s * 1e6)
+        conv1d.MAX_BLOCK_T = chosen
 
     return result, dict(t=t, meta=meta, decode=decode, initial=t["state"] if context > q_len else None,
                         expected=expected, expected_state=expected_state, ours=ours, state_bytes=state_bytes)  # fmt: skip
+
+
+def sweep_tiles(t: dict, meta: AttentionMetadata, decode: bool, expected: torch.Tensor, device: torch.device) -> dict:
+    """Our delta-rule kernel's time and error at each Dv tile."""
+    result = {}
+    tile = "RECURRENT_BLOCK_V" if decode else "CHUNK_BLOCK_V"
+    chosen = getattr(delta_rule, tile)
+    for block_v in (16, 32, 64):
+        setattr(delta_rule, tile, block_v)
+        swept = t["state"].clone()
+        out = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"])
+        s = seconds(lambda swept=swept: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"]), device)  # fmt: skip
+        result[f"{tile}={block_v}"] = dict(us=s * 1e6, error=relative_error(out, expected))
+    setattr(delta_rule, tile, chosen)
+    return result
 
 
 def fla_case(
@@ -201,13 +247,19 @@ def fla_case(
     figures = dict(case=name, **errors, fla_us=s * 1e6, fla_graph=graphed, fla_tokens_per_s=seqs * q_len / s)
     if decode:
         figures["fla_GBps"] = state_bytes / s / 1e9
+    if fla_prefill.wins(t["v"].device, t["v"].dtype, seqs * q_len, seqs, q_len):
+        figures.update(op_through_fla(t, meta, expected, expected_state))
     return figures
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
-    parser.add_argument("--sweep", action="store_true", help="also time the delta-rule kernels at each Dv tile")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the delta-rule kernels at each Dv tile and the conv at each row tile",
+    )
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("deltanet.py: no CUDA device (--smoke runs tiny shapes on the CPU)")

@@ -221,9 +221,17 @@ SHAPES = {
         architectures=["DeepseekV4ForCausalLM"],
     ),
     # Qwen3.6's hybrids (3 Gated DeltaNet layers to 1 of gated full attention), the text part of their HF configs
-    # (Qwen/Qwen3.6-35B-A3B and Qwen/Qwen3.6-27B config.json's text_config, as Qwen3.5-35B-A3B's and -27B's; written
-    # from memory of those files, no network here: the 35B-A3B's agree with transformers' Qwen3_5MoeTextConfig
-    # defaults, which name Qwen3.5-35B-A3B)
+    # (Qwen/Qwen3.6-35B-A3B and Qwen/Qwen3.6-27B config.json's text_config, as Qwen3.5-35B-A3B's and -27B's; no hub
+    # here). The 35B-A3B's agree with transformers' Qwen3_5MoeTextConfig defaults, which name Qwen3.5-35B-A3B. The
+    # 27B's (transformers' Qwen3_5TextConfig defaults, though they name Qwen3.5-27B, are a smaller model: hidden
+    # 4096, 32 layers) were checked against third-party copies of the real text_config: a Qwen3_5Config of the 27B
+    # written out field by field in a public repository, slime's scripts/models/qwen3.5-27B.sh, and the model cards of
+    # Qwen3.6-27B conversions (64 layers, hidden 5120, MLP 17408, 24 query / 4 KV heads of 256, 48 value / 16 key
+    # heads of 128, conv 4, vocab 248320 untied, rope theta 1e7 on a quarter of the dims). All agree with the shape
+    # below, which counts 26.90 B parameters: with the 27 ViT layers (about 0.46 B, by our count) and the MTP layer
+    # (about 0.42 B) the checkpoint holds, 27.8 B, the 55.56 GB a write-up reads in its safetensors index. The real
+    # rope is mRoPE (sections [11, 11, 10], interleaved), which equals this 1-D rope for text, whose three position
+    # ids are the same.
     "qwen3.6-35b-a3b": lambda: Qwen3_5MoeTextConfig(
         vocab_size=248320,
         hidden_size=2048,

@@ -4,6 +4,7 @@ tokens per second of many concurrent requests with an image each.
     python benchmarks/vision.py --shape gemma3-4b-vision --image-size 1024 --text-tokens 64 --concurrency 64
     python benchmarks/vision.py --shape qwen3-vl-8b --image-size 1024 --text-tokens 64 --concurrency 64
     python benchmarks/vision.py --smoke   # checks the script on the CPU (a tiny Qwen3-VL shape, fp32)
+    python benchmarks/vision.py --shape qwen3-vl-8b --count-launches   # kernels per encoder forward / prefill
 
 Qwen3-VL resizes a 1024x1024 image to 64x64 patches of 16 (4,096 through the encoder) and
 1,024 language-model tokens; Gemma 3 resizes every image to 896x896, 256 tokens.
@@ -20,6 +21,7 @@ import time
 
 import torch
 from PIL import Image
+from profiling import count_launches
 from shapes import shape_folder
 
 from xinfer import LLM, SamplingParams, ops
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--count-launches", action="store_true",
+                        help="report the kernels one encoder forward and one prefill step with an image launch, then exit")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help="check this script on the CPU: a tiny Qwen3-VL shape, fp32, small images, few requests")  # fmt: skip
     args = parser.parse_args()
@@ -81,6 +85,13 @@ def main() -> None:
         engine.model.encode("image", [item])
         sync()
         encoder_s = time.perf_counter() - start
+        if args.count_launches:
+            encoder = count_launches(lambda: engine.model.encode("image", [item]))
+    if args.count_launches:  # the prefill of one request (its image encoded inside), then one sampled token
+        prefill = count_launches(lambda: llm.generate(request(2000), first))
+        print(json.dumps({"shape": args.shape, "image": args.image_size, "image_tokens": item.num_embeddings,
+                          "encoder": encoder, "prefill_step": prefill}))  # fmt: skip
+        return
 
     ttft = []
     for seed in range(3):

@@ -103,6 +103,13 @@ class Ops(Protocol):
         (the next residual).
         """
 
+    def layer_norm(
+        self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``(x - mean(x)) * rsqrt(var(x) + eps) * weight + bias`` over the last dim (vision
+        towers), computed in fp32. With ``residual``, normalizes ``x + residual`` (rounded to the
+        input dtype) and also returns that sum (the next residual), as :meth:`rms_norm` does."""
+
     def rotary(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -334,6 +341,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     return current().rms_norm(x, weight, eps, residual)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None):
+    return current().layer_norm(x, weight, bias, eps, residual)
 
 
 def rotary(

@@ -63,6 +63,13 @@ class TorchOps:
         out = (normed * weight.float()).to(x.dtype)
         return out if residual is None else (out, residual)
 
+    def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+        return out if residual is None else (out, residual)
+
     def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None):
         if norms is not None:
             q, k = self.rms_norm(q, norms.q_weight, norms.eps), self.rms_norm(k, norms.k_weight, norms.eps)

@@ -36,6 +36,7 @@ from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
 from xinfer_cuda.kernels import (
     activation,
     attention,
+    encoder_attention,
     gemv,
     kv_codes,
     kv_quant_write,
@@ -54,12 +55,25 @@ from xinfer_cuda.kernels.gguf_blocks import FORMATS
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
 from xinfer_cuda.quant_weights import candidates
 from xinfer_deepseek.kernels import indexer, mla, sparse_mla
-from xinfer_qwen.kernels import conv1d, delta_rule
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
 
-MODULES = (activation, attention, gemv, kv_quant_write, kv_write, moe, moe_routing, norm, rotary, sampling)
+MODULES = (
+    activation,
+    attention,
+    encoder_attention,
+    gemv,
+    kv_quant_write,
+    kv_write,
+    moe,
+    moe_routing,
+    norm,
+    rotary,
+    sampling,
+)
 MODULES += (quant_linear, quant_moe, token_bitmask)
-# the plugins' kernels: qwen's Gated DeltaNet, deepseek's latent attention, sparse (V3.2) too, and its indexer
-MODULES += (conv1d, delta_rule, mla, sparse_mla, indexer)
+# the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
+# too, and its indexer
+MODULES += (conv1d, delta_rule, fla_prefill, mla, sparse_mla, indexer)
 # GGUF formats whose linear compiles every tile the measurement tries (one of 32-value blocks, one K-quant)
 MEASURED_FORMATS = ("Q8_0", "Q4_K")
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
@@ -111,6 +125,14 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
 
     norm.rms_norm(t(4, 4096), t(4096), 1e-6)
     norm.rms_norm(t(4, 4096), t(4096), 1e-6, t(4, 4096))
+    norm.layer_norm(t(4, 1152), t(1152), t(1152), 1e-6)  # vision towers
+    norm.layer_norm(t(4, 1152), t(1152), t(1152), 1e-6, t(4, 1152))
+    for head_dim in (72, 128):  # Qwen3-VL's and SigLIP's encoders; a power of two
+        tiles = (
+            encoder_attention.FMA_TILES if dtype == torch.float32 or cc < 80 else encoder_attention.TENSOR_CORE_TILES
+        )
+        qkv = t(64, 3, 16, head_dim)
+        encoder_attention.encoder_attention(*qkv.unbind(1), torch.tensor([0, 40, 64], dtype=torch.int32), 0.1, tiles)
     positions = torch.zeros(4, dtype=torch.int64)
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32))
     rotary.rotary(t(4, 32, 128), t(4, 8, 128), positions, t(64, 64, dt=torch.float32))
@@ -149,6 +171,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         slots = torch.zeros(2, dtype=torch.int32)
         conv1d.causal_conv1d(t(2 * q_len, 8192), t(8192, 4), None, t(4, 8192, 3), meta, slots)
         delta_rule.gated_delta_rule(
+            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
+            t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
+        )  # fmt: skip
+        # fla's prefill behind the op: our gather and write-back around fla's call (fla's own kernels are not ours)
+        fla_prefill.chunk_rule = lambda **call: (call["v"], call["initial_state"])
+        fla_prefill.gated_delta_rule(
             t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
             t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
         )  # fmt: skip
@@ -226,11 +254,13 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
             )  # fmt: skip
             cache = t(4, 16, kv_heads, head_dim)
-            attention.paged_attention(
-                t(2 * q_len, heads, head_dim), cache, cache.clone(), meta, 0.1, window, softcap,
-                num_splits=splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
-                decode_tiles=tiles(attention._DECODE_TILES, head_dim),
-            )  # fmt: skip
+            # with a window and several queries also with key limits (Gemma 3's image tokens)
+            for key_limits in [None] + ([torch.arange(2 * q_len, dtype=torch.int32)] if q_len > 1 and window else []):
+                attention.paged_attention(
+                    t(2 * q_len, heads, head_dim), cache, cache.clone(), replace(meta, key_limits=key_limits), 0.1,
+                    window, softcap, num_splits=splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
+                    decode_tiles=tiles(attention._DECODE_TILES, head_dim),
+                )  # fmt: skip
     # Quantized caches: the write kernel (both sides) and attention (decode and prefill).
     for name in QUANTIZED:
         fmt = get_format(name)

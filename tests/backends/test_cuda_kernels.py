@@ -202,6 +202,41 @@ def test_rms_norm_strided_rows():
     check(out, CPU.rms_norm(ref32(x), ref32(weight), 1e-6), torch.float32)
 
 
+# --- LayerNorm (vision towers) -----------------------------------------------------
+
+LAYER_NORM_SHAPES = matrix([(1, 64), (7, 37), (33, 1152), (3, 5, 48)], [(4096, 1152), (1024, 4608), (5, 8192)])
+
+
+@pytest.mark.parametrize("shape, dtype", LAYER_NORM_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_layer_norm(shape, dtype, with_residual):
+    # rows off zero mean, so that the centering counts
+    x, weight, bias = (
+        rand(*shape, dtype=dtype, scale=2.0) + 3,
+        rand(shape[-1], dtype=dtype),
+        rand(shape[-1], dtype=dtype),
+    )
+    eps = 1e-6
+    if not with_residual:
+        check(norm.layer_norm(x, weight, bias, eps), CPU.layer_norm(ref32(x), ref32(weight), ref32(bias), eps), dtype)
+        return
+    residual = rand(*shape, dtype=dtype)
+    out, new_residual = CUDA.layer_norm(x, weight, bias, eps, residual)
+    ref_out, ref_residual = CPU.layer_norm(ref32(x), ref32(weight), ref32(bias), eps, ref32(residual))
+    check(out, ref_out, dtype)
+    check(new_residual, ref_residual, dtype)
+
+
+def test_layer_norm_strided_rows():
+    x = rand(6, 100)[:, 10:74]  # rows 100 apart
+    weight, bias = rand(64), rand(64)
+    check(
+        CUDA.layer_norm(x, weight, bias, 1e-6),
+        CPU.layer_norm(ref32(x), ref32(weight), ref32(bias), 1e-6),
+        torch.float32,
+    )
+
+
 # --- Rotary --------------------------------------------------------------------------
 
 # (tokens, heads, kv heads, head dim, rotary dim)

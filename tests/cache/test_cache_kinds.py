@@ -301,8 +301,9 @@ def test_recurrent_states_get_their_memory_share(toy_model_dir, monkeypatch):
     default = LLM(**options).engine
     slot_bytes = COMMON["hidden_size"] * 4
     assert default.cache.states.num_slots == default.config.scheduler.max_num_seqs
-    shared = LLM(**options, mamba_fraction=0.25).engine
+    shared = LLM(**options, mamba_fraction=0.25, state_snapshot_interval=100).engine
     assert shared.cache.states.num_slots == (1 << 20) // 4 // slot_bytes
+    assert (default.cache.snapshot_interval, shared.cache.snapshot_interval) == (1024, 96)  # whole blocks of 16
     assert shared.config.scheduler.max_num_seqs <= shared.cache.states.num_slots
     assert shared.cache.pools[0].num_blocks < default.cache.pools[0].num_blocks
     for engine in (default, shared):  # the prefix cache's state snapshots: a quarter as many slots, beside

@@ -31,7 +31,7 @@ class NoRotaryOps:
     recent_window = False
     linear = rms_norm = silu_and_mul = gelu_tanh_and_mul = fused_moe = moe_route = sample = attention = TorchOps.linear
     apply_token_bitmask = TorchOps.linear
-    encoder_attention = TorchOps.linear
+    encoder_attention = layer_norm = TorchOps.linear
 
 
 def available() -> bool:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.server.live import REPO
+from xinfer.config import CacheConfig
 from xinfer.server.args import build_parser, parse_args
+from xinfer.server.launch import engine_config
 
 ISSUE_FLAGS = [
     "--m",
@@ -45,9 +48,13 @@ ISSUE_FLAGS = [
     "--pd-client",
     "--pd-url",
     "--mcp-config",
+    "--mcp-command",
+    "--mcp-args",
     "--enforce-parser",
     "--max-waiting",
     "--shutdown-timeout",
+    "--mamba-fraction",
+    "--state-snapshot-interval",
 ]
 
 
@@ -75,7 +82,6 @@ def test_help_lists_every_flag():
     [
         (["--num-speculative-tokens", "2"], "speculative"),
         (["--pd-server"], "disaggregation"),
-        (["--mcp-config", "tools.json"], "MCP"),
     ],
 )
 def test_later_features_are_refused_in_one_line(flags, feature):
@@ -173,3 +179,32 @@ def test_out_of_range_server_values_are_refused(flag, value, capsys):
     env_name = "XINFER_" + flag.lstrip("-").upper().replace("-", "_")
     result = xinfer(env={env_name: value})
     assert result.returncode == 2 and f"{env_name}={value!r}: must be at least" in result.stderr
+
+
+def test_recurrent_state_flags_reach_the_engine_config():
+    """--mamba-fraction and --state-snapshot-interval set the cache options LLM takes by the
+    same names (tests/cache/test_cache_kinds.py checks the plan they give)."""
+    default = engine_config(parse_args([]), Path("model")).cache
+    assert (default.mamba_fraction, default.state_snapshot_interval) == (
+        CacheConfig().mamba_fraction,
+        CacheConfig().state_snapshot_interval,
+    )
+    given = engine_config(parse_args(["--mamba-fraction", "0.3", "--state-snapshot-interval", "256"]), Path("m")).cache
+    assert (given.mamba_fraction, given.state_snapshot_interval) == (0.3, 256)
+
+
+@pytest.mark.parametrize(
+    "flag, value, error",
+    [
+        ("--mamba-fraction", "0", "must be between 0 and 1"),
+        ("--mamba-fraction", "1", "must be between 0 and 1"),
+        ("--mamba-fraction", "-0.5", "must be between 0 and 1"),
+        ("--mamba-fraction", "half", "invalid float value"),
+        ("--state-snapshot-interval", "0", "must be at least 1"),
+    ],
+)
+def test_bad_recurrent_state_values_are_refused(flag, value, error, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, value])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and flag in lines[-1] and error in lines[-1]

@@ -34,7 +34,7 @@ class ScriptedEngine:
         self.block_manager = SimpleNamespace(block_size=16)
         self.live: dict[str, int] = {}
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, multimodal=None):
         self.live[request_id] = params.max_tokens
 
     def abort(self, request_id):

@@ -167,3 +167,20 @@ def test_a_bad_limit_flag_is_one_line():
     assert result.stderr.strip().splitlines() == [
         "xinfer: --limit-mm-per-prompt: expected MODALITY=N[,MODALITY=N] or JSON like {\"image\": 4}, got 'image=lots'"
     ]
+
+
+def test_an_image_block_on_the_messages_api(vision_server, vision_client):
+    """Anthropic's base64 image block is the same image as OpenAI's data URL: the same prompt, the same answer."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0, timeout=120)
+    url = data_url(image(2))
+    source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+    content = [{"type": "text", "text": "look at this"}, {"type": "image", "source": source}]
+    turns = [{"role": "user", "content": content}]
+    message = claude.messages.create(model="tiny-vision", max_tokens=4, messages=turns, extra_body={"temperature": 0})
+    expected = ask(vision_client, url)
+    assert message.content[0].text == expected.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    counted = claude.messages.count_tokens(model="tiny-vision", messages=turns)
+    assert counted.input_tokens == expected.usage.prompt_tokens

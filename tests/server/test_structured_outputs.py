@@ -13,52 +13,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from tokenizers import AddedToken
-from transformers import LlamaConfig
 
 from tests.grammar.schemas import SCHEMAS
-from tests.server.live import LiveServer
-from tests.tiny_models import save_tiny_model
-from xinfer.loading.resolve import default_model_path
-from xinfer.text.tokenizer import Tokenizer
 
-THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
-    "{% endif %}"
-)
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def json_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random 2-layer Llama over SmolLM2's vocabulary plus <think> and </think>."""
-    folder = tmp_path_factory.mktemp("tiny-thinking")
-    backend = Tokenizer.from_gguf(default_model_path()).backend
-    backend.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    (folder / "tokenizer.json").write_text(backend.to_str())
-    config = {"chat_template": THINKING_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    vocab = backend.get_vocab_size(with_added_tokens=True)
-    save_tiny_model(
-        LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    eos_token_id=backend.token_to_id("<|im_end|>"), architectures=["LlamaForCausalLM"]),
-        folder,
-    )  # fmt: skip
-    live = LiveServer("--m", str(folder), "--max-model-len", "512", "--cpu", name="tiny-thinking").start()
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_client(tiny):
-    return tiny.client(timeout=300)
 
 
 def ask_all(client, model: str, extra: dict) -> list:

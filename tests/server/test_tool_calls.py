@@ -206,3 +206,38 @@ def test_forced_call_with_response_format_is_400(client):
     with pytest.raises(openai.BadRequestError) as error:
         ask(client, tool_choice="required", response_format={"type": "json_object"})
     assert "tool_choice" in error.value.message
+
+
+def test_the_messages_api_calls_tools_and_sends_results_back(qwen, client):
+    """Through the official anthropic client: a required call is a tool_use block; the call and its result
+    sent back as Anthropic blocks render through Qwen3's template as the OpenAI conversation does."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=qwen.url, api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+    message = claude.messages.create(
+        model=model, max_tokens=60, messages=QUESTION, tools=tools,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0},
+    )  # fmt: skip
+    [use] = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use"
+    jsonschema.validate(use.input, SCHEMAS[use.name])
+    anthropic_turns = [
+        *QUESTION,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"forecast": "sunny"}'}],
+        },
+    ]
+    call = {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}
+    openai_turns = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": use.id, "content": '{"forecast": "sunny"}'},
+    ]
+    counted = claude.messages.count_tokens(model=model, messages=anthropic_turns, tools=tools)
+    expected = client.chat.completions.create(model=model, messages=openai_turns, tools=TOOLS, max_tokens=1)
+    assert counted.input_tokens == expected.usage.prompt_tokens

@@ -21,6 +21,7 @@ from xinfer_cuda.graphs import StepGraphs
 from xinfer_cuda.kernels import (
     activation,
     attention,
+    encoder_attention,
     kv_quant_write,
     kv_write,
     moe,
@@ -58,6 +59,11 @@ class CudaOps(TorchOps):
         self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
     ) -> Tensor | tuple[Tensor, Tensor]:
         return norm.rms_norm(x, weight, eps, residual)
+
+    def layer_norm(
+        self, x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return norm.layer_norm(x, weight, bias, eps, residual)
 
     def rotary(
         self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None
@@ -111,15 +117,13 @@ class CudaOps(TorchOps):
         # A quantized cache's write launch also stores the recent window's exact copies,
         # and for a rotated cache brings the queries into the keys' basis, once per
         # (token, head) instead of in every program that reads them.
-        if meta.key_limits is not None:  # image tokens that see each other: no kernel takes key limits yet
-            return super().attention(q, k, v, cache, meta, scale, window, softcap)
         shadow_slots = meta.shadows.slot_mapping if meta.shadows is not None else None
         rotated_q = self._store(k, v, cache, meta.slot_mapping, q, shadow_slots)
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
 
     def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
-        """Torch's scaled-dot-product attention (its flash kernel) image by image."""
-        return super().encoder_attention(q, k, v, cu_seqlens, scale)
+        """Every image of the batch in one launch."""
+        return encoder_attention.encoder_attention(q, k, v, cu_seqlens, scale)
 
     def attend(
         self,

@@ -12,7 +12,7 @@ from xinfer.layers.embedding import LMHead, VocabEmbedding
 from xinfer.layers.linear import ColumnLinear, Linear, MergedLinear, RowLinear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.moe import MoE, Router, Routing
-from xinfer.layers.norm import RMSNorm, SplitRMSNorm, head_norms
+from xinfer.layers.norm import LayerNorm, RMSNorm, SplitRMSNorm, head_norms
 from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves, rope_parameters
 from xinfer.layers.self_attention import SelfAttention
 
@@ -26,6 +26,7 @@ __all__ = [
     "GatedMLP",
     "GeluTanhAndMul",
     "LMHead",
+    "LayerNorm",
     "Linear",
     "MergedLinear",
     "MoE",

@@ -26,6 +26,20 @@ class RMSNorm(nn.Module):
         return tensor + self.weight_offset if self.weight_offset else tensor
 
 
+class LayerNorm(nn.Module):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (vision towers), in fp32;
+    with ``residual``, adds it first and returns ``(normed, x + residual)`` (one launch on CUDA)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+
 def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> ops.HeadNorms:
     """A model's per-head q/k norms as the one argument ``ops.rotary`` applies them from
     (the two share their eps)."""

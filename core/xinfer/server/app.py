@@ -26,8 +26,8 @@ def build_app(
     install_error_handlers(app)
 
     @app.exception_handler(EngineUnavailable)
-    async def engine_unavailable(_: Request, error: EngineUnavailable) -> Response:
-        return unavailable(error).response()
+    async def engine_unavailable(request: Request, error: EngineUnavailable) -> Response:
+        return unavailable(error).response(request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, __: ClientDisconnected) -> Response:

@@ -36,6 +36,17 @@ def _at_least(kind: type, minimum: float) -> Callable[[str], Any]:
     return parse
 
 
+def _share(text: str) -> float:
+    """An argparse type: a share strictly between 0 and 1."""
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (both excluded), got {text}")
+    return value
+
+
+_share.__name__ = "float"
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a default only where there is one worth reading."""
 
@@ -96,6 +107,15 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
                           help="tokens per step; longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
+    capacity.add_argument("--mamba-fraction", type=_share, metavar="SHARE",
+                          help="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory for "
+                          "the per-sequence recurrent states, which bounds how many sequences run at once "
+                          "(docs/cache-kinds.md; default: a slot for every sequence the KV cache holds, at most half)")
+    capacity.add_argument("--state-snapshot-interval", type=_at_least(int, 1), default=1024, metavar="N",
+                          help="models with recurrent layers, with prefix caching: snapshot a prompt's recurrent state "
+                          "every N tokens (rounded down to a multiple of the KV block size, at least one block) and at "
+                          "its last block boundary, where later prompts with the same prefix resume "
+                          "(docs/cache-kinds.md); smaller: more hits mid-prompt, more snapshot copies")
     capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
                           help="bound the prefix cache [later]")
 
@@ -145,6 +165,22 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     reasoning.add_argument("--disable-reasoning", action="store_true",
                            help="ask templates not to think (enable_thinking=false) and split nothing")
 
+    mcp = p.add_argument_group("MCP tools (offered on /v1/messages requests with \"mcp\": true or a list of "
+                                "server names)")
+    mcp.add_argument("--mcp-command", metavar="CMD", help="an MCP stdio server to start, named \"mcp\"")
+    mcp.add_argument("--mcp-args", metavar="ARGS", help="--mcp-command's arguments, one string split as a shell does")
+    mcp.add_argument("--mcp-config", metavar="FILE",
+                     help='MCP stdio servers in the JSON format Claude Desktop uses: '
+                     '{"mcpServers": {"NAME": {"command": ..., "args": [...], "env": {...}}}}')
+    mcp.add_argument("--mcp-tool-calls", default="server", choices=["server", "client"],
+                     help="server: run the model's calls of MCP tools and feed their results back until it answers; "
+                     "client: return them to the client as tool calls")
+    mcp.add_argument("--mcp-max-rounds", type=_at_least(int, 1), default=8, metavar="N",
+                     help="with --mcp-tool-calls server: rounds of tool calls per request before the answer is "
+                     "returned as it stands")
+    mcp.add_argument("--mcp-timeout", type=_at_least(float, 0.1), default=30.0, metavar="SECONDS",
+                     help="seconds an MCP server may take to start or to answer a call (then the request fails)")
+
     tools = p.add_argument_group("tool calling (tools and tool_choice on chat completions)")
     tools.add_argument("--enforce-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS], metavar="NAME",
                        help="how answers' tool calls are read: auto (the format the model's chat template writes), "
@@ -174,9 +210,6 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later.add_argument("--pd-server", action="store_true", help="prefill/decode disaggregation: server [later]")
     later.add_argument("--pd-client", action="store_true", help="prefill/decode disaggregation: client [later]")
     later.add_argument("--pd-url", help="prefill/decode disaggregation: peer URL [later]")
-    later.add_argument("--mcp-config", help="MCP tools config file [later]")
-    later.add_argument("--mcp-command", help="MCP server command [later]")
-    later.add_argument("--mcp-args", help="MCP server arguments [later]")
     return p
 
 

@@ -26,9 +26,9 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        message = "a valid API key is required: send Authorization: Bearer <key>"
+        message = "a valid API key is required: send Authorization: Bearer <key> or x-api-key: <key>"
         error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
+        await error.response(path)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, and in
+Anthropic's (``{"type": "error", "error": {"type", "message"}}``) on the Messages API's routes.
 
 Every failure a client can cause is an :class:`APIError` with its status; FastAPI's
 422 and Starlette's plain-text 404/405 are rewritten into the same shape, and an
@@ -20,6 +21,10 @@ log = logging.getLogger("xinfer")
 
 # the rest are "invalid_request_error" below 500, "internal_error" from 500 on
 ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
+# Anthropic's error types by status; "invalid_request_error" for the other 4xx, "api_error" for the other 5xx
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+ANTHROPIC_PATHS = "/v1/messages"  # the routes (and those under it) that answer in Anthropic's shape
 
 
 @dataclass(eq=False)
@@ -33,11 +38,23 @@ class APIError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """The error's body in the shape of the API that ``path`` belongs to."""
+        if is_anthropic(path):
+            return anthropic_error_body(self.status, self.message)
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -66,12 +83,12 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error.response()
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return from_validation(error).response()
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return from_validation(error).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -80,9 +97,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         elif error.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
-        return APIError(error.status_code, message, headers=getattr(error, "headers", None)).response()
+        error_headers = getattr(error, "headers", None)
+        return APIError(error.status_code, message, headers=error_headers).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        return APIError(500, f"internal error ({type(error).__name__}); see the server log").response()
+        message = f"internal error ({type(error).__name__}); see the server log"
+        return APIError(500, message).response(request.url.path)

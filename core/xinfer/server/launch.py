@@ -27,6 +27,7 @@ from xinfer.engine.async_engine import AsyncEngine, EngineState
 from xinfer.engine.engine import LLMEngine
 from xinfer.server.app import build_app
 from xinfer.server.args import parse_args
+from xinfer.server.mcp.config import MCPSettings, ServerSpec, server_specs
 from xinfer.server.media import MediaPolicy, parse_limits
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults
@@ -58,6 +59,24 @@ def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
         log.debug("the model cannot be loaded", exc_info=True)
         print(f"xinfer: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def mcp_servers(args: argparse.Namespace) -> list[ServerSpec]:
+    """The MCP servers the flags name; a bad flag or config file ends the command in one line."""
+    try:
+        return server_specs(args.mcp_command, args.mcp_args, args.mcp_config)
+    except ValueError as error:
+        print(f"xinfer: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def mcp_settings(args: argparse.Namespace, specs: list[ServerSpec]) -> MCPSettings | None:
+    if not specs:
+        return None
+    from xinfer.server.mcp.client import MCPHub  # the SDK, imported only where MCP servers are configured
+
+    hub = MCPHub(specs, args.mcp_timeout)
+    return MCPSettings(hub, run_calls=args.mcp_tool_calls == "server", max_rounds=args.mcp_max_rounds)
 
 
 def setup_logging(args: argparse.Namespace) -> None:
@@ -117,6 +136,8 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         kv_cache_dtype=args.kvcache_dtype,
         kv_recent_window=args.kv_recent_window,
         enable_prefix_caching=not args.disable_prefix_cache,
+        mamba_fraction=args.mamba_fraction,
+        state_snapshot_interval=args.state_snapshot_interval,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.prefill_chunk_size,
         encoder_cache_size=args.encoder_cache_size,
@@ -208,15 +229,18 @@ def uvicorn_config(app: Any, args: argparse.Namespace, port: int) -> uvicorn.Con
     )
 
 
-async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> int:
+async def serve(
+    args: argparse.Namespace, path: Path, config: EngineConfig, mcp_specs: Sequence[ServerSpec] = ()
+) -> int:
     loop = asyncio.get_running_loop()
     engine = AsyncEngine(lambda: LLMEngine(config), args.max_waiting, args.health_stall_timeout)
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
+    mcp = mcp_settings(args, list(mcp_specs))
     serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
                       reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
-                      tool_parser=args.enforce_parser)  # fmt: skip
+                      tool_parser=args.enforce_parser, mcp=mcp)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
@@ -228,11 +252,16 @@ async def serve(args: argparse.Namespace, path: Path, config: EngineConfig) -> i
     log.info("loading %s", path)
     engine.start(loop)
     watcher = asyncio.ensure_future(_exit_if_loading_fails(engine, shutdown))
+    connecting = asyncio.ensure_future(mcp.hub.start()) if mcp is not None else None  # requests wait for theirs
     try:
         await asyncio.gather(*(server.serve() for server in servers))
     finally:
         watcher.cancel()
         engine.stop()
+        if mcp is not None:
+            assert connecting is not None
+            connecting.cancel()
+            await mcp.hub.close()
     return shutdown.exit_code
 
 
@@ -251,12 +280,13 @@ async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args)
+    specs = mcp_servers(args)
     path, config = prepare(args)
     if config.parallel.node_rank > 0:  # this node's ranks follow node 0's engine
         from xinfer.distributed.worker import run_node
 
         return run_node(config)
-    return asyncio.run(serve(args, path, config))
+    return asyncio.run(serve(args, path, config, specs))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m xinfer.server") -> int:

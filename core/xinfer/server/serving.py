@@ -15,6 +15,7 @@ from xinfer.engine.engine import KVCacheFull, LLMEngine
 from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
+from xinfer.server.mcp.config import MCPSettings
 from xinfer.server.media import MediaPolicy
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
@@ -38,6 +39,7 @@ class Serving:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     reasoning_parser: str = "auto"  # --reasoning-parser: a name of PARSERS, "auto" or "none"
     disable_reasoning: bool = False  # --disable-reasoning
+    mcp: MCPSettings | None = None  # --mcp-command / --mcp-config
     tool_parser: str = "auto"  # --enforce-parser: a name of toolcalls.PARSERS, "auto" or "none"
     _token_texts: dict[int, str] = field(default_factory=dict)
     _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known

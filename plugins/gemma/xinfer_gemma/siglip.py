@@ -12,18 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.layers import Linear, MergedLinear
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+from xinfer.layers import LayerNorm, Linear, MergedLinear
 
 
 class SiglipAttention(nn.Module):
@@ -56,9 +45,12 @@ class SiglipEncoderLayer(nn.Module):
         self.self_attn = SiglipAttention(dim, config.num_attention_heads)
         self.mlp = SiglipMLP(dim, config.intermediate_size)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), cu_seqlens)
-        return x + self.mlp(self.layer_norm2(x))
+    def forward(self, x: Tensor, residual: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """The stream is ``x + residual`` (``x`` before the first layer); returns this layer's MLP
+        output and the residual, which the next norm adds (one launch with the norm)."""
+        h, residual = self.layer_norm1(x, residual) if residual is not None else (self.layer_norm1(x), x)
+        h, residual = self.layer_norm2(self.self_attn(h, cu_seqlens), residual)
+        return self.mlp(h), residual
 
 
 class SiglipEmbeddings(nn.Module):
@@ -95,10 +87,12 @@ class SiglipEncoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The last layer's output and the residual stream before it (their sum is the hidden state)."""
+        residual = None
         for layer in self.layers:
-            x = layer(x, cu_seqlens)
-        return x
+            x, residual = layer(x, residual, cu_seqlens)
+        return x, residual
 
 
 class SiglipVisionTransformer(nn.Module):
@@ -114,5 +108,6 @@ class SiglipVisionTransformer(nn.Module):
         x = self.embeddings(pixel_values)
         per_image = x.shape[0] // num_images
         cu_seqlens = torch.arange(0, x.shape[0] + 1, per_image, dtype=torch.int32, device=x.device)
-        x = self.encoder(x, cu_seqlens)
-        return self.post_layernorm(x).unflatten(0, (num_images, per_image))
+        x, residual = self.encoder(x, cu_seqlens)
+        x = self.post_layernorm(x, residual)[0] if residual is not None else self.post_layernorm(x)
+        return x.unflatten(0, (num_images, per_image))

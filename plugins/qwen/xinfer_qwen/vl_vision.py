@@ -20,7 +20,7 @@ DeepStack level's, side by side ``[tokens, out_hidden * (1 + levels)]``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,22 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.layers import Linear
+from xinfer.layers import LayerNorm, Linear
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with a bias, in fp32."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+Rope = tuple[Tensor, Tensor]  # each patch's row of the table [N], the table (cos || sin) [N, head_dim]
+ROTARY_TABLES = 64  # the grids whose rotary tables an encoder keeps
 
 
 class PatchEmbedding(nn.Module):
@@ -68,10 +57,10 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(dim, 3 * dim, bias=True)
         self.proj = Linear(dim, dim, bias=True)
 
-    def forward(self, x: Tensor, cos_sin: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, cu_seqlens: Tensor) -> Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)
-        q, k = ops.rotary(q, k, torch.arange(len(x), device=x.device), cos_sin)
-        out = ops.encoder_attention(q, k, v.contiguous(), cu_seqlens, self.head_dim**-0.5)
+        q, k = ops.rotary(q, k, *rope)
+        out = ops.encoder_attention(q, k, v, cu_seqlens, self.head_dim**-0.5)
         return self.proj(out.flatten(1))
 
 
@@ -94,9 +83,12 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: Tensor, cos_sin: Tensor, cu_seqlens: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x), cos_sin, cu_seqlens)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: Tensor, residual: Tensor | None, rope: Rope, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        """The stream is ``x + residual`` (``x`` before the first block); returns this block's MLP
+        output and the residual, which the next norm adds (one launch with the norm)."""
+        h, residual = self.norm1(x, residual) if residual is not None else (self.norm1(x), x)
+        h, residual = self.norm2(self.attn(h, rope, cu_seqlens), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -138,6 +130,7 @@ class VisionEncoder(nn.Module):
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
         self.register_buffer("inv_freq", 1.0 / theta**quarter, persistent=False)
+        self.rotary_tables: dict[Grid, Tensor] = {}  # they depend on the grid alone
 
     @property
     def levels(self) -> int:
@@ -145,16 +138,20 @@ class VisionEncoder(nn.Module):
         return 1 + len(self.deepstack_visual_indexes)
 
     def forward(self, patches: Tensor, grids: Sequence[Grid]) -> Tensor:
+        grids = [(int(t), int(h), int(w)) for t, h, w in grids]
         x = self.patch_embed(patches)
-        x = x + torch.cat([self.positions(grid) for grid in grids]).to(x.dtype)
-        cos_sin = torch.cat([self.rotary(grid) for grid in grids])
+        x = x + per_patch(self.positions, grids).to(x.dtype)
+        rope = torch.arange(len(x), device=x.device), per_patch(self.cached_rotary, grids)
         frames = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends within itself
         cu_seqlens = torch.tensor([0, *itertools.accumulate(frames)], dtype=torch.int32, device=x.device)
         deepstack = []
+        residual = None
         for index, block in enumerate(self.blocks):
-            x = block(x, cos_sin, cu_seqlens)
+            x, residual = block(x, residual, rope, cu_seqlens)
             if index in self.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(index)](x))
+                merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(index)]
+                deepstack.append(merger(x + residual))
+        x = x if residual is None else x + residual
         return torch.cat([self.merger(x), *deepstack], dim=-1)
 
     def grouped(self, rows: Tensor, h: int, w: int) -> Tensor:
@@ -169,6 +166,14 @@ class VisionEncoder(nn.Module):
         resized = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
         return self.grouped(resized, h, w).repeat(t, 1)
 
+    def cached_rotary(self, grid: Grid) -> Tensor:
+        """:meth:`rotary`, computed once per grid (a dozen small kernels each time otherwise)."""
+        if grid not in self.rotary_tables:
+            if len(self.rotary_tables) >= ROTARY_TABLES:
+                self.rotary_tables.clear()
+            self.rotary_tables[grid] = self.rotary(grid)
+        return self.rotary_tables[grid]
+
     def rotary(self, grid: Grid) -> Tensor:
         """Each patch's rotary table row (cos || sin) [t * h * w, head_dim]: the frequencies
         times its row, then times its column."""
@@ -178,3 +183,10 @@ class VisionEncoder(nn.Module):
         row_col = self.grouped(torch.stack((rows, cols), dim=-1), h, w).float()  # [h * w, 2]
         angles = (row_col[:, :, None] * self.inv_freq).flatten(1)  # row's angles || column's
         return torch.cat((angles.cos(), angles.sin()), dim=-1).repeat(t, 1)
+
+
+def per_patch(table: Callable[[Grid], Tensor], grids: Sequence[Grid]) -> Tensor:
+    """The rows ``table(grid)`` of every image's patches, one after the other; computed once per
+    distinct grid (the images of a batch often share one)."""
+    tables = {grid: table(grid) for grid in dict.fromkeys(grids)}
+    return tables[grids[0]] if len(grids) == 1 else torch.cat([tables[grid] for grid in grids])

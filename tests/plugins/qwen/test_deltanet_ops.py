@@ -30,7 +30,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from xinfer.ops import AttentionMetadata
 from xinfer_qwen import deltanet_ops
-from xinfer_qwen.kernels import conv1d, delta_rule
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 
@@ -148,8 +148,12 @@ def test_gated_delta_rule_matches_hf(hf_rule, heads):
             continue
         rows = slice(start, start + q_len)
         initial = None if before == 0 else expected_state[slot][None]
+        # value heads share a query/key head in groups of consecutive heads; transformers 5.17 (the GPU machine's) wants q/k
+        # repeated to the value heads already (its model did that), later ones repeat them alike inside the rule
+        group = v.shape[1] // q.shape[1]
+        q_rows, k_rows = (t[rows].repeat_interleave(group, dim=1)[None] for t in (q, k))
         expected, final = rule(
-            q[rows][None], k[rows][None], v[rows][None], g[rows][None], beta[rows][None],
+            q_rows, k_rows, v[rows][None], g[rows][None], beta[rows][None],
             initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         expected_state[slot] = final[0]
@@ -219,6 +223,32 @@ def test_conv1d_kernel_matches_the_reference(dtype, width, channels):
         torch.testing.assert_close(got_state.cpu(), expected_state, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv1d_kernel_over_more_sequences_than_one_search(dtype, monkeypatch):
+    """A batch of more sequences than the kernel's tile search reads at once (made 16 here, to
+    keep the interpreter quick), decode rows between prompts of several tiles, some continuing:
+    every row and slot against the reference. The state in fp32 whatever the inputs' dtype, as
+    the layer keeps it."""
+    monkeypatch.setattr(conv1d, "SEARCH", 16)
+    generator = torch.Generator().manual_seed(7)
+    count = 2 * conv1d.SEARCH + 7
+    q_lens = torch.tensor([1, 1, 2, 40, 1, 3, 70, 1])[torch.randint(8, (count,), generator=generator)].tolist()
+    before = torch.randint(0, 3, (count,), generator=generator).mul(5).tolist()  # 0: the sequence starts
+    channels, width = 24, 4
+    x = torch.randn(sum(q_lens), channels, generator=generator).to(dtype)
+    weight = (torch.randn(channels, width, generator=generator) / 2).to(dtype)
+    slots = torch.randperm(count + 3, generator=generator)[:count].to(torch.int32)
+    state = torch.randn(count + 3, channels, width - 1, generator=generator)
+    meta = metadata(q_lens, before)
+    expected_state, got_state = state.clone(), state.to(DEVICE)
+    expected = deltanet_ops.causal_conv1d(x, weight, None, expected_state, meta, slots)
+    got = conv1d.causal_conv1d(
+        x.to(DEVICE), weight.to(DEVICE), None, got_state, to_device(meta, DEVICE), slots.to(DEVICE)
+    )
+    assert_close_on_rows(got, expected, meta, TOL[dtype])
+    torch.testing.assert_close(got_state.cpu(), expected_state)
+
+
 def to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     return replace(meta, **{f: getattr(meta, f).to(device) for f in ("cu_seqlens_q", "seq_lens", "block_tables", "slot_mapping")})  # fmt: skip
 
@@ -258,3 +288,117 @@ def test_gated_delta_rule_kernel_matches_the_reference(case, dtype):
     error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()
     assert error <= TOL[dtype], f"state: relative error {error:.2e}"
     assert got_state.cpu().isnan().equal(expected_state.isnan())  # slots of no sequence untouched
+
+
+# flash-linear-attention's chunked prefill behind the op (xinfer_qwen.kernels.fla_prefill)
+
+
+def test_fla_chunk_indices_name_every_chunk_once_then_a_sequence_of_no_rows():
+    q_lens = [130, 0, 1, 64, 65]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = sum(q_lens) + 7  # a padded step
+    cu_seqlens, indices = fla_prefill.chunk_indices(cu, tokens)
+    assert cu_seqlens.dtype == torch.int64 and cu_seqlens.tolist() == [*cu.tolist(), cu[-1].item()]
+    real = [(n, t) for n, q in enumerate(q_lens) for t in range(-(-q // fla_prefill.CHUNK))]
+    spare = [(len(q_lens), 0)] * (-(-tokens // fla_prefill.CHUNK) + len(q_lens) - len(real))
+    assert [tuple(row) for row in indices.tolist()] == real + spare
+
+
+def fla_contract(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                 use_qk_l2norm_in_kernel):  # fmt: skip
+    """fla's ``chunk_gated_delta_rule`` as xinfer calls it, from the torch reference: [1, T, ...]
+    rows, sequence n over ``cu_seqlens[n]:cu_seqlens[n+1]`` starting from ``initial_state[n]``,
+    returning the outputs and every sequence's final state (a sequence of no rows: its initial)."""
+    assert use_qk_l2norm_in_kernel and output_final_state and scale == q.shape[-1] ** -0.5
+    assert g.dtype == torch.float32 and initial_state.dtype == torch.float32
+    assert chunk_indices.shape == (-(-q.shape[1] // fla_prefill.CHUNK) + len(cu_seqlens) - 2, 2)
+    q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    meta = metadata(q_lens, [1] * len(q_lens))  # every sequence continues: from its initial state
+    final = initial_state.clone()
+    out = deltanet_ops.gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], final, meta, torch.arange(len(q_lens)))
+    return out[None], final
+
+
+def test_fla_adapter_reads_and_writes_the_slots(monkeypatch):
+    """The adapter around fla (given the torch reference of fla's contract, so this runs on the
+    CPU): sequences that start ignore their slot, continuing ones start from it, every sequence
+    with rows writes its final state back, and padding sequences (slot 0, as a padded CUDA-graph
+    step gives them, here also a real sequence's slot) write nothing."""
+    monkeypatch.setattr(fla_prefill, "chunk_rule", fla_contract)
+    batch = [(130, 0), (1, 7), (0, 0), (65, 64), (3, 0), (0, 0)]
+    slots = [2, 0, 0, 5, 3, 0]
+    generator = torch.Generator().manual_seed(11)
+    tokens, k_heads, v_heads, dk, dv = sum(q for q, _ in batch) + 5, 1, 2, 16, 8
+    q, k = torch.randn(2, tokens, k_heads, dk, generator=generator)
+    v = torch.randn(tokens, v_heads, dv, generator=generator)
+    g = -torch.rand(tokens, v_heads, generator=generator)
+    beta = torch.rand(tokens, v_heads, generator=generator)
+    state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
+    meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
+    expected_state, got_state = state.clone(), state.to(DEVICE)
+    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
+    got = fla_prefill.gated_delta_rule(
+        *(t.to(DEVICE) for t in (q, k, v, g, beta)), got_state, to_device(meta, DEVICE), slot_tensor.to(DEVICE)
+    )
+    assert_close_on_rows(got, expected, meta, TOL[torch.float32])
+    torch.testing.assert_close(got_state.cpu(), expected_state, equal_nan=True)
+
+
+def test_fla_goes_only_to_gpu_steps_with_a_chunk_of_rows_per_sequence(monkeypatch):
+    monkeypatch.setattr(fla_prefill, "chunk_rule", fla_contract)
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert fla_prefill.wins(cuda, bf16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)
+    assert fla_prefill.wins(cuda, torch.float16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)
+    assert not fla_prefill.wins(cuda, bf16, tokens=2048, num_seqs=256, max_seqlen_q=2048)  # a bucket padded with seqs
+    assert not fla_prefill.wins(cuda, bf16, tokens=256, num_seqs=256, max_seqlen_q=1)  # decode
+    assert not fla_prefill.wins(cpu, bf16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # fla's kernels need a GPU
+    assert not fla_prefill.wins(cuda, torch.float32, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # exact products
+    monkeypatch.setattr(fla_prefill, "chunk_rule", None)
+    assert not fla_prefill.wins(cuda, bf16, tokens=8 * 2048, num_seqs=8, max_seqlen_q=2048)  # not installed
+
+
+@pytest.mark.skipif(not (ON_GPU and fla_prefill.available()), reason="fla's kernels need a GPU and fla-core installed")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: c[0])
+def test_gated_delta_rule_through_fla_matches_the_reference(case, dtype, monkeypatch):
+    """Every case through fla's prefill (the op sends it only 16-bit prefill-heavy steps)."""
+    monkeypatch.setattr(fla_prefill, "wins", lambda device, dtype, tokens, num_seqs, max_seqlen_q: max_seqlen_q > 1)
+    if max(q for q, _ in case[1]) == 1:
+        pytest.skip("decode steps stay with the recurrent kernel")
+    test_gated_delta_rule_kernel_matches_the_reference(case, dtype)
+
+
+@pytest.mark.skipif(not (ON_GPU and fla_prefill.available()), reason="fla's kernels need a GPU and fla-core installed")
+def test_fla_prefill_replays_from_a_cuda_graph_with_other_lengths():
+    """Captured once and replayed after the step's lengths changed in place, as the server's
+    CUDA-graph steps are: the chunk indices are built on the device, so the replay follows the
+    new lengths (fla's own, built on the host, would stay those of the capture)."""
+    generator = torch.Generator().manual_seed(5)
+    captured, replayed = [(130, 0), (70, 10), (60, 0)], [(1, 5), (200, 0), (59, 3)]
+    tokens, k_heads, v_heads, dk, dv, slots = 264, 2, 4, 64, 64, torch.tensor([2, 0, 5], dtype=torch.int32)
+    q, k = (torch.randn(tokens, k_heads, dk, generator=generator).bfloat16() for _ in range(2))
+    v = torch.randn(tokens, v_heads, dv, generator=generator).bfloat16()
+    g = -torch.rand(tokens, v_heads, generator=generator)
+    beta = torch.rand(tokens, v_heads, generator=generator).bfloat16()
+    state = torch.randn(6, v_heads, dk, dv, generator=generator) / dk**0.5
+    inputs = [t.to(DEVICE) for t in (q, k, v, g, beta)]
+
+    def step_metadata(batch):
+        return to_device(metadata([q for q, _ in batch], [b for _, b in batch]), DEVICE)
+
+    meta, device_state, device_slots = step_metadata(captured), state.to(DEVICE), slots.to(DEVICE)
+    fla_prefill.gated_delta_rule(*inputs, device_state.clone(), meta, device_slots)  # warm-up: fla's autotuning
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fla_prefill.gated_delta_rule(*inputs, device_state, meta, device_slots)
+    other = step_metadata(replayed)
+    meta.cu_seqlens_q.copy_(other.cu_seqlens_q)
+    meta.seq_lens.copy_(other.seq_lens)
+    device_state.copy_(state.to(DEVICE))
+    graph.replay()
+    expected_state = state.clone()
+    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, other, slots)
+    assert_close_on_rows(out, expected, other, TOL[torch.bfloat16])
+    error = (device_state.cpu() - expected_state).norm() / expected_state.norm()
+    assert error <= TOL[torch.bfloat16], f"state: relative error {error:.2e}"

@@ -185,6 +185,7 @@ def _attend_tile(
     q_k_hi,
     q_sum,
     q_pos,
+    q_lim,
     tile_start,
     end,
     k_head_ptr,
@@ -273,7 +274,7 @@ def _attend_tile(
     if MASK == MASK_BOUNDS:
         s = tl.where(in_range[None, :], s, float("-inf"))
     if MASK == MASK_CAUSAL:
-        visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        visible = in_range[None, :] & (k_pos[None, :] <= q_lim[:, None])
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -322,6 +323,7 @@ def _attend_keys(
     q_lo,
     q_hi,
     q_pos,
+    q_lim,
     start,
     end,
     k_head_ptr,
@@ -409,7 +411,7 @@ def _attend_keys(
             hi = head_end if span == 0 else far_end if span == 1 else end
             for tile_start in range(lo, hi, EXACT_N if EXACT and span != 1 else BLOCK_N):
                 acc_lo, acc_hi, l_i, m_i = _attend_tile(
-                    acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, tile_start, hi,
+                    acc_lo, acc_hi, l_i, m_i, q_k_lo, q_k_hi, q_sum, q_pos, q_lim, tile_start, hi,
                     k_head_ptr, v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr,
                     stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
                     score_scale, cap_scale, window, ek_head_ptr, ev_head_ptr, shadow_table_ptr, stride_e_block, stride_e_slot,
@@ -454,6 +456,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     num_seqs,
+    key_limits_ptr,
     score_scale,
     cap_scale,
     window,
@@ -489,6 +492,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,
     PRECISION: tl.constexpr,
     CODE_DTYPE: tl.constexpr,
     DECODE: tl.constexpr,
@@ -526,6 +530,9 @@ def _prefill_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < Q_PER_TILE * GROUP) & (q_idx < q_len)
     q_pos = ctx_start + q_idx
+    q_lim = q_pos  # the last key each row sees
+    if HAS_LIMITS:  # the tokens of an image see its later ones too (AttentionMetadata.key_limits)
+        q_lim = tl.load(key_limits_ptr + q_start + q_idx, mask=row_ok, other=0)
     q_off = (q_start + q_idx).to(tl.int64) * stride_q_tok + head * stride_q_head
     q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, HEAD_DIM, SPLIT, HALF_D)
 
@@ -535,6 +542,9 @@ def _prefill_kernel(
     last_pos = ctx_start + tl.minimum(first_q + Q_PER_TILE, q_len) - 1
     hi = last_pos + 1
     full_hi = first_pos + 1
+    if HAS_LIMITS:  # (a limit is never below its row's position)
+        hi = tl.max(tl.where(row_ok, q_lim, 0)) + 1
+        full_hi = tl.min(tl.where(row_ok, q_lim, seq_len)) + 1
     if HAS_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
         full_lo = tl.maximum(last_pos - window + 1, 0)
@@ -558,7 +568,7 @@ def _prefill_kernel(
     near_from = first_pos - recent + 1
     if HAS_WINDOW:
         acc_lo, acc_hi, l_i, m_i = _attend_keys(
-            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, lo, full_lo,
+            acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, q_lim, lo, full_lo,
             k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
             score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -567,7 +577,7 @@ def _prefill_kernel(
             K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
         )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
-        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_lo, full_end,
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, q_lim, full_lo, full_end,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -576,7 +586,7 @@ def _prefill_kernel(
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT,
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
-        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, full_end, hi,
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, q_lim, full_end, hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -714,6 +724,7 @@ def _decode_kernel(
     q_off = q_start.to(tl.int64) * stride_q_tok + head * stride_q_head
     q_lo, q_hi = _load_queries(q_ptr, q_off, row_ok, HEAD_DIM, SPLIT, HALF_D)
     q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
+    q_lim = q_pos  # (one query sees up to itself: an image's tokens are never a one-query chunk)
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -731,7 +742,7 @@ def _decode_kernel(
     # one whole tile up to the first split, hiding the keys past it); [b_lo, b_hi): a
     # split's last tile, or the exact part's recent keys
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
-        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, a_lo, a_hi,
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, q_lim, a_lo, a_hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -740,7 +751,7 @@ def _decode_kernel(
         K_CODE, K_BITS, K_OFFSET, K_STEP, V_CODE, V_BITS, V_OFFSET, V_STEP, EXACT_PART,
     )  # fmt: skip
     acc_lo, acc_hi, l_i, m_i = _attend_keys(
-        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, b_lo, b_hi,
+        acc_lo, acc_hi, l_i, m_i, q_lo, q_hi, q_pos, q_lim, b_lo, b_hi,
         k_head, v_head, k_scale_head, v_scale_head, k_levels_ptr, v_levels_ptr, block_table,
         stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, stride_s_block, stride_s_slot,
         score_scale, cap_scale, window, ek_head, ev_head, shadow_table, stride_e_block, stride_e_slot, recent, near_from,
@@ -1126,11 +1137,11 @@ def attend_sides(
         _prefill_kernel[grid](
             q, *cache_ptrs, basis, out,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.num_seqs,
-            score_scale, cap_scale, window_arg, *exact_args,
+            meta.key_limits if meta.key_limits is not None else meta.seq_lens, score_scale, cap_scale, window_arg, *exact_args,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *cache_strides,
             GROUP=group, Q_PER_TILE=q_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, prefill_halves),
+            HAS_LIMITS=meta.key_limits is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, prefill_halves),
         )  # fmt: skip
 
     major = _device_limits(q.device.index or 0)[0] if q.is_cuda else 9

@@ -97,3 +97,58 @@ def rms_norm(
         **launch.pdl(x.device),
     )
     return out if residual is None else (out, new_residual)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    new_residual_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_new_residual,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    row = tl.program_id(0).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the sum rounded to the input dtype, as the next residual is
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    centered = tl.where(mask, x - mean, 0.0)
+    inv_std = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (centered * inv_std * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """LayerNorm over the last dim of ``x``; with ``residual``, of ``x + residual``, returning
+    ``(out, x + residual)``. One launch."""
+    n_cols = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    r2 = _rows(residual) if residual is not None else x2  # (x stands in where there is none)
+    out2, nr2 = out.view(-1, n_cols), new_residual.view(-1, n_cols)
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(n_cols)
+        _layer_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight.contiguous(), bias.contiguous(), out2, nr2,
+            x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), n_cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+        )  # fmt: skip
+    return out if residual is None else (out, new_residual)

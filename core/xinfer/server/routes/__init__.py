@@ -1,5 +1,5 @@
 """The API's routers, one file per group of routes."""
 
-from xinfer.server.routes import chat, completions, embeddings, system, tokens
+from xinfer.server.routes import chat, completions, embeddings, messages, system, tokens
 
-ROUTERS = (system.router, chat.router, completions.router, embeddings.router, tokens.router)
+ROUTERS = (system.router, chat.router, completions.router, embeddings.router, tokens.router, messages.router)

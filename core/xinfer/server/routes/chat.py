@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -11,8 +10,8 @@ from fastapi.responses import Response
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
+from xinfer.server.chat_run import submit_chat
 from xinfer.server.logprobs import chat_logprobs
-from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -29,8 +28,8 @@ from xinfer.server.responses import (
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import Answer
-from xinfer.server.tools import ToolUse, tool_use
-from xinfer.text.reasoning import ReasoningStream, ReasoningTags, opens_reasoning, reasoning_token_count, split
+from xinfer.server.tools import ToolUse
+from xinfer.text.reasoning import ReasoningStream, ReasoningTags, reasoning_token_count, split
 from xinfer.toolcalls import ToolCallStream
 
 router = APIRouter()
@@ -41,41 +40,8 @@ async def create_chat_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
-    tools = tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, serving.tool_family)
-    if tools.parser is not None and tools.parser.keeps_special_tokens:
-        body = body.model_copy(update={"skip_special_tokens": False})  # its markers are special tokens
-    _, urls = message_dicts(body.messages)
-    images = await serving.images(urls) if urls else []
-    text = render_chat(
-        serving.tokenizer,
-        body.messages,
-        body.add_generation_prompt,
-        body.continue_final_message,
-        tools.template_tools,
-        template_kwargs(body, serving.disable_reasoning),
-    )
-    prompt = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
-    check_token_ids(prompt, serving.vocab_size, "messages")
-    tags = serving.reasoning_tags
-    inside = tags is not None and opens_reasoning(text, tags)
-    # a model that reasons here (the template has not closed its block): a constraint waits for the block's end
-    thinks = tags is not None and (inside or not text.rstrip().endswith(tags.end))
-    end_id = serving.tokenizer.token_to_id(tags.end) if tags is not None and thinks else None
-    prompt, multimodal = await serving.multimodal_prompt(prompt, images) if images else (prompt, [])
-    handle = await serving.submit(request, body, [prompt], multimodal, after_token_id=end_id)
-    return await ChatAnswer(serving, body, handle, tags, inside, tools).respond(request)
-
-
-def template_kwargs(body: ChatCompletionRequest, disable_reasoning: bool) -> dict[str, Any]:
-    """The chat template's extra variables: the request's own, its ``reasoning_effort``, and
-    ``enable_thinking=false`` where reasoning is off (``--disable-reasoning`` or effort
-    ``none``) unless the request set it (templates that do not read it ignore it)."""
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    if disable_reasoning or body.reasoning_effort == "none":
-        kwargs.setdefault("enable_thinking", False)
-    return kwargs
+    handle, prompt, body = await submit_chat(request, serving, body)
+    return await ChatAnswer(serving, body, handle, prompt.tags, prompt.inside, prompt.tools).respond(request)
 
 
 class ChatAnswer(Answer):

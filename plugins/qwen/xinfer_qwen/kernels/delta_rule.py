@@ -19,6 +19,9 @@ and then, with no recurrence left inside the chunk,
 :func:`_inverse_kernel` forms ``(I + A)^-1`` of every chunk at once (it does not depend on
 the state); :func:`_chunk_kernel` then walks each sequence's chunks in order, one program
 per (sequence, value head, Dv tile), all in matrix products. Every exponent is <= 0.
+
+Where flash-linear-attention imports, a step with at least a chunk's rows per sequence goes to
+its chunked kernels instead (:mod:`.fla_prefill` says why and when).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernel_api import pdl, pdl_entry
+from xinfer_qwen.kernels import fla_prefill
 
 CHUNK = 64
 RECURRENT_BLOCK_V = 32
@@ -217,6 +221,8 @@ def gated_delta_rule(
             dim_k**-0.5, BLOCK_V=RECURRENT_BLOCK_V, num_warps=4, **common,
         )  # fmt: skip
         return out
+    if fla_prefill.wins(v.device, v.dtype, tokens, meta.num_seqs, meta.max_seqlen_q):
+        return fla_prefill.gated_delta_rule(q, k, v, g, beta, state, meta, slots)
     # fp32 inputs: exact fp32 products (the tf32x3 tensor-core split gave the mixed-batch test's outputs at 0.9
     # relative error on an H200, Triton 3.6, where the interpreter's exact dots passed); 16-bit inputs: tf32 for
     # the fp32 normalized keys' Gram matrix, the operands' own precision elsewhere

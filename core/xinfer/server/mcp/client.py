@@ -1,0 +1,195 @@
+"""Connections to MCP stdio servers through the official SDK.
+
+Each server is one subprocess whose session lives in its own task (the SDK's context
+managers are entered and left in one task), started when the HTTP server starts and again
+after it failed. Every wait on a server (starting, listing, calling) is bounded by
+``--mcp-timeout``: a server that crashes or hangs fails the requests that use it, with an
+error naming it, and no other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
+from mcp.types import CONNECTION_CLOSED, TextContent, Tool
+
+from xinfer.server.mcp.config import ServerSpec
+
+log = logging.getLogger("xinfer.mcp")
+
+STOP_GRACE_S = 5.0  # how long a closing session may take to end its subprocess
+
+
+class MCPUnavailable(Exception):
+    """A server could not be used: it failed to start, crashed, or did not answer in time."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    is_error: bool = False
+
+
+class MCPServer:
+    def __init__(self, spec: ServerSpec, timeout: float):
+        self.spec = spec
+        self.timeout = timeout
+        self.tools: list[Tool] = []
+        self._session: ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def connected(self) -> bool:
+        return self._session is not None and self._task is not None and not self._task.done()
+
+    async def connect(self) -> None:
+        """Starts the server (again, if it failed) and lists its tools; MCPUnavailable if that fails or times out."""
+        async with self._lock:
+            if self.connected:
+                return
+            await self._stop()
+            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._closing = asyncio.Event()
+            self._task = asyncio.create_task(self._run(ready), name=f"mcp-{self.name}")
+            try:
+                await asyncio.wait_for(asyncio.shield(ready), self.timeout)
+            except asyncio.TimeoutError:
+                await self._stop()
+                raise MCPUnavailable(
+                    f"MCP server {self.name!r} did not start within {self.timeout:g} s (--mcp-timeout)", timed_out=True
+                ) from None
+            except Exception as error:  # noqa: BLE001 - whatever the SDK or the subprocess raised, named
+                await self._stop()
+                raise MCPUnavailable(f"MCP server {self.name!r} failed to start: {describe(error)}") from None
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Runs ``tool``; its own errors (``isError``, a JSON-RPC error) are a result the model reads,
+        a server that crashes or hangs is MCPUnavailable (and restarted by the next request)."""
+        await self.connect()
+        session = self._session
+        assert session is not None
+        try:
+            result = await asyncio.wait_for(session.call_tool(tool, arguments), self.timeout)
+        except asyncio.TimeoutError:
+            await self.reset()
+            raise MCPUnavailable(
+                f"MCP server {self.name!r} did not answer the call of {tool!r} within {self.timeout:g} s "
+                "(--mcp-timeout)",
+                timed_out=True,
+            ) from None
+        except MCPError as error:
+            if error.code != CONNECTION_CLOSED:  # the server answered: the call itself failed
+                return ToolResult(f"Error: {error.message}", is_error=True)
+            await self.reset()
+            raise MCPUnavailable(f"MCP server {self.name!r} closed the connection while calling {tool!r}") from None
+        except Exception as error:  # noqa: BLE001 - a broken connection, however the SDK reports it
+            await self.reset()
+            raise MCPUnavailable(f"MCP server {self.name!r} failed while calling {tool!r}: {describe(error)}") from None
+        texts = [block.text for block in result.content if isinstance(block, TextContent)]
+        return ToolResult("\n".join(texts), bool(result.is_error))
+
+    async def reset(self, graceful: bool = False) -> None:
+        async with self._lock:
+            await self._stop(graceful)
+
+    async def _run(self, ready: asyncio.Future[None]) -> None:
+        spec = self.spec
+        params = StdioServerParameters(command=spec.command, args=spec.args, env=spec.env)
+        try:
+            async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+                await session.initialize()
+                self.tools = list((await session.list_tools()).tools)
+                self._session = session
+                log.info(
+                    "MCP server %r: %d tools (%s)", self.name, len(self.tools), ", ".join(t.name for t in self.tools)
+                )
+                ready.set_result(None)
+                await self._closing.wait()
+        except Exception as error:  # noqa: BLE001 - reported to the waiting request, or logged
+            if not ready.done():
+                ready.set_exception(error)
+            else:
+                log.warning("MCP server %r stopped: %s", self.name, describe(error))
+        finally:
+            self._session = None
+
+    async def _stop(self, graceful: bool = False) -> None:
+        """Ends the session's task, which ends the subprocess: ``graceful``, by closing the session
+        (cancelled if that takes too long); else (a server that failed) by cancelling it now."""
+        task, self._task, self._session = self._task, None, None
+        if task is None or task.done():
+            return
+        self._closing.set()
+        if graceful:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), STOP_GRACE_S)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+class MCPHub:
+    """The configured servers and their tools, by tool name (a name two servers share: the first's)."""
+
+    def __init__(self, specs: list[ServerSpec], timeout: float):
+        self.servers = {spec.name: MCPServer(spec, timeout) for spec in specs}
+
+    async def start(self) -> None:
+        """Connects every server; failures are logged (a request that needs the server tries again)."""
+        outcomes = await asyncio.gather(*(s.connect() for s in self.servers.values()), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                log.warning("%s", outcome)
+
+    def check_names(self, names: list[str] | None) -> list[MCPServer]:
+        """The servers a request names (None: all); ValueError for a name not configured."""
+        if names is None:
+            return list(self.servers.values())
+        unknown = [name for name in names if name not in self.servers]
+        if unknown:
+            raise ValueError(f"no MCP server named {unknown[0]!r}; this server has: {', '.join(self.servers)}")
+        return [self.servers[name] for name in dict.fromkeys(names)]
+
+    async def tools(self, servers: list[MCPServer]) -> dict[str, tuple[MCPServer, Tool]]:
+        """The tools of ``servers`` by name, each server connected (MCPUnavailable if one cannot be)."""
+        await asyncio.gather(*(server.connect() for server in servers))
+        found: dict[str, tuple[MCPServer, Tool]] = {}
+        for server in servers:
+            for tool in server.tools:
+                found.setdefault(tool.name, (server, tool))
+        return found
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.reset(graceful=True) for s in self.servers.values()), return_exceptions=True)
+
+
+def function_tool(tool: Tool) -> dict[str, Any]:
+    """An MCP tool as an OpenAI function tool (what chat templates read)."""
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+    if tool.description:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def describe(error: BaseException) -> str:
+    """An error in one line, the innermost of an exception group (the SDK's task groups wrap them)."""
+    while getattr(error, "exceptions", None):  # an exception group (Python 3.10: the backport's)
+        error = error.exceptions[0]  # type: ignore[attr-defined]
+    text = str(error) or type(error).__name__
+    return text.splitlines()[0] if text.strip() else type(error).__name__

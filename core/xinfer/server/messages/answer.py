@@ -1,0 +1,188 @@
+"""The answer to a Messages request: one message, or Anthropic's event stream
+(``message_start``, per content block ``content_block_start`` / ``content_block_delta`` /
+``content_block_stop``, a ``ping`` after the first block opens, ``message_delta`` with the stop
+reason and usage, ``message_stop``; ``error`` if the engine fails mid-way)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from xinfer.engine.async_engine import EngineUnavailable, RequestHandle
+from xinfer.engine.output import CompletionOutput
+from xinfer.server.chat_run import ChatPrompt
+from xinfer.server.disconnect import unless_disconnected
+from xinfer.server.errors import anthropic_error_body
+from xinfer.server.messages.calls import Call, read_calls
+from xinfer.server.messages.responses import (
+    ContentBlock,
+    MessageResponse,
+    TextBlock,
+    ThinkingBlock,
+    ToolUseBlock,
+    Usage,
+    message_id,
+    sse,
+    usage,
+)
+from xinfer.server.serving import Serving
+from xinfer.server.streaming import EngineStreamResponse
+from xinfer.text.reasoning import ReasoningStream, split
+
+# a block's empty start, and the delta type that extends it, by block type
+BLOCK_STARTS: dict[str, dict[str, Any]] = {"text": {"type": "text", "text": ""},
+                                           "thinking": {"type": "thinking", "thinking": "", "signature": ""}}  # fmt: skip
+DELTAS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking")}
+
+
+def stop_reason(output: CompletionOutput, stop_sequences: list[str]) -> tuple[str | None, str | None]:
+    """(Anthropic's stop reason, the stop sequence that ended the output) of a finished output."""
+    if output.finish_reason == "length":
+        return "max_tokens", None
+    if output.finish_reason == "stop":
+        if isinstance(output.stop_reason, str) and output.stop_reason in stop_sequences:
+            return "stop_sequence", output.stop_reason
+        return "end_turn", None
+    return output.finish_reason, None  # "abort": the server shut down before the answer ended
+
+
+class MessageAnswer:
+    def __init__(self, serving: Serving, handle: RequestHandle, prompt: ChatPrompt, stop_sequences: list[str]):
+        self.serving, self.handle, self.prompt = serving, handle, prompt
+        self.stop_sequences = stop_sequences
+        self.id = message_id()
+
+    def usage(self) -> Usage:
+        handle = self.handle
+        return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens)
+
+    def message(self, content: list[ContentBlock], output: CompletionOutput | None) -> MessageResponse:
+        reason, sequence = stop_reason(output, self.stop_sequences) if output is not None else (None, None)
+        if reason == "end_turn" and any(isinstance(block, ToolUseBlock) for block in content):
+            reason = "tool_use"
+        return MessageResponse(id=self.id, model=self.serving.model_name, content=content, stop_reason=reason,
+                               stop_sequence=sequence, usage=self.usage())  # fmt: skip
+
+    @staticmethod
+    def read(prompt: ChatPrompt, output: CompletionOutput) -> tuple[list[ContentBlock], list[Call]]:
+        """A finished output's blocks (thinking, text, tool calls) and its tool calls."""
+        tags, text = prompt.tags, prompt.answer_text(output.text)
+        reasoning, text = split(text, tags, prompt.inside) if tags else (None, text)
+        text, calls = read_calls(prompt, text)
+        content: list[ContentBlock] = [ThinkingBlock(thinking=reasoning)] if reasoning is not None else []
+        if text or not (content or calls):
+            content.append(TextBlock(text=text))
+        content += [ToolUseBlock(id=call.id, name=call.name, input=call.input) for call in calls]
+        return content, calls
+
+    async def respond(self, request: Request, stream: bool) -> Response:
+        engine = self.serving.engine
+        if stream:
+            return EngineStreamResponse(self.events(), engine, self.handle)
+        try:
+            [output] = await unless_disconnected(request, engine.collect(self.handle))
+            return JSONResponse(self.message(self.read(self.prompt, output)[0], output).model_dump())
+        finally:
+            engine.release(self.handle)
+
+    async def events(self) -> AsyncIterator[str]:
+        if self.prompt.tool_parser is not None:  # calls are read from the whole answer, then streamed as blocks
+            [output] = await self.serving.engine.collect(self.handle)
+            for event in message_events(self.message(*self.read(self.prompt, output)[:1], output)):
+                yield event
+            return
+        start = self.message([], None).model_dump()
+        yield sse("message_start", {"type": "message_start", "message": start})
+        blocks = BlockStream()
+        tags = self.prompt.tags
+        split_stream = ReasoningStream(tags, self.prompt.inside) if tags else None
+        last: CompletionOutput | None = None
+        try:
+            async for _, out in self.serving.engine.stream(self.handle):
+                reasoning, text = "", out.text
+                if split_stream is not None:
+                    reasoning, text = split_stream.push(out.text)
+                    if out.finished:
+                        more_reasoning, more_text = split_stream.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                for event in (*blocks.write("thinking", reasoning), *blocks.write("text", text)):
+                    yield event
+                last = out if out.finished else last
+        except EngineUnavailable as error:
+            yield sse("error", anthropic_error_body(503, str(error)))
+            return
+        for event in blocks.finish():
+            yield event
+        reason, sequence = stop_reason(last, self.stop_sequences) if last is not None else (None, None)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage().model_dump()})
+        yield sse("message_stop", {"type": "message_stop"})
+
+
+class BlockStream:
+    """Content blocks as events: a block opens with its first text and closes when a block of another kind
+    starts or the message ends; a message without any gets one empty text block."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def write(self, kind: str, text: str) -> list[str]:
+        if not text:
+            return []
+        events = self.open(kind) if kind != self.kind else []
+        delta_type, field = DELTAS[kind]
+        delta = {"type": delta_type, field: text}
+        return [
+            *events,
+            sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}),
+        ]
+
+    def open(self, kind: str, block: dict[str, Any] | None = None) -> list[str]:
+        events = self.close()
+        self.index, self.kind = self.index + 1, kind
+        start = {"type": "content_block_start", "index": self.index, "content_block": block or BLOCK_STARTS[kind]}
+        events.append(sse("content_block_start", start))
+        if self.index == 0:
+            events.append(sse("ping", {"type": "ping"}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def finish(self) -> list[str]:
+        return (self.open("text") if self.index < 0 else []) + self.close()
+
+
+def message_events(message: MessageResponse) -> list[str]:
+    """A whole message as Anthropic's event stream: each block in one delta (a tool call's input as JSON)."""
+    start = message.model_copy(update={"content": [], "stop_reason": None, "stop_sequence": None})
+    events = [sse("message_start", {"type": "message_start", "message": start.model_dump()})]
+    for index, block in enumerate(message.content):
+        whole = block.model_dump()
+        if isinstance(block, TextBlock | ThinkingBlock):
+            kind, (delta_type, field) = block.type, DELTAS[block.type]
+            empty, delta = BLOCK_STARTS[kind], {"type": delta_type, field: whole[field]}
+        elif isinstance(block, ToolUseBlock):
+            empty, delta = whole | {"input": {}}, {"type": "input_json_delta", "partial_json": json.dumps(block.input)}
+        else:  # an MCP call or result the server ran: whole in its start
+            empty, delta = whole, None
+        events.append(
+            sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": empty})
+        )
+        if index == 0:
+            events.append(sse("ping", {"type": "ping"}))
+        if delta is not None:
+            events.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+        events.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+    end = {"stop_reason": message.stop_reason, "stop_sequence": message.stop_sequence}
+    events.append(sse("message_delta", {"type": "message_delta", "delta": end, "usage": message.usage.model_dump()}))
+    events.append(sse("message_stop", {"type": "message_stop"}))
+    return events

@@ -1,0 +1,161 @@
+"""A Messages request as the chat request the engine runs: OpenAI's message shapes are
+what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` results).
+
+- ``system`` (a string or text blocks) becomes the first, system message;
+- a user turn's ``tool_result`` blocks become ``tool`` messages, in order, before its other content;
+- an assistant turn's ``tool_use`` blocks become its ``tool_calls``, its ``thinking`` its ``reasoning_content``;
+- ``image`` blocks become ``image_url`` parts (data URLs), refused where the model takes text only;
+- ``tools`` become function tools, ``tool_choice`` OpenAI's (``any``: required, ``tool``: that function);
+- ``thinking: {"type": "disabled"}`` asks the template not to think (``enable_thinking=false``);
+- ``output_config.format`` (a JSON schema) is a strict ``json_schema`` response format (structured outputs).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from xinfer.server.errors import bad_request, from_validation
+from xinfer.server.messages.protocol import Block, CountTokensRequest, Message, MessagesRequest, Tool, ToolChoice
+from xinfer.server.protocol import ChatCompletionRequest
+
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def chat_request(body: CountTokensRequest, extra_tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat request that ``body`` asks for (a count_tokens body: its prompt only);
+    ``extra_tools`` (OpenAI's shape) are offered beside the request's own."""
+    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    tools = [*(function_tool(tool, i) for i, tool in enumerate(body.tools or [])), *(extra_tools or [])]
+    if tools:
+        fields["tools"] = tools
+    if body.tool_choice is not None:
+        fields["tool_choice"] = tool_choice(body.tool_choice)
+        if body.tool_choice.disable_parallel_tool_use is not None:
+            fields["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
+    if body.thinking is not None and body.thinking.type == "disabled":
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
+    if isinstance(body, MessagesRequest):
+        fields |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "stream": body.stream}
+        fields |= {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+        output_format = body.output_config.format if body.output_config is not None else None
+        if output_format is not None:
+            schema = {"name": "output", "schema": output_format.json_schema, "strict": True}
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+    try:
+        # through JSON, so that the chat body is checked exactly as one sent over HTTP
+        return ChatCompletionRequest.model_validate_json(json.dumps(fields))
+    except ValidationError as error:
+        raise from_validation(error) from None
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    messages = []
+    if body.system:
+        messages.append({"role": "system", "content": block_text(body.system, "system")})
+    for i, message in enumerate(body.messages):
+        messages += turn(message, f"messages.{i}.content")
+    return messages
+
+
+def turn(message: Message, param: str) -> list[dict[str, Any]]:
+    """The chat messages of one Anthropic turn."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    results: list[dict[str, Any]] = []  # tool messages
+    parts: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(message.content):
+        where = f"{param}.{j}"
+        allowed = USER_BLOCKS if message.role == "user" else ASSISTANT_BLOCKS
+        if block.type not in allowed:
+            raise bad_request(f"a {message.role} turn cannot hold a content block of type {block.type!r}", param=where)
+        if block.type == "text":
+            parts.append({"type": "text", "text": required(block.text, where, "text")})
+        elif block.type == "image":
+            parts.append(image_part(block, where))
+        elif block.type == "tool_result":
+            content = block_text(block.content or "", f"{where}.content")
+            if block.is_error:
+                content = f"Error: {content}"
+            results.append({"role": "tool", "tool_call_id": required(block.tool_use_id, where, "tool_use_id"),
+                            "content": content})  # fmt: skip
+        elif block.type == "tool_use":
+            arguments = json.dumps(block.input or {}, ensure_ascii=False)
+            calls.append({"id": required(block.id, where, "id"), "type": "function",
+                          "function": {"name": required(block.name, where, "name"), "arguments": arguments}})  # fmt: skip
+        elif block.type == "thinking" and block.thinking:
+            reasoning.append(block.thinking)
+    messages = results
+    if parts or calls or reasoning or not results:
+        chat: dict[str, Any] = {"role": message.role, "content": joined(parts)}
+        if calls:
+            chat["tool_calls"] = calls
+        if reasoning:
+            chat["reasoning_content"] = "\n".join(reasoning)
+        messages.append(chat)
+    return messages
+
+
+USER_BLOCKS = frozenset({"text", "image", "tool_result"})
+ASSISTANT_BLOCKS = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
+
+
+def joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts as one string (none: "", which every template renders, where some read no missing
+    content); parts with an image kept as parts."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def block_text(content: str | list[Block], param: str) -> str:
+    """The text of a string or of text blocks (a system prompt, a tool result)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, block in enumerate(content):
+        if block.type != "text":
+            raise bad_request(f"only text blocks are supported here, not {block.type!r}", param=f"{param}.{j}")
+        texts.append(required(block.text, f"{param}.{j}", "text"))
+    return "\n".join(texts)
+
+
+def image_part(block: Block, param: str) -> dict[str, Any]:
+    source = block.source
+    if source is None:
+        raise bad_request("an image block needs a source", param=param)
+    if source.type == "base64" and source.data and source.media_type:
+        url = f"data:{source.media_type};base64,{source.data}"
+    elif source.type == "url" and source.url:
+        url = source.url
+    else:
+        raise bad_request("an image source is {type: base64, media_type, data} or {type: url, url}", param=param)
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def function_tool(tool: Tool, index: int) -> dict[str, Any]:
+    if tool.type not in (None, "custom"):
+        raise bad_request(f"tool {tool.name!r} is a server tool ({tool.type}), which this server does not run",
+                          param=f"tools.{index}")  # fmt: skip
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+    if tool.description:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    if choice.type == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice of type tool needs the tool's name", param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return TOOL_CHOICES[choice.type]
+
+
+def required(value: str | None, param: str, name: str) -> str:
+    if value is None:
+        raise bad_request(f"the block needs {name}", param=param)
+    return value

@@ -1,0 +1,96 @@
+"""Request bodies of Anthropic's Messages API.
+
+Parsed as the OpenAI bodies are (strict JSON, unknown fields ignored). Content blocks
+keep the fields the server reads; a block of a type it cannot use is refused when the
+request is translated (:mod:`xinfer.server.messages.convert`), naming the block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+class ImageSource(_Body):
+    type: str | None = None  # checked where it is read (an image's), as other blocks have other sources
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class Block(_Body):
+    """One content block: ``text``, ``image``, ``tool_use``, ``tool_result``, ``thinking``, ..."""
+
+    type: str
+    text: str | None = None
+    source: ImageSource | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None  # thinking
+    signature: str | None = None
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or absent; Anthropic's server tools (web_search_..., bash_...) are refused
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Body):
+    type: str  # "enabled", "adaptive", "between_tools": the model thinks as its template lets it; "disabled"
+    budget_tokens: int | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    effort: str | None = None  # Anthropic's effort levels; not read (a local model's thinking has no budget)
+    format: OutputFormat | None = None  # structured outputs: the answer follows this JSON schema
+
+
+class CountTokensRequest(_Body):
+    """What ``/v1/messages/count_tokens`` reads: the prompt's parts."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    # xinfer's extra: offer the tools of the --mcp-* servers (true: all of them; a list: those named)
+    mcp: bool | list[str] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None  # checked as the chat request's stop strings
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None

@@ -1,0 +1,57 @@
+"""An MCP stdio server for the tests, written with the official SDK's server side.
+
+``python tests/server/mcp_server.py MODE``: ``tools`` serves the tools below; ``silent`` never
+answers (a server that hangs from the start); ``exit`` dies before answering.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+server = MCPServer("xinfer-test-tools")
+
+
+@server.tool()
+def add(a: int, b: int) -> str:
+    """Adds two integers."""
+    return str(a + b)
+
+
+@server.tool()
+def shout(text: str) -> str:
+    """The text in capitals."""
+    return text.upper()
+
+
+@server.tool()
+def refuse(reason: str) -> str:
+    """Always fails, with the reason given."""
+    raise ToolError(f"refused: {reason}")
+
+
+@server.tool()
+def crash() -> str:
+    """Kills this server mid-call."""
+    os._exit(3)
+
+
+@server.tool()
+def hang() -> str:
+    """Never returns."""
+    while True:
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "tools"
+    if mode == "silent":
+        while True:
+            time.sleep(60)
+    elif mode == "exit":
+        sys.exit(2)
+    server.run("stdio")

@@ -1,0 +1,185 @@
+"""MCP servers through the official SDK: an MCP stdio server written in the tests with the
+SDK's server side (tests/server/mcp_server.py), exercised through xinfer's connections (tools,
+a tool's own error, a crash mid-call, a hang mid-call, one that never answers, one that exits)
+and end to end through a live server with the official anthropic client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from tests.server.live import REPO, LiveServer
+from xinfer.server.mcp.client import MCPHub, MCPUnavailable
+from xinfer.server.mcp.config import ServerSpec, read_config, server_specs
+
+SERVER = str(Path(__file__).with_name("mcp_server.py"))
+TIMEOUT_S = 8.0  # a Python MCP server starts in a few seconds on a busy 2-core machine
+
+
+def spec(name: str, mode: str = "tools") -> ServerSpec:
+    return ServerSpec(name, sys.executable, [SERVER, mode])
+
+
+def test_servers_from_the_flags_and_claude_desktops_config(tmp_path):
+    config = tmp_path / "mcp.json"
+    servers = {"calc": {"command": "python3", "args": ["calc.py"], "env": {"X": "1"}}, "fs": {"command": "fs"}}
+    config.write_text(json.dumps({"mcpServers": servers}))
+    specs = server_specs("node", "server.js --port 'a b'", str(config))
+    assert specs == [
+        ServerSpec("calc", "python3", ["calc.py"], {"X": "1"}),
+        ServerSpec("fs", "fs", []),
+        ServerSpec("mcp", "node", ["server.js", "--port", "a b"]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (None, "cannot be read"),
+        ("{not json", "not valid JSON"),
+        ('{"servers": {}}', "mcpServers"),
+        ('{"mcpServers": {"web": {"url": "http://x"}}}', "only stdio servers"),
+        ('{"mcpServers": {"a": {"command": "x", "args": "y"}}}', "args must be a list"),
+        ('{"mcpServers": {"a": {"command": "x", "env": {"K": 1}}}}', "env must map"),
+    ],
+)
+def test_a_bad_config_is_one_line_naming_the_problem(tmp_path, content, named):
+    path = tmp_path / "mcp.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=named):
+        read_config(path)
+    code = "import sys; from xinfer.cli import main; sys.exit(main())"
+    result = subprocess.run([sys.executable, "-c", code, "--mcp-config", str(path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and named in lines[0], result.stderr
+
+
+def test_calls_crashes_and_hangs():
+    async def scenario():
+        hub = MCPHub([spec("tools")], TIMEOUT_S)
+        server = hub.servers["tools"]
+        try:
+            tools = await hub.tools(hub.check_names(None))
+            assert set(tools) == {"add", "shout", "refuse", "crash", "hang"}
+            assert tools["add"][1].input_schema["required"] == ["a", "b"]
+            assert (await server.call("add", {"a": 2, "b": 3})).text == "5"
+            refused = await server.call("refuse", {"reason": "no"})
+            assert refused.is_error and "refused: no" in refused.text
+            with pytest.raises(MCPUnavailable, match="closed the connection while calling 'crash'") as crashed:
+                await server.call("crash", {})
+            assert not crashed.value.timed_out
+            assert (await server.call("shout", {"text": "back"})).text == "BACK"  # restarted
+            started = time.monotonic()
+            with pytest.raises(MCPUnavailable, match=r"did not answer the call of 'hang' within 8 s") as hung:
+                await server.call("hang", {})
+            assert hung.value.timed_out and time.monotonic() - started < TIMEOUT_S + 10
+            assert (await server.call("add", {"a": 1, "b": 1})).text == "2"
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_servers_that_never_answer_or_exit():
+    async def scenario():
+        hub = MCPHub([spec("silent", "silent"), spec("gone", "exit")], TIMEOUT_S)
+        try:
+            with pytest.raises(MCPUnavailable, match="'silent' did not start within 8 s") as silent:
+                await hub.servers["silent"].connect()
+            assert silent.value.timed_out
+            with pytest.raises(MCPUnavailable, match="'gone' failed to start") as gone:
+                await hub.servers["gone"].connect()
+            assert not gone.value.timed_out
+            with pytest.raises(ValueError, match="no MCP server named 'other'"):
+                hub.check_names(["other"])
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def mcp_server(tmp_path_factory):
+    config = tmp_path_factory.mktemp("mcp") / "mcp.json"
+    servers = {"tools": {"command": sys.executable, "args": [SERVER]},
+               "silent": {"command": sys.executable, "args": [SERVER, "silent"]}}  # fmt: skip
+    config.write_text(json.dumps({"mcpServers": servers}))
+    live = LiveServer("--max-model-len", "1024", "--mcp-config", str(config), "--mcp-timeout", str(TIMEOUT_S),
+                      name="mcp-server").start()  # fmt: skip
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def mcp_claude(mcp_server):
+    return anthropic.Anthropic(base_url=mcp_server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def mcp_model(mcp_server):
+    return mcp_server.client().models.list().data[0].id
+
+
+TURNS = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_a_hanging_server_is_a_504_and_blocks_no_one(mcp_claude, mcp_model):
+    def silent():
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            mcp_claude.messages.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["silent"]})
+        return caught.value, time.monotonic()
+
+    with ThreadPoolExecutor(2) as pool:
+        failing = pool.submit(silent)
+        time.sleep(0.5)
+        plain = mcp_claude.messages.create(model=mcp_model, max_tokens=4, messages=TURNS)
+        plain_done = time.monotonic()
+        error, failed_at = failing.result()
+    assert plain.content[0].text and plain_done < failed_at  # answered while the other request waited
+    assert error.status_code == 504 and error.body["type"] == "error"
+    assert "'silent' did not start within 8 s" in error.body["error"]["message"]
+
+
+def test_requests_name_configured_servers(mcp_claude, mcp_model, claude):
+    with pytest.raises(anthropic.BadRequestError, match="no MCP server named 'nope'"):
+        mcp_claude.messages.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["nope"]})
+    with pytest.raises(anthropic.BadRequestError, match="no MCP servers"):
+        claude.messages.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": True})
+    counted = mcp_claude.messages.count_tokens(model=mcp_model, messages=TURNS, extra_body={"mcp": ["tools"]})
+    assert counted.input_tokens > 0
+    # a model without a tool parser answers in text: one round, nothing called
+    answer = mcp_claude.messages.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["tools"]})
+    assert [block.type for block in answer.content] == ["text"]
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    from tests.server.conftest import API_KEY
+
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_an_mcp_call_is_run_and_its_result_fed_back(mcp_claude, mcp_model):
+    """The call is forced (a grammar holds the model to it) in the first round only; the server runs it
+    on the MCP server and the model answers after reading the result."""
+    answer = mcp_claude.messages.create(
+        model=mcp_model, max_tokens=40, messages=TURNS, tool_choice={"type": "tool", "name": "add"},
+        extra_body={"mcp": ["tools"], "temperature": 0},
+    )  # fmt: skip
+    kinds = [block.type for block in answer.content]
+    assert kinds[:2] == ["mcp_tool_use", "mcp_tool_result"], answer
+    use, result = answer.content[0], answer.content[1]
+    assert use.name == "add" and use.server_name == "tools" and set(use.input) == {"a", "b"}
+    assert result.tool_use_id == use.id and not result.is_error
+    assert result.content[0]["text"] == str(use.input["a"] + use.input["b"])
+    assert kinds[-1] == "text" and answer.stop_reason in ("end_turn", "max_tokens")

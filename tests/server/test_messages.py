@@ -1,0 +1,261 @@
+"""Anthropic's Messages API through the official ``anthropic`` client against live servers:
+the embedded SmolLM2 behind an API key (the shared fixture) and the tiny random model whose
+template reasons. Answers are checked against the same conversation sent through
+``/v1/chat/completions`` with the official ``openai`` client (greedy, so they must agree),
+event streams against Anthropic's documented order."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.server.conftest import API_KEY
+
+GREEDY = {"temperature": 0}  # anthropic 2.x has no temperature argument: it goes as an extra field
+SYSTEM = "You answer in one short sentence."
+TURNS = [
+    {"role": "user", "content": "Name a fruit."},
+    {"role": "assistant", "content": "An apple."},
+    {"role": "user", "content": "Name another one."},
+]
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def openai_answer(client, model, messages, max_tokens, **kwargs):
+    return client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kwargs
+    ).choices[0]
+
+
+def test_text_with_system_and_turns_is_the_chat_completion(claude, client, model):
+    message = claude.messages.create(
+        model=model, max_tokens=24, system=SYSTEM, messages=TURNS, extra_body=GREEDY
+    )  # fmt: skip
+    expected = openai_answer(client, model, [{"role": "system", "content": SYSTEM}, *TURNS], 24)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == expected.message.content
+    assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.finish_reason]
+    assert message.stop_sequence is None
+    assert message.usage.output_tokens == (24 if message.stop_reason == "max_tokens" else message.usage.output_tokens)
+
+
+def test_system_as_blocks_and_content_as_blocks(claude, model):
+    as_text = claude.messages.create(model=model, max_tokens=12, system=SYSTEM, messages=TURNS, extra_body=GREEDY)
+    blocks = claude.messages.create(
+        model=model, max_tokens=12, system=[{"type": "text", "text": SYSTEM}],
+        messages=[{"role": t["role"], "content": [{"type": "text", "text": t["content"]}]} for t in TURNS],
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert blocks.content[0].text == as_text.content[0].text
+
+
+def test_max_tokens_and_usage(claude, client, model):
+    message = claude.messages.create(
+        model=model, max_tokens=5, messages=[{"role": "user", "content": "Write a long story."}], extra_body=GREEDY
+    )
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5
+    counted = claude.messages.count_tokens(model=model, messages=[{"role": "user", "content": "Write a long story."}])
+    # prompt tokens found in the prefix cache are counted apart, as Anthropic counts them
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == counted.input_tokens
+
+
+def test_count_tokens_is_the_chat_prompt(claude, client, model):
+    counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=TURNS)
+    usage = client.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": SYSTEM}, *TURNS], max_tokens=1
+    ).usage
+    assert counted.input_tokens == usage.prompt_tokens
+    assert claude.messages.count_tokens(model=model, messages=TURNS).input_tokens != counted.input_tokens
+
+
+def test_stop_sequences(claude, model):
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    free = claude.messages.create(model=model, max_tokens=30, messages=messages, extra_body=GREEDY).content[0].text
+    words = free.split()
+    assert len(words) >= 3, free
+    stop = words[2]
+    cut = claude.messages.create(
+        model=model, max_tokens=30, messages=messages, stop_sequences=[stop], extra_body=GREEDY
+    )  # fmt: skip
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == free[: free.index(stop)]
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[len("data: ") :])))
+    return events
+
+
+def test_streaming_events_in_order(server, claude, model):
+    body = {"model": model, "max_tokens": 16, "messages": TURNS, "stream": True, **GREEDY}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    names = [name for name, _ in events]
+    assert all(name == data["type"] for name, data in events)  # the event line names the data's type
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
+    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    deltas = [data["delta"] for _, data in events[3:-3]]
+    assert all(d["type"] == "text_delta" for d in deltas)
+    final = events[-2][1]
+    whole = claude.messages.create(model=model, max_tokens=16, messages=TURNS, extra_body=GREEDY)
+    assert "".join(d["text"] for d in deltas) == whole.content[0].text
+    assert final["delta"]["stop_reason"] == whole.stop_reason
+    assert final["usage"]["output_tokens"] == whole.usage.output_tokens
+
+
+def test_streaming_through_the_client(claude, model):
+    whole = claude.messages.create(model=model, max_tokens=16, system=SYSTEM, messages=TURNS, extra_body=GREEDY)
+    with claude.messages.stream(
+        model=model, max_tokens=16, system=SYSTEM, messages=TURNS, extra_body=GREEDY
+    ) as stream:  # fmt: skip
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_structured_output_format(claude, model):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}  # fmt: skip
+    message = claude.messages.create(
+        model=model, max_tokens=40, messages=[{"role": "user", "content": "The capital of France, as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY,
+    )  # fmt: skip
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_x_api_key_and_bearer_are_both_accepted(server, model):
+    bearer = anthropic.Anthropic(base_url=server.url, auth_token=API_KEY, max_retries=0, timeout=120)
+    assert bearer.messages.count_tokens(model=model, messages=TURNS).input_tokens > 0
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model=model, max_tokens=2, messages=TURNS)
+    body = caught.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    assert "x-api-key" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "system", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "text only",
+        ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
+        ({"stop_sequences": [""]}, "stop strings"),
+        ({"temperature": 1.5}, "temperature"),
+    ],
+)
+def test_bad_requests_are_400_in_anthropic_shape(server, claude, model, change, named):
+    body = {"model": model, "max_tokens": 4, "messages": TURNS} | change
+    body = {k: v for k, v in body.items() if v is not None}
+    response = server.post("/v1/messages", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert named in error["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):  # extra_body's fields replace the client's
+        claude.messages.create(model=model, max_tokens=4, messages=TURNS, extra_body=change)
+
+
+def test_unknown_model_and_route_errors(server, claude):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.create(model="claude-nonexistent", max_tokens=2, messages=TURNS)
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    response = server.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    # the OpenAI routes keep OpenAI's shape
+    assert "param" in server.post("/v1/chat/completions", json={"messages": []}).json()["error"]
+
+
+def test_tool_use_and_tool_result_turns_are_accepted(claude, model):
+    tools = [{"name": "weather", "description": "The weather in a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]  # fmt: skip
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]},
+    ]
+    message = claude.messages.create(model=model, max_tokens=8, tools=tools, messages=turns, extra_body=GREEDY)
+    assert message.content[0].type == "text" and message.usage.output_tokens > 0
+
+
+def test_thinking_blocks(tiny):
+    model = tiny.client().models.list().data[0].id
+    claude = anthropic.Anthropic(base_url=tiny.url, api_key="unused", max_retries=0, timeout=300)
+    turns = [{"role": "user", "content": "Think about the sea."}]
+    whole = claude.messages.create(model=model, max_tokens=10, messages=turns, extra_body=GREEDY)
+    # the template opened the block and the random model never closes it: all of it is thinking
+    assert [block.type for block in whole.content] == ["thinking"] and whole.content[0].thinking
+    with claude.messages.stream(model=model, max_tokens=10, messages=turns, extra_body=GREEDY) as stream:
+        kinds = [event.delta.type for event in stream if event.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert set(kinds) == {"thinking_delta"} and final.content[0].thinking == whole.content[0].thinking
+    off = claude.messages.create(
+        model=model, max_tokens=10, messages=turns, thinking={"type": "disabled"}, extra_body=GREEDY
+    )  # fmt: skip
+    assert [block.type for block in off.content] == ["text"]
+
+
+WEATHER = {"name": "weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": False}}  # fmt: skip
+
+
+def test_a_forced_tool_is_a_tool_use_block(claude, model):
+    turns = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "tool", "name": "weather"}
+    message = claude.messages.create(
+        model=model, max_tokens=40, tools=[WEATHER], tool_choice=choice, messages=turns, extra_body=GREEDY
+    )  # fmt: skip
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and len(uses) == 1, message
+    assert uses[0].name == "weather" and uses[0].id
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    with claude.messages.stream(
+        model=model, max_tokens=40, tools=[WEATHER], tool_choice=choice, messages=turns, extra_body=GREEDY
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    streamed = [block for block in final.content if block.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed] == [("weather", uses[0].input)]
