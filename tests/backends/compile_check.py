@@ -45,11 +45,16 @@ from xinfer_cuda.kernels import (
     moe,
     moe_routing,
     norm,
+    quant_linear,
+    quant_moe,
     rotary,
     sampling,
+    token_bitmask,
 )
+from xinfer_cuda.kernels.gguf_blocks import FORMATS
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
-from xinfer_deepseek.kernels import mla
+from xinfer_cuda.quant_weights import candidates
+from xinfer_deepseek.kernels import indexer, mla, sparse_mla
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
 
 MODULES = (
@@ -65,7 +70,12 @@ MODULES = (
     rotary,
     sampling,
 )
-MODULES += (conv1d, delta_rule, fla_prefill, mla)  # the plugins' kernels: qwen's Gated DeltaNet, deepseek's MLA
+MODULES += (quant_linear, quant_moe, token_bitmask)
+# the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
+# too, and its indexer
+MODULES += (conv1d, delta_rule, fla_prefill, mla, sparse_mla, indexer)
+# GGUF formats whose linear compiles every tile the measurement tries (one of 32-value blocks, one K-quant)
+MEASURED_FORMATS = ("Q8_0", "Q4_K")
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
 # a format of each key code with a recent window: float (fp8), uniform (4 bits), Lloyd-Max (3 bits)
 WINDOW_FORMATS = ("fp8", "turbo4", "turbo3-lm")
@@ -101,7 +111,14 @@ for _module in MODULES:
 
 def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     LAUNCHES.clear()
-    launch.pdl = lambda device: {"PDL": cc >= 90, "launch_pdl": cc >= 90}  # as on such a GPU
+
+    def gpu_pdl(device):  # as on such a GPU
+        return {"PDL": cc >= 90, "launch_pdl": cc >= 90}
+
+    launch.pdl = gpu_pdl
+    for module in MODULES:  # the plugins' kernels import it by name (from kernel_api)
+        if hasattr(module, "pdl"):
+            module.pdl = gpu_pdl
 
     def t(*shape, dt=dtype):
         return torch.randn(*shape).to(dt)
@@ -173,6 +190,25 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         )  # fmt: skip
     rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
     sampling.sample(t(4, 151936), SamplingBatch.of(rows))
+    words = torch.zeros(2, 151936 // 32, dtype=torch.int32)
+    token_bitmask.apply_token_bitmask(t(4, 151936, dt=torch.float32), words, torch.tensor([0, 3], dtype=torch.int32))
+    # GGUF-packed weights (never written), each format's own decoding: the one-row GEMV with whole
+    # tiles and with cut ones (rows past the last tile, a bias), the dot kernel at a small batch's and a
+    # prefill's tiles, dequantization, and the MoE per-slot kernels at Qwen3-30B-A3B's sizes
+    for fmt in FORMATS.values():
+        packed = torch.empty(6144, fmt.row_bytes(4096), dtype=torch.uint8)
+        for tokens in (1, 4, 300):
+            quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name)
+        quant_linear.quant_linear(t(1, 4096), packed[:6142], fmt.name, t(6142))
+        quant_linear.dequantize(packed, fmt.name, 4096, dtype)
+        w13 = torch.empty(128, 2 * 768, fmt.row_bytes(2048), dtype=torch.uint8)
+        w2 = torch.empty(128, 2048, fmt.row_bytes(768), dtype=torch.uint8)
+        to_expert_0 = torch.zeros(1, 8, dtype=torch.int32)
+        quant_moe.fused_moe(t(1, 2048), w13, w2, fmt.name, torch.rand(1, 8), to_expert_0, "silu")
+        if fmt.name in MEASURED_FORMATS:
+            for tokens in (1, 16, 32, 64):
+                for tile in candidates(fmt, tokens):
+                    quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name, None, tile)
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and
     # fp8 rows: the store, decode with and without splits, prefill
     mla_tiles = {fp8: mla.TILES["fma" if cc < 80 or dtype == torch.float32 else "gpu-fp8" if fp8 else "gpu"]
@@ -187,6 +223,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=splits, tiles=mla_tiles[False])
         fp8_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
         mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=splits, tiles=mla_tiles[True])
+        # V3.2's sparse attention over 2048 selected rows of the latent cache, and its indexer (64 heads of 128)
+        selected = torch.zeros(2 * q_len, 2048, dtype=torch.int32)
+        sparse_mla.sparse_mla_attention(*queries, t(4, 64, 576), meta, 0.1, selected)
+        indexer.indexer_topk(
+            t(2 * q_len, 64, 128), t(2 * q_len, 128), t(2 * q_len, 64), t(4, 64, 128), meta, 0.1, 2048
+        )  # fmt: skip
 
     element_size = torch.tensor([], dtype=dtype).element_size()
 
@@ -320,7 +362,7 @@ def _compile(job: tuple[int, int]) -> str:
     forked after :func:`record_launches`, which inherits the launches)."""
     index, cc = job
     fn, call_args, kwargs = LAUNCHES[index]
-    label = f"sm_{cc} {fn.__name__} { {n: kwargs[n] for n in fn.arg_names if n in kwargs} }"
+    label = f"sm_{cc} {fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} { {n: kwargs[n] for n in fn.arg_names if n in kwargs} }"
     try:
         kernel = compile_launch(fn, call_args, kwargs, GPUTarget("cuda", cc, 32))
     except Exception as error:  # noqa: BLE001 - report every failure, not just the first
@@ -342,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         record_launches(dtype, shared_mem.get(cc, 101376), cc)
         unique = {}
         for index, (fn, _, kwargs) in enumerate(LAUNCHES):
-            unique.setdefault((fn.__name__, repr(sorted(kwargs.items()))), index)
+            unique.setdefault((fn, repr(sorted(kwargs.items()))), index)  # (kernels of several modules share names)
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
             for line in pool.imap(_compile, [(index, cc) for index in unique.values()]):
                 failures += line.startswith("FAIL")

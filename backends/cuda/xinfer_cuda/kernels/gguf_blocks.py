@@ -83,9 +83,12 @@ def random_packed(n: int, k: int, fmt: BlockFormat, scale: float = 1e-3, device:
 
 @triton.jit
 def _load(ptr, mask):
+    # (an else, not an early return: Triton's GPU frontend, 3.6 as 3.9, also lowers what follows a return in
+    # a constexpr if, here a load with `other` and no mask, which it rejects; the interpreter stops at the return)
     if mask is None:  # tiles that no row or block end cuts
         return tl.load(ptr)
-    return tl.load(ptr, mask=mask, other=0)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ def _score_kernel(q_ptr, weights_ptr, cache_ptr, scores_ptr, cu_seqlens_q_ptr, s
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq = tl.load(seq_of_token_ptr + tok)
-    q_pos = -1  # padding: no sequence, sees nothing
+    q_pos = tl.full((), -1, tl.int64)  # padding: no sequence, sees nothing (int64, as the sum below: tok is)
     if seq < num_seqs:
         q_pos = tl.load(seq_lens_ptr + seq) - tl.load(cu_seqlens_q_ptr + seq + 1) + tok
     visible = pos <= q_pos
