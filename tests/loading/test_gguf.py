@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Phi3Config, Qwen2Config, Qwen3Config
 
-from tests.loading.gguf_models import MODELS, gguf_path, hf_model
+from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
 from tests.tiny_models import prefill_logits, prompt
-from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.loader import build_model
 from xinfer.quant import QuantizedTensor
+from xinfer.quant.gguf_formats import GGUF_FORMATS
 
 # fields whose value says where a file came from or how it was loaded, not what the model is
 _PROVENANCE = {
@@ -180,12 +180,17 @@ def test_tiny_weights_match_transformers_and_the_originals(tiny_gguf):
     ours = dict(iter_gguf_weights(path, config, checkpoint_names(config)))
     expected = original.state_dict()
     assert set(ours) == set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    for name, tensor in ours.items():
+    for name, packed in ours.items():
+        tensor = packed.dequantize() if isinstance(packed, QuantizedTensor) else packed
+        assert isinstance(packed, QuantizedTensor) == (_storage(name) in PACKED), name
         assert torch.equal(tensor, reference[name]), name
         if _storage(name) == gguf.GGMLQuantizationType.F32:
             assert torch.equal(tensor, expected[name]), name
         else:
             torch.testing.assert_close(tensor, expected[name], atol=2e-2 * expected[name].abs().max(), rtol=0)
+
+
+PACKED = {gguf.GGMLQuantizationType[f.name.upper()] for f in GGUF_FORMATS}
 
 
 # -- dequantization of each block type -------------------------------------------------------
@@ -255,7 +260,7 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     original = AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float()
     path = tmp_path / "tiny.gguf"
     write_gguf(original, "phi3", path)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    llm = reference_llm(path, dtype="float32", num_blocks=64)  # the packed Q8_0 weights dequantized per call
     config = load_gguf_config(path)
     reference = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, config=config, dtype=torch.float32
