@@ -24,6 +24,7 @@ from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
 from xinfer.quant.gguf_formats import GGUF_FORMATS
 from xinfer.torch_ops import TorchOps
+from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
@@ -190,6 +191,30 @@ def test_linear_and_moe_dispatch_to_the_kernels():
         with ops.use(backend):
             out = ops.fused_moe(x, q13, q2, weights, ids, "silu")
         check(out, reference_moe(x, w13, w2, "Q4_0", weights, ids, "silu"), torch.float32)
+
+
+def test_many_rows_multiply_the_dequantized_weight(monkeypatch):
+    """Past MAX_PACKED_ROWS rows (prefill) a linear, and an expert's slots, multiply the weight
+    dequantized for the call: the packed dot kernel is not launched."""
+
+    def no_dot_kernel(*args, **kwargs):
+        raise AssertionError("the packed dot kernel ran for a prefill-sized product")
+
+    monkeypatch.setattr(quant_linear_module, "quant_linear", no_dot_kernel)
+    fmt = get_weight_format("q4_k")
+    packed = random_packed(6, 256, FORMATS["Q4_K"], device=DEVICE)
+    weight, bias = quantized(packed, fmt, (6, 256)), torch.randn(6, device=DEVICE)
+    x = torch.randn(quant_linear_module.MAX_PACKED_ROWS + 3, 256, device=DEVICE)
+    with ops.use(CudaOps()):
+        out = ops.linear(x, weight, bias)
+    check(out, x.cpu() @ reference_weight(packed, "Q4_K").T + bias.cpu(), torch.float32)
+
+    w13, w2 = packed_experts("Q4_K", 2, 256, 256)
+    tokens = quant_linear_module.MAX_PACKED_ROWS + 1  # both experts of every token: each gets them all
+    weights, ids = torch.full((tokens, 2), 0.5, device=DEVICE), torch.tensor([[0, 1]] * tokens, device=DEVICE)
+    x = torch.randn(tokens, 256, device=DEVICE)
+    out = quant_moe.expert_by_expert(x, w13, w2, "Q4_K", weights, ids, CudaOps().silu_and_mul)
+    check(out, reference_moe(x, w13, w2, "Q4_K", weights, ids, "silu"), torch.float32)
 
 
 def test_measured_tiles_take_the_fastest_candidate_once_per_shape():

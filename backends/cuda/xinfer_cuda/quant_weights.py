@@ -2,16 +2,16 @@
 declared for every block format :mod:`xinfer_cuda.kernels.gguf_blocks` decodes
 (``CudaOps.weight_kernels``): the weight's bytes are read as loaded, never repacked.
 
-Linears go to :func:`xinfer_cuda.kernels.quant_linear.quant_linear` (one row: the GEMV;
+Linears go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
 more: the dot kernel). For up to :data:`MEASURED_ROWS` rows (decode steps) the tile is
 measured per (format, weight shape, row count rounded up to a power of two) the first time
 one comes up outside a CUDA graph capture (the step graphs' warm-up runs), as
-:class:`xinfer_cuda.linear.SmallBatchLinear` does for float weights; larger row counts
-(prefill) take the default tiles. Stacked experts go to
+:class:`xinfer_cuda.linear.SmallBatchLinear` does for float weights; past
+them (prefill) the weight is dequantized for the call and multiplied densely. Stacked experts go to
 :func:`xinfer_cuda.kernels.quant_moe.fused_moe`, which reads each chosen expert once per
 slot; past :data:`~xinfer_cuda.kernels.quant_moe.MAX_SLOTS` slots outside a CUDA graph
 capture (prefill) the experts go one by one instead, each expert's slots one dot-kernel
-linear (its weights read once per step).
+linear (its weights read once per step, dequantized past MEASURED_ROWS rows).
 """
 
 from __future__ import annotations
@@ -28,11 +28,19 @@ from xinfer import ops
 from xinfer.quant import QuantizedTensor, WeightKernels
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
-from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, default_dot, default_gemv, quant_linear
+from xinfer_cuda.kernels.quant_linear import (
+    MAX_PACKED_ROWS,
+    QDotConfig,
+    QGemvConfig,
+    default_dot,
+    default_gemv,
+    linear_rows,
+    quant_linear,
+)
 from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies
 
 log = logging.getLogger("xinfer")
-MEASURED_ROWS = 64
+MEASURED_ROWS = MAX_PACKED_ROWS
 Tile = QGemvConfig | QDotConfig
 
 
@@ -103,7 +111,7 @@ class GgufKernels(WeightKernels):
         rows = x.reshape(-1, x.shape[-1])
         fmt = ggml_type(weight)
         tile = self.tiles(rows, weight.raw, fmt, bias) if rows.is_cuda and 0 < rows.shape[0] <= MEASURED_ROWS else None
-        y = quant_linear(rows, weight.raw, fmt, bias, tile)
+        y = linear_rows(rows, weight.raw, fmt, bias, tile)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def fused_moe(

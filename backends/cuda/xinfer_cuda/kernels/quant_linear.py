@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -287,3 +288,17 @@ def dequantize(packed: Tensor, fmt_name: str, k: int, dtype: torch.dtype, block_
         _dequant_kernel[grid](packed, out, n, k, packed.stride(0), out.stride(0), BLOCK_N=block_n, BLOCKS=blocks,
                               num_warps=4, **format_args(fmt), **launch.pdl(packed.device))  # fmt: skip
     return out
+
+
+MAX_PACKED_ROWS = 64  # past this many rows a product is compute-bound: the weight is dequantized for it
+
+
+def linear_rows(
+    x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None = None, config: QGemvConfig | QDotConfig | None = None
+) -> Tensor:
+    """:func:`quant_linear` up to :data:`MAX_PACKED_ROWS` rows; past them (prefill) a dense GEMM on
+    the weight dequantized for the call (on the H200, 512 rows of a 1,024 x 4,096 Q4_K weight:
+    15.8 us against the dot kernel's 408 us; see benchmarks/RESULTS.md)."""
+    if x.shape[0] > MAX_PACKED_ROWS:
+        return F.linear(x, dequantize(packed, fmt_name, x.shape[1], x.dtype), bias)
+    return quant_linear(x, packed, fmt_name, bias, config)

@@ -31,7 +31,7 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.gguf_blocks import BlockFormat
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.moe import ACTIVATIONS, _act
-from xinfer_cuda.kernels.quant_linear import block_format, format_args, quant_linear, row_dots
+from xinfer_cuda.kernels.quant_linear import block_format, format_args, linear_rows, row_dots
 
 MAX_SLOTS = 256  # past that, outside a capture, expert by expert (quant_weights)
 BLOCK_N = 4
@@ -158,14 +158,14 @@ def expert_by_expert(
     topk_ids: Tensor,
     act_and_mul: Callable[[Tensor], Tensor],
 ) -> Tensor:
-    """:func:`fused_moe` for many slots (prefill): each chosen expert's slots through the dot
-    kernel, its weights read once; one host sync (the experts chosen), so not in a capture."""
+    """:func:`fused_moe` for many slots (prefill): each chosen expert's slots through
+    :func:`linear_rows`, its weights read once; one host sync (the experts chosen), so not in a capture."""
     top_k = topk_ids.shape[1]
     ids, weights = topk_ids.flatten(), topk_weights.flatten().float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in ids.unique().tolist():
         slots = (ids == expert).nonzero().squeeze(1)  # (token, j) pairs routed to the expert
         tokens = slots // top_k
-        h = act_and_mul(quant_linear(x[tokens], w13[expert], fmt_name))
-        out.index_add_(0, tokens, quant_linear(h, w2[expert], fmt_name).float() * weights[slots, None])
+        h = act_and_mul(linear_rows(x[tokens], w13[expert], fmt_name))
+        out.index_add_(0, tokens, linear_rows(h, w2[expert], fmt_name).float() * weights[slots, None])
     return out.to(x.dtype)
