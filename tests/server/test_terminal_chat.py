@@ -33,7 +33,7 @@ class FakeEngine:
         )
         self.prompts, self.pending = [], []
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, multimodal=None):
         self.prompts.append(bytes(prompt).decode())
         self.pending = [StepOutput(request_id, list(b"ok")), StepOutput(request_id, list(b"!"), finish_reason="stop")]
 
