@@ -79,8 +79,8 @@ class Constraint:
 def fill_bitmask(constraints: Sequence[Constraint]) -> Tensor:
     """The allowed-token bitmask [len(constraints), words] (int32, bit ``t % 32`` of word
     ``t // 32`` set: token ``t`` allowed) of constraints of one compiler, in pinned memory
-    where a GPU is at hand (so that its copy to the device does not wait)."""
-    pinned = torch.cuda.is_available()
+    where an accelerator is at hand (so that its copy to the device does not wait)."""
+    pinned = torch.accelerator.is_available()
     bitmask = torch.empty((len(constraints), constraints[0].words), dtype=torch.int32, pin_memory=pinned)
     pairs = [(c.matcher, row) for row, c in enumerate(constraints)]
     llguidance_torch.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
