@@ -15,8 +15,9 @@ Modes:
     python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on the same GGUF
     python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
 
-``--kernels`` times each (shape, format) at 1, 16, 64 and 512 rows (the tile measured as the
-backend measures it up to 64 rows, the default dot tile past that) as a CUDA graph of calls over
+``--kernels`` times each (shape, format) at 1, 16, 64 and 512 rows as the backend runs it (the
+fastest of the packed kernels' tiles and the dequantized weight, measured up to 64 rows; the
+dequantized weight past that) as a CUDA graph of calls over
 copies of the weight that overflow the L2 (xinfer_cuda.linear.graph_time), beside cuBLAS on
 the bf16 weight and dequantize-then-cuBLAS, and gives the packed bytes per second against
 the copy bandwidth measured in the same run. ``--linears`` captures one decode step's
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from shapes import SHAPES
 
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
-from xinfer_cuda.kernels.quant_linear import dequantize, quant_linear
+from xinfer_cuda.kernels.quant_linear import dequantize, linear_rows
 from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS
 
 SCHEMES = ("Q8_0", "Q4_K_M")
@@ -146,7 +147,7 @@ def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list
             tile = GGUF_KERNELS.tiles(x, packed, fmt, None) if rows <= MEASURED_ROWS and not smoke else None
 
             def packed_call(w: torch.Tensor, x=x, fmt=fmt, tile=tile) -> object:
-                return quant_linear(x, w, fmt, None, tile)
+                return linear_rows(x, w, fmt, None, tile)
 
             def dequant_call(w: torch.Tensor, x=x, fmt=fmt, k=k) -> object:
                 return F.linear(x, dequantize(w, fmt, k, x.dtype))
@@ -182,7 +183,7 @@ def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches
 
             def step(plan=plan, packed=packed, xs=xs, tiles=tiles) -> None:
                 for w, p, tile in zip(plan, packed, tiles):
-                    quant_linear(xs[w.k], p, w.fmt, None, tile)
+                    linear_rows(xs[w.k], p, w.fmt, None, tile)
 
             t = wall_seconds(step) if smoke else graph_seconds(step)
             record = {"mode": "linears", "scheme": scheme, "batch": batch, "step_ms": round(t * 1e3, 3),

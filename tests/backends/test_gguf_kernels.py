@@ -27,7 +27,7 @@ from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat, random_packed
-from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
+from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, linear_rows, quant_linear
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.quant_weights import MeasuredTiles, candidates
 
@@ -219,7 +219,7 @@ def test_many_rows_multiply_the_dequantized_weight(monkeypatch):
 
 def test_measured_tiles_take_the_fastest_candidate_once_per_shape():
     """Each (format, shape, power-of-two row count) is timed once over every candidate (the fake
-    timer's order: the third is fastest for one row, the last for 3 and 4 rows), and the chosen
+    timer's order: the third is fastest for one row, the last, the dequantized weight, for 3 and 4 rows), and the chosen
     tile computes the product."""
     measured = []
 
@@ -234,7 +234,7 @@ def test_measured_tiles_take_the_fastest_candidate_once_per_shape():
     for rows in (1, 3, 4, 1):
         x = torch.randn(rows, 256, device=DEVICE)
         tile = tiles(x, packed, "Q4_K", None)
-        check(quant_linear(x, packed, "Q4_K", None, tile), x.cpu() @ reference_weight(packed, "Q4_K").T, torch.float32)
+        check(linear_rows(x, packed, "Q4_K", None, tile), x.cpu() @ reference_weight(packed, "Q4_K").T, torch.float32)
     one, few = candidates(FORMATS["Q4_K"], 1), candidates(FORMATS["Q4_K"], 4)
     assert measured == [1] * len(one) + [3] * len(few)
     assert list(tiles.choice.values()) == [one[2], few[-1]]

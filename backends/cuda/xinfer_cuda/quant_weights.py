@@ -3,8 +3,8 @@ declared for every block format :mod:`xinfer_cuda.kernels.gguf_blocks` decodes
 (``CudaOps.weight_kernels``): the weight's bytes are read as loaded, never repacked.
 
 Linears go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
-more: the dot kernel). For up to :data:`MEASURED_ROWS` rows (decode steps) the tile is
-measured per (format, weight shape, row count rounded up to a power of two) the first time
+more: the dot kernel or the weight dequantized for the call, whichever is faster). For up to
+:data:`MEASURED_ROWS` rows (decode steps) the tile is measured per (format, weight shape, row count rounded up to a power of two) the first time
 one comes up outside a CUDA graph capture (the step graphs' warm-up runs), as
 :class:`xinfer_cuda.linear.SmallBatchLinear` does for float weights; past
 them (prefill) the weight is dequantized for the call and multiplied densely. Stacked experts go to
@@ -29,19 +29,20 @@ from xinfer.quant import QuantizedTensor, WeightKernels
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
 from xinfer_cuda.kernels.quant_linear import (
+    DEQUANTIZED,
     MAX_PACKED_ROWS,
+    Dequantized,
     QDotConfig,
     QGemvConfig,
     default_dot,
     default_gemv,
     linear_rows,
-    quant_linear,
 )
 from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
-Tile = QGemvConfig | QDotConfig
+Tile = QGemvConfig | QDotConfig | Dequantized
 
 
 def ggml_type(weight: QuantizedTensor) -> str:
@@ -52,16 +53,18 @@ def ggml_type(weight: QuantizedTensor) -> str:
 def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of ``fmt``: GEMVs of 2 to 16 weight
     rows a program and 1 or 2 loop steps' blocks for one row, 16-row dots of 32 to 128 columns
-    for a few, and the row count's own dot tile past 16."""
+    for a few, and the row count's own dot tile past 16; past one row also the dequantized weight."""
     if rows == 1:
         step = max(1, 256 // fmt.qk)
         return tuple(QGemvConfig(n, b * step, w) for n, b, w in [(4, 1, 4), (2, 2, 4), (8, 1, 4), (4, 2, 8), (8, 2, 8),
                                                                  (16, 1, 8)])  # fmt: skip
     step = max(1, 64 // fmt.qk)
     if rows <= 16:
-        return tuple(QDotConfig(16, n, b * step, w, s) for n, b, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
+        dots = tuple(QDotConfig(16, n, b * step, w, s) for n, b, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
                                                                           (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
-    return tuple(QDotConfig(rows, n, step, w, 3) for n, w in [(32, 4), (64, 4), (128, 8)])
+    else:
+        dots = tuple(QDotConfig(rows, n, step, w, 3) for n, w in [(32, 4), (64, 4), (128, 8)])
+    return (*dots, DEQUANTIZED)
 
 
 class MeasuredTiles:
@@ -90,7 +93,7 @@ class MeasuredTiles:
             copies = self.copies(packed)
             for tile in tiles:
                 try:
-                    times[tile] = self.timer(lambda w, t=tile: quant_linear(x, w, fmt_name, bias, t), copies)
+                    times[tile] = self.timer(lambda w, t=tile: linear_rows(x, w, fmt_name, bias, t), copies)
                 except OutOfResources:
                     continue
         except torch.OutOfMemoryError:

@@ -293,12 +293,26 @@ def dequantize(packed: Tensor, fmt_name: str, k: int, dtype: torch.dtype, block_
 MAX_PACKED_ROWS = 64  # past this many rows a product is compute-bound: the weight is dequantized for it
 
 
+@dataclass(frozen=True)
+class Dequantized:
+    """The weight dequantized for the call, then a dense GEMM: a candidate beside the packed
+    kernels' tiles (on the H200, 16 rows of a 1,024 x 4,096 Q4_K weight: 12.3 us against the
+    dot kernel's 53.9 us; see benchmarks/RESULTS.md)."""
+
+
+DEQUANTIZED = Dequantized()
+
+
 def linear_rows(
-    x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None = None, config: QGemvConfig | QDotConfig | None = None
+    x: Tensor,
+    packed: Tensor,
+    fmt_name: str,
+    bias: Tensor | None = None,
+    config: QGemvConfig | QDotConfig | Dequantized | None = None,
 ) -> Tensor:
-    """:func:`quant_linear` up to :data:`MAX_PACKED_ROWS` rows; past them (prefill) a dense GEMM on
-    the weight dequantized for the call (on the H200, 512 rows of a 1,024 x 4,096 Q4_K weight:
-    15.8 us against the dot kernel's 408 us; see benchmarks/RESULTS.md)."""
-    if x.shape[0] > MAX_PACKED_ROWS:
+    """:func:`quant_linear` in ``config``'s tile, or through the dequantized weight for
+    :data:`DEQUANTIZED` and, without a config, past :data:`MAX_PACKED_ROWS` rows (prefill: 512 rows
+    of a 1,024 x 4,096 Q4_K weight take 15.8 us so against the dot kernel's 408 us)."""
+    if isinstance(config, Dequantized) or (config is None and x.shape[0] > MAX_PACKED_ROWS):
         return F.linear(x, dequantize(packed, fmt_name, x.shape[1], x.dtype), bias)
     return quant_linear(x, packed, fmt_name, bias, config)
