@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
+from tests.plugins.hf_parity import randomized_model
 from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 
@@ -29,6 +30,21 @@ CONFIGS = {
     "phi3-fused-partial-rope": lambda: Phi3Config(
         **{**COMMON, "num_key_value_heads": 4},
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        tie_word_embeddings=False,
+        architectures=["Phi3ForCausalLM"],
+    ),
+    # LongRoPE (Phi-3.5, Phi-4-mini) trained at 32 positions: the 3- and 17-token prompts start with the short
+    # factors and their 32 new tokens cross into the long ones; the 61-token prompt is long from the start
+    "phi3-longrope-partial": lambda: Phi3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        original_max_position_embeddings=32,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            short_factor=[1.0, 1.3, 1.9, 2.2],
+            long_factor=[1.5, 4.0, 9.0, 21.0],
+        ),
         tie_word_embeddings=False,
         architectures=["Phi3ForCausalLM"],
     ),
@@ -70,3 +86,25 @@ def test_greedy_tokens_match_hf_generate(models, length):
     out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_longrope_rotates_the_steps_past_the_trained_context_by_the_long_factors(tmp_path):
+    """A 20-token prompt whose 24 new tokens pass the trained 32 positions: each token and its log-probability
+    match transformers' forward step by step over its KV cache, whose rotary takes the long factors once the
+    sequence is longer than 32 and keeps the cached keys. (transformers' ``generate`` for Phi-3 also drops its
+    cache at that point and recomputes it; xinfer does not: docs/architecture.md.)"""
+    hf, llm = randomized_model(CONFIGS["phi3-longrope-partial"](), tmp_path)
+    tokens = prompt(20, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    out = llm.generate([tokens], params)[0].outputs[0]
+    expected_tokens, expected_logprobs, cache, step = [], [], None, torch.tensor([tokens])
+    with torch.inference_mode():
+        for _ in range(24):
+            result = hf(step, past_key_values=cache, use_cache=True)
+            cache, logprobs = result.past_key_values, result.logits[0, -1].log_softmax(-1)
+            expected_tokens.append(int(logprobs.argmax()))
+            expected_logprobs.append(logprobs[expected_tokens[-1]].item())
+            step = torch.tensor([[expected_tokens[-1]]])
+    assert out.token_ids == expected_tokens
+    got = [step_logprobs[token] for step_logprobs, token in zip(out.logprobs, out.token_ids)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
+from xinfer.forward_context import step_context
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -28,6 +29,11 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     params = dict(params)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if params["rope_type"] == "longrope":  # the context it was trained at, and the ratio of the one it serves
+        trained = getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+        params.setdefault("original_max_position_embeddings", trained)
+        if params.get("factor") is None:
+            params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 
@@ -86,7 +92,26 @@ def _proportional(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
     return torch.cat((inv_freq, torch.zeros(dim // 2 - rotated))) / params.get("factor", 1.0), 1.0
 
 
-_INV_FREQ = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn, "proportional": _proportional}
+def _longrope(base: float, dim: int, params: dict, factors: str = "short_factor") -> tuple[Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4): each frequency divided by its own factor, the short ones for
+    sequences within the trained context (the long ones past it: :class:`RotaryEmbedding`),
+    cos and sin scaled by ``sqrt(1 + ln(factor) / ln(trained context))``."""
+    inv_freq, _ = _default(base, dim, params)
+    factor, trained = params["factor"], params["original_max_position_embeddings"]
+    scale = params.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(trained))
+    return inv_freq / torch.tensor(params[factors], dtype=torch.float32), scale
+
+
+_INV_FREQ = {
+    "default": _default,
+    "linear": _linear,
+    "llama3": _llama3,
+    "yarn": _yarn,
+    "proportional": _proportional,
+    "longrope": _longrope,
+}
 _WHOLE_HEAD = {"proportional"}  # rope types whose table spans the head whatever partial_rotary_factor says
 
 
@@ -112,18 +137,42 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[Tensor, 
     return _INV_FREQ[rope_type](params["rope_theta"], int(head_dim * partial), params)
 
 
+def _cos_sin(inv_freq: Tensor, max_position: int, scale: float) -> Tensor:
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+    return torch.cat((angles.cos(), angles.sin()), dim=-1) * scale
+
+
 class RotaryEmbedding(nn.Module):
+    """The cos || sin table of every position. LongRoPE keeps a second table below the first,
+    for the tokens of sequences longer than the trained context (as transformers does, the whole
+    step of such a sequence rotates by the long factors; what is already cached stays as it was)."""
+
     cos_sin: Tensor
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]):
         super().__init__()
-        inv_freq, mscale = inverse_frequencies(head_dim, params)
+        inv_freq, scale = inverse_frequencies(head_dim, params)
         self.rotary_dim = 2 * inv_freq.shape[0]
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * mscale
-        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.max_position = max_position
+        self.trained_context: int | None = None
+        tables = [_cos_sin(inv_freq, max_position, scale)]
+        if params["rope_type"] == "longrope":
+            self.trained_context = params["original_max_position_embeddings"]
+            long_freq, _ = _longrope(params["rope_theta"], self.rotary_dim, params, "long_factor")
+            tables.append(_cos_sin(long_freq, max_position, scale))
+        self.register_buffer("cos_sin", torch.cat(tables), persistent=False)
 
     def forward(
         self, positions: Tensor, q: Tensor, k: Tensor, norms: ops.HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
+        if self.trained_context is not None:
+            positions = positions + self.max_position * _longer_than(self.trained_context, positions)
         return ops.rotary(q, k, positions, self.cos_sin, norms)
+
+
+def _longer_than(context: int, positions: Tensor) -> Tensor:
+    """Per token of the step: 1 where its sequence is longer than ``context`` tokens, else 0."""
+    seqs = step_context().seqs
+    token = torch.arange(positions.shape[-1], device=positions.device, dtype=seqs.cu_seqlens_q.dtype)
+    seq = torch.searchsorted(seqs.cu_seqlens_q[1:], token, right=True).clamp_(max=seqs.num_seqs - 1)
+    return (seqs.seq_lens[seq] > context).to(positions.dtype)
