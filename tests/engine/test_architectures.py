@@ -24,6 +24,15 @@ CONFIGS = {
     "llama-tied": lambda: LlamaConfig(
         **{**COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]
     ),
+    "llama-dynamic-rope-biases-head-8": lambda: LlamaConfig(
+        **COMMON,
+        head_dim=8,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+        architectures=["LlamaForCausalLM"],
+    ),
     "mistral-window-16": lambda: MistralConfig(
         **COMMON, sliding_window=16, tie_word_embeddings=False, architectures=["MistralForCausalLM"]
     ),

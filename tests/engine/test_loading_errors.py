@@ -32,6 +32,16 @@ def test_missing_weight_is_named(tmp_path):
     assert "model.layers.1.self_attn.qkv_proj.weight:k" in str(error.value)
 
 
+def test_a_max_model_len_past_the_models_positions_is_refused(tmp_path):
+    """Positions past ``max_position_embeddings`` have no rotary row (and were never trained): refused at
+    start-up in one line, not an index error in the first long step."""
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    with pytest.raises(
+        ValueError, match=r"max_model_len 2048 is more than the model's max_position_embeddings \(512\)"
+    ):
+        LLM(model=str(tmp_path), dtype="float32", max_model_len=2048)
+
+
 def test_sharded_checkpoint_with_index_loads(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

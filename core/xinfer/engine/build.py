@@ -77,6 +77,9 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
         log.info("%s runs without step graphs: its ops read the step's metadata on the host", type(model).__name__)
         config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
     max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+    if max_model_len > hf_config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} is more than the model's max_position_embeddings "
+                         f"({hf_config.max_position_embeddings}): its positions go no further")  # fmt: skip
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)

@@ -92,6 +92,12 @@ def _proportional(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
     return torch.cat((inv_freq, torch.zeros(dim // 2 - rotated))) / params.get("factor", 1.0), 1.0
 
 
+def _dynamic(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
+    """Dynamic NTK scaling: it raises the base only for sequences longer than
+    ``max_position_embeddings``, which ``max_model_len`` never exceeds: the default table."""
+    return _default(base, dim, params)
+
+
 def _longrope(base: float, dim: int, params: dict, factors: str = "short_factor") -> tuple[Tensor, float]:
     """LongRoPE (Phi-3.5, Phi-4): each frequency divided by its own factor, the short ones for
     sequences within the trained context (the long ones past it: :class:`RotaryEmbedding`),
@@ -111,6 +117,7 @@ _INV_FREQ = {
     "yarn": _yarn,
     "proportional": _proportional,
     "longrope": _longrope,
+    "dynamic": _dynamic,
 }
 _WHOLE_HEAD = {"proportional"}  # rope types whose table spans the head whatever partial_rotary_factor says
 
