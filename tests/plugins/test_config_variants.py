@@ -128,10 +128,6 @@ def test_greedy_tokens_and_logprobs_match_hf(models):
 
 
 ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
-    "qwen2-moe dynamic rope": (
-        lambda: qwen2_moe(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
-        "rope_type 'dynamic' is not supported",
-    ),
     "glm4-moe experts not in groups": (
         lambda: Glm4MoeConfig(**{**GLM_MOE, "n_group": 3}),
         "n_group 3 and topk_group 2 do not fit 16 experts",
