@@ -42,8 +42,8 @@ class Phi3GGUF(GGUFAdapter):
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
         if "phi3.rope.scaling.attn_factor" in metadata:
-            raise ValueError("this Phi3 GGUF uses LongRoPE (the long-context models' rope_type 'longrope'), "
-                             "which xinfer does not support yet")  # fmt: skip
+            raise ValueError("this Phi3 GGUF uses LongRoPE (the long-context models' rope_type 'longrope'), which "
+                             "xinfer reads from safetensors checkpoints only so far: serve the model's HF checkpoint")  # fmt: skip
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
         return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
