@@ -31,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a dict of its fields is taken too
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -57,6 +58,13 @@ class SamplingParams:
         )
         _check(all(self.stop), "stop strings must not be empty")
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logit_bias:
+            self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+            _check(min(self.logit_bias) >= 0, f"logit_bias token ids must be >= 0, got {min(self.logit_bias)}")
+            _check(
+                all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -115,6 +115,10 @@ def test_sampling_controls(llm):
     )[0]
     plain = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert len(set(penalized.outputs[0].token_ids)) >= len(set(plain.outputs[0].token_ids))
+    forced = llm.generate([tokens], SamplingParams(temperature=1.0, seed=2, max_tokens=4, logit_bias={7: 100.0}))[0]
+    assert forced.outputs[0].token_ids == [7] * 4
+    banned = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100.0}))[0]
+    assert banned.outputs[0].token_ids[0] != first
     assert_all_blocks_free(llm)
 
 

@@ -121,6 +121,21 @@ def test_sampling_parameters_are_accepted(client, model):
     assert reply.usage.completion_tokens <= 5
 
 
+def test_logit_bias_forces_and_bans_tokens(server, client, model):
+    """OpenAI's logit_bias: +100 makes a token certain even when sampling, -100 rules it out."""
+    forced = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=1.0, max_tokens=3, logprobs=True, logit_bias={"42": 100}
+    )
+    assert len({entry.token for entry in forced.choices[0].logprobs.content}) == 1
+    greedy = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=1)
+    first = greedy.choices[0].message.content
+    ids = server.post("/tokenize", json={"model": model, "prompt": first, "add_special_tokens": False}).json()["tokens"]
+    banned = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=1, logit_bias={str(ids[0]): -100}
+    )
+    assert banned.choices[0].message.content != first
+
+
 def test_streaming_n_2_interleaves_choices(client, model):
     ask = dict(model=model, messages=QUESTION, n=2, seed=99, max_tokens=12)
     whole = client.chat.completions.create(**ask)

@@ -52,7 +52,9 @@ ROWS = [
     ("empty stop string", CHAT, chat(stop=[""]), {}, 400, None, "stop"),
     ("min_tokens above max_tokens", CHAT, chat(min_tokens=5, max_tokens=2), {}, 400, None, "min_tokens"),
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), {}, 400, None, "stream"),
-    ("logit_bias", CHAT, chat(logit_bias={"1": 5}), {}, 400, None, "logit_bias"),
+    ("logit_bias key not a token id", CHAT, chat(logit_bias={"a": 5}), {}, 400, None, "logit_bias"),
+    ("logit_bias above 100", CHAT, chat(logit_bias={"1": 101}), {}, 400, None, "logit_bias"),
+    ("logit_bias token outside the vocabulary", CHAT, chat(logit_bias={str(10**7): 1}), {}, 400, None, "logit_bias"),
     ("json_schema response format", CHAT, chat(response_format={"type": "json_schema"}), {}, 400, None, "json_schema"),
     (
         "prompt longer than the context",

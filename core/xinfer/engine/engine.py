@@ -169,6 +169,8 @@ class LLMEngine:
                 f"the prompt must be shorter to leave room for at least one generated token"
             )
         self._check_vocab(prompt_token_ids)
+        if params.logit_bias and max(params.logit_bias) >= self.hf_config.vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary's {self.hf_config.vocab_size}")
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
         if params.seed is None:  # every request draws from a seed of its own (see engine/sampler.py)
             params = replace(params, seed=self.runner.sampler.new_seed())

@@ -2,8 +2,8 @@
 
 The draw itself is one backend op over the whole batch (:meth:`xinfer.ops.Ops.sample`,
 defined by :mod:`xinfer.torch_sampling`), which a backend that records steps runs
-inside the step's recording. Penalties and min_tokens change the logits first; a
-batch with any of them is sampled here, after the step, from the adjusted logits.
+inside the step's recording. Penalties, logit biases and min_tokens change the logits
+first; a batch with any of them is sampled here, after the step, from the adjusted logits.
 Logprobs are of the model's own distribution, before penalties. A row with a grammar
 (structured outputs) has the tokens its grammar forbids masked out after the penalties
 (:func:`apply_grammar_masks`, the one place masks are applied); a batch without any
@@ -102,7 +102,7 @@ class Sampler:
         raw_logprobs = logits.float().log_softmax(-1) if wants_logprobs else None
         if any(adjusts_logits(s) for s in seqs):
             logits = logits.to(torch.float32, copy=True)
-            logits = mask_stop_tokens_before_min_tokens(apply_penalties(logits, seqs), seqs)
+            logits = mask_stop_tokens_before_min_tokens(apply_logit_bias(apply_penalties(logits, seqs), seqs), seqs)
             tokens = None
         constrained = [(row, s.constraint) for row, s in enumerate(seqs) if s.constraint is not None and wants_mask(s)]
         if constrained:
@@ -128,7 +128,8 @@ def apply_grammar_masks(logits: Tensor, constrained: list[tuple[int, Constraint]
 
 
 def adjusts_logits(seq: Sequence) -> bool:
-    return seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens
+    p = seq.params
+    return p.has_penalties or bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens
 
 
 def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -154,6 +155,18 @@ def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         frequency = column([s.params.frequency_penalty for s in seqs], logits.device)
         presence = column([s.params.presence_penalty for s in seqs], logits.device)
         logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_logit_bias(logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    """Each row's ``logit_bias`` added to the logits of its tokens."""
+    vocab = logits.shape[-1]
+    flat = [(row * vocab + t, b) for row, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items()]
+    if flat:
+        index, bias = zip(*flat)
+        logits.view(-1).index_add_(
+            0, torch.tensor(index, device=logits.device), torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+        )
     return logits
 
 

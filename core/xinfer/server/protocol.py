@@ -129,8 +129,8 @@ class SamplingFields(_Body):
             raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.logit_bias and not all(key.lstrip("-").isdigit() for key in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids")
         return self
 
     @property
