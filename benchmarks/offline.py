@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (prefill chunks)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -112,6 +113,7 @@ def main() -> None:
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
