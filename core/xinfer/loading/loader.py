@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -14,6 +15,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
 from xinfer.loading.errors import ModelFileError, first_line
+from xinfer.loading.fp8_checkpoint import block_size, dequantized, fp8_checkpoint
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.safetensors import iter_safetensors
 from xinfer.model import CausalLM
@@ -33,16 +35,21 @@ def load_config(path: Path) -> PretrainedConfig:
     return text
 
 
+def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` (on the model's config, its text part or its wrapper)."""
+    for holder in (config, getattr(config, "text_config", None), getattr(config, "multimodal_config", None)):
+        quantization = getattr(holder, "quantization_config", None)
+        if quantization:
+            return quantization if isinstance(quantization, dict) else vars(quantization)
+    return None
+
+
 def _refuse_quantized_checkpoint(config: PretrainedConfig, folder: Path) -> None:
-    """A checkpoint stored quantized (fp8 block-scaled, AWQ, GPTQ, ...) would load as garbage through the
-    float path: refused in one line until its format is supported."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is None:
-        text = getattr(config, "text_config", None)
-        quantization = getattr(text, "quantization_config", None)
-    if not quantization:
+    """A checkpoint stored in a quantization that no reader here decodes (AWQ, GPTQ, ...) would load as
+    garbage through the float path: refused in one line. FP8 ones are read (:mod:`xinfer.loading.fp8_checkpoint`)."""
+    fields = quantization_config(config)
+    if not fields or fp8_checkpoint(fields):
         return
-    fields = quantization if isinstance(quantization, dict) else vars(quantization)
     method = fields.get("quant_method", "unnamed")
     detail = f", {fields['fmt']}" if "fmt" in fields else ""
     raise ModelFileError(
@@ -119,7 +126,11 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights(checkpoint_tensors(path, load_format, model))
+        weights = checkpoint_tensors(path, load_format, model)
+        quantization = quantization_config(config)
+        if quantization is not None and fp8_checkpoint(quantization) and not model.decodes_quantized_checkpoint:
+            weights = dequantized(weights, dtype, block_size(quantization))
+        model.load_weights(weights)
     if fmt is not None:
         quantize_weights(model, fmt)
     return model

@@ -87,6 +87,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     memory (:attr:`mtp`), not run: xinfer has no speculative decoding to run it in."""
 
     cuda_graphs = False  # (the compressed ops are torch references: loops over the sequences)
+    decodes_quantized_checkpoint = True  # DeepSeek's own names: ``X.scale`` beside FP8 and MXFP4 weights
     packed_modules = {
         "shared_experts.gate_proj": ("shared_experts.gate_up_proj", "gate"),
         "shared_experts.up_proj": ("shared_experts.gate_up_proj", "up"),
