@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
     cuda_graphs: ClassVar[bool] = True  # False: ops that read the step's metadata on the host (run eagerly)
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     # True: ``load_weights`` decodes the checkpoint's quantized tensors itself (names of its own); else
-    # FP8 ones are dequantized before it sees them (xinfer.loading.fp8_checkpoint)
+    # quantized ones are decoded before it sees them (xinfer.loading.quantized_checkpoint)
     decodes_quantized_checkpoint: ClassVar[bool] = False
 
     def __init__(self, config: Any):

@@ -1,5 +1,5 @@
 """Packed weights at load: ISQ of a float checkpoint, GGUF files whose tensors contradict their type,
-and checkpoints stored in a quantization xinfer does not load yet (FP8 ones load: test_fp8_checkpoint.py)."""
+and checkpoints stored in a quantization xinfer does not load yet (FP8 and packed-integer ones load: test_quantized_checkpoint.py)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
 from xinfer.loading.errors import ModelFileError, first_line
-from xinfer.loading.fp8_checkpoint import block_size, dequantized, fp8_checkpoint
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
+from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import iter_safetensors
 from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, quantize_weights
@@ -45,10 +45,11 @@ def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
 
 
 def _refuse_quantized_checkpoint(config: PretrainedConfig, folder: Path) -> None:
-    """A checkpoint stored in a quantization that no reader here decodes (AWQ, GPTQ, ...) would load as
-    garbage through the float path: refused in one line. FP8 ones are read (:mod:`xinfer.loading.fp8_checkpoint`)."""
+    """A checkpoint stored in a quantization that no decoder here reads (AWQ, GPTQ, ...) would load as
+    garbage through the float path: refused in one line (:mod:`xinfer.loading.quantized_checkpoint` reads
+    FP8 and compressed-tensors' packed integers)."""
     fields = quantization_config(config)
-    if not fields or fp8_checkpoint(fields):
+    if not fields or decoder_for(fields) is not None:
         return
     method = fields.get("quant_method", "unnamed")
     detail = f", {fields['fmt']}" if "fmt" in fields else ""
@@ -128,8 +129,9 @@ def load_model(
     else:
         weights = checkpoint_tensors(path, load_format, model)
         quantization = quantization_config(config)
-        if quantization is not None and fp8_checkpoint(quantization) and not model.decodes_quantized_checkpoint:
-            weights = dequantized(weights, dtype, block_size(quantization))
+        decoder = decoder_for(quantization) if quantization is not None else None
+        if decoder is not None and not model.decodes_quantized_checkpoint:
+            weights = decoded(weights, decoder, dtype)
         model.load_weights(weights)
     if fmt is not None:
         quantize_weights(model, fmt)

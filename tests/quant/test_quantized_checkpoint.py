@@ -117,7 +117,7 @@ def edited(fp8_folder, tmp_path, edit) -> str:
 
 def test_an_fp8_weight_without_its_scale_is_named(fp8_folder, tmp_path):
     folder = edited(fp8_folder, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale_inv"))
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: its scale is not in the checkpoint"):
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: its FP8 tensors are incomplete"):
         LLM(model=folder, dtype="float32", num_blocks=64)
 
 
@@ -127,3 +127,58 @@ def test_scales_that_do_not_tile_the_weight_are_named(fp8_folder, tmp_path):
 
     with pytest.raises(ValueError, match=r"o_proj\.weight: scales \(3, 3\) do not tile \(64, 64\) values"):
         LLM(model=edited(fp8_folder, tmp_path, wrong_grid), dtype="float32", num_blocks=64)
+
+
+def packed_integer_scheme(bits: int, group: int | None, symmetric: bool) -> dict:
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False,
+               "strategy": "group" if group else "channel", "group_size": group}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+
+
+def write_packed_integer_checkpoint(hf, folder, quantization: dict):
+    """``hf``'s projections compressed by compressed-tensors itself (llm-compressor's W4A16/W8A16 layout): its
+    observers' scales and zero points, its quantize and pack; the reference is transformers' float model of
+    the weights its own decompressor gives back."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**quantization["config_groups"]["group_0"]["weights"])
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    hf.save_pretrained(folder / "float", safe_serialization=True)
+    tensors = load_file(folder / "float" / "model.safetensors")
+    meant_tensors = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+        module, weight = name.removesuffix(".weight"), tensors[name].float()
+        columns = weight.unflatten(1, (-1, args.group_size)) if args.group_size else weight[:, None, :]
+        scale, zero = calculate_qparams(columns.amin(-1), columns.amax(-1), args)
+        state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}
+        compressed = PackedQuantizationCompressor.compress(state, scheme)
+        meant_tensors[name] = PackedQuantizationCompressor.decompress(compressed, scheme)["weight"].contiguous()
+        del tensors[name]
+        tensors |= {f"{module}.{leaf}": value.contiguous() for leaf, value in compressed.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(meant_tensors, folder / "float" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "float" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    return AutoModelForCausalLM.from_pretrained(folder / "float", attn_implementation="eager").float().eval()
+
+
+@pytest.mark.parametrize(
+    "bits, group, symmetric",
+    [(4, 32, True), (4, 16, False), (8, None, True)],
+    ids=["w4-group32-symmetric", "w4-group16-zero-points", "w8-per-row"],
+)
+def test_packed_integer_checkpoint_computes_what_compressed_tensors_decompresses(bits, group, symmetric, tmp_path):
+    config = LlamaConfig(**COMMON, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    hf = save_tiny_model(config, tmp_path / "float")
+    randomize(hf)
+    hf = write_packed_integer_checkpoint(hf, tmp_path, packed_integer_scheme(bits, group, symmetric))
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    assert_prefill_logits_match(hf, llm, 29)
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 11)

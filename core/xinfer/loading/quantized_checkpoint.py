@@ -1,0 +1,190 @@
+"""Safetensors checkpoints stored quantized, decoded at load to the model's dtype (one log line says
+so: the model takes a float checkpoint's memory, and ``--isq`` packs it again). Each quantized
+``X.weight`` is stored as tensors under ``X``, decoded once all of them have come:
+
+- FP8 e4m3, ``X.weight`` beside its scale, the weight being ``fp8 * scale``: ``quant_method``
+  ``"fp8"`` (DeepSeek V3/R1, Qwen3-FP8, MiniMax-M2, GLM-4.x-FP8) with ``X.weight_scale_inv``, one
+  per ``weight_block_size`` block (128 x 128, the edge blocks partial); ``"fbgemm_fp8"`` and
+  compressed-tensors' 8-bit float weights with ``X.weight_scale``, per tensor, row or block.
+- compressed-tensors' ``pack-quantized`` integers (llm-compressor's W4A16 and W8A16):
+  ``X.weight_packed`` int32 words holding ``num_bits``-bit values along each row (the low bits
+  first, offset by ``2 ** (num_bits - 1)``), ``X.weight_shape``, ``X.weight_scale`` per row or per
+  ``group_size`` columns, ``X.weight_zero_point`` (asymmetric; packed along the rows' groups) and
+  ``X.weight_g_idx`` (activation order: each column's group); the weight is ``(q - zero) * scale``.
+
+Activation scales (``input_scale``, ...) are not needed and are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("xinfer")
+
+DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point")
+
+
+class Decoder:
+    """How one quantization's tensors become the weight they stand for."""
+
+    name: str
+    parts: tuple[str, ...]  # the leaf names of a quantized weight's tensors (besides a plain ``weight``)
+
+    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+        return leaf in self.parts
+
+    def complete(self, parts: Mapping[str, Tensor]) -> bool:
+        raise NotImplementedError
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        """The weight ``name`` in fp32 from its ``parts``."""
+        raise NotImplementedError
+
+
+class Fp8(Decoder):
+    name = "FP8"
+    parts = ("weight_scale_inv", "weight_scale")
+
+    def __init__(self, block: tuple[int, int] | None):
+        self.block = block
+
+    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+        return leaf in self.parts or (leaf == "weight" and tensor.dtype == torch.float8_e4m3fn)
+
+    def complete(self, parts: Mapping[str, Tensor]) -> bool:
+        return "weight" in parts and any(p in parts for p in self.parts)
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+        assert scale is not None
+        return scaled(parts["weight"], scale, name, self.block)
+
+
+class PackedIntegers(Decoder):
+    name = "packed integer"
+    parts = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx")
+
+    def __init__(self, weights: Mapping[str, Any]):
+        self.bits = int(weights["num_bits"])
+        self.group = weights.get("group_size")
+        self.required = {"weight_packed", "weight_shape", "weight_scale"}
+        if not weights.get("symmetric", True):
+            self.required.add("weight_zero_point")
+        if weights.get("actorder") == "group":
+            self.required.add("weight_g_idx")
+
+    def complete(self, parts: Mapping[str, Tensor]) -> bool:
+        return self.required <= parts.keys()
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        rows, cols = (int(n) for n in parts["weight_shape"].tolist())
+        q = unpack_rows(parts["weight_packed"], self.bits, cols)
+        scale = parts["weight_scale"].float()
+        if scale.shape[0] != rows:
+            raise ValueError(f"{name}: {scale.shape[0]} rows of scales for {rows} rows")
+        zero = parts.get("weight_zero_point")
+        zeros = unpack_rows(zero.T.contiguous(), self.bits, rows).T if zero is not None else torch.zeros_like(scale)
+        group = parts.get("weight_g_idx")
+        if group is None:
+            group = (
+                torch.arange(cols) // (self.group or cols)
+                if scale.shape[1] > 1
+                else torch.zeros(cols, dtype=torch.long)
+            )
+        group = group.long()
+        if int(group.max()) >= scale.shape[1]:
+            raise ValueError(f"{name}: {scale.shape[1]} groups of scales for {cols} columns")
+        return (q.float() - zeros[:, group].float()) * scale[:, group]
+
+
+def unpack_rows(words: Tensor, bits: int, count: int) -> Tensor:
+    """[R, W] int32 words of ``bits``-bit values, the low bits first and each value offset by
+    ``2 ** (bits - 1)``, as [R, count] signed values."""
+    if 32 % bits:
+        raise ValueError(f"{bits}-bit values do not pack whole into 32-bit words")
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    values = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)
+    values = values.flatten(-2)[..., :count]
+    if values.shape[-1] != count:
+        raise ValueError(f"{words.shape[-1]} words hold fewer than {count} {bits}-bit values")
+    return values - (1 << (bits - 1))
+
+
+def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
+    """The decoder of a config's ``quantization_config``, or None where none here reads it."""
+    method = quantization.get("quant_method")
+    if method in ("fp8", "fbgemm_fp8"):
+        return Fp8(_block(quantization.get("weight_block_size")))
+    if method != "compressed-tensors":
+        return None
+    weights = [group.get("weights") or {} for group in (quantization.get("config_groups") or {}).values()]
+    if not weights or any(w != weights[0] for w in weights):
+        return None  # several schemes in one checkpoint: not read yet
+    w = weights[0]
+    if w.get("type") == "float" and w.get("num_bits") == 8:
+        return Fp8(_block(w.get("block_structure")))
+    if w.get("type") == "int" and quantization.get("format") == "pack-quantized" and 32 % int(w["num_bits"]) == 0:
+        return PackedIntegers(w)
+    return None
+
+
+def _block(block: Any) -> tuple[int, int] | None:
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def decoded(
+    weights: Iterable[tuple[str, Tensor]], decoder: Decoder, dtype: torch.dtype
+) -> Iterator[tuple[str, Tensor]]:
+    """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
+    pending: dict[str, dict[str, Tensor]] = {}  # module -> the parts of its weight come so far
+    count = 0
+    for name, tensor in weights:
+        module, _, leaf = name.rpartition(".")
+        if leaf in DROPPED:
+            continue
+        if not decoder.is_part(leaf, tensor):
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if decoder.complete(parts):
+            del pending[module]
+            count += 1
+            yield f"{module}.weight", decoder.decode(f"{module}.weight", parts).to(dtype)
+    if pending:
+        module, parts = next(iter(pending.items()))
+        raise ValueError(
+            f"{module}.weight: its {decoder.name} tensors are incomplete in the checkpoint (found {sorted(parts)}; "
+            f"{len(pending)} such weights)"
+        )
+    if count:
+        log.info("decoded %d %s weights at load to %s (--isq q8_0 packs them again)", count, decoder.name, dtype)
+
+
+def scaled(weight: Tensor, scale: Tensor, name: str, block: tuple[int, int] | None = None) -> Tensor:
+    """``weight`` [N, K] (fp8) times ``scale``: one value, one per row ([N] or [N, 1]) or one per
+    ``block`` of bn x bk ([ceil(N / bn), ceil(K / bk)]), in fp32."""
+    values, scale = weight.float(), scale.float()
+    rows, cols = values.shape[-2:]
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    if block is None and (scale.dim() == 1 or scale.shape[-1] == 1):
+        if scale.shape[0] != rows:
+            raise ValueError(f"{name}: {scale.shape[0]} row scales for {rows} rows")
+        return values * scale.reshape(rows, 1)
+    grid_rows, grid_cols = scale.shape[-2:]
+    if block is None:  # no block size given: only blocks that divide the weight evenly are unambiguous
+        if rows % grid_rows or cols % grid_cols:
+            raise ValueError(f"{name}: scales {tuple(scale.shape)} for {(rows, cols)} values, and no block size")
+        block = (rows // grid_rows, cols // grid_cols)
+    block_rows, block_cols = block
+    if (-(-rows // block_rows), -(-cols // block_cols)) != (grid_rows, grid_cols):
+        raise ValueError(f"{name}: scales {tuple(scale.shape)} do not tile {(rows, cols)} values in blocks of {block}")
+    expanded = scale.repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)
+    return values * expanded[..., :rows, :cols]
