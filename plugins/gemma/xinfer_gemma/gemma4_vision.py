@@ -47,6 +47,11 @@ class ClippedLinear(nn.Module):
     """A linear map without bias; with ``clipped``, its input and output are clamped to bounds the
     checkpoint holds (``use_clipped_linears``)."""
 
+    input_min: nn.Parameter
+    input_max: nn.Parameter
+    output_min: nn.Parameter
+    output_max: nn.Parameter
+
     def __init__(self, in_features: int, out_features: int, clipped: bool):
         super().__init__()
         self.linear = Linear(in_features, out_features)

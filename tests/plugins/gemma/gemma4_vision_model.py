@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+from transformers import (
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 from tests.plugins.gemma.test_gemma4 import DENSE, E_MODEL, MOE, randomize_gemma4
@@ -23,6 +30,27 @@ VARIANTS = {
     "moe": dict(text={**MOE, "use_bidirectional_attention": "vision"},
                 vision={"use_clipped_linears": True, "standardize": True}),
 }  # fmt: skip
+
+
+WORDS = ["look", "at", "this", "and", "tell", "me", "what", "you", "see"]
+# content lists with {"type": "image"} items, as HF templates take them (Gemma 4's writes <|image|>)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|image|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% if not loop.last %} {% endif %}{% endfor %}{% endif %} {% endfor %}"
+)
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer that knows Gemma 4's image tokens, with a chat template writing ``<|image|>``."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, " ": 4, **{w: 5 + i for i, w in enumerate(WORDS)}}
+    vocab |= {"<|image|>": IMAGE, "<|image>": BOI, "<image|>": EOI}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r" |[^\s]+"), behavior="isolated")
+    backend.add_special_tokens(["<pad>", "<eos>", "<bos>", "<|image|>", "<|image>", "<image|>"])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)  # fmt: skip
 
 
 def image_processor() -> Gemma4ImageProcessorPil:
@@ -45,6 +73,7 @@ def save_model(folder: Path, variant: str) -> Gemma4ForConditionalGeneration:
     randomize_vision(hf)
     hf.save_pretrained(folder, safe_serialization=True)
     image_processor().save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
     return hf
 
 

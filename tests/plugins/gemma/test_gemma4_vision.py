@@ -3,12 +3,15 @@ CPU): preprocessing of square and non-square images, greedy tokens and log-proba
 E-model (causal image tokens, per-layer embeddings) and the MoE variant (image tokens both ways in
 the sliding layers, clipped linears, standardized vision output), the encoder cache."""
 
+import httpx
 import pytest
 import torch
 
 from tests.plugins.gemma.gemma3_vision_model import image
 from tests.plugins.gemma.gemma4_vision_model import BOI, EOI, IMAGE, VARIANTS, image_processor, save_model
 from tests.plugins.hf_parity import assert_output_matches_hf, hf_greedy
+from tests.server.live import LiveServer
+from tests.server.test_images import data_url
 from tests.tiny_models import prompt
 from xinfer import LLM, SamplingParams
 from xinfer_gemma.gemma4_vision import Gemma4ImageProcessor
@@ -99,3 +102,25 @@ def test_the_reference_tells_both_ways_from_causal(models):
     _, both_ways = hf_greedy(hf, ids, 1, **both_ways_inputs)
     _, causal = hf_greedy(hf, ids, 1, **inputs)
     assert abs(both_ways[0] - causal[0]) > 1e-3
+
+
+def test_the_server_answers_an_image_as_the_offline_engine_does(tmp_path):
+    folder = tmp_path / "model"
+    save_model(folder, "e-model")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=128)
+    offline = llm.generate({"prompt": "look at <|image|> tell me ", "multi_modal_data": {"image": image(3)}},
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]  # fmt: skip
+    live = LiveServer("--m", str(folder), "--dtype", "f32", "--served-model-name", "tiny-gemma4",
+                      "--max-model-len", "256", name="gemma4-vision-server").start()  # fmt: skip
+    try:
+        card = httpx.get(live.url + "/v1/models").json()["data"][0]
+        assert card["input_modalities"] == ["text", "image"]
+        content = [{"type": "text", "text": "look at"}, {"type": "image_url", "image_url": {"url": data_url(image(3))}},
+                   {"type": "text", "text": "tell me"}]  # fmt: skip
+        answer = live.client(timeout=120).chat.completions.create(
+            model="tiny-gemma4", messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0
+        )
+    finally:
+        live.stop()
+    assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert answer.choices[0].message.content == offline.outputs[0].text
