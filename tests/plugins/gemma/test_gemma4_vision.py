@@ -79,6 +79,7 @@ def test_two_images_of_other_shapes_match_hf(models):
     assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0])
 
 
+@pytest.mark.parametrize("models", ["moe"], indirect=True)  # the engine's side: one variant tells it
 def test_the_same_image_twice_in_a_batch_is_encoded_once_and_again_not_at_all(models):
     hf, llm = models
     cache = llm.engine.encoder_cache
