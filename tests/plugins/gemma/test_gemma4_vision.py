@@ -79,6 +79,16 @@ def test_two_images_of_other_shapes_match_hf(models):
     assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0])
 
 
+@pytest.mark.parametrize("models", ["e-model"], indirect=True)  # causal image tokens: chunks may cut an image
+def test_chunks_cutting_through_an_image_take_their_slices(models):
+    """With 24 tokens a step the image (tokens 6 to 68) spans four chunks, each with its part of the
+    embeddings and of the per-layer inputs."""
+    hf, llm = models
+    chunked = LLM(model=llm.engine.config.model.model, dtype="float32", num_blocks=64, max_num_batched_tokens=24)
+    request = with_images(prompt(12, seed=1), image(1))
+    assert_matches_hf(hf, request, chunked.generate(request, GREEDY)[0])
+
+
 @pytest.mark.parametrize("models", ["moe"], indirect=True)  # the engine's side: one variant tells it
 def test_the_same_image_twice_in_a_batch_is_encoded_once_and_again_not_at_all(models):
     hf, llm = models
