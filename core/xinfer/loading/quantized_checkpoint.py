@@ -1,6 +1,8 @@
-"""Safetensors checkpoints stored quantized, decoded at load to the model's dtype (one log line says
-so: the model takes a float checkpoint's memory, and ``--isq`` packs it again). Each quantized
-``X.weight`` is stored as tensors under ``X``, decoded once all of them have come:
+"""Safetensors checkpoints stored quantized. Each quantized ``X.weight`` is stored as tensors under
+``X``, read once all of them have come, and kept packed where a weight format holds the same values
+(FP8 whose every 128 consecutive values of a row share a scale: :mod:`xinfer.quant.fp8_format`),
+else decoded at load to the model's dtype (one log line counts each: a decoded weight takes a float
+checkpoint's memory, and ``--isq`` packs it again):
 
 - FP8 e4m3, ``X.weight`` beside its scale, the weight being ``fp8 * scale``: ``quant_method``
   ``"fp8"`` (DeepSeek V3/R1, Qwen3-FP8, MiniMax-M2, GLM-4.x-FP8) with ``X.weight_scale_inv``, one
@@ -18,14 +20,18 @@ Activation scales (``input_scale``, ...) are not needed and are dropped.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from xinfer.quant.fp8_format import BLOCK, Fp8Format, pack
+from xinfer.quant.tensor import QuantizedTensor
+
 log = logging.getLogger("xinfer")
 
+FP8_FORMAT = Fp8Format()
 DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point")
 
 
@@ -45,6 +51,10 @@ class Decoder:
         """The weight ``name`` in fp32 from its ``parts``."""
         raise NotImplementedError
 
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        """The weight ``name`` kept packed, where a weight format holds its values exactly; else None."""
+        return None
+
 
 class Fp8(Decoder):
     name = "FP8"
@@ -63,6 +73,19 @@ class Fp8(Decoder):
         scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
         assert scale is not None
         return scaled(parts["weight"], scale, name, self.block)
+
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        codes = parts["weight"]
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+        assert scale is not None
+        if codes.dim() != 2 or codes.dtype != torch.float8_e4m3fn or codes.shape[1] % BLOCK:
+            return None
+        rows, cols = codes.shape
+        runs = scales_of((rows, cols), scale, name, self.block).reshape(rows, cols // BLOCK, BLOCK)
+        first = runs[..., 0]
+        if not torch.equal(first, runs.amax(-1)) or not torch.equal(first, runs.amin(-1)):
+            return None  # blocks narrower than 128 columns: no one scale per packed block
+        return QuantizedTensor(pack(codes, first), FP8_FORMAT, (rows, cols))
 
 
 class PackedIntegers(Decoder):
@@ -143,7 +166,7 @@ def decoded(
 ) -> Iterator[tuple[str, Tensor]]:
     """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}  # module -> the parts of its weight come so far
-    count = 0
+    count = kept = 0
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
         if leaf in DROPPED:
@@ -155,6 +178,11 @@ def decoded(
         parts[leaf] = tensor
         if decoder.complete(parts):
             del pending[module]
+            packed = decoder.packed(f"{module}.weight", parts)
+            if packed is not None:
+                kept += 1
+                yield f"{module}.weight", packed
+                continue
             count += 1
             yield f"{module}.weight", decoder.decode(f"{module}.weight", parts).to(dtype)
     if pending:
@@ -163,21 +191,30 @@ def decoded(
             f"{module}.weight: its {decoder.name} tensors are incomplete in the checkpoint (found {sorted(parts)}; "
             f"{len(pending)} such weights)"
         )
+    if kept:
+        log.info(
+            "kept %d %s weights packed (%d bytes per %d values)", kept, decoder.name, FP8_FORMAT.block_bytes, BLOCK
+        )
     if count:
         log.info("decoded %d %s weights at load to %s (--isq q8_0 packs them again)", count, decoder.name, dtype)
 
 
 def scaled(weight: Tensor, scale: Tensor, name: str, block: tuple[int, int] | None = None) -> Tensor:
-    """``weight`` [N, K] (fp8) times ``scale``: one value, one per row ([N] or [N, 1]) or one per
-    ``block`` of bn x bk ([ceil(N / bn), ceil(K / bk)]), in fp32."""
-    values, scale = weight.float(), scale.float()
-    rows, cols = values.shape[-2:]
+    """``weight`` [N, K] (fp8) times ``scale`` (:func:`scales_of`), in fp32."""
+    return weight.float() * scales_of(weight.shape, scale, name, block)
+
+
+def scales_of(shape: Sequence[int], scale: Tensor, name: str, block: tuple[int, int] | None = None) -> Tensor:
+    """The scale of each value of a weight of ``shape`` [..., N, K] (broadcast to it) given ``scale``: one
+    value, one per row ([N] or [N, 1]) or one per ``block`` of bn x bk ([ceil(N / bn), ceil(K / bk)])."""
+    scale = scale.float()
+    rows, cols = shape[-2:]
     if scale.numel() == 1:
-        return values * scale.reshape(())
+        return scale.reshape(()).expand(rows, cols)
     if block is None and (scale.dim() == 1 or scale.shape[-1] == 1):
         if scale.shape[0] != rows:
             raise ValueError(f"{name}: {scale.shape[0]} row scales for {rows} rows")
-        return values * scale.reshape(rows, 1)
+        return scale.reshape(rows, 1).expand(rows, cols)
     grid_rows, grid_cols = scale.shape[-2:]
     if block is None:  # no block size given: only blocks that divide the weight evenly are unambiguous
         if rows % grid_rows or cols % grid_cols:
@@ -187,4 +224,4 @@ def scaled(weight: Tensor, scale: Tensor, name: str, block: tuple[int, int] | No
     if (-(-rows // block_rows), -(-cols // block_cols)) != (grid_rows, grid_cols):
         raise ValueError(f"{name}: scales {tuple(scale.shape)} do not tile {(rows, cols)} values in blocks of {block}")
     expanded = scale.repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)
-    return values * expanded[..., :rows, :cols]
+    return expanded[..., :rows, :cols]
