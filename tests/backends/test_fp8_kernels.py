@@ -15,6 +15,7 @@ from torch import Tensor
 from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
 from xinfer.torch_ops import TorchOps
+from xinfer_cuda.fp8_tensor_cores import FP8_KERNELS, quantize_activations, to_tensor_core_layout
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
@@ -101,3 +102,43 @@ def test_linear_and_moe_dispatch_to_the_kernels():
     ref = TorchOps().fused_moe(x.cpu(), dense13, dense2, weights.cpu(), ids.cpu(), "silu")
     check(out, ref, torch.float32)
     assert quant_moe.MAX_SLOTS >= ids.numel()  # the fused kernel, not the expert-by-expert path
+
+
+# --- the tensor-core path (XINFER_FP8_MATMUL=tensor-cores, SM90) ---------------------------------------
+
+
+def test_tensor_core_layout_holds_the_same_values_in_the_same_bytes():
+    packed = random_packed(6, 3 * 128, FP8)
+    weight = quantized(packed, CORE, (6, 3 * 128))
+    moved = to_tensor_core_layout(weight)
+    assert moved.nbytes == weight.nbytes and moved.shape == weight.shape
+    assert torch.equal(moved.dequantize(), weight.dequantize())
+
+
+def test_activations_quantize_per_token_and_128_columns():
+    x = torch.randn(3, 256) * torch.tensor([1e-2, 1.0, 30.0])[:, None]
+    codes, scales = quantize_activations(x)
+    assert scales.shape == (3, 2) and scales.stride() == (1, 3)  # column-major, as scaled_mm reads them
+    back = codes.float() * scales.repeat_interleave(128, dim=1)
+    assert torch.all((back - x).abs() <= x.abs() * 2**-4 + 1e-30)
+    assert torch.allclose(back.unflatten(1, (2, 128)).abs().amax(-1), x.unflatten(1, (2, 128)).abs().amax(-1))
+
+
+SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not SM90, reason="FP8 tensor cores with 1x128 block scales: SM90 (Hopper) only")
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_tensor_cores_match_the_weight_times_quantized_activations(rows, monkeypatch):
+    monkeypatch.setenv("XINFER_FP8_MATMUL", "tensor-cores")
+    backend = CudaOps()
+    n, k = 4096, 2048
+    weight = quantized(random_packed(n, k, FP8, scale=1e-2, device=DEVICE), CORE, (n, k))
+    prepared = FP8_KERNELS.prepare(weight)
+    assert prepared.format.name == "fp8_tensor_cores"
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    with ops.use(backend):
+        out = ops.linear(x, prepared, None)
+    codes, scales = quantize_activations(x)
+    meant = codes.float() * scales.repeat_interleave(128, dim=1)
+    check(out, meant.cpu() @ reference(weight.raw).T, torch.bfloat16)
