@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3MoeConfig
 
-from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
+from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match, randomize
 from tests.quant.test_quantized_checkpoint import ROWS, fp8_model
-from tests.tiny_models import COMMON
+from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
+from xinfer import LLM
+from xinfer.layers.linear import Linear
 from xinfer.quant import QuantizedTensor, get_weight_format
 
 WIDE = {**COMMON, "hidden_size": 128, "intermediate_size": 256}  # rows of whole 128-value blocks
@@ -62,3 +64,18 @@ def test_fp8_experts_stay_packed(tmp_path):
     experts = [m for m in llm.engine.model.modules() if hasattr(m, "w13")]
     assert experts and all(isinstance(m.w13, QuantizedTensor) and isinstance(m.w2, QuantizedTensor) for m in experts)
     assert_greedy_tokens_and_logprobs_match(hf, llm, 11)
+
+
+def test_isq_fp8_packs_the_linears_of_a_float_checkpoint(tmp_path):
+    """Within e4m3's 3 mantissa bits: q8_0 stays within 0.02 and q4_0 within 0.25 (test_loading.py)."""
+    config = LlamaConfig(**WIDE, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    hf = save_tiny_model(config, tmp_path)
+    randomize(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    float_llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, isq="fp8")
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.weight, QuantizedTensor) and m.weight.format.name == "fp8" for m in linears)
+    expected, got = prefill_logits(float_llm.engine, prompt(24)), prefill_logits(llm.engine, prompt(24))
+    error = float((got - expected).abs().max() / expected.abs().max())
+    assert 0 < error <= 0.15, f"max|diff|/max|logit| = {error:.3f}"
