@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from xinfer.quant.fp8_format import BLOCK, Fp8Format, pack
-from xinfer.quant.tensor import QuantizedTensor
+from xinfer.quant.tensor import QuantizedTensor, get_weight_format
 
 log = logging.getLogger("xinfer")
 
@@ -139,9 +139,85 @@ def unpack_rows(words: Tensor, bits: int, count: int) -> Tensor:
     return values - (1 << (bits - 1))
 
 
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble of its word holding each of 8 columns
+
+
+class GroupedInt4(Decoder):
+    """AutoGPTQ's and AutoAWQ's 4-bit weights with a scale and a zero point per ``group`` input columns:
+    ``X.qweight``, ``X.qzeros`` (int32 words of 8 values, the low nibble first) and ``X.scales`` (fp16,
+    [K / group, N]); the weight [N, K] is ``scale * (q - zero)``. GPTQ packs ``qweight`` [K / 8, N] along the
+    input columns and stores each zero less one (its ``checkpoint_format`` ``gptq``; not ``gptq_v2``), with
+    ``X.g_idx`` each input column's group (activation order, ``desc_act``, makes it a permutation). AWQ
+    (``version`` ``gemm``) packs both ``qweight`` [K, N / 8] and ``qzeros`` along the output rows, its 8
+    values a word in the order :data:`AWQ_ORDER` undoes.
+
+    Kept packed as Q4_1 (``d * q + m``, blocks of 32: ``d`` the scale, ``m = -scale * zero`` rounded to
+    fp16) where each block of 32 columns is in one group, else decoded at load."""
+
+    name = "4-bit"
+
+    def __init__(self, method: str, group: int, gptq_v1: bool):
+        self.method, self.group, self.zero_offset = method, group, 1 if gptq_v1 else 0
+        self.parts = ("qweight", "qzeros", "scales", "g_idx") if method == "gptq" else ("qweight", "qzeros", "scales")
+
+    def complete(self, parts: Mapping[str, Tensor]) -> bool:
+        return set(self.parts) <= parts.keys()
+
+    def values(self, name: str, parts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """q [N, K], each column's group [K], the scales and zeros [groups, N]."""
+        scales = parts["scales"].float()
+        groups, rows = scales.shape
+        if self.method == "gptq":
+            q = nibbles(parts["qweight"].T)
+            zeros = nibbles(parts["qzeros"]) + self.zero_offset
+            group = parts["g_idx"].long()
+        else:
+            q = awq_order(nibbles(parts["qweight"])).T
+            zeros = awq_order(nibbles(parts["qzeros"]))
+            group = torch.arange(q.shape[1]) // self.group
+        cols = q.shape[1]
+        if q.shape[0] != rows or group.shape != (cols,) or zeros.shape != scales.shape or int(group.max()) >= groups:
+            raise ValueError(
+                f"{name}: {self.method} tensors of shapes qweight {tuple(parts['qweight'].shape)}, qzeros "
+                f"{tuple(parts['qzeros'].shape)}, scales {tuple(scales.shape)} do not make one 4-bit weight "
+                f"in groups of {self.group}"
+            )
+        return q, group, scales, zeros
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        q, group, scales, zeros = self.values(name, parts)
+        return scales.T[:, group] * (q - zeros.T[:, group]).float()
+
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        q, group, scales, zeros = self.values(name, parts)
+        rows, cols = q.shape
+        block_group = group[::32]
+        if cols % 32 or not torch.equal(group, block_group.repeat_interleave(32)):
+            return None  # a block of 32 columns spans groups (activation order): decoded
+        d = scales.T[:, block_group].half()
+        m = (-scales * zeros.float()).T[:, block_group].half()
+        nib = q.to(torch.uint8).reshape(rows, cols // 32, 2, 16)
+        qs = nib[:, :, 0] | (nib[:, :, 1] << 4)
+        blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), qs], dim=-1)
+        return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), get_weight_format("q4_1"), (rows, cols))
+
+
+def nibbles(words: Tensor) -> Tensor:
+    """[R, W] int32 words of 8 4-bit values, the low nibble first, as [R, 8 W] values 0..15."""
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    return ((words.to(torch.int64)[..., None] >> shifts) & 15).flatten(-2)
+
+
+def awq_order(values: Tensor) -> Tensor:
+    """AWQ's unpacked values [R, C] in their columns' order."""
+    return values.unflatten(-1, (-1, 8))[..., list(AWQ_ORDER)].flatten(-2)
+
+
 def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
     """The decoder of a config's ``quantization_config``, or None where none here reads it."""
     method = quantization.get("quant_method")
+    if method in ("gptq", "awq"):
+        return _grouped_int4(method, quantization)
     if method in ("fp8", "fbgemm_fp8"):
         return Fp8(_block(quantization.get("weight_block_size")))
     if method != "compressed-tensors":
@@ -155,6 +231,26 @@ def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
     if w.get("type") == "int" and quantization.get("format") == "pack-quantized" and 32 % int(w["num_bits"]) == 0:
         return PackedIntegers(w)
     return None
+
+
+def _grouped_int4(method: str, quantization: Mapping[str, Any]) -> GroupedInt4:
+    """The decoder of a GPTQ or AWQ config; an option not read yet is one error naming the field."""
+    bits = quantization.get("bits", quantization.get("w_bit"))
+    group = int(quantization.get("group_size", quantization.get("q_group_size", -1)))
+    unread = None
+    if bits != 4:
+        unread = f"bits {bits!r} (4 is read)"
+    elif group <= 0:
+        unread = f"group_size {group} (groups of a row's columns are read)"
+    elif method == "awq" and str(quantization.get("version", "gemm")).lower() != "gemm":
+        unread = f"version {quantization['version']!r} (gemm is read)"
+    elif method == "awq" and not quantization.get("zero_point", True):
+        unread = "zero_point false"
+    elif method == "gptq" and quantization.get("checkpoint_format", "gptq") != "gptq":
+        unread = f"checkpoint_format {quantization['checkpoint_format']!r} (gptq is read)"
+    if unread:
+        raise ValueError(f"quantization_config quant_method {method!r} with {unread} is not read yet")
+    return GroupedInt4(method, group, gptq_v1=method == "gptq")
 
 
 def _block(block: Any) -> tuple[int, int] | None:
