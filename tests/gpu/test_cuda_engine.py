@@ -147,10 +147,10 @@ def count_replays(runner) -> list[tuple[bool, bool]]:
     """(decode step, replayed) for each step the graphs are asked to run."""
     graphs, seen = runner.graphs, []
 
-    def replay(batch, pending=None):
-        logits = graphs(batch, pending)
-        seen.append((batch.is_decode, logits is not None))
-        return logits
+    def replay(batch, pending=None, sampling=()):
+        stepped = graphs(batch, pending, sampling)
+        seen.append((batch.is_decode, stepped is not None))
+        return stepped
 
     runner.graphs = replay
     return seen
@@ -174,8 +174,9 @@ class OurKernels(SmallBatchLinear):
     """Picks, without measuring, a one-row GEMV tile (unrolled) for one row and a dot
     tile for more."""
 
-    def fastest(self, x, weight, bias, tiles):
-        return ONE_ROW_TILES[7] if x.shape[0] == 1 else DOT_TILES[2]
+    def fastest(self, key, weight, baseline, tile_call, tiles):
+        rows = {"route": 1, "norm": key[1]}.get(key[0], key[0])  # (keys of the routed and norm-fused linears)
+        return ONE_ROW_TILES[7] if rows == 1 else DOT_TILES[2]
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
