@@ -80,7 +80,20 @@ class HeadNorms:
     eps: float
 
 
-class Ops(Protocol):
+class DeviceHooks(Protocol):
+    """What the core and kernels ask a backend about its device, beyond the ops."""
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An empty host tensor for copies to the device (pinned where that lets a copy not
+        wait)."""
+
+    def launch_chain(self, device: torch.device) -> dict[str, Any]:
+        """Launch arguments with which a Triton kernel on ``device`` joins this backend's
+        launch chain (see :mod:`xinfer.kernel_api`): ``ENTER``, a ``@triton.jit`` function of
+        no arguments the kernel calls first, and launch options; empty for none."""
+
+
+class Ops(DeviceHooks, Protocol):
     """What a backend provides: every op below, and what it supports beyond them, checked
     at start-up (:func:`xinfer.backend.check_support`). :class:`xinfer.torch_ops.TorchOps`
     is the reference of every op; a backend subclasses it and overrides op by op."""
@@ -364,6 +377,11 @@ def use(ops: Ops) -> Iterator[None]:
 def current() -> Ops:
     if _current is None:
         raise RuntimeError("no backend in use: call xinfer.ops.use(...) first")
+    return _current
+
+
+def in_use() -> Ops | None:
+    """The backend in use; None outside any."""
     return _current
 
 

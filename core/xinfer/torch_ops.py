@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +43,21 @@ class TorchOps:
       :class:`xinfer.quant.WeightKernels` ("module:attribute"); every other format runs
       through the reference, which dequantizes per call (:mod:`xinfer.quant.dispatch`).
 
-    A subclass that overrides :meth:`attention` declares what its kernel does.
+    A subclass that overrides :meth:`attention` declares what its kernel does, and one whose
+    device wants them overrides the :class:`~xinfer.ops.DeviceHooks` (here: host buffers not
+    pinned, kernels launched in no chain).
     """
 
     name: str = "torch"
     kv_formats: frozenset[str] | None = None
     recent_window: bool = True
     weight_kernels: Mapping[str, str] = {}
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def launch_chain(self, device: torch.device) -> dict[str, Any]:
+        return {}
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)

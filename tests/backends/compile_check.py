@@ -29,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from xinfer import ops
 from xinfer.kv import get_format
 from xinfer.layers.moe import Routing
 from xinfer.ops import AttentionMetadata, HeadNorms, ShadowPages
@@ -53,6 +54,7 @@ from xinfer_cuda.kernels import (
 )
 from xinfer_cuda.kernels.gguf_blocks import FORMATS
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
+from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.quant_weights import candidates
 from xinfer_deepseek.kernels import indexer, mla, sparse_mla
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
@@ -115,10 +117,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     def gpu_pdl(device):  # as on such a GPU
         return {"PDL": cc >= 90, "launch_pdl": cc >= 90}
 
-    launch.pdl = gpu_pdl
-    for module in MODULES:  # the plugins' kernels import it by name (from kernel_api)
-        if hasattr(module, "pdl"):
-            module.pdl = gpu_pdl
+    launch.pdl = gpu_pdl  # (the plugins' kernels get the chain from the backend in use: see main)
 
     def t(*shape, dt=dtype):
         return torch.randn(*shape).to(dt)
@@ -208,6 +207,8 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         if fmt.name in MEASURED_FORMATS:
             for tokens in (1, 16, 32, 64):
                 for tile in candidates(fmt, tokens):
+                    if tile is quant_linear.DEQUANTIZED:  # (dequantize + a dense product: no kernel of its own)
+                        continue
                     quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name, None, tile)
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and
     # fp8 rows: the store, decode with and without splits, prefill
@@ -381,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     shared_mem = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
     failures = 0
     for cc in args.targets:
-        record_launches(dtype, shared_mem.get(cc, 101376), cc)
+        with ops.use(CudaOps()):
+            record_launches(dtype, shared_mem.get(cc, 101376), cc)
         unique = {}
         for index, (fn, _, kwargs) in enumerate(LAUNCHES):
             unique.setdefault((fn, repr(sorted(kwargs.items()))), index)  # (kernels of several modules share names)

@@ -8,7 +8,7 @@ also run on CPU tensors (that is how CI tests them).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from xinfer_cuda.kernels import (
     encoder_attention,
     kv_quant_write,
     kv_write,
+    launch,
     moe,
     moe_routing,
     norm,
@@ -49,6 +50,12 @@ class CudaOps(TorchOps):
     weight_kernels = WEIGHT_KERNELS  # the GGUF block formats, read packed
 
     small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)  # copied to the GPU without waiting
+
+    def launch_chain(self, device: torch.device) -> dict[str, Any]:
+        return launch.launch_chain(device)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS:  # small decode batches: measured per shape

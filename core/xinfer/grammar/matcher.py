@@ -20,6 +20,7 @@ import llguidance.torch as llguidance_torch
 import torch
 from torch import Tensor
 
+from xinfer import ops
 from xinfer.grammar.spec import StructuredOutputs, one_line
 
 
@@ -78,10 +79,9 @@ class Constraint:
 
 def fill_bitmask(constraints: Sequence[Constraint]) -> Tensor:
     """The allowed-token bitmask [len(constraints), words] (int32, bit ``t % 32`` of word
-    ``t // 32`` set: token ``t`` allowed) of constraints of one compiler, in pinned memory
-    where an accelerator is at hand (so that its copy to the device does not wait)."""
-    pinned = torch.accelerator.is_available()
-    bitmask = torch.empty((len(constraints), constraints[0].words), dtype=torch.int32, pin_memory=pinned)
+    ``t // 32`` set: token ``t`` allowed) of constraints of one compiler, in a host buffer of
+    the backend in use (to be copied to its device)."""
+    bitmask = ops.current().host_buffer((len(constraints), constraints[0].words), torch.int32)
     pairs = [(c.matcher, row) for row, c in enumerate(constraints)]
     llguidance_torch.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
     return bitmask

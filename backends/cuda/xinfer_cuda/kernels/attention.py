@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import LOG2E, MAX_SPLITS, NEG_BIG, decode_num_splits, tile_owner
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import arrivals, launch
@@ -68,11 +69,6 @@ from xinfer_cuda.kernels.kv_codes import (
 from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.three_bit_keys import three_bit_scores
-
-LOG2E = 1.4426950408889634
-# Finite "minus infinity" for running maxima: a row that sees no key in a tile keeps
-# exp2(-inf - NEG_BIG) == 0 and exp2(NEG_BIG - NEG_BIG) == 1 instead of NaN.
-NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 MASK_NONE: tl.constexpr = tl.constexpr(0)  # every key of the range is visible to every row
 MASK_BOUNDS: tl.constexpr = tl.constexpr(1)  # keys past the end of the range are hidden
@@ -426,25 +422,6 @@ def _attend_keys(
 
 
 @triton.jit
-def _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE: tl.constexpr):
-    """The sequence whose query tiles include ``tile``, by binary search.
-
-    Sequence ``b``'s tiles start at ``cu_seqlens_q[b] // Q_PER_TILE + b``: one more tile
-    per sequence than its share of the flat batch covers a sequence whose queries
-    straddle tile boundaries. The starts increase, so the owner is the last sequence
-    whose start is at most ``tile``.
-    """
-    lo = tl.full([], 0, tl.int32)
-    hi = lo + num_seqs  # start(lo) <= tile < start(hi), taking start(num_seqs) as infinite
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        owns = tl.load(cu_seqlens_q_ptr + mid) // Q_PER_TILE + mid <= tile
-        lo = tl.where(owns, mid, lo)
-        hi = tl.where(owns, hi, mid)
-    return lo
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -518,7 +495,7 @@ def _prefill_kernel(
     # longest work starts first, which shortens the tail of the launch.
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
+    seq = tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     nth_tile = tile - q_start // Q_PER_TILE - seq
@@ -878,7 +855,6 @@ class TileConfig:
     num_stages: int
 
 
-MAX_SPLITS = 64
 # Up to this many splits the last of a (sequence, KV head)'s programs merges their partials
 # (a serial loop over the parts) instead of a reduce launch; past it the reduce's programs
 # per (sequence, head) merge faster than the one program would.
@@ -962,17 +938,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _device_limits(device.index or 0)[1]
-
-
-def decode_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, min_split: int, waves: int = 2
-) -> int:
-    """Splits per (sequence, KV head): enough programs for about ``waves`` waves over
-    the multiprocessors, from shapes only (graph-safe). A power of two."""
-    wanted = triton.cdiv(waves * num_sms, max(num_seqs * num_kv_heads, 1))
-    useful = triton.cdiv(max_context, min_split)
-    splits = max(1, min(wanted, useful, MAX_SPLITS))
-    return triton.next_power_of_2(splits)
 
 
 _PROGRAMS_PER_SM: dict[tuple, int] = {}  # (kernel, device and dtypes, constexprs) -> programs
@@ -1181,7 +1146,7 @@ def attend_sides(
         block_m = max(cfg.block_m, triton.next_power_of_2(group))
         q_per_tile = block_m // group
         # Tiles from shapes only (graph-safe): the last sequence's tiles end before
-        # T // q_per_tile + num_seqs (see _tile_owner); programs past a sequence's
+        # T // q_per_tile + num_seqs (see tile_owner); programs past a sequence's
         # queries exit at once.
         grid = (num_tokens // q_per_tile + meta.num_seqs, num_kv_heads)
         _prefill_kernel[grid](

@@ -2,7 +2,7 @@
 the patches of each image of a vision encoder's batch attend to each other, all images in one launch.
 
 One program per (query tile, query head). The tiles of a segment start at
-``cu_seqlens[b] // BLOCK_M + b`` (:func:`~xinfer_cuda.kernels.attention._tile_owner`), so the grid
+``cu_seqlens[b] // BLOCK_M + b`` (:func:`~xinfer.kernel_api.tile_owner`), so the grid
 depends only on the token and segment counts. Each program folds its segment's keys in tiles into an
 online softmax (fp32, base 2). Queries, keys and values are read through their strides: the views of
 a merged QKV projection need no copy. A head dim that is not a power of two is padded in registers.
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer_cuda.kernels.attention import LOG2E, NEG_BIG, _tile_owner
+from xinfer.kernel_api import LOG2E, NEG_BIG, tile_owner
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _encoder_attention_kernel(
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _tile_owner(cu_seqlens_ptr, num_seqs, tile, BLOCK_M)
+    seq = tile_owner(cu_seqlens_ptr, num_seqs, tile, BLOCK_M)
     start = tl.load(cu_seqlens_ptr + seq)
     end = tl.load(cu_seqlens_ptr + seq + 1)
     first = start + (tile - start // BLOCK_M - seq) * BLOCK_M

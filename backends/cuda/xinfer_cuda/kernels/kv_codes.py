@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import FP8_MAX_C, fp8_value
 from xinfer.kv import LayerKVCache
 from xinfer.kv.codecs import GAUSSIAN_LEVELS, Codec, Fp8, LloydMax, Plain, Uniform
 from xinfer.kv.codes import FP8_MAX, TINY
@@ -107,7 +108,6 @@ def _levels(num_levels: int, device: torch.device) -> Tensor:
     return torch.cat((-half.flip(0), half)).to(device)
 
 
-FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
 TINY_C: tl.constexpr = tl.constexpr(TINY)
 # fp16 bits 0x6400 are 1024 with a 10-bit mantissa of zeros: OR-ing in a code c < 1024
 # gives the fp16 number 1024 + c, so codes become numbers without a conversion.
@@ -132,15 +132,6 @@ def fp8_bits(y):
     q = round_half_even(a * tl.exp2((3 - exponent).to(tl.float32)))
     bits = exponent * 8 + q.to(tl.int32) + 48
     return tl.where(y < 0, bits | 0x80, bits)
-
-
-@triton.jit
-def fp8_value(bits):
-    """e4m3fn bits -> value / 256 as fp16: the bits moved into an fp16 (same mantissa,
-    the exponent bias differs by 8; subnormals stay exact)."""
-    b = bits.to(tl.int16)
-    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return h.to(tl.float16, bitcast=True)
 
 
 @triton.jit

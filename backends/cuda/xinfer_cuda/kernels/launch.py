@@ -6,12 +6,15 @@ a few microseconds each, so those gaps are a good part of its time.
 Every kernel of this backend starts with :func:`pdl_entry`: it waits until the
 kernel before it has finished and its writes are visible (before reading anything,
 so that completion stays ordered down the whole chain, even for programs that then
-return at once), and then lets the next kernel launch.
+return at once), and then lets the next kernel launch. Plugins' kernels join the
+chain without importing this backend (:mod:`xinfer.kernel_api`): :func:`launch_chain`
+hands them :func:`pdl_enter` as their ``ENTER``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -20,10 +23,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def pdl_enter():
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+@triton.jit
 def pdl_entry(PDL: tl.constexpr):
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl_enter()
 
 
 @functools.cache
@@ -38,3 +46,9 @@ def pdl(device: torch.device) -> dict[str, bool]:
         device.index if device.index is not None else torch.cuda.current_device()
     )
     return {"PDL": on, "launch_pdl": on}
+
+
+def launch_chain(device: torch.device) -> dict[str, Any]:
+    """The chain's launch arguments for a plugin's kernel on ``device`` (see
+    :meth:`xinfer.ops.DeviceHooks.launch_chain`)."""
+    return {"ENTER": pdl_enter, "launch_pdl": True} if pdl(device)["PDL"] else {}

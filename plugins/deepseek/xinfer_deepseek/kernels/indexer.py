@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernel_api import pdl, pdl_entry
 from xinfer_deepseek.kernels.mla import _load_rows, _store_kernel
 
 DOT_MIN = 16  # tl.dot's smallest side
@@ -26,8 +26,8 @@ DOT_MIN = 16  # tl.dot's smallest side
 def _score_kernel(q_ptr, weights_ptr, cache_ptr, scores_ptr, cu_seqlens_q_ptr, seq_lens_ptr, seq_of_token_ptr,
                   block_table_ptr, num_seqs, num_heads, width, scale, stride_q_t, stride_q_h, stride_w_t,
                   stride_s_t, stride_table, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    pdl_entry(PDL)
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ENTER: tl.constexpr):  # fmt: skip
+    ENTER()
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     seq = tl.load(seq_of_token_ptr + tok)
@@ -64,7 +64,7 @@ def indexer_topk(
     selected = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return selected
-    launch = pdl(q.device)
+    launch = launch_chain(q.device)
     _store_kernel[(num_tokens,)](key, cache, meta.slot_mapping, key.stride(0), WIDTH=dim,
                                  BLOCK_W=triton.next_power_of_2(dim), **launch)  # fmt: skip
     width = meta.block_tables.shape[1] * block_size  # every position a page table holds

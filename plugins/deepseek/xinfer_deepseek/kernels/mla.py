@@ -37,15 +37,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import FP8_MAX_C, LOG2E, NEG_BIG, decode_num_splits, fp8_value, launch_chain, tile_owner
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernel_api import FP8_MAX_C, LOG2E, NEG_BIG, decode_num_splits, fp8_value, pdl, pdl_entry, tile_owner
 from xinfer_deepseek.mla_ops import encode_fp8, fp8_groups
 
 
 @triton.jit
 def _store_kernel(rows_ptr, cache_ptr, slot_mapping_ptr, stride_tok, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-                  PDL: tl.constexpr):  # fmt: skip
-    pdl_entry(PDL)
+                  ENTER: tl.constexpr):  # fmt: skip
+    ENTER()
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
     if slot < 0:  # padding
@@ -125,9 +125,9 @@ def _prefill_kernel(
     Q_PER_TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr,
     GROUP: tl.constexpr, LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
+    ENTER()
     tile = tl.program_id(0)
     head_group = tl.program_id(1)
     seq = tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
@@ -168,9 +168,9 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, PARTIAL: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
+    ENTER()
     head_group = tl.program_id(0)  # fastest: every head group of a sequence's split together
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -209,9 +209,9 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_q_ptr, num_heads, stride_o_tok, stride_o_head,
-    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
+    ENTER()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -351,7 +351,7 @@ def _attention(
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    launch = pdl(q_latent.device)
+    launch = launch_chain(q_latent.device)
     _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
                                  BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
 

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import LOG2E, NEG_BIG, launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernel_api import LOG2E, NEG_BIG, pdl, pdl_entry
 from xinfer_deepseek.kernels.mla import _load_rows, _store_kernel
 
 DOT_MIN = 16  # tl.dot's smallest side
@@ -28,8 +28,8 @@ def _sparse_kernel(q_latent_ptr, q_rope_ptr, cache_ptr, out_ptr, selected_ptr, s
                    num_seqs, num_heads, num_selected, score_scale, stride_ql_t, stride_ql_h, stride_qr_t, stride_qr_h,
                    stride_o_t, stride_o_h, stride_sel, stride_table, BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr,
                    R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    pdl_entry(PDL)
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ENTER: tl.constexpr):  # fmt: skip
+    ENTER()
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < num_heads
@@ -91,7 +91,7 @@ def sparse_mla_attention(
     out = torch.zeros(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    launch = pdl(q_latent.device)
+    launch = launch_chain(q_latent.device)
     _store_kernel[(num_tokens,)](latent, cache, meta.slot_mapping, latent.stride(0), WIDTH=width,
                                  BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
     tokens = torch.arange(num_tokens, device=q_latent.device, dtype=meta.cu_seqlens_q.dtype)

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernel_api import pdl, pdl_entry
 
 ACTIVATIONS = (None, "silu", "swish")
 MAX_BLOCK_T = 16  # 64 registers a thread at 8 warps (Triton 3.6, sm_90): 4 programs an SM; 32 rows take 127
@@ -93,9 +93,9 @@ def _causal_conv1d_kernel(
     x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr,
     stride_x, stride_out, stride_state_slot, stride_state_c, stride_state_k, num_channels, num_seqs,
     WIDTH: tl.constexpr, WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
+    ENTER()
     seq, row_tile = _find_tile(cu_seqlens_ptr, num_seqs, tl.program_id(1), BLOCK_T, SEARCH)
     if seq >= num_seqs:
         return
@@ -154,6 +154,6 @@ def causal_conv1d(
         x, weight.contiguous(), x if bias is None else bias, state, out, meta.cu_seqlens_q, meta.seq_lens, slots,
         x.stride(0), out.stride(0), *state.stride(), channels, meta.num_seqs,
         WIDTH=width, WINDOW=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
-        SILU=activation is not None, BLOCK_T=block_t, BLOCK_C=BLOCK_C, SEARCH=SEARCH, num_warps=num_warps, **pdl(x.device),
+        SILU=activation is not None, BLOCK_T=block_t, BLOCK_C=BLOCK_C, SEARCH=SEARCH, num_warps=num_warps, **launch_chain(x.device),
     )  # fmt: skip
     return out

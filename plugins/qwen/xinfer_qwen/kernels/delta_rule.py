@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernel_api import pdl, pdl_entry
 from xinfer_qwen.kernels import fla_prefill
 
 CHUNK = 64
@@ -51,9 +51,9 @@ def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_beta_t,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_k, dim_k, dim_v, scale,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
+    ENTER()
     seq, head = tl.program_id(0), tl.program_id(1)
     lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
     if hi == lo:
@@ -117,12 +117,12 @@ def _decays(cum_g, CHUNK: tl.constexpr, INCLUSIVE: tl.constexpr):
 def _inverse_kernel(
     k_ptr, g_ptr, beta_ptr, inverse_ptr, cu_seqlens_ptr,
     stride_k_t, stride_k_h, stride_g_t, stride_beta_t, dim_k, num_heads,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
     """``(I + A)^-1`` of one chunk of one head, into rows ``start:start + CHUNK`` of
     ``inverse`` [T, H, CHUNK], by forward substitution: row i of the inverse is
     ``e_i - sum_{j<i} A_ij row_j``."""
-    pdl_entry(PDL)
+    ENTER()
     seq, chunk, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
     start = lo + chunk * CHUNK
@@ -147,9 +147,9 @@ def _chunk_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_beta_t,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_k, dim_k, dim_v, num_heads, scale,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr,
-    PDL: tl.constexpr,
+    ENTER: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
+    ENTER()
     seq, head = tl.program_id(0), tl.program_id(1)
     lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
     if hi == lo:
@@ -213,7 +213,7 @@ def gated_delta_rule(
     block_k = triton.next_power_of_2(dim_k)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0), *out.stride()[:2],
                *state.stride()[:3])  # fmt: skip
-    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=block_k, **pdl(v.device))
+    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=block_k, **launch_chain(v.device))
     if meta.max_seqlen_q == 1:
         grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
         _recurrent_kernel[grid](

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer.kernel_api import launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_cuda.kernel_api import pdl, pdl_entry
 
 log = logging.getLogger("xinfer")
 
@@ -98,10 +98,10 @@ def chunk_indices(cu_seqlens: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
 
 @triton.jit
 def _gather_kernel(state_ptr, initial_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr, stride_state_slot, numel,
-                   BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, ENTER: tl.constexpr):  # fmt: skip
     """``initial[n] = state[slots[n]]`` (a block of it) for a sequence ``n`` that continues, zeros
     for one that starts; nothing for a sequence of no rows (fla only carries its state through)."""
-    pdl_entry(PDL)
+    ENTER()
     seq = tl.program_id(0)
     lo = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - lo
@@ -116,9 +116,9 @@ def _gather_kernel(state_ptr, initial_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_p
 
 @triton.jit
 def _write_back_kernel(final_ptr, state_ptr, cu_seqlens_ptr, slots_ptr, stride_state_slot, numel,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                       BLOCK: tl.constexpr, ENTER: tl.constexpr):  # fmt: skip
     """``state[slots[n]] = final[n]`` (a block of it) for a sequence ``n`` with rows in the step."""
-    pdl_entry(PDL)
+    ENTER()
     seq = tl.program_id(0)
     if tl.load(cu_seqlens_ptr + seq + 1) == tl.load(cu_seqlens_ptr + seq):
         return
@@ -146,7 +146,7 @@ def gated_delta_rule(
     tokens, num_seqs = v.shape[0], meta.num_seqs
     cu_seqlens, indices = chunk_indices(meta.cu_seqlens_q, tokens)
     grid = (num_seqs, triton.cdiv(per_slot, COPY_BLOCK))
-    copy = dict(BLOCK=COPY_BLOCK, num_warps=4, **pdl(state.device))
+    copy = dict(BLOCK=COPY_BLOCK, num_warps=4, **launch_chain(state.device))
     # the rows of sequences of no rows (padding, and the spare chunks' extra one) stay undefined: fla only
     # carries them to its final states, which are not written back
     initial = torch.empty((num_seqs + 1, *state.shape[1:]), dtype=torch.float32, device=state.device)
