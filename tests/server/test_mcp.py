@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
 from tests.server.live import REPO, LiveServer
@@ -183,3 +184,61 @@ def test_an_mcp_call_is_run_and_its_result_fed_back(mcp_claude, mcp_model):
     assert result.tool_use_id == use.id and not result.is_error
     assert result.content[0]["text"] == str(use.input["a"] + use.input["b"])
     assert kinds[-1] == "text" and answer.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.fixture(scope="module")
+def mcp_openai(mcp_server):
+    return mcp_server.client(timeout=120)
+
+
+ADD = {"type": "function", "function": {"name": "add"}}
+
+
+def test_chat_runs_an_mcp_call_and_feeds_its_result_back(mcp_openai, mcp_model):
+    """The same rounds on /v1/chat/completions: the forced call is run on the MCP server, its result
+    goes back through the chat template, and the model answers; the run call is in ``mcp_calls``."""
+    answer = mcp_openai.chat.completions.create(
+        model=mcp_model, max_tokens=16, messages=TURNS, tool_choice=ADD, temperature=0, extra_body={"mcp": ["tools"]}
+    )
+    message = answer.choices[0].message
+    [ran] = message.mcp_calls
+    arguments = json.loads(ran["arguments"])
+    assert ran["name"] == "add" and ran["server_name"] == "tools" and set(arguments) == {"a", "b"}
+    assert ran["output"] == str(arguments["a"] + arguments["b"]) and not ran["is_error"]
+    assert message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+
+    streamed = mcp_openai.chat.completions.create(
+        model=mcp_model, max_tokens=16, messages=TURNS, tool_choice=ADD, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"mcp": ["tools"]},
+    )  # fmt: skip
+    chunks = list(streamed)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    [streamed_ran] = [item for d in deltas for item in (d.model_extra or {}).get("mcp_calls") or []]
+    assert {k: v for k, v in streamed_ran.items() if k != "id"} == {k: v for k, v in ran.items() if k != "id"}
+    assert "".join(d.content or "" for d in deltas) == message.content  # greedy: the same final answer
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+
+def test_chat_mcp_errors(mcp_openai, mcp_model):
+    crash = {"type": "function", "function": {"name": "crash"}}
+    with pytest.raises(openai.APIStatusError) as crashed:
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=crash,
+                                           extra_body={"mcp": ["tools"]})  # fmt: skip
+    assert crashed.value.status_code == 502
+    assert "'tools' closed the connection while calling 'crash'" in str(crashed.value)
+    stream = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=crash,
+                                                stream=True, extra_body={"mcp": ["tools"]})  # fmt: skip
+    with pytest.raises(openai.APIError, match="closed the connection while calling 'crash'"):
+        list(stream)
+    # the server is started again for the next request
+    again = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=ADD,
+                                               extra_body={"mcp": ["tools"]})  # fmt: skip
+    assert again.choices[0].message.mcp_calls[0]["name"] == "add"
+    with pytest.raises(openai.BadRequestError, match="no MCP server named 'nope'"):
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["nope"]})
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, n=2,
+                                           extra_body={"mcp": ["tools"]})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="'other', which is not in tools"):
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["tools"]},
+                                           tool_choice={"type": "function", "function": {"name": "other"}})  # fmt: skip

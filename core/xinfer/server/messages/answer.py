@@ -17,7 +17,7 @@ from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import anthropic_error_body
-from xinfer.server.messages.calls import Call, read_calls
+from xinfer.server.messages.calls import read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
     MessageResponse,
@@ -31,6 +31,7 @@ from xinfer.server.messages.responses import (
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import EngineStreamResponse
+from xinfer.server.tools import Call
 from xinfer.text.reasoning import ReasoningStream, split
 
 # a block's empty start, and the delta type that extends it, by block type

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -11,7 +12,9 @@ from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
 from xinfer.server.chat_run import submit_chat
+from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import chat_logprobs
+from xinfer.server.mcp.requests import function_tools, offered_tools
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -28,7 +31,7 @@ from xinfer.server.responses import (
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import Answer
-from xinfer.server.tools import ToolUse
+from xinfer.server.tools import ToolUse, check_tool_choice, check_tools
 from xinfer.text.reasoning import ReasoningStream, ReasoningTags, reasoning_token_count, split
 from xinfer.toolcalls import ToolCallStream
 
@@ -40,8 +43,32 @@ async def create_chat_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
+    offered = await offered_tools(serving.mcp, body.mcp)
+    if offered:
+        body = with_extra_tools(body, function_tools(offered))
+        if serving.mcp is not None and serving.mcp.run_calls:
+            if body.n != 1:
+                raise bad_request("the server runs MCP calls for one choice only: n must be 1", param="n")
+            from xinfer.server.mcp.chat import chat_with_mcp
+            from xinfer.server.mcp.loop import MCPRounds
+
+            return await chat_with_mcp(MCPRounds(request, serving, serving.mcp, body, offered), body.stream)
     handle, prompt, body = await submit_chat(request, serving, body)
     return await ChatAnswer(serving, body, handle, prompt.tags, prompt.inside, prompt.tools).respond(request)
+
+
+def with_extra_tools(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """``body`` with ``tools`` (the MCP servers') offered beside its own."""
+    try:
+        check_tools(tools)
+    except ValueError as error:
+        raise bad_request(f"an MCP server's tool: {error}", param="mcp") from None
+    all_tools = [*(body.tools or []), *tools]
+    try:
+        check_tool_choice(body.tool_choice, all_tools)
+    except ValueError as error:
+        raise bad_request(str(error), param="tool_choice") from None
+    return body.model_copy(update={"tools": all_tools})
 
 
 class ChatAnswer(Answer):
@@ -60,6 +87,7 @@ class ChatAnswer(Answer):
         super().__init__(serving, body, handle)
         self.tags, self.inside = tags, inside
         self.tools = tools or ToolUse()
+        self.call_streams: list[ToolCallStream | None] = []  # each streamed choice's calls
         # an answer decoded with its special tokens (for a parser's markers) ends with the end-of-sequence token's
         self.stop_texts = serving.stop_texts() if not body.skip_special_tokens else []
 
@@ -106,11 +134,16 @@ class ChatAnswer(Answer):
 
     async def events(self) -> AsyncIterator[str]:
         continuous = self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats
-        splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
-        parser = self.tools.parser
-        calls = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
         for index in range(self.body.n):
             yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+        async for choice in self.deltas():
+            yield self.chunk([choice], with_usage=continuous)
+
+    async def deltas(self) -> AsyncIterator[ChatChunkChoice]:
+        """The streamed choices' deltas (the first, with the role, not among them)."""
+        splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
+        parser = self.tools.parser
+        calls = self.call_streams = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
         async for index, out in self.serving.engine.stream(self.handle):
             logprobs = self.logprobs(out.token_ids, out.logprobs) if out.token_ids else None
             text = self._without_stop_text(out.text) if out.finished else out.text
@@ -130,8 +163,7 @@ class ChatAnswer(Answer):
             delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
             called = call_stream is not None and bool(call_stream.calls)
             reason = finish_reason(out.finish_reason, called) if out.finished else None
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
-            yield self.chunk([choice], with_usage=continuous)
+            yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
     def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:
         """The content and the pieces of tool calls that ``text`` settles (only the first
