@@ -6,7 +6,8 @@ errors on these routes have Anthropic's shape (:mod:`xinfer.server.errors`).
 
 xinfer's extra field ``mcp`` (true, or a list of server names) offers the tools of the
 ``--mcp-*`` servers; with ``--mcp-tool-calls server`` their calls are run here
-(:mod:`xinfer.server.mcp.loop`) and a streamed answer comes as one block per event.
+(:mod:`xinfer.server.mcp.loop`) and a streamed answer comes as one block per event (a streamed answer
+without them streams its text and tool_use blocks as they are generated).
 """
 
 from __future__ import annotations
