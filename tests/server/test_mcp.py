@@ -234,8 +234,9 @@ def test_chat_mcp_errors(mcp_openai, mcp_model):
     again = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=ADD,
                                                extra_body={"mcp": ["tools"]})  # fmt: skip
     assert again.choices[0].message.mcp_calls[0]["name"] == "add"
-    with pytest.raises(openai.BadRequestError, match="no MCP server named 'nope'"):
+    with pytest.raises(openai.BadRequestError, match="no MCP server named 'nope'") as refused:
         mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["nope"]})
+    assert refused.value.body["param"] == "mcp"
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, n=2,
                                            extra_body={"mcp": ["tools"]})  # fmt: skip
