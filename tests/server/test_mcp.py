@@ -186,32 +186,60 @@ def test_an_mcp_call_is_run_and_its_result_fed_back(mcp_claude, mcp_model):
     assert kinds[-1] == "text" and answer.stop_reason in ("end_turn", "max_tokens")
 
 
-def test_chat_completions_run_mcp_calls_too(mcp_server, mcp_model):
-    """The same rounds on OpenAI's chat completions (the official client): the answer is the last round's,
-    the calls run are listed in ``mcp_tool_calls``; streamed, the answer comes as one chunk; a server the
-    request names that is not configured is a 400 in OpenAI's error shape."""
-    client = mcp_server.client(timeout=120)
-    forced = dict(model=mcp_model, max_tokens=40, messages=TURNS, temperature=0,
-                  tool_choice={"type": "function", "function": {"name": "add"}}, extra_body={"mcp": ["tools"]})  # fmt: skip
-    answer = client.chat.completions.create(**forced)
-    [call] = answer.model_extra["mcp_tool_calls"][:1]
-    arguments = json.loads(call["arguments"])
-    assert call["name"] == "add" and call["server"] == "tools" and not call["is_error"]
-    assert call["output"] == str(arguments["a"] + arguments["b"])
-    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
-    one_round = client.chat.completions.create(model=mcp_model, max_tokens=40, messages=TURNS, temperature=0)
-    assert answer.usage.prompt_tokens > one_round.usage.prompt_tokens  # every round's prompt counted
+@pytest.fixture(scope="module")
+def mcp_openai(mcp_server):
+    return mcp_server.client(timeout=120)
 
-    chunks = list(client.chat.completions.create(**forced, stream=True, stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == answer.choices[0].message.content
 
-    def without_ids(calls):
-        return [{k: v for k, v in call.items() if k != "id"} for call in calls]
+ADD = {"type": "function", "function": {"name": "add"}}
 
-    assert without_ids(chunks[0].model_extra["mcp_tool_calls"]) == without_ids(answer.model_extra["mcp_tool_calls"])
+
+def test_chat_runs_an_mcp_call_and_feeds_its_result_back(mcp_openai, mcp_model):
+    """The same rounds on /v1/chat/completions: the forced call is run on the MCP server, its result
+    goes back through the chat template, and the model answers; the run call is in ``mcp_calls``."""
+    answer = mcp_openai.chat.completions.create(
+        model=mcp_model, max_tokens=16, messages=TURNS, tool_choice=ADD, temperature=0, extra_body={"mcp": ["tools"]}
+    )
+    message = answer.choices[0].message
+    [ran] = message.mcp_calls
+    arguments = json.loads(ran["arguments"])
+    assert ran["name"] == "add" and ran["server_name"] == "tools" and set(arguments) == {"a", "b"}
+    assert ran["output"] == str(arguments["a"] + arguments["b"]) and not ran["is_error"]
+    assert message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+
+    streamed = mcp_openai.chat.completions.create(
+        model=mcp_model, max_tokens=16, messages=TURNS, tool_choice=ADD, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"mcp": ["tools"]},
+    )  # fmt: skip
+    chunks = list(streamed)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    [streamed_ran] = [item for d in deltas for item in (d.model_extra or {}).get("mcp_calls") or []]
+    assert {k: v for k, v in streamed_ran.items() if k != "id"} == {k: v for k, v in ran.items() if k != "id"}
+    assert "".join(d.content or "" for d in deltas) == message.content  # greedy: the same final answer
     assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
 
+
+def test_chat_mcp_errors(mcp_openai, mcp_model):
+    crash = {"type": "function", "function": {"name": "crash"}}
+    with pytest.raises(openai.APIStatusError) as crashed:
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=crash,
+                                           extra_body={"mcp": ["tools"]})  # fmt: skip
+    assert crashed.value.status_code == 502
+    assert "'tools' closed the connection while calling 'crash'" in str(crashed.value)
+    stream = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=crash,
+                                                stream=True, extra_body={"mcp": ["tools"]})  # fmt: skip
+    with pytest.raises(openai.APIError, match="closed the connection while calling 'crash'"):
+        list(stream)
+    # the server is started again for the next request
+    again = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=ADD,
+                                               extra_body={"mcp": ["tools"]})  # fmt: skip
+    assert again.choices[0].message.mcp_calls[0]["name"] == "add"
     with pytest.raises(openai.BadRequestError, match="no MCP server named 'nope'") as refused:
-        client.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["nope"]})
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["nope"]})
     assert refused.value.body["param"] == "mcp"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, n=2,
+                                           extra_body={"mcp": ["tools"]})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="'other', which is not in tools"):
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["tools"]},
+                                           tool_choice={"type": "function", "function": {"name": "other"}})  # fmt: skip

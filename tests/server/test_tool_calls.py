@@ -155,6 +155,16 @@ def test_auto_reads_the_models_own_format_whole_and_streamed(client):
     assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [
         ("get_weather", {"city": "Rome", "days": 2})
     ]
+    # the official client's own accumulation of the streamed deltas (which reads strict tools only)
+    model, strict = (
+        client.models.list().data[0].id,
+        [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS],
+    )
+    with client.chat.completions.stream(model=model, messages=QUESTION, tools=strict, tool_choice="auto",
+                                        temperature=0, extra_body=extra | {"chat_template_kwargs": NO_THINKING}) as stream:  # fmt: skip
+        accumulated = stream.get_final_completion().choices[0]
+    assert accumulated.message.content == "Let me check." and accumulated.finish_reason == "tool_calls"
+    assert checked_calls(accumulated.message) == [("get_weather", {"city": "Rome", "days": 2})]
 
 
 def test_tool_choice_none_leaves_the_answer_as_text(client):
@@ -241,3 +251,27 @@ def test_the_messages_api_calls_tools_and_sends_results_back(qwen, client):
     counted = claude.messages.count_tokens(model=model, messages=anthropic_turns, tools=tools)
     expected = client.chat.completions.create(model=model, messages=openai_turns, tools=TOOLS, max_tokens=1)
     assert counted.input_tokens == expected.usage.prompt_tokens
+
+
+def test_the_messages_api_streams_a_call_in_tool_use_pieces(qwen, client):
+    """Streamed through the official anthropic client: a forced call streams as a tool_use block whose input
+    comes in input_json_delta pieces, and the events accumulate to the whole answer."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=qwen.url, api_key="unused", max_retries=0, timeout=300)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+    kwargs = dict(model=client.models.list().data[0].id, max_tokens=60, messages=QUESTION, tools=tools,
+                  thinking={"type": "disabled"}, tool_choice={"type": "tool", "name": "get_weather"},
+                  extra_body={"temperature": 0})  # fmt: skip
+    whole = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    without_ids = [b.model_dump(exclude={"id"}) for b in whole.content]
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == without_ids
+    assert [b.type for b in whole.content] == ["tool_use"] and whole.content[0].name == "get_weather"
+    jsonschema.validate(whole.content[0].input, WEATHER)
+    assert streamed.stop_reason == whole.stop_reason == "tool_use"
+    json_pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(json_pieces) > 1  # the input streamed in pieces, not whole at the end

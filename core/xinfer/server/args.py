@@ -165,8 +165,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     reasoning.add_argument("--disable-reasoning", action="store_true",
                            help="ask templates not to think (enable_thinking=false) and split nothing")
 
-    mcp = p.add_argument_group("MCP tools (offered on /v1/messages requests with \"mcp\": true or a list of "
-                                "server names)")
+    mcp = p.add_argument_group("MCP tools (offered on /v1/messages and /v1/chat/completions requests with "
+                                "\"mcp\": true or a list of server names)")
     mcp.add_argument("--mcp-command", metavar="CMD", help="an MCP stdio server to start, named \"mcp\"")
     mcp.add_argument("--mcp-args", metavar="ARGS", help="--mcp-command's arguments, one string split as a shell does")
     mcp.add_argument("--mcp-config", metavar="FILE",

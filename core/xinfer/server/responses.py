@@ -72,11 +72,24 @@ class ToolCallItem(BaseModel):
     function: FunctionCall
 
 
+class MCPCallItem(BaseModel):
+    """An MCP tool call the server ran (xinfer's extra), with its result."""
+
+    id: str
+    type: Literal["mcp"] = "mcp"
+    server_name: str
+    name: str
+    arguments: str  # JSON text
+    output: str
+    is_error: bool = False
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     tool_calls: list[ToolCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
+    mcp_calls: list[MCPCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(BaseModel):
@@ -117,6 +130,7 @@ class Delta(BaseModel):
     content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     tool_calls: list[ToolCallDeltaItem] | None = Field(default=None, exclude_if=lambda value: value is None)
+    mcp_calls: list[MCPCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):

@@ -4,6 +4,7 @@ function) is held to."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -114,3 +115,21 @@ def tool_use(
     else:
         parser = family(tools) if family is not None else None
     return ToolUse(tools, parser, parallel is not False)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A tool call the model made, its arguments an object."""
+
+    id: str
+    name: str
+    input: dict[str, Any]
+
+    @classmethod
+    def of(cls, id: str, name: str, arguments: str | None) -> Call:
+        """A call whose arguments are JSON text (a model's malformed arguments: kept whole, under ``_raw``)."""
+        try:
+            value = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            return cls(id, name, {"_raw": arguments})
+        return cls(id, name, value if isinstance(value, dict) else {"_raw": value})

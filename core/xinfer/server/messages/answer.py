@@ -17,7 +17,7 @@ from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import anthropic_error_body
-from xinfer.server.messages.calls import Call, read_calls
+from xinfer.server.messages.calls import read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
     MessageResponse,
@@ -31,7 +31,9 @@ from xinfer.server.messages.responses import (
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import EngineStreamResponse
+from xinfer.server.tools import Call
 from xinfer.text.reasoning import ReasoningStream, split
+from xinfer.toolcalls import ToolCallDelta
 
 # a block's empty start, and the delta type that extends it, by block type
 BLOCK_STARTS: dict[str, dict[str, Any]] = {"text": {"type": "text", "text": ""},
@@ -90,27 +92,34 @@ class MessageAnswer:
             engine.release(self.handle)
 
     async def events(self) -> AsyncIterator[str]:
-        if self.prompt.tool_parser is not None:  # calls are read from the whole answer, then streamed as blocks
-            [output] = await self.serving.engine.collect(self.handle)
-            for event in message_events(self.message(*self.read(self.prompt, output)[:1], output)):
-                yield event
-            return
         start = self.message([], None).model_dump()
         yield sse("message_start", {"type": "message_start", "message": start})
         blocks = BlockStream()
-        tags = self.prompt.tags
-        split_stream = ReasoningStream(tags, self.prompt.inside) if tags else None
+        prompt = self.prompt
+        split_stream = ReasoningStream(prompt.tags, prompt.inside) if prompt.tags else None
+        parser = prompt.tool_parser
+        call_stream = parser.stream() if parser is not None else None
         last: CompletionOutput | None = None
         try:
             async for _, out in self.serving.engine.stream(self.handle):
-                reasoning, text = "", out.text
+                reasoning, text = "", prompt.answer_text(out.text) if out.finished else out.text
                 if split_stream is not None:
-                    reasoning, text = split_stream.push(out.text)
+                    reasoning, text = split_stream.push(text)
                     if out.finished:
                         more_reasoning, more_text = split_stream.finish()
                         reasoning, text = reasoning + more_reasoning, text + more_text
+                pieces: list[ToolCallDelta] = []
+                if call_stream is not None:
+                    deltas = [call_stream.push(text)] + ([call_stream.finish()] if out.finished else [])
+                    text = "".join(d.content for d in deltas)
+                    pieces = [
+                        piece for d in deltas for piece in d.tool_calls if prompt.tools.parallel or piece.index == 0
+                    ]
                 for event in (*blocks.write("thinking", reasoning), *blocks.write("text", text)):
                     yield event
+                for piece in pieces:
+                    for event in blocks.write_call(piece):
+                        yield event
                 last = out if out.finished else last
         except EngineUnavailable as error:
             yield sse("error", anthropic_error_body(503, str(error)))
@@ -118,6 +127,8 @@ class MessageAnswer:
         for event in blocks.finish():
             yield event
         reason, sequence = stop_reason(last, self.stop_sequences) if last is not None else (None, None)
+        if reason == "end_turn" and call_stream is not None and call_stream.calls:
+            reason = "tool_use"
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage().model_dump()})
         yield sse("message_stop", {"type": "message_stop"})
@@ -141,6 +152,18 @@ class BlockStream:
             *events,
             sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}),
         ]
+
+    def write_call(self, piece: ToolCallDelta) -> list[str]:
+        """A piece of a tool call: its first opens a ``tool_use`` block, its arguments are ``input_json_delta``s."""
+        events = []
+        if piece.id is not None:
+            events += self.open("tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+        if piece.arguments:
+            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+            events.append(
+                sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+            )
+        return events
 
     def open(self, kind: str, block: dict[str, Any] | None = None) -> list[str]:
         events = self.close()

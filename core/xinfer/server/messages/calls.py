@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any
-
 from xinfer.server.chat_run import ChatPrompt
-
-
-@dataclass(frozen=True)
-class Call:
-    id: str
-    name: str
-    input: dict[str, Any]
+from xinfer.server.tools import Call
 
 
 def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
@@ -22,14 +12,5 @@ def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
     if parser is None:
         return text, []
     parsed = parser.parse(text)
-    calls = [Call(c.id, c.name, arguments(c.arguments)) for c in parsed.tool_calls]
+    calls = [Call.of(c.id, c.name, c.arguments) for c in parsed.tool_calls]
     return (parsed.content or "" if calls else text), calls
-
-
-def arguments(text: str | None) -> dict[str, Any]:
-    """A call's arguments as an object (a model's malformed arguments: kept whole, under ``_raw``)."""
-    try:
-        value = json.loads(text or "{}")
-    except json.JSONDecodeError:
-        return {"_raw": text}
-    return value if isinstance(value, dict) else {"_raw": value}

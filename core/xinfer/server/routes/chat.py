@@ -1,27 +1,20 @@
-"""``POST /v1/chat/completions``.
-
-xinfer's extra field ``mcp`` (true, or a list of server names) offers the tools of the ``--mcp-*``
-servers, as on the Messages API; with ``--mcp-tool-calls server`` their calls are run here
-(:mod:`xinfer.server.mcp.loop`), the answer is the last round's, the calls run are listed in
-``mcp_tool_calls``, and a streamed answer comes as one chunk."""
+"""``POST /v1/chat/completions``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
-from xinfer.server.chat_run import ChatPrompt, submit_chat
+from xinfer.server.chat_run import submit_chat
 from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import chat_logprobs
-from xinfer.server.mcp.config import MCPSettings
-from xinfer.server.mcp.requests import Offered, function_tools, offered_tools
-from xinfer.server.messages.calls import Call, arguments
+from xinfer.server.mcp.requests import function_tools, offered_tools
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -35,12 +28,10 @@ from xinfer.server.responses import (
     FunctionCallDelta,
     ToolCallDeltaItem,
     ToolCallItem,
-    new_id,
-    usage,
 )
 from xinfer.server.serving import Serving
-from xinfer.server.streaming import SSE_DONE, SSE_HEADERS, Answer, sse_event
-from xinfer.server.tools import ToolUse, check_tool_choice
+from xinfer.server.streaming import Answer
+from xinfer.server.tools import ToolUse, check_tool_choice, check_tools
 from xinfer.text.reasoning import ReasoningStream, ReasoningTags, reasoning_token_count, split
 from xinfer.toolcalls import ToolCallStream
 
@@ -53,16 +44,31 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
     offered = await offered_tools(serving.mcp, body.mcp)
-    if body.mcp:
-        body = body.model_copy(update={"tools": [*(body.tools or []), *function_tools(offered)] or None})
-        try:
-            check_tool_choice(body.tool_choice, body.tools)
-        except ValueError as error:
-            raise bad_request(str(error), param="tool_choice") from None
-    if offered and serving.mcp is not None and serving.mcp.run_calls:
-        return await answer_with_mcp(request, serving, serving.mcp, body, offered)
+    if offered:
+        body = with_extra_tools(body, function_tools(offered))
+        if serving.mcp is not None and serving.mcp.run_calls:
+            if body.n != 1:
+                raise bad_request("the server runs MCP calls for one choice only: n must be 1", param="n")
+            from xinfer.server.mcp.chat import chat_with_mcp
+            from xinfer.server.mcp.loop import MCPRounds
+
+            return await chat_with_mcp(MCPRounds(request, serving, serving.mcp, body, offered), body.stream)
     handle, prompt, body = await submit_chat(request, serving, body)
     return await ChatAnswer(serving, body, handle, prompt.tags, prompt.inside, prompt.tools).respond(request)
+
+
+def with_extra_tools(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """``body`` with ``tools`` (the MCP servers') offered beside its own."""
+    try:
+        check_tools(tools)
+    except ValueError as error:
+        raise bad_request(f"an MCP server's tool: {error}", param="mcp") from None
+    all_tools = [*(body.tools or []), *tools]
+    try:
+        check_tool_choice(body.tool_choice, all_tools)
+    except ValueError as error:
+        raise bad_request(str(error), param="tool_choice") from None
+    return body.model_copy(update={"tools": all_tools})
 
 
 class ChatAnswer(Answer):
@@ -81,6 +87,7 @@ class ChatAnswer(Answer):
         super().__init__(serving, body, handle)
         self.tags, self.inside = tags, inside
         self.tools = tools or ToolUse()
+        self.call_streams: list[ToolCallStream | None] = []  # each streamed choice's calls
         # an answer decoded with its special tokens (for a parser's markers) ends with the end-of-sequence token's
         self.stop_texts = serving.stop_texts() if not body.skip_special_tokens else []
 
@@ -127,11 +134,16 @@ class ChatAnswer(Answer):
 
     async def events(self) -> AsyncIterator[str]:
         continuous = self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats
-        splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
-        parser = self.tools.parser
-        calls = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
         for index in range(self.body.n):
             yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+        async for choice in self.deltas():
+            yield self.chunk([choice], with_usage=continuous)
+
+    async def deltas(self) -> AsyncIterator[ChatChunkChoice]:
+        """The streamed choices' deltas (the first, with the role, not among them)."""
+        splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
+        parser = self.tools.parser
+        calls = self.call_streams = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
         async for index, out in self.serving.engine.stream(self.handle):
             logprobs = self.logprobs(out.token_ids, out.logprobs) if out.token_ids else None
             text = self._without_stop_text(out.text) if out.finished else out.text
@@ -151,8 +163,7 @@ class ChatAnswer(Answer):
             delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
             called = call_stream is not None and bool(call_stream.calls)
             reason = finish_reason(out.finish_reason, called) if out.finished else None
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
-            yield self.chunk([choice], with_usage=continuous)
+            yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
     def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:
         """The content and the pieces of tool calls that ``text`` settles (only the first
@@ -171,47 +182,6 @@ class ChatAnswer(Answer):
             if self.tools.parallel or piece.index == 0
         ]
         return content, pieces
-
-
-async def answer_with_mcp(
-    request: Request, serving: Serving, settings: MCPSettings, body: ChatCompletionRequest, offered: Offered
-) -> Response:
-    from xinfer.server.mcp.loop import run_rounds
-
-    if body.n > 1:
-        raise bad_request("n > 1 is not supported with MCP tool calls run by the server", param="n")
-
-    def read(prompt: ChatPrompt, output: CompletionOutput, handle: RequestHandle, chat: ChatCompletionRequest):
-        choice = ChatAnswer(serving, chat, handle, prompt.tags, prompt.inside, prompt.tools).choice(0, output)
-        found = choice.message.tool_calls or []
-        calls = [Call(c.id, c.function.name, arguments(c.function.arguments)) for c in found]
-        return choice, calls, choice.message.content or ""
-
-    done = await run_rounds(request, serving, settings, body, offered, read)
-    choice: ChatChoice = done.rounds[-1].reading
-    run = [
-        {"id": call.id, "server": offered[call.name][0].name, "name": call.name, "arguments": json.dumps(call.input),
-         "output": text, "is_error": is_error}
-        for step in done.rounds[:-1] for call, (text, is_error) in zip(step.calls, step.results)
-    ]  # fmt: skip
-    answer_id, spent = new_id("chatcmpl"), usage(done.prompt_tokens, done.output_tokens, done.cached_tokens)
-    whole = ChatCompletion(id=answer_id, model=serving.model_name, choices=[choice], usage=spent)
-    if not body.stream:
-        return JSONResponse(whole.model_dump() | {"mcp_tool_calls": run})
-    message = choice.message
-    pieces = [
-        ToolCallDeltaItem(index=i, id=c.id, type="function", function=FunctionCallDelta(name=c.function.name,
-                                                                                        arguments=c.function.arguments))
-        for i, c in enumerate(message.tool_calls or [])
-    ]  # fmt: skip
-    delta = Delta(role="assistant", content=message.content, reasoning_content=message.reasoning_content,
-                  tool_calls=pieces or None)  # fmt: skip
-    chunk = ChatCompletionChunk(id=answer_id, model=serving.model_name,
-                                choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=choice.finish_reason)])  # fmt: skip
-    events = [sse_event(chunk.model_dump() | {"mcp_tool_calls": run})]
-    if body.include_usage:
-        events.append(sse_event(ChatCompletionChunk(id=answer_id, model=serving.model_name, choices=[], usage=spent)))
-    return StreamingResponse(iter([*events, SSE_DONE]), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:

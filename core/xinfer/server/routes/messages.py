@@ -6,7 +6,8 @@ errors on these routes have Anthropic's shape (:mod:`xinfer.server.errors`).
 
 xinfer's extra field ``mcp`` (true, or a list of server names) offers the tools of the
 ``--mcp-*`` servers; with ``--mcp-tool-calls server`` their calls are run here
-(:mod:`xinfer.server.mcp.loop`) and a streamed answer comes as one block per event.
+(:mod:`xinfer.server.mcp.loop`) and a streamed answer comes as one block per event (a streamed answer
+without them streams its text and tool_use blocks as they are generated).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ async def create_message(request: Request) -> Response:
     offered = await offered_tools(serving.mcp, body.mcp)
     chat = chat_request(body, function_tools(offered))
     if offered and serving.mcp is not None and serving.mcp.run_calls:
-        from xinfer.server.mcp.loop import answer_with_mcp
+        from xinfer.server.mcp.loop import MCPRounds
+        from xinfer.server.mcp.messages import message_with_mcp
 
-        message = await answer_with_mcp(request, serving, serving.mcp, chat, offered)
+        message = await message_with_mcp(MCPRounds(request, serving, serving.mcp, chat, offered))
         if body.stream:
             return StreamingResponse(iter(message_events(message)), media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(message.model_dump())
