@@ -15,7 +15,7 @@ import itertools
 import logging
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,7 +23,7 @@ import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from torch import Tensor
-from torch.distributed import ProcessGroupGloo, TCPStore
+from torch.distributed import ProcessGroupGloo, TCPStore, Work
 
 from xinfer.distributed.kv_transfer import export_prefix, import_prefix, layout_signature
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, RequestHandle
@@ -39,12 +39,19 @@ class PrefillFailed(EngineUnavailable):
     """The prefill server could not prefill a prompt (down, or died mid-transfer)."""
 
 
-def transfer_group(store: TCPStore, rank: int, address: str, timeout: float) -> ProcessGroupGloo:
+class PointToPoint(Protocol):
+    """What the transfer uses of a gloo group (torch's stubs do not declare it)."""
+
+    def send(self, tensors: list[Tensor], dst: int, tag: int) -> Work: ...
+    def recv(self, tensors: list[Tensor], src: int, tag: int) -> Work: ...
+
+
+def transfer_group(store: TCPStore, rank: int, address: str, timeout: float) -> PointToPoint:
     """The two-rank gloo group, this side reachable at ``address``; waits for the other side."""
-    options = ProcessGroupGloo._Options()
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs lack the constructor's options
     options._timeout = datetime.timedelta(seconds=timeout)
     options._devices = [ProcessGroupGloo.create_device(hostname=address)]
-    return ProcessGroupGloo(store, rank, 2, options)
+    return cast(PointToPoint, ProcessGroupGloo(store, rank, 2, options))
 
 
 class PrefillRequest(BaseModel):
@@ -57,7 +64,7 @@ class PrefillServer:
     def __init__(self, engine: AsyncEngine, timeout: float):
         self.engine = engine
         self.timeout = timeout
-        self.group: asyncio.Future[ProcessGroupGloo] | None = None
+        self.group: asyncio.Future[PointToPoint] | None = None
         self.tags = itertools.count(1)
         self.sending: set[asyncio.Future] = set()
 
@@ -104,7 +111,7 @@ class PrefillServer:
             log.warning("sending a prompt's cache to the decode client failed: %s", sending.exception())
 
 
-def _wait(work: Any, payload: Tensor) -> None:
+def _wait(work: Work, payload: Tensor) -> None:
     """Waits for a send or receive (``payload`` kept alive until it is done)."""
     work.wait()
 
@@ -120,7 +127,7 @@ class DisaggregatedEngine(AsyncEngine):
         self.host = urlsplit(self.url).hostname or "127.0.0.1"
         self.fallback_local = fallback_local
         self.timeout = timeout
-        self.group: ProcessGroupGloo | None = None
+        self.group: PointToPoint | None = None
         self.connecting: asyncio.Lock | None = None
         self.http: httpx.AsyncClient | None = None
 
@@ -158,7 +165,7 @@ class DisaggregatedEngine(AsyncEngine):
         await self.call(lambda engine: import_prefix(engine, token_ids, body["num_tokens"], payload))
         return int(body["cached_tokens"])
 
-    async def _connection(self) -> ProcessGroupGloo:
+    async def _connection(self) -> PointToPoint:
         if self.connecting is None:
             self.connecting = asyncio.Lock()
         async with self.connecting:
@@ -172,7 +179,7 @@ class DisaggregatedEngine(AsyncEngine):
                 self.group = await asyncio.get_running_loop().run_in_executor(None, self._join, body["port"])
             return self.group
 
-    def _join(self, port: int) -> ProcessGroupGloo:
+    def _join(self, port: int) -> PointToPoint:
         timeout = datetime.timedelta(seconds=self.timeout)
         try:
             store = TCPStore(self.host, port, 2, False, timeout=timeout)
