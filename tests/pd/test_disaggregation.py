@@ -17,7 +17,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig
 
 from tests.plugins.hf_parity import randomize
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, free_port
 from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
 
 FLAGS = ("--cpu", "--dtype", "f32", "--kv-fraction", "0.01")
@@ -44,7 +44,7 @@ def pair(request, tmp_path_factory):
     tokenizer.pre_tokenizer = Whitespace()
     (folder / "tokenizer.json").write_text(tokenizer.to_str())  # so that answers carry their tokens
     server, client = _pair(folder)
-    yield server, client
+    yield server, client, folder
     client.stop()
     server.stop()
 
@@ -58,7 +58,7 @@ def _complete(live: LiveServer, token_ids: list[int], max_tokens: int = 8):
 
 
 def test_the_client_decodes_the_tokens_one_server_gives(pair):
-    server, client = pair
+    server, client, _ = pair
     prompts = [prompt(45, seed=3), prompt(70, seed=4), prompt(5, seed=5)]  # past the window; shorter than a block
     prompt_tokens = server.metrics()["xinfer_prompt_tokens_total"]
     hits = client.metrics()["xinfer_prefix_cache_hits_total"]
@@ -73,15 +73,32 @@ def test_the_client_decodes_the_tokens_one_server_gives(pair):
 
 
 def test_prefix_cache_hits_of_the_prefill_server_are_reported(pair):
-    _, client = pair
+    _, client, _ = pair
     tokens = prompt(50, seed=7)
     first, again = _complete(client, tokens, 2), _complete(client, tokens, 2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= 32  # the full blocks the server kept
 
 
+def test_with_fallback_local_an_unreachable_prefill_server_means_prefilling_here(pair, request):
+    server, _, folder = pair
+    if "gemma3" in request.node.name:
+        pytest.skip("the fallback does not depend on the model: checked once, on llama")
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    flags = ("--m", str(folder), *FLAGS, "--pd-client", "--pd-url", nowhere, "--pd-fallback", "local")
+    client = LiveServer(*flags, name="pd-fallback").start()
+    try:
+        tokens = prompt(40, seed=30)
+        got = _complete(client, tokens)
+        log = client.log_path.read_text()
+        assert f"the prefill server {nowhere} is unreachable" in log and "prefilling here" in log
+    finally:
+        client.stop()
+    assert got.choices[0].logprobs.tokens == _complete(server, tokens).choices[0].logprobs.tokens
+
+
 def test_a_dead_prefill_server_fails_its_requests_and_the_client_keeps_serving(pair):
-    server, client = pair
+    server, client, _ = pair
     prompts = [prompt(40 + i, seed=20 + i) for i in range(6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(_complete, client, p, 4) for p in prompts]
