@@ -69,6 +69,7 @@ def main() -> None:
         "--sampling", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"], help="runs, in turn"
     )
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--isq", help="quantize the weights at load to this packed format (q8_0, q4_k, fp8, ...)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (prefill chunks)")
@@ -117,6 +118,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        isq=args.isq,
     )
     vocab = llm.engine.hf_config.vocab_size
     inputs, outputs = workload(args, llm.engine.max_model_len, rng)

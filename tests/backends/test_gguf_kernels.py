@@ -34,7 +34,7 @@ from xinfer_cuda.quant_weights import MeasuredTiles, candidates
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-NAMES = list(FORMATS)
+NAMES = [f.name.upper() for f in GGUF_FORMATS]  # FP8: test_fp8_kernels.py
 
 
 @pytest.fixture(autouse=True)
@@ -167,8 +167,8 @@ def test_fused_moe_per_slot(name):
 # --- the backend's declaration through the quantized-weight seam -------------------------------------
 
 
-def test_cuda_ops_declare_every_gguf_block_format():
-    assert set(CudaOps.weight_kernels) == {f.name for f in GGUF_FORMATS}
+def test_cuda_ops_declare_every_gguf_block_format_and_fp8():
+    assert set(CudaOps.weight_kernels) == {f.name for f in GGUF_FORMATS} | {"fp8"}
 
 
 def test_linear_and_moe_dispatch_to_the_kernels():

@@ -57,9 +57,14 @@ def test_a_checkpoint_stored_quantized_is_refused_naming_its_method(tiny_llama, 
     for file in tiny_llama.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelFileError, match=r"quant_method 'awq'\), which xinfer does not load yet"):
+    with pytest.raises(ModelFileError, match=r"quant_method 'bitsandbytes'\), which xinfer does not load yet"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=r"config\.json: quantization_config quant_method 'awq' with version "
+                       r"'gemv' \(gemm is read\) is not read yet"):  # fmt: skip
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
 
 

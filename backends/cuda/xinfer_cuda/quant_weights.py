@@ -1,4 +1,4 @@
-"""The CUDA backend's kernels for GGUF-packed weights (:class:`xinfer.quant.WeightKernels`),
+"""The CUDA backend's kernels for GGUF-packed and FP8 weights (:class:`xinfer.quant.WeightKernels`),
 declared for every block format :mod:`xinfer_cuda.kernels.gguf_blocks` decodes
 (``CudaOps.weight_kernels``): the weight's bytes are read as loaded, never repacked.
 
@@ -136,3 +136,4 @@ class GgufKernels(WeightKernels):
 
 GGUF_KERNELS = GgufKernels()
 WEIGHT_KERNELS = {name.lower(): "xinfer_cuda.quant_weights:GGUF_KERNELS" for name in FORMATS}
+WEIGHT_KERNELS["fp8"] = "xinfer_cuda.fp8_tensor_cores:FP8_KERNELS"  # and the tensor cores where selected

@@ -146,6 +146,7 @@ class Experts(nn.Module):
     ):
         super().__init__()
         self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
+        self._packed_experts: dict[str, dict[int, QuantizedTensor]] = {}  # a projection's experts until all are in
         self.limit = limit  # a clamped SwiGLU (ops.fused_moe)
         if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
@@ -169,6 +170,8 @@ class Experts(nn.Module):
         if isinstance(tensor, QuantizedTensor):
             if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight") and self.part.whole:
                 return self._load_packed(name.split(".")[0], tensor)
+            if (match := _PER_EXPERT.fullmatch(name)) and self.part.whole and 0 <= int(match[1]) < self.num_experts:
+                return self._load_packed_expert(int(match[1]), match[2], tensor)
             tensor = tensor.dequantize()
         experts: slice | int
         if match := _PER_EXPERT.fullmatch(name):
@@ -195,6 +198,24 @@ class Experts(nn.Module):
         filled = range(self.num_experts)[experts] if isinstance(experts, slice) else [experts]
         projections = ("gate_proj", "up_proj") if projection == "gate_up_proj" else (projection,)
         return {f"{e}.{p}.weight" for e in filled for p in projections}
+
+    def _load_packed_expert(self, expert: int, projection: str, tensor: QuantizedTensor) -> set[str]:
+        """One expert's packed projection (FP8 checkpoints store experts one by one): kept until every
+        expert's is in, then stacked packed (as floats where their formats differ)."""
+        arrived = self._packed_experts.setdefault(projection, {})
+        arrived[expert] = tensor
+        if len(arrived) == self.num_experts:
+            del self._packed_experts[projection]
+            experts = [arrived[e] for e in range(self.num_experts)]
+            if all(e.format.name == experts[0].format.name and not e.parts for e in experts):
+                raw = torch.stack([e.raw for e in experts])
+                self._load_packed(
+                    projection, QuantizedTensor(raw, experts[0].format, (len(experts), *tensor.logical_shape))
+                )
+            else:
+                for e, packed in enumerate(experts):
+                    self.load_checkpoint(f"{e}.{projection}.weight", packed.dequantize())
+        return {f"{expert}.{projection}.weight"}
 
     def _load_packed(self, projection: str, tensor: QuantizedTensor) -> set[str]:
         """A projection stacked over the experts, kept packed: ``w2`` at once, ``w13`` once gate and up

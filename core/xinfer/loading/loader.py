@@ -45,12 +45,15 @@ def quantization_config(config: PretrainedConfig) -> dict[str, Any] | None:
 
 
 def _refuse_quantized_checkpoint(config: PretrainedConfig, folder: Path) -> None:
-    """A checkpoint stored in a quantization that no decoder here reads (AWQ, GPTQ, ...) would load as
-    garbage through the float path: refused in one line (:mod:`xinfer.loading.quantized_checkpoint` reads
-    FP8 and compressed-tensors' packed integers)."""
+    """A checkpoint stored in a quantization that no decoder here reads (bitsandbytes, HQQ, 3-bit GPTQ, ...)
+    would load as garbage through the float path: refused in one line (:mod:`xinfer.loading.quantized_checkpoint`
+    reads FP8, compressed-tensors' packed integers, GPTQ and AWQ)."""
     fields = quantization_config(config)
-    if not fields or decoder_for(fields) is not None:
-        return
+    try:
+        if not fields or decoder_for(fields) is not None:
+            return
+    except ValueError as error:
+        raise ModelFileError(f"{folder / 'config.json'}: {error}") from None
     method = fields.get("quant_method", "unnamed")
     detail = f", {fields['fmt']}" if "fmt" in fields else ""
     raise ModelFileError(

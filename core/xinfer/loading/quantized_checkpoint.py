@@ -1,6 +1,8 @@
-"""Safetensors checkpoints stored quantized, decoded at load to the model's dtype (one log line says
-so: the model takes a float checkpoint's memory, and ``--isq`` packs it again). Each quantized
-``X.weight`` is stored as tensors under ``X``, decoded once all of them have come:
+"""Safetensors checkpoints stored quantized. Each quantized ``X.weight`` is stored as tensors under
+``X``, read once all of them have come, and kept packed where a weight format holds the same values
+(FP8 whose every 128 consecutive values of a row share a scale: :mod:`xinfer.quant.fp8_format`),
+else decoded at load to the model's dtype (one log line counts each: a decoded weight takes a float
+checkpoint's memory, and ``--isq`` packs it again):
 
 - FP8 e4m3, ``X.weight`` beside its scale, the weight being ``fp8 * scale``: ``quant_method``
   ``"fp8"`` (DeepSeek V3/R1, Qwen3-FP8, MiniMax-M2, GLM-4.x-FP8) with ``X.weight_scale_inv``, one
@@ -18,14 +20,18 @@ Activation scales (``input_scale``, ...) are not needed and are dropped.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from xinfer.quant.fp8_format import BLOCK, Fp8Format, pack
+from xinfer.quant.tensor import QuantizedTensor, get_weight_format
+
 log = logging.getLogger("xinfer")
 
+FP8_FORMAT = Fp8Format()
 DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point")
 
 
@@ -45,6 +51,10 @@ class Decoder:
         """The weight ``name`` in fp32 from its ``parts``."""
         raise NotImplementedError
 
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        """The weight ``name`` kept packed, where a weight format holds its values exactly; else None."""
+        return None
+
 
 class Fp8(Decoder):
     name = "FP8"
@@ -63,6 +73,19 @@ class Fp8(Decoder):
         scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
         assert scale is not None
         return scaled(parts["weight"], scale, name, self.block)
+
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        codes = parts["weight"]
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+        assert scale is not None
+        if codes.dim() != 2 or codes.dtype != torch.float8_e4m3fn or codes.shape[1] % BLOCK:
+            return None
+        rows, cols = codes.shape
+        runs = scales_of((rows, cols), scale, name, self.block).reshape(rows, cols // BLOCK, BLOCK)
+        first = runs[..., 0]
+        if not torch.equal(first, runs.amax(-1)) or not torch.equal(first, runs.amin(-1)):
+            return None  # blocks narrower than 128 columns: no one scale per packed block
+        return QuantizedTensor(pack(codes, first), FP8_FORMAT, (rows, cols))
 
 
 class PackedIntegers(Decoder):
@@ -116,9 +139,85 @@ def unpack_rows(words: Tensor, bits: int, count: int) -> Tensor:
     return values - (1 << (bits - 1))
 
 
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble of its word holding each of 8 columns
+
+
+class GroupedInt4(Decoder):
+    """AutoGPTQ's and AutoAWQ's 4-bit weights with a scale and a zero point per ``group`` input columns:
+    ``X.qweight``, ``X.qzeros`` (int32 words of 8 values, the low nibble first) and ``X.scales`` (fp16,
+    [K / group, N]); the weight [N, K] is ``scale * (q - zero)``. GPTQ packs ``qweight`` [K / 8, N] along the
+    input columns and stores each zero less one (its ``checkpoint_format`` ``gptq``; not ``gptq_v2``), with
+    ``X.g_idx`` each input column's group (activation order, ``desc_act``, makes it a permutation). AWQ
+    (``version`` ``gemm``) packs both ``qweight`` [K, N / 8] and ``qzeros`` along the output rows, its 8
+    values a word in the order :data:`AWQ_ORDER` undoes.
+
+    Kept packed as Q4_1 (``d * q + m``, blocks of 32: ``d`` the scale, ``m = -scale * zero`` rounded to
+    fp16) where each block of 32 columns is in one group, else decoded at load."""
+
+    name = "4-bit"
+
+    def __init__(self, method: str, group: int, gptq_v1: bool):
+        self.method, self.group, self.zero_offset = method, group, 1 if gptq_v1 else 0
+        self.parts = ("qweight", "qzeros", "scales", "g_idx") if method == "gptq" else ("qweight", "qzeros", "scales")
+
+    def complete(self, parts: Mapping[str, Tensor]) -> bool:
+        return set(self.parts) <= parts.keys()
+
+    def values(self, name: str, parts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """q [N, K], each column's group [K], the scales and zeros [groups, N]."""
+        scales = parts["scales"].float()
+        groups, rows = scales.shape
+        if self.method == "gptq":
+            q = nibbles(parts["qweight"].T)
+            zeros = nibbles(parts["qzeros"]) + self.zero_offset
+            group = parts["g_idx"].long()
+        else:
+            q = awq_order(nibbles(parts["qweight"])).T
+            zeros = awq_order(nibbles(parts["qzeros"]))
+            group = torch.arange(q.shape[1]) // self.group
+        cols = q.shape[1]
+        if q.shape[0] != rows or group.shape != (cols,) or zeros.shape != scales.shape or int(group.max()) >= groups:
+            raise ValueError(
+                f"{name}: {self.method} tensors of shapes qweight {tuple(parts['qweight'].shape)}, qzeros "
+                f"{tuple(parts['qzeros'].shape)}, scales {tuple(scales.shape)} do not make one 4-bit weight "
+                f"in groups of {self.group}"
+            )
+        return q, group, scales, zeros
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        q, group, scales, zeros = self.values(name, parts)
+        return scales.T[:, group] * (q - zeros.T[:, group]).float()
+
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        q, group, scales, zeros = self.values(name, parts)
+        rows, cols = q.shape
+        block_group = group[::32]
+        if cols % 32 or not torch.equal(group, block_group.repeat_interleave(32)):
+            return None  # a block of 32 columns spans groups (activation order): decoded
+        d = scales.T[:, block_group].half()
+        m = (-scales * zeros.float()).T[:, block_group].half()
+        nib = q.to(torch.uint8).reshape(rows, cols // 32, 2, 16)
+        qs = nib[:, :, 0] | (nib[:, :, 1] << 4)
+        blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), qs], dim=-1)
+        return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), get_weight_format("q4_1"), (rows, cols))
+
+
+def nibbles(words: Tensor) -> Tensor:
+    """[R, W] int32 words of 8 4-bit values, the low nibble first, as [R, 8 W] values 0..15."""
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    return ((words.to(torch.int64)[..., None] >> shifts) & 15).flatten(-2)
+
+
+def awq_order(values: Tensor) -> Tensor:
+    """AWQ's unpacked values [R, C] in their columns' order."""
+    return values.unflatten(-1, (-1, 8))[..., list(AWQ_ORDER)].flatten(-2)
+
+
 def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
     """The decoder of a config's ``quantization_config``, or None where none here reads it."""
     method = quantization.get("quant_method")
+    if method in ("gptq", "awq"):
+        return _grouped_int4(method, quantization)
     if method in ("fp8", "fbgemm_fp8"):
         return Fp8(_block(quantization.get("weight_block_size")))
     if method != "compressed-tensors":
@@ -134,6 +233,26 @@ def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
     return None
 
 
+def _grouped_int4(method: str, quantization: Mapping[str, Any]) -> GroupedInt4:
+    """The decoder of a GPTQ or AWQ config; an option not read yet is one error naming the field."""
+    bits = quantization.get("bits", quantization.get("w_bit"))
+    group = int(quantization.get("group_size", quantization.get("q_group_size", -1)))
+    unread = None
+    if bits != 4:
+        unread = f"bits {bits!r} (4 is read)"
+    elif group <= 0:
+        unread = f"group_size {group} (groups of a row's columns are read)"
+    elif method == "awq" and str(quantization.get("version", "gemm")).lower() != "gemm":
+        unread = f"version {quantization['version']!r} (gemm is read)"
+    elif method == "awq" and not quantization.get("zero_point", True):
+        unread = "zero_point false"
+    elif method == "gptq" and quantization.get("checkpoint_format", "gptq") != "gptq":
+        unread = f"checkpoint_format {quantization['checkpoint_format']!r} (gptq is read)"
+    if unread:
+        raise ValueError(f"quantization_config quant_method {method!r} with {unread} is not read yet")
+    return GroupedInt4(method, group, gptq_v1=method == "gptq")
+
+
 def _block(block: Any) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1])) if block else None
 
@@ -143,7 +262,7 @@ def decoded(
 ) -> Iterator[tuple[str, Tensor]]:
     """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}  # module -> the parts of its weight come so far
-    count = 0
+    count = kept = 0
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
         if leaf in DROPPED:
@@ -155,6 +274,11 @@ def decoded(
         parts[leaf] = tensor
         if decoder.complete(parts):
             del pending[module]
+            packed = decoder.packed(f"{module}.weight", parts)
+            if packed is not None:
+                kept += 1
+                yield f"{module}.weight", packed
+                continue
             count += 1
             yield f"{module}.weight", decoder.decode(f"{module}.weight", parts).to(dtype)
     if pending:
@@ -163,21 +287,30 @@ def decoded(
             f"{module}.weight: its {decoder.name} tensors are incomplete in the checkpoint (found {sorted(parts)}; "
             f"{len(pending)} such weights)"
         )
+    if kept:
+        log.info(
+            "kept %d %s weights packed (%d bytes per %d values)", kept, decoder.name, FP8_FORMAT.block_bytes, BLOCK
+        )
     if count:
         log.info("decoded %d %s weights at load to %s (--isq q8_0 packs them again)", count, decoder.name, dtype)
 
 
 def scaled(weight: Tensor, scale: Tensor, name: str, block: tuple[int, int] | None = None) -> Tensor:
-    """``weight`` [N, K] (fp8) times ``scale``: one value, one per row ([N] or [N, 1]) or one per
-    ``block`` of bn x bk ([ceil(N / bn), ceil(K / bk)]), in fp32."""
-    values, scale = weight.float(), scale.float()
-    rows, cols = values.shape[-2:]
+    """``weight`` [N, K] (fp8) times ``scale`` (:func:`scales_of`), in fp32."""
+    return weight.float() * scales_of(weight.shape, scale, name, block)
+
+
+def scales_of(shape: Sequence[int], scale: Tensor, name: str, block: tuple[int, int] | None = None) -> Tensor:
+    """The scale of each value of a weight of ``shape`` [..., N, K] (broadcast to it) given ``scale``: one
+    value, one per row ([N] or [N, 1]) or one per ``block`` of bn x bk ([ceil(N / bn), ceil(K / bk)])."""
+    scale = scale.float()
+    rows, cols = shape[-2:]
     if scale.numel() == 1:
-        return values * scale.reshape(())
+        return scale.reshape(()).expand(rows, cols)
     if block is None and (scale.dim() == 1 or scale.shape[-1] == 1):
         if scale.shape[0] != rows:
             raise ValueError(f"{name}: {scale.shape[0]} row scales for {rows} rows")
-        return values * scale.reshape(rows, 1)
+        return scale.reshape(rows, 1).expand(rows, cols)
     grid_rows, grid_cols = scale.shape[-2:]
     if block is None:  # no block size given: only blocks that divide the weight evenly are unambiguous
         if rows % grid_rows or cols % grid_cols:
@@ -187,4 +320,4 @@ def scaled(weight: Tensor, scale: Tensor, name: str, block: tuple[int, int] | No
     if (-(-rows // block_rows), -(-cols // block_cols)) != (grid_rows, grid_cols):
         raise ValueError(f"{name}: scales {tuple(scale.shape)} do not tile {(rows, cols)} values in blocks of {block}")
     expanded = scale.repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)
-    return values * expanded[..., :rows, :cols]
+    return expanded[..., :rows, :cols]

@@ -25,7 +25,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from xinfer.hooks import hookimpl
 from xinfer.quant.tensor import WeightFormat
 
 QK_K = 256
@@ -299,8 +298,3 @@ class Q6_K(GGUFBlockFormat):
 
 GGUF_FORMATS: tuple[type[GGUFBlockFormat], ...] = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 """The block formats GGUF weights stay packed in (named as the ggml type, in lower case)."""
-
-
-@hookimpl
-def xinfer_weight_formats() -> dict[str, str]:
-    return {f.name: f"xinfer.quant.gguf_formats:{f.__name__}" for f in GGUF_FORMATS}

@@ -18,6 +18,9 @@ contiguous runs; a kernel multiplies it with the activations gathered at those c
 Every formula reads the bytes at the offsets given in the format's comment; scales are
 fp16 (read through an fp16 pointer: every scale of every format sits at an even offset),
 sub-block scales 4, 6 or 8 bits.
+
+One block format here is not GGUF's: ``FP8`` (:mod:`xinfer.quant.fp8_format`), a float32 scale
+then 128 e4m3 codes, decoded with integer operations (no FP8 hardware needed: SM70 and up).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class BlockFormat:
     groups: int
     parts: int
     f16_offsets: tuple[int, ...]  # of the block's fp16 fields (scales and mins)
+    f32_offsets: tuple[int, ...] = ()  # of its float32 fields
 
     @property
     def span(self) -> int:
@@ -66,6 +70,7 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q4_K", 256, 144, 4, 2, (0, 2)),
         BlockFormat("Q5_K", 256, 176, 4, 2, (0, 2)),
         BlockFormat("Q6_K", 256, 210, 2, 4, (208,)),
+        BlockFormat("FP8", 128, 132, 4, 1, (), (0,)),
     )
 }
 
@@ -78,6 +83,12 @@ def random_packed(n: int, k: int, fmt: BlockFormat, scale: float = 1e-3, device:
     for offset in fmt.f16_offsets:
         halves = (torch.rand(n, k // fmt.qk, device=device) * 0.75 + 0.25) * scale
         blocks[..., offset : offset + 2] = halves.half().view(torch.uint8).view(n, k // fmt.qk, 2)
+    for offset in fmt.f32_offsets:
+        singles = (torch.rand(n, k // fmt.qk, device=device) * 0.75 + 0.25) * scale
+        blocks[..., offset : offset + 4] = singles.view(torch.uint8).view(n, k // fmt.qk, 4)
+    if fmt.name == "FP8":  # e4m3 has no infinities; S.1111.111 is NaN
+        codes = blocks[..., 4:]
+        codes[(codes & 0x7F) == 0x7F] = 0
     return blocks.view(n, fmt.row_bytes(k))
 
 
@@ -107,6 +118,20 @@ def _int8(ptr, mask):
 
 
 @triton.jit
+def _single(ptr, mask):
+    return _load(ptr.to(tl.pointer_type(tl.float32)), mask)
+
+
+@triton.jit
+def _e4m3(byte):
+    """e4m3 codes (int32 bytes) as fp32, by integer operations: the sign and the 7 bits of exponent and
+    mantissa moved into an fp16's places are the fp16 of the value times 2**-8 (bias 15 for 7),
+    subnormals included."""
+    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
 def _scale_min_k4(scales, i, mask):
     """The 6-bit scale and min of sub-block ``i`` (0..7) of a Q4_K/Q5_K block from its 12
     scale bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins),
@@ -127,6 +152,8 @@ def decode_part(FMT: tl.constexpr, block, g, P: tl.constexpr, j, mask):
     ``j`` [1, 1, span] the value within the part, ``mask`` [BLOCK_N, U, 1] or None."""
     if FMT == "Q8_0":  # d f16 @0, qs i8[32] @2
         return _half(block, mask) * _int8(block + 2 + j, mask)
+    elif FMT == "FP8":  # scale f32 @0, e4m3[128] @4 (group g: values 32g..)
+        return _single(block, mask) * _e4m3(_byte(block + 4 + g * 32 + j, mask))
     elif FMT == "Q4_0":  # d @0, qs[16] @2: value j low nibble, j + 16 high; q - 8
         q = (_byte(block + 2 + j, mask) >> (4 * P)) & 15
         return _half(block, mask) * (q - 8).to(tl.float32)

@@ -1,0 +1,94 @@
+"""FP8 weights (:mod:`xinfer.quant.fp8_format`) through Hopper's FP8 tensor cores, the alternative to
+the weight-only kernels (which decode e4m3 in registers on any GPU) that ``XINFER_FP8_MATMUL=tensor-cores``
+selects on SM90 so that both can be timed (``benchmarks/quant_decode.py --fp8``).
+
+At load each 2-D weight is repacked, in its own bytes, into what ``torch.nn.functional.scaled_mm``'s
+1x128 x 1x128 block scaling reads: the e4m3 codes [N, K] row-major, then the float32 scales
+[K / 128, N] (the same values: :class:`Fp8TensorCoreLayout`). Each call quantizes the activations to
+e4m3 per token and 128 columns (the scale taking each group's largest magnitude to 448) and multiplies
+in FP8 with fp32 accumulation. Stacked experts keep the weight-only layout and kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
+from xinfer.quant.fp8_format import BLOCK, E4M3_MAX
+from xinfer_cuda.quant_weights import GgufKernels
+
+SELECT = "XINFER_FP8_MATMUL"  # "weight-only" (the default) or "tensor-cores"
+
+
+class Fp8TensorCoreLayout(WeightFormat):
+    """A weight [N, K] as N * K e4m3 codes then K / 128 x N float32 scales, in a uint8 tensor of the
+    FP8 format's shape [N, K / 128 * 132] (the same bytes, moved)."""
+
+    name = "fp8_tensor_cores"
+    block_values = BLOCK
+    block_bytes = BLOCK + 4
+    kernels = {"cuda": "xinfer_cuda.fp8_tensor_cores:TENSOR_CORE_KERNELS"}
+
+    def dequantize(self, raw: Tensor) -> Tensor:
+        codes, scales = split(raw)
+        return codes.float() * scales.t().repeat_interleave(BLOCK, dim=1)
+
+
+LAYOUT = Fp8TensorCoreLayout()
+
+
+def split(raw: Tensor) -> tuple[Tensor, Tensor]:
+    """The codes [N, K] (e4m3) and the scales [K / 128, N] of a weight in :class:`Fp8TensorCoreLayout`."""
+    rows, cols = raw.shape[0], raw.shape[1] // (BLOCK + 4) * BLOCK
+    flat = raw.reshape(-1)
+    codes = flat[: rows * cols].view(torch.float8_e4m3fn).view(rows, cols)
+    return codes, flat[rows * cols :].view(torch.float32).view(cols // BLOCK, rows)
+
+
+def to_tensor_core_layout(weight: QuantizedTensor) -> QuantizedTensor:
+    rows, cols = weight.logical_shape
+    blocks = weight.raw.reshape(rows, cols // BLOCK, BLOCK + 4)
+    scales = blocks[..., :4].contiguous().view(torch.float32).reshape(rows, cols // BLOCK)
+    raw = torch.cat([blocks[..., 4:].reshape(-1), scales.t().contiguous().view(torch.uint8).reshape(-1)])
+    return QuantizedTensor(raw.view(weight.raw.shape), LAYOUT, weight.logical_shape)
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` [M, K] as e4m3 codes and one float32 scale per row and 128 columns, the scales [M, K / 128]
+    laid out column-major (as scaled_mm reads them)."""
+    groups = x.float().unflatten(-1, (-1, BLOCK))
+    scales = groups.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
+    codes = (groups / scales[..., None]).to(torch.float8_e4m3fn).flatten(-2)
+    return codes, scales.t().contiguous().t()
+
+
+class Fp8TensorCores(WeightKernels):
+    def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        codes, scales = split(weight.raw)
+        x_codes, x_scales = quantize_activations(rows)
+        recipe = F.ScalingType.BlockWise1x128
+        y = F.scaled_mm(x_codes, codes.t(), x_scales, recipe, scales.t(), recipe, bias=bias, output_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Fp8Kernels(GgufKernels):
+    """The weight-only kernels, and the repack for the tensor cores where selected."""
+
+    def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
+        selected = os.environ.get(SELECT, "weight-only")
+        if selected not in ("weight-only", "tensor-cores"):
+            raise ValueError(f"{SELECT}={selected!r}: choose weight-only or tensor-cores")
+        if selected == "weight-only" or weight.dim() != 2:
+            return weight
+        if not weight.is_cuda or torch.cuda.get_device_capability(weight.device)[0] != 9:
+            raise ValueError(f"{SELECT}=tensor-cores runs on SM90 GPUs (Hopper) only")
+        return to_tensor_core_layout(weight)
+
+
+FP8_KERNELS = Fp8Kernels()
+TENSOR_CORE_KERNELS = Fp8TensorCores()

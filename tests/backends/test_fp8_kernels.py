@@ -1,0 +1,144 @@
+"""The packed-weight kernels (:mod:`xinfer_cuda.kernels.quant_linear`, ``quant_moe``) on FP8 blocks
+(:mod:`xinfer.quant.fp8_format`: a float32 scale and 128 e4m3 codes) against the core format's
+``dequantize`` (itself checked against torch's e4m3 in tests/quant/test_fp8_format.py) then an fp32
+matmul on the CPU; on "cpu" under the Triton interpreter (see conftest.py). Every e4m3 code but NaN
+comes up in the random bytes, subnormals and negative zero included; rows no tile divides."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import Tensor
+
+from xinfer import ops
+from xinfer.quant import get_weight_format, quantized
+from xinfer.torch_ops import TorchOps
+from xinfer_cuda.fp8_tensor_cores import FP8_KERNELS, quantize_activations, to_tensor_core_layout
+from xinfer_cuda.kernels import quant_moe
+from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
+from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
+from xinfer_cuda.ops import CudaOps
+
+DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+ON_GPU = DEVICE.type == "cuda"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+FP8 = FORMATS["FP8"]
+CORE = get_weight_format("fp8")
+
+
+def reference(packed: Tensor) -> Tensor:
+    return CORE.dequantize(packed.cpu())
+
+
+def check(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    out64, ref64 = out.detach().cpu().double(), ref.double()
+    assert torch.isfinite(out64).all(), "non-finite output: unwritten elements or NaN"
+    err = ((out64 - ref64).norm() / ref64.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e} ({dtype})"
+
+
+def run_case(m: int, n: int, k: int, dtype: torch.dtype, config=None, with_bias: bool = False) -> None:
+    packed = random_packed(n, k, FP8, device=DEVICE)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    quant_linear(x, packed, "FP8", bias, config, out=out)
+    ref = x.cpu().float() @ reference(packed).T
+    check(out, ref + bias.cpu().float() if bias is not None else ref, dtype)
+
+
+def test_dequantize_kernel_decodes_every_code_bit_for_bit():
+    packed = random_packed(7, 3 * 128, FP8, device=DEVICE)
+    packed[0, 4:132] = torch.arange(128, dtype=torch.uint8)  # every positive code but NaN (and 127: NaN)
+    packed[0, 4 + 127] = 0x80  # negative zero
+    packed[1, 4:132] = torch.arange(128, 256, dtype=torch.uint8)
+    packed[1, 4 + 127] = 0x01
+    assert torch.equal(dequantize(packed, "FP8", 3 * 128, torch.float32).cpu(), reference(packed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_row(dtype):
+    run_case(1, 8, 512, dtype)
+    run_case(1, 7, 3 * 128, dtype, with_bias=True)
+    run_case(1, 6, 3 * 128, dtype, QGemvConfig(2, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_several_rows(dtype):
+    run_case(3, 37, 3 * 128, dtype, with_bias=True)
+    run_case(19, 20, 3 * 128, dtype, QDotConfig(16, 16, 2, 4, 2))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real shapes take minutes under the interpreter; small ones run above")
+@pytest.mark.parametrize("shape", [(1, 4096, 14336), (16, 6144, 4096), (300, 4096, 4096)], ids=str)
+def test_real_shapes(shape):
+    run_case(*shape, torch.bfloat16)
+
+
+def test_linear_and_moe_dispatch_to_the_kernels():
+    """ops.linear and ops.fused_moe on FP8 weights reach the kernels under CudaOps."""
+    backend = CudaOps()
+    packed = random_packed(5, 128, FP8, device=DEVICE)
+    weight, bias = quantized(packed, CORE, (5, 128)), torch.randn(5, device=DEVICE)
+    x = torch.randn(2, 3, 128, device=DEVICE)
+    with ops.use(backend):
+        out = ops.linear(x, weight, bias)
+    check(out, x.cpu() @ reference(packed).T + bias.cpu(), torch.float32)
+
+    experts, hidden, inter = 4, 128, 128
+    w13 = random_packed(experts * 2 * inter, hidden, FP8, device=DEVICE).view(experts, 2 * inter, -1)
+    w2 = random_packed(experts * hidden, inter, FP8, device=DEVICE).view(experts, hidden, -1)
+    q13, q2 = quantized(w13, CORE, (experts, 2 * inter, hidden)), quantized(w2, CORE, (experts, hidden, inter))
+    x = torch.randn(2, hidden, device=DEVICE)
+    ids = torch.tensor([[0, 3], [2, 3]], device=DEVICE)
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=DEVICE)
+    with ops.use(backend):
+        out = ops.fused_moe(x, q13, q2, weights, ids, "silu")
+    dense13, dense2 = q13.cpu().dequantize(), q2.cpu().dequantize()
+    ref = TorchOps().fused_moe(x.cpu(), dense13, dense2, weights.cpu(), ids.cpu(), "silu")
+    check(out, ref, torch.float32)
+    assert quant_moe.MAX_SLOTS >= ids.numel()  # the fused kernel, not the expert-by-expert path
+
+
+# --- the tensor-core path (XINFER_FP8_MATMUL=tensor-cores, SM90) ---------------------------------------
+
+
+def test_tensor_core_layout_holds_the_same_values_in_the_same_bytes():
+    packed = random_packed(6, 3 * 128, FP8)
+    weight = quantized(packed, CORE, (6, 3 * 128))
+    moved = to_tensor_core_layout(weight)
+    assert moved.nbytes == weight.nbytes and moved.shape == weight.shape
+    assert torch.equal(moved.dequantize(), weight.dequantize())
+
+
+def test_activations_quantize_per_token_and_128_columns():
+    x = torch.randn(3, 256) * torch.tensor([1e-2, 1.0, 30.0])[:, None]
+    codes, scales = quantize_activations(x)
+    assert scales.shape == (3, 2) and scales.stride() == (1, 3)  # column-major, as scaled_mm reads them
+    back = codes.float() * scales.repeat_interleave(128, dim=1)
+    assert torch.all((back - x).abs() <= x.abs() * 2**-4 + 1e-30)
+    assert torch.allclose(back.unflatten(1, (2, 128)).abs().amax(-1), x.unflatten(1, (2, 128)).abs().amax(-1))
+
+
+SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not SM90, reason="FP8 tensor cores with 1x128 block scales: SM90 (Hopper) only")
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_tensor_cores_match_the_weight_times_quantized_activations(rows, monkeypatch):
+    monkeypatch.setenv("XINFER_FP8_MATMUL", "tensor-cores")
+    backend = CudaOps()
+    n, k = 4096, 2048
+    weight = quantized(random_packed(n, k, FP8, scale=1e-2, device=DEVICE), CORE, (n, k))
+    prepared = FP8_KERNELS.prepare(weight)
+    assert prepared.format.name == "fp8_tensor_cores"
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    with ops.use(backend):
+        out = ops.linear(x, prepared, None)
+    codes, scales = quantize_activations(x)
+    meant = codes.float() * scales.repeat_interleave(128, dim=1)
+    check(out, meant.cpu() @ reference(weight.raw).T, torch.bfloat16)
