@@ -81,7 +81,6 @@ def test_help_lists_every_flag():
     "flags, feature",
     [
         (["--num-speculative-tokens", "2"], "speculative"),
-        (["--pd-server"], "disaggregation"),
     ],
 )
 def test_later_features_are_refused_in_one_line(flags, feature):
@@ -97,6 +96,9 @@ def test_later_features_are_refused_in_one_line(flags, feature):
         (["--num-nodes", "2"], "give --master-port"),
         (["--num-nodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank 2 is not one of the 2"),
         (["--d", "0,0"], "distinct device ids"),
+        (["--pd-client"], "--pd-client needs --pd-url"),
+        (["--pd-server", "--pd-client", "--pd-url", "http://x"], "a server takes one role"),
+        (["--pd-server", "--disable-prefix-cache"], "need the prefix cache"),
         (["--d", "gpu0"], "device ids such as 0 or 0,1"),
     ],
 )

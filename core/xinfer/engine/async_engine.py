@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutpu
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
 
+T = TypeVar("T")
 log = logging.getLogger("xinfer")
 
 
@@ -62,6 +63,7 @@ class RequestHandle:
     inter_token_latencies: list[float] = field(default_factory=list)
     num_generated: int = 0
     accepted: asyncio.Future | None = None
+    remote_cached_tokens: int | None = None  # prompt tokens another server's prefix cache held (it prefilled them)
 
     @property
     def choices(self) -> list[CompletionOutput]:
@@ -77,6 +79,8 @@ class RequestHandle:
 
     @property
     def num_cached_tokens(self) -> int:
+        if self.remote_cached_tokens is not None:
+            return self.remote_cached_tokens
         return sum(output.num_cached_tokens for output in self.outputs)
 
 
@@ -234,6 +238,14 @@ class AsyncEngine:
         self._send("embed", (token_ids, future))
         return await future
 
+    async def call(self, work: Callable[[LLMEngine], T]) -> T:
+        """``work(engine)``'s result, run on the engine thread between steps (its caches are
+        not changing then)."""
+        self._check_available()
+        future = self._event_loop.create_future()
+        self._send("call", (work, future))
+        return await future
+
     @property
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         assert self.loop is not None, "start() binds the event loop"
@@ -323,6 +335,12 @@ class AsyncEngine:
             try:
                 self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
             except (ValueError, KVCacheFull) as error:
+                self._resolve(future, error=error)
+        elif command == "call":
+            work, future = payload
+            try:
+                self._resolve(future, result=work(engine))
+            except Exception as error:  # noqa: BLE001 - the caller's error; the loop goes on
                 self._resolve(future, error=error)
         self.stats = engine.stats()
 

@@ -197,6 +197,18 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     nodes.add_argument("--tp-timeout", type=_at_least(float, 1), default=300.0,
                        help="seconds a rank waits for the others in a step before the engine fails")
 
+    pd = p.add_argument_group("prefill/decode disaggregation (docs/distributed.md)")
+    pd.add_argument("--pd-server", action="store_true",
+                    help="prefill prompts for a --pd-client (the usual API is served too)")
+    pd.add_argument("--pd-client", action="store_true",
+                    help="serve the API and decode; prompts are prefilled by the --pd-server at --pd-url")
+    pd.add_argument("--pd-url", metavar="URL", help="with --pd-client: the prefill server, e.g. http://10.0.0.2:8000")
+    pd.add_argument("--pd-fallback", default="error", choices=["error", "local"],
+                    help="with --pd-client, where the prefill server fails: answer the request with 503, or prefill "
+                    "it here")
+    pd.add_argument("--pd-timeout", type=_at_least(float, 1), default=60.0,
+                    help="seconds a prefill (and its transfer) may take before it fails")
+
     chat = p.add_argument_group("terminal")
     chat.add_argument("--i", dest="interactive", action="store_true",
                       help="interactive terminal chat instead of serving")
@@ -207,9 +219,6 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     later = p.add_argument_group("later features (listed, not yet available)", argument_default=SUPPRESS)
     later.add_argument("--num-speculative-tokens", type=int, help="speculative decoding [later]")
     later.add_argument("--draft-model", help="draft model for speculative decoding [later]")
-    later.add_argument("--pd-server", action="store_true", help="prefill/decode disaggregation: server [later]")
-    later.add_argument("--pd-client", action="store_true", help="prefill/decode disaggregation: client [later]")
-    later.add_argument("--pd-url", help="prefill/decode disaggregation: peer URL [later]")
     return p
 
 
@@ -221,7 +230,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argpa
     if refusal:
         print(f"{prog}: {refusal} is not available yet in this version of xinfer", file=sys.stderr)
         raise SystemExit(2)
-    problem = nodes_problem(args)
+    problem = nodes_problem(args) or pd_problem(args)
     if problem:
         print(f"{prog}: {problem}", file=sys.stderr)
         raise SystemExit(2)
@@ -234,6 +243,20 @@ def nodes_problem(args: argparse.Namespace) -> str | None:
         return f"--node-rank {args.node_rank} is not one of the {args.num_nodes} nodes (0 to {args.num_nodes - 1})"
     if args.num_nodes > 1 and args.master_port is None:
         return "--num-nodes above 1: give --master-port (and --master-addr, node 0's address) on every node"
+    return None
+
+
+def pd_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the prefill/decode flags, if anything."""
+    if args.pd_server and args.pd_client:
+        return "--pd-server and --pd-client: a server takes one role"
+    if args.pd_client != bool(args.pd_url):
+        return "--pd-client needs --pd-url (the prefill server), and --pd-url needs --pd-client"
+    split = bool(args.devices and len(args.devices) > 1) or args.num_nodes > 1
+    if (args.pd_server or args.pd_client) and (args.disable_prefix_cache or split):
+        return (
+            "--pd-server/--pd-client need the prefix cache and one device (no --disable-prefix-cache, --d with one id)"
+        )
     return None
 
 

@@ -229,11 +229,22 @@ def uvicorn_config(app: Any, args: argparse.Namespace, port: int) -> uvicorn.Con
     )
 
 
+def async_engine(args: argparse.Namespace, config: EngineConfig) -> AsyncEngine:
+    """The engine serving requests; with ``--pd-client``, one whose prompts the prefill server prefills."""
+    options = dict(max_waiting=args.max_waiting, stall_timeout=args.health_stall_timeout)
+    if not args.pd_client:
+        return AsyncEngine(lambda: LLMEngine(config), **options)
+    from xinfer.distributed.pd import DisaggregatedEngine
+
+    return DisaggregatedEngine(lambda: LLMEngine(config), **options, url=args.pd_url,
+                               fallback_local=args.pd_fallback == "local", timeout=args.pd_timeout)  # fmt: skip
+
+
 async def serve(
     args: argparse.Namespace, path: Path, config: EngineConfig, mcp_specs: Sequence[ServerSpec] = ()
 ) -> int:
     loop = asyncio.get_running_loop()
-    engine = AsyncEngine(lambda: LLMEngine(config), args.max_waiting, args.health_stall_timeout)
+    engine = async_engine(args, config)
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
@@ -242,6 +253,10 @@ async def serve(
                       reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
                       tool_parser=args.enforce_parser, mcp=mcp)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes)
+    if args.pd_server:
+        from xinfer.distributed.pd import PrefillServer
+
+        app.include_router(PrefillServer(engine, args.pd_timeout).router())
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
         ui_app = build_app(serving, args.api_key, args.max_body_bytes, with_ui=True)

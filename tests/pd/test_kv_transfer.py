@@ -1,0 +1,53 @@
+"""A prompt's cache moved between two in-process engines of a hybrid model (Gated DeltaNet's
+recurrent state and full-attention blocks): the receiving engine, which never computed the prompt,
+hits it in its prefix cache and decodes transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.plugins.qwen.test_qwen3_next import CONFIGS, hf_greedy, randomize_hybrid
+from tests.tiny_models import prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+from xinfer.distributed.kv_transfer import export_prefix, import_prefix, layout_signature
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3.5")
+    hf = save_tiny_model(CONFIGS["qwen3.5"](), folder)
+    randomize_hybrid(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    options = dict(model=str(folder), dtype="float32", num_blocks=64)
+    return hf, LLM(**options), LLM(**options)
+
+
+def test_recurrent_state_and_blocks_move_between_engines(hybrid):
+    hf, prefill, decode = hybrid
+    tokens = prompt(45, seed=11)
+    assert layout_signature(prefill.engine)["states"]  # the model has recurrent state to move
+    prefill.generate([tokens], SamplingParams(temperature=0, max_tokens=1))
+    num_tokens, payload = export_prefix(prefill.engine, tokens)
+    assert (
+        num_tokens == 32
+        or num_tokens == (len(tokens) - 1) // prefill.engine.cache.block_size * prefill.engine.cache.block_size
+    )
+    assert import_prefix(decode.engine, tokens, num_tokens, payload)
+    got = decode.generate([tokens], GREEDY)[0].outputs[0].token_ids
+    assert decode.engine.cache.hits * decode.engine.cache.block_size == num_tokens  # decoded from the moved cache
+    assert got == hf_greedy(hf, tokens, len(got))
+
+
+def test_a_payload_of_another_layout_is_refused_and_nothing_is_registered(hybrid):
+    _, prefill, decode = hybrid
+    tokens = prompt(40, seed=12)
+    prefill.generate([tokens], SamplingParams(temperature=0, max_tokens=1))
+    num_tokens, payload = export_prefix(prefill.engine, tokens)
+    hits = decode.engine.cache.hits
+    with pytest.raises(ValueError, match="layout differs"):
+        import_prefix(decode.engine, tokens, num_tokens, torch.cat([payload, payload[:4]]))
+    decode.generate([tokens], GREEDY)
+    assert decode.engine.cache.hits == hits
