@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
 from tests.server.live import REPO, LiveServer
@@ -183,3 +184,34 @@ def test_an_mcp_call_is_run_and_its_result_fed_back(mcp_claude, mcp_model):
     assert result.tool_use_id == use.id and not result.is_error
     assert result.content[0]["text"] == str(use.input["a"] + use.input["b"])
     assert kinds[-1] == "text" and answer.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_chat_completions_run_mcp_calls_too(mcp_server, mcp_model):
+    """The same rounds on OpenAI's chat completions (the official client): the answer is the last round's,
+    the calls run are listed in ``mcp_tool_calls``; streamed, the answer comes as one chunk; a server the
+    request names that is not configured is a 400 in OpenAI's error shape."""
+    client = mcp_server.client(timeout=120)
+    forced = dict(model=mcp_model, max_tokens=40, messages=TURNS, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "add"}}, extra_body={"mcp": ["tools"]})  # fmt: skip
+    answer = client.chat.completions.create(**forced)
+    [call] = answer.model_extra["mcp_tool_calls"][:1]
+    arguments = json.loads(call["arguments"])
+    assert call["name"] == "add" and call["server"] == "tools" and not call["is_error"]
+    assert call["output"] == str(arguments["a"] + arguments["b"])
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    one_round = client.chat.completions.create(model=mcp_model, max_tokens=40, messages=TURNS, temperature=0)
+    assert answer.usage.prompt_tokens > one_round.usage.prompt_tokens  # every round's prompt counted
+
+    chunks = list(client.chat.completions.create(**forced, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer.choices[0].message.content
+
+    def without_ids(calls):
+        return [{k: v for k, v in call.items() if k != "id"} for call in calls]
+
+    assert without_ids(chunks[0].model_extra["mcp_tool_calls"]) == without_ids(answer.model_extra["mcp_tool_calls"])
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+    with pytest.raises(openai.BadRequestError, match="no MCP server named 'nope'") as refused:
+        client.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["nope"]})
+    assert refused.value.body["param"] == "mcp"

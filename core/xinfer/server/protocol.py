@@ -149,6 +149,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # xinfer's extra: offer the tools of the --mcp-* servers (true: all of them; a list: those named)
+    mcp: bool | list[str] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
@@ -161,7 +163,8 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tools is not None:
             check_tools(self.tools)
-        check_tool_choice(self.tool_choice, self.tools)
+        if not self.mcp:  # (else checked once the MCP servers' tools are added)
+            check_tool_choice(self.tool_choice, self.tools)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=false")
         return self

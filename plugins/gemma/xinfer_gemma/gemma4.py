@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.distributed import current
-from xinfer.forward_context import attention_metadata
+from xinfer.forward_context import attention_metadata, multimodal
 from xinfer.layers import (
     Attention,
     GatedMLP,
@@ -47,6 +47,7 @@ from xinfer.layers import (
 )
 from xinfer.layers.moe import Experts
 from xinfer.model import HF_QKV_GATE_UP, CausalLM
+from xinfer.ops import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class Gemma4Attention(nn.Module):
         self.v_norm_weight: Tensor  # the value norm has no weight of its own
         self.register_buffer("v_norm_weight", torch.ones(head_dim), persistent=False)
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale=1.0, window=window)
+        causal = CausalAttention if window is None else Attention
+        self.attn = causal(self.num_heads, self.num_kv_heads, head_dim, scale=1.0, window=window)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q, k, *v = self.qkv_proj.split(self.qkv_proj(x))
@@ -84,6 +86,22 @@ class Gemma4Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k, head_norms(self.q_norm, self.k_norm))
         return self.o_proj(self.attn(q, k, values))
+
+
+class CausalAttention(Attention):
+    """Attention that stays causal where the step lets image tokens see their image's later ones
+    (``key_limits``): Gemma 4's global layers, unlike its sliding ones."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        meta = causal(attention_metadata(self.page_group))
+        assert self.cache is not None, "the engine binds the KV cache before the first forward"
+        q, k, v = (t.view(-1, heads, self.head_dim) for t, heads in ((q, self.num_heads), (k, self.num_kv_heads),
+                                                                     (v, self.num_kv_heads)))  # fmt: skip
+        return ops.attention(q, k, v, self.cache, meta, self.scale, self.window, self.softcap).flatten(1)
+
+
+def causal(meta: AttentionMetadata) -> AttentionMetadata:
+    return meta if meta.key_limits is None else dataclasses.replace(meta, key_limits=None)
 
 
 class SharedKVAttention(nn.Module):
@@ -117,6 +135,8 @@ def read_cache(attn: Attention, q: Tensor) -> Tensor:
     if shadows is not None:
         shadows = dataclasses.replace(shadows, slot_mapping=torch.full_like(shadows.slot_mapping, -1))
     unwritten = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1), shadows=shadows)
+    if attn.window is None:
+        unwritten = causal(unwritten)
     kv = q.new_zeros(q.shape[0], attn.num_kv_heads, attn.head_dim)
     assert attn.cache is not None, "the engine binds the KV cache before the first forward"
     return ops.attention(q, kv, kv, attn.cache, unwritten, attn.scale, attn.window)
@@ -192,6 +212,7 @@ class Gemma4Model(nn.Module):
     def __init__(self, config: Any, layers: Iterable[nn.Module], norm: Norm):
         super().__init__()
         hidden, self.per_layer = config.hidden_size, config.hidden_size_per_layer_input
+        self.pad_token_id = config.pad_token_id or 0
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = norm(hidden)
@@ -205,6 +226,9 @@ class Gemma4Model(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         x = self.embed_tokens(input_ids) * self.embed_scale
+        if (images := multimodal()) is not None:  # image tokens take their encoder's embeddings
+            x = images.merge(x)
+            input_ids = input_ids.index_fill(0, images.rows, self.pad_token_id)  # their per-layer inputs: pad's
         per_layer_inputs = self.per_layer_inputs(input_ids, x) if self.per_layer else [None] * len(self.layers)
         for layer, per_layer_input in zip(self.layers, per_layer_inputs):
             x = layer(positions, x, per_layer_input)
@@ -281,17 +305,17 @@ class Gemma4ForCausalLM(CausalLM):
             yield name.replace(".router.proj.", ".router."), tensor
 
 
-_NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_AUDIO = ("model.audio_tower.", "model.embed_audio.")
 
 
 def text_part(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """The language model's tensors under the names of a text-only checkpoint; the vision and audio
-    towers' are left out, with one log line."""
+    """The language model's tensors under the names of a text-only checkpoint (and the vision
+    tower's, which a text-only model ignores); the audio tower's are left out, with one log line."""
     logged = False
     for name, tensor in weights:
-        if name.startswith(_NOT_TEXT):
+        if name.startswith(_AUDIO):
             if not logged:
-                log.info("skipping the checkpoint's vision and audio towers: xinfer runs Gemma 4's text part")
+                log.info("skipping the checkpoint's audio tower: xinfer takes no audio")
                 logged = True
             continue
         yield name.replace("model.language_model.", "model.", 1), tensor

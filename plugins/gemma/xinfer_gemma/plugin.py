@@ -7,7 +7,7 @@ def xinfer_architectures() -> dict[str, str]:
         "Gemma3ForCausalLM": "xinfer_gemma.gemma3:Gemma3ForCausalLM",
         "Gemma3ForConditionalGeneration": "xinfer_gemma.gemma3_vision:Gemma3ForConditionalGeneration",
         "Gemma4ForCausalLM": "xinfer_gemma.gemma4:Gemma4ForCausalLM",
-        "Gemma4ForConditionalGeneration": "xinfer_gemma.gemma4:Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration": "xinfer_gemma.gemma4_vision:Gemma4ForConditionalGeneration",
     }
 
 

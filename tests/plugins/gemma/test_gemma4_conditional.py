@@ -1,5 +1,5 @@
-"""Gemma4ForConditionalGeneration's checkpoint: xinfer runs its language model (the vision tower
-skipped with one log line) and matches transformers' model on text prompts (fp32, CPU)."""
+"""Gemma4ForConditionalGeneration's checkpoint on text prompts: xinfer matches transformers' model
+(fp32, CPU); an audio tower's tensors are skipped with one log line (images: test_gemma4_vision.py)."""
 
 import logging
 
@@ -54,15 +54,18 @@ def models(checkpoint):
     return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=32)
 
 
-def test_the_towers_are_skipped_with_one_log_line(checkpoint, caplog):
+def test_the_audio_tower_is_skipped_with_one_log_line(checkpoint, caplog):
     _, folder = checkpoint
     tensors = load_file(folder / "model.safetensors")
-    assert any(name.startswith("model.vision_tower.") for name in tensors)
+    audio = {
+        "model.audio_tower.layers.0.weight": torch.ones(1),
+        "model.embed_audio.embedding_projection.weight": torch.ones(1),
+    }
     with caplog.at_level(logging.INFO, logger="xinfer_gemma.gemma4"):
-        names = [name for name, _ in text_part(tensors.items())]
-    assert all(name.startswith(("model.layers.", "model.embed_tokens", "model.norm", "model.per_layer", "lm_head"))
-               for name in names)  # fmt: skip
-    assert len([r for r in caplog.records if "vision" in r.getMessage()]) == 1
+        names = [name for name, _ in text_part({**tensors, **audio}.items())]
+    assert not any(name.startswith(("model.audio_tower.", "model.embed_audio.")) for name in names)
+    assert "model.embed_tokens.weight" in names and "model.vision_tower.patch_embedder.input_proj.weight" in names
+    assert len([r for r in caplog.records if "audio" in r.getMessage()]) == 1
 
 
 @pytest.mark.parametrize("length", (3, 61))

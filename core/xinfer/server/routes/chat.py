@@ -1,17 +1,27 @@
-"""``POST /v1/chat/completions``."""
+"""``POST /v1/chat/completions``.
+
+xinfer's extra field ``mcp`` (true, or a list of server names) offers the tools of the ``--mcp-*``
+servers, as on the Messages API; with ``--mcp-tool-calls server`` their calls are run here
+(:mod:`xinfer.server.mcp.loop`), the answer is the last round's, the calls run are listed in
+``mcp_tool_calls``, and a streamed answer comes as one chunk."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
-from xinfer.server.chat_run import submit_chat
+from xinfer.server.chat_run import ChatPrompt, submit_chat
+from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import chat_logprobs
+from xinfer.server.mcp.config import MCPSettings
+from xinfer.server.mcp.requests import Offered, function_tools, offered_tools
+from xinfer.server.messages.calls import Call, arguments
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
     AssistantMessage,
@@ -25,10 +35,12 @@ from xinfer.server.responses import (
     FunctionCallDelta,
     ToolCallDeltaItem,
     ToolCallItem,
+    new_id,
+    usage,
 )
 from xinfer.server.serving import Serving
-from xinfer.server.streaming import Answer
-from xinfer.server.tools import ToolUse
+from xinfer.server.streaming import SSE_DONE, SSE_HEADERS, Answer, sse_event
+from xinfer.server.tools import ToolUse, check_tool_choice
 from xinfer.text.reasoning import ReasoningStream, ReasoningTags, reasoning_token_count, split
 from xinfer.toolcalls import ToolCallStream
 
@@ -40,6 +52,15 @@ async def create_chat_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, ChatCompletionRequest)
     serving.check_model(body.model)
+    offered = await offered_tools(serving.mcp, body.mcp)
+    if body.mcp:
+        body = body.model_copy(update={"tools": [*(body.tools or []), *function_tools(offered)] or None})
+        try:
+            check_tool_choice(body.tool_choice, body.tools)
+        except ValueError as error:
+            raise bad_request(str(error), param="tool_choice") from None
+    if offered and serving.mcp is not None and serving.mcp.run_calls:
+        return await answer_with_mcp(request, serving, serving.mcp, body, offered)
     handle, prompt, body = await submit_chat(request, serving, body)
     return await ChatAnswer(serving, body, handle, prompt.tags, prompt.inside, prompt.tools).respond(request)
 
@@ -150,6 +171,47 @@ class ChatAnswer(Answer):
             if self.tools.parallel or piece.index == 0
         ]
         return content, pieces
+
+
+async def answer_with_mcp(
+    request: Request, serving: Serving, settings: MCPSettings, body: ChatCompletionRequest, offered: Offered
+) -> Response:
+    from xinfer.server.mcp.loop import run_rounds
+
+    if body.n > 1:
+        raise bad_request("n > 1 is not supported with MCP tool calls run by the server", param="n")
+
+    def read(prompt: ChatPrompt, output: CompletionOutput, handle: RequestHandle, chat: ChatCompletionRequest):
+        choice = ChatAnswer(serving, chat, handle, prompt.tags, prompt.inside, prompt.tools).choice(0, output)
+        found = choice.message.tool_calls or []
+        calls = [Call(c.id, c.function.name, arguments(c.function.arguments)) for c in found]
+        return choice, calls, choice.message.content or ""
+
+    done = await run_rounds(request, serving, settings, body, offered, read)
+    choice: ChatChoice = done.rounds[-1].reading
+    run = [
+        {"id": call.id, "server": offered[call.name][0].name, "name": call.name, "arguments": json.dumps(call.input),
+         "output": text, "is_error": is_error}
+        for step in done.rounds[:-1] for call, (text, is_error) in zip(step.calls, step.results)
+    ]  # fmt: skip
+    answer_id, spent = new_id("chatcmpl"), usage(done.prompt_tokens, done.output_tokens, done.cached_tokens)
+    whole = ChatCompletion(id=answer_id, model=serving.model_name, choices=[choice], usage=spent)
+    if not body.stream:
+        return JSONResponse(whole.model_dump() | {"mcp_tool_calls": run})
+    message = choice.message
+    pieces = [
+        ToolCallDeltaItem(index=i, id=c.id, type="function", function=FunctionCallDelta(name=c.function.name,
+                                                                                        arguments=c.function.arguments))
+        for i, c in enumerate(message.tool_calls or [])
+    ]  # fmt: skip
+    delta = Delta(role="assistant", content=message.content, reasoning_content=message.reasoning_content,
+                  tool_calls=pieces or None)  # fmt: skip
+    chunk = ChatCompletionChunk(id=answer_id, model=serving.model_name,
+                                choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=choice.finish_reason)])  # fmt: skip
+    events = [sse_event(chunk.model_dump() | {"mcp_tool_calls": run})]
+    if body.include_usage:
+        events.append(sse_event(ChatCompletionChunk(id=answer_id, model=serving.model_name, choices=[], usage=spent)))
+    return StreamingResponse(iter([*events, SSE_DONE]), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:

@@ -1,0 +1,137 @@
+"""Gemma4ForConditionalGeneration with images against transformers' model and image processor (fp32,
+CPU): preprocessing of square and non-square images, greedy tokens and log-probabilities for an
+E-model (causal image tokens, per-layer embeddings) and the MoE variant (image tokens both ways in
+the sliding layers, clipped linears, standardized vision output), the encoder cache."""
+
+import httpx
+import pytest
+import torch
+
+from tests.plugins.gemma.gemma3_vision_model import image
+from tests.plugins.gemma.gemma4_vision_model import BOI, EOI, IMAGE, VARIANTS, image_processor, save_model
+from tests.plugins.hf_parity import assert_output_matches_hf, hf_greedy
+from tests.server.live import LiveServer
+from tests.server.test_images import data_url
+from tests.tiny_models import prompt
+from xinfer import LLM, SamplingParams
+from xinfer_gemma.gemma4_vision import Gemma4ImageProcessor
+
+NEW_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+SIZES = [(40, 30), (36, 36), (20, 90)]  # (width, height): wide, square, tall
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"gemma4-vision-{request.param}")
+    hf = save_model(folder, request.param)
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=128)
+
+
+def with_images(text: list[int], *images) -> dict:
+    """A prompt of ``text`` with an image token after its 5th token and, for a second image, before
+    its last 3."""
+    ids = text[:5] + [IMAGE] + (text[5:-3] + [IMAGE] + text[-3:] if len(images) > 1 else text[5:])
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(images)}}
+
+
+def hf_inputs(prompt_ids: list[int], images) -> dict:
+    """transformers' processor's layout: each image token becomes <|image>, its soft tokens, <image|>."""
+    processed = image_processor()(images, return_tensors="pt")
+    ids: list[int] = []
+    soft = iter(processed["num_soft_tokens_per_image"])
+    for token in prompt_ids:
+        ids += [BOI, *[IMAGE] * int(next(soft)), EOI] if token == IMAGE else [token]
+    mm_token_type_ids = torch.tensor([[int(t == IMAGE) for t in ids]])
+    return dict(ids=ids, pixel_values=processed["pixel_values"], image_position_ids=processed["image_position_ids"],
+                mm_token_type_ids=mm_token_type_ids)  # fmt: skip
+
+
+def assert_matches_hf(hf, request: dict, output) -> None:
+    inputs = hf_inputs(request["prompt_token_ids"], request["multi_modal_data"]["image"])
+    assert output.prompt_token_ids == inputs.pop("ids")
+    assert_output_matches_hf(hf, output.prompt_token_ids, output.outputs[0], NEW_TOKENS, **inputs)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_patches_and_soft_tokens_are_transformers(models, size):
+    _, llm = models
+    processor = llm.engine.mm_processor
+    assert isinstance(processor, Gemma4ImageProcessor)
+    item = processor.process("image", image(1, size))
+    expected = image_processor()([image(1, size)], return_tensors="pt")
+    patches = item.data["patches"]
+    assert item.num_embeddings == int(expected["num_soft_tokens_per_image"][0])
+    torch.testing.assert_close(patches, expected["pixel_values"][0, : len(patches)], atol=1e-6, rtol=0)
+    rows, columns = item.extra["grid"]
+    assert expected["image_position_ids"][0, len(patches) - 1].tolist() == [columns - 1, rows - 1]
+
+
+def test_greedy_tokens_and_logprobs_match_hf(models):
+    hf, llm = models
+    request = with_images(prompt(12, seed=1), image(1))
+    assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0])
+
+
+def test_two_images_of_other_shapes_match_hf(models):
+    hf, llm = models
+    request = with_images(prompt(14, seed=2), image(2, SIZES[1]), image(3, SIZES[2]))
+    assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0])
+
+
+@pytest.mark.parametrize("models", ["e-model"], indirect=True)  # causal image tokens: chunks may cut an image
+def test_chunks_cutting_through_an_image_take_their_slices(models):
+    """With 24 tokens a step the image (tokens 6 to 68) spans four chunks, each with its part of the
+    embeddings and of the per-layer inputs."""
+    hf, llm = models
+    chunked = LLM(model=llm.engine.config.model.model, dtype="float32", num_blocks=64, max_num_batched_tokens=24)
+    request = with_images(prompt(12, seed=1), image(1))
+    assert_matches_hf(hf, request, chunked.generate(request, GREEDY)[0])
+
+
+@pytest.mark.parametrize("models", ["moe"], indirect=True)  # the engine's side: one variant tells it
+def test_the_same_image_twice_in_a_batch_is_encoded_once_and_again_not_at_all(models):
+    hf, llm = models
+    cache = llm.engine.encoder_cache
+    misses = cache.misses
+    requests = [with_images(prompt(10, seed=4), image(8)), with_images(prompt(11, seed=5), image(8))]
+    for request, output in zip(requests, llm.generate(requests, GREEDY)):
+        assert_matches_hf(hf, request, output)  # each as transformers gives it alone
+    assert cache.misses == misses + 1  # the second prompt takes the first's output (a step later: a cache hit)
+    hits = cache.hits
+    llm.generate(with_images(prompt(9, seed=6), image(8)), GREEDY)  # no prefix in common: its image is looked up
+    assert (cache.misses, cache.hits) == (misses + 1, hits + 1)
+
+
+@pytest.mark.parametrize("models", ["moe"], indirect=True)  # the variant whose image tokens attend both ways
+def test_the_reference_tells_both_ways_from_causal(models):
+    """The MoE variant's check can fail on the mask: transformers' causal run over its inputs differs."""
+    hf, _ = models
+    inputs = hf_inputs(with_images(prompt(12, seed=1), image(1))["prompt_token_ids"], [image(1)])
+    ids, both_ways_inputs = inputs.pop("ids"), dict(inputs)
+    inputs.pop("mm_token_type_ids")
+    _, both_ways = hf_greedy(hf, ids, 1, **both_ways_inputs)
+    _, causal = hf_greedy(hf, ids, 1, **inputs)
+    assert abs(both_ways[0] - causal[0]) > 1e-3
+
+
+def test_the_server_answers_an_image_as_the_offline_engine_does(tmp_path):
+    folder = tmp_path / "model"
+    save_model(folder, "e-model")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=128)
+    offline = llm.generate({"prompt": "look at <|image|> tell me ", "multi_modal_data": {"image": image(3)}},
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]  # fmt: skip
+    live = LiveServer("--m", str(folder), "--dtype", "f32", "--served-model-name", "tiny-gemma4",
+                      "--max-model-len", "256", name="gemma4-vision-server").start()  # fmt: skip
+    try:
+        card = httpx.get(live.url + "/v1/models").json()["data"][0]
+        assert card["input_modalities"] == ["text", "image"]
+        content = [{"type": "text", "text": "look at"}, {"type": "image_url", "image_url": {"url": data_url(image(3))}},
+                   {"type": "text", "text": "tell me"}]  # fmt: skip
+        answer = live.client(timeout=120).chat.completions.create(
+            model="tiny-gemma4", messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0
+        )
+    finally:
+        live.stop()
+    assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert answer.choices[0].message.content == offline.outputs[0].text
