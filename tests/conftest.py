@@ -12,3 +12,20 @@ def output_dir():
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "test-output")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory):
+    """A tiny random Qwen3-VL (transformers' model, fp32, eager attention) and its checkpoint folder,
+    written once for the plugin's and the server's tests; the folder is read-only to them."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from tests.plugins.qwen.vl_fixtures import save_randomized, tiny_vl_config
+
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    config = tiny_vl_config()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = Qwen3VLForConditionalGeneration(config).float().eval()
+    save_randomized(hf, folder)
+    return hf, folder

@@ -206,10 +206,9 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         quant_moe.fused_moe(t(1, 2048), w13, w2, fmt.name, torch.rand(1, 8), to_expert_0, "silu")
         if fmt.name in MEASURED_FORMATS:
             for tokens in (1, 16, 32, 64):
-                for tile in candidates(fmt, tokens):
-                    if tile is quant_linear.DEQUANTIZED:  # (dequantize + a dense product: no kernel of its own)
-                        continue
-                    quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name, None, tile)
+                for tile in candidates(fmt, tokens):  # (the dequantized candidate: dequantize's kernel, above)
+                    if tile is not quant_linear.DEQUANTIZED:
+                        quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name, None, tile)
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and
     # fp8 rows: the store, decode with and without splits, prefill
     mla_tiles = {fp8: mla.TILES["fma" if cc < 80 or dtype == torch.float32 else "gpu-fp8" if fp8 else "gpu"]

@@ -5,6 +5,7 @@ is this process); each model's two engines run one after the other."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -68,6 +69,7 @@ def ranks():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    @functools.cache  # llama's and qwen3-moe's serve two tests each
     def save(name: str):
         folder = tmp_path_factory.mktemp(name)
         hf = save_tiny_model(CONFIGS[name](), folder)

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 
 import pytest
-import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+from transformers import PreTrainedTokenizerFast
 
 from tests.plugins.qwen.vl_fixtures import (
     IMAGE,
     VIDEO,
     VISION_END,
     VISION_START,
-    save_randomized,
     synthetic_image,
     tiny_vl_config,
 )
@@ -47,12 +46,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="module")
-def qwen_server(tmp_path_factory):
+def qwen_server(tiny_qwen3_vl, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-vl-server")
-    config = tiny_vl_config()
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    save_randomized(Qwen3VLForConditionalGeneration(config).float().eval(), folder)
+    shutil.copytree(tiny_qwen3_vl[1], folder, dirs_exist_ok=True)  # with a tokenizer of its own
     tokenizer().save_pretrained(folder)
     live = LiveServer("--m", str(folder), "--dtype", "f32", "--served-model-name", "tiny-qwen-vl",
                       "--max-model-len", "256", name="qwen-vl-server").start()  # fmt: skip

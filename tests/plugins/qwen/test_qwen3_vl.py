@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3VLForConditionalGeneration
 
 from tests.plugins.hf_parity import assert_output_matches_hf, hf_greedy
 from tests.plugins.qwen.vl_fixtures import (
@@ -23,13 +22,8 @@ from xinfer import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3_vl")
-    config = tiny_vl_config()
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = Qwen3VLForConditionalGeneration(config).float().eval()
-    save_randomized(hf, folder)
+def models(tiny_qwen3_vl):
+    hf, folder = tiny_qwen3_vl
     return hf, LLM(model=str(folder), dtype="float32", num_blocks=96), folder
 
 
