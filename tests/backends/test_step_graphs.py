@@ -181,12 +181,17 @@ CACHES = {
 }
 
 
-@pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize(
-    "backend",
-    [CpuOps(), pytest.param(CudaOps(), marks=pytest.mark.skipif(not INTERPRETED, reason="tests/gpu covers the GPU"))],
-    ids=["cpu", "cuda-kernels"],
-)
+# the CUDA kernels, interpreted (minutes a case), in the two extremes: one page group without shadows, and
+# two page groups with shadows (sliding layers under an fp8 recent window); the CPU backend in all four
+CUDA_KERNELS = pytest.mark.skipif(not INTERPRETED, reason="tests/gpu covers the GPU")
+PADDED_CASES = [
+    *(pytest.param(CpuOps(), cache, id=f"cpu-{cache}") for cache in CACHES),
+    *(pytest.param(CudaOps(), cache, id=f"cuda-kernels-{cache}", marks=CUDA_KERNELS)
+      for cache in ("auto", "sliding-fp8-window")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "cache"), PADDED_CASES)
 def test_padded_step_gives_the_unpadded_logits(model_dirs, backend, cache):
     model, options = CACHES[cache]
     llm = LLM(model=model_dirs[model], dtype="float32", device="cpu", num_blocks=128, **LIMITS, **options)
