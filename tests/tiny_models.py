@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config, PretrainedConfig
 
 from xinfer import ops
 from xinfer.engine.engine import LLMEngine
@@ -44,6 +44,23 @@ def gemma3_config(**overrides) -> Gemma3TextConfig:
         architectures=["Gemma3ForCausalLM"],
     )
     return Gemma3TextConfig(**{**settings, **overrides})
+
+
+def phi3_longrope_config(**overrides) -> Phi3Config:
+    """Phi-3.5-style LongRoPE trained at 32 positions (so prompts start short or long, and generations cross
+    over), half the head rotated."""
+    settings = dict(
+        COMMON,
+        num_key_value_heads=4,
+        original_max_position_embeddings=32,
+        rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+            short_factor=[1.0, 1.3, 1.9, 2.2], long_factor=[1.5, 4.0, 9.0, 21.0],
+        ),
+        tie_word_embeddings=False,
+        architectures=["Phi3ForCausalLM"],
+    )  # fmt: skip
+    return Phi3Config(**{**settings, **overrides})
 
 
 def save_tiny_model(config: PretrainedConfig, folder: Path, seed: int = 0):

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from tests.plugins.hf_parity import randomized_model
-from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
+from tests.tiny_models import COMMON, phi3_longrope_config, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 
 LLAMA3_ROPE = dict(
@@ -44,19 +44,7 @@ CONFIGS = {
     ),
     # LongRoPE (Phi-3.5, Phi-4-mini) trained at 32 positions: the 3- and 17-token prompts start with the short
     # factors and their 32 new tokens cross into the long ones; the 61-token prompt is long from the start
-    "phi3-longrope-partial": lambda: Phi3Config(
-        **{**COMMON, "num_key_value_heads": 4},
-        original_max_position_embeddings=32,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            partial_rotary_factor=0.5,
-            short_factor=[1.0, 1.3, 1.9, 2.2],
-            long_factor=[1.5, 4.0, 9.0, 21.0],
-        ),
-        tie_word_embeddings=False,
-        architectures=["Phi3ForCausalLM"],
-    ),
+    "phi3-longrope-partial": phi3_longrope_config,
     "qwen2-bias-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"]),
     "qwen3-qknorm": lambda: Qwen3Config(
         **{**COMMON, "num_key_value_heads": 1},

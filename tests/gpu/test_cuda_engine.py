@@ -3,9 +3,9 @@ CPU backend's tokens. Runs on the GPU machine (benchmarks/gpu_suite.py)."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, Phi3Config, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config
 
-from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear
 from xinfer_cuda.ops import CudaOps
@@ -27,18 +27,7 @@ CONFIGS = {
         architectures=["Qwen3ForCausalLM"],
     ),
     # LongRoPE trained at 32 positions: the prompts below start short or long, and 64 new tokens cross over
-    "phi3-longrope": lambda: Phi3Config(
-        **{**WIDE, "num_key_value_heads": 4},
-        original_max_position_embeddings=32,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            partial_rotary_factor=0.5,
-            short_factor=[1.0, 1.3, 1.9, 2.2],
-            long_factor=[1.5, 4.0, 9.0, 21.0],
-        ),
-        architectures=["Phi3ForCausalLM"],
-    ),
+    "phi3-longrope": lambda: phi3_longrope_config(initializer_range=0.2),
 }
 PROMPTS = [prompt(n, seed=n) for n in (1, 5, 17, 40, 63, 100)]
 
