@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.backends.test_gguf_kernels import check  # the same packed kernels, the same bounds
 from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
 from xinfer.torch_ops import TorchOps
@@ -23,7 +24,6 @@ from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 FP8 = FORMATS["FP8"]
 CORE = get_weight_format("fp8")
@@ -31,14 +31,6 @@ CORE = get_weight_format("fp8")
 
 def reference(packed: Tensor) -> Tensor:
     return CORE.dequantize(packed.cpu())
-
-
-def check(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
-    assert out.dtype == dtype and out.shape == ref.shape
-    out64, ref64 = out.detach().cpu().double(), ref.double()
-    assert torch.isfinite(out64).all(), "non-finite output: unwritten elements or NaN"
-    err = ((out64 - ref64).norm() / ref64.norm()).item()
-    assert err < TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e} ({dtype})"
 
 
 def run_case(m: int, n: int, k: int, dtype: torch.dtype, config=None, with_bias: bool = False) -> None:
