@@ -125,15 +125,18 @@ class PackedIntegers(Decoder):
         return (q.float() - zeros[:, group].float()) * scale[:, group]
 
 
-def unpack_rows(words: Tensor, bits: int, count: int) -> Tensor:
-    """[R, W] int32 words of ``bits``-bit values, the low bits first and each value offset by
-    ``2 ** (bits - 1)``, as [R, count] signed values."""
+def unpack_words(words: Tensor, bits: int) -> Tensor:
+    """[R, W] int32 words of ``bits``-bit values, the low bits first, as [R, W * 32 / bits] values."""
     if 32 % bits:
         raise ValueError(f"{bits}-bit values do not pack whole into 32-bit words")
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
-    values = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)
-    values = values.flatten(-2)[..., :count]
+    shifts = torch.arange(32 // bits, dtype=torch.int64) * bits
+    return ((words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def unpack_rows(words: Tensor, bits: int, count: int) -> Tensor:
+    """:func:`unpack_words`' first ``count`` values of each row, each offset by ``2 ** (bits - 1)``
+    (compressed-tensors' signed values)."""
+    values = unpack_words(words, bits)[..., :count]
     if values.shape[-1] != count:
         raise ValueError(f"{words.shape[-1]} words hold fewer than {count} {bits}-bit values")
     return values - (1 << (bits - 1))
@@ -168,12 +171,12 @@ class GroupedInt4(Decoder):
         scales = parts["scales"].float()
         groups, rows = scales.shape
         if self.method == "gptq":
-            q = nibbles(parts["qweight"].T)
-            zeros = nibbles(parts["qzeros"]) + self.zero_offset
+            q = unpack_words(parts["qweight"].T, 4)
+            zeros = unpack_words(parts["qzeros"], 4) + self.zero_offset
             group = parts["g_idx"].long()
         else:
-            q = awq_order(nibbles(parts["qweight"])).T
-            zeros = awq_order(nibbles(parts["qzeros"]))
+            q = awq_order(unpack_words(parts["qweight"], 4)).T
+            zeros = awq_order(unpack_words(parts["qzeros"], 4))
             group = torch.arange(q.shape[1]) // self.group
         cols = q.shape[1]
         if q.shape[0] != rows or group.shape != (cols,) or zeros.shape != scales.shape or int(group.max()) >= groups:
@@ -200,12 +203,6 @@ class GroupedInt4(Decoder):
         qs = nib[:, :, 0] | (nib[:, :, 1] << 4)
         blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), qs], dim=-1)
         return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), get_weight_format("q4_1"), (rows, cols))
-
-
-def nibbles(words: Tensor) -> Tensor:
-    """[R, W] int32 words of 8 4-bit values, the low nibble first, as [R, 8 W] values 0..15."""
-    shifts = torch.arange(8, dtype=torch.int64) * 4
-    return ((words.to(torch.int64)[..., None] >> shifts) & 15).flatten(-2)
 
 
 def awq_order(values: Tensor) -> Tensor:
