@@ -1,11 +1,15 @@
-"""A prefill server (``--pd-server``) and a decode client (``--pd-client``) on 127.0.0.1, the cache
-moved over gloo: the client's greedy tokens are one server's, the prefill server counts the prompts,
-its prefix-cache hits reach the client's usage, and a dead prefill server fails only the requests it
-was prefilling (503) while the client keeps serving."""
+"""A prefill server (``--pd-server``) and two decode clients (``--pd-client``) on 127.0.0.1, one
+reading the server's cache through shared memory (``--pd-transport auto`` on one host), one
+receiving it over gloo: each client's greedy tokens are one server's, the prefill server counts the
+prompts, its prefix-cache hits reach the client's usage, shared memory is refused to another host
+(gloo offered instead), the blocks a dead client held are freed, and a dead prefill server fails only
+the requests it was prefilling (503) while the clients keep serving."""
 
 from __future__ import annotations
 
+import datetime
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,23 +18,37 @@ import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
+from torch.distributed import TCPStore
 from transformers import LlamaConfig
 
 from tests.plugins.hf_parity import randomize
 from tests.server.live import LiveServer, free_port
 from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
+from xinfer.distributed.pd import CLIENT, transfer_group
+from xinfer.distributed.shared_memory import host_id
 
 FLAGS = ("--cpu", "--dtype", "f32", "--kv-fraction", "0.01")
+LEASE_SECONDS = 5  # the prefill server's --pd-timeout: how long a silent client's blocks stay held
+TRANSPORTS = {"shm": "auto", "gloo": "gloo"}  # the transport a client gets: its --pd-transport
 
 
 def _pair(folder):
-    server = LiveServer("--m", str(folder), *FLAGS, "--pd-server", name="pd-server").start()
+    """The prefill server, and a decode client of it per transport."""
+    flags = ("--m", str(folder), *FLAGS)
+    server = LiveServer(*flags, "--pd-server", "--pd-timeout", str(LEASE_SECONDS), name="pd-server").start()
+    clients = {
+        transport: LiveServer(*flags, "--pd-client", "--pd-url", server.url, "--pd-transport", asked,
+                              name=f"pd-client-{transport}")
+        for transport, asked in TRANSPORTS.items()
+    }  # fmt: skip
     try:
-        client = LiveServer("--m", str(folder), *FLAGS, "--pd-client", "--pd-url", server.url, name="pd-client").start()
+        with ThreadPoolExecutor(len(clients)) as pool:
+            list(pool.map(LiveServer.start, clients.values()))
     except BaseException:
-        server.stop()
+        for live in [*clients.values(), server]:
+            live.stop()
         raise
-    return server, client
+    return server, clients
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -43,10 +61,10 @@ def pair(request, tmp_path_factory):
     tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(COMMON["vocab_size"])}, unk_token="t0"))
     tokenizer.pre_tokenizer = Whitespace()
     (folder / "tokenizer.json").write_text(tokenizer.to_str())  # so that answers carry their tokens
-    server, client = _pair(folder)
-    yield server, client, folder
-    client.stop()
-    server.stop()
+    server, clients = _pair(folder)
+    yield server, clients, folder
+    for live in [*clients.values(), server]:
+        live.stop()
 
 
 def _complete(live: LiveServer, token_ids: list[int], max_tokens: int = 8):
@@ -57,8 +75,10 @@ def _complete(live: LiveServer, token_ids: list[int], max_tokens: int = 8):
     )
 
 
-def test_the_client_decodes_the_tokens_one_server_gives(pair):
-    server, client, _ = pair
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_client_decodes_the_tokens_one_server_gives(pair, transport):
+    server, clients, _ = pair
+    client = clients[transport]
     prompts = [prompt(45, seed=3), prompt(70, seed=4), prompt(5, seed=5)]  # past the window; shorter than a block
     prompt_tokens = server.metrics()["xinfer_prompt_tokens_total"]
     hits = client.metrics()["xinfer_prefix_cache_hits_total"]
@@ -70,10 +90,11 @@ def test_the_client_decodes_the_tokens_one_server_gives(pair):
         assert len(a.choices[0].logprobs.tokens) == 8
         assert b.choices[0].logprobs.tokens == a.choices[0].logprobs.tokens
         assert b.choices[0].logprobs.token_logprobs == pytest.approx(a.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert transport in httpx.get(server.url + "/pd/status", timeout=10).json()["clients"].values()
 
 
 def test_prefix_cache_hits_of_the_prefill_server_are_reported(pair):
-    _, client, _ = pair
+    client = pair[1]["shm"]
     tokens = prompt(50, seed=7)
     first, again = _complete(client, tokens, 2), _complete(client, tokens, 2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -96,11 +117,41 @@ def test_with_fallback_local_an_unreachable_prefill_server_means_prefilling_here
     assert got.choices[0].logprobs.tokens == _complete(server, tokens).choices[0].logprobs.tokens
 
 
-def test_a_dead_prefill_server_fails_its_requests_and_the_client_keeps_serving(pair):
-    server, client, _ = pair
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)  # the transports' choice does not depend on the model
+def test_shared_memory_is_refused_to_another_host_which_gets_gloo(pair):
+    server = pair[0]
+    asked = {"client": "elsewhere", "transport": "shm", "host": "another-host"}
+    refused = server.post("/pd/connect", asked)
+    assert refused.status_code == 409 and "another host" in refused.json()["error"]["message"]
+    offered = server.post("/pd/connect", {**asked, "transport": "auto"})
+    assert offered.status_code == 200 and offered.json()["transport"] == "gloo"
+    store = TCPStore("127.0.0.1", offered.json()["port"], 2, False, timeout=datetime.timedelta(seconds=30))
+    transfer_group(store, CLIENT, "127.0.0.1", 30)  # joined: the server's side is not left waiting
+    assert httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]["elsewhere"] == "gloo"
+
+
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)
+def test_the_blocks_a_dead_client_held_are_freed(pair):
+    server = pair[0]
+    asked = {"client": "doomed", "transport": "shm", "host": host_id()}
+    assert server.post("/pd/connect", asked).json()["transport"] == "shm"
+    held = server.post("/pd/prefill", {"token_ids": prompt(40, seed=50), "client": "doomed"}).json()
+    assert held["num_tokens"] == 32 and held["lease"]  # the client dies here, before reading and releasing
+    assert httpx.get(server.url + "/pd/status", timeout=10).json()["leases"] >= 1
+    assert server.metrics()["xinfer_kv_cache_usage"] > 0
+    deadline = time.monotonic() + LEASE_SECONDS + 10
+    while httpx.get(server.url + "/pd/status", timeout=10).json()["leases"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert httpx.get(server.url + "/pd/status", timeout=10).json()["leases"] == 0
+    assert server.metrics()["xinfer_kv_cache_usage"] == 0
+    assert f"did not release lease {held['lease']}" in server.log_path.read_text()
+
+
+def test_a_dead_prefill_server_fails_its_requests_and_the_clients_keep_serving(pair):
+    server, clients, _ = pair
     prompts = [prompt(40 + i, seed=20 + i) for i in range(6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_complete, client, p, 4) for p in prompts]
+        futures = [pool.submit(_complete, list(clients.values())[i % 2], p, 4) for i, p in enumerate(prompts)]
         assert server.proc is not None
         server.proc.send_signal(signal.SIGKILL)
         for future in futures:
@@ -108,7 +159,8 @@ def test_a_dead_prefill_server_fails_its_requests_and_the_client_keeps_serving(p
                 assert future.result().choices[0].finish_reason == "length"
             except openai.APIStatusError as error:
                 assert error.status_code == 503 and "prefill server" in error.message
-    with pytest.raises(openai.APIStatusError) as failed:
-        _complete(client, prompt(30, seed=40))
-    assert failed.value.status_code == 503 and "prefill server" in failed.value.message
-    assert httpx.get(client.url + "/health", timeout=10).status_code == 200
+    for client in clients.values():
+        with pytest.raises(openai.APIStatusError) as failed:
+            _complete(client, prompt(30, seed=40))
+        assert failed.value.status_code == 503 and "prefill server" in failed.value.message
+        assert httpx.get(client.url + "/health", timeout=10).status_code == 200

@@ -206,6 +206,9 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     pd.add_argument("--pd-fallback", default="error", choices=["error", "local"],
                     help="with --pd-client, where the prefill server fails: answer the request with 503, or prefill "
                     "it here")
+    pd.add_argument("--pd-transport", default="auto", choices=["auto", "gloo", "shm"],
+                    help="how caches move from the --pd-server to the --pd-client: shared memory where both run on "
+                    "one host, else gloo over TCP (auto); only gloo; only shared memory (set on either side)")
     pd.add_argument("--pd-timeout", type=_at_least(float, 1), default=60.0,
                     help="seconds a prefill (and its transfer) may take before it fails")
 
