@@ -19,6 +19,7 @@ per tensor, device to device).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -140,9 +141,9 @@ def export_prefix(engine: LLMEngine, token_ids: list[int]) -> tuple[int, Tensor]
             return 0, torch.empty(0, dtype=torch.uint8)
         rows = _rows(engine, seq)
         device = rows[0][0].device
-        staged = torch.empty(_offsets(rows)[1], dtype=torch.uint8, device=device)
+        staged, index = torch.empty(_offsets(rows)[1], dtype=torch.uint8, device=device), _indexer(device)
         for (tensor, ids), view in zip(rows, _views(staged, rows)):
-            torch.index_select(tensor, 0, _index(ids, device), out=view)
+            torch.index_select(tensor, 0, index(ids), out=view)
         if device.type == "cpu":
             return num_tokens, staged
         host = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=True)
@@ -156,9 +157,10 @@ def import_prefix(engine: LLMEngine, token_ids: list[int], num_tokens: int, payl
     :func:`export_prefix` gave for them; False (nothing taken) where the cache has no room."""
 
     def unpack(rows: list[Row]) -> None:
-        views = _views(payload.to(rows[0][0].device, non_blocking=True), rows)
+        device = rows[0][0].device
+        views, index = _views(payload.to(device, non_blocking=True), rows), _indexer(device)
         for (tensor, ids), view in zip(rows, views):
-            tensor.index_copy_(0, _index(ids, tensor.device), view)
+            tensor.index_copy_(0, index(ids), view)
 
     return _register(engine, token_ids, num_tokens, unpack)
 
@@ -173,10 +175,10 @@ def copy_prefix(engine: LLMEngine, token_ids: list[int], num_tokens: int, source
         shapes = [(len(ids), *t.shape[1:], t.dtype) for t, ids in rows]
         if shapes != [(len(ids), *t.shape[1:], t.dtype) for t, ids in sources]:
             raise ValueError("the prefill server's cache layout differs from this engine's")
-        for (tensor, ids), (source, source_ids) in zip(rows, sources):
-            rows_read = source.index_select(0, _index(source_ids, source.device))
-            tensor.index_copy_(0, _index(ids, tensor.device), rows_read.to(tensor.device))
         device = rows[0][0].device
+        index, source_index = _indexer(device), _indexer(sources[0][0].device)
+        for (tensor, ids), (source, source_ids) in zip(rows, sources):
+            tensor.index_copy_(0, index(ids), source.index_select(0, source_index(source_ids)).to(device))
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
 
@@ -202,5 +204,7 @@ def _register(engine: LLMEngine, token_ids: list[int], num_tokens: int, fill: Ca
     return True
 
 
-def _index(ids: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
+def _indexer(device: torch.device) -> Callable[[list[int]], Tensor]:
+    """Block ids as index tensors on ``device``, each list made once (a page group's tensors share theirs)."""
+    made = functools.cache(lambda ids: torch.tensor(ids, dtype=torch.long, device=device))
+    return lambda ids: made(tuple(ids))

@@ -27,7 +27,8 @@ def share(tensors: list[Tensor]) -> dict[str, list[Handle]]:
     """Handles to ``tensors`` that :func:`open_shared` opens in another process of this host, one
     per storage; a host tensor's storage moves into shared memory (its views follow it)."""
     storages: dict[int, int] = {}
-    shared, views = [], []
+    shared: list[Handle] = []
+    views: list[Handle] = []
     for tensor in tensors:
         storage = tensor.untyped_storage()
         key = storage._cdata  # the storage itself (sharing a host storage moves its data)
