@@ -69,13 +69,21 @@ def test_the_held_prefix_is_copied_from_the_shared_cache(hybrid):
     tokens = prompt(50, seed=13)
     prefill.generate([tokens], SamplingParams(temperature=0, max_tokens=1))
     mapped = open_cache(decode.engine, share_cache(prefill.engine))  # as a process of the same host maps it
+    hits, cached = decode.engine.cache.hits, _cached_blocks(decode)
     seq, num_tokens = hold_prefix(prefill.engine, tokens)
     try:
         assert seq.state_slot is not None  # the recurrent state moves too
-        hits = decode.engine.cache.hits
-        assert copy_prefix(decode.engine, tokens, num_tokens, rows_of(*mapped, held_ids(prefill.engine, seq)))
+        sources = rows_of(*mapped, held_ids(prefill.engine, seq))
+        with pytest.raises(ValueError, match="no longer held"):  # copied after the prefill engine's lease ended
+            copy_prefix(decode.engine, tokens, num_tokens, sources, held_until=0.0)
+        assert _cached_blocks(decode) == cached  # nothing was registered
+        assert copy_prefix(decode.engine, tokens, num_tokens, sources)
     finally:
         prefill.engine.cache.release(seq)
     got = decode.generate([tokens], GREEDY)[0].outputs[0].token_ids
     assert (decode.engine.cache.hits - hits) * decode.engine.cache.block_size == num_tokens > 0
     assert got == hf_greedy(hf, tokens, len(got))
+
+
+def _cached_blocks(llm: LLM) -> int:
+    return sum(len(pool.cached) for pool in llm.engine.cache.pools)

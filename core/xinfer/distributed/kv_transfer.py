@@ -20,6 +20,8 @@ per tensor, device to device).
 from __future__ import annotations
 
 import functools
+import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -165,11 +167,14 @@ def import_prefix(engine: LLMEngine, token_ids: list[int], num_tokens: int, payl
     return _register(engine, token_ids, num_tokens, unpack)
 
 
-def copy_prefix(engine: LLMEngine, token_ids: list[int], num_tokens: int, sources: list[Row]) -> bool:
+def copy_prefix(
+    engine: LLMEngine, token_ids: list[int], num_tokens: int, sources: list[Row], held_until: float = math.inf
+) -> bool:
     """Registers the first ``num_tokens`` of the prompt in ``engine``'s prefix cache, its cache read
     from ``sources`` (the prefill engine's tensors and the blocks it holds for the prompt, in the
-    order of :func:`rows_of`), and waits for the copies: the prefill engine may reuse its blocks
-    once this returns. False (nothing taken) where the cache has no room."""
+    order of :func:`rows_of`, until ``time.monotonic()`` is ``held_until``), and waits for the
+    copies: the prefill engine may reuse its blocks once this returns. False (nothing taken) where
+    the cache has no room; ValueError (nothing taken) where the copies ended after ``held_until``."""
 
     def copy(rows: list[Row]) -> None:
         shapes = [(len(ids), *t.shape[1:], t.dtype) for t, ids in rows]
@@ -181,6 +186,8 @@ def copy_prefix(engine: LLMEngine, token_ids: list[int], num_tokens: int, source
             tensor.index_copy_(0, index(ids), source.index_select(0, source_index(source_ids)).to(device))
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
+        if time.monotonic() > held_until:
+            raise ValueError("the prefill server's blocks were no longer held when their copy ended")
 
     return _register(engine, token_ids, num_tokens, copy)
 

@@ -21,6 +21,7 @@ import datetime
 import itertools
 import logging
 import socket
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ class PrefillServer:
         number = next(self.tags)
         expiry = asyncio.get_running_loop().call_later(self.timeout, self._expire, number)
         self.leases[number] = Lease(client, seq, expiry)
-        return {"num_tokens": num_tokens, "lease": number, "blocks": blocks, "slot": slot}
+        return {"num_tokens": num_tokens, "lease": number, "blocks": blocks, "slot": slot, "held_for": self.timeout}
 
     async def release(self, body: ReleaseRequest) -> dict[str, Any]:
         """The client has copied a prompt's blocks: they are the prefix cache's again."""
@@ -290,9 +291,12 @@ class DisaggregatedEngine(AsyncEngine):
         num_tokens = body["num_tokens"]
         if isinstance(link, SharedCache):
             if num_tokens:
+                held_until = time.monotonic() + body["held_for"] / 2  # its clock started before the answer
                 sources = rows_of(link.groups, link.states, (body["blocks"], body["slot"]))
                 try:
-                    await self.call(lambda engine: copy_prefix(engine, token_ids, num_tokens, sources))
+                    await self.call(lambda engine: copy_prefix(engine, token_ids, num_tokens, sources, held_until))
+                except ValueError as error:
+                    raise PrefillFailed(f"the prefill server {self.url}'s cache was not copied: {error}") from None
                 finally:
                     self._release(body["lease"])
             return int(body["cached_tokens"])

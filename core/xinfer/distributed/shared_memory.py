@@ -7,6 +7,7 @@ handles are plain JSON (bytes in base64), never pickles: the peer is reached ove
 from __future__ import annotations
 
 import base64
+import shutil
 from pathlib import Path
 from socket import gethostname
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 Handle = dict[str, Any]
+SHM = Path("/dev/shm")  # where torch puts shared host storages on Linux
 
 
 def host_id() -> str:
@@ -26,6 +28,7 @@ def host_id() -> str:
 def share(tensors: list[Tensor]) -> dict[str, list[Handle]]:
     """Handles to ``tensors`` that :func:`open_shared` opens in another process of this host, one
     per storage; a host tensor's storage moves into shared memory (its views follow it)."""
+    _check_room([t.untyped_storage() for t in tensors])
     storages: dict[int, int] = {}
     shared: list[Handle] = []
     views: list[Handle] = []
@@ -51,6 +54,15 @@ def open_shared(handles: dict[str, list[Handle]]) -> list[Tensor]:
     ]
 
 
+def _check_room(storages: list[torch.UntypedStorage]) -> None:
+    """Refuses to move host storages into more shared memory than is free (a container's small
+    ``/dev/shm``, written past its end, kills the process with SIGBUS)."""
+    moving = {s._cdata: s.nbytes() for s in storages if s.device.type == "cpu" and not s.is_shared()}
+    if moving and SHM.exists() and sum(moving.values()) > shutil.disk_usage(SHM).free:
+        raise RuntimeError(f"{SHM} has {shutil.disk_usage(SHM).free >> 20} MiB free, the cache needs "
+                           f"{sum(moving.values()) >> 20} MiB")  # fmt: skip
+
+
 def _share(storage: torch.UntypedStorage) -> Handle:
     if storage.device.type == "cpu":
         manager, name, size = storage._share_filename_cpu_()
@@ -65,7 +77,6 @@ def _open(handle: Handle) -> torch.UntypedStorage:
         return torch.UntypedStorage._new_shared_filename_cpu(
             handle["manager"].encode(), handle["name"].encode(), handle["size"]
         )
-    torch.cuda.init()
     return torch.UntypedStorage._new_shared_cuda(
         handle["device"], _bytes(handle["handle"]), handle["size"], handle["offset"], _bytes(handle["counter"]),
         handle["counter_offset"], _bytes(handle["event"]), handle["sync"],
