@@ -24,7 +24,7 @@ from transformers import LlamaConfig
 from tests.plugins.hf_parity import randomize
 from tests.server.live import LiveServer, free_port
 from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
-from xinfer.distributed.pd import CLIENT, transfer_group
+from xinfer.distributed.pd import CLIENT, MAX_CLIENTS, transfer_group
 from xinfer.distributed.shared_memory import host_id
 
 FLAGS = ("--cpu", "--dtype", "f32", "--kv-fraction", "0.01")
@@ -131,6 +131,19 @@ def test_shared_memory_is_refused_to_another_host_which_gets_gloo(pair):
     store = TCPStore("127.0.0.1", offered.json()["port"], 2, False, timeout=datetime.timedelta(seconds=30))
     transfer_group(store, CLIENT, "127.0.0.1", 30)  # joined: the server's side is not left waiting
     assert httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]["elsewhere"] == "gloo"
+
+
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)
+def test_a_client_whose_link_was_dropped_connects_again(pair):
+    server, clients, _ = pair
+    newer = [f"newer{number}" for number in range(MAX_CLIENTS)]
+    for client in newer:  # the prefill server drops the links of the clients connected before them
+        assert server.post("/pd/connect", {"client": client, "transport": "shm", "host": host_id()}).status_code == 200
+    assert sorted(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]) == sorted(newer)
+    tokens = prompt(40, seed=60)
+    got = _complete(clients["shm"], tokens)  # refused as not connected: connects again, and asks again
+    assert got.choices[0].logprobs.tokens == _complete(server, tokens).choices[0].logprobs.tokens
+    assert set(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]) - set(newer)
 
 
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)

@@ -60,11 +60,17 @@ log = logging.getLogger("xinfer")
 SERVER, CLIENT = 0, 1
 TRANSPORTS = ("auto", "gloo", "shm")
 Transport = Literal["auto", "gloo", "shm"]
+NOT_CONNECTED = "pd_not_connected"  # the error code of a prefill for a client without a link
+MAX_CLIENTS = 16  # links a prefill server keeps
 NUM_PAIRS = 4  # TCP connections of a gloo group: a prompt goes over one (by its tag), so several overlap
 
 
 class PrefillFailed(EngineUnavailable):
     """The prefill server could not prefill a prompt (down, or died mid-transfer)."""
+
+
+class NotConnected(PrefillFailed):
+    """The prefill server has no link to this client (it restarted, or dropped the link)."""
 
 
 class PointToPoint(Protocol):
@@ -124,7 +130,7 @@ class PrefillServer:
         self.links: dict[str, Link] = {}
         self.leases: dict[int, Lease] = {}
         self.tags = itertools.count(1)
-        self.sending: set[asyncio.Future] = set()
+        self.background: set[asyncio.Future] = set()  # sends and releases under way, kept alive
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -143,7 +149,7 @@ class PrefillServer:
         if refusal is None:
             try:
                 handles = await self.engine.call(share_cache)
-                self.links[body.client] = Link("shm")
+                self._link(body.client, Link("shm"))
                 return {"transport": "shm", "layout": layout, "cache": handles}
             except RuntimeError as error:
                 refusal = f"its cache cannot be shared: {str(error).splitlines()[0]}"
@@ -152,12 +158,21 @@ class PrefillServer:
         address = request.scope["server"][0]
         store = TCPStore(address, 0, 2, True, timeout=datetime.timedelta(seconds=self.timeout), wait_for_workers=False)
         group = asyncio.get_running_loop().run_in_executor(None, transfer_group, store, SERVER, address, self.timeout)
-        self.links[body.client] = Link("gloo", group)
+        self._link(body.client, Link("gloo", group))
         return {"transport": "gloo", "port": store.port, "layout": layout}
 
+    def _link(self, client: str, link: Link) -> None:
+        """Links ``client``, dropping the link connected longest ago past MAX_CLIENTS (restarted clients' old ones)."""
+        self.links.pop(client, None)
+        self.links[client] = link
+        while len(self.links) > MAX_CLIENTS:
+            self.links.pop(next(iter(self.links)))
+
     def _refuses_shared_memory(self, body: ConnectRequest) -> str | None:
-        if "gloo" in (body.transport, self.transport):
-            return "--pd-transport gloo"
+        if body.transport == "gloo":
+            return "the client asks for gloo"
+        if self.transport == "gloo":
+            return "it runs with --pd-transport gloo"
         if body.host != host_id():
             return "the client runs on another host"
         return None
@@ -167,7 +182,7 @@ class PrefillServer:
         it for the client to read (shm)."""
         link = self.links.get(body.client)
         if link is None:  # a client of this server's earlier run: it connects again
-            raise APIError(409, "this decode client is not connected: POST /pd/connect first")
+            raise APIError(409, "this decode client is not connected: POST /pd/connect first", code=NOT_CONNECTED)
         token_ids = body.token_ids
         if not token_ids:
             raise bad_request("token_ids is empty", param="token_ids")
@@ -184,7 +199,7 @@ class PrefillServer:
         if payload.numel():
             work = group.send([payload], CLIENT, tag)
             sending = asyncio.get_running_loop().run_in_executor(None, _wait, work, payload)
-            self.sending.add(sending)
+            self.background.add(sending)
             sending.add_done_callback(self._sent)
         return answer | {"num_tokens": num_tokens, "nbytes": payload.numel(), "tag": tag}
 
@@ -216,8 +231,8 @@ class PrefillServer:
         log.warning("a decode client did not release lease %d within %g s (dead?): its blocks are freed",
                     number, self.timeout)  # fmt: skip
         task = asyncio.ensure_future(self._release(number))
-        self.sending.add(task)
-        task.add_done_callback(self.sending.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _release(self, number: int) -> None:
         lease = self.leases.pop(number, None)
@@ -228,7 +243,7 @@ class PrefillServer:
             await self.engine.call(lambda engine: engine.cache.release(lease.seq))
 
     def _sent(self, sending: asyncio.Future) -> None:
-        self.sending.discard(sending)
+        self.background.discard(sending)
         if sending.exception() is not None:
             log.warning("sending a prompt's cache to the decode client failed: %s", sending.exception())
 
@@ -287,7 +302,11 @@ class DisaggregatedEngine(AsyncEngine):
         """Has the prefill server prefill ``token_ids`` and registers their cache here; returns the
         prompt tokens the prefill server found in its own prefix cache."""
         link = await self._connection()
-        body = await self._post("/pd/prefill", {"token_ids": token_ids, "client": self.id})
+        try:
+            body = await self._post("/pd/prefill", {"token_ids": token_ids, "client": self.id})
+        except NotConnected:
+            link = await self._connection()  # once more, on a new link
+            body = await self._post("/pd/prefill", {"token_ids": token_ids, "client": self.id})
         num_tokens = body["num_tokens"]
         if isinstance(link, SharedCache):
             if num_tokens:
@@ -376,15 +395,21 @@ class DisaggregatedEngine(AsyncEngine):
             raise ValueError(_message(response))
         if response.status_code != 200:
             self.link = None  # connect again for the next prompt
-            raise PrefillFailed(f"the prefill server {self.url} answered {response.status_code}: {_message(response)}")
+            failed = NotConnected if _error(response, "code") == NOT_CONNECTED else PrefillFailed
+            raise failed(f"the prefill server {self.url} answered {response.status_code}: {_message(response)}")
         return response.json()
 
 
 def _message(response: httpx.Response) -> str:
+    return _error(response, "message") or response.text[:200]
+
+
+def _error(response: httpx.Response, field: str) -> str | None:
+    """A field of the standard error body, if the response has one."""
     try:
-        return str(response.json()["error"]["message"])
+        return str(response.json()["error"][field])
     except (ValueError, KeyError, TypeError):
-        return response.text[:200]
+        return None
 
 
 def _local_address(host: str) -> str:
