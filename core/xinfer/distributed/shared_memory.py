@@ -47,11 +47,18 @@ def open_shared(handles: dict[str, list[Handle]]) -> list[Tensor]:
     """The tensors :func:`share` gave handles to, mapped into this process."""
     storages = [_open(handle) for handle in handles["storages"]]
     return [
-        torch.empty(0, dtype=getattr(torch, view["dtype"]), device=storages[view["storage"]].device).set_(
+        torch.empty(0, dtype=_dtype(view["dtype"]), device=storages[view["storage"]].device).set_(
             storages[view["storage"]], view["offset"], view["size"], view["stride"]
         )
         for view in handles["tensors"]
     ]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise RuntimeError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def _check_room(storages: list[torch.UntypedStorage]) -> None:

@@ -255,6 +255,8 @@ def pd_problem(args: argparse.Namespace) -> str | None:
         return "--pd-server and --pd-client: a server takes one role"
     if args.pd_client != bool(args.pd_url):
         return "--pd-client needs --pd-url (the prefill server), and --pd-url needs --pd-client"
+    if args.pd_transport != "auto" and not (args.pd_server or args.pd_client):
+        return "--pd-transport needs --pd-server or --pd-client"
     split = bool(args.devices and len(args.devices) > 1) or args.num_nodes > 1
     if (args.pd_server or args.pd_client) and (args.disable_prefix_cache or split):
         return (
