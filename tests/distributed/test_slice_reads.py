@@ -20,6 +20,7 @@ from tests.plugins.deepseek.configs import deepseek_v3_config
 from tests.plugins.hf_parity import randomize
 from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRID_CONFIGS
 from tests.plugins.qwen.test_qwen_moe import CONFIGS as MOE_CONFIGS
+from tests.quant.test_quantized_checkpoint import BLOCKS, ROWS, write_fp8_checkpoint
 from tests.tiny_models import COMMON, save_tiny_model
 from xinfer.distributed.group import TensorParallel, building_for
 from xinfer.loading.loader import load_config, load_model
@@ -112,3 +113,21 @@ def test_what_a_rank_reads_is_its_part_of_the_whole_tensors(checkpoint, monkeypa
             model.load_weights(tensors.items())
         for name, expected in model.state_dict().items():
             torch.testing.assert_close(sliced[name], expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("name", "quantization"), [("llama", BLOCKS), ("llama", ROWS), ("qwen3-moe", BLOCKS)],
+    ids=["fp8-blocks", "compressed-tensors-rows", "fp8-experts"],
+)  # fmt: skip
+def test_a_quantized_checkpoint_loads_each_ranks_part_of_its_values(name, quantization, tmp_path):
+    """FP8 weights and their block (or row) scales are read whole and decoded, then the rank keeps its part:
+    that of the float checkpoint the FP8 values and scales stand for."""
+    hf = save_tiny_model(CONFIGS[name](), tmp_path / "float")
+    randomize(hf)
+    write_fp8_checkpoint(hf, tmp_path, quantization)
+    for rank in (0, 1):
+        with building_for(TensorParallel(rank=rank, size=2)):
+            fp8 = load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors").state_dict()
+            meant = load_model(tmp_path / "float", load_config(tmp_path / "float"), CPU, FP32, "safetensors")
+        for param, expected in meant.state_dict().items():
+            torch.testing.assert_close(fp8[param], expected, msg=param)
