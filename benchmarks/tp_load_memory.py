@@ -2,7 +2,7 @@
 builds its part of the model and loads it (what a rank does at start-up; loading runs no collective),
 and reports its RSS high-water mark (VmHWM) over what it held before loading, and the bytes it got
 from the checkpoint. The model: a random Llama of about 240M parameters saved as bf16 safetensors
-(made once under --folder), or --model.
+in files of 100 MB (made once under --folder), or --model.
 
     .venv/bin/python benchmarks/tp_load_memory.py [--tp 2] [--model FOLDER]
 """
@@ -48,12 +48,13 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=Path("/tmp/xinfer-tp-load-memory"))
     args = parser.parse_args()
     folder = args.model or args.folder
-    if args.model is None and not (folder / "model.safetensors").exists():
+    if args.model is None and not any(folder.glob("*.safetensors")):
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to(torch.bfloat16).save_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).to(torch.bfloat16)
+        model.save_pretrained(folder, max_shard_size="100MB")  # sharded, as released checkpoints are
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
     print(f"checkpoint {size:.0f} MiB, tensor parallel {args.tp}")
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # a fresh process per rank

@@ -26,10 +26,14 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, StoredTensor]]:
     files = safetensors_files(folder)
-    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
-    total = sum(len(h.keys()) for h in handles)
+    total = sum(len(_opened(path).keys()) for path in files)
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
-        for handle in handles:
+        for path in files:  # one file open at a time: its mapped pages are let go once its tensors are read
+            handle = _opened(path)
             for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
                 yield name, StoredTensor(handle, name)
                 bar.update()
+
+
+def _opened(path: Path) -> safe_open:
+    return safe_open(str(path), framework="pt", device="cpu")
