@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import LlamaConfig, Phi3Config
 
 import xinfer.loading.safetensors as safetensors_module
@@ -22,8 +23,9 @@ from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRID_CONFIGS
 from tests.plugins.qwen.test_qwen_moe import CONFIGS as MOE_CONFIGS
 from tests.quant.test_quantized_checkpoint import BLOCKS, ROWS, write_fp8_checkpoint
 from tests.tiny_models import COMMON, save_tiny_model
-from xinfer.distributed.group import TensorParallel, building_for
+from xinfer.distributed.group import Slice, TensorParallel, building_for
 from xinfer.loading.loader import load_config, load_model
+from xinfer.loading.stored import StoredTensor
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 CONFIGS = {
@@ -68,6 +70,31 @@ class CountingFile:
     def counted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         self.read[name] = self.read.get(name, 0) + tensor.numel() * tensor.element_size()
         return tensor
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        Slice(0, ((2, 4), (6, 7))),  # two ranges of rows
+        Slice(-1, ((1, 3),)),  # columns
+        Slice(1, ((0, 2), (3, 5))),  # the middle dim of a stack
+        Slice(0, ((4, 8),), length=6),  # rows past the end: zeros
+    ],
+)
+def test_a_stored_tensor_reads_the_slice_safetensors_would_cut_from_the_whole(part, tmp_path):
+    whole = torch.randn(8, 6, 5)
+    save_file({"w": whole}, tmp_path / "w.safetensors")
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as file:
+        stored = StoredTensor(file, "w", (lambda t: t * 2,))
+        assert (stored.shape, stored.dtype) == (whole.shape, torch.float32)
+        pieces = [whole.narrow(part.dim, start, stop - start) for start, stop in part.ranges]
+        expected = torch.cat(pieces, part.dim)
+        if part.length:
+            shape = list(expected.shape)
+            shape[part.dim] = part.length - expected.shape[part.dim]
+            expected = torch.cat([expected, expected.new_zeros(shape)], part.dim)
+        torch.testing.assert_close(stored.read(part), expected * 2, rtol=0, atol=0)
+        torch.testing.assert_close(stored.read(), whole * 2, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -39,18 +39,18 @@ class TensorFile(Protocol):
 
 
 class StoredTensor:
-    """Tensor ``name`` of an open safetensors ``file``: its ``shape`` and ``dtype`` known, its values
-    read on :meth:`read`, whole or a :class:`~xinfer.distributed.group.Slice`; ``conversions`` (a
+    """Tensor ``name`` of an open safetensors ``file``: its ``shape`` and ``dtype`` as stored known, its
+    values read on :meth:`read`, whole or a :class:`~xinfer.distributed.group.Slice`; ``conversions`` (a
     module's ``from_checkpoint``) are applied to what is read."""
 
     def __init__(self, file: TensorFile, name: str, conversions: tuple[Callable[[Tensor], Tensor], ...] = ()):
         self.file, self.name, self.conversions = file, name, conversions
         reader = file.get_slice(name)
-        self.shape = torch.Size(reader.get_shape())
-        stored = reader.get_dtype()
-        if stored not in _DTYPES:
-            raise ValueError(f"checkpoint tensor {name}: dtype {stored} is not one torch reads")
-        self.dtype = _DTYPES[stored]
+        self.shape, self._dtype = torch.Size(reader.get_shape()), reader.get_dtype()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self._dtype] if self._dtype in _DTYPES else self.file.get_tensor(self.name).dtype
 
     def converted(self, conversion: Callable[[Tensor], Tensor]) -> StoredTensor:
         """This tensor with ``conversion`` applied once read (it must treat rows alike: a rank applies it
