@@ -1,7 +1,6 @@
 """Host memory of each tensor-parallel rank while it loads a model on the CPU: one process per rank
 builds its part of the model and loads it (what a rank does at start-up; loading runs no collective),
-and reports its RSS high-water mark (VmHWM) over what it held before loading, and the bytes it got
-from the checkpoint. The model: a random Llama of about 240M parameters saved as bf16 safetensors
+and reports its RSS high-water mark (VmHWM) over what it held before loading, and the time it took. The model: a random Llama of about 240M parameters saved as bf16 safetensors
 in files of 100 MB (made once under --folder), or --model.
 
     .venv/bin/python benchmarks/tp_load_memory.py [--tp 2] [--model FOLDER]
@@ -11,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import time
 from pathlib import Path
 
 CONFIG = dict(
@@ -31,13 +31,15 @@ def load_rank(folder: Path, rank: int, size: int) -> str:
     from xinfer.loading.loader import load_config, load_model
 
     config = load_config(folder)
-    before = status_mib("VmRSS:")
+    before, start = status_mib("VmRSS:"), time.perf_counter()
     with building_for(TensorParallel(rank=rank, size=size)):
         model = load_model(folder, config, torch.device("cpu"), torch.bfloat16, "safetensors")
+    seconds = time.perf_counter() - start
     held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     peak = status_mib("VmHWM:")
     return (
-        f"rank {rank}: peak RSS {peak:.0f} MiB, {peak - before:.0f} MiB over before loading; parameters {held:.0f} MiB"
+        f"rank {rank}: peak RSS {peak:.0f} MiB, {peak - before:.0f} MiB over before loading; "
+        f"parameters {held:.0f} MiB; loaded in {seconds:.1f} s"
     )
 
 
