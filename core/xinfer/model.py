@@ -57,7 +57,7 @@ class LoadsCheckpoint(Protocol):
         """What a complete checkpoint fills, named as checkpoint tensors (relative)."""
         ...
 
-    def load_checkpoint(self, name: str, tensor: Tensor | StoredTensor) -> set[str]:
+    def load_checkpoint(self, name: str, stored: Tensor | StoredTensor) -> set[str]:
         """Copy checkpoint tensor ``name`` (relative) into the parameters; returns the parts it filled. A
         stored tensor is read here: only this rank's slice where the module is split (``part_of``)."""
         ...
