@@ -1,9 +1,10 @@
 """A prefill server (``--pd-server``) and its decode clients (``--pd-client``) on 127.0.0.1, one
 reading the server's cache through shared memory (``--pd-transport auto`` on one host) and, for
-one model, one receiving it over gloo: each client's greedy tokens are one server's, the prefill server counts the
-prompts, its prefix-cache hits reach the client's usage, shared memory is refused to another host
-(gloo offered instead), the blocks a dead client held are freed, and a dead prefill server fails only
-the requests it was prefilling (503) while the clients keep serving."""
+one model, one receiving it over gloo: each client's greedy tokens are one server's, the prefill
+server counts the prompts, its prefix-cache hits reach the client's usage, shared memory is refused
+to another host (gloo offered instead), the blocks a dead client held are freed, a client whose link
+was dropped connects again, and a dead prefill server fails only the requests it was prefilling
+(503) while the clients keep serving."""
 
 from __future__ import annotations
 
@@ -15,65 +16,26 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 from torch.distributed import TCPStore
-from transformers import LlamaConfig
 
-from tests.plugins.hf_parity import randomize
+from tests.pd.live_pair import FLAGS, complete, save_model, start_pair
 from tests.server.live import LiveServer, free_port
-from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
+from tests.tiny_models import prompt
 from xinfer.distributed.pd import CLIENT, MAX_CLIENTS, transfer_group
 from xinfer.distributed.shared_memory import host_id
 
-FLAGS = ("--cpu", "--dtype", "f32", "--kv-fraction", "0.01")
 LEASE_SECONDS = 5  # the prefill server's --pd-timeout: how long a silent client's blocks stay held
-TRANSPORTS = {"shm": "auto", "gloo": "gloo"}  # the transport a client gets: its --pd-transport
 MODEL_TRANSPORTS = {"llama": ["shm", "gloo"], "gemma3": ["shm"]}  # the transports move rows whatever the model
-
-
-def _pair(folder, transports):
-    """The prefill server, and a decode client of it per transport."""
-    flags = ("--m", str(folder), *FLAGS)
-    server = LiveServer(*flags, "--pd-server", "--pd-timeout", str(LEASE_SECONDS), name="pd-server").start()
-    clients = {
-        transport: LiveServer(*flags, "--pd-client", "--pd-url", server.url, "--pd-transport", asked,
-                              name=f"pd-client-{transport}")
-        for transport, asked in TRANSPORTS.items() if transport in transports
-    }  # fmt: skip
-    try:
-        with ThreadPoolExecutor(len(clients)) as pool:
-            list(pool.map(LiveServer.start, clients.values()))
-    except BaseException:
-        for live in [*clients.values(), server]:
-            live.stop()
-        raise
-    return server, clients
 
 
 @pytest.fixture(scope="module", params=list(MODEL_TRANSPORTS))
 def pair(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    config = LlamaConfig(**COMMON) if request.param == "llama" else gemma3_config()  # gemma3: sliding-window blocks
-    hf = save_tiny_model(config, folder)
-    randomize(hf)
-    hf.save_pretrained(folder, safe_serialization=True)
-    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(COMMON["vocab_size"])}, unk_token="t0"))
-    tokenizer.pre_tokenizer = Whitespace()
-    (folder / "tokenizer.json").write_text(tokenizer.to_str())  # so that answers carry their tokens
-    server, clients = _pair(folder, MODEL_TRANSPORTS[request.param])
+    folder = save_model(request.param, tmp_path_factory.mktemp(request.param))
+    lease = ("--pd-timeout", str(LEASE_SECONDS))
+    server, clients = start_pair(folder, MODEL_TRANSPORTS[request.param], "--cpu", server_flags=lease)
     yield server, clients, folder
     for live in [*clients.values(), server]:
         live.stop()
-
-
-def _complete(live: LiveServer, token_ids: list[int], max_tokens: int = 8):
-    openai_client = live.client()
-    model = openai_client.models.list().data[0].id
-    return openai_client.completions.create(
-        model=model, prompt=[token_ids], max_tokens=max_tokens, temperature=0, logprobs=1
-    )
 
 
 def test_each_client_decodes_the_tokens_one_server_gives(pair):
@@ -81,9 +43,9 @@ def test_each_client_decodes_the_tokens_one_server_gives(pair):
     prompts = [prompt(45, seed=3), prompt(70, seed=4), prompt(5, seed=5)]  # past the window; shorter than a block
     prompt_tokens = server.metrics()["xinfer_prompt_tokens_total"]
     hits = {transport: client.metrics()["xinfer_prefix_cache_hits_total"] for transport, client in clients.items()}
-    got = {transport: [_complete(client, p) for p in prompts] for transport, client in clients.items()}
+    got = {transport: [complete(client, p) for p in prompts] for transport, client in clients.items()}
     assert server.metrics()["xinfer_prompt_tokens_total"] - prompt_tokens == len(clients) * sum(map(len, prompts))
-    expected = [_complete(server, p) for p in prompts]
+    expected = [complete(server, p) for p in prompts]
     for transport, client in clients.items():
         # the long prompts' blocks came from the server
         assert client.metrics()["xinfer_prefix_cache_hits_total"] > hits[transport], transport
@@ -99,7 +61,7 @@ def test_each_client_decodes_the_tokens_one_server_gives(pair):
 def test_prefix_cache_hits_of_the_prefill_server_are_reported(pair):
     client = pair[1]["shm"]
     tokens = prompt(50, seed=7)
-    first, again = _complete(client, tokens, 2), _complete(client, tokens, 2)
+    first, again = complete(client, tokens, 2), complete(client, tokens, 2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= 32  # the full blocks the server kept
 
@@ -108,16 +70,16 @@ def test_prefix_cache_hits_of_the_prefill_server_are_reported(pair):
 def test_with_fallback_local_an_unreachable_prefill_server_means_prefilling_here(pair):
     server, _, folder = pair
     nowhere = f"http://127.0.0.1:{free_port()}"
-    flags = ("--m", str(folder), *FLAGS, "--pd-client", "--pd-url", nowhere, "--pd-fallback", "local")
+    flags = ("--m", str(folder), "--cpu", *FLAGS, "--pd-client", "--pd-url", nowhere, "--pd-fallback", "local")
     client = LiveServer(*flags, name="pd-fallback").start()
     try:
         tokens = prompt(40, seed=30)
-        got = _complete(client, tokens)
+        got = complete(client, tokens)
         log = client.log_path.read_text()
         assert f"the prefill server {nowhere} is unreachable" in log and "prefilling here" in log
     finally:
         client.stop()
-    assert got.choices[0].logprobs.tokens == _complete(server, tokens).choices[0].logprobs.tokens
+    assert got.choices[0].logprobs.tokens == complete(server, tokens).choices[0].logprobs.tokens
 
 
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)  # the transports' choice does not depend on the model
@@ -141,8 +103,8 @@ def test_a_client_whose_link_was_dropped_connects_again(pair):
         assert server.post("/pd/connect", {"client": client, "transport": "shm", "host": host_id()}).status_code == 200
     assert sorted(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]) == sorted(newer)
     tokens = prompt(40, seed=60)
-    got = _complete(clients["shm"], tokens)  # refused as not connected: connects again, and asks again
-    assert got.choices[0].logprobs.tokens == _complete(server, tokens).choices[0].logprobs.tokens
+    got = complete(clients["shm"], tokens)  # refused as not connected: connects again, and asks again
+    assert got.choices[0].logprobs.tokens == complete(server, tokens).choices[0].logprobs.tokens
     assert set(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]) - set(newer)
 
 
@@ -167,9 +129,7 @@ def test_a_dead_prefill_server_fails_its_requests_and_the_clients_keep_serving(p
     server, clients, _ = pair
     prompts = [prompt(40 + i, seed=20 + i) for i in range(6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [
-            pool.submit(_complete, list(clients.values())[i % len(clients)], p, 4) for i, p in enumerate(prompts)
-        ]
+        futures = [pool.submit(complete, list(clients.values())[i % len(clients)], p, 4) for i, p in enumerate(prompts)]
         assert server.proc is not None
         server.proc.send_signal(signal.SIGKILL)
         for future in futures:
@@ -179,6 +139,6 @@ def test_a_dead_prefill_server_fails_its_requests_and_the_clients_keep_serving(p
                 assert error.status_code == 503 and "prefill server" in error.message
     for client in clients.values():
         with pytest.raises(openai.APIStatusError) as failed:
-            _complete(client, prompt(30, seed=40))
+            complete(client, prompt(30, seed=40))
         assert failed.value.status_code == 503 and "prefill server" in failed.value.message
         assert httpx.get(client.url + "/health", timeout=10).status_code == 200
