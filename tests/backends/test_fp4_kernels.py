@@ -80,7 +80,7 @@ def test_linear_and_moe_dispatch_to_the_kernels(name):
         out = ops.linear(x, weight, bias)
     check(out, x.cpu() @ core.dequantize(packed.cpu()).T + bias.cpu(), torch.float32)
 
-    experts, hidden, inter = 4, fmt.qk * 2, fmt.qk
+    experts, hidden, inter = 4, fmt.qk, fmt.qk
     w13 = random_packed(experts * 2 * inter, hidden, fmt, device=DEVICE).view(experts, 2 * inter, -1)
     w2 = random_packed(experts * hidden, inter, fmt, device=DEVICE).view(experts, hidden, -1)
     q13, q2 = quantized(w13, core, (experts, 2 * inter, hidden)), quantized(w2, core, (experts, hidden, inter))

@@ -209,6 +209,8 @@ def test_llama_checkpoint_stays_packed_and_computes_what_its_values_stand_for(la
     weights = packed_weights(llm)
     assert len(weights) == 2 * 4  # per layer: the merged qkv, o, the merged gate/up, down
     assert {w.format.name for w in weights} == {"mxfp4" if layout.startswith("mxfp4") else "nvfp4"}
+    bits = {"mxfp4": 4.25, "nvfp4": 4.75}  # what the model's memory holds (the file: 4.25 and 4.5)
+    assert all(w.nbytes * 8 == w.logical_shape.numel() * bits[w.format.name] for w in weights)
     assert_greedy_tokens_and_logprobs_match(hf, llm, 11)
 
 

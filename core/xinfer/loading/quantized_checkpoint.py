@@ -44,7 +44,7 @@ from xinfer.quant.fp4_formats import (
     pair_codes,
 )
 from xinfer.quant.fp8_format import BLOCK, Fp8Format, pack
-from xinfer.quant.tensor import QuantizedTensor, get_weight_format, quantized
+from xinfer.quant.tensor import QuantizedTensor, WeightFormat, get_weight_format, quantized
 
 log = logging.getLogger("xinfer")
 
@@ -376,7 +376,7 @@ def decoded(
     """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}  # weight -> its parts come so far
     count = kept = 0
-    kept_format = FP8_FORMAT
+    kept_format: WeightFormat = FP8_FORMAT
     for name, tensor in weights:
         leaf = name.rpartition(".")[2]
         if leaf in DROPPED:

@@ -30,6 +30,7 @@ from tests.plugins.hf_parity import (
 )
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
+from xinfer.quant import QuantizedTensor
 from xinfer_deepseek import compressed_ops
 from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name
 
@@ -204,9 +205,9 @@ def quantize_mxfp4(weight: torch.Tensor, generator: torch.Generator) -> tuple[to
 
 
 def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, caplog):
-    """DeepSeek's names without transformers' ``model.`` prefix, the routed experts in MXFP4 (a
-    hidden size of 64: two scale blocks per row), an MTP tensor: the experts decode to what
-    transformers computes with, and the MTP tensor is kept."""
+    """DeepSeek's names without transformers' ``model.`` prefix, the routed experts' gate and up in MXFP4
+    (a hidden size of 64: two scale blocks per row), an MTP tensor: the experts stay packed and compute
+    what transformers computes with their values, and the MTP tensor is kept."""
     config = deepseek_v4_config(num_hidden_layers=2, layer_types=["sliding_attention", CSA])
     config.mlp_layer_types = ["hash_moe", "moe"]
     hf = save_tiny_model(config, tmp_path)
@@ -230,7 +231,9 @@ def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, 
     save_file(tensors, tmp_path / "model.safetensors")
     with caplog.at_level("INFO"):
         llm = llm_of(tmp_path)
-    assert "dequantized 32 MXFP4/FP8 weights at load" in caplog.text
+    assert "kept 32 MXFP4 weights packed" in caplog.text
+    experts = [m for m in llm.engine.model.modules() if hasattr(m, "w13")]
+    assert experts and all(isinstance(m.w13, QuantizedTensor) and m.w13.format.name == "mxfp4" for m in experts)
     assert list(llm.engine.model.mtp) == ["mtp.0.emb.weight"]
     tokens = prompt(40, seed=2)
     out = llm.generate([tokens], GREEDY)[0].outputs[0]
