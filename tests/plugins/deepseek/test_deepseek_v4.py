@@ -32,7 +32,7 @@ from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
 from xinfer.quant import QuantizedTensor
 from xinfer_deepseek import compressed_ops
-from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name
+from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name, hf_names
 
 CHUNK = 27  # prefill chunks that end inside windows of 4 and 16
 NEW_TOKENS = 12
@@ -186,6 +186,13 @@ def test_mxfp4_decode_matches_transformers():
     expected = Fp8Dequantize(None)._dequantize_one(packed, scales, torch.float32)
     torch.testing.assert_close(dequantize(packed, scales), expected, rtol=0, atol=0)
     assert decode_e2m1(torch.tensor([0x7F, 0x1A], dtype=torch.uint8)).tolist() == [-6.0, 6.0, -1.0, 0.5]
+
+
+def test_mxfp4_scales_of_another_shape_are_named():
+    weights = [("layers.0.ffn.experts.0.w1.weight", torch.zeros(4, 32, dtype=torch.int8)),
+               ("layers.0.ffn.experts.0.w1.scale", torch.zeros(4, 3, dtype=torch.uint8))]  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight: MXFP4 codes \(4, 32\) and scales \(4, 3\)"):
+        list(hf_names(weights))
 
 
 def test_fp8_blocks_decode_matches_transformers():
