@@ -69,7 +69,8 @@ def checkpoint_tensors(name: str, weight: torch.Tensor, layout: str) -> tuple[di
         codes, scales, _ = nvfp4(weight, 1 / float(divisor))
         meant = (E2M1[codes.long()].unflatten(-1, (-1, 16)) * (scales.float() / divisor)[..., None]).flatten(-2)
         tensors = {f"{module}.weight_packed": file_bytes(codes), f"{module}.weight_scale": scales}
-        return {**tensors, f"{module}.weight_global_scale": divisor}, meant
+        activations = {f"{module}.input_global_scale": torch.ones(1)}  # W4A4's: not needed, dropped
+        return {**tensors, f"{module}.weight_global_scale": divisor, **activations}, meant
     codes, scales, meant = nvfp4(weight, largest / (448 * 6))  # ModelOpt: weight_scale_2 multiplies
     tensors = {name: file_bytes(codes), f"{module}.weight_scale": scales}
     return {

@@ -49,7 +49,7 @@ from xinfer.quant.tensor import QuantizedTensor, WeightFormat, get_weight_format
 log = logging.getLogger("xinfer")
 
 FP8_FORMAT = Fp8Format()
-DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point")
+DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point", "input_global_scale")
 
 
 class Decoder:
