@@ -28,6 +28,7 @@ Activation scales (``input_scale``, ...) are not needed and are dropped.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -256,19 +257,22 @@ class Fp4(Decoder):
             packed = packed.flatten(-2)
         *outer, half_cols = packed.shape
         expected = (*outer, 2 * half_cols // self.group)
-        if packed.dtype != torch.uint8 or tuple(scales.shape) != expected or (2 * half_cols) % self.group:
+        scale_type = "e4m3" if self.group == NVFP4_GROUP else "e8m0"
+        if (packed.dtype != torch.uint8 or tuple(scales.shape) != expected or (2 * half_cols) % self.group
+                or not _is(scales, scale_type)):  # fmt: skip
             raise ValueError(
                 f"{name}: {self.name} codes {tuple(parts[self.parts[0]].shape)} ({packed.dtype}) and scales "
-                f"{tuple(scales.shape)} do not make one weight: expected uint8 codes [..., N, K / 2] and "
-                f"scales [..., N, K / {self.group}]"
+                f"{tuple(scales.shape)} ({scales.dtype}) do not make one weight: expected uint8 codes [..., N, K / 2] "
+                f"and {scale_type} scales [..., N, K / {self.group}]"
             )
-        tensor_scale = None
-        if len(self.parts) == 3:
-            tensor_scale = parts[self.parts[2]].float()
-            if tensor_scale.numel() != 1:
-                raise ValueError(f"{name}: {self.parts[2]} of shape {tuple(tensor_scale.shape)}: one value expected")
-            tensor_scale = 1 / tensor_scale.reshape(()) if self.divides else tensor_scale.reshape(())
-        return pair_codes(packed), scales, tensor_scale
+        if len(self.parts) < 3:
+            return pair_codes(packed), scales, None
+        tensor_scale = parts[self.parts[2]].float()
+        if tensor_scale.numel() not in (1, math.prod(outer[:-1])):  # one per tensor, or per stacked expert
+            raise ValueError(f"{name}: {self.parts[2]} of shape {tuple(tensor_scale.shape)} for a weight of "
+                             f"{(*outer, 2 * half_cols)} values: one per tensor expected")  # fmt: skip
+        tensor_scale = tensor_scale.reshape(*outer[:-1], 1, 1) if tensor_scale.numel() > 1 else tensor_scale.reshape(())
+        return pair_codes(packed), scales, 1 / tensor_scale if self.divides else tensor_scale
 
     def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
         codes, scales, tensor_scale = self.values(name, parts)
@@ -285,6 +289,13 @@ class Fp4(Decoder):
             return self.format.dequantize(pack_mxfp4(codes, scales.view(torch.uint8)))
         steps = scales.float() * tensor_scale
         return (decode_e2m1(codes).unflatten(-1, (-1, NVFP4_GROUP)) * steps[..., None]).flatten(-2)
+
+
+def _is(scales: Tensor, scale_type: str) -> bool:
+    """Whether ``scales`` hold e4m3 values, or e8m0 bytes (uint8 or torch's float8_e8m0fnu)."""
+    if scale_type == "e4m3":
+        return scales.dtype == torch.float8_e4m3fn
+    return scales.dtype == torch.uint8 or "e8m0" in str(scales.dtype)
 
 
 class GptOssMxfp4(Fp4):
