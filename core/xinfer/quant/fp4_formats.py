@@ -88,8 +88,9 @@ class Mxfp4Format(WeightFormat):
     def quantize(self, values: Tensor) -> Tensor:
         groups = values.float().reshape(*values.shape[:-1], -1, MXFP4_GROUP)
         largest = groups.abs().amax(-1, keepdim=True)
-        exponent = torch.floor(torch.log2(largest)) - 2  # e2m1's largest exponent is 2; log2(0) is -inf
-        exponent = exponent.nan_to_num(neginf=-127).clamp(-127, 127)
+        # floor(log2(largest)), exactly (frexp's mantissa is in [0.5, 1)), less e2m1's largest exponent, 2
+        exponent = torch.frexp(largest).exponent.float() - 1 - 2
+        exponent = torch.where(largest > 0, exponent, -127).clamp(-127, 127)
         codes = encode_e2m1(groups * torch.exp2(-exponent)).flatten(-2)
         return pack_mxfp4(codes, (exponent + 127).to(torch.uint8).squeeze(-1))
 
