@@ -206,12 +206,15 @@ def test_a_shape_that_contradicts_the_format_is_one_error_naming_the_tensor():
 
 
 @pytest.mark.parametrize("layout", ["mxfp4-pack-quantized", "modelopt"])  # and nvfp4-pack-quantized's experts below
-def test_llama_checkpoint_stays_packed_and_computes_what_its_values_stand_for(layout, tmp_path):
+def test_llama_checkpoint_stays_packed_and_computes_what_its_values_stand_for(layout, tmp_path, caplog):
     config = LlamaConfig(**WIDE, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     hf = save_tiny_model(config, tmp_path / "float")
     randomize(hf)
     hf = write_checkpoint(hf, tmp_path, layout)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    per_block = "17 bytes per 32 values" if layout.startswith("mxfp4") else "76 bytes per 128 values"
+    assert f"kept 14 {'MXFP4' if layout.startswith('mxfp4') else 'NVFP4'} weights packed ({per_block})" in caplog.text
     weights = packed_weights(llm)
     assert len(weights) == 2 * 4  # per layer: the merged qkv, o, the merged gate/up, down
     assert {w.format.name for w in weights} == {"mxfp4" if layout.startswith("mxfp4") else "nvfp4"}

@@ -150,7 +150,8 @@ def _e2m1(code):
 
 @triton.jit
 def _e8m0(byte):
-    """e8m0 scale bytes (int32, 1..254) as fp32 powers of two: the byte is the float32's exponent field."""
+    """e8m0 scale bytes (int32) as fp32 powers of two: the byte is the float32's exponent field (so 0, 2**-127,
+    a subnormal, decodes as 0; 255 is NaN in e8m0 and no weight's scale)."""
     return (byte << 23).to(tl.float32, bitcast=True)
 
 
