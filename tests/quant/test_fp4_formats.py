@@ -162,7 +162,7 @@ def test_nvfp4_blocks_are_a_float32_scale_8_e4m3_scales_then_64_bytes_of_codes()
     codes = torch.randint(0, 16, (2, 128), dtype=torch.uint8)
     scales = (torch.rand(2, 8) * 100).to(torch.float8_e4m3fn)
     tensor_scale = torch.tensor([[0.003], [7.5]])
-    runs = [codes[:, 64 * r : 64 * r + 32] | (codes[:, 64 * r + 32 : 64 * r + 64] << 4) for r in range(2)]
+    runs = [codes[:, 16 * s : 16 * s + 8] | (codes[:, 16 * s + 8 : 16 * s + 16] << 4) for s in range(8)]
     raw = torch.cat([tensor_scale.view(torch.uint8), scales.view(torch.uint8), *runs], dim=1)
     expected = E2M1[codes.long()] * (scales.float() * tensor_scale).repeat_interleave(16, dim=1)
     assert torch.equal(get_weight_format("nvfp4").dequantize(raw), expected)

@@ -11,8 +11,8 @@ range once per nibble (:mod:`xinfer_cuda.kernels.gguf_blocks`):
   bytes of codes (value ``j`` in the low nibble of byte ``j``, ``j + 16`` in its high nibble):
   4.25 bits a value, the checkpoint's own size. A scale byte of 255 (NaN) is not a weight.
 - ``nvfp4``: blocks of 128 values in 76 bytes: the tensor's float32 scale, eight e4m3 scales (one
-  per 16 values), then 64 bytes of codes in two runs of 64 values (byte ``32 r + j``: value
-  ``64 r + j`` low, ``64 r + 32 + j`` high); a value is ``code * e4m3 * scale``. 4.75 bits a
+  per 16 values), then 64 bytes of codes, 8 per 16 values (byte ``8 s + j``: value ``16 s + j`` low,
+  ``16 s + 8 + j`` high); a value is ``code * e4m3 * scale``. 4.75 bits a
   value against the checkpoint's 4.5: the per-tensor scale is copied into every block, so rows
   of weights with different tensor scales can be merged (q/k/v, stacked experts), as the FP8
   format copies its scales (:mod:`xinfer.quant.fp8_format`). Rows of a length that is not a
@@ -110,7 +110,7 @@ class Nvfp4Format(WeightFormat):
         blocks = raw.reshape(*raw.shape[:-1], -1, self.block_bytes)
         tensor_scales = blocks[..., :4].contiguous().view(torch.float32)
         scales = blocks[..., 4:12].contiguous().view(torch.float8_e4m3fn).float() * tensor_scales
-        codes = run_nibbles(blocks[..., 12:], 2 * MXFP4_GROUP).unflatten(-1, (-1, NVFP4_GROUP))
+        codes = run_nibbles(blocks[..., 12:], NVFP4_GROUP).unflatten(-1, (-1, NVFP4_GROUP))
         return (decode_e2m1(codes) * scales.unsqueeze(-1)).flatten(-3)
 
     def quantize(self, values: Tensor) -> Tensor:
@@ -132,6 +132,6 @@ def pack_nvfp4(codes: Tensor, scales: Tensor, tensor_scales: Tensor) -> Tensor:
     parts = (
         tensor_scales.unsqueeze(-1).view(torch.uint8),
         scales.contiguous().view(torch.uint8).reshape(*outer, blocks, NVFP4_BLOCK // NVFP4_GROUP),
-        pack_runs(codes, 2 * MXFP4_GROUP).reshape(*outer, blocks, NVFP4_BLOCK // 2),
+        pack_runs(codes, NVFP4_GROUP).reshape(*outer, blocks, NVFP4_BLOCK // 2),
     )
     return torch.cat(parts, dim=-1).flatten(-2)

@@ -73,7 +73,7 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q6_K", 256, 210, 2, 4, (208,)),
         BlockFormat("FP8", 128, 132, 4, 1, (), (0,)),
         BlockFormat("MXFP4", 32, 17, 1, 2, ()),
-        BlockFormat("NVFP4", 128, 76, 2, 2, (), (0,)),
+        BlockFormat("NVFP4", 128, 76, 8, 2, (), (0,)),
     )
 }
 
@@ -181,10 +181,10 @@ def decode_part(FMT: tl.constexpr, block, g, P: tl.constexpr, j, mask):
     elif FMT == "MXFP4":  # e8m0 scale @0, qs[16] @1: value j low nibble, j + 16 high
         return _e8m0(_byte(block, mask)) * _e2m1((_byte(block + 1 + j, mask) >> (4 * P)) & 15)
     elif FMT == "NVFP4":
-        # tensor scale f32 @0, e4m3 scales[8] @4 (16 values each), qs[64] @12 (group g: bytes g*32..,
-        # part p: nibble p, values 64g + 32p + j); code * e4m3 * tensor scale
-        scale = _e4m3(_byte(block + 4 + g * 4 + P * 2 + j // 16, mask)) * _single(block, mask)
-        return scale * _e2m1((_byte(block + 12 + g * 32 + j, mask) >> (4 * P)) & 15)
+        # tensor scale f32 @0, e4m3 scales[8] @4 (group g: values 16g..), qs[64] @12 (group g: bytes 8g..,
+        # part p: nibble p, values 16g + 8p + j); code * e4m3 * tensor scale, the scale decoded once a group
+        scale = _e4m3(_byte(block + 4 + g, mask)) * _single(block, mask)
+        return scale * _e2m1((_byte(block + 12 + g * 8 + j, mask) >> (4 * P)) & 15)
     elif FMT == "Q4_0":  # d @0, qs[16] @2: value j low nibble, j + 16 high; q - 8
         q = (_byte(block + 2 + j, mask) >> (4 * P)) & 15
         return _half(block, mask) * (q - 8).to(tl.float32)
