@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.quant.fp4_formats import (
     MXFP4_GROUP,
     NVFP4_BLOCK,
@@ -59,7 +60,7 @@ class Decoder:
     name: str
     parts: tuple[str, ...]  # the leaf names of a quantized weight's tensors (besides a plain ``weight``)
 
-    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf in self.parts
 
     def split(self, name: str) -> tuple[str, str]:
@@ -86,7 +87,7 @@ class Fp8(Decoder):
     def __init__(self, block: tuple[int, int] | None):
         self.block = block
 
-    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf in self.parts or (leaf == "weight" and tensor.dtype == torch.float8_e4m3fn)
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
@@ -244,7 +245,7 @@ class Fp4(Decoder):
         self.name = "MXFP4" if group == MXFP4_GROUP else "NVFP4"
         self.format = get_weight_format(self.name.lower())
 
-    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf in self.parts[1:] or (leaf == self.parts[0] and tensor.dtype == torch.uint8)
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
@@ -304,7 +305,7 @@ class GptOssMxfp4(Fp4):
     def __init__(self) -> None:
         super().__init__(("blocks", "scales"), MXFP4_GROUP)
 
-    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf.endswith(("_blocks", "_scales"))
 
     def split(self, name: str) -> tuple[str, str]:
@@ -387,9 +388,7 @@ def _block(block: Any) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1])) if block else None
 
 
-def decoded(
-    weights: Iterable[tuple[str, Tensor]], decoder: Decoder, dtype: torch.dtype
-) -> Iterator[tuple[str, Tensor]]:
+def decoded(weights: Weights, decoder: Decoder, dtype: torch.dtype) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}  # weight -> its parts come so far
     count = kept = 0
@@ -403,7 +402,7 @@ def decoded(
             continue
         weight, part = decoder.split(name)
         parts = pending.setdefault(weight, {})
-        parts[part] = tensor
+        parts[part] = whole(tensor)  # quantized weights and their scales are read whole
         if decoder.complete(parts):
             del pending[weight]
             packed = decoder.packed(weight, parts)

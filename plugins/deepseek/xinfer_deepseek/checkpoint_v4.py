@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.quant import QuantizedTensor, get_weight_format, quantized
 from xinfer.quant.fp4_formats import pack_mxfp4, pair_codes
 
@@ -72,7 +73,7 @@ def hf_name(name: str) -> str:
     return name
 
 
-def hf_names(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def hf_names(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """``weights`` under transformers' names, each MXFP4 weight packed and each FP8 weight dequantized (their
     scales consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}
@@ -84,7 +85,7 @@ def hf_names(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tenso
             yield hf_name(name), tensor
             continue
         pair = pending.setdefault(base, {})
-        pair[leaf] = tensor
+        pair[leaf] = whole(tensor)
         if len(pair) == 2:
             del pending[base]
             name = hf_name(f"{base}.weight")
@@ -112,7 +113,7 @@ def mxfp4(weight: Tensor, scale: Tensor, name: str) -> QuantizedTensor:
     return quantized(pack_mxfp4(codes, scale.view(torch.uint8)), get_weight_format("mxfp4"), codes.shape, name)
 
 
-def _is_quantized(tensor: Tensor) -> bool:
+def _is_quantized(tensor: Tensor | StoredTensor) -> bool:
     return tensor.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) or "float4" in str(tensor.dtype)
 
 

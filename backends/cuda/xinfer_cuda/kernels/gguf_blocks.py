@@ -185,6 +185,9 @@ def decode_part(FMT: tl.constexpr, block, g, P: tl.constexpr, j, mask):
         # part p: nibble p, values 16g + 8p + j); code * e4m3 * tensor scale, the scale decoded once a group
         scale = _e4m3(_byte(block + 4 + g, mask)) * _single(block, mask)
         return scale * _e2m1((_byte(block + 12 + g * 8 + j, mask) >> (4 * P)) & 15)
+    elif FMT == "FP8_CVT":  # FP8 through the hardware's e4m3 conversion (SM89 and up)
+        codes = _load(block + 4 + g * 32 + j, mask).to(tl.float8e4nv, bitcast=True)
+        return _single(block, mask) * codes.to(tl.float32)
     elif FMT == "Q4_0":  # d @0, qs[16] @2: value j low nibble, j + 16 high; q - 8
         q = (_byte(block + 2 + j, mask) >> (4 * P)) & 15
         return _half(block, mask) * (q - 8).to(tl.float32)
