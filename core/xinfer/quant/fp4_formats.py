@@ -40,9 +40,11 @@ NVFP4_BLOCK = 128
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
-    """e2m1 codes (uint8, 0..15) -> float32 values."""
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    magnitude = table[(codes & 7).long()]
+    """e2m1 codes (uint8, 0..15) -> float32 values: exponent field ``e`` and mantissa bit ``m`` stand for
+    ``m / 2`` where ``e`` is 0, else ``(1 + m / 2) * 2 ** (e - 1)``. Elementwise, making no tensor (it runs
+    inside captured CUDA graphs: an embedding's rows, the reference path)."""
+    exponent, mantissa = ((codes >> 1) & 3).float(), (codes & 1).float()
+    magnitude = torch.where(exponent == 0, mantissa / 2, (1 + mantissa / 2) * torch.exp2(exponent - 1))
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
