@@ -31,14 +31,14 @@ def save_model(name: str, folder: Path) -> Path:
 
 
 def start_pair(
-    folder: Path, transports: list[str], *flags: str, server_flags: tuple[str, ...] = ()
+    folder: Path, transports: list[str], *flags: str, server_flags: tuple[str, ...] = (), api_key: str | None = None
 ) -> tuple[LiveServer, dict[str, LiveServer]]:
-    """The prefill server, and a decode client of it per transport; ``flags`` for all of them."""
+    """The prefill server, and a decode client of it per transport; ``flags`` and ``api_key`` for all of them."""
     flags = ("--m", str(folder), *FLAGS, *flags)
-    server = LiveServer(*flags, "--pd-server", *server_flags, name="pd-server").start()
+    server = LiveServer(*flags, "--pd-server", *server_flags, api_key=api_key, name="pd-server").start()
     clients = {
         transport: LiveServer(*flags, "--pd-client", "--pd-url", server.url, "--pd-transport", asked,
-                              name=f"pd-client-{transport}")
+                              api_key=api_key, name=f"pd-client-{transport}")
         for transport, asked in TRANSPORTS.items() if transport in transports
     }  # fmt: skip
     try:

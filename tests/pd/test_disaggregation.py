@@ -26,13 +26,20 @@ from xinfer.distributed.shared_memory import host_id
 
 LEASE_SECONDS = 5  # the prefill server's --pd-timeout: how long a silent client's blocks stay held
 MODEL_TRANSPORTS = {"llama": ["shm", "gloo"], "gemma3": ["shm"]}  # the transports move rows whatever the model
+API_KEYS = {"gemma3": "pd-pair-key"}  # a pair behind --api-key: the client sends it to the prefill server
+
+
+def status(server: LiveServer) -> dict:
+    return httpx.get(server.url + "/pd/status", headers=server.headers, timeout=10).json()
 
 
 @pytest.fixture(scope="module", params=list(MODEL_TRANSPORTS))
 def pair(request, tmp_path_factory):
     folder = save_model(request.param, tmp_path_factory.mktemp(request.param))
     lease = ("--pd-timeout", str(LEASE_SECONDS))
-    server, clients = start_pair(folder, MODEL_TRANSPORTS[request.param], "--cpu", server_flags=lease)
+    server, clients = start_pair(
+        folder, MODEL_TRANSPORTS[request.param], "--cpu", server_flags=lease, api_key=API_KEYS.get(request.param)
+    )
     yield server, clients, folder
     for live in [*clients.values(), server]:
         live.stop()
@@ -55,7 +62,7 @@ def test_each_client_decodes_the_tokens_one_server_gives(pair):
             assert b.choices[0].logprobs.token_logprobs == pytest.approx(
                 a.choices[0].logprobs.token_logprobs, abs=1e-4
             ), transport
-    assert sorted(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"].values()) == sorted(clients)
+    assert sorted(status(server)["clients"].values()) == sorted(clients)
 
 
 def test_prefix_cache_hits_of_the_prefill_server_are_reported(pair):
@@ -92,7 +99,7 @@ def test_shared_memory_is_refused_to_another_host_which_gets_gloo(pair):
     assert offered.status_code == 200 and offered.json()["transport"] == "gloo"
     store = TCPStore("127.0.0.1", offered.json()["port"], 2, False, timeout=datetime.timedelta(seconds=30))
     transfer_group(store, CLIENT, "127.0.0.1", 30)  # joined: the server's side is not left waiting
-    assert httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]["elsewhere"] == "gloo"
+    assert status(server)["clients"]["elsewhere"] == "gloo"
 
 
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)
@@ -101,11 +108,11 @@ def test_a_client_whose_link_was_dropped_connects_again(pair):
     newer = [f"newer{number}" for number in range(MAX_CLIENTS)]
     for client in newer:  # the prefill server drops the links of the clients connected before them
         assert server.post("/pd/connect", {"client": client, "transport": "shm", "host": host_id()}).status_code == 200
-    assert sorted(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]) == sorted(newer)
+    assert sorted(status(server)["clients"]) == sorted(newer)
     tokens = prompt(40, seed=60)
     got = complete(clients["shm"], tokens)  # refused as not connected: connects again, and asks again
     assert got.choices[0].logprobs.tokens == complete(server, tokens).choices[0].logprobs.tokens
-    assert set(httpx.get(server.url + "/pd/status", timeout=10).json()["clients"]) - set(newer)
+    assert set(status(server)["clients"]) - set(newer)
 
 
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)
@@ -115,12 +122,12 @@ def test_the_blocks_a_dead_client_held_are_freed(pair):
     assert server.post("/pd/connect", asked).json()["transport"] == "shm"
     held = server.post("/pd/prefill", {"token_ids": prompt(40, seed=50), "client": "doomed"}).json()
     assert held["num_tokens"] == 32 and held["lease"]  # the client dies here, before reading and releasing
-    assert httpx.get(server.url + "/pd/status", timeout=10).json()["leases"] >= 1
+    assert status(server)["leases"] >= 1
     assert server.metrics()["xinfer_kv_cache_usage"] > 0
     deadline = time.monotonic() + LEASE_SECONDS + 10
-    while httpx.get(server.url + "/pd/status", timeout=10).json()["leases"] and time.monotonic() < deadline:
+    while status(server)["leases"] and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert httpx.get(server.url + "/pd/status", timeout=10).json()["leases"] == 0
+    assert status(server)["leases"] == 0
     assert server.metrics()["xinfer_kv_cache_usage"] == 0
     assert f"did not release lease {held['lease']}" in server.log_path.read_text()
 

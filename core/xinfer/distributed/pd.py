@@ -267,9 +267,10 @@ class DisaggregatedEngine(AsyncEngine):
     prompt is prefilled here."""
 
     def __init__(self, *args: Any, url: str, fallback_local: bool = False, timeout: float = 60.0,
-                 transport: Transport = "auto", **kwargs: Any):  # fmt: skip
+                 transport: Transport = "auto", api_key: str | None = None, **kwargs: Any):  # fmt: skip
         super().__init__(*args, **kwargs)
         self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the pair shares its --api-key
         self.host = urlsplit(self.url).hostname or "127.0.0.1"
         self.fallback_local = fallback_local
         self.timeout = timeout
@@ -383,7 +384,7 @@ class DisaggregatedEngine(AsyncEngine):
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.http is None:
-            self.http = httpx.AsyncClient(timeout=self.timeout)
+            self.http = httpx.AsyncClient(timeout=self.timeout, headers=self.headers)
         try:
             response = await self.http.post(self.url + path, json=body)
         except httpx.HTTPError as error:

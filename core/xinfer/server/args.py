@@ -202,7 +202,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                     help="prefill prompts for a --pd-client (the usual API is served too)")
     pd.add_argument("--pd-client", action="store_true",
                     help="serve the API and decode; prompts are prefilled by the --pd-server at --pd-url")
-    pd.add_argument("--pd-url", metavar="URL", help="with --pd-client: the prefill server, e.g. http://10.0.0.2:8000")
+    pd.add_argument("--pd-url", metavar="URL", help="with --pd-client: the prefill server, e.g. http://10.0.0.2:8000 "
+                    "(sent this server's --api-key, which a pair shares)")
     pd.add_argument("--pd-fallback", default="error", choices=["error", "local"],
                     help="with --pd-client, where the prefill server fails: answer the request with 503, or prefill "
                     "it here")

@@ -245,7 +245,7 @@ def async_engine(args: argparse.Namespace, config: EngineConfig) -> AsyncEngine:
 
     return DisaggregatedEngine(lambda: LLMEngine(config), **options, url=args.pd_url,
                                fallback_local=args.pd_fallback == "local", timeout=args.pd_timeout,
-                               transport=args.pd_transport)  # fmt: skip
+                               transport=args.pd_transport, api_key=args.api_key)  # fmt: skip
 
 
 async def serve(
