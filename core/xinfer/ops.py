@@ -394,11 +394,6 @@ def current() -> Ops:
     return _current
 
 
-def in_use() -> Ops | None:
-    """The backend in use; None outside any."""
-    return _current
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if isinstance(weight, QuantizedTensor):
         return quantized.linear(current(), x, weight, bias)
