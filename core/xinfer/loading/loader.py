@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -18,6 +16,7 @@ from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import iter_safetensors
+from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, quantize_weights
 
@@ -78,9 +77,14 @@ def _hf_config(folder: Path) -> PretrainedConfig:
             f"an installed plugin (a plugin adds one with the xinfer_config_classes hook)"
         )
     try:
-        return AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError, TypeError) as error:
         raise ModelFileError(f"{file}: {first_line(error)}") from error
+    modelopt = folder / "hf_quant_config.json"  # where ModelOpt's exports may name their quantization instead
+    if modelopt.is_file() and not getattr(config, "quantization_config", None):
+        quantization = json.loads(modelopt.read_text()).get("quantization") or {}
+        config.quantization_config = {"quant_method": "modelopt", **quantization}
+    return config
 
 
 def check_model(path: Path) -> PretrainedConfig:
@@ -141,7 +145,7 @@ def load_model(
     return model
 
 
-def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterable[tuple[str, Tensor]]:
+def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Weights:
     is_gguf = path.suffix == ".gguf"
     if load_format == "gguf" or (load_format == "auto" and is_gguf):
         return iter_gguf_weights(path, model.config, model.checkpoint_names())
@@ -152,11 +156,13 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterabl
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the right shapes (for benchmarks): matrices ~ N(0, 0.02),
-    vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built."""
+    vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built.
+    Drawn in pieces of 2**26 values, so a stacked expert tensor needs no float32 copy of its size."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for param in model.parameters():
         if not param.dtype.is_floating_point:
             continue
-        noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
-        value = noise * 0.02 + (1.0 if param.dim() == 1 else 0.0)
-        param.data.copy_(value)
+        mean = 1.0 if param.dim() == 1 else 0.0
+        for piece in param.data.view(-1).split(2**26):
+            noise = torch.randn(piece.shape, generator=generator, device=piece.device, dtype=torch.float32)
+            piece.copy_(noise.mul_(0.02).add_(mean))

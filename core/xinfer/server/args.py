@@ -76,8 +76,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="dummy: random weights of the right shapes (benchmarks)")
     model.add_argument("--isq", metavar="TYPE",
-                       help="quantize a float checkpoint's weights at load into a packed GGUF format, run as GGUF "
-                       "files are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k")
+                       help="quantize a float checkpoint's weights at load into a packed format, run as quantized "
+                       "checkpoints are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k, fp8, mxfp4, nvfp4")
 
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
