@@ -125,6 +125,7 @@ def test_activations_quantize_per_token_and_128_columns():
     x = torch.randn(3, 256) * torch.tensor([1e-2, 1.0, 30.0])[:, None]
     codes, scales = quantize_activations(x)
     assert scales.shape == (3, 2) and scales.stride() == (1, 3)  # column-major, as scaled_mm reads them
+    assert quantize_activations(x[:1])[1].stride() == (1, 1)  # one row too (scaled_mm refuses (2, 1))
     back = codes.float() * scales.repeat_interleave(128, dim=1)
     assert torch.all((back - x).abs() <= x.abs() * 2**-4 + 1e-30)
     assert torch.allclose(back.unflatten(1, (2, 128)).abs().amax(-1), x.unflatten(1, (2, 128)).abs().amax(-1))

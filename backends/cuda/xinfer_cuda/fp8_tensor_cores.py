@@ -63,7 +63,9 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     groups = x.float().unflatten(-1, (-1, BLOCK))
     scales = groups.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
     codes = (groups / scales[..., None]).to(torch.float8_e4m3fn).flatten(-2)
-    return codes, scales.t().contiguous().t()
+    # column-major with strides (1, M) even for one row (contiguous() keeps a size-1 dim's stride, which scaled_mm refuses)
+    column_major = torch.empty_strided(scales.shape, (1, scales.shape[0]), dtype=scales.dtype, device=scales.device)
+    return codes, column_major.copy_(scales)
 
 
 class Fp8TensorCores(WeightKernels):
