@@ -14,7 +14,10 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   idle). Flash-decoding: each sequence's context is split across ``num_splits``
   programs per KV head, which write partial (acc, max, sum); the reduce merges them,
   or, with few splits (short contexts), the last of a KV head's programs to finish does
-  (a counter per (sequence, KV head)), which saves the reduce's launch.
+  (a counter per (sequence, KV head)), which saves the reduce's launch. The split count
+  is the grid's, from shapes (the graph's longest context); a shorter context fills only
+  the splits its keys need (at least a minimum split each) and the grid's other programs
+  exit at once, so the merge reads only the parts that ran.
   With a recent window the keys that may be exact (the first block, the last
   ``recent``) are read by a launch of its own, one program per (sequence, KV head),
   on a second stream beside the splits, which share the rest.
@@ -603,6 +606,7 @@ def _decode_kernel(
     part_max_ptr,
     part_sum_ptr,
     arrivals_ptr,
+    part_counts_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -665,7 +669,7 @@ def _decode_kernel(
     pdl_entry(PDL)
     kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
     seq = tl.program_id(1)
-    split = tl.program_id(2) + num_splits * EXACT_PART  # the exact part is part num_splits
+    split = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
@@ -693,6 +697,13 @@ def _decode_kernel(
         plain_lo = BLOCK_N
         head_end = tl.minimum(plain_hi, BLOCK_N)
     split_len = _split_len(tl.maximum(plain_hi - plain_lo, 0), num_splits, MIN_SPLIT)
+    # The splits this context fills (split 0 always); the grid's others exit at once, so a
+    # short context in a graph captured for long ones reads and merges a few parts only.
+    used = tl.maximum(tl.cdiv(plain_hi - plain_lo, split_len), 1)
+    if EXACT_PART:
+        split = used  # the exact part follows the splits that ran
+    elif split >= used:
+        return
     start = plain_lo + split * split_len
     end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
@@ -757,13 +768,15 @@ def _decode_kernel(
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, False, ROTATION_CHUNK, PRECISION)  # fmt: skip
         # The last part of the (sequence, KV head) to finish merges them all (no reduce launch)
-        if MERGE:  # noqa: SIM102 (a constexpr: no atomic is compiled without it)
-            if last_to_arrive(arrivals_ptr + seq * (num_heads // GROUP) + kv_head, num_splits + EXACT):
+        if MERGE:  # (a constexpr: no atomic is compiled without it)
+            if last_to_arrive(arrivals_ptr + seq * (num_heads // GROUP) + kv_head, used + EXACT):
                 first_part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT)
                 o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-                _merge_parts(out_ptr, o_off, part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, num_splits + EXACT,
+                _merge_parts(out_ptr, o_off, part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, used + EXACT,
                              row_ok, basis_ptr, BLOCK_M, HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK,
                              PRECISION)  # fmt: skip
+        elif split == 0 and kv_head == 0 and not EXACT_PART:  # the reduce's count of the parts
+            tl.store(part_counts_ptr + seq, used + EXACT)
 
 
 @triton.jit
@@ -806,6 +819,7 @@ def _decode_reduce_kernel(
     basis_ptr,
     part_max_ptr,
     part_sum_ptr,
+    part_counts_ptr,
     cu_seqlens_q_ptr,
     stride_o_tok,
     stride_o_head,
@@ -827,7 +841,7 @@ def _decode_reduce_kernel(
 
     # (a part that read no keys left max NEG_BIG, sum and acc 0: it weighs nothing)
     parts = tl.arange(0, BLOCK_PARTS)
-    active = parts < NUM_PARTS
+    active = parts < tl.load(part_counts_ptr + seq)  # the parts that ran (_decode_kernel's used splits)
     part = (seq.to(tl.int64) * num_heads + head) * NUM_PARTS + parts
     m = tl.load(part_max_ptr + part, mask=active, other=NEG_BIG)
     total = tl.load(part_sum_ptr + part, mask=active, other=0.0)
@@ -1176,9 +1190,11 @@ def attend_sides(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
 
-    def decode_args(part_acc: Tensor, part_max: Tensor, part_sum: Tensor, counts: Tensor, num_splits: int) -> tuple:
+    def decode_args(
+        part_acc: Tensor, part_max: Tensor, part_sum: Tensor, counters: Tensor, part_counts: Tensor, num_splits: int
+    ) -> tuple:
         return (
-            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum, counts,
+            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum, counters, part_counts,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             score_scale, cap_scale, window_arg, *exact_args,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -1192,7 +1208,8 @@ def attend_sides(
         # against 32: turbo4 38.0 -> 33.6 us, turbo8 42.4 -> 37.4, fp8 38.7 -> 36.7).
         def stand_in_args() -> tuple:  # (the partials' dtype and alignment)
             stand_in = torch.empty(1, dtype=torch.float32, device=q.device)
-            return decode_args(stand_in, stand_in, stand_in, torch.empty(1, dtype=torch.int32, device=q.device), 2)
+            counts = torch.empty(1, dtype=torch.int32, device=q.device)
+            return decode_args(stand_in, stand_in, stand_in, counts, counts, 2)
 
         kind = (q.device, q.dtype, k_cache.dtype, v_cache.dtype)  # (the other dtypes follow from the constexprs)
         constexprs = dict(decode_constexprs, EXACT_PART=False, PARTIAL=True, MERGE=False)
@@ -1216,7 +1233,9 @@ def attend_sides(
         parts = (out, out, out)  # unused
     few_splits = 1 < num_parts and num_splits <= MERGE_SPLITS
     counters = arrivals.counters(q.device, "attention", meta.num_seqs * num_kv_heads) if few_splits else None
-    args = decode_args(*parts, counters if counters is not None else meta.seq_lens, num_splits)
+    reduce = num_parts > 1 and counters is None
+    part_counts = torch.empty(meta.num_seqs, dtype=torch.int32, device=q.device) if reduce else meta.seq_lens
+    args = decode_args(*parts, counters if counters is not None else meta.seq_lens, part_counts, num_splits)
     decode_constexprs["PARTIAL"] = num_parts > 1
     decode_constexprs["MERGE"] = counters is not None
     side = _fork(q.device) if exact is not None else None
@@ -1226,9 +1245,9 @@ def attend_sides(
     _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](*args, EXACT_PART=False, **decode_constexprs)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
-    if num_parts > 1 and counters is None:
+    if reduce:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
-            out, parts[0], basis, parts[1], parts[2], meta.cu_seqlens_q,
+            out, parts[0], basis, parts[1], parts[2], part_counts, meta.cu_seqlens_q,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
             ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,
