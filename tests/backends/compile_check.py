@@ -138,6 +138,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     head_norms = HeadNorms(t(128), t(128), 1e-6)  # q/k norms in the same pass
     rotary.rotary(t(4, 16, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32), head_norms)
     rotary.rotary(t(4, 8, 256), t(4, 4, 256), positions, t(64, 256, dt=torch.float32), HeadNorms(t(256), t(256), 1e-6))
+    # the rotary that stores the keys and values into the cache (Qwen3-30B-A3B's heads)
+    slots = torch.zeros(4, dtype=torch.int64)
+    rotary.rotary_write_kv(t(4, 32, 128), t(4, 4, 128), t(4, 4, 128), positions, t(64, 128, dt=torch.float32),
+                           head_norms, t(8, 16, 4, 128), t(8, 16, 4, 128), slots)  # fmt: skip
     for tile in ONE_ROW_TILES + DOT_TILES:  # the small-batch linear's tiles, as its measurement launches them
         gemv.gemv(t(1 if tile in ONE_ROW_TILES else 4, 4096), t(6144, 4096), None, tile)
     gemv.gemv(t(1, 4096), t(6144, 4096), t(6144), ONE_ROW_TILES[0])
