@@ -20,6 +20,7 @@ _step: StepContext | None = None
 def forward_context(step: StepContext) -> Iterator[None]:
     global _step
     previous, _step = _step, step
+    step.derived.clear()
     try:
         yield
     finally:

@@ -183,8 +183,13 @@ class RotaryEmbedding(nn.Module):
 
 
 def _longer_than(context: int, positions: Tensor) -> Tensor:
-    """Per token of the step: 1 where its sequence is longer than ``context`` tokens, else 0."""
-    seqs = step_context().seqs
-    token = torch.arange(positions.shape[-1], device=positions.device, dtype=seqs.cu_seqlens_q.dtype)
-    seq = torch.searchsorted(seqs.cu_seqlens_q[1:], token, right=True).clamp_(max=seqs.num_seqs - 1)
-    return (seqs.seq_lens[seq] > context).to(positions.dtype)
+    """Per token of the step: 1 where its sequence is longer than ``context`` tokens, else 0
+    (computed by the step's first layer, reused by the others)."""
+    derived = step_context().derived
+    key = f"longer_than_{context}"
+    if key not in derived:
+        seqs = step_context().seqs
+        token = torch.arange(positions.shape[-1], device=positions.device, dtype=seqs.cu_seqlens_q.dtype)
+        seq = torch.searchsorted(seqs.cu_seqlens_q[1:], token, right=True).clamp_(max=seqs.num_seqs - 1)
+        derived[key] = (seqs.seq_lens[seq] > context).to(positions.dtype)
+    return derived[key]

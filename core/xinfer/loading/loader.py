@@ -152,11 +152,13 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterabl
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the right shapes (for benchmarks): matrices ~ N(0, 0.02),
-    vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built."""
+    vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built.
+    Drawn in pieces of 2**26 values, so a stacked expert tensor needs no float32 copy of its size."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for param in model.parameters():
         if not param.dtype.is_floating_point:
             continue
-        noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
-        value = noise * 0.02 + (1.0 if param.dim() == 1 else 0.0)
-        param.data.copy_(value)
+        mean = 1.0 if param.dim() == 1 else 0.0
+        for piece in param.data.view(-1).split(2**26):
+            noise = torch.randn(piece.shape, generator=generator, device=piece.device, dtype=torch.float32)
+            piece.copy_(noise.mul_(0.02).add_(mean))
