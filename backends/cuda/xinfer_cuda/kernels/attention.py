@@ -696,10 +696,11 @@ def _decode_kernel(
         # fp8's kernel took 187 registers instead of 168, and 7 % more instructions).
         plain_lo = BLOCK_N
         head_end = tl.minimum(plain_hi, BLOCK_N)
-    split_len = _split_len(tl.maximum(plain_hi - plain_lo, 0), num_splits, MIN_SPLIT)
+    plain_keys = tl.maximum(plain_hi - plain_lo, 0)
+    split_len = _split_len(plain_keys, num_splits, MIN_SPLIT)
     # The splits this context fills (split 0 always); the grid's others exit at once, so a
     # short context in a graph captured for long ones reads and merges a few parts only.
-    used = tl.maximum(tl.cdiv(plain_hi - plain_lo, split_len), 1)
+    used = tl.maximum(tl.cdiv(plain_keys, split_len), 1)
     if EXACT_PART:
         split = used  # the exact part follows the splits that ran
     elif split >= used:
