@@ -680,10 +680,10 @@ def _decode_kernel(
     else:
         lo = seq_len * 0
     # With a recent window (EXACT) the splits share the plain keys between them and a
-    # launch of its own (EXACT_PART, part num_splits) reads the exact spans (the first
-    # block, the last ``recent`` keys): in the splits' launch its tiles cost every
-    # program registers (spills at 64 x 8k), and in the last split they lengthened the
-    # step's slowest program by a third.
+    # launch of its own (EXACT_PART, the part after the splits that ran) reads the exact
+    # spans (the first block, the last ``recent`` keys): in the splits' launch its tiles
+    # cost every program registers (spills at 64 x 8k), and in the last split they
+    # lengthened the step's slowest program by a third.
     near_from = seq_len - recent
     plain_lo, plain_hi = lo, seq_len
     if EXACT:
