@@ -12,6 +12,8 @@ Ops and paths:
   captured for that context alone would have (``context grid``). Before the change the graph
   grid ran every one of its splits and merged them all (8.5 us at 140 keys in the brief's
   profile); now a short context runs the splits it fills, so the two should be close.
+  ``--one-tile-splits`` adds the graph grid with splits of one key tile (a candidate: the
+  engine's splits take at least two, ``attention._min_split``).
 - ``rotary+kv write``: q/k norms and rotary of one token, and its K/V stored into the paged
   cache: ``rotary, write_kv`` (two launches, the rotated k written and read back) against
   ``rotary_write_kv`` (one launch, k rotated straight into the cache).
@@ -95,7 +97,7 @@ def agree(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert err < 2e-2, f"{what}: the paths disagree (relative error {err:.1e})"
 
 
-def attention_case(setup: Setup, context: int, max_context: int) -> None:
+def attention_case(setup: Setup, context: int, max_context: int, one_tile_splits: bool) -> None:
     from xinfer.kv import LayerKVCache
     from xinfer.ops import AttentionMetadata
     from xinfer_cuda.kernels import attention
@@ -125,6 +127,16 @@ def attention_case(setup: Setup, context: int, max_context: int) -> None:
     for path, m in paths.items():
         calls = [lambda c=c, m=m: attention.paged_attention_cache(q, c, m, head_dim**-0.5) for c in caches]
         report("attention", path, per_call_us(calls, setup), nbytes, context=context, max_context=max_context)
+    if one_tile_splits:  # a candidate, not the engine's: splits of one key tile (two today), shorter chains
+        two_tiles = attention._min_split
+        attention._min_split = lambda cfg: cfg.block_n
+        try:
+            calls = [lambda c=c: attention.paged_attention_cache(q, c, meta, head_dim**-0.5) for c in caches]
+            agree(calls[0](), outs["graph grid"], "attention in one-tile splits")
+            us = per_call_us(calls, setup)
+        finally:
+            attention._min_split = two_tiles
+        report("attention", "graph grid, one-tile splits", us, nbytes, context=context, max_context=max_context)
 
 
 def rotary_case(setup: Setup) -> None:
@@ -199,6 +211,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[140, 1024, 8192])
     parser.add_argument("--max-context", type=int, default=40960, help="the context the graph's grid is sized for")
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    parser.add_argument("--one-tile-splits", action="store_true", help="also time decode splits of one key tile")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, Triton interpreter (times meaningless)")
     args = parser.parse_args()
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter is chosen when triton is imported
@@ -215,7 +228,7 @@ def main() -> None:
         contexts, max_context = args.contexts, args.max_context
     torch.manual_seed(0)
     for context in contexts:
-        attention_case(setup, context, max_context)
+        attention_case(setup, context, max_context, args.one_tile_splits)
     rotary_case(setup)
     router_case(setup)
 
