@@ -665,19 +665,22 @@ def test_attention_decode_few_splits_merge_without_the_reduce(monkeypatch):
 def test_attention_decode_reads_only_the_parts_that_ran(monkeypatch, num_splits):
     """A graph's split count comes from its longest context: a short context fills only the
     splits its keys need, the grid's other programs exit, and the merge (by the last split
-    up to MERGE_SPLITS, by the reduce launch past it) reads only the parts written. Every
-    buffer the call allocates starts as poison (NaN, or -1 for counts)."""
+    where a context filled up to MERGE_SPLITS, by the reduce launch past it: here the 700
+    keys' 11 splits of 64) reads only the parts written, and leaves the counters at zero.
+    Every buffer the call allocates starts as poison (NaN, or -1 for counts)."""
     empty = torch.empty
 
     def poisoned(*shape, **kwargs):
         t = empty(*shape, **kwargs)
         return t.fill_(float("nan") if t.is_floating_point() else -1)
 
-    batch = make_batch([1, 1, 0, 1], [300, 7, 20, 65], 8, 2, 64, 16, torch.float32)
+    batch = make_batch([1, 1, 0, 1, 1], [300, 7, 20, 65, 700], 8, 2, 64, 16, torch.float32)
+    arrivals.counters(DEVICE, "attention", 1)  # (allocated before the poison)
     monkeypatch.setattr(torch, "empty", poisoned)
     out = run_attention(batch, 0.125, num_splits=num_splits)
     monkeypatch.undo()
     check(out, batch.reference(0.125, None, None), torch.float32)
+    assert int(arrivals.counters(DEVICE, "attention", 1).abs().sum()) == 0
 
 
 class _NoLaunch:
