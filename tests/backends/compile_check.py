@@ -46,6 +46,7 @@ from xinfer_cuda.kernels import (
     moe,
     moe_routing,
     norm,
+    norm_linear,
     quant_linear,
     quant_moe,
     rotary,
@@ -69,6 +70,7 @@ MODULES = (
     moe,
     moe_routing,
     norm,
+    norm_linear,
     rotary,
     sampling,
 )
@@ -164,6 +166,9 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
+    for tile in ONE_ROW_TILES[:2]:  # the router's norm, GEMV and routing in one launch (4 and 8 warps)
+        norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(128, 2048), Routing(top_k=8, renormalize=True),
+                               None, tile)  # fmt: skip
     # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode
     # step (the recurrent kernel) and one with prompts (the chunked form); the conv over q, k, v
     for q_len in (1, 100):

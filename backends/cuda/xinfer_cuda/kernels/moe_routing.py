@@ -74,7 +74,7 @@ def route_row(
     # TOP_K rounds of argmax took three reductions across the program each (at 128 experts,
     # top-8, most of a batch-1 routing's time).
     BLOCK_E: tl.constexpr = experts.shape[0]
-    CHUNK: tl.constexpr = BLOCK_E if BLOCK_E <= 64 else 8192 // BLOCK_E  # (8192 pairs: qwen3 128 x 64, in two chunks)
+    CHUNK: tl.constexpr = BLOCK_E if BLOCK_E <= 64 else 4096 // BLOCK_E  # (qwen3: 128 x 32 pairs, four chunks)
     rank = tl.zeros((BLOCK_E,), tl.int32)
     for first in tl.static_range(0, BLOCK_E, CHUNK):
         others = first + tl.arange(0, CHUNK)
