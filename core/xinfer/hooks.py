@@ -28,7 +28,8 @@ class BackendSpec:
     device type, the highest ``priority`` wins unless one is asked for by name.
     ``memory`` optionally names a class taking the ``torch.device`` and implementing
     :class:`xinfer.backend.DeviceMemory`; without one, the KV cache is sized from
-    available host memory.
+    available host memory. ``one_device``: the machine's accelerator of this type is always one
+    device (a Mac's GPU), so ``--d`` has nothing to choose and is ignored.
     """
 
     name: str
@@ -37,6 +38,7 @@ class BackendSpec:
     is_available: str
     priority: int = 0
     memory: str | None = None
+    one_device: bool = False
 
 
 @hookspec

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
+
+from xinfer.distributed.group import Slice
+from xinfer.loading.stored import StoredTensor, Weights
 
 HF_QKV_GATE_UP = {
     "q_proj": ("qkv_proj", "q"),
@@ -21,7 +25,8 @@ HF_QKV_GATE_UP = {
 @runtime_checkable
 class ConvertsCheckpoint(Protocol):
     """A module whose parameters differ from the checkpoint's by a fixed conversion (an
-    offset on norm weights, reordered rows...)."""
+    offset on norm weights, reordered rows...). Under tensor parallelism a split tensor is converted
+    after its slice is read: the conversion treats the rows (or heads) it is given alike."""
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         """The value to load of checkpoint tensor ``name`` (relative to this module)."""
@@ -32,9 +37,10 @@ class ConvertsCheckpoint(Protocol):
 class ShardsCheckpoint(Protocol):
     """A module split under tensor parallelism: it holds a part of some checkpoint tensors."""
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        """This rank's part of checkpoint tensor ``tensor`` for parameter ``name`` (of this module;
-        ``shard``: the part of a merged projection), after any ``from_checkpoint``."""
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        """The slice this rank keeps of the checkpoint tensor of ``shape`` for parameter ``name`` (of this
+        module; ``shard``: the part of a merged projection). The loader reads only that slice, then applies
+        any ``from_checkpoint`` to it."""
         ...
 
 
@@ -51,8 +57,9 @@ class LoadsCheckpoint(Protocol):
         """What a complete checkpoint fills, named as checkpoint tensors (relative)."""
         ...
 
-    def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
-        """Copy checkpoint tensor ``name`` (relative) into the parameters; returns the parts it filled."""
+    def load_checkpoint(self, name: str, stored: Tensor | StoredTensor) -> set[str]:
+        """Copy checkpoint tensor ``name`` (relative) into the parameters; returns the parts it filled. A
+        stored tensor is read here: only this rank's slice where the module is split (``part_of``)."""
         ...
 
 
@@ -103,21 +110,26 @@ class CausalLM(nn.Module):
         """The modules that load the checkpoint tensors under them themselves, by name."""
         return {name: m for name, m in self.named_modules() if isinstance(m, LoadsCheckpoint)}
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the names loaded."""
         from xinfer.loading.weights import load_weights
 
         return load_weights(self, self._converted(weights))
 
-    def _converted(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    def _converted(self, weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
         """Each tensor through the ``from_checkpoint`` of the modules it is under, innermost first."""
         converters = {name: m for name, m in self.named_modules() if isinstance(m, ConvertsCheckpoint)}
         for name, tensor in weights:
             parts = name.split(".")
             for end in range(len(parts) - 1, 0, -1):
                 module = converters.get(".".join(parts[:end]))
-                if module is not None:
-                    tensor = convert(tensor, functools.partial(module.from_checkpoint, ".".join(parts[end:])))
+                if module is None:
+                    continue
+                conversion = functools.partial(module.from_checkpoint, ".".join(parts[end:]))
+                if isinstance(tensor, StoredTensor):
+                    tensor = tensor.converted(conversion)  # once read (only a rank's slice, if split)
+                else:
+                    tensor = convert(tensor, conversion)
             yield name, tensor
 
 

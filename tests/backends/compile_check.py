@@ -202,7 +202,9 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     token_bitmask.apply_token_bitmask(t(4, 151936, dt=torch.float32), words, torch.tensor([0, 3], dtype=torch.int32))
     # GGUF-packed weights (never written), each format's own decoding: the one-row GEMV with whole
     # tiles and with cut ones (rows past the last tile, a bias), the dot kernel at a small batch's and a
-    # prefill's tiles, dequantization, and the MoE per-slot kernels at Qwen3-30B-A3B's sizes
+    # prefill's tiles, dequantization, and the MoE per-slot kernels at Qwen3-30B-A3B's sizes; FP8 decoded
+    # as the target does (through its e4m3 conversion from SM89)
+    quant_linear.converts_e4m3 = lambda device: cc >= 89
     for fmt in FORMATS.values():
         packed = torch.empty(6144, fmt.row_bytes(4096), dtype=torch.uint8)
         for tokens in (1, 4, 300):

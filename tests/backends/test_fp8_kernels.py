@@ -17,6 +17,7 @@ from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.fp8_tensor_cores import FP8_KERNELS, quantize_activations, to_tensor_core_layout
+from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
@@ -43,7 +44,20 @@ def run_case(m: int, n: int, k: int, dtype: torch.dtype, config=None, with_bias:
     check(out, ref + bias.cpu().float() if bias is not None else ref, dtype)
 
 
-def test_dequantize_kernel_decodes_every_code_bit_for_bit():
+@pytest.fixture(params=["integer", "conversion"])
+def decoding(request, monkeypatch):
+    """Each e4m3 decoding of the kernels: integer operations (SM70+), the hardware's conversion
+    (SM89+; under the interpreter, its emulation)."""
+    if request.param == "integer":
+        monkeypatch.setattr(quant_linear_module, "converts_e4m3", lambda device: False)
+    elif not ON_GPU or quant_linear_module.converts_e4m3(DEVICE):
+        monkeypatch.setattr(quant_linear_module, "converts_e4m3", lambda device: True)
+    else:
+        pytest.skip("this GPU has no e4m3 conversion (SM89 and up)")
+    return request.param
+
+
+def test_dequantize_kernel_decodes_every_code_bit_for_bit(decoding):
     packed = random_packed(7, 3 * 128, FP8, device=DEVICE)
     packed[0, 4:132] = torch.arange(128, dtype=torch.uint8)  # every positive code but NaN (and 127: NaN)
     packed[0, 4 + 127] = 0x80  # negative zero
@@ -53,7 +67,7 @@ def test_dequantize_kernel_decodes_every_code_bit_for_bit():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_one_row(dtype):
+def test_one_row(dtype, decoding):
     run_case(1, 8, 512, dtype)
     run_case(1, 7, 3 * 128, dtype, with_bias=True)
     run_case(1, 6, 3 * 128, dtype, QGemvConfig(2, 4, 2))

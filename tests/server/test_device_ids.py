@@ -1,10 +1,11 @@
 """``--d`` resolved against the machine's accelerator (faked here): kept where it names
-devices to choose or split over, ignored with a warning where the accelerator is one
-device (a Mac's GPU), refused in one line where there is none."""
+devices to choose or split over, ignored with a warning where the accelerator is always one
+device (a Mac's GPU), refused in one line where there is none or fewer than it names."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -49,6 +50,14 @@ def test_several_devices_are_chosen_and_split_over(accelerator):
     accelerator("cuda", 4)
     device, parallel = resolved(["--d", "2,3"])
     assert (device, parallel["tensor_parallel_size"], parallel["device_ids"]) == ("cuda:2", 2, [2, 3])
+
+
+@pytest.mark.parametrize(("flag", "count", "found"), [("0,1", 1, "cuda:0"), ("2", 2, "cuda:0, cuda:1")])
+def test_more_gpus_than_found_are_refused_in_one_line(accelerator, flag, count, found):
+    accelerator("cuda", count)
+    message = f"--d {flag} names cuda devices this machine lacks: it has {count} ({found})"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        resolved(["--d", flag])
 
 
 def test_cpu_ranks_are_not_devices(accelerator):

@@ -28,5 +28,6 @@ def xinfer_backends() -> list[BackendSpec]:
             is_available="xinfer_metal.plugin:is_available",
             priority=10,
             memory="xinfer_metal.memory:MetalMemory",
+            one_device=True,
         )
     ]

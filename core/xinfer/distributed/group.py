@@ -3,13 +3,14 @@ its layers run. Layers read the group in use when they are built (:func:`buildin
 it, so engines of different sizes can live in one process.
 
 A rank holds a :class:`Part` of each split tensor: the ``index``-th of ``count`` equal parts of
-its rows (or of each block of rows, for tensors made of blocks split alike).
+its rows (or of each block of rows, for tensors made of blocks split alike); of a checkpoint tensor,
+the :class:`Slice` it keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -20,6 +21,35 @@ from torch import Tensor
 
 class WorkerFailed(RuntimeError):
     """A rank of the tensor-parallel group died or stopped answering: the engine cannot step."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Of a tensor, the rows ``ranges`` (each ``[start, stop)``) along ``dim``, in order, then zero rows up
+    to ``length`` where given (a part padded past the tensor's end). A rank declares the slice of a checkpoint
+    tensor it keeps, and the loader reads only that (:class:`xinfer.loading.stored.StoredTensor`)."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    length: int | None = None
+
+    def of(self, tensor: Tensor) -> Tensor:
+        """This slice of a tensor in memory."""
+        return self.padded(self.pieces(tensor.narrow))
+
+    def pieces(self, rows: Callable[[int, int, int], Tensor]) -> list[Tensor]:
+        """The ranges' rows, each from ``rows(dim, start, count)``."""
+        return [rows(self.dim, start, stop - start) for start, stop in self.ranges]
+
+    def padded(self, pieces: list[Tensor]) -> Tensor:
+        """``pieces`` joined along ``dim``, then zero rows up to ``length``."""
+        part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+        missing = (self.length or 0) - part.shape[self.dim]
+        if missing <= 0:
+            return part
+        shape = list(part.shape)
+        shape[self.dim] = missing
+        return torch.cat([part, part.new_zeros(shape)], self.dim)
 
 
 @dataclass(frozen=True)
@@ -37,13 +67,23 @@ class Part:
     def size(self, total: int) -> int:
         return total // self.count
 
+    def ranges(self, total: int, unit: int = 1, offset: int = 0) -> tuple[tuple[int, int], ...]:
+        """This part's ``[start, stop)`` of ``total`` rows (of each block), counted in groups of ``unit``
+        rows (a head's), from row ``offset``."""
+        found, start = [], 0
+        for block in self.blocks or (total,):
+            first = start + self.index * self.size(block)
+            found.append((offset + first * unit, offset + (first + self.size(block)) * unit))
+            start += block
+        return tuple(found)
+
+    def slice(self, total: int, dim: int = 0, unit: int = 1) -> Slice:
+        """This part of a tensor of ``total`` rows (groups of ``unit`` rows) along ``dim``."""
+        return Slice(dim, self.ranges(total, unit))
+
     def of(self, tensor: Tensor, dim: int = 0) -> Tensor:
         """This part of ``tensor`` along ``dim``."""
-        if self.whole:
-            return tensor
-        blocks = tensor.split(list(self.blocks), dim) if self.blocks else (tensor,)
-        parts = [b.narrow(dim, self.index * self.size(b.shape[dim]), self.size(b.shape[dim])) for b in blocks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        return tensor if self.whole else self.slice(tensor.shape[dim], dim).of(tensor)
 
 
 WHOLE = Part()

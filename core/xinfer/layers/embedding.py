@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.distributed.group import Part, current
+from xinfer.distributed.group import Slice, current
 from xinfer.quant import QuantizedTensor
 
 
@@ -22,14 +22,14 @@ class _VocabRows(nn.Module):
         super().__init__()
         self.tp, self.vocab_size = current(), vocab_size
         rows = -(-vocab_size // self.tp.size)
-        self.part = Part(self.tp.size, self.tp.rank)
         self.start = self.tp.rank * rows
         self.weight = nn.Parameter(torch.empty(rows, dim))
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        """This rank's rows of the vocabulary, zeros past its end."""
         rows = self.weight.shape[0]
-        padded = F.pad(tensor, (0, 0, 0, rows * self.tp.size - tensor.shape[0])) if self.tp.size > 1 else tensor
-        return self.part.of(padded)
+        start, stop = min(self.start, shape[0]), min(self.start + rows, shape[0])
+        return Slice(0, ((start, stop),), length=rows)
 
 
 class VocabEmbedding(_VocabRows):

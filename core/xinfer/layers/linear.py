@@ -4,7 +4,8 @@ matrix (q/k/v, gate/up) so that one GEMM serves them all.
 Under tensor parallelism (:mod:`xinfer.distributed`) a ``Linear`` is whole on every rank; a
 :class:`ColumnLinear` (and a ``MergedLinear`` given ``parts``) holds this rank's part of the
 output rows and computes only those; a :class:`RowLinear` holds its part of the input columns
-and sums its output over the ranks. Each loads its part of a checkpoint tensor (``rank_part``).
+and sums its output over the ranks. Each names the slice of a checkpoint tensor it keeps
+(``rank_slice``), which is all the loader reads of it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.distributed.group import WHOLE, Part, current
+from xinfer.distributed.group import WHOLE, Part, Slice, current
 
 
 class Linear(nn.Module):
@@ -39,8 +40,8 @@ class ColumnLinear(Linear):
         self.part = part or current().split(out_features, f"a projection's {out_features} outputs")
         super().__init__(in_features, self.part.size(out_features), bias)
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        return self.part.of(tensor)
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        return self.part.slice(shape[0])
 
 
 class RowLinear(Linear):
@@ -57,8 +58,8 @@ class RowLinear(Linear):
         y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        return tensor if name == "bias" else self.part.of(tensor, dim=-1)
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        return WHOLE.slice(shape[0]) if name == "bias" else self.part.slice(shape[-1], dim=-1)
 
 
 class MergedLinear(Linear):
@@ -86,9 +87,13 @@ class MergedLinear(Linear):
             offset += size
         raise KeyError(shard)
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
         """Of one shard's tensor, or of the checkpoint's merged one (every shard's), this rank's part."""
         if shard is not None:
-            return self.parts[shard].of(tensor)
-        shards = tensor.split(list(self.full_sizes.values()))
-        return torch.cat([self.parts[name].of(t) for name, t in zip(self.full_sizes, shards)])
+            return self.parts[shard].slice(shape[0])
+        ranges: list[tuple[int, int]] = []
+        offset = 0
+        for shard_name, size in self.full_sizes.items():
+            ranges += self.parts[shard_name].ranges(size, offset=offset)
+            offset += size
+        return Slice(0, tuple(ranges))

@@ -29,11 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.distributed.group import current
+from xinfer.distributed.group import Slice, current
 from xinfer.layers.activation import GATED_ACTIVATIONS
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm
+from xinfer.loading.stored import StoredTensor, part_of
 from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.torch_ops import SCORING, expert_weights
 
@@ -166,13 +167,13 @@ class Experts(nn.Module):
     def checkpoint_names(self) -> set[str]:
         return self.checkpoint_parts() | {f"{p}.weight" for p in _PROJECTIONS}
 
-    def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
-        if isinstance(tensor, QuantizedTensor):
+    def load_checkpoint(self, name: str, stored: Tensor | StoredTensor) -> set[str]:
+        if isinstance(stored, QuantizedTensor):
             if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight") and self.part.whole:
-                return self._load_packed(name.split(".")[0], tensor)
+                return self._load_packed(name.split(".")[0], stored)
             if (match := _PER_EXPERT.fullmatch(name)) and self.part.whole and 0 <= int(match[1]) < self.num_experts:
-                return self._load_packed_expert(int(match[1]), match[2], tensor)
-            tensor = tensor.dequantize()
+                return self._load_packed_expert(int(match[1]), match[2], stored)
+            stored = stored.dequantize()
         experts: slice | int
         if match := _PER_EXPERT.fullmatch(name):
             experts, projection = int(match[1]), match[2]
@@ -184,7 +185,7 @@ class Experts(nn.Module):
             raise ValueError(f"experts: no parameter loads checkpoint tensor {name!r}")
         if isinstance(experts, int) and not 0 <= experts < self.num_experts:
             raise ValueError(f"experts: checkpoint tensor {name!r} is beyond the {self.num_experts} experts")
-        tensor = self._rank_part(projection, tensor)
+        tensor = part_of(stored, self._rank_slice(projection, stored.shape))
         size = self.intermediate_size
         rows = {"gate_proj": slice(0, size), "up_proj": slice(size, 2 * size), "gate_up_proj": slice(None)}
         param = self.w2 if projection == "down_proj" else self.w13
@@ -241,15 +242,16 @@ class Experts(nn.Module):
                 f"weight {projection}.weight: checkpoint shape {tuple(got)} != model shape {tuple(expected)}"
             )
 
-    def _rank_part(self, projection: str, tensor: Tensor) -> Tensor:
+    def _rank_slice(self, projection: str, shape: torch.Size) -> Slice:
         """This rank's part of the intermediate size: rows of gate and up (of each half of a fused
         ``gate_up_proj``), columns of down."""
         if projection == "down_proj":
-            return self.part.of(tensor, dim=-1)
-        dim = tensor.dim() - 2
+            return self.part.slice(shape[-1], dim=-1)
+        dim = len(shape) - 2
         if projection == "gate_up_proj":
-            return torch.cat([self.part.of(half, dim) for half in tensor.chunk(2, dim)], dim)
-        return self.part.of(tensor, dim)
+            half = shape[dim] // 2
+            return Slice(dim, self.part.ranges(half) + self.part.ranges(half, offset=half))
+        return self.part.slice(shape[dim], dim)
 
 
 class MoE(nn.Module):

@@ -2,7 +2,7 @@ import torch
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.distributed.group import Part, current
+from xinfer.distributed.group import Part, Slice, current
 
 
 class RMSNorm(nn.Module):
@@ -80,5 +80,5 @@ class SplitRMSNorm(RMSNorm):
         normed = self(x)  # (its mean square needs every rank's part)
         return ops.linear(normed, weight, bias), normed, x
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        return self.part.of(tensor)
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        return self.part.slice(shape[0])

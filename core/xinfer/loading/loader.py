@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -18,6 +16,7 @@ from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import iter_safetensors
+from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, quantize_weights
 
@@ -141,7 +140,7 @@ def load_model(
     return model
 
 
-def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Iterable[tuple[str, Tensor]]:
+def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Weights:
     is_gguf = path.suffix == ".gguf"
     if load_format == "gguf" or (load_format == "auto" and is_gguf):
         return iter_gguf_weights(path, model.config, model.checkpoint_names())

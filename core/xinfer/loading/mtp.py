@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from torch import Tensor
+
+from xinfer.loading.stored import StoredTensor, Weights
 
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def without_mtp_layers(weights: Iterable[tuple[str, Tensor]], num_layers: int) -> Iterator[tuple[str, Tensor]]:
+def without_mtp_layers(weights: Weights, num_layers: int) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """``weights`` but the tensors of layers ``num_layers`` and beyond, and those under ``mtp.``."""
     logged = False
     for name, tensor in weights:

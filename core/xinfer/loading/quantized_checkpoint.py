@@ -20,12 +20,13 @@ Activation scales (``input_scale``, ...) are not needed and are dropped.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.quant.fp8_format import BLOCK, Fp8Format, pack
 from xinfer.quant.tensor import QuantizedTensor, get_weight_format
 
@@ -41,7 +42,7 @@ class Decoder:
     name: str
     parts: tuple[str, ...]  # the leaf names of a quantized weight's tensors (besides a plain ``weight``)
 
-    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf in self.parts
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
@@ -63,7 +64,7 @@ class Fp8(Decoder):
     def __init__(self, block: tuple[int, int] | None):
         self.block = block
 
-    def is_part(self, leaf: str, tensor: Tensor) -> bool:
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf in self.parts or (leaf == "weight" and tensor.dtype == torch.float8_e4m3fn)
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
@@ -254,9 +255,7 @@ def _block(block: Any) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1])) if block else None
 
 
-def decoded(
-    weights: Iterable[tuple[str, Tensor]], decoder: Decoder, dtype: torch.dtype
-) -> Iterator[tuple[str, Tensor]]:
+def decoded(weights: Weights, decoder: Decoder, dtype: torch.dtype) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}  # module -> the parts of its weight come so far
     count = kept = 0
@@ -268,7 +267,7 @@ def decoded(
             yield name, tensor
             continue
         parts = pending.setdefault(module, {})
-        parts[leaf] = tensor
+        parts[leaf] = whole(tensor)  # quantized weights and their scales are read whole
         if decoder.complete(parts):
             del pending[module]
             packed = decoder.packed(f"{module}.weight", parts)

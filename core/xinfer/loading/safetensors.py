@@ -1,4 +1,5 @@
-"""Tensors of an HF folder's safetensors files, sharded or not."""
+"""Tensors of an HF folder's safetensors files, sharded or not, each read when its loader asks
+(:class:`~xinfer.loading.stored.StoredTensor`: a rank reads only its slice of a split tensor)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from safetensors import safe_open
-from torch import Tensor
 from tqdm.auto import tqdm
+
+from xinfer.loading.stored import StoredTensor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -22,12 +24,16 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, StoredTensor]]:
     files = safetensors_files(folder)
-    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
-    total = sum(len(h.keys()) for h in handles)
+    total = sum(len(_opened(path).keys()) for path in files)
     with tqdm(total=total, desc="Loading weights", unit="tensor", leave=False) as bar:
-        for handle in handles:
+        for path in files:  # one file open at a time: its mapped pages are let go once its tensors are read
+            handle = _opened(path)
             for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
-                yield name, handle.get_tensor(name)
+                yield name, StoredTensor(handle, name)
                 bar.update()
+
+
+def _opened(path: Path) -> safe_open:
+    return safe_open(str(path), framework="pt", device="cpu")

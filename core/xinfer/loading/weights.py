@@ -6,13 +6,14 @@ merged projection are merged packed once all have arrived. Anywhere else it is d
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from xinfer.distributed.group import current
 from xinfer.layers.linear import MergedLinear
+from xinfer.loading.stored import Weights, part_of, whole
 from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
 from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.quant.dispatch import replace_parameter
@@ -22,33 +23,35 @@ class MissingWeightsError(ValueError):
     pass
 
 
-def load_weights(model: CausalLM, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+def load_weights(model: CausalLM, weights: Weights) -> set[str]:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaders = model.checkpoint_loaders()
     loaded: set[str] = set()
     packed_shards: dict[str, dict[str, QuantizedTensor]] = {}  # merged weight -> its quantized shards so far
     float_merged: set[str] = set()  # merged weights with a float shard: all merge as floats
-    split = current().size > 1  # under tensor parallelism a rank loads its part of each split tensor
-    for name, tensor in weights:
+    split = current().size > 1  # under tensor parallelism a rank reads its slice of each split tensor
+    for name, stored in weights:
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
             continue
         if (prefix := loader_of(name, loaders)) is not None:
             loader = loaders[prefix]
-            if isinstance(tensor, QuantizedTensor) and not getattr(loader, "quantized_weights", ()):
-                tensor = tensor.dequantize()
-            parts = loader.load_checkpoint(name[len(prefix) + 1 :], tensor)
+            if isinstance(stored, QuantizedTensor) and not getattr(loader, "quantized_weights", ()):
+                stored = stored.dequantize()
+            parts = loader.load_checkpoint(name[len(prefix) + 1 :], stored)
             loaded |= {f"{prefix}.{part}" for part in parts}
             continue
         target, shard = _packed_target(name, model.packed_modules)
         if target not in params:
-            continue  # a tensor this model does not use (e.g. an untied lm_head copy)
+            continue  # a tensor this model does not use (e.g. an untied lm_head copy), never read
         owner, _, leaf = target.rpartition(".")
         module = modules[owner]
-        if isinstance(tensor, QuantizedTensor) and (leaf not in getattr(module, "quantized_weights", ()) or split):
-            tensor = tensor.dequantize()  # packed blocks are not split over ranks: a rank's part runs as floats
-        if split and isinstance(module, ShardsCheckpoint):  # under tensor parallelism: this rank's part
-            tensor = module.rank_part(leaf, shard, tensor)
+        if isinstance(stored, QuantizedTensor) and (leaf not in getattr(module, "quantized_weights", ()) or split):
+            stored = stored.dequantize()  # packed blocks are not split over ranks: a rank's part runs as floats
+        if split and isinstance(module, ShardsCheckpoint):  # under tensor parallelism: this rank's slice
+            tensor = part_of(stored, module.rank_slice(leaf, shard, stored.shape))
+        else:
+            tensor = whole(stored)
         if shard is None:
             if isinstance(tensor, QuantizedTensor):
                 _replace(model, params, target, tensor)

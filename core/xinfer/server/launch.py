@@ -84,20 +84,27 @@ def setup_logging(args: argparse.Namespace) -> None:
 
 
 def device_ids(args: argparse.Namespace) -> list[int] | None:
-    """The ids ``--d`` names (with ``--cpu``, CPU ranks). Where the machine's accelerator is a
-    single device (a Mac's GPU), there is nothing to choose or split over: other ids than 0 are
-    ignored with a warning."""
+    """The ids ``--d`` names (with ``--cpu``, CPU ranks). Where the machine's accelerator is always a
+    single device (a Mac's GPU: its backend's ``one_device``), there is nothing to choose or split
+    over: other ids than 0 are ignored with a warning. Ids past the devices found are refused."""
     if not args.devices or args.cpu:
         return args.devices
     import torch
+
+    from xinfer import registry
 
     ids = ",".join(map(str, args.devices))
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:
         raise ValueError(f"--d {ids} names an accelerator, and this machine has none: run without --d (or --cpu)")
-    if torch.accelerator.device_count() == 1 and args.devices != [0]:
+    one_device = any(spec.one_device for spec in registry.backends() if spec.device_type == accelerator.type)
+    if one_device and args.devices != [0]:
         log.warning("--d %s ignored: this machine's accelerator (%s) is one device", ids, accelerator.type)
         return [0]
+    count = torch.accelerator.device_count()
+    if max(args.devices) >= count:
+        found = ", ".join(f"{accelerator.type}:{i}" for i in range(count)) or "none"
+        raise ValueError(f"--d {ids} names {accelerator.type} devices this machine lacks: it has {count} ({found})")
     return args.devices
 
 

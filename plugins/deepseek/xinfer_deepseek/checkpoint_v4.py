@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from xinfer.loading.stored import StoredTensor, Weights, whole
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def hf_name(name: str) -> str:
     return name
 
 
-def hf_names(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def hf_names(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """``weights`` under transformers' names, each quantized weight dequantized (and its scale consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}
     decoded = 0
@@ -80,7 +82,7 @@ def hf_names(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tenso
             yield hf_name(name), tensor
             continue
         pair = pending.setdefault(base, {})
-        pair[leaf] = tensor
+        pair[leaf] = whole(tensor)
         if len(pair) == 2:
             del pending[base]
             decoded += 1
@@ -91,7 +93,7 @@ def hf_names(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tenso
         log.info("dequantized %d MXFP4/FP8 weights at load: xinfer computes on them in the model's dtype", decoded)
 
 
-def _is_quantized(tensor: Tensor) -> bool:
+def _is_quantized(tensor: Tensor | StoredTensor) -> bool:
     return tensor.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) or "float4" in str(tensor.dtype)
 
 

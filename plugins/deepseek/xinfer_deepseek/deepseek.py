@@ -4,13 +4,14 @@ in every layer; the MLP a mixture of experts after the first ``first_k_dense_rep
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
 
 from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing
 from xinfer.loading.mtp import without_mtp_layers
+from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.model import HF_QKV_GATE_UP
 from xinfer_deepseek.latent_attention import LatentAttention
 
@@ -58,13 +59,13 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     def checkpoint_names(self) -> set[str]:
         return {_LOADED_HALF.sub(r".self_attn.\1.weight", name) for name in super().checkpoint_names()}
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(
             _halves_under_their_loader(without_mtp_layers(weights, self.config.num_hidden_layers))
         )
 
 
-def _halves_under_their_loader(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def _halves_under_their_loader(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     for name, tensor in weights:
         yield _CONVERTED_HALF.sub(r".self_attn.kv_b_proj.\1.weight", name), tensor
 

@@ -11,13 +11,14 @@ The router scores are ``sqrt(softplus(logits))``; the top ``num_experts_per_tok`
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
 
 from xinfer.layers import MoE, RMSNorm, Routing
 from xinfer.layers.embedding import LMHead, VocabEmbedding
+from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.model import CausalLM
 from xinfer_deepseek.checkpoint_v4 import hf_names
 from xinfer_deepseek.compressed_attention import CompressedAttention
@@ -107,13 +108,13 @@ class DeepseekV4ForCausalLM(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(self._keeping_mtp(hf_names(weights)))
 
-    def _keeping_mtp(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    def _keeping_mtp(self, weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
         for name, tensor in weights:
             if name.startswith("mtp."):
-                self.mtp[name] = tensor.to("cpu")  # (in host memory: nothing reads it on the device)
+                self.mtp[name] = whole(tensor).to("cpu")  # (in host memory: nothing reads it on the device)
                 continue
             yield name, tensor
         if self.mtp:

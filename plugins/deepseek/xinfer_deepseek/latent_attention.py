@@ -29,6 +29,7 @@ from xinfer.distributed.group import WHOLE, Part
 from xinfer.forward_context import attention_metadata
 from xinfer.layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, pairs_to_halves, rope_parameters
 from xinfer.layers.rotary import yarn_mscale
+from xinfer.loading.stored import StoredTensor, part_of
 from xinfer_deepseek.mla_ops import fp8_row_bytes
 
 
@@ -58,19 +59,20 @@ class UpProjection(nn.Module):
     def checkpoint_parts(self) -> set[str]:
         return {"k_b_proj.weight", "v_b_proj.weight"}
 
-    def load_checkpoint(self, name: str, tensor: Tensor) -> set[str]:
+    def load_checkpoint(self, name: str, stored: Tensor | StoredTensor) -> set[str]:
         _, nope_dim, rank = self.w_uk.shape
-        if name == "weight":
-            halves = tensor.view(-1, nope_dim + self.w_uv.shape[1], rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
+        head_rows = nope_dim + self.w_uv.shape[1]
+        if name == "weight":  # this rank's heads: [H * (N + V), R] in rows of N + V per head
+            tensor = part_of(stored, self.heads.slice(stored.shape[0] // head_rows, unit=head_rows))
+            halves = tensor.view(-1, head_rows, rank).split([nope_dim, self.w_uv.shape[1]], dim=1)
             targets = {"k_b_proj.weight": (self.w_uk, halves[0]), "v_b_proj.weight": (self.w_uv, halves[1])}
         elif name == "k_b_proj.weight":
-            targets = {name: (self.w_uk, tensor.transpose(1, 2))}
+            targets = {name: (self.w_uk, part_of(stored, self.heads.slice(stored.shape[0])).transpose(1, 2))}
         elif name == "v_b_proj.weight":
-            targets = {name: (self.w_uv, tensor)}
+            targets = {name: (self.w_uv, part_of(stored, self.heads.slice(stored.shape[0])))}
         else:
             raise ValueError(f"kv_b_proj: no parameter loads checkpoint tensor {name!r}")
         for part, (param, value) in targets.items():
-            value = self.heads.of(value)
             if param.shape != value.shape:
                 raise ValueError(
                     f"weight kv_b_proj ({part}): checkpoint shape {tuple(value.shape)} != model shape "

@@ -11,7 +11,7 @@ processor writes it; the soft tokens of one image attend to each other both ways
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.layers import RMSNorm
+from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
 from xinfer.multimodal.image import image_hash, normalized_pixels, resize, to_rgb
 from xinfer_gemma.gemma3 import Gemma3ForCausalLM
@@ -95,11 +96,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         pixels = torch.stack([item.data["pixel_values"] for item in items]).to(device, dtype)
         return list(self.multi_modal_projector(self.vision_tower(pixels)))
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(_renamed(weights))
 
 
-def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def _renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """Checkpoint names as this model's: transformers writes the parts as ``model.language_model.``,
     ``model.vision_tower.vision_model.``, ``model.multi_modal_projector.`` and, in older checkpoints and
     what it saves, ``language_model.model.``, ``vision_tower.``, ``multi_modal_projector.``."""

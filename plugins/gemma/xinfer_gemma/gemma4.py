@@ -46,6 +46,7 @@ from xinfer.layers import (
     rope_parameters,
 )
 from xinfer.layers.moe import Experts
+from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.model import HF_QKV_GATE_UP, CausalLM
 from xinfer.ops import AttentionMetadata
 
@@ -285,10 +286,10 @@ class Gemma4ForCausalLM(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(self._renamed(text_part(weights)))
 
-    def _renamed(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    def _renamed(self, weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
         """The router's projection under core's name, and no keys or values for the KV-shared layers
         (checkpoints may still hold them)."""
         shared = {
@@ -304,7 +305,7 @@ class Gemma4ForCausalLM(CausalLM):
 _AUDIO = ("model.audio_tower.", "model.embed_audio.")
 
 
-def text_part(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def text_part(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """The language model's tensors under the names of a text-only checkpoint (and the vision
     tower's, which a text-only model ignores); the audio tower's are left out, with one log line."""
     logged = False

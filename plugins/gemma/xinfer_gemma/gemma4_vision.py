@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.layers import Linear, RMSNorm
+from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
 from xinfer.multimodal.image import image_hash, resize, to_rgb
 from xinfer_gemma.gemma4 import Gemma4ForCausalLM
@@ -264,7 +265,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         tokens = self.vision_tower(patches, [item.extra["grid"] for item in items])
         return [self.embed_vision(t.to(weight.dtype)) for t in tokens]
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(_vision_renamed(weights))
 
 
@@ -281,7 +282,7 @@ def max_soft_tokens(config: Any) -> int:
     return DEFAULT_MAX_SOFT_TOKENS
 
 
-def _vision_renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def _vision_renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """The vision tower's and embedder's tensors under this model's names (its projections are not
     merged: each may have its own clipping bounds); the rest as the text model reads them."""
     for name, tensor in weights:

@@ -3,13 +3,13 @@ experts after the first ``first_k_dense_replace`` layers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing, SelfAttention
 from xinfer.loading.mtp import without_mtp_layers
+from xinfer.loading.stored import Weights
 
 
 class Glm4MoeForCausalLM(DecoderForCausalLM):
@@ -46,5 +46,5 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
             shared_name="shared_experts",
         )  # fmt: skip
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))

@@ -4,7 +4,7 @@ layer, with q and k RMS-normed over all their heads together."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from xinfer.distributed import current
 from xinfer.layers import DecoderForCausalLM, MoE, RMSNorm, RotaryEmbedding, Routing, SelfAttention, SplitRMSNorm
 from xinfer.loading.mtp import without_mtp_layers
+from xinfer.loading.stored import StoredTensor, Weights
 
 # checkpoint names -> the model's (transformers' own, but the correction bias, which the router holds here)
 _RENAMES = [
@@ -43,11 +44,11 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
             raise ValueError(f"scoring_func {routing.scoring!r} is not supported: MiniMax-M2 routes by sigmoid scores")
         return MoE(config.hidden_size, config.num_local_experts, config.intermediate_size, routing, config.hidden_act)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(_renamed(without_mtp_layers(weights, self.config.num_hidden_layers)))
 
 
-def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def _renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     for name, tensor in weights:
         for pattern, replacement in _RENAMES:
             name = pattern.sub(replacement, name)

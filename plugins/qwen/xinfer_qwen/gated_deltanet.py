@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from xinfer import ops
 from xinfer.cache.specs import RecurrentStateSpec
 from xinfer.distributed import current
-from xinfer.distributed.group import WHOLE, Part
+from xinfer.distributed.group import WHOLE, Part, Slice
 from xinfer.forward_context import attention_metadata, state_slots
 from xinfer.layers import MergedLinear, RMSNorm, RowLinear
 
@@ -35,8 +35,8 @@ class CausalConv1d(nn.Module):
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         return tensor.reshape(tensor.shape[0], -1)
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        return self.part.of(tensor)
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        return self.part.slice(shape[0])
 
 
 class GatedDeltaNet(nn.Module):
@@ -75,8 +75,8 @@ class GatedDeltaNet(nn.Module):
         self.cache: dict[str, Tensor] | None = None
         self.page_group = 0
 
-    def rank_part(self, name: str, shard: str | None, tensor: Tensor) -> Tensor:
-        return self.value_heads.of(tensor)  # A_log, dt_bias
+    def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:
+        return self.value_heads.slice(shape[0])  # A_log, dt_bias
 
     def cache_spec(self) -> RecurrentStateSpec:
         conv_channels, kernel_size = self.conv1d.weight.shape

@@ -11,7 +11,7 @@ skipped.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RMSNorm, RotaryEmbedding, Routing, normed_block
 from xinfer.loading.mtp import without_mtp_layers
+from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.model import HF_QKV_GATE_UP
 from xinfer_qwen.gated_deltanet import GatedDeltaNet
 from xinfer_qwen.qwen_moe import is_sparse, routing
@@ -58,7 +59,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         norm = functools.partial(self.rms_norm, config.hidden_size)
         return DeltaNetDecoderLayer(GatedDeltaNet(config), self.mlp(config, index), norm)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
 
 
@@ -94,11 +95,11 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
         fused = {name.replace(".in_proj_qkv.", ".in_proj_qkvz.") for name in names if ".in_proj_qkv." in name}
         return names - split | fused | {name.replace(".in_proj_b.", ".in_proj_ba.") for name in split}
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(unfused(weights, self.config))
 
 
-def unfused(weights: Iterable[tuple[str, Tensor]], config: Any) -> Iterator[tuple[str, Tensor]]:
+def unfused(weights: Weights, config: Any) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` split into Qwen3.5's ``in_proj_qkv``,
     ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``, the rows of each in head order."""
     group = config.linear_num_value_heads // config.linear_num_key_heads
@@ -115,7 +116,9 @@ def unfused(weights: Iterable[tuple[str, Tensor]], config: Any) -> Iterator[tupl
             continue
         sizes, targets = per_key_head[module]
         rows: dict[str, list[Tensor]] = {}
-        for target, part in zip(targets, tensor.unflatten(0, (config.linear_num_key_heads, -1)).split(sizes, dim=1)):
+        for target, part in zip(
+            targets, whole(tensor).unflatten(0, (config.linear_num_key_heads, -1)).split(sizes, dim=1)
+        ):
             rows.setdefault(target, []).append(part.flatten(0, 1))
         for target, parts in rows.items():
             yield f"{prefix}.{target}.{leaf}", torch.cat(parts)

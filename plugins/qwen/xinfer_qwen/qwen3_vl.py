@@ -15,7 +15,7 @@ from the step's slices.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from xinfer.forward_context import multimodal
 from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing, rope_parameters
+from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.multimodal import MultiModalEmbeddings, MultiModalItem
 from xinfer.multimodal.image import image_hash
 from xinfer_qwen.mrope import MRotaryEmbedding
@@ -125,11 +126,11 @@ class QwenVisionLanguage(DecoderForCausalLM):
         three[2, images.rows] = start + j % w
         return three
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(renamed(weights))
 
 
-def renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """transformers' names (``model.language_model.``, ``model.visual.``) as this model's."""
     for name, tensor in weights:
         if name.startswith("model.language_model."):
@@ -154,13 +155,13 @@ class Qwen3VLMoeForConditionalGeneration(QwenVisionLanguage, Qwen3MoeForCausalLM
         routing = Routing(top_k=config.num_experts_per_tok, renormalize=True)
         return MoE(config.hidden_size, config.num_experts, config.moe_intermediate_size, routing, config.hidden_act)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         hidden, inner = self.config.hidden_size, self.config.moe_intermediate_size
         released = {"experts.gate_up_proj": (hidden, 2 * inner), "experts.down_proj": (inner, hidden)}
 
-        def model_layout(name: str, tensor: Tensor) -> Tensor:
+        def model_layout(name: str, tensor: Tensor | StoredTensor) -> Tensor | StoredTensor:
             layout = next((shape for suffix, shape in released.items() if name.endswith(suffix)), None)
-            return tensor.transpose(1, 2) if layout is not None and tensor.shape[1:] == layout else tensor
+            return whole(tensor).transpose(1, 2) if layout is not None and tensor.shape[1:] == layout else tensor
 
         return super().load_weights((name, model_layout(name, tensor)) for name, tensor in weights)
 

@@ -3,13 +3,13 @@ checkpoints are Qwen3-MoE)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, Routing
 from xinfer.loading.mtp import without_mtp_layers
+from xinfer.loading.stored import Weights
 
 
 def is_sparse(config: Any, index: int) -> bool:
@@ -35,7 +35,7 @@ class QwenMoeForCausalLM(DecoderForCausalLM):
     def shared_expert(self, config: Any) -> dict[str, Any]:
         return {}
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+    def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
 
 

@@ -154,6 +154,9 @@ def decode_part(FMT: tl.constexpr, block, g, P: tl.constexpr, j, mask):
         return _half(block, mask) * _int8(block + 2 + j, mask)
     elif FMT == "FP8":  # scale f32 @0, e4m3[128] @4 (group g: values 32g..)
         return _single(block, mask) * _e4m3(_byte(block + 4 + g * 32 + j, mask))
+    elif FMT == "FP8_CVT":  # FP8 through the hardware's e4m3 conversion (SM89 and up)
+        codes = _load(block + 4 + g * 32 + j, mask).to(tl.float8e4nv, bitcast=True)
+        return _single(block, mask) * codes.to(tl.float32)
     elif FMT == "Q4_0":  # d @0, qs[16] @2: value j low nibble, j + 16 high; q - 8
         q = (_byte(block + 2 + j, mask) >> (4 * P)) & 15
         return _half(block, mask) * (q - 8).to(tl.float32)

@@ -19,6 +19,7 @@ The accumulation is fp32 whatever the activations' dtype (bf16, fp16 or fp32).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -229,8 +230,22 @@ def block_format(name: str) -> BlockFormat:
     return fmt
 
 
-def format_args(fmt: BlockFormat) -> dict:
-    return dict(FMT=fmt.name, QK=fmt.qk, NBYTES=fmt.nbytes, GROUPS=fmt.groups, PARTS=fmt.parts, SPAN=fmt.span)
+def format_args(fmt: BlockFormat, device: torch.device | None = None) -> dict:
+    """The kernels' constants of ``fmt``. On a GPU that converts e4m3 itself (SM89 and up), FP8
+    blocks decode through that conversion (``FP8_CVT``) instead of integer operations."""
+    name = "FP8_CVT" if fmt.name == "FP8" and device is not None and converts_e4m3(device) else fmt.name
+    return dict(FMT=name, QK=fmt.qk, NBYTES=fmt.nbytes, GROUPS=fmt.groups, PARTS=fmt.parts, SPAN=fmt.span)
+
+
+def converts_e4m3(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(
+        torch.cuda.current_device() if device.index is None else device.index
+    ) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def check_packed(packed: Tensor, fmt: BlockFormat, k: int) -> None:
@@ -260,7 +275,7 @@ def quant_linear(
         config = default_gemv(fmt) if m == 1 else default_dot(fmt, m)
     bias_arg = bias if bias is not None else x
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCKS=config.blocks,
-                  num_warps=config.num_warps, **format_args(fmt), **launch.pdl(x.device))  # fmt: skip
+                  num_warps=config.num_warps, **format_args(fmt, x.device), **launch.pdl(x.device))  # fmt: skip
     if isinstance(config, QGemvConfig):
         assert m == 1, m
         even = n % config.block_n == 0 and (k // fmt.qk) % config.blocks == 0
@@ -286,7 +301,7 @@ def dequantize(packed: Tensor, fmt_name: str, k: int, dtype: torch.dtype, block_
     grid = (triton.cdiv(n, block_n), triton.cdiv(k // fmt.qk, blocks))
     if n and k:
         _dequant_kernel[grid](packed, out, n, k, packed.stride(0), out.stride(0), BLOCK_N=block_n, BLOCKS=blocks,
-                              num_warps=4, **format_args(fmt), **launch.pdl(packed.device))  # fmt: skip
+                              num_warps=4, **format_args(fmt, packed.device), **launch.pdl(packed.device))  # fmt: skip
     return out
 
 

@@ -110,7 +110,9 @@ def _down_kernel(
 def _launch_args(fmt: BlockFormat, rows: int, k: int, block_n: int, device: torch.device) -> dict:
     blocks = max(1, 256 // fmt.qk)
     even = rows % block_n == 0 and (k // fmt.qk) % blocks == 0
-    return dict(EVEN=even, BLOCK_N=block_n, BLOCKS=blocks, num_warps=4, **format_args(fmt), **launch.pdl(device))
+    return dict(
+        EVEN=even, BLOCK_N=block_n, BLOCKS=blocks, num_warps=4, **format_args(fmt, device), **launch.pdl(device)
+    )
 
 
 def fused_moe(
