@@ -127,9 +127,12 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
             "pytest",
             "-q",
             str(ROOT / "tests/backends/test_gguf_kernels.py"),
+            str(ROOT / "tests/backends/test_fp4_kernels.py"),
             str(ROOT / "tests/gpu/test_gguf_packed.py"),
         ],
         "quant-decode-kernels": [PY, str(HERE / "quant_decode.py"), "--kernels", "--linears"],
+        # MXFP4 and NVFP4 (--isq of the Llama-3.1-8B shape's dummy weights) against bf16: batch 1 and 256 requests
+        "quant-decode-fp4": [PY, str(HERE / "quant_decode.py"), "--mxfp4", "--nvfp4"],
         "quant-decode-8b": [PY, str(HERE / "quant_decode.py"), "--model"],
         "quant-decode-llama-cpp": [PY, str(HERE / "quant_decode.py"), "--llama-cpp"],
         # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
@@ -158,7 +161,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
 # compiles) per KV format, ~30 s each for the quantized ones on the H200.
 # The throughput runs time greedy and then sampled generation (twice the work); GLM-4.5-Air's
 # 106 GB of dummy weights take their time to fill.
-LONGER = {"quant-decode-kernels": 540, "quant-decode-8b": 600, "quant-decode-llama-cpp": 450,
+LONGER = {"quant-decode-kernels": 540, "quant-decode-8b": 600, "quant-decode-fp4": 600, "quant-decode-llama-cpp": 450,
           "kv-decode-speed": 540, "moe-30b-a3b": 590, "moe-glm45-air": 450, "throughput-8b": 600,
           "throughput-qwen3-0.6b": 450, "sharegpt-8b": 600, "sharegpt-0.6b": 450}  # fmt: skip
 

@@ -14,6 +14,7 @@ Modes:
     python benchmarks/quant_decode.py --model        # xinfer on a GGUF of the shape (written first)
     python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on the same GGUF
     python benchmarks/quant_decode.py --fp8          # FP8 (--isq fp8 of dummy weights) against bf16
+    python benchmarks/quant_decode.py --mxfp4 --nvfp4   # MXFP4 and NVFP4 (--isq) against bf16
     python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
 
 ``--kernels`` times each (shape, format) at 1, 16, 64 and 512 rows as the backend runs it (the
@@ -35,11 +36,14 @@ runs llama-cpp-python (all layers on the GPU) on the same file, batch 1 only: it
 has no batched generation (llama.cpp's llama-batched-bench would be the batched peer).
 
 ``--kernels`` and ``--linears`` also time FP8 (:mod:`xinfer.quant.fp8_format`: 128 e4m3 codes and a
-float32 scale per block, the weight-only kernels). ``--fp8`` runs benchmarks/offline.py on the shape's
-dummy weights in bf16 and quantized at load to FP8 (``--isq fp8``: the layout an FP8 block-scaled
-checkpoint loads into), through the weight-only kernels and through the tensor cores
-(``XINFER_FP8_MATMUL=tensor-cores``, SM90): batch-1 decode tok/s and the output tok/s of
-``--fp8-requests`` concurrent requests (256).
+float32 scale per block), MXFP4 and NVFP4 (:mod:`xinfer.quant.fp4_formats`: e2m1 codes under e8m0
+scales per 32, or e4m3 scales per 16 and a float32 per block of 128), all through the weight-only
+kernels. ``--fp8`` runs benchmarks/offline.py on the shape's dummy weights in bf16 and quantized at
+load to FP8 (``--isq fp8``: the layout an FP8 block-scaled checkpoint loads into), through the
+weight-only kernels and through the tensor cores (``XINFER_FP8_MATMUL=tensor-cores``, SM90): batch-1
+decode tok/s and the output tok/s of ``--requests`` concurrent requests (256). ``--mxfp4`` and
+``--nvfp4`` do the same with ``--isq mxfp4`` / ``--isq nvfp4`` (the layouts MXFP4 and NVFP4
+checkpoints load into; software decoding, no FP4 tensor cores).
 """
 
 from __future__ import annotations
@@ -66,7 +70,12 @@ from xinfer_cuda.kernels.quant_linear import dequantize, linear_rows
 from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS
 
 SCHEMES = ("Q8_0", "Q4_K_M")  # GGUF files
-KERNEL_SCHEMES = (*SCHEMES, "FP8")
+KERNEL_SCHEMES = (*SCHEMES, "FP8", "MXFP4", "NVFP4")
+ISQ_RUNS = {  # --flag: (scheme, --isq, XINFER_FP8_MATMUL) of each run besides bf16
+    "fp8": [("FP8 weight-only", "fp8", "weight-only"), ("FP8 tensor cores", "fp8", "tensor-cores")],
+    "mxfp4": [("MXFP4 weight-only", "mxfp4", "weight-only")],
+    "nvfp4": [("NVFP4 weight-only", "nvfp4", "weight-only")],
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,7 @@ def weights(config, scheme: str) -> list[Weight]:
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
 
     def fmt(more_bits: bool = False) -> str:
-        return scheme if scheme in ("Q8_0", "FP8") else ("Q6_K" if more_bits else "Q4_K")
+        return scheme if scheme != "Q4_K_M" else ("Q6_K" if more_bits else "Q4_K")
 
     out = []
     for i in range(layers):
@@ -307,11 +316,12 @@ def llama_cpp(config, folder: Path, bandwidth: float, steps: int = 256) -> list[
     return records
 
 
-def fp8_model(bandwidth: float, requests: int, smoke: bool) -> list[dict]:
-    """bf16, FP8 weight-only and FP8 on the tensor cores: batch-1 decode and ``requests`` concurrent ones."""
-    runs = [("bf16", None, "weight-only"), ("FP8 weight-only", "fp8", "weight-only")]
-    if not smoke and torch.cuda.get_device_capability()[0] == 9:
-        runs.append(("FP8 tensor cores", "fp8", "tensor-cores"))
+def isq_models(chosen: list[str], requests: int, smoke: bool) -> list[dict]:
+    """bf16 and the ``chosen`` runs of :data:`ISQ_RUNS` (FP8 on the tensor cores on SM90 only): batch-1
+    decode and ``requests`` concurrent ones."""
+    sm90 = not smoke and torch.cuda.get_device_capability()[0] == 9
+    runs = [("bf16", None, "weight-only")]
+    runs += [run for flag in chosen for run in ISQ_RUNS[flag] if run[2] == "weight-only" or sm90]
     shape = "smollm2-135m" if smoke else "llama-3.1-8b"
     records = []
     for name, isq, matmul in runs:
@@ -324,11 +334,11 @@ def fp8_model(bandwidth: float, requests: int, smoke: bool) -> list[dict]:
             env = {**os.environ, "XINFER_FP8_MATMUL": matmul}
             result = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
             if result.returncode != 0:
-                records.append(emit({"mode": "fp8", "scheme": name, "batch": batch, "error": result.returncode}))
+                records.append(emit({"mode": "isq", "scheme": name, "batch": batch, "error": result.returncode}))
                 continue
             run = json.loads(result.stdout.strip().splitlines()[-1])
             tok_s = run.get("decode_tok_s", run["output_tok_s"]) if batch == 1 else run["output_tok_s"]
-            records.append(emit({"mode": "fp8", "scheme": name, "batch": batch, "tok_s": tok_s}))
+            records.append(emit({"mode": "isq", "scheme": name, "batch": batch, "tok_s": tok_s}))
     return records
 
 
@@ -345,14 +355,16 @@ def main() -> None:
     parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
     parser.add_argument("--model", action="store_true", help="xinfer on a GGUF of the shape (batch 1 and --batches)")
     parser.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF (batch 1)")
-    parser.add_argument("--fp8", action="store_true", help="FP8 (--isq fp8) against bf16, batch 1 and --fp8-requests")
-    parser.add_argument("--fp8-requests", type=int, default=256, help="concurrent requests of --fp8")
+    for flag in ISQ_RUNS:
+        parser.add_argument(f"--{flag}", action="store_true", help=f"--isq {flag} against bf16, batch 1 and --requests")
+    parser.add_argument("--requests", type=int, default=256, help="concurrent requests of --fp8, --mxfp4, --nvfp4")
     parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp/quant_decode"), help="where the GGUFs are kept")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="batch sizes of --linears, --model")
     parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU, Triton interpreter (times meaningless)")
     parser.add_argument("--out", type=Path, help="also write the records to this JSON file")
     args = parser.parse_args()
-    if not (args.kernels or args.linears or args.model or args.llama_cpp or args.fp8):
+    chosen = [flag for flag in ISQ_RUNS if getattr(args, flag)]
+    if not (args.kernels or args.linears or args.model or args.llama_cpp or chosen):
         args.kernels = args.linears = True
     if args.smoke:
         config, device, bandwidth = tiny_config(), torch.device("cpu"), 1e9
@@ -372,8 +384,8 @@ def main() -> None:
         records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches, "float32" if args.smoke else "bfloat16")
     if args.llama_cpp:
         records += llama_cpp(config, args.gguf_dir, bandwidth)
-    if args.fp8:
-        records += fp8_model(bandwidth, args.fp8_requests, args.smoke)
+    if chosen:
+        records += isq_models(chosen, args.requests, args.smoke)
     if args.out:
         args.out.write_text(json.dumps(records, indent=1))
     print(f"{'what':44} {'us / ms':>10} {'GB/s or tok/s':>14} {'of limit':>9}")

@@ -6,6 +6,18 @@ import torch
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
+@pytest.fixture
+def cuda_backend():
+    """The CUDA backend in use, for tests that call plugins' Triton kernels directly: a kernel
+    takes its launch chain and helpers from the backend in use (xinfer.kernel_api), as when
+    the engine runs it."""
+    from xinfer import ops
+    from xinfer_cuda.ops import CudaOps
+
+    with ops.use(CudaOps()):
+        yield
+
+
 @pytest.fixture(scope="session")
 def output_dir():
     """Where tests leave files for a person to look at (screenshots, logs)."""

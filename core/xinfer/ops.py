@@ -90,6 +90,17 @@ class Rotation:
     norms: HeadNorms | None = None
 
 
+@dataclass(frozen=True)
+class KernelHelpers:
+    """The ``@triton.jit`` functions a backend that runs Triton kernels lends plugins' kernels,
+    which take them as constexpr arguments (see :mod:`xinfer.kernel_api`)."""
+
+    # (cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE: constexpr) -> the sequence whose query tiles
+    # include ``tile``, where sequence b's tiles start at cu_seqlens_q[b] // Q_PER_TILE + b
+    tile_owner: Any
+    fp8_value: Any  # (e4m3fn bits) -> their value / 256 as fp16
+
+
 class DeviceHooks(Protocol):
     """What the core and kernels ask a backend about its device, beyond the ops."""
 
@@ -100,7 +111,10 @@ class DeviceHooks(Protocol):
     def launch_chain(self, device: torch.device) -> dict[str, Any]:
         """Launch arguments with which a Triton kernel on ``device`` joins this backend's
         launch chain (see :mod:`xinfer.kernel_api`): ``ENTER``, a ``@triton.jit`` function of
-        no arguments the kernel calls first, and launch options; empty for none."""
+        no arguments the kernel calls first, and launch options."""
+
+    def kernel_helpers(self) -> KernelHelpers:
+        """The ``@triton.jit`` functions this backend lends plugins' Triton kernels."""
 
 
 class Ops(DeviceHooks, Protocol):
@@ -404,11 +418,6 @@ def use(ops: Ops) -> Iterator[None]:
 def current() -> Ops:
     if _current is None:
         raise RuntimeError("no backend in use: call xinfer.ops.use(...) first")
-    return _current
-
-
-def in_use() -> Ops | None:
-    """The backend in use; None outside any."""
     return _current
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, HeadNorms, Rotation
+from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation
 from xinfer.sampling import SamplingBatch
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ class TorchOps:
 
     A subclass that overrides :meth:`attention` declares what its kernel does, and one whose
     device wants them overrides the :class:`~xinfer.ops.DeviceHooks` (here: host buffers not
-    pinned, kernels launched in no chain).
+    pinned; no Triton kernel runs on the reference, so it has no launch chain and lends no
+    helpers).
     """
 
     name: str = "torch"
@@ -57,7 +58,10 @@ class TorchOps:
         return torch.empty(shape, dtype=dtype)
 
     def launch_chain(self, device: torch.device) -> dict[str, Any]:
-        return {}
+        raise NotImplementedError(f"the {self.name} backend runs no Triton kernels")
+
+    def kernel_helpers(self) -> KernelHelpers:
+        raise NotImplementedError(f"the {self.name} backend runs no Triton kernels")
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)

@@ -167,8 +167,8 @@ def test_fused_moe_per_slot(name):
 # --- the backend's declaration through the quantized-weight seam -------------------------------------
 
 
-def test_cuda_ops_declare_every_gguf_block_format_and_fp8():
-    assert set(CudaOps.weight_kernels) == {f.name for f in GGUF_FORMATS} | {"fp8"}
+def test_cuda_ops_declare_every_gguf_block_format_fp8_and_fp4():
+    assert set(CudaOps.weight_kernels) == {f.name for f in GGUF_FORMATS} | {"fp8", "mxfp4", "nvfp4"}
 
 
 def test_linear_and_moe_dispatch_to_the_kernels():

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, HeadNorms, Rotation, StepForward, StepLimits
+from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation, StepForward, StepLimits
 from xinfer.sampling import SamplingBatch
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
@@ -30,6 +30,7 @@ from xinfer_cuda.kernels import (
     norm,
     rotary,
     sampling,
+    shared,
     token_bitmask,
 )
 from xinfer_cuda.kernels.gemv import MAX_ROWS
@@ -56,6 +57,9 @@ class CudaOps(TorchOps):
 
     def launch_chain(self, device: torch.device) -> dict[str, Any]:
         return launch.launch_chain(device)
+
+    def kernel_helpers(self) -> KernelHelpers:
+        return shared.HELPERS
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS:  # small decode batches: measured per shape

@@ -171,6 +171,8 @@ class Experts(nn.Module):
         if isinstance(stored, QuantizedTensor):
             if name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight") and self.part.whole:
                 return self._load_packed(name.split(".")[0], stored)
+            if name in ("gate_up_proj", "down_proj") and self.part.whole:  # fused, as gpt-oss' MXFP4 stores them
+                return self._load_packed_fused(name, stored)
             if (match := _PER_EXPERT.fullmatch(name)) and self.part.whole and 0 <= int(match[1]) < self.num_experts:
                 return self._load_packed_expert(int(match[1]), match[2], stored)
             stored = stored.dequantize()
@@ -235,6 +237,14 @@ class Experts(nn.Module):
                     with torch.no_grad():
                         self.w13.copy_(torch.cat([gate.dequantize(), up.dequantize()], dim=1))
         return {f"{e}.{projection}.weight" for e in range(self.num_experts)}
+
+    def _load_packed_fused(self, name: str, tensor: QuantizedTensor) -> set[str]:
+        """transformers' fused ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) or ``down_proj``, packed."""
+        if name == "down_proj":
+            return self._load_packed(name, tensor)
+        self._check(name, tensor.logical_shape, self.w13.shape)
+        self.w13 = nn.Parameter(tensor.to_device(self.w13.device), requires_grad=False)
+        return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in ("gate_proj", "up_proj")}
 
     def _check(self, projection: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
         if tuple(got) != tuple(expected):

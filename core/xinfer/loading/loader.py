@@ -77,9 +77,14 @@ def _hf_config(folder: Path) -> PretrainedConfig:
             f"an installed plugin (a plugin adds one with the xinfer_config_classes hook)"
         )
     try:
-        return AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError, TypeError) as error:
         raise ModelFileError(f"{file}: {first_line(error)}") from error
+    modelopt = folder / "hf_quant_config.json"  # where ModelOpt's exports may name their quantization instead
+    if modelopt.is_file() and not getattr(config, "quantization_config", None):
+        quantization = json.loads(modelopt.read_text()).get("quantization") or {}
+        config.quantization_config = {"quant_method": "modelopt", **quantization}
+    return config
 
 
 def check_model(path: Path) -> PretrainedConfig:

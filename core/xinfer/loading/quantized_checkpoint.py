@@ -13,6 +13,14 @@ checkpoint's memory, and ``--isq`` packs it again):
   first, offset by ``2 ** (num_bits - 1)``), ``X.weight_shape``, ``X.weight_scale`` per row or per
   ``group_size`` columns, ``X.weight_zero_point`` (asymmetric; packed along the rows' groups) and
   ``X.weight_g_idx`` (activation order: each column's group); the weight is ``(q - zero) * scale``.
+- MXFP4 and NVFP4 (:mod:`xinfer.quant.fp4_formats`: e2m1 codes two a byte, the even value in the low
+  nibble): gpt-oss's ``quant_method`` ``"mxfp4"`` (``X_blocks`` [..., N, K / 32, 16] and ``X_scales``
+  [..., N, K / 32] e8m0 for a parameter ``X``), compressed-tensors' ``mxfp4-pack-quantized``
+  (``X.weight_packed`` [N, K / 2], ``X.weight_scale`` e8m0 [N, K / 32]) and ``nvfp4-pack-quantized``
+  (the same with ``X.weight_scale`` e4m3 [N, K / 16] and ``X.weight_global_scale``, the weight being
+  ``code * weight_scale / weight_global_scale``), and ModelOpt's ``quant_algo`` ``"NVFP4"``
+  (``X.weight`` uint8 [N, K / 2], ``X.weight_scale`` e4m3 [N, K / 16], ``X.weight_scale_2``, the weight
+  being ``code * weight_scale * weight_scale_2``). Kept packed (NVFP4 where rows are whole blocks of 128).
 
 Activation scales (``input_scale``, ...) are not needed and are dropped.
 """
@@ -20,6 +28,7 @@ Activation scales (``input_scale``, ...) are not needed and are dropped.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,13 +36,22 @@ import torch
 from torch import Tensor
 
 from xinfer.loading.stored import StoredTensor, Weights, whole
+from xinfer.quant.fp4_formats import (
+    MXFP4_GROUP,
+    NVFP4_BLOCK,
+    NVFP4_GROUP,
+    decode_e2m1,
+    pack_mxfp4,
+    pack_nvfp4,
+    pair_codes,
+)
 from xinfer.quant.fp8_format import BLOCK, Fp8Format, pack
-from xinfer.quant.tensor import QuantizedTensor, get_weight_format
+from xinfer.quant.tensor import QuantizedTensor, WeightFormat, get_weight_format, quantized
 
 log = logging.getLogger("xinfer")
 
 FP8_FORMAT = Fp8Format()
-DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point")
+DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "input_zero_point", "input_global_scale")
 
 
 class Decoder:
@@ -44,6 +62,11 @@ class Decoder:
 
     def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
         return leaf in self.parts
+
+    def split(self, name: str) -> tuple[str, str]:
+        """The weight checkpoint tensor ``name`` (one of its parts) belongs to, and the part's name."""
+        module, _, leaf = name.rpartition(".")
+        return f"{module}.weight", leaf
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
         raise NotImplementedError
@@ -211,6 +234,85 @@ def awq_order(values: Tensor) -> Tensor:
     return values.unflatten(-1, (-1, 8))[..., list(AWQ_ORDER)].flatten(-2)
 
 
+class Fp4(Decoder):
+    """e2m1 codes two a byte ([..., N, K / 2], the even value low) with a scale per ``group`` values:
+    MXFP4's e8m0 (``group`` 32) or NVFP4's e4m3 (16) times a float32 per tensor. ``leaves`` names the
+    checkpoint's tensors: the codes, the group scales and (NVFP4) the tensor scale, which the weight is
+    multiplied by or, where ``divides``, divided by."""
+
+    def __init__(self, leaves: tuple[str, ...], group: int, divides: bool = False):
+        self.parts, self.group, self.divides = leaves, group, divides
+        self.name = "MXFP4" if group == MXFP4_GROUP else "NVFP4"
+        self.format = get_weight_format(self.name.lower())
+
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
+        return leaf in self.parts[1:] or (leaf == self.parts[0] and tensor.dtype == torch.uint8)
+
+    def complete(self, parts: Mapping[str, Tensor]) -> bool:
+        return set(self.parts) <= parts.keys()
+
+    def values(self, name: str, parts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The codes [..., N, K] in value order, the group scales [..., N, K / group] and the tensor scale."""
+        packed, scales = parts[self.parts[0]], parts[self.parts[1]]
+        if packed.dim() == scales.dim() + 1:  # gpt-oss: the blocks of each row's groups, [..., N, K / 32, 16]
+            packed = packed.flatten(-2)
+        *outer, half_cols = packed.shape
+        expected = (*outer, 2 * half_cols // self.group)
+        scale_type = "e4m3" if self.group == NVFP4_GROUP else "e8m0"
+        if (packed.dtype != torch.uint8 or tuple(scales.shape) != expected or (2 * half_cols) % self.group
+                or not _is(scales, scale_type)):  # fmt: skip
+            raise ValueError(
+                f"{name}: {self.name} codes {tuple(parts[self.parts[0]].shape)} ({packed.dtype}) and scales "
+                f"{tuple(scales.shape)} ({scales.dtype}) do not make one weight: expected uint8 codes [..., N, K / 2] "
+                f"and {scale_type} scales [..., N, K / {self.group}]"
+            )
+        if len(self.parts) < 3:
+            return pair_codes(packed), scales, None
+        tensor_scale = parts[self.parts[2]].float()
+        if tensor_scale.numel() not in (1, math.prod(outer[:-1])):  # one per tensor, or per stacked expert
+            raise ValueError(f"{name}: {self.parts[2]} of shape {tuple(tensor_scale.shape)} for a weight of "
+                             f"{(*outer, 2 * half_cols)} values: one per tensor expected")  # fmt: skip
+        tensor_scale = tensor_scale.reshape(*outer[:-1], 1, 1) if tensor_scale.numel() > 1 else tensor_scale.reshape(())
+        return pair_codes(packed), scales, 1 / tensor_scale if self.divides else tensor_scale
+
+    def packed(self, name: str, parts: Mapping[str, Tensor]) -> QuantizedTensor | None:
+        codes, scales, tensor_scale = self.values(name, parts)
+        shape = codes.shape
+        if tensor_scale is None:
+            return quantized(pack_mxfp4(codes, scales.view(torch.uint8)), self.format, shape, name)
+        if shape[-1] % NVFP4_BLOCK:
+            return None  # rows not whole blocks of 128: decoded
+        return quantized(pack_nvfp4(codes, scales, tensor_scale), self.format, shape, name)
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        codes, scales, tensor_scale = self.values(name, parts)
+        if tensor_scale is None:
+            return self.format.dequantize(pack_mxfp4(codes, scales.view(torch.uint8)))
+        steps = scales.float() * tensor_scale
+        return (decode_e2m1(codes).unflatten(-1, (-1, NVFP4_GROUP)) * steps[..., None]).flatten(-2)
+
+
+def _is(scales: Tensor, scale_type: str) -> bool:
+    """Whether ``scales`` hold e4m3 values, or e8m0 bytes (uint8 or torch's float8_e8m0fnu)."""
+    if scale_type == "e4m3":
+        return scales.dtype == torch.float8_e4m3fn
+    return scales.dtype == torch.uint8 or "e8m0" in str(scales.dtype)
+
+
+class GptOssMxfp4(Fp4):
+    """gpt-oss's MXFP4: a parameter ``X`` stored as ``X_blocks`` and ``X_scales``."""
+
+    def __init__(self) -> None:
+        super().__init__(("blocks", "scales"), MXFP4_GROUP)
+
+    def is_part(self, leaf: str, tensor: Tensor | StoredTensor) -> bool:
+        return leaf.endswith(("_blocks", "_scales"))
+
+    def split(self, name: str) -> tuple[str, str]:
+        weight, _, part = name.rpartition("_")
+        return weight, part
+
+
 def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
     """The decoder of a config's ``quantization_config``, or None where none here reads it."""
     method = quantization.get("quant_method")
@@ -218,6 +320,10 @@ def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
         return _grouped_int4(method, quantization)
     if method in ("fp8", "fbgemm_fp8"):
         return Fp8(_block(quantization.get("weight_block_size")))
+    if method == "mxfp4":
+        return GptOssMxfp4()
+    if method == "modelopt":  # its fields flat, or under "quantization" as in hf_quant_config.json
+        return _modelopt({**quantization, **(quantization.get("quantization") or {})})
     if method != "compressed-tensors":
         return None
     weights = [group.get("weights") or {} for group in (quantization.get("config_groups") or {}).values()]
@@ -226,9 +332,36 @@ def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
     w = weights[0]
     if w.get("type") == "float" and w.get("num_bits") == 8:
         return Fp8(_block(w.get("block_structure")))
+    if quantization.get("format") in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+        return _compressed_fp4(quantization["format"], w)
     if w.get("type") == "int" and quantization.get("format") == "pack-quantized" and 32 % int(w["num_bits"]) == 0:
         return PackedIntegers(w)
     return None
+
+
+def _modelopt(quantization: Mapping[str, Any]) -> Fp4 | None:
+    """The decoder of ModelOpt's NVFP4 (its other algorithms are not read: None); a group size not read yet is
+    one error naming the field."""
+    if quantization.get("quant_algo") != "NVFP4":
+        return None
+    group = quantization.get("group_size", NVFP4_GROUP)
+    if group != NVFP4_GROUP:
+        raise ValueError(f"quantization_config quant_algo 'NVFP4' with group_size {group!r} is not read yet (16 is)")
+    return Fp4(("weight", "weight_scale", "weight_scale_2"), NVFP4_GROUP)
+
+
+def _compressed_fp4(fmt: str, weights: Mapping[str, Any]) -> Fp4:
+    """The decoder of compressed-tensors' ``mxfp4-`` or ``nvfp4-pack-quantized``; an option not read yet is
+    one error naming the field."""
+    nvfp4 = fmt.startswith("nvfp4")
+    group = NVFP4_GROUP if nvfp4 else MXFP4_GROUP
+    for field, expected in (("num_bits", 4), ("type", "float"), ("group_size", group)):
+        if weights.get(field) != expected:
+            raise ValueError(f"quantization_config format {fmt!r} with weights {field} {weights.get(field)!r} "
+                             f"is not read yet ({expected!r} is)")  # fmt: skip
+    if nvfp4:
+        return Fp4(("weight_packed", "weight_scale", "weight_global_scale"), group, divides=True)
+    return Fp4(("weight_packed", "weight_scale"), group)
 
 
 def _grouped_int4(method: str, quantization: Mapping[str, Any]) -> GroupedInt4:
@@ -257,36 +390,37 @@ def _block(block: Any) -> tuple[int, int] | None:
 
 def decoded(weights: Weights, decoder: Decoder, dtype: torch.dtype) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """``weights`` with each quantized weight decoded to ``dtype`` (its parts consumed)."""
-    pending: dict[str, dict[str, Tensor]] = {}  # module -> the parts of its weight come so far
+    pending: dict[str, dict[str, Tensor]] = {}  # weight -> its parts come so far
     count = kept = 0
+    kept_format: WeightFormat = FP8_FORMAT
     for name, tensor in weights:
-        module, _, leaf = name.rpartition(".")
+        leaf = name.rpartition(".")[2]
         if leaf in DROPPED:
             continue
         if not decoder.is_part(leaf, tensor):
             yield name, tensor
             continue
-        parts = pending.setdefault(module, {})
-        parts[leaf] = whole(tensor)  # quantized weights and their scales are read whole
+        weight, part = decoder.split(name)
+        parts = pending.setdefault(weight, {})
+        parts[part] = whole(tensor)  # quantized weights and their scales are read whole
         if decoder.complete(parts):
-            del pending[module]
-            packed = decoder.packed(f"{module}.weight", parts)
+            del pending[weight]
+            packed = decoder.packed(weight, parts)
             if packed is not None:
-                kept += 1
-                yield f"{module}.weight", packed
+                kept, kept_format = kept + 1, packed.format
+                yield weight, packed
                 continue
             count += 1
-            yield f"{module}.weight", decoder.decode(f"{module}.weight", parts).to(dtype)
+            yield weight, decoder.decode(weight, parts).to(dtype)
     if pending:
-        module, parts = next(iter(pending.items()))
+        weight, parts = next(iter(pending.items()))
         raise ValueError(
-            f"{module}.weight: its {decoder.name} tensors are incomplete in the checkpoint (found {sorted(parts)}; "
+            f"{weight}: its {decoder.name} tensors are incomplete in the checkpoint (found {sorted(parts)}; "
             f"{len(pending)} such weights)"
         )
     if kept:
-        log.info(
-            "kept %d %s weights packed (%d bytes per %d values)", kept, decoder.name, FP8_FORMAT.block_bytes, BLOCK
-        )
+        log.info("kept %d %s weights packed (%d bytes per %d values)", kept, decoder.name, kept_format.block_bytes,
+                 kept_format.block_values)  # fmt: skip
     if count:
         log.info("decoded %d %s weights at load to %s (--isq q8_0 packs them again)", count, decoder.name, dtype)
 

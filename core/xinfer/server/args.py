@@ -76,8 +76,8 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="dummy: random weights of the right shapes (benchmarks)")
     model.add_argument("--isq", metavar="TYPE",
-                       help="quantize a float checkpoint's weights at load into a packed GGUF format, run as GGUF "
-                       "files are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k")
+                       help="quantize a float checkpoint's weights at load into a packed format, run as quantized "
+                       "checkpoints are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k, fp8, mxfp4, nvfp4")
 
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
@@ -202,10 +202,14 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                     help="prefill prompts for a --pd-client (the usual API is served too)")
     pd.add_argument("--pd-client", action="store_true",
                     help="serve the API and decode; prompts are prefilled by the --pd-server at --pd-url")
-    pd.add_argument("--pd-url", metavar="URL", help="with --pd-client: the prefill server, e.g. http://10.0.0.2:8000")
+    pd.add_argument("--pd-url", metavar="URL", help="with --pd-client: the prefill server, e.g. http://10.0.0.2:8000 "
+                    "(sent this server's --api-key, which a pair shares)")
     pd.add_argument("--pd-fallback", default="error", choices=["error", "local"],
                     help="with --pd-client, where the prefill server fails: answer the request with 503, or prefill "
                     "it here")
+    pd.add_argument("--pd-transport", default="auto", choices=["auto", "gloo", "shm"],
+                    help="how caches move from the --pd-server to the --pd-client: shared memory where both run on "
+                    "one host, else gloo over TCP (auto); only gloo; only shared memory (set on either side)")
     pd.add_argument("--pd-timeout", type=_at_least(float, 1), default=60.0,
                     help="seconds a prefill (and its transfer) may take before it fails")
 
@@ -252,6 +256,8 @@ def pd_problem(args: argparse.Namespace) -> str | None:
         return "--pd-server and --pd-client: a server takes one role"
     if args.pd_client != bool(args.pd_url):
         return "--pd-client needs --pd-url (the prefill server), and --pd-url needs --pd-client"
+    if args.pd_transport != "auto" and not (args.pd_server or args.pd_client):
+        return "--pd-transport needs --pd-server or --pd-client"
     split = bool(args.devices and len(args.devices) > 1) or args.num_nodes > 1
     if (args.pd_server or args.pd_client) and (args.disable_prefix_cache or split):
         return (

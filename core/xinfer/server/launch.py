@@ -244,7 +244,8 @@ def async_engine(args: argparse.Namespace, config: EngineConfig) -> AsyncEngine:
     from xinfer.distributed.pd import DisaggregatedEngine
 
     return DisaggregatedEngine(lambda: LLMEngine(config), **options, url=args.pd_url,
-                               fallback_local=args.pd_fallback == "local", timeout=args.pd_timeout)  # fmt: skip
+                               fallback_local=args.pd_fallback == "local", timeout=args.pd_timeout,
+                               transport=args.pd_transport, api_key=args.api_key)  # fmt: skip
 
 
 async def serve(
@@ -263,7 +264,7 @@ async def serve(
     if args.pd_server:
         from xinfer.distributed.pd import PrefillServer
 
-        app.include_router(PrefillServer(engine, args.pd_timeout).router())
+        app.include_router(PrefillServer(engine, args.pd_timeout, args.pd_transport).router())
     servers = [_Server(uvicorn_config(app, args, args.port))]
     if args.ui_server:
         ui_app = build_app(serving, args.api_key, args.max_body_bytes, with_ui=True)

@@ -1,5 +1,5 @@
 """DeepSeek V4 checkpoints as DeepSeek publishes them: their tensor names renamed to transformers'
-(the ones the model keeps), and their quantized weights decoded at load.
+(the ones the model keeps), their MXFP4 weights kept packed and their FP8 ones decoded at load.
 
 Quantized weights come as ``X.weight`` with a companion ``X.scale``:
 
@@ -8,8 +8,8 @@ Quantized weights come as ``X.weight`` with a companion ``X.scale``:
 - FP8 (the other projections): ``weight`` e4m3 [out, in], ``scale`` fp32 or e8m0, one per block
   of ``out / scale rows`` x ``in / scale columns``.
 
-Until xinfer computes on quantized weights, both are dequantized here (one log line says so),
-to the model's dtype.
+MXFP4 weights stay packed (:mod:`xinfer.quant.fp4_formats`, the file's 4.25 bits a value); FP8 ones
+are dequantized here to the model's dtype (one log line counts each).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 from xinfer.loading.stored import StoredTensor, Weights, whole
+from xinfer.quant import QuantizedTensor, get_weight_format, quantized
+from xinfer.quant.fp4_formats import pack_mxfp4, pair_codes
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,10 @@ def hf_name(name: str) -> str:
 
 
 def hf_names(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
-    """``weights`` under transformers' names, each quantized weight dequantized (and its scale consumed)."""
+    """``weights`` under transformers' names, each MXFP4 weight packed and each FP8 weight dequantized (their
+    scales consumed)."""
     pending: dict[str, dict[str, Tensor]] = {}
-    decoded = 0
+    counts = {"MXFP4": 0, "FP8": 0}
     for name, tensor in weights:
         base, _, leaf = name.rpartition(".")
         quantized = (leaf == "scale" and not base.endswith("_hc")) or (leaf == "weight" and _is_quantized(tensor))
@@ -85,12 +88,29 @@ def hf_names(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
         pair[leaf] = whole(tensor)
         if len(pair) == 2:
             del pending[base]
-            decoded += 1
-            yield hf_name(f"{base}.weight"), dequantize(pair["weight"], pair["scale"])
+            name = hf_name(f"{base}.weight")
+            if pair["weight"].dtype == torch.float8_e4m3fn:
+                counts["FP8"] += 1
+                yield name, dequantize(pair["weight"], pair["scale"])
+            else:
+                counts["MXFP4"] += 1
+                yield name, mxfp4(pair["weight"], pair["scale"], name)
     if pending:
         raise ValueError(f"quantized weights without their scale (or scales without a weight): {sorted(pending)[:4]}")
-    if decoded:
-        log.info("dequantized %d MXFP4/FP8 weights at load: xinfer computes on them in the model's dtype", decoded)
+    if counts["MXFP4"]:
+        log.info("kept %d MXFP4 weights packed (17 bytes per 32 values)", counts["MXFP4"])
+    if counts["FP8"]:
+        log.info("dequantized %d FP8 weights at load: xinfer computes on them in the model's dtype", counts["FP8"])
+
+
+def mxfp4(weight: Tensor, scale: Tensor, name: str) -> QuantizedTensor:
+    """An MXFP4 weight (the module's docstring) kept packed; a scale of another shape is one error naming it."""
+    codes = pair_codes(weight)
+    e8m0 = scale.dtype == torch.uint8 or "e8m0" in str(scale.dtype)
+    if not e8m0 or scale.shape != (*codes.shape[:-1], codes.shape[-1] // 32):
+        raise ValueError(f"{name}: MXFP4 codes {tuple(weight.shape)} and scales {tuple(scale.shape)} ({scale.dtype}) "
+                         "do not make one weight: expected e8m0 scales [out, in / 32]")  # fmt: skip
+    return quantized(pack_mxfp4(codes, scale.view(torch.uint8)), get_weight_format("mxfp4"), codes.shape, name)
 
 
 def _is_quantized(tensor: Tensor | StoredTensor) -> bool:

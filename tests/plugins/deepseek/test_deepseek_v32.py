@@ -172,6 +172,7 @@ def test_sparse_reference_equals_dense_attention_under_the_selection_mask(batch)
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.usefixtures("cuda_backend")
 def test_sparse_kernel_matches_the_reference(batch, dtype):
     """20 heads: two groups of 16, the second part padding; 40 selected rows: two tiles of 32, the second
     part padding."""
@@ -213,6 +214,7 @@ def test_indexer_selects_the_best_visible_positions(batch):
 
 
 @pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.usefixtures("cuda_backend")
 def test_indexer_kernel_selects_as_the_reference(batch):
     """8 heads of 32 dims (the kernel pads them to a tile of 16), 16 positions a program."""
     q_lens, context_lens, pad_tokens, pad_seqs = BATCHES[batch]

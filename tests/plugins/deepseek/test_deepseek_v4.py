@@ -30,8 +30,9 @@ from tests.plugins.hf_parity import (
 )
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
+from xinfer.quant import QuantizedTensor
 from xinfer_deepseek import compressed_ops
-from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name
+from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name, hf_names
 
 CHUNK = 27  # prefill chunks that end inside windows of 4 and 16
 NEW_TOKENS = 12
@@ -187,6 +188,13 @@ def test_mxfp4_decode_matches_transformers():
     assert decode_e2m1(torch.tensor([0x7F, 0x1A], dtype=torch.uint8)).tolist() == [-6.0, 6.0, -1.0, 0.5]
 
 
+def test_mxfp4_scales_of_another_shape_are_named():
+    weights = [("layers.0.ffn.experts.0.w1.weight", torch.zeros(4, 32, dtype=torch.int8)),
+               ("layers.0.ffn.experts.0.w1.scale", torch.zeros(4, 3, dtype=torch.uint8))]  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight: MXFP4 codes \(4, 32\) and scales \(4, 3\)"):
+        list(hf_names(weights))
+
+
 def test_fp8_blocks_decode_matches_transformers():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(8, 12, generator=generator).to(torch.float8_e4m3fn)
@@ -204,9 +212,9 @@ def quantize_mxfp4(weight: torch.Tensor, generator: torch.Generator) -> tuple[to
 
 
 def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, caplog):
-    """DeepSeek's names without transformers' ``model.`` prefix, the routed experts in MXFP4 (a
-    hidden size of 64: two scale blocks per row), an MTP tensor: the experts decode to what
-    transformers computes with, and the MTP tensor is kept."""
+    """DeepSeek's names without transformers' ``model.`` prefix, the routed experts in MXFP4 (a hidden
+    size of 64: two scale blocks per row of gate and up, one of down), an MTP tensor: the experts stay packed and compute
+    what transformers computes with their values, and the MTP tensor is kept."""
     config = deepseek_v4_config(num_hidden_layers=2, layer_types=["sliding_attention", CSA])
     config.mlp_layer_types = ["hash_moe", "moe"]
     hf = save_tiny_model(config, tmp_path)
@@ -216,13 +224,15 @@ def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, 
     hf.save_pretrained(tmp_path, safe_serialization=True)
     for name, tensor in load_file(tmp_path / "model.safetensors").items():
         name = name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_")
-        if ".experts." in name and name.endswith(("w1.weight", "w3.weight")):
+        if ".experts." in name and name.endswith(("w1.weight", "w2.weight", "w3.weight")):
             packed, scales = quantize_mxfp4(tensor, generator)
             tensors[name], tensors[name.replace(".weight", ".scale")] = packed, scales
             layer, expert, projection = _expert_of(name)
-            rows = slice(0, 32) if projection == "w1" else slice(32, 64)
+            experts = hf.model.layers[layer].mlp.experts
+            target = {"w1": experts.gate_up_proj[expert, :32], "w3": experts.gate_up_proj[expert, 32:],
+                      "w2": experts.down_proj[expert]}[projection]  # fmt: skip
             with torch.no_grad():
-                hf.model.layers[layer].mlp.experts.gate_up_proj[expert, rows] = dequantize(packed, scales)
+                target.copy_(dequantize(packed, scales))
         else:
             tensors[name] = tensor
     tensors["mtp.0.emb.weight"] = torch.ones(3)
@@ -230,7 +240,10 @@ def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, 
     save_file(tensors, tmp_path / "model.safetensors")
     with caplog.at_level("INFO"):
         llm = llm_of(tmp_path)
-    assert "dequantized 32 MXFP4/FP8 weights at load" in caplog.text
+    assert "kept 48 MXFP4 weights packed" in caplog.text
+    experts = [m for m in llm.engine.model.modules() if hasattr(m, "w13")]
+    assert experts and all(isinstance(w, QuantizedTensor) and w.format.name == "mxfp4" for m in experts
+                           for w in (m.w13, m.w2))  # fmt: skip
     assert list(llm.engine.model.mtp) == ["mtp.0.emb.weight"]
     tokens = prompt(40, seed=2)
     out = llm.generate([tokens], GREEDY)[0].outputs[0]

@@ -21,6 +21,8 @@ from xinfer.ops import AttentionMetadata
 from xinfer_deepseek.kernels import mla
 from xinfer_deepseek.mla_ops import encode_fp8, fp8_row_bytes, mla_attention, mla_attention_fp8
 
+pytestmark = pytest.mark.usefixtures("cuda_backend")
+
 
 @dataclass
 class Step:

@@ -33,6 +33,7 @@ from xinfer_qwen import deltanet_ops
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+pytestmark = pytest.mark.usefixtures("cuda_backend")
 
 
 def hf_torch_function(name: str):

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kernel_api import LOG2E, MAX_SPLITS, NEG_BIG, decode_num_splits, tile_owner
+from xinfer.kernel_api import LOG2E, MAX_SPLITS, decode_num_splits
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 from xinfer_cuda.kernels import arrivals, launch
@@ -71,6 +71,7 @@ from xinfer_cuda.kernels.kv_codes import (
 )
 from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernels.shared import NEG_BIG, tile_owner
 from xinfer_cuda.kernels.three_bit_keys import three_bit_scores
 
 MASK_NONE: tl.constexpr = tl.constexpr(0)  # every key of the range is visible to every row

@@ -2,7 +2,7 @@
 the patches of each image of a vision encoder's batch attend to each other, all images in one launch.
 
 One program per (query tile, query head). The tiles of a segment start at
-``cu_seqlens[b] // BLOCK_M + b`` (:func:`~xinfer.kernel_api.tile_owner`), so the grid
+``cu_seqlens[b] // BLOCK_M + b`` (:func:`~xinfer_cuda.kernels.shared.tile_owner`), so the grid
 depends only on the token and segment counts. Each program folds its segment's keys in tiles into an
 online softmax (fp32, base 2). Queries, keys and values are read through their strides: the views of
 a merged QKV projection need no copy. A head dim that is not a power of two is padded in registers.
@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kernel_api import LOG2E, NEG_BIG, tile_owner
+from xinfer.kernel_api import LOG2E
+from xinfer_cuda.kernels.shared import NEG_BIG, tile_owner
 
 
 @triton.jit

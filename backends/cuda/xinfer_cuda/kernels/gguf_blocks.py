@@ -19,8 +19,9 @@ Every formula reads the bytes at the offsets given in the format's comment; scal
 fp16 (read through an fp16 pointer: every scale of every format sits at an even offset),
 sub-block scales 4, 6 or 8 bits.
 
-One block format here is not GGUF's: ``FP8`` (:mod:`xinfer.quant.fp8_format`), a float32 scale
-then 128 e4m3 codes, decoded with integer operations (no FP8 hardware needed: SM70 and up).
+Three block formats here are not GGUF's: ``FP8`` (:mod:`xinfer.quant.fp8_format`), a float32 scale
+then 128 e4m3 codes, and ``MXFP4`` and ``NVFP4`` (:mod:`xinfer.quant.fp4_formats`), e2m1 codes under
+e8m0 or e4m3 scales, all decoded with integer operations (no FP8 or FP4 hardware needed: SM70 and up).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q5_K", 256, 176, 4, 2, (0, 2)),
         BlockFormat("Q6_K", 256, 210, 2, 4, (208,)),
         BlockFormat("FP8", 128, 132, 4, 1, (), (0,)),
+        BlockFormat("MXFP4", 32, 17, 1, 2, ()),
+        BlockFormat("NVFP4", 128, 76, 8, 2, (), (0,)),
     )
 }
 
@@ -89,6 +92,11 @@ def random_packed(n: int, k: int, fmt: BlockFormat, scale: float = 1e-3, device:
     if fmt.name == "FP8":  # e4m3 has no infinities; S.1111.111 is NaN
         codes = blocks[..., 4:]
         codes[(codes & 0x7F) == 0x7F] = 0
+    if fmt.name == "MXFP4":  # e8m0 scales of 2**-10 .. 2**0 (0 and 255 are not weights' scales)
+        blocks[..., 0] = torch.randint(117, 128, blocks.shape[:-1], dtype=torch.uint8, device=device)
+    if fmt.name == "NVFP4":  # e4m3 scales, NaN left out
+        scales = blocks[..., 4:12]
+        scales[(scales & 0x7F) == 0x7F] = 0
     return blocks.view(n, fmt.row_bytes(k))
 
 
@@ -132,6 +140,22 @@ def _e4m3(byte):
 
 
 @triton.jit
+def _e2m1(code):
+    """e2m1 codes (int32, 0..15) as fp32, by integer operations: the sign, and the exponent and mantissa bits
+    moved into an fp16's lowest exponent and highest mantissa bits, make the fp16 of the value times 2**-14
+    (bias 15 for 1; the zero exponent's 0.5 is fp16's subnormal 2**-15)."""
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e8m0(byte):
+    """e8m0 scale bytes (int32) as fp32 powers of two: the byte is the float32's exponent field (so 0, 2**-127,
+    a subnormal, decodes as 0; 255 is NaN in e8m0 and no weight's scale)."""
+    return (byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scale_min_k4(scales, i, mask):
     """The 6-bit scale and min of sub-block ``i`` (0..7) of a Q4_K/Q5_K block from its 12
     scale bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins),
@@ -154,6 +178,13 @@ def decode_part(FMT: tl.constexpr, block, g, P: tl.constexpr, j, mask):
         return _half(block, mask) * _int8(block + 2 + j, mask)
     elif FMT == "FP8":  # scale f32 @0, e4m3[128] @4 (group g: values 32g..)
         return _single(block, mask) * _e4m3(_byte(block + 4 + g * 32 + j, mask))
+    elif FMT == "MXFP4":  # e8m0 scale @0, qs[16] @1: value j low nibble, j + 16 high
+        return _e8m0(_byte(block, mask)) * _e2m1((_byte(block + 1 + j, mask) >> (4 * P)) & 15)
+    elif FMT == "NVFP4":
+        # tensor scale f32 @0, e4m3 scales[8] @4 (group g: values 16g..), qs[64] @12 (group g: bytes 8g..,
+        # part p: nibble p, values 16g + 8p + j); code * e4m3 * tensor scale, the scale decoded once a group
+        scale = _e4m3(_byte(block + 4 + g, mask)) * _single(block, mask)
+        return scale * _e2m1((_byte(block + 12 + g * 8 + j, mask) >> (4 * P)) & 15)
     elif FMT == "FP8_CVT":  # FP8 through the hardware's e4m3 conversion (SM89 and up)
         codes = _load(block + 4 + g * 32 + j, mask).to(tl.float8e4nv, bitcast=True)
         return _single(block, mask) * codes.to(tl.float32)

@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kernel_api import FP8_MAX_C, fp8_value
 from xinfer.kv import LayerKVCache
 from xinfer.kv.codecs import GAUSSIAN_LEVELS, Codec, Fp8, LloydMax, Plain, Uniform
 from xinfer.kv.codes import FP8_MAX, TINY
+from xinfer_cuda.kernels.shared import FP8_MAX_C, fp8_value
 
 PLAIN, FP8, UNIFORM, LLOYD = range(4)
 CODE_PLAIN: tl.constexpr = tl.constexpr(PLAIN)

@@ -8,7 +8,7 @@ kernel before it has finished and its writes are visible (before reading anythin
 so that completion stays ordered down the whole chain, even for programs that then
 return at once), and then lets the next kernel launch. Plugins' kernels join the
 chain without importing this backend (:mod:`xinfer.kernel_api`): :func:`launch_chain`
-hands them :func:`pdl_enter` as their ``ENTER``.
+hands them :func:`pdl_enter` as their ``ENTER``, or :func:`enter_nothing`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def pdl_enter():
     gdc_wait()
     gdc_launch_dependents()
+
+
+@triton.jit
+def enter_nothing():
+    """``ENTER`` of a launch that joins no chain."""
+    pass
 
 
 @triton.jit
@@ -51,4 +57,4 @@ def pdl(device: torch.device) -> dict[str, bool]:
 def launch_chain(device: torch.device) -> dict[str, Any]:
     """The chain's launch arguments for a plugin's kernel on ``device`` (see
     :meth:`xinfer.ops.DeviceHooks.launch_chain`)."""
-    return {"ENTER": pdl_enter, "launch_pdl": True} if pdl(device)["PDL"] else {}
+    return {"ENTER": pdl_enter, "launch_pdl": True} if pdl(device)["PDL"] else {"ENTER": enter_nothing}

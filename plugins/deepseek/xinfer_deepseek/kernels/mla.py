@@ -37,9 +37,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kernel_api import FP8_MAX_C, LOG2E, NEG_BIG, decode_num_splits, fp8_value, launch_chain, tile_owner
+from xinfer import kernel_api
+from xinfer.kernel_api import LOG2E, decode_num_splits, helpers, launch_chain
+from xinfer.kv.codes import FP8_MAX
 from xinfer.ops import AttentionMetadata
 from xinfer_deepseek.mla_ops import encode_fp8, fp8_groups
+
+NEG_BIG: tl.constexpr = tl.constexpr(kernel_api.NEG_BIG)
+FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -71,13 +76,13 @@ def _store_rows(ptr, offsets, row_ok, rows, WIDTH: tl.constexpr, BLOCK_W: tl.con
 
 @triton.jit
 def _dequantize(codes, scales_ptr, rows_ok, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                GROUP: tl.constexpr):  # fmt: skip
+                GROUP: tl.constexpr, FP8_VALUE: tl.constexpr):  # fmt: skip
     """e4m3 codes [N, R] (R a multiple of GROUP) on their rows' fp32 group scales at
     ``scales_ptr`` [N]: code * absmax / 448, in ``DTYPE``."""
     groups = tl.arange(0, BLOCK_R // GROUP)
     scales = tl.load(scales_ptr[:, None] + groups[None, :], mask=rows_ok[:, None], other=0.0)
-    scales = (scales * (256.0 / FP8_MAX_C)).to(DTYPE)  # (fp8_value is e4m3 / 256)
-    values = tl.reshape(fp8_value(codes).to(DTYPE), (BLOCK_N, BLOCK_R // GROUP, GROUP))
+    scales = (scales * (256.0 / FP8_MAX_C)).to(DTYPE)  # (FP8_VALUE is e4m3 / 256)
+    values = tl.reshape(FP8_VALUE(codes).to(DTYPE), (BLOCK_N, BLOCK_R // GROUP, GROUP))
     return tl.reshape(values * scales[:, :, None], (BLOCK_N, BLOCK_R))
 
 
@@ -86,7 +91,7 @@ def _attend(acc, l_i, m_i, q_latent, q_rope, q_pos, start, end, latent_ptr, rope
             score_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, R: tl.constexpr,
             P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
             LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-            PRECISION: tl.constexpr):  # fmt: skip
+            PRECISION: tl.constexpr, FP8_VALUE: tl.constexpr):  # fmt: skip
     """Fold the cache rows at positions [start, end) into the running (acc, l_i, m_i) of
     the query rows; with ``CAUSAL`` a row at ``q_pos`` sees positions up to its own.
     A row's parts are read from their planes (:class:`Planes`); fp8 latents are decoded
@@ -99,7 +104,7 @@ def _attend(acc, l_i, m_i, q_latent, q_rope, q_pos, start, end, latent_ptr, rope
         latent = _load_rows(latent_ptr, slot * LATENT_STRIDE, in_range, R, BLOCK_R)
         if FP8:
             latent = _dequantize(latent, scale_ptr + slot * SCALE_STRIDE, in_range, q_latent.dtype, BLOCK_N, BLOCK_R,
-                                 GROUP)  # fmt: skip
+                                 GROUP, FP8_VALUE)  # fmt: skip
         rope = _load_rows(rope_ptr, slot * ROPE_STRIDE, in_range, P, BLOCK_P).to(q_rope.dtype)
         s = tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
         s = tl.dot(q_rope, tl.trans(rope), s, input_precision=PRECISION) * score_scale
@@ -125,12 +130,12 @@ def _prefill_kernel(
     Q_PER_TILE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr,
     GROUP: tl.constexpr, LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr,
-    PRECISION: tl.constexpr, ENTER: tl.constexpr,
+    PRECISION: tl.constexpr, ENTER: tl.constexpr, TILE_OWNER: tl.constexpr, FP8_VALUE: tl.constexpr,
 ):  # fmt: skip
     ENTER()
     tile = tl.program_id(0)
     head_group = tl.program_id(1)
-    seq = tile_owner(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
+    seq = TILE_OWNER(cu_seqlens_q_ptr, num_seqs, tile, Q_PER_TILE)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     # each sequence's last query tiles first: under the causal mask they see the most rows
@@ -155,7 +160,7 @@ def _prefill_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_latent, q_rope, q_pos, 0, last_pos + 1, latent_ptr, rope_ptr, scale_ptr,
                             block_table, score_scale, True, BLOCK_N, BLOCK_SIZE, R, P, BLOCK_R, BLOCK_P, FP8, GROUP,
-                            LATENT_STRIDE, ROPE_STRIDE, SCALE_STRIDE, PRECISION)  # fmt: skip
+                            LATENT_STRIDE, ROPE_STRIDE, SCALE_STRIDE, PRECISION, FP8_VALUE)  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     _store_rows(out_ptr, tok * stride_o_tok + head * stride_o_head, row_ok, out, R, BLOCK_R)
 
@@ -168,7 +173,7 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
     LATENT_STRIDE: tl.constexpr, ROPE_STRIDE: tl.constexpr, SCALE_STRIDE: tl.constexpr, PARTIAL: tl.constexpr,
-    PRECISION: tl.constexpr, ENTER: tl.constexpr,
+    PRECISION: tl.constexpr, ENTER: tl.constexpr, FP8_VALUE: tl.constexpr,
 ):  # fmt: skip
     ENTER()
     head_group = tl.program_id(0)  # fastest: every head group of a sequence's split together
@@ -195,7 +200,7 @@ def _decode_kernel(
     # (l_i stands in for the query positions, which only a causal mask reads)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_latent, q_rope, l_i, start, end, latent_ptr, rope_ptr, scale_ptr,
                             block_table, score_scale, False, BLOCK_N, BLOCK_SIZE, R, P, BLOCK_R, BLOCK_P, FP8, GROUP,
-                            LATENT_STRIDE, ROPE_STRIDE, SCALE_STRIDE, PRECISION)  # fmt: skip
+                            LATENT_STRIDE, ROPE_STRIDE, SCALE_STRIDE, PRECISION, FP8_VALUE)  # fmt: skip
     if PARTIAL:
         part = (seq.to(tl.int64) * num_heads + head) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
@@ -351,7 +356,7 @@ def _attention(
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    launch = launch_chain(q_latent.device)
+    launch, lent = launch_chain(q_latent.device), helpers()
     _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
                                  BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
 
@@ -361,17 +366,19 @@ def _attention(
     strides = (*q_latent.stride()[:2], *q_rope.stride()[:2], *out.stride()[:2], meta.block_tables.stride(0))
     constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=triton.next_power_of_2(rank),
                       BLOCK_P=triton.next_power_of_2(rope_dim), **planes.constexprs(),
-                      PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", **launch)  # fmt: skip
+                      PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", FP8_VALUE=lent.fp8_value,
+                      **launch)  # fmt: skip
     score_scale = scale * LOG2E  # (softmax in base 2)
 
     if meta.max_seqlen_q > 1:
         block_h = min(triton.next_power_of_2(num_heads), prefill_tiles.block_m)
         q_per_tile = prefill_tiles.block_m // block_h
-        # tiles from shapes only (graph-safe): see tile_owner
+        # tiles from shapes only (graph-safe): see KernelHelpers.tile_owner
         grid = (num_tokens // q_per_tile + meta.num_seqs, triton.cdiv(num_heads, block_h))
         _prefill_kernel[grid](
             *args, meta.num_seqs, num_heads, score_scale, *strides, Q_PER_TILE=q_per_tile, BLOCK_H=block_h,
             BLOCK_N=prefill_tiles.block_n, num_warps=prefill_tiles.num_warps, num_stages=prefill_tiles.num_stages,
+            TILE_OWNER=lent.tile_owner,
             **constexprs,
         )  # fmt: skip
 

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kernel_api import LOG2E, NEG_BIG, launch_chain
+from xinfer.kernel_api import LOG2E, launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_deepseek.kernels.mla import _load_rows, _store_kernel
+from xinfer_deepseek.kernels.mla import NEG_BIG, _load_rows, _store_kernel
 
 DOT_MIN = 16  # tl.dot's smallest side
 
