@@ -81,6 +81,16 @@ class HeadNorms:
 
 
 @dataclass(frozen=True)
+class Rotation:
+    """What :meth:`Ops.rotary` takes besides q and k: the positions [T], the cos || sin table
+    [max_pos, R] they index, and the heads' norms if any."""
+
+    positions: Tensor
+    cos_sin: Tensor
+    norms: HeadNorms | None = None
+
+
+@dataclass(frozen=True)
 class KernelHelpers:
     """The ``@triton.jit`` functions a backend that runs Triton kernels lends plugins' kernels,
     which take them as constexpr arguments (see :mod:`xinfer.kernel_api`)."""
@@ -257,6 +267,22 @@ class Ops(DeviceHooks, Protocol):
         ``p - j < W`` or ``j`` is in the sequence's first block; from the quantized
         cache otherwise.
         """
+
+    def rotary_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        rotation: Rotation,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """:meth:`rotary` of ``q`` and ``k`` by ``rotation``, then :meth:`attention` of the
+        rotated pair and ``v``. One op, so that a backend may store the rotated keys and the
+        values straight into the cache from the rotation's pass (no rotated copy of k)."""
 
     def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
         """Non-causal attention within each segment of a flat batch (the patches of one image in
@@ -485,6 +511,20 @@ def attention(
     softcap: float | None = None,
 ) -> Tensor:
     return current().attention(q, k, v, cache, meta, scale, window, softcap)
+
+
+def rotary_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rotation: Rotation,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    return current().rotary_attention(q, k, v, rotation, cache, meta, scale, window, softcap)
 
 
 PRIMITIVES = tuple(name for name, value in vars(Ops).items() if callable(value) and not name.startswith("_"))

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers
+from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation
 from xinfer.sampling import SamplingBatch
 
 if TYPE_CHECKING:
@@ -186,6 +186,21 @@ class TorchOps:
         if meta.shadows is not None:
             self.write_shadow_kv(k, v, cache, meta.shadows.slot_mapping)
         return self.attend(q, cache, meta, scale, window, softcap)
+
+    def rotary_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        rotation: Rotation,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        q, k = self.rotary(q, k, rotation.positions, rotation.cos_sin, rotation.norms)
+        return self.attention(q, k, v, cache, meta, scale, window, softcap)
 
     def attend(
         self,

@@ -46,6 +46,7 @@ from xinfer_cuda.kernels import (
     moe,
     moe_routing,
     norm,
+    norm_linear,
     quant_linear,
     quant_moe,
     rotary,
@@ -69,6 +70,7 @@ MODULES = (
     moe,
     moe_routing,
     norm,
+    norm_linear,
     rotary,
     sampling,
 )
@@ -138,6 +140,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     head_norms = HeadNorms(t(128), t(128), 1e-6)  # q/k norms in the same pass
     rotary.rotary(t(4, 16, 128), t(4, 8, 128), positions, t(64, 128, dt=torch.float32), head_norms)
     rotary.rotary(t(4, 8, 256), t(4, 4, 256), positions, t(64, 256, dt=torch.float32), HeadNorms(t(256), t(256), 1e-6))
+    # the rotary that stores the keys and values into the cache (Qwen3-30B-A3B's heads)
+    slots = torch.zeros(4, dtype=torch.int64)
+    rotary.rotary_write_kv(t(4, 32, 128), t(4, 4, 128), t(4, 4, 128), positions, t(64, 128, dt=torch.float32),
+                           head_norms, t(8, 16, 4, 128), t(8, 16, 4, 128), slots)  # fmt: skip
     for tile in ONE_ROW_TILES + DOT_TILES:  # the small-batch linear's tiles, as its measurement launches them
         gemv.gemv(t(1 if tile in ONE_ROW_TILES else 4, 4096), t(6144, 4096), None, tile)
     gemv.gemv(t(1, 4096), t(6144, 4096), t(6144), ONE_ROW_TILES[0])
@@ -160,6 +166,9 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
+    for tile in ONE_ROW_TILES[:2]:  # the router's norm, GEMV and routing in one launch (4 and 8 warps)
+        norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(128, 2048), Routing(top_k=8, renormalize=True),
+                               None, tile)  # fmt: skip
     # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode
     # step (the recurrent kernel) and one with prompts (the chunked form); the conv over q, k, v
     for q_len in (1, 100):

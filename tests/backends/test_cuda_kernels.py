@@ -34,7 +34,7 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms
+from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms, Rotation
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, norm_linear, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
@@ -373,6 +373,67 @@ def test_rotary(case, dtype, with_norms):
     assert torch.equal(api_q, q_out) and torch.equal(api_k, k_out)
 
 
+@pytest.mark.parametrize("case, dtype", ROTARY_CASES[:6] if not ON_GPU else ROTARY_CASES)
+def test_rotary_write_kv(case, dtype):
+    """The rotated keys and the values land in the cache at their slots (padding's negative
+    slots store nothing, other slots keep what they held); the queries come back rotated."""
+    tokens, heads, kv_heads, head_dim, rot_dim = case
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, scale=2.0)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    block_size = 16
+    num_blocks = math.ceil(tokens / block_size) + 2
+    k_cache, v_cache = (rand(num_blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    k_before, v_before = k_cache.cpu(), v_cache.cpu()
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens]
+    slots = torch.where(torch.rand(tokens, device=DEVICE) < 0.3, -1, slots)
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    cos_sin = cos_sin_cache(4096, rot_dim)
+    norms = HeadNorms(rand(head_dim, dtype=dtype), rand(head_dim, dtype=dtype), 1e-5)
+
+    q_out = rotary.rotary_write_kv(q, k, v, positions, cos_sin, norms, k_cache, v_cache, slots)
+    ref_norms = HeadNorms(ref32(norms.q_weight), ref32(norms.k_weight), norms.eps)
+    q_ref, k_ref = CPU.rotary(ref32(q), ref32(k), positions.cpu(), cos_sin.cpu(), ref_norms)
+    check(q_out, q_ref, dtype)
+    written = slots.cpu()[slots.cpu() >= 0]
+    stored_k, stored_v = (c.cpu().view(-1, kv_heads, head_dim) for c in (k_cache, v_cache))
+    check(stored_k[written], k_ref[slots.cpu() >= 0], dtype)
+    assert torch.equal(stored_v[written], v.cpu()[slots.cpu() >= 0])
+    kept = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    kept[written] = False
+    assert torch.equal(stored_k[kept], k_before.view(-1, kv_heads, head_dim)[kept])
+    assert torch.equal(stored_v[kept], v_before.view(-1, kv_heads, head_dim)[kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if not ON_GPU else [torch.bfloat16], ids=str)
+def test_rotary_attention_op_matches_rotary_then_attention(dtype):
+    """The fused op of a step mixing prompt chunks and decodes (and a padding row) against the
+    reference's rotary, then store, then attention: the output and the cache it leaves."""
+    q_lens, seq_lens = [12, 1, 3, 1, 0], [12, 40, 21, 1, 5]
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    batch = make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+    tokens = sum(q_lens)
+    k, v = rand(tokens, kv_heads, head_dim, dtype=dtype), rand(tokens, kv_heads, head_dim, dtype=dtype)
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)]).to(DEVICE)
+    cos_sin = cos_sin_cache(64, 32)  # partial rotary
+    norms = HeadNorms(rand(head_dim, dtype=dtype), rand(head_dim, dtype=dtype), 1e-5)
+    cache = LayerKVCache.plain(batch.k_cache, batch.v_cache)
+    ref_cache = LayerKVCache.plain(ref32(batch.k_cache), ref32(batch.v_cache))
+    m = batch.meta
+    ref_meta = AttentionMetadata(m.cu_seqlens_q.cpu(), m.seq_lens.cpu(), m.block_tables.cpu(), m.slot_mapping.cpu(),
+                                 m.max_seqlen_q, m.max_seq_len)  # fmt: skip
+    ref_norms = HeadNorms(ref32(norms.q_weight), ref32(norms.k_weight), norms.eps)
+    ref_rotation = Rotation(positions.cpu(), cos_sin.cpu(), ref_norms)
+
+    out = CUDA.rotary_attention(batch.q, k, v, Rotation(positions, cos_sin, norms), cache, m, 0.125)
+    ref = CPU.rotary_attention(ref32(batch.q), ref32(k), ref32(v), ref_rotation, ref_cache, ref_meta, 0.125)
+    check(out, ref, dtype)
+    for name in ("k", "v"):
+        got, want = cache[name].cpu().float(), ref_cache[name]
+        assert torch.equal(got.isnan(), want.isnan()), name
+        assert rel_err(got.nan_to_num(), want.nan_to_num()) < TOL[dtype], name
+
+
 # --- Gated activations ---------------------------------------------------------------
 
 # x is [..., 2n]; these are [..., n]
@@ -598,6 +659,28 @@ def test_attention_decode_few_splits_merge_without_the_reduce(monkeypatch):
         out = run_attention(batch, 0.125, num_splits=attention.MERGE_SPLITS)
         check(out, batch.reference(0.125, None, None), torch.float32)
         assert int(arrivals.counters(DEVICE, "attention", 1).abs().sum()) == 0, layer
+
+
+@pytest.mark.parametrize("num_splits", [attention.MERGE_SPLITS, 16])
+def test_attention_decode_reads_only_the_parts_that_ran(monkeypatch, num_splits):
+    """A graph's split count comes from its longest context: a short context fills only the
+    splits its keys need, the grid's other programs exit, and the merge (by the last split
+    where a context filled up to MERGE_SPLITS, by the reduce launch past it: here the 700
+    keys' 11 splits of 64) reads only the parts written, and leaves the counters at zero.
+    Every buffer the call allocates starts as poison (NaN, or -1 for counts)."""
+    empty = torch.empty
+
+    def poisoned(*shape, **kwargs):
+        t = empty(*shape, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    batch = make_batch([1, 1, 0, 1, 1], [300, 7, 20, 65, 700], 8, 2, 64, 16, torch.float32)
+    arrivals.counters(DEVICE, "attention", 1)  # (allocated before the poison)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out = run_attention(batch, 0.125, num_splits=num_splits)
+    monkeypatch.undo()
+    check(out, batch.reference(0.125, None, None), torch.float32)
+    assert int(arrivals.counters(DEVICE, "attention", 1).abs().sum()) == 0
 
 
 class _NoLaunch:

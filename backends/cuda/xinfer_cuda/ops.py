@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, StepForward, StepLimits
+from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation, StepForward, StepLimits
 from xinfer.sampling import SamplingBatch
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
@@ -165,6 +165,27 @@ class CudaOps(TorchOps):
         shadow_slots = meta.shadows.slot_mapping if meta.shadows is not None else None
         rotated_q = self._store(k, v, cache, meta.slot_mapping, q, shadow_slots)
         return attention.paged_attention_cache(q, cache, meta, scale, window, softcap, rotated_q=rotated_q)
+
+    def rotary_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        rotation: Rotation,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """A cache in the model's dtype takes the rotated keys and the values from the rotary's
+        launch; a quantized one from its own write launch (which also rotates the queries into
+        its basis and fills the recent window), after the rotary's."""
+        if cache.format.name != "auto":
+            return super().rotary_attention(q, k, v, rotation, cache, meta, scale, window, softcap)
+        q = rotary.rotary_write_kv(q, k, v, rotation.positions, rotation.cos_sin, rotation.norms, cache["k"],
+                                   cache["v"], meta.slot_mapping)  # fmt: skip
+        return attention.paged_attention_cache(q, cache, meta, scale, window, softcap)
 
     def encoder_attention(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
         """Every image of the batch in one launch."""

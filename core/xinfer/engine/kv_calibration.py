@@ -73,6 +73,14 @@ class KeyStatistics:
             self.softcapped.add(layer)
         return self.inner.attention(q, k, v, cache, meta, scale, window, softcap)
 
+    def rotary_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, rotation: ops.Rotation, cache: LayerKVCache, meta, scale, window=None,
+        softcap=None,
+    ) -> Tensor:  # fmt: skip
+        """The rotary, then :meth:`attention` (recorded) of the rotated queries and keys."""
+        q, k = self.inner.rotary(q, k, rotation.positions, rotation.cos_sin, rotation.norms)
+        return self.attention(q, k, v, cache, meta, scale, window, softcap)
+
 
 @dataclass(frozen=True)
 class KeyTransforms:

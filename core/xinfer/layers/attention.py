@@ -6,6 +6,7 @@ from xinfer import ops
 from xinfer.cache.specs import AttentionSpec
 from xinfer.forward_context import attention_metadata
 from xinfer.kv import LayerKVCache
+from xinfer.ops import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -39,11 +40,19 @@ class Attention(nn.Module):
     def cache_spec(self) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.window)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        meta = attention_metadata(self.page_group)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, rotation: ops.Rotation | None = None) -> Tensor:
+        """With ``rotation``, q and k are rotated (and normed) by it first, in the same op."""
+        meta = self.step_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         assert self.cache is not None, "the engine binds the KV cache before the first forward"
-        out = ops.attention(q, k, v, self.cache, meta, self.scale, self.window, self.softcap)
+        if rotation is None:
+            out = ops.attention(q, k, v, self.cache, meta, self.scale, self.window, self.softcap)
+        else:
+            out = ops.rotary_attention(q, k, v, rotation, self.cache, meta, self.scale, self.window, self.softcap)
         return out.flatten(1)
+
+    def step_metadata(self) -> AttentionMetadata:
+        """The step's attention metadata as this layer reads it."""
+        return attention_metadata(self.page_group)

@@ -172,9 +172,14 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: Tensor, q: Tensor, k: Tensor, norms: ops.HeadNorms | None = None
     ) -> tuple[Tensor, Tensor]:
+        rotation = self.rotation(positions, norms)
+        return ops.rotary(q, k, rotation.positions, rotation.cos_sin, rotation.norms)
+
+    def rotation(self, positions: Tensor, norms: ops.HeadNorms | None = None) -> ops.Rotation:
+        """The rotation of the step's ``positions`` as the ops take it (:class:`xinfer.ops.Rotation`)."""
         if self.trained_context is not None:
             positions = positions + self.max_position * _longer_than(self.trained_context, positions)
-        return ops.rotary(q, k, positions, self.cos_sin, norms)
+        return ops.Rotation(positions, self.cos_sin, norms)
 
 
 def _longer_than(context: int, positions: Tensor) -> Tensor:

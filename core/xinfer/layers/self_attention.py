@@ -12,6 +12,7 @@ from xinfer.layers.attention import Attention
 from xinfer.layers.linear import MergedLinear, RowLinear
 from xinfer.layers.norm import RMSNorm, head_norms
 from xinfer.layers.rotary import RotaryEmbedding, pairs_to_halves
+from xinfer.ops import HeadNorms
 
 
 class SelfAttention(nn.Module):
@@ -79,13 +80,15 @@ class SelfAttention(nn.Module):
         return self.attend(positions, qkv), residual
 
     def attend(self, positions: Tensor, qkv: Tensor) -> Tensor:
-        q, k, v, gate = self.heads(positions, qkv)
-        out = self.attn(q, k, v)
+        q, k, v, gate, norms = self.heads(qkv)
+        out = self.attn(q, k, v, self.rotary_emb.rotation(positions, norms))  # norms, rotary, attention: one op
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
-    def heads(self, positions: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """From the merged projection's output: queries [T, H, D] and keys [T, Hkv, D],
-        normed and rotated; values [T, Hkv*D]; the output gate [T, H*D] (None without one)."""
+    def heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, HeadNorms | None]:
+        """From the merged projection's output: queries [T, H, D] and keys [T, Hkv, D] as
+        projected; values [T, Hkv*D]; the output gate [T, H*D] (None without one); the
+        per-head norms of q and k, which the attention op applies before the rotary (None
+        without them)."""
         q, k, v = self.qkv_proj.split(qkv)
         gate = None
         if self.output_gate:
@@ -94,8 +97,7 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        q, k = self.rotary_emb(positions, q, k, norms)
-        return q, k, v, gate
+        return q, k, v, gate, norms
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         if not self.interleaved_rotary:

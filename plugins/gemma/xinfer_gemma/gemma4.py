@@ -93,12 +93,8 @@ class CausalAttention(Attention):
     """Attention that stays causal where the step lets image tokens see their image's later ones
     (``key_limits``): Gemma 4's global layers, unlike its sliding ones."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        meta = causal(attention_metadata(self.page_group))
-        assert self.cache is not None, "the engine binds the KV cache before the first forward"
-        q, k, v = (t.view(-1, heads, self.head_dim) for t, heads in ((q, self.num_heads), (k, self.num_kv_heads),
-                                                                     (v, self.num_kv_heads)))  # fmt: skip
-        return ops.attention(q, k, v, self.cache, meta, self.scale, self.window, self.softcap).flatten(1)
+    def step_metadata(self) -> AttentionMetadata:
+        return causal(super().step_metadata())
 
 
 def causal(meta: AttentionMetadata) -> AttentionMetadata:

@@ -70,9 +70,8 @@ class MiniMaxM2Attention(SelfAttention):
         self.q_norm = SplitRMSNorm(num_heads * head_dim, tp.split(num_heads, "attention heads"), eps)
         self.k_norm = SplitRMSNorm(num_kv_heads * head_dim, tp.heads(num_kv_heads, "KV heads"), eps)
 
-    def heads(self, positions: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+    def heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v = self.qkv_proj.split(qkv)
         q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
         k = self.k_norm(k).view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return q, k, v, None
+        return q, k, v, None, None

@@ -92,12 +92,11 @@ class MRotaryEmbedding(RotaryEmbedding):
         half = self.rotary_dim // 2
         self.register_buffer("axes", interleaved_axes(half, sections).repeat(2), persistent=False)  # cos || sin
 
-    def forward(
-        self, positions: Tensor, q: Tensor, k: Tensor, norms: ops.HeadNorms | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def rotation(self, positions: Tensor, norms: ops.HeadNorms | None = None) -> ops.Rotation:
         if positions.dim() == 1:
-            return self.rotary(positions, q, k, norms)
-        return ops.rotary(q, k, torch.arange(q.shape[0], device=q.device), self.table(positions), norms)
+            return self.rotary.rotation(positions, norms)
+        tokens = torch.arange(positions.shape[-1], device=positions.device)
+        return ops.Rotation(tokens, self.table(positions), norms)
 
     def table(self, positions: Tensor) -> Tensor:
         """Each token's cos || sin row [T, R], each frequency at its axis's position."""

@@ -13,8 +13,11 @@ Two kernels share one inner loop (:func:`_attend_keys`, online softmax in fp32, 
   tile one query would fill a group's rows of a 128-row tile and leave the rest
   idle). Flash-decoding: each sequence's context is split across ``num_splits``
   programs per KV head, which write partial (acc, max, sum); the reduce merges them,
-  or, with few splits (short contexts), the last of a KV head's programs to finish does
-  (a counter per (sequence, KV head)), which saves the reduce's launch.
+  or, where a context filled few splits, the last of a KV head's programs to finish does
+  (a counter per (sequence, KV head)); a grid of few splits launches no reduce. The split
+  count is the grid's, from shapes (the graph's longest context); a shorter context fills
+  only the splits its keys need (at least a minimum split each) and the grid's other
+  programs exit at once, so the merge reads only the parts that ran.
   With a recent window the keys that may be exact (the first block, the last
   ``recent``) are read by a launch of its own, one program per (sequence, KV head),
   on a second stream beside the splits, which share the rest.
@@ -589,7 +592,7 @@ def _split_len(num_keys, num_splits, MIN_SPLIT: tl.constexpr):
     return tl.maximum(split_len, MIN_SPLIT)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # (one compile whatever the count)
+@triton.jit(do_not_specialize=["num_splits", "merged_parts"])  # (one compile whatever the counts)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -604,6 +607,7 @@ def _decode_kernel(
     part_max_ptr,
     part_sum_ptr,
     arrivals_ptr,
+    part_counts_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -634,6 +638,7 @@ def _decode_kernel(
     stride_bt,
     num_heads,
     num_splits,
+    merged_parts,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -644,6 +649,7 @@ def _decode_kernel(
     MIN_SPLIT: tl.constexpr,
     PARTIAL: tl.constexpr,
     MERGE: tl.constexpr,
+    REDUCE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -666,7 +672,7 @@ def _decode_kernel(
     pdl_entry(PDL)
     kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
     seq = tl.program_id(1)
-    split = tl.program_id(2) + num_splits * EXACT_PART  # the exact part is part num_splits
+    split = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
@@ -677,10 +683,10 @@ def _decode_kernel(
     else:
         lo = seq_len * 0
     # With a recent window (EXACT) the splits share the plain keys between them and a
-    # launch of its own (EXACT_PART, part num_splits) reads the exact spans (the first
-    # block, the last ``recent`` keys): in the splits' launch its tiles cost every
-    # program registers (spills at 64 x 8k), and in the last split they lengthened the
-    # step's slowest program by a third.
+    # launch of its own (EXACT_PART, the part after the splits that ran) reads the exact
+    # spans (the first block, the last ``recent`` keys): in the splits' launch its tiles
+    # cost every program registers (spills at 64 x 8k), and in the last split they
+    # lengthened the step's slowest program by a third.
     near_from = seq_len - recent
     plain_lo, plain_hi = lo, seq_len
     if EXACT:
@@ -693,7 +699,15 @@ def _decode_kernel(
         # fp8's kernel took 187 registers instead of 168, and 7 % more instructions).
         plain_lo = BLOCK_N
         head_end = tl.minimum(plain_hi, BLOCK_N)
-    split_len = _split_len(tl.maximum(plain_hi - plain_lo, 0), num_splits, MIN_SPLIT)
+    plain_keys = tl.maximum(plain_hi - plain_lo, 0)
+    split_len = _split_len(plain_keys, num_splits, MIN_SPLIT)
+    # The splits this context fills (split 0 always); the grid's others exit at once, so a
+    # short context in a graph captured for long ones reads and merges a few parts only.
+    used = tl.maximum(tl.cdiv(plain_keys, split_len), 1)
+    if EXACT_PART:
+        split = used  # the exact part follows the splits that ran
+    elif split >= used:
+        return
     start = plain_lo + split * split_len
     end = tl.maximum(tl.minimum(start + split_len, plain_hi), start)  # (empty splits leave neutral partials)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
@@ -757,14 +771,21 @@ def _decode_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         _store_rows(part_acc_ptr, part * HEAD_DIM, row_ok, acc_lo, acc_hi, basis_ptr,
                     HEAD_DIM, SPLIT, HALF_D, False, ROTATION_CHUNK, PRECISION)  # fmt: skip
-        # The last part of the (sequence, KV head) to finish merges them all (no reduce launch)
+        # Up to merged_parts parts, the last of the (sequence, KV head) to finish merges them
+        # (past it, the reduce launch does; a short context in a graph captured for long
+        # ones merges here and the reduce's programs exit at once)
+        parts_run = used + EXACT
         if MERGE:  # noqa: SIM102 (a constexpr: no atomic is compiled without it)
-            if last_to_arrive(arrivals_ptr + seq * (num_heads // GROUP) + kv_head, num_splits + EXACT):
-                first_part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT)
-                o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-                _merge_parts(out_ptr, o_off, part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, num_splits + EXACT,
-                             row_ok, basis_ptr, BLOCK_M, HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK,
-                             PRECISION)  # fmt: skip
+            if parts_run <= merged_parts:  # noqa: SIM102 (no atomic past it: `and` would count every program)
+                if last_to_arrive(arrivals_ptr + seq * (num_heads // GROUP) + kv_head, parts_run):
+                    first_part = (seq.to(tl.int64) * num_heads + head) * (num_splits + EXACT)
+                    o_off = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+                    _merge_parts(out_ptr, o_off, part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, parts_run,
+                                 row_ok, basis_ptr, BLOCK_M, HEAD_DIM, SPLIT, HALF_D, ROTATE_OUT, ROTATION_CHUNK,
+                                 PRECISION)  # fmt: skip
+        if REDUCE:  # noqa: SIM102 (a constexpr)
+            if split == 0 and kv_head == 0 and not EXACT_PART:  # the reduce's count of the parts
+                tl.store(part_counts_ptr + seq, parts_run)
 
 
 @triton.jit
@@ -807,10 +828,12 @@ def _decode_reduce_kernel(
     basis_ptr,
     part_max_ptr,
     part_sum_ptr,
+    part_counts_ptr,
     cu_seqlens_q_ptr,
     stride_o_tok,
     stride_o_head,
     num_heads,
+    merged_parts,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_PARTS: tl.constexpr,
@@ -826,9 +849,12 @@ def _decode_reduce_kernel(
     if q_len != 1:
         return
 
+    num_parts = tl.load(part_counts_ptr + seq)  # the parts that ran (_decode_kernel's used splits)
+    if num_parts <= merged_parts:  # merged by the decode launch's last program
+        return
     # (a part that read no keys left max NEG_BIG, sum and acc 0: it weighs nothing)
     parts = tl.arange(0, BLOCK_PARTS)
-    active = parts < NUM_PARTS
+    active = parts < num_parts
     part = (seq.to(tl.int64) * num_heads + head) * NUM_PARTS + parts
     m = tl.load(part_max_ptr + part, mask=active, other=NEG_BIG)
     total = tl.load(part_sum_ptr + part, mask=active, other=0.0)
@@ -856,9 +882,9 @@ class TileConfig:
     num_stages: int
 
 
-# Up to this many splits the last of a (sequence, KV head)'s programs merges their partials
-# (a serial loop over the parts) instead of a reduce launch; past it the reduce's programs
-# per (sequence, head) merge faster than the one program would.
+# Up to this many splits (that a context fills) the last of a (sequence, KV head)'s programs
+# merges their partials (a serial loop over the parts) instead of the reduce; past it the
+# reduce's programs per (sequence, head) merge faster than the one program would.
 MERGE_SPLITS = 8
 
 # Preferred first; the first whose shared memory fits the device is used. Sizes checked
@@ -1177,13 +1203,21 @@ def attend_sides(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
 
-    def decode_args(part_acc: Tensor, part_max: Tensor, part_sum: Tensor, counts: Tensor, num_splits: int) -> tuple:
+    def decode_args(
+        part_acc: Tensor,
+        part_max: Tensor,
+        part_sum: Tensor,
+        counters: Tensor,
+        part_counts: Tensor,
+        num_splits: int,
+        merged_parts: int,
+    ) -> tuple:
         return (
-            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum, counts,
+            q, *cache_ptrs, basis, out, part_acc, part_max, part_sum, counters, part_counts,
             meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             score_scale, cap_scale, window_arg, *exact_args,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *cache_strides, num_heads, num_splits,
+            *cache_strides, num_heads, num_splits, merged_parts,
         )  # fmt: skip
 
     if num_splits is None and long_tiles and not fills_gpu and q.is_cuda:
@@ -1193,10 +1227,11 @@ def attend_sides(
         # against 32: turbo4 38.0 -> 33.6 us, turbo8 42.4 -> 37.4, fp8 38.7 -> 36.7).
         def stand_in_args() -> tuple:  # (the partials' dtype and alignment)
             stand_in = torch.empty(1, dtype=torch.float32, device=q.device)
-            return decode_args(stand_in, stand_in, stand_in, torch.empty(1, dtype=torch.int32, device=q.device), 2)
+            counts = torch.empty(1, dtype=torch.int32, device=q.device)
+            return decode_args(stand_in, stand_in, stand_in, counts, counts, 2, 0)
 
         kind = (q.device, q.dtype, k_cache.dtype, v_cache.dtype)  # (the other dtypes follow from the constexprs)
-        constexprs = dict(decode_constexprs, EXACT_PART=False, PARTIAL=True, MERGE=False)
+        constexprs = dict(decode_constexprs, EXACT_PART=False, PARTIAL=True, MERGE=False, REDUCE=True)
         per_sm = _programs_per_sm(_decode_kernel, stand_in_args, kind, constexprs)
         useful = triton.cdiv(max_context, min_split)
         pairs = meta.num_seqs * num_kv_heads
@@ -1215,11 +1250,16 @@ def attend_sides(
         )
     else:
         parts = (out, out, out)  # unused
-    few_splits = 1 < num_parts and num_splits <= MERGE_SPLITS
-    counters = arrivals.counters(q.device, "attention", meta.num_seqs * num_kv_heads) if few_splits else None
-    args = decode_args(*parts, counters if counters is not None else meta.seq_lens, num_splits)
-    decode_constexprs["PARTIAL"] = num_parts > 1
-    decode_constexprs["MERGE"] = counters is not None
+    # The last program of a (sequence, KV head) merges up to MERGE_SPLITS splits (and the
+    # exact part); a grid of more launches the reduce too, which merges the contexts that
+    # filled more of them.
+    counters = arrivals.counters(q.device, "attention", meta.num_seqs * num_kv_heads) if num_parts > 1 else None
+    reduce = num_parts > 1 and (counters is None or num_splits > MERGE_SPLITS)
+    merged_parts = 0 if counters is None else MERGE_SPLITS + (exact is not None) if reduce else num_parts
+    part_counts = torch.empty(meta.num_seqs, dtype=torch.int32, device=q.device) if reduce else meta.seq_lens
+    counters_arg = counters if counters is not None else meta.seq_lens  # (unused without)
+    args = decode_args(*parts, counters_arg, part_counts, num_splits, merged_parts)
+    decode_constexprs |= dict(PARTIAL=num_parts > 1, MERGE=counters is not None, REDUCE=reduce)
     side = _fork(q.device) if exact is not None else None
     if exact is not None:  # the exact part, beside the splits where there are streams
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -1227,10 +1267,10 @@ def attend_sides(
     _decode_kernel[(num_kv_heads, meta.num_seqs, num_splits)](*args, EXACT_PART=False, **decode_constexprs)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
-    if num_parts > 1 and counters is None:
+    if reduce:
         _decode_reduce_kernel[(meta.num_seqs, num_heads)](
-            out, parts[0], basis, parts[1], parts[2], meta.cu_seqlens_q,
-            out.stride(0), out.stride(1), num_heads,
+            out, parts[0], basis, parts[1], parts[2], part_counts, meta.cu_seqlens_q,
+            out.stride(0), out.stride(1), num_heads, merged_parts,
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_PARTS=num_parts, BLOCK_PARTS=triton.next_power_of_2(num_parts),
             ROTATE_OUT=common["ROTATE_OUT"], num_warps=4, **pdl,
         )  # fmt: skip

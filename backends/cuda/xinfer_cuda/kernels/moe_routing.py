@@ -4,7 +4,7 @@ reference takes some ten launches (scores, correction, group top-2s, top-k, gath
 renormalization, scaling) of a few microseconds each: at batch 1 these, not bytes, are
 the cost.
 
-Ties break to the lower expert, as argmax does; top-k picks the best first, k times.
+Ties break to the lower expert, as argmax does; the top k are the experts ranked below k.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _argmax(values, index):
 def route_row(
     logits, experts, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, scaling_factor,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """One token's routing from its logits [BLOCK_E] (fp32, -inf past ``num_experts``):
     its weights and ids stored at ``weights_ptr`` and ``ids_ptr`` [TOP_K]."""
@@ -68,20 +68,28 @@ def route_row(
             kept |= group == best_group
             group_scores = tl.where(tl.arange(0, NUM_GROUPS) == best_group, -float("inf"), group_scores)
         choice = tl.where(kept, choice, -float("inf"))
-    slots = tl.arange(0, BLOCK_K)
-    ids = tl.zeros((BLOCK_K,), tl.int32)
-    weights = tl.zeros((BLOCK_K,), tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert, _best = _argmax(choice, experts)
-        expert = tl.minimum(expert, num_experts - 1)
-        ids = tl.where(slots == j, expert, ids)
-        weights = tl.where(slots == j, tl.sum(tl.where(experts == expert, scores, 0.0), axis=0), weights)
-        choice = tl.where(experts == expert, -float("inf"), choice)
+    # Each expert's rank among the choices (those above it, and those equal to it of a lower
+    # index, argmax's order), compared with a chunk of the others at a time: the experts of
+    # rank below TOP_K are the choice, stored at their rank (best first). One pass, where
+    # TOP_K rounds of argmax took three reductions across the program each (at 128 experts,
+    # top-8, most of a batch-1 routing's time).
+    BLOCK_E: tl.constexpr = experts.shape[0]
+    CHUNK: tl.constexpr = BLOCK_E if BLOCK_E <= 64 else 4096 // BLOCK_E  # (qwen3: 128 x 32 pairs, four chunks)
+    rank = tl.zeros((BLOCK_E,), tl.int32)
+    for first in tl.static_range(0, BLOCK_E, CHUNK):
+        others = first + tl.arange(0, CHUNK)
+        other_choice = tl.gather(choice, others, 0)[None, :]
+        above = (other_choice > choice[:, None]) | (
+            (other_choice == choice[:, None]) & (others[None, :] < experts[:, None])
+        )
+        rank += tl.sum(above.to(tl.int32), axis=1)
+    chosen = rank < TOP_K  # (experts past num_experts rank after every real one)
+    weights = tl.where(chosen, scores, 0.0)
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     weights *= scaling_factor
-    tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
-    tl.store(weights_ptr + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + rank, experts, mask=chosen)
+    tl.store(weights_ptr + rank, weights, mask=chosen)
 
 
 @triton.jit
@@ -89,8 +97,7 @@ def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
     num_experts, group_size, stride_logits, scaling_factor,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_entry(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -98,8 +105,7 @@ def _route_kernel(
     valid = experts < num_experts
     logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=-float("inf")).to(tl.float32)
     route_row(logits, experts, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, num_experts,
-              group_size, scaling_factor, SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K,
-              BLOCK_K)  # fmt: skip
+              group_size, scaling_factor, SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K)  # fmt: skip
 
 
 def covers(routing: Routing) -> bool:
@@ -131,5 +137,4 @@ def route_constexprs(routing: Routing, num_experts: int, has_bias: bool) -> dict
     return dict(
         SCORING=routing.scoring, HAS_BIAS=has_bias, RENORMALIZE=routing.renormalize, NUM_GROUPS=routing.num_groups,
         TOPK_GROUPS=routing.topk_groups, TOP_K=routing.top_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(routing.top_k),
     )  # fmt: skip

@@ -140,7 +140,7 @@ def _norm_route_kernel(
     HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K_SLOTS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A router's logits of one row (rounded to ``logits_ptr``'s dtype, the weight's, as the
     unfused op's are), and the last program to finish routes from them all."""
@@ -151,7 +151,7 @@ def _norm_route_kernel(
         experts = tl.arange(0, BLOCK_E)
         logits = tl.load(logits_ptr + experts, mask=experts < N, other=-float("inf"), cache_modifier=".cg")
         route_row(logits.to(tl.float32), experts, bias_ptr, weights_ptr, ids_ptr, N, group_size, scaling_factor,
-                  SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K, BLOCK_K_SLOTS)  # fmt: skip
+                  SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K)  # fmt: skip
 
 
 @triton.jit
@@ -275,7 +275,6 @@ def norm_route(
     weights = torch.empty(m, routing.top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, routing.top_k, dtype=torch.int32, device=x.device)
     route = route_constexprs(routing, n, correction_bias is not None)
-    route["BLOCK_K_SLOTS"] = route.pop("BLOCK_K")
     bias = correction_bias if correction_bias is not None else weights  # (unread)
     _norm_route_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, logits, normed, h, bias, weights, ids, counter,

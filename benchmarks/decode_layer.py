@@ -1,0 +1,237 @@
+"""The small ops of one batch-1 decode layer at Qwen3-30B-A3B's shapes, each alone, the path
+before the fusions of issues #31/#32 beside the one now taken; one JSON line per (op, path).
+
+    python benchmarks/decode_layer.py [--contexts 140 1024 8192] [--max-context 40960] [--no-pdl]
+    python benchmarks/decode_layer.py --smoke   # tiny shapes on the CPU under the Triton interpreter
+
+Ops and paths:
+
+- ``attention``: decode attention of one query (32 heads, 4 KV heads of 128, bf16 cache of
+  16-token blocks) over ``--contexts`` keys, in a grid sized for ``--max-context`` as a CUDA
+  graph captured for the engine's longest context is (``graph grid``), beside the grid a graph
+  captured for that context alone would have (``context grid``). Before the change the graph
+  grid ran every one of its splits and merged them all (8.5 us at 140 keys in the brief's
+  profile); now a short context runs the splits it fills, so the two should be close.
+  ``--one-tile-splits`` adds the graph grid with splits of one key tile (a candidate: the
+  engine's splits take at least two, ``attention._min_split``).
+- ``rotary+kv write``: q/k norms and rotary of one token, and its K/V stored into the paged
+  cache: ``rotary, write_kv`` (two launches, the rotated k written and read back) against
+  ``rotary_write_kv`` (one launch, k rotated straight into the cache).
+- ``router``: the router's norm, its 128 x 2048 projection and the top-8 routing:
+  ``norm_linear, moe_route`` (two launches) against ``norm_route`` (one launch, the last
+  program routes), each in every one-row tile, the fastest reported (as the engine measures).
+  Both use today's routing math (one ranking pass; the k rounds of argmax before it are gone).
+
+Method: ``COPIES`` layers' inputs (a cache, a weight per layer) so that consecutive calls read
+other memory, as a step's layers do; a CUDA graph of a call per layer, replayed five times
+between ``torch.cuda.Event`` records, the best replay divided by the calls. ``bytes`` are what
+a call must move (the context's K/V, the token's q/k/v in and out, the router's weight), and
+``bytes_per_us`` their rate. Each pair of paths is checked to agree before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, block_size=16)
+SMOKE = dict(hidden=64, heads=4, kv_heads=1, head_dim=64, experts=16, top_k=4, block_size=16)
+COPIES = 48  # a layer's inputs per decode step
+EPS = 1e-6
+
+
+@dataclass
+class Setup:
+    shape: dict
+    device: torch.device
+    dtype: torch.dtype
+    smoke: bool
+    copies: int
+
+
+def per_call_us(calls: list[Callable[[], object]], setup: Setup) -> float:
+    """Microseconds per call of ``calls`` run in order (a CUDA graph of them on the GPU)."""
+    if setup.smoke:
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) * 1e6 / len(calls)
+    for call in calls:  # compiles, measurements and counters before the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3)
+    return best / len(calls)
+
+
+def report(op: str, path: str, us: float, nbytes: int, **extra) -> None:
+    line = dict(op=op, path=path, us=round(us, 2), bytes=nbytes, bytes_per_us=round(nbytes / us), **extra)
+    print(json.dumps(line), flush=True)
+
+
+def rand(setup: Setup, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=setup.device) * scale).to(setup.dtype)
+
+
+def agree(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    assert err < 2e-2, f"{what}: the paths disagree (relative error {err:.1e})"
+
+
+def attention_case(setup: Setup, context: int, max_context: int, one_tile_splits: bool) -> None:
+    from xinfer.kv import LayerKVCache
+    from xinfer.ops import AttentionMetadata
+    from xinfer_cuda.kernels import attention
+
+    s = setup.shape
+    block_size, kv_heads, head_dim = s["block_size"], s["kv_heads"], s["head_dim"]
+    blocks = math.ceil(context / block_size)
+    table = torch.zeros(1, math.ceil(max_context / block_size), dtype=torch.int32, device=setup.device)
+    table[0, :blocks] = torch.randperm(blocks, device=setup.device, dtype=torch.int32)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=setup.device),
+        seq_lens=torch.tensor([context], dtype=torch.int32, device=setup.device),
+        block_tables=table,
+        slot_mapping=torch.tensor([context - 1], dtype=torch.int64, device=setup.device),
+        max_seqlen_q=1,
+        max_seq_len=context,
+    )
+    caches = [
+        LayerKVCache.plain(rand(setup, blocks, block_size, kv_heads, head_dim), rand(setup, blocks, block_size, kv_heads, head_dim))
+        for _ in range(setup.copies)
+    ]  # fmt: skip
+    q = rand(setup, 1, s["heads"], head_dim)
+    paths = {"graph grid": meta, "context grid": replace(meta, block_tables=table[:, :blocks])}
+    outs = {p: attention.paged_attention_cache(q, caches[0], m, head_dim**-0.5) for p, m in paths.items()}
+    agree(outs["graph grid"], outs["context grid"], "attention")
+    nbytes = 2 * context * kv_heads * head_dim * q.element_size() + 2 * q.numel() * q.element_size()
+    for path, m in paths.items():
+        calls = [lambda c=c, m=m: attention.paged_attention_cache(q, c, m, head_dim**-0.5) for c in caches]
+        report("attention", path, per_call_us(calls, setup), nbytes, context=context, max_context=max_context)
+    if one_tile_splits:  # a candidate, not the engine's: splits of one key tile (two today), shorter chains
+        two_tiles = attention._min_split
+        attention._min_split = lambda cfg: cfg.block_n
+        try:
+            calls = [lambda c=c: attention.paged_attention_cache(q, c, meta, head_dim**-0.5) for c in caches]
+            agree(calls[0](), outs["graph grid"], "attention in one-tile splits")
+            us = per_call_us(calls, setup)
+        finally:
+            attention._min_split = two_tiles
+        report("attention", "graph grid, one-tile splits", us, nbytes, context=context, max_context=max_context)
+
+
+def rotary_case(setup: Setup) -> None:
+    from xinfer.ops import HeadNorms
+    from xinfer_cuda.kernels import kv_write, rotary
+
+    s = setup.shape
+    heads, kv_heads, head_dim, block_size = s["heads"], s["kv_heads"], s["head_dim"], s["block_size"]
+    qkv = rand(setup, 1, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = q.view(1, heads, head_dim), k.view(1, kv_heads, head_dim), v.view(1, kv_heads, head_dim)
+    positions = torch.tensor([139], device=setup.device)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=setup.device).float() / head_dim)
+    angles = torch.outer(torch.arange(4096, device=setup.device).float(), inv_freq)
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    norms = HeadNorms(rand(setup, head_dim), rand(setup, head_dim), EPS)
+    caches = [(rand(setup, 16, block_size, kv_heads, head_dim), rand(setup, 16, block_size, kv_heads, head_dim))
+              for _ in range(setup.copies)]  # fmt: skip
+    slots = torch.tensor([139], device=setup.device)
+
+    def old(kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        q_out, k_out = rotary.rotary(q, k, positions, cos_sin, norms)
+        kv_write.write_kv(k_out, v, kc, vc, slots)
+        return q_out
+
+    def new(kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        return rotary.rotary_write_kv(q, k, v, positions, cos_sin, norms, kc, vc, slots)
+
+    (k0, v0), (k1, v1) = caches[0], caches[1]
+    agree(new(k1, v1), old(k0, v0), "rotary q")
+    agree(k1.view(-1, kv_heads, head_dim)[139], k0.view(-1, kv_heads, head_dim)[139], "rotary k")
+    nbytes = 2 * qkv.numel() * qkv.element_size()  # q, k, v read; q, k, v written
+    for path, fn in (("rotary, write_kv", old), ("rotary_write_kv", new)):
+        calls = [lambda c=c, fn=fn: fn(*c) for c in caches]
+        report("rotary+kv write", path, per_call_us(calls, setup), nbytes)
+
+
+def router_case(setup: Setup) -> None:
+    from xinfer.layers.moe import Routing
+    from xinfer_cuda.kernels import moe_routing
+    from xinfer_cuda.kernels.norm_linear import norm_linear, norm_route
+    from xinfer_cuda.linear import ONE_ROW_TILES
+
+    s = setup.shape
+    routing = Routing(top_k=s["top_k"], renormalize=True)
+    x, residual = rand(setup, 1, s["hidden"]), rand(setup, 1, s["hidden"])
+    norm_weight = rand(setup, s["hidden"])
+    weights = [rand(setup, s["experts"], s["hidden"], scale=0.05) for _ in range(setup.copies)]
+    tiles = ONE_ROW_TILES[:3] if setup.smoke else ONE_ROW_TILES
+
+    def old(w: torch.Tensor, tile) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, _, _ = norm_linear(x, residual, norm_weight, EPS, w, None, tile)
+        return moe_routing.moe_route(logits, routing, None)
+
+    def new(w: torch.Tensor, tile) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = norm_route(x, residual, norm_weight, EPS, w, routing, None, tile)
+        assert routed is not None
+        return routed[0], routed[1]
+
+    (old_weights, old_ids), (new_weights, new_ids) = old(weights[0], tiles[0]), new(weights[0], tiles[0])
+    assert torch.equal(old_ids, new_ids), "router: the paths chose other experts"
+    agree(new_weights, old_weights, "router weights")
+    nbytes = weights[0].numel() * weights[0].element_size() + 2 * x.numel() * x.element_size()
+    for path, fn in (("norm_linear, moe_route", old), ("norm_route", new)):
+        times = {tile: per_call_us([lambda w=w, t=tile, fn=fn: fn(w, t) for w in weights], setup) for tile in tiles}
+        best = min(times, key=times.__getitem__)
+        report("router", path, times[best], nbytes, tile=str(best))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[140, 1024, 8192])
+    parser.add_argument("--max-context", type=int, default=40960, help="the context the graph's grid is sized for")
+    parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    parser.add_argument("--one-tile-splits", action="store_true", help="also time decode splits of one key tile")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, Triton interpreter (times meaningless)")
+    args = parser.parse_args()
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter is chosen when triton is imported
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"})
+    from xinfer_cuda.kernels import launch
+
+    if args.no_pdl:
+        launch.pdl = lambda device: {"PDL": False, "launch_pdl": False}
+    if args.smoke:
+        setup = Setup(SMOKE, torch.device("cpu"), torch.float32, True, 2)
+        contexts, max_context = [20, 140], 1024
+    else:
+        setup = Setup(QWEN3_30B_A3B, torch.device("cuda"), torch.bfloat16, False, COPIES)
+        contexts, max_context = args.contexts, args.max_context
+    torch.manual_seed(0)
+    for context in contexts:
+        attention_case(setup, context, max_context, args.one_tile_splits)
+    rotary_case(setup)
+    router_case(setup)
+
+
+if __name__ == "__main__":
+    main()
