@@ -89,7 +89,7 @@ def test_linear_and_moe_dispatch_to_the_kernels(name):
     weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=DEVICE)
     with ops.use(backend):
         out = ops.fused_moe(x, q13, q2, weights, ids, "silu")
-    dense13, dense2 = q13.cpu().dequantize(), q2.cpu().dequantize()
+    dense13, dense2 = q13.dequantize().cpu(), q2.dequantize().cpu()  # (.cpu() of the subclass is its raw bytes)
     ref = TorchOps().fused_moe(x.cpu(), dense13, dense2, weights.cpu(), ids.cpu(), "silu")
     check(out, ref, torch.float32)
     assert quant_moe.MAX_SLOTS >= ids.numel()  # the fused kernel, not the expert-by-expert path
