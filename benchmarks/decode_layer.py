@@ -64,23 +64,9 @@ def per_call_us(calls: list[Callable[[], object]], setup: Setup) -> float:
         for call in calls:
             call()
         return (time.perf_counter() - start) * 1e6 / len(calls)
-    for call in calls:  # compiles, measurements and counters before the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3)
-    return best / len(calls)
+    from xinfer_cuda.linear import graph_time  # the backend's timer: a CUDA graph cycling over the calls
+
+    return graph_time(lambda call: call(), calls) * 1e6
 
 
 def report(op: str, path: str, us: float, nbytes: int, **extra) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -56,21 +56,22 @@ MARGIN = 0.97  # a tile must take under 97 % of cuBLAS's time to replace it
 MIN_CALLS = 16  # calls per timed graph
 MAX_COPIES = 32  # of a small weight: past that the model's weights would fit in the L2 anyway
 
+T = TypeVar("T")
 Call = Callable[[Tensor], object]  # one linear over the given weight
 Timer = Callable[[Call, list[Tensor]], float]  # seconds per call, over those weights
 
 
-def graph_time(call: Call, weights: list[Tensor]) -> float:
+def graph_time(call: Callable[[T], object], inputs: Sequence[T]) -> float:
     """Seconds per ``call``, the best of three replays of a graph of calls cycling over
-    ``weights``."""
-    for w in weights:  # compiles, and cuBLAS's workspace, before the capture
+    ``inputs`` (a linear's weight copies, or calls themselves)."""
+    for w in inputs:  # compiles, and cuBLAS's workspace, before the capture
         call(w)
     torch.cuda.synchronize()
-    rounds = math.ceil(MIN_CALLS / len(weights))
+    rounds = math.ceil(MIN_CALLS / len(inputs))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(rounds):
-            for w in weights:
+            for w in inputs:
                 call(w)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,7 +82,7 @@ def graph_time(call: Call, weights: list[Tensor]) -> float:
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
-    return best / (rounds * len(weights))
+    return best / (rounds * len(inputs))
 
 
 def l2_overflowing_copies(weight: Tensor) -> list[Tensor]:
