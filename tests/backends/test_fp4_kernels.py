@@ -68,9 +68,9 @@ def test_real_shapes(name, shape):
     run_case(name, *shape, torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["FP8", *NAMES])
 def test_linear_and_moe_dispatch_to_the_kernels(name):
-    """ops.linear and ops.fused_moe on MXFP4 / NVFP4 weights reach the kernels under CudaOps."""
+    """ops.linear and ops.fused_moe on FP8 / MXFP4 / NVFP4 weights reach the kernels under CudaOps."""
     backend, fmt, core = CudaOps(), FORMATS[name], get_weight_format(name.lower())
     k = 2 * fmt.qk
     packed = random_packed(5, k, fmt, device=DEVICE)

@@ -15,10 +15,8 @@ from torch import Tensor
 from tests.backends.test_gguf_kernels import check  # the same packed kernels, the same bounds
 from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
-from xinfer.torch_ops import TorchOps
 from xinfer_cuda.fp8_tensor_cores import FP8_KERNELS, quantize_activations, to_tensor_core_layout
 from xinfer_cuda.kernels import quant_linear as quant_linear_module
-from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
 from xinfer_cuda.ops import CudaOps
@@ -83,31 +81,6 @@ def test_several_rows(dtype):
 @pytest.mark.parametrize("shape", [(1, 4096, 14336), (16, 6144, 4096), (300, 4096, 4096)], ids=str)
 def test_real_shapes(shape):
     run_case(*shape, torch.bfloat16)
-
-
-def test_linear_and_moe_dispatch_to_the_kernels():
-    """ops.linear and ops.fused_moe on FP8 weights reach the kernels under CudaOps."""
-    backend = CudaOps()
-    packed = random_packed(5, 128, FP8, device=DEVICE)
-    weight, bias = quantized(packed, CORE, (5, 128)), torch.randn(5, device=DEVICE)
-    x = torch.randn(2, 3, 128, device=DEVICE)
-    with ops.use(backend):
-        out = ops.linear(x, weight, bias)
-    check(out, x.cpu() @ reference(packed).T + bias.cpu(), torch.float32)
-
-    experts, hidden, inter = 4, 128, 128
-    w13 = random_packed(experts * 2 * inter, hidden, FP8, device=DEVICE).view(experts, 2 * inter, -1)
-    w2 = random_packed(experts * hidden, inter, FP8, device=DEVICE).view(experts, hidden, -1)
-    q13, q2 = quantized(w13, CORE, (experts, 2 * inter, hidden)), quantized(w2, CORE, (experts, hidden, inter))
-    x = torch.randn(2, hidden, device=DEVICE)
-    ids = torch.tensor([[0, 3], [2, 3]], device=DEVICE)
-    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=DEVICE)
-    with ops.use(backend):
-        out = ops.fused_moe(x, q13, q2, weights, ids, "silu")
-    dense13, dense2 = q13.dequantize().cpu(), q2.dequantize().cpu()  # (.cpu() of the subclass is its raw bytes)
-    ref = TorchOps().fused_moe(x.cpu(), dense13, dense2, weights.cpu(), ids.cpu(), "silu")
-    check(out, ref, torch.float32)
-    assert quant_moe.MAX_SLOTS >= ids.numel()  # the fused kernel, not the expert-by-expert path
 
 
 # --- the tensor-core path (XINFER_FP8_MATMUL=tensor-cores, SM90) ---------------------------------------
