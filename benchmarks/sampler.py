@@ -3,6 +3,7 @@ share of the step, for 1, 64 and 256 rows (issue #31's target: <= 3 % for 256 ro
 top-p 0.95 / temperature 0.8 over Qwen3-0.6B's 151,936 tokens). One JSON line.
 
     python benchmarks/sampler.py                # qwen3-0.6b, on the GPU
+    python benchmarks/sampler.py --kernels 20   # also each kernel's time per call, at the most rows
     python benchmarks/sampler.py --smoke        # the same code on the CPU, tiny sizes, Triton's
                                                 # interpreter: a check that it runs, not a figure
 
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from profiling import kernel_profiler, top_kernels
 from shapes import shape_folder
 
 from xinfer import LLM, SamplingParams
@@ -92,6 +94,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="also each mix's kernels at the most rows, over this many calls (torch profiler)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, smollm2-135m, 1 and 2 rows of 2,000 logits")
     args = parser.parse_args()
     if args.smoke:
@@ -127,6 +136,7 @@ def main() -> None:
         "decode_step_ms": {},
         "sample_ms": {name: {} for name in [*MIXES, *WORST]},
         "share_of_decode_step": {name: {} for name in [*MIXES, *WORST]},
+        "kernels_us_per_call": {},
     }
     for rows in row_counts:
         step = decode_step_seconds(llm, rows, args.input_len, args.steps, rng)
@@ -140,6 +150,14 @@ def main() -> None:
             seconds = seconds_per_call(lambda x=row_logits, batch=batch: sample(x, batch), device, args.repeats)
             result["sample_ms"][name][rows] = round(seconds * 1e3, 4)
             result["share_of_decode_step"][name][rows] = round(seconds / step, 4)
+            if args.kernels and rows == max(row_counts):
+                with kernel_profiler() as profiler:
+                    for _ in range(args.kernels):
+                        sample(row_logits, batch)
+                    torch.cuda.synchronize() if device.type == "cuda" else None
+                result["kernels_us_per_call"][name] = {
+                    k["kernel"]: round(k["ms"] * 1e3 / args.kernels, 1) for k in top_kernels(profiler, 8)
+                }
     print(json.dumps(result))
 
 
