@@ -83,8 +83,8 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    """HF names (DeepSeek's own are renamed at load, :mod:`xinfer_deepseek.checkpoint_v4`; MXFP4 experts
-    dequantized there). The MTP layer (``mtp.*``) is loaded and kept as the checkpoint stores it, in host
+    """HF names (DeepSeek's own are renamed at load, :mod:`xinfer_deepseek.checkpoint_v4`: MXFP4 experts
+    kept packed, FP8 projections dequantized there). The MTP layer (``mtp.*``) is loaded and kept as the checkpoint stores it, in host
     memory (:attr:`mtp`), not run: xinfer has no speculative decoding to run it in."""
 
     cuda_graphs = False  # (the compressed ops are torch references: loops over the sequences)
