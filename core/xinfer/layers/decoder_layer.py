@@ -10,7 +10,7 @@ projection's prologue (:func:`xinfer.ops.norm_linear`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
@@ -50,7 +50,6 @@ class SandwichDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(h), residual
 
 
-@runtime_checkable
 class NormsItsInput(Protocol):
     """A block whose first step is a projection of its (normalized) input, which takes the
     norm before it into that projection (:meth:`RMSNorm.project`): ``forward_norm(*args,
@@ -65,7 +64,7 @@ def normed_block(
 ) -> tuple[Tensor, Tensor]:
     """``(block(*args, norm(h + residual)), h + residual)``; the first layer has no residual
     yet (``h`` is the stream). A :class:`NormsItsInput` block applies the norm itself."""
-    if isinstance(block, NormsItsInput):
+    if hasattr(block, "forward_norm"):  # a NormsItsInput (isinstance on a runtime Protocol costs ~17 µs a call)
         return block.forward_norm(*args, norm, h, residual)
     if residual is None:
         return block(*args, norm(h)), h
