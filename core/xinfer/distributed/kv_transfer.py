@@ -148,8 +148,7 @@ def export_prefix(engine: LLMEngine, token_ids: list[int]) -> tuple[int, Tensor]
             torch.index_select(tensor, 0, index(ids), out=view)
         if device.type == "cpu":
             return num_tokens, staged
-        host = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=True)
-        return num_tokens, host.copy_(staged)
+        return num_tokens, engine.ops.host_buffer(tuple(staged.shape), torch.uint8).copy_(staged)
     finally:
         engine.cache.release(seq)
 

@@ -23,7 +23,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 from urllib.parse import urlsplit
@@ -277,7 +277,7 @@ class DisaggregatedEngine(AsyncEngine):
         self.transport = transport
         self.id = uuid.uuid4().hex
         self.link: PointToPoint | SharedCache | None = None
-        self.pinned = False  # whether gloo payloads are received in pinned memory (the cache is on an accelerator)
+        self.host_buffer: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None  # the engine's backend's
         self.connecting: asyncio.Lock | None = None
         self.http: httpx.AsyncClient | None = None
         self.releasing: set[asyncio.Future] = set()
@@ -320,8 +320,10 @@ class DisaggregatedEngine(AsyncEngine):
                 finally:
                     self._release(body["lease"])
             return int(body["cached_tokens"])
-        payload = torch.empty(body["nbytes"], dtype=torch.uint8, pin_memory=self.pinned and body["nbytes"] > 0)
-        if body["nbytes"]:
+        nbytes = body["nbytes"]
+        assert self.host_buffer is not None, "_connect binds it with the gloo link"
+        payload = self.host_buffer((nbytes,), torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if nbytes:
             try:
                 work = link.recv([payload], SERVER, body["tag"])
                 await asyncio.get_running_loop().run_in_executor(None, _wait, work, payload)
@@ -368,7 +370,7 @@ class DisaggregatedEngine(AsyncEngine):
                 return await self._connect("gloo")
             log.info("the prefill server %s's cache comes through shared memory", self.url)
             return shared
-        self.pinned = await self.call(lambda engine: engine.device.type != "cpu")
+        self.host_buffer = await self.call(lambda engine: engine.ops.host_buffer)  # gloo payloads land there
         group = await asyncio.get_running_loop().run_in_executor(None, self._join, body["port"])
         log.info("the prefill server %s's cache comes over gloo", self.url)
         return group
