@@ -39,12 +39,14 @@ serve: setup
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-# lint, format and type checks first (seconds), then the suite
+# lint, format and type checks first (seconds), then the suite: in TEST_WORKERS processes (pytest-xdist),
+# each test file in one of them so that its module fixtures (models, servers) are built once
+TEST_WORKERS ?= 2
 test: setup-test chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(BIN)/python benchmarks/offline.py --shape smollm2-135m --batch 1

@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# under pytest-xdist (`-n N`) each worker takes its share of the cores, as tensor-parallel ranks do
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture
