@@ -18,7 +18,7 @@ from xinfer.layers import RMSNorm
 from xinfer.layers.moe import Router, Routing
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import arrivals, moe, moe_routing, norm_linear
-from xinfer_cuda.linear import ONE_ROW_TILES, SmallBatchLinear
+from xinfer_cuda.linear import ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -216,7 +216,7 @@ def test_norm_route_matches_the_reference(name, with_residual):
     bias = randn(experts) * 0.05 if routing.correction_bias else None
     expected = TorchOps().norm_route(x, residual, norm_weight, 1e-6, weight, routing, bias)
     on = [None if t is None else t.to(DEVICE) for t in (x, residual, norm_weight, weight, bias)]
-    for tile in ONE_ROW_TILES[:: 1 if ON_GPU else 5]:
+    for tile in (ONE_ROW_TILES + ONE_PASS_TILES)[:: 1 if ON_GPU else 4]:
         weights, ids, normed, h = norm_linear.norm_route(*on[:3], 1e-6, on[3], routing, on[4], tile)
         assert torch.equal(ids.cpu().long(), expected[1]), tile
         torch.testing.assert_close(weights.cpu(), expected[0], rtol=1e-5, atol=1e-6)
@@ -254,7 +254,7 @@ def test_router_forward_norm_routes_alike_on_both_backends():
     with ops.use(TorchOps()), torch.no_grad():
         normed, new_residual = norm(h, residual)
         expected_weights, expected_ids = router(normed)
-    times = iter([10.0] + [5.0] * len(ONE_ROW_TILES))  # on a GPU: the fused launch measured faster
+    times = iter([10.0] + [5.0] * len(ONE_ROW_TILES + ONE_PASS_TILES))  # on a GPU: the fused launch measured faster
 
     def timer(call, weights):
         call(weights[0])
