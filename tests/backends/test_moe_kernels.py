@@ -17,6 +17,7 @@ from xinfer import ops
 from xinfer.layers import RMSNorm
 from xinfer.layers.moe import Router, Routing
 from xinfer.torch_ops import TorchOps
+from xinfer_cuda import moe_tiles
 from xinfer_cuda.kernels import arrivals, moe, moe_routing, norm_linear
 from xinfer_cuda.linear import ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear
 from xinfer_cuda.ops import CudaOps
@@ -269,3 +270,31 @@ def test_router_forward_norm_routes_alike_on_both_backends():
     torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.cpu(), normed, rtol=1e-5, atol=1e-6)
     assert torch.equal(residual_out.cpu(), new_residual)
+
+
+def test_small_batch_moe_takes_measured_tiles_only_where_clearly_faster(monkeypatch):
+    """The heuristic's tiles are timed first, then each candidate, over routings to distinct
+    random experts; a candidate replaces the heuristic only when clearly faster, and each
+    (token count, shape) is measured once."""
+    candidates = (SLOT_TILES["pipelined"], SLOT_TILES["split"])
+    monkeypatch.setattr(moe, "slot_candidates", lambda tokens, top_k, x: candidates)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, generator=generator).to(DEVICE)
+    w13 = (torch.randn(8, 64, 32, generator=generator) / 6).to(DEVICE)
+    w2 = (torch.randn(8, 32, 32, generator=generator) / 6).to(DEVICE)
+    for times, expected in (([10.0, 9.9, 9.8], None), ([10.0, 9.0, 8.0], SLOT_TILES["split"])):
+        timed = iter(times)
+
+        def timer(call, steps, timed=timed):
+            step = steps[-1]
+            assert all(len(set(ids.tolist())) == 3 for ids in step[2].cpu())  # distinct experts per token
+            reference = TorchOps().fused_moe(*(t.cpu() for t in (step[0], w13, w2, step[1], step[2])), "silu")
+            torch.testing.assert_close(call(step).cpu(), reference, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+            return next(timed)
+
+        chooser = moe_tiles.SmallBatchMoE(timer, routings=2)
+        for _ in range(2):  # (the second call is not timed: the timer would run out)
+            assert chooser.tiles(x, w13, w2, 3, "silu") == (expected or moe.slot_tiles(2, 3, x))
+        assert f"measured tiles for {int(expected is not None)}, the heuristic's for {int(expected is None)}" in (
+            chooser.report() or ""
+        )

@@ -31,7 +31,7 @@ slots fused, so that no [T*k, H] buffer is written and read back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -427,6 +427,23 @@ def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
     if num_tokens <= 2:
         return SlotTiles(up_n=16, up_k=256, down_n=down_n, down_k=128, down_unroll=2)
     return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128, up_unroll=2)
+
+
+def slot_candidates(num_tokens: int, top_k: int, x: Tensor) -> tuple[SlotTiles, ...]:
+    """Tiles the start-up measurement (xinfer_cuda/moe_tiles.py) times against
+    :func:`slot_tiles` at ``num_tokens`` tokens: gate/up and down tile shapes and load depths
+    around the heuristic's (what benchmarks/moe_kernels.py found best on the H200 moves with
+    the GPU and the expert shape); none under the interpreter."""
+    if not gpu_tiles(x):
+        return ()
+    base = slot_tiles(num_tokens, top_k, x)
+    ups = [(16, 256, 1), (16, 256, 2), (32, 128, 2), (8, 512, 1)]  # (up_n, up_k, up_unroll)
+    downs = [(base.down_n, 1), (base.down_n, 2), (base.down_n, 3), (max(4, base.down_n // 2), 2)]  # (down_n, unroll)
+    return tuple(
+        replace(base, up_n=up_n, up_k=up_k, up_unroll=up_unroll, down_n=down_n, down_unroll=down_unroll)
+        for up_n, up_k, up_unroll in ups
+        for down_n, down_unroll in downs
+    )
 
 
 def _per_slot(
