@@ -72,6 +72,7 @@ SLOT_TILES = {  # the per-slot path's variants (benchmarks/moe_kernels.py times 
     "pipelined": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, up_unroll=2, down_unroll=2),
     "slot-per-program": moe.SlotTiles(up_n=16, up_k=16, down_n=32, down_k=16, down_j=1),
     "split": moe.SlotTiles(up_n=32, up_k=16, down_n=16, down_k=16, down_j=2, down_split=3),
+    "fused": moe.SlotTiles(up_n=32, up_k=32, down_n=32, down_k=32, fused=True),
 }
 
 
@@ -90,6 +91,9 @@ def test_per_slot_variants_match_the_reference(shape, variant):
     expected = TorchOps().fused_moe(x, w13, w2, weights, ids, "silu")
     got = moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)), "silu", SLOT_TILES[variant])
     torch.testing.assert_close(got.cpu(), expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    if SLOT_TILES[variant].fused:  # its sums and counter left at zero for the next call
+        assert not arrivals.counters(DEVICE, "fused_moe_sums", 1, torch.float32).any()
+        assert not arrivals.counters(DEVICE, "fused_moe", 1).any()
 
 
 @pytest.mark.parametrize("tokens", [3, 37], ids=["per-slot", "grouped"])
