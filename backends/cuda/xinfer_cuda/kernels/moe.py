@@ -13,9 +13,10 @@ slots fused, so that no [T*k, H] buffer is written and read back.
   at 4.2 TB/s, and each program only a few loop steps, so what decides the time is the
   bytes in flight: the next step's weights load while this step's are multiplied, and
   down's first ones before gate/up has finished (:class:`SlotTiles` has the variants,
-  down split over slots and chunks of I among them; benchmarks/moe_kernels.py times
-  them). Down's row tiles shrink with the batch so that even one token spreads over
-  every SM.
+  down split over slots and chunks of I among them, or gate/up and down in one launch;
+  benchmarks/moe_kernels.py times them, and xinfer_cuda/moe_tiles.py picks among them
+  at start-up). Down's row tiles shrink with the batch so that even one token spreads
+  over every SM.
 - Grouped (prefill, larger batches): the slots are grouped by expert into blocks of
   ``BLOCK_M`` slots of one expert (an expert's last block padded with slot ``T*k``,
   which no program stores) by two small kernels (:func:`align_blocks`). A program
