@@ -54,7 +54,7 @@ from xinfer_cuda.kernels import (
     token_bitmask,
 )
 from xinfer_cuda.kernels.gguf_blocks import FORMATS
-from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.quant_weights import candidates
 from xinfer_deepseek.kernels import indexer, mla, sparse_mla
@@ -163,12 +163,16 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     split = moe.SlotTiles(up_n=32, up_k=128, down_n=8, down_k=128, down_split=2)
     moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", split)
     moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", replace(split, pipelined=False))
+    for tiles in moe.slot_candidates(1, 8, t(1, 2048)):  # the tiles the start-up measurement times (moe_tiles.py)
+        moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", tiles)
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
-    for tile in ONE_ROW_TILES[:2]:  # the router's norm, GEMV and routing in one launch (4 and 8 warps)
+    for tile in ONE_ROW_TILES[:2] + ONE_PASS_TILES[::3]:  # the router's norm, GEMV and routing in one launch
         norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(128, 2048), Routing(top_k=8, renormalize=True),
                                None, tile)  # fmt: skip
+    for tile in ONE_ROW_TILES[:1] + ONE_PASS_TILES[::3]:  # a norm fused into the qkv projection (Qwen3-30B-A3B)
+        norm_linear.norm_linear(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(5120, 2048), None, tile)
     # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode
     # step (the recurrent kernel) and one with prompts (the chunked form); the conv over q, k, v
     for q_len in (1, 100):
