@@ -232,11 +232,16 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         )  # fmt: skip
         queries = (t(2 * q_len, heads, 512), t(2 * q_len, heads, 64), t(2 * q_len, 576))
         mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=splits, tiles=mla_tiles[False])
-        w_uv = t(heads, 128, 512)  # the values up-projected in the decode's merge (q_len 1) or after
-        mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, w_uv, num_splits=splits, tiles=mla_tiles[False])
-        # the rows, rotary parts and absorbed queries (w_uk in the launch at 2 tokens, beside it at 16)
+        # the rows stored by mla_rows, the values up-projected in the decode's merge (q_len 1) or after
+        w_uv = t(heads, 128, 512)
+        mla.mla_attention(*queries[:2], None, t(4, 64, 576), meta, 0.1, w_uv, num_splits=splits,
+                          tiles=mla_tiles[False])  # fmt: skip
+        # the rows (stored, or not), rotary parts and absorbed queries (w_uk in the launch at 2 tokens, beside it
+        # at 16)
         rotation = Rotation(torch.zeros(2 * q_len, dtype=torch.int64), t(4096, 64, dt=torch.float32))
-        mla_rows.mla_rows(t(2 * q_len, heads, 192), t(2 * q_len, 576), rotation, t(512), 1e-6, t(heads, 128, 512))
+        projected = (t(2 * q_len, heads, 192), t(2 * q_len, 576), rotation, t(512), 1e-6, t(heads, 128, 512))
+        mla_rows.mla_rows(*projected)
+        mla_rows.mla_rows(*projected, t(4, 64, 576), meta.slot_mapping)
         fp8_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
         mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=splits, tiles=mla_tiles[True])
         # V3.2's sparse attention over 2048 selected rows of the latent cache, and its indexer (64 heads of 128)

@@ -155,12 +155,20 @@ class LatentAttention(nn.Module):
         q_latent, q_rope, latent, _ = projected
         assert self.cache is not None, "the engine binds the latent cache before the first forward"
         op = "mla_attention_fp8" if self.cache.dtype == torch.uint8 else "mla_attention"  # (cache_spec)
-        meta = attention_metadata(self.page_group)
-        return self.o_proj(ops.call(op, q_latent, q_rope, latent, self.cache, meta, self.scale, self.kv_b_proj.w_uv))
+        latent_to_store = None if self.rows_cache() is not None else latent
+        meta, w_uv = attention_metadata(self.page_group), self.kv_b_proj.w_uv
+        return self.o_proj(ops.call(op, q_latent, q_rope, latent_to_store, self.cache, meta, self.scale, w_uv))
+
+    def rows_cache(self) -> Tensor | None:
+        """The cache ``mla_rows`` stores the step's rows into: the latent cache where it holds them as
+        they are (an fp8 one's rows are encoded and stored by the attention op)."""
+        assert self.cache is not None, "the engine binds the latent cache before the first forward"
+        return None if self.cache.dtype == torch.uint8 else self.cache
 
     def project(self, positions: Tensor, x: Tensor, q_first: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The absorbed queries [T, H, R], their rotated rope parts [T, H, P], this step's latent rows
-        [T, R + P] (normalised latent || rotated rope key; all three the op ``mla_rows``), and the q-LoRA
+        [T, R + P] (normalised latent || rotated rope key; all three the op ``mla_rows``, which also stores
+        the rows into :meth:`rows_cache`), and the q-LoRA
         latent (None without q-LoRA), from ``x`` and its :meth:`first_projection` ``q_first``.
         ``q_a_layernorm`` runs in ``q_b_proj``'s prologue."""
         if self.q_lora_rank:
@@ -169,8 +177,11 @@ class LatentAttention(nn.Module):
             q, q_resid = q_first, None
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         kv, norm = self.kv_a_proj_with_mqa(x), self.kv_a_layernorm
-        rotation = self.rotary_emb.rotation(positions)
-        q_latent, q_rope, rows = ops.call("mla_rows", q, kv, rotation, norm.weight, norm.eps, self.kv_b_proj.w_uk)
+        rotation, cache = self.rotary_emb.rotation(positions), self.rows_cache()
+        slots = attention_metadata(self.page_group).slot_mapping if cache is not None else None
+        q_latent, q_rope, rows = ops.call(
+            "mla_rows", q, kv, rotation, norm.weight, norm.eps, self.kv_b_proj.w_uk, cache, slots
+        )
         return q_latent, q_rope, rows, q_resid
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:

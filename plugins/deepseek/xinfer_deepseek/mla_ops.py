@@ -44,7 +44,14 @@ FP8_GROUP = 128  # latent values per scale at most
 
 
 def mla_rows(
-    q: Tensor, kv: Tensor, rotation: Rotation, norm_weight: Tensor, eps: float, w_uk: Tensor
+    q: Tensor,
+    kv: Tensor,
+    rotation: Rotation,
+    norm_weight: Tensor,
+    eps: float,
+    w_uk: Tensor,
+    cache: Tensor | None = None,
+    slot_mapping: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The attention ops' inputs from the step's projections: ``q`` [T, H, N + P] (each head's
     part without rope, then its rope part) and ``kv`` [T, R + P] (the latent, then the rope key),
@@ -55,7 +62,9 @@ def mla_rows(
         rows     [T, R + P] = rms_norm(kv[:, :R]) * norm_weight || rotary(kv[:, R:])
 
     the norm in fp32 and the rotation (rotate-half, by ``rotation``'s table rows at its positions,
-    over all P dims) in fp32, each rounded once to the input's dtype."""
+    over all P dims) in fp32, each rounded once to the input's dtype. With ``cache`` (of rows as they
+    are, :func:`mla_attention`'s) it also stores the rows there at ``slot_mapping`` (negative: skipped),
+    so that the attention op need not."""
     assert rotation.norms is None and rotation.cos_sin.shape[-1] == q.shape[-1] - w_uk.shape[1], "P rotated dims"
     nope, rank = w_uk.shape[1:]
     q_nope, q_rope = q.split([nope, q.shape[-1] - nope], dim=-1)
@@ -65,6 +74,9 @@ def mla_rows(
     normed = latent32 * torch.rsqrt(latent32.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     rows = torch.cat([normed.to(kv.dtype), rotate_halves(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    if cache is not None:
+        assert slot_mapping is not None
+        store(cache, rows.to(cache.dtype), slot_mapping)
     return q_latent, rotate_halves(q_rope, cos, sin), rows
 
 
@@ -83,7 +95,7 @@ def expand(o_latent: Tensor, w_uv: Tensor) -> Tensor:
 def mla_attention(
     q_latent: Tensor,
     q_rope: Tensor,
-    latent: Tensor,
+    latent: Tensor | None,
     cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -97,8 +109,10 @@ def mla_attention(
         out[t, h] = sum_j softmax_j(s[t, h]) * row_j[:R]
 
     in fp32. Returns [T, H, R] in the dtype of ``q_latent``, or with ``w_uv`` [H, V, R] (the
-    value up-projection) ``expand(out, w_uv)`` [T, H * V]; rows of no sequence are zero."""
-    store(cache, latent.to(cache.dtype), meta.slot_mapping)
+    value up-projection) ``expand(out, w_uv)`` [T, H * V]; rows of no sequence are zero. ``latent``
+    None: the step's rows are in the cache already (:func:`mla_rows` stored them)."""
+    if latent is not None:
+        store(cache, latent.to(cache.dtype), meta.slot_mapping)
     out = attend(q_latent, q_rope, meta, scale, lambda b, n: gather_context(cache, meta.block_tables[b], n).float())
     return out if w_uv is None else expand(out, w_uv)
 

@@ -78,14 +78,22 @@ ROWS_CASES = [(1, 20, 16, 8, 32), (3, 4, 16, 8, 256), (mla_rows.ABSORB_MAX_TOKEN
 @pytest.mark.parametrize("dtype", [torch.float32, HALF_DTYPE], ids=str)
 @pytest.mark.parametrize("tokens, heads, nope, rope, rank", ROWS_CASES, ids=str)
 def test_rows_kernel_matches_the_reference(tokens, heads, nope, rope, rank, dtype):
+    """Also storing the rows into a cache (NaN where nothing is written), the first token padding (slot -1)."""
     q, kv, rotation, norm_weight, w_uk, _ = projections(tokens, heads, nope, rope, rank, 4, dtype, seed=tokens)
-    expected = reference_rows(q, kv, rotation, norm_weight, 1e-6, w_uk)
+    cache = torch.full((4, 16, rank + rope), float("nan"), dtype=dtype)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:tokens]
+    slots[0] = -1
+    expected_cache = cache.clone()
+    expected = reference_rows(q, kv, rotation, norm_weight, 1e-6, w_uk, expected_cache, slots)
     on_device = Rotation(rotation.positions.to(DEVICE), rotation.cos_sin.to(DEVICE))
-    got = mla_rows.mla_rows(q.to(DEVICE), kv.to(DEVICE), on_device, norm_weight.to(DEVICE), 1e-6, w_uk.to(DEVICE))
+    q, kv, norm_weight, w_uk, cache, slots = (t.to(DEVICE) for t in (q, kv, norm_weight, w_uk, cache, slots))
+    got = mla_rows.mla_rows(q, kv, on_device, norm_weight, 1e-6, w_uk, cache, slots)
     tol = KERNEL_TOL[dtype]
     for name, value, reference in zip(("q_latent", "q_rope", "rows"), got, expected):
         assert value.dtype == dtype and value.shape == reference.shape, name
         torch.testing.assert_close(value.cpu().float(), reference.float(), rtol=tol, atol=tol, msg=name)
+    assert expected_cache.isnan().sum() == (64 - tokens + 1) * (rank + rope)
+    torch.testing.assert_close(cache.cpu(), expected_cache, rtol=tol, atol=tol, equal_nan=True)
 
 
 def test_rows_kernel_at_deepseek_v3_sizes():

@@ -328,7 +328,7 @@ class Planes:
 def mla_attention(
     q_latent: Tensor,
     q_rope: Tensor,
-    latent: Tensor,
+    latent: Tensor | None,
     cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -370,7 +370,7 @@ CHUNK_R, CHUNK_V = 128, 32  # a merging program's latent columns per step, and i
 def _attention(
     q_latent: Tensor,
     q_rope: Tensor,
-    rows: Tensor,
+    rows: Tensor | None,
     cache: Tensor,
     planes: Planes,
     meta: AttentionMetadata,
@@ -379,7 +379,8 @@ def _attention(
     num_splits: int | None,
     tiles: tuple[Tiles, Tiles] | None,
 ) -> Tensor:
-    """Store ``rows`` [T, row] (as the cache holds them), then attend (:func:`mla_attention`).
+    """Store ``rows`` [T, row] (as the cache holds them; None: stored already), then attend
+    (:func:`mla_attention`).
 
     A decode step of at most :data:`EXPAND_MAX_TOKENS` tokens always splits its contexts, and
     the reduce up-projects each head's merged latent by ``w_uv`` (every program reads a chunk of
@@ -387,8 +388,7 @@ def _attention(
     num_tokens, num_heads, rank = q_latent.shape
     _, block_size, width = cache.shape
     rope_dim = q_rope.shape[-1]
-    assert rows.shape[-1] == width, (rows.shape, cache.shape)
-    q_latent, q_rope, rows = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_rope, rows))
+    q_latent, q_rope = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_rope))
     fused_expand = w_uv is not None and meta.max_seqlen_q == 1 and num_tokens <= EXPAND_MAX_TOKENS
     if fused_expand:
         assert w_uv is not None and w_uv.stride(-1) == 1
@@ -398,8 +398,11 @@ def _attention(
     if num_tokens == 0 or meta.num_seqs == 0:
         return out if fused_expand or w_uv is None else expand(out, w_uv)
     launch, lent = launch_chain(q_latent.device), helpers()
-    _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
-                                 BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
+    if rows is not None:
+        assert rows.shape[-1] == width, (rows.shape, cache.shape)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
+                                     BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
 
     decode_tiles, prefill_tiles = tiles or tiles_for(q_latent, planes.fp8)
     args = (q_latent, q_rope, planes.latent, planes.rope, planes.scales, out, meta.cu_seqlens_q, meta.seq_lens,
