@@ -447,15 +447,15 @@ def _attention(
         chunk_r = min(CHUNK_R, triton.next_power_of_2(rank))
         if fused_expand:
             assert w_uv is not None
-            v_dim, chunk_v = w_uv.shape[1], min(CHUNK_V, triton.next_power_of_2(w_uv.shape[1]))
-            grid = (meta.num_seqs, num_heads, triton.cdiv(v_dim, chunk_v))
-            outputs = (w_uv, out.stride(0), v_dim, *w_uv.stride()[:2])
-        else:  # (out and zeros stand in for w_uv and its strides)
-            v_dim, chunk_v = 1, 1
-            grid = (meta.num_seqs, num_heads, triton.cdiv(rank, chunk_r))
-            outputs = (out, *out.stride()[:2], 0, 0)
-        _reduce_kernel[grid](
-            out, *parts, meta.cu_seqlens_q, meta.seq_lens, outputs[0], num_heads, num_splits, *outputs[1:],
+            v_dim = w_uv.shape[1]
+            chunk_v = min(CHUNK_V, triton.next_power_of_2(v_dim))
+            chunks, weights, out_strides = triton.cdiv(v_dim, chunk_v), w_uv, (out.stride(0), v_dim)
+        else:  # (out stands in for w_uv)
+            v_dim = chunk_v = 1
+            chunks, weights, out_strides = triton.cdiv(rank, chunk_r), out, out.stride()[:2]
+        w_strides = weights.stride()[:2] if fused_expand else (0, 0)
+        _reduce_kernel[(meta.num_seqs, num_heads, chunks)](
+            out, *parts, meta.cu_seqlens_q, meta.seq_lens, weights, num_heads, num_splits, *out_strides, *w_strides,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_N=decode_tiles.block_n, R=rank, CHUNK_R=chunk_r,
             EXPAND=fused_expand, V=v_dim, CHUNK_V=chunk_v, num_warps=4, **launch,
         )  # fmt: skip
