@@ -452,8 +452,8 @@ def _attention(
             chunks, weights, out_strides = triton.cdiv(v_dim, chunk_v), w_uv, (out.stride(0), v_dim)
         else:  # (out stands in for w_uv)
             v_dim = chunk_v = 1
-            chunks, weights, out_strides = triton.cdiv(rank, chunk_r), out, out.stride()[:2]
-        w_strides = weights.stride()[:2] if fused_expand else (0, 0)
+            chunks, weights, out_strides = triton.cdiv(rank, chunk_r), out, (out.stride(0), out.stride(1))
+        w_strides = (weights.stride(0), weights.stride(1)) if fused_expand else (0, 0)
         _reduce_kernel[(meta.num_seqs, num_heads, chunks)](
             out, *parts, meta.cu_seqlens_q, meta.seq_lens, weights, num_heads, num_splits, *out_strides, *w_strides,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_N=decode_tiles.block_n, R=rank, CHUNK_R=chunk_r,
