@@ -10,11 +10,12 @@ ever expanded::
     o_latent[h] = softmax(s[h]) @ c
     out[h]      = o_latent[h] @ W_UV[h]^T    # the value up-projection after attention
 
-Prefill and decode both run this way: the op ``mla_rows`` makes the absorbed queries and the step's
-cache rows from the projections, and ``mla_attention`` (or ``mla_attention_fp8`` over fp8 rows,
-``--kvcache-dtype fp8``; the row layout in :mod:`xinfer_deepseek.mla_ops`) stores the rows, attends and
-up-projects the values, one op each so that a backend can fuse within them (the CUDA kernels at small
-batches: :mod:`xinfer_deepseek.kernels.mla_rows` and :mod:`xinfer_deepseek.kernels.mla`).
+Prefill and decode both run this way, in two ops that a backend fuses within (the CUDA kernels at small
+batches: :mod:`xinfer_deepseek.kernels.mla_rows` and :mod:`xinfer_deepseek.kernels.mla`): ``mla_rows``
+makes the absorbed queries and the step's cache rows from the projections and stores the rows into a cache
+of the model's dtype; ``mla_attention`` attends and up-projects the values (``mla_attention_fp8`` over fp8
+rows, ``--kvcache-dtype fp8``, which encodes and stores the rows first; the row layout in
+:mod:`xinfer_deepseek.mla_ops`).
 """
 
 from __future__ import annotations
@@ -168,9 +169,8 @@ class LatentAttention(nn.Module):
     def project(self, positions: Tensor, x: Tensor, q_first: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The absorbed queries [T, H, R], their rotated rope parts [T, H, P], this step's latent rows
         [T, R + P] (normalised latent || rotated rope key; all three the op ``mla_rows``, which also stores
-        the rows into :meth:`rows_cache`), and the q-LoRA
-        latent (None without q-LoRA), from ``x`` and its :meth:`first_projection` ``q_first``.
-        ``q_a_layernorm`` runs in ``q_b_proj``'s prologue."""
+        the rows into :meth:`rows_cache`), and the q-LoRA latent (None without q-LoRA), from ``x`` and its
+        :meth:`first_projection` ``q_first``. ``q_a_layernorm`` runs in ``q_b_proj``'s prologue."""
         if self.q_lora_rank:
             q, q_resid, _ = self.q_a_layernorm.project(q_first, None, self.q_b_proj.weight, self.q_b_proj.bias)
         else:
