@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 CONFIGS = {"deepseek-v3": deepseek_v3_config, "deepseek-v2": deepseek_v2_config}  # q-LoRA, and without
-# prompts of one token to past the rows' launch's absorbing limit (16 tokens); 9 of them: decode steps of 8
-PROMPTS = [prompt(n, seed=n) for n in (1, 5, 17, 40, 63, 100, 3, 9, 30)]
+# prompts of one token to past the rows' launch's absorbing limit (16 tokens), 12 of them
+PROMPTS = [prompt(n, seed=n) for n in (1, 5, 17, 40, 63, 100, 3, 9, 30, 2, 12, 50)]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -33,11 +33,18 @@ def tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+# decode steps of at most 4 sequences (values up-projected in the merge), and of up to 12 (after attention)
+@pytest.mark.parametrize("max_num_seqs", [4, 16])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_gpu_greedy_tokens_equal_cpu_backend(model_dir, enforce_eager):
+def test_gpu_greedy_tokens_equal_cpu_backend(model_dir, enforce_eager, max_num_seqs):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     cpu = LLM(model=model_dir, dtype="float32", device="cpu", num_blocks=128)
     gpu = LLM(
-        model=model_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8, enforce_eager=enforce_eager
+        model=model_dir,
+        dtype="float32",
+        device="cuda",
+        num_blocks=128,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager,
     )
     assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)

@@ -363,7 +363,10 @@ def mla_attention_fp8(
     return _attention(q_latent, q_rope, rows, cache, planes, meta, scale, w_uv, num_splits, tiles)
 
 
-EXPAND_MAX_TOKENS = 16  # decode steps of at most this many tokens up-project their values as they merge
+# Decode steps of at most this many tokens up-project their values as they merge. Each merging program reads
+# its chunk of w_uv, so a step reads w_uv (2 MB at Moonlight's shape) once per sequence from L2, where a
+# batched GEMM launch reads it once: untimed, chosen where that is still a few microseconds.
+EXPAND_MAX_TOKENS = 8
 CHUNK_R, CHUNK_V = 128, 32  # a merging program's latent columns per step, and its output columns
 
 
