@@ -17,6 +17,9 @@ Ops and paths (16 heads of 128 + 64 query/key dims and 128 value dims, a 512-val
   then a ``bmm`` with ``w_uv`` (four launches). Now: ``mla_attention`` of the stored row with ``w_uv``:
   decode and the reduce up-projecting (two launches).
 - ``block``: both, as a layer runs them.
+- ``block+projections``: the block between the layer's projections, as a batch-1 step runs it: the input
+  norm in ``q_proj``'s GEMV, ``kv_a_proj_with_mqa``, the block, ``o_proj`` (the backend's small-batch
+  linears, each measured per shape as the engine does).
 
 The before path runs today's decode and reduce kernels: the reduce reads only the splits a context reaches
 (before this change it read all 32, empty ones too: 6.6 us a call in the brief's profile of a whole step).
@@ -32,13 +35,14 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from decode_layer import Setup, agree, per_call_us, rand, report
 
-MOONLIGHT = dict(heads=16, nope=128, rope=64, v_dim=128, rank=512, block_size=16)
-SMOKE = dict(heads=4, nope=16, rope=8, v_dim=16, rank=32, block_size=16)
+MOONLIGHT = dict(hidden=2048, heads=16, nope=128, rope=64, v_dim=128, rank=512, block_size=16)
+SMOKE = dict(hidden=64, heads=4, nope=16, rope=8, v_dim=16, rank=32, block_size=16)
 LAYERS = 27
 EPS = 1e-6
 
@@ -49,9 +53,14 @@ class Layer:
     norm_weight: torch.Tensor
     w_uk: torch.Tensor  # [H, N, R]
     w_uv: torch.Tensor  # [H, V, R]
+    input_norm: torch.Tensor  # [hidden]
+    q_proj: torch.Tensor  # [H * (N + P), hidden]
+    kv_a_proj: torch.Tensor  # [R + P, hidden]
+    o_proj: torch.Tensor  # [hidden, H * V]
 
 
 def mla_case(setup: Setup, context: int, max_context: int) -> None:
+    from xinfer import ops
     from xinfer.ops import AttentionMetadata, Rotation
     from xinfer_cuda.kernels import norm, rotary
     from xinfer_deepseek.kernels import mla, mla_rows
@@ -71,11 +80,15 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
         max_seqlen_q=1,
         max_seq_len=context,
     )
+    hidden, v_dim = s["hidden"], s["v_dim"]
     layers = [
         Layer(rand(setup, blocks, block_size, rank + rope), 1 + rand(setup, rank, scale=0.1),
-              rand(setup, heads, nope, rank, scale=0.05), rand(setup, heads, s["v_dim"], rank, scale=0.05))
+              rand(setup, heads, nope, rank, scale=0.05), rand(setup, heads, v_dim, rank, scale=0.05),
+              1 + rand(setup, hidden, scale=0.1), rand(setup, heads * (nope + rope), hidden, scale=0.02),
+              rand(setup, rank + rope, hidden, scale=0.02), rand(setup, hidden, heads * v_dim, scale=0.02))
         for _ in range(setup.copies)
     ]  # fmt: skip
+    h, residual = rand(setup, 1, hidden), rand(setup, 1, hidden)
     q = rand(setup, 1, heads * (nope + rope)).view(1, heads, nope + rope)
     kv = rand(setup, 1, rank + rope)
     positions = torch.tensor([context - 1], device=setup.device)
@@ -83,7 +96,7 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
     scale = (nope + rope) ** -0.5
 
-    def rows_before(layer: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows_before(layer: Layer, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_nope, q_rope = q.split([nope, rope], dim=-1)
         latent, k_rope = kv.split([rank, rope], dim=-1)
         q_rope, k_rope = rotary.rotary(q_rope.contiguous(), k_rope.unsqueeze(1).contiguous(), positions, cos_sin)
@@ -92,7 +105,7 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
         row = torch.cat((normed, k_rope.squeeze(1)), dim=-1)
         return torch.bmm(q_nope.transpose(0, 1), layer.w_uk).transpose(0, 1), q_rope, row
 
-    def rows_now(layer: Layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows_now(layer: Layer, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rotation = Rotation(positions, cos_sin)
         return mla_rows.mla_rows(q, kv, rotation, layer.norm_weight, EPS, layer.w_uk, layer.cache, meta.slot_mapping)
 
@@ -102,8 +115,20 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
     def attention_now(layer: Layer, q_latent: torch.Tensor, q_rope: torch.Tensor, row: torch.Tensor):
         return mla.mla_attention(q_latent, q_rope, None, layer.cache, meta, scale, layer.w_uv)
 
+    def with_projections(block: Callable[[Layer, torch.Tensor, torch.Tensor], torch.Tensor], layer: Layer):
+        q_flat, x, _ = ops.norm_linear(h, residual, layer.input_norm, EPS, layer.q_proj)
+        kv_a = ops.linear(x, layer.kv_a_proj)
+        return ops.linear(block(layer, q_flat.view(1, heads, nope + rope), kv_a), layer.o_proj)
+
+    def block_before(layer: Layer, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return attention_before(layer, *rows_before(layer, q, kv))
+
+    def block_now(layer: Layer, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return attention_now(layer, *rows_now(layer, q, kv))
+
     first = layers[0]
-    before, now = rows_before(first), rows_now(first)
+    agree(with_projections(block_now, first), with_projections(block_before, first), "block+projections")
+    before, now = rows_before(first, q, kv), rows_now(first, q, kv)
     for name, old, new in zip(("q_latent", "q_rope", "row"), before, now):
         agree(new, old, f"rows: {name}")
     agree(first.cache.view(-1, rank + rope)[slot], before[2][0], "rows: the stored row")
@@ -115,15 +140,17 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
     rows_nbytes = (q.numel() + kv.numel() + rank + heads * (rank + rope) + 2 * (rank + rope)) * element + weight_bytes
     attention_nbytes = context * row_bytes + heads * (rank + rope + s["v_dim"]) * element + weight_bytes
     inputs = now  # (the attention's: any layer's do)
+    projection_nbytes = sum(w.numel() for w in (first.q_proj, first.kv_a_proj, first.o_proj)) * element
     paths = {
         "rows": ((rows_before, "q_rope.contiguous, rotary, rms_norm, cat, bmm"), (rows_now, "mla_rows"),
-                 rows_nbytes, lambda fn, layer: fn(layer)),
+                 rows_nbytes, lambda fn, layer: fn(layer, q, kv)),
         "attention": ((attention_before, "mla_attention (store, decode, reduce), bmm"),
                       (attention_now, "mla_attention (decode, reduce with w_uv)"), attention_nbytes,
                       lambda fn, layer: fn(layer, *inputs)),
-        "block": ((lambda layer: attention_before(layer, *rows_before(layer)), "before"),
-                  (lambda layer: attention_now(layer, *rows_now(layer)), "now"), rows_nbytes + attention_nbytes,
-                  lambda fn, layer: fn(layer)),
+        "block": ((block_before, "before"), (block_now, "now"), rows_nbytes + attention_nbytes,
+                  lambda fn, layer: fn(layer, q, kv)),
+        "block+projections": ((block_before, "before"), (block_now, "now"),
+                              rows_nbytes + attention_nbytes + projection_nbytes, with_projections),
     }  # fmt: skip
     for op, (old_path, new_path, nbytes, call) in paths.items():
         for fn, path in (old_path, new_path):
