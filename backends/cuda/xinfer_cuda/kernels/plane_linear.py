@@ -1,0 +1,349 @@
+"""Linear ``y = x W^T (+ bias)`` over a GGUF weight in planes (:mod:`xinfer_cuda.kernels.gguf_planes`).
+
+A program reads [block_n rows, tiles, 32] code words at once (16-byte loads), and for each
+field ``i`` of the words:
+
+- the code as an exact float without a conversion instruction: its bits, masked in place (no
+  shift for fields in the word's low 20 bits) and or-ed into the mantissa of ``2**23``, are
+  ``2**23 + code * 2**s``; ``fma(that, x, -2**23 x)`` is ``code * 2**s * x`` rounded once
+  (``2**23 x`` is exact), so a field costs one logic operation and one fma before the scale;
+- the scale (with ``2**-s``) is one per (row, tile, field) (Q6_K: per half field), applied by a
+  second fma; what a block adds to every value (Q4_K's ``-dmin m``, Q8_0's ``-128 d`` for its
+  codes stored plus 128, Q4_1's ``m``) is applied once per (row, tile, field) to the sum of the
+  field's 32 activations.
+
+That is some three instructions a 4-bit value (a byte-wise decode takes ten or more), so the
+one-row GEMV streams at the memory's pace rather than the ALUs'. Over few rows of the weight
+(N small beside the 132 SMs of an H200) the GEMV splits K over ``split`` programs a row tile,
+their fp32 partial sums added by a second small kernel.
+
+- :func:`plane_gemv`: one row (batch-1 decode), :class:`PlaneGemvConfig`;
+- :func:`plane_dot`: a few rows (small decode batches): each field's values, decoded the same
+  way, one tensor-core dot with the activations' columns of that field, :class:`PlaneDotConfig`;
+- :func:`plane_dequantize`: ``W`` in a float dtype (prefill multiplies that densely).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.gguf_blocks import _load
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, planes
+from xinfer_cuda.kernels.launch import pdl_entry
+
+MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the bits of 2**23: an integer below 2**23 or-ed in is added
+
+
+@dataclass(frozen=True)
+class PlaneGemvConfig:
+    block_n: int  # rows of W per program
+    tiles: int  # tiles of each row per loop step (a power of two)
+    num_warps: int
+    split: int = 1  # programs along K a row tile
+
+
+@dataclass(frozen=True)
+class PlaneDotConfig:
+    block_m: int  # rows of x per program (16: the smallest tensor-core tile)
+    block_n: int
+    tiles: int
+    num_warps: int
+    num_stages: int
+
+
+def default_gemv(rows: int, k: int, layout: PlaneLayout) -> PlaneGemvConfig:
+    return PlaneGemvConfig(4, 2 if k // layout.tile >= 2 else 1, 4)
+
+
+def default_dot(rows: int) -> PlaneDotConfig:
+    return PlaneDotConfig(16, 32, 1, 4, 3) if rows <= 16 else PlaneDotConfig(64, 64, 1, 4, 3)
+
+
+def _scales_per_tile(fmt: str) -> int:
+    """Elements of the scale plane a tile (in the dtype :func:`_plane_views` gives it)."""
+    return {"Q8_0": 4, "Q4_0": 8, "Q5_0": 8, "Q4_1": 16, "Q5_1": 16, "Q4_K": 4, "Q6_K": 16}[fmt]
+
+
+@triton.jit
+def _field(FMT: tl.constexpr, F: tl.constexpr, word, high):
+    """Field ``F`` of the code words (and high bits) as ``2**23 + code * 2**s``, fp32, exact."""
+    if FMT == "Q8_0":  # bytes; the upper two moved down by one shift of the word
+        bits = (word >> (16 * (F // 2))) & (0xFF << (8 * (F % 2)))
+    elif FMT == "Q6_K":  # a nibble and 2 high bits
+        if 2 * F <= 4:
+            top = (high << (4 - 2 * F)) & 0x30
+        else:
+            top = (high >> (2 * F - 4)) & 0x30
+        bits = ((word >> (4 * F)) & 0xF) | top
+    elif FMT == "Q5_0" or FMT == "Q5_1":  # a nibble and 1 high bit
+        if F <= 4:
+            top = (high << (4 - F)) & 0x10
+        else:
+            top = (high >> (F - 4)) & 0x10
+        bits = ((word >> (4 * F)) & 0xF) | top
+    else:  # nibbles; the upper three moved down by one shift of the word
+        bits = (word >> (12 * (F // 5))) & (0xF << (4 * F - 12 * (F // 5)))
+    return (bits | MAGIC).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_at(ptr, mask):
+    return _load(ptr, mask).to(tl.float32)
+
+
+@triton.jit
+def _scale_bias(FMT: tl.constexpr, F: tl.constexpr, scales, supers, h, mask):
+    """Field ``F``'s scale (times ``2**-s``, where :func:`_field` leaves the code) and what its block
+    adds, ``value = scale * (field - 2**23) + bias``, each [.., 1]:
+    ``scales`` points at the row tiles' scales [BLOCK_N, TILES, 1, 1], ``supers`` at Q6_K's ``d``;
+    ``h`` [1, 1, H, 1] the half of the field (Q6_K)."""
+    if FMT == "Q8_0":  # d per block of 32 (block F of the tile); codes stored plus 128
+        d = _f16_at(scales + F, mask)
+        return d * (1.0 / (1 << (8 * (F % 2)))), -128.0 * d
+    elif FMT == "Q4_0":
+        d = _f16_at(scales + F, mask)
+        return d * (1.0 / (1 << (4 * F - 12 * (F // 5)))), -8.0 * d
+    elif FMT == "Q5_0":
+        d = _f16_at(scales + F, mask)
+        return d, -16.0 * d
+    elif FMT == "Q4_1":  # (d, m) per block
+        return _f16_at(scales + 2 * F, mask) * (1.0 / (1 << (4 * F - 12 * (F // 5)))), _f16_at(scales + 2 * F + 1, mask)
+    elif FMT == "Q5_1":
+        return _f16_at(scales + 2 * F, mask), _f16_at(scales + 2 * F + 1, mask)
+    elif FMT == "Q4_K":
+        # words: d | dmin << 16; then the 12 bytes of 6-bit scales and mins: sub-blocks 0-3 in the
+        # low 6 bits of bytes 0-3 (scales) and 4-7 (mins), 4-7 in the nibbles of bytes 8-11 and the
+        # top two bits of bytes 0-7
+        head = _load(scales, mask)
+        d = (head & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (head >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sc_word = _load(scales + 1, mask)
+        mn_word = _load(scales + 2, mask)
+        if F < 4:
+            sc = (sc_word >> (8 * F)) & 63
+            mn = (mn_word >> (8 * F)) & 63
+        else:
+            both = _load(scales + 3, mask)
+            sc = ((both >> (8 * (F - 4))) & 15) | (((sc_word >> (8 * (F - 4) + 6)) & 3) << 4)
+            mn = ((both >> (8 * (F - 4) + 4)) & 15) | (((mn_word >> (8 * (F - 4) + 6)) & 3) << 4)
+        return d * sc.to(tl.float32) * (1.0 / (1 << (4 * F - 12 * (F // 5)))), -dmin * mn.to(tl.float32)
+    else:
+        tl.static_assert(FMT == "Q6_K", "no planes for this GGUF type")
+        # int8 scale per sub-block of 16 (field F, half h: sub-block 2 F + h), d per tile; codes plus 32
+        s = _load(scales + 2 * F + h, mask).to(tl.float32) * _f16_at(supers, mask)
+        return s, -32.0 * s
+
+
+@triton.jit
+def _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile, num_tiles, mask,
+                FMT: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr):  # fmt: skip
+    """Pointers and loads of one loop step: the code words and high bits [BLOCK_N, TILES, H, SUB],
+    the tiles' scale pointers [BLOCK_N, TILES, 1, 1], ``h`` and the column of each word."""
+    h = tl.arange(0, 32 // SUB)[None, None, :, None]
+    w = h * SUB + tl.arange(0, SUB)[None, None, None, :]
+    n = rows[:, None, None, None].to(tl.int64)
+    word = _load(codes_ptr + n * (num_tiles * 32) + tile * 32 + w, mask)
+    if HIGH:
+        high = _load(high_ptr + n * (num_tiles * 32) + tile * 32 + w, mask).to(tl.int32)
+    else:
+        high = word
+    scales = scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE
+    supers = supers_ptr + n * num_tiles + tile
+    return word, high, scales, supers, h, w
+
+
+@triton.jit
+def _plane_gemv_kernel(
+    x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_tiles = K // (32 * FIELDS)
+    first = tl.program_id(1) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    t = tl.arange(0, TILES)[None, :, None, None]
+    acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB), dtype=tl.float32)
+    acc_bias = tl.zeros((BLOCK_N, TILES, 32 // SUB, 1), dtype=tl.float32)
+    for t0 in range(first, last, TILES):
+        tile = t0 + t
+        has_tile = tile < last
+        mask = None if EVEN else (rows[:, None, None, None] < N) & has_tile
+        word, high, scales, supers, h, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                       num_tiles, mask, FMT, HIGH, SUB, PER_TILE)  # fmt: skip
+        cols = x_ptr + tile * (32 * FIELDS) + w
+        for i in tl.static_range(FIELDS):
+            if EVEN:
+                x = tl.load(cols + 32 * i).to(tl.float32)
+            else:
+                x = tl.load(cols + 32 * i, mask=has_tile, other=0.0).to(tl.float32)
+            scale, bias = _scale_bias(FMT, i, scales, supers, h, mask)
+            product = tl.fma(_field(FMT, i, word, high), x, x * -8388608.0)  # code * 2**s * x
+            acc = tl.fma(product, scale, acc)
+            acc_bias = tl.fma(bias, tl.sum(x, axis=3, keep_dims=True), acc_bias)
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3) + tl.sum(acc_bias, axis=3), axis=2), axis=1)
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, N, split, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_entry(PDL)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.arange(0, SPLITS)[:, None]
+    y = tl.sum(tl.load(partial_ptr + s * N + rows[None, :], mask=(s < split) & (rows[None, :] < N), other=0.0), axis=0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _field_values(FMT: tl.constexpr, F: tl.constexpr, word, high, scales, supers, h, mask):
+    scale, bias = _scale_bias(FMT, F, scales, supers, h, mask)
+    return (_field(FMT, F, word, high) - 8388608.0) * scale + bias
+
+
+@triton.jit
+def _plane_dot_kernel(
+    x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_y,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + ms[:, None].to(tl.int64) * stride_x
+    num_tiles = K // (32 * FIELDS)
+    t = tl.arange(0, TILES)[None, :, None, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t0 in range(0, num_tiles, TILES):
+        tile = t0 + t
+        has_tile = tile < num_tiles
+        mask = (rows[:, None, None, None] < N) & has_tile
+        word, high, scales, supers, h, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                       num_tiles, mask, FMT, HIGH, SUB, PER_TILE)  # fmt: skip
+        cols = tl.reshape(tile * (32 * FIELDS) + w, (TILES * 32,))
+        x_mask = (ms[:, None] < M) & tl.reshape(has_tile & (w >= 0), (TILES * 32,))[None, :]
+        for i in tl.static_range(FIELDS):
+            values = tl.reshape(_field_values(FMT, i, word, high, scales, supers, h, mask), (BLOCK_N, TILES * 32))
+            x = tl.load(x_rows + cols[None, :] + 32 * i, mask=x_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(values.to(x.dtype)), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(ms[:, None] < M) & (rows[None, :] < N))
+
+
+@triton.jit
+def _plane_dequant_kernel(
+    codes_ptr, high_ptr, scales_ptr, supers_ptr, out_ptr, N, K,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_tiles = K // (32 * FIELDS)
+    tile = tl.program_id(1) * TILES + tl.arange(0, TILES)[None, :, None, None]
+    mask = (rows[:, None, None, None] < N) & (tile < num_tiles)
+    word, high, scales, supers, h, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                   num_tiles, mask, FMT, HIGH, SUB, PER_TILE)  # fmt: skip
+    out = out_ptr + rows[:, None, None, None].to(tl.int64) * K + tile * (32 * FIELDS) + w
+    for i in tl.static_range(FIELDS):
+        values = _field_values(FMT, i, word, high, scales, supers, h, mask)
+        tl.store(out + 32 * i, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _plane_views(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> list[Tensor]:
+    """The kernels' arguments of a weight's planes: codes (int32 words), high bits (or the codes),
+    scales (as :func:`_scale_bias` reads them) and Q6_K's ``d`` (or the scales)."""
+    views = planes(raw, layout, n, k)
+    codes = views.pop(0).view(torch.int32)
+    high = views.pop(0).view(torch.int16 if layout.high_bits == 2 else torch.uint8) if layout.high_bits else codes
+    scale_dtype = {"Q4_K": torch.int32, "Q6_K": torch.int8}.get(layout.name, torch.float16)
+    scales = views[0].view(scale_dtype)
+    supers = views[1].view(torch.float16) if len(views) > 1 else scales
+    return [codes, high, scales, supers]
+
+
+def _format_args(layout: PlaneLayout) -> dict:
+    return dict(FMT=layout.name, FIELDS=layout.fields, HIGH=layout.high_bits > 0,
+                SUB=16 if layout.name == "Q6_K" else 32, PER_TILE=_scales_per_tile(layout.name))  # fmt: skip
+
+
+def plane_layout(name: str, k: int) -> PlaneLayout:
+    layout = LAYOUTS.get(name)
+    if layout is None or not layout.fits(k):
+        raise ValueError(f"no planes for GGUF type {name!r} in rows of {k} values")
+    return layout
+
+
+def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
+               config: PlaneGemvConfig | None = None) -> Tensor:  # fmt: skip
+    """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
+    k = x.shape[1]
+    layout = plane_layout(name, k)
+    config = config or default_gemv(1, k, layout)
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    num_tiles = k // layout.tile
+    per_split = triton.cdiv(triton.cdiv(num_tiles, config.split), config.tiles) * config.tiles
+    split = triton.cdiv(num_tiles, per_split)
+    even = n % config.block_n == 0 and num_tiles % per_split == 0
+    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    chain = launch.pdl(x.device)
+    _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
+        x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
+        num_warps=config.num_warps, **_format_args(layout), **chain,
+    )  # fmt: skip
+    if split > 1:
+        block = 256
+        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, bias if bias is not None else x, y, n, split,
+                                                     SPLITS=triton.next_power_of_2(split), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **chain)  # fmt: skip
+    return y
+
+
+def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
+              config: PlaneDotConfig | None = None) -> Tensor:  # fmt: skip
+    """``x`` [M, K] times the weight [n, K] whose planes are ``raw``: [M, n] in ``x``'s dtype."""
+    (m, k) = x.shape
+    layout = plane_layout(name, k)
+    config = config or default_dot(m)
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
+    _plane_dot_kernel[grid](
+        x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, y, m, n, k, x.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILES=config.tiles,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
+    )  # fmt: skip
+    return y
+
+
+def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:
+    """The weight [n, k] whose planes are ``raw``, in ``dtype``."""
+    layout = plane_layout(name, k)
+    out = torch.empty(n, k, dtype=dtype, device=raw.device)
+    tiles = max(1, 256 // layout.tile)
+    if n:
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k // layout.tile, tiles))
+        _plane_dequant_kernel[grid](*_plane_views(raw, layout, n, k), out, n, k, BLOCK_N=block_n, TILES=tiles,
+                                    num_warps=4, **_format_args(layout), **launch.pdl(raw.device))  # fmt: skip
+    return out
