@@ -160,17 +160,23 @@ def planes(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> list[Tensor]:
     return views
 
 
-def to_planes(packed: Tensor, layout: PlaneLayout) -> Tensor:
-    """The file's bytes [N, K / qk * nbytes] as planes (1-D, as many bytes)."""
-    n = packed.shape[0]
-    tiles = packed.shape[1] // (layout.blocks * layout.nbytes)
-    blocks = packed.reshape(n * tiles, layout.blocks * layout.nbytes)
-    codes, scales = _codes_and_scales(blocks, layout.name)
-    out = [_pack_fields(codes & 0xF if layout.fields == 8 else codes, 32 // layout.fields)]
-    if layout.high_bits:
-        out.append(_pack_fields(codes >> 4, layout.high_bits))
-    out += scales
-    return torch.cat([plane.reshape(n, -1).flatten() for plane in out])
+def to_planes(packed: Tensor, layout: PlaneLayout, chunk_bytes: int = 1 << 26) -> Tensor:
+    """The file's bytes [N, K / qk * nbytes] as planes (1-D, as many bytes), ``chunk_bytes`` of
+    the file at a time (the unpacked codes take a few times the bytes they come from)."""
+    n, row_bytes = packed.shape
+    tiles = row_bytes // (layout.blocks * layout.nbytes)
+    out = torch.empty(packed.numel(), dtype=torch.uint8, device=packed.device)
+    views = planes(out, layout, n, tiles * layout.tile)
+    step = max(1, chunk_bytes // max(row_bytes, 1))
+    for start in range(0, n, step):
+        rows = packed[start : start + step]
+        codes, scales = _codes_and_scales(rows.reshape(-1, layout.blocks * layout.nbytes), layout.name)
+        made = [_pack_fields(codes & 0xF if layout.fields == 8 else codes, 32 // layout.fields)]
+        if layout.high_bits:
+            made.append(_pack_fields(codes >> 4, layout.high_bits))
+        for view, plane in zip(views, made + scales, strict=True):
+            view[start : start + step] = plane.reshape(rows.shape[0], -1)
+    return out
 
 
 def from_planes(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -36,6 +37,7 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.gguf_blocks import _load
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, planes
 from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernels.quant_linear import MAX_PACKED_ROWS, Dequantized
 
 MAGIC: tl.constexpr = tl.constexpr(0x4B000000)  # the bits of 2**23: an integer below 2**23 or-ed in is added
 
@@ -57,11 +59,11 @@ class PlaneDotConfig:
     num_stages: int
 
 
-def default_gemv(rows: int, k: int, layout: PlaneLayout) -> PlaneGemvConfig:
+def default_plane_gemv(rows: int, k: int, layout: PlaneLayout) -> PlaneGemvConfig:
     return PlaneGemvConfig(4, 2 if k // layout.tile >= 2 else 1, 4)
 
 
-def default_dot(rows: int) -> PlaneDotConfig:
+def default_plane_dot(rows: int) -> PlaneDotConfig:
     return PlaneDotConfig(16, 32, 1, 4, 3) if rows <= 16 else PlaneDotConfig(64, 64, 1, 4, 3)
 
 
@@ -294,7 +296,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
     k = x.shape[1]
     layout = plane_layout(name, k)
-    config = config or default_gemv(1, k, layout)
+    config = config or default_plane_gemv(1, k, layout)
     x = x.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -322,7 +324,7 @@ def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = N
     """``x`` [M, K] times the weight [n, K] whose planes are ``raw``: [M, n] in ``x``'s dtype."""
     (m, k) = x.shape
     layout = plane_layout(name, k)
-    config = config or default_dot(m)
+    config = config or default_plane_dot(m)
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -347,3 +349,24 @@ def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype,
         _plane_dequant_kernel[grid](*_plane_views(raw, layout, n, k), out, n, k, BLOCK_N=block_n, TILES=tiles,
                                     num_warps=4, **_format_args(layout), **launch.pdl(raw.device))  # fmt: skip
     return out
+
+
+def plane_rows(
+    x: Tensor,
+    raw: Tensor,
+    name: str,
+    bias: Tensor | None = None,
+    config: PlaneGemvConfig | PlaneDotConfig | Dequantized | None = None,
+) -> Tensor:
+    """``x`` [M, K] times the weight whose planes are ``raw`` in ``config``'s kernel and tile;
+    without one, the GEMV for one row, the dot kernel up to ``MAX_PACKED_ROWS`` rows, past them
+    the weight dequantized for the call (prefill)."""
+    k = x.shape[1]
+    layout = plane_layout(name, k)
+    n = raw.numel() // (k // layout.tile * sum(layout.tile_bytes()))
+    if isinstance(config, Dequantized) or (config is None and x.shape[0] > MAX_PACKED_ROWS):
+        return F.linear(x, plane_dequantize(raw, name, n, k, x.dtype), bias)
+    if isinstance(config, PlaneGemvConfig) or (config is None and x.shape[0] == 1):
+        assert x.shape[0] == 1, x.shape
+        return plane_gemv(x, raw, name, n, bias, config)
+    return plane_dot(x, raw, name, n, bias, config)
