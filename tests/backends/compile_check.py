@@ -91,6 +91,7 @@ POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.int16: "*i16",
 }
 
 

@@ -3,12 +3,13 @@
 The file's blocks (34, 144, 210 bytes...) interleave scales with codes at unaligned offsets,
 and keep a block's values in an order only a byte-by-byte decode follows. Here a weight
 [N, K] is cut into tiles of ``32 * fields`` values of a row, and every tile's codes are 32
-little-endian 32-bit words: field ``i`` of word ``w`` (``bits`` wide, from bit ``i * bits``)
-is the code of the tile's value ``32 i + w``. A kernel reads a row's codes as whole
-16-byte-aligned words, takes field ``i`` of each word with one shift and mask, and reads the
-activations of that field at 32 consecutive columns. What a field's values share (Q8_0's and
-Q4_0's block scale, Q4_K's sub-block scale and min) is one value per (row, tile, field)
-(Q6_K: per half field, its sub-blocks being 16 values).
+little-endian 32-bit words: field ``f`` of word ``w`` (``bits`` wide, from bit ``f * bits``)
+is the code of the tile's column ``64 (f // 2) + 2 w + f % 2``. A kernel reads a row's codes as
+whole 16-byte-aligned words, takes field ``f`` of each word with one mask (and a shift shared
+by fields), and the activations of fields ``2p`` and ``2p + 1`` are the low and high halves of
+32 consecutive 32-bit words of bf16 pairs, read alike. What a field's values share (Q8_0's and
+Q4_0's block scale, Q4_K's sub-block scale and min) is one value per (row, tile, field, half
+of the words) (Q6_K, whose sub-blocks are 16 values: per quarter).
 
 The planes, each [N, tiles * bytes a tile] and one after the other in one uint8 buffer:
 
@@ -160,6 +161,19 @@ def planes(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> list[Tensor]:
     return views
 
 
+def _fields(values: Tensor) -> Tensor:
+    """A tile's codes in column order [R, 32 * fields] -> [R, fields, 32], field ``f`` of word ``w``
+    the code of column ``64 (f // 2) + 2 w + f % 2``."""
+    rows, tile = values.shape
+    return values.reshape(rows, tile // 64, 32, 2).transpose(-1, -2).reshape(rows, tile // 32, 32)
+
+
+def _columns(fields: Tensor) -> Tensor:
+    """Inverse of :func:`_fields`."""
+    rows, count, _ = fields.shape
+    return fields.reshape(rows, count // 2, 2, 32).transpose(-1, -2).reshape(rows, count, 32)
+
+
 def to_planes(packed: Tensor, layout: PlaneLayout, chunk_bytes: int = 1 << 26) -> Tensor:
     """The file's bytes [N, K / qk * nbytes] as planes (1-D, as many bytes), ``chunk_bytes`` of
     the file at a time (the unpacked codes take a few times the bytes they come from)."""
@@ -171,6 +185,7 @@ def to_planes(packed: Tensor, layout: PlaneLayout, chunk_bytes: int = 1 << 26) -
     for start in range(0, n, step):
         rows = packed[start : start + step]
         codes, scales = _codes_and_scales(rows.reshape(-1, layout.blocks * layout.nbytes), layout.name)
+        codes = _fields(codes.reshape(codes.shape[0], -1))
         made = [_pack_fields(codes & 0xF if layout.fields == 8 else codes, 32 // layout.fields)]
         if layout.high_bits:
             made.append(_pack_fields(codes >> 4, layout.high_bits))
@@ -187,4 +202,4 @@ def from_planes(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> Tensor:
     if layout.high_bits:
         codes = codes | (_unpack_fields(views[1], layout.fields, layout.high_bits) << 4)
     scales = views[1 + bool(layout.high_bits) :]
-    return _file_blocks(codes, scales, layout.name).reshape(n, -1)
+    return _file_blocks(_columns(codes), scales, layout.name).reshape(n, -1)

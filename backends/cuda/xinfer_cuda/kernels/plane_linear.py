@@ -100,24 +100,27 @@ def _f16_at(ptr, mask):
 
 
 @triton.jit
-def _scale_bias(FMT: tl.constexpr, F: tl.constexpr, scales, supers, h, mask):
+def _scale_bias(FMT: tl.constexpr, F: tl.constexpr, scales, supers, g, mask):
     """Field ``F``'s scale (times ``2**-s``, where :func:`_field` leaves the code) and what its block
-    adds, ``value = scale * (field - 2**23) + bias``, each [.., 1]:
-    ``scales`` points at the row tiles' scales [BLOCK_N, TILES, 1, 1], ``supers`` at Q6_K's ``d``;
-    ``h`` [1, 1, H, 1] the half of the field (Q6_K)."""
-    if FMT == "Q8_0":  # d per block of 32 (block F of the tile); codes stored plus 128
-        d = _f16_at(scales + F, mask)
+    adds, ``value = scale * (field - 2**23) + bias``, each [BLOCK_N, TILES, G, 1]: ``scales`` points
+    at the row tiles' scales [BLOCK_N, TILES, 1, 1], ``supers`` at Q6_K's ``d``; ``g`` [1, 1, G, 1]
+    the group of the words (the field's columns ``64 (F // 2) + 32 g ..`` are block ``2 (F // 2) + g``
+    of 32, or Q6_K's sub-block ``4 (F // 2) + g`` of 16)."""
+    block = 2 * (F // 2) + g
+    if FMT == "Q8_0":  # d per block of 32; codes stored plus 128
+        d = _f16_at(scales + block, mask)
         return d * (1.0 / (1 << (8 * (F % 2)))), -128.0 * d
     elif FMT == "Q4_0":
-        d = _f16_at(scales + F, mask)
+        d = _f16_at(scales + block, mask)
         return d * (1.0 / (1 << (4 * F - 12 * (F // 5)))), -8.0 * d
     elif FMT == "Q5_0":
-        d = _f16_at(scales + F, mask)
+        d = _f16_at(scales + block, mask)
         return d, -16.0 * d
     elif FMT == "Q4_1":  # (d, m) per block
-        return _f16_at(scales + 2 * F, mask) * (1.0 / (1 << (4 * F - 12 * (F // 5)))), _f16_at(scales + 2 * F + 1, mask)
+        unit = 1.0 / (1 << (4 * F - 12 * (F // 5)))
+        return _f16_at(scales + 2 * block, mask) * unit, _f16_at(scales + 2 * block + 1, mask)
     elif FMT == "Q5_1":
-        return _f16_at(scales + 2 * F, mask), _f16_at(scales + 2 * F + 1, mask)
+        return _f16_at(scales + 2 * block, mask), _f16_at(scales + 2 * block + 1, mask)
     elif FMT == "Q4_K":
         # words: d | dmin << 16; then the 12 bytes of 6-bit scales and mins: sub-blocks 0-3 in the
         # low 6 bits of bytes 0-3 (scales) and 4-7 (mins), 4-7 in the nibbles of bytes 8-11 and the
@@ -127,28 +130,30 @@ def _scale_bias(FMT: tl.constexpr, F: tl.constexpr, scales, supers, h, mask):
         dmin = (head >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         sc_word = _load(scales + 1, mask)
         mn_word = _load(scales + 2, mask)
-        if F < 4:
-            sc = (sc_word >> (8 * F)) & 63
-            mn = (mn_word >> (8 * F)) & 63
+        if F < 4:  # sub-blocks 0-3
+            sc = (sc_word >> (8 * block)) & 63
+            mn = (mn_word >> (8 * block)) & 63
         else:
             both = _load(scales + 3, mask)
-            sc = ((both >> (8 * (F - 4))) & 15) | (((sc_word >> (8 * (F - 4) + 6)) & 3) << 4)
-            mn = ((both >> (8 * (F - 4) + 4)) & 15) | (((mn_word >> (8 * (F - 4) + 6)) & 3) << 4)
-        return d * sc.to(tl.float32) * (1.0 / (1 << (4 * F - 12 * (F // 5)))), -dmin * mn.to(tl.float32)
+            at = 8 * (block - 4)
+            sc = ((both >> at) & 15) | (((sc_word >> (at + 6)) & 3) << 4)
+            mn = ((both >> (at + 4)) & 15) | (((mn_word >> (at + 6)) & 3) << 4)
+        unit = 1.0 / (1 << (4 * F - 12 * (F // 5)))
+        return d * sc.to(tl.float32) * unit, -dmin * mn.to(tl.float32)
     else:
         tl.static_assert(FMT == "Q6_K", "no planes for this GGUF type")
-        # int8 scale per sub-block of 16 (field F, half h: sub-block 2 F + h), d per tile; codes plus 32
-        s = _load(scales + 2 * F + h, mask).to(tl.float32) * _f16_at(supers, mask)
+        # int8 scale per sub-block of 16, d per tile; codes plus 32
+        s = _load(scales + 4 * (F // 2) + g, mask).to(tl.float32) * _f16_at(supers, mask)
         return s, -32.0 * s
 
 
 @triton.jit
 def _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile, num_tiles, mask,
-                FMT: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr):  # fmt: skip
-    """Pointers and loads of one loop step: the code words and high bits [BLOCK_N, TILES, H, SUB],
-    the tiles' scale pointers [BLOCK_N, TILES, 1, 1], ``h`` and the column of each word."""
-    h = tl.arange(0, 32 // SUB)[None, None, :, None]
-    w = h * SUB + tl.arange(0, SUB)[None, None, None, :]
+                HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr):  # fmt: skip
+    """One loop step's code words and high bits [BLOCK_N, TILES, G, SUB] (word ``SUB g + l``), the
+    tiles' scale pointers [BLOCK_N, TILES, 1, 1], ``g`` [1, 1, G, 1] and the word index."""
+    g = tl.arange(0, 32 // SUB)[None, None, :, None]
+    w = g * SUB + tl.arange(0, SUB)[None, None, None, :]
     n = rows[:, None, None, None].to(tl.int64)
     word = _load(codes_ptr + n * (num_tiles * 32) + tile * 32 + w, mask)
     if HIGH:
@@ -157,14 +162,34 @@ def _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile, num_til
         high = word
     scales = scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE
     supers = supers_ptr + n * num_tiles + tile
-    return word, high, scales, supers, h, w
+    return word, high, scales, supers, g, w
+
+
+@triton.jit
+def _activation_pair(x_ptr, first, mask, XS: tl.constexpr):
+    """The activations of the two fields of a pair at the columns ``first`` (of the even field; the odd
+    one's follow them), fp32: from the halves of one 32-bit word of a 16-bit pair (``XS`` "bf16" or
+    "fp16": ``x_ptr`` the activations as int32 words), or two fp32 loads."""
+    if XS == "fp32":
+        if mask is None:
+            return tl.load(x_ptr + first), tl.load(x_ptr + first + 1)
+        else:
+            return tl.load(x_ptr + first, mask=mask, other=0.0), tl.load(x_ptr + first + 1, mask=mask, other=0.0)
+    else:
+        pair = _load(x_ptr + first // 2, mask)
+        if XS == "bf16":  # a bf16 is the top half of its fp32
+            return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+        else:
+            low = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            return low, (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _plane_gemv_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split,
-    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    XS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,24 +198,20 @@ def _plane_gemv_kernel(
     last = tl.minimum(first + tiles_per_split, num_tiles)
     t = tl.arange(0, TILES)[None, :, None, None]
     acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB), dtype=tl.float32)
-    acc_bias = tl.zeros((BLOCK_N, TILES, 32 // SUB, 1), dtype=tl.float32)
     for t0 in range(first, last, TILES):
         tile = t0 + t
         has_tile = tile < last
         mask = None if EVEN else (rows[:, None, None, None] < N) & has_tile
-        word, high, scales, supers, h, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
-                                                       num_tiles, mask, FMT, HIGH, SUB, PER_TILE)  # fmt: skip
-        cols = x_ptr + tile * (32 * FIELDS) + w
-        for i in tl.static_range(FIELDS):
-            if EVEN:
-                x = tl.load(cols + 32 * i).to(tl.float32)
-            else:
-                x = tl.load(cols + 32 * i, mask=has_tile, other=0.0).to(tl.float32)
-            scale, bias = _scale_bias(FMT, i, scales, supers, h, mask)
-            product = tl.fma(_field(FMT, i, word, high), x, x * -8388608.0)  # code * 2**s * x
-            acc = tl.fma(product, scale, acc)
-            acc_bias = tl.fma(bias, tl.sum(x, axis=3, keep_dims=True), acc_bias)
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3) + tl.sum(acc_bias, axis=3), axis=2), axis=1)
+        word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                       num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+        for p in tl.static_range(FIELDS // 2):
+            xs = _activation_pair(x_ptr, tile * (32 * FIELDS) + 64 * p + 2 * w, None if EVEN else has_tile, XS)
+            for q in tl.static_range(2):
+                x = xs[q]
+                scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
+                product = tl.fma(_field(FMT, 2 * p + q, word, high), x, x * -8388608.0)  # code * 2**s * x
+                acc = tl.fma(product, scale, tl.fma(x, bias, acc))
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
     if PARTIAL:
         tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
     else:
@@ -212,16 +233,17 @@ def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, N, split, SPLITS: tl.conste
 
 
 @triton.jit
-def _field_values(FMT: tl.constexpr, F: tl.constexpr, word, high, scales, supers, h, mask):
-    scale, bias = _scale_bias(FMT, F, scales, supers, h, mask)
+def _field_values(FMT: tl.constexpr, F: tl.constexpr, word, high, scales, supers, g, mask):
+    scale, bias = _scale_bias(FMT, F, scales, supers, g, mask)
     return (_field(FMT, F, word, high) - 8388608.0) * scale + bias
 
 
 @triton.jit
 def _plane_dot_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_y,
-    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_entry(PDL)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -234,14 +256,20 @@ def _plane_dot_kernel(
         tile = t0 + t
         has_tile = tile < num_tiles
         mask = (rows[:, None, None, None] < N) & has_tile
-        word, high, scales, supers, h, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
-                                                       num_tiles, mask, FMT, HIGH, SUB, PER_TILE)  # fmt: skip
-        cols = tl.reshape(tile * (32 * FIELDS) + w, (TILES * 32,))
-        x_mask = (ms[:, None] < M) & tl.reshape(has_tile & (w >= 0), (TILES * 32,))[None, :]
-        for i in tl.static_range(FIELDS):
-            values = tl.reshape(_field_values(FMT, i, word, high, scales, supers, h, mask), (BLOCK_N, TILES * 32))
-            x = tl.load(x_rows + cols[None, :] + 32 * i, mask=x_mask, other=0.0)
-            acc = tl.dot(x, tl.trans(values.to(x.dtype)), acc, input_precision=PRECISION)
+        word, high, scales, supers, g, _ = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                       num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+        # a pair's 64 columns of each tile, as [BLOCK_M, TILES * 32, 2]: the even field's and the odd one's
+        pair_tiles = t0 + tl.arange(0, TILES)[:, None]
+        cols = tl.reshape(pair_tiles * (32 * FIELDS) + tl.arange(0, 64)[None, :], (TILES * 64,))
+        x_mask = (ms[:, None] < M) & tl.reshape((pair_tiles < num_tiles) & (tl.arange(0, 64)[None, :] >= 0),
+                                                (TILES * 64,))[None, :]  # fmt: skip
+        for p in tl.static_range(FIELDS // 2):
+            x = tl.load(x_rows + cols[None, :] + 64 * p, mask=x_mask, other=0.0)
+            xs = tl.split(tl.reshape(x, (BLOCK_M, TILES * 32, 2)))
+            for q in tl.static_range(2):
+                values = _field_values(FMT, 2 * p + q, word, high, scales, supers, g, mask)
+                values = tl.reshape(values, (BLOCK_N, TILES * 32))
+                acc = tl.dot(xs[q], tl.trans(values.to(x.dtype)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
@@ -259,12 +287,15 @@ def _plane_dequant_kernel(
     num_tiles = K // (32 * FIELDS)
     tile = tl.program_id(1) * TILES + tl.arange(0, TILES)[None, :, None, None]
     mask = (rows[:, None, None, None] < N) & (tile < num_tiles)
-    word, high, scales, supers, h, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
-                                                   num_tiles, mask, FMT, HIGH, SUB, PER_TILE)  # fmt: skip
-    out = out_ptr + rows[:, None, None, None].to(tl.int64) * K + tile * (32 * FIELDS) + w
-    for i in tl.static_range(FIELDS):
-        values = _field_values(FMT, i, word, high, scales, supers, h, mask)
-        tl.store(out + 32 * i, values.to(out_ptr.dtype.element_ty), mask=mask)
+    word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                   num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+    out = out_ptr + rows[:, None, None, None].to(tl.int64) * K + tile * (32 * FIELDS) + 2 * w
+    for f in tl.static_range(FIELDS):
+        values = _field_values(FMT, f, word, high, scales, supers, g, mask)
+        tl.store(out + 64 * (f // 2) + f % 2, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+X_WORDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # activations the GEMV reads as 32-bit pairs
 
 
 def _plane_views(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> list[Tensor]:
@@ -281,7 +312,7 @@ def _plane_views(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> list[Tenso
 
 def _format_args(layout: PlaneLayout) -> dict:
     return dict(FMT=layout.name, FIELDS=layout.fields, HIGH=layout.high_bits > 0,
-                SUB=16 if layout.name == "Q6_K" else 32, PER_TILE=_scales_per_tile(layout.name))  # fmt: skip
+                SUB=8 if layout.name == "Q6_K" else 16, PER_TILE=_scales_per_tile(layout.name))  # fmt: skip
 
 
 def plane_layout(name: str, k: int) -> PlaneLayout:
@@ -307,9 +338,10 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     even = n % config.block_n == 0 and num_tiles % per_split == 0
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
     chain = launch.pdl(x.device)
+    words = x.view(torch.int32) if x.dtype in X_WORDS else x
     _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
-        x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
+        words, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split,
+        XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
         num_warps=config.num_warps, **_format_args(layout), **chain,
     )  # fmt: skip
     if split > 1:
