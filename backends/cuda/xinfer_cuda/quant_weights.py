@@ -86,12 +86,13 @@ def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
 
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
-    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: GEMVs reading 4
-    to 8 KB a loop step (2 to 16 rows a program), some splitting K in 4 (for weights of few
-    rows); dots as :func:`candidates`; past one row also the dequantized weight."""
+    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: GEMVs whose tiles of a
+    loop step give each thread one 16-byte load of codes a row (``tiles = 4 * num_warps``: Triton then
+    lays every operand out alike, with no shared-memory shuffle), 1 to 4 rows a program, some splitting
+    K (weights of few rows); dots as :func:`candidates`; past one row also the dequantized weight."""
     if rows == 1:
-        return tuple(PlaneGemvConfig(*c) for c in [(4, 8, 4), (8, 4, 4), (4, 4, 4), (8, 8, 8), (16, 4, 8),
-                                                   (2, 16, 4), (4, 4, 4, 4), (8, 4, 4, 4)])  # fmt: skip
+        return tuple(PlaneGemvConfig(*c) for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2),
+                                                   (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)])  # fmt: skip
     if rows <= 16:
         dots = tuple(PlaneDotConfig(16, n, t, w, s) for n, t, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
                                                                        (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
