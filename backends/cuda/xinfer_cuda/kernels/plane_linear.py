@@ -1,25 +1,29 @@
 """Linear ``y = x W^T (+ bias)`` over a GGUF weight in planes (:mod:`xinfer_cuda.kernels.gguf_planes`).
 
-A program reads [block_n rows, tiles, 32] code words at once (16-byte loads), and for each
-field ``i`` of the words:
+The GEMV (one row, batch-1 decode) reads a loop step's code words as [block_n rows, tiles, groups,
+4 loads, 4 words] tiles with ``tiles = 4 * num_warps``: each thread then holds one 16-byte load of
+each row's codes, and Triton gives codes, activations (bf16 or fp16 pairs read as 32-bit words) and
+scale words one layout (no shared-memory shuffles). For each field ``f`` of the words:
 
-- the code as an exact float without a conversion instruction: its bits, masked in place (no
-  shift for fields in the word's low 20 bits) and or-ed into the mantissa of ``2**23``, are
-  ``2**23 + code * 2**s``; ``fma(that, x, -2**23 x)`` is ``code * 2**s * x`` rounded once
-  (``2**23 x`` is exact), so a field costs one logic operation and one fma before the scale;
-- the scale (with ``2**-s``) is one per (row, tile, field) (Q6_K: per half field), applied by a
-  second fma; what a block adds to every value (Q4_K's ``-dmin m``, Q8_0's ``-128 d`` for its
-  codes stored plus 128, Q4_1's ``m``) is applied once per (row, tile, field) to the sum of the
-  field's 32 activations.
+- ``code * x`` without a conversion instruction: the code's bits, masked where they lie in the word
+  (one shift of the word serves its upper fields), or-ed into the mantissa of ``2**e`` (``e`` chosen
+  so the code's lowest bit is worth 1) make the float ``2**e + code``, and ``fma(that, x, -2**e x)``
+  is ``code * x`` rounded once (``2**e x`` is exact); Q5's and Q6_K's high bits are a second such
+  product, with ``16 x``;
+- a load's 4 products are summed in the thread and scaled once (the 4 words share a block: a
+  field's columns ``64 (f // 2) + 2 w`` are one block of 32 for 16 consecutive words), and what the
+  block adds to every value (Q4_K's ``-dmin m``, Q8_0's ``-128 d`` for its codes stored plus 128,
+  Q4_1's ``m``) multiplies the sum of those 4 activations, shared by the thread's rows.
 
-That is some three instructions a 4-bit value (a byte-wise decode takes ten or more), so the
-one-row GEMV streams at the memory's pace rather than the ALUs'. Over few rows of the weight
-(N small beside the 132 SMs of an H200) the GEMV splits K over ``split`` programs a row tile,
-their fp32 partial sums added by a second small kernel.
+In the sm_90 SASS of the loop that is 6.0 instructions a Q4_K value, 5.5 a Q8_0 and 9 a Q6_K one (a
+third of them the sub-block scales' decode), against 14 and 10 for the byte-wise kernels of the
+file's blocks (:mod:`xinfer_cuda.kernels.quant_linear`), which also load one or two bytes at a time.
+Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV may split K over
+``split`` programs a row tile, their fp32 partial sums added by a second small kernel.
 
-- :func:`plane_gemv`: one row (batch-1 decode), :class:`PlaneGemvConfig`;
-- :func:`plane_dot`: a few rows (small decode batches): each field's values, decoded the same
-  way, one tensor-core dot with the activations' columns of that field, :class:`PlaneDotConfig`;
+- :func:`plane_gemv`: one row, :class:`PlaneGemvConfig`;
+- :func:`plane_dot`: a few rows (small decode batches): each field's values, decoded the same way,
+  one tensor-core dot with the activations' columns of that field, :class:`PlaneDotConfig`;
 - :func:`plane_dequantize`: ``W`` in a float dtype (prefill multiplies that densely).
 """
 
