@@ -47,6 +47,7 @@ from xinfer_cuda.kernels import (
     moe_routing,
     norm,
     norm_linear,
+    plane_linear,
     quant_linear,
     quant_moe,
     rotary,
@@ -54,9 +55,10 @@ from xinfer_cuda.kernels import (
     token_bitmask,
 )
 from xinfer_cuda.kernels.gguf_blocks import FORMATS
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS
 from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES
 from xinfer_cuda.ops import CudaOps
-from xinfer_cuda.quant_weights import candidates
+from xinfer_cuda.quant_weights import candidates, plane_candidates
 from xinfer_deepseek.kernels import indexer, mla, mla_rows, sparse_mla
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
 
@@ -74,7 +76,7 @@ MODULES = (
     rotary,
     sampling,
 )
-MODULES += (quant_linear, quant_moe, token_bitmask)
+MODULES += (plane_linear, quant_linear, quant_moe, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
 MODULES += (conv1d, delta_rule, fla_prefill, mla, mla_rows, sparse_mla, indexer)
@@ -91,6 +93,8 @@ POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.int16: "*i16",
+    torch.uint16: "*u16",
 }
 
 
@@ -224,6 +228,18 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 for tile in candidates(fmt, tokens):  # (the dequantized candidate: dequantize's kernel, above)
                     if tile is not quant_linear.DEQUANTIZED:
                         quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name, None, tile)
+    # GGUF weights in planes (a linear's weight as the backend lays it out at load): every tile the
+    # measurement tries of each type's GEMV and dots, with a bias and cut tiles, and dequantization
+    for layout in LAYOUTS.values():
+        planes = torch.empty(6142 * 4096 // layout.tile * sum(layout.tile_bytes()), dtype=torch.uint8)
+        for tokens in (1, 16, 64):
+            for tile in plane_candidates(layout, tokens):
+                if tile is not quant_linear.DEQUANTIZED:
+                    plane_linear.plane_rows(t(tokens, 4096), planes, layout.name, None, tile)
+        plane_linear.plane_rows(t(1, 4096), planes, layout.name, t(6142))
+        down = torch.empty(4096 * 14336 // layout.tile * sum(layout.tile_bytes()), dtype=torch.uint8)
+        plane_linear.plane_rows(t(1, 14336), down, layout.name)  # a K no loop step of 16 tiles divides
+        plane_linear.plane_dequantize(planes, layout.name, 6142, 4096, dtype)
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and
     # fp8 rows: the store, decode with and without splits, prefill
     mla_tiles = {fp8: mla.TILES["fma" if cc < 80 or dtype == torch.float32 else "gpu-fp8" if fp8 else "gpu"]
