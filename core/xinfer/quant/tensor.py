@@ -103,7 +103,7 @@ class QuantizedTensor(torch.Tensor):
             return torch.cat([part.dequantize(dtype) for part in self.parts], dim=-2)
         return self.format.dequantize(self.raw).to(dtype)
 
-    def to(self, *args: Any, **kwargs: Any) -> QuantizedTensor:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> QuantizedTensor:
         """The weight on another device, still packed; a dtype is refused (:meth:`dequantize` casts)."""
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype not in (None, torch.uint8):
@@ -114,7 +114,7 @@ class QuantizedTensor(torch.Tensor):
             return cat_rows([part.to(device, non_blocking=non_blocking) for part in self.parts])
         return QuantizedTensor(self.raw.to(device, non_blocking=non_blocking), self.format, self.logical_shape)
 
-    def cpu(self, *args: Any, **kwargs: Any) -> QuantizedTensor:  # type: ignore[override]
+    def cpu(self, *args: Any, **kwargs: Any) -> QuantizedTensor:
         return self.to("cpu")
 
     def cuda(self, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> QuantizedTensor:  # type: ignore[override]
