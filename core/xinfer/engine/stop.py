@@ -21,7 +21,9 @@ class TextStream:
         if self.detokenizer is None:
             return "", None
         previous = len(self.text)
-        self.text += "".join(self.detokenizer.push(token) for token in token_ids)
+        self.text += "".join([self.detokenizer.push(token) for token in token_ids])
+        if not self.stop:
+            return self._take(len(self.text)), None
         search_from = max(0, previous - self.hold)
         hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
         if hits:
