@@ -1,9 +1,11 @@
 """Host time of an engine decode step at large batches, the device left out: a tiny
 model on the CPU whose step runner is the CUDA backend's (the same bucket choice and
 input packing, :class:`xinfer_cuda.static_step.StaticStep`) with the replay replaced by
-random tokens. One JSON line per batch size: ms per step by phase (schedule, prepare,
-load: padding and packing the inputs, sample: the sampled rows' parameters and the
-read-back's copies, read_back, output: stop checks and detokenizing, total).
+random tokens. One JSON line per batch size: CPU ms per step (this thread's, so that
+other processes' load counts little) by phase: schedule, prepare, load (padding and
+packing the inputs), sample (the read-back's copies), read_back, engine_rest (the
+engine's own loops: sampled rows' parameters, pending inputs, appending tokens, stop
+checks, cache commits), output (the output processor: detokenizing, deltas), total.
 
 python benchmarks/host_step.py --num-seqs 256 512 1024
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 
 import torch
@@ -34,7 +37,7 @@ class ReplayLeftOut:
     tokens instead of replaying a forward."""
 
     def __init__(self, limits: StepLimits):
-        self.step = StaticStep(lambda *args: None, limits, torch.device("cpu"))  # type: ignore[arg-type, return-value]
+        self.step = StaticStep(None, limits, torch.device("cpu"))  # its forward never runs
         self.buckets = step_buckets(limits)
         self.logits = torch.zeros(limits.max_num_seqs, VOCAB)
         self.tokens = torch.zeros(limits.max_num_seqs, dtype=torch.int64)
@@ -87,8 +90,6 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
-    import tempfile
-
     folder = tempfile.mkdtemp(prefix="xinfer-host-step-")
     LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=4096, architectures=["LlamaForCausalLM"],
