@@ -89,7 +89,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
 
     capacity = p.add_argument_group("capacity")
     capacity.add_argument("--max-num-seqs", type=int, help="sequences in a running batch (default: as many as the KV "
-                          "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 256)")
+                          "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 1024)")
     capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     capacity.add_argument("--max-tokens", type=int,
                           help="default max generated tokens of a request (default: the rest of the context)")
@@ -105,7 +105,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                           "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
                           "(CPU and CUDA backends); 0: off")
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
-                          help="tokens per step; longer prefills are chunked")
+                          help="tokens per step (default: 8192); longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
     capacity.add_argument("--mamba-fraction", type=_share, metavar="SHARE",
                           help="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory for "
