@@ -36,7 +36,9 @@ from xinfer.sampling import SamplingParams
 
 GiB = 1 << 30
 DEFAULT_KV_FRACTION = 0.9
-MAX_NUM_SEQS_CAP = 1024  # a batch this large keeps the GEMMs of a decode step compute-bound on a large GPU
+# 1024 was tried (eighth session): a simulation of the ShareGPT-like 8B run gave no gain over 256 (the longest
+# answer's decode steps bound it), and the host's per-step work at ~800 rows nears the device's; not measured on the H200
+MAX_NUM_SEQS_CAP = 256
 DEFAULT_MAX_NUM_SEQS = 256  # where the pool is sized by hand (num_blocks)
 TOKENS_PER_SEQ = 1024  # a typical prompt and answer
 CPU_DEFAULT_BUDGET = 2 << 30

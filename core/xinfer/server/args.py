@@ -89,7 +89,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
 
     capacity = p.add_argument_group("capacity")
     capacity.add_argument("--max-num-seqs", type=int, help="sequences in a running batch (default: as many as the KV "
-                          "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 1024)")
+                          "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 256)")
     capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     capacity.add_argument("--max-tokens", type=int,
                           help="default max generated tokens of a request (default: the rest of the context)")
