@@ -26,8 +26,15 @@ def decode_attention(
     at positions ``seq_lens[b] - window`` (0 without a window) to ``seq_lens[b] - 1``."""
     num_seqs, num_heads, head_dim = q.shape
     context = meta.max_seq_len
-    tables = meta.block_tables[:, : -(-context // cache.block_size)]
-    stored = {name: t[tables].flatten(1, 2)[:, :context] for name, t in cache.tensors.items()}  # [B, L, Hkv, ...]
+    blocks = once_per_step(
+        f"cpu.decode_blocks.{cache.block_size}",
+        (meta.block_tables,),
+        lambda: meta.block_tables[:, : -(-context // cache.block_size)].flatten(),
+    )
+    stored = {  # [B, L, Hkv, ...]
+        name: t.index_select(0, blocks).view(num_seqs, -1, *t.shape[2:])[:, :context]
+        for name, t in cache.tensors.items()
+    }
     k, v = cache.format.decode(stored)
     query = cache.format.prepare_query(q, cache.equalizer).float()
     # the query heads of a KV head are its queries: [B, Hkv, group, D] against [B, Hkv, L, D]

@@ -32,7 +32,7 @@ class CpuOps(TorchOps):
         if residual is not None:
             x = x + residual
             residual = x
-        out = F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
+        out = _as(F.rms_norm(_as(x, torch.float32), x.shape[-1:], _as(weight, torch.float32), eps), x.dtype)
         return out if residual is None else (out, residual)
 
     def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None):
@@ -75,8 +75,13 @@ def _rotation_table(positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rot_dim = cos.shape[-1]
-    x_rot = x[..., :rot_dim].float()
+    x_rot = _as(x[..., :rot_dim], torch.float32)
     half = rot_dim // 2
     swapped = torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    rotated = (x_rot * cos + swapped * sin).to(x.dtype)
+    rotated = _as(x_rot * cos + swapped * sin, x.dtype)
     return torch.cat((rotated, x[..., rot_dim:]), dim=-1) if rot_dim < x.shape[-1] else rotated
+
+
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, without a call into torch when it is a no-op (most of them, in an fp32 model)."""
+    return x if x.dtype == dtype else x.to(dtype)
