@@ -27,7 +27,7 @@ def decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     context = meta.max_seq_len
     blocks = once_per_step(
-        f"cpu.decode_blocks.{cache.block_size}",
+        f"cpu.decode_blocks.{cache.block_size}.{context}",
         (meta.block_tables,),
         lambda: meta.block_tables[:, : -(-context // cache.block_size)].flatten(),
     )
@@ -40,7 +40,7 @@ def decode_attention(
     # the query heads of a KV head are its queries: [B, Hkv, group, D] against [B, Hkv, L, D]
     query = query.view(num_seqs, cache.num_kv_heads, -1, head_dim)
     visible = once_per_step(
-        f"cpu.decode_mask.{window}", (meta.seq_lens,), lambda: _visible(meta.seq_lens, context, window)
+        f"cpu.decode_mask.{window}.{context}", (meta.seq_lens,), lambda: _visible(meta.seq_lens, context, window)
     )
     out = F.scaled_dot_product_attention(query, k.transpose(1, 2), v.transpose(1, 2), visible, scale=scale)
     return cache.format.finish_output(out.reshape(num_seqs, num_heads, -1)).to(q.dtype)
