@@ -29,7 +29,8 @@ def decode_attention(
     blocks = once_per_step(
         f"cpu.decode_blocks.{cache.block_size}.{context}",
         (meta.block_tables,),
-        lambda: meta.block_tables[:, : -(-context // cache.block_size)].flatten(),
+        # a window's layers drop the blocks before it (-1): any block stands in, its positions are masked
+        lambda: meta.block_tables[:, : -(-context // cache.block_size)].flatten().clamp(min=0),
     )
     stored = {  # [B, L, Hkv, ...]
         name: t.index_select(0, blocks).view(num_seqs, -1, *t.shape[2:])[:, :context]
