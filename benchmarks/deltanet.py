@@ -49,7 +49,9 @@ if SMOKE:  # before anything imports triton
 
 import torch  # noqa: E402
 
+from xinfer import ops  # noqa: E402
 from xinfer.ops import AttentionMetadata  # noqa: E402
+from xinfer_cuda.ops import CudaOps  # noqa: E402
 from xinfer_qwen import deltanet_ops  # noqa: E402
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill  # noqa: E402
 
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts, prompt_len = shape["prompts"], shape["prompt_len"]
     steps = [(f"decode-{b}", b, 1, 100) for b in shape["decode_batches"]]
     steps.append((f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len))
-    cases = [case(*step, shape, device, dtype, args.sweep) for step in steps]
+    with ops.use(CudaOps()):  # the kernels join its launch chain (xinfer.kernel_api)
+        cases = [case(*step, shape, device, dtype, args.sweep) for step in steps]
     summary = dict(benchmark="deltanet", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    dtype=str(dtype), fla=chunk_gated_delta_rule is not None, shape=shape, cases=[r for r, _ in cases])  # fmt: skip
     print(json.dumps(summary), flush=True)
@@ -278,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     fla_cases = []
     try:
-        for result, data in cases:
-            fla_cases.append(fla_case(result, **data))
+        with ops.use(CudaOps()):
+            for result, data in cases:
+                fla_cases.append(fla_case(result, **data))
     except FlaFailure as failure:
         fla_cases.append(dict(fla_failure=str(failure)))
     print(json.dumps(dict(benchmark="deltanet-fla", cases=fla_cases)), flush=True)

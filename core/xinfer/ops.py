@@ -197,6 +197,12 @@ class Ops(DeviceHooks, Protocol):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor, base: Tensor | None = None) -> Tensor:
+        """``sigmoid(gate) * y``, plus ``base`` where given, for ``y`` [T, N], ``gate`` [T, N] (an
+        output gate) or [T, 1] (one per row, as a shared expert's) and ``base`` [T, N]; computed in
+        fp32 and rounded once to the dtype of ``y``. One op, so that a backend does in one launch
+        what were two or three."""
+
     def fused_moe(
         self,
         x: Tensor,
@@ -471,6 +477,10 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
+
+
+def sigmoid_gate(y: Tensor, gate: Tensor, base: Tensor | None = None) -> Tensor:
+    return current().sigmoid_gate(y, gate, base)
 
 
 def fused_moe(

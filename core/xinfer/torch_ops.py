@@ -125,6 +125,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor, base: Tensor | None = None) -> Tensor:
+        out = torch.sigmoid(gate.float()) * y.float()
+        return (out if base is None else base.float() + out).to(y.dtype)
+
     def fused_moe(
         self,
         x: Tensor,

@@ -449,6 +449,25 @@ def test_act_and_mul(name, shape, dtype):
     assert torch.equal(getattr(CUDA, name)(x), out)
 
 
+@pytest.mark.parametrize("shape, dtype", matrix([(1, 7), (3, 1000)], [(1, 2048), (256, 4096)]))
+@pytest.mark.parametrize("per_row", [True, False], ids=["shared-expert", "output-gate"])
+def test_sigmoid_gate(shape, dtype, per_row):
+    """A shared expert's gate (one per row) with the routed experts' output added, and an
+    attention's output gate (one per value, the gate a view with a row stride, no sum)."""
+    tokens, n = shape
+    y = rand(tokens, n + 5, dtype=dtype)[:, 2 : 2 + n]
+    if per_row:
+        gate, base = rand(tokens, 1, dtype=dtype, scale=3.0), rand(tokens, n, dtype=dtype)
+        expected = ref32(base) + torch.sigmoid(ref32(gate)) * ref32(y)
+    else:
+        gate, base = rand(tokens, 2 * n, dtype=dtype, scale=3.0)[:, n:], None
+        expected = torch.sigmoid(ref32(gate)) * ref32(y)
+    out = activation.sigmoid_gate(y, gate, base)
+    assert out.shape == (tokens, n)
+    check(out, expected, dtype)
+    assert torch.equal(CUDA.sigmoid_gate(y, gate, base), out)
+
+
 # --- KV cache write ------------------------------------------------------------------
 
 # (tokens, kv heads, head dim, block size, blocks)

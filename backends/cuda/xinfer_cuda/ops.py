@@ -121,6 +121,9 @@ class CudaOps(TorchOps):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_tanh_and_mul(x)
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor, base: Tensor | None = None) -> Tensor:
+        return activation.sigmoid_gate(y, gate, base)
+
     def fused_moe(
         self,
         x: Tensor,

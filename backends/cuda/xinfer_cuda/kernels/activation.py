@@ -1,4 +1,5 @@
-"""Gated activations: ``act(x[..., :n]) * x[..., n:]``, in fp32."""
+"""Gated activations: ``act(x[..., :n]) * x[..., n:]``, and sigmoid gates ``sigmoid(gate) * y (+ base)``
+(an attention's output gate; a shared expert's, with the sum of the routed experts' output), in fp32."""
 
 from __future__ import annotations
 
@@ -66,3 +67,38 @@ def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
 def gelu_tanh_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
     return _act_and_mul(x, "gelu_tanh", out)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    y_ptr, gate_ptr, base_ptr, out_ptr, stride_y, stride_gate, stride_gate_col, stride_base, stride_out, n,
+    HAS_BASE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(gate_ptr + row * stride_gate + cols * stride_gate_col, mask=mask, other=0.0).to(tl.float32)
+    out = tl.sigmoid(gate) * tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BASE:
+        out += tl.load(base_ptr + row * stride_base + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sigmoid_gate(y: Tensor, gate: Tensor, base: Tensor | None = None) -> Tensor:
+    """``sigmoid(gate) * y (+ base)`` for ``y`` [T, N], ``gate`` [T, N] or [T, 1], ``base`` [T, N]; any
+    of them may be a view with a row stride."""
+    y, gate = (t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous() for t in (y, gate))
+    if base is not None and base.stride(-1) != 1:
+        base = base.contiguous()
+    tokens, n = y.shape
+    out = torch.empty(tokens, n, dtype=y.dtype, device=y.device)
+    if tokens == 0 or n == 0:
+        return out
+    block = min(triton.next_power_of_2(n), 1024)
+    _sigmoid_gate_kernel[(tokens, triton.cdiv(n, block))](
+        y, gate, y if base is None else base, out, y.stride(0), gate.stride(0), 0 if gate.shape[-1] == 1 else 1,
+        0 if base is None else base.stride(0), out.stride(0), n,
+        HAS_BASE=base is not None, BLOCK=block, num_warps=4, **launch.pdl(y.device),
+    )  # fmt: skip
+    return out
