@@ -405,6 +405,22 @@ def test_rotary_write_kv(case, dtype):
     assert torch.equal(stored_v[kept], v_before.view(-1, kv_heads, head_dim)[kept])
 
 
+def test_rotary_write_kv_reads_queries_strided_by_an_output_gate():
+    """Queries that are the first half of each head's rows, the output gate the second (Qwen3.5's
+    attention), as a view: the same rotated queries as from a contiguous copy."""
+    tokens, heads, kv_heads, head_dim, rot_dim, block_size = 5, 4, 2, 64, 32, 16
+    q_and_gate = rand(tokens, heads, 2 * head_dim, scale=2.0)
+    q = q_and_gate[..., :head_dim]
+    k, v = rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
+    caches = [rand(2, block_size, kv_heads, head_dim) for _ in range(2)]
+    positions, cos_sin = torch.randint(0, 64, (tokens,), device=DEVICE), cos_sin_cache(64, rot_dim)
+    norms = HeadNorms(rand(head_dim), rand(head_dim), 1e-5)
+    slots = torch.arange(tokens, device=DEVICE)
+    strided = rotary.rotary_write_kv(q, k, v, positions, cos_sin, norms, *caches, slots)
+    contiguous = rotary.rotary_write_kv(q.contiguous(), k, v, positions, cos_sin, norms, *caches, slots)
+    assert torch.equal(strided, contiguous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if not ON_GPU else [torch.bfloat16], ids=str)
 def test_rotary_attention_op_matches_rotary_then_attention(dtype):
     """The fused op of a step mixing prompt chunks and decodes (and a padding row) against the
