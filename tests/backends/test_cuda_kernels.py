@@ -465,23 +465,34 @@ def test_act_and_mul(name, shape, dtype):
     assert torch.equal(getattr(CUDA, name)(x), out)
 
 
-@pytest.mark.parametrize("shape, dtype", matrix([(1, 7), (3, 1000)], [(1, 2048), (256, 4096)]))
-@pytest.mark.parametrize("per_row", [True, False], ids=["shared-expert", "output-gate"])
-def test_sigmoid_gate(shape, dtype, per_row):
-    """A shared expert's gate (one per row) with the routed experts' output added, and an
-    attention's output gate (one per value, the gate a view with a row stride, no sum)."""
+@pytest.mark.parametrize("shape, dtype", matrix([(1, 7), (3, 1000)], [(1, 4096), (256, 4096)]))
+def test_sigmoid_gate(shape, dtype):
+    """An attention's output gate: the gate a view with a row stride (as q's projection holds it)."""
     tokens, n = shape
-    y = rand(tokens, n + 5, dtype=dtype)[:, 2 : 2 + n]
-    if per_row:
-        gate, base = rand(tokens, 1, dtype=dtype, scale=3.0), rand(tokens, n, dtype=dtype)
-        expected = ref32(base) + torch.sigmoid(ref32(gate)) * ref32(y)
-    else:
-        gate, base = rand(tokens, 2 * n, dtype=dtype, scale=3.0)[:, n:], None
-        expected = torch.sigmoid(ref32(gate)) * ref32(y)
-    out = activation.sigmoid_gate(y, gate, base)
+    y = rand(tokens, n, dtype=dtype)
+    gate = rand(tokens, 2 * n, dtype=dtype, scale=3.0)[:, n:]
+    out = activation.sigmoid_gate(y, gate)
     assert out.shape == (tokens, n)
-    check(out, expected, dtype)
-    assert torch.equal(CUDA.sigmoid_gate(y, gate, base), out)
+    check(out, torch.sigmoid(ref32(gate)) * ref32(y), dtype)
+    assert torch.equal(CUDA.sigmoid_gate(y, gate), out)
+
+
+# (tokens, hidden, the gate's input width): odd widths, a row wider than a program's block, and Qwen3.6's 2048
+ADD_GATED_CASES = matrix([(1, 7, 5), (3, 1000, 1500), (2, 5000, 64)], [(1, 2048, 2048), (256, 2048, 2048)])
+
+
+@pytest.mark.parametrize("case, dtype", ADD_GATED_CASES)
+def test_add_gated(case, dtype):
+    """A shared expert's output scaled by its gate (the one-row projection computed in the kernel) and
+    added to the routed experts': ``y`` a view with a row stride."""
+    tokens, n, k = case
+    base, x = rand(tokens, n, dtype=dtype), rand(tokens, k, dtype=dtype)
+    y = rand(tokens, n + 5, dtype=dtype)[:, 2 : 2 + n]
+    gate_weight = rand(1, k, dtype=dtype, scale=2 / k**0.5)
+    out = activation.add_gated(base, y, x, gate_weight)
+    assert out.shape == (tokens, n)
+    check(out, ref32(base) + torch.sigmoid(ref32(x) @ ref32(gate_weight).T) * ref32(y), dtype)
+    assert torch.equal(CUDA.add_gated(base, y, x, gate_weight), out)
 
 
 # --- KV cache write ------------------------------------------------------------------

@@ -322,7 +322,7 @@ class MoE(nn.Module):
             if self.shared_expert_gate is None:
                 out = out + y
             else:
-                out = ops.sigmoid_gate(y, self.shared_expert_gate(x), out)
+                out = ops.add_gated(out, y, x, self.shared_expert_gate.weight)
         if self.dense_mlp is not None:
             out = out + self.dense_mlp(x)
         return out
