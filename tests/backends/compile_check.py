@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 from xinfer import ops
 from xinfer.kv import get_format
 from xinfer.layers.moe import Routing
-from xinfer.ops import AttentionMetadata, HeadNorms, ShadowPages
+from xinfer.ops import AttentionMetadata, HeadNorms, Rotation, ShadowPages
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
 from xinfer_cuda.kernels import (
     activation,
@@ -54,10 +54,10 @@ from xinfer_cuda.kernels import (
     token_bitmask,
 )
 from xinfer_cuda.kernels.gguf_blocks import FORMATS
-from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.quant_weights import candidates
-from xinfer_deepseek.kernels import indexer, mla, sparse_mla
+from xinfer_deepseek.kernels import indexer, mla, mla_rows, sparse_mla
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill, gated_norm
 
 MODULES = (
@@ -77,7 +77,7 @@ MODULES = (
 MODULES += (quant_linear, quant_moe, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
-MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, sparse_mla, indexer)
+MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, mla_rows, sparse_mla, indexer)
 # GGUF formats whose linear compiles every tile the measurement tries (one of 32-value blocks, one K-quant)
 MEASURED_FORMATS = ("Q8_0", "Q4_K")
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
@@ -165,12 +165,16 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     split = moe.SlotTiles(up_n=32, up_k=128, down_n=8, down_k=128, down_split=2)
     moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", split)
     moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", replace(split, pipelined=False))
+    for tiles in moe.slot_candidates(1, 8, t(1, 2048)):  # the tiles the start-up measurement times (moe_tiles.py)
+        moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", tiles)
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
-    for tile in ONE_ROW_TILES[:2]:  # the router's norm, GEMV and routing in one launch (4 and 8 warps)
+    for tile in ONE_ROW_TILES[:2] + ONE_PASS_TILES[::3]:  # the router's norm, GEMV and routing in one launch
         norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(128, 2048), Routing(top_k=8, renormalize=True),
                                None, tile)  # fmt: skip
+    for tile in ONE_ROW_TILES[:1] + ONE_PASS_TILES[::3]:  # a norm fused into the qkv projection (Qwen3-30B-A3B)
+        norm_linear.norm_linear(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(5120, 2048), None, tile)
     # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode
     # step (the recurrent kernel) and one with prompts (the chunked form); the conv over q, k, v
     for q_len in (1, 100):
@@ -236,6 +240,16 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         )  # fmt: skip
         queries = (t(2 * q_len, heads, 512), t(2 * q_len, heads, 64), t(2 * q_len, 576))
         mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=splits, tiles=mla_tiles[False])
+        # the rows stored by mla_rows, the values up-projected in the decode's merge (q_len 1) or after
+        w_uv = t(heads, 128, 512)
+        mla.mla_attention(*queries[:2], None, t(4, 64, 576), meta, 0.1, w_uv, num_splits=splits,
+                          tiles=mla_tiles[False])  # fmt: skip
+        # the rows (stored, or not), rotary parts and absorbed queries (w_uk in the launch at 2 tokens, beside it
+        # at 16)
+        rotation = Rotation(torch.zeros(2 * q_len, dtype=torch.int64), t(4096, 64, dt=torch.float32))
+        projected = (t(2 * q_len, heads, 192), t(2 * q_len, 576), rotation, t(512), 1e-6, t(heads, 128, 512))
+        mla_rows.mla_rows(*projected)
+        mla_rows.mla_rows(*projected, t(4, 64, 576), meta.slot_mapping)
         fp8_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
         mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=splits, tiles=mla_tiles[True])
         # V3.2's sparse attention over 2048 selected rows of the latent cache, and its indexer (64 heads of 128)

@@ -37,7 +37,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms, Rotation
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, norm_linear, rotary
-from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -186,12 +186,12 @@ def norm_linear_reference(x, residual, norm_weight, eps, weight, bias):
 
 @pytest.mark.parametrize("shape, dtype", NORM_LINEAR_SHAPES)
 def test_norm_linear(shape, dtype):
-    """Every tile the measurement may pick, with and without a residual and a bias: the
-    projection, the normalized rows and the new residual."""
+    """Every tile the measurement may pick (one row: also in one pass), with and without a
+    residual and a bias: the projection, the normalized rows and the new residual."""
     m, n, k = shape
     x, residual, norm_weight = rand(m, k, dtype=dtype), rand(m, k, dtype=dtype), rand(k, dtype=dtype)
     weight, bias = rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
-    tiles = candidates(m)
+    tiles = candidates(m) + (ONE_PASS_TILES[:: 1 if ON_GPU else 3] if m == 1 else ())
     for i, (tile, r, b) in enumerate(itertools.product(tiles, (None, residual), (None, bias))):
         if ON_GPU or i % 2 == 0 or tile == tiles[-1]:  # (the interpreter: bias on the last tile alone)
             y, normed, h = norm_linear.norm_linear(x, r, norm_weight, 1e-5, weight, b, tile)
@@ -229,7 +229,7 @@ def test_small_batch_norm_linear_fuses_only_where_measured_faster():
         return CPU.norm_linear(x, residual, norm_weight, 1e-6, w)
 
     for fused_time, expect_fused in ((9.9, False), (8.0, True)):
-        times = iter([10.0] + [fused_time] * len(candidates(1)))
+        times = iter([10.0] + [fused_time] * len(candidates(1) + ONE_PASS_TILES))
 
         def timer(call, weights, times=times):
             call(weights[0])
