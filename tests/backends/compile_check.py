@@ -259,6 +259,21 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             t(2 * q_len, 64, 128), t(2 * q_len, 128), t(2 * q_len, 64), t(4, 64, 128), meta, 0.1, 2048
         )  # fmt: skip
 
+    # the GPU tests' tiny shape (4 heads, R 32, P 8, nope 24: narrower than tl.dot's 16 rows, padded), decode and
+    # prefill, the rows stored beside and by mla_rows
+    for q_len in (1, 8):
+        cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+        meta = AttentionMetadata(
+            cu, torch.tensor([40, 40], dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
+            torch.zeros(2 * q_len, dtype=torch.int64), q_len, 40,
+        )  # fmt: skip
+        queries = (t(2 * q_len, 4, 32), t(2 * q_len, 4, 8), t(2 * q_len, 40))
+        mla.mla_attention(*queries, t(4, 16, 40), meta, 0.1, tiles=mla_tiles[False])
+        mla.mla_attention(*queries[:2], None, t(4, 16, 40), meta, 0.1, t(4, 16, 32), tiles=mla_tiles[False])
+        rotation = Rotation(torch.zeros(2 * q_len, dtype=torch.int64), t(4096, 8, dt=torch.float32))
+        mla_rows.mla_rows(t(2 * q_len, 4, 32), t(2 * q_len, 40), rotation, t(32), 1e-6, t(4, 24, 32),
+                          t(4, 16, 40), meta.slot_mapping)  # fmt: skip
+
     element_size = torch.tensor([], dtype=dtype).element_size()
 
     def tiles(table, head_dim):  # what attention._pick chooses on such a device

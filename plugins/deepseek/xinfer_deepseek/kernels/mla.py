@@ -48,6 +48,7 @@ from xinfer_deepseek.mla_ops import encode_fp8, expand, fp8_groups
 
 NEG_BIG: tl.constexpr = tl.constexpr(kernel_api.NEG_BIG)
 FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
+DOT_MIN = 16  # tl.dot's smallest side: narrower rows and columns are padded (masked) to it
 
 
 @triton.jit
@@ -411,8 +412,8 @@ def _attention(
     args = (q_latent, q_rope, planes.latent, planes.rope, planes.scales, out, meta.cu_seqlens_q, meta.seq_lens,
             meta.block_tables)  # fmt: skip
     strides = (*q_latent.stride()[:2], *q_rope.stride()[:2], *out.stride()[:2], meta.block_tables.stride(0))
-    constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=triton.next_power_of_2(rank),
-                      BLOCK_P=triton.next_power_of_2(rope_dim), **planes.constexprs(),
+    constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=max(DOT_MIN, triton.next_power_of_2(rank)),
+                      BLOCK_P=max(DOT_MIN, triton.next_power_of_2(rope_dim)), **planes.constexprs(),
                       PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", FP8_VALUE=lent.fp8_value,
                       **launch)  # fmt: skip
     score_scale = scale * LOG2E  # (softmax in base 2)
@@ -429,7 +430,7 @@ def _attention(
             **constexprs,
         )  # fmt: skip
 
-    block_h = max(16, min(triton.next_power_of_2(num_heads), decode_tiles.block_m))  # (tl.dot takes 16 rows or more)
+    block_h = max(DOT_MIN, min(triton.next_power_of_2(num_heads), decode_tiles.block_m))
     head_groups = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         max_context = meta.block_tables.shape[1] * block_size
