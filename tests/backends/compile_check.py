@@ -60,7 +60,7 @@ from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.quant_weights import candidates, plane_candidates
 from xinfer_deepseek.kernels import indexer, mla, mla_rows, sparse_mla
-from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill, gated_norm
 
 MODULES = (
     activation,
@@ -79,7 +79,7 @@ MODULES = (
 MODULES += (plane_linear, quant_linear, quant_moe, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
-MODULES += (conv1d, delta_rule, fla_prefill, mla, mla_rows, sparse_mla, indexer)
+MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, mla_rows, sparse_mla, indexer)
 # GGUF formats whose linear compiles every tile the measurement tries (one of 32-value blocks, one K-quant)
 MEASURED_FORMATS = ("Q8_0", "Q4_K")
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
@@ -154,6 +154,8 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     gemv.gemv(t(4, 4096), t(6144, 4096), t(6144), DOT_TILES[0])
     activation.silu_and_mul(t(4, 2 * 14336))
     activation.gelu_tanh_and_mul(t(4, 2 * 14336))
+    activation.add_gated(t(1, 2048), t(1, 2048), t(1, 2048), t(1, 2048))  # a shared expert's gate
+    activation.sigmoid_gate(t(4, 4096), t(4, 4096))  # an attention's output gate
     kv_write.write_kv(t(4, 8, 128), t(4, 8, 128), t(16, 16, 8, 128), t(16, 16, 8, 128), positions)
     # Mixture of experts at Qwen3-30B-A3B's sizes (weights never written: untouched memory), with
     # the GPU's tiles: the small-batch path (1 and 4 tokens), the grouped one at a 256-row decode
@@ -186,10 +188,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         )  # fmt: skip
         slots = torch.zeros(2, dtype=torch.int32)
         conv1d.causal_conv1d(t(2 * q_len, 8192), t(8192, 4), None, t(4, 8192, 3), meta, slots)
+        gates = t(2 * q_len, 64)  # b | a, columns of the layer's projection
         delta_rule.gated_delta_rule(
-            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
-            t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
+            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), gates[:, 32:], gates[:, :32], t(32),
+            t(32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
         )  # fmt: skip
+        gated_norm.gated_rms_norm(t(2 * q_len, 32, 128), t(2 * q_len, 32, 128), t(128), 1e-6)
         # fla's prefill behind the op: our gather and write-back around fla's call (fla's own kernels are not ours)
         fla_prefill.chunk_rule = lambda **call: (call["v"], call["initial_state"])
         fla_prefill.gated_delta_rule(
@@ -202,7 +206,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         delta_rule.gated_delta_rule(
             h[:, : 16 * dim].view(200, 16, dim), h[:, 16 * dim : 32 * dim].view(200, 16, dim),
             h[:, 32 * dim :].view(200, 16, dim), t(200, 16, dt=torch.float32), t(200, 16, dt=torch.float32),
-            t(4, 16, dim, dim, dt=torch.float32), meta, slots,
+            t(16, dt=torch.float32), t(16, dt=torch.float32), t(4, 16, dim, dim, dt=torch.float32), meta, slots,
         )  # fmt: skip
     rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
     sampling.sample(t(4, 151936), SamplingBatch.of(rows))

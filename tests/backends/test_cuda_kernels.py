@@ -405,6 +405,22 @@ def test_rotary_write_kv(case, dtype):
     assert torch.equal(stored_v[kept], v_before.view(-1, kv_heads, head_dim)[kept])
 
 
+def test_rotary_write_kv_reads_queries_strided_by_an_output_gate():
+    """Queries that are the first half of each head's rows, the output gate the second (Qwen3.5's
+    attention), as a view: the same rotated queries as from a contiguous copy."""
+    tokens, heads, kv_heads, head_dim, rot_dim, block_size = 5, 4, 2, 64, 32, 16
+    q_and_gate = rand(tokens, heads, 2 * head_dim, scale=2.0)
+    q = q_and_gate[..., :head_dim]
+    k, v = rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
+    caches = [rand(2, block_size, kv_heads, head_dim) for _ in range(2)]
+    positions, cos_sin = torch.randint(0, 64, (tokens,), device=DEVICE), cos_sin_cache(64, rot_dim)
+    norms = HeadNorms(rand(head_dim), rand(head_dim), 1e-5)
+    slots = torch.arange(tokens, device=DEVICE)
+    strided = rotary.rotary_write_kv(q, k, v, positions, cos_sin, norms, *caches, slots)
+    contiguous = rotary.rotary_write_kv(q.contiguous(), k, v, positions, cos_sin, norms, *caches, slots)
+    assert torch.equal(strided, contiguous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if not ON_GPU else [torch.bfloat16], ids=str)
 def test_rotary_attention_op_matches_rotary_then_attention(dtype):
     """The fused op of a step mixing prompt chunks and decodes (and a padding row) against the
@@ -447,6 +463,36 @@ def test_act_and_mul(name, shape, dtype):
     out = getattr(activation, name)(x, out=nan_like(x[..., : shape[-1]].contiguous()))
     check(out, getattr(CPU, name)(ref32(x)), dtype)
     assert torch.equal(getattr(CUDA, name)(x), out)
+
+
+@pytest.mark.parametrize("shape, dtype", matrix([(1, 7), (3, 1000)], [(1, 4096), (256, 4096)]))
+def test_sigmoid_gate(shape, dtype):
+    """An attention's output gate: the gate a view with a row stride (as q's projection holds it)."""
+    tokens, n = shape
+    y = rand(tokens, n, dtype=dtype)
+    gate = rand(tokens, 2 * n, dtype=dtype, scale=3.0)[:, n:]
+    out = activation.sigmoid_gate(y, gate)
+    assert out.shape == (tokens, n)
+    check(out, torch.sigmoid(ref32(gate)) * ref32(y), dtype)
+    assert torch.equal(CUDA.sigmoid_gate(y, gate), out)
+
+
+# (tokens, hidden, the gate's input width): odd widths, a row wider than a program's block, and Qwen3.6's 2048
+ADD_GATED_CASES = matrix([(1, 7, 5), (3, 1000, 1500), (2, 5000, 64)], [(1, 2048, 2048), (256, 2048, 2048)])
+
+
+@pytest.mark.parametrize("case, dtype", ADD_GATED_CASES)
+def test_add_gated(case, dtype):
+    """A shared expert's output scaled by its gate (the one-row projection computed in the kernel) and
+    added to the routed experts': ``y`` a view with a row stride."""
+    tokens, n, k = case
+    base, x = rand(tokens, n, dtype=dtype), rand(tokens, k, dtype=dtype)
+    y = rand(tokens, n + 5, dtype=dtype)[:, 2 : 2 + n]
+    gate_weight = rand(1, k, dtype=dtype, scale=2 / k**0.5)
+    out = activation.add_gated(base, y, x, gate_weight)
+    assert out.shape == (tokens, n)
+    check(out, ref32(base) + torch.sigmoid(ref32(x) @ ref32(gate_weight).T) * ref32(y), dtype)
+    assert torch.equal(CUDA.add_gated(base, y, x, gate_weight), out)
 
 
 # --- KV cache write ------------------------------------------------------------------

@@ -5,6 +5,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from tests.plugins.hf_parity import spread_routing
+from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRID_CONFIGS
+from tests.plugins.qwen.test_qwen3_next import randomize_hybrid
 from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear
@@ -217,6 +220,25 @@ def test_moe_decode_in_one_pass_norms_and_fused_experts_gives_cpu_tokens(tmp_pat
         assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
     assert ONE_PASS_TILES[1] in CudaOps.small_batch_linear.choice.values()
     assert {tiles.fused for tiles in CudaOps.small_batch_moe.choice.values()} == {True}
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("name", ["qwen3.5-moe", "qwen3-next"])
+def test_hybrid_decode_gives_cpu_tokens(name, tmp_path, enforce_eager):
+    """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet and gated full-attention layers, a gated shared
+    expert): the decode kernels (the gates in the recurrent kernel, the gated norm, the attention's
+    output gate read in place, the shared expert's gate and sum in one launch) give the CPU backend's
+    tokens, replayed from CUDA graphs and eagerly; prompts longer than a prefill chunk too."""
+    hf = save_tiny_model(HYBRID_CONFIGS[name](), tmp_path)
+    randomize_hybrid(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    limits = dict(dtype="float32", num_blocks=128, max_num_batched_tokens=64)
+    cpu = LLM(model=str(tmp_path), device="cpu", **limits)
+    gpu = LLM(model=str(tmp_path), device="cuda", max_num_seqs=8, enforce_eager=enforce_eager, **limits)
+    for prompts in (PROMPTS[:4], PROMPTS[5:6]):  # decode steps of four sequences, then one after a chunked prompt
+        assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
 
 
 def byte_level_tokenizer(folder, vocab_size: int) -> int:

@@ -123,6 +123,12 @@ class CudaOps(TorchOps):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_tanh_and_mul(x)
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
+        return activation.sigmoid_gate(y, gate)
+
+    def add_gated(self, base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
+        return activation.add_gated(base, y, x, gate_weight)
+
     def fused_moe(
         self,
         x: Tensor,

@@ -319,9 +319,10 @@ class MoE(nn.Module):
         shared = getattr(self, self.shared_name, None)
         if shared is not None:
             y = shared(x)
-            if self.shared_expert_gate is not None:
-                y = torch.sigmoid(self.shared_expert_gate(x)) * y
-            out = out + y
+            if self.shared_expert_gate is None:
+                out = out + y
+            else:
+                out = ops.add_gated(out, y, x, self.shared_expert_gate.weight)
         if self.dense_mlp is not None:
             out = out + self.dense_mlp(x)
         return out
