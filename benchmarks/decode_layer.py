@@ -18,9 +18,20 @@ Ops and paths:
   cache: ``rotary, write_kv`` (two launches, the rotated k written and read back) against
   ``rotary_write_kv`` (one launch, k rotated straight into the cache).
 - ``router``: the router's norm, its 128 x 2048 projection and the top-8 routing:
-  ``norm_linear, moe_route`` (two launches) against ``norm_route`` (one launch, the last
-  program routes), each in every one-row tile, the fastest reported (as the engine measures).
-  Both use today's routing math (one ranking pass; the k rounds of argmax before it are gone).
+  ``rms_norm, linear, moe_route`` (three launches: what the engine measured fastest before the
+  one-pass tiles), ``norm_linear, moe_route`` (two launches) and ``norm_route`` (one launch, the
+  last program routes) in the two-pass tiles and in the one-pass ones (``one_pass``: the mean
+  square summed in the product's loop), each in every tile, the fastest reported (as the
+  engine measures). All use today's routing math.
+- ``qkv``: the attention's norm and its 5120 x 2048 projection: ``rms_norm, linear`` (the
+  linear as the engine measures it: cuBLAS or the fastest tile) against ``norm_linear`` in the
+  two-pass and the one-pass tiles.
+- ``experts``: the fused MoE of one token (8 of 128 experts, 75 MB a call) in the heuristic's
+  tiles (``slot_tiles``) and in the fastest of the start-up measurement's candidates
+  (``slot_candidates``, xinfer_cuda/moe_tiles.py), over routings to random experts.
+
+Where a call is bound by its bytes, ``fraction`` is their rate over the copy bandwidth
+(bandwidth.py; not with ``--smoke``).
 
 Method: ``COPIES`` layers' inputs (a cache, a weight per layer) so that consecutive calls read
 other memory, as a step's layers do; a CUDA graph of a call per layer, replayed five times
@@ -42,8 +53,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, block_size=16)
-SMOKE = dict(hidden=64, heads=4, kv_heads=1, head_dim=64, experts=16, top_k=4, block_size=16)
+QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, moe_intermediate=768,
+                     block_size=16)  # fmt: skip
+SMOKE = dict(hidden=64, heads=4, kv_heads=1, head_dim=64, experts=16, top_k=4, moe_intermediate=48, block_size=16)
 COPIES = 48  # a layer's inputs per decode step
 EPS = 1e-6
 
@@ -69,9 +81,25 @@ def per_call_us(calls: list[Callable[[], object]], setup: Setup) -> float:
     return graph_time(lambda call: call(), calls) * 1e6
 
 
+BANDWIDTH = [math.nan]  # bytes per second of a device copy, once measured
+
+
 def report(op: str, path: str, us: float, nbytes: int, **extra) -> None:
     line = dict(op=op, path=path, us=round(us, 2), bytes=nbytes, bytes_per_us=round(nbytes / us), **extra)
+    if not math.isnan(BANDWIDTH[0]):
+        line["fraction"] = round(nbytes / (us * 1e-6) / BANDWIDTH[0], 3)
     print(json.dumps(line), flush=True)
+
+
+def fastest(paths: dict[str, Callable], tiles: dict[str, tuple], weights: list[torch.Tensor], setup: Setup,
+            op: str, nbytes: int) -> None:  # fmt: skip
+    """Each path in each of its tiles over the layers' weights, the fastest tile reported."""
+    for path, fn in paths.items():
+        times = {
+            tile: per_call_us([lambda w=w, t=tile, fn=fn: fn(w, t) for w in weights], setup) for tile in tiles[path]
+        }
+        best = min(times, key=times.__getitem__)
+        report(op, path, times[best], nbytes, tile=str(best))
 
 
 def rand(setup: Setup, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -162,9 +190,10 @@ def rotary_case(setup: Setup) -> None:
 
 def router_case(setup: Setup) -> None:
     from xinfer.layers.moe import Routing
-    from xinfer_cuda.kernels import moe_routing
+    from xinfer_cuda.kernels import moe_routing, norm
+    from xinfer_cuda.kernels.gemv import gemv
     from xinfer_cuda.kernels.norm_linear import norm_linear, norm_route
-    from xinfer_cuda.linear import ONE_ROW_TILES
+    from xinfer_cuda.linear import ONE_PASS_TILES, ONE_ROW_TILES
 
     s = setup.shape
     routing = Routing(top_k=s["top_k"], renormalize=True)
@@ -172,6 +201,11 @@ def router_case(setup: Setup) -> None:
     norm_weight = rand(setup, s["hidden"])
     weights = [rand(setup, s["experts"], s["hidden"], scale=0.05) for _ in range(setup.copies)]
     tiles = ONE_ROW_TILES[:3] if setup.smoke else ONE_ROW_TILES
+    one_pass = ONE_PASS_TILES[:2] if setup.smoke else ONE_PASS_TILES
+
+    def apart(w: torch.Tensor, tile) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, _ = norm.rms_norm(x, norm_weight, EPS, residual)
+        return moe_routing.moe_route(gemv(normed, w, None, tile), routing, None)
 
     def old(w: torch.Tensor, tile) -> tuple[torch.Tensor, torch.Tensor]:
         logits, _, _ = norm_linear(x, residual, norm_weight, EPS, w, None, tile)
@@ -182,14 +216,71 @@ def router_case(setup: Setup) -> None:
         assert routed is not None
         return routed[0], routed[1]
 
-    (old_weights, old_ids), (new_weights, new_ids) = old(weights[0], tiles[0]), new(weights[0], tiles[0])
-    assert torch.equal(old_ids, new_ids), "router: the paths chose other experts"
-    agree(new_weights, old_weights, "router weights")
+    old_weights, old_ids = apart(weights[0], tiles[0])
+    for fn, tile in ((old, tiles[0]), (new, tiles[0]), (old, one_pass[0]), (new, one_pass[0])):
+        new_weights, new_ids = fn(weights[0], tile)
+        assert torch.equal(old_ids, new_ids), f"router: {fn.__name__} in {tile} chose other experts"
+        agree(new_weights, old_weights, "router weights")
     nbytes = weights[0].numel() * weights[0].element_size() + 2 * x.numel() * x.element_size()
-    for path, fn in (("norm_linear, moe_route", old), ("norm_route", new)):
-        times = {tile: per_call_us([lambda w=w, t=tile, fn=fn: fn(w, t) for w in weights], setup) for tile in tiles}
+    paths = {"rms_norm, linear, moe_route": apart, "norm_linear, moe_route": old, "norm_route": new,
+             "norm_linear, moe_route (one pass)": old, "norm_route (one pass)": new}  # fmt: skip
+    path_tiles = {path: one_pass if "one pass" in path else tiles for path in paths}
+    fastest(paths, path_tiles, weights, setup, "router", nbytes)
+
+
+def qkv_case(setup: Setup) -> None:
+    from xinfer_cuda.kernels import norm
+    from xinfer_cuda.kernels.norm_linear import norm_linear
+    from xinfer_cuda.linear import ONE_PASS_TILES, SmallBatchLinear, candidates
+
+    s = setup.shape
+    rows = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
+    x, residual = rand(setup, 1, s["hidden"]), rand(setup, 1, s["hidden"])
+    norm_weight = rand(setup, s["hidden"])
+    weights = [rand(setup, rows, s["hidden"], scale=0.05) for _ in range(setup.copies)]
+    linear = SmallBatchLinear()  # cuBLAS or its fastest tile, measured as the engine does
+    tiles = candidates(1)[:3] if setup.smoke else candidates(1)
+    one_pass = ONE_PASS_TILES[:2] if setup.smoke else ONE_PASS_TILES
+
+    def apart(w: torch.Tensor, tile) -> torch.Tensor:
+        normed, _ = norm.rms_norm(x, norm_weight, EPS, residual)
+        return linear(normed, w) if x.is_cuda else torch.nn.functional.linear(normed, w)
+
+    def fused(w: torch.Tensor, tile) -> torch.Tensor:
+        return norm_linear(x, residual, norm_weight, EPS, w, None, tile)[0]
+
+    expected = apart(weights[0], None)
+    for tile in (tiles[0], one_pass[0]):
+        agree(fused(weights[0], tile), expected, f"qkv in {tile}")
+    nbytes = weights[0].numel() * weights[0].element_size() + 2 * x.numel() * x.element_size()
+    paths = {"rms_norm, linear": apart, "norm_linear": fused, "norm_linear (one pass)": fused}
+    path_tiles = {"rms_norm, linear": (None,), "norm_linear": tiles, "norm_linear (one pass)": one_pass}
+    fastest(paths, path_tiles, weights, setup, "qkv", nbytes)
+
+
+def experts_case(setup: Setup) -> None:
+    from xinfer_cuda.kernels import moe
+    from xinfer_cuda.moe_tiles import random_steps
+
+    s = setup.shape
+    experts, hidden, top_k = s["experts"], s["hidden"], s["top_k"]
+    inter = s["moe_intermediate"]
+    w13 = rand(setup, experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = rand(setup, experts, hidden, inter, scale=inter**-0.5)
+    x = rand(setup, 1, hidden)
+    steps = random_steps(x, experts, top_k, setup.copies)
+    heuristic = moe.slot_tiles(1, top_k, x)
+    candidates = moe.slot_candidates(1, top_k, x) or (replace(heuristic, up_unroll=2),)  # (interpreter: one)
+    expected = moe.fused_moe(*steps[0][:1], w13, w2, *steps[0][1:], "silu", heuristic)
+    nbytes = top_k * 3 * hidden * inter * w2.element_size()
+    for path, options in (("slot_tiles", (heuristic,)), ("fastest of slot_candidates", candidates)):
+        times = {}
+        for tiles in options:
+            agree(moe.fused_moe(*steps[0][:1], w13, w2, *steps[0][1:], "silu", tiles), expected, f"experts in {tiles}")
+            calls = [lambda st=st, t=tiles: moe.fused_moe(st[0], w13, w2, st[1], st[2], "silu", t) for st in steps]
+            times[tiles] = per_call_us(calls, setup)
         best = min(times, key=times.__getitem__)
-        report("router", path, times[best], nbytes, tile=str(best))
+        report("experts", path, times[best], nbytes, tile=str(best))
 
 
 def main() -> None:
@@ -210,6 +301,10 @@ def main() -> None:
         setup = Setup(SMOKE, torch.device("cpu"), torch.float32, True, 2)
         contexts, max_context = [20, 140], 1024
     else:
+        from bandwidth import copy_bandwidth
+
+        BANDWIDTH[0] = copy_bandwidth()
+        print(json.dumps({"copy_bandwidth_TBps": round(BANDWIDTH[0] / 1e12, 3)}), flush=True)
         setup = Setup(QWEN3_30B_A3B, torch.device("cuda"), torch.bfloat16, False, COPIES)
         contexts, max_context = args.contexts, args.max_context
     torch.manual_seed(0)
@@ -217,6 +312,8 @@ def main() -> None:
         attention_case(setup, context, max_context, args.one_tile_splits)
     rotary_case(setup)
     router_case(setup)
+    qkv_case(setup)
+    experts_case(setup)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ if SMOKE:  # before anything imports triton
 
 import torch  # noqa: E402
 
+from xinfer import ops  # noqa: E402
 from xinfer.ops import AttentionMetadata  # noqa: E402
+from xinfer_cuda.ops import CudaOps  # noqa: E402
 from xinfer_qwen import deltanet_ops  # noqa: E402
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill  # noqa: E402
 
@@ -79,10 +81,13 @@ def inputs(seqs: int, q_len: int, shape: dict, device: torch.device, dtype: torc
         return (torch.randn(*size, generator=generator, device=device) * scale).to(dtype)
 
     channels = (2 * hk + hv) * d
+    # the gates' inputs as the layer has them (a and b columns of its projection), and the decays and write
+    # strengths they give (fla's inputs): log decays of a few tenths
+    projected = randn(tokens, 2 * hv)
+    gates = (projected[:, hv:], projected[:, :hv], randn(hv, scale=0.5) - 1.5, randn(hv))
+    g, beta = deltanet_ops.gates(*gates)
     return dict(
-        q=randn(tokens, hk, d), k=randn(tokens, hk, d), v=randn(tokens, hv, d),
-        g=-torch.rand(tokens, hv, generator=generator, device=device) * 0.5,
-        beta=torch.rand(tokens, hv, generator=generator, device=device).to(dtype),
+        q=randn(tokens, hk, d), k=randn(tokens, hk, d), v=randn(tokens, hv, d), gates=gates, g=g, beta=beta.to(dtype),
         state=torch.randn(seqs, hv, d, d, generator=generator, device=device) * 0.05,
         x=randn(tokens, channels), weight=randn(channels, shape["width"], scale=0.5),
         conv_state=randn(seqs, channels, shape["width"] - 1),
@@ -161,7 +166,7 @@ def op_through_fla(t: dict, meta: AttentionMetadata, expected: torch.Tensor, exp
     """The op as dispatched to fla's prefill (behind our adapter): its errors, and its time replayed from a CUDA graph."""
     try:
         state = t["state"].clone()
-        args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+        args = (t["q"], t["k"], t["v"], *t["gates"])
         out = fla_call("op through fla", lambda: delta_rule.gated_delta_rule(*args, state, meta, t["slots"]))
         figures = dict(op_error=relative_error(out, expected), op_state_error=relative_error(state, expected_state))
         s = fla_call("op through fla, graphed", lambda: seconds(lambda: delta_rule.gated_delta_rule(*args, state, meta, t["slots"]), torch.device("cuda")))  # fmt: skip
@@ -179,12 +184,10 @@ def case(
     decode = q_len == 1
     # correctness against the reference (on copies of the states)
     expected_state = t["state"].clone()
-    expected = deltanet_ops.gated_delta_rule(
-        t["q"], t["k"], t["v"], t["g"], t["beta"], expected_state, meta, t["slots"]
-    )
+    expected = deltanet_ops.gated_delta_rule(t["q"], t["k"], t["v"], *t["gates"], expected_state, meta, t["slots"])
     state = t["state"].clone()
     with ours_only():
-        ours = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"])
+        ours = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], *t["gates"], state, meta, t["slots"])
     expected_conv_state = t["conv_state"].clone()
     expected_conv = deltanet_ops.causal_conv1d(t["x"], t["weight"], None, expected_conv_state, meta, t["slots"])
     conv_state = t["conv_state"].clone()
@@ -197,7 +200,7 @@ def case(
 
     state_bytes = seqs * shape["v_heads"] * shape["dim"] ** 2 * 4 * 2  # read and written once
     with ours_only():
-        s = seconds(lambda: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], state, meta, t["slots"]), device)  # fmt: skip
+        s = seconds(lambda: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], *t["gates"], state, meta, t["slots"]), device)  # fmt: skip
     result.update(us=s * 1e6, tokens_per_s=seqs * q_len / s)
     if decode:
         result["GBps"] = state_bytes / s / 1e9
@@ -225,8 +228,8 @@ def sweep_tiles(t: dict, meta: AttentionMetadata, decode: bool, expected: torch.
     for block_v in (16, 32, 64):
         setattr(delta_rule, tile, block_v)
         swept = t["state"].clone()
-        out = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"])
-        s = seconds(lambda swept=swept: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], swept, meta, t["slots"]), device)  # fmt: skip
+        out = delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], *t["gates"], swept, meta, t["slots"])
+        s = seconds(lambda swept=swept: delta_rule.gated_delta_rule(t["q"], t["k"], t["v"], *t["gates"], swept, meta, t["slots"]), device)  # fmt: skip
         result[f"{tile}={block_v}"] = dict(us=s * 1e6, error=relative_error(out, expected))
     setattr(delta_rule, tile, chosen)
     return result
@@ -269,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts, prompt_len = shape["prompts"], shape["prompt_len"]
     steps = [(f"decode-{b}", b, 1, 100) for b in shape["decode_batches"]]
     steps.append((f"prefill-{prompts}x{prompt_len}", prompts, prompt_len, prompt_len))
-    cases = [case(*step, shape, device, dtype, args.sweep) for step in steps]
+    with ops.use(CudaOps()):  # the kernels join its launch chain (xinfer.kernel_api)
+        cases = [case(*step, shape, device, dtype, args.sweep) for step in steps]
     summary = dict(benchmark="deltanet", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    dtype=str(dtype), fla=chunk_gated_delta_rule is not None, shape=shape, cases=[r for r, _ in cases])  # fmt: skip
     print(json.dumps(summary), flush=True)
@@ -277,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     fla_cases = []
     try:
-        for result, data in cases:
-            fla_cases.append(fla_case(result, **data))
+        with ops.use(CudaOps()):
+            for result, data in cases:
+                fla_cases.append(fla_case(result, **data))
     except FlaFailure as failure:
         fla_cases.append(dict(fla_failure=str(failure)))
     print(json.dumps(dict(benchmark="deltanet-fla", cases=fla_cases)), flush=True)

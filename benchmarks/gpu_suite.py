@@ -102,6 +102,10 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         "moe-30b-a3b": [PY, str(HERE / "moe.py")],
         # issue #32: GLM-4.5-Air's layers, 23 of its 46 (106 GB of bf16): batch-1 decode against its bandwidth limit
         "moe-glm45-air": [PY, str(HERE / "moe.py"), "--shape", "glm-4.5-air", "--skip-throughput"],
+        # issue #33: Moonlight-16B-A3B (DeepSeek-V3's MLA): batch-1 decode against its bandwidth limit, and its
+        # attention block's launches before the fusions beside today's, per op, in CUDA graphs
+        "mla-moonlight": [PY, str(HERE / "mla.py")],
+        "mla-layer": [PY, str(HERE / "mla_layer.py")],
         # issue #36: DeepSeek-V4-Flash's layers, 8 of its 43 (108 GB of bf16): batch-1 decode against its bandwidth
         # limit (torch references, no step graphs), the cache's tokens per GiB at 128k against an MLA cache
         "deepseek-v4-flash": [PY, str(HERE / "deepseek_v4.py")],

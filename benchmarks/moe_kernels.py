@@ -18,7 +18,9 @@ variant's output for one routing is checked against the torch reference (fp32).
 The sweep, per (shape, tokens): ``default`` (what ``fused_moe`` picks: at 16 tokens the
 grouped path) and ``first`` (the first per-slot kernels); round 1, the down variants with
 the first gate/up tiles; round 2, gate/up's with round 1's best down; the ``best`` line names
-the fastest per-slot tiles.
+the fastest per-slot tiles; round 3, gate/up and down in one launch (``fused``: down's
+columns multiplied in each gate/up program, summed with atomics), in the tiles the start-up
+measurement tries (``slot_candidates``).
 
     down  j: slots per program (0: all k), split: chunks of I (parts > 1: fp32 partials
           and a fixed-order sum launch), n x k: the tile's rows of H and columns of I
@@ -186,6 +188,17 @@ def sweep(name: str, w13: torch.Tensor, w2: torch.Tensor, top_k: int, tokens: in
         for u in up_variants
         if u != FIRST_UP
     ]
+    # round 3: gate/up and down in one launch (the start-up measurement's fused candidates)
+    from xinfer_cuda.kernels.moe import slot_candidates
+
+    fused = [t for t in slot_candidates(tokens, top_k, w13[0, :tokens]) if t.fused] or [
+        SlotTiles(up_n=16, up_k=32, down_n=32, down_k=32, fused=True)  # (the interpreter's)
+    ]
+    results += [
+        measure(case, name, f"fused up {t.up_n}x{t.up_k} w{t.up_warps} unroll{t.up_unroll} h{t.down_n}", t, expected,
+                bandwidth, smoke)
+        for t in fused
+    ]  # fmt: skip
     best = min((r for r in results if r and r["ok"]), key=lambda r: r["us"])
     print(json.dumps({**best, "best": True}), flush=True)
 

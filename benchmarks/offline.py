@@ -71,8 +71,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--isq", help="quantize the weights at load to this packed format (q8_0, q4_k, fp8, ...)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (prefill chunks)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (its memory plan's)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (prefill chunks); default: the engine's",
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -113,13 +118,13 @@ def main() -> None:
         load_format="auto" if args.model else "dummy",
         dtype=args.dtype,
         device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         isq=args.isq,
+        **{name: value for name in ("max_num_seqs", "max_num_batched_tokens") if (value := getattr(args, name))},
     )
+    scheduler = llm.engine.config.scheduler
     vocab = llm.engine.hf_config.vocab_size
     inputs, outputs = workload(args, llm.engine.max_model_len, rng)
 
@@ -127,7 +132,7 @@ def main() -> None:
         return [[rng.randrange(vocab) for _ in range(n)] for n in inputs]
 
     # warm-up: every kernel variant and recorded step size the runs meet, greedy and sampled
-    warm = [prompt[:64] for prompt in fresh_prompts()[: args.max_num_seqs]]
+    warm = [prompt[:64] for prompt in fresh_prompts()[: scheduler.max_num_seqs]]
     llm.generate(
         warm, [SamplingParams(max_tokens=8, ignore_eos=True, **SAMPLED if i % 2 else {}) for i in range(len(warm))]
     )
@@ -143,6 +148,8 @@ def main() -> None:
         "output_len": args.output_len if args.workload == "uniform" else round(sum(outputs) / len(outputs), 1),
         "input_tokens": sum(inputs),
         "output_tokens": sum(outputs),
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
     }
     for sampling in args.sampling:  # greedy figures keep their old names; sampled ones are prefixed
         prefix = "" if sampling == "greedy" else "sampled_"
@@ -182,7 +189,7 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def time_phases(llm: LLM) -> dict[str, float]:
+def time_phases(llm: LLM, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Wraps the engine's step phases with host timers. A step is launched before the
     one before it is read back; 'read_back' holds the wait for the device that the
     launch did not hide, and the stop checks."""
@@ -196,11 +203,11 @@ def time_phases(llm: LLM) -> dict[str, float]:
         inner = getattr(owner, name)
 
         def wrapper(*a, **kw):
-            t = time.perf_counter()
+            t = clock()
             try:
                 return inner(*a, **kw)
             finally:
-                totals[phase] += time.perf_counter() - t
+                totals[phase] += clock() - t
                 if phase == "step":
                     totals["steps"] += 1
 

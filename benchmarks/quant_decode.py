@@ -17,6 +17,10 @@ Modes:
     python benchmarks/quant_decode.py --mxfp4 --nvfp4   # MXFP4 and NVFP4 (--isq) against bf16
     python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
 
+Weights are timed as the CUDA backend holds them: a linear's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K
+weight re-laid into planes (xinfer_cuda.kernels.gguf_planes, as at load; the same bytes), the other
+formats in their blocks (records: ``"planes"``).
+
 ``--kernels`` times each (shape, format) at 1, 16, 64 and 512 rows as the backend runs it (the
 fastest of the packed kernels' tiles and the dequantized weight, measured up to 64 rows; the
 dequantized weight past that) as a CUDA graph of calls over
@@ -66,8 +70,10 @@ import torch.nn.functional as F
 from shapes import SHAPES
 
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS, to_planes
+from xinfer_cuda.kernels.plane_linear import plane_dequantize, plane_rows
 from xinfer_cuda.kernels.quant_linear import dequantize, linear_rows
-from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS
+from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS, PLANE_KERNELS
 
 SCHEMES = ("Q8_0", "Q4_K_M")  # GGUF files
 KERNEL_SCHEMES = (*SCHEMES, "FP8", "MXFP4", "NVFP4")
@@ -150,25 +156,55 @@ def emit(record: dict) -> dict:
     return record
 
 
+@dataclass(frozen=True)
+class Held:
+    """A weight as the CUDA backend holds it: a linear's weight of a type with planes re-laid into them
+    at load (xinfer_cuda.kernels.gguf_planes), others in the file's blocks; how it is multiplied (in a
+    given tile) and dequantized, and its measured tiles."""
+
+    fmt: str
+    k: int
+    planes: bool
+
+    @staticmethod
+    def of(fmt: str, k: int) -> Held:
+        return Held(fmt, k, fmt in LAYOUTS and LAYOUTS[fmt].fits(k))
+
+    def bytes_of(self, packed: torch.Tensor) -> torch.Tensor:
+        return to_planes(packed, LAYOUTS[self.fmt]) if self.planes else packed
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, tile) -> torch.Tensor:
+        return (plane_rows if self.planes else linear_rows)(x, w, self.fmt, None, tile)
+
+    def dequantize(self, w: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return (
+            plane_dequantize(w, self.fmt, n, self.k, dtype) if self.planes else dequantize(w, self.fmt, self.k, dtype)
+        )
+
+    def tile(self, x: torch.Tensor, w: torch.Tensor):
+        return (PLANE_KERNELS if self.planes else GGUF_KERNELS).tiles(x, w, self.fmt, None)
+
+
 def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list[dict]:
     from xinfer_cuda.linear import graph_time, l2_overflowing_copies
 
     shapes = sorted({(w.n, w.k, w.fmt) for scheme in KERNEL_SCHEMES for w in weights(config, scheme)})
     records = []
     for n, k, fmt in shapes:
-        packed = random_packed(n, k, FORMATS[fmt], device=device)
+        held = Held.of(fmt, k)
+        packed = held.bytes_of(random_packed(n, k, FORMATS[fmt], device=device))
         copies = [packed] if smoke else l2_overflowing_copies(packed)
-        dense = dequantize(packed, fmt, k, torch.bfloat16)
-        dense_copies = [dense] if smoke else [dequantize(c, fmt, k, torch.bfloat16) for c in copies]
+        dense = held.dequantize(packed, n, torch.bfloat16)
+        dense_copies = [dense] if smoke else [held.dequantize(c, n, torch.bfloat16) for c in copies]
         for rows in (1, 16) if smoke else (1, 16, 64, 512):
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            tile = GGUF_KERNELS.tiles(x, packed, fmt, None) if rows <= MEASURED_ROWS and not smoke else None
+            tile = held.tile(x, packed) if rows <= MEASURED_ROWS and not smoke else None
 
-            def packed_call(w: torch.Tensor, x=x, fmt=fmt, tile=tile) -> object:
-                return linear_rows(x, w, fmt, None, tile)
+            def packed_call(w: torch.Tensor, x=x, held=held, tile=tile) -> object:
+                return held.linear(x, w, tile)
 
-            def dequant_call(w: torch.Tensor, x=x, fmt=fmt, k=k) -> object:
-                return F.linear(x, dequantize(w, fmt, k, x.dtype))
+            def dequant_call(w: torch.Tensor, x=x, held=held, n=n) -> object:
+                return F.linear(x, held.dequantize(w, n, x.dtype))
 
             if smoke:
                 t = wall_seconds(lambda: packed_call(packed))  # noqa: B023 (called at once)
@@ -180,7 +216,8 @@ def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list
                     "dequant_cublas": graph_time(dequant_call, copies),
                 }
             gbps = packed.numel() / times["packed"] / 1e9
-            records.append(emit({"mode": "kernel", "format": fmt, "n": n, "k": k, "rows": rows, "tile": str(tile),
+            records.append(emit({"mode": "kernel", "format": fmt, "planes": held.planes, "n": n, "k": k, "rows": rows,
+                                 "tile": str(tile),
                                  **{f"{key}_us": round(v * 1e6, 2) for key, v in times.items()},
                                  "packed_GBps": round(gbps, 1), "of_bandwidth": round(gbps * 1e9 / bandwidth, 3)}))  # fmt: skip
         del copies, dense_copies
@@ -191,17 +228,18 @@ def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches
     records = []
     for scheme in KERNEL_SCHEMES:
         plan = weights(config, scheme)
-        packed = [random_packed(w.n, w.k, FORMATS[w.fmt], device=device) for w in plan]
+        held = [Held.of(w.fmt, w.k) for w in plan]
+        packed = [h.bytes_of(random_packed(w.n, w.k, FORMATS[w.fmt], device=device)) for w, h in zip(plan, held)]
         file_bytes = sum(w.nbytes for w in plan)
         for batch in batches:
             xs = {k: torch.randn(batch, k, device=device, dtype=torch.bfloat16) for k in {w.k for w in plan}}
 
-            tiles = [GGUF_KERNELS.tiles(xs[w.k], p, w.fmt, None) if batch <= MEASURED_ROWS and not smoke else None
-                     for w, p in zip(plan, packed)]  # fmt: skip
+            tiles = [h.tile(xs[w.k], p) if batch <= MEASURED_ROWS and not smoke else None
+                     for w, h, p in zip(plan, held, packed)]  # fmt: skip
 
-            def step(plan=plan, packed=packed, xs=xs, tiles=tiles) -> None:
-                for w, p, tile in zip(plan, packed, tiles):
-                    linear_rows(xs[w.k], p, w.fmt, None, tile)
+            def step(plan=plan, held=held, packed=packed, xs=xs, tiles=tiles) -> None:
+                for w, h, p, tile in zip(plan, held, packed, tiles):
+                    h.linear(xs[w.k], p, tile)
 
             t = wall_seconds(step) if smoke else graph_seconds(step)
             record = {"mode": "linears", "scheme": scheme, "batch": batch, "step_ms": round(t * 1e3, 3),

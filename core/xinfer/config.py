@@ -65,7 +65,7 @@ class CacheConfig(_Config):
 
 class SchedulerConfig(_Config):
     # sequences in a running batch; default: as many as the planned KV cache holds at 1024 tokens each
-    # (max_model_len if shorter), at most 256; 256 when num_blocks is given
+    # (max_model_len if shorter), at most 256; exactly 256 when num_blocks is given
     max_num_seqs: int | None = Field(None, gt=0)
     max_num_batched_tokens: int = Field(8192, gt=0)  # tokens per step; longer prefills are chunked
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import Tensor
 
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from xinfer.multimodal.step import MultiModalEmbeddings
 
 _step: StepContext | None = None
+T = TypeVar("T")
 
 
 @contextmanager
@@ -31,6 +32,19 @@ def step_context() -> StepContext:
     if _step is None:
         raise RuntimeError("a caching layer ran outside a forward_context")
     return _step
+
+
+def once_per_step(key: str, sources: tuple[Tensor, ...], compute: Callable[[], T]) -> T:
+    """``compute()``, which depends only on ``sources``, computed by the first layer of a forward that
+    asks and reused by the others (outside a forward: computed at every call). The sources are kept
+    with the value, so a tensor made later cannot take one's place under the same ids."""
+    if _step is None:
+        return compute()
+    name = f"{key}:{':'.join(str(id(t)) for t in sources)}"
+    held = _step.derived.get(name)
+    if held is None or any(a is not b for a, b in zip(held[0], sources)):
+        held = _step.derived[name] = (sources, compute())
+    return held[1]
 
 
 def attention_metadata(page_group: int = 0) -> AttentionMetadata:

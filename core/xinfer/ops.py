@@ -197,6 +197,17 @@ class Ops(DeviceHooks, Protocol):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
+        """``sigmoid(gate) * y`` for ``y`` and ``gate`` [T, N] (an attention's output gate), computed
+        in fp32 and rounded once to the dtype of ``y``."""
+
+    def add_gated(self, base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
+        """``base + sigmoid(x @ gate_weight.T) * y`` for ``base``, ``y`` [T, N], ``x`` [T, K] and
+        ``gate_weight`` [1, K] (a float tensor): a shared expert scaled by its gate and added to
+        the routed experts' output, in fp32 (the gate's logit too), rounded once to the dtype of
+        ``base``. One op, so that a backend does in one launch what were four (the gate's
+        one-row projection, sigmoid, product and sum)."""
+
     def fused_moe(
         self,
         x: Tensor,
@@ -342,7 +353,7 @@ class StepContext:
     pages: list[AttentionMetadata]
     state_slots: Tensor | None = None  # [B] int32
     multimodal: Any = None  # MultiModalEmbeddings of the step's image tokens, if any
-    derived: dict[str, Tensor] = field(default_factory=dict)  # computed once a forward, read by every layer
+    derived: dict[str, Any] = field(default_factory=dict)  # computed once a forward, read by every layer
 
     @property
     def seqs(self) -> AttentionMetadata:
@@ -471,6 +482,16 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
+
+
+def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:
+    return current().sigmoid_gate(y, gate)
+
+
+def add_gated(base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
+    if isinstance(gate_weight, QuantizedTensor):  # (a checkpoint's one-row gate, packed: its values)
+        gate_weight = gate_weight.dequantize(x.dtype)
+    return current().add_gated(base, y, x, gate_weight)
 
 
 def fused_moe(

@@ -125,6 +125,13 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
+        return (torch.sigmoid(gate.float()) * y.float()).to(y.dtype)
+
+    def add_gated(self, base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
+        gate = torch.sigmoid(x.float() @ gate_weight.float().T)
+        return (base.float() + gate * y.float()).to(base.dtype)
+
     def fused_moe(
         self,
         x: Tensor,

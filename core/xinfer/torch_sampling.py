@@ -48,7 +48,12 @@ def row_keys(seed: Tensor, position: Tensor) -> Tensor:
 
 def noise(keys: Tensor, vocab: int) -> Tensor:
     """Gumbel noise [rows, vocab] for rows of ``keys``."""
-    bits = mix(mix(torch.arange(vocab, device=keys.device)) ^ mix(keys)[:, None])
+    return noise_at(keys, torch.arange(vocab, device=keys.device))
+
+
+def noise_at(keys: Tensor, tokens: Tensor) -> Tensor:
+    """The Gumbel noise of :func:`noise` at ``tokens`` only ([vocab], or [rows, n] per row)."""
+    bits = mix(mix(tokens) ^ mix(keys)[:, None])
     uniform = ((bits >> 9).float() + 0.5) * 2.0**-23  # (0, 1), exactly
     return -torch.log(-torch.log(uniform))
 
@@ -74,6 +79,8 @@ def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
     temperature, top_k, top_p, min_p = (
         getattr(params, f)[:rows, None] for f in ("temperature", "top_k", "top_p", "min_p")
     )
+    if not (temperature > 0).any():  # every row greedy: no filter or noise to compute
+        return logits.argmax(-1)
     logits = logits.float()
     s = logits * (1.0 / torch.where(temperature > 0, temperature, 1.0))
     weights = torch.exp(s - s.max(-1, keepdim=True).values)

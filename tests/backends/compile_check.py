@@ -32,7 +32,7 @@ from triton.compiler import ASTSource
 from xinfer import ops
 from xinfer.kv import get_format
 from xinfer.layers.moe import Routing
-from xinfer.ops import AttentionMetadata, HeadNorms, ShadowPages
+from xinfer.ops import AttentionMetadata, HeadNorms, Rotation, ShadowPages
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
 from xinfer_cuda.kernels import (
     activation,
@@ -47,6 +47,7 @@ from xinfer_cuda.kernels import (
     moe_routing,
     norm,
     norm_linear,
+    plane_linear,
     quant_linear,
     quant_moe,
     rotary,
@@ -54,11 +55,12 @@ from xinfer_cuda.kernels import (
     token_bitmask,
 )
 from xinfer_cuda.kernels.gguf_blocks import FORMATS
-from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES
 from xinfer_cuda.ops import CudaOps
-from xinfer_cuda.quant_weights import candidates
-from xinfer_deepseek.kernels import indexer, mla, sparse_mla
-from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
+from xinfer_cuda.quant_weights import candidates, plane_candidates
+from xinfer_deepseek.kernels import indexer, mla, mla_rows, sparse_mla
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill, gated_norm
 
 MODULES = (
     activation,
@@ -74,10 +76,10 @@ MODULES = (
     rotary,
     sampling,
 )
-MODULES += (quant_linear, quant_moe, token_bitmask)
+MODULES += (plane_linear, quant_linear, quant_moe, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
-MODULES += (conv1d, delta_rule, fla_prefill, mla, sparse_mla, indexer)
+MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, mla_rows, sparse_mla, indexer)
 # GGUF formats whose linear compiles every tile the measurement tries (one of 32-value blocks, one K-quant)
 MEASURED_FORMATS = ("Q8_0", "Q4_K")
 QUANTIZED = ("fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm")
@@ -91,6 +93,8 @@ POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.int16: "*i16",
+    torch.uint16: "*u16",
 }
 
 
@@ -150,6 +154,8 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     gemv.gemv(t(4, 4096), t(6144, 4096), t(6144), DOT_TILES[0])
     activation.silu_and_mul(t(4, 2 * 14336))
     activation.gelu_tanh_and_mul(t(4, 2 * 14336))
+    activation.add_gated(t(1, 2048), t(1, 2048), t(1, 2048), t(1, 2048))  # a shared expert's gate
+    activation.sigmoid_gate(t(4, 4096), t(4, 4096))  # an attention's output gate
     kv_write.write_kv(t(4, 8, 128), t(4, 8, 128), t(16, 16, 8, 128), t(16, 16, 8, 128), positions)
     # Mixture of experts at Qwen3-30B-A3B's sizes (weights never written: untouched memory), with
     # the GPU's tiles: the small-batch path (1 and 4 tokens), the grouped one at a 256-row decode
@@ -163,12 +169,16 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     split = moe.SlotTiles(up_n=32, up_k=128, down_n=8, down_k=128, down_split=2)
     moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", split)
     moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", replace(split, pipelined=False))
+    for tiles in moe.slot_candidates(1, 8, t(1, 2048)):  # the tiles the start-up measurement times (moe_tiles.py)
+        moe.fused_moe(t(1, 2048), w13, w2, torch.rand(1, 8), ids[:1], "silu", tiles)
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
-    for tile in ONE_ROW_TILES[:2]:  # the router's norm, GEMV and routing in one launch (4 and 8 warps)
+    for tile in ONE_ROW_TILES[:2] + ONE_PASS_TILES[::3]:  # the router's norm, GEMV and routing in one launch
         norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(128, 2048), Routing(top_k=8, renormalize=True),
                                None, tile)  # fmt: skip
+    for tile in ONE_ROW_TILES[:1] + ONE_PASS_TILES[::3]:  # a norm fused into the qkv projection (Qwen3-30B-A3B)
+        norm_linear.norm_linear(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(5120, 2048), None, tile)
     # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode
     # step (the recurrent kernel) and one with prompts (the chunked form); the conv over q, k, v
     for q_len in (1, 100):
@@ -178,10 +188,12 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         )  # fmt: skip
         slots = torch.zeros(2, dtype=torch.int32)
         conv1d.causal_conv1d(t(2 * q_len, 8192), t(8192, 4), None, t(4, 8192, 3), meta, slots)
+        gates = t(2 * q_len, 64)  # b | a, columns of the layer's projection
         delta_rule.gated_delta_rule(
-            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), t(2 * q_len, 32, dt=torch.float32),
-            t(2 * q_len, 32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
+            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), gates[:, 32:], gates[:, :32], t(32),
+            t(32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
         )  # fmt: skip
+        gated_norm.gated_rms_norm(t(2 * q_len, 32, 128), t(2 * q_len, 32, 128), t(128), 1e-6)
         # fla's prefill behind the op: our gather and write-back around fla's call (fla's own kernels are not ours)
         fla_prefill.chunk_rule = lambda **call: (call["v"], call["initial_state"])
         fla_prefill.gated_delta_rule(
@@ -194,7 +206,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         delta_rule.gated_delta_rule(
             h[:, : 16 * dim].view(200, 16, dim), h[:, 16 * dim : 32 * dim].view(200, 16, dim),
             h[:, 32 * dim :].view(200, 16, dim), t(200, 16, dt=torch.float32), t(200, 16, dt=torch.float32),
-            t(4, 16, dim, dim, dt=torch.float32), meta, slots,
+            t(16, dt=torch.float32), t(16, dt=torch.float32), t(4, 16, dim, dim, dt=torch.float32), meta, slots,
         )  # fmt: skip
     rows = [SampledRow(SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1, 10)] * 4
     sampling.sample(t(4, 151936), SamplingBatch.of(rows))
@@ -220,6 +232,18 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 for tile in candidates(fmt, tokens):  # (the dequantized candidate: dequantize's kernel, above)
                     if tile is not quant_linear.DEQUANTIZED:
                         quant_linear.quant_linear(t(tokens, 4096), packed, fmt.name, None, tile)
+    # GGUF weights in planes (a linear's weight as the backend lays it out at load): every tile the
+    # measurement tries of each type's GEMV and dots, with a bias and cut tiles, and dequantization
+    for layout in LAYOUTS.values():
+        planes = torch.empty(6142 * 4096 // layout.tile * sum(layout.tile_bytes()), dtype=torch.uint8)
+        for tokens in (1, 16, 64):
+            for tile in plane_candidates(layout, tokens):
+                if tile is not quant_linear.DEQUANTIZED:
+                    plane_linear.plane_rows(t(tokens, 4096), planes, layout.name, None, tile)
+        plane_linear.plane_rows(t(1, 4096), planes, layout.name, t(6142))
+        down = torch.empty(4096 * 14336 // layout.tile * sum(layout.tile_bytes()), dtype=torch.uint8)
+        plane_linear.plane_rows(t(1, 14336), down, layout.name)  # a K no loop step of 16 tiles divides
+        plane_linear.plane_dequantize(planes, layout.name, 6142, 4096, dtype)
     # Multi-head latent attention at DeepSeek V3's sizes (R 512, P 64; 128 heads, and V2-Lite's 16), bf16 and
     # fp8 rows: the store, decode with and without splits, prefill
     mla_tiles = {fp8: mla.TILES["fma" if cc < 80 or dtype == torch.float32 else "gpu-fp8" if fp8 else "gpu"]
@@ -232,6 +256,16 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         )  # fmt: skip
         queries = (t(2 * q_len, heads, 512), t(2 * q_len, heads, 64), t(2 * q_len, 576))
         mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=splits, tiles=mla_tiles[False])
+        # the rows stored by mla_rows, the values up-projected in the decode's merge (q_len 1) or after
+        w_uv = t(heads, 128, 512)
+        mla.mla_attention(*queries[:2], None, t(4, 64, 576), meta, 0.1, w_uv, num_splits=splits,
+                          tiles=mla_tiles[False])  # fmt: skip
+        # the rows (stored, or not), rotary parts and absorbed queries (w_uk in the launch at 2 tokens, beside it
+        # at 16)
+        rotation = Rotation(torch.zeros(2 * q_len, dtype=torch.int64), t(4096, 64, dt=torch.float32))
+        projected = (t(2 * q_len, heads, 192), t(2 * q_len, 576), rotation, t(512), 1e-6, t(heads, 128, 512))
+        mla_rows.mla_rows(*projected)
+        mla_rows.mla_rows(*projected, t(4, 64, 576), meta.slot_mapping)
         fp8_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
         mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=splits, tiles=mla_tiles[True])
         # V3.2's sparse attention over 2048 selected rows of the latent cache, and its indexer (64 heads of 128)
@@ -240,6 +274,21 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         indexer.indexer_topk(
             t(2 * q_len, 64, 128), t(2 * q_len, 128), t(2 * q_len, 64), t(4, 64, 128), meta, 0.1, 2048
         )  # fmt: skip
+
+    # the GPU tests' tiny shape (4 heads, R 32, P 8, nope 24: narrower than tl.dot's 16 rows, padded), decode and
+    # prefill, the rows stored beside and by mla_rows
+    for q_len in (1, 8):
+        cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
+        meta = AttentionMetadata(
+            cu, torch.tensor([40, 40], dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
+            torch.zeros(2 * q_len, dtype=torch.int64), q_len, 40,
+        )  # fmt: skip
+        queries = (t(2 * q_len, 4, 32), t(2 * q_len, 4, 8), t(2 * q_len, 40))
+        mla.mla_attention(*queries, t(4, 16, 40), meta, 0.1, tiles=mla_tiles[False])
+        mla.mla_attention(*queries[:2], None, t(4, 16, 40), meta, 0.1, t(4, 16, 32), tiles=mla_tiles[False])
+        rotation = Rotation(torch.zeros(2 * q_len, dtype=torch.int64), t(4096, 8, dt=torch.float32))
+        mla_rows.mla_rows(t(2 * q_len, 4, 32), t(2 * q_len, 40), rotation, t(32), 1e-6, t(4, 24, 32),
+                          t(4, 16, 40), meta.slot_mapping)  # fmt: skip
 
     element_size = torch.tensor([], dtype=dtype).element_size()
 

@@ -37,7 +37,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms, Rotation
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, norm_linear, rotary
-from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -186,12 +186,12 @@ def norm_linear_reference(x, residual, norm_weight, eps, weight, bias):
 
 @pytest.mark.parametrize("shape, dtype", NORM_LINEAR_SHAPES)
 def test_norm_linear(shape, dtype):
-    """Every tile the measurement may pick, with and without a residual and a bias: the
-    projection, the normalized rows and the new residual."""
+    """Every tile the measurement may pick (one row: also in one pass), with and without a
+    residual and a bias: the projection, the normalized rows and the new residual."""
     m, n, k = shape
     x, residual, norm_weight = rand(m, k, dtype=dtype), rand(m, k, dtype=dtype), rand(k, dtype=dtype)
     weight, bias = rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
-    tiles = candidates(m)
+    tiles = candidates(m) + (ONE_PASS_TILES[:: 1 if ON_GPU else 3] if m == 1 else ())
     for i, (tile, r, b) in enumerate(itertools.product(tiles, (None, residual), (None, bias))):
         if ON_GPU or i % 2 == 0 or tile == tiles[-1]:  # (the interpreter: bias on the last tile alone)
             y, normed, h = norm_linear.norm_linear(x, r, norm_weight, 1e-5, weight, b, tile)
@@ -229,7 +229,7 @@ def test_small_batch_norm_linear_fuses_only_where_measured_faster():
         return CPU.norm_linear(x, residual, norm_weight, 1e-6, w)
 
     for fused_time, expect_fused in ((9.9, False), (8.0, True)):
-        times = iter([10.0] + [fused_time] * len(candidates(1)))
+        times = iter([10.0] + [fused_time] * len(candidates(1) + ONE_PASS_TILES))
 
         def timer(call, weights, times=times):
             call(weights[0])
@@ -405,6 +405,22 @@ def test_rotary_write_kv(case, dtype):
     assert torch.equal(stored_v[kept], v_before.view(-1, kv_heads, head_dim)[kept])
 
 
+def test_rotary_write_kv_reads_queries_strided_by_an_output_gate():
+    """Queries that are the first half of each head's rows, the output gate the second (Qwen3.5's
+    attention), as a view: the same rotated queries as from a contiguous copy."""
+    tokens, heads, kv_heads, head_dim, rot_dim, block_size = 5, 4, 2, 64, 32, 16
+    q_and_gate = rand(tokens, heads, 2 * head_dim, scale=2.0)
+    q = q_and_gate[..., :head_dim]
+    k, v = rand(tokens, kv_heads, head_dim), rand(tokens, kv_heads, head_dim)
+    caches = [rand(2, block_size, kv_heads, head_dim) for _ in range(2)]
+    positions, cos_sin = torch.randint(0, 64, (tokens,), device=DEVICE), cos_sin_cache(64, rot_dim)
+    norms = HeadNorms(rand(head_dim), rand(head_dim), 1e-5)
+    slots = torch.arange(tokens, device=DEVICE)
+    strided = rotary.rotary_write_kv(q, k, v, positions, cos_sin, norms, *caches, slots)
+    contiguous = rotary.rotary_write_kv(q.contiguous(), k, v, positions, cos_sin, norms, *caches, slots)
+    assert torch.equal(strided, contiguous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if not ON_GPU else [torch.bfloat16], ids=str)
 def test_rotary_attention_op_matches_rotary_then_attention(dtype):
     """The fused op of a step mixing prompt chunks and decodes (and a padding row) against the
@@ -447,6 +463,36 @@ def test_act_and_mul(name, shape, dtype):
     out = getattr(activation, name)(x, out=nan_like(x[..., : shape[-1]].contiguous()))
     check(out, getattr(CPU, name)(ref32(x)), dtype)
     assert torch.equal(getattr(CUDA, name)(x), out)
+
+
+@pytest.mark.parametrize("shape, dtype", matrix([(1, 7), (3, 1000)], [(1, 4096), (256, 4096)]))
+def test_sigmoid_gate(shape, dtype):
+    """An attention's output gate: the gate a view with a row stride (as q's projection holds it)."""
+    tokens, n = shape
+    y = rand(tokens, n, dtype=dtype)
+    gate = rand(tokens, 2 * n, dtype=dtype, scale=3.0)[:, n:]
+    out = activation.sigmoid_gate(y, gate)
+    assert out.shape == (tokens, n)
+    check(out, torch.sigmoid(ref32(gate)) * ref32(y), dtype)
+    assert torch.equal(CUDA.sigmoid_gate(y, gate), out)
+
+
+# (tokens, hidden, the gate's input width): odd widths, a row wider than a program's block, and Qwen3.6's 2048
+ADD_GATED_CASES = matrix([(1, 7, 5), (3, 1000, 1500), (2, 5000, 64)], [(1, 2048, 2048), (256, 2048, 2048)])
+
+
+@pytest.mark.parametrize("case, dtype", ADD_GATED_CASES)
+def test_add_gated(case, dtype):
+    """A shared expert's output scaled by its gate (the one-row projection computed in the kernel) and
+    added to the routed experts': ``y`` a view with a row stride."""
+    tokens, n, k = case
+    base, x = rand(tokens, n, dtype=dtype), rand(tokens, k, dtype=dtype)
+    y = rand(tokens, n + 5, dtype=dtype)[:, 2 : 2 + n]
+    gate_weight = rand(1, k, dtype=dtype, scale=2 / k**0.5)
+    out = activation.add_gated(base, y, x, gate_weight)
+    assert out.shape == (tokens, n)
+    check(out, ref32(base) + torch.sigmoid(ref32(x) @ ref32(gate_weight).T) * ref32(y), dtype)
+    assert torch.equal(CUDA.add_gated(base, y, x, gate_weight), out)
 
 
 # --- KV cache write ------------------------------------------------------------------

@@ -17,8 +17,9 @@ from xinfer import ops
 from xinfer.layers import RMSNorm
 from xinfer.layers.moe import Router, Routing
 from xinfer.torch_ops import TorchOps
+from xinfer_cuda import moe_tiles
 from xinfer_cuda.kernels import arrivals, moe, moe_routing, norm_linear
-from xinfer_cuda.linear import ONE_ROW_TILES, SmallBatchLinear
+from xinfer_cuda.linear import ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -71,6 +72,7 @@ SLOT_TILES = {  # the per-slot path's variants (benchmarks/moe_kernels.py times 
     "pipelined": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, up_unroll=2, down_unroll=2),
     "slot-per-program": moe.SlotTiles(up_n=16, up_k=16, down_n=32, down_k=16, down_j=1),
     "split": moe.SlotTiles(up_n=32, up_k=16, down_n=16, down_k=16, down_j=2, down_split=3),
+    "fused": moe.SlotTiles(up_n=32, up_k=32, down_n=32, down_k=32, fused=True),
 }
 
 
@@ -89,6 +91,9 @@ def test_per_slot_variants_match_the_reference(shape, variant):
     expected = TorchOps().fused_moe(x, w13, w2, weights, ids, "silu")
     got = moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)), "silu", SLOT_TILES[variant])
     torch.testing.assert_close(got.cpu(), expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    if SLOT_TILES[variant].fused:  # its sums and counter left at zero for the next call
+        assert not arrivals.counters(DEVICE, "fused_moe_sums", 1, torch.float32).any()
+        assert not arrivals.counters(DEVICE, "fused_moe", 1).any()
 
 
 @pytest.mark.parametrize("tokens", [3, 37], ids=["per-slot", "grouped"])
@@ -216,7 +221,7 @@ def test_norm_route_matches_the_reference(name, with_residual):
     bias = randn(experts) * 0.05 if routing.correction_bias else None
     expected = TorchOps().norm_route(x, residual, norm_weight, 1e-6, weight, routing, bias)
     on = [None if t is None else t.to(DEVICE) for t in (x, residual, norm_weight, weight, bias)]
-    for tile in ONE_ROW_TILES[:: 1 if ON_GPU else 5]:
+    for tile in (ONE_ROW_TILES + ONE_PASS_TILES)[:: 1 if ON_GPU else 4]:
         weights, ids, normed, h = norm_linear.norm_route(*on[:3], 1e-6, on[3], routing, on[4], tile)
         assert torch.equal(ids.cpu().long(), expected[1]), tile
         torch.testing.assert_close(weights.cpu(), expected[0], rtol=1e-5, atol=1e-6)
@@ -254,7 +259,7 @@ def test_router_forward_norm_routes_alike_on_both_backends():
     with ops.use(TorchOps()), torch.no_grad():
         normed, new_residual = norm(h, residual)
         expected_weights, expected_ids = router(normed)
-    times = iter([10.0] + [5.0] * len(ONE_ROW_TILES))  # on a GPU: the fused launch measured faster
+    times = iter([10.0] + [5.0] * len(ONE_ROW_TILES + ONE_PASS_TILES))  # on a GPU: the fused launch measured faster
 
     def timer(call, weights):
         call(weights[0])
@@ -269,3 +274,31 @@ def test_router_forward_norm_routes_alike_on_both_backends():
     torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.cpu(), normed, rtol=1e-5, atol=1e-6)
     assert torch.equal(residual_out.cpu(), new_residual)
+
+
+def test_small_batch_moe_takes_measured_tiles_only_where_clearly_faster(monkeypatch):
+    """The heuristic's tiles are timed first, then each candidate, over routings to distinct
+    random experts; a candidate replaces the heuristic only when clearly faster, and each
+    (token count, shape) is measured once."""
+    candidates = (SLOT_TILES["pipelined"], SLOT_TILES["split"])
+    monkeypatch.setattr(moe, "slot_candidates", lambda tokens, top_k, x: candidates)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, generator=generator).to(DEVICE)
+    w13 = (torch.randn(8, 64, 32, generator=generator) / 6).to(DEVICE)
+    w2 = (torch.randn(8, 32, 32, generator=generator) / 6).to(DEVICE)
+    for times, expected in (([10.0, 9.9, 9.8], None), ([10.0, 9.0, 8.0], SLOT_TILES["split"])):
+        timed = iter(times)
+
+        def timer(call, steps, timed=timed):
+            step = steps[-1]
+            assert all(len(set(ids.tolist())) == 3 for ids in step[2].cpu())  # distinct experts per token
+            reference = TorchOps().fused_moe(*(t.cpu() for t in (step[0], w13, w2, step[1], step[2])), "silu")
+            torch.testing.assert_close(call(step).cpu(), reference, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+            return next(timed)
+
+        chooser = moe_tiles.SmallBatchMoE(timer, routings=2)
+        for _ in range(2):  # (the second call is not timed: the timer would run out)
+            assert chooser.tiles(x, w13, w2, 3, "silu") == (expected or moe.slot_tiles(2, 3, x))
+        assert f"measured tiles for {int(expected is not None)}, the heuristic's for {int(expected is None)}" in (
+            chooser.report() or ""
+        )

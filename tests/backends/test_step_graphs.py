@@ -51,6 +51,10 @@ def host_batch(q_lens: list[int], seq_lens: list[int], sampled: list[bool], bloc
 
 def test_ladders():
     assert decode_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    large = decode_sizes(1024)
+    assert large[-9:] == [512, 576, 640, 704, 768, 832, 896, 960, 1024] and len(large) == 36
+    assert all(b <= a * 1.125 for a, b in itertools.pairwise(large[large.index(128) :])), large  # by an eighth
     assert token_sizes(300) == [64, 80, 96, 112, 128, 160, 192, 224, 256, 300]
     assert token_sizes(20) == [20]
     sizes = token_sizes(8192)
@@ -116,6 +120,42 @@ def test_load_writes_the_sampled_rows_parameters_in_the_step_s_input_copy():
     assert step._rows(step.dev64).tolist() == [0, 1, 2, 0]  # the sample rows just before them
 
 
+def test_resident_rows_give_each_step_its_tables_however_they_changed():
+    """A step's tables, gathered from the rows kept on the device, are its rows padded
+    (0; -1 for shadows), after rows grew in place, changed order, were replaced (a trim),
+    dropped, or came new into a slot a longer row held."""
+    limits = StepLimits(max_num_seqs=3, max_num_tokens=64, max_blocks_per_seq=6, max_seq_len=24, shadows=True)
+    seen = []
+
+    def forward(ids, positions, context, rows):
+        meta = context.seqs
+        seen.append((meta.block_tables.tolist(), meta.shadows.tables.tolist()))
+        return torch.zeros(len(rows), 3)
+
+    def decode(tables: list[list[int]], shadows: list[list[int]]) -> HostBatch:
+        n = len(tables)
+        pages = [PageBatch([0] * n, tables, PageBatch([-1] * n, shadows))]
+        return HostBatch([7] * n, [0] * n, list(range(n + 1)), [4 * len(t) for t in tables], list(range(n)), pages)
+
+    step = StaticStep(forward, limits, torch.device("cpu"))
+    a, b, a_shadows, b_shadows = [5, 6, 7, 8, 9], [1], [50, 60, 70, 80, 90], [10]
+    c, trimmed, c_shadows, trimmed_shadows = [2, 3], [-1, -1, 7, 8, 9, 4], [20, 30], [-1, -1, 70, 80, 90, 40]
+    steps = [([a, b], [a_shadows, b_shadows])]
+    b.append(4), b_shadows.append(40)  # a block allocated in place
+    steps.append(([b, a], [b_shadows, a_shadows]))
+    steps.append(([c, trimmed], [c_shadows, trimmed_shadows]))  # b dropped, a replaced
+    steps.append(([[11]], [[110]]))  # new, into a slot a longer row held
+    bucket = Bucket(3, 3, True)
+    for tables, shadows in steps:
+        step.load(decode(tables, shadows), bucket)
+        step.run(bucket)
+        padding = [[]] * (3 - len(tables))
+        assert seen[-1] == (
+            [row + [0] * (6 - len(row)) for row in tables + padding],
+            [row + [-1] * (6 - len(row)) for row in shadows + padding],
+        )
+
+
 def test_pad_batch():
     batch = host_batch([2, 1], [2, 6], [True, True])
     padded = pad_batch(batch, Bucket(8, 4, False))
@@ -124,7 +164,7 @@ def test_pad_batch():
     assert padded.pages[0].slot_mapping == [0, 1, 105, -1, -1, -1, -1, -1]
     assert padded.cu_seqlens_q == [0, 2, 3, 3, 3]
     assert padded.seq_lens == [2, 6, 0, 0]
-    assert padded.pages[0].block_tables == [[0, 0], [1, 2]]
+    assert padded.pages[0].block_tables == [[0], [1, 2]]  # as they are: the step's resident rows take them
     assert padded.sample_rows == [1, 2, 0, 0]
 
 

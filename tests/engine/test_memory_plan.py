@@ -13,6 +13,7 @@ from xinfer.cache.allocate import attention_layers, bytes_per_block
 from xinfer.engine import build as build_module
 from xinfer.engine import memory_plan
 from xinfer.engine.memory_plan import (
+    DEFAULT_MAX_NUM_SEQS,
     MAX_NUM_SEQS_CAP,
     DeviceProfile,
     GiB,
@@ -62,7 +63,8 @@ def test_a_fraction_beyond_the_free_memory_is_refused():
     [
         (10_000_000, 131072, MAX_NUM_SEQS_CAP),  # a large pool: the cap
         (64 * 1024, 131072, 64),  # 1024 tokens each
-        (64 * 1024, 256, MAX_NUM_SEQS_CAP),  # a short context: sequences are shorter
+        (64 * 1024, 256, 256),  # a short context: sequences are shorter
+        (4 * 1024 * 1024, 256, MAX_NUM_SEQS_CAP),
         (20 * 256, 256, 20),
         (500, 8192, 1),  # never none
     ],
@@ -158,7 +160,7 @@ def test_max_num_seqs_given_is_kept(model_dir, monkeypatch):
 
 def test_a_pool_sized_by_hand_keeps_the_usual_max_num_seqs(model_dir):
     llm = LLM(model=model_dir, dtype="float32", num_blocks=8, max_model_len=128)
-    assert llm.engine.config.scheduler.max_num_seqs == MAX_NUM_SEQS_CAP
+    assert llm.engine.config.scheduler.max_num_seqs == DEFAULT_MAX_NUM_SEQS
 
 
 def test_no_room_left_fails_at_start_up(model_dir, monkeypatch):

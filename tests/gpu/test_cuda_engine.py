@@ -3,11 +3,15 @@ CPU backend's tokens. Runs on the GPU machine (benchmarks/gpu_suite.py)."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from tests.plugins.hf_parity import spread_routing
+from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRID_CONFIGS
+from tests.plugins.qwen.test_qwen3_next import randomize_hybrid
 from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
-from xinfer_cuda.linear import DOT_TILES, ONE_ROW_TILES, SmallBatchLinear
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear
+from xinfer_cuda.moe_tiles import SmallBatchMoE
 from xinfer_cuda.ops import CudaOps
 
 pytestmark = pytest.mark.skipif(
@@ -180,6 +184,61 @@ def test_small_batch_linears_in_our_kernels_give_cpu_tokens(model_dir, enforce_e
     for prompts in (PROMPTS, PROMPTS[3:4]):  # decode steps of six sequences, then of one
         assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
     assert set(CudaOps.small_batch_linear.choice.values()) == {ONE_ROW_TILES[7], DOT_TILES[2]}
+
+
+class OnePassNormsFusedExperts(OurKernels):
+    """:class:`OurKernels`, but one-row norm-fused linears (the routers' too) in a one-pass tile."""
+
+    def fastest(self, key, weight, baseline, tile_call, tiles):
+        if key[0] == "route" or (key[0] == "norm" and key[1] == 1):
+            return ONE_PASS_TILES[1]
+        return super().fastest(key, weight, baseline, tile_call, tiles)
+
+
+class FusedExperts(SmallBatchMoE):
+    """Picks, without measuring, the first candidate that runs gate/up and down in one launch."""
+
+    def fastest(self, x, w13, w2, top_k, activation, default, candidates):
+        return next(tiles for tiles in candidates if tiles.fused)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_moe_decode_in_one_pass_norms_and_fused_experts_gives_cpu_tokens(tmp_path, enforce_eager, monkeypatch):
+    """Qwen3-MoE decode steps with every norm in a one-pass GEMV tile, the router's with the
+    routing, and the experts in one launch (atomics into the token's sums): the CPU backend's
+    tokens, and those paths taken."""
+    monkeypatch.setattr(CudaOps, "small_batch_linear", OnePassNormsFusedExperts())
+    monkeypatch.setattr(CudaOps, "small_batch_moe", FusedExperts())
+    config = Qwen3MoeConfig(**WIDE, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48,
+                            norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
+    save_tiny_model(config, tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    cpu = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_blocks=128)
+    gpu = LLM(model=str(tmp_path), dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
+              enforce_eager=enforce_eager)  # fmt: skip
+    for prompts in (PROMPTS[:4], PROMPTS[3:4]):  # decode steps of four sequences (16 slots), then of one
+        assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
+    assert ONE_PASS_TILES[1] in CudaOps.small_batch_linear.choice.values()
+    assert {tiles.fused for tiles in CudaOps.small_batch_moe.choice.values()} == {True}
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("name", ["qwen3.5-moe", "qwen3-next"])
+def test_hybrid_decode_gives_cpu_tokens(name, tmp_path, enforce_eager):
+    """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet and gated full-attention layers, a gated shared
+    expert): the decode kernels (the gates in the recurrent kernel, the gated norm, the attention's
+    output gate read in place, the shared expert's gate and sum in one launch) give the CPU backend's
+    tokens, replayed from CUDA graphs and eagerly; prompts longer than a prefill chunk too."""
+    hf = save_tiny_model(HYBRID_CONFIGS[name](), tmp_path)
+    randomize_hybrid(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    limits = dict(dtype="float32", num_blocks=128, max_num_batched_tokens=64)
+    cpu = LLM(model=str(tmp_path), device="cpu", **limits)
+    gpu = LLM(model=str(tmp_path), device="cuda", max_num_seqs=8, enforce_eager=enforce_eager, **limits)
+    for prompts in (PROMPTS[:4], PROMPTS[5:6]):  # decode steps of four sequences, then one after a chunked prompt
+        assert tokens(gpu, prompts, params) == tokens(cpu, prompts, params)
 
 
 def byte_level_tokenizer(folder, vocab_size: int) -> int:

@@ -1,6 +1,7 @@
 """AutoGPTQ and AutoAWQ 4-bit checkpoints: the test quantizes a tiny llama's projections in groups of 32 by the
 formats' definition (``scale * (q - zero)``) and packs them as each format's specification lays them out (GPTQ:
-``qweight`` along the input columns, zeros stored less one, ``g_idx``; AWQ: along the output rows in its
+``qweight`` along the input columns, zeros stored less one by subtracting 1 from each nibble of the word, with
+the borrow a zero of 0 makes, ``g_idx``; AWQ: along the output rows in its
 interleaved order); xinfer's model of the checkpoint must compute what transformers' float model of those values
 computes (kept packed as Q4_1 where groups are whole blocks of 32, decoded at load under activation order)."""
 
@@ -40,7 +41,7 @@ def quantize_groups(weight: torch.Tensor, group_of: torch.Tensor):
         cols = weight[:, group_of == g]
         low, high = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
         scales[g] = ((high - low) / 15).clamp_min(1e-6).half().float()
-        zeros[g] = (-low / scales[g]).round().clamp(1, 15)  # >= 1: GPTQ stores zero - 1
+        zeros[g] = (-low / scales[g]).round().clamp(0, 15)
     q = (weight / scales.T[:, group_of] + zeros.T[:, group_of]).round().clamp(0, 15)
     return q, scales, zeros, scales.T[:, group_of] * (q - zeros.T[:, group_of])
 
@@ -52,14 +53,23 @@ def as_q4_1(q, scales, zeros, group_of):
     return scales.T[:, group_of] * q + offsets.T[:, group_of]
 
 
+def as_gptq_v1(zeros: torch.Tensor) -> torch.Tensor:
+    """Zeros [groups, N] packed less one as GPTQ v1 stores them: 0x11111111 subtracted from each word."""
+    words = (pack_low_first(zeros).long() - 0x11111111) & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def gptq_tensors(weight, activation_order: bool):
+    weight = weight.clone()
+    weight[::3] = weight[::3].abs()  # no negative value in a third of the rows: their zeros are 0
     cols = weight.shape[1]
     order = torch.randperm(cols) if activation_order else torch.arange(cols)
     group_of = order // GROUP
     q, scales, zeros, meant = quantize_groups(weight, group_of)
     if not activation_order:  # kept packed as Q4_1
         meant = as_q4_1(q, scales, zeros, group_of)
-    stored = {"qweight": pack_low_first(q).T.contiguous(), "qzeros": pack_low_first(zeros - 1),
+    assert (zeros == 0).any() and (zeros > 0).any()
+    stored = {"qweight": pack_low_first(q).T.contiguous(), "qzeros": as_gptq_v1(zeros),
               "scales": scales.half(), "g_idx": group_of.int()}  # fmt: skip
     return stored, meant
 

@@ -86,6 +86,18 @@ def test_same_format_rows_merge_into_one_tensor() -> None:
     torch.testing.assert_close(merged.dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))
 
 
+@pytest.mark.parametrize("move", [lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.to(torch.device("meta"))])
+def test_moving_a_packed_weight_keeps_its_format(move) -> None:
+    weight = cat_rows([packed("q5_0", (64, 256)), packed("q8_0", (32, 256), seed=1)])
+    moved = move(weight)
+    assert isinstance(moved, QuantizedTensor) and moved.logical_shape == (96, 256)
+    assert [p.format.name for p in moved.parts or ()] == ["q5_0", "q8_0"]
+    if moved.device.type == "cpu":
+        torch.testing.assert_close(moved.dequantize(), weight.dequantize(), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dequantize"):
+        weight.to(torch.float16)
+
+
 @pytest.mark.parametrize("backend", [TorchOps(), CpuOps()], ids=["reference", "cpu"])
 def test_fused_moe_on_packed_experts_is_dequantize_then_compute(backend) -> None:
     experts, hidden, inner, tokens = 4, 256, 256, 6

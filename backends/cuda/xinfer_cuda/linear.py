@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -43,6 +44,13 @@ ONE_ROW_TILES = (
     GemvConfig(8, 512, 4, unroll=4),
     GemvConfig(16, 256, 4, unroll=4),
 )
+# the norm fused into the linear in one pass over K (kernels/norm_linear.py), for weights in x's dtype
+ONE_PASS_TILES = tuple(
+    replace(tile, one_pass=True)
+    for tile in ONE_ROW_TILES
+    if (tile.block_n, tile.block_k, tile.unroll) in {(4, 1024, 1), (8, 512, 1), (16, 256, 1), (32, 256, 1),
+                                                      (8, 512, 2), (16, 256, 2)}
+)  # fmt: skip
 DOT_TILES = (
     DotConfig(16, 256, 4, 4),
     DotConfig(16, 512, 4, 3),
@@ -141,7 +149,8 @@ class SmallBatchLinear:
         def fused(tile: Tile) -> Call:
             return lambda w: norm_linear(x, residual, norm_weight, eps, w, bias, tile)
 
-        tile = self._tile(key, x, weight, unfused, fused)
+        one_pass = ONE_PASS_TILES if x.shape[0] == 1 and weight.dtype == x.dtype else ()
+        tile = self._tile(key, x, weight, unfused, fused, more=one_pass)
         return unfused(weight) if tile is None else norm_linear(x, residual, norm_weight, eps, weight, bias, tile)
 
     def norm_route(
@@ -165,7 +174,8 @@ class SmallBatchLinear:
             assert isinstance(tile, GemvConfig)
             return lambda w: norm_route(x, residual, norm_weight, eps, w, routing, correction_bias, tile)
 
-        tile = self._tile(key, x, weight, unfused, fused, ONE_ROW_TILES)
+        one_pass = ONE_PASS_TILES if weight.dtype == x.dtype else ()
+        tile = self._tile(key, x, weight, unfused, fused, ONE_ROW_TILES + one_pass)
         routed = None if tile is None else fused(tile)(weight)
         return unfused(weight) if routed is None else routed  # type: ignore[return-value]
 
@@ -177,15 +187,17 @@ class SmallBatchLinear:
         baseline: Call,
         tile_call: Callable[[Tile], Call],
         tiles: tuple[Tile, ...] | None = None,
+        more: tuple[Tile, ...] = (),
     ) -> Tile | None:
-        """The tile chosen for ``key`` (measured on its first call), None for the
-        baseline (also inside a capture whose warm-up did not see the key)."""
+        """The tile chosen for ``key`` (measured on its first call) among ``tiles`` (by default
+        the :func:`candidates` for the row count) and ``more``, None for the baseline (also
+        inside a capture whose warm-up did not see the key)."""
         if key not in self.choice:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return None  # not measured: the capture's warm-up did not see it
             tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
             start = time.perf_counter()
-            tiles = candidates(_pow2(x.shape[0]), tensor_cores) if tiles is None else tiles
+            tiles = (candidates(_pow2(x.shape[0]), tensor_cores) if tiles is None else tiles) + more
             self.choice[key] = self.fastest(key, weight, baseline, tile_call, tiles)
             self.measuring_s += time.perf_counter() - start
         return self.choice[key]

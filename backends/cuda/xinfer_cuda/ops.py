@@ -35,6 +35,7 @@ from xinfer_cuda.kernels import (
 )
 from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
+from xinfer_cuda.moe_tiles import SmallBatchMoE
 from xinfer_cuda.quant_weights import WEIGHT_KERNELS
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class CudaOps(TorchOps):
     weight_kernels = WEIGHT_KERNELS  # the GGUF block formats, read packed
 
     small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
+    small_batch_moe = SmallBatchMoE()  # likewise
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)  # copied to the GPU without waiting
@@ -121,6 +123,12 @@ class CudaOps(TorchOps):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_tanh_and_mul(x)
 
+    def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
+        return activation.sigmoid_gate(y, gate)
+
+    def add_gated(self, base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
+        return activation.add_gated(base, y, x, gate_weight)
+
     def fused_moe(
         self,
         x: Tensor,
@@ -133,7 +141,10 @@ class CudaOps(TorchOps):
     ) -> Tensor:
         if limit is not None:  # the kernels have no clamp yet: the reference (DeepSeek V4's experts)
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
-        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+        tiles = None
+        if x.is_cuda and 0 < topk_ids.numel() <= moe.MAX_SLOTS_PER_SLOT_PATH:  # small decode batches: measured
+            tiles = self.small_batch_moe.tiles(x, w13, w2, topk_ids.shape[1], activation)
+        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, tiles)
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
         if not moe_routing.covers(routing):
@@ -225,6 +236,7 @@ class CudaOps(TorchOps):
 
     def capture_steps(self, forward: StepForward, limits: StepLimits, device: torch.device) -> StepGraphs:
         graphs = StepGraphs(forward, limits, device)  # its warm-up runs measure the small-batch linears
-        if (report := self.small_batch_linear.report()) is not None:
-            log.info(report)
+        for measured in (self.small_batch_linear, self.small_batch_moe):
+            if (report := measured.report()) is not None:
+                log.info(report)
         return graphs

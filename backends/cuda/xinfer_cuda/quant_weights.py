@@ -1,8 +1,15 @@
 """The CUDA backend's kernels for GGUF-packed and FP8 weights (:class:`xinfer.quant.WeightKernels`),
 declared for every block format :mod:`xinfer_cuda.kernels.gguf_blocks` decodes
-(``CudaOps.weight_kernels``): the weight's bytes are read as loaded, never repacked.
+(``CudaOps.weight_kernels``).
 
-Linears go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
+A linear's weight in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K is re-laid once at load
+(``prepare``) into planes (:mod:`xinfer_cuda.kernels.gguf_planes`: the same bytes, codes as
+aligned words apart from the scales), a :class:`GgufPlanes` weight whose kernels
+(:class:`PlaneKernels`, :mod:`xinfer_cuda.kernels.plane_linear`) decode a value in a few
+instructions; rows of a weight that are looked up (an embedding) and stacked experts keep the
+file's blocks, as the other types do.
+
+Linears over the file's blocks go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
 more: the dot kernel or the weight dequantized for the call, whichever is faster). For up to
 :data:`MEASURED_ROWS` rows (decode steps) the tile is measured per (format, weight shape, row count rounded up to a power of two) the first time
 one comes up outside a CUDA graph capture (the step graphs' warm-up runs), as
@@ -21,13 +28,23 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from xinfer import ops
-from xinfer.quant import QuantizedTensor, WeightKernels
+from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, from_planes, to_planes
+from xinfer_cuda.kernels.plane_linear import (
+    PlaneDotConfig,
+    PlaneGemvConfig,
+    default_plane_dot,
+    default_plane_gemv,
+    plane_dequantize,
+    plane_rows,
+)
 from xinfer_cuda.kernels.quant_linear import (
     DEQUANTIZED,
     MAX_PACKED_ROWS,
@@ -42,7 +59,8 @@ from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
-Tile = QGemvConfig | QDotConfig | Dequantized
+Tile = QGemvConfig | QDotConfig | PlaneGemvConfig | PlaneDotConfig | Dequantized
+Run = Callable[[Tensor, Tensor, str, Tensor | None, Tile | None], Tensor]  # x, weight bytes, type, bias, tile
 
 
 def ggml_type(weight: QuantizedTensor) -> str:
@@ -67,25 +85,56 @@ def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     return (*dots, DEQUANTIZED)
 
 
-class MeasuredTiles:
-    """The fastest of :func:`candidates` per (format, weight shape, power-of-two row count,
-    dtype), measured once (``timer`` over ``copies`` of the weight that overflow the L2)."""
+def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
+    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: GEMVs whose tiles of a
+    loop step give each thread one 16-byte load of codes a row (``tiles = 4 * num_warps``: Triton then
+    lays every operand out alike, with no shared-memory shuffle), 1 to 4 rows a program, some splitting
+    K (weights of few rows); dots as :func:`candidates`; past one row also the dequantized weight."""
+    if rows == 1:
+        return tuple(PlaneGemvConfig(*c) for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2),
+                                                   (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)])  # fmt: skip
+    if rows <= 16:
+        dots = tuple(PlaneDotConfig(16, n, t, w, s) for n, t, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
+                                                                       (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
+    else:
+        dots = tuple(PlaneDotConfig(rows, n, 1, w, 3) for n, w in [(32, 4), (64, 4), (128, 8)])
+    return (*dots, DEQUANTIZED)
 
-    def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
-        self.timer, self.copies = timer, copies
+
+class MeasuredTiles:
+    """The fastest of the candidate tiles per (format, weight shape, power-of-two row count,
+    dtype), measured once (``timer`` over ``copies`` of the weight that overflow the L2): the
+    file's blocks' (:func:`candidates`, run by ``linear_rows``), or with ``planes`` the planes'
+    (:func:`plane_candidates`, run by ``plane_rows``)."""
+
+    def __init__(
+        self,
+        timer: Timer = graph_time,
+        copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies,
+        planes: bool = False,
+    ):
+        self.timer, self.copies, self.planes = timer, copies, planes
+        self.run: Run = plane_rows if planes else linear_rows
         self.choice: dict[tuple, Tile] = {}
 
     def __call__(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None) -> Tile:
-        fmt = FORMATS[fmt_name]
         rows = 1 << (x.shape[0] - 1).bit_length()
-        key = (fmt_name, rows, tuple(packed.shape), x.dtype, bias is not None, x.device)
+        key = (fmt_name, rows, tuple(packed.shape), x.shape[1], x.dtype, bias is not None, x.device)
         if key not in self.choice:
             if (
                 x.is_cuda and torch.cuda.is_current_stream_capturing()
             ):  # not measured: the capture's warm-up did not see it
-                return default_gemv(fmt) if rows == 1 else default_dot(fmt, rows)
-            self.choice[key] = self.fastest(x, packed, fmt_name, bias, candidates(fmt, rows))
+                return self.default(fmt_name, rows, x.shape[1])
+            self.choice[key] = self.fastest(x, packed, fmt_name, bias, self.candidates(fmt_name, rows))
         return self.choice[key]
+
+    def candidates(self, fmt_name: str, rows: int) -> tuple[Tile, ...]:
+        return plane_candidates(LAYOUTS[fmt_name], rows) if self.planes else candidates(FORMATS[fmt_name], rows)
+
+    def default(self, fmt_name: str, rows: int, k: int) -> Tile:
+        if self.planes:
+            return default_plane_gemv(rows, k, LAYOUTS[fmt_name]) if rows == 1 else default_plane_dot(rows)
+        return default_gemv(FORMATS[fmt_name]) if rows == 1 else default_dot(FORMATS[fmt_name], rows)
 
     def fastest(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile:
         times = {}
@@ -93,7 +142,7 @@ class MeasuredTiles:
             copies = self.copies(packed)
             for tile in tiles:
                 try:
-                    times[tile] = self.timer(lambda w, t=tile: linear_rows(x, w, fmt_name, bias, t), copies)
+                    times[tile] = self.timer(lambda w, t=tile: self.run(x, w, fmt_name, bias, t), copies)
                 except OutOfResources:
                     continue
         except torch.OutOfMemoryError:
@@ -109,6 +158,14 @@ class MeasuredTiles:
 class GgufKernels(WeightKernels):
     def __init__(self) -> None:
         self.tiles = MeasuredTiles()  # one per process: engines reuse its measurements
+
+    def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
+        """A linear's weight of a type that has planes, in them (others as they are)."""
+        layout = LAYOUTS.get(ggml_type(weight))
+        if layout is None or len(weight.logical_shape) != 2 or not layout.fits(weight.logical_shape[1]):
+            return weight
+        n, k = weight.logical_shape
+        return QuantizedTensor(to_planes(weight.raw, layout), GgufPlanes(weight.format, n, k), (n, k))
 
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -134,6 +191,41 @@ class GgufKernels(WeightKernels):
         return quant_moe.fused_moe(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, activation)
 
 
+class GgufPlanes(WeightFormat):
+    """A GGUF weight [rows, cols] in planes (:mod:`xinfer_cuda.kernels.gguf_planes`), 1-D bytes."""
+
+    kernels = {"cuda": "xinfer_cuda.quant_weights:PLANE_KERNELS"}
+
+    def __init__(self, source: WeightFormat, rows: int, cols: int):
+        self.name = f"{source.name}:cuda-planes"
+        self.source, self.layout = source, LAYOUTS[source.name.upper()]
+        self.rows, self.cols = rows, cols
+        self.block_values, self.block_bytes = source.block_values, source.block_bytes
+
+    def dequantize(self, raw: Tensor) -> Tensor:
+        return self.source.dequantize(from_planes(raw, self.layout, self.rows, self.cols))
+
+    def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
+        return self.dequantize(raw)[index]
+
+
+class PlaneKernels(WeightKernels):
+    def __init__(self) -> None:
+        self.tiles = MeasuredTiles(planes=True)
+
+    def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
+        fmt = weight.format
+        assert isinstance(fmt, GgufPlanes)
+        rows, name = x.reshape(-1, x.shape[-1]), fmt.layout.name
+        if rows.shape[0] > MEASURED_ROWS:
+            y = F.linear(rows, plane_dequantize(weight.raw, name, fmt.rows, fmt.cols, rows.dtype), bias)
+        else:
+            tile = self.tiles(rows, weight.raw, name, bias) if rows.is_cuda and rows.shape[0] else None
+            y = plane_rows(rows, weight.raw, name, bias, tile)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 GGUF_KERNELS = GgufKernels()
+PLANE_KERNELS = PlaneKernels()
 WEIGHT_KERNELS = {name.lower(): "xinfer_cuda.quant_weights:GGUF_KERNELS" for name in FORMATS}
 WEIGHT_KERNELS["fp8"] = "xinfer_cuda.fp8_tensor_cores:FP8_KERNELS"  # and the tensor cores where selected

@@ -36,6 +36,7 @@ MIN_STEP_TOKENS = 64
 # Steps with prompt tokens are compute-bound at a few hundred tokens, so padding costs
 # its share of the step's time; more sizes cost capture time (about 0.3 s each).
 SIZES_PER_OCTAVE = 4
+DECODE_SIZES_PER_OCTAVE = 8
 
 
 # Small decode batches get graphs of their own for contexts up to SHORT_CONTEXT tokens: their
@@ -56,7 +57,13 @@ class Bucket:
 
 
 def decode_sizes(max_num_seqs: int) -> list[int]:
-    ladder = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    """1, 2, 4, 8, every 16 sequences up to 128, then DECODE_SIZES_PER_OCTAVE sizes
+    between powers of two (a batch is padded by at most an eighth of its size; 36 graphs
+    up to 1,024 sequences, where steps of 16 would take 68), and ``max_num_seqs``."""
+    ladder, size = [1, 2, 4, 8], 16
+    while size < max_num_seqs:
+        ladder.append(size)
+        size += 16 if size < 128 else (1 << (size.bit_length() - 1)) // DECODE_SIZES_PER_OCTAVE
     return sorted({s for s in ladder if s < max_num_seqs} | {max_num_seqs})
 
 
@@ -98,11 +105,10 @@ def pick_bucket(buckets: list[Bucket], batch: HostBatch) -> Bucket | None:
 
 def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
     """``batch`` grown to ``bucket``'s shape. Block tables stay one row per real
-    sequence, padded to one width (padding sequences read none)."""
+    sequence, as they are (padding sequences read none)."""
     pad_tokens = bucket.num_tokens - len(batch.input_ids)
     pad_seqs = bucket.num_seqs - len(batch.seq_lens)
-    width = max(len(row) for page in batch.pages for row in page.block_tables)
-    pages = [pad_page(page, pad_tokens, width) for page in batch.pages]
+    pages = [pad_page(page, pad_tokens) for page in batch.pages]
     return HostBatch(
         input_ids=batch.input_ids + [0] * pad_tokens,
         positions=batch.positions + [0] * pad_tokens,
@@ -114,14 +120,62 @@ def pad_batch(batch: HostBatch, bucket: Bucket) -> HostBatch:
     )
 
 
-def pad_page(page: PageBatch, pad_tokens: int, width: int, no_block: int = 0) -> PageBatch:
-    """``page`` with ``pad_tokens`` more slots (-1: nothing written) and its table rows
-    padded to ``width``; its shadow tables with -1 (no shadow)."""
+def pad_page(page: PageBatch, pad_tokens: int) -> PageBatch:
+    """``page`` with ``pad_tokens`` more slots (-1: nothing written), its shadows' too."""
     return PageBatch(
         slot_mapping=page.slot_mapping + [-1] * pad_tokens,
-        block_tables=[row + [no_block] * (width - len(row)) for row in page.block_tables],
-        shadows=pad_page(page.shadows, pad_tokens, width, no_block=-1) if page.shadows is not None else None,
+        block_tables=page.block_tables,
+        shadows=pad_page(page.shadows, pad_tokens) if page.shadows is not None else None,
     )
+
+
+class ResidentRows:
+    """Block-table rows kept on the device between steps, one slot per row list, so
+    that a step sends only the entries its rows gained since they were last sent: a
+    sequence's block lists only grow (a trim or a release replaces the list, which is
+    then sent whole; :class:`xinfer.cache.block_pool.PageTable`). A slot's entries past
+    its row are ``fill``; slot ``num_slots``, the padding sequences', is never written."""
+
+    def __init__(self, num_slots: int, width: int, fill: int):
+        self.width, self.fill = width, fill
+        self.held: dict[int, tuple[list[int], int]] = {}  # id(row) -> (row, slot): the rows of the last step
+        self.sent = [0] * num_slots  # entries of each slot's row on the device
+        self.padding = num_slots
+
+    def update(self, rows: list[list[int]], base: int, index: list[int], values: list[int]) -> list[int]:
+        """The slot of each of ``rows``; appends to ``index`` (flat, from ``base``) and
+        ``values`` the writes that bring the slots up to date. Slots of rows not in this
+        step are given to the new ones."""
+        held: dict[int, tuple[list[int], int]] = {}
+        slots, new = [], []
+        for i, row in enumerate(rows):
+            entry = self.held.get(id(row))
+            if entry is None or entry[0] is not row:
+                new.append(i)
+                slots.append(self.padding)
+                continue
+            slot, sent = entry[1], self.sent[entry[1]]
+            if len(row) > sent:  # a block allocated since
+                start = base + slot * self.width
+                index += range(start + sent, start + len(row))
+                values += row[sent:]
+                self.sent[slot] = len(row)
+            held[id(row)] = entry
+            slots.append(slot)
+        if new:
+            used = {slot for _, slot in held.values()}
+            free = [slot for slot in range(len(self.sent)) if slot not in used]
+            for i in new:
+                row, slot = rows[i], free.pop()
+                length = max(len(row), self.sent[slot])  # over what the slot's last row left
+                start = base + slot * self.width
+                index += range(start, start + length)
+                values += row + [self.fill] * (length - len(row))
+                self.sent[slot] = len(row)
+                held[id(row)] = (row, slot)
+                slots[i] = slot
+        self.held = held
+        return slots
 
 
 class StaticStep:
@@ -131,17 +185,19 @@ class StaticStep:
     A step's inputs travel in two host-to-device copies (an int64 buffer: ids |
     positions | each page group's slots [and shadow slots] | sample rows | the sampled
     rows' parameters (a :class:`SamplingBatch`'s bytes), and an int32 one: cu_seqlens_q |
-    seq_lens [| state slots] | each group's table rows [and shadow table rows] packed at
-    the step's width) and a scatter of the table rows: few operations, since each costs
-    a launch. The bracketed parts are there with a recent window (``limits.shadows``)
-    and recurrent layers (``limits.state_slots``).
+    seq_lens [| state slots] | per table (each group's block table [and shadow table]) the
+    resident row of each sequence | the indexes, then the values, of the table entries
+    sent this step (:class:`ResidentRows`)) and a scatter of those entries into the
+    resident rows: few operations, since each costs a launch. The recorded step gathers
+    its tables from the resident rows. The bracketed parts are there with a recent window
+    (``limits.shadows``) and recurrent layers (``limits.state_slots``).
     """
 
     def __init__(self, forward: StepForward, limits: StepLimits, device: torch.device):
         self.forward = forward
         self.limits = limits
         self.max_tokens = tokens = max(limits.max_num_tokens, limits.max_num_seqs)
-        seqs, groups = limits.max_num_seqs, limits.num_page_groups
+        seqs, groups, width = limits.max_num_seqs, limits.num_page_groups, limits.max_blocks_per_seq
         self.tables_per_group = 2 if limits.shadows else 1
         pin = device.type == "cuda"
         self.sampling_words = -(-SamplingBatch.nbytes(seqs) // 8)  # int64 words
@@ -151,16 +207,17 @@ class StaticStep:
             pin_memory=pin,
         )
         self.seq_fields = 3 if limits.state_slots else 2
-        num_tables = groups * self.tables_per_group
-        size32 = self.seq_fields * seqs + 1 + num_tables * seqs * limits.max_blocks_per_seq
+        self.num_tables = num_tables = groups * self.tables_per_group
+        # at most every entry of every table's rows is sent in one step: an index and a value each
+        size32 = self.seq_fields * seqs + 1 + num_tables * seqs + 2 * num_tables * seqs * width
         self.host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
-        # per group: its block tables, then its shadow tables (-1: no shadow)
-        self.tables = [
-            torch.full((seqs, limits.max_blocks_per_seq), -1 if i % 2 else 0, dtype=torch.int32, device=device)
-            for i in range(num_tables)
-        ]
+        # per group: its block table's rows, then its shadow table's (-1: no shadow); a last row for padding
+        fills = [-1 if i % 2 else 0 for i in range(num_tables)]
+        self.resident = torch.stack([torch.full((seqs + 1, width), fill, dtype=torch.int32) for fill in fills])
+        self.resident = self.resident.to(device)
+        self.resident_rows = [ResidentRows(seqs, width, fill) for fill in fills]
         self._token_views(self.dev64)[2].fill_(-1)  # slots and shadow slots: nothing written before the first step
         self.host_sampling, self.sampling = self._sampling(self.host64), self._sampling(self.dev64)
         self.logits: Tensor | None = None  # [max_num_seqs, vocab], allocated by the first run
@@ -185,19 +242,26 @@ class StaticStep:
                              *zip(self._slot_views(self.host64), self._slot_fields(padded)),
                              *zip(self._seq_views(self.host32), self._seq_fields(padded))]:  # fmt: skip
             host[: len(values)] = torch.tensor(values, dtype=host.dtype)
-        n, width = len(batch.seq_lens), len(padded.pages[0].block_tables[0])
-        tables = [part.block_tables for part in self._page_parts(padded)]
-        packed = self._packed_tables(self.host32)[: len(tables) * n * width]
-        packed[:] = torch.tensor(tables, dtype=torch.int32).flatten()
+        index: list[int] = []
+        values: list[int] = []
+        row_slots = self._row_slots(self.host32)
+        table_size = (self.limits.max_num_seqs + 1) * self.limits.max_blocks_per_seq
+        for k, (part, resident) in enumerate(zip(self._page_parts(padded), self.resident_rows)):
+            slots = resident.update(part.block_tables, k * table_size, index, values)
+            slots += [resident.padding] * (bucket.num_seqs - len(slots))
+            row_slots[k, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        sent = self._sent(self.host32, len(index))
+        sent[:] = torch.tensor([index, values], dtype=torch.int32)
         self.host_sampling.write(list(sampling))
         self.dev64.copy_(self.host64, non_blocking=True)
-        used32 = self.seq_fields * self.limits.max_num_seqs + 1 + len(tables) * n * width
+        used32 = self.seq_fields * self.limits.max_num_seqs + 1 + self.num_tables * self.limits.max_num_seqs
+        used32 += 2 * len(index)
         self.dev32[:used32].copy_(self.host32[:used32], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        on_device = self._packed_tables(self.dev32)[: len(tables) * n * width].view(len(tables), n, width)
-        for table, rows_on_device in zip(self.tables, on_device):
-            table[:n, :width] = rows_on_device
+        if index:
+            on_device = self._sent(self.dev32, len(index))
+            self.resident.view(-1)[on_device[0]] = on_device[1]
         if pending is not None:
             pending.write_into(self._token_views(self.dev64)[0])
 
@@ -211,18 +275,19 @@ class StaticStep:
         slots = self._slot_views(self.dev64)
         t, s, k = bucket.num_tokens, bucket.num_seqs, self.tables_per_group
         width = bucket.max_blocks or self.limits.max_blocks_per_seq
+        row_slots = self._row_slots(self.dev32)
+        tables = [self.resident[i, :, :width].index_select(0, row_slots[i, :s]) for i in range(self.num_tables)]
         pages = []
         for group in range(self.limits.num_page_groups):
             meta = AttentionMetadata(
                 cu_seqlens_q=cu_seqlens_q[: s + 1],
                 seq_lens=seq_lens[:s],
-                block_tables=self.tables[group * k][:s, :width],
+                block_tables=tables[group * k],
                 slot_mapping=slots[group * k][:t],
                 max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
                 max_seq_len=self.limits.max_seq_len,
-                shadows=ShadowPages(self.tables[group * k + 1][:s, :width], slots[group * k + 1][:t])
-                if k == 2 else None,
-            )  # fmt: skip
+                shadows=ShadowPages(tables[group * k + 1], slots[group * k + 1][:t]) if k == 2 else None,
+            )
             pages.append(meta)
         step = StepContext(pages, state_slots[0][:s] if state_slots else None)
         logits = self.forward(ids[:t], positions[:t], step, rows[:s])
@@ -271,5 +336,12 @@ class StaticStep:
     def _seq_fields(self, batch: HostBatch) -> list[list[int]]:
         return [batch.cu_seqlens_q, batch.seq_lens] + ([batch.state_slots] if self.limits.state_slots else [])
 
-    def _packed_tables(self, buf32: Tensor) -> Tensor:
-        return buf32[self.seq_fields * self.limits.max_num_seqs + 1 :]
+    def _row_slots(self, buf32: Tensor) -> Tensor:
+        """[table, sequence]: the resident row each sequence of the step reads."""
+        start, seqs = self.seq_fields * self.limits.max_num_seqs + 1, self.limits.max_num_seqs
+        return buf32[start : start + self.num_tables * seqs].view(self.num_tables, seqs)
+
+    def _sent(self, buf32: Tensor, count: int) -> Tensor:
+        """[2, count]: the flat indexes into the resident rows, then the values, of the entries sent."""
+        start = (self.seq_fields + self.num_tables) * self.limits.max_num_seqs + 1
+        return buf32[start : start + 2 * count].view(2, count)

@@ -33,6 +33,7 @@ class CacheManager:
         self.block_size = pools[0].block_size if pools else 1
         self.snapshot_interval = max(1, snapshot_interval // self.block_size) * self.block_size
         self.enable_prefix_caching = enable_prefix_caching and (states is None or states.num_snapshots > 0)
+        self.trims = any(pool.window is not None or pool.recent_window is not None for pool in pools)
         self.queries = 0  # prefix-cache lookups, in blocks
         self.hits = 0
 
@@ -116,6 +117,10 @@ class CacheManager:
         """Make ``seq``'s tables cover ``num_tokens`` slots, and give it a state slot;
         False (and nothing taken) where a pool ran out."""
         tables = self.tables(seq)
+        if (seq.state_slot is not None or self.states is None) and all(
+            len(table.blocks) * self.block_size >= num_tokens for table in tables
+        ):
+            return True  # most decode steps: the last block has room
         if not all(pool.can_allocate(table, num_tokens) for pool, table in zip(self.pools, tables)):
             return False
         if self.states is not None and seq.state_slot is None:
@@ -131,8 +136,10 @@ class CacheManager:
         snapshot the state where the step ended at a snapshot point."""
         if not self.enable_prefix_caching:
             return
-        first = len(seq.block_hashes)
-        for index in range(first, seq.num_computed_tokens // self.block_size):
+        first, full = len(seq.block_hashes), seq.num_computed_tokens // self.block_size
+        if first == full and self.states is None:  # most decode steps fill no block
+            return
+        for index in range(first, full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             start = index * self.block_size
             seq.block_hashes.append(hash((parent, seq.block_key(start, start + self.block_size))))
@@ -144,6 +151,8 @@ class CacheManager:
 
     def trim(self, seq: Sequence) -> None:
         """Give back what ``seq``'s next token no longer reads."""
+        if not self.trims:
+            return
         for pool, table in zip(self.pools, self.tables(seq)):
             pool.trim(table, seq.num_computed_tokens)
 

@@ -36,7 +36,10 @@ from xinfer.sampling import SamplingParams
 
 GiB = 1 << 30
 DEFAULT_KV_FRACTION = 0.9
+# 1024 was tried (eighth session): a simulation of the ShareGPT-like 8B run gave no gain over 256 (the longest
+# answer's decode steps bound it), and the host's per-step work at ~800 rows nears the device's; not measured on the H200
 MAX_NUM_SEQS_CAP = 256
+DEFAULT_MAX_NUM_SEQS = 256  # where the pool is sized by hand (num_blocks)
 TOKENS_PER_SEQ = 1024  # a typical prompt and answer
 CPU_DEFAULT_BUDGET = 2 << 30
 DEFAULT_STATE_SHARE = 0.5  # at most this share of the cache budget goes to recurrent states by default
@@ -84,7 +87,7 @@ def kv_budget(profile: DeviceProfile, fraction: float) -> int:
 
 def derive_max_num_seqs(capacity_tokens: int, max_model_len: int) -> int:
     """As many sequences as the KV cache holds at a typical length each (the context
-    limit if shorter), at most 256: more would only be preempted."""
+    limit if shorter): more would only be preempted; at most MAX_NUM_SEQS_CAP."""
     return max(1, min(MAX_NUM_SEQS_CAP, capacity_tokens // min(TOKENS_PER_SEQ, max_model_len)))
 
 
@@ -222,7 +225,8 @@ def plan_memory(
     snapshots = bool(slot_bytes) and cache.enable_prefix_caching
     typical_len = min(TOKENS_PER_SEQ, max_model_len)
     weights = tensor_bytes(runner.model)
-    wanted_seqs = scheduler.max_num_seqs or MAX_NUM_SEQS_CAP
+    derived = scheduler.max_num_seqs is None and cache.num_blocks is None
+    wanted_seqs = scheduler.max_num_seqs or (MAX_NUM_SEQS_CAP if derived else DEFAULT_MAX_NUM_SEQS)
     activations = graphs = budget = None
     if cache.num_blocks is not None:
         source = "num_blocks given"
@@ -259,7 +263,6 @@ def plan_memory(
                 f"or give the cache more memory (--kv-fraction)"
             )
     blocks = blocks_beside(num_slots)
-    derived = scheduler.max_num_seqs is None and cache.num_blocks is None
 
     def with_shadows(max_num_seqs: int) -> list[PoolPlan]:
         """Each pool with the recent window's shadows for ``max_num_seqs`` sequences,

@@ -148,7 +148,9 @@ class OutputProcessor:
             del self._requests[header.request_id]
         header.num_cached_tokens = max(header.num_cached_tokens, out.num_cached_tokens)
         delta = CompletionOutput(choice.index, text, out.token_ids, finish_reason, stop_reason, out.logprobs or None)
-        return replace(header, outputs=[delta], finished=finished)
+        # not dataclasses.replace: this runs for every sequence every step, and replace costs ~5 µs
+        return RequestOutput(header.request_id, header.prompt, header.prompt_token_ids, [delta], finished,
+                             header.num_cached_tokens)  # fmt: skip
 
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
         tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens

@@ -66,7 +66,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.at_limit:  # preempted below, or done when read back
                 continue
-            num_new = self._chunk(seq, budget)
+            num_new = 1 if seq.num_computed_tokens + 1 == len(seq.token_ids) else self._chunk(seq, budget)
             if num_new == 0:  # the rest of an image its tokens must see whole does not fit this step
                 continue
             while not self.cache.allocate(seq, seq.num_computed_tokens + num_new):
@@ -78,7 +78,8 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted and self._admitting(scheduled):
+        carries_prompt = any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled)
+        while self.waiting and budget > 0 and not preempted and (carries_prompt or self._admitting()):
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -95,6 +96,7 @@ class Scheduler:
             seq.status, seq.scheduled_once = Status.RUNNING, True
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
+            carries_prompt = carries_prompt or num_new > 1 or not scheduled[-1].completes_prompt
             budget -= num_new
         return scheduled
 
@@ -106,9 +108,8 @@ class Scheduler:
         end = start + min(seq.num_uncomputed_tokens, budget, self.cache.next_snapshot(seq) - start)
         return seq.chunk_end(start, end) - start
 
-    def _admitting(self, scheduled: list[ScheduledSeq]) -> bool:
-        if any(not s.completes_prompt or s.num_new_tokens > 1 for s in scheduled):
-            return True  # this step carries prompt tokens anyway
+    def _admitting(self) -> bool:
+        """Whether a step that carries no prompt tokens yet admits waiting ones."""
         free_slots = self.max_num_seqs - len(self.running)
         waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
         return (

@@ -20,8 +20,11 @@ class TextStream:
         """Adds tokens; returns the new text safe to emit and the stop string hit, if any."""
         if self.detokenizer is None:
             return "", None
+        new = "".join([self.detokenizer.push(token) for token in token_ids])
+        if not self.stop:  # nothing held back, nothing kept: the text of a long answer is not copied each token
+            return new, None
         previous = len(self.text)
-        self.text += "".join(self.detokenizer.push(token) for token in token_ids)
+        self.text += new
         search_from = max(0, previous - self.hold)
         hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
         if hits:
@@ -34,7 +37,7 @@ class TextStream:
         """The rest of the text, once the sequence ends."""
         if self.detokenizer is not None and not self.stopped:
             self.text += self.detokenizer.flush()
-        return self._take(len(self.text))
+        return self._take(len(self.text))  # without stop strings, text holds only the flush
 
     def _take(self, end: int) -> str:
         end = max(end, self.emitted)

@@ -225,14 +225,14 @@ class Experts(nn.Module):
         are both in (as floats where their formats differ)."""
         if projection == "down_proj":
             self._check(projection, tensor.logical_shape, self.w2.shape)
-            self.w2 = nn.Parameter(tensor.to_device(self.w2.device), requires_grad=False)
+            self.w2 = nn.Parameter(tensor.to(self.w2.device), requires_grad=False)
         else:
             self._check(projection, tensor.logical_shape, (self.num_experts, self.intermediate_size, self.w13.shape[2]))
             self._packed_halves[projection] = tensor
             if len(self._packed_halves) == 2:
                 gate, up = self._packed_halves.pop("gate_proj"), self._packed_halves.pop("up_proj")
                 if gate.format.name == up.format.name:
-                    self.w13 = nn.Parameter(cat_rows([gate, up]).to_device(self.w13.device), requires_grad=False)
+                    self.w13 = nn.Parameter(cat_rows([gate, up]).to(self.w13.device), requires_grad=False)
                 else:
                     with torch.no_grad():
                         self.w13.copy_(torch.cat([gate.dequantize(), up.dequantize()], dim=1))
@@ -243,7 +243,7 @@ class Experts(nn.Module):
         if name == "down_proj":
             return self._load_packed(name, tensor)
         self._check(name, tensor.logical_shape, self.w13.shape)
-        self.w13 = nn.Parameter(tensor.to_device(self.w13.device), requires_grad=False)
+        self.w13 = nn.Parameter(tensor.to(self.w13.device), requires_grad=False)
         return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in ("gate_proj", "up_proj")}
 
     def _check(self, projection: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -319,9 +319,10 @@ class MoE(nn.Module):
         shared = getattr(self, self.shared_name, None)
         if shared is not None:
             y = shared(x)
-            if self.shared_expert_gate is not None:
-                y = torch.sigmoid(self.shared_expert_gate(x)) * y
-            out = out + y
+            if self.shared_expert_gate is None:
+                out = out + y
+            else:
+                out = ops.add_gated(out, y, x, self.shared_expert_gate.weight)
         if self.dense_mlp is not None:
             out = out + self.dense_mlp(x)
         return out

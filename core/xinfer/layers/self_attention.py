@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
+from xinfer import ops
 from xinfer.distributed.group import current
 from xinfer.layers.attention import Attention
 from xinfer.layers.linear import MergedLinear, RowLinear
@@ -82,18 +82,19 @@ class SelfAttention(nn.Module):
     def attend(self, positions: Tensor, qkv: Tensor) -> Tensor:
         q, k, v, gate, norms = self.heads(qkv)
         out = self.attn(q, k, v, self.rotary_emb.rotation(positions, norms))  # norms, rotary, attention: one op
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+        if gate is not None:  # per head: the gate's rows are strided by q's
+            out = ops.sigmoid_gate(out.view(-1, self.head_dim), gate.flatten(0, 1)).view(out.shape)
+        return self.o_proj(out)
 
     def heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, HeadNorms | None]:
-        """From the merged projection's output: queries [T, H, D] and keys [T, Hkv, D] as
-        projected; values [T, Hkv*D]; the output gate [T, H*D] (None without one); the
+        """From the merged projection's output: queries [T, H, D] (with the output gate, a view
+        whose heads are strided by the gate's) and keys [T, Hkv, D] as projected; values [T, Hkv*D]; the output gate [T, H, D] (None without one); the
         per-head norms of q and k, which the attention op applies before the rotary (None
         without them)."""
         q, k, v = self.qkv_proj.split(qkv)
         gate = None
         if self.output_gate:
-            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
-            q, gate = q.contiguous(), gate.flatten(1)
+            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)  # views: the rotary reads
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None

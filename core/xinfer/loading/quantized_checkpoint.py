@@ -173,8 +173,9 @@ class GroupedInt4(Decoder):
     """AutoGPTQ's and AutoAWQ's 4-bit weights with a scale and a zero point per ``group`` input columns:
     ``X.qweight``, ``X.qzeros`` (int32 words of 8 values, the low nibble first) and ``X.scales`` (fp16,
     [K / group, N]); the weight [N, K] is ``scale * (q - zero)``. GPTQ packs ``qweight`` [K / 8, N] along the
-    input columns and stores each zero less one (its ``checkpoint_format`` ``gptq``; not ``gptq_v2``), with
-    ``X.g_idx`` each input column's group (activation order, ``desc_act``, makes it a permutation). AWQ
+    input columns and stores each zero less one by subtracting 1 from every nibble of the word at once (its
+    ``checkpoint_format`` ``gptq``; not ``gptq_v2``): a zero of 0 borrows from the nibble above, which adding
+    ``0x11111111`` back to the word undoes, as GPTQModel converts such checkpoints. ``X.g_idx`` holds each input column's group (activation order, ``desc_act``, makes it a permutation). AWQ
     (``version`` ``gemm``) packs both ``qweight`` [K, N / 8] and ``qzeros`` along the output rows, its 8
     values a word in the order :data:`AWQ_ORDER` undoes.
 
@@ -183,8 +184,8 @@ class GroupedInt4(Decoder):
 
     name = "4-bit"
 
-    def __init__(self, method: str, group: int, gptq_v1: bool):
-        self.method, self.group, self.zero_offset = method, group, 1 if gptq_v1 else 0
+    def __init__(self, method: str, group: int):
+        self.method, self.group = method, group
         self.parts = ("qweight", "qzeros", "scales", "g_idx") if method == "gptq" else ("qweight", "qzeros", "scales")
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
@@ -196,7 +197,7 @@ class GroupedInt4(Decoder):
         groups, rows = scales.shape
         if self.method == "gptq":
             q = unpack_words(parts["qweight"].T, 4)
-            zeros = unpack_words(parts["qzeros"], 4) + self.zero_offset
+            zeros = unpack_words((parts["qzeros"].long() + 0x11111111) & 0xFFFFFFFF, 4)
             group = parts["g_idx"].long()
         else:
             q = awq_order(unpack_words(parts["qweight"], 4)).T
@@ -381,7 +382,7 @@ def _grouped_int4(method: str, quantization: Mapping[str, Any]) -> GroupedInt4:
         unread = f"checkpoint_format {quantization['checkpoint_format']!r} (gptq is read)"
     if unread:
         raise ValueError(f"quantization_config quant_method {method!r} with {unread} is not read yet")
-    return GroupedInt4(method, group, gptq_v1=method == "gptq")
+    return GroupedInt4(method, group)
 
 
 def _block(block: Any) -> tuple[int, int] | None:

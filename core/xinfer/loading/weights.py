@@ -89,7 +89,7 @@ def _replace(model: CausalLM, params: dict[str, nn.Parameter], target: str, tens
     """The parameter ``target`` (and the names tied to it) becomes the quantized ``tensor``."""
     old = params[target]
     _check_shape(tensor.logical_shape, old.shape, target)
-    new = tensor.to_device(old.device)
+    new = tensor.to(old.device)
     replace_parameter(model, old, new)
     fresh = dict(model.named_parameters(remove_duplicate=False))
     for name, param in params.items():

@@ -103,12 +103,24 @@ class QuantizedTensor(torch.Tensor):
             return torch.cat([part.dequantize(dtype) for part in self.parts], dim=-2)
         return self.format.dequantize(self.raw).to(dtype)
 
-    def to_device(self, device: torch.device) -> QuantizedTensor:
-        if self.device == device:
+    def to(self, *args: Any, **kwargs: Any) -> QuantizedTensor:
+        """The weight on another device, still packed; a dtype is refused (:meth:`dequantize` casts)."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype not in (None, torch.uint8):
+            raise TypeError(f"a {self.format.name} weight is packed bytes: dequantize(dtype) gives its values")
+        if device is None or self.device == device:
             return self
         if self.parts:
-            return cat_rows([part.to_device(device) for part in self.parts])
-        return QuantizedTensor(self.raw.to(device), self.format, self.logical_shape)
+            return cat_rows([part.to(device, non_blocking=non_blocking) for part in self.parts])
+        return QuantizedTensor(self.raw.to(device, non_blocking=non_blocking), self.format, self.logical_shape)
+
+    def cpu(self, *args: Any, **kwargs: Any) -> QuantizedTensor:
+        return self.to("cpu")
+
+    def cuda(self, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> QuantizedTensor:  # type: ignore[override]
+        return self.to(
+            torch.device("cuda", device) if isinstance(device, int) else device or "cuda", non_blocking=non_blocking
+        )
 
     def dequantize_rows(self, index: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """The values of rows ``index`` alone (an embedding lookup): [*index.shape, K] in ``dtype``."""

@@ -105,7 +105,7 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                           "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
                           "(CPU and CUDA backends); 0: off")
     capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
-                          help="tokens per step; longer prefills are chunked")
+                          help="tokens per step (default: 8192); longer prefills are chunked")
     capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
     capacity.add_argument("--mamba-fraction", type=_share, metavar="SHARE",
                           help="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory for "

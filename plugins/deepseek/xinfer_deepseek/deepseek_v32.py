@@ -31,6 +31,10 @@ class SparseLatentAttention(LatentAttention):
         """The latent rows in the model's dtype: the sparse op reads no fp8 rows (the KV format fp8 is refused)."""
         return TokenVectorSpec(self.kv_lora_rank + self.rope_dim)
 
+    def rows_cache(self) -> None:
+        """None: the sparse op stores the rows."""
+        return None
+
     def attend(self, positions: Tensor, x: Tensor, projected: tuple[Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
         q_latent, q_rope, latent, q_resid = projected
         assert self.cache is not None and q_resid is not None, "a bound cache, and q-LoRA (checked at build)"

@@ -10,8 +10,12 @@ ever expanded::
     o_latent[h] = softmax(s[h]) @ c
     out[h]      = o_latent[h] @ W_UV[h]^T    # the value up-projection after attention
 
-Prefill and decode both run this way, through the op ``mla_attention``, or ``mla_attention_fp8`` over
-fp8 rows (``--kvcache-dtype fp8``; the row layout in :mod:`xinfer_deepseek.mla_ops`).
+Prefill and decode both run this way, in two ops that a backend fuses within (the CUDA kernels at small
+batches: :mod:`xinfer_deepseek.kernels.mla_rows` and :mod:`xinfer_deepseek.kernels.mla`): ``mla_rows``
+makes the absorbed queries and the step's cache rows from the projections and stores the rows into a cache
+of the model's dtype; ``mla_attention`` attends and up-projects the values (``mla_attention_fp8`` over fp8
+rows, ``--kvcache-dtype fp8``, which encodes and stores the rows first; the row layout in
+:mod:`xinfer_deepseek.mla_ops`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from xinfer.forward_context import attention_metadata
 from xinfer.layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, pairs_to_halves, rope_parameters
 from xinfer.layers.rotary import yarn_mscale
 from xinfer.loading.stored import StoredTensor, part_of
-from xinfer_deepseek.mla_ops import fp8_row_bytes
+from xinfer_deepseek.mla_ops import expand, fp8_row_bytes
 
 
 class UpProjection(nn.Module):
@@ -45,13 +49,9 @@ class UpProjection(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(heads.size(num_heads), nope_dim, kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(heads.size(num_heads), v_dim, kv_lora_rank))
 
-    def absorb(self, q_nope: Tensor) -> Tensor:
-        """q_nope [T, H, N] -> q_latent [T, H, R]."""
-        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-
     def expand(self, o_latent: Tensor) -> Tensor:
         """o_latent [T, H, R] -> the heads' outputs [T, H * V]."""
-        return torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
+        return expand(o_latent, self.w_uv)
 
     def checkpoint_names(self) -> set[str]:
         return {"weight", *self.checkpoint_parts()}
@@ -156,25 +156,33 @@ class LatentAttention(nn.Module):
         q_latent, q_rope, latent, _ = projected
         assert self.cache is not None, "the engine binds the latent cache before the first forward"
         op = "mla_attention_fp8" if self.cache.dtype == torch.uint8 else "mla_attention"  # (cache_spec)
-        o_latent = ops.call(op, q_latent, q_rope, latent, self.cache, attention_metadata(self.page_group), self.scale)
-        return self.o_proj(self.kv_b_proj.expand(o_latent))
+        latent_to_store = None if self.rows_cache() is not None else latent
+        meta, w_uv = attention_metadata(self.page_group), self.kv_b_proj.w_uv
+        return self.o_proj(ops.call(op, q_latent, q_rope, latent_to_store, self.cache, meta, self.scale, w_uv))
+
+    def rows_cache(self) -> Tensor | None:
+        """The cache ``mla_rows`` stores the step's rows into: the latent cache where it holds them as
+        they are (an fp8 one's rows are encoded and stored by the attention op)."""
+        assert self.cache is not None, "the engine binds the latent cache before the first forward"
+        return None if self.cache.dtype == torch.uint8 else self.cache
 
     def project(self, positions: Tensor, x: Tensor, q_first: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The absorbed queries [T, H, R], their rotated rope parts [T, H, P], this step's latent rows
-        [T, R + P] (normalised latent || rotated rope key), and the q-LoRA latent (None without q-LoRA),
-        from ``x`` and its :meth:`first_projection` ``q_first``. ``q_a_layernorm`` runs in ``q_b_proj``'s
-        prologue."""
+        [T, R + P] (normalised latent || rotated rope key; all three the op ``mla_rows``, which also stores
+        the rows into :meth:`rows_cache`), and the q-LoRA latent (None without q-LoRA), from ``x`` and its
+        :meth:`first_projection` ``q_first``. ``q_a_layernorm`` runs in ``q_b_proj``'s prologue."""
         if self.q_lora_rank:
             q, q_resid, _ = self.q_a_layernorm.project(q_first, None, self.q_b_proj.weight, self.q_b_proj.bias)
         else:
             q, q_resid = q_first, None
-        q_nope, q_rope = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
-            [self.nope_dim, self.rope_dim], dim=-1
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        kv, norm = self.kv_a_proj_with_mqa(x), self.kv_a_layernorm
+        rotation, cache = self.rotary_emb.rotation(positions), self.rows_cache()
+        slots = attention_metadata(self.page_group).slot_mapping if cache is not None else None
+        q_latent, q_rope, rows = ops.call(
+            "mla_rows", q, kv, rotation, norm.weight, norm.eps, self.kv_b_proj.w_uk, cache, slots
         )
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_rope, k_rope = self.rotary_emb(positions, q_rope.contiguous(), k_rope.unsqueeze(1).contiguous())
-        latent = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope.squeeze(1)), dim=-1)
-        return self.kv_b_proj.absorb(q_nope), q_rope, latent, q_resid
+        return q_latent, q_rope, rows, q_resid
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
         if not self.interleaved_rotary:

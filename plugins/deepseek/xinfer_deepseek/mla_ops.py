@@ -3,8 +3,10 @@
 Each token of a layer keeps one cache row shared by all heads: its normalised latent
 (``R`` = kv_lora_rank) followed by its rotated rope key (``P`` = qk_rope_head_dim).
 Attention runs in the absorbed form: the key up-projection is folded into the query
-(``q_latent``), so every head scores the same rows, and the value up-projection follows
-the op, which returns each head's softmax-weighted sum of latents.
+(``q_latent``, by :func:`mla_rows`, which also makes the step's rows from the latent
+projection), so every head scores the same rows; the op returns each head's
+softmax-weighted sum of latents, or, given the value up-projection ``w_uv``, each head's
+output (the up-projection in the op, where a kernel can apply it as it merges).
 
 Two row formats, one op each:
 
@@ -35,14 +37,69 @@ from torch import Tensor
 
 from xinfer.kv import codes
 from xinfer.kv.codes import FP8_MAX
-from xinfer.ops import AttentionMetadata
+from xinfer.ops import AttentionMetadata, Rotation
 from xinfer.torch_ops import gather_context
 
 FP8_GROUP = 128  # latent values per scale at most
 
 
+def mla_rows(
+    q: Tensor,
+    kv: Tensor,
+    rotation: Rotation,
+    norm_weight: Tensor,
+    eps: float,
+    w_uk: Tensor,
+    cache: Tensor | None = None,
+    slot_mapping: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention ops' inputs from the step's projections: ``q`` [T, H, N + P] (each head's
+    part without rope, then its rope part) and ``kv`` [T, R + P] (the latent, then the rope key),
+    as the projections give them. Returns
+
+        q_latent [T, H, R] = q[..., :N] @ w_uk[h]        (w_uk [H, N, R]: the key up-projection)
+        q_rope   [T, H, P] = rotary(q[..., N:])
+        rows     [T, R + P] = rms_norm(kv[:, :R]) * norm_weight || rotary(kv[:, R:])
+
+    the norm in fp32 and the rotation (rotate-half, by ``rotation``'s table rows at its positions,
+    over all P dims) in fp32, each rounded once to the input's dtype. With ``cache`` (of rows as they
+    are, :func:`mla_attention`'s) it also stores the rows there at ``slot_mapping`` (negative: skipped),
+    so that the attention op need not."""
+    assert rotation.norms is None and rotation.cos_sin.shape[-1] == q.shape[-1] - w_uk.shape[1], "P rotated dims"
+    nope, rank = w_uk.shape[1:]
+    q_nope, q_rope = q.split([nope, q.shape[-1] - nope], dim=-1)
+    latent, k_rope = kv.split([rank, kv.shape[-1] - rank], dim=-1)
+    cos, sin = rotation.cos_sin[rotation.positions].float().chunk(2, dim=-1)  # [T, P / 2] each
+    latent32 = latent.float()
+    normed = latent32 * torch.rsqrt(latent32.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    rows = torch.cat([normed.to(kv.dtype), rotate_halves(k_rope[:, None], cos, sin)[:, 0]], dim=-1)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    if cache is not None:
+        assert slot_mapping is not None
+        store(cache, rows.to(cache.dtype), slot_mapping)
+    return q_latent, rotate_halves(q_rope, cos, sin), rows
+
+
+def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x`` [T, H, P] rotated by ``cos``, ``sin`` [T, P / 2] (fp32): its halves as the pairs."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def expand(o_latent: Tensor, w_uv: Tensor) -> Tensor:
+    """Each head's output from its latent one: ``o_latent`` [T, H, R] @ ``w_uv[h]``ᵀ ([H, V, R]) -> [T, H * V]."""
+    return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).flatten(1)
+
+
 def mla_attention(
-    q_latent: Tensor, q_rope: Tensor, latent: Tensor, cache: Tensor, meta: AttentionMetadata, scale: float
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent: Tensor | None,
+    cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    w_uv: Tensor | None = None,
 ) -> Tensor:
     """Store this step's ``latent`` [T, R + P] in ``cache`` [num_blocks, block_size, R + P] at
     ``meta.slot_mapping`` (negative: skipped), then causal paged attention of the queries
@@ -51,21 +108,32 @@ def mla_attention(
         s[t, h, j] = scale * (q_latent[t, h] . row_j[:R] + q_rope[t, h] . row_j[R:]),  j <= position of t
         out[t, h] = sum_j softmax_j(s[t, h]) * row_j[:R]
 
-    in fp32. Returns [T, H, R] in the dtype of ``q_latent``; rows of no sequence are zero."""
-    store(cache, latent.to(cache.dtype), meta.slot_mapping)
-    return attend(q_latent, q_rope, meta, scale, lambda b, n: gather_context(cache, meta.block_tables[b], n).float())
+    in fp32. Returns [T, H, R] in the dtype of ``q_latent``, or with ``w_uv`` [H, V, R] (the
+    value up-projection) ``expand(out, w_uv)`` [T, H * V]; rows of no sequence are zero. ``latent``
+    None: the step's rows are in the cache already (:func:`mla_rows` stored them)."""
+    if latent is not None:
+        store(cache, latent.to(cache.dtype), meta.slot_mapping)
+    out = attend(q_latent, q_rope, meta, scale, lambda b, n: gather_context(cache, meta.block_tables[b], n).float())
+    return out if w_uv is None else expand(out, w_uv)
 
 
 def mla_attention_fp8(
-    q_latent: Tensor, q_rope: Tensor, latent: Tensor, cache: Tensor, meta: AttentionMetadata, scale: float
+    q_latent: Tensor,
+    q_rope: Tensor,
+    latent: Tensor,
+    cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    w_uv: Tensor | None = None,
 ) -> Tensor:
     """:func:`mla_attention` over a cache of fp8 rows (the module's docstring): ``cache`` is
     uint8 [num_blocks, block_size, fp8_row_bytes(R, P)]."""
     rank = q_latent.shape[-1]
     store(cache, encode_fp8(latent, rank), meta.slot_mapping)
-    return attend(
+    out = attend(
         q_latent, q_rope, meta, scale, lambda b, n: decode_fp8(gather_context(cache, meta.block_tables[b], n), rank)
     )
+    return out if w_uv is None else expand(out, w_uv)
 
 
 def store(cache: Tensor, rows: Tensor, slot_mapping: Tensor) -> None:

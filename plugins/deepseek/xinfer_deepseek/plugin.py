@@ -20,6 +20,7 @@ def xinfer_ops() -> list[OpSpec]:
         )
 
     return [
+        OpSpec("mla_rows", "xinfer_deepseek.mla_ops:mla_rows", {"cuda": "xinfer_deepseek.kernels.mla_rows:mla_rows"}),
         op("mla_attention", "mla"),
         op("mla_attention_fp8", "mla"),
         op("indexer_topk", "indexer"),

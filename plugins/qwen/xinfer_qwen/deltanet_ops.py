@@ -1,6 +1,7 @@
-"""The two ops of a Gated DeltaNet layer, in plain torch: the causal depthwise conv1d over
-each sequence's stream and the gated delta rule, both carrying a recurrent state per
-sequence in a slot of a state tensor.
+"""The ops of a Gated DeltaNet layer, in plain torch: the causal depthwise conv1d over each
+sequence's stream and the gated delta rule (its gates computed from the projections), both
+carrying a recurrent state per sequence in a slot of a state tensor, and the gated RMSNorm
+of its output.
 
 Shapes are flat over the step's tokens as :class:`xinfer.ops.AttentionMetadata` lays them
 out: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last ``q_len``
@@ -66,7 +67,32 @@ def l2_normalize(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The log decays ``g = -exp(A_log) * softplus(a + dt_bias)`` (<= 0) and the write strengths
+    ``beta = sigmoid(b)`` [T, Hv], both in fp32, from ``a``, ``b`` [T, Hv] and ``A_log``,
+    ``dt_bias`` [Hv]."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
 def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+) -> Tensor:
+    """:func:`delta_rule` with the decays and write strengths of :func:`gates` (one op, so
+    that a decode kernel computes them where it reads them)."""
+    return delta_rule(q, k, v, *gates(a, b, A_log, dt_bias), state, meta, slots)
+
+
+def delta_rule(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -100,3 +126,12 @@ def gated_delta_rule(
             out[t] = torch.einsum("hkv,hk->hv", s, q[t])
         state[slot] = s.to(state.dtype)
     return out.to(dtype)
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm(x) * silu(z)`` over the last dim of ``x`` [T, H, D] (each head's values),
+    ``z`` [T, H, D]: in fp32, the norm rounded to the dtype of ``x`` before its ``weight``
+    and the gate (as transformers' ``RMSNormGated``). Returns [T, H * D] in the dtype of ``x``."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * normed.float() * F.silu(z.float())).to(x.dtype).flatten(1)

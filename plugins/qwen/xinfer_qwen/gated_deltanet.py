@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
@@ -100,17 +99,18 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj.split(projected)
         qkv = ops.call("causal_conv1d", qkv, self.conv1d.weight, None, self.cache["conv"], meta, slots)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         o = ops.call(
             "gated_delta_rule",
             q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
             k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
             v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
-            g,
-            b.sigmoid(),
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
             self.cache["ssm"],
             meta,
             slots,
         )
-        o = self.norm(o) * F.silu(z.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
-        return self.out_proj(o.flatten(1))
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        return self.out_proj(ops.call("gated_rms_norm", o, z, self.norm.weight, self.norm.eps))

@@ -25,6 +25,8 @@ def xinfer_ops() -> list[OpSpec]:
                {"cuda": "xinfer_qwen.kernels.conv1d:causal_conv1d"}),
         OpSpec("gated_delta_rule", "xinfer_qwen.deltanet_ops:gated_delta_rule",
                {"cuda": "xinfer_qwen.kernels.delta_rule:gated_delta_rule"}),
+        OpSpec("gated_rms_norm", "xinfer_qwen.deltanet_ops:gated_rms_norm",
+               {"cuda": "xinfer_qwen.kernels.gated_norm:gated_rms_norm"}),
     ]  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """The Gated DeltaNet ops (xinfer_qwen.deltanet_ops) against transformers' torch functions of
 qwen3_next (fp32): the conv against ``causal_conv1d_fn`` (a sequence that starts) and
 ``causal_conv1d_update`` (one that continues from its state), the delta rule against
-``torch_recurrent_gated_delta_rule`` and ``torch_chunk_gated_delta_rule``; batches of
+``torch_recurrent_gated_delta_rule`` and ``torch_chunk_gated_delta_rule``, the gated norm against
+``Qwen3_5RMSNormGated``; batches of
 several sequences of different lengths, some starting and some continuing, in slots out of
 order, with a padding sequence.
 
@@ -30,7 +31,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from xinfer.ops import AttentionMetadata
 from xinfer_qwen import deltanet_ops
-from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill
+from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill, gated_norm
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 pytestmark = pytest.mark.usefixtures("cuda_backend")
@@ -141,7 +142,7 @@ def test_gated_delta_rule_matches_hf(hf_rule, heads):
     generator = torch.Generator().manual_seed(2)
     q, k, v, g, beta, state = delta_inputs(generator, k_heads=heads[0], v_heads=heads[1])
     expected_state = state.clone()
-    out = deltanet_ops.gated_delta_rule(q, k, v, g, beta, state, batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32))  # fmt: skip
+    out = deltanet_ops.delta_rule(q, k, v, g, beta, state, batch_metadata(), torch.tensor(SLOTS, dtype=torch.int32))
     rule = HF_RULES[hf_rule]
     start = 0
     for slot, (q_len, before) in zip(SLOTS, BATCH):
@@ -169,11 +170,11 @@ def test_gated_delta_rule_continued_equals_one_call():
     state = torch.full((2, 4, 16, 8), float("nan"))
     slots = torch.tensor([1], dtype=torch.int32)
     whole_state = state.clone()
-    whole = deltanet_ops.gated_delta_rule(q, k, v, g, beta, whole_state, metadata([30], [0]), slots)
+    whole = deltanet_ops.delta_rule(q, k, v, g, beta, whole_state, metadata([30], [0]), slots)
     parts, done = [], 0
     for q_len in (11, 1, 18):
         rows = slice(done, done + q_len)
-        parts.append(deltanet_ops.gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state, metadata([q_len], [done]), slots))  # fmt: skip
+        parts.append(deltanet_ops.delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state, metadata([q_len], [done]), slots))  # fmt: skip
         done += q_len
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state[1], whole_state[1], rtol=1e-5, atol=1e-6)
@@ -267,28 +268,70 @@ DELTA_CASES = [
 @pytest.mark.parametrize("dtype", DOT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: c[0])
 def test_gated_delta_rule_kernel_matches_the_reference(case, dtype):
+    """The op with its gates: decode steps through the recurrent kernel (the gates computed in
+    it), others through the gates' kernel and the chunked form."""
     _, batch, k_heads, v_heads, dk, dv = case
     generator = torch.Generator().manual_seed(len(batch))
     slots = SLOTS[: len(batch)]
     tokens = sum(q for q, _ in batch)
-    # q, k and v as views of one projection, as the layer splits them
+    # q, k and v as views of the conv's output, a and b of the projection, as the layer splits them
     mixed = torch.randn(tokens, (2 * k_heads * dk + v_heads * dv), generator=generator).to(dtype)
     q, k, v = mixed.split([k_heads * dk, k_heads * dk, v_heads * dv], dim=1)
     q, k, v = q.view(tokens, k_heads, dk), k.view(tokens, k_heads, dk), v.view(tokens, v_heads, dv)
-    g = -torch.rand(tokens, v_heads, generator=generator) * 2
-    beta = torch.rand(tokens, v_heads, generator=generator).to(dtype)
+    projected = (torch.randn(tokens, 2 * v_heads + 3, generator=generator) * 3).to(dtype)  # past softplus' 20 too
+    b, a = projected[:, 1 : 1 + v_heads], projected[:, 1 + v_heads : 1 + 2 * v_heads]
+    A_log = (torch.randn(v_heads, generator=generator) / 2).to(dtype)
+    dt_bias = torch.randn(v_heads, generator=generator).to(dtype)
     state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
     meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
     expected_state, got_state = state.clone(), state.to(DEVICE)
-    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
+    expected = deltanet_ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, expected_state, meta, slot_tensor)
+    device_projected = projected.to(DEVICE)  # (a and b stay views of it)
     got = delta_rule.gated_delta_rule(
-        *(t.to(DEVICE) for t in (q, k, v, g, beta)), got_state, to_device(meta, DEVICE), slot_tensor.to(DEVICE)
-    )
+        *(t.to(DEVICE) for t in (q, k, v)), device_projected[:, 1 + v_heads : 1 + 2 * v_heads],
+        device_projected[:, 1 : 1 + v_heads], A_log.to(DEVICE), dt_bias.to(DEVICE), got_state,
+        to_device(meta, DEVICE), slot_tensor.to(DEVICE),
+    )  # fmt: skip
     assert got.dtype == dtype and got.shape == v.shape
     assert_close_on_rows(got, expected, meta, TOL[dtype])
     error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()
     assert error <= TOL[dtype], f"state: relative error {error:.2e}"
     assert got_state.cpu().isnan().equal(expected_state.isnan())  # slots of no sequence untouched
+
+
+def test_gates_kernel_matches_the_reference():
+    """The prefill's gates (decode computes them in the recurrent kernel, checked above), over
+    rows of a strided projection, at an odd head count, with inputs past softplus' threshold."""
+    generator = torch.Generator().manual_seed(9)
+    projected = torch.randn(37, 2 * 5 + 3, generator=generator) * 12
+    b, a = projected[:, 1:6], projected[:, 6:11]
+    A_log, dt_bias = torch.randn(5, generator=generator), torch.randn(5, generator=generator)
+    expected = deltanet_ops.gates(a, b, A_log, dt_bias)
+    got = delta_rule.gates(*(t.to(DEVICE) for t in (a, b, A_log, dt_bias)))
+    for got_one, expected_one in zip(got, expected):
+        torch.testing.assert_close(got_one.cpu(), expected_one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_rms_norm_matches_hf(dtype):
+    """The reference against transformers' ``Qwen3_5RMSNormGated`` (a random weight, fp32), and the
+    kernel against the reference over strided views (``z`` columns of a projection), 5 heads of 24."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    generator = torch.Generator().manual_seed(10)
+    tokens, heads, dim = 7, 5, 24
+    x = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+    z = (torch.randn(tokens, heads * dim + 9, generator=generator) * 2).to(dtype)[:, 4 : 4 + heads * dim]
+    z = z.unflatten(-1, (heads, dim))
+    weight = (1 + torch.randn(dim, generator=generator) / 4).to(dtype)
+    expected = deltanet_ops.gated_rms_norm(x, z, weight, 1e-6)
+    if dtype == torch.float32:
+        hf_norm = Qwen3_5RMSNormGated(dim, eps=1e-6)
+        hf_norm.weight.data.copy_(weight)
+        torch.testing.assert_close(expected, hf_norm(x, z).flatten(1), rtol=1e-6, atol=1e-6)
+    got = gated_norm.gated_rms_norm(x.to(DEVICE), z.to(DEVICE), weight.to(DEVICE), 1e-6)
+    assert got.dtype == dtype and got.shape == (tokens, heads * dim)
+    torch.testing.assert_close(got.cpu(), expected, **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
 
 
 # flash-linear-attention's chunked prefill behind the op (xinfer_qwen.kernels.fla_prefill)
@@ -316,7 +359,7 @@ def fla_contract(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     q_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     meta = metadata(q_lens, [1] * len(q_lens))  # every sequence continues: from its initial state
     final = initial_state.clone()
-    out = deltanet_ops.gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], final, meta, torch.arange(len(q_lens)))
+    out = deltanet_ops.delta_rule(q[0], k[0], v[0], g[0], beta[0], final, meta, torch.arange(len(q_lens)))
     return out[None], final
 
 
@@ -337,7 +380,7 @@ def test_fla_adapter_reads_and_writes_the_slots(monkeypatch):
     state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
     meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
     expected_state, got_state = state.clone(), state.to(DEVICE)
-    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
+    expected = deltanet_ops.delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
     got = fla_prefill.gated_delta_rule(
         *(t.to(DEVICE) for t in (q, k, v, g, beta)), got_state, to_device(meta, DEVICE), slot_tensor.to(DEVICE)
     )
@@ -398,7 +441,7 @@ def test_fla_prefill_replays_from_a_cuda_graph_with_other_lengths():
     device_state.copy_(state.to(DEVICE))
     graph.replay()
     expected_state = state.clone()
-    expected = deltanet_ops.gated_delta_rule(q, k, v, g, beta, expected_state, other, slots)
+    expected = deltanet_ops.delta_rule(q, k, v, g, beta, expected_state, other, slots)
     assert_close_on_rows(out, expected, other, TOL[torch.bfloat16])
     error = (device_state.cpu() - expected_state).norm() / expected_state.norm()
     assert error <= TOL[torch.bfloat16], f"state: relative error {error:.2e}"

@@ -1,4 +1,6 @@
-"""Gated activations: ``act(x[..., :n]) * x[..., n:]``, in fp32."""
+"""Gated activations: ``act(x[..., :n]) * x[..., n:]``, and sigmoid gates: ``sigmoid(gate) * y`` (an
+attention's output gate) and ``base + sigmoid(x @ w.T) * y`` (a shared expert's, its one-row projection
+computed by each program, with the sum of the routed experts' output), in fp32."""
 
 from __future__ import annotations
 
@@ -66,3 +68,60 @@ def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
 def gelu_tanh_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
     return _act_and_mul(x, "gelu_tanh", out)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    y_ptr, gate_ptr, base_ptr, x_ptr, gate_weight_ptr, out_ptr, stride_y, stride_gate, stride_base, stride_x,
+    stride_out, n, k, GATE_DOT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """``sigmoid(gate) * y``, or with ``GATE_DOT`` ``base + sigmoid(x . gate_weight) * y`` (a logit per row)."""
+    pdl_entry(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATE_DOT:
+        logit = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row * stride_x + ks, mask=ks < k, other=0.0).to(tl.float32)
+            logit += x * tl.load(gate_weight_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)
+        out = tl.load(base_ptr + row * stride_base + cols, mask=mask, other=0.0).to(tl.float32)
+        out += tl.sigmoid(tl.sum(logit, axis=0)) * y
+    else:
+        out = tl.sigmoid(tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)) * y
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _unit_column_stride(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:
+    """``sigmoid(gate) * y`` for ``y`` and ``gate`` [T, N], either a view with a row stride."""
+    y, gate = _unit_column_stride(y), _unit_column_stride(gate)
+    tokens, n = y.shape
+    out = torch.empty(tokens, n, dtype=y.dtype, device=y.device)
+    if tokens and n:
+        block = min(triton.next_power_of_2(n), 1024)
+        _sigmoid_gate_kernel[(tokens, triton.cdiv(n, block))](
+            y, gate, y, y, y, out, y.stride(0), gate.stride(0), 0, 0, out.stride(0), n, 0,
+            GATE_DOT=False, BLOCK=block, BLOCK_K=1, num_warps=4, **launch.pdl(y.device),
+        )  # fmt: skip
+    return out
+
+
+def add_gated(base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
+    """``base + sigmoid(x @ gate_weight.T) * y`` for ``base``, ``y`` [T, N], ``x`` [T, K], ``gate_weight`` [1, K]."""
+    base, y, x, gate_weight = (_unit_column_stride(t) for t in (base, y, x, gate_weight))
+    tokens, n = base.shape
+    out = torch.empty(tokens, n, dtype=base.dtype, device=base.device)
+    if tokens and n:
+        block = min(triton.next_power_of_2(n), 4096)  # each program computes its row's logit: whole rows
+        _sigmoid_gate_kernel[(tokens, triton.cdiv(n, block))](
+            y, y, base, x, gate_weight, out, y.stride(0), 0, base.stride(0), x.stride(0), out.stride(0), n,
+            x.shape[-1], GATE_DOT=True, BLOCK=block, BLOCK_K=min(triton.next_power_of_2(x.shape[-1]), 1024),
+            num_warps=8 if block >= 2048 else 4, **launch.pdl(base.device),
+        )  # fmt: skip
+    return out

@@ -18,15 +18,16 @@ from torch import Tensor
 _COUNTERS: dict[tuple[torch.device, str], list[Tensor]] = {}  # the counters, and those before (graphs hold them)
 
 
-def counters(device: torch.device, user: str, count: int) -> Tensor | None:
+def counters(device: torch.device, user: str, count: int, dtype: torch.dtype = torch.int32) -> Tensor | None:
     """``count`` zeroed counters of ``user`` (kernels that run concurrently use their own),
     left at zero again by the kernels; None inside a CUDA graph capture when fewer were
-    allocated before it (the caller launches the follow-up kernel then)."""
+    allocated before it (the caller launches the follow-up kernel then). A ``dtype`` other
+    than int32: sums the programs add into, which the last one zeroes again."""
     buffers = _COUNTERS.setdefault((device, user), [])
     if not buffers or buffers[-1].numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buffers.append(torch.zeros(max(count, 1024), dtype=torch.int32, device=device))
+        buffers.append(torch.zeros(max(count, 1024), dtype=dtype, device=device))
     return buffers[-1]
 
 

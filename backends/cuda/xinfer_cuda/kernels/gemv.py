@@ -36,6 +36,8 @@ class GemvConfig:
     block_k: int
     num_warps: int
     unroll: int = 1  # K tiles whose loads are issued together
+    # a norm fused in front (kernels/norm_linear.py): its mean square summed in the product's loop
+    one_pass: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ slots fused, so that no [T*k, H] buffer is written and read back.
   at 4.2 TB/s, and each program only a few loop steps, so what decides the time is the
   bytes in flight: the next step's weights load while this step's are multiplied, and
   down's first ones before gate/up has finished (:class:`SlotTiles` has the variants,
-  down split over slots and chunks of I among them; benchmarks/moe_kernels.py times
-  them). Down's row tiles shrink with the batch so that even one token spreads over
-  every SM.
+  down split over slots and chunks of I among them, or gate/up and down in one launch;
+  benchmarks/moe_kernels.py times them, and xinfer_cuda/moe_tiles.py picks among them
+  at start-up). Down's row tiles shrink with the batch so that even one token spreads
+  over every SM.
 - Grouped (prefill, larger batches): the slots are grouped by expert into blocks of
   ``BLOCK_M`` slots of one expert (an expert's last block padded with slot ``T*k``,
   which no program stores) by two small kernels (:func:`align_blocks`). A program
@@ -31,14 +32,15 @@ slots fused, so that no [T*k, H] buffer is written and read back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels import arrivals, launch
+from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.launch import pdl_entry
 
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
@@ -305,17 +307,26 @@ def _gate_up_kernel(
     pdl_entry(PDL)
     slot = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
-    x_row = x_ptr + (slot // top_k) * stride_x
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_gate = w13_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
+    out = _gated_rows(x_ptr + (slot // top_k) * stride_x, w13_ptr + expert * stride_we, rows, hidden, inter, stride_wn,
+                      ACTIVATION, BLOCK_K, UNROLL)  # fmt: skip
+    tl.store(h_ptr + slot * stride_h + rows, out.to(h_ptr.dtype.element_ty), mask=rows < inter)
+
+
+@triton.jit
+def _gated_rows(x_row, w13, rows, hidden, inter, stride_wn, ACTIVATION: tl.constexpr, BLOCK_K: tl.constexpr,
+                UNROLL: tl.constexpr):  # fmt: skip
+    """``act(gate) * up`` of one token ``x_row`` for rows ``rows`` of I of one expert's ``w13``
+    [2I, H]: [len(rows)] fp32, the next step's weight tiles loading while this step's are multiplied."""
+    w_gate = w13 + rows[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
     in_rows = rows[:, None] < inter
     x_rows = x_row + 0 * rows[:, None]  # x in the weights' shape: their layout, no conversion each step
     first = tl.arange(0, BLOCK_K)[None, :]
     gate_w = tl.load(w_gate + first, mask=in_rows & (first < hidden), other=0.0, eviction_policy="evict_first")
     up_w = tl.load(w_up + first, mask=in_rows & (first < hidden), other=0.0, eviction_policy="evict_first")
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gate = tl.zeros(gate_w.shape, dtype=tl.float32)
+    up = tl.zeros(gate_w.shape, dtype=tl.float32)
     for k in tl.range(0, hidden, BLOCK_K, loop_unroll_factor=UNROLL):
         ks = k + tl.arange(0, BLOCK_K)
         next_ks = ks[None, :] + BLOCK_K
@@ -326,8 +337,52 @@ def _gate_up_kernel(
         gate += a * gate_w
         up += a * up_w
         gate_w, up_w = next_gate_w, next_up_w
-    out = _act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
-    tl.store(h_ptr + slot * stride_h + rows, out.to(h_ptr.dtype.element_ty), mask=rows < inter)
+    return _act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
+
+
+@triton.jit
+def _fused_slot_kernel(
+    x_ptr, w13_ptr, w2_ptr, weights_ptr, ids_ptr, sums_ptr, out_ptr, counter_ptr, num_tokens, top_k, hidden, inter,
+    stride_x, stride_w13e, stride_w13n, stride_w2e, stride_w2n, stride_out,
+    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    UNROLL: tl.constexpr, BLOCK_OUT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Gate/up and down of one slot's ``BLOCK_N`` rows of I: ``h`` of those rows (rounded to
+    x's dtype, as the two launches store it), then their columns of down times ``h``, weighted,
+    added into the token's fp32 row of ``sums`` ``BLOCK_H`` rows of H at a time (down's first
+    tile loads with gate/up's). The last program to finish casts the sums to ``out`` and
+    zeroes them for the next call."""
+    pdl_entry(PDL)
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    weight = tl.load(weights_ptr + slot).to(tl.float32)
+    token = slot // top_k
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    down_cols = w2_ptr + expert * stride_w2e + rows[None, :]
+    in_cols = rows[None, :] < inter
+    hs = tl.arange(0, BLOCK_H)[:, None]
+    down_w = tl.load(down_cols + hs.to(tl.int64) * stride_w2n, mask=(hs < hidden) & in_cols, other=0.0,
+                     eviction_policy="evict_first")  # fmt: skip
+    h = _gated_rows(x_ptr + token * stride_x, w13_ptr + expert * stride_w13e, rows, hidden, inter, stride_w13n,
+                    ACTIVATION, BLOCK_K, UNROLL)  # fmt: skip
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32) * weight
+    sums = sums_ptr + token * hidden
+    for start in range(0, hidden, BLOCK_H):
+        next_hs = start + BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+        next_w = tl.load(down_cols + next_hs.to(tl.int64) * stride_w2n, mask=(next_hs < hidden) & in_cols, other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
+        part = tl.sum(down_w.to(tl.float32) * h[None, :], axis=1)
+        at = start + tl.arange(0, BLOCK_H)
+        tl.atomic_add(sums + at, part, mask=at < hidden, sem="relaxed")
+        down_w = next_w
+    if last_to_arrive(counter_ptr, tl.num_programs(0) * tl.num_programs(1)):
+        for start in range(0, num_tokens * hidden, BLOCK_OUT):
+            at = start + tl.arange(0, BLOCK_OUT)
+            valid = at < num_tokens * hidden
+            total = tl.load(sums_ptr + at, mask=valid, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + (at // hidden) * stride_out + at % hidden, total.to(out_ptr.dtype.element_ty),
+                     mask=valid)  # fmt: skip
+            tl.store(sums_ptr + at, tl.zeros_like(total), mask=valid)
 
 
 @triton.jit
@@ -399,7 +454,12 @@ class SlotTiles:
     ``pipelined``: the kernels that load a step's weights while the step before is
     multiplied, ``up_unroll`` and ``down_unroll`` steps' loads issued together, and whose
     down issues its first weight loads before waiting for gate/up (False: the first kernels,
-    which ignore ``down_j``, ``down_split`` and the unrolling)."""
+    which ignore ``down_j``, ``down_split`` and the unrolling).
+    ``fused``: gate/up and down in one launch, a program per (slot, ``up_n`` rows of I) that
+    also multiplies its rows of ``h`` by their columns of down, ``down_n`` rows of H a step,
+    and adds the products into an fp32 row per token with atomics (``T*k*I/up_n`` adds of H
+    values); the last program to finish casts the rows to the output. One launch and its ramp
+    and tail fewer, no [T*k, I] buffer; the order of the sum varies from run to run."""
 
     up_n: int
     up_k: int
@@ -412,6 +472,7 @@ class SlotTiles:
     up_unroll: int = 1
     down_unroll: int = 1
     pipelined: bool = True
+    fused: bool = False
 
 
 def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
@@ -429,6 +490,33 @@ def slot_tiles(num_tokens: int, top_k: int, x: Tensor) -> SlotTiles:
     return SlotTiles(up_n=32, up_k=128, down_n=down_n, down_k=128, up_unroll=2)
 
 
+def slot_candidates(num_tokens: int, top_k: int, x: Tensor) -> tuple[SlotTiles, ...]:
+    """Tiles the start-up measurement (xinfer_cuda/moe_tiles.py) times against
+    :func:`slot_tiles` at ``num_tokens`` tokens: gate/up and down tile shapes and load depths
+    around the heuristic's (what benchmarks/moe_kernels.py found best on the H200 moves with
+    the GPU and the expert shape), in two launches and in one (``fused``); none under the
+    interpreter."""
+    if not gpu_tiles(x):
+        return ()
+    base = slot_tiles(num_tokens, top_k, x)
+    ups = [(16, 256, 1), (16, 256, 2), (32, 128, 2), (8, 512, 1)]  # (up_n, up_k, up_unroll)
+    downs = [(base.down_n, 1), (base.down_n, 2), (base.down_n, 3), (max(4, base.down_n // 2), 2)]  # (down_n, unroll)
+    two_launches = tuple(
+        replace(base, up_n=up_n, up_k=up_k, up_unroll=up_unroll, down_n=down_n, down_unroll=down_unroll)
+        for up_n, up_k, up_unroll in ups
+        for down_n, down_unroll in downs
+    )
+    # one launch: down's columns of each program's rows of I, [rows of H, up_n] a step, the
+    # deeper tiles on 8 warps (on 4 they spill: down's first tile is held through gate/up)
+    fused = tuple(
+        replace(base, up_n=up_n, up_k=up_k, up_unroll=up_unroll, up_warps=warps, down_n=rows_of_h, fused=True)
+        for up_n, up_k, up_unroll, warps, rows_of_h in [
+            (16, 256, 1, 4, 512), (8, 512, 1, 4, 512), (16, 256, 2, 8, 512), (32, 128, 2, 8, 256),
+        ]
+    )  # fmt: skip
+    return two_launches + fused
+
+
 def _per_slot(
     x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str, tiles: SlotTiles
 ) -> Tensor:
@@ -438,6 +526,8 @@ def _per_slot(
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     pdl = launch.pdl(x.device)
+    if tiles.fused and _fused_slots(x, w13, w2, weights, topk_ids, activation, tiles, out):
+        return out
     if not tiles.pipelined:
         _slot_gate_up_kernel[(num_slots, triton.cdiv(inter, tiles.up_n))](
             x, w13, h, topk_ids, top_k, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
@@ -473,6 +563,35 @@ def _per_slot(
             BLOCK_P=block_p, BLOCK_N=block_n, **pdl,
         )  # fmt: skip
     return out
+
+
+def _fused_slots(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    weights: Tensor,
+    topk_ids: Tensor,
+    activation: str,
+    tiles: SlotTiles,
+    out: Tensor,
+) -> bool:
+    """The experts into ``out`` in one launch (``tiles.fused``); False inside a CUDA graph capture
+    that has no sums or counter for it (the caller runs the two launches then)."""
+    num_tokens, top_k = topk_ids.shape
+    _, hidden, inter = w2.shape
+    sums = arrivals.counters(x.device, "fused_moe_sums", max(num_tokens, MAX_SLOTS_PER_SLOT_PATH) * hidden,
+                             torch.float32)  # fmt: skip
+    counter = arrivals.counters(x.device, "fused_moe", 1)
+    if sums is None or counter is None:
+        return False
+    _fused_slot_kernel[(num_tokens * top_k, triton.cdiv(inter, tiles.up_n))](
+        x, w13, w2, weights, topk_ids, sums, out, counter, num_tokens, top_k, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, BLOCK_H=tiles.down_n,
+        UNROLL=tiles.up_unroll, BLOCK_OUT=min(4096, triton.next_power_of_2(num_tokens * hidden)),
+        num_warps=tiles.up_warps, **launch.pdl(x.device),
+    )  # fmt: skip
+    return True
 
 
 def fused_moe(

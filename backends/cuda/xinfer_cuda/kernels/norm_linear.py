@@ -13,6 +13,14 @@ residual and the normalized rows, for the blocks that read them past this projec
 The normalized rows are rounded to the input dtype before the product, as the separate
 norm's output was, and then to the weight's dtype (a router kept in fp32), so the result
 is the unfused one's.
+
+That costs every program a pass over ``x + residual`` before its first product, K / BLOCK_K
+L2 round trips in a row at the head of a kernel of a few microseconds (and its reads of x
+twice). A one-row tile with ``one_pass`` (weights in x's dtype) instead multiplies the
+weights by ``h * norm_weight`` and sums ``h^2`` in the same loop, scaling its outputs by
+the inverse root at the end: the product is of the unrounded normalized row, which differs
+from the rounded one's by less than the output's own rounding. Its programs store the
+normalized row and ``h`` a few columns each, loaded with their first tiles.
 """
 
 from __future__ import annotations
@@ -104,6 +112,50 @@ def _norm_gemv_rows(
 
 
 @triton.jit
+def _scaled_tile(x_ptr, r_ptr, norm_w_ptr, k, K, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at ``k`` of the row ``h = x + residual`` and of ``h * norm_weight``, fp32: [1, BLOCK_K] each."""
+    h = _summed_tile(x_ptr, r_ptr, tl.arange(0, 1), 0, 0, k, 1, K, HAS_RESIDUAL, BLOCK_K).to(tl.float32)
+    cols = k + tl.arange(0, BLOCK_K)
+    return h, h * tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _one_pass_rows(
+    x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
+    HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """:func:`_norm_gemv_rows` in one pass over K: the products are of ``h * norm_weight``
+    and the mean square of ``h`` is summed alongside, the outputs scaled by its inverse
+    root at the end (not rounded to x's dtype first, as the normalized rows the other
+    kernels multiply are: same weights' dtype only). Each program stores ``WRITE_BLOCK``
+    columns of the normalized row and of ``h``, loaded before the loop."""
+    pid = tl.program_id(0)
+    outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + outs[:, None].to(tl.int64) * stride_w
+    w = _weight_tile(w_rows, outs, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
+    pdl_entry(PDL)
+    row = tl.arange(0, 1)
+    mine = pid * WRITE_BLOCK + tl.arange(0, WRITE_BLOCK)
+    h_mine = _summed_tile(x_ptr, r_ptr, row, 0, 0, pid * WRITE_BLOCK, 1, K, HAS_RESIDUAL, WRITE_BLOCK)
+    g_mine = tl.load(norm_w_ptr + mine, mask=mine < K, other=0.0).to(tl.float32)
+    h, scaled = _scaled_tile(x_ptr, r_ptr, norm_w_ptr, 0, K, HAS_RESIDUAL, BLOCK_K)
+    sum_sq = h * h
+    acc = w.to(tl.float32) * scaled
+    for k in tl.range(BLOCK_K, K, BLOCK_K, loop_unroll_factor=UNROLL):
+        w = _weight_tile(w_rows, outs, k, N, K, EVEN_N and EVEN_K, BLOCK_K)
+        h, scaled = _scaled_tile(x_ptr, r_ptr, norm_w_ptr, k, K, HAS_RESIDUAL, BLOCK_K)
+        sum_sq += h * h
+        acc += w.to(tl.float32) * scaled
+    inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)  # [1]
+    normed = (h_mine.to(tl.float32) * inv_rms[:, None] * g_mine[None, :]).to(h_mine.dtype)
+    tl.store(normed_ptr + mine[None, :], normed, mask=mine[None, :] < K)
+    if HAS_RESIDUAL:
+        tl.store(new_r_ptr + mine[None, :], h_mine, mask=mine[None, :] < K)
+    return tl.sum(acc, axis=1) * inv_rms, outs
+
+
+@triton.jit
 def _norm_gemv_kernel(
     x_ptr,
     r_ptr,
@@ -124,10 +176,16 @@ def _norm_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                              HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
+    if ONE_PASS:
+        y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
+                                 HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
+    else:
+        y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
+                                  HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
     if HAS_BIAS:
         y += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + outs, y.to(y_ptr.dtype.element_ty), mask=outs < N)
@@ -140,12 +198,16 @@ def _norm_route_kernel(
     HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, ONE_PASS: tl.constexpr, WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A router's logits of one row (rounded to ``logits_ptr``'s dtype, the weight's, as the
     unfused op's are), and the last program to finish routes from them all."""
-    y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                              HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
+    if ONE_PASS:
+        y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
+                                 HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
+    else:
+        y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
+                                  HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
     tl.store(logits_ptr + outs, y.to(logits_ptr.dtype.element_ty), mask=outs < N)
     if last_to_arrive(counter_ptr, tl.num_programs(0)):
         experts = tl.arange(0, BLOCK_E)
@@ -236,7 +298,7 @@ def norm_linear(
     if isinstance(config, GemvConfig):
         assert m == 1, m
         _norm_gemv_kernel[grid](x, r, norm_weight, weight, bias_arg, y, normed, h, n, k, weight.stride(0), eps,
-                                UNROLL=config.unroll, **common)  # fmt: skip
+                                UNROLL=config.unroll, **_pass_options(config, x, weight, grid[0]), **common)  # fmt: skip
     else:
         assert m <= MAX_ROWS, m
         _norm_dot_kernel[grid](
@@ -281,6 +343,14 @@ def norm_route(
         n, k, weight.stride(0), eps, n // routing.num_groups, routing.scaling_factor,
         HAS_RESIDUAL=residual is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UNROLL=config.unroll, num_warps=config.num_warps,
-        **route, **launch.pdl(x.device),
+        **route, **_pass_options(config, x, weight, triton.cdiv(n, config.block_n)), **launch.pdl(x.device),
     )  # fmt: skip
     return weights, ids, normed, h
+
+
+def _pass_options(config: GemvConfig, x: Tensor, weight: Tensor, programs: int) -> dict[str, object]:
+    """``ONE_PASS`` and its ``WRITE_BLOCK``: the columns of the normalized row and of ``h``
+    each of the ``programs`` stores, all of them together covering the row."""
+    assert not config.one_pass or weight.dtype == x.dtype, "one pass: the normalized rows are not rounded"
+    write_block = triton.next_power_of_2(triton.cdiv(x.shape[1], programs)) if config.one_pass else 1
+    return {"ONE_PASS": config.one_pass, "WRITE_BLOCK": write_block}

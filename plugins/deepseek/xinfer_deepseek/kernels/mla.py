@@ -11,9 +11,12 @@ columns. The kernels read each tile of rows once for many heads: a tile's rows a
 - ``_store_kernel`` writes the step's rows to their slots first (one program a token).
 - ``_decode_kernel`` + ``_reduce_kernel`` for sequences with one query: one program per
   (head group, sequence, split of the context), flash-decoding; the reduce merges the
-  splits' partial (acc, max, sum). A layer's decode reads each context row, (R + P) x 2
-  bytes, once from memory (its head groups, neighbours in the grid, share it through L2):
-  the point of MLA.
+  partial (acc, max, sum) of the splits the context reaches (programs of the others
+  return at once), one program per (sequence, head, chunk of columns). A layer's decode
+  reads each context row, (R + P) x 2 bytes, once from memory (its head groups,
+  neighbours in the grid, share it through L2): the point of MLA. In a decode step of
+  a few tokens the reduce also up-projects each head's merged latent by ``w_uv`` (its
+  chunk of the head's output), where a batched GEMM would be a launch of its own.
 - ``_prefill_kernel`` for sequences with more queries (prefill, chunked prefill): one
   program per (tile of queries of the flat batch, head group), under the causal mask.
 
@@ -41,10 +44,11 @@ from xinfer import kernel_api
 from xinfer.kernel_api import LOG2E, decode_num_splits, helpers, launch_chain
 from xinfer.kv.codes import FP8_MAX
 from xinfer.ops import AttentionMetadata
-from xinfer_deepseek.mla_ops import encode_fp8, fp8_groups
+from xinfer_deepseek.mla_ops import encode_fp8, expand, fp8_groups
 
 NEG_BIG: tl.constexpr = tl.constexpr(kernel_api.NEG_BIG)
 FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
+DOT_MIN = 16  # tl.dot's smallest side: narrower rows and columns are padded (masked) to it
 
 
 @triton.jit
@@ -186,7 +190,9 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)  # (empty splits leave neutral partials)
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:  # a split past the context: the reduce reads only those it reaches
+        return
 
     head = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = head < num_heads
@@ -211,28 +217,48 @@ def _decode_kernel(
         _store_rows(out_ptr, tok * stride_o_tok + head * stride_o_head, row_ok, out, R, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_q_ptr, num_heads, stride_o_tok, stride_o_head,
-    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, ENTER: tl.constexpr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_q_ptr, seq_lens_ptr, w_uv_ptr, num_heads,
+    num_splits, stride_o_tok, stride_o_head, stride_w_head, stride_w_row,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, CHUNK_R: tl.constexpr,
+    EXPAND: tl.constexpr, V: tl.constexpr, CHUNK_V: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
+    """Merges a (sequence, head)'s splits, those its context reaches, into its latent output's
+    chunk ``program_id(2)``, or with ``EXPAND`` into that chunk of its output ``o_latent @ w_uvᵀ``."""
     ENTER()
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    chunk = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     if tl.load(cu_seqlens_q_ptr + seq + 1) - q_start != 1:
         return
-    # (a split that read no rows left max NEG_BIG, sum and acc 0: it weighs nothing)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)  # (the decode's)
     splits = tl.arange(0, BLOCK_SPLITS)
-    active = splits < NUM_SPLITS
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
+    active = splits < tl.cdiv(seq_len, split_len)  # (the decode kernel leaves the others unwritten)
+    part = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
     m = tl.load(part_max_ptr + part, mask=active, other=NEG_BIG)
     weight = tl.where(active, tl.exp2(m - tl.max(m, 0)), 0.0)
     total = tl.sum(weight * tl.load(part_sum_ptr + part, mask=active, other=0.0), 0)
-    r = tl.arange(0, BLOCK_R)
-    acc = tl.load(part_acc_ptr + part[:, None] * R + r[None, :], mask=active[:, None] & (r < R)[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + r, out, mask=r < R)
+    weight = weight / tl.where(total == 0.0, 1.0, total)
+    out = out_ptr + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+    if EXPAND:
+        v = chunk * CHUNK_V + tl.arange(0, CHUNK_V)
+        w_uv = w_uv_ptr + head.to(tl.int64) * stride_w_head + v[:, None] * stride_w_row
+        result = tl.zeros([CHUNK_V], tl.float32)
+        for start in range(0, R, CHUNK_R):
+            r = start + tl.arange(0, CHUNK_R)
+            acc = tl.load(part_acc_ptr + part[:, None] * R + r[None, :], mask=active[:, None] & (r < R)[None, :],
+                          other=0.0)  # fmt: skip
+            o_latent = tl.sum(weight[:, None] * acc, 0).to(out_ptr.dtype.element_ty).to(tl.float32)  # (rounded once)
+            w = tl.load(w_uv + r[None, :], mask=(v < V)[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+            result += tl.sum(w * o_latent[None, :], 1)
+        tl.store(out + v, result, mask=v < V)
+    else:
+        r = chunk * CHUNK_R + tl.arange(0, CHUNK_R)
+        acc = tl.load(part_acc_ptr + part[:, None] * R + r[None, :], mask=active[:, None] & (r < R)[None, :], other=0.0)
+        tl.store(out + r, tl.sum(weight[:, None] * acc, 0), mask=r < R)
 
 
 @dataclass(frozen=True)
@@ -303,19 +329,19 @@ class Planes:
 def mla_attention(
     q_latent: Tensor,
     q_rope: Tensor,
-    latent: Tensor,
+    latent: Tensor | None,
     cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    w_uv: Tensor | None = None,
     num_splits: int | None = None,
     tiles: tuple[Tiles, Tiles] | None = None,
 ) -> Tensor:
     """:func:`xinfer_deepseek.mla_ops.mla_attention` in Triton; ``num_splits`` (decode) and
     ``tiles`` (decode, prefill) override the defaults, for tests and tuning."""
     rank = q_latent.shape[-1]
-    return _attention(
-        q_latent, q_rope, latent, cache, Planes.of(cache, rank, fp8=False), meta, scale, num_splits, tiles
-    )
+    planes = Planes.of(cache, rank, fp8=False)
+    return _attention(q_latent, q_rope, latent, cache, planes, meta, scale, w_uv, num_splits, tiles)
 
 
 def mla_attention_fp8(
@@ -325,6 +351,7 @@ def mla_attention_fp8(
     cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    w_uv: Tensor | None = None,
     num_splits: int | None = None,
     tiles: tuple[Tiles, Tiles] | None = None,
 ) -> Tensor:
@@ -333,39 +360,60 @@ def mla_attention_fp8(
     the kernels decode the cache's latents in registers."""
     rank = q_latent.shape[-1]
     rows = encode_fp8(latent, rank)
-    return _attention(q_latent, q_rope, rows, cache, Planes.of(cache, rank, fp8=True), meta, scale, num_splits, tiles)
+    planes = Planes.of(cache, rank, fp8=True)
+    return _attention(q_latent, q_rope, rows, cache, planes, meta, scale, w_uv, num_splits, tiles)
+
+
+# Decode steps of at most this many tokens up-project their values as they merge. Each merging program reads
+# its chunk of w_uv, so a step reads w_uv (2 MB at Moonlight's shape) once per sequence from L2, where a
+# batched GEMM launch reads it once: untimed, chosen where that is still a few microseconds.
+EXPAND_MAX_TOKENS = 8
+CHUNK_R, CHUNK_V = 128, 32  # a merging program's latent columns per step, and its output columns
 
 
 def _attention(
     q_latent: Tensor,
     q_rope: Tensor,
-    rows: Tensor,
+    rows: Tensor | None,
     cache: Tensor,
     planes: Planes,
     meta: AttentionMetadata,
     scale: float,
+    w_uv: Tensor | None,
     num_splits: int | None,
     tiles: tuple[Tiles, Tiles] | None,
 ) -> Tensor:
-    """Store ``rows`` [T, row] (as the cache holds them), then attend (:func:`mla_attention`)."""
+    """Store ``rows`` [T, row] (as the cache holds them; None: stored already), then attend
+    (:func:`mla_attention`).
+
+    A decode step of at most :data:`EXPAND_MAX_TOKENS` tokens always splits its contexts, and
+    the reduce up-projects each head's merged latent by ``w_uv`` (every program reads a chunk of
+    one head's, a batched GEMM launch fewer); other steps up-project after attention."""
     num_tokens, num_heads, rank = q_latent.shape
     _, block_size, width = cache.shape
     rope_dim = q_rope.shape[-1]
-    assert rows.shape[-1] == width, (rows.shape, cache.shape)
-    q_latent, q_rope, rows = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_rope, rows))
-    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    q_latent, q_rope = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_latent, q_rope))
+    fused_expand = w_uv is not None and meta.max_seqlen_q == 1 and num_tokens <= EXPAND_MAX_TOKENS
+    if fused_expand:
+        assert w_uv is not None and w_uv.stride(-1) == 1
+        out = q_latent.new_empty((num_tokens, num_heads * w_uv.shape[1]))
+    else:
+        out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
     if num_tokens == 0 or meta.num_seqs == 0:
-        return out
+        return out if fused_expand or w_uv is None else expand(out, w_uv)
     launch, lent = launch_chain(q_latent.device), helpers()
-    _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
-                                 BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
+    if rows is not None:
+        assert rows.shape[-1] == width, (rows.shape, cache.shape)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        _store_kernel[(num_tokens,)](rows, cache, meta.slot_mapping, rows.stride(0), WIDTH=width,
+                                     BLOCK_W=triton.next_power_of_2(width), **launch)  # fmt: skip
 
     decode_tiles, prefill_tiles = tiles or tiles_for(q_latent, planes.fp8)
     args = (q_latent, q_rope, planes.latent, planes.rope, planes.scales, out, meta.cu_seqlens_q, meta.seq_lens,
             meta.block_tables)  # fmt: skip
     strides = (*q_latent.stride()[:2], *q_rope.stride()[:2], *out.stride()[:2], meta.block_tables.stride(0))
-    constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=triton.next_power_of_2(rank),
-                      BLOCK_P=triton.next_power_of_2(rope_dim), **planes.constexprs(),
+    constexprs = dict(BLOCK_SIZE=block_size, R=rank, P=rope_dim, BLOCK_R=max(DOT_MIN, triton.next_power_of_2(rank)),
+                      BLOCK_P=max(DOT_MIN, triton.next_power_of_2(rope_dim)), **planes.constexprs(),
                       PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", FP8_VALUE=lent.fp8_value,
                       **launch)  # fmt: skip
     score_scale = scale * LOG2E  # (softmax in base 2)
@@ -382,26 +430,37 @@ def _attention(
             **constexprs,
         )  # fmt: skip
 
-    block_h = max(16, min(triton.next_power_of_2(num_heads), decode_tiles.block_m))  # (tl.dot takes 16 rows or more)
+    block_h = max(DOT_MIN, min(triton.next_power_of_2(num_heads), decode_tiles.block_m))
     head_groups = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         max_context = meta.block_tables.shape[1] * block_size
         min_split = 4 * decode_tiles.block_n
         num_splits = decode_num_splits(meta.num_seqs, head_groups, max_context, _num_sms(q_latent.device), min_split)
         num_splits = min(num_splits, MAX_SPLITS)
+    partial = num_splits > 1 or fused_expand
     parts = (out, out, out)  # (unused with one split: the programs write the output)
-    if num_splits > 1:  # each split's acc [R], max and sum per (sequence, head)
+    if partial:  # each split's acc [R], max and sum per (sequence, head)
         part_shape = (meta.num_seqs, num_heads, num_splits)
         parts = (out.new_empty((*part_shape, rank), dtype=torch.float32),
                  out.new_empty(part_shape, dtype=torch.float32), out.new_empty(part_shape, dtype=torch.float32))  # fmt: skip
     _decode_kernel[(head_groups, meta.num_seqs, num_splits)](
         *args, *parts, num_heads, num_splits, score_scale, *strides, BLOCK_H=block_h, BLOCK_N=decode_tiles.block_n,
-        PARTIAL=num_splits > 1, num_warps=decode_tiles.num_warps, num_stages=decode_tiles.num_stages, **constexprs,
+        PARTIAL=partial, num_warps=decode_tiles.num_warps, num_stages=decode_tiles.num_stages, **constexprs,
     )  # fmt: skip
-    if num_splits > 1:
-        _reduce_kernel[(meta.num_seqs, num_heads)](
-            out, *parts, meta.cu_seqlens_q, num_heads, *out.stride()[:2], NUM_SPLITS=num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), R=rank, BLOCK_R=triton.next_power_of_2(rank),
-            num_warps=4, **launch,
+    if partial:
+        chunk_r = min(CHUNK_R, triton.next_power_of_2(rank))
+        if fused_expand:
+            assert w_uv is not None
+            v_dim = w_uv.shape[1]
+            chunk_v = min(CHUNK_V, triton.next_power_of_2(v_dim))
+            chunks, weights, out_strides = triton.cdiv(v_dim, chunk_v), w_uv, (out.stride(0), v_dim)
+        else:  # (out stands in for w_uv)
+            v_dim = chunk_v = 1
+            chunks, weights, out_strides = triton.cdiv(rank, chunk_r), out, (out.stride(0), out.stride(1))
+        w_strides = (weights.stride(0), weights.stride(1)) if fused_expand else (0, 0)
+        _reduce_kernel[(meta.num_seqs, num_heads, chunks)](
+            out, *parts, meta.cu_seqlens_q, meta.seq_lens, weights, num_heads, num_splits, *out_strides, *w_strides,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_N=decode_tiles.block_n, R=rank, CHUNK_R=chunk_r,
+            EXPAND=fused_expand, V=v_dim, CHUNK_V=chunk_v, num_warps=4, **launch,
         )  # fmt: skip
-    return out
+    return out if fused_expand or w_uv is None else expand(out, w_uv)

@@ -18,9 +18,7 @@ from torch import Tensor
 
 from xinfer.kernel_api import LOG2E, launch_chain
 from xinfer.ops import AttentionMetadata
-from xinfer_deepseek.kernels.mla import NEG_BIG, _load_rows, _store_kernel
-
-DOT_MIN = 16  # tl.dot's smallest side
+from xinfer_deepseek.kernels.mla import DOT_MIN, NEG_BIG, _load_rows, _store_kernel
 
 
 @triton.jit

@@ -1,3 +1,3 @@
 """Triton kernels of the Gated DeltaNet ops (:mod:`xinfer_qwen.deltanet_ops` holds their
-references), which the CUDA backend runs: the causal conv1d (:mod:`.conv1d`) and the gated
-delta rule (:mod:`.delta_rule`)."""
+references), which the CUDA backend runs: the causal conv1d (:mod:`.conv1d`), the gated
+delta rule with its gates (:mod:`.delta_rule`) and the gated RMSNorm of its output (:mod:`.gated_norm`)."""

@@ -2,7 +2,9 @@
 a recurrent kernel for decode steps, the chunked form for steps with prompts.
 
 Recurrent: one program per (sequence, value head, Dv tile) keeps its tile of the state in
-registers and steps through the sequence's rows.
+registers and steps through the sequence's rows, computing each row's decay and write
+strength from the projections ``a`` and ``b`` where it reads them (at batch 1 their half a
+dozen elementwise launches cost more than the kernel).
 
 Chunked (chunks of C = 64 rows, as flash-linear-attention's ``chunk_gated_delta_rule``): in
 a chunk starting from state S0, with ``G_i`` the cumulative log decay up to row i and
@@ -47,9 +49,38 @@ def _l2_normalized(x):
 
 
 @triton.jit
+def _gates(a, b, a_log, dt_bias):
+    """The log decay ``-exp(A_log) * softplus(a + dt_bias)`` and the write strength ``sigmoid(b)``
+    (fp32), as :func:`xinfer_qwen.deltanet_ops.gates` (torch's softplus: linear past 20)."""
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    return -tl.exp(a_log) * softplus, tl.sigmoid(b)
+
+
+@triton.jit
+def _gates_kernel(
+    a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, tokens, heads, stride_a_t, stride_b_t,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ENTER: tl.constexpr,
+):  # fmt: skip
+    """:func:`_gates` of rows ``a``, ``b`` [T, H] into ``g``, ``beta`` [T, H] (fp32, contiguous)."""
+    ENTER()
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hs = tl.arange(0, BLOCK_H)
+    mask = (rows < tokens)[:, None] & (hs < heads)[None, :]
+    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_a_t + hs[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows[:, None].to(tl.int64) * stride_b_t + hs[None, :], mask=mask, other=0.0).to(tl.float32)
+    a_log = tl.load(a_log_ptr + hs, mask=hs < heads, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + hs, mask=hs < heads, other=0.0).to(tl.float32)
+    g, beta = _gates(a, b, a_log[None, :], dt_bias[None, :])
+    out = rows[:, None].to(tl.int64) * heads + hs[None, :]
+    tl.store(g_ptr + out, g, mask=mask)
+    tl.store(beta_ptr + out, beta, mask=mask)
+
+
+@triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr, slots_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_beta_t,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr,
+    slots_ptr, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_k, dim_k, dim_v, scale,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
@@ -59,6 +90,7 @@ def _recurrent_kernel(
     if hi == lo:
         return
     continues = tl.load(seq_lens_ptr + seq) != hi - lo
+    a_log, dt_bias = tl.load(a_log_ptr + head).to(tl.float32), tl.load(dt_bias_ptr + head).to(tl.float32)
     k_head = head // GROUP
     ks = tl.arange(0, BLOCK_K)
     vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -73,8 +105,10 @@ def _recurrent_kernel(
         k = tl.load(k_ptr + t * stride_k_t + k_head * stride_k_h + ks, mask=k_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_v_t + head * stride_v_h + vs, mask=v_mask, other=0.0).to(tl.float32)
         q, k = _l2_normalized(q) * scale, _l2_normalized(k)
-        s *= tl.exp(tl.load(g_ptr + t * stride_g_t + head).to(tl.float32))
-        delta = tl.load(beta_ptr + t * stride_beta_t + head).to(tl.float32) * (v - tl.sum(s * k[:, None], axis=0))
+        a = tl.load(a_ptr + t * stride_a_t + head).to(tl.float32)
+        g, beta = _gates(a, tl.load(b_ptr + t * stride_b_t + head).to(tl.float32), a_log, dt_bias)
+        s *= tl.exp(g)
+        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
         s += k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + t * stride_o_t + head * stride_o_h + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
@@ -195,34 +229,75 @@ def gated_delta_rule(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    g: Tensor,
-    beta: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
     state: Tensor,
     meta: AttentionMetadata,
     slots: Tensor,
 ) -> Tensor:
     """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule`; rows of no sequence (a padded
-    step's) are left unwritten."""
-    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    step's) are left unwritten. ``a`` and ``b`` [T, Hv] may be views with a row stride (columns
+    of the layer's projection)."""
+    q, k, v, a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, a, b))
     assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
     tokens, v_heads, dim_v = v.shape
     dim_k = k.shape[-1]
     out = torch.empty_like(v)
     if tokens == 0 or meta.num_seqs == 0:
         return out
-    block_k = triton.next_power_of_2(dim_k)
-    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0), *out.stride()[:2],
+    if meta.max_seqlen_q > 1:
+        return delta_rule(q, k, v, *gates(a, b, A_log, dt_bias), state, meta, slots, out)
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], a.stride(0), b.stride(0), *out.stride()[:2],
                *state.stride()[:3])  # fmt: skip
-    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=block_k, **launch_chain(v.device))
-    if meta.max_seqlen_q == 1:
-        grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
-        _recurrent_kernel[grid](
-            q, k, v, g, beta, state, out, meta.cu_seqlens_q, meta.seq_lens, slots, *strides, dim_k, dim_v,
-            dim_k**-0.5, BLOCK_V=RECURRENT_BLOCK_V, num_warps=4, **common,
+    grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
+    _recurrent_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, state, out, meta.cu_seqlens_q, meta.seq_lens, slots, *strides, dim_k, dim_v,
+        dim_k**-0.5, GROUP=v_heads // k.shape[1], BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=RECURRENT_BLOCK_V,
+        num_warps=4, **launch_chain(v.device),
+    )  # fmt: skip
+    return out
+
+
+def gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """See :func:`xinfer_qwen.deltanet_ops.gates`: ``g``, ``beta`` [T, Hv] (fp32) in one launch."""
+    tokens, heads = a.shape
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if tokens:
+        block_t = 16
+        _gates_kernel[(triton.cdiv(tokens, block_t),)](
+            a, b, A_log, dt_bias, g, beta, tokens, heads, a.stride(0), b.stride(0), BLOCK_T=block_t,
+            BLOCK_H=triton.next_power_of_2(heads), **launch_chain(a.device),
         )  # fmt: skip
+    return g, beta
+
+
+def delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+    out: Tensor | None = None,
+) -> Tensor:
+    """See :func:`xinfer_qwen.deltanet_ops.delta_rule`: the chunked form (or fla's), for steps
+    with prompts, into ``out`` (rows of no sequence left unwritten)."""
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    tokens, v_heads, dim_v = v.shape
+    dim_k = k.shape[-1]
+    out = torch.empty_like(v) if out is None else out
+    if tokens == 0 or meta.num_seqs == 0:
         return out
     if fla_prefill.wins(v.device, v.dtype, tokens, meta.num_seqs, meta.max_seqlen_q):
         return fla_prefill.gated_delta_rule(q, k, v, g, beta, state, meta, slots)
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0), *out.stride()[:2],
+               *state.stride()[:3])  # fmt: skip
+    common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=triton.next_power_of_2(dim_k), **launch_chain(v.device))
     # fp32 inputs: exact fp32 products (the tf32x3 tensor-core split gave the mixed-batch test's outputs at 0.9
     # relative error on an H200, Triton 3.6, where the interpreter's exact dots passed); 16-bit inputs: tf32 for
     # the fp32 normalized keys' Gram matrix, the operands' own precision elsewhere

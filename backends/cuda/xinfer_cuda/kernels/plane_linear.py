@@ -1,0 +1,425 @@
+"""Linear ``y = x W^T (+ bias)`` over a GGUF weight in planes (:mod:`xinfer_cuda.kernels.gguf_planes`).
+
+The GEMV (one row, batch-1 decode) reads a loop step's code words as [block_n rows, tiles, groups,
+4 loads, 4 words] tiles with ``tiles = 4 * num_warps``: each thread then holds one 16-byte load of
+each row's codes, and Triton gives codes, activations (bf16 or fp16 pairs read as 32-bit words) and
+scale words one layout (no shared-memory shuffles). For each field ``f`` of the words:
+
+- ``code * x`` without a conversion instruction: the code's bits, masked where they lie in the word
+  (one shift of the word serves its upper fields), or-ed into the mantissa of ``2**e`` (``e`` chosen
+  so the code's lowest bit is worth 1) make the float ``2**e + code``, and ``fma(that, x, -2**e x)``
+  is ``code * x`` rounded once (``2**e x`` is exact); Q5's and Q6_K's high bits are a second such
+  product, with ``16 x``;
+- a load's 4 products are summed in the thread and scaled once (the 4 words share a block: a
+  field's columns ``64 (f // 2) + 2 w`` are one block of 32 for 16 consecutive words), and what the
+  block adds to every value (Q4_K's ``-dmin m``, Q8_0's ``-128 d`` for its codes stored plus 128,
+  Q4_1's ``m``) multiplies the sum of those 4 activations, shared by the thread's rows.
+
+In the sm_90 SASS of the loop that is 6.0 instructions a Q4_K value, 5.5 a Q8_0 and 9 a Q6_K one (a
+third of them the sub-block scales' decode), against 14 and 10 for the byte-wise kernels of the
+file's blocks (:mod:`xinfer_cuda.kernels.quant_linear`), which also load one or two bytes at a time.
+Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV may split K over
+``split`` programs a row tile, their fp32 partial sums added by a second small kernel.
+
+- :func:`plane_gemv`: one row, :class:`PlaneGemvConfig`;
+- :func:`plane_dot`: a few rows (small decode batches): each field's values, decoded the same way,
+  one tensor-core dot with the activations' columns of that field, :class:`PlaneDotConfig`;
+- :func:`plane_dequantize`: ``W`` in a float dtype (prefill multiplies that densely).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.gguf_blocks import _load
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, planes
+from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernels.quant_linear import MAX_PACKED_ROWS, Dequantized
+
+MAGIC = 0x4B000000  # the bits of 2**23: an integer below 2**23 or-ed in is added (passed at run time: one register
+# holds it, the masks stay immediates, where two constants would be rematerialized in the loop)
+
+
+@dataclass(frozen=True)
+class PlaneGemvConfig:
+    block_n: int  # rows of W per program
+    tiles: int  # tiles of each row per loop step (a power of two)
+    num_warps: int
+    split: int = 1  # programs along K a row tile
+
+
+@dataclass(frozen=True)
+class PlaneDotConfig:
+    block_m: int  # rows of x per program (16: the smallest tensor-core tile)
+    block_n: int
+    tiles: int
+    num_warps: int
+    num_stages: int
+
+
+def default_plane_gemv(rows: int, k: int, layout: PlaneLayout) -> PlaneGemvConfig:
+    """A thread's one 16-byte load of codes a row (``tiles = 4 * num_warps``), 4 rows a program."""
+    return PlaneGemvConfig(4, 16, 4)
+
+
+def default_plane_dot(rows: int) -> PlaneDotConfig:
+    return PlaneDotConfig(16, 32, 1, 4, 3) if rows <= 16 else PlaneDotConfig(64, 64, 1, 4, 3)
+
+
+def _scales_per_tile(fmt: str) -> int:
+    """32-bit words of the scale plane a tile."""
+    return {"Q8_0": 2, "Q4_0": 4, "Q5_0": 4, "Q4_1": 8, "Q5_1": 8, "Q4_K": 4, "Q6_K": 4}[fmt]
+
+
+@triton.jit
+def _magic_times(bits, S: tl.constexpr, magic, x):
+    """``bits`` (an integer below 2**4 at bit ``S``, or 2**8 at 0 or 8) times ``x``, rounded once: or-ed
+    into the mantissa of ``2**(23 - S)`` (``magic``: the bits of 2**23) they make the float
+    ``2**(23 - S) + code``, and ``fma(that, x, -2**(23 - S) x)`` is ``code * x``."""
+    f = (bits | (magic - (S << 23))).to(tl.float32, bitcast=True)
+    return tl.fma(f, x, x * (-8388608.0 / (1 << S)))
+
+
+@triton.jit
+def _code_times(FMT: tl.constexpr, F: tl.constexpr, word, high, magic, x):
+    """Field ``F``'s codes times ``x``: each part of a code (a byte; a nibble; its high bits, whose
+    product is taken with ``16 x``) masked where it lies in its word, one fma each."""
+    if FMT == "Q8_0":  # bytes; the upper two moved down by one shift of the word
+        return _magic_times((word >> (16 * (F // 2))) & (0xFF << (8 * (F % 2))), 8 * (F % 2), magic, x)
+    else:  # nibbles; the upper three moved down by one shift of the word
+        low = _magic_times((word >> (12 * (F // 5))) & (0xF << (4 * F - 12 * (F // 5))), 4 * F - 12 * (F // 5),
+                           magic, x)  # fmt: skip
+        if FMT == "Q6_K":  # 2 high bits a field, at bit 2 F
+            return low + _magic_times(high & (3 << (2 * F)), 2 * F, magic, 16.0 * x)
+        elif FMT == "Q5_0" or FMT == "Q5_1":  # 1 high bit a field, at bit F
+            return low + _magic_times(high & (1 << F), F, magic, 16.0 * x)
+        else:
+            return low
+
+
+@triton.jit
+def _code(FMT: tl.constexpr, F: tl.constexpr, word, high, magic):
+    """Field ``F``'s codes as fp32 (exact)."""
+    return _code_times(FMT, F, word, high, magic, 1.0)
+
+
+@triton.jit
+def _f16_at(ptr, mask):
+    return _load(ptr, mask).to(tl.float32)
+
+
+@triton.jit
+def _half_of(word, at):
+    """The f16 at bit ``at`` (0 or 16) of 32-bit words, as fp32."""
+    return (word >> at).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_bias(FMT: tl.constexpr, F: tl.constexpr, scales, supers, g, mask):
+    """Field ``F``'s scale and what its block adds, ``value = scale * code + bias``, each [BLOCK_N, TILES, G, 1, 1]: ``scales`` points
+    at the row tiles' scale words [BLOCK_N, TILES, 1, 1, 1] (read as 32-bit words, as the codes are, so
+    that they share the codes' layout), ``supers`` at Q6_K's ``d``; ``g`` [1, 1, G, 1, 1] the group of
+    the words (the field's columns ``64 (F // 2) + 32 g ..`` are block ``2 (F // 2) + g`` of 32, or
+    Q6_K's sub-block ``4 (F // 2) + g`` of 16)."""
+    if FMT == "Q8_0" or FMT == "Q4_0" or FMT == "Q5_0":  # d per block of 32: blocks 2p, 2p + 1 in word p
+        d = _half_of(_load(scales + F // 2, mask), 16 * g)
+        if FMT == "Q8_0":  # codes stored plus 128
+            return d, -128.0 * d
+        elif FMT == "Q4_0":
+            return d, -8.0 * d
+        else:
+            return d, -16.0 * d
+    elif FMT == "Q4_1" or FMT == "Q5_1":  # (d, m) per block, a word each
+        dm = _load(scales + 2 * (F // 2) + g, mask)
+        return _half_of(dm, 0), _half_of(dm, 16)
+    elif FMT == "Q4_K":
+        # words: d | dmin << 16; then the 12 bytes of 6-bit scales and mins: sub-blocks 0-3 in the
+        # low 6 bits of bytes 0-3 (scales) and 4-7 (mins), 4-7 in the nibbles of bytes 8-11 and the
+        # top two bits of bytes 0-7
+        head = _load(scales, mask)
+        sc_word = _load(scales + 1, mask)
+        mn_word = _load(scales + 2, mask)
+        block = 2 * (F // 2) + g
+        if F < 4:  # sub-blocks 0-3
+            sc = (sc_word >> (8 * block)) & 63
+            mn = (mn_word >> (8 * block)) & 63
+        else:
+            both = _load(scales + 3, mask)
+            at = 8 * (block - 4)
+            sc = ((both >> at) & 15) | (((sc_word >> (at + 6)) & 3) << 4)
+            mn = ((both >> (at + 4)) & 15) | (((mn_word >> (at + 6)) & 3) << 4)
+        return _half_of(head, 0) * sc.to(tl.float32), -_half_of(head, 16) * mn.to(tl.float32)
+    else:
+        tl.static_assert(FMT == "Q6_K", "no planes for this GGUF type")
+        # int8 scale per sub-block of 16 (4 a word), d per tile; codes plus 32
+        s = ((_load(scales + F // 2, mask) << (24 - 8 * g)) >> 24).to(tl.float32) * _f16_at(supers, mask)
+        return s, -32.0 * s
+
+
+@triton.jit
+def _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile, num_tiles, mask,
+                HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr):  # fmt: skip
+    """One loop step's code words and high bits [BLOCK_N, TILES, G, SUB / 4, 4] (word ``SUB g + 4 c + e``:
+    a thread's 16-byte load is the last dimension), the tiles' scale pointers [BLOCK_N, TILES, 1, 1, 1],
+    ``g`` [1, 1, G, 1, 1] and the word index."""
+    g = tl.arange(0, 32 // SUB)[None, None, :, None, None]
+    w = g * SUB + 4 * tl.arange(0, SUB // 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :]
+    n = rows[:, None, None, None, None].to(tl.int64)
+    word = _load(codes_ptr + n * (num_tiles * 32) + tile * 32 + w, mask)
+    if HIGH:
+        high = _load(high_ptr + n * (num_tiles * 32) + tile * 32 + w, mask).to(tl.int32)
+    else:
+        high = word
+    scales = scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE
+    supers = supers_ptr + n * num_tiles + tile
+    return word, high, scales, supers, g, w
+
+
+@triton.jit
+def _activation_pair(x_ptr, pair_at, mask, XS: tl.constexpr):
+    """The activations of the two fields of a pair, fp32, at the column pairs ``pair_at`` (columns
+    ``2 pair_at`` of the even field, ``2 pair_at + 1`` of the odd one): the halves of one 32-bit word
+    of a 16-bit pair (``XS`` "bf16" or "fp16": ``x_ptr`` the activations as int32 words), or two fp32
+    loads."""
+    if XS == "fp32":
+        if mask is None:
+            return tl.load(x_ptr + 2 * pair_at), tl.load(x_ptr + 2 * pair_at + 1)
+        else:
+            even = tl.load(x_ptr + 2 * pair_at, mask=mask, other=0.0)
+            return even, tl.load(x_ptr + 2 * pair_at + 1, mask=mask, other=0.0)
+    else:
+        pair = _load(x_ptr + pair_at, mask)
+        if XS == "bf16":  # a bf16 is the top half of its fp32
+            return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
+        else:
+            low = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            return low, (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _plane_gemv_kernel(
+    x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split, magic,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    XS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_tiles = K // (32 * FIELDS)
+    first = tl.program_id(1) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    t = tl.arange(0, TILES)[None, :, None, None, None]
+    # per (row, tile, group, 16-byte load): the products of a load's 4 words summed in the thread, then
+    # scaled once, and the block's bias times the sum of their activations
+    acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
+    for t0 in range(first, last, TILES):
+        tile = t0 + t
+        has_tile = tile < last
+        mask = None if EVEN else (rows[:, None, None, None, None] < N) & has_tile
+        word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                       num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+        for p in tl.static_range(FIELDS // 2):
+            xs = _activation_pair(x_ptr, tile * (16 * FIELDS) + 32 * p + w, None if EVEN else has_tile, XS)
+            for q in tl.static_range(2):
+                x = xs[q]
+                scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
+                product = _code_times(FMT, 2 * p + q, word, high, magic, x)
+                acc = tl.fma(tl.sum(product, axis=4, keep_dims=True), scale, acc)
+                acc = tl.fma(tl.sum(x, axis=4, keep_dims=True), bias, acc)
+    y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, N, split, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_entry(PDL)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.arange(0, SPLITS)[:, None]
+    y = tl.sum(tl.load(partial_ptr + s * N + rows[None, :], mask=(s < split) & (rows[None, :] < N), other=0.0), axis=0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _field_values(FMT: tl.constexpr, F: tl.constexpr, word, high, scales, supers, g, mask, magic):
+    scale, bias = _scale_bias(FMT, F, scales, supers, g, mask)
+    return _code(FMT, F, word, high, magic) * scale + bias
+
+
+@triton.jit
+def _plane_dot_kernel(
+    x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_y, magic,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + ms[:, None].to(tl.int64) * stride_x
+    num_tiles = K // (32 * FIELDS)
+    t = tl.arange(0, TILES)[None, :, None, None, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t0 in range(0, num_tiles, TILES):
+        tile = t0 + t
+        has_tile = tile < num_tiles
+        mask = (rows[:, None, None, None, None] < N) & has_tile
+        word, high, scales, supers, g, _ = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                       num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+        # a pair's 64 columns of each tile, as [BLOCK_M, TILES * 32, 2]: the even field's and the odd one's
+        pair_tiles = t0 + tl.arange(0, TILES)[:, None]
+        cols = tl.reshape(pair_tiles * (32 * FIELDS) + tl.arange(0, 64)[None, :], (TILES * 64,))
+        x_mask = (ms[:, None] < M) & tl.reshape((pair_tiles < num_tiles) & (tl.arange(0, 64)[None, :] >= 0),
+                                                (TILES * 64,))[None, :]  # fmt: skip
+        for p in tl.static_range(FIELDS // 2):
+            x = tl.load(x_rows + cols[None, :] + 64 * p, mask=x_mask, other=0.0)
+            xs = tl.split(tl.reshape(x, (BLOCK_M, TILES * 32, 2)))
+            for q in tl.static_range(2):
+                values = _field_values(FMT, 2 * p + q, word, high, scales, supers, g, mask, magic)
+                values = tl.reshape(values, (BLOCK_N, TILES * 32))
+                acc = tl.dot(xs[q], tl.trans(values.to(x.dtype)), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(ms[:, None] < M) & (rows[None, :] < N))
+
+
+@triton.jit
+def _plane_dequant_kernel(
+    codes_ptr, high_ptr, scales_ptr, supers_ptr, out_ptr, N, K, magic,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_tiles = K // (32 * FIELDS)
+    tile = tl.program_id(1) * TILES + tl.arange(0, TILES)[None, :, None, None, None]
+    mask = (rows[:, None, None, None, None] < N) & (tile < num_tiles)
+    word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                   num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+    out = out_ptr + rows[:, None, None, None, None].to(tl.int64) * K + tile * (32 * FIELDS) + 2 * w
+    for f in tl.static_range(FIELDS):
+        values = _field_values(FMT, f, word, high, scales, supers, g, mask, magic)
+        tl.store(out + 64 * (f // 2) + f % 2, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+X_WORDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # activations the GEMV reads as 32-bit pairs
+
+
+def _plane_views(raw: Tensor, layout: PlaneLayout, n: int, k: int) -> list[Tensor]:
+    """The kernels' arguments of a weight's planes: codes (int32 words), high bits (or the codes),
+    scales (as :func:`_scale_bias` reads them) and Q6_K's ``d`` (or the scales)."""
+    views = planes(raw, layout, n, k)
+    codes = views.pop(0).view(torch.int32)
+    high = views.pop(0).view(torch.uint16 if layout.high_bits == 2 else torch.uint8) if layout.high_bits else codes
+    scales = views[0].view(torch.int32)
+    supers = views[1].view(torch.float16) if len(views) > 1 else scales
+    return [codes, high, scales, supers]
+
+
+def _format_args(layout: PlaneLayout) -> dict:
+    return dict(FMT=layout.name, FIELDS=layout.fields, HIGH=layout.high_bits > 0,
+                SUB=8 if layout.name == "Q6_K" else 16, PER_TILE=_scales_per_tile(layout.name))  # fmt: skip
+
+
+def plane_layout(name: str, k: int) -> PlaneLayout:
+    layout = LAYOUTS.get(name)
+    if layout is None or not layout.fits(k):
+        raise ValueError(f"no planes for GGUF type {name!r} in rows of {k} values")
+    return layout
+
+
+def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
+               config: PlaneGemvConfig | None = None) -> Tensor:  # fmt: skip
+    """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
+    k = x.shape[1]
+    layout = plane_layout(name, k)
+    config = config or default_plane_gemv(1, k, layout)
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    num_tiles = k // layout.tile
+    per_split = triton.cdiv(triton.cdiv(num_tiles, config.split), config.tiles) * config.tiles
+    split = triton.cdiv(num_tiles, per_split)
+    even = n % config.block_n == 0 and num_tiles % per_split == 0
+    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    chain = launch.pdl(x.device)
+    words = x.view(torch.int32) if x.dtype in X_WORDS else x
+    _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
+        words, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split, MAGIC,
+        XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
+        num_warps=config.num_warps, **_format_args(layout), **chain,
+    )  # fmt: skip
+    if split > 1:
+        block = 256
+        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, bias if bias is not None else x, y, n, split,
+                                                     SPLITS=triton.next_power_of_2(split), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **chain)  # fmt: skip
+    return y
+
+
+def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
+              config: PlaneDotConfig | None = None) -> Tensor:  # fmt: skip
+    """``x`` [M, K] times the weight [n, K] whose planes are ``raw``: [M, n] in ``x``'s dtype."""
+    (m, k) = x.shape
+    layout = plane_layout(name, k)
+    config = config or default_plane_dot(m)
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
+    _plane_dot_kernel[grid](
+        x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, y, m, n, k, x.stride(0), y.stride(0), MAGIC,
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILES=config.tiles,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
+    )  # fmt: skip
+    return y
+
+
+def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:
+    """The weight [n, k] whose planes are ``raw``, in ``dtype``."""
+    layout = plane_layout(name, k)
+    out = torch.empty(n, k, dtype=dtype, device=raw.device)
+    tiles = max(1, 256 // layout.tile)
+    if n:
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k // layout.tile, tiles))
+        _plane_dequant_kernel[grid](*_plane_views(raw, layout, n, k), out, n, k, MAGIC, BLOCK_N=block_n, TILES=tiles,
+                                    num_warps=4, **_format_args(layout), **launch.pdl(raw.device))  # fmt: skip
+    return out
+
+
+def plane_rows(
+    x: Tensor,
+    raw: Tensor,
+    name: str,
+    bias: Tensor | None = None,
+    config: PlaneGemvConfig | PlaneDotConfig | Dequantized | None = None,
+) -> Tensor:
+    """``x`` [M, K] times the weight whose planes are ``raw`` in ``config``'s kernel and tile;
+    without one, the GEMV for one row, the dot kernel up to ``MAX_PACKED_ROWS`` rows, past them
+    the weight dequantized for the call (prefill)."""
+    k = x.shape[1]
+    layout = plane_layout(name, k)
+    n = raw.numel() // (k // layout.tile * sum(layout.tile_bytes()))
+    if isinstance(config, Dequantized) or (config is None and x.shape[0] > MAX_PACKED_ROWS):
+        return F.linear(x, plane_dequantize(raw, name, n, k, x.dtype), bias)
+    if isinstance(config, PlaneGemvConfig) or (config is None and x.shape[0] == 1):
+        assert x.shape[0] == 1, x.shape
+        return plane_gemv(x, raw, name, n, bias, config)
+    return plane_dot(x, raw, name, n, bias, config)

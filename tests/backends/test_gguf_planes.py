@@ -1,0 +1,194 @@
+"""GGUF weights in planes (:mod:`xinfer_cuda.kernels.gguf_planes`), the CUDA backend's load-time layout
+of a linear's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weight, and its kernels
+(:mod:`xinfer_cuda.kernels.plane_linear`), against ``gguf.quants.dequantize`` of the file's bytes
+followed by an fp32 matmul on the CPU (as test_gguf_kernels.py), on the device
+``XINFER_KERNEL_DEVICE`` picks (under the Triton interpreter on "cpu").
+
+Weights are random bytes with finite fp16 scales (:func:`random_packed`); rows of 3 tiles and 7
+rows of the weight: no loop step and no row tile divides them.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from torch import Tensor
+
+from xinfer import ops
+from xinfer.layers.embedding import VocabEmbedding
+from xinfer.quant import get_weight_format, quantized
+from xinfer.quant.dispatch import prepare_weights
+from xinfer_cuda.kernels import quant_linear as quant_linear_module
+from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
+from xinfer_cuda.kernels.gguf_planes import LAYOUTS, from_planes, to_planes
+from xinfer_cuda.kernels.plane_linear import (
+    PlaneDotConfig,
+    PlaneGemvConfig,
+    plane_dequantize,
+    plane_dot,
+    plane_gemv,
+    plane_rows,
+)
+from xinfer_cuda.ops import CudaOps
+from xinfer_cuda.quant_weights import GGUF_KERNELS, GgufPlanes, MeasuredTiles, plane_candidates
+
+DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
+ON_GPU = DEVICE.type == "cuda"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+NAMES = list(LAYOUTS)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def reference_weight(packed: Tensor, name: str) -> Tensor:
+    return torch.from_numpy(quants.dequantize(packed.cpu().numpy(), GGMLQuantizationType[name])).float()
+
+
+def check(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    out64, ref64 = out.detach().cpu().double(), ref.double()
+    assert torch.isfinite(out64).all(), "non-finite output: unwritten elements or NaN"
+    err = ((out64 - ref64).norm() / ref64.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e} ({dtype})"
+
+
+def weight(name: str, n: int = 7, tiles: int = 3) -> tuple[Tensor, Tensor, int]:
+    """A random weight [n, tiles * tile] in the file's bytes, those bytes in planes, and K."""
+    k = LAYOUTS[name].tile * tiles
+    packed = random_packed(n, k, FORMATS[name], device=DEVICE)
+    return packed, to_planes(packed, LAYOUTS[name]), k
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_planes_keep_the_files_bytes_and_values(name):
+    """The planes are as many bytes as the file's blocks and give them back exactly (also made a
+    row at a time); the prepared weight dequantizes to the file's values."""
+    packed, planes, k = weight(name, n=5)
+    assert planes.numel() == packed.numel()
+    assert torch.equal(to_planes(packed, LAYOUTS[name], chunk_bytes=1), planes)
+    assert torch.equal(from_planes(planes, LAYOUTS[name], 5, k), packed)
+    prepared = GGUF_KERNELS.prepare(quantized(packed, get_weight_format(name.lower()), (5, k)))
+    assert isinstance(prepared.format, GgufPlanes) and prepared.nbytes == packed.numel()
+    assert torch.equal(prepared.dequantize().cpu(), reference_weight(packed, name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dequantize_kernel_matches_gguf_bit_for_bit(name):
+    packed, planes, k = weight(name)
+    assert torch.equal(plane_dequantize(planes, name, 7, k, torch.float32).cpu(), reference_weight(packed, name))
+
+
+SMALL_DTYPES = [torch.bfloat16] if ON_GPU else [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_gemv(name, dtype):
+    """One row: with a bias in a tile that divides nothing, and (the same code for every type) split
+    over K in 3 programs a row tile, their partial sums added by the second kernel."""
+    packed, planes, k = weight(name)
+    ref = reference_weight(packed, name)
+    x, bias = torch.randn(1, k, device=DEVICE).to(dtype), torch.randn(7, device=DEVICE).to(dtype)
+    out = plane_gemv(x, planes, name, 7, bias, PlaneGemvConfig(4, 2, 4))
+    check(out, x.cpu().float() @ ref.T + bias.cpu().float(), dtype)
+    if name == "Q4_K":
+        check(plane_gemv(x, planes, name, 7, None, PlaneGemvConfig(2, 1, 2, split=3)), x.cpu().float() @ ref.T, dtype)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_dot(name, dtype):
+    """A few rows: 5 in a 16-row tile with a bias, the weight's rows over two 16-row tiles and its tiles
+    two a loop step (the last step half past the row)."""
+    packed, planes, k = weight(name, n=20)
+    ref = reference_weight(packed, name)
+    x, bias = torch.randn(5, k, device=DEVICE).to(dtype), torch.randn(20, device=DEVICE).to(dtype)
+    check(plane_dot(x, planes, name, 20, bias, PlaneDotConfig(16, 16, 2, 4, 2)), x.cpu().float() @ ref.T
+          + bias.cpu().float(), dtype)  # fmt: skip
+
+
+def test_fp16_activations():
+    """Activations in half precision (the interpreter's fp32 cases above; bf16 on a GPU)."""
+    packed, planes, k = weight("Q4_K")
+    x = torch.randn(3, k, device=DEVICE).half()
+    ref = x.cpu().float() @ reference_weight(packed, "Q4_K").T
+    check(plane_gemv(x[:1], planes, "Q4_K", 7), ref[:1], torch.float16)
+    check(plane_dot(x, planes, "Q4_K", 7), ref, torch.float16)
+
+
+# Llama-3.1-8B's down projection and LM head at batch 1, qkv at 16 rows, gate/up at 64
+LARGE = [(1, 4096, 14336), (1, 128256, 4096), (16, 6144, 4096), (64, 28672, 4096)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real shapes take minutes under the interpreter; small ones run above")
+@pytest.mark.parametrize("shape", LARGE, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "Q4_0"])
+def test_real_shapes_in_every_candidate_tile(name, shape):
+    m, n, k = shape
+    packed = random_packed(n, k, FORMATS[name], device=DEVICE)
+    planes = to_planes(packed, LAYOUTS[name])
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    ref = x.cpu().float() @ reference_weight(packed, name).T
+    for tile in plane_candidates(LAYOUTS[name], m):
+        check(plane_rows(x, planes, name, None, tile), ref, torch.bfloat16)
+
+
+def test_linears_are_prepared_into_planes_and_dispatched(monkeypatch):
+    """Under CudaOps a linear's Q4_K weight is re-laid at load and ops.linear runs the plane kernels
+    for one row, a few, and past MAX_PACKED_ROWS (the weight dequantized for the call); a looked-up
+    table and stacked experts keep the file's blocks, as a type without planes (Q2_K) does."""
+    packed, _, k = weight("Q4_K", n=6, tiles=1)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(k, 6)
+    model.proj.weight = torch.nn.Parameter(quantized(packed, get_weight_format("q4_k"), (6, k)), requires_grad=False)
+    model.table = VocabEmbedding(6, k)
+    model.table.weight = torch.nn.Parameter(quantized(packed.clone(), get_weight_format("q4_k"), (6, k)),
+                                            requires_grad=False)  # fmt: skip
+    experts = random_packed(12, k, FORMATS["Q4_K"], device=DEVICE).view(2, 6, -1)
+    model.experts = torch.nn.Parameter(quantized(experts, get_weight_format("q4_k"), (2, 6, k)), requires_grad=False)
+    q2 = random_packed(6, k, FORMATS["Q2_K"], device=DEVICE)
+    model.q2 = torch.nn.Parameter(quantized(q2, get_weight_format("q2_k"), (6, k)), requires_grad=False)
+    backend = CudaOps()
+    prepare_weights(model, backend)
+    assert model.proj.weight.format.name == "q4_k:cuda-planes" and model.proj.weight.nbytes == packed.numel()
+    assert [model.table.weight.format.name, model.experts.format.name, model.q2.format.name] == ["q4_k"] * 2 + ["q2_k"]
+
+    def no_file_kernel(*args, **kwargs):
+        raise AssertionError("the kernel of the file's blocks ran for a weight in planes")
+
+    monkeypatch.setattr(quant_linear_module, "quant_linear", no_file_kernel)
+    ref, bias = reference_weight(packed, "Q4_K"), torch.randn(6, device=DEVICE)
+    for rows in (1, 3, quant_linear_module.MAX_PACKED_ROWS + 1):
+        x = torch.randn(rows, k, device=DEVICE)
+        with ops.use(backend):
+            out = ops.linear(x, model.proj.weight, bias)
+        check(out, x.cpu() @ ref.T + bias.cpu(), torch.float32)
+
+
+def test_measured_tiles_time_the_plane_candidates():
+    """With ``planes`` the measured tiles are the planes' candidates, run by plane_rows (the fake
+    timer's fastest: the second for one row, the dequantized weight for 3 rows)."""
+    measured = []
+
+    def timer(call, weights):
+        y = call(weights[0])
+        measured.append(y.shape[0])
+        fastest = 1 if y.shape[0] == 1 else len(plane_candidates(LAYOUTS["Q8_0"], 4)) - 1
+        return 1.0 if measured.count(y.shape[0]) - 1 == fastest else 2.0
+
+    tiles = MeasuredTiles(timer, copies=lambda w: [w], planes=True)
+    packed, planes, k = weight("Q8_0", n=4, tiles=1)
+    for rows in (1, 3, 1):
+        x = torch.randn(rows, k, device=DEVICE)
+        tile = tiles(x, planes, "Q8_0", None)
+        check(plane_rows(x, planes, "Q8_0", None, tile), x.cpu() @ reference_weight(packed, "Q8_0").T, torch.float32)
+    one, few = plane_candidates(LAYOUTS["Q8_0"], 1), plane_candidates(LAYOUTS["Q8_0"], 4)
+    assert measured == [1] * len(one) + [3] * len(few)
+    assert list(tiles.choice.values()) == [one[1], few[-1]]
