@@ -1,6 +1,8 @@
 """The CPU backend's own ops against the torch reference they stand in for (:class:`xinfer.torch_ops.TorchOps`):
 the same tokens from the sampler, the same attention, norms, rotary and cache contents."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -96,6 +98,19 @@ def test_decode_attention_of_every_sequence_at_once_is_the_references(window, fo
         again = CPU.attend(q, cache, meta, 0.25, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_sequences_attention_does_not_depend_on_the_rest_of_the_batch(window):
+    """Bit for bit: seeded and greedy requests give the same tokens whatever else is in the batch."""
+    cache, meta = paged([9, 37, 16, 9], block_size=8, kv_heads=2, head_dim=16)
+    q = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(2))
+    with forward_context(StepContext([meta])):
+        batched = CPU.attend(q, cache, meta, 0.25, window)
+    alone = replace(meta, cu_seqlens_q=meta.cu_seqlens_q[:2], seq_lens=meta.seq_lens[:1],
+                    block_tables=meta.block_tables[:1, :2], slot_mapping=meta.slot_mapping[:1], max_seq_len=9)  # fmt: skip
+    with forward_context(StepContext([alone])):
+        assert torch.equal(CPU.attend(q[:1], cache, alone, 0.25, window), batched[:1])
 
 
 def test_kv_write_stores_what_the_reference_stores_and_skips_padding():

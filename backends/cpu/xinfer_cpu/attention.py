@@ -1,7 +1,8 @@
-"""Attention of a decode step (one query per sequence) for every sequence at once: each sequence's
-context gathered from its blocks into one padded batch [B, L, Hkv, D], the positions past its
-length (and before its window) masked, and one ``scaled_dot_product_attention`` over it, where the
-reference (:meth:`xinfer.torch_ops.TorchOps.attend`) runs some twenty ops per sequence."""
+"""Attention of a decode step (one query per sequence): the sequences of one context length in
+one ``scaled_dot_product_attention`` over their contexts gathered from the blocks ([n, L, Hkv, D]),
+where the reference (:meth:`xinfer.torch_ops.TorchOps.attend`) runs some twenty ops per sequence.
+Grouping by length, not padding to the longest, keeps every sequence's reductions the length of its
+own context, so its tokens do not depend on what else is in the batch."""
 
 from __future__ import annotations
 
@@ -25,33 +26,36 @@ def decode_attention(
     """q [B, H, D], sequence ``b``'s query at position ``seq_lens[b] - 1``, attending to the keys
     at positions ``seq_lens[b] - window`` (0 without a window) to ``seq_lens[b] - 1``."""
     num_seqs, num_heads, head_dim = q.shape
-    context = meta.max_seq_len
-    blocks = once_per_step(
-        f"cpu.decode_blocks.{cache.block_size}.{context}",
-        (meta.block_tables,),
-        # a window's layers drop the blocks before it (-1): any block stands in, its positions are masked
-        lambda: meta.block_tables[:, : -(-context // cache.block_size)].flatten().clamp(min=0),
-    )
-    stored = {  # [B, L, Hkv, ...]
-        name: t.index_select(0, blocks).view(num_seqs, -1, *t.shape[2:])[:, :context]
-        for name, t in cache.tensors.items()
-    }
-    k, v = cache.format.decode(stored)
     query = cache.format.prepare_query(q, cache.equalizer).float()
     # the query heads of a KV head are its queries: [B, Hkv, group, D] against [B, Hkv, L, D]
     query = query.view(num_seqs, cache.num_kv_heads, -1, head_dim)
-    visible = once_per_step(
-        f"cpu.decode_mask.{window}.{context}", (meta.seq_lens,), lambda: _visible(meta.seq_lens, context, window)
+    groups = once_per_step(
+        f"cpu.decode_groups.{cache.block_size}",
+        (meta.seq_lens, meta.block_tables),
+        lambda: _length_groups(meta.seq_lens, meta.block_tables, cache.block_size),
     )
-    out = F.scaled_dot_product_attention(query, k.transpose(1, 2), v.transpose(1, 2), visible, scale=scale)
+    parts, order = [], []
+    for length, rows, blocks in groups:
+        first = max(0, length - window) if window is not None else 0  # (blocks before a window are -1: unread)
+        stored = {  # [n, L, Hkv, ...]
+            name: t.index_select(0, blocks).view(len(rows), -1, *t.shape[2:])[:, first:length]
+            for name, t in cache.tensors.items()
+        }
+        k, v = cache.format.decode(stored)
+        parts.append(F.scaled_dot_product_attention(query[rows], k.transpose(1, 2), v.transpose(1, 2), scale=scale))
+        order.append(rows)
+    out = torch.cat(parts)[torch.cat(order).argsort()] if len(parts) > 1 else parts[0]
     return cache.format.finish_output(out.reshape(num_seqs, num_heads, -1)).to(q.dtype)
 
 
-def _visible(seq_lens: Tensor, context: int, window: int | None) -> Tensor:
-    """[B, 1, 1, L]: key position ``j`` is visible to sequence ``b``'s query."""
-    positions = torch.arange(context, device=seq_lens.device)
-    lengths = seq_lens[:, None].long()
-    visible = positions < lengths
-    if window is not None:
-        visible &= positions >= lengths - window
-    return visible[:, None, None, :]
+def _length_groups(seq_lens: Tensor, block_tables: Tensor, block_size: int) -> list[tuple[int, Tensor, Tensor]]:
+    """(length, the rows of that context length, their blocks flattened, a dropped block (-1) read as block 0)."""
+    rows_of: dict[int, list[int]] = {}
+    for row, length in enumerate(seq_lens.tolist()):
+        rows_of.setdefault(length, []).append(row)
+    groups = []
+    for length, rows in rows_of.items():
+        index = torch.tensor(rows)
+        blocks = block_tables[index, : -(-length // block_size)].flatten().clamp(min=0)
+        groups.append((length, index, blocks))
+    return groups
