@@ -15,9 +15,9 @@ import zlib
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 from torch import Tensor
 
+from tests.backends.test_gguf_kernels import check, reference_weight
 from xinfer import ops
 from xinfer.layers.embedding import VocabEmbedding
 from xinfer.quant import get_weight_format, quantized
@@ -38,25 +38,12 @@ from xinfer_cuda.quant_weights import GGUF_KERNELS, GgufPlanes, MeasuredTiles, p
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 NAMES = list(LAYOUTS)
 
 
 @pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def reference_weight(packed: Tensor, name: str) -> Tensor:
-    return torch.from_numpy(quants.dequantize(packed.cpu().numpy(), GGMLQuantizationType[name])).float()
-
-
-def check(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
-    assert out.dtype == dtype and out.shape == ref.shape
-    out64, ref64 = out.detach().cpu().double(), ref.double()
-    assert torch.isfinite(out64).all(), "non-finite output: unwritten elements or NaN"
-    err = ((out64 - ref64).norm() / ref64.norm()).item()
-    assert err < TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e} ({dtype})"
 
 
 def weight(name: str, n: int = 7, tiles: int = 3) -> tuple[Tensor, Tensor, int]:
