@@ -61,6 +61,19 @@ def test_cpu_fast_path_matches_the_reference(name: str, tokens: int) -> None:
     assert relative_error(prepared.dequantize(), weight.dequantize()) <= FAST_PATH_TOLERANCE
 
 
+@pytest.mark.parametrize("name", sorted(WEIGHT_KERNELS))
+def test_cpu_fast_path_gives_a_row_the_same_values_in_any_batch(name: str) -> None:
+    """Bit for bit: a seeded or greedy request's logits do not depend on what else is in the batch."""
+    backend = CpuOps()
+    weight = kernels_for(backend, name).prepare(packed(name, (208, 256)))  # a last tile of 16 rows
+    x = torch.randn(37, 256)
+    with ops.use(backend):
+        alone = [ops.linear(x[i : i + 1], weight) for i in (0, 5, 36)]
+        for rows in (2, 5, 8, 17, 37):
+            batch = ops.linear(x[:rows], weight)
+            assert all(torch.equal(batch[i : i + 1], a) for i, a in zip((0, 5, 36), alone) if i < rows)
+
+
 def test_rows_in_different_formats_run_part_by_part() -> None:
     """A merged q/k/v whose shards the file stores in Q5_0 and Q8_0 (Gemma 3's Q4_K_M)."""
     q, v = packed("q5_0", (64, 256)), packed("q8_0", (32, 256), seed=1)
@@ -112,16 +125,21 @@ def test_fused_moe_on_packed_experts_is_dequantize_then_compute(backend) -> None
     assert relative_error(got, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("prepare", [False, True], ids=["packed", "cpu-repacked"])
-def test_embedding_dequantizes_only_the_rows_looked_up(prepare: bool) -> None:
-    table = packed("q8_0", (50, 64))
-    embedding = VocabEmbedding(50, 64)
+@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q6_k", "q6_k:cpu-int8")])
+def test_embedding_dequantizes_only_the_rows_looked_up(name: str, repacked: str | None) -> None:
+    table = packed(name, (64, 256))
+    embedding = VocabEmbedding(64, 256)
     embedding.weight = torch.nn.Parameter(table, requires_grad=False)
-    if prepare:
+    if repacked:
         prepare_weights(embedding, CpuOps())
-        assert embedding.weight.format.name == "q8_0:cpu-int8"
-    ids = torch.tensor([[3, 49], [0, 3]])
+        assert embedding.weight.format.name == repacked
+    ids = torch.tensor([[3, 63], [0, 3]])
     torch.testing.assert_close(embedding(ids), table.dequantize()[ids], rtol=0, atol=0)
+    if repacked:  # and the tied LM head runs the repacked kernel
+        x = torch.randn(3, 256)
+        with ops.use(CpuOps()):
+            got = ops.linear(x, embedding.weight)
+        assert relative_error(got, x @ table.dequantize().T) <= FAST_PATH_TOLERANCE
 
 
 def test_a_table_repacked_without_readable_rows_is_left_packed() -> None:

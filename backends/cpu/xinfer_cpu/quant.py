@@ -4,10 +4,15 @@ each format is repacked into once, at load (``prepare``).
 - Q4_0, Q4_1, Q4_K: every group of 32 values is ``scale * (q - 8) + zero`` with ``q`` in 0..15,
   exactly (Q4_0: zero 0; Q4_1: zero ``m + 8 d``; Q4_K: scale ``d * sc``, zero ``8 d sc - dmin m``), which
   is what ``_weight_int4pack_mm_for_cpu`` computes, with scales and zeros in bf16.
-- Q8_0, Q5_0, Q5_1, Q6_K: each block of ``B`` values is ``d * q (+ m)`` with ``q`` a small integer;
-  block ``b`` of every row is one ``[N, B]`` int8 matrix, so the product is a sum over blocks of
-  ``_weight_int8pack_mm(x_b, q_b) * d_b`` (plus ``sum(x_b) * m_b``), exact but for the bf16 rounding
-  of activations and of each block's partial sum.
+- Q8_0, Q5_0, Q5_1: each block of 32 values is ``d * q (+ m)`` with ``q`` a signed byte, which is
+  ``16 d * hi + d * lo`` for its nibbles ``hi = q >> 4`` and ``lo = q & 15``: two int4 planes side by
+  side along K (the activations repeated), one ``_weight_int4pack_mm_for_cpu`` call. Its per-row
+  result does not depend on how many rows the call has (each output sums its K in order), which
+  one int8 call per block column also gave, at twice the time for 32 rows (a horizontal sum per
+  output of each 32-value block).
+- Q6_K: each block of 16 values is ``d * q`` with ``q`` a small integer (sub-blocks too small for
+  the int4 groups); block ``b`` of every row is one ``[N, 16]`` int8 matrix, so the product is a sum
+  over blocks of ``_weight_int8pack_mm(x_b, q_b) * d_b``.
 
 Both matmuls are fast only with bf16 activations (fp32 takes a slow generic path): activations are
 rounded to bf16 and results returned in the input dtype. Formats without a fast path here (Q2_K,
@@ -25,65 +30,70 @@ _INT4_INNER_K_TILES = 2
 
 
 class Int4Packed(WeightFormat):
-    """``_convert_weight_to_int4pack_for_cpu``'s layout of a [N, K] weight: the packed nibbles
-    [N, K/2] then bf16 (scale, zero) pairs [K/32, N, 2], as one byte buffer."""
+    """``_convert_weight_to_int4pack_for_cpu``'s layout of a [N, planes * K] int4 weight: the packed
+    nibbles then bf16 (scale, zero) pairs [planes * K / 32, N, 2], as one byte buffer. With two
+    planes a value is the sum of its column in each (the activations go in twice). A table whose
+    rows are also looked up (a tied embedding) keeps the source format's bytes after them: torch's
+    packed layout has no rows to read."""
 
     block_values, block_bytes = 32, 20
     kernels = {"cpu": "xinfer_cpu.quant:Int4Kernels"}
 
-    def __init__(self, source: str, rows: int, cols: int):
-        self.name = f"{source}:cpu-int4"
-        self.rows, self.cols = rows, cols
-        self._views: tuple[int, tuple[Tensor, Tensor]] | None = None  # the views of the last buffer split
+    def __init__(self, source: WeightFormat, rows: int, cols: int, planes: int = 1, with_rows: bool = False):
+        self.name = f"{source.name}:cpu-int4" + ("x2" if planes == 2 else "")
+        self.source, self.rows, self.cols, self.planes, self.with_rows = source, rows, cols, planes, with_rows
+        self._views: tuple[int, tuple[Tensor, Tensor, Tensor]] | None = None  # the views of the last buffer split
 
-    def split(self, raw: Tensor) -> tuple[Tensor, Tensor]:
+    def split(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The packed nibbles, the scales and zeros, and (``with_rows``) the source bytes [N, row bytes]."""
         if self._views is None or self._views[0] != raw.data_ptr():  # a format per tensor: views made once
-            nibbles = self.rows * self.cols // 2
-            packed = raw[:nibbles].view(self.rows, self.cols // 2)
-            scales_zeros = raw[nibbles:].view(torch.bfloat16).view(self.cols // 32, self.rows, 2)
-            self._views = (raw.data_ptr(), (packed, scales_zeros))
+            cols = self.planes * self.cols
+            nibbles, pairs = self.rows * cols // 2, cols // 32 * self.rows * 4
+            packed = raw[:nibbles].view(self.rows, cols // 2)
+            scales_zeros = raw[nibbles : nibbles + pairs].view(torch.bfloat16).view(cols // 32, self.rows, 2)
+            source = raw[nibbles + pairs :].view(self.rows, -1)
+            self._views = (raw.data_ptr(), (packed, scales_zeros, source))
         return self._views[1]
 
     def dequantize(self, raw: Tensor) -> Tensor:
-        packed, scales_zeros = self.split(raw)
-        eye = torch.eye(self.cols, dtype=torch.bfloat16)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, scales_zeros).float().T.contiguous()
+        packed, scales_zeros, _ = self.split(raw)
+        eye = torch.eye(self.planes * self.cols, dtype=torch.bfloat16)
+        planes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, scales_zeros).float().T
+        return sum(planes.chunk(self.planes, dim=1)).contiguous()
+
+    def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
+        if not self.with_rows:
+            return self.dequantize(raw)[index]
+        return self.source.dequantize_rows(self.split(raw)[2], index)
 
 
 class BlockedInt8(WeightFormat):
-    """A [N, K] weight as ``G = K / B`` int8 matrices [G, N, B] (block ``b`` of every row), their
-    scales [G, N] (and mins [G, N]) in ``scale_dtype``, as one byte buffer."""
+    """A [N, K] weight as ``G = K / B`` int8 matrices [G, N, B] (block ``b`` of every row) and their
+    float32 scales [G, N], as one byte buffer."""
 
     kernels = {"cpu": "xinfer_cpu.quant:Int8Kernels"}
 
-    def __init__(self, source: str, rows: int, cols: int, block: int, scale_dtype: torch.dtype, mins: bool):
+    def __init__(self, source: str, rows: int, cols: int, block: int):
         self.name = f"{source}:cpu-int8"
-        self.source = source
         self.rows, self.cols, self.block_values = rows, cols, block
-        self.scale_dtype, self.mins = scale_dtype, mins
-        self.block_bytes = block + (1 + mins) * scale_dtype.itemsize
-        self._views: tuple[int, tuple[Tensor, Tensor, Tensor | None]] | None = None
+        self.block_bytes = block + 4
+        self._views: tuple[int, tuple[Tensor, Tensor]] | None = None
 
-    def split(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def split(self, raw: Tensor) -> tuple[Tensor, Tensor]:
         if self._views is None or self._views[0] != raw.data_ptr():  # a format per tensor: views made once
             groups, n = self.cols // self.block_values, self.rows
             q = raw[: groups * n * self.block_values].view(torch.int8).view(groups, n, self.block_values)
-            rest = raw[q.numel() :].view(self.scale_dtype).view(1 + self.mins, groups, n)
-            self._views = (raw.data_ptr(), (q, rest[0], rest[1] if self.mins else None))
+            scales = raw[q.numel() :].view(torch.float32).view(groups, n)
+            self._views = (raw.data_ptr(), (q, scales))
         return self._views[1]
 
     def dequantize(self, raw: Tensor) -> Tensor:
-        q, scales, mins = self.split(raw)
-        values = q.float() * scales.float().unsqueeze(-1)
-        if mins is not None:
-            values = values + mins.float().unsqueeze(-1)
-        return values.permute(1, 0, 2).reshape(self.rows, self.cols)
+        q, scales = self.split(raw)
+        return (q.float() * scales.unsqueeze(-1)).permute(1, 0, 2).reshape(self.rows, self.cols)
 
     def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
-        q, scales, mins = self.split(raw)
-        values = q[:, index].float() * scales[:, index].float().unsqueeze(-1)  # [G, ..., B]
-        if mins is not None:
-            values = values + mins[:, index].float().unsqueeze(-1)
+        q, scales = self.split(raw)
+        values = q[:, index].float() * scales[:, index].unsqueeze(-1)  # [G, ..., B]
         return values.movedim(0, -2).flatten(-2)
 
 
@@ -117,27 +127,58 @@ class Int4Kernels(WeightKernels):
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
         fmt = weight.format
         assert isinstance(fmt, Int4Packed)
-        packed, scales_zeros = fmt.split(weight.raw)
+        packed, scales_zeros, _ = fmt.split(weight.raw)
         lead = x.shape[:-1]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, fmt.cols).to(torch.bfloat16), packed, 32,
-                                                         scales_zeros)  # fmt: skip
+        xb = x.reshape(-1, fmt.cols).to(torch.bfloat16)
+        if fmt.planes == 2:
+            xb = torch.cat([xb, xb], dim=-1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, scales_zeros)
         out = out.to(x.dtype).reshape(*lead, fmt.rows)
         return out if bias is None else out + bias
+
+
+def _int4_pack(weight: QuantizedTensor, q: Tensor, scale: Tensor, zero: Tensor, rows: bool) -> QuantizedTensor:
+    """``q`` [N, planes * K] in 0..15 and its groups' ``scale`` and ``zero`` [N, planes * K / 32] as an
+    :class:`Int4Packed` weight of ``weight``'s values (and, for a looked-up table, its bytes)."""
+    n, k = weight.logical_shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                _INT4_INNER_K_TILES)  # fmt: skip
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+    parts = [packed.flatten(), scales_zeros.view(torch.uint8).flatten()] + ([weight.raw.flatten()] if rows else [])
+    fmt = Int4Packed(weight.format, n, k, planes=q.shape[1] // k, with_rows=rows)
+    return QuantizedTensor(torch.cat(parts), fmt, (n, k))
+
+
+def _int4_packs(weight: QuantizedTensor) -> bool:
+    """torch's int4 packing takes rows in multiples of 16."""
+    return len(weight.logical_shape) == 2 and weight.logical_shape[0] % 16 == 0
 
 
 class Int4Repack(WeightKernels):
     """Q4_0, Q4_1, Q4_K: repacked for ``_weight_int4pack_mm_for_cpu``."""
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
-        if len(weight.logical_shape) != 2:
+        if not _int4_packs(weight):
+            return weight
+        return _int4_pack(weight, *_int4_groups(weight), rows=False)
+
+
+class Int4PlanesRepack(WeightKernels):
+    """Q8_0, Q5_0, Q5_1: ``d * q + m`` as two int4 planes, ``16 d * hi`` and ``d * lo + m``."""
+
+    def prepare(self, weight: QuantizedTensor, rows: bool = False) -> QuantizedTensor:
+        if not _int4_packs(weight):
             return weight
         n, k = weight.logical_shape
-        q, scale, zero = _int4_groups(weight)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
-                                                                    _INT4_INNER_K_TILES)  # fmt: skip
-        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-        raw = torch.cat([packed.flatten(), scales_zeros.view(torch.uint8).flatten()])
-        return QuantizedTensor(raw, Int4Packed(weight.format.name, n, k), (n, k))
+        q, d, m, _ = _blocked_int8(weight)  # [N, K/32, 32], [N, K/32]
+        hi, lo = (q >> 4) + 8, q & 15  # q = 16 (hi - 8) + lo
+        planes = torch.cat([hi.reshape(n, k), lo.reshape(n, k)], dim=1)
+        scale = torch.cat([16 * d, d], dim=1)
+        zero = torch.cat([torch.zeros_like(d), 8 * d + (m if m is not None else 0)], dim=1)
+        return _int4_pack(weight, planes, scale, zero, rows)
+
+    def prepare_rows(self, weight: QuantizedTensor) -> QuantizedTensor:
+        return self.prepare(weight, rows=True)
 
 
 def _blocked_int8(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor | None, int]:
@@ -170,44 +211,38 @@ def _blocked_int8(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor | Non
 
 
 class Int8Repack(WeightKernels):
-    """Q8_0, Q5_0, Q5_1, Q6_K: repacked into one int8 matrix per block column."""
-
-    prepared_rows = True  # rows of the repacked weight are looked up as fast (a tied embedding)
+    """Q6_K: repacked into one int8 matrix per block column."""
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         if len(weight.logical_shape) != 2:
             return weight
         n, k = weight.logical_shape
-        q, scales, mins, block = _blocked_int8(weight)
-        scale_dtype = torch.float16 if weight.format.name != "q6_k" else torch.float32
-        parts = [q.transpose(0, 1).contiguous().view(torch.uint8).flatten()]
-        for values in (scales, mins):
-            if values is not None:
-                parts.append(values.T.to(scale_dtype).contiguous().view(torch.uint8).flatten())
-        fmt = BlockedInt8(weight.format.name, n, k, block, scale_dtype, mins is not None)
-        return QuantizedTensor(torch.cat(parts), fmt, (n, k))
+        q, scales, _, block = _blocked_int8(weight)
+        raw = torch.cat([q.transpose(0, 1).contiguous().view(torch.uint8).flatten(),
+                         scales.T.contiguous().view(torch.uint8).flatten()])  # fmt: skip
+        return QuantizedTensor(raw, BlockedInt8(weight.format.name, n, k, block), (n, k))
+
+    prepare_rows = prepare  # rows of the repacked weight are looked up as fast (a tied embedding)
 
 
 class Int8Kernels(WeightKernels):
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
         fmt = weight.format
         assert isinstance(fmt, BlockedInt8)
-        q, scales, mins = fmt.split(weight.raw)
+        q, scales = fmt.split(weight.raw)
         lead = x.shape[:-1]
         xb = x.reshape(-1, q.shape[0], fmt.block_values).to(torch.bfloat16)
         ones = torch.ones(fmt.rows, dtype=torch.bfloat16)
         out = torch.zeros(xb.shape[0], fmt.rows, dtype=torch.float32)
         for b in range(q.shape[0]):
-            partial = torch.ops.aten._weight_int8pack_mm(xb[:, b].contiguous(), q[b], ones)
-            out.addcmul_(partial.float(), scales[b].float())
-        if mins is not None:
-            out.addmm_(xb.float().sum(-1), mins.float())
+            out.addcmul_(torch.ops.aten._weight_int8pack_mm(xb[:, b].contiguous(), q[b], ones).float(), scales[b])
         out = out.to(x.dtype).reshape(*lead, fmt.rows)
         return out if bias is None else out + bias
 
 
 WEIGHT_KERNELS = {
     **{name: "xinfer_cpu.quant:Int4Repack" for name in ("q4_0", "q4_1", "q4_k")},
-    **{name: "xinfer_cpu.quant:Int8Repack" for name in ("q8_0", "q5_0", "q5_1", "q6_k")},
+    **{name: "xinfer_cpu.quant:Int4PlanesRepack" for name in ("q8_0", "q5_0", "q5_1")},
+    "q6_k": "xinfer_cpu.quant:Int8Repack",
 }
 """The formats the CPU backend runs natively (repacked at load), by name."""

@@ -83,9 +83,8 @@ def _prepared(backend: Any, weight: QuantizedTensor, looked_up: bool) -> Quantiz
         parts = [_prepared(backend, part, looked_up) for part in weight.parts]
         return weight if all(p is q for p, q in zip(parts, weight.parts)) else cat_rows(parts)
     kernels = _kernels(backend, weight)
-    if kernels is None or kernels.prepare is None or (looked_up and not kernels.prepared_rows):
-        return weight
-    return kernels.prepare(weight)
+    prepare = None if kernels is None else kernels.prepare_rows if looked_up else kernels.prepare
+    return weight if prepare is None else prepare(weight)
 
 
 def replace_parameter(model: nn.Module, old: Tensor, new: Tensor) -> None:

@@ -209,15 +209,16 @@ class WeightKernels:
     - ``fused_moe(x, w13, w2, topk_weights, topk_ids, activation) -> Tensor``: as
       :meth:`xinfer.ops.Ops.fused_moe`, called where ``w13`` and ``w2`` both have this format;
     - ``prepare(weight) -> QuantizedTensor``: a one-time repack at load into the layout the
-      kernels read (a format of the backend's own, whose ``dequantize`` still gives the values).
-      A weight whose rows are looked up (an embedding table, tied to the LM head) is repacked only
-      where ``prepared_rows``: the repacked format's ``dequantize_rows`` reads rows fast.
+      kernels read (a format of the backend's own, whose ``dequantize`` still gives the values);
+    - ``prepare_rows(weight) -> QuantizedTensor``: ``prepare`` for a weight whose rows are also
+      looked up (an embedding table tied to the LM head): the repacked format's ``dequantize_rows``
+      reads rows fast. Without it such a weight is left as it is.
     """
 
     linear: Any = None
     fused_moe: Any = None
     prepare: Any = None
-    prepared_rows: bool = False
+    prepare_rows: Any = None
 
 
 _loaded: list[tuple[Any, dict[str, WeightFormat]]] = []  # (the discovery, its formats)
