@@ -6,7 +6,8 @@ reference finds it with a sort of the whole vocabulary and a search per token (m
 time at 32 rows on a CPU). Here each row's ``width`` largest tokens are the candidates; when the
 last of them is outside top-p, so is every other token (its mass above is at least the last
 one's), and the kept set, its noise and the draw are computed over the candidates alone. A row
-whose candidates do not reach its top-p mass tries more of them, then the reference.
+whose candidates do not reach its top-p mass tries more of them (the rows still to draw alone), then
+the reference.
 """
 
 from __future__ import annotations
@@ -34,29 +35,36 @@ def sample(logits: Tensor, params: SamplingBatch) -> Tensor:
     weights = torch.exp(s - s.max(-1, keepdim=True).values)
     with_top_k = (top_k > 0) & (top_k < vocab)
     largest_k = int(torch.where(with_top_k, top_k, 0).max())
-    tokens_drawn = logits.argmax(-1)
+    greedy = not sampled.all()
+    tokens_drawn = logits.argmax(-1) if greedy else torch.zeros(rows, dtype=torch.long)  # the greedy rows' tokens
     pending = sampled.squeeze(1)  # rows still to draw
-    for width in CANDIDATES:
+    rows_in: slice | Tensor = slice(None)  # the rows of this round: every row, then the pending ones alone
+    top_k_mass = weights.sum(-1, keepdim=True)  # (rows with a top-k: below, from the first candidates)
+    for round, width in enumerate(CANDIDATES):
         width = max(width, largest_k)  # every row's k-th largest among the candidates
         if width >= vocab:
             break
-        top_s, tokens = s.topk(width, dim=-1)  # descending
+        top_s, tokens = s[rows_in].topk(width, dim=-1)  # descending
         keys = order_keys(top_s)
-        kth = keys.gather(1, (top_k - 1).clamp(0, width - 1))  # (rows without top-k: unused)
-        in_top_k = ~with_top_k | (keys >= kth)
-        top_k_mass = torch.where(~with_top_k | (order_keys(s) >= kth), weights, 0.0).sum(-1, keepdim=True)
-        top_weights = weights.gather(1, tokens)
+        row_top_k = top_k[rows_in]
+        kth = keys.gather(1, (row_top_k - 1).clamp(0, width - 1))  # (rows without top-k: unused)
+        in_top_k = ~with_top_k[rows_in] | (keys >= kth)
+        if round == 0 and largest_k:  # the first round has every row
+            top_k_mass = torch.where(~with_top_k | (order_keys(s) >= kth), weights, 0.0).sum(-1, keepdim=True)
+        mass = top_k_mass[rows_in]
+        top_weights = weights[rows_in].gather(1, tokens)
         above = mass_above(keys, top_weights)
-        held = pending & (above[:, -1] >= top_p.squeeze(1) * top_k_mass.squeeze(1))  # the last candidate is out
-        kept = (top_weights >= min_p) & in_top_k & (above < top_p * top_k_mass)
-        drawn = torch.where(kept, top_s + noise_at(row_keys(params.seed[:rows], params.position[:rows]), tokens),
-                            float("-inf"))  # fmt: skip
+        held = pending[rows_in] & (above[:, -1] >= top_p[rows_in].squeeze(1) * mass.squeeze(1))  # the last one is out
+        kept = (top_weights >= min_p[rows_in]) & in_top_k & (above < top_p[rows_in] * mass)
+        noise = noise_at(row_keys(params.seed[:rows][rows_in], params.position[:rows][rows_in]), tokens)
+        drawn = torch.where(kept, top_s + noise, float("-inf"))
         best = drawn.max(-1, keepdim=True).values
         first = torch.where(drawn == best, tokens, vocab).min(-1).values  # the reference's argmax: the lowest id
-        tokens_drawn = torch.where(held, first, tokens_drawn)
-        pending &= ~held
+        tokens_drawn[rows_in] = torch.where(held, first, tokens_drawn[rows_in])
+        pending[rows_in] &= ~held
         if not pending.any():
             return tokens_drawn
+        rows_in = pending.nonzero().squeeze(1)
     rest = pending.nonzero().squeeze(1)  # rows whose top-p set the candidates do not hold
     tokens_drawn[rest] = torch_sampling.sample(logits[rest], _rows_of(params, rest))
     return tokens_drawn
