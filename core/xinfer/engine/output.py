@@ -44,6 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @classmethod
     def empty(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -93,7 +94,11 @@ class OutputProcessor:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         output = RequestOutput.empty(request_id, prompt_token_ids, params, prompt)
-        header = replace(output, outputs=[])
+        if params.prompt_logprobs is not None:
+            if multimodal:
+                raise ValueError("prompt_logprobs is not supported for prompts with images")
+            output.prompt_logprobs = self.engine.prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+        header = replace(output, outputs=[], prompt_logprobs=None)
         self._requests[request_id] = sequence_ids = []
         try:
             for index in range(params.n):
