@@ -96,6 +96,20 @@ def test_reasoning_is_a_reasoning_item(tiny, tiny_client):
     deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == chat.reasoning_content and events[-1].type == "response.incomplete"
     assert [item.type for item in events[-1].response.output] == ["reasoning"]
+    off = tiny_client.responses.create(model=model, input=turns, max_output_tokens=4, temperature=0,
+                                       reasoning={"effort": "none"})  # fmt: skip
+    assert [item.type for item in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_text_format_is_the_chat_response_format(client, model):
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
+    text = {"format": {"type": "json_schema", "name": "fruit", "schema": schema, "strict": True}}
+    response = client.responses.create(model=model, input=TURNS, text=text, max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=TURNS, max_tokens=8, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "fruit", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert response.output_text == chat.choices[0].message.content and response.output_text.startswith('{"fruit": ')
 
 
 IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
