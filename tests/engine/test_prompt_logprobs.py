@@ -55,3 +55,22 @@ def test_without_alternatives_only_the_prompt_token_and_none_unasked(models):
 def test_negative_prompt_logprobs_is_refused():
     with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_vllm_keywords_and_the_cumulative_logprob(models, capsys):
+    """vLLM's spelling of the offline API: ``sampling_params=``, ``use_tqdm``, ``get_tokenizer()``, and each
+    choice's ``cumulative_logprob``, the sum of its tokens' log-probabilities (``None`` unasked)."""
+    hf, llm = models
+    tokens = prompt(7, seed=5)
+    out = llm.generate([tokens], sampling_params=SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0]
+    choice = out.outputs[0]
+    expected, step = 0.0, list(tokens)
+    for token in choice.token_ids:  # transformers' log-softmax after each prefix
+        expected += expected_logprobs(hf, step)[-1, token].item()
+        step.append(token)
+    assert choice.cumulative_logprob == pytest.approx(expected, abs=1e-4)
+    assert "Generating" in capsys.readouterr().err  # vLLM's default: a progress bar
+    quiet = llm.generate([tokens], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert quiet.outputs[0].cumulative_logprob is None
+    assert "Generating" not in capsys.readouterr().err
+    assert llm.get_tokenizer() is llm.tokenizer

@@ -33,6 +33,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' log-probabilities (vLLM's), where ``logprobs`` were asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(entry[token] for token, entry in zip(self.token_ids, self.logprobs))
+
 
 @dataclass
 class RequestOutput:
