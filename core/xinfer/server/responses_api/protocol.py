@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # fields accepted and not read: they change no answer (no response is stored, no tool offered)
-IGNORED_FIELDS = frozenset({"store", "metadata", "user", "safety_identifier", "prompt_cache_key",
+IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key",
                             "prompt_cache_retention", "service_tier", "parallel_tool_calls", "max_tool_calls",
                             "stream_options"})  # fmt: skip
 # the values of other fields that ask for nothing beyond what this server does (their defaults)
