@@ -26,6 +26,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context limit
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
