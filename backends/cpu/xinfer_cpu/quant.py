@@ -36,12 +36,13 @@ class Int4Packed(WeightFormat):
     rows are also looked up (a tied embedding) keeps the source format's bytes after them: torch's
     packed layout has no rows to read."""
 
-    block_values, block_bytes = 32, 20
+    block_values = 32
     kernels = {"cpu": "xinfer_cpu.quant:Int4Kernels"}
 
     def __init__(self, source: WeightFormat, rows: int, cols: int, planes: int = 1, with_rows: bool = False):
         self.name = f"{source.name}:cpu-int4" + ("x2" if planes == 2 else "")
         self.source, self.rows, self.cols, self.planes, self.with_rows = source, rows, cols, planes, with_rows
+        self.block_bytes = 20 * planes + (source.row_bytes(32) if with_rows else 0)  # 16 of nibbles, 4 of bf16 pairs
         self._views: tuple[int, tuple[Tensor, Tensor, Tensor]] | None = None  # the views of the last buffer split
 
     def split(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
