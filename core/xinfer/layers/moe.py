@@ -271,7 +271,8 @@ class MoE(nn.Module):
 
     Checkpoint names are HF's: ``gate`` (the router), ``experts``, ``shared_expert``,
     ``shared_expert_gate``; ``shared_name`` renames the shared experts (``shared_experts``
-    in GLM and DeepSeek). ``swiglu_limit`` clamps the routed and shared experts' gate and up
+    in GLM and DeepSeek), whose projections have biases where ``shared_bias`` (DeepSeek-V2's
+    ``mlp_bias``). ``swiglu_limit`` clamps the routed and shared experts' gate and up
     projections (DeepSeek V4).
     """
 
@@ -286,6 +287,7 @@ class MoE(nn.Module):
         shared_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
         shared_name: str = "shared_expert",
+        shared_bias: bool = False,
         dense_intermediate_size: int = 0,
         vocab_size: int | None = None,
         swiglu_limit: float | None = None,
@@ -295,7 +297,7 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, swiglu_limit)
         self.shared_name = shared_name
         if shared_intermediate_size:
-            shared = GatedMLP(hidden_size, shared_intermediate_size, activation, limit=swiglu_limit)
+            shared = GatedMLP(hidden_size, shared_intermediate_size, activation, shared_bias, swiglu_limit)
             setattr(self, shared_name, shared)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None

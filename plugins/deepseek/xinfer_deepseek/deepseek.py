@@ -53,7 +53,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return MoE(
             config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, self.routing(config),
             config.hidden_act, shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-            shared_name="shared_experts",
+            shared_name="shared_experts", shared_bias=getattr(config, "mlp_bias", False),
         )  # fmt: skip
 
     def checkpoint_names(self) -> set[str]:

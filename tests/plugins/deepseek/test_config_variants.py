@@ -30,7 +30,9 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "glm-4.7-flash all sparse, 8 groups of 2, top-3, yarn": lambda: glm4_moe_lite_config(
         mlp_layer_types=["sparse"] * 3, n_group=8, topk_group=3, rope_parameters=YARN
     ),
-    "v2-lite: no q-lora, greedy softmax routing, yarn": lambda: deepseek_v2_config(rope_parameters=YARN),
+    "v2-lite: no q-lora, greedy softmax routing, yarn, mlp biases": lambda: deepseek_v2_config(
+        rope_parameters=YARN, mlp_bias=True
+    ),
 }  # fmt: skip
 
 
