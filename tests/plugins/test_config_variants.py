@@ -23,7 +23,7 @@ from tests.plugins.hf_parity import (
     assert_prefill_logits_match,
     randomized_model,
 )
-from tests.tiny_models import COMMON, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, save_tiny_model
 from xinfer import LLM
 
 SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -139,6 +139,10 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "minimax-m2 softmax scores": (
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
+    ),
+    "gemma3 bidirectional attention (EmbeddingGemma)": (
+        lambda: gemma3_config(use_bidirectional_attention=True),
+        "use_bidirectional_attention=True is not",
     ),
 }
 
