@@ -49,7 +49,7 @@ def routing(tokens: int, experts: int, top_k: int, generator: torch.Generator) -
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-k{}-H{}-I{}".format(*s))
 def test_fused_moe_matches_the_reference(shape, dtype, activation):

@@ -25,8 +25,11 @@ CONFIGS = {
     "llama-gqa-llama3-rope": lambda: LlamaConfig(
         **COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]
     ),
-    "llama-tied": lambda: LlamaConfig(
-        **{**COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]
+    "llama-tied-gelu": lambda: LlamaConfig(
+        **{**COMMON, "num_key_value_heads": 4},
+        hidden_act="gelu",
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
     ),
     "llama-dynamic-rope-biases-head-8": lambda: LlamaConfig(
         **COMMON,

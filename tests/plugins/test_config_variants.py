@@ -63,8 +63,9 @@ def glm4(**overrides) -> Glm4Config:
 
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2-moe no shared expert": lambda: qwen2_moe(shared_expert_intermediate_size=0),
-    "qwen2-moe no qkv bias, renormalized, tied": lambda: qwen2_moe(
-        shared_expert_intermediate_size=24, qkv_bias=False, norm_topk_prob=True, tie_word_embeddings=True
+    "qwen2-moe no qkv bias, renormalized, tied, exact gelu": lambda: qwen2_moe(
+        shared_expert_intermediate_size=24, qkv_bias=False, norm_topk_prob=True, tie_word_embeddings=True,
+        hidden_act="gelu",
     ),
     "qwen2-moe sparse step 2, mlp-only layer 3 of 4": lambda: qwen2_moe(
         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=24
@@ -139,6 +140,10 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "minimax-m2 softmax scores": (
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
+    ),
+    "qwen2-moe relu": (
+        lambda: qwen2_moe(hidden_act="relu"),
+        "hidden_act 'relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu",
     ),
     "gemma3 bidirectional attention (EmbeddingGemma)": (
         lambda: gemma3_config(use_bidirectional_attention=True),

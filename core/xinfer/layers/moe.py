@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.distributed.group import Slice, current
-from xinfer.layers.activation import GATED_ACTIVATIONS
+from xinfer.layers.activation import activation_name
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm
@@ -149,14 +149,12 @@ class Experts(nn.Module):
         self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
         self._packed_experts: dict[str, dict[int, QuantizedTensor]] = {}  # a projection's experts until all are in
         self.limit = limit  # a clamped SwiGLU (ops.fused_moe)
-        if activation not in GATED_ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.tp = current()
         self.part = self.tp.split(intermediate_size, "the experts' intermediate size")
         self.num_experts, self.intermediate_size = num_experts, self.part.size(intermediate_size)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
-        self.activation = activation
+        self.activation = activation_name(activation)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit))
