@@ -1,7 +1,9 @@
 """The MoE and GLM architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
 own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
-layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings)."""
+layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings,
+activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
+error at load naming the field and the value."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers import (
     MiniMaxM2Config,
     PretrainedConfig,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
     Qwen3MoeConfig,
 )
 
@@ -23,6 +26,7 @@ from tests.plugins.hf_parity import (
     assert_prefill_logits_match,
     randomized_model,
 )
+from tests.plugins.qwen.test_qwen3_next import HYBRID
 from tests.tiny_models import COMMON, gemma3_config, save_tiny_model
 from xinfer import LLM
 
@@ -144,6 +148,10 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "qwen2-moe relu": (
         lambda: qwen2_moe(hidden_act="relu"),
         "hidden_act 'relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu",
+    ),
+    "qwen3.5 DeltaNet gelu": (
+        lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),
+        "Gated DeltaNet with hidden_act 'gelu_pytorch_tanh': only silu is supported",
     ),
     "gemma3 bidirectional attention (EmbeddingGemma)": (
         lambda: gemma3_config(use_bidirectional_attention=True),
