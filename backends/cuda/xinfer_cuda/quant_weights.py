@@ -85,14 +85,32 @@ def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     return (*dots, DEQUANTIZED)
 
 
+# The one-row GEMV's tiles. The first eight give each thread one 16-byte load of codes a row (``tiles =
+# 4 * num_warps``: the warps go to the tiles, Triton lays every operand out alike), 1 to 4 rows a
+# program, some splitting K; the others keep more of the weight in flight: a warp a row, two 16-byte
+# loads a thread, the loop pipelined or unrolled, the first step's loads before the chain's wait.
+ONE_ROW_PLANE_TILES = tuple(
+    PlaneGemvConfig(*c)
+    for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2), (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)]
+) + (
+    # a warp a row (or two): 4 tiles a step fill a warp's threads, the warps go to the rows; long loops
+    PlaneGemvConfig(4, 4, 4),
+    PlaneGemvConfig(8, 4, 4, early=True),
+    PlaneGemvConfig(4, 4, 4, num_stages=4, early=True),
+    PlaneGemvConfig(8, 4, 8, early=True),
+    PlaneGemvConfig(8, 4, 4, split=2, early=True),
+    # a 16-byte load a thread a row, its first step before the wait; two loads; two steps unrolled
+    PlaneGemvConfig(4, 16, 4, early=True),
+    PlaneGemvConfig(4, 32, 4, early=True),
+    PlaneGemvConfig(4, 16, 4, num_stages=1, early=True, unroll=2),
+)
+
+
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
-    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: GEMVs whose tiles of a
-    loop step give each thread one 16-byte load of codes a row (``tiles = 4 * num_warps``: Triton then
-    lays every operand out alike, with no shared-memory shuffle), 1 to 4 rows a program, some splitting
-    K (weights of few rows); dots as :func:`candidates`; past one row also the dequantized weight."""
+    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
+    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`; past one row also the dequantized weight."""
     if rows == 1:
-        return tuple(PlaneGemvConfig(*c) for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2),
-                                                   (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)])  # fmt: skip
+        return ONE_ROW_PLANE_TILES
     if rows <= 16:
         dots = tuple(PlaneDotConfig(16, n, t, w, s) for n, t, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
                                                                        (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip

@@ -53,6 +53,9 @@ class PlaneGemvConfig:
     tiles: int  # tiles of each row per loop step (a power of two)
     num_warps: int
     split: int = 1  # programs along K a row tile
+    num_stages: int = 3  # Triton's software pipelining of the loop's loads (3: Triton's default)
+    early: bool = False  # the first step's code words loaded before the wait on the kernel that writes x
+    unroll: int = 1  # loop steps unrolled (their loads issued together)
 
 
 @dataclass(frozen=True)
@@ -204,35 +207,53 @@ def _activation_pair(x_ptr, pair_at, mask, XS: tl.constexpr):
 
 
 @triton.jit
+def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
+               FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr,
+               PER_TILE: tl.constexpr, XS: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
+               WAIT: tl.constexpr):  # fmt: skip
+    """``acc`` plus the products of the tiles ``t0 ..`` of the rows; ``WAIT``: the chain's wait for the
+    kernel that writes ``x`` between the code words' loads and the activations' (no kernel writes the
+    weights)."""
+    tile = t0 + tl.arange(0, TILES)[None, :, None, None, None]
+    has_tile = tile < last
+    mask = None if EVEN else (rows[:, None, None, None, None] < N) & has_tile
+    word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+                                                   num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+    pdl_entry(WAIT)
+    # per (row, tile, group, 16-byte load): the products of a load's 4 words summed in the thread, then
+    # scaled once, and the block's bias times the sum of their activations
+    for p in tl.static_range(FIELDS // 2):
+        xs = _activation_pair(x_ptr, tile * (16 * FIELDS) + 32 * p + w, None if EVEN else has_tile, XS)
+        for q in tl.static_range(2):
+            x = xs[q]
+            scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
+            product = _code_times(FMT, 2 * p + q, word, high, magic, x)
+            acc = tl.fma(tl.sum(product, axis=4, keep_dims=True), scale, acc)
+            acc = tl.fma(tl.sum(x, axis=4, keep_dims=True), bias, acc)
+    return acc
+
+
+@triton.jit
 def _plane_gemv_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split, magic,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
     XS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr, EARLY: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     num_tiles = K // (32 * FIELDS)
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    t = tl.arange(0, TILES)[None, :, None, None, None]
-    # per (row, tile, group, 16-byte load): the products of a load's 4 words summed in the thread, then
-    # scaled once, and the block's bias times the sum of their activations
     acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
-    for t0 in range(first, last, TILES):
-        tile = t0 + t
-        has_tile = tile < last
-        mask = None if EVEN else (rows[:, None, None, None, None] < N) & has_tile
-        word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
-                                                       num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
-        for p in tl.static_range(FIELDS // 2):
-            xs = _activation_pair(x_ptr, tile * (16 * FIELDS) + 32 * p + w, None if EVEN else has_tile, XS)
-            for q in tl.static_range(2):
-                x = xs[q]
-                scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
-                product = _code_times(FMT, 2 * p + q, word, high, magic, x)
-                acc = tl.fma(tl.sum(product, axis=4, keep_dims=True), scale, acc)
-                acc = tl.fma(tl.sum(x, axis=4, keep_dims=True), bias, acc)
+    if EARLY:  # the first step's code words in flight before the wait (every program has a step)
+        acc = _gemv_step(acc, first, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last,
+                         magic, FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, PDL)  # fmt: skip
+        first += TILES
+    else:
+        pdl_entry(PDL)
+    for t0 in tl.range(first, last, TILES, loop_unroll_factor=UNROLL):
+        acc = _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
+                         FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, False)  # fmt: skip
     y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
     if PARTIAL:
         tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
@@ -363,7 +384,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         words, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split, MAGIC,
         XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
-        num_warps=config.num_warps, **_format_args(layout), **chain,
+        EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **chain,
     )  # fmt: skip
     if split > 1:
         block = 256
