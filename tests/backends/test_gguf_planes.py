@@ -107,13 +107,16 @@ PIPELINED_CASES = [("Q8_0", SMALL_DTYPES[0]), ("Q4_K", torch.float16), ("Q6_K", 
 
 @pytest.mark.parametrize(("name", "dtype"), PIPELINED_CASES, ids=str)
 def test_gemv_pipelined_tiles(name, dtype):
-    """The one-row tiles that load the first step before the chain's wait (and unroll the loop): over
-    5 tiles of a row (no step divides them), and split in 3 programs over K."""
+    """The one-row tiles that load the first step before the chain's wait (and unroll the loop), that give
+    a thread a group's loads: over 5 tiles of a row (no step divides them), and split in 3 programs over K."""
     packed, planes, k = weight(name, n=9, tiles=5)
     ref = reference_weight(packed, name)
     x, bias = torch.randn(1, k, device=DEVICE).to(dtype), torch.randn(9, device=DEVICE).to(dtype)
     want = x.cpu().float() @ ref.T + bias.cpu().float()
-    for tile in (PlaneGemvConfig(4, 2, 1, early=True, unroll=2), PlaneGemvConfig(8, 1, 2, split=3, early=True)):
+    for tile in (
+        PlaneGemvConfig(4, 2, 1, early=True, unroll=2, groups=True),
+        PlaneGemvConfig(8, 1, 2, split=3, early=True),
+    ):
         check(plane_gemv(x, planes, name, 9, bias, tile), want, dtype)
 
 

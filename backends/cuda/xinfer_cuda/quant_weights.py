@@ -88,21 +88,25 @@ def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
 # The one-row GEMV's tiles. The first eight give each thread one 16-byte load of codes a row (``tiles =
 # 4 * num_warps``: the warps go to the tiles, Triton lays every operand out alike), 1 to 4 rows a
 # program, some splitting K; the others keep more of the weight in flight: a warp a row, two 16-byte
-# loads a thread, the loop pipelined or unrolled, the first step's loads before the chain's wait.
+# loads a thread or a group's four (one scale decode for 16 values), deeper pipelining, the first
+# step's loads before the chain's wait.
 ONE_ROW_PLANE_TILES = tuple(
     PlaneGemvConfig(*c)
     for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2), (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)]
 ) + (
     # a warp a row (or two): 4 tiles a step fill a warp's threads, the warps go to the rows; long loops
-    PlaneGemvConfig(4, 4, 4),
     PlaneGemvConfig(8, 4, 4, early=True),
     PlaneGemvConfig(4, 4, 4, num_stages=4, early=True),
     PlaneGemvConfig(8, 4, 8, early=True),
     PlaneGemvConfig(8, 4, 4, split=2, early=True),
-    # a 16-byte load a thread a row, its first step before the wait; two loads; two steps unrolled
+    # a 16-byte load a thread a row, its first step before the wait; two loads
     PlaneGemvConfig(4, 16, 4, early=True),
     PlaneGemvConfig(4, 32, 4, early=True),
-    PlaneGemvConfig(4, 16, 4, num_stages=1, early=True, unroll=2),
+    # a group's loads a thread: 16 tiles a step fill a warp's threads (Q6_K's two warps), the rest go to the rows
+    PlaneGemvConfig(4, 16, 4, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 4, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 8, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 4, split=2, early=True, groups=True),
 )
 
 

@@ -55,6 +55,9 @@ class PlaneGemvConfig:
     split: int = 1  # programs along K a row tile
     num_stages: int = 3  # Triton's software pipelining of the loop's loads (3: Triton's default)
     early: bool = False  # the first step's code words loaded before the wait on the kernel that writes x
+    # a thread holds a group's SUB words of a tile (4 16-byte loads, Q6_K's 2) and decodes their scale once,
+    # rather than one load of them
+    groups: bool = False
     unroll: int = 1  # loop steps unrolled (their loads issued together)
 
 
@@ -175,14 +178,22 @@ def _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile, num_til
     g = tl.arange(0, 32 // SUB)[None, None, :, None, None]
     w = g * SUB + 4 * tl.arange(0, SUB // 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :]
     n = rows[:, None, None, None, None].to(tl.int64)
+    word, high, scales, supers = _words_at(codes_ptr, high_ptr, scales_ptr, supers_ptr, n, tile, w, num_tiles, mask,
+                                           HIGH, PER_TILE)  # fmt: skip
+    return word, high, scales, supers, g, w
+
+
+@triton.jit
+def _words_at(codes_ptr, high_ptr, scales_ptr, supers_ptr, n, tile, w, num_tiles, mask, HIGH: tl.constexpr,
+              PER_TILE: tl.constexpr):  # fmt: skip
+    """The code words and high bits of rows ``n``, tiles ``tile``, words ``w`` (broadcast together), and
+    the tiles' scale pointers (and Q6_K's ``d``)."""
     word = _load(codes_ptr + n * (num_tiles * 32) + tile * 32 + w, mask)
     if HIGH:
         high = _load(high_ptr + n * (num_tiles * 32) + tile * 32 + w, mask).to(tl.int32)
     else:
         high = word
-    scales = scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE
-    supers = supers_ptr + n * num_tiles + tile
-    return word, high, scales, supers, g, w
+    return word, high, scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE, supers_ptr + n * num_tiles + tile
 
 
 @triton.jit
@@ -207,18 +218,46 @@ def _activation_pair(x_ptr, pair_at, mask, XS: tl.constexpr):
 
 
 @triton.jit
+def _step_index(rows, t0, TILES: tl.constexpr, SUB: tl.constexpr, GROUPS: tl.constexpr):
+    """A GEMV step's rows, tiles, groups and words, each a 5-D index: [BLOCK_N, TILES, G, SUB / 4, 4] (a
+    thread's 16-byte load the last dimension, Triton's threads on the loads, groups and tiles) or, with
+    ``GROUPS``, [SUB / 4, BLOCK_N, TILES, G, 4] (the loads of a group outermost: in a thread's registers)."""
+    e = tl.arange(0, 4)[None, None, None, None, :]
+    if GROUPS:
+        n = rows[None, :, None, None, None]
+        tile = t0 + tl.arange(0, TILES)[None, None, :, None, None]
+        g = tl.arange(0, 32 // SUB)[None, None, None, :, None]
+        c = tl.arange(0, SUB // 4)[:, None, None, None, None]
+    else:
+        n = rows[:, None, None, None, None]
+        tile = t0 + tl.arange(0, TILES)[None, :, None, None, None]
+        g = tl.arange(0, 32 // SUB)[None, None, :, None, None]
+        c = tl.arange(0, SUB // 4)[None, None, None, :, None]
+    return n, tile, g, g * SUB + 4 * c + e
+
+
+@triton.jit
+def _load_sum(v, GROUPS: tl.constexpr):
+    """The sum of ``v`` over a group's words in a thread: its 16-byte load (and with ``GROUPS`` its loads)."""
+    v = tl.sum(v, axis=4, keep_dims=True)
+    if GROUPS:
+        v = tl.sum(v, axis=0, keep_dims=True)
+    return v
+
+
+@triton.jit
 def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
                FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr,
                PER_TILE: tl.constexpr, XS: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
-               WAIT: tl.constexpr):  # fmt: skip
+               GROUPS: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
     """``acc`` plus the products of the tiles ``t0 ..`` of the rows; ``WAIT``: the chain's wait for the
     kernel that writes ``x`` between the code words' loads and the activations' (no kernel writes the
     weights)."""
-    tile = t0 + tl.arange(0, TILES)[None, :, None, None, None]
+    n, tile, g, w = _step_index(rows, t0, TILES, SUB, GROUPS)
     has_tile = tile < last
-    mask = None if EVEN else (rows[:, None, None, None, None] < N) & has_tile
-    word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
-                                                   num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
+    mask = None if EVEN else (n < N) & has_tile
+    word, high, scales, supers = _words_at(codes_ptr, high_ptr, scales_ptr, supers_ptr, n.to(tl.int64), tile, w,
+                                           num_tiles, mask, HIGH, PER_TILE)  # fmt: skip
     pdl_entry(WAIT)
     # per (row, tile, group, 16-byte load): the products of a load's 4 words summed in the thread, then
     # scaled once, and the block's bias times the sum of their activations
@@ -228,8 +267,8 @@ def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows
             x = xs[q]
             scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
             product = _code_times(FMT, 2 * p + q, word, high, magic, x)
-            acc = tl.fma(tl.sum(product, axis=4, keep_dims=True), scale, acc)
-            acc = tl.fma(tl.sum(x, axis=4, keep_dims=True), bias, acc)
+            acc = tl.fma(_load_sum(product, GROUPS), scale, acc)
+            acc = tl.fma(_load_sum(x, GROUPS), bias, acc)
     return acc
 
 
@@ -238,23 +277,29 @@ def _plane_gemv_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split, magic,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
     XS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, EARLY: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr, GROUPS: tl.constexpr, EARLY: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     num_tiles = K // (32 * FIELDS)
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
+    if GROUPS:
+        acc = tl.zeros((1, BLOCK_N, TILES, 32 // SUB, 1), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
     if EARLY:  # the first step's code words in flight before the wait (every program has a step)
         acc = _gemv_step(acc, first, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last,
-                         magic, FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, PDL)  # fmt: skip
+                         magic, FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, GROUPS, PDL)  # fmt: skip
         first += TILES
     else:
         pdl_entry(PDL)
     for t0 in tl.range(first, last, TILES, loop_unroll_factor=UNROLL):
         acc = _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
-                         FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, False)  # fmt: skip
-    y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+                         FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, GROUPS, False)  # fmt: skip
+    if GROUPS:
+        y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=0)
+    else:
+        y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
     if PARTIAL:
         tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
     else:
@@ -384,7 +429,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         words, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split, MAGIC,
         XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
-        EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **chain,
+        GROUPS=config.groups, EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **chain,
     )  # fmt: skip
     if split > 1:
         block = 256
