@@ -1,6 +1,6 @@
 """The batch-1 GEMV over GGUF weights in planes (xinfer_cuda.kernels.plane_linear.plane_gemv): every
 one-row tile the CUDA backend measures at start-up (xinfer_cuda.quant_weights.ONE_ROW_PLANE_TILES),
-marked ``"before": true`` for those it measured before the pipelined and warp-a-row tiles came,
+marked ``"before": true`` for those it measured before the warp-a-row, group and early tiles came,
 beside cuBLAS on a bf16 weight of the same shape, at Llama-3.1-8B's shapes (q/o, gate/up, down, LM
 head) in Q8_0 and Q4_K, and the LM head in Q6_K (Q4_K_M's). Dummy packed weights (random bytes, sane
 fp16 scales), bf16 activations.
@@ -13,14 +13,16 @@ Each time is a CUDA graph of calls cycling over copies of the weight that hold t
 memory; GB/s are the planes' bytes (the file's) over that time, ``of_bandwidth`` their share of the
 device-to-device copy bandwidth measured first in the same run (benchmarks/bandwidth.py). Each tile's
 output is checked against the dequantized weight times ``x`` in fp32 (``rel_err``; bf16 rounding
-is ~4e-3). Lines come as they are measured (the target shapes first), and a summary line per shape:
-the fastest tile before and now, and cuBLAS.
+is ~4e-3). The kernels are compiled first by ``--jobs`` processes at once (into Triton's cache), then
+lines come as they are measured (the target shapes first), and a summary line per shape: the fastest
+tile before and now, and cuBLAS.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -79,13 +81,15 @@ def sweep(fmt: str, n: int, k: int, tiles: tuple[PlaneGemvConfig, ...], bandwidt
     for tile in tiles:
         record = {**shape, "kernel": "plane_gemv", "tile": str(tile), "before": tile in BEFORE}
         try:
+            start = time.perf_counter()
             y = plane_gemv(x, planes, fmt, n, None, tile)
+            first_call = time.perf_counter() - start  # with the compile, on a cold Triton cache
             err = ((y.double() - ref).norm() / ref.norm()).item()
             seconds = timed(lambda w, tile=tile: plane_gemv(x, w, fmt, n, None, tile), copies, smoke)
         except OutOfResources as e:
             emit({**record, "error": str(e)})
             continue
-        emit({**record, **rate(seconds), "rel_err": float(f"{err:.2e}")})
+        emit({**record, **rate(seconds), "rel_err": float(f"{err:.2e}"), "first_call_s": round(first_call, 2)})
         if err < 1e-2:
             for before in {tile in BEFORE, False}:
                 if before not in best or seconds < best[before][0]:
@@ -101,10 +105,21 @@ def sweep(fmt: str, n: int, k: int, tiles: tuple[PlaneGemvConfig, ...], bandwidt
     del copies, dense
 
 
+def warm(job: tuple[str, int, int, PlaneGemvConfig]) -> None:
+    """Compiles (into Triton's cache on disk) the kernels of ``tile`` at a shape, as :func:`sweep` will
+    launch them: in a worker process, many at once (compiling is most of a cold run)."""
+    fmt, n, k, tile = job
+    layout = LAYOUTS[fmt]
+    planes = torch.zeros(n * (k // layout.tile) * sum(layout.tile_bytes()), dtype=torch.uint8, device="cuda")
+    plane_gemv(torch.zeros(1, k, device="cuda", dtype=torch.bfloat16), planes, fmt, n, None, tile)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter; times meaningless)")
     parser.add_argument("--formats", nargs="+", default=["Q8_0", "Q4_K", "Q6_K"], help="of the shapes to time")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="processes compiling first")
     args = parser.parse_args()
     if args.smoke:
         device, bandwidth = torch.device("cpu"), 1e9
@@ -117,9 +132,14 @@ def main() -> None:
         emit({"copy_bandwidth_TBps": round(bandwidth / 1e12, 3)})
         shapes = SHAPES
     start = time.perf_counter()
+    shapes = [(fmt, n, k) for fmt, n, k in shapes if fmt in args.formats]
+    if not args.smoke and args.jobs > 1:
+        jobs = [(fmt, n, k, tile) for fmt, n, k in shapes for tile in ONE_ROW_PLANE_TILES]
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            pool.map(warm, jobs, chunksize=1)
+        emit({"compiled": len(jobs), "seconds": round(time.perf_counter() - start, 1)})
     for fmt, n, k in shapes:
-        if fmt in args.formats:
-            sweep(fmt, n, k, ONE_ROW_PLANE_TILES, bandwidth, device, args.smoke)
+        sweep(fmt, n, k, ONE_ROW_PLANE_TILES, bandwidth, device, args.smoke)
     emit({"seconds": round(time.perf_counter() - start, 1)})
 
 

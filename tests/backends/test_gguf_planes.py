@@ -102,11 +102,11 @@ def test_dot(name, dtype):
 
 
 # a type of each decode (bytes, nibbles, nibbles and high bits), one with fp16 activations
-PIPELINED_CASES = [("Q8_0", SMALL_DTYPES[0]), ("Q4_K", torch.float16), ("Q6_K", SMALL_DTYPES[0])]
+IN_FLIGHT_CASES = [("Q8_0", SMALL_DTYPES[0]), ("Q4_K", torch.float16), ("Q6_K", SMALL_DTYPES[0])]
 
 
-@pytest.mark.parametrize(("name", "dtype"), PIPELINED_CASES, ids=str)
-def test_gemv_pipelined_tiles(name, dtype):
+@pytest.mark.parametrize(("name", "dtype"), IN_FLIGHT_CASES, ids=str)
+def test_gemv_tiles_in_flight(name, dtype):
     """The one-row tiles that load the first step before the chain's wait (and unroll the loop), that give
     a thread a group's loads: over 5 tiles of a row (no step divides them), and split in 3 programs over K."""
     packed, planes, k = weight(name, n=9, tiles=5)

@@ -87,26 +87,29 @@ def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
 
 # The one-row GEMV's tiles. The first eight give each thread one 16-byte load of codes a row (``tiles =
 # 4 * num_warps``: the warps go to the tiles, Triton lays every operand out alike), 1 to 4 rows a
-# program, some splitting K; the others keep more of the weight in flight: a warp a row, two 16-byte
-# loads a thread or a group's four (one scale decode for 16 values), deeper pipelining, the first
-# step's loads before the chain's wait.
+# program, some splitting K; the others keep more of the weight in flight: a warp a row, a group's four
+# 16-byte loads a thread (one scale decode for 16 values), the loop unrolled, the first step's loads
+# before the chain's wait. (A warp's rows past one, or a thread's loads of several tiles, make Triton
+# shuffle operands through shared memory at every step: none of those.)
 ONE_ROW_PLANE_TILES = tuple(
     PlaneGemvConfig(*c)
     for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2), (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)]
 ) + (
     # a warp a row (or two): 4 tiles a step fill a warp's threads, the warps go to the rows; long loops
-    PlaneGemvConfig(8, 4, 4, early=True),
-    PlaneGemvConfig(4, 4, 4, num_stages=4, early=True),
+    PlaneGemvConfig(4, 4, 4, early=True),
     PlaneGemvConfig(8, 4, 8, early=True),
-    PlaneGemvConfig(8, 4, 4, split=2, early=True),
-    # a 16-byte load a thread a row, its first step before the wait; two loads
+    PlaneGemvConfig(8, 4, 4, early=True),
+    PlaneGemvConfig(4, 4, 4, early=True, unroll=2),
+    PlaneGemvConfig(8, 4, 8, early=True, unroll=2),
+    PlaneGemvConfig(4, 4, 4, split=2, early=True),
+    # today's first with its first step before the wait
     PlaneGemvConfig(4, 16, 4, early=True),
-    PlaneGemvConfig(4, 32, 4, early=True),
     # a group's loads a thread: 16 tiles a step fill a warp's threads (Q6_K's two warps), the rest go to the rows
     PlaneGemvConfig(4, 16, 4, early=True, groups=True),
-    PlaneGemvConfig(8, 16, 4, early=True, groups=True),
     PlaneGemvConfig(8, 16, 8, early=True, groups=True),
-    PlaneGemvConfig(8, 16, 4, split=2, early=True, groups=True),
+    PlaneGemvConfig(2, 16, 2, early=True, groups=True),
+    PlaneGemvConfig(4, 16, 4, early=True, groups=True, unroll=2),
+    PlaneGemvConfig(4, 16, 4, split=2, early=True, groups=True),
 )
 
 

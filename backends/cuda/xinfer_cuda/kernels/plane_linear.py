@@ -19,7 +19,12 @@ In the sm_90 SASS of the loop that is 6.0 instructions a Q4_K value, 5.5 a Q8_0 
 third of them the sub-block scales' decode), against 14 and 10 for the byte-wise kernels of the
 file's blocks (:mod:`xinfer_cuda.kernels.quant_linear`), which also load one or two bytes at a time.
 Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV may split K over
-``split`` programs a row tile, their fp32 partial sums added by a second small kernel.
+``split`` programs a row tile, their fp32 partial sums added by a second small kernel. What keeps
+enough of the weight in flight is measured (:class:`PlaneGemvConfig`): the warps on a row's tiles or
+on rows, a thread's one load of a tile's 4 words or ``groups``: a group's 16 (its 4 loads outermost
+in the step's index, so in the thread's registers, sharing one scale decode), the loop unrolled, and
+``early``: the first step's code words loaded before the wait on
+the kernel that writes ``x`` (programmatic dependent launch: they overlap its tail).
 
 - :func:`plane_gemv`: one row, :class:`PlaneGemvConfig`;
 - :func:`plane_dot`: a few rows (small decode batches): each field's values, decoded the same way,
@@ -53,7 +58,6 @@ class PlaneGemvConfig:
     tiles: int  # tiles of each row per loop step (a power of two)
     num_warps: int
     split: int = 1  # programs along K a row tile
-    num_stages: int = 3  # Triton's software pipelining of the loop's loads (3: Triton's default)
     early: bool = False  # the first step's code words loaded before the wait on the kernel that writes x
     # a thread holds a group's SUB words of a tile (4 16-byte loads, Q6_K's 2) and decodes their scale once,
     # rather than one load of them
@@ -249,7 +253,7 @@ def _load_sum(v, GROUPS: tl.constexpr):
 def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
                FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr,
                PER_TILE: tl.constexpr, XS: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
-               GROUPS: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
+               GROUPS: tl.constexpr, X_EACH_ROW: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
     """``acc`` plus the products of the tiles ``t0 ..`` of the rows; ``WAIT``: the chain's wait for the
     kernel that writes ``x`` between the code words' loads and the activations' (no kernel writes the
     weights)."""
@@ -262,7 +266,10 @@ def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows
     # per (row, tile, group, 16-byte load): the products of a load's 4 words summed in the thread, then
     # scaled once, and the block's bias times the sum of their activations
     for p in tl.static_range(FIELDS // 2):
-        xs = _activation_pair(x_ptr, tile * (16 * FIELDS) + 32 * p + w, None if EVEN else has_tile, XS)
+        pair_at = tile * (16 * FIELDS) + 32 * p + w
+        if X_EACH_ROW:  # loaded as the codes are (else Triton spreads the few activations over the threads)
+            pair_at = tl.broadcast_to(pair_at, word.shape)
+        xs = _activation_pair(x_ptr, pair_at, None if EVEN else has_tile, XS)
         for q in tl.static_range(2):
             x = xs[q]
             scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
@@ -277,7 +284,8 @@ def _plane_gemv_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split, magic,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
     XS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, GROUPS: tl.constexpr, EARLY: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr, GROUPS: tl.constexpr, X_EACH_ROW: tl.constexpr, EARLY: tl.constexpr, UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     num_tiles = K // (32 * FIELDS)
@@ -289,13 +297,13 @@ def _plane_gemv_kernel(
         acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
     if EARLY:  # the first step's code words in flight before the wait (every program has a step)
         acc = _gemv_step(acc, first, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last,
-                         magic, FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, GROUPS, PDL)  # fmt: skip
+                         magic, FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, GROUPS, X_EACH_ROW, PDL)  # fmt: skip
         first += TILES
     else:
         pdl_entry(PDL)
     for t0 in tl.range(first, last, TILES, loop_unroll_factor=UNROLL):
         acc = _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
-                         FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, GROUPS, False)  # fmt: skip
+                         FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, GROUPS, X_EACH_ROW, False)  # fmt: skip
     if GROUPS:
         y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=0)
     else:
@@ -429,7 +437,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         words, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split, MAGIC,
         XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
-        GROUPS=config.groups, EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **chain,
+        GROUPS=config.groups, X_EACH_ROW=config.groups or config.tiles < 4 * config.num_warps, EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, **_format_args(layout), **chain,
     )  # fmt: skip
     if split > 1:
         block = 256
