@@ -114,7 +114,7 @@ def test_gemv_tiles_in_flight(name, dtype):
     x, bias = torch.randn(1, k, device=DEVICE).to(dtype), torch.randn(9, device=DEVICE).to(dtype)
     want = x.cpu().float() @ ref.T + bias.cpu().float()
     for tile in (
-        PlaneGemvConfig(4, 2, 1, early=True, unroll=2, groups=True),
+        PlaneGemvConfig(4, 2, 2, early=True, unroll=2, groups=True),
         PlaneGemvConfig(8, 1, 2, split=3, early=True),
     ):
         check(plane_gemv(x, planes, name, 9, bias, tile), want, dtype)

@@ -104,12 +104,13 @@ ONE_ROW_PLANE_TILES = tuple(
     PlaneGemvConfig(4, 4, 4, split=2, early=True),
     # today's first with its first step before the wait
     PlaneGemvConfig(4, 16, 4, early=True),
-    # a group's loads a thread: 16 tiles a step fill a warp's threads (Q6_K's two warps), the rest go to the rows
+    # a group's loads a thread: 16 tiles a step fill a warp's threads (Q6_K's two warps), the rest go to the
+    # rows, a thread's rows past one share its activations
     PlaneGemvConfig(4, 16, 4, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 4, early=True, groups=True),
     PlaneGemvConfig(8, 16, 8, early=True, groups=True),
-    PlaneGemvConfig(2, 16, 2, early=True, groups=True),
-    PlaneGemvConfig(4, 16, 4, early=True, groups=True, unroll=2),
-    PlaneGemvConfig(4, 16, 4, split=2, early=True, groups=True),
+    PlaneGemvConfig(16, 16, 8, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 4, split=2, early=True, groups=True),
 )
 
 
