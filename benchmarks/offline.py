@@ -70,6 +70,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--isq", help="quantize the weights at load to this packed format (q8_0, q4_k, fp8, ...)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's format (auto, fp8, turbo4, ...)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (its memory plan's)")
     parser.add_argument(
@@ -122,6 +123,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         isq=args.isq,
+        kv_cache_dtype=args.kv_cache_dtype,
         **{name: value for name in ("max_num_seqs", "max_num_batched_tokens") if (value := getattr(args, name))},
     )
     scheduler = llm.engine.config.scheduler
@@ -150,6 +152,8 @@ def main() -> None:
         "output_tokens": sum(outputs),
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "kv_cache_dtype": llm.engine.kv_format.name,
+        "kv_capacity_tokens": sum(pool.num_blocks * pool.block_size for pool in llm.engine.cache.pools),
     }
     for sampling in args.sampling:  # greedy figures keep their old names; sampled ones are prefixed
         prefix = "" if sampling == "greedy" else "sampled_"
@@ -166,15 +170,18 @@ def main() -> None:
         profiler = kernel_profiler() if args.kernels else contextlib.nullcontext()
         with profiler:
             start = time.perf_counter()
-            first_token_at = None
-            for _ in llm.stream(prompts, params):
-                first_token_at = first_token_at or time.perf_counter()
+            started, all_started_at = set(), start  # when every request has its first token
+            for delta in llm.stream(prompts, params):
+                if delta.request_id not in started:
+                    started.add(delta.request_id)
+                    all_started_at = time.perf_counter()
             elapsed = time.perf_counter() - start
         result[f"{prefix}output_tok_s"] = round(sum(outputs) / elapsed, 2)
         result[f"{prefix}total_tok_s"] = round((sum(outputs) + sum(inputs)) / elapsed, 2)
         result[f"{prefix}seconds"] = round(elapsed, 3)
-        if args.num_requests == 1:
-            result[f"{prefix}decode_tok_s"] = round((outputs[0] - 1) / (elapsed - (first_token_at - start)), 2)
+        if args.num_requests <= scheduler.max_num_seqs:  # all decode together after their prompts
+            decoded = sum(outputs) - len(outputs)
+            result[f"{prefix}decode_tok_s"] = round(decoded / (elapsed - (all_started_at - start)), 2)
         if phases is not None:
             steps = phases["steps"]
             result[f"{prefix}steps"] = steps

@@ -1,10 +1,12 @@
-"""The offline Python API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+"""The offline Python API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
+
+from tqdm.auto import tqdm
 
 from xinfer.config import EngineConfig
 from xinfer.engine.engine import LLMEngine
@@ -50,10 +52,11 @@ class LLM:
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        params: Params = None,
+        sampling_params: Params = None,
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        use_tqdm: bool = True,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates. A message's
@@ -74,19 +77,26 @@ class LLM:
             # the template writes BOS itself
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
             prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
-        return self.generate(prompts, params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs in the order of ``prompts``."""
-        outputs = self._add(prompts, params)
-        for _ in self.processor.run(outputs):
-            pass
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in the order of ``prompts``. ``use_tqdm``: a
+        progress bar of the finished requests (on stderr)."""
+        outputs = self._add(prompts, sampling_params)
+        with tqdm(total=len(outputs), desc="Generating", unit="request", disable=not use_tqdm) as bar:
+            for delta in self.processor.run(outputs):
+                bar.update(delta.finished)
         return outputs
 
-    def stream(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None) -> Iterator[RequestOutput]:
         """Yields, as each step produces them, deltas: a ``RequestOutput`` holding only
         the new tokens and text of one choice of one request."""
-        yield from self.processor.run(self._add(prompts, params))
+        yield from self.processor.run(self._add(prompts, sampling_params))
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def _add(self, prompts, params) -> list[RequestOutput]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)

@@ -26,9 +26,11 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context limit
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (after the first)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # a dict of its fields is taken too
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
@@ -58,6 +60,10 @@ class SamplingParams:
         )
         _check(all(self.stop), "stop strings must not be empty")
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
+        )
         if self.logit_bias:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             _check(min(self.logit_bias) >= 0, f"logit_bias token ids must be >= 0, got {min(self.logit_bias)}")

@@ -107,8 +107,13 @@ def test_heads_that_do_not_split_are_refused_in_one_line(tmp_path, checkpoints, 
 
 
 def test_hidden_states_of_two_ranks_are_one_ranks(checkpoints, ranks):
-    """The forward between steps (embeddings, scoring) runs on every rank too."""
+    """The forward between steps (embeddings, prompt logprobs) runs on every rank too."""
     options = dict(model=str(checkpoints("qwen3-moe")), dtype="float32", num_blocks=64, device=DEVICE)
-    expected = LLM(**options).engine.hidden_states(prompt(23))
+    one = LLM(**options).engine
+    expected, expected_logprobs = one.hidden_states(prompt(23)), one.prompt_logprobs(prompt(23), 2)
     with LLM(**options, tensor_parallel_size=2) as llm:
         torch.testing.assert_close(llm.engine.hidden_states(prompt(23)), expected, atol=1e-4, rtol=1e-4)
+        logprobs = llm.engine.prompt_logprobs(prompt(23), 2)  # the LM head's vocabulary split over the ranks
+        assert logprobs[0] is None and [list(e) for e in logprobs[1:]] == [list(e) for e in expected_logprobs[1:]]
+        for got, want in zip(logprobs[1:], expected_logprobs[1:]):
+            assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)

@@ -203,6 +203,9 @@ def test_stop_strings_across_tokens_and_n_seeded_choices(model_dir):
     end = free.text.index(stop)
     assert cut.outputs[0].text == free.text[:end] and cut.outputs[0].token_ids == free.token_ids[: end + 2]
     assert (cut.outputs[0].finish_reason, cut.outputs[0].stop_reason) == ("stop", stop)
+    kept = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    with_stop = llm.generate([tokens], kept)[0].outputs[0]  # vLLM's option: the text ends after the stop string
+    assert with_stop.text == free.text[: end + 2] and with_stop.token_ids == cut.outputs[0].token_ids
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True, n=3)
     choices = llm.generate([tokens], seeded)[0].outputs
     for i, choice in enumerate(choices):  # choice i samples as a request of its own with seed + i

@@ -67,6 +67,11 @@ def test_finish_reason_stop_length_and_stop_string(client, model):
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[: text.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(  # vLLM's extra field
+        model=model, messages=QUESTION, temperature=0, max_tokens=200, stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].message.content == text[: text.index(stop) + len(stop)]
 
 
 def test_n_with_seed_is_reproducible(client, model):

@@ -159,6 +159,14 @@ def test_defaults_match_xinfer():
     assert not args.disable_prefix_cache and not args.ui_server
 
 
+@pytest.mark.parametrize("flag, value", [("--max-model-len", "-5"), ("--max-num-seqs", "0")])
+def test_an_engine_value_out_of_range_is_one_line_naming_the_flag(flag, value):
+    result = xinfer(flag, value)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"xinfer: {flag} {value}: ") and "greater than 0" in lines[0], lines
+
+
 def test_a_missing_model_file_is_one_line():
     result = xinfer("--m", "/no/such/model.gguf")
     assert result.returncode == 2

@@ -7,6 +7,7 @@ import math
 import struct
 
 import httpx
+import pytest
 
 from tests.server.conftest import MAX_MODEL_LEN
 
@@ -39,18 +40,30 @@ def test_completion_n_with_prompt_list_orders_choices(client, model):
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
 
 
-def test_completion_echo_and_logprobs(client, model):
+def test_completion_echo_and_logprobs(client, model, server):
+    """The echoed prompt's tokens carry their log-probabilities (the first none), as OpenAI's legacy API and vLLM
+    give them."""
     prompt = "The capital of France is"
     reply = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
     choice = reply.choices[0]
     assert choice.text.startswith(prompt)
     logprobs = choice.logprobs
-    generated = reply.usage.completion_tokens
-    assert len(logprobs.tokens) == reply.usage.prompt_tokens + generated
-    assert logprobs.token_logprobs[: reply.usage.prompt_tokens] == [None] * reply.usage.prompt_tokens
-    assert all(lp <= 0 for lp in logprobs.token_logprobs[-generated:])
-    assert all(len(top) <= 2 for top in logprobs.top_logprobs[-generated:])
+    num_prompt, generated = reply.usage.prompt_tokens, reply.usage.completion_tokens
+    assert len(logprobs.tokens) == num_prompt + generated
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
     assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+    # a token's score depends on the tokens before it only (tests/engine/test_prompt_logprobs.py checks the
+    # values against transformers)
+    prompt_ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    longer = client.completions.create(
+        model=model, prompt=prompt_ids + prompt_ids, max_tokens=1, temperature=0, echo=True, logprobs=0
+    )
+    shorter = client.completions.create(model=model, prompt=prompt_ids, max_tokens=1, echo=True, logprobs=0)
+    head = longer.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)]
+    assert head == pytest.approx(shorter.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)], abs=1e-4)
 
 
 def test_streamed_completion_equals_whole(client, model):

@@ -125,3 +125,13 @@ def test_eos_ids_are_end_of_generation_for_llama_cpp(model, ours):
     # turn ends of chat models are among them: <|im_end|> for SmolLM2, <end_of_turn> for Gemma
     turn_end = {"<|im_end|>", "<end_of_turn>"} & {ours.id_to_token(i) for i in end_of_generation}
     assert {ours.token_to_id(t) for t in turn_end} <= ours.eos_token_ids
+
+
+def test_a_trailing_incomplete_character_is_flushed_as_decode_gives_it(ours):
+    """The stream holds back a character's first bytes; at the end, ``flush`` gives what decode gives them."""
+    ids = ours.encode("ok 𓀀")  # four bytes, byte-fallback tokens in both vocabularies
+    partial = next(n for n in range(len(ids), 0, -1) if ours.decode(ids[:n]).endswith("\ufffd"))
+    stream = IncrementalDetokenizer(ours)
+    text = "".join(stream.push(i) for i in ids[:partial])
+    assert "\ufffd" not in text
+    assert text + stream.flush() == ours.decode(ids[:partial])

@@ -63,6 +63,9 @@ def follow(ranks: Ranks, device: DeviceConfig) -> None:
         elif kind == "hidden":
             assert runner is not None, "a forward before the engine was built"
             runner.hidden_states(payload[0])
+        elif kind == "logprobs":
+            assert runner is not None, "a forward before the engine was built"
+            runner.prompt_logprobs(*payload)
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.multimodal.encoder_cache import EncoderCache
 from xinfer.multimodal.inputs import MultiModalModel, MultiModalProcessor, PlaceholderRange, expand_prompt
+from xinfer.ops import HostBatch
 from xinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -209,8 +210,21 @@ class LLMEngine:
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
-        """Final hidden states [T, hidden] over ``token_ids`` (embeddings, prompt scoring),
-        through blocks borrowed from the KV pool for one forward, between steps."""
+        """Final hidden states [T, hidden] over ``token_ids`` (embeddings, prompt scoring)."""
+        with self._whole_input(token_ids) as batch:
+            return self.runner.hidden_states(batch)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], top_n: int) -> list[dict[int, float] | None]:
+        """Each token's log-probability after the tokens before it (``None`` for the first), with
+        the ``top_n`` likeliest tokens there: the logprobs of a prompt echoed back."""
+        with self._whole_input(token_ids) as batch:
+            return self.runner.prompt_logprobs(batch, top_n)
+
+    @contextlib.contextmanager
+    def _whole_input(self, token_ids: list[int]) -> Iterator[HostBatch]:
+        """One forward's batch over all of ``token_ids``, through blocks borrowed from the KV
+        pool between steps."""
         if not token_ids:
             raise ValueError("the input is empty")
         if len(token_ids) > self.max_model_len:
@@ -218,12 +232,12 @@ class LLMEngine:
                 f"the input has {len(token_ids)} tokens, the model's context is {self.max_model_len} tokens"
             )
         self._check_vocab(token_ids)
-        seq = Sequence("hidden-states", token_ids, SamplingParams())
+        seq = Sequence("whole-input", token_ids, SamplingParams())
         if not self.cache.allocate(seq, len(token_ids)):
             self.cache.release(seq)
             raise KVCacheFull("the KV cache is full; retry later")
         try:
-            return self.runner.hidden_states(self.runner.prepare([ScheduledSeq(seq, len(token_ids))]))
+            yield self.runner.prepare([ScheduledSeq(seq, len(token_ids))])
         finally:
             self.cache.release(seq)
 

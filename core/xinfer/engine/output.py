@@ -33,6 +33,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' log-probabilities (vLLM's), where ``logprobs`` were asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(entry[token] for token, entry in zip(self.token_ids, self.logprobs))
+
 
 @dataclass
 class RequestOutput:
@@ -44,6 +51,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @classmethod
     def empty(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -93,7 +101,11 @@ class OutputProcessor:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         output = RequestOutput.empty(request_id, prompt_token_ids, params, prompt)
-        header = replace(output, outputs=[])
+        if params.prompt_logprobs is not None:
+            if multimodal:
+                raise ValueError("prompt_logprobs is not supported for prompts with images")
+            output.prompt_logprobs = self.engine.prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+        header = replace(output, outputs=[], prompt_logprobs=None)
         self._requests[request_id] = sequence_ids = []
         try:
             for index in range(params.n):
@@ -155,4 +167,4 @@ class OutputProcessor:
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
         tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens
         detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
-        return TextStream(detokenizer, params.stop)
+        return TextStream(detokenizer, params.stop, params.include_stop_str_in_output)

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from xinfer.distributed.ranks import Ranks
 
 
+LOGPROB_ROWS = 256
+
+
 def longest_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
     """The step's sequences by context length, longest first. Attention work grows with
     the context; a backend that gives each sequence its own programs, launched in row
@@ -93,6 +96,29 @@ class ModelRunner:
             input_ids, positions, step = self.to_device(batch)
             with forward_context(step):
                 return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, batch: HostBatch, top_n: int) -> list[dict[int, float] | None]:
+        """For ``batch``, one whole sequence: each token's log-probability after the tokens before it,
+        with the ``top_n`` likeliest tokens there; the first token has none. The logits are taken
+        ``LOGPROB_ROWS`` positions at a time (a long prompt's [T, vocab] would not fit)."""
+        with ops.use(self.backend), self._leading(("logprobs", batch, top_n)):
+            input_ids, positions, step = self.to_device(batch)
+            entries: list[dict[int, float] | None] = [None]
+            with forward_context(step):
+                hidden = self.model(input_ids, positions)
+                for start in range(0, len(input_ids) - 1, LOGPROB_ROWS):
+                    end = min(start + LOGPROB_ROWS, len(input_ids) - 1)
+                    logprobs = self.model.compute_logits(hidden[start:end]).float().log_softmax(-1)
+                    following = input_ids[start + 1 : end + 1]
+                    chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
+                    top = logprobs.topk(top_n) if top_n else None
+                    for row, (token, value) in enumerate(zip(following.tolist(), chosen)):
+                        entry = {token: value}
+                        if top is not None:
+                            entry.update(zip(top.indices[row].tolist(), top.values[row].tolist()))
+                        entries.append(entry)
+            return entries
 
     @torch.inference_mode()
     def step(

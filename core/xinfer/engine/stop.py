@@ -8,9 +8,10 @@ from xinfer.text.detokenizer import IncrementalDetokenizer
 class TextStream:
     """Holds back the tail that could still become a stop string."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: list[str]):
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: list[str], include_stop: bool = False):
         self.detokenizer = detokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -29,8 +30,9 @@ class TextStream:
         hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
         if hits:
             index, stop = min(hits)
-            self.text, self.stopped = self.text[:index], True
-            return self._take(index), stop
+            end = index + len(stop) if self.include_stop else index
+            self.text, self.stopped = self.text[:end], True
+            return self._take(end), stop
         return self._take(len(self.text) - self.hold), None
 
     def finish(self) -> str:

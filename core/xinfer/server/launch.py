@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from xinfer.config import EngineConfig
 from xinfer.engine.async_engine import AsyncEngine, EngineState
@@ -57,8 +58,18 @@ def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
         return path, engine_config(args, path)
     except (ValueError, FileNotFoundError) as error:
         log.debug("the model cannot be loaded", exc_info=True)
-        print(f"xinfer: {error}", file=sys.stderr)
+        print(f"xinfer: {one_line(error)}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def one_line(error: Exception) -> str:
+    """``error`` on one line: a config's validation errors as the flags they come from."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    return "; ".join(
+        f"--{str(e['loc'][-1]).replace('_', '-')} {e['input']}: {e['msg'][:1].lower()}{e['msg'][1:]}"
+        for e in error.errors()
+    )
 
 
 def mcp_servers(args: argparse.Namespace) -> list[ServerSpec]:

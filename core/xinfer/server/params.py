@@ -100,6 +100,7 @@ def request_params(
             stop=body.stop_strings,
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=body.num_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=constraint,

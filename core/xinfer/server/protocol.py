@@ -110,6 +110,7 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -135,6 +135,14 @@ class Serving:
     async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
         return await self._ask(request, self.engine.embed(token_ids))
 
+    async def prompt_logprobs(
+        self, request: Request, prompts: list[list[int]], top_n: int
+    ) -> list[list[dict[int, float] | None]]:
+        """Each prompt token's log-probability and ``top_n`` alternatives (``None`` for a prompt's first)."""
+        return await self._ask(
+            request, self.engine.call(lambda engine: [engine.prompt_logprobs(p, top_n) for p in prompts])
+        )
+
     async def _ask(self, request: Request, work: Awaitable[T]) -> T:
         """The engine's answer to ``work``, unless the client leaves first; its errors become 429, 503 or 400."""
         try:

@@ -30,6 +30,13 @@ def sse_event(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
+def typed_sse_event(event: str, data: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event as Anthropic's and OpenAI's Responses API write them: its type named
+    twice, in ``event:`` and the JSON."""
+    payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data, ensure_ascii=False)
+    return f"event: {event}\ndata: {payload}\n\n"
+
+
 class EngineStreamResponse(StreamingResponse):
     """SSE whose engine request is released however the response ends: finished,
     client gone (Starlette cancels the stream), or never started at all."""

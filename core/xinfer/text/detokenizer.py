@@ -4,12 +4,19 @@ Decoding a token alone is wrong: SentencePiece drops the leading space of the fi
 and a character split over byte-fallback tokens decodes to U+FFFD until its last byte
 arrives. So each step decodes a short window, ``ids[prefix:]``, and emits what it adds to
 ``ids[prefix:read]``, the part already emitted; a tail ending in U+FFFD waits for more.
+With xinfer's own tokenizer, ``tokenizers``' ``DecodeStream`` does that step in one call
+(about 2 µs a token, where two decodes from Python take 6-15); the window then only
+serves ``flush``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+from tokenizers.decoders import DecodeStream
+
+from xinfer.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # prompt tokens kept as context for the first generated token (vLLM uses 5 too)
@@ -30,15 +37,29 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix = 0  # ids[prefix:read] is context already emitted
         self.read = len(self.ids)
+        self.stream = _stream(tokenizer, self.ids, skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        text = self._stream_delta(token_id) if self.stream is not None else self._window_delta()
+        if text:
+            self.prefix, self.read = self.read, len(self.ids)
+            self._forget_emitted()
+        return text
+
+    def _stream_delta(self, token_id: int) -> str:
+        assert self.stream is not None and isinstance(self.tokenizer, Tokenizer)
+        try:
+            return self.stream.step(self.tokenizer.backend, token_id) or ""
+        except Exception:  # noqa: BLE001 - its prefix check can fail (tokenizers#1705): the window takes over
+            self.stream = None
+            return self._window_delta()
+
+    def _window_delta(self) -> str:
         emitted = self._decode(self.ids[self.prefix : self.read])
         text = self._decode(self.ids[self.prefix :])
         if len(text) <= len(emitted) or text.endswith(_REPLACEMENT):
             return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        self._forget_emitted()
         return text[len(emitted) :]
 
     def flush(self) -> str:
@@ -57,3 +78,14 @@ class IncrementalDetokenizer:
             del self.ids[: self.prefix]
             self.read -= self.prefix
             self.prefix = 0
+
+
+def _stream(tokenizer: Decoder, context: list[int], skip_special_tokens: bool) -> DecodeStream | None:
+    """``tokenizers``' own incremental decoder where ``tokenizer.decode`` is its backend's (xinfer's
+    tokenizer; an HF tokenizer's ``decode`` may also clean up spaces) and it takes a context."""
+    if not isinstance(tokenizer, Tokenizer):
+        return None
+    try:
+        return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers before 0.22: no context
+        return None

@@ -26,11 +26,10 @@ from xinfer.server.messages.responses import (
     ToolUseBlock,
     Usage,
     message_id,
-    sse,
     usage,
 )
 from xinfer.server.serving import Serving
-from xinfer.server.streaming import EngineStreamResponse
+from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
 from xinfer.server.tools import Call
 from xinfer.text.reasoning import ReasoningStream, split
 from xinfer.toolcalls import ToolCallDelta
@@ -93,7 +92,7 @@ class MessageAnswer:
 
     async def events(self) -> AsyncIterator[str]:
         start = self.message([], None).model_dump()
-        yield sse("message_start", {"type": "message_start", "message": start})
+        yield typed_sse_event("message_start", {"type": "message_start", "message": start})
         blocks = BlockStream()
         prompt = self.prompt
         split_stream = ReasoningStream(prompt.tags, prompt.inside) if prompt.tags else None
@@ -122,7 +121,7 @@ class MessageAnswer:
                         yield event
                 last = out if out.finished else last
         except EngineUnavailable as error:
-            yield sse("error", anthropic_error_body(503, str(error)))
+            yield typed_sse_event("error", anthropic_error_body(503, str(error)))
             return
         for event in blocks.finish():
             yield event
@@ -130,8 +129,10 @@ class MessageAnswer:
         if reason == "end_turn" and call_stream is not None and call_stream.calls:
             reason = "tool_use"
         delta = {"stop_reason": reason, "stop_sequence": sequence}
-        yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage().model_dump()})
-        yield sse("message_stop", {"type": "message_stop"})
+        yield typed_sse_event(
+            "message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage().model_dump()}
+        )
+        yield typed_sse_event("message_stop", {"type": "message_stop"})
 
 
 class BlockStream:
@@ -150,7 +151,9 @@ class BlockStream:
         delta = {"type": delta_type, field: text}
         return [
             *events,
-            sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}),
+            typed_sse_event(
+                "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+            ),
         ]
 
     def write_call(self, piece: ToolCallDelta) -> list[str]:
@@ -161,7 +164,9 @@ class BlockStream:
         if piece.arguments:
             delta = {"type": "input_json_delta", "partial_json": piece.arguments}
             events.append(
-                sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+                typed_sse_event(
+                    "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+                )
             )
         return events
 
@@ -169,16 +174,16 @@ class BlockStream:
         events = self.close()
         self.index, self.kind = self.index + 1, kind
         start = {"type": "content_block_start", "index": self.index, "content_block": block or BLOCK_STARTS[kind]}
-        events.append(sse("content_block_start", start))
+        events.append(typed_sse_event("content_block_start", start))
         if self.index == 0:
-            events.append(sse("ping", {"type": "ping"}))
+            events.append(typed_sse_event("ping", {"type": "ping"}))
         return events
 
     def close(self) -> list[str]:
         if self.kind is None:
             return []
         self.kind = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [typed_sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def finish(self) -> list[str]:
         return (self.open("text") if self.index < 0 else []) + self.close()
@@ -187,7 +192,7 @@ class BlockStream:
 def message_events(message: MessageResponse) -> list[str]:
     """A whole message as Anthropic's event stream: each block in one delta (a tool call's input as JSON)."""
     start = message.model_copy(update={"content": [], "stop_reason": None, "stop_sequence": None})
-    events = [sse("message_start", {"type": "message_start", "message": start.model_dump()})]
+    events = [typed_sse_event("message_start", {"type": "message_start", "message": start.model_dump()})]
     for index, block in enumerate(message.content):
         whole = block.model_dump()
         if isinstance(block, TextBlock | ThinkingBlock):
@@ -198,14 +203,20 @@ def message_events(message: MessageResponse) -> list[str]:
         else:  # an MCP call or result the server ran: whole in its start
             empty, delta = whole, None
         events.append(
-            sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": empty})
+            typed_sse_event(
+                "content_block_start", {"type": "content_block_start", "index": index, "content_block": empty}
+            )
         )
         if index == 0:
-            events.append(sse("ping", {"type": "ping"}))
+            events.append(typed_sse_event("ping", {"type": "ping"}))
         if delta is not None:
-            events.append(sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
-        events.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+            events.append(
+                typed_sse_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+            )
+        events.append(typed_sse_event("content_block_stop", {"type": "content_block_stop", "index": index}))
     end = {"stop_reason": message.stop_reason, "stop_sequence": message.stop_sequence}
-    events.append(sse("message_delta", {"type": "message_delta", "delta": end, "usage": message.usage.model_dump()}))
-    events.append(sse("message_stop", {"type": "message_stop"}))
+    events.append(
+        typed_sse_event("message_delta", {"type": "message_delta", "delta": end, "usage": message.usage.model_dump()})
+    )
+    events.append(typed_sse_event("message_stop", {"type": "message_stop"}))
     return events

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, Literal
 
@@ -78,9 +77,3 @@ class MessageResponse(BaseModel):
 
 class TokenCount(BaseModel):
     input_tokens: int
-
-
-def sse(event: str, data: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event as Anthropic writes them: its type named twice, in ``event:`` and the JSON."""
-    payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data, ensure_ascii=False)
-    return f"event: {event}\ndata: {payload}\n\n"

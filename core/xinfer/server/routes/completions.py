@@ -31,26 +31,36 @@ async def create_completion(request: Request) -> Response:
     prompts = encode_prompts(
         lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
     )
+    echoed = None  # the prompts' logprobs, when echoed with logprobs
+    if body.echo and body.logprobs is not None:
+        echoed = await serving.prompt_logprobs(request, prompts, body.logprobs)
     handle = await serving.submit(request, body, prompts)
-    return await CompletionAnswer(serving, body, handle).respond(request)
+    return await CompletionAnswer(serving, body, handle, echoed).respond(request)
 
 
 class CompletionAnswer(Answer):
     id_prefix, whole_type, chunk_type = "cmpl", Completion, Completion
     body: CompletionRequest
 
-    def __init__(self, serving: Serving, body: CompletionRequest, handle: RequestHandle):
+    def __init__(
+        self,
+        serving: Serving,
+        body: CompletionRequest,
+        handle: RequestHandle,
+        echoed: list[list[dict[int, float] | None]] | None = None,
+    ):
         super().__init__(serving, body, handle)
+        self.echoed = echoed
         num_choices = len(handle.choices)
         self.offsets = [0] * num_choices
         self.logprobs = [CompletionLogprobs() if body.logprobs is not None else None for _ in range(num_choices)]
 
     def echo(self, index: int) -> str:
-        """The prompt's text, for ``echo``; its tokens enter the logprobs without values."""
+        """The prompt's text, for ``echo``; its tokens enter the logprobs first."""
         if not self.body.echo:
             return ""
         prompt = self.handle.outputs[index // self.body.n].prompt_token_ids
-        self.add_logprobs(index, prompt, [None] * len(prompt))
+        self.add_logprobs(index, prompt, self.echoed[index // self.body.n] if self.echoed else None)
         return self.serving.tokenizer.decode(prompt, skip_special_tokens=False)
 
     def add_logprobs(self, index: int, token_ids: list[int], entries: list | None) -> None:

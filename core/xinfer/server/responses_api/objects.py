@@ -1,0 +1,112 @@
+"""Response objects of OpenAI's Responses API: the ``response``, its output items, usage."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from xinfer.server.responses import Usage
+
+Status = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+def item_id(prefix: str) -> str:
+    """OpenAI's ids: ``resp_...`` for responses, ``msg_...`` for messages, ``rs_...`` for reasoning."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Status
+    content: list[OutputText]
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning, whole in ``content`` (nothing summarizes it)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: Status
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+
+
+OutputItem = OutputMessage | ReasoningItem
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    """``input_tokens`` includes the prompt tokens read from the prefix cache, as OpenAI counts them."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+    @classmethod
+    def of(cls, chat: Usage) -> ResponseUsage:
+        cached = chat.prompt_tokens_details.cached_tokens if chat.prompt_tokens_details else 0
+        reasoning = chat.completion_tokens_details.reasoning_tokens if chat.completion_tokens_details else 0
+        return cls(
+            input_tokens=chat.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            output_tokens=chat.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+            total_tokens=chat.total_tokens,
+        )
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: Literal["server_error"] = "server_error"
+    message: str
+
+
+class Response(BaseModel):
+    """No tools are offered on this route (``tools`` is empty, ``tool_choice`` ``none``)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Status
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: ResponseError | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    tools: list[Any] = Field(default_factory=list)
+    tool_choice: Literal["none"] = "none"
+    parallel_tool_calls: bool = False
+    completed_at: int | None = None

@@ -1,0 +1,86 @@
+"""Request bodies of OpenAI's Responses API.
+
+Parsed as the other bodies are (strict JSON), except that a field this server does not
+implement is refused, naming it (:func:`unsupported_field`), where the chat routes ignore
+unknown fields: ignoring ``tools`` or ``previous_response_id`` would change the answer
+without saying so. Fields that only change bookkeeping are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# fields accepted and not read: they change no answer (no response is stored, no tool offered)
+IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key",
+                            "prompt_cache_retention", "service_tier", "parallel_tool_calls", "max_tool_calls",
+                            "stream_options"})  # fmt: skip
+# the values of other fields that ask for nothing beyond what this server does (their defaults)
+NEUTRAL_VALUES = {"truncation": ("disabled",), "tool_choice": ("auto", "none")}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+class InputPart(_Body):
+    """A part of an input message's content: ``input_text`` (``output_text`` in an assistant
+    turn given back), or ``input_image`` with an ``image_url``."""
+
+    type: str
+    text: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+class InputItem(_Body):
+    """An item of ``input``: only messages (``type`` ``message`` or absent) are read."""
+
+    type: str = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[InputPart] | None = None
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class Reasoning(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None  # not written: the reasoning item carries the reasoning's text itself
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", protected_namespaces=())
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    metadata: dict[str, str] | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field the body sets that this server does not implement."""
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED_FIELDS or value in (None, False, [], {}) or value in NEUTRAL_VALUES.get(name, ()):
+                continue
+            return name
+        if self.text is not None and self.text.verbosity not in (None, "medium"):
+            return "text.verbosity"
+        return None

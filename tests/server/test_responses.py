@@ -1,0 +1,148 @@
+"""OpenAI's Responses API through the official ``openai`` client against the embedded SmolLM2
+(the shared ``server`` fixture) and the tiny random model whose template reasons. Answers are
+checked against the same conversation sent through ``/v1/chat/completions`` (greedy, so they
+must agree); streams through the client's own stream helper, which checks the events' order
+and identities as it accumulates them."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+INSTRUCTIONS = "You answer in one short sentence."
+TURNS = [
+    {"role": "user", "content": "Name a fruit."},
+    {"role": "assistant", "content": "An apple."},
+    {"role": "user", "content": "Name another one."},
+]
+
+
+def chat_answer(client, model, messages, max_tokens):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def whole(client, model):
+    return client.responses.create(model=model, input=TURNS, max_output_tokens=8, temperature=0)
+
+
+def test_a_response_is_the_chat_completion(client, model, whole):
+    response = whole
+    chat = chat_answer(client, model, TURNS, 8)
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == model
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [part.type for part in message.content] == ["output_text"] and message.content[0].annotations == []
+    assert response.output_text == chat.choices[0].message.content
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.input_tokens_details.cached_tokens <= usage.input_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    # SmolLM2 names one fruit in fewer tokens than the limit
+    assert chat.choices[0].finish_reason == "stop" and response.status == message.status == "completed"
+    assert response.incomplete_details is None and response.completed_at >= response.created_at
+
+
+def test_instructions_and_content_parts_are_chat_messages(client, model):
+    parts = [{"role": t["role"], "content": [{"type": "input_text" if t["role"] == "user" else "output_text",
+                                              "text": t["content"]}]} for t in TURNS]  # fmt: skip
+    response = client.responses.create(
+        model=model, instructions=INSTRUCTIONS, input=parts, max_output_tokens=8, temperature=0
+    )
+    chat = chat_answer(client, model, [{"role": "system", "content": INSTRUCTIONS}, *TURNS], 8)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens and response.instructions == INSTRUCTIONS
+
+
+def test_the_token_limit_makes_an_incomplete_response(client, model):
+    response = client.responses.create(model=model, input="Write a long story.", max_output_tokens=4, temperature=0)
+    chat = chat_answer(client, model, [{"role": "user", "content": "Write a long story."}], 4)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 4 and response.output[0].status == "incomplete"
+    assert response.max_output_tokens == 4 and response.output_text
+
+
+def test_a_streamed_response(client, model, whole):
+    stream = client.responses.create(model=model, input=TURNS, max_output_tokens=8, temperature=0, stream=True)
+    events = list(stream)
+    kinds = [event.type for event in events]
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]  # fmt: skip
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(deltas) > 1
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    assert "".join(deltas) == final.output_text == whole.output_text and final.status == "completed"
+    assert final.id == events[0].response.id and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_reasoning_is_a_reasoning_item(tiny, tiny_client):
+    model = tiny_client.models.list().data[0].id
+    turns = [{"role": "user", "content": "Think about the sea."}]
+    response = tiny_client.responses.create(model=model, input=turns, max_output_tokens=10, temperature=0)
+    chat = chat_answer(tiny_client, model, turns, 10).choices[0].message
+    # the template opened the block and the random model never closes it: all of it is reasoning
+    [reasoning] = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.status == "incomplete"
+    assert reasoning.content[0].text == chat.reasoning_content and response.output_text == ""
+    assert response.usage.output_tokens_details.reasoning_tokens == 10
+    # the client's stream helper checks the items' identities as it accumulates the events
+    with tiny_client.responses.stream(model=model, input=turns, max_output_tokens=10, temperature=0) as stream:
+        events = list(stream)
+    deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == chat.reasoning_content and events[-1].type == "response.incomplete"
+    assert [item.type for item in events[-1].response.output] == ["reasoning"]
+    off = tiny_client.responses.create(model=model, input=turns, max_output_tokens=4, temperature=0,
+                                       reasoning={"effort": "none"})  # fmt: skip
+    assert [item.type for item in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_text_format_is_the_chat_response_format(client, model):
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
+    text = {"format": {"type": "json_schema", "name": "fruit", "schema": schema, "strict": True}}
+    response = client.responses.create(model=model, input=TURNS, text=text, max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=TURNS, max_tokens=8, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "fruit", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert response.output_text == chat.choices[0].message.content and response.output_text.startswith('{"fruit": ')
+
+
+IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, IMAGE]}]},
+            "input.0.content.1",
+        ),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 2.5}, "temperature"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(server, client, model, change, param):
+    body = {"model": model, "input": "Hi.", "max_output_tokens": 4} | change
+    response = server.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**body)
+
+
+def test_bookkeeping_fields_are_accepted(client, model):
+    response = client.responses.create(
+        model=model, input="Hi.", max_output_tokens=2, store=False, metadata={"k": "v"}, user="u",
+        tool_choice="auto", truncation="disabled",
+    )  # fmt: skip
+    assert response.metadata == {"k": "v"} and response.usage.output_tokens <= 2
