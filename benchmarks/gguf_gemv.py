@@ -68,7 +68,7 @@ def sweep(fmt: str, n: int, k: int, tiles: tuple[PlaneGemvConfig, ...], bandwidt
     ref = (x.float() @ plane_dequantize(planes, fmt, n, k, torch.float32).T).double()
     copies = [planes] if smoke else l2_overflowing_copies(planes)
     dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16)]
-    dense += [] if smoke else [torch.randn_like(dense[0]) for _ in range(len(l2_overflowing_copies(dense[0])) - 1)]
+    dense = dense if smoke else l2_overflowing_copies(dense[0])
     shape = {"format": fmt, "n": n, "k": k, "bytes": planes.numel()}
 
     def rate(seconds: float) -> dict:
