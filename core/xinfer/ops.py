@@ -197,6 +197,9 @@ class Ops(DeviceHooks, Protocol):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
 
+    def gelu_and_mul(self, x: Tensor) -> Tensor:
+        """``gelu(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n], the exact (erf) gelu."""
+
     def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
         """``sigmoid(gate) * y`` for ``y`` and ``gate`` [T, N] (an attention's output gate), computed
         in fp32 and rounded once to the dtype of ``y``."""
@@ -228,7 +231,7 @@ class Ops(DeviceHooks, Protocol):
         most ``limit`` and the up projection to ``[-limit, limit]`` before ``act_and_mul``.
 
         ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows, ``w2`` [E, H, I];
-        ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``).
+        ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``, ``gelu``).
         The sum is in fp32; returns [T, H] in the dtype of ``x``. No host syncs on CUDA,
         so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert."""
 
@@ -482,6 +485,10 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return current().gelu_tanh_and_mul(x)
+
+
+def gelu_and_mul(x: Tensor) -> Tensor:
+    return current().gelu_and_mul(x)
 
 
 def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:

@@ -125,6 +125,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def gelu_and_mul(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate) * up
+
     def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
         return (torch.sigmoid(gate.float()) * y.float()).to(y.dtype)
 
@@ -142,7 +146,9 @@ class TorchOps:
         activation: str,
         limit: float | None = None,
     ) -> Tensor:
-        gated = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul}[activation]
+        gated = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul, "gelu": self.gelu_and_mul}[
+            activation
+        ]
 
         def act_and_mul(gate_up: Tensor) -> Tensor:
             return gated(gate_up if limit is None else clamp_gate_up(gate_up, limit))

@@ -154,6 +154,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     gemv.gemv(t(4, 4096), t(6144, 4096), t(6144), DOT_TILES[0])
     activation.silu_and_mul(t(4, 2 * 14336))
     activation.gelu_tanh_and_mul(t(4, 2 * 14336))
+    activation.gelu_and_mul(t(4, 2 * 14336))
     activation.add_gated(t(1, 2048), t(1, 2048), t(1, 2048), t(1, 2048))  # a shared expert's gate
     activation.sigmoid_gate(t(4, 4096), t(4, 4096))  # an attention's output gate
     kv_write.write_kv(t(4, 8, 128), t(4, 8, 128), t(16, 16, 8, 128), t(16, 16, 8, 128), positions)

@@ -457,7 +457,7 @@ ACT_SHAPES = matrix([(1, 7), (5, 64), (3, 1000), (2, 3, 96)], [(1, 14336), (2048
 
 
 @pytest.mark.parametrize("shape, dtype", ACT_SHAPES)
-@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_tanh_and_mul"])
+@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_tanh_and_mul", "gelu_and_mul"])
 def test_act_and_mul(name, shape, dtype):
     x = rand(*shape[:-1], 2 * shape[-1], dtype=dtype, scale=3.0)
     out = getattr(activation, name)(x, out=nan_like(x[..., : shape[-1]].contiguous()))

@@ -101,6 +101,25 @@ def test_dot(name, dtype):
           + bias.cpu().float(), dtype)  # fmt: skip
 
 
+# a type of each decode (bytes, nibbles, nibbles and high bits), one with fp16 activations
+IN_FLIGHT_CASES = [("Q8_0", SMALL_DTYPES[0]), ("Q4_K", torch.float16), ("Q6_K", SMALL_DTYPES[0])]
+
+
+@pytest.mark.parametrize(("name", "dtype"), IN_FLIGHT_CASES, ids=str)
+def test_gemv_tiles_in_flight(name, dtype):
+    """The one-row tiles that load the first step before the chain's wait (and unroll the loop), that give
+    a thread a group's loads: over 5 tiles of a row (no step divides them), and split in 3 programs over K."""
+    packed, planes, k = weight(name, n=9, tiles=5)
+    ref = reference_weight(packed, name)
+    x, bias = torch.randn(1, k, device=DEVICE).to(dtype), torch.randn(9, device=DEVICE).to(dtype)
+    want = x.cpu().float() @ ref.T + bias.cpu().float()
+    for tile in (
+        PlaneGemvConfig(4, 2, 2, early=True, unroll=2, groups=True),
+        PlaneGemvConfig(8, 1, 2, split=3, early=True),
+    ):
+        check(plane_gemv(x, planes, name, 9, bias, tile), want, dtype)
+
+
 def test_fp16_activations():
     """Activations in half precision (the interpreter's fp32 cases above; bf16 on a GPU)."""
     packed, planes, k = weight("Q4_K")

@@ -67,6 +67,12 @@ def test_fused_moe_matches_the_reference(shape, dtype, activation):
     assert error <= TOL[dtype], f"relative error {error:.2e}"
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4]], ids=("per-slot", "grouped"))
+def test_fused_moe_with_exact_gelu_matches_the_reference(shape):
+    """The exact (erf) gelu, on one shape of each path (the activation is one jit function both call)."""
+    test_fused_moe_matches_the_reference(shape, torch.float32, "gelu")
+
+
 SLOT_TILES = {  # the per-slot path's variants (benchmarks/moe_kernels.py times them), at the interpreter's sizes
     "first": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, pipelined=False),
     "pipelined": moe.SlotTiles(up_n=16, up_k=32, down_n=16, down_k=32, up_unroll=2, down_unroll=2),

@@ -16,13 +16,20 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=128,
     rope_theta=500000.0,
 )
+YARN_UNTRUNCATED = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128, truncate=False,
+    beta_fast=16.0, beta_slow=2.0,
+)  # fmt: skip
 
 CONFIGS = {
     "llama-gqa-llama3-rope": lambda: LlamaConfig(
         **COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]
     ),
-    "llama-tied": lambda: LlamaConfig(
-        **{**COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]
+    "llama-tied-gelu": lambda: LlamaConfig(
+        **{**COMMON, "num_key_value_heads": 4},
+        hidden_act="gelu",
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
     ),
     "llama-dynamic-rope-biases-head-8": lambda: LlamaConfig(
         **COMMON,
@@ -33,8 +40,20 @@ CONFIGS = {
         rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
         architectures=["LlamaForCausalLM"],
     ),
-    "mistral-window-16": lambda: MistralConfig(
-        **COMMON, sliding_window=16, tie_word_embeddings=False, architectures=["MistralForCausalLM"]
+    # YaRN's correction range kept fractional (``truncate`` False, as gpt-oss), betas of its own
+    "mistral-window-16-yarn-untruncated": lambda: MistralConfig(
+        **COMMON,
+        sliding_window=16,
+        tie_word_embeddings=False,
+        rope_parameters=dict(YARN_UNTRUNCATED),
+        architectures=["MistralForCausalLM"],
+    ),
+    # transformers' Llama rotates the whole head whatever partial_rotary_factor says
+    "llama-partial-rotary-factor-ignored": lambda: LlamaConfig(
+        **COMMON,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
     ),
     "phi3-fused-partial-rope": lambda: Phi3Config(
         **{**COMMON, "num_key_value_heads": 4},

@@ -186,7 +186,8 @@ def loop_reference(x, w13, w2, topk_weights, topk_ids, act):
 
 
 @pytest.mark.parametrize(
-    "activation, act", [("silu", F.silu), ("gelu_pytorch_tanh", lambda g: F.gelu(g, approximate="tanh"))]
+    "activation, act",
+    [("silu", F.silu), ("gelu_pytorch_tanh", lambda g: F.gelu(g, approximate="tanh")), ("gelu", F.gelu)],
 )
 def test_fused_moe_reference_sums_weighted_experts(activation, act):
     generator = torch.Generator().manual_seed(0)

@@ -29,7 +29,9 @@ class NoRotaryOps:
     name = "norotary"
     kv_formats = None
     recent_window = False
-    linear = rms_norm = silu_and_mul = gelu_tanh_and_mul = fused_moe = moe_route = sample = attention = TorchOps.linear
+    linear = rms_norm = silu_and_mul = gelu_tanh_and_mul = gelu_and_mul = fused_moe = moe_route = sample = attention = (
+        TorchOps.linear
+    )
     apply_token_bitmask = norm_linear = norm_route = TorchOps.linear
     encoder_attention = layer_norm = rotary_attention = sigmoid_gate = add_gated = TorchOps.linear
 

@@ -1,7 +1,9 @@
 """The MoE and GLM architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
 own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
-layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings)."""
+layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings,
+activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
+error at load naming the field and the value."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers import (
     MiniMaxM2Config,
     PretrainedConfig,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
     Qwen3MoeConfig,
 )
 
@@ -23,7 +26,8 @@ from tests.plugins.hf_parity import (
     assert_prefill_logits_match,
     randomized_model,
 )
-from tests.tiny_models import COMMON, save_tiny_model
+from tests.plugins.qwen.test_qwen3_next import HYBRID
+from tests.tiny_models import COMMON, gemma3_config, save_tiny_model
 from xinfer import LLM
 
 SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -63,8 +67,9 @@ def glm4(**overrides) -> Glm4Config:
 
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2-moe no shared expert": lambda: qwen2_moe(shared_expert_intermediate_size=0),
-    "qwen2-moe no qkv bias, renormalized, tied": lambda: qwen2_moe(
-        shared_expert_intermediate_size=24, qkv_bias=False, norm_topk_prob=True, tie_word_embeddings=True
+    "qwen2-moe no qkv bias, renormalized, tied, exact gelu": lambda: qwen2_moe(
+        shared_expert_intermediate_size=24, qkv_bias=False, norm_topk_prob=True, tie_word_embeddings=True,
+        hidden_act="gelu",
     ),
     "qwen2-moe sparse step 2, mlp-only layer 3 of 4": lambda: qwen2_moe(
         num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=24
@@ -139,6 +144,18 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "minimax-m2 softmax scores": (
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
+    ),
+    "qwen2-moe relu": (
+        lambda: qwen2_moe(hidden_act="relu"),
+        "hidden_act 'relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu",
+    ),
+    "qwen3.5 DeltaNet gelu": (
+        lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),
+        "Gated DeltaNet with hidden_act 'gelu_pytorch_tanh': only silu is supported",
+    ),
+    "gemma3 bidirectional attention (EmbeddingGemma)": (
+        lambda: gemma3_config(use_bidirectional_attention=True),
+        "use_bidirectional_attention=True is not",
     ),
 }
 

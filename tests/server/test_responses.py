@@ -127,6 +127,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
         ),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context
         ({"temperature": 2.5}, "temperature"),
     ],
 )

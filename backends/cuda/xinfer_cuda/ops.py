@@ -123,6 +123,9 @@ class CudaOps(TorchOps):
     def gelu_tanh_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_tanh_and_mul(x)
 
+    def gelu_and_mul(self, x: Tensor) -> Tensor:
+        return activation.gelu_and_mul(x)
+
     def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
         return activation.sigmoid_gate(y, gate)
 

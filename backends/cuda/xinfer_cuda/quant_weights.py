@@ -85,14 +85,40 @@ def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     return (*dots, DEQUANTIZED)
 
 
+# The one-row GEMV's tiles. The first eight give each thread one 16-byte load of codes a row (``tiles =
+# 4 * num_warps``: the warps go to the tiles, Triton lays every operand out alike), 1 to 4 rows a
+# program, some splitting K; the others keep more of the weight in flight: a warp a row, a group's four
+# 16-byte loads a thread (one scale decode for 16 values), the loop unrolled, the first step's loads
+# before the chain's wait. (A warp's rows past one, or a thread's loads of several tiles, make Triton
+# shuffle operands through shared memory at every step: none of those.)
+ONE_ROW_PLANE_TILES = tuple(
+    PlaneGemvConfig(*c)
+    for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2), (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)]
+) + (
+    # a warp a row (or two): 4 tiles a step fill a warp's threads, the warps go to the rows; long loops
+    PlaneGemvConfig(4, 4, 4, early=True),
+    PlaneGemvConfig(8, 4, 8, early=True),
+    PlaneGemvConfig(8, 4, 4, early=True),
+    PlaneGemvConfig(4, 4, 4, early=True, unroll=2),
+    PlaneGemvConfig(8, 4, 8, early=True, unroll=2),
+    PlaneGemvConfig(4, 4, 4, split=2, early=True),
+    # today's first with its first step before the wait
+    PlaneGemvConfig(4, 16, 4, early=True),
+    # a group's loads a thread: 16 tiles a step fill a warp's threads (Q6_K's two warps), the rest go to the
+    # rows, a thread's rows past one share its activations
+    PlaneGemvConfig(4, 16, 4, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 4, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 8, early=True, groups=True),
+    PlaneGemvConfig(16, 16, 8, early=True, groups=True),
+    PlaneGemvConfig(8, 16, 4, split=2, early=True, groups=True),
+)
+
+
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
-    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: GEMVs whose tiles of a
-    loop step give each thread one 16-byte load of codes a row (``tiles = 4 * num_warps``: Triton then
-    lays every operand out alike, with no shared-memory shuffle), 1 to 4 rows a program, some splitting
-    K (weights of few rows); dots as :func:`candidates`; past one row also the dequantized weight."""
+    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
+    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`; past one row also the dequantized weight."""
     if rows == 1:
-        return tuple(PlaneGemvConfig(*c) for c in [(4, 16, 4), (2, 16, 4), (4, 32, 8), (2, 8, 2), (4, 8, 2),
-                                                   (1, 16, 4), (4, 16, 4, 2), (2, 16, 4, 4)])  # fmt: skip
+        return ONE_ROW_PLANE_TILES
     if rows <= 16:
         dots = tuple(PlaneDotConfig(16, n, t, w, s) for n, t, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
                                                                        (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
@@ -186,7 +212,9 @@ class GgufKernels(WeightKernels):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if topk_ids.numel() > quant_moe.MAX_SLOTS and not capturing:
             backend = ops.current()
-            act_and_mul = {"silu": backend.silu_and_mul, "gelu_pytorch_tanh": backend.gelu_tanh_and_mul}[activation]
+            act_and_mul = {
+                "silu": backend.silu_and_mul, "gelu_pytorch_tanh": backend.gelu_tanh_and_mul, "gelu": backend.gelu_and_mul
+            }[activation]  # fmt: skip
             return quant_moe.expert_by_expert(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, act_and_mul)
         return quant_moe.fused_moe(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, activation)
 

@@ -24,7 +24,7 @@ class DecoderSpec:
     """How an architecture departs from Llama. Sizes and the options HF configs spell alike
     come from the config: ``attention_bias`` (``qkv_bias`` where set apart), ``mlp_bias``,
     ``hidden_act``/``hidden_activation``, ``head_dim``, ``layer_types`` and ``sliding_window``,
-    the rope parameters (per layer type, partial), ``query_pre_attn_scalar``,
+    the rope parameters (per layer type; partial where ``partial_rotary``), ``query_pre_attn_scalar``,
     ``final_logit_softcapping``, ``tie_word_embeddings``."""
 
     qkv_bias: bool | None = None  # None: the config's qkv_bias, else its attention_bias
@@ -35,6 +35,9 @@ class DecoderSpec:
     scale_embeddings: bool = False  # embeddings times sqrt(hidden)
     interleaved_rotary: bool = False  # rotary over adjacent pairs (GPT-J style) rather than halves
     output_gate: bool = False  # attention output times sigmoid(a gate from q's projection) (Qwen3-Next)
+    # rotary over each head's first partial_rotary_factor (Phi-3, GLM); else over the whole head, whatever
+    # the config says, as transformers' Llama-style rotary does
+    partial_rotary: bool = False
 
 
 class DecoderForCausalLM(CausalLM):
@@ -52,7 +55,7 @@ class DecoderForCausalLM(CausalLM):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         rotary = {
-            kind: RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_parameters(config, kind))
+            kind: RotaryEmbedding(self.head_dim, config.max_position_embeddings, self.rope_parameters(config, kind))
             for kind in set(layer_types)
         }
         self.model = DecoderModel(
@@ -65,6 +68,10 @@ class DecoderForCausalLM(CausalLM):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, getattr(config, "final_logit_softcapping", None))
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
+        params = rope_parameters(config, layer_type)
+        return params if self.spec.partial_rotary else {**params, "partial_rotary_factor": 1.0}
 
     def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         layer = SandwichDecoderLayer if self.spec.sandwich_norms else DecoderLayer

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.distributed.group import Slice, current
-from xinfer.layers.activation import GATED_ACTIVATIONS
+from xinfer.layers.activation import activation_name
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm
@@ -149,14 +149,12 @@ class Experts(nn.Module):
         self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
         self._packed_experts: dict[str, dict[int, QuantizedTensor]] = {}  # a projection's experts until all are in
         self.limit = limit  # a clamped SwiGLU (ops.fused_moe)
-        if activation not in GATED_ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.tp = current()
         self.part = self.tp.split(intermediate_size, "the experts' intermediate size")
         self.num_experts, self.intermediate_size = num_experts, self.part.size(intermediate_size)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
-        self.activation = activation
+        self.activation = activation_name(activation)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit))
@@ -271,7 +269,8 @@ class MoE(nn.Module):
 
     Checkpoint names are HF's: ``gate`` (the router), ``experts``, ``shared_expert``,
     ``shared_expert_gate``; ``shared_name`` renames the shared experts (``shared_experts``
-    in GLM and DeepSeek). ``swiglu_limit`` clamps the routed and shared experts' gate and up
+    in GLM and DeepSeek), whose projections have biases where ``shared_bias`` (DeepSeek-V2's
+    ``mlp_bias``). ``swiglu_limit`` clamps the routed and shared experts' gate and up
     projections (DeepSeek V4).
     """
 
@@ -286,6 +285,7 @@ class MoE(nn.Module):
         shared_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
         shared_name: str = "shared_expert",
+        shared_bias: bool = False,
         dense_intermediate_size: int = 0,
         vocab_size: int | None = None,
         swiglu_limit: float | None = None,
@@ -295,7 +295,7 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, activation, swiglu_limit)
         self.shared_name = shared_name
         if shared_intermediate_size:
-            shared = GatedMLP(hidden_size, shared_intermediate_size, activation, limit=swiglu_limit)
+            shared = GatedMLP(hidden_size, shared_intermediate_size, activation, shared_bias, swiglu_limit)
             setattr(self, shared_name, shared)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None

@@ -61,14 +61,16 @@ def _llama3(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
 def _yarn(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
     factor = params["factor"]
     old_context = params["original_max_position_embeddings"]
-    beta_fast, beta_slow = params.get("beta_fast", 32), params.get("beta_slow", 1)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):  # gpt-oss keeps the range's bounds fractional
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low or 1e-3)).clamp(0, 1)
     extrapolation, _ = _default(base, dim, params)
     inv_freq = extrapolation / factor * ramp + extrapolation * (1 - ramp)
     mscale = params.get("attention_factor")

@@ -86,8 +86,8 @@ def request_params(
         raise bad_request(
             f"the model's context is {max_model_len} tokens; the prompt has {num_prompt_tokens} and "
             f"{token_limit} more were asked for ({num_prompt_tokens + token_limit} in all): "
-            f"lower max_tokens to at most {room}",
-            param="max_tokens",
+            f"lower {body.token_limit_name} to at most {room}",
+            param=body.token_limit_name,
             code="context_length_exceeded",
         )
     given = {name: getattr(body, name) for name in OPTIONAL_FIELDS if getattr(body, name) is not None}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from xinfer.server.tools import check_tool_choice, check_tools
 
@@ -118,6 +118,8 @@ class SamplingFields(_Body):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # the field a client set the token limit by, for errors (a route that translates its own body renames it)
+    _token_limit_name: str = PrivateAttr("max_tokens")
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
@@ -175,6 +177,10 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def token_limit_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else self._token_limit_name
+
+    @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -203,6 +209,10 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def token_limit_name(self) -> str:
+        return self._token_limit_name
 
     @property
     def num_logprobs(self) -> int | None:

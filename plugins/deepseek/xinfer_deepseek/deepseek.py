@@ -30,7 +30,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
-        return LatentAttention(config, rotary, self.rms_norm, getattr(config, "rope_interleave", True))
+        return LatentAttention(config, rotary, getattr(config, "rope_interleave", True))
 
     def is_sparse(self, config: Any, index: int) -> bool:
         return index >= config.first_k_dense_replace
@@ -53,7 +53,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return MoE(
             config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, self.routing(config),
             config.hidden_act, shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-            shared_name="shared_experts",
+            shared_name="shared_experts", shared_bias=getattr(config, "mlp_bias", False),
         )  # fmt: skip
 
     def checkpoint_names(self) -> set[str]:
@@ -75,7 +75,7 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     scores alone (``topk_method`` greedy, as V2-Lite), their weights scaled, not renormalized."""
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
-        return LatentAttention(config, rotary, self.rms_norm, interleaved_rotary=True)
+        return LatentAttention(config, rotary, interleaved_rotary=True)
 
     def routing(self, config: Any) -> Routing:
         if config.topk_method != "greedy":

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -11,7 +10,7 @@ from torch import Tensor, nn
 from xinfer import ops
 from xinfer.cache.specs import TokenVectorSpec
 from xinfer.forward_context import attention_metadata
-from xinfer.layers import RMSNorm, RotaryEmbedding
+from xinfer.layers import RotaryEmbedding
 from xinfer_deepseek.deepseek import DeepseekV3ForCausalLM
 from xinfer_deepseek.indexer import Indexer
 from xinfer_deepseek.latent_attention import LatentAttention
@@ -21,10 +20,10 @@ class SparseLatentAttention(LatentAttention):
     """Latent attention (q-LoRA, interleaved rotary) over the positions of ``indexer``'s selection, through
     the op ``sparse_mla_attention``. The indexer reads the q-LoRA latent."""
 
-    def __init__(self, config: Any, rotary: RotaryEmbedding, norm: Callable[[int], RMSNorm]):
+    def __init__(self, config: Any, rotary: RotaryEmbedding):
         if not config.q_lora_rank:
             raise ValueError("DeepSeek V3.2 needs q_lora_rank: its indexer reads the q-LoRA latent")
-        super().__init__(config, rotary, norm, interleaved_rotary=True)
+        super().__init__(config, rotary, interleaved_rotary=True)
         self.indexer = Indexer(config, rotary)
 
     def cache_spec(self) -> TokenVectorSpec:
@@ -48,7 +47,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """The dense and the expert layers named by ``mlp_layer_types``."""
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
-        return SparseLatentAttention(config, rotary, self.rms_norm)
+        return SparseLatentAttention(config, rotary)
 
     def is_sparse(self, config: Any, index: int) -> bool:
         return config.mlp_layer_types[index] == "sparse"

@@ -20,7 +20,6 @@ rows, ``--kvcache-dtype fp8``, which encodes and stores the rows first; the row 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +34,10 @@ from xinfer.layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLin
 from xinfer.layers.rotary import yarn_mscale
 from xinfer.loading.stored import StoredTensor, part_of
 from xinfer_deepseek.mla_ops import expand, fp8_row_bytes
+
+# the latents' norms (q_a_layernorm, kv_a_layernorm) keep the reference's own epsilon whatever the config's
+# rms_norm_eps (GLM-4.7-Flash's 1e-5), as transformers' DeepSeek-V2/V3/V3.2 and GLM-4.7-Flash do
+LATENT_NORM_EPS = 1e-6
 
 
 class UpProjection(nn.Module):
@@ -106,7 +109,7 @@ class LatentAttention(nn.Module):
     rank's); the latent, which every head reads, is computed and cached whole on every rank.
     """
 
-    def __init__(self, config: Any, rotary: RotaryEmbedding, norm: Callable[[int], RMSNorm], interleaved_rotary: bool):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, interleaved_rotary: bool):
         super().__init__()
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
@@ -116,12 +119,12 @@ class LatentAttention(nn.Module):
         q_size = heads * (self.nope_dim + self.rope_dim)
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
-            self.q_a_layernorm = norm(self.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnLinear(self.q_lora_rank, q_size, part=part)
         else:
             self.q_proj = ColumnLinear(hidden, q_size, part=part)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias)
-        self.kv_a_layernorm = norm(self.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = UpProjection(heads, self.kv_lora_rank, self.nope_dim, config.v_head_dim, part)
         self.o_proj = RowLinear(heads * config.v_head_dim, hidden, bias, part)
         self.rotary_emb = rotary

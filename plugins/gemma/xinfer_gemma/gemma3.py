@@ -1,6 +1,8 @@
 """Gemma 3 (text): sliding-window layers interleaved with global ones, each kind with its
 own rope base (``layer_types`` and the per-type rope parameters of the config)."""
 
+from typing import Any
+
 from xinfer.layers import DecoderForCausalLM, DecoderSpec
 
 
@@ -15,3 +17,8 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     """
 
     spec = DecoderSpec(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True)
+
+    def __init__(self, config: Any):
+        if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
+            raise NotImplementedError("Gemma 3 with use_bidirectional_attention=True is not a causal LM xinfer serves")
+        super().__init__(config)

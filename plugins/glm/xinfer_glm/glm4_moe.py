@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing, SelfAttention
+from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RotaryEmbedding, Routing, SelfAttention
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.loading.stored import Weights
 
@@ -18,6 +18,8 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
     picked by sigmoid scores plus a correction bias among the ``topk_group`` best of ``n_group``
     groups, their weights renormalized (``norm_topk_prob``) and scaled by ``routed_scaling_factor``;
     shared experts see every token. The MTP layers after the decoder's are skipped."""
+
+    spec = DecoderSpec(partial_rotary=True)
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         return SelfAttention(

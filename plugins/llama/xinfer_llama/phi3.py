@@ -1,4 +1,4 @@
-from xinfer.layers import DecoderForCausalLM
+from xinfer.layers import DecoderForCausalLM, DecoderSpec
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
@@ -6,4 +6,5 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     exactly as the merged layers hold them; rope may be partial
     (``partial_rotary_factor``)."""
 
+    spec = DecoderSpec(partial_rotary=True)
     packed_modules = {}

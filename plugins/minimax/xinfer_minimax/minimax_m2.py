@@ -10,7 +10,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from xinfer.distributed import current
-from xinfer.layers import DecoderForCausalLM, MoE, RMSNorm, RotaryEmbedding, Routing, SelfAttention, SplitRMSNorm
+from xinfer.layers import (
+    DecoderForCausalLM,
+    DecoderSpec,
+    MoE,
+    RMSNorm,
+    RotaryEmbedding,
+    Routing,
+    SelfAttention,
+    SplitRMSNorm,
+)
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.loading.stored import StoredTensor, Weights
 
@@ -28,6 +37,8 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
     """Rotary over the halves (NeoX) of each head's first ``rotary_dim``; experts picked by sigmoid
     scores plus a correction bias, their weights renormalized; no shared experts. MTP layers after
     the decoder's are skipped."""
+
+    spec = DecoderSpec(partial_rotary=True)
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

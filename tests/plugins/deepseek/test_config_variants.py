@@ -27,10 +27,13 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
         v_head_dim=32, n_shared_experts=2,
     ),
-    "glm-4.7-flash all sparse, 8 groups of 2, top-3, yarn": lambda: glm4_moe_lite_config(
-        mlp_layer_types=["sparse"] * 3, n_group=8, topk_group=3, rope_parameters=YARN
+    # rms_norm_eps far from the 1e-6 the latents' norms keep, as transformers' (GLM-4.7-Flash's is 1e-5)
+    "glm-4.7-flash all sparse, 8 groups of 2, top-3, yarn, eps 1e-3": lambda: glm4_moe_lite_config(
+        mlp_layer_types=["sparse"] * 3, n_group=8, topk_group=3, rope_parameters=YARN, rms_norm_eps=1e-3
     ),
-    "v2-lite: no q-lora, greedy softmax routing, yarn": lambda: deepseek_v2_config(rope_parameters=YARN),
+    "v2-lite: no q-lora, greedy softmax routing, yarn, mlp biases": lambda: deepseek_v2_config(
+        rope_parameters=YARN, mlp_bias=True
+    ),
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.launch import pdl_entry
 
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
+SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
 
 
 @triton.jit
@@ -34,6 +35,8 @@ def _act_and_mul_kernel(
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == "silu":
         act = gate * tl.sigmoid(gate)
+    elif ACTIVATION == "gelu":
+        act = 0.5 * gate * (1.0 + tl.erf(gate * SQRT_HALF))
     else:
         # gelu_tanh: 0.5 * x * (1 + tanh(y)) == x * sigmoid(2 * y), without a tanh.
         y = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
@@ -68,6 +71,11 @@ def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
 def gelu_tanh_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
     return _act_and_mul(x, "gelu_tanh", out)
+
+
+def gelu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """``gelu(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n], the exact (erf) gelu."""
+    return _act_and_mul(x, "gelu", out)
 
 
 @triton.jit

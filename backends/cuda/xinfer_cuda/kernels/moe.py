@@ -44,14 +44,17 @@ from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.launch import pdl_entry
 
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
+SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
 MAX_SLOTS_PER_SLOT_PATH = 32
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 @triton.jit
 def _act(gate, ACTIVATION: tl.constexpr):
     if ACTIVATION == "silu":
         return gate * tl.sigmoid(gate)
+    if ACTIVATION == "gelu":
+        return 0.5 * gate * (1.0 + tl.erf(gate * SQRT_HALF))
     # gelu_tanh: 0.5 * x * (1 + tanh(y)) == x * sigmoid(2 * y)
     y = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
     return gate * tl.sigmoid(2.0 * y)

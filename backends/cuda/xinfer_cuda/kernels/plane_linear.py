@@ -19,7 +19,12 @@ In the sm_90 SASS of the loop that is 6.0 instructions a Q4_K value, 5.5 a Q8_0 
 third of them the sub-block scales' decode), against 14 and 10 for the byte-wise kernels of the
 file's blocks (:mod:`xinfer_cuda.kernels.quant_linear`), which also load one or two bytes at a time.
 Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV may split K over
-``split`` programs a row tile, their fp32 partial sums added by a second small kernel.
+``split`` programs a row tile, their fp32 partial sums added by a second small kernel. What keeps
+enough of the weight in flight is measured (:class:`PlaneGemvConfig`): the warps on a row's tiles or
+on rows, a thread's one load of a tile's 4 words or ``groups``: a group's 16 (its 4 loads and its rows
+outermost in the step's 6-D index, so in the thread's registers: one scale decode for 16 values, one
+activation decode for the rows), the loop unrolled, and ``early``: the first step's code words loaded before the wait on
+the kernel that writes ``x`` (programmatic dependent launch: they overlap its tail).
 
 - :func:`plane_gemv`: one row, :class:`PlaneGemvConfig`;
 - :func:`plane_dot`: a few rows (small decode batches): each field's values, decoded the same way,
@@ -53,6 +58,12 @@ class PlaneGemvConfig:
     tiles: int  # tiles of each row per loop step (a power of two)
     num_warps: int
     split: int = 1  # programs along K a row tile
+    early: bool = False  # the first step's code words loaded before the wait on the kernel that writes x
+    # a thread holds a group's SUB words of a tile (4 16-byte loads, Q6_K's 2) and decodes their scale once,
+    # rather than one load of them; the warps the tiles leave go to rows, the rows past them to the thread's
+    # registers (sharing its activations)
+    groups: bool = False
+    unroll: int = 1  # loop steps unrolled (their loads issued together)
 
 
 @dataclass(frozen=True)
@@ -172,14 +183,22 @@ def _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile, num_til
     g = tl.arange(0, 32 // SUB)[None, None, :, None, None]
     w = g * SUB + 4 * tl.arange(0, SUB // 4)[None, None, None, :, None] + tl.arange(0, 4)[None, None, None, None, :]
     n = rows[:, None, None, None, None].to(tl.int64)
+    word, high, scales, supers = _words_at(codes_ptr, high_ptr, scales_ptr, supers_ptr, n, tile, w, num_tiles, mask,
+                                           HIGH, PER_TILE)  # fmt: skip
+    return word, high, scales, supers, g, w
+
+
+@triton.jit
+def _words_at(codes_ptr, high_ptr, scales_ptr, supers_ptr, n, tile, w, num_tiles, mask, HIGH: tl.constexpr,
+              PER_TILE: tl.constexpr):  # fmt: skip
+    """The code words and high bits of rows ``n``, tiles ``tile``, words ``w`` (broadcast together), and
+    the tiles' scale pointers (and Q6_K's ``d``)."""
     word = _load(codes_ptr + n * (num_tiles * 32) + tile * 32 + w, mask)
     if HIGH:
         high = _load(high_ptr + n * (num_tiles * 32) + tile * 32 + w, mask).to(tl.int32)
     else:
         high = word
-    scales = scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE
-    supers = supers_ptr + n * num_tiles + tile
-    return word, high, scales, supers, g, w
+    return word, high, scales_ptr + n * (num_tiles * PER_TILE) + tile * PER_TILE, supers_ptr + n * num_tiles + tile
 
 
 @triton.jit
@@ -204,36 +223,106 @@ def _activation_pair(x_ptr, pair_at, mask, XS: tl.constexpr):
 
 
 @triton.jit
+def _step_index(rows, t0, TILES: tl.constexpr, SUB: tl.constexpr, GROUPS: tl.constexpr):
+    """A GEMV step's rows, tiles, groups and words, broadcast together: [BLOCK_N, TILES, G, SUB / 4, 4]
+    (a thread's 16-byte load the last dimension, Triton's threads on the loads, groups and tiles) or,
+    with ``GROUPS``, [SUB / 4, R, W, TILES, G, 4] for ``rows`` [R, W] (a group's loads and R rows in a
+    thread's registers, W warps on the rows, the threads on the groups and tiles)."""
+    if GROUPS:
+        n = rows[None, :, :, None, None, None]
+        tile = t0 + tl.arange(0, TILES)[None, None, None, :, None, None]
+        g = tl.arange(0, 32 // SUB)[None, None, None, None, :, None]
+        c = tl.arange(0, SUB // 4)[:, None, None, None, None, None]
+        e = tl.arange(0, 4)[None, None, None, None, None, :]
+    else:
+        n = rows[:, None, None, None, None]
+        tile = t0 + tl.arange(0, TILES)[None, :, None, None, None]
+        g = tl.arange(0, 32 // SUB)[None, None, :, None, None]
+        c = tl.arange(0, SUB // 4)[None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, :]
+    return n, tile, g, g * SUB + 4 * c + e
+
+
+@triton.jit
+def _load_sum(v, GROUPS: tl.constexpr):
+    """The sum of ``v`` over a group's words in a thread: its 16-byte load (with ``GROUPS``, its loads)."""
+    if GROUPS:
+        return tl.sum(tl.sum(v, axis=5, keep_dims=True), axis=0, keep_dims=True)
+    else:
+        return tl.sum(v, axis=4, keep_dims=True)
+
+
+@triton.jit
+def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
+               FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr,
+               PER_TILE: tl.constexpr, XS: tl.constexpr, EVEN: tl.constexpr, TILES: tl.constexpr,
+               BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ROW_WARPS: tl.constexpr, X_EACH_ROW: tl.constexpr,
+               WAIT: tl.constexpr):  # fmt: skip
+    """``acc`` plus the products of the tiles ``t0 ..`` of the rows; ``WAIT``: the chain's wait for the
+    kernel that writes ``x`` between the code words' loads and the activations' (no kernel writes the
+    weights)."""
+    n, tile, g, w = _step_index(rows, t0, TILES, SUB, GROUPS)
+    has_tile = tile < last
+    mask = None if EVEN else (n < N) & has_tile
+    word, high, scales, supers = _words_at(codes_ptr, high_ptr, scales_ptr, supers_ptr, n.to(tl.int64), tile, w,
+                                           num_tiles, mask, HIGH, PER_TILE)  # fmt: skip
+    if GROUPS:  # a scale per (row, tile, group) as the codes' layout has them, not one a thread
+        scales = tl.broadcast_to(scales, (1, BLOCK_N // ROW_WARPS, ROW_WARPS, TILES, 32 // SUB, 1))
+        supers = tl.broadcast_to(supers, (1, BLOCK_N // ROW_WARPS, ROW_WARPS, TILES, 32 // SUB, 1))
+    pdl_entry(WAIT)
+    # per (row, tile, group, 16-byte load or group): the products of its words summed in the thread, then
+    # scaled once, and the block's bias times the sum of their activations. The activations are loaded
+    # in the codes' layout, a copy a warp (or a row): given fewer than 4 a thread, Triton spreads them
+    # over the threads, then shuffles every product through shared memory.
+    for p in tl.static_range(FIELDS // 2):
+        pair_at = tile * (16 * FIELDS) + 32 * p + w
+        if GROUPS:
+            pair_at = tl.broadcast_to(pair_at, (SUB // 4, 1, ROW_WARPS, TILES, 32 // SUB, 4))
+        elif X_EACH_ROW:
+            pair_at = tl.broadcast_to(pair_at, word.shape)
+        xs = _activation_pair(x_ptr, pair_at, None if EVEN else has_tile, XS)
+        for q in tl.static_range(2):
+            x = xs[q]
+            scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
+            product = _code_times(FMT, 2 * p + q, word, high, magic, x)
+            acc = tl.fma(_load_sum(product, GROUPS), scale, acc)
+            acc = tl.fma(_load_sum(x, GROUPS), bias, acc)
+    return acc
+
+
+@triton.jit
 def _plane_gemv_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split, magic,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
     XS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr, GROUPS: tl.constexpr, ROW_WARPS: tl.constexpr, X_EACH_ROW: tl.constexpr,
+    EARLY: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_entry(PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GROUPS:  # [R, W]: row r W + w of the program's
+        R: tl.constexpr = BLOCK_N // ROW_WARPS
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[:, None] * ROW_WARPS + tl.arange(0, ROW_WARPS)[None, :]
+        acc = tl.zeros((1, R, ROW_WARPS, TILES, 32 // SUB, 1), dtype=tl.float32)
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
     num_tiles = K // (32 * FIELDS)
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    t = tl.arange(0, TILES)[None, :, None, None, None]
-    # per (row, tile, group, 16-byte load): the products of a load's 4 words summed in the thread, then
-    # scaled once, and the block's bias times the sum of their activations
-    acc = tl.zeros((BLOCK_N, TILES, 32 // SUB, SUB // 4, 1), dtype=tl.float32)
-    for t0 in range(first, last, TILES):
-        tile = t0 + t
-        has_tile = tile < last
-        mask = None if EVEN else (rows[:, None, None, None, None] < N) & has_tile
-        word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
-                                                       num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
-        for p in tl.static_range(FIELDS // 2):
-            xs = _activation_pair(x_ptr, tile * (16 * FIELDS) + 32 * p + w, None if EVEN else has_tile, XS)
-            for q in tl.static_range(2):
-                x = xs[q]
-                scale, bias = _scale_bias(FMT, 2 * p + q, scales, supers, g, mask)
-                product = _code_times(FMT, 2 * p + q, word, high, magic, x)
-                acc = tl.fma(tl.sum(product, axis=4, keep_dims=True), scale, acc)
-                acc = tl.fma(tl.sum(x, axis=4, keep_dims=True), bias, acc)
-    y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+    if EARLY:  # the first step's code words in flight before the wait (every program has a step)
+        acc = _gemv_step(acc, first, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last,
+                         magic, FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, BLOCK_N, GROUPS, ROW_WARPS,
+                         X_EACH_ROW, PDL)  # fmt: skip
+        first += TILES
+    else:
+        pdl_entry(PDL)
+    for t0 in tl.range(first, last, TILES, loop_unroll_factor=UNROLL):
+        acc = _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last, magic,
+                         FMT, FIELDS, HIGH, SUB, PER_TILE, XS, EVEN, TILES, BLOCK_N, GROUPS, ROW_WARPS,
+                         X_EACH_ROW, False)  # fmt: skip
+    if GROUPS:
+        y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=5), axis=4), axis=3), axis=0)  # [R, W]
+    else:
+        y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
     if PARTIAL:
         tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
     else:
@@ -343,6 +432,12 @@ def plane_layout(name: str, k: int) -> PlaneLayout:
     return layout
 
 
+def _row_warps(config: PlaneGemvConfig, layout: PlaneLayout) -> int:
+    """The warps a ``groups`` tile puts on rows: those its tiles' groups (a thread each) leave."""
+    on_tiles = max(1, config.tiles * (32 // _format_args(layout)["SUB"]) // 32)
+    return min(config.block_n, max(1, config.num_warps // on_tiles)) if config.groups else 1
+
+
 def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
                config: PlaneGemvConfig | None = None) -> Tensor:  # fmt: skip
     """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
@@ -363,7 +458,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         words, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, n, k, per_split, MAGIC,
         XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
-        num_warps=config.num_warps, **_format_args(layout), **chain,
+        GROUPS=config.groups, ROW_WARPS=_row_warps(config, layout), X_EACH_ROW=config.tiles < 4 * config.num_warps, EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, **_format_args(layout), **chain,
     )  # fmt: skip
     if split > 1:
         block = 256

@@ -36,9 +36,11 @@ def chat_request(body: ResponsesRequest, takes_images: bool) -> ChatCompletionRe
         fields["reasoning_effort"] = body.reasoning.effort
     try:
         # through JSON, so that the chat body is checked exactly as one sent over HTTP
-        return ChatCompletionRequest.model_validate_json(json.dumps(fields))
+        request = ChatCompletionRequest.model_validate_json(json.dumps(fields))
     except ValidationError as error:
         raise from_validation(error) from None
+    request._token_limit_name = "max_output_tokens"
+    return request
 
 
 def input_messages(given: str | list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
