@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from xinfer.server.responses import Usage
+from xinfer.server.responses import CompletionTokensDetails, PromptTokensDetails, Usage
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
@@ -50,21 +50,13 @@ class ReasoningItem(BaseModel):
 OutputItem = OutputMessage | ReasoningItem
 
 
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
 class ResponseUsage(BaseModel):
     """``input_tokens`` includes the prompt tokens read from the prefix cache, as OpenAI counts them."""
 
     input_tokens: int
-    input_tokens_details: InputTokensDetails
+    input_tokens_details: PromptTokensDetails
     output_tokens: int
-    output_tokens_details: OutputTokensDetails
+    output_tokens_details: CompletionTokensDetails
     total_tokens: int
 
     @classmethod
@@ -73,9 +65,9 @@ class ResponseUsage(BaseModel):
         reasoning = chat.completion_tokens_details.reasoning_tokens if chat.completion_tokens_details else 0
         return cls(
             input_tokens=chat.prompt_tokens,
-            input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            input_tokens_details=PromptTokensDetails(cached_tokens=cached),
             output_tokens=chat.completion_tokens,
-            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+            output_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
             total_tokens=chat.total_tokens,
         )
 
