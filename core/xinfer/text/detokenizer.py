@@ -82,10 +82,7 @@ class IncrementalDetokenizer:
 
 def _stream(tokenizer: Decoder, context: list[int], skip_special_tokens: bool) -> DecodeStream | None:
     """``tokenizers``' own incremental decoder where ``tokenizer.decode`` is its backend's (xinfer's
-    tokenizer; an HF tokenizer's ``decode`` may also clean up spaces) and it takes a context."""
+    tokenizer; an HF tokenizer's ``decode`` may also clean up spaces)."""
     if not isinstance(tokenizer, Tokenizer):
         return None
-    try:
-        return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
-    except TypeError:  # tokenizers before 0.22: no context
-        return None
+    return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
