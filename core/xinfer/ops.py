@@ -496,8 +496,6 @@ def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:
 
 
 def add_gated(base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor:
-    if isinstance(gate_weight, QuantizedTensor):  # (a checkpoint's one-row gate, packed: its values)
-        gate_weight = gate_weight.dequantize(x.dtype)
     return current().add_gated(base, y, x, gate_weight)
 
 

@@ -112,12 +112,10 @@ class ModelRunner:
                     logprobs = self.model.compute_logits(hidden[start:end]).float().log_softmax(-1)
                     following = input_ids[start + 1 : end + 1]
                     chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
-                    top = logprobs.topk(top_n) if top_n else None
-                    for row, (token, value) in enumerate(zip(following.tolist(), chosen)):
-                        entry = {token: value}
-                        if top is not None:
-                            entry.update(zip(top.indices[row].tolist(), top.values[row].tolist()))
-                        entries.append(entry)
+                    top = logprobs.topk(top_n)  # (top_n 0: empty rows)
+                    for token, value, ids, values in zip(following.tolist(), chosen, top.indices.tolist(),
+                                                         top.values.tolist()):  # fmt: skip
+                        entries.append({token: value, **dict(zip(ids, values))})
             return entries
 
     @torch.inference_mode()

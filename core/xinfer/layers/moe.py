@@ -262,6 +262,13 @@ class Experts(nn.Module):
         return self.part.slice(shape[dim], dim)
 
 
+class SharedExpertGate(Linear):
+    """The shared experts' one-row gate (``ops.add_gated`` reads its weight): its few bytes stay
+    float, a packed checkpoint's dequantized once at load and never quantized by ``--isq``."""
+
+    quantized_weights: ClassVar[tuple[str, ...]] = ()
+
+
 class MoE(nn.Module):
     """The MLP block of an MoE layer: routed experts, plus (where given) shared experts
     (``shared_expert``: a gated MLP on every token, scaled by ``sigmoid(shared_expert_gate(x))``
@@ -297,7 +304,7 @@ class MoE(nn.Module):
         if shared_intermediate_size:
             shared = GatedMLP(hidden_size, shared_intermediate_size, activation, shared_bias, swiglu_limit)
             setattr(self, shared_name, shared)
-        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gate else None
+        self.shared_expert_gate = SharedExpertGate(hidden_size, 1) if shared_expert_gate else None
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:

@@ -121,6 +121,10 @@ class SamplingFields(_Body):
     # the field a client set the token limit by, for errors (a route that translates its own body renames it)
     _token_limit_name: str = PrivateAttr("max_tokens")
 
+    @property
+    def token_limit_name(self) -> str:
+        return self._token_limit_name
+
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
         if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
@@ -209,10 +213,6 @@ class CompletionRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
-
-    @property
-    def token_limit_name(self) -> str:
-        return self._token_limit_name
 
     @property
     def num_logprobs(self) -> int | None:

@@ -37,7 +37,12 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix = 0  # ids[prefix:read] is context already emitted
         self.read = len(self.ids)
-        self.stream = _stream(tokenizer, self.ids, skip_special_tokens)
+        # tokenizers' own incremental decoder where ``tokenizer.decode`` is its backend's (xinfer's
+        # tokenizer; an HF tokenizer's ``decode`` may also clean up spaces)
+        self.backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else None
+        self.stream = (
+            None if self.backend is None else DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
+        )
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -48,9 +53,9 @@ class IncrementalDetokenizer:
         return text
 
     def _stream_delta(self, token_id: int) -> str:
-        assert self.stream is not None and isinstance(self.tokenizer, Tokenizer)
+        assert self.stream is not None and self.backend is not None
         try:
-            return self.stream.step(self.tokenizer.backend, token_id) or ""
+            return self.stream.step(self.backend, token_id) or ""
         except Exception:  # noqa: BLE001 - its prefix check can fail (tokenizers#1705): the window takes over
             self.stream = None
             return self._window_delta()
@@ -78,11 +83,3 @@ class IncrementalDetokenizer:
             del self.ids[: self.prefix]
             self.read -= self.prefix
             self.prefix = 0
-
-
-def _stream(tokenizer: Decoder, context: list[int], skip_special_tokens: bool) -> DecodeStream | None:
-    """``tokenizers``' own incremental decoder where ``tokenizer.decode`` is its backend's (xinfer's
-    tokenizer; an HF tokenizer's ``decode`` may also clean up spaces)."""
-    if not isinstance(tokenizer, Tokenizer):
-        return None
-    return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)

@@ -381,7 +381,7 @@ def test_fla_adapter_reads_and_writes_the_slots(monkeypatch):
     meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
     expected_state, got_state = state.clone(), state.to(DEVICE)
     expected = deltanet_ops.delta_rule(q, k, v, g, beta, expected_state, meta, slot_tensor)
-    got = fla_prefill.gated_delta_rule(
+    got = fla_prefill.delta_rule(
         *(t.to(DEVICE) for t in (q, k, v, g, beta)), got_state, to_device(meta, DEVICE), slot_tensor.to(DEVICE)
     )
     assert_close_on_rows(got, expected, meta, TOL[torch.float32])
@@ -430,11 +430,11 @@ def test_fla_prefill_replays_from_a_cuda_graph_with_other_lengths():
         return to_device(metadata([q for q, _ in batch], [b for _, b in batch]), DEVICE)
 
     meta, device_state, device_slots = step_metadata(captured), state.to(DEVICE), slots.to(DEVICE)
-    fla_prefill.gated_delta_rule(*inputs, device_state.clone(), meta, device_slots)  # warm-up: fla's autotuning
+    fla_prefill.delta_rule(*inputs, device_state.clone(), meta, device_slots)  # warm-up: fla's autotuning
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fla_prefill.gated_delta_rule(*inputs, device_state, meta, device_slots)
+        out = fla_prefill.delta_rule(*inputs, device_state, meta, device_slots)
     other = step_metadata(replayed)
     meta.cu_seqlens_q.copy_(other.cu_seqlens_q)
     meta.seq_lens.copy_(other.seq_lens)

@@ -294,7 +294,7 @@ def delta_rule(
     if tokens == 0 or meta.num_seqs == 0:
         return out
     if fla_prefill.wins(v.device, v.dtype, tokens, meta.num_seqs, meta.max_seqlen_q):
-        return fla_prefill.gated_delta_rule(q, k, v, g, beta, state, meta, slots)
+        return fla_prefill.delta_rule(q, k, v, g, beta, state, meta, slots)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], g.stride(0), beta.stride(0), *out.stride()[:2],
                *state.stride()[:3])  # fmt: skip
     common = dict(GROUP=v_heads // k.shape[1], BLOCK_K=triton.next_power_of_2(dim_k), **launch_chain(v.device))

@@ -1,5 +1,5 @@
 """flash-linear-attention's chunked gated delta rule (``fla-core``, xinfer-qwen's ``fla`` extra)
-as the prefill of :func:`xinfer_qwen.kernels.delta_rule.gated_delta_rule`, where it imports.
+as the prefill of :func:`xinfer_qwen.kernels.delta_rule.delta_rule`, where it imports.
 
 Why: on the H200, at Qwen3.6-35B-A3B's shapes, fla 0.6.0's ``chunk_gated_delta_rule`` takes
 1.58 ms for 8 prompts of 2,048 tokens where our chunk kernel takes 3.06 ms (benchmarks/RESULTS.md,
@@ -128,7 +128,7 @@ def _write_back_kernel(final_ptr, state_ptr, cu_seqlens_ptr, slots_ptr, stride_s
     tl.store(slot_ptr + offsets, values.to(state_ptr.dtype.element_ty), mask=offsets < numel)
 
 
-def gated_delta_rule(
+def delta_rule(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -138,11 +138,13 @@ def gated_delta_rule(
     meta: AttentionMetadata,
     slots: Tensor,
 ) -> Tensor:
-    """:func:`xinfer_qwen.deltanet_ops.gated_delta_rule` by fla's ``chunk_gated_delta_rule``;
+    """:func:`xinfer_qwen.deltanet_ops.delta_rule` by fla's ``chunk_gated_delta_rule``;
     rows of no sequence (a padded step's) are left unwritten (undefined)."""
-    assert available(), "fla_prefill.gated_delta_rule: fla is not installed"
+    assert available(), "fla_prefill.delta_rule: fla is not installed"
     per_slot = state[0].numel()
-    assert state[0].is_contiguous() and state.stride(0) >= per_slot, "gated_delta_rule: each slot's state is one block"
+    assert state[0].is_contiguous() and state.stride(0) >= per_slot, (
+        "fla_prefill.delta_rule: each slot's state is one block"
+    )
     tokens, num_seqs = v.shape[0], meta.num_seqs
     cu_seqlens, indices = chunk_indices(meta.cu_seqlens_q, tokens)
     grid = (num_seqs, triton.cdiv(per_slot, COPY_BLOCK))
