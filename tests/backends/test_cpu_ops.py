@@ -107,10 +107,12 @@ def test_a_sequences_attention_does_not_depend_on_the_rest_of_the_batch(window):
     q = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(2))
     with forward_context(StepContext([meta])):
         batched = CPU.attend(q, cache, meta, 0.25, window)
-    alone = replace(meta, cu_seqlens_q=meta.cu_seqlens_q[:2], seq_lens=meta.seq_lens[:1],
-                    block_tables=meta.block_tables[:1, :2], slot_mapping=meta.slot_mapping[:1], max_seq_len=9)  # fmt: skip
-    with forward_context(StepContext([alone])):
-        assert torch.equal(CPU.attend(q[:1], cache, alone, 0.25, window), batched[:1])
+    for row, length in enumerate(meta.seq_lens.tolist()):  # each row, wherever it sits in the batch
+        alone = replace(meta, cu_seqlens_q=meta.cu_seqlens_q[:2], seq_lens=meta.seq_lens[row : row + 1],
+                        block_tables=meta.block_tables[row : row + 1, : -(-length // 8)],
+                        slot_mapping=meta.slot_mapping[row : row + 1], max_seq_len=length)  # fmt: skip
+        with forward_context(StepContext([alone])):
+            assert torch.equal(CPU.attend(q[row : row + 1], cache, alone, 0.25, window), batched[row : row + 1])
 
 
 def test_kv_write_stores_what_the_reference_stores_and_skips_padding():
@@ -130,9 +132,11 @@ def test_norms_and_rotary_are_the_references(rotary_dim):
     angles = torch.outer(torch.arange(32.0), 1.0 / 100 ** (torch.arange(0, rotary_dim, 2) / rotary_dim))
     cos_sin = torch.cat((angles.cos(), angles.sin()), -1)
     norms = HeadNorms(torch.rand(16, generator=generator) + 0.5, torch.rand(16, generator=generator) + 0.5, 1e-6)
-    for head_norms in (None, norms):
-        for got, expected in zip(CPU.rotary(q, k, positions, cos_sin, head_norms),
-                                 REFERENCE.rotary(q, k, positions, cos_sin, head_norms)):  # fmt: skip
+    qkv = torch.randn(5, 8 * 16, generator=generator)  # q and k as a merged projection gives them: one buffer
+    merged = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    for (queries, keys), head_norms in [((q, k), None), ((q, k), norms), (merged, None), (merged, norms)]:
+        for got, expected in zip(CPU.rotary(queries, keys, positions, cos_sin, head_norms),
+                                 REFERENCE.rotary(queries, keys, positions, cos_sin, head_norms)):  # fmt: skip
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     x, residual, weight = torch.randn(3, 5, 64, generator=generator)
     torch.testing.assert_close(CPU.rms_norm(x, weight[0], 1e-5), REFERENCE.rms_norm(x, weight[0], 1e-5))

@@ -39,7 +39,11 @@ class CpuOps(TorchOps):
         if norms is not None:
             q, k = self.rms_norm(q, norms.q_weight, norms.eps), self.rms_norm(k, norms.k_weight, norms.eps)
         cos, sin = once_per_step("cpu.rotary", (positions, cos_sin), lambda: _rotation_table(positions, cos_sin))
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        heads = _heads_together(q, k)
+        if heads is None:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(heads, cos, sin).split((q.shape[1], k.shape[1]), dim=1)
+        return q, k
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         if not once_per_step("cpu.slots_valid", (slot_mapping,), lambda: bool((slot_mapping >= 0).all())):
@@ -73,13 +77,26 @@ def _rotation_table(positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
+def _heads_together(q: Tensor, k: Tensor) -> Tensor | None:
+    """q's and k's heads as one tensor [T, Hq + Hk, D] where k's heads follow q's in one buffer (the
+    merged projection's output, before any head norm), so that they rotate in one set of ops; else None."""
+    t, heads, dim = q.shape
+    follows = q.data_ptr() + heads * dim * q.element_size()
+    if k.data_ptr() != follows or k.shape[::2] != (t, dim) or q.stride()[1:] != (dim, 1) or k.stride()[1:] != (dim, 1):
+        return None
+    if t > 1 and q.stride(0) != k.stride(0):  # (a dimension of one has any stride)
+        return None
+    if q.dtype != k.dtype or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    return q.as_strided((t, heads + k.shape[1], dim), q.stride())
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rot_dim = cos.shape[-1]
-    x_rot = _as(x[..., :rot_dim], torch.float32)
-    half = rot_dim // 2
-    swapped = torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    rotated = _as(x_rot * cos + swapped * sin, x.dtype)
-    return torch.cat((rotated, x[..., rot_dim:]), dim=-1) if rot_dim < x.shape[-1] else rotated
+    if rot_dim < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :rot_dim], cos, sin), x[..., rot_dim:]), dim=-1)
+    x32 = _as(x, torch.float32)
+    return _as(x32 * cos + x32.roll(rot_dim // 2, dims=-1) * sin, x.dtype)  # (x2, x1) by the roll
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -27,6 +27,7 @@ from torch import Tensor
 from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 
 _INT4_INNER_K_TILES = 2
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 class Int4Packed(WeightFormat):
@@ -48,6 +49,7 @@ class Int4Packed(WeightFormat):
     def split(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The packed nibbles, the scales and zeros, and (``with_rows``) the source bytes [N, row bytes]."""
         if self._views is None or self._views[0] != raw.data_ptr():  # a format per tensor: views made once
+            raw = raw.as_subclass(Tensor)  # (a QuantizedTensor's bytes, as kernels read them)
             cols = self.planes * self.cols
             nibbles, pairs = self.rows * cols // 2, cols // 32 * self.rows * 4
             packed = raw[:nibbles].view(self.rows, cols // 2)
@@ -128,13 +130,13 @@ class Int4Kernels(WeightKernels):
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
         fmt = weight.format
         assert isinstance(fmt, Int4Packed)
-        packed, scales_zeros, _ = fmt.split(weight.raw)
-        lead = x.shape[:-1]
-        xb = x.reshape(-1, fmt.cols).to(torch.bfloat16)
+        packed, scales_zeros, _ = fmt.split(weight)  # (the subclass's bytes: no plain view made per call)
+        xb = (x if x.dim() == 2 else x.reshape(-1, fmt.cols)).to(torch.bfloat16)
         if fmt.planes == 2:
             xb = torch.cat([xb, xb], dim=-1)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, scales_zeros)
-        out = out.to(x.dtype).reshape(*lead, fmt.rows)
+        out = _INT4_MM(xb, packed, 32, scales_zeros).to(x.dtype)
+        if x.dim() != 2:
+            out = out.reshape(*x.shape[:-1], fmt.rows)
         return out if bias is None else out + bias
 
 
