@@ -40,7 +40,7 @@ def once_per_step(key: str, sources: tuple[Tensor, ...], compute: Callable[[], T
     with the value, so a tensor made later cannot take one's place under the same ids."""
     if _step is None:
         return compute()
-    name = f"{key}:{':'.join(str(id(t)) for t in sources)}"
+    name = (key, *map(id, sources))  # (a tuple: no string made per call, which decode steps pay every layer)
     held = _step.derived.get(name)
     if held is None or any(a is not b for a, b in zip(held[0], sources)):
         held = _step.derived[name] = (sources, compute())

@@ -356,7 +356,7 @@ class StepContext:
     pages: list[AttentionMetadata]
     state_slots: Tensor | None = None  # [B] int32
     multimodal: Any = None  # MultiModalEmbeddings of the step's image tokens, if any
-    derived: dict[str, Any] = field(default_factory=dict)  # computed once a forward, read by every layer
+    derived: dict[str | tuple, Any] = field(default_factory=dict)  # computed once a forward, read by every layer
 
     @property
     def seqs(self) -> AttentionMetadata:
