@@ -52,7 +52,9 @@ def test_completion_echo_and_logprobs(client, model, server):
     assert len(logprobs.tokens) == num_prompt + generated
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    # OpenAI's "up to logprobs + 1": the 2 most likely and the token itself
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == logprob
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
     # a token's score depends on the tokens before it only (tests/engine/test_prompt_logprobs.py checks the
@@ -63,7 +65,15 @@ def test_completion_echo_and_logprobs(client, model, server):
     )
     shorter = client.completions.create(model=model, prompt=prompt_ids, max_tokens=1, echo=True, logprobs=0)
     head = longer.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)]
+    scored = shorter.choices[0].logprobs
+    assert scored.top_logprobs[1:] == [{t: lp} for t, lp in zip(scored.tokens[1:], scored.token_logprobs[1:])]
     assert head == pytest.approx(shorter.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)], abs=1e-4)
+
+
+def test_completion_max_tokens_defaults_to_16(client, model):
+    """OpenAI's legacy completions (and vLLM's) generate 16 tokens where max_tokens is not given."""
+    reply = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
 
 
 def test_streamed_completion_equals_whole(client, model):

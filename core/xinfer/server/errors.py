@@ -71,6 +71,10 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
     problems = error.errors()
     first = problems[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    for other in problems[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
+        shared = [str(p) for p in other.get("loc", ()) if p != "body"]
+        common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))
+        loc = loc[:common] if common else loc
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":

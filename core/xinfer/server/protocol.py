@@ -2,13 +2,14 @@
 
 Bodies are parsed in pydantic's strict JSON mode: a string where a number belongs
 is an error, not a guess. Unknown fields are ignored, as OpenAI clients send new
-ones before servers know them. Bounds on ``n``, logprobs and stop strings keep
+ones before servers know them, and ``null`` in a field that has a default means that
+default, as OpenAI's schema lets most fields be null (the clients send an explicit None). Bounds on ``n``, logprobs and stop strings keep
 one request from costing the server more than a client should be able to ask.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -24,16 +25,24 @@ INT64 = 2**63
 StopStrings = str | list[str] | None
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        required = {field.alias or name for name, field in cls.model_fields.items() if field.is_required()}
+        return {key: value for key, value in data.items() if value is not None or key in required}
 
-class ImageURL(_Body):
+
+class ImageURL(RequestBody):
     url: str
     detail: str | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     """A part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url",
     "image_url": {"url": ...}}``."""
 
@@ -42,7 +51,7 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -57,19 +66,19 @@ class ChatMessage(_Body):
         return self
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JSONSchemaFormat(_Body):
+class JSONSchemaFormat(RequestBody):
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     """OpenAI's ``response_format``."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -82,7 +91,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class StructuredOutputsBody(_Body):
+class StructuredOutputsBody(RequestBody):
     """vLLM's ``structured_outputs``: exactly one constraint."""
 
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")
@@ -92,7 +101,7 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """What chat and completion requests share: the model, sampling, and stopping."""
 
     model: str | None = None
@@ -120,6 +129,8 @@ class SamplingFields(_Body):
     structured_outputs: StructuredOutputsBody | None = None
     # the field a client set the token limit by, for errors (a route that translates its own body renames it)
     _token_limit_name: str = PrivateAttr("max_tokens")
+    # the token limit of a request that gives none (None: the rest of the context), unless --max-tokens is set
+    default_max_tokens: ClassVar[int | None] = None
 
     @property
     def token_limit_name(self) -> str:
@@ -193,6 +204,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    default_max_tokens: ClassVar[int] = 16  # OpenAI's legacy completions (and vLLM's) stop there unless told
+
     prompt: Prompt
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -222,7 +235,7 @@ class CompletionRequest(SamplingFields):
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
@@ -240,7 +253,7 @@ class EmbeddingRequest(_Body):
         return self
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -255,6 +268,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
