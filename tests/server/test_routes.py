@@ -70,6 +70,24 @@ def test_completion_echo_and_logprobs(client, model, server):
     assert head == pytest.approx(shorter.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)], abs=1e-4)
 
 
+def test_completion_echo_with_max_tokens_0_scores_the_prompt_alone(client, model):
+    """max_tokens 0 with echo (vLLM's, and OpenAI's legacy way to score a text): the prompt and its logprobs."""
+    prompt = "The capital of France is"
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice, num_prompt = scored.choices[0], scored.usage.prompt_tokens
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    longer = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    expected = longer.choices[0].logprobs
+    assert choice.logprobs.tokens == expected.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected.token_logprobs[:num_prompt], abs=1e-4)
+    stream = client.completions.create(
+        model=model, prompt=[prompt, "Hi"], max_tokens=0, echo=True, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert [(c.index, c.text) for chunk in chunks for c in chunk.choices] == [(0, prompt), (1, "Hi")]
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_completion_max_tokens_defaults_to_16(client, model):
     """OpenAI's legacy completions (and vLLM's) generate 16 tokens where max_tokens is not given."""
     reply = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True})

@@ -207,6 +207,7 @@ class CompletionRequest(SamplingFields):
     default_max_tokens: ClassVar[int] = 16  # OpenAI's legacy completions (and vLLM's) stop there unless told
 
     prompt: Prompt
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompts alone, scored with logprobs (vLLM's)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -217,6 +218,8 @@ class CompletionRequest(SamplingFields):
     def _check_completion(self) -> CompletionRequest:
         if self.prompt == [] or self.prompt == [[]]:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo=true (the prompt given back alone)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
