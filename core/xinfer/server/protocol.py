@@ -101,6 +101,10 @@ class StructuredOutputsBody(RequestBody):
     json_object: bool | None = None
 
 
+# vLLM's former names of structured_outputs' constraints, which clients still send
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class SamplingFields(RequestBody):
     """What chat and completion requests share: the model, sampling, and stopping."""
 
@@ -135,6 +139,16 @@ class SamplingFields(RequestBody):
     @property
     def token_limit_name(self) -> str:
         return self._token_limit_name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_as_structured_outputs(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(data.get(name) is not None for name in GUIDED_FIELDS):
+            return data
+        if data.get("structured_outputs") is not None:
+            raise ValueError("give structured_outputs or the guided_* fields, not both")
+        guided = {GUIDED_FIELDS[name]: data[name] for name in GUIDED_FIELDS if data.get(name) is not None}
+        return {key: value for key, value in data.items() if key not in GUIDED_FIELDS} | {"structured_outputs": guided}
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
