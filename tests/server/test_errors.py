@@ -85,6 +85,7 @@ ROWS = [
     ),
     ("completion prompt too long", COMPLETIONS, {"prompt": LONG_TEXT}, {}, 400, "prompt", str(MAX_MODEL_LEN)),
     ("completion without prompt", COMPLETIONS, {"max_tokens": 2}, {}, 400, "prompt", "required"),
+    ("truncate_prompt_tokens 0", CHAT, chat(truncate_prompt_tokens=0), {}, 400, None, "truncate_prompt_tokens"),
     ("completion max_tokens 0 without echo", COMPLETIONS, {"prompt": "a", "max_tokens": 0}, {}, 400, None, "echo"),
     ("completion prompt of no accepted type", COMPLETIONS, {"prompt": [[1], "a"]}, {}, 400, "prompt", "prompt"),
     ("completion with empty prompt list", COMPLETIONS, {"prompt": []}, {}, 400, None, "empty"),

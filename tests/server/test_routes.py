@@ -88,6 +88,22 @@ def test_completion_echo_with_max_tokens_0_scores_the_prompt_alone(client, model
     assert chunks[-1].usage.completion_tokens == 0
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, server):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context runs on its last tokens."""
+    prompt = "one two three " * (MAX_MODEL_LEN // 2)
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    cut = client.completions.create(
+        model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 8}
+    )
+    expected = client.completions.create(model=model, prompt=ids[-8:], max_tokens=2, temperature=0)
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].text == expected.choices[0].text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 8},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 8
+
+
 def test_completion_max_tokens_defaults_to_16(client, model):
     """OpenAI's legacy completions (and vLLM's) generate 16 tokens where max_tokens is not given."""
     reply = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True})

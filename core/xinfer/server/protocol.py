@@ -131,6 +131,7 @@ class SamplingFields(RequestBody):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep a prompt's last tokens (-1: as many as the context holds)
     # the field a client set the token limit by, for errors (a route that translates its own body renames it)
     _token_limit_name: str = PrivateAttr("max_tokens")
     # the token limit of a request that gives none (None: the rest of the context), unless --max-tokens is set
@@ -163,7 +164,20 @@ class SamplingFields(RequestBody):
             raise ValueError("stream_options needs stream=true")
         if self.logit_bias and not all(key.lstrip("-").isdigit() for key in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids")
+        if (
+            self.truncate_prompt_tokens is not None
+            and self.truncate_prompt_tokens < 1
+            and self.truncate_prompt_tokens != -1
+        ):
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
         return self
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """A prompt as ``truncate_prompt_tokens`` cuts it: its last tokens."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        return token_ids[-(max_model_len if keep == -1 else keep) :]
 
     @property
     def stop_strings(self) -> list[str]:

@@ -32,6 +32,7 @@ async def create_completion(request: Request) -> Response:
     prompts = encode_prompts(
         lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
     )
+    prompts = [body.truncated(prompt, serving.max_model_len) for prompt in prompts]
     echoed = None  # the prompts' logprobs, when echoed with logprobs
     if body.echo and body.logprobs is not None:
         echoed = await serving.prompt_logprobs(request, prompts, body.logprobs)
