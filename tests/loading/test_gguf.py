@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Phi3Config, Qwen2Config, Qwen3Config
 
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
+from tests.plugins.converted_gguf import add_tiny_vocabulary
 from tests.tiny_models import prefill_logits, prompt
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
@@ -133,11 +134,7 @@ def write_gguf(
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
         if longrope:  # what the converter adds for the 128k-context models (with their factor tensors)
             writer.add_rope_scaling_attn_factors(1.19)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size, pre="qwen2")
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     if config.pad_token_id is not None:
