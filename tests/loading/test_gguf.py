@@ -8,11 +8,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
 from tests.plugins.converted_gguf import add_tiny_vocabulary
+from tests.plugins.hf_parity import randomize
 from tests.tiny_models import prefill_logits, prompt
+from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.loader import build_model
@@ -86,13 +89,28 @@ TINY = dict(
     eos_token_id=2,
 )
 TINY_MODELS = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
     "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=False),
 }
-# stored exactly, so that they compare with the HF originals: the q/k rows prove that
-# neither the file nor the loader permutes them for these architectures
+# stored exactly, so that they compare with the HF originals: the q/k rows prove that the loader
+# undoes llama's permutation, and that neither the file nor the loader permutes them for the others
 EXACT = ("q_proj", "k_proj", "norm", "bias")
+
+
+def halves_to_pairs(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rows of each head reordered as llama.cpp's converter does for ``llama``'s q/k (it rotates adjacent
+    pairs): [x0..x(d/2-1), y0..y(d/2-1)] -> [x0, y0, x1, y1, ...]."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def converted_tensor(hf_name: str, tensor: torch.Tensor, config) -> torch.Tensor:
+    if config.model_type == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return halves_to_pairs(tensor, config.num_attention_heads)
+    if config.model_type == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return halves_to_pairs(tensor, config.num_key_value_heads)
+    return tensor
 
 
 def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
@@ -129,6 +147,9 @@ def write_gguf(
     if "head_dim" in config.to_diff_dict():
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if arch == "phi3":  # the rotated dimensions of a head, as llama.cpp's converter writes them
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
@@ -147,7 +168,7 @@ def write_gguf(
             continue
         base, _, suffix = hf_name.rpartition(".")
         qtype = storage(hf_name)
-        values = tensor.float().numpy()
+        values = converted_tensor(hf_name, tensor, config).float().numpy()
         data = values if qtype == gguf.GGMLQuantizationType.F32 else _quantize(values, qtype)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -201,6 +222,22 @@ def test_tiny_weights_match_transformers_and_the_originals(tiny_gguf):
 
 
 PACKED = {gguf.GGMLQuantizationType[f.name.upper()] for f in GGUF_FORMATS}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def f32_gguf(request, tmp_path_factory):
+    """A tiny model with random norms and biases, every tensor F32 (so llama.cpp computes in fp32), and xinfer's
+    LLM of it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_MODELS[request.param]()).float()
+    randomize(model)
+    path = tmp_path_factory.mktemp(f"{request.param}-f32") / "tiny.gguf"
+    write_gguf(model, request.param, path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    return LLM(model=str(path), dtype="float32", num_blocks=64), path
+
+
+def test_llama_cpp_reads_the_tiny_gguf_alike(f32_gguf):
+    assert_llama_cpp_agrees(*f32_gguf)
 
 
 # -- dequantization of each block type -------------------------------------------------------
