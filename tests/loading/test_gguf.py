@@ -1,6 +1,7 @@
 """GGUF configs and weights against transformers' GGUF loader (and the HF weights they
 came from, for files written here the way llama.cpp's converter writes them)."""
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,6 +114,19 @@ def converted_tensor(hf_name: str, tensor: torch.Tensor, config) -> torch.Tensor
     return tensor
 
 
+def llama3_rope_factors(config) -> torch.Tensor:
+    """The divisor of each rotated pair's frequency that llama.cpp's converter writes (``rope_freqs``) for a
+    rope of type ``llama3``: 1 for short wavelengths, ``factor`` for long ones, a blend between."""
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    wavelengths = 2 * math.pi * rope["rope_theta"] ** (torch.arange(0, head_dim, 2).double() / head_dim)
+    context, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (context / wavelengths - low) / (high - low)
+    blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    factors = torch.where(wavelengths > context / low, rope["factor"], blended)
+    return torch.where(wavelengths < context / high, 1.0, factors).float()
+
+
 def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
     if any(part in hf_name for part in EXACT):
         return gguf.GGMLQuantizationType.F32
@@ -171,6 +185,8 @@ def write_gguf(
         values = converted_tensor(hf_name, tensor, config).float().numpy()
         data = values if qtype == gguf.GGMLQuantizationType.F32 else _quantize(values, qtype)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -326,3 +342,25 @@ def test_phi3_gguf_with_longrope_is_one_clear_error(tmp_path):
     write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float(), "phi3", path, longrope=True)
     with pytest.raises(ValueError, match="uses LongRoPE"):
         load_gguf_config(path)
+
+
+# Llama 3.1's rope in small: pairs of wavelength 6 keep their frequency, 20 and 63 are blended, the rest divided by 8
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # fmt: skip
+
+
+def test_llama3_rope_gguf_runs_like_transformers_and_llama_cpp(tmp_path):
+    """The converter writes a ``llama3`` rope as no metadata but a ``rope_freqs`` tensor of divisors, one per
+    rotated pair, which llama.cpp applies at every position."""
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "rope_parameters": LLAMA3_ROPE})).float()
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "llama", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    tokens = prompt(29, vocab_size=TINY["vocab_size"])
+    with torch.inference_mode():
+        expected = original(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert_llama_cpp_agrees(llm, path)

@@ -49,6 +49,8 @@ _CONFIG_FIELDS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
+# llama.cpp's divisor of each rotated pair's frequency, a tensor read into the config
+ROPE_FREQS = "rope_freqs.weight"
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 
 
@@ -115,6 +117,8 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             fields[field] = int(token_id)
     if (scaling := _rope_scaling(meta, arch)) is not None:
         fields["rope_scaling"] = scaling
+    if ROPE_FREQS in file.tensors:
+        fields["rope_scaling"] = _rope_divided_per_frequency(file, fields, scaling)
     # llama.cpp writes the output projection only when it is not the embedding matrix
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
     fields.update(adapter.config(meta, fields, file.tensors.keys()))
@@ -140,6 +144,19 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
         if (value := meta.get(f"{arch}.rope.scaling.yarn_{key}")) is not None:
             scaling[key] = float(value)
     return scaling
+
+
+def _rope_divided_per_frequency(file: GGUFFile, fields: Mapping[str, Any], scaling: Any) -> dict[str, Any]:
+    """The rope of a file with llama.cpp's ``rope_freqs``: each rotated pair's frequency divided by its own
+    factor at every position (what the converter writes for Llama 3's ``llama3`` rope, metadata none). In HF's
+    terms that is LongRoPE with those factors at every length and no attention scaling."""
+    if scaling is not None:
+        raise ModelFileError(f"{file.path}: both rope.scaling metadata and a {ROPE_FREQS} tensor; which one "
+                             "llama.cpp's converter wrote for the model is unclear")  # fmt: skip
+    divisors = dequantize(file, ROPE_FREQS).tolist()
+    context = fields["max_position_embeddings"]
+    return {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors, "factor": 1.0,
+            "attention_factor": 1.0, "original_max_position_embeddings": context}  # fmt: skip
 
 
 def _causal_lm_class(model_type: str, path: Path) -> str:
@@ -185,7 +202,7 @@ def iter_gguf_weights(
     file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names)
-    unmapped = [n for n in file.tensors if n not in names]
+    unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS]
     if unmapped:
         shown = ", ".join(unmapped[:5])
         log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s", file.path.name, len(unmapped), shown)
