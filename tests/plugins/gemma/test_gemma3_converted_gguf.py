@@ -1,5 +1,5 @@
 """A tiny GGUF of architecture ``gemma3`` written here as llama.cpp's converter writes one (every norm weight
-stored as ``1 + w``, no output matrix: tied, the global layers' rope base only, the window), through the engine
+stored as ``1 + w``, no output matrix: tied, the global layers' rope base and linear scaling only, the window), through the engine
 against transformers' modeling code of the model it came from and against llama.cpp itself.
 
 What the file leaves out is what llama.cpp hard-codes, so the tiny model keeps to it: one global layer in six,
@@ -30,7 +30,11 @@ def write_gemma3_gguf(model: torch.nn.Module, path: Path) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    full_rope = config.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(full_rope["rope_theta"])
+    if full_rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full_rope["factor"])
     writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     add_tiny_vocabulary(writer, config.vocab_size)
@@ -51,7 +55,11 @@ def write_gemma3_gguf(model: torch.nn.Module, path: Path) -> None:
 def models(tmp_path_factory):
     torch.manual_seed(0)
     layer_types = ["sliding_attention"] * 5 + ["full_attention"]
-    config = gemma3_config(num_hidden_layers=6, layer_types=layer_types, query_pre_attn_scalar=32)
+    rope = {  # Gemma 3 4B and larger: the global layers' rope linearly scaled
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    config = gemma3_config(num_hidden_layers=6, layer_types=layer_types, query_pre_attn_scalar=32, rope_parameters=rope)
     hf = AutoModelForCausalLM.from_config(config).float().eval()
     randomize(hf)
     path = tmp_path_factory.mktemp("gemma3-gguf") / "tiny.gguf"
