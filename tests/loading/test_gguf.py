@@ -161,6 +161,10 @@ def write_gguf(
     if "head_dim" in config.to_diff_dict():
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.rope_parameters.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -349,14 +353,25 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_
                    original_max_position_embeddings=64)  # fmt: skip
 
 
-def test_llama3_rope_gguf_runs_like_transformers_and_llama_cpp(tmp_path):
-    """The converter writes a ``llama3`` rope as no metadata but a ``rope_freqs`` tensor of divisors, one per
-    rotated pair, which llama.cpp applies at every position."""
+# Qwen2.5's long-context YaRN in small
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+SCALED_ROPES = {
+    # the converter writes a llama3 rope as no metadata but a rope_freqs tensor of divisors, one per rotated
+    # pair, which llama.cpp applies at every position
+    "llama3": lambda: LlamaConfig(**{**TINY, "rope_parameters": LLAMA3_ROPE}),
+    # YaRN as rope.scaling metadata: type, factor and the original context
+    "yarn": lambda: Qwen3Config(**{**TINY, "rope_parameters": YARN_ROPE}, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPES))
+def test_scaled_rope_gguf_runs_like_transformers_and_llama_cpp(tmp_path, rope):
     torch.manual_seed(0)
-    original = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "rope_parameters": LLAMA3_ROPE})).float()
+    original = AutoModelForCausalLM.from_config(SCALED_ROPES[rope]()).float()
     randomize(original)
     path = tmp_path / "tiny.gguf"
-    write_gguf(original, "llama", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    arch = original.config.model_type
+    write_gguf(original, arch, path, storage=lambda _: gguf.GGMLQuantizationType.F32)
     llm = LLM(model=str(path), dtype="float32", num_blocks=64)
     tokens = prompt(29, vocab_size=TINY["vocab_size"])
     with torch.inference_mode():
