@@ -94,7 +94,7 @@ CASES = {
     "whole kv_b, no q-lora": (dict(q_lora_rank=None), False),
 }
 # what llama.cpp (0.3.36's build) cannot load: whole attn_kv_b (it asks for attn_k_b), and no q_lora_rank below
-# DeepSeek-V2-Lite's 26/27 layers
+# DeepSeek-V2-Lite's 26/27 layers (test_llama_cpp_reads_a_gguf_without_q_lora_alike has 26)
 LLAMA_CPP_LOADS = {"split kv_b, q-lora, yarn"}
 
 
@@ -137,6 +137,19 @@ def test_llama_cpp_reads_the_gguf_alike(models):
     if case not in LLAMA_CPP_LOADS:
         pytest.skip(f"llama.cpp loads no file like this one ({case}): whole attn_kv_b, no q_lora_rank at 3 layers")
     assert_llama_cpp_agrees(llm, path)
+
+
+def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
+    """No q-LoRA (a plain ``attn_q``): llama.cpp reads it only at DeepSeek-V2-Lite's 26 or 27 layers, so 26 here,
+    against llama.cpp only."""
+    hf = save_tiny_model(deepseek_v3_config(q_lora_rank=None, num_hidden_layers=26), tmp_path)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
+    assert_llama_cpp_agrees(
+        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
+    )
 
 
 def test_softmax_gating_is_one_clear_error(tmp_path):
