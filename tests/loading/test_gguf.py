@@ -171,6 +171,8 @@ def write_gguf(
     if arch == "phi3":  # the rotated dimensions of a head, as llama.cpp's converter writes them
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)  # 0: none (Phi-4)
         if longrope:  # what the converter adds for the 128k-context models (with their factor tensors)
             writer.add_rope_scaling_attn_factors(1.19)
     add_tiny_vocabulary(writer, config.vocab_size, pre="qwen2")

@@ -112,6 +112,8 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
         field: _plain(meta[f"{arch}.{key}"]) for key, field in _CONFIG_FIELDS.items() if f"{arch}.{key}" in meta
     }
     fields.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
+    if fields.get("sliding_window") == 0:  # llama.cpp's "no window" (its converter writes it so for Phi-4)
+        del fields["sliding_window"]
     for field, name in _TOKEN_IDS.items():
         if (token_id := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             fields[field] = int(token_id)
