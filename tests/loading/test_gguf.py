@@ -145,9 +145,15 @@ def _quantize(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarra
 
 
 def write_gguf(
-    model, arch: str, path: Path, longrope: bool = False, storage: Callable[[str], gguf.GGMLQuantizationType] = _storage
+    model,
+    arch: str,
+    path: Path,
+    longrope: bool = False,
+    storage: Callable[[str], gguf.GGMLQuantizationType] = _storage,
+    experts: int = 0,
 ) -> None:
-    """``model`` as llama.cpp's converter writes it, each tensor in the type ``storage`` gives its HF name."""
+    """``model`` as llama.cpp's converter writes it, each tensor in the type ``storage`` gives its HF name
+    (``experts``: the count a Mixtral's metadata would have, its tensors not written)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -165,6 +171,8 @@ def write_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
         writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
+    if experts:
+        writer.add_expert_count(experts)
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -340,6 +348,15 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
     whole_heads = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     assert not torch.allclose(whole_heads(torch.tensor([tokens])).logits[0], expected, atol=1e-3)
+
+
+def test_mixtral_gguf_is_one_clear_error(tmp_path):
+    """llama.cpp's converter writes Mixtral as architecture ``llama`` with experts."""
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["llama"]()).float(), "llama", path, experts=8)
+    with pytest.raises(ValueError, match=r"mixture of experts .* no MixtralForCausalLM"):
+        load_gguf_config(path)
 
 
 def test_phi3_gguf_with_longrope_is_one_clear_error(tmp_path):
