@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -205,7 +206,12 @@ def iter_gguf_weights(
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names)
     unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS]
-    if unmapped:
+    # the blocks past the model's layers: MTP layers, which block_count counts and the adapter left out
+    extra_layers = [n for n in unmapped if (block := _BLOCK.match(n)) and int(block[1]) >= config.num_hidden_layers]
+    if extra_layers:
+        log.info("%s: %d tensor(s) of the layers past the model's %d (MTP layers) are skipped",
+                 file.path.name, len(extra_layers), config.num_hidden_layers)  # fmt: skip
+    if unmapped := [n for n in unmapped if n not in extra_layers]:
         shown = ", ".join(unmapped[:5])
         log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s", file.path.name, len(unmapped), shown)
     formats = weight_formats()
@@ -222,6 +228,7 @@ def iter_gguf_weights(
             yield hf_name, convert(read_tensor(file, name, formats), conversion)
 
 
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 _FLOATS = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
