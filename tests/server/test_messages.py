@@ -195,7 +195,7 @@ def test_x_api_key_and_bearer_are_both_accepted(server, model):
             "text only",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
-        ({"stop_sequences": [""]}, "stop strings"),
+        ({"stop_sequences": [""]}, "stop_sequences: stop strings"),
         ({"temperature": 1.5}, "temperature"),
     ],
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from xinfer.server.tools import check_tool_choice, check_tools
 
@@ -105,6 +105,13 @@ class StructuredOutputsBody(RequestBody):
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def check_stop_strings(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+
+
 class SamplingFields(RequestBody):
     """What chat and completion requests share: the model, sampling, and stopping."""
 
@@ -155,22 +162,29 @@ class SamplingFields(RequestBody):
     def _check_shared(self) -> SamplingFields:
         if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
             raise ValueError("give response_format or structured_outputs, not both")
-        stops = self.stop_strings
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
-            raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
-        if self.logit_bias and not all(key.lstrip("-").isdigit() for key in self.logit_bias):
-            raise ValueError("logit_bias keys must be token ids")
-        if (
-            self.truncate_prompt_tokens is not None
-            and self.truncate_prompt_tokens < 1
-            and self.truncate_prompt_tokens != -1
-        ):
-            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: StopStrings) -> StopStrings:
+        check_stop_strings([stop] if isinstance(stop, str) else stop or [])
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and not all(key.lstrip("-").isdigit() for key in bias):
+            raise ValueError("logit_bias keys must be token ids")
+        return bias
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, keep: int | None) -> int | None:
+        if keep is not None and keep < 1 and keep != -1:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
+        return keep
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """A prompt as ``truncate_prompt_tokens`` cuts it: its last tokens."""

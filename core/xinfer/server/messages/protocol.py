@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from xinfer.server.protocol import RequestBody
+from xinfer.server.protocol import RequestBody, check_stop_strings
 
 
 class ImageSource(RequestBody):
@@ -85,10 +85,16 @@ class CountTokensRequest(RequestBody):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None  # checked as the chat request's stop strings
+    stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _check_stop_sequences(cls, stops: list[str] | None) -> list[str] | None:
+        check_stop_strings(stops or [])
+        return stops
