@@ -67,8 +67,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def resize(image: Image.Image, height: int, width: int, resample: str = "bilinear") -> Image.Image:
-    return image.resize((width, height), resample=RESAMPLE[resample])
+def resize(image: Image.Image, height: int, width: int, resample: str | int = "bilinear") -> Image.Image:
+    """``resample``: a name in :data:`RESAMPLE`, or Pillow's number of a filter (as a checkpoint's
+    ``preprocessor_config.json`` writes it)."""
+    return image.resize((width, height), resample=RESAMPLE[resample] if isinstance(resample, str) else resample)
 
 
 def normalized_pixels(

@@ -62,3 +62,38 @@ def test_spec_reads_the_preprocessor_config():
         Vision(), {"size": {"shortest_edge": 1024, "longest_edge": 4096}, "image_mean": [0.1, 0.2, 0.3]}
     )
     assert (spec.min_pixels, spec.max_pixels, spec.mean) == (1024, 4096, (0.1, 0.2, 0.3))
+
+
+class Vision:
+    patch_size, temporal_patch_size, spatial_merge_size = 4, 2, 2
+
+
+PREPROCESSORS = {
+    "bilinear": {"resample": 2},
+    "nearest": {"resample": 0},
+    "no rescaling": {"do_rescale": False},
+    "rescaled by 1/127": {"rescale_factor": 1 / 127},
+    "no normalization": {"do_normalize": False},
+    "no resizing": {"do_resize": False, "size": {"shortest_edge": 32 * 32, "longest_edge": 40 * 40}},
+}
+
+
+@pytest.mark.parametrize("fields", PREPROCESSORS.values(), ids=PREPROCESSORS.keys())
+def test_the_preprocessor_configs_resizing_and_scaling_match_transformers(fields):
+    config = {"size": {"shortest_edge": 8 * 8, "longest_edge": 8 * 8 * 24}, "image_mean": [0.2, 0.5, 0.7],
+              "image_std": [0.3, 0.5, 0.6], **fields}  # fmt: skip
+    images = [synthetic_image(24, 16, seed=1), synthetic_image(56, 48, seed=2)]  # multiples of 8, one over the bounds
+    if fields.get("do_resize", True):
+        images.append(synthetic_image(37, 23, seed=3))
+    expected = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, **config)(
+        images, return_tensors="pt"
+    )
+    patches, grids = preprocess(images, ImageSpec.from_configs(Vision(), config))
+    assert grids.tolist() == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"].float(), atol=1e-5, rtol=0)
+
+
+def test_an_image_a_model_that_does_not_resize_cannot_patch_is_refused():
+    spec = ImageSpec.from_configs(Vision(), {"do_resize": False})
+    with pytest.raises(ValueError, match=r"image of 13x9: .* do_resize is false.* multiples of 8"):
+        preprocess([synthetic_image(13, 9)], spec)
