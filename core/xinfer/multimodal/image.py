@@ -4,7 +4,11 @@ normalise. Each model's processor chains these with its own sizes and statistics
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -82,3 +86,39 @@ def normalized_pixels(
     mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
     return (pixels * scale - mean_t) / std_t
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """A processor's pixel scaling: ``(pixels * scale - mean) / std`` per channel."""
+
+    scale: float = 1 / 255
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_preprocessor(cls, preprocessor: Mapping[str, Any], default: Normalization) -> Normalization:
+        """The checkpoint's ``preprocessor_config.json`` fields (``rescale_factor``, ``image_mean``,
+        ``image_std``; ``do_rescale`` or ``do_normalize`` false: that step left out), ``default``'s elsewhere."""
+        normalize = preprocessor.get("do_normalize", True)
+        channels = len(default.mean)
+        return cls(
+            scale=preprocessor.get("rescale_factor", default.scale) if preprocessor.get("do_rescale", True) else 1.0,
+            mean=tuple(preprocessor.get("image_mean", default.mean)) if normalize else (0.0,) * channels,
+            std=tuple(preprocessor.get("image_std", default.std)) if normalize else (1.0,) * channels,
+        )
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        return normalized_pixels(image, self.mean, self.std, self.scale)
+
+
+def preprocessor_config(config: Any) -> dict[str, Any]:
+    """The checkpoint's image processor settings beside its ``config.json``: the ``image_processor``
+    part of ``processor_config.json`` (as transformers 5 saves a processor), else
+    ``preprocessor_config.json``; ``{}`` without either."""
+    folder = Path(getattr(config, "_name_or_path", "") or ".")
+    processor = folder / "processor_config.json"
+    if processor.is_file() and "image_processor" in (settings := json.loads(processor.read_text())):
+        return settings["image_processor"]
+    file = folder / "preprocessor_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}

@@ -22,10 +22,8 @@ the sliding-window layers (the global layers stay causal). Audio and video input
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +35,7 @@ from xinfer import ops
 from xinfer.layers import Linear, RMSNorm
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
-from xinfer.multimodal.image import image_hash, resize, to_rgb
+from xinfer.multimodal.image import image_hash, preprocessor_config, resize, to_rgb
 from xinfer_gemma.gemma4 import Gemma4ForCausalLM
 
 DEFAULT_MAX_SOFT_TOKENS = 280  # transformers' image processor's default, where the checkpoint sets none
@@ -271,15 +269,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
 
 def max_soft_tokens(config: Any) -> int:
     """The checkpoint's image budget in soft tokens: its processor config's ``max_soft_tokens``, if any."""
-    folder = Path(getattr(config, "name_or_path", "") or ".")
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = folder / name
-        if path.is_file():
-            settings = json.loads(path.read_text())
-            settings = settings.get("image_processor", settings)
-            if "max_soft_tokens" in settings:
-                return int(settings["max_soft_tokens"])
-    return DEFAULT_MAX_SOFT_TOKENS
+    return int(preprocessor_config(config).get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS))
 
 
 def _vision_renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
 from torch import Tensor
 
-from xinfer.multimodal.image import normalized_pixels, resize, to_rgb
+from xinfer.multimodal.image import Normalization, resize, to_rgb
 
 MAX_ASPECT_RATIO = 200
 
@@ -36,9 +36,7 @@ class ImageSpec:
     max_pixels: int = 16777216
     resize: bool = True
     resample: int = Image.Resampling.BICUBIC
-    scale: float = 1 / 255
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    normalization: Normalization = field(default_factory=Normalization)
 
     @classmethod
     def from_configs(cls, vision_config: Any, preprocessor: Mapping[str, Any] | None = None) -> ImageSpec:
@@ -48,7 +46,6 @@ class ImageSpec:
         pre = dict(preprocessor or {})
         size = pre.get("size") or {}
         defaults = cls()
-        normalize = pre.get("do_normalize", True)
         return cls(
             patch_size=vision_config.patch_size,
             temporal_patch_size=vision_config.temporal_patch_size,
@@ -57,9 +54,7 @@ class ImageSpec:
             max_pixels=pre.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels,
             resize=pre.get("do_resize", True),
             resample=pre.get("resample", defaults.resample),
-            scale=pre.get("rescale_factor", defaults.scale) if pre.get("do_rescale", True) else 1.0,
-            mean=tuple(pre.get("image_mean", defaults.mean)) if normalize else (0.0, 0.0, 0.0),
-            std=tuple(pre.get("image_std", defaults.std)) if normalize else (1.0, 1.0, 1.0),
+            normalization=Normalization.from_preprocessor(pre, defaults.normalization),
         )
 
     @property
@@ -95,7 +90,7 @@ def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
             f"image of {image.width}x{image.height}: this model does not resize images (its preprocessor's "
             f"do_resize is false), and takes only sides that are multiples of {spec.factor}"
         )
-    return normalized_pixels(image, spec.mean, spec.std, spec.scale)
+    return spec.normalization(image)
 
 
 def patchify(image: Tensor, spec: ImageSpec) -> tuple[Tensor, tuple[int, int, int]]:

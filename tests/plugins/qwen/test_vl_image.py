@@ -8,18 +8,19 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tests.plugins.qwen.vl_fixtures import synthetic_image
+from xinfer.multimodal.image import Normalization
 from xinfer_qwen.vl_image import ImageSpec, num_tokens, preprocess, smart_resize
 
 QWEN3_VL = ImageSpec(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
-QWEN2_VL = ImageSpec(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 40,
-                     mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))  # fmt: skip
+CLIP = Normalization(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+QWEN2_VL = ImageSpec(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 40, normalization=CLIP)
 
 
 def reference(spec: ImageSpec) -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(
         patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.merge_size,
         size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
-        image_mean=list(spec.mean), image_std=list(spec.std),
+        image_mean=list(spec.normalization.mean), image_std=list(spec.normalization.std),
     )  # fmt: skip
 
 
@@ -61,7 +62,7 @@ def test_spec_reads_the_preprocessor_config():
     spec = ImageSpec.from_configs(
         Vision(), {"size": {"shortest_edge": 1024, "longest_edge": 4096}, "image_mean": [0.1, 0.2, 0.3]}
     )
-    assert (spec.min_pixels, spec.max_pixels, spec.mean) == (1024, 4096, (0.1, 0.2, 0.3))
+    assert (spec.min_pixels, spec.max_pixels, spec.normalization.mean) == (1024, 4096, (0.1, 0.2, 0.3))
 
 
 class Vision:
