@@ -97,10 +97,13 @@ class Normalization:
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
 
     @classmethod
-    def from_preprocessor(cls, preprocessor: Mapping[str, Any], default: Normalization) -> Normalization:
-        """The checkpoint's ``preprocessor_config.json`` fields (``rescale_factor``, ``image_mean``,
-        ``image_std``; ``do_rescale`` or ``do_normalize`` false: that step left out), ``default``'s elsewhere."""
-        normalize = preprocessor.get("do_normalize", True)
+    def from_preprocessor(
+        cls, preprocessor: Mapping[str, Any], default: Normalization, normalize: bool = True
+    ) -> Normalization:
+        """The checkpoint's image processor fields (``rescale_factor``, ``image_mean``, ``image_std``;
+        ``do_rescale`` or ``do_normalize`` false: that step left out), ``default``'s elsewhere;
+        ``normalize``: the processor's ``do_normalize`` where the checkpoint's names none."""
+        normalize = preprocessor.get("do_normalize", normalize)
         channels = len(default.mean)
         return cls(
             scale=preprocessor.get("rescale_factor", default.scale) if preprocessor.get("do_rescale", True) else 1.0,
