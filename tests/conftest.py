@@ -1,7 +1,21 @@
+"""Shared fixtures, and where the Triton kernels run in every test.
+
+``XINFER_KERNEL_DEVICE`` picks the kernels' device ("cuda" or "cpu"); unset, a CUDA device is
+used when there is one. On "cpu" the kernels run under the Triton interpreter, which must be
+switched on before any kernel module is imported (``@triton.jit`` reads it then): here, before
+any test module is collected, since one test file's imports (the backend's launch helpers, a
+plugin's kernels) serve the next file's kernels in the same process.
+"""
+
 import os
 
 import pytest
 import torch
+
+if "XINFER_KERNEL_DEVICE" not in os.environ:
+    os.environ["XINFER_KERNEL_DEVICE"] = "cuda" if torch.cuda.is_available() else "cpu"
+if os.environ["XINFER_KERNEL_DEVICE"] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # under pytest-xdist (`-n N`) each worker takes its share of the cores, as tensor-parallel ranks do
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))

@@ -12,7 +12,7 @@ norm ||out - ref|| / ||ref|| computed in fp64. Tolerances (``TOL``):
 
 The KV cache write is compared bit for bit.
 
-The device comes from ``XINFER_KERNEL_DEVICE`` (set in conftest.py). On "cpu" the
+The device comes from ``XINFER_KERNEL_DEVICE`` (set in tests/conftest.py). On "cpu" the
 kernels run under ``TRITON_INTERPRET=1`` on small shapes in fp32 and fp16. On "cuda"
 the small shapes run in bf16 and larger (Llama-3.1-8B-like) ones are added in every
 dtype (attention: fp16 and bf16; its fp32 path is checked by the window, padding and

@@ -1,7 +1,7 @@
 """The packed-weight kernels (:mod:`xinfer_cuda.kernels.quant_linear`, ``quant_moe``) on MXFP4 and NVFP4
 blocks (:mod:`xinfer.quant.fp4_formats`) against the core format's ``dequantize`` (itself checked against
 a quantizer written from the spec in tests/quant/test_fp4_formats.py) then an fp32 matmul on the CPU; on
-"cpu" under the Triton interpreter (see conftest.py). Every e2m1 code comes up in the random bytes, every
+"cpu" under the Triton interpreter (see tests/conftest.py). Every e2m1 code comes up in the random bytes, every
 e4m3 scale but NaN; rows no tile divides and rows of a number of blocks no loop step divides."""
 
 from __future__ import annotations

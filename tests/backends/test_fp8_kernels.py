@@ -1,7 +1,7 @@
 """The packed-weight kernels (:mod:`xinfer_cuda.kernels.quant_linear`, ``quant_moe``) on FP8 blocks
 (:mod:`xinfer.quant.fp8_format`: a float32 scale and 128 e4m3 codes) against the core format's
 ``dequantize`` (itself checked against torch's e4m3 in tests/quant/test_fp8_format.py) then an fp32
-matmul on the CPU; on "cpu" under the Triton interpreter (see conftest.py). Every e4m3 code but NaN
+matmul on the CPU; on "cpu" under the Triton interpreter (see tests/conftest.py). Every e4m3 code but NaN
 comes up in the random bytes, subnormals and negative zero included; rows no tile divides."""
 
 from __future__ import annotations

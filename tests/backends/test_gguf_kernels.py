@@ -1,7 +1,7 @@
 """The GGUF packed-weight kernels (:mod:`xinfer_cuda.kernels.quant_linear`) against
 ``gguf.quants.dequantize`` (the gguf package's numpy decoding of llama.cpp's blocks)
 followed by an fp32 matmul on the CPU, on the device ``XINFER_KERNEL_DEVICE`` picks (on
-"cpu" under the Triton interpreter; see conftest.py).
+"cpu" under the Triton interpreter; see tests/conftest.py).
 
 Weights are random bytes with finite fp16 scales (:func:`random_packed`): every code,
 sub-block scale and high bit takes random values. Shapes have a row count no tile

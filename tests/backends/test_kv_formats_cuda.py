@@ -3,7 +3,7 @@ the write kernel stores what ``KVFormat.quantize`` stores (bit for bit but for
 scales on the RMS, whose sum may round differently), and attention that decodes
 tiles in registers matches the reference attention over the same stored cache.
 
-Runs on the device ``XINFER_KERNEL_DEVICE`` picks (see conftest.py): under the Triton
+Runs on the device ``XINFER_KERNEL_DEVICE`` picks (see tests/conftest.py): under the Triton
 interpreter on CPU, small shapes in fp32 and fp16.
 """
 

@@ -1,6 +1,6 @@
 """The fused-MoE and routing kernels against the plain-torch references (``TorchOps.fused_moe``,
 ``TorchOps.moe_route``), on the device ``XINFER_KERNEL_DEVICE`` picks (on "cpu" under the
-Triton interpreter; see conftest.py and test_cuda_kernels.py for the tolerances' reasoning).
+Triton interpreter; see tests/conftest.py and test_cuda_kernels.py for the tolerances' reasoning).
 
 Routings are random with distinct experts per token; the step sizes cover the per-slot
 path (T*k up to 32: decode) and the grouped one (prefill sizes, a decode step of about 16

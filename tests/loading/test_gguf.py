@@ -1,6 +1,7 @@
 """GGUF configs and weights against transformers' GGUF loader (and the HF weights they
 came from, for files written here the way llama.cpp's converter writes them)."""
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -8,10 +9,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
+from tests.plugins.converted_gguf import add_tiny_vocabulary
+from tests.plugins.hf_parity import randomize
 from tests.tiny_models import prefill_logits, prompt
+from xinfer import LLM
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.loader import build_model
@@ -85,13 +90,41 @@ TINY = dict(
     eos_token_id=2,
 )
 TINY_MODELS = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True),
     "phi3": lambda: Phi3Config(**TINY, pad_token_id=0, partial_rotary_factor=0.5, tie_word_embeddings=False),
 }
-# stored exactly, so that they compare with the HF originals: the q/k rows prove that
-# neither the file nor the loader permutes them for these architectures
+# stored exactly, so that they compare with the HF originals: the q/k rows prove that the loader
+# undoes llama's permutation, and that neither the file nor the loader permutes them for the others
 EXACT = ("q_proj", "k_proj", "norm", "bias")
+
+
+def halves_to_pairs(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rows of each head reordered as llama.cpp's converter does for ``llama``'s q/k (it rotates adjacent
+    pairs): [x0..x(d/2-1), y0..y(d/2-1)] -> [x0, y0, x1, y1, ...]."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def converted_tensor(hf_name: str, tensor: torch.Tensor, config) -> torch.Tensor:
+    if config.model_type == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return halves_to_pairs(tensor, config.num_attention_heads)
+    if config.model_type == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return halves_to_pairs(tensor, config.num_key_value_heads)
+    return tensor
+
+
+def llama3_rope_factors(config) -> torch.Tensor:
+    """The divisor of each rotated pair's frequency that llama.cpp's converter writes (``rope_freqs``) for a
+    rope of type ``llama3``: 1 for short wavelengths, ``factor`` for long ones, a blend between."""
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    wavelengths = 2 * math.pi * rope["rope_theta"] ** (torch.arange(0, head_dim, 2).double() / head_dim)
+    context, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (context / wavelengths - low) / (high - low)
+    blended = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    factors = torch.where(wavelengths > context / low, rope["factor"], blended)
+    return torch.where(wavelengths < context / high, 1.0, factors).float()
 
 
 def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
@@ -112,9 +145,15 @@ def _quantize(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarra
 
 
 def write_gguf(
-    model, arch: str, path: Path, longrope: bool = False, storage: Callable[[str], gguf.GGMLQuantizationType] = _storage
+    model,
+    arch: str,
+    path: Path,
+    longrope: bool = False,
+    storage: Callable[[str], gguf.GGMLQuantizationType] = _storage,
+    experts: int = 0,
 ) -> None:
-    """``model`` as llama.cpp's converter writes it, each tensor in the type ``storage`` gives its HF name."""
+    """``model`` as llama.cpp's converter writes it, each tensor in the type ``storage`` gives its HF name
+    (``experts``: the count a Mixtral's metadata would have, its tensors not written)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -128,16 +167,23 @@ def write_gguf(
     if "head_dim" in config.to_diff_dict():
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.rope_parameters.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
+    if experts:
+        writer.add_expert_count(experts)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     if arch == "phi3":  # the rotated dimensions of a head, as llama.cpp's converter writes them
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)  # 0: none (Phi-4)
         if longrope:  # what the converter adds for the 128k-context models (with their factor tensors)
             writer.add_rope_scaling_attn_factors(1.19)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size, pre="qwen2")
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     if config.pad_token_id is not None:
@@ -150,9 +196,11 @@ def write_gguf(
             continue
         base, _, suffix = hf_name.rpartition(".")
         qtype = storage(hf_name)
-        values = tensor.float().numpy()
+        values = converted_tensor(hf_name, tensor, config).float().numpy()
         data = values if qtype == gguf.GGMLQuantizationType.F32 else _quantize(values, qtype)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -204,6 +252,22 @@ def test_tiny_weights_match_transformers_and_the_originals(tiny_gguf):
 
 
 PACKED = {gguf.GGMLQuantizationType[f.name.upper()] for f in GGUF_FORMATS}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def f32_gguf(request, tmp_path_factory):
+    """A tiny model with random norms and biases, every tensor F32 (so llama.cpp computes in fp32), and xinfer's
+    LLM of it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_MODELS[request.param]()).float()
+    randomize(model)
+    path = tmp_path_factory.mktemp(f"{request.param}-f32") / "tiny.gguf"
+    write_gguf(model, request.param, path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    return LLM(model=str(path), dtype="float32", num_blocks=64), path
+
+
+def test_llama_cpp_reads_the_tiny_gguf_alike(f32_gguf):
+    assert_llama_cpp_agrees(*f32_gguf)
 
 
 # -- dequantization of each block type -------------------------------------------------------
@@ -286,9 +350,51 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     assert not torch.allclose(whole_heads(torch.tensor([tokens])).logits[0], expected, atol=1e-3)
 
 
+def test_mixtral_gguf_is_one_clear_error(tmp_path):
+    """llama.cpp's converter writes Mixtral as architecture ``llama`` with experts."""
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["llama"]()).float(), "llama", path, experts=8)
+    with pytest.raises(ValueError, match=r"mixture of experts .* no MixtralForCausalLM"):
+        load_gguf_config(path)
+
+
 def test_phi3_gguf_with_longrope_is_one_clear_error(tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "tiny.gguf"
     write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float(), "phi3", path, longrope=True)
     with pytest.raises(ValueError, match="uses LongRoPE"):
         load_gguf_config(path)
+
+
+# Llama 3.1's rope in small: pairs of wavelength 6 keep their frequency, 20 and 63 are blended, the rest divided by 8
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # fmt: skip
+
+
+# Qwen2.5's long-context YaRN in small
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+SCALED_ROPES = {
+    # the converter writes a llama3 rope as no metadata but a rope_freqs tensor of divisors, one per rotated
+    # pair, which llama.cpp applies at every position
+    "llama3": lambda: LlamaConfig(**{**TINY, "rope_parameters": LLAMA3_ROPE}),
+    # YaRN as rope.scaling metadata: type, factor and the original context
+    "yarn": lambda: Qwen3Config(**{**TINY, "rope_parameters": YARN_ROPE}, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPES))
+def test_scaled_rope_gguf_runs_like_transformers_and_llama_cpp(tmp_path, rope):
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(SCALED_ROPES[rope]()).float()
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    arch = original.config.model_type
+    write_gguf(original, arch, path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    tokens = prompt(29, vocab_size=TINY["vocab_size"])
+    with torch.inference_mode():
+        expected = original(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert_llama_cpp_agrees(llm, path)

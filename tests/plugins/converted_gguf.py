@@ -34,6 +34,17 @@ def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def add_tiny_vocabulary(writer: gguf.GGUFWriter, vocab_size: int, pre: str | None = None) -> None:
+    """A byte-level BPE vocabulary of placeholder tokens ``t``, ``0``, ``t0``, ``t1``... with the one merge
+    ``t 0`` (llama.cpp refuses a BPE vocabulary without merges): prompts go in as token ids."""
+    writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["t", "0", *(f"t{i}" for i in range(vocab_size - 2))])
+    writer.add_token_types([1] * vocab_size)
+    writer.add_token_merges(["t 0"])
+
+
 def write_converted_gguf(
     path: Path,
     arch: str,
@@ -58,10 +69,7 @@ def write_converted_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_used_count(config.num_experts_per_tok)
     add_metadata(writer)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), block_count)
     for name, tensor in stacked_experts(tensors).items():
         base, _, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")

@@ -111,6 +111,32 @@ def test_logprobs(client, model):
         assert bytes(entry.bytes).decode() == entry.token
 
 
+def test_logprob_bytes_join_to_the_answer(client, model):
+    """A token holding part of a character has the text U+FFFD but its own bytes, as OpenAI gives them."""
+    reply = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=8, logprobs=True, top_logprobs=2,
+        extra_body={"structured_outputs": {"choice": ["🍴 ok", "🍎 fine"]}},
+    )  # fmt: skip
+    answer, content = reply.choices[0].message.content, reply.choices[0].logprobs.content
+    assert answer in ("🍴 ok", "🍎 fine")
+    assert any(entry.token == "\ufffd" for entry in content)
+    assert b"".join(bytes(entry.bytes) for entry in content) == answer.encode()
+
+
+def test_null_fields_mean_their_defaults(server, client, model):
+    """OpenAI's schema lets these fields be null (the client sends an explicit None as null)."""
+    reply = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=2, n=None, logprobs=None, stream=None, temperature=None,
+        top_p=None, stop=None, seed=None, presence_penalty=None, user=None, tool_choice=None, response_format=None,
+    )  # fmt: skip
+    assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    body = {"prompt": "Hi", "max_tokens": 2, "echo": None, "logprobs": None, "best_of": None, "n": None}
+    completion = server.post("/v1/completions", body)
+    assert completion.status_code == 200 and len(completion.json()["choices"]) == 1
+    missing = server.post("/v1/completions", {"prompt": None, "max_tokens": 2})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
+
+
 def test_sampling_parameters_are_accepted(client, model):
     reply = client.chat.completions.create(
         model=model,

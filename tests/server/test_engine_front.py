@@ -119,6 +119,7 @@ def test_a_dead_engine_loop_fails_requests_and_health():
 
     in_flight, health, later = asyncio.run(with_app(lambda: ScriptedEngine(explode), body))
     assert in_flight.status_code == 503 and "device lost" in in_flight.json()["error"]["message"]
+    assert in_flight.json()["error"]["type"] == "service_unavailable_error"  # OpenAI's type of a 503
     assert health.status_code == 503
     assert health.json()["status"] == "dead" and "device lost" in health.json()["error"]
     assert later.status_code == 503

@@ -68,6 +68,21 @@ def test_max_tokens_and_usage(claude, client, model):
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == counted.input_tokens
 
 
+def test_a_final_assistant_turn_is_continued(claude, client, model):
+    """Anthropic's prefill: the answer goes on from the final assistant text (vLLM's continue_final_message)."""
+    turns = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    message = claude.messages.create(model=model, max_tokens=8, messages=turns, extra_body=GREEDY)
+    expected = client.chat.completions.create(
+        model=model, messages=turns, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert message.content[0].text == expected.choices[0].message.content
+    assert claude.messages.count_tokens(model=model, messages=turns).input_tokens == expected.usage.prompt_tokens
+    empty = claude.messages.create(model=model, max_tokens=2, messages=[turns[0], {"role": "assistant", "content": ""}],
+                                   extra_body=GREEDY)  # fmt: skip
+    assert empty.content[0].text == openai_answer(client, model, turns[:1], 2).message.content
+
+
 def test_count_tokens_is_the_chat_prompt(claude, client, model):
     counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=TURNS)
     usage = client.chat.completions.create(
@@ -180,7 +195,7 @@ def test_x_api_key_and_bearer_are_both_accepted(server, model):
             "text only",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
-        ({"stop_sequences": [""]}, "stop strings"),
+        ({"stop_sequences": [""]}, "stop_sequences: stop strings"),
         ({"temperature": 1.5}, "temperature"),
     ],
 )

@@ -52,7 +52,9 @@ def test_completion_echo_and_logprobs(client, model, server):
     assert len(logprobs.tokens) == num_prompt + generated
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    # OpenAI's "up to logprobs + 1": the 2 most likely and the token itself
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == logprob
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
     # a token's score depends on the tokens before it only (tests/engine/test_prompt_logprobs.py checks the
@@ -63,7 +65,49 @@ def test_completion_echo_and_logprobs(client, model, server):
     )
     shorter = client.completions.create(model=model, prompt=prompt_ids, max_tokens=1, echo=True, logprobs=0)
     head = longer.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)]
+    scored = shorter.choices[0].logprobs
+    assert scored.top_logprobs[1:] == [{t: lp} for t, lp in zip(scored.tokens[1:], scored.token_logprobs[1:])]
     assert head == pytest.approx(shorter.choices[0].logprobs.token_logprobs[1 : len(prompt_ids)], abs=1e-4)
+
+
+def test_completion_echo_with_max_tokens_0_scores_the_prompt_alone(client, model):
+    """max_tokens 0 with echo (vLLM's, and OpenAI's legacy way to score a text): the prompt and its logprobs."""
+    prompt = "The capital of France is"
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice, num_prompt = scored.choices[0], scored.usage.prompt_tokens
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    longer = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    expected = longer.choices[0].logprobs
+    assert choice.logprobs.tokens == expected.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected.token_logprobs[:num_prompt], abs=1e-4)
+    stream = client.completions.create(
+        model=model, prompt=[prompt, "Hi"], max_tokens=0, echo=True, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert [(c.index, c.text) for chunk in chunks for c in chunk.choices] == [(0, prompt), (1, "Hi")]
+    assert chunks[-1].usage.completion_tokens == 0
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, server):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context runs on its last tokens."""
+    prompt = "one two three " * (MAX_MODEL_LEN // 2)
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    cut = client.completions.create(
+        model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 8}
+    )
+    expected = client.completions.create(model=model, prompt=ids[-8:], max_tokens=2, temperature=0)
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].text == expected.choices[0].text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 8},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 8
+
+
+def test_completion_max_tokens_defaults_to_16(client, model):
+    """OpenAI's legacy completions (and vLLM's) generate 16 tokens where max_tokens is not given."""
+    reply = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
 
 
 def test_streamed_completion_equals_whole(client, model):

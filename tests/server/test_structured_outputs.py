@@ -75,6 +75,9 @@ def test_choice_regex_grammar_and_json_object(client, model):
     assert re.fullmatch(
         r"The capital is [A-Z][a-z]{1,10}\.", chat({"structured_outputs": {"grammar": lark}}).message.content
     )
+    # vLLM's former names (guided_choice, guided_regex, guided_json, guided_grammar), which clients still send
+    assert chat({"guided_choice": ["Oslo", "Bern"]}).message.content in ("Oslo", "Bern")
+    assert re.fullmatch(r"[0-9]{3}", chat({"guided_regex": "[0-9]{3}"}).message.content)
     gbnf = 'root ::= "yes" | "no"'
     assert chat({"structured_outputs": {"grammar": gbnf}}).message.content in ("yes", "no")
     obj = chat({}, response_format={"type": "json_object"})
@@ -96,6 +99,7 @@ def test_choice_regex_grammar_and_json_object(client, model):
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"guided_json": {"type": "objectx"}}, "structured_outputs", "objectx"),
     ],
 )
 def test_invalid_constraints_are_400_naming_the_problem(server, client, model, extra, param, named):

@@ -54,6 +54,13 @@ def test_decode_inverts_encode(ours, text):
     assert ours.decode(ours.encode(text)) == text
 
 
+def test_token_bytes_join_to_the_texts_utf8(ours):
+    """Each token's bytes, those of a part of a character too (byte-level BPE's and byte-fallback pieces)."""
+    ids = ours.encode(MIXED, add_special_tokens=False)
+    assert any("\ufffd" in ours.decode([i]) for i in ids), "no token holds a part of a character"
+    assert b"".join(ours.token_bytes(i) for i in ids) == MIXED.encode()
+
+
 def test_decode_matches_transformers(model, ours):
     reference = hf_tokenizer(model)
     ids = ours.encode(MIXED)

@@ -215,16 +215,21 @@ class LLMEngine:
             return self.runner.hidden_states(batch)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int], top_n: int) -> list[dict[int, float] | None]:
+    def prompt_logprobs(
+        self, token_ids: list[int], top_n: int, multimodal: list[PlaceholderRange] | None = None
+    ) -> list[dict[int, float] | None]:
         """Each token's log-probability after the tokens before it (``None`` for the first), with
-        the ``top_n`` likeliest tokens there: the logprobs of a prompt echoed back."""
-        with self._whole_input(token_ids) as batch:
+        the ``top_n`` likeliest tokens there: the logprobs of a prompt echoed back; ``multimodal``:
+        where its images' embeddings go, as :meth:`add_request`'s."""
+        with self._whole_input(token_ids, multimodal) as batch:
             return self.runner.prompt_logprobs(batch, top_n)
 
     @contextlib.contextmanager
-    def _whole_input(self, token_ids: list[int]) -> Iterator[HostBatch]:
-        """One forward's batch over all of ``token_ids``, through blocks borrowed from the KV
-        pool between steps."""
+    def _whole_input(
+        self, token_ids: list[int], multimodal: list[PlaceholderRange] | None = None
+    ) -> Iterator[HostBatch]:
+        """One forward's batch over all of ``token_ids`` (and the images ``multimodal`` places),
+        through blocks borrowed from the KV pool between steps."""
         if not token_ids:
             raise ValueError("the input is empty")
         if len(token_ids) > self.max_model_len:
@@ -232,7 +237,9 @@ class LLMEngine:
                 f"the input has {len(token_ids)} tokens, the model's context is {self.max_model_len} tokens"
             )
         self._check_vocab(token_ids)
-        seq = Sequence("whole-input", token_ids, SamplingParams())
+        ranges = list(multimodal or [])
+        seq = Sequence("whole-input", token_ids, SamplingParams(), multimodal=ranges,
+                       whole_items=self._check_multimodal(ranges, len(token_ids)))  # fmt: skip
         if not self.cache.allocate(seq, len(token_ids)):
             self.cache.release(seq)
             raise KVCacheFull("the KV cache is full; retry later")

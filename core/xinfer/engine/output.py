@@ -102,9 +102,7 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         output = RequestOutput.empty(request_id, prompt_token_ids, params, prompt)
         if params.prompt_logprobs is not None:
-            if multimodal:
-                raise ValueError("prompt_logprobs is not supported for prompts with images")
-            output.prompt_logprobs = self.engine.prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+            output.prompt_logprobs = self.engine.prompt_logprobs(prompt_token_ids, params.prompt_logprobs, multimodal)
         header = replace(output, outputs=[], prompt_logprobs=None)
         self._requests[request_id] = sequence_ids = []
         try:

@@ -3,7 +3,7 @@
 An architecture composes them: most are a :class:`DecoderForCausalLM` with a :class:`DecoderSpec`.
 """
 
-from xinfer.layers.activation import GeluAndMul, GeluTanhAndMul, SiluAndMul, gated_activation
+from xinfer.layers.activation import GeluAndMul, GeluTanhAndMul, SiluAndMul, activation, gated_activation
 from xinfer.layers.attention import Attention
 from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec
 from xinfer.layers.decoder import DecoderModel
@@ -42,6 +42,7 @@ __all__ = [
     "SiluAndMul",
     "SplitRMSNorm",
     "VocabEmbedding",
+    "activation",
     "gated_activation",
     "head_norms",
     "normed_block",

@@ -1,3 +1,8 @@
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
@@ -38,3 +43,27 @@ def activation_name(name: str) -> str:
 
 def gated_activation(name: str) -> nn.Module:
     return GATED_ACTIVATIONS[activation_name(name)]()
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "quick_gelu": quick_gelu,
+    "relu": F.relu,
+}
+"""Plain (ungated) activations by the HF config's name, for the encoders' MLPs."""
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """The plain activation a config's ``hidden_act`` names; one error naming it where xinfer has none."""
+    name = ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
+        raise NotImplementedError(
+            f"hidden_act {name!r} is not supported; supported: {', '.join([*ACTIVATIONS, *ALIASES])}"
+        )
+    return ACTIVATIONS[name]

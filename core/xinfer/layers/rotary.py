@@ -152,8 +152,8 @@ def _cos_sin(inv_freq: Tensor, max_position: int, scale: float) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """The cos || sin table of every position. LongRoPE keeps a second table below the first,
-    for the tokens of sequences longer than the trained context (as transformers does, the whole
+    """The cos || sin table of every position. LongRoPE with long factors of its own keeps a second table below
+    the first, for the tokens of sequences longer than the trained context (as transformers does, the whole
     step of such a sequence rotates by the long factors; what is already cached stays as it was)."""
 
     cos_sin: Tensor
@@ -165,7 +165,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.trained_context: int | None = None
         tables = [_cos_sin(inv_freq, max_position, scale)]
-        if params["rope_type"] == "longrope":
+        if params["rope_type"] == "longrope" and params["long_factor"] != params["short_factor"]:
             self.trained_context = params["original_max_position_embeddings"]
             long_freq, _ = _longrope(params["rope_theta"], self.rotary_dim, params, "long_factor")
             tables.append(_cos_sin(long_freq, max_position, scale))

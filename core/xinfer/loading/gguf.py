@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -49,6 +50,8 @@ _CONFIG_FIELDS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
+# llama.cpp's divisor of each rotated pair's frequency, a tensor read into the config
+ROPE_FREQS = "rope_freqs.weight"
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 
 
@@ -110,11 +113,15 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
         field: _plain(meta[f"{arch}.{key}"]) for key, field in _CONFIG_FIELDS.items() if f"{arch}.{key}" in meta
     }
     fields.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
+    if fields.get("sliding_window") == 0:  # llama.cpp's "no window" (its converter writes it so for Phi-4)
+        del fields["sliding_window"]
     for field, name in _TOKEN_IDS.items():
         if (token_id := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             fields[field] = int(token_id)
     if (scaling := _rope_scaling(meta, arch)) is not None:
         fields["rope_scaling"] = scaling
+    if ROPE_FREQS in file.tensors:
+        fields["rope_scaling"] = _rope_divided_per_frequency(file, fields, scaling)
     # llama.cpp writes the output projection only when it is not the embedding matrix
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
     fields.update(adapter.config(meta, fields, file.tensors.keys()))
@@ -140,6 +147,19 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
         if (value := meta.get(f"{arch}.rope.scaling.yarn_{key}")) is not None:
             scaling[key] = float(value)
     return scaling
+
+
+def _rope_divided_per_frequency(file: GGUFFile, fields: Mapping[str, Any], scaling: Any) -> dict[str, Any]:
+    """The rope of a file with llama.cpp's ``rope_freqs``: each rotated pair's frequency divided by its own
+    factor at every position (what the converter writes for Llama 3's ``llama3`` rope, metadata none). In HF's
+    terms that is LongRoPE with those factors at every length and no attention scaling."""
+    if scaling is not None:
+        raise ModelFileError(f"{file.path}: both rope.scaling metadata and a {ROPE_FREQS} tensor; which one "
+                             "llama.cpp's converter wrote for the model is unclear")  # fmt: skip
+    divisors = dequantize(file, ROPE_FREQS).tolist()
+    context = fields["max_position_embeddings"]
+    return {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors, "factor": 1.0,
+            "attention_factor": 1.0, "original_max_position_embeddings": context}  # fmt: skip
 
 
 def _causal_lm_class(model_type: str, path: Path) -> str:
@@ -185,8 +205,13 @@ def iter_gguf_weights(
     file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names)
-    unmapped = [n for n in file.tensors if n not in names]
-    if unmapped:
+    unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS]
+    # the blocks past the model's layers: MTP layers, which block_count counts and the adapter left out
+    extra_layers = [n for n in unmapped if (block := _BLOCK.match(n)) and int(block[1]) >= config.num_hidden_layers]
+    if extra_layers:
+        log.info("%s: %d tensor(s) of the layers past the model's %d (MTP layers) are skipped",
+                 file.path.name, len(extra_layers), config.num_hidden_layers)  # fmt: skip
+    if unmapped := [n for n in unmapped if n not in extra_layers]:
         shown = ", ".join(unmapped[:5])
         log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s", file.path.name, len(unmapped), shown)
     formats = weight_formats()
@@ -203,6 +228,7 @@ def iter_gguf_weights(
             yield hf_name, convert(read_tensor(file, name, formats), conversion)
 
 
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 _FLOATS = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 

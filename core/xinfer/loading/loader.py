@@ -31,6 +31,8 @@ def load_config(path: Path) -> PretrainedConfig:
     text = config.text_config
     text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
     text.multimodal_config = config  # the wrapper (its encoders' configs, media token ids), for models that take them
+    # transformers ties the wrapper's output embeddings by the wrapper's field (the text config's may differ)
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
     return text
 
 

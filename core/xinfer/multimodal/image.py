@@ -4,7 +4,11 @@ normalise. Each model's processor chains these with its own sizes and statistics
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -67,8 +71,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def resize(image: Image.Image, height: int, width: int, resample: str = "bilinear") -> Image.Image:
-    return image.resize((width, height), resample=RESAMPLE[resample])
+def resize(image: Image.Image, height: int, width: int, resample: str | int = "bilinear") -> Image.Image:
+    """``resample``: a name in :data:`RESAMPLE`, or Pillow's number of a filter (as a checkpoint's
+    ``preprocessor_config.json`` writes it)."""
+    return image.resize((width, height), resample=RESAMPLE[resample] if isinstance(resample, str) else resample)
 
 
 def normalized_pixels(
@@ -80,3 +86,42 @@ def normalized_pixels(
     mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
     return (pixels * scale - mean_t) / std_t
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """A processor's pixel scaling: ``(pixels * scale - mean) / std`` per channel."""
+
+    scale: float = 1 / 255
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_preprocessor(
+        cls, preprocessor: Mapping[str, Any], default: Normalization, normalize: bool = True
+    ) -> Normalization:
+        """The checkpoint's image processor fields (``rescale_factor``, ``image_mean``, ``image_std``;
+        ``do_rescale`` or ``do_normalize`` false: that step left out), ``default``'s elsewhere;
+        ``normalize``: the processor's ``do_normalize`` where the checkpoint's names none."""
+        normalize = preprocessor.get("do_normalize", normalize)
+        channels = len(default.mean)
+        return cls(
+            scale=preprocessor.get("rescale_factor", default.scale) if preprocessor.get("do_rescale", True) else 1.0,
+            mean=tuple(preprocessor.get("image_mean", default.mean)) if normalize else (0.0,) * channels,
+            std=tuple(preprocessor.get("image_std", default.std)) if normalize else (1.0,) * channels,
+        )
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        return normalized_pixels(image, self.mean, self.std, self.scale)
+
+
+def preprocessor_config(config: Any) -> dict[str, Any]:
+    """The checkpoint's image processor settings beside its ``config.json``: the ``image_processor``
+    part of ``processor_config.json`` (as transformers 5 saves a processor), else
+    ``preprocessor_config.json``; ``{}`` without either."""
+    folder = Path(getattr(config, "_name_or_path", "") or ".")
+    processor = folder / "processor_config.json"
+    if processor.is_file() and "image_processor" in (settings := json.loads(processor.read_text())):
+        return settings["image_processor"]
+    file = folder / "preprocessor_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}

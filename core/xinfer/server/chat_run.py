@@ -10,6 +10,7 @@ from fastapi import Request
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.multimodal.inputs import PlaceholderRange
+from xinfer.server.errors import bad_request
 from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.serving import Serving
@@ -68,6 +69,10 @@ async def chat_prompt(serving: Serving, body: ChatCompletionRequest, tools: Tool
     )
     token_ids = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
     check_token_ids(token_ids, serving.vocab_size, "messages")
+    if body.truncate_prompt_tokens is not None:
+        if images:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
+        token_ids = body.truncated(token_ids, serving.max_model_len)
     tags = serving.reasoning_tags
     token_ids, multimodal = await serving.multimodal_prompt(token_ids, images) if images else (token_ids, [])
     return ChatPrompt(text, token_ids, multimodal, tags, tags is not None and opens_reasoning(text, tags), tools)

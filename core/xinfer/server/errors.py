@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("xinfer")
 
-# the rest are "invalid_request_error" below 500, "internal_error" from 500 on
-ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
+# OpenAI's error types; the rest are "invalid_request_error" below 500, "server_error" from 500 on
+ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable_error"}
 # Anthropic's error types by status; "invalid_request_error" for the other 4xx, "api_error" for the other 5xx
 ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
@@ -58,7 +58,7 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -71,6 +71,10 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
     problems = error.errors()
     first = problems[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    for other in problems[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
+        shared = [str(p) for p in other.get("loc", ()) if p != "body"]
+        common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))
+        loc = loc[:common] if common else loc
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":

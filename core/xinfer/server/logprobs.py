@@ -11,16 +11,20 @@ from collections.abc import Callable
 from xinfer.server.responses import CompletionLogprobs, TokenLogprob, TopLogprob
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def top_n(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:n]
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], n: int, text: TokenText) -> list[TokenLogprob]:
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], n: int, text: TokenText, raw: TokenBytes
+) -> list[TokenLogprob]:
+    """Each token's text, bytes (those of a part of a character too: joined, they are the answer's) and logprob."""
+
     def top(token_id: int, logprob: float) -> TopLogprob:
-        piece = text(token_id)
-        return TopLogprob(token=piece, logprob=logprob, bytes=list(piece.encode()))
+        return TopLogprob(token=text(token_id), logprob=logprob, bytes=list(raw(token_id)))
 
     return [
         TokenLogprob(**top(token, entry[token]).model_dump(), top_logprobs=[top(t, lp) for t, lp in top_n(entry, n)])
@@ -36,12 +40,18 @@ def extend_completion_logprobs(
     text: TokenText,
     offset: int,
 ) -> int:
-    """Appends tokens (``None`` entries for echoed prompt tokens); returns the next text offset."""
+    """Appends tokens (``None`` entries for echoed prompt tokens); returns the next text offset.
+    Each token's top alternatives include the token itself, as OpenAI's do (``n`` + 1 of them at most)."""
     for token, entry in zip(token_ids, entries):
         piece = text(token)
         result.tokens.append(piece)
         result.token_logprobs.append(None if entry is None else entry[token])
-        result.top_logprobs.append(None if entry is None else {text(t): lp for t, lp in top_n(entry, n)})
+        if entry is None:
+            result.top_logprobs.append(None)
+        else:
+            top = {text(t): lp for t, lp in top_n(entry, n)}
+            top.setdefault(piece, entry[token])
+            result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(piece)
     return offset

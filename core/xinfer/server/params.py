@@ -91,7 +91,7 @@ def request_params(
             code="context_length_exceeded",
         )
     given = {name: getattr(body, name) for name in OPTIONAL_FIELDS if getattr(body, name) is not None}
-    max_tokens = token_limit or min(defaults.max_tokens or room, room)
+    max_tokens = token_limit or min(defaults.max_tokens or body.default_max_tokens or room, room)
     try:
         return SamplingParams(
             **(asdict(defaults) | given | {"max_tokens": max_tokens}),

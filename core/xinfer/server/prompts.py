@@ -28,6 +28,10 @@ def message_dicts(
                 elif part.type == "image_url" and part.image_url is not None:
                     parts.append({"type": "image"})
                     images.append((part.image_url.url, f"messages.{i}.content.{j}.image_url"))
+                elif part.type in ("text", "image_url"):
+                    raise bad_request(
+                        f"a {part.type} part needs its {part.type} field", param=f"messages.{i}.content.{j}"
+                    )
                 else:
                     raise bad_request(
                         f"content part of type {part.type!r} is not supported: parts are text or image_url",

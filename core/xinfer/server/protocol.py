@@ -2,15 +2,16 @@
 
 Bodies are parsed in pydantic's strict JSON mode: a string where a number belongs
 is an error, not a guess. Unknown fields are ignored, as OpenAI clients send new
-ones before servers know them. Bounds on ``n``, logprobs and stop strings keep
+ones before servers know them, and ``null`` in a field that has a default means that
+default, as OpenAI's schema lets most fields be null (the clients send an explicit None). Bounds on ``n``, logprobs and stop strings keep
 one request from costing the server more than a client should be able to ask.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from xinfer.server.tools import check_tool_choice, check_tools
 
@@ -24,16 +25,24 @@ INT64 = 2**63
 StopStrings = str | list[str] | None
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        required = {field.alias or name for name, field in cls.model_fields.items() if field.is_required()}
+        return {key: value for key, value in data.items() if value is not None or key in required}
 
-class ImageURL(_Body):
+
+class ImageURL(RequestBody):
     url: str
     detail: str | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     """A part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url",
     "image_url": {"url": ...}}``."""
 
@@ -42,7 +51,7 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -57,19 +66,19 @@ class ChatMessage(_Body):
         return self
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JSONSchemaFormat(_Body):
+class JSONSchemaFormat(RequestBody):
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     """OpenAI's ``response_format``."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -82,7 +91,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class StructuredOutputsBody(_Body):
+class StructuredOutputsBody(RequestBody):
     """vLLM's ``structured_outputs``: exactly one constraint."""
 
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")
@@ -92,7 +101,18 @@ class StructuredOutputsBody(_Body):
     json_object: bool | None = None
 
 
-class SamplingFields(_Body):
+# vLLM's former names of structured_outputs' constraints, which clients still send
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+
+
+class SamplingFields(RequestBody):
     """What chat and completion requests share: the model, sampling, and stopping."""
 
     model: str | None = None
@@ -118,27 +138,60 @@ class SamplingFields(_Body):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep a prompt's last tokens (-1: as many as the context holds)
     # the field a client set the token limit by, for errors (a route that translates its own body renames it)
     _token_limit_name: str = PrivateAttr("max_tokens")
+    # the token limit of a request that gives none (None: the rest of the context), unless --max-tokens is set
+    default_max_tokens: ClassVar[int | None] = None
 
     @property
     def token_limit_name(self) -> str:
         return self._token_limit_name
 
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_as_structured_outputs(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(data.get(name) is not None for name in GUIDED_FIELDS):
+            return data
+        if data.get("structured_outputs") is not None:
+            raise ValueError("give structured_outputs or the guided_* fields, not both")
+        guided = {GUIDED_FIELDS[name]: data[name] for name in GUIDED_FIELDS if data.get(name) is not None}
+        return {key: value for key, value in data.items() if key not in GUIDED_FIELDS} | {"structured_outputs": guided}
+
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
         if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
             raise ValueError("give response_format or structured_outputs, not both")
-        stops = self.stop_strings
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
-            raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
-        if self.logit_bias and not all(key.lstrip("-").isdigit() for key in self.logit_bias):
-            raise ValueError("logit_bias keys must be token ids")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: StopStrings) -> StopStrings:
+        check_stop_strings([stop] if isinstance(stop, str) else stop or [])
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and not all(key.lstrip("-").isdigit() for key in bias):
+            raise ValueError("logit_bias keys must be token ids")
+        return bias
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, keep: int | None) -> int | None:
+        if keep is not None and keep < 1 and keep != -1:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
+        return keep
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """A prompt as ``truncate_prompt_tokens`` cuts it: its last tokens."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        return token_ids[-(max_model_len if keep == -1 else keep) :]
 
     @property
     def stop_strings(self) -> list[str]:
@@ -193,7 +246,10 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    default_max_tokens: ClassVar[int] = 16  # OpenAI's legacy completions (and vLLM's) stop there unless told
+
     prompt: Prompt
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompts alone, scored with logprobs (vLLM's)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -204,6 +260,8 @@ class CompletionRequest(SamplingFields):
     def _check_completion(self) -> CompletionRequest:
         if self.prompt == [] or self.prompt == [[]]:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo=true (the prompt given back alone)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -222,7 +280,7 @@ class CompletionRequest(SamplingFields):
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
@@ -240,7 +298,7 @@ class EmbeddingRequest(_Body):
         return self
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -255,6 +313,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

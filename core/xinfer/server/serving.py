@@ -42,6 +42,7 @@ class Serving:
     mcp: MCPSettings | None = None  # --mcp-command / --mcp-config
     tool_parser: str = "auto"  # --enforce-parser: a name of toolcalls.PARSERS, "auto" or "none"
     _token_texts: dict[int, str] = field(default_factory=dict)
+    _token_bytes: dict[int, bytes] = field(default_factory=dict)
     _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known
 
     @property
@@ -160,6 +161,11 @@ class Serving:
         if token_id not in self._token_texts:
             self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return self._token_texts[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id not in self._token_bytes:
+            self._token_bytes[token_id] = self.tokenizer.token_bytes(token_id)
+        return self._token_bytes[token_id]
 
 
 def unavailable(error: Exception) -> APIError:

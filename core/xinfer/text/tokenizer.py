@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,19 @@ _END_OF_TURN_TEXTS = frozenset(
     "<|eot_id|> <|eom_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <EOT> _<EOT> <|return|> "
     "<|call|> <end_of_utterance>".split()
 )
+# SentencePiece's byte-fallback pieces: one byte each
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's) writes each byte as a printable character: the printable Latin-1
+    bytes as themselves, the other bytes, in order, as the code points from 256 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -97,6 +111,19 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also where they are only part of a character (its text,
+        decoded alone, then has U+FFFD in their place)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        piece = self.id_to_token(token_id)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        if byte := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(byte[1], 16)])
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
     def apply_chat_template(
         self,

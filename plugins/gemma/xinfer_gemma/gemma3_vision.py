@@ -6,7 +6,7 @@ patch_size`` per side) average-pooled to ``sqrt(mm_tokens_per_image)`` per side,
 (``1 + w``) and projected. In the prompt, each ``<start_of_image>`` becomes ``"\\n\\n"``,
 ``<start_of_image>``, the image's soft tokens, ``<end_of_image>``, ``"\\n\\n"``, as transformers'
 processor writes it; the soft tokens of one image attend to each other both ways. Pan and scan
-(cropping wide images into several) is off, as in transformers' processor by default.
+(cropping wide images into several) is off, as in transformers' processor unless a call asks it.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from xinfer import ops
 from xinfer.layers import RMSNorm
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
-from xinfer.multimodal.image import image_hash, normalized_pixels, resize, to_rgb
+from xinfer.multimodal.image import Normalization, image_hash, preprocessor_config, resize, to_rgb
 from xinfer_gemma.gemma3 import Gemma3ForCausalLM
 from xinfer_gemma.siglip import SiglipVisionTransformer
 
-SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
+SIGLIP = Normalization(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
 
 class Gemma3Projector(nn.Module):
@@ -55,11 +55,15 @@ class Gemma3Projector(nn.Module):
 
 class Gemma3ImageProcessor:
     """Images -> SigLIP's input: RGB, resized to ``image_size`` square (bilinear), ``/ 255``,
-    normalised by mean and std 0.5."""
+    normalised by mean and std 0.5; the checkpoint's ``preprocessor_config.json`` may name
+    another filter (``resample``) and scaling."""
 
     def __init__(self, config: Any, tokenizer: Any):
         self.config = config
         self.image_size = config.vision_config.image_size
+        preprocessor = preprocessor_config(config)
+        self.resample = preprocessor.get("resample", "bilinear")
+        self.normalization = Normalization.from_preprocessor(preprocessor, SIGLIP)
         self.placeholders = {"image": config.boi_token_index}
         newlines = tokenizer.encode("\n\n", add_special_tokens=False) if tokenizer is not None else []
         soft = [config.image_token_index] * config.mm_tokens_per_image
@@ -69,8 +73,7 @@ class Gemma3ImageProcessor:
     def process(self, modality: str, data: Any) -> MultiModalItem:
         if not isinstance(data, Image.Image):
             raise ValueError(f"an image must be a PIL image, got {type(data).__name__}")
-        image = resize(to_rgb(data), self.image_size, self.image_size, "bilinear")
-        pixels = normalized_pixels(image, SIGLIP_MEAN, SIGLIP_STD)
+        pixels = self.normalization(resize(to_rgb(data), self.image_size, self.image_size, self.resample))
         return MultiModalItem("image", image_hash(data), {"pixel_values": pixels}, self.config.mm_tokens_per_image)
 
     def replacement(self, item: MultiModalItem) -> tuple[list[int], int]:

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
@@ -42,6 +41,7 @@ from xinfer.layers import (
     Routing,
     RowLinear,
     VocabEmbedding,
+    activation,
     head_norms,
     rope_parameters,
 )
@@ -157,7 +157,7 @@ class Gemma4Router(Router):
 
 class Gemma4DecoderLayer(nn.Module):
     """``x += norm(attn(norm(x)))``; ``x += norm(mlp(norm(x)))`` (with experts: the normed sum of the
-    MLP's and the experts' outputs, each normed); E-models: ``x += norm(proj(gelu(gate(x)) * input))``
+    MLP's and the experts' outputs, each normed); E-models: ``x += norm(proj(act(gate(x)) * input))``
     with this layer's per-layer input; finally ``x *= layer_scalar``."""
 
     def __init__(self, config: Any, self_attn: nn.Module, intermediate_size: int, norm: Norm):
@@ -181,6 +181,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = Linear(hidden, per_layer)
             self.per_layer_projection = Linear(per_layer, hidden)
             self.post_per_layer_input_norm = norm(hidden)
+            self.per_layer_act = activation(config.hidden_activation)
 
     def forward(self, positions: Tensor, x: Tensor, per_layer_input: Tensor | None) -> Tensor:
         h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
@@ -192,7 +193,7 @@ class Gemma4DecoderLayer(nn.Module):
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(out)
         if per_layer_input is not None:
-            gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input
+            gated = self.per_layer_act(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return x * self.layer_scalar
 

@@ -22,10 +22,8 @@ the sliding-window layers (the global layers stay causal). Audio and video input
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +32,14 @@ from PIL import Image
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.layers import Linear, RMSNorm
+from xinfer.layers import Linear, RMSNorm, activation
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
-from xinfer.multimodal.image import image_hash, resize, to_rgb
+from xinfer.multimodal.image import Normalization, image_hash, preprocessor_config, resize, to_rgb
 from xinfer_gemma.gemma4 import Gemma4ForCausalLM
 
 DEFAULT_MAX_SOFT_TOKENS = 280  # transformers' image processor's default, where the checkpoint sets none
+UNIT_PIXELS = Normalization(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # [0, 1]: the encoder maps them to [-1, 1]
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -109,9 +108,10 @@ class Gemma4VisionMLP(nn.Module):
         self.gate = ClippedLinear(dim, inner, clipped)
         self.up = ClippedLinear(dim, inner, clipped)
         self.down = ClippedLinear(inner, dim, clipped)
+        self.act = activation(config.hidden_activation)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 class Gemma4VisionLayer(nn.Module):
@@ -214,12 +214,17 @@ def resized_size(height: int, width: int, patch: int, max_patches: int, pool: in
 
 class Gemma4ImageProcessor:
     """Images -> patches: RGB, resized (bicubic) keeping the aspect ratio, ``/ 255``, cut into
-    ``patch x patch`` squares flattened as (rows, columns, channels), row-major."""
+    ``patch x patch`` squares flattened as (rows, columns, channels), row-major. The checkpoint's
+    image processor settings may set another budget (``max_soft_tokens``), filter (``resample``)
+    and scaling."""
 
-    def __init__(self, config: Any, tokenizer: Any, max_soft_tokens: int):
+    def __init__(self, config: Any, tokenizer: Any, preprocessor: Mapping[str, Any]):
         vision = config.vision_config
         self.patch, self.pool = vision.patch_size, vision.pooling_kernel_size
-        self.max_patches = max_soft_tokens * self.pool**2
+        self.positions = vision.position_embedding_size
+        self.max_patches = int(preprocessor.get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS)) * self.pool**2
+        self.resample = preprocessor.get("resample", "bicubic")
+        self.normalization = Normalization.from_preprocessor(preprocessor, UNIT_PIXELS, normalize=False)
         self.placeholders = {"image": config.image_token_id}
         self.boi, self.eoi, self.soft = config.boi_token_id, config.eoi_token_id, config.image_token_id
 
@@ -227,12 +232,17 @@ class Gemma4ImageProcessor:
         if not isinstance(data, Image.Image):
             raise ValueError(f"an image must be a PIL image, got {type(data).__name__}")
         height, width = resized_size(data.height, data.width, self.patch, self.max_patches, self.pool)
+        p = self.patch
+        if max(height, width) // p > self.positions:
+            raise ValueError(
+                f"a {data.width}x{data.height} image resizes to {width // p}x{height // p} patches, more per side "
+                f"than this model's vision position_embedding_size ({self.positions})"
+            )
         image = to_rgb(data)
         if (height, width) != (image.height, image.width):
-            image = resize(image, height, width, "bicubic")
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3).float() / 255
-        p = self.patch
-        patches = pixels.view(height // p, p, width // p, p, 3).transpose(1, 2).reshape(-1, p * p * 3)
+            image = resize(image, height, width, self.resample)
+        pixels = self.normalization(image).permute(1, 2, 0)  # [H, W, C]
+        patches = pixels.reshape(height // p, p, width // p, p, 3).transpose(1, 2).reshape(-1, p * p * 3)
         grid = (height // p, width // p)
         tokens = grid[0] * grid[1] // self.pool**2
         return MultiModalItem("image", image_hash(data), {"patches": patches}, tokens, extra={"grid": grid})
@@ -257,7 +267,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         self.embed_vision = Gemma4VisionEmbedder(vision.hidden_size, config.hidden_size, vision.rms_norm_eps)
 
     def multimodal_processor(self, tokenizer: Any) -> Gemma4ImageProcessor:
-        return Gemma4ImageProcessor(self.wrapper_config, tokenizer, max_soft_tokens(self.wrapper_config))
+        return Gemma4ImageProcessor(self.wrapper_config, tokenizer, preprocessor_config(self.wrapper_config))
 
     def encode(self, modality: str, items: Sequence[MultiModalItem]) -> list[Tensor]:
         weight = self.embed_vision.embedding_projection.weight
@@ -267,19 +277,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
 
     def load_weights(self, weights: Weights) -> set[str]:
         return super().load_weights(_vision_renamed(weights))
-
-
-def max_soft_tokens(config: Any) -> int:
-    """The checkpoint's image budget in soft tokens: its processor config's ``max_soft_tokens``, if any."""
-    folder = Path(getattr(config, "name_or_path", "") or ".")
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = folder / name
-        if path.is_file():
-            settings = json.loads(path.read_text())
-            settings = settings.get("image_processor", settings)
-            if "max_soft_tokens" in settings:
-                return int(settings["max_soft_tokens"])
-    return DEFAULT_MAX_SOFT_TOKENS
 
 
 def _vision_renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:

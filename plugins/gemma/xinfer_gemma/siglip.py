@@ -1,6 +1,6 @@
 """SigLIP's vision transformer (the image encoder of Gemma 3): patches embedded by a strided
 convolution (one GEMM over the unfolded patches), a learned position per patch, pre-norm
-layers of non-causal attention and a gelu-tanh MLP, a final LayerNorm. Parameter names as
+layers of non-causal attention and an MLP (``hidden_act``, gelu-tanh in Gemma 3), a final LayerNorm. Parameter names as
 transformers' ``SiglipVisionTransformer``'s."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.layers import LayerNorm, Linear, MergedLinear
+from xinfer.layers import LayerNorm, Linear, MergedLinear, activation
 
 
 class SiglipAttention(nn.Module):
@@ -29,12 +29,13 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipMLP(nn.Module):
-    def __init__(self, dim: int, intermediate: int):
+    def __init__(self, dim: int, intermediate: int, hidden_act: str):
         super().__init__()
         self.fc1, self.fc2 = Linear(dim, intermediate, bias=True), Linear(intermediate, dim, bias=True)
+        self.act = activation(hidden_act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class SiglipEncoderLayer(nn.Module):
@@ -43,7 +44,7 @@ class SiglipEncoderLayer(nn.Module):
         dim, eps = config.hidden_size, config.layer_norm_eps
         self.layer_norm1, self.layer_norm2 = LayerNorm(dim, eps), LayerNorm(dim, eps)
         self.self_attn = SiglipAttention(dim, config.num_attention_heads)
-        self.mlp = SiglipMLP(dim, config.intermediate_size)
+        self.mlp = SiglipMLP(dim, config.intermediate_size, config.hidden_act)
 
     def forward(self, x: Tensor, residual: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
         """The stream is ``x + residual`` (``x`` before the first layer); returns this layer's MLP

@@ -22,6 +22,14 @@ class LlamaGGUF(GGUFAdapter):
     def __init__(self) -> None:
         super().__init__(model_type="llama")
 
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        if metadata.get("llama.expert_count", 0):
+            raise ValueError("this llama GGUF is a mixture of experts (Mixtral's, as llama.cpp's converter writes "
+                             "it), which xinfer does not run: no MixtralForCausalLM")  # fmt: skip
+        return {}
+
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             return pairs_to_halves(tensor, config.num_attention_heads)

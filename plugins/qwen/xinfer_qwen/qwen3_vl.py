@@ -14,9 +14,7 @@ from the step's slices.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -27,7 +25,7 @@ from xinfer.forward_context import multimodal
 from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing, rope_parameters
 from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.multimodal import MultiModalEmbeddings, MultiModalItem
-from xinfer.multimodal.image import image_hash
+from xinfer.multimodal.image import image_hash, preprocessor_config
 from xinfer_qwen.mrope import MRotaryEmbedding
 from xinfer_qwen.qwen import Qwen3ForCausalLM
 from xinfer_qwen.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -55,12 +53,6 @@ class QwenImageProcessor:
         return [self.placeholders["image"]] * item.num_embeddings, 0
 
 
-def preprocessor_config(config: Any) -> dict[str, Any] | None:
-    """The checkpoint's ``preprocessor_config.json`` beside its ``config.json``, if it has one."""
-    file = Path(getattr(config, "_name_or_path", "") or ".") / "preprocessor_config.json"
-    return json.loads(file.read_text()) if file.is_file() else None
-
-
 class QwenVisionLanguage(DecoderForCausalLM):
     """What the vision-language models add to their Qwen text model; a class lists it before
     the text model's class (``class Qwen3VL(QwenVisionLanguage, Qwen3ForCausalLM)``)."""
@@ -70,8 +62,6 @@ class QwenVisionLanguage(DecoderForCausalLM):
 
     def __init__(self, config: Any):
         wrapper = config.multimodal_config  # the loader hands the text config, the wrapper's beside it
-        # the wrapper's tie_word_embeddings rules, as in transformers (the text config's may differ)
-        config.tie_word_embeddings = getattr(wrapper, "tie_word_embeddings", False)
         super().__init__(config)
         self.visual = VisionEncoder(wrapper.vision_config)
         self.merge_size = wrapper.vision_config.spatial_merge_size

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from PIL import Image
 from torch import Tensor
 
-from xinfer.multimodal.image import normalized_pixels, resize, to_rgb
+from xinfer.multimodal.image import Normalization, resize, to_rgb
 
 MAX_ASPECT_RATIO = 200
 
@@ -34,13 +34,15 @@ class ImageSpec:
     merge_size: int = 2
     min_pixels: int = 65536
     max_pixels: int = 16777216
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    resize: bool = True
+    resample: int = Image.Resampling.BICUBIC
+    normalization: Normalization = field(default_factory=Normalization)
 
     @classmethod
     def from_configs(cls, vision_config: Any, preprocessor: Mapping[str, Any] | None = None) -> ImageSpec:
-        """The vision config's patch sizes; pixel bounds and normalization from the checkpoint's
-        preprocessor config where it has one (``size`` or the older ``min_pixels``/``max_pixels``)."""
+        """The vision config's patch sizes; resizing, pixel bounds, rescaling and normalization from
+        the checkpoint's preprocessor config where it has one (``size`` or the older
+        ``min_pixels``/``max_pixels``; ``do_rescale`` and ``do_normalize`` false: left out)."""
         pre = dict(preprocessor or {})
         size = pre.get("size") or {}
         defaults = cls()
@@ -50,8 +52,9 @@ class ImageSpec:
             merge_size=vision_config.spatial_merge_size,
             min_pixels=pre.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels,
             max_pixels=pre.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels,
-            mean=tuple(pre.get("image_mean", defaults.mean)),
-            std=tuple(pre.get("image_std", defaults.std)),
+            resize=pre.get("do_resize", True),
+            resample=pre.get("resample", defaults.resample),
+            normalization=Normalization.from_preprocessor(pre, defaults.normalization),
         )
 
     @property
@@ -78,9 +81,16 @@ def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
 
 
 def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
-    """The image in RGB, resized (bicubic, on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
-    height, width = smart_resize(image.height, image.width, spec)
-    return normalized_pixels(resize(to_rgb(image), height, width, "bicubic"), spec.mean, spec.std)
+    """The image in RGB, resized (on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
+    image = to_rgb(image)
+    if spec.resize:
+        image = resize(image, *smart_resize(image.height, image.width, spec), spec.resample)
+    elif image.height % spec.factor or image.width % spec.factor:
+        raise ValueError(
+            f"image of {image.width}x{image.height}: this model does not resize images (its preprocessor's "
+            f"do_resize is false), and takes only sides that are multiples of {spec.factor}"
+        )
+    return spec.normalization(image)
 
 
 def patchify(image: Tensor, spec: ImageSpec) -> tuple[Tensor, tuple[int, int, int]]:

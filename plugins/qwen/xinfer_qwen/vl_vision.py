@@ -3,11 +3,12 @@ each image, its output merged 2x2 into language-model tokens.
 
 - patch embedding: a Conv3d whose stride is its kernel, i.e. one linear map of each flattened
   ``(channel, time, row, column)`` patch;
-- absolute positions: a learned square table resampled (bilinear, corners aligned) to each
-  image's patch grid, added to the patch embeddings;
+- absolute positions: a learned square table (its first ``side**2`` rows, ``side`` the integer
+  square root of its size) resampled (bilinear, corners aligned) to each image's patch grid,
+  added to the patch embeddings;
 - relative positions: 2D rotary, the first half of each head's frequencies rotated by the
   patch's row, the second half by its column;
-- blocks: pre-LayerNorm, attention of each image's patches to each other (no mask), a GELU MLP;
+- blocks: pre-LayerNorm, attention of each image's patches to each other (no mask), an MLP;
 - merger: the 4 patches of each 2x2 group concatenated and projected to the language model's
   width; DeepStack mergers do the same to the outputs of chosen blocks (LayerNorm after the
   concatenation there), and the language model adds those to its first layers' hidden states.
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.layers import LayerNorm, Linear
+from xinfer.layers import LayerNorm, Linear, activation
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 Rope = tuple[Tensor, Tensor]  # each patch's row of the table [N], the table (cos || sin) [N, head_dim]
@@ -65,14 +66,14 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, activation: str):
+    def __init__(self, dim: int, hidden: int, hidden_act: str):
         super().__init__()
         self.linear_fc1 = Linear(dim, hidden, bias=True)
         self.linear_fc2 = Linear(hidden, dim, bias=True)
-        self.approximate = "tanh" if activation == "gelu_pytorch_tanh" else "none"
+        self.act = activation(hidden_act)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):
@@ -162,7 +163,8 @@ class VisionEncoder(nn.Module):
     def positions(self, grid: Grid) -> Tensor:
         """The learned position table resampled to the grid, per patch [t * h * w, hidden]."""
         t, h, w = grid
-        table = self.pos_embed.weight.float().T.unflatten(1, (self.side, self.side))[None]  # [1, hidden, side, side]
+        square = self.pos_embed.weight[: self.side**2].float()
+        table = square.T.unflatten(1, (self.side, self.side))[None]  # [1, hidden, side, side]
         resized = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
         return self.grouped(resized, h, w).repeat(t, 1)
 

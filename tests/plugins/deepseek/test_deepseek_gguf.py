@@ -7,7 +7,8 @@ import gguf
 import pytest
 import torch
 
-from tests.plugins.converted_gguf import checkpoint_tensors, stacked_experts
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
+from tests.plugins.converted_gguf import add_tiny_vocabulary, checkpoint_tensors, stacked_experts
 from tests.plugins.deepseek.configs import YARN, deepseek_v3_config
 from tests.plugins.deepseek.test_deepseek import save_with_mtp_layer
 from tests.plugins.hf_parity import (
@@ -70,10 +71,7 @@ def write_deepseek2_gguf(folder, config, path, split: bool, gating=gguf.ExpertGa
     if config.norm_topk_prob:
         writer.add_expert_weights_norm(True)
     writer.add_expert_gating_func(gating)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
     tensors = {n: t for n, t in checkpoint_tensors(folder).items()
                if not n.startswith(f"model.layers.{config.num_hidden_layers}.")}  # fmt: skip
@@ -92,9 +90,12 @@ def write_deepseek2_gguf(folder, config, path, split: bool, gating=gguf.ExpertGa
 # the file keeps mscale_all_dim only: DeepSeek's mscale equals it
 YARN_AS_DEEPSEEK = dict(YARN, mscale=0.8)
 CASES = {
-    "split kv_b, q-lora": (dict(), True),
-    "whole kv_b, no q-lora, yarn": (dict(q_lora_rank=None, rope_parameters=YARN_AS_DEEPSEEK), False),
+    "split kv_b, q-lora, yarn": (dict(rope_parameters=YARN_AS_DEEPSEEK), True),
+    "whole kv_b, no q-lora": (dict(q_lora_rank=None), False),
 }
+# what llama.cpp (0.3.36's build) cannot load: whole attn_kv_b (it asks for attn_k_b), and no q_lora_rank below
+# DeepSeek-V2-Lite's 26/27 layers (test_llama_cpp_reads_a_gguf_without_q_lora_alike has 26)
+LLAMA_CPP_LOADS = {"split kv_b, q-lora, yarn"}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -107,11 +108,11 @@ def models(request, tmp_path_factory):
     save_with_mtp_layer(hf, folder)
     path = folder / "tiny.gguf"
     write_deepseek2_gguf(folder, hf.config, path, split)
-    return hf, LLM(model=str(path), dtype="float32", num_blocks=64), path
+    return hf, LLM(model=str(path), dtype="float32", num_blocks=64), path, request.param
 
 
 def test_config_reads_the_latent_shape_and_routing(models):
-    hf, _, path = models
+    hf, _, path, _ = models
     config = load_gguf_config(path)
     assert config.architectures == ["DeepseekV3ForCausalLM"]
     for field in ("num_hidden_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -122,13 +123,33 @@ def test_config_reads_the_latent_shape_and_routing(models):
 
 @pytest.mark.parametrize("length", (3, 40))
 def test_prefill_logits_match_hf(models, length):
-    hf, llm, _ = models
+    hf, llm, _, _ = models
     assert_prefill_logits_match(hf, llm, length)
 
 
 def test_greedy_tokens_and_logprobs_match_hf(models):
-    hf, llm, _ = models
+    hf, llm, _, _ = models
     assert_greedy_tokens_and_logprobs_match(hf, llm, 17)
+
+
+def test_llama_cpp_reads_the_gguf_alike(models):
+    _, llm, path, case = models
+    if case not in LLAMA_CPP_LOADS:
+        pytest.skip(f"llama.cpp loads no file like this one ({case}): whole attn_kv_b, no q_lora_rank at 3 layers")
+    assert_llama_cpp_agrees(llm, path)
+
+
+def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
+    """No q-LoRA (a plain ``attn_q``): llama.cpp reads it only at DeepSeek-V2-Lite's 26 or 27 layers, so 26 here,
+    against llama.cpp only."""
+    hf = save_tiny_model(deepseek_v3_config(q_lora_rank=None, num_hidden_layers=26), tmp_path)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
+    assert_llama_cpp_agrees(
+        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
+    )
 
 
 def test_softmax_gating_is_one_clear_error(tmp_path):

@@ -1,6 +1,6 @@
 """The multi-head latent attention op (``mla_attention``): its torch reference against a dense,
 unpaged attention written with torch's ``scaled_dot_product_attention``, and the Triton kernels
-against the reference on the device ``XINFER_KERNEL_DEVICE`` picks (conftest.py; on "cpu"
+against the reference on the device ``XINFER_KERNEL_DEVICE`` picks (tests/conftest.py; on "cpu"
 under the Triton interpreter, tolerances as in tests/backends/test_cuda_kernels.py).
 
 Steps are built from dense per-sequence contexts, scattered into a paged cache through

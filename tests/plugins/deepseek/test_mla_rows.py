@@ -2,7 +2,7 @@
 reference of ``mla_rows`` (absorbed queries, rotated rope parts, normed cache rows) and ``mla_attention`` with
 the value up-projection ``w_uv`` give the expanded form's outputs, written from transformers' rotary and norm;
 the Triton kernels (``mla_rows`` in one launch, the decode's merge up-projecting the values) against the
-references on the device ``XINFER_KERNEL_DEVICE`` picks (conftest.py; "cpu": the Triton interpreter)."""
+references on the device ``XINFER_KERNEL_DEVICE`` picks (tests/conftest.py; "cpu": the Triton interpreter)."""
 
 from __future__ import annotations
 

@@ -49,16 +49,18 @@ def tokenizer() -> PreTrainedTokenizerFast:
     )  # fmt: skip
 
 
-def processor() -> Gemma3Processor:
+def processor(**image_settings) -> Gemma3Processor:
+    """transformers' processor; ``image_settings``: its image processor's (``resample``, ``image_mean``...)."""
     size = VISION["image_size"]
-    images = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    images = Gemma3ImageProcessorPil(size={"height": size, "width": size}, **image_settings)
     return Gemma3Processor(image_processor=images, tokenizer=tokenizer(), image_seq_length=TOKENS_PER_IMAGE)
 
 
-def save_model(folder: Path, **text_overrides) -> Gemma3ForConditionalGeneration:
+def save_model(folder: Path, vision: dict | None = None, **text_overrides) -> Gemma3ForConditionalGeneration:
+    """``vision``: SigLIP config fields over :data:`VISION`."""
     text = gemma3_config(architectures=None, pad_token_id=0, **text_overrides)
     config = Gemma3Config(
-        text_config=text.to_dict(), vision_config=SiglipVisionConfig(**VISION).to_dict(),
+        text_config=text.to_dict(), vision_config=SiglipVisionConfig(**{**VISION, **(vision or {})}).to_dict(),
         mm_tokens_per_image=TOKENS_PER_IMAGE, boi_token_index=BOI, eoi_token_index=EOI, image_token_index=SOFT,
         architectures=["Gemma3ForConditionalGeneration"],
     )  # fmt: skip

@@ -53,17 +53,22 @@ def tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", chat_template=CHAT_TEMPLATE)  # fmt: skip
 
 
-def image_processor() -> Gemma4ImageProcessorPil:
+def image_processor(**settings) -> Gemma4ImageProcessorPil:
+    """transformers' image processor; ``settings``: its other fields (``resample``, ``do_normalize``...)."""
     return Gemma4ImageProcessorPil(patch_size=VISION["patch_size"], max_soft_tokens=MAX_SOFT_TOKENS,
-                                   pooling_kernel_size=VISION["pooling_kernel_size"])  # fmt: skip
+                                   pooling_kernel_size=VISION["pooling_kernel_size"], **settings)  # fmt: skip
 
 
-def save_model(folder: Path, variant: str) -> Gemma4ForConditionalGeneration:
+def save_model(
+    folder: Path, variant: str, vision: dict | None = None, **image_settings
+) -> Gemma4ForConditionalGeneration:
+    """The checkpoint of ``variant``; ``vision``: config fields over its vision config's, ``image_settings``:
+    its image processor's (:func:`image_processor`)."""
     settings = VARIANTS[variant]
     text = Gemma4TextConfig(**{**DENSE, **settings["text"], "architectures": None, "pad_token_id": 0,
                                "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB})  # fmt: skip
     config = Gemma4Config(
-        text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**VISION, **settings["vision"]).to_dict(),
+        text_config=text.to_dict(), vision_config=Gemma4VisionConfig(**{**VISION, **settings["vision"], **(vision or {})}).to_dict(),
         architectures=["Gemma4ForConditionalGeneration"], **SPECIAL_TOKENS,
     )  # fmt: skip
     config._attn_implementation = "eager"
@@ -72,7 +77,7 @@ def save_model(folder: Path, variant: str) -> Gemma4ForConditionalGeneration:
     randomize_gemma4(hf)
     randomize_vision(hf)
     hf.save_pretrained(folder, safe_serialization=True)
-    image_processor().save_pretrained(folder)
+    image_processor(**image_settings).save_pretrained(folder)
     tokenizer().save_pretrained(folder)
     return hf
 

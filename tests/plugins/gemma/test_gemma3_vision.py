@@ -24,12 +24,12 @@ def llm(hf_and_folder):
     return LLM(model=str(hf_and_folder[1]), dtype="float32", num_blocks=64)
 
 
-def hf_inputs(text: str, images) -> dict:
-    return dict(processor()(text=text, images=images, return_tensors="pt"))
+def hf_inputs(text: str, images, **image_settings) -> dict:
+    return dict(processor(**image_settings)(text=text, images=images, return_tensors="pt"))
 
 
-def assert_matches_hf(hf, text: str, images, output) -> None:
-    inputs = hf_inputs(text, images)
+def assert_matches_hf(hf, text: str, images, output, **image_settings) -> None:
+    inputs = hf_inputs(text, images, **image_settings)
     assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert_output_matches_hf(hf, output.prompt_token_ids, output.outputs[0], NEW_TOKENS,
                              pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])  # fmt: skip
@@ -150,3 +150,14 @@ def test_a_text_only_model_refuses_images(tmp_path):
 def test_placeholders_and_images_must_agree(llm):
     with pytest.raises(ValueError, match="1 image placeholder"):
         llm.generate({"prompt": TEXT, "multi_modal_data": {"image": [image(1), image(2)]}})
+
+
+def test_a_checkpoint_with_its_own_activation_processor_and_tying_matches_hf(tmp_path):
+    """SigLIP's hidden_act, the saved processor's filter and statistics, and the wrapper's
+    tie_word_embeddings (true, which rules over its text config's false) are the checkpoint's."""
+    settings = dict(resample=3, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    hf = save_model(tmp_path, vision=dict(hidden_act="quick_gelu"), tie_word_embeddings=False)
+    processor(**settings).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    assert_matches_hf(hf, TEXT, [image(1)], out, **settings)

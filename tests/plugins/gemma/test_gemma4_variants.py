@@ -1,6 +1,7 @@
 """Gemma 4 on config variants transformers accepts, against its modeling code (fp32, CPU): fields
 test_gemma4.py leaves at one value (attention biases, untied embeddings, no logit soft-capping, as many
-KV heads on global layers as on sliding ones, a rope scaling factor, the E-model's sharing with experts)."""
+KV heads on global layers as on sliding ones, a rope scaling factor, the E-model's sharing with experts,
+another activation)."""
 
 import pytest
 
@@ -25,7 +26,8 @@ VARIANTS = {
         num_global_key_value_heads=None,
     ),
     "half-rotary global layers, rope factor 4": lambda: gemma4_config(rope_parameters=SCALED_ROPE),
-    "E-model with experts": lambda: gemma4_config(**E_MODEL, **MOE),
+    # silu: the MLPs' and the per-layer input gate's activation (the gate's ran gelu-tanh)
+    "E-model with experts, silu": lambda: gemma4_config(**E_MODEL, **MOE, hidden_activation="silu"),
 }  # fmt: skip
 
 

@@ -35,9 +35,9 @@ def with_images(text: list[int], *images) -> dict:
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(images)}}
 
 
-def hf_inputs(prompt_ids: list[int], images) -> dict:
+def hf_inputs(prompt_ids: list[int], images, **image_settings) -> dict:
     """transformers' processor's layout: each image token becomes <|image>, its soft tokens, <image|>."""
-    processed = image_processor()(images, return_tensors="pt")
+    processed = image_processor(**image_settings)(images, return_tensors="pt")
     ids: list[int] = []
     soft = iter(processed["num_soft_tokens_per_image"])
     for token in prompt_ids:
@@ -47,8 +47,8 @@ def hf_inputs(prompt_ids: list[int], images) -> dict:
                 mm_token_type_ids=mm_token_type_ids)  # fmt: skip
 
 
-def assert_matches_hf(hf, request: dict, output) -> None:
-    inputs = hf_inputs(request["prompt_token_ids"], request["multi_modal_data"]["image"])
+def assert_matches_hf(hf, request: dict, output, **image_settings) -> None:
+    inputs = hf_inputs(request["prompt_token_ids"], request["multi_modal_data"]["image"], **image_settings)
     assert output.prompt_token_ids == inputs.pop("ids")
     assert_output_matches_hf(hf, output.prompt_token_ids, output.outputs[0], NEW_TOKENS, **inputs)
 
@@ -113,6 +113,23 @@ def test_the_reference_tells_both_ways_from_causal(models):
     _, both_ways = hf_greedy(hf, ids, 1, **both_ways_inputs)
     _, causal = hf_greedy(hf, ids, 1, **inputs)
     assert abs(both_ways[0] - causal[0]) > 1e-3
+
+
+def test_a_checkpoint_with_its_own_activation_and_image_processor_matches_hf(tmp_path):
+    """The encoder's hidden_activation and the saved image processor's filter and normalization are
+    the checkpoint's."""
+    settings = dict(resample=2, do_normalize=True, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.4])
+    hf = save_model(tmp_path, "e-model", vision=dict(hidden_activation="silu"), **settings)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, max_num_batched_tokens=128)
+    request = with_images(prompt(12, seed=1), image(1, (37, 29)))
+    assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0], **settings)
+
+
+@pytest.mark.parametrize("models", ["moe"], indirect=True)  # the processor's: one variant tells it
+def test_an_image_with_more_patches_a_side_than_position_embeddings_is_refused(models):
+    _, llm = models
+    with pytest.raises(ValueError, match=r"a 300x4 image resizes to 210x3 patches, .* position_embedding_size \(64\)"):
+        llm.engine.mm_processor.process("image", image(1, (300, 4)))
 
 
 def test_the_server_answers_an_image_as_the_offline_engine_does(tmp_path):

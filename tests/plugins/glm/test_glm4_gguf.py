@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
+from tests.plugins.converted_gguf import add_tiny_vocabulary
 from tests.plugins.glm.configs import glm4_config
 from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match, randomize
 from xinfer import LLM
@@ -30,11 +32,7 @@ def write_glm4_gguf(model: torch.nn.Module, path: Path) -> None:
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("glm4")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size, pre="glm4")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
@@ -73,3 +71,8 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_and_logprobs_match_hf(models):
     hf, llm, _ = models
     assert_greedy_tokens_and_logprobs_match(hf, llm, 17)
+
+
+def test_llama_cpp_reads_the_gguf_alike(models):
+    _, llm, path = models
+    assert_llama_cpp_agrees(llm, path)

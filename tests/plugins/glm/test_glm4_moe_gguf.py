@@ -5,6 +5,7 @@ against transformers' modeling code of the model it came from."""
 import gguf
 import pytest
 
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
 from tests.plugins.converted_gguf import checkpoint_tensors, write_converted_gguf
 from tests.plugins.glm.configs import glm4_moe_config
 from tests.plugins.glm.test_glm4_moe import save_with_mtp_layer
@@ -75,3 +76,8 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_and_logprobs_match_hf(models):
     hf, llm, _ = models
     assert_greedy_tokens_and_logprobs_match(hf, llm, 17)
+
+
+def test_llama_cpp_reads_the_gguf_alike(models):
+    _, llm, path = models
+    assert_llama_cpp_agrees(llm, path)

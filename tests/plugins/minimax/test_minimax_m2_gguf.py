@@ -5,6 +5,7 @@ through the engine against transformers' modeling code of the model it came from
 import gguf
 import pytest
 
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
 from tests.plugins.converted_gguf import checkpoint_tensors, write_converted_gguf
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
@@ -63,6 +64,11 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_and_logprobs_match_hf(models):
     hf, llm, _ = models
     assert_greedy_tokens_and_logprobs_match(hf, llm, 17)
+
+
+def test_llama_cpp_reads_the_gguf_alike(models):
+    _, llm, path = models
+    assert_llama_cpp_agrees(llm, path)
 
 
 def test_an_unknown_gating_function_is_one_error_naming_the_key():

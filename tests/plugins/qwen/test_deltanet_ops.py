@@ -11,22 +11,13 @@ they import (CUDA only); the tests unwrap them to its own torch functions, whate
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-# The kernels run on the device XINFER_KERNEL_DEVICE picks (unset: CUDA when there is one);
-# on "cpu" under the Triton interpreter, which must be on before anything imports triton
-# (transformers does), as tests/backends/conftest.py does for the backend's kernels.
-os.environ.setdefault("XINFER_KERNEL_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
-if os.environ["XINFER_KERNEL_DEVICE"] == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import inspect
+import os
 from dataclasses import replace
 from itertools import pairwise
 
 import pytest
+import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from xinfer.ops import AttentionMetadata

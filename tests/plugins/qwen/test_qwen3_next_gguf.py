@@ -8,7 +8,8 @@ import gguf
 import pytest
 import torch
 
-from tests.plugins.converted_gguf import checkpoint_tensors, stacked_experts
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
+from tests.plugins.converted_gguf import add_tiny_vocabulary, checkpoint_tensors, stacked_experts
 from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
 from tests.plugins.qwen.test_qwen3_next import CONFIGS, randomize_hybrid, spread_routing
 from tests.tiny_models import save_tiny_model
@@ -16,8 +17,15 @@ from xinfer import LLM
 from xinfer.loading.gguf import load_gguf_config
 
 ARCHS = {"qwen3-next": "qwen3next", "qwen3.5": "qwen35", "qwen3.5-moe": "qwen35moe"}
-# llama.cpp's qwen3next has no dense MLP layers, and renormalizes the top-k weights
-LLAMA_CPP_SETTINGS = {"qwen3-next": dict(mlp_only_layers=[], norm_topk_prob=True)}
+# llama.cpp's Gated DeltaNet has value heads as wide as key heads; its qwen3next has no dense MLP layers,
+# and renormalizes the top-k weights
+LLAMA_CPP_SETTINGS = {
+    "qwen3-next": dict(linear_value_head_dim=16, mlp_only_layers=[], norm_topk_prob=True),
+    "qwen3.5": dict(linear_value_head_dim=16),
+    "qwen3.5-moe": dict(linear_value_head_dim=16),
+}
+# the converter's interleaved M-RoPE sections where the checkpoint names none (text: one position, plain rope)
+MROPE_SECTIONS = [11, 11, 10, 0]
 MTP_LAYERS = {"qwen3next": 0, "qwen35": 1, "qwen35moe": 1}  # the converter drops Qwen3-Next's
 
 
@@ -62,6 +70,20 @@ def converted(name: str, tensor: torch.Tensor, config, arch: str) -> dict[str, t
     return {name: tensor}
 
 
+def mtp_layer(tensors: dict[str, torch.Tensor], config, index: int) -> dict[str, torch.Tensor]:
+    """An MTP layer as the converter appends it (block ``index``): a full-attention decoder block (here a copy of
+    the first one's, under the file's names) and its next-token projection and norms."""
+    full = f"blk.{config.layer_types.index('full_attention')}."
+    block = {name.replace(full, f"blk.{index}.", 1): t for name, t in tensors.items() if name.startswith(full)}
+    hidden = config.hidden_size
+    return block | {
+        f"blk.{index}.nextn.eh_proj.weight": torch.randn(hidden, 2 * hidden) / hidden,
+        f"blk.{index}.nextn.enorm.weight": torch.ones(hidden),
+        f"blk.{index}.nextn.hnorm.weight": torch.ones(hidden),
+        f"blk.{index}.nextn.shared_head_norm.weight": torch.ones(hidden),
+    }
+
+
 def write_gguf(folder, config, arch: str, path) -> None:
     writer = gguf.GGUFWriter(path, arch)
     block_count = config.num_hidden_layers + MTP_LAYERS[arch]
@@ -76,6 +98,8 @@ def write_gguf(folder, config, arch: str, path) -> None:
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
+    if arch != "qwen3next":
+        writer.add_rope_dimension_sections(MROPE_SECTIONS)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
     writer.add_ssm_state_size(config.linear_key_head_dim)
@@ -90,24 +114,19 @@ def write_gguf(folder, config, arch: str, path) -> None:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if MTP_LAYERS[arch]:
         writer.add_nextn_predict_layers(MTP_LAYERS[arch])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size)
     table = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), block_count)
     tensors = {}
     for name, tensor in stacked_experts(checkpoint_tensors(folder)).items():
         tensors |= converted(name, tensor, config, arch)
-    last = config.num_hidden_layers - 1  # MTP layers: copies of the last, after the decoder's
-    tensors |= {
-        n.replace(f"layers.{last}.", f"layers.{last + 1 + i}."): t
-        for n, t in tensors.items()
-        if f"layers.{last}." in n
-        for i in range(MTP_LAYERS[arch])
-    }
+    gguf_tensors = {}
     for name, tensor in tensors.items():
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"gguf's table has no {arch} name for {name}"
+        gguf_tensors[gguf_name] = tensor
+    for i in range(MTP_LAYERS[arch]):
+        gguf_tensors |= mtp_layer(gguf_tensors, config, config.num_hidden_layers + i)
+    for gguf_name, tensor in gguf_tensors.items():
         writer.add_tensor(gguf_name, tensor.float().contiguous().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -150,3 +169,8 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_tokens_and_logprobs_match_hf(models):
     hf, llm, _ = models
     assert_greedy_tokens_and_logprobs_match(hf, llm, 21)
+
+
+def test_llama_cpp_reads_the_gguf_alike(models):
+    _, llm, path = models
+    assert_llama_cpp_agrees(llm, path)

@@ -69,6 +69,20 @@ def test_another_image_with_the_same_tokens_changes_the_output(models):
     assert_matches_hf(hf, llm, ids, [second])  # a prefix-cache hit on the first image's blocks would differ
 
 
+def test_prompt_logprobs_with_two_images_are_transformers_logits(models):
+    hf, llm, _ = models
+    ids = with_images(text(5, 1), "image", text(4, 2), "image", text(3, 3))
+    images = [synthetic_image(40, 24, seed=1), synthetic_image(20, 36, seed=2)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], params)[0]
+    expanded, inputs = hf_inputs(ids, images)
+    with torch.inference_mode():
+        expected = hf(input_ids=torch.tensor([expanded]), **inputs).logits[0, :-1].log_softmax(-1)
+    following = torch.tensor(expanded[1:])
+    got = torch.tensor([entry[token] for entry, token in zip(out.prompt_logprobs[1:], expanded[1:])])
+    torch.testing.assert_close(got, expected.gather(1, following[:, None])[:, 0], atol=1e-4, rtol=0)
+
+
 def test_text_alone_matches_transformers(models):
     hf, llm, _ = models
     tokens = text(20, 12)

@@ -5,7 +5,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
-from tests.plugins.hf_parity import spread_routing
+from tests.llama_cpp_oracle import assert_llama_cpp_agrees
+from tests.plugins.converted_gguf import add_tiny_vocabulary
+from tests.plugins.hf_parity import randomize, spread_routing
 from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.loading.weights import MissingWeightsError
@@ -116,11 +118,7 @@ def write_moe_gguf(model, arch: str, path) -> None:
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges([])
+    add_tiny_vocabulary(writer, config.vocab_size, pre="qwen2")
     names = gguf.get_tensor_name_map(
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
     )
@@ -145,14 +143,25 @@ GGUF_CONFIGS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", sorted(GGUF_CONFIGS))
-def test_gguf_with_stacked_experts_runs_like_the_original(tmp_path, arch):
-    hf = save_tiny_model(GGUF_CONFIGS[arch](), tmp_path / "hf")
+@pytest.fixture(scope="module", params=sorted(GGUF_CONFIGS))
+def gguf_models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_model(GGUF_CONFIGS[request.param](), folder / "hf")
+    randomize(hf)
     spread_routing(hf)
-    write_moe_gguf(hf, arch, tmp_path / "tiny.gguf")
-    llm = LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64)
+    write_moe_gguf(hf, request.param, folder / "tiny.gguf")
+    return hf, LLM(model=str(folder / "tiny.gguf"), dtype="float32", num_blocks=64), folder / "tiny.gguf"
+
+
+def test_gguf_with_stacked_experts_runs_like_the_original(gguf_models):
+    hf, llm, _ = gguf_models
     tokens = prompt(29)
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
     got = prefill_logits(llm.engine, tokens).float().log_softmax(-1)
     assert (got - expected).abs().max() <= 1e-4
+
+
+def test_llama_cpp_reads_the_gguf_alike(gguf_models):
+    _, llm, path = gguf_models
+    assert_llama_cpp_agrees(llm, path)

@@ -8,18 +8,19 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tests.plugins.qwen.vl_fixtures import synthetic_image
+from xinfer.multimodal.image import Normalization
 from xinfer_qwen.vl_image import ImageSpec, num_tokens, preprocess, smart_resize
 
 QWEN3_VL = ImageSpec(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
-QWEN2_VL = ImageSpec(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 40,
-                     mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))  # fmt: skip
+CLIP = Normalization(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
+QWEN2_VL = ImageSpec(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 40, normalization=CLIP)
 
 
 def reference(spec: ImageSpec) -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(
         patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.merge_size,
         size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
-        image_mean=list(spec.mean), image_std=list(spec.std),
+        image_mean=list(spec.normalization.mean), image_std=list(spec.normalization.std),
     )  # fmt: skip
 
 
@@ -61,4 +62,39 @@ def test_spec_reads_the_preprocessor_config():
     spec = ImageSpec.from_configs(
         Vision(), {"size": {"shortest_edge": 1024, "longest_edge": 4096}, "image_mean": [0.1, 0.2, 0.3]}
     )
-    assert (spec.min_pixels, spec.max_pixels, spec.mean) == (1024, 4096, (0.1, 0.2, 0.3))
+    assert (spec.min_pixels, spec.max_pixels, spec.normalization.mean) == (1024, 4096, (0.1, 0.2, 0.3))
+
+
+class Vision:
+    patch_size, temporal_patch_size, spatial_merge_size = 4, 2, 2
+
+
+PREPROCESSORS = {
+    "bilinear": {"resample": 2},
+    "nearest": {"resample": 0},
+    "no rescaling": {"do_rescale": False},
+    "rescaled by 1/127": {"rescale_factor": 1 / 127},
+    "no normalization": {"do_normalize": False},
+    "no resizing": {"do_resize": False, "size": {"shortest_edge": 32 * 32, "longest_edge": 40 * 40}},
+}
+
+
+@pytest.mark.parametrize("fields", PREPROCESSORS.values(), ids=PREPROCESSORS.keys())
+def test_the_preprocessor_configs_resizing_and_scaling_match_transformers(fields):
+    config = {"size": {"shortest_edge": 8 * 8, "longest_edge": 8 * 8 * 24}, "image_mean": [0.2, 0.5, 0.7],
+              "image_std": [0.3, 0.5, 0.6], **fields}  # fmt: skip
+    images = [synthetic_image(24, 16, seed=1), synthetic_image(56, 48, seed=2)]  # multiples of 8, one over the bounds
+    if fields.get("do_resize", True):
+        images.append(synthetic_image(37, 23, seed=3))
+    expected = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, **config)(
+        images, return_tensors="pt"
+    )
+    patches, grids = preprocess(images, ImageSpec.from_configs(Vision(), config))
+    assert grids.tolist() == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"].float(), atol=1e-5, rtol=0)
+
+
+def test_an_image_a_model_that_does_not_resize_cannot_patch_is_refused():
+    spec = ImageSpec.from_configs(Vision(), {"do_resize": False})
+    with pytest.raises(ValueError, match=r"image of 13x9: .* do_resize is false.* multiples of 8"):
+        preprocess([synthetic_image(13, 9)], spec)

@@ -81,3 +81,28 @@ def test_qwen3_5_encoder_has_no_deepstack():
     config = tiny_vision_config(deepstack_visual_indexes=[])
     ours = VisionEncoder(config)
     assert ours.levels == 1 and len(ours.deepstack_merger_list) == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(hidden_act="silu"), dict(hidden_act="quick_gelu"), dict(num_position_embeddings=20)],
+    ids=["silu", "quick_gelu", "position table of 20 (its first 16 used)"],
+)
+def test_encoder_config_variants_match_transformers(fields):
+    torch.manual_seed(0)
+    config = tiny_vision_config(depth=2, deepstack_visual_indexes=[1], **fields)
+    config._attn_implementation = "eager"
+    hf = Qwen3VLVisionModel(config).eval()
+    randomize_vision(hf)
+    ours = VisionEncoder(config).eval()
+    load_hf_state(ours, hf)
+    grids = torch.tensor([[1, 6, 4]])
+    patches = torch.randn(24, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = ours(patches, [(1, 6, 4)])
+    torch.testing.assert_close(got, reference(hf, patches, grids), atol=1e-5, rtol=1e-4)
+
+
+def test_an_activation_xinfer_lacks_is_one_error():
+    with pytest.raises(NotImplementedError, match="hidden_act 'relu6' is not supported"):
+        VisionEncoder(tiny_vision_config(hidden_act="relu6"))

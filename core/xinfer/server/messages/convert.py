@@ -2,6 +2,8 @@
 what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` results).
 
 - ``system`` (a string or text blocks) becomes the first, system message;
+- a final assistant turn is a prefill: the answer continues its text (``continue_final_message``),
+  as Anthropic's API does; an empty one is left out;
 - a user turn's ``tool_result`` blocks become ``tool`` messages, in order, before its other content;
 - an assistant turn's ``tool_use`` blocks become its ``tool_calls``, its ``thinking`` its ``reasoning_content``;
 - ``image`` blocks become ``image_url`` parts (data URLs), refused where the model takes text only;
@@ -27,7 +29,14 @@ TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 def chat_request(body: CountTokensRequest, extra_tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
     """The chat request that ``body`` asks for (a count_tokens body: its prompt only);
     ``extra_tools`` (OpenAI's shape) are offered beside the request's own."""
-    fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    messages = chat_messages(body)
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
+    final = messages[-1]
+    if final["role"] == "assistant" and not final.get("tool_calls"):
+        if final["content"]:
+            fields |= {"continue_final_message": True, "add_generation_prompt": False}
+        else:
+            messages.pop()
     tools = [*(function_tool(tool, i) for i, tool in enumerate(body.tools or [])), *(extra_tools or [])]
     if tools:
         fields["tools"] = tools

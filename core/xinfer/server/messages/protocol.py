@@ -9,21 +9,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
+
+from xinfer.server.protocol import RequestBody, check_stop_strings
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
-
-
-class ImageSource(_Body):
+class ImageSource(RequestBody):
     type: str | None = None  # checked where it is read (an image's), as other blocks have other sources
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
 
 
-class Block(_Body):
+class Block(RequestBody):
     """One content block: ``text``, ``image``, ``tool_use``, ``tool_result``, ``thinking``, ..."""
 
     type: str
@@ -39,40 +37,40 @@ class Block(_Body):
     signature: str | None = None
 
 
-class Message(_Body):
+class Message(RequestBody):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None  # "custom" or absent; Anthropic's server tools (web_search_..., bash_...) are refused
 
 
-class ToolChoice(_Body):
+class ToolChoice(RequestBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Body):
+class Thinking(RequestBody):
     type: str  # "enabled", "adaptive", "between_tools": the model thinks as its template lets it; "disabled"
     budget_tokens: int | None = None
 
 
-class OutputFormat(_Body):
+class OutputFormat(RequestBody):
     type: Literal["json_schema"]
     json_schema: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Body):
+class OutputConfig(RequestBody):
     effort: str | None = None  # Anthropic's effort levels; not read (a local model's thinking has no budget)
     format: OutputFormat | None = None  # structured outputs: the answer follows this JSON schema
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     """What ``/v1/messages/count_tokens`` reads: the prompt's parts."""
 
     model: str | None = None
@@ -87,10 +85,16 @@ class CountTokensRequest(_Body):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None  # checked as the chat request's stop strings
+    stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _check_stop_sequences(cls, stops: list[str] | None) -> list[str] | None:
+        check_stop_strings(stops or [])
+        return stops

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xinfer.server.protocol import RequestBody
+
 # fields accepted and not read: they change no answer (no response is stored, no tool offered)
 IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key",
                             "prompt_cache_retention", "service_tier", "parallel_tool_calls", "max_tool_calls",
@@ -20,11 +22,7 @@ IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_
 NEUTRAL_VALUES = {"truncation": ("disabled",), "tool_choice": ("auto", "none")}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
-
-
-class InputPart(_Body):
+class InputPart(RequestBody):
     """A part of an input message's content: ``input_text`` (``output_text`` in an assistant
     turn given back), or ``input_image`` with an ``image_url``."""
 
@@ -35,7 +33,7 @@ class InputPart(_Body):
     detail: str | None = None
 
 
-class InputItem(_Body):
+class InputItem(RequestBody):
     """An item of ``input``: only messages (``type`` ``message`` or absent) are read."""
 
     type: str = "message"
@@ -43,7 +41,7 @@ class InputItem(_Body):
     content: str | list[InputPart] | None = None
 
 
-class TextFormat(_Body):
+class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str = "response"
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -51,12 +49,12 @@ class TextFormat(_Body):
     description: str | None = None
 
 
-class TextConfig(_Body):
+class TextConfig(RequestBody):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class Reasoning(_Body):
+class Reasoning(RequestBody):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None  # not written: the reasoning item carries the reasoning's text itself
 

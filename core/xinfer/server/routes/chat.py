@@ -101,7 +101,9 @@ class ChatAnswer(Answer):
         if not self.body.logprobs or entries is None:
             return None
         n = self.body.top_logprobs or 0
-        return ChatLogprobs(content=chat_logprobs(token_ids, entries, n, self.serving.token_text))
+        return ChatLogprobs(
+            content=chat_logprobs(token_ids, entries, n, self.serving.token_text, self.serving.token_bytes)
+        )
 
     def choice(self, index: int, output: CompletionOutput) -> ChatChoice:
         text = self._without_stop_text(output.text)

@@ -8,17 +8,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
+from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import extend_completion_logprobs
 from xinfer.server.prompts import encode_prompts
 from xinfer.server.protocol import CompletionRequest
-from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs
+from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs, new_id, usage
 from xinfer.server.serving import Serving
-from xinfer.server.streaming import Answer
+from xinfer.server.streaming import SSE_DONE, SSE_HEADERS, Answer, sse_event
 
 router = APIRouter()
 
@@ -31,11 +32,46 @@ async def create_completion(request: Request) -> Response:
     prompts = encode_prompts(
         lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
     )
+    prompts = [body.truncated(prompt, serving.max_model_len) for prompt in prompts]
     echoed = None  # the prompts' logprobs, when echoed with logprobs
     if body.echo and body.logprobs is not None:
         echoed = await serving.prompt_logprobs(request, prompts, body.logprobs)
+    if body.max_tokens == 0:
+        return echo_only(serving, body, prompts, echoed)
     handle = await serving.submit(request, body, prompts)
     return await CompletionAnswer(serving, body, handle, echoed).respond(request)
+
+
+def echo_only(
+    serving: Serving,
+    body: CompletionRequest,
+    prompts: list[list[int]],
+    echoed: list[list[dict[int, float] | None]] | None,
+) -> Response:
+    """The answer to ``echo`` with ``max_tokens`` 0: each prompt given back (with its logprobs where
+    asked), nothing generated."""
+    choices = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > serving.max_model_len:
+            message = f"the prompt has {len(prompt)} tokens, the model's context is {serving.max_model_len} tokens"
+            raise bad_request(message, param="prompt", code="context_length_exceeded")
+        for j in range(body.n):
+            logprobs = None
+            if echoed is not None:
+                logprobs = CompletionLogprobs()
+                extend_completion_logprobs(logprobs, prompt, echoed[i], body.logprobs or 0, serving.token_text, 0)
+            text = serving.tokenizer.decode(prompt, skip_special_tokens=False)
+            choices.append(CompletionChoice(index=i * body.n + j, text=text, logprobs=logprobs, finish_reason="length"))
+    answer = Completion(
+        id=new_id("cmpl"), model=serving.model_name, choices=choices, usage=usage(sum(map(len, prompts)), 0)
+    )
+    if not body.stream:
+        return JSONResponse(answer.model_dump())
+    chunks = [answer.model_copy(update={"choices": [choice], "usage": None}) for choice in choices]
+    if body.include_usage:
+        chunks.append(answer.model_copy(update={"choices": []}))
+    events = [*map(sse_event, chunks), SSE_DONE]
+    return StreamingResponse(iter(events), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 class CompletionAnswer(Answer):

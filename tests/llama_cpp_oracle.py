@@ -1,0 +1,61 @@
+"""llama.cpp itself (llama-cpp-python) on a GGUF file, the reference for how its converter's tensors and metadata
+are meant: its logits at every prompt position and its greedy tokens, against xinfer's on the same file.
+
+Every weight F32 and the KV cache F32, llama.cpp computes in fp32 on the CPU, so the two agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import prefill_logits, prompt
+from xinfer import LLM, SamplingParams
+
+NEW_TOKENS = 8
+_GGML_TYPE_F32 = 0
+
+
+def llama_cpp_model(path: Path, n_ctx: int = 128):
+    """llama.cpp's model of ``path`` (one thread, every position's logits), or a skip saying why there is none."""
+    try:
+        import llama_cpp
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed (optional oracle): pip install llama-cpp-python")
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, n_threads_batch=1,
+        logits_all=True, type_k=_GGML_TYPE_F32, type_v=_GGML_TYPE_F32, verbose=False,
+    )  # fmt: skip
+
+
+def llama_cpp_logits(model, tokens: list[int]) -> torch.Tensor:
+    """llama.cpp's logits at every position of ``tokens`` [T, V], from an empty cache."""
+    model.reset()
+    model.eval(tokens)
+    return torch.from_numpy(model.scores[: len(tokens)].copy())
+
+
+def llama_cpp_greedy(model, tokens: list[int], new_tokens: int) -> list[int]:
+    model.reset()
+    model.eval(tokens)
+    chosen: list[int] = []
+    for _ in range(new_tokens):
+        chosen.append(int(model.scores[model.n_tokens - 1].argmax()))
+        model.eval(chosen[-1:])
+    return chosen
+
+
+def assert_llama_cpp_agrees(llm: LLM, path: Path, length: int = 29, tolerance: float = 1e-4) -> None:
+    """xinfer's logits at every position of a random prompt, and its greedy tokens, are llama.cpp's on ``path``
+    (``tolerance``: of the largest difference at a position, relative to the largest logit there)."""
+    model = llama_cpp_model(path)
+    tokens = prompt(length, vocab_size=model.n_vocab())
+    expected = llama_cpp_logits(model, tokens)
+    got = prefill_logits(llm.engine, tokens)
+    error = ((got - expected).abs().max(dim=-1).values / expected.abs().max(dim=-1).values).max()
+    assert error <= tolerance, f"max|diff|/max|llama.cpp logit| = {error:.2e} (worst position)"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = llm.generate([tokens], params)[0].outputs[0].token_ids
+    assert ours == llama_cpp_greedy(model, tokens, NEW_TOKENS)
