@@ -118,14 +118,15 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),  # built-in tools are not run here; functions are
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"background": True}, "background"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, IMAGE]}]},
             "input.0.content.1",
         ),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),  # no such call
+        ({"input": [{"type": "item_reference", "id": "fc_1"}]}, "input.0"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context
         ({"temperature": 2.5}, "temperature"),

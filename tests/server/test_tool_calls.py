@@ -275,3 +275,107 @@ def test_the_messages_api_streams_a_call_in_tool_use_pieces(qwen, client):
     assert streamed.stop_reason == whole.stop_reason == "tool_use"
     json_pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
     assert len(json_pieces) > 1  # the input streamed in pieces, not whole at the end
+
+
+# OpenAI's Responses API: the same tools, flat ({"type": "function", "name": ...}), and the same answers
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+NO_REASONING = {"effort": "none"}
+
+
+def respond(client, **kwargs):
+    kwargs.setdefault("input", QUESTION)
+    kwargs.setdefault("tools", RESPONSES_TOOLS)
+    kwargs.setdefault("max_output_tokens", 120)
+    return client.responses.create(
+        model=client.models.list().data[0].id, temperature=0, reasoning=NO_REASONING, **kwargs
+    )
+
+
+def test_responses_call_is_a_function_call_item_whole_and_streamed(client):
+    response = respond(client, tool_choice="required", parallel_tool_calls=False)
+    chat = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    [call] = response.output
+    assert call.type == "function_call" and call.id.startswith("fc_") and call.call_id and call.status == "completed"
+    assert (call.name, call.arguments) == (chat.function.name, chat.function.arguments)
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert response.status == "completed" and response.output_text == ""
+    assert response.tool_choice == "required" and response.parallel_tool_calls is False
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"]
+    # the client's stream helper checks the events' order and the items' identities as it accumulates them
+    with client.responses.stream(model=client.models.list().data[0].id, input=QUESTION, tools=RESPONSES_TOOLS,
+                                 tool_choice="required", parallel_tool_calls=False, max_output_tokens=120,
+                                 temperature=0, reasoning=NO_REASONING) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    deltas = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"} and len(deltas) > 1
+    [streamed] = final.output
+    assert streamed.type == "function_call" and (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    assert "".join(deltas) == streamed.arguments and streamed.call_id and streamed.status == "completed"
+
+
+def test_responses_parallel_calls_stream_like_the_whole_answer(client):
+    """A random model may add calls until the token limit: an incomplete response, whose last call is cut."""
+    response = respond(client, tool_choice="required", max_output_tokens=40)
+    with client.responses.stream(model=client.models.list().data[0].id, input=QUESTION, tools=RESPONSES_TOOLS,
+                                 tool_choice="required", max_output_tokens=40, temperature=0,
+                                 reasoning=NO_REASONING) as stream:  # fmt: skip
+        final = list(stream)[-1].response  # get_final_response() takes a completed response only
+    chat = ask(client, tool_choice="required", max_tokens=40).choices[0].message.tool_calls
+    expected = [(c.function.name, c.function.arguments) for c in chat]
+    assert [(i.name, i.arguments) for i in response.output] == [(i.name, i.arguments) for i in final.output] == expected
+    assert len({i.call_id for i in response.output}) == len(response.output) and final.status == response.status
+
+
+def test_responses_named_function_and_none(client):
+    response = respond(client, tool_choice={"type": "function", "name": "get_time"})
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), TIME)
+    assert response.tool_choice.type == "function" and response.tool_choice.name == "get_time"
+    # none: the template is not told of the tools, and the answer is text as chat's is
+    text = respond(client, tool_choice="none", max_output_tokens=8)
+    chat = ask(client, tool_choice="none", max_tokens=8).choices[0].message
+    assert [item.type for item in text.output] == ["message"] and text.output_text == chat.content
+    assert text.usage.input_tokens == ask(client, tool_choice="none", max_tokens=8).usage.prompt_tokens
+
+
+def test_responses_round_trip_with_function_call_output(client):
+    """The output given back with the call's result renders as the chat conversation with the call and its
+    tool message does (same prompt tokens, same answer)."""
+    response = respond(client, tool_choice="required", parallel_tool_calls=False)
+    [call] = response.output
+    result = '{"forecast": "sunny"}'
+    followed = respond(client, input=[*QUESTION, *response.output,
+                                      {"type": "function_call_output", "call_id": call.call_id, "output": result}],
+                       max_output_tokens=5)  # fmt: skip
+    chat_call = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": result}]  # fmt: skip
+    chat = ask(client, messages=messages, max_tokens=5)
+    assert followed.usage.input_tokens == chat.usage.prompt_tokens
+    assert followed.output_text == chat.choices[0].message.content and followed.output[-1].type == "message"
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "named"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools", "web_search"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools", "file_search"),
+        ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools", "name"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "foo"}}]}, "tools", "parameters"),
+        ({"tool_choice": {"type": "function", "name": "missing"}}, "tool_choice", "missing"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input.0", "call_id"),
+    ],
+)
+def test_responses_bad_tools_are_400(qwen, client, change, param, named):
+    body = {"model": client.models.list().data[0].id, "input": "Hi.", "tools": RESPONSES_TOOLS} | change
+    response = httpx.post(qwen.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and named in error["message"]

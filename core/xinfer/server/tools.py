@@ -16,11 +16,9 @@ CHOICES = ("none", "auto", "required")
 
 
 def check_tools(tools: list[dict[str, Any]]) -> None:
-    """OpenAI's function tools, each with a name and a valid JSON schema of its parameters;
+    """OpenAI's function tools (chat's shape: ``{"type": "function", "function": {...}}``);
     ValueError naming the first problem."""
-    from xinfer.grammar import StructuredOutputs
-
-    names = set()
+    functions = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if tool.get("type", "function") != "function":
@@ -28,23 +26,34 @@ def check_tools(tools: list[dict[str, Any]]) -> None:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise ValueError(f"{where}.function must be an object with a name")
+        functions.append((f"{where}.function", function))
+    check_functions(functions)
+
+
+def check_functions(functions: list[tuple[str, dict[str, Any]]]) -> None:
+    """Functions (each where it is given), each with a name of its own and a valid JSON schema of its
+    parameters; ValueError naming the first problem."""
+    from xinfer.grammar import StructuredOutputs
+
+    names = set()
+    for where, function in functions:
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-            raise ValueError(f"{where}.function.name must be 1 to 64 letters, digits, _ . : or -, got {name!r}")
+            raise ValueError(f"{where}.name must be 1 to 64 letters, digits, _ . : or -, got {name!r}")
         if name in names:
-            raise ValueError(f"{where}.function.name {name!r} is given twice")
+            raise ValueError(f"{where}.name {name!r} is given twice")
         names.add(name)
         if not isinstance(function.get("description", ""), str):
-            raise ValueError(f"{where}.function.description must be a string")
+            raise ValueError(f"{where}.description must be a string")
         parameters = function.get("parameters")
         if parameters is None:
             continue
         if not isinstance(parameters, dict):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+            raise ValueError(f"{where}.parameters must be a JSON schema object")
         try:
             StructuredOutputs(json=parameters, strict=False)
         except ValueError as error:
-            raise ValueError(f"{where}.function.parameters: {error}") from None
+            raise ValueError(f"{where}.parameters: {error}") from None
 
 
 def forced_function(tool_choice: str | dict[str, Any] | None) -> str | None:

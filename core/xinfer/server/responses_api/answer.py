@@ -1,11 +1,13 @@
 """The answer to a Responses request: one ``response`` object, or the Responses API's event
 stream (``response.created``, ``response.in_progress``; per output item ``output_item.added``,
 ``content_part.added``, its text's deltas and ``...done``, ``content_part.done``,
-``output_item.done``; then ``response.completed``, ``response.incomplete`` at the token limit,
+``output_item.done``, a function call's ``function_call_arguments.delta`` and ``.done`` in place
+of the parts and text; then ``response.completed``, ``response.incomplete`` at the token limit,
 or ``response.failed``), each event with its ``sequence_number``.
 
-The text comes from the chat route's answer (:class:`ChatAnswer`: stop texts, reasoning split),
-its reasoning as a ``reasoning`` item before the ``message``."""
+The text comes from the chat route's answer (:class:`ChatAnswer`: stop texts, reasoning split,
+tool calls parsed), its reasoning as a ``reasoning`` item before the ``message``, each tool call
+a ``function_call`` item after it."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from xinfer.engine.async_engine import EngineUnavailable
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.responses import now
 from xinfer.server.responses_api.objects import (
+    FunctionCallItem,
     IncompleteDetails,
     OutputItem,
     OutputMessage,
@@ -36,9 +39,12 @@ from xinfer.server.responses_api.protocol import ResponsesRequest
 from xinfer.server.routes.chat import ChatAnswer
 from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
 
-Kind = Literal["reasoning", "message"]
-STATUS: dict[str | None, Status] = {"stop": "completed", "length": "incomplete"}  # else failed ("abort": shut down)
-TEXT_EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text"}
+Kind = Literal["reasoning", "message", "function_call"]
+# else failed ("abort": shut down)
+STATUS: dict[str | None, Status] = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
+TEXT_EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text",
+               "function_call": "response.function_call_arguments"}  # fmt: skip
+ID_PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 
 
 class ResponseAnswer:
@@ -57,6 +63,8 @@ class ResponseAnswer:
             error=ResponseError(message=error) if error is not None else None, instructions=body.instructions,
             max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
             metadata=body.metadata or {}, completed_at=now() if status == "completed" else None,
+            tools=body.tools or [], tool_choice=body.tool_choice or "auto",
+            parallel_tool_calls=body.parallel_tool_calls is not False,
         )  # fmt: skip
 
     def finished(self, items: ItemStream, finish_reason: str | None) -> tuple[Response, list[str]]:
@@ -76,6 +84,9 @@ class ResponseAnswer:
             items = ItemStream(lambda kind, **fields: "")  # no events
             items.write("reasoning", message.reasoning_content or "")
             items.write("message", message.content or "")
+            for call in message.tool_calls or []:
+                items.call(call.id, call.function.name)
+                items.write("function_call", call.function.arguments)
             response, _ = self.finished(items, output.finish_reason)
             return JSONResponse(response.model_dump())
         finally:
@@ -96,6 +107,12 @@ class ResponseAnswer:
                     yield event
                 for event in items.write("message", choice.delta.content or ""):
                     yield event
+                for piece in choice.delta.tool_calls or []:
+                    if piece.id is not None:
+                        for event in items.call(piece.id, piece.function.name or ""):
+                            yield event
+                    for event in items.write("function_call", piece.function.arguments or ""):
+                        yield event
                 finish_reason = choice.finish_reason or finish_reason
         except EngineUnavailable as error:
             for event in items.close("incomplete"):
@@ -109,8 +126,9 @@ class ResponseAnswer:
 
 
 class ItemStream:
-    """Output items written as events: an item opens with its first text and is done when an item
-    of the other kind opens or the answer ends; an answer without text gets one empty message."""
+    """Output items written as events: an item opens with its first text (a function call with its
+    name) and is done when another item opens or the answer ends; an answer without any item gets
+    one empty message."""
 
     def __init__(self, event: Callable[..., str]):
         self.event = event  # writes one numbered event
@@ -118,19 +136,30 @@ class ItemStream:
         self.kind: Kind | None = None
         self.id = ""
         self.texts: list[str] = []
+        self.call_id, self.name = "", ""  # the open function call's
 
     def write(self, kind: Kind, text: str) -> list[str]:
+        """A piece of the open item's text (of a function call: its arguments), opening a new item of
+        text where ``kind`` is not the open item's."""
         if not text:
             return []
         events = self.open(kind) if kind != self.kind else []
         self.texts.append(text)
         return [*events, self.event(f"{TEXT_EVENTS[kind]}.delta", **self.where(), delta=text, **self.logprobs())]
 
+    def call(self, call_id: str, name: str) -> list[str]:
+        """Opens a function call: its arguments follow as ``write("function_call", ...)``."""
+        events = self.close("completed")
+        self.call_id, self.name = call_id, name
+        return [*events, *self.open("function_call")]
+
     def open(self, kind: Kind) -> list[str]:
         events = self.close("completed")
-        self.kind, self.id, self.texts = kind, item_id("rs" if kind == "reasoning" else "msg"), []
+        self.kind, self.id, self.texts = kind, item_id(ID_PREFIXES[kind]), []
         added = self.event("response.output_item.added", output_index=len(self.items),
                            item=self.item("in_progress").model_dump())  # fmt: skip
+        if kind == "function_call":
+            return [*events, added]
         part = self.event("response.content_part.added", **self.where(), part=self.part("").model_dump())
         return [*events, added, part]
 
@@ -138,11 +167,15 @@ class ItemStream:
         if self.kind is None:
             return []
         text, item = "".join(self.texts), self.item(status)
-        events = [
-            self.event(f"{TEXT_EVENTS[self.kind]}.done", **self.where(), text=text, **self.logprobs()),
-            self.event("response.content_part.done", **self.where(), part=self.part(text).model_dump()),
-            self.event("response.output_item.done", output_index=len(self.items), item=item.model_dump()),
-        ]
+        if self.kind == "function_call":
+            text_done = [self.event(f"{TEXT_EVENTS[self.kind]}.done", **self.where(), arguments=text)]
+        else:
+            text_done = [
+                self.event(f"{TEXT_EVENTS[self.kind]}.done", **self.where(), text=text, **self.logprobs()),
+                self.event("response.content_part.done", **self.where(), part=self.part(text).model_dump()),
+            ]
+        events = [*text_done,
+                  self.event("response.output_item.done", output_index=len(self.items), item=item.model_dump())]  # fmt: skip
         self.items.append(item)
         self.kind = None
         return events
@@ -151,7 +184,8 @@ class ItemStream:
         return [*(self.open("message") if not self.items and self.kind is None else []), *self.close(status)]
 
     def where(self) -> dict[str, Any]:
-        return {"item_id": self.id, "output_index": len(self.items), "content_index": 0}
+        place = {"item_id": self.id, "output_index": len(self.items)}
+        return place if self.kind == "function_call" else place | {"content_index": 0}
 
     def logprobs(self) -> dict[str, Any]:
         return {"logprobs": []} if self.kind == "message" else {}
@@ -162,6 +196,8 @@ class ItemStream:
     def item(self, status: Status) -> OutputItem:
         """The open item: empty while in progress, then with its whole text."""
         text = "".join(self.texts)
+        if self.kind == "function_call":
+            return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=text, status=status)
         if self.kind == "message":
             return OutputMessage(id=self.id, status=status,
                                  content=[OutputText(text=text)] if status != "in_progress" else [])  # fmt: skip

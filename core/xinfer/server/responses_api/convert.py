@@ -1,9 +1,16 @@
 """A Responses request as the chat request the engine runs:
 
 - ``instructions`` becomes the first, system message;
-- ``input`` (a string: one user message; or message items) becomes the messages, ``input_text``
-  and ``output_text`` parts their text, ``input_image`` parts ``image_url`` parts (refused where
-  the model takes text only);
+- ``input`` (a string: one user message; or items) becomes the messages: message items with
+  ``input_text`` and ``output_text`` parts as text, ``input_image`` parts as ``image_url`` parts
+  (refused where the model takes text only); ``function_call`` items as the assistant's
+  ``tool_calls`` (with the assistant message or reasoning just before them), ``function_call_output``
+  items as ``tool`` messages, ``reasoning`` items as the next assistant turn's ``reasoning_content``;
+- function ``tools`` (flat: ``name``, ``parameters``... beside ``type``) become chat's nested
+  ``{"type": "function", "function": {...}}``, a ``tool_choice`` naming one ``{"type": "function",
+  "name": ...}`` chat's ``{"type": "function", "function": {"name": ...}}``: the chat path parses
+  the calls; built-in tools (``web_search``, ``file_search``...), which this server does not run,
+  are refused;
 - ``max_output_tokens``, ``temperature``, ``top_p`` are the chat request's sampling fields,
   ``text.format`` its ``response_format``, ``reasoning.effort`` its ``reasoning_effort``.
 """
@@ -18,6 +25,7 @@ from pydantic import ValidationError
 from xinfer.server.errors import bad_request, from_validation
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses_api.protocol import InputItem, InputPart, ResponsesRequest, TextFormat
+from xinfer.server.tools import check_functions, check_tool_choice
 
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 
@@ -30,6 +38,15 @@ def chat_request(body: ResponsesRequest, takes_images: bool) -> ChatCompletionRe
     messages += input_messages(body.input, takes_images)
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens}
     fields |= {"temperature": body.temperature, "top_p": body.top_p}
+    if body.tools:
+        fields["tools"] = chat_tools(body.tools)
+    if body.tool_choice is not None:
+        fields["tool_choice"] = chat_tool_choice(body.tool_choice)
+        try:
+            check_tool_choice(fields["tool_choice"], fields.get("tools"))
+        except ValueError as error:
+            raise bad_request(str(error), param="tool_choice") from None
+    fields["parallel_tool_calls"] = body.parallel_tool_calls
     if body.text is not None and body.text.format is not None:
         fields["response_format"] = response_format(body.text.format)
     if body.reasoning is not None:
@@ -43,17 +60,99 @@ def chat_request(body: ResponsesRequest, takes_images: bool) -> ChatCompletionRe
     return request
 
 
+def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise bad_request(
+                f"tools[{i}] is of type {tool.get('type')!r}, which this server does not run: tools are functions",
+                param="tools",
+            )
+    try:
+        check_functions([(f"tools[{i}]", tool) for i, tool in enumerate(tools)])
+    except ValueError as error:
+        raise bad_request(str(error), param="tools") from None
+    return [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}} for tool in tools]
+
+
+def chat_tool_choice(tool_choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(tool_choice, str):
+        return tool_choice
+    name = tool_choice.get("name")
+    if tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_request(
+            'tool_choice is "auto", "none", "required" or {"type": "function", "name": ...}, '
+            f"got one of type {tool_choice.get('type')!r}",
+            param="tool_choice",
+        )
+    return {"type": "function", "function": {"name": name}}
+
+
 def input_messages(given: str | list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     if not given:
         raise bad_request("input must not be empty", param="input")
-    return [message(item, f"input.{i}", takes_images) for i, item in enumerate(given)]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(given):
+        param = f"input.{i}"
+        if item.type == "message":
+            turn = message(item, param, takes_images)
+            if turn["role"] == "assistant" and reasoning_only(messages):
+                messages[-1]["content"] = turn["content"]
+            else:
+                messages.append(turn)
+        elif item.type == "function_call":
+            if item.call_id is None or item.name is None or item.arguments is None:
+                raise bad_request("a function_call item needs a call_id, a name and arguments", param=param)
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            assistant_turn(messages).setdefault("tool_calls", []).append(call)
+        elif item.type == "function_call_output":
+            if item.call_id is None or item.output is None:
+                raise bad_request("a function_call_output item needs a call_id and an output", param=param)
+            if not any(call["id"] == item.call_id for turn in messages for call in turn.get("tool_calls", [])):
+                raise bad_request(f"no function_call before it has the call_id {item.call_id!r}", param=param)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output_text(item.output, param)})
+        elif item.type == "reasoning":
+            parts = item.content or []
+            text = parts if isinstance(parts, str) else "".join(part.text or "" for part in parts)
+            messages.append({"role": "assistant", "content": None, "reasoning_content": text})
+        else:
+            raise bad_request(
+                f"input items of type {item.type!r} are not supported: items are messages, reasoning, "
+                "function_call and function_call_output",
+                param=param,
+            )
+    for turn in messages:
+        if turn["role"] == "assistant" and turn["content"] is None and "tool_calls" not in turn:
+            turn["content"] = ""  # reasoning given back without the message or call that followed it
+    return messages
+
+
+def reasoning_only(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last turn is the assistant's reasoning, given back without what followed it (yet)."""
+    last = messages[-1] if messages else {}
+    return last.get("role") == "assistant" and last["content"] is None and "tool_calls" not in last
+
+
+def assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant turn that a function call belongs to: the one just before it (its text, its
+    reasoning, its other calls), else a new one."""
+    if messages and messages[-1]["role"] == "assistant":
+        return messages[-1]
+    messages.append({"role": "assistant", "content": None})
+    return messages[-1]
+
+
+def output_text(output: str | list[InputPart], param: str) -> str:
+    if isinstance(output, str):
+        return output
+    if any(part.type != "input_text" or part.text is None for part in output):
+        raise bad_request("a function_call_output's output is text: a string or input_text parts", param=param)
+    return "".join(part.text or "" for part in output)
 
 
 def message(item: InputItem, param: str, takes_images: bool) -> dict[str, Any]:
-    if item.type != "message":
-        raise bad_request(f"input items of type {item.type!r} are not supported: items are messages", param=param)
     if item.role is None or item.content is None:
         raise bad_request("a message item needs a role and content", param=param)
     if isinstance(item.content, str):

@@ -13,7 +13,8 @@ Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
 def item_id(prefix: str) -> str:
-    """OpenAI's ids: ``resp_...`` for responses, ``msg_...`` for messages, ``rs_...`` for reasoning."""
+    """OpenAI's ids: ``resp_...`` for responses, ``msg_...`` for messages, ``rs_...`` for reasoning,
+    ``fc_...`` for function calls."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -47,7 +48,18 @@ class ReasoningItem(BaseModel):
     content: list[ReasoningText]
 
 
-OutputItem = OutputMessage | ReasoningItem
+class FunctionCallItem(BaseModel):
+    """A call the model made: ``call_id`` is what the client's ``function_call_output`` names."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Status
+
+
+OutputItem = OutputMessage | ReasoningItem | FunctionCallItem
 
 
 class ResponseUsage(BaseModel):
@@ -82,8 +94,6 @@ class ResponseError(BaseModel):
 
 
 class Response(BaseModel):
-    """No tools are offered on this route (``tools`` is empty, ``tool_choice`` ``none``)."""
-
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -98,7 +108,7 @@ class Response(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
-    tools: list[Any] = Field(default_factory=list)
-    tool_choice: Literal["none"] = "none"
-    parallel_tool_calls: bool = False
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
     completed_at: int | None = None

@@ -2,8 +2,8 @@
 
 Parsed as the other bodies are (strict JSON), except that a field this server does not
 implement is refused, naming it (:func:`unsupported_field`), where the chat routes ignore
-unknown fields: ignoring ``tools`` or ``previous_response_id`` would change the answer
-without saying so. Fields that only change bookkeeping are accepted and ignored.
+unknown fields: ignoring ``previous_response_id`` would change the answer without saying so.
+Fields that only change bookkeeping are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from xinfer.server.protocol import RequestBody
 
-# fields accepted and not read: they change no answer (no response is stored, no tool offered)
+# fields accepted and not read: they change no answer (no response is stored, the server runs no tool)
 IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key",
-                            "prompt_cache_retention", "service_tier", "parallel_tool_calls", "max_tool_calls",
-                            "stream_options"})  # fmt: skip
+                            "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options"})  # fmt: skip
 # the values of other fields that ask for nothing beyond what this server does (their defaults)
-NEUTRAL_VALUES = {"truncation": ("disabled",), "tool_choice": ("auto", "none")}
+NEUTRAL_VALUES = {"truncation": ("disabled",)}
 
 
 class InputPart(RequestBody):
@@ -34,11 +33,17 @@ class InputPart(RequestBody):
 
 
 class InputItem(RequestBody):
-    """An item of ``input``: only messages (``type`` ``message`` or absent) are read."""
+    """An item of ``input``: a message (``type`` ``message`` or absent); a ``function_call`` the
+    model made (``call_id``, ``name``, ``arguments``) and its ``function_call_output``
+    (``call_id``, ``output``); or a ``reasoning`` item given back (its ``content``'s text)."""
 
     type: str = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
 
 
 class TextFormat(RequestBody):
@@ -72,6 +77,9 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     metadata: dict[str, str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported_field(self) -> str | None:
         """The first field the body sets that this server does not implement."""

@@ -2,9 +2,10 @@
 
 A Responses body is translated into the chat request it means (the same template, sampling
 and engine as ``/v1/chat/completions``, :mod:`xinfer.server.responses_api.convert`), and its
-answer written as a ``response`` object or the Responses API's events. Nothing is stored: a
-field that needs a stored response (``previous_response_id``), tools, or another feature this
-server does not implement is a 400 naming it.
+answer written as a ``response`` object or the Responses API's events. Function tools are the
+chat route's (the client runs the calls and sends their ``function_call_output`` back). Nothing
+is stored: a field that needs a stored response (``previous_response_id``), a built-in tool, or
+another feature this server does not implement is a 400 naming it.
 """
 
 from __future__ import annotations
