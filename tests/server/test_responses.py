@@ -148,3 +148,43 @@ def test_bookkeeping_fields_are_accepted(client, model):
         tool_choice="auto", truncation="disabled",
     )  # fmt: skip
     assert response.metadata == {"k": "v"} and response.usage.output_tokens <= 2
+
+
+def test_text_then_calls_accumulate_in_the_clients_stream_state():
+    """An answer of reasoning, text and two calls (which a random model cannot be made to write through
+    this route) as events, read by the official client's own stream accumulator."""
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    import xinfer.server.routes  # noqa: F401  (the routes before the answer they import)
+    from xinfer.server.responses_api.answer import ItemStream
+    from xinfer.server.responses_api.objects import Response
+
+    events: list[dict] = []
+    items = ItemStream(lambda kind, **fields: events.append({"type": kind, "sequence_number": len(events), **fields}))
+    started = Response(id="resp_1", created_at=0, status="in_progress", model="m")
+    items.event("response.created", response=started.model_dump())
+    items.write("reasoning", "Hmm.")
+    items.write("message", "Let me ")
+    items.write("message", "check.")
+    items.call("call_1", "get_weather")
+    items.write("function_call", '{"city": ')
+    items.write("function_call", '"Rome"}')
+    items.call("call_2", "get_time")
+    items.write("function_call", "{}")
+    items.finish("completed")
+    done = started.model_copy(update={"status": "completed", "output": items.items})
+    items.event("response.completed", response=done.model_dump())
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    # the client checks each item done against the one added; its deltas carry what it accumulated
+    read = [e for event in events for e in state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))]
+    snapshots = {e.output_index: e.snapshot for e in read if e.type.endswith(".delta") and hasattr(e, "snapshot")}
+    assert snapshots == {1: "Let me check.", 2: '{"city": "Rome"}', 3: "{}"}
+    response = state._completed_response
+    assert [item.type for item in response.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert [(i.call_id, i.name, i.arguments) for i in response.output[2:]] == [
+        ("call_1", "get_weather", '{"city": "Rome"}'),
+        ("call_2", "get_time", "{}"),
+    ]
+    assert response.output_text == "Let me check."
