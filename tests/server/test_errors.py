@@ -26,6 +26,15 @@ ROWS = [
     ("content of wrong type", CHAT, {"messages": [{"role": "user", "content": 42}]}, {}, 400, None, "content"),
     ("user message without content", CHAT, {"messages": [{"role": "user"}]}, {}, 400, None, "content"),
     (
+        "tool message without tool_call_id",
+        CHAT,
+        {"messages": [*HI, {"role": "tool", "content": "42"}]},
+        {},
+        400,
+        "messages.1.tool_call_id",
+        "tool_call_id",
+    ),
+    (
         "image content part",
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},

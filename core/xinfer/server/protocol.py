@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from xinfer.server.tools import check_tool_choice, check_tools
 
@@ -56,8 +56,15 @@ class ChatMessage(RequestBody):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_result_names_its_call(cls, tool_call_id: str | None, info: ValidationInfo) -> str | None:
+        if tool_call_id is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return tool_call_id
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
