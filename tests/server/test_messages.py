@@ -170,6 +170,23 @@ def test_x_api_key_and_bearer_are_both_accepted(server, model):
     assert "x-api-key" in body["error"]["message"]
 
 
+def test_a_plain_text_document_is_read_as_text(server, claude, model):
+    """A document block's text, title and context reach the prompt, laid out between tags as Anthropic's
+    long-context prompting guide lays documents out."""
+    document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Pears are green."},
+                "title": "Fruit facts", "context": "From a grocer."}  # fmt: skip
+    question = {"type": "text", "text": "What colour are pears?"}
+    counted = claude.messages.count_tokens(model=model, messages=[{"role": "user", "content": [document, question]}])
+    text = ("<document>\n<title>Fruit facts</title>\n<context>From a grocer.</context>\n<document_content>\n"
+            "Pears are green.\n</document_content>\n</document>\nWhat colour are pears?")  # fmt: skip
+    tokens = server.post("/tokenize", json={"model": model, "messages": [{"role": "user", "content": text}]})
+    assert counted.input_tokens == tokens.json()["count"]
+
+
+def document_turn(source: dict) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "document", "source": source}]}]}
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
@@ -178,6 +195,8 @@ def test_x_api_key_and_bearer_are_both_accepted(server, model):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "system", "content": "hi"}]}, "role"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
+        (document_turn({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}), "'base64'"),
+        (document_turn({"type": "text", "media_type": "text/html", "data": "<p>Hi</p>"}), "text/plain"),
         (
             {
                 "messages": [

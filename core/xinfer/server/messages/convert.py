@@ -7,6 +7,8 @@ what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` resu
 - a user turn's ``tool_result`` blocks become ``tool`` messages, in order, before its other content;
 - an assistant turn's ``tool_use`` blocks become its ``tool_calls``, its ``thinking`` its ``reasoning_content``;
 - ``image`` blocks become ``image_url`` parts (data URLs), refused where the model takes text only;
+- ``document`` blocks of plain text become text parts, the document (its title and context too)
+  between tags as Anthropic's prompting guide lays documents out; PDFs and other sources are refused;
 - ``tools`` become function tools, ``tool_choice`` OpenAI's (``any``: required, ``tool``: that function);
 - ``thinking: {"type": "disabled"}`` asks the template not to think (``enable_thinking=false``);
 - ``output_config.format`` (a JSON schema) is a strict ``json_schema`` response format (structured outputs).
@@ -86,6 +88,8 @@ def turn(message: Message, param: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": required(block.text, where, "text")})
         elif block.type == "image":
             parts.append(image_part(block, where))
+        elif block.type == "document":
+            parts.append({"type": "text", "text": document_text(block, where)})
         elif block.type == "tool_result":
             content = block_text(block.content or "", f"{where}.content")
             if block.is_error:
@@ -109,7 +113,7 @@ def turn(message: Message, param: str) -> list[dict[str, Any]]:
     return messages
 
 
-USER_BLOCKS = frozenset({"text", "image", "tool_result"})
+USER_BLOCKS = frozenset({"text", "image", "document", "tool_result"})
 ASSISTANT_BLOCKS = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
 
 
@@ -144,6 +148,21 @@ def image_part(block: Block, param: str) -> dict[str, Any]:
     else:
         raise bad_request("an image source is {type: base64, media_type, data} or {type: url, url}", param=param)
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def document_text(block: Block, param: str) -> str:
+    """The document between tags, ending its line (the turn's text parts are joined as they are)."""
+    source = block.source
+    if source is None or source.type != "text":
+        given = f"of type {source.type!r}" if source is not None else "without a source"
+        raise bad_request(f"a document {given} is not supported: documents are plain text, a source "
+                          '{"type": "text", "media_type": "text/plain", "data": ...}', param=f"{param}.source")  # fmt: skip
+    if source.media_type != "text/plain" or source.data is None:
+        raise bad_request('a text document\'s source is {"type": "text", "media_type": "text/plain", "data": ...}',
+                          param=f"{param}.source")  # fmt: skip
+    title = f"<title>{block.title}</title>\n" if block.title else ""
+    context = f"<context>{block.context}</context>\n" if block.context else ""
+    return f"<document>\n{title}{context}<document_content>\n{source.data}\n</document_content>\n</document>\n"
 
 
 def function_tool(tool: Tool, index: int) -> dict[str, Any]:

@@ -14,19 +14,23 @@ from pydantic import Field, field_validator
 from xinfer.server.protocol import RequestBody, check_stop_strings
 
 
-class ImageSource(RequestBody):
-    type: str | None = None  # checked where it is read (an image's), as other blocks have other sources
+class Source(RequestBody):
+    """An image's or a document's source: checked where it is read, as each block takes its own types."""
+
+    type: str | None = None
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
 
 
 class Block(RequestBody):
-    """One content block: ``text``, ``image``, ``tool_use``, ``tool_result``, ``thinking``, ..."""
+    """One content block: ``text``, ``image``, ``document``, ``tool_use``, ``tool_result``, ``thinking``, ..."""
 
     type: str
     text: str | None = None
-    source: ImageSource | None = None
+    source: Source | None = None
+    title: str | None = None  # document
+    context: str | None = None
     id: str | None = None  # tool_use
     name: str | None = None
     input: dict[str, Any] | None = None
