@@ -1,7 +1,8 @@
 """GGUF files of architecture ``gemma4`` (the text model), as llama.cpp's converter writes them.
 
 The norms are stored as the checkpoint holds them (Gemma 4 multiplies by ``w``); the layer scalars
-gain a ``.weight``. The metadata gives per layer whether it slides (``sliding_window_pattern``), its
+and the fused experts gain a ``.weight``; the router's projection and scale are ``ffn_gate_inp``'s, its
+per-expert scale is the experts' down projection's ``.scale``. The metadata gives per layer whether it slides (``sliding_window_pattern``), its
 KV heads and MLP width (an array where they differ by layer); the global layers' head dim is
 ``key_length``, the sliding layers' ``key_length_swa``. The global layers' proportional rope is the
 ``rope_freqs`` tensor: divisor 1 for each rotated pair, 1e30 (no rotation) for the rest.
@@ -27,8 +28,6 @@ class Gemma4GGUF(GGUFAdapter):
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
-        if f"{ARCH}.expert_count" in metadata:
-            raise ModelFileError(f"{ARCH}.expert_count: xinfer does not read Gemma 4's experts from GGUF files yet")
         layers = fields["num_hidden_layers"]
         sliding = [bool(flag) for flag in _required(metadata, "attention.sliding_window_pattern")]
         if len(sliding) != layers:
@@ -73,6 +72,7 @@ class Gemma4GGUF(GGUFAdapter):
                 or _proportional_rope(fields["rope_theta"], 1.0),
             },
             "architectures": ["Gemma4ForCausalLM"],
+            **_experts(metadata),
         }
 
     def rope_freqs(self, divisors: list[float], fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,7 +87,28 @@ class Gemma4GGUF(GGUFAdapter):
         }
 
     def converter_name(self, hf_name: str) -> str:
-        return f"{hf_name}.weight" if hf_name.endswith(".layer_scalar") else super().converter_name(hf_name)
+        module, _, name = hf_name.rpartition(".")
+        if name in ("layer_scalar", "gate_up_proj"):
+            return f"{hf_name}.weight"
+        if module.endswith(".router"):  # the router's projection is HF's router.proj; its expert scales sit on down's
+            return (
+                f"{module.removesuffix('.router')}.experts.down_proj.scale"
+                if name == "per_expert_scale"
+                else f"{module}.proj.{name}"
+            )
+        return super().converter_name(hf_name)
+
+
+def _experts(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """26B-A4B's experts beside each layer's dense MLP, where the file has them."""
+    if f"{ARCH}.expert_count" not in metadata:
+        return {}
+    return {
+        "enable_moe_block": True,
+        "num_experts": int(metadata[f"{ARCH}.expert_count"]),
+        "top_k_experts": int(_required(metadata, "expert_used_count")),
+        "moe_intermediate_size": int(_required(metadata, "expert_feed_forward_length")),
+    }
 
 
 def _required(metadata: Mapping[str, Any], key: str) -> Any:

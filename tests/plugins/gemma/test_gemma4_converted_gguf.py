@@ -3,9 +3,9 @@ Gemma4Model: norms as stored, layer scalars named ``.weight``, per-layer head di
 sliding pattern, the global layers' proportional rope as ``rope_freqs``), through the engine against transformers'
 modeling code of the model it came from and against llama.cpp itself.
 
-One model holds every text feature a Gemma 4 file carries but the experts: global layers with a head dim and KV
+One model holds every text feature a Gemma 4 file carries: global layers with a head dim and KV
 heads of their own and values from the keys, quarter-rotated proportional rope, per-layer inputs, the last two
-layers reading earlier layers' caches with MLPs twice as wide, a final soft-cap."""
+layers reading earlier layers' caches with MLPs twice as wide, experts beside each dense MLP, a final soft-cap."""
 
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.llama_cpp_oracle import assert_llama_cpp_agrees
 from tests.plugins.converted_gguf import add_tiny_vocabulary
-from tests.plugins.gemma.test_gemma4 import E_MODEL, gemma4_config, randomize_gemma4
+from tests.plugins.gemma.test_gemma4 import E_MODEL, MOE, gemma4_config, randomize_gemma4
 from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
 from xinfer import LLM
 from xinfer.loading.errors import ModelFileError
@@ -59,6 +59,9 @@ def write_gemma4_gguf(model: torch.nn.Module, path: Path, sliding_rotated_dims: 
     writer.add_sliding_window_pattern(sliding)
     writer.add_shared_kv_layers(config.num_kv_shared_layers)
     writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.top_k_experts)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     add_tiny_vocabulary(writer, config.vocab_size)
     rotated = int(full.head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
     divisors = [1.0] * rotated + [UNROTATED] * (full.head_dim // 2 - rotated)
@@ -67,20 +70,30 @@ def write_gemma4_gguf(model: torch.nn.Module, path: Path, sliding_rotated_dims: 
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight":
             continue
-        base, _, suffix = hf_name.rpartition(".")
-        if suffix == "layer_scalar":
-            base, suffix = hf_name, "weight"
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
+        writer.add_tensor(converted_name(names, hf_name), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
+def converted_name(names: gguf.TensorNameMap, hf_name: str) -> str:
+    """As the converter names it: parameters of their own gain ``.weight``; the router's scale is
+    ``ffn_gate_inp.scale``, its per-expert scale ``ffn_down_exps.scale``."""
+    module, _, suffix = hf_name.rpartition(".")
+    if suffix == "scale" and module.endswith(".router"):
+        return f"{names.get_name(module + '.proj')}.scale"
+    if suffix == "per_expert_scale":
+        return f"{names.get_name(module.removesuffix('.router') + '.experts.down_proj')}.scale"
+    if suffix in ("layer_scalar", "gate_up_proj", "down_proj"):
+        module, suffix = hf_name, "weight"
+    return f"{names.get_name(module)}.{suffix}"
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     torch.manual_seed(0)
-    config = gemma4_config(**{**E_MODEL, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    config = gemma4_config(**{**E_MODEL, **MOE, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config).float().eval()
     randomize_gemma4(hf)
@@ -101,10 +114,10 @@ def test_greedy_tokens_and_logprobs_match_hf(models):
 
 
 def test_llama_cpp_reads_the_gguf_alike(models):
-    """To 2e-2, not 1e-4: llama.cpp's CPU GELU is approximate (a table over fp16 inputs), and here it feeds both
-    the MLPs and the per-layer input gates (9e-3 measured; with those zeroed the two agree to 3e-5). A misread
-    setting (a head dim, the KV heads, the rotated fraction, the sliding pattern, which layers read which cache,
-    the per-layer inputs' scales) is off by far more."""
+    """To 2e-2, not 1e-4: llama.cpp's CPU GELU is approximate (a table over fp16 inputs), and here it feeds the
+    MLPs, the experts and the per-layer input gates (7e-3 measured; with those zeroed the two agree to 7e-6). A
+    misread setting is off by far more (measured on this model less its experts: half the global heads rotated
+    0.49, the sliding rope base doubled 1.7, the window one shorter 1.7)."""
     _, llm, path = models
     assert_llama_cpp_agrees(llm, path, tolerance=2e-2)
 
