@@ -1,4 +1,4 @@
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 
 import torch
@@ -30,15 +30,17 @@ GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "g
 ALIASES = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh"}
 
 
-def activation_name(name: str) -> str:
-    """The name ``act`` goes by in :data:`GATED_ACTIVATIONS` and the ops (``name`` is the config's
-    ``hidden_act``); one error naming it where xinfer has no such activation."""
+def _known(name: str, supported: Collection[str], field: str) -> str:
     name = ALIASES.get(name, name)
-    if name not in GATED_ACTIVATIONS:
-        raise NotImplementedError(
-            f"hidden_act {name!r} is not supported; supported: {', '.join([*GATED_ACTIVATIONS, *ALIASES])}"
-        )
+    if name not in supported:
+        raise NotImplementedError(f"{field} {name!r} is not supported; supported: {', '.join([*supported, *ALIASES])}")
     return name
+
+
+def activation_name(name: str, field: str = "hidden_act") -> str:
+    """The name ``act`` goes by in :data:`GATED_ACTIVATIONS` and the ops (``name`` is the config's
+    ``field``); one error naming both where xinfer has no such activation."""
+    return _known(name, GATED_ACTIVATIONS, field)
 
 
 def gated_activation(name: str) -> nn.Module:
@@ -59,11 +61,6 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 """Plain (ungated) activations by the HF config's name, for the encoders' MLPs."""
 
 
-def activation(name: str) -> Callable[[Tensor], Tensor]:
-    """The plain activation a config's ``hidden_act`` names; one error naming it where xinfer has none."""
-    name = ALIASES.get(name, name)
-    if name not in ACTIVATIONS:
-        raise NotImplementedError(
-            f"hidden_act {name!r} is not supported; supported: {', '.join([*ACTIVATIONS, *ALIASES])}"
-        )
-    return ACTIVATIONS[name]
+def activation(name: str, field: str = "hidden_act") -> Callable[[Tensor], Tensor]:
+    """The plain activation a config's ``field`` names; one error naming both where xinfer has none."""
+    return ACTIVATIONS[_known(name, ACTIVATIONS, field)]

@@ -181,7 +181,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = Linear(hidden, per_layer)
             self.per_layer_projection = Linear(per_layer, hidden)
             self.post_per_layer_input_norm = norm(hidden)
-            self.per_layer_act = activation(config.hidden_activation)
+            self.per_layer_act = activation(config.hidden_activation, "hidden_activation")
 
     def forward(self, positions: Tensor, x: Tensor, per_layer_input: Tensor | None) -> Tensor:
         h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))

@@ -108,7 +108,7 @@ class Gemma4VisionMLP(nn.Module):
         self.gate = ClippedLinear(dim, inner, clipped)
         self.up = ClippedLinear(dim, inner, clipped)
         self.down = ClippedLinear(inner, dim, clipped)
-        self.act = activation(config.hidden_activation)
+        self.act = activation(config.hidden_activation, "hidden_activation")
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(self.act(self.gate(x)) * self.up(x))
