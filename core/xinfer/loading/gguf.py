@@ -141,11 +141,14 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             fields[field] = int(token_id)
     if (scaling := _rope_scaling(meta, arch)) is not None:
         fields["rope_scaling"] = scaling
-    if ROPE_FREQS in file.tensors:
-        fields.update(_rope_freqs_fields(file, adapter, fields, scaling))
     # llama.cpp writes the output projection only when it is not the embedding matrix
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
-    fields.update(adapter.config(meta, fields, file.tensors.keys()))
+    try:  # what the adapter cannot read, it says naming the metadata key; this names the file
+        if ROPE_FREQS in file.tensors:
+            fields.update(_rope_freqs_fields(file, adapter, fields, scaling))
+        fields.update(adapter.config(meta, fields, file.tensors.keys()))
+    except ModelFileError as error:
+        raise ModelFileError(f"{file.path}: {error}") from None
     model_type = adapter.model_type or arch
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
@@ -172,7 +175,7 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
 
 def _rope_freqs_fields(file: GGUFFile, adapter: GGUFAdapter, fields: Mapping[str, Any], scaling: Any) -> dict[str, Any]:
     if scaling is not None:
-        raise ModelFileError(f"{file.path}: both rope.scaling metadata and a {ROPE_FREQS} tensor; which one "
+        raise ModelFileError(f"both rope.scaling metadata and a {ROPE_FREQS} tensor; which one "
                              "llama.cpp's converter wrote for the model is unclear")  # fmt: skip
     return adapter.rope_freqs(dequantize(file, ROPE_FREQS).tolist(), fields)
 

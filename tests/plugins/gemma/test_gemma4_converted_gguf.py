@@ -126,5 +126,5 @@ def test_a_partly_rotated_sliding_rope_is_one_error_naming_its_key(models, tmp_p
     hf, _, _ = models
     path = tmp_path / "half-rotated-sliding.gguf"
     write_gemma4_gguf(hf, path, sliding_rotated_dims=8)
-    with pytest.raises(ModelFileError, match=r"gemma4\.rope\.dimension_count_swa = 8"):
+    with pytest.raises(ModelFileError, match=r"half-rotated-sliding\.gguf: gemma4\.rope\.dimension_count_swa = 8"):
         load_gguf_config(path)
