@@ -84,8 +84,11 @@ class GGUFAdapter:
     """How one GGUF architecture differs from the HF checkpoint it was converted from; as it stands, the
     identity: the GGUF stores the HF tensors unchanged. A plugin subclasses it to override what differs."""
 
-    def __init__(self, model_type: str | None = None):
+    def __init__(self, model_type: str | None = None, names_as: str | None = None):
         self.model_type = model_type  # transformers' model_type; None: the GGUF architecture name
+        # the gguf package's architecture whose tensor names the file's follow, where the package does not know
+        # the file's own (llama.cpp's build can be newer than the package); None: the file's
+        self.names_as = names_as
 
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
@@ -196,9 +199,10 @@ def gguf_to_hf_names(
 ) -> dict[str, str]:
     """GGUF tensor name -> HF checkpoint name: gguf's own table (HF -> GGUF), inverted
     over the checkpoint names the model expects (each renamed as the converter does: ``adapter``)."""
-    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture), None)
+    names_as = adapter.names_as or architecture
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == names_as), None)
     if arch is None:
-        raise ValueError(f"the gguf package knows no architecture {architecture!r}")
+        raise ValueError(f"the gguf package knows no architecture {names_as!r}")
     table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
     for hf_name in hf_names:
