@@ -163,7 +163,7 @@ class Experts(nn.Module):
         return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJECTIONS}
 
     def checkpoint_names(self) -> set[str]:
-        return self.checkpoint_parts() | {f"{p}.weight" for p in _PROJECTIONS}
+        return self.checkpoint_parts() | {f"{p}.weight" for p in _PROJECTIONS} | {"gate_up_proj", "down_proj"}
 
     def load_checkpoint(self, name: str, stored: Tensor | StoredTensor) -> set[str]:
         if isinstance(stored, QuantizedTensor):

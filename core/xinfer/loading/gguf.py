@@ -76,12 +76,19 @@ def read_fields(metadata: Mapping[str, Any], arch: str, keys: Mapping[str, tuple
     }
 
 
+# llama.cpp's converters rename these parameters to a module's bias before the lookup
+_CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias", "dt_bias": "dt_proj.bias"}
+
+
 class GGUFAdapter:
     """How one GGUF architecture differs from the HF checkpoint it was converted from; as it stands, the
     identity: the GGUF stores the HF tensors unchanged. A plugin subclasses it to override what differs."""
 
-    def __init__(self, model_type: str | None = None):
+    def __init__(self, model_type: str | None = None, names_as: str | None = None):
         self.model_type = model_type  # transformers' model_type; None: the GGUF architecture name
+        # the gguf package's architecture whose tensor names the file's follow, where the package does not know
+        # the file's own (llama.cpp's build can be newer than the package); None: the file's
+        self.names_as = names_as
 
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
@@ -93,6 +100,23 @@ class GGUFAdapter:
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         """The HF checkpoint's value of tensor ``hf_name`` from its dequantized GGUF value."""
         return tensor
+
+    def rope_freqs(self, divisors: list[float], fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Config fields of a file with llama.cpp's ``rope_freqs`` tensor: each rotated pair's frequency
+        divided by its own factor (``divisors``) at every position (what the converter writes for Llama 3's
+        ``llama3`` rope, metadata none). In HF's terms that is LongRoPE with those factors at every length and
+        no attention scaling."""
+        context = fields["max_position_embeddings"]
+        scaling = {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors, "factor": 1.0,
+                   "attention_factor": 1.0, "original_max_position_embeddings": context}  # fmt: skip
+        return {"rope_scaling": scaling}
+
+    def converter_name(self, hf_name: str) -> str:
+        """The name llama.cpp's converter looks ``hf_name`` up by in gguf's table (it renames some
+        parameters, a module's bias or weight, before the lookup)."""
+        for old, new in _CONVERTER_RENAMES.items():
+            hf_name = hf_name.replace(old, new)
+        return hf_name
 
 
 def gguf_adapter(architecture: str) -> GGUFAdapter:
@@ -120,11 +144,14 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
             fields[field] = int(token_id)
     if (scaling := _rope_scaling(meta, arch)) is not None:
         fields["rope_scaling"] = scaling
-    if ROPE_FREQS in file.tensors:
-        fields["rope_scaling"] = _rope_divided_per_frequency(file, fields, scaling)
     # llama.cpp writes the output projection only when it is not the embedding matrix
     fields["tie_word_embeddings"] = "output.weight" not in file.tensors
-    fields.update(adapter.config(meta, fields, file.tensors.keys()))
+    try:  # what the adapter cannot read, it says naming the metadata key; this names the file
+        if ROPE_FREQS in file.tensors:
+            fields.update(_rope_freqs_fields(file, adapter, fields, scaling))
+        fields.update(adapter.config(meta, fields, file.tensors.keys()))
+    except ModelFileError as error:
+        raise ModelFileError(f"{file.path}: {error}") from None
     model_type = adapter.model_type or arch
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
@@ -149,17 +176,11 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _rope_divided_per_frequency(file: GGUFFile, fields: Mapping[str, Any], scaling: Any) -> dict[str, Any]:
-    """The rope of a file with llama.cpp's ``rope_freqs``: each rotated pair's frequency divided by its own
-    factor at every position (what the converter writes for Llama 3's ``llama3`` rope, metadata none). In HF's
-    terms that is LongRoPE with those factors at every length and no attention scaling."""
+def _rope_freqs_fields(file: GGUFFile, adapter: GGUFAdapter, fields: Mapping[str, Any], scaling: Any) -> dict[str, Any]:
     if scaling is not None:
-        raise ModelFileError(f"{file.path}: both rope.scaling metadata and a {ROPE_FREQS} tensor; which one "
+        raise ModelFileError(f"both rope.scaling metadata and a {ROPE_FREQS} tensor; which one "
                              "llama.cpp's converter wrote for the model is unclear")  # fmt: skip
-    divisors = dequantize(file, ROPE_FREQS).tolist()
-    context = fields["max_position_embeddings"]
-    return {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors, "factor": 1.0,
-            "attention_factor": 1.0, "original_max_position_embeddings": context}  # fmt: skip
+    return adapter.rope_freqs(dequantize(file, ROPE_FREQS).tolist(), fields)
 
 
 def _causal_lm_class(model_type: str, path: Path) -> str:
@@ -173,22 +194,19 @@ def _causal_lm_class(model_type: str, path: Path) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
-# llama.cpp's converters rename these parameters to a module's bias before the lookup
-_CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias", "dt_bias": "dt_proj.bias"}
-
-
-def gguf_to_hf_names(architecture: str, config: PretrainedConfig, hf_names: Iterable[str]) -> dict[str, str]:
+def gguf_to_hf_names(
+    architecture: str, config: PretrainedConfig, hf_names: Iterable[str], adapter: GGUFAdapter
+) -> dict[str, str]:
     """GGUF tensor name -> HF checkpoint name: gguf's own table (HF -> GGUF), inverted
-    over the checkpoint names the model expects."""
-    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture), None)
+    over the checkpoint names the model expects (each renamed as the converter does: ``adapter``)."""
+    names_as = adapter.names_as or architecture
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == names_as), None)
     if arch is None:
-        raise ValueError(f"the gguf package knows no architecture {architecture!r}")
+        raise ValueError(f"the gguf package knows no architecture {names_as!r}")
     table = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names = {}
     for hf_name in hf_names:
-        renamed = hf_name
-        for old, new in _CONVERTER_RENAMES.items():
-            renamed = renamed.replace(old, new)
+        renamed = adapter.converter_name(hf_name)
         base, dot, suffix = renamed.rpartition(".")
         if (gguf_base := table.get_name(base)) is not None:
             names[f"{gguf_base}{dot}{suffix}"] = hf_name
@@ -204,7 +222,7 @@ def iter_gguf_weights(
     the model loads) as (HF name, tensor), in file order: packed (:func:`read_tensor`) or float32."""
     file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
-    names = gguf_to_hf_names(file.architecture, config, hf_names)
+    names = gguf_to_hf_names(file.architecture, config, hf_names, adapter)
     unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS]
     # the blocks past the model's layers: MTP layers, which block_count counts and the adapter left out
     extra_layers = [n for n in unmapped if (block := _BLOCK.match(n)) and int(block[1]) >= config.num_hidden_layers]

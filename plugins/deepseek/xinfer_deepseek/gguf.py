@@ -16,6 +16,7 @@ from typing import Any
 
 from gguf import ExpertGatingFuncType
 
+from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import DEEPSEEK_MOE_KEYS, GGUFAdapter, read_fields
 
 # config field -> "deepseek2.<key>", where the converter writes it: the latent's shape, then the experts'
@@ -28,34 +29,68 @@ _KEYS = {
 
 
 class DeepseekV2GGUF(GGUFAdapter):
-    def __init__(self) -> None:
-        super().__init__(model_type="deepseek_v3")
+    arch = "deepseek2"
+    architecture = "DeepseekV3ForCausalLM"
+
+    def __init__(self, model_type: str = "deepseek_v3", names_as: str | None = None) -> None:
+        super().__init__(model_type, names_as)
 
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
-        gating = metadata.get("deepseek2.expert_gating_func", ExpertGatingFuncType.SOFTMAX)
+        arch = self.arch
+        gating = metadata.get(f"{arch}.expert_gating_func", ExpertGatingFuncType.SOFTMAX)
         if int(gating) != ExpertGatingFuncType.SIGMOID:
             raise ValueError(
-                "deepseek2 GGUF with softmax expert gating (DeepSeek-V2, V2.5) is not supported: xinfer reads "
+                f"{arch} GGUF with softmax expert gating (DeepSeek-V2, V2.5) is not supported: xinfer reads "
                 "V3-style files (sigmoid gating); load V2 from its safetensors checkpoint"
             )
-        config = read_fields(metadata, "deepseek2", _KEYS)
-        rope_dim = int(metadata["deepseek2.rope.dimension_count"])
+        config = read_fields(metadata, arch, _KEYS)
+        rope_dim = int(metadata[f"{arch}.rope.dimension_count"])
         config |= {
-            "architectures": ["DeepseekV3ForCausalLM"],
+            "architectures": [self.architecture],
             "q_lora_rank": config.get("q_lora_rank"),  # none written: no q-LoRA
             "n_group": config.get("n_group", 1),  # none written: no group limit, as llama.cpp reads it
             "topk_group": config.get("topk_group", 1),
             "norm_topk_prob": config.get("norm_topk_prob", False),
             "qk_rope_head_dim": rope_dim,
-            "qk_nope_head_dim": int(metadata["deepseek2.attention.key_length_mla"]) - rope_dim,
+            "qk_nope_head_dim": int(metadata[f"{arch}.attention.key_length_mla"]) - rope_dim,
             "head_dim": rope_dim,
             "num_key_value_heads": fields["num_attention_heads"],
             "rope_interleave": True,
         }
-        log_multiplier = metadata.get("deepseek2.rope.scaling.yarn_log_multiplier")
+        log_multiplier = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier")
         if "rope_scaling" in fields and log_multiplier is not None:
             mscale = float(log_multiplier) / 0.1
             config["rope_scaling"] = {**fields["rope_scaling"], "mscale": mscale, "mscale_all_dim": mscale}
         return config
+
+
+# config field -> "deepseek32.<key>": the lightning indexer's shape and how many positions it keeps
+_INDEXER_KEYS = {
+    "index_n_heads": ("attention.indexer.head_count", int),
+    "index_head_dim": ("attention.indexer.key_length", int),
+    "index_topk": ("attention.indexer.top_k", int),
+}
+
+
+class DeepseekV32GGUF(DeepseekV2GGUF):
+    """``deepseek32`` (DeepSeek-V3.2): ``deepseek2``'s latent attention and experts, and each layer's lightning
+    indexer (``indexer.attn_q_b``, ``indexer.attn_k``, ``indexer.k_norm``, ``indexer.proj``). The converter keeps
+    the MTP layers, which ``block_count`` counts; the gguf package names the tensors as for ``glm-dsa``."""
+
+    arch = "deepseek32"
+    architecture = "DeepseekV32ForCausalLM"
+
+    def __init__(self) -> None:
+        super().__init__(model_type="deepseek_v32", names_as="glm-dsa")
+
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        indexer = read_fields(metadata, self.arch, _INDEXER_KEYS)
+        if missing := [f"{self.arch}.{key}" for field, (key, _) in _INDEXER_KEYS.items() if field not in indexer]:
+            raise ModelFileError(f"{', '.join(missing)} missing: xinfer cannot read a DeepSeek-V3.2 file without it")
+        mtp_layers = int(metadata.get(f"{self.arch}.nextn_predict_layers", 0))
+        layers = fields["num_hidden_layers"] - mtp_layers
+        return super().config(metadata, fields, tensor_names) | indexer | {"num_hidden_layers": layers}

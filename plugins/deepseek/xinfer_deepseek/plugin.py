@@ -34,4 +34,4 @@ COMPRESSED_OPS = ("compress_windows", "compressed_indexer_topk", "v4_attention")
 
 @hookimpl
 def xinfer_gguf_architectures() -> dict[str, str]:
-    return {"deepseek2": "xinfer_deepseek.gguf:DeepseekV2GGUF"}
+    return {"deepseek2": "xinfer_deepseek.gguf:DeepseekV2GGUF", "deepseek32": "xinfer_deepseek.gguf:DeepseekV32GGUF"}

@@ -13,4 +13,4 @@ def xinfer_architectures() -> dict[str, str]:
 
 @hookimpl
 def xinfer_gguf_architectures() -> dict[str, str]:
-    return {"gemma3": "xinfer_gemma.gguf:Gemma3GGUF"}
+    return {"gemma3": "xinfer_gemma.gguf:Gemma3GGUF", "gemma4": "xinfer_gemma.gguf4:Gemma4GGUF"}

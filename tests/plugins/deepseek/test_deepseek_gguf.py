@@ -36,9 +36,14 @@ def split_up_projections(tensors: dict[str, torch.Tensor], config) -> dict[str, 
     return out
 
 
-def write_deepseek2_gguf(folder, config, path, split: bool, gating=gguf.ExpertGatingFuncType.SIGMOID) -> None:
+def write_deepseek2_gguf(
+    folder, config, path, split: bool, gating=gguf.ExpertGatingFuncType.SIGMOID, arch: str = "deepseek2",
+    names_as: gguf.MODEL_ARCH = gguf.MODEL_ARCH.DEEPSEEK2, add_metadata=None,
+) -> None:  # fmt: skip
+    """``arch``, ``names_as`` (the table naming the tensors), ``add_metadata(writer)``: an architecture that
+    llama.cpp's converter writes as ``deepseek2`` plus its own keys and tensors."""
     rope = config.rope_parameters
-    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -71,8 +76,10 @@ def write_deepseek2_gguf(folder, config, path, split: bool, gating=gguf.ExpertGa
     if config.norm_topk_prob:
         writer.add_expert_weights_norm(True)
     writer.add_expert_gating_func(gating)
+    if add_metadata is not None:
+        add_metadata(writer)
     add_tiny_vocabulary(writer, config.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(names_as, config.num_hidden_layers)
     tensors = {n: t for n, t in checkpoint_tensors(folder).items()
                if not n.startswith(f"model.layers.{config.num_hidden_layers}.")}  # fmt: skip
     tensors = stacked_experts(split_up_projections(tensors, config) if split else tensors)
