@@ -157,7 +157,6 @@ def test_text_then_calls_accumulate_in_the_clients_stream_state():
     from openai.lib.streaming.responses._responses import ResponseStreamState
     from openai.types.responses import ResponseStreamEvent
 
-    import xinfer.server.routes  # noqa: F401  (the routes before the answer they import)
     from xinfer.server.responses_api.answer import ItemStream
     from xinfer.server.responses_api.objects import Response
 

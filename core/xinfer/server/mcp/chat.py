@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from xinfer.engine.async_engine import EngineUnavailable, RequestHandle
+from xinfer.server.chat_answer import ChatAnswer, finish_reason
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, error_body
@@ -32,7 +33,6 @@ from xinfer.server.responses import (
     new_id,
     usage,
 )
-from xinfer.server.routes.chat import ChatAnswer, finish_reason
 from xinfer.server.streaming import SSE_DONE, SSE_HEADERS, sse_event
 from xinfer.server.tools import Call
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
 
 from xinfer.engine.async_engine import EngineUnavailable
+from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.responses import now
 from xinfer.server.responses_api.objects import (
@@ -36,7 +37,6 @@ from xinfer.server.responses_api.objects import (
     item_id,
 )
 from xinfer.server.responses_api.protocol import ResponsesRequest
-from xinfer.server.routes.chat import ChatAnswer
 from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
 
 Kind = Literal["reasoning", "message", "function_call"]

@@ -2,38 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from xinfer.engine.async_engine import RequestHandle
-from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
+from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.chat_run import submit_chat
 from xinfer.server.errors import bad_request
-from xinfer.server.logprobs import chat_logprobs
 from xinfer.server.mcp.requests import function_tools, offered_tools
 from xinfer.server.protocol import ChatCompletionRequest
-from xinfer.server.responses import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatLogprobs,
-    Delta,
-    FunctionCall,
-    FunctionCallDelta,
-    ToolCallDeltaItem,
-    ToolCallItem,
-)
 from xinfer.server.serving import Serving
-from xinfer.server.streaming import Answer
-from xinfer.server.tools import ToolUse, check_tool_choice, check_tools
-from xinfer.text.reasoning import ReasoningStream, ReasoningTags, reasoning_token_count, split
-from xinfer.toolcalls import ToolCallStream
+from xinfer.server.tools import check_tool_choice, check_tools
 
 router = APIRouter()
 
@@ -69,123 +50,3 @@ def with_extra_tools(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -
     except ValueError as error:
         raise bad_request(str(error), param="tool_choice") from None
     return body.model_copy(update={"tools": all_tools})
-
-
-class ChatAnswer(Answer):
-    id_prefix, whole_type, chunk_type = "chatcmpl", ChatCompletion, ChatCompletionChunk
-    body: ChatCompletionRequest
-
-    def __init__(
-        self,
-        serving: Serving,
-        body: ChatCompletionRequest,
-        handle: RequestHandle,
-        tags: ReasoningTags | None = None,
-        inside: bool = False,
-        tools: ToolUse | None = None,
-    ):
-        super().__init__(serving, body, handle)
-        self.tags, self.inside = tags, inside
-        self.tools = tools or ToolUse()
-        self.call_streams: list[ToolCallStream | None] = []  # each streamed choice's calls
-        # an answer decoded with its special tokens (for a parser's markers) ends with the end-of-sequence token's
-        self.stop_texts = serving.stop_texts() if not body.skip_special_tokens else []
-
-    def _without_stop_text(self, text: str) -> str:
-        for stop in self.stop_texts:
-            if stop and text.endswith(stop):
-                return text[: -len(stop)]
-        return text
-
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
-        if not self.body.logprobs or entries is None:
-            return None
-        n = self.body.top_logprobs or 0
-        return ChatLogprobs(
-            content=chat_logprobs(token_ids, entries, n, self.serving.token_text, self.serving.token_bytes)
-        )
-
-    def choice(self, index: int, output: CompletionOutput) -> ChatChoice:
-        text = self._without_stop_text(output.text)
-        reasoning, answer = split(text, self.tags, self.inside) if self.tags else (None, text)
-        content: str | None = answer
-        calls: list[ToolCallItem] | None = None
-        parser = self.tools.parser
-        if parser is not None:
-            parsed = parser.parse(answer)
-            found = parsed.tool_calls[:1] if not self.tools.parallel else parsed.tool_calls
-            if found:
-                content = parsed.content
-                calls = [
-                    ToolCallItem(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found
-                ]
-        return ChatChoice(
-            index=index,
-            message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
-            logprobs=self.logprobs(output.token_ids, output.logprobs),
-            finish_reason=finish_reason(output.finish_reason, bool(calls)),
-            stop_reason=output.stop_reason,
-        )
-
-    def reasoning_tokens(self) -> int | None:
-        if self.tags is None:
-            return None
-        tokenizer = self.serving.tokenizer
-        start, end = tokenizer.token_to_id(self.tags.start), tokenizer.token_to_id(self.tags.end)
-        return sum(reasoning_token_count(c.token_ids, start, end, self.inside) for c in self.handle.choices)
-
-    async def events(self) -> AsyncIterator[str]:
-        continuous = self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats
-        for index in range(self.body.n):
-            yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
-        async for choice in self.deltas():
-            yield self.chunk([choice], with_usage=continuous)
-
-    async def deltas(self) -> AsyncIterator[ChatChunkChoice]:
-        """The streamed choices' deltas (the first, with the role, not among them)."""
-        splits = [ReasoningStream(self.tags, self.inside) if self.tags else None for _ in range(self.body.n)]
-        parser = self.tools.parser
-        calls = self.call_streams = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
-        async for index, out in self.serving.engine.stream(self.handle):
-            logprobs = self.logprobs(out.token_ids, out.logprobs) if out.token_ids else None
-            text = self._without_stop_text(out.text) if out.finished else out.text
-            reasoning, content = "", text
-            stream = splits[index]
-            if stream is not None:
-                reasoning, content = stream.push(text)
-                if out.finished:
-                    more_reasoning, more_content = stream.finish()
-                    reasoning, content = reasoning + more_reasoning, content + more_content
-            pieces: list[ToolCallDeltaItem] = []
-            call_stream = calls[index]
-            if call_stream is not None:
-                content, pieces = self._tool_deltas(call_stream, content, out.finished)
-            if not reasoning and not content and not pieces and not out.finished and logprobs is None:
-                continue  # text held back (a possible stop string, tag or call, an unfinished character)
-            delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
-            called = call_stream is not None and bool(call_stream.calls)
-            reason = finish_reason(out.finish_reason, called) if out.finished else None
-            yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
-
-    def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:
-        """The content and the pieces of tool calls that ``text`` settles (only the first
-        call where parallel calls are off)."""
-        deltas = [stream.push(text)] + ([stream.finish()] if finished else [])
-        content = "".join(d.content for d in deltas)
-        pieces = [
-            ToolCallDeltaItem(
-                index=piece.index,
-                id=piece.id,
-                type="function" if piece.id is not None else None,
-                function=FunctionCallDelta(name=piece.name, arguments=piece.arguments),
-            )
-            for d in deltas
-            for piece in d.tool_calls
-            if self.tools.parallel or piece.index == 0
-        ]
-        return content, pieces
-
-
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's ``tool_calls`` where an answer that ended by itself called tools."""
-    return "tool_calls" if called and reason == "stop" else reason

@@ -14,11 +14,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from xinfer.server.body import parse_body
+from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.chat_run import submit_chat
 from xinfer.server.responses_api.answer import ResponseAnswer
 from xinfer.server.responses_api.convert import chat_request
 from xinfer.server.responses_api.protocol import ResponsesRequest
-from xinfer.server.routes.chat import ChatAnswer
 from xinfer.server.serving import Serving
 
 router = APIRouter()
