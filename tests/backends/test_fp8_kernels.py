@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.backends.test_gguf_kernels import check  # the same packed kernels, the same bounds
+from tests.backends.test_gguf_kernels import _seed, check  # noqa: F401 (the same kernels, bounds and seeds)
 from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
 from xinfer_cuda.fp8_tensor_cores import FP8_KERNELS, quantize_activations, to_tensor_core_layout
