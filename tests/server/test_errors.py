@@ -71,7 +71,7 @@ ROWS = [
         "lower max_completion_tokens",
     ),
     ("n zero", CHAT, chat(n=0), {}, 400, "n", ""),
-    ("n huge", CHAT, chat(n=10_000), {}, 400, "n", "16"),
+    ("n huge", CHAT, chat(n=10_000), {}, 400, "n", "128"),
     ("seed beyond int64", CHAT, chat(seed=2**70), {}, 400, "seed", ""),
     ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs", "20"),
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), {}, 400, None, "logprobs"),

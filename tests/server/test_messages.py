@@ -285,7 +285,7 @@ def test_a_forced_tool_is_a_tool_use_block(claude, model):
     )  # fmt: skip
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and len(uses) == 1, message
-    assert uses[0].name == "weather" and uses[0].id
+    assert uses[0].name == "weather" and uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
     with claude.messages.stream(
         model=model, max_tokens=40, tools=[WEATHER], tool_choice=choice, messages=turns, extra_body=GREEDY
@@ -293,3 +293,4 @@ def test_a_forced_tool_is_a_tool_use_block(claude, model):
         final = stream.get_final_message()
     streamed = [block for block in final.content if block.type == "tool_use"]
     assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed] == [("weather", uses[0].input)]
+    assert all(b.id.startswith("toolu_") for b in streamed)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from xinfer.server.tools import check_tool_choice, check_tools
 
-MAX_N = 16
+MAX_N = 128  # OpenAI's bound
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256

@@ -77,7 +77,7 @@ class MessageAnswer:
         content: list[ContentBlock] = [ThinkingBlock(thinking=reasoning)] if reasoning is not None else []
         if text or not (content or calls):
             content.append(TextBlock(text=text))
-        content += [ToolUseBlock(id=call.id, name=call.name, input=call.input) for call in calls]
+        content += [ToolUseBlock(id=tool_use_id(call.id), name=call.name, input=call.input) for call in calls]
         return content, calls
 
     async def respond(self, request: Request, stream: bool) -> Response:
@@ -160,7 +160,9 @@ class BlockStream:
         """A piece of a tool call: its first opens a ``tool_use`` block, its arguments are ``input_json_delta``s."""
         events = []
         if piece.id is not None:
-            events += self.open("tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+            events += self.open(
+                "tool_use", {"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name, "input": {}}
+            )
         if piece.arguments:
             delta = {"type": "input_json_delta", "partial_json": piece.arguments}
             events.append(
@@ -220,3 +222,8 @@ def message_events(message: MessageResponse) -> list[str]:
     )
     events.append(typed_sse_event("message_stop", {"type": "message_stop"}))
     return events
+
+
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic spells one (``toolu_...``; the parsers write OpenAI's ``call_...``)."""
+    return "toolu_" + call_id.removeprefix("call_")
