@@ -41,8 +41,8 @@ class DeepseekV2GGUF(GGUFAdapter):
         arch = self.arch
         gating = metadata.get(f"{arch}.expert_gating_func", ExpertGatingFuncType.SOFTMAX)
         if int(gating) != ExpertGatingFuncType.SIGMOID:
-            raise ValueError(
-                f"{arch} GGUF with softmax expert gating (DeepSeek-V2, V2.5) is not supported: xinfer reads "
+            raise ModelFileError(
+                f"{arch}.expert_gating_func: {arch} GGUF with softmax expert gating (DeepSeek-V2, V2.5) is not supported: xinfer reads "
                 "V3-style files (sigmoid gating); load V2 from its safetensors checkpoint"
             )
         config = read_fields(metadata, arch, _KEYS)

@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from xinfer.layers import pairs_to_halves
+from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import GGUFAdapter
 
 
@@ -26,8 +27,8 @@ class LlamaGGUF(GGUFAdapter):
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
         if metadata.get("llama.expert_count", 0):
-            raise ValueError("this llama GGUF is a mixture of experts (Mixtral's, as llama.cpp's converter writes "
-                             "it), which xinfer does not run: no MixtralForCausalLM")  # fmt: skip
+            raise ModelFileError("llama.expert_count: this llama GGUF is a mixture of experts (Mixtral's, as "
+                                 "llama.cpp's converter writes it), which xinfer does not run: no MixtralForCausalLM")  # fmt: skip
         return {}
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
@@ -50,8 +51,8 @@ class Phi3GGUF(GGUFAdapter):
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
         if "phi3.rope.scaling.attn_factor" in metadata:
-            raise ValueError("this Phi3 GGUF uses LongRoPE (the long-context models' rope_type 'longrope'), which "
-                             "xinfer reads from safetensors checkpoints only so far: serve the model's HF checkpoint")  # fmt: skip
+            raise ModelFileError("phi3.rope.scaling.attn_factor: this Phi3 GGUF uses LongRoPE (rope_type 'longrope'), "
+                                 "which xinfer reads from safetensors checkpoints only so far: serve the HF checkpoint")  # fmt: skip
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
         return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
