@@ -122,6 +122,7 @@ def test_reasoning_is_split_and_counted(tiny_client):
     message = whole.choices[0].message
     # the template opened the block and the random model never closes it: everything is reasoning
     assert message.model_extra["reasoning_content"] and message.content == ""
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]  # vLLM's name too
     assert whole.usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens == 12
     stream = tiny_client.chat.completions.create(
         model=model, messages=messages, temperature=0, max_tokens=12, stream=True,
@@ -130,7 +131,9 @@ def test_reasoning_is_split_and_counted(tiny_client):
     reasoning, content, usage = "", "", None
     for chunk in stream:
         for choice in chunk.choices:
-            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            extra = choice.delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")
+            reasoning += extra.get("reasoning_content") or ""
             content += choice.delta.content or ""
         usage = chunk.usage or usage
     assert (reasoning, content) == (message.model_extra["reasoning_content"], "")
@@ -139,6 +142,15 @@ def test_reasoning_is_split_and_counted(tiny_client):
         model=model, messages=messages, temperature=0, max_tokens=12, reasoning_effort="none"
     ).choices[0].message  # fmt: skip
     assert off.model_extra.get("reasoning_content") is None and off.content
+
+
+def test_an_assistant_turns_reasoning_is_read_under_vllms_name_too():
+    from xinfer.server.prompts import message_dicts
+    from xinfer.server.protocol import ChatMessage
+
+    turn = {"role": "assistant", "content": "Paris."}
+    ours, vllms = ChatMessage(**turn, reasoning_content="r"), ChatMessage(**turn, reasoning="r")
+    assert vllms.reasoning_content == "r" and message_dicts([vllms]) == message_dicts([ours])
 
 
 def test_a_grammar_waits_for_the_end_of_reasoning(tiny_client):

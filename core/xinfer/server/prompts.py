@@ -19,7 +19,7 @@ def message_dicts(
     ``arguments_as_objects``: assistant tool calls' arguments decoded from their JSON text."""
     result, images = [], []
     for i, message in enumerate(messages):
-        item = message.model_dump(exclude_none=True)
+        item = message.model_dump(exclude_none=True, exclude={"reasoning"})  # templates read reasoning_content
         if isinstance(message.content, list):
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(message.content):

@@ -58,6 +58,13 @@ class ChatMessage(RequestBody):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's name of reasoning_content, read as it
+
+    @model_validator(mode="after")
+    def _reasoning_under_either_name(self) -> ChatMessage:
+        if self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        return self
 
     @field_validator("tool_call_id")
     @classmethod

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 def new_id(prefix: str) -> str:
@@ -84,10 +84,22 @@ class MCPCallItem(BaseModel):
     is_error: bool = False
 
 
-class AssistantMessage(BaseModel):
+class Reasoning(BaseModel):
+    """The reasoning under both names clients read: ``reasoning_content`` (DeepSeek's, which most clients read) and
+    ``reasoning`` (what vLLM sends since it followed OpenAI's guidance for gpt-oss)."""
+
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    reasoning: str | None = Field(default=None, exclude_if=lambda value: value is None)
+
+    @model_validator(mode="after")
+    def _both_names(self) -> Reasoning:
+        self.reasoning = self.reasoning_content
+        return self
+
+
+class AssistantMessage(Reasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     tool_calls: list[ToolCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
     mcp_calls: list[MCPCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
 
@@ -123,12 +135,11 @@ class ToolCallDeltaItem(BaseModel):
     function: FunctionCallDelta
 
 
-class Delta(BaseModel):
+class Delta(Reasoning):
     """Only what changed: later chunks carry no role, the last one may be ``{}``."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda value: value is None)
     content: str | None = Field(default=None, exclude_if=lambda value: value is None)
-    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     tool_calls: list[ToolCallDeltaItem] | None = Field(default=None, exclude_if=lambda value: value is None)
     mcp_calls: list[MCPCallItem] | None = Field(default=None, exclude_if=lambda value: value is None)
 
