@@ -363,7 +363,7 @@ def test_phi3_gguf_with_longrope_is_one_clear_error(tmp_path):
     torch.manual_seed(0)
     path = tmp_path / "tiny.gguf"
     write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float(), "phi3", path, longrope=True)
-    with pytest.raises(ValueError, match="phi3.rope.scaling.attn_factor: .*uses LongRoPE"):
+    with pytest.raises(ValueError, match=r"phi3\.rope\.scaling\.attn_factor: .*uses LongRoPE"):
         load_gguf_config(path)
 
 

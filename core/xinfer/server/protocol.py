@@ -9,6 +9,7 @@ one request from costing the server more than a client should be able to ask.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
@@ -33,8 +34,13 @@ class RequestBody(BaseModel):
     def _null_is_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        required = {field.alias or name for name, field in cls.model_fields.items() if field.is_required()}
+        required = _required_keys(cls)
         return {key: value for key, value in data.items() if value is not None or key in required}
+
+
+@functools.cache
+def _required_keys(body: type[RequestBody]) -> frozenset[str]:
+    return frozenset(field.alias or name for name, field in body.model_fields.items() if field.is_required())
 
 
 class ImageURL(RequestBody):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def new_id(prefix: str) -> str:
@@ -89,12 +89,13 @@ class Reasoning(BaseModel):
     ``reasoning`` (what vLLM sends since it followed OpenAI's guidance for gpt-oss)."""
 
     reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
-    reasoning: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
-    @model_validator(mode="after")
-    def _both_names(self) -> Reasoning:
-        self.reasoning = self.reasoning_content
-        return self
+    @model_serializer(mode="wrap")
+    def _also_as_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = handler(self)
+        if self.reasoning_content is not None:
+            fields["reasoning"] = self.reasoning_content
+        return fields
 
 
 class AssistantMessage(Reasoning):

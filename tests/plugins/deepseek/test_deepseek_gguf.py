@@ -162,5 +162,7 @@ def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
 def test_softmax_gating_is_one_clear_error(tmp_path):
     hf = save_tiny_model(deepseek_v3_config(), tmp_path)
     write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "v2.gguf", True, gguf.ExpertGatingFuncType.SOFTMAX)
-    with pytest.raises(ValueError, match=r"deepseek2.expert_gating_func: deepseek2 GGUF with softmax expert gating .* is not supported"):
+    with pytest.raises(
+        ValueError, match=r"deepseek2.expert_gating_func: deepseek2 GGUF with softmax expert gating .* is not supported"
+    ):
         load_gguf_config(tmp_path / "v2.gguf")

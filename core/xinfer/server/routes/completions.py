@@ -55,12 +55,12 @@ def echo_only(
         if len(prompt) > serving.max_model_len:
             message = f"the prompt has {len(prompt)} tokens, the model's context is {serving.max_model_len} tokens"
             raise bad_request(message, param="prompt", code="context_length_exceeded")
+        text = serving.tokenizer.decode(prompt, skip_special_tokens=False)
         for j in range(body.n):
             logprobs = None
             if echoed is not None:
                 logprobs = CompletionLogprobs()
                 extend_completion_logprobs(logprobs, prompt, echoed[i], body.logprobs or 0, serving.token_text, 0)
-            text = serving.tokenizer.decode(prompt, skip_special_tokens=False)
             choices.append(CompletionChoice(index=i * body.n + j, text=text, logprobs=logprobs, finish_reason="length"))
     answer = Completion(
         id=new_id("cmpl"), model=serving.model_name, choices=choices, usage=usage(sum(map(len, prompts)), 0)
