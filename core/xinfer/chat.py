@@ -135,9 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from xinfer.server.args import parse_args
+    from xinfer.server.args import CHAT, parse_args
 
-    return run(parse_args(argv, prog="python -m xinfer.chat"))
+    return run(parse_args(argv, prog="python -m xinfer.chat", description=CHAT))
 
 
 if __name__ == "__main__":

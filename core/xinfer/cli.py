@@ -2,11 +2,12 @@
 
 ``xinfer [flags]`` serves (``xinfer serve [flags]`` too), ``xinfer --i [flags]`` or
 ``xinfer chat [flags]`` chats in the terminal, ``xinfer --prompts "a|b"`` answers
-prompts and exits, ``xinfer plugins [--json]`` lists plugins.
+prompts and exits, ``xinfer plugins [--json]`` lists plugins. Each takes ``--help``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -22,16 +23,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+COMMANDS = ("serve", "chat", "plugins")
+
+
 def _run(argv: list[str]) -> int:
     command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command is not None and command not in COMMANDS:
+        print(
+            f"xinfer: unknown command {command!r}: choose one of {', '.join(COMMANDS)} (xinfer --help)", file=sys.stderr
+        )
+        return 2
     if command == "plugins":
-        return list_plugins(as_json="--json" in argv[1:])
-    if command in ("serve", "chat"):
-        argv = argv[1:]
-    from xinfer.server.args import parse_args
+        return list_plugins(as_json=plugins_parser().parse_args(argv[1:]).json)
+    from xinfer.server.args import CHAT, SERVE, parse_args
     from xinfer.server.launch import setup_logging
 
-    args = parse_args(argv, prog="xinfer")
+    prog = f"xinfer {command}" if command else "xinfer"
+    args = parse_args(argv[1:] if command else argv, prog, CHAT if command == "chat" else SERVE)
     setup_logging(args)
     if command == "chat" or args.interactive or args.prompts:
         from xinfer.chat import run
@@ -40,6 +48,19 @@ def _run(argv: list[str]) -> int:
     from xinfer.server.launch import run
 
     return run(args)
+
+
+def plugins_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xinfer plugins",
+        allow_abbrev=False,
+        description="List the installed xinfer plugins (entry points of the group xinfer): each one's name, version "
+        "and hooks, what it registers (architectures, GGUF architectures, backends and whether each backend can run "
+        "on this machine), and the plugins that failed to load with their error. XINFER_PLUGINS=a,b loads only "
+        "those named.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the same as a JSON list, for scripts")
+    return parser
 
 
 def list_plugins(as_json: bool = False) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.server.live import REPO
+from xinfer.cli import plugins_parser
 from xinfer.config import CacheConfig
-from xinfer.server.args import build_parser, parse_args
+from xinfer.server.args import build_parser, nodes_problem, parse_args, pd_problem
 from xinfer.server.launch import engine_config
 
 ISSUE_FLAGS = [
@@ -218,3 +222,118 @@ def test_bad_recurrent_state_values_are_refused(flag, value, error, capsys):
         parse_args([flag, value])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and flag in lines[-1] and error in lines[-1]
+
+
+# The flags the docs use, against the parsers (no model is loaded). docs/kv-cache-history.md is left out: its commands
+# are records of past runs as they were typed, and it says where a flag has since been removed.
+DOCS = [REPO / "README.md", *sorted(set((REPO / "docs").glob("*.md")) - {REPO / "docs" / "kv-cache-history.md"})]
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+SPAN = re.compile(r"`([^`]+)`")
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+SCRIPT = re.compile(r"(?:^|/)(\w+\.py)$")
+OTHER_PROGRAMS = {"pip", "git", "make", "pytest"}
+
+
+def doc_commands(text: str) -> list[str]:
+    """Each line of the page's shell blocks (continuations joined, comments cut) and each inline code span,
+    split at ``;`` and ``&&``."""
+    commands = []
+    for language, body in FENCE.findall(text):
+        if language in ("bash", "sh", ""):
+            commands += [line.split(" #", 1)[0] for line in body.replace("\\\n", " ").splitlines()]
+    commands += [span.replace("\n", " ") for span in SPAN.findall(FENCE.sub("", text))]
+    return [part.strip() for command in commands for part in re.split(r" ?(?:;|&&) ", command)]
+
+
+def words_of(command: str) -> list[str]:
+    try:
+        return shlex.split(command)
+    except ValueError:  # a span quoting half a command
+        return command.split()
+
+
+def script_flags(name: str) -> set[str] | None:
+    """A benchmark script's flags, as its source spells them (``"--tokens"``; ``f"--{name}"`` loops: ``"fp8"``)."""
+    path = REPO / "benchmarks" / name
+    if not path.is_file():
+        return None
+    source = path.read_text()
+    quoted = set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)[\"'=]", source))
+    if 'f"--{' not in source:
+        return quoted
+    return quoted | {f"--{word}" for word in re.findall(r"[\"']([a-z][a-z0-9-]*)[\"']", source)}
+
+
+def xinfer_flags() -> set[str]:
+    parsers = (build_parser(), plugins_parser())
+    return {option for parser in parsers for action in parser._actions for option in action.option_strings}
+
+
+def flags_of(words: list[str]) -> list[str]:
+    return [word.split("=", 1)[0] for word in words if FLAG.fullmatch(word.split("=", 1)[0])]
+
+
+def doc_flag_problems(doc: Path) -> list[str]:
+    """Flags a page uses that its command lacks, and xinfer command lines that do not parse."""
+    text, known, problems = doc.read_text(), xinfer_flags(), []
+    scripts = {name: flags for name in set(re.findall(r"\b(\w+\.py)\b", text)) if (flags := script_flags(name))}
+    for command in doc_commands(text):
+        words = words_of(command)
+        if not words or words[0] in OTHER_PROGRAMS or ("--" not in command and words[0] != "xinfer"):
+            continue
+        at = next((i for i, word in enumerate(words) if (m := SCRIPT.search(word)) and m.group(1) in scripts), None)
+        if at is not None:  # a benchmark's command line
+            script = SCRIPT.search(words[at]).group(1)  # type: ignore[union-attr]
+            problems += [f"{flag} is not a flag of {script}: {command}" for flag in flags_of(words[at + 1 :])
+                         if flag not in scripts[script]]  # fmt: skip
+            continue
+        # xinfer's, or a bare flag: xinfer's, or one of a benchmark this page names (kv-cache.md's --formats)
+        allowed = known.union(*scripts.values())
+        problems += [f"{flag} is not a flag of xinfer: {command}" for flag in flags_of(words) if flag not in allowed]
+        if words[0] == "xinfer" and not {"-h", "--help", "plugins"} & set(words):
+            problems += [f"{problem}: {command}" for problem in xinfer_parse_problems(words[1:])]
+    return problems
+
+
+def xinfer_parse_problems(argv: list[str]) -> list[str]:
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        args, unknown = parser.parse_known_args(argv[1:] if argv[:1] in (["serve"], ["chat"]) else argv)
+    except argparse.ArgumentError as error:
+        return [f"does not parse ({error})"]
+    if unknown:
+        return [f"does not parse ({' '.join(unknown)})"]
+    problem = nodes_problem(args) or pd_problem(args)
+    return [problem] if problem else []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[doc.name for doc in DOCS])
+def test_every_flag_the_docs_use_is_a_flag_of_its_command(doc):
+    assert doc_flag_problems(doc) == []
+
+
+def test_the_doc_check_finds_a_flag_that_does_not_exist(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\nxinfer --m a --ui-server\nxinfer --kvcache-type fp8   # a typo\n```\n"
+        "Prose with `--max-num-seq 8`, `--kvcache-dtype turbo9` and `--pd-client` alone.\n"
+        "`python benchmarks/offline.py --shape smollm2-135m --no-such-flag`\n"
+    )
+    problems = doc_flag_problems(page)
+    assert [p.split(":")[0] for p in problems] == [
+        "--kvcache-type is not a flag of xinfer",
+        "does not parse (--kvcache-type fp8)",
+        "--max-num-seq is not a flag of xinfer",
+        "--no-such-flag is not a flag of offline.py",
+    ]
+    assert xinfer_parse_problems(["--kvcache-dtype", "turbo9"]) != []
+    assert xinfer_parse_problems(["--pd-client"]) == [
+        "--pd-client needs --pd-url (the prefill server), and --pd-url needs --pd-client"
+    ]
+
+
+@pytest.mark.parametrize("parser", [build_parser(), plugins_parser()], ids=["xinfer", "xinfer plugins"])
+def test_every_flag_has_a_help_text(parser):
+    for action in parser._actions:
+        assert action.help and action.help is not argparse.SUPPRESS and len(action.help) > 10, action.option_strings

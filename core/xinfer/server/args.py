@@ -47,34 +47,51 @@ def _share(text: str) -> float:
 _share.__name__ = "float"
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where there is one worth reading."""
+SERVE = """Serve an LLM with an OpenAI-compatible API on --port, and the chat UI with --ui-server
+(the embedded SmolLM2-135M-Instruct when no model is given)."""
+CHAT = """Chat with an LLM in the terminal (the embedded SmolLM2-135M-Instruct when no model is given).
+The serving flags are accepted and unused."""
+COMMANDS = """commands:
+  xinfer [serve] [FLAGS]      serve the API (python -m xinfer.server [FLAGS] too)
+  xinfer chat [FLAGS]         chat in the terminal, as --i (python -m xinfer.chat [FLAGS] too)
+  xinfer --prompts "A|B"      answer the prompts, print the answers and the speed, exit
+  xinfer plugins [--json]     list the installed plugins, their registrations and backends
+
+Every flag can also be set as an environment variable XINFER_<FLAG> (XINFER_MAX_NUM_SEQS=8, XINFER_CPU=1);
+the command line wins."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one worth reading (0 is, None and off are not); keeps the epilog's
+    lines."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default:" in (action.help or ""):
+        if action.default is None or action.default is False or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
 
-def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
+def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.ArgumentParser:
     # fmt: off
-    p = argparse.ArgumentParser(
-        prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
-        description="Serve an LLM with an OpenAI-compatible API (the embedded SmolLM2-135M-Instruct when no model is "
-        "given). Every flag can also be set as XINFER_<FLAG>, e.g. XINFER_MAX_NUM_SEQS=8.")
+    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
+                                description=description, epilog=COMMANDS)
     model = p.add_argument_group("model")
     model.add_argument("--m", "--model", dest="model", metavar="ID_OR_PATH",
                        help="Hugging Face hub id (org/name: downloaded into the hub's cache, HF_TOKEN and "
                        "HF_HUB_OFFLINE apply), HF model folder, GGUF file, or folder holding one (default: embedded "
                        "SmolLM2)")
-    model.add_argument("--w", dest="weights", metavar="PATH", help="local safetensors folder")
+    model.add_argument("--w", dest="weights", metavar="PATH",
+                       help="a local folder of an HF safetensors checkpoint (xInfer's name for a local --m; wins "
+                       "over --m)")
     model.add_argument("--f", dest="gguf_file", metavar="FILE",
                        help="GGUF file, or the one to use of those in the --m folder or hub repository")
     model.add_argument("--served-model-name", metavar="NAME", help="model name in the API (default: from the path)")
     model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
-                       help="auto (the model's, f32 on CPU), bf16, f16, f32")
+                       help="dtype of the weights that are not packed and of the activations: auto (the checkpoint's; f32 on "
+                       "the CPU), bf16, f16 or f32 (also: bfloat16, fp16, float16, half, fp32, float32, float)")
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                       help="dummy: random weights of the right shapes (benchmarks)")
+                       help="how to read the weights: auto (a GGUF file as GGUF, else the safetensors), safetensors, gguf, "
+                       "or dummy (random weights of the right shapes, for benchmarks: no weight file needed)")
     model.add_argument("--isq", metavar="TYPE",
                        help="quantize a float checkpoint's weights at load into a packed format, run as quantized "
                        "checkpoints are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k, fp8, mxfp4, nvfp4")
@@ -84,29 +101,40 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                         help="device ids, e.g. 0; several (0,1) split the model over them, one process each (tensor "
                         "parallel, docs/distributed.md); with --cpu, as many CPU ranks as ids; ignored with a warning where "
                         "the accelerator is one device (a Mac's GPU)")
-    device.add_argument("--cpu", action="store_true", help="run on the CPU")
-    device.add_argument("--disable-cuda-graph", action="store_true", help="run decode without CUDA graphs")
+    device.add_argument("--cpu", action="store_true",
+                        help="run on the CPU even where a GPU is available (default: the available backend of highest "
+                        "priority, a GPU's where one is available, else the CPU)")
+    device.add_argument("--disable-cuda-graph", action="store_true",
+                        help="run every step eagerly instead of replaying recorded CUDA graphs (slower decode; "
+                        "quicker start-up, less memory)")
 
     capacity = p.add_argument_group("capacity")
-    capacity.add_argument("--max-num-seqs", type=int, help="sequences in a running batch (default: as many as the KV "
+    capacity.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences in a running batch (default: as many as the KV "
                           "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 256)")
-    capacity.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    capacity.add_argument("--max-tokens", type=int,
-                          help="default max generated tokens of a request (default: the rest of the context)")
-    capacity.add_argument("--kv-fraction", type=float,
+    capacity.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                          help="context limit, prompt and answer together, in tokens (default: the model's)")
+    capacity.add_argument("--max-tokens", type=int, metavar="N",
+                          help="tokens generated for a request that sets no max_tokens (default: 16 on "
+                          "/v1/completions, as OpenAI's; the rest of the context on the other routes; 1024 in the "
+                          "terminal chat)")
+    capacity.add_argument("--kv-fraction", type=float, metavar="SHARE",
                           help="GPU: share of the device's total memory (on a Mac: of the memory Metal lets one process "
                           "keep resident) for weights, activations, CUDA graphs and KV cache, which gets the rest "
                           "(default: 0.9); CPU: share of the available RAM after loading "
                           "the weights for the KV cache (default: a quarter, at most 2 GiB)")
     capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
-                          help="KV cache format (docs/kv-cache.md); auto: the model dtype")
+                          help="KV cache format (docs/kv-cache.md): auto (the model dtype, unquantized), fp8 (e4m3), turbo8, "
+                          "turbo4, turbo3 (TurboQuant: rotated keys and values, about 8, 4 and 3 bits a value), "
+                          "turbo4-lm, turbo3-lm (Lloyd-Max key levels)")
     capacity.add_argument("--kv-recent-window", type=int, default=0, metavar="N",
                           help="with a quantized --kvcache-dtype: keys and values of each query's last N positions and "
                           "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
                           "(CPU and CUDA backends); 0: off")
-    capacity.add_argument("--prefill-chunk-size", type=int, default=8192,
-                          help="tokens per step (default: 8192); longer prefills are chunked")
-    capacity.add_argument("--disable-prefix-cache", action="store_true", help="do not reuse KV of shared prefixes")
+    capacity.add_argument("--prefill-chunk-size", type=int, default=8192, metavar="TOKENS",
+                          help="most tokens in one step (default: 8192); a longer prompt is prefilled in chunks")
+    capacity.add_argument("--disable-prefix-cache", action="store_true",
+                          help="do not reuse the KV cache of a prompt prefix seen before (default: reused, in "
+                          "16-token blocks)")
     capacity.add_argument("--mamba-fraction", type=_share, metavar="SHARE",
                           help="models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory for "
                           "the per-sequence recurrent states, which bounds how many sequences run at once "
@@ -116,14 +144,12 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                           "every N tokens (rounded down to a multiple of the KV block size, at least one block) and at "
                           "its last block boundary, where later prompts with the same prefix resume "
                           "(docs/cache-kinds.md); smaller: more hits mid-prompt, more snapshot copies")
-    capacity.add_argument("--prefix-cache-max-tokens", type=int, default=SUPPRESS,
-                          help="bound the prefix cache [later]")
 
     media = p.add_argument_group("images (models that take them)")
     media.add_argument("--limit-mm-per-prompt", default="image=4", metavar="LIMITS",
                        help="most items of each modality in one request: image=N (vLLM's JSON {\"image\": N} too)")
-    media.add_argument("--max-image-pixels", type=_at_least(int, 1), default=4096 * 4096,
-                       help="larger images (width x height) get 400")
+    media.add_argument("--max-image-pixels", type=_at_least(int, 1), default=4096 * 4096, metavar="PIXELS",
+                       help="a request with a larger image (width x height, in pixels) gets 400")
     media.add_argument("--allowed-local-media-path", metavar="DIR",
                        help="let requests name images as file:// URLs of files under DIR (default: none)")
     media.add_argument("--allow-remote-media", action="store_true",
@@ -133,26 +159,35 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
                        "256)")
 
     sampling = p.add_argument_group("sampling defaults (a request's own values win)")
-    sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    sampling.add_argument("--top-k", type=int, default=0, help="0: off")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    sampling.add_argument("--frequency-penalty", type=float, default=0.0, help="-2 to 2")
-    sampling.add_argument("--presence-penalty", type=float, default=0.0, help="-2 to 2")
-    sampling.add_argument("--seed", type=int, help="default seed of requests (and of the engine's sampler)")
+    sampling.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                          help="divides the logits before sampling; 0: greedy (the likeliest token)")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K",
+                          help="sample among the K likeliest tokens; 0: all")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                          help="sample among the likeliest tokens whose probabilities add up to P (nucleus); 1: all")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0, metavar="VALUE",
+                          help="-2 to 2: subtracted from a token's logit once per time it was generated; 0: off")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0, metavar="VALUE",
+                          help="-2 to 2: subtracted from the logit of every token generated at least once; 0: off")
+    sampling.add_argument("--seed", type=int, metavar="N",
+                          help="seed of requests that send none, and of the engine's sampler (default: each request "
+                          "draws a seed of its own from the engine's, 0)")
 
     serving = p.add_argument_group("serving")
-    serving.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    serving.add_argument("--port", type=int, default=8000, help="port of the API")
+    serving.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address to listen on (0.0.0.0: every interface)")
+    serving.add_argument("--port", type=int, default=8000, help="port of the API (/v1/...)")
     serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
-    serving.add_argument("--ui-port", type=int, help="port of the chat UI (default: --port + 1)")
-    serving.add_argument("--api-key", help="require this key (Authorization: Bearer KEY)")
-    serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256,
-                         help="waiting sequences before answering 429")
-    serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0,
+    serving.add_argument("--ui-port", type=int, metavar="PORT", help="port of the chat UI (default: --port + 1)")
+    serving.add_argument("--api-key", metavar="KEY",
+                         help="require this key on every request, sent as Authorization: Bearer KEY or x-api-key: KEY "
+                         "(default: no key)")
+    serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256, metavar="N",
+                         help="sequences waiting to start beyond which a new request gets 429")
+    serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0, metavar="SECONDS",
                          help="seconds in-flight requests may take to finish after SIGTERM")
-    serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20,
-                         help="larger request bodies get 413")
-    serving.add_argument("--health-stall-timeout", type=_at_least(float, 0), default=300.0,
+    serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20, metavar="BYTES",
+                         help="a larger request body gets 413")
+    serving.add_argument("--health-stall-timeout", type=_at_least(float, 0), default=300.0, metavar="SECONDS",
                          help="a step running longer makes /health answer 503")
     serving.add_argument("--log-level", "--log", default="info", choices=["debug", "info", "warning", "error"],
                          help="log detail (debug: with the traceback of an error)")
@@ -188,13 +223,15 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
 
     nodes = p.add_argument_group("multi-node tensor parallel (the same command on every node, each with its "
                                  "--node-rank; node 0 serves, the others follow it)")
-    nodes.add_argument("--num-nodes", type=_at_least(int, 1), default=1,
+    nodes.add_argument("--num-nodes", type=_at_least(int, 1), default=1, metavar="N",
                        help="machines sharing the ranks, each running --d's devices")
-    nodes.add_argument("--node-rank", type=_at_least(int, 0), default=0, help="this machine's place, 0..num-nodes-1")
-    nodes.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the ranks meet")
-    nodes.add_argument("--master-port", type=_at_least(int, 1), help="the port they meet at on node 0 (needed with "
+    nodes.add_argument("--node-rank", type=_at_least(int, 0), default=0, metavar="RANK",
+                       help="this machine's place, 0 to --num-nodes - 1")
+    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="ADDRESS",
+                       help="node 0's address, where the ranks meet")
+    nodes.add_argument("--master-port", type=_at_least(int, 1), metavar="PORT", help="the port they meet at on node 0 (needed with "
                        "--num-nodes above 1; default on one node: a free one)")
-    nodes.add_argument("--tp-timeout", type=_at_least(float, 1), default=300.0,
+    nodes.add_argument("--tp-timeout", type=_at_least(float, 1), default=300.0, metavar="SECONDS",
                        help="seconds a rank waits for the others in a step before the engine fails")
 
     pd = p.add_argument_group("prefill/decode disaggregation (docs/distributed.md)")
@@ -210,24 +247,40 @@ def build_parser(prog: str = "xinfer") -> argparse.ArgumentParser:
     pd.add_argument("--pd-transport", default="auto", choices=["auto", "gloo", "shm"],
                     help="how caches move from the --pd-server to the --pd-client: shared memory where both run on "
                     "one host, else gloo over TCP (auto); only gloo; only shared memory (set on either side)")
-    pd.add_argument("--pd-timeout", type=_at_least(float, 1), default=60.0,
+    pd.add_argument("--pd-timeout", type=_at_least(float, 1), default=60.0, metavar="SECONDS",
                     help="seconds a prefill (and its transfer) may take before it fails")
 
     chat = p.add_argument_group("terminal")
     chat.add_argument("--i", dest="interactive", action="store_true",
-                      help="interactive terminal chat instead of serving")
-    chat.add_argument("--prompts", help='answer these prompts ("a|b"), print the answers and the speed, exit')
-    chat.add_argument("--batch", type=int, help="with --prompts: run N copies of the prompts as one batch")
+                      help="chat in the terminal instead of serving (as xinfer chat; commands: /exit, /clear, "
+                      "/system TEXT, /help)")
+    chat.add_argument("--prompts", metavar='"A|B"',
+                      help="answer these prompts (separated by |), print the answers and the speed, exit")
+    chat.add_argument("--batch", type=_at_least(int, 1), metavar="N",
+                      help="with --prompts: run N copies of the prompts as one batch (default: 1)")
     # fmt: on
 
-    later = p.add_argument_group("later features (listed, not yet available)", argument_default=SUPPRESS)
-    later.add_argument("--num-speculative-tokens", type=int, help="speculative decoding [later]")
-    later.add_argument("--draft-model", help="draft model for speculative decoding [later]")
+    later = p.add_argument_group(
+        "later features (listed as xInfer names them; refused in one line)", argument_default=SUPPRESS
+    )
+    later.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="N",
+        help="speculative decoding: N tokens drafted per step by the model's MTP layers or by --draft-model [later]",
+    )
+    later.add_argument("--draft-model", metavar="ID_OR_PATH", help="draft model for speculative decoding [later]")
+    later.add_argument(
+        "--prefix-cache-max-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="bound the prefix cache to this many tokens [later]",
+    )
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer") -> argparse.Namespace:
-    parser = build_parser(prog)
+def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer", description: str = SERVE) -> argparse.Namespace:
+    parser = build_parser(prog, description)
     apply_environment(parser, os.environ)
     args = parser.parse_args(argv)
     refusal = later_feature(args, parser)
