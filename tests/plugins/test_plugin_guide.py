@@ -1,9 +1,11 @@
 """The plugin-author guide's example (docs/plugins.md) is real: its files, extracted from the page, are pip-installed
 from a folder outside the repository, and its architectures, op and GGUF adapter agree with references no one here
-wrote (transformers' models and activation, llama.cpp's q/k permutation)."""
+wrote (transformers' models and activation, llama.cpp's q/k permutation). docs/architecture.md's table of hooks is
+checked against the hook specifications, and each of its examples is what an installed plugin registers."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -16,8 +18,11 @@ import torch
 from transformers import ArceeConfig, HeliumConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import hooks
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+ARCHITECTURE = GUIDE.parent / "architecture.md"
+HOOK_ROW = re.compile(r"^\| `(xinfer_\w+)\(\) -> ([^`]+)` \| [^|]+ \| `(.+)` \|$", re.MULTILINE)
 FILE_BLOCK = re.compile(r"^```\w+ file=(\S+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 TINY = dict(COMMON, head_dim=16)
 
@@ -172,3 +177,44 @@ def test_the_guides_gguf_adapter_undoes_llama_cpps_permutation(plugin):
     folder, env = plugin
     got = run(GGUF, env, json.dumps(TINY), cwd=folder.parent)
     assert got == {"model_type": "arcee", "checks": {"q_proj": True, "k_proj": True, "up_proj": True}}
+
+
+def hook_table() -> dict[str, tuple[str, str]]:
+    """docs/architecture.md's hooks: each one's return annotation and example."""
+    return {name: (returns, example) for name, returns, example in HOOK_ROW.findall(ARCHITECTURE.read_text())}
+
+
+def test_the_hook_table_gives_every_hook_with_its_signature():
+    specs = {name: inspect.signature(function) for name, function in vars(hooks).items()
+             if hasattr(function, f"{hooks.PROJECT}_spec")}  # fmt: skip
+    assert {name: f"() -> {returns}" for name, (returns, _) in hook_table().items()} == {
+        name: f"{signature}".replace("'", "") for name, signature in specs.items()
+    }
+
+
+HOOK_EXAMPLES = """
+import importlib.util, json, re, sys
+from xinfer.hooks import BackendSpec, OpSpec
+from xinfer.registry import discovery, load_object
+
+manager = discovery().manager
+found = {}
+for hook, example in json.loads(sys.argv[1]).items():
+    registered = [entry for answer in getattr(manager.hook, hook)() for entry in
+                  (answer.items() if isinstance(answer, dict) else answer)]
+    value = eval(example, {"BackendSpec": BackendSpec, "OpSpec": OpSpec})
+    refs = re.findall(r'"([\\w.]+:[\\w.]+)"', example)
+    if importlib.util.find_spec("triton") is None:  # the CUDA kernel's module imports Triton
+        refs = [ref for ref in refs if "triton" not in ref]
+    found[hook] = {"registered": all(entry in registered for entry in (value.items() if isinstance(value, dict)
+                                                                       else value)),
+                   "loads": all(load_object(ref) is not None for ref in refs) and bool(refs)}
+print(json.dumps(found))
+"""
+
+
+def test_each_example_of_the_hook_table_is_registered_by_an_installed_plugin_and_loads(plugin):
+    folder, env = plugin
+    examples = {name: example for name, (_, example) in hook_table().items()}
+    got = run(HOOK_EXAMPLES, env, json.dumps(examples), cwd=folder.parent)
+    assert got == {name: {"registered": True, "loads": True} for name in examples}
