@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_pages import DOCS, code_blocks, inline_code
 from tests.server.live import REPO
 from xinfer.cli import plugins_parser
 from xinfer.config import CacheConfig
@@ -224,11 +225,7 @@ def test_bad_recurrent_state_values_are_refused(flag, value, error, capsys):
     assert exit_.value.code == 2 and flag in lines[-1] and error in lines[-1]
 
 
-# The flags the docs use, against the parsers (no model is loaded). docs/kv-cache-history.md is left out: its commands
-# are records of past runs as they were typed, and it says where a flag has since been removed.
-DOCS = [REPO / "README.md", *sorted(set((REPO / "docs").glob("*.md")) - {REPO / "docs" / "kv-cache-history.md"})]
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-SPAN = re.compile(r"`([^`]+)`")
+# The flags the docs use, against the parsers (no model is loaded).
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 SCRIPT = re.compile(r"(?:^|/)(\w+\.py)$")
 OTHER_PROGRAMS = {"pip", "git", "make", "pytest"}
@@ -238,10 +235,9 @@ def doc_commands(text: str) -> list[str]:
     """Each line of the page's shell blocks (continuations joined, comments cut) and each inline code span,
     split at ``;`` and ``&&``."""
     commands = []
-    for language, body in FENCE.findall(text):
-        if language in ("bash", "sh", ""):
-            commands += [line.split(" #", 1)[0] for line in body.replace("\\\n", " ").splitlines()]
-    commands += [span.replace("\n", " ") for span in SPAN.findall(FENCE.sub("", text))]
+    for body in code_blocks(text, ("bash", "sh", "")):
+        commands += [line.split(" #", 1)[0] for line in body.replace("\\\n", " ").splitlines()]
+    commands += inline_code(text)
     return [part.strip() for command in commands for part in re.split(r" ?(?:;|&&) ", command)]
 
 

@@ -1,0 +1,88 @@
+"""The Python examples of README.md and docs/*.md run as written: each page's blocks in order, in one namespace (a
+block may use the names of the one before). Blocks that load a model (``LLM(``) only import (loading one takes
+longer than this suite can spend); the other blocks run whole, and then each ``@hookimpl`` they define is called
+(the specs it builds take their arguments) and each method a backend's ops class or weight kernels class overrides
+has the parameters of the method it overrides. The guide's plugin files are tests/plugins/test_plugin_guide.py's."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.docs_pages import DOCS, code_blocks
+from xinfer.hooks import PROJECT
+from xinfer.quant import WeightKernels
+from xinfer.torch_ops import TorchOps
+
+READERS_PACKAGES = ("xinfer_xpu", "xinfer_foo")  # the packages the examples' reader writes (a backend, a plugin)
+BASES = (TorchOps, WeightKernels)
+
+
+def readers_package(name: str) -> ModuleType:
+    """A package of the reader's: any module or attribute imported from it is another such package."""
+    package = ModuleType(name)
+    package.__getattr__ = lambda attribute: readers_package(f"{name}.{attribute}")  # type: ignore[method-assign]
+    return package
+
+
+def imports_only(source: str) -> str:
+    return "\n".join(
+        ast.unparse(node) for node in ast.parse(source).body if isinstance(node, ast.Import | ast.ImportFrom)
+    )
+
+
+def undefined_names(source: str, namespace: dict) -> set[str]:
+    """The names a block reads that neither it, the blocks before it nor Python defines."""
+    tree = ast.parse(source)
+    defined = set(namespace) | set(dir(builtins))
+    defined |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    defined |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                for a in n.names}  # fmt: skip
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - defined
+
+
+def run_examples(doc: Path) -> list:
+    """What each block defines, in order (a later block may define a name again)."""
+    namespace: dict = {"__name__": f"docs_{doc.stem}"}
+    defined: list = []
+    for block in code_blocks(doc.read_text(), ("python",)):
+        if "LLM(" in block:
+            assert not undefined_names(block, namespace), f"{doc.name}: {block}"
+            block = imports_only(block)
+        before = dict(namespace)
+        exec(compile(block, str(doc), "exec"), namespace)
+        defined += [value for name, value in namespace.items() if before.get(name) is not value]
+    return defined
+
+
+def overridden_methods(defined: list) -> list[tuple[str, list[str], list[str]]]:
+    """(class.method, its parameters, the base method's) for every method an example class overrides."""
+    found = []
+    for cls in [value for value in defined if isinstance(value, type) and issubclass(value, BASES)]:
+        base = next(b for b in BASES if issubclass(cls, b))
+        for name, function in vars(cls).items():
+            if inspect.isfunction(function) and callable(getattr(base, name, None)):
+                parameters = list(inspect.signature(function).parameters)
+                found.append(
+                    (f"{cls.__name__}.{name}", parameters, list(inspect.signature(getattr(base, name)).parameters))
+                )
+    return found
+
+
+@pytest.mark.parametrize(
+    "doc", [doc for doc in DOCS if code_blocks(doc.read_text(), ("python",))], ids=lambda d: d.name
+)
+def test_python_examples_run_as_written(doc, monkeypatch):
+    for name in READERS_PACKAGES:
+        monkeypatch.setitem(sys.modules, name, readers_package(name))
+    defined = run_examples(doc)
+    for function in [value for value in defined if inspect.isfunction(value) and hasattr(value, f"{PROJECT}_impl")]:
+        assert function() is not None, function.__name__
+    for method, parameters, expected in overridden_methods(defined):
+        assert parameters == expected, method
