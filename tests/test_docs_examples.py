@@ -2,7 +2,8 @@
 block may use the names of the one before). Blocks that load a model (``LLM(``) only import (loading one takes
 longer than this suite can spend); the other blocks run whole, and then each ``@hookimpl`` they define is called
 (the specs it builds take their arguments) and each method a backend's ops class or weight kernels class overrides
-has the parameters of the method it overrides. The guide's plugin files are tests/plugins/test_plugin_guide.py's."""
+has the parameters of the method it overrides; the "module:attribute" names a hook returns load, but in the
+reader's own packages. The guide's plugin files are tests/plugins/test_plugin_guide.py's."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import pytest
 from tests.docs_pages import DOCS, code_blocks
 from xinfer.hooks import PROJECT
 from xinfer.quant import WeightKernels
+from xinfer.registry import load_object
 from xinfer.torch_ops import TorchOps
 
-READERS_PACKAGES = ("xinfer_xpu", "xinfer_foo")  # the packages the examples' reader writes (a backend, a plugin)
+# the packages the examples' reader writes: a backend, a plugin, the guide's plugin (test_plugin_guide.py installs it)
+READERS_PACKAGES = ("xinfer_xpu", "xinfer_foo", "xinfer_community")
 BASES = (TorchOps, WeightKernels)
 
 
@@ -83,6 +86,9 @@ def test_python_examples_run_as_written(doc, monkeypatch):
         monkeypatch.setitem(sys.modules, name, readers_package(name))
     defined = run_examples(doc)
     for function in [value for value in defined if inspect.isfunction(value) and hasattr(value, f"{PROJECT}_impl")]:
-        assert function() is not None, function.__name__
+        registered = function()
+        refs = registered.values() if isinstance(registered, dict) else []
+        for ref in [ref for ref in refs if not ref.startswith(READERS_PACKAGES)]:
+            assert load_object(ref) is not None, f"{function.__name__}: {ref}"
     for method, parameters, expected in overridden_methods(defined):
         assert parameters == expected, method
