@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +22,10 @@ from typing import TextIO
 
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import OutputProcessor
+from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
+
+log = logging.getLogger("xinfer")
 
 HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a system prompt), /help"
 
@@ -118,7 +122,12 @@ def run(args: argparse.Namespace) -> int:
 
     path, config = prepare(args)
     print(f"loading {path} ...", file=sys.stderr)
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except Exception as error:  # one line, as the server reports it (the traceback with --log debug)
+        log.debug("loading the model failed", exc_info=True)
+        print(f"xinfer: loading the model failed: {first_line(error)}", file=sys.stderr)
+        return 1
     if engine.tokenizer is None or (engine.tokenizer.chat_template is None and not args.prompts):
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2

@@ -68,3 +68,18 @@ def test_python_m_xinfer_chat_streams_answers_and_exits():
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines[0].startswith("xinfer chat")
     assert len(lines) >= 3 and all(line.strip() for line in lines[1:3])
+
+
+def test_an_engine_that_cannot_be_built_is_one_line_not_a_traceback():
+    """A failure past the model's checks (here the engine's own: a recent window beside an unquantized cache) ends the
+    terminal chat as it ends the server: one line, exit status 1."""
+    result = subprocess.run(
+        [sys.executable, "-m", "xinfer.chat", "--cpu", "--kv-recent-window", "16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("xinfer: loading the model failed: kv_recent_window (--kv-recent-window)"), last
