@@ -21,3 +21,8 @@ def code_blocks(text: str, languages: tuple[str, ...]) -> list[str]:
 def inline_code(text: str) -> list[str]:
     """The inline code spans outside fenced blocks, each on one line."""
     return [span.replace("\n", " ") for span in SPAN.findall(FENCE.sub("", text))]
+
+
+def guide_file_names(text: str) -> list[str]:
+    """The files of the plugin a page builds (its ``file=`` blocks)."""
+    return [info.split("file=", 1)[1].split()[0] for _, info, _ in FENCE.findall(text) if "file=" in info]

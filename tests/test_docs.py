@@ -1,22 +1,25 @@
-"""The Python examples of README.md and docs/*.md run as written: each page's blocks in order, in one namespace (a
-block may use the names of the one before). Blocks that load a model (``LLM(``) only import (loading one takes
-longer than this suite can spend); the other blocks run whole, and then each ``@hookimpl`` they define is called
-(the specs it builds take their arguments) and each method a backend's ops class or weight kernels class overrides
-has the parameters of the method it overrides; the "module:attribute" names a hook returns load, but in the
-reader's own packages. The guide's plugin files are tests/plugins/test_plugin_guide.py's."""
+"""The docs match the code. The files README.md and docs/*.md name exist. Their Python examples run as written:
+each page's blocks in order, in one namespace (a block may use the names of the one before). Blocks that load a model
+(``LLM(``) only import, and must import or define every name they use (loading one takes longer than this suite can
+spend); the other blocks run whole, then each ``@hookimpl`` they define is called (the specs it builds take their
+arguments, the "module:attribute" names it returns load, but in the reader's own packages) and each method a
+backend's ops class or weight kernels class overrides has the parameters of the method it overrides. The flags they
+use: tests/server/test_cli.py; the guide's plugin and the hook table: tests/plugins/test_plugin_guide.py."""
 
 from __future__ import annotations
 
 import ast
 import builtins
 import inspect
+import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.docs_pages import DOCS, code_blocks
+from tests.docs_pages import DOCS, REPO, code_blocks, guide_file_names
 from xinfer.hooks import PROJECT
 from xinfer.quant import WeightKernels
 from xinfer.registry import load_object
@@ -92,3 +95,23 @@ def test_python_examples_run_as_written(doc, monkeypatch):
             assert load_object(ref) is not None, f"{function.__name__}: {ref}"
     for method, parameters, expected in overridden_methods(defined):
         assert parameters == expected, method
+
+
+FILE_NAME = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|sh|toml|json|txt))\b")
+ELSEWHERE = {"config.json", "preprocessor_config.json", "processor_config.json", "convert_hf_to_gguf.py"}  # a
+# checkpoint's files, llama.cpp's converter
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_every_file_a_page_names_exists(doc):
+    """A name with a folder is a path from the repository's root, from the page's folder, or from a package's
+    (``server/routes/chat.py``: core/xinfer's); a bare name is a file anywhere in the repository."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    text = doc.read_text()
+    guide = {name for file in guide_file_names(text) for name in (file, file.rsplit("/", 1)[-1])}
+    missing = [
+        name
+        for name in sorted(set(FILE_NAME.findall(text)) - ELSEWHERE - guide)
+        if not (doc.parent / name).exists() and not any(f == name or f.endswith(f"/{name}") for f in tracked)
+    ]
+    assert missing == []
