@@ -113,10 +113,6 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                           "cache holds at 1024 tokens each, or --max-model-len if shorter, at most 256)")
     capacity.add_argument("--max-model-len", type=int, metavar="TOKENS",
                           help="context limit, prompt and answer together, in tokens (default: the model's)")
-    capacity.add_argument("--max-tokens", type=int, metavar="N",
-                          help="tokens generated for a request that sets no max_tokens (default: 16 on "
-                          "/v1/completions, as OpenAI's; the rest of the context on the other routes; 1024 in the "
-                          "terminal chat)")
     capacity.add_argument("--kv-fraction", type=float, metavar="SHARE",
                           help="GPU: share of the device's total memory (on a Mac: of the memory Metal lets one process "
                           "keep resident) for weights, activations, CUDA graphs and KV cache, which gets the rest "
@@ -169,6 +165,10 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                           help="-2 to 2: subtracted from a token's logit once per time it was generated; 0: off")
     sampling.add_argument("--presence-penalty", type=float, default=0.0, metavar="VALUE",
                           help="-2 to 2: subtracted from the logit of every token generated at least once; 0: off")
+    sampling.add_argument("--max-tokens", type=int, metavar="N",
+                          help="tokens generated for a request that sets no max_tokens (default: 16 on "
+                          "/v1/completions, as OpenAI's; the rest of the context on the other routes; 1024 in the "
+                          "terminal chat)")
     sampling.add_argument("--seed", type=int, metavar="N",
                           help="seed of requests that send none, and of the engine's sampler (default: each request "
                           "draws a seed of its own from the engine's, 0)")
