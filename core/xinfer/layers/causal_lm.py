@@ -29,6 +29,7 @@ class DecoderSpec:
 
     qkv_bias: bool | None = None  # None: the config's qkv_bias, else its attention_bias
     o_bias: bool | None = None  # None: the config's attention_bias
+    mlp_bias: bool | None = None  # None: the config's mlp_bias
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
     norm_weight_offset: float = 0.0  # norms multiply by offset + w (Gemma: 1)
@@ -98,7 +99,11 @@ class DecoderForCausalLM(CausalLM):
 
     def mlp(self, config: Any, index: int) -> nn.Module:
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
-        return GatedMLP(config.hidden_size, config.intermediate_size, activation, getattr(config, "mlp_bias", False))
+        return GatedMLP(config.hidden_size, config.intermediate_size, activation, self.mlp_bias(config))
+
+    def mlp_bias(self, config: Any) -> bool:
+        """Whether the MLPs' projections have biases: the spec's ``mlp_bias``, else the config's."""
+        return getattr(config, "mlp_bias", False) if self.spec.mlp_bias is None else self.spec.mlp_bias
 
     def rms_norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.spec.norm_weight_offset)
