@@ -153,8 +153,9 @@ def _cos_sin(inv_freq: Tensor, max_position: int, scale: float) -> Tensor:
 
 class RotaryEmbedding(nn.Module):
     """The cos || sin table of every position. LongRoPE with long factors of its own keeps a second table below
-    the first, for the tokens of sequences longer than the trained context (as transformers does, the whole
-    step of such a sequence rotates by the long factors; what is already cached stays as it was)."""
+    the first, for the tokens of sequences longer than the trained context (``trained_context``, the model's
+    ``context_switch``: the scheduler recomputes a sequence that grows past it, so that all its positions turn
+    by the long factors, as in transformers' ``generate``)."""
 
     cos_sin: Tensor
 
