@@ -1,8 +1,8 @@
 """The MoE and GLM architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
 own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
-layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings,
-activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
+layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling (YaRN's factor left out,
+LongRoPE), tied embeddings, activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
 error at load naming the field and the value."""
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ MINIMAX = dict(
     tie_word_embeddings=False, architectures=["MiniMaxM2ForCausalLM"],
 )  # fmt: skip
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128)
+LONGROPE = dict(
+    rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16, short_factor=[1.0, 1.1, 1.3, 1.6],
+    long_factor=[1.5, 3.0, 7.0, 15.0],
+)  # fmt: skip
 LLAMA3 = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64,
@@ -86,6 +90,10 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         use_sliding_window=True, sliding_window=8, decoder_sparse_step=2, norm_topk_prob=True
     ),
     "qwen3-moe llama3 rope, tied": lambda: qwen3_moe(rope_parameters=LLAMA3, tie_word_embeddings=True),
+    # the factor left out: max_position_embeddings / original_max_position_embeddings, as transformers reads it
+    "qwen3-moe yarn, factor null": lambda: qwen3_moe(rope_parameters={**YARN, "factor": None}),
+    # trained at 16 positions, crossed while generating: the keys cached before stay (only Phi-3 recomputes them)
+    "qwen3-moe longrope": lambda: qwen3_moe(rope_parameters=LONGROPE),
     "glm no bias, full rotary, tied": lambda: glm(
         attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
         tie_word_embeddings=True,

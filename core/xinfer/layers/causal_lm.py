@@ -39,6 +39,9 @@ class DecoderSpec:
     # rotary over each head's first partial_rotary_factor (Phi-3, GLM); else over the whole head, whatever
     # the config says, as transformers' Llama-style rotary does
     partial_rotary: bool = False
+    # a sequence that outgrows LongRoPE's trained context is recomputed with the long factors, as transformers'
+    # Phi-3 generate does (CausalLM.context_switch); else the keys cached before stay as they were
+    longrope_recompute: bool = False
 
 
 class DecoderForCausalLM(CausalLM):
@@ -69,8 +72,9 @@ class DecoderForCausalLM(CausalLM):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, getattr(config, "final_logit_softcapping", None))
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
-        self.context_switch = min(switches, default=None)
+        if self.spec.longrope_recompute:
+            switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
+            self.context_switch = min(switches, default=None)
 
     def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
         params = rope_parameters(config, layer_type)
