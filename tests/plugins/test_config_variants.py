@@ -1,4 +1,4 @@
-"""The MoE and GLM architectures on config variants transformers accepts, each against transformers'
+"""The MoE, GLM and Phi-4-mini architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
 own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
 layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling (YaRN's factor left out,
@@ -27,7 +27,7 @@ from tests.plugins.hf_parity import (
     randomized_model,
 )
 from tests.plugins.qwen.test_qwen3_next import HYBRID
-from tests.tiny_models import COMMON, gemma3_config, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, save_tiny_model
 from xinfer import LLM
 
 SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -117,6 +117,12 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "glm4-moe head_dim 8, full rotary, unscaled, tied": lambda: Glm4MoeConfig(
         **{**GLM_MOE, "head_dim": 8, "routed_scaling_factor": 1.0, "tie_word_embeddings": True,
            "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)}
+    ),
+    # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE (crossed while generating: recomputed), tied
+    "phi-4-mini: partial longrope, tied": lambda: phi3_longrope_config(
+        num_attention_heads=2, num_key_value_heads=1, original_max_position_embeddings=16, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0 + 0.1 * i for i in range(12)], long_factor=[1.5 + i for i in range(12)]),
     ),
     "minimax-m2 full rotary, top-1": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": 16, "num_experts_per_tok": 1}),
     "minimax-m2 head_dim 8, 16 experts, tied": lambda: MiniMaxM2Config(
