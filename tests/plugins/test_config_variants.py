@@ -21,6 +21,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from tests.plugins.gemma.test_gemma4 import gemma4_config
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
@@ -166,6 +167,10 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "qwen3.5 DeltaNet gelu": (
         lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),
         "Gated DeltaNet with hidden_act 'gelu_pytorch_tanh': only silu is supported",
+    ),
+    "gemma4 bidirectional attention on text": (
+        lambda: gemma4_config(use_bidirectional_attention="all"),
+        "use_bidirectional_attention='all' is not",
     ),
     "gemma3 bidirectional attention (EmbeddingGemma)": (
         lambda: gemma3_config(use_bidirectional_attention=True),
