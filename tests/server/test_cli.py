@@ -14,7 +14,7 @@ import pytest
 
 from tests.docs_pages import DOCS, code_blocks, inline_code
 from tests.server.live import REPO
-from xinfer.cli import plugins_parser
+from xinfer.cli import main, plugins_parser
 from xinfer.config import CacheConfig
 from xinfer.server.args import build_parser, nodes_problem, parse_args, pd_problem
 from xinfer.server.launch import engine_config
@@ -72,6 +72,24 @@ def xinfer(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         text=True,
         timeout=120,
         env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["chat"], ["plugins"]], ids=["xinfer", "serve", "chat", "plugins"])
+def test_each_command_has_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith(f"usage: {' '.join(['xinfer', *command])} [-h]"), out[:200]
+    if command != ["plugins"]:
+        assert all(f"xinfer {name}" in out for name in ("[serve]", "chat", "plugins [--json]")), out[-800:]
+
+
+def test_an_unknown_command_is_one_line(capsys):
+    assert main(["srve", "--m", "model.gguf"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "xinfer: unknown command 'srve': choose one of serve, chat, plugins (xinfer --help)\n"
     )
 
 
