@@ -87,7 +87,7 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                        help="GGUF file, or the one to use of those in the --m folder or hub repository")
     model.add_argument("--served-model-name", metavar="NAME", help="model name in the API (default: from the path)")
     model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
-                       help="dtype of the weights that are not packed and of the activations: auto (the checkpoint's; f32 on "
+                       help="dtype of the weights that are not packed and of the activations: auto (the checkpoint's bf16 or f16, else bf16; f32 on "
                        "the CPU), bf16, f16 or f32 (also: bfloat16, fp16, float16, half, fp32, float32, float)")
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="how to read the weights: auto (a GGUF file as GGUF, else the safetensors), safetensors, gguf, "
@@ -119,9 +119,10 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                           "(default: 0.9); CPU: share of the available RAM after loading "
                           "the weights for the KV cache (default: a quarter, at most 2 GiB)")
     capacity.add_argument("--kvcache-dtype", default="auto", choices=list(formats()),
-                          help="KV cache format (docs/kv-cache.md): auto (the model dtype, unquantized), fp8 (e4m3), turbo8, "
-                          "turbo4, turbo3 (TurboQuant: rotated keys and values, about 8, 4 and 3 bits a value), "
-                          "turbo4-lm, turbo3-lm (Lloyd-Max key levels)")
+                          help="KV cache format (docs/kv-cache.md): auto (the model dtype, unquantized), fp8 (e4m3), "
+                          "TurboQuant's rotated codes turbo8 (8-bit keys, 4-bit values), turbo4 (4-bit both), turbo3 "
+                          "(3-bit keys, 4-bit values), turbo4-lm and turbo3-lm (Lloyd-Max key levels), and the "
+                          "formats plugins register")
     capacity.add_argument("--kv-recent-window", type=int, default=0, metavar="N",
                           help="with a quantized --kvcache-dtype: keys and values of each query's last N positions and "
                           "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
