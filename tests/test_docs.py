@@ -1,4 +1,5 @@
-"""The docs match the code. The files README.md and docs/*.md name exist. Their Python examples run as written:
+"""The docs match the code. The files README.md and docs/*.md name exist, and so do the modules, classes and
+functions they name (``xinfer.ops.call``, ``xinfer_cuda.ops``). Their Python examples run as written:
 each page's blocks in order, in one namespace (a block may use the names of the one before). Blocks that load a model
 (``LLM(``) only import, and must import or define every name they use (loading one takes longer than this suite can
 spend); the other blocks run whole, then each ``@hookimpl`` they define is called (the specs it builds take their
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import inspect
 import re
 import subprocess
@@ -19,7 +21,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.docs_pages import DOCS, REPO, code_blocks, guide_file_names
+from tests.docs_pages import DOCS, REPO, code_blocks, guide_file_names, inline_code
 from xinfer.hooks import PROJECT
 from xinfer.quant import WeightKernels
 from xinfer.registry import load_object
@@ -115,3 +117,28 @@ def test_every_file_a_page_names_exists(doc):
         if not (doc.parent / name).exists() and not any(f == name or f.endswith(f"/{name}") for f in tracked)
     ]
     assert missing == []
+
+
+DOTTED_NAME = re.compile(r"(?<![\w.])(xinfer(?:_\w+)?(?:\.\w+)+)")
+
+
+def resolves(name: str) -> bool:
+    """``name`` is a module, or an attribute (of an attribute...) of the longest module it starts with."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for part in parts[end:]:
+            if not hasattr(found, part):
+                return False
+            found = getattr(found, part)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_every_xinfer_name_a_page_gives_exists(doc):
+    names = {name for span in inline_code(doc.read_text()) for name in DOTTED_NAME.findall(span)}
+    assert [name for name in sorted(names) if not name.startswith("xinfer_community.") and not resolves(name)] == []
