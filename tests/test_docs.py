@@ -22,6 +22,7 @@ from types import ModuleType
 import pytest
 
 from tests.docs_pages import DOCS, REPO, code_blocks, guide_file_names, inline_code
+from xinfer.config import EngineConfig
 from xinfer.hooks import PROJECT
 from xinfer.quant import WeightKernels
 from xinfer.registry import load_object
@@ -142,3 +143,18 @@ def resolves(name: str) -> bool:
 def test_every_xinfer_name_a_page_gives_exists(doc):
     names = {name for span in inline_code(doc.read_text()) for name in DOTTED_NAME.findall(span)}
     assert [name for name in sorted(names) if not name.startswith("xinfer_community.") and not resolves(name)] == []
+
+
+def engine_options() -> set[str]:
+    return {name for group in EngineConfig.model_fields.values() for name in type(group.default).model_fields}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_every_keyword_a_page_gives_llm_is_an_engine_option(doc):
+    text = doc.read_text()
+    keywords = {word for call in re.findall(r"\bLLM\(([^()]*)\)", text) for word in re.findall(r"(\w+)=", call)}
+    if doc.name == "README.md":  # "Every engine option of EngineConfig is a keyword of LLM (`block_size`, ...)"
+        listed = re.search(r"is a keyword of `LLM` \((.*?)\)\.", text, re.DOTALL)
+        assert listed, "the README's list of LLM's keywords moved: update this test"
+        keywords |= set(re.findall(r"`(\w+)", listed.group(1)))
+    assert keywords - engine_options() - {"model", "tokenizer"} == set()
