@@ -113,6 +113,15 @@ def test_later_features_are_refused_in_one_line(flags, feature):
     assert len(lines) == 1 and feature in lines[0] and "not available yet" in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--num-speculative-tokens", "--draft-model", "--prefix-cache-max-tokens"])
+def test_each_later_flag_is_refused_naming_itself(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, "3"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"xinfer: {flag} ("), lines
+    assert lines[0].endswith("is not available yet in this version of xinfer"), lines
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
