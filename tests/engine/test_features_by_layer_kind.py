@@ -119,6 +119,18 @@ def test_a_prefix_hit_gives_hf_tokens_and_prompt_logprobs(checkpoint, llm):
         assert_logprob_entries_match(out.prompt_logprobs[1:], tokens[1:], hf_log_softmax(hf, tokens)[:-1])
 
 
+@pytest.mark.parametrize("checkpoint", ["mistral-window-16"], indirect=True)
+def test_prompt_logprobs_of_a_prompt_longer_than_a_sliding_pool(checkpoint):
+    """A 200-token prompt's log-probabilities where the window's pool holds 96 tokens: scored in steps of
+    ``max_num_batched_tokens``, as its prefill runs, not all at once (which would not fit)."""
+    hf, folder = checkpoint
+    small = LLM(model=folder, dtype="float32", num_blocks=6, max_model_len=256, max_num_batched_tokens=16)
+    tokens = prompt(200, seed=3)
+    out = small.generate([tokens], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert_logprob_entries_match(out.prompt_logprobs[1:], tokens[1:], hf_log_softmax(hf, tokens)[:-1], top_n=2)
+
+
 def test_seeded_choices_draw_alone_what_they_draw_in_a_batch(llm):
     """Choice i of a request with ``n`` 3 and seed s draws what a request of its own with seed s + i
     draws, alone and beside other requests."""
