@@ -10,6 +10,19 @@ python benchmarks/offline.py --shape llama-3.1-8b --workload sharegpt --tensor-p
 ``--workload sharegpt``: 1,000 requests (``--num-requests``) whose input and output
 lengths are lognormal with means of about 215 and 198 tokens, as ShareGPT
 conversations (fixed seed), clipped to the model's context.
+
+``--floor`` (dense shapes, one GPU, unquantized weights): each run's floor beside it
+(floor.py): per step, the longer of its FLOPs at the GEMM rate and its bytes (weights
+once, the KV cache read and written in its format) at the copy bandwidth, summed over
+the steps the run took; both rates measured in the same process after the runs
+(``torch.matmul`` in the run's dtype through the model's own projections at
+``max_num_batched_tokens`` rows, best of 10; the copy bandwidth). Adds ``floor_s``, ``floor_output_tok_s``, ``fraction_of_floor`` (the run's
+output tok/s over the floor's), ``flops``, ``bytes`` and ``engine_steps`` per run,
+``min_steps`` (the fewest the scheduler's limits allow), ``gemm_TFLOPs`` and
+``bandwidth_TBps``::
+
+    python benchmarks/offline.py --shape llama-3.1-8b --dtype bfloat16 --num-requests 1000 \\
+        --input-len 50:1000 --output-len 50:500 --floor
 """
 
 from __future__ import annotations
@@ -22,8 +35,9 @@ import random
 import time
 from collections.abc import Callable
 
+import floor
 from profiling import kernel_profiler, top_kernels
-from shapes import shape_folder
+from shapes import SHAPES, shape_folder
 
 from xinfer import LLM, SamplingParams
 
@@ -105,7 +119,14 @@ def main() -> None:
         default=1,
         help="ranks (one GPU each, steps run eagerly; docs/distributed.md)",
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="also each run's floor from its FLOPs and bytes (see above)"
+    )
     args = parser.parse_args()
+    if args.floor:
+        why = floor_refusal(args)
+        if why:
+            parser.error(why)
     if args.num_requests is None:
         args.num_requests = 1000 if args.workload == "sharegpt" else 1
     if args.sizes_per_octave:
@@ -138,6 +159,7 @@ def main() -> None:
     llm.generate(
         warm, [SamplingParams(max_tokens=8, ignore_eos=True, **SAMPLED if i % 2 else {}) for i in range(len(warm))]
     )
+    steps = floor.record_steps(llm.engine.runner) if args.floor else None
     kinds = time_step_kinds(llm) if args.profile else None  # before time_phases wraps runner.graphs
     phases = time_phases(llm) if args.profile else None
     result = {
@@ -155,6 +177,7 @@ def main() -> None:
         "kv_cache_dtype": llm.engine.kv_format.name,
         "kv_capacity_tokens": sum(pool.num_blocks * pool.block_size for pool in llm.engine.cache.pools),
     }
+    runs: dict[str, tuple[list[floor.Step], float]] = {}  # each run's steps and seconds, with --floor
     for sampling in args.sampling:  # greedy figures keep their old names; sampled ones are prefixed
         prefix = "" if sampling == "greedy" else "sampled_"
         options = SAMPLED if sampling == "sampled" else dict(temperature=0)
@@ -167,6 +190,8 @@ def main() -> None:
             kinds.clear()
         if phases is not None:
             phases.update(dict.fromkeys(phases, 0))
+        if steps is not None:
+            steps.clear()
         profiler = kernel_profiler() if args.kernels else contextlib.nullcontext()
         with profiler:
             start = time.perf_counter()
@@ -191,9 +216,39 @@ def main() -> None:
             result[f"{prefix}step_kinds"] = summarize(kinds)
         if args.kernels:
             result[f"{prefix}kernels"] = top_kernels(profiler, args.kernels)
+        if steps is not None:
+            runs[prefix] = (list(steps), elapsed)
+    if args.floor:
+        result |= floor_of_runs(llm, runs, inputs, outputs)
     if {"greedy", "sampled"} <= set(args.sampling):
         result["sampled_vs_greedy"] = round(result["sampled_output_tok_s"] / result["output_tok_s"], 3)
     print(json.dumps(result))
+
+
+def floor_refusal(args: argparse.Namespace) -> str | None:
+    if args.model or args.isq or args.tensor_parallel_size > 1:
+        return "--floor counts a --shape's unquantized weights on one device (no --model, --isq, tensor parallelism)"
+    return floor.refusal(SHAPES[args.shape]().get_text_config())
+
+
+def floor_of_runs(
+    llm: LLM, runs: dict[str, tuple[list[floor.Step], float]], inputs: list[int], outputs: list[int]
+) -> dict:
+    """Each run's floor (its figures prefixed as its others), from the rates measured now, after the runs."""
+    engine, scheduler = llm.engine, llm.engine.config.scheduler
+    config = engine.hf_config.get_text_config()
+    rates = floor.measure_rates(config, scheduler.max_num_batched_tokens, engine.dtype, engine.device)
+    kv_bytes_per_token = (config.num_hidden_layers * config.num_key_value_heads
+                          * engine.kv_format.bytes_per_token(floor.head_dim(config), engine.dtype))  # fmt: skip
+    result = {
+        "gemm_TFLOPs": round(rates.flops_per_s / 1e12, 3),
+        "bandwidth_TBps": round(rates.bytes_per_s / 1e12, 3),
+        "min_steps": floor.min_steps(inputs, outputs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens),
+    }
+    for prefix, (steps, seconds) in runs.items():
+        figures = floor.report(config, steps, engine.dtype.itemsize, kv_bytes_per_token, rates, sum(outputs), seconds)
+        result |= {f"{prefix}{name}": value for name, value in figures.items()}
+    return result
 
 
 def time_phases(llm: LLM, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
