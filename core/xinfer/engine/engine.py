@@ -258,6 +258,7 @@ class LLMEngine:
         try:
             while (start := seq.num_computed_tokens) < len(token_ids):
                 end = seq.chunk_end(start, min(len(token_ids), start + budget))
+                assert end > start, "an image longer than a step is refused by _check_multimodal"
                 if not self.cache.allocate(seq, end):
                     raise KVCacheFull("the KV cache is full; retry later")
                 results.append(run(self.runner.prepare([ScheduledSeq(seq, end - start)]), start, end))
