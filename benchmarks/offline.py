@@ -208,10 +208,10 @@ def main() -> None:
             decoded = sum(outputs) - len(outputs)
             result[f"{prefix}decode_tok_s"] = round(decoded / (elapsed - (all_started_at - start)), 2)
         if phases is not None:
-            steps = phases["steps"]
-            result[f"{prefix}steps"] = steps
+            step_count = phases["steps"]
+            result[f"{prefix}steps"] = step_count
             result[f"{prefix}ms_per_step"] = {
-                name: round(1e3 * t / max(steps, 1), 3) for name, t in phases.items() if name != "steps"
+                name: round(1e3 * t / max(step_count, 1), 3) for name, t in phases.items() if name != "steps"
             }
             result[f"{prefix}step_kinds"] = summarize(kinds)
         if args.kernels:
