@@ -1,9 +1,10 @@
 """The engine's features on each kind of layer, against transformers run prompt by prompt (fp32, CPU):
 sliding windows shorter than the prompts (Mistral, Gemma 3), Gemma 4's head dims per layer type, latent
-attention (DeepSeek V3, and V3.2 selecting 8 positions), Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) and
-experts (Qwen3-MoE). Per kind: prompts of very different lengths in one call, prefilled in chunks beside
-decoding rows and preempted; a prefix-cache hit; seeded choices; penalties and ``min_tokens`` against a
-hand computation on transformers' logits. Each suite's own tests cover one prompt at a time."""
+attention (DeepSeek V3, and V3.2 selecting 8 positions), Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next),
+experts (Qwen3-MoE) and LongRoPE's switch to its long factors (Phi-3.5). Per kind: prompts of very different
+lengths in one call, prefilled in chunks beside decoding rows and preempted; a prefix-cache hit; seeded
+choices; penalties and ``min_tokens`` against a hand computation on transformers' logits. Each suite's own
+tests cover one prompt at a time."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.plugins.hf_parity import hf_greedy, randomize, spread_routing
 from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRIDS
 from tests.plugins.qwen.test_qwen3_next import randomize_hybrid
 from tests.plugins.qwen.test_qwen_moe import CONFIGS as MOES
-from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 
 
@@ -48,6 +49,8 @@ KINDS: dict[str, tuple[Callable[[], PretrainedConfig], Callable[[torch.nn.Module
     "qwen3.5": (HYBRIDS["qwen3.5"], randomize_hybrid_and_routers),
     "qwen3-next": (HYBRIDS["qwen3-next"], randomize_hybrid_and_routers),
     "qwen3-moe": (MOES["qwen3-moe"], randomize_all),
+    # trained at 32 positions: a longer sequence is computed with the long factors, its first step past 32
+    "phi3-longrope": (phi3_longrope_config, randomize_all),
 }  # fmt: skip
 NEW_TOKENS = 8
 

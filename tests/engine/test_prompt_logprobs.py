@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tests.tiny_models import COMMON, phi3_longrope_config, prompt, save_tiny_model
+from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.engine import runner
 
@@ -74,17 +74,3 @@ def test_vllm_keywords_and_the_cumulative_logprob(models, capsys):
     assert quiet.outputs[0].cumulative_logprob is None
     assert "Generating" not in capsys.readouterr().err
     assert llm.get_tokenizer() is llm.tokenizer
-
-
-def test_a_prompt_past_longrope_s_trained_context_is_scored_with_the_long_factors(tmp_path):
-    """Phi-3.5's LongRoPE trained at 32 positions, prompts scored in steps of 16: a 50-token prompt is
-    transformers' forward over all of it, which rotates every position by the long factors (its first step
-    reaches past the trained context, as its prefill's does), a 30-token one by the short factors."""
-    hf = save_tiny_model(phi3_longrope_config(), tmp_path)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, max_num_batched_tokens=16)
-    for length in (50, 30):
-        tokens = prompt(length, seed=6)
-        out = llm.generate([tokens], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        got = torch.tensor([entry[token] for entry, token in zip(out.prompt_logprobs[1:], tokens[1:])])
-        expected = expected_logprobs(hf, tokens)[torch.arange(length - 1), torch.tensor(tokens[1:])]
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -253,16 +253,11 @@ class LLMEngine:
         ranges = list(multimodal or [])
         seq = Sequence("whole-input", token_ids, SamplingParams(), multimodal=ranges,
                        whole_items=self._check_multimodal(ranges, len(token_ids)))  # fmt: skip
-        budget, switch = self.config.scheduler.max_num_batched_tokens, self.scheduler.context_switch
-        if switch is not None and len(token_ids) <= switch:
-            switch = None  # a short input: no step needs to reach past it
+        budget = self.config.scheduler.max_num_batched_tokens  # past the model's context switch (build_engine)
         results: list[T] = []
         try:
             while (start := seq.num_computed_tokens) < len(token_ids):
-                end = min(len(token_ids), start + budget)
-                if switch is not None and end <= switch:  # the first step ends past the switch: all KV is long
-                    end = switch + 1
-                end = seq.chunk_end(start, end)
+                end = seq.chunk_end(start, min(len(token_ids), start + budget))
                 assert end > start, "an image longer than a step is refused by _check_multimodal"
                 if not self.cache.allocate(seq, end):
                     raise KVCacheFull("the KV cache is full; retry later")
