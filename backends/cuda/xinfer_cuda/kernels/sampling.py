@@ -465,19 +465,18 @@ def _boundary(
     p_hi = tl.full((), BUCKETS - 1, tl.int32)
     above_p_lo_mass = tl.full((), 0, tl.int64)
     if with_top_p:
-        p_lo = tl.sum((through.to(tl.float64) < _target(top_p, least_mass)).to(tl.int32), 0)
-        p_hi = tl.minimum(
-            tl.sum(((through - masses).to(tl.float64) < _target(top_p, most_mass)).to(tl.int32), 0) - 1, kth
-        )
+        p_lo = tl.sum((through < _target(top_p, least_mass)).to(tl.int32), 0)
+        p_hi = tl.minimum(tl.sum((through - masses < _target(top_p, most_mass)).to(tl.int32), 0) - 1, kth)
         above_p_lo_mass = tl.sum(tl.where(bucket < p_lo, masses, 0), 0)
     return kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass
 
 
 @triton.jit
 def _target(top_p, top_k_mass):
-    """The mass that the tokens above the least kept one stay below: the plan and the search
-    compute it alike, in float64 (exact for the integer masses, below 2**53)."""
-    return top_p.to(tl.float64) * top_k_mass.to(tl.float64)
+    """The least integer mass at or above ``top_p * top_k_mass`` (in float64: exact for the
+    integer masses, below 2**53), which the tokens above a kept one stay below. The plan and
+    the search compute it alike."""
+    return tl.ceil(top_p.to(tl.float64) * top_k_mass.to(tl.float64)).to(tl.int64)
 
 
 @triton.jit
@@ -586,7 +585,7 @@ def _search(
             if MASS:
                 totals += tl.sum(tl.where(above, weights[:, None], 0), 0)
         if MASS:
-            reached = (base + totals).to(tl.float64) >= target
+            reached = base + totals >= target
         else:
             reached = base + above_count >= target
         # the highest pivot reached has the fewest members above of those reached; the lowest not, the most
@@ -752,11 +751,11 @@ def _sample(logits: Tensor, params: SamplingBatch, chunk: int, region: int) -> t
     _check_kernel[(rows, chunks)](*row, *filters[:3], *candidates, chunks, CHUNK=chunk, BLOCK=block, **sizes, **options)
     _histogram_kernel[(rows, chunks)](
         *row, *filters, *candidates, histogram, chunk_mass, chunks,
-        CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, SPREAD=SPREAD, **sizes, **options,
+        CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, SPREAD=SPREAD, **sizes, **{**options, "num_warps": 8},
     )  # fmt: skip
     _plan_kernel[(rows,)](
         *row, *filters, *candidates, histogram, chunk_mass, plan, bounds, masses, chunks,
-        BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **sizes, **{**options, "num_warps": 8},
+        BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **sizes, **{**options, "num_warps": 16},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
         *row, *filters, *noise, plan, bounds, best[1], best_token[1], gathered,
