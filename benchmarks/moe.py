@@ -12,7 +12,13 @@ row, the final norm and the LM head.
 
     python benchmarks/moe.py [--shape qwen3-30b-a3b] [--input-len 128] [--output-len 256]
     python benchmarks/moe.py --shape glm-4.5-air
+    python benchmarks/moe.py --expert-share   # also the experts' share of the throughput run's GPU time
     python benchmarks/moe.py --smoke   # checks the script on the CPU (a tiny GLM-4.5 shape, fp32)
+
+``--expert-share`` runs the throughput workload once more, greedy, under the torch profiler (slower than the timed
+runs: its figures are shares and rates, not speed): the fraction of the summed kernel time spent in the expert GEMM
+kernels and in routing, and the experts' achieved TFLOP/s (every computed token through ``num_experts_per_tok``
+experts of 6 x h x moe_intermediate_size FLOPs, the shared experts left out: they run as dense GEMMs).
 
 GLM-4.5-Air's shape, one bf16 decode step at context 0, as
 ``decode_bytes_per_token(SHAPES["glm-4.5-air"](), 0)`` counts it (h = 4096, d = 128, 96 query
@@ -115,12 +121,44 @@ def throughput(shape: str, smoke: bool) -> dict:
                    "--output-len", lengths, "--profile")  # fmt: skip
 
 
+# the Triton kernels of backends/cuda/xinfer_cuda/kernels/moe.py (grouped for many tokens, per slot for few)
+EXPERT_KERNELS = frozenset({"_grouped_gate_up_kernel", "_grouped_down_kernel", "_slot_gate_up_kernel",
+                            "_token_down_kernel", "_fused_slot_kernel", "_gate_up_kernel", "_down_kernel",
+                            "_sum_parts_kernel"})  # fmt: skip
+ROUTING_KERNELS = frozenset({"_route_kernel", "_rank_slots_kernel", "_place_slots_kernel"})
+
+
+def expert_share(shape: str, smoke: bool) -> dict:
+    """The throughput workload under the profiler: the expert and routing kernels' share of the kernel time, and
+    the experts' TFLOP/s."""
+    dtype, device = ("float32", "cpu") if smoke else ("bfloat16", "auto")
+    requests, lengths = ("8", "8:32") if smoke else ("256", "100:1024")
+    run = offline(shape, dtype, "--device", device, "--num-requests", requests, "--input-len", lengths,
+                  "--output-len", lengths, "--sampling", "greedy", "--kernels", "200")  # fmt: skip
+    kernels = run["kernels"]
+    experts = [k for k in kernels if k["kernel"] in EXPERT_KERNELS]
+    config = SHAPES[shape]()
+    computed = run["input_tokens"] + run["output_tokens"] - run["num_requests"]  # the last token is never fed back
+    flops = computed * config.num_experts_per_tok * 6 * config.hidden_size * config.moe_intermediate_size
+    expert_ms = sum(k["ms"] for k in experts)
+    return {
+        "expert_share": round(sum(k["share"] for k in experts), 3),
+        "routing_share": round(sum(k["share"] for k in kernels if k["kernel"] in ROUTING_KERNELS), 3),
+        "expert_ms": round(expert_ms, 1),
+        "expert_TFLOPs": round(flops / (expert_ms / 1e3) / 1e12, 1) if expert_ms else None,
+        "expert_kernels": experts,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "glm-4.5-air"])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--expert-share", action="store_true", help="the experts' share of the throughput run's GPU time"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="check this script on the CPU: a tiny GLM-4.5 shape, fp32, short runs"
     )
@@ -129,6 +167,8 @@ def main() -> None:
     result = decode_against_limit(shape, args.smoke, args.input_len, args.output_len, decode_bytes_per_token)
     if not args.skip_throughput:
         result["throughput"] = throughput(shape, args.smoke)
+    if args.expert_share:
+        result["expert_share"] = expert_share(shape, args.smoke)
     print(json.dumps(result))
 
 

@@ -84,6 +84,10 @@ class CausalLM(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
+        # Sequences longer than this many tokens compute every position's KV otherwise (LongRoPE's long
+        # factors); None: length changes nothing. The scheduler then recomputes a sequence that grows past
+        # it, and the prefix cache keeps the two kinds of blocks apart (xinfer.engine.scheduler).
+        self.context_switch: int | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` at ``positions``."""

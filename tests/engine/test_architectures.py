@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-from tests.plugins.hf_parity import randomized_model
+from tests.plugins.hf_parity import assert_output_matches_hf, randomized_model
 from tests.tiny_models import COMMON, phi3_longrope_config, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 
@@ -104,23 +104,28 @@ def test_greedy_tokens_match_hf_generate(models, length):
     assert out[0].outputs[0].finish_reason == "length"
 
 
-def test_longrope_rotates_the_steps_past_the_trained_context_by_the_long_factors(tmp_path):
-    """A 20-token prompt whose 24 new tokens pass the trained 32 positions: each token and its log-probability
-    match transformers' forward step by step over its KV cache, whose rotary takes the long factors once the
-    sequence is longer than 32 and keeps the cached keys. (transformers' ``generate`` for Phi-3 also drops its
-    cache at that point and recomputes it; xinfer does not: docs/architecture.md.)"""
+def test_longrope_recomputes_a_sequence_that_passes_the_trained_context(tmp_path):
+    """LongRoPE trained at 32 positions. A 20-token prompt with 4 new tokens stays short; a 40-token prompt sharing
+    its first 16-token block does not take that block from the prefix cache (keys turned by the short factors);
+    the 20-token prompt with 24 new tokens passes 32 positions, where transformers' ``generate`` recomputes the
+    whole sequence with the long factors, and so does xinfer (again without the short block); two 40-token
+    prompts in steps of 48 tokens are not cut before position 32 (the second waits for the budget). Each matches
+    transformers' tokens and log-probabilities."""
     hf, llm = randomized_model(CONFIGS["phi3-longrope-partial"](), tmp_path)
-    tokens = prompt(20, seed=1)
+    assert llm.engine.model.context_switch == 32
+    short = prompt(20, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    assert_output_matches_hf(hf, short, llm.generate([short], params)[0].outputs[0], 4)
+
+    long = short + prompt(20, seed=2)
+    out = llm.generate([long], params)[0]
+    assert out.num_cached_tokens == 0
+    assert_output_matches_hf(hf, long, out.outputs[0], 4)
+
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-    out = llm.generate([tokens], params)[0].outputs[0]
-    expected_tokens, expected_logprobs, cache, step = [], [], None, torch.tensor([tokens])
-    with torch.inference_mode():
-        for _ in range(24):
-            result = hf(step, past_key_values=cache, use_cache=True)
-            cache, logprobs = result.past_key_values, result.logits[0, -1].log_softmax(-1)
-            expected_tokens.append(int(logprobs.argmax()))
-            expected_logprobs.append(logprobs[expected_tokens[-1]].item())
-            step = torch.tensor([[expected_tokens[-1]]])
-    assert out.token_ids == expected_tokens
-    got = [step_logprobs[token] for step_logprobs, token in zip(out.logprobs, out.token_ids)]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
+    assert_output_matches_hf(hf, short, llm.generate([short], params)[0].outputs[0], 24)
+
+    chunked = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, max_num_batched_tokens=48)
+    prompts = [prompt(40, seed=3), prompt(40, seed=4)]
+    for tokens, out in zip(prompts, chunked.generate(prompts, params)):
+        assert_output_matches_hf(hf, tokens, out.outputs[0], 24)

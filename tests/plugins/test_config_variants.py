@@ -1,8 +1,8 @@
-"""The MoE and GLM architectures on config variants transformers accepts, each against transformers'
+"""The MoE, GLM and Phi-4-mini architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
 own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
-layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling, tied embeddings,
-activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
+layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling (YaRN's factor left out,
+LongRoPE), tied embeddings, activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
 error at load naming the field and the value."""
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from tests.plugins.gemma.test_gemma4 import gemma4_config
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
     randomized_model,
 )
 from tests.plugins.qwen.test_qwen3_next import HYBRID
-from tests.tiny_models import COMMON, gemma3_config, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, save_tiny_model
 from xinfer import LLM
 
 SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -43,6 +44,10 @@ MINIMAX = dict(
     tie_word_embeddings=False, architectures=["MiniMaxM2ForCausalLM"],
 )  # fmt: skip
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128)
+LONGROPE = dict(
+    rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16, short_factor=[1.0, 1.1, 1.3, 1.6],
+    long_factor=[1.5, 3.0, 7.0, 15.0],
+)  # fmt: skip
 LLAMA3 = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64,
@@ -86,6 +91,10 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         use_sliding_window=True, sliding_window=8, decoder_sparse_step=2, norm_topk_prob=True
     ),
     "qwen3-moe llama3 rope, tied": lambda: qwen3_moe(rope_parameters=LLAMA3, tie_word_embeddings=True),
+    # the factor left out: max_position_embeddings / original_max_position_embeddings, as transformers reads it
+    "qwen3-moe yarn, factor null": lambda: qwen3_moe(rope_parameters={**YARN, "factor": None}),
+    # trained at 16 positions, crossed while generating: the keys cached before stay (only Phi-3 recomputes them)
+    "qwen3-moe longrope": lambda: qwen3_moe(rope_parameters=LONGROPE),
     "glm no bias, full rotary, tied": lambda: glm(
         attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
         tie_word_embeddings=True,
@@ -109,6 +118,12 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "glm4-moe head_dim 8, full rotary, unscaled, tied": lambda: Glm4MoeConfig(
         **{**GLM_MOE, "head_dim": 8, "routed_scaling_factor": 1.0, "tie_word_embeddings": True,
            "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)}
+    ),
+    # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE (crossed while generating: recomputed), tied
+    "phi-4-mini: partial longrope, tied": lambda: phi3_longrope_config(
+        num_attention_heads=2, num_key_value_heads=1, original_max_position_embeddings=16, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0 + 0.1 * i for i in range(12)], long_factor=[1.5 + i for i in range(12)]),
     ),
     "minimax-m2 full rotary, top-1": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": 16, "num_experts_per_tok": 1}),
     "minimax-m2 head_dim 8, 16 experts, tied": lambda: MiniMaxM2Config(
@@ -152,6 +167,10 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "qwen3.5 DeltaNet gelu": (
         lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),
         "Gated DeltaNet with hidden_act 'gelu_pytorch_tanh': only silu is supported",
+    ),
+    "gemma4 bidirectional attention on text": (
+        lambda: gemma4_config(use_bidirectional_attention="all"),
+        "use_bidirectional_attention='all' is not",
     ),
     "gemma3 bidirectional attention (EmbeddingGemma)": (
         lambda: gemma3_config(use_bidirectional_attention=True),

@@ -28,13 +28,16 @@ if TYPE_CHECKING:
 NO_BLOCK = -1
 """A table entry whose block is out of the window's reach (given back), or a block without a shadow."""
 
+BlockKey = tuple[int | str, ...]
+"""What identifies a full block's KV (:meth:`xinfer.engine.sequence.Sequence.block_key`)."""
+
 
 @dataclass
 class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # its key: the tokens, then the content hashes of images among them
+    token_ids: BlockKey = ()  # its key: the tokens, the content hashes of images among them, a long-context mark
 
 
 @dataclass
@@ -80,7 +83,7 @@ class BlockPool:
 
     # ---- prefix cache ------------------------------------------------------------
 
-    def cached_block(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+    def cached_block(self, block_hash: int, tokens: BlockKey) -> int | None:
         block_id = self.cached.get(block_hash)
         return block_id if block_id is not None and self.blocks[block_id].token_ids == tokens else None
 
@@ -106,7 +109,7 @@ class BlockPool:
             self.recent_window.attach(table)
 
     def commit(
-        self, table: PageTable, hashes: list[int], block_key: Callable[[int, int], tuple[int, ...]], first: int
+        self, table: PageTable, hashes: list[int], block_key: Callable[[int, int], BlockKey], first: int
     ) -> None:
         """Register ``table``'s blocks ``first`` to ``len(hashes)`` (full of computed
         tokens, whose hash chain is ``hashes``) in the prefix cache; ``block_key(start, end)``

@@ -111,7 +111,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
     return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
-                       Scheduler(scheduler_config, cache_manager))  # fmt: skip
+                       Scheduler(scheduler_config, cache_manager, runner.model.context_switch))  # fmt: skip
 
 
 def _refuse_a_format_no_layer_stores(kv_format: KVFormat, layout: CacheLayout) -> None:

@@ -6,6 +6,11 @@ blocks and ``max_num_seqs`` allow. When blocks run out, the most recently starte
 sequence is preempted: its blocks are freed and it is recomputed later. A prompt's
 chunks end where the cache snapshots recurrent state (:meth:`CacheManager.next_snapshot`).
 
+A model with a context switch (``CausalLM.context_switch``: LongRoPE's trained context) computes
+the KV of a sequence longer than it otherwise, at every position, as transformers' ``generate``
+does: a sequence that grows past it is recomputed from its first token, the chunks of a longer one
+end past it, and its prefix-cache blocks are its own (:attr:`Sequence.long_context`).
+
 A step that carries prompt tokens costs more than a pure decode step even when it
 replays a graph (its GEMMs are compute-bound, and it is padded to a token bucket);
 so once the batch is nearly full, waiting prompts
@@ -41,12 +46,13 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, context_switch: int | None = None):
         if config.max_num_seqs is None:
             raise ValueError("max_num_seqs is not set (the engine sets it from its memory plan)")
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.cache = cache
+        self.context_switch = context_switch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -66,6 +72,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.at_limit:  # preempted below, or done when read back
                 continue
+            if self._long(seq) and not seq.long_context:  # its cache holds the KV of a shorter sequence
+                self._restart(seq)
+                continue
             num_new = 1 if seq.num_computed_tokens + 1 == len(seq.token_ids) else self._chunk(seq, budget)
             if num_new == 0:  # the rest of an image its tokens must see whole does not fit this step
                 continue
@@ -84,6 +93,7 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             if not self.cache.holds(seq):
+                seq.long_context = self._long(seq)
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
                 if not seq.scheduled_once:
                     seq.num_cached_tokens = seq.num_computed_tokens
@@ -106,7 +116,14 @@ class Scheduler:
         ending inside an image whose tokens see each other (:meth:`Sequence.chunk_end`)."""
         start = seq.num_computed_tokens
         end = start + min(seq.num_uncomputed_tokens, budget, self.cache.next_snapshot(seq) - start)
+        switch = self.context_switch
+        if seq.long_context and switch is not None and end <= switch < start + self.config.max_num_batched_tokens:
+            return 0  # a longer chunk waits for the budget: one ending before the switch would compute short KV
         return seq.chunk_end(start, end) - start
+
+    def _long(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is longer than the model's context switch."""
+        return self.context_switch is not None and seq.num_tokens > self.context_switch
 
     def _admitting(self) -> bool:
         """Whether a step that carries no prompt tokens yet admits waiting ones."""
@@ -128,8 +145,12 @@ class Scheduler:
         self.cache.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._restart(seq)
+        self.num_preemptions += 1
+
+    def _restart(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it first in line, to compute again from its first token."""
         self.running.remove(seq)
         self.cache.release(seq)
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1

@@ -5,7 +5,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xinfer.cache.block_pool import PageTable
+from xinfer.cache.block_pool import BlockKey, PageTable
 from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.sampling import SamplingParams
 
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 PENDING = -1
 """A token id the device has sampled and the host not yet read (the last one only)."""
+
+LONG_CONTEXT = "long-context"
+"""What a prefix-cache key of a sequence longer than the model's context switch ends with."""
 
 
 class Status(enum.Enum):
@@ -44,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     scheduled_once: bool = False
     constraint: Constraint | None = None  # its structured-output grammar, following its tokens
+    long_context: bool = False  # longer than the model's context switch when its KV was computed
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -59,13 +63,14 @@ class Sequence:
                 indexes[first:] = [p - r.position_shift for p in indexes[first:]]
         return indexes
 
-    def block_key(self, start: int, end: int) -> tuple[int, ...]:
+    def block_key(self, start: int, end: int) -> BlockKey:
         """What identifies the KV of positions ``start:end`` for the prefix cache: the tokens,
-        then the content hashes of the items placed there (same tokens, other image: another key)."""
-        tokens = tuple(self.token_ids[start:end])
-        if not self.multimodal:
-            return tokens
-        return tokens + tuple(r.item.content_hash for r in self.multimodal if r.offset < end and r.end > start)
+        then the content hashes of the items placed there (same tokens, other image: another key),
+        and whether the sequence was longer than the model's context switch (other KV)."""
+        key = tuple(self.token_ids[start:end])
+        if self.multimodal:
+            key += tuple(r.item.content_hash for r in self.multimodal if r.offset < end and r.end > start)
+        return key + (LONG_CONTEXT,) if self.long_context else key
 
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prefill chunk from ``start`` that would end at ``end`` ends: before an item it

@@ -29,6 +29,7 @@ class DecoderSpec:
 
     qkv_bias: bool | None = None  # None: the config's qkv_bias, else its attention_bias
     o_bias: bool | None = None  # None: the config's attention_bias
+    mlp_bias: bool | None = None  # None: the config's mlp_bias
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
     norm_weight_offset: float = 0.0  # norms multiply by offset + w (Gemma: 1)
@@ -38,6 +39,9 @@ class DecoderSpec:
     # rotary over each head's first partial_rotary_factor (Phi-3, GLM); else over the whole head, whatever
     # the config says, as transformers' Llama-style rotary does
     partial_rotary: bool = False
+    # a sequence that outgrows LongRoPE's trained context is recomputed with the long factors, as transformers'
+    # Phi-3 generate does (CausalLM.context_switch); else the keys cached before stay as they were
+    longrope_recompute: bool = False
 
 
 class DecoderForCausalLM(CausalLM):
@@ -68,6 +72,9 @@ class DecoderForCausalLM(CausalLM):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, getattr(config, "final_logit_softcapping", None))
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        if self.spec.longrope_recompute:
+            switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
+            self.context_switch = min(switches, default=None)
 
     def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
         params = rope_parameters(config, layer_type)
@@ -98,7 +105,11 @@ class DecoderForCausalLM(CausalLM):
 
     def mlp(self, config: Any, index: int) -> nn.Module:
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
-        return GatedMLP(config.hidden_size, config.intermediate_size, activation, getattr(config, "mlp_bias", False))
+        return GatedMLP(config.hidden_size, config.intermediate_size, activation, self.mlp_bias(config))
+
+    def mlp_bias(self, config: Any) -> bool:
+        """Whether the MLPs' projections have biases: the spec's ``mlp_bias``, else the config's."""
+        return getattr(config, "mlp_bias", False) if self.spec.mlp_bias is None else self.spec.mlp_bias
 
     def rms_norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.spec.norm_weight_offset)

@@ -29,7 +29,7 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     params = dict(params)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if params["rope_type"] == "longrope":  # the context it was trained at, and the ratio of the one it serves
+    if params["rope_type"] in ("longrope", "yarn"):  # the context it was trained at, the ratio of the one it serves
         trained = getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
         params.setdefault("original_max_position_embeddings", trained)
         if params.get("factor") is None:
@@ -153,8 +153,9 @@ def _cos_sin(inv_freq: Tensor, max_position: int, scale: float) -> Tensor:
 
 class RotaryEmbedding(nn.Module):
     """The cos || sin table of every position. LongRoPE with long factors of its own keeps a second table below
-    the first, for the tokens of sequences longer than the trained context (as transformers does, the whole
-    step of such a sequence rotates by the long factors; what is already cached stays as it was)."""
+    the first, for the tokens of the steps of sequences longer than the trained context (``trained_context``;
+    where it is the model's ``context_switch``, the scheduler recomputes a sequence that grows past it, so that
+    all its positions turn by the long factors, as in transformers' Phi-3 ``generate``)."""
 
     cos_sin: Tensor
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from xinfer.layers import DecoderForCausalLM, MoE, RotaryEmbedding, Routing
+from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RotaryEmbedding, Routing
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.model import HF_QKV_GATE_UP
@@ -25,8 +25,10 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     scores plus a correction bias among the ``topk_group`` best of ``n_group`` groups, their weights
     renormalized (``norm_topk_prob``) and scaled by ``routed_scaling_factor``; shared experts see every
     token. ``kv_b_proj`` loads whole (HF checkpoints) or as the halves llama.cpp's converter splits it
-    into. The MTP layers after the decoder's are skipped."""
+    into. The MTP layers after the decoder's are skipped. No MLP has biases, whatever ``mlp_bias`` says
+    (V3.2's config has the field; transformers' V3, V3.2 and GLM-4.7-Flash ignore it)."""
 
+    spec = DecoderSpec(mlp_bias=False)
     packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
@@ -53,7 +55,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         return MoE(
             config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, self.routing(config),
             config.hidden_act, shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-            shared_name="shared_experts", shared_bias=getattr(config, "mlp_bias", False),
+            shared_name="shared_experts", shared_bias=self.mlp_bias(config),
         )  # fmt: skip
 
     def checkpoint_names(self) -> set[str]:
@@ -72,7 +74,10 @@ def _halves_under_their_loader(weights: Weights) -> Iterator[tuple[str, Tensor |
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     """V3's layers, but the rotary always over adjacent pairs and the experts picked by their softmax
-    scores alone (``topk_method`` greedy, as V2-Lite), their weights scaled, not renormalized."""
+    scores alone (``topk_method`` greedy, as V2-Lite), their weights scaled, not renormalized; the dense and
+    shared experts' projections with biases where ``mlp_bias``."""
+
+    spec = DecoderSpec()
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         return LatentAttention(config, rotary, interleaved_rotary=True)

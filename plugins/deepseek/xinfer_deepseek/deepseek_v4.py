@@ -61,7 +61,7 @@ def _moe(config: Any, index: int) -> MoE:
     return MoE(
         config.hidden_size, config.n_routed_experts, config.moe_intermediate_size, routing, config.hidden_act,
         shared_intermediate_size=config.moe_intermediate_size, shared_name="shared_experts",
-        vocab_size=config.vocab_size, swiglu_limit=config.swiglu_limit,
+        shared_bias=config.mlp_bias, vocab_size=config.vocab_size, swiglu_limit=config.swiglu_limit,
     )  # fmt: skip
 
 

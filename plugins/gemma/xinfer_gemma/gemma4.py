@@ -251,7 +251,7 @@ class Gemma4ForCausalLM(CausalLM):
         kinds = config.layer_types
         rotary = {
             kind: RotaryEmbedding(
-                config.per_layer_config[kind].head_dim, config.max_position_embeddings, rope_parameters(config, kind)
+                config.per_layer_config[kind].head_dim, config.max_position_embeddings, rope(config, kind)
             )
             for kind in set(kinds)
         }
@@ -301,6 +301,13 @@ class Gemma4ForCausalLM(CausalLM):
             if projection in ("k_proj", "v_proj", "k_norm", "v_norm") and ".".join(module) + "." in shared:
                 continue
             yield name.replace(".router.proj.", ".router."), tensor
+
+
+def rope(config: Any, layer_type: str) -> dict[str, Any]:
+    """``layer_type``'s rope parameters; its "default" rope turns the whole head whatever ``partial_rotary_factor``
+    says, as transformers' Gemma 4 computes it ("proportional" turns a part of it by its own table)."""
+    params = rope_parameters(config, layer_type)
+    return {**params, "partial_rotary_factor": 1.0} if params["rope_type"] == "default" else params
 
 
 _AUDIO = ("model.audio_tower.", "model.embed_audio.")

@@ -1,7 +1,7 @@
 """The latent-attention architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields test_deepseek.py
 leaves at one value (the query path, rotary layout and scaling, biases, head sizes, dense and sparse layer
-layouts, routing options), or is another architecture: GLM-4.7-Flash, DeepSeek-V2(-Lite)."""
+layouts, routing options), or is another architecture: GLM-4.7-Flash, DeepSeek-V2(-Lite), V3.2, V4."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 from transformers import PretrainedConfig
 
 from tests.plugins.deepseek.configs import YARN, deepseek_v2_config, deepseek_v3_config, glm4_moe_lite_config
+from tests.plugins.deepseek.test_deepseek_v4 import deepseek_v4_config
+from tests.plugins.deepseek.test_deepseek_v32 import deepseek_v32_config
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
@@ -34,6 +36,9 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "v2-lite: no q-lora, greedy softmax routing, yarn, mlp biases": lambda: deepseek_v2_config(
         rope_parameters=YARN, mlp_bias=True
     ),
+    # V3.2's config declares mlp_bias, which transformers' V3.2 (as its V3 and GLM-4.7-Flash) ignores
+    "v3.2 mlp_bias set": lambda: deepseek_v32_config(mlp_bias=True),
+    "v4 mlp_bias: the shared experts' biases": lambda: deepseek_v4_config(mlp_bias=True),
 }  # fmt: skip
 
 

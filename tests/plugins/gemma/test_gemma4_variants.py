@@ -1,7 +1,7 @@
 """Gemma 4 on config variants transformers accepts, against its modeling code (fp32, CPU): fields
 test_gemma4.py leaves at one value (attention biases, untied embeddings, no logit soft-capping, as many
-KV heads on global layers as on sliding ones, a rope scaling factor, the E-model's sharing with experts,
-another activation)."""
+KV heads on global layers as on sliding ones, a rope scaling factor, the default rope on global layers, the
+E-model's sharing with experts, another activation)."""
 
 import pytest
 
@@ -20,12 +20,17 @@ SCALED_ROPE = {
         "factor": 4.0,
     },
 }
+PARTIAL_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25}
 VARIANTS = {
     "bias, untied, no softcap, v_proj on global layers": lambda: gemma4_config(
         attention_bias=True, tie_word_embeddings=False, final_logit_softcapping=None, attention_k_eq_v=False,
         num_global_key_value_heads=None,
     ),
     "half-rotary global layers, rope factor 4": lambda: gemma4_config(rope_parameters=SCALED_ROPE),
+    # transformers' default rope turns the whole head, whatever partial_rotary_factor says
+    "global layers' default rope, partial_rotary_factor ignored": lambda: gemma4_config(
+        rope_parameters={**SCALED_ROPE, "full_attention": PARTIAL_DEFAULT_ROPE}
+    ),
     # silu: the MLPs' and the per-layer input gate's activation (the gate's ran gelu-tanh)
     "E-model with experts, silu": lambda: gemma4_config(**E_MODEL, **MOE, hidden_activation="silu"),
 }  # fmt: skip
