@@ -15,7 +15,8 @@ top-p cut), replayed from a CUDA graph as inside a step, for each mix of paramet
 top-p and top-k over near-flat logits (N(0, 0.01) in the model dtype: runs of tied tokens
 at the cut), top-p over constant logits (every token tied), over logits like a dummy-weight
 model's (N(0, 1.5): 0.02 * sqrt(5120), a wide smooth row) and, at temperature 1, over a long
-tail (a few tokens ~12 above an N(0, 1) bulk: the cut deep in the tail). The kernel settles a
+tail (a few tokens ~12 above an N(10, 2) bulk: the cut deep in the tail, among runs of
+thousands of tokens tied in bfloat16). The kernel settles a
 row by its whole-row Gumbel-max candidate when that is kept (two passes; most rows at top-p
 0.95, every constant row) and searches the others above the candidate: "top-p 0.5" (half the
 candidates rejected) shows that path's cost. ``paths`` counts the rows each path settled
@@ -154,7 +155,7 @@ def main() -> None:
         result["decode_step_ms"][rows] = round(step * 1e3, 3)
         logits = (torch.randn(rows, vocab, generator=generator, device=device) * 3).to(engine.dtype)
         flat = (torch.randn(rows, vocab, generator=generator, device=device) * 0.01).to(engine.dtype)
-        tail = torch.randn(rows, vocab, generator=generator, device=device)
+        tail = torch.randn(rows, vocab, generator=generator, device=device) * 2 + 10
         tail[:, :5] += 12 + torch.rand(rows, 5, generator=generator, device=device)
         worst = {
             FLAT: flat,

@@ -132,7 +132,7 @@ def test_kernel_settles_dummy_weight_rows_by_a_small_boundary():
     top-p rejects: the exact bucket masses put the cut in one bucket of a few tokens, and the
     row is settled from them. (Bounding each bucket's mass by its count times its edges'
     weights left 60-80 tokens at these cuts: past this region, the whole-row settling; at a
-    248k vocabulary, past REGION = 2048.)"""
+    248k vocabulary, 2,000-5,000 tokens.)"""
     logits = torch.randn(8192, generator=torch.Generator().manual_seed(6)) * 1.5
     rows = []
     for temperature in (0.8, 1.0):
