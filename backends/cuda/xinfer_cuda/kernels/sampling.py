@@ -20,11 +20,11 @@ row its candidate settles, two more over a row it does not:
 2. check (rows x chunks; rows with top-k or top-p): per chunk, the count and mass of
    the tokens above the candidate, the mass of its ties and, with top-k, the counts
    above a few probes around it (the highest with k tokens above is below the k-th);
-3. histogram (rows x chunks; rows the candidate does not settle): each chunk's count and
-   mass of the ``s`` above the floor in ``BUCKETS`` buckets below the row's peak, added
-   atomically to the row's, and the chunk's whole mass; masses are integers (a token
-   weighs ``exp(s - peak)`` in units of 2**-32, rounded), so every sum is exact whatever
-   the order of the atomics, and every later pass weighs a token alike;
+3. histogram (rows x chunks; rows the candidate does not settle): each chunk's count (for
+   top-k) and mass (for top-p) of the ``s`` above the floor in ``BUCKETS`` buckets below
+   the row's peak, added atomically to the row's, and the chunk's whole mass; masses are
+   integers (a token weighs ``exp(s - peak)`` in units of 2**-32, rounded), so every sum
+   is exact whatever the order of the atomics, and every later pass weighs a token alike;
 4. plan (rows; only the histogram): whether the candidate settles the row, else the
    bucket of the k-th token and the bucket where the top-p cut falls: the boundary. The
    masses are exact, so with top-p alone the boundary is the one bucket the cut is in
@@ -343,11 +343,13 @@ def _histogram_kernel(
 ):  # fmt: skip
     """Per chunk of a row with top-k or top-p that its candidate does not settle: its count
     and integer mass per bucket of the ``s`` above the floor below the row's peak, added to
-    the row's, and its whole integer mass (integer sums: exact, whatever the order)."""
+    the row's, and its whole integer mass (integer sums: exact, whatever the order). Only
+    top-k needs the counts and only top-p the masses: one atomic per token but with both."""
     pdl_entry(PDL)
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
-    if _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p):
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    if with_top_k | with_top_p:
         kept, floor = _verdict(
             logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
             stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
@@ -372,8 +374,10 @@ def _histogram_kernel(
                 bucket = _bucket(s, peak, inv_width, BUCKETS)
                 counted = s > float("-inf")
                 deep = bucket == BUCKETS - 1
-                tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int64), mask=counted & ~deep, sem="relaxed")
-                tl.atomic_add(masses + bucket, weights, mask=counted & ~deep, sem="relaxed")
+                if with_top_k:
+                    tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int64), mask=counted & ~deep, sem="relaxed")
+                if with_top_p:
+                    tl.atomic_add(masses + bucket, weights, mask=counted & ~deep, sem="relaxed")
                 deepest_count += tl.sum((counted & deep).to(tl.int64), 0)
                 deepest_mass += tl.sum(tl.where(counted & deep, weights, 0), 0)
             tl.atomic_add(counts + BUCKETS - 1, deepest_count, sem="relaxed")
