@@ -20,7 +20,8 @@ thousands of tokens tied in bfloat16). The kernel settles a
 row by its whole-row Gumbel-max candidate when that is kept (two passes; most rows at top-p
 0.95, every constant row) and searches the others above the candidate: "top-p 0.5" (half the
 candidates rejected) shows that path's cost. ``paths`` counts the rows each path settled
-(candidate, boundary, whole row: the last one program scanning the whole row, slow).
+(candidate, boundary, tied: a boundary too large to gather whose tokens tie, whole row:
+one program scanning the whole row, slow).
 """
 
 from __future__ import annotations
@@ -170,8 +171,8 @@ def main() -> None:
             seconds = seconds_per_call(lambda x=row_logits, batch=batch: sample(x, batch), device, args.repeats)
             result["sample_ms"][name][rows] = round(seconds * 1e3, 4)
             result["share_of_decode_step"][name][rows] = round(seconds / step, 4)
-            paths = sample_paths(row_logits, batch)[1].bincount(minlength=3).tolist()
-            result["paths"][name][rows] = dict(zip(["candidate", "boundary", "whole_row"], paths))
+            paths = sample_paths(row_logits, batch)[1].bincount(minlength=4).tolist()
+            result["paths"][name][rows] = dict(zip(["candidate", "boundary", "tied", "whole_row"], paths))
             if args.kernels and rows == max(row_counts):
                 with kernel_profiler() as profiler:
                     for _ in range(args.kernels):

@@ -30,8 +30,9 @@ row its candidate settles, two more over a row it does not:
    masses are exact, so with top-p alone the boundary is the one bucket the cut is in
    (with top-k too, the few the top-k mass's bounds leave);
 5. draw (rows x chunks; unsettled rows): the Gumbel-max over the tokens above the
-   boundary (all kept, but for min-p, which is one comparison) and the boundary's token
-   ids gathered (tens to a few hundred of a 248k row at top-p 0.95);
+   boundary (all kept, but for min-p, which is one comparison), the boundary's token ids
+   gathered (tens to a few hundred of a 248k row at top-p 0.95), their least and largest
+   keys and their own Gumbel-max;
 6. settle (rows): the candidate, or the exact cuts among the boundary tokens (a
    threshold search over their order-preserving integer keys, from the plan's integer
    masses above the boundary) and the draw over the kept ones.
@@ -40,8 +41,10 @@ The boundary holds the tokens of a bucket (1/4096 of the row's range of ``s``): 
 hundreds of a smooth row, more where logits tie (in bfloat16 a value is shared by up to a
 few thousand tokens of a large vocabulary: about 2,400 at 248k with the bulk at 10 +- 2,
 where the spacing is 1/16). The settle passes over them twice when they tie, about ten
-times when their keys differ. A boundary of more than ``REGION`` tokens is settled by the
-same search over the whole row, in one program: slower, never wrong. No sort, no
+times when their keys differ. A boundary of more than ``REGION`` tokens that all tie is
+kept or dropped whole, from the plan's masses (its draw is the draw pass's); one of
+several keys (over 8,192 tokens, not all equal, within 1/4096 of the row's range) is settled
+by the same search over the whole row, in one program: slower, never wrong. No sort, no
 host synchronisation: a step's sampling is recorded in the step's CUDA graph. The chunk
 size is fixed, so a row's sums, and so its tokens, do not depend on the batch.
 """
@@ -396,12 +399,13 @@ def _plan_kernel(
     """Per row: whether its candidate settles it (or it is not filtered); else peak, 1 / bucket
     width, floor, the buckets of the boundary: ``kth`` (the k-th token's, or BUCKETS) and
     ``[p_lo, p_hi]`` (where the top-p cut may be; above both every token is kept, below
-    none), the count above kth and the integer masses above p_lo, above kth and of the row."""
+    none), the count above kth and the integer masses above p_lo, above kth, of the row and
+    of the top-k set if it keeps the whole kth bucket."""
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
-    bounds = bounds_ptr + row * 6
+    bounds = bounds_ptr + row * 8
     if _filtered(temperature, top_k, top_p, min_p, vocab):
         kept, floor = _verdict(
             logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
@@ -416,11 +420,12 @@ def _plan_kernel(
         above_p_lo_mass = tl.full((), 0, tl.int64)
         above_kth_mass = tl.full((), 0, tl.int64)
         row_mass = tl.full((), 0, tl.int64)
+        whole_kth_mass = tl.full((), 0, tl.int64)
         if (with_top_k | with_top_p) & ~kept:
             chunk = tl.arange(0, CHUNKS)
             row_mass = tl.sum(tl.load(chunk_mass_ptr + row * chunks + chunk, mask=chunk < chunks, other=0), 0)
             histogram = histogram_ptr + row * 2 * BUCKETS + tl.arange(0, BUCKETS)
-            kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass = _boundary(
+            kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass, whole_kth_mass = _boundary(
                 tl.load(histogram), tl.load(histogram + BUCKETS), 1.0 / inv_width, row_mass,
                 top_k, top_p, with_top_k, with_top_p, BUCKETS, SLACK,
             )  # fmt: skip
@@ -433,13 +438,16 @@ def _plan_kernel(
         tl.store(bounds + 2, p_hi)
         tl.store(bounds + 3, above_kth.to(tl.int32))
         tl.store(bounds + 5, kept.to(tl.int32))
-        masses = masses_ptr + row * 3
+        masses = masses_ptr + row * 4
         tl.store(masses, above_p_lo_mass)
         tl.store(masses + 1, above_kth_mass)
         tl.store(masses + 2, row_mass)
+        tl.store(masses + 3, whole_kth_mass)
     else:
         tl.store(bounds + 5, 1)
     tl.store(bounds + 4, 0)  # boundary tokens gathered
+    tl.store(bounds + 6, INT32_MAX)  # their least key
+    tl.store(bounds + 7, INT32_MIN)  # their largest
 
 
 @triton.jit
@@ -475,7 +483,7 @@ def _boundary(
         p_lo = tl.sum((through < _target(top_p, least_mass)).to(tl.int32), 0)
         p_hi = tl.minimum(tl.sum((through - masses < _target(top_p, most_mass)).to(tl.int32), 0) - 1, kth)
         above_p_lo_mass = tl.sum(tl.where(bucket < p_lo, masses, 0), 0)
-    return kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass
+    return kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass, most_mass
 
 
 @triton.jit
@@ -489,7 +497,7 @@ def _target(top_p, top_k_mass):
 @triton.jit
 def _load_plan(plan_ptr, bounds_ptr, row):
     """peak, inv_width, floor, kth, p_lo, p_hi, above_kth, and whether the candidate settles the row."""
-    plan, bounds = plan_ptr + row * 3, bounds_ptr + row * 6
+    plan, bounds = plan_ptr + row * 3, bounds_ptr + row * 8
     return (
         tl.load(plan), tl.load(plan + 1), tl.load(plan + 2),
         tl.load(bounds), tl.load(bounds + 1), tl.load(bounds + 2), tl.load(bounds + 3), tl.load(bounds + 5) != 0,
@@ -504,7 +512,9 @@ def _draw_kernel(
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, REGION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per chunk of a filtered row that its candidate does not settle: the draw among the
-    tokens above the boundary, and the boundary's tokens appended to the row's region."""
+    tokens above the boundary, the boundary's tokens appended to the row's region, their
+    least and largest keys, and the draw among them that min-p keeps (the row's if they
+    tie and are too many to gather)."""
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
@@ -515,25 +525,41 @@ def _draw_kernel(
             noise_key = _noise_key(seed_ptr, position_ptr, row)
             best = tl.full((), float("-inf"), tl.float32)
             best_token = tl.full((), INT32_MAX, tl.int32)
+            tied_best = tl.full((), float("-inf"), tl.float32)
+            tied_token = tl.full((), INT32_MAX, tl.int32)
+            least_key = tl.full((), INT32_MAX, tl.int32)
+            largest_key = tl.full((), INT32_MIN, tl.int32)
             for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
                 tokens = start + tl.arange(0, BLOCK)
                 valid = tokens < vocab
                 s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32)
                 s = _above(s * inv_t, floor)
                 bucket = _bucket(s, peak, inv_width, BUCKETS)
-                above = valid & (bucket < tl.minimum(p_lo, kth))
-                kept = above & (tl.exp(s - peak) >= min_p) & (s > float("-inf"))
-                if tl.max(kept.to(tl.int32), 0) > 0:
-                    scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
-                    best, best_token = _take(best, best_token, scores, tokens)
-                boundary = valid & (s > float("-inf")) & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
+                finite = valid & (s > float("-inf"))
+                min_p_kept = finite & (tl.exp(s - peak) >= min_p)
+                kept = min_p_kept & (bucket < tl.minimum(p_lo, kth))
+                boundary = finite & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
+                if tl.max((kept | (boundary & min_p_kept)).to(tl.int32), 0) > 0:
+                    scores = s + _gumbel(noise_key, tokens)
+                    best, best_token = _take(best, best_token, tl.where(kept, scores, float("-inf")), tokens)
+                    tied_scores = tl.where(boundary & min_p_kept, scores, float("-inf"))
+                    tied_best, tied_token = _take(tied_best, tied_token, tied_scores, tokens)
                 found = tl.sum(boundary.to(tl.int32), 0)
                 if found > 0:
-                    first = tl.atomic_add(bounds_ptr + row * 6 + 4, found)
+                    keys = _order_key(s)
+                    least_key = tl.minimum(least_key, tl.min(tl.where(boundary, keys, INT32_MAX), 0))
+                    largest_key = tl.maximum(largest_key, tl.max(tl.where(boundary, keys, INT32_MIN), 0))
+                    first = tl.atomic_add(bounds_ptr + row * 8 + 4, found)
                     slots = first + tl.cumsum(boundary.to(tl.int32), 0) - 1
                     tl.store(region_ptr + row * REGION + slots, tokens, mask=boundary & (slots < REGION))
             tl.store(best_ptr + row * chunks + chunk, best)
             tl.store(best_token_ptr + row * chunks + chunk, best_token)
+            tied = tl.num_programs(0) * chunks + row * chunks + chunk
+            tl.store(best_ptr + tied, tied_best)
+            tl.store(best_token_ptr + tied, tied_token)
+            if largest_key >= least_key:
+                tl.atomic_min(bounds_ptr + row * 8 + 6, least_key, sem="relaxed")
+                tl.atomic_max(bounds_ptr + row * 8 + 7, largest_key, sem="relaxed")
 
 
 @triton.jit
@@ -616,7 +642,7 @@ def _settle_kernel(
     with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
     rows, chunk = tl.num_programs(0), tl.arange(0, CHUNKS)
     part = row * chunks + chunk
-    settled = tl.load(bounds_ptr + row * 6 + 5) != 0
+    settled = tl.load(bounds_ptr + row * 8 + 5) != 0
     # the stats pass drew the unfiltered rows and the candidates; the draw pass, the other
     # filtered rows' tokens above the boundary
     drawn = (~settled).to(tl.int64) * rows * chunks + part
@@ -625,12 +651,14 @@ def _settle_kernel(
     best_token = tl.min(tl.where(part_best == best, tl.load(best_token_ptr + drawn, mask=chunk < chunks), INT32_MAX), 0)
     if not settled:
         peak, inv_width, floor, kth, p_lo, p_hi, above_kth, _ = _load_plan(plan_ptr, bounds_ptr, row)
-        masses = masses_ptr + row * 3
+        masses = masses_ptr + row * 4
         above_p_lo_mass, above_kth_mass, row_mass = tl.load(masses), tl.load(masses + 1), tl.load(masses + 2)
+        whole_kth_mass = tl.load(masses + 3)
+        least_key, largest_key = tl.load(bounds_ptr + row * 8 + 6), tl.load(bounds_ptr + row * 8 + 7)
         inv_t = 1.0 / temperature
         row_ptr = logits_ptr + row * stride
         noise_key = _noise_key(seed_ptr, position_ptr, row)
-        gathered = tl.load(bounds_ptr + row * 6 + 4)
+        gathered = tl.load(bounds_ptr + row * 8 + 4)
         if gathered <= REGION:
             cut = _settle(
                 row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, kth, p_lo, p_hi,
@@ -641,7 +669,15 @@ def _settle_kernel(
                 row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, cut, min_p, noise_key,
                 best, best_token, True, BUCKETS, SEARCH_BLOCK,
             )  # fmt: skip
-        else:  # a crowded boundary bucket: its tokens found in the whole row
+        elif least_key == largest_key:  # more tokens than the region holds, all tied: kept alike
+            if _tied_kept(
+                least_key, peak, inv_width, p_lo, p_hi, above_p_lo_mass, whole_kth_mass, top_p, with_top_p, BUCKETS
+            ):
+                tied = 2 * rows * chunks + part
+                tied_best = tl.load(best_ptr + tied, mask=chunk < chunks, other=float("-inf"))
+                tied_token = tl.load(best_token_ptr + tied, mask=chunk < chunks, other=INT32_MAX)
+                best, best_token = _take(best, best_token, tied_best, tied_token)
+        else:  # more tokens than the region holds, of several keys: found in the whole row
             cut = _settle(
                 row_ptr, region_ptr, vocab, inv_t, peak, inv_width, floor, kth, p_lo, p_hi,
                 above_kth, above_p_lo_mass, above_kth_mass, row_mass, top_k, top_p, with_top_k, with_top_p,
@@ -652,6 +688,21 @@ def _settle_kernel(
                 best, best_token, False, BUCKETS, SEARCH_BLOCK,
             )  # fmt: skip
     tl.store(out_ptr + row, best_token.to(tl.int64))
+
+
+@triton.jit
+def _tied_kept(
+    key, peak, inv_width, p_lo, p_hi, above_p_lo_mass, whole_kth_mass, top_p, with_top_p, BUCKETS: tl.constexpr
+):
+    """Whether top-k and top-p keep a boundary whose tokens all have ``key``. They lie in one
+    bucket, the k-th token's if there is one: top-k keeps them (theirs is the k-th key) and
+    its mass is all of it and above. Top-p keeps them above its boundary, drops them below
+    and, within, keeps them iff the mass above them is below its target: the mass above
+    p_lo (the boundary's other buckets are empty)."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    bucket = _bucket(bits.to(tl.float32, bitcast=True), peak, inv_width, BUCKETS)
+    within = (bucket >= p_lo) & (bucket <= p_hi)
+    return ~with_top_p | (bucket < p_lo) | (within & (above_p_lo_mass < _target(top_p, whole_kth_mass)))
 
 
 @triton.jit
@@ -709,7 +760,7 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     return _sample(logits, params, chunk, region)[0]
 
 
-CANDIDATE, BOUNDARY, WHOLE_ROW = 0, 1, 2
+CANDIDATE, BOUNDARY, TIED, WHOLE_ROW = 0, 1, 2, 3
 
 
 def sample_paths(
@@ -717,17 +768,19 @@ def sample_paths(
 ) -> tuple[Tensor, Tensor]:
     """:func:`sample`'s tokens, and the path that settled each row (for tests and benchmarks):
     CANDIDATE (its candidate was kept, or it has no filter), BOUNDARY (the gathered boundary
-    tokens) or WHOLE_ROW (a boundary of more than ``region`` tokens)."""
+    tokens), TIED (more than ``region`` boundary tokens, all tied) or WHOLE_ROW (more than
+    ``region``, not all tied: a search over the whole row)."""
     tokens, bounds = _sample(logits, params, chunk, region)
-    settled, gathered = bounds[:, 5] != 0, bounds[:, 4]
-    return tokens, torch.where(settled, CANDIDATE, torch.where(gathered <= region, BOUNDARY, WHOLE_ROW))
+    settled, gathered, tied = bounds[:, 5] != 0, bounds[:, 4], bounds[:, 6] == bounds[:, 7]
+    crowded = torch.where(tied, TIED, WHOLE_ROW)
+    return tokens, torch.where(settled, CANDIDATE, torch.where(gathered <= region, BOUNDARY, crowded))
 
 
 def _sample(logits: Tensor, params: SamplingBatch, chunk: int, region: int) -> tuple[Tensor, Tensor]:
     """The tokens, and each row's bounds (the plan's, and the count of its gathered boundary)."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    bounds = torch.empty(rows, 6, dtype=torch.int32, device=logits.device)
+    bounds = torch.empty(rows, 8, dtype=torch.int32, device=logits.device)
     if rows == 0:
         return tokens, bounds
     if logits.stride(-1) != 1:
@@ -739,9 +792,9 @@ def _sample(logits: Tensor, params: SamplingBatch, chunk: int, region: int) -> t
     histogram = torch.zeros(rows, 2, BUCKETS, dtype=torch.int64, device=device)  # counts, integer masses
     chunk_mass = torch.empty(rows, chunks, dtype=torch.int64, device=device)
     plan = torch.empty(rows, 3, dtype=torch.float32, device=device)
-    masses = torch.empty(rows, 3, dtype=torch.int64, device=device)
-    best = torch.empty(2, rows, chunks, dtype=torch.float32, device=device)
-    best_token = torch.empty(2, rows, chunks, dtype=torch.int32, device=device)
+    masses = torch.empty(rows, 4, dtype=torch.int64, device=device)
+    best = torch.empty(3, rows, chunks, dtype=torch.float32, device=device)
+    best_token = torch.empty(3, rows, chunks, dtype=torch.int32, device=device)
     gathered = torch.empty(rows, region, dtype=torch.int32, device=device)
     filters = (params.temperature, params.top_k, params.top_p, params.min_p)
     noise = (params.seed, params.position)
@@ -765,7 +818,7 @@ def _sample(logits: Tensor, params: SamplingBatch, chunk: int, region: int) -> t
         BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **sizes, **{**options, "num_warps": 16},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
-        *row, *filters, *noise, plan, bounds, best[1], best_token[1], gathered,
+        *row, *filters, *noise, plan, bounds, best[1:], best_token[1:], gathered,
         CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, REGION=region, **options,
     )  # fmt: skip
     _settle_kernel[(rows,)](
