@@ -1,6 +1,7 @@
 """Continuous batching, preemption, prefix caching and bad input on a tiny Llama."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from transformers import LlamaConfig
@@ -212,6 +213,22 @@ def test_stop_strings_across_tokens_and_n_seeded_choices(model_dir):
         alone = SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8, ignore_eos=True)
         assert choice.index == i and choice.token_ids == llm.generate([tokens], alone)[0].outputs[0].token_ids
     assert_all_blocks_free(llm)
+
+
+def test_stop_strings_count_after_min_tokens(model_dir):
+    """vLLM's ``min_tokens``: a stop string ending in the text of the first ``min_tokens`` tokens does not stop
+    the sequence (vLLM's tests/detokenizer/test_min_tokens.py); the next one after them does."""
+    llm = LLM(model=model_dir, tokenizer=LetterTokenizer(), dtype="float32", num_blocks=64)
+    tokens = prompt(20, seed=6)
+    free = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].text
+    stop = next(letter for letter in free if free.count(letter) > 1)  # one letter: one token
+    first, second = free.index(stop), free.index(stop, free.index(stop) + 1)
+    held = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=first + 1)
+    out = llm.generate([tokens], held)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (free[:second], "stop", stop)
+    two_letters = free[first : first + 2]  # ends in the token after the first min_tokens: it stops there
+    out = llm.generate([tokens], replace(held, stop=[two_letters]))[0].outputs[0]
+    assert out.text == free[:first]
 
 
 @pytest.mark.parametrize(

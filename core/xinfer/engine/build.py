@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,6 +31,9 @@ from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch
 from xinfer.quant.dispatch import prepare_weights
 from xinfer.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from xinfer.model import CausalLM
 
 log = logging.getLogger("xinfer")
 
@@ -80,6 +83,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     if max_model_len > hf_config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} is more than the model's max_position_embeddings "
                          f"({hf_config.max_position_embeddings}): its positions go no further")  # fmt: skip
+    config = _step_past_context_switch(config, model, max_model_len)
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)
@@ -112,6 +116,19 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
     return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
                        Scheduler(scheduler_config, cache_manager, runner.model.context_switch))  # fmt: skip
+
+
+def _step_past_context_switch(config: EngineConfig, model: CausalLM, max_model_len: int) -> EngineConfig:
+    """``config`` with steps of more tokens than the model's context switch where a sequence may be longer
+    than it: such a sequence's first prefill step must reach past it for all its KV to be the long kind
+    (the scheduler waits for a budget that does, which a smaller step never gives)."""
+    switch, budget = model.context_switch, config.scheduler.max_num_batched_tokens
+    if switch is None or max_model_len <= switch or budget > switch:
+        return config
+    log.info("max_num_batched_tokens raised from %d to %d: a sequence longer than %s's context switch (%d tokens) "
+             "computes its first step past it", budget, switch + 1, type(model).__name__, switch)  # fmt: skip
+    scheduler = config.scheduler.model_copy(update={"max_num_batched_tokens": switch + 1})
+    return config.model_copy(update={"scheduler": scheduler})
 
 
 def _refuse_a_format_no_layer_stores(kv_format: KVFormat, layout: CacheLayout) -> None:

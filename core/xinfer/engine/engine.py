@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -24,6 +24,9 @@ from xinfer.sampling import SamplingParams
 if TYPE_CHECKING:
     from xinfer.distributed.ranks import Ranks
     from xinfer.grammar.matcher import GrammarCompiler
+
+
+T = TypeVar("T")
 
 
 class KVCacheFull(RuntimeError):
@@ -211,8 +214,7 @@ class LLMEngine:
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Final hidden states [T, hidden] over ``token_ids`` (embeddings, prompt scoring)."""
-        with self._whole_input(token_ids) as batch:
-            return self.runner.hidden_states(batch)
+        return torch.cat(self._in_steps(token_ids, None, lambda batch, _start, _end: self.runner.hidden_states(batch)))
 
     @torch.inference_mode()
     def prompt_logprobs(
@@ -221,15 +223,26 @@ class LLMEngine:
         """Each token's log-probability after the tokens before it (``None`` for the first), with
         the ``top_n`` likeliest tokens there: the logprobs of a prompt echoed back; ``multimodal``:
         where its images' embeddings go, as :meth:`add_request`'s."""
-        with self._whole_input(token_ids, multimodal) as batch:
-            return self.runner.prompt_logprobs(batch, top_n)
 
-    @contextlib.contextmanager
-    def _whole_input(
-        self, token_ids: list[int], multimodal: list[PlaceholderRange] | None = None
-    ) -> Iterator[HostBatch]:
-        """One forward's batch over all of ``token_ids`` (and the images ``multimodal`` places),
-        through blocks borrowed from the KV pool between steps."""
+        def score(batch: HostBatch, start: int, end: int) -> list[dict[int, float]]:
+            return self.runner.prompt_logprobs(batch, token_ids[start + 1 : end + 1], top_n)
+
+        entries: list[dict[int, float] | None] = [None]
+        for step in self._in_steps(token_ids, multimodal, score):
+            entries += step
+        return entries
+
+    def _in_steps(
+        self,
+        token_ids: list[int],
+        multimodal: list[PlaceholderRange] | None,
+        run: Callable[[HostBatch, int, int], T],
+    ) -> list[T]:
+        """``run(batch, start, end)`` on each step of ``token_ids`` (and the images ``multimodal``
+        places) through the model as one sequence, whose positions ``start:end`` the step computes:
+        chunked as its prefill would be (at most ``max_num_batched_tokens`` a step, so activations
+        stay within the profiled ones and a sliding window's pool needs only its window and a step),
+        through blocks borrowed from the pools between engine steps."""
         if not token_ids:
             raise ValueError("the input is empty")
         if len(token_ids) > self.max_model_len:
@@ -240,13 +253,20 @@ class LLMEngine:
         ranges = list(multimodal or [])
         seq = Sequence("whole-input", token_ids, SamplingParams(), multimodal=ranges,
                        whole_items=self._check_multimodal(ranges, len(token_ids)))  # fmt: skip
-        if not self.cache.allocate(seq, len(token_ids)):
-            self.cache.release(seq)
-            raise KVCacheFull("the KV cache is full; retry later")
+        budget = self.config.scheduler.max_num_batched_tokens  # past the model's context switch (build_engine)
+        results: list[T] = []
         try:
-            yield self.runner.prepare([ScheduledSeq(seq, len(token_ids))])
+            while (start := seq.num_computed_tokens) < len(token_ids):
+                end = seq.chunk_end(start, min(len(token_ids), start + budget))
+                assert end > start, "an image longer than a step is refused by _check_multimodal"
+                if not self.cache.allocate(seq, end):
+                    raise KVCacheFull("the KV cache is full; retry later")
+                results.append(run(self.runner.prepare([ScheduledSeq(seq, end - start)]), start, end))
+                seq.num_computed_tokens = end
+                self.cache.trim(seq)
         finally:
             self.cache.release(seq)
+        return results
 
     def _check_vocab(self, token_ids: list[int]) -> None:
         vocab_size = self.hf_config.vocab_size

@@ -165,4 +165,4 @@ class OutputProcessor:
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
         tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens
         detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
-        return TextStream(detokenizer, params.stop, params.include_stop_str_in_output)
+        return TextStream(detokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)

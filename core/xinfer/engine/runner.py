@@ -98,23 +98,22 @@ class ModelRunner:
                 return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, batch: HostBatch, top_n: int) -> list[dict[int, float] | None]:
-        """For ``batch``, one whole sequence: each token's log-probability after the tokens before it,
-        with the ``top_n`` likeliest tokens there; the first token has none. The logits are taken
-        ``LOGPROB_ROWS`` positions at a time (a long prompt's [T, vocab] would not fit)."""
-        with ops.use(self.backend), self._leading(("logprobs", batch, top_n)):
+    def prompt_logprobs(self, batch: HostBatch, following: list[int], top_n: int) -> list[dict[int, float]]:
+        """For ``batch``, a step of one sequence: the log-probability of each token of ``following`` (the
+        token after each row, as far as the sequence goes) after its row, with the ``top_n`` likeliest
+        tokens there. The logits are taken ``LOGPROB_ROWS`` rows at a time (a long step's [T, vocab]
+        would not fit)."""
+        with ops.use(self.backend), self._leading(("logprobs", batch, following, top_n)):
             input_ids, positions, step = self.to_device(batch)
-            entries: list[dict[int, float] | None] = [None]
+            entries: list[dict[int, float]] = []
             with forward_context(step):
                 hidden = self.model(input_ids, positions)
-                for start in range(0, len(input_ids) - 1, LOGPROB_ROWS):
-                    end = min(start + LOGPROB_ROWS, len(input_ids) - 1)
-                    logprobs = self.model.compute_logits(hidden[start:end]).float().log_softmax(-1)
-                    following = input_ids[start + 1 : end + 1]
-                    chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
+                for start in range(0, len(following), LOGPROB_ROWS):
+                    tokens = following[start : start + LOGPROB_ROWS]
+                    logprobs = self.model.compute_logits(hidden[start : start + len(tokens)]).float().log_softmax(-1)
+                    chosen = logprobs.gather(1, self._tensor(tokens, torch.int64)[:, None])[:, 0].tolist()
                     top = logprobs.topk(top_n)  # (top_n 0: empty rows)
-                    for token, value, ids, values in zip(following.tolist(), chosen, top.indices.tolist(),
-                                                         top.values.tolist()):  # fmt: skip
+                    for token, value, ids, values in zip(tokens, chosen, top.indices.tolist(), top.values.tolist()):
                         entries.append({token: value, **dict(zip(ids, values))})
             return entries
 

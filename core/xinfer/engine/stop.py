@@ -6,34 +6,50 @@ from xinfer.text.detokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    """Holds back the tail that could still become a stop string."""
+    """Holds back the tail that could still become a stop string. As in vLLM, a stop string
+    counts only where it ends in the text of a token after the first ``min_tokens``."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, stop: list[str], include_stop: bool = False):
+    def __init__(
+        self, detokenizer: IncrementalDetokenizer | None, stop: list[str], include_stop: bool = False,
+        min_tokens: int = 0,
+    ):  # fmt: skip
         self.detokenizer = detokenizer
         self.stop = stop
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.num_tokens = 0
+        self.min_text = 0  # the length of the first min_tokens tokens' text, once they are all in
 
     def push(self, token_ids: list[int]) -> tuple[str, str | None]:
         """Adds tokens; returns the new text safe to emit and the stop string hit, if any."""
         if self.detokenizer is None:
             return "", None
-        new = "".join([self.detokenizer.push(token) for token in token_ids])
         if not self.stop:  # nothing held back, nothing kept: the text of a long answer is not copied each token
-            return new, None
+            return "".join([self.detokenizer.push(token) for token in token_ids]), None
         previous = len(self.text)
-        self.text += new
-        search_from = max(0, previous - self.hold)
-        hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
+        for token in token_ids:
+            self.text += self.detokenizer.push(token)
+            self.num_tokens += 1
+            if self.num_tokens == self.min_tokens:
+                self.min_text = len(self.text)
+        if self.num_tokens <= self.min_tokens:
+            return self._take(len(self.text) - self.hold), None
+        hits = [(i, stop) for stop in self.stop if (i := self._find(stop, previous)) != -1]
         if hits:
             index, stop = min(hits)
             end = index + len(stop) if self.include_stop else index
             self.text, self.stopped = self.text[:end], True
             return self._take(end), stop
         return self._take(len(self.text) - self.hold), None
+
+    def _find(self, stop: str, previous: int) -> int:
+        """Where ``stop`` first occurs ending in the text added since ``previous`` and after the first
+        ``min_tokens`` tokens' text; -1 where it does not."""
+        return self.text.find(stop, max(0, previous - self.hold, self.min_text - len(stop) + 1))
 
     def finish(self) -> str:
         """The rest of the text, once the sequence ends."""
