@@ -12,11 +12,16 @@ what throughput sees) over ``--steps`` steps of that many greedy sequences decod
 prompts of ``--input-len`` tokens (dummy weights). The sampling: the CUDA backend's kernel
 over [rows, vocab] random logits in the model dtype (N(0, 3): a few hundred tokens at the
 top-p cut), replayed from a CUDA graph as inside a step, for each mix of parameters; and
-top-p and top-k over near-flat logits (N(0, 0.01) in the model dtype, as from dummy
-weights: runs of tied tokens at the cut) and top-p over constant logits (every token
-tied). The kernel settles a row by its whole-row Gumbel-max candidate when that is kept
-(two passes; most rows at top-p 0.95, every constant row) and searches the others above
-the candidate: "top-p 0.5" (half the candidates rejected) shows that path's cost.
+top-p and top-k over near-flat logits (N(0, 0.01) in the model dtype: runs of tied tokens
+at the cut), top-p over constant logits (every token tied), over logits like a dummy-weight
+model's (N(0, 1.5): 0.02 * sqrt(5120), a wide smooth row) and, at temperature 1, over a long
+tail (a few tokens ~12 above an N(10, 2) bulk: the cut deep in the tail, among runs of
+thousands of tokens tied in bfloat16). The kernel settles a
+row by its whole-row Gumbel-max candidate when that is kept (two passes; most rows at top-p
+0.95, every constant row) and searches the others above the candidate: "top-p 0.5" (half the
+candidates rejected) shows that path's cost. ``paths`` counts the rows each path settled
+(candidate, boundary, tied: a boundary too large to gather whose tokens tie, whole row:
+one program scanning the whole row, slow).
 """
 
 from __future__ import annotations
@@ -43,7 +48,14 @@ MIXES = {
     "top-p 0.5": SamplingParams(temperature=0.8, top_p=0.5),
 }
 FLAT, FLAT_TOP_K, CONSTANT = "top-p, flat logits", "top-k, flat logits", "top-p, constant logits"
-WORST = {FLAT: MIXES["top-p"], FLAT_TOP_K: SamplingParams(temperature=0.8, top_k=50), CONSTANT: MIXES["top-p"]}
+DUMMY, TAIL = "top-p, dummy-weight logits", "top-p, temperature 1, long tail"
+WORST = {
+    FLAT: MIXES["top-p"],
+    FLAT_TOP_K: SamplingParams(temperature=0.8, top_k=50),
+    CONSTANT: MIXES["top-p"],
+    DUMMY: MIXES["top-p"],
+    TAIL: SamplingParams(temperature=1.0, top_p=0.95),
+}
 
 
 def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -106,7 +118,7 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel's module is imported
         args.shape, args.rows, args.input_len, args.steps, args.repeats = "smollm2-135m", "1,2", 8, 2, 1
-    from xinfer_cuda.kernels.sampling import sample
+    from xinfer_cuda.kernels.sampling import sample, sample_paths
 
     row_counts = [int(r) for r in args.rows.split(",")]
     rng = random.Random(0)
@@ -136,6 +148,7 @@ def main() -> None:
         "decode_step_ms": {},
         "sample_ms": {name: {} for name in [*MIXES, *WORST]},
         "share_of_decode_step": {name: {} for name in [*MIXES, *WORST]},
+        "paths": {name: {} for name in [*MIXES, *WORST]},
         "kernels_us_per_call": {},
     }
     for rows in row_counts:
@@ -143,13 +156,23 @@ def main() -> None:
         result["decode_step_ms"][rows] = round(step * 1e3, 3)
         logits = (torch.randn(rows, vocab, generator=generator, device=device) * 3).to(engine.dtype)
         flat = (torch.randn(rows, vocab, generator=generator, device=device) * 0.01).to(engine.dtype)
-        worst = {FLAT: flat, FLAT_TOP_K: flat, CONSTANT: torch.zeros(rows, vocab, device=device, dtype=engine.dtype)}
+        tail = torch.randn(rows, vocab, generator=generator, device=device) * 2 + 10
+        tail[:, :5] += 12 + torch.rand(rows, 5, generator=generator, device=device)
+        worst = {
+            FLAT: flat,
+            FLAT_TOP_K: flat,
+            CONSTANT: torch.zeros(rows, vocab, device=device, dtype=engine.dtype),
+            DUMMY: (torch.randn(rows, vocab, generator=generator, device=device) * 1.5).to(engine.dtype),
+            TAIL: tail.to(engine.dtype),
+        }
         for name, params in [*MIXES.items(), *WORST.items()]:
             row_logits = worst.get(name, logits)
             batch = SamplingBatch.of([SampledRow(params, i, args.input_len) for i in range(rows)]).to(device)
             seconds = seconds_per_call(lambda x=row_logits, batch=batch: sample(x, batch), device, args.repeats)
             result["sample_ms"][name][rows] = round(seconds * 1e3, 4)
             result["share_of_decode_step"][name][rows] = round(seconds / step, 4)
+            paths = sample_paths(row_logits, batch)[1].bincount(minlength=4).tolist()
+            result["paths"][name][rows] = dict(zip(["candidate", "boundary", "tied", "whole_row"], paths))
             if args.kernels and rows == max(row_counts):
                 with kernel_profiler() as profiler:
                     for _ in range(args.kernels):

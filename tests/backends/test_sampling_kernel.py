@@ -1,7 +1,8 @@
 """The CUDA backend's sampling kernel draws the torch reference's tokens: same noise,
 same kept sets (on the device ``XINFER_KERNEL_DEVICE`` picks; under the Triton interpreter
 on the CPU). Small chunks split these small rows over several programs, and a small
-region sends the boundary to the whole-row settling."""
+region of none sends every boundary past it (settled alike if its tokens tie, else over
+the whole row); the tests check which paths settled the rows where it matters."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import triton.language as tl
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
 from xinfer.torch_sampling import noise, row_keys
 from xinfer.torch_sampling import sample as reference
-from xinfer_cuda.kernels.sampling import _gumbel, _noise_key, sample
+from xinfer_cuda.kernels.sampling import BOUNDARY, CANDIDATE, TIED, WHOLE_ROW, _gumbel, _noise_key, sample, sample_paths
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 
@@ -37,12 +38,18 @@ SPLITS = {
     "one chunk": {},
     "chunks": {"chunk": 64},
     "uneven chunks": {"chunk": 32},
-    "whole-row": {"chunk": 64, "region": 4},
+    "whole-row": {"chunk": 64, "region": 0},
 }
 
 
 def draw(logits: torch.Tensor, batch: SamplingBatch, **split) -> list[int]:
     return sample(logits.to(DEVICE), batch.to(DEVICE), **split).cpu().tolist()
+
+
+def draw_paths(logits: torch.Tensor, batch: SamplingBatch, **split) -> tuple[list[int], set[int]]:
+    """The tokens, and the set of paths that settled the rows."""
+    tokens, paths = sample_paths(logits.to(DEVICE), batch.to(DEVICE), **split)
+    return tokens.cpu().tolist(), set(paths.cpu().tolist())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -71,22 +78,27 @@ def test_kernel_draws_near_the_cuts_as_the_reference(split):
     rows = [SampledRow(FILTERS[i % len(FILTERS)], 1000 + i, i) for i in range(36)]
     batch = SamplingBatch.of(rows)
     expected = reference(logits.expand(len(rows), -1), batch).tolist()
-    assert draw(logits.expand(len(rows), -1).contiguous(), batch, **SPLITS[split]) == expected
+    got, paths = draw_paths(logits.expand(len(rows), -1).contiguous(), batch, **SPLITS[split])
+    assert got == expected
     assert len(set(expected)) >= 10
+    crowded = {TIED, WHOLE_ROW} if split == "whole-row" else set()
+    assert {CANDIDATE, BOUNDARY} <= paths and paths & {TIED, WHOLE_ROW} == crowded
 
 
 @pytest.mark.parametrize("region", [2048, 4])
 def test_kernel_keeps_ties_across_chunks_together(region):
     """Logits on a coarse grid: the k-th token and the top-p cut fall in runs of equal logits
-    spread over chunks (a small region: settled over the whole row); and a row with fewer
-    finite logits than top_k."""
+    spread over chunks (past a small region: kept or dropped alike without gathering them);
+    and a row with fewer finite logits than top_k."""
     generator = torch.Generator().manual_seed(2)
     logits = (torch.randn(8, 200, generator=generator) * 2).round()
     logits[7, 10:] = float("-inf")
     params = [P(temperature=1.0, top_k=12), P(temperature=1.0, top_p=0.6), P(temperature=0.5, top_k=30, top_p=0.9)]
     rows = [SampledRow(params[i % 3], 50 + i, i) for i in range(7)] + [SampledRow(P(temperature=1.0, top_k=50), 9, 9)]
     batch = SamplingBatch.of(rows)
-    assert draw(logits, batch, chunk=32, region=region) == reference(logits, batch).tolist()
+    got, paths = draw_paths(logits, batch, chunk=32, region=region)
+    assert got == reference(logits, batch).tolist()
+    assert paths & {TIED, WHOLE_ROW} == ({TIED} if region == 4 else set())
 
 
 def test_kernel_draws_a_row_alike_alone_and_in_a_batch():
@@ -114,6 +126,27 @@ def test_kernel_settles_a_wide_boundary_as_the_reference():
     batch = SamplingBatch.of(rows)
     wide = logits.expand(len(rows), -1).contiguous()
     assert draw(wide, batch, chunk=1024) == reference(wide, batch).tolist()
+
+
+def test_kernel_settles_dummy_weight_rows_by_a_small_boundary():
+    """Rows like a dummy-weight model's (N(0, 1.5) logits: a wide, smooth row) whose candidate
+    top-p rejects: the exact bucket masses put the cut in one bucket of a few tokens, and the
+    row is settled from them. (Bounding each bucket's mass by its count times its edges'
+    weights left 60-80 tokens at these cuts: past this region, the whole-row settling; at a
+    248k vocabulary, 2,000-5,000 tokens.)"""
+    logits = torch.randn(8192, generator=torch.Generator().manual_seed(6)) * 1.5
+    rows = []
+    for temperature in (0.8, 1.0):
+        tried = [SampledRow(P(temperature=temperature, top_p=0.95), 7, position) for position in range(300)]
+        free = [SampledRow(P(temperature=temperature), 7, position) for position in range(300)]
+        many = logits.expand(len(tried), -1)
+        rejected = reference(many, SamplingBatch.of(free)) != reference(many, SamplingBatch.of(tried))
+        rows += [tried[i] for i in rejected.nonzero().flatten()[:2]]  # the candidate is the unfiltered draw
+    batch = SamplingBatch.of(rows)
+    wide = logits.expand(len(rows), -1).contiguous()
+    got, paths = draw_paths(wide, batch, chunk=2048, region=16)
+    assert got == reference(wide, batch).tolist()
+    assert len(rows) == 4 and paths == {BOUNDARY}
 
 
 def test_kernel_draws_near_flat_rows_as_the_reference():

@@ -20,24 +20,33 @@ row its candidate settles, two more over a row it does not:
 2. check (rows x chunks; rows with top-k or top-p): per chunk, the count and mass of
    the tokens above the candidate, the mass of its ties and, with top-k, the counts
    above a few probes around it (the highest with k tokens above is below the k-th);
-3. histogram (rows x chunks; rows the candidate does not settle): each chunk's counts of
-   the ``s`` above the floor in ``BUCKETS`` buckets below the row's peak, added
-   atomically to the row's integer counts;
-4. plan (rows; only the counts): whether the candidate settles the row, else the bucket
-   of the k-th token and, from each bucket's mass bounds (its count times its edges'
-   weights), the few buckets where the top-p cut can fall: the boundary;
+3. histogram (rows x chunks; rows the candidate does not settle): each chunk's count (for
+   top-k) and mass (for top-p) of the ``s`` above the floor in ``BUCKETS`` buckets below
+   the row's peak, added atomically to the row's, and the chunk's whole mass; masses are
+   integers (a token weighs ``exp(s - peak)`` in units of 2**-32, rounded), so every sum
+   is exact whatever the order of the atomics, and every later pass weighs a token alike;
+4. plan (rows; only the histogram): whether the candidate settles the row, else the
+   bucket of the k-th token and the bucket where the top-p cut falls: the boundary. The
+   masses are exact, so with top-p alone the boundary is the one bucket the cut is in
+   (with top-k too, the few the top-k mass's bounds leave);
 5. draw (rows x chunks; unsettled rows): the Gumbel-max over the tokens above the
-   boundary (all kept, but for min-p, which is one comparison), their mass, and the
-   boundary's token ids gathered (a few hundred of a 152k row at top-p 0.95);
+   boundary (all kept, but for min-p, which is one comparison), the boundary's token ids
+   gathered (tens to a few hundred of a 248k row at top-p 0.95), their least and largest
+   keys and their own Gumbel-max;
 6. settle (rows): the candidate, or the exact cuts among the boundary tokens (a
-   threshold search over their order-preserving integer keys, with integer weights: the
-   sums do not depend on the order the tokens were gathered in) and the draw over the
-   kept ones.
+   threshold search over their order-preserving integer keys, from the plan's integer
+   masses above the boundary) and the draw over the kept ones.
 
-A boundary of more than ``REGION`` tokens is settled by the same search over the whole
-row above its floor, in one program: slower, never wrong. No sort, no host
-synchronisation: a step's sampling is recorded in the step's CUDA graph. The chunk size
-is fixed, so a row's sums, and so its tokens, do not depend on the batch.
+The boundary holds the tokens of a bucket (1/4096 of the row's range of ``s``): tens to
+hundreds of a smooth row, more where logits tie (in bfloat16 a value is shared by up to a
+few thousand tokens of a large vocabulary: about 2,400 at 248k with the bulk at 10 +- 2,
+where the spacing is 1/16). The settle passes over them twice when they tie, about ten
+times when their keys differ. A boundary of more than ``REGION`` tokens that all tie is
+kept or dropped whole, from the plan's masses (its draw is the draw pass's); one of
+several keys (over 8,192 tokens, not all equal, within 1/4096 of the row's range) is settled
+by the same search over the whole row, in one program: slower, never wrong. No sort, no
+host synchronisation: a step's sampling is recorded in the step's CUDA graph. The chunk
+size is fixed, so a row's sums, and so its tokens, do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -57,12 +66,12 @@ from xinfer_cuda.kernels.launch import pdl_entry
 CHUNK = 4096  # tokens of a row per program
 BLOCK = 1024  # tokens per iteration of a streaming pass
 BUCKETS = 4096
-REGION = 2048  # boundary tokens gathered per row; more are settled over the whole row
+REGION = 8192  # boundary tokens gathered per row (memory only); a row with more searches its whole row
 SPREAD = 32.0  # buckets cover at most this much of s below the peak (exp(-32): no mass)
 SEARCH_BLOCK = 128  # boundary tokens per iteration of a threshold search (times PIVOTS)
 PIVOTS = 16
 PROBES = 8  # values around a top-k row's candidate where its check counts the tokens above
-SLACK = 1e-4  # relative, on the buckets' mass bounds: float sums and exp's rounding
+SLACK = 1e-4  # relative, on the least weight in the k-th token's bucket: exp's rounding
 FIXED = tl.constexpr(4294967296.0)  # 2**32: integer weights, exp(s - peak) in units of 2**-32
 INT32_MAX = tl.constexpr(2147483647)
 INT32_MIN = tl.constexpr(-2147483648)
@@ -314,6 +323,13 @@ def _inv_width(peak, floor, BUCKETS: tl.constexpr, SPREAD: tl.constexpr):
 
 
 @triton.jit
+def _fixed_weight(s, peak):
+    """exp(s - peak) in units of 2**-32, rounded: integer sums do not depend on their order,
+    and every pass weighs a token alike."""
+    return tl.where(s == float("-inf"), 0, (tl.exp(s - peak) * FIXED + 0.5).to(tl.int64))
+
+
+@triton.jit
 def _above(s, floor):
     """``s`` of the tokens above the floor, -inf for the rest: they are neither kept nor
     weighed by the exact search (the cut is above the floor)."""
@@ -324,17 +340,19 @@ def _above(s, floor):
 def _histogram_kernel(
     logits_ptr, stride, vocab,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    stats_ptr, best_ptr, best_token_ptr, checks_ptr, counts_ptr, chunks,
+    stats_ptr, best_ptr, best_token_ptr, checks_ptr, histogram_ptr, chunk_mass_ptr, chunks,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PROBES: tl.constexpr,
     BUCKETS: tl.constexpr, SPREAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk of a row with top-k or top-p that its candidate does not settle: its counts
-    per bucket of the ``s`` above the floor below the row's peak, added to the row's
-    (integer sums: the counts do not depend on the order)."""
+    """Per chunk of a row with top-k or top-p that its candidate does not settle: its count
+    and integer mass per bucket of the ``s`` above the floor below the row's peak, added to
+    the row's, and its whole integer mass (integer sums: exact, whatever the order). Only
+    top-k needs the counts and only top-p the masses: one atomic per token but with both."""
     pdl_entry(PDL)
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
-    if _with_top_k(temperature, top_k, vocab) | _with_top_p(temperature, top_p):
+    with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    if with_top_k | with_top_p:
         kept, floor = _verdict(
             logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
             stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
@@ -343,114 +361,145 @@ def _histogram_kernel(
             peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
             inv_width = _inv_width(peak, tl.maximum(least, floor), BUCKETS, SPREAD)
             inv_t = 1.0 / temperature
-            counts = counts_ptr + row * BUCKETS
-            deepest = tl.full((), 0, tl.int32)  # the last bucket's, most of a peaked row: one atomic per chunk
+            counts = histogram_ptr + row * 2 * BUCKETS
+            masses = counts + BUCKETS
+            # the last bucket's, most of a peaked row: one atomic per chunk
+            deepest_count = tl.full((), 0, tl.int64)
+            deepest_mass = tl.full((), 0, tl.int64)
+            chunk_mass = tl.full((), 0, tl.int64)
             for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
                 tokens = start + tl.arange(0, BLOCK)
                 valid = tokens < vocab
-                s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32)
-                s = _above(s * inv_t, floor)
+                s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
+                weights = _fixed_weight(s, peak)
+                chunk_mass += tl.sum(weights, 0)
+                s = _above(s, floor)
                 bucket = _bucket(s, peak, inv_width, BUCKETS)
                 counted = s > float("-inf")
                 deep = bucket == BUCKETS - 1
-                tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int32), mask=counted & ~deep, sem="relaxed")
-                deepest += tl.sum((counted & deep).to(tl.int32), 0)
-            tl.atomic_add(counts + BUCKETS - 1, deepest, sem="relaxed")
+                if with_top_k:
+                    tl.atomic_add(counts + bucket, tl.full((BLOCK,), 1, tl.int64), mask=counted & ~deep, sem="relaxed")
+                if with_top_p:
+                    tl.atomic_add(masses + bucket, weights, mask=counted & ~deep, sem="relaxed")
+                deepest_count += tl.sum((counted & deep).to(tl.int64), 0)
+                deepest_mass += tl.sum(tl.where(counted & deep, weights, 0), 0)
+            tl.atomic_add(counts + BUCKETS - 1, deepest_count, sem="relaxed")
+            tl.atomic_add(masses + BUCKETS - 1, deepest_mass, sem="relaxed")
+            tl.store(chunk_mass_ptr + row * chunks + chunk, chunk_mass)
 
 
 @triton.jit
 def _plan_kernel(
     logits_ptr, stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    stats_ptr, best_ptr, best_token_ptr, checks_ptr, counts_ptr, plan_ptr, bounds_ptr, chunks,
+    stats_ptr, best_ptr, best_token_ptr, checks_ptr, histogram_ptr, chunk_mass_ptr, plan_ptr, bounds_ptr, masses_ptr,
+    chunks,
     CHUNKS: tl.constexpr, PROBES: tl.constexpr, BUCKETS: tl.constexpr, SPREAD: tl.constexpr,
     SLACK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Per filtered row: whether its candidate settles it; else peak, mass, 1 / bucket
-    width, floor, and the buckets of the boundary: ``kth`` (the k-th token's, or BUCKETS)
-    and ``[p_lo, p_hi]`` (where the top-p cut may be); above both, every token is kept;
-    below, none; ``above_kth`` tokens lie above kth."""
+    """Per row: whether its candidate settles it (or it is not filtered); else peak, 1 / bucket
+    width, floor, the buckets of the boundary: ``kth`` (the k-th token's, or BUCKETS) and
+    ``[p_lo, p_hi]`` (where the top-p cut may be; above both every token is kept, below
+    none), the count above kth and the integer masses above p_lo, above kth, of the row and
+    of the top-k set if it keeps the whole kth bucket."""
     pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
+    bounds = bounds_ptr + row * 8
     if _filtered(temperature, top_k, top_p, min_p, vocab):
         kept, floor = _verdict(
             logits_ptr, stride, vocab, row, temperature, top_k, top_p, min_p,
             stats_ptr, best_ptr, best_token_ptr, checks_ptr, chunks, CHUNKS, PROBES,
         )  # fmt: skip
-        peak, total, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
+        peak, _, least = _row_stats(stats_ptr, row, chunks, CHUNKS)
         inv_width = _inv_width(peak, tl.maximum(least, floor), BUCKETS, SPREAD)
         kth = tl.full((), BUCKETS, tl.int32)
         p_lo = tl.full((), BUCKETS, tl.int32)
         p_hi = tl.full((), BUCKETS - 1, tl.int32)
-        above_kth = tl.full((), 0, tl.int32)
+        above_kth = tl.full((), 0, tl.int64)
+        above_p_lo_mass = tl.full((), 0, tl.int64)
+        above_kth_mass = tl.full((), 0, tl.int64)
+        row_mass = tl.full((), 0, tl.int64)
+        whole_kth_mass = tl.full((), 0, tl.int64)
         if (with_top_k | with_top_p) & ~kept:
-            counts = tl.load(counts_ptr + row * BUCKETS + tl.arange(0, BUCKETS))
-            # without top-k, the mass below the floor is in no bucket: no bound from the bottom up
-            whole = with_top_k | (floor == float("-inf"))
-            kth, p_lo, p_hi, above_kth = _boundary(
-                counts, 1.0 / inv_width, total, top_k, top_p, with_top_k, with_top_p, whole, BUCKETS, SLACK
-            )
-        plan = plan_ptr + row * 4
+            chunk = tl.arange(0, CHUNKS)
+            row_mass = tl.sum(tl.load(chunk_mass_ptr + row * chunks + chunk, mask=chunk < chunks, other=0), 0)
+            histogram = histogram_ptr + row * 2 * BUCKETS + tl.arange(0, BUCKETS)
+            kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass, whole_kth_mass = _boundary(
+                tl.load(histogram), tl.load(histogram + BUCKETS), 1.0 / inv_width, row_mass,
+                top_k, top_p, with_top_k, with_top_p, BUCKETS, SLACK,
+            )  # fmt: skip
+        plan = plan_ptr + row * 3
         tl.store(plan, peak)
-        tl.store(plan + 1, total)
-        tl.store(plan + 2, inv_width)
-        tl.store(plan + 3, floor)
-        bounds = bounds_ptr + row * 6
+        tl.store(plan + 1, inv_width)
+        tl.store(plan + 2, floor)
         tl.store(bounds, kth)
         tl.store(bounds + 1, p_lo)
         tl.store(bounds + 2, p_hi)
-        tl.store(bounds + 3, above_kth)
-        tl.store(bounds + 4, 0)  # boundary tokens gathered
+        tl.store(bounds + 3, above_kth.to(tl.int32))
         tl.store(bounds + 5, kept.to(tl.int32))
+        masses = masses_ptr + row * 4
+        tl.store(masses, above_p_lo_mass)
+        tl.store(masses + 1, above_kth_mass)
+        tl.store(masses + 2, row_mass)
+        tl.store(masses + 3, whole_kth_mass)
+    else:
+        tl.store(bounds + 5, 1)
+    tl.store(bounds + 4, 0)  # boundary tokens gathered
+    tl.store(bounds + 6, INT32_MAX)  # their least key
+    tl.store(bounds + 7, INT32_MIN)  # their largest
 
 
 @triton.jit
 def _boundary(
-    counts, width, total, top_k, top_p, with_top_k, with_top_p, whole, BUCKETS: tl.constexpr, SLACK: tl.constexpr
-):
-    """The buckets of the boundary, from the counts: each bucket's mass lies between its
-    count times its edges' weights (``low``, ``high``). The mass above a token is bounded
-    from the top down (the buckets above it) and, where the buckets hold the ``whole``
-    top-k mass, from the bottom up (that mass less the buckets below it), whichever is
-    tighter: the latter when top_p is near 1."""
+    counts, masses, width, row_mass, top_k, top_p, with_top_k, with_top_p,
+    BUCKETS: tl.constexpr, SLACK: tl.constexpr,
+):  # fmt: skip
+    """The buckets of the boundary, from each bucket's count and exact integer mass. A token
+    is kept iff the mass above it is below top_p times the top-k mass (the row's without
+    top-k): every token of a bucket is kept where the mass through the bucket is below it,
+    none where the mass above the bucket reaches it. That mass is known but for the k-th
+    token's bucket (its tokens from the k-th up), which bounds it: with top-p alone the
+    boundary is one bucket."""
     bucket = tl.arange(0, BUCKETS)
-    least_weight = tl.where(bucket < BUCKETS - 1, tl.exp(-(bucket + 1).to(tl.float32) * width), 0.0)
-    low = counts.to(tl.float32) * least_weight * (1.0 - SLACK)
-    high = counts.to(tl.float32) * tl.exp(-bucket.to(tl.float32) * width) * (1.0 + SLACK)
+    through = tl.cumsum(masses, 0)
     kth = tl.full((), BUCKETS, tl.int32)
-    above_kth = tl.full((), 0, tl.int32)
-    least_mass, most_mass = total * (1.0 - SLACK), total * (1.0 + SLACK)  # of the top-k set
+    above_kth = tl.full((), 0, tl.int64)
+    above_kth_mass = tl.full((), 0, tl.int64)
+    least_mass, most_mass = row_mass, row_mass  # of the top-k set
     if with_top_k:
         kth = tl.sum((tl.cumsum(counts, 0) < top_k).to(tl.int32), 0)
         above_kth = tl.sum(tl.where(bucket < kth, counts, 0), 0)
-        kth_weight = tl.sum(tl.where(bucket == kth, least_weight, 0.0), 0)
-        least_mass = tl.sum(tl.where(bucket < kth, low, 0.0), 0) + (top_k - above_kth) * kth_weight * (1.0 - SLACK)
-        most_mass = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
+        above_kth_mass = tl.sum(tl.where(bucket < kth, masses, 0), 0)
+        # at least top_k - above_kth of the kth bucket's tokens, each above its lower edge
+        kth_edge = tl.exp(-(kth + 1).to(tl.float32) * width) * (1.0 - SLACK) * FIXED
+        kth_weight = tl.where(kth < BUCKETS - 1, kth_edge, 0.0).to(tl.int64)
+        least_mass = above_kth_mass + (top_k - above_kth) * kth_weight
+        most_mass = above_kth_mass + tl.sum(tl.where(bucket == kth, masses, 0), 0)
     p_lo = tl.full((), BUCKETS, tl.int32)
     p_hi = tl.full((), BUCKETS - 1, tl.int32)
+    above_p_lo_mass = tl.full((), 0, tl.int64)
     if with_top_p:
-        # a token is kept iff the mass above it < top_p * top-k mass: surely where even the
-        # most mass above its bucket's least token is below, surely not where the least mass
-        # above its bucket's largest token reaches it
-        low_to, high_to = tl.cumsum(low, 0), tl.cumsum(high, 0)  # through each bucket
-        low_above_kth = tl.sum(tl.where(bucket < kth, low, 0.0), 0)
-        high_to_kth = tl.sum(tl.where(bucket <= kth, high, 0.0), 0)
-        most_above, least_above = high_to, low_to - low
-        if whole:
-            most_above = tl.minimum(most_above, most_mass - tl.maximum(low_above_kth - low_to, 0.0))
-            least_above = tl.maximum(least_above, least_mass - (high_to_kth - high_to + high))
-        p_lo = tl.sum((most_above < top_p * least_mass).to(tl.int32), 0)
-        p_hi = tl.minimum(tl.sum((least_above < top_p * most_mass).to(tl.int32), 0) - 1, kth)
-    return kth, p_lo, p_hi, above_kth
+        p_lo = tl.sum((through < _target(top_p, least_mass)).to(tl.int32), 0)
+        p_hi = tl.minimum(tl.sum((through - masses < _target(top_p, most_mass)).to(tl.int32), 0) - 1, kth)
+        above_p_lo_mass = tl.sum(tl.where(bucket < p_lo, masses, 0), 0)
+    return kth, p_lo, p_hi, above_kth, above_p_lo_mass, above_kth_mass, most_mass
+
+
+@triton.jit
+def _target(top_p, top_k_mass):
+    """The least integer mass at or above ``top_p * top_k_mass`` (in float64: exact for the
+    integer masses, below 2**53), which the tokens above a kept one stay below. The plan and
+    the search compute it alike."""
+    return tl.ceil(top_p.to(tl.float64) * top_k_mass.to(tl.float64)).to(tl.int64)
 
 
 @triton.jit
 def _load_plan(plan_ptr, bounds_ptr, row):
-    """peak, total, inv_width, floor, kth, p_lo, p_hi, above_kth, and whether the candidate settles the row."""
-    plan, bounds = plan_ptr + row * 4, bounds_ptr + row * 6
+    """peak, inv_width, floor, kth, p_lo, p_hi, above_kth, and whether the candidate settles the row."""
+    plan, bounds = plan_ptr + row * 3, bounds_ptr + row * 8
     return (
-        tl.load(plan), tl.load(plan + 1), tl.load(plan + 2), tl.load(plan + 3),
+        tl.load(plan), tl.load(plan + 1), tl.load(plan + 2),
         tl.load(bounds), tl.load(bounds + 1), tl.load(bounds + 2), tl.load(bounds + 3), tl.load(bounds + 5) != 0,
     )  # fmt: skip
 
@@ -459,48 +508,58 @@ def _load_plan(plan_ptr, bounds_ptr, row):
 def _draw_kernel(
     logits_ptr, stride, vocab,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
-    plan_ptr, bounds_ptr, sums_ptr, best_ptr, best_token_ptr, region_ptr,
+    plan_ptr, bounds_ptr, best_ptr, best_token_ptr, region_ptr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, BUCKETS: tl.constexpr, REGION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Per chunk of a filtered row that its candidate does not settle: the draw among the
-    tokens above the boundary, their mass, the mass between the top-p boundary and kth
-    (the rest of the top-k mass), and the boundary's tokens appended to the row's region."""
+    tokens above the boundary, the boundary's tokens appended to the row's region, their
+    least and largest keys, and the draw among them that min-p keeps (the row's if they
+    tie and are too many to gather)."""
     pdl_entry(PDL)
     row, chunk, chunks = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     if _filtered(temperature, top_k, top_p, min_p, vocab):
-        peak, _, inv_width, floor, kth, p_lo, p_hi, _, settled = _load_plan(plan_ptr, bounds_ptr, row)
+        peak, inv_width, floor, kth, p_lo, p_hi, _, settled = _load_plan(plan_ptr, bounds_ptr, row)
         if not settled:
             inv_t = 1.0 / temperature
             noise_key = _noise_key(seed_ptr, position_ptr, row)
-            above_mass = tl.full((), 0.0, tl.float32)
-            between_mass = tl.full((), 0.0, tl.float32)
             best = tl.full((), float("-inf"), tl.float32)
             best_token = tl.full((), INT32_MAX, tl.int32)
+            tied_best = tl.full((), float("-inf"), tl.float32)
+            tied_token = tl.full((), INT32_MAX, tl.int32)
+            least_key = tl.full((), INT32_MAX, tl.int32)
+            largest_key = tl.full((), INT32_MIN, tl.int32)
             for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
                 tokens = start + tl.arange(0, BLOCK)
                 valid = tokens < vocab
                 s = tl.load(logits_ptr + row * stride + tokens, mask=valid, other=float("-inf")).to(tl.float32)
                 s = _above(s * inv_t, floor)
                 bucket = _bucket(s, peak, inv_width, BUCKETS)
-                weights = tl.where(s == float("-inf"), 0.0, tl.exp(s - peak))
-                above = valid & (bucket < tl.minimum(p_lo, kth))
-                above_mass += tl.sum(tl.where(above, weights, 0.0), 0)
-                between_mass += tl.sum(tl.where(valid & (bucket > p_hi) & (bucket < kth), weights, 0.0), 0)
-                kept = above & (weights >= min_p) & (s > float("-inf"))
-                if tl.max(kept.to(tl.int32), 0) > 0:
-                    scores = tl.where(kept, s + _gumbel(noise_key, tokens), float("-inf"))
-                    best, best_token = _take(best, best_token, scores, tokens)
-                boundary = valid & (s > float("-inf")) & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
+                finite = valid & (s > float("-inf"))
+                min_p_kept = finite & (tl.exp(s - peak) >= min_p)
+                kept = min_p_kept & (bucket < tl.minimum(p_lo, kth))
+                boundary = finite & ((bucket == kth) | ((bucket >= p_lo) & (bucket <= p_hi)))
+                if tl.max((kept | (boundary & min_p_kept)).to(tl.int32), 0) > 0:
+                    scores = s + _gumbel(noise_key, tokens)
+                    best, best_token = _take(best, best_token, tl.where(kept, scores, float("-inf")), tokens)
+                    tied_scores = tl.where(boundary & min_p_kept, scores, float("-inf"))
+                    tied_best, tied_token = _take(tied_best, tied_token, tied_scores, tokens)
                 found = tl.sum(boundary.to(tl.int32), 0)
                 if found > 0:
-                    first = tl.atomic_add(bounds_ptr + row * 6 + 4, found)
+                    keys = _order_key(s)
+                    least_key = tl.minimum(least_key, tl.min(tl.where(boundary, keys, INT32_MAX), 0))
+                    largest_key = tl.maximum(largest_key, tl.max(tl.where(boundary, keys, INT32_MIN), 0))
+                    first = tl.atomic_add(bounds_ptr + row * 8 + 4, found)
                     slots = first + tl.cumsum(boundary.to(tl.int32), 0) - 1
                     tl.store(region_ptr + row * REGION + slots, tokens, mask=boundary & (slots < REGION))
-            tl.store(sums_ptr + (row * chunks + chunk) * 2, above_mass)
-            tl.store(sums_ptr + (row * chunks + chunk) * 2 + 1, between_mass)
             tl.store(best_ptr + row * chunks + chunk, best)
             tl.store(best_token_ptr + row * chunks + chunk, best_token)
+            tied = tl.num_programs(0) * chunks + row * chunks + chunk
+            tl.store(best_ptr + tied, tied_best)
+            tl.store(best_token_ptr + tied, tied_token)
+            if largest_key >= least_key:
+                tl.atomic_min(bounds_ptr + row * 8 + 6, least_key, sem="relaxed")
+                tl.atomic_max(bounds_ptr + row * 8 + 7, largest_key, sem="relaxed")
 
 
 @triton.jit
@@ -519,8 +578,7 @@ def _tokens(ids_ptr, start, count, GATHERED: tl.constexpr, SEARCH_BLOCK: tl.cons
 def _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS: tl.constexpr):
     """s (-inf at or below the floor), its bucket, its integer weight and its key, per token."""
     s = _above(tl.load(row_ptr + tokens, mask=valid, other=float("-inf")).to(tl.float32) * inv_t, floor)
-    weights = tl.where(s == float("-inf"), 0, (tl.exp(s - peak) * FIXED + 0.5).to(tl.int64))
-    return s, _bucket(s, peak, inv_width, BUCKETS), weights, _order_key(s)
+    return s, _bucket(s, peak, inv_width, BUCKETS), _fixed_weight(s, peak), _order_key(s)
 
 
 @triton.jit
@@ -560,7 +618,7 @@ def _search(
             if MASS:
                 totals += tl.sum(tl.where(above, weights[:, None], 0), 0)
         if MASS:
-            reached = base + totals.to(tl.float32) * (1.0 / FIXED) >= target
+            reached = base + totals >= target
         else:
             reached = base + above_count >= target
         # the highest pivot reached has the fewest members above of those reached; the lowest not, the most
@@ -574,7 +632,7 @@ def _search(
 def _settle_kernel(
     logits_ptr, stride, vocab,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr,
-    plan_ptr, bounds_ptr, sums_ptr, best_ptr, best_token_ptr, region_ptr, out_ptr, chunks,
+    plan_ptr, bounds_ptr, masses_ptr, best_ptr, best_token_ptr, region_ptr, out_ptr, chunks,
     CHUNKS: tl.constexpr, BUCKETS: tl.constexpr, REGION: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     PIVOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -582,12 +640,9 @@ def _settle_kernel(
     row = tl.program_id(0).to(tl.int64)
     temperature, top_k, top_p, min_p = _params(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr)
     with_top_k, with_top_p = _with_top_k(temperature, top_k, vocab), _with_top_p(temperature, top_p)
-    filtered = _filtered(temperature, top_k, top_p, min_p, vocab)
     rows, chunk = tl.num_programs(0), tl.arange(0, CHUNKS)
     part = row * chunks + chunk
-    settled = tl.full((), True, tl.int1)
-    if filtered:
-        settled = tl.load(bounds_ptr + row * 6 + 5) != 0
+    settled = tl.load(bounds_ptr + row * 8 + 5) != 0
     # the stats pass drew the unfiltered rows and the candidates; the draw pass, the other
     # filtered rows' tokens above the boundary
     drawn = (~settled).to(tl.int64) * rows * chunks + part
@@ -595,65 +650,90 @@ def _settle_kernel(
     best = tl.max(part_best, 0)
     best_token = tl.min(tl.where(part_best == best, tl.load(best_token_ptr + drawn, mask=chunk < chunks), INT32_MAX), 0)
     if not settled:
-        peak, total, inv_width, floor, kth, p_lo, p_hi, above_kth, _ = _load_plan(plan_ptr, bounds_ptr, row)
+        peak, inv_width, floor, kth, p_lo, p_hi, above_kth, _ = _load_plan(plan_ptr, bounds_ptr, row)
+        masses = masses_ptr + row * 4
+        above_p_lo_mass, above_kth_mass, row_mass = tl.load(masses), tl.load(masses + 1), tl.load(masses + 2)
+        whole_kth_mass = tl.load(masses + 3)
+        least_key, largest_key = tl.load(bounds_ptr + row * 8 + 6), tl.load(bounds_ptr + row * 8 + 7)
         inv_t = 1.0 / temperature
         row_ptr = logits_ptr + row * stride
         noise_key = _noise_key(seed_ptr, position_ptr, row)
-        above_mass = tl.sum(tl.load(sums_ptr + part * 2, mask=chunk < chunks, other=0.0), 0)
-        between_mass = tl.sum(tl.load(sums_ptr + part * 2 + 1, mask=chunk < chunks, other=0.0), 0)
-        gathered = tl.load(bounds_ptr + row * 6 + 4)
+        gathered = tl.load(bounds_ptr + row * 8 + 4)
         if gathered <= REGION:
             cut = _settle(
-                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, kth, kth, p_lo, p_hi,
-                above_kth, above_mass, between_mass, total, top_k, top_p, with_top_k, with_top_p,
+                row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, kth, p_lo, p_hi,
+                above_kth, above_p_lo_mass, above_kth_mass, row_mass, top_k, top_p, with_top_k, with_top_p,
                 True, BUCKETS, SEARCH_BLOCK, PIVOTS,
             )  # fmt: skip
             best, best_token = _draw(
                 row_ptr, region_ptr + row * REGION, gathered, inv_t, peak, inv_width, floor, cut, min_p, noise_key,
                 best, best_token, True, BUCKETS, SEARCH_BLOCK,
             )  # fmt: skip
-        else:  # too many boundary tokens: settle over the whole row
+        elif least_key == largest_key:  # more tokens than the region holds, all tied: kept alike
+            if _tied_kept(
+                least_key, peak, inv_width, p_lo, p_hi, above_p_lo_mass, whole_kth_mass, top_p, with_top_p, BUCKETS
+            ):
+                tied = 2 * rows * chunks + part
+                tied_best = tl.load(best_ptr + tied, mask=chunk < chunks, other=float("-inf"))
+                tied_token = tl.load(best_token_ptr + tied, mask=chunk < chunks, other=INT32_MAX)
+                best, best_token = _take(best, best_token, tied_best, tied_token)
+        else:  # more tokens than the region holds, of several keys: found in the whole row
             cut = _settle(
-                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, floor, 0, BUCKETS - 1, 0, BUCKETS - 1,
-                0, 0.0, 0.0, total, top_k, top_p, with_top_k, with_top_p,
+                row_ptr, region_ptr, vocab, inv_t, peak, inv_width, floor, kth, p_lo, p_hi,
+                above_kth, above_p_lo_mass, above_kth_mass, row_mass, top_k, top_p, with_top_k, with_top_p,
                 False, BUCKETS, SEARCH_BLOCK, PIVOTS,
             )  # fmt: skip
             best, best_token = _draw(
                 row_ptr, region_ptr, vocab, inv_t, peak, inv_width, floor, cut, min_p, noise_key,
-                tl.full((), float("-inf"), tl.float32), tl.full((), INT32_MAX, tl.int32), False, BUCKETS, SEARCH_BLOCK,
+                best, best_token, False, BUCKETS, SEARCH_BLOCK,
             )  # fmt: skip
     tl.store(out_ptr + row, best_token.to(tl.int64))
 
 
 @triton.jit
+def _tied_kept(
+    key, peak, inv_width, p_lo, p_hi, above_p_lo_mass, whole_kth_mass, top_p, with_top_p, BUCKETS: tl.constexpr
+):
+    """Whether top-k and top-p keep a boundary whose tokens all have ``key``. They lie in one
+    bucket, the k-th token's if there is one: top-k keeps them (theirs is the k-th key) and
+    its mass is all of it and above. Top-p keeps them above its boundary, drops them below
+    and, within, keeps them iff the mass above them is below its target: the mass above
+    p_lo (the boundary's other buckets are empty)."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    bucket = _bucket(bits.to(tl.float32, bitcast=True), peak, inv_width, BUCKETS)
+    within = (bucket >= p_lo) & (bucket <= p_hi)
+    return ~with_top_p | (bucket < p_lo) | (within & (above_p_lo_mass < _target(top_p, whole_kth_mass)))
+
+
+@triton.jit
 def _settle(
-    row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, k_lo, k_hi, p_lo, p_hi,
-    above_kth, above_mass, between_mass, total, top_k, top_p, with_top_k, with_top_p,
+    row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, kth, p_lo, p_hi,
+    above_kth, above_p_lo_mass, above_kth_mass, row_mass, top_k, top_p, with_top_k, with_top_p,
     GATHERED: tl.constexpr, BUCKETS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
 ):  # fmt: skip
     """The least key top-k and top-p keep, from the boundary tokens: the k-th largest key
-    among the tokens of buckets ``[k_lo, k_hi]`` (``above_kth`` lie above them), then the
-    top-p cut among ``[p_lo, p_hi]``'s against top_p times the top-k mass (``above_mass``
-    lies above them; ``between_mass`` between them and ``k_lo``)."""
+    among the tokens of bucket ``kth`` (``above_kth`` lie above it), then the top-p cut among
+    ``[p_lo, p_hi]``'s against top_p times the top-k mass (the row's without top-k); the
+    integer masses above p_lo and above kth are the plan's."""
     cut = tl.full((), INT32_MIN, tl.int32)
-    top_k_mass = total
+    top_k_mass = row_mass
     if with_top_k:
         cut = _search(
-            row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, k_lo, k_hi, above_kth, top_k,
+            row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, kth, kth, above_kth, top_k,
             GATHERED, False, BUCKETS, SEARCH_BLOCK, PIVOTS,
         )  # fmt: skip
         mass = tl.zeros((SEARCH_BLOCK,), tl.int64)
         for start in range(0, count, SEARCH_BLOCK):
             tokens, valid = _tokens(ids_ptr, start, count, GATHERED, SEARCH_BLOCK)
             _, bucket, weights, keys = _scores(row_ptr, tokens, valid, inv_t, peak, inv_width, floor, BUCKETS)
-            mass += tl.where(valid & ((bucket < k_lo) | (keys >= cut)), weights, 0)
-        top_k_mass = above_mass + between_mass + tl.sum(mass, 0).to(tl.float32) * (1.0 / FIXED)
+            mass += tl.where(valid & (bucket == kth) & (keys >= cut), weights, 0)
+        top_k_mass = above_kth_mass + tl.sum(mass, 0)
     if with_top_p & (p_lo <= p_hi):
         cut = tl.maximum(
             cut,
             _search(
-                row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, p_lo, p_hi, above_mass, top_p * top_k_mass,
-                GATHERED, True, BUCKETS, SEARCH_BLOCK, PIVOTS,
+                row_ptr, ids_ptr, count, inv_t, peak, inv_width, floor, p_lo, p_hi,
+                above_p_lo_mass, _target(top_p, top_k_mass), GATHERED, True, BUCKETS, SEARCH_BLOCK, PIVOTS,
             ),
         )  # fmt: skip
     return cut
@@ -677,22 +757,44 @@ def _draw(
 def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: int = REGION) -> Tensor:
     """Token ids [rows] drawn from ``logits`` [rows, vocab] (see :meth:`xinfer.ops.Ops.sample`);
     ``chunk`` and ``region`` are small in tests, so that small rows exercise every path."""
+    return _sample(logits, params, chunk, region)[0]
+
+
+CANDIDATE, BOUNDARY, TIED, WHOLE_ROW = 0, 1, 2, 3
+
+
+def sample_paths(
+    logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: int = REGION
+) -> tuple[Tensor, Tensor]:
+    """:func:`sample`'s tokens, and the path that settled each row (for tests and benchmarks):
+    CANDIDATE (its candidate was kept, or it has no filter), BOUNDARY (the gathered boundary
+    tokens), TIED (more than ``region`` boundary tokens, all tied) or WHOLE_ROW (more than
+    ``region``, not all tied: a search over the whole row)."""
+    tokens, bounds = _sample(logits, params, chunk, region)
+    settled, gathered, tied = bounds[:, 5] != 0, bounds[:, 4], bounds[:, 6] == bounds[:, 7]
+    crowded = torch.where(tied, TIED, WHOLE_ROW)
+    return tokens, torch.where(settled, CANDIDATE, torch.where(gathered <= region, BOUNDARY, crowded))
+
+
+def _sample(logits: Tensor, params: SamplingBatch, chunk: int, region: int) -> tuple[Tensor, Tensor]:
+    """The tokens, and each row's bounds (the plan's, and the count of its gathered boundary)."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    bounds = torch.empty(rows, 8, dtype=torch.int32, device=logits.device)
     if rows == 0:
-        return tokens
+        return tokens, bounds
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device
     stats = torch.empty(rows, chunks, 3, dtype=torch.float32, device=device)
     checks = torch.empty(rows, chunks, 3 + PROBES, dtype=torch.float32, device=device)
-    counts = torch.zeros(rows, BUCKETS, dtype=torch.int32, device=device)
-    plan = torch.empty(rows, 4, dtype=torch.float32, device=device)
-    bounds = torch.empty(rows, 6, dtype=torch.int32, device=device)
-    sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
-    best = torch.empty(2, rows, chunks, dtype=torch.float32, device=device)
-    best_token = torch.empty(2, rows, chunks, dtype=torch.int32, device=device)
+    histogram = torch.zeros(rows, 2, BUCKETS, dtype=torch.int64, device=device)  # counts, integer masses
+    chunk_mass = torch.empty(rows, chunks, dtype=torch.int64, device=device)
+    plan = torch.empty(rows, 3, dtype=torch.float32, device=device)
+    masses = torch.empty(rows, 4, dtype=torch.int64, device=device)
+    best = torch.empty(3, rows, chunks, dtype=torch.float32, device=device)
+    best_token = torch.empty(3, rows, chunks, dtype=torch.int32, device=device)
     gathered = torch.empty(rows, region, dtype=torch.int32, device=device)
     filters = (params.temperature, params.top_k, params.top_p, params.min_p)
     noise = (params.seed, params.position)
@@ -708,19 +810,19 @@ def sample(logits: Tensor, params: SamplingBatch, chunk: int = CHUNK, region: in
     )
     _check_kernel[(rows, chunks)](*row, *filters[:3], *candidates, chunks, CHUNK=chunk, BLOCK=block, **sizes, **options)
     _histogram_kernel[(rows, chunks)](
-        *row, *filters, *candidates, counts, chunks,
-        CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, SPREAD=SPREAD, **sizes, **options,
+        *row, *filters, *candidates, histogram, chunk_mass, chunks,
+        CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, SPREAD=SPREAD, **sizes, **{**options, "num_warps": 8},
     )  # fmt: skip
     _plan_kernel[(rows,)](
-        *row, *filters, *candidates, counts, plan, bounds, chunks,
-        BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **sizes, **{**options, "num_warps": 8},
+        *row, *filters, *candidates, histogram, chunk_mass, plan, bounds, masses, chunks,
+        BUCKETS=BUCKETS, SPREAD=SPREAD, SLACK=SLACK, **sizes, **{**options, "num_warps": 16},
     )  # fmt: skip
     _draw_kernel[(rows, chunks)](
-        *row, *filters, *noise, plan, bounds, sums, best[1], best_token[1], gathered,
+        *row, *filters, *noise, plan, bounds, best[1:], best_token[1:], gathered,
         CHUNK=chunk, BLOCK=block, BUCKETS=BUCKETS, REGION=region, **options,
     )  # fmt: skip
     _settle_kernel[(rows,)](
-        *row, *filters, *noise, plan, bounds, sums, best, best_token, gathered, tokens, chunks,
+        *row, *filters, *noise, plan, bounds, masses, best, best_token, gathered, tokens, chunks,
         CHUNKS=sizes["CHUNKS"], BUCKETS=BUCKETS, REGION=region, SEARCH_BLOCK=SEARCH_BLOCK, PIVOTS=PIVOTS, **options,
     )  # fmt: skip
-    return tokens
+    return tokens, bounds
