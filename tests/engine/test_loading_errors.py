@@ -32,6 +32,24 @@ def test_missing_weight_is_named(tmp_path):
     assert "model.layers.1.self_attn.qkv_proj.weight:k" in str(error.value)
 
 
+def test_checkpoint_tensors_the_model_leaves_unread_are_named_in_one_line(tmp_path, caplog):
+    """A field the model does not read (here MLP biases the Llama config does not ask for) is reported by
+    pattern, not dropped without a word; a tied model's LM head copy is expected and not reported."""
+    import torch
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    for layer in range(COMMON["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.mlp.down_proj.bias"] = torch.ones(COMMON["hidden_size"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with caplog.at_level("INFO", logger="xinfer.loading.weights"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    lines = [r.getMessage() for r in caplog.records if "not used by the model" in r.getMessage()]
+    layers = COMMON["num_hidden_layers"]
+    assert lines == [f"{layers} checkpoint tensor(s) not used by the model: model.layers.*.mlp.down_proj.bias"]
+
+
 def test_a_max_model_len_past_the_models_positions_is_refused(tmp_path):
     """Positions past ``max_position_embeddings`` have no rotary row (and were never trained): refused at
     start-up in one line, not an index error in the first long step."""

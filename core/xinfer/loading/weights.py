@@ -6,6 +6,9 @@ merged projection are merged packed once all have arrived. Anywhere else it is d
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -13,10 +16,12 @@ from torch import Tensor, nn
 
 from xinfer.distributed.group import current
 from xinfer.layers.linear import MergedLinear
-from xinfer.loading.stored import Weights, part_of, whole
+from xinfer.loading.stored import StoredTensor, Weights, part_of, whole
 from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
 from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.quant.dispatch import replace_parameter
+
+log = logging.getLogger(__name__)
 
 
 class MissingWeightsError(ValueError):
@@ -31,6 +36,7 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
     packed_shards: dict[str, dict[str, QuantizedTensor]] = {}  # merged weight -> its quantized shards so far
     float_merged: set[str] = set()  # merged weights with a float shard: all merge as floats
     split = current().size > 1  # under tensor parallelism a rank reads its slice of each split tensor
+    unused: list[str] = []
     for name, stored in weights:
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
             continue
@@ -43,7 +49,9 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
             continue
         target, shard = _packed_target(name, model.packed_modules)
         if target not in params:
-            continue  # a tensor this model does not use (e.g. an untied lm_head copy), never read
+            if _numel(stored):  # never read (an empty one is a module transformers builds at size 0)
+                unused.append(name)
+            continue
         owner, _, leaf = target.rpartition(".")
         module = modules[owner]
         if isinstance(stored, QuantizedTensor) and (leaf not in getattr(module, "quantized_weights", ()) or split):
@@ -82,7 +90,23 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
             start, rows = module.shard_offset(shard)
             _copy(params[target].data[start : start + rows], values.dequantize(), f"{target}:{shard}")
     _check_complete(model, params, loaded)
+    _report_unused(unused)
     return loaded
+
+
+def _numel(stored: Tensor | StoredTensor | QuantizedTensor) -> int:
+    return math.prod(stored.logical_shape if isinstance(stored, QuantizedTensor) else stored.shape)
+
+
+def _report_unused(names: list[str]) -> None:
+    """One line naming the checkpoint tensors no parameter took, by pattern (layer indexes as ``*``), as
+    transformers reports them: a field the model ignores, or one it should read and does not. The LM head
+    of a model that ties it to the embedding is expected."""
+    names = [name for name in names if name != "lm_head.weight"]
+    patterns = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in names})
+    if patterns:
+        shown = ", ".join(patterns[:8]) + (f" and {len(patterns) - 8} more" if len(patterns) > 8 else "")
+        log.info("%d checkpoint tensor(s) not used by the model: %s", len(names), shown)
 
 
 def _replace(model: CausalLM, params: dict[str, nn.Parameter], target: str, tensor: QuantizedTensor) -> None:
