@@ -16,7 +16,7 @@ from tests.docs_pages import DOCS, code_blocks, inline_code
 from tests.server.live import REPO
 from xinfer.cli import main, plugins_parser
 from xinfer.config import CacheConfig
-from xinfer.server.args import build_parser, nodes_problem, parse_args, pd_problem
+from xinfer.server.args import build_parser, flags_problem, parse_args
 from xinfer.server.launch import engine_config
 
 ISSUE_FLAGS = [
@@ -223,6 +223,14 @@ def test_out_of_range_server_values_are_refused(flag, value, capsys):
     assert result.returncode == 2 and f"{env_name}={value!r}: must be at least" in result.stderr
 
 
+def test_batch_without_prompts_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--batch", "4"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "xinfer: --batch copies the prompts of --prompts: give --prompts too\n"
+    assert parse_args(["--prompts", "Hi", "--batch", "4"]).batch == 4
+
+
 def test_recurrent_state_flags_reach_the_engine_config():
     """--mamba-fraction and --state-snapshot-interval set the cache options LLM takes by the
     same names (tests/cache/test_cache_kinds.py checks the plan they give)."""
@@ -327,7 +335,7 @@ def xinfer_parse_problems(argv: list[str]) -> list[str]:
         return [f"does not parse ({error})"]
     if unknown:
         return [f"does not parse ({' '.join(unknown)})"]
-    problem = nodes_problem(args) or pd_problem(args)
+    problem = flags_problem(args)
     return [problem] if problem else []
 
 

@@ -288,11 +288,22 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer", descript
     if refusal:
         print(f"{prog}: {refusal} is not available yet in this version of xinfer", file=sys.stderr)
         raise SystemExit(2)
-    problem = nodes_problem(args) or pd_problem(args)
+    problem = flags_problem(args)
     if problem:
         print(f"{prog}: {problem}", file=sys.stderr)
         raise SystemExit(2)
     return args
+
+
+def flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a combination of flags, if anything."""
+    return nodes_problem(args) or pd_problem(args) or terminal_problem(args)
+
+
+def terminal_problem(args: argparse.Namespace) -> str | None:
+    if args.batch is not None and not args.prompts:
+        return "--batch copies the prompts of --prompts: give --prompts too"
+    return None
 
 
 def nodes_problem(args: argparse.Namespace) -> str | None:
