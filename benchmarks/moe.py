@@ -18,7 +18,8 @@ row, the final norm and the LM head.
 ``--expert-share`` runs the throughput workload once more, greedy, under the torch profiler (slower than the timed
 runs: its figures are shares and rates, not speed): the fraction of the summed kernel time spent in the expert GEMM
 kernels and in routing, and the experts' achieved TFLOP/s (every computed token through ``num_experts_per_tok``
-experts of 6 x h x moe_intermediate_size FLOPs, the shared experts left out: they run as dense GEMMs).
+experts of 6 x h x moe_intermediate_size FLOPs in each MoE layer, the shared experts left out: they run as dense
+GEMMs).
 
 GLM-4.5-Air's shape, one bf16 decode step at context 0, as
 ``decode_bytes_per_token(SHAPES["glm-4.5-air"](), 0)`` counts it (h = 4096, d = 128, 96 query
@@ -139,7 +140,8 @@ def expert_share(shape: str, smoke: bool) -> dict:
     experts = [k for k in kernels if k["kernel"] in EXPERT_KERNELS]
     config = SHAPES[shape]()
     computed = run["input_tokens"] + run["output_tokens"] - run["num_requests"]  # the last token is never fed back
-    flops = computed * config.num_experts_per_tok * 6 * config.hidden_size * config.moe_intermediate_size
+    moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+    flops = computed * moe_layers * config.num_experts_per_tok * 6 * config.hidden_size * config.moe_intermediate_size
     expert_ms = sum(k["ms"] for k in experts)
     return {
         "expert_share": round(sum(k["share"] for k in experts), 3),
