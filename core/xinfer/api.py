@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -11,6 +12,7 @@ from tqdm.auto import tqdm
 from xinfer.config import EngineConfig
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
+from xinfer.errors import WrongTypeError
 from xinfer.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
@@ -99,9 +101,9 @@ class LLM:
         return self.tokenizer
 
     def _add(self, prompts, params) -> list[RequestOutput]:
-        prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
-        params = params or SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        prompts = _prompt_list(prompts)
+        params = SamplingParams() if params is None else params
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else _params_list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         outputs = []
@@ -120,13 +122,49 @@ class LLM:
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            return self._tokenize(prompt["prompt"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return self._tokenize(prompt["prompt"])
+            raise WrongTypeError(f"a prompt dict holds 'prompt' (a string) or 'prompt_token_ids' (a list of token "
+                                 f"ids), got {_described(prompt)}")  # fmt: skip
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        if isinstance(prompt, Sequence):
+            return None, _token_ids(prompt)
+        raise WrongTypeError(f"a prompt is {PROMPT_FORMS}, got {_described(prompt)}")
+
+
+PROMPT_FORMS = "a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """``prompts`` as a list of prompts (one prompt is a list of one)."""
+    if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise WrongTypeError(f"prompts: {PROMPT_FORMS}, or a list of those; got {_described(prompts)}")
+
+
+def _params_list(params: Any) -> list[SamplingParams]:
+    if isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
+        return list(params)
+    raise WrongTypeError(f"sampling_params: a SamplingParams or a list of them, got {_described(params)}")
+
+
+def _token_ids(values: Any) -> list[int]:
+    """Token ids as Python ints (numpy's too); anything else is refused."""
+    try:
+        return [operator.index(value) for value in values]
+    except TypeError:
+        raise WrongTypeError(f"token ids are integers, got {_described(values)}") from None
+
+
+def _described(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _images_apart(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:

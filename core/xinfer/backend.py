@@ -52,7 +52,7 @@ def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device
     available = [s for s in candidates if registry.load_object(s.is_available)()]
     if not available:
         names = ", ".join(f"{s.name} ({s.device_type})" for s in candidates) or "none"
-        raise RuntimeError(f"no available backend for device {config.device!r}; candidates: {names}")
+        raise ValueError(f"no backend can run device {config.device!r} on this machine (installed for it: {names})")
     spec = max(available, key=lambda s: s.priority)
     device = wanted if wanted is not None and wanted.type == spec.device_type else torch.device(spec.device_type)
     return spec, registry.load_object(spec.ops)(), device
@@ -68,6 +68,11 @@ def check_support(spec: BackendSpec, ops: Ops, config: EngineConfig) -> None:
     if ops.kv_formats is not None and cache.kv_cache_dtype not in ops.kv_formats:
         raise ValueError(f"the {spec.name} backend does not support kv_cache_dtype (--kvcache-dtype) "
                          f"{cache.kv_cache_dtype!r}: choose one of {', '.join(sorted(ops.kv_formats))}")  # fmt: skip
+    if cache.kv_recent_window and cache.kv_cache_dtype == "auto":
+        raise ValueError(
+            "kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
+            "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)"
+        )
     if cache.kv_recent_window and not ops.recent_window:
         raise ValueError(f"the {spec.name} backend does not implement kv_recent_window (--kv-recent-window) yet: "
                          f"run without it, or on the CPU")  # fmt: skip

@@ -24,6 +24,7 @@ from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import OutputProcessor
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
+from xinfer.text.tokenizer import has_tokenizer
 
 log = logging.getLogger("xinfer")
 
@@ -121,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     from xinfer.server.launch import prepare, sampling_defaults
 
     path, config = prepare(args)
+    if not has_tokenizer(path):
+        print(f"xinfer: {path} has no tokenizer.json; the terminal needs the model's tokenizer", file=sys.stderr)
+        return 2
     print(f"loading {path} ...", file=sys.stderr)
     try:
         engine = LLMEngine(config)
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         log.debug("loading the model failed", exc_info=True)
         print(f"xinfer: loading the model failed: {first_line(error)}", file=sys.stderr)
         return 1
-    if engine.tokenizer is None or (engine.tokenizer.chat_template is None and not args.prompts):
+    if engine.tokenizer.chat_template is None and not args.prompts:
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2
     params = SamplingParams(**asdict(sampling_defaults(args)) | {"max_tokens": args.max_tokens or 1024})

@@ -51,7 +51,9 @@ def _run(argv: list[str]) -> int:
 
 
 def plugins_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from xinfer.server.args import Parser
+
+    parser = Parser(
         prog="xinfer plugins",
         allow_abbrev=False,
         description="List the installed xinfer plugins (entry points of the group xinfer): each one's name, version "

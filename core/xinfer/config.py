@@ -31,6 +31,13 @@ class ModelConfig(_Config):
     # (a Gemma 3 image is 256)
     encoder_cache_size: int = Field(8192, ge=0)
 
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, name: str) -> str:
+        if name != "auto" and name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+        return name
+
 
 class CacheConfig(_Config):
     block_size: int = Field(16, gt=0)  # tokens per KV block
@@ -74,6 +81,17 @@ class DeviceConfig(_Config):
     device: str = "auto"  # auto, cpu, cuda, cuda:1, ...
     backend: str | None = None  # backend plugin by name; default: the best available
     enforce_eager: bool = False  # no CUDA graphs
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, name: str) -> str:
+        if name != "auto":
+            try:
+                torch.device(name)
+            except RuntimeError:
+                raise ValueError(f"unknown device {name!r}; give auto, cpu, or a device type and index "
+                                 f"such as cuda, cuda:1, mps") from None  # fmt: skip
+        return name
 
 
 class ParallelConfig(_Config):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -9,6 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from xinfer.errors import WrongTypeError
 from xinfer.grammar.spec import StructuredOutputs
 
 
@@ -40,6 +42,7 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -72,6 +75,22 @@ class SamplingParams:
                 "logit_bias values must be in [-100, 100]",
             )
 
+    def _check_types(self) -> None:
+        """Numbers where numbers go, strings and token ids in the stop lists, before their ranges are checked."""
+        for name in INTEGERS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) and (value is not None or name not in OPTIONAL):
+                raise WrongTypeError(f"{name} must be an integer{' or None' if name in OPTIONAL else ''}, "
+                                     f"got {type(value).__name__} {value!r}")  # fmt: skip
+        for name in REALS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real):
+                raise WrongTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        if not (self.stop is None or _all_of(self.stop, str)):
+            raise WrongTypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not (self.stop_token_ids is None or _all_of(self.stop_token_ids, numbers.Integral)):
+            raise WrongTypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -79,6 +98,15 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
+OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+REALS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _all_of(values: object, kind: type) -> bool:
+    return isinstance(values, (list, tuple)) and all(isinstance(value, kind) for value in values)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -54,7 +54,7 @@ def test_when_the_hub_cannot_be_reached_the_cache_answers(cache, monkeypatch):
         raise ConnectionError("network is unreachable")
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(HfApi, "list_repo_files", unreachable)
+    monkeypatch.setattr(HfApi, "model_info", unreachable)
     snapshot = cached_snapshot(cache, "tiny-org/one-gguf")
     (snapshot / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
     assert resolve_model_path("tiny-org/one-gguf") == snapshot / "model-Q4_K_M.gguf"
@@ -108,9 +108,7 @@ def test_a_failed_download_is_one_line_from_the_command_line(tmp_path):
     (["README.md", "config.json", "model-Q4_K_M.gguf"], "model-Q4_K_M.gguf"),  # a GGUF repository with a config
 ])  # fmt: skip
 def test_the_repository_listing_decides_between_checkpoint_and_gguf(cache, monkeypatch, listing, expected):
-    from huggingface_hub import HfApi
-
-    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id: listing)  # as the hub would answer
+    monkeypatch.setattr(resolve, "_repo_files", lambda repo_id: listing)  # as the hub would answer
     snapshot = cached_snapshot(cache, "tiny-org/listed")  # the downloads come from the cache
     for name in listing:
         (snapshot / name).write_bytes(b"GGUF" if name.endswith(".gguf") else b"{}")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from transformers import PretrainedConfig
 
 from xinfer.backend import check_support, device_memory, select_backend
 from xinfer.cache.allocate import CacheLayout, allocate_caches
@@ -25,12 +26,13 @@ from xinfer.engine.memory_plan import MemoryPlan, held_by_every_rank, memory_bas
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
 from xinfer.forward_context import forward_context
+from xinfer.hooks import BackendSpec
 from xinfer.kv import KVFormat, get_format
-from xinfer.loading.loader import load_config, load_model
+from xinfer.loading.loader import check_model, load_model
 from xinfer.loading.resolve import resolve_model_path
-from xinfer.ops import HostBatch
+from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
-from xinfer.text.tokenizer import Tokenizer
+from xinfer.text.tokenizer import Tokenizer, has_tokenizer
 
 if TYPE_CHECKING:
     from xinfer.model import CausalLM
@@ -59,18 +61,10 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     if tp.size > 1 and not config.device.enforce_eager:
         log.info("tensor parallel %d: steps run eagerly (no CUDA graphs across ranks yet)", tp.size)
         config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
-    spec, ops, device = select_backend(config.device)
-    check_support(spec, ops, config)
+    spec, ops, device, path, hf_config = check_start(config)
     cache = config.cache
-    if cache.kv_recent_window and cache.kv_cache_dtype == "auto":
-        raise ValueError(
-            "kv_recent_window (--kv-recent-window) keeps recent keys exact beside a quantized "
-            "cache: choose one with kv_cache_dtype (--kvcache-dtype fp8, turbo8, turbo4, turbo3)"
-        )
     memory = device_memory(spec, device)
     baseline = memory_baseline(memory)
-    path = resolve_model_path(config.model.model)
-    hf_config = load_config(path)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
     with building_for(tp):
@@ -79,10 +73,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     if not model.cuda_graphs and not config.device.enforce_eager:
         log.info("%s runs without step graphs: its ops read the step's metadata on the host", type(model).__name__)
         config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
-    max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
-    if max_model_len > hf_config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} is more than the model's max_position_embeddings "
-                         f"({hf_config.max_position_embeddings}): its positions go no further")  # fmt: skip
+    max_model_len = config.model.max_model_len or hf_config.max_position_embeddings  # check_model checked it
     config = _step_past_context_switch(config, model, max_model_len)
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
     kv_format = get_format(cache.kv_cache_dtype)
@@ -116,6 +107,16 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
     return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
                        Scheduler(scheduler_config, cache_manager, runner.model.context_switch))  # fmt: skip
+
+
+def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, Path, PretrainedConfig]:
+    """What start-up refuses before it builds anything, each in one line: no backend for the device, an option
+    the backend does not run, a model that is not there or cannot load with these settings. Returns the backend,
+    its ops and device, the model's path and its config."""
+    spec, ops, device = select_backend(config.device)
+    check_support(spec, ops, config)
+    path = resolve_model_path(config.model.model)
+    return spec, ops, device, path, check_model(path, config.model)
 
 
 def _step_past_context_switch(config: EngineConfig, model: CausalLM, max_model_len: int) -> EngineConfig:
@@ -156,6 +157,4 @@ def _cache_manager(plan: MemoryPlan, cache: CacheConfig, states: list[dict[str, 
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:
-    if path.suffix == ".gguf" or (path / "tokenizer.json").is_file():
-        return Tokenizer.from_path(path)
-    return None
+    return Tokenizer.from_path(path) if has_tokenizer(path) else None

@@ -7,7 +7,7 @@ class ModelFileError(ValueError):
     pass
 
 
-def first_line(error: BaseException) -> str:
+def first_line(error: BaseException | str) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
 from xinfer.loading.errors import ModelFileError
@@ -132,11 +133,14 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
     registry.register_config_classes()
     file = GGUFFile(path)
     meta, arch = file.metadata, file.architecture
+    _check_known(arch, file.path)
     adapter = gguf_adapter(arch)
     fields: dict[str, Any] = {
         field: _plain(meta[f"{arch}.{key}"]) for key, field in _CONFIG_FIELDS.items() if f"{arch}.{key}" in meta
     }
-    fields.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
+    if "vocab_size" not in fields and "tokenizer.ggml.tokens" not in meta:
+        raise ModelFileError(f"{file.path}: the metadata has no tokenizer.ggml.tokens (nor {arch}.vocab_size)")
+    fields.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
     if fields.get("sliding_window") == 0:  # llama.cpp's "no window" (its converter writes it so for Phi-4)
         del fields["sliding_window"]
     for field, name in _TOKEN_IDS.items():
@@ -156,6 +160,17 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _check_known(arch: str, path: Path) -> None:
+    """A GGUF architecture is read by a plugin's adapter, or is a model type transformers knows."""
+    adapters = registry.gguf_architectures()
+    if arch not in adapters and arch not in CONFIG_MAPPING:
+        raise ModelFileError(
+            f"{path}: GGUF architecture {arch!r} is known neither to transformers nor to an installed plugin "
+            f"(those read {', '.join(sorted(adapters)) or 'none'}; xinfer plugins lists them, and a plugin adds one "
+            f"with the xinfer_gguf_architectures hook)"
+        )
 
 
 def _plain(value: Any) -> Any:

@@ -12,10 +12,11 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
+from xinfer.config import ModelConfig
 from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
-from xinfer.loading.safetensors import iter_safetensors
+from xinfer.loading.safetensors import check_safetensors, iter_safetensors
 from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, quantize_weights
@@ -89,14 +90,24 @@ def _hf_config(folder: Path) -> PretrainedConfig:
     return config
 
 
-def check_model(path: Path) -> PretrainedConfig:
-    """The model's config, and its architecture found: everything short of the weights, so that a bad model
-    fails in one line before anything starts."""
+def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedConfig:
+    """The model's config, its architecture found, its weight files there and readable and the ``settings``
+    it is run with possible (the context length, the ``isq`` format): everything short of building the model
+    and reading the weights, so that a bad model or setting fails in one line before anything starts."""
+    settings = settings or ModelConfig()
     config = load_config(path)
     try:
         registry.model_class(architecture_of(config))
     except ValueError as error:
         raise type(error)(f"{path}: {error}") from error
+    if settings.load_format != "dummy" and not reads_gguf(path, settings.load_format):
+        check_safetensors(path)
+    if settings.isq is not None:
+        isq_format(settings.isq)
+    positions = config.max_position_embeddings
+    if settings.max_model_len is not None and settings.max_model_len > positions:
+        raise ValueError(f"max_model_len {settings.max_model_len} is more than the model's max_position_embeddings "
+                         f"({positions}): its positions go no further (--max-model-len)")  # fmt: skip
     return config
 
 
@@ -148,12 +159,18 @@ def load_model(
 
 
 def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Weights:
-    is_gguf = path.suffix == ".gguf"
-    if load_format == "gguf" or (load_format == "auto" and is_gguf):
+    if reads_gguf(path, load_format):
         return iter_gguf_weights(path, model.config, model.checkpoint_names())
-    if load_format in ("auto", "safetensors") and not is_gguf:
-        return iter_safetensors(path)
-    raise ValueError(f"load_format {load_format!r} cannot read {path}")
+    return iter_safetensors(path)
+
+
+def reads_gguf(path: Path, load_format: str) -> bool:
+    """Whether the weights are read from a GGUF file (else from the folder's safetensors)."""
+    is_gguf = path.suffix == ".gguf"
+    if load_format in ("auto", "gguf" if is_gguf else "safetensors"):
+        return is_gguf
+    raise ModelFileError(f"load_format (--load-format) {load_format!r} cannot read {path}: it is "
+                         f"{'a GGUF file' if is_gguf else 'an HF folder'}")  # fmt: skip
 
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:

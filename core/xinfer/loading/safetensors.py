@@ -7,21 +7,37 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.stored import StoredTensor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ModelFileError(f"{index}: not a safetensors index ({type(error).__name__}: {error})") from None
         return [folder / shard for shard in shards]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        why = f" (xinfer reads safetensors, not {', '.join(others)})" if others else ""
+        raise ModelFileError(
+            f"{folder} has config.json but no weights: no *.safetensors file{why}; "
+            f"--load-format dummy runs it with random weights"
+        )
     return files
+
+
+def check_safetensors(folder: Path) -> None:
+    """Every file of the checkpoint is there and its header reads (a truncated file's does not): a bad
+    checkpoint fails before the model is built, in one line naming the file."""
+    for path in safetensors_files(folder):
+        _opened(path)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, StoredTensor]]:
@@ -36,4 +52,11 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, StoredTensor]]:
 
 
 def _opened(path: Path) -> safe_open:
-    return safe_open(str(path), framework="pt", device="cpu")
+    if not path.is_file():
+        raise ModelFileError(f"{path}: missing (model.safetensors.index.json names it)")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as error:
+        raise ModelFileError(
+            f"{path}: not a readable safetensors file, truncated or corrupt ({first_line(error)})"
+        ) from None

@@ -7,11 +7,12 @@ features that arrive later are listed in ``--help`` and refused with one line.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from argparse import SUPPRESS
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from xinfer.kv.formats import formats
 from xinfer.text.reasoning import PARSERS
@@ -47,6 +48,51 @@ def _share(text: str) -> float:
 _share.__name__ = "float"
 
 
+def _port(lowest: int) -> Callable[[str], int]:
+    """An argparse type: a TCP port, ``lowest`` (0: any free one) to 65535."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not lowest <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"must be a port from {lowest} to 65535, got {text}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+# flags vLLM has and xinfer names otherwise: what to give instead
+VLLM_FLAGS = {
+    "--kv-cache-dtype": "--kvcache-dtype",
+    "--gpu-memory-utilization": "--kv-fraction",
+    "--tensor-parallel-size": "--d with one id per device (--d 0,1)",
+    "--max-num-batched-tokens": "--prefill-chunk-size",
+    "--enforce-eager": "--disable-cuda-graph",
+    "--quantization": "--isq (a quantized checkpoint's format is read from its files)",
+    "--device": "--cpu, or --d",
+    "--enable-prefix-caching": "nothing (on by default)",
+    "--no-enable-prefix-caching": "--disable-prefix-cache",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, its errors one line (argparse prints the whole usage first, dozens of lines here); a flag it
+    does not know gets what to give instead: xinfer's name of a vLLM flag, or the closest flag."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            hints = [self._instead(word.split("=")[0]) for word in message.split()[2:] if word.startswith("--")]
+            hint = "; ".join(h for h in hints if h)
+        self.exit(2, f"{self.prog}: {message}{f' ({hint})' if hint else ''} (see {self.prog} --help)\n")
+
+    def _instead(self, flag: str) -> str | None:
+        if flag in VLLM_FLAGS:
+            return f"{flag} is vLLM's flag: give {VLLM_FLAGS[flag]}"
+        close = difflib.get_close_matches(flag, [o for o in self._option_string_actions if o.startswith("--")], 1)
+        return f"did you mean {close[0]}?" if close else None
+
+
 SERVE = """Serve an LLM with an OpenAI-compatible API on --port, and the chat UI with --ui-server
 (the embedded SmolLM2-135M-Instruct when no model is given)."""
 CHAT = """Chat with an LLM in the terminal (the embedded SmolLM2-135M-Instruct when no model is given).
@@ -73,7 +119,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.ArgumentParser:
     # fmt: off
-    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
+    p = Parser(prog=prog, formatter_class=_HelpFormatter, allow_abbrev=False,
                                 description=description, epilog=COMMANDS)
     model = p.add_argument_group("model")
     model.add_argument("--m", "--model", dest="model", metavar="ID_OR_PATH",
@@ -176,9 +222,9 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
 
     serving = p.add_argument_group("serving")
     serving.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address to listen on (0.0.0.0: every interface)")
-    serving.add_argument("--port", type=int, default=8000, help="port of the API (/v1/...)")
+    serving.add_argument("--port", type=_port(0), default=8000, help="port of the API (/v1/...)")
     serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
-    serving.add_argument("--ui-port", type=int, metavar="PORT", help="port of the chat UI (default: --port + 1)")
+    serving.add_argument("--ui-port", type=_port(0), metavar="PORT", help="port of the chat UI (default: --port + 1)")
     serving.add_argument("--api-key", metavar="KEY",
                          help="require this key on every request, sent as Authorization: Bearer KEY or x-api-key: KEY "
                          "(default: no key)")
@@ -230,7 +276,7 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                        help="this machine's place, 0 to --num-nodes - 1")
     nodes.add_argument("--master-addr", default="127.0.0.1", metavar="ADDRESS",
                        help="node 0's address, where the ranks meet")
-    nodes.add_argument("--master-port", type=_at_least(int, 1), metavar="PORT", help="the port they meet at on node 0 (needed with "
+    nodes.add_argument("--master-port", type=_port(1), metavar="PORT", help="the port they meet at on node 0 (needed with "
                        "--num-nodes above 1; default on one node: a free one)")
     nodes.add_argument("--tp-timeout", type=_at_least(float, 1), default=300.0, metavar="SECONDS",
                        help="seconds a rank waits for the others in a step before the engine fails")

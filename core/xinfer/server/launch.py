@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -26,6 +28,7 @@ from pydantic import ValidationError
 from xinfer.config import EngineConfig
 from xinfer.engine.async_engine import AsyncEngine, EngineState
 from xinfer.engine.engine import LLMEngine
+from xinfer.loading.errors import first_line
 from xinfer.server.app import build_app
 from xinfer.server.args import parse_args
 from xinfer.server.mcp.config import MCPSettings, ServerSpec, server_specs
@@ -45,21 +48,53 @@ def model_source(args: argparse.Namespace) -> str | None:
 
 
 def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
-    """The model's local path (downloaded first if ``--m`` is a hub id), its config and architecture checked, and
-    the engine's config: a bad model or value ends the command here in one line (its traceback at ``--log debug``),
-    before anything starts."""
-    from xinfer.loading.loader import check_model
+    """The model's local path (downloaded first if ``--m`` is a hub id) and the engine's config, checked as far
+    as they can be before the engine is built (:func:`xinfer.engine.build.check_start`): a bad model or value
+    ends the command here in one line (its traceback at ``--log debug``), before anything starts."""
+    from xinfer.engine.build import check_start
     from xinfer.loading.resolve import resolve_model_path
 
     try:
         path = resolve_model_path(model_source(args), args.gguf_file)
-        check_model(path)
+        config = engine_config(args, path)
+        check_start(config)
         media_policy(args)  # a bad image flag ends here too
-        return path, engine_config(args, path)
+        return path, config
     except (ValueError, FileNotFoundError) as error:
-        log.debug("the model cannot be loaded", exc_info=True)
-        print(f"xinfer: {one_line(error)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(error)
+
+
+def refuse(error: Exception) -> NoReturn:
+    """Ends the command in one line saying what is wrong (its traceback at ``--log debug``)."""
+    log.debug("refused", exc_info=True)
+    print(f"xinfer: {one_line(error)}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets listening on ``host``'s addresses at ``port`` (0: a free one), bound before the model loads so
+    that an address in use or a host that is not this machine's ends the command at once, in one line."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host}: not an address to listen on ({error.strerror})") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio does: the IPv4 address gets its own socket
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))
+            sock.listen(2048)
+            port = sock.getsockname()[1]  # with port 0, the host's other addresses take the one the first got
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        why = "another process listens there (choose another --port)" if error.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}{f'; {why}' if why else ''}") from None
+    return sockets
 
 
 def one_line(error: Exception) -> str:
@@ -204,6 +239,7 @@ class GracefulShutdown:
     servers: Sequence[uvicorn.Server]
     timeout: float
     exit_code: int = 0
+    reason: str | None = None  # why the server ends on its own, said last in one line
     task: asyncio.Task | None = None
 
     def trigger(self, sig: int | None = None) -> None:
@@ -228,17 +264,15 @@ class GracefulShutdown:
         for server in self.servers:
             server.should_exit = True
 
-    def fail(self, code: int) -> None:
-        self.exit_code = code
+    def fail(self, code: int, reason: str) -> None:
+        self.exit_code, self.reason = code, reason
         self.timeout = 0
         self.trigger()
 
 
-def uvicorn_config(app: Any, args: argparse.Namespace, port: int) -> uvicorn.Config:
+def uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        host=args.host,
-        port=port,
         log_level=args.log_level,
         access_log=args.access_log,
         lifespan="off",
@@ -259,8 +293,26 @@ def async_engine(args: argparse.Namespace, config: EngineConfig) -> AsyncEngine:
                                transport=args.pd_transport, api_key=args.api_key)  # fmt: skip
 
 
+def listeners(args: argparse.Namespace) -> list[list[socket.socket]]:
+    """The API's sockets, and with ``--ui-server`` the UI's; an address that cannot be had ends the command."""
+    ports = [args.port] + ([args.ui_port or (args.port + 1 if args.port else 0)] if args.ui_server else [])
+    sockets: list[list[socket.socket]] = []
+    try:
+        for port in ports:
+            sockets.append(listen(args.host, port))
+    except ValueError as error:
+        for sock in (sock for group in sockets for sock in group):
+            sock.close()
+        refuse(error)
+    return sockets
+
+
 async def serve(
-    args: argparse.Namespace, path: Path, config: EngineConfig, mcp_specs: Sequence[ServerSpec] = ()
+    args: argparse.Namespace,
+    path: Path,
+    config: EngineConfig,
+    sockets: Sequence[list[socket.socket]],
+    mcp_specs: Sequence[ServerSpec] = (),
 ) -> int:
     loop = asyncio.get_running_loop()
     engine = async_engine(args, config)
@@ -276,10 +328,8 @@ async def serve(
         from xinfer.distributed.pd import PrefillServer
 
         app.include_router(PrefillServer(engine, args.pd_timeout, args.pd_transport).router())
-    servers = [_Server(uvicorn_config(app, args, args.port))]
-    if args.ui_server:
-        ui_app = build_app(serving, args.api_key, args.max_body_bytes, with_ui=True)
-        servers.append(_Server(uvicorn_config(ui_app, args, args.ui_port or args.port + 1)))
+    apps = [app] + ([build_app(serving, args.api_key, args.max_body_bytes, with_ui=True)] if args.ui_server else [])
+    servers = [_Server(uvicorn_config(each, args)) for each in apps]
     shutdown = GracefulShutdown(engine, servers, args.shutdown_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, shutdown.trigger, sig)
@@ -287,8 +337,11 @@ async def serve(
     engine.start(loop)
     watcher = asyncio.ensure_future(_exit_if_loading_fails(engine, shutdown))
     connecting = asyncio.ensure_future(mcp.hub.start()) if mcp is not None else None  # requests wait for theirs
+    for what, group in zip(["API", "chat UI"], sockets):
+        host, port = group[0].getsockname()[:2]
+        log.info("serving the %s on http://%s:%d", what, f"[{host}]" if ":" in host else host, port)
     try:
-        await asyncio.gather(*(server.serve() for server in servers))
+        await asyncio.gather(*(server.serve(list(group)) for server, group in zip(servers, sockets)))
     finally:
         watcher.cancel()
         engine.stop()
@@ -296,20 +349,21 @@ async def serve(
             assert connecting is not None
             connecting.cancel()
             await mcp.hub.close()
+    if shutdown.reason is not None:  # after the servers' own lines: the last line says why
+        print(f"xinfer: {shutdown.reason}", file=sys.stderr)
     return shutdown.exit_code
 
 
 async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown) -> None:
     await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
-    if engine.state is EngineState.DEAD:
-        log.error("the model could not be loaded: %s", engine.error)
-        shutdown.fail(1)
+    if engine.state is EngineState.DEAD:  # the engine thread logged why
+        why = first_line(engine.error or "").removeprefix("loading failed: ")
+        shutdown.fail(1, f"the model could not be loaded: {why}")
         return
     log.info("model loaded; serving")
     await asyncio.get_running_loop().run_in_executor(None, engine.wait_stopped)
     if engine.state is EngineState.DEAD:  # e.g. a tensor-parallel worker died: its requests have failed
-        log.error("the engine died: %s; exiting", engine.error)
-        shutdown.fail(1)
+        shutdown.fail(1, f"the engine died: {engine.error}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         from xinfer.distributed.worker import run_node
 
         return run_node(config)
-    return asyncio.run(serve(args, path, config, specs))
+    return asyncio.run(serve(args, path, config, listeners(args), specs))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m xinfer.server") -> int:

@@ -34,6 +34,11 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether the model at ``path`` (a ``.gguf`` file or an HF folder) comes with a tokenizer xinfer reads."""
+    return path.suffix == ".gguf" or (path / "tokenizer.json").is_file()
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS and the chat template."""
 
