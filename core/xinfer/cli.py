@@ -21,6 +21,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (xinfer plugins --json | head): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush stays quiet
         return 0
+    except KeyboardInterrupt:  # Ctrl+C while the model loads or the prompts run (the server handles its own)
+        print("\nxinfer: interrupted", file=sys.stderr)
+        return 130
 
 
 COMMANDS = ("serve", "chat", "plugins")

@@ -241,6 +241,18 @@ def test_stop_strings_count_after_min_tokens(model_dir):
         ([[1, 2, 3]], dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
         ([[1, 2, 3]], dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
         ([[1, 2, 99999]], SamplingParams(), "[0, 320)"),
+        ([[-1, 2]], SamplingParams(), "[0, 320)"),
+        ([[1, 2.5]], SamplingParams(), "token ids are integers, got list [1, 2.5]"),
+        ([None], SamplingParams(), "a prompt is a string, a list of token ids, or a dict"),
+        ([{"text": "hi"}], SamplingParams(), "a prompt dict holds 'prompt' (a string) or 'prompt_token_ids'"),
+        ([{"prompt_token_ids": [1, 320]}], SamplingParams(), "[0, 320)"),
+        ([[1, 2, 3]], dict(top_k=-2), "top_k must be -1, 0 (off) or positive, got -2"),
+        ([[1, 2, 3]], dict(n=0), "n must be at least 1, got 0"),
+        ([[1, 2, 3]], dict(stop=5), "stop must be a string or a list of strings, got 5"),
+        ([[1, 2, 3]], dict(stop=[5]), "stop must be a string or a list of strings, got [5]"),
+        ([[1, 2, 3]], dict(stop_token_ids="2"), "stop_token_ids must be a list of token ids"),
+        ([[1, 2, 3]], dict(max_tokens=2.5), "max_tokens must be an integer or None, got float 2.5"),
+        ([[1, 2, 3]], dict(temperature="0"), "temperature must be a number, got str '0'"),
     ],
 )
 def test_bad_requests_raise_clear_errors_and_leave_no_blocks(llm, prompts, params, message):
@@ -249,3 +261,27 @@ def test_bad_requests_raise_clear_errors_and_leave_no_blocks(llm, prompts, param
         llm.generate([[5, 6, 7]] + prompts, sampling)  # the good first prompt must be undone too
     assert message in str(error.value)
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "prompts, params, message",
+    [
+        (None, None, "prompts: a string, a list of token ids, or a dict"),
+        (7, None, "prompts: a string, a list of token ids, or a dict"),
+        ([[1, 2]], {"max_tokens": 2}, "sampling_params: a SamplingParams or a list of them, got dict"),
+        ([[1, 2], [3]], [SamplingParams()], "2 prompts but 1 sampling params"),
+    ],
+)
+def test_prompts_and_params_of_the_wrong_kind_raise_value_errors(llm, prompts, params, message):
+    """vLLM's users pass these by mistake: a ValueError naming what was given (a TypeError too), not an
+    iteration error from inside the engine."""
+    with pytest.raises(ValueError) as error:
+        llm.generate(prompts, params)
+    assert message in str(error.value)
+    assert isinstance(error.value, TypeError) == (
+        "but" not in message
+    )  # a count is no type    assert_all_blocks_free(llm)
+
+
+def test_no_prompts_give_no_outputs(llm):
+    assert llm.generate([]) == []

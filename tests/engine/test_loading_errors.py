@@ -122,7 +122,21 @@ def _bad_model(tmp_path, kind: str):
     if kind == "not a gguf":
         (tmp_path / "text.gguf").write_text("hello, world\n")
         return tmp_path / "text.gguf", "is not a GGUF file"
+    if kind == "unknown GGUF architecture":
+        return _gguf_of_architecture(tmp_path / "model.gguf", "nosucharch"), "GGUF architecture 'nosucharch' is known"
     save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    if kind == "config without weights":
+        weights.unlink()
+        return tmp_path, "has config.json but no weights: no *.safetensors file"
+    if kind == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        return tmp_path, "model.safetensors: not a readable safetensors file, truncated or corrupt"
+    if kind == "index naming a missing shard":
+        shard = "model-00002-of-00002.safetensors"
+        index = {"weight_map": {"model.embed_tokens.weight": "model.safetensors", "lm_head.weight": shard}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        return tmp_path, f"{shard}: missing (model.safetensors.index.json names it)"
     config = tmp_path / "config.json"
     if kind == "invalid config.json":
         config.write_text(config.read_text()[:-20])
@@ -139,7 +153,22 @@ def _bad_model(tmp_path, kind: str):
 
 BAD = [
     "truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture",
+    "unknown GGUF architecture", "config without weights", "truncated safetensors", "index naming a missing shard",
 ]  # fmt: skip
+
+
+def _gguf_of_architecture(path, architecture: str):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -173,3 +202,83 @@ def test_the_command_line_says_it_in_one_line_and_the_traceback_at_log_debug(tmp
     assert line.startswith(f"xinfer: {path}") and what in line
     debug = _xinfer(*flags, "--log", "debug")
     assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr and what in debug.stderr
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(max_model_len=2048), "max_model_len 2048 is more than the model's max_position_embeddings (512)"),
+        (dict(isq="q9_9"), "isq (--isq) 'q9_9' is not a format weights can be quantized to"),
+        (dict(load_format="gguf"), "load_format (--load-format) 'gguf' cannot read"),
+    ],
+)
+def test_settings_the_model_cannot_run_with_are_refused_before_it_loads(tmp_path, settings, message):
+    from xinfer.config import ModelConfig
+    from xinfer.loading.loader import check_model
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    with pytest.raises(ValueError) as error:
+        check_model(tmp_path, ModelConfig(**settings))
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(dtype="int4"), "unknown dtype 'int4'"),
+        (dict(device="gpu0"), "unknown device 'gpu0'"),
+        (dict(device="xpu"), "no backend can run device 'xpu' on this machine"),
+        (dict(model="/no/such/folder"), "model '/no/such/folder' is neither a local folder"),
+    ],
+)
+def test_bad_engine_options_raise_value_errors_naming_them(options, message):
+    with pytest.raises(ValueError) as error:
+        LLM(**{"dtype": "float32", **options})
+    assert message in str(error.value)
+
+
+def test_a_server_whose_model_fails_to_load_says_why_on_its_last_line(tmp_path):
+    """A tensor of the wrong shape is found only as the weights load, after the server started: it exits 1,
+    its last line naming the tensor and both shapes, no traceback."""
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:10]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    result = _xinfer("--m", str(tmp_path), "--port", "0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "xinfer: the model could not be loaded: weight model.layers.1.mlp.up_proj.weight: "
+        "checkpoint shape (10, 64) != model shape (160, 64)"
+    )
+
+
+def test_the_terminal_refuses_a_model_without_a_tokenizer_before_loading_it(tmp_path, capsys):
+    from xinfer.chat import run
+    from xinfer.server.args import parse_args
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    assert run(parse_args(["--m", str(tmp_path), "--cpu", "--prompts", "Hi"])) == 2
+    expected = f"xinfer: {tmp_path} has no tokenizer.json; the terminal needs the model's tokenizer\n"
+    assert capsys.readouterr().err == expected
+
+
+def test_weights_that_run_the_device_out_of_memory_are_one_line_with_the_sizes(tmp_path, monkeypatch):
+    """Where the allocator runs out as the weights load (a GPU's; here its error is raised by hand, as torch
+    raises it), the error says so with the weight files' size, not the allocator's multi-line advice."""
+    import torch
+
+    import xinfer.engine.build
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nIf reserved but unallocated...")
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    monkeypatch.setattr(xinfer.engine.build, "load_model", out_of_memory)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(tmp_path), dtype="float32")
+    size = (tmp_path / "model.safetensors").stat().st_size / 2**30
+    assert str(error.value).startswith(
+        f"the model's weights do not fit in cpu's memory: it ran out loading {tmp_path} ({size:.2f} GiB of weight "
+        f"files) (CUDA out of memory. Tried to allocate 2.00 GiB.): use a smaller or quantized model"
+    )

@@ -113,3 +113,15 @@ def test_the_repository_listing_decides_between_checkpoint_and_gguf(cache, monke
     for name in listing:
         (snapshot / name).write_bytes(b"GGUF" if name.endswith(".gguf") else b"{}")
     assert resolve_model_path("tiny-org/listed") == (snapshot / expected).resolve()
+
+
+def test_the_listing_is_the_model_infos_files(monkeypatch):
+    """One request, which huggingface_hub does not retry (its tree listing retries a network that is down for
+    half a minute, a warning each time)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import ModelInfo
+
+    names = ["config.json", "model.safetensors"]
+    info = ModelInfo(id="tiny-org/listed", siblings=[{"rfilename": name} for name in names])
+    monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id: info)
+    assert resolve._repo_files("tiny-org/listed") == names

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from tests.server.live import REPO
 from xinfer.cli import main, plugins_parser
 from xinfer.config import CacheConfig
 from xinfer.server.args import build_parser, flags_problem, parse_args
-from xinfer.server.launch import engine_config
+from xinfer.server.launch import engine_config, listeners
 
 ISSUE_FLAGS = [
     "--m",
@@ -221,6 +222,75 @@ def test_out_of_range_server_values_are_refused(flag, value, capsys):
     env_name = "XINFER_" + flag.lstrip("-").upper().replace("-", "_")
     result = xinfer(env={env_name: value})
     assert result.returncode == 2 and f"{env_name}={value!r}: must be at least" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+        (["--kvcache-dtype", "fp9"], "argument --kvcache-dtype: invalid choice: 'fp9'"),
+        (["--port", "70000"], "argument --port: must be a port from 0 to 65535, got 70000"),
+        (["--port", "-1"], "argument --port: must be a port from 0 to 65535, got -1"),
+        (["--master-port", "0"], "argument --master-port: must be a port from 1 to 65535, got 0"),
+        (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's flag: give --kvcache-dtype"),
+        (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is vLLM's flag: give --kv-fraction"),
+        (["--max-modle-len", "4096"], "did you mean --max-model-len?"),
+        (["serve", "--temprature", "0"], "did you mean --temperature?"),
+        (["plugins", "--jsn"], "did you mean --json?"),
+    ],
+)
+def test_a_flag_error_is_one_line_naming_the_flag(argv, expected, capsys):
+    """argparse prints its whole usage, dozens of lines, before the error: xinfer prints the error alone."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    prog = "xinfer serve" if argv[0] == "serve" else "xinfer plugins" if argv[0] == "plugins" else "xinfer"
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{prog}: ") and expected in lines[0] and lines[0].endswith(f"(see {prog} --help)")
+
+
+def test_a_port_in_use_or_a_host_not_here_is_one_line_before_the_model_loads(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            listeners(parse_args(["--port", str(port)]))
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err == (
+            f"xinfer: cannot listen on 127.0.0.1:{port}: Address already in use; another process listens there "
+            "(choose another --port)\n"
+        )
+    with pytest.raises(SystemExit) as exit_:
+        listeners(parse_args(["--host", "999.1.1.1"]))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and line.startswith("xinfer: --host 999.1.1.1: not an address to listen on")
+
+
+def test_port_0_listens_on_a_free_port_for_the_api_and_the_ui():
+    groups = listeners(parse_args(["--port", "0", "--ui-server"]))
+    try:
+        ports = [group[0].getsockname()[1] for group in groups]
+        assert len(ports) == 2 and 0 not in ports and ports[0] != ports[1]
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=5):
+            pass  # listening: a connection is taken
+    finally:
+        for sock in (sock for group in groups for sock in group):
+            sock.close()
+
+
+def test_ctrl_c_while_the_model_loads_ends_in_one_line_without_a_traceback(monkeypatch, capsys):
+    """Ctrl+C raises KeyboardInterrupt wherever the terminal's engine is (here as it is built); the server
+    handles SIGINT itself (tests/server/test_lifecycle.py)."""
+    import xinfer.chat
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(xinfer.chat, "LLMEngine", interrupted)
+    assert main(["--prompts", "Hi", "--cpu"]) == 130
+    assert capsys.readouterr().err.endswith("\nxinfer: interrupted\n")
 
 
 def test_batch_without_prompts_is_refused(capsys):

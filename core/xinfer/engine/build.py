@@ -3,7 +3,9 @@ select the backend, load the model, calibrate, plan memory, allocate, capture.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from xinfer.backend import check_support, device_memory, select_backend
+from xinfer.backend import DeviceMemory, check_support, device_memory, select_backend
 from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
@@ -22,13 +24,14 @@ from xinfer.cache.state_pool import StatePool
 from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
 from xinfer.distributed.group import SINGLE, TensorParallel, building_for
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
-from xinfer.engine.memory_plan import MemoryPlan, held_by_every_rank, memory_baseline, plan_memory
+from xinfer.engine.memory_plan import MemoryPlan, gib, held_by_every_rank, memory_baseline, plan_memory
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
 from xinfer.forward_context import forward_context
 from xinfer.hooks import BackendSpec
 from xinfer.kv import KVFormat, get_format
-from xinfer.loading.loader import check_model, load_model
+from xinfer.loading.errors import first_line
+from xinfer.loading.loader import check_model, checkpoint_bytes, load_model
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
@@ -67,7 +70,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     baseline = memory_baseline(memory)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
-    with building_for(tp):
+    with building_for(tp), _weights_must_fit(path, config.model.load_format, device, memory):
         model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
     prepare_weights(model, ops)
     if not model.cuda_graphs and not config.device.enforce_eager:
@@ -117,6 +120,24 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
     check_support(spec, ops, config)
     path = resolve_model_path(config.model.model)
     return spec, ops, device, path, check_model(path, config.model)
+
+
+@contextlib.contextmanager
+def _weights_must_fit(
+    path: Path, load_format: str, device: torch.device, memory: DeviceMemory | None
+) -> Iterator[None]:
+    """Out of device memory while the weights load: one line with the numbers, not the allocator's message."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        files = "" if load_format == "dummy" else f" ({gib(checkpoint_bytes(path))} of weight files)"
+        free, total = memory.info() if memory is not None else (None, None)
+        held = f"; the device has {gib(free)} free of {gib(total)}" if free is not None and total else ""
+        raise ValueError(
+            f"the model's weights do not fit in {device}'s memory: it ran out loading {path}{files}{held} "
+            f"({first_line(error)}): use a smaller or quantized model (--isq q4_k), split it over devices "
+            f"(--d 0,1), or free the device"
+        ) from None
 
 
 def _step_past_context_switch(config: EngineConfig, model: CausalLM, max_model_len: int) -> EngineConfig:

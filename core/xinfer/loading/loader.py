@@ -16,7 +16,7 @@ from xinfer.config import ModelConfig
 from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
-from xinfer.loading.safetensors import check_safetensors, iter_safetensors
+from xinfer.loading.safetensors import check_safetensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, quantize_weights
@@ -162,6 +162,12 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Weights
     if reads_gguf(path, load_format):
         return iter_gguf_weights(path, model.config, model.checkpoint_names())
     return iter_safetensors(path)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The size of the model's weight files (a GGUF file, or an HF folder's safetensors)."""
+    files = [path] if path.suffix == ".gguf" else safetensors_files(path)
+    return sum(file.stat().st_size for file in files)
 
 
 def reads_gguf(path: Path, load_format: str) -> bool:
