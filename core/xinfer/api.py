@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -65,11 +65,10 @@ class LLM:
         content may be a list of parts: ``{"type": "text", "text": ...}`` and, for a model that
         takes images, ``{"type": "image_pil", "image_pil": PIL image}`` (vLLM's name; ``"image"``
         with the image under ``"image"`` too), which the template receives as ``{"type": "image"}``."""
+        conversations = _conversations(messages)
         tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
         if template is None:
             raise ValueError("this model has no chat template")
-        one = messages and isinstance(messages[0], dict)
-        conversations = cast("list[list[dict[str, Any]]]", [messages] if one else messages)
         prompts = []
         for conversation in conversations:
             conversation, images = _images_apart(conversation)
@@ -165,6 +164,21 @@ def _token_ids(values: Any) -> list[int]:
 def _described(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """``messages`` as a list of conversations (one conversation is a list of one)."""
+    conversations = (
+        [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else messages
+    )
+    if isinstance(conversations, list) and all(_all_dicts(c) for c in conversations):
+        return conversations
+    raise WrongTypeError(f"messages: a list of message dicts ({{'role': ..., 'content': ...}}), or a list of such "
+                         f"lists; got {_described(messages)}")  # fmt: skip
+
+
+def _all_dicts(conversation: Any) -> bool:
+    return isinstance(conversation, list) and all(isinstance(message, dict) for message in conversation)
 
 
 def _images_apart(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:

@@ -285,3 +285,9 @@ def test_prompts_and_params_of_the_wrong_kind_raise_value_errors(llm, prompts, p
 
 def test_no_prompts_give_no_outputs(llm):
     assert llm.generate([]) == []
+
+
+@pytest.mark.parametrize("messages", [None, "Hi", [{"role": "user", "content": "Hi"}, "Hi"], [[{"role": "user"}], 3]])
+def test_chat_messages_of_the_wrong_kind_raise_value_errors(llm, messages):
+    with pytest.raises(ValueError, match=r"^messages: a list of message dicts \(\{'role': \.\.\., 'content'"):
+        llm.chat(messages)

@@ -276,9 +276,20 @@ def test_weights_that_run_the_device_out_of_memory_are_one_line_with_the_sizes(t
     save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
     monkeypatch.setattr(xinfer.engine.build, "load_model", out_of_memory)
     with pytest.raises(ValueError) as error:
-        LLM(model=str(tmp_path), dtype="float32")
+        LLM(model=str(tmp_path), dtype="float32", device="cpu")  # a device without memory statistics
     size = (tmp_path / "model.safetensors").stat().st_size / 2**30
     assert str(error.value).startswith(
         f"the model's weights do not fit in cpu's memory: it ran out loading {tmp_path} ({size:.2f} GiB of weight "
         f"files) (CUDA out of memory. Tried to allocate 2.00 GiB.): use a smaller or quantized model"
     )
+
+
+@pytest.mark.parametrize(
+    "options, remedy",
+    [(dict(num_blocks=4), "raise num_blocks"), (dict(kv_fraction=1e-9), "give the cache more memory (--kv-fraction)")],
+)
+def test_a_cache_too_small_for_one_sequence_says_which_setting_to_change(tmp_path, options, remedy):
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(tmp_path), dtype="float32", device="cpu", **options)  # the CPU plans without profiling
+    assert str(error.value).endswith(f"fewer than max_model_len=512: lower max_model_len (--max-model-len) or {remedy}")

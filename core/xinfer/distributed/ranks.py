@@ -54,6 +54,9 @@ def rank_device(device: DeviceConfig, parallel: ParallelConfig, local_rank: int)
     if accelerator is None:
         raise ValueError(f"device ids {parallel.device_ids} name accelerators, and this machine has none")
     ids = parallel.device_ids or list(range(parallel.ranks_per_node))
+    if max(ids) >= (count := torch.accelerator.device_count()):
+        raise ValueError(f"tensor_parallel_size {parallel.tensor_parallel_size}: this node's ranks need "
+                         f"{accelerator.type} devices {', '.join(map(str, ids))}, and it has {count}")  # fmt: skip
     return device.model_copy(update={"device": str(torch.device(accelerator.type, ids[local_rank]))})
 
 

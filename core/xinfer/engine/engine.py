@@ -103,11 +103,12 @@ class LLMEngine:
                 f"node_rank {parallel.node_rank}: only node 0 runs the engine; the other nodes follow it "
                 f"(xinfer --num-nodes {parallel.num_nodes} --node-rank {parallel.node_rank} --master-addr ...)"
             )
+        device = rank_device(config.device, parallel, 0)  # devices this machine lacks: refused before ranks start
         ranks = Ranks.active
         if ranks is None or ranks.parallel.tensor_parallel_size != parallel.tensor_parallel_size:
             ranks, self._owns_ranks = Ranks.start(parallel, config.device), True
         self.ranks = ranks
-        config = config.model_copy(update={"device": rank_device(config.device, parallel, 0)})
+        config = config.model_copy(update={"device": device})
         ranks.send(("build", config, _picklable(tokenizer)))
         return config, ranks.tp
 

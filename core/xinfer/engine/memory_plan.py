@@ -290,7 +290,7 @@ def plan_memory(
         max_num_seqs = min(wanted_seqs, num_slots) if num_slots else wanted_seqs
     pools = with_shadows(max_num_seqs)
     for pool in pools:
-        check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens)
+        check_pool_holds_a_sequence(pool, max_model_len, block_size, step_tokens, cache.num_blocks is not None)
     return MemoryPlan(pools, block_size, max_num_seqs, derived, source, weights, activations, graphs, num_slots,
                       slot_bytes, snapshot_slots(num_slots))  # fmt: skip
 
@@ -308,8 +308,10 @@ def held_by_every_rank(plan: MemoryPlan, tp: TensorParallel) -> MemoryPlan:
                                num_snapshot_slots=num_snapshot_slots)  # fmt: skip
 
 
-def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int) -> None:
-    """One sequence of ``max_model_len`` tokens must fit in ``pool``."""
+def check_pool_holds_a_sequence(
+    pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int, blocks_given: bool = False
+) -> None:
+    """One sequence of ``max_model_len`` tokens must fit in ``pool`` (``blocks_given``: sized by num_blocks)."""
     needed = blocks_kept(max_model_len, pool.window, block_size)
     if pool.window is not None:
         needed = min(-(-max_model_len // block_size), needed + -(-step_tokens // block_size))
@@ -319,10 +321,11 @@ def check_pool_holds_a_sequence(pool: PoolPlan, max_model_len: int, block_size: 
                f"--prefill-chunk-size needs fewer)" if pool.num_shadows else "")  # fmt: skip
     pool_name = "KV cache" if pool.window is None else f"KV cache of the layers with window {pool.window}"
     keeps = "" if pool.window is None else f" (it keeps {needed * block_size} of them there)"
+    more = "raise num_blocks" if blocks_given else "give the cache more memory (--kv-fraction)"
     raise ValueError(
         f"the {pool_name} holds {max(pool.num_blocks, 0) * block_size} tokens ({max(pool.num_blocks, 0)} blocks of "
         f"{block_size}){shadows}, fewer than max_model_len={max_model_len}{keeps}: lower max_model_len "
-        f"(--max-model-len) or give the cache more memory (--kv-fraction)"
+        f"(--max-model-len) or {more}"
     )
 
 
