@@ -138,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(**asdict(sampling_defaults(args)) | {"max_tokens": args.max_tokens or 1024})
     if args.prompts:
         prompts = [p.strip() for p in args.prompts.split("|") if p.strip()]
-        answer_all(engine, prompts * (args.batch or 1), params)
+        try:
+            answer_all(engine, prompts * (args.batch or 1), params)
+        except ValueError as error:  # a prompt the engine refuses (longer than the context, ...)
+            print(f"xinfer: {first_line(error)}", file=sys.stderr)
+            return 2
         return 0
     try:
         chat_loop(Conversation(engine, params))

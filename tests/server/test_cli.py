@@ -293,6 +293,24 @@ def test_ctrl_c_while_the_model_loads_ends_in_one_line_without_a_traceback(monke
     assert capsys.readouterr().err.endswith("\nxinfer: interrupted\n")
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--temperature", "-1"], "--temperature -1.0: temperature must be >= 0, got -1.0"),
+        (["--top-p", "0"], "--top-p 0.0: top_p must be in (0, 1], got 0.0"),
+        (["--top-k", "-2"], "--top-k -2: top_k must be -1, 0 (off) or positive, got -2"),
+        (["--max-tokens", "0"], "--max-tokens 0: max_tokens must be at least 1, got 0"),
+        (["--frequency-penalty", "2.5"], "--frequency-penalty 2.5: frequency_penalty must be in [-2, 2], got 2.5"),
+        (["--prompts", " | "], "--prompts holds no prompt (prompts are separated by |)"),
+    ],
+)
+def test_sampling_defaults_out_of_range_and_no_prompts_are_refused_before_loading(argv, line, capsys):
+    """A default every request would be refused for (400), or a --prompts with none: refused at once."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"xinfer: {line}\n"
+
+
 def test_batch_without_prompts_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--batch", "4"])

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from tests.server.live import REPO
 from xinfer.chat import Conversation, chat_loop, run
 from xinfer.engine.engine import StepOutput
@@ -71,9 +73,40 @@ def test_python_m_xinfer_chat_streams_answers_and_exits():
     assert len(lines) >= 3 and all(line.strip() for line in lines[1:3])
 
 
-def test_an_engine_that_cannot_be_built_is_one_line_not_a_traceback(capsys):
-    """A failure past the model's checks (here the engine's own: a recent window beside an unquantized cache) ends the
-    terminal chat as it ends the server: one line, exit status 1."""
-    assert run(parse_args(["--cpu", "--kv-recent-window", "16"])) == 1
+def test_an_engine_that_cannot_be_built_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """A failure past the checks start-up runs first (here one of several lines, as the memory plan's could be)
+    ends the terminal chat as it ends the server: one line, exit status 1. One the checks find (a recent
+    window beside an unquantized cache) ends it before the model loads, exit status 2."""
+    import xinfer.chat
+
+    def failing(config):
+        raise ValueError("the KV cache holds 0 tokens (0 blocks of 16), fewer than max_model_len=8192\nmore")
+
+    monkeypatch.setattr(xinfer.chat, "LLMEngine", failing)
+    assert run(parse_args(["--cpu"])) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("xinfer: loading the model failed: kv_recent_window (--kv-recent-window)"), last
+    assert (
+        last == "xinfer: loading the model failed: the KV cache holds 0 tokens (0 blocks of 16), fewer than "
+        "max_model_len=8192"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        run(parse_args(["--cpu", "--kv-recent-window", "16"]))
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and line.startswith("xinfer: kv_recent_window (--kv-recent-window) keeps"), line
+
+
+def test_a_prompt_the_engine_refuses_is_one_line(capsys, monkeypatch):
+    """--prompts with a prompt the engine refuses (LLMEngine.add_request's, tests/engine/test_engine.py:
+    longer than the context): one line, exit status 2."""
+    import xinfer.chat
+
+    class ShortEngine(FakeEngine):
+        def add_request(self, request_id, prompt, params, multimodal=None):
+            raise ValueError(f"the prompt has {len(prompt)} tokens, the model's context is 8 tokens: ...")
+
+    monkeypatch.setattr(xinfer.chat, "LLMEngine", lambda config: ShortEngine())
+    assert run(parse_args(["--cpu", "--prompts", "a long prompt"])) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        last == "xinfer: the prompt has 30 tokens, the model's context is 8 tokens: ..."
+    )  # <user>a long prompt<assistant>

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from xinfer.kv.formats import formats
+from xinfer.sampling import SamplingParams
 from xinfer.text.reasoning import PARSERS
 from xinfer.toolcalls import PARSERS as TOOL_PARSERS
 
@@ -343,12 +344,28 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "xinfer", descript
 
 def flags_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with a combination of flags, if anything."""
-    return nodes_problem(args) or pd_problem(args) or terminal_problem(args)
+    return sampling_problem(args) or nodes_problem(args) or pd_problem(args) or terminal_problem(args)
+
+
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "frequency_penalty", "presence_penalty", "max_tokens")
+
+
+def sampling_problem(args: argparse.Namespace) -> str | None:
+    """A sampling default out of the range a request's own value must be in (the same check)."""
+    for name in SAMPLING_FLAGS:
+        value = getattr(args, name)
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as error:
+            return f"--{name.replace('_', '-')} {value}: {error}"
+    return None
 
 
 def terminal_problem(args: argparse.Namespace) -> str | None:
     if args.batch is not None and not args.prompts:
         return "--batch copies the prompts of --prompts: give --prompts too"
+    if args.prompts is not None and not any(prompt.strip() for prompt in args.prompts.split("|")):
+        return "--prompts holds no prompt (prompts are separated by |)"
     return None
 
 
