@@ -293,3 +293,20 @@ def test_a_cache_too_small_for_one_sequence_says_which_setting_to_change(tmp_pat
     with pytest.raises(ValueError) as error:
         LLM(model=str(tmp_path), dtype="float32", device="cpu", **options)  # the CPU plans without profiling
     assert str(error.value).endswith(f"fewer than max_model_len=512: lower max_model_len (--max-model-len) or {remedy}")
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("tokenizer.json", '{"model": ', "tokenizer.json: not a tokenizer ("),
+        ("tokenizer_config.json", "{not json", "tokenizer_config.json: not valid JSON: "),
+    ],
+)
+def test_a_broken_tokenizer_file_is_a_value_error_naming_it(tmp_path, name, text, message):
+    from xinfer.text.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}')
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError) as error:
+        Tokenizer.from_folder(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path}/{message}") and "\n" not in str(error.value)

@@ -10,6 +10,7 @@ from typing import Any
 
 import tokenizers
 
+from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.text.chat_template import ChatTemplate
 from xinfer.text.gguf_vocab import CONTROL, build_tokenizer, post_processor
@@ -70,7 +71,10 @@ class Tokenizer:
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as error:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise ModelFileError(f"{folder / 'tokenizer.json'}: not a tokenizer ({first_line(error)})") from None
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         bos = _token_text(config.get("bos_token", special_map.get("bos_token")))
@@ -156,7 +160,12 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ModelFileError(f"{path}: not valid JSON: {error}") from None
 
 
 def _token_text(token: str | dict | None) -> str | None:
