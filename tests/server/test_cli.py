@@ -233,6 +233,7 @@ def test_out_of_range_server_values_are_refused(flag, value, capsys):
         (["--port", "-1"], "argument --port: must be a port from 0 to 65535, got -1"),
         (["--master-port", "0"], "argument --master-port: must be a port from 1 to 65535, got 0"),
         (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+        (["--prefill-chunk-size", "0"], "argument --prefill-chunk-size: must be at least 1, got 0"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's flag: give --kvcache-dtype"),
         (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is vLLM's flag: give --kv-fraction"),
         (["--max-modle-len", "4096"], "did you mean --max-model-len?"),

@@ -40,7 +40,8 @@ def is_repo_id(m: str) -> bool:
 def local_model_path(path: Path) -> Path:
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ModelNotFoundError(f"{path} is a file but not a .gguf file")
+            folder = f": give its folder, {path.parent}" if (path.parent / "config.json").is_file() else ""
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf file{folder}")
         return path
     if not path.is_dir():
         raise ModelNotFoundError(f"model {str(path)!r} is neither a local folder, a .gguf file nor a hub id (org/name)")

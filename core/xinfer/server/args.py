@@ -174,7 +174,7 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                           help="with a quantized --kvcache-dtype: keys and values of each query's last N positions and "
                           "of its sequence's first block are read unquantized, from shadow blocks in the model dtype "
                           "(CPU and CUDA backends); 0: off")
-    capacity.add_argument("--prefill-chunk-size", type=int, default=8192, metavar="TOKENS",
+    capacity.add_argument("--prefill-chunk-size", type=_at_least(int, 1), default=8192, metavar="TOKENS",
                           help="most tokens in one step (default: 8192); a longer prompt is prefilled in chunks")
     capacity.add_argument("--disable-prefix-cache", action="store_true",
                           help="do not reuse the KV cache of a prompt prefix seen before (default: reused, in "
