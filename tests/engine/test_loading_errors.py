@@ -146,14 +146,27 @@ def _bad_model(tmp_path, kind: str):
         fields["model_type"] = "no-such-type"
         config.write_text(json.dumps(fields))
         return tmp_path, "model_type 'no-such-type' is known neither to transformers"
+    if kind in CONFIG_VALUES:
+        field, value, message = CONFIG_VALUES[kind]
+        config.write_text(json.dumps({**fields, field: value}))
+        return tmp_path, message
     fields["architectures"] = ["NoSuchForCausalLM"]
     config.write_text(json.dumps(fields))
     return tmp_path, "unknown architecture 'NoSuchForCausalLM'"
 
 
+CONFIG_VALUES = {  # config.json fields transformers' config class or the model cannot take
+    "a field of the wrong type": ("hidden_size", "64", "Field 'hidden_size' expected int, got str (value: '64')"),
+    "zero attention heads": ("num_attention_heads", 0, "config.json: ZeroDivisionError: integer modulo by zero"),
+    "no layers": ("num_hidden_layers", 0, "the config's num_hidden_layers is 0: a model has at least one layer"),
+    "architectures not a list": ("architectures", "LlamaForCausalLM", "'architectures' is a list of class names"),
+}
+
+
 BAD = [
     "truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture",
     "unknown GGUF architecture", "config without weights", "truncated safetensors", "index naming a missing shard",
+    *CONFIG_VALUES,
 ]  # fmt: skip
 
 

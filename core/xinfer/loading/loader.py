@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
 from xinfer.config import ModelConfig
-from xinfer.loading.errors import ModelFileError, first_line
+from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, iter_safetensors, safetensors_files
@@ -81,8 +82,9 @@ def _hf_config(folder: Path) -> PretrainedConfig:
         )
     try:
         config = AutoConfig.from_pretrained(folder)
-    except (ValueError, OSError, TypeError) as error:
-        raise ModelFileError(f"{file}: {first_line(error)}") from error
+    except (ValueError, OSError, TypeError, ArithmeticError, StrictDataclassError) as error:  # a field's type or value
+        kind = f"{type(error).__name__}: " if isinstance(error, ArithmeticError) else ""  # "division by zero" alone
+        raise ModelFileError(f"{file}: {kind}{' '.join(str(error).split())}") from error
     modelopt = folder / "hf_quant_config.json"  # where ModelOpt's exports may name their quantization instead
     if modelopt.is_file() and not getattr(config, "quantization_config", None):
         quantization = json.loads(modelopt.read_text()).get("quantization") or {}
@@ -104,6 +106,8 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
         check_safetensors(path)
     if settings.isq is not None:
         isq_format(settings.isq)
+    if (layers := getattr(config, "num_hidden_layers", 1)) < 1:
+        raise ModelFileError(f"{path}: the config's num_hidden_layers is {layers}: a model has at least one layer")
     positions = config.max_position_embeddings
     if settings.max_model_len is not None and settings.max_model_len > positions:
         raise ValueError(f"max_model_len {settings.max_model_len} is more than the model's max_position_embeddings "
@@ -119,6 +123,8 @@ def architecture_of(config: PretrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ModelFileError("the model config names no architecture (config.json lacks 'architectures')")
+    if not isinstance(architectures, list):
+        raise ModelFileError(f"the model config's 'architectures' is a list of class names, not {architectures!r}")
     return architectures[0]
 
 
