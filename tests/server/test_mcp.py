@@ -31,14 +31,24 @@ def spec(name: str, mode: str = "tools") -> ServerSpec:
 
 def test_servers_from_the_flags_and_claude_desktops_config(tmp_path):
     config = tmp_path / "mcp.json"
-    servers = {"calc": {"command": "python3", "args": ["calc.py"], "env": {"X": "1"}}, "fs": {"command": "fs"}}
+    python = sys.executable  # a program that is there (each command is looked for at start-up)
+    servers = {"calc": {"command": python, "args": ["calc.py"], "env": {"X": "1"}}, "fs": {"command": python}}
     config.write_text(json.dumps({"mcpServers": servers}))
-    specs = server_specs("node", "server.js --port 'a b'", str(config))
+    specs = server_specs(python, "server.js --port 'a b'", str(config))
     assert specs == [
-        ServerSpec("calc", "python3", ["calc.py"], {"X": "1"}),
-        ServerSpec("fs", "fs", []),
-        ServerSpec("mcp", "node", ["server.js", "--port", "a b"]),
+        ServerSpec("calc", python, ["calc.py"], {"X": "1"}),
+        ServerSpec("fs", python, []),
+        ServerSpec("mcp", python, ["server.js", "--port", "a b"]),
     ]
+
+
+def test_a_server_program_that_is_not_there_is_refused_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match=r"^--mcp-command: no program 'no-such-mcp-server' \(not a path to one"):
+        server_specs("no-such-mcp-server", None, None)
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"fs": {"command": "/no/such/fs-server"}}}))
+    with pytest.raises(ValueError, match=r"mcpServers\.fs\.command: no program '/no/such/fs-server'"):
+        server_specs(None, None, str(config))
 
 
 @pytest.mark.parametrize(
@@ -50,6 +60,7 @@ def test_servers_from_the_flags_and_claude_desktops_config(tmp_path):
         ('{"mcpServers": {"web": {"url": "http://x"}}}', "only stdio servers"),
         ('{"mcpServers": {"a": {"command": "x", "args": "y"}}}', "args must be a list"),
         ('{"mcpServers": {"a": {"command": "x", "env": {"K": 1}}}}', "env must map"),
+        ('{"mcpServers": {"a": {"command": "no-such-program"}}}', "no program 'no-such-program'"),
     ],
 )
 def test_a_bad_config_is_one_line_naming_the_problem(tmp_path, content, named):

@@ -9,7 +9,9 @@ Only stdio servers (a ``command``) are supported; a bad file is a one-line error
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,8 +47,15 @@ def server_specs(command: str | None, args: str | None, config: str | None) -> l
     if command:
         if any(spec.name == COMMAND_SERVER_NAME for spec in specs):
             raise ValueError(f"--mcp-config names a server {COMMAND_SERVER_NAME!r}, the name of --mcp-command's")
+        check_program(command, "--mcp-command")
         specs.append(ServerSpec(COMMAND_SERVER_NAME, command, shlex.split(args or "")))
     return specs
+
+
+def check_program(command: str, where: str, env: dict[str, str] | None = None) -> None:
+    """The program a server runs exists (else every request that uses its tools would fail, not start-up)."""
+    if shutil.which(command, path=(env or {}).get("PATH", os.environ.get("PATH"))) is None:
+        raise ValueError(f"{where}: no program {command!r} (not a path to one, and not found on PATH)")
 
 
 def read_config(path: Path) -> list[ServerSpec]:
@@ -76,4 +85,5 @@ def server_spec(name: str, entry: object, where: str) -> ServerSpec:
         raise ValueError(f"{where}.args must be a list of strings")
     if env is not None and not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
         raise ValueError(f"{where}.env must map names to strings")
+    check_program(command, f"{where}.command", env)
     return ServerSpec(name, command, list(args), env)
