@@ -57,6 +57,18 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's scores (``prompt_logprobs``), keyed by token id."""
+
+    logprob: float
+    rank: int | None = None  # among the whole vocabulary (1: the likeliest); None: below the top asked for
+    decoded_token: str
+
+
+# per prompt token (None for the first, which nothing precedes), its own token and the likeliest, by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
@@ -120,6 +132,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(BaseModel):
@@ -174,6 +187,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):
