@@ -82,7 +82,7 @@ class ChatMessage(RequestBody):
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise ValueError(f"a message of role {self.role!r} needs content")
         return self
 
 
@@ -226,8 +226,9 @@ class SamplingFields(RequestBody):
 
     @property
     def continuous_usage(self) -> bool:
-        """vLLM's ``continuous_usage_stats``: every streamed chunk carries the usage so far."""
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``, as vLLM reads it): every streamed chunk carries
+        the usage so far."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(SamplingFields):
