@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, RequestHandle
+from xinfer.engine.async_engine import AsyncEngine, RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import error_body
+from xinfer.server.errors import stream_failure
 from xinfer.server.logprobs import prompt_logprobs
 from xinfer.server.protocol import SamplingFields
 from xinfer.server.responses import PromptLogprobs, Usage, new_id, usage
@@ -112,8 +112,8 @@ class Answer(ABC):
         try:
             async for event in self.events():
                 yield event
-        except EngineUnavailable as error:
-            yield sse_event(error_body(503, str(error)))
+        except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
+            yield sse_event(stream_failure(error, f"a {self.id_prefix} stream").body())
         else:
             if self.body.include_usage:
                 yield self.chunk([], with_usage=True)

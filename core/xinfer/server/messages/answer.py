@@ -12,11 +12,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xinfer.engine.async_engine import EngineUnavailable, RequestHandle
+from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import anthropic_error_body
+from xinfer.server.errors import ANTHROPIC_PATHS, stream_failure
 from xinfer.server.messages.calls import read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
@@ -127,8 +127,8 @@ class MessageAnswer:
                     for event in blocks.write_call(piece):
                         yield event
                 last = out if out.finished else last
-        except EngineUnavailable as error:
-            yield typed_sse_event("error", anthropic_error_body(503, str(error)))
+        except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
+            yield typed_sse_event("error", stream_failure(error, "a messages stream").body(ANTHROPIC_PATHS))
             return
         if not started:
             yield self.start_event()
