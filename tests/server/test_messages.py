@@ -297,3 +297,11 @@ def test_a_forced_tool_is_a_tool_use_block(claude, model):
     streamed = [block for block in final.content if block.type == "tool_use"]
     assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed] == [("weather", uses[0].input)]
     assert all(b.id.startswith("toolu_") for b in streamed)
+
+
+def test_models_through_the_anthropic_client(claude, model):
+    """/v1/models answers Anthropic's client too: its model fields and a page that ends."""
+    listed = list(claude.models.list())
+    assert [m.id for m in listed] == [model] and listed[0].type == "model" and listed[0].display_name
+    retrieved = claude.models.retrieve(model)
+    assert retrieved.created_at == listed[0].created_at and retrieved.created_at.tzinfo is not None
