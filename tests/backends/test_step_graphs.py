@@ -256,7 +256,8 @@ def test_padded_step_gives_the_unpadded_logits(model_dirs, backend, cache):
 
 
 class EagerStaticSteps:
-    """The step graphs' runner without capture: pad, load, run."""
+    """The step graphs' runner without capture: pad, load, run (None where no bucket fits, as
+    :class:`~xinfer_cuda.graphs.StepGraphs`)."""
 
     def __init__(self, runner: ModelRunner, limits: StepLimits):
         self.step = StaticStep(runner.forward, limits, runner.device)
@@ -265,6 +266,8 @@ class EagerStaticSteps:
 
     def __call__(self, batch: HostBatch, pending: DeviceTokens | None = None, sampling: list[SampledRow] = ()):
         bucket = pick_bucket(self.buckets, batch)
+        if bucket is None or not self.step.fits(batch):
+            return None
         self.used.append(bucket)
         self.step.load(batch, bucket, pending, sampling)
         rows = len(batch.sample_rows)

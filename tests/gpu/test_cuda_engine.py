@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from tests.plugins.gemma.test_gemma4 import E_MODEL, MOE, gemma4_config, randomize_gemma4
 from tests.plugins.hf_parity import spread_routing
 from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRID_CONFIGS
 from tests.plugins.qwen.test_qwen3_next import randomize_hybrid
@@ -68,6 +69,55 @@ def test_gemma3_gives_cpu_tokens(softcaps, tmp_path):
     cpu = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_blocks=128)
     gpu = LLM(model=str(tmp_path), dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8)
     assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)
+
+
+# Gemma 4: sliding and global layers with their own head dims (16, 32) and KV heads (2, 1), the global
+# layers' values from their keys and their own (proportional) rope; the E-model adds per-layer inputs and
+# layers reading earlier layers' caches, the MoE experts beside the dense MLP
+GEMMA4 = {"dense": {}, "e-model": E_MODEL, "moe": MOE}
+
+
+@pytest.fixture(scope="module", params=sorted(GEMMA4))
+def gemma4_dir(request, tmp_path_factory) -> str:
+    """The tiny Gemma 4 of each variant, wide weights, its norms, layer scalars and router randomized."""
+    folder = tmp_path_factory.mktemp(f"gemma4-{request.param}")
+    hf = save_tiny_model(gemma4_config(**GEMMA4[request.param], initializer_range=0.2), folder)
+    randomize_gemma4(hf)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gemma4_gives_cpu_tokens(gemma4_dir, enforce_eager):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    cpu = LLM(model=gemma4_dir, dtype="float32", device="cpu", num_blocks=128)
+    gpu = LLM(model=gemma4_dir, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
+              enforce_eager=enforce_eager)  # fmt: skip
+    assert tokens(gpu, PROMPTS, params) == tokens(cpu, PROMPTS, params)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gemma4_prefix_hit_and_prompt_logprobs_match_cpu_backend(gemma4_dir, enforce_eager):
+    """A second call whose prompts share 50 and 40 tokens with the first's hits the prefix cache (steps of
+    32 tokens over cached context in both kinds of layer); its tokens are the CPU backend's, and so are its
+    prompt log-probabilities and each position's likeliest token, within 1e-4."""
+    shared = prompt(50, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    second = [shared + prompt(9, seed=9), shared[:40] + prompt(5, seed=10)]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=gemma4_dir, dtype="float32", device=device, num_blocks=64, max_num_seqs=8,
+                  max_num_batched_tokens=32, enforce_eager=enforce_eager)  # fmt: skip
+        llm.generate([shared + prompt(6, seed=8)], params)
+        runs[device] = llm.generate(second, params)
+        assert runs[device][0].num_cached_tokens == 48
+    for cpu, gpu in zip(runs["cpu"], runs["cuda"], strict=True):
+        assert gpu.outputs[0].token_ids == cpu.outputs[0].token_ids
+        assert gpu.prompt_logprobs is not None and cpu.prompt_logprobs is not None
+        assert len(gpu.prompt_logprobs) == len(cpu.prompt_logprobs) == len(gpu.prompt_token_ids)
+        for on_gpu, on_cpu in zip(gpu.prompt_logprobs[1:], cpu.prompt_logprobs[1:], strict=True):
+            assert on_gpu.keys() == on_cpu.keys()
+            assert on_gpu == pytest.approx(on_cpu, abs=1e-4)
 
 
 def test_gpu_batch_invariance(model_dir):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
@@ -177,3 +179,19 @@ def test_streaming_n_2_interleaves_choices(client, model):
             texts[choice.index] += choice.delta.content or ""
     assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_prompt_logprobs_on_the_response(server, client, model):
+    """vLLM's prompt_logprobs on a chat response: the rendered prompt's tokens scored as /v1/completions scores
+    them (the first null)."""
+    token_ids = server.post("/tokenize", json={"model": model, "messages": QUESTION}).json()["tokens"]
+    reply = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    scores = reply.prompt_logprobs
+    assert len(scores) == len(token_ids) == reply.usage.prompt_tokens and scores[0] is None
+    echoed = client.completions.create(model=model, prompt=token_ids, max_tokens=0, echo=True, logprobs=1)
+    for token, entry, logprob in zip(token_ids[1:], scores[1:], echoed.choices[0].logprobs.token_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
+        assert [e["rank"] for e in entry.values() if e["rank"] is not None] == [1] and len(entry) <= 2
+    assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).prompt_logprobs is None

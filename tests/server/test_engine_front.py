@@ -8,6 +8,8 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import openai
+import pytest
 
 from xinfer.engine.async_engine import AsyncEngine
 from xinfer.engine.engine import EngineStats, StepOutput
@@ -186,3 +188,49 @@ def test_abort_all_ends_streams_while_a_step_runs():
     assert not first.finished
     assert [(o.finished, o.finish_reason) for _, o in rest] == [(True, "abort")]
     assert in_flight == 0
+
+
+def stream_through_openai(factory, **fields):
+    """The text chunks of a streamed completion read by the official client, and the error it raised."""
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+        texts = []
+        with pytest.raises(openai.APIError) as raised:
+            stream = await client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=5, stream=True, **fields)
+            async for chunk in stream:
+                texts += [choice.text for choice in chunk.choices]
+        return texts, raised.value
+
+    return asyncio.run(with_app(factory, body))
+
+
+def test_an_engine_that_dies_mid_stream_ends_it_with_an_error_event():
+    steps = 0
+
+    def second_step_fails():
+        nonlocal steps
+        steps += 1
+        if steps == 2:
+            raise RuntimeError("device lost")
+
+    texts, error = stream_through_openai(lambda: ScriptedEngine(second_step_fails))
+    assert texts == ["a"] and "device lost" in error.message
+    assert error.body["type"] == "service_unavailable_error"
+
+
+def test_a_server_failure_mid_stream_is_an_error_event_not_a_cut_stream():
+    """A bug on the server's side of a stream that already answered 200 (here: decoding the echoed prompt, done on
+    the event loop's thread) reaches the client as OpenAI's error event, not a dropped connection."""
+    engine = ScriptedEngine()
+    decode = engine.tokenizer.decode
+
+    def decode_off_the_event_loop(ids, skip_special_tokens=True):
+        if threading.current_thread() is threading.main_thread():
+            raise KeyError("a token without text")
+        return decode(ids, skip_special_tokens)
+
+    engine.tokenizer.decode = decode_off_the_event_loop
+    _, error = stream_through_openai(lambda: engine, echo=True)
+    assert "internal error (KeyError)" in error.message and error.body["type"] == "server_error"

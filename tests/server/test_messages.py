@@ -116,6 +116,7 @@ def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
 
 
 def test_streaming_events_in_order(server, claude, model):
+    whole = claude.messages.create(model=model, max_tokens=16, messages=TURNS, extra_body=GREEDY)  # caches the prompt
     body = {"model": model, "max_tokens": 16, "messages": TURNS, "stream": True, **GREEDY}
     with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -131,10 +132,12 @@ def test_streaming_events_in_order(server, claude, model):
     deltas = [data["delta"] for _, data in events[3:-3]]
     assert all(d["type"] == "text_delta" for d in deltas)
     final = events[-2][1]
-    whole = claude.messages.create(model=model, max_tokens=16, messages=TURNS, extra_body=GREEDY)
     assert "".join(d["text"] for d in deltas) == whole.content[0].text
     assert final["delta"]["stop_reason"] == whole.stop_reason
     assert final["usage"]["output_tokens"] == whole.usage.output_tokens
+    # message_start's input usage is the final one (the prompt's cached tokens apart), as Anthropic's is
+    assert start["usage"]["cache_read_input_tokens"] == final["usage"]["cache_read_input_tokens"] > 0
+    assert start["usage"]["input_tokens"] == final["usage"]["input_tokens"]
 
 
 def test_streaming_through_the_client(claude, model):
@@ -294,3 +297,11 @@ def test_a_forced_tool_is_a_tool_use_block(claude, model):
     streamed = [block for block in final.content if block.type == "tool_use"]
     assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed] == [("weather", uses[0].input)]
     assert all(b.id.startswith("toolu_") for b in streamed)
+
+
+def test_models_through_the_anthropic_client(claude, model):
+    """/v1/models answers Anthropic's client too: its model fields and a page that ends."""
+    listed = list(claude.models.list())
+    assert [m.id for m in listed] == [model] and listed[0].type == "model" and listed[0].display_name
+    retrieved = claude.models.retrieve(model)
+    assert retrieved.created_at == listed[0].created_at and retrieved.created_at.tzinfo is not None

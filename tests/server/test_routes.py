@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import math
 import struct
+import time
 
 import httpx
 import pytest
@@ -126,11 +127,51 @@ def test_streamed_completion_equals_whole(client, model):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_continuous_usage_stats_on_every_completion_chunk(client, model):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (completions too)."""
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=4, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and all(c.usage.prompt_tokens > 0 for c in chunks)
+
+
+def test_prompt_logprobs_as_vllm_gives_them(server, client, model):
+    """vLLM's prompt_logprobs on each choice: per prompt token (the first null) a dict by token id of
+    {logprob, rank, decoded_token} holding the token and the likeliest there, ranked; the scores echo gives."""
+    prompt = "The capital of France is"
+    token_ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    ask = dict(model=model, prompt=prompt, extra_body={"prompt_logprobs": 2})
+    reply = client.completions.create(**ask, max_tokens=1, n=2)
+    alone = client.completions.create(**ask, max_tokens=0, echo=True).choices[0]
+    echoed = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=2).choices[0]
+    assert [len(c.prompt_logprobs) for c in reply.choices] == [len(token_ids)] * 2 == [reply.usage.prompt_tokens] * 2
+    for scores in (reply.choices[0].prompt_logprobs, reply.choices[1].prompt_logprobs, alone.prompt_logprobs):
+        assert scores[0] is None
+        expected = zip(token_ids[1:], echoed.logprobs.tokens[1:], echoed.logprobs.token_logprobs[1:],
+                       echoed.logprobs.top_logprobs[1:])  # fmt: skip
+        for entry, (token, text, logprob, top) in zip(scores[1:], expected):
+            assert entry[str(token)]["decoded_token"] == text
+            assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
+            ranked = sorted((e for e in entry.values() if e["rank"] is not None), key=lambda e: e["rank"])
+            assert [e["rank"] for e in ranked] == [1, 2]
+            likeliest = sorted(top.values(), reverse=True)[:2]
+            assert [e["logprob"] for e in ranked] == pytest.approx(likeliest, abs=1e-4)
+    unasked = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert unasked.choices[0].prompt_logprobs is None
+
+
 def test_models_lists_the_served_model(client, model):
     models = client.models.list().data
     assert [m.id for m in models] == [model]
     assert models[0].max_model_len == MAX_MODEL_LEN
-    assert client.models.retrieve(model).id == model
+    assert models[0].object == "model" and models[0].owned_by
+    time.sleep(1.1)  # a card's `created` is the model's, not the request's time
+    retrieved = client.models.retrieve(model)
+    assert retrieved.id == model and retrieved.created == models[0].created <= time.time()
 
 
 def cosine(a: list[float], b: list[float]) -> float:

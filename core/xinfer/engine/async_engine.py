@@ -320,7 +320,8 @@ class AsyncEngine:
             handle, prompts = payload
             try:
                 for output, (prompt, params, *multimodal) in zip(handle.outputs, prompts):
-                    processor.add(output.request_id, prompt, params, None, *multimodal)
+                    added = processor.add(output.request_id, prompt, params, None, *multimodal)
+                    output.prompt_logprobs = added.prompt_logprobs  # read once the request is accepted
             except Exception as error:  # noqa: BLE001 - the request fails, the loop goes on
                 for output in handle.outputs:
                     processor.abort(output.request_id)

@@ -85,6 +85,10 @@ class ChatAnswer(Answer):
             stop_reason=output.stop_reason,
         )
 
+    def whole(self, choices: list[ChatChoice]) -> ChatCompletion:
+        return ChatCompletion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage(),
+                              prompt_logprobs=self.prompt_logprobs(0))  # fmt: skip
+
     def reasoning_tokens(self) -> int | None:
         if self.tags is None:
             return None
@@ -93,11 +97,10 @@ class ChatAnswer(Answer):
         return sum(reasoning_token_count(c.token_ids, start, end, self.inside) for c in self.handle.choices)
 
     async def events(self) -> AsyncIterator[str]:
-        continuous = self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats
         for index in range(self.body.n):
             yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
         async for choice in self.deltas():
-            yield self.chunk([choice], with_usage=continuous)
+            yield self.chunk([choice])
 
     async def deltas(self) -> AsyncIterator[ChatChunkChoice]:
         """The streamed choices' deltas (the first, with the role, not among them)."""

@@ -17,6 +17,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from xinfer.engine.async_engine import EngineUnavailable
+from xinfer.server.disconnect import ClientDisconnected
+
 log = logging.getLogger("xinfer")
 
 # OpenAI's error types; the rest are "invalid_request_error" below 500, "server_error" from 500 on
@@ -66,6 +69,24 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+def internal_error(error: Exception, where: str) -> APIError:
+    """A 500 for an unexpected exception: logged with its traceback, named to the client by its type only."""
+    log.error("%s failed", where, exc_info=error)
+    return APIError(500, f"internal error ({type(error).__name__}); see the server log")
+
+
+def stream_failure(error: Exception, where: str) -> APIError:
+    """What a stream that already answered 200 sends where it fails: its own error, a 503 for an engine that
+    stopped, a 500 for anything else."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineUnavailable):
+        return APIError(503, str(error))
+    if isinstance(error, ClientDisconnected):  # nobody reads the event: nothing to log
+        return APIError(499, "the client went away")
+    return internal_error(error, where)
+
+
 def from_validation(error: ValidationError | RequestValidationError) -> APIError:
     """The first problem pydantic found, as ``field.path: what is wrong``."""
     problems = error.errors()
@@ -105,7 +126,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(error.status_code, message, headers=error_headers).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        message = f"internal error ({type(error).__name__}); see the server log"
-        return APIError(500, message).response(request.url.path)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        return internal_error(error, f"{request.method} {request.url.path}").response(request.url.path)

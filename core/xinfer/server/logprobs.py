@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from xinfer.server.responses import CompletionLogprobs, TokenLogprob, TopLogprob
+from xinfer.server.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprob, TopLogprob
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -55,3 +55,18 @@ def extend_completion_logprobs(
         result.text_offset.append(offset)
         offset += len(piece)
     return offset
+
+
+def prompt_logprobs(entries: list[dict[int, float] | None], n: int, text: TokenText) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, its own score and the ``n`` likeliest tokens' there, ranked (a
+    prompt token below those ``n`` has no known rank)."""
+    result: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranks = {t: rank for rank, (t, _) in enumerate(top_n(entry, n), start=1)}
+        result.append(
+            {str(t): PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=text(t)) for t, lp in entry.items()}
+        )
+    return result

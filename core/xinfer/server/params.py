@@ -102,6 +102,7 @@ def request_params(
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=body.num_logprobs,
+            prompt_logprobs=body.prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=constraint,
             logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,

@@ -82,7 +82,7 @@ class ChatMessage(RequestBody):
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise ValueError(f"a message of role {self.role!r} needs content")
         return self
 
 
@@ -159,6 +159,7 @@ class SamplingFields(RequestBody):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep a prompt's last tokens (-1: as many as the context holds)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: score each prompt token
     # the field a client set the token limit by, for errors (a route that translates its own body renames it)
     _token_limit_name: str = PrivateAttr("max_tokens")
     # the token limit of a request that gives none (None: the rest of the context), unless --max-tokens is set
@@ -184,6 +185,8 @@ class SamplingFields(RequestBody):
             raise ValueError("give response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
+        if self.prompt_logprobs and self.stream:  # vLLM's rule: they come with the whole answer only
+            raise ValueError("prompt_logprobs are not available with stream=true")
         return self
 
     @field_validator("stop")
@@ -220,6 +223,12 @@ class SamplingFields(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``, as vLLM reads it): every streamed chunk carries
+        the usage so far."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(SamplingFields):

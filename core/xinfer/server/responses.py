@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 
 def new_id(prefix: str) -> str:
@@ -55,6 +56,18 @@ class TopLogprob(BaseModel):
 
 class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's scores (``prompt_logprobs``), keyed by token id."""
+
+    logprob: float
+    rank: int | None = None  # among the whole vocabulary (1: the likeliest); None: below the top asked for
+    decoded_token: str
+
+
+# per prompt token (None for the first, which nothing precedes), its own token and the likeliest, by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class ChatLogprobs(BaseModel):
@@ -120,6 +133,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(BaseModel):
@@ -174,6 +188,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -210,11 +225,30 @@ class ModelCard(BaseModel):
     # what a prompt may hold: ["text"], or ["text", "image"] for a model that takes images
     # (the field OpenRouter's model list uses; vLLM's card has none)
     input_modalities: list[str] = Field(default_factory=lambda: ["text"])
+    # what Anthropic's client reads of a model (the route answers both APIs' clients)
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""  # RFC 3339
+
+    @model_validator(mode="after")
+    def _anthropic_fields(self) -> ModelCard:
+        self.display_name = self.display_name or self.id
+        self.created_at = self.created_at or datetime.fromtimestamp(self.created, timezone.utc).isoformat()
+        return self
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False  # Anthropic's page fields
+    first_id: str | None = None
+    last_id: str | None = None
+
+    @model_validator(mode="after")
+    def _page_ends(self) -> ModelList:
+        if self.data:
+            self.first_id, self.last_id = self.data[0].id, self.data[-1].id
+        return self
 
 
 class TokenizeResult(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ class Serving:
     disable_reasoning: bool = False  # --disable-reasoning
     mcp: MCPSettings | None = None  # --mcp-command / --mcp-config
     tool_parser: str = "auto"  # --enforce-parser: a name of toolcalls.PARSERS, "auto" or "none"
+    started: int = field(default_factory=lambda: int(time.time()))  # the model card's `created`
     _token_texts: dict[int, str] = field(default_factory=dict)
     _token_bytes: dict[int, bytes] = field(default_factory=dict)
     _reasoning: list[ReasoningTags | None] = field(default_factory=list)  # once known

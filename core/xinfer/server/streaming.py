@@ -13,12 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, RequestHandle
+from xinfer.engine.async_engine import AsyncEngine, RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import error_body
+from xinfer.server.errors import stream_failure
+from xinfer.server.logprobs import prompt_logprobs
 from xinfer.server.protocol import SamplingFields
-from xinfer.server.responses import Usage, new_id, usage
+from xinfer.server.responses import PromptLogprobs, Usage, new_id, usage
 from xinfer.server.serving import Serving
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -81,10 +82,19 @@ class Answer(ABC):
         try:
             outputs = await unless_disconnected(request, engine.collect(self.handle))
             choices = [self.choice(index, output) for index, output in enumerate(outputs)]
-            whole = self.whole_type(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
-            return JSONResponse(whole.model_dump())
+            return JSONResponse(self.whole(choices).model_dump())
         finally:
             engine.release(self.handle)
+
+    def whole(self, choices: list[Any]) -> BaseModel:
+        return self.whole_type(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage())
+
+    def prompt_logprobs(self, position: int) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of the request's prompt ``position``, where asked for."""
+        output, top = self.handle.outputs[position], self.body.prompt_logprobs
+        if top is None or output.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(output.prompt_logprobs, top, self.serving.token_text)
 
     def usage(self) -> Usage:
         handle = self.handle
@@ -95,15 +105,15 @@ class Answer(ABC):
         return None
 
     def chunk(self, choices: list[Any], with_usage: bool = False) -> str:
-        usage = self.usage() if with_usage else None
+        usage = self.usage() if with_usage or self.body.continuous_usage else None
         return sse_event(self.chunk_type(id=self.id, model=self.serving.model_name, choices=choices, usage=usage))
 
     async def _stream(self) -> AsyncIterator[str]:
         try:
             async for event in self.events():
                 yield event
-        except EngineUnavailable as error:
-            yield sse_event(error_body(503, str(error)))
+        except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
+            yield sse_event(stream_failure(error, f"a {self.id_prefix} stream").body())
         else:
             if self.body.include_usage:
                 yield self.chunk([], with_usage=True)

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from xinfer.engine.async_engine import EngineUnavailable, RequestHandle
+from xinfer.engine.async_engine import RequestHandle
 from xinfer.server.chat_answer import ChatAnswer, finish_reason
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import APIError, error_body
+from xinfer.server.errors import stream_failure
 from xinfer.server.mcp.loop import MCPRounds, RanCall
 from xinfer.server.responses import (
     ChatChoice,
@@ -133,8 +133,6 @@ class ChatRounds:
             yield self.chunk(Delta(tool_calls=held or None), finish_reason(reason, bool(calls)) if reason else None)
             if rounds.body.include_usage:
                 yield self.chunk(Delta(), with_usage=True)
-        except APIError as error:
-            yield sse_event(error.body())
-        except EngineUnavailable as error:
-            yield sse_event(error_body(503, str(error)))
+        except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
+            yield sse_event(stream_failure(error, "an MCP chat stream").body())
         yield SSE_DONE

@@ -12,11 +12,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xinfer.engine.async_engine import EngineUnavailable, RequestHandle
+from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import anthropic_error_body
+from xinfer.server.errors import ANTHROPIC_PATHS, stream_failure
 from xinfer.server.messages.calls import read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
@@ -90,9 +90,13 @@ class MessageAnswer:
         finally:
             engine.release(self.handle)
 
+    def start_event(self) -> str:
+        return typed_sse_event(
+            "message_start", {"type": "message_start", "message": self.message([], None).model_dump()}
+        )
+
     async def events(self) -> AsyncIterator[str]:
-        start = self.message([], None).model_dump()
-        yield typed_sse_event("message_start", {"type": "message_start", "message": start})
+        started = False  # message_start waits for the first output: its usage counts the prompt's cached tokens
         blocks = BlockStream()
         prompt = self.prompt
         split_stream = ReasoningStream(prompt.tags, prompt.inside) if prompt.tags else None
@@ -101,6 +105,9 @@ class MessageAnswer:
         last: CompletionOutput | None = None
         try:
             async for _, out in self.serving.engine.stream(self.handle):
+                if not started:
+                    started = True
+                    yield self.start_event()
                 reasoning, text = "", prompt.answer_text(out.text) if out.finished else out.text
                 if split_stream is not None:
                     reasoning, text = split_stream.push(text)
@@ -120,9 +127,11 @@ class MessageAnswer:
                     for event in blocks.write_call(piece):
                         yield event
                 last = out if out.finished else last
-        except EngineUnavailable as error:
-            yield typed_sse_event("error", anthropic_error_body(503, str(error)))
+        except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
+            yield typed_sse_event("error", stream_failure(error, "a messages stream").body(ANTHROPIC_PATHS))
             return
+        if not started:
+            yield self.start_event()
         for event in blocks.finish():
             yield event
         reason, sequence = stop_reason(last, self.stop_sequences) if last is not None else (None, None)

@@ -18,9 +18,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
 
-from xinfer.engine.async_engine import EngineUnavailable
 from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.disconnect import unless_disconnected
+from xinfer.server.errors import stream_failure
 from xinfer.server.responses import now
 from xinfer.server.responses_api.objects import (
     FunctionCallItem,
@@ -114,10 +114,11 @@ class ResponseAnswer:
                     for event in items.write("function_call", piece.function.arguments or ""):
                         yield event
                 finish_reason = choice.finish_reason or finish_reason
-        except EngineUnavailable as error:
+        except Exception as error:  # noqa: BLE001 - the client gets response.failed, not a cut stream
+            message = stream_failure(error, "a responses stream").message
             for event in items.close("incomplete"):
                 yield event
-            yield self.event("response.failed", response=self.response("failed", items.items, str(error)).model_dump())
+            yield self.event("response.failed", response=self.response("failed", items.items, message).model_dump())
             return
         response, events = self.finished(items, finish_reason)
         for event in events:

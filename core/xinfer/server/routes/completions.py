@@ -14,7 +14,7 @@ from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.body import parse_body
 from xinfer.server.errors import bad_request
-from xinfer.server.logprobs import extend_completion_logprobs
+from xinfer.server.logprobs import extend_completion_logprobs, prompt_logprobs
 from xinfer.server.prompts import encode_prompts
 from xinfer.server.protocol import CompletionRequest
 from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs, new_id, usage
@@ -37,7 +37,10 @@ async def create_completion(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         echoed = await serving.prompt_logprobs(request, prompts, body.logprobs)
     if body.max_tokens == 0:
-        return echo_only(serving, body, prompts, echoed)
+        scored = None  # vLLM's prompt_logprobs, where asked for
+        if body.prompt_logprobs is not None:
+            scored = await serving.prompt_logprobs(request, prompts, body.prompt_logprobs)
+        return echo_only(serving, body, prompts, echoed, scored)
     handle = await serving.submit(request, body, prompts)
     return await CompletionAnswer(serving, body, handle, echoed).respond(request)
 
@@ -47,6 +50,7 @@ def echo_only(
     body: CompletionRequest,
     prompts: list[list[int]],
     echoed: list[list[dict[int, float] | None]] | None,
+    scored: list[list[dict[int, float] | None]] | None = None,
 ) -> Response:
     """The answer to ``echo`` with ``max_tokens`` 0: each prompt given back (with its logprobs where
     asked), nothing generated."""
@@ -61,7 +65,11 @@ def echo_only(
             if echoed is not None:
                 logprobs = CompletionLogprobs()
                 extend_completion_logprobs(logprobs, prompt, echoed[i], body.logprobs or 0, serving.token_text, 0)
-            choices.append(CompletionChoice(index=i * body.n + j, text=text, logprobs=logprobs, finish_reason="length"))
+            scores = None
+            if scored is not None:
+                scores = prompt_logprobs(scored[i], body.prompt_logprobs or 0, serving.token_text)
+            choices.append(CompletionChoice(index=i * body.n + j, text=text, logprobs=logprobs, finish_reason="length",
+                                            prompt_logprobs=scores))  # fmt: skip
     answer = Completion(
         id=new_id("cmpl"), model=serving.model_name, choices=choices, usage=usage(sum(map(len, prompts)), 0)
     )
@@ -115,6 +123,7 @@ class CompletionAnswer(Answer):
             logprobs=self.logprobs[index],
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            prompt_logprobs=self.prompt_logprobs(index // self.body.n),
         )
 
     def text_chunk(self, index: int, text: str, finish_reason: str | None = None) -> str:

@@ -50,6 +50,7 @@ def model_card(serving: Serving) -> ModelCard:
     loaded = serving.engine.engine is not None
     return ModelCard(
         id=serving.model_name,
+        created=serving.started,
         root=serving.model_root,
         max_model_len=serving.max_model_len if loaded else None,
         input_modalities=["text", *serving.llm.modalities] if loaded else ["text"],
