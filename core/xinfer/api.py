@@ -32,7 +32,8 @@ class LLM:
 
     ``LLM(model="path", dtype="bfloat16", block_size=16, ...)`` takes any option of
     :class:`xinfer.config.EngineConfig` by name; ``tensor_parallel_size=2`` splits the model
-    over two processes (docs/distributed.md).
+    over two processes (docs/distributed.md). ``tokenizer``: one that encodes, or the path of an HF
+    folder or ``.gguf`` file holding one (default: the model's own).
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **options: Any):

@@ -323,3 +323,18 @@ def test_a_broken_tokenizer_file_is_a_value_error_naming_it(tmp_path, name, text
     with pytest.raises(ValueError) as error:
         Tokenizer.from_folder(tmp_path)
     assert str(error.value).startswith(f"{tmp_path}/{message}") and "\n" not in str(error.value)
+
+
+def test_a_tokenizer_given_as_a_path_is_read_from_there(tmp_path):
+    """vLLM's LLM takes ``tokenizer`` as a path: so does ours, and a path without one is a ValueError naming it
+    (it was an AttributeError at the first prompt)."""
+    model, words = tmp_path / "model", tmp_path / "words"
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), model)
+    words.mkdir()
+    (words / "tokenizer.json").write_text(
+        '{"model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, "unk_token": "a"}}'
+    )
+    llm = LLM(model=str(model), dtype="float32", num_blocks=32, tokenizer=str(words))
+    assert llm.tokenizer.encode("b") == [1]
+    with pytest.raises(ValueError, match=f"^tokenizer '{model}': not an HF folder holding tokenizer.json, nor a"):
+        LLM(model=str(model), dtype="float32", num_blocks=32, tokenizer=str(model))

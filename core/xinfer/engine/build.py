@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
         config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
     max_model_len = config.model.max_model_len or hf_config.max_position_embeddings  # check_model checked it
     config = _step_past_context_switch(config, model, max_model_len)
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+    tokenizer = _load_tokenizer(path) if tokenizer is None else _given_tokenizer(tokenizer)
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)
     _refuse_a_format_no_layer_stores(kv_format, layout)
@@ -175,6 +176,17 @@ def _cache_manager(plan: MemoryPlan, cache: CacheConfig, states: list[dict[str, 
         pools.append(BlockPool(pool.num_blocks, cache.block_size, pool.window, shadows))
     slots = StatePool(plan.num_state_slots, plan.num_snapshot_slots, states) if plan.num_state_slots else None
     return CacheManager(pools, cache.enable_prefix_caching, slots, cache.state_snapshot_interval)
+
+
+def _given_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer given to ``LLM``: an object that encodes, or (as vLLM takes it) the path of an HF folder or
+    ``.gguf`` file holding one."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    path = Path(tokenizer).expanduser()
+    if not (path.exists() and has_tokenizer(path)):
+        raise ValueError(f"tokenizer {str(tokenizer)!r}: not an HF folder holding tokenizer.json, nor a .gguf file")
+    return Tokenizer.from_path(path)
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:
