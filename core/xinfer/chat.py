@@ -152,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from xinfer.server.args import CHAT, parse_args
+    """``python -m xinfer.chat``: ``xinfer chat``, its logging and its one-line Ctrl+C included."""
+    from xinfer.cli import main as xinfer
 
-    return run(parse_args(argv, prog="python -m xinfer.chat", description=CHAT))
+    return xinfer(["chat", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -292,6 +292,8 @@ def test_ctrl_c_while_the_model_loads_ends_in_one_line_without_a_traceback(monke
     monkeypatch.setattr(xinfer.chat, "LLMEngine", interrupted)
     assert main(["--prompts", "Hi", "--cpu"]) == 130
     assert capsys.readouterr().err.endswith("\nxinfer: interrupted\n")
+    assert xinfer.chat.main(["--cpu"]) == 130  # python -m xinfer.chat
+    assert capsys.readouterr().err.endswith("\nxinfer: interrupted\n")
 
 
 @pytest.mark.parametrize(
