@@ -119,6 +119,7 @@ def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, ou
 
 
 def run(args: argparse.Namespace) -> int:
+    from xinfer.server.args import split_prompts
     from xinfer.server.launch import prepare, sampling_defaults
 
     path, config = prepare(args)
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(**asdict(sampling_defaults(args)) | {"max_tokens": args.max_tokens or 1024})
     if args.prompts:
-        prompts = [p.strip() for p in args.prompts.split("|") if p.strip()]
+        prompts = split_prompts(args.prompts)
         try:
             answer_all(engine, prompts * (args.batch or 1), params)
         except ValueError as error:  # a prompt the engine refuses (longer than the context, ...)

@@ -364,9 +364,14 @@ def sampling_problem(args: argparse.Namespace) -> str | None:
 def terminal_problem(args: argparse.Namespace) -> str | None:
     if args.batch is not None and not args.prompts:
         return "--batch copies the prompts of --prompts: give --prompts too"
-    if args.prompts is not None and not any(prompt.strip() for prompt in args.prompts.split("|")):
+    if args.prompts is not None and not split_prompts(args.prompts):
         return "--prompts holds no prompt (prompts are separated by |)"
     return None
+
+
+def split_prompts(text: str) -> list[str]:
+    """The prompts of ``--prompts``: separated by ``|``, blank ones dropped."""
+    return [prompt.strip() for prompt in text.split("|") if prompt.strip()]
 
 
 def nodes_problem(args: argparse.Namespace) -> str | None:
