@@ -4,7 +4,7 @@
 // (text nodes, http(s)-only links) or through textContent; nothing here uses
 // innerHTML.
 
-import { ApiError, ServerDownError, listModels, loadConfig, streamChat } from './api.js';
+import { ApiError, ServerDownError, StreamCutError, listModels, loadConfig, serverHealth, streamChat } from './api.js';
 import { icon } from './icons.js';
 import { renderMarkdown, splitThink } from './markdown.js';
 import {
@@ -22,7 +22,7 @@ const state = {
   models: [],
   model: null, // {id, maxModelLen}
   online: null, // null: unknown yet
-  gen: null, // the running generation: {convId, msg, controller, ...}
+  gens: new Map(), // conversation id -> its running generation {msg, controller, frame}
   editingId: null, // id of the user message being edited
   attachments: [], // data: URLs of the images for the next message
 };
@@ -63,6 +63,11 @@ function toast(text, kind = 'info') {
 
 function current() {
   return state.convs.find((c) => c.id === state.currentId) || null;
+}
+
+/** Whether a reply is streaming into `conv` (each conversation streams on its own). */
+function busy(conv) {
+  return !!conv && state.gens.has(conv.id);
 }
 
 let saveTimer = null;
@@ -126,6 +131,23 @@ function setOnline(online) {
   }
 }
 
+/** The server answers but its engine may not take requests yet (loading the model) or any more. */
+function setReady(health) {
+  const ready = health.ready;
+  ui.statusDot.classList.toggle('loading', !ready);
+  ui.statusDot.title = ready ? 'Connected' : `Server ${health.status}`;
+  if (ready) {
+    ui.banner.hidden = true;
+    return;
+  }
+  const text = health.status === 'loading'
+    ? 'The server is loading the model: replies can start once it is ready.'
+    : `The server cannot take requests now (${health.status})${health.error ? `: ${health.error}` : ''}. Retrying…`;
+  ui.banner.replaceChildren(icon('plug', 16), h('span', { text }));
+  ui.banner.hidden = false;
+  pollServer();
+}
+
 let pollTimer = null;
 function pollServer() {
   if (pollTimer) return;
@@ -139,7 +161,7 @@ function pollServer() {
 
 let configLoaded = false;
 
-/** Load config (once) and the model list; returns true when the server answered. */
+/** Load config (once), the model list and the engine's health; returns true when the server is ready. */
 async function refreshModels() {
   try {
     if (!configLoaded) {
@@ -147,12 +169,14 @@ async function refreshModels() {
       configLoaded = true;
     }
     const models = await listModels();
+    const health = await serverHealth();
     state.models = models;
     const keep = state.model && models.find((m) => m.id === state.model.id);
     state.model = keep || models[0] || null;
     renderModel();
     setOnline(true);
-    return true;
+    setReady(health); // the model card gets its context size and modalities once the model is loaded
+    return health.ready;
   } catch (e) {
     if (e instanceof ServerDownError) {
       setOnline(false);
@@ -217,7 +241,7 @@ function renderSidebar() {
       iconButton('download', 'Export as JSON', (e) => { e.stopPropagation(); downloadJSON(fileName(c.title), exportable(c)); }),
       iconButton('trash', 'Delete', (e) => { e.stopPropagation(); askDelete(c.id, e.currentTarget); }, 'danger'));
     return h('div', {
-      className: `conv-item${c.id === state.currentId ? ' active' : ''}`,
+      className: `conv-item${c.id === state.currentId ? ' active' : ''}${busy(c) ? ' streaming' : ''}`,
       dataset: { convId: c.id },
     }, open, actions);
   });
@@ -265,7 +289,8 @@ function askDelete(id, button) {
 }
 
 function deleteConversation(id) {
-  if (state.gen && state.gen.convId === id) state.gen.controller.abort();
+  const gen = state.gens.get(id);
+  if (gen) gen.controller.abort();
   state.convs = state.convs.filter((c) => c.id !== id);
   persist();
   if (state.currentId === id) {
@@ -326,7 +351,6 @@ function renderAll() {
 
 function userView(conv, msg) {
   const node = h('div', { className: 'msg user', dataset: { msgId: msg.id, role: 'user' } });
-  const busy = !!state.gen;
   if (state.editingId === msg.id) {
     const ta = h('textarea', { className: 'edit-box', attrs: { 'aria-label': 'Edit message', rows: '3' } });
     ta.value = msg.content;
@@ -348,9 +372,10 @@ function userView(conv, msg) {
   }
   const actions = h('div', { className: 'msg-actions' },
     copyButton(() => msg.content));
-  if (isLast(conv, msg, 'user') && !busy) {
+  if (!busy(conv)) {
+    // Any user message can be edited: the turns after it are replaced by the new reply.
     actions.appendChild(iconButton('edit', 'Edit message', () => { state.editingId = msg.id; renderMessages(); }, 'edit-btn'));
-    actions.classList.add('always');
+    actions.classList.toggle('always', isLast(conv, msg, 'user'));
   }
   node.append(bubble, actions);
   return node;
@@ -374,6 +399,7 @@ function assistantView(conv, msg) {
   const body = h('div', { className: 'msg-body' },
     reasoning,
     h('div', { className: 'msg-content md' }),
+    h('p', { className: 'msg-empty', text: 'The model returned an empty reply.' }),
     h('div', { className: 'typing', attrs: { 'aria-label': 'Waiting for the reply' } }, h('span'), h('span'), h('span')),
     h('div', { className: 'msg-error', attrs: { role: 'alert' } }),
     h('div', { className: 'msg-footer' }, h('div', { className: 'stats', dataset: { testid: 'stats' } }), h('div', { className: 'msg-actions' })));
@@ -408,6 +434,7 @@ function updateAssistant(node, conv, msg) {
     renderMarkdown(parts.answer, content);
   }
   content.hidden = !parts.answer;
+  node.querySelector('.msg-empty').hidden = streaming || !!parts.answer || !!reasoningText || !!msg.error || !!msg.stopped;
 
   const waiting = streaming && !parts.answer && !reasoningText;
   node.querySelector('.typing').hidden = !waiting;
@@ -423,7 +450,7 @@ function updateAssistant(node, conv, msg) {
   if (!streaming) {
     if (msg.content) list.push(copyButton(() => splitThink(msg.content).answer || msg.content));
     // A failed reply without text has its own buttons in the error box.
-    if (isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !state.gen &&
+    if (isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !busy(conv) &&
         !(msg.error && !msg.content)) {
       list.push(iconButton('regen', 'Regenerate reply', () => regenerate(conv), 'regen-btn'));
     }
@@ -435,7 +462,8 @@ function updateAssistant(node, conv, msg) {
 function errorView(msg) {
   const e = msg.error;
   const retry = h('button', { className: 'btn', text: 'Retry', attrs: { type: 'button' }, on: { click: () => regenerate(current()) } });
-  const canRetry = !state.gen && current() && current().messages[current().messages.length - 1] === msg;
+  const conv = current();
+  const canRetry = !busy(conv) && conv && conv.messages[conv.messages.length - 1] === msg;
   if (e.kind === 'down') {
     return [h('div', { className: 'err-title' }, icon('plug', 16), h('span', { text: 'Cannot reach the xInfer server' })),
       h('p', { text: 'The request could not be sent or the connection was lost. Check that the server is running, then retry.' }),
@@ -462,6 +490,19 @@ function errorView(msg) {
       h('p', { text: `It does not fit in the model's context window${max ? ` of ${formatInt(max)} tokens` : ''}.${hint}` }),
       h('p', { className: 'err-detail', text: e.message }),
       h('div', { className: 'err-actions' }, newBtn)];
+  }
+  if (e.kind === 'images') {
+    const textOnly = /text only|cannot read images|does not (take|accept|support) images/i.test(e.message);
+    const drop = h('button', {
+      className: 'btn primary', text: 'Remove the images and retry', attrs: { type: 'button' },
+      on: { click: () => dropImagesAndRetry(conv) },
+    });
+    return [h('div', { className: 'err-title' }, icon('image', 16), h('span', {
+      text: textOnly ? `${msg.model || 'This model'} takes text only: it cannot read images` : 'The server refused an image',
+    })),
+    h('p', { text: 'The images stay in this conversation and are sent with every request: remove them to go on with text.' }),
+    h('p', { className: 'err-detail', text: e.message }),
+    canRetry ? h('div', { className: 'err-actions' }, drop) : null].filter(Boolean);
   }
   if (e.kind === 'stream') {
     return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The reply was interrupted' })),
@@ -551,11 +592,11 @@ function payloadFor(conv, msg) {
   return p;
 }
 
-let frame = 0;
-function scheduleUpdate(conv, msg) {
-  if (frame) return;
-  frame = requestAnimationFrame(() => {
-    frame = 0;
+function scheduleUpdate(conv, gen) {
+  if (gen.frame) return;
+  const { msg } = gen;
+  gen.frame = requestAnimationFrame(() => {
+    gen.frame = 0;
     if (conv.id !== state.currentId) return;
     const wasStuck = nearBottom() || stick;
     const node = ui.messages.querySelector(`[data-msg-id="${CSS.escape(msg.id)}"]`);
@@ -564,15 +605,17 @@ function scheduleUpdate(conv, msg) {
   });
 }
 
+let leaving = false; // the page is being unloaded: a cut stream is not an error
+
 async function generate(conv) {
-  if (state.gen) return;
+  if (busy(conv)) return;
   const msg = { id: uid(), role: 'assistant', content: '', reasoning: '', stats: {}, pending: true };
   if (state.model) msg.model = state.model.id;
   conv.messages.push(msg);
   conv.updated = Date.now();
   const controller = new AbortController();
-  const gen = { convId: conv.id, msg, controller };
-  state.gen = gen;
+  const gen = { msg, controller, frame: 0 };
+  state.gens.set(conv.id, gen);
   state.editingId = null;
   // Move the conversation to the top of the list.
   state.convs = [conv, ...state.convs.filter((c) => c !== conv)];
@@ -612,17 +655,22 @@ async function generate(conv) {
       }
       if (choice.finish_reason) msg.stats.finishReason = choice.finish_reason;
       persist({ soon: true });
-      scheduleUpdate(conv, msg);
+      scheduleUpdate(conv, gen);
     }
     setOnline(true);
   } catch (e) {
-    if (e && e.name === 'AbortError') {
-      msg.stopped = true;
+    if ((e && e.name === 'AbortError') || leaving) {
+      msg.stopped = true; // by Stop, or by leaving the page (which cuts the stream)
+    } else if (e instanceof StreamCutError) {
+      // A reply that gave its finish_reason is whole even if the [DONE] after it was lost.
+      if (!msg.stats.finishReason) msg.error = { kind: 'stream', message: e.message };
+      refreshModels(); // is the server still there?
     } else if (e instanceof ServerDownError) {
-      msg.error = { kind: pieces ? 'stream' : 'down', message: pieces ? 'The connection to the server was lost.' : e.message };
+      msg.error = { kind: 'down', message: e.message };
       setOnline(false);
     } else if (e instanceof ApiError) {
-      msg.error = { kind: e.contextOverflow ? 'overflow' : 'api', message: e.message, status: e.status || null, param: e.param || null };
+      const kind = e.contextOverflow ? 'overflow' : e.imageRefused ? 'images' : 'api';
+      msg.error = { kind, message: e.message, status: e.status || null, param: e.param || null };
       setOnline(true);
     } else {
       msg.error = { kind: 'api', message: String((e && e.message) || e) };
@@ -653,21 +701,22 @@ async function generate(conv) {
     stats.durationMs = tEnd - t0;
     msg.stats = stats;
     delete msg.pending;
-    if (state.gen === gen) state.gen = null;
+    if (state.gens.get(conv.id) === gen) state.gens.delete(conv.id);
     conv.updated = Date.now();
     persist();
-    if (frame) { cancelAnimationFrame(frame); frame = 0; }
+    if (gen.frame) cancelAnimationFrame(gen.frame);
     if (conv.id === state.currentId) {
       const wasStuck = nearBottom() || stick;
       renderMessages();
       if (wasStuck) scrollToBottom();
     }
+    for (const item of ui.convList.querySelectorAll('.conv-item')) item.classList.toggle('streaming', state.gens.has(item.dataset.convId));
     renderComposer();
   }
 }
 
 function send(text) {
-  if (state.gen) return;
+  if (busy(current())) return;
   const content = text.trim();
   const images = state.attachments.slice();
   if (!content && !images.length) return;
@@ -691,7 +740,7 @@ function send(text) {
 }
 
 function regenerate(conv) {
-  if (!conv || state.gen) return;
+  if (!conv || busy(conv)) return;
   while (conv.messages.length && conv.messages[conv.messages.length - 1].role === 'assistant') conv.messages.pop();
   if (!conv.messages.length) return;
   generate(conv);
@@ -699,7 +748,7 @@ function regenerate(conv) {
 
 function submitEdit(conv, msg, text) {
   const content = text.trim();
-  if (!content || state.gen) return;
+  if (!content || busy(conv)) return;
   const i = conv.messages.indexOf(msg);
   if (i === -1) return;
   msg.content = content;
@@ -709,8 +758,18 @@ function submitEdit(conv, msg, text) {
   generate(conv);
 }
 
+/** Take the images out of `conv` (a model refused them) and ask again with its text. */
+function dropImagesAndRetry(conv) {
+  if (!conv || busy(conv)) return;
+  for (const m of conv.messages) delete m.images;
+  conv.messages = conv.messages.filter((m) => m.role !== 'user' || m.content.trim());
+  if (conv.messages.some((m) => m.role === 'user')) regenerate(conv);
+  else { conv.messages = []; persist(); renderAll(); }
+}
+
 function stop() {
-  if (state.gen) state.gen.controller.abort();
+  const gen = state.gens.get(state.currentId);
+  if (gen) gen.controller.abort();
 }
 
 // -------------------------------------------------------------- composer ---
@@ -742,9 +801,9 @@ function renderAttachments() {
 }
 
 function renderComposer() {
-  const busy = !!state.gen;
-  ui.send.hidden = busy;
-  ui.stop.hidden = !busy;
+  const streaming = busy(current());
+  ui.send.hidden = streaming;
+  ui.stop.hidden = !streaming;
   ui.send.disabled = !ui.input.value.trim() && !state.attachments.length;
   const sys = (state.settings.systemPrompt || '').trim();
   ui.sysIndicator.textContent = sys ? `System prompt: ${sys.length > 60 ? `${sys.slice(0, 57)}…` : sys}` : '';
@@ -824,11 +883,23 @@ function bind() {
   ui.input.addEventListener('input', () => { autosize(ui.input); renderComposer(); });
   ui.attach.addEventListener('click', () => ui.attachInput.click());
   ui.attachInput.addEventListener('change', () => { attachFiles([...ui.attachInput.files]); ui.attachInput.value = ''; });
+  // An input method's Enter picks a candidate, it does not send (Safari reports that
+  // Enter after compositionend, with keyCode 229).
+  let composing = false;
+  ui.input.addEventListener('compositionstart', () => { composing = true; });
+  ui.input.addEventListener('compositionend', () => { setTimeout(() => { composing = false; }, 0); });
+  ui.input.addEventListener('paste', (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith('image/'));
+    if (!files.length) return; // text: the textarea takes it
+    e.preventDefault();
+    if (state.model && !state.model.images) toast(`${state.model.id} takes text only: it cannot read images`, 'error');
+    else attachFiles(files);
+  });
   ui.input.addEventListener('keydown', (e) => {
-    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && !composing && e.keyCode !== 229) {
       e.preventDefault();
-      if (!state.gen) send(ui.input.value);
-    } else if (e.key === 'Escape' && state.gen) {
+      send(ui.input.value);
+    } else if (e.key === 'Escape' && busy(current())) {
       e.preventDefault();
       stop();
     }
@@ -847,6 +918,7 @@ function bind() {
     if (!state.convs.length) { toast('Nothing to export yet'); return; }
     downloadJSON('xinfer-conversations.json', { app: 'xinfer-ui', exported: new Date().toISOString(), conversations: state.convs.map(exportable) });
   });
+  $('#import').addEventListener('click', () => $('#import-file').click());
   $('#import-file').addEventListener('change', async (e) => {
     const file = e.target.files && e.target.files[0];
     e.target.value = '';
@@ -875,9 +947,12 @@ function bind() {
   for (const b of document.querySelectorAll('.suggestion')) {
     b.addEventListener('click', () => send(b.dataset.prompt || b.textContent));
   }
+  // A reload or a closed tab keeps the text streamed so far (saves are otherwise batched).
+  window.addEventListener('pagehide', () => { leaving = true; if (state.gens.size) persist(); });
+  window.addEventListener('pageshow', () => { leaving = false; });
   window.addEventListener('storage', (e) => {
     // Another tab changed the conversations: follow it unless we are generating.
-    if (!isConversationsKey(e.key) || state.gen) return;
+    if (!isConversationsKey(e.key) || state.gens.size) return;
     state.convs = loadConversations();
     if (!current()) state.currentId = state.convs[0] ? state.convs[0].id : null;
     renderAll();
