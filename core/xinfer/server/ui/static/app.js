@@ -145,18 +145,14 @@ function setReady(health) {
     : `The server cannot take requests now (${health.status})${health.error ? `: ${health.error}` : ''}. Retrying…`;
   ui.banner.replaceChildren(icon('plug', 16), h('span', { text }));
   ui.banner.hidden = false;
-  pollServer();
+  pollServer(1000); // a model is ready the moment it has loaded: look often
 }
 
 let pollTimer = null;
-function pollServer() {
+/** Check the server again in `delay` ms (once: refreshModels asks again while it is not ready). */
+function pollServer(delay = 3000) {
   if (pollTimer) return;
-  const tick = async () => {
-    pollTimer = null;
-    const ok = await refreshModels();
-    if (!ok) pollTimer = setTimeout(tick, 3000);
-  };
-  pollTimer = setTimeout(tick, 3000);
+  pollTimer = setTimeout(() => { pollTimer = null; refreshModels(); }, delay);
 }
 
 let configLoaded = false;
@@ -180,6 +176,7 @@ async function refreshModels() {
   } catch (e) {
     if (e instanceof ServerDownError) {
       setOnline(false);
+      pollServer();
     } else {
       setOnline(true);
       const notReady = e instanceof ApiError && e.status >= 500;
