@@ -668,6 +668,17 @@ def test_settings_edit_regenerate_and_manage(page):
     page.fill("#set-temperature-num", "0.3")
     page.fill("#set-top-p-num", "0.8")
     page.fill("#set-max-tokens", "100")
+    # Theme: the setting, or the system's while it is "system".
+    html = page.locator("html")
+    page.select_option("#set-theme", "dark")
+    expect(html).to_have_attribute("data-theme", "dark")
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(33, 33, 33)"
+    page.select_option("#set-theme", "system")
+    expect(html).to_have_attribute("data-theme", "light")
+    page.emulate_media(color_scheme="dark")
+    expect(html).to_have_attribute("data-theme", "dark")
+    page.emulate_media(color_scheme="light")
+    expect(html).to_have_attribute("data-theme", "light")
     page.click("#settings .settings-foot .primary")
 
     _send(page, "Hi there")
@@ -744,7 +755,17 @@ def test_settings_edit_regenerate_and_manage(page):
 def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     from PIL import Image
 
+    drop = """bytes => {
+      const files = new DataTransfer();
+      files.items.add(new File([new Uint8Array(bytes)], 'dropped.png', { type: 'image/png' }));
+      document.querySelector('#scroller').dispatchEvent(new DragEvent('drop', { dataTransfer: files, bubbles: true, cancelable: true }));
+    }"""
+    picture = tmp_path / "square.png"
+    Image.new("RGB", (8, 6), (200, 30, 40)).save(picture)
     expect(page.locator("#attach")).to_be_hidden()  # the default model takes text only
+    page.evaluate(drop, list(picture.read_bytes()))  # a dropped image is refused at once
+    expect(page.locator(".toast.error")).to_contain_text("takes text only")
+    expect(page.locator("#attachments")).to_be_hidden()
 
     def models_taking_images(route):
         response = route.fetch()
@@ -757,8 +778,9 @@ def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     page.reload()
     _wait_ready(page)
     expect(page.locator("#attach")).to_be_visible()
-    picture = tmp_path / "square.png"
-    Image.new("RGB", (8, 6), (200, 30, 40)).save(picture)
+    page.evaluate(drop, list(picture.read_bytes()))  # dropped on the page: attached
+    expect(page.locator("#attachments img")).to_have_count(1)
+    page.click("#attachments .remove")
     page.set_input_files("#attach-input", str(picture))
     expect(page.locator("#attachments img")).to_have_count(1)
     bodies = _mock_replies(page, ["A red rectangle."])

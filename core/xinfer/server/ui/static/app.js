@@ -789,6 +789,12 @@ function attachFiles(files) {
   }
 }
 
+/** Pasted or dropped files: attached when they are images and the model reads images. */
+function takeImages(files) {
+  if (state.model && !state.model.images) toast(`${state.model.id} takes text only: it cannot read images`, 'error');
+  else attachFiles(files);
+}
+
 function renderAttachments() {
   ui.attachments.replaceChildren(...state.attachments.map((url, i) => h('div', { className: 'attachment' },
     h('img', { attrs: { src: url, alt: 'attached image' } }),
@@ -816,6 +822,7 @@ function persistSettings() {
   } catch (e) {
     toast(e.message, 'error');
   }
+  window.dispatchEvent(new Event('xinfer-theme'));
   renderComposer();
 }
 
@@ -827,6 +834,7 @@ function bindSettings() {
     topP: $('#set-top-p'),
     topPNum: $('#set-top-p-num'),
     maxTokens: $('#set-max-tokens'),
+    theme: $('#set-theme'),
   };
   const fill = () => {
     const s = state.settings;
@@ -834,6 +842,7 @@ function bindSettings() {
     f.temp.value = f.tempNum.value = String(s.temperature);
     f.topP.value = f.topPNum.value = String(s.topP);
     f.maxTokens.value = s.maxTokens ? String(s.maxTokens) : '';
+    f.theme.value = s.theme || 'system';
     f.maxTokens.max = state.model && state.model.maxModelLen ? String(state.model.maxModelLen) : '';
     const ctx = $('#max-tokens-hint');
     ctx.textContent = state.model && state.model.maxModelLen
@@ -861,6 +870,7 @@ function bindSettings() {
     state.settings.maxTokens = Number.isFinite(x) && x > 0 ? x : null;
     save();
   });
+  f.theme.addEventListener('change', () => { state.settings.theme = f.theme.value; save(); });
   $('#settings-reset').addEventListener('click', () => {
     state.settings = { ...DEFAULT_SETTINGS };
     fill();
@@ -886,11 +896,18 @@ function bind() {
   ui.input.addEventListener('compositionstart', () => { composing = true; });
   ui.input.addEventListener('compositionend', () => { setTimeout(() => { composing = false; }, 0); });
   ui.input.addEventListener('paste', (e) => {
-    const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith('image/'));
-    if (!files.length) return; // text: the textarea takes it
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])];
+    if (!files.some((f) => f.type.startsWith('image/'))) return; // text: the textarea takes it
     e.preventDefault();
-    if (state.model && !state.model.images) toast(`${state.model.id} takes text only: it cannot read images`, 'error');
-    else attachFiles(files);
+    takeImages(files);
+  });
+  // A file dropped on the page is attached; the browser would open it in the page's place.
+  window.addEventListener('dragover', (e) => { if (e.dataTransfer && e.dataTransfer.types.includes('Files')) e.preventDefault(); });
+  window.addEventListener('drop', (e) => {
+    const files = [...(e.dataTransfer ? e.dataTransfer.files : [])];
+    if (!files.length) return;
+    e.preventDefault();
+    takeImages(files);
   });
   ui.input.addEventListener('keydown', (e) => {
     if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && !composing && e.keyCode !== 229) {

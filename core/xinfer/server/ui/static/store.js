@@ -20,6 +20,7 @@ export const DEFAULT_SETTINGS = Object.freeze({
   temperature: 0.7,
   topP: 0.95,
   maxTokens: null, // null: let the server decide (up to the context left)
+  theme: 'system', // or 'light', 'dark' (theme.js applies it)
 });
 
 function readJSON(key, fallback) {
