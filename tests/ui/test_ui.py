@@ -429,6 +429,17 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
     expect(reply).to_have_text("Two.")
     expect(page.locator(".conv-item.streaming")).to_have_text("First chat")
 
+    # A conversation another tab saves meanwhile shows here, and this tab's saves keep it.
+    other = page.context.new_page()
+    other.goto(page.url)
+    _wait_ready(other)
+    _mock_replies(other, ["From the other tab."])
+    other.click("#new-chat")
+    _send(other, "Other tab")
+    _wait_reply_done(other, 10_000)
+    other.close()
+    expect(page.locator(".conv-item", has_text="Other tab")).to_have_count(1)
+
     # Back in the first one it still streams; a network drop keeps the text and says so.
     page.locator(".conv-item", has_text="First chat").locator(".conv-open").click()
     expect(page.locator("#stop")).to_be_visible()
@@ -453,6 +464,7 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
     expect(_last_reply(page).locator(".stat-stopped")).to_be_visible()
     expect(_last_reply(page).locator(".msg-error")).to_be_hidden()
     expect(page.locator("#send")).to_be_visible()
+    expect(page.locator(".conv-item")).to_have_count(3)
 
 
 @pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ import { ApiError, ServerDownError, StreamCutError, listModels, loadConfig, serv
 import { icon } from './icons.js';
 import { renderMarkdown, splitThink } from './markdown.js';
 import {
-  DEFAULT_SETTINGS, StorageError, isConversationsKey, loadConversations, loadCurrentId, loadSettings,
+  DEFAULT_SETTINGS, StorageError, isConversationsKey, isSettingsKey, loadConversations, loadCurrentId, loadSettings,
   newConversation, parseImport, saveConversations, saveCurrentId, saveSettings, titleFrom,
 } from './store.js';
 import { copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
@@ -805,8 +805,11 @@ function renderAttachments() {
 
 function renderComposer() {
   const streaming = busy(current());
+  // Send and Stop take turns: keyboard focus on the one hidden goes to the message box.
+  const focused = document.activeElement;
   ui.send.hidden = streaming;
   ui.stop.hidden = !streaming;
+  if ((focused === ui.send && streaming) || (focused === ui.stop && !streaming)) ui.input.focus();
   ui.send.disabled = !ui.input.value.trim() && !state.attachments.length;
   const sys = (state.settings.systemPrompt || '').trim();
   ui.sysIndicator.textContent = sys ? `System prompt: ${sys.length > 60 ? `${sys.slice(0, 57)}…` : sys}` : '';
@@ -923,6 +926,7 @@ function bind() {
   $('#open-sidebar').addEventListener('click', () => ui.app.classList.add('sidebar-open'));
   $('#close-sidebar').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
   $('#backdrop').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
+  ui.sidebar.addEventListener('keydown', (e) => { if (e.key === 'Escape') ui.app.classList.remove('sidebar-open'); });
   $('#export-current').addEventListener('click', () => {
     const conv = current();
     if (!conv || !conv.messages.length) { toast('Nothing to export yet'); return; }
@@ -965,9 +969,13 @@ function bind() {
   window.addEventListener('pagehide', () => { leaving = true; if (state.gens.size) persist(); });
   window.addEventListener('pageshow', () => { leaving = false; });
   window.addEventListener('storage', (e) => {
-    // Another tab changed the conversations: follow it unless we are generating.
-    if (!isConversationsKey(e.key) || state.gens.size) return;
-    state.convs = loadConversations();
+    if (isSettingsKey(e.key)) { state.settings = loadSettings(); renderComposer(); return; }
+    if (!isConversationsKey(e.key)) return;
+    // Another tab changed the conversations: take its list, keeping the ones streaming
+    // here as they are (the next save writes both, where ignoring it lost the other's).
+    const streaming = state.convs.filter(busy);
+    const stored = loadConversations().filter((c) => !busy(c));
+    state.convs = [...streaming, ...stored].sort((a, b) => b.updated - a.updated);
     if (!current()) state.currentId = state.convs[0] ? state.convs[0].id : null;
     renderAll();
   });

@@ -111,6 +111,10 @@ export function isConversationsKey(key) {
   return key === CONV_KEY;
 }
 
+export function isSettingsKey(key) {
+  return key === SETTINGS_KEY;
+}
+
 export function newConversation() {
   const now = Date.now();
   return { id: uid(), title: 'New chat', created: now, updated: now, messages: [] };
