@@ -466,6 +466,37 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
     expect(page.locator("#send")).to_be_visible()
     expect(page.locator(".conv-item")).to_have_count(3)
 
+    # The reply follows the stream to the bottom until the user scrolls up; the jump
+    # button brings it back. Escape stops it, and the next message sends the stopped text.
+    page.evaluate(HELD_STREAMS)
+    _send(page, "Count")
+    page.wait_for_function("window.__streams.length === 1")
+    gap = "(() => { const s = document.querySelector('#scroller'); return s.scrollHeight - s.scrollTop - s.clientHeight })()"
+    page.evaluate("for (let i = 1; i <= 60; i++) window.__push(0, `${i}\\n\\n`)")
+    expect(reply).to_contain_text("60")
+    page.wait_for_function(f"() => {gap} < 5")
+    page.mouse.move(640, 400)
+    page.mouse.wheel(0, -600)
+    page.wait_for_function(f"() => {gap} > 500")
+    page.evaluate("for (let i = 61; i <= 80; i++) window.__push(0, `${i}\\n\\n`)")
+    expect(reply).to_contain_text("80")
+    assert page.evaluate(f"() => {gap}") > 500, "the page scrolled down while the user read above"
+    expect(page.locator("#jump")).to_be_visible()
+    page.click("#jump")
+    page.wait_for_function(f"() => {gap} < 5")
+    page.evaluate("window.__push(0, '81 and more')")
+    expect(reply).to_contain_text("81 and more")
+    page.wait_for_function(f"() => {gap} < 5")
+    page.press("#input", "Escape")
+    expect(_last_reply(page).locator(".stat-stopped")).to_be_visible()
+    _send(page, "Next")
+    page.wait_for_function("window.__streams.length === 2")
+    sent = page.evaluate("window.__streams[1].request.messages")
+    assert [m["role"] for m in sent] == ["user", "assistant", "user", "assistant", "user"], sent
+    assert sent[-2]["content"].endswith("81 and more") and sent[-1]["content"] == "Next"
+    page.evaluate("window.__push(1, 'Done.'); window.__end(1)")
+    expect(reply).to_have_text("Done.")
+
 
 @pytest.mark.timeout(120)
 def test_untrusted_markdown_is_shown_as_text(page, server):
