@@ -709,6 +709,8 @@ def test_settings_edit_regenerate_and_manage(page):
     page.click("#open-settings")
     page.fill("#set-system", "You are terse.")
     page.fill("#set-temperature-num", "0.3")
+    page.fill("#set-top-p-num", "0")  # the API takes top_p in (0, 1]: not a setting that fails every request
+    assert json.loads(page.evaluate(f"localStorage.getItem({SETTINGS_KEY!r})"))["topP"] == 0.01
     page.fill("#set-top-p-num", "0.8")
     page.fill("#set-max-tokens", "100")
     # Theme: the setting, or the system's while it is "system".

@@ -867,7 +867,7 @@ function bindSettings() {
     box.addEventListener('change', () => { box.value = String(state.settings[key] ?? DEFAULT_SETTINGS[key]); });
   };
   pair(f.temp, f.tempNum, 'temperature', 0, 2);
-  pair(f.topP, f.topPNum, 'topP', 0, 1);
+  pair(f.topP, f.topPNum, 'topP', 0.01, 1); // the API takes top_p in (0, 1]
   f.maxTokens.addEventListener('input', () => {
     const x = parseInt(f.maxTokens.value, 10);
     state.settings.maxTokens = Number.isFinite(x) && x > 0 ? x : null;
