@@ -826,6 +826,20 @@ def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     page.reload()
     _wait_ready(page)
     expect(page.locator("#attach")).to_be_visible()
+    paste = """([bytes, text]) => {
+      const data = new DataTransfer();
+      data.items.add(new File([new Uint8Array(bytes)], 'pasted.png', { type: 'image/png' }));
+      if (text) data.setData('text/plain', text);
+      const paste = new ClipboardEvent('paste', { clipboardData: data, bubbles: true, cancelable: true });
+      document.querySelector('#input').dispatchEvent(paste);
+      return paste.defaultPrevented;
+    }"""
+    # Text copied with a picture of it (as office apps do) is pasted as text; a lone image is attached.
+    assert page.evaluate(paste, [list(picture.read_bytes()), "a | table"]) is False
+    expect(page.locator("#attachments")).to_be_hidden()
+    assert page.evaluate(paste, [list(picture.read_bytes()), ""]) is True
+    expect(page.locator("#attachments img")).to_have_count(1)
+    page.click("#attachments .remove")
     page.evaluate(drop, list(picture.read_bytes()))  # dropped on the page: attached
     expect(page.locator("#attachments img")).to_have_count(1)
     page.click("#attachments .remove")

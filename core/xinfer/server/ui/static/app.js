@@ -899,10 +899,11 @@ function bind() {
   ui.input.addEventListener('compositionstart', () => { composing = true; });
   ui.input.addEventListener('compositionend', () => { setTimeout(() => { composing = false; }, 0); });
   ui.input.addEventListener('paste', (e) => {
-    const files = [...(e.clipboardData ? e.clipboardData.files : [])];
-    if (!files.some((f) => f.type.startsWith('image/'))) return; // text: the textarea takes it
+    const data = e.clipboardData;
+    // Text is pasted as text (office apps put a picture of it beside it): only a lone image is attached.
+    if (!data || data.getData('text/plain') || ![...data.files].some((f) => f.type.startsWith('image/'))) return;
     e.preventDefault();
-    takeImages(files);
+    takeImages([...data.files]);
   });
   // A file dropped on the page is attached; the browser would open it in the page's place.
   window.addEventListener('dragover', (e) => { if (e.dataTransfer && e.dataTransfer.types.includes('Files')) e.preventDefault(); });
