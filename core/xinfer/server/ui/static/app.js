@@ -246,6 +246,13 @@ function renderSidebar() {
   ui.convList.replaceChildren(...items);
 }
 
+/** Mark the conversations streaming in the sidebar, leaving the list as it is (a rename may be open). */
+function markStreaming() {
+  for (const item of ui.convList.querySelectorAll('.conv-item')) {
+    item.classList.toggle('streaming', state.gens.has(item.dataset.convId));
+  }
+}
+
 function startRename(id) {
   const conv = state.convs.find((c) => c.id === id);
   const item = ui.convList.querySelector(`[data-conv-id="${CSS.escape(id)}"]`);
@@ -707,7 +714,7 @@ async function generate(conv) {
       renderMessages();
       if (wasStuck) scrollToBottom();
     }
-    for (const item of ui.convList.querySelectorAll('.conv-item')) item.classList.toggle('streaming', state.gens.has(item.dataset.convId));
+    markStreaming();
     renderComposer();
   }
 }
