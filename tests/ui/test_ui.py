@@ -778,6 +778,7 @@ def test_settings_edit_regenerate_and_manage(page):
     page.press(".conv-rename", "Enter")
     item = page.locator(".conv-item", has_text="My chat")
     assert item.count() == 1
+    expect(item.locator(".conv-open")).to_be_focused()  # keyboard focus is not dropped with the input
     item.hover()
     with page.expect_download() as dl:
         item.locator("button[title='Export as JSON']").click()

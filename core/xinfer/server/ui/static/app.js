@@ -260,7 +260,7 @@ function startRename(id) {
   const input = h('input', { className: 'conv-rename', attrs: { type: 'text', 'aria-label': 'Conversation name', maxlength: '200' } });
   input.value = conv.title;
   let done = false;
-  const finish = (save) => {
+  const finish = (save, refocus = false) => {
     if (done) return;
     done = true;
     const v = input.value.trim();
@@ -270,10 +270,12 @@ function startRename(id) {
       if (conv.id === state.currentId) document.title = `${conv.title} · xInfer`;
     }
     renderSidebar();
+    // From the keyboard, focus goes back to the conversation (it was on the input, now gone).
+    if (refocus) ui.convList.querySelector(`[data-conv-id="${CSS.escape(id)}"] .conv-open`)?.focus();
   };
   input.addEventListener('keydown', (e) => {
-    if (e.key === 'Enter') { e.preventDefault(); finish(true); }
-    else if (e.key === 'Escape') { e.preventDefault(); finish(false); }
+    if (e.key === 'Enter') { e.preventDefault(); finish(true, true); }
+    else if (e.key === 'Escape') { e.preventDefault(); finish(false, true); }
   });
   input.addEventListener('blur', () => finish(true));
   item.replaceChildren(input);
@@ -289,10 +291,15 @@ function askDelete(id, button) {
   button.classList.add('confirm');
   button.title = 'Click again to delete';
   button.replaceChildren(h('span', { text: 'Delete?' }));
-  setTimeout(() => { if (button.isConnected) renderSidebar(); }, 3000);
+  setTimeout(() => {
+    button.classList.remove('confirm');
+    button.title = 'Delete';
+    button.replaceChildren(icon('trash', 16));
+  }, 3000);
 }
 
 function deleteConversation(id) {
+  const fromList = ui.convList.contains(document.activeElement);
   const gen = state.gens.get(id);
   if (gen) gen.controller.abort();
   state.convs = state.convs.filter((c) => c.id !== id);
@@ -302,6 +309,7 @@ function deleteConversation(id) {
     saveCurrentId(state.currentId);
   }
   renderAll();
+  if (fromList) (ui.convList.querySelector('.conv-open') || $('#new-chat')).focus(); // the focused button is gone
 }
 
 function openConversation(id) {
