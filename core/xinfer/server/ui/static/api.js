@@ -124,17 +124,21 @@ export async function listModels(signal) {
   }));
 }
 
-/** The engine's state from `/health`: {ready, status, error}; a server without the route counts as ready. */
+/**
+ * The engine's state from `/health`: {ready, status, error}. Only a 503 (loading,
+ * draining, dead) is not ready: a server without the route, or behind a proxy that
+ * guards it, counts as ready.
+ */
 export async function serverHealth() {
   const res = await request('health', { cache: 'no-store' });
-  if (res.status === 404) return { ready: true, status: 'ok', error: null };
+  if (res.status !== 503) return { ready: true, status: 'ok', error: null };
   let body = {};
   try {
     body = await res.json();
   } catch {
     body = {};
   }
-  return { ready: res.ok, status: String((body && body.status) || res.status), error: (body && body.error) || null };
+  return { ready: false, status: String((body && body.status) || res.status), error: (body && body.error) || null };
 }
 
 /**
