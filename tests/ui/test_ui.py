@@ -260,7 +260,8 @@ def _mock_replies(pg, replies: list[str]) -> list[dict]:
 # Chat requests answered by streams the test feeds, for states a fulfilled route cannot
 # reach (a reply still streaming, a connection cut mid-reply): window.__push(i, text),
 # __end(i) (finish_reason and [DONE]), __cut(i) (a network error); __streams[i].request
-# is the i-th request's body. Other requests go to the server.
+# is the i-th request's body. Other requests go to the server. (Wait on the page with
+# functions, "() => ...": a bare expression is polled through eval, which the page's CSP refuses.)
 HELD_STREAMS = """() => {
   const realFetch = window.fetch;
   const encode = (text) => new TextEncoder().encode(text);
@@ -413,7 +414,7 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
         )
     assert page.locator(".msg").count() == 0
     page.press("#input", "Enter")
-    page.wait_for_function("window.__streams.length === 1")
+    page.wait_for_function("() => window.__streams.length === 1")
     page.evaluate("window.__push(0, 'Hello')")
     expect(reply).to_have_text("Hello")
 
@@ -423,7 +424,7 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
     expect(page.locator("#stop")).to_be_hidden()
     expect(page.locator(".conv-item.streaming")).to_have_text("First chat")
     _send(page, "Second chat")
-    page.wait_for_function("window.__streams.length === 2")
+    page.wait_for_function("() => window.__streams.length === 2")
     page.evaluate("window.__push(1, 'Two.'); window.__end(1)")
     _wait_reply_done(page, 10_000)
     expect(reply).to_have_text("Two.")
@@ -454,7 +455,7 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
 
     # Retry asks again (the cut reply is not sent back); a reload mid-reply keeps what came.
     error.locator("button", has_text="Retry").click()
-    page.wait_for_function("window.__streams.length === 3")
+    page.wait_for_function("() => window.__streams.length === 3")
     assert page.evaluate("window.__streams[2].request.messages") == [{"role": "user", "content": "First chat"}]
     page.evaluate("window.__push(2, 'Again')")
     expect(reply).to_have_text("Again")
@@ -470,7 +471,7 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
     # button brings it back. Escape stops it, and the next message sends the stopped text.
     page.evaluate(HELD_STREAMS)
     _send(page, "Count")
-    page.wait_for_function("window.__streams.length === 1")
+    page.wait_for_function("() => window.__streams.length === 1")
     gap = "(() => { const s = document.querySelector('#scroller'); return s.scrollHeight - s.scrollTop - s.clientHeight })()"
     page.evaluate("for (let i = 1; i <= 60; i++) window.__push(0, `${i}\\n\\n`)")
     expect(reply).to_contain_text("60")
@@ -490,7 +491,7 @@ def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
     page.press("#input", "Escape")
     expect(_last_reply(page).locator(".stat-stopped")).to_be_visible()
     _send(page, "Next")
-    page.wait_for_function("window.__streams.length === 2")
+    page.wait_for_function("() => window.__streams.length === 2")
     sent = page.evaluate("window.__streams[1].request.messages")
     assert [m["role"] for m in sent] == ["user", "assistant", "user", "assistant", "user"], sent
     assert sent[-2]["content"].endswith("81 and more") and sent[-1]["content"] == "Next"
@@ -798,7 +799,7 @@ def test_settings_edit_regenerate_and_manage(page):
     )
     page.focus("#import")
     page.keyboard.press("Enter")
-    page.wait_for_function("window.__picker === true")
+    page.wait_for_function("() => window.__picker === true")
 
 
 def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
