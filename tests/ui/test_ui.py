@@ -349,6 +349,7 @@ def test_stop_aborts_generation(page, server):
     assert running >= 1, f"{METRIC_RUNNING} is {running} while a reply streams"
 
     live = _last_reply(page).locator(".stat-tps").inner_text()  # "~12.3 tok/s"
+    assert re.fullmatch(r"~[\d,]+ out", _last_reply(page).locator(".stat-out").inner_text())  # counted live too
     tps = float(re.search(r"[\d.]+", live).group())
     deadline = STOP_DEADLINE_S + 1.0 / max(tps, 0.1)
     page.click("#stop")

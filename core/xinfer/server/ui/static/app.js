@@ -661,8 +661,8 @@ async function generate(conv) {
           msg.content += c;
           if (tAnswer === null && splitThink(msg.content).answer) tAnswer = now;
         }
-        // Live speed while streaming (approximate: one chunk ~ one token).
-        msg.stats = { ...msg.stats, ttftMs: tFirst - t0, approx: true };
+        // Live speed and count while streaming (approximate: one chunk ~ one token).
+        msg.stats = { ...msg.stats, ttftMs: tFirst - t0, completionTokens: pieces, approx: true };
         if (pieces > 1 && now - tFirst > 250) msg.stats.tps = (pieces - 1) / ((now - tFirst) / 1000);
       }
       if (choice.finish_reason) msg.stats.finishReason = choice.finish_reason;
