@@ -612,6 +612,10 @@ def test_error_states(page):
     _send(page, "Another long prompt")
     err = _last_reply(page).locator(".msg-error")
     err.wait_for()
+    # The refused prompt stays in view but is not sent again (every request would fail on it).
+    expect(page.locator(".msg.user.unsent")).to_have_count(1)
+    expect(page.locator(".msg.user.unsent .unsent-note")).to_contain_text("too long")
+    assert [m["content"] for m in bodies[0]["messages"]] == ["Another long prompt"], bodies[0]["messages"]
     assert '"Max tokens" does not fit' in err.inner_text()
     err.locator("button", has_text="Clear").click()
     _wait_reply_done(page, 30_000)

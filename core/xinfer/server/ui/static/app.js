@@ -378,6 +378,8 @@ function userView(conv, msg) {
     return node;
   }
   const bubble = h('div', { className: 'bubble', text: msg.content });
+  node.classList.toggle('unsent', !!msg.unsent);
+  const note = msg.unsent ? h('div', { className: 'unsent-note', text: 'Not sent again: too long for the model\'s context' }) : null;
   if (msg.images && msg.images.length) {
     const pictures = msg.images.map((url) => h('img', { attrs: { src: url, alt: 'attached image' } }));
     node.append(h('div', { className: 'msg-images' }, ...pictures));
@@ -389,7 +391,7 @@ function userView(conv, msg) {
     actions.appendChild(iconButton('edit', 'Edit message', () => { state.editingId = msg.id; renderMessages(); }, 'edit-btn'));
     actions.classList.toggle('always', isLast(conv, msg, 'user'));
   }
-  node.append(bubble, actions);
+  node.append(...[bubble, note, actions].filter(Boolean));
   return node;
 }
 
@@ -495,9 +497,8 @@ function errorView(msg) {
   if (e.kind === 'overflow') {
     const max = state.model && state.model.maxModelLen;
     const newBtn = h('button', { className: 'btn primary', text: 'New chat', attrs: { type: 'button' }, on: { click: newChat } });
-    const hint = state.settings.maxTokens
-      ? ` Start a new chat, edit your last message, or lower "Max tokens" (now ${formatInt(state.settings.maxTokens)}) in the settings.`
-      : ' Start a new chat or edit your last message to make it shorter.';
+    const hint = ' Start a new chat, edit your last message to make it shorter, or send another: this one is then left out.' +
+      (state.settings.maxTokens ? ` A lower "Max tokens" (now ${formatInt(state.settings.maxTokens)}) may help too.` : '');
     return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The conversation is too long for this model' })),
       h('p', { text: `It does not fit in the model's context window${max ? ` of ${formatInt(max)} tokens` : ''}.${hint}` }),
       h('p', { className: 'err-detail', text: e.message }),
@@ -580,6 +581,7 @@ function historyFor(conv, upTo) {
   if (sys) out.push({ role: 'system', content: sys });
   for (const m of conv.messages) {
     if (m === upTo) break;
+    if (m.unsent) continue;
     const text = m.role === 'assistant' ? splitThink(m.content).answer : m.content;
     const images = m.role === 'user' ? m.images : null;
     if (!text.trim() && !(images && images.length)) continue; // failed or empty replies are not sent back
@@ -741,7 +743,15 @@ function send(text) {
   }
   // A failed reply with no text is replaced by the next one.
   const last = conv.messages[conv.messages.length - 1];
-  if (last && last.role === 'assistant' && last.error && !last.content) conv.messages.pop();
+  if (last && last.role === 'assistant' && last.error && !last.content) {
+    conv.messages.pop();
+    // A message the context could not take stays in view but is not sent again (it
+    // would make every later request fail the same way).
+    const refused = conv.messages[conv.messages.length - 1];
+    if (last.error.kind === 'overflow' && last.error.param !== 'max_tokens' && refused && refused.role === 'user') {
+      refused.unsent = true;
+    }
+  }
   conv.messages.push(images.length ? { id: uid(), role: 'user', content, images } : { id: uid(), role: 'user', content });
   if (conv.title === 'New chat' || conv.messages.filter((m) => m.role === 'user').length === 1) conv.title = titleFrom(content || 'Image');
   state.attachments = [];
@@ -764,6 +774,7 @@ function submitEdit(conv, msg, text) {
   const i = conv.messages.indexOf(msg);
   if (i === -1) return;
   msg.content = content;
+  delete msg.unsent;
   conv.messages.splice(i + 1);
   if (i === 0) conv.title = titleFrom(content);
   state.editingId = null;

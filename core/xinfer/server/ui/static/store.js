@@ -7,7 +7,8 @@
 //
 // Conversation: {id, title, created, updated, messages: [Message, ...]}
 // Message: {id, role: "user"|"assistant", content, reasoning?, model?,
-//           stats?, error?: {kind, message, status}, stopped?}
+//           stats?, error?: {kind, message, status}, stopped?,
+//           unsent? (a user message the context refused: shown, not sent again)}
 
 import { uid } from './util.js';
 
