@@ -50,6 +50,7 @@ class SamplingParams:
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(self.top_k < 2**63, f"top_k must be below 2**63 (an int64), got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")

@@ -247,6 +247,7 @@ def test_stop_strings_count_after_min_tokens(model_dir):
         ([{"text": "hi"}], SamplingParams(), "a prompt dict holds 'prompt' (a string) or 'prompt_token_ids'"),
         ([{"prompt_token_ids": [1, 320]}], SamplingParams(), "[0, 320)"),
         ([[1, 2, 3]], dict(top_k=-2), "top_k must be -1, 0 (off) or positive, got -2"),
+        ([[1, 2, 3]], dict(top_k=2**63), "top_k must be below 2**63"),
         ([[1, 2, 3]], dict(n=0), "n must be at least 1, got 0"),
         ([[1, 2, 3]], dict(stop=5), "stop must be a string or a list of strings, got 5"),
         ([[1, 2, 3]], dict(stop=[5]), "stop must be a string or a list of strings, got [5]"),

@@ -73,6 +73,7 @@ ROWS = [
     ("n zero", CHAT, chat(n=0), {}, 400, "n", ""),
     ("n huge", CHAT, chat(n=10_000), {}, 400, "n", "128"),
     ("seed beyond int64", CHAT, chat(seed=2**70), {}, 400, "seed", ""),
+    ("top_k beyond int64", CHAT, chat(top_k=2**63), {}, 400, "top_k", ""),  # the engine died on it
     ("top_logprobs 21", CHAT, chat(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs", "20"),
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), {}, 400, None, "logprobs"),
     ("too many stop strings", CHAT, chat(stop=[f"s{i}" for i in range(17)]), {}, 400, "stop", "16"),

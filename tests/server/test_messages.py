@@ -219,6 +219,7 @@ def document_turn(source: dict) -> dict:
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
         ({"stop_sequences": [""]}, "stop_sequences: stop strings"),
         ({"temperature": 1.5}, "temperature"),
+        ({"top_k": 2**63}, "top_k"),
     ],
 )
 def test_bad_requests_are_400_in_anthropic_shape(server, claude, model, change, named):
