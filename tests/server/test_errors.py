@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -174,6 +176,23 @@ def test_wrong_method(server):
     response = httpx.get(server.url + CHAT, headers=server.headers)
     assert response.status_code == 405
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_client_gone_mid_body_leaves_no_traceback(server):
+    """A client that closes its connection before its body is all sent: nobody reads an answer, so nothing is an
+    error (it was an unexpected ClientDisconnect: a 500 and two tracebacks in the log)."""
+    before = server.log_path.read_text().count("Traceback")
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+        connection.sendall(head.encode() + b'{"messages": [')
+        connection.shutdown(socket.SHUT_WR)
+        assert connection.recv(1024) == b""  # closed, no answer
+    assert httpx.get(server.url + "/health").status_code == 200
+    time.sleep(0.5)  # the handler's log lines, had there been any
+    assert server.log_path.read_text().count("Traceback") == before
 
 
 def test_unknown_model_through_the_client(client):

@@ -1,4 +1,4 @@
-"""Reading a JSON request body: size limit (413), content type and JSON (400)."""
+"""Reading a JSON request body: size limit (413), content type and JSON (400), a client gone mid-body (499)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
+from xinfer.server.disconnect import ClientDisconnected
 from xinfer.server.errors import APIError, bad_request, from_validation
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -32,11 +34,14 @@ async def read_limited(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left (or broke its framing) mid-body: nobody reads an answer
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
