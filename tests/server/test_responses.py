@@ -145,7 +145,7 @@ def test_bad_requests_are_400_naming_the_field(server, client, model, change, pa
 def test_bookkeeping_fields_are_accepted(client, model):
     response = client.responses.create(
         model=model, input="Hi.", max_output_tokens=2, store=False, metadata={"k": "v"}, user="u",
-        tool_choice="auto", truncation="disabled",
+        tool_choice="auto", truncation="disabled", stream=None,  # the client sends null: the default, as on chat
     )  # fmt: skip
     assert response.metadata == {"k": "v"} and response.usage.output_tokens <= 2
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from xinfer.server.protocol import RequestBody
 
@@ -64,8 +64,10 @@ class Reasoning(RequestBody):
     summary: str | None = None  # not written: the reasoning item carries the reasoning's text itself
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow", protected_namespaces=())
+class ResponsesRequest(RequestBody):
+    model_config = ConfigDict(
+        extra="allow"
+    )  # kept, to name the first unsupported one (``null``: left out, as elsewhere)
 
     model: str | None = None
     input: str | list[InputItem]
