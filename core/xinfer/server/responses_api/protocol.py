@@ -65,9 +65,8 @@ class Reasoning(RequestBody):
 
 
 class ResponsesRequest(RequestBody):
-    model_config = ConfigDict(
-        extra="allow"
-    )  # kept, to name the first unsupported one (``null``: left out, as elsewhere)
+    # unknown fields are kept, to name the first unsupported one (a ``null`` one is left out, as elsewhere)
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[InputItem]
