@@ -125,6 +125,12 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                              short_factor=[1.0 + 0.1 * i for i in range(12)], long_factor=[1.5 + i for i in range(12)]),
     ),
+    # transformers reads YaRN's truncate from the top of a per-layer-type rope dict, so truncates whatever it says
+    "gemma3 yarn truncate false on global layers": lambda: gemma3_config(
+        rope_parameters={"full_attention": {**YARN, "factor": 8.0, "original_max_position_embeddings": 32,
+                                            "truncate": False},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    ),
     "minimax-m2 full rotary, top-1": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": 16, "num_experts_per_tok": 1}),
     "minimax-m2 head_dim 8, 16 experts, tied": lambda: MiniMaxM2Config(
         **{**MINIMAX, "head_dim": 8, "rotary_dim": 4, "num_local_experts": 16, "num_experts_per_tok": 4,
