@@ -85,11 +85,8 @@ class Tokenizer:
             add_bos, add_eos = bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
             backend.post_processor = post_processor(bos, _id(backend, bos), eos, _id(backend, eos), add_bos, add_eos)
         # generation stops on every EOS the model declares, not only the tokenizer's own
-        declared = [
-            _as_ids(_read_json(folder / name).get("eos_token_id")) for name in ("generation_config.json", "config.json")
-        ]
         template = _folder_chat_template(folder, config, bos, eos)
-        return cls(backend, bos, eos, [i for ids in declared for i in ids], template)
+        return cls(backend, bos, eos, declared_eos_ids(folder), template)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -174,6 +171,16 @@ def _token_text(token: str | dict | None) -> str | None:
 
 def _id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
+
+
+def declared_eos_ids(folder: Path) -> list[int]:
+    """The EOS ids an HF folder declares: its ``generation_config.json``'s ``eos_token_id`` and its
+    ``config.json``'s (each an id, a list or absent)."""
+    return [
+        i
+        for name in ("generation_config.json", "config.json")
+        for i in _as_ids(_read_json(folder / name).get("eos_token_id"))
+    ]
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:
