@@ -100,6 +100,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         tie_word_embeddings=True,
     ),
     "glm head_dim 32, 4 kv heads": lambda: glm(head_dim=32, num_key_value_heads=4),
+    "glm relu": lambda: glm(hidden_act="relu"),
     "glm4 no bias, full rotary, tied": lambda: glm4(
         attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
         tie_word_embeddings=True,
@@ -166,6 +167,7 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
     ),
+    # relu runs in dense MLPs (unfused), not in the fused experts
     "qwen2-moe relu": (
         lambda: qwen2_moe(hidden_act="relu"),
         "hidden_act 'relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu",
