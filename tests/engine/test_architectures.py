@@ -149,7 +149,7 @@ def test_longrope_without_recompute_keeps_a_long_prompts_keys_long_in_chunks_and
     assert_output_matches_hf(hf, long, llm.generate([long], params)[0].outputs[0], 6)
 
     short = prompt(16, seed=8)
-    assert_output_matches_hf(hf, short, llm.generate([short], params)[0].outputs[0], 6)
+    llm.generate([short], SamplingParams(temperature=0, max_tokens=1))  # its block cached, short keys
     longer = short + prompt(10, seed=9)
     out = llm.generate([longer], params)[0]
     assert out.num_cached_tokens == 0
