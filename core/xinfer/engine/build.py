@@ -110,9 +110,11 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     if not config.device.enforce_eager:
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
-    return EngineParts(config, hf_config, tokenizer, _eos_ids(path, hf_config, tokenizer), max_model_len, dtype, kv_format, runner, cache_manager,
-                       Scheduler(scheduler_config, cache_manager, runner.model.context_switch,
-                                 runner.model.recompute_past_switch))  # fmt: skip
+    scheduler = Scheduler(scheduler_config, cache_manager, runner.model.context_switch,
+                          runner.model.recompute_past_switch)  # fmt: skip
+    eos_token_ids = _eos_ids(path, hf_config, tokenizer)
+    return EngineParts(config, hf_config, tokenizer, eos_token_ids, max_model_len, dtype, kv_format, runner,
+                       cache_manager, scheduler)  # fmt: skip
 
 
 def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, Path, PretrainedConfig]:
