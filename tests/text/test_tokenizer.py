@@ -167,6 +167,41 @@ def test_eos_ids_are_end_of_generation_for_llama_cpp(model, ours):
     assert ours.eos_token_ids == end_of_generation
 
 
+# vocabularies whose end-of-generation tokens llama.cpp finds by their spelling or metadata id
+END_OF_GENERATION_VOCABULARIES = {
+    "harmony": (["<|end|>", "<|return|>", "<|call|>", "<|start|>", "</s>"], {"eos": 4}),  # <|end|> ends a message only
+    "tool-response": (
+        ["</s>", "<|tool_response>", "<eos>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"],
+        {"eos": 5},
+    ),
+    "declared": (["<x>", "<y>", "<z>", "<|im_end|>"], {"eos": 3, "eot": 4, "fim_rep": 5}),
+}
+
+
+@pytest.mark.parametrize("vocabulary", sorted(END_OF_GENERATION_VOCABULARIES))
+def test_end_of_generation_tokens_are_llama_cpps(tmp_path, vocabulary):
+    import gguf
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional oracle)")
+    words, ids = END_OF_GENERATION_VOCABULARIES[vocabulary]
+    tokens = ["a", "b", "ab", *words]
+    writer = gguf.GGUFWriter(tmp_path / "vocab.gguf", "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(["a b"])
+    for key, token_id in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = llama_cpp.Llama(model_path=str(tmp_path / "vocab.gguf"), vocab_only=True, verbose=False)
+    expected = {i for i in range(len(tokens)) if llama_cpp.llama_vocab_is_eog(reference._model.vocab, i)}
+    assert Tokenizer.from_gguf(tmp_path / "vocab.gguf").eos_token_ids == expected
+
+
 def test_a_trailing_incomplete_character_is_flushed_as_decode_gives_it(ours):
     """The stream holds back a character's first bytes; at the end, ``flush`` gives what decode gives them."""
     ids = ours.encode("ok 𓀀")  # four bytes, byte-fallback tokens in both vocabularies

@@ -76,20 +76,19 @@ def end_of_generation_ids(meta: Mapping[str, Any]) -> set[int]:
     spelled as a turn or text end."""
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     ids = {i for key in ("eos", "eot", "eom") if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None}
-    for key, texts in _FIM_END_TEXTS.items():
+    for key, spellings in _FIM_END_TEXTS.items():
         declared = meta.get(f"tokenizer.ggml.{key}_token_id")
-        found = declared if declared is not None else next((i for i, t in enumerate(tokens) if t in texts), None)
+        found = declared if declared is not None else next((i for i, t in enumerate(tokens) if t in spellings), None)
         if found is not None:
             ids.add(found)
     ids |= {i for i, t in enumerate(tokens) if t in _END_OF_GENERATION_TEXTS}
-    texts = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
-    # harmony-style vocabularies end a message with <|end|> but a turn with <|return|> or <|call|>
-    if "<|end|>" in texts and (
-        {"<|return|>", "<|call|>"} <= texts.keys() or {"<|calls|>", "<|flush|>"} <= texts.keys()
-    ):
-        ids.discard(texts["<|end|>"])
-    if "</s>" in texts and "<|tool_response>" in texts:  # there </s> is text
-        ids.discard(texts["</s>"])
+    ends = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
+    # harmony-style vocabularies end a message with <|end|>, a turn with <|return|> or <|call|>
+    calls = "<|call|>" in ends or "<|calls|>" in ends
+    if "<|end|>" in ends and calls and ("<|return|>" in ends or "<|flush|>" in ends):
+        ids.discard(ends["<|end|>"])
+    if "</s>" in ends and "<|tool_response>" in ends:  # there </s> is text
+        ids.discard(ends["</s>"])
     return {i for i in ids if 0 <= i < len(tokens)}
 
 
