@@ -156,6 +156,17 @@ def test_failed_loading_is_reported():
     assert health.status_code == 503 and "no weights here" in health.json()["error"]
 
 
+def test_a_loading_error_without_a_message_is_named_by_its_type():
+    def factory():
+        raise MemoryError
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        return engine.error
+
+    assert asyncio.run(with_app(factory, body)) == "loading failed: MemoryError"
+
+
 def test_abort_all_ends_streams_while_a_step_runs():
     steps = 0
     release = threading.Event()

@@ -257,6 +257,34 @@ def _mock_replies(pg, replies: list[str]) -> list[dict]:
     return bodies
 
 
+# Chat requests answered by streams the test feeds, for states a fulfilled route cannot
+# reach (a reply still streaming, a connection cut mid-reply): window.__push(i, text),
+# __end(i) (finish_reason and [DONE]), __cut(i) (a network error); __streams[i].request
+# is the i-th request's body. Other requests go to the server. (Wait on the page with
+# functions, "() => ...": a bare expression is polled through eval, which the page's CSP refuses.)
+HELD_STREAMS = """() => {
+  const realFetch = window.fetch;
+  const encode = (text) => new TextEncoder().encode(text);
+  window.__streams = [];
+  window.fetch = (url, init) => {
+    if (!String(url).includes('chat/completions')) return realFetch(url, init);
+    let controller;
+    const body = new ReadableStream({ start(c) { controller = c; } });
+    init.signal.addEventListener('abort', () => controller.error(new DOMException('aborted', 'AbortError')));
+    window.__streams.push({ controller, request: JSON.parse(init.body) });
+    return Promise.resolve(new Response(body, { headers: { 'Content-Type': 'text/event-stream' } }));
+  };
+  const send = (i, chunk) => window.__streams[i].controller.enqueue(encode(`data: ${JSON.stringify(chunk)}\\n\\n`));
+  window.__push = (i, text) => send(i, { choices: [{ index: 0, delta: { content: text }, finish_reason: null }] });
+  window.__end = (i) => {
+    send(i, { choices: [{ index: 0, delta: {}, finish_reason: 'stop' }] });
+    window.__streams[i].controller.enqueue(encode('data: [DONE]\\n\\n'));
+    window.__streams[i].controller.close();
+  };
+  window.__cut = (i) => window.__streams[i].controller.error(new TypeError('network error'));
+}"""
+
+
 # ----------------------------------------------------------------- tests ---
 
 
@@ -321,6 +349,7 @@ def test_stop_aborts_generation(page, server):
     assert running >= 1, f"{METRIC_RUNNING} is {running} while a reply streams"
 
     live = _last_reply(page).locator(".stat-tps").inner_text()  # "~12.3 tok/s"
+    assert re.fullmatch(r"~[\d,]+ out", _last_reply(page).locator(".stat-out").inner_text())  # counted live too
     tps = float(re.search(r"[\d.]+", live).group())
     deadline = STOP_DEADLINE_S + 1.0 / max(tps, 0.1)
     page.click("#stop")
@@ -366,6 +395,112 @@ def test_conversation_survives_reload(page):
 
 
 @pytest.mark.timeout(120)
+def test_conversations_stream_on_their_own_and_a_cut_reply_keeps_its_text(page):
+    # On a phone the header gives the model's whole name the room (the context size yields).
+    page.set_viewport_size({"width": 375, "height": 740})
+    name = page.locator("#model-name")
+    assert name.is_visible()
+    assert name.evaluate("el => el.scrollWidth <= el.clientWidth"), "the model's name is cut on a phone"
+    page.set_viewport_size({"width": 1280, "height": 860})
+
+    page.evaluate(HELD_STREAMS)
+    reply = _last_reply(page).locator(".msg-content")
+    # Enter that picks an input method's candidate does not send (isComposing, or
+    # Safari's keyCode 229 after compositionend).
+    page.fill("#input", "First chat")
+    for flags in ("isComposing: true", "keyCode: 229"):
+        page.eval_on_selector(
+            "#input",
+            f"t => t.dispatchEvent(new KeyboardEvent('keydown', {{key: 'Enter', {flags}, bubbles: true, cancelable: true}}))",
+        )
+    assert page.locator(".msg").count() == 0
+    page.press("#input", "Enter")
+    page.wait_for_function("() => window.__streams.length === 1")
+    page.evaluate("window.__push(0, 'Hello')")
+    expect(reply).to_have_text("Hello")
+
+    # Another conversation can be opened and sent to while the first one streams.
+    page.click("#new-chat")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#stop")).to_be_hidden()
+    expect(page.locator(".conv-item.streaming")).to_have_text("First chat")
+    _send(page, "Second chat")
+    page.wait_for_function("() => window.__streams.length === 2")
+    page.evaluate("window.__push(1, 'Two.'); window.__end(1)")
+    _wait_reply_done(page, 10_000)
+    expect(reply).to_have_text("Two.")
+    expect(page.locator(".conv-item.streaming")).to_have_text("First chat")
+
+    # A conversation another tab saves meanwhile shows here, and this tab's saves keep it.
+    other = page.context.new_page()
+    other.goto(page.url)
+    _wait_ready(other)
+    _mock_replies(other, ["From the other tab."])
+    other.click("#new-chat")
+    _send(other, "Other tab")
+    _wait_reply_done(other, 10_000)
+    other.close()
+    expect(page.locator(".conv-item", has_text="Other tab")).to_have_count(1)
+
+    # Back in the first one it still streams; a network drop keeps the text and says so.
+    page.locator(".conv-item", has_text="First chat").locator(".conv-open").click()
+    expect(page.locator("#stop")).to_be_visible()
+    page.evaluate("window.__push(0, ' world')")
+    expect(reply).to_have_text("Hello world")
+    page.evaluate("window.__cut(0)")
+    error = _last_reply(page).locator(".msg-error")
+    expect(error).to_contain_text("The reply was interrupted")
+    expect(reply).to_have_text("Hello world")
+    expect(page.locator(".conv-item.streaming")).to_have_count(0)
+    expect(page.locator("#send")).to_be_visible()
+
+    # Retry asks again (the cut reply is not sent back); a reload mid-reply keeps what came.
+    error.locator("button", has_text="Retry").click()
+    page.wait_for_function("() => window.__streams.length === 3")
+    assert page.evaluate("window.__streams[2].request.messages") == [{"role": "user", "content": "First chat"}]
+    page.evaluate("window.__push(2, 'Again')")
+    expect(reply).to_have_text("Again")
+    page.reload()
+    _wait_ready(page)
+    expect(reply).to_have_text("Again")
+    expect(_last_reply(page).locator(".stat-stopped")).to_be_visible()
+    expect(_last_reply(page).locator(".msg-error")).to_be_hidden()
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator(".conv-item")).to_have_count(3)
+
+    # The reply follows the stream to the bottom until the user scrolls up; the jump
+    # button brings it back. Escape stops it, and the next message sends the stopped text.
+    page.evaluate(HELD_STREAMS)
+    _send(page, "Count")
+    page.wait_for_function("() => window.__streams.length === 1")
+    gap = "(() => { const s = document.querySelector('#scroller'); return s.scrollHeight - s.scrollTop - s.clientHeight })()"
+    page.evaluate("for (let i = 1; i <= 60; i++) window.__push(0, `${i}\\n\\n`)")
+    expect(reply).to_contain_text("60")
+    page.wait_for_function(f"() => {gap} < 5")
+    page.mouse.move(640, 400)
+    page.mouse.wheel(0, -600)
+    page.wait_for_function(f"() => {gap} > 500")
+    page.evaluate("for (let i = 61; i <= 80; i++) window.__push(0, `${i}\\n\\n`)")
+    expect(reply).to_contain_text("80")
+    assert page.evaluate(f"() => {gap}") > 500, "the page scrolled down while the user read above"
+    expect(page.locator("#jump")).to_be_visible()
+    page.click("#jump")
+    page.wait_for_function(f"() => {gap} < 5")
+    page.evaluate("window.__push(0, '81 and more')")
+    expect(reply).to_contain_text("81 and more")
+    page.wait_for_function(f"() => {gap} < 5")
+    page.press("#input", "Escape")
+    expect(_last_reply(page).locator(".stat-stopped")).to_be_visible()
+    _send(page, "Next")
+    page.wait_for_function("() => window.__streams.length === 2")
+    sent = page.evaluate("window.__streams[1].request.messages")
+    assert [m["role"] for m in sent] == ["user", "assistant", "user", "assistant", "user"], sent
+    assert sent[-2]["content"].endswith("81 and more") and sent[-1]["content"] == "Next"
+    page.evaluate("window.__push(1, 'Done.'); window.__end(1)")
+    expect(reply).to_have_text("Done.")
+
+
+@pytest.mark.timeout(120)
 def test_untrusted_markdown_is_shown_as_text(page, server):
     dialogs: list[str] = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
@@ -384,7 +519,8 @@ def test_untrusted_markdown_is_shown_as_text(page, server):
         "**Bold** and [bad link](javascript:window.__xss=3) and [good link](https://example.com/a) "
         'and ![pic](https://example.invalid/pic.png) and <a href="javascript:alert(4)">raw</a>\n\n'
         '<iframe src="javascript:alert(5)"></iframe> <b onmouseover=alert(6)>hover</b>\n\n'
-        "```html\n<script>window.__xss=7</script>\n```\n"
+        "```html\n<script>window.__xss=7</script>\n```\n\n"
+        "Math as written: $a_1 * b_2 * c_3$ and \\(x_i\\), not $5 and $6.\n"
     )
     # Split so that tags also arrive across chunk boundaries.
     pieces = [{"content": evil[i : i + 7]} for i in range(0, len(evil), 7)]
@@ -405,6 +541,7 @@ def test_untrusted_markdown_is_shown_as_text(page, server):
     for sel in ("img", "script", "iframe", "b", "[onerror]", "[onmouseover]", "[src]"):
         assert msg.locator(sel).count() == 0, f"{sel} element created from model output"
     assert content.locator("strong").inner_text() == "Bold"  # markdown still works
+    assert content.locator(".math").all_inner_texts() == ["$a_1 * b_2 * c_3$", "\\(x_i\\)"]
     hrefs = content.locator("a").evaluate_all("els => els.map(a => a.getAttribute('href'))")
     assert hrefs and all(h.startswith(("https://", "http://")) for h in hrefs), hrefs
     assert "https://example.com/a" in hrefs
@@ -475,6 +612,10 @@ def test_error_states(page):
     _send(page, "Another long prompt")
     err = _last_reply(page).locator(".msg-error")
     err.wait_for()
+    # The refused prompt stays in view but is not sent again (every request would fail on it).
+    expect(page.locator(".msg.user.unsent")).to_have_count(1)
+    expect(page.locator(".msg.user.unsent .unsent-note")).to_contain_text("too long")
+    assert [m["content"] for m in bodies[0]["messages"]] == ["Another long prompt"], bodies[0]["messages"]
     assert '"Max tokens" does not fit' in err.inner_text()
     err.locator("button", has_text="Clear").click()
     _wait_reply_done(page, 30_000)
@@ -508,13 +649,39 @@ def test_error_states(page):
     assert "top_p must be in (0, 1]" in err.inner_text()
     page.unroute("**/v1/chat/completions")
 
+    # A stream that ends without finish_reason and [DONE] was cut: not shown as a whole reply.
+    cut = "data: ".join(_sse([{"content": "Half a rep"}]).split("data: ")[:3])
+    page.route("**/v1/chat/completions", lambda route: _fulfill_sse(route, cut))
+    page.locator(".msg-error button", has_text="Retry").click()
+    expect(_last_reply(page).locator(".msg-error")).to_contain_text("The reply was interrupted")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Half a rep")
+    page.unroute("**/v1/chat/completions")
+    # A proxy's HTML error page is shown as its text.
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=502, content_type="text/html", body="<html><body><h1>502 Bad Gateway</h1><hr>nginx</body></html>"
+        ),
+    )
+    page.locator(".msg-error button", has_text="Retry").click()
+    expect(_last_reply(page).locator(".err-detail")).to_have_text("502 Bad Gateway nginx")
+    page.unroute("**/v1/chat/completions")
+
     page.route("**/v1/chat/completions", lambda route: route.abort("connectionrefused"))
     page.locator(".msg-error button", has_text="Retry").click()
     page.wait_for_function("() => document.querySelector('.msg-error')?.textContent.includes('Cannot reach')")
     assert page.locator("#status-dot.offline").count() == 1
     page.unroute("**/v1/chat/completions")
-    # The page keeps polling /v1/models and comes back online by itself.
-    page.wait_for_selector("#status-dot.online", timeout=15_000)
+    # The page keeps polling and comes back by itself: first to a server still loading
+    # its model (/health 503), then to a ready one.
+    page.route(
+        "**/health",
+        lambda route: route.fulfill(status=503, content_type="application/json", body='{"status": "loading"}'),
+    )
+    page.wait_for_selector("#status-dot.online.loading", timeout=15_000)
+    expect(page.locator("#banner")).to_contain_text("loading the model")
+    page.unroute("**/health")
+    page.wait_for_selector("#status-dot.online:not(.loading)", timeout=15_000)
     assert page.locator("#banner").is_hidden()
     # The failed exchange is not sent back: the request has alternating roles.
     bodies = _mock_replies(page, ["Fine."])
@@ -523,6 +690,12 @@ def test_error_states(page):
     roles = [m["role"] for m in bodies[0]["messages"]]
     assert roles == ["user"], roles
     assert bodies[0]["messages"][0]["content"] == "hello\n\nagain"
+    page.unroute("**/v1/chat/completions")
+
+    # An empty reply says so rather than showing nothing.
+    page.route("**/v1/chat/completions", lambda route: _fulfill_sse(route, _sse([])))
+    _send(page, "say nothing")
+    expect(_last_reply(page).locator(".msg-empty")).to_be_visible()
 
 
 @pytest.mark.timeout(120)
@@ -537,13 +710,26 @@ def test_settings_edit_regenerate_and_manage(page):
     page.on(
         "request", lambda r: auth.append(r.headers.get("authorization")) if "/v1/chat/completions" in r.url else None
     )
-    bodies = _mock_replies(page, ["First **answer**.", "Second answer.", "Third answer."])
+    bodies = _mock_replies(page, ["First **answer**.", "Second answer.", "Third answer.", "Fourth.", "Fifth."])
 
     page.click("#open-settings")
     page.fill("#set-system", "You are terse.")
     page.fill("#set-temperature-num", "0.3")
+    page.fill("#set-top-p-num", "0")  # the API takes top_p in (0, 1]: not a setting that fails every request
+    assert json.loads(page.evaluate(f"localStorage.getItem({SETTINGS_KEY!r})"))["topP"] == 0.01
     page.fill("#set-top-p-num", "0.8")
     page.fill("#set-max-tokens", "100")
+    # Theme: the setting, or the system's while it is "system".
+    html = page.locator("html")
+    page.select_option("#set-theme", "dark")
+    expect(html).to_have_attribute("data-theme", "dark")
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(33, 33, 33)"
+    page.select_option("#set-theme", "system")
+    expect(html).to_have_attribute("data-theme", "light")
+    page.emulate_media(color_scheme="dark")
+    expect(html).to_have_attribute("data-theme", "dark")
+    page.emulate_media(color_scheme="light")
+    expect(html).to_have_attribute("data-theme", "light")
     page.click("#settings .settings-foot .primary")
 
     _send(page, "Hi there")
@@ -573,6 +759,23 @@ def test_settings_edit_regenerate_and_manage(page):
     assert page.locator(".msg.user .bubble").inner_text() == "Hello again"
     assert bodies[-1]["messages"][-1] == {"role": "user", "content": "Hello again"}
 
+    # Any user message can be edited, not only the last: the turns after it are replaced.
+    _send(page, "Tell me more")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Fourth.", timeout=30_000)
+    first = page.locator(".msg.user").first
+    first.hover()
+    first.locator(".edit-btn").click()
+    expect(page.locator(".edit-box")).to_be_focused()
+    page.fill(".edit-box", "Start over")
+    page.press(".edit-box", "Enter")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Fifth.", timeout=30_000)
+    assert page.locator(".msg.user .bubble").all_inner_texts() == ["Start over"]
+    assert page.locator(".msg.assistant").count() == 1
+    assert bodies[-1]["messages"] == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Start over"},
+    ]
+
     # Rename, export and delete from the sidebar.
     item = page.locator(".conv-item.active")
     item.hover()
@@ -581,24 +784,43 @@ def test_settings_edit_regenerate_and_manage(page):
     page.press(".conv-rename", "Enter")
     item = page.locator(".conv-item", has_text="My chat")
     assert item.count() == 1
+    expect(item.locator(".conv-open")).to_be_focused()  # keyboard focus is not dropped with the input
     item.hover()
     with page.expect_download() as dl:
         item.locator("button[title='Export as JSON']").click()
     exported = json.loads(Path(dl.value.path()).read_text())
     assert exported["title"] == "My chat"
     assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
-    assert exported["messages"][1]["content"] == "Third answer."
+    assert exported["messages"][1]["content"] == "Fifth."
     item.hover()
     item.locator("button[title='Delete']").click()
     item.locator("button[title='Click again to delete']").click()
     assert page.locator(".conv-item").count() == 0
     assert page.locator("#empty").is_visible()
 
+    # Import is reachable from the keyboard: Enter on it opens the file picker (held back here).
+    page.eval_on_selector(
+        "#import-file", "input => input.addEventListener('click', e => { e.preventDefault(); window.__picker = true; })"
+    )
+    page.focus("#import")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => window.__picker === true")
+
 
 def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     from PIL import Image
 
+    drop = """bytes => {
+      const files = new DataTransfer();
+      files.items.add(new File([new Uint8Array(bytes)], 'dropped.png', { type: 'image/png' }));
+      document.querySelector('#scroller').dispatchEvent(new DragEvent('drop', { dataTransfer: files, bubbles: true, cancelable: true }));
+    }"""
+    picture = tmp_path / "square.png"
+    Image.new("RGB", (8, 6), (200, 30, 40)).save(picture)
     expect(page.locator("#attach")).to_be_hidden()  # the default model takes text only
+    page.evaluate(drop, list(picture.read_bytes()))  # a dropped image is refused at once
+    expect(page.locator(".toast.error")).to_contain_text("takes text only")
+    expect(page.locator("#attachments")).to_be_hidden()
 
     def models_taking_images(route):
         response = route.fetch()
@@ -611,8 +833,23 @@ def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     page.reload()
     _wait_ready(page)
     expect(page.locator("#attach")).to_be_visible()
-    picture = tmp_path / "square.png"
-    Image.new("RGB", (8, 6), (200, 30, 40)).save(picture)
+    paste = """([bytes, text]) => {
+      const data = new DataTransfer();
+      data.items.add(new File([new Uint8Array(bytes)], 'pasted.png', { type: 'image/png' }));
+      if (text) data.setData('text/plain', text);
+      const paste = new ClipboardEvent('paste', { clipboardData: data, bubbles: true, cancelable: true });
+      document.querySelector('#input').dispatchEvent(paste);
+      return paste.defaultPrevented;
+    }"""
+    # Text copied with a picture of it (as office apps do) is pasted as text; a lone image is attached.
+    assert page.evaluate(paste, [list(picture.read_bytes()), "a | table"]) is False
+    expect(page.locator("#attachments")).to_be_hidden()
+    assert page.evaluate(paste, [list(picture.read_bytes()), ""]) is True
+    expect(page.locator("#attachments img")).to_have_count(1)
+    page.click("#attachments .remove")
+    page.evaluate(drop, list(picture.read_bytes()))  # dropped on the page: attached
+    expect(page.locator("#attachments img")).to_have_count(1)
+    page.click("#attachments .remove")
     page.set_input_files("#attach-input", str(picture))
     expect(page.locator("#attachments img")).to_have_count(1)
     bodies = _mock_replies(page, ["A red rectangle."])
@@ -628,3 +865,15 @@ def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     _send(page, "And its colour?")  # the image stays in the history
     _wait_reply_done(page, 30_000)
     assert bodies[1]["messages"][0]["content"][1]["image_url"]["url"] == image["image_url"]["url"]
+
+    # The server's model takes text only (only its card was changed): its 400 is shown,
+    # and the conversation goes on without the image, which would fail every request.
+    page.unroute("**/v1/chat/completions")
+    _send(page, "Describe it once more.")
+    error = _last_reply(page).locator(".msg-error")
+    expect(error).to_contain_text("takes text only")
+    bodies = _mock_replies(page, ["Without the picture."])
+    error.locator("button", has_text="Remove the images").click()
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Without the picture.")
+    assert all(isinstance(m["content"], str) for m in bodies[0]["messages"]), bodies[0]["messages"]
+    expect(page.locator(".msg.user .msg-images img")).to_have_count(0)

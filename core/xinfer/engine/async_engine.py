@@ -277,7 +277,7 @@ class AsyncEngine:
         except BaseException as error:  # reported through /health
             log.error("loading the model failed: %s: %s", type(error).__name__, first_line(error))
             log.debug("loading the model failed", exc_info=True)  # the traceback with --log debug
-            self._die(f"loading failed: {error}")
+            self._die(f"loading failed: {str(error).strip() or type(error).__name__}")
             self._loaded.set()
             return
         self.engine = engine

@@ -7,10 +7,18 @@ let apiKey = null;
 
 /** The server could not be reached (connection refused, DNS, dropped connection). */
 export class ServerDownError extends Error {
-  constructor(cause) {
-    super('Cannot reach the xInfer server.');
+  constructor(cause, message = 'Cannot reach the xInfer server.') {
+    super(message);
     this.name = 'ServerDownError';
     this.cause = cause;
+  }
+}
+
+/** The reply's stream was cut: the connection dropped, or closed without the closing [DONE]. */
+export class StreamCutError extends ServerDownError {
+  constructor(cause = null) {
+    super(cause, 'The connection to the server closed before the reply was complete.');
+    this.name = 'StreamCutError';
   }
 }
 
@@ -31,6 +39,11 @@ export class ApiError extends Error {
     if (this.code === 'context_length_exceeded') return true;
     return (this.status === 400 || this.status === 413 || this.status === 0) &&
       /too long|context length|context window|maximum context|max_model_len|exceeds the model|too many tokens|context is \d+ tokens/.test(msg);
+  }
+
+  /** An image in the conversation was refused (e.g. by a model that takes text only). */
+  get imageRefused() {
+    return this.status === 400 && /image/i.test(`${this.param || ''} ${this.message || ''}`);
   }
 }
 
@@ -79,10 +92,15 @@ export async function errorFromResponse(res) {
       message = body.message;
     }
   } catch {
-    message = text.trim().slice(0, 500);
+    message = plainText(text).slice(0, 500);
   }
   if (!message) message = `${res.status} ${res.statusText || 'error'}`.trim();
   return new ApiError(res.status, message, type, code, param);
+}
+
+/** The text of an error page (a proxy's HTML answer), without its markup. */
+function plainText(text) {
+  return text.replace(/<(script|style)\b[\s\S]*?<\/\1\s*>/gi, ' ').replace(/<[^>]*>/g, ' ').replace(/\s+/g, ' ').trim();
 }
 
 /** Load `/ui/config.json` (the API key, if any). */
@@ -107,6 +125,23 @@ export async function listModels(signal) {
 }
 
 /**
+ * The engine's state from `/health`: {ready, status, error}. Only a 503 (loading,
+ * draining, dead) is not ready: a server without the route, or behind a proxy that
+ * guards it, counts as ready.
+ */
+export async function serverHealth() {
+  const res = await request('health', { cache: 'no-store' });
+  if (res.status !== 503) return { ready: true, status: 'ok', error: null };
+  let body = {};
+  try {
+    body = await res.json();
+  } catch {
+    body = {};
+  }
+  return { ready: false, status: String((body && body.status) || res.status), error: (body && body.error) || null };
+}
+
+/**
  * Parse a stream of Server-Sent Events from a fetch Response body.
  * Yields the `data` of each event as a string (multi-line data joined by "\n").
  */
@@ -121,7 +156,7 @@ export async function* sseEvents(body) {
         chunk = await reader.read();
       } catch (e) {
         if (e && e.name === 'AbortError') throw e;
-        throw new ServerDownError(e); // the connection dropped mid-stream
+        throw new StreamCutError(e); // the connection dropped mid-stream
       }
       if (chunk.done) break;
       buf += decoder.decode(chunk.value, { stream: true });
@@ -192,4 +227,6 @@ export async function* streamChat(payload, signal) {
     }
     yield obj;
   }
+  // Every stream ends with [DONE]: without it the connection was cut (a server or proxy that died).
+  throw new StreamCutError();
 }

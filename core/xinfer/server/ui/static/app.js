@@ -4,11 +4,11 @@
 // (text nodes, http(s)-only links) or through textContent; nothing here uses
 // innerHTML.
 
-import { ApiError, ServerDownError, listModels, loadConfig, streamChat } from './api.js';
+import { ApiError, ServerDownError, StreamCutError, listModels, loadConfig, serverHealth, streamChat } from './api.js';
 import { icon } from './icons.js';
 import { renderMarkdown, splitThink } from './markdown.js';
 import {
-  DEFAULT_SETTINGS, StorageError, isConversationsKey, loadConversations, loadCurrentId, loadSettings,
+  DEFAULT_SETTINGS, StorageError, isConversationsKey, isSettingsKey, loadConversations, loadCurrentId, loadSettings,
   newConversation, parseImport, saveConversations, saveCurrentId, saveSettings, titleFrom,
 } from './store.js';
 import { copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
@@ -22,7 +22,7 @@ const state = {
   models: [],
   model: null, // {id, maxModelLen}
   online: null, // null: unknown yet
-  gen: null, // the running generation: {convId, msg, controller, ...}
+  gens: new Map(), // conversation id -> its running generation {msg, controller, frame}
   editingId: null, // id of the user message being edited
   attachments: [], // data: URLs of the images for the next message
 };
@@ -63,6 +63,11 @@ function toast(text, kind = 'info') {
 
 function current() {
   return state.convs.find((c) => c.id === state.currentId) || null;
+}
+
+/** Whether a reply is streaming into `conv` (each conversation streams on its own). */
+function busy(conv) {
+  return !!conv && state.gens.has(conv.id);
 }
 
 let saveTimer = null;
@@ -126,20 +131,33 @@ function setOnline(online) {
   }
 }
 
+/** The server answers but its engine may not take requests yet (loading the model) or any more. */
+function setReady(health) {
+  const ready = health.ready;
+  ui.statusDot.classList.toggle('loading', !ready);
+  ui.statusDot.title = ready ? 'Connected' : `Server ${health.status}`;
+  if (ready) {
+    ui.banner.hidden = true;
+    return;
+  }
+  const text = health.status === 'loading'
+    ? 'The server is loading the model: replies can start once it is ready.'
+    : `The server cannot take requests now (${health.status})${health.error ? `: ${health.error}` : ''}. Retrying…`;
+  ui.banner.replaceChildren(icon('plug', 16), h('span', { text }));
+  ui.banner.hidden = false;
+  pollServer(1000); // a model is ready the moment it has loaded: look often
+}
+
 let pollTimer = null;
-function pollServer() {
+/** Check the server again in `delay` ms (once: refreshModels asks again while it is not ready). */
+function pollServer(delay = 3000) {
   if (pollTimer) return;
-  const tick = async () => {
-    pollTimer = null;
-    const ok = await refreshModels();
-    if (!ok) pollTimer = setTimeout(tick, 3000);
-  };
-  pollTimer = setTimeout(tick, 3000);
+  pollTimer = setTimeout(() => { pollTimer = null; refreshModels(); }, delay);
 }
 
 let configLoaded = false;
 
-/** Load config (once) and the model list; returns true when the server answered. */
+/** Load config (once), the model list and the engine's health; returns true when the server is ready. */
 async function refreshModels() {
   try {
     if (!configLoaded) {
@@ -147,15 +165,18 @@ async function refreshModels() {
       configLoaded = true;
     }
     const models = await listModels();
+    const health = await serverHealth();
     state.models = models;
     const keep = state.model && models.find((m) => m.id === state.model.id);
     state.model = keep || models[0] || null;
     renderModel();
     setOnline(true);
-    return true;
+    setReady(health); // the model card gets its context size and modalities once the model is loaded
+    return health.ready;
   } catch (e) {
     if (e instanceof ServerDownError) {
       setOnline(false);
+      pollServer();
     } else {
       setOnline(true);
       const notReady = e instanceof ApiError && e.status >= 500;
@@ -217,12 +238,19 @@ function renderSidebar() {
       iconButton('download', 'Export as JSON', (e) => { e.stopPropagation(); downloadJSON(fileName(c.title), exportable(c)); }),
       iconButton('trash', 'Delete', (e) => { e.stopPropagation(); askDelete(c.id, e.currentTarget); }, 'danger'));
     return h('div', {
-      className: `conv-item${c.id === state.currentId ? ' active' : ''}`,
+      className: `conv-item${c.id === state.currentId ? ' active' : ''}${busy(c) ? ' streaming' : ''}`,
       dataset: { convId: c.id },
     }, open, actions);
   });
   if (!items.length) items.push(h('div', { className: 'conv-empty', text: 'No conversations yet' }));
   ui.convList.replaceChildren(...items);
+}
+
+/** Mark the conversations streaming in the sidebar, leaving the list as it is (a rename may be open). */
+function markStreaming() {
+  for (const item of ui.convList.querySelectorAll('.conv-item')) {
+    item.classList.toggle('streaming', state.gens.has(item.dataset.convId));
+  }
 }
 
 function startRename(id) {
@@ -232,7 +260,7 @@ function startRename(id) {
   const input = h('input', { className: 'conv-rename', attrs: { type: 'text', 'aria-label': 'Conversation name', maxlength: '200' } });
   input.value = conv.title;
   let done = false;
-  const finish = (save) => {
+  const finish = (save, refocus = false) => {
     if (done) return;
     done = true;
     const v = input.value.trim();
@@ -242,10 +270,12 @@ function startRename(id) {
       if (conv.id === state.currentId) document.title = `${conv.title} · xInfer`;
     }
     renderSidebar();
+    // From the keyboard, focus goes back to the conversation (it was on the input, now gone).
+    if (refocus) ui.convList.querySelector(`[data-conv-id="${CSS.escape(id)}"] .conv-open`)?.focus();
   };
   input.addEventListener('keydown', (e) => {
-    if (e.key === 'Enter') { e.preventDefault(); finish(true); }
-    else if (e.key === 'Escape') { e.preventDefault(); finish(false); }
+    if (e.key === 'Enter') { e.preventDefault(); finish(true, true); }
+    else if (e.key === 'Escape') { e.preventDefault(); finish(false, true); }
   });
   input.addEventListener('blur', () => finish(true));
   item.replaceChildren(input);
@@ -261,11 +291,17 @@ function askDelete(id, button) {
   button.classList.add('confirm');
   button.title = 'Click again to delete';
   button.replaceChildren(h('span', { text: 'Delete?' }));
-  setTimeout(() => { if (button.isConnected) renderSidebar(); }, 3000);
+  setTimeout(() => {
+    button.classList.remove('confirm');
+    button.title = 'Delete';
+    button.replaceChildren(icon('trash', 16));
+  }, 3000);
 }
 
 function deleteConversation(id) {
-  if (state.gen && state.gen.convId === id) state.gen.controller.abort();
+  const fromList = ui.convList.contains(document.activeElement);
+  const gen = state.gens.get(id);
+  if (gen) gen.controller.abort();
   state.convs = state.convs.filter((c) => c.id !== id);
   persist();
   if (state.currentId === id) {
@@ -273,6 +309,7 @@ function deleteConversation(id) {
     saveCurrentId(state.currentId);
   }
   renderAll();
+  if (fromList) (ui.convList.querySelector('.conv-open') || $('#new-chat')).focus(); // the focused button is gone
 }
 
 function openConversation(id) {
@@ -326,7 +363,6 @@ function renderAll() {
 
 function userView(conv, msg) {
   const node = h('div', { className: 'msg user', dataset: { msgId: msg.id, role: 'user' } });
-  const busy = !!state.gen;
   if (state.editingId === msg.id) {
     const ta = h('textarea', { className: 'edit-box', attrs: { 'aria-label': 'Edit message', rows: '3' } });
     ta.value = msg.content;
@@ -342,17 +378,20 @@ function userView(conv, msg) {
     return node;
   }
   const bubble = h('div', { className: 'bubble', text: msg.content });
+  node.classList.toggle('unsent', !!msg.unsent);
+  const note = msg.unsent ? h('div', { className: 'unsent-note', text: 'Not sent again: too long for the model\'s context' }) : null;
   if (msg.images && msg.images.length) {
     const pictures = msg.images.map((url) => h('img', { attrs: { src: url, alt: 'attached image' } }));
     node.append(h('div', { className: 'msg-images' }, ...pictures));
   }
   const actions = h('div', { className: 'msg-actions' },
     copyButton(() => msg.content));
-  if (isLast(conv, msg, 'user') && !busy) {
+  if (!busy(conv)) {
+    // Any user message can be edited: the turns after it are replaced by the new reply.
     actions.appendChild(iconButton('edit', 'Edit message', () => { state.editingId = msg.id; renderMessages(); }, 'edit-btn'));
-    actions.classList.add('always');
+    actions.classList.toggle('always', isLast(conv, msg, 'user'));
   }
-  node.append(bubble, actions);
+  node.append(...[bubble, note, actions].filter(Boolean));
   return node;
 }
 
@@ -374,6 +413,7 @@ function assistantView(conv, msg) {
   const body = h('div', { className: 'msg-body' },
     reasoning,
     h('div', { className: 'msg-content md' }),
+    h('p', { className: 'msg-empty', text: 'The model returned an empty reply.' }),
     h('div', { className: 'typing', attrs: { 'aria-label': 'Waiting for the reply' } }, h('span'), h('span'), h('span')),
     h('div', { className: 'msg-error', attrs: { role: 'alert' } }),
     h('div', { className: 'msg-footer' }, h('div', { className: 'stats', dataset: { testid: 'stats' } }), h('div', { className: 'msg-actions' })));
@@ -408,6 +448,7 @@ function updateAssistant(node, conv, msg) {
     renderMarkdown(parts.answer, content);
   }
   content.hidden = !parts.answer;
+  node.querySelector('.msg-empty').hidden = streaming || !!parts.answer || !!reasoningText || !!msg.error || !!msg.stopped;
 
   const waiting = streaming && !parts.answer && !reasoningText;
   node.querySelector('.typing').hidden = !waiting;
@@ -423,7 +464,7 @@ function updateAssistant(node, conv, msg) {
   if (!streaming) {
     if (msg.content) list.push(copyButton(() => splitThink(msg.content).answer || msg.content));
     // A failed reply without text has its own buttons in the error box.
-    if (isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !state.gen &&
+    if (isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !busy(conv) &&
         !(msg.error && !msg.content)) {
       list.push(iconButton('regen', 'Regenerate reply', () => regenerate(conv), 'regen-btn'));
     }
@@ -435,7 +476,8 @@ function updateAssistant(node, conv, msg) {
 function errorView(msg) {
   const e = msg.error;
   const retry = h('button', { className: 'btn', text: 'Retry', attrs: { type: 'button' }, on: { click: () => regenerate(current()) } });
-  const canRetry = !state.gen && current() && current().messages[current().messages.length - 1] === msg;
+  const conv = current();
+  const canRetry = !busy(conv) && conv && conv.messages[conv.messages.length - 1] === msg;
   if (e.kind === 'down') {
     return [h('div', { className: 'err-title' }, icon('plug', 16), h('span', { text: 'Cannot reach the xInfer server' })),
       h('p', { text: 'The request could not be sent or the connection was lost. Check that the server is running, then retry.' }),
@@ -455,13 +497,25 @@ function errorView(msg) {
   if (e.kind === 'overflow') {
     const max = state.model && state.model.maxModelLen;
     const newBtn = h('button', { className: 'btn primary', text: 'New chat', attrs: { type: 'button' }, on: { click: newChat } });
-    const hint = state.settings.maxTokens
-      ? ` Start a new chat, edit your last message, or lower "Max tokens" (now ${formatInt(state.settings.maxTokens)}) in the settings.`
-      : ' Start a new chat or edit your last message to make it shorter.';
+    const hint = ' Start a new chat, edit your last message to make it shorter, or send another: this one is then left out.' +
+      (state.settings.maxTokens ? ` A lower "Max tokens" (now ${formatInt(state.settings.maxTokens)}) may help too.` : '');
     return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The conversation is too long for this model' })),
       h('p', { text: `It does not fit in the model's context window${max ? ` of ${formatInt(max)} tokens` : ''}.${hint}` }),
       h('p', { className: 'err-detail', text: e.message }),
       h('div', { className: 'err-actions' }, newBtn)];
+  }
+  if (e.kind === 'images') {
+    const textOnly = /text only|cannot read images|does not (take|accept|support) images/i.test(e.message);
+    const drop = h('button', {
+      className: 'btn primary', text: 'Remove the images and retry', attrs: { type: 'button' },
+      on: { click: () => dropImagesAndRetry(conv) },
+    });
+    return [h('div', { className: 'err-title' }, icon('image', 16), h('span', {
+      text: textOnly ? `${msg.model || 'This model'} takes text only: it cannot read images` : 'The server refused an image',
+    })),
+    h('p', { text: 'The images stay in this conversation and are sent with every request: remove them to go on with text.' }),
+    h('p', { className: 'err-detail', text: e.message }),
+    canRetry ? h('div', { className: 'err-actions' }, drop) : null].filter(Boolean);
   }
   if (e.kind === 'stream') {
     return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The reply was interrupted' })),
@@ -527,6 +581,7 @@ function historyFor(conv, upTo) {
   if (sys) out.push({ role: 'system', content: sys });
   for (const m of conv.messages) {
     if (m === upTo) break;
+    if (m.unsent) continue;
     const text = m.role === 'assistant' ? splitThink(m.content).answer : m.content;
     const images = m.role === 'user' ? m.images : null;
     if (!text.trim() && !(images && images.length)) continue; // failed or empty replies are not sent back
@@ -551,11 +606,11 @@ function payloadFor(conv, msg) {
   return p;
 }
 
-let frame = 0;
-function scheduleUpdate(conv, msg) {
-  if (frame) return;
-  frame = requestAnimationFrame(() => {
-    frame = 0;
+function scheduleUpdate(conv, gen) {
+  if (gen.frame) return;
+  const { msg } = gen;
+  gen.frame = requestAnimationFrame(() => {
+    gen.frame = 0;
     if (conv.id !== state.currentId) return;
     const wasStuck = nearBottom() || stick;
     const node = ui.messages.querySelector(`[data-msg-id="${CSS.escape(msg.id)}"]`);
@@ -564,15 +619,17 @@ function scheduleUpdate(conv, msg) {
   });
 }
 
+let leaving = false; // the page is being unloaded: a cut stream is not an error
+
 async function generate(conv) {
-  if (state.gen) return;
+  if (busy(conv)) return;
   const msg = { id: uid(), role: 'assistant', content: '', reasoning: '', stats: {}, pending: true };
   if (state.model) msg.model = state.model.id;
   conv.messages.push(msg);
   conv.updated = Date.now();
   const controller = new AbortController();
-  const gen = { convId: conv.id, msg, controller };
-  state.gen = gen;
+  const gen = { msg, controller, frame: 0 };
+  state.gens.set(conv.id, gen);
   state.editingId = null;
   // Move the conversation to the top of the list.
   state.convs = [conv, ...state.convs.filter((c) => c !== conv)];
@@ -606,23 +663,28 @@ async function generate(conv) {
           msg.content += c;
           if (tAnswer === null && splitThink(msg.content).answer) tAnswer = now;
         }
-        // Live speed while streaming (approximate: one chunk ~ one token).
-        msg.stats = { ...msg.stats, ttftMs: tFirst - t0, approx: true };
+        // Live speed and count while streaming (approximate: one chunk ~ one token).
+        msg.stats = { ...msg.stats, ttftMs: tFirst - t0, completionTokens: pieces, approx: true };
         if (pieces > 1 && now - tFirst > 250) msg.stats.tps = (pieces - 1) / ((now - tFirst) / 1000);
       }
       if (choice.finish_reason) msg.stats.finishReason = choice.finish_reason;
       persist({ soon: true });
-      scheduleUpdate(conv, msg);
+      scheduleUpdate(conv, gen);
     }
     setOnline(true);
   } catch (e) {
-    if (e && e.name === 'AbortError') {
-      msg.stopped = true;
+    if ((e && e.name === 'AbortError') || leaving) {
+      msg.stopped = true; // by Stop, or by leaving the page (which cuts the stream)
+    } else if (e instanceof StreamCutError) {
+      // A reply that gave its finish_reason is whole even if the [DONE] after it was lost.
+      if (!msg.stats.finishReason) msg.error = { kind: 'stream', message: e.message };
+      refreshModels(); // is the server still there?
     } else if (e instanceof ServerDownError) {
-      msg.error = { kind: pieces ? 'stream' : 'down', message: pieces ? 'The connection to the server was lost.' : e.message };
+      msg.error = { kind: 'down', message: e.message };
       setOnline(false);
     } else if (e instanceof ApiError) {
-      msg.error = { kind: e.contextOverflow ? 'overflow' : 'api', message: e.message, status: e.status || null, param: e.param || null };
+      const kind = e.contextOverflow ? 'overflow' : e.imageRefused ? 'images' : 'api';
+      msg.error = { kind, message: e.message, status: e.status || null, param: e.param || null };
       setOnline(true);
     } else {
       msg.error = { kind: 'api', message: String((e && e.message) || e) };
@@ -653,21 +715,22 @@ async function generate(conv) {
     stats.durationMs = tEnd - t0;
     msg.stats = stats;
     delete msg.pending;
-    if (state.gen === gen) state.gen = null;
+    if (state.gens.get(conv.id) === gen) state.gens.delete(conv.id);
     conv.updated = Date.now();
     persist();
-    if (frame) { cancelAnimationFrame(frame); frame = 0; }
+    if (gen.frame) cancelAnimationFrame(gen.frame);
     if (conv.id === state.currentId) {
       const wasStuck = nearBottom() || stick;
       renderMessages();
       if (wasStuck) scrollToBottom();
     }
+    markStreaming();
     renderComposer();
   }
 }
 
 function send(text) {
-  if (state.gen) return;
+  if (busy(current())) return;
   const content = text.trim();
   const images = state.attachments.slice();
   if (!content && !images.length) return;
@@ -680,7 +743,15 @@ function send(text) {
   }
   // A failed reply with no text is replaced by the next one.
   const last = conv.messages[conv.messages.length - 1];
-  if (last && last.role === 'assistant' && last.error && !last.content) conv.messages.pop();
+  if (last && last.role === 'assistant' && last.error && !last.content) {
+    conv.messages.pop();
+    // A message the context could not take stays in view but is not sent again (it
+    // would make every later request fail the same way).
+    const refused = conv.messages[conv.messages.length - 1];
+    if (last.error.kind === 'overflow' && last.error.param !== 'max_tokens' && refused && refused.role === 'user') {
+      refused.unsent = true;
+    }
+  }
   conv.messages.push(images.length ? { id: uid(), role: 'user', content, images } : { id: uid(), role: 'user', content });
   if (conv.title === 'New chat' || conv.messages.filter((m) => m.role === 'user').length === 1) conv.title = titleFrom(content || 'Image');
   state.attachments = [];
@@ -691,7 +762,7 @@ function send(text) {
 }
 
 function regenerate(conv) {
-  if (!conv || state.gen) return;
+  if (!conv || busy(conv)) return;
   while (conv.messages.length && conv.messages[conv.messages.length - 1].role === 'assistant') conv.messages.pop();
   if (!conv.messages.length) return;
   generate(conv);
@@ -699,18 +770,29 @@ function regenerate(conv) {
 
 function submitEdit(conv, msg, text) {
   const content = text.trim();
-  if (!content || state.gen) return;
+  if (!content || busy(conv)) return;
   const i = conv.messages.indexOf(msg);
   if (i === -1) return;
   msg.content = content;
+  delete msg.unsent;
   conv.messages.splice(i + 1);
   if (i === 0) conv.title = titleFrom(content);
   state.editingId = null;
   generate(conv);
 }
 
+/** Take the images out of `conv` (a model refused them) and ask again with its text. */
+function dropImagesAndRetry(conv) {
+  if (!conv || busy(conv)) return;
+  for (const m of conv.messages) delete m.images;
+  conv.messages = conv.messages.filter((m) => m.role !== 'user' || m.content.trim());
+  if (conv.messages.some((m) => m.role === 'user')) regenerate(conv);
+  else { conv.messages = []; persist(); renderAll(); }
+}
+
 function stop() {
-  if (state.gen) state.gen.controller.abort();
+  const gen = state.gens.get(state.currentId);
+  if (gen) gen.controller.abort();
 }
 
 // -------------------------------------------------------------- composer ---
@@ -733,6 +815,12 @@ function attachFiles(files) {
   }
 }
 
+/** Pasted or dropped files: attached when they are images and the model reads images. */
+function takeImages(files) {
+  if (state.model && !state.model.images) toast(`${state.model.id} takes text only: it cannot read images`, 'error');
+  else attachFiles(files);
+}
+
 function renderAttachments() {
   ui.attachments.replaceChildren(...state.attachments.map((url, i) => h('div', { className: 'attachment' },
     h('img', { attrs: { src: url, alt: 'attached image' } }),
@@ -742,9 +830,12 @@ function renderAttachments() {
 }
 
 function renderComposer() {
-  const busy = !!state.gen;
-  ui.send.hidden = busy;
-  ui.stop.hidden = !busy;
+  const streaming = busy(current());
+  // Send and Stop take turns: keyboard focus on the one hidden goes to the message box.
+  const focused = document.activeElement;
+  ui.send.hidden = streaming;
+  ui.stop.hidden = !streaming;
+  if ((focused === ui.send && streaming) || (focused === ui.stop && !streaming)) ui.input.focus();
   ui.send.disabled = !ui.input.value.trim() && !state.attachments.length;
   const sys = (state.settings.systemPrompt || '').trim();
   ui.sysIndicator.textContent = sys ? `System prompt: ${sys.length > 60 ? `${sys.slice(0, 57)}…` : sys}` : '';
@@ -760,6 +851,7 @@ function persistSettings() {
   } catch (e) {
     toast(e.message, 'error');
   }
+  window.dispatchEvent(new Event('xinfer-theme'));
   renderComposer();
 }
 
@@ -771,6 +863,7 @@ function bindSettings() {
     topP: $('#set-top-p'),
     topPNum: $('#set-top-p-num'),
     maxTokens: $('#set-max-tokens'),
+    theme: $('#set-theme'),
   };
   const fill = () => {
     const s = state.settings;
@@ -778,6 +871,7 @@ function bindSettings() {
     f.temp.value = f.tempNum.value = String(s.temperature);
     f.topP.value = f.topPNum.value = String(s.topP);
     f.maxTokens.value = s.maxTokens ? String(s.maxTokens) : '';
+    f.theme.value = s.theme || 'system';
     f.maxTokens.max = state.model && state.model.maxModelLen ? String(state.model.maxModelLen) : '';
     const ctx = $('#max-tokens-hint');
     ctx.textContent = state.model && state.model.maxModelLen
@@ -799,12 +893,13 @@ function bindSettings() {
     box.addEventListener('change', () => { box.value = String(state.settings[key] ?? DEFAULT_SETTINGS[key]); });
   };
   pair(f.temp, f.tempNum, 'temperature', 0, 2);
-  pair(f.topP, f.topPNum, 'topP', 0, 1);
+  pair(f.topP, f.topPNum, 'topP', 0.01, 1); // the API takes top_p in (0, 1]
   f.maxTokens.addEventListener('input', () => {
     const x = parseInt(f.maxTokens.value, 10);
     state.settings.maxTokens = Number.isFinite(x) && x > 0 ? x : null;
     save();
   });
+  f.theme.addEventListener('change', () => { state.settings.theme = f.theme.value; save(); });
   $('#settings-reset').addEventListener('click', () => {
     state.settings = { ...DEFAULT_SETTINGS };
     fill();
@@ -824,11 +919,31 @@ function bind() {
   ui.input.addEventListener('input', () => { autosize(ui.input); renderComposer(); });
   ui.attach.addEventListener('click', () => ui.attachInput.click());
   ui.attachInput.addEventListener('change', () => { attachFiles([...ui.attachInput.files]); ui.attachInput.value = ''; });
+  // An input method's Enter picks a candidate, it does not send (Safari reports that
+  // Enter after compositionend, with keyCode 229).
+  let composing = false;
+  ui.input.addEventListener('compositionstart', () => { composing = true; });
+  ui.input.addEventListener('compositionend', () => { setTimeout(() => { composing = false; }, 0); });
+  ui.input.addEventListener('paste', (e) => {
+    const data = e.clipboardData;
+    // Text is pasted as text (office apps put a picture of it beside it): only a lone image is attached.
+    if (!data || data.getData('text/plain') || ![...data.files].some((f) => f.type.startsWith('image/'))) return;
+    e.preventDefault();
+    takeImages([...data.files]);
+  });
+  // A file dropped on the page is attached; the browser would open it in the page's place.
+  window.addEventListener('dragover', (e) => { if (e.dataTransfer && e.dataTransfer.types.includes('Files')) e.preventDefault(); });
+  window.addEventListener('drop', (e) => {
+    const files = [...(e.dataTransfer ? e.dataTransfer.files : [])];
+    if (!files.length) return;
+    e.preventDefault();
+    takeImages(files);
+  });
   ui.input.addEventListener('keydown', (e) => {
-    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && !composing && e.keyCode !== 229) {
       e.preventDefault();
-      if (!state.gen) send(ui.input.value);
-    } else if (e.key === 'Escape' && state.gen) {
+      send(ui.input.value);
+    } else if (e.key === 'Escape' && busy(current())) {
       e.preventDefault();
       stop();
     }
@@ -838,6 +953,7 @@ function bind() {
   $('#open-sidebar').addEventListener('click', () => ui.app.classList.add('sidebar-open'));
   $('#close-sidebar').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
   $('#backdrop').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
+  ui.sidebar.addEventListener('keydown', (e) => { if (e.key === 'Escape') ui.app.classList.remove('sidebar-open'); });
   $('#export-current').addEventListener('click', () => {
     const conv = current();
     if (!conv || !conv.messages.length) { toast('Nothing to export yet'); return; }
@@ -847,6 +963,7 @@ function bind() {
     if (!state.convs.length) { toast('Nothing to export yet'); return; }
     downloadJSON('xinfer-conversations.json', { app: 'xinfer-ui', exported: new Date().toISOString(), conversations: state.convs.map(exportable) });
   });
+  $('#import').addEventListener('click', () => $('#import-file').click());
   $('#import-file').addEventListener('change', async (e) => {
     const file = e.target.files && e.target.files[0];
     e.target.value = '';
@@ -875,10 +992,17 @@ function bind() {
   for (const b of document.querySelectorAll('.suggestion')) {
     b.addEventListener('click', () => send(b.dataset.prompt || b.textContent));
   }
+  // A reload or a closed tab keeps the text streamed so far (saves are otherwise batched).
+  window.addEventListener('pagehide', () => { leaving = true; if (state.gens.size) persist(); });
+  window.addEventListener('pageshow', () => { leaving = false; });
   window.addEventListener('storage', (e) => {
-    // Another tab changed the conversations: follow it unless we are generating.
-    if (!isConversationsKey(e.key) || state.gen) return;
-    state.convs = loadConversations();
+    if (isSettingsKey(e.key)) { state.settings = loadSettings(); renderComposer(); return; }
+    if (!isConversationsKey(e.key)) return;
+    // Another tab changed the conversations: take its list, keeping the ones streaming
+    // here as they are (the next save writes both, where ignoring it lost the other's).
+    const streaming = state.convs.filter(busy);
+    const stored = loadConversations().filter((c) => !busy(c));
+    state.convs = [...streaming, ...stored].sort((a, b) => b.updated - a.updated);
     if (!current()) state.currentId = state.convs[0] ? state.convs[0].id : null;
     renderAll();
   });

@@ -136,6 +136,25 @@ function parseLinkTarget(s, start) {
   return { url, end: i + 1 };
 }
 
+/**
+ * The end of a TeX math span starting at s[i] ($$..$$, \\[..\\], \\(..\\), $..$), or -1.
+ * A single $ follows pandoc's rule, so prices are not math: the opening $ has no space
+ * after it, the closing one no space before it and no digit after it, on the same line.
+ */
+function findMathEnd(s, i) {
+  for (const [open, close] of [['$$', '$$'], ['\\[', '\\]'], ['\\(', '\\)']]) {
+    if (!s.startsWith(open, i)) continue;
+    const j = s.indexOf(close, i + 2);
+    return j > i + 2 ? j + 2 : -1;
+  }
+  if (s[i] !== '$' || !s[i + 1] || /\s/.test(s[i + 1])) return -1;
+  for (let j = i + 1; j < s.length && s[j] !== '\n'; j++) {
+    if (s[j] === '\\') { j++; continue; }
+    if (s[j] === '$') return /\s/.test(s[j - 1]) || /\d/.test(s[j + 1] || '') ? -1 : j + 1;
+  }
+  return -1;
+}
+
 function isWordChar(ch) {
   return !!ch && /[\p{L}\p{N}_]/u.test(ch);
 }
@@ -175,6 +194,15 @@ export function parseInline(s, depth = 0) {
   let i = 0;
   while (i < s.length) {
     const ch = s[i];
+
+    // TeX math is shown as written: no emphasis or escapes inside it.
+    const mathEnd = ch === '$' || ch === '\\' ? findMathEnd(s, i) : -1;
+    if (mathEnd !== -1) {
+      flush();
+      out.push(el('span', 'math', s.slice(i, mathEnd)));
+      i = mathEnd;
+      continue;
+    }
 
     // Backslash escapes and hard line breaks.
     if (ch === '\\' && s[i + 1] === '\n') {

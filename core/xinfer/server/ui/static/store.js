@@ -7,7 +7,8 @@
 //
 // Conversation: {id, title, created, updated, messages: [Message, ...]}
 // Message: {id, role: "user"|"assistant", content, reasoning?, model?,
-//           stats?, error?: {kind, message, status}, stopped?}
+//           stats?, error?: {kind, message, status}, stopped?,
+//           unsent? (a user message the context refused: shown, not sent again)}
 
 import { uid } from './util.js';
 
@@ -20,6 +21,7 @@ export const DEFAULT_SETTINGS = Object.freeze({
   temperature: 0.7,
   topP: 0.95,
   maxTokens: null, // null: let the server decide (up to the context left)
+  theme: 'system', // or 'light', 'dark' (theme.js applies it)
 });
 
 function readJSON(key, fallback) {
@@ -108,6 +110,10 @@ export function saveCurrentId(id) {
 
 export function isConversationsKey(key) {
   return key === CONV_KEY;
+}
+
+export function isSettingsKey(key) {
+  return key === SETTINGS_KEY;
 }
 
 export function newConversation() {
