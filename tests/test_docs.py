@@ -101,8 +101,13 @@ def test_python_examples_run_as_written(doc, monkeypatch):
 
 
 FILE_NAME = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|sh|toml|json|txt))\b")
-ELSEWHERE = {"config.json", "preprocessor_config.json", "processor_config.json", "convert_hf_to_gguf.py"}  # a
-# checkpoint's files, llama.cpp's converter
+ELSEWHERE = {
+    "config.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "convert_hf_to_gguf.py",
+}  # a checkpoint's files, llama.cpp's converter
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)

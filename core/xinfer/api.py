@@ -58,14 +58,22 @@ class LLM:
         sampling_params: Params = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates. A message's
         content may be a list of parts: ``{"type": "text", "text": ...}`` and, for a model that
         takes images, ``{"type": "image_pil", "image_pil": PIL image}`` (vLLM's name; ``"image"``
-        with the image under ``"image"`` too), which the template receives as ``{"type": "image"}``."""
+        with the image under ``"image"`` too), which the template receives as ``{"type": "image"}``.
+        ``continue_final_message``: the prompt ends with the final message's text (with
+        ``add_generation_prompt=False``), which the answer goes on with. The template's own variables
+        come as ``chat_template_kwargs`` (vLLM's way) or as keywords."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         conversations = _conversations(messages)
         tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
         if template is None:
@@ -74,7 +82,11 @@ class LLM:
         for conversation in conversations:
             conversation, images = _images_apart(conversation)
             text = template.render(
-                conversation, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
             # the template writes BOS itself
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

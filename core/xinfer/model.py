@@ -84,10 +84,14 @@ class CausalLM(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
-        # Sequences longer than this many tokens compute every position's KV otherwise (LongRoPE's long
-        # factors); None: length changes nothing. The scheduler then recomputes a sequence that grows past
-        # it, and the prefix cache keeps the two kinds of blocks apart (xinfer.engine.scheduler).
+        # Sequences longer than this many tokens compute their KV otherwise (LongRoPE's long factors); None:
+        # length changes nothing. The scheduler then computes a prompt longer than it in chunks that end past it,
+        # one shorter in chunks that stop at it, and the prefix cache keeps the two kinds of blocks apart
+        # (xinfer.engine.scheduler).
         self.context_switch: int | None = None
+        # True: a sequence that grows past context_switch is recomputed from its first token, every position
+        # turned the long way (transformers' Phi-3 generate); False: the keys cached before stay as they were
+        self.recompute_past_switch = False
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Hidden states [T, hidden] of the tokens ``input_ids`` at ``positions``."""

@@ -1,8 +1,10 @@
 """Every architecture of the llama and qwen plugins against HF transformers (fp32, CPU)."""
 
+import json
+
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from tests.plugins.hf_parity import assert_output_matches_hf, randomized_model
 from tests.tiny_models import COMMON, phi3_longrope_config, prefill_logits, prompt, save_tiny_model
@@ -129,3 +131,41 @@ def test_longrope_recomputes_a_sequence_that_passes_the_trained_context(tmp_path
     prompts = [prompt(40, seed=3), prompt(40, seed=4)]
     for tokens, out in zip(prompts, chunked.generate(prompts, params)):
         assert_output_matches_hf(hf, tokens, out.outputs[0], 24)
+
+
+def test_longrope_without_recompute_keeps_a_long_prompts_keys_long_in_chunks_and_apart_in_the_prefix_cache(tmp_path):
+    """Qwen3 with LongRoPE trained at 16 positions (transformers turns every position of a longer prompt by the
+    long factors, and a shorter one's by the short ones, keys cached before staying as they are): a 29-token
+    prompt prefilled in steps of 8 tokens (raised past 16), and a 26-token prompt after a 16-token one sharing
+    its first block (short keys, which the longer prompt must not take), match transformers."""
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                short_factor=[1.0, 1.2, 1.5, 1.9], long_factor=[2.0, 5.0, 9.0, 17.0])  # fmt: skip
+    config = Qwen3Config(**{**COMMON, "hidden_size": 32, "num_attention_heads": 4}, head_dim=8, rope_parameters=rope,
+                         tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"])  # fmt: skip
+    hf, _ = randomized_model(config, tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    long = prompt(29, seed=7)
+    assert_output_matches_hf(hf, long, llm.generate([long], params)[0].outputs[0], 6)
+
+    short = prompt(16, seed=8)
+    llm.generate([short], SamplingParams(temperature=0, max_tokens=1))  # its block cached, short keys
+    longer = short + prompt(10, seed=9)
+    out = llm.generate([longer], params)[0]
+    assert out.num_cached_tokens == 0
+    assert_output_matches_hf(hf, longer, out.outputs[0], 6)
+
+
+def test_generation_stops_at_every_eos_of_generation_config_without_a_tokenizer(tmp_path):
+    """A checkpoint folder with no tokenizer whose generation_config.json lists two EOS ids (config.json
+    none): xinfer's greedy generation stops where transformers' ``generate`` of that folder does."""
+    hf, _ = randomized_model(Qwen2Config(**COMMON, architectures=["Qwen2ForCausalLM"]), tmp_path)
+    tokens = prompt(11, seed=2)
+    free = hf.generate(torch.tensor([tokens]), max_new_tokens=12, do_sample=False)[0, len(tokens) :].tolist()
+    eos = [free[5], (free[5] + 1) % COMMON["vocab_size"]]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    expected = reference.generate(torch.tensor([tokens]), max_new_tokens=12, do_sample=False)[0, len(tokens) :]
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert len(expected) <= 6 and out.token_ids == expected.tolist() and out.finish_reason == "stop"

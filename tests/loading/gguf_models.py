@@ -68,6 +68,22 @@ def _llama_cpp_vocab(path: str, llama_cpp):
     return llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
 
 
+def llama_cpp_detokenize(name: str, ids: list[int], special: bool) -> bytes:
+    """llama.cpp's own ``llama_detokenize`` (``special``: control tokens written out). Not ``Llama.detokenize``:
+    that one copies each piece through a 32-byte buffer and loses the end of longer ones."""
+    import ctypes
+
+    import llama_cpp
+
+    vocab = llama_cpp_vocab(name)._model.vocab
+    size = 64 + 64 * len(ids)
+    text = ctypes.create_string_buffer(size)
+    n = llama_cpp.llama_detokenize(
+        vocab, (llama_cpp.llama_token * len(ids))(*ids), len(ids), text, size, False, special
+    )
+    return text.raw[:n]
+
+
 def reference_llm(name: str | Path, **options):
     """xinfer on the file with packed weights on the reference path (dequantized per call, to the values
     transformers dequantizes at load), not the CPU backend's repacked bf16-activation matmuls."""

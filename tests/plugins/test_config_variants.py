@@ -100,6 +100,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         tie_word_embeddings=True,
     ),
     "glm head_dim 32, 4 kv heads": lambda: glm(head_dim=32, num_key_value_heads=4),
+    "glm relu": lambda: glm(hidden_act="relu"),
     "glm4 no bias, full rotary, tied": lambda: glm4(
         attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
         tie_word_embeddings=True,
@@ -124,6 +125,12 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         num_attention_heads=2, num_key_value_heads=1, original_max_position_embeddings=16, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                              short_factor=[1.0 + 0.1 * i for i in range(12)], long_factor=[1.5 + i for i in range(12)]),
+    ),
+    # transformers reads YaRN's truncate from the top of a per-layer-type rope dict, so truncates whatever it says
+    "gemma3 yarn truncate false on global layers": lambda: gemma3_config(
+        rope_parameters={"full_attention": {**YARN, "factor": 8.0, "original_max_position_embeddings": 32,
+                                            "truncate": False},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
     ),
     "minimax-m2 full rotary, top-1": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": 16, "num_experts_per_tok": 1}),
     "minimax-m2 head_dim 8, 16 experts, tied": lambda: MiniMaxM2Config(
@@ -160,6 +167,7 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
     ),
+    # relu runs in dense MLPs (unfused), not in the fused experts
     "qwen2-moe relu": (
         lambda: qwen2_moe(hidden_act="relu"),
         "hidden_act 'relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu",

@@ -58,6 +58,18 @@ FEATURES_TEMPLATE = """
 {% endfor %}
 {{ ns.count }} {{ 'gen' if add_generation_prompt else 'nogen' }} {{ eos_token }}
 """
+# the assistant's text in a {% generation %} block (training masks), its reasoning under the name templates read
+GENERATION_TEMPLATE = """{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}
+{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}
+{% if m.thinking is defined %}({{ m.thinking }}){% endif %}{{ m.content }}{% endgeneration %}
+{% else %}{{ m.role }}: {{ m.content }}{% endif %}|{% endfor %}"""
+REASONING_TURNS = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning": "two and two"},  # vLLM's name
+    {"role": "user", "content": "3+3?"},
+    {"role": "assistant", "content": "6", "thinking": "three and three"},  # gpt-oss's name
+]
+
 TOOLS = [
     {
         "type": "function",
@@ -139,6 +151,26 @@ def test_template_features_match_transformers(smollm, add_generation_prompt):
     )
     ours = ChatTemplate(FEATURES_TEMPLATE, "test", smollm.bos_token, smollm.eos_token)
     assert ours.render(messages, add_generation_prompt=add_generation_prompt, tools=TOOLS) == expected
+
+
+def test_generation_blocks_and_reasoning_names_like_transformers(smollm):
+    expected = hf_tokenizer(SMOLLM).apply_chat_template(
+        REASONING_TURNS, chat_template=GENERATION_TEMPLATE, tokenize=False
+    )
+    assert ChatTemplate(GENERATION_TEMPLATE, "test").render(REASONING_TURNS, add_generation_prompt=False) == expected
+
+
+@pytest.mark.parametrize("final", ["1, 2, 3,", " Sure:  ", ""])
+@pytest.mark.parametrize("template", ["smollm2", "gemma-style"])
+def test_continue_final_message_like_transformers(smollm, template, final):
+    """The prompt ends where the final message's text does; a template that trims the text trims the space after."""
+    source = smollm.chat_template.source if template == "smollm2" else GEMMA_STYLE_TEMPLATE
+    messages = [*TURNS[:1], {"role": "assistant", "content": final}]
+    expected = hf_tokenizer(SMOLLM).apply_chat_template(
+        messages, chat_template=source, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    ours = ChatTemplate(source, "test", smollm.bos_token, smollm.eos_token)
+    assert ours.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
 
 
 def test_template_drops_none_fields_like_transformers(smollm):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.loading.gguf_models import MODELS, gguf_path, hf_tokenizer, llama_cpp_vocab
+from tests.loading.gguf_models import MODELS, gguf_path, hf_tokenizer, llama_cpp_detokenize, llama_cpp_vocab
 from xinfer.text.detokenizer import IncrementalDetokenizer
 from xinfer.text.tokenizer import Tokenizer
 
@@ -12,6 +12,12 @@ MIXED = (
     "l'été, don't I'll \u00a0nbsp 𝔘𠀋 (rare: byte fallback)   \n"
 )
 TEXTS = [MIXED, "plain english text", "  leading spaces", "trailing spaces   ", "数字123数字", "a\n\n\nb"]
+# where transformers' reading of the GGUF file differs, llama.cpp's (the file format's own runtime) is the reference
+LLAMA_CPP_TEXTS = [
+    " \x06<",  # SmolLM2 lacks the byte 0x06: dropped, but no merge joins its neighbours
+    "a</s>b",  # Gemma 3's </s>: user-defined in the file, an end-of-generation control token to llama.cpp
+    "x" + " " * 20 + "12",  # SmolLM2 splits the digits off first: the spaces stay one run
+]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -31,10 +37,30 @@ def test_ids_match_transformers(model, ours, text):
     assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("text", TEXTS + LLAMA_CPP_TEXTS)
 def test_ids_match_llama_cpp(model, ours, text):
     vocab = llama_cpp_vocab(model)
     assert ours.encode(text) == vocab.tokenize(text.encode(), add_bos=True, special=True)
+    assert ours.encode(text, add_special_tokens=False) == vocab.tokenize(text.encode(), add_bos=False, special=True)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("text", [MIXED, *LLAMA_CPP_TEXTS])
+def test_decode_matches_llama_cpp(model, ours, text, skip_special_tokens):
+    ids = ours.encode(f"{text}{ours.eos_token}")
+    expected = llama_cpp_detokenize(model, ids, special=not skip_special_tokens).decode()
+    assert ours.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+def test_a_cut_character_decodes_as_llama_cpps_bytes(model, ours):
+    """A run of byte tokens that starts inside a character: each stray byte is one U+FFFD, the whole character after
+    them is kept (tokenizers' ByteFallback decoder made the whole run U+FFFD), and the stream gives the same."""
+    ids = ours.encode("𓀀𓀀", add_special_tokens=False)[1:]
+    expected = llama_cpp_detokenize(model, ids, special=False).decode(errors="replace")
+    assert expected.endswith("𓀀")
+    assert ours.decode(ids) == expected
+    stream = IncrementalDetokenizer(ours)
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == expected
 
 
 def test_special_tokens_match_transformers(model, ours):
@@ -86,6 +112,15 @@ def test_stream_continues_a_prompt(ours):
     assert ours.decode(prompt) + text == ours.decode(ids)
 
 
+def test_stream_continues_a_prompt_cut_inside_a_character(ours):
+    prompt = ours.encode("ok 𓀀", add_special_tokens=False)[:-1]  # the character's last byte is missing
+    assert ours.decode(prompt).endswith("\ufffd")
+    generated = ours.encode(" and on", add_special_tokens=False)
+    stream = IncrementalDetokenizer(ours, prompt_ids=prompt)
+    text = "".join(stream.push(i) for i in generated) + stream.flush()
+    assert ours.decode(prompt) + text == ours.decode(prompt + generated)
+
+
 def test_stream_decodes_a_bounded_window(ours):
     windows = []
 
@@ -127,11 +162,44 @@ def test_eos_ids_are_end_of_generation_for_llama_cpp(model, ours):
     import llama_cpp
 
     end_of_generation = {i for i in range(ours.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)}
-    assert llama_cpp.llama_vocab_eos(vocab) in ours.eos_token_ids
-    assert ours.eos_token_ids <= end_of_generation
-    # turn ends of chat models are among them: <|im_end|> for SmolLM2, <end_of_turn> for Gemma
-    turn_end = {"<|im_end|>", "<end_of_turn>"} & {ours.id_to_token(i) for i in end_of_generation}
-    assert {ours.token_to_id(t) for t in turn_end} <= ours.eos_token_ids
+    # besides EOS: SmolLM2's <|im_end|> and <reponame> (fill-in-the-middle), Gemma's <end_of_turn> and </s>
+    assert len(end_of_generation) > 2
+    assert ours.eos_token_ids == end_of_generation
+
+
+# vocabularies whose end-of-generation tokens llama.cpp finds by their spelling or metadata id
+END_OF_GENERATION_VOCABULARIES = {
+    "harmony": (["<|end|>", "<|return|>", "<|call|>", "<|start|>", "</s>"], {"eos": 4}),  # <|end|> ends a message only
+    "tool-response": (
+        ["</s>", "<|tool_response>", "<eos>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"],
+        {"eos": 5},
+    ),
+    "declared": (["<x>", "<y>", "<z>", "<|im_end|>"], {"eos": 3, "eot": 4, "fim_rep": 5}),
+}
+
+
+@pytest.mark.parametrize("vocabulary", sorted(END_OF_GENERATION_VOCABULARIES))
+def test_end_of_generation_tokens_are_llama_cpps(tmp_path, vocabulary):
+    import gguf
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional oracle)")
+    words, ids = END_OF_GENERATION_VOCABULARIES[vocabulary]
+    tokens = ["a", "b", "ab", *words]
+    writer = gguf.GGUFWriter(tmp_path / "vocab.gguf", "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(["a b"])
+    for key, token_id in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = llama_cpp.Llama(model_path=str(tmp_path / "vocab.gguf"), vocab_only=True, verbose=False)
+    expected = {i for i in range(len(tokens)) if llama_cpp.llama_vocab_is_eog(reference._model.vocab, i)}
+    assert Tokenizer.from_gguf(tmp_path / "vocab.gguf").eos_token_ids == expected
 
 
 def test_a_trailing_incomplete_character_is_flushed_as_decode_gives_it(ours):

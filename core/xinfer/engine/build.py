@@ -36,7 +36,7 @@ from xinfer.loading.loader import check_model, checkpoint_bytes, load_model
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
-from xinfer.text.tokenizer import Tokenizer, has_tokenizer
+from xinfer.text.tokenizer import Tokenizer, declared_eos_ids, has_tokenizer
 
 if TYPE_CHECKING:
     from xinfer.model import CausalLM
@@ -51,6 +51,7 @@ class EngineParts:
     config: EngineConfig  # with the planned max_num_seqs
     hf_config: Any
     tokenizer: Any
+    eos_token_ids: frozenset[int]
     max_model_len: int
     dtype: torch.dtype
     kv_format: KVFormat
@@ -109,8 +110,11 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     if not config.device.enforce_eager:
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
                               shadows=any(pool.num_shadows for pool in plan.pools))  # fmt: skip
-    return EngineParts(config, hf_config, tokenizer, max_model_len, dtype, kv_format, runner, cache_manager,
-                       Scheduler(scheduler_config, cache_manager, runner.model.context_switch))  # fmt: skip
+    scheduler = Scheduler(scheduler_config, cache_manager, runner.model.context_switch,
+                          runner.model.recompute_past_switch)  # fmt: skip
+    eos_token_ids = _eos_ids(path, hf_config, tokenizer)
+    return EngineParts(config, hf_config, tokenizer, eos_token_ids, max_model_len, dtype, kv_format, runner,
+                       cache_manager, scheduler)  # fmt: skip
 
 
 def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, Path, PretrainedConfig]:
@@ -187,6 +191,17 @@ def _given_tokenizer(tokenizer: Any) -> Any:
     if not (path.exists() and has_tokenizer(path)):
         raise ValueError(f"tokenizer {str(tokenizer)!r}: not an HF folder holding tokenizer.json, nor a .gguf file")
     return Tokenizer.from_path(path)
+
+
+def _eos_ids(path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """Every EOS the model declares: its tokenizer's, its config's, and (tokenizer or not) its folder's
+    ``generation_config.json``'s, where transformers' ``generate`` takes them from."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if path.is_dir():
+        ids.update(declared_eos_ids(path))
+    return frozenset(ids)
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:

@@ -84,7 +84,7 @@ class LLMEngine:
         self.model, self.ops, self.device = self.runner.model, self.runner.backend, self.runner.device
         self.cache = parts.cache
         self.scheduler = parts.scheduler
-        self.eos_token_ids = frozenset(_eos_ids(self.hf_config, self.tokenizer))
+        self.eos_token_ids = parts.eos_token_ids
         self.mm_processor: MultiModalProcessor | None = None  # for a model that takes images
         if isinstance(self.model, MultiModalModel):
             self.mm_processor = self.model.multimodal_processor(self.tokenizer)
@@ -366,10 +366,3 @@ def _picklable(tokenizer: Any) -> Any:
     except Exception:  # noqa: BLE001 - anything that cannot be pickled
         return None
     return tokenizer
-
-
-def _eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids

@@ -7,9 +7,11 @@ sequence is preempted: its blocks are freed and it is recomputed later. A prompt
 chunks end where the cache snapshots recurrent state (:meth:`CacheManager.next_snapshot`).
 
 A model with a context switch (``CausalLM.context_switch``: LongRoPE's trained context) computes
-the KV of a sequence longer than it otherwise, at every position, as transformers' ``generate``
-does: a sequence that grows past it is recomputed from its first token, the chunks of a longer one
-end past it, and its prefix-cache blocks are its own (:attr:`Sequence.long_context`).
+the KV of a prompt longer than it otherwise, at every position, as transformers' ``generate`` does
+whatever the chunks: a longer prompt's chunks end past it, a shorter one's stop at it, and the prefix-cache
+blocks of a longer one are its own (:attr:`Sequence.long_context`). A sequence that grows past it
+while generating turns its new tokens the long way; where the model recomputes then
+(``CausalLM.recompute_past_switch``, as transformers' Phi-3), it is recomputed from its first token.
 
 A step that carries prompt tokens costs more than a pure decode step even when it
 replays a graph (its GEMMs are compute-bound, and it is padded to a token bucket);
@@ -46,13 +48,20 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, context_switch: int | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheManager,
+        context_switch: int | None = None,
+        recompute_past_switch: bool = False,
+    ):
         if config.max_num_seqs is None:
             raise ValueError("max_num_seqs is not set (the engine sets it from its memory plan)")
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.cache = cache
         self.context_switch = context_switch
+        self.recompute_past_switch = recompute_past_switch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -119,11 +128,15 @@ class Scheduler:
         switch = self.context_switch
         if seq.long_context and switch is not None and end <= switch < start + self.config.max_num_batched_tokens:
             return 0  # a longer chunk waits for the budget: one ending before the switch would compute short KV
+        if not seq.long_context and switch is not None and start < switch < end:
+            end = switch  # the tokens up to the switch are a short sequence's, turned the short way
         return seq.chunk_end(start, end) - start
 
     def _long(self, seq: Sequence) -> bool:
-        """Whether ``seq`` is longer than the model's context switch."""
-        return self.context_switch is not None and seq.num_tokens > self.context_switch
+        """Whether ``seq``'s KV is the long kind at every position: it is longer than the model's context
+        switch (its prompt is, where a sequence growing past it keeps the keys cached before)."""
+        length = seq.num_tokens if self.recompute_past_switch else seq.num_prompt_tokens
+        return self.context_switch is not None and length > self.context_switch
 
     def _admitting(self) -> bool:
         """Whether a step that carries no prompt tokens yet admits waiting ones."""

@@ -23,8 +23,19 @@ class GeluAndMul(nn.Module):
         return ops.gelu_and_mul(x)
 
 
-GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu": GeluAndMul}
+class ReluAndMul(nn.Module):
+    """In torch on every backend: no model in wide use has it, so no backend fuses it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.relu(gate) * up
+
+
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu": GeluAndMul, "relu": ReluAndMul}
 """``act(gate) * up`` by the HF config's name of ``act``."""
+
+EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+"""The ``act`` of ``act(gate) * up`` that :meth:`xinfer.ops.Ops.fused_moe` takes."""
 
 # transformers' other names of the same functions (gelu_new and gelu_fast: the tanh approximation)
 ALIASES = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh"}
@@ -38,13 +49,13 @@ def _known(name: str, supported: Collection[str], field: str) -> str:
 
 
 def activation_name(name: str, field: str = "hidden_act") -> str:
-    """The name ``act`` goes by in :data:`GATED_ACTIVATIONS` and the ops (``name`` is the config's
-    ``field``); one error naming both where xinfer has no such activation."""
-    return _known(name, GATED_ACTIVATIONS, field)
+    """The name experts' ``act`` goes by in :data:`EXPERT_ACTIVATIONS` (``name`` is the config's ``field``);
+    one error naming both where the experts have no such activation."""
+    return _known(name, EXPERT_ACTIVATIONS, field)
 
 
-def gated_activation(name: str) -> nn.Module:
-    return GATED_ACTIVATIONS[activation_name(name)]()
+def gated_activation(name: str, field: str = "hidden_act") -> nn.Module:
+    return GATED_ACTIVATIONS[_known(name, GATED_ACTIVATIONS, field)]()
 
 
 def quick_gelu(x: Tensor) -> Tensor:

@@ -72,9 +72,9 @@ class DecoderForCausalLM(CausalLM):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, getattr(config, "final_logit_softcapping", None))
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        if self.spec.longrope_recompute:
-            switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
-            self.context_switch = min(switches, default=None)
+        switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
+        self.context_switch = min(switches, default=None)
+        self.recompute_past_switch = self.spec.longrope_recompute
 
     def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
         params = rope_parameters(config, layer_type)

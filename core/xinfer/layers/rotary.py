@@ -22,7 +22,8 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     layer type), from ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
     params = getattr(config, "rope_parameters", None)
     if params and layer_type in params:
-        params = params[layer_type]
+        # transformers reads YaRN's truncate from the top of a per-layer-type dict, where it never is: truncated
+        params = {**params[layer_type], "truncate": params.get("truncate", True)}
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))

@@ -79,7 +79,11 @@ def render_chat(
     try:
         try:
             text = template.render(
-                dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+                dicts,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
         except ChatTemplateError:
             if not any(m.tool_calls for m in messages):
@@ -87,26 +91,17 @@ def render_chat(
             # templates that join arguments as text (DeepSeek's: '...' + arguments) take them as the client sent them
             dicts, _ = message_dicts(messages, arguments_as_objects=False)
             text = template.render(
-                dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
+                dicts,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
     except ChatTemplateError as error:
         raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from None
     except TypeError as error:  # an unknown keyword in chat_template_kwargs
         raise bad_request(f"chat_template_kwargs: {error}", param="chat_template_kwargs") from None
-    if continue_final_message:
-        final = dicts[-1].get("content", "")
-        text = _cut_after_final_message(
-            text, final if isinstance(final, str) else "\n".join(p["text"] for p in final if p["type"] == "text")
-        )
     return text
-
-
-def _cut_after_final_message(text: str, final: str) -> str:
-    """The rendered chat up to the end of the last message, so the model continues it."""
-    end = text.rfind(final)
-    if not final or end < 0:
-        raise bad_request("continue_final_message needs a final message with text content")
-    return text[: end + len(final)]
 
 
 def encode_prompts(

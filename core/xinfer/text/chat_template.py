@@ -29,8 +29,21 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %} ... {% endgeneration %}``, which marks the assistant's text for training masks: its body
+    renders as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -55,13 +68,22 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+# the names a message's reasoning comes under; templates read reasoning_content, gpt-oss's thinking
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
 def _message(message: Any) -> dict[str, Any]:
     # keys set to None (OpenAI clients send content=None, tool_calls=None) are dropped, as
     # transformers does: templates test for a key's presence, not for None
     plain = _plain(message)
     if not isinstance(plain, dict):
         raise ChatTemplateError(f"a chat message must be a mapping, got {type(message).__name__}")
-    return {k: v for k, v in plain.items() if v is not None}
+    plain = {k: v for k, v in plain.items() if v is not None}
+    # reasoning under any of its names is there under both names templates read, in transformers' key order
+    reasoning = next((plain[k] for k in _REASONING_KEYS if k in plain), None)
+    if reasoning is not None:
+        plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+    return plain
 
 
 class ChatTemplate:
@@ -81,12 +103,36 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Sequence[Any] | None = None,
         documents: Sequence[Any] | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
+    ) -> str:
+        """``continue_final_message``: the text ends with the final message's, which the model goes on with."""
+        plain = [_message(m) for m in messages]
+        if not continue_final_message:
+            return self._render(plain, add_generation_prompt, tools, documents, extra)
+        # as transformers does: a tag after the final text, then the text cut where the tag is
+        if "content" not in self.source:
+            raise ChatTemplateError(f"chat template from {self.origin} does not write messages' content")
+        plain, final = _tag_final_message(plain)
+        text = self._render(plain, add_generation_prompt, tools, documents, extra)
+        if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+            raise ChatTemplateError(f"chat template from {self.origin} does not write the final message's text")
+        at = text.rindex(_CONTINUE_TAG.strip())
+        # a template that trims the message trims the space after it too
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Any] | None,
+        documents: Sequence[Any] | None,
+        extra: dict[str, Any],
     ) -> str:
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **_plain(extra)}
         try:
             return self._template.render(
-                messages=[_message(m) for m in messages],
+                messages=messages,
                 tools=_plain(tools),
                 documents=_plain(documents),
                 add_generation_prompt=add_generation_prompt,
@@ -99,6 +145,25 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r})"
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The messages with the tag after the final message's text (its last text part), and that text."""
+    final = dict(messages[-1]) if messages else {}
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG
+        return [*messages[:-1], final], content
+    parts = content if isinstance(content, list) else []
+    last = next((i for i in reversed(range(len(parts))) if isinstance(parts[i], dict) and "text" in parts[i]), None)
+    if last is None:
+        raise ChatTemplateError("continue_final_message needs a final message with text content")
+    text = parts[last]["text"]
+    final["content"] = [*parts[:last], {**parts[last], "text": f"{text}{_CONTINUE_TAG}"}, *parts[last + 1 :]]
+    return [*messages[:-1], final], text
 
 
 def _describe(e: Exception) -> str:

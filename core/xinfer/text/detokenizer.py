@@ -6,7 +6,8 @@ arrives. So each step decodes a short window, ``ids[prefix:]``, and emits what i
 ``ids[prefix:read]``, the part already emitted; a tail ending in U+FFFD waits for more.
 With xinfer's own tokenizer, ``tokenizers``' ``DecodeStream`` does that step in one call
 (about 2 µs a token, where two decodes from Python take 6-15); the window then only
-serves ``flush``.
+serves ``flush``, and the tokens after a byte token of a tokenizer that decodes those
+its own way (a GGUF SentencePiece vocabulary: llama.cpp's bytes, not ``tokenizers``').
 """
 
 from __future__ import annotations
@@ -40,12 +41,19 @@ class IncrementalDetokenizer:
         # tokenizers' own incremental decoder where ``tokenizer.decode`` is its backend's (xinfer's
         # tokenizer; an HF tokenizer's ``decode`` may also clean up spaces)
         self.backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else None
-        self.stream = (
-            None if self.backend is None else DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
-        )
+        # a tokenizer that decodes byte tokens its own way: the window takes over from the first one
+        self.own_bytes = tokenizer if isinstance(tokenizer, Tokenizer) and tokenizer.byte_tokens is not None else None
+        self.stream = None
+        # DecodeStream would emit again a context that ends inside a character, with the first token's text
+        if self.backend is not None and not self._decode(self.ids).endswith(_REPLACEMENT):
+            self.stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
+        if any(self._own_byte_token(i) for i in self.ids):
+            self.stream = None
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self._own_byte_token(token_id):
+            self.stream = None
         text = self._stream_delta(token_id) if self.stream is not None else self._window_delta()
         if text:
             self.prefix, self.read = self.read, len(self.ids)
@@ -76,6 +84,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _own_byte_token(self, token_id: int) -> bool:
+        return self.own_bytes is not None and self.own_bytes.is_byte_token(token_id)
 
     def _forget_emitted(self) -> None:
         # keep memory O(window): ids before the context window are never decoded again

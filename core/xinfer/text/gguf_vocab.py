@@ -9,12 +9,15 @@ Two vocabulary kinds, following how llama.cpp tokenizes them:
   outside the vocabulary fall back to ``<0xNN>`` byte tokens.
 
 Control tokens become special added tokens and user-defined ones plain added tokens: both
-are matched whole in the raw text before any normalization, as llama.cpp does.
+are matched whole in the raw text before any normalization, as llama.cpp does. Like llama.cpp,
+the tokens that end generation (:func:`end_of_generation_ids`) count as control tokens whatever
+type the file gives them (Gemma 3's ``</s>`` is user-defined there).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +27,8 @@ log = logging.getLogger(__name__)
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPM_SPACE = "\u2581"
+# SentencePiece's byte-fallback pieces: one byte each
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -51,21 +56,93 @@ _PRE_SPLITS: dict[str, tuple[pre_tokenizers.PreTokenizer, ...]] = {
 }  # fmt: skip
 
 
+# Texts of the tokens llama.cpp ends generation on, besides the ids the metadata names (llama-vocab.cpp)
+_END_OF_GENERATION_TEXTS = frozenset(
+    "<|eot_id|> <|im_end|> <|end|> <|return|> <|call|> <|flush|> <|calls|> <end_of_turn> <|endoftext|> </s> "
+    "<|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> <end_of_utterance> <eos> <turn|> <|tool_response> "
+    "[e~[ <\uff5cend\u2581of\u2581sentence\uff5c>".split()  # DeepSeek's, in full-width bars
+)
+# fill-in-the-middle padding, repository and file separator tokens, which end generation too: a metadata id, or else
+# the first token spelled one of these ways
+_FIM_END_TEXTS = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+
+
+def end_of_generation_ids(meta: Mapping[str, Any]) -> set[int]:
+    """The tokens llama.cpp stops generating on: EOS, EOT and EOM, the fill-in-the-middle ends, and the tokens
+    spelled as a turn or text end."""
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    ids = {i for key in ("eos", "eot", "eom") if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None}
+    for key, spellings in _FIM_END_TEXTS.items():
+        declared = meta.get(f"tokenizer.ggml.{key}_token_id")
+        found = declared if declared is not None else next((i for i, t in enumerate(tokens) if t in spellings), None)
+        if found is not None:
+            ids.add(found)
+    ids |= {i for i, t in enumerate(tokens) if t in _END_OF_GENERATION_TEXTS}
+    ends = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
+    # harmony-style vocabularies end a message with <|end|>, a turn with <|return|> or <|call|>
+    calls = "<|call|>" in ends or "<|calls|>" in ends
+    if "<|end|>" in ends and calls and ("<|return|>" in ends or "<|flush|>" in ends):
+        ids.discard(ends["<|end|>"])
+    if "</s>" in ends and "<|tool_response>" in ends:  # there </s> is text
+        ids.discard(ends["</s>"])
+    return {i for i in ids if 0 <= i < len(tokens)}
+
+
 def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    for i in end_of_generation_ids(meta):
+        types[i] = CONTROL
     if kind == "gpt2":
         tok = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges", [])), meta.get("tokenizer.ggml.pre"))
     elif kind == "llama":
         scores = [float(s) for s in meta["tokenizer.ggml.scores"]]
         unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-        space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        tok = _sentencepiece_bpe(tokens, scores, types, unk_id, space_prefix)
+        tok = _sentencepiece_bpe(tokens, scores, types, unk_id, _space_prefix(meta))
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
     _add_special_tokens(tok, tokens, types)
     return tok
+
+
+class ByteTokenDecoder:
+    """Text of ids as llama.cpp gives it for a vocabulary with byte tokens (``<0xNN>``): the tokens' bytes joined,
+    read as UTF-8 with one U+FFFD for each invalid sequence. tokenizers' ByteFallback decoder instead makes every
+    byte of a run of byte tokens U+FFFD when any of them is amiss, losing the run's valid characters too (a
+    character cut at the run's start, as a stream window or a truncated prompt starts)."""
+
+    def __init__(self, backend: Tokenizer, strip_first_space: bool):
+        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self.strip_first_space = strip_first_space
+
+    def decode(self, backend: Tokenizer, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        skipped = self.special_ids if skip_special_tokens else frozenset()
+        pieces = (backend.id_to_token(i) for i in ids if i not in skipped)
+        text = b"".join(piece_bytes(p) for p in pieces if p is not None).decode("utf-8", errors="replace")
+        return text[1:] if self.strip_first_space and text.startswith(" ") else text
+
+
+def byte_token_decoder(meta: Mapping[str, Any], backend: Tokenizer) -> ByteTokenDecoder | None:
+    """llama.cpp's decoding of the SentencePiece vocabulary ``backend`` was built from, None for byte-level BPE."""
+    if meta.get("tokenizer.ggml.model") != "llama":
+        return None
+    return ByteTokenDecoder(backend, strip_first_space=_space_prefix(meta))
+
+
+def _space_prefix(meta: Mapping[str, Any]) -> bool:
+    return bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+
+
+def piece_bytes(piece: str) -> bytes:
+    """The bytes an SPM piece stands for: a byte token's one byte, else its text with U+2581 as a space."""
+    if byte := BYTE_PIECE.fullmatch(piece):
+        return bytes([int(byte[1], 16)])
+    return piece.replace(SPM_SPACE, " ").encode()
 
 
 def post_processor(
@@ -90,14 +167,18 @@ def _vocab(tokens: Sequence[str]) -> dict[str, int]:
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
     pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
-    tok = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=False))
+    vocab = _vocab(tokens)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
     splits = _PRE_SPLITS.get(pre or "default")
     if splits is None:
         log.warning("unknown GGUF pre-tokenizer %r; splitting like GPT-2", pre)
         splits = ()
     uses_own_regex = any(isinstance(s, pre_tokenizers.Split) for s in splits)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not uses_own_regex)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    # a byte the vocabulary lacks is dropped, but, as in llama.cpp, no merge joins its two neighbours
+    missing = "".join(sorted(c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab))
+    holes = [pre_tokenizers.Split(Regex(f"[{re.escape(missing)}]"), behavior="removed")] if missing else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level, *holes])
     tok.decoder = decoders.ByteLevel()
     return tok
 

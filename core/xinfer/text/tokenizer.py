@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,15 +12,15 @@ import tokenizers
 from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.text.chat_template import ChatTemplate
-from xinfer.text.gguf_vocab import CONTROL, build_tokenizer, post_processor
-
-# Control tokens that end a turn, which llama.cpp also stops on besides the declared EOS.
-_END_OF_TURN_TEXTS = frozenset(
-    "<|eot_id|> <|eom_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <EOT> _<EOT> <|return|> "
-    "<|call|> <end_of_utterance>".split()
+from xinfer.text.gguf_vocab import (
+    BYTE_PIECE,
+    ByteTokenDecoder,
+    build_tokenizer,
+    byte_token_decoder,
+    end_of_generation_ids,
+    piece_bytes,
+    post_processor,
 )
-# SentencePiece's byte-fallback pieces: one byte each
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -50,8 +49,10 @@ class Tokenizer:
         eos_token: str | None,
         extra_eos_ids: Iterable[int] = (),
         chat_template: ChatTemplate | None = None,
+        byte_tokens: ByteTokenDecoder | None = None,
     ):
         self.backend = backend
+        self.byte_tokens = byte_tokens
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = _id(backend, bos_token)
         declared = {_id(backend, eos_token)} | set(extra_eos_ids)
@@ -85,11 +86,8 @@ class Tokenizer:
             add_bos, add_eos = bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
             backend.post_processor = post_processor(bos, _id(backend, bos), eos, _id(backend, eos), add_bos, add_eos)
         # generation stops on every EOS the model declares, not only the tokenizer's own
-        declared = [
-            _as_ids(_read_json(folder / name).get("eos_token_id")) for name in ("generation_config.json", "config.json")
-        ]
         template = _folder_chat_template(folder, config, bos, eos)
-        return cls(backend, bos, eos, [i for ids in declared for i in ids], template)
+        return cls(backend, bos, eos, declared_eos_ids(folder), template)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -104,14 +102,9 @@ class Tokenizer:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         backend.post_processor = post_processor(bos, bos_id, eos, eos_id, add_bos, add_eos)
-        types = meta.get("tokenizer.ggml.token_type")
-        end_of_turn = {
-            i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS and (types is None or types[i] == CONTROL)
-        }
-        declared = {i for k in ("eot", "eom") if (i := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None}
         source = meta.get("tokenizer.chat_template")
         template = ChatTemplate(source, f"GGUF metadata of {gguf.path}", bos, eos) if source else None
-        return cls(backend, bos, eos, end_of_turn | declared, template)
+        return cls(backend, bos, eos, end_of_generation_ids(meta), template, byte_token_decoder(meta, backend))
 
     # -- text <-> ids -------------------------------------------------------------------
 
@@ -119,7 +112,15 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if "\ufffd" in text and self.byte_tokens is not None:
+            return self.byte_tokens.decode(self.backend, ids, skip_special_tokens)
+        return text
+
+    def is_byte_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a byte-fallback token (``<0xNN>``), which may hold part of a character."""
+        piece = self.id_to_token(token_id)
+        return piece is not None and BYTE_PIECE.fullmatch(piece) is not None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, also where they are only part of a character (its text,
@@ -128,8 +129,8 @@ class Tokenizer:
         piece = self.id_to_token(token_id)
         if "\ufffd" not in text or piece is None:
             return text.encode()
-        if byte := _BYTE_PIECE.fullmatch(piece):
-            return bytes([int(byte[1], 16)])
+        if BYTE_PIECE.fullmatch(piece):
+            return piece_bytes(piece)
         if all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
@@ -174,6 +175,16 @@ def _token_text(token: str | dict | None) -> str | None:
 
 def _id(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
+
+
+def declared_eos_ids(folder: Path) -> list[int]:
+    """The EOS ids an HF folder declares: its ``generation_config.json``'s ``eos_token_id`` and its
+    ``config.json``'s (each an id, a list or absent)."""
+    return [
+        i
+        for name in ("generation_config.json", "config.json")
+        for i in _as_ids(_read_json(folder / name).get("eos_token_id"))
+    ]
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:

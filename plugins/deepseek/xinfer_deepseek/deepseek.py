@@ -88,3 +88,12 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
                 f"topk_method {config.topk_method!r} is not supported: DeepSeek-V2 routes greedily here (V2-Lite's)"
             )
         return Routing(top_k=config.num_experts_per_tok, scaling_factor=config.routed_scaling_factor, fp32_logits=True)
+
+    def mlp(self, config: Any, index: int) -> nn.Module:
+        if self.is_sparse(config, index) and not config.n_shared_experts and self.mlp_bias(config):
+            # transformers builds the shared expert anyway, 0 wide: its down_proj bias still adds to every token
+            raise ValueError(
+                "n_shared_experts 0 with mlp_bias True is not supported (transformers' DeepSeek-V2 adds the empty "
+                "shared expert's down_proj bias)"
+            )
+        return super().mlp(config, index)

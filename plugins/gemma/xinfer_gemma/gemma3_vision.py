@@ -81,11 +81,15 @@ class Gemma3ImageProcessor:
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's text model with its SigLIP encoder; its logits not soft-capped, whatever the text config's
+    ``final_logit_softcapping`` says, as transformers' Gemma3ForConditionalGeneration leaves them."""
+
     attend_within_items: ClassVar[bool] = True
 
     def __init__(self, config: Any):
         wrapper = config.multimodal_config  # the loader hands the text config, the wrapper's beside it
         super().__init__(config)
+        self.lm_head.softcap = None
         self.wrapper_config = wrapper
         self.vision_tower = SiglipVisionTransformer(wrapper.vision_config)
         self.multi_modal_projector = Gemma3Projector(wrapper)

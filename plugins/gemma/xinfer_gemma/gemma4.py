@@ -211,6 +211,10 @@ class Gemma4Model(nn.Module):
         super().__init__()
         hidden, self.per_layer = config.hidden_size, config.hidden_size_per_layer_input
         self.pad_token_id = config.pad_token_id or 0
+        # an image-text checkpoint's media placeholder ids, which it embeds as the pad token (its images' rows
+        # then take their encoder's embeddings); None: a text model's, which has none
+        self.media_token_ids: Tensor | None
+        self.register_buffer("media_token_ids", None, persistent=False)
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = norm(hidden)
@@ -223,10 +227,11 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = norm(self.per_layer)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        if self.media_token_ids is not None:  # the pad's embeddings and per-layer inputs, generated ones too
+            input_ids = torch.where(torch.isin(input_ids, self.media_token_ids), self.pad_token_id, input_ids)
         x = self.embed_tokens(input_ids) * self.embed_scale
         if (images := multimodal()) is not None:  # image tokens take their encoder's embeddings
             x = images.merge(x)
-            input_ids = input_ids.index_fill(0, images.rows, self.pad_token_id)  # their per-layer inputs: pad's
         per_layer_inputs = self.per_layer_inputs(input_ids, x) if self.per_layer else [None] * len(self.layers)
         for layer, per_layer_input in zip(self.layers, per_layer_inputs):
             x = layer(positions, x, per_layer_input)

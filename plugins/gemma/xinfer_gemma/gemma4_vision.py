@@ -265,6 +265,10 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         vision = wrapper.vision_config
         self.vision_tower = Gemma4VisionModel(vision)
         self.embed_vision = Gemma4VisionEmbedder(vision.hidden_size, config.hidden_size, vision.rms_norm_eps)
+        # as transformers, every image, video and audio placeholder is embedded as the pad token, with or
+        # without media (a generated one too)
+        media = [wrapper.image_token_id, wrapper.video_token_id, getattr(wrapper, "audio_token_id", None)]
+        self.model.media_token_ids = torch.tensor([i for i in media if i is not None])
 
     def multimodal_processor(self, tokenizer: Any) -> Gemma4ImageProcessor:
         return Gemma4ImageProcessor(self.wrapper_config, tokenizer, preprocessor_config(self.wrapper_config))

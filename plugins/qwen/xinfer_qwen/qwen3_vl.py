@@ -137,7 +137,8 @@ class Qwen3VLForConditionalGeneration(QwenVisionLanguage, Qwen3ForCausalLM):
 class Qwen3VLMoeForConditionalGeneration(QwenVisionLanguage, Qwen3MoeForCausalLM):
     """Qwen3-VL-MoE: Qwen3-MoE's text model, its router's top-k weights always renormalized, its
     experts stored fused: released checkpoints hold ``gate_up_proj`` [E, hidden, 2I] and
-    ``down_proj`` [E, I, hidden], transformers 5 saves them transposed; both load."""
+    ``down_proj`` [E, I, hidden], transformers 5 saves them transposed; both load (a square one as
+    transformers reads it: in its own layout)."""
 
     def mlp(self, config: Any, index: int) -> nn.Module:
         if not is_sparse(config, index):
@@ -151,7 +152,9 @@ class Qwen3VLMoeForConditionalGeneration(QwenVisionLanguage, Qwen3MoeForCausalLM
 
         def model_layout(name: str, tensor: Tensor | StoredTensor) -> Tensor | StoredTensor:
             layout = next((shape for suffix, shape in released.items() if name.endswith(suffix)), None)
-            return whole(tensor).transpose(1, 2) if layout is not None and tensor.shape[1:] == layout else tensor
+            if layout is None or tensor.shape[1:] != layout or layout[0] == layout[1]:
+                return tensor
+            return whole(tensor).transpose(1, 2)
 
         return super().load_weights((name, model_layout(name, tensor)) for name, tensor in weights)
 

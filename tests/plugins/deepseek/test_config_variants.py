@@ -61,6 +61,11 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2),
         "topk_method 'group_limited_greedy' is not supported",
     ),
+    # transformers builds the shared expert 0 wide, its down_proj bias still added
+    "v2 no shared expert with mlp biases": (
+        lambda: deepseek_v2_config(n_shared_experts=0, mlp_bias=True),
+        "n_shared_experts 0 with mlp_bias True is not supported",
+    ),
     "v3 experts not in groups": (
         lambda: deepseek_v3_config(n_group=3),
         "n_group 3 and topk_group 2 do not fit 16 experts",

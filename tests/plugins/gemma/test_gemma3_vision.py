@@ -154,9 +154,11 @@ def test_placeholders_and_images_must_agree(llm):
 
 def test_a_checkpoint_with_its_own_activation_processor_and_tying_matches_hf(tmp_path):
     """SigLIP's hidden_act, the saved processor's filter and statistics, and the wrapper's
-    tie_word_embeddings (true, which rules over its text config's false) are the checkpoint's."""
+    tie_word_embeddings (true, which rules over its text config's false) are the checkpoint's; the text
+    config's final_logit_softcapping is not (transformers' Gemma3ForConditionalGeneration never soft-caps)."""
     settings = dict(resample=3, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
-    hf = save_model(tmp_path, vision=dict(hidden_act="quick_gelu"), tie_word_embeddings=False)
+    hf = save_model(tmp_path, vision=dict(hidden_act="quick_gelu"), tie_word_embeddings=False,
+                    final_logit_softcapping=5.0)  # fmt: skip
     processor(**settings).save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
     out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]

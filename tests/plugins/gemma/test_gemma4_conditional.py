@@ -9,9 +9,13 @@ from safetensors.torch import load_file
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
 
 from tests.plugins.gemma.test_gemma4 import DENSE, E_MODEL, randomize_gemma4
-from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
-from tests.tiny_models import COMMON
-from xinfer import LLM
+from tests.plugins.hf_parity import (
+    assert_greedy_tokens_and_logprobs_match,
+    assert_output_matches_hf,
+    assert_prefill_logits_match,
+)
+from tests.tiny_models import COMMON, prefill_logits, prompt
+from xinfer import LLM, SamplingParams
 from xinfer_gemma.gemma4 import text_part
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -75,3 +79,17 @@ def test_prefill_logits_match_hf(models, length):
 
 def test_greedy_tokens_and_logprobs_match_hf(models):
     assert_greedy_tokens_and_logprobs_match(*models, 40)
+
+
+def test_media_placeholders_in_a_text_prompt_are_embedded_as_the_pad_token(models):
+    """transformers embeds every image, video and audio placeholder as the pad token (with its per-layer
+    inputs), images given or not: so does xinfer, in a text prompt's tokens and in the ones it generates."""
+    hf, llm = models
+    media = [SPECIAL_TOKENS[name] for name in ("image_token_id", "video_token_id", "audio_token_id")]
+    tokens = prompt(9, seed=5) + media + prompt(7, seed=6)
+    assert 0 not in tokens  # the pad: transformers' generate takes it for padding
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(prefill_logits(llm.engine, tokens), expected, atol=1e-4, rtol=0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    assert_output_matches_hf(hf, tokens, llm.generate([tokens], params)[0].outputs[0], 8)

@@ -107,15 +107,15 @@ def test_deepstack_features_reach_the_text_model(models):
     assert without != expected
 
 
-def test_moe_text_model_with_an_image_matches_transformers(tmp_path):
+# 48: 2I != hidden, the layouts tell apart; 32: gate_up square, read in transformers' layout as transformers does
+@pytest.mark.parametrize("inner", [48, 32])
+def test_moe_text_model_with_an_image_matches_transformers(tmp_path, inner):
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     from tests.plugins.hf_parity import spread_routing
 
     dense = tiny_vl_config()
-    experts = dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1
-    )  # 2I != hidden: layouts tell apart
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=inner, decoder_sparse_step=1)
     config = Qwen3VLMoeConfig(text_config={**dense.text_config.to_dict(), **experts},
                               vision_config=dense.vision_config.to_dict(), image_token_id=dense.image_token_id,
                               video_token_id=dense.video_token_id, vision_start_token_id=dense.vision_start_token_id,
