@@ -154,10 +154,13 @@ class Ranks:
                 self._died(process)
 
     def _died(self, process: BaseProcess) -> None:
-        process.join(1.0)  # reaped, so that its exit code is known
+        # reaped, so that its exit code is known: its sentinel is ready once it closed its files, and a large
+        # process can take seconds more to be torn down on a busy machine
+        process.join(10.0)
+        code = "" if process.exitcode is None else f" with code {process.exitcode}"
         if self.failure is None:
-            self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited with code "
-                            f"{process.exitcode}: the engine cannot step")  # fmt: skip
+            self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited{code}: "
+                            "the engine cannot step")  # fmt: skip
             log.error("%s", self.failure)
 
     _closing = False
