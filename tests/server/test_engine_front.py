@@ -94,14 +94,17 @@ def test_health_is_503_while_loading_then_200():
 
     async def body(http, engine):
         loading = await http.get("/health")
+        probed_loading = await http.head("/health")
         busy = await http.post("/v1/completions", json=completion())
         loaded.set()
         await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
         ready = await http.get("/health")
+        probed_ready = await http.head("/health")
         answer = await http.post("/v1/completions", json=completion())
-        return loading, busy, ready, answer
+        return loading, busy, ready, answer, (probed_loading.status_code, probed_ready.status_code)
 
-    loading, busy, ready, answer = asyncio.run(with_app(factory, body))
+    loading, busy, ready, answer, probed = asyncio.run(with_app(factory, body))
+    assert probed == (503, 200)  # a HEAD probe gets the same status
     assert (loading.status_code, loading.json()["status"]) == (503, "loading")
     assert busy.status_code == 503 and busy.headers["Retry-After"]
     assert ready.status_code == 200

@@ -1,4 +1,4 @@
-"""``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``GET /version``."""
+"""``GET`` (or ``HEAD``) ``/health``, ``GET /metrics``, ``GET /v1/models``, ``GET /version``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from xinfer.server.serving import Serving
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers that probe so
 async def health(request: Request) -> JSONResponse:
     """200 when the engine takes requests; 503 while loading, draining, stalled or dead."""
     engine = request.app.state.serving.engine
