@@ -42,17 +42,18 @@ class IncrementalDetokenizer:
         # tokenizer; an HF tokenizer's ``decode`` may also clean up spaces)
         self.backend = tokenizer.backend if isinstance(tokenizer, Tokenizer) else None
         # a tokenizer that decodes byte tokens its own way: the window takes over from the first one
-        self.own_bytes = tokenizer if isinstance(tokenizer, Tokenizer) and tokenizer.byte_tokens is not None else None
+        own = tokenizer.byte_tokens if isinstance(tokenizer, Tokenizer) else None
+        self.own_byte_ids = own.byte_ids if own is not None else frozenset()
         self.stream = None
         # DecodeStream would emit again a context that ends inside a character, with the first token's text
         if self.backend is not None and not self._decode(self.ids).endswith(_REPLACEMENT):
             self.stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
-        if any(self._own_byte_token(i) for i in self.ids):
+        if not self.own_byte_ids.isdisjoint(self.ids):
             self.stream = None
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        if self._own_byte_token(token_id):
+        if token_id in self.own_byte_ids:
             self.stream = None
         text = self._stream_delta(token_id) if self.stream is not None else self._window_delta()
         if text:
@@ -84,9 +85,6 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _own_byte_token(self, token_id: int) -> bool:
-        return self.own_bytes is not None and self.own_bytes.is_byte_token(token_id)
 
     def _forget_emitted(self) -> None:
         # keep memory O(window): ids before the context window are never decoded again

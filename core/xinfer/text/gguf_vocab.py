@@ -118,6 +118,7 @@ class ByteTokenDecoder:
 
     def __init__(self, backend: Tokenizer, strip_first_space: bool):
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self.byte_ids = frozenset(i for piece, i in backend.get_vocab().items() if BYTE_PIECE.fullmatch(piece))
         self.strip_first_space = strip_first_space
 
     def decode(self, backend: Tokenizer, ids: Sequence[int], skip_special_tokens: bool) -> str:

@@ -117,11 +117,6 @@ class Tokenizer:
             return self.byte_tokens.decode(self.backend, ids, skip_special_tokens)
         return text
 
-    def is_byte_token(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a byte-fallback token (``<0xNN>``), which may hold part of a character."""
-        piece = self.id_to_token(token_id)
-        return piece is not None and BYTE_PIECE.fullmatch(piece) is not None
-
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, also where they are only part of a character (its text,
         decoded alone, then has U+FFFD in their place)."""
