@@ -262,12 +262,12 @@ class Gemma4ForCausalLM(CausalLM):
         }
         sources: dict[str, Attention] = {}
         layers = []
-        for index, (kind, sharing) in enumerate(zip(kinds, config.kv_sharing_modes)):
+        for index, (kind, reuses) in enumerate(zip(kinds, reuses_kv(config))):
             layer = config.per_layer_config[index]
             bias, heads = config.attention_bias, config.num_attention_heads
-            if sharing == "reuse" and kind not in sources:
+            if reuses and kind not in sources:
                 raise ValueError(f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none")
-            if sharing == "reuse":
+            if reuses:
                 attn: nn.Module = SharedKVAttention(
                     config.hidden_size, heads, layer.head_dim, rotary[kind], norm, sources[kind], bias
                 )
@@ -279,7 +279,7 @@ class Gemma4ForCausalLM(CausalLM):
                     values_from_keys=config.attention_k_eq_v and not sliding, bias=bias, eps=config.rms_norm_eps,
                 )  # fmt: skip
                 sources[kind] = attn.attn
-            wide = config.use_double_wide_mlp and sharing == "reuse"
+            wide = config.use_double_wide_mlp and reuses
             layers.append(Gemma4DecoderLayer(config, attn, config.intermediate_size * (2 if wide else 1), norm))
         self.model = Gemma4Model(config, layers, norm)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.final_logit_softcapping)
@@ -298,14 +298,20 @@ class Gemma4ForCausalLM(CausalLM):
     def _renamed(self, weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
         """The router's projection under core's name, and no keys or values for the KV-shared layers
         (checkpoints may still hold them)."""
-        shared = {
-            f"model.layers.{i}.self_attn." for i, mode in enumerate(self.config.kv_sharing_modes) if mode == "reuse"
-        }
+        shared = {f"model.layers.{i}.self_attn." for i, reuses in enumerate(reuses_kv(self.config)) if reuses}
         for name, tensor in weights:
             *module, projection, _ = name.split(".")
             if projection in ("k_proj", "v_proj", "k_norm", "v_norm") and ".".join(module) + "." in shared:
                 continue
             yield name.replace(".router.proj.", ".router."), tensor
+
+
+def reuses_kv(config: Any) -> list[bool]:
+    """Whether each layer reads an earlier layer's cache instead of keeping its own: the last
+    ``num_kv_shared_layers`` do. Computed here because the config's ``kv_sharing_modes`` exists only in
+    newer transformers releases."""
+    first_shared = config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+    return [index >= first_shared for index in range(config.num_hidden_layers)]
 
 
 def rope(config: Any, layer_type: str) -> dict[str, Any]:
