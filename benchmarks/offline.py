@@ -303,13 +303,13 @@ def time_step_kinds(llm: LLM) -> list[tuple[tuple[str, int], int, Callable[[], f
         last["batch"] = batch = inner_prepare(scheduled)
         return batch
 
-    def step(scheduled, previous=None):
+    def step(scheduled, previous=None, before_sampling=None):
         start, end = (
             (Stamp(), Stamp()) if llm.engine.device.type == "cpu" else (torch.cuda.Event(True), torch.cuda.Event(True))
         )
         start.record()
         try:
-            return inner_step(scheduled, previous)
+            return inner_step(scheduled, previous, before_sampling)
         finally:
             end.record()
             batch = last["batch"]

@@ -8,6 +8,8 @@ from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer.engine import sampler
+from xinfer.engine.output import OutputProcessor
 from xinfer.engine.sampler import SampledTokens
 
 
@@ -127,8 +129,8 @@ def test_the_host_reads_a_step_back_after_launching_the_next(llm, monkeypatch):
     events, launched = [], []
     launch = llm.engine.runner.step
 
-    def launching(scheduled, previous=None):
-        sampled = launch(scheduled, previous)
+    def launching(scheduled, previous=None, before_sampling=None):
+        sampled = launch(scheduled, previous, before_sampling)
         launched.append(sampled)  # alive to the end, so that no later step's tokens reuse its id
         events.append(("launch", id(sampled)))
         return sampled
@@ -182,6 +184,108 @@ def test_stop_abort_and_context_limit_while_a_step_is_in_flight(model_dir):
     assert [o.finished for o in got["c"]] == [False] * (len(got["c"]) - 1) + [True]
     for seq, name in ((b, "b"), (c, "c")):  # no token left pending on a finished sequence
         assert seq.output_token_ids == [o.token_ids[0] for o in got[name]]
+    assert_all_blocks_free(llm)
+
+
+# ---- a request's own failure ends it alone ------------------------------------------------
+
+FAULTY = 5  # the index in PROMPTS[:8] of the request a fault is injected into
+
+
+class InjectedFault(Exception):
+    pass
+
+
+def faulty(seq, after: int) -> bool:
+    return seq.prompt_token_ids == PROMPTS[FAULTY] and seq.num_output_tokens >= after
+
+
+def inject_fault(llm: LLM, monkeypatch, where: str, after: int) -> None:
+    """Makes the work ``where`` raise for the request of ``PROMPTS[FAULTY]`` once it has ``after`` tokens."""
+    engine = llm.engine
+    if where == "packing":  # the cache slot of one of its tokens
+        slot = engine.runner.slot
+
+        def packing(table, position):
+            if any(faulty(seq, after) and seq.pages[0].blocks is table for seq in engine.scheduler.running):
+                raise InjectedFault("packing")
+            return slot(table, position)
+
+        monkeypatch.setattr(engine.runner, "slot", packing)
+    elif where == "sampling":  # the faulty request's logit_bias makes the batch's draw adjust logits
+        bias = sampler.apply_logit_bias
+
+        def biasing(logits, seqs):
+            if any(faulty(seq, after) for seq in seqs):
+                raise InjectedFault("sampling")
+            return bias(logits, seqs)
+
+        monkeypatch.setattr(sampler, "apply_logit_bias", biasing)
+    elif where == "reading back":
+        finish_reason = engine._finish_reason
+
+        def reading(seq, token):
+            if faulty(seq, after):
+                raise InjectedFault("reading back")
+            return finish_reason(seq, token)
+
+        monkeypatch.setattr(engine, "_finish_reason", reading)
+    else:
+        text = OutputProcessor._text
+
+        class FailingText:
+            def __init__(self, stream):
+                self.stream, self.num_tokens = stream, 0
+
+            def push(self, token_ids):
+                self.num_tokens += len(token_ids)
+                if self.num_tokens > after:
+                    raise InjectedFault("detokenizing")
+                return self.stream.push(token_ids)
+
+            def finish(self):
+                return self.stream.finish()
+
+        def texts(self, params, prompt_token_ids):
+            stream = text(self, params, prompt_token_ids)
+            return FailingText(stream) if prompt_token_ids == PROMPTS[FAULTY] else stream
+
+        monkeypatch.setattr(OutputProcessor, "_text", texts)
+
+
+@pytest.mark.parametrize("after", [0, 3], ids=["in-prefill", "mid-decode"])
+@pytest.mark.parametrize("where", ["packing", "sampling", "reading back", "detokenizing"])
+def test_a_request_whose_work_fails_ends_alone_and_the_others_get_their_tokens(llm, monkeypatch, where, after):
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = [greedy] * 8
+    params[FAULTY] = replace(greedy, logit_bias={0: 0.0})
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:8], params)]
+    inject_fault(llm, monkeypatch, where, after)
+    got = [o.outputs[0] for o in llm.generate(PROMPTS[:8], params)]
+    failed = got.pop(FAULTY)
+    assert failed.finish_reason == "error"
+    assert failed.error == f"InjectedFault: {where}"
+    assert len(failed.token_ids) <= after + 2  # at most a step launched before the failure was found
+    assert [o.token_ids for o in got] == expected[:FAULTY] + expected[FAULTY + 1 :]
+    assert all(o.finish_reason == "length" for o in got)
+    assert not llm.engine.sequences and not llm.processor._choices
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("where", ["forward", "sampling"])
+def test_a_failure_of_the_whole_step_raises_and_frees_every_request(llm, monkeypatch, where):
+    """Not a request's own failure (the forward of the batch, a draw that fails for every row): ``generate``
+    raises it, no hang."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the device is lost")
+
+    if where == "forward":
+        monkeypatch.setattr(llm.engine.runner, "eager_forward", failing)
+    else:
+        monkeypatch.setattr(sampler.ops, "sample", failing)
+    with pytest.raises(RuntimeError, match="the device is lost"):
+        llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=4))
     assert_all_blocks_free(llm)
 
 

@@ -195,12 +195,15 @@ def test_a_bad_model_is_one_line_naming_the_file(tmp_path, kind):
     assert "\n" not in message and str(path) in message and what in message
 
 
-def _xinfer(*args: str):
+def _xinfer(*args: str, available_memory: int | None = None):
+    """The ``xinfer`` command on the CPU; ``available_memory``: what the host's memory query says."""
     import os
     import subprocess
     import sys
 
     code = "import sys; from xinfer.cli import main; sys.exit(main())"
+    if available_memory is not None:
+        code = f"import xinfer.engine.memory_plan as m; m.available_host_memory = lambda: {available_memory}; {code}"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XINFER_CPU": "1"})  # fmt: skip
 
@@ -338,3 +341,64 @@ def test_a_tokenizer_given_as_a_path_is_read_from_there(tmp_path):
     assert llm.tokenizer.encode("b") == [1]
     with pytest.raises(ValueError, match=f"^tokenizer '{model}': not an HF folder holding tokenizer.json, nor a"):
         LLM(model=str(model), dtype="float32", num_blocks=32, tokenizer=str(model))
+
+
+# the KV cache of one sequence of COMMON's 512 positions: K and V of each layer's KV heads (head_dim 16)
+ONE_SEQUENCE_KV = 2 * COMMON["num_hidden_layers"] * COMMON["num_key_value_heads"] * 16 * 512
+
+
+def mib(text: str, before: str) -> float:
+    """The size in MiB written just before ``before`` in ``text``."""
+    return float(text.split(before)[0].split()[-2])
+
+
+@pytest.mark.parametrize("dtype, size", [("float32", 4), ("bfloat16", 2)])
+def test_a_model_that_cannot_fit_is_refused_before_its_weights_load(tmp_path, monkeypatch, dtype, size):
+    """With less available memory than the weights (in the dtype asked for) and one full-context sequence's KV
+    cache, ``LLM`` refuses in one line giving the sizes and what is available, and never reads the weights."""
+    import xinfer.engine.build
+    import xinfer.engine.memory_plan
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    checkpoint = sum(t.numel() * size for t in load_file(tmp_path / "model.safetensors").values()) / 2**20
+    monkeypatch.setattr(xinfer.engine.build, "load_model", never)
+    monkeypatch.setattr(xinfer.engine.memory_plan, "available_host_memory", lambda: 2**18)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(tmp_path), dtype=dtype)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("the model does not fit in cpu's memory: its weights take ")
+    weights = mib(message, " and the KV cache")
+    rotary = 512 * 16 * 4 / 2**20  # the model's buffer of each position's cos and sin (float32)
+    assert checkpoint - 0.006 <= weights <= checkpoint + rotary + 0.006  # sizes printed to 0.01 MiB
+    assert f"the KV cache of one 512-token sequence {ONE_SEQUENCE_KV * size / 2**20:.2f} MiB" in message
+    assert "and 0.25 MiB are available" in message
+
+
+def test_a_model_that_just_fits_loads(tmp_path, monkeypatch):
+    import xinfer.engine.memory_plan
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    needed = []
+    check = xinfer.engine.memory_plan.check_fits
+
+    def checking(model, *args):
+        needed.append(xinfer.engine.memory_plan.tensor_bytes(model) + ONE_SEQUENCE_KV * 4)
+        check(model, *args[:-2], needed[-1], args[-1])  # exactly what it needs available
+        with pytest.raises(ValueError, match="does not fit"):
+            check(model, *args[:-2], needed[-1] - 1, args[-1])
+
+    monkeypatch.setattr(xinfer.engine.build, "check_fits", checking)
+    LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    assert needed
+
+
+def test_the_command_line_refuses_a_model_that_cannot_fit_in_one_line(tmp_path):
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    result = _xinfer("--m", str(tmp_path), "--port", "0", available_memory=1 << 19)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("xinfer: the model does not fit in cpu's memory: its weights take ")
+    assert "and 0.50 MiB are available" in line

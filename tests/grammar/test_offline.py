@@ -91,3 +91,54 @@ def test_a_bad_constraint_is_a_one_line_value_error(llm):
     with pytest.raises(ValueError, match=r"^invalid regex: .*unclosed character class$"):
         llm.generate(["hi"], SamplingParams(structured_outputs={"regex": "[a-"}))
     assert llm.generate(["hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
+
+
+@pytest.mark.parametrize("where", ["accept", "fill_bitmask"])
+def test_a_grammar_that_fails_ends_its_request_alone(llm, monkeypatch, where):
+    """A matcher that raises (following a token, read back while the forward runs, or computing its mask before
+    the draw) ends its request with finish reason "error"; the other rows of the batch, constrained or not, get
+    the tokens they get without the fault."""
+    from xinfer.grammar import matcher
+
+    date = chat(llm, "When did the first moon landing happen? Give the date.")
+    requests = [
+        (chat(llm, "Write one sentence about the sea."), SamplingParams(temperature=0, max_tokens=12)),
+        (date, SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputs(regex=DATE))),
+        (date, SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]})),
+    ]
+    prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    faulty = []  # the date request's constraint, once built
+    compile_constraint = llm.engine.grammars().compile
+
+    def compiling(spec):
+        constraint = compile_constraint(spec)
+        if spec.regex == DATE:
+            faulty.append(constraint)
+        return constraint
+
+    monkeypatch.setattr(llm.engine.grammars(), "compile", compiling)
+    if where == "accept":
+        accept, followed = matcher.Constraint.accept, []
+
+        def accepting(self, token):
+            if self in faulty:
+                followed.append(token)
+                if len(followed) == 3:
+                    raise RuntimeError("the matcher broke")
+            accept(self, token)
+
+        monkeypatch.setattr(matcher.Constraint, "accept", accepting)
+    else:
+        fill = matcher.fill_bitmask
+
+        def filling(constraints):
+            if any(c in faulty for c in constraints):
+                raise RuntimeError("the matcher broke")
+            return fill(constraints)
+
+        monkeypatch.setattr(matcher, "fill_bitmask", filling)
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert got[1].finish_reason == "error" and got[1].error == "RuntimeError: the matcher broke"
+    assert [got[0].token_ids, got[2].token_ids] == [expected[0], expected[2]]
+    assert all(pool.num_free_blocks == pool.num_blocks for pool in llm.engine.cache.pools)

@@ -67,13 +67,13 @@ class ScriptedEngine:
         return outputs
 
 
-async def with_app(factory, body, stall_timeout: float = 300.0):
+async def with_app(factory, body, stall_timeout: float = 300.0, raise_app_exceptions: bool = True):
     engine = AsyncEngine(factory, stall_timeout=stall_timeout)
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     app = build_app(Serving(engine, "m", None, SamplingDefaults(), metrics))
     engine.start()
-    transport = httpx.ASGITransport(app=app)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
             return await body(http, engine)
@@ -248,3 +248,42 @@ def test_a_server_failure_mid_stream_is_an_error_event_not_a_cut_stream():
     engine.tokenizer.decode = decode_off_the_event_loop
     _, error = stream_through_openai(lambda: engine, echo=True)
     assert "internal error (KeyError)" in error.message and error.body["type"] == "server_error"
+
+
+class OneFailingEngine(ScriptedEngine):
+    """Fails each request that asks for 5 tokens once it has one, as the engine ends a request whose own work
+    (its grammar, its detokenizing, ...) raised; the others go on."""
+
+    def add_request(self, request_id, prompt, params, multimodal=None):
+        super().add_request(request_id, prompt, params, multimodal)
+        self.failing = getattr(self, "failing", set()) | ({request_id} if params.max_tokens == 5 else set())
+
+    def step(self):
+        outputs = super().step()
+        for index, output in enumerate(outputs):
+            if output.request_id in self.failing and self.live.get(output.request_id) == 3:
+                del self.live[output.request_id]
+                outputs[index] = StepOutput(output.request_id, [], finish_reason="error", error="ValueError: bad")
+        return outputs
+
+
+def test_a_request_the_engine_fails_is_a_500_and_the_others_go_on():
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        failed, answered = await asyncio.gather(
+            http.post("/v1/completions", json=completion(max_tokens=5)),
+            http.post("/v1/completions", json=completion(max_tokens=3)),
+        )
+        return failed, answered, await http.get("/health")
+
+    # a 500 is answered, then re-raised for the server's log: as uvicorn, the client does not see that
+    failed, answered, health = asyncio.run(with_app(OneFailingEngine, body, raise_app_exceptions=False))
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    assert "RequestError" in failed.json()["error"]["message"]
+    assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == "aaa"
+    assert health.status_code == 200
+
+
+def test_a_request_the_engine_fails_mid_stream_ends_with_an_error_event():
+    texts, error = stream_through_openai(OneFailingEngine)
+    assert texts == ["a"] and error.body["type"] == "server_error"

@@ -23,6 +23,7 @@ import torch
 
 from xinfer.distributed.group import WorkerFailed
 from xinfer.engine.engine import EngineStats, KVCacheFull, LLMEngine
+from xinfer.engine.failures import RequestError, RequestFailed
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
@@ -197,7 +198,8 @@ class AsyncEngine:
     async def stream(self, handle: RequestHandle) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Yields (request-wide choice index, what a step added to that choice) until every
         choice finished, keeping ``handle.outputs`` up to date. Leaving early (the client
-        went away) aborts the request and frees its blocks."""
+        went away) aborts the request and frees its blocks. A choice the engine failed raises
+        :class:`~xinfer.engine.failures.RequestError` (the request's other choices are aborted)."""
         try:
             while not handle.finished:
                 item = await handle.queue.get()
@@ -208,6 +210,8 @@ class AsyncEngine:
                 if output.outputs[choice.index].finished:  # an abort that crossed the choice's last output
                     continue
                 output.add(delta)
+                if choice.error is not None:
+                    raise RequestError(f"the request failed: {choice.error}")
                 yield sum(len(o.outputs) for o in handle.outputs[:position]) + choice.index, choice
         finally:
             self.release(handle)
@@ -335,7 +339,7 @@ class AsyncEngine:
             token_ids, future = payload
             try:
                 self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
-            except (ValueError, KVCacheFull) as error:
+            except (ValueError, KVCacheFull, RequestFailed) as error:
                 self._resolve(future, error=error)
         elif command == "call":
             work, future = payload

@@ -25,14 +25,22 @@ from xinfer.cache.state_pool import StatePool
 from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
 from xinfer.distributed.group import SINGLE, TensorParallel, building_for
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
-from xinfer.engine.memory_plan import MemoryPlan, gib, held_by_every_rank, memory_baseline, plan_memory
+from xinfer.engine.memory_plan import (
+    MemoryPlan,
+    available_bytes,
+    check_fits,
+    gib,
+    held_by_every_rank,
+    memory_baseline,
+    plan_memory,
+)
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
 from xinfer.forward_context import forward_context
 from xinfer.hooks import BackendSpec
 from xinfer.kv import KVFormat, get_format
 from xinfer.loading.errors import first_line
-from xinfer.loading.loader import check_model, checkpoint_bytes, load_model
+from xinfer.loading.loader import build_model, check_model, checkpoint_bytes, load_model
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
@@ -119,12 +127,19 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
 
 def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, Path, PretrainedConfig]:
     """What start-up refuses before it builds anything, each in one line: no backend for the device, an option
-    the backend does not run, a model that is not there or cannot load with these settings. Returns the backend,
-    its ops and device, the model's path and its config."""
+    the backend does not run, a model that is not there, cannot load with these settings or does not fit in the
+    device's memory. Returns the backend, its ops and device, the model's path and its config."""
     spec, ops, device = select_backend(config.device)
     check_support(spec, ops, config)
     path = resolve_model_path(config.model.model)
-    return spec, ops, device, path, check_model(path, config.model)
+    hf_config = check_model(path, config.model)
+    dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
+    with building_for(TensorParallel(0, config.parallel.tensor_parallel_size)):  # one rank's part
+        model = build_model(hf_config, torch.device("meta"), dtype)
+    max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+    available = available_bytes(device_memory(spec, device))
+    check_fits(model, config, max_model_len, dtype, available, f"{device}'s memory")
+    return spec, ops, device, path, hf_config
 
 
 @contextlib.contextmanager

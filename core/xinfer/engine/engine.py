@@ -13,6 +13,7 @@ import torch
 from xinfer.config import EngineConfig
 from xinfer.distributed.group import SINGLE, TensorParallel
 from xinfer.engine.build import build_engine
+from xinfer.engine.failures import RequestFailed, log_failure
 from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
@@ -53,6 +54,7 @@ class StepOutput:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why the engine failed it (finish reason "error")
 
     @property
     def finished(self) -> bool:
@@ -305,12 +307,8 @@ class LLMEngine:
             if previous is not None:
                 outputs, previous = self._read_back(previous), None
 
-        # grammar masks follow every earlier token: read back before sampling, not before the forward
-        sampled = None
-        if any(s.seq.constraint is not None for s in scheduled):
-            sampled = self.runner.step(scheduled, previous, before_sampling=read_previous)
-        elif scheduled:
-            sampled = self.runner.step(scheduled, previous)
+        failed: list[StepOutput] = []
+        sampled = self._launch(scheduled, previous, read_previous, failed) if scheduled else None
         read_previous()
         for item in scheduled:
             if not item.seq.finished:
@@ -318,19 +316,51 @@ class LLMEngine:
                 self.cache.commit(item.seq)
                 self.cache.trim(item.seq)
         if sampled is not None:
+            failed += [self._fail(seq, error) for seq, error in sampled.failures]
             for seq in sampled.seqs:
                 if not seq.finished:
                     seq.token_ids.append(PENDING)
             self.in_flight = sampled
-        return outputs
+        return outputs + failed
+
+    def _launch(
+        self,
+        scheduled: list[ScheduledSeq],
+        previous: SampledTokens | None,
+        read_previous: Callable[[], None],
+        failed: list[StepOutput],
+    ) -> SampledTokens | None:
+        """The runner's step of ``scheduled``. A sequence whose packing fails ends with its error (in ``failed``)
+        and the step is packed again without it: nothing was launched yet."""
+        # grammar masks follow every earlier token: read back before sampling, not before the forward
+        before_sampling = read_previous if any(s.seq.constraint is not None for s in scheduled) else None
+        while scheduled:
+            try:
+                return self.runner.step(scheduled, previous, before_sampling)
+            except RequestFailed as failure:
+                failed.append(self._fail(failure.seq, failure.error))
+                scheduled = [s for s in scheduled if s.seq is not failure.seq]
+        return None
+
+    def _fail(self, seq: Sequence, error: BaseException) -> StepOutput:
+        """Ends ``seq`` with ``error``, freeing its blocks, state slot and grammar."""
+        reason = log_failure(seq.request_id, error)
+        self.scheduler.finish(seq, "error")
+        seq.constraint = None
+        self.sequences.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], finish_reason="error", error=reason)
 
     def _read_back(self, sampled: SampledTokens) -> list[StepOutput]:
         result = sampled.result()
-        return [
-            self._append(seq, token, logprobs)
-            for seq, token, logprobs in zip(sampled.seqs, result.token_ids, result.logprobs)
-            if not seq.finished  # stopped or aborted since this step was launched
-        ]
+        outputs = []
+        for seq, token, logprobs in zip(sampled.seqs, result.token_ids, result.logprobs):
+            if seq.finished:  # stopped or aborted since this step was launched
+                continue
+            try:
+                outputs.append(self._append(seq, token, logprobs))
+            except Exception as error:  # noqa: BLE001 - its grammar refusing the token, say: it fails alone
+                outputs.append(self._fail(seq, error))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
         assert seq.token_ids[-1] == PENDING

@@ -51,6 +51,11 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.2f} GiB"
 
 
+def readable(num_bytes: float) -> str:
+    """In GiB, or MiB below one GiB."""
+    return gib(num_bytes) if num_bytes >= GiB else f"{num_bytes / (1 << 20):.2f} MiB"
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """What an engine measured on its device, in bytes."""
@@ -308,13 +313,49 @@ def held_by_every_rank(plan: MemoryPlan, tp: TensorParallel) -> MemoryPlan:
                                num_snapshot_slots=num_snapshot_slots)  # fmt: skip
 
 
+def blocks_of_a_sequence(max_model_len: int, window: int | None, block_size: int, step_tokens: int) -> int:
+    """The blocks a pool needs for one sequence of ``max_model_len`` tokens (with a window: and one step's
+    prompt tokens, written before the window moves past them)."""
+    needed = blocks_kept(max_model_len, window, block_size)
+    if window is not None:
+        needed = min(-(-max_model_len // block_size), needed + -(-step_tokens // block_size))
+    return needed
+
+
+def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
+               available: int, where: str) -> None:  # fmt: skip
+    """Refuses, before any weight is read, a model whose weights (``model``: built on the meta device as the
+    engine builds it, so in its dtype and split over its ranks) and the KV cache of one sequence of
+    ``max_model_len`` tokens need more than the ``available`` bytes of ``where``."""
+    layout, cache = CacheLayout.of(model), config.cache
+    block_bytes = layout.block_bytes(cache.block_size, get_format(cache.kv_cache_dtype), dtype)
+    step_tokens = config.scheduler.max_num_batched_tokens
+    kv = layout.slot_bytes(dtype) + sum(
+        b * blocks_of_a_sequence(max_model_len, group.window, cache.block_size, step_tokens)
+        for group, b in zip(layout.groups, block_bytes)
+    )
+    weights = tensor_bytes(model)
+    if weights + kv <= available:
+        return
+    raise ValueError(
+        f"the model does not fit in {where}: its weights take {readable(weights)} and the KV cache of one "
+        f"{max_model_len}-token sequence {readable(kv)}, {readable(weights + kv)} in all, and {readable(available)} are "
+        f"available: use a smaller or quantized model, a shorter context (--max-model-len), split it over "
+        f"devices (--d 0,1), or free memory"
+    )
+
+
+def available_bytes(memory: DeviceMemory | None) -> int:
+    """What the device can still hand out: its free memory, or where the backend keeps no statistics
+    (it computes in host memory), the host's available memory."""
+    return memory.info()[0] if memory is not None else available_host_memory()
+
+
 def check_pool_holds_a_sequence(
     pool: PoolPlan, max_model_len: int, block_size: int, step_tokens: int, blocks_given: bool = False
 ) -> None:
     """One sequence of ``max_model_len`` tokens must fit in ``pool`` (``blocks_given``: sized by num_blocks)."""
-    needed = blocks_kept(max_model_len, pool.window, block_size)
-    if pool.window is not None:
-        needed = min(-(-max_model_len // block_size), needed + -(-step_tokens // block_size))
+    needed = blocks_of_a_sequence(max_model_len, pool.window, block_size, step_tokens)
     if pool.num_blocks >= needed:
         return
     shadows = (f" beside the recent window's {pool.num_shadows} exact blocks (a smaller --kv-recent-window or "

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from xinfer.engine.engine import LLMEngine, StepOutput
+from xinfer.engine.failures import log_failure
 from xinfer.engine.stop import TextStream
 from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.sampling import SamplingParams
@@ -28,6 +29,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None  # None: not asked for
+    error: str | None = None  # why the engine failed this choice (finish reason "error")
 
     @property
     def finished(self) -> bool:
@@ -74,7 +76,7 @@ class RequestOutput:
             choice.token_ids += new.token_ids
             if choice.logprobs is not None:
                 choice.logprobs += new.logprobs or []
-            choice.finish_reason, choice.stop_reason = new.finish_reason, new.stop_reason
+            choice.finish_reason, choice.stop_reason, choice.error = new.finish_reason, new.stop_reason, new.error
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         self.finished = all(o.finished for o in self.outputs)
 
@@ -144,20 +146,27 @@ class OutputProcessor:
     def _apply(self, out: StepOutput) -> RequestOutput:
         choice = self._choices[out.request_id]
         header = choice.header
-        text, stop_string = choice.text.push(out.token_ids)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if stop_string is not None:
+        finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
+        try:
+            text, stop_string = choice.text.push(out.token_ids)
+            if stop_string is not None:
+                if not out.finished:
+                    self.engine.abort(out.request_id)
+                finish_reason, stop_reason = "stop", stop_string
+            if finish_reason is not None:
+                text += choice.text.finish()
+        except Exception as failure:  # noqa: BLE001 - its detokenizing or stop strings: it fails alone
             if not out.finished:
                 self.engine.abort(out.request_id)
-            finish_reason, stop_reason = "stop", stop_string
+            text, finish_reason, stop_reason, error = "", "error", None, log_failure(out.request_id, failure)
         if finish_reason is not None:
-            text += choice.text.finish()
             del self._choices[out.request_id]
         finished = not any(s in self._choices for s in self._requests[header.request_id])
         if finished:
             del self._requests[header.request_id]
         header.num_cached_tokens = max(header.num_cached_tokens, out.num_cached_tokens)
-        delta = CompletionOutput(choice.index, text, out.token_ids, finish_reason, stop_reason, out.logprobs or None)
+        delta = CompletionOutput(choice.index, text, out.token_ids, finish_reason, stop_reason, out.logprobs or None,
+                                 error)  # fmt: skip
         # not dataclasses.replace: this runs for every sequence every step, and replace costs ~5 µs
         return RequestOutput(header.request_id, header.prompt, header.prompt_token_ids, [delta], finished,
                              header.num_cached_tokens)  # fmt: skip

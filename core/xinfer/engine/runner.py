@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from xinfer import ops
+from xinfer.engine.failures import RequestFailed
 from xinfer.engine.sampler import SampledTokens, Sampler
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING
@@ -184,30 +185,35 @@ class ModelRunner:
         return DeviceTokens(index_and_source[0], previous.tokens.index_select(0, index_and_source[1]))
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> HostBatch:
+        """The host's flat batch of ``scheduled``; raises :class:`RequestFailed` naming the sequence whose
+        packing failed (nothing is launched yet: the step can be packed again without it)."""
         batch = HostBatch([], [], [0], [], [], [PageBatch() for _ in range(self.num_page_groups)])
         whole: list[MultiModalSlice] = []
         for item in scheduled:
-            seq, start, end = item.seq, item.seq.num_computed_tokens, item.context_len
-            batch.input_ids += seq.token_ids[start:end]
-            batch.positions += seq.positions(start, end) if seq.multimodal else range(start, end)
-            batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
-            batch.seq_lens.append(end)
-            if seq.multimodal:
-                slices = slices_of(seq.multimodal, batch.cu_seqlens_q[-2], start, end)
-                batch.multimodal += slices
-                whole += slices if seq.whole_items else []
-            for page, table in zip(batch.pages, seq.pages):
-                page.slot_mapping += [self.slot(table.blocks, p) for p in range(start, end)]
-                page.block_tables.append(table.blocks)
-                if table.shadows:
-                    page.shadows = page.shadows or PageBatch()
-                    page.shadows.block_tables.append(table.shadows)
-                    page.shadows.slot_mapping += [self.slot(table.shadows, p) for p in range(start, end)]
-            if self.has_state:
-                assert seq.state_slot is not None
-                batch.state_slots.append(seq.state_slot)
-            if item.completes_prompt:
-                batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
+            try:  # no cost where nothing raises (Python 3.11's exception tables); inlined: a call per row costs
+                seq, start, end = item.seq, item.seq.num_computed_tokens, item.context_len
+                batch.input_ids += seq.token_ids[start:end]
+                batch.positions += seq.positions(start, end) if seq.multimodal else range(start, end)
+                batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + item.num_new_tokens)
+                batch.seq_lens.append(end)
+                if seq.multimodal:
+                    slices = slices_of(seq.multimodal, batch.cu_seqlens_q[-2], start, end)
+                    batch.multimodal += slices
+                    whole += slices if seq.whole_items else []
+                for page, table in zip(batch.pages, seq.pages):
+                    page.slot_mapping += [self.slot(table.blocks, p) for p in range(start, end)]
+                    page.block_tables.append(table.blocks)
+                    if table.shadows:
+                        page.shadows = page.shadows or PageBatch()
+                        page.shadows.block_tables.append(table.shadows)
+                        page.shadows.slot_mapping += [self.slot(table.shadows, p) for p in range(start, end)]
+                if self.has_state:
+                    assert seq.state_slot is not None
+                    batch.state_slots.append(seq.state_slot)
+                if item.completes_prompt:
+                    batch.sample_rows.append(batch.cu_seqlens_q[-1] - 1)
+            except Exception as error:  # that request's failure, told to the engine
+                raise RequestFailed(item.seq, error) from error
         if whole:  # each query sees up to itself, the tokens of such an item up to the item's end
             batch.key_limits = [p for item in scheduled for p in range(item.seq.num_computed_tokens, item.context_len)]
             for piece in whole:

@@ -44,6 +44,7 @@ class SampledTokens:
 
     def __init__(self, seqs: list[Sequence], tokens: Tensor, logprobs: Tensor | None):
         self.seqs, self.tokens = seqs, tokens
+        self.failures: list[tuple[Sequence, Exception]] = []  # sequences of the step whose draw failed, left out
         self.num_top = [s.params.logprobs for s in seqs]
         found = [tokens]
         if logprobs is not None:
@@ -97,7 +98,14 @@ class Sampler:
     def __call__(self, logits: Tensor, seqs: list[Sequence], tokens: Tensor | None = None) -> SampledTokens:
         """The tokens of ``seqs`` from their ``logits``; ``tokens``: already drawn from
         these logits with :meth:`rows` (inside a recorded step), unless penalties or
-        min_tokens change the logits first."""
+        min_tokens change the logits first. Sequences whose own draw fails are left out,
+        in :attr:`SampledTokens.failures`."""
+        try:
+            return self._draw(logits, seqs, tokens)
+        except Exception as error:  # noqa: BLE001 - a request's parameters or grammar, or the batch's: found below
+            return self._without_failing_rows(logits, seqs, tokens, error)
+
+    def _draw(self, logits: Tensor, seqs: list[Sequence], tokens: Tensor | None) -> SampledTokens:
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
         raw_logprobs = logits.float().log_softmax(-1) if wants_logprobs else None
         if any(adjusts_logits(s) for s in seqs):
@@ -111,6 +119,32 @@ class Sampler:
         if tokens is None:
             tokens = ops.sample(logits, SamplingBatch.of(self.rows(seqs)).to(logits.device))
         return SampledTokens(seqs, tokens, raw_logprobs)
+
+    def _without_failing_rows(
+        self, logits: Tensor, seqs: list[Sequence], tokens: Tensor | None, error: Exception
+    ) -> SampledTokens:
+        """After a draw failed: each row drawn alone (from a copy: grammar masks are applied in place) finds
+        the sequences whose own draw fails; the others are drawn again together. A draw depends only on its
+        row's logits, seed and position, so they get the tokens they would have had. Where no row fails
+        alone, or every row of several does (a device error, say), the batch failed: ``error`` is raised."""
+        failures: list[tuple[Sequence, Exception]] = []
+        for row, seq in enumerate(seqs):
+            try:
+                self._draw(logits[row : row + 1].clone(), [seq], None if tokens is None else tokens[row : row + 1])
+            except Exception as failure:  # noqa: BLE001 - that sequence's own
+                failures.append((seq, failure))
+        if not failures or len(failures) == len(seqs) > 1:
+            raise error
+        failed = {id(seq) for seq, _ in failures}
+        kept = [row for row, seq in enumerate(seqs) if id(seq) not in failed]
+        index = torch.tensor(kept, dtype=torch.int64, device=logits.device)
+        if kept:
+            sampled = self._draw(logits.index_select(0, index), [seqs[row] for row in kept],
+                                 None if tokens is None else tokens.index_select(0, index))  # fmt: skip
+        else:
+            sampled = SampledTokens([], index, None)
+        sampled.failures = failures
+        return sampled
 
 
 def wants_mask(seq: Sequence) -> bool:
