@@ -46,3 +46,21 @@ def test_logprobs_and_penalties_are_computed_in_fp32():
     seen = torch.tensor([1, 2, 3])
     penalized[seen] = torch.where(penalized[seen] > 0, penalized[seen] / 1.3, penalized[seen] * 1.3)
     assert out.token_ids[1] == penalized.argmax().item()
+
+
+def test_logit_bias_is_added_before_the_penalties_as_transformers_and_vllm_do():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    logits = torch.tensor([[2.0, 2.9, -5.0, -1.0], [-0.5, -1.2, -5.0, 0.3]])
+    prompt = [0, 3]
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 2.0}),
+              SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 1.0, 3: -1.0})]  # fmt: skip
+    batch = [Sequence(f"s{i}", prompt, p, num_prompt_tokens=2) for i, p in enumerate(params)]
+    expected = []
+    for row, p in zip(logits, params):
+        scores, ids = row[None].clone(), torch.tensor([prompt])
+        scores = SequenceBiasLogitsProcessor({(t,): b for t, b in p.logit_bias.items()})(ids, scores)
+        expected.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores).argmax().item())
+    # penalised after the bias: (2 + 2) / 2 < 2.9; and (-0.5 + 1) / 2 > (0.3 - 1) * 2, -1.2
+    assert expected == [1, 0]
+    assert sample(logits.clone(), batch).token_ids == expected

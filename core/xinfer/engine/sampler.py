@@ -2,8 +2,9 @@
 
 The draw itself is one backend op over the whole batch (:meth:`xinfer.ops.Ops.sample`,
 defined by :mod:`xinfer.torch_sampling`), which a backend that records steps runs
-inside the step's recording. Penalties, logit biases and min_tokens change the logits
-first; a batch with any of them is sampled here, after the step, from the adjusted logits.
+inside the step's recording. Logit biases, then penalties (in the order of transformers'
+and vLLM's processors), and min_tokens change the logits first; a batch with any of them
+is sampled here, after the step, from the adjusted logits.
 Logprobs are of the model's own distribution, before penalties. A row with a grammar
 (structured outputs) has the tokens its grammar forbids masked out after the penalties
 (:func:`apply_grammar_masks`, the one place masks are applied); a batch without any
@@ -110,7 +111,7 @@ class Sampler:
         raw_logprobs = logits.float().log_softmax(-1) if wants_logprobs else None
         if any(adjusts_logits(s) for s in seqs):
             logits = logits.to(torch.float32, copy=True)
-            logits = mask_stop_tokens_before_min_tokens(apply_logit_bias(apply_penalties(logits, seqs), seqs), seqs)
+            logits = mask_stop_tokens_before_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs)
             tokens = None
         constrained = [(row, s.constraint) for row, s in enumerate(seqs) if s.constraint is not None and wants_mask(s)]
         if constrained:
