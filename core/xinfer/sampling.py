@@ -94,12 +94,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+
+# vLLM's: below it a temperature is greedy (1 / T would overflow float32 near 1e-39, and the draw is the argmax anyway)
+GREEDY_BELOW = 1e-5
 
 INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
 OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
@@ -129,7 +132,7 @@ class SamplingBatch:
     of one byte buffer (:meth:`nbytes` of them): a batch travels to the device in one
     copy, alone (:meth:`to`) or as part of a recorded step's input buffer.
 
-    ``temperature`` 0 is greedy; ``top_k`` 0 is off; ``seed`` and ``position`` (the
+    ``temperature`` 0 is greedy (a request's below :data:`GREEDY_BELOW` is written as 0); ``top_k`` 0 is off; ``seed`` and ``position`` (the
     index in its sequence of the token being drawn) key each row's noise. Rows past
     the ones written are greedy padding. Row ``i`` of a batch samples row ``i`` of
     the logits (:meth:`xinfer.ops.Ops.sample`); a batch may hold more rows than them."""
@@ -174,7 +177,7 @@ class SamplingBatch:
         ints += [row.position for row in rows] + pad
         ints += [row.params.top_k for row in rows] + pad
         zeros = [0.0] * len(pad)
-        floats = [row.params.temperature for row in rows] + zeros
+        floats = [0.0 if row.params.greedy else row.params.temperature for row in rows] + zeros
         floats += [row.params.top_p for row in rows] + [1.0] * len(pad)
         floats += [row.params.min_p for row in rows] + zeros
         struct.pack_into(f"<{len(ints)}q{len(floats)}f", self.buffer.numpy().data, 0, *ints, *floats)

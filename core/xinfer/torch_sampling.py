@@ -3,8 +3,8 @@
 
 Row ``b`` with temperature ``T > 0`` draws from ``softmax(s)``, ``s = logits * (1 / T)``,
 restricted to the tokens that pass top-k, then top-p over the top-k renormalised
-distribution, then min-p, and renormalised (vLLM's order). Every filter keeps an upper
-set of ``s``, ties included:
+distribution, then min-p, and renormalised (the order of transformers' warpers). Every
+filter keeps an upper set of ``s``, ties included:
 
 - top-k: ``s >= `` the k-th largest ``s``;
 - top-p: the mass of the tokens strictly above it is ``< top_p`` of the top-k mass (the

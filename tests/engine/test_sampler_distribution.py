@@ -1,7 +1,7 @@
 """The torch reference sampler draws exactly the filtered softmax: frequencies over many
 draws (a row per position, fixed seeds: the test's outcome is fixed) against the
-distribution computed here by sorting, as vLLM defines the filters; a token outside the
-kept set is never drawn, and ties at a boundary are kept together."""
+distribution that transformers' warpers leave, applied in the order ``generate`` applies
+them; a token outside the kept set is never drawn, and ties at a boundary are kept together."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import math
 
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
 from xinfer.torch_sampling import mix, sample
@@ -18,16 +24,15 @@ DRAWS = 40_000
 
 
 def filtered_softmax(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """top-k, then top-p over the renormalised top-k, then min-p, renormalised."""
-    s = logits.double() / p.temperature
-    order = s.argsort(descending=True)
-    probs = torch.zeros_like(s)
-    kept = order[: p.top_k] if p.top_k else order
-    probs[kept] = torch.softmax(s[kept], 0)
-    mass_before = probs[order].cumsum(0) - probs[order]
-    probs[order[mass_before >= p.top_p - 1e-12]] = 0.0
-    probs[probs < p.min_p * probs.max()] = 0.0
-    return probs / probs.sum()
+    """transformers' temperature, top-k, top-p and min-p warpers, in ``generate``'s order."""
+    warpers = [TemperatureLogitsWarper(p.temperature)]
+    warpers += [TopKLogitsWarper(p.top_k)] if p.top_k else []
+    warpers += [TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []
+    warpers += [MinPLogitsWarper(p.min_p)] if p.min_p else []
+    scores, no_input = logits[None].double(), torch.zeros(1, 0, dtype=torch.long)
+    for warper in warpers:
+        scores = warper(no_input, scores)
+    return torch.softmax(scores[0], 0)
 
 
 def chi_square_critical(df: int, z: float = 3.719) -> float:
@@ -72,6 +77,14 @@ def test_ties_at_a_boundary_are_kept_together():
     # top-p: mass strictly above tokens 1..3 is token 0's, below 0.6: all three are kept
     tokens = draw(logits, SamplingParams(temperature=1.0, top_p=0.55), n=4000)
     assert set(tokens.tolist()) == {0, 1, 2, 3}
+
+
+def test_a_temperature_below_vllm_s_epsilon_is_greedy():
+    # vLLM samples greedily below 1e-5; near 1e-39, 1 / T overflows float32 and would draw garbage
+    logits = torch.tensor([[0.0, 1.0, 3.0, -1.0, 2.5]])
+    for temperature in (1e-6, 1e-30, 1e-39, 1e-44):
+        rows = [SampledRow(SamplingParams(temperature=temperature), seed, 0) for seed in range(8)]
+        assert sample(logits.expand(8, -1), SamplingBatch.of(rows)).tolist() == [2] * 8, temperature
 
 
 def test_greedy_rows_and_a_row_s_draw_do_not_depend_on_the_batch():
