@@ -64,3 +64,16 @@ def test_logit_bias_is_added_before_the_penalties_as_transformers_and_vllm_do():
     # penalised after the bias: (2 + 2) / 2 < 2.9; and (-0.5 + 1) / 2 > (0.3 - 1) * 2, -1.2
     assert expected == [1, 0]
     assert sample(logits.clone(), batch).token_ids == expected
+
+
+def test_logprobs_are_the_raw_model_distribution_whatever_changes_the_draw():
+    # vLLM's default logprobs_mode, raw_logprobs: the log-softmax of the model's logits, before
+    # temperature, penalties, logit_bias and the filters; the chosen token's entry is of the same
+    logits = bf16_logits(1)
+    forced = int(logits[0].float().argmin())
+    params = SamplingParams(temperature=0.5, top_k=3, repetition_penalty=1.5, logit_bias={forced: 100.0}, logprobs=4)
+    out = sample(logits.clone(), seqs(params))
+    raw = logits[0].float().log_softmax(-1)
+    assert out.token_ids == [forced]
+    top = raw.topk(4)
+    assert out.logprobs[0] == {forced: raw[forced].item(), **dict(zip(top.indices.tolist(), top.values.tolist()))}
