@@ -11,12 +11,18 @@ import pytest
 import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
+from xinfer import ops
+from xinfer.engine.sampler import Sampler
+from xinfer.engine.sequence import Sequence
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
+from xinfer.torch_ops import TorchOps
 from xinfer.torch_sampling import mix, sample
 
 LOGITS = torch.tensor([3.1, 2.9, 2.5, 2.4, 2.0, 1.7, 1.5, 1.1, 0.8, 0.6, 0.2, -0.3, -0.9, -1.4, -2.2, -3.0])
@@ -104,3 +110,30 @@ def test_noise_hash_is_a_bijection_of_32_bit_words():
     words = torch.arange(1 << 16, dtype=torch.int64) * 65_537 % (1 << 32)
     assert mix(words).unique().numel() == words.numel()
     assert int(mix(torch.tensor([0xFFFFFFFF])).max()) < 1 << 32
+
+
+def test_frequencies_with_penalties_and_bias_follow_transformers_processors():
+    # the sampler's adjusted logits, drawn from: logit bias, repetition penalty (prompt and output), then
+    # OpenAI's frequency and presence penalties (output), as transformers' and vLLM's processors apply them
+    logits = LOGITS[:10]
+    prompt, output = [0, 4], [1, 1, 2]
+    bias, n = {3: 1.5, 0: -2.0, 4: 2.0}, 20_000  # 0 and 4 are in the prompt
+    params = dict(temperature=0.8, top_k=7, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.4)
+    batch = [
+        Sequence(f"s{i}", prompt + output, SamplingParams(**params, logit_bias=bias, seed=i), num_prompt_tokens=2)
+        for i in range(n)
+    ]
+    with ops.use(TorchOps()):
+        tokens = Sampler(torch.device("cpu"))(logits.expand(n, -1).clone(), batch).result().token_ids
+    ids = torch.tensor([prompt + output])
+    scores = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(ids, logits[None].clone())
+    scores = RepetitionPenaltyLogitsProcessor(1.4)(ids, scores)[0]
+    counts_out = torch.bincount(torch.tensor(output), minlength=len(logits)).float()
+    scores = scores - 0.3 * counts_out - 0.4 * (counts_out > 0).float()
+    expected = filtered_softmax(scores, SamplingParams(temperature=0.8, top_k=7))
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(logits)).double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, counts
+    expected_counts = expected[kept] * n
+    statistic = ((counts[kept] - expected_counts) ** 2 / expected_counts).sum().item()
+    assert statistic < chi_square_critical(int(kept.sum()) - 1), (statistic, counts[kept], expected_counts)
