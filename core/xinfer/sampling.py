@@ -101,7 +101,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-# vLLM's: below it a temperature is greedy (1 / T would overflow float32 near 1e-39, and the draw is the argmax anyway)
+# vLLM's: a temperature below it is greedy (the draw is the argmax but for ties; near 1e-39, 1 / T overflows float32)
 GREEDY_BELOW = 1e-5
 
 INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
@@ -132,8 +132,9 @@ class SamplingBatch:
     of one byte buffer (:meth:`nbytes` of them): a batch travels to the device in one
     copy, alone (:meth:`to`) or as part of a recorded step's input buffer.
 
-    ``temperature`` 0 is greedy (a request's below :data:`GREEDY_BELOW` is written as 0); ``top_k`` 0 is off; ``seed`` and ``position`` (the
-    index in its sequence of the token being drawn) key each row's noise. Rows past
+    ``temperature`` 0 is greedy (a request's below :data:`GREEDY_BELOW` is written as 0);
+    ``top_k`` 0 is off; ``seed`` and ``position`` (the index in its sequence of the token
+    being drawn) key each row's noise. Rows past
     the ones written are greedy padding. Row ``i`` of a batch samples row ``i`` of
     the logits (:meth:`xinfer.ops.Ops.sample`); a batch may hold more rows than them."""
 
