@@ -141,6 +141,34 @@ ROWS = [
     ),
     ("embedding of nothing", "/v1/embeddings", {"input": []}, {}, 400, None, "empty"),
     ("tokenize with prompt and messages", "/tokenize", {"prompt": "a", "messages": HI}, {}, 400, None, "exactly one"),
+    (
+        "tokenize an image on a text-only model",  # as a chat completion refuses it
+        "/tokenize",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        {},
+        400,
+        "messages.0.content.0.image_url",
+        "text only",
+    ),
+    # each prompt times n is a sequence; more than the queue takes (--max-waiting, 256 here) are refused at once
+    (
+        "completion of more sequences than the queue",
+        COMPLETIONS,
+        {"prompt": ["a"] * 200, "n": 2, "max_tokens": 1},
+        {},
+        400,
+        "prompt",
+        "400 sequences",
+    ),
+    (
+        "completion of a million sequences",
+        COMPLETIONS,
+        {"prompt": [[1]] * 10**5, "n": 10, "max_tokens": 1},
+        {},
+        400,
+        "prompt",
+        "at most 256",
+    ),
     ("detokenize a negative id", "/detokenize", {"tokens": [-3]}, {}, 400, "tokens", "token ids"),
     ("unknown route", "/v1/nothing-here", {}, {}, 404, None, "/v1/nothing-here"),
 ]

@@ -298,6 +298,12 @@ class CompletionRequest(SamplingFields):
         return self
 
     @property
+    def num_prompts(self) -> int:
+        """One for a string or a list of token ids, else the list's length."""
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt) else len(prompt)
+
+    @property
     def token_limit(self) -> int | None:
         return self.max_tokens
 

@@ -109,6 +109,7 @@ class Serving:
         """Queues a request's prompts, each with the body's ``n`` choices (``multimodal``: where the
         images of a one-prompt request go); a constraint (structured outputs) applies after
         ``after_token_id`` where one is given."""
+        self.check_sequences(len(prompts), body.n)
         constraint = structured_outputs(body, after_token_id)
         entries: list[Any] = [
             (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
@@ -118,11 +119,24 @@ class Serving:
             entries = [(*entries[0], multimodal)]
         return await self._ask(request, self.engine.submit(entries))
 
-    async def images(self, urls: list[tuple[str, str]]) -> list[Image.Image]:
-        """The images of a request (URL, request field), checked against the model and the media policy."""
-        if not self.llm.modalities:
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """A request may ask for as many sequences (its prompts times ``n``) as the queue holds (``--max-waiting``):
+        more could never run beside other clients' requests, and would hold the engine for all of them."""
+        limit = self.engine.max_waiting
+        if num_prompts * n > limit:
+            asked = f"{num_prompts} prompts, n={n} each" if num_prompts > 1 else f"n={n}"
+            raise bad_request(f"the request asks for {num_prompts * n} sequences ({asked}); this server takes at most "
+                              f"{limit} per request (--max-waiting)", param="prompt" if num_prompts > 1 else "n")  # fmt: skip
+
+    def check_takes_images(self, urls: list[tuple[str, str]]) -> None:
+        """Images (URL, request field) are refused, naming the first, by a model that takes text only."""
+        if urls and not self.llm.modalities:
             raise bad_request(f"the model {self.model_name!r} takes text only: it cannot read images",
                               param=urls[0][1])  # fmt: skip
+
+    async def images(self, urls: list[tuple[str, str]]) -> list[Image.Image]:
+        """The images of a request (URL, request field), checked against the model and the media policy."""
+        self.check_takes_images(urls)
         self.media.check_count("image", len(urls), urls[-1][1])
         return await asyncio.to_thread(lambda: [self.media.load_image(url, param) for url, param in urls])
 
