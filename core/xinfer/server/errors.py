@@ -65,6 +65,15 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class FieldError(ValueError):
+    """A body's problem found by a check of several fields (a model validator), naming the field at fault
+    (``param``, dotted, below the validated object), which pydantic cannot tell from where it was raised."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 
@@ -92,6 +101,9 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
     problems = error.errors()
     first = problems[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, FieldError):
+        loc += cause.param.split(".")
     for other in problems[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
         shared = [str(p) for p in other.get("loc", ()) if p != "body"]
         common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))

@@ -110,6 +110,9 @@ class Serving:
         images of a one-prompt request go); a constraint (structured outputs) applies after
         ``after_token_id`` where one is given."""
         self.check_sequences(len(prompts), body.n)
+        if body.logit_bias and max(map(int, body.logit_bias)) >= self.vocab_size:
+            raise bad_request(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}, got "
+                              f"{max(map(int, body.logit_bias))}", param="logit_bias")  # fmt: skip
         constraint = structured_outputs(body, after_token_id)
         entries: list[Any] = [
             (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
