@@ -196,25 +196,28 @@ def document_turn(source: dict) -> dict:
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "system", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0: "),  # no text
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
         (document_turn({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}), "'base64'"),
         (document_turn({"type": "text", "media_type": "text/html", "data": "<p>Hi</p>"}), "text/plain"),
         (
             {
+                "system": "Be brief.",  # the chat request's first message: the error names the block in this body
                 "messages": [
                     {
                         "role": "user",
                         "content": [
+                            {"type": "text", "text": "What is it?"},
                             {
                                 "type": "image",
                                 "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
-                            }
+                            },
                         ],
                     }
-                ]
+                ],
             },
-            "text only",
+            "messages.0.content.1: this model takes text only",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
         ({"stop_sequences": [""]}, "stop_sequences: stop strings"),

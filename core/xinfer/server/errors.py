@@ -43,8 +43,9 @@ class APIError(Exception):
 
     def body(self, path: str = "") -> dict:
         """The error's body in the shape of the API that ``path`` belongs to."""
-        if is_anthropic(path):
-            return anthropic_error_body(self.status, self.message)
+        if is_anthropic(path):  # Anthropic's error has no param: the message names the field
+            named = self.param is None or self.message.startswith(self.param)
+            return anthropic_error_body(self.status, self.message if named else f"{self.param}: {self.message}")
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self, path: str = "") -> JSONResponse:
