@@ -309,3 +309,6 @@ def test_models_through_the_anthropic_client(claude, model):
     assert [m.id for m in listed] == [model] and listed[0].type == "model" and listed[0].display_name
     retrieved = claude.models.retrieve(model)
     assert retrieved.created_at == listed[0].created_at and retrieved.created_at.tzinfo is not None
+    # the client's parser constructs them unchecked: its type validates every field it requires (lifecycle)
+    for card in (*listed, retrieved):
+        assert anthropic.types.ModelInfo.model_validate(card.model_dump()).lifecycle == "active"

@@ -187,6 +187,8 @@ def test_embeddings_similarity(client, model):
     assert abs(cosine(first, same) - 1) < 1e-4
     assert cosine(first, other) < 0.999
     assert reply.usage.prompt_tokens > 0
+    assert reply.usage.model_dump() == {"prompt_tokens": reply.usage.prompt_tokens,  # OpenAI's fields, no others
+                                        "total_tokens": reply.usage.prompt_tokens}  # fmt: skip
     alone = client.embeddings.create(model=model, input=text).data[0].embedding
     assert abs(cosine(first, alone) - 1) < 1e-4
 
