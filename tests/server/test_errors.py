@@ -24,7 +24,15 @@ def chat(**fields):
 ROWS = [
     ("missing messages", CHAT, {"max_tokens": 2}, {}, 400, "messages", "required"),
     ("empty messages", CHAT, {"messages": []}, {}, 400, "messages", "at least 1"),
-    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages.0.role", ""),
+    (
+        "unknown role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {},
+        400,
+        "messages.0.role",
+        'got "wizard"',
+    ),
     ("content of wrong type", CHAT, {"messages": [{"role": "user", "content": 42}]}, {}, 400, None, "content"),
     ("user message without content", CHAT, {"messages": [{"role": "user"}]}, {}, 400, "messages.0.content", "content"),
     (
@@ -54,10 +62,10 @@ ROWS = [
         "messages.0.content.0",
         "needs its text",
     ),
-    ("temperature as a string", CHAT, chat(temperature="hot"), {}, 400, "temperature", ""),
+    ("temperature as a string", CHAT, chat(temperature="hot"), {}, 400, "temperature", 'got "hot"'),
     ("temperature a number in a string", CHAT, chat(temperature="0.5"), {}, 400, "temperature", ""),
     ("negative temperature", CHAT, chat(temperature=-1), {}, 400, "temperature", "0"),
-    ("temperature too high", CHAT, chat(temperature=5), {}, 400, "temperature", "2"),
+    ("temperature too high", CHAT, chat(temperature=5), {}, 400, "temperature", "equal to 2, got 5"),
     ("top_p zero", CHAT, chat(top_p=0), {}, 400, "top_p", ""),
     ("presence_penalty out of range", CHAT, chat(presence_penalty=3), {}, 400, "presence_penalty", ""),
     ("max_tokens zero", CHAT, chat(max_tokens=0), {}, 400, "max_tokens", "1"),
@@ -72,7 +80,7 @@ ROWS = [
         "max_completion_tokens",
         "lower max_completion_tokens",
     ),
-    ("n zero", CHAT, chat(n=0), {}, 400, "n", ""),
+    ("n zero", CHAT, chat(n=0), {}, 400, "n", "got 0"),
     ("n huge", CHAT, chat(n=10_000), {}, 400, "n", "128"),
     ("seed beyond int64", CHAT, chat(seed=2**70), {}, 400, "seed", ""),
     ("top_k beyond int64", CHAT, chat(top_k=2**63), {}, 400, "top_k", ""),  # the engine died on it

@@ -8,8 +8,10 @@ unexpected exception becomes a 500 that names no internals.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -116,7 +118,17 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
     if first.get("type") == "model_type" and not loc:
         return bad_request("the body must be a JSON object")
     more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    message += given(first)
     return bad_request(f"{param}: {message}{more}" if param else f"{message}{more}", param)
+
+
+def given(problem: Any) -> str:
+    """``, got VALUE`` (as JSON) for a problem with a single value (a number, a string: cut at 80 characters)."""
+    value = problem.get("input")
+    if problem.get("type") == "missing" or not (value is None or isinstance(value, str | int | float)):
+        return ""
+    text = json.dumps(value)
+    return f", got {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
