@@ -312,3 +312,37 @@ def test_models_through_the_anthropic_client(claude, model):
     # the client's parser constructs them unchecked: its type validates every field it requires (lifecycle)
     for card in (*listed, retrieved):
         assert anthropic.types.ModelInfo.model_validate(card.model_dump()).lifecycle == "active"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"system": [{"type": "text", "text": SYSTEM}], "metadata": {"user_id": "u"}},
+        {"stop_sequences": ["a", "."], "max_tokens": 3},
+        {
+            "tools": [
+                {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+            ],
+            "tool_choice": {"type": "any"},
+        },
+    ],
+    ids=["system blocks", "stop sequence", "tool use"],
+)
+def test_bodies_and_events_are_the_clients_types(server, model, options):
+    """Validated by the client's own pydantic types (its parser constructs them unchecked), in Anthropic's order."""
+    import typing
+
+    event_types = {typing.get_args(kind.model_fields["type"].annotation)[0]: kind
+                   for kind in typing.get_args(typing.get_args(anthropic.types.RawMessageStreamEvent)[0])}  # fmt: skip
+    body = {"model": model, "max_tokens": 30, "messages": TURNS, **GREEDY} | options
+    whole = anthropic.types.Message.model_validate(server.post("/v1/messages", json=body).json())
+    assert whole.id.startswith("msg_") and whole.stop_reason in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+    assert (whole.stop_reason == "stop_sequence") == (whole.stop_sequence is not None)
+    events = [(name, data) for name, data in server.events("/v1/messages", body | {"stream": True})
+              if data["type"] != "ping"]  # fmt: skip
+    for name, data in events:
+        assert name == data["type"]
+        event_types[data["type"]].model_validate(data)
+    kinds = [data["type"] for _, data in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[-2][1]["delta"]["stop_reason"] == whole.stop_reason
