@@ -33,6 +33,15 @@ ROWS = [
         "messages.0.role",
         'got "wizard"',
     ),
+    (
+        "text part of wrong type",  # the parts' problem, not the string alternative's
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        {},
+        400,
+        "messages.0.content.0.text",
+        "got 5",
+    ),
     ("content of wrong type", CHAT, {"messages": [{"role": "user", "content": 42}]}, {}, 400, None, "content"),
     ("user message without content", CHAT, {"messages": [{"role": "user"}]}, {}, 400, "messages.0.content", "content"),
     (
@@ -109,6 +118,16 @@ ROWS = [
         "logit_bias",
         str(10**7),
     ),
+    (
+        "stop_token_ids outside the vocabulary",
+        CHAT,
+        chat(stop_token_ids=[2, 10**7]),
+        {},
+        400,
+        "stop_token_ids",
+        str(10**7),
+    ),
+    ("negative stop_token_ids", CHAT, chat(stop_token_ids=[-1]), {}, 400, "stop_token_ids", "-1"),
     ("logit_bias negative token id", CHAT, chat(logit_bias={"-1": 1}), {}, 400, "logit_bias", "-1"),
     (
         "json_schema response format",

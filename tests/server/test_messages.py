@@ -198,6 +198,14 @@ def document_turn(source: dict) -> dict:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0: "),  # no text
+        (  # the list's problem, not the string alternative's
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}
+                ]
+            },
+            "messages.0.content.0.input: Input should be an object",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
         (document_turn({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}), "'base64'"),
         (document_turn({"type": "text", "media_type": "text/html", "data": "<p>Hi</p>"}), "text/plain"),

@@ -167,6 +167,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context
         ({"temperature": 2.5}, "temperature"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),  # not chat's field
     ],
 )
 def test_bad_requests_are_400_naming_the_field(server, client, model, change, param):

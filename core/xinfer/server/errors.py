@@ -102,15 +102,17 @@ def stream_failure(error: Exception, where: str) -> APIError:
 def from_validation(error: ValidationError | RequestValidationError) -> APIError:
     """The first problem pydantic found, as ``field.path: what is wrong``."""
     problems = error.errors()
-    first = problems[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    cause = first.get("ctx", {}).get("error")
-    if isinstance(cause, FieldError):
-        loc += cause.param.split(".")
-    for other in problems[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
-        shared = [str(p) for p in other.get("loc", ()) if p != "body"]
-        common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))
-        loc = loc[:common] if common else loc
+    paths = [path(problem) for problem in problems]
+    deepest = max(range(len(problems)), key=lambda i: len(paths[i]))
+    first, loc = problems[0], paths[0]
+    if sum(len(p) == len(paths[deepest]) for p in paths) == 1:
+        # one alternative of a union got further into the value than the others (a list of blocks, where a
+        # string was the first alternative): its problem is the one the client made
+        first, loc = problems[deepest], paths[deepest]
+    else:
+        for shared in paths[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
+            common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))
+            loc = loc[:common] if common else loc
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
@@ -120,6 +122,18 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
     more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
     message += given(first)
     return bad_request(f"{param}: {message}{more}" if param else f"{message}{more}", param)
+
+
+def path(problem: Any) -> list[str]:
+    """Where a problem is in the body, as fields and indexes: without the union alternatives' tags (``str``,
+    ``list[Block]``), and with the field that a :class:`FieldError` names."""
+    loc = [str(p) for p in problem.get("loc", ()) if p != "body" and not (isinstance(p, str) and is_union_tag(p))]
+    cause = problem.get("ctx", {}).get("error")
+    return loc + cause.param.split(".") if isinstance(cause, FieldError) else loc
+
+
+def is_union_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none")
 
 
 def given(problem: Any) -> str:

@@ -20,6 +20,7 @@ from xinfer.server.mcp.config import MCPSettings
 from xinfer.server.media import MediaPolicy
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
+from xinfer.server.prompts import check_token_ids
 from xinfer.server.protocol import GenerationRequest
 from xinfer.text.reasoning import PARSERS, ReasoningTags, detect
 from xinfer.toolcalls import ToolParser, parser_for
@@ -113,6 +114,8 @@ class Serving:
         if body.logit_bias and max(map(int, body.logit_bias)) >= self.vocab_size:
             raise bad_request(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}, got "
                               f"{max(map(int, body.logit_bias))}", param="logit_bias")  # fmt: skip
+        if body.stop_token_ids:
+            check_token_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
         constraint = structured_outputs(body, after_token_id)
         entries: list[Any] = [
             (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
