@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 import os
 import signal
 import socket
@@ -72,6 +73,19 @@ class LiveServer:
         headers = {**self.headers, **kwargs.pop("headers", {})}
         kwargs.setdefault("timeout", 120)
         return httpx.post(self.url + path, json=json, headers=headers, **kwargs)
+
+    def events(self, path: str, json: dict) -> list[tuple[str | None, dict]]:
+        """A streamed answer's server-sent events: (``event:`` name or None, JSON data), ``[DONE]`` left out."""
+        events, name = [], None
+        with httpx.stream("POST", self.url + path, json=json, headers=self.headers, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    name = line.removeprefix("event: ")
+                elif line.startswith("data: ") and line != "data: [DONE]":
+                    events.append((name, jsonlib.loads(line.removeprefix("data: "))))
+                    name = None
+        return events
 
     def metrics(self) -> dict[str, float]:
         """Samples of ``/metrics`` by name (labels kept in the key when present)."""

@@ -195,3 +195,44 @@ def test_prompt_logprobs_on_the_response(server, client, model):
         assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
         assert [e["rank"] for e in entry.values() if e["rank"] is not None] == [1] and len(entry) <= 2
     assert client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1).prompt_logprobs is None
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"n": 2, "logprobs": True, "top_logprobs": 2, "seed": 1, "user": "u", "metadata": {"k": "v"}},
+        {"stop": [" the", "."], "max_tokens": 3},
+        {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 80},
+        {
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "n": 2,
+            "max_tokens": 80,
+        },
+        {"response_format": {"type": "json_object"}},
+    ],
+    ids=["n logprobs", "stop and length", "required tool", "named tool", "json"],
+)
+def test_bodies_and_chunks_are_the_clients_types(server, model, options):
+    """Validated by the client's own pydantic types (its parser constructs them unchecked); one finish per choice,
+    usage that adds up."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    body = {"model": model, "messages": QUESTION, "max_tokens": 30, "temperature": 0} | options
+    n = body.get("n", 1)
+    whole = ChatCompletion.model_validate(server.post("/v1/chat/completions", json=body).json())
+    assert [choice.index for choice in whole.choices] == list(range(n)) and whole.id.startswith("chatcmpl-")
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    for choice in whole.choices:
+        assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls)
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = [ChatCompletionChunk.model_validate(data) for _, data in server.events("/v1/chat/completions", streamed)]
+    finishes = [(c.index, c.finish_reason) for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert sorted(finishes) == sorted((c.index, c.finish_reason) for c in whole.choices)
+    *_, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert {chunk.id for chunk in chunks} == {chunks[0].id}

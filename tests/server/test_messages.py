@@ -196,25 +196,36 @@ def document_turn(source: dict) -> dict:
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "system", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0: "),  # no text
+        (  # the list's problem, not the string alternative's
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}
+                ]
+            },
+            "messages.0.content.0.input: Input should be an object",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "document"),
         (document_turn({"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}), "'base64'"),
         (document_turn({"type": "text", "media_type": "text/html", "data": "<p>Hi</p>"}), "text/plain"),
         (
             {
+                "system": "Be brief.",  # the chat request's first message: the error names the block in this body
                 "messages": [
                     {
                         "role": "user",
                         "content": [
+                            {"type": "text", "text": "What is it?"},
                             {
                                 "type": "image",
                                 "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
-                            }
+                            },
                         ],
                     }
-                ]
+                ],
             },
-            "text only",
+            "messages.0.content.1: this model takes text only",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
         ({"stop_sequences": [""]}, "stop_sequences: stop strings"),
@@ -306,3 +317,40 @@ def test_models_through_the_anthropic_client(claude, model):
     assert [m.id for m in listed] == [model] and listed[0].type == "model" and listed[0].display_name
     retrieved = claude.models.retrieve(model)
     assert retrieved.created_at == listed[0].created_at and retrieved.created_at.tzinfo is not None
+    # the client's parser constructs them unchecked: its type validates every field it requires (lifecycle)
+    for card in (*listed, retrieved):
+        assert anthropic.types.ModelInfo.model_validate(card.model_dump()).lifecycle == "active"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"system": [{"type": "text", "text": SYSTEM}], "metadata": {"user_id": "u"}},
+        {"stop_sequences": ["a", "."], "max_tokens": 3},
+        {
+            "tools": [
+                {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+            ],
+            "tool_choice": {"type": "any"},
+        },
+    ],
+    ids=["system blocks", "stop sequence", "tool use"],
+)
+def test_bodies_and_events_are_the_clients_types(server, model, options):
+    """Validated by the client's own pydantic types (its parser constructs them unchecked), in Anthropic's order."""
+    import typing
+
+    event_types = {typing.get_args(kind.model_fields["type"].annotation)[0]: kind
+                   for kind in typing.get_args(typing.get_args(anthropic.types.RawMessageStreamEvent)[0])}  # fmt: skip
+    body = {"model": model, "max_tokens": 30, "messages": TURNS, **GREEDY} | options
+    whole = anthropic.types.Message.model_validate(server.post("/v1/messages", json=body).json())
+    assert whole.id.startswith("msg_") and whole.stop_reason in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+    assert (whole.stop_reason == "stop_sequence") == (whole.stop_sequence is not None)
+    events = [(name, data) for name, data in server.events("/v1/messages", body | {"stream": True})
+              if data["type"] != "ping"]  # fmt: skip
+    for name, data in events:
+        assert name == data["type"]
+        event_types[data["type"]].model_validate(data)
+    kinds = [data["type"] for _, data in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[-2][1]["delta"]["stop_reason"] == whole.stop_reason

@@ -6,8 +6,17 @@ and identities as it accumulates them."""
 
 from __future__ import annotations
 
+import typing
+
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+# the client's type of each stream event, by its "type"
+EVENT_TYPES = {
+    typing.get_args(kind.model_fields["type"].annotation)[0]: kind
+    for kind in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+}
 
 INSTRUCTIONS = "You answer in one short sentence."
 TURNS = [
@@ -112,6 +121,34 @@ def test_text_format_is_the_chat_response_format(client, model):
     assert response.output_text == chat.choices[0].message.content and response.output_text.startswith('{"fruit": ')
 
 
+WEATHER = {"type": "function", "name": "get_weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"instructions": INSTRUCTIONS, "metadata": {"k": "v"}},
+        {"max_output_tokens": 3},  # incomplete
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},  # a function_call item
+        {"text": {"format": {"type": "json_object"}}},
+    ],
+    ids=["completed", "incomplete", "function call", "json"],
+)
+def test_bodies_and_events_are_the_clients_types(server, model, options):
+    """Validated by the client's own pydantic types (its parser constructs them unchecked): every field they
+    require is there with its type, such as the usage's ``input_tokens_details.cache_write_tokens``."""
+    body = {"model": model, "input": TURNS, "max_output_tokens": 30, "temperature": 0} | options
+    whole = Response.model_validate(server.post("/v1/responses", json=body).json())
+    events = server.events("/v1/responses", body | {"stream": True})
+    for name, event in events:
+        assert name == event["type"]
+        EVENT_TYPES[event["type"]].model_validate(event)
+    streamed = Response.model_validate(events[-1][1]["response"])
+    assert [item.type for item in streamed.output] == [item.type for item in whole.output]
+    assert streamed.status == whole.status and streamed.usage.input_tokens_details.cache_write_tokens == 0
+
+
 IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
 
 
@@ -130,6 +167,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context
         ({"temperature": 2.5}, "temperature"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),  # not chat's field
     ],
 )
 def test_bad_requests_are_400_naming_the_field(server, client, model, change, param):
@@ -177,6 +215,8 @@ def test_text_then_calls_accumulate_in_the_clients_stream_state():
     items.event("response.completed", response=done.model_dump())
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
     # the client checks each item done against the one added; its deltas carry what it accumulated
+    for event in events:
+        EVENT_TYPES[event["type"]].model_validate(event)
     read = [e for event in events for e in state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))]
     snapshots = {e.output_index: e.snapshot for e in read if e.type.endswith(".delta") and hasattr(e, "snapshot")}
     assert snapshots == {1: "Let me check.", 2: '{"city": "Rome"}', 3: "{}"}

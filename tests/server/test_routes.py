@@ -187,6 +187,8 @@ def test_embeddings_similarity(client, model):
     assert abs(cosine(first, same) - 1) < 1e-4
     assert cosine(first, other) < 0.999
     assert reply.usage.prompt_tokens > 0
+    assert reply.usage.model_dump() == {"prompt_tokens": reply.usage.prompt_tokens,  # OpenAI's fields, no others
+                                        "total_tokens": reply.usage.prompt_tokens}  # fmt: skip
     alone = client.embeddings.create(model=model, input=text).data[0].embedding
     assert abs(cosine(first, alone) - 1) < 1e-4
 
@@ -234,3 +236,33 @@ def test_health_is_open_and_metrics_are_exported(server, client, model):
         key = f"xinfer_{histogram}_seconds_count"
         assert after[key] > before.get(key, 0), key
     assert after['xinfer_requests_finished_total{finish_reason="length"}'] >= 1
+
+
+def test_completion_bodies_and_chunks_are_the_clients_types(server, model):
+    """Validated by the client's own pydantic types (its parser constructs them unchecked). A streamed chunk before a
+    choice's last has finish_reason null, as OpenAI's do, which the client's type does not allow: those are checked
+    by hand."""
+    from openai.types import Completion
+
+    body = {
+        "model": model,
+        "prompt": ["Once upon", "The sky"],
+        "n": 2,
+        "max_tokens": 4,
+        "logprobs": 2,
+        "temperature": 0,
+    }
+    whole = Completion.model_validate(server.post("/v1/completions", json=body).json())
+    assert [choice.index for choice in whole.choices] == [0, 1, 2, 3] and whole.id.startswith("cmpl-")
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    events = server.events("/v1/completions", body | {"stream": True, "stream_options": {"include_usage": True}})
+    finished = []
+    for _, chunk in events[:-1]:
+        [choice] = chunk["choices"]
+        if choice["finish_reason"] is None:
+            assert set(choice) >= {"index", "text", "logprobs"} and chunk["object"] == "text_completion"
+        else:
+            finished += [c.index for c in Completion.model_validate(chunk).choices]
+    assert sorted(finished) == [0, 1, 2, 3]
+    usage = Completion.model_validate(events[-1][1])
+    assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens

@@ -230,7 +230,8 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                          help="require this key on every request, sent as Authorization: Bearer KEY or x-api-key: KEY "
                          "(default: no key)")
     serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256, metavar="N",
-                         help="sequences waiting to start beyond which a new request gets 429")
+                         help="sequences waiting to start beyond which a new request gets 429; also the most one "
+                         "request may ask for (its prompts times n), beyond which it gets 400")
     serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0, metavar="SECONDS",
                          help="seconds in-flight requests may take to finish after SIGTERM")
     serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20, metavar="BYTES",

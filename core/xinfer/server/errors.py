@@ -8,8 +8,10 @@ unexpected exception becomes a 500 that names no internals.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,8 +45,9 @@ class APIError(Exception):
 
     def body(self, path: str = "") -> dict:
         """The error's body in the shape of the API that ``path`` belongs to."""
-        if is_anthropic(path):
-            return anthropic_error_body(self.status, self.message)
+        if is_anthropic(path):  # Anthropic's error has no param: the message names the field
+            named = self.param is None or self.message.startswith(self.param)
+            return anthropic_error_body(self.status, self.message if named else f"{self.param}: {self.message}")
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self, path: str = "") -> JSONResponse:
@@ -63,6 +66,15 @@ def anthropic_error_body(status: int, message: str) -> dict:
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class FieldError(ValueError):
+    """A body's problem found by a check of several fields (a model validator), naming the field at fault
+    (``param``, dotted, below the validated object), which pydantic cannot tell from where it was raised."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -90,12 +102,17 @@ def stream_failure(error: Exception, where: str) -> APIError:
 def from_validation(error: ValidationError | RequestValidationError) -> APIError:
     """The first problem pydantic found, as ``field.path: what is wrong``."""
     problems = error.errors()
-    first = problems[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    for other in problems[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
-        shared = [str(p) for p in other.get("loc", ()) if p != "body"]
-        common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))
-        loc = loc[:common] if common else loc
+    paths = [path(problem) for problem in problems]
+    deepest = max(range(len(problems)), key=lambda i: len(paths[i]))
+    first, loc = problems[0], paths[0]
+    if sum(len(p) == len(paths[deepest]) for p in paths) == 1:
+        # one alternative of a union got further into the value than the others (a list of blocks, where a
+        # string was the first alternative): its problem is the one the client made
+        first, loc = problems[deepest], paths[deepest]
+    else:
+        for shared in paths[1:]:  # the alternatives of one union (``prompt.str``, ``prompt.list[int]``): their field
+            common = next((i for i, (a, b) in enumerate(zip(loc, shared)) if a != b), min(len(loc), len(shared)))
+            loc = loc[:common] if common else loc
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
@@ -103,7 +120,29 @@ def from_validation(error: ValidationError | RequestValidationError) -> APIError
     if first.get("type") == "model_type" and not loc:
         return bad_request("the body must be a JSON object")
     more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    message += given(first)
     return bad_request(f"{param}: {message}{more}" if param else f"{message}{more}", param)
+
+
+def path(problem: Any) -> list[str]:
+    """Where a problem is in the body, as fields and indexes: without the union alternatives' tags (``str``,
+    ``list[Block]``), and with the field that a :class:`FieldError` names."""
+    loc = [str(p) for p in problem.get("loc", ()) if p != "body" and not (isinstance(p, str) and is_union_tag(p))]
+    cause = problem.get("ctx", {}).get("error")
+    return loc + cause.param.split(".") if isinstance(cause, FieldError) else loc
+
+
+def is_union_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def given(problem: Any) -> str:
+    """``, got VALUE`` (as JSON) for a problem with a single value (a number, a string: cut at 80 characters)."""
+    value = problem.get("input")
+    if problem.get("type") == "missing" or not (value is None or isinstance(value, str | int | float)):
+        return ""
+    text = json.dumps(value)
+    return f", got {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -92,6 +92,9 @@ def request_params(
         )
     given = {name: getattr(body, name) for name in OPTIONAL_FIELDS if getattr(body, name) is not None}
     max_tokens = token_limit or min(defaults.max_tokens or body.default_max_tokens or room, room)
+    if body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed the token limit ({max_tokens})",
+                          param="min_tokens")  # fmt: skip
     try:
         return SamplingParams(
             **(asdict(defaults) | given | {"max_tokens": max_tokens}),

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from xinfer.server.errors import FieldError
 from xinfer.server.tools import check_tool_choice, check_tools
 
 MAX_N = 128  # OpenAI's bound
@@ -82,7 +83,7 @@ class ChatMessage(RequestBody):
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a message of role {self.role!r} needs content")
+            raise FieldError("content", f"a message of role {self.role!r} needs content")
         return self
 
 
@@ -107,7 +108,7 @@ class ResponseFormat(RequestBody):
     @model_validator(mode="after")
     def _has_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
-            raise ValueError("response_format of type json_schema needs json_schema.schema")
+            raise FieldError("json_schema", "response_format of type json_schema needs json_schema.schema")
         return self
 
 
@@ -175,18 +176,18 @@ class SamplingFields(RequestBody):
         if not isinstance(data, dict) or not any(data.get(name) is not None for name in GUIDED_FIELDS):
             return data
         if data.get("structured_outputs") is not None:
-            raise ValueError("give structured_outputs or the guided_* fields, not both")
+            raise FieldError("structured_outputs", "give structured_outputs or the guided_* fields, not both")
         guided = {GUIDED_FIELDS[name]: data[name] for name in GUIDED_FIELDS if data.get(name) is not None}
         return {key: value for key, value in data.items() if key not in GUIDED_FIELDS} | {"structured_outputs": guided}
 
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
         if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
-            raise ValueError("give response_format or structured_outputs, not both")
+            raise FieldError("structured_outputs", "give response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options needs stream=true")
+            raise FieldError("stream_options", "stream_options needs stream=true")
         if self.prompt_logprobs and self.stream:  # vLLM's rule: they come with the whole answer only
-            raise ValueError("prompt_logprobs are not available with stream=true")
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not available with stream=true")
         return self
 
     @field_validator("stop")
@@ -198,8 +199,10 @@ class SamplingFields(RequestBody):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias and not all(key.lstrip("-").isdigit() for key in bias):
-            raise ValueError("logit_bias keys must be token ids")
+        if bias and not all(key.isdigit() for key in bias):
+            raise ValueError(f"logit_bias keys must be token ids, got {next(k for k in bias if not k.isdigit())!r}")
+        if bias and not all(-100 <= value <= 100 for value in bias.values()):  # OpenAI's range
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {max(bias.values(), key=abs)}")
         return bias
 
     @field_validator("truncate_prompt_tokens")
@@ -249,13 +252,19 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.tools is not None:
-            check_tools(self.tools)
+            try:
+                check_tools(self.tools)
+            except ValueError as error:
+                raise FieldError("tools", str(error)) from None
         if not self.mcp:  # else checked once the MCP servers' tools are added
-            check_tool_choice(self.tool_choice, self.tools)
+            try:
+                check_tool_choice(self.tool_choice, self.tools)
+            except ValueError as error:
+                raise FieldError("tool_choice", str(error)) from None
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt=false")
+            raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
         return self
 
     @property
@@ -288,14 +297,20 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.prompt == [] or self.prompt == [[]]:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "prompt must not be empty")
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 needs echo=true (the prompt given back alone)")
+            raise FieldError("max_tokens", "max_tokens 0 needs echo=true (the prompt given back alone)")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it may only equal n)")
+            raise FieldError("best_of", f"best_of is not supported (it may only equal n, {self.n}), got {self.best_of}")
         return self
+
+    @property
+    def num_prompts(self) -> int:
+        """One for a string or a list of token ids, else the list's length."""
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt) else len(prompt)
 
     @property
     def token_limit(self) -> int | None:
@@ -321,9 +336,9 @@ class EmbeddingRequest(RequestBody):
     @model_validator(mode="after")
     def _check_inputs(self) -> EmbeddingRequest:
         if self.input in ("", [], [[]]):
-            raise ValueError("input must not be empty")
+            raise FieldError("input", "input must not be empty")
         if isinstance(self.input, list) and len(self.input) > MAX_EMBEDDING_INPUTS:
-            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(self.input)}")
+            raise FieldError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(self.input)}")
         return self
 
 
@@ -338,7 +353,9 @@ class TokenizeRequest(RequestBody):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError(
+                "prompt" if self.messages is None else "messages", "give exactly one of prompt or messages"
+            )
         return self
 
 

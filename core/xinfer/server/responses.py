@@ -229,6 +229,7 @@ class ModelCard(BaseModel):
     type: Literal["model"] = "model"
     display_name: str = ""
     created_at: str = ""  # RFC 3339
+    lifecycle: Literal["active"] = "active"
 
     @model_validator(mode="after")
     def _anthropic_fields(self) -> ModelCard:

@@ -20,6 +20,7 @@ from xinfer.server.mcp.config import MCPSettings
 from xinfer.server.media import MediaPolicy
 from xinfer.server.metrics import Metrics
 from xinfer.server.params import SamplingDefaults, request_params, structured_outputs
+from xinfer.server.prompts import check_token_ids
 from xinfer.server.protocol import GenerationRequest
 from xinfer.text.reasoning import PARSERS, ReasoningTags, detect
 from xinfer.toolcalls import ToolParser, parser_for
@@ -109,6 +110,12 @@ class Serving:
         """Queues a request's prompts, each with the body's ``n`` choices (``multimodal``: where the
         images of a one-prompt request go); a constraint (structured outputs) applies after
         ``after_token_id`` where one is given."""
+        self.check_sequences(len(prompts), body.n)
+        if body.logit_bias and max(map(int, body.logit_bias)) >= self.vocab_size:
+            raise bad_request(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}, got "
+                              f"{max(map(int, body.logit_bias))}", param="logit_bias")  # fmt: skip
+        if body.stop_token_ids:
+            check_token_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
         constraint = structured_outputs(body, after_token_id)
         entries: list[Any] = [
             (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
@@ -118,11 +125,24 @@ class Serving:
             entries = [(*entries[0], multimodal)]
         return await self._ask(request, self.engine.submit(entries))
 
-    async def images(self, urls: list[tuple[str, str]]) -> list[Image.Image]:
-        """The images of a request (URL, request field), checked against the model and the media policy."""
-        if not self.llm.modalities:
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """A request may ask for as many sequences (its prompts times ``n``) as the queue holds (``--max-waiting``):
+        more could never run beside other clients' requests, and would hold the engine for all of them."""
+        limit = self.engine.max_waiting
+        if num_prompts * n > limit:
+            asked = f"{num_prompts} prompts, n={n} each" if num_prompts > 1 else f"n={n}"
+            raise bad_request(f"the request asks for {num_prompts * n} sequences ({asked}); this server takes at most "
+                              f"{limit} per request (--max-waiting)", param="prompt" if num_prompts > 1 else "n")  # fmt: skip
+
+    def check_takes_images(self, urls: list[tuple[str, str]]) -> None:
+        """Images (URL, request field) are refused, naming the first, by a model that takes text only."""
+        if urls and not self.llm.modalities:
             raise bad_request(f"the model {self.model_name!r} takes text only: it cannot read images",
                               param=urls[0][1])  # fmt: skip
+
+    async def images(self, urls: list[tuple[str, str]]) -> list[Image.Image]:
+        """The images of a request (URL, request field), checked against the model and the media policy."""
+        self.check_takes_images(urls)
         self.media.check_count("image", len(urls), urls[-1][1])
         return await asyncio.to_thread(lambda: [self.media.load_image(url, param) for url, param in urls])
 

@@ -28,10 +28,12 @@ from xinfer.server.protocol import ChatCompletionRequest
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def chat_request(body: CountTokensRequest, extra_tools: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+def chat_request(
+    body: CountTokensRequest, takes_images: bool, extra_tools: list[dict[str, Any]] | None = None
+) -> ChatCompletionRequest:
     """The chat request that ``body`` asks for (a count_tokens body: its prompt only);
     ``extra_tools`` (OpenAI's shape) are offered beside the request's own."""
-    messages = chat_messages(body)
+    messages = chat_messages(body, takes_images)
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
     final = messages[-1]
     if final["role"] == "assistant" and not final.get("tool_calls"):
@@ -62,16 +64,16 @@ def chat_request(body: CountTokensRequest, extra_tools: list[dict[str, Any]] | N
         raise from_validation(error) from None
 
 
-def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+def chat_messages(body: CountTokensRequest, takes_images: bool) -> list[dict[str, Any]]:
     messages = []
     if body.system:
         messages.append({"role": "system", "content": block_text(body.system, "system")})
     for i, message in enumerate(body.messages):
-        messages += turn(message, f"messages.{i}.content")
+        messages += turn(message, f"messages.{i}.content", takes_images)
     return messages
 
 
-def turn(message: Message, param: str) -> list[dict[str, Any]]:
+def turn(message: Message, param: str, takes_images: bool) -> list[dict[str, Any]]:
     """The chat messages of one Anthropic turn."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
@@ -87,6 +89,8 @@ def turn(message: Message, param: str) -> list[dict[str, Any]]:
         if block.type == "text":
             parts.append({"type": "text", "text": required(block.text, where, "text")})
         elif block.type == "image":
+            if not takes_images:  # here, where the block's place in the Anthropic body is known
+                raise bad_request("this model takes text only: it cannot read images", param=where)
             parts.append(image_part(block, where))
         elif block.type == "document":
             parts.append({"type": "text", "text": document_text(block, where)})

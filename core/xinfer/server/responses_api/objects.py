@@ -62,11 +62,17 @@ class FunctionCallItem(BaseModel):
 OutputItem = OutputMessage | ReasoningItem | FunctionCallItem
 
 
+class InputTokensDetails(PromptTokensDetails):
+    # prefix caching is automatic and free: no token is written to a cache at the client's request, as
+    # cache_creation_input_tokens is 0 on the Messages API
+    cache_write_tokens: int = 0
+
+
 class ResponseUsage(BaseModel):
     """``input_tokens`` includes the prompt tokens read from the prefix cache, as OpenAI counts them."""
 
     input_tokens: int
-    input_tokens_details: PromptTokensDetails
+    input_tokens_details: InputTokensDetails
     output_tokens: int
     output_tokens_details: CompletionTokensDetails
     total_tokens: int
@@ -77,7 +83,7 @@ class ResponseUsage(BaseModel):
         reasoning = chat.completion_tokens_details.reasoning_tokens if chat.completion_tokens_details else 0
         return cls(
             input_tokens=chat.prompt_tokens,
-            input_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
             output_tokens=chat.completion_tokens,
             output_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
             total_tokens=chat.total_tokens,

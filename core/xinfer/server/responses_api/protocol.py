@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
+from xinfer.server.errors import FieldError
 from xinfer.server.protocol import RequestBody
 
 # fields accepted and not read: they change no answer (no response is stored, the server runs no tool)
@@ -52,6 +53,12 @@ class TextFormat(RequestBody):
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise FieldError("schema", "text.format of type json_schema needs a schema")
+        return self
 
 
 class TextConfig(RequestBody):

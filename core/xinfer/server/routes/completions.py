@@ -29,6 +29,7 @@ async def create_completion(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, CompletionRequest)
     serving.check_model(body.model)
+    serving.check_sequences(body.num_prompts, body.n)  # before any prompt is encoded or scored
     prompts = encode_prompts(
         lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
     )

@@ -34,7 +34,9 @@ async def create_embeddings(request: Request) -> JSONResponse:
     ]
     num_tokens = sum(len(t) for t in inputs)
     result = EmbeddingList(data=data, model=serving.model_name, usage=usage(num_tokens, 0))
-    return JSONResponse(result.model_dump(exclude={"usage": {"prompt_tokens_details"}}))
+    # OpenAI's embedding usage: prompt_tokens and total_tokens only
+    usage_fields = {"prompt_tokens_details", "completion_tokens", "completion_tokens_details"}
+    return JSONResponse(result.model_dump(exclude={"usage": usage_fields}))
 
 
 def pool(hidden: torch.Tensor, pooling: str, normalize: bool) -> torch.Tensor:

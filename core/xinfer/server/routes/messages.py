@@ -34,7 +34,7 @@ async def create_message(request: Request) -> Response:
     body = await parse_body(request, MessagesRequest)
     serving.check_model(body.model)
     offered = await offered_tools(serving.mcp, body.mcp)
-    chat = chat_request(body, function_tools(offered))
+    chat = chat_request(body, bool(serving.llm.modalities), function_tools(offered))
     if offered and serving.mcp is not None and serving.mcp.run_calls:
         from xinfer.server.mcp.loop import MCPRounds
         from xinfer.server.mcp.messages import message_with_mcp
@@ -53,6 +53,6 @@ async def count_tokens(request: Request) -> JSONResponse:
     body = await parse_body(request, CountTokensRequest)
     serving.check_model(body.model)
     offered = await offered_tools(serving.mcp, body.mcp)
-    chat, tools = with_tools(serving, chat_request(body, function_tools(offered)))
+    chat, tools = with_tools(serving, chat_request(body, bool(serving.llm.modalities), function_tools(offered)))
     prompt = await chat_prompt(serving, chat, tools)
     return JSONResponse(TokenCount(input_tokens=len(prompt.token_ids)).model_dump())

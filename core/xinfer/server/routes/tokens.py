@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from xinfer.server.body import parse_body
-from xinfer.server.prompts import check_token_ids, render_chat
+from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from xinfer.server.responses import DetokenizeResult, TokenizeResult
 from xinfer.server.serving import Serving
@@ -21,6 +21,7 @@ async def tokenize(request: Request) -> JSONResponse:
     serving.check_model(body.model)
     tokenizer = serving.tokenizer
     if body.messages is not None:
+        serving.check_takes_images(message_dicts(body.messages)[1])  # as a chat completion refuses them
         text = render_chat(
             tokenizer, body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
         )
