@@ -350,6 +350,25 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     assert not torch.allclose(whole_heads(torch.tensor([tokens])).logits[0], expected, atol=1e-3)
 
 
+def test_llama_gguf_with_biases_runs_like_transformers_and_llama_cpp(tmp_path):
+    """Llama's optional biases (``attention_bias``: q, k, v and o; ``mlp_bias``), which the converter writes
+    under the gguf names and llama.cpp adds wherever the file has them: the file's config says so only by the
+    tensors, and a loader that keeps transformers' defaults (no biases) drops them all."""
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(
+        LlamaConfig(**TINY, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    ).float()
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "llama", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    tokens = prompt(29, vocab_size=TINY["vocab_size"])
+    with torch.inference_mode():
+        expected = original(torch.tensor([tokens])).logits[0]
+    assert (prefill_logits(llm.engine, tokens) - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert_llama_cpp_agrees(llm, path)
+
+
 def test_mixtral_gguf_is_one_clear_error(tmp_path):
     """llama.cpp's converter writes Mixtral as architecture ``llama`` with experts."""
     torch.manual_seed(0)

@@ -29,7 +29,11 @@ class LlamaGGUF(GGUFAdapter):
         if metadata.get("llama.expert_count", 0):
             raise ModelFileError("llama.expert_count: this llama GGUF is a mixture of experts (Mixtral's, as "
                                  "llama.cpp's converter writes it), which xinfer does not run: no MixtralForCausalLM")  # fmt: skip
-        return {}
+        # llama.cpp adds each bias the file has; the converter writes them where HF's config sets these
+        return {
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,  # q, k, v and o's
+            "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        }
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
