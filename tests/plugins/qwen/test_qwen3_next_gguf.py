@@ -4,6 +4,8 @@
 ``attn_qkv`` and ``attn_gate``, Qwen3.5's value heads tiled, experts stacked, an MTP layer counted in
 ``block_count`` — through the engine against transformers' modeling code of the model they came from."""
 
+import json
+
 import gguf
 import pytest
 import torch
@@ -106,7 +108,13 @@ def write_gguf(folder, config, arch: str, path) -> None:
     writer.add_ssm_group_count(config.linear_num_key_heads)
     writer.add_ssm_time_step_rank(config.linear_num_value_heads)
     writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
-    writer.add_full_attention_interval(config.layer_types.index("full_attention") + 1)  # the configs' are regular
+    # the converter's per-layer recurrent flags (the MTP layers' false), and the interval config.json names: none
+    # here (transformers keeps only layer_types), so llama.cpp's default 4, which the flags override
+    recurrent = [kind == "linear_attention" for kind in config.layer_types] + [False] * MTP_LAYERS[arch]
+    writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    writer.add_full_attention_interval(
+        json.loads((folder / "config.json").read_text()).get("full_attention_interval", 4)
+    )
     if arch != "qwen35":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
