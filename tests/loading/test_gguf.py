@@ -393,6 +393,19 @@ def test_llama_gguf_with_biases_runs_like_transformers_and_llama_cpp(tmp_path):
     assert_llama_cpp_agrees(llm, path)
 
 
+def test_phi3_gguf_attends_past_the_window_as_llama_cpp(tmp_path):
+    """The converter writes Phi-3's sliding window, which llama.cpp does not apply (it disables the window
+    for phi3): a prompt longer than it attends to every earlier position."""
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float()
+    original.config.sliding_window = 8
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "phi3", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    assert GGUFFile(path).metadata["phi3.attention.sliding_window"] == 8
+    assert_llama_cpp_agrees(LLM(model=str(path), dtype="float32", num_blocks=64), path, length=29)
+
+
 def test_mixtral_gguf_is_one_clear_error(tmp_path):
     """llama.cpp's converter writes Mixtral as architecture ``llama`` with experts."""
     torch.manual_seed(0)

@@ -59,4 +59,7 @@ class Phi3GGUF(GGUFAdapter):
                                  "which xinfer reads from safetensors checkpoints only so far: serve the HF checkpoint")  # fmt: skip
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
-        return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
+        # llama.cpp attends to every earlier position whatever attention.sliding_window says: it disables
+        # Phi-3's window until its converter writes which layers slide
+        window = {"sliding_window": None}
+        return window if rotated == head_dim else {**window, "partial_rotary_factor": rotated / head_dim}
