@@ -59,6 +59,7 @@ class DeepseekV2GGUF(GGUFAdapter):
             "head_dim": rope_dim,
             "num_key_value_heads": fields["num_attention_heads"],
             "rope_interleave": True,
+            "latent_norm_eps": fields["rms_norm_eps"],  # llama.cpp's for every norm, the latents' too
         }
         if fields.get("rope_scaling", {}).get("rope_type") == "yarn":
             config["rope_scaling"] = fields["rope_scaling"] | _yarn_scales(metadata, arch)

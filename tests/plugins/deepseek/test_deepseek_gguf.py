@@ -175,6 +175,19 @@ def test_llama_cpp_reads_a_yarn_gguf_without_mscale_alike(tmp_path):
     )
 
 
+def test_llama_cpp_normalizes_the_latents_with_the_files_epsilon(tmp_path):
+    """llama.cpp normalizes q's and kv's latents with rms_norm_eps, as every other norm (transformers keeps
+    1e-6 for them): the two part at a larger epsilon (GLM-4.7-Flash's is 1e-5), against llama.cpp only."""
+    hf = save_tiny_model(deepseek_v3_config(rms_norm_eps=1e-2), tmp_path)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
+    assert_llama_cpp_agrees(
+        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
+    )
+
+
 def test_softmax_gating_is_one_clear_error(tmp_path):
     hf = save_tiny_model(deepseek_v3_config(), tmp_path)
     write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "v2.gguf", True, gguf.ExpertGatingFuncType.SOFTMAX)
