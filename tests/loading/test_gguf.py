@@ -171,6 +171,12 @@ def write_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
         writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
+        if (beta_fast := config.rope_parameters.get("beta_fast")) is not None:
+            writer.add_rope_scaling_yarn_beta_fast(beta_fast)
+        if (beta_slow := config.rope_parameters.get("beta_slow")) is not None:
+            writer.add_rope_scaling_yarn_beta_slow(beta_slow)
+        if (attention_factor := config.rope_parameters.get("attention_factor")) is not None:
+            writer.add_rope_scaling_yarn_attn_factor(attention_factor)
     if experts:
         writer.add_expert_count(experts)
     if arch == "llama":
@@ -348,6 +354,56 @@ def test_tiny_phi3_runs_like_transformers(tmp_path):
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
     whole_heads = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     assert not torch.allclose(whole_heads(torch.tensor([tokens])).logits[0], expected, atol=1e-3)
+
+
+def test_yarn_gguf_runs_with_llama_cpps_betas_and_scale(tmp_path):
+    """The converter writes YaRN's beta_fast, beta_slow and attention_factor where the checkpoint sets them;
+    llama.cpp reads none of them for qwen3 (nor llama, qwen2, glm4...): it keeps betas 32 and 1 and scales
+    attention by the factor alone. transformers' model of the checkpoint, which uses them, is not the file's."""
+    torch.manual_seed(0)
+    rope = {**YARN_ROPE, "beta_fast": 8.0, "beta_slow": 2.0, "attention_factor": 1.3}
+    original = AutoModelForCausalLM.from_config(Qwen3Config(**{**TINY, "rope_parameters": rope}, head_dim=32)).float()
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "qwen3", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    assert_llama_cpp_agrees(llm, path)
+    tokens = prompt(29, vocab_size=TINY["vocab_size"])
+    with torch.inference_mode():
+        checkpoints = original(torch.tensor([tokens])).logits[0]
+    assert not torch.allclose(prefill_logits(llm.engine, tokens), checkpoints, atol=1e-3)
+
+
+def test_llama_gguf_with_biases_runs_like_transformers_and_llama_cpp(tmp_path):
+    """Llama's optional biases (``attention_bias``: q, k, v and o; ``mlp_bias``), which the converter writes
+    under the gguf names and llama.cpp adds wherever the file has them: the file's config says so only by the
+    tensors, and a loader that keeps transformers' defaults (no biases) drops them all."""
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(
+        LlamaConfig(**TINY, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    ).float()
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "llama", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    tokens = prompt(29, vocab_size=TINY["vocab_size"])
+    with torch.inference_mode():
+        expected = original(torch.tensor([tokens])).logits[0]
+    assert (prefill_logits(llm.engine, tokens) - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert_llama_cpp_agrees(llm, path)
+
+
+def test_phi3_gguf_attends_past_the_window_as_llama_cpp(tmp_path):
+    """The converter writes Phi-3's sliding window, which llama.cpp does not apply (it disables the window
+    for phi3): a prompt longer than it attends to every earlier position."""
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float()
+    original.config.sliding_window = 8
+    randomize(original)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(original, "phi3", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    assert GGUFFile(path).metadata["phi3.attention.sliding_window"] == 8
+    assert_llama_cpp_agrees(LLM(model=str(path), dtype="float32", num_blocks=64), path, length=29)
 
 
 def test_mixtral_gguf_is_one_clear_error(tmp_path):

@@ -185,9 +185,9 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
     if (context := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
         scaling["original_max_position_embeddings"] = int(context)
-    for key in ("beta_fast", "beta_slow"):
-        if (value := meta.get(f"{arch}.rope.scaling.yarn_{key}")) is not None:
-            scaling[key] = float(value)
+    # The converter also writes YaRN's yarn_beta_fast/yarn_beta_slow/yarn_attn_factor where the checkpoint
+    # sets them, but llama.cpp reads them for none of the architectures xinfer runs: it keeps its defaults
+    # (betas 32 and 1, HF's too; the attention scale from the factor alone), and so does the config here.
     return scaling
 
 

@@ -11,6 +11,7 @@ The MTP layers are left out of the file.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -58,12 +59,22 @@ class DeepseekV2GGUF(GGUFAdapter):
             "head_dim": rope_dim,
             "num_key_value_heads": fields["num_attention_heads"],
             "rope_interleave": True,
+            "latent_norm_eps": fields["rms_norm_eps"],  # llama.cpp's for every norm, the latents' too
         }
-        log_multiplier = metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier")
-        if "rope_scaling" in fields and log_multiplier is not None:
-            mscale = float(log_multiplier) / 0.1
-            config["rope_scaling"] = {**fields["rope_scaling"], "mscale": mscale, "mscale_all_dim": mscale}
+        if fields.get("rope_scaling", {}).get("rope_type") == "yarn":
+            config["rope_scaling"] = fields["rope_scaling"] | _yarn_scales(metadata, arch)
         return config
+
+
+def _yarn_scales(metadata: Mapping[str, Any], arch: str) -> dict[str, float]:
+    """YaRN's scales as llama.cpp applies them: the checkpoint's mscale_all_dim (``yarn_log_multiplier`` / 0.1)
+    on the scores squared, the rotary part unscaled; without one (none written, or 0), YaRN's usual
+    1 + 0.1 ln(factor) on the rotary part of q and of k, and on the scores squared."""
+    mscale = float(metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    if mscale:
+        return {"mscale": mscale, "mscale_all_dim": mscale}
+    usual = 1 + 0.1 * math.log(float(metadata[f"{arch}.rope.scaling.factor"]))
+    return {"mscale_all_dim": 1.0, "attention_factor": usual}
 
 
 # config field -> "deepseek32.<key>": the lightning indexer's shape and how many positions it keeps

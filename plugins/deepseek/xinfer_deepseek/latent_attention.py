@@ -36,7 +36,8 @@ from xinfer.loading.stored import StoredTensor, part_of
 from xinfer_deepseek.mla_ops import expand, fp8_row_bytes
 
 # the latents' norms (q_a_layernorm, kv_a_layernorm) keep the reference's own epsilon whatever the config's
-# rms_norm_eps (GLM-4.7-Flash's 1e-5), as transformers' DeepSeek-V2/V3/V3.2 and GLM-4.7-Flash do
+# rms_norm_eps (GLM-4.7-Flash's 1e-5), as transformers' DeepSeek-V2/V3/V3.2 and GLM-4.7-Flash do, unless the
+# config's latent_norm_eps says otherwise (a GGUF's: llama.cpp normalizes them with rms_norm_eps)
 LATENT_NORM_EPS = 1e-6
 
 
@@ -117,14 +118,15 @@ class LatentAttention(nn.Module):
         part = current().split(heads, "attention heads")
         self.num_heads = part.size(heads)
         q_size = heads * (self.nope_dim + self.rope_dim)
+        latent_eps = getattr(config, "latent_norm_eps", LATENT_NORM_EPS)
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, latent_eps)
             self.q_b_proj = ColumnLinear(self.q_lora_rank, q_size, part=part)
         else:
             self.q_proj = ColumnLinear(hidden, q_size, part=part)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, latent_eps)
         self.kv_b_proj = UpProjection(heads, self.kv_lora_rank, self.nope_dim, config.v_head_dim, part)
         self.o_proj = RowLinear(heads * config.v_head_dim, hidden, bias, part)
         self.rotary_emb = rotary

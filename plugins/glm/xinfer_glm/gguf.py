@@ -26,7 +26,10 @@ class Glm4GGUF(GGUFAdapter):
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
-        return {"partial_rotary_factor": _partial_rotary_factor("glm4", metadata, fields)}
+        return {
+            "partial_rotary_factor": _partial_rotary_factor("glm4", metadata, fields),
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,  # q, k and v's; transformers' default: True
+        }
 
 
 class Glm4MoeGGUF(GGUFAdapter):

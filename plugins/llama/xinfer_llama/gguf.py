@@ -29,7 +29,11 @@ class LlamaGGUF(GGUFAdapter):
         if metadata.get("llama.expert_count", 0):
             raise ModelFileError("llama.expert_count: this llama GGUF is a mixture of experts (Mixtral's, as "
                                  "llama.cpp's converter writes it), which xinfer does not run: no MixtralForCausalLM")  # fmt: skip
-        return {}
+        # llama.cpp adds each bias the file has; the converter writes them where HF's config sets these
+        return {
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,  # q, k, v and o's
+            "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        }
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -55,4 +59,7 @@ class Phi3GGUF(GGUFAdapter):
                                  "which xinfer reads from safetensors checkpoints only so far: serve the HF checkpoint")  # fmt: skip
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
-        return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
+        # llama.cpp attends to every earlier position whatever attention.sliding_window says: it disables
+        # Phi-3's window until its converter writes which layers slide
+        window = {"sliding_window": None}
+        return window if rotated == head_dim else {**window, "partial_rotary_factor": rotated / head_dim}

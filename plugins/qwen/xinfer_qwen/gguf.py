@@ -79,14 +79,23 @@ class QwenHybridAdapter(QwenMoeAdapter):
         ssm = {field: int(metadata[f"{self.arch}.{key}"]) for field, key in _SSM_KEYS.items()}
         ssm["linear_value_head_dim"] = int(metadata[f"{self.arch}.ssm.inner_size"]) // ssm["linear_num_value_heads"]
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+        layers = fields["num_hidden_layers"] - int(metadata.get(f"{self.arch}.nextn_predict_layers", 0))
         return {
             **moe,
             **ssm,
-            "num_hidden_layers": fields["num_hidden_layers"]
-            - int(metadata.get(f"{self.arch}.nextn_predict_layers", 0)),
-            "full_attention_interval": int(metadata[f"{self.arch}.full_attention_interval"]),
+            "num_hidden_layers": layers,
+            "layer_types": self._layer_types(metadata, layers),
             "partial_rotary_factor": int(metadata[f"{self.arch}.rope.dimension_count"]) / head_dim,
         }
+
+    def _layer_types(self, metadata: Mapping[str, Any], layers: int) -> list[str]:
+        """As llama.cpp reads them: the converter's per-layer ``attention.recurrent_layers`` (from the
+        checkpoint's layer_types) where the file has them, else every ``full_attention_interval``-th layer
+        (default 4) full attention."""
+        if (recurrent := metadata.get(f"{self.arch}.attention.recurrent_layers")) is not None:
+            return ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+        interval = int(metadata.get(f"{self.arch}.full_attention_interval", 4))
+        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         tensor = super().undo_conversion(hf_name, tensor, config)

@@ -21,6 +21,7 @@ from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RMSNorm, RotaryE
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.model import HF_QKV_GATE_UP
+from xinfer.quant import QuantizedTensor
 from xinfer_qwen.gated_deltanet import GatedDeltaNet
 from xinfer_qwen.qwen_moe import is_sparse, routing
 
@@ -115,10 +116,19 @@ def unfused(weights: Weights, config: Any) -> Iterator[tuple[str, Tensor | Store
             yield name, tensor
             continue
         sizes, targets = per_key_head[module]
+        values = whole(tensor)
         rows: dict[str, list[Tensor]] = {}
-        for target, part in zip(
-            targets, whole(tensor).unflatten(0, (config.linear_num_key_heads, -1)).split(sizes, dim=1)
-        ):
-            rows.setdefault(target, []).append(part.flatten(0, 1))
+        row_numbers = torch.arange(values.shape[0]).unflatten(0, (config.linear_num_key_heads, -1))
+        for target, part in zip(targets, row_numbers.split(sizes, dim=1)):
+            rows.setdefault(target, []).append(part.flatten())
         for target, parts in rows.items():
-            yield f"{prefix}.{target}.{leaf}", torch.cat(parts)
+            yield f"{prefix}.{target}.{leaf}", _rows(values, torch.cat(parts))
+
+
+def _rows(tensor: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index`` of a weight, a packed one (a GGUF's quantized ``ssm_ba``) kept packed."""
+    if not isinstance(tensor, QuantizedTensor):
+        return tensor[index]
+    if tensor.parts:
+        return tensor.dequantize()[index]
+    return QuantizedTensor(tensor.raw[index], tensor.format, (len(index), *tensor.logical_shape[1:]))

@@ -63,7 +63,8 @@ def write_deepseek2_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+        if "mscale_all_dim" in rope:  # as the converter: only where the checkpoint has one
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_expert_count(config.n_routed_experts)
@@ -150,6 +151,34 @@ def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
     """No q-LoRA (a plain ``attn_q``): llama.cpp reads it only at DeepSeek-V2-Lite's 26 or 27 layers, so 26 here,
     against llama.cpp only."""
     hf = save_tiny_model(deepseek_v3_config(q_lora_rank=None, num_hidden_layers=26), tmp_path)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
+    assert_llama_cpp_agrees(
+        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
+    )
+
+
+def test_llama_cpp_reads_a_yarn_gguf_without_mscale_alike(tmp_path):
+    """YaRN without mscale_all_dim (no yarn_log_multiplier in the file): llama.cpp scales the rotary part of q
+    and of k by YaRN's usual 1 + 0.1 ln(factor), and the scores by its square (not what transformers does with
+    the checkpoint), against llama.cpp only."""
+    yarn = {key: value for key, value in YARN.items() if key not in ("mscale", "mscale_all_dim")}
+    hf = save_tiny_model(deepseek_v3_config(rope_parameters=yarn), tmp_path)
+    randomize(hf)
+    spread_routing(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
+    assert_llama_cpp_agrees(
+        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
+    )
+
+
+def test_llama_cpp_normalizes_the_latents_with_the_files_epsilon(tmp_path):
+    """llama.cpp normalizes q's and kv's latents with rms_norm_eps, as every other norm (transformers keeps
+    1e-6 for them): the two part at a larger epsilon (GLM-4.7-Flash's is 1e-5), against llama.cpp only."""
+    hf = save_tiny_model(deepseek_v3_config(rms_norm_eps=1e-2), tmp_path)
     randomize(hf)
     spread_routing(hf)
     hf.save_pretrained(tmp_path, safe_serialization=True)

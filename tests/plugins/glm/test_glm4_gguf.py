@@ -76,3 +76,16 @@ def test_greedy_tokens_and_logprobs_match_hf(models):
 def test_llama_cpp_reads_the_gguf_alike(models):
     _, llm, path = models
     assert_llama_cpp_agrees(llm, path)
+
+
+def test_a_gguf_without_attention_biases_runs_like_llama_cpp(tmp_path):
+    """GLM-4's q, k and v biases are optional (``attention_bias``; transformers' default: present): a file
+    without them says so only by their absence, and llama.cpp runs it without."""
+    torch.manual_seed(0)
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    hf = AutoModelForCausalLM.from_config(glm4_config(attention_bias=False, rope_parameters=rope)).float().eval()
+    randomize(hf)
+    path = tmp_path / "tiny.gguf"
+    write_glm4_gguf(hf, path)
+    assert not load_gguf_config(path).attention_bias
+    assert_llama_cpp_agrees(LLM(model=str(path), dtype="float32", num_blocks=64), path)

@@ -4,11 +4,14 @@
 ``attn_qkv`` and ``attn_gate``, Qwen3.5's value heads tiled, experts stacked, an MTP layer counted in
 ``block_count`` — through the engine against transformers' modeling code of the model they came from."""
 
+import json
+
 import gguf
 import pytest
 import torch
 
 from tests.llama_cpp_oracle import assert_llama_cpp_agrees
+from tests.loading.gguf_models import reference_llm
 from tests.plugins.converted_gguf import add_tiny_vocabulary, checkpoint_tensors, stacked_experts
 from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
 from tests.plugins.qwen.test_qwen3_next import CONFIGS, randomize_hybrid, spread_routing
@@ -26,6 +29,7 @@ LLAMA_CPP_SETTINGS = {
 }
 # the converter's interleaved M-RoPE sections where the checkpoint names none (text: one position, plain rope)
 MROPE_SECTIONS = [11, 11, 10, 0]
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 MTP_LAYERS = {"qwen3next": 0, "qwen35": 1, "qwen35moe": 1}  # the converter drops Qwen3-Next's
 
 
@@ -84,7 +88,8 @@ def mtp_layer(tensors: dict[str, torch.Tensor], config, index: int) -> dict[str,
     }
 
 
-def write_gguf(folder, config, arch: str, path) -> None:
+def write_gguf(folder, config, arch: str, path, q8_0: tuple[str, ...] = ()) -> None:
+    """``q8_0``: the tensors whose gguf name has one of these in it are written Q8_0 (the rest F32)."""
     writer = gguf.GGUFWriter(path, arch)
     block_count = config.num_hidden_layers + MTP_LAYERS[arch]
     writer.add_context_length(config.max_position_embeddings)
@@ -106,7 +111,13 @@ def write_gguf(folder, config, arch: str, path) -> None:
     writer.add_ssm_group_count(config.linear_num_key_heads)
     writer.add_ssm_time_step_rank(config.linear_num_value_heads)
     writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
-    writer.add_full_attention_interval(config.layer_types.index("full_attention") + 1)  # the configs' are regular
+    # the converter's per-layer recurrent flags (the MTP layers' false), and the interval config.json names: none
+    # here (transformers keeps only layer_types), so llama.cpp's default 4, which the flags override
+    recurrent = [kind == "linear_attention" for kind in config.layer_types] + [False] * MTP_LAYERS[arch]
+    writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    writer.add_full_attention_interval(
+        json.loads((folder / "config.json").read_text()).get("full_attention_interval", 4)
+    )
     if arch != "qwen35":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -127,7 +138,11 @@ def write_gguf(folder, config, arch: str, path) -> None:
     for i in range(MTP_LAYERS[arch]):
         gguf_tensors |= mtp_layer(gguf_tensors, config, config.num_hidden_layers + i)
     for gguf_name, tensor in gguf_tensors.items():
-        writer.add_tensor(gguf_name, tensor.float().contiguous().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+        values = tensor.float().contiguous().numpy()
+        if any(part in gguf_name for part in q8_0):
+            writer.add_tensor(gguf_name, gguf.quants.quantize(values, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(gguf_name, values, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -174,3 +189,23 @@ def test_greedy_tokens_and_logprobs_match_hf(models):
 def test_llama_cpp_reads_the_gguf_alike(models):
     _, llm, path = models
     assert_llama_cpp_agrees(llm, path)
+
+
+def test_a_quantized_ssm_ba_is_split_packed(tmp_path):
+    """Qwen3-Next's fused ``ssm_ba`` in a block format: split per key head into ``in_proj_b`` and
+    ``in_proj_a`` as rows of the packed weight (its bytes were split as if they were values). Its values are
+    Q8_0's already, so the file holds the checkpoint's exactly."""
+    config = CONFIGS["qwen3-next"]()
+    for field, value in LLAMA_CPP_SETTINGS["qwen3-next"].items():
+        setattr(config, field, value)
+    hf = save_tiny_model(config, tmp_path)
+    randomize_hybrid(hf)
+    spread_routing(hf)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("in_proj_ba.weight"):
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(param.numpy(), Q8_0), Q8_0)))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tmp_path, hf.config, "qwen3next", path, q8_0=("ssm_ba",))
+    assert_prefill_logits_match(hf, reference_llm(path, dtype="float32", num_blocks=64), 29)
