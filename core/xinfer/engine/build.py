@@ -86,7 +86,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     if not model.cuda_graphs and not config.device.enforce_eager:
         log.info("%s runs without step graphs: its ops read the step's metadata on the host", type(model).__name__)
         config = config.model_copy(update={"device": config.device.model_copy(update={"enforce_eager": True})})
-    max_model_len = config.model.max_model_len or hf_config.max_position_embeddings  # check_model checked it
+    max_model_len = _max_model_len(config, hf_config)
     config = _step_past_context_switch(config, model, max_model_len)
     tokenizer = _load_tokenizer(path) if tokenizer is None else _given_tokenizer(tokenizer)
     kv_format = get_format(cache.kv_cache_dtype)
@@ -136,7 +136,7 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     with building_for(TensorParallel(0, config.parallel.tensor_parallel_size)):  # one rank's part
         model = build_model(hf_config, torch.device("meta"), dtype)
-    max_model_len = config.model.max_model_len or hf_config.max_position_embeddings
+    max_model_len = _max_model_len(config, hf_config)
     available = available_bytes(device_memory(spec, device))
     check_fits(model, config, max_model_len, dtype, available, f"{device}'s memory")
     return spec, ops, device, path, hf_config
@@ -158,6 +158,11 @@ def _weights_must_fit(
             f"({first_line(error)}): use a smaller or quantized model (--isq q4_k), split it over devices "
             f"(--d 0,1), or free the device"
         ) from None
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    """The longest sequence: the one asked for, else the model's (check_model checked the one asked for)."""
+    return config.model.max_model_len or hf_config.max_position_embeddings
 
 
 def _step_past_context_switch(config: EngineConfig, model: CausalLM, max_model_len: int) -> EngineConfig:

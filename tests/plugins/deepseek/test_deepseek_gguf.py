@@ -147,10 +147,10 @@ def test_llama_cpp_reads_the_gguf_alike(models):
     assert_llama_cpp_agrees(llm, path)
 
 
-def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
-    """No q-LoRA (a plain ``attn_q``): llama.cpp reads it only at DeepSeek-V2-Lite's 26 or 27 layers, so 26 here,
-    against llama.cpp only."""
-    hf = save_tiny_model(deepseek_v3_config(q_lora_rank=None, num_hidden_layers=26), tmp_path)
+def assert_llama_cpp_agrees_on(config, tmp_path):
+    """A tiny model of ``config`` with random weights and spread routing, as a split-kv GGUF: xinfer against
+    llama.cpp only."""
+    hf = save_tiny_model(config, tmp_path)
     randomize(hf)
     spread_routing(hf)
     hf.save_pretrained(tmp_path, safe_serialization=True)
@@ -158,6 +158,12 @@ def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
     assert_llama_cpp_agrees(
         LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
     )
+
+
+def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):
+    """No q-LoRA (a plain ``attn_q``): llama.cpp reads it only at DeepSeek-V2-Lite's 26 or 27 layers, so 26 here,
+    against llama.cpp only."""
+    assert_llama_cpp_agrees_on(deepseek_v3_config(q_lora_rank=None, num_hidden_layers=26), tmp_path)
 
 
 def test_llama_cpp_reads_a_yarn_gguf_without_mscale_alike(tmp_path):
@@ -165,27 +171,13 @@ def test_llama_cpp_reads_a_yarn_gguf_without_mscale_alike(tmp_path):
     and of k by YaRN's usual 1 + 0.1 ln(factor), and the scores by its square (not what transformers does with
     the checkpoint), against llama.cpp only."""
     yarn = {key: value for key, value in YARN.items() if key not in ("mscale", "mscale_all_dim")}
-    hf = save_tiny_model(deepseek_v3_config(rope_parameters=yarn), tmp_path)
-    randomize(hf)
-    spread_routing(hf)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
-    assert_llama_cpp_agrees(
-        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
-    )
+    assert_llama_cpp_agrees_on(deepseek_v3_config(rope_parameters=yarn), tmp_path)
 
 
 def test_llama_cpp_normalizes_the_latents_with_the_files_epsilon(tmp_path):
     """llama.cpp normalizes q's and kv's latents with rms_norm_eps, as every other norm (transformers keeps
     1e-6 for them): the two part at a larger epsilon (GLM-4.7-Flash's is 1e-5), against llama.cpp only."""
-    hf = save_tiny_model(deepseek_v3_config(rms_norm_eps=1e-2), tmp_path)
-    randomize(hf)
-    spread_routing(hf)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    write_deepseek2_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", split=True)
-    assert_llama_cpp_agrees(
-        LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
-    )
+    assert_llama_cpp_agrees_on(deepseek_v3_config(rms_norm_eps=1e-2), tmp_path)
 
 
 def test_softmax_gating_is_one_clear_error(tmp_path):
