@@ -40,24 +40,11 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer_cuda.kernels import arrivals, launch
+from xinfer_cuda.kernels.activation import ACTIVATIONS, act
 from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.launch import pdl_entry
 
-SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
-SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
 MAX_SLOTS_PER_SLOT_PATH = 32
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-
-
-@triton.jit
-def _act(gate, ACTIVATION: tl.constexpr):
-    if ACTIVATION == "silu":
-        return gate * tl.sigmoid(gate)
-    if ACTIVATION == "gelu":
-        return 0.5 * gate * (1.0 + tl.erf(gate * SQRT_HALF))
-    # gelu_tanh: 0.5 * x * (1 + tanh(y)) == x * sigmoid(2 * y)
-    y = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
-    return gate * tl.sigmoid(2.0 * y)
 
 
 # ---- grouped: blocks of slots of one expert -------------------------------------------------------------------
@@ -91,7 +78,7 @@ def _grouped_gate_up_kernel(
         w_mask = (ks[:, None] < hidden) & (cols[None, :] < inter)
         gate = tl.dot(a, tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=PRECISION)
         up = tl.dot(a, tl.load(w_up + ks[:, None], mask=w_mask, other=0.0), up, input_precision=PRECISION)
-    out = _act(gate, ACTIVATION) * up
+    out = act(gate, ACTIVATION) * up
     h = h_ptr + slots[:, None].to(tl.int64) * stride_h + cols[None, :]
     tl.store(h, out.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < inter))
 
@@ -267,7 +254,7 @@ def _slot_gate_up_kernel(
         w_mask = (rows[:, None] < inter) & (ks[None, :] < hidden)
         gate += a * tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         up += a * tl.load(w_up + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-    out = _act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
+    out = act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
     tl.store(h_ptr + slot * stride_h + rows, out.to(h_ptr.dtype.element_ty), mask=rows < inter)
 
 
@@ -340,7 +327,7 @@ def _gated_rows(x_row, w13, rows, hidden, inter, stride_wn, ACTIVATION: tl.const
         gate += a * gate_w
         up += a * up_w
         gate_w, up_w = next_gate_w, next_up_w
-    return _act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
+    return act(tl.sum(gate, axis=1), ACTIVATION) * tl.sum(up, axis=1)
 
 
 @triton.jit

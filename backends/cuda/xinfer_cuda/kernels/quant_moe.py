@@ -28,9 +28,9 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.activation import ACTIVATIONS, act
 from xinfer_cuda.kernels.gguf_blocks import BlockFormat
 from xinfer_cuda.kernels.launch import pdl_entry
-from xinfer_cuda.kernels.moe import ACTIVATIONS, _act
 from xinfer_cuda.kernels.quant_linear import block_format, format_args, linear_rows, row_dots
 
 MAX_SLOTS = 256  # past that, outside a capture, expert by expert (quant_weights)
@@ -70,7 +70,7 @@ def _gate_up_kernel(
     gate = row_dots(x_row, w_rows, rows, INTER, K, FMT, QK, NBYTES, GROUPS, PARTS, SPAN, EVEN, BLOCK_N, BLOCKS)
     up = row_dots(x_row, w_rows + INTER * stride_wn, rows, INTER, K, FMT, QK, NBYTES, GROUPS, PARTS, SPAN, EVEN, BLOCK_N,
                   BLOCKS)  # fmt: skip
-    h = _act(gate, ACTIVATION) * up
+    h = act(gate, ACTIVATION) * up
     tl.store(h_ptr + slot.to(tl.int64) * INTER + rows, h.to(h_ptr.dtype.element_ty), mask=rows < INTER)
 
 
