@@ -47,10 +47,11 @@ def llama_cpp_greedy(model, tokens: list[int], new_tokens: int) -> list[int]:
     return chosen
 
 
-def assert_llama_cpp_agrees(llm: LLM, path: Path, length: int = 29, tolerance: float = 1e-4) -> None:
+def assert_llama_cpp_agrees(llm: LLM, path: Path, length: int = 29, tolerance: float = 1e-4, n_ctx: int = 128) -> None:
     """xinfer's logits at every position of a random prompt, and its greedy tokens, are llama.cpp's on ``path``
-    (``tolerance``: of the largest difference at a position, relative to the largest logit there)."""
-    model = llama_cpp_model(path)
+    (``tolerance``: of the largest difference at a position, relative to the largest logit there; ``n_ctx``:
+    llama.cpp's context, which it pads to a multiple of 256)."""
+    model = llama_cpp_model(path, n_ctx)
     tokens = prompt(length, vocab_size=model.n_vocab())
     expected = llama_cpp_logits(model, tokens)
     got = prefill_logits(llm.engine, tokens)

@@ -127,6 +127,14 @@ def llama3_rope_factors(config) -> torch.Tensor:
     return torch.where(wavelengths < context / high, 1.0, factors).float()
 
 
+def longrope_attention_factor(config) -> float:
+    """The converter's LongRoPE scale of cos and sin, from the context ratio alone (the checkpoint's
+    ``attention_factor`` it does not read): sqrt(1 + ln(ratio) / ln(original context)), 1 where not longer."""
+    original = config.original_max_position_embeddings
+    ratio = config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+
+
 def _storage(hf_name: str) -> gguf.GGMLQuantizationType:
     if any(part in hf_name for part in EXACT):
         return gguf.GGMLQuantizationType.F32
@@ -148,7 +156,6 @@ def write_gguf(
     model,
     arch: str,
     path: Path,
-    longrope: bool = False,
     storage: Callable[[str], gguf.GGMLQuantizationType] = _storage,
     experts: int = 0,
 ) -> None:
@@ -187,8 +194,8 @@ def write_gguf(
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_sliding_window(config.sliding_window or 0)  # 0: none (Phi-4)
-        if longrope:  # what the converter adds for the 128k-context models (with their factor tensors)
-            writer.add_rope_scaling_attn_factors(1.19)
+        if config.rope_parameters.get("rope_type") == "longrope":  # the long-context models' (and their factors)
+            writer.add_rope_scaling_attn_factors(longrope_attention_factor(config))
     add_tiny_vocabulary(writer, config.vocab_size, pre="qwen2")
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
@@ -207,6 +214,10 @@ def write_gguf(
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", data, raw_dtype=qtype)
     if config.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config).numpy())
+    if config.rope_parameters.get("rope_type") == "longrope":  # one pair for the whole model
+        for kind in ("long", "short"):
+            factors = np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -415,12 +426,55 @@ def test_mixtral_gguf_is_one_clear_error(tmp_path):
         load_gguf_config(path)
 
 
-def test_phi3_gguf_with_longrope_is_one_clear_error(tmp_path):
+def phi3_longrope(partial_rotary_factor: float, **overrides) -> Phi3Config:
+    """Phi-3.5's LongRoPE in small: trained at 256 positions (llama.cpp's contexts are multiples of 256), 1024
+    after, per-frequency factors far from 1 and from each other."""
+    pairs = int(TINY["hidden_size"] // TINY["num_attention_heads"] * partial_rotary_factor) // 2
+    generator = torch.Generator().manual_seed(2)
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=partial_rotary_factor,
+                short_factor=(1 + 2 * torch.rand(pairs, generator=generator)).tolist(),
+                long_factor=(4 + 40 * torch.rand(pairs, generator=generator)).tolist())  # fmt: skip
+    settings = dict(TINY, max_position_embeddings=1024, original_max_position_embeddings=256, rope_parameters=rope,
+                    pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
+    return Phi3Config(**{**settings, **overrides})
+
+
+LONGROPE_MODELS = {
+    "phi3.5": lambda: phi3_longrope(0.5),
+    "phi4-mini": lambda: phi3_longrope(0.75, tie_word_embeddings=True),  # a quarter of each head not rotated
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "context", "length", "factors"),
+    [
+        ("phi3.5", 256, 40, "short"),  # a context within the original: the short factors
+        ("phi3.5", 512, 300, "long"),  # past it: the long ones, for a prompt past it
+        # by default the file's context (llama.cpp's -c 0): the long factors for a prompt within the original
+        # too, which transformers turns by the short ones
+        ("phi3.5", None, 40, "long"),
+        ("phi4-mini", 512, 300, "long"),
+    ],
+)
+def test_phi3_gguf_with_longrope_runs_as_llama_cpp(tmp_path, model, context, length, factors):
+    """llama.cpp's converter writes LongRoPE as a rope_factors_long and a rope_factors_short tensor, the original
+    context and the attention factor it computes; llama.cpp turns every position by the long factors where the
+    context it serves a sequence is longer than the original, else by the short ones, whatever the sequence's
+    length. Served with that context (max_model_len; None: the file's), xinfer is llama.cpp; transformers' model of the checkpoint,
+    which picks the factors by the sequence's length, agrees only where that picks the same ones."""
     torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(LONGROPE_MODELS[model]()).float()
+    randomize(original)
     path = tmp_path / "tiny.gguf"
-    write_gguf(AutoModelForCausalLM.from_config(TINY_MODELS["phi3"]()).float(), "phi3", path, longrope=True)
-    with pytest.raises(ValueError, match=r"phi3\.rope\.scaling\.attn_factor: .*uses LongRoPE"):
-        load_gguf_config(path)
+    write_gguf(original, "phi3", path, storage=lambda _: gguf.GGMLQuantizationType.F32)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=80, max_model_len=context)
+    assert_llama_cpp_agrees(llm, path, length=length, n_ctx=context or original.config.max_position_embeddings)
+    tokens = prompt(length, vocab_size=TINY["vocab_size"])
+    with torch.inference_mode():
+        checkpoints = original(torch.tensor([tokens])).logits[0]
+    by_length = "long" if length > original.config.original_max_position_embeddings else "short"
+    error = (prefill_logits(llm.engine, tokens) - checkpoints).abs().max() / checkpoints.abs().max()
+    assert (error <= 1e-4) == (by_length == factors), f"max|diff|/max|transformers' logit| = {error:.2e}"
 
 
 # Llama 3.1's rope in small: pairs of wavelength 6 keep their frequency, 20 and 63 are blended, the rest divided by 8

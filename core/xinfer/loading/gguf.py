@@ -51,8 +51,10 @@ _CONFIG_FIELDS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
-# llama.cpp's divisor of each rotated pair's frequency, a tensor read into the config
+# llama.cpp's divisor of each rotated pair's frequency, tensors read into the config: one at every context, or
+# LongRoPE's pair (Phi-3), of which llama.cpp applies one at every position, chosen by the context it serves
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"short": "rope_factors_short.weight", "long": "rope_factors_long.weight"}
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 
 
@@ -129,7 +131,9 @@ def gguf_adapter(architecture: str) -> GGUFAdapter:
     return adapter() if isinstance(adapter, type) else adapter
 
 
-def load_gguf_config(path: str | Path) -> PretrainedConfig:
+def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> PretrainedConfig:
+    """The HF config of the GGUF file at ``path``, served with a context of ``max_model_len`` tokens a
+    sequence (None: the file's context_length), which decides the rope of a file with LongRoPE's factors."""
     registry.register_config_classes()
     file = GGUFFile(path)
     meta, arch = file.metadata, file.architecture
@@ -153,6 +157,8 @@ def load_gguf_config(path: str | Path) -> PretrainedConfig:
     try:  # what the adapter cannot read, it says naming the metadata key; this names the file
         if ROPE_FREQS in file.tensors:
             fields.update(_rope_freqs_fields(file, adapter, fields, scaling))
+        elif any(name in file.tensors for name in LONGROPE_FACTORS.values()):
+            fields.update(_longrope_fields(file, fields, scaling, max_model_len or fields["max_position_embeddings"]))
         fields.update(adapter.config(meta, fields, file.tensors.keys()))
     except ModelFileError as error:
         raise ModelFileError(f"{file.path}: {error}") from None
@@ -198,6 +204,27 @@ def _rope_freqs_fields(file: GGUFFile, adapter: GGUFAdapter, fields: Mapping[str
     return adapter.rope_freqs(dequantize(file, ROPE_FREQS).tolist(), fields)
 
 
+def _longrope_fields(file: GGUFFile, fields: Mapping[str, Any], scaling: Any, served: int) -> dict[str, Any]:
+    """LongRoPE as llama.cpp runs it (``llama_model::get_rope_factors``): the long factors at every position
+    where the context served a sequence (``served``) is longer than the original context, else the short ones,
+    whatever a sequence's own length (transformers switches by it); cos and sin times rope.scaling.attn_factor."""
+    if scaling is not None:
+        raise ModelFileError(f"both rope.scaling metadata and {' and '.join(LONGROPE_FACTORS.values())} tensors; "
+                             "which one llama.cpp's converter wrote for the model is unclear")  # fmt: skip
+    arch, context = file.architecture, fields["max_position_embeddings"]
+    original = int(file.metadata.get(f"{arch}.rope.scaling.original_context_length", context))
+    name = LONGROPE_FACTORS["long" if served > original else "short"]
+    if name not in file.tensors:
+        raise ModelFileError(f"{name}: the file has LongRoPE's other factors but not these, which llama.cpp "
+                             f"applies for a context of {served} tokens (the original is {original})")  # fmt: skip
+    divisors = dequantize(file, name).tolist()
+    # both factor lists the chosen one: the rotary's per-length switch never fires
+    scaling = {"rope_type": "longrope", "short_factor": divisors, "long_factor": divisors,
+               "factor": context / original, "original_max_position_embeddings": original,
+               "attention_factor": float(file.metadata.get(f"{arch}.rope.scaling.attn_factor", 1.0))}  # fmt: skip
+    return {"rope_scaling": scaling, "original_max_position_embeddings": original}
+
+
 def _causal_lm_class(model_type: str, path: Path) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -238,7 +265,7 @@ def iter_gguf_weights(
     file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names, adapter)
-    unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS]
+    unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS and n not in LONGROPE_FACTORS.values()]
     # the blocks past the model's layers: MTP layers, which block_count counts and the adapter left out
     extra_layers = [n for n in unmapped if (block := _BLOCK.match(n)) and int(block[1]) >= config.num_hidden_layers]
     if extra_layers:

@@ -23,9 +23,11 @@ from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, quantize_weights
 
 
-def load_config(path: Path) -> PretrainedConfig:
+def load_config(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
+    """The model's config; ``max_model_len``: the context it serves a sequence, which a GGUF's LongRoPE
+    factors are chosen by (None: the model's own)."""
     if path.suffix == ".gguf":
-        return load_gguf_config(path)
+        return load_gguf_config(path, max_model_len)
     config = _hf_config(path)
     _refuse_quantized_checkpoint(config, path)
     if not _is_wrapper(config):
@@ -97,7 +99,7 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     it is run with possible (the context length, the ``isq`` format): everything short of building the model
     and reading the weights, so that a bad model or setting fails in one line before anything starts."""
     settings = settings or ModelConfig()
-    config = load_config(path)
+    config = load_config(path, settings.max_model_len)
     try:
         registry.model_class(architecture_of(config))
     except ValueError as error:

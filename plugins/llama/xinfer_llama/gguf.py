@@ -46,7 +46,8 @@ class LlamaGGUF(GGUFAdapter):
 class Phi3GGUF(GGUFAdapter):
     """Phi3 as llama.cpp's converter writes it: the checkpoint's tensors unchanged (its
     rope for phi3 rotates halves, as HF's does; qkv and gate_up stay fused), and the
-    rotated share of each head as ``rope.dimension_count``."""
+    rotated share of each head as ``rope.dimension_count``. LongRoPE's factor tensors
+    (Phi-3-128k, Phi-3.5, Phi-4-mini) the core reads, as llama.cpp applies them."""
 
     def __init__(self) -> None:
         super().__init__(model_type="phi3")
@@ -54,9 +55,6 @@ class Phi3GGUF(GGUFAdapter):
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
-        if "phi3.rope.scaling.attn_factor" in metadata:
-            raise ModelFileError("phi3.rope.scaling.attn_factor: this Phi3 GGUF uses LongRoPE (rope_type 'longrope'), "
-                                 "which xinfer reads from safetensors checkpoints only so far: serve the HF checkpoint")  # fmt: skip
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
         rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
         # llama.cpp attends to every earlier position whatever attention.sliding_window says: it disables
