@@ -20,6 +20,19 @@ def chat(**fields):
     return {"messages": HI, "max_tokens": 2, **fields}
 
 
+def called(**call):
+    """A chat body whose history has an assistant turn with ``call`` (OpenAI's function call, changed by ``call``:
+    a None value leaves the field out) and the tool's result."""
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'} | call.pop("function", {})
+    call = {"id": "call_1", "type": "function", "function": function} | call
+    call = {key: value for key, value in call.items() if value is not None}
+    call["function"] = {key: value for key, value in function.items() if value is not None}
+    if call.pop("drop_function", False):
+        del call["function"]
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return chat(messages=[*HI, turn, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+
+
 # (name, path, body or raw bytes, headers, status, param expected in the error (None: don't check), words in message)
 ROWS = [
     ("missing messages", CHAT, {"max_tokens": 2}, {}, 400, "messages", "required"),
@@ -52,6 +65,62 @@ ROWS = [
         400,
         "messages.1.tool_call_id",
         "tool_call_id",
+    ),
+    # OpenAI's ChatCompletionMessageFunctionToolCallParam: id, type "function", function.name, function.arguments
+    (
+        "tool call without function",
+        CHAT,
+        called(drop_function=True),
+        {},
+        400,
+        "messages.1.tool_calls.0.function",
+        "required",
+    ),
+    (
+        "tool call without a name",
+        CHAT,
+        called(function={"name": None}),
+        {},
+        400,
+        "messages.1.tool_calls.0.function.name",
+        "required",
+    ),
+    (
+        "tool call arguments as an object",
+        CHAT,
+        called(function={"arguments": {"city": "Paris"}}),
+        {},
+        400,
+        "messages.1.tool_calls.0.function.arguments",
+        "string",
+    ),
+    (
+        "tool call without arguments",
+        CHAT,
+        called(function={"arguments": None}),
+        {},
+        400,
+        "messages.1.tool_calls.0.function.arguments",
+        "required",
+    ),
+    (
+        "tool call of an unknown type",
+        CHAT,
+        called(type="retrieval"),
+        {},
+        400,
+        "messages.1.tool_calls.0.type",
+        "retrieval",
+    ),
+    ("tool call without an id", CHAT, called(id=None), {}, 400, "messages.1.tool_calls.0.id", "required"),
+    (
+        "tool call not an object",
+        CHAT,
+        chat(messages=[*HI, {"role": "assistant", "tool_calls": ["f()"]}]),
+        {},
+        400,
+        "messages.1.tool_calls.0",
+        "object",
     ),
     (
         "image content part",

@@ -192,6 +192,22 @@ def test_round_trip_through_the_template(qwen, client):
     assert '<|im_start|>user\n<tool_response>\n{"forecast": "sunny"}\n</tool_response><|im_end|>' in text
 
 
+def test_history_calls_whose_arguments_are_not_json_go_back_as_sent(qwen, client):
+    """OpenAI takes a call's arguments as any string (its reference: the model may write invalid JSON) and null
+    content beside tool_calls: they render through the template as the client sent them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "unknown city"},
+    ]
+    answer = ask(client, messages=messages, tool_choice="none", max_tokens=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    rendered = httpx.post(qwen.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    text = httpx.post(qwen.url + "/detokenize", json={"tokens": rendered}, timeout=60).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}\n</tool_call>' in text
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
