@@ -20,16 +20,14 @@ def chat(**fields):
     return {"messages": HI, "max_tokens": 2, **fields}
 
 
-def called(**call):
-    """A chat body whose history has an assistant turn with ``call`` (OpenAI's function call, changed by ``call``:
-    a None value leaves the field out) and the tool's result."""
-    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'} | call.pop("function", {})
-    call = {"id": "call_1", "type": "function", "function": function} | call
-    call = {key: value for key, value in call.items() if value is not None}
-    call["function"] = {key: value for key, value in function.items() if value is not None}
-    if call.pop("drop_function", False):
-        del call["function"]
-    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+def called(call: dict | None = None, function: dict | None = None, drop: str | None = None) -> dict:
+    """A chat body whose history has OpenAI's function call (``call`` and ``function`` changing its fields, a None
+    in ``function`` leaving that one out, ``drop`` one of the call's) and the tool's result."""
+    whole = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'} | (function or {})} | (call or {})  # fmt: skip
+    whole["function"] = {key: value for key, value in whole["function"].items() if value is not None}
+    whole = {key: value for key, value in whole.items() if key != drop}
+    turn = {"role": "assistant", "content": None, "tool_calls": [whole]}
     return chat(messages=[*HI, turn, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
 
 
@@ -70,7 +68,7 @@ ROWS = [
     (
         "tool call without function",
         CHAT,
-        called(drop_function=True),
+        called(drop="function"),
         {},
         400,
         "messages.1.tool_calls.0.function",
@@ -106,13 +104,13 @@ ROWS = [
     (
         "tool call of an unknown type",
         CHAT,
-        called(type="retrieval"),
+        called({"type": "retrieval"}),
         {},
         400,
         "messages.1.tool_calls.0.type",
         "retrieval",
     ),
-    ("tool call without an id", CHAT, called(id=None), {}, 400, "messages.1.tool_calls.0.id", "required"),
+    ("tool call without an id", CHAT, called(drop="id"), {}, 400, "messages.1.tool_calls.0.id", "required"),
     (
         "tool call not an object",
         CHAT,
