@@ -20,6 +20,17 @@ def chat(**fields):
     return {"messages": HI, "max_tokens": 2, **fields}
 
 
+def called(call: dict | None = None, function: dict | None = None, drop: str | None = None) -> dict:
+    """A chat body whose history has OpenAI's function call (``call`` and ``function`` changing its fields, a None
+    in ``function`` leaving that one out, ``drop`` one of the call's) and the tool's result."""
+    whole = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'} | (function or {})} | (call or {})  # fmt: skip
+    whole["function"] = {key: value for key, value in whole["function"].items() if value is not None}
+    whole = {key: value for key, value in whole.items() if key != drop}
+    turn = {"role": "assistant", "content": None, "tool_calls": [whole]}
+    return chat(messages=[*HI, turn, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+
+
 # (name, path, body or raw bytes, headers, status, param expected in the error (None: don't check), words in message)
 ROWS = [
     ("missing messages", CHAT, {"max_tokens": 2}, {}, 400, "messages", "required"),
@@ -52,6 +63,62 @@ ROWS = [
         400,
         "messages.1.tool_call_id",
         "tool_call_id",
+    ),
+    # OpenAI's ChatCompletionMessageFunctionToolCallParam: id, type "function", function.name, function.arguments
+    (
+        "tool call without function",
+        CHAT,
+        called(drop="function"),
+        {},
+        400,
+        "messages.1.tool_calls.0.function",
+        "required",
+    ),
+    (
+        "tool call without a name",
+        CHAT,
+        called(function={"name": None}),
+        {},
+        400,
+        "messages.1.tool_calls.0.function.name",
+        "required",
+    ),
+    (
+        "tool call arguments as an object",
+        CHAT,
+        called(function={"arguments": {"city": "Paris"}}),
+        {},
+        400,
+        "messages.1.tool_calls.0.function.arguments",
+        "string",
+    ),
+    (
+        "tool call without arguments",
+        CHAT,
+        called(function={"arguments": None}),
+        {},
+        400,
+        "messages.1.tool_calls.0.function.arguments",
+        "required",
+    ),
+    (
+        "tool call of an unknown type",
+        CHAT,
+        called({"type": "retrieval"}),
+        {},
+        400,
+        "messages.1.tool_calls.0.type",
+        "retrieval",
+    ),
+    ("tool call without an id", CHAT, called(drop="id"), {}, 400, "messages.1.tool_calls.0.id", "required"),
+    (
+        "tool call not an object",
+        CHAT,
+        chat(messages=[*HI, {"role": "assistant", "tool_calls": ["f()"]}]),
+        {},
+        400,
+        "messages.1.tool_calls.0",
+        "object",
     ),
     (
         "image content part",

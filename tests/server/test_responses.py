@@ -10,7 +10,7 @@ import typing
 
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseIncludable, ResponseStreamEvent
 
 # the client's type of each stream event, by its "type"
 EVENT_TYPES = {
@@ -18,6 +18,7 @@ EVENT_TYPES = {
     for kind in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
 }
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 INSTRUCTIONS = "You answer in one short sentence."
 TURNS = [
     {"role": "user", "content": "Name a fruit."},
@@ -132,8 +133,9 @@ WEATHER = {"type": "function", "name": "get_weather",
         {"max_output_tokens": 3},  # incomplete
         {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}},  # a function_call item
         {"text": {"format": {"type": "json_object"}}},
+        {"include": ["message.output_text.logprobs"], "top_logprobs": 2},
     ],
-    ids=["completed", "incomplete", "function call", "json"],
+    ids=["completed", "incomplete", "function call", "json", "logprobs"],
 )
 def test_bodies_and_events_are_the_clients_types(server, model, options):
     """Validated by the client's own pydantic types (its parser constructs them unchecked): every field they
@@ -168,6 +170,9 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
         ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context
         ({"temperature": 2.5}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),  # not chat's field
+        ({"include": ["message.output_text.logprobs", "reasoning.summary"]}, "include"),  # not OpenAI's includable
+        ({"include": "message.output_text.logprobs"}, "include"),  # a list
+        ({"include": [OUTPUT_LOGPROBS], "top_logprobs": 21}, "top_logprobs"),  # OpenAI's 0 to 20
     ],
 )
 def test_bad_requests_are_400_naming_the_field(server, client, model, change, param):
@@ -186,6 +191,61 @@ def test_bookkeeping_fields_are_accepted(client, model):
         tool_choice="auto", truncation="disabled", stream=None,  # the client sends null: the default, as on chat
     )  # fmt: skip
     assert response.metadata == {"k": "v"} and response.usage.output_tokens <= 2
+
+
+def assert_same_logprobs(got: list[dict], expected: list[dict]) -> None:
+    """The same tokens (each with its bytes and its alternatives'), the same values but for rounding (the prefix
+    cache may have computed the prompt in other pieces)."""
+
+    def tokens(logprobs: list[dict]) -> list:
+        return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]) for e in logprobs]
+
+    def values(logprobs: list[dict]) -> list[float]:
+        return [value for e in logprobs for value in [e["logprob"], *(t["logprob"] for t in e["top_logprobs"])]]
+
+    assert tokens(got) == tokens(expected)
+    assert values(got) == pytest.approx(values(expected), abs=1e-4)
+
+
+def test_output_text_logprobs_are_the_chat_completions(server, client, model):
+    """``include: ["message.output_text.logprobs"]``: the output_text part carries the chat completion's
+    logprobs (same tokens, bytes, ``top_logprobs`` alternatives), streamed as each delta's tokens and whole in
+    the done events."""
+    response = client.responses.create(model=model, input=TURNS, max_output_tokens=8, temperature=0,
+                                       include=[OUTPUT_LOGPROBS], top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(model=model, messages=TURNS, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0]  # fmt: skip
+    [part] = response.output[0].content
+    expected = [entry.model_dump() for entry in chat.logprobs.content]
+    assert_same_logprobs([entry.model_dump() for entry in part.logprobs], expected)
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs) and response.top_logprobs == 2
+    assert bytes(b for entry in part.logprobs for b in entry.bytes).decode().startswith(part.text)
+    body = {"model": model, "input": TURNS, "max_output_tokens": 8, "temperature": 0, "include": [OUTPUT_LOGPROBS],
+            "top_logprobs": 2, "stream": True}  # fmt: skip
+    events = [event for _, event in server.events("/v1/responses", body)]
+    deltas = [entry for e in events if e["type"] == "response.output_text.delta" for entry in e["logprobs"]]
+    [done] = [e["logprobs"] for e in events if e["type"] == "response.output_text.done"]
+    streamed = Response.model_validate(events[-1]["response"]).output[0].content[0]
+    assert done == [entry.model_dump() for entry in streamed.logprobs]
+    assert_same_logprobs(done, expected)
+    assert deltas == done[: len(deltas)] and len(deltas) >= len(done) - 1  # all but an end token's, if any
+    without = client.responses.create(model=model, input=TURNS, max_output_tokens=8, temperature=0, top_logprobs=2)
+    assert without.output[0].content[0].logprobs == [] and without.output_text == response.output_text
+
+
+def test_includes_of_what_the_server_does_not_keep_are_accepted(client, model, whole):
+    """What agent clients send (the Codex CLI and the Agents SDK: encrypted reasoning) and the outputs of hosted
+    tools: accepted, changing nothing in the answer."""
+    everything = typing.get_args(ResponseIncludable)
+    response = client.responses.create(model=model, input=TURNS, max_output_tokens=8, temperature=0,
+                                       include=[value for value in everything if value != OUTPUT_LOGPROBS])  # fmt: skip
+    assert response.output_text == whole.output_text and response.output[0].content[0].logprobs == []
+
+
+def test_an_unknown_include_is_named(server, model):
+    body = {"model": model, "input": "Hi.", "include": [OUTPUT_LOGPROBS, "reasoning.summary"]}
+    error = server.post("/v1/responses", json=body).json()["error"]
+    assert error["param"] == "include" and "reasoning.summary" in error["message"]
 
 
 def test_text_then_calls_accumulate_in_the_clients_stream_state():

@@ -192,6 +192,22 @@ def test_round_trip_through_the_template(qwen, client):
     assert '<|im_start|>user\n<tool_response>\n{"forecast": "sunny"}\n</tool_response><|im_end|>' in text
 
 
+def test_history_calls_whose_arguments_are_not_json_go_back_as_sent(qwen, client):
+    """OpenAI takes a call's arguments as any string (its reference: the model may write invalid JSON) and null
+    content beside tool_calls: they render through the template as the client sent them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "unknown city"},
+    ]
+    answer = ask(client, messages=messages, tool_choice="none", max_tokens=2)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    rendered = httpx.post(qwen.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    text = httpx.post(qwen.url + "/detokenize", json={"tokens": rendered}, timeout=60).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}\n</tool_call>' in text
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
@@ -212,10 +228,41 @@ def test_bad_tools_are_400(client, kwargs, named):
     assert error.value.status_code == 400 and named in error.value.message
 
 
-def test_forced_call_with_response_format_is_400(client):
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+          "additionalProperties": False}  # fmt: skip
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+)
+def test_a_forced_call_with_response_format_is_the_call(client, tool_choice):
+    """OpenAI takes both: the forced call is the answer (its arguments follow its tool's schema) and the format
+    would govern the message's text, which the answer has none of."""
+    alone = ask(client, tool_choice=tool_choice, parallel_tool_calls=False).choices[0]
+    both = ask(client, tool_choice=tool_choice, parallel_tool_calls=False, response_format=ANSWER_FORMAT).choices[0]
+    assert both.finish_reason == "tool_calls" and both.message.content is None
+    assert checked_calls(both.message) == checked_calls(alone.message)
+    streamed = ask(
+        client, stream=True, tool_choice=tool_choice, parallel_tool_calls=False, response_format=ANSWER_FORMAT
+    )
+    content, calls, reason = collect(streamed)
+    assert content == "" and reason == "tool_calls"
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls] == checked_calls(alone.message)
+
+
+def test_auto_with_response_format_holds_a_text_answer_to_it(client):
+    """A random model answers in text: its content is held to the format, the tools offered beside it."""
+    message = ask(client, tool_choice="auto", response_format=ANSWER_FORMAT, max_tokens=30).choices[0].message
+    assert message.tool_calls is None
+    jsonschema.validate(json.loads(message.content), ANSWER)
+
+
+def test_a_forced_call_with_structured_outputs_is_400(client):
+    """vLLM's structured_outputs constrains the whole answer, which a forced call already is."""
     with pytest.raises(openai.BadRequestError) as error:
-        ask(client, tool_choice="required", response_format={"type": "json_object"})
-    assert "tool_choice" in error.value.message
+        ask(client, tool_choice="required", extra_body={"structured_outputs": {"regex": "[a-z]+"}})
+    assert error.value.body["param"] == "structured_outputs" and "tool_choice" in error.value.message
 
 
 def test_the_messages_api_calls_tools_and_sends_results_back(qwen, client):
@@ -358,6 +405,19 @@ def test_responses_round_trip_with_function_call_output(client):
     chat = ask(client, messages=messages, max_tokens=5)
     assert followed.usage.input_tokens == chat.usage.prompt_tokens
     assert followed.output_text == chat.choices[0].message.content and followed.output[-1].type == "message"
+
+
+def test_responses_forced_call_with_text_format_is_the_call(client):
+    """As on chat completions: the forced call is the answer; under auto a text answer is held to the format."""
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}}
+    named = {"type": "function", "name": "get_time"}
+    alone = respond(client, tool_choice=named)
+    both = respond(client, tool_choice=named, text=text)
+    assert [(i.type, i.name, i.arguments) for i in both.output] == [(i.type, i.name, i.arguments) for i in alone.output]
+    assert both.output[0].type == "function_call" and both.status == "completed"
+    auto = respond(client, tool_choice="auto", text=text, max_output_tokens=30)
+    assert [item.type for item in auto.output] == ["message"]
+    jsonschema.validate(json.loads(auto.output_text), ANSWER)
 
 
 @pytest.mark.parametrize(

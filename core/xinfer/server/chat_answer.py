@@ -92,9 +92,15 @@ class ChatAnswer(Answer):
     def reasoning_tokens(self) -> int | None:
         if self.tags is None:
             return None
+        return sum(self.reasoning_length(c.token_ids) for c in self.handle.choices)
+
+    def reasoning_length(self, token_ids: list[int]) -> int:
+        """How many of an output's first tokens are its reasoning (the end tag included)."""
+        if self.tags is None:
+            return 0
         tokenizer = self.serving.tokenizer
         start, end = tokenizer.token_to_id(self.tags.start), tokenizer.token_to_id(self.tags.end)
-        return sum(reasoning_token_count(c.token_ids, start, end, self.inside) for c in self.handle.choices)
+        return reasoning_token_count(token_ids, start, end, self.inside)
 
     async def events(self) -> AsyncIterator[str]:
         for index in range(self.body.n):

@@ -33,17 +33,26 @@ def structured_outputs(body: GenerationRequest, after_token_id: int | None = Non
     chat request's ``tool_choice`` forces), checked:
     a bad schema, regex or grammar is a 400 naming it. ``after_token_id``: it applies
     after reasoning, which that token ends."""
+    requested = format_constraint(body, after_token_id)
+    if not isinstance(body, ChatCompletionRequest):
+        return requested
+    schema = forced_schema(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if schema is None:
+        return requested
+    if body.structured_outputs is not None:
+        raise bad_request("a tool_choice that forces a call cannot be combined with structured_outputs",
+                          param="structured_outputs")  # fmt: skip
+    # the forced call is the whole answer: response_format governs a message's text, which it has none of
+    try:
+        return StructuredOutputs(json=schema, strict=False, after_token_id=after_token_id)
+    except ValueError as error:
+        raise bad_request(str(error), param="tools", code="invalid_structured_output") from None
+
+
+def format_constraint(body: GenerationRequest, after_token_id: int | None) -> StructuredOutputs | None:
+    """The constraint ``response_format`` or ``structured_outputs`` asks for, checked."""
     fmt, given = body.response_format, body.structured_outputs
     param = "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
-    if isinstance(body, ChatCompletionRequest):
-        schema = forced_schema(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if schema is not None:
-            if given is not None or (fmt is not None and fmt.type != "text"):
-                raise bad_request(f"a tool_choice that forces a call cannot be combined with {param}", param=param)
-            try:
-                return StructuredOutputs(json=schema, strict=False, after_token_id=after_token_id)
-            except ValueError as error:
-                raise bad_request(str(error), param="tools", code="invalid_structured_output") from None
     try:
         if fmt is not None and fmt.type == "json_object":
             return StructuredOutputs(json_object=True, after_token_id=after_token_id)

@@ -40,7 +40,7 @@ def message_dicts(
             has_image = any(p["type"] == "image" for p in parts)
             item["content"] = parts if has_image else "\n".join(p["text"] for p in parts)
         if message.tool_calls:
-            calls = message.tool_calls
+            calls = item["tool_calls"]
             item["tool_calls"] = [_call_for_template(call) for call in calls] if arguments_as_objects else calls
             item.setdefault("content", "")  # clients send null; templates read it as text (Qwen3: '</think>' in ...)
         result.append(item)
@@ -50,9 +50,7 @@ def message_dicts(
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant's tool call with its arguments as an object, not JSON text: templates
     write them with ``tojson`` (Llama, Mistral) or as they are (Qwen, which takes either)."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
+    function = call["function"]
     try:
         arguments = json.loads(function["arguments"])
     except json.JSONDecodeError:

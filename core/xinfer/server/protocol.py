@@ -58,11 +58,24 @@ class ContentPart(RequestBody):
     image_url: ImageURL | None = None
 
 
+class CalledFunction(RequestBody):
+    name: str
+    arguments: str  # JSON text as the model wrote it: text that is not JSON is kept, as OpenAI keeps it
+
+
+class AssistantToolCall(RequestBody):
+    """A call in an assistant turn given back: OpenAI's function call (this server runs no custom tools)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name of reasoning_content, read as it

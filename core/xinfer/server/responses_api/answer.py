@@ -7,7 +7,9 @@ or ``response.failed``), each event with its ``sequence_number``.
 
 The text comes from the chat route's answer (:class:`ChatAnswer`: stop texts, reasoning split,
 tool calls parsed), its reasoning as a ``reasoning`` item before the ``message``, each tool call
-a ``function_call`` item after it."""
+a ``function_call`` item after it. Where ``include`` asks for them, the message's ``output_text`` has
+the logprobs of its tokens (those after the reasoning, up to the first call's), each text delta
+those of the tokens it adds."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from fastapi.responses import Response as HTTPResponse
 from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import stream_failure
-from xinfer.server.responses import now
+from xinfer.server.responses import TokenLogprob, now
 from xinfer.server.responses_api.objects import (
     FunctionCallItem,
     IncompleteDetails,
@@ -45,6 +47,9 @@ STATUS: dict[str | None, Status] = {"stop": "completed", "tool_calls": "complete
 TEXT_EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text",
                "function_call": "response.function_call_arguments"}  # fmt: skip
 ID_PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+# the logprobs of a message's tokens, given its text so far: those of the tokens that write it, or (``whole``)
+# all those to the output's end
+MessageLogprobs = Callable[[str, bool], list[TokenLogprob]]
 
 
 class ResponseAnswer:
@@ -62,7 +67,8 @@ class ResponseAnswer:
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             error=ResponseError(message=error) if error is not None else None, instructions=body.instructions,
             max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-            metadata=body.metadata or {}, completed_at=now() if status == "completed" else None,
+            top_logprobs=body.top_logprobs, metadata=body.metadata or {},
+            completed_at=now() if status == "completed" else None,
             tools=body.tools or [], tool_choice=body.tool_choice or "auto",
             parallel_tool_calls=body.parallel_tool_calls is not False,
         )  # fmt: skip
@@ -81,7 +87,7 @@ class ResponseAnswer:
         try:
             [output] = await unless_disconnected(request, engine.collect(handle))
             message = self.chat.choice(0, output).message
-            items = ItemStream(lambda kind, **fields: "")  # no events
+            items = ItemStream(lambda kind, **fields: "", self.message_logprobs())  # no events
             items.write("reasoning", message.reasoning_content or "")
             items.write("message", message.content or "")
             for call in message.tool_calls or []:
@@ -92,6 +98,22 @@ class ResponseAnswer:
         finally:
             engine.release(handle)
 
+    def message_logprobs(self) -> MessageLogprobs | None:
+        """The logprobs of the message's tokens, from the output so far, where ``include`` asks for them."""
+        if not self.body.output_logprobs:
+            return None
+        chat = self.chat
+
+        def logprobs(text: str, whole: bool) -> list[TokenLogprob]:
+            output = chat.handle.choices[0]
+            start = chat.reasoning_length(output.token_ids)
+            token_ids = output.token_ids[start:]
+            count = len(token_ids) if whole else writing(token_ids, text, chat.serving.token_bytes)
+            found = chat.logprobs(token_ids[:count], (output.logprobs or [])[start : start + count])
+            return found.content if found is not None else []
+
+        return logprobs
+
     def event(self, kind: str, **fields: Any) -> str:
         number, self.sequence_number = self.sequence_number, self.sequence_number + 1
         return typed_sse_event(kind, {"type": kind, "sequence_number": number, **fields})
@@ -99,7 +121,7 @@ class ResponseAnswer:
     async def events(self) -> AsyncIterator[str]:
         yield self.event("response.created", response=self.response().model_dump())
         yield self.event("response.in_progress", response=self.response().model_dump())
-        items = ItemStream(self.event)
+        items = ItemStream(self.event, self.message_logprobs())
         finish_reason = None
         try:
             async for choice in self.chat.deltas():
@@ -116,7 +138,7 @@ class ResponseAnswer:
                 finish_reason = choice.finish_reason or finish_reason
         except Exception as error:  # noqa: BLE001 - the client gets response.failed, not a cut stream
             message = stream_failure(error, "a responses stream").message
-            for event in items.close("incomplete"):
+            for event in items.close("incomplete", last=True):
                 yield event
             yield self.event("response.failed", response=self.response("failed", items.items, message).model_dump())
             return
@@ -131,8 +153,10 @@ class ItemStream:
     name) and is done when another item opens or the answer ends; an answer without any item gets
     one empty message."""
 
-    def __init__(self, event: Callable[..., str]):
+    def __init__(self, event: Callable[..., str], message_logprobs: MessageLogprobs | None = None):
         self.event = event  # writes one numbered event
+        self.message_logprobs = message_logprobs
+        self.token_logprobs: list[TokenLogprob] = []  # the open message's, so far
         self.items: list[OutputItem] = []  # those done
         self.kind: Kind | None = None
         self.id = ""
@@ -146,7 +170,8 @@ class ItemStream:
             return []
         events = self.open(kind) if kind != self.kind else []
         self.texts.append(text)
-        return [*events, self.event(f"{TEXT_EVENTS[kind]}.delta", **self.where(), delta=text, **self.logprobs())]
+        logprobs = self.logprobs(self.more_logprobs(whole=False))
+        return [*events, self.event(f"{TEXT_EVENTS[kind]}.delta", **self.where(), delta=text, **logprobs)]
 
     def call(self, call_id: str, name: str) -> list[str]:
         """Opens a function call: its arguments follow as ``write("function_call", ...)``."""
@@ -156,7 +181,7 @@ class ItemStream:
 
     def open(self, kind: Kind) -> list[str]:
         events = self.close("completed")
-        self.kind, self.id, self.texts = kind, item_id(ID_PREFIXES[kind]), []
+        self.kind, self.id, self.texts, self.token_logprobs = kind, item_id(ID_PREFIXES[kind]), [], []
         added = self.event("response.output_item.added", output_index=len(self.items),
                            item=self.item("in_progress").model_dump())  # fmt: skip
         if kind == "function_call":
@@ -164,15 +189,19 @@ class ItemStream:
         part = self.event("response.content_part.added", **self.where(), part=self.part("").model_dump())
         return [*events, added, part]
 
-    def close(self, status: Status) -> list[str]:
+    def close(self, status: Status, last: bool = False) -> list[str]:
+        """``last``: the output ends with this item (its tokens are all the rest)."""
         if self.kind is None:
             return []
+        self.more_logprobs(whole=last)
         text, item = "".join(self.texts), self.item(status)
         if self.kind == "function_call":
             text_done = [self.event(f"{TEXT_EVENTS[self.kind]}.done", **self.where(), arguments=text)]
         else:
             text_done = [
-                self.event(f"{TEXT_EVENTS[self.kind]}.done", **self.where(), text=text, **self.logprobs()),
+                self.event(
+                    f"{TEXT_EVENTS[self.kind]}.done", **self.where(), text=text, **self.logprobs(self.token_logprobs)
+                ),
                 self.event("response.content_part.done", **self.where(), part=self.part(text).model_dump()),
             ]
         events = [*text_done,
@@ -182,17 +211,28 @@ class ItemStream:
         return events
 
     def finish(self, status: Status) -> list[str]:
-        return [*(self.open("message") if not self.items and self.kind is None else []), *self.close(status)]
+        return [*(self.open("message") if not self.items and self.kind is None else []), *self.close(status, last=True)]
 
     def where(self) -> dict[str, Any]:
         place = {"item_id": self.id, "output_index": len(self.items)}
         return place if self.kind == "function_call" else place | {"content_index": 0}
 
-    def logprobs(self) -> dict[str, Any]:
-        return {"logprobs": []} if self.kind == "message" else {}
+    def more_logprobs(self, whole: bool) -> list[TokenLogprob]:
+        """The open message's logprobs that its text (``whole``: the output's end) adds to those it had."""
+        if self.kind != "message" or self.message_logprobs is None:
+            return []
+        known = self.message_logprobs("".join(self.texts), whole)
+        more, self.token_logprobs = known[len(self.token_logprobs) :], known
+        return more
+
+    def logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        """A message's text event's ``logprobs`` (none for reasoning)."""
+        return {"logprobs": [entry.model_dump() for entry in logprobs]} if self.kind == "message" else {}
 
     def part(self, text: str) -> OutputText | ReasoningText:
-        return OutputText(text=text) if self.kind == "message" else ReasoningText(text=text)
+        if self.kind == "message":
+            return OutputText(text=text, logprobs=self.token_logprobs)
+        return ReasoningText(text=text)
 
     def item(self, status: Status) -> OutputItem:
         """The open item: empty while in progress, then with its whole text."""
@@ -201,6 +241,16 @@ class ItemStream:
             return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=text, status=status)
         if self.kind == "message":
             return OutputMessage(id=self.id, status=status,
-                                 content=[OutputText(text=text)] if status != "in_progress" else [])  # fmt: skip
+                                 content=[self.part(text)] if status != "in_progress" else [])  # fmt: skip
         return ReasoningItem(id=self.id, status=status,
                              content=[ReasoningText(text=text)] if status != "in_progress" else [])  # fmt: skip
+
+
+def writing(token_ids: list[int], text: str, token_bytes: Callable[[int], bytes]) -> int:
+    """How many of the first tokens it takes to write ``text``: their bytes at least as many as its."""
+    size, goal = 0, len(text.encode())
+    for count, token in enumerate(token_ids):
+        if size >= goal:
+            return count
+        size += len(token_bytes(token))
+    return len(token_ids)

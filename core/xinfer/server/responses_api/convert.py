@@ -12,7 +12,8 @@
   the calls; built-in tools (``web_search``, ``file_search``...), which this server does not run,
   are refused;
 - ``max_output_tokens``, ``temperature``, ``top_p`` are the chat request's sampling fields,
-  ``text.format`` its ``response_format``, ``reasoning.effort`` its ``reasoning_effort``.
+  ``text.format`` its ``response_format``, ``reasoning.effort`` its ``reasoning_effort``,
+  ``include: ["message.output_text.logprobs"]`` its ``logprobs`` (``top_logprobs`` alternatives).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def chat_request(body: ResponsesRequest, takes_images: bool) -> ChatCompletionRe
         except ValueError as error:
             raise bad_request(str(error), param="tool_choice") from None
     fields["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.output_logprobs:
+        fields |= {"logprobs": True, "top_logprobs": body.top_logprobs}
     if body.text is not None and body.text.format is not None:
         fields["response_format"] = response_format(body.text.format)
     if body.reasoning is not None:

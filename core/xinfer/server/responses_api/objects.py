@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from xinfer.server.responses import CompletionTokensDetails, PromptTokensDetails, Usage
+from xinfer.server.responses import CompletionTokensDetails, PromptTokensDetails, TokenLogprob, Usage
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
@@ -19,10 +19,12 @@ def item_id(prefix: str) -> str:
 
 
 class OutputText(BaseModel):
+    """``logprobs``: those of the message's tokens, where ``include`` asks for them."""
+
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class ReasoningText(BaseModel):
@@ -113,6 +115,7 @@ class Response(BaseModel):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from xinfer.server.errors import FieldError
-from xinfer.server.protocol import RequestBody
+from xinfer.server.protocol import MAX_TOP_LOGPROBS, RequestBody
 
 # fields accepted and not read: they change no answer (no response is stored, the server runs no tool)
 IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key",
                             "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options"})  # fmt: skip
 # the values of other fields that ask for nothing beyond what this server does (their defaults)
 NEUTRAL_VALUES = {"truncation": ("disabled",)}
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's values of include (its ResponseIncludable); all but OUTPUT_LOGPROBS are accepted and ignored: the
+# outputs of hosted tools this server does not run, input image URLs of a response it does not store, and
+# encrypted reasoning, which it does not keep (its reasoning items carry their text, read back from there)
+INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url",
+              "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "code_interpreter_call.outputs", "computer_call_output.output.image_url")  # fmt: skip
 
 
 class InputPart(RequestBody):
@@ -88,6 +95,21 @@ class ResponsesRequest(RequestBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives of each output_text token
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, include: list[str] | None) -> list[str] | None:
+        unknown = next((value for value in include or [] if value not in INCLUDABLE), None)
+        if unknown is not None:
+            raise ValueError(f"{unknown!r} is not one of {', '.join(INCLUDABLE)}")
+        return include
+
+    @property
+    def output_logprobs(self) -> bool:
+        """Whether the message's ``output_text`` carries its tokens' logprobs."""
+        return OUTPUT_LOGPROBS in (self.include or [])
 
     def unsupported_field(self) -> str | None:
         """The first field the body sets that this server does not implement."""
