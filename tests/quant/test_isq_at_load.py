@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, Qwen2MoeConfig
 
 import xinfer.loading.loader
@@ -23,7 +24,7 @@ CPU, FP32 = torch.device("cpu"), torch.float32
 # every row a whole block of each format (q4_k's and q6_k's are 256 values)
 WIDE = dict(COMMON, hidden_size=256, intermediate_size=256, head_dim=64)
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**WIDE, architectures=["LlamaForCausalLM"]),
+    "llama": lambda: LlamaConfig(**WIDE, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]),
     # stacked experts, a gated shared expert (its one-row gate stays float) and a router
     "qwen2-moe": lambda: Qwen2MoeConfig(
         **WIDE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
@@ -134,6 +135,18 @@ def peak_float_bytes(monkeypatch, isq: str, load) -> int:
         patch.setattr(fmt, "quantize", quantize)
         load()
     return peak[0]
+
+
+def test_a_weight_the_checkpoint_holds_twice_is_the_last_one_as_before(tmp_path):
+    """A tied embedding and LM head both in the checkpoint fill one weight twice: packed once whole, it is
+    filled again by the second tensor, which wins as it did when every weight loaded in float first."""
+    hf = save_tiny_model(CONFIGS["llama"](), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn_like(hf.model.embed_tokens.weight)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    got = load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors", "q8_0")
+    assert_same_tensors(got, load_then_quantize(tmp_path, "safetensors", "q8_0"))
+    assert got.lm_head.weight is got.model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
