@@ -4,6 +4,7 @@ exceed one layer's; and the start-up fit check counts the weights packed."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -135,6 +136,28 @@ def peak_float_bytes(monkeypatch, isq: str, load) -> int:
         patch.setattr(fmt, "quantize", quantize)
         load()
     return peak[0]
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+def moe_gguf(request, tmp_path_factory):
+    """A tiny MiniMax-M2 (stacked experts) as a GGUF file, its matrices F32 or packed as Q8_0."""
+    from tests.plugins.converted_gguf import checkpoint_tensors as hf_tensors
+    from tests.plugins.converted_gguf import write_converted_gguf
+    from tests.plugins.minimax.test_minimax_m2 import minimax_m2_config
+    from tests.plugins.minimax.test_minimax_m2_gguf import metadata_writer
+
+    folder = tmp_path_factory.mktemp(f"moe-{request.param}")
+    config = save_tiny_model(minimax_m2_config(intermediate_size=64), folder).config
+    path = folder / "tiny.gguf"
+    qtype = getattr(gguf.GGMLQuantizationType, request.param)
+    write_converted_gguf(path, "minimax-m2", config, hf_tensors(folder), config.num_hidden_layers,
+                         metadata_writer(config), quantize=None if request.param == "F32" else qtype)  # fmt: skip
+    return path
+
+
+def test_a_gguf_file_quantizes_its_float_weights_as_they_load_and_keeps_its_packed_ones(moe_gguf):
+    got = load_model(moe_gguf, load_config(moe_gguf), CPU, FP32, "gguf", "q8_0")
+    assert_same_tensors(got, load_then_quantize(moe_gguf, "gguf", "q8_0"))
 
 
 def test_a_weight_the_checkpoint_holds_twice_is_the_last_one_as_before(tmp_path):
