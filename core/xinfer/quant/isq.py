@@ -76,7 +76,8 @@ class LoadQuantizer:
 
     def __init__(self, fmt: WeightFormat, device: torch.device):
         self.fmt, self.device = fmt, device
-        self._made: dict[int, tuple[Tensor, torch.dtype]] = {}  # the weights it packed (held: ids stay theirs)
+        # the weights it packed, with their float shape and dtype (held, so that their ids stay theirs)
+        self._made: dict[int, tuple[Tensor, torch.Size, torch.dtype]] = {}
 
     def targets(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
         """The weights it packs in ``module`` and the modules under it, as (owner, name)."""
@@ -89,12 +90,12 @@ class LoadQuantizer:
         as without ``--isq``)."""
         param = getattr(module, name)
         if param.is_meta:
-            dtype = param.dtype
+            shape, dtype = param.shape, param.dtype
         elif id(param) in self._made:
-            dtype = self._made.pop(id(param))[1]
+            _, shape, dtype = self._made.pop(id(param))
         else:
             return
-        replace_parameter(model, param, torch.empty(param.shape, dtype=dtype, device=self.device))
+        replace_parameter(model, param, torch.empty(shape, dtype=dtype, device=self.device))
 
     def quantize(self, model: nn.Module, module: nn.Module, name: str) -> None:
         """``module.name`` packed, where ``fmt`` packs it and it has been allocated."""
@@ -102,7 +103,7 @@ class LoadQuantizer:
         if param.is_meta or not quantizes(self.fmt, module, name, param):
             return
         packed_param = replace_parameter(model, param, packed(param, self.fmt))
-        self._made[id(packed_param)] = packed_param, param.dtype
+        self._made[id(packed_param)] = packed_param, param.shape, param.dtype
 
     def leave_unallocated(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         """A parameter registration hook (``torch.nn.modules.module``): a weight ``fmt`` packs is put on the
