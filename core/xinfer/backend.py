@@ -36,6 +36,13 @@ def device_memory(spec: BackendSpec, device: torch.device) -> DeviceMemory | Non
     return registry.load_object(spec.memory)(device) if spec.memory else None
 
 
+def splits_memory(spec: BackendSpec) -> bool:
+    """Whether splitting a model over devices (tensor parallelism, ``--d 0,1``) gives each part memory of
+    its own: the backend's devices have memory of their own (``memory``) and there can be several (not
+    ``one_device``). The CPU's ranks would share the host's."""
+    return spec.memory is not None and not spec.one_device
+
+
 def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device]:
     """The backend named in ``config``, else the available one of highest priority
     for the requested device type (any device type for ``auto``)."""

@@ -296,8 +296,9 @@ def test_weights_that_run_the_device_out_of_memory_are_one_line_with_the_sizes(t
     size = (tmp_path / "model.safetensors").stat().st_size / 2**30
     assert str(error.value).startswith(
         f"the model's weights do not fit in cpu's memory: it ran out loading {tmp_path} ({size:.2f} GiB of weight "
-        f"files) (CUDA out of memory. Tried to allocate 2.00 GiB.): use a smaller or quantized model"
-    )
+        f"files) (CUDA out of memory. Tried to allocate 2.00 GiB.): use a smaller model or quantize it at load "
+        f"(--isq q4_k), or free the device"
+    )  # the CPU backend's ranks would share its memory: no --d
 
 
 @pytest.mark.parametrize(
@@ -386,9 +387,9 @@ def test_a_model_that_just_fits_loads(tmp_path, monkeypatch):
 
     def checking(model, *args):
         needed.append(xinfer.engine.memory_plan.tensor_bytes(model) + ONE_SEQUENCE_KV * 4)
-        check(model, *args[:-2], needed[-1], args[-1])  # exactly what it needs available
+        check(model, *args[:-3], needed[-1], *args[-2:])  # exactly what it needs available
         with pytest.raises(ValueError, match="does not fit"):
-            check(model, *args[:-2], needed[-1] - 1, args[-1])
+            check(model, *args[:-3], needed[-1] - 1, *args[-2:])
 
     monkeypatch.setattr(xinfer.engine.build, "check_fits", checking)
     LLM(model=str(tmp_path), dtype="float32", num_blocks=32)

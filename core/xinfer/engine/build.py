@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from xinfer.backend import DeviceMemory, check_support, device_memory, select_backend
+from xinfer.backend import DeviceMemory, check_support, device_memory, select_backend, splits_memory
 from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
@@ -33,6 +33,7 @@ from xinfer.engine.memory_plan import (
     held_by_every_rank,
     memory_baseline,
     plan_memory,
+    weight_remedies,
 )
 from xinfer.engine.runner import ModelRunner
 from xinfer.engine.scheduler import Scheduler
@@ -80,7 +81,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     baseline = memory_baseline(memory)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
-    with building_for(tp), _weights_must_fit(path, config.model.load_format, device, memory):
+    with building_for(tp), _weights_must_fit(path, config, device, memory, splits_memory(spec)):
         model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
     prepare_weights(model, ops)
     if not model.cuda_graphs and not config.device.enforce_eager:
@@ -138,25 +139,25 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
         model = build_model(hf_config, torch.device("meta"), dtype)
     max_model_len = _max_model_len(config, hf_config)
     available = available_bytes(device_memory(spec, device))
-    check_fits(model, config, max_model_len, dtype, available, f"{device}'s memory")
+    check_fits(model, config, max_model_len, dtype, available, f"{device}'s memory", splits_memory(spec))
     return spec, ops, device, path, hf_config
 
 
 @contextlib.contextmanager
 def _weights_must_fit(
-    path: Path, load_format: str, device: torch.device, memory: DeviceMemory | None
+    path: Path, config: EngineConfig, device: torch.device, memory: DeviceMemory | None, splits: bool
 ) -> Iterator[None]:
     """Out of device memory while the weights load: one line with the numbers, not the allocator's message."""
     try:
         yield
     except torch.OutOfMemoryError as error:
-        files = "" if load_format == "dummy" else f" ({gib(checkpoint_bytes(path))} of weight files)"
+        files = "" if config.model.load_format == "dummy" else f" ({gib(checkpoint_bytes(path))} of weight files)"
         free, total = memory.info() if memory is not None else (None, None)
         held = f"; the device has {gib(free)} free of {gib(total)}" if free is not None and total else ""
+        remedies = [*weight_remedies(config, splits), "free the device"]
         raise ValueError(
             f"the model's weights do not fit in {device}'s memory: it ran out loading {path}{files}{held} "
-            f"({first_line(error)}): use a smaller or quantized model (--isq q4_k), split it over devices "
-            f"(--d 0,1), or free the device"
+            f"({first_line(error)}): {', '.join(remedies[:-1])}, or {remedies[-1]}"
         ) from None
 
 

@@ -32,6 +32,7 @@ from xinfer.engine.sampler import Sampler
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import KVFormat, get_format
 from xinfer.ops import HostBatch, PageBatch
+from xinfer.quant.isq import isq_format, quantized_bytes
 from xinfer.sampling import SamplingParams
 
 GiB = 1 << 30
@@ -323,10 +324,11 @@ def blocks_of_a_sequence(max_model_len: int, window: int | None, block_size: int
 
 
 def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
-               available: int, where: str) -> None:  # fmt: skip
+               available: int, where: str, splits: bool) -> None:  # fmt: skip
     """Refuses, before any weight is read, a model whose weights (``model``: built on the meta device as the
-    engine builds it, so in its dtype and split over its ranks) and the KV cache of one sequence of
-    ``max_model_len`` tokens need more than the ``available`` bytes of ``where``."""
+    engine builds it, so in its dtype and split over its ranks; counted packed where ``--isq`` packs them)
+    and the KV cache of one sequence of ``max_model_len`` tokens need more than the ``available`` bytes of
+    ``where``. ``splits``: whether splitting the model over devices would give each part memory of its own."""
     layout, cache = CacheLayout.of(model), config.cache
     block_bytes = layout.block_bytes(cache.block_size, get_format(cache.kv_cache_dtype), dtype)
     step_tokens = config.scheduler.max_num_batched_tokens
@@ -334,15 +336,31 @@ def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int,
         b * blocks_of_a_sequence(max_model_len, group.window, cache.block_size, step_tokens)
         for group, b in zip(layout.groups, block_bytes)
     )
-    weights = tensor_bytes(model)
+    isq = config.model.isq
+    weights = quantized_bytes(model, isq_format(isq)) if isq else tensor_bytes(model)
     if weights + kv <= available:
         return
+    size = readable(weights)
+    if isq:
+        size += f" quantized to {isq} ({readable(tensor_bytes(model))} in {str(dtype).removeprefix('torch.')})"
+    remedies = [*weight_remedies(config, splits), "use a shorter context (--max-model-len)", "free memory"]
     raise ValueError(
-        f"the model does not fit in {where}: its weights take {readable(weights)} and the KV cache of one "
-        f"{max_model_len}-token sequence {readable(kv)}, {readable(weights + kv)} in all, and {readable(available)} are "
-        f"available: use a smaller or quantized model, a shorter context (--max-model-len), split it over "
-        f"devices (--d 0,1), or free memory"
+        f"the model does not fit in {where}: its weights take {size} and the KV cache of one {max_model_len}-token "
+        f"sequence {readable(kv)}, {readable(weights + kv)} in all, and {readable(available)} are available: "
+        f"{', '.join(remedies[:-1])}, or {remedies[-1]}"
     )
+
+
+def weight_remedies(config: EngineConfig, splits: bool) -> list[str]:
+    """What makes a model's weights take less of each device, of what applies: ``--isq`` where not given,
+    ``--d`` where ``splits`` (devices of their own memory: the CPU's ranks would share the host's)."""
+    remedies = [
+        "use a smaller model" if config.model.isq else "use a smaller model or quantize it at load (--isq q4_k)"
+    ]
+    if splits:
+        split = config.parallel.tensor_parallel_size > 1
+        remedies.append("split it over more devices (--d)" if split else "split it over devices (--d 0,1)")
+    return remedies
 
 
 def available_bytes(memory: DeviceMemory | None) -> int:

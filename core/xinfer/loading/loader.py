@@ -20,7 +20,7 @@ from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
-from xinfer.quant.isq import isq_format, quantize_weights
+from xinfer.quant.isq import isq_format, load_quantizer, quantizing_at_load, unallocated_weights
 
 
 def load_config(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
@@ -131,11 +131,13 @@ def architecture_of(config: PretrainedConfig) -> str:
 
 
 def build_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model of ``config`` on ``device`` in ``dtype``, its parameters not filled yet (within
+    :func:`xinfer.quant.isq.quantizing_at_load`: the weights to quantize not even allocated)."""
     cls = registry.model_class(architecture_of(config))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), unallocated_weights():
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
@@ -150,19 +152,20 @@ def load_model(
     load_format: str,
     isq: str | None = None,
 ) -> CausalLM:
+    """The model of ``config`` filled from ``path`` (or with dummy weights); with ``isq``, its weights
+    quantized to that format as they load (:mod:`xinfer.quant.isq`)."""
     fmt = isq_format(isq) if isq is not None else None  # a bad name fails before the weights load
-    model = build_model(config, device, dtype)
-    if load_format == "dummy":
-        init_dummy_weights(model)
-    else:
-        weights = checkpoint_tensors(path, load_format, model)
-        quantization = quantization_config(config)
-        decoder = decoder_for(quantization) if quantization is not None else None
-        if decoder is not None and not model.decodes_quantized_checkpoint:
-            weights = decoded(weights, decoder, dtype)
-        model.load_weights(weights)
-    if fmt is not None:
-        quantize_weights(model, fmt)
+    with quantizing_at_load(fmt, device):
+        model = build_model(config, device, dtype)
+        if load_format == "dummy":
+            init_dummy_weights(model)
+        else:
+            weights = checkpoint_tensors(path, load_format, model)
+            quantization = quantization_config(config)
+            decoder = decoder_for(quantization) if quantization is not None else None
+            if decoder is not None and not model.decodes_quantized_checkpoint:
+                weights = decoded(weights, decoder, dtype)
+            model.load_weights(weights)
     return model
 
 
@@ -190,12 +193,24 @@ def reads_gguf(path: Path, load_format: str) -> bool:
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the right shapes (for benchmarks): matrices ~ N(0, 0.02),
     vectors (norms, biases) ~ 1 + N(0, 0.02); integer tables (a hash router's) kept as built.
-    Drawn in pieces of 2**26 values, so a stacked expert tensor needs no float32 copy of its size."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for param in model.parameters():
-        if not param.dtype.is_floating_point:
-            continue
-        mean = 1.0 if param.dim() == 1 else 0.0
-        for piece in param.data.view(-1).split(2**26):
-            noise = torch.randn(piece.shape, generator=generator, device=piece.device, dtype=torch.float32)
-            piece.copy_(noise.mul_(0.02).add_(mean))
+    Drawn in pieces of 2**26 values, so a stacked expert tensor needs no float32 copy of its size;
+    with ``--isq``, each weight quantized once drawn."""
+    quantizer = load_quantizer()
+    device = quantizer.device if quantizer is not None else next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    drawn: set[int] = set()  # a tied weight is drawn once
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) in drawn:
+                continue
+            if quantizer is not None:
+                quantizer.allocate(model, module, name)
+                param = getattr(module, name)
+            if param.dtype.is_floating_point:
+                mean = 1.0 if param.dim() == 1 else 0.0
+                for piece in param.data.view(-1).split(2**26):
+                    noise = torch.randn(piece.shape, generator=generator, device=piece.device, dtype=torch.float32)
+                    piece.copy_(noise.mul_(0.02).add_(mean))
+            if quantizer is not None:
+                quantizer.quantize(model, module, name)
+            drawn.add(id(getattr(module, name)))

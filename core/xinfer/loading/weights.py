@@ -2,14 +2,18 @@
 
 A quantized checkpoint tensor (:class:`xinfer.quant.QuantizedTensor`) becomes the parameter itself
 where its module declares the parameter may be quantized (``quantized_weights``); the shards of a
-merged projection are merged packed once all have arrived. Anywhere else it is dequantized."""
+merged projection are merged packed once all have arrived. Anywhere else it is dequantized.
+
+With ``--isq`` (:mod:`xinfer.quant.isq`) a weight left unallocated is allocated when its first tensor
+arrives and quantized once it is whole: a tensor, every shard of a merged projection, every part a
+checkpoint-loading module (experts) takes."""
 
 from __future__ import annotations
 
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +24,7 @@ from xinfer.loading.stored import StoredTensor, Weights, part_of, whole
 from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
 from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.quant.dispatch import replace_parameter
+from xinfer.quant.isq import load_quantizer
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +34,15 @@ class MissingWeightsError(ValueError):
 
 
 def load_weights(model: CausalLM, weights: Weights) -> set[str]:
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     modules = dict(model.named_modules())
     loaders = model.checkpoint_loaders()
     loaded: set[str] = set()
     packed_shards: dict[str, dict[str, QuantizedTensor]] = {}  # merged weight -> its quantized shards so far
     float_merged: set[str] = set()  # merged weights with a float shard: all merge as floats
     split = current().size > 1  # under tensor parallelism a rank reads its slice of each split tensor
+    isq = load_quantizer()
+    unfilled = {prefix: loader.checkpoint_parts() for prefix, loader in loaders.items()} if isq else {}
     unused: list[str] = []
     for name, stored in weights:
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
@@ -44,8 +51,17 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
             loader = loaders[prefix]
             if isinstance(stored, QuantizedTensor) and not getattr(loader, "quantized_weights", ()):
                 stored = stored.dequantize()
+            targets = isq.targets(modules[prefix]) if isq else []
+            if isq:  # the module's weights to quantize, until every part it loads is in
+                for module, leaf in targets:
+                    isq.allocate(model, module, leaf)
             parts = loader.load_checkpoint(name[len(prefix) + 1 :], stored)
             loaded |= {f"{prefix}.{part}" for part in parts}
+            if isq:
+                unfilled[prefix] -= parts
+                if not unfilled[prefix]:
+                    for module, leaf in targets:
+                        isq.quantize(model, module, leaf)
             continue
         target, shard = _packed_target(name, model.packed_modules)
         if target not in params:
@@ -54,6 +70,9 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
             continue
         owner, _, leaf = target.rpartition(".")
         module = modules[owner]
+        if isq:
+            isq.allocate(model, module, leaf)
+        param = getattr(module, leaf)
         if isinstance(stored, QuantizedTensor) and (leaf not in getattr(module, "quantized_weights", ()) or split):
             stored = stored.dequantize()  # packed blocks are not split over ranks: a rank's part runs as floats
         if split and isinstance(module, ShardsCheckpoint):  # under tensor parallelism: this rank's slice
@@ -62,34 +81,37 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
             tensor = whole(stored)
         if shard is None:
             if isinstance(tensor, QuantizedTensor):
-                _replace(model, params, target, tensor)
+                _replace(model, param, tensor, target)
             else:
-                _copy(params[target].data, tensor, target)
+                _copy(param.data, tensor, target)
         else:
             assert isinstance(module, MergedLinear)
             offset, size = module.shard_offset(shard)
             if isinstance(tensor, QuantizedTensor) and target not in float_merged:
-                _check_shape(tensor.logical_shape, (size, params[target].shape[1]), name)
+                _check_shape(tensor.logical_shape, (size, param.shape[1]), name)
                 packed_shards.setdefault(target, {})[shard] = tensor
                 if len(packed_shards[target]) == len(module.shard_sizes):
                     shards = packed_shards.pop(target)
-                    _replace(model, params, target, cat_rows([shards[s] for s in module.shard_sizes]))
+                    _replace(model, param, cat_rows([shards[s] for s in module.shard_sizes]), target)
             else:
                 float_merged.add(target)
                 for other, values in packed_shards.pop(target, {}).items():  # a float shard: merge as floats
                     start, rows = module.shard_offset(other)
-                    _copy(params[target].data[start : start + rows], values.dequantize(), other)
+                    _copy(param.data[start : start + rows], values.dequantize(), other)
                 if isinstance(tensor, QuantizedTensor):
                     tensor = tensor.dequantize()
-                _copy(params[target].data[offset : offset + size], tensor, name)
+                _copy(param.data[offset : offset + size], tensor, name)
         loaded.add(target if shard is None else f"{target}:{shard}")
+        if isq and (shard is None or all(f"{target}:{s}" in loaded for s in module.shard_sizes)):
+            isq.quantize(model, module, leaf)  # whole: every shard of a merged projection is in
     for target, shards in packed_shards.items():  # incomplete: what arrived, as floats
-        module = modules[target.rpartition(".")[0]]
+        owner, _, leaf = target.rpartition(".")
+        module = modules[owner]
         assert isinstance(module, MergedLinear)
         for shard, values in shards.items():
             start, rows = module.shard_offset(shard)
-            _copy(params[target].data[start : start + rows], values.dequantize(), f"{target}:{shard}")
-    _check_complete(model, params, loaded)
+            _copy(getattr(module, leaf).data[start : start + rows], values.dequantize(), f"{target}:{shard}")
+    _check_complete(model, loaded)
     _report_unused(unused)
     return loaded
 
@@ -109,16 +131,10 @@ def _report_unused(names: list[str]) -> None:
         log.info("%d checkpoint tensor(s) not used by the model: %s", len(names), shown)
 
 
-def _replace(model: CausalLM, params: dict[str, nn.Parameter], target: str, tensor: QuantizedTensor) -> None:
-    """The parameter ``target`` (and the names tied to it) becomes the quantized ``tensor``."""
-    old = params[target]
-    _check_shape(tensor.logical_shape, old.shape, target)
-    new = tensor.to(old.device)
-    replace_parameter(model, old, new)
-    fresh = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in params.items():
-        if param is old:
-            params[name] = fresh[name]
+def _replace(model: CausalLM, param: nn.Parameter, tensor: QuantizedTensor, name: str) -> None:
+    """``param`` (under every name tied to it) becomes the quantized ``tensor``."""
+    _check_shape(tensor.logical_shape, param.shape, name)
+    replace_parameter(model, param, tensor.to(param.device))
 
 
 def _check_shape(got: Sequence[int], expected: Sequence[int], name: str) -> None:
@@ -139,7 +155,8 @@ def _copy(dst: Tensor, src: Tensor, name: str) -> None:
         dst.copy_(src)
 
 
-def _check_complete(model: CausalLM, params: Mapping[str, Tensor], loaded: set[str]) -> None:
+def _check_complete(model: CausalLM, loaded: set[str]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
     shard_names = {n.rsplit(":", 1)[0] for n in loaded if ":" in n}
     loaded_ids = {id(params[n]) for n in loaded if n in params}
     modules = dict(model.named_modules())

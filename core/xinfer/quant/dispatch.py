@@ -87,11 +87,12 @@ def _prepared(backend: Any, weight: QuantizedTensor, looked_up: bool) -> Quantiz
     return weight if prepare is None else prepare(weight)
 
 
-def replace_parameter(model: nn.Module, old: Tensor, new: Tensor) -> None:
+def replace_parameter(model: nn.Module, old: Tensor, new: Tensor) -> nn.Parameter:
     """Every module's parameter that is ``old`` (tied weights are one parameter under several
-    names) becomes ``new``."""
+    names) becomes ``new``; returns the parameter they now hold."""
     parameter = nn.Parameter(new, requires_grad=False)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param is old:
                 setattr(module, name, parameter)
+    return parameter

@@ -1,14 +1,27 @@
 """In-situ quantization (``--isq``): a float checkpoint's weights quantized at load, into the same
-packed formats GGUF files keep (their ``quantize``), so they run through the same kernels."""
+packed formats GGUF files keep (their ``quantize``), so they run through the same kernels.
+
+Each weight is quantized as soon as it is whole, so the float model is never all in memory: a model
+built within :func:`quantizing_at_load` leaves the weights the format quantizes unallocated (on the
+meta device); loading allocates each in float when its first tensor arrives (:meth:`LoadQuantizer.allocate`)
+and packs it once every tensor that fills it is in (:meth:`LoadQuantizer.quantize`). Loading then holds
+the packed weights so far and the float weights being filled: a tensor, a merged projection or a
+layer's stacked experts.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from xinfer.quant.dispatch import replace_parameter
 from xinfer.quant.tensor import QuantizedTensor, WeightFormat, get_weight_format, weight_formats
+
+ROWS_AT_ONCE = 4096  # rows quantized per call: the float32 copy of a chunk, not of the whole weight
 
 
 def isq_formats() -> list[str]:
@@ -33,19 +46,102 @@ def isq_format(name: str) -> WeightFormat:
     return get_weight_format(name)
 
 
-def quantize_weights(model: nn.Module, fmt: WeightFormat) -> int:
-    """Quantize to ``fmt`` every float weight of ``model`` that its module declares may be quantized
-    (``quantized_weights``: linear layers, embeddings, stacked experts) and whose rows are whole
-    blocks; returns how many. Weights already packed stay as they are."""
-    targets: dict[int, Tensor] = {}
-    for module in model.modules():
-        for name in getattr(module, "quantized_weights", ()):
-            param = getattr(module, name, None)
-            if (isinstance(param, Tensor) and not isinstance(param, QuantizedTensor) and param.dim() >= 2
-                    and param.shape[-1] % fmt.block_values == 0):  # fmt: skip
-                targets[id(param)] = param
-    for param in tqdm(list(targets.values()), desc=f"Quantizing to {fmt.name}", unit="tensor"):
-        raw = torch.cat([fmt.quantize(rows.float()) for rows in param.data.flatten(0, -2).split(4096)])
-        packed = QuantizedTensor(raw.reshape(*param.shape[:-1], -1), fmt, param.shape)
-        replace_parameter(model, param, packed)
-    return len(targets)
+def quantizes(fmt: WeightFormat, module: nn.Module, name: str, param: object) -> bool:
+    """Whether ``--isq`` to ``fmt`` packs ``param``, module ``module``'s parameter ``name``: a float weight its
+    module declares may be quantized (``quantized_weights``: linear layers, embeddings, stacked experts)
+    whose rows are whole blocks. Weights already packed stay as they are."""
+    return (name in getattr(module, "quantized_weights", ()) and isinstance(param, Tensor)
+            and not isinstance(param, QuantizedTensor) and param.dim() >= 2
+            and param.shape[-1] % fmt.block_values == 0)  # fmt: skip
+
+
+def quantized_bytes(model: nn.Module, fmt: WeightFormat) -> int:
+    """The bytes of ``model``'s parameters and buffers once ``fmt`` has packed what it packs (``model`` may be
+    built on the meta device: only shapes are read)."""
+    targets = {id(param) for module in model.modules() for name, param in module.named_parameters(recurse=False)
+               if quantizes(fmt, module, name, param)}  # fmt: skip
+    return sum(t.shape[:-1].numel() * fmt.row_bytes(t.shape[-1]) if id(t) in targets else t.numel() * t.element_size()
+               for t in [*model.parameters(), *model.buffers()])  # fmt: skip
+
+
+def packed(weight: Tensor, fmt: WeightFormat) -> QuantizedTensor:
+    """``weight`` [..., N, K] quantized to ``fmt``."""
+    rows = weight.data.flatten(0, -2).split(ROWS_AT_ONCE)
+    raw = torch.cat([fmt.quantize(chunk.float()) for chunk in rows])
+    return QuantizedTensor(raw.reshape(*weight.shape[:-1], -1), fmt, weight.shape)
+
+
+class LoadQuantizer:
+    """``--isq`` to ``fmt`` of a model loading onto ``device`` (see the module's docstring)."""
+
+    def __init__(self, fmt: WeightFormat, device: torch.device):
+        self.fmt, self.device = fmt, device
+        # the weights it packed, with their float shape and dtype (held, so that their ids stay theirs)
+        self._made: dict[int, tuple[Tensor, torch.Size, torch.dtype]] = {}
+
+    def targets(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+        """The weights it packs in ``module`` and the modules under it, as (owner, name)."""
+        return [(owner, name) for owner in module.modules() for name, param in owner.named_parameters(recurse=False)
+                if quantizes(self.fmt, owner, name, param)]  # fmt: skip
+
+    def allocate(self, model: nn.Module, module: nn.Module, name: str) -> None:
+        """``module.name`` in float on the device, to be filled, where it was left unallocated or packed
+        already (a weight the checkpoint holds twice, as a tied embedding and LM head: the last one wins,
+        as without ``--isq``)."""
+        param = getattr(module, name)
+        if param.is_meta:
+            shape, dtype = param.shape, param.dtype
+        elif id(param) in self._made:
+            _, shape, dtype = self._made.pop(id(param))
+        else:
+            return
+        replace_parameter(model, param, torch.empty(shape, dtype=dtype, device=self.device))
+
+    def quantize(self, model: nn.Module, module: nn.Module, name: str) -> None:
+        """``module.name`` packed, where ``fmt`` packs it and it has been allocated."""
+        param = getattr(module, name)
+        if param.is_meta or not quantizes(self.fmt, module, name, param):
+            return
+        packed_param = replace_parameter(model, param, packed(param, self.fmt))
+        self._made[id(packed_param)] = packed_param, param.shape, param.dtype
+
+    def leave_unallocated(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        """A parameter registration hook (``torch.nn.modules.module``): a weight ``fmt`` packs is put on the
+        meta device as the model is built (by this thread: the hook is global)."""
+        if param is None or param.is_meta or _loading.get() is not self or not quantizes(self.fmt, module, name, param):
+            return None
+        return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+
+
+_loading: ContextVar[LoadQuantizer | None] = ContextVar("isq", default=None)
+
+
+@contextlib.contextmanager
+def quantizing_at_load(fmt: WeightFormat | None, device: torch.device) -> Iterator[None]:
+    """Models built and loaded inside are quantized to ``fmt`` as their weights load (nothing if None)."""
+    token = _loading.set(LoadQuantizer(fmt, device) if fmt is not None else None)
+    try:
+        yield
+    finally:
+        _loading.reset(token)
+
+
+def load_quantizer() -> LoadQuantizer | None:
+    """The quantizer of the model loading now (:func:`quantizing_at_load`); None without ``--isq``."""
+    return _loading.get()
+
+
+@contextlib.contextmanager
+def unallocated_weights() -> Iterator[None]:
+    """Within :func:`quantizing_at_load`, the weights its format packs are left on the meta device as
+    modules register them; elsewhere nothing changes."""
+    quantizer = load_quantizer()
+    if quantizer is None:
+        yield
+        return
+    # torch's annotation says the hook returns None; its docs and code take the new parameter it returns
+    hook = torch.nn.modules.module.register_module_parameter_registration_hook(quantizer.leave_unallocated)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        hook.remove()

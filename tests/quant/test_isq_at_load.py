@@ -1,0 +1,274 @@
+"""``--isq`` quantizes each weight as it loads: the same packed model as loading every float weight first and
+quantizing after (the path it replaces, written out here), while the float weights alive at once never
+exceed one layer's; and the start-up fit check counts the weights packed."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, Qwen2MoeConfig
+
+import xinfer.loading.loader
+from tests.tiny_models import COMMON, save_tiny_model
+from xinfer import LLM, registry
+from xinfer.backend import splits_memory
+from xinfer.config import EngineConfig
+from xinfer.distributed.group import TensorParallel, building_for
+from xinfer.engine.memory_plan import check_fits, weight_remedies
+from xinfer.loading.loader import build_model, checkpoint_tensors, init_dummy_weights, load_config, load_model
+from xinfer.quant import QuantizedTensor, get_weight_format
+from xinfer.quant.dispatch import replace_parameter
+
+CPU, FP32 = torch.device("cpu"), torch.float32
+# every row a whole block of each format (q4_k's and q6_k's are 256 values)
+WIDE = dict(COMMON, hidden_size=256, intermediate_size=256, head_dim=64)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**WIDE, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]),
+    # stacked experts, a gated shared expert (its one-row gate stays float) and a router
+    "qwen2-moe": lambda: Qwen2MoeConfig(
+        **WIDE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        decoder_sparse_step=1, tie_word_embeddings=False, architectures=["Qwen2MoeForCausalLM"],
+    ),
+}  # fmt: skip
+# one format of each family --isq quantizes to: GGUF's legacy blocks, its k-quants, FP8, the FP4s
+FORMATS = ["q4_0", "q4_k", "fp8", "mxfp4", "nvfp4"]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    save_tiny_model(CONFIGS[request.param](), folder)
+    return folder
+
+
+def load_then_quantize(folder, load_format: str, isq: str):
+    """The model as ``--isq`` gave it before it quantized at load: every weight loaded in float, then each
+    weight its module declares quantizable (``quantized_weights``) whose rows are whole blocks packed."""
+    fmt = get_weight_format(isq)
+    model = xinfer.loading.loader.build_model(load_config(folder), CPU, FP32)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(checkpoint_tensors(folder, load_format, model))
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if (name in getattr(module, "quantized_weights", ()) and not isinstance(param, QuantizedTensor)
+                    and param.dim() >= 2 and param.shape[-1] % fmt.block_values == 0):  # fmt: skip
+                raw = torch.cat([fmt.quantize(rows.float()) for rows in param.data.flatten(0, -2).split(4096)])
+                replace_parameter(model, param, QuantizedTensor(raw.reshape(*param.shape[:-1], -1), fmt, param.shape))
+    return model
+
+
+def assert_same_tensors(got: torch.nn.Module, expected: torch.nn.Module) -> None:
+    got_params = dict(got.named_parameters(remove_duplicate=False))
+    expected_params = dict(expected.named_parameters(remove_duplicate=False))
+    assert got_params.keys() == expected_params.keys()
+    packed = 0
+    for name, want in expected_params.items():
+        have = got_params[name]
+        assert isinstance(have, QuantizedTensor) == isinstance(want, QuantizedTensor), name
+        if isinstance(want, QuantizedTensor):
+            packed += 1
+            assert (have.format.name, have.logical_shape) == (want.format.name, want.logical_shape), name
+            assert torch.equal(have.raw, want.raw), f"{name}: packed bytes differ"
+        else:
+            assert have.dtype == want.dtype and torch.equal(have, want), name
+    assert packed, "some weights are packed"
+    for (name, have), (_, want) in zip(got.named_buffers(), expected.named_buffers(), strict=True):
+        assert torch.equal(have, want), name
+
+
+@pytest.mark.parametrize("isq", FORMATS)
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_quantizing_as_the_weights_load_gives_the_same_model(checkpoint, load_format, isq):
+    got = load_model(checkpoint, load_config(checkpoint), CPU, FP32, load_format, isq)
+    assert_same_tensors(got, load_then_quantize(checkpoint, load_format, isq))
+    assert not any(p.is_meta for p in got.parameters())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_tensor_parallel_rank_quantizes_its_part_as_it_loads(checkpoint, rank):
+    with building_for(TensorParallel(rank=rank, size=2)):
+        got = load_model(checkpoint, load_config(checkpoint), CPU, FP32, "safetensors", "q8_0")
+        assert_same_tensors(got, load_then_quantize(checkpoint, "safetensors", "q8_0"))
+
+
+def float_bytes(model: torch.nn.Module) -> int:
+    """The float bytes the model's parameters hold now (those left unallocated hold none)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.dtype.is_floating_point and not p.is_meta)
+
+
+def one_layer_bound(packed: torch.nn.Module) -> int:
+    """The float bytes of every weight ``packed`` keeps float, plus the float bytes (fp32) of the largest
+    layer's packed weights: a decoder layer's, or the embedding's or the LM head's alone."""
+    kept = float_bytes(packed)
+    layers: dict[str, int] = {}
+    for name, param in packed.named_parameters():
+        if isinstance(param, QuantizedTensor):
+            parts = name.split(".")
+            layer = ".".join(parts[:3]) if parts[1] == "layers" else name
+            layers[layer] = layers.get(layer, 0) + param.logical_shape.numel() * 4
+    assert len(layers) > 2
+    return kept + max(layers.values())
+
+
+def peak_float_bytes(monkeypatch, isq: str, load) -> int:
+    """The most float bytes the model being built held in its parameters at any quantization ``load`` makes
+    (float bytes only grow between two, so the peak is at one of them)."""
+    fmt = get_weight_format(isq)
+    built: list[torch.nn.Module] = []
+    peak = [0]
+    original_build, original_quantize = xinfer.loading.loader.build_model, fmt.quantize
+
+    def build(*args, **kwargs):
+        built.append(original_build(*args, **kwargs))
+        return built[-1]
+
+    def quantize(values):
+        if built:  # (isq_format probes the quantizer before the model is built)
+            peak[0] = max(peak[0], float_bytes(built[-1]))
+        return original_quantize(values)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(xinfer.loading.loader, "build_model", build)
+        patch.setattr(fmt, "quantize", quantize)
+        load()
+    return peak[0]
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0"])
+def moe_gguf(request, tmp_path_factory):
+    """A tiny MiniMax-M2 (stacked experts) as a GGUF file, its matrices F32 or packed as Q8_0."""
+    from tests.plugins.converted_gguf import checkpoint_tensors as hf_tensors
+    from tests.plugins.converted_gguf import write_converted_gguf
+    from tests.plugins.minimax.test_minimax_m2 import minimax_m2_config
+    from tests.plugins.minimax.test_minimax_m2_gguf import metadata_writer
+
+    folder = tmp_path_factory.mktemp(f"moe-{request.param}")
+    config = save_tiny_model(minimax_m2_config(intermediate_size=64), folder).config
+    path = folder / "tiny.gguf"
+    qtype = getattr(gguf.GGMLQuantizationType, request.param)
+    write_converted_gguf(path, "minimax-m2", config, hf_tensors(folder), config.num_hidden_layers,
+                         metadata_writer(config), quantize=None if request.param == "F32" else qtype)  # fmt: skip
+    return path
+
+
+def test_a_gguf_file_quantizes_its_float_weights_as_they_load_and_keeps_its_packed_ones(moe_gguf):
+    got = load_model(moe_gguf, load_config(moe_gguf), CPU, FP32, "gguf", "q8_0")
+    assert_same_tensors(got, load_then_quantize(moe_gguf, "gguf", "q8_0"))
+
+
+def test_a_weight_the_checkpoint_holds_twice_is_the_last_one_as_before(tmp_path):
+    """A tied embedding and LM head both in the checkpoint fill one weight twice: packed once whole, it is
+    filled again by the second tensor, which wins as it did when every weight loaded in float first."""
+    hf = save_tiny_model(CONFIGS["llama"](), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn_like(hf.model.embed_tokens.weight)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    got = load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors", "q8_0")
+    assert_same_tensors(got, load_then_quantize(tmp_path, "safetensors", "q8_0"))
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_no_more_than_one_layer_of_float_weights_is_alive_while_loading(checkpoint, monkeypatch, load_format):
+    config = load_config(checkpoint)
+    packed = load_model(checkpoint, config, CPU, FP32, load_format, "q8_0")
+    bound = one_layer_bound(packed)
+    peak = peak_float_bytes(monkeypatch, "q8_0", lambda: load_model(checkpoint, config, CPU, FP32, load_format, "q8_0"))
+    assert 0 < peak <= bound, f"{peak} float bytes alive while loading, more than one layer's {bound}"
+    # the measure tells the two apart: loading everything first holds the whole float model
+    before = peak_float_bytes(monkeypatch, "q8_0", lambda: load_then_quantize(checkpoint, load_format, "q8_0"))
+    assert before > bound
+
+
+def engine_config(folder, **options) -> EngineConfig:
+    return EngineConfig.from_kwargs(model=str(folder), dtype="float32", device="cpu", **options)
+
+
+def fit_check(folder, available: int, **options) -> None:
+    model = build_model(load_config(folder), torch.device("meta"), FP32)
+    check_fits(model, engine_config(folder, **options), 512, FP32, available, "cpu's memory", False)
+
+
+@pytest.fixture(scope="module")
+def llama_sizes(tmp_path_factory):
+    """A tiny Llama's folder, its float weights' bytes, the same packed as q4_k (the GGUF block of 256 values
+    in 144 bytes, llama.cpp's block_q4_K) and the KV cache of one 512-token sequence (fp32)."""
+    folder = tmp_path_factory.mktemp("llama-fit")
+    hf = save_tiny_model(CONFIGS["llama"](), folder)
+    matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2)
+    vectors = sum(p.numel() for p in hf.parameters() if p.dim() == 1)
+    rotary = 512 * 64 * 4  # the model's cos/sin buffer of each position (fp32)
+    float_weights = (matrices + vectors) * 4 + rotary
+    q4_k = matrices // 256 * 144 + vectors * 4 + rotary
+    kv = 2 * WIDE["num_hidden_layers"] * WIDE["num_key_value_heads"] * 64 * 512 * 4
+    return folder, float_weights, q4_k, kv
+
+
+def mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def test_a_model_that_fits_only_quantized_is_accepted_with_isq(llama_sizes):
+    folder, float_weights, q4_k, kv = llama_sizes
+    available = q4_k + kv  # exactly what the quantized model needs
+    assert float_weights + kv > available
+    fit_check(folder, available, isq="q4_k")
+    with pytest.raises(ValueError, match="does not fit"):
+        fit_check(folder, available - 1, isq="q4_k")
+    with pytest.raises(ValueError) as error:
+        fit_check(folder, available)
+    message = str(error.value)
+    assert message.startswith(f"the model does not fit in cpu's memory: its weights take {mib(float_weights)} and")
+    assert "quantize it at load (--isq q4_k)" in message and "--d" not in message
+
+
+def test_a_model_that_does_not_fit_even_quantized_is_one_line_with_both_sizes(llama_sizes, monkeypatch):
+    """Through LLM on the CPU backend: refused before any weight loads, naming the packed and the float size,
+    suggesting neither --isq (given) nor --d (the CPU's ranks share one memory)."""
+    import xinfer.engine.build
+    import xinfer.engine.memory_plan
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    folder, float_weights, q4_k, kv = llama_sizes
+    monkeypatch.setattr(xinfer.engine.build, "load_model", never)
+    monkeypatch.setattr(xinfer.engine.memory_plan, "available_host_memory", lambda: q4_k + kv - 1)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(folder), dtype="float32", isq="q4_k")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"the model does not fit in cpu's memory: its weights take {mib(q4_k)} quantized to q4_k "
+        f"({mib(float_weights)} in float32) and the KV cache of one 512-token sequence {mib(kv)}, "
+        f"{mib(q4_k + kv)} in all, and {mib(q4_k + kv - 1)} are available: use a smaller model, "
+    )
+    assert "--isq" not in message and "--d" not in message
+
+
+def test_a_model_that_fits_only_quantized_loads_with_isq(llama_sizes, monkeypatch):
+    import xinfer.engine.memory_plan
+
+    folder, _, q4_k, kv = llama_sizes
+    monkeypatch.setattr(xinfer.engine.memory_plan, "available_host_memory", lambda: q4_k + kv)
+    with pytest.raises(ValueError, match="does not fit"):
+        LLM(model=str(folder), dtype="float32", num_blocks=64)
+    llm = LLM(model=str(folder), dtype="float32", isq="q4_k", num_blocks=64)
+    assert isinstance(llm.engine.model.lm_head.weight, QuantizedTensor)
+
+
+def test_splitting_over_devices_is_suggested_only_where_each_part_gets_memory_of_its_own():
+    specs = {spec.name: spec for spec in registry.backends()}
+    assert not splits_memory(specs["cpu"])  # the CPU's ranks share the host's memory
+    if "cuda" in specs:
+        assert splits_memory(specs["cuda"])
+    if "metal" in specs:
+        assert not splits_memory(specs["metal"])  # one device
+    assert "split it over devices (--d 0,1)" in weight_remedies(engine_config("m"), splits=True)
+    assert not any("--d" in remedy for remedy in weight_remedies(engine_config("m"), splits=False))
+    split = engine_config("m", tensor_parallel_size=2)
+    assert "split it over more devices (--d)" in weight_remedies(split, splits=True)
