@@ -116,6 +116,16 @@ def xinfer_config_classes() -> dict[str, str]:
 
 
 @hookspec
+def xinfer_transformers_releases() -> dict[str, str]:
+    """The oldest transformers release this plugin reads each ``model_type`` with, for those newer than xinfer's
+    floor (``{"gemma4": "5.15.0"}``): the one that added it, or a later one whose config holds what the plugin reads.
+
+    A model whose ``config.json`` (or GGUF adapter) names one is refused on an older transformers (one that knows
+    the type or not) in one line naming the release to install.
+    """
+
+
+@hookspec
 def xinfer_weight_formats() -> dict[str, str]:
     """Quantized weight formats by name, as "module:attribute" strings naming a
     :class:`xinfer.quant.WeightFormat` (or a class instantiated without arguments): its block

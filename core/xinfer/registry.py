@@ -250,6 +250,15 @@ def register_config_classes() -> None:
             raise PluginError(f"plugin {registered.plugin!r}'s config class for {model_type!r}: {error}") from error
 
 
+def transformers_release(model_type: str) -> str | None:
+    """The oldest transformers release the plugin serving ``model_type`` reads it with, where it declares one."""
+    for impl in _ranked(discovery(), "xinfer_transformers_releases"):
+        releases = cast("dict[str, str]", impl.function())
+        if model_type in releases:
+            return releases[model_type]
+    return None
+
+
 def plugins() -> list[PluginInfo]:
     found = discovery()
     infos = []

@@ -195,8 +195,9 @@ def test_a_bad_model_is_one_line_naming_the_file(tmp_path, kind):
     assert "\n" not in message and str(path) in message and what in message
 
 
-def _xinfer(*args: str, available_memory: int | None = None):
-    """The ``xinfer`` command on the CPU; ``available_memory``: what the host's memory query says."""
+def _xinfer(*args: str, available_memory: int | None = None, unknown_model_type: str | None = None):
+    """The ``xinfer`` command on the CPU; ``available_memory``: what the host's memory query says;
+    ``unknown_model_type``: a model_type the installed transformers is made not to know."""
     import os
     import subprocess
     import sys
@@ -204,6 +205,8 @@ def _xinfer(*args: str, available_memory: int | None = None):
     code = "import sys; from xinfer.cli import main; sys.exit(main())"
     if available_memory is not None:
         code = f"import xinfer.engine.memory_plan as m; m.available_host_memory = lambda: {available_memory}; {code}"
+    if unknown_model_type is not None:
+        code = f"from transformers import CONFIG_MAPPING; del CONFIG_MAPPING._mapping[{unknown_model_type!r}]; {code}"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "XINFER_CPU": "1"})  # fmt: skip
 
@@ -218,6 +221,75 @@ def test_the_command_line_says_it_in_one_line_and_the_traceback_at_log_debug(tmp
     assert line.startswith(f"xinfer: {path}") and what in line
     debug = _xinfer(*flags, "--log", "debug")
     assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr and what in debug.stderr
+
+
+# transformers' releases: 5.5.0 added gemma4 (and gemma4_text), 5.15.0 its per_layer_config, which xinfer-gemma reads
+GEMMA4_INSTALL = 'pip install -U "transformers>=5.15.0"'
+
+
+def _forget_model_type(monkeypatch, model_type: str) -> None:
+    """The installed transformers made into a release older than ``model_type``."""
+    from transformers import CONFIG_MAPPING
+
+    monkeypatch.delitem(CONFIG_MAPPING._mapping, model_type)
+
+
+def _gemma4_config(folder):
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"]})
+    )
+    return folder / "config.json"
+
+
+def test_a_model_type_the_installed_transformers_lacks_names_the_release_to_install(tmp_path, monkeypatch):
+    import transformers
+
+    from xinfer.loading.loader import check_model
+
+    _forget_model_type(monkeypatch, "gemma4")
+    file = _gemma4_config(tmp_path)
+    with pytest.raises(ValueError) as error:
+        check_model(tmp_path)
+    assert str(error.value) == (
+        f"{file}: model_type 'gemma4' is unknown to the installed transformers {transformers.__version__}; "
+        f"xinfer reads it with transformers 5.15.0 or newer: {GEMMA4_INSTALL}"
+    )
+
+
+def test_a_release_that_knows_the_model_type_but_is_older_than_the_plugin_reads_names_the_release(
+    tmp_path, monkeypatch
+):
+    from xinfer.loading import model_types
+    from xinfer.loading.loader import check_model
+
+    monkeypatch.setattr(model_types.transformers, "__version__", "5.14.0")  # the module it reads the release of
+    file = _gemma4_config(tmp_path)
+    with pytest.raises(ValueError) as error:
+        check_model(tmp_path)
+    assert str(error.value) == (
+        f"{file}: model_type 'gemma4' needs transformers 5.15.0 or newer (installed: 5.14.0): {GEMMA4_INSTALL}"
+    )
+
+
+def test_a_gguf_whose_model_type_the_installed_transformers_lacks_names_the_release_to_install(tmp_path, monkeypatch):
+    from xinfer.loading.loader import check_model
+
+    _forget_model_type(monkeypatch, "gemma4_text")
+    path = _gguf_of_architecture(tmp_path / "model.gguf", "gemma4")
+    with pytest.raises(ValueError) as error:
+        check_model(path)
+    message = str(error.value)
+    assert message.startswith(f"{path} (GGUF architecture 'gemma4'): model_type 'gemma4_text' is unknown")
+    assert message.endswith(GEMMA4_INSTALL)
+
+
+def test_the_command_line_names_the_transformers_release_a_model_type_needs_in_one_line(tmp_path):
+    file = _gemma4_config(tmp_path)
+    result = _xinfer("--m", str(tmp_path), "--i", unknown_model_type="gemma4")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"xinfer: {file}: model_type 'gemma4' is unknown")
+    assert line.endswith(GEMMA4_INSTALL)
 
 
 @pytest.mark.parametrize(

@@ -195,9 +195,10 @@ def test_the_hook_table_gives_every_hook_with_its_signature():
 HOOK_EXAMPLES = """
 import importlib.util, json, re, sys
 from xinfer.hooks import BackendSpec, OpSpec
-from xinfer.registry import discovery, load_object
+from xinfer.registry import discover, load_object
 
-manager = discovery().manager
+manager = discover().manager  # every installed plugin, the guide's among them
+NO_REFS = {"xinfer_transformers_releases"}  # its values are release numbers
 found = {}
 for hook, example in json.loads(sys.argv[1]).items():
     registered = [entry for answer in getattr(manager.hook, hook)() for entry in
@@ -208,7 +209,7 @@ for hook, example in json.loads(sys.argv[1]).items():
         refs = [ref for ref in refs if "triton" not in ref]
     found[hook] = {"registered": all(entry in registered for entry in (value.items() if isinstance(value, dict)
                                                                        else value)),
-                   "loads": all(load_object(ref) is not None for ref in refs) and bool(refs)}
+                   "loads": all(load_object(ref) is not None for ref in refs) and (bool(refs) or hook in NO_REFS)}
 print(json.dumps(found))
 """
 

@@ -30,6 +30,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from xinfer import registry
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf_file import GGUFFile
+from xinfer.loading.model_types import check_model_type
 from xinfer.model import convert
 from xinfer.quant import WeightFormat, quantized, weight_formats
 
@@ -139,6 +140,8 @@ def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> Pret
     meta, arch = file.metadata, file.architecture
     _check_known(arch, file.path)
     adapter = gguf_adapter(arch)
+    model_type = adapter.model_type or arch
+    check_model_type(model_type, f"{file.path} (GGUF architecture {arch!r})")
     fields: dict[str, Any] = {
         field: _plain(meta[f"{arch}.{key}"]) for key, field in _CONFIG_FIELDS.items() if f"{arch}.{key}" in meta
     }
@@ -162,7 +165,6 @@ def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> Pret
         fields.update(adapter.config(meta, fields, file.tensors.keys()))
     except ModelFileError as error:
         raise ModelFileError(f"{file.path}: {error}") from None
-    model_type = adapter.model_type or arch
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
     return AutoConfig.for_model(model_type, **fields)

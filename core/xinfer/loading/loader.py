@@ -7,15 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from xinfer import registry
 from xinfer.config import ModelConfig
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
+from xinfer.loading.model_types import check_model_type
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
@@ -76,12 +75,8 @@ def _hf_config(folder: Path) -> PretrainedConfig:
         raise ModelFileError(f"{file}: not valid JSON: {error}") from None
     if not isinstance(fields, dict):
         raise ModelFileError(f"{file}: not a JSON object")
-    model_type = fields.get("model_type")
-    if model_type is not None and model_type not in CONFIG_MAPPING:
-        raise ModelFileError(
-            f"{file}: model_type {model_type!r} is known neither to transformers {transformers.__version__} nor to "
-            f"an installed plugin (a plugin adds one with the xinfer_config_classes hook)"
-        )
+    if (model_type := fields.get("model_type")) is not None:
+        check_model_type(model_type, str(file))
     try:
         config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError, TypeError, ArithmeticError, StrictDataclassError) as error:  # a field's type or value

@@ -35,3 +35,8 @@ COMPRESSED_OPS = ("compress_windows", "compressed_indexer_topk", "v4_attention")
 @hookimpl
 def xinfer_gguf_architectures() -> dict[str, str]:
     return {"deepseek2": "xinfer_deepseek.gguf:DeepseekV2GGUF", "deepseek32": "xinfer_deepseek.gguf:DeepseekV32GGUF"}
+
+
+@hookimpl
+def xinfer_transformers_releases() -> dict[str, str]:
+    return {"glm4_moe_lite": "5.0.0", "deepseek_v4": "5.8.0", "deepseek_v32": "5.11.0"}

@@ -22,3 +22,9 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
             raise NotImplementedError("Gemma 3 with use_bidirectional_attention=True is not a causal LM xinfer serves")
         super().__init__(config)
+
+    def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
+        if layer_type == "sliding_attention" and not getattr(config, "rope_parameters", None):
+            # transformers 4 keeps the sliding layers' base apart, unscaled (5 reads it into rope_parameters)
+            return {"rope_type": "default", "rope_theta": config.rope_local_base_freq, "partial_rotary_factor": 1.0}
+        return super().rope_parameters(config, layer_type)

@@ -40,6 +40,14 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
 
     spec = DecoderSpec(partial_rotary=True)
 
+    def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
+        params = super().rope_parameters(config, layer_type)
+        # the checkpoints give rotary_dim, which transformers 5.17 and older leave out of the rope parameters
+        explicit = "partial_rotary_factor" in (getattr(config, "rope_parameters", None) or {})
+        if not explicit and getattr(config, "partial_rotary_factor", None) is None:
+            params["partial_rotary_factor"] = getattr(config, "rotary_dim", self.head_dim) / self.head_dim
+        return params
+
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         return MiniMaxM2Attention(config.hidden_size, heads, kv_heads, self.head_dim, rotary, config.rms_norm_eps)

@@ -41,3 +41,11 @@ def xinfer_gguf_architectures() -> dict[str, str]:
         "qwen35": "xinfer_qwen.gguf:QWEN3_5",
         "qwen35moe": "xinfer_qwen.gguf:QWEN3_5_MOE",
     }
+
+
+@hookimpl
+def xinfer_transformers_releases() -> dict[str, str]:
+    return {
+        **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_next"), "4.57.0"),
+        **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "5.2.0"),
+    }

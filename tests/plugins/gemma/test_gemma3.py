@@ -50,3 +50,26 @@ def test_greedy_tokens_match_hf_generate(models, length):
     ].tolist()
     out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
+
+
+def test_the_rope_fields_of_transformers_4_turn_each_layer_as_transformers_5_reads_them():
+    """transformers 4's Gemma 3 config holds the global layers' rope in ``rope_theta`` and ``rope_scaling`` and the
+    sliding layers' (unscaled) base in ``rope_local_base_freq``; transformers 5 reads those fields into per-layer-type
+    ``rope_parameters``. A model built from the fields as transformers 4 holds them turns each layer alike."""
+    from types import SimpleNamespace
+
+    from xinfer.loading.loader import build_model
+
+    legacy = dict(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    current = gemma3_config(rope_parameters=None, **legacy)
+    assert set(current.rope_parameters) == {"full_attention", "sliding_attention"}  # transformers 5 read them
+    as_transformers_4 = SimpleNamespace(**{**current.to_dict(), "rope_parameters": None, **legacy})
+
+    def tables(config) -> list[torch.Tensor]:
+        model = build_model(config, torch.device("cpu"), torch.float32)
+        return [layer.self_attn.rotary_emb.cos_sin for layer in model.model.layers]
+
+    expected = tables(current)
+    assert not torch.equal(expected[0][:, :8], expected[1][:, :8])  # a sliding layer and a global one turn apart
+    for got, want in zip(tables(as_transformers_4), expected, strict=True):
+        assert torch.equal(got, want)

@@ -3,6 +3,7 @@ together, NeoX partial rotary, sigmoid + correction-bias routing renormalized, e
 layer. An MTP layer in the checkpoint is skipped; bad input is one clear error."""
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import MiniMaxM2Config
 
@@ -56,6 +57,26 @@ def models(checkpoint):
 def test_config_rotates_part_of_each_head(checkpoint):
     hf, _ = checkpoint
     assert hf.config.rope_parameters["partial_rotary_factor"] == 0.5
+
+
+def test_a_config_without_the_rotary_share_rotates_the_checkpoints_rotary_dim():
+    """transformers 5.17 and older keep the checkpoints' ``rotary_dim`` as a bare field, out of the rope parameters
+    (their own model then turns whole heads); transformers 5.25 reads it as ``partial_rotary_factor``. The model built
+    from the fields as the older releases hold them turns the same part of each head."""
+    from types import SimpleNamespace
+
+    from xinfer.loading.loader import build_model
+
+    config = minimax_m2_config()
+    older = SimpleNamespace(**{**config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 5e6}})
+    assert "partial_rotary_factor" not in older.rope_parameters and older.rotary_dim == 16
+    assert getattr(older, "partial_rotary_factor", None) is None
+
+    def table(config) -> torch.Tensor:
+        return build_model(config, torch.device("cpu"), torch.float32).model.layers[0].self_attn.rotary_emb.cos_sin
+
+    assert table(older).shape[-1] == 16  # cos || sin of the 8 pairs of the first 16 dims
+    assert torch.equal(table(older), table(config))
 
 
 def test_routing_spreads_and_the_bias_changes_the_choice(checkpoint):
