@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import re
 
-import pytest
+import fastapi
+from fastapi.testclient import TestClient
 
-fastapi = pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
-
-from xinfer.server.ui import STATIC_DIR, mount_ui  # noqa: E402
+from xinfer.server.ui import STATIC_DIR, mount_ui
 
 
 def _client(api_key):
