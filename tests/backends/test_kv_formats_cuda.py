@@ -198,11 +198,17 @@ def test_attention_over_quantized_cache(fmt, head_dim, dtype):
     )  # fmt: skip
     q1 = torch.randn(3, heads, head_dim).to(dtype)
     want1 = CPU.attend(q1.float(), reference, decode, scale, softcap=30.0)
-    # on a GPU also the long tiles that batches filling the multiprocessors get
-    tiles = [None] + ([attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True)] if ON_GPU else [])
+    # also the long tiles that batches filling a GPU's multiprocessors get (the interpreter would take its own
+    # tiles: it is given the GPU's, at one split count)
+    if ON_GPU:
+        long_tiles, long_splits = attention.decode_config(head_dim, q1.to(DEVICE), long_tiles=True), (1, 4, 32)
+    else:
+        table = attention._LONG_DECODE_TILES
+        long_tiles, long_splits = table[min(d for d in table if d >= head_dim)][0], (4,)
     # fp8 rows are in halves at small batches and whole at large ones: both must agree
     layouts = [None, True, False] if fmt == "fp8" else [None]
-    for splits, tile, halves in itertools.product((1, 4, 32), tiles, layouts):
+    cases = [*itertools.product((1, 4, 32), [None], layouts), *itertools.product(long_splits, [long_tiles], layouts)]
+    for splits, tile, halves in cases:
         got1 = attention.paged_attention_cache(
             q1.to(DEVICE), device_cache, on_device(decode), scale, softcap=30.0, num_splits=splits,
             decode_tiles=tile, halves=halves,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import llguidance
 import pytest
 import torch
 
@@ -31,12 +32,25 @@ def test_invalid_constraints_raise_one_line_value_errors(fields, message):
     assert "\n" not in str(error.value)
 
 
+BYTES = llguidance.LLTokenizer("byte")  # llguidance's tokenizer of one token per byte
+
+
+def accepts(spec: StructuredOutputs, text: str) -> bool:
+    """The constraint lets the output be exactly ``text``."""
+    matcher = llguidance.LLMatcher(BYTES, spec.lark_or_llguidance, log_level=0)
+    return matcher.consume_tokens(BYTES.tokenize_bytes(text.encode())) and matcher.is_accepting()
+
+
 def test_lenient_schemas_ignore_unknown_keywords_when_not_strict():
-    StructuredOutputs(json={"type": "string", "format": "no-such-format"}, strict=False)
+    lenient = StructuredOutputs(json={"type": "string", "format": "no-such-format"}, strict=False)
+    assert accepts(lenient, '"any text"')  # a JSON string, the unknown format ignored
+    assert not accepts(lenient, "12") and not accepts(lenient, '"unclosed')
 
 
 def test_gbnf_grammars_are_taken_too():
-    StructuredOutputs(grammar='root ::= "yes" | "no"')
+    yes_or_no = StructuredOutputs(grammar='root ::= "yes" | "no"')
+    assert accepts(yes_or_no, "yes") and accepts(yes_or_no, "no")
+    assert not accepts(yes_or_no, "maybe") and not accepts(yes_or_no, "ye")
 
 
 def test_bitmask_op_masks_the_cleared_bits_of_the_listed_rows_only():

@@ -5,7 +5,7 @@ calibrating it once per layer for formats that rotate keys."""
 import pytest
 import torch
 
-from tests.tiny_models import prompt
+from tests.tiny_models import COMMON, prompt
 from xinfer import LLM, SamplingParams
 from xinfer.cache.allocate import attention_layers
 from xinfer.kv import get_format
@@ -63,7 +63,9 @@ def test_equalizer_cuts_the_score_error_of_rotated_keys(name):
 
 def test_engine_calibrates_rotated_formats_only(model_dir):
     rotated = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="turbo4")
-    for layer in attention_layers(rotated.engine.model):
+    layers = attention_layers(rotated.engine.model)
+    assert len(layers) == COMMON["num_hidden_layers"]  # each of them checked
+    for layer in layers:
         s = layer.cache.equalizer
         assert s.shape == (layer.num_kv_heads, layer.head_dim)
         assert torch.isfinite(s).all() and (s > 0).all()

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.tiny_models import COMMON
 from xinfer import LLM
 from xinfer.cache.allocate import attention_layers
 from xinfer.engine.kv_calibration import KeyStatistics
@@ -86,7 +87,9 @@ def test_softcapped_caches_are_marked():
 def test_engine_calibrates_offsets_of_rotated_keys(model_dir):
     for name in ("fp8", "turbo8", "turbo4", "turbo3"):
         llm = LLM(model=model_dir, dtype="float32", num_blocks=64, kv_cache_dtype=name)
-        for layer in attention_layers(llm.engine.model):
+        layers = attention_layers(llm.engine.model)
+        assert len(layers) == COMMON["num_hidden_layers"]  # each of them checked
+        for layer in layers:
             c = layer.cache.key_offset
             assert c.shape == (layer.num_kv_heads, layer.head_dim) and torch.isfinite(c).all()
             assert c.abs().sum() > 0

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from tests.docs_pages import REPO
 from xinfer import LLM, registry
 from xinfer.backend import check_support
 from xinfer.config import EngineConfig
@@ -81,5 +82,8 @@ def test_the_shipped_backends_take_every_format_and_the_window(ops, kv_cache_dty
 
 
 def test_each_installed_backend_names_its_ops_class_as_its_spec():
-    for spec in registry.backends():
+    specs = registry.backends()
+    shipped = {folder.parent.name for folder in (REPO / "backends").glob("*/pyproject.toml")}
+    assert shipped and shipped <= {spec.name for spec in specs}  # the repository's, installed beside the core
+    for spec in specs:
         assert registry.load_object(spec.ops).name == spec.name

@@ -17,7 +17,7 @@ def test_non_streaming_answer_has_openai_shape(client, model):
     usage = reply.usage
     assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 40
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
 
 
 def test_stream_equals_non_stream_at_temperature_0(client, model):

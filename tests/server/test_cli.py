@@ -16,7 +16,7 @@ import pytest
 from tests.docs_pages import DOCS, code_blocks, inline_code
 from tests.server.live import REPO
 from xinfer.cli import main, plugins_parser
-from xinfer.config import CacheConfig
+from xinfer.config import CacheConfig, SchedulerConfig
 from xinfer.server.args import build_parser, flags_problem, parse_args
 from xinfer.server.launch import engine_config, listeners
 
@@ -187,9 +187,11 @@ def test_bad_environment_values_are_one_clear_error():
 
 
 def test_defaults_match_xinfer():
+    """The server's defaults are the engine's (EngineConfig) and the README's (http://127.0.0.1:8000/v1)."""
     args = build_parser().parse_args([])
-    assert args.port == 8000 and args.prefill_chunk_size == 8192 and args.model is None
-    assert not args.disable_prefix_cache and not args.ui_server
+    assert args.port == 8000 and args.prefill_chunk_size == SchedulerConfig().max_num_batched_tokens
+    assert args.model is None and args.disable_prefix_cache is not CacheConfig().enable_prefix_caching
+    assert not args.ui_server
 
 
 @pytest.mark.parametrize("flag, value", [("--max-model-len", "-5"), ("--max-num-seqs", "0")])

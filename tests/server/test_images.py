@@ -92,8 +92,11 @@ def test_the_answer_is_the_offline_engines_for_the_same_image(vision_client, vis
 
 
 def test_an_allowed_local_file_is_read(vision_client, media_dir):
-    answer = ask(vision_client, (media_dir / "allowed" / "picture.png").as_uri())
-    assert answer.usage.completion_tokens == 4
+    """The file's picture is answered as the same picture sent inline."""
+    from_file = ask(vision_client, (media_dir / "allowed" / "picture.png").as_uri())
+    inline = ask(vision_client, data_url(image(1)))
+    assert from_file.choices[0].message.content == inline.choices[0].message.content
+    assert (from_file.usage.prompt_tokens, from_file.usage.completion_tokens) == (inline.usage.prompt_tokens, 4)
 
 
 def _png_bytes(picture) -> bytes:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.server.live import REPO
-from xinfer.chat import Conversation, chat_loop, run
+from xinfer.chat import HELP, Conversation, chat_loop, run
 from xinfer.engine.engine import StepOutput
 from xinfer.sampling import SamplingParams
 from xinfer.server.args import parse_args
@@ -58,19 +58,27 @@ def test_conversation_keeps_history_and_drops_old_turns_when_full():
     assert engine.prompts[-1].startswith("<user>second")  # the oldest turn made room
 
 
-def test_python_m_xinfer_chat_streams_answers_and_exits():
+def test_python_m_xinfer_chat_streams_answers_and_exits(client, model):
+    """Each answer is the server's greedy chat completion of the conversation so far: none before the second
+    question, which comes after /clear."""
+    questions = ["What is the capital of France?", "Name a color."]
     result = subprocess.run(
         [sys.executable, "-m", "xinfer.chat", "--max-model-len", "512", "--temperature", "0", "--max-tokens", "24"],
-        input="What is the capital of France?\n/clear\nName a color.\n/exit\n",
+        input=f"{questions[0]}\n/clear\n{questions[1]}\n/exit\nnever sent\n",
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines[0].startswith("xinfer chat")
-    assert len(lines) >= 3 and all(line.strip() for line in lines[1:3])
+    replies = [
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=24
+        )
+        for question in questions
+    ]
+    answers = [reply.choices[0].message.content for reply in replies]
+    assert result.stdout == f"xinfer chat ({HELP})\n" + "".join(f"{answer}\n" for answer in answers)
 
 
 def test_an_engine_that_cannot_be_built_is_one_line_not_a_traceback(capsys, monkeypatch):
