@@ -64,11 +64,17 @@ def _x_tile(x_ptr, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr, ACTIVATION: 
     """The K tile at ``k`` of the row ``x``: [BLOCK_K]; with an ``ACTIVATION``, of
     ``act(gate) * up`` for the row ``gate || up`` [2K] at ``x_ptr``, rounded to its dtype."""
     cols = k + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + cols) if EVEN else tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    if ACTIVATION == "":
-        return x
-    up = tl.load(x_ptr + K + cols) if EVEN else tl.load(x_ptr + K + cols, mask=cols < K, other=0.0)
-    return (act(x.to(tl.float32), ACTIVATION) * up.to(tl.float32)).to(x.dtype)
+    if EVEN:
+        x = tl.load(x_ptr + cols)
+    else:
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    if ACTIVATION != "":
+        if EVEN:
+            up = tl.load(x_ptr + K + cols)
+        else:
+            up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0)
+        x = (act(x.to(tl.float32), ACTIVATION) * up.to(tl.float32)).to(up.dtype)
+    return x
 
 
 @triton.jit
