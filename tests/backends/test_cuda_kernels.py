@@ -170,6 +170,18 @@ def test_small_batch_linear_skips_tiles_the_gpu_lacks_resources_for():
     assert list(linear.choice.values()) == [DOT_TILES[-1]]
 
 
+def timed_as(baseline: float, each_tile: float, tiles: int):
+    """A timer of :class:`SmallBatchLinear` that runs each call once and says it took ``baseline``, then
+    ``each_tile`` for each of ``tiles`` tiles."""
+    times = iter([baseline] + [each_tile] * tiles)
+
+    def timer(call, weights):
+        call(weights[0])
+        return next(times)
+
+    return timer
+
+
 # --- A gated activation fused into the linear after it ------------------------------
 
 GATED_LINEAR_SHAPES = matrix(
@@ -210,13 +222,7 @@ def test_small_batch_gated_linear_fuses_only_where_measured_faster():
         return CPU.gated_linear(gate_up, "silu", w, bias)
 
     for fused_time, expect_fused in ((9.9, False), (8.0, True)):
-        times = iter([10.0] + [fused_time] * len(candidates(1)))
-
-        def timer(call, weights, times=times):
-            call(weights[0])
-            return next(times)
-
-        linear = SmallBatchLinear(timer, copies=lambda w: [w])
+        linear = SmallBatchLinear(timed_as(10.0, fused_time, len(candidates(1))), copies=lambda w: [w])
         for measuring in (True, False):
             unfused_calls.clear()
             y = linear.gated_linear(gate_up, "silu", weight, bias, unfused)
@@ -297,13 +303,8 @@ def test_small_batch_norm_linear_fuses_only_where_measured_faster():
         return CPU.norm_linear(x, residual, norm_weight, 1e-6, w)
 
     for fused_time, expect_fused in ((9.9, False), (8.0, True)):
-        times = iter([10.0] + [fused_time] * len(candidates(1) + ONE_PASS_TILES))
-
-        def timer(call, weights, times=times):
-            call(weights[0])
-            return next(times)
-
-        linear = SmallBatchLinear(timer, copies=lambda w: [w])
+        tiles = len(candidates(1) + ONE_PASS_TILES)
+        linear = SmallBatchLinear(timed_as(10.0, fused_time, tiles), copies=lambda w: [w])
         for measuring in (True, False):
             unfused_calls.clear()
             y, normed, h = linear.norm_linear(x, residual, norm_weight, 1e-6, weight, None, unfused)
