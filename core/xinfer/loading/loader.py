@@ -169,6 +169,24 @@ def load_model(
     return model
 
 
+def held_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, load_format: str,
+               isq: str | None = None) -> CausalLM:  # fmt: skip
+    """The model of ``config`` on the meta device as :func:`load_model` will hold it, from the files' headers
+    alone: each weight in ``dtype``, or packed where the GGUF file's tensor stays packed (its type has a weight
+    format and its module keeps it so) or where ``isq`` packs it. A safetensors checkpoint stored quantized
+    is counted in float (which of its weights stay packed its scales decide, and they are not read)."""
+    meta = torch.device("meta")
+    with quantizing_at_load(isq_format(isq) if isq is not None else None, meta):
+        model = build_model(config, meta, dtype)
+        if load_format != "dummy" and reads_gguf(path, load_format):
+            model.load_weights(iter_gguf_weights(path, model.config, model.checkpoint_names(), read=False))
+        elif (quantizer := load_quantizer()) is not None:
+            for module, name in quantizer.targets(model):
+                quantizer.allocate(model, module, name)
+                quantizer.quantize(model, module, name)
+    return model
+
+
 def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Weights:
     if reads_gguf(path, load_format):
         return iter_gguf_weights(path, model.config, model.checkpoint_names())
