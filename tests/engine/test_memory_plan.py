@@ -2,13 +2,28 @@
 measuring path on the CPU through a fake device memory."""
 
 import logging
+import math
 
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from tests.loading.test_gguf import write_gguf
+from tests.quant.test_fp4_formats import write_checkpoint as write_fp4_checkpoint
+from tests.quant.test_fp8_format import BLOCKS_128
+from tests.quant.test_fp8_format import WIDE as FP8_WIDE
+from tests.quant.test_int4_checkpoints import CASES as INT4_CASES
+from tests.quant.test_int4_checkpoints import write_int4_checkpoint
+from tests.quant.test_isq_at_load import held_as
+from tests.quant.test_quantized_checkpoint import (
+    BLOCKS,
+    ROWS,
+    packed_integer_scheme,
+    write_fp8_checkpoint,
+    write_packed_integer_checkpoint,
+)
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.cache.allocate import attention_layers, bytes_per_block
@@ -26,7 +41,8 @@ from xinfer.engine.memory_plan import (
     profile_batch,
 )
 from xinfer.kv import get_format
-from xinfer.loading.loader import held_model, load_config
+from xinfer.loading.loader import held_model, load_config, load_model
+from xinfer.quant import QuantizedTensor
 
 H200 = dict(total=140 * GiB, free_at_start=139 * GiB)
 
@@ -332,3 +348,74 @@ def test_a_gguf_file_fits_as_the_backend_holds_its_weights_and_holds_what_was_co
     monkeypatch.setattr(memory_plan, "available_host_memory", lambda: cpu_bytes + kv)
     llm = LLM(model=str(path), dtype="float32", num_blocks=64)
     assert weight_bytes(llm.engine) == cpu_bytes
+
+
+# -- the fit check of a checkpoint stored quantized, kept packed ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Llama whose projections are stored FP8 in blocks of 128 x 128 (DeepSeek's layout), and its weights'
+    bytes: as loading keeps them (FP8 packed, the CPU backend having no repack of its own: each row's 128 e4m3
+    codes of a block after the block's float32 scale) and in float32; and the KV cache of one 512-token sequence."""
+    folder = tmp_path_factory.mktemp("fp8")
+    config = LlamaConfig(**FP8_WIDE, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    write_fp8_checkpoint(save_tiny_model(config, folder / "float"), folder, BLOCKS_128)
+    rotary = 512 * 32 * 4  # the model's cos/sin buffer of each position (fp32; heads of 32)
+    held = float_bytes = rotary
+    with safe_open(folder / "model.safetensors", "pt") as file:
+        for name in file.keys():  # noqa: SIM118
+            stored = file.get_slice(name)
+            values = math.prod(stored.get_shape())
+            if name.endswith("weight_scale_inv"):
+                continue  # the block scales: packed one a row's 128 values instead
+            float_bytes += 4 * values
+            held += values + values // 128 * 4 if stored.get_dtype() == "F8_E4M3" else 4 * values
+    kv = 2 * COMMON["num_hidden_layers"] * COMMON["num_key_value_heads"] * 32 * 512 * 4
+    return folder, held, float_bytes, kv
+
+
+def test_a_checkpoint_kept_packed_fits_as_it_is_held_and_holds_what_was_counted(fp8_checkpoint, monkeypatch):
+    folder, held, float_bytes, kv = fp8_checkpoint
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: held + kv - 1)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(folder), dtype="float32", num_blocks=64)
+    assert str(error.value).startswith(f"the model does not fit in cpu's memory: its weights take {mib(held)} packed "
+                                       f"({mib(float_bytes)} in float32)")  # fmt: skip
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: held + kv)
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64)
+    assert weight_bytes(llm.engine) == held
+
+
+def _quantized_checkpoint(kind: str, folder) -> None:
+    """A tiny checkpoint stored as ``kind`` in ``folder``."""
+    if kind.startswith("fp8"):
+        quantization = {"fp8-blocks-32x48": BLOCKS, "fp8-blocks-128x128": BLOCKS_128, "fp8-rows": ROWS}[kind]
+        config = LlamaConfig(**FP8_WIDE, architectures=["LlamaForCausalLM"])  # rows of whole 128-value blocks
+        write_fp8_checkpoint(save_tiny_model(config, folder / "float"), folder, quantization)
+    elif kind in INT4_CASES:
+        write_int4_checkpoint(folder, kind)
+    elif kind == "w4-group32":
+        hf = save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder / "float")
+        write_packed_integer_checkpoint(hf, folder, packed_integer_scheme(4, 32, True))
+    else:
+        config = Qwen3MoeConfig(**{**FP8_WIDE, "num_hidden_layers": 1}, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
+        write_fp4_checkpoint(save_tiny_model(config, folder / "float"), folder, kind, fused_experts=kind == "gpt-oss")
+
+
+@pytest.mark.parametrize(
+    "kind", ["fp8-blocks-32x48", "fp8-blocks-128x128", "fp8-rows", *INT4_CASES, "w4-group32", "gpt-oss",
+             "nvfp4-pack-quantized", "modelopt"],
+)  # fmt: skip
+def test_the_fit_check_counts_each_weight_of_a_quantized_checkpoint_as_loading_holds_it(kind, tmp_path):
+    """From the files' headers alone, each weight packed or decoded as loading decides from the values: FP8 blocks
+    narrower than 128 columns, activation-ordered GPTQ and compressed-tensors' integers decoded, the others packed
+    (stacked experts too)."""
+    _quantized_checkpoint(kind, tmp_path)
+    config = load_config(tmp_path)
+    held = held_model(tmp_path, config, torch.float32, "auto")
+    assert all(p.is_meta for p in held.parameters())
+    packed = any(isinstance(p, QuantizedTensor) for p in held.parameters())
+    assert packed == (kind not in ("fp8-blocks-32x48", "gptq-desc-act", "w4-group32"))
+    assert held_as(held) == held_as(load_model(tmp_path, config, torch.device("cpu"), torch.float32, "auto"))
