@@ -325,19 +325,34 @@ def test_bad_engine_options_raise_value_errors_naming_them(options, message):
     assert message in str(error.value)
 
 
-def test_a_server_whose_model_fails_to_load_says_why_on_its_last_line(tmp_path):
-    """A tensor of the wrong shape is found only as the weights load, after the server started: it exits 1,
-    its last line naming the tensor and both shapes, no traceback."""
+def test_a_tensor_of_the_wrong_shape_is_refused_before_the_server_starts(tmp_path):
+    """The files' headers give every tensor's shape: the fit check's loading on the meta device finds it, and the
+    command ends in one line naming the tensor and both shapes."""
     save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:10]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     result = _xinfer("--m", str(tmp_path), "--port", "0")
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "xinfer: the model could not be loaded: weight model.layers.1.mlp.up_proj.weight: "
-        "checkpoint shape (10, 64) != model shape (160, 64)"
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        line == "xinfer: weight model.layers.1.mlp.up_proj.weight: checkpoint shape (10, 64) != model shape (160, 64)"
     )
+
+
+def test_a_server_whose_model_fails_to_load_says_why_on_its_last_line(tmp_path):
+    """A GPTQ weight whose g_idx names a group beyond its scales' (a value, not a shape: found only as the weights
+    load, after the server started): it exits 1, its last line naming the weight, no traceback."""
+    from tests.quant.test_int4_checkpoints import write_int4_checkpoint
+
+    write_int4_checkpoint(tmp_path, "gptq")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.g_idx"][0] = 1000
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    result = _xinfer("--m", str(tmp_path), "--port", "0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("xinfer: the model could not be loaded: model.layers.1.mlp.up_proj.weight: gptq tensors")
 
 
 def test_the_terminal_refuses_a_model_without_a_tokenizer_before_loading_it(tmp_path, capsys):

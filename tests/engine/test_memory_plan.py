@@ -2,14 +2,32 @@
 measuring path on the CPU through a fake device memory."""
 
 import logging
+import math
 
+import gguf
 import pytest
 import torch
-from transformers import LlamaConfig
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
+from tests.loading.test_gguf import write_gguf
+from tests.quant.test_fp4_formats import write_checkpoint as write_fp4_checkpoint
+from tests.quant.test_fp8_format import BLOCKS_128
+from tests.quant.test_fp8_format import WIDE as FP8_WIDE
+from tests.quant.test_int4_checkpoints import CASES as INT4_CASES
+from tests.quant.test_int4_checkpoints import write_int4_checkpoint
+from tests.quant.test_isq_at_load import held_as
+from tests.quant.test_quantized_checkpoint import (
+    BLOCKS,
+    ROWS,
+    packed_integer_scheme,
+    write_fp8_checkpoint,
+    write_packed_integer_checkpoint,
+)
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.cache.allocate import attention_layers, bytes_per_block
+from xinfer.config import EngineConfig
 from xinfer.engine import build as build_module
 from xinfer.engine import memory_plan
 from xinfer.engine.memory_plan import (
@@ -17,11 +35,14 @@ from xinfer.engine.memory_plan import (
     MAX_NUM_SEQS_CAP,
     DeviceProfile,
     GiB,
+    check_fits,
     derive_max_num_seqs,
     kv_budget,
     profile_batch,
 )
 from xinfer.kv import get_format
+from xinfer.loading.loader import held_model, load_config, load_model
+from xinfer.quant import QuantizedTensor
 
 H200 = dict(total=140 * GiB, free_at_start=139 * GiB)
 
@@ -242,3 +263,159 @@ def test_no_room_beside_the_shadows_names_the_window(model_dir, monkeypatch):
     ):
         LLM(model=model_dir, dtype="float32", kv_fraction=0.5, max_model_len=128, kv_cache_dtype="turbo4",
             kv_recent_window=64)  # fmt: skip
+
+
+# -- the fit check of a GGUF file: its weights counted as they are held -------------------------
+
+T = gguf.GGMLQuantizationType
+# llama.cpp's blocks (ggml-common.h: block_q4_K, block_q6_K): values per block, bytes per block
+LLAMA_CPP_BLOCKS = {T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
+# every row a whole 256-value block; the embedding tied to the LM head (its rows are looked up)
+Q4_K_M_CONFIG = dict(COMMON, hidden_size=256, intermediate_size=256, head_dim=64, tie_word_embeddings=True,
+                     bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+
+def q4_k_m(hf_name: str) -> gguf.GGMLQuantizationType:
+    """As llama.cpp's Q4_K_M mix: matrices Q4_K but v and down Q6_K, vectors F32."""
+    if "norm" in hf_name:
+        return T.F32
+    return T.Q6_K if any(p in hf_name for p in ("v_proj", "down_proj")) else T.Q4_K
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory):
+    """A tiny Llama as a Q4_K_M-like GGUF, and its weights' bytes: as the file stores them (llama.cpp's blocks),
+    as the CPU backend holds them and in float32; and the KV cache of one 512-token sequence (fp32).
+
+    The CPU backend repacks a linear's Q4_K for torch's int4 matmul (``_convert_weight_to_int4pack_for_cpu``: K / 2
+    bytes of nibbles a row and a bf16 scale and zero per 32 values, 20 bytes per 32 values; every row count a
+    multiple of 16 here) and its Q6_K into int8 values with a float32 scale per 16 (320 bytes per 256 values);
+    the tied embedding, whose rows are looked up, keeps the file's Q4_K blocks."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**Q4_K_M_CONFIG)).float()
+    path = tmp_path_factory.mktemp("q4_k_m") / "tiny-Q4_K_M.gguf"
+    write_gguf(model, "llama", path, storage=q4_k_m)
+    rotary = 512 * 64 * 4  # the model's cos/sin buffer of each position (fp32)
+    file_bytes, cpu_bytes, float_bytes = rotary, rotary, rotary
+    for name, tensor in model.named_parameters():  # the tied LM head once
+        qtype, n = q4_k_m(name), tensor.numel()
+        float_bytes += 4 * n
+        if qtype == T.F32:
+            file_bytes, cpu_bytes = file_bytes + 4 * n, cpu_bytes + 4 * n
+            continue
+        values, size = LLAMA_CPP_BLOCKS[qtype]
+        file_bytes += n // values * size
+        cpu_bytes += n // values * size if "embed" in name else n // 32 * 20 if qtype == T.Q4_K else n // 256 * 320
+    kv = 2 * COMMON["num_hidden_layers"] * COMMON["num_key_value_heads"] * 64 * 512 * 4
+    return path, file_bytes, cpu_bytes, float_bytes, kv
+
+
+def mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def gguf_fit_check(path, available: int) -> None:
+    model = held_model(path, load_config(path), torch.float32, "auto")
+    config = EngineConfig.from_kwargs(model=str(path), dtype="float32", device="cpu")
+    check_fits(model, config, 512, torch.float32, available, "the device's memory", True)
+
+
+def test_a_gguf_file_is_counted_at_its_tensors_bytes(q4_k_m_gguf):
+    """Its Q4_K and Q6_K matrices at llama.cpp's bytes per block, read from the header (a 24 GB GPU took a
+    Qwen2.5-14B Q4_K_M for 27.5 GiB of bf16): it fits where they fit, though its float32 size does not."""
+    path, file_bytes, _, float_bytes, kv = q4_k_m_gguf
+    assert float_bytes + kv > file_bytes + kv
+    gguf_fit_check(path, file_bytes + kv)
+    with pytest.raises(ValueError) as error:
+        gguf_fit_check(path, file_bytes + kv - 1)
+    assert str(error.value).startswith(
+        f"the model does not fit in the device's memory: its weights take {mib(file_bytes)} packed "
+        f"({mib(float_bytes)} in float32) and the KV cache of one 512-token sequence {mib(kv)}, "
+        f"{mib(file_bytes + kv)} in all, and {mib(file_bytes + kv - 1)} are available: "
+    )
+
+
+def test_a_gguf_file_fits_as_the_backend_holds_its_weights_and_holds_what_was_counted(q4_k_m_gguf, monkeypatch):
+    """Through LLM on the CPU backend, which repacks the file's blocks (see the fixture): refused one byte short
+    of its repacked weights and the KV cache, before any weight is read; loaded with exactly that, its weights
+    then taking what was counted."""
+    path, _, cpu_bytes, float_bytes, kv = q4_k_m_gguf
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: cpu_bytes + kv - 1)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(path), dtype="float32", num_blocks=64)
+    assert str(error.value).startswith(f"the model does not fit in cpu's memory: its weights take {mib(cpu_bytes)} "
+                                       f"packed ({mib(float_bytes)} in float32)")  # fmt: skip
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: cpu_bytes + kv)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    assert weight_bytes(llm.engine) == cpu_bytes
+
+
+# -- the fit check of a checkpoint stored quantized, kept packed ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Llama whose projections are stored FP8 in blocks of 128 x 128 (DeepSeek's layout), and its weights'
+    bytes: as loading keeps them (FP8 packed, the CPU backend having no repack of its own: each row's 128 e4m3
+    codes of a block after the block's float32 scale) and in float32; and the KV cache of one 512-token sequence."""
+    folder = tmp_path_factory.mktemp("fp8")
+    config = LlamaConfig(**FP8_WIDE, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    write_fp8_checkpoint(save_tiny_model(config, folder / "float"), folder, BLOCKS_128)
+    rotary = 512 * 32 * 4  # the model's cos/sin buffer of each position (fp32; heads of 32)
+    held = float_bytes = rotary
+    with safe_open(folder / "model.safetensors", "pt") as file:
+        for name in file.keys():  # noqa: SIM118
+            stored = file.get_slice(name)
+            values = math.prod(stored.get_shape())
+            if name.endswith("weight_scale_inv"):
+                continue  # the block scales: packed one a row's 128 values instead
+            float_bytes += 4 * values
+            held += values + values // 128 * 4 if stored.get_dtype() == "F8_E4M3" else 4 * values
+    kv = 2 * COMMON["num_hidden_layers"] * COMMON["num_key_value_heads"] * 32 * 512 * 4
+    return folder, held, float_bytes, kv
+
+
+def test_a_checkpoint_kept_packed_fits_as_it_is_held_and_holds_what_was_counted(fp8_checkpoint, monkeypatch):
+    folder, held, float_bytes, kv = fp8_checkpoint
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: held + kv - 1)
+    with pytest.raises(ValueError) as error:
+        LLM(model=str(folder), dtype="float32", num_blocks=64)
+    assert str(error.value).startswith(f"the model does not fit in cpu's memory: its weights take {mib(held)} packed "
+                                       f"({mib(float_bytes)} in float32)")  # fmt: skip
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: held + kv)
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64)
+    assert weight_bytes(llm.engine) == held
+
+
+def _quantized_checkpoint(kind: str, folder) -> None:
+    """A tiny checkpoint stored as ``kind`` in ``folder``."""
+    if kind.startswith("fp8"):
+        quantization = {"fp8-blocks-32x48": BLOCKS, "fp8-blocks-128x128": BLOCKS_128, "fp8-rows": ROWS}[kind]
+        config = LlamaConfig(**FP8_WIDE, architectures=["LlamaForCausalLM"])  # rows of whole 128-value blocks
+        write_fp8_checkpoint(save_tiny_model(config, folder / "float"), folder, quantization)
+    elif kind in INT4_CASES:
+        write_int4_checkpoint(folder, kind)
+    elif kind == "w4-group32":
+        hf = save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder / "float")
+        write_packed_integer_checkpoint(hf, folder, packed_integer_scheme(4, 32, True))
+    else:
+        config = Qwen3MoeConfig(**{**FP8_WIDE, "num_hidden_layers": 1}, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, architectures=["Qwen3MoeForCausalLM"])  # fmt: skip
+        write_fp4_checkpoint(save_tiny_model(config, folder / "float"), folder, kind, fused_experts=kind == "gpt-oss")
+
+
+@pytest.mark.parametrize(
+    "kind", ["fp8-blocks-32x48", "fp8-blocks-128x128", "fp8-rows", *INT4_CASES, "w4-group32", "gpt-oss",
+             "nvfp4-pack-quantized", "modelopt"],
+)  # fmt: skip
+def test_the_fit_check_counts_each_weight_of_a_quantized_checkpoint_as_loading_holds_it(kind, tmp_path):
+    """From the files' headers alone, each weight packed or decoded as loading decides from the values: FP8 blocks
+    narrower than 128 columns, activation-ordered GPTQ and compressed-tensors' integers decoded, the others packed
+    (stacked experts too)."""
+    _quantized_checkpoint(kind, tmp_path)
+    config = load_config(tmp_path)
+    held = held_model(tmp_path, config, torch.float32, "auto")
+    assert all(p.is_meta for p in held.parameters())
+    packed = any(isinstance(p, QuantizedTensor) for p in held.parameters())
+    assert packed == (kind not in ("fp8-blocks-32x48", "gptq-desc-act", "w4-group32"))
+    assert held_as(held) == held_as(load_model(tmp_path, config, torch.device("cpu"), torch.float32, "auto"))

@@ -17,7 +17,7 @@ from xinfer.backend import splits_memory
 from xinfer.config import EngineConfig
 from xinfer.distributed.group import TensorParallel, building_for
 from xinfer.engine.memory_plan import check_fits, weight_remedies
-from xinfer.loading.loader import build_model, checkpoint_tensors, init_dummy_weights, load_config, load_model
+from xinfer.loading.loader import checkpoint_tensors, held_model, init_dummy_weights, load_config, load_model
 from xinfer.quant import QuantizedTensor, get_weight_format
 from xinfer.quant.dispatch import replace_parameter
 
@@ -160,6 +160,22 @@ def test_a_gguf_file_quantizes_its_float_weights_as_they_load_and_keeps_its_pack
     assert_same_tensors(got, load_then_quantize(moe_gguf, "gguf", "q8_0"))
 
 
+def held_as(model) -> dict[str, tuple]:
+    """Each parameter's format (or dtype), shape and bytes."""
+    return {name: (p.format.name if isinstance(p, QuantizedTensor) else p.dtype, tuple(p.shape), p.nbytes)
+            for name, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
+
+
+@pytest.mark.parametrize("isq", [None, "q8_0"])
+def test_the_fit_check_counts_each_weight_of_a_gguf_file_as_loading_holds_it(moe_gguf, isq):
+    """The model the fit check counts, from the file's header on the meta device, holds each weight (stacked
+    experts packed by their loader, float ones quantized by --isq) as loading does."""
+    config = load_config(moe_gguf)
+    held = held_model(moe_gguf, config, FP32, "gguf", isq)
+    assert all(p.is_meta for p in held.parameters())
+    assert held_as(held) == held_as(load_model(moe_gguf, config, CPU, FP32, "gguf", isq))
+
+
 def test_a_weight_the_checkpoint_holds_twice_is_the_last_one_as_before(tmp_path):
     """A tied embedding and LM head both in the checkpoint fill one weight twice: packed once whole, it is
     filled again by the second tensor, which wins as it did when every weight loaded in float first."""
@@ -189,23 +205,29 @@ def engine_config(folder, **options) -> EngineConfig:
 
 
 def fit_check(folder, available: int, **options) -> None:
-    model = build_model(load_config(folder), torch.device("meta"), FP32)
+    model = held_model(folder, load_config(folder), FP32, "auto", options.get("isq"))
     check_fits(model, engine_config(folder, **options), 512, FP32, available, "cpu's memory", False)
 
 
 @pytest.fixture(scope="module")
 def llama_sizes(tmp_path_factory):
     """A tiny Llama's folder, its float weights' bytes, the same packed as q4_k (the GGUF block of 256 values
-    in 144 bytes, llama.cpp's block_q4_K) and the KV cache of one 512-token sequence (fp32)."""
+    in 144 bytes, llama.cpp's block_q4_K), as the CPU backend holds them and the KV cache of one 512-token
+    sequence (fp32). The CPU backend repacks each linear's q4_k for torch's int4 matmul (every row count a
+    multiple of 16 here): ``_convert_weight_to_int4pack_for_cpu``'s K / 2 bytes of nibbles a row, and a bf16
+    scale and zero per 32 values, 20 bytes per 32 values; the tied embedding, whose rows are looked up, keeps
+    the file's blocks."""
     folder = tmp_path_factory.mktemp("llama-fit")
     hf = save_tiny_model(CONFIGS["llama"](), folder)
     matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2)
     vectors = sum(p.numel() for p in hf.parameters() if p.dim() == 1)
+    embedding = hf.model.embed_tokens.weight.numel()
     rotary = 512 * 64 * 4  # the model's cos/sin buffer of each position (fp32)
     float_weights = (matrices + vectors) * 4 + rotary
     q4_k = matrices // 256 * 144 + vectors * 4 + rotary
+    cpu_q4_k = (matrices - embedding) // 32 * 20 + embedding // 256 * 144 + vectors * 4 + rotary
     kv = 2 * WIDE["num_hidden_layers"] * WIDE["num_key_value_heads"] * 64 * 512 * 4
-    return folder, float_weights, q4_k, kv
+    return folder, float_weights, q4_k, cpu_q4_k, kv
 
 
 def mib(num_bytes: int) -> str:
@@ -213,7 +235,7 @@ def mib(num_bytes: int) -> str:
 
 
 def test_a_model_that_fits_only_quantized_is_accepted_with_isq(llama_sizes):
-    folder, float_weights, q4_k, kv = llama_sizes
+    folder, float_weights, q4_k, _, kv = llama_sizes
     available = q4_k + kv  # exactly what the quantized model needs
     assert float_weights + kv > available
     fit_check(folder, available, isq="q4_k")
@@ -235,7 +257,7 @@ def test_a_model_that_does_not_fit_even_quantized_is_one_line_with_both_sizes(ll
     def never(*args, **kwargs):
         raise AssertionError("the weights were loaded")
 
-    folder, float_weights, q4_k, kv = llama_sizes
+    folder, float_weights, _, q4_k, kv = llama_sizes  # as the CPU backend holds them
     monkeypatch.setattr(xinfer.engine.build, "load_model", never)
     monkeypatch.setattr(xinfer.engine.memory_plan, "available_host_memory", lambda: q4_k + kv - 1)
     with pytest.raises(ValueError) as error:
@@ -253,7 +275,7 @@ def test_a_model_that_does_not_fit_even_quantized_is_one_line_with_both_sizes(ll
 def test_a_model_that_fits_only_quantized_loads_with_isq(llama_sizes, monkeypatch):
     import xinfer.engine.memory_plan
 
-    folder, _, q4_k, kv = llama_sizes
+    folder, _, _, q4_k, kv = llama_sizes  # as the CPU backend holds them
     monkeypatch.setattr(xinfer.engine.memory_plan, "available_host_memory", lambda: q4_k + kv)
     with pytest.raises(ValueError, match="does not fit"):
         LLM(model=str(folder), dtype="float32", num_blocks=64)

@@ -85,7 +85,7 @@ class Fp8Kernels(GgufKernels):
         selected = os.environ.get(SELECT, "weight-only")
         if selected not in ("weight-only", "tensor-cores"):
             raise ValueError(f"{SELECT}={selected!r}: choose weight-only or tensor-cores")
-        if selected == "weight-only" or weight.dim() != 2:
+        if selected == "weight-only" or weight.dim() != 2 or weight.is_meta:  # meta: the fit check's, same bytes
             return weight
         if not weight.is_cuda or torch.cuda.get_device_capability(weight.device)[0] != 9:
             raise ValueError(f"{SELECT}=tensor-cores runs on SM90 GPUs (Hopper) only")

@@ -41,7 +41,7 @@ from xinfer.forward_context import forward_context
 from xinfer.hooks import BackendSpec
 from xinfer.kv import KVFormat, get_format
 from xinfer.loading.errors import first_line
-from xinfer.loading.loader import build_model, check_model, checkpoint_bytes, load_model
+from xinfer.loading.loader import check_model, checkpoint_bytes, held_model, load_model
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
@@ -136,7 +136,8 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
     hf_config = check_model(path, config.model)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     with building_for(TensorParallel(0, config.parallel.tensor_parallel_size)):  # one rank's part
-        model = build_model(hf_config, torch.device("meta"), dtype)
+        model = held_model(path, hf_config, dtype, config.model.load_format, config.model.isq)
+    prepare_weights(model, ops)  # as the backend repacks them
     max_model_len = _max_model_len(config, hf_config)
     available = available_bytes(device_memory(spec, device))
     check_fits(model, config, max_model_len, dtype, available, f"{device}'s memory", splits_memory(spec))

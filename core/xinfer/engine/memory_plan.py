@@ -32,7 +32,7 @@ from xinfer.engine.sampler import Sampler
 from xinfer.engine.sequence import Sequence
 from xinfer.kv import KVFormat, get_format
 from xinfer.ops import HostBatch, PageBatch
-from xinfer.quant.isq import isq_format, quantized_bytes
+from xinfer.quant import QuantizedTensor
 from xinfer.sampling import SamplingParams
 
 GiB = 1 << 30
@@ -325,10 +325,11 @@ def blocks_of_a_sequence(max_model_len: int, window: int | None, block_size: int
 
 def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
                available: int, where: str, splits: bool) -> None:  # fmt: skip
-    """Refuses, before any weight is read, a model whose weights (``model``: built on the meta device as the
-    engine builds it, so in its dtype and split over its ranks; counted packed where ``--isq`` packs them)
-    and the KV cache of one sequence of ``max_model_len`` tokens need more than the ``available`` bytes of
-    ``where``. ``splits``: whether splitting the model over devices would give each part memory of its own."""
+    """Refuses, before any weight is read, a model whose weights (``model``: on the meta device as the engine
+    will hold it, split over its ranks, its weights packed where loading and the backend keep them packed:
+    :func:`xinfer.loading.loader.held_model`) and the KV cache of one sequence of ``max_model_len`` tokens
+    need more than the ``available`` bytes of ``where``. ``splits``: whether splitting the model over devices
+    would give each part memory of its own."""
     layout, cache = CacheLayout.of(model), config.cache
     block_bytes = layout.block_bytes(cache.block_size, get_format(cache.kv_cache_dtype), dtype)
     step_tokens = config.scheduler.max_num_batched_tokens
@@ -336,13 +337,13 @@ def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int,
         b * blocks_of_a_sequence(max_model_len, group.window, cache.block_size, step_tokens)
         for group, b in zip(layout.groups, block_bytes)
     )
-    isq = config.model.isq
-    weights = quantized_bytes(model, isq_format(isq)) if isq else tensor_bytes(model)
+    weights = tensor_bytes(model)
     if weights + kv <= available:
         return
     size = readable(weights)
-    if isq:
-        size += f" quantized to {isq} ({readable(tensor_bytes(model))} in {str(dtype).removeprefix('torch.')})"
+    if (unpacked := float_bytes(model, dtype)) != weights:
+        how = f"quantized to {config.model.isq}" if config.model.isq else "packed"
+        size += f" {how} ({readable(unpacked)} in {str(dtype).removeprefix('torch.')})"
     remedies = [*weight_remedies(config, splits), "use a shorter context (--max-model-len)", "free memory"]
     raise ValueError(
         f"the model does not fit in {where}: its weights take {size} and the KV cache of one {max_model_len}-token "
@@ -389,8 +390,17 @@ def check_pool_holds_a_sequence(
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
+    """The bytes ``module``'s parameters and buffers take (a packed weight: its bytes), on its device or,
+    built on the meta device, as they would."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def float_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """:func:`tensor_bytes` with each packed weight counted in ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.logical_shape.numel() * size if isinstance(t, QuantizedTensor) else t.numel() * t.element_size()
+               for t in [*module.parameters(), *module.buffers()])  # fmt: skip
 
 
 def profile_device(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
@@ -260,13 +261,20 @@ def gguf_to_hf_names(
 
 
 def iter_gguf_weights(
-    path: str | Path, config: PretrainedConfig, hf_names: Iterable[str]
+    path: str | Path, config: PretrainedConfig, hf_names: Iterable[str], read: bool = True
 ) -> Iterator[tuple[str, Tensor]]:
     """Every tensor of the file that maps to one of ``hf_names`` (the checkpoint names
-    the model loads) as (HF name, tensor), in file order: packed (:func:`read_tensor`) or float32."""
+    the model loads) as (HF name, tensor), in file order: packed (:func:`read_tensor`) or float32;
+    ``read`` False: the same on the meta device, from the header alone (:func:`header_tensor`)."""
     file = GGUFFile(path)
     adapter = gguf_adapter(file.architecture)
     names = gguf_to_hf_names(file.architecture, config, hf_names, adapter)
+    formats = weight_formats()
+    if not read:
+        for name in (name for name in file.tensors if name in names):
+            conversion = functools.partial(adapter.undo_conversion, names[name], config=config)
+            yield names[name], convert(header_tensor(file, name, formats), conversion)
+        return
     unmapped = [n for n in file.tensors if n not in names and n != ROPE_FREQS and n not in LONGROPE_FACTORS.values()]
     # the blocks past the model's layers: MTP layers, which block_count counts and the adapter left out
     extra_layers = [n for n in unmapped if (block := _BLOCK.match(n)) and int(block[1]) >= config.num_hidden_layers]
@@ -276,7 +284,6 @@ def iter_gguf_weights(
     if unmapped := [n for n in unmapped if n not in extra_layers]:
         shown = ", ".join(unmapped[:5])
         log.warning("%s: %d tensor(s) have no HF counterpart and are skipped: %s", file.path.name, len(unmapped), shown)
-    formats = weight_formats()
     unpacked = Counter(info.ggml_type.name for n, info in file.tensors.items()
                        if n in names and info.ggml_type.name.lower() not in formats and info.ggml_type not in _FLOATS)  # fmt: skip
     if unpacked:
@@ -302,6 +309,17 @@ def read_tensor(file: GGUFFile, name: str, formats: Mapping[str, WeightFormat]) 
     if format is None or len(info.shape) < 2:
         return dequantize(file, name)
     raw = torch.from_numpy(np.array(file.raw(name)))  # a copy: the mmap is read-only
+    return quantized(raw, format, info.shape, f"{file.path.name}: {name}")
+
+
+def header_tensor(file: GGUFFile, name: str, formats: Mapping[str, WeightFormat]) -> Tensor:
+    """What :func:`read_tensor` gives for tensor ``name``, on the meta device: its type and shape, no data."""
+    info = file.tensors[name]
+    format = formats.get(info.ggml_type.name.lower())
+    if format is None or len(info.shape) < 2:
+        return torch.empty(info.shape, dtype=torch.float32, device="meta")
+    raw = torch.empty((*info.shape[:-1], info.nbytes // max(1, math.prod(info.shape[:-1]))), dtype=torch.uint8,
+                      device="meta")  # fmt: skip
     return quantized(raw, format, info.shape, f"{file.path.name}: {name}")
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.model_types import check_model_type
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
-from xinfer.loading.safetensors import check_safetensors, iter_safetensors, safetensors_files
+from xinfer.loading.safetensors import check_safetensors, header_tensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
 from xinfer.quant.isq import isq_format, load_quantizer, quantizing_at_load, unallocated_weights
@@ -155,19 +158,58 @@ def load_model(
         if load_format == "dummy":
             init_dummy_weights(model)
         else:
-            weights = checkpoint_tensors(path, load_format, model)
-            quantization = quantization_config(config)
-            decoder = decoder_for(quantization) if quantization is not None else None
-            if decoder is not None and not model.decodes_quantized_checkpoint:
-                weights = decoded(weights, decoder, dtype)
-            model.load_weights(weights)
+            model.load_weights(_checkpoint_weights(path, load_format, model, dtype))
     return model
 
 
-def checkpoint_tensors(path: Path, load_format: str, model: CausalLM) -> Weights:
+def _checkpoint_weights(
+    path: Path, load_format: str, model: CausalLM, dtype: torch.dtype, read: bool = True
+) -> Weights:
+    """The checkpoint's tensors as ``model`` loads them (quantized ones decoded where it does not); ``read``
+    False: on the meta device, from the files' headers."""
+    weights = checkpoint_tensors(path, load_format, model, read)
+    quantization = quantization_config(model.config)
+    decoder = decoder_for(quantization) if quantization is not None else None
+    if decoder is not None and not model.decodes_quantized_checkpoint:
+        weights = decoded(weights, decoder, dtype)
+    return weights
+
+
+def held_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, load_format: str,
+               isq: str | None = None) -> CausalLM:  # fmt: skip
+    """The model of ``config`` on the meta device as :func:`load_model` will hold it, loaded from the files'
+    headers alone: each weight in ``dtype``, or packed where loading keeps the checkpoint's tensor packed (a GGUF
+    type or a ``quantization_config`` with a weight format, a module that keeps it so) or ``isq`` packs it."""
+    meta = torch.device("meta")
+    with _quiet(), quantizing_at_load(isq_format(isq) if isq is not None else None, meta):
+        model = build_model(config, meta, dtype)
+        if load_format == "dummy":
+            if (quantizer := load_quantizer()) is not None:
+                for module, name in quantizer.targets(model):
+                    quantizer.allocate(model, module, name)
+                    quantizer.quantize(model, module, name)
+        else:
+            model.load_weights(_checkpoint_weights(path, load_format, model, dtype, read=False))
+    return model
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No info lines (what loading kept, skipped or decoded): the load that reads the files says them. Process-wide
+    while it lasts, as :func:`logging.disable` is."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def checkpoint_tensors(path: Path, load_format: str, model: CausalLM, read: bool = True) -> Weights:
+    """The checkpoint's tensors by HF name; ``read`` False: on the meta device, from the files' headers."""
     if reads_gguf(path, load_format):
-        return iter_gguf_weights(path, model.config, model.checkpoint_names())
-    return iter_safetensors(path)
+        return iter_gguf_weights(path, model.config, model.checkpoint_names(), read)
+    return iter_safetensors(path) if read else header_tensors(path)
 
 
 def checkpoint_bytes(path: Path) -> int:

@@ -79,6 +79,12 @@ class Decoder:
         """The weight ``name`` kept packed, where a weight format holds its values exactly; else None."""
         return None
 
+    def held(self, name: str, parts: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        """The weight ``name`` on the meta device as loading holds it, packed or in ``dtype``, from its ``parts``
+        on the meta device (their shapes and dtypes: no values)."""
+        packed = self.packed(name, parts)
+        return packed if packed is not None else self.decode(name, parts).to(dtype)
+
 
 class Fp8(Decoder):
     name = "FP8"
@@ -106,10 +112,9 @@ class Fp8(Decoder):
             return None
         rows, cols = codes.shape
         runs = scales_of((rows, cols), scale, name, self.block).reshape(rows, cols // BLOCK, BLOCK)
-        first = runs[..., 0]
-        if not torch.equal(first, runs.amax(-1)) or not torch.equal(first, runs.amin(-1)):
+        if scale_columns(cols, scale, self.block) % BLOCK:
             return None  # blocks narrower than 128 columns: no one scale per packed block
-        return QuantizedTensor(pack(codes, first), FP8_FORMAT, (rows, cols))
+        return QuantizedTensor(pack(codes, runs[..., 0]), FP8_FORMAT, (rows, cols))
 
 
 class PackedIntegers(Decoder):
@@ -148,6 +153,11 @@ class PackedIntegers(Decoder):
             raise ValueError(f"{name}: {scale.shape[1]} groups of scales for {cols} columns")
         return (q.float() - zeros[:, group].float()) * scale[:, group]
 
+    def held(self, name: str, parts: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        """Decoded, at the shape its words hold (``weight_shape`` holds it as values, which are not read)."""
+        words = parts["weight_packed"]
+        return torch.empty(words.shape[0], words.shape[1] * 32 // self.bits, dtype=dtype, device="meta")
+
 
 def unpack_words(words: Tensor, bits: int) -> Tensor:
     """[R, W] int32 words of ``bits``-bit values, the low bits first, as [R, W * 32 / bits] values."""
@@ -184,8 +194,8 @@ class GroupedInt4(Decoder):
 
     name = "4-bit"
 
-    def __init__(self, method: str, group: int):
-        self.method, self.group = method, group
+    def __init__(self, method: str, group: int, act_order: bool = False):
+        self.method, self.group, self.act_order = method, group, act_order  # act_order: GPTQ's desc_act
         self.parts = ("qweight", "qzeros", "scales", "g_idx") if method == "gptq" else ("qweight", "qzeros", "scales")
 
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
@@ -193,8 +203,8 @@ class GroupedInt4(Decoder):
 
     def values(self, name: str, parts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """q [N, K], each column's group [K], the scales and zeros [groups, N]."""
+        self.shape(name, parts)
         scales = parts["scales"].float()
-        groups, rows = scales.shape
         if self.method == "gptq":
             q = unpack_words(parts["qweight"].T, 4)
             zeros = unpack_words((parts["qzeros"].long() + 0x11111111) & 0xFFFFFFFF, 4)
@@ -203,14 +213,31 @@ class GroupedInt4(Decoder):
             q = awq_order(unpack_words(parts["qweight"], 4)).T
             zeros = awq_order(unpack_words(parts["qzeros"], 4))
             group = torch.arange(q.shape[1]) // self.group
-        cols = q.shape[1]
-        if q.shape[0] != rows or group.shape != (cols,) or zeros.shape != scales.shape or int(group.max()) >= groups:
-            raise ValueError(
-                f"{name}: {self.method} tensors of shapes qweight {tuple(parts['qweight'].shape)}, qzeros "
-                f"{tuple(parts['qzeros'].shape)}, scales {tuple(scales.shape)} do not make one 4-bit weight "
-                f"in groups of {self.group}"
-            )
+        if int(group.max()) >= scales.shape[0]:  # (g_idx's values)
+            raise self.contradiction(name, parts)
         return q, group, scales, zeros
+
+    def shape(self, name: str, parts: Mapping[str, Tensor]) -> tuple[int, int]:
+        """The weight's rows and columns, from its tensors' shapes; shapes that do not make one weight are one
+        error."""
+        qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+        groups, rows = scales.shape
+        if self.method == "gptq":
+            q_rows, cols = qweight.shape[1], qweight.shape[0] * 8
+            indexed = tuple(parts["g_idx"].shape) == (cols,)
+        else:
+            q_rows, cols = qweight.shape[1] * 8, qweight.shape[0]
+            indexed = (cols - 1) // self.group < groups
+        if q_rows != rows or (qzeros.shape[0], qzeros.shape[1] * 8) != (groups, rows) or not indexed:
+            raise self.contradiction(name, parts)
+        return rows, cols
+
+    def contradiction(self, name: str, parts: Mapping[str, Tensor]) -> ValueError:
+        return ValueError(
+            f"{name}: {self.method} tensors of shapes qweight {tuple(parts['qweight'].shape)}, qzeros "
+            f"{tuple(parts['qzeros'].shape)}, scales {tuple(parts['scales'].shape)} do not make one 4-bit weight "
+            f"in groups of {self.group}"
+        )
 
     def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
         q, group, scales, zeros = self.values(name, parts)
@@ -228,6 +255,16 @@ class GroupedInt4(Decoder):
         qs = nib[:, :, 0] | (nib[:, :, 1] << 4)
         blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), qs], dim=-1)
         return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), get_weight_format("q4_1"), (rows, cols))
+
+    def held(self, name: str, parts: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        """Packed as Q4_1 where each block of 32 columns is in one group without activation order (with it,
+        the groups ``g_idx`` holds decide, counted decoded), else decoded."""
+        rows, cols = self.shape(name, parts)
+        if cols % 32 or self.group % 32 or self.act_order:
+            return torch.empty(rows, cols, dtype=dtype, device="meta")
+        q4_1 = get_weight_format("q4_1")
+        return QuantizedTensor(torch.empty(rows, q4_1.row_bytes(cols), dtype=torch.uint8, device="meta"), q4_1,
+                               (rows, cols))  # fmt: skip
 
 
 def awq_order(values: Tensor) -> Tensor:
@@ -382,7 +419,7 @@ def _grouped_int4(method: str, quantization: Mapping[str, Any]) -> GroupedInt4:
         unread = f"checkpoint_format {quantization['checkpoint_format']!r} (gptq is read)"
     if unread:
         raise ValueError(f"quantization_config quant_method {method!r} with {unread} is not read yet")
-    return GroupedInt4(method, group)
+    return GroupedInt4(method, group, method == "gptq" and bool(quantization.get("desc_act")))
 
 
 def _block(block: Any) -> tuple[int, int] | None:
@@ -406,6 +443,9 @@ def decoded(weights: Weights, decoder: Decoder, dtype: torch.dtype) -> Iterator[
         parts[part] = whole(tensor)  # quantized weights and their scales are read whole
         if decoder.complete(parts):
             del pending[weight]
+            if parts[part].is_meta:  # from the files' headers (xinfer.loading.loader.held_model)
+                yield weight, decoder.held(weight, parts, dtype)
+                continue
             packed = decoder.packed(weight, parts)
             if packed is not None:
                 kept, kept_format = kept + 1, packed.format
@@ -452,3 +492,11 @@ def scales_of(shape: Sequence[int], scale: Tensor, name: str, block: tuple[int, 
         raise ValueError(f"{name}: scales {tuple(scale.shape)} do not tile {(rows, cols)} values in blocks of {block}")
     expanded = scale.repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)
     return expanded[..., :rows, :cols]
+
+
+def scale_columns(cols: int, scale: Tensor, block: tuple[int, int] | None = None) -> int:
+    """How many consecutive values of a row of ``cols`` share a scale, for ``scale`` as :func:`scales_of` reads
+    it (one value, one a row, or one a block)."""
+    if scale.numel() == 1 or (block is None and (scale.dim() == 1 or scale.shape[-1] == 1)):
+        return cols
+    return block[1] if block is not None else cols // scale.shape[-1]

@@ -7,7 +7,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from xinfer.loading.errors import ModelFileError, first_line
@@ -60,3 +62,12 @@ def _opened(path: Path) -> safe_open:
         raise ModelFileError(
             f"{path}: not a readable safetensors file, truncated or corrupt ({first_line(error)})"
         ) from None
+
+
+def header_tensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's tensors on the meta device, from the files' headers: their shapes and dtypes, no data."""
+    for path in safetensors_files(folder):
+        handle = _opened(path)
+        for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
+            stored = StoredTensor(handle, name)
+            yield name, torch.empty(stored.shape, dtype=stored.dtype, device="meta")

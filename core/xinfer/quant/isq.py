@@ -12,6 +12,7 @@ layer's stacked experts.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -55,15 +56,6 @@ def quantizes(fmt: WeightFormat, module: nn.Module, name: str, param: object) ->
             and param.shape[-1] % fmt.block_values == 0)  # fmt: skip
 
 
-def quantized_bytes(model: nn.Module, fmt: WeightFormat) -> int:
-    """The bytes of ``model``'s parameters and buffers once ``fmt`` has packed what it packs (``model`` may be
-    built on the meta device: only shapes are read)."""
-    targets = {id(param) for module in model.modules() for name, param in module.named_parameters(recurse=False)
-               if quantizes(fmt, module, name, param)}  # fmt: skip
-    return sum(t.shape[:-1].numel() * fmt.row_bytes(t.shape[-1]) if id(t) in targets else t.numel() * t.element_size()
-               for t in [*model.parameters(), *model.buffers()])  # fmt: skip
-
-
 def packed(weight: Tensor, fmt: WeightFormat) -> QuantizedTensor:
     """``weight`` [..., N, K] quantized to ``fmt``."""
     rows = weight.data.flatten(0, -2).split(ROWS_AT_ONCE)
@@ -78,6 +70,8 @@ class LoadQuantizer:
         self.fmt, self.device = fmt, device
         # the weights it packed, with their float shape and dtype (held, so that their ids stay theirs)
         self._made: dict[int, tuple[Tensor, torch.Size, torch.dtype]] = {}
+        # the weights it allocated, until it packs them (not held: one the checkpoint fills packed goes)
+        self._filling: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
     def targets(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
         """The weights it packs in ``module`` and the modules under it, as (owner, name)."""
@@ -89,19 +83,23 @@ class LoadQuantizer:
         already (a weight the checkpoint holds twice, as a tied embedding and LM head: the last one wins,
         as without ``--isq``)."""
         param = getattr(module, name)
-        if param.is_meta:
-            shape, dtype = param.shape, param.dtype
-        elif id(param) in self._made:
+        if id(param) in self._filling:
+            return
+        if id(param) in self._made:
             _, shape, dtype = self._made.pop(id(param))
+        elif param.is_meta:
+            shape, dtype = param.shape, param.dtype
         else:
             return
-        replace_parameter(model, param, torch.empty(shape, dtype=dtype, device=self.device))
+        allocated = replace_parameter(model, param, torch.empty(shape, dtype=dtype, device=self.device))
+        self._filling[id(allocated)] = allocated
 
     def quantize(self, model: nn.Module, module: nn.Module, name: str) -> None:
         """``module.name`` packed, where ``fmt`` packs it and it has been allocated."""
         param = getattr(module, name)
-        if param.is_meta or not quantizes(self.fmt, module, name, param):
+        if id(param) not in self._filling or not quantizes(self.fmt, module, name, param):
             return
+        del self._filling[id(param)]
         packed_param = replace_parameter(model, param, packed(param, self.fmt))
         self._made[id(packed_param)] = packed_param, param.shape, param.dtype
 

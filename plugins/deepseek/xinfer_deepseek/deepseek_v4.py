@@ -114,7 +114,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     def _keeping_mtp(self, weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
         for name, tensor in weights:
             if name.startswith("mtp."):
-                self.mtp[name] = whole(tensor).to("cpu")  # (in host memory: nothing reads it on the device)
+                kept = whole(tensor)  # in host memory: nothing reads it on the device (the fit check's: on meta)
+                self.mtp[name] = kept if kept.is_meta else kept.to("cpu")
                 continue
             yield name, tensor
         if self.mtp:
