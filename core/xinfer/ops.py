@@ -200,16 +200,6 @@ class Ops(DeviceHooks, Protocol):
     def gelu_and_mul(self, x: Tensor) -> Tensor:
         """``gelu(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n], the exact (erf) gelu."""
 
-    def relu_and_mul(self, x: Tensor) -> Tensor:
-        """``relu(x[..., :n]) * x[..., n:]`` for ``x`` [T, 2n]."""
-
-    def gated_linear(self, gate_up: Tensor, activation: str, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """A gated activation and the linear it feeds as one op, ``linear(act(gate) * up, weight,
-        bias)`` for ``gate_up`` [T, 2n] (``gate || up``; ``act`` a key of :data:`GATED`, the product
-        in gate_up's dtype as the activation's op gives it), so that a backend may compute the
-        activation as the linear loads its input (decode steps of small batches: the
-        activation's own launch costs more than its bytes)."""
-
     def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
         """``sigmoid(gate) * y`` for ``y`` and ``gate`` [T, N] (an attention's output gate), computed
         in fp32 and rounded once to the dtype of ``y``."""
@@ -499,25 +489,6 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
 
 def gelu_and_mul(x: Tensor) -> Tensor:
     return current().gelu_and_mul(x)
-
-
-GATED = {
-    "silu": "silu_and_mul",
-    "gelu_pytorch_tanh": "gelu_tanh_and_mul",
-    "gelu": "gelu_and_mul",
-    "relu": "relu_and_mul",
-}
-"""The op of each gated activation ``act(gate) * up``, by the config's name of ``act``."""
-
-
-def act_and_mul(x: Tensor, activation: str) -> Tensor:
-    return getattr(current(), GATED[activation])(x)
-
-
-def gated_linear(gate_up: Tensor, activation: str, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    if isinstance(weight, QuantizedTensor):  # the activation, then the quantized weight's linear
-        return linear(act_and_mul(gate_up, activation), weight, bias)
-    return current().gated_linear(gate_up, activation, weight, bias)
 
 
 def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
-from xinfer.ops import GATED, AttentionMetadata, HeadNorms, KernelHelpers, Rotation
+from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation
 from xinfer.sampling import SamplingBatch
 
 if TYPE_CHECKING:
@@ -129,13 +129,6 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate) * up
 
-    def relu_and_mul(self, x: Tensor) -> Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.relu(gate) * up
-
-    def gated_linear(self, gate_up: Tensor, activation: str, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return self.linear(getattr(self, GATED[activation])(gate_up), weight, bias)
-
     def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
         return (torch.sigmoid(gate.float()) * y.float()).to(y.dtype)
 
@@ -153,7 +146,9 @@ class TorchOps:
         activation: str,
         limit: float | None = None,
     ) -> Tensor:
-        gated = getattr(self, GATED[activation])
+        gated = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul, "gelu": self.gelu_and_mul}[
+            activation
+        ]
 
         def act_and_mul(gate_up: Tensor) -> Tensor:
             return gated(gate_up if limit is None else clamp_gate_up(gate_up, limit))

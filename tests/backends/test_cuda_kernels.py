@@ -34,7 +34,7 @@ from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import GATED, PRIMITIVES, AttentionMetadata, HeadNorms, Rotation
+from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms, Rotation
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, norm_linear, rotary
 from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
@@ -170,80 +170,6 @@ def test_small_batch_linear_skips_tiles_the_gpu_lacks_resources_for():
     assert list(linear.choice.values()) == [DOT_TILES[-1]]
 
 
-def timed_as(baseline: float, each_tile: float, tiles: int):
-    """A timer of :class:`SmallBatchLinear` that runs each call once and says it took ``baseline``, then
-    ``each_tile`` for each of ``tiles`` tiles."""
-    times = iter([baseline] + [each_tile] * tiles)
-
-    def timer(call, weights):
-        call(weights[0])
-        return next(times)
-
-    return timer
-
-
-# --- A gated activation fused into the linear after it ------------------------------
-
-GATED_LINEAR_SHAPES = matrix(
-    [(1, 37, 100), (1, 24, 256), (3, 40, 96), (16, 24, 130)],
-    [(1, 4096, 14336), (1, 1024, 3072), (4, 4096, 14336)],
-    large_dtypes=[torch.bfloat16],
-)
-
-
-def gated_linear_reference(gate_up, activation, weight, bias, dtype):
-    """The activation's product rounded to ``dtype`` (as its own op gives it), then the linear in fp32."""
-    x = getattr(CPU, GATED[activation])(ref32(gate_up)).to(dtype)
-    return CPU.linear(ref32(x), ref32(weight), None if bias is None else ref32(bias))
-
-
-@pytest.mark.parametrize("activation", list(GATED))
-@pytest.mark.parametrize("shape, dtype", GATED_LINEAR_SHAPES)
-def test_gated_linear(shape, dtype, activation):
-    """Every tile the measurement may pick, with and without a bias: ``gate || up`` in, the
-    activation computed as the linear loads it."""
-    m, n, k = shape
-    gate_up = rand(m, 2 * k, dtype=dtype, scale=2.0)
-    weight, bias = rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
-    for i, (tile, b) in enumerate(itertools.product(candidates(m), (None, bias))):
-        if ON_GPU or i % 3 == 0 or tile == candidates(m)[-1]:  # (the interpreter: a third of the cases)
-            y = gemv.gemv(gate_up, weight, b, tile, out=rand(m, n, dtype=dtype) * math.nan, activation=activation)
-            check(y, gated_linear_reference(gate_up, activation, weight, b, dtype), dtype)
-
-
-def test_small_batch_gated_linear_fuses_only_where_measured_faster():
-    """The fused kernel replaces the activation-then-linear baseline only when clearly faster,
-    measured once per (rows, weight shape, activation) and reported apart from the linears."""
-    gate_up, weight, bias = rand(1, 128), rand(40, 64), rand(40)
-    unfused_calls = []
-
-    def unfused(w):
-        unfused_calls.append(w)
-        return CPU.gated_linear(gate_up, "silu", w, bias)
-
-    for fused_time, expect_fused in ((9.9, False), (8.0, True)):
-        linear = SmallBatchLinear(timed_as(10.0, fused_time, len(candidates(1))), copies=lambda w: [w])
-        for measuring in (True, False):
-            unfused_calls.clear()
-            y = linear.gated_linear(gate_up, "silu", weight, bias, unfused)
-            check(y, CPU.gated_linear(ref32(gate_up), "silu", ref32(weight), ref32(bias)), torch.float32)
-            if not measuring:  # (the measurement times the baseline)
-                assert (unfused_calls == []) == expect_fused
-        assert len(linear.choice) == 1
-        assert f"the activation fused into the linear for {int(expect_fused)} of 1" in linear.report()
-
-
-@pytest.mark.parametrize("activation", list(GATED))
-def test_gated_linear_op_matches_its_parts(activation):
-    """The op, on the backend and the reference, is the activation and then the linear: on
-    small batches the fused kernel (on a GPU), past them the two kernels."""
-    for rows in (1, 40):
-        gate_up, weight, bias = rand(rows, 96, scale=2.0), rand(20, 48), rand(20)
-        x = getattr(CPU, GATED[activation])(ref32(gate_up))
-        check(CUDA.gated_linear(gate_up, activation, weight, bias), CPU.linear(x, ref32(weight), ref32(bias)),
-              torch.float32)  # fmt: skip
-
-
 # --- RMSNorm fused into the linear after it -----------------------------------------
 
 NORM_LINEAR_SHAPES = matrix(
@@ -303,8 +229,13 @@ def test_small_batch_norm_linear_fuses_only_where_measured_faster():
         return CPU.norm_linear(x, residual, norm_weight, 1e-6, w)
 
     for fused_time, expect_fused in ((9.9, False), (8.0, True)):
-        tiles = len(candidates(1) + ONE_PASS_TILES)
-        linear = SmallBatchLinear(timed_as(10.0, fused_time, tiles), copies=lambda w: [w])
+        times = iter([10.0] + [fused_time] * len(candidates(1) + ONE_PASS_TILES))
+
+        def timer(call, weights, times=times):
+            call(weights[0])
+            return next(times)
+
+        linear = SmallBatchLinear(timer, copies=lambda w: [w])
         for measuring in (True, False):
             unfused_calls.clear()
             y, normed, h = linear.norm_linear(x, residual, norm_weight, 1e-6, weight, None, unfused)
@@ -526,7 +457,7 @@ ACT_SHAPES = matrix([(1, 7), (5, 64), (3, 1000), (2, 3, 96)], [(1, 14336), (2048
 
 
 @pytest.mark.parametrize("shape, dtype", ACT_SHAPES)
-@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_tanh_and_mul", "gelu_and_mul", "relu_and_mul"])
+@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_tanh_and_mul", "gelu_and_mul"])
 def test_act_and_mul(name, shape, dtype):
     x = rand(*shape[:-1], 2 * shape[-1], dtype=dtype, scale=3.0)
     out = getattr(activation, name)(x, out=nan_like(x[..., : shape[-1]].contiguous()))

@@ -218,7 +218,7 @@ class OurKernels(SmallBatchLinear):
     tile for more."""
 
     def fastest(self, key, weight, baseline, tile_call, tiles):
-        rows = {"route": 1, "norm": key[1], "gated": key[1]}.get(key[0], key[0])  # (keys of the fused linears)
+        rows = {"route": 1, "norm": key[1]}.get(key[0], key[0])  # (keys of the routed and norm-fused linears)
         return ONE_ROW_TILES[7] if rows == 1 else DOT_TILES[2]
 
 

@@ -33,7 +33,7 @@ class NoRotaryOps:
     linear = rms_norm = silu_and_mul = gelu_tanh_and_mul = gelu_and_mul = fused_moe = moe_route = sample = attention = (
         TorchOps.linear
     )
-    apply_token_bitmask = norm_linear = norm_route = relu_and_mul = gated_linear = TorchOps.linear
+    apply_token_bitmask = norm_linear = norm_route = TorchOps.linear
     encoder_attention = layer_norm = rotary_attention = sigmoid_gate = add_gated = TorchOps.linear
 
 

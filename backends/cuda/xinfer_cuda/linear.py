@@ -115,9 +115,8 @@ def candidates(rows: int, tensor_cores: bool = True) -> tuple[Tile, ...]:
 class SmallBatchLinear:
     """``x @ weight.T + bias`` for up to :data:`MAX_ROWS` rows of ``x`` by the kernel
     measured fastest for the weight's shape and the row count (``choice``: None for
-    cuBLAS); and a norm (:meth:`norm_linear`) or a gated activation (:meth:`gated_linear`) fused
-    into that linear, measured against its own kernel followed by the linear (``choice``: None
-    for those two)."""
+    cuBLAS); and a norm fused into that linear (:meth:`norm_linear`), measured against
+    the norm's kernel followed by the linear (``choice``: None for those two)."""
 
     def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
         self.timer = timer
@@ -153,26 +152,6 @@ class SmallBatchLinear:
         one_pass = ONE_PASS_TILES if x.shape[0] == 1 and weight.dtype == x.dtype else ()
         tile = self._tile(key, x, weight, unfused, fused, more=one_pass)
         return unfused(weight) if tile is None else norm_linear(x, residual, norm_weight, eps, weight, bias, tile)
-
-    def gated_linear(
-        self,
-        gate_up: Tensor,
-        activation: str,
-        weight: Tensor,
-        bias: Tensor | None,
-        unfused: Callable[[Tensor], Tensor],
-    ) -> Tensor:
-        """:meth:`xinfer.ops.Ops.gated_linear` by the linear's kernel computing the activation
-        as it loads its input, in the tile measured fastest, or by ``unfused(weight)`` (the
-        activation's kernel, then this linear) where that was faster."""
-        key = ("gated", _pow2(gate_up.shape[0]), tuple(weight.shape), weight.stride(), weight.dtype, bias is not None,
-               activation, gate_up.device)  # fmt: skip
-
-        def fused(tile: Tile) -> Call:
-            return lambda w: gemv(gate_up, w, bias, tile, activation=activation)
-
-        tile = self._tile(key, gate_up, weight, unfused, fused)
-        return unfused(weight) if tile is None else gemv(gate_up, weight, bias, tile, activation=activation)
 
     def norm_route(
         self,
@@ -254,16 +233,12 @@ class SmallBatchLinear:
         new = [tile for key, tile in items if not isinstance(key[0], str)]
         norms = [tile for key, tile in items if key[0] == "norm"]
         routes = [tile for key, tile in items if key[0] == "route"]
-        gated = [tile for key, tile in items if key[0] == "gated"]
         own = sum(tile is not None for tile in new)
         line = (f"linears of up to {MAX_ROWS} rows: measured {len(new)} (row count, weight shape) pairs in "
                 f"{self.measuring_s:.1f} s; own kernels for {own}, cuBLAS for {len(new) - own}")  # fmt: skip
         if norms:
             fused = sum(tile is not None for tile in norms)
             line += f"; the norm fused into the linear for {fused} of {len(norms)} (norm, linear) pairs"
-        if gated:
-            fused = sum(tile is not None for tile in gated)
-            line += f"; the activation fused into the linear for {fused} of {len(gated)} (activation, linear) pairs"
         if routes:
             fused = sum(tile is not None for tile in routes)
             line += f"; norm, router and routing in one launch for {fused} of {len(routes)} routers"

@@ -89,14 +89,6 @@ class CudaOps(TorchOps):
             return self.small_batch_linear.norm_linear(x, residual, norm_weight, eps, weight, bias, unfused)
         return unfused(weight)
 
-    def gated_linear(self, gate_up: Tensor, activation: str, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        def unfused(w: Tensor) -> Tensor:
-            return super(CudaOps, self).gated_linear(gate_up, activation, w, bias)
-
-        if gate_up.is_cuda and gate_up.dim() == 2 and 0 < gate_up.shape[0] <= MAX_ROWS:  # small decode batches
-            return self.small_batch_linear.gated_linear(gate_up, activation, weight, bias, unfused)
-        return unfused(weight)
-
     def norm_route(
         self,
         x: Tensor,
@@ -133,9 +125,6 @@ class CudaOps(TorchOps):
 
     def gelu_and_mul(self, x: Tensor) -> Tensor:
         return activation.gelu_and_mul(x)
-
-    def relu_and_mul(self, x: Tensor) -> Tensor:
-        return activation.relu_and_mul(x)
 
     def sigmoid_gate(self, y: Tensor, gate: Tensor) -> Tensor:
         return activation.sigmoid_gate(y, gate)

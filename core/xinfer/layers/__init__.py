@@ -3,7 +3,7 @@
 An architecture composes them: most are a :class:`DecoderForCausalLM` with a :class:`DecoderSpec`.
 """
 
-from xinfer.layers.activation import activation, gated_activation
+from xinfer.layers.activation import GeluAndMul, GeluTanhAndMul, SiluAndMul, activation, gated_activation
 from xinfer.layers.attention import Attention
 from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec
 from xinfer.layers.decoder import DecoderModel
@@ -24,6 +24,8 @@ __all__ = [
     "DecoderModel",
     "DecoderSpec",
     "GatedMLP",
+    "GeluAndMul",
+    "GeluTanhAndMul",
     "LMHead",
     "LayerNorm",
     "Linear",
@@ -37,6 +39,7 @@ __all__ = [
     "Routing",
     "SandwichDecoderLayer",
     "SelfAttention",
+    "SiluAndMul",
     "SplitRMSNorm",
     "VocabEmbedding",
     "activation",

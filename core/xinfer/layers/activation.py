@@ -3,9 +3,36 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from xinfer import ops
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.gelu_tanh_and_mul(x)
+
+
+class GeluAndMul(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.gelu_and_mul(x)
+
+
+class ReluAndMul(nn.Module):
+    """In torch on every backend: no model in wide use has it, so no backend fuses it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.relu(gate) * up
+
+
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu": GeluAndMul, "relu": ReluAndMul}
+"""``act(gate) * up`` by the HF config's name of ``act``."""
 
 EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 """The ``act`` of ``act(gate) * up`` that :meth:`xinfer.ops.Ops.fused_moe` takes."""
@@ -27,10 +54,8 @@ def activation_name(name: str, field: str = "hidden_act") -> str:
     return _known(name, EXPERT_ACTIVATIONS, field)
 
 
-def gated_activation(name: str, field: str = "hidden_act") -> str:
-    """The name ``act`` of ``act(gate) * up`` goes by in :data:`xinfer.ops.GATED` (``name`` is the
-    config's ``field``); one error naming both where xinfer has no such gated activation."""
-    return _known(name, ops.GATED, field)
+def gated_activation(name: str, field: str = "hidden_act") -> nn.Module:
+    return GATED_ACTIVATIONS[_known(name, GATED_ACTIVATIONS, field)]()
 
 
 def quick_gelu(x: Tensor) -> Tensor:

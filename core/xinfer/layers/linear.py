@@ -32,10 +32,6 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return ops.linear(x, self.weight, self.bias)
 
-    def gated(self, gate_up: Tensor, activation: str) -> Tensor:
-        """``self(act(gate) * up)`` for ``gate_up`` [T, 2K] (:func:`xinfer.ops.gated_linear`)."""
-        return ops.gated_linear(gate_up, activation, self.weight, self.bias)
-
 
 class ColumnLinear(Linear):
     """This rank's ``part`` of the output rows (by default an even split over the ranks)."""
@@ -60,12 +56,6 @@ class RowLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         y = self.tp.all_reduce(ops.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-    def gated(self, gate_up: Tensor, activation: str) -> Tensor:
-        if self.tp.size == 1:
-            return super().gated(gate_up, activation)
-        y = self.tp.all_reduce(ops.gated_linear(gate_up, activation, self.weight))
         return y if self.bias is None else y + self.bias
 
     def rank_slice(self, name: str, shard: str | None, shape: torch.Size) -> Slice:

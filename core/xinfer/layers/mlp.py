@@ -20,7 +20,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias,
                                          parts={"gate": part, "up": part})  # fmt: skip
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias, part)
-        self.activation = gated_activation(activation)
+        self.act_fn = gated_activation(activation)
         self.limit = limit
 
     def forward(self, x: Tensor) -> Tensor:
@@ -35,4 +35,4 @@ class GatedMLP(nn.Module):
         """The output from gate/up's [T, 2I]."""
         if self.limit is not None:
             gate_up = clamp_gate_up(gate_up, self.limit)
-        return self.down_proj.gated(gate_up, self.activation)
+        return self.down_proj(self.act_fn(gate_up))

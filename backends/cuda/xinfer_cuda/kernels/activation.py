@@ -14,8 +14,8 @@ from xinfer_cuda.kernels.launch import pdl_entry
 
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 SQRT_HALF: tl.constexpr = tl.constexpr(0.7071067811865476)
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-"""The kernels' name of each gated activation, by the config's (:data:`xinfer.ops.GATED`)."""
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+"""The kernels' name of each gated activation, by the config's."""
 
 
 @triton.jit
@@ -25,8 +25,6 @@ def act(gate, ACTIVATION: tl.constexpr):
         return gate * tl.sigmoid(gate)
     if ACTIVATION == "gelu":
         return 0.5 * gate * (1.0 + tl.erf(gate * SQRT_HALF))
-    if ACTIVATION == "relu":
-        return tl.maximum(gate, 0.0)
     # gelu_tanh: 0.5 * x * (1 + tanh(y)) == x * sigmoid(2 * y), without a tanh
     y = SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
     return gate * tl.sigmoid(2.0 * y)
@@ -84,11 +82,6 @@ def gelu_tanh_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
 def gelu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``gelu(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n], the exact (erf) gelu."""
     return _act_and_mul(x, "gelu", out)
-
-
-def relu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """``relu(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
-    return _act_and_mul(x, "relu", out)
 
 
 @triton.jit

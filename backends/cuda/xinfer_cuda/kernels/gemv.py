@@ -25,7 +25,6 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.activation import ACTIVATIONS, act
 from xinfer_cuda.kernels.launch import pdl_entry
 
 MAX_ROWS = 16  # the dot's smallest M
@@ -60,21 +59,12 @@ def _weight_tile(w_rows, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _x_tile(x_ptr, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr, ACTIVATION: tl.constexpr):
-    """The K tile at ``k`` of the row ``x``: [BLOCK_K]; with an ``ACTIVATION``, of
-    ``act(gate) * up`` for the row ``gate || up`` [2K] at ``x_ptr``, rounded to its dtype."""
+def _x_tile(x_ptr, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at ``k`` of the row ``x``: [BLOCK_K]."""
     cols = k + tl.arange(0, BLOCK_K)
     if EVEN:
-        x = tl.load(x_ptr + cols)
-    else:
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    if ACTIVATION != "":
-        if EVEN:
-            up = tl.load(x_ptr + K + cols)
-        else:
-            up = tl.load(x_ptr + K + cols, mask=cols < K, other=0.0)
-        x = (act(x.to(tl.float32), ACTIVATION) * up.to(tl.float32)).to(up.dtype)
-    return x
+        return tl.load(x_ptr + cols)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0)
 
 
 @triton.jit
@@ -92,7 +82,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
-    ACTIVATION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,11 +90,11 @@ def _gemv_kernel(
     # the kernel that writes x (pdl_entry), the others after it.
     w = _weight_tile(w_rows, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
-    x = _x_tile(x_ptr, 0, K, EVEN_K, BLOCK_K, ACTIVATION)
+    x = _x_tile(x_ptr, 0, K, EVEN_K, BLOCK_K)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K, loop_unroll_factor=UNROLL):
         w = _weight_tile(w_rows, rows, k, N, K, EVEN_N and EVEN_K, BLOCK_K)
-        x = _x_tile(x_ptr, k, K, EVEN_K, BLOCK_K, ACTIVATION)
+        x = _x_tile(x_ptr, k, K, EVEN_K, BLOCK_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -131,7 +120,6 @@ def _dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    ACTIVATION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_entry(PDL)
@@ -141,11 +129,8 @@ def _dot_kernel(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
-        x_mask = (rows[:, None] < M) & (ks[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=x_mask, other=0.0)
-        if ACTIVATION != "":  # x is gate || up [M, 2K]
-            up = tl.load(x_ptr + rows[:, None] * stride_x + K + ks[None, :], mask=x_mask, other=0.0)
-            x = (act(x.to(tl.float32), ACTIVATION) * up.to(tl.float32)).to(up.dtype)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)  # fmt: skip
         if EVEN_N and EVEN_K:
             w = tl.load(w_cols + ks[:, None], eviction_policy="evict_first")
         else:
@@ -159,26 +144,18 @@ def _dot_kernel(
 
 
 def gemv(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    config: GemvConfig | DotConfig,
-    out: Tensor | None = None,
-    activation: str | None = None,
+    x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig | DotConfig, out: Tensor | None = None
 ) -> Tensor:
     """``x @ weight.T + bias`` for ``x`` [M, K] (M = 1 for a :class:`GemvConfig`, at
-    most :data:`MAX_ROWS` for a :class:`DotConfig`) and ``weight`` [N, K], as [M, N]. With
-    an ``activation`` (a key of :data:`ACTIVATIONS`), ``x`` is ``gate || up`` [M, 2K] and the
-    product is of ``act(gate) * up``, rounded to x's dtype as the activation's kernel does."""
+    most :data:`MAX_ROWS` for a :class:`DotConfig`) and ``weight`` [N, K], as [M, N]."""
     (m, k), (n, _) = x.shape, weight.shape
-    k = k // 2 if activation else k
     assert weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape, weight.stride())
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(n, config.block_n),)
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
                   BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                  ACTIVATION=ACTIVATIONS[activation] if activation else "", **launch.pdl(x.device))  # fmt: skip
+                  **launch.pdl(x.device))  # fmt: skip
     bias_arg = bias if bias is not None else weight
     if isinstance(config, GemvConfig):
         assert m == 1, m
