@@ -345,6 +345,7 @@ def test_a_gguf_file_fits_as_the_backend_holds_its_weights_and_holds_what_was_co
         LLM(model=str(path), dtype="float32", num_blocks=64)
     assert str(error.value).startswith(f"the model does not fit in cpu's memory: its weights take {mib(cpu_bytes)} "
                                        f"packed ({mib(float_bytes)} in float32)")  # fmt: skip
+    assert "a smaller quantization of it" in str(error.value) and "--isq" not in str(error.value)  # packed already
     monkeypatch.setattr(memory_plan, "available_host_memory", lambda: cpu_bytes + kv)
     llm = LLM(model=str(path), dtype="float32", num_blocks=64)
     assert weight_bytes(llm.engine) == cpu_bytes

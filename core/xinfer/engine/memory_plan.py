@@ -341,10 +341,10 @@ def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int,
     if weights + kv <= available:
         return
     size = readable(weights)
-    if (unpacked := float_bytes(model, dtype)) != weights:
+    if packed := (unpacked := float_bytes(model, dtype)) != weights:
         how = f"quantized to {config.model.isq}" if config.model.isq else "packed"
         size += f" {how} ({readable(unpacked)} in {str(dtype).removeprefix('torch.')})"
-    remedies = [*weight_remedies(config, splits), "use a shorter context (--max-model-len)", "free memory"]
+    remedies = [*weight_remedies(config, splits, packed), "use a shorter context (--max-model-len)", "free memory"]
     raise ValueError(
         f"the model does not fit in {where}: its weights take {size} and the KV cache of one {max_model_len}-token "
         f"sequence {readable(kv)}, {readable(weights + kv)} in all, and {readable(available)} are available: "
@@ -352,12 +352,16 @@ def check_fits(model: torch.nn.Module, config: EngineConfig, max_model_len: int,
     )
 
 
-def weight_remedies(config: EngineConfig, splits: bool) -> list[str]:
-    """What makes a model's weights take less of each device, of what applies: ``--isq`` where not given,
-    ``--d`` where ``splits`` (devices of their own memory: the CPU's ranks would share the host's)."""
-    remedies = [
-        "use a smaller model" if config.model.isq else "use a smaller model or quantize it at load (--isq q4_k)"
-    ]
+def weight_remedies(config: EngineConfig, splits: bool, packed: bool = False) -> list[str]:
+    """What makes a model's weights take less of each device, of what applies: ``--isq`` where not given and
+    the checkpoint is not ``packed`` already (a GGUF file, a quantized checkpoint), ``--d`` where ``splits``
+    (devices of their own memory: the CPU's ranks would share the host's)."""
+    if config.model.isq:
+        remedies = ["use a smaller model"]
+    elif packed:
+        remedies = ["use a smaller model or a smaller quantization of it"]
+    else:
+        remedies = ["use a smaller model or quantize it at load (--isq q4_k)"]
     if splits:
         split = config.parallel.tensor_parallel_size > 1
         remedies.append("split it over more devices (--d)" if split else "split it over devices (--d 0,1)")
