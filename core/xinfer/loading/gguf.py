@@ -271,7 +271,7 @@ def iter_gguf_weights(
     names = gguf_to_hf_names(file.architecture, config, hf_names, adapter)
     formats = weight_formats()
     if not read:
-        for name in (name for name in file.tensors if name in names):
+        for name in [name for name in file.tensors if name in names]:
             conversion = functools.partial(adapter.undo_conversion, names[name], config=config)
             yield names[name], convert(header_tensor(file, name, formats), conversion)
         return
