@@ -111,6 +111,7 @@ ROWS = [
         "retrieval",
     ),
     ("tool call without an id", CHAT, called(drop="id"), {}, 400, "messages.1.tool_calls.0.id", "required"),
+    ("tool call without a type", CHAT, called(drop="type"), {}, 400, "messages.1.tool_calls.0.type", "required"),
     (
         "tool call not an object",
         CHAT,

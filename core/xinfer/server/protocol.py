@@ -64,10 +64,11 @@ class CalledFunction(RequestBody):
 
 
 class AssistantToolCall(RequestBody):
-    """A call in an assistant turn given back: OpenAI's function call (this server runs no custom tools)."""
+    """A call in an assistant turn given back: OpenAI's function call (this server runs no custom tools), whose
+    ``type`` OpenAI requires."""
 
     id: str
-    type: Literal["function"] = "function"
+    type: Literal["function"]
     function: CalledFunction
 
 
