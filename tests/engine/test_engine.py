@@ -1,5 +1,6 @@
 """Continuous batching, preemption, prefix caching and bad input on a tiny Llama."""
 
+import asyncio
 import itertools
 from dataclasses import replace
 
@@ -9,6 +10,8 @@ from transformers import LlamaConfig
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.engine import sampler
+from xinfer.engine.async_engine import AsyncEngine
+from xinfer.engine.failures import RequestError
 from xinfer.engine.output import OutputProcessor
 from xinfer.engine.sampler import SampledTokens
 
@@ -272,8 +275,57 @@ def test_a_request_whose_work_fails_ends_alone_and_the_others_get_their_tokens(l
     assert_all_blocks_free(llm)
 
 
+def failing_where_biased(monkeypatch) -> None:
+    """Makes the draw of every row whose request has a ``logit_bias`` raise, as a request's own parameters may."""
+    bias = sampler.apply_logit_bias
+
+    def biasing(logits, seqs):
+        if any(seq.params.logit_bias for seq in seqs):
+            raise InjectedFault("sampling")
+        return bias(logits, seqs)
+
+    monkeypatch.setattr(sampler, "apply_logit_bias", biasing)
+
+
+def test_a_step_whose_every_draw_fails_ends_those_requests_alone_and_the_engine_serves_on(llm, monkeypatch):
+    """Every row of a step failing, each alone, is not the batch's failure where the sample op draws from the same
+    logits (it stopped the engine): each request ends with its own error, and the next request gets its tokens."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+    failing_where_biased(monkeypatch)
+    failed = [o.outputs[0] for o in llm.generate(PROMPTS[:4], replace(greedy, logit_bias={0: 0.0}))]
+    assert [(o.finish_reason, o.error, o.token_ids) for o in failed] == [("error", "InjectedFault: sampling", [])] * 4
+    assert_all_blocks_free(llm)
+    assert llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == expected
+
+
+def test_the_async_engine_serves_on_after_a_step_whose_every_draw_failed(llm, monkeypatch):
+    """The server's engine loop: a request whose every choice's draw fails raises RequestError on its stream, and
+    the loop goes on to answer the next request (it died, and every later request got EngineUnavailable)."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+    failing_where_biased(monkeypatch)
+
+    async def serve():
+        engine = AsyncEngine(lambda: llm.engine)
+        engine.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+            failing = await engine.submit([(p, replace(greedy, logit_bias={0: 0.0}, n=2)) for p in PROMPTS[:3]])
+            with pytest.raises(RequestError, match="InjectedFault: sampling"):
+                await engine.collect(failing)
+            later = await engine.collect(await engine.submit([(PROMPTS[0], greedy)]))
+            return later[0].token_ids, engine.health()
+        finally:
+            engine.stop(timeout=5)
+
+    assert asyncio.run(asyncio.wait_for(serve(), 60)) == (expected, (True, "ready"))
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("num_prompts", [1, 4])
 @pytest.mark.parametrize("where", ["forward", "sampling"])
-def test_a_failure_of_the_whole_step_raises_and_frees_every_request(llm, monkeypatch, where):
+def test_a_failure_of_the_whole_step_raises_and_frees_every_request(llm, monkeypatch, where, num_prompts):
     """Not a request's own failure (the forward of the batch, a draw that fails for every row): ``generate``
     raises it, no hang."""
 
@@ -285,7 +337,7 @@ def test_a_failure_of_the_whole_step_raises_and_frees_every_request(llm, monkeyp
     else:
         monkeypatch.setattr(sampler.ops, "sample", failing)
     with pytest.raises(RuntimeError, match="the device is lost"):
-        llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=4))
+        llm.generate(PROMPTS[:num_prompts], SamplingParams(temperature=0, max_tokens=4))
     assert_all_blocks_free(llm)
 
 

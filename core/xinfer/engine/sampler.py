@@ -127,14 +127,15 @@ class Sampler:
         """After a draw failed: each row drawn alone (from a copy: grammar masks are applied in place) finds
         the sequences whose own draw fails; the others are drawn again together. A draw depends only on its
         row's logits, seed and position, so they get the tokens they would have had. Where no row fails
-        alone, or every row of several does (a device error, say), the batch failed: ``error`` is raised."""
+        alone, or every row does and so does a plain greedy draw of the same logits (the op itself, a device
+        error), the batch failed: ``error`` is raised."""
         failures: list[tuple[Sequence, Exception]] = []
         for row, seq in enumerate(seqs):
             try:
                 self._draw(logits[row : row + 1].clone(), [seq], None if tokens is None else tokens[row : row + 1])
             except Exception as failure:  # noqa: BLE001 - that sequence's own
                 failures.append((seq, failure))
-        if not failures or len(failures) == len(seqs) > 1:
+        if not failures or (len(failures) == len(seqs) and not draws_plainly(logits)):
             raise error
         failed = {id(seq) for seq, _ in failures}
         kept = [row for row, seq in enumerate(seqs) if id(seq) not in failed]
@@ -146,6 +147,16 @@ class Sampler:
             sampled = SampledTokens([], index, None)
         sampled.failures = failures
         return sampled
+
+
+def draws_plainly(logits: Tensor) -> bool:
+    """Whether the sample op draws a token from ``logits``' first row with no parameter of any request (greedy,
+    no grammar, penalty or bias): where it does, rows that each failed alone failed by their own."""
+    try:
+        ops.sample(logits[:1].clone(), SamplingBatch.of([], num_rows=1).to(logits.device))
+    except Exception:  # noqa: BLE001 - the op or the device, whatever it raised
+        return False
+    return True
 
 
 def wants_mask(seq: Sequence) -> bool:
