@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from xinfer.engine.async_engine import AsyncEngine
+from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable
 from xinfer.engine.engine import EngineStats, StepOutput
 from xinfer.sampling import SamplingParams
 from xinfer.server.app import build_app
@@ -189,19 +189,51 @@ def test_abort_all_ends_streams_while_a_step_runs():
             stream = engine.stream(handle)
             first = await anext(stream)
             engine.abort_all()  # the engine thread is inside its second step now
-            rest = await asyncio.wait_for(collect(stream), 5)
-            return first, rest, engine.num_in_flight
+            with pytest.raises(EngineUnavailable, match="shutting down"):
+                await asyncio.wait_for(anext(stream), 5)
+            return first, engine.num_in_flight
         finally:
             release.set()
             engine.stop(timeout=5)
 
-    async def collect(stream):
-        return [item async for item in stream]
-
-    (_, first), rest, in_flight = asyncio.run(body())
+    (_, first), in_flight = asyncio.run(body())
     assert not first.finished
-    assert [(o.finished, o.finish_reason) for _, o in rest] == [(True, "abort")]
     assert in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_answer_cut_off_at_shutdown_is_an_error_the_official_client_reads(stream):
+    """What ``abort_all`` (a shutdown past its timeout) cut off: a whole answer is a 503, a stream ends with OpenAI's
+    error event after its chunks. Their finish reason was ``abort``, which no OpenAI SDK type allows (vLLM sends it
+    too, an open bug there; SGLang answers an error)."""
+    engines: list[AsyncEngine] = []
+    steps = 0
+
+    def shutdown_at_the_second_step():
+        nonlocal steps
+        steps += 1
+        if steps == 2:  # after a first token: what a stream has sent stays valid
+            aborted = threading.Event()
+            engines[0].loop.call_soon_threadsafe(lambda: (engines[0].abort_all(), aborted.set()))
+            aborted.wait(5)
+
+    async def body(http, engine):
+        engines.append(engine)
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+        chunks = []
+        with pytest.raises(openai.APIError) as raised:
+            answer = await client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=50, stream=stream)
+            if stream:
+                async for chunk in answer:
+                    chunks.append(chunk)
+        return chunks, raised.value
+
+    chunks, error = asyncio.run(with_app(lambda: ScriptedEngine(shutdown_at_the_second_step), body))
+    assert all(choice.finish_reason is None for chunk in chunks for choice in chunk.choices)
+    assert len(chunks) == stream  # the first token's
+    assert error.body["type"] == "service_unavailable_error" and "shutting down" in error.message
+    assert isinstance(error, openai.APIStatusError) != stream and getattr(error, "status_code", 503) == 503
 
 
 def stream_through_openai(factory, **fields):

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -141,15 +141,14 @@ class AsyncEngine:
         return not self._handles
 
     def abort_all(self) -> None:
-        """Ends every request now: each stream gets its ``abort`` at once, and the engine
-        thread frees the sequences after its current step (which may take long)."""
+        """Ends every request now (the server shuts down): each stream raises :class:`EngineUnavailable` after
+        what it was given so far, at once, and the engine thread frees the sequences after its current step
+        (which may take long). An unfinished answer is an error, not a finish reason: OpenAI's and Anthropic's
+        have none for it."""
+        cut_off = EngineUnavailable("the server is shutting down: the answer was cut off before it ended")
         for handle in {id(h): h for h, _ in self._handles.values()}.values():
             self.abort(handle)
-            for position, output in enumerate(handle.outputs):
-                for choice in output.outputs:
-                    if not choice.finished:
-                        aborted = CompletionOutput(choice.index, finish_reason="abort")
-                        handle.queue.put_nowait((position, replace(output, outputs=[aborted])))
+            handle.queue.put_nowait(cut_off)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.state is not EngineState.DEAD:
@@ -207,8 +206,6 @@ class AsyncEngine:
                     raise item
                 position, delta = item
                 output, choice = handle.outputs[position], delta.outputs[0]
-                if output.outputs[choice.index].finished:  # an abort that crossed the choice's last output
-                    continue
                 output.add(delta)
                 if choice.error is not None:
                     raise RequestError(f"the request failed: {choice.error}")

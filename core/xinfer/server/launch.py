@@ -3,8 +3,8 @@ run the API (and the UI) under uvicorn, and shut down gracefully on SIGTERM.
 
 SIGTERM (or Ctrl+C) stops accepting connections, answers new requests on open
 connections with 503, lets in-flight requests finish for up to
-``--shutdown-timeout`` seconds, then aborts the rest (their streams end with
-``finish_reason: "abort"``) and exits 0. A second Ctrl+C exits at once.
+``--shutdown-timeout`` seconds, then aborts the rest (each gets a 503, or its stream an
+error event, after what it was sent) and exits 0. A second Ctrl+C exits at once.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def stop_reason(output: CompletionOutput, stop_sequences: list[str]) -> tuple[st
         if isinstance(output.stop_reason, str) and output.stop_reason in stop_sequences:
             return "stop_sequence", output.stop_reason
         return "end_turn", None
-    return output.finish_reason, None  # "abort": the server shut down before the answer ended
+    return output.finish_reason, None  # a request failed or cut off at shutdown raises instead
 
 
 class MessageAnswer:

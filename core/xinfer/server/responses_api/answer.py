@@ -42,7 +42,7 @@ from xinfer.server.responses_api.protocol import ResponsesRequest
 from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
 
 Kind = Literal["reasoning", "message", "function_call"]
-# else failed ("abort": shut down)
+# else failed (a request failed or cut off at shutdown raises instead)
 STATUS: dict[str | None, Status] = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
 TEXT_EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text",
                "function_call": "response.function_call_arguments"}  # fmt: skip
