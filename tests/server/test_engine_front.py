@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from types import SimpleNamespace
@@ -67,13 +68,13 @@ class ScriptedEngine:
         return outputs
 
 
-async def with_app(factory, body, stall_timeout: float = 300.0, raise_app_exceptions: bool = True):
+async def with_app(factory, body, stall_timeout: float = 300.0):
     engine = AsyncEngine(factory, stall_timeout=stall_timeout)
     metrics = Metrics(engine)
     engine.on_request_done = metrics.request_done
     app = build_app(Serving(engine, "m", None, SamplingDefaults(), metrics))
     engine.start()
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+    transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
             return await body(http, engine)
@@ -266,9 +267,9 @@ def test_an_engine_that_dies_mid_stream_ends_it_with_an_error_event():
     assert error.body["type"] == "service_unavailable_error"
 
 
-def test_a_server_failure_mid_stream_is_an_error_event_not_a_cut_stream():
-    """A bug on the server's side of a stream that already answered 200 (here: decoding the echoed prompt, done on
-    the event loop's thread) reaches the client as OpenAI's error event, not a dropped connection."""
+def failing_on_the_event_loop() -> ScriptedEngine:
+    """An engine whose tokenizer fails where the server decodes on the event loop's thread (an echoed prompt):
+    a bug on the server's side of a request."""
     engine = ScriptedEngine()
     decode = engine.tokenizer.decode
 
@@ -278,8 +279,35 @@ def test_a_server_failure_mid_stream_is_an_error_event_not_a_cut_stream():
         return decode(ids, skip_special_tokens)
 
     engine.tokenizer.decode = decode_off_the_event_loop
+    return engine
+
+
+def test_a_server_failure_mid_stream_is_an_error_event_not_a_cut_stream():
+    """A bug on the server's side of a stream that already answered 200 reaches the client as OpenAI's error event,
+    not a dropped connection."""
+    engine = failing_on_the_event_loop()
     _, error = stream_through_openai(lambda: engine, echo=True)
-    assert "internal error (KeyError)" in error.message and error.body["type"] == "server_error"
+    assert "KeyError: 'a token without text'" in error.message and error.body["type"] == "server_error"
+
+
+def test_an_unexpected_server_error_is_a_500_that_says_what_failed_and_is_logged_once(caplog):
+    """OpenAI's error body, type server_error, with the exception in one line (not only its class name, not the
+    traceback); the traceback is logged once: the app answers the request and does not raise the exception on to
+    the server (uvicorn logged its traceback a second time; here ASGITransport would raise it into the test)."""
+    engine = failing_on_the_event_loop()
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        return await http.post("/v1/completions", json={**completion(), "echo": True})
+
+    with caplog.at_level(logging.ERROR):
+        answer = asyncio.run(with_app(lambda: engine, body))
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert error["type"] == "server_error" and set(error) == {"message", "type", "param", "code"}
+    assert "KeyError: 'a token without text'" in error["message"] and "POST /v1/completions" in error["message"]
+    assert "Traceback" not in answer.text and "line " not in error["message"]
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [KeyError]
 
 
 class OneFailingEngine(ScriptedEngine):
@@ -308,10 +336,9 @@ def test_a_request_the_engine_fails_is_a_500_and_the_others_go_on():
         )
         return failed, answered, await http.get("/health")
 
-    # a 500 is answered, then re-raised for the server's log: as uvicorn, the client does not see that
-    failed, answered, health = asyncio.run(with_app(OneFailingEngine, body, raise_app_exceptions=False))
+    failed, answered, health = asyncio.run(with_app(OneFailingEngine, body))
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
-    assert "RequestError" in failed.json()["error"]["message"]
+    assert failed.json()["error"]["message"] == "the request failed: ValueError: bad"  # its reason, not its type
     assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == "aaa"
     assert health.status_code == 200
 

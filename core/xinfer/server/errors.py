@@ -3,7 +3,8 @@ Anthropic's (``{"type": "error", "error": {"type", "message"}}``) on the Message
 
 Every failure a client can cause is an :class:`APIError` with its status; FastAPI's
 422 and Starlette's plain-text 404/405 are rewritten into the same shape, and an
-unexpected exception becomes a 500 that names no internals.
+unexpected exception becomes a 500 that says what failed in one line (its traceback goes
+to the server log, once).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import Request as ASGIRequest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xinfer.engine.async_engine import EngineUnavailable
+from xinfer.engine.failures import RequestError, describe
 from xinfer.server.disconnect import ClientDisconnected
 
 log = logging.getLogger("xinfer")
@@ -81,22 +85,61 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+MAX_DETAIL = 300  # characters of an unexpected exception's message told to the client
+
+
 def internal_error(error: Exception, where: str) -> APIError:
-    """A 500 for an unexpected exception: logged with its traceback, named to the client by its type only."""
-    log.error("%s failed", where, exc_info=error)
-    return APIError(500, f"internal error ({type(error).__name__}); see the server log")
+    """A 500 for an unexpected exception: logged with its traceback, told to the client in one line (its type and
+    the first line of its message), never the traceback."""
+    detail = describe(error)
+    log.error("%s failed: %s", where, detail, exc_info=error)
+    if len(detail) > MAX_DETAIL:
+        detail = detail[: MAX_DETAIL - 3] + "..."
+    return APIError(500, f"internal server error in {where}: {detail} (the traceback is in the server log)")
 
 
-def stream_failure(error: Exception, where: str) -> APIError:
-    """What a stream that already answered 200 sends where it fails: its own error, a 503 for an engine that
-    stopped, a 500 for anything else."""
+def server_failure(error: Exception, where: str) -> APIError:
+    """What a request gets for an exception its route did not answer (or a stream that already answered 200 sends
+    as its error event): its own error, a 503 for an engine that stopped, a 500 for a request the engine failed
+    (its reason, which the engine logged) or for anything else."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, EngineUnavailable):
         return APIError(503, str(error))
     if isinstance(error, ClientDisconnected):  # nobody reads the event: nothing to log
         return APIError(499, "the client went away")
+    if isinstance(error, RequestError):
+        return APIError(500, str(error))
     return internal_error(error, where)
+
+
+class AnswersUnexpectedErrors:
+    """Answers a request whose handling raised what no exception handler took with :func:`server_failure`'s error
+    body. A handler for ``Exception`` would answer too, but Starlette then raises the exception again for the
+    server, and uvicorn logs its traceback a second time. One whose response had started is raised on."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as error:
+            if started:
+                raise
+            request = ASGIRequest(scope)
+            failure = server_failure(error, f"{request.method} {request.url.path}")
+            await failure.response(request.url.path)(scope, receive, send)
 
 
 def from_validation(error: ValidationError | RequestValidationError) -> APIError:
@@ -164,6 +207,4 @@ def install_error_handlers(app: FastAPI) -> None:
         error_headers = getattr(error, "headers", None)
         return APIError(error.status_code, message, headers=error_headers).response(request.url.path)
 
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
-        return internal_error(error, f"{request.method} {request.url.path}").response(request.url.path)
+    app.add_middleware(AnswersUnexpectedErrors)

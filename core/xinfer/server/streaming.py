@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from xinfer.engine.async_engine import AsyncEngine, RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import stream_failure
+from xinfer.server.errors import server_failure
 from xinfer.server.logprobs import prompt_logprobs
 from xinfer.server.protocol import SamplingFields
 from xinfer.server.responses import PromptLogprobs, Usage, new_id, usage
@@ -113,7 +113,7 @@ class Answer(ABC):
             async for event in self.events():
                 yield event
         except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
-            yield sse_event(stream_failure(error, f"a {self.id_prefix} stream").body())
+            yield sse_event(server_failure(error, f"a {self.id_prefix} stream").body())
         else:
             if self.body.include_usage:
                 yield self.chunk([], with_usage=True)

@@ -18,7 +18,7 @@ from xinfer.engine.async_engine import RequestHandle
 from xinfer.server.chat_answer import ChatAnswer, finish_reason
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import stream_failure
+from xinfer.server.errors import server_failure
 from xinfer.server.mcp.loop import MCPRounds, RanCall
 from xinfer.server.responses import (
     ChatChoice,
@@ -134,5 +134,5 @@ class ChatRounds:
             if rounds.body.include_usage:
                 yield self.chunk(Delta(), with_usage=True)
         except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
-            yield sse_event(stream_failure(error, "an MCP chat stream").body())
+            yield sse_event(server_failure(error, "an MCP chat stream").body())
         yield SSE_DONE

@@ -16,7 +16,7 @@ from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import ANTHROPIC_PATHS, stream_failure
+from xinfer.server.errors import ANTHROPIC_PATHS, server_failure
 from xinfer.server.messages.calls import read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
@@ -128,7 +128,7 @@ class MessageAnswer:
                         yield event
                 last = out if out.finished else last
         except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
-            yield typed_sse_event("error", stream_failure(error, "a messages stream").body(ANTHROPIC_PATHS))
+            yield typed_sse_event("error", server_failure(error, "a messages stream").body(ANTHROPIC_PATHS))
             return
         if not started:
             yield self.start_event()

@@ -22,7 +22,7 @@ from fastapi.responses import Response as HTTPResponse
 
 from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.disconnect import unless_disconnected
-from xinfer.server.errors import stream_failure
+from xinfer.server.errors import server_failure
 from xinfer.server.responses import TokenLogprob, now
 from xinfer.server.responses_api.objects import (
     FunctionCallItem,
@@ -137,7 +137,7 @@ class ResponseAnswer:
                         yield event
                 finish_reason = choice.finish_reason or finish_reason
         except Exception as error:  # noqa: BLE001 - the client gets response.failed, not a cut stream
-            message = stream_failure(error, "a responses stream").message
+            message = server_failure(error, "a responses stream").message
             for event in items.close("incomplete", last=True):
                 yield event
             yield self.event("response.failed", response=self.response("failed", items.items, message).model_dump())
