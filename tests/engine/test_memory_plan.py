@@ -3,6 +3,8 @@ measuring path on the CPU through a fake device memory."""
 
 import logging
 import math
+import threading
+from pathlib import Path
 
 import gguf
 import pytest
@@ -41,6 +43,7 @@ from xinfer.engine.memory_plan import (
     profile_batch,
 )
 from xinfer.kv import get_format
+from xinfer.loading import loader
 from xinfer.loading.loader import held_model, load_config, load_model
 from xinfer.quant import QuantizedTensor
 
@@ -420,3 +423,26 @@ def test_the_fit_check_counts_each_weight_of_a_quantized_checkpoint_as_loading_h
     packed = any(isinstance(p, QuantizedTensor) for p in held.parameters())
     assert packed == (kind not in ("fp8-blocks-32x48", "gptq-desc-act", "w4-group32"))
     assert held_as(held) == held_as(load_model(tmp_path, config, torch.device("cpu"), torch.float32, "auto"))
+
+
+def test_the_header_only_build_drops_its_own_info_lines_and_no_other_threads(model_dir, monkeypatch, caplog):
+    """What loading kept or skipped, logged while :func:`held_model` builds (the load that reads the files says it
+    again), is dropped; a line another thread logs meanwhile (the server answering /health) is kept. logging.disable
+    dropped both: it is process-wide."""
+    build = loader.build_model
+
+    def building(*args, **kwargs):
+        other = threading.Thread(target=lambda: logging.getLogger("uvicorn.access").info("GET /health 200"))
+        other.start()
+        other.join()
+        logging.getLogger("xinfer.loading.weights").info("3 checkpoint tensor(s) not used by the model")
+        logging.getLogger("xinfer_deepseek.checkpoint_v4").info("kept 4 MXFP4 weights packed")
+        logging.getLogger("xinfer.loading.gguf").warning("2 tensor(s) have no HF counterpart")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "build_model", building)
+    with caplog.at_level(logging.INFO):
+        held_model(Path(model_dir), load_config(Path(model_dir)), torch.float32, "auto")
+        logging.getLogger("xinfer.loading.weights").info("after it")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["GET /health 200", "2 tensor(s) have no HF counterpart", "after it"]

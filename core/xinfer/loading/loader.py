@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,16 +194,30 @@ def held_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, load_fo
     return model
 
 
+class _InfoOfThread(logging.Filter):
+    """Drops the info lines (and below) that the thread which made it logs; other threads' pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or record.thread != self.thread
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No info lines (what loading kept, skipped or decoded): the load that reads the files says them. Process-wide
-    while it lasts, as :func:`logging.disable` is."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.INFO)
+    """No info lines from this thread (what loading kept, skipped or decoded, from the core's loggers or a plugin's):
+    the load that reads the files says them. The filter sits on the root logger's handlers, where every logger's
+    lines arrive; the server's other threads (its requests, /health) still log meanwhile."""
+    quiet, handlers = _InfoOfThread(), list(logging.root.handlers)
+    for handler in handlers:
+        handler.addFilter(quiet)
     try:
         yield
     finally:
-        logging.disable(previous)
+        for handler in handlers:
+            handler.removeFilter(quiet)
 
 
 def checkpoint_tensors(path: Path, load_format: str, model: CausalLM, read: bool = True) -> Weights:
