@@ -341,6 +341,18 @@ def test_a_failure_of_the_whole_step_raises_and_frees_every_request(llm, monkeyp
     assert_all_blocks_free(llm)
 
 
+def test_more_choices_than_max_num_seqs_run_in_turns(model_dir):
+    """A request's ``n`` above ``max_num_seqs`` is no hang: its choices wait and run in turns, each the tokens it
+    draws alone (its seed plus its index)."""
+    llm = LLM(model=model_dir, dtype="float32", num_blocks=64, max_num_seqs=2)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True, n=5)
+    choices = llm.generate([PROMPTS[2]], params)[0].outputs
+    alone = [llm.generate([PROMPTS[2]], replace(params, n=1, seed=3 + i))[0].outputs[0] for i in range(5)]
+    assert [c.token_ids for c in choices] == [a.token_ids for a in alone]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 5 for c in choices)
+    assert_all_blocks_free(llm)
+
+
 class LetterTokenizer:
     """Token ``i`` reads as one letter, so a two-letter stop string always spans two tokens."""
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable
+from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, TooManySequences
 from xinfer.engine.engine import EngineStats, StepOutput
 from xinfer.sampling import SamplingParams
 from xinfer.server.app import build_app
@@ -235,6 +235,28 @@ def test_an_answer_cut_off_at_shutdown_is_an_error_the_official_client_reads(str
     assert len(chunks) == stream  # the first token's
     assert error.body["type"] == "service_unavailable_error" and "shutting down" in error.message
     assert isinstance(error, openai.APIStatusError) != stream and getattr(error, "status_code", 503) == 503
+
+
+def test_submit_refuses_more_sequences_than_the_queue_holds_whoever_calls_it():
+    """``AsyncEngine.submit`` bounds a request's sequences (its prompts times ``n``) by ``max_waiting`` itself, not
+    only the server's routes: a ValueError (400 through the server) before anything reaches the engine."""
+
+    async def body():
+        engine = AsyncEngine(ScriptedEngine, max_waiting=4)
+        engine.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+            with pytest.raises(TooManySequences, match="asks for 6 sequences; one request may ask for at most 4"):
+                await engine.submit([([1, 2, 3], SamplingParams(max_tokens=2, n=3))] * 2)
+            refused = engine.num_in_flight, engine.engine.live
+            accepted = await engine.submit([([1, 2, 3], SamplingParams(max_tokens=2, n=2))] * 2)
+            return refused, await engine.collect(accepted)
+        finally:
+            engine.stop(timeout=5)
+
+    refused, accepted = asyncio.run(body())
+    assert refused == (0, {})
+    assert [choice.text for choice in accepted] == ["aa"] * 4
 
 
 def stream_through_openai(factory, **fields):

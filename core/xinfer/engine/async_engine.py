@@ -51,6 +51,14 @@ class QueueFull(RuntimeError):
     """Too many requests are waiting: 429."""
 
 
+class TooManySequences(ValueError):
+    """A request asks for more sequences than one request may: 400."""
+
+    def __init__(self, asked: int, limit: int):
+        super().__init__(f"the request asks for {asked} sequences; one request may ask for at most {limit}")
+        self.asked, self.limit = asked, limit
+
+
 @dataclass
 class RequestHandle:
     """One client request: one or more prompts, each an engine request with its choices,
@@ -167,8 +175,10 @@ class AsyncEngine:
         embeddings go (:meth:`LLMEngine.multimodal_prompt`).
 
         Returns once the engine accepted them all; raises ``ValueError`` (a bad prompt
-        or params, from the engine), :class:`QueueFull` or :class:`EngineUnavailable`.
+        or params, from the engine; :class:`TooManySequences`), :class:`QueueFull` or
+        :class:`EngineUnavailable`.
         """
+        self.check_sequences(sum(entry[1].n for entry in prompts))
         self._check_available()
         waiting = self.stats.num_waiting + self._num_adding
         if waiting >= self.max_waiting:
@@ -193,6 +203,13 @@ class AsyncEngine:
         finally:
             self._num_adding -= num_sequences
         return handle
+
+    def check_sequences(self, num_sequences: int) -> None:
+        """One request may ask for as many sequences (its prompts times ``n``) as the queue holds (``max_waiting``):
+        more could never run beside other clients' requests, would hold the engine for all of them, and cost host
+        memory before the first step. (The engine runs more than ``max_num_seqs`` of them in turns: no hang.)"""
+        if num_sequences > self.max_waiting:
+            raise TooManySequences(num_sequences, self.max_waiting)
 
     async def stream(self, handle: RequestHandle) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Yields (request-wide choice index, what a step added to that choice) until every

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from PIL import Image
 
-from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle
+from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle, TooManySequences
 from xinfer.engine.engine import KVCacheFull, LLMEngine
 from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.server.disconnect import unless_disconnected
@@ -126,13 +126,15 @@ class Serving:
         return await self._ask(request, self.engine.submit(entries))
 
     def check_sequences(self, num_prompts: int, n: int) -> None:
-        """A request may ask for as many sequences (its prompts times ``n``) as the queue holds (``--max-waiting``):
-        more could never run beside other clients' requests, and would hold the engine for all of them."""
-        limit = self.engine.max_waiting
-        if num_prompts * n > limit:
+        """The engine's bound on a request's sequences (:meth:`AsyncEngine.check_sequences`), checked before any
+        prompt is encoded, naming the field at fault."""
+        try:
+            self.engine.check_sequences(num_prompts * n)
+        except TooManySequences as error:
             asked = f"{num_prompts} prompts, n={n} each" if num_prompts > 1 else f"n={n}"
-            raise bad_request(f"the request asks for {num_prompts * n} sequences ({asked}); this server takes at most "
-                              f"{limit} per request (--max-waiting)", param="prompt" if num_prompts > 1 else "n")  # fmt: skip
+            message = (f"the request asks for {error.asked} sequences ({asked}); this server takes at most "
+                       f"{error.limit} per request (--max-waiting)")  # fmt: skip
+            raise bad_request(message, param="prompt" if num_prompts > 1 else "n") from None
 
     def check_takes_images(self, urls: list[tuple[str, str]]) -> None:
         """Images (URL, request field) are refused, naming the first, by a model that takes text only."""
