@@ -35,7 +35,7 @@ def load_config(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     if not _is_wrapper(config):
         return config
     text = config.text_config
-    text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
+    text.architectures = config.architectures or text.architectures  # the saved class: it reads the text part
     text.multimodal_config = config  # the wrapper (its encoders' configs, media token ids), for models that take them
     # transformers ties the wrapper's output embeddings by the wrapper's field (the text config's may differ)
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
