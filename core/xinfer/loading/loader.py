@@ -15,6 +15,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from xinfer import registry
 from xinfer.config import ModelConfig
+from xinfer.loading.base_model import BaseModel, as_head_checkpoint, base_model, check_head
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.model_types import check_model_type
@@ -100,6 +101,8 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     config = load_config(path, settings.max_model_len)
     try:
         registry.model_class(architecture_of(config))
+        if (saved_base := base_model_of(config)) is not None:
+            check_head(config, saved_base)
     except ValueError as error:
         raise type(error)(f"{path}: {error}") from error
     if settings.load_format != "dummy" and not reads_gguf(path, settings.load_format):
@@ -120,12 +123,26 @@ def _is_wrapper(config: PretrainedConfig) -> bool:
 
 
 def architecture_of(config: PretrainedConfig) -> str:
+    """The registered architecture that serves ``config``: the one it names, or the class with a head serving the
+    base model it names (:mod:`xinfer.loading.base_model`)."""
+    saved_base = base_model_of(config)
+    return saved_base.head if saved_base is not None else named_architecture(config)
+
+
+def named_architecture(config: PretrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ModelFileError("the model config names no architecture (config.json lacks 'architectures')")
     if not isinstance(architectures, list):
         raise ModelFileError(f"the model config's 'architectures' is a list of class names, not {architectures!r}")
     return architectures[0]
+
+
+def base_model_of(config: PretrainedConfig) -> BaseModel | None:
+    """The base model ``config`` names where no plugin registers it itself (its checkpoint is read as its head
+    class's)."""
+    named, registered = named_architecture(config), set(registry.architectures())
+    return None if named in registered else base_model(config, named, registered)
 
 
 def build_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -209,7 +226,9 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM, read: bool
     """The checkpoint's tensors by HF name; ``read`` False: on the meta device, from the files' headers."""
     if reads_gguf(path, load_format):
         return iter_gguf_weights(path, model.config, model.checkpoint_names(), read)
-    return iter_safetensors(path) if read else header_tensors(path)
+    weights = iter_safetensors(path) if read else header_tensors(path)
+    saved_base = base_model_of(model.config)
+    return weights if saved_base is None else as_head_checkpoint(weights, saved_base)
 
 
 def checkpoint_bytes(path: Path) -> int:
