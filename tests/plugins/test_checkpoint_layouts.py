@@ -2,7 +2,8 @@
 own forward of the saved folder (fp32, CPU): prefill logits and greedy tokens. The classes: the one a plugin
 registers (``*ForCausalLM``, ``*ForConditionalGeneration``), transformers' base model (``*Model``: no LM head, its
 embeddings tied; served by the class with a head, as transformers' auto classes load it), and a text-only class
-loaded from an image-text checkpoint and saved again (its tensors keep the image-text names). Below them, what
+loaded from an image-text checkpoint and saved again (its tensors keep the image-text names); and image-text
+checkpoints as transformers 5.10 to 5.23 saved them (the text model's prefix doubled). Below them, what
 cannot run is one error: a base model whose embeddings are not tied (no head), a base model no plugin has a head
 for, and a base model's checkpoint lacking a weight."""
 
@@ -133,10 +134,9 @@ MODEL_TYPES = {
                              (randomize_v4,)),
     "minimax_m2": ModelType(minimax_m2_config, "MiniMaxM2ForCausalLM", "MiniMaxM2Model"),
 }  # fmt: skip
-TEXT_ONLY_FROM_IMAGE_TEXT = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 
-def saved(model_type: str, cls: str, folder: Path, **fields) -> None:
+def saved(model_type: str, cls: str, folder: Path, **fields) -> Path:
     """A random ``cls`` of ``model_type`` (its norms, biases and routers randomized), saved to ``folder``."""
     spec = MODEL_TYPES[model_type]
     config = spec.config(**fields)
@@ -146,12 +146,29 @@ def saved(model_type: str, cls: str, folder: Path, **fields) -> None:
     for randomizer in (randomize, spread_routing, *spec.randomizers):
         randomizer(model)
     model.save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
-def resaved_as(cls: str, source: Path, folder: Path) -> None:
-    """``source`` loaded by transformers as ``cls`` and saved to ``folder``."""
-    model = getattr(transformers, cls).from_pretrained(source, dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
+def saved_tied(model_type: str, cls: str, folder: Path) -> Path:
+    return saved(model_type, cls, folder, tie_word_embeddings=True)
+
+
+def resaved_from_image_text(model_type: str, cls: str, folder: Path) -> Path:
+    """The image-text checkpoint of ``model_type`` loaded by transformers as ``cls`` and saved again."""
+    source = saved(model_type, MODEL_TYPES[model_type].head, folder / "image-text")
+    getattr(transformers, cls).from_pretrained(source, dtype=torch.float32).save_pretrained(folder / "text")
+    return folder / "text"
+
+
+def saved_with_the_text_model_prefix_doubled(model_type: str, cls: str, folder: Path) -> Path:
+    """The checkpoint as transformers 5.10 to 5.23 saved it: the text model's ``model.language_model.``
+    (``language_model.model.`` for Gemma 3) written ``model.language_model.model.`` (``language_model.model.model.``)."""
+    saved(model_type, cls, folder)
+    tensors = load_file(folder / "model.safetensors")
+    text_model = re.compile(r"^(model\.language_model|language_model\.model)\.")
+    save_file({text_model.sub(r"\1.model.", name): tensor for name, tensor in tensors.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    return folder
 
 
 def transformers_reading(folder: Path) -> torch.nn.Module:
@@ -162,24 +179,22 @@ def transformers_reading(folder: Path) -> torch.nn.Module:
     return auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-CASES = [
-    *((model_type, spec.head, "saved") for model_type, spec in MODEL_TYPES.items()),
-    *((model_type, spec.base, "saved, tied") for model_type, spec in MODEL_TYPES.items()),
-    *((model_type, cls, "loaded from the image-text checkpoint, saved") for model_type, cls in
-      TEXT_ONLY_FROM_IMAGE_TEXT.items()),
+CASES = [  # (model type, class, how its checkpoint is written, a tag for the test's id)
+    *((model_type, spec.head, saved, "") for model_type, spec in MODEL_TYPES.items()),
+    *((model_type, spec.base, saved_tied, "") for model_type, spec in MODEL_TYPES.items()),
+    ("qwen3_5", "Qwen3_5ForCausalLM", resaved_from_image_text, "from-image-text"),
+    ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", resaved_from_image_text, "from-image-text"),
+    *((model_type, MODEL_TYPES[model_type].head, saved_with_the_text_model_prefix_doubled, "5.10-5.23")
+      for model_type in ("gemma3", "gemma4", "qwen3_vl", "qwen3_5")),
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-{case[1]}")
+@pytest.fixture(
+    scope="module", params=CASES, ids=lambda case: "-".join(part for part in (case[0], case[1], case[3]) if part)
+)
 def models(request, tmp_path_factory):
-    model_type, cls, how = request.param
-    folder = tmp_path_factory.mktemp(f"{model_type}-{cls}")
-    if how == "loaded from the image-text checkpoint, saved":
-        saved(model_type, MODEL_TYPES[model_type].head, folder / "image-text")
-        resaved_as(cls, folder / "image-text", folder / "text")
-        folder = folder / "text"
-    else:
-        saved(model_type, cls, folder, **({"tie_word_embeddings": True} if how == "saved, tied" else {}))
+    model_type, cls, checkpoint, tag = request.param
+    folder = checkpoint(model_type, cls, tmp_path_factory.mktemp(f"{model_type}-{cls}{tag}"))
     return transformers_reading(folder), LLM(model=str(folder), dtype="float32", num_blocks=64)
 
 

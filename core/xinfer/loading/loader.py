@@ -18,6 +18,7 @@ from xinfer.config import ModelConfig
 from xinfer.loading.base_model import BaseModel, as_head_checkpoint, base_model, check_head
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
+from xinfer.loading.legacy_names import current_names
 from xinfer.loading.model_types import check_model_type
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, header_tensors, iter_safetensors, safetensors_files
@@ -228,7 +229,7 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM, read: bool
         return iter_gguf_weights(path, model.config, model.checkpoint_names(), read)
     weights = iter_safetensors(path) if read else header_tensors(path)
     saved_base = base_model_of(model.config)
-    return weights if saved_base is None else as_head_checkpoint(weights, saved_base)
+    return current_names(weights if saved_base is None else as_head_checkpoint(weights, saved_base))
 
 
 def checkpoint_bytes(path: Path) -> int:
