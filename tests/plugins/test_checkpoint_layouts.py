@@ -3,7 +3,8 @@ own forward of the saved folder (fp32, CPU): prefill logits and greedy tokens. T
 registers (``*ForCausalLM``, ``*ForConditionalGeneration``), transformers' base model (``*Model``: no LM head, its
 embeddings tied; served by the class with a head, as transformers' auto classes load it), and a text-only class
 loaded from an image-text checkpoint and saved again (its tensors keep the image-text names); and image-text
-checkpoints as transformers 5.10 to 5.23 saved them (the text model's prefix doubled). Below them, what
+checkpoints as transformers 5.10 to 5.23 saved them (the text model's prefix doubled); and checkpoints saved under
+transformers' in-memory names (``save_original_format=False``: fused experts, no renames reverted). Below them, what
 cannot run is one error: a base model whose embeddings are not tied (no head), a base model no plugin has a head
 for, and a base model's checkpoint lacking a weight."""
 
@@ -136,8 +137,9 @@ MODEL_TYPES = {
 }  # fmt: skip
 
 
-def saved(model_type: str, cls: str, folder: Path, **fields) -> Path:
-    """A random ``cls`` of ``model_type`` (its norms, biases and routers randomized), saved to ``folder``."""
+def saved(model_type: str, cls: str, folder: Path, original_format: bool = True, **fields) -> Path:
+    """A random ``cls`` of ``model_type`` (its norms, biases and routers randomized), saved to ``folder``;
+    ``original_format`` False: under transformers' in-memory names (experts fused, no renames reverted)."""
     spec = MODEL_TYPES[model_type]
     config = spec.config(**fields)
     config._attn_implementation = "eager"
@@ -145,8 +147,12 @@ def saved(model_type: str, cls: str, folder: Path, **fields) -> Path:
     model = getattr(transformers, cls)(config).float().eval()
     for randomizer in (randomize, spread_routing, *spec.randomizers):
         randomizer(model)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, save_original_format=original_format)
     return folder
+
+
+def saved_in_memory_format(model_type: str, cls: str, folder: Path) -> Path:
+    return saved(model_type, cls, folder, original_format=False)
 
 
 def saved_tied(model_type: str, cls: str, folder: Path) -> Path:
@@ -186,6 +192,9 @@ CASES = [  # (model type, class, how its checkpoint is written, a tag for the te
     ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", resaved_from_image_text, "from-image-text"),
     *((model_type, MODEL_TYPES[model_type].head, saved_with_the_text_model_prefix_doubled, "5.10-5.23")
       for model_type in ("gemma3", "gemma4", "qwen3_vl", "qwen3_5")),
+    *((model_type, MODEL_TYPES[model_type].head, saved_in_memory_format, "in-memory-format")
+      for model_type in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_vl_moe", "gemma3", "deepseek_v3",
+                         "deepseek_v4", "minimax_m2")),
 ]  # fmt: skip
 
 
