@@ -102,7 +102,7 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     config = load_config(path, settings.max_model_len)
     try:
         registry.model_class(architecture_of(config))
-        if (saved_base := base_model_of(config)) is not None:
+        if (saved_base := _base_model_of(config)) is not None:
             check_head(config, saved_base)
     except ValueError as error:
         raise type(error)(f"{path}: {error}") from error
@@ -126,11 +126,11 @@ def _is_wrapper(config: PretrainedConfig) -> bool:
 def architecture_of(config: PretrainedConfig) -> str:
     """The registered architecture that serves ``config``: the one it names, or the class with a head serving the
     base model it names (:mod:`xinfer.loading.base_model`)."""
-    saved_base = base_model_of(config)
-    return saved_base.head if saved_base is not None else named_architecture(config)
+    saved_base = _base_model_of(config)
+    return saved_base.head if saved_base is not None else _named_architecture(config)
 
 
-def named_architecture(config: PretrainedConfig) -> str:
+def _named_architecture(config: PretrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ModelFileError("the model config names no architecture (config.json lacks 'architectures')")
@@ -139,10 +139,10 @@ def named_architecture(config: PretrainedConfig) -> str:
     return architectures[0]
 
 
-def base_model_of(config: PretrainedConfig) -> BaseModel | None:
+def _base_model_of(config: PretrainedConfig) -> BaseModel | None:
     """The base model ``config`` names where no plugin registers it itself (its checkpoint is read as its head
     class's)."""
-    named, registered = named_architecture(config), set(registry.architectures())
+    named, registered = _named_architecture(config), set(registry.architectures())
     return None if named in registered else base_model(config, named, registered)
 
 
@@ -228,7 +228,7 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM, read: bool
     if reads_gguf(path, load_format):
         return iter_gguf_weights(path, model.config, model.checkpoint_names(), read)
     weights = iter_safetensors(path) if read else header_tensors(path)
-    saved_base = base_model_of(model.config)
+    saved_base = _base_model_of(model.config)
     return current_names(weights if saved_base is None else as_head_checkpoint(weights, saved_base))
 
 
