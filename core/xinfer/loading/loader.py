@@ -16,8 +16,10 @@ from transformers import AutoConfig, PretrainedConfig
 
 from xinfer import registry
 from xinfer.config import ModelConfig
+from xinfer.loading.base_model import BaseModel, as_head_checkpoint, base_model, check_head
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
+from xinfer.loading.legacy_names import current_names
 from xinfer.loading.model_types import check_model_type
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, header_tensors, iter_safetensors, safetensors_files
@@ -36,7 +38,7 @@ def load_config(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     if not _is_wrapper(config):
         return config
     text = config.text_config
-    text.architectures = text.architectures or config.architectures  # the plugin's class reads the text part
+    text.architectures = config.architectures or text.architectures  # the saved class: it reads the text part
     text.multimodal_config = config  # the wrapper (its encoders' configs, media token ids), for models that take them
     # transformers ties the wrapper's output embeddings by the wrapper's field (the text config's may differ)
     text.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
@@ -101,6 +103,8 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     config = load_config(path, settings.max_model_len)
     try:
         registry.model_class(architecture_of(config))
+        if (saved_base := _base_model_of(config)) is not None:
+            check_head(config, saved_base)
     except ValueError as error:
         raise type(error)(f"{path}: {error}") from error
     if settings.load_format != "dummy" and not reads_gguf(path, settings.load_format):
@@ -121,12 +125,26 @@ def _is_wrapper(config: PretrainedConfig) -> bool:
 
 
 def architecture_of(config: PretrainedConfig) -> str:
+    """The registered architecture that serves ``config``: the one it names, or the class with a head serving the
+    base model it names (:mod:`xinfer.loading.base_model`)."""
+    saved_base = _base_model_of(config)
+    return saved_base.head if saved_base is not None else _named_architecture(config)
+
+
+def _named_architecture(config: PretrainedConfig) -> str:
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ModelFileError("the model config names no architecture (config.json lacks 'architectures')")
     if not isinstance(architectures, list):
         raise ModelFileError(f"the model config's 'architectures' is a list of class names, not {architectures!r}")
     return architectures[0]
+
+
+def _base_model_of(config: PretrainedConfig) -> BaseModel | None:
+    """The base model ``config`` names where no plugin registers it itself (its checkpoint is read as its head
+    class's)."""
+    named, registered = _named_architecture(config), set(registry.architectures())
+    return None if named in registered else base_model(config, named, registered)
 
 
 def build_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -224,7 +242,9 @@ def checkpoint_tensors(path: Path, load_format: str, model: CausalLM, read: bool
     """The checkpoint's tensors by HF name; ``read`` False: on the meta device, from the files' headers."""
     if reads_gguf(path, load_format):
         return iter_gguf_weights(path, model.config, model.checkpoint_names(), read)
-    return iter_safetensors(path) if read else header_tensors(path)
+    weights = iter_safetensors(path) if read else header_tensors(path)
+    saved_base = _base_model_of(model.config)
+    return current_names(weights if saved_base is None else as_head_checkpoint(weights, saved_base))
 
 
 def checkpoint_bytes(path: Path) -> int:

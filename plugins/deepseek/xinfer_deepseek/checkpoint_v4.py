@@ -30,12 +30,13 @@ log = logging.getLogger(__name__)
 # e2m1: sign, 2 exponent bits, 1 mantissa bit, by the code's 4 bits
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-# DeepSeek's names -> transformers', applied in order to every name
+# DeepSeek's names -> transformers', applied in order to every name (the top-level ones also under ``model.``: the
+# checkpoint of transformers' DeepseekV4Model, read as DeepseekV4ForCausalLM's)
 _RENAMES = [
-    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^(?:model\.)?embed\.weight$", "model.embed_tokens.weight"),
     (r"^head\.weight$", "lm_head.weight"),
     (r"^norm\.weight$", "model.norm.weight"),
-    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"^(?:model\.)?hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
     (r"^layers\.", "model.layers."),
     (r"\.attn_norm\.", ".input_layernorm."),
     (r"\.ffn_norm\.", ".post_attention_layernorm."),

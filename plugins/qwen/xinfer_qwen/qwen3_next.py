@@ -61,7 +61,17 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return DeltaNetDecoderLayer(GatedDeltaNet(config), self.mlp(config, index), norm)
 
     def load_weights(self, weights: Weights) -> set[str]:
-        return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
+        return super().load_weights(without_mtp_layers(text_model(weights), self.config.num_hidden_layers))
+
+
+def text_model(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
+    """The text model's tensors under a text-only checkpoint's names: transformers saves this class, loaded from
+    an image-text checkpoint, with that checkpoint's ``model.language_model.``. A vision encoder's tensors
+    (``model.visual.``) are left as they are: the image-text classes take them, a text-only one reports them
+    unused."""
+    prefix = "model.language_model."
+    for name, tensor in weights:
+        yield ("model." + name.removeprefix(prefix) if name.startswith(prefix) else name), tensor
 
 
 def sparse_moe(config: Any, routing: Routing) -> MoE:

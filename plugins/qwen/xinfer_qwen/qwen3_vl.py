@@ -28,7 +28,7 @@ from xinfer.multimodal import MultiModalEmbeddings, MultiModalItem
 from xinfer.multimodal.image import image_hash, preprocessor_config
 from xinfer_qwen.mrope import MRotaryEmbedding
 from xinfer_qwen.qwen import Qwen3ForCausalLM
-from xinfer_qwen.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from xinfer_qwen.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, text_model
 from xinfer_qwen.qwen_moe import Qwen3MoeForCausalLM, is_sparse
 from xinfer_qwen.vl_image import ImageSpec, num_tokens, patchify, pixels
 from xinfer_qwen.vl_vision import VisionEncoder
@@ -122,12 +122,8 @@ class QwenVisionLanguage(DecoderForCausalLM):
 
 def renamed(weights: Weights) -> Iterator[tuple[str, Tensor | StoredTensor]]:
     """transformers' names (``model.language_model.``, ``model.visual.``) as this model's."""
-    for name, tensor in weights:
-        if name.startswith("model.language_model."):
-            name = "model." + name.removeprefix("model.language_model.")
-        elif name.startswith("model.visual."):
-            name = name.removeprefix("model.")
-        yield name, tensor
+    for name, tensor in text_model(weights):
+        yield (name.removeprefix("model.") if name.startswith("model.visual.") else name), tensor
 
 
 class Qwen3VLForConditionalGeneration(QwenVisionLanguage, Qwen3ForCausalLM):
