@@ -79,11 +79,13 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
             "bfloat16",
             "--profile",
         ],
-        # the synthetic tokenizer makes the server stream one chunk per token: TTFT and ITL
+        # the synthetic tokenizer makes the server stream one chunk per token: TTFT and ITL; then the same
+        # requests through an in-process async engine (#31 T5: the server within 10 % of it)
         "serve-8b": [
             PY,
             str(HERE / "serve.py"),
             "--launch",
+            "--offline-peer",
             "--random-ids",
             "128000",
             "--server-args",
