@@ -32,6 +32,13 @@ def test_isq_on_cuda_matches_the_cpu_reference(model_dir, isq, monkeypatch):
     assert isinstance(gpu.engine.model.model.layers[0].mlp.down_proj.weight, QuantizedTensor)
     monkeypatch.setattr(CpuOps, "weight_kernels", {})
     cpu = LLM(model=model_dir, dtype="float32", device="cpu", isq=isq, num_blocks=64)
+    # the same values packed on both devices (so that a difference below is the kernels', not the quantizer's)
+    cpu_weights = dict(cpu.engine.model.named_parameters())
+    for name, weight in gpu.engine.model.named_parameters():
+        if isinstance(weight, QuantizedTensor):
+            assert torch.equal(weight.dequantize().cpu(), cpu_weights[name].dequantize()), (
+                f"{isq}: {name} packed differently"
+            )
     ids = prompt(37)
     got, expected = prefill_logits(gpu.engine, ids).cpu(), prefill_logits(cpu.engine, ids)
     error = float((got - expected).abs().max() / expected.abs().max())
