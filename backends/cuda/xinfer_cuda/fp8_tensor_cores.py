@@ -68,14 +68,20 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     return codes, column_major.copy_(scales)
 
 
+# cuBLAS (12.x on an H100, 2026-12-05) finds no algorithm for a one-row block-scaled product
+# (CUBLAS_STATUS_NOT_SUPPORTED from its heuristic); 16 and 300 rows ran: fewer rows are padded with zeros
+MIN_ROWS = 16
+
+
 class Fp8TensorCores(WeightKernels):
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        padded = F.pad(rows, (0, 0, 0, MIN_ROWS - rows.shape[0])) if rows.shape[0] < MIN_ROWS else rows
         codes, scales = split(weight.raw)
-        x_codes, x_scales = quantize_activations(rows)
+        x_codes, x_scales = quantize_activations(padded)
         recipe = F.ScalingType.BlockWise1x128
         y = F.scaled_mm(x_codes, codes.t(), x_scales, recipe, scales.t(), recipe, bias=bias, output_dtype=x.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y[: rows.shape[0]].reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Fp8Kernels(GgufKernels):
