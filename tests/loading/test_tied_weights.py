@@ -2,7 +2,9 @@
 ``lm_head.weight`` and wherever it holds it: in the file before the embeddings (safetensors orders a file's tensors
 by name), in a shard after theirs, in a shard before theirs. A config that ties them with a checkpoint holding a
 different head is not tied (transformers unties it and warns); one holding the same values, or the head alone, is
-tied; an untied config whose checkpoint lacks the head is one error (transformers draws a random head)."""
+tied; an untied config whose checkpoint lacks the head is one error (transformers draws a random head). Llama, Qwen3,
+Gemma 3's text model and Qwen3-MoE in every case; image-text checkpoints and the plugins that tie their own head
+with a different head."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from tests.plugins.hf_parity import assert_prefill_logits_match, randomize, spread_routing
-from tests.tiny_models import COMMON, gemma3_config, save_tiny_model
+from tests.plugins.test_checkpoint_layouts import MODEL_TYPES, TOKENS, saved, transformers_reading
+from tests.tiny_models import COMMON, gemma3_config, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM
 from xinfer.loading.weights import MissingWeightsError
 
@@ -125,3 +128,23 @@ def test_an_untied_config_whose_checkpoint_lacks_the_head_is_one_error_naming_it
     assert info["missing_keys"] == {HEAD}
     with pytest.raises(MissingWeightsError, match=r"^checkpoint lacks 1 weight\(s\) the model needs: lm_head\.weight"):
         served(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen3_5", "gemma4_text", "deepseek_v4"])
+def test_a_different_head_unties_image_text_models_and_those_tying_in_their_plugin(tmp_path, model_type):
+    """Image-text checkpoints (transformers ties by the wrapper's config; Qwen3.5's text config ties too) and the
+    architectures that tie their own head (Gemma 4, DeepSeek V4), the head in a shard after the embeddings."""
+    saved(model_type, MODEL_TYPES[model_type].head, tmp_path, tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    embeddings = next(name for name in tensors if name.endswith("embed_tokens.weight"))
+    tensors[HEAD] = torch.randn(tensors[embeddings].shape, generator=torch.Generator().manual_seed(7)) * 0.1
+    write(tmp_path, tensors, "head in a later shard")
+    hf = transformers_reading(tmp_path)
+    assert torch.equal(hf.lm_head.weight, tensors[HEAD])
+    llm = served(tmp_path)
+    assert torch.equal(llm.engine.model.lm_head.weight, tensors[HEAD])
+    tokens = prompt(12, vocab_size=TOKENS)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(prefill_logits(llm.engine, tokens), expected, atol=1e-4, rtol=1e-4)
