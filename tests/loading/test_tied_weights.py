@@ -77,14 +77,18 @@ LAYOUTS = ["one file", "head in a later shard", "head in an earlier shard"]
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_a_tied_config_with_a_different_head_in_the_checkpoint_runs_untied_as_transformers(
-    tmp_path, model_type, layout
+    tmp_path, caplog, model_type, layout
 ):
+    """Untied with one warning, as transformers warns."""
     tensors = saved_tensors(model_type, tmp_path, tie=True)
     tensors[HEAD] = torch.randn(tensors[EMBEDDINGS].shape, generator=torch.Generator().manual_seed(7)) * 0.1
     write(tmp_path, tensors, layout)
     hf = transformers_model(tmp_path)
     assert hf.lm_head.weight is not hf.model.embed_tokens.weight  # the reference: each its own
-    llm = served(tmp_path)
+    with caplog.at_level("WARNING", logger="xinfer.loading.tied"):
+        llm = served(tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "xinfer.loading.tied"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"the config ties {HEAD} to {EMBEDDINGS}"), warnings
     model = llm.engine.model
     assert torch.equal(model.lm_head.weight, tensors[HEAD])
     assert torch.equal(model.model.embed_tokens.weight, tensors[EMBEDDINGS])

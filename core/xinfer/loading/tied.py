@@ -25,7 +25,8 @@ Stored = Tensor | StoredTensor
 
 @dataclass(frozen=True)
 class _Tie:
-    """A parameter's other name ``alias``, tied to ``name``; the parameter as the model was built."""
+    """A parameter's other name ``alias``, tied to ``name`` (its first); the parameter's shape, dtype and device as
+    the model was built."""
 
     alias: str
     name: str
@@ -78,7 +79,8 @@ def _ties(model: nn.Module) -> list[_Tie]:
 
 def _differ(a: Stored, b: Stored, dtype: torch.dtype) -> bool:
     """Whether two checkpoint tensors differ in ``dtype``, as transformers compares the parameters it loaded them
-    into. From the files' headers alone (on the meta device) they cannot be told apart: the same, as usual."""
+    into. From the files' headers alone (on the meta device: the fit check's model) their values are unknown: taken
+    as the same, as the copies a tied checkpoint holds usually are."""
     if _shape(a) != _shape(b):
         return True
     if _on_meta(a) or _on_meta(b):
