@@ -21,6 +21,7 @@ from tests.plugins.hf_parity import assert_prefill_logits_match, randomize, spre
 from tests.plugins.test_checkpoint_layouts import MODEL_TYPES, TOKENS, saved, transformers_reading
 from tests.tiny_models import COMMON, gemma3_config, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM
+from xinfer.loading.loader import build_model
 from xinfer.loading.weights import MissingWeightsError
 
 HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
@@ -152,3 +153,16 @@ def test_a_different_head_unties_image_text_models_and_those_tying_in_their_plug
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(prefill_logits(llm.engine, tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same head", "different head"])
+def test_tensors_already_read_are_compared_through_the_parameter_they_filled(tmp_path, same):
+    """A stream of tensors already read (as a GGUF file's are) is not kept alive for the comparison: the head is
+    compared with the embeddings' parameter, with the same outcome."""
+    tensors = saved_tensors("llama", tmp_path, tie=True)
+    tensors[HEAD] = tensors[EMBEDDINGS].clone() if same else torch.randn(tensors[EMBEDDINGS].shape)
+    model = build_model(CONFIGS["llama"](tie_word_embeddings=True), torch.device("cpu"), torch.float32)
+    model.load_weights(sorted(tensors.items(), key=lambda item: item[0] == HEAD))  # the head last
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == same
+    assert torch.equal(model.lm_head.weight, tensors[HEAD])
+    assert torch.equal(model.model.embed_tokens.weight, tensors[EMBEDDINGS])

@@ -41,28 +41,32 @@ def tied_as_transformers(model: nn.Module, weights: Weights) -> Iterator[tuple[s
     ties = {tie.alias: tie for tie in _ties(model)}
     firsts = {tie.name for tie in ties.values()}
     held: dict[str, Stored] = {}
-    seen: dict[str, Stored] = {}
+    # a first name's tensor where it can be read again; one read already (a GGUF file's) is not kept alive
+    # for the whole load: the parameter it filled holds its values
+    seen: dict[str, StoredTensor | None] = {}
     for name, stored in weights:
         if name in ties:
             held[name] = stored
             continue
         if name in firsts:
-            seen[name] = stored
+            seen[name] = stored if isinstance(stored, StoredTensor) else None
         yield name, stored
     for alias, stored in held.items():
         tie = ties[alias]
         if tie.name not in seen:
             yield tie.name, stored
-        elif _differ(stored, seen[tie.name], tie.dtype):
-            log.warning(
-                "the config ties %s to %s (tie_word_embeddings), but the checkpoint holds both with different "
-                "values: they are not tied, each takes its own, as transformers loads them",
-                tie.alias, tie.name,
-            )  # fmt: skip
-            _untie(model, tie)
-            yield alias, stored
-        else:
+            continue
+        first = seen[tie.name]
+        if not _differ(stored, model.get_parameter(tie.name) if first is None else first, tie.dtype):
             log.debug("%s: the checkpoint's copy equals %s, tied to it", alias, tie.name)
+            continue
+        log.warning(
+            "the config ties %s to %s (tie_word_embeddings), but the checkpoint holds both with different values: "
+            "they are not tied, each takes its own, as transformers loads them",
+            tie.alias, tie.name,
+        )  # fmt: skip
+        _untie(model, tie)
+        yield alias, stored
 
 
 def _ties(model: nn.Module) -> list[_Tie]:
