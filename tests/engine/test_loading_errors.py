@@ -34,7 +34,7 @@ def test_missing_weight_is_named(tmp_path):
 
 def test_checkpoint_tensors_the_model_leaves_unread_are_named_in_one_line(tmp_path, caplog):
     """A field the model does not read (here MLP biases the Llama config does not ask for) is reported by
-    pattern, not dropped without a word; a tied model's LM head copy is expected and not reported."""
+    pattern, not dropped without a word."""
     import torch
 
     save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)

@@ -20,6 +20,7 @@ from xinfer.engine.memory_plan import check_fits, weight_remedies
 from xinfer.loading.loader import checkpoint_tensors, held_model, init_dummy_weights, load_config, load_model
 from xinfer.quant import QuantizedTensor, get_weight_format
 from xinfer.quant.dispatch import replace_parameter
+from xinfer.quant.isq import packed
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 # every row a whole block of each format (q4_k's and q6_k's are 256 values)
@@ -176,16 +177,18 @@ def test_the_fit_check_counts_each_weight_of_a_gguf_file_as_loading_holds_it(moe
     assert held_as(held) == held_as(load_model(moe_gguf, config, CPU, FP32, "gguf", isq))
 
 
-def test_a_weight_the_checkpoint_holds_twice_is_the_last_one_as_before(tmp_path):
-    """A tied embedding and LM head both in the checkpoint fill one weight twice: packed once whole, it is
-    filled again by the second tensor, which wins as it did when every weight loaded in float first."""
+def test_a_tied_config_with_a_different_head_in_the_checkpoint_packs_each_from_its_own_values(tmp_path):
+    """A tied embedding and LM head both in the checkpoint with different values are untied as transformers unties
+    them (xinfer.loading.tied): each is packed from its own tensor, as quantizing after a float load packs them."""
     hf = save_tiny_model(CONFIGS["llama"](), tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["lm_head.weight"] = torch.randn_like(hf.model.embed_tokens.weight)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     got = load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors", "q8_0")
     assert_same_tensors(got, load_then_quantize(tmp_path, "safetensors", "q8_0"))
-    assert got.lm_head.weight is got.model.embed_tokens.weight
+    assert got.lm_head.weight is not got.model.embed_tokens.weight
+    head = packed(tensors["lm_head.weight"], get_weight_format("q8_0"))
+    assert torch.equal(got.lm_head.weight.dequantize(), head.dequantize())
 
 
 @pytest.mark.parametrize("load_format", ["safetensors", "dummy"])

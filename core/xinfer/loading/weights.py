@@ -6,7 +6,10 @@ merged projection are merged packed once all have arrived. Anywhere else it is d
 
 With ``--isq`` (:mod:`xinfer.quant.isq`) a weight left unallocated is allocated when its first tensor
 arrives and quantized once it is whole: a tensor, every shard of a merged projection, every part a
-checkpoint-loading module (experts) takes."""
+checkpoint-loading module (experts) takes.
+
+A parameter under several names (tied embeddings and LM head) is filled as transformers fills it, whatever the
+order of its tensors in the files (:mod:`xinfer.loading.tied`)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch import Tensor, nn
 from xinfer.distributed.group import current
 from xinfer.layers.linear import MergedLinear
 from xinfer.loading.stored import StoredTensor, Weights, part_of, whole
+from xinfer.loading.tied import tied_as_transformers
 from xinfer.model import CausalLM, ShardsCheckpoint, loader_of
 from xinfer.quant import QuantizedTensor, cat_rows
 from xinfer.quant.dispatch import replace_parameter
@@ -44,7 +48,7 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
     isq = load_quantizer()
     unfilled = {prefix: loader.checkpoint_parts() for prefix, loader in loaders.items()} if isq else {}
     unused: list[str] = []
-    for name, stored in weights:
+    for name, stored in tied_as_transformers(model, weights):
         if any(name.endswith(ignored) for ignored in model.ignored_weights):
             continue
         if (prefix := loader_of(name, loaders)) is not None:
@@ -122,9 +126,7 @@ def _numel(stored: Tensor | StoredTensor | QuantizedTensor) -> int:
 
 def _report_unused(names: list[str]) -> None:
     """One line naming the checkpoint tensors no parameter took, by pattern (layer indexes as ``*``), as
-    transformers reports them: a field the model ignores, or one it should read and does not. The LM head
-    of a model that ties it to the embedding is expected."""
-    names = [name for name in names if name != "lm_head.weight"]
+    transformers reports them: a field the model ignores, or one it should read and does not."""
     patterns = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in names})
     if patterns:
         shown = ", ".join(patterns[:8]) + (f" and {len(patterns) - 8} more" if len(patterns) > 8 else "")

@@ -68,8 +68,6 @@ class LoadQuantizer:
 
     def __init__(self, fmt: WeightFormat, device: torch.device):
         self.fmt, self.device = fmt, device
-        # the weights it packed, with their float shape and dtype (held, so that their ids stay theirs)
-        self._made: dict[int, tuple[Tensor, torch.Size, torch.dtype]] = {}
         # the weights it allocated, until it packs them (not held: one the checkpoint fills packed goes)
         self._filling: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
@@ -79,19 +77,12 @@ class LoadQuantizer:
                 if quantizes(self.fmt, owner, name, param)]  # fmt: skip
 
     def allocate(self, model: nn.Module, module: nn.Module, name: str) -> None:
-        """``module.name`` in float on the device, to be filled, where it was left unallocated or packed
-        already (a weight the checkpoint holds twice, as a tied embedding and LM head: the last one wins,
-        as without ``--isq``)."""
+        """``module.name`` in float on the device, to be filled, where it was left unallocated (a tied weight
+        is filled once: :mod:`xinfer.loading.tied`)."""
         param = getattr(module, name)
-        if id(param) in self._filling:
+        if id(param) in self._filling or not param.is_meta:
             return
-        if id(param) in self._made:
-            _, shape, dtype = self._made.pop(id(param))
-        elif param.is_meta:
-            shape, dtype = param.shape, param.dtype
-        else:
-            return
-        allocated = replace_parameter(model, param, torch.empty(shape, dtype=dtype, device=self.device))
+        allocated = replace_parameter(model, param, torch.empty(param.shape, dtype=param.dtype, device=self.device))
         self._filling[id(allocated)] = allocated
 
     def quantize(self, model: nn.Module, module: nn.Module, name: str) -> None:
@@ -100,8 +91,7 @@ class LoadQuantizer:
         if id(param) not in self._filling or not quantizes(self.fmt, module, name, param):
             return
         del self._filling[id(param)]
-        packed_param = replace_parameter(model, param, packed(param, self.fmt))
-        self._made[id(packed_param)] = packed_param, param.shape, param.dtype
+        replace_parameter(model, param, packed(param, self.fmt))
 
     def leave_unallocated(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         """A parameter registration hook (``torch.nn.modules.module``): a weight ``fmt`` packs is put on the
