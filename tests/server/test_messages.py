@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, MAX_MODEL_LEN
 
 GREEDY = {"temperature": 0}  # anthropic 2.x has no temperature argument: it goes as an extra field
 SYSTEM = "You answer in one short sentence."
@@ -348,6 +348,20 @@ def test_models_through_the_anthropic_client(claude, model):
     # the client's parser constructs them unchecked: its type validates every field it requires (lifecycle)
     for card in (*listed, retrieved):
         assert anthropic.types.ModelInfo.model_validate(card.model_dump()).lifecycle == "active"
+
+
+def test_the_models_limits_are_the_servers(server, claude, model):
+    """Anthropic's ModelInfo limits: a prompt of max_input_tokens is served (one token left to generate), a token
+    more is refused; max_tokens is the most a one-token prompt leaves."""
+    info = claude.models.retrieve(model)
+    assert info.max_input_tokens == info.max_tokens == MAX_MODEL_LEN - 1
+    for length, status in ((info.max_input_tokens, 200), (info.max_input_tokens + 1, 400)):
+        body = {"prompt": [1] * length, "max_tokens": 1, "temperature": 0}
+        assert server.post("/v1/completions", json=body).status_code == status
+    for max_tokens, status in ((info.max_tokens, 200), (info.max_tokens + 1, 400)):
+        body = {"prompt": [1], "max_tokens": max_tokens, "stream": True}  # its status is all that is read
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
+            assert response.status_code == status
 
 
 @pytest.mark.parametrize(
