@@ -2,7 +2,8 @@
 
 Bodies are parsed in pydantic's strict JSON mode: a string where a number belongs
 is an error, not a guess. Unknown fields are ignored, as OpenAI clients send new
-ones before servers know them, and ``null`` in a field that has a default means that
+ones before servers know them (OpenAI's fields asking for what this server does not do are
+refused: ``UNSUPPORTED_CHAT_FIELDS``), and ``null`` in a field that has a default means that
 default, as OpenAI's schema lets most fields be null (the clients send an explicit None). Bounds on ``n``, logprobs and stop strings keep
 one request from costing the server more than a client should be able to ask.
 """
