@@ -154,6 +154,61 @@ def test_sampling_parameters_are_accepted(client, model):
     assert reply.usage.completion_tokens <= 5
 
 
+# OpenAI's chat fields that ask for nothing this server does not do anyway: accepted and ignored
+NEUTRAL_FIELDS = {
+    "store": True, "metadata": {"k": "v"}, "user": "u", "safety_identifier": "s", "service_tier": "flex",
+    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"},
+    "prediction": {"type": "content", "content": "Paris"},  # an OpenAI speed-up: the answer is the same without
+    "modalities": ["text"], "verbosity": "medium", "web_search_options": None, "audio": None, "functions": [],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("effort", [None, "xhigh", "max"])  # OpenAI's ReasoningEffort, a template's to read
+def test_fields_that_ask_for_nothing_more_leave_the_answer_as_it_is(client, model, effort):
+    plain = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=8)
+    stream_options = {"include_usage": True, "include_obfuscation": False}
+    with_fields = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=8, reasoning_effort=effort, stream=True,
+        stream_options=stream_options, extra_body=NEUTRAL_FIELDS,
+    )  # fmt: skip
+    chunks = list(with_fields)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_reasoning_tokens_are_counted_as_none_for_a_model_that_does_not_reason(client, model):
+    """OpenAI's usage has completion_tokens_details on every chat completion: 0 reasoning tokens here."""
+    whole = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=4)
+    streamed = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=4, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+    assert list(streamed)[-1].usage.completion_tokens_details.reasoning_tokens == 0
+
+
+REFUSAL = "I can't help with that."
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        {"role": "assistant", "content": None, "refusal": REFUSAL},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": REFUSAL}]},
+    ],
+    ids=["refusal field", "refusal part"],
+)
+def test_an_assistant_refusal_given_back_is_what_it_said(server, client, model, refused):
+    """A refusal in history (OpenAI's assistant message with ``refusal`` and null content, or a refusal part) is
+    the assistant's turn with that text, as a client sending a previous answer back has it."""
+    turns = [*QUESTION, refused, {"role": "user", "content": "Why not?"}]
+    as_text = [*QUESTION, {"role": "assistant", "content": REFUSAL}, {"role": "user", "content": "Why not?"}]
+    prompt = server.post("/tokenize", {"messages": turns}).json()["tokens"]
+    assert prompt == server.post("/tokenize", {"messages": as_text}).json()["tokens"]
+    reply = client.chat.completions.create(model=model, messages=turns, temperature=0, max_tokens=4)
+    assert reply.usage.prompt_tokens == len(prompt)
+
+
 def test_logit_bias_forces_and_bans_tokens(server, client, model):
     """OpenAI's logit_bias: +100 makes a token certain even when sampling, -100 rules it out."""
     forced = client.chat.completions.create(

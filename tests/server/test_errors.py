@@ -309,6 +309,58 @@ ROWS = [
     ),
     ("detokenize a negative id", "/detokenize", {"tokens": [-3]}, {}, 400, "tokens", "token ids"),
     ("unknown route", "/v1/nothing-here", {}, {}, 404, None, "/v1/nothing-here"),
+    # OpenAI requires a tool's type and an object tool_choice's (ChatCompletionFunctionToolParam,
+    # ChatCompletionNamedToolChoiceParam); custom tools and allowed_tools are types this server does not run
+    ("tool without a type", CHAT, chat(tools=[{"function": {"name": "f"}}]), {}, 400, "tools.0.type", "function"),
+    (
+        "custom tool",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}, {"type": "custom", "custom": {"name": "c"}}]),
+        {},
+        400,
+        "tools.1.type",
+        "custom",
+    ),
+    (
+        "tool_choice without a type",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"function": {"name": "f"}}),
+        {},
+        400,
+        "tool_choice.type",
+        "function",
+    ),
+    (
+        "tool_choice of allowed tools",
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+        ),
+        {},
+        400,
+        "tool_choice.type",
+        "allowed_tools",
+    ),
+    # OpenAI's chat fields asking for what this server does not do: refused, not ignored (the answer would be
+    # other than the one asked for)
+    ("audio output", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), {}, 400, "audio", "audio"),
+    ("audio modality", CHAT, chat(modalities=["text", "audio"]), {}, 400, "modalities", "text"),
+    ("deprecated functions", CHAT, chat(functions=[{"name": "f"}]), {}, 400, "functions", "tools"),
+    ("deprecated function_call", CHAT, chat(function_call="auto"), {}, 400, "function_call", "tool_choice"),
+    ("moderation", CHAT, chat(moderation={"model": "omni-moderation-latest"}), {}, 400, "moderation", "moderation"),
+    ("web search", CHAT, chat(web_search_options={}), {}, 400, "web_search_options", "web search"),
+    ("verbosity", CHAT, chat(verbosity="low"), {}, 400, "verbosity", "medium"),
+    (
+        "deprecated function_call in history",
+        CHAT,
+        chat(messages=[*HI, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]),
+        {},
+        400,
+        "messages.1.function_call",
+        "tool_calls",
+    ),
+    ("reasoning_effort unknown", CHAT, chat(reasoning_effort="extreme"), {}, 400, "reasoning_effort", "xhigh"),
 ]
 
 ERROR_TYPES = {

@@ -228,6 +228,9 @@ def test_chat_runs_an_mcp_call_and_feeds_its_result_back(mcp_openai, mcp_model):
     assert {k: v for k, v in streamed_ran.items() if k != "id"} == {k: v for k, v in ran.items() if k != "id"}
     assert "".join(d.content or "" for d in deltas) == message.content  # greedy: the same final answer
     assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+    # every round's reasoning tokens, as a chat completion counts its own (none: SmolLM2 does not reason)
+    assert answer.usage.completion_tokens_details.reasoning_tokens == 0
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_chat_mcp_errors(mcp_openai, mcp_model):

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, MAX_MODEL_LEN
 
 GREEDY = {"temperature": 0}  # anthropic 2.x has no temperature argument: it goes as an extra field
 SYSTEM = "You answer in one short sentence."
@@ -187,6 +187,9 @@ def test_a_plain_text_document_is_read_as_text(server, claude, model):
     assert counted.input_tokens == tokens.json()["count"]
 
 
+SEARCH_RESULT = {"type": "search_result", "source": "https://x", "title": "t", "content": [{"type": "text", "text": "x"}]}  # fmt: skip
+
+
 def document_turn(source: dict) -> dict:
     return {"messages": [{"role": "user", "content": [{"type": "document", "source": source}]}]}
 
@@ -232,6 +235,15 @@ def document_turn(source: dict) -> dict:
         ({"stop_sequences": [""]}, "stop_sequences: stop strings"),
         ({"temperature": 1.5}, "temperature"),
         ({"top_k": 2**63}, "top_k"),
+        # what this server does not run is refused, not ignored
+        ({"container": "container_1"}, "container: "),
+        ({"mcp_servers": [{"type": "url", "url": "https://example.com/sse", "name": "x"}]}, "mcp_servers: "),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type: "),  # Anthropic's ThinkingConfigParam types
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort: "),
+        (  # a search_result block (its source a string) is a block this server does not read
+            {"messages": [{"role": "user", "content": [SEARCH_RESULT]}]},
+            "messages.0.content.0: a user turn cannot hold a content block of type 'search_result'",
+        ),
     ],
 )
 def test_bad_requests_are_400_in_anthropic_shape(server, claude, model, change, named):
@@ -244,6 +256,21 @@ def test_bad_requests_are_400_in_anthropic_shape(server, claude, model, change, 
     assert named in error["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):  # extra_body's fields replace the client's
         claude.messages.create(model=model, max_tokens=4, messages=TURNS, extra_body=change)
+
+
+def test_bookkeeping_fields_leave_the_answer_as_it_is(claude, model):
+    """Anthropic's fields that change no answer here: caching hints (the prefix cache is automatic), metadata,
+    service tier, speed, region, diagnostics, the caller's ids, effort and a thinking budget (a local model thinks
+    as its template lets it)."""
+    plain = claude.messages.create(model=model, max_tokens=8, messages=TURNS, extra_body=GREEDY)
+    fields = {
+        "cache_control": {"type": "ephemeral"}, "metadata": {"user_id": "u"}, "service_tier": "auto",
+        "speed": "standard", "inference_geo": "us", "diagnostics": {"previous_message_id": "msg_1"},
+        "user_profile_id": "u", "workspace_id": "w", "output_config": {"effort": "xhigh"},
+        "thinking": {"type": "enabled", "budget_tokens": 1024}, **GREEDY,
+    }  # fmt: skip
+    message = claude.messages.create(model=model, max_tokens=8, messages=TURNS, extra_body=fields)
+    assert message.content[0].text == plain.content[0].text and message.stop_reason == plain.stop_reason
 
 
 def test_unknown_model_and_route_errors(server, claude):
@@ -321,6 +348,20 @@ def test_models_through_the_anthropic_client(claude, model):
     # the client's parser constructs them unchecked: its type validates every field it requires (lifecycle)
     for card in (*listed, retrieved):
         assert anthropic.types.ModelInfo.model_validate(card.model_dump()).lifecycle == "active"
+
+
+def test_the_models_limits_are_the_servers(server, claude, model):
+    """Anthropic's ModelInfo limits: a prompt of max_input_tokens is served (one token left to generate), a token
+    more is refused; max_tokens is the most a one-token prompt leaves."""
+    info = claude.models.retrieve(model)
+    assert info.max_input_tokens == info.max_tokens == MAX_MODEL_LEN - 1
+    for length, status in ((info.max_input_tokens, 200), (info.max_input_tokens + 1, 400)):
+        body = {"prompt": [1] * length, "max_tokens": 1, "temperature": 0}
+        assert server.post("/v1/completions", json=body).status_code == status
+    for max_tokens, status in ((info.max_tokens, 200), (info.max_tokens + 1, 400)):
+        body = {"prompt": [1], "max_tokens": max_tokens, "stream": True}  # its status is all that is read
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
+            assert response.status_code == status
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,9 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
         ({"include": ["message.output_text.logprobs", "reasoning.summary"]}, "include"),  # not OpenAI's includable
         ({"include": "message.output_text.logprobs"}, "include"),  # a list
         ({"include": [OUTPUT_LOGPROBS], "top_logprobs": 21}, "top_logprobs"),  # OpenAI's 0 to 20
+        ({"tools": [{"name": "f", "parameters": {"type": "object"}}]}, "tools.0.type"),  # OpenAI requires the type
+        ({"tools": [WEATHER], "tool_choice": {"name": "get_weather"}}, "tool_choice.type"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(server, client, model, change, param):
@@ -189,8 +192,23 @@ def test_bookkeeping_fields_are_accepted(client, model):
     response = client.responses.create(
         model=model, input="Hi.", max_output_tokens=2, store=False, metadata={"k": "v"}, user="u",
         tool_choice="auto", truncation="disabled", stream=None,  # the client sends null: the default, as on chat
+        prompt_cache_key="k", prompt_cache_retention="24h", reasoning={"effort": "xhigh"},  # OpenAI's newest level
+        extra_body={"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}},
     )  # fmt: skip
     assert response.metadata == {"k": "v"} and response.usage.output_tokens <= 2
+
+
+def test_a_refusal_given_back_is_the_assistant_text(client, model):
+    """An assistant message's ``refusal`` part (OpenAI's ResponseOutputRefusal, sent back as input) is what the
+    assistant said: the same prompt as that text in an ``output_text`` part."""
+
+    def prompt_tokens(part: dict) -> int:
+        turns = [TURNS[0], {"type": "message", "role": "assistant", "content": [part]}, TURNS[2]]
+        return client.responses.create(model=model, input=turns, max_output_tokens=1).usage.input_tokens
+
+    refusal = "I can't help with that."
+    as_text = prompt_tokens({"type": "output_text", "text": refusal, "annotations": []})
+    assert prompt_tokens({"type": "refusal", "refusal": refusal}) == as_text
 
 
 def assert_same_logprobs(got: list[dict], expected: list[dict]) -> None:

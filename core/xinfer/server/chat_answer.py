@@ -89,9 +89,8 @@ class ChatAnswer(Answer):
         return ChatCompletion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage(),
                               prompt_logprobs=self.prompt_logprobs(0))  # fmt: skip
 
-    def reasoning_tokens(self) -> int | None:
-        if self.tags is None:
-            return None
+    def reasoning_tokens(self) -> int:
+        """As OpenAI counts them on every chat completion: 0 where the model does not reason."""
         return sum(self.reasoning_length(c.token_ids) for c in self.handle.choices)
 
     def reasoning_length(self, token_ids: list[int]) -> int:

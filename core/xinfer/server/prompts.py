@@ -19,22 +19,25 @@ def message_dicts(
     ``arguments_as_objects``: assistant tool calls' arguments decoded from their JSON text."""
     result, images = [], []
     for i, message in enumerate(messages):
-        item = message.model_dump(exclude_none=True, exclude={"reasoning"})  # templates read reasoning_content
+        # templates read reasoning_content; a refusal given back is already the content
+        item = message.model_dump(exclude_none=True, exclude={"reasoning", "refusal"})
         if isinstance(message.content, list):
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(message.content):
                 if part.type == "text" and part.text is not None:
                     parts.append({"type": "text", "text": part.text})
+                elif part.type == "refusal" and part.refusal is not None:  # what the assistant said
+                    parts.append({"type": "text", "text": part.refusal})
                 elif part.type == "image_url" and part.image_url is not None:
                     parts.append({"type": "image"})
                     images.append((part.image_url.url, f"messages.{i}.content.{j}.image_url"))
-                elif part.type in ("text", "image_url"):
+                elif part.type in ("text", "image_url", "refusal"):
                     raise bad_request(
                         f"a {part.type} part needs its {part.type} field", param=f"messages.{i}.content.{j}"
                     )
                 else:
                     raise bad_request(
-                        f"content part of type {part.type!r} is not supported: parts are text or image_url",
+                        f"content part of type {part.type!r} is not supported: parts are text, image_url or refusal",
                         param=f"messages.{i}.content.{j}",
                     )
             has_image = any(p["type"] == "image" for p in parts)

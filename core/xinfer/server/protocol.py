@@ -2,7 +2,8 @@
 
 Bodies are parsed in pydantic's strict JSON mode: a string where a number belongs
 is an error, not a guess. Unknown fields are ignored, as OpenAI clients send new
-ones before servers know them, and ``null`` in a field that has a default means that
+ones before servers know them (OpenAI's fields asking for what this server does not do are
+refused: ``UNSUPPORTED_CHAT_FIELDS``), and ``null`` in a field that has a default means that
 default, as OpenAI's schema lets most fields be null (the clients send an explicit None). Bounds on ``n``, logprobs and stop strings keep
 one request from costing the server more than a client should be able to ask.
 """
@@ -50,12 +51,13 @@ class ImageURL(RequestBody):
 
 
 class ContentPart(RequestBody):
-    """A part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url",
-    "image_url": {"url": ...}}``."""
+    """A part of a message's content: ``{"type": "text", "text": ...}``, ``{"type": "image_url",
+    "image_url": {"url": ...}}``, or an assistant's ``{"type": "refusal", "refusal": ...}`` (read as its text)."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    refusal: str | None = None
 
 
 class CalledFunction(RequestBody):
@@ -80,6 +82,8 @@ class ChatMessage(RequestBody):
     tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None
     reasoning: str | None = None  # vLLM's name of reasoning_content, read as it
+    refusal: str | None = None  # an assistant's refusal given back: what it said, where content is null
+    function_call: dict[str, Any] | None = None  # the deprecated form of tool_calls: refused
 
     @model_validator(mode="after")
     def _reasoning_under_either_name(self) -> ChatMessage:
@@ -96,6 +100,10 @@ class ChatMessage(RequestBody):
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
+        if self.function_call is not None:
+            raise FieldError("function_call", "the deprecated function_call is not supported: give tool_calls")
+        if self.content is None and self.role == "assistant" and self.refusal is not None:
+            self.content = self.refusal
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise FieldError("content", f"a message of role {self.role!r} needs content")
         return self
@@ -145,6 +153,29 @@ def check_stop_strings(stops: list[str]) -> None:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
         raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+
+
+# OpenAI's values (a template that reads reasoning_effort gets the value as given; "none" turns thinking off)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# OpenAI's chat fields that ask for what this server does not do (audio output, moderation, web search, a
+# verbosity other than the model's own, the deprecated functions): a 400 naming them unless they hold no more
+# than what it does anyway (None, or the values below), as ignoring them would answer what was not asked for
+UNSUPPORTED_CHAT_FIELDS = {
+    "audio": "audio output is not supported: answers are text",
+    "modalities": 'only ["text"] is supported: answers are text',
+    "moderation": "moderation is not run by this server",
+    "web_search_options": "web search is not run by this server",
+    "verbosity": "only 'medium' is supported: the model's answers are as long as it makes them",
+    "functions": "the deprecated functions are not supported: give them as tools",
+    "function_call": "the deprecated function_call is not supported: give tool_choice",
+}
+NEUTRAL_CHAT_VALUES: dict[str, tuple[Any, ...]] = {"modalities": (["text"],), "verbosity": ("medium",),
+                                                   "functions": ([],)}  # fmt: skip
+
+
+def asks_nothing(value: Any, neutral: tuple[Any, ...] = ()) -> bool:
+    """Whether a field's value asks for nothing: unset, empty, false, or one of ``neutral`` (what is done anyway)."""
+    return value in (None, False, [], {}) or value in neutral
 
 
 class SamplingFields(RequestBody):
@@ -256,27 +287,31 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # xinfer's extra: offer the tools of the --mcp-* servers (true: all of them; a list: those named)
     mcp: bool | list[str] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, problem in UNSUPPORTED_CHAT_FIELDS.items():
+                # web_search_options: {} asks for a search: only null (or a field left out) asks for nothing
+                if data.get(name) not in (None, *NEUTRAL_CHAT_VALUES.get(name, ())):
+                    raise FieldError(name, problem)
+        return data
+
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.tools is not None:
-            try:
-                check_tools(self.tools)
-            except ValueError as error:
-                raise FieldError("tools", str(error)) from None
+            check_tools(self.tools)
         if not self.mcp:  # else checked once the MCP servers' tools are added
-            try:
-                check_tool_choice(self.tool_choice, self.tools)
-            except ValueError as error:
-                raise FieldError("tool_choice", str(error)) from None
+            check_tool_choice(self.tool_choice, self.tools)
         if self.continue_final_message and self.add_generation_prompt:
             raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
         return self

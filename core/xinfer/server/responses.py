@@ -230,11 +230,16 @@ class ModelCard(BaseModel):
     display_name: str = ""
     created_at: str = ""  # RFC 3339
     lifecycle: Literal["active"] = "active"
+    # the longest prompt and the largest max_tokens: each leaves the other one token of the context
+    max_input_tokens: int | None = None
+    max_tokens: int | None = None
 
     @model_validator(mode="after")
     def _anthropic_fields(self) -> ModelCard:
         self.display_name = self.display_name or self.id
         self.created_at = self.created_at or datetime.fromtimestamp(self.created, timezone.utc).isoformat()
+        if self.max_model_len is not None:
+            self.max_input_tokens = self.max_tokens = self.max_model_len - 1
         return self
 
 

@@ -101,7 +101,7 @@ class Answer(ABC):
         return usage(handle.num_prompt_tokens, handle.num_generated, handle.num_cached_tokens, self.reasoning_tokens())
 
     def reasoning_tokens(self) -> int | None:
-        """Output tokens spent reasoning, for a model that reasons; None for one that does not."""
+        """Output tokens spent reasoning (``completion_tokens_details``); None: not counted (a completion)."""
         return None
 
     def chunk(self, choices: list[Any], with_usage: bool = False) -> str:

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from xinfer.server.errors import FieldError
 from xinfer.toolcalls import NamedFunctionParser, RequiredCallsParser, ToolParser, named_schema, required_schema
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -16,18 +17,21 @@ CHOICES = ("none", "auto", "required")
 
 
 def check_tools(tools: list[dict[str, Any]]) -> None:
-    """OpenAI's function tools (chat's shape: ``{"type": "function", "function": {...}}``);
-    ValueError naming the first problem."""
+    """OpenAI's function tools (chat's shape: ``{"type": "function", "function": {...}}``, the type required as
+    OpenAI requires it); FieldError naming the first problem."""
     functions = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if tool.get("type", "function") != "function":
-            raise ValueError(f"{where}.type must be 'function', got {tool.get('type')!r}")
+        if tool.get("type") != "function":
+            raise FieldError(f"tools.{i}.type", f"{where}.type must be 'function', got {tool.get('type')!r}")
         function = tool.get("function")
         if not isinstance(function, dict):
-            raise ValueError(f"{where}.function must be an object with a name")
+            raise FieldError("tools", f"{where}.function must be an object with a name")
         functions.append((f"{where}.function", function))
-    check_functions(functions)
+    try:
+        check_functions(functions)
+    except ValueError as error:
+        raise FieldError("tools", str(error)) from None
 
 
 def check_functions(functions: list[tuple[str, dict[str, Any]]]) -> None:
@@ -66,19 +70,25 @@ def forced_function(tool_choice: str | dict[str, Any] | None) -> str | None:
 
 
 def check_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> None:
+    """Chat's ``tool_choice`` (an object's type required, as OpenAI requires it); FieldError naming the problem."""
     if tool_choice is None:
         return
     if isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
-            raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}")
+            raise FieldError(
+                "tool_choice", f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {tool_choice!r}"
+            )
         if tool_choice == "required" and not tools:
-            raise ValueError("tool_choice 'required' needs tools")
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
         return
+    shape = 'tool_choice as an object must be {"type": "function", "function": {"name": ...}}'
+    if tool_choice.get("type") != "function":
+        raise FieldError("tool_choice.type", f"{shape}, got type {tool_choice.get('type')!r}")
     name = forced_function(tool_choice)
-    if tool_choice.get("type", "function") != "function" or name is None:
-        raise ValueError('tool_choice as an object must be {"type": "function", "function": {"name": ...}}')
+    if name is None:
+        raise FieldError("tool_choice.function", shape)
     if not any((tool.get("function") or {}).get("name") == name for tool in tools or []):
-        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+        raise FieldError("tool_choice", f"tool_choice names the function {name!r}, which is not in tools")
 
 
 def forced_schema(

@@ -54,13 +54,14 @@ class ChatRounds:
         self.rounds = rounds
         self.serving = rounds.serving
         self.id = new_id("chatcmpl")
+        self.reasoning_tokens = 0  # every round's
 
     def answer(self, handle: RequestHandle, prompt: ChatPrompt) -> ChatAnswer:
         return ChatAnswer(self.serving, self.rounds.body, handle, prompt.tags, prompt.inside, prompt.tools)
 
     def usage(self) -> Usage:
         rounds = self.rounds
-        return usage(rounds.prompt_tokens, rounds.output_tokens, rounds.cached_tokens)
+        return usage(rounds.prompt_tokens, rounds.output_tokens, rounds.cached_tokens, self.reasoning_tokens)
 
     async def whole(self, first: tuple[RequestHandle, ChatPrompt]) -> ChatCompletion:
         rounds, engine = self.rounds, self.serving.engine
@@ -74,7 +75,9 @@ class ChatRounds:
             finally:
                 engine.release(handle)
             rounds.count(handle)
-            choice = self.answer(handle, prompt).choice(0, output)
+            answer = self.answer(handle, prompt)
+            self.reasoning_tokens += answer.reasoning_tokens()
+            choice = answer.choice(0, output)
             message = choice.message
             contents.append(message.content or "")
             reasonings += [message.reasoning_content] if message.reasoning_content is not None else []
@@ -122,6 +125,7 @@ class ChatRounds:
                 finally:
                     engine.release(handle)
                 rounds.count(handle)
+                self.reasoning_tokens += answer.reasoning_tokens()
                 streamed = answer.call_streams[0]
                 found = streamed.calls if streamed is not None else []
                 calls = [Call.of(c.id, c.name, c.arguments) for c in (found if answer.tools.parallel else found[:1])]

@@ -22,7 +22,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from xinfer.server.errors import bad_request, from_validation
-from xinfer.server.messages.protocol import Block, CountTokensRequest, Message, MessagesRequest, Tool, ToolChoice
+from xinfer.server.messages.protocol import (
+    Block,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    Source,
+    Tool,
+    ToolChoice,
+)
 from xinfer.server.protocol import ChatCompletionRequest
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -143,8 +151,8 @@ def block_text(content: str | list[Block], param: str) -> str:
 
 def image_part(block: Block, param: str) -> dict[str, Any]:
     source = block.source
-    if source is None:
-        raise bad_request("an image block needs a source", param=param)
+    if not isinstance(source, Source):
+        raise bad_request("an image block needs a source object", param=param)
     if source.type == "base64" and source.data and source.media_type:
         url = f"data:{source.media_type};base64,{source.data}"
     elif source.type == "url" and source.url:
@@ -157,8 +165,8 @@ def image_part(block: Block, param: str) -> dict[str, Any]:
 def document_text(block: Block, param: str) -> str:
     """The document between tags, ending its line (the turn's text parts are joined as they are)."""
     source = block.source
-    if source is None or source.type != "text":
-        given = f"of type {source.type!r}" if source is not None else "without a source"
+    if not isinstance(source, Source) or source.type != "text":
+        given = f"of type {source.type!r}" if isinstance(source, Source) else "without a source object"
         raise bad_request(f"a document {given} is not supported: documents are plain text, a source "
                           '{"type": "text", "media_type": "text/plain", "data": ...}', param=f"{param}.source")  # fmt: skip
     if source.media_type != "text/plain" or source.data is None:

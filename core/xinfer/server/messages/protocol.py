@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from xinfer.server.protocol import RequestBody, check_stop_strings
+from xinfer.server.errors import FieldError
+from xinfer.server.protocol import RequestBody, asks_nothing, check_stop_strings
+
+# Anthropic's fields that ask for what this server does not run: a 400 naming them where set, as ignoring them
+# would answer without what was asked for. Those that only change bookkeeping (cache_control, metadata,
+# service_tier, speed, inference_geo, diagnostics, user_profile_id, workspace_id) are accepted and ignored.
+UNSUPPORTED_FIELDS = {
+    "container": "containers (code execution, skills) are not run by this server",
+    "mcp_servers": "remote MCP servers are not called by this server: its own (--mcp-*) are offered with mcp: true",
+}
 
 
 class Source(RequestBody):
@@ -28,7 +37,7 @@ class Block(RequestBody):
 
     type: str
     text: str | None = None
-    source: Source | None = None
+    source: Source | str | None = None  # a string: a search_result block's, refused with the block
     title: str | None = None  # document
     context: str | None = None
     id: str | None = None  # tool_use
@@ -60,7 +69,9 @@ class ToolChoice(RequestBody):
 
 
 class Thinking(RequestBody):
-    type: str  # "enabled", "adaptive", "between_tools": the model thinks as its template lets it; "disabled"
+    # "enabled", "adaptive", "between_tools": the model thinks as its template lets it (no budget: budget_tokens is
+    # not read); "disabled": the template is asked not to think
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
 
 
@@ -70,7 +81,8 @@ class OutputFormat(RequestBody):
 
 
 class OutputConfig(RequestBody):
-    effort: str | None = None  # Anthropic's effort levels; not read (a local model's thinking has no budget)
+    # Anthropic's effort levels; not read (a local model's thinking has no budget)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None  # structured outputs: the answer follows this JSON schema
 
 
@@ -96,6 +108,15 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, problem in UNSUPPORTED_FIELDS.items():
+                if not asks_nothing(data.get(name)):
+                    raise FieldError(name, problem)
+        return data
 
     @field_validator("stop_sequences")
     @classmethod

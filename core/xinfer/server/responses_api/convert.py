@@ -65,9 +65,11 @@ def chat_request(body: ResponsesRequest, takes_images: bool) -> ChatCompletionRe
 
 def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
+        if "type" not in tool:  # OpenAI requires it
+            raise bad_request(f"tools[{i}] needs its type ('function')", param=f"tools.{i}.type")
+        if tool["type"] != "function":
             raise bad_request(
-                f"tools[{i}] is of type {tool.get('type')!r}, which this server does not run: tools are functions",
+                f"tools[{i}] is of type {tool['type']!r}, which this server does not run: tools are functions",
                 param="tools",
             )
     try:
@@ -85,7 +87,7 @@ def chat_tool_choice(tool_choice: str | dict[str, Any]) -> str | dict[str, Any]:
         raise bad_request(
             'tool_choice is "auto", "none", "required" or {"type": "function", "name": ...}, '
             f"got one of type {tool_choice.get('type')!r}",
-            param="tool_choice",
+            param="tool_choice" if "type" in tool_choice else "tool_choice.type",  # OpenAI requires the type
         )
     return {"type": "function", "function": {"name": name}}
 
@@ -167,13 +169,15 @@ def message(item: InputItem, param: str, takes_images: bool) -> dict[str, Any]:
 def content_part(part: InputPart, param: str, takes_images: bool) -> dict[str, Any]:
     if part.type in TEXT_PARTS and part.text is not None:
         return {"type": "text", "text": part.text}
+    if part.type == "refusal" and part.refusal is not None:  # an assistant's refusal given back: what it said
+        return {"type": "text", "text": part.refusal}
     if part.type == "input_image" and part.image_url is not None:
         if not takes_images:
             raise bad_request("this model takes text only: it cannot read images", param=param)
         image_url = {"url": part.image_url} | ({"detail": part.detail} if part.detail else {})
         return {"type": "image_url", "image_url": image_url}
     raise bad_request(
-        f"content part of type {part.type!r} is not supported: parts are input_text, output_text or "
+        f"content part of type {part.type!r} is not supported: parts are input_text, output_text, refusal or "
         "input_image with an image_url",
         param=param,
     )

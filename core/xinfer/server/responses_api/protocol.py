@@ -13,10 +13,10 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from xinfer.server.errors import FieldError
-from xinfer.server.protocol import MAX_TOP_LOGPROBS, RequestBody
+from xinfer.server.protocol import MAX_TOP_LOGPROBS, ReasoningEffort, RequestBody, asks_nothing
 
 # fields accepted and not read: they change no answer (no response is stored, the server runs no tool)
-IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key",
+IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
                             "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options"})  # fmt: skip
 # the values of other fields that ask for nothing beyond what this server does (their defaults)
 NEUTRAL_VALUES = {"truncation": ("disabled",)}
@@ -30,11 +30,12 @@ INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "message.input_ima
 
 
 class InputPart(RequestBody):
-    """A part of an input message's content: ``input_text`` (``output_text`` in an assistant
+    """A part of an input message's content: ``input_text`` (``output_text`` or ``refusal`` in an assistant
     turn given back), or ``input_image`` with an ``image_url``."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
     image_url: str | None = None
     file_id: str | None = None
     detail: str | None = None
@@ -74,7 +75,7 @@ class TextConfig(RequestBody):
 
 
 class Reasoning(RequestBody):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None  # not written: the reasoning item carries the reasoning's text itself
 
 
@@ -114,7 +115,7 @@ class ResponsesRequest(RequestBody):
     def unsupported_field(self) -> str | None:
         """The first field the body sets that this server does not implement."""
         for name, value in (self.model_extra or {}).items():
-            if name in IGNORED_FIELDS or value in (None, False, [], {}) or value in NEUTRAL_VALUES.get(name, ()):
+            if name in IGNORED_FIELDS or asks_nothing(value, NEUTRAL_VALUES.get(name, ())):
                 continue
             return name
         if self.text is not None and self.text.verbosity not in (None, "medium"):

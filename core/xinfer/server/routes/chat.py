@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from xinfer.server.body import parse_body
 from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.chat_run import submit_chat
-from xinfer.server.errors import bad_request
+from xinfer.server.errors import FieldError, bad_request
 from xinfer.server.mcp.requests import function_tools, offered_tools
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.serving import Serving
@@ -47,6 +47,6 @@ def with_extra_tools(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -
     all_tools = [*(body.tools or []), *tools]
     try:
         check_tool_choice(body.tool_choice, all_tools)
-    except ValueError as error:
-        raise bad_request(str(error), param="tool_choice") from None
+    except FieldError as error:
+        raise bad_request(str(error), param=error.param) from None
     return body.model_copy(update={"tools": all_tools})
