@@ -176,6 +176,11 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),
         "Gated DeltaNet with hidden_act 'gelu_pytorch_tanh': only silu is supported",
     ),
+    # transformers' Llama sizes the scaled table by the factor, then rotates whole heads with it: a shape error
+    "qwen3-moe yarn with partial rotary": (
+        lambda: qwen3_moe(rope_parameters={**YARN, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor 0.5 with rope_type 'yarn' is not supported: Qwen3MoeForCausalLM rotates whole heads",
+    ),
     "gemma4 bidirectional attention on text": (
         lambda: gemma4_config(use_bidirectional_attention="all"),
         "use_bidirectional_attention='all' is not",

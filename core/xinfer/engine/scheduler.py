@@ -8,7 +8,8 @@ chunks end where the cache snapshots recurrent state (:meth:`CacheManager.next_s
 
 A model with a context switch (``CausalLM.context_switch``: LongRoPE's trained context) computes
 the KV of a prompt longer than it otherwise, at every position, as transformers' ``generate`` does
-whatever the chunks: a longer prompt's chunks end past it, a shorter one's stop at it, and the prefix-cache
+whatever the chunks: a longer prompt's chunks end past it (over any state snapshot point up to it), a shorter
+one's stop at it, and the prefix-cache
 blocks of a longer one are its own (:attr:`Sequence.long_context`). A sequence that grows past it
 while generating turns its new tokens the long way; where the model recomputes then
 (``CausalLM.recompute_past_switch``, as transformers' Phi-3), it is recomputed from its first token.
@@ -124,10 +125,13 @@ class Scheduler:
         point where its recurrent state is snapshotted (models with recurrent layers), not
         ending inside an image whose tokens see each other (:meth:`Sequence.chunk_end`)."""
         start = seq.num_computed_tokens
-        end = start + min(seq.num_uncomputed_tokens, budget, self.cache.next_snapshot(seq) - start)
+        most = min(seq.num_uncomputed_tokens, budget)
+        end = start + min(most, self.cache.next_snapshot(seq) - start)
         switch = self.context_switch
-        if seq.long_context and switch is not None and end <= switch < start + self.config.max_num_batched_tokens:
-            return 0  # a longer chunk waits for the budget: one ending before the switch would compute short KV
+        if seq.long_context and switch is not None and end <= switch:
+            end = start + most  # a snapshot point up to the switch is skipped: the chunk must reach past it
+            if end <= switch < start + self.config.max_num_batched_tokens:
+                return 0  # a longer chunk waits for the budget: one ending before the switch would compute short KV
         if not seq.long_context and switch is not None and start < switch < end:
             end = switch  # the tokens up to the switch are a short sequence's, turned the short way
         return seq.chunk_end(start, end) - start

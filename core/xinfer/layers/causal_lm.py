@@ -36,8 +36,8 @@ class DecoderSpec:
     scale_embeddings: bool = False  # embeddings times sqrt(hidden)
     interleaved_rotary: bool = False  # rotary over adjacent pairs (GPT-J style) rather than halves
     output_gate: bool = False  # attention output times sigmoid(a gate from q's projection) (Qwen3-Next)
-    # rotary over each head's first partial_rotary_factor (Phi-3, GLM); else over the whole head, whatever
-    # the config says, as transformers' Llama-style rotary does
+    # rotary over each head's first partial_rotary_factor (Phi-3, GLM); else over the whole head, as transformers'
+    # Llama-style rotary does with the default rope whatever the factor (a scaled rope with a factor is refused)
     partial_rotary: bool = False
     # a sequence that outgrows LongRoPE's trained context is recomputed with the long factors, as transformers'
     # Phi-3 generate does (CausalLM.context_switch); else the keys cached before stay as they were
@@ -78,7 +78,15 @@ class DecoderForCausalLM(CausalLM):
 
     def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
         params = rope_parameters(config, layer_type)
-        return params if self.spec.partial_rotary else {**params, "partial_rotary_factor": 1.0}
+        if self.spec.partial_rotary:
+            return params
+        factor, kind = params["partial_rotary_factor"], params["rope_type"]
+        if factor != 1 and kind != "default":
+            # transformers' whole-head rotary ignores the factor in its default table but sizes a scaled one by it,
+            # which then fits no head: it fails, so no output is the reference's
+            raise ValueError(f"partial_rotary_factor {factor} with rope_type {kind!r} is not supported: "
+                             f"{type(self).__name__} rotates whole heads")  # fmt: skip
+        return {**params, "partial_rotary_factor": 1.0}
 
     def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         layer = SandwichDecoderLayer if self.spec.sandwich_norms else DecoderLayer

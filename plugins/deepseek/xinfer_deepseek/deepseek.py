@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RotaryEmbedding, Routing
+from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RotaryEmbedding, Routing, rope_parameters
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.model import HF_QKV_GATE_UP
@@ -33,6 +33,16 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         return LatentAttention(config, rotary, getattr(config, "rope_interleave", True))
+
+    def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
+        factor = rope_parameters(config, layer_type)["partial_rotary_factor"]
+        if factor != 1:
+            # transformers sizes its scaled tables by the factor, then rotates every rope dim with them: a table
+            # broadcast over the dims it lacks, or a shape error
+            raise ValueError(
+                f"partial_rotary_factor {factor} is not supported: latent attention rotates all qk_rope_head_dim dims"
+            )
+        return super().rope_parameters(config, layer_type)
 
     def is_sparse(self, config: Any, index: int) -> bool:
         return index >= config.first_k_dense_replace

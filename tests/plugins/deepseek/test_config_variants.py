@@ -66,6 +66,11 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: deepseek_v2_config(n_shared_experts=0, mlp_bias=True),
         "n_shared_experts 0 with mlp_bias True is not supported",
     ),
+    # transformers' scaled table has one frequency for the two rope pairs, broadcast over both
+    "v2 partial rotary with yarn": (
+        lambda: deepseek_v2_config(qk_rope_head_dim=4, rope_parameters={**YARN, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor 0.5 is not supported",
+    ),
     "v3 experts not in groups": (
         lambda: deepseek_v3_config(n_group=3),
         "n_group 3 and topk_group 2 do not fit 16 experts",

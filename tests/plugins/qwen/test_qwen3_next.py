@@ -109,3 +109,19 @@ def test_two_requests_sharing_a_prefix_match_hf(models):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for tokens in prompts:  # one after the other: the second finds the first's blocks
         assert llm.generate([tokens], params)[0].outputs[0].token_ids == hf_greedy(hf, tokens, 6)
+
+
+def test_a_longrope_prompt_past_the_trained_context_over_a_snapshot_point_matches_hf(tmp_path):
+    """Qwen3.5 with LongRoPE trained at 16 positions: a 30-token prompt is turned the long way at every position, so
+    its first chunk passes the state snapshot point at its last block boundary (16) rather than stop there (the
+    engine used to wait for a chunk that could never come)."""
+    longrope = dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.25, original_max_position_embeddings=16,
+        short_factor=[1.0, 1.1, 1.3, 1.6], long_factor=[1.5, 3.0, 7.0, 15.0],
+    )  # fmt: skip
+    config = Qwen3_5TextConfig(**{**HYBRID, "rope_parameters": longrope, "architectures": ["Qwen3_5ForCausalLM"]})
+    hf = save_tiny_model(config, tmp_path)
+    randomize_hybrid(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK)
+    assert_greedy_tokens_and_logprobs_match(hf, llm, 30)
