@@ -101,6 +101,9 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     ),
     "glm head_dim 32, 4 kv heads": lambda: glm(head_dim=32, num_key_value_heads=4),
     "glm relu": lambda: glm(hidden_act="relu"),
+    # activations no backend fuses: act(gate) * up in torch
+    "glm relu2": lambda: glm(hidden_act="relu2"),
+    "glm quick_gelu": lambda: glm(hidden_act="quick_gelu"),
     "glm4 no bias, full rotary, tied": lambda: glm4(
         attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
         tie_word_embeddings=True,
