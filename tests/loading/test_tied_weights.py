@@ -131,8 +131,11 @@ def test_an_untied_config_whose_checkpoint_lacks_the_head_is_one_error_naming_it
     write(tmp_path, tensors, "one file")
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
     assert info["missing_keys"] == {HEAD}
-    with pytest.raises(MissingWeightsError, match=r"^checkpoint lacks 1 weight\(s\) the model needs: lm_head\.weight"):
+    with pytest.raises(
+        MissingWeightsError, match=r"^checkpoint lacks 1 weight\(s\) the model needs: lm_head\.weight"
+    ) as error:
         served(tmp_path)
+    assert "tie_word_embeddings false" in str(error.value)  # the likelier mistake: the config, not the file
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "qwen3_5", "gemma4_text", "deepseek_v4"])

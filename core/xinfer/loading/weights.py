@@ -177,4 +177,7 @@ def _check_complete(model: CausalLM, loaded: set[str]) -> None:
             missing.append(name)
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-        raise MissingWeightsError(f"checkpoint lacks {len(missing)} weight(s) the model needs: {shown}")
+        hint = ""
+        if "lm_head.weight" in missing and getattr(model.config, "tie_word_embeddings", None) is False:
+            hint = " (config.json sets tie_word_embeddings false: if the LM head is the input embeddings, set it true)"
+        raise MissingWeightsError(f"checkpoint lacks {len(missing)} weight(s) the model needs: {shown}{hint}")
