@@ -491,6 +491,16 @@ def gelu_and_mul(x: Tensor) -> Tensor:
     return current().gelu_and_mul(x)
 
 
+GATED_OPS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
+"""The backend op of each fused ``act(gate) * up``, by the config's name of ``act``."""
+
+
+def act_and_mul_of(backend: Ops, activation: str) -> Callable[[Tensor], Tensor]:
+    """``backend``'s op computing ``act(gate) * up`` for the ``activation`` a config names (a key of
+    :data:`GATED_OPS`)."""
+    return getattr(backend, GATED_OPS[activation])
+
+
 def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:
     return current().sigmoid_gate(y, gate)
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from xinfer import torch_sampling
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation
+from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation, act_and_mul_of
 from xinfer.sampling import SamplingBatch
 
 if TYPE_CHECKING:
@@ -146,9 +146,7 @@ class TorchOps:
         activation: str,
         limit: float | None = None,
     ) -> Tensor:
-        gated = {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul, "gelu": self.gelu_and_mul}[
-            activation
-        ]
+        gated = act_and_mul_of(self, activation)
 
         def act_and_mul(gate_up: Tensor) -> Tensor:
             return gated(gate_up if limit is None else clamp_gate_up(gate_up, limit))

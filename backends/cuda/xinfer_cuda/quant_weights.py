@@ -211,10 +211,7 @@ class GgufKernels(WeightKernels):
     ) -> Tensor:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if topk_ids.numel() > quant_moe.MAX_SLOTS and not capturing:
-            backend = ops.current()
-            act_and_mul = {
-                "silu": backend.silu_and_mul, "gelu_pytorch_tanh": backend.gelu_tanh_and_mul, "gelu": backend.gelu_and_mul
-            }[activation]  # fmt: skip
+            act_and_mul = ops.act_and_mul_of(ops.current(), activation)
             return quant_moe.expert_by_expert(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, act_and_mul)
         return quant_moe.fused_moe(x, w13.raw, w2.raw, ggml_type(w13), topk_weights, topk_ids, activation)
 

@@ -86,7 +86,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 FUSED_GATED: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu": GeluAndMul}
 """``act(gate) * up`` as one op of the backend's, by the HF config's name of ``act``."""
 
-EXPERT_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+EXPERT_ACTIVATIONS = tuple(ops.GATED_OPS)
 """The ``act`` of ``act(gate) * up`` that :meth:`xinfer.ops.Ops.fused_moe` takes."""
 
 # transformers' other names of the same functions (gelu_new and gelu_fast: the tanh approximation)
