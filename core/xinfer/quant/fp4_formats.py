@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from xinfer.quant.tensor import WeightFormat
+from xinfer.quant.tensor import WeightFormat, divide
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -117,9 +117,9 @@ class Nvfp4Format(WeightFormat):
 
     def quantize(self, values: Tensor) -> Tensor:
         blocks = values.float().reshape(*values.shape[:-1], -1, NVFP4_BLOCK)
-        tensor_scales = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30) / (E4M3_MAX * E2M1_MAX)
+        tensor_scales = divide(blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30), E4M3_MAX * E2M1_MAX)
         groups = blocks.unflatten(-1, (-1, NVFP4_GROUP))
-        scales = (groups.abs().amax(-1) / E2M1_MAX / tensor_scales).to(torch.float8_e4m3fn)
+        scales = (divide(groups.abs().amax(-1), E2M1_MAX) / tensor_scales).to(torch.float8_e4m3fn)
         steps = scales.float() * tensor_scales
         codes = encode_e2m1(torch.where(steps[..., None] > 0, groups / steps[..., None], 0.0))
         return pack_nvfp4(codes.flatten(-3), scales.flatten(-2), tensor_scales.squeeze(-1))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from xinfer.quant.tensor import WeightFormat
+from xinfer.quant.tensor import WeightFormat, divide
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -31,7 +31,7 @@ class Fp8Format(WeightFormat):
 
     def quantize(self, values: Tensor) -> Tensor:
         blocks = values.float().reshape(*values.shape[:-1], -1, BLOCK)
-        scales = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+        scales = divide(blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12), E4M3_MAX)
         return pack(blocks.div(scales).to(torch.float8_e4m3fn).flatten(-2), scales.squeeze(-1))
 
 

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from xinfer.quant.tensor import WeightFormat
+from xinfer.quant.tensor import WeightFormat, divide
 
 QK_K = 256
 
@@ -113,7 +113,7 @@ class Q8_0(GGUFBlockFormat):
         return _f16(blocks[:, :2]) * blocks[:, 2:].view(torch.int8).float()
 
     def encode(self, blocks: Tensor) -> Tensor:
-        d = blocks.abs().amax(-1, keepdim=True) / 127
+        d = divide(blocks.abs().amax(-1, keepdim=True), 127)
         q = _round_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
         return torch.cat([_half(d), q], dim=-1)
 
@@ -125,7 +125,7 @@ class Q4_0(GGUFBlockFormat):
         return _f16(blocks[:, :2]) * (_nibbles(blocks[:, 2:]).float() - 8)
 
     def encode(self, blocks: Tensor) -> Tensor:
-        d = _signed_absmax(blocks) / -8
+        d = divide(_signed_absmax(blocks), -8)
         q = torch.trunc(blocks * _inverse(d) + 8.5).clamp(0, 15)
         return torch.cat([_half(d), _pack_nibbles(q)], dim=-1)
 
@@ -138,7 +138,7 @@ class Q4_1(GGUFBlockFormat):
 
     def encode(self, blocks: Tensor) -> Tensor:
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-        d = (high - low) / 15
+        d = divide(high - low, 15)
         q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, 15)
         return torch.cat([_half(d), _half(low), _pack_nibbles(q)], dim=-1)
 
@@ -151,7 +151,7 @@ class Q5_0(GGUFBlockFormat):
         return _f16(blocks[:, :2]) * (q.float() - 16)
 
     def encode(self, blocks: Tensor) -> Tensor:
-        d = _signed_absmax(blocks) / -16
+        d = divide(_signed_absmax(blocks), -16)
         q = torch.trunc(blocks * _inverse(d) + 16.5).clamp(0, 31).to(torch.uint8)
         return torch.cat([_half(d), _pack_high_bits(q), _pack_nibbles(q & 0xF)], dim=-1)
 
@@ -165,7 +165,7 @@ class Q5_1(GGUFBlockFormat):
 
     def encode(self, blocks: Tensor) -> Tensor:
         low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-        d = (high - low) / 31
+        d = divide(high - low, 31)
         q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, 31).to(torch.uint8)
         return torch.cat([_half(d), _half(low), _pack_high_bits(q), _pack_nibbles(q & 0xF)], dim=-1)
 
@@ -244,8 +244,8 @@ class Q4_K(GGUFBlockFormat):
     def encode(self, blocks: Tensor) -> Tensor:
         sub = blocks.reshape(-1, 8, 32)
         low = sub.amin(-1).clamp(max=0)  # each sub-block: x = scale*q - min, min >= 0
-        scale = (sub.amax(-1) - low) / 15
-        d, dmin = scale.amax(-1, keepdim=True) / 63, -low.amin(-1, keepdim=True) / 63
+        scale = divide(sub.amax(-1) - low, 15)
+        d, dmin = divide(scale.amax(-1, keepdim=True), 63), divide(-low.amin(-1, keepdim=True), 63)
         d, dmin = d.half().float(), dmin.half().float()
         scales = torch.round(scale * _inverse(d)).clamp(0, 63)
         mins = torch.round(-low * _inverse(dmin)).clamp(0, 63)
@@ -280,8 +280,8 @@ class Q6_K(GGUFBlockFormat):
 
     def encode(self, blocks: Tensor) -> Tensor:
         sub = blocks.reshape(-1, 16, 16)
-        scale = _signed_absmax(sub).squeeze(-1) / -32  # each sub-block: x = scale*q, q in [-32, 31]
-        d = (scale.abs().amax(-1, keepdim=True) / 127).half().float()
+        scale = divide(_signed_absmax(sub).squeeze(-1), -32)  # each sub-block: x = scale*q, q in [-32, 31]
+        d = divide(scale.abs().amax(-1, keepdim=True), 127).half().float()
         scales = _round_away(scale * _inverse(d)).clamp(-128, 127)
         step = (d * scales).unsqueeze(-1)
         q = (_round_away(sub * _inverse(step)).clamp(-32, 31) + 32).to(torch.uint8).reshape(-1, 2, 4, 32)

@@ -224,6 +224,13 @@ class WeightKernels:
 _loaded: list[tuple[Any, dict[str, WeightFormat]]] = []  # (the discovery, its formats)
 
 
+def divide(x: Tensor, divisor: float) -> Tensor:
+    """``x / divisor``, rounded alike on every device, as quantizers must be (``--isq`` packs the same
+    codes on a GPU as on the CPU): CUDA divides by a Python number as a multiplication by its
+    reciprocal, which for most divisors differs from the quotient in the last bit."""
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
 def weight_formats() -> dict[str, WeightFormat]:
     """The formats registered through ``xinfer_weight_formats``, by name (loaded once per plugin discovery)."""
     from xinfer import registry
