@@ -1,15 +1,20 @@
-"""Attention of a decode step (one query per sequence): the blocks of every sequence gathered (and
-decoded) at once, a layer, then one ``scaled_dot_product_attention`` per sequence over its span of
-them ([1, Hkv, L, D]), where the reference (:meth:`xinfer.torch_ops.TorchOps.attend`) runs some
-twenty ops per sequence. One call per
-sequence, at its own length, is what keeps its tokens independent of the rest of the batch: a
-batch padded to the longest context, or sequences of one length together, change how the CPU
-kernel splits its reductions."""
+"""Attention of a decode step (one query per sequence), where the reference
+(:meth:`xinfer.torch_ops.TorchOps.attend`) runs some twenty ops per sequence.
+
+The blocks of every sequence are gathered (and decoded) at once, a layer: a view of the cache
+when they are consecutive (a lone sequence's usually are), one ``index_select`` otherwise. The
+sequences of one context length then attend as one batch, ``softmax(q k^T * scale) v`` by
+batched matmuls, each sequence's slice its own matmul at its own length. That keeps a sequence's
+output bit for bit what it is alone, whatever else is in the step: a batch padded to the longest
+context changes how the reductions over its positions are split, and so does torch's fused CPU
+attention, which splits one sequence's positions across threads but not a batch's.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.forward_context import once_per_step
@@ -22,6 +27,26 @@ def is_decode(q: Tensor, meta: AttentionMetadata) -> bool:
     return meta.max_seqlen_q == 1 and q.shape[0] == meta.num_seqs and meta.shadows is None and meta.key_limits is None
 
 
+@dataclass(frozen=True)
+class LengthGroup:
+    """The step's sequences of one context ``length``: their ``rows`` (a range of rows, or their
+    indices), and where their contexts sit in the gathered positions: ``count`` spans of ``width``
+    positions from ``start``, one per sequence, each padded to whole blocks."""
+
+    rows: slice | Tensor
+    length: int
+    start: int
+    count: int
+    width: int
+
+
+@dataclass(frozen=True)
+class DecodeContexts:
+    blocks: slice | Tensor  # the cache's blocks to gather, group after group (a slice when consecutive)
+    groups: list[LengthGroup]
+    order: Tensor | None  # the rows in group order, where that is not the batch's
+
+
 def decode_attention(
     q: Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> Tensor:
@@ -29,35 +54,56 @@ def decode_attention(
     at positions ``seq_lens[b] - window`` (0 without a window) to ``seq_lens[b] - 1``."""
     num_seqs, num_heads, head_dim = q.shape
     query = cache.format.prepare_query(q, cache.equalizer).float()
-    # the query heads of a KV head are its queries: [1, Hkv, group, D] against [1, Hkv, L, D]
+    # the query heads of a KV head are its queries: [B, Hkv, group, D] against [B, Hkv, L, D]
     query = query.view(num_seqs, cache.num_kv_heads, -1, head_dim)
-    blocks, spans = once_per_step(
-        f"cpu.decode_blocks.{cache.block_size}",
+    contexts = once_per_step(
+        f"cpu.decode_contexts.{cache.block_size}",
         (meta.seq_lens, meta.block_tables),
         lambda: _contexts(meta.seq_lens, meta.block_tables, cache.block_size),
     )
-    # every sequence's blocks in one gather (one decode of them); a sequence's keys are a span of it
-    k, v = cache.format.decode(
-        {name: t.index_select(0, blocks).flatten(0, 1)[None] for name, t in cache.tensors.items()}
-    )
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [1, Hkv, positions, D]
+    k, v = cache.format.decode({name: _gather(t, contexts.blocks).flatten(0, 1) for name, t in cache.tensors.items()})
     outputs = []
-    for row, (start, end) in enumerate(spans):
-        if window is not None:  # (blocks before a window are -1: read as block 0, not attended)
-            start = max(start, end - window)
-        keys, values = k.narrow(2, start, end - start), v.narrow(2, start, end - start)
-        outputs.append(F.scaled_dot_product_attention(query[row : row + 1], keys, values, scale=scale))
-    out = torch.cat(outputs) if num_seqs > 1 else outputs[0]
+    for group in contexts.groups:
+        start = 0 if window is None else max(0, group.length - window)  # (dropped blocks, -1, read as block 0)
+        keys, values = (
+            x.narrow(0, group.start, group.count * group.width)
+            .unflatten(0, (group.count, group.width))[:, start : group.length]
+            .transpose(1, 2)
+            .contiguous()  # [G, Hkv, L, D]: a batch of strided matrices takes another path through matmul
+            for x in (k, v)
+        )
+        scores = torch.matmul(query[group.rows], keys.transpose(-1, -2)).mul_(scale)
+        outputs.append(torch.matmul(torch.softmax(scores, dim=-1), values))
+    out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    if contexts.order is not None:
+        out = torch.empty_like(out).index_copy_(0, contexts.order, out)
     return cache.format.finish_output(out.view(num_seqs, num_heads, -1)).to(q.dtype)
 
 
-def _contexts(seq_lens: Tensor, block_tables: Tensor, block_size: int) -> tuple[Tensor, list[tuple[int, int]]]:
-    """The blocks of every sequence one after another (a dropped block, -1, read as block 0), and
-    each sequence's span (start, end) of positions in them."""
+def _gather(blocks_of: Tensor, blocks: slice | Tensor) -> Tensor:
+    return blocks_of[blocks] if isinstance(blocks, slice) else blocks_of.index_select(0, blocks)
+
+
+def _contexts(seq_lens: Tensor, block_tables: Tensor, block_size: int) -> DecodeContexts:
+    by_length: dict[int, list[int]] = {}
+    lengths = seq_lens.tolist()
+    for row, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(row)
+    tables = block_tables.tolist()
     blocks: list[int] = []
-    spans = []
-    for table, length in zip(block_tables.tolist(), seq_lens.tolist()):
+    groups = []
+    for length, rows in by_length.items():
+        width = -(-length // block_size)
         start = len(blocks) * block_size
-        blocks += table[: -(-length // block_size)]
-        spans.append((start, start + length))
-    return torch.tensor(blocks).clamp_(min=0), spans
+        for row in rows:
+            blocks += tables[row][:width]
+        in_order = rows == list(range(rows[0], rows[0] + len(rows)))
+        group_rows = slice(rows[0], rows[0] + len(rows)) if in_order else torch.tensor(rows)
+        groups.append(LengthGroup(group_rows, length, start, len(rows), width * block_size))
+    order = [row for rows in by_length.values() for row in rows]
+    consecutive = blocks[0] >= 0 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+    return DecodeContexts(
+        blocks=slice(blocks[0], blocks[0] + len(blocks)) if consecutive else torch.tensor(blocks).clamp_(min=0),
+        groups=groups,
+        order=None if order == list(range(len(order))) else torch.tensor(order),
+    )
