@@ -100,9 +100,10 @@ def test_gemma4_gives_cpu_tokens(gemma4_dir, enforce_eager):
 def test_gemma4_prefix_hit_and_prompt_logprobs_match_cpu_backend(gemma4_dir, enforce_eager):
     """A second call whose prompts share 50 and 40 tokens with the first's hits the prefix cache (steps of
     32 tokens over cached context in both kinds of layer); its tokens are the CPU backend's, and so are its
-    prompt log-probabilities and each position's likeliest token, within 1e-4 of their size (fp32 both, summed in
-    other orders: with weights of std 0.2 and logits up to the softcap, 30, rounding reaches ~1.5e-5 of a
-    log-probability, 1.1e-4 at -7.9 on the H200; a wrong cache read or window moves them by tenths)."""
+    prompt log-probabilities and each position's likeliest token, within 1e-4 of their size or 5e-4 (fp32 both,
+    summed in other orders: with weights of std 0.2 and logits up to the softcap, 30, rounding reaches ~1.5e-5 of a
+    log-probability, 1.1e-4 at -7.9 on the H200, 2.5e-4 at -2.22 for the E-model on the H100; a wrong cache read or
+    window moves them by tenths)."""
     shared = prompt(50, seed=7)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
     second = [shared + prompt(9, seed=9), shared[:40] + prompt(5, seed=10)]
@@ -119,7 +120,7 @@ def test_gemma4_prefix_hit_and_prompt_logprobs_match_cpu_backend(gemma4_dir, enf
         assert len(gpu.prompt_logprobs) == len(cpu.prompt_logprobs) == len(gpu.prompt_token_ids)
         for on_gpu, on_cpu in zip(gpu.prompt_logprobs[1:], cpu.prompt_logprobs[1:], strict=True):
             assert on_gpu.keys() == on_cpu.keys()
-            assert on_gpu == pytest.approx(on_cpu, rel=1e-4, abs=1e-4)
+            assert on_gpu == pytest.approx(on_cpu, rel=1e-4, abs=5e-4)
 
 
 def test_gpu_batch_invariance(model_dir):
