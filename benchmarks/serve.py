@@ -209,8 +209,9 @@ async def benchmark(args: argparse.Namespace, base_url: str) -> list[tuple[int, 
         runs = []
         for concurrency, count in zip(levels, counts):
             prompts = await random_prompts(http, count, args.input_len, rng, args.random_ids)
-            if args.warmup:
-                await asyncio.gather(*(one_request(http, model, p, 4) for p in prompts[: min(concurrency, 4)]))
+            if args.warmup:  # the level's batch shapes, in each mode, captured before it is timed
+                for sampling in args.sampling:
+                    await asyncio.gather(*(one_request(http, model, p, 4, sampling) for p in prompts[:concurrency]))
             for sampling in args.sampling:
                 print(json.dumps(await run_level(args, http, model, prompts, concurrency, rng, sampling)), flush=True)
             runs.append((concurrency, prompts))
@@ -252,8 +253,9 @@ async def offline_peer(args: argparse.Namespace, runs: list[tuple[int, list[list
 
     try:
         for (concurrency, prompts), sampling in itertools.product(runs, args.sampling):
-            if args.warmup:
-                await asyncio.gather(*(generate(p, 4) for p in prompts[: min(concurrency, 4)]))
+            if args.warmup and sampling == args.sampling[0]:  # as the server's run was warmed
+                for mode in args.sampling:
+                    await asyncio.gather(*(generate(p, 4, mode) for p in prompts[:concurrency]))
             start = time.perf_counter()
             tokens = await level(prompts, concurrency, sampling)
             duration = time.perf_counter() - start

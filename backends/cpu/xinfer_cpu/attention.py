@@ -66,10 +66,11 @@ def decode_attention(
     for group in contexts.groups:
         start = 0 if window is None else max(0, group.length - window)  # (dropped blocks, -1, read as block 0)
         keys, values = (
-            x.narrow(0, group.start, group.count * group.width)
-            .unflatten(0, (group.count, group.width))[:, start : group.length]
-            .transpose(1, 2)
-            .contiguous()  # [G, Hkv, L, D]: a batch of strided matrices takes another path through matmul
+            _batch_of_matrices(
+                x.narrow(0, group.start, group.count * group.width)
+                .unflatten(0, (group.count, group.width))[:, start : group.length]
+                .transpose(1, 2)  # [G, Hkv, L, D]
+            )
             for x in (k, v)
         )
         scores = torch.matmul(query[group.rows], keys.transpose(-1, -2)).mul_(scale)
@@ -78,6 +79,12 @@ def decode_attention(
     if contexts.order is not None:
         out = torch.empty_like(out).index_copy_(0, contexts.order, out)
     return cache.format.finish_output(out.view(num_seqs, num_heads, -1)).to(q.dtype)
+
+
+def _batch_of_matrices(x: Tensor) -> Tensor:
+    """``x`` as matmul reads a batch's matrices alike whatever the batch's size: contiguous (a batch of
+    strided matrices takes another path, giving other bits than each alone); one matrix as it is."""
+    return x if x.shape[0] == 1 else x.contiguous()
 
 
 def _gather(blocks_of: Tensor, blocks: slice | Tensor) -> Tensor:
