@@ -69,9 +69,7 @@ class DecoderForCausalLM(CausalLM):
             self.rms_norm(config.hidden_size),
             embed_scale=config.hidden_size**0.5 if self.spec.scale_embeddings else None,
         )
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, getattr(config, "final_logit_softcapping", None))
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = LMHead.of(config, self.model.embed_tokens, getattr(config, "final_logit_softcapping", None))
         switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
         self.context_switch = min(switches, default=None)
         self.recompute_past_switch = self.spec.longrope_recompute

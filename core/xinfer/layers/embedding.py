@@ -2,7 +2,7 @@
 a multiple of the ranks): a rank embeds the tokens of its rows, the sum over the ranks is the
 embedding; a rank's logits are those of its rows, gathered on the first rank."""
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,14 @@ class LMHead(_VocabRows):
     def __init__(self, vocab_size: int, dim: int, softcap: float | None = None):
         super().__init__(vocab_size, dim)
         self.softcap = softcap
+
+    @classmethod
+    def of(cls, config: Any, embedding: VocabEmbedding, softcap: float | None = None) -> "LMHead":
+        """The head of a model of ``config``: with ``tie_word_embeddings``, ``embedding``'s table is its weight."""
+        head = cls(config.vocab_size, config.hidden_size, softcap)
+        if getattr(config, "tie_word_embeddings", False):
+            head.weight = embedding.weight
+        return head
 
     def forward(self, hidden: Tensor) -> Tensor:
         logits = ops.linear(hidden, self.weight)

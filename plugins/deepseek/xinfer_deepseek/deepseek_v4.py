@@ -97,9 +97,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     def __init__(self, config: Any):
         super().__init__(config)
         self.model = DeepseekV4Model(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = LMHead.of(config, self.model.embed_tokens)
         self.mtp: dict[str, Tensor] = {}
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:

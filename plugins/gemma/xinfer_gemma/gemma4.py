@@ -282,9 +282,7 @@ class Gemma4ForCausalLM(CausalLM):
             wide = config.use_double_wide_mlp and reuses
             layers.append(Gemma4DecoderLayer(config, attn, config.intermediate_size * (2 if wide else 1), norm))
         self.model = Gemma4Model(config, layers, norm)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, config.final_logit_softcapping)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = LMHead.of(config, self.model.embed_tokens, config.final_logit_softcapping)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         return self.model(input_ids, positions)
