@@ -1,13 +1,18 @@
 """End to end on the GPU: a tiny Llama GGUF whose weights stay packed in several GGUF block
 formats gives, through the CUDA backend's packed-weight kernels (CUDA graphs and eager), the
-greedy tokens of the CPU backend's reference (which dequantizes per call). Runs on the GPU
-machine; the kernels themselves are checked under the interpreter (tests/backends/test_gguf_kernels.py)."""
+greedy tokens of the reference (the CPU backend dequantizing per call, in fp32: not its repacked
+matmuls, whose bf16 activations and scales move these logits by up to 4 % of the largest). Runs on
+the GPU machine; the kernels themselves are checked under the interpreter
+(tests/backends/test_gguf_kernels.py, tests/backends/test_gguf_planes.py)."""
+
+from pathlib import Path
 
 import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.loading.gguf_models import reference_llm
 from tests.loading.test_gguf import write_gguf
 from tests.tiny_models import COMMON, prompt
 from xinfer import LLM, SamplingParams
@@ -47,7 +52,7 @@ def tokens(llm, params):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_packed_gguf_gives_the_cpu_reference_tokens(packed_gguf, enforce_eager):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    cpu = LLM(model=packed_gguf, dtype="float32", device="cpu", num_blocks=128)
+    cpu = reference_llm(Path(packed_gguf), dtype="float32", device="cpu", num_blocks=128)
     gpu = LLM(model=packed_gguf, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
               enforce_eager=enforce_eager)  # fmt: skip
     packed = [p for p in gpu.engine.model.parameters() if isinstance(p, QuantizedTensor)]
