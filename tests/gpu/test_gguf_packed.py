@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.loading.gguf_models import reference_llm
 from tests.loading.test_gguf import write_gguf
-from tests.tiny_models import COMMON, prompt
+from tests.tiny_models import COMMON, prefill_logits, prompt
 from xinfer import LLM, SamplingParams
 from xinfer.quant import QuantizedTensor
 
@@ -60,4 +60,8 @@ def test_packed_gguf_gives_the_cpu_reference_tokens(packed_gguf, enforce_eager):
     # every linear re-laid into the CUDA backend's planes (the embedding's Q8_0 rows stay the file's)
     planes = {f"{name}:cuda-planes" for name in ("q4_k", "q4_0", "q6_k", "q8_0", "q4_1", "q5_0", "q5_1")}
     assert formats == planes | {"q8_0"}
+    for ids in PROMPTS[:3]:  # fp32 on both: apart by summation order alone (3.5e-6 with the kernels interpreted)
+        got, expected = prefill_logits(gpu.engine, ids).cpu(), prefill_logits(cpu.engine, ids)
+        error = float((got - expected).abs().max() / expected.abs().max())
+        assert error <= 1e-4, f"{len(ids)} tokens: max|diff|/max|logit| = {error:.2e}"
     assert tokens(gpu, params) == tokens(cpu, params)
