@@ -20,7 +20,7 @@ from torch import Tensor
 from tests.backends.test_gguf_kernels import check, reference_weight
 from xinfer import ops
 from xinfer.layers.embedding import VocabEmbedding
-from xinfer.quant import get_weight_format, quantized
+from xinfer.quant import cat_rows, get_weight_format, quantized
 from xinfer.quant.dispatch import prepare_weights
 from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
@@ -198,3 +198,26 @@ def test_measured_tiles_time_the_plane_candidates():
     one, few = plane_candidates(LAYOUTS["Q8_0"], 1), plane_candidates(LAYOUTS["Q8_0"], 4)
     assert measured == [1] * len(one) + [3] * len(few)
     assert list(tiles.choice.values()) == [one[1], few[-1]]
+
+
+def test_a_merged_weight_in_parts_of_several_formats_runs_each_part_in_its_planes():
+    """A merged q/k/v whose rows the file stores in Q4_K, Q6_K and Q4_0 (test_gguf_packed's mix):
+    each part is re-laid into its own planes at load and ops.linear gives the parts' values' product
+    for one row, a few and past MAX_PACKED_ROWS. 5 Q6_K rows are 1050 bytes: the Q4_0 part after
+    them starts where its int32 words are read only because parts start aligned."""
+    names, rows, k = ["Q4_K", "Q6_K", "Q4_0"], [4, 5, 3], 256
+    files = [random_packed(n, k, FORMATS[name], device=DEVICE) for name, n in zip(names, rows)]
+    merged = cat_rows([quantized(raw, get_weight_format(name.lower()), (n, k))
+                       for raw, name, n in zip(files, names, rows)])  # fmt: skip
+    model = torch.nn.Module()
+    model.qkv = torch.nn.Linear(k, sum(rows))
+    model.qkv.weight = torch.nn.Parameter(merged, requires_grad=False)
+    backend = CudaOps()
+    prepare_weights(model, backend)
+    parts = model.qkv.weight.parts or ()
+    assert [p.format.name for p in parts] == [f"{name.lower()}:cuda-planes" for name in names]
+    ref = torch.cat([reference_weight(raw, name) for raw, name in zip(files, names)])
+    for m in (1, 5, quant_linear_module.MAX_PACKED_ROWS + 1):
+        x = torch.randn(m, k, device=DEVICE)
+        with ops.use(backend):
+            check(ops.linear(x, model.qkv.weight), x.cpu() @ ref.T, torch.float32)

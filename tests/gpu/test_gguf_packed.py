@@ -1,15 +1,20 @@
 """End to end on the GPU: a tiny Llama GGUF whose weights stay packed in several GGUF block
 formats gives, through the CUDA backend's packed-weight kernels (CUDA graphs and eager), the
-greedy tokens of the CPU backend's reference (which dequantizes per call). Runs on the GPU
-machine; the kernels themselves are checked under the interpreter (tests/backends/test_gguf_kernels.py)."""
+greedy tokens of the reference (the CPU backend dequantizing per call, in fp32: not its repacked
+matmuls, whose bf16 activations and scales move these logits by up to 4 % of the largest). Runs on
+the GPU machine; the kernels themselves are checked under the interpreter
+(tests/backends/test_gguf_kernels.py, tests/backends/test_gguf_planes.py)."""
+
+from pathlib import Path
 
 import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.loading.gguf_models import reference_llm
 from tests.loading.test_gguf import write_gguf
-from tests.tiny_models import COMMON, prompt
+from tests.tiny_models import COMMON, prefill_logits, prompt
 from xinfer import LLM, SamplingParams
 from xinfer.quant import QuantizedTensor
 
@@ -47,7 +52,7 @@ def tokens(llm, params):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_packed_gguf_gives_the_cpu_reference_tokens(packed_gguf, enforce_eager):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    cpu = LLM(model=packed_gguf, dtype="float32", device="cpu", num_blocks=128)
+    cpu = reference_llm(Path(packed_gguf), dtype="float32", device="cpu", num_blocks=128)
     gpu = LLM(model=packed_gguf, dtype="float32", device="cuda", num_blocks=128, max_num_seqs=8,
               enforce_eager=enforce_eager)  # fmt: skip
     packed = [p for p in gpu.engine.model.parameters() if isinstance(p, QuantizedTensor)]
@@ -55,4 +60,8 @@ def test_packed_gguf_gives_the_cpu_reference_tokens(packed_gguf, enforce_eager):
     # every linear re-laid into the CUDA backend's planes (the embedding's Q8_0 rows stay the file's)
     planes = {f"{name}:cuda-planes" for name in ("q4_k", "q4_0", "q6_k", "q8_0", "q4_1", "q5_0", "q5_1")}
     assert formats == planes | {"q8_0"}
+    for ids in PROMPTS[:3]:  # fp32 on both: apart by summation order alone (3.5e-6 with the kernels interpreted)
+        got, expected = prefill_logits(gpu.engine, ids).cpu(), prefill_logits(cpu.engine, ids)
+        error = float((got - expected).abs().max() / expected.abs().max())
+        assert error <= 1e-4, f"{len(ids)} tokens: max|diff|/max|logit| = {error:.2e}"
     assert tokens(gpu, params) == tokens(cpu, params)

@@ -92,6 +92,22 @@ def test_rows_in_different_formats_run_part_by_part() -> None:
         assert relative_error(ops.linear(x, model.weight), expected) <= FAST_PATH_TOLERANCE
 
 
+def test_a_part_after_one_of_unaligned_bytes_is_repacked_and_run() -> None:
+    """3 Q3_K rows are 330 bytes: the Q6_K part after them, repacked by the CPU backend into int8
+    codes and fp32 scales, is viewed as those words (from an aligned start) and gives its values'
+    product."""
+    short, long = packed("q3_k", (3, 256)), packed("q6_k", (16, 256), seed=1)
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(cat_rows([short, long]), requires_grad=False)
+    backend = CpuOps()
+    prepare_weights(model, backend)
+    assert [p.format.name for p in model.weight.parts or ()] == ["q3_k", "q6_k:cpu-int8"]
+    x = torch.randn(4, 256)
+    expected = x @ torch.cat([short.dequantize(), long.dequantize()]).T
+    with ops.use(backend):
+        assert relative_error(ops.linear(x, model.weight), expected) <= FAST_PATH_TOLERANCE
+
+
 def test_same_format_rows_merge_into_one_tensor() -> None:
     gate, up = packed("q4_1", (24, 64)), packed("q4_1", (24, 64), seed=1)
     merged = cat_rows([gate, up])

@@ -60,7 +60,8 @@ class QuantizedTensor(torch.Tensor):
     ``format``. Torch functions see the bytes (a plain uint8 tensor comes out of any op on it);
     :meth:`dequantize` gives the values. ``parts``: where the rows of one merged weight are
     stored in different formats (a merged q/k/v whose v has a format of its own), the bytes are
-    the parts' bytes one after the other (1-D) and ``parts`` views of them, in row order."""
+    the parts' bytes one after the other (1-D), each from a multiple of :data:`PART_ALIGNMENT`,
+    and ``parts`` views of them, in row order."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     format: WeightFormat
@@ -145,6 +146,9 @@ class StackedRows(WeightFormat):
 
 
 _STACKED = StackedRows()
+# where a part starts in a merged weight's bytes: kernels view a part's bytes as wider words
+# (int32 codes, fp16 and fp32 scales), which torch refuses at an offset they do not divide
+PART_ALIGNMENT = 16
 
 
 def quantized(raw: Tensor, format: WeightFormat, logical_shape: Sequence[int], name: str = "") -> QuantizedTensor:
@@ -171,11 +175,15 @@ def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
     if len(shape) != 2:
         raise ValueError("stacked weights in different formats are not merged: dequantize them")
     flat = [p for t in tensors for p in (t.parts or (t,))]
-    storage = torch.cat([p.raw.flatten() for p in flat])
-    parts, offset = [], 0
+    starts, end = [], 0
     for p in flat:
-        parts.append(QuantizedTensor(storage[offset : offset + p.nbytes].view(p.raw.shape), p.format, p.logical_shape))
-        offset += p.nbytes
+        starts.append(-(-end // PART_ALIGNMENT) * PART_ALIGNMENT)
+        end = starts[-1] + p.nbytes
+    storage = first.raw.new_zeros(end)
+    for p, start in zip(flat, starts):
+        storage[start : start + p.nbytes] = p.raw.flatten()
+    parts = [QuantizedTensor(storage[start : start + p.nbytes].view(p.raw.shape), p.format, p.logical_shape)
+             for p, start in zip(flat, starts)]  # fmt: skip
     return QuantizedTensor(storage, _STACKED, shape, parts)
 
 
