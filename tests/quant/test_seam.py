@@ -4,6 +4,8 @@ kernels coming from plugins."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 
 import pytest
@@ -125,6 +127,17 @@ def test_moving_a_packed_weight_keeps_its_format(move) -> None:
         torch.testing.assert_close(moved.dequantize(), weight.dequantize(), rtol=0, atol=0)
     with pytest.raises(TypeError, match="dequantize"):
         weight.to(torch.float16)
+
+
+@pytest.mark.parametrize(
+    "duplicate", [copy.deepcopy, lambda t: pickle.loads(pickle.dumps(t))], ids=["deepcopy", "pickle"]
+)
+def test_a_copied_weight_in_parts_keeps_them(duplicate) -> None:
+    weight = cat_rows([packed("q5_0", (64, 256)), packed("q8_0", (32, 256), seed=1)])
+    copied = duplicate(weight)
+    assert [p.format.name for p in copied.parts or ()] == ["q5_0", "q8_0"]
+    assert copied.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    torch.testing.assert_close(copied.dequantize(), weight.dequantize(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", [TorchOps(), CpuOps()], ids=["reference", "cpu"])

@@ -89,9 +89,13 @@ class QuantizedTensor(torch.Tensor):
         return QuantizedTensor(self.raw.detach(), self.format, self.logical_shape, self.parts or ())
 
     def __deepcopy__(self, memo: dict) -> QuantizedTensor:
+        if self.parts:  # (views of the bytes: made again over the copy)
+            return cat_rows([part.__deepcopy__(memo) for part in self.parts])
         return QuantizedTensor(self.raw.clone(), self.format, self.logical_shape)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.parts:
+            return cat_rows, (list(self.parts),)
         return QuantizedTensor, (self.raw.clone(), self.format, self.logical_shape)
 
     def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
