@@ -38,6 +38,8 @@ def test_stream_equals_non_stream_at_temperature_0(client, model):
     assert finish == [whole.choices[0].finish_reason]
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
+    # OpenAI's chunk object: "Each chunk has the same ID" and "the same timestamp"
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])

@@ -216,6 +216,8 @@ class AsyncEngine:
         choice finished, keeping ``handle.outputs`` up to date. Leaving early (the client
         went away) aborts the request and frees its blocks. A choice the engine failed raises
         :class:`~xinfer.engine.failures.RequestError` (the request's other choices are aborted)."""
+        # the request-wide index of each prompt's first choice, not summed again for every token
+        first_choice = list(itertools.accumulate((len(output.outputs) for output in handle.outputs), initial=0))
         try:
             while not handle.finished:
                 item = await handle.queue.get()
@@ -226,7 +228,7 @@ class AsyncEngine:
                 output.add(delta)
                 if choice.error is not None:
                     raise RequestError(f"the request failed: {choice.error}")
-                yield sum(len(o.outputs) for o in handle.outputs[:position]) + choice.index, choice
+                yield first_choice[position] + choice.index, choice
         finally:
             self.release(handle)
 

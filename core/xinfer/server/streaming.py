@@ -24,6 +24,7 @@ from xinfer.server.serving import Serving
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_NO_CHOICES = '[],"usage":null}'  # how a chunk's JSON without choices or usage ends
 
 
 def sse_event(payload: BaseModel | dict) -> str:
@@ -66,6 +67,11 @@ class Answer(ABC):
         self.body = body
         self.handle = handle
         self.id = new_id(self.id_prefix)
+        # every chunk's JSON up to its choices, written once (one `created` for all chunks, as OpenAI's): a chunk
+        # per token serializes only its choices and usage, not the whole chunk model again
+        envelope = self.chunk_type(id=self.id, model=serving.model_name, choices=[], usage=None).model_dump_json()
+        assert envelope.endswith(_NO_CHOICES), "chunk_type's choices and usage are its last fields"
+        self._chunk_head = "data: " + envelope.removesuffix(_NO_CHOICES) + "["
 
     @abstractmethod
     def choice(self, index: int, output: CompletionOutput) -> BaseModel:
@@ -104,9 +110,11 @@ class Answer(ABC):
         """Output tokens spent reasoning (``completion_tokens_details``); None: not counted (a completion)."""
         return None
 
-    def chunk(self, choices: list[Any], with_usage: bool = False) -> str:
-        usage = self.usage() if with_usage or self.body.continuous_usage else None
-        return sse_event(self.chunk_type(id=self.id, model=self.serving.model_name, choices=choices, usage=usage))
+    def chunk(self, choices: list[BaseModel], with_usage: bool = False) -> str:
+        """``chunk_type``'s event of ``choices`` (and the usage so far, where asked)."""
+        usage = self.usage().model_dump_json() if with_usage or self.body.continuous_usage else "null"
+        listed = ",".join(choice.model_dump_json() for choice in choices)
+        return f'{self._chunk_head}{listed}],"usage":{usage}}}\n\n'
 
     async def _stream(self) -> AsyncIterator[str]:
         try:
