@@ -4,7 +4,7 @@ weight-only int4/int8 matmuls (:mod:`xinfer_cpu.quant`).
 On the CPU every op is its own call through torch's dispatcher and Python (a few µs each, more
 than a decode step's norm or rotary computes), so the ops overridden here compute what the
 reference does in fewer torch calls: one fused norm, the rotary's table looked up once a step,
-the KV write without boolean indexing, the decode steps' attention in one call per sequence
+the KV write without boolean indexing, the decode steps' attention batched by context length
 (:mod:`xinfer_cpu.attention`), and top-p sampling without sorting the vocabulary
 (:mod:`xinfer_cpu.sampling`)."""
 
