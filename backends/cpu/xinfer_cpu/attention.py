@@ -93,8 +93,7 @@ def _gather(blocks_of: Tensor, blocks: slice | Tensor) -> Tensor:
 
 def _contexts(seq_lens: Tensor, block_tables: Tensor, block_size: int) -> DecodeContexts:
     by_length: dict[int, list[int]] = {}
-    lengths = seq_lens.tolist()
-    for row, length in enumerate(lengths):
+    for row, length in enumerate(seq_lens.tolist()):
         by_length.setdefault(length, []).append(row)
     tables = block_tables.tolist()
     blocks: list[int] = []
@@ -104,13 +103,17 @@ def _contexts(seq_lens: Tensor, block_tables: Tensor, block_size: int) -> Decode
         start = len(blocks) * block_size
         for row in rows:
             blocks += tables[row][:width]
-        in_order = rows == list(range(rows[0], rows[0] + len(rows)))
-        group_rows = slice(rows[0], rows[0] + len(rows)) if in_order else torch.tensor(rows)
-        groups.append(LengthGroup(group_rows, length, start, len(rows), width * block_size))
+        groups.append(LengthGroup(_run(rows) or torch.tensor(rows), length, start, len(rows), width * block_size))
     order = [row for rows in by_length.values() for row in rows]
-    consecutive = blocks[0] >= 0 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+    # (a dropped block, -1, comes first in its table: read as block 0, never a run's start)
+    block_run = _run(blocks) if blocks[0] >= 0 else None
     return DecodeContexts(
-        blocks=slice(blocks[0], blocks[0] + len(blocks)) if consecutive else torch.tensor(blocks).clamp_(min=0),
+        blocks=block_run or torch.tensor(blocks).clamp_(min=0),
         groups=groups,
-        order=None if order == list(range(len(order))) else torch.tensor(order),
+        order=None if _run(order) == slice(0, len(order)) else torch.tensor(order),
     )
+
+
+def _run(ids: list[int]) -> slice | None:
+    """``ids`` as a slice where they are consecutive, ascending."""
+    return slice(ids[0], ids[0] + len(ids)) if ids == list(range(ids[0], ids[0] + len(ids))) else None
