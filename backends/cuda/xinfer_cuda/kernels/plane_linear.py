@@ -398,12 +398,18 @@ def _plane_dequant_kernel(
     num_tiles = K // (32 * FIELDS)
     tile = tl.program_id(1) * TILES + tl.arange(0, TILES)[None, :, None, None, None]
     mask = (rows[:, None, None, None, None] < N) & (tile < num_tiles)
-    word, high, scales, supers, g, w = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
+    word, high, scales, supers, g, _ = _tile_words(codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, tile,
                                                    num_tiles, mask, HIGH, SUB, PER_TILE)  # fmt: skip
-    out = out_ptr + rows[:, None, None, None, None].to(tl.int64) * K + tile * (32 * FIELDS) + 2 * w
-    for f in tl.static_range(FIELDS):
-        values = _field_values(FMT, f, word, high, scales, supers, g, mask, magic)
-        tl.store(out + 64 * (f // 2) + f % 2, values.to(out_ptr.dtype.element_ty), mask=mask)
+    # fields 2 p and 2 p + 1 are columns 2 w and 2 w + 1 of the tile's 64 for pair p: joined, a thread's load of 4
+    # words is 8 consecutive values, one 16-byte store in 16 bits (each field alone: every other column, 2 bytes)
+    first_word = g * SUB + 4 * tl.arange(0, SUB // 4)[None, None, None, :, None]
+    cols = tile * (32 * FIELDS) + 2 * first_word + tl.arange(0, 8)[None, None, None, None, :]
+    out = out_ptr + rows[:, None, None, None, None].to(tl.int64) * K + cols
+    for p in tl.static_range(FIELDS // 2):
+        even = _field_values(FMT, 2 * p, word, high, scales, supers, g, mask, magic)
+        odd = _field_values(FMT, 2 * p + 1, word, high, scales, supers, g, mask, magic)
+        pair = tl.reshape(tl.join(even, odd), (BLOCK_N, TILES, 32 // SUB, SUB // 4, 8))
+        tl.store(out + 64 * p, pair.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 X_WORDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # activations the GEMV reads as 32-bit pairs
