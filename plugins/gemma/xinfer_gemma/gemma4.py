@@ -173,7 +173,10 @@ class Gemma4DecoderLayer(nn.Module):
         self.experts: Experts | None = None
         if config.enable_moe_block:
             self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, config.rms_norm_eps)
-            self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation)
+            self.experts = Experts(
+                config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation,
+                activation_field="hidden_activation",
+            )  # fmt: skip
             self.pre_feedforward_layernorm_2 = norm(hidden)
             self.post_feedforward_layernorm_1 = norm(hidden)
             self.post_feedforward_layernorm_2 = norm(hidden)
