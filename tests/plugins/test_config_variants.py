@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from tests.plugins.gemma.test_gemma4 import gemma4_config
+from tests.plugins.gemma.test_gemma4_variants import SCALED_ROPE
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
@@ -48,6 +49,7 @@ LONGROPE = dict(
     rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16, short_factor=[1.0, 1.1, 1.3, 1.6],
     long_factor=[1.5, 3.0, 7.0, 15.0],
 )  # fmt: skip
+LINEAR = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
 LLAMA3 = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64,
@@ -172,6 +174,13 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "minimax-m2 softmax scores": (
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
+    ),
+    # transformers rotates whole heads with a table sized by the factor: a shape error
+    "gemma4 linear rope with partial rotary": (
+        lambda: gemma4_config(
+            rope_parameters={**SCALED_ROPE, "full_attention": {**LINEAR, "partial_rotary_factor": 0.5}}
+        ),
+        r"partial_rotary_factor 0.5 with rope_type 'linear' \(full_attention\) is not supported",
     ),
     "qwen3.5 DeltaNet gelu": (
         lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),

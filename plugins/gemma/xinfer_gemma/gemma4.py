@@ -319,7 +319,12 @@ def rope(config: Any, layer_type: str) -> dict[str, Any]:
     """``layer_type``'s rope parameters; its "default" rope turns the whole head whatever ``partial_rotary_factor``
     says, as transformers' Gemma 4 computes it ("proportional" turns a part of it by its own table)."""
     params = rope_parameters(config, layer_type)
-    return {**params, "partial_rotary_factor": 1.0} if params["rope_type"] == "default" else params
+    factor, kind = params["partial_rotary_factor"], params["rope_type"]
+    if factor != 1 and kind not in ("default", "proportional"):
+        # transformers sizes the other tables by the factor, then rotates whole heads with them: a shape error
+        raise ValueError(f"partial_rotary_factor {factor} with rope_type {kind!r} ({layer_type}) is not supported: "
+                         f"Gemma 4 rotates whole heads but by the proportional rope")  # fmt: skip
+    return {**params, "partial_rotary_factor": 1.0} if kind == "default" else params
 
 
 _AUDIO = ("model.audio_tower.", "model.embed_audio.")
