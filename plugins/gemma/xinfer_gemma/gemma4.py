@@ -223,6 +223,11 @@ class Gemma4Model(nn.Module):
         self.norm = norm(hidden)
         self.register_buffer("embed_scale", _rounded(hidden**0.5), persistent=False)
         if self.per_layer:
+            if config.vocab_size_per_layer_input < config.vocab_size:
+                raise ValueError(
+                    f"vocab_size_per_layer_input {config.vocab_size_per_layer_input} is smaller than vocab_size "
+                    f"{config.vocab_size}: the tokens past it have no per-layer embedding"
+                )
             width = config.num_hidden_layers * self.per_layer
             self.embed_tokens_per_layer = VocabEmbedding(config.vocab_size_per_layer_input, width)
             self.register_buffer("per_layer_embed_scale", _rounded(self.per_layer**0.5), persistent=False)
