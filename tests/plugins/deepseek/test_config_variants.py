@@ -89,6 +89,11 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         ),
         "partial_rotary_factor 0.5 is not supported with rope_type 'default'",
     ),
+    # transformers rotates the indexer's heads by the attention's rope dims (16 of 32 here): a shape error
+    "v4 indexer heads narrower than the rotated dims": (
+        lambda: deepseek_v4_config(index_head_dim=8, partial_rotary_factor=0.5),
+        "index_head_dim 8 is smaller than the 16 rotated dims",
+    ),
     "v3 experts not in groups": (
         lambda: deepseek_v3_config(n_group=3),
         "n_group 3 and topk_group 2 do not fit 16 experts",
