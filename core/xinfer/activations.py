@@ -56,6 +56,13 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 """The encoders' plain MLPs, ``act(gate) * up`` where no op fuses ``act``, and experts' ``act`` in the
 reference ``fused_moe``."""
 
+
+def act_and_mul(act: Callable[[Tensor], Tensor], gate_up: Tensor) -> Tensor:
+    """``act(gate) * up`` of ``gate_up`` [..., 2I] (gate, then up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 # transformers' other names of the same functions (gelu_new and gelu_fast: the tanh approximation)
 ALIASES = {
     "swish": "silu",

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from xinfer import registry
-from xinfer.activations import ACTIVATIONS
+from xinfer.activations import ACTIVATIONS, act_and_mul
 from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
 from xinfer.quant import dispatch as quantized
@@ -504,12 +504,7 @@ def act_and_mul_of(backend: Ops, activation: str) -> Callable[[Tensor], Tensor]:
     ``backend``'s op where :data:`GATED_OPS` has one, else in torch."""
     if activation in GATED_OPS:
         return getattr(backend, GATED_OPS[activation])
-    return functools.partial(_act_and_mul, ACTIVATIONS[activation])
-
-
-def _act_and_mul(act: Callable[[Tensor], Tensor], gate_up: Tensor) -> Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return act(gate) * up
+    return functools.partial(act_and_mul, ACTIVATIONS[activation])
 
 
 def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:

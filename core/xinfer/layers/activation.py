@@ -6,7 +6,7 @@ from collections.abc import Callable, Collection
 from torch import Tensor, nn
 
 from xinfer import ops
-from xinfer.activations import ACTIVATIONS, ALIASES
+from xinfer.activations import ACTIVATIONS, ALIASES, act_and_mul
 
 
 class SiluAndMul(nn.Module):
@@ -33,8 +33,7 @@ class ActAndMul(nn.Module):
         self.act = act
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return self.act(gate) * up
+        return act_and_mul(self.act, x)
 
 
 FUSED_GATED: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu": GeluAndMul}
