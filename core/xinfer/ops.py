@@ -10,6 +10,7 @@ Besides the ops of :class:`Ops`, plugins register ops of their own
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from xinfer import registry
+from xinfer.activations import ACTIVATIONS, act_and_mul
 from xinfer.hooks import OpSpec
 from xinfer.kv import LayerKVCache
 from xinfer.quant import dispatch as quantized
@@ -126,6 +128,7 @@ class Ops(DeviceHooks, Protocol):
     kv_formats: frozenset[str] | None  # the KV cache formats attention supports; None: every one
     recent_window: bool  # attention keeps a recent window exact (KeepsRecentWindow)
     weight_kernels: Mapping[str, str]  # quantized weight format -> "module:attribute" of its WeightKernels
+    expert_activations: frozenset[str] | None  # the activations fused_moe computes; None: every one
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """``x @ weight.T + bias`` for ``x`` [T, K] and ``weight`` [N, K] (a float tensor: quantized
@@ -231,7 +234,8 @@ class Ops(DeviceHooks, Protocol):
         most ``limit`` and the up projection to ``[-limit, limit]`` before ``act_and_mul``.
 
         ``w13`` [E, 2I, H] holds each expert's gate rows then its up rows, ``w2`` [E, H, I];
-        ``activation`` names ``act`` as HF configs do (``silu``, ``gelu_pytorch_tanh``, ``gelu``).
+        ``activation`` names ``act`` as HF configs do: a key of :data:`xinfer.activations.ACTIVATIONS`, of
+        ``expert_activations`` where the backend declares them (start-up refuses the others).
         The sum is in fp32; returns [T, H] in the dtype of ``x``. No host syncs on CUDA,
         so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert."""
 
@@ -496,9 +500,11 @@ GATED_OPS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "
 
 
 def act_and_mul_of(backend: Ops, activation: str) -> Callable[[Tensor], Tensor]:
-    """``backend``'s op computing ``act(gate) * up`` for the ``activation`` a config names (a key of
-    :data:`GATED_OPS`)."""
-    return getattr(backend, GATED_OPS[activation])
+    """``act(gate) * up`` for the ``activation`` a config names (a key of :data:`xinfer.activations.ACTIVATIONS`):
+    ``backend``'s op where :data:`GATED_OPS` has one, else in torch."""
+    if activation in GATED_OPS:
+        return getattr(backend, GATED_OPS[activation])
+    return functools.partial(act_and_mul, ACTIVATIONS[activation])
 
 
 def sigmoid_gate(y: Tensor, gate: Tensor) -> Tensor:

@@ -41,7 +41,10 @@ class TorchOps:
       in shadow blocks (:class:`xinfer.ops.KeepsRecentWindow`);
     - ``weight_kernels``: the quantized weight formats it runs natively, each naming its
       :class:`xinfer.quant.WeightKernels` ("module:attribute"); every other format runs
-      through the reference, which dequantizes per call (:mod:`xinfer.quant.dispatch`).
+      through the reference, which dequantizes per call (:mod:`xinfer.quant.dispatch`);
+    - ``expert_activations``: the ``act`` its :meth:`fused_moe` computes (HF names, as
+      :data:`xinfer.activations.ACTIVATIONS`), None for every one (the reference: torch's where no op
+      fuses ``act``); start-up refuses a model whose experts take another.
 
     A subclass that overrides :meth:`attention` declares what its kernel does, and one whose
     device wants them overrides the :class:`~xinfer.ops.DeviceHooks` (here: host buffers not
@@ -53,6 +56,7 @@ class TorchOps:
     kv_formats: frozenset[str] | None = None
     recent_window: bool = True
     weight_kernels: Mapping[str, str] = {}
+    expert_activations: frozenset[str] | None = None
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype)

@@ -187,8 +187,9 @@ def loop_reference(x, w13, w2, topk_weights, topk_ids, act):
 
 @pytest.mark.parametrize(
     "activation, act",
-    [("silu", F.silu), ("gelu_pytorch_tanh", lambda g: F.gelu(g, approximate="tanh")), ("gelu", F.gelu)],
-)
+    [("silu", F.silu), ("gelu_pytorch_tanh", lambda g: F.gelu(g, approximate="tanh")), ("gelu", F.gelu),
+     ("relu2", lambda g: F.relu(g) ** 2), ("tanh", torch.tanh)],  # (the last two: no backend fuses them)
+)  # fmt: skip
 def test_fused_moe_reference_sums_weighted_experts(activation, act):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(7, HIDDEN, generator=generator)

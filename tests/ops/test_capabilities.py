@@ -4,23 +4,27 @@ combination is one line naming the backend, the option and what to do."""
 import sys
 
 import pytest
+from transformers import Qwen2MoeConfig
 
 from tests.docs_pages import REPO
+from tests.tiny_models import COMMON, save_tiny_model
 from xinfer import LLM, registry
 from xinfer.backend import check_support
 from xinfer.config import EngineConfig
 from xinfer.hooks import BackendSpec, hookimpl
+from xinfer.layers.moe import Experts, check_experts_run_on
 from xinfer.torch_ops import TorchOps
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
 
 
 class NoWindowOps(TorchOps):
-    """A backend whose attention kernel knows two formats and no shadow blocks."""
+    """A backend whose attention kernel knows two formats and no shadow blocks, and whose MoE kernel silu alone."""
 
     name = "nowindow"
     kv_formats = frozenset({"auto", "fp8"})
     recent_window = False
+    expert_activations = frozenset({"silu"})
 
     def attention(self, *args, **kwargs):
         raise AssertionError("a refused engine never computes")
@@ -48,7 +52,7 @@ def xinfer_backends():
 
 @pytest.fixture
 def with_nowindow(monkeypatch):
-    found = registry.discover(["cpu"], modules={"nowindow": sys.modules[__name__]})
+    found = registry.discover(["cpu", "qwen"], modules={"nowindow": sys.modules[__name__]})  # (qwen: a MoE model)
     monkeypatch.setattr(registry, "discovery", lambda: found)
 
 
@@ -65,6 +69,27 @@ def test_the_engine_refuses_an_unsupported_option_before_loading_the_model(with_
     with pytest.raises(ValueError) as error:
         LLM(model=str(tmp_path / "never-read"), backend="nowindow", **options)
     assert str(error.value) == message
+
+
+def test_experts_whose_activation_the_backend_lacks_are_refused_before_loading(with_nowindow, tmp_path):
+    config = Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            hidden_act="relu", architectures=["Qwen2MoeForCausalLM"])  # fmt: skip
+    save_tiny_model(config, tmp_path)
+    with pytest.raises(NotImplementedError) as error:
+        LLM(model=str(tmp_path), backend="nowindow", load_format="dummy")
+    assert str(error.value) == (
+        "hidden_act 'relu' is not supported in the experts on nowindow; supported there: silu (every one on cpu)"
+    )
+
+
+@pytest.mark.parametrize("activation", ["relu2", "quick_gelu"])
+def test_the_cuda_moe_kernels_take_three_activations_and_the_cpu_every_one(activation):
+    experts = Experts(4, 8, 8, activation)
+    check_experts_run_on(experts, CpuOps())
+    with pytest.raises(NotImplementedError, match=f"hidden_act {activation!r} is not supported in the experts on cuda"):
+        check_experts_run_on(experts, CudaOps())
+    for fused in ("silu", "gelu_pytorch_tanh", "gelu"):
+        check_experts_run_on(Experts(4, 8, 8, fused), CudaOps())
 
 
 def test_an_incomplete_backend_is_refused_naming_the_missing_ops():

@@ -2,7 +2,7 @@
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields the architecture's
 own test leaves at one value (bias switches, shared experts off or doubled, dense and sparse layer
 layouts, routing options, head sizes, partial rotary, sliding windows, rope scaling (YaRN's factor left out,
-LongRoPE), tied embeddings, activations). Below them, values transformers accepts that xinfer refuses (any architecture): each one
+LongRoPE), tied embeddings, activations, the experts' too). Below them, values transformers accepts that xinfer refuses (any architecture): each one
 error at load naming the field and the value."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from tests.plugins.gemma.test_gemma4 import gemma4_config
+from tests.plugins.gemma.test_gemma4 import E_MODEL, gemma4_config
+from tests.plugins.gemma.test_gemma4_variants import SCALED_ROPE
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
@@ -48,6 +49,7 @@ LONGROPE = dict(
     rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16, short_factor=[1.0, 1.1, 1.3, 1.6],
     long_factor=[1.5, 3.0, 7.0, 15.0],
 )  # fmt: skip
+LINEAR = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
 LLAMA3 = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64,
@@ -84,6 +86,8 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         shared_expert_intermediate_size=24,
     ),
     "qwen2-moe yarn": lambda: qwen2_moe(shared_expert_intermediate_size=24, rope_parameters=YARN),
+    # activations no backend fuses, in the experts too (the reference fused_moe's torch act(gate) * up)
+    "qwen2-moe relu": lambda: qwen2_moe(shared_expert_intermediate_size=24, hidden_act="relu"),
     "qwen3-moe attention bias, head_dim 8, top-1": lambda: qwen3_moe(
         attention_bias=True, head_dim=8, num_experts_per_tok=1, norm_topk_prob=False
     ),
@@ -119,6 +123,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         **{**GLM_MOE, "num_hidden_layers": 3, "first_k_dense_replace": 2, "n_shared_experts": 2, "n_group": 1,
            "topk_group": 1, "use_qk_norm": False, "attention_bias": False}
     ),
+    "glm4-moe relu2, first layer dense": lambda: Glm4MoeConfig(**{**GLM_MOE, "hidden_act": "relu2"}),
     "glm4-moe head_dim 8, full rotary, unscaled, tied": lambda: Glm4MoeConfig(
         **{**GLM_MOE, "head_dim": 8, "routed_scaling_factor": 1.0, "tie_word_embeddings": True,
            "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0)}
@@ -170,10 +175,17 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: MiniMaxM2Config(**{**MINIMAX, "scoring_func": "softmax"}),
         "scoring_func 'softmax' is not supported",
     ),
-    # relu runs in dense MLPs (unfused), not in the fused experts
-    "qwen2-moe relu": (
-        lambda: qwen2_moe(hidden_act="relu"),
-        "hidden_act 'relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu",
+    # transformers rotates whole heads with a table sized by the factor: a shape error
+    "gemma4 linear rope with partial rotary": (
+        lambda: gemma4_config(
+            rope_parameters={**SCALED_ROPE, "full_attention": {**LINEAR, "partial_rotary_factor": 0.5}}
+        ),
+        r"partial_rotary_factor 0.5 with rope_type 'linear' \(full_attention\) is not supported",
+    ),
+    # transformers' per-layer embedding fails on the tokens past its table (and xinfer's would end the engine)
+    "gemma4 per-layer vocabulary smaller than the vocabulary": (
+        lambda: gemma4_config(**{**E_MODEL, "vocab_size_per_layer_input": 128}),
+        "vocab_size_per_layer_input 128 is smaller than vocab_size 320",
     ),
     "qwen3.5 DeltaNet gelu": (
         lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),

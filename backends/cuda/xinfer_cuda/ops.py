@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from xinfer.kv import LayerKVCache
-from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation, StepForward, StepLimits
+from xinfer.ops import GATED_OPS, AttentionMetadata, HeadNorms, KernelHelpers, Rotation, StepForward, StepLimits
 from xinfer.sampling import SamplingBatch
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.graphs import StepGraphs
@@ -50,6 +50,7 @@ class CudaOps(TorchOps):
     kv_formats = frozenset({"auto", "fp8", "turbo8", "turbo4", "turbo3", "turbo4-lm", "turbo3-lm"})
     recent_window = True
     weight_kernels = WEIGHT_KERNELS  # the GGUF block formats, read packed
+    expert_activations = frozenset(GATED_OPS)  # the MoE kernels' (kernels/activation.py)
 
     small_batch_linear = SmallBatchLinear()  # one per process: engines reuse its measurements
     small_batch_moe = SmallBatchMoE()  # likewise

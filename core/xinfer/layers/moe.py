@@ -16,7 +16,9 @@ up projection to within it before ``act(gate) * up``, the shared experts' too.
 
 The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
 [E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`); the router's math but the
-fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`).
+fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`). The experts' ``act`` is
+any activation xinfer knows (:data:`xinfer.activations.ACTIVATIONS`); start-up refuses one that the backend's
+``fused_moe`` lacks (:func:`check_experts_run_on`).
 """
 
 from __future__ import annotations
@@ -143,8 +145,9 @@ class Experts(nn.Module):
     quantized_weights: ClassVar[tuple[str, ...]] = ("w13", "w2")  # stacked packed tensors (GGUF's) stay packed
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, limit: float | None = None
-    ):
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, limit: float | None = None,
+        activation_field: str = "hidden_act",
+    ):  # fmt: skip
         super().__init__()
         self._packed_halves: dict[str, QuantizedTensor] = {}  # gate_proj / up_proj until both are in
         self._packed_experts: dict[str, dict[int, QuantizedTensor]] = {}  # a projection's experts until all are in
@@ -154,7 +157,8 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = num_experts, self.part.size(intermediate_size)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
-        self.activation = activation_name(activation)
+        self.activation = activation_name(activation, activation_field)
+        self.activation_field = activation_field  # the config's name of it, for start-up's one error
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit))
@@ -260,6 +264,18 @@ class Experts(nn.Module):
             half = shape[dim] // 2
             return Slice(dim, self.part.ranges(half) + self.part.ranges(half, offset=half))
         return self.part.slice(shape[dim], dim)
+
+
+def check_experts_run_on(model: nn.Module, backend: ops.Ops) -> None:
+    """One error, naming the config's field, where ``model``'s experts take an activation that ``backend``'s
+    ``fused_moe`` does not compute (its ``expert_activations``)."""
+    supported = backend.expert_activations
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        if supported is not None and experts.activation not in supported:
+            raise NotImplementedError(
+                f"{experts.activation_field} {experts.activation!r} is not supported in the experts on "
+                f"{backend.name}; supported there: {', '.join(sorted(supported))} (every one on cpu)"
+            )
 
 
 class SharedExpertGate(Linear):

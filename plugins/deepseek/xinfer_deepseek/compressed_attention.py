@@ -89,6 +89,12 @@ class Indexer(Compressor):
     the q-LoRA latent; selects each query's ``index_topk`` entries (``compressed_indexer_topk``)."""
 
     def __init__(self, config: Any, ratio: int, rotary: TailRotary):
+        if config.index_head_dim < (rotated := 2 * rotary.inv_freq.shape[0]):
+            # transformers rotates the indexer's heads by the attention's rope dims: a shape error
+            raise ValueError(
+                f"index_head_dim {config.index_head_dim} is smaller than the {rotated} rotated dims "
+                f"(head_dim * partial_rotary_factor): the indexer's heads rotate as many"
+            )
         super().__init__(config.hidden_size, config.index_head_dim, ratio, 2, config.rms_norm_eps, rotary)
         self.num_heads, self.topk = config.index_n_heads, config.index_topk
         self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.dim)

@@ -30,19 +30,23 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     spec = DecoderSpec(mlp_bias=False)
     packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}
+    # transformers' own default rope table spans qk_rope_head_dim whatever partial_rotary_factor says
+    default_rope_ignores_partial = True
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         return LatentAttention(config, rotary, getattr(config, "rope_interleave", True))
 
     def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
-        factor = rope_parameters(config, layer_type)["partial_rotary_factor"]
-        if factor != 1:
-            # transformers sizes its scaled tables by the factor, then rotates every rope dim with them: a table
+        params = rope_parameters(config, layer_type)
+        factor, kind = params["partial_rotary_factor"], params["rope_type"]
+        if factor != 1 and (kind != "default" or not self.default_rope_ignores_partial):
+            # transformers sizes its other tables by the factor, then rotates every rope dim with them: a table
             # broadcast over the dims it lacks, or a shape error
             raise ValueError(
-                f"partial_rotary_factor {factor} is not supported: latent attention rotates all qk_rope_head_dim dims"
+                f"partial_rotary_factor {factor} is not supported with rope_type {kind!r}: latent attention rotates "
+                f"all qk_rope_head_dim dims"
             )
-        return super().rope_parameters(config, layer_type)
+        return {**params, "partial_rotary_factor": 1.0}
 
     def is_sparse(self, config: Any, index: int) -> bool:
         return index >= config.first_k_dense_replace

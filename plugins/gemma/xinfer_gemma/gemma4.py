@@ -173,7 +173,10 @@ class Gemma4DecoderLayer(nn.Module):
         self.experts: Experts | None = None
         if config.enable_moe_block:
             self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, config.rms_norm_eps)
-            self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation)
+            self.experts = Experts(
+                config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation,
+                activation_field="hidden_activation",
+            )  # fmt: skip
             self.pre_feedforward_layernorm_2 = norm(hidden)
             self.post_feedforward_layernorm_1 = norm(hidden)
             self.post_feedforward_layernorm_2 = norm(hidden)
@@ -220,6 +223,11 @@ class Gemma4Model(nn.Module):
         self.norm = norm(hidden)
         self.register_buffer("embed_scale", _rounded(hidden**0.5), persistent=False)
         if self.per_layer:
+            if config.vocab_size_per_layer_input < config.vocab_size:
+                raise ValueError(
+                    f"vocab_size_per_layer_input {config.vocab_size_per_layer_input} is smaller than vocab_size "
+                    f"{config.vocab_size}: the tokens past it have no per-layer embedding"
+                )
             width = config.num_hidden_layers * self.per_layer
             self.embed_tokens_per_layer = VocabEmbedding(config.vocab_size_per_layer_input, width)
             self.register_buffer("per_layer_embed_scale", _rounded(self.per_layer**0.5), persistent=False)
@@ -316,7 +324,12 @@ def rope(config: Any, layer_type: str) -> dict[str, Any]:
     """``layer_type``'s rope parameters; its "default" rope turns the whole head whatever ``partial_rotary_factor``
     says, as transformers' Gemma 4 computes it ("proportional" turns a part of it by its own table)."""
     params = rope_parameters(config, layer_type)
-    return {**params, "partial_rotary_factor": 1.0} if params["rope_type"] == "default" else params
+    factor, kind = params["partial_rotary_factor"], params["rope_type"]
+    if factor != 1 and kind not in ("default", "proportional"):
+        # transformers sizes the other tables by the factor, then rotates whole heads with them: a shape error
+        raise ValueError(f"partial_rotary_factor {factor} with rope_type {kind!r} ({layer_type}) is not supported: "
+                         f"Gemma 4 rotates whole heads but by the proportional rope")  # fmt: skip
+    return {**params, "partial_rotary_factor": 1.0} if kind == "default" else params
 
 
 _AUDIO = ("model.audio_tower.", "model.embed_audio.")

@@ -1,7 +1,7 @@
 """The latent-attention architectures on config variants transformers accepts, each against transformers'
 modeling code (fp32, CPU): prefill logits and greedy tokens. Every variant flips fields test_deepseek.py
 leaves at one value (the query path, rotary layout and scaling, biases, head sizes, dense and sparse layer
-layouts, routing options), or is another architecture: GLM-4.7-Flash, DeepSeek-V2(-Lite), V3.2, V4."""
+layouts, routing options, the experts' activation), or is another architecture: GLM-4.7-Flash, DeepSeek-V2(-Lite), V3.2, V4."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     # V3.2's config declares mlp_bias, which transformers' V3.2 (as its V3 and GLM-4.7-Flash) ignores
     "v3.2 mlp_bias set": lambda: deepseek_v32_config(mlp_bias=True),
     "v4 mlp_bias: the shared experts' biases": lambda: deepseek_v4_config(mlp_bias=True),
+    # transformers' own default table spans qk_rope_head_dim, whatever partial_rotary_factor says
+    "v3 default rope, partial_rotary_factor 0.5 ignored": lambda: deepseek_v3_config(
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    ),
+    # the default rope scales nothing, factor and mscale_all_dim or not (the softmax scale only under another type);
+    # relu experts: an activation no backend fuses
+    "v2 default rope with factor 4 and mscale_all_dim, partial 0.5, relu": lambda: deepseek_v2_config(
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                             partial_rotary_factor=0.5),
+        hidden_act="relu",
+    ),
 }  # fmt: skip
 
 
@@ -70,6 +81,18 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "v2 partial rotary with yarn": (
         lambda: deepseek_v2_config(qk_rope_head_dim=4, rope_parameters={**YARN, "partial_rotary_factor": 0.5}),
         "partial_rotary_factor 0.5 is not supported",
+    ),
+    # transformers' GLM-4.7-Flash sizes even its default table by the factor: a shape error
+    "glm-4.7-flash partial rotary with the default rope": (
+        lambda: glm4_moe_lite_config(
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+        ),
+        "partial_rotary_factor 0.5 is not supported with rope_type 'default'",
+    ),
+    # transformers rotates the indexer's heads by the attention's rope dims (16 of 32 here): a shape error
+    "v4 indexer heads narrower than the rotated dims": (
+        lambda: deepseek_v4_config(index_head_dim=8, partial_rotary_factor=0.5),
+        "index_head_dim 8 is smaller than the 16 rotated dims",
     ),
     "v3 experts not in groups": (
         lambda: deepseek_v3_config(n_group=3),

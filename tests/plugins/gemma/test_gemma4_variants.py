@@ -1,7 +1,7 @@
 """Gemma 4 on config variants transformers accepts, against its modeling code (fp32, CPU): fields
 test_gemma4.py leaves at one value (attention biases, untied embeddings, no logit soft-capping, as many
 KV heads on global layers as on sliding ones, a rope scaling factor, the default rope on global layers, the
-E-model's sharing with experts, another activation)."""
+E-model's sharing with experts, other activations, one no backend fuses)."""
 
 import pytest
 
@@ -33,6 +33,8 @@ VARIANTS = {
     ),
     # silu: the MLPs' and the per-layer input gate's activation (the gate's ran gelu-tanh)
     "E-model with experts, silu": lambda: gemma4_config(**E_MODEL, **MOE, hidden_activation="silu"),
+    # an activation no backend fuses: the experts' act(gate) * up in torch too
+    "experts, relu2": lambda: gemma4_config(**MOE, hidden_activation="relu2"),
 }  # fmt: skip
 
 
