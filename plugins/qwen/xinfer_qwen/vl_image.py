@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,20 +23,23 @@ from torch import Tensor
 from xinfer.multimodal.image import Normalization, resize, to_rgb
 
 MAX_ASPECT_RATIO = 200
+# transformers' Qwen2-VL image processor's statistics (OpenAI CLIP's), where a checkpoint names none
+CLIP = Normalization(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
 
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """How a Qwen-VL checkpoint wants its images (``preprocessor_config.json`` and the vision config)."""
+    """How a Qwen-VL checkpoint wants its images (``preprocessor_config.json`` and the vision config);
+    where the checkpoint names no pixel bounds or statistics, transformers' image processor's."""
 
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 65536
-    max_pixels: int = 16777216
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
     resize: bool = True
     resample: int = Image.Resampling.BICUBIC
-    normalization: Normalization = field(default_factory=Normalization)
+    normalization: Normalization = CLIP
 
     @classmethod
     def from_configs(cls, vision_config: Any, preprocessor: Mapping[str, Any] | None = None) -> ImageSpec:
