@@ -38,6 +38,12 @@ class Gemma3Projector(nn.Module):
         vision = config.vision_config
         self.patches_per_side = vision.image_size // vision.patch_size
         self.pool = self.patches_per_side // int(config.mm_tokens_per_image**0.5)
+        if self.pool == 0 or (self.patches_per_side // self.pool) ** 2 != config.mm_tokens_per_image:
+            raise ValueError(
+                f"mm_tokens_per_image={config.mm_tokens_per_image} is not the square of a side that "
+                f"{self.patches_per_side} patches a side pool to (image_size {vision.image_size} / patch_size "
+                f"{vision.patch_size}): the encoder would yield another number of soft tokens"
+            )
         self.mm_soft_emb_norm = RMSNorm(vision.hidden_size, vision.layer_norm_eps, weight_offset=1.0)
         # stored [hidden, vision] (a linear's layout); the checkpoint's is [vision, hidden]
         self.mm_input_projection_weight = nn.Parameter(torch.empty(config.text_config.hidden_size, vision.hidden_size))

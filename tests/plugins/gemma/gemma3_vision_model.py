@@ -50,9 +50,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def processor(**image_settings) -> Gemma3Processor:
-    """transformers' processor; ``image_settings``: its image processor's (``resample``, ``image_mean``...)."""
+    """transformers' processor; ``image_settings``: its image processor's (``resample``, ``image_mean``, ``size``...)."""
     size = VISION["image_size"]
-    images = Gemma3ImageProcessorPil(size={"height": size, "width": size}, **image_settings)
+    images = Gemma3ImageProcessorPil(**{"size": {"height": size, "width": size}, **image_settings})
     return Gemma3Processor(image_processor=images, tokenizer=tokenizer(), image_seq_length=TOKENS_PER_IMAGE)
 
 

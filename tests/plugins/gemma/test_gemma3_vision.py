@@ -163,3 +163,23 @@ def test_a_checkpoint_with_its_own_activation_processor_and_tying_matches_hf(tmp
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
     out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
     assert_matches_hf(hf, TEXT, [image(1)], out, **settings)
+
+
+def test_a_patch_grid_pooling_to_another_token_count_is_refused_as_transformers_does(tmp_path):
+    """Found by fuzzing: 5x5 patches pool (kernel 5 // 3 = 1) to 25 soft tokens, not the config's 9; transformers
+    refuses the image, xinfer wrote 9 of the 25 into the prompt. The checkpoint is refused at load."""
+    hf = save_model(tmp_path, vision=dict(image_size=20))
+    inputs = hf_inputs(TEXT, [image(1)], size={"height": 20, "width": 20})
+    with pytest.raises(ValueError, match="do not match"):
+        hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
+    with pytest.raises(ValueError, match=r"mm_tokens_per_image=9 .* 5 patches a side"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+
+
+def test_a_patch_grid_whose_pooling_drops_a_row_matches_hf(tmp_path):
+    """7x7 patches pool by 7 // 3 = 2 into 3x3 (the last row and column of patches dropped), as transformers'."""
+    hf = save_model(tmp_path, vision=dict(image_size=28))
+    processor(size={"height": 28, "width": 28}).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    assert_matches_hf(hf, TEXT, [image(1)], out, size={"height": 28, "width": 28})
