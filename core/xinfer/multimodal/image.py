@@ -56,8 +56,10 @@ def check_pixels(image: Image.Image, max_pixels: int | None) -> None:
 
 
 def image_hash(image: Image.Image) -> int:
-    """A hash of the image's pixels, size and mode: equal images hash alike whatever file held them."""
-    return content_hash(image.mode, *image.size, image.tobytes())
+    """A hash of the image's pixels, size and mode, and of the palette and transparent colour its pixels may
+    stand for (a palette image's pixels are indices): equal images hash alike whatever file held them."""
+    palette = bytes(image.getpalette("RGBA") or [])
+    return content_hash(image.mode, *image.size, image.tobytes(), palette, str(image.info.get("transparency")))
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -115,6 +115,23 @@ def test_the_same_tokens_with_another_image_do_not_hit_the_prefix_cache(hf_and_f
     assert_matches_hf(hf, text, [image(6)], other)
 
 
+def test_a_palette_image_with_other_colours_is_another_image(hf_and_folder, llm):
+    """Found by fuzzing: two palette images with the same indices and other palettes (or a transparent index)
+    hashed alike, so the second took the first's encoder output and prefix-cache blocks."""
+    hf, _ = hf_and_folder
+    first = image(9).convert("P")
+    llm.generate({"prompt": TEXT, "multi_modal_data": {"image": first}}, GREEDY)
+    recoloured = first.copy()
+    palette = first.getpalette()
+    recoloured.putpalette(palette[3:] + palette[:3])  # each index shows its neighbour's colour
+    transparent = first.copy()
+    transparent.info["transparency"] = first.getpixel((0, 0))
+    for other in (recoloured, transparent):
+        out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": other}}, GREEDY)[0]
+        assert out.num_cached_tokens == 0
+        assert_matches_hf(hf, TEXT, [other], out)
+
+
 def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(hf_and_folder, llm):
     """The first block (16 tokens) holds part of the image; a prompt that shares it and goes on otherwise
     takes the rest of the image's embeddings from its encoder output."""
