@@ -164,6 +164,17 @@ def test_a_text_only_model_refuses_images(tmp_path):
         llm.generate({"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image(1)}})
 
 
+@pytest.mark.parametrize("text", ["look at\n<start_of_image>\n\nthis", "look\n\n<start_of_image><start_of_image>\nat"])
+def test_newlines_beside_an_image_join_its_newlines_as_transformers_tokenizes_them(hf_and_folder, llm, text):
+    """Found by fuzzing with Gemma's tokenizer: transformers writes "\\n\\n" around an image into the text, where
+    "\\n" and "\\n\\n" become one token "\\n\\n\\n" (a chat turn "user\\n" then an image); xinfer wrote two."""
+    hf, _ = hf_and_folder
+    images = [image(1), image(2)][: text.count("<start_of_image>")]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert {21, 22} & set(out.prompt_token_ids)  # runs of 3 and 4 newlines
+    assert_matches_hf(hf, text, images, out)
+
+
 def test_placeholders_and_images_must_agree(llm):
     with pytest.raises(ValueError, match="1 image placeholder"):
         llm.generate({"prompt": TEXT, "multi_modal_data": {"image": [image(1), image(2)]}})
