@@ -45,17 +45,30 @@ class ImageSpec:
     def from_configs(cls, vision_config: Any, preprocessor: Mapping[str, Any] | None = None) -> ImageSpec:
         """The vision config's patch sizes; resizing, pixel bounds, rescaling and normalization from
         the checkpoint's preprocessor config where it has one (``size`` or the older
-        ``min_pixels``/``max_pixels``; ``do_rescale`` and ``do_normalize`` false: left out)."""
+        ``min_pixels``/``max_pixels``; ``do_rescale`` and ``do_normalize`` false: left out). A ``size``
+        that leaves a bound unnamed is refused, as transformers refuses every image with it."""
         pre = dict(preprocessor or {})
-        size = pre.get("size") or {}
         defaults = cls()
+        size = pre.get("size")
+        if size is None:
+            size = {"shortest_edge": defaults.min_pixels, "longest_edge": defaults.max_pixels}
+        min_pixels, max_pixels = (
+            pre.get("min_pixels") or size.get("shortest_edge"),
+            pre.get("max_pixels") or size.get("longest_edge"),
+        )
+        resize = pre.get("do_resize", True)
+        if resize and not (min_pixels and max_pixels):
+            raise ValueError(
+                f"the checkpoint's image processor size {size} names no shortest_edge and longest_edge "
+                "(nor min_pixels and max_pixels): the pixel bounds images are resized within"
+            )
         return cls(
             patch_size=vision_config.patch_size,
             temporal_patch_size=vision_config.temporal_patch_size,
             merge_size=vision_config.spatial_merge_size,
-            min_pixels=pre.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels,
-            max_pixels=pre.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels,
-            resize=pre.get("do_resize", True),
+            min_pixels=min_pixels or defaults.min_pixels,
+            max_pixels=max_pixels or defaults.max_pixels,
+            resize=resize,
             resample=pre.get("resample", defaults.resample),
             normalization=Normalization.from_preprocessor(pre, defaults.normalization),
         )

@@ -109,3 +109,15 @@ def test_a_preprocessor_config_without_bounds_or_statistics_takes_transformers_d
     patches, grids = preprocess(images, ImageSpec.from_configs(Vision(), config))
     assert grids.tolist() == expected["image_grid_thw"].tolist()
     torch.testing.assert_close(patches, expected["pixel_values"].float(), atol=1e-5, rtol=0)
+
+
+def test_a_size_without_both_bounds_is_refused_as_transformers_refuses_every_image():
+    """Found by fuzzing: a size naming only shortest_edge made transformers refuse every image; xinfer resized
+    within a default upper bound."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64}}
+    with pytest.raises(ValueError, match="longest_edge"):
+        Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
+    with pytest.raises(ValueError, match=r"size \{'shortest_edge': 64\} names no shortest_edge and longest_edge"):
+        ImageSpec.from_configs(Vision(), config)
+    with_max = ImageSpec.from_configs(Vision(), {**config, "max_pixels": 640})  # the older key completes it
+    assert (with_max.min_pixels, with_max.max_pixels) == (64, 640)
