@@ -16,6 +16,7 @@ class Processor:
     """Each image becomes [7, e, e, ..., 8]: its embeddings after the start marker."""
 
     placeholders = {"image": PLACEHOLDER}
+    merges = {(3, 7): 6, (8, 3): 4}  # pairs written together as one token (as Gemma 3's newlines are)
 
     def process(self, modality, data):
         return item(data)
@@ -32,6 +33,13 @@ def test_each_placeholder_becomes_its_items_tokens_in_order():
     ids, ranges = expand_prompt(Processor(), [1, PLACEHOLDER, 2, PLACEHOLDER], [item(3), item(2)])
     assert ids == [1, 7, 5, 5, 5, 8, 2, 7, 5, 5, 8]
     assert [(r.offset, r.end, r.item.num_embeddings) for r in ranges] == [(2, 5, 3), (8, 10, 2)]
+
+
+def test_a_token_beside_a_replacement_merges_with_it_where_the_processor_says():
+    """A 3 before the start marker (7) and after the end marker (8) merges with it; not a 3 and 7 both the prompt's."""
+    ids, ranges = expand_prompt(Processor(), [1, 3, PLACEHOLDER, 3, 3, 7, PLACEHOLDER], [item(2), item(1)])
+    assert ids == [1, 6, 5, 5, 4, 3, 7, 7, 5, 8]
+    assert [(r.offset, r.end) for r in ranges] == [(2, 4), (8, 9)]
 
 
 def test_placeholders_and_items_must_agree():

@@ -56,8 +56,10 @@ def check_pixels(image: Image.Image, max_pixels: int | None) -> None:
 
 
 def image_hash(image: Image.Image) -> int:
-    """A hash of the image's pixels, size and mode: equal images hash alike whatever file held them."""
-    return content_hash(image.mode, *image.size, image.tobytes())
+    """A hash of the image's pixels, size and mode, and of the palette and transparent colour its pixels may
+    stand for (a palette image's pixels are indices): equal images hash alike whatever file held them."""
+    palette = bytes(image.getpalette("RGBA") or [])
+    return content_hash(image.mode, *image.size, image.tobytes(), palette, str(image.info.get("transparency")))
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -100,15 +102,21 @@ class Normalization:
     def from_preprocessor(
         cls, preprocessor: Mapping[str, Any], default: Normalization, normalize: bool = True
     ) -> Normalization:
-        """The checkpoint's image processor fields (``rescale_factor``, ``image_mean``, ``image_std``;
-        ``do_rescale`` or ``do_normalize`` false: that step left out), ``default``'s elsewhere;
-        ``normalize``: the processor's ``do_normalize`` where the checkpoint's names none."""
+        """The checkpoint's image processor fields (``rescale_factor``, ``image_mean``, ``image_std``, a
+        list or one number for every channel; ``do_rescale`` or ``do_normalize`` false: that step left
+        out), ``default``'s elsewhere; ``normalize``: the processor's ``do_normalize`` where the
+        checkpoint's names none."""
         normalize = preprocessor.get("do_normalize", normalize)
         channels = len(default.mean)
+
+        def per_channel(name: str, value: tuple[float, ...]) -> tuple[float, ...]:
+            given = preprocessor.get(name, value)
+            return tuple(given) if isinstance(given, Sequence) else (float(given),) * channels
+
         return cls(
             scale=preprocessor.get("rescale_factor", default.scale) if preprocessor.get("do_rescale", True) else 1.0,
-            mean=tuple(preprocessor.get("image_mean", default.mean)) if normalize else (0.0,) * channels,
-            std=tuple(preprocessor.get("image_std", default.std)) if normalize else (1.0,) * channels,
+            mean=per_channel("image_mean", default.mean) if normalize else (0.0,) * channels,
+            std=per_channel("image_std", default.std) if normalize else (1.0,) * channels,
         )
 
     def __call__(self, image: Image.Image) -> Tensor:

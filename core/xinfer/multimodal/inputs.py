@@ -63,6 +63,11 @@ class MultiModalProcessor(Protocol):
     placeholders: Mapping[str, int]
     """Each modality the model takes, with the token id that marks an item in a prompt."""
 
+    merges: Mapping[tuple[int, int], int]
+    """Pairs of tokens the tokenizer writes as one token where they meet, at an item's replacement and the
+    prompt around it (Gemma 3's runs of newlines: ``"\\n"`` then ``"\\n\\n"`` is ``"\\n\\n\\n"``), as a
+    processor that replaces placeholders in the text before tokenizing it writes them."""
+
     def process(self, modality: str, data: Any) -> MultiModalItem:
         """The item for ``data`` (a ``PIL.Image.Image`` for images); ``ValueError`` for data
         the model cannot take (a clear message: it reaches API clients)."""
@@ -108,7 +113,8 @@ def expand_prompt(
     processor: MultiModalProcessor, token_ids: Sequence[int], items: Sequence[MultiModalItem]
 ) -> tuple[list[int], list[PlaceholderRange]]:
     """``token_ids`` with the ``i``-th placeholder of each modality replaced by the tokens of
-    that modality's ``i``-th item; with the ranges the items' embeddings fill."""
+    that modality's ``i``-th item (a token either side of a replacement merged with its neighbour
+    where ``processor.merges`` says so); with the ranges the items' embeddings fill."""
     placeholder_modality = {token: modality for modality, token in processor.placeholders.items()}
     queues: dict[str, list[MultiModalItem]] = {}
     for item in items:
@@ -121,14 +127,28 @@ def expand_prompt(
                 f"(token {processor.placeholders[modality]}) for {len(given)} {modality}(s)"
             )
     expanded: list[int] = []
-    ranges = []
+    ranges: list[PlaceholderRange] = []
+    replaced_end = -1  # where the last replacement's tokens end
     for token in token_ids:
         queue = queues.get(placeholder_modality.get(token, ""))
         if not queue:
-            expanded.append(token)
+            if len(expanded) == replaced_end and _mergeable(processor, expanded, ranges, token):
+                expanded[-1] = processor.merges[expanded[-1], token]
+            else:
+                expanded.append(token)
             continue
         item = queue.pop(0)
         tokens, start = processor.replacement(item)
+        if start > 0 and _mergeable(processor, expanded, ranges, tokens[0]):
+            tokens = [processor.merges[expanded.pop(), tokens[0]], *tokens[1:]]
         ranges.append(PlaceholderRange(len(expanded) + start, item))
         expanded += tokens
+        replaced_end = len(expanded)
     return expanded, ranges
+
+
+def _mergeable(processor: MultiModalProcessor, expanded: list[int], ranges: list[PlaceholderRange], token: int) -> bool:
+    """Whether ``expanded``'s last token, not an item's embedding position, merges with ``token``."""
+    return (
+        bool(expanded) and (not ranges or len(expanded) > ranges[-1].end) and (expanded[-1], token) in processor.merges
+    )

@@ -5,7 +5,8 @@ An image becomes ``mm_tokens_per_image`` soft tokens: SigLIP's patches (``image_
 patch_size`` per side) average-pooled to ``sqrt(mm_tokens_per_image)`` per side, RMS-normed
 (``1 + w``) and projected. In the prompt, each ``<start_of_image>`` becomes ``"\\n\\n"``,
 ``<start_of_image>``, the image's soft tokens, ``<end_of_image>``, ``"\\n\\n"``, as transformers'
-processor writes it; the soft tokens of one image attend to each other both ways. Pan and scan
+processor writes it (into the text, where the tokenizer joins them with newlines beside them: here
+their tokens merge); the soft tokens of one image attend to each other both ways. Pan and scan
 (cropping wide images into several) is off, as in transformers' processor unless a call asks it.
 """
 
@@ -38,6 +39,12 @@ class Gemma3Projector(nn.Module):
         vision = config.vision_config
         self.patches_per_side = vision.image_size // vision.patch_size
         self.pool = self.patches_per_side // int(config.mm_tokens_per_image**0.5)
+        if self.pool == 0 or (self.patches_per_side // self.pool) ** 2 != config.mm_tokens_per_image:
+            raise ValueError(
+                f"mm_tokens_per_image={config.mm_tokens_per_image} is not the square of a side that "
+                f"{self.patches_per_side} patches a side pool to (image_size {vision.image_size} / patch_size "
+                f"{vision.patch_size}): the encoder would yield another number of soft tokens"
+            )
         self.mm_soft_emb_norm = RMSNorm(vision.hidden_size, vision.layer_norm_eps, weight_offset=1.0)
         # stored [hidden, vision] (a linear's layout); the checkpoint's is [vision, hidden]
         self.mm_input_projection_weight = nn.Parameter(torch.empty(config.text_config.hidden_size, vision.hidden_size))
@@ -65,6 +72,7 @@ class Gemma3ImageProcessor:
         self.resample = preprocessor.get("resample", "bilinear")
         self.normalization = Normalization.from_preprocessor(preprocessor, SIGLIP)
         self.placeholders = {"image": config.boi_token_index}
+        self.merges = newline_merges(tokenizer) if tokenizer is not None else {}
         newlines = tokenizer.encode("\n\n", add_special_tokens=False) if tokenizer is not None else []
         soft = [config.image_token_index] * config.mm_tokens_per_image
         self._tokens = [*newlines, config.boi_token_index, *soft, config.eoi_token_index, *newlines]
@@ -78,6 +86,18 @@ class Gemma3ImageProcessor:
 
     def replacement(self, item: MultiModalItem) -> tuple[list[int], int]:
         return list(self._tokens), self._start
+
+
+def newline_merges(tokenizer: Any, longest: int = 31) -> dict[tuple[int, int], int]:
+    """The tokenizer's tokens of runs of newlines (Gemma's has one for each run up to 31), as the pairs that
+    make a longer run: transformers' processor writes ``"\\n\\n"`` around an image into the text, where it
+    joins the newlines beside it into one token."""
+    runs = {}
+    for n in range(1, longest + 1):
+        ids = tokenizer.encode("\n" * n, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.decode(ids) == "\n" * n:
+            runs[n] = ids[0]
+    return {(runs[a], runs[b]): runs[a + b] for a in runs for b in runs if a + b in runs}
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

@@ -226,6 +226,7 @@ class Gemma4ImageProcessor:
         self.resample = preprocessor.get("resample", "bicubic")
         self.normalization = Normalization.from_preprocessor(preprocessor, UNIT_PIXELS, normalize=False)
         self.placeholders = {"image": config.image_token_id}
+        self.merges: dict[tuple[int, int], int] = {}
         self.boi, self.eoi, self.soft = config.boi_token_id, config.eoi_token_id, config.image_token_id
 
     def process(self, modality: str, data: Any) -> MultiModalItem:

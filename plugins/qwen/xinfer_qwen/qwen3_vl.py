@@ -39,6 +39,7 @@ class QwenImageProcessor:
 
     def __init__(self, image_token_id: int, spec: ImageSpec):
         self.placeholders = {"image": image_token_id}
+        self.merges: dict[tuple[int, int], int] = {}
         self.spec = spec
 
     def process(self, modality: str, data: Any) -> MultiModalItem:

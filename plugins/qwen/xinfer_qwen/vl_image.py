@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,36 +23,52 @@ from torch import Tensor
 from xinfer.multimodal.image import Normalization, resize, to_rgb
 
 MAX_ASPECT_RATIO = 200
+# transformers' Qwen2-VL image processor's statistics (OpenAI CLIP's), where a checkpoint names none
+CLIP = Normalization(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
 
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """How a Qwen-VL checkpoint wants its images (``preprocessor_config.json`` and the vision config)."""
+    """How a Qwen-VL checkpoint wants its images (``preprocessor_config.json`` and the vision config);
+    where the checkpoint names no pixel bounds or statistics, transformers' image processor's."""
 
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 65536
-    max_pixels: int = 16777216
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
     resize: bool = True
     resample: int = Image.Resampling.BICUBIC
-    normalization: Normalization = field(default_factory=Normalization)
+    normalization: Normalization = CLIP
 
     @classmethod
     def from_configs(cls, vision_config: Any, preprocessor: Mapping[str, Any] | None = None) -> ImageSpec:
         """The vision config's patch sizes; resizing, pixel bounds, rescaling and normalization from
         the checkpoint's preprocessor config where it has one (``size`` or the older
-        ``min_pixels``/``max_pixels``; ``do_rescale`` and ``do_normalize`` false: left out)."""
+        ``min_pixels``/``max_pixels``; ``do_rescale`` and ``do_normalize`` false: left out). A ``size``
+        that leaves a bound unnamed is refused, as transformers refuses every image with it."""
         pre = dict(preprocessor or {})
-        size = pre.get("size") or {}
         defaults = cls()
+        size = pre.get("size")
+        if size is None:
+            size = {"shortest_edge": defaults.min_pixels, "longest_edge": defaults.max_pixels}
+        min_pixels, max_pixels = (
+            pre.get("min_pixels") or size.get("shortest_edge"),
+            pre.get("max_pixels") or size.get("longest_edge"),
+        )
+        resize = pre.get("do_resize", True)
+        if resize and not (min_pixels and max_pixels):
+            raise ValueError(
+                f"the checkpoint's image processor size {size} names no shortest_edge and longest_edge "
+                "(nor min_pixels and max_pixels): the pixel bounds images are resized within"
+            )
         return cls(
             patch_size=vision_config.patch_size,
             temporal_patch_size=vision_config.temporal_patch_size,
             merge_size=vision_config.spatial_merge_size,
-            min_pixels=pre.get("min_pixels") or size.get("shortest_edge") or defaults.min_pixels,
-            max_pixels=pre.get("max_pixels") or size.get("longest_edge") or defaults.max_pixels,
-            resize=pre.get("do_resize", True),
+            min_pixels=min_pixels or defaults.min_pixels,
+            max_pixels=max_pixels or defaults.max_pixels,
+            resize=resize,
             resample=pre.get("resample", defaults.resample),
             normalization=Normalization.from_preprocessor(pre, defaults.normalization),
         )

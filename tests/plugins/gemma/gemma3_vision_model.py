@@ -36,10 +36,12 @@ VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_att
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {**SPECIAL, "\n\n": 4, " ": 5, **{w: 6 + i for i, w in enumerate(WORDS)}}
+    """Words, spaces, and runs of up to 4 newlines each one token (as Gemma's tokenizer has them, up to 31)."""
+    vocab = {**SPECIAL, "\n\n": 4, " ": 5, **{w: 6 + i for i, w in enumerate(WORDS)}, "\n": 20, "\n\n\n": 21,
+             "\n\n\n\n": 22}  # fmt: skip
     vocab |= {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": SOFT}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n| |[^\s]+"), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+| |[^\s]+"), behavior="isolated")
     backend.add_special_tokens(["<pad>", "<eos>", "<bos>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"])
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     return PreTrainedTokenizerFast(
@@ -50,9 +52,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def processor(**image_settings) -> Gemma3Processor:
-    """transformers' processor; ``image_settings``: its image processor's (``resample``, ``image_mean``...)."""
+    """transformers' processor; ``image_settings``: its image processor's (``resample``, ``image_mean``, ``size``...)."""
     size = VISION["image_size"]
-    images = Gemma3ImageProcessorPil(size={"height": size, "width": size}, **image_settings)
+    images = Gemma3ImageProcessorPil(**{"size": {"height": size, "width": size}, **image_settings})
     return Gemma3Processor(image_processor=images, tokenizer=tokenizer(), image_seq_length=TOKENS_PER_IMAGE)
 
 

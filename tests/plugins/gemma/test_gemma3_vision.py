@@ -115,6 +115,23 @@ def test_the_same_tokens_with_another_image_do_not_hit_the_prefix_cache(hf_and_f
     assert_matches_hf(hf, text, [image(6)], other)
 
 
+def test_a_palette_image_with_other_colours_is_another_image(hf_and_folder, llm):
+    """Found by fuzzing: two palette images with the same indices and other palettes (or a transparent index)
+    hashed alike, so the second took the first's encoder output and prefix-cache blocks."""
+    hf, _ = hf_and_folder
+    first = image(9).convert("P")
+    llm.generate({"prompt": TEXT, "multi_modal_data": {"image": first}}, GREEDY)
+    recoloured = first.copy()
+    palette = first.getpalette()
+    recoloured.putpalette(palette[3:] + palette[:3])  # each index shows its neighbour's colour
+    transparent = first.copy()
+    transparent.info["transparency"] = first.getpixel((0, 0))
+    for other in (recoloured, transparent):
+        out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": other}}, GREEDY)[0]
+        assert out.num_cached_tokens == 0
+        assert_matches_hf(hf, TEXT, [other], out)
+
+
 def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(hf_and_folder, llm):
     """The first block (16 tokens) holds part of the image; a prompt that shares it and goes on otherwise
     takes the rest of the image's embeddings from its encoder output."""
@@ -147,6 +164,17 @@ def test_a_text_only_model_refuses_images(tmp_path):
         llm.generate({"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image(1)}})
 
 
+@pytest.mark.parametrize("text", ["look at\n<start_of_image>\n\nthis", "look\n\n<start_of_image><start_of_image>\nat"])
+def test_newlines_beside_an_image_join_its_newlines_as_transformers_tokenizes_them(hf_and_folder, llm, text):
+    """Found by fuzzing with Gemma's tokenizer: transformers writes "\\n\\n" around an image into the text, where
+    "\\n" and "\\n\\n" become one token "\\n\\n\\n" (a chat turn "user\\n" then an image); xinfer wrote two."""
+    hf, _ = hf_and_folder
+    images = [image(1), image(2)][: text.count("<start_of_image>")]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert {21, 22} & set(out.prompt_token_ids)  # runs of 3 and 4 newlines
+    assert_matches_hf(hf, text, images, out)
+
+
 def test_placeholders_and_images_must_agree(llm):
     with pytest.raises(ValueError, match="1 image placeholder"):
         llm.generate({"prompt": TEXT, "multi_modal_data": {"image": [image(1), image(2)]}})
@@ -163,3 +191,23 @@ def test_a_checkpoint_with_its_own_activation_processor_and_tying_matches_hf(tmp
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
     out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
     assert_matches_hf(hf, TEXT, [image(1)], out, **settings)
+
+
+def test_a_patch_grid_pooling_to_another_token_count_is_refused_as_transformers_does(tmp_path):
+    """Found by fuzzing: 5x5 patches pool (kernel 5 // 3 = 1) to 25 soft tokens, not the config's 9; transformers
+    refuses the image, xinfer wrote 9 of the 25 into the prompt. The checkpoint is refused at load."""
+    hf = save_model(tmp_path, vision=dict(image_size=20))
+    inputs = hf_inputs(TEXT, [image(1)], size={"height": 20, "width": 20})
+    with pytest.raises(ValueError, match="do not match"):
+        hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
+    with pytest.raises(ValueError, match=r"mm_tokens_per_image=9 .* 5 patches a side"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+
+
+def test_a_patch_grid_whose_pooling_drops_a_row_matches_hf(tmp_path):
+    """7x7 patches pool by 7 // 3 = 2 into 3x3 (the last row and column of patches dropped), as transformers'."""
+    hf = save_model(tmp_path, vision=dict(image_size=28))
+    processor(size={"height": 28, "width": 28}).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+    out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
+    assert_matches_hf(hf, TEXT, [image(1)], out, size={"height": 28, "width": 28})

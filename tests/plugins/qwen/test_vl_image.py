@@ -8,11 +8,9 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tests.plugins.qwen.vl_fixtures import synthetic_image
-from xinfer.multimodal.image import Normalization
-from xinfer_qwen.vl_image import ImageSpec, num_tokens, preprocess, smart_resize
+from xinfer_qwen.vl_image import CLIP, ImageSpec, num_tokens, preprocess, smart_resize
 
 QWEN3_VL = ImageSpec(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
-CLIP = Normalization(mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711))
 QWEN2_VL = ImageSpec(patch_size=14, min_pixels=56 * 56, max_pixels=28 * 28 * 40, normalization=CLIP)
 
 
@@ -76,6 +74,8 @@ PREPROCESSORS = {
     "rescaled by 1/127": {"rescale_factor": 1 / 127},
     "no normalization": {"do_normalize": False},
     "no resizing": {"do_resize": False, "size": {"shortest_edge": 32 * 32, "longest_edge": 40 * 40}},
+    # found by fuzzing: transformers takes one number for all channels, xinfer failed to load the checkpoint
+    "one mean and std for every channel": {"image_mean": 0.3, "image_std": 0.6},
 }
 
 
@@ -98,3 +98,26 @@ def test_an_image_a_model_that_does_not_resize_cannot_patch_is_refused():
     spec = ImageSpec.from_configs(Vision(), {"do_resize": False})
     with pytest.raises(ValueError, match=r"image of 13x9: .* do_resize is false.* multiples of 8"):
         preprocess([synthetic_image(13, 9)], spec)
+
+
+def test_a_preprocessor_config_without_bounds_or_statistics_takes_transformers_defaults():
+    """Found by fuzzing: a checkpoint whose preprocessor config names no size, mean or std was normalized by
+    0.5 (transformers: OpenAI CLIP's statistics) and resized within other pixel bounds."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
+    images = [synthetic_image(70, 109, seed=1), synthetic_image(1500, 1100, seed=2), synthetic_image(9, 5, seed=3)]
+    expected = Qwen2VLImageProcessorPil(**config)(images, return_tensors="pt")
+    patches, grids = preprocess(images, ImageSpec.from_configs(Vision(), config))
+    assert grids.tolist() == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"].float(), atol=1e-5, rtol=0)
+
+
+def test_a_size_without_both_bounds_is_refused_as_transformers_refuses_every_image():
+    """Found by fuzzing: a size naming only shortest_edge made transformers refuse every image; xinfer resized
+    within a default upper bound."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64}}
+    with pytest.raises(ValueError, match="longest_edge"):
+        Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
+    with pytest.raises(ValueError, match=r"size \{'shortest_edge': 64\} names no shortest_edge and longest_edge"):
+        ImageSpec.from_configs(Vision(), config)
+    with_max = ImageSpec.from_configs(Vision(), {**config, "max_pixels": 640})  # the older key completes it
+    assert (with_max.min_pixels, with_max.max_pixels) == (64, 640)

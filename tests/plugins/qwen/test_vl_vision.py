@@ -56,9 +56,8 @@ def test_an_image_through_preprocessing_and_encoder_matches_transformers(encoder
     spec = ImageSpec(patch_size=4, min_pixels=8 * 8, max_pixels=8 * 8 * 20)
     image = synthetic_image(45, 30)
     processor = Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 64, "longest_edge": 1280},
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )  # fmt: skip
+        patch_size=4, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 64, "longest_edge": 1280}
+    )  # both at transformers' default normalization
     inputs = processor([image], return_tensors="pt")
     expected = reference(hf, inputs["pixel_values"], inputs["image_grid_thw"])
     patches, grids = preprocess([image], spec)
