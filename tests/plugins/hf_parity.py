@@ -48,7 +48,9 @@ def assert_greedy_tokens_and_logprobs_match(hf: torch.nn.Module, llm: LLM, lengt
 
 def hf_greedy(hf: torch.nn.Module, tokens: list[int], new_tokens: int, **inputs) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation of ``tokens`` and each chosen token's log-probability;
-    ``inputs``: the model's other inputs (``pixel_values``, ``token_type_ids``...)."""
+    ``inputs``: the model's other inputs (``pixel_values``, ``token_type_ids``...). Every prompt token is attended
+    to: without a mask, ``generate`` would mask those equal to the config's ``pad_token_id``."""
+    inputs.setdefault("attention_mask", torch.ones(1, len(tokens), dtype=torch.long))
     with torch.inference_mode():
         out = hf.generate(
             torch.tensor([tokens]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
