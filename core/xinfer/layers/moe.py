@@ -3,7 +3,7 @@ outputs; shared experts (and a dense MLP) see every token.
 
 The router's math (each line switched on by :class:`Routing`), in fp32 as the references do::
 
-    scores  = score(x @ gate.T)                 # softmax | sigmoid | sqrtsoftplus
+    scores  = score(x @ gate.T)                 # softmax, or any plain activation (sigmoid, sqrtsoftplus, ...)
     choice  = scores + e_score_correction_bias  # selection only
     choice  = keep the topk_group best groups   # n_group groups of E / n_group experts, by their two best
     ids     = topk(choice, k)                   #   or tid2eid[token_id]: a fixed table
