@@ -194,6 +194,16 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         ),
         "layer_types without a full_attention layer is not supported",
     ),
+    # transformers repeats each key head over linear_num_value_heads // linear_num_key_heads value heads: a shape error
+    "qwen3.5 value heads not a multiple of the key heads": (
+        lambda: Qwen3_5TextConfig(**{**HYBRID, "linear_num_value_heads": 3}, architectures=["Qwen3_5ForCausalLM"]),
+        "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2",
+    ),
+    # transformers' top-k over the experts fails (an index out of range)
+    "qwen3-moe more experts a token than experts": (
+        lambda: qwen3_moe(num_experts_per_tok=9),
+        "num_experts_per_tok 9 is more than the 8 experts",
+    ),
     # transformers' Llama sizes the scaled table by the factor, then rotates whole heads with it: a shape error
     "qwen3-moe yarn with partial rotary": (
         lambda: qwen3_moe(rope_parameters={**YARN, "partial_rotary_factor": 0.5}),

@@ -50,6 +50,9 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config: Any):
         super().__init__()
+        if config.linear_num_value_heads % config.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads {config.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads {config.linear_num_key_heads}: a value head reads one key head")  # fmt: skip
         tp = current()
         key_heads = tp.split(config.linear_num_key_heads, "DeltaNet key heads")
         self.value_heads = tp.split(config.linear_num_value_heads, "DeltaNet value heads")

@@ -12,6 +12,7 @@ from transformers import (
     Qwen3NextConfig,
 )
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
@@ -133,17 +134,32 @@ def test_the_cuda_conv_kernel_takes_silu_alone_and_the_cpu_every_activation():
     check_op_activations_run_on(GatedDeltaNet(Qwen3_5TextConfig(**HYBRID, hidden_act="swish")), CudaOps())
 
 
-def test_dynamic_rope_over_two_rotated_dims_is_one_error_naming_the_field(tmp_path):
-    """transformers raises dynamic NTK's base to the power dim / (dim - 2) as it builds the table."""
-    dynamic = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.25)
-    config = Qwen3_5TextConfig(**{**HYBRID, "head_dim": 8, "rope_parameters": dynamic})
+UNBUILT = {  # values transformers fails on as it builds the model: one error at start-up naming the field
+    # dynamic NTK raises the base to the power dim / (dim - 2)
+    "dynamic rope over 2 rotated dims": (
+        lambda: Qwen3_5TextConfig(**{**HYBRID, "head_dim": 8, "rope_parameters": dict(
+            rope_type="dynamic", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.25)}),
+        Qwen3_5ForCausalLM,
+        r"rope_type 'dynamic' over 2 rotated dims \(head_dim \* partial_rotary_factor\)",
+    ),
+    # a layer is sparse where (its index + 1) modulo the step is 0
+    "qwen3-next decoder_sparse_step 0": (
+        lambda: Qwen3NextConfig(**HYBRID, **EXPERTS, decoder_sparse_step=0),
+        Qwen3NextForCausalLM,
+        "decoder_sparse_step 0 is not supported",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNBUILT))
+def test_a_value_transformers_cannot_build_is_one_error_naming_the_field(name, tmp_path):
+    config, transformers_class, message = UNBUILT[name]
     with pytest.raises(ZeroDivisionError):
-        Qwen3_5ForCausalLM(config)
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    config.save_pretrained(tmp_path)
-    with pytest.raises(
-        ValueError, match=r"rope_type 'dynamic' over 2 rotated dims \(head_dim \* partial_rotary_factor\)"
-    ):
+        transformers_class(config())
+    saved = config()
+    saved.architectures = [transformers_class.__name__]
+    saved.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64, load_format="dummy")
 
 
