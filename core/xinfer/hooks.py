@@ -83,11 +83,17 @@ class OpSpec:
     else its own method of the op's name, else the reference. A fused op is an op whose
     reference composes other ops (``xinfer.ops.rms_norm``, ``xinfer.ops.linear``, ...):
     every backend runs it, and any may fuse it.
+
+    ``activations`` names, by backend name, the activations a kernel that takes an ``activation`` computes (HF
+    names, as :data:`xinfer.activations.ACTIVATIONS`); a kernel not named there computes every one, as the
+    reference does. Start-up refuses a model whose modules call the op with another
+    (:func:`xinfer.layers.activation.check_op_activations_run_on`).
     """
 
     name: str
     reference: str
     kernels: Mapping[str, str] = field(default_factory=dict)
+    activations: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 @hookspec

@@ -591,6 +591,13 @@ def get(name: str) -> Callable:
     return functions[name] or getattr(backend, name)
 
 
+def activations_of(name: str, backend: Ops) -> frozenset[str] | None:
+    """The activations plugin op ``name`` computes on ``backend``, as its :class:`~xinfer.hooks.OpSpec` declares
+    them for the backend's kernel; None for every one (the reference, or a kernel that declares none)."""
+    spec = registry.op_specs().get(name)
+    return None if spec is None else spec.activations.get(backend.name)
+
+
 def _plugin_function(backend: Ops, name: str, specs: Mapping[str, OpSpec]) -> Callable | None:
     """The plugin's function that runs op ``name`` on ``backend``; None where the backend's
     own method does (kept apart so that the cache holds no reference to the backend)."""

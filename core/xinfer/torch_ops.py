@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer import torch_sampling
+from xinfer.activations import ACTIVATIONS
 from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata, HeadNorms, KernelHelpers, Rotation, act_and_mul_of
 from xinfer.sampling import SamplingBatch
@@ -19,12 +20,9 @@ from xinfer.sampling import SamplingBatch
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
 
-SCORING = {
-    "softmax": lambda logits: logits.softmax(dim=-1),
-    "sigmoid": torch.sigmoid,
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-}
-"""Router logits to expert scores, by the HF config's ``scoring_func``."""
+SCORING: dict[str, Callable[[Tensor], Tensor]] = {"softmax": lambda logits: logits.softmax(dim=-1), **ACTIVATIONS}
+"""Router logits to expert scores, by the HF config's ``scoring_func``: a softmax over the experts, or any plain
+activation applied to each (as DeepSeek V4's router takes any of transformers' ``ACT2FN``)."""
 
 
 class TorchOps:

@@ -171,8 +171,8 @@ def test_dense_mlp_in_parallel_adds_its_output():
 
 
 def test_unknown_routing_function_is_named():
-    with pytest.raises(ValueError, match="scoring_func 'tanh'"):
-        Routing(top_k=2, scoring="tanh")
+    with pytest.raises(ValueError, match="scoring_func 'entmax'"):
+        Routing(top_k=2, scoring="entmax")
 
 
 def loop_reference(x, w13, w2, topk_weights, topk_ids, act):

@@ -187,9 +187,22 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma4_config(**{**E_MODEL, "vocab_size_per_layer_input": 128}),
         "vocab_size_per_layer_input 128 is smaller than vocab_size 320",
     ),
-    "qwen3.5 DeltaNet gelu": (
-        lambda: Qwen3_5TextConfig(**HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]),
-        "Gated DeltaNet with hidden_act 'gelu_pytorch_tanh': only silu is supported",
+    # transformers' cache has no attention layer to size its mask by: its forward and generate fail
+    "qwen3.5 no full-attention layer": (
+        lambda: Qwen3_5TextConfig(
+            **{**HYBRID, "layer_types": ["linear_attention"] * 3}, architectures=["Qwen3_5ForCausalLM"]
+        ),
+        "layer_types without a full_attention layer is not supported",
+    ),
+    # transformers repeats each key head over linear_num_value_heads // linear_num_key_heads value heads: a shape error
+    "qwen3.5 value heads not a multiple of the key heads": (
+        lambda: Qwen3_5TextConfig(**{**HYBRID, "linear_num_value_heads": 3}, architectures=["Qwen3_5ForCausalLM"]),
+        "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2",
+    ),
+    # transformers' top-k over the experts fails (an index out of range)
+    "qwen3-moe more experts a token than experts": (
+        lambda: qwen3_moe(num_experts_per_tok=9),
+        "num_experts_per_tok 9 is more than the 8 experts",
     ),
     # transformers' Llama sizes the scaled table by the factor, then rotates whole heads with it: a shape error
     "qwen3-moe yarn with partial rotary": (

@@ -40,6 +40,7 @@ from xinfer.engine.scheduler import Scheduler
 from xinfer.forward_context import forward_context
 from xinfer.hooks import BackendSpec
 from xinfer.kv import KVFormat, get_format
+from xinfer.layers.activation import check_op_activations_run_on
 from xinfer.layers.moe import check_experts_run_on
 from xinfer.loading.errors import first_line
 from xinfer.loading.loader import check_model, checkpoint_bytes, held_model, load_model
@@ -139,6 +140,7 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
     with building_for(TensorParallel(0, config.parallel.tensor_parallel_size)):  # one rank's part
         model = held_model(path, hf_config, dtype, config.model.load_format, config.model.isq)
     check_experts_run_on(model, ops)
+    check_op_activations_run_on(model, ops)
     prepare_weights(model, ops)  # as the backend repacks them
     max_model_len = _max_model_len(config, hf_config)
     available = available_bytes(device_memory(spec, device))

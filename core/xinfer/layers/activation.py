@@ -1,7 +1,9 @@
 """Activations as the layers apply them: ``act(gate) * up`` as the backend's op where it has one, and the plain
-functions (:mod:`xinfer.activations`) by the config's name, one error naming the field where xinfer has none."""
+functions (:mod:`xinfer.activations`) by the config's name, one error naming the field where xinfer has none; a
+plugin op's activation is checked against what the backend's kernel of it computes at start-up."""
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
@@ -62,3 +64,26 @@ def gated_activation(name: str, field: str = "hidden_act") -> nn.Module:
 def activation(name: str, field: str = "hidden_act") -> Callable[[Tensor], Tensor]:
     """The plain activation a config's ``field`` names; one error naming both where xinfer has none."""
     return ACTIVATIONS[_known(name, ACTIVATIONS, field)]
+
+
+@dataclass(frozen=True)
+class OpActivation:
+    """A plugin op a module calls with an activation, and the config's field that names it."""
+
+    op: str
+    activation: str  # as :data:`ACTIVATIONS` names it
+    field: str = "hidden_act"
+
+
+def check_op_activations_run_on(model: nn.Module, backend: ops.Ops) -> None:
+    """One error, naming the config's field, where a module of ``model`` calls a plugin op with an activation that
+    the backend's kernel of it does not compute (:func:`xinfer.ops.activations_of`); a module declares those calls
+    in its ``op_activations``, a tuple of :class:`OpActivation`."""
+    for module in model.modules():
+        for call in getattr(module, "op_activations", ()):
+            supported = ops.activations_of(call.op, backend)
+            if supported is not None and call.activation not in supported:
+                raise NotImplementedError(
+                    f"{call.field} {call.activation!r} is not supported in {call.op} on {backend.name}; "
+                    f"supported there: {', '.join(sorted(supported))} (every one on cpu)"
+                )

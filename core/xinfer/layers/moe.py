@@ -3,7 +3,7 @@ outputs; shared experts (and a dense MLP) see every token.
 
 The router's math (each line switched on by :class:`Routing`), in fp32 as the references do::
 
-    scores  = score(x @ gate.T)                 # softmax | sigmoid | sqrtsoftplus
+    scores  = score(x @ gate.T)                 # softmax, or any plain activation (sigmoid, sqrtsoftplus, ...)
     choice  = scores + e_score_correction_bias  # selection only
     choice  = keep the topk_group best groups   # n_group groups of E / n_group experts, by their two best
     ids     = topk(choice, k)                   #   or tid2eid[token_id]: a fixed table
@@ -70,6 +70,8 @@ class Router(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, vocab_size: int | None, routing: Routing):
         super().__init__()
+        if routing.top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok {routing.top_k} is more than the {num_experts} experts")
         if num_experts % routing.num_groups or routing.topk_groups > routing.num_groups:
             raise ValueError(
                 f"n_group {routing.num_groups} and topk_group {routing.topk_groups} do not fit {num_experts} experts"

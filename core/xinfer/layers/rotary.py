@@ -98,6 +98,9 @@ def _proportional(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
 def _dynamic(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
     """Dynamic NTK scaling: it raises the base only for sequences longer than
     ``max_position_embeddings``, which ``max_model_len`` never exceeds: the default table."""
+    if dim <= 2:  # transformers raises the base to dim / (dim - 2) even unscaled: a division by zero
+        raise ValueError(f"rope_type 'dynamic' over {dim} rotated dims (head_dim * partial_rotary_factor) is not "
+                         f"supported: its base scales by the power dim / (dim - 2)")  # fmt: skip
     return _default(base, dim, params)
 
 

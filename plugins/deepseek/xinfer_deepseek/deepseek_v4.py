@@ -3,7 +3,8 @@
 (:mod:`xinfer_deepseek.hyper_connections`), and a mixture of experts in every layer, the first
 ``hash_moe`` layers routed by a fixed token-to-expert table.
 
-The router scores are ``sqrt(softplus(logits))``; the top ``num_experts_per_tok`` by score plus
+The router scores are ``scoring_func(logits)`` (``sqrt(softplus(logits))`` in the checkpoints; any plain
+activation, as transformers' ``ACT2FN`` takes it, but no softmax); the top ``num_experts_per_tok`` by score plus
 ``e_score_correction_bias`` (learned-routing layers), their scores renormalised and scaled by
 ``routed_scaling_factor``; routed and shared experts clamp their SwiGLU at ``swiglu_limit``.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from xinfer.layers import MoE, RMSNorm, Routing
+from xinfer.layers.activation import activation_name
 from xinfer.layers.embedding import LMHead, VocabEmbedding
 from xinfer.loading.stored import StoredTensor, Weights, whole
 from xinfer.model import CausalLM
@@ -52,7 +54,7 @@ def _moe(config: Any, index: int) -> MoE:
     hashed = config.mlp_layer_types[index] == "hash_moe"
     routing = Routing(
         top_k=config.num_experts_per_tok,
-        scoring=config.scoring_func,
+        scoring=activation_name(config.scoring_func, "scoring_func"),
         renormalize=True,  # (the reference renormalises whatever norm_topk_prob says)
         correction_bias=not hashed,
         scaling_factor=config.routed_scaling_factor,

@@ -14,13 +14,24 @@ references loop over the sequences in Python; the CUDA kernels are in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from xinfer.activations import ACTIVATIONS, ALIASES, identity
 from xinfer.ops import AttentionMetadata
 
-ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
+
+def _activation(name: str | None) -> Callable[[Tensor], Tensor]:
+    """The conv's activation by its HF name (None: none); one error where xinfer has no such activation."""
+    if name is None:
+        return identity
+    if ALIASES.get(name, name) not in ACTIVATIONS:
+        known = ", ".join([*ACTIVATIONS, *ALIASES])
+        raise ValueError(f"causal_conv1d: unknown activation {name!r}; known: None, {known}")
+    return ACTIVATIONS[ALIASES.get(name, name)]
 
 
 def _sequences(meta: AttentionMetadata, slots: Tensor):
@@ -47,17 +58,17 @@ def causal_conv1d(
 
         out[t, c] = act(bias[c] + sum_i weight[c, i] * u[t - (K-1) + i, c])
 
+    ``act`` is any activation of :data:`xinfer.activations.ACTIVATIONS` by its HF name, or none.
     Afterwards ``state[slot]`` holds the last K-1 values of ``u``. Computed in fp32;
     returns [T, C] in the dtype of ``x``."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"causal_conv1d: unknown activation {activation!r}; known: {', '.join(map(str, ACTIVATIONS))}")
+    act = _activation(activation)
     channels, width = weight.shape
     out = torch.zeros_like(x)
     for rows, slot, starts in _sequences(meta, slots):
         history = torch.zeros_like(state[slot]) if starts else state[slot]
         stream = torch.cat([history.float(), x[rows].T.float()], dim=1)  # [C, K-1 + q_len]
         y = F.conv1d(stream[None], weight.float()[:, None], None if bias is None else bias.float(), groups=channels)
-        out[rows] = ACTIVATIONS[activation](y[0].T).to(x.dtype)
+        out[rows] = act(y[0].T).to(x.dtype)
         state[slot] = stream[:, stream.shape[1] - (width - 1) :].to(state.dtype)
     return out
 

@@ -1,7 +1,8 @@
 """The Gated DeltaNet token mixer of Qwen3-Next and Qwen3.5 / Qwen3.6 (linear attention with a
 delta-rule state; Yang et al., "Gated Delta Networks", 2024).
 
-Per token: q, k, v through a causal depthwise convolution (SiLU); per value head a decay
+Per token: q, k, v through a causal depthwise convolution and the config's ``hidden_act`` (SiLU in the
+checkpoints); per value head a decay
 ``g = -exp(A_log) * softplus(a + dt_bias)`` and a write strength ``beta = sigmoid(b)``; the
 gated delta rule updates the head's state S [Dk, Dv] and reads ``o = S^T q``; the output is
 ``out_proj(rms_norm(o) * silu(z))``. A sequence's conv window and S live in its state slot
@@ -21,6 +22,7 @@ from xinfer.distributed import current
 from xinfer.distributed.group import WHOLE, Part, Slice
 from xinfer.forward_context import attention_metadata, state_slots
 from xinfer.layers import MergedLinear, RMSNorm, RowLinear
+from xinfer.layers.activation import OpActivation, activation_name
 
 
 class CausalConv1d(nn.Module):
@@ -48,6 +50,9 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config: Any):
         super().__init__()
+        if config.linear_num_value_heads % config.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads {config.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads {config.linear_num_key_heads}: a value head reads one key head")  # fmt: skip
         tp = current()
         key_heads = tp.split(config.linear_num_key_heads, "DeltaNet key heads")
         self.value_heads = tp.split(config.linear_num_value_heads, "DeltaNet value heads")
@@ -55,8 +60,8 @@ class GatedDeltaNet(nn.Module):
         self.num_v_heads = self.value_heads.size(config.linear_num_value_heads)
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
-        if config.hidden_act != "silu":
-            raise NotImplementedError(f"Gated DeltaNet with hidden_act {config.hidden_act!r}: only silu is supported")
+        self.activation = activation_name(config.hidden_act)  # the conv's, as transformers applies it
+        self.op_activations = (OpActivation("causal_conv1d", self.activation),)
         key_dim, value_dim = (
             config.linear_num_key_heads * self.head_k_dim,
             config.linear_num_value_heads * self.head_v_dim,
@@ -97,7 +102,7 @@ class GatedDeltaNet(nn.Module):
         assert self.cache is not None, "the engine binds the recurrent state before the first forward"
         meta, slots = attention_metadata(), state_slots()
         qkv, z, b, a = self.in_proj.split(projected)
-        qkv = ops.call("causal_conv1d", qkv, self.conv1d.weight, None, self.cache["conv"], meta, slots)
+        qkv = ops.call("causal_conv1d", qkv, self.conv1d.weight, None, self.cache["conv"], meta, slots, self.activation)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         o = ops.call(
             "gated_delta_rule",

@@ -14,8 +14,11 @@ from xinfer.loading.stored import Weights
 
 def is_sparse(config: Any, index: int) -> bool:
     """Whether layer ``index`` routes to experts (else it has a dense MLP), as HF decides."""
-    step = config.decoder_sparse_step
-    return index not in (config.mlp_only_layers or []) and config.num_experts > 0 and (index + 1) % step == 0
+    if index in (config.mlp_only_layers or []) or config.num_experts <= 0:
+        return False
+    if config.decoder_sparse_step == 0:  # transformers takes (index + 1) modulo it: a division by zero
+        raise ValueError("decoder_sparse_step 0 is not supported: a layer is sparse where its number is a multiple")
+    return (index + 1) % config.decoder_sparse_step == 0
 
 
 def routing(config: Any) -> Routing:

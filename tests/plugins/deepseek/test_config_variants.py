@@ -39,6 +39,8 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     # V3.2's config declares mlp_bias, which transformers' V3.2 (as its V3 and GLM-4.7-Flash) ignores
     "v3.2 mlp_bias set": lambda: deepseek_v32_config(mlp_bias=True),
     "v4 mlp_bias: the shared experts' biases": lambda: deepseek_v4_config(mlp_bias=True),
+    # transformers' V4 router scores by any ACT2FN name: tanh's negative scores renormalized, hashed layer too
+    "v4 tanh scores": lambda: deepseek_v4_config(scoring_func="tanh"),
     # transformers' own default table spans qk_rope_head_dim, whatever partial_rotary_factor says
     "v3 default rope, partial_rotary_factor 0.5 ignored": lambda: deepseek_v3_config(
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)

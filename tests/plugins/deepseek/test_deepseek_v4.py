@@ -10,6 +10,8 @@ rows of two steps. The indexer has 16 heads: with few, entries no head scores ab
 and which of them a top-k keeps depends on how many entries it ranks (one step's or the prompt's).
 """
 
+import json
+import shutil
 import weakref
 
 import pytest
@@ -123,6 +125,16 @@ def test_preempted_sequences_match_hf(checkpoint):
     hf, folder = checkpoint
     llm = llm_of(folder, num_blocks=7, max_model_len=96)
     assert_preempted_sequences_match_hf(hf, llm, GREEDY)
+
+
+def test_softmax_scores_are_one_error_naming_the_field(checkpoint, tmp_path):
+    """transformers' V4 router takes its score function from ACT2FN, which has no softmax (a KeyError)."""
+    _, folder = checkpoint
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax"}))
+    with pytest.raises(NotImplementedError, match="scoring_func 'softmax' is not supported"):
+        llm_of(tmp_path)
 
 
 def test_the_indexer_selection_acts(checkpoint):

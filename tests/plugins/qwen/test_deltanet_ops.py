@@ -78,7 +78,7 @@ def conv_inputs(generator, channels=24, width=4):
     return x, weight, bias, state
 
 
-@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("activation", ["silu", None, "gelu_new", "relu2"])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_causal_conv1d_matches_hf(activation, with_bias):
     generator = torch.Generator().manual_seed(0)
@@ -173,8 +173,8 @@ def test_gated_delta_rule_continued_equals_one_call():
 
 def test_unknown_activation_is_one_clear_error():
     x, weight, bias, state = conv_inputs(torch.Generator().manual_seed(4))
-    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
-        deltanet_ops.causal_conv1d(x, weight, bias, state, batch_metadata(), torch.tensor(SLOTS), "gelu")
+    with pytest.raises(ValueError, match="unknown activation 'entmax'"):
+        deltanet_ops.causal_conv1d(x, weight, bias, state, batch_metadata(), torch.tensor(SLOTS), "entmax")
 
 
 # The kernels against the references

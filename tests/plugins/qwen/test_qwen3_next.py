@@ -11,10 +11,21 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3NextConfig,
 )
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
-from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, randomize, spread_routing
+from tests.plugins.hf_parity import (
+    assert_greedy_tokens_and_logprobs_match,
+    assert_prefill_logits_match,
+    randomize,
+    spread_routing,
+)
 from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer.layers.activation import check_op_activations_run_on
+from xinfer_cpu.ops import CpuOps
+from xinfer_cuda.ops import CudaOps
+from xinfer_qwen.gated_deltanet import GatedDeltaNet
 
 CHUNK = 16  # max_num_batched_tokens: prompts longer than this are prefilled over several steps
 HYBRID = dict(
@@ -42,6 +53,17 @@ CONFIGS = {
         **HYBRID, **EXPERTS, mlp_only_layers=[1], norm_topk_prob=False, architectures=["Qwen3NextForCausalLM"]
     ),
 }  # fmt: skip
+VARIANTS = {  # each flips fields the CONFIGS leave at one value
+    # transformers applies hidden_act in the DeltaNet's short convolution too, not only in the MLP
+    "qwen3.5 gelu_pytorch_tanh": lambda: Qwen3_5TextConfig(
+        **HYBRID, hidden_act="gelu_pytorch_tanh", architectures=["Qwen3_5ForCausalLM"]
+    ),
+    # an activation no backend fuses, in the conv and the experts; three value heads a key head, a conv of 2 taps
+    "qwen3.5-moe quick_gelu, 3 value heads per key head, kernel 2": lambda: Qwen3_5MoeTextConfig(
+        **{k: v for k, v in HYBRID.items() if k != "intermediate_size"} | dict(linear_num_value_heads=6,
+        linear_conv_kernel_dim=2), **EXPERTS, hidden_act="quick_gelu", architectures=["Qwen3_5MoeForCausalLM"],
+    ),
+}  # fmt: skip
 
 
 def randomize_hybrid(model: torch.nn.Module, seed: int = 3) -> None:
@@ -58,14 +80,23 @@ def randomize_hybrid(model: torch.nn.Module, seed: int = 3) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator))
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def models(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny_model(CONFIGS[request.param](), folder)
+def randomized_hybrid(config, folder) -> tuple[torch.nn.Module, LLM]:
+    hf = save_tiny_model(config, folder)
     randomize_hybrid(hf)
     spread_routing(hf)
     hf.save_pretrained(folder, safe_serialization=True)
-    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK), folder
+    return hf, LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def models(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return *randomized_hybrid(CONFIGS[request.param](), folder), folder
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory):
+    return randomized_hybrid(VARIANTS[request.param](), tmp_path_factory.mktemp("variant"))
 
 
 def hf_greedy(hf: torch.nn.Module, tokens: list[int], count: int) -> list[int]:
@@ -83,6 +114,53 @@ def test_prefill_log_probs_match_hf(models, length):
     got = prefill_logits(llm.engine, tokens).float().log_softmax(-1)
     error = (got - expected).abs().max()
     assert error <= 1e-4, f"max|diff| of log-probs = {error:.2e}"
+
+
+@pytest.mark.parametrize("length", (3, 40))
+def test_variant_prefill_logits_match_hf(variant, length):
+    assert_prefill_logits_match(*variant, length)
+
+
+def test_variant_greedy_tokens_and_logprobs_match_hf_over_a_chunked_prompt(variant):
+    assert_greedy_tokens_and_logprobs_match(*variant, 3 * CHUNK - 5)
+
+
+def test_the_cuda_conv_kernel_takes_silu_alone_and_the_cpu_every_activation():
+    for name in ("gelu_pytorch_tanh", "relu2"):
+        deltanet = GatedDeltaNet(Qwen3_5TextConfig(**HYBRID, hidden_act=name))
+        check_op_activations_run_on(deltanet, CpuOps())
+        with pytest.raises(NotImplementedError, match=f"hidden_act {name!r} is not supported in causal_conv1d on cuda"):
+            check_op_activations_run_on(deltanet, CudaOps())
+    check_op_activations_run_on(GatedDeltaNet(Qwen3_5TextConfig(**HYBRID, hidden_act="swish")), CudaOps())
+
+
+UNBUILT = {  # values transformers fails on as it builds the model: one error at start-up naming the field
+    # dynamic NTK raises the base to the power dim / (dim - 2)
+    "dynamic rope over 2 rotated dims": (
+        lambda: Qwen3_5TextConfig(**{**HYBRID, "head_dim": 8, "rope_parameters": dict(
+            rope_type="dynamic", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.25)}),
+        Qwen3_5ForCausalLM,
+        r"rope_type 'dynamic' over 2 rotated dims \(head_dim \* partial_rotary_factor\)",
+    ),
+    # a layer is sparse where (its index + 1) modulo the step is 0
+    "qwen3-next decoder_sparse_step 0": (
+        lambda: Qwen3NextConfig(**HYBRID, **EXPERTS, decoder_sparse_step=0),
+        Qwen3NextForCausalLM,
+        "decoder_sparse_step 0 is not supported",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(UNBUILT))
+def test_a_value_transformers_cannot_build_is_one_error_naming_the_field(name, tmp_path):
+    config, transformers_class, message = UNBUILT[name]
+    with pytest.raises(ZeroDivisionError):
+        transformers_class(config())
+    saved = config()
+    saved.architectures = [transformers_class.__name__]
+    saved.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64, load_format="dummy")
 
 
 def test_greedy_tokens_and_logprobs_match_hf_over_a_chunked_prompt(models):
