@@ -81,9 +81,14 @@ def check_op_activations_run_on(model: nn.Module, backend: ops.Ops) -> None:
     in its ``op_activations``, a tuple of :class:`OpActivation`."""
     for module in model.modules():
         for call in getattr(module, "op_activations", ()):
-            supported = ops.activations_of(call.op, backend)
-            if supported is not None and call.activation not in supported:
-                raise NotImplementedError(
-                    f"{call.field} {call.activation!r} is not supported in {call.op} on {backend.name}; "
-                    f"supported there: {', '.join(sorted(supported))} (every one on cpu)"
-                )
+            refuse_uncomputed(call.activation, call.field, ops.activations_of(call.op, backend), call.op, backend)
+
+
+def refuse_uncomputed(activation: str, field: str, supported: Collection[str] | None, where: str, backend: ops.Ops):
+    """One error, naming the config's ``field``, where ``activation`` is not among those ``backend``'s kernel of
+    ``where`` computes (``supported``; None: every one)."""
+    if supported is not None and activation not in supported:
+        raise NotImplementedError(
+            f"{field} {activation!r} is not supported in {where} on {backend.name}; "
+            f"supported there: {', '.join(sorted(supported))} (every one on cpu)"
+        )

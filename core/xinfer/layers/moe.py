@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.distributed.group import Slice, current
-from xinfer.layers.activation import activation_name
+from xinfer.layers.activation import activation_name, refuse_uncomputed
 from xinfer.layers.linear import Linear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm
@@ -271,13 +271,9 @@ class Experts(nn.Module):
 def check_experts_run_on(model: nn.Module, backend: ops.Ops) -> None:
     """One error, naming the config's field, where ``model``'s experts take an activation that ``backend``'s
     ``fused_moe`` does not compute (its ``expert_activations``)."""
-    supported = backend.expert_activations
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        if supported is not None and experts.activation not in supported:
-            raise NotImplementedError(
-                f"{experts.activation_field} {experts.activation!r} is not supported in the experts on "
-                f"{backend.name}; supported there: {', '.join(sorted(supported))} (every one on cpu)"
-            )
+        refuse_uncomputed(experts.activation, experts.activation_field, backend.expert_activations, "the experts",
+                          backend)  # fmt: skip
 
 
 class SharedExpertGate(Linear):
