@@ -72,6 +72,14 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+def without_kv(cu_seqlens_q: Tensor, seq_lens: Tensor, max_seqlen_q: int, max_seq_len: int) -> AttentionMetadata:
+    """A step's metadata where the model caches no KV (every layer recurrent): where the queries sit and
+    how long each context is, no blocks (``block_tables`` [B, 0], ``slot_mapping`` [0])."""
+    no_blocks = seq_lens.new_zeros((seq_lens.shape[0], 0))
+    return AttentionMetadata(cu_seqlens_q, seq_lens, no_blocks, no_blocks.new_zeros(0, dtype=torch.int64),
+                             max_seqlen_q, max_seq_len)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class HeadNorms:
     """RMSNorm of every query and key head over its head dim, applied before rotation
@@ -351,11 +359,16 @@ class HostBatch:
         """One token per sequence, each sampled."""
         return len(self.sample_rows) == len(self.input_ids)
 
+    @property
+    def max_blocks(self) -> int:
+        """The longest block table of the step (0 where the model pages nothing)."""
+        return max((len(row) for page in self.pages for row in page.block_tables), default=0)
+
 
 @dataclass
 class StepContext:
-    """What a step's caching layers read: the attention metadata of each page group, and
-    each sequence's recurrent-state slot."""
+    """What a step's caching layers read: the attention metadata of each page group (one
+    :func:`without_kv` where the model has none), and each sequence's recurrent-state slot."""
 
     pages: list[AttentionMetadata]
     state_slots: Tensor | None = None  # [B] int32

@@ -187,13 +187,6 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma4_config(**{**E_MODEL, "vocab_size_per_layer_input": 128}),
         "vocab_size_per_layer_input 128 is smaller than vocab_size 320",
     ),
-    # transformers' cache has no attention layer to size its mask by: its forward and generate fail
-    "qwen3.5 no full-attention layer": (
-        lambda: Qwen3_5TextConfig(
-            **{**HYBRID, "layer_types": ["linear_attention"] * 3}, architectures=["Qwen3_5ForCausalLM"]
-        ),
-        "layer_types without a full_attention layer is not supported",
-    ),
     # transformers repeats each key head over linear_num_value_heads // linear_num_key_heads value heads: a shape error
     "qwen3.5 value heads not a multiple of the key heads": (
         lambda: Qwen3_5TextConfig(**{**HYBRID, "linear_num_value_heads": 3}, architectures=["Qwen3_5ForCausalLM"]),

@@ -29,6 +29,7 @@ from xinfer.ops import (
     StepContext,
     StepForward,
     StepLimits,
+    without_kv,
 )
 from xinfer.sampling import SampledRow, SamplingBatch
 
@@ -94,7 +95,7 @@ def pick_bucket(buckets: list[Bucket], batch: HostBatch) -> Bucket | None:
     """The smallest bucket of ``batch``'s kind that holds it (the narrowest block tables
     among those of its size), or None."""
     num_tokens, num_seqs = len(batch.input_ids), len(batch.seq_lens)
-    width = max(len(row) for page in batch.pages for row in page.block_tables)
+    width = batch.max_blocks
     fitting = [
         b for b in buckets
         if b.decode == batch.is_decode and b.num_tokens >= num_tokens and b.num_seqs >= num_seqs
@@ -215,8 +216,7 @@ class StaticStep:
         self.dev32 = torch.zeros_like(self.host32, device=device)
         # per group: its block table's rows, then its shadow table's (-1: no shadow); a last row for padding
         fills = [-1 if i % 2 else 0 for i in range(num_tables)]
-        self.resident = torch.stack([torch.full((seqs + 1, width), fill, dtype=torch.int32) for fill in fills])
-        self.resident = self.resident.to(device)
+        self.resident = torch.tensor(fills, dtype=torch.int32).view(-1, 1, 1).repeat(1, seqs + 1, width).to(device)
         self.resident_rows = [ResidentRows(seqs, width, fill) for fill in fills]
         self._token_views(self.dev64)[2].fill_(-1)  # slots and shadow slots: nothing written before the first step
         self.host_sampling, self.sampling = self._sampling(self.host64), self._sampling(self.dev64)
@@ -227,7 +227,7 @@ class StaticStep:
         self.copied = torch.cuda.Event() if pin else None
 
     def fits(self, batch: HostBatch) -> bool:
-        return max(len(row) for page in batch.pages for row in page.block_tables) <= self.limits.max_blocks_per_seq
+        return batch.max_blocks <= self.limits.max_blocks_per_seq
 
     def load(
         self, batch: HostBatch, bucket: Bucket, pending: DeviceTokens | None = None, sampling: list[SampledRow] = ()
@@ -277,6 +277,7 @@ class StaticStep:
         width = bucket.max_blocks or self.limits.max_blocks_per_seq
         row_slots = self._row_slots(self.dev32)
         tables = [self.resident[i, :, :width].index_select(0, row_slots[i, :s]) for i in range(self.num_tables)]
+        max_seqlen_q = 1 if bucket.decode else t  # > 1 adds the prefill kernel
         pages = []
         for group in range(self.limits.num_page_groups):
             meta = AttentionMetadata(
@@ -284,11 +285,12 @@ class StaticStep:
                 seq_lens=seq_lens[:s],
                 block_tables=tables[group * k],
                 slot_mapping=slots[group * k][:t],
-                max_seqlen_q=1 if bucket.decode else t,  # > 1 adds the prefill kernel
+                max_seqlen_q=max_seqlen_q,
                 max_seq_len=self.limits.max_seq_len,
                 shadows=ShadowPages(tables[group * k + 1], slots[group * k + 1][:t]) if k == 2 else None,
             )
             pages.append(meta)
+        pages = pages or [without_kv(cu_seqlens_q[: s + 1], seq_lens[:s], max_seqlen_q, self.limits.max_seq_len)]
         step = StepContext(pages, state_slots[0][:s] if state_slots else None)
         logits = self.forward(ids[:t], positions[:t], step, rows[:s])
         if self.logits is None:

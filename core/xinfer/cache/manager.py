@@ -26,11 +26,13 @@ class CacheManager:
         enable_prefix_caching: bool = True,
         states: StatePool | None = None,
         snapshot_interval: int = 1024,
+        block_size: int = 16,
     ):
+        """``block_size``: the prefix cache's unit where no pool has blocks (every layer recurrent)."""
         assert pools or states, "a model caches something"
         self.pools = pools
         self.states = states
-        self.block_size = pools[0].block_size if pools else 1
+        self.block_size = pools[0].block_size if pools else block_size
         self.snapshot_interval = max(1, snapshot_interval // self.block_size) * self.block_size
         self.enable_prefix_caching = enable_prefix_caching and (states is None or states.num_snapshots > 0)
         self.trims = any(pool.window is not None or pool.recent_window is not None for pool in pools)

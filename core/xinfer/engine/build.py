@@ -205,7 +205,7 @@ def _cache_manager(plan: MemoryPlan, cache: CacheConfig, states: list[dict[str, 
         shadows = RecentWindow(pool.num_shadows, cache.kv_recent_window, cache.block_size) if pool.num_shadows else None
         pools.append(BlockPool(pool.num_blocks, cache.block_size, pool.window, shadows))
     slots = StatePool(plan.num_state_slots, plan.num_snapshot_slots, states) if plan.num_state_slots else None
-    return CacheManager(pools, cache.enable_prefix_caching, slots, cache.state_snapshot_interval)
+    return CacheManager(pools, cache.enable_prefix_caching, slots, cache.state_snapshot_interval, cache.block_size)
 
 
 def _given_tokenizer(tokenizer: Any) -> Any:

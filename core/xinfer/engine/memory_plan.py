@@ -136,7 +136,7 @@ class MemoryPlan:
     def describe(self) -> str:
         activations = gib(self.activations) if self.activations is not None else "not measured"
         graphs = gib(self.graphs) if self.graphs is not None else "none"
-        pools = "; ".join(pool.describe(self.block_size) for pool in self.pools)
+        pools = "; ".join(pool.describe(self.block_size) for pool in self.pools) or "none"
         slots = self.num_state_slots + self.num_snapshot_slots
         snapshots = f" + {self.num_snapshot_slots} snapshots" if self.num_snapshot_slots else ""
         states = (f", recurrent states {gib(slots * self.state_slot_bytes)} "
@@ -259,8 +259,10 @@ def plan_memory(
 
     num_slots = 0
     if slot_bytes:
-        share = cache.mamba_fraction or DEFAULT_STATE_SHARE
-        num_slots = wanted_seqs if budget is None else int(budget * share) // slot_bytes
+        share = cache.mamba_fraction or (DEFAULT_STATE_SHARE if windows else 1.0)
+        # where no pool is, the snapshots come out of the states' share (else out of the pools')
+        per_slot = slot_bytes * (1 + (not windows and snapshots) / STATE_SLOTS_PER_SNAPSHOT)
+        num_slots = wanted_seqs if budget is None else int(budget * share // per_slot)
         if cache.mamba_fraction is None:
             num_slots = min(num_slots, wanted_seqs)
         if num_slots == 0:

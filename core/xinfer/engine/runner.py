@@ -244,6 +244,7 @@ class ModelRunner:
                     self._tensor(page.shadows.slot_mapping, torch.int64),
                 )
             pages.append(meta)
+        pages = pages or [ops.without_kv(cu_seqlens_q, seq_lens, max_seqlen_q, max(batch.seq_lens))]
         if batch.key_limits:
             key_limits = self._tensor(batch.key_limits, torch.int32)
             for meta in pages:

@@ -54,12 +54,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         "in_proj_a": ("in_proj", "a"),
     }
 
-    def __init__(self, config: Any):
-        if "full_attention" not in config.layer_types:
-            # transformers' cache then has no attention layer to size its mask by: its generate fails
-            raise ValueError(f"layer_types without a full_attention layer is not supported: {config.layer_types}")
-        super().__init__(config)
-
     def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         if config.layer_types[index] != "linear_attention":
             return super().layer(config, index, rotary)

@@ -22,6 +22,7 @@ from tests.plugins.hf_parity import (
 )
 from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
+from xinfer.engine import memory_plan
 from xinfer.layers.activation import check_op_activations_run_on
 from xinfer_cpu.ops import CpuOps
 from xinfer_cuda.ops import CudaOps
@@ -187,6 +188,57 @@ def test_two_requests_sharing_a_prefix_match_hf(models):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for tokens in prompts:  # one after the other: the second finds the first's blocks
         assert llm.generate([tokens], params)[0].outputs[0].token_ids == hf_greedy(hf, tokens, 6)
+
+
+def uncached_greedy(hf: torch.nn.Module, tokens: list[int], count: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation without a cache, and each chosen token's log-probability: with no
+    attention layer its cache has nothing to size a mask by, and ``generate`` fails where ``forward`` runs."""
+    sequence, chosen, logprobs = list(tokens), [], []
+    with torch.inference_mode():
+        for _ in range(count):
+            step = hf(torch.tensor([sequence]), use_cache=False).logits[0, -1].log_softmax(-1)
+            chosen.append(int(step.argmax()))
+            logprobs.append(step[chosen[-1]].item())
+            sequence.append(chosen[-1])
+    return chosen, logprobs
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_model_of_deltanet_layers_alone_matches_hf(name, tmp_path):
+    """Two layers under the default ``full_attention_interval`` (4) are both DeltaNet layers: nothing is paged,
+    each sequence has its state slot alone; chunked prompts, a batch of three lengths, and a prefix hit."""
+    config = CONFIGS[name]()
+    config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
+    hf, llm = randomized_hybrid(config, tmp_path)
+    tokens = prompt(40)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens]), use_cache=False).logits[0].log_softmax(-1)
+    torch.testing.assert_close(prefill_logits(llm.engine, tokens).float().log_softmax(-1), expected, atol=1e-4, rtol=0)
+    shared = prompt(37, seed=7)
+    prompts = [shared + prompt(5, seed=8), prompt(4, seed=1), shared + prompt(9, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs = [llm.generate([prompts[0]], params)[0].outputs[0]]  # then the third finds its prefix's state
+    outputs += [out.outputs[0] for out in llm.generate(prompts[1:], params)]
+    for tokens, out in zip(prompts, outputs):
+        expected_tokens, expected_logprobs = uncached_greedy(hf, tokens, 8)
+        assert out.token_ids == expected_tokens
+        got = [step[token] for step, token in zip(out.logprobs, out.token_ids)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_logprobs), atol=1e-4, rtol=0)
+    assert llm.engine.stats().prefix_cache_hits == 2  # the shared 37 tokens' two whole blocks
+
+
+def test_a_model_of_deltanet_layers_alone_gives_its_states_and_snapshots_the_whole_cache_budget(tmp_path, monkeypatch):
+    config = CONFIGS["qwen3.5"]()
+    config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
+    save_tiny_model(config, tmp_path)
+    budget = 1 << 20
+    monkeypatch.setattr(memory_plan, "host_kv_budget", lambda fraction: budget)
+    states = LLM(model=str(tmp_path), dtype="float32", max_num_seqs=1024).engine.cache.states
+    assert states is not None
+    slot_bytes = sum(t[0].nbytes for cache in states.caches for t in cache.values())
+    held = (states.num_slots + states.num_snapshots) * slot_bytes
+    assert budget - 2 * slot_bytes < held <= budget
+    assert states.num_snapshots == -(-states.num_slots // 4)
 
 
 def test_a_longrope_prompt_past_the_trained_context_over_a_snapshot_point_matches_hf(tmp_path):
