@@ -1,5 +1,5 @@
 """A prompt's cache moved between two in-process engines of a hybrid model (Gated DeltaNet's
-recurrent state and full-attention blocks), packed into a payload or read from the other engine's
+recurrent state and full-attention blocks; the state alone where every layer is a DeltaNet layer), packed into a payload or read from the other engine's
 cache mapped through shared memory: the receiving engine, which never computed the prompt, hits it
 in its prefix cache and decodes transformers' greedy tokens."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.plugins.qwen.test_qwen3_next import CONFIGS, hf_greedy, randomize_hybrid
+from tests.plugins.qwen.test_qwen3_next import CONFIGS, randomize_hybrid, uncached_greedy
 from tests.tiny_models import prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.distributed.kv_transfer import (
@@ -26,10 +26,13 @@ from xinfer.distributed.kv_transfer import (
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+@pytest.fixture(scope="module", params=["hybrid", "deltanet layers alone"])
+def hybrid(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3.5")
-    hf = save_tiny_model(CONFIGS["qwen3.5"](), folder)
+    config = CONFIGS["qwen3.5"]()
+    if request.param == "deltanet layers alone":  # no block to move: the state alone
+        config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
+    hf = save_tiny_model(config, folder)
     randomize_hybrid(hf)
     hf.save_pretrained(folder, safe_serialization=True)
     options = dict(model=str(folder), dtype="float32", num_blocks=64)
@@ -49,7 +52,7 @@ def test_recurrent_state_and_blocks_move_between_engines(hybrid):
     assert import_prefix(decode.engine, tokens, num_tokens, payload)
     got = decode.generate([tokens], GREEDY)[0].outputs[0].token_ids
     assert decode.engine.cache.hits * decode.engine.cache.block_size == num_tokens  # decoded from the moved cache
-    assert got == hf_greedy(hf, tokens, len(got))
+    assert got == uncached_greedy(hf, tokens, len(got))[0]
 
 
 def test_a_payload_of_another_layout_is_refused_and_nothing_is_registered(hybrid):
@@ -82,7 +85,7 @@ def test_the_held_prefix_is_copied_from_the_shared_cache(hybrid):
         prefill.engine.cache.release(seq)
     got = decode.generate([tokens], GREEDY)[0].outputs[0].token_ids
     assert (decode.engine.cache.hits - hits) * decode.engine.cache.block_size == num_tokens > 0
-    assert got == hf_greedy(hf, tokens, len(got))
+    assert got == uncached_greedy(hf, tokens, len(got))[0]
 
 
 def _cached_blocks(llm: LLM) -> int:
