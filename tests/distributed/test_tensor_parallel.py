@@ -23,7 +23,7 @@ from tests.plugins.glm.configs import glm4_config, glm4_moe_config
 from tests.plugins.hf_parity import randomize, spread_routing
 from tests.plugins.minimax.test_minimax_m2 import minimax_m2_config
 from tests.plugins.qwen.test_qwen3_next import CONFIGS as HYBRID_CONFIGS
-from tests.plugins.qwen.test_qwen3_next import randomize_hybrid
+from tests.plugins.qwen.test_qwen3_next import deltanet_alone, randomize_hybrid
 from tests.plugins.qwen.test_qwen_moe import CONFIGS as MOE_CONFIGS
 from tests.tiny_models import COMMON, gemma3_config, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
@@ -58,6 +58,7 @@ CONFIGS = {
     "gemma4-moe": lambda: gemma4_config(**MOE),
     **MOE_CONFIGS,  # qwen2-moe (shared expert), qwen3-moe
     **HYBRID_CONFIGS,  # qwen3.5, qwen3.5-moe, qwen3-next: Gated DeltaNet
+    "qwen3.5 deltanet alone": lambda: deltanet_alone(HYBRID_CONFIGS["qwen3.5"]()),  # nothing paged
 }
 
 
@@ -73,7 +74,7 @@ def checkpoints(tmp_path_factory):
     def save(name: str):
         folder = tmp_path_factory.mktemp(name)
         hf = save_tiny_model(CONFIGS[name](), folder)
-        (randomize_hybrid if name in HYBRID_CONFIGS else randomize)(hf)
+        (randomize_hybrid if name.startswith(("qwen3.5", "qwen3-next")) else randomize)(hf)
         spread_routing(hf)
         hf.save_pretrained(folder, safe_serialization=True)
         return folder

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.plugins.qwen.test_qwen3_next import CONFIGS, randomize_hybrid, uncached_greedy
+from tests.plugins.qwen.test_qwen3_next import CONFIGS, deltanet_alone, randomize_hybrid, uncached_greedy
 from tests.tiny_models import prompt, save_tiny_model
 from xinfer import LLM, SamplingParams
 from xinfer.distributed.kv_transfer import (
@@ -31,7 +31,7 @@ def hybrid(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3.5")
     config = CONFIGS["qwen3.5"]()
     if request.param == "deltanet layers alone":  # no block to move: the state alone
-        config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
+        config = deltanet_alone(config)
     hf = save_tiny_model(config, folder)
     randomize_hybrid(hf)
     hf.save_pretrained(folder, safe_serialization=True)

@@ -67,6 +67,12 @@ VARIANTS = {  # each flips fields the CONFIGS leave at one value
 }  # fmt: skip
 
 
+def deltanet_alone(config):
+    """``config`` with two layers, both DeltaNet layers (as the default ``full_attention_interval`` of 4 makes them)."""
+    config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
+    return config
+
+
 def randomize_hybrid(model: torch.nn.Module, seed: int = 3) -> None:
     """Norms (zero-centred ones too) and biases via :func:`randomize`; each DeltaNet's decay
     parameters away from HF's initial ones (``dt_bias`` is all ones there): ``A_log`` with decay
@@ -207,9 +213,7 @@ def uncached_greedy(hf: torch.nn.Module, tokens: list[int], count: int) -> tuple
 def test_a_model_of_deltanet_layers_alone_matches_hf(name, tmp_path):
     """Two layers under the default ``full_attention_interval`` (4) are both DeltaNet layers: nothing is paged,
     each sequence has its state slot alone; chunked prompts, a batch of three lengths, and a prefix hit."""
-    config = CONFIGS[name]()
-    config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
-    hf, llm = randomized_hybrid(config, tmp_path)
+    hf, llm = randomized_hybrid(deltanet_alone(CONFIGS[name]()), tmp_path)
     tokens = prompt(40)
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens]), use_cache=False).logits[0].log_softmax(-1)
@@ -228,9 +232,7 @@ def test_a_model_of_deltanet_layers_alone_matches_hf(name, tmp_path):
 
 
 def test_a_model_of_deltanet_layers_alone_gives_its_states_and_snapshots_the_whole_cache_budget(tmp_path, monkeypatch):
-    config = CONFIGS["qwen3.5"]()
-    config.num_hidden_layers, config.layer_types = 2, ["linear_attention"] * 2
-    save_tiny_model(config, tmp_path)
+    save_tiny_model(deltanet_alone(CONFIGS["qwen3.5"]()), tmp_path)
     budget = 1 << 20
     monkeypatch.setattr(memory_plan, "host_kv_budget", lambda fraction: budget)
     states = LLM(model=str(tmp_path), dtype="float32", max_num_seqs=1024).engine.cache.states
