@@ -15,6 +15,7 @@ from transformers import (
     Glm4MoeConfig,
     GlmConfig,
     MiniMaxM2Config,
+    MistralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3_5TextConfig,
@@ -145,6 +146,9 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         **{**MINIMAX, "head_dim": 8, "rotary_dim": 4, "num_local_experts": 16, "num_experts_per_tok": 4,
            "tie_word_embeddings": True}
     ),
+    # sweepa (each field alone against transformers):
+    # rotary_dim null: transformers sets no partial factor, so rotates whole heads
+    "minimax-m2 rotary_dim null": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": None}),
 }  # fmt: skip
 
 
@@ -210,6 +214,22 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma3_config(use_bidirectional_attention=True),
         "use_bidirectional_attention=True is not",
     ),
+    # sweepa (each field alone against transformers):
+    # transformers' generate caches the last window - 1 keys, so all of them at 1: its tokens are no window's
+    "mistral sliding window of 1 token": (
+        lambda: MistralConfig(**COMMON, sliding_window=1, architectures=["MistralForCausalLM"]),
+        "sliding_window 1 is not supported: a window holds at least 2 tokens",
+    ),
+    # transformers' mask and scores disagree in size: a shape error
+    "qwen3-moe sliding window of 0 tokens": (
+        lambda: qwen3_moe(use_sliding_window=True, sliding_window=0),
+        "sliding_window 0 is not supported",
+    ),
+    # transformers' sliding mask takes a size: a TypeError
+    "gemma3 sliding layers without a window": (
+        lambda: gemma3_config(sliding_window=None),
+        r"layer_types\[0\] is 'sliding_attention' but sliding_window is None",
+    ),
 }
 
 
@@ -218,4 +238,22 @@ def test_unsupported_value_is_one_error_naming_the_field(name, tmp_path):
     config, message = ERRORS[name]
     save_tiny_model(config(), tmp_path)
     with pytest.raises((ValueError, NotImplementedError), match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+# sweepa: sizes a config class leaves null, where transformers fails to build the model (no weights to save)
+NULL_SIZES: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
+    "qwen2-moe num_key_value_heads null": (lambda: qwen2_moe(num_key_value_heads=None), "num_key_value_heads"),
+    "glm num_key_value_heads null": (lambda: glm(num_key_value_heads=None), "num_key_value_heads"),
+    "glm head_dim null": (lambda: glm(head_dim=None), "head_dim"),
+}
+
+
+@pytest.mark.parametrize("name", list(NULL_SIZES))
+def test_a_null_size_is_one_error_naming_it(name, tmp_path):
+    config, size = NULL_SIZES[name]
+    config().save_pretrained(tmp_path)
+    with pytest.raises(TypeError):  # transformers' own failure: the reference gives no output
+        save_tiny_model(config(), tmp_path / "hf")
+    with pytest.raises(ValueError, match=f"the config's {size} is null"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
