@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from transformers import (
     Glm4Config,
     Glm4MoeConfig,
@@ -27,10 +28,12 @@ from tests.plugins.gemma.test_gemma4_variants import SCALED_ROPE
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
+    hf_greedy,
+    randomize,
     randomized_model,
 )
 from tests.plugins.qwen.test_qwen3_next import HYBRID
-from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, prompt, save_tiny_model
 from xinfer import LLM
 
 SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -257,3 +260,18 @@ def test_a_null_size_is_one_error_naming_it(name, tmp_path):
         save_tiny_model(config(), tmp_path / "hf")
     with pytest.raises(ValueError, match=f"the config's {size} is null"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+def test_the_reference_caches_a_window_of_1_wrongly(tmp_path):
+    """Why a sliding_window of 1 is refused: transformers' generate (its sliding cache keeps the last
+    window - 1 keys, i.e. all of them) departs from its own forward over the whole sequence at each step."""
+    hf = save_tiny_model(MistralConfig(**COMMON, sliding_window=1, architectures=["MistralForCausalLM"]), tmp_path)
+    randomize(hf)
+    tokens = prompt(13, seed=1)
+    cached, _ = hf_greedy(hf, tokens, 4)
+    uncached = list(tokens)
+    with torch.inference_mode():
+        for _ in range(4):
+            uncached.append(int(hf(torch.tensor([uncached])).logits[0, -1].argmax()))
+    assert cached[0] == uncached[len(tokens)]  # the prompt's step has no cache
+    assert cached != uncached[len(tokens) :]
