@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     GlmConfig,
     MiniMaxM2Config,
+    MistralConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3_5TextConfig,
@@ -26,10 +28,12 @@ from tests.plugins.gemma.test_gemma4_variants import SCALED_ROPE
 from tests.plugins.hf_parity import (
     assert_greedy_tokens_and_logprobs_match,
     assert_prefill_logits_match,
+    hf_greedy,
+    randomize,
     randomized_model,
 )
 from tests.plugins.qwen.test_qwen3_next import HYBRID
-from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, save_tiny_model
+from tests.tiny_models import COMMON, gemma3_config, phi3_longrope_config, prompt, save_tiny_model
 from xinfer import LLM
 
 SMALL = dict(COMMON, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -145,6 +149,9 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         **{**MINIMAX, "head_dim": 8, "rotary_dim": 4, "num_local_experts": 16, "num_experts_per_tok": 4,
            "tie_word_embeddings": True}
     ),
+    # sweepa (each field alone against transformers):
+    # rotary_dim null: transformers sets no partial factor, so rotates whole heads
+    "minimax-m2 rotary_dim null": lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": None}),
 }  # fmt: skip
 
 
@@ -210,6 +217,22 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma3_config(use_bidirectional_attention=True),
         "use_bidirectional_attention=True is not",
     ),
+    # sweepa (each field alone against transformers):
+    # transformers' generate caches the last window - 1 keys, so all of them at 1: its tokens are no window's
+    "mistral sliding window of 1 token": (
+        lambda: MistralConfig(**COMMON, sliding_window=1, architectures=["MistralForCausalLM"]),
+        "sliding_window 1 is not supported: a window holds at least 2 tokens",
+    ),
+    # transformers' mask and scores disagree in size: a shape error
+    "qwen3-moe sliding window of 0 tokens": (
+        lambda: qwen3_moe(use_sliding_window=True, sliding_window=0),
+        "sliding_window 0 is not supported",
+    ),
+    # transformers' sliding mask takes a size: a TypeError
+    "gemma3 sliding layers without a window": (
+        lambda: gemma3_config(sliding_window=None),
+        r"layer_types\[0\] is 'sliding_attention' but sliding_window is None",
+    ),
 }
 
 
@@ -219,3 +242,36 @@ def test_unsupported_value_is_one_error_naming_the_field(name, tmp_path):
     save_tiny_model(config(), tmp_path)
     with pytest.raises((ValueError, NotImplementedError), match=message):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+# sweepa: sizes a config class leaves null, where transformers fails to build the model (no weights to save)
+NULL_SIZES: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
+    "qwen2-moe num_key_value_heads null": (lambda: qwen2_moe(num_key_value_heads=None), "num_key_value_heads"),
+    "glm num_key_value_heads null": (lambda: glm(num_key_value_heads=None), "num_key_value_heads"),
+    "glm head_dim null": (lambda: glm(head_dim=None), "head_dim"),
+}
+
+
+@pytest.mark.parametrize("name", list(NULL_SIZES))
+def test_a_null_size_is_one_error_naming_it(name, tmp_path):
+    config, size = NULL_SIZES[name]
+    config().save_pretrained(tmp_path)
+    with pytest.raises(TypeError):  # transformers' own failure: the reference gives no output
+        save_tiny_model(config(), tmp_path / "hf")
+    with pytest.raises(ValueError, match=f"the config's {size} is null"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+def test_the_reference_caches_a_window_of_1_wrongly(tmp_path):
+    """Why a sliding_window of 1 is refused: transformers' generate (its sliding cache keeps the last
+    window - 1 keys, i.e. all of them) departs from its own forward over the whole sequence at each step."""
+    hf = save_tiny_model(MistralConfig(**COMMON, sliding_window=1, architectures=["MistralForCausalLM"]), tmp_path)
+    randomize(hf)
+    tokens = prompt(13, seed=1)
+    cached, _ = hf_greedy(hf, tokens, 4)
+    uncached = list(tokens)
+    with torch.inference_mode():
+        for _ in range(4):
+            uncached.append(int(hf(torch.tensor([uncached])).logits[0, -1].argmax()))
+    assert cached[0] == uncached[len(tokens)]  # the prompt's step has no cache
+    assert cached != uncached[len(tokens) :]

@@ -133,5 +133,11 @@ def sliding_window(config: Any, index: int) -> int | None:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        return window if layer_types[index] == "sliding_attention" else None
+        if layer_types[index] != "sliding_attention":
+            return None
+        if window is None:  # transformers' sliding mask takes a size: it fails
+            raise ValueError(f"layer_types[{index}] is 'sliding_attention' but sliding_window is None")
+    if window is not None and window < 2:
+        # transformers fails on a window of 0 and, caching the last window - 1 keys, keeps every key at 1
+        raise ValueError(f"sliding_window {window} is not supported: a window holds at least 2 tokens")
     return window

@@ -107,6 +107,10 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
             check_head(config, saved_base)
     except ValueError as error:
         raise type(error)(f"{path}: {error}") from error
+    for size in ("num_key_value_heads", "head_dim"):
+        # a config class that leaves it None where none is given has no default: transformers' attention fails
+        if size in vars(config) and vars(config)[size] is None:
+            raise ModelFileError(f"{path}: the config's {size} is null: the attention needs its size")
     if settings.load_format != "dummy" and not reads_gguf(path, settings.load_format):
         check_safetensors(path)
     if settings.isq is not None:

@@ -45,7 +45,7 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
         # the checkpoints give rotary_dim, which transformers 5.17 and older leave out of the rope parameters
         explicit = "partial_rotary_factor" in (getattr(config, "rope_parameters", None) or {})
         if not explicit and getattr(config, "partial_rotary_factor", None) is None:
-            params["partial_rotary_factor"] = getattr(config, "rotary_dim", self.head_dim) / self.head_dim
+            params["partial_rotary_factor"] = (getattr(config, "rotary_dim", None) or self.head_dim) / self.head_dim
         return params
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
