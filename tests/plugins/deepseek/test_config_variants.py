@@ -100,6 +100,16 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: deepseek_v3_config(n_group=3),
         "n_group 3 and topk_group 2 do not fit 16 experts",
     ),
+    # transformers repeats the per-head keys and values again by num_attention_heads // num_key_value_heads:
+    # a shape error (every latent-attention checkpoint has as many of one as of the other)
+    "v3 fewer kv heads than heads": (
+        lambda: deepseek_v3_config(num_key_value_heads=2),
+        "num_key_value_heads 2 differs from num_attention_heads 4",
+    ),
+    "glm-4.7-flash more heads than kv heads": (
+        lambda: glm4_moe_lite_config(num_attention_heads=8),
+        "num_key_value_heads 4 differs from num_attention_heads 8",
+    ),
 }
 
 
