@@ -210,6 +210,20 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma3_config(use_bidirectional_attention=True),
         "use_bidirectional_attention=True is not",
     ),
+    # sweepb (one field at a time): transformers repeats each KV head num_attention_heads // num_key_value_heads
+    # times, a shape error where that does not divide (0 times here)
+    "glm4-moe one query head over 2 kv heads": (
+        lambda: Glm4MoeConfig(**{**GLM_MOE, "num_attention_heads": 1}),
+        "num_attention_heads 1 is not a multiple of num_key_value_heads 2",
+    ),
+    "qwen3.5 one query head over 2 kv heads": (
+        lambda: Qwen3_5TextConfig(**{**HYBRID, "num_attention_heads": 1}, architectures=["Qwen3_5ForCausalLM"]),
+        "num_attention_heads 1 is not a multiple of num_key_value_heads 2",
+    ),
+    "gemma4 3 query heads over 2 kv heads": (
+        lambda: gemma4_config(num_attention_heads=3),
+        "num_attention_heads 3 is not a multiple of num_key_value_heads 2",
+    ),
 }
 
 

@@ -172,6 +172,11 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.experts: Experts | None = None
         if config.enable_moe_block:
+            unset = [
+                name for name in ("num_experts", "top_k_experts", "moe_intermediate_size") if not getattr(config, name)
+            ]
+            if unset:  # transformers' experts fail to build
+                raise ValueError(f"enable_moe_block True needs {', '.join(unset)} (unset)")
             self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, config.rms_norm_eps)
             self.experts = Experts(
                 config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation,
