@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 from transformers import (
+    AutoModelForCausalLM,
     Glm4Config,
     Glm4MoeConfig,
     GlmConfig,
@@ -233,3 +234,23 @@ def test_unsupported_value_is_one_error_naming_the_field(name, tmp_path):
     save_tiny_model(config(), tmp_path)
     with pytest.raises((ValueError, NotImplementedError), match=message):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+# sweepb (one field at a time): values transformers fails on as it builds the model
+UNBUILT: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
+    # transformers divides the frequencies by the factors, one per rotated pair: a shape error
+    "qwen3-moe longrope factors for half the rotated pairs": (
+        lambda: qwen3_moe(head_dim=16, rope_parameters=LONGROPE),
+        "short_factor has 4 values, not the 8 of the 16 rotated dims' pairs",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNBUILT))
+def test_a_value_transformers_cannot_build_is_one_error_naming_the_field(name, tmp_path):
+    config, message = UNBUILT[name]
+    with pytest.raises(RuntimeError):
+        AutoModelForCausalLM.from_config(config())
+    config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64, load_format="dummy")
