@@ -243,13 +243,18 @@ UNBUILT: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: qwen3_moe(head_dim=16, rope_parameters=LONGROPE),
         "short_factor has 4 values, not the 8 of the 16 rotated dims' pairs",
     ),
+    # transformers looks each layer type's rope up by its name in rope_parameters: a KeyError
+    "gemma4 one rope dict for every layer type": (
+        lambda: gemma4_config(rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+        "rope_parameters has no 'sliding_attention' entry",
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(UNBUILT))
 def test_a_value_transformers_cannot_build_is_one_error_naming_the_field(name, tmp_path):
     config, message = UNBUILT[name]
-    with pytest.raises(RuntimeError):
+    with pytest.raises((RuntimeError, KeyError)):
         AutoModelForCausalLM.from_config(config())
     config().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):

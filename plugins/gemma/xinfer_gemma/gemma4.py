@@ -328,6 +328,9 @@ def reuses_kv(config: Any) -> list[bool]:
 def rope(config: Any, layer_type: str) -> dict[str, Any]:
     """``layer_type``'s rope parameters; its "default" rope turns the whole head whatever ``partial_rotary_factor``
     says, as transformers' Gemma 4 computes it ("proportional" turns a part of it by its own table)."""
+    if layer_type not in (getattr(config, "rope_parameters", None) or {}):
+        # transformers looks each layer type's rope up by its name: a KeyError
+        raise ValueError(f"rope_parameters has no {layer_type!r} entry: Gemma 4 takes one rope dict per layer type")
     params = rope_parameters(config, layer_type)
     factor, kind = params["partial_rotary_factor"], params["rope_type"]
     if factor != 1 and kind not in ("default", "proportional"):
