@@ -279,7 +279,10 @@ class Gemma4ForCausalLM(CausalLM):
             layer = config.per_layer_config[index]
             bias, heads = config.attention_bias, config.num_attention_heads
             if reuses and kind not in sources:
-                raise ValueError(f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none")
+                raise ValueError(
+                    f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none "
+                    f"(num_kv_shared_layers {config.num_kv_shared_layers} of layer_types {kinds})"
+                )
             if reuses:
                 attn: nn.Module = SharedKVAttention(
                     config.hidden_size, heads, layer.head_dim, rotary[kind], norm, sources[kind], bias

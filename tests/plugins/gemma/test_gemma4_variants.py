@@ -71,3 +71,11 @@ def test_experts_enabled_without_their_count_is_one_error():
         ValueError, match="enable_moe_block True needs num_experts, top_k_experts, moe_intermediate_size"
     ):
         Gemma4ForCausalLM(config)
+
+
+def test_a_shared_layer_whose_kind_no_earlier_layer_caches_is_one_error_naming_the_field():
+    config = gemma4_config(**{**E_MODEL, "num_kv_shared_layers": 4})  # layer 2, the first full layer, shares already
+    with pytest.raises(ValueError, match="layer types producing a cache"):  # transformers' own refusal at build
+        Gemma4TextModel(config)
+    with pytest.raises(ValueError, match=r"layer 2 reads the KV cache .* \(num_kv_shared_layers 4 of layer_types"):
+        Gemma4ForCausalLM(config)
