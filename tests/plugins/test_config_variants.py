@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     Glm4Config,
     Glm4MoeConfig,
     GlmConfig,
@@ -233,6 +234,20 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma3_config(sliding_window=None),
         r"layer_types\[0\] is 'sliding_attention' but sliding_window is None",
     ),
+    # sweepb (one field at a time): transformers repeats each KV head num_attention_heads // num_key_value_heads
+    # times, a shape error where that does not divide (0 times here)
+    "glm4-moe one query head over 2 kv heads": (
+        lambda: Glm4MoeConfig(**{**GLM_MOE, "num_attention_heads": 1}),
+        "num_attention_heads 1 is not a multiple of num_key_value_heads 2",
+    ),
+    "qwen3.5 one query head over 2 kv heads": (
+        lambda: Qwen3_5TextConfig(**{**HYBRID, "num_attention_heads": 1}, architectures=["Qwen3_5ForCausalLM"]),
+        "num_attention_heads 1 is not a multiple of num_key_value_heads 2",
+    ),
+    "gemma4 3 query heads over 2 kv heads": (
+        lambda: gemma4_config(num_attention_heads=3),
+        "num_attention_heads 3 is not a multiple of num_key_value_heads 2",
+    ),
 }
 
 
@@ -275,3 +290,28 @@ def test_the_reference_caches_a_window_of_1_wrongly(tmp_path):
             uncached.append(int(hf(torch.tensor([uncached])).logits[0, -1].argmax()))
     assert cached[0] == uncached[len(tokens)]  # the prompt's step has no cache
     assert cached != uncached[len(tokens) :]
+
+
+# sweepb (one field at a time): values transformers fails on as it builds the model
+UNBUILT: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
+    # transformers divides the frequencies by the factors, one per rotated pair: a shape error
+    "qwen3-moe longrope factors for half the rotated pairs": (
+        lambda: qwen3_moe(head_dim=16, rope_parameters=LONGROPE),
+        "short_factor has 4 values, not the 8 of the 16 rotated dims' pairs",
+    ),
+    # transformers looks each layer type's rope up by its name in rope_parameters: a KeyError
+    "gemma4 one rope dict for every layer type": (
+        lambda: gemma4_config(rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+        "rope_parameters has no 'sliding_attention' entry",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNBUILT))
+def test_a_value_transformers_cannot_build_is_one_error_naming_the_field(name, tmp_path):
+    config, message = UNBUILT[name]
+    with pytest.raises((RuntimeError, KeyError)):
+        AutoModelForCausalLM.from_config(config())
+    config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64, load_format="dummy")

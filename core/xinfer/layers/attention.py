@@ -28,6 +28,12 @@ class Attention(nn.Module):
         softcap: float | None = None,
     ):
         super().__init__()
+        if num_heads % num_kv_heads:
+            # transformers repeats each key and value head num_heads // num_kv_heads times: a shape error
+            raise ValueError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}: "
+                "each key and value head serves a whole group of query heads"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

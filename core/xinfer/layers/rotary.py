@@ -108,6 +108,10 @@ def _longrope(base: float, dim: int, params: dict, factors: str = "short_factor"
     """LongRoPE (Phi-3.5, Phi-4): each frequency divided by its own factor, the short ones for
     sequences within the trained context (the long ones past it: :class:`RotaryEmbedding`),
     cos and sin scaled by ``sqrt(1 + ln(factor) / ln(trained context))``."""
+    for key in ("short_factor", "long_factor"):
+        if len(params[key]) != dim // 2:  # transformers divides the frequencies by them: a shape error
+            raise ValueError(f"rope_parameters {key} has {len(params[key])} values, not the {dim // 2} of the "
+                             f"{dim} rotated dims' pairs (head_dim * partial_rotary_factor / 2)")  # fmt: skip
     inv_freq, _ = _default(base, dim, params)
     factor, trained = params["factor"], params["original_max_position_embeddings"]
     scale = params.get("attention_factor")

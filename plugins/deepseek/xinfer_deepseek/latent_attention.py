@@ -115,6 +115,13 @@ class LatentAttention(nn.Module):
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         hidden, heads, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        if config.num_key_value_heads != heads:
+            # transformers expands the latent to a key and value per head, then repeats them again by
+            # num_attention_heads // num_key_value_heads: a shape error
+            raise ValueError(
+                f"num_key_value_heads {config.num_key_value_heads} differs from num_attention_heads {heads}: "
+                "latent attention has one key and value per head"
+            )
         part = current().split(heads, "attention heads")
         self.num_heads = part.size(heads)
         q_size = heads * (self.nope_dim + self.rope_dim)

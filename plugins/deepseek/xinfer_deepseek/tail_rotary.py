@@ -21,6 +21,10 @@ class TailRotary(nn.Module):
 
     def __init__(self, head_dim: int, params: dict[str, Any]):
         super().__init__()
+        if params["rope_type"] == "longrope":
+            # transformers picks the short or long factors per call by the largest position it rotates (the
+            # step's, the compressed entries'), a choice no paged step reproduces
+            raise ValueError("rope_type 'longrope' is not supported by DeepSeek-V4's rotary")
         inv_freq, self.mscale = inverse_frequencies(head_dim, params)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 

@@ -172,6 +172,11 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.experts: Experts | None = None
         if config.enable_moe_block:
+            unset = [
+                name for name in ("num_experts", "top_k_experts", "moe_intermediate_size") if not getattr(config, name)
+            ]
+            if unset:  # transformers' experts fail to build
+                raise ValueError(f"enable_moe_block True needs {', '.join(unset)} (unset)")
             self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, config.rms_norm_eps)
             self.experts = Experts(
                 config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation,
@@ -274,7 +279,10 @@ class Gemma4ForCausalLM(CausalLM):
             layer = config.per_layer_config[index]
             bias, heads = config.attention_bias, config.num_attention_heads
             if reuses and kind not in sources:
-                raise ValueError(f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none")
+                raise ValueError(
+                    f"layer {index} reads the KV cache of an earlier {kind} layer, and there is none "
+                    f"(num_kv_shared_layers {config.num_kv_shared_layers} of layer_types {kinds})"
+                )
             if reuses:
                 attn: nn.Module = SharedKVAttention(
                     config.hidden_size, heads, layer.head_dim, rotary[kind], norm, sources[kind], bias
@@ -323,6 +331,9 @@ def reuses_kv(config: Any) -> list[bool]:
 def rope(config: Any, layer_type: str) -> dict[str, Any]:
     """``layer_type``'s rope parameters; its "default" rope turns the whole head whatever ``partial_rotary_factor``
     says, as transformers' Gemma 4 computes it ("proportional" turns a part of it by its own table)."""
+    if layer_type not in (getattr(config, "rope_parameters", None) or {}):
+        # transformers looks each layer type's rope up by its name: a KeyError
+        raise ValueError(f"rope_parameters has no {layer_type!r} entry: Gemma 4 takes one rope dict per layer type")
     params = rope_parameters(config, layer_type)
     factor, kind = params["partial_rotary_factor"], params["rope_type"]
     if factor != 1 and kind not in ("default", "proportional"):

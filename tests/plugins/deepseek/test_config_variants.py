@@ -100,6 +100,29 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: deepseek_v3_config(n_group=3),
         "n_group 3 and topk_group 2 do not fit 16 experts",
     ),
+    # transformers repeats the per-head keys and values again by num_attention_heads // num_key_value_heads:
+    # a shape error (every latent-attention checkpoint has as many of one as of the other)
+    "v3 fewer kv heads than heads": (
+        lambda: deepseek_v3_config(num_key_value_heads=2),
+        "num_key_value_heads 2 differs from num_attention_heads 4",
+    ),
+    # transformers rotates each call by the short or long factors as the largest position it rotates says (the
+    # step's, the compressed entries'): served, but as no paged step does
+    "v4 longrope": (
+        lambda: deepseek_v4_config(
+            rope_parameters=dict(
+                rope_type="longrope",
+                original_max_position_embeddings=16,
+                short_factor=[1.0, 1.1, 1.3, 1.6],
+                long_factor=[1.5, 3.0, 7.0, 15.0],
+            )
+        ),
+        "rope_type 'longrope' is not supported by DeepSeek-V4's rotary",
+    ),
+    "glm-4.7-flash more heads than kv heads": (
+        lambda: glm4_moe_lite_config(num_attention_heads=8),
+        "num_key_value_heads 4 differs from num_attention_heads 8",
+    ),
 }
 
 

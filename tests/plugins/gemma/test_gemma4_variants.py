@@ -4,6 +4,7 @@ KV heads on global layers as on sliding ones, a rope scaling factor, the default
 E-model's sharing with experts, other activations, one no backend fuses)."""
 
 import pytest
+from transformers import Gemma4TextModel
 
 from tests.plugins.gemma.test_gemma4 import E_MODEL, LAYER_TYPES, MOE, gemma4_config, randomize_gemma4
 from tests.plugins.hf_parity import assert_greedy_tokens_and_logprobs_match, assert_prefill_logits_match
@@ -59,4 +60,22 @@ def test_a_model_whose_every_layer_shares_kv_is_one_error():
     # Gemma 4's assistant models read a target model's cache: alone they have none to read
     config = gemma4_config(num_kv_shared_layers=len(LAYER_TYPES))
     with pytest.raises(ValueError, match="reads the KV cache of an earlier sliding_attention layer, and there is none"):
+        Gemma4ForCausalLM(config)
+
+
+def test_experts_enabled_without_their_count_is_one_error():
+    config = gemma4_config(enable_moe_block=True)  # num_experts, top_k_experts, moe_intermediate_size unset
+    with pytest.raises(TypeError):  # transformers builds experts of no size
+        Gemma4TextModel(config)
+    with pytest.raises(
+        ValueError, match="enable_moe_block True needs num_experts, top_k_experts, moe_intermediate_size"
+    ):
+        Gemma4ForCausalLM(config)
+
+
+def test_a_shared_layer_whose_kind_no_earlier_layer_caches_is_one_error_naming_the_field():
+    config = gemma4_config(**{**E_MODEL, "num_kv_shared_layers": 4})  # layer 2, the first full layer, shares already
+    with pytest.raises(ValueError, match="layer types producing a cache"):  # transformers' own refusal at build
+        Gemma4TextModel(config)
+    with pytest.raises(ValueError, match=r"layer 2 reads the KV cache .* \(num_kv_shared_layers 4 of layer_types"):
         Gemma4ForCausalLM(config)
