@@ -271,7 +271,7 @@ class Gemma4ForCausalLM(CausalLM):
             kind: RotaryEmbedding(
                 config.per_layer_config[kind].head_dim, config.max_position_embeddings, rope(config, kind)
             )
-            for kind in set(kinds)
+            for kind in dict.fromkeys(kinds)  # (in layer order: the first missing rope is the one named)
         }
         sources: dict[str, Attention] = {}
         layers = []
