@@ -60,7 +60,7 @@ class DecoderForCausalLM(CausalLM):
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         rotary = {
             kind: RotaryEmbedding(self.head_dim, config.max_position_embeddings, self.rope_parameters(config, kind))
-            for kind in set(layer_types)
+            for kind in dict.fromkeys(layer_types)  # (in layer order: a refusal names the first layer type)
         }
         self.model = DecoderModel(
             config.vocab_size,
