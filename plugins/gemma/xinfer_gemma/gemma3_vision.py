@@ -12,7 +12,7 @@ their tokens merge); the soft tokens of one image attend to each other both ways
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -69,6 +69,7 @@ class Gemma3ImageProcessor:
         self.config = config
         self.image_size = config.vision_config.image_size
         preprocessor = preprocessor_config(config)
+        refuse_unencodable_settings(preprocessor, self.image_size)
         self.resample = preprocessor.get("resample", "bilinear")
         self.normalization = Normalization.from_preprocessor(preprocessor, SIGLIP)
         self.placeholders = {"image": config.boi_token_index}
@@ -86,6 +87,18 @@ class Gemma3ImageProcessor:
 
     def replacement(self, item: MultiModalItem) -> tuple[list[int], int]:
         return list(self._tokens), self._start
+
+
+def refuse_unencodable_settings(preprocessor: Mapping[str, Any], image_size: int) -> None:
+    """One error where the checkpoint's image processor would hand SigLIP images of another size than its
+    ``image_size`` (transformers' encoder then fails on its position embeddings)."""
+    if not preprocessor.get("do_resize", True):
+        raise ValueError("the image processor's do_resize is false: images would reach the encoder at their own size")
+    size = preprocessor.get("size", {"height": image_size, "width": image_size})
+    if (size.get("height"), size.get("width")) != (image_size, image_size):
+        raise ValueError(
+            f"the image processor's size {size} is not the vision config's image_size ({image_size}) a side"
+        )
 
 
 def newline_merges(tokenizer: Any, longest: int = 31) -> dict[tuple[int, int], int]:

@@ -18,6 +18,8 @@ from xinfer.layers import LayerNorm, Linear, MergedLinear, activation
 class SiglipAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"vision_config.hidden_size {dim} is not a multiple of num_attention_heads {num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv_proj = MergedLinear(dim, {"q": dim, "k": dim, "v": dim}, bias=True)
         self.out_proj = Linear(dim, dim, bias=True)
@@ -58,6 +60,8 @@ class SiglipEmbeddings(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.patch_size = config.patch_size
+        if config.num_channels != 3:
+            raise ValueError(f"vision_config.num_channels={config.num_channels}: images reach the encoder as RGB (3)")
         channels, dim = config.num_channels, config.hidden_size
         self.patch_embedding = PatchEmbedding(channels, dim, config.patch_size)
         self.position_embedding = nn.Embedding(((config.image_size // config.patch_size) ** 2), dim)

@@ -2,6 +2,8 @@
 the prompt expansion, greedy tokens and log-probabilities, prefill chunks around an image, the
 encoder cache, and prefix caching keyed by image content."""
 
+import json
+
 import pytest
 
 from tests.plugins.gemma.gemma3_vision_model import BOI, TOKENS_PER_IMAGE, image, processor, save_model
@@ -211,3 +213,49 @@ def test_a_patch_grid_whose_pooling_drops_a_row_matches_hf(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
     out = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0]
     assert_matches_hf(hf, TEXT, [image(1)], out, size={"height": 28, "width": 28})
+
+
+def test_a_vision_encoder_of_other_than_three_channels_is_refused_at_load(tmp_path):
+    """Found by sweeping: with num_channels=1 transformers' encoder fails on the processor's RGB pixels; xinfer
+    failed in its patch GEMM at the request."""
+    hf = save_model(tmp_path, vision=dict(num_channels=1))
+    inputs = hf_inputs(TEXT, [image(1)])
+    with pytest.raises(RuntimeError, match="channels"):
+        hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
+    with pytest.raises(ValueError, match=r"num_channels=1: images reach the encoder as RGB \(3\)"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+
+
+def test_a_vision_width_not_split_evenly_into_heads_is_refused_at_load(tmp_path):
+    """Found by sweeping: transformers refuses to build SigLIP with 48 split over 5 heads; a checkpoint saying so
+    failed inside xinfer's encoder attention at the request."""
+    with pytest.raises(ValueError, match="embed_dim must be divisible by num_heads"):
+        save_model(tmp_path / "hf", vision=dict(num_attention_heads=5))
+    save_model(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vision_config"]["num_attention_heads"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"vision_config.hidden_size 48 is not a multiple of num_attention_heads 5"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        (
+            dict(size={"height": 28, "width": 28}),
+            r"size \{'height': 28, 'width': 28\} is not the vision config's image_size",
+        ),
+        (dict(do_resize=False), "do_resize is false"),
+    ],
+)
+def test_an_image_processor_handing_the_encoder_another_size_is_refused_at_load(tmp_path, settings, error):
+    """Found by sweeping: a saved processor whose size is not SigLIP's image_size, or that does not resize, gives
+    transformers' encoder more patches than it has positions for; xinfer resized to image_size and answered."""
+    hf = save_model(tmp_path)
+    processor(**settings).save_pretrained(tmp_path)
+    inputs = hf_inputs(TEXT, [image(1, (37, 29))], **settings)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
+    with pytest.raises(ValueError, match=error):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
