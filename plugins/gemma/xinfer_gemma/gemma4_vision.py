@@ -39,6 +39,7 @@ from xinfer.multimodal.image import Normalization, image_hash, preprocessor_conf
 from xinfer_gemma.gemma4 import Gemma4ForCausalLM
 
 DEFAULT_MAX_SOFT_TOKENS = 280  # transformers' image processor's default, where the checkpoint sets none
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)  # the budgets transformers' image processor takes
 UNIT_PIXELS = Normalization(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # [0, 1]: the encoder maps them to [-1, 1]
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -73,6 +74,11 @@ class Gemma4VisionAttention(nn.Module):
         super().__init__()
         dim, clipped = config.hidden_size, config.use_clipped_linears
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"vision_config.num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_kv_heads}: each key and value head serves a whole group of query heads"
+            )
         self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
         self.q = ClippedLinear(dim, self.num_heads * self.head_dim, clipped)
         self.k = ClippedLinear(dim, self.num_kv_heads * self.head_dim, clipped)
@@ -147,6 +153,16 @@ class Gemma4VisionModel(nn.Module):
 
     def __init__(self, config: Any):
         super().__init__()
+        if config.head_dim % 4:
+            raise ValueError(
+                f"vision_config.head_dim={config.head_dim} is not a multiple of 4: each half of a head rotates by "
+                "the column or the row at head_dim / 4 frequencies"
+            )
+        if config.pooling_kernel_size < 2:
+            raise ValueError(
+                f"vision_config.pooling_kernel_size={config.pooling_kernel_size}: transformers' encoder keeps "
+                "the padding patches where it does not pool"
+            )
         self.pool = config.pooling_kernel_size
         self.patch_embedder = Gemma4PatchEmbedder(config)
         self.layers = nn.ModuleList(Gemma4VisionLayer(config) for _ in range(config.num_hidden_layers))
@@ -212,6 +228,22 @@ def resized_size(height: int, width: int, patch: int, max_patches: int, pool: in
     return new_height, new_width
 
 
+def refuse_unencodable_settings(preprocessor: Mapping[str, Any], vision: Any) -> None:
+    """One error where the checkpoint's image processor would cut patches the encoder does not take
+    (transformers' then fails): another patch or pooling size than the vision config's, or images not resized;
+    or a budget of soft tokens that transformers' processor does not take."""
+    for field in ("patch_size", "pooling_kernel_size"):
+        if preprocessor.get(field, getattr(vision, field)) != getattr(vision, field):
+            raise ValueError(
+                f"the image processor's {field} ({preprocessor[field]}) is not the vision config's "
+                f"({getattr(vision, field)})"
+            )
+    if not preprocessor.get("do_resize", True):
+        raise ValueError("the image processor's do_resize is false: images would not fit the encoder's patch grid")
+    if (budget := preprocessor.get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS)) not in SOFT_TOKEN_BUDGETS:
+        raise ValueError(f"the image processor's max_soft_tokens ({budget}) is not one of {SOFT_TOKEN_BUDGETS}")
+
+
 class Gemma4ImageProcessor:
     """Images -> patches: RGB, resized (bicubic) keeping the aspect ratio, ``/ 255``, cut into
     ``patch x patch`` squares flattened as (rows, columns, channels), row-major. The checkpoint's
@@ -221,6 +253,7 @@ class Gemma4ImageProcessor:
     def __init__(self, config: Any, tokenizer: Any, preprocessor: Mapping[str, Any]):
         vision = config.vision_config
         self.patch, self.pool = vision.patch_size, vision.pooling_kernel_size
+        refuse_unencodable_settings(preprocessor, vision)
         self.positions = vision.position_embedding_size
         self.max_patches = int(preprocessor.get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS)) * self.pool**2
         self.resample = preprocessor.get("resample", "bicubic")

@@ -3,9 +3,12 @@ CPU): preprocessing of square and non-square images, greedy tokens and log-proba
 E-model (causal image tokens, per-layer embeddings) and the MoE variant (image tokens both ways in
 the sliding layers, clipped linears, standardized vision output), the encoder cache."""
 
+import json
+
 import httpx
 import pytest
 import torch
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 from tests.plugins.gemma.gemma3_vision_model import image
 from tests.plugins.gemma.gemma4_vision_model import BOI, EOI, IMAGE, VARIANTS, image_processor, save_model
@@ -152,3 +155,61 @@ def test_the_server_answers_an_image_as_the_offline_engine_does(tmp_path):
         live.stop()
     assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
     assert answer.choices[0].message.content == offline.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    ("vision", "error"),
+    [
+        (dict(head_dim=18), r"head_dim=18 is not a multiple of 4"),
+        (dict(num_attention_heads=3, num_key_value_heads=2), "num_attention_heads 3 is not a multiple of num_key_"),
+        (dict(num_attention_heads=2, num_key_value_heads=4), "num_attention_heads 2 is not a multiple of num_key_"),
+        (dict(pooling_kernel_size=1), r"pooling_kernel_size=1: transformers' encoder keeps the padding patches"),
+    ],
+)
+def test_an_encoder_transformers_cannot_run_is_refused_at_load(tmp_path, monkeypatch, vision, error):
+    """Found by sweeping: transformers' rotary gives a head of 18 a table of 20, its encoder without pooling keeps
+    the padding patches instead of the image's, and it cannot group 3 (or 2) query heads over 2 (or 4) key and value
+    heads; xinfer served the first two and failed inside its attention at the request on the others."""
+    import tests.plugins.gemma.gemma4_vision_model as checkpoint
+
+    monkeypatch.setitem(checkpoint.VISION, "pooling_kernel_size", vision.get("pooling_kernel_size", 3))
+    hf = save_model(tmp_path, "e-model", vision=vision)
+    inputs = hf_inputs(with_images(prompt(12, seed=1), image(1, (37, 29)))["prompt_token_ids"], [image(1, (37, 29))])
+    with pytest.raises(RuntimeError, match=r"split_with_sizes|must match the size"):
+        hf(input_ids=torch.tensor([inputs.pop("ids")]), **inputs)
+    with pytest.raises(ValueError, match=error):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize(
+    ("settings", "hf_error", "error"),
+    [
+        (dict(patch_size=8), "cannot be multiplied", r"the image processor's patch_size \(8\) is not the vision config's \(4\)"),
+        (dict(pooling_kernel_size=2), "Cannot pool", r"the image processor's pooling_kernel_size \(2\) is not the vision config's"),
+        (dict(do_resize=False), "cannot reshape", "do_resize is false"),
+    ],
+)  # fmt: skip
+def test_an_image_processor_cutting_patches_the_encoder_does_not_take_is_refused_at_load(
+    tmp_path, settings, hf_error, error
+):
+    """Found by sweeping: transformers' processor cuts patches by its own patch and pooling sizes, or leaves the
+    image unresized (then cannot cut a 37x29 image), and its encoder fails on them; xinfer used the vision config's."""
+    hf = save_model(tmp_path, "e-model")
+    processor = Gemma4ImageProcessorPil(**{**image_processor().to_dict(), **settings})
+    processor.save_pretrained(tmp_path)
+    with pytest.raises((RuntimeError, ValueError), match=hf_error):
+        processed = processor([image(1, (37, 29))], return_tensors="pt")
+        hf.model.vision_tower(processed["pixel_values"], processed["image_position_ids"])
+    with pytest.raises(ValueError, match=error):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+def test_a_soft_token_budget_transformers_processor_does_not_take_is_refused_at_load(tmp_path):
+    """Found by sweeping: transformers' image processor refuses max_soft_tokens 100 when it loads; xinfer took it."""
+    save_model(tmp_path, "e-model")
+    settings = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**settings, "max_soft_tokens": 100}))
+    with pytest.raises(ValueError, match="must be one of"):
+        Gemma4ImageProcessorPil.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"max_soft_tokens \(100\) is not one of \(70, 140, 280, 560, 1120\)"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
