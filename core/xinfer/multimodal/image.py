@@ -123,13 +123,18 @@ class Normalization:
         return normalized_pixels(image, self.mean, self.std, self.scale)
 
 
+def processor_config(config: Any) -> dict[str, Any]:
+    """The checkpoint's ``processor_config.json`` beside its ``config.json`` (the processor's own settings, such
+    as ``image_seq_length``, and in transformers 5 its image processor's); ``{}`` without one."""
+    file = Path(getattr(config, "_name_or_path", "") or ".") / "processor_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
 def preprocessor_config(config: Any) -> dict[str, Any]:
     """The checkpoint's image processor settings beside its ``config.json``: the ``image_processor``
     part of ``processor_config.json`` (as transformers 5 saves a processor), else
     ``preprocessor_config.json``; ``{}`` without either."""
-    folder = Path(getattr(config, "_name_or_path", "") or ".")
-    processor = folder / "processor_config.json"
-    if processor.is_file() and "image_processor" in (settings := json.loads(processor.read_text())):
+    if "image_processor" in (settings := processor_config(config)):
         return settings["image_processor"]
-    file = folder / "preprocessor_config.json"
+    file = Path(getattr(config, "_name_or_path", "") or ".") / "preprocessor_config.json"
     return json.loads(file.read_text()) if file.is_file() else {}

@@ -24,7 +24,14 @@ from xinfer import ops
 from xinfer.layers import RMSNorm
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
-from xinfer.multimodal.image import Normalization, image_hash, preprocessor_config, resize, to_rgb
+from xinfer.multimodal.image import (
+    Normalization,
+    image_hash,
+    preprocessor_config,
+    processor_config,
+    resize,
+    to_rgb,
+)
 from xinfer_gemma.gemma3 import Gemma3ForCausalLM
 from xinfer_gemma.siglip import SiglipVisionTransformer
 
@@ -70,6 +77,7 @@ class Gemma3ImageProcessor:
         self.image_size = config.vision_config.image_size
         preprocessor = preprocessor_config(config)
         refuse_unencodable_settings(preprocessor, self.image_size)
+        refuse_another_image_length(processor_config(config), config.mm_tokens_per_image)
         self.resample = preprocessor.get("resample", "bilinear")
         self.normalization = Normalization.from_preprocessor(preprocessor, SIGLIP)
         self.placeholders = {"image": config.boi_token_index}
@@ -98,6 +106,16 @@ def refuse_unencodable_settings(preprocessor: Mapping[str, Any], image_size: int
     if (size.get("height"), size.get("width")) != (image_size, image_size):
         raise ValueError(
             f"the image processor's size {size} is not the vision config's image_size ({image_size}) a side"
+        )
+
+
+def refuse_another_image_length(processor: Mapping[str, Any], mm_tokens_per_image: int) -> None:
+    """One error where the checkpoint's processor writes another number of soft tokens per image than the encoder
+    yields (transformers' model then refuses every image)."""
+    if processor.get("image_seq_length", mm_tokens_per_image) != mm_tokens_per_image:
+        raise ValueError(
+            f"the processor's image_seq_length ({processor['image_seq_length']}) is not the config's "
+            f"mm_tokens_per_image ({mm_tokens_per_image})"
         )
 
 

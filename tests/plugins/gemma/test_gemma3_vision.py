@@ -5,6 +5,7 @@ encoder cache, and prefix caching keyed by image content."""
 import json
 
 import pytest
+from transformers import Gemma3Processor
 
 from tests.plugins.gemma.gemma3_vision_model import BOI, TOKENS_PER_IMAGE, image, processor, save_model
 from tests.plugins.hf_parity import assert_output_matches_hf, hf_greedy
@@ -258,4 +259,18 @@ def test_an_image_processor_handing_the_encoder_another_size_is_refused_at_load(
     with pytest.raises(RuntimeError, match="must match the size"):
         hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
     with pytest.raises(ValueError, match=error):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+
+
+def test_a_processor_writing_another_number_of_soft_tokens_is_refused_at_load(tmp_path):
+    """Found by sweeping: a saved processor whose image_seq_length (4) is not the config's mm_tokens_per_image (9)
+    writes 4 soft tokens an image, and transformers' model refuses them; xinfer wrote 9 and answered."""
+    hf = save_model(tmp_path)
+    image_processor = processor().image_processor
+    short = Gemma3Processor(image_processor=image_processor, tokenizer=processor().tokenizer, image_seq_length=4)
+    short.save_pretrained(tmp_path)
+    inputs = dict(short(text=TEXT, images=[image(1)], return_tensors="pt"))
+    with pytest.raises(ValueError, match="do not match"):
+        hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
+    with pytest.raises(ValueError, match=r"image_seq_length \(4\) is not the config's mm_tokens_per_image \(9\)"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
