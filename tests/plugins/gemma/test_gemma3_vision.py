@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import Gemma3Processor
 
-from tests.plugins.gemma.gemma3_vision_model import BOI, TOKENS_PER_IMAGE, image, processor, save_model
+from tests.plugins.gemma.gemma3_vision_model import BOI, SOFT, TOKENS_PER_IMAGE, image, processor, save_model
 from tests.plugins.hf_parity import assert_output_matches_hf, hf_greedy
 from xinfer import LLM, SamplingParams
 
@@ -274,3 +274,19 @@ def test_a_processor_writing_another_number_of_soft_tokens_is_refused_at_load(tm
         hf(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"], token_type_ids=inputs["token_type_ids"])
     with pytest.raises(ValueError, match=r"image_seq_length \(4\) is not the config's mm_tokens_per_image \(9\)"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=32)
+
+
+@pytest.mark.parametrize("tokens_per_image", [36, 4])
+def test_other_soft_token_counts_match_hf(tmp_path, monkeypatch, tokens_per_image):
+    """Swept: 6x6 patches left unpooled (36 soft tokens) or pooled 3x3 (4), with two images of other shapes."""
+    import tests.plugins.gemma.gemma3_vision_model as checkpoint
+
+    monkeypatch.setattr(checkpoint, "TOKENS_PER_IMAGE", tokens_per_image)
+    hf = save_model(tmp_path)
+    processor().save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    text = "look at <start_of_image> then <start_of_image> and tell me"
+    images = [image(2, (90, 20)), image(3, (17, 23))]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)[0]
+    assert out.prompt_token_ids.count(SOFT) == 2 * tokens_per_image
+    assert_matches_hf(hf, text, images, out)

@@ -213,3 +213,21 @@ def test_a_soft_token_budget_transformers_processor_does_not_take_is_refused_at_
         Gemma4ImageProcessorPil.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"max_soft_tokens \(100\) is not one of \(70, 140, 280, 560, 1120\)"):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize(
+    "vision",
+    [dict(pooling_kernel_size=2, patch_size=3), dict(head_dim=12, num_attention_heads=4, num_key_value_heads=2)],
+    ids=["pool-2-patch-3", "head-12-grouped"],
+)
+def test_other_patch_pooling_and_head_shapes_match_hf(tmp_path, monkeypatch, vision):
+    """Swept: a 2x2 pooling of 3-pixel patches (the processor's grid follows the vision config's, as a checkpoint's
+    does), and heads of 12 (3 rotary frequencies a half) grouped two to a key and value head."""
+    import tests.plugins.gemma.gemma4_vision_model as checkpoint
+
+    for field in ("pooling_kernel_size", "patch_size"):
+        monkeypatch.setitem(checkpoint.VISION, field, vision.get(field, checkpoint.VISION[field]))
+    hf = save_model(tmp_path, "e-model", vision=vision)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=128, max_num_batched_tokens=256)
+    request = with_images(prompt(14, seed=2), image(2, (37, 29)), image(3, (7, 5)))
+    assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0])
