@@ -62,6 +62,11 @@ class ImageSpec:
                 f"the checkpoint's image processor size {size} names no shortest_edge and longest_edge "
                 "(nor min_pixels and max_pixels): the pixel bounds images are resized within"
             )
+        for key, field in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                           ("merge_size", "spatial_merge_size")):  # fmt: skip
+            if pre.get(key, getattr(vision_config, field)) != getattr(vision_config, field):
+                raise ValueError(f"the checkpoint's image processor {key} {pre[key]} is not the vision config's "
+                                 f"{field} {getattr(vision_config, field)}: the patches would not fit the encoder")  # fmt: skip
         return cls(
             patch_size=vision_config.patch_size,
             temporal_patch_size=vision_config.temporal_patch_size,
