@@ -52,15 +52,15 @@ class ImageSpec:
         size = pre.get("size")
         if size is None:
             size = {"shortest_edge": defaults.min_pixels, "longest_edge": defaults.max_pixels}
-        min_pixels, max_pixels = (
-            pre.get("min_pixels") or size.get("shortest_edge"),
-            pre.get("max_pixels") or size.get("longest_edge"),
+        min_pixels, max_pixels = (  # the older keys override size's, even with 0, as in transformers
+            size.get("shortest_edge") if pre.get("min_pixels") is None else pre["min_pixels"],
+            size.get("longest_edge") if pre.get("max_pixels") is None else pre["max_pixels"],
         )
         resize = pre.get("do_resize", True)
         if resize and not (min_pixels and max_pixels):
             raise ValueError(
-                f"the checkpoint's image processor size {size} names no shortest_edge and longest_edge "
-                "(nor min_pixels and max_pixels): the pixel bounds images are resized within"
+                f"the checkpoint's image processor gives no pixel bounds to resize images within (size {size}, "
+                f"min_pixels {pre.get('min_pixels')}, max_pixels {pre.get('max_pixels')}): both must be named, nonzero"
             )
         for key, field in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                            ("merge_size", "spatial_merge_size")):  # fmt: skip

@@ -117,7 +117,18 @@ def test_a_size_without_both_bounds_is_refused_as_transformers_refuses_every_ima
     config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64}}
     with pytest.raises(ValueError, match="longest_edge"):
         Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
-    with pytest.raises(ValueError, match=r"size \{'shortest_edge': 64\} names no shortest_edge and longest_edge"):
+    with pytest.raises(ValueError, match=r"no pixel bounds .*size \{'shortest_edge': 64\}"):
         ImageSpec.from_configs(Vision(), config)
     with_max = ImageSpec.from_configs(Vision(), {**config, "max_pixels": 640})  # the older key completes it
     assert (with_max.min_pixels, with_max.max_pixels) == (64, 640)
+
+
+def test_a_min_pixels_of_0_is_refused_as_transformers_refuses_every_image():
+    """Found by the one-field sweep: min_pixels 0 overrides size's shortest_edge in transformers, which then
+    refuses every image; xinfer took size's bound and served."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64,
+              "longest_edge": 8 * 8 * 24}, "min_pixels": 0}  # fmt: skip
+    with pytest.raises(ValueError, match="shortest_edge"):
+        Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
+    with pytest.raises(ValueError, match=r"no pixel bounds .* min_pixels 0"):
+        ImageSpec.from_configs(Vision(), config)
