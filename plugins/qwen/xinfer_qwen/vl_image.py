@@ -38,6 +38,7 @@ class ImageSpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     resize: bool = True
+    convert_rgb: bool = True
     resample: int = Image.Resampling.BICUBIC
     normalization: Normalization = CLIP
 
@@ -74,6 +75,7 @@ class ImageSpec:
             min_pixels=min_pixels or defaults.min_pixels,
             max_pixels=max_pixels or defaults.max_pixels,
             resize=resize,
+            convert_rgb=pre.get("do_convert_rgb", True),
             resample=pre.get("resample", defaults.resample),
             normalization=Normalization.from_preprocessor(pre, defaults.normalization),
         )
@@ -103,6 +105,10 @@ def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
 
 def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
     """The image in RGB, resized (on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
+    if not spec.convert_rgb and image.mode != "RGB":
+        raise ValueError(
+            f"a {image.mode} image: this model takes RGB images alone (its preprocessor's do_convert_rgb is false)"
+        )
     image = to_rgb(image)
     if spec.resize:
         image = resize(image, *smart_resize(image.height, image.width, spec), spec.resample)

@@ -132,3 +132,23 @@ def test_a_min_pixels_of_0_is_refused_as_transformers_refuses_every_image():
         Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
     with pytest.raises(ValueError, match=r"no pixel bounds .* min_pixels 0"):
         ImageSpec.from_configs(Vision(), config)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P"])
+def test_an_image_not_in_rgb_is_refused_where_the_preprocessor_does_not_convert_it(mode):
+    """Found by the one-field sweep: with do_convert_rgb false transformers keeps the image's own channels, which
+    its processor or its 3-channel patch embedding then fails on; xinfer converted the image and served it."""
+    config = {"do_convert_rgb": False, "image_mean": 0.5, "image_std": 0.5, "size": {"shortest_edge": 64,
+              "longest_edge": 8 * 8 * 24}}  # fmt: skip
+    image = synthetic_image(37, 23).convert(mode)
+    try:
+        channels = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, **config)(
+            [image], return_tensors="pt"
+        )["pixel_values"].shape[1] // (2 * 4 * 4)
+    except ValueError:
+        channels = None
+    assert channels != 3
+    spec = ImageSpec.from_configs(Vision(), config)
+    with pytest.raises(ValueError, match=f"a {mode} image: .*RGB images alone .*do_convert_rgb is false"):
+        preprocess([image], spec)
+    preprocess([image.convert("RGB")], spec)
