@@ -152,3 +152,19 @@ def test_an_image_not_in_rgb_is_refused_where_the_preprocessor_does_not_convert_
     with pytest.raises(ValueError, match=f"a {mode} image: .*RGB images alone .*do_convert_rgb is false"):
         preprocess([image], spec)
     preprocess([image.convert("RGB")], spec)
+
+
+@pytest.mark.parametrize("fields", [{"image_mean": [0.5]}, {"image_mean": [0.1, 0.2]}, {"image_std": [0.5] * 4},
+                                    {"image_mean": None}])  # fmt: skip
+def test_statistics_neither_one_number_nor_one_per_channel_are_refused_as_transformers_refuses_every_image(fields):
+    """Found by the one-field sweep: transformers' normalization fails on them; xinfer took a one-element mean as
+    the red channel's alone and failed inside a broadcast on the others."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64,
+              "longest_edge": 8 * 8 * 24}, **fields}  # fmt: skip
+    with pytest.raises(ValueError):
+        Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
+    name = next(iter(fields))
+    with pytest.raises(ValueError, match=f"image processor {name} .* neither one number nor 3"):
+        ImageSpec.from_configs(Vision(), config)
+    with_normalization_off = ImageSpec.from_configs(Vision(), {**config, "do_normalize": False})
+    assert with_normalization_off.normalization.mean == (0.0, 0.0, 0.0)  # transformers does not read them then
