@@ -111,7 +111,12 @@ class Normalization:
 
         def per_channel(name: str, value: tuple[float, ...]) -> tuple[float, ...]:
             given = preprocessor.get(name, value)
-            return tuple(given) if isinstance(given, Sequence) else (float(given),) * channels
+            if isinstance(given, (int, float)) and not isinstance(given, bool):
+                return (float(given),) * channels
+            if not isinstance(given, Sequence) or len(given) != channels:
+                raise ValueError(f"the checkpoint's image processor {name} {given!r} is neither one number nor "
+                                 f"{channels} (one per channel), as normalizing needs")  # fmt: skip
+            return tuple(given)
 
         return cls(
             scale=preprocessor.get("rescale_factor", default.scale) if preprocessor.get("do_rescale", True) else 1.0,

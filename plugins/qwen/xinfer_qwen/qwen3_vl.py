@@ -60,11 +60,15 @@ class QwenVisionLanguage(DecoderForCausalLM):
 
     attend_within_items: ClassVar[bool] = False
     default_mrope_section: ClassVar[tuple[int, int, int]] = (24, 20, 20)  # where the rope parameters name none
+    deepstack: ClassVar[bool] = True
 
     def __init__(self, config: Any):
         wrapper = config.multimodal_config  # the loader hands the text config, the wrapper's beside it
         super().__init__(config)
-        self.visual = VisionEncoder(wrapper.vision_config)
+        if wrapper.vision_config.out_hidden_size != config.hidden_size:
+            raise ValueError(f"vision_config out_hidden_size {wrapper.vision_config.out_hidden_size} is not the text "
+                             f"model's hidden_size {config.hidden_size}: image embeddings take the place of tokens'")  # fmt: skip
+        self.visual = VisionEncoder(wrapper.vision_config, self.deepstack)
         self.merge_size = wrapper.vision_config.spatial_merge_size
         self.image_token_id = wrapper.image_token_id
         self.image_spec = ImageSpec.from_configs(wrapper.vision_config, preprocessor_config(wrapper))
@@ -160,9 +164,11 @@ class Qwen3_5ForConditionalGeneration(QwenVisionLanguage, Qwen3_5ForCausalLM):
     """Qwen3.5 / Qwen3.6 dense with its vision encoder (no DeepStack)."""
 
     default_mrope_section = (11, 11, 10)
+    deepstack = False  # a deepstack_visual_indexes in its vision config is ignored, as by transformers
 
 
 class Qwen3_5MoeForConditionalGeneration(QwenVisionLanguage, Qwen3_5MoeForCausalLM):
     """Qwen3.5 / Qwen3.6 MoE with its vision encoder (no DeepStack)."""
 
     default_mrope_section = (11, 11, 10)
+    deepstack = False  # a deepstack_visual_indexes in its vision config is ignored, as by transformers

@@ -38,6 +38,7 @@ class ImageSpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     resize: bool = True
+    convert_rgb: bool = True
     resample: int = Image.Resampling.BICUBIC
     normalization: Normalization = CLIP
 
@@ -52,16 +53,21 @@ class ImageSpec:
         size = pre.get("size")
         if size is None:
             size = {"shortest_edge": defaults.min_pixels, "longest_edge": defaults.max_pixels}
-        min_pixels, max_pixels = (
-            pre.get("min_pixels") or size.get("shortest_edge"),
-            pre.get("max_pixels") or size.get("longest_edge"),
+        min_pixels, max_pixels = (  # the older keys override size's, even with 0, as in transformers
+            size.get("shortest_edge") if pre.get("min_pixels") is None else pre["min_pixels"],
+            size.get("longest_edge") if pre.get("max_pixels") is None else pre["max_pixels"],
         )
         resize = pre.get("do_resize", True)
         if resize and not (min_pixels and max_pixels):
             raise ValueError(
-                f"the checkpoint's image processor size {size} names no shortest_edge and longest_edge "
-                "(nor min_pixels and max_pixels): the pixel bounds images are resized within"
+                f"the checkpoint's image processor gives no pixel bounds to resize images within (size {size}, "
+                f"min_pixels {pre.get('min_pixels')}, max_pixels {pre.get('max_pixels')}): both must be named, nonzero"
             )
+        for key, field in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                           ("merge_size", "spatial_merge_size")):  # fmt: skip
+            if pre.get(key, getattr(vision_config, field)) != getattr(vision_config, field):
+                raise ValueError(f"the checkpoint's image processor {key} {pre[key]} is not the vision config's "
+                                 f"{field} {getattr(vision_config, field)}: the patches would not fit the encoder")  # fmt: skip
         return cls(
             patch_size=vision_config.patch_size,
             temporal_patch_size=vision_config.temporal_patch_size,
@@ -69,6 +75,7 @@ class ImageSpec:
             min_pixels=min_pixels or defaults.min_pixels,
             max_pixels=max_pixels or defaults.max_pixels,
             resize=resize,
+            convert_rgb=pre.get("do_convert_rgb", True),
             resample=pre.get("resample", defaults.resample),
             normalization=Normalization.from_preprocessor(pre, defaults.normalization),
         )
@@ -98,6 +105,10 @@ def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
 
 def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
     """The image in RGB, resized (on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
+    if not spec.convert_rgb and image.mode != "RGB":
+        raise ValueError(
+            f"a {image.mode} image: this model takes RGB images alone (its preprocessor's do_convert_rgb is false)"
+        )
     image = to_rgb(image)
     if spec.resize:
         image = resize(image, *smart_resize(image.height, image.width, spec), spec.resample)

@@ -115,15 +115,18 @@ class VisionEncoder(nn.Module):
 
     inv_freq: Tensor
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, deepstack: bool = True):
+        """``deepstack`` false: ``config.deepstack_visual_indexes`` ignored, as by the models without DeepStack."""
         super().__init__()
+        check_supported(config)
         self.merge = config.spatial_merge_size
         self.patch_embed = PatchEmbedding(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.side = int(config.num_position_embeddings**0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
-        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None) or [])
+        indexes = getattr(config, "deepstack_visual_indexes", None) if deepstack else None
+        self.deepstack_visual_indexes = list(indexes or [])
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(config, norm_after_concat=True) for _ in self.deepstack_visual_indexes
         )
@@ -135,8 +138,9 @@ class VisionEncoder(nn.Module):
 
     @property
     def levels(self) -> int:
-        """How many embeddings each merged token has: the merger's and each DeepStack level's."""
-        return 1 + len(self.deepstack_visual_indexes)
+        """How many embeddings each merged token has: the merger's and one per block the DeepStack indexes name
+        (an index past the last block, or named twice, adds none, as in transformers)."""
+        return 1 + len(set(self.deepstack_visual_indexes) & set(range(len(self.blocks))))
 
     def forward(self, patches: Tensor, grids: Sequence[Grid]) -> Tensor:
         grids = [(int(t), int(h), int(w)) for t, h, w in grids]
@@ -185,6 +189,23 @@ class VisionEncoder(nn.Module):
         row_col = self.grouped(torch.stack((rows, cols), dim=-1), h, w).float()  # [h * w, 2]
         angles = (row_col[:, :, None] * self.inv_freq).flatten(1)  # row's angles || column's
         return torch.cat((angles.cos(), angles.sin()), dim=-1).repeat(t, 1)
+
+
+def check_supported(config: Any) -> None:
+    """Refuse, in one line naming the field, a vision config transformers builds but cannot run an image through."""
+    if config.hidden_size % config.num_heads:
+        raise ValueError(
+            f"vision_config hidden_size {config.hidden_size} is not a multiple of num_heads {config.num_heads}"
+        )
+    head_dim = config.hidden_size // config.num_heads
+    if getattr(config, "head_dim", None) not in (None, head_dim):
+        raise ValueError(f"vision_config head_dim {config.head_dim} is not hidden_size / num_heads ({head_dim}): "
+                         "transformers' 2D rotary takes it, its attention does not")  # fmt: skip
+    if head_dim % 4:
+        raise ValueError(f"vision_config head dim {head_dim} (hidden_size / num_heads) is not a multiple of 4: "
+                         "the 2D rotary gives rows and columns a half each, in pairs")  # fmt: skip
+    if config.in_channels != 3:
+        raise ValueError(f"vision_config in_channels {config.in_channels} is not supported: images are fed as RGB")
 
 
 def per_patch(table: Callable[[Grid], Tensor], grids: Sequence[Grid]) -> Tensor:

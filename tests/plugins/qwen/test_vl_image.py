@@ -117,7 +117,54 @@ def test_a_size_without_both_bounds_is_refused_as_transformers_refuses_every_ima
     config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64}}
     with pytest.raises(ValueError, match="longest_edge"):
         Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
-    with pytest.raises(ValueError, match=r"size \{'shortest_edge': 64\} names no shortest_edge and longest_edge"):
+    with pytest.raises(ValueError, match=r"no pixel bounds .*size \{'shortest_edge': 64\}"):
         ImageSpec.from_configs(Vision(), config)
     with_max = ImageSpec.from_configs(Vision(), {**config, "max_pixels": 640})  # the older key completes it
     assert (with_max.min_pixels, with_max.max_pixels) == (64, 640)
+
+
+def test_a_min_pixels_of_0_is_refused_as_transformers_refuses_every_image():
+    """Found by the one-field sweep: min_pixels 0 overrides size's shortest_edge in transformers, which then
+    refuses every image; xinfer took size's bound and served."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64,
+              "longest_edge": 8 * 8 * 24}, "min_pixels": 0}  # fmt: skip
+    with pytest.raises(ValueError, match="shortest_edge"):
+        Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
+    with pytest.raises(ValueError, match=r"no pixel bounds .* min_pixels 0"):
+        ImageSpec.from_configs(Vision(), config)
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P"])
+def test_an_image_not_in_rgb_is_refused_where_the_preprocessor_does_not_convert_it(mode):
+    """Found by the one-field sweep: with do_convert_rgb false transformers keeps the image's own channels, which
+    its processor or its 3-channel patch embedding then fails on; xinfer converted the image and served it."""
+    config = {"do_convert_rgb": False, "image_mean": 0.5, "image_std": 0.5, "size": {"shortest_edge": 64,
+              "longest_edge": 8 * 8 * 24}}  # fmt: skip
+    image = synthetic_image(37, 23).convert(mode)
+    try:
+        channels = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, **config)(
+            [image], return_tensors="pt"
+        )["pixel_values"].shape[1] // (2 * 4 * 4)
+    except ValueError:
+        channels = None
+    assert channels != 3
+    spec = ImageSpec.from_configs(Vision(), config)
+    with pytest.raises(ValueError, match=f"a {mode} image: .*RGB images alone .*do_convert_rgb is false"):
+        preprocess([image], spec)
+    preprocess([image.convert("RGB")], spec)
+
+
+@pytest.mark.parametrize("fields", [{"image_mean": [0.5]}, {"image_mean": [0.1, 0.2]}, {"image_std": [0.5] * 4},
+                                    {"image_mean": None}])  # fmt: skip
+def test_statistics_neither_one_number_nor_one_per_channel_are_refused_as_transformers_refuses_every_image(fields):
+    """Found by the one-field sweep: transformers' normalization fails on them; xinfer took a one-element mean as
+    the red channel's alone and failed inside a broadcast on the others."""
+    config = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64,
+              "longest_edge": 8 * 8 * 24}, **fields}  # fmt: skip
+    with pytest.raises(ValueError):
+        Qwen2VLImageProcessorPil(**config)([synthetic_image(24, 16)], return_tensors="pt")
+    name = next(iter(fields))
+    with pytest.raises(ValueError, match=f"image processor {name} .* neither one number nor 3"):
+        ImageSpec.from_configs(Vision(), config)
+    with_normalization_off = ImageSpec.from_configs(Vision(), {**config, "do_normalize": False})
+    assert with_normalization_off.normalization.mean == (0.0, 0.0, 0.0)  # transformers does not read them then
