@@ -260,8 +260,9 @@ def plan_memory(
     num_slots = 0
     if slot_bytes:
         share = cache.mamba_fraction or (DEFAULT_STATE_SHARE if windows else 1.0)
-        # where no pool is, the snapshots come out of the states' share (else out of the pools')
-        per_slot = slot_bytes * (1 + (not windows and snapshots) / STATE_SLOTS_PER_SNAPSHOT)
+        per_slot = float(slot_bytes)  # where no pool is, the snapshots come out of the states' share (else the pools')
+        if snapshots and not windows:
+            per_slot += slot_bytes / STATE_SLOTS_PER_SNAPSHOT
         num_slots = wanted_seqs if budget is None else int(budget * share // per_slot)
         if cache.mamba_fraction is None:
             num_slots = min(num_slots, wanted_seqs)

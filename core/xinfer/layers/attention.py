@@ -9,6 +9,17 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import AttentionMetadata
 
 
+def check_head_groups(num_heads: int, num_kv_heads: int, config: str = "") -> None:
+    """One error, naming the fields of ``config`` (a prefix such as ``"vision_config."``), where the query heads do
+    not split into whole groups over the key and value heads (transformers repeats each key and value head
+    ``num_heads // num_kv_heads`` times: a shape error)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{config}num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}: "
+            "each key and value head serves a whole group of query heads"
+        )
+
+
 class Attention(nn.Module):
     """Paged attention of one layer: stores this step's K/V in the layer's cache,
     then attends over each sequence's cached context.
@@ -28,12 +39,7 @@ class Attention(nn.Module):
         softcap: float | None = None,
     ):
         super().__init__()
-        if num_heads % num_kv_heads:
-            # transformers repeats each key and value head num_heads // num_kv_heads times: a shape error
-            raise ValueError(
-                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}: "
-                "each key and value head serves a whole group of query heads"
-            )
+        check_head_groups(num_heads, num_kv_heads)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

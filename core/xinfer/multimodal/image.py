@@ -128,18 +128,21 @@ class Normalization:
         return normalized_pixels(image, self.mean, self.std, self.scale)
 
 
-def processor_config(config: Any) -> dict[str, Any]:
-    """The checkpoint's ``processor_config.json`` beside its ``config.json`` (the processor's own settings, such
-    as ``image_seq_length``, and in transformers 5 its image processor's); ``{}`` without one."""
-    file = Path(getattr(config, "_name_or_path", "") or ".") / "processor_config.json"
+def _beside(config: Any, name: str) -> dict[str, Any]:
+    """The JSON file ``name`` beside the checkpoint's ``config.json``; ``{}`` without one."""
+    file = Path(getattr(config, "_name_or_path", "") or ".") / name
     return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def processor_config(config: Any) -> dict[str, Any]:
+    """The checkpoint's ``processor_config.json`` (the processor's own settings, such as ``image_seq_length``,
+    and in transformers 5 its image processor's); ``{}`` without one."""
+    return _beside(config, "processor_config.json")
 
 
 def preprocessor_config(config: Any) -> dict[str, Any]:
     """The checkpoint's image processor settings beside its ``config.json``: the ``image_processor``
     part of ``processor_config.json`` (as transformers 5 saves a processor), else
     ``preprocessor_config.json``; ``{}`` without either."""
-    if "image_processor" in (settings := processor_config(config)):
-        return settings["image_processor"]
-    file = Path(getattr(config, "_name_or_path", "") or ".") / "preprocessor_config.json"
-    return json.loads(file.read_text()) if file.is_file() else {}
+    settings = processor_config(config)
+    return settings["image_processor"] if "image_processor" in settings else _beside(config, "preprocessor_config.json")

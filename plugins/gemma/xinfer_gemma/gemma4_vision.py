@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from xinfer import ops
 from xinfer.layers import Linear, RMSNorm, activation
+from xinfer.layers.attention import check_head_groups
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.multimodal import MultiModalItem
 from xinfer.multimodal.image import Normalization, image_hash, preprocessor_config, resize, to_rgb
@@ -74,11 +75,7 @@ class Gemma4VisionAttention(nn.Module):
         super().__init__()
         dim, clipped = config.hidden_size, config.use_clipped_linears
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"vision_config.num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
-                f"{self.num_kv_heads}: each key and value head serves a whole group of query heads"
-            )
+        check_head_groups(self.num_heads, self.num_kv_heads, "vision_config.")
         self.head_dim, self.eps = config.head_dim, config.rms_norm_eps
         self.q = ClippedLinear(dim, self.num_heads * self.head_dim, clipped)
         self.k = ClippedLinear(dim, self.num_kv_heads * self.head_dim, clipped)
