@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
@@ -42,7 +43,7 @@ def once_per_step(key: str, sources: tuple[Tensor, ...], compute: Callable[[], T
         return compute()
     name = (key, *map(id, sources))  # (a tuple: no string made per call, which decode steps pay every layer)
     held = _step.derived.get(name)
-    if held is None or any(a is not b for a, b in zip(held[0], sources)):
+    if held is None or not all(map(operator.is_, held[0], sources)):  # (no generator: every layer asks)
         held = _step.derived[name] = (sources, compute())
     return held[1]
 

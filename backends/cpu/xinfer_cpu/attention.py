@@ -65,20 +65,24 @@ def decode_attention(
     outputs = []
     for group in contexts.groups:
         start = 0 if window is None else max(0, group.length - window)  # (dropped blocks, -1, read as block 0)
-        keys, values = (
-            _batch_of_matrices(
-                x.narrow(0, group.start, group.count * group.width)
-                .unflatten(0, (group.count, group.width))[:, start : group.length]
-                .transpose(1, 2)  # [G, Hkv, L, D]
-            )
-            for x in (k, v)
-        )
+        keys, values = _batch_of_matrices(_spans(k, group, start)), _batch_of_matrices(_spans(v, group, start))
         scores = torch.matmul(query[group.rows], keys.transpose(-1, -2)).mul_(scale)
         outputs.append(torch.matmul(torch.softmax(scores, dim=-1), values))
     out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     if contexts.order is not None:
         out = torch.empty_like(out).index_copy_(0, contexts.order, out)
     return cache.format.finish_output(out.view(num_seqs, num_heads, -1)).to(q.dtype)
+
+
+def _spans(x: Tensor, group: LengthGroup, start: int) -> Tensor:
+    """Positions ``start`` to ``group.length - 1`` of each of the group's contexts in ``x`` [P, Hkv, D], as
+    [G, Hkv, L, D]: one view (a chain of view ops costs a call each, every layer)."""
+    position, head, dim = x.stride()
+    return x.as_strided(
+        (group.count, x.shape[1], group.length - start, x.shape[2]),
+        (group.width * position, head, position, dim),
+        x.storage_offset() + (group.start + start) * position,
+    )
 
 
 def _batch_of_matrices(x: Tensor) -> Tensor:

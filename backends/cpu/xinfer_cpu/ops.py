@@ -11,7 +11,6 @@ the KV write without boolean indexing, the decode steps' attention batched by co
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from xinfer.forward_context import once_per_step
@@ -32,7 +31,7 @@ class CpuOps(TorchOps):
         if residual is not None:
             x = x + residual
             residual = x
-        out = _as(F.rms_norm(_as(x, torch.float32), x.shape[-1:], _as(weight, torch.float32), eps), x.dtype)
+        out = _as(torch.rms_norm(_as(x, torch.float32), x.shape[-1:], _as(weight, torch.float32), eps), x.dtype)
         return out if residual is None else (out, residual)
 
     def rotary(self, q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, norms: HeadNorms | None = None):
@@ -42,7 +41,7 @@ class CpuOps(TorchOps):
         heads = _heads_together(q, k)
         if heads is None:
             return _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q, k = _rotate(heads, cos, sin).split((q.shape[1], k.shape[1]), dim=1)
+        q, k = _rotate(heads, cos, sin).split_with_sizes((q.shape[1], k.shape[1]), dim=1)
         return q, k
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:

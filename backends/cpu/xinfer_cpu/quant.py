@@ -27,7 +27,7 @@ from torch import Tensor
 from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 
 _INT4_INNER_K_TILES = 2
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT4_MM = torch._weight_int4pack_mm_for_cpu  # (the binding itself: torch.ops' wrapper is a Python call more)
 
 
 class Int4Packed(WeightFormat):
@@ -61,7 +61,7 @@ class Int4Packed(WeightFormat):
     def dequantize(self, raw: Tensor) -> Tensor:
         packed, scales_zeros, _ = self.split(raw)
         eye = torch.eye(self.planes * self.cols, dtype=torch.bfloat16)
-        planes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, scales_zeros).float().T
+        planes = _INT4_MM(eye, packed, 32, scales_zeros).float().T
         return sum(planes.chunk(self.planes, dim=1)).contiguous()
 
     def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
@@ -144,7 +144,7 @@ def _int4_pack(weight: QuantizedTensor, q: Tensor, scale: Tensor, zero: Tensor, 
     """``q`` [N, planes * K] in 0..15 and its groups' ``scale`` and ``zero`` [N, planes * K / 32] as an
     :class:`Int4Packed` weight of ``weight``'s values (and, for a looked-up table, its bytes)."""
     n, k = weight.logical_shape
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                                 _INT4_INNER_K_TILES)  # fmt: skip
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
     parts = [packed.flatten(), scales_zeros.view(torch.uint8).flatten()] + ([weight.raw.flatten()] if rows else [])
@@ -238,7 +238,7 @@ class Int8Kernels(WeightKernels):
         ones = torch.ones(fmt.rows, dtype=torch.bfloat16)
         out = torch.zeros(xb.shape[0], fmt.rows, dtype=torch.float32)
         for b in range(q.shape[0]):
-            out.addcmul_(torch.ops.aten._weight_int8pack_mm(xb[:, b].contiguous(), q[b], ones).float(), scales[b])
+            out.addcmul_(torch._weight_int8pack_mm(xb[:, b].contiguous(), q[b], ones).float(), scales[b])
         out = out.to(x.dtype).reshape(*lead, fmt.rows)
         return out if bias is None else out + bias
 

@@ -8,7 +8,6 @@ backend name (``WeightFormat.kernels``), which win, as a plugin op's kernels do.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -17,7 +16,8 @@ from torch import Tensor, nn
 from xinfer import registry
 from xinfer.quant.tensor import QuantizedTensor, WeightKernels, cat_rows
 
-_resolved: weakref.WeakKeyDictionary[Any, dict[str, WeightKernels | None]] = weakref.WeakKeyDictionary()
+# by backend, by format name; a plain dict (a backend is kept for the process): every linear looks up here
+_resolved: dict[Any, dict[str, WeightKernels | None]] = {}
 
 
 def kernels_for(backend: Any, format_name: str, format_kernels: Any = None) -> WeightKernels | None:
@@ -33,7 +33,11 @@ def kernels_for(backend: Any, format_name: str, format_kernels: Any = None) -> W
 
 
 def _kernels(backend: Any, weight: QuantizedTensor) -> WeightKernels | None:
-    return kernels_for(backend, weight.format.name, weight.format.kernels)
+    fmt = weight.format
+    resolved = _resolved.get(backend)
+    if resolved is not None and fmt.name in resolved:
+        return resolved[fmt.name]
+    return kernels_for(backend, fmt.name, fmt.kernels)
 
 
 def linear(backend: Any, x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
