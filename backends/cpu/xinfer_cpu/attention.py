@@ -65,30 +65,30 @@ def decode_attention(
     outputs = []
     for group in contexts.groups:
         start = 0 if window is None else max(0, group.length - window)  # (dropped blocks, -1, read as block 0)
-        keys, values = _batch_of_matrices(_spans(k, group, start)), _batch_of_matrices(_spans(v, group, start))
-        scores = torch.matmul(query[group.rows], keys.transpose(-1, -2)).mul_(scale)
-        outputs.append(torch.matmul(torch.softmax(scores, dim=-1), values))
+        keys, values = _matrices(k, group, start), _matrices(v, group, start)  # [G * Hkv, L, D]
+        queries = query[group.rows].flatten(0, 1)  # [G * Hkv, group, D]
+        scores = torch.bmm(queries, keys.transpose(1, 2)).mul_(scale)
+        outputs.append(torch.bmm(torch.softmax(scores, dim=-1), values).unflatten(0, (group.count, -1)))
     out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     if contexts.order is not None:
         out = torch.empty_like(out).index_copy_(0, contexts.order, out)
     return cache.format.finish_output(out.view(num_seqs, num_heads, -1)).to(q.dtype)
 
 
-def _spans(x: Tensor, group: LengthGroup, start: int) -> Tensor:
+def _matrices(x: Tensor, group: LengthGroup, start: int) -> Tensor:
     """Positions ``start`` to ``group.length - 1`` of each of the group's contexts in ``x`` [P, Hkv, D], as
-    [G, Hkv, L, D]: one view (a chain of view ops costs a call each, every layer)."""
+    [G * Hkv, L, D], as bmm reads a batch's matrices alike whatever the batch's size: contiguous (a
+    batch of strided matrices takes another path, giving other bits than each alone); one context's as
+    the view it is (a chain of view ops costs a call each, every layer)."""
     position, head, dim = x.stride()
-    return x.as_strided(
-        (group.count, x.shape[1], group.length - start, x.shape[2]),
-        (group.width * position, head, position, dim),
-        x.storage_offset() + (group.start + start) * position,
+    offset = x.storage_offset() + (group.start + start) * position
+    length, heads = group.length - start, x.shape[1]
+    if group.count == 1:
+        return x.as_strided((heads, length, x.shape[2]), (head, position, dim), offset)
+    spans = x.as_strided(
+        (group.count, heads, length, x.shape[2]), (group.width * position, head, position, dim), offset
     )
-
-
-def _batch_of_matrices(x: Tensor) -> Tensor:
-    """``x`` as matmul reads a batch's matrices alike whatever the batch's size: contiguous (a batch of
-    strided matrices takes another path, giving other bits than each alone); one matrix as it is."""
-    return x if x.shape[0] == 1 else x.contiguous()
+    return spans.contiguous().flatten(0, 1)
 
 
 def _gather(blocks_of: Tensor, blocks: slice | Tensor) -> Tensor:
