@@ -95,15 +95,14 @@ def test_rows_in_different_formats_run_part_by_part() -> None:
 
 
 def test_a_part_after_one_of_unaligned_bytes_is_repacked_and_run() -> None:
-    """3 Q3_K rows are 330 bytes: the Q6_K part after them, repacked by the CPU backend into int8
-    codes and fp32 scales, is viewed as those words (from an aligned start) and gives its values'
-    product."""
+    """3 Q3_K rows are 330 bytes: the Q6_K part after them, repacked by the CPU backend into int4 codes
+    and bf16 scales, is viewed as those words (from an aligned start) and gives its values' product."""
     short, long = packed("q3_k", (3, 256)), packed("q6_k", (16, 256), seed=1)
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(cat_rows([short, long]), requires_grad=False)
     backend = CpuOps()
     prepare_weights(model, backend)
-    assert [p.format.name for p in model.weight.parts or ()] == ["q3_k", "q6_k:cpu-int8"]
+    assert [p.format.name for p in model.weight.parts or ()] == ["q3_k", "q6_k:cpu-int4x16"]
     x = torch.randn(4, 256)
     expected = x @ torch.cat([short.dequantize(), long.dequantize()]).T
     with ops.use(backend):
@@ -154,7 +153,7 @@ def test_fused_moe_on_packed_experts_is_dequantize_then_compute(backend) -> None
     assert relative_error(got, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q6_k", "q6_k:cpu-int8")])
+@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q6_k", "q6_k:cpu-int4x16")])
 def test_embedding_dequantizes_only_the_rows_looked_up(name: str, repacked: str | None) -> None:
     table = packed(name, (64, 256))
     embedding = VocabEmbedding(64, 256)
