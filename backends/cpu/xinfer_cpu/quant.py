@@ -137,8 +137,7 @@ def _int4_pack(
     """``q`` [N, planes * K] in 0..15 and its groups' ``scale`` and ``zero`` [N, planes * K / 32] as an
     :class:`Int4Packed` weight of ``weight``'s values (and, for a looked-up table, its bytes)."""
     n, k = weight.logical_shape
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
-                                                                _INT4_INNER_K_TILES)  # fmt: skip
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INT4_INNER_K_TILES)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
     parts = [packed.flatten(), scales_zeros.view(torch.uint8).flatten()] + ([weight.raw.flatten()] if rows else [])
     fmt = Int4Packed(weight.format, n, k, planes=q.shape[1] // k, with_rows=rows, sixteens=sixteens)
@@ -205,10 +204,10 @@ class Int4SixteensRepack(WeightKernels):
         if not _int4_packs(weight):
             return weight
         n, k = weight.logical_shape
-        blocks = weight.raw.reshape(-1, 210)  # 16 sub-blocks of 16 per 256 values, each d * scale_j * q
-        scale = (
-            blocks[:, 208:210].contiguous().view(torch.float16).float() * blocks[:, 192:208].view(torch.int8).float()
-        )
+        # a block of 256 values: 128 bytes of low nibbles, 64 of high bits, 16 int8 sub-block scales, fp16 d
+        blocks = weight.raw.reshape(-1, weight.format.block_bytes)
+        d, scales = blocks[:, 208:210].contiguous().view(torch.float16).float(), blocks[:, 192:208].view(torch.int8)
+        scale = d * scales.float()  # [blocks, 16]: sub-block j's values are scale_j * q
         values = weight.format.dequantize(blocks).reshape(-1, 16, 16)
         q = torch.round(values / scale.unsqueeze(-1).where(scale.unsqueeze(-1) != 0, 1)).to(torch.int32)
         high = torch.div(q + 8, 16, rounding_mode="floor")  # q in -32..31: high in -2..2, q - 16 high in -8..7
