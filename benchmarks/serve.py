@@ -139,6 +139,22 @@ async def one_request(
     return result
 
 
+STEP_COUNTS = ("steps", "step_sequences", "step_tokens")
+
+
+def step_mix(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The engine's steps between two readings of its counters: how many, and their mean sequences and tokens."""
+    steps, seqs, tokens = (after[name] - before[name] for name in STEP_COUNTS)
+    return {"steps": steps, "mean_step_sequences": round(seqs / max(steps, 1), 2),
+            "mean_step_tokens": round(tokens / max(steps, 1), 2)}  # fmt: skip
+
+
+async def server_step_counts(http: httpx.AsyncClient) -> dict[str, float]:
+    lines = (await http.get("/metrics")).text.splitlines()
+    values = dict(line.rsplit(" ", 1) for line in lines if line.startswith("xinfer_step"))
+    return {name: float(values.get(f"xinfer_{name}_total", "nan")) for name in STEP_COUNTS}
+
+
 async def run_level(
     args: argparse.Namespace,
     http: httpx.AsyncClient,
@@ -155,6 +171,7 @@ async def run_level(
             return await one_request(http, model, prompt, args.output_len, sampling, seed)
 
     tasks = []
+    counts = await server_step_counts(http)
     start = time.perf_counter()
     for seed, prompt in enumerate(prompts):
         tasks.append(asyncio.create_task(limited(prompt, seed)))
@@ -186,6 +203,7 @@ async def run_level(
         **summary("itl", [gap for r in done for gap in r.itls]),
         **summary("e2el", [r.latency for r in done]),
         "mean_chunks": round(statistics.fmean(r.chunks for r in done), 2) if done else float("nan"),
+        **step_mix(counts, await server_step_counts(http)),
     }
     if len(done) < len(results):
         report["first_error"] = next(r.error for r in results if not r.ok)
@@ -256,9 +274,12 @@ async def offline_peer(args: argparse.Namespace, runs: list[tuple[int, list[list
             if args.warmup and sampling == args.sampling[0]:  # as the server's run was warmed
                 for mode in args.sampling:
                     await asyncio.gather(*(generate(p, 4, mode) for p in prompts[:concurrency]))
+            counts = {name: getattr(engine.stats, f"num_{name}") for name in STEP_COUNTS}
             start = time.perf_counter()
             tokens = await level(prompts, concurrency, sampling)
             duration = time.perf_counter() - start
+            await asyncio.sleep(0.05)  # (the engine thread's stats snapshot follows its last step)
+            mix = step_mix(counts, {name: getattr(engine.stats, f"num_{name}") for name in STEP_COUNTS})
             print(
                 json.dumps(
                     {
@@ -271,6 +292,7 @@ async def offline_peer(args: argparse.Namespace, runs: list[tuple[int, list[list
                         "duration_s": round(duration, 2),
                         "request_throughput": round(len(prompts) / duration, 3),
                         "output_throughput": round(tokens / duration, 2),
+                        **mix,
                     }
                 ),
                 flush=True,

@@ -51,6 +51,22 @@ def test_batch_gives_each_prompt_what_it_gets_alone(llm, params):
     assert_all_blocks_free(llm)
 
 
+def test_stats_count_the_steps_their_sequences_and_tokens(llm):
+    """A prompt of 21 tokens (no prefix in the cache) and 5 new ones: one step computes the prompt, four
+    more each compute the token before; then two prompts at once share their steps."""
+    before = llm.engine.stats()
+    llm.generate([prompt(21, seed=31)], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    alone = llm.engine.stats()
+    assert (alone.num_steps - before.num_steps, alone.num_step_sequences - before.num_step_sequences) == (5, 5)
+    assert alone.num_step_tokens - before.num_step_tokens == 21 + 4
+    llm.generate(
+        [prompt(19, seed=32), prompt(23, seed=32)], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
+    both = llm.engine.stats()
+    assert (both.num_steps - alone.num_steps, both.num_step_sequences - alone.num_step_sequences) == (3, 6)
+    assert both.num_step_tokens - alone.num_step_tokens == 19 + 23 + 2 * 2
+
+
 def test_requests_join_a_running_batch(llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS[:4]]

@@ -245,9 +245,13 @@ def test_health_is_open_and_metrics_are_exported(server, client, model):
         "xinfer_prefix_cache_queries_total",
         "xinfer_prefix_cache_hits_total",
         "xinfer_num_preemptions_total",
+        "xinfer_steps_total",
+        "xinfer_step_sequences_total",
+        "xinfer_step_tokens_total",
     ):
         assert name in after, name
     assert after["xinfer_prompt_tokens_total"] > before.get("xinfer_prompt_tokens_total", 0)
+    assert after["xinfer_step_tokens_total"] > before.get("xinfer_step_tokens_total", 0)
     assert after["xinfer_generation_tokens_total"] >= before.get("xinfer_generation_tokens_total", 0) + 1
     for histogram in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
         key = f"xinfer_{histogram}_seconds_count"

@@ -42,6 +42,9 @@ class EngineStats:
     prefix_cache_queries: int  # in blocks
     prefix_cache_hits: int
     num_preemptions: int
+    num_steps: int = 0
+    num_step_sequences: int = 0  # summed over the steps: over num_steps, the mean batch
+    num_step_tokens: int = 0  # computed (prompt and generated), summed over the steps
 
 
 @dataclass
@@ -287,7 +290,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler, cache = self.scheduler, self.cache
         return EngineStats(len(scheduler.running), len(scheduler.waiting), cache.usage, cache.queries, cache.hits,
-                           scheduler.num_preemptions)  # fmt: skip
+                           scheduler.num_preemptions, scheduler.num_steps, scheduler.num_step_sequences,
+                           scheduler.num_step_tokens)  # fmt: skip
 
     def step(self) -> list[StepOutput]:
         """Launches the next step, then reads back the one before it and returns what it

@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = self.num_step_sequences = self.num_step_tokens = 0  # over every step scheduled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -118,6 +119,10 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             carries_prompt = carries_prompt or num_new > 1 or not scheduled[-1].completes_prompt
             budget -= num_new
+        if scheduled:
+            self.num_steps += 1
+            self.num_step_sequences += len(scheduled)
+            self.num_step_tokens += self.config.max_num_batched_tokens - budget
         return scheduled
 
     def _chunk(self, seq: Sequence, budget: int) -> int:

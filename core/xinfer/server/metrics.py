@@ -39,6 +39,15 @@ class EngineCollector:
             "xinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits * block_size
         )
         yield CounterMetricFamily("xinfer_num_preemptions", "Sequences preempted for KV space", stats.num_preemptions)
+        yield CounterMetricFamily("xinfer_steps", "Engine steps launched", stats.num_steps)
+        yield CounterMetricFamily(
+            "xinfer_step_sequences",
+            "Sequences in the steps, summed (over xinfer_steps: the mean batch)",
+            stats.num_step_sequences,
+        )
+        yield CounterMetricFamily(
+            "xinfer_step_tokens", "Tokens the steps computed, prompt and generated", stats.num_step_tokens
+        )
         healthy, _ = self.engine.health()
         yield GaugeMetricFamily("xinfer_engine_healthy", "1 when the engine loop is ready and stepping", int(healthy))
 
