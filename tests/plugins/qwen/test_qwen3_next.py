@@ -217,7 +217,9 @@ def test_a_model_of_deltanet_layers_alone_matches_hf(name, tmp_path):
     tokens = prompt(40)
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens]), use_cache=False).logits[0].log_softmax(-1)
-    torch.testing.assert_close(prefill_logits(llm.engine, tokens).float().cpu().log_softmax(-1), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prefill_logits(llm.engine, tokens).float().cpu().log_softmax(-1), expected, atol=1e-4, rtol=0
+    )
     shared = prompt(37, seed=7)
     prompts = [shared + prompt(5, seed=8), prompt(4, seed=1), shared + prompt(9, seed=9)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
