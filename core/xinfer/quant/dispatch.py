@@ -22,7 +22,9 @@ _resolved: dict[Any, dict[str, WeightKernels | None]] = {}
 
 def kernels_for(backend: Any, format_name: str, format_kernels: Any = None) -> WeightKernels | None:
     """The kernels ``backend`` runs for the format named ``format_name``; None: the reference only."""
-    cache = _resolved.setdefault(backend, {})
+    cache = _resolved.get(backend)
+    if cache is None:  # (not setdefault: a dict made per call otherwise, every linear)
+        cache = _resolved[backend] = {}
     if format_name not in cache:
         ref = dict(format_kernels or {}).get(backend.name) or dict(getattr(backend, "weight_kernels", {})).get(
             format_name
@@ -33,11 +35,7 @@ def kernels_for(backend: Any, format_name: str, format_kernels: Any = None) -> W
 
 
 def _kernels(backend: Any, weight: QuantizedTensor) -> WeightKernels | None:
-    fmt = weight.format
-    resolved = _resolved.get(backend)
-    if resolved is not None and fmt.name in resolved:
-        return resolved[fmt.name]
-    return kernels_for(backend, fmt.name, fmt.kernels)
+    return kernels_for(backend, weight.format.name, weight.format.kernels)
 
 
 def linear(backend: Any, x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
