@@ -259,6 +259,9 @@ async def offline_peer(args: argparse.Namespace, runs: list[tuple[int, list[list
         choices = await engine.collect(await engine.submit([(prompt, params)]))
         return len(choices[0].token_ids)
 
+    def engine_step_counts() -> dict[str, float]:
+        return {name: getattr(engine.stats, f"num_{name}") for name in STEP_COUNTS}
+
     async def level(prompts: list[list[int]], concurrency: int, sampling: str) -> int:
         """Output tokens of ``prompts``, each seeded by its index, at most ``concurrency`` at a time."""
         gate = asyncio.Semaphore(concurrency)
@@ -274,12 +277,12 @@ async def offline_peer(args: argparse.Namespace, runs: list[tuple[int, list[list
             if args.warmup and sampling == args.sampling[0]:  # as the server's run was warmed
                 for mode in args.sampling:
                     await asyncio.gather(*(generate(p, 4, mode) for p in prompts[:concurrency]))
-            counts = {name: getattr(engine.stats, f"num_{name}") for name in STEP_COUNTS}
+            counts = engine_step_counts()
             start = time.perf_counter()
             tokens = await level(prompts, concurrency, sampling)
             duration = time.perf_counter() - start
             await asyncio.sleep(0.05)  # (the engine thread's stats snapshot follows its last step)
-            mix = step_mix(counts, {name: getattr(engine.stats, f"num_{name}") for name in STEP_COUNTS})
+            mix = step_mix(counts, engine_step_counts())
             print(
                 json.dumps(
                     {
