@@ -276,9 +276,10 @@ def write_gguf(config, scheme: str, path: Path) -> None:
     writer.add_tokenizer_pre("default")
     tokens = [f"t{i}" for i in range(config.vocab_size)]
     tokens[10] = "\u010a"  # the byte-level newline
-    writer.add_token_list(tokens)
+    tokens[20:23] = ["a", "b", "ab"]  # llama.cpp refuses a BPE vocabulary without merges, tokenizers one whose merge
+    writer.add_token_list(tokens)  # names a token not in it
     writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges(["t 1"])  # (llama.cpp refuses a BPE vocabulary without merges)
+    writer.add_token_merges(["a b"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     ones = np.ones(config.hidden_size, dtype=np.float32)
