@@ -218,17 +218,16 @@ def llama_sizes(tmp_path_factory):
     in 144 bytes, llama.cpp's block_q4_K), as the CPU backend holds them and the KV cache of one 512-token
     sequence (fp32). The CPU backend repacks each linear's q4_k for torch's int4 matmul (every row count a
     multiple of 16 here): ``_convert_weight_to_int4pack_for_cpu``'s K / 2 bytes of nibbles a row, and a bf16
-    scale and zero per 32 values, 20 bytes per 32 values; the tied embedding, whose rows are looked up, keeps
-    the file's blocks."""
+    scale and zero per 32 values, 20 bytes per 32 values, the tied embedding too (its rows are read back from
+    that layout)."""
     folder = tmp_path_factory.mktemp("llama-fit")
     hf = save_tiny_model(CONFIGS["llama"](), folder)
     matrices = sum(p.numel() for p in hf.parameters() if p.dim() == 2)
     vectors = sum(p.numel() for p in hf.parameters() if p.dim() == 1)
-    embedding = hf.model.embed_tokens.weight.numel()
     rotary = 512 * 64 * 4  # the model's cos/sin buffer of each position (fp32)
     float_weights = (matrices + vectors) * 4 + rotary
     q4_k = matrices // 256 * 144 + vectors * 4 + rotary
-    cpu_q4_k = (matrices - embedding) // 32 * 20 + embedding // 256 * 144 + vectors * 4 + rotary
+    cpu_q4_k = matrices // 32 * 20 + vectors * 4 + rotary
     kv = 2 * WIDE["num_hidden_layers"] * WIDE["num_key_value_heads"] * 64 * 512 * 4
     return folder, float_weights, q4_k, cpu_q4_k, kv
 

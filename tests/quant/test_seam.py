@@ -20,7 +20,7 @@ from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels, cat_rows,
 from xinfer.quant.dispatch import kernels_for, prepare_weights
 from xinfer.torch_ops import TorchOps
 from xinfer_cpu.ops import CpuOps
-from xinfer_cpu.quant import WEIGHT_KERNELS
+from xinfer_cpu.quant import WEIGHT_KERNELS, _int4_codes, int4_rows_readable
 
 # the CPU's int4/int8 matmuls take bf16 activations and (int4) bf16 scales: about 2^-8 relative
 FAST_PATH_TOLERANCE = 2e-2
@@ -153,28 +153,55 @@ def test_fused_moe_on_packed_experts_is_dequantize_then_compute(backend) -> None
     assert relative_error(got, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q6_k", "q6_k:cpu-int4x16")])
-def test_embedding_dequantizes_only_the_rows_looked_up(name: str, repacked: str | None) -> None:
-    table = packed(name, (64, 256))
-    embedding = VocabEmbedding(64, 256)
+@pytest.mark.parametrize("rows", [64, 80, 112])  # whole tiles of torch's int4 layout, and a last tile of 16 or 48
+@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q4_k", "q4_k:cpu-int4"), ("q6_k", "q6_k:cpu-int4x16")])  # fmt: skip
+def test_embedding_dequantizes_only_the_rows_looked_up(name: str, repacked: str | None, rows: int) -> None:
+    """Rows read back from the CPU's int4 layout are the file's values but for the repack's bf16 scales and zeros
+    (a value's error at most 2^-9 of its scale and zero each)."""
+    table = packed(name, (rows, 256))
+    embedding = VocabEmbedding(rows, 256)
     embedding.weight = torch.nn.Parameter(table, requires_grad=False)
-    if repacked:
-        prepare_weights(embedding, CpuOps())
-        assert embedding.weight.format.name == repacked
-    ids = torch.tensor([[3, 63], [0, 3]])
-    torch.testing.assert_close(embedding(ids), table.dequantize()[ids], rtol=0, atol=0)
-    if repacked:  # and the tied LM head runs the repacked kernel
-        x = torch.randn(3, 256)
-        with ops.use(CpuOps()):
-            got = ops.linear(x, embedding.weight)
-        assert relative_error(got, x @ table.dequantize().T) <= FAST_PATH_TOLERANCE
+    ids = torch.tensor([[3, rows - 1], [0, 3], [63, rows - 17]])
+    if not repacked:
+        torch.testing.assert_close(embedding(ids), table.dequantize()[ids], rtol=0, atol=0)
+        return
+    prepare_weights(embedding, CpuOps())
+    assert embedding.weight.format.name == repacked
+    assert embedding.weight.nbytes == rows * 256 // 32 * 20 * (1 if name == "q4_k" else 2)  # no second copy
+    assert relative_error(embedding(ids), table.dequantize()[ids]) <= 2**-8
+    x = torch.randn(3, 256)  # and the tied LM head runs the repacked kernel
+    with ops.use(CpuOps()):
+        got = ops.linear(x, embedding.weight)
+    assert relative_error(got, x @ table.dequantize().T) <= FAST_PATH_TOLERANCE
 
 
-def test_a_table_repacked_without_readable_rows_is_left_packed() -> None:
-    embedding = VocabEmbedding(50, 64)
+@pytest.mark.parametrize("rows", [16, 48, 64, 96, 208])
+def test_int4_codes_read_back_from_torchs_cpu_layout(rows: int) -> None:
+    q = torch.randint(0, 16, (rows, 128), generator=torch.Generator().manual_seed(rows), dtype=torch.int32)
+    layout = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+    index = torch.tensor([rows - 1, 0, rows // 2, rows - 1])
+    assert torch.equal(_int4_codes(layout, index), q[index])
+    assert int4_rows_readable()
+
+
+def test_a_table_whose_rows_torch_cannot_pack_is_left_as_stored() -> None:
+    embedding = VocabEmbedding(50, 64)  # torch's int4 packing takes rows in multiples of 16
     embedding.weight = torch.nn.Parameter(packed("q4_0", (50, 64)), requires_grad=False)
     prepare_weights(embedding, CpuOps())
     assert embedding.weight.format.name == "q4_0"
+
+
+def test_a_table_is_left_as_stored_where_this_torchs_int4_layout_is_not_the_one_read(monkeypatch) -> None:
+    import xinfer_cpu.quant
+
+    monkeypatch.setattr(xinfer_cpu.quant, "int4_rows_readable", lambda: False)
+    model = torch.nn.Module()
+    model.embedding = VocabEmbedding(64, 256)
+    model.embedding.weight = torch.nn.Parameter(packed("q8_0", (64, 256)), requires_grad=False)
+    model.linear = torch.nn.Linear(256, 64, bias=False)
+    model.linear.weight = torch.nn.Parameter(packed("q8_0", (64, 256)), requires_grad=False)
+    prepare_weights(model, CpuOps())
+    assert (model.embedding.weight.format.name, model.linear.weight.format.name) == ("q8_0", "q8_0:cpu-int4x2")
 
 
 class Int8Rows(WeightFormat):

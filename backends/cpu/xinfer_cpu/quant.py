@@ -23,6 +23,8 @@ Q3_K, Q5_K) run through the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -37,27 +39,16 @@ class Int4Packed(WeightFormat):
     nibbles then bf16 (scale, zero) pairs [planes * K / 32, N, 2], as one byte buffer. With two
     ``planes`` a value is the sum of its column in each (the activations go in twice); with
     ``sixteens``, of the two halves of its 16-value sub-block's 32-group, the first weighted 16 (the
-    activations of each sub-block go in as ``16 x`` then ``x``). A table whose rows are also looked
-    up (a tied embedding) keeps the source format's bytes after them: torch's packed layout has no
-    rows to read."""
+    activations of each sub-block go in as ``16 x`` then ``x``)."""
 
     block_values = 32
     kernels = {"cpu": "xinfer_cpu.quant:Int4Kernels"}
 
-    def __init__(
-        self,
-        source: WeightFormat,
-        rows: int,
-        cols: int,
-        planes: int = 1,
-        with_rows: bool = False,
-        sixteens: bool = False,
-    ):
+    def __init__(self, source: WeightFormat, rows: int, cols: int, planes: int = 1, sixteens: bool = False):
         self.name = f"{source.name}:cpu-int4" + ("x16" if sixteens else "x2" if planes == 2 else "")
-        self.source, self.rows, self.cols, self.planes, self.with_rows = source, rows, cols, planes, with_rows
-        self.sixteens = sixteens
-        self.block_bytes = 20 * planes + (source.row_bytes(32) if with_rows else 0)  # 16 of nibbles, 4 of bf16 pairs
-        self._views: tuple[int, tuple[Tensor, Tensor, Tensor]] | None = None  # the views of the last buffer split
+        self.source, self.rows, self.cols, self.planes, self.sixteens = source, rows, cols, planes, sixteens
+        self.block_bytes = 20 * planes  # 16 of nibbles, 4 of bf16 (scale, zero)
+        self._views: tuple[int, tuple[Tensor, Tensor]] | None = None  # the views of the last buffer split
 
     def activations(self, x: Tensor) -> Tensor:
         """``x`` [M, K] (bf16) as the packed weight's K axis reads it."""
@@ -66,31 +57,63 @@ class Int4Packed(WeightFormat):
             return torch.cat([sub_blocks * 16, sub_blocks], dim=-1).flatten(1)
         return torch.cat([x, x], dim=-1) if self.planes == 2 else x
 
-    def split(self, raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The packed nibbles, the scales and zeros, and (``with_rows``) the source bytes [N, row bytes]."""
+    def split(self, raw: Tensor) -> tuple[Tensor, Tensor]:
+        """The packed nibbles, and the scales and zeros."""
         if self._views is None or self._views[0] != raw.data_ptr():  # a format per tensor: views made once
             raw = raw.as_subclass(Tensor)  # (a QuantizedTensor's bytes, as kernels read them)
             cols = self.planes * self.cols
-            nibbles, pairs = self.rows * cols // 2, cols // 32 * self.rows * 4
+            nibbles = self.rows * cols // 2
             packed = raw[:nibbles].view(self.rows, cols // 2)
-            scales_zeros = raw[nibbles : nibbles + pairs].view(torch.bfloat16).view(cols // 32, self.rows, 2)
-            source = raw[nibbles + pairs :].view(self.rows, -1)
-            self._views = (raw.data_ptr(), (packed, scales_zeros, source))
+            scales_zeros = raw[nibbles:].view(torch.bfloat16).view(cols // 32, self.rows, 2)
+            self._views = (raw.data_ptr(), (packed, scales_zeros))
         return self._views[1]
 
     def dequantize(self, raw: Tensor) -> Tensor:
-        packed, scales_zeros, _ = self.split(raw)
+        packed, scales_zeros = self.split(raw)
         eye = torch.eye(self.planes * self.cols, dtype=torch.bfloat16)
-        columns = _INT4_MM(eye, packed, 32, scales_zeros).float().T  # [N, planes * K]
-        if self.sixteens:
-            high, low = columns.reshape(self.rows, -1, 2, 16).unbind(2)
-            return (16 * high + low).reshape(self.rows, self.cols)
-        return columns.reshape(self.rows, self.planes, self.cols).sum(1)
+        return self._values(_INT4_MM(eye, packed, 32, scales_zeros).float().T)  # [N, planes * K]
 
     def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
-        if not self.with_rows:
-            return self.dequantize(raw)[index]
-        return self.source.dequantize_rows(self.split(raw)[2], index)
+        packed, scales_zeros = self.split(raw)
+        rows = index.flatten()
+        codes = _int4_codes(packed, rows)  # [T, planes * K]
+        scale, zero = scales_zeros[:, rows].float().permute(1, 0, 2).unsqueeze(-1).unbind(-2)  # [T, groups, 1]
+        columns = (codes.view(len(rows), -1, 32) - 8) * scale + zero
+        return self._values(columns.view(len(rows), -1)).view(*index.shape, self.cols)
+
+    def _values(self, columns: Tensor) -> Tensor:
+        """[T, planes * K] of the packed columns -> the weight's [T, K]."""
+        if self.sixteens:
+            high, low = columns.reshape(len(columns), -1, 2, 16).unbind(2)
+            return (16 * high + low).reshape(len(columns), self.cols)
+        return columns.reshape(len(columns), self.planes, self.cols).sum(1)
+
+
+_TILE = 64  # the rows of one tile of torch's CPU int4 layout
+
+
+def _int4_codes(packed: Tensor, rows: Tensor) -> Tensor:
+    """The 4-bit codes [T, C] of ``rows`` of a [N, C] weight in ``_convert_weight_to_int4pack_for_cpu``'s
+    layout: tiles of 64 rows, each column by column, a column's 64 codes in 32 bytes (row ``r`` in byte
+    ``r % 32``, the high nibble from row 32 on); the last ``N % 64`` rows a tile of their own, its
+    codes in row order. :func:`int4_rows_readable` checks this against the torch installed."""
+    n, cols = packed.shape[0], 2 * packed.shape[1]
+    full = n // _TILE * _TILE
+    in_tile = rows < full
+    r = torch.where(in_tile, rows % _TILE, rows - full)
+    tile_start = torch.where(in_tile, rows // _TILE * _TILE, full) * cols // 2  # bytes before the row's tile
+    column_bytes = torch.where(in_tile, _TILE, n - full) // 2
+    position = torch.where(in_tile, 2 * (r % 32) + r // 32, r)  # the row's nibble within a column
+    byte = tile_start[:, None] + torch.arange(cols) * column_bytes[:, None] + (position // 2)[:, None]
+    return (packed.flatten()[byte].int() >> (4 * (position % 2))[:, None]) & 15
+
+
+@functools.cache
+def int4_rows_readable() -> bool:
+    """Whether :func:`_int4_codes` reads this torch's int4 CPU layout (a probe of full and partial tiles)."""
+    q = torch.randint(0, 16, (_TILE + 48, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
+    return packed.shape == (len(q), 32) and torch.equal(_int4_codes(packed, torch.arange(len(q))), q)
 
 
 def _int4_groups(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,7 +146,7 @@ class Int4Kernels(WeightKernels):
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
         fmt = weight.format
         assert isinstance(fmt, Int4Packed)
-        packed, scales_zeros, _ = fmt.split(weight)  # (the subclass's bytes: no plain view made per call)
+        packed, scales_zeros = fmt.split(weight)  # (the subclass's bytes: no plain view made per call)
         xb = fmt.activations((x if x.dim() == 2 else x.reshape(-1, fmt.cols)).to(torch.bfloat16))
         out = _INT4_MM(xb, packed, 32, scales_zeros).to(x.dtype)
         if x.dim() != 2:
@@ -132,16 +155,15 @@ class Int4Kernels(WeightKernels):
 
 
 def _int4_pack(
-    weight: QuantizedTensor, q: Tensor, scale: Tensor, zero: Tensor, rows: bool, sixteens: bool = False
+    weight: QuantizedTensor, q: Tensor, scale: Tensor, zero: Tensor, sixteens: bool = False
 ) -> QuantizedTensor:
     """``q`` [N, planes * K] in 0..15 and its groups' ``scale`` and ``zero`` [N, planes * K / 32] as an
-    :class:`Int4Packed` weight of ``weight``'s values (and, for a looked-up table, its bytes)."""
+    :class:`Int4Packed` weight of ``weight``'s values."""
     n, k = weight.logical_shape
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INT4_INNER_K_TILES)
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    parts = [packed.flatten(), scales_zeros.view(torch.uint8).flatten()] + ([weight.raw.flatten()] if rows else [])
-    fmt = Int4Packed(weight.format, n, k, planes=q.shape[1] // k, with_rows=rows, sixteens=sixteens)
-    return QuantizedTensor(torch.cat(parts), fmt, (n, k))
+    fmt = Int4Packed(weight.format, n, k, planes=q.shape[1] // k, sixteens=sixteens)
+    return QuantizedTensor(torch.cat([packed.flatten(), scales_zeros.view(torch.uint8).flatten()]), fmt, (n, k))
 
 
 def _int4_packs(weight: QuantizedTensor) -> bool:
@@ -149,19 +171,25 @@ def _int4_packs(weight: QuantizedTensor) -> bool:
     return len(weight.logical_shape) == 2 and weight.logical_shape[0] % 16 == 0
 
 
-class Int4Repack(WeightKernels):
+class _Int4Repack(WeightKernels):
+    def prepare_rows(self, weight: QuantizedTensor) -> QuantizedTensor:
+        """A table also looked up (a tied embedding) is repacked too where its rows can be read back."""
+        return self.prepare(weight) if int4_rows_readable() else weight
+
+
+class Int4Repack(_Int4Repack):
     """Q4_0, Q4_1, Q4_K: repacked for ``_weight_int4pack_mm_for_cpu``."""
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         if not _int4_packs(weight):
             return weight
-        return _int4_pack(weight, *_int4_groups(weight), rows=False)
+        return _int4_pack(weight, *_int4_groups(weight))
 
 
-class Int4PlanesRepack(WeightKernels):
+class Int4PlanesRepack(_Int4Repack):
     """Q8_0, Q5_0, Q5_1: ``d * q + m`` as two int4 planes, ``16 d * hi`` and ``d * lo + m``."""
 
-    def prepare(self, weight: QuantizedTensor, rows: bool = False) -> QuantizedTensor:
+    def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         if not _int4_packs(weight):
             return weight
         n, k = weight.logical_shape
@@ -170,10 +198,7 @@ class Int4PlanesRepack(WeightKernels):
         planes = torch.cat([hi.reshape(n, k), lo.reshape(n, k)], dim=1)
         scale = torch.cat([16 * d, d], dim=1)
         zero = torch.cat([torch.zeros_like(d), 8 * d + (m if m is not None else 0)], dim=1)
-        return _int4_pack(weight, planes, scale, zero, rows)
-
-    def prepare_rows(self, weight: QuantizedTensor) -> QuantizedTensor:
-        return self.prepare(weight, rows=True)
+        return _int4_pack(weight, planes, scale, zero)
 
 
 def _blocked_int8(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -197,10 +222,10 @@ def _blocked_int8(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor | Non
     raise ValueError(f"{name} has no int8 blocks here")
 
 
-class Int4SixteensRepack(WeightKernels):
+class Int4SixteensRepack(_Int4Repack):
     """Q6_K: ``d * q`` per 16 values, ``q = 16 h + l``, as 32-groups of the ``h`` then the ``l`` codes."""
 
-    def prepare(self, weight: QuantizedTensor, rows: bool = False) -> QuantizedTensor:
+    def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         if not _int4_packs(weight):
             return weight
         n, k = weight.logical_shape
@@ -213,10 +238,7 @@ class Int4SixteensRepack(WeightKernels):
         high = torch.div(q + 8, 16, rounding_mode="floor")  # q in -32..31: high in -2..2, q - 16 high in -8..7
         codes = torch.stack([high + 8, q - 16 * high + 8], dim=-2)  # [blocks * 16, 2, 16]
         scale = scale.reshape(n, k // 16)
-        return _int4_pack(weight, codes.reshape(n, 2 * k), scale, torch.zeros_like(scale), rows, sixteens=True)
-
-    def prepare_rows(self, weight: QuantizedTensor) -> QuantizedTensor:
-        return self.prepare(weight, rows=True)
+        return _int4_pack(weight, codes.reshape(n, 2 * k), scale, torch.zeros_like(scale), sixteens=True)
 
 
 WEIGHT_KERNELS = {
