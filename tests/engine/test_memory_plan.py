@@ -292,8 +292,8 @@ def q4_k_m_gguf(tmp_path_factory):
 
     The CPU backend repacks a linear's Q4_K for torch's int4 matmul (``_convert_weight_to_int4pack_for_cpu``: K / 2
     bytes of nibbles a row and a bf16 scale and zero per 32 values, 20 bytes per 32 values; every row count a
-    multiple of 16 here) and its Q6_K into int8 values with a float32 scale per 16 (320 bytes per 256 values);
-    the tied embedding, whose rows are looked up, keeps the file's Q4_K blocks."""
+    multiple of 16 here) and its Q6_K into two int4 codes a value for the same matmul (twice K: 320 bytes per 256
+    values); the tied embedding too (its rows are read back from that layout)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**Q4_K_M_CONFIG)).float()
     path = tmp_path_factory.mktemp("q4_k_m") / "tiny-Q4_K_M.gguf"
@@ -308,7 +308,7 @@ def q4_k_m_gguf(tmp_path_factory):
             continue
         values, size = LLAMA_CPP_BLOCKS[qtype]
         file_bytes += n // values * size
-        cpu_bytes += n // values * size if "embed" in name else n // 32 * 20 if qtype == T.Q4_K else n // 256 * 320
+        cpu_bytes += n // 32 * 20 if qtype == T.Q4_K else n // 256 * 320
     kv = 2 * COMMON["num_hidden_layers"] * COMMON["num_key_value_heads"] * 64 * 512 * 4
     return path, file_bytes, cpu_bytes, float_bytes, kv
 
