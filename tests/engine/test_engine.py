@@ -81,6 +81,27 @@ def test_requests_join_a_running_batch(llm):
     assert_all_blocks_free(llm)
 
 
+def test_a_lone_arrival_at_a_nearly_full_batch_waits_at_most_a_groups_steps(model_dir):
+    """With 15 of 16 slots decoding, one new prompt is not admitted on its own at once (prompts join in groups
+    of an eighth of the slots, 2 here) but after two steps' wait, not when two of the 15 have finished."""
+    llm = LLM(model=model_dir, dtype="float32", num_blocks=256, max_num_seqs=16)
+    engine = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(15):
+        engine.add_request(f"long{i}", PROMPTS[i % 4], long)
+    for _ in range(3):
+        engine.step()
+    late = engine.add_request("late", PROMPTS[5], long)
+    joined = []
+    for _ in range(4):
+        engine.step()
+        joined.append(late.scheduled_once)
+    assert joined == [False, False, True, True]
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_blocks_free(llm)
+
+
 def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model_dir, llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [prompt(30, seed=i) for i in range(8)]

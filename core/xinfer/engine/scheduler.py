@@ -18,7 +18,9 @@ A step that carries prompt tokens costs more than a pure decode step even when i
 replays a graph (its GEMMs are compute-bound, and it is padded to a token bucket);
 so once the batch is nearly full, waiting prompts
 are admitted in groups (when an eighth of the sequence slots are free, or when they
-would fill the token budget) rather than one per finished sequence. (Measured when
+would fill the token budget) rather than one per finished sequence; but never after the
+first of them has waited that many steps: requests that arrive one by one (a server's)
+would otherwise each wait for a group to form, their slots idle meanwhile. (Measured when
 such steps were eager; with step graphs the group size wants re-measuring.)
 """
 
@@ -69,6 +71,7 @@ class Scheduler:
         self.num_steps = self.num_step_sequences = self.num_step_tokens = 0  # over every step scheduled
 
     def add(self, seq: Sequence) -> None:
+        seq.queued_at_step = self.num_steps
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -149,11 +152,13 @@ class Scheduler:
 
     def _admitting(self) -> bool:
         """Whether a step that carries no prompt tokens yet admits waiting ones."""
+        group = max(1, self.max_num_seqs // 8)
         free_slots = self.max_num_seqs - len(self.running)
         waiting_tokens = sum(s.num_uncomputed_tokens for s in self.waiting)
         return (
             not self.running
-            or free_slots >= max(1, self.max_num_seqs // 8)
+            or free_slots >= group
+            or self.num_steps - self.waiting[0].queued_at_step >= group
             or waiting_tokens >= self.config.max_num_batched_tokens
         )
 
@@ -174,5 +179,5 @@ class Scheduler:
         """Free ``seq``'s blocks and put it first in line, to compute again from its first token."""
         self.running.remove(seq)
         self.cache.release(seq)
-        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        seq.status, seq.num_computed_tokens, seq.queued_at_step = Status.WAITING, 0, self.num_steps
         self.waiting.appendleft(seq)

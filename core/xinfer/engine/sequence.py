@@ -46,6 +46,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     scheduled_once: bool = False
+    queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue
     constraint: Constraint | None = None  # its structured-output grammar, following its tokens
     long_context: bool = False  # longer than the model's context switch when its KV was computed
 
