@@ -75,7 +75,7 @@ class Int4Packed(WeightFormat):
 
     def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
         packed, scales_zeros = self.split(raw)
-        rows = index.flatten()
+        rows = index.flatten().long()  # (byte offsets of a large table pass 2**31)
         codes = _int4_codes(packed, rows)  # [T, planes * K]
         scale, zero = scales_zeros[:, rows].float().permute(1, 0, 2).unsqueeze(-1).unbind(-2)  # [T, groups, 1]
         columns = (codes.view(len(rows), -1, 32) - 8) * scale + zero
