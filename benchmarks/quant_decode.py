@@ -12,7 +12,7 @@ Modes:
     python benchmarks/quant_decode.py --kernels      # each layer shape and format alone: GB/s
     python benchmarks/quant_decode.py --linears      # every linear of a decode step in a graph
     python benchmarks/quant_decode.py --model        # xinfer on a GGUF of the shape (written first)
-    python benchmarks/quant_decode.py --llama-cpp    # llama-cpp-python on the same GGUF
+    python benchmarks/quant_decode.py --model --llama-cpp BIN   # and llama.cpp's benchmarks on it
     python benchmarks/quant_decode.py --fp8          # FP8 (--isq fp8 of dummy weights) against bf16
     python benchmarks/quant_decode.py --mxfp4 --nvfp4   # MXFP4 and NVFP4 (--isq) against bf16
     python benchmarks/quant_decode.py --smoke        # the script on the CPU (interpreter, tiny shape)
@@ -35,9 +35,11 @@ sampling come on top); the bytes limit is the file's bytes per token over the ba
 for reuse: ~8.5 GB for Q8_0, ~4.9 GB for Q4_K_M) with the gguf package: the packed weights
 random as above, norms 1, a vocabulary of placeholder tokens. ``--model`` runs xinfer on it
 (benchmarks/offline.py: batch 1, prompt 128, 256 greedy steps, decode tok/s; then the
-``--batches`` above 1 as that many concurrent requests, greedy and sampled). ``--llama-cpp``
-runs llama-cpp-python (all layers on the GPU) on the same file, batch 1 only: its Python API
-has no batched generation (llama.cpp's llama-batched-bench would be the batched peer).
+``--batches`` above 1 as that many concurrent requests, greedy and sampled). ``--llama-cpp BIN``
+runs llama.cpp's ``llama-bench`` (batch 1) and ``llama-batched-bench`` (``--batches`` above 1) from
+the folder ``BIN`` on the same files and the same work (all layers on the GPU), built for
+instance with ``cmake -S llama.cpp -B build -DGGML_CUDA=ON && cmake --build build --target
+llama-bench llama-batched-bench`` (``BIN`` is then ``build/bin``).
 
 ``--kernels`` and ``--linears`` also time FP8 (:mod:`xinfer.quant.fp8_format`: 128 e4m3 codes and a
 float32 scale per block), MXFP4 and NVFP4 (:mod:`xinfer.quant.fp4_formats`: e2m1 codes under e8m0
@@ -332,27 +334,33 @@ def xinfer_model(config, folder: Path, bandwidth: float, batches: list[int], dty
     return records
 
 
-def llama_cpp(config, folder: Path, bandwidth: float, steps: int = 256) -> list[dict]:
-    import llama_cpp as lc
-
+def llama_cpp(config, folder: Path, bandwidth: float, binaries: Path, batches: list[int]) -> list[dict]:
+    """llama.cpp's own benchmarks on the same GGUFs and work as :func:`xinfer_model`'s (a 128-token context, 256
+    tokens generated): ``llama-bench`` at batch 1, ``llama-batched-bench`` past it (decode tok/s of all streams)."""
     records = []
     for scheme in SCHEMES:
-        path = gguf_file(config, scheme, folder)
-        llm = lc.Llama(model_path=str(path), n_gpu_layers=-1, n_ctx=1024, n_batch=512, verbose=False)
-        prompt = [(i * 7919) % (config.vocab_size - 100) + 100 for i in range(128)]
-        start = first = time.perf_counter()
-        for generated, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
-            if generated == 1:
-                first = time.perf_counter()
-            if generated == steps:
-                break
-        decode_tok_s = (steps - 1) / (time.perf_counter() - first)
+        path = str(gguf_file(config, scheme, folder))
         limit = bandwidth / sum(w.nbytes for w in weights(config, scheme))
-        records.append(emit({"mode": "llama.cpp", "scheme": scheme, "batch": 1, "tok_s": round(decode_tok_s, 1),
-                             "prefill_s": round(first - start, 3), "limit_tok_s": round(limit, 1),
-                             "of_limit": round(decode_tok_s / limit, 3)}))  # fmt: skip
-        del llm
+        single = json.loads(_run(binaries / "llama-bench", "-m", path, "-ngl", "99", "-p", "0", "-n", "256", "-d", "128",
+                                 "-r", "3", "-o", "json"))  # fmt: skip
+        tok_s = single[0]["avg_ts"]
+        records.append(emit({"mode": "llama.cpp", "scheme": scheme, "batch": 1, "tok_s": round(tok_s, 1),
+                             "limit_tok_s": round(limit, 1), "of_limit": round(tok_s / limit, 3)}))  # fmt: skip
+        many = [batch for batch in batches if batch > 1]
+        if not many:
+            continue
+        output = _run(binaries / "llama-batched-bench", "-m", path, "-ngl", "99", "-c", str(max(many) * (128 + 256)),
+                      "-npp", "128", "-ntg", "256", "-npl", ",".join(map(str, many)), "--output-format", "jsonl")  # fmt: skip
+        for run in (json.loads(line) for line in output.splitlines() if line.startswith("{")):
+            records.append(
+                emit({"mode": "llama.cpp", "scheme": scheme, "batch": run["pl"], "tok_s": round(run["speed_tg"], 1)})
+            )
     return records
+
+
+def _run(*command: object) -> str:
+    """A llama.cpp tool's stdout (its log on stderr passes through)."""
+    return subprocess.run([str(c) for c in command], stdout=subprocess.PIPE, text=True, check=True).stdout
 
 
 def isq_models(chosen: list[str], requests: int, smoke: bool) -> list[dict]:
@@ -393,7 +401,8 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="time each (layer shape, format) alone")
     parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
     parser.add_argument("--model", action="store_true", help="xinfer on a GGUF of the shape (batch 1 and --batches)")
-    parser.add_argument("--llama-cpp", action="store_true", help="llama-cpp-python on the same GGUF (batch 1)")
+    parser.add_argument("--llama-cpp", type=Path, metavar="BIN",
+                        help="llama.cpp's build folder of llama-bench and llama-batched-bench: run on the same GGUFs")  # fmt: skip
     for flag in ISQ_RUNS:
         parser.add_argument(f"--{flag}", action="store_true", help=f"--isq {flag} against bf16, batch 1 and --requests")
     parser.add_argument("--requests", type=int, default=256, help="concurrent requests of --fp8, --mxfp4, --nvfp4")
@@ -422,7 +431,7 @@ def main() -> None:
     if args.model:
         records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches, "float32" if args.smoke else "bfloat16")
     if args.llama_cpp:
-        records += llama_cpp(config, args.gguf_dir, bandwidth)
+        records += llama_cpp(config, args.gguf_dir, bandwidth, args.llama_cpp, args.batches)
     if chosen:
         records += isq_models(chosen, args.requests, args.smoke)
     if args.out:
