@@ -140,7 +140,13 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         # MXFP4 and NVFP4 (--isq of the Llama-3.1-8B shape's dummy weights) against bf16: batch 1 and 256 requests
         "quant-decode-fp4": [PY, str(HERE / "quant_decode.py"), "--mxfp4", "--nvfp4"],
         "quant-decode-8b": [PY, str(HERE / "quant_decode.py"), "--model"],
-        "quant-decode-llama-cpp": [PY, str(HERE / "quant_decode.py"), "--llama-cpp"],
+        # llama.cpp's llama-bench and llama-batched-bench built on the machine (quant_decode.py says how)
+        "quant-decode-llama-cpp": [
+            PY,
+            str(HERE / "quant_decode.py"),
+            "--llama-cpp",
+            os.environ.get("LLAMA_CPP_BIN", "llama.cpp/build/bin"),
+        ],
         # issue #31's workload: 1,000 ShareGPT-like requests, greedy then sampled (top-p 0.95, T 0.8, seeded)
         "sharegpt-0.6b": offline + ["--shape", "qwen3-0.6b", "--workload", "sharegpt", "--dtype", "bfloat16"],
         "sharegpt-8b": offline + ["--shape", "llama-3.1-8b", "--workload", "sharegpt", "--dtype", "bfloat16"],
