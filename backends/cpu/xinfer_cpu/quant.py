@@ -46,7 +46,7 @@ class Int4Packed(WeightFormat):
 
     def __init__(self, source: WeightFormat, rows: int, cols: int, planes: int = 1, sixteens: bool = False):
         self.name = f"{source.name}:cpu-int4" + ("x16" if sixteens else "x2" if planes == 2 else "")
-        self.source, self.rows, self.cols, self.planes, self.sixteens = source, rows, cols, planes, sixteens
+        self.rows, self.cols, self.planes, self.sixteens = rows, cols, planes, sixteens
         self.block_bytes = 20 * planes  # 16 of nibbles, 4 of bf16 (scale, zero)
         self._views: tuple[int, tuple[Tensor, Tensor]] | None = None  # the views of the last buffer split
 
