@@ -154,7 +154,7 @@ def test_fused_moe_on_packed_experts_is_dequantize_then_compute(backend) -> None
 
 
 @pytest.mark.parametrize("rows", [64, 80, 112])  # whole tiles of torch's int4 layout, and a last tile of 16 or 48
-@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q4_k", "q4_k:cpu-int4"), ("q6_k", "q6_k:cpu-int4x16")])  # fmt: skip
+@pytest.mark.parametrize("name, repacked", [("q8_0", None), ("q8_0", "q8_0:cpu-int4x2"), ("q4_k", "q4_k:cpu-int4"), ("q5_k", "q5_k:cpu-int4x2"), ("q6_k", "q6_k:cpu-int4x16")])  # fmt: skip
 def test_embedding_dequantizes_only_the_rows_looked_up(name: str, repacked: str | None, rows: int) -> None:
     """Rows read back from the CPU's int4 layout are the file's values but for the repack's bf16 scales and zeros
     (a value's error at most 2^-9 of its scale and zero each)."""

@@ -4,7 +4,8 @@ is repacked into once, at load (``prepare``).
 - Q4_0, Q4_1, Q4_K: every group of 32 values is ``scale * (q - 8) + zero`` with ``q`` in 0..15,
   exactly (Q4_0: zero 0; Q4_1: zero ``m + 8 d``; Q4_K: scale ``d * sc``, zero ``8 d sc - dmin m``), which
   is what ``_weight_int4pack_mm_for_cpu`` computes, with scales and zeros in bf16.
-- Q8_0, Q5_0, Q5_1: each block of 32 values is ``d * q (+ m)`` with ``q`` a signed byte, which is
+- Q8_0, Q5_0, Q5_1, Q5_K: each block of 32 values is ``d * q + m`` with ``q`` a byte (Q5_K: a
+  sub-block, ``d`` its scale and ``m`` minus its min), which is
   ``16 d * hi + d * lo`` for its nibbles ``hi = q >> 4`` and ``lo = q & 15``: two int4 planes side by
   side along K (the activations repeated), one ``_weight_int4pack_mm_for_cpu`` call. Its per-row
   result does not depend on how many rows the call has (each output sums its K in order), which
@@ -17,8 +18,8 @@ is repacked into once, at load (``prepare``).
   a row) took K / 16 calls a linear, 30 % of a Gemma-3-270M token.
 
 The int4 matmul is fast only with bf16 activations (fp32 takes a slow generic path): activations are
-rounded to bf16 and results returned in the input dtype. Formats without a fast path here (Q2_K,
-Q3_K, Q5_K) run through the reference.
+rounded to bf16 and results returned in the input dtype. Q2_K and Q3_K (16-value sub-blocks whose
+mins or scales a 32-group cannot share) run through the reference.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class Int4Repack(_Int4Repack):
 
 
 class Int4PlanesRepack(_Int4Repack):
-    """Q8_0, Q5_0, Q5_1: ``d * q + m`` as two int4 planes, ``16 d * hi`` and ``d * lo + m``."""
+    """Q8_0, Q5_0, Q5_1, Q5_K: ``d * q + m`` as two int4 planes, ``16 d * hi`` and ``d * lo + m``."""
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         if not _int4_packs(weight):
@@ -219,6 +220,11 @@ def _blocked_int8(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor | Non
         m = f16(blocks[..., 2:4])
         q = torch.round((values - m.unsqueeze(-1)) / d.unsqueeze(-1).where(d.unsqueeze(-1) != 0, 1))
         return q.to(torch.int8), d, m
+    if name == "q5_k":
+        from xinfer.quant.gguf_formats import q5_k_parts
+
+        q, scale, low = q5_k_parts(raw.reshape(-1, weight.format.block_bytes))
+        return q.to(torch.int8).reshape(n, k // 32, 32), scale.reshape(n, k // 32), -low.reshape(n, k // 32)
     raise ValueError(f"{name} has no int8 blocks here")
 
 
@@ -243,7 +249,7 @@ class Int4SixteensRepack(_Int4Repack):
 
 WEIGHT_KERNELS = {
     **{name: "xinfer_cpu.quant:Int4Repack" for name in ("q4_0", "q4_1", "q4_k")},
-    **{name: "xinfer_cpu.quant:Int4PlanesRepack" for name in ("q8_0", "q5_0", "q5_1")},
+    **{name: "xinfer_cpu.quant:Int4PlanesRepack" for name in ("q8_0", "q5_0", "q5_1", "q5_k")},
     "q6_k": "xinfer_cpu.quant:Int4SixteensRepack",
 }
 """The formats the CPU backend runs natively (repacked at load), by name."""

@@ -260,11 +260,17 @@ class Q5_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q5_k", "Q5_K", QK_K, 176
 
     def decode(self, blocks: Tensor) -> Tensor:
-        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        scales, mins = _k_scales(blocks[:, 4:16])
-        high = _shifted(blocks[:, 16:48], list(range(8)), 1)  # sub-block j: bit j of the 32 bytes
-        q = (_k_nibbles(blocks[:, 48:]) | (high << 4)).float()
-        return ((d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)).flatten(1)
+        q, scale, low = q5_k_parts(blocks)
+        return (scale.unsqueeze(-1) * q.float() - low.unsqueeze(-1)).flatten(1)
+
+
+def q5_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q5_K blocks [B, 176] as codes ``q`` [B, 8, 32] (0..31) and each sub-block's ``scale`` and ``low`` [B, 8]:
+    a value is ``scale * q - low``."""
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    scales, mins = _k_scales(blocks[:, 4:16])
+    high = _shifted(blocks[:, 16:48], list(range(8)), 1)  # sub-block j: bit j of the 32 bytes
+    return _k_nibbles(blocks[:, 48:]) | (high << 4), d * scales, dmin * mins
 
 
 class Q6_K(GGUFBlockFormat):
