@@ -135,6 +135,7 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
             str(ROOT / "tests/backends/test_gguf_kernels.py"),
             str(ROOT / "tests/backends/test_fp4_kernels.py"),
             str(ROOT / "tests/gpu/test_gguf_packed.py"),
+            str(ROOT / "tests/gpu/test_llama_cpp_mixes_cuda.py"),
         ],
         "quant-decode-kernels": [PY, str(HERE / "quant_decode.py"), "--kernels", "--linears"],
         # MXFP4 and NVFP4 (--isq of the Llama-3.1-8B shape's dummy weights) against bf16: batch 1 and 256 requests
