@@ -202,6 +202,8 @@ def test_a_table_is_left_as_stored_where_this_torchs_int4_layout_is_not_the_one_
     model.linear.weight = torch.nn.Parameter(packed("q8_0", (64, 256)), requires_grad=False)
     prepare_weights(model, CpuOps())
     assert (model.embedding.weight.format.name, model.linear.weight.format.name) == ("q8_0", "q8_0:cpu-int4x2")
+    index = torch.tensor([1, 5])  # and a repacked weight's rows, asked for anyway, come from its whole values
+    assert torch.equal(model.linear.weight.dequantize_rows(index), model.linear.weight.dequantize()[index])
 
 
 class Int8Rows(WeightFormat):

@@ -75,6 +75,8 @@ class Int4Packed(WeightFormat):
         return self._values(_INT4_MM(eye, packed, 32, scales_zeros).float().T)  # [N, planes * K]
 
     def dequantize_rows(self, raw: Tensor, index: Tensor) -> Tensor:
+        if not int4_rows_readable():
+            return self.dequantize(raw)[index]
         packed, scales_zeros = self.split(raw)
         rows = index.flatten().long()  # (byte offsets of a large table pass 2**31)
         codes = _int4_codes(packed, rows)  # [T, planes * K]
