@@ -278,8 +278,9 @@ def write_gguf(config, scheme: str, path: Path) -> None:
     writer.add_tokenizer_pre("default")
     tokens = [f"t{i}" for i in range(config.vocab_size)]
     tokens[10] = "\u010a"  # the byte-level newline
-    tokens[20:23] = ["a", "b", "ab"]  # llama.cpp refuses a BPE vocabulary without merges, tokenizers one whose merge
-    writer.add_token_list(tokens)  # names a token not in it
+    # one merge (llama.cpp refuses a BPE vocabulary without any), of tokens the vocabulary has (tokenizers checks)
+    tokens[20:23] = ["a", "b", "ab"]
+    writer.add_token_list(tokens)
     writer.add_token_types([1] * config.vocab_size)
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(1)
