@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("isq", ["q8_0", "q4_0", "q4_k", "q6_k", "fp8", "mxfp4", "nvfp4"])
 def test_isq_on_cuda_matches_the_cpu_reference(model_dir, isq, monkeypatch):
-    gpu = LLM(model=model_dir, dtype="float32", device="cuda", isq=isq, num_blocks=64)
+    gpu = LLM(model=model_dir, dtype="float32", device="cuda", isq=isq, num_blocks=64, max_num_seqs=4)  # few captures
     assert isinstance(gpu.engine.model.model.layers[0].mlp.down_proj.weight, QuantizedTensor)
     monkeypatch.setattr(CpuOps, "weight_kernels", {})
     cpu = LLM(model=model_dir, dtype="float32", device="cpu", isq=isq, num_blocks=64)
