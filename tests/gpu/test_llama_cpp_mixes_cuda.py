@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.loading.gguf_models import reference_llm
-from tests.quant.test_llama_cpp_mixes import CONFIG, f32_gguf, quantized_file  # noqa: F401 (fixtures)
+from tests.quant.test_llama_cpp_mixes import CONFIG, f32_ggufs, quantized_file  # noqa: F401 (fixtures)
 from tests.tiny_models import prefill_logits, prompt
 from xinfer import LLM, SamplingParams
 

@@ -1,22 +1,24 @@
 """Files llama.cpp's own quantizer writes (``llama_model_quantize``: its K-quant mixes, as users download them),
-read by xinfer: the reference path gives transformers' logits of the same file, and every linear the CPU backend
-repacks gives the reference's product. Covers the block types no quantizer here writes (Q2_K, Q3_K, Q5_K) with
+read by xinfer (Llama; Qwen2's biases and Qwen3's norms and tied table in two mixes): the reference path gives
+transformers' logits of the same file, and every linear the CPU backend repacks gives the reference's product. Covers the block types no quantizer here writes (Q2_K, Q3_K, Q5_K) with
 the scales and mins llama.cpp chooses."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tests.loading.gguf_models import reference_llm
 from tests.loading.test_gguf import write_gguf
 from tests.plugins.hf_parity import randomize
-from tests.quant.test_seam import FAST_PATH_TOLERANCE, relative_error
+from tests.quant.test_seam import relative_error
 from tests.tiny_models import COMMON, prefill_logits, prompt
 from xinfer import LLM, ops
 from xinfer.layers.linear import Linear
@@ -27,8 +29,16 @@ from xinfer_cpu.quant import WEIGHT_KERNELS
 
 T = gguf.GGMLQuantizationType
 # K-quant rows are whole 256-value blocks: hidden 256, intermediate 512
-CONFIG = dict(COMMON, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.2,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+CONFIG = dict(COMMON, hidden_size=256, intermediate_size=512, vocab_size=512, initializer_range=0.2, bos_token_id=1,
+              eos_token_id=2)  # fmt: skip
+ARCHITECTURES = {
+    "llama": lambda: LlamaConfig(**CONFIG, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**CONFIG, tie_word_embeddings=False),  # q/k/v biases
+    # q/k norms; the table tied to the head, in the type llama.cpp picks for it (transformers reads a Qwen3 GGUF
+    # with the default head_dim, 128)
+    "qwen3": lambda: Qwen3Config(**{**CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1}, head_dim=128,
+                                 tie_word_embeddings=True),
+}  # fmt: skip
 # each mix and the block types llama.cpp writes for it at this size
 MIXES = {
     "Q2_K": {T.Q2_K, T.Q3_K, T.Q6_K},
@@ -38,29 +48,39 @@ MIXES = {
     "Q4_1": {T.Q4_1, T.Q6_K},
     "Q5_1": {T.Q5_1, T.Q6_K},
 }
+CASES = [("llama", mix) for mix in MIXES] + [(arch, mix) for arch in ("qwen2", "qwen3") for mix in ("Q3_K_M", "Q5_K_M")]
+# the repack's bf16 scales and zeros (and a product's bf16 activations): within a few 2^-9 of the exact values
+BF16_TOLERANCE = 2**-7
 
 
 @pytest.fixture(scope="module")
-def f32_gguf(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG, architectures=["LlamaForCausalLM"])).float()
-    randomize(model)
-    path = tmp_path_factory.mktemp("llama-f32") / "f32.gguf"
-    write_gguf(model, "llama", path, storage=lambda _: T.F32)
-    return path
+def f32_ggufs(tmp_path_factory) -> Callable[[str], Path]:
+    """A tiny model of an architecture with random norms and biases, every tensor F32 (written once)."""
+
+    @functools.cache
+    def written(arch: str) -> Path:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(ARCHITECTURES[arch]()).float()
+        randomize(model)
+        path = tmp_path_factory.mktemp(f"{arch}-f32") / "f32.gguf"
+        write_gguf(model, arch, path, storage=lambda _: T.F32)
+        return path
+
+    return written
 
 
-@pytest.fixture(scope="module", params=sorted(MIXES))
-def quantized_file(request, f32_gguf) -> tuple[str, Path]:
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def quantized_file(request, f32_ggufs) -> tuple[str, Path]:
     try:
         import llama_cpp
     except ImportError:
         pytest.skip("llama-cpp-python is not installed (optional oracle): pip install llama-cpp-python")
-    mix = request.param
+    arch, mix = request.param
+    source = f32_ggufs(arch)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix}")
-    path = f32_gguf.with_name(f"{mix}.gguf")
-    assert llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(path).encode(), ctypes.byref(params)) == 0
+    path = source.with_name(f"{mix}.gguf")
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) == 0
     return mix, path
 
 
@@ -80,7 +100,7 @@ def test_the_reference_path_gives_transformers_logits_of_llama_cpps_file(quantiz
     assert error <= 1e-4, f"{mix}: max|diff|/max|HF logit| = {error:.2e} (worst position)"
 
 
-def test_every_linear_the_cpu_repacks_gives_the_reference_product(quantized_file):
+def test_every_weight_the_cpu_repacks_gives_the_reference_products_and_rows(quantized_file):
     mix, path = quantized_file
     fast = LLM(model=str(path), dtype="float32", device="cpu", num_blocks=64)
     stored = dict(reference_llm(path, dtype="float32", device="cpu", num_blocks=64).engine.model.named_parameters())
@@ -96,6 +116,10 @@ def test_every_linear_the_cpu_repacks_gives_the_reference_product(quantized_file
             rows = x[:, : part.logical_shape[1]]
             with ops.use(CpuOps()):
                 got = ops.linear(rows, part)
-            assert relative_error(got, rows @ original.dequantize().T) <= FAST_PATH_TOLERANCE, f"{mix}: {name}"
+            assert relative_error(got, rows @ original.dequantize().T) <= BF16_TOLERANCE, f"{mix}: {name}"
+            index = torch.tensor([0, part.logical_shape[0] - 1, 37])  # rows read back (a tied table's lookups)
+            assert relative_error(part.dequantize_rows(index), original.dequantize()[index]) <= BF16_TOLERANCE, (
+                f"{mix}: {name}"
+            )
             checked.add(original.format.name)
     assert checked == {fmt.name.lower() for fmt in MIXES[mix]} & set(WEIGHT_KERNELS)
