@@ -4,6 +4,7 @@ file in the same run. One JSON line per figure.
 python benchmarks/cpu_quant.py                       # 2 threads, 128 greedy tokens, then 32 sampled requests
 python benchmarks/cpu_quant.py --threads 1 --concurrent 0
 python benchmarks/cpu_quant.py --model gemma3 --concurrent 0   # Gemma-3-270M Q4_K_M (Q4_K, Q5_0, Q6_K, Q8_0)
+python benchmarks/cpu_quant.py --gguf FILE --concurrent 0      # any other GGUF, e.g. one llama.cpp requantized
 
 Figures: xinfer batch 1 (greedy, ``--output-len`` tokens after a short prompt) and llama.cpp batch 1 on the same
 prompt and file, in turn ``--repeats`` times (each pair's ratio, then the median's: the load of a shared machine
@@ -88,9 +89,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 pairs (xinfer, llama.cpp) run in turn")
     parser.add_argument("--reference", action="store_true", help="xinfer without the CPU's repacked kernels")
     parser.add_argument("--model", choices=MODELS, default="smollm2", help="the real GGUF file (MODELS.md)")
+    parser.add_argument("--gguf", type=Path, help="another GGUF file instead (one llama.cpp's quantizer wrote, say)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = MODELS[args.model]()
+    path = args.gguf or MODELS[args.model]()
     if args.reference:
         from xinfer_cpu.ops import CpuOps
 
