@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
+from xinfer.quant.gguf_formats import q4_k_parts, q5_k_parts, q6_k_parts
 
 _INT4_INNER_K_TILES = 2
 _INT4_MM = torch._weight_int4pack_mm_for_cpu  # (the binding itself: torch.ops' wrapper is a Python call more)
@@ -134,15 +135,8 @@ def _int4_groups(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor]:
         zero = torch.zeros_like(d) if name == "q4_0" else blocks[..., 2:4].contiguous().view(torch.float16).float()
         zero = zero.reshape(d.shape) + (8 * d if name == "q4_1" else 0)
         return q, d, zero
-    # q4_k: 8 sub-blocks of 32 per 256-value block
-    from xinfer.quant.gguf_formats import _k_nibbles, _k_scales
-
-    blocks = raw.reshape(-1, 144)
-    d, dmin = (blocks[:, i : i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
-    sc, mn = _k_scales(blocks[:, 4:16])
-    scale, low = d * sc, dmin * mn  # value = scale * q - low
-    q = _k_nibbles(blocks[:, 16:]).reshape(n, k)
-    return q, scale.reshape(n, k // 32), (8 * scale - low).reshape(n, k // 32)
+    q, scale, low = q4_k_parts(raw.reshape(-1, weight.format.block_bytes))  # 8 sub-blocks of 32 per 256 values
+    return q.reshape(n, k), scale.reshape(n, k // 32), (8 * scale - low).reshape(n, k // 32)
 
 
 class Int4Kernels(WeightKernels):
@@ -223,8 +217,6 @@ def _blocked_int8(weight: QuantizedTensor) -> tuple[Tensor, Tensor, Tensor | Non
         q = torch.round((values - m.unsqueeze(-1)) / d.unsqueeze(-1).where(d.unsqueeze(-1) != 0, 1))
         return q.to(torch.int8), d, m
     if name == "q5_k":
-        from xinfer.quant.gguf_formats import q5_k_parts
-
         q, scale, low = q5_k_parts(raw.reshape(-1, weight.format.block_bytes))
         return q.to(torch.int8).reshape(n, k // 32, 32), scale.reshape(n, k // 32), -low.reshape(n, k // 32)
     raise ValueError(f"{name} has no int8 blocks here")
@@ -237,12 +229,8 @@ class Int4SixteensRepack(_Int4Repack):
         if not _int4_packs(weight):
             return weight
         n, k = weight.logical_shape
-        # a block of 256 values: 128 bytes of low nibbles, 64 of high bits, 16 int8 sub-block scales, fp16 d
-        blocks = weight.raw.reshape(-1, weight.format.block_bytes)
-        d, scales = blocks[:, 208:210].contiguous().view(torch.float16).float(), blocks[:, 192:208].view(torch.int8)
-        scale = d * scales.float()  # [blocks, 16]: sub-block j's values are scale_j * q
-        values = weight.format.dequantize(blocks).reshape(-1, 16, 16)
-        q = torch.round(values / scale.unsqueeze(-1).where(scale.unsqueeze(-1) != 0, 1)).to(torch.int32)
+        q, scale = q6_k_parts(weight.raw.reshape(-1, weight.format.block_bytes))  # [blocks, 16, 16], [blocks, 16]
+        q = q.reshape(-1, 16)
         high = torch.div(q + 8, 16, rounding_mode="floor")  # q in -32..31: high in -2..2, q - 16 high in -8..7
         codes = torch.stack([high + 8, q - 16 * high + 8], dim=-2)  # [blocks * 16, 2, 16]
         scale = scale.reshape(n, k // 16)

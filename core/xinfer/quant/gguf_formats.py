@@ -236,10 +236,8 @@ class Q4_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q4_k", "Q4_K", QK_K, 144
 
     def decode(self, blocks: Tensor) -> Tensor:
-        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        scales, mins = _k_scales(blocks[:, 4:16])
-        q = _k_nibbles(blocks[:, 16:]).float()
-        return ((d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)).flatten(1)
+        q, scale, low = q4_k_parts(blocks)
+        return (scale.unsqueeze(-1) * q.float() - low.unsqueeze(-1)).flatten(1)
 
     def encode(self, blocks: Tensor) -> Tensor:
         sub = blocks.reshape(-1, 8, 32)
@@ -264,6 +262,14 @@ class Q5_K(GGUFBlockFormat):
         return (scale.unsqueeze(-1) * q.float() - low.unsqueeze(-1)).flatten(1)
 
 
+def q4_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K blocks [B, 144] as codes ``q`` [B, 8, 32] (0..15) and each sub-block's ``scale`` and ``low`` [B, 8]:
+    a value is ``scale * q - low``."""
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    scales, mins = _k_scales(blocks[:, 4:16])
+    return _k_nibbles(blocks[:, 16:]), d * scales, dmin * mins
+
+
 def q5_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Q5_K blocks [B, 176] as codes ``q`` [B, 8, 32] (0..31) and each sub-block's ``scale`` and ``low`` [B, 8]:
     a value is ``scale * q - low``."""
@@ -277,12 +283,8 @@ class Q6_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q6_k", "Q6_K", QK_K, 210
 
     def decode(self, blocks: Tensor) -> Tensor:
-        low = _shifted(blocks[:, :128].reshape(-1, 2, 64), [0, 4], 0xF).reshape(-1, 8, 32)
-        high = _shifted(blocks[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
-        q = (low | (high << 4)).float().reshape(-1, 16, 16) - 32
-        scales = blocks[:, 192:208].view(torch.int8).float()
-        d = _f16(blocks[:, 208:210])
-        return ((d * scales).unsqueeze(-1) * q).flatten(1)
+        q, scale = q6_k_parts(blocks)
+        return (scale.unsqueeze(-1) * q.float()).flatten(1)
 
     def encode(self, blocks: Tensor) -> Tensor:
         sub = blocks.reshape(-1, 16, 16)
@@ -300,6 +302,15 @@ class Q6_K(GGUFBlockFormat):
         )
         scale_bytes = scales.to(torch.int8).view(torch.uint8)
         return torch.cat([low_bytes, high_bytes.flatten(1), scale_bytes, _half(d)], dim=-1)
+
+
+def q6_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K blocks [B, 210] as codes ``q`` [B, 16, 16] (-32..31) and each sub-block's ``scale`` [B, 16]: a value
+    is ``scale * q``."""
+    low = _shifted(blocks[:, :128].reshape(-1, 2, 64), [0, 4], 0xF).reshape(-1, 8, 32)
+    high = _shifted(blocks[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
+    q = (low | (high << 4)).reshape(-1, 16, 16).to(torch.int32) - 32
+    return q, _f16(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8).float()
 
 
 GGUF_FORMATS: tuple[type[GGUFBlockFormat], ...] = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
