@@ -18,12 +18,14 @@ NEW_TOKENS = 8
 _GGML_TYPE_F32 = 0
 
 
+def llama_cpp_module():
+    """llama-cpp-python, or a skip saying why there is none (the README's test command installs it)."""
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install llama-cpp-python")
+
+
 def llama_cpp_model(path: Path, n_ctx: int = 128):
     """llama.cpp's model of ``path`` (one thread, every position's logits), or a skip saying why there is none."""
-    try:
-        import llama_cpp
-    except ImportError:
-        pytest.skip("llama-cpp-python is not installed (optional oracle): pip install llama-cpp-python")
+    llama_cpp = llama_cpp_module()
     return llama_cpp.Llama(
         model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, n_threads_batch=1,
         logits_all=True, type_k=_GGML_TYPE_F32, type_v=_GGML_TYPE_F32, verbose=False,

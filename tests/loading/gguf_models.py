@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.llama_cpp_oracle import llama_cpp_module
+
 SMOLLM = "smollm2"
 GEMMA = "gemma3"
 MODELS = (SMOLLM, GEMMA)
@@ -56,10 +58,7 @@ def hf_model(name: str):
 
 def llama_cpp_vocab(name: str):
     """llama.cpp's own tokenizer of the file, or a skip saying why there is none."""
-    try:
-        import llama_cpp
-    except ImportError:
-        pytest.skip("llama-cpp-python is not installed (optional oracle): pip install llama-cpp-python")
+    llama_cpp = llama_cpp_module()
     return _llama_cpp_vocab(str(gguf_path(name)), llama_cpp)
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from tests.llama_cpp_oracle import llama_cpp_module
 from tests.loading.gguf_models import reference_llm
 from tests.loading.test_gguf import write_gguf
 from tests.plugins.hf_parity import randomize
@@ -72,10 +73,7 @@ def f32_ggufs(tmp_path_factory) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
 def quantized_file(request, f32_ggufs) -> tuple[str, Path]:
-    try:
-        import llama_cpp
-    except ImportError:
-        pytest.skip("llama-cpp-python is not installed (optional oracle): pip install llama-cpp-python")
+    llama_cpp = llama_cpp_module()
     arch, mix = request.param
     source = f32_ggufs(arch)
     params = llama_cpp.llama_model_quantize_default_params()
