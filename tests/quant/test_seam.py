@@ -22,7 +22,7 @@ from xinfer.torch_ops import TorchOps
 from xinfer_cpu.ops import CpuOps
 from xinfer_cpu.quant import WEIGHT_KERNELS, _int4_codes, int4_rows_readable
 
-# the CPU's int4/int8 matmuls take bf16 activations and (int4) bf16 scales: about 2^-8 relative
+# the CPU's int4 matmul takes bf16 activations and bf16 scales: about 2^-8 relative
 FAST_PATH_TOLERANCE = 2e-2
 
 
