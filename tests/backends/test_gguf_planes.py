@@ -93,12 +93,15 @@ def test_gemv(name, dtype):
 @pytest.mark.parametrize("name", NAMES)
 def test_dot(name, dtype):
     """A few rows: 5 in a 16-row tile with a bias, the weight's rows over two 16-row tiles and its tiles
-    two a loop step (the last step half past the row)."""
+    two a loop step (the last step half past the row); and split along K in 3 programs a tile, a tile of
+    the row each, their partial sums and the bias added by the second kernel."""
     packed, planes, k = weight(name, n=20)
     ref = reference_weight(packed, name)
     x, bias = torch.randn(5, k, device=DEVICE).to(dtype), torch.randn(20, device=DEVICE).to(dtype)
-    check(plane_dot(x, planes, name, 20, bias, PlaneDotConfig(16, 16, 2, 4, 2)), x.cpu().float() @ ref.T
-          + bias.cpu().float(), dtype)  # fmt: skip
+    want = x.cpu().float() @ ref.T + bias.cpu().float()
+    check(plane_dot(x, planes, name, 20, bias, PlaneDotConfig(16, 16, 2, 4, 2)), want, dtype)
+    if name in ("Q8_0", "Q4_K", "Q6_K"):  # a type of each decode: the split is the same code for every type
+        check(plane_dot(x, planes, name, 20, bias, PlaneDotConfig(16, 16, 1, 4, 2, split=3)), want, dtype)
 
 
 # a type of each decode (bytes, nibbles, nibbles and high bits), one with fp16 activations

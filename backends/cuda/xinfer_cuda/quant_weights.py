@@ -116,14 +116,17 @@ ONE_ROW_PLANE_TILES = tuple(
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`; past one row also the dequantized weight."""
+    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`, and some split along K (a decode step's
+    weights of 4,096 rows are 64 tiles of 64 beside 132 SMs); past one row also the dequantized weight."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES
     if rows <= 16:
-        dots = tuple(PlaneDotConfig(16, n, t, w, s) for n, t, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
-                                                                       (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
+        dots = tuple(PlaneDotConfig(16, n, t, w, s, k) for n, t, w, s, k in [
+            (32, 1, 4, 3, 1), (64, 1, 4, 3, 1), (32, 2, 4, 3, 1), (64, 2, 4, 4, 1), (128, 1, 8, 3, 1),
+            (32, 1, 4, 3, 4), (64, 1, 4, 3, 4), (64, 2, 4, 4, 2), (128, 1, 8, 3, 4)])  # fmt: skip
     else:
-        dots = tuple(PlaneDotConfig(rows, n, 1, w, 3) for n, w in [(32, 4), (64, 4), (128, 8)])
+        dots = tuple(PlaneDotConfig(rows, n, 1, w, 3, k) for n, w, k in [(32, 4, 1), (64, 4, 1), (128, 8, 1), (64, 4, 4),
+                                                                         (128, 8, 2)])  # fmt: skip
     return (*dots, DEQUANTIZED)
 
 

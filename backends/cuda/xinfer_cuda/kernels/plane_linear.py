@@ -18,8 +18,8 @@ scale words one layout (no shared-memory shuffles). For each field ``f`` of the 
 In the sm_90 SASS of the loop that is 6.0 instructions a Q4_K value, 5.5 a Q8_0 and 9 a Q6_K one (a
 third of them the sub-block scales' decode), against 14 and 10 for the byte-wise kernels of the
 file's blocks (:mod:`xinfer_cuda.kernels.quant_linear`), which also load one or two bytes at a time.
-Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV may split K over
-``split`` programs a row tile, their fp32 partial sums added by a second small kernel. What keeps
+Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV and the dot may split K
+over ``split`` programs a tile, their fp32 partial sums added by a second small kernel. What keeps
 enough of the weight in flight is measured (:class:`PlaneGemvConfig`): the warps on a row's tiles or
 on rows, a thread's one load of a tile's 4 words or ``groups``: a group's 16 (its 4 loads and its rows
 outermost in the step's 6-D index, so in the thread's registers: one scale decode for 16 values, one
@@ -73,6 +73,7 @@ class PlaneDotConfig:
     tiles: int
     num_warps: int
     num_stages: int
+    split: int = 1  # programs along K a tile of [block_m, block_n] outputs
 
 
 def default_plane_gemv(rows: int, k: int, layout: PlaneLayout) -> PlaneGemvConfig:
@@ -332,15 +333,26 @@ def _plane_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, N, split, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, size, N, split, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """``y`` [size // N, N] as the sum of the ``split`` partial results [split, size // N, N] (+ bias)."""
     pdl_entry(PDL)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     s = tl.arange(0, SPLITS)[:, None]
-    y = tl.sum(tl.load(partial_ptr + s * N + rows[None, :], mask=(s < split) & (rows[None, :] < N), other=0.0), axis=0)
+    y = tl.sum(tl.load(partial_ptr + s * size + i[None, :], mask=(s < split) & (i[None, :] < size), other=0.0), axis=0)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+        y += tl.load(bias_ptr + i % N, mask=i < size, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, y.to(y_ptr.dtype.element_ty), mask=i < size)
+
+
+def _sum_splits(partial: Tensor, bias: Tensor | None, y: Tensor) -> Tensor:
+    """``y`` (contiguous) as the sum over the first dimension of ``partial`` (+ ``bias`` on each row)."""
+    size, block = y.numel(), 256
+    _sum_splits_kernel[(triton.cdiv(size, block),)](partial, bias if bias is not None else y, y, size, y.shape[-1],
+                                                    partial.shape[0], SPLITS=triton.next_power_of_2(partial.shape[0]),
+                                                    HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                    **launch.pdl(y.device))  # fmt: skip
+    return y
 
 
 @triton.jit
@@ -351,9 +363,10 @@ def _field_values(FMT: tl.constexpr, F: tl.constexpr, word, high, scales, supers
 
 @triton.jit
 def _plane_dot_kernel(
-    x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_y, magic,
+    x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_y, tiles_per_split,
+    magic,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_entry(PDL)
@@ -363,7 +376,8 @@ def _plane_dot_kernel(
     num_tiles = K // (32 * FIELDS)
     t = tl.arange(0, TILES)[None, :, None, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t0 in range(0, num_tiles, TILES):
+    first = tl.program_id(2) * tiles_per_split
+    for t0 in range(first, tl.minimum(first + tiles_per_split, num_tiles), TILES):
         tile = t0 + t
         has_tile = tile < num_tiles
         mask = (rows[:, None, None, None, None] < N) & has_tile
@@ -381,9 +395,9 @@ def _plane_dot_kernel(
                 values = _field_values(FMT, 2 * p + q, word, high, scales, supers, g, mask, magic)
                 values = tl.reshape(values, (BLOCK_N, TILES * 32))
                 acc = tl.dot(xs[q], tl.trans(values.to(x.dtype)), acc, input_precision=PRECISION)
-    if HAS_BIAS:
+    if HAS_BIAS and not PARTIAL:
         acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
+    y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(ms[:, None] < M) & (rows[None, :] < N))
 
 
@@ -444,6 +458,12 @@ def _row_warps(config: PlaneGemvConfig, layout: PlaneLayout) -> int:
     return min(config.block_n, max(1, config.num_warps // on_tiles)) if config.groups else 1
 
 
+def _k_splits(num_tiles: int, split: int, tiles: int) -> tuple[int, int]:
+    """A program's tiles of a row along K (whole loop steps of ``tiles``) and the programs that takes."""
+    per_split = triton.cdiv(triton.cdiv(num_tiles, split), tiles) * tiles
+    return per_split, triton.cdiv(num_tiles, per_split)
+
+
 def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
                config: PlaneGemvConfig | None = None) -> Tensor:  # fmt: skip
     """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
@@ -455,8 +475,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     if n == 0:
         return y
     num_tiles = k // layout.tile
-    per_split = triton.cdiv(triton.cdiv(num_tiles, config.split), config.tiles) * config.tiles
-    split = triton.cdiv(num_tiles, per_split)
+    per_split, split = _k_splits(num_tiles, config.split, config.tiles)
     even = n % config.block_n == 0 and num_tiles % per_split == 0
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
     chain = launch.pdl(x.device)
@@ -466,11 +485,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
         XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
         GROUPS=config.groups, ROW_WARPS=_row_warps(config, layout), X_EACH_ROW=config.tiles < 4 * config.num_warps, EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, **_format_args(layout), **chain,
     )  # fmt: skip
-    if split > 1:
-        block = 256
-        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, bias if bias is not None else x, y, n, split,
-                                                     SPLITS=triton.next_power_of_2(split), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **chain)  # fmt: skip
-    return y
+    return _sum_splits(partial, bias, y) if split > 1 else y
 
 
 def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
@@ -483,14 +498,17 @@ def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = N
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
+    num_tiles = k // layout.tile
+    per_split, split = _k_splits(num_tiles, config.split, config.tiles)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
     _plane_dot_kernel[grid](
-        x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, y, m, n, k, x.stride(0), y.stride(0), MAGIC,
-        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILES=config.tiles,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
-        num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
+        x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, m, n, k, x.stride(0), n,
+        per_split, MAGIC, HAS_BIAS=bias is not None, PARTIAL=split > 1, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, TILES=config.tiles, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
     )  # fmt: skip
-    return y
+    return _sum_splits(partial, bias, y) if split > 1 else y
 
 
 def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:
