@@ -22,9 +22,11 @@ is kept to what adds coverage.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ from xinfer.kv import LayerKVCache
 from xinfer.ops import PRIMITIVES, AttentionMetadata, HeadNorms, Rotation
 from xinfer.torch_ops import TorchOps
 from xinfer_cuda.kernels import activation, arrivals, attention, gemv, norm, norm_linear, rotary
-from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates
+from xinfer_cuda.linear import DOT_TILES, ONE_PASS_TILES, ONE_ROW_TILES, SmallBatchLinear, candidates, time_each
 from xinfer_cuda.ops import CudaOps
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
@@ -168,6 +170,39 @@ def test_small_batch_linear_skips_tiles_the_gpu_lacks_resources_for():
     x, weight = rand(4, 64), rand(24, 64)
     check(linear(x, weight), CPU.linear(ref32(x), ref32(weight)), torch.float32)
     assert list(linear.choice.values()) == [DOT_TILES[-1]]
+
+
+def test_candidates_run_side_by_side_before_they_are_timed_on_a_gpu():
+    """On a GPU every candidate runs once in a thread of its own (their kernels compile at once), on
+    the caller's stream, before each is timed in the caller's thread; one lacking the GPU's resources
+    is left out, as when timed alone. On the CPU (the interpreter) they are only timed."""
+    runs: list[tuple[str, bool, object]] = []  # candidate, in the caller's thread, stream
+
+    def call_of(name: str):
+        def call(w: Tensor) -> Tensor:
+            runs.append((name, threading.current_thread() is threading.main_thread(),
+                         torch.cuda.current_stream() if ON_GPU else None))  # fmt: skip
+            if name == "too big":
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return w + 1
+
+        return call
+
+    def timer(call, inputs):
+        call(inputs[0])
+        return 1.0
+
+    names = ["a", "b", "too big", "c"]
+    side = torch.cuda.Stream() if ON_GPU else None
+    with torch.cuda.stream(side) if ON_GPU else contextlib.nullcontext():
+        times = time_each(timer, {name: call_of(name) for name in names}, [rand(4)], DEVICE)
+    assert times == {"a": 1.0, "b": 1.0, "c": 1.0}
+    timed = [(name, True, side) for name in names]
+    if ON_GPU:
+        assert sorted(runs[:4], key=lambda run: names.index(run[0])) == [(name, False, side) for name in names]
+        assert runs[4:] == timed
+    else:
+        assert runs == timed
 
 
 # --- RMSNorm fused into the linear after it -----------------------------------------

@@ -11,10 +11,13 @@ kernel), and cuBLAS is kept unless a tile beats it by ``MARGIN``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -65,6 +68,7 @@ MIN_CALLS = 16  # calls per timed graph
 MAX_COPIES = 32  # of a small weight: past that the model's weights would fit in the L2 anyway
 
 T = TypeVar("T")
+K = TypeVar("K")
 Call = Callable[[Tensor], object]  # one linear over the given weight
 Timer = Callable[[Call, list[Tensor]], float]  # seconds per call, over those weights
 
@@ -91,6 +95,37 @@ def graph_time(call: Callable[[T], object], inputs: Sequence[T]) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return best / (rounds * len(inputs))
+
+
+def time_each(timer: Callable[[Callable[[T], object], Sequence[T]], float], calls: Mapping[K, Callable[[T], object]],
+              inputs: Sequence[T], device: torch.device) -> dict[K, float]:  # fmt: skip
+    """Seconds per call of each of ``calls`` over ``inputs`` by ``timer``, leaving out those that need
+    more shared memory or registers than this GPU has. On a GPU each call first runs once beside
+    the others, in threads: Triton compiles a kernel mostly with the GIL released, so a first
+    start's compiles of every candidate tile overlap (timed one after the other, they would not)."""
+    if device.type == "cuda" and len(calls) > 1:
+        run_side_by_side([lambda call=call: call(inputs[0]) for call in calls.values()], device)
+    times = {}
+    for key, call in calls.items():
+        try:
+            times[key] = timer(call, inputs)
+        except OutOfResources:
+            continue
+    return times
+
+
+def run_side_by_side(calls: Sequence[Callable[[], object]], device: torch.device) -> None:
+    """Each of ``calls`` once, in threads on the caller's stream."""
+    stream = torch.cuda.current_stream(device)
+
+    def run(call: Callable[[], object]) -> None:
+        # what it raises, the caller's own run of it raises again
+        with torch.cuda.device(device), torch.cuda.stream(stream), contextlib.suppress(Exception):
+            call()
+
+    with ThreadPoolExecutor(min(len(calls), os.cpu_count() or 1)) as pool:
+        list(pool.map(run, calls))
+    torch.cuda.synchronize(device)
 
 
 def l2_overflowing_copies(weight: Tensor) -> list[Tensor]:
@@ -210,12 +245,7 @@ class SmallBatchLinear:
         try:  # the copies and the timed graphs need memory a full KV pool may have taken (eager steps)
             weights = self.copies(weight)
             base = self.timer(baseline, weights)
-            times = {}
-            for tile in tiles:
-                try:
-                    times[tile] = self.timer(tile_call(tile), weights)
-                except OutOfResources:  # more shared memory than this GPU has
-                    continue
+            times = time_each(self.timer, {tile: tile_call(tile) for tile in tiles}, weights, weight.device)
         except torch.OutOfMemoryError:
             return None
         if not times:

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from triton.runtime.errors import OutOfResources
 
 from xinfer_cuda.kernels import moe
 from xinfer_cuda.kernels.moe import SlotTiles
-from xinfer_cuda.linear import MARGIN, graph_time
+from xinfer_cuda.linear import MARGIN, graph_time, time_each
 
 log = logging.getLogger("xinfer")
 
@@ -91,12 +90,7 @@ class SmallBatchMoE:
         try:  # the timed graphs need memory a full KV pool may have taken (eager steps)
             steps = random_steps(x, w2.shape[0], top_k, self.routings)
             base = self.timer(run(default), steps)
-            times = {}
-            for tiles in candidates:
-                try:
-                    times[tiles] = self.timer(run(tiles), steps)
-                except OutOfResources:  # more shared memory or registers than this GPU has
-                    continue
+            times = time_each(self.timer, {tiles: run(tiles) for tiles in candidates}, steps, x.device)
         except torch.OutOfMemoryError:
             return None
         if not times:

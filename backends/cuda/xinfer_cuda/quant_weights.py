@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from triton.runtime.errors import OutOfResources
 
 from xinfer import ops
 from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
@@ -55,7 +54,7 @@ from xinfer_cuda.kernels.quant_linear import (
     default_gemv,
     linear_rows,
 )
-from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies
+from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies, time_each
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
@@ -166,14 +165,11 @@ class MeasuredTiles:
         return default_gemv(FORMATS[fmt_name]) if rows == 1 else default_dot(FORMATS[fmt_name], rows)
 
     def fastest(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile:
-        times = {}
+        times: dict[Tile, float] = {}
         try:
             copies = self.copies(packed)
-            for tile in tiles:
-                try:
-                    times[tile] = self.timer(lambda w, t=tile: self.run(x, w, fmt_name, bias, t), copies)
-                except OutOfResources:
-                    continue
+            calls = {tile: lambda w, t=tile: self.run(x, w, fmt_name, bias, t) for tile in tiles}
+            times = time_each(self.timer, calls, copies, x.device)
         except torch.OutOfMemoryError:
             pass
         if not times:
