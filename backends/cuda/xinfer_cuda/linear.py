@@ -119,8 +119,13 @@ def run_side_by_side(calls: Sequence[Callable[[], object]], device: torch.device
     stream = torch.cuda.current_stream(device)
 
     def run(call: Callable[[], object]) -> None:
-        # what it raises, the caller's own run of it raises again
-        with torch.cuda.device(device), torch.cuda.stream(stream), contextlib.suppress(Exception):
+        # (grad mode is per thread; what a call raises, the caller's own run of it raises again)
+        with (
+            torch.inference_mode(),
+            torch.cuda.device(device),
+            torch.cuda.stream(stream),
+            contextlib.suppress(Exception),
+        ):
             call()
 
     with ThreadPoolExecutor(min(len(calls), os.cpu_count() or 1)) as pool:
