@@ -52,6 +52,7 @@ from xinfer_cuda.kernels import (
     quant_moe,
     rotary,
     sampling,
+    splits,
     token_bitmask,
 )
 from xinfer_cuda.kernels.gguf_blocks import FORMATS
@@ -76,7 +77,7 @@ MODULES = (
     rotary,
     sampling,
 )
-MODULES += (plane_linear, quant_linear, quant_moe, token_bitmask)
+MODULES += (plane_linear, quant_linear, quant_moe, splits, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
 MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, mla_rows, sparse_mla, indexer)

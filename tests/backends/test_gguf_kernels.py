@@ -97,10 +97,13 @@ def test_one_row(name, dtype):
 @pytest.mark.parametrize("dtype", SMALL_DTYPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
 def test_several_rows(name, dtype):
-    """The dot kernel: 3 rows in a 16-row tile, 19 rows over two tiles of a wider step."""
+    """The dot kernel: 3 rows in a 16-row tile, 19 rows over two tiles of a wider step; and split
+    along K in 2 programs a tile (the second with the row's last loop step), their partial sums and
+    the bias added by the second kernel."""
     fmt = FORMATS[name]
     run_case(name, 3, 37, odd_k(fmt), dtype, with_bias=True)
     run_case(name, 19, 20, odd_k(fmt), dtype, QDotConfig(16, 16, 512 // fmt.qk, 4, 2))
+    run_case(name, 5, 20, odd_k(fmt), dtype, QDotConfig(16, 16, max(1, 64 // fmt.qk), 4, 2, split=2), with_bias=True)
 
 
 # Llama-3.1-8B's down projection at batch 1, qkv at 16 rows, o in a prefill of 300 tokens

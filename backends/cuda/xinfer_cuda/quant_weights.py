@@ -70,17 +70,21 @@ def ggml_type(weight: QuantizedTensor) -> str:
 def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of ``fmt``: GEMVs of 2 to 16 weight
     rows a program and 1 or 2 loop steps' blocks for one row, 16-row dots of 32 to 128 columns
-    for a few, and the row count's own dot tile past 16; past one row also the dequantized weight."""
+    for a few, and the row count's own dot tile past 16, each dot also split along K (a decode
+    step's weights of 4,096 rows are 64 tiles of 64 beside 132 SMs); past one row also the
+    dequantized weight."""
     if rows == 1:
         step = max(1, 256 // fmt.qk)
         return tuple(QGemvConfig(n, b * step, w) for n, b, w in [(4, 1, 4), (2, 2, 4), (8, 1, 4), (4, 2, 8), (8, 2, 8),
                                                                  (16, 1, 8)])  # fmt: skip
     step = max(1, 64 // fmt.qk)
     if rows <= 16:
-        dots = tuple(QDotConfig(16, n, b * step, w, s) for n, b, w, s in [(32, 1, 4, 3), (64, 1, 4, 3), (32, 2, 4, 3),
-                                                                          (64, 2, 4, 4), (128, 1, 8, 3)])  # fmt: skip
+        dots = tuple(QDotConfig(16, n, b * step, w, s, k) for n, b, w, s, k in [
+            (32, 1, 4, 3, 1), (64, 1, 4, 3, 1), (32, 2, 4, 3, 1), (64, 2, 4, 4, 1), (128, 1, 8, 3, 1),
+            (32, 1, 4, 3, 4), (64, 1, 4, 3, 4), (64, 2, 4, 4, 2), (128, 1, 8, 3, 4)])  # fmt: skip
     else:
-        dots = tuple(QDotConfig(rows, n, step, w, 3) for n, w in [(32, 4), (64, 4), (128, 8)])
+        dots = tuple(QDotConfig(rows, n, step, w, 3, k) for n, w, k in [(32, 4, 1), (64, 4, 1), (128, 8, 1), (64, 4, 4),
+                                                                       (128, 8, 2)])  # fmt: skip
     return (*dots, DEQUANTIZED)
 
 
@@ -115,8 +119,7 @@ ONE_ROW_PLANE_TILES = tuple(
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`, and some split along K (a decode step's
-    weights of 4,096 rows are 64 tiles of 64 beside 132 SMs); past one row also the dequantized weight."""
+    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`; past one row also the dequantized weight."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES
     if rows <= 16:

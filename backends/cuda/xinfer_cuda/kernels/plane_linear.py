@@ -18,8 +18,8 @@ scale words one layout (no shared-memory shuffles). For each field ``f`` of the 
 In the sm_90 SASS of the loop that is 6.0 instructions a Q4_K value, 5.5 a Q8_0 and 9 a Q6_K one (a
 third of them the sub-block scales' decode), against 14 and 10 for the byte-wise kernels of the
 file's blocks (:mod:`xinfer_cuda.kernels.quant_linear`), which also load one or two bytes at a time.
-Over few rows of the weight (N small beside the 132 SMs of an H200) the GEMV and the dot may split K
-over ``split`` programs a tile, their fp32 partial sums added by a second small kernel. What keeps
+Over few rows of the weight the GEMV and the dot may split K over ``split`` programs a tile
+(:mod:`xinfer_cuda.kernels.splits`). What keeps
 enough of the weight in flight is measured (:class:`PlaneGemvConfig`): the warps on a row's tiles or
 on rows, a thread's one load of a tile's 4 words or ``groups``: a group's 16 (its 4 loads and its rows
 outermost in the step's 6-D index, so in the thread's registers: one scale decode for 16 values, one
@@ -47,6 +47,7 @@ from xinfer_cuda.kernels.gguf_blocks import _load
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, planes
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.quant_linear import MAX_PACKED_ROWS, Dequantized
+from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
 
 MAGIC = 0x4B000000  # the bits of 2**23: an integer below 2**23 or-ed in is added (passed at run time: one register
 # holds it, the masks stay immediates, where two constants would be rematerialized in the loop)
@@ -333,29 +334,6 @@ def _plane_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, bias_ptr, y_ptr, size, N, split, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """``y`` [size // N, N] as the sum of the ``split`` partial results [split, size // N, N] (+ bias)."""
-    pdl_entry(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    s = tl.arange(0, SPLITS)[:, None]
-    y = tl.sum(tl.load(partial_ptr + s * size + i[None, :], mask=(s < split) & (i[None, :] < size), other=0.0), axis=0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + i % N, mask=i < size, other=0.0).to(tl.float32)
-    tl.store(y_ptr + i, y.to(y_ptr.dtype.element_ty), mask=i < size)
-
-
-def _sum_splits(partial: Tensor, bias: Tensor | None, y: Tensor) -> Tensor:
-    """``y`` (contiguous) as the sum over the first dimension of ``partial`` (+ ``bias`` on each row)."""
-    size, block = y.numel(), 256
-    _sum_splits_kernel[(triton.cdiv(size, block),)](partial, bias if bias is not None else y, y, size, y.shape[-1],
-                                                    partial.shape[0], SPLITS=triton.next_power_of_2(partial.shape[0]),
-                                                    HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                    **launch.pdl(y.device))  # fmt: skip
-    return y
-
-
-@triton.jit
 def _field_values(FMT: tl.constexpr, F: tl.constexpr, word, high, scales, supers, g, mask, magic):
     scale, bias = _scale_bias(FMT, F, scales, supers, g, mask)
     return _code(FMT, F, word, high, magic) * scale + bias
@@ -458,12 +436,6 @@ def _row_warps(config: PlaneGemvConfig, layout: PlaneLayout) -> int:
     return min(config.block_n, max(1, config.num_warps // on_tiles)) if config.groups else 1
 
 
-def _k_splits(num_tiles: int, split: int, tiles: int) -> tuple[int, int]:
-    """A program's tiles of a row along K (whole loop steps of ``tiles``) and the programs that takes."""
-    per_split = triton.cdiv(triton.cdiv(num_tiles, split), tiles) * tiles
-    return per_split, triton.cdiv(num_tiles, per_split)
-
-
 def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
                config: PlaneGemvConfig | None = None) -> Tensor:  # fmt: skip
     """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
@@ -475,9 +447,9 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     if n == 0:
         return y
     num_tiles = k // layout.tile
-    per_split, split = _k_splits(num_tiles, config.split, config.tiles)
+    per_split, split = k_splits(num_tiles, config.split, config.tiles)
     even = n % config.block_n == 0 and num_tiles % per_split == 0
-    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    partial = partial_sums(y, split)
     chain = launch.pdl(x.device)
     words = x.view(torch.int32) if x.dtype in X_WORDS else x
     _plane_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
@@ -485,7 +457,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
         XS=X_WORDS.get(x.dtype, "fp32"), HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even, BLOCK_N=config.block_n, TILES=config.tiles,
         GROUPS=config.groups, ROW_WARPS=_row_warps(config, layout), X_EACH_ROW=config.tiles < 4 * config.num_warps, EARLY=config.early, UNROLL=config.unroll, num_warps=config.num_warps, **_format_args(layout), **chain,
     )  # fmt: skip
-    return _sum_splits(partial, bias, y) if split > 1 else y
+    return sum_splits(partial, bias, y)
 
 
 def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
@@ -499,8 +471,8 @@ def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = N
     if m == 0 or n == 0:
         return y
     num_tiles = k // layout.tile
-    per_split, split = _k_splits(num_tiles, config.split, config.tiles)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    per_split, split = k_splits(num_tiles, config.split, config.tiles)
+    partial = partial_sums(y, split)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
     _plane_dot_kernel[grid](
         x, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, m, n, k, x.stride(0), n,
@@ -508,7 +480,7 @@ def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = N
         BLOCK_N=config.block_n, TILES=config.tiles, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
     )  # fmt: skip
-    return _sum_splits(partial, bias, y) if split > 1 else y
+    return sum_splits(partial, bias, y)
 
 
 def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:

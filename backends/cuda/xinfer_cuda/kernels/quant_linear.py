@@ -10,7 +10,8 @@
   one tensor-core dot with the activations' columns of that part. With ``block_m = 16``
   this is the small-batch kernel (every weight byte read once for up to 16 rows), with
   larger ``block_m`` the prefill GEMM (the weights read ``M / block_m`` times, the decode
-  shared by ``block_m`` rows).
+  shared by ``block_m`` rows). Over few tiles of ``y`` a row's blocks may be split over
+  programs (:mod:`xinfer_cuda.kernels.splits`).
 - :func:`dequantize` writes ``W`` in a float dtype (the fallback's dequantize-then-matmul,
   and what the benchmarks weigh the kernels against).
 
@@ -31,6 +32,7 @@ from torch import Tensor
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat, decode_part
 from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class QDotConfig:
     blocks: int
     num_warps: int
     num_stages: int
+    split: int = 1  # programs along K a tile of [block_m, block_n] outputs (:mod:`xinfer_cuda.kernels.splits`)
 
 
 def default_gemv(fmt: BlockFormat) -> QGemvConfig:
@@ -154,6 +157,7 @@ def _qdot_kernel(
     stride_x,
     stride_w,
     stride_y,
+    blocks_per_split,
     FMT: tl.constexpr,
     QK: tl.constexpr,
     NBYTES: tl.constexpr,
@@ -161,6 +165,7 @@ def _qdot_kernel(
     PARTS: tl.constexpr,
     SPAN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCKS: tl.constexpr,
@@ -176,7 +181,8 @@ def _qdot_kernel(
     j = tl.arange(0, SPAN)[None, None, :]
     num_blocks = K // QK
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b0 in range(0, num_blocks, BLOCKS):
+    first = tl.program_id(2) * blocks_per_split
+    for b0 in range(first, tl.minimum(first + blocks_per_split, num_blocks), BLOCKS):
         blk, g, has_blk, k0 = _tile_coords(b0, num_blocks, BLOCKS, GROUPS, QK, PARTS * SPAN)
         block = w_rows + blk * NBYTES
         mask = (ns[:, None, None] < N) & has_blk
@@ -186,9 +192,9 @@ def _qdot_kernel(
             w = tl.reshape(decode_part(FMT, block, g, p, j, mask), (BLOCK_N, U * SPAN))
             x = tl.load(x_rows + cols[None, :] + p * SPAN, mask=x_mask, other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-    if HAS_BIAS:
+    if HAS_BIAS and not PARTIAL:
         acc += tl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + ms[:, None].to(tl.int64) * stride_y + ns[None, :]
+    y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + ns[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(ms[:, None] < M) & (ns[None, :] < N))
 
 
@@ -281,14 +287,18 @@ def quant_linear(
         even = n % config.block_n == 0 and (k // fmt.qk) % config.blocks == 0
         _qgemv_kernel[(triton.cdiv(n, config.block_n),)](x, packed, bias_arg, y, n, k, packed.stride(0), EVEN=even,
                                                          **common)  # fmt: skip
-    else:
-        assert config.blocks * fmt.qk // fmt.parts >= 16, (fmt.name, config)  # a dot's K is at least 16
-        grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m))
-        _qdot_kernel[grid](
-            x, packed, bias_arg, y, m, n, k, x.stride(0), packed.stride(0), y.stride(0), BLOCK_M=config.block_m,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_stages=config.num_stages, **common,
-        )  # fmt: skip
-    return y
+        return y
+    assert config.blocks * fmt.qk // fmt.parts >= 16, (fmt.name, config)  # a dot's K is at least 16
+    assert config.split == 1 or y.is_contiguous(), "a split dot sums into a contiguous y"
+    per_split, split = k_splits(k // fmt.qk, config.split, config.blocks)
+    partial = partial_sums(y, split)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
+    _qdot_kernel[grid](
+        x, packed, bias_arg, partial, m, n, k, x.stride(0), packed.stride(0), partial.stride(-2), per_split,
+        PARTIAL=split > 1, BLOCK_M=config.block_m, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_stages=config.num_stages, **common,
+    )  # fmt: skip
+    return sum_splits(partial, bias, y)
 
 
 def dequantize(packed: Tensor, fmt_name: str, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:
