@@ -173,7 +173,7 @@ def test_small_batch_linear_skips_tiles_the_gpu_lacks_resources_for():
 
 
 def test_candidates_run_side_by_side_before_they_are_timed_on_a_gpu():
-    """On a GPU every candidate runs once in a thread of its own (their kernels compile at once), on
+    """On a GPU every candidate runs once in worker threads (their kernels compile side by side), on
     the caller's stream, before each is timed in the caller's thread; one lacking the GPU's resources
     is left out, as when timed alone. On the CPU (the interpreter) they are only timed."""
     runs: list[tuple[str, bool, object]] = []  # candidate, in the caller's thread, stream

@@ -70,7 +70,7 @@ def ggml_type(weight: QuantizedTensor) -> str:
 def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of ``fmt``: GEMVs of 2 to 16 weight
     rows a program and 1 or 2 loop steps' blocks for one row, 16-row dots of 32 to 128 columns
-    for a few, and the row count's own dot tile past 16, each dot also split along K (a decode
+    for a few, and the row count's own dot tile past 16, most also split along K (a decode
     step's weights of 4,096 rows are 64 tiles of 64 beside 132 SMs); past one row also the
     dequantized weight."""
     if rows == 1:
