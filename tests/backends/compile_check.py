@@ -250,17 +250,17 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     # fp8 rows: the store, decode with and without splits, prefill
     mla_tiles = {fp8: mla.TILES["fma" if cc < 80 or dtype == torch.float32 else "gpu-fp8" if fp8 else "gpu"]
                  for fp8 in (False, True)}  # fmt: skip
-    for heads, q_len, splits in [(128, 1, 4), (128, 1, 1), (16, 1, 4), (128, 8, None), (16, 8, None)]:
+    for heads, q_len, num_splits in [(128, 1, 4), (128, 1, 1), (16, 1, 4), (128, 8, None), (16, 8, None)]:
         cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
         meta = AttentionMetadata(
             cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
             torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
         )  # fmt: skip
         queries = (t(2 * q_len, heads, 512), t(2 * q_len, heads, 64), t(2 * q_len, 576))
-        mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=splits, tiles=mla_tiles[False])
+        mla.mla_attention(*queries, t(4, 64, 576), meta, 0.1, num_splits=num_splits, tiles=mla_tiles[False])
         # the rows stored by mla_rows, the values up-projected in the decode's merge (q_len 1) or after
         w_uv = t(heads, 128, 512)
-        mla.mla_attention(*queries[:2], None, t(4, 64, 576), meta, 0.1, w_uv, num_splits=splits,
+        mla.mla_attention(*queries[:2], None, t(4, 64, 576), meta, 0.1, w_uv, num_splits=num_splits,
                           tiles=mla_tiles[False])  # fmt: skip
         # the rows (stored, or not), rotary parts and absorbed queries (w_uk in the launch at 2 tokens, beside it
         # at 16)
@@ -269,7 +269,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         mla_rows.mla_rows(*projected)
         mla_rows.mla_rows(*projected, t(4, 64, 576), meta.slot_mapping)
         fp8_cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
-        mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=splits, tiles=mla_tiles[True])
+        mla.mla_attention_fp8(*queries, fp8_cache, meta, 0.1, num_splits=num_splits, tiles=mla_tiles[True])
         # V3.2's sparse attention over 2048 selected rows of the latent cache, and its indexer (64 heads of 128)
         selected = torch.zeros(2 * q_len, 2048, dtype=torch.int32)
         sparse_mla.sparse_mla_attention(*queries, t(4, 64, 576), meta, 0.1, selected)
@@ -309,7 +309,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
         (32, 8, 8, None, 30.0, [(1, 2)]),
     ]
     for head_dim, heads, kv_heads, window, softcap, steps in variants:
-        for q_len, splits in steps:
+        for q_len, num_splits in steps:
             cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
             meta = AttentionMetadata(
                 cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
@@ -320,7 +320,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             for key_limits in [None] + ([torch.arange(2 * q_len, dtype=torch.int32)] if q_len > 1 and window else []):
                 attention.paged_attention(
                     t(2 * q_len, heads, head_dim), cache, cache.clone(), replace(meta, key_limits=key_limits), 0.1,
-                    window, softcap, num_splits=splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
+                    window, softcap, num_splits=num_splits, prefill_tiles=tiles(attention._PREFILL_TILES, head_dim),
                     decode_tiles=tiles(attention._DECODE_TILES, head_dim),
                 )  # fmt: skip
     # Quantized caches: the write kernel (both sides) and attention (decode and prefill).
@@ -343,14 +343,14 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             steps = [(1, 4, tiles(table, head_dim)) for table in decode_tables] + [
                 (8, None, tiles(attention._DECODE_TILES, head_dim))
             ]
-            for q_len, splits, decode_tiles in steps:
+            for q_len, num_splits, decode_tiles in steps:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
                     cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
                     torch.zeros(2 * q_len, dtype=torch.int64), q_len, 100,
                 )  # fmt: skip
                 attention.paged_attention_cache(
-                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits,
+                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=num_splits,
                     prefill_tiles=tiles(attention._PREFILL_TILES, head_dim), decode_tiles=decode_tiles,
                     decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
                 )  # fmt: skip
@@ -365,7 +365,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             kv_quant_write.write_shadow_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, slots)
             # the attention op's store: codes, shadows and queries in one launch
             kv_quant_write.quant_write_kv(t(4, 8, head_dim), t(4, 8, head_dim), cache, slots, t(4, 32, head_dim), slots)
-            for q_len, splits, decode_table in [(1, 4, table) for table in decode_tables] + [(8, None, None)]:
+            for q_len, num_splits, decode_table in [(1, 4, table) for table in decode_tables] + [(8, None, None)]:
                 cu = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32)
                 meta = AttentionMetadata(
                     cu, torch.tensor([100, 100], dtype=torch.int32), torch.zeros(2, 256, dtype=torch.int32),
@@ -376,7 +376,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
                 if sides[0].code == kv_codes.LLOYD:  # as attention halves them
                     prefill = replace(prefill, block_n=max(prefill.block_n // 2, 16))
                 attention.paged_attention_cache(
-                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=splits, prefill_tiles=prefill,
+                    t(2 * q_len, 32, head_dim), cache, meta, 0.1, num_splits=num_splits, prefill_tiles=prefill,
                     decode_tiles=tiles(decode_table or attention._DECODE_TILES, head_dim),
                     decode=kv_codes.gpu_decode_method(divmod(cc, 10)),
                 )  # fmt: skip
