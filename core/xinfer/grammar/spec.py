@@ -92,14 +92,6 @@ class StructuredOutputs:
         except ValueError as error:
             raise ValueError(f"invalid grammar: {one_line(str(error))}") from None
 
-    @classmethod
-    def from_json_schema(cls, schema: dict[str, Any] | str, strict: bool = True) -> StructuredOutputs:
-        return cls(json=schema, strict=strict)
-
-    @classmethod
-    def from_lark(cls, grammar: str) -> StructuredOutputs:
-        return cls(grammar=grammar)
-
 
 def one_line(problem: str) -> str:
     """llguidance's message without its source excerpts (``  1 | start: ...``, ``   ^``)."""
