@@ -67,25 +67,30 @@ def ggml_type(weight: QuantizedTensor) -> str:
     return weight.format.name.upper()
 
 
+# The dots tried: for up to 16 rows (block_n, loop steps, warps, stages, split), past them (block_n, warps,
+# split); most also split along K (a decode step's weights of 4,096 rows are 64 tiles of 64 beside 132 SMs).
+FEW_ROWS_DOTS = ((32, 1, 4, 3, 1), (64, 1, 4, 3, 1), (32, 2, 4, 3, 1), (64, 2, 4, 4, 1), (128, 1, 8, 3, 1),
+                 (32, 1, 4, 3, 4), (64, 1, 4, 3, 4), (64, 2, 4, 4, 2), (128, 1, 8, 3, 4))  # fmt: skip
+MANY_ROWS_DOTS = ((32, 4, 1), (64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 2))
+
+
+def dot_candidates(rows: int, config: type[QDotConfig] | type[PlaneDotConfig], step: int) -> tuple[Tile, ...]:
+    """:data:`FEW_ROWS_DOTS` as 16-row tiles, or past 16 :data:`MANY_ROWS_DOTS` as tiles of ``rows``, in
+    ``config``, whose loop step is ``step`` units (blocks or tiles) at the least."""
+    if rows <= 16:
+        return tuple(config(16, n, b * step, w, s, k) for n, b, w, s, k in FEW_ROWS_DOTS)
+    return tuple(config(rows, n, step, w, 3, k) for n, w, k in MANY_ROWS_DOTS)
+
+
 def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of ``fmt``: GEMVs of 2 to 16 weight
-    rows a program and 1 or 2 loop steps' blocks for one row, 16-row dots of 32 to 128 columns
-    for a few, and the row count's own dot tile past 16, most also split along K (a decode
-    step's weights of 4,096 rows are 64 tiles of 64 beside 132 SMs); past one row also the
-    dequantized weight."""
+    rows a program and 1 or 2 loop steps' blocks for one row, :func:`dot_candidates` past it,
+    and the dequantized weight."""
     if rows == 1:
         step = max(1, 256 // fmt.qk)
         return tuple(QGemvConfig(n, b * step, w) for n, b, w in [(4, 1, 4), (2, 2, 4), (8, 1, 4), (4, 2, 8), (8, 2, 8),
                                                                  (16, 1, 8)])  # fmt: skip
-    step = max(1, 64 // fmt.qk)
-    if rows <= 16:
-        dots = tuple(QDotConfig(16, n, b * step, w, s, k) for n, b, w, s, k in [
-            (32, 1, 4, 3, 1), (64, 1, 4, 3, 1), (32, 2, 4, 3, 1), (64, 2, 4, 4, 1), (128, 1, 8, 3, 1),
-            (32, 1, 4, 3, 4), (64, 1, 4, 3, 4), (64, 2, 4, 4, 2), (128, 1, 8, 3, 4)])  # fmt: skip
-    else:
-        dots = tuple(QDotConfig(rows, n, step, w, 3, k) for n, w, k in [(32, 4, 1), (64, 4, 1), (128, 8, 1), (64, 4, 4),
-                                                                       (128, 8, 2)])  # fmt: skip
-    return (*dots, DEQUANTIZED)
+    return (*dot_candidates(rows, QDotConfig, max(1, 64 // fmt.qk)), DEQUANTIZED)
 
 
 # The one-row GEMV's tiles. The first eight give each thread one 16-byte load of codes a row (``tiles =
@@ -119,17 +124,10 @@ ONE_ROW_PLANE_TILES = tuple(
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES`; dots as :func:`candidates`; past one row also the dequantized weight."""
+    of :data:`ONE_ROW_PLANE_TILES`, past it :func:`dot_candidates` and the dequantized weight."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES
-    if rows <= 16:
-        dots = tuple(PlaneDotConfig(16, n, t, w, s, k) for n, t, w, s, k in [
-            (32, 1, 4, 3, 1), (64, 1, 4, 3, 1), (32, 2, 4, 3, 1), (64, 2, 4, 4, 1), (128, 1, 8, 3, 1),
-            (32, 1, 4, 3, 4), (64, 1, 4, 3, 4), (64, 2, 4, 4, 2), (128, 1, 8, 3, 4)])  # fmt: skip
-    else:
-        dots = tuple(PlaneDotConfig(rows, n, 1, w, 3, k) for n, w, k in [(32, 4, 1), (64, 4, 1), (128, 8, 1), (64, 4, 4),
-                                                                         (128, 8, 2)])  # fmt: skip
-    return (*dots, DEQUANTIZED)
+    return (*dot_candidates(rows, PlaneDotConfig, 1), DEQUANTIZED)
 
 
 class MeasuredTiles:
