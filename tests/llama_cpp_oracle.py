@@ -62,3 +62,25 @@ def assert_llama_cpp_agrees(llm: LLM, path: Path, length: int = 29, tolerance: f
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = llm.generate([tokens], params)[0].outputs[0].token_ids
     assert ours == llama_cpp_greedy(model, tokens, NEW_TOKENS)
+
+
+def llama_cpp_quantized(values: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """llama.cpp's own quantizer (``ggml_quantize_chunk``, no importance matrix: the reference quantizers its
+    ``llama-quantize`` uses) of float32 rows [N, K]: the blocks' bytes [N, K / block values * block bytes]."""
+    import ctypes
+
+    llama_cpp = llama_cpp_module()
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = (
+        [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    )
+    ggml.ggml_row_size.restype = ctypes.c_size_t
+    ggml.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    rows, k = values.shape
+    source = values.float().contiguous()
+    out = torch.empty(rows, ggml.ggml_row_size(ggml_type, k), dtype=torch.uint8)
+    ggml.ggml_quantize_init(ggml_type)
+    written = ggml.ggml_quantize_chunk(ggml_type, source.data_ptr(), out.data_ptr(), 0, rows, k, None)
+    assert written == out.numel()
+    return out

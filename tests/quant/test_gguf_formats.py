@@ -1,4 +1,5 @@
-"""The GGUF block formats in torch against the gguf package's numpy reference (llama.cpp's layouts)."""
+"""The GGUF block formats in torch against the gguf package's numpy reference (llama.cpp's layouts) and, for the
+K formats' quantizers, against llama.cpp's own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.llama_cpp_oracle import llama_cpp_quantized
 from xinfer.quant import get_weight_format, quantized
 from xinfer.quant.gguf_formats import GGUF_FORMATS
 
@@ -59,6 +61,27 @@ def test_quantize_matches_gguf(name: str) -> None:
     ours = get_weight_format(name).quantize(torch.from_numpy(values))
     expected = gguf.quants.quantize(values, gguf.GGMLQuantizationType[name.upper()])
     np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+@pytest.mark.parametrize("name", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("tails", ["normal", "student-t"])
+def test_k_quantizers_err_no_more_than_llama_cpps(name: str, tails: str) -> None:
+    """The K formats' quantizers fit scales and mins their own way (vectorized); what they must match is the error
+    of llama.cpp's reference quantizers on the same rows: rows of several magnitudes, Gaussian or heavy-tailed."""
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(48, 768, generator=generator) * torch.rand(48, 1, generator=generator)
+    if tails == "student-t":
+        values = values / (torch.randn(48, 768, generator=generator) ** 2 + 0.1).sqrt()
+    values[0, :256] = 0.0  # an all-zero super-block
+    fmt = get_weight_format(name)
+    theirs = fmt.dequantize(llama_cpp_quantized(values, int(gguf.GGMLQuantizationType[name.upper()])))
+    ours = fmt.dequantize(fmt.quantize(values))
+    assert ours.shape == values.shape and (ours[0, :256] == 0).all()
+    assert rms_error(ours, values) <= 1.08 * rms_error(theirs, values), name
+
+
+def rms_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
 
 
 @pytest.mark.parametrize("name, levels", [("q4_k", 15), ("q6_k", 63), ("q8_0", 255), ("q4_0", 15)])

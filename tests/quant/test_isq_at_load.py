@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, Qwen2MoeConfig
 
 import xinfer.loading.loader
-from tests.tiny_models import COMMON, save_tiny_model
+from tests.tiny_models import COMMON, prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, registry
 from xinfer.backend import splits_memory
 from xinfer.config import EngineConfig
@@ -141,14 +141,15 @@ def peak_float_bytes(monkeypatch, isq: str, load) -> int:
 
 @pytest.fixture(scope="module", params=["F32", "Q8_0"])
 def moe_gguf(request, tmp_path_factory):
-    """A tiny MiniMax-M2 (stacked experts) as a GGUF file, its matrices F32 or packed as Q8_0."""
+    """A tiny MiniMax-M2 (stacked experts) as a GGUF file, its matrices F32 or packed as Q8_0, the experts' rows
+    whole blocks of the K formats (256 values)."""
     from tests.plugins.converted_gguf import checkpoint_tensors as hf_tensors
     from tests.plugins.converted_gguf import write_converted_gguf
     from tests.plugins.minimax.test_minimax_m2 import minimax_m2_config
     from tests.plugins.minimax.test_minimax_m2_gguf import metadata_writer
 
     folder = tmp_path_factory.mktemp(f"moe-{request.param}")
-    config = save_tiny_model(minimax_m2_config(intermediate_size=64), folder).config
+    config = save_tiny_model(minimax_m2_config(hidden_size=256, intermediate_size=256), folder).config
     path = folder / "tiny.gguf"
     qtype = getattr(gguf.GGMLQuantizationType, request.param)
     write_converted_gguf(path, "minimax-m2", config, hf_tensors(folder), config.num_hidden_layers,
@@ -161,13 +162,81 @@ def test_a_gguf_file_quantizes_its_float_weights_as_they_load_and_keeps_its_pack
     assert_same_tensors(got, load_then_quantize(moe_gguf, "gguf", "q8_0"))
 
 
+@pytest.mark.parametrize("isq, fallback", [("q2_k", "q4_0"), ("q3_k", "q4_0"), ("q4_k", "q5_0"), ("q5_k", "q5_1"),
+                                           ("q6_k", "q8_0")])  # fmt: skip
+def test_rows_that_are_not_whole_k_blocks_take_the_type_llama_cpp_gives_them(tmp_path, isq, fallback):
+    """A K type's super-blocks are 256 values: the weights whose rows are not (hidden 96: q/k/v, gate/up, the
+    tables) take the 32-value type llama.cpp's quantizer falls back to, the others (down: 256) the type asked for."""
+    save_tiny_model(LlamaConfig(**dict(WIDE, hidden_size=96, head_dim=24), tie_word_embeddings=False), tmp_path)
+    floats = dict(load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors").named_parameters())
+    got = load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors", isq)
+    formats = {name: p.format.name for name, p in got.named_parameters() if isinstance(p, QuantizedTensor)}
+    assert set(formats) == {name for name, p in floats.items() if p.dim() == 2}
+    for name, fmt in formats.items():
+        assert fmt == (isq if floats[name].shape[1] % 256 == 0 else fallback), name
+        assert torch.equal(dict(got.named_parameters())[name].raw, packed(floats[name], get_weight_format(fmt)).raw)
+    assert {fmt for name, fmt in formats.items() if "down_proj" in name} == {isq}
+
+
+def stacked_experts(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if len(getattr(p, "logical_shape", p.shape)) == 3}
+
+
+def test_w2_packs_the_routed_experts_alone_in_q2_k_and_the_model_computes_with_their_values(tmp_path):
+    """``--isq w2`` (xInfer's 2-bit mode): every stacked experts' weight in Q2_K, packed from its float values; every
+    other weight as the checkpoint has it; and the model's logits are the float model's with the experts' values
+    replaced by what the Q2_K bytes stand for."""
+    folder = tmp_path
+    save_tiny_model(CONFIGS["qwen2-moe"](), folder)
+    floats = load_model(folder, load_config(folder), CPU, FP32, "safetensors")
+    got = load_model(folder, load_config(folder), CPU, FP32, "safetensors", "w2")
+    q2_k, want = get_weight_format("q2_k"), dict(floats.named_parameters())
+    experts = stacked_experts(floats)
+    assert experts and {n for n, p in got.named_parameters() if isinstance(p, QuantizedTensor)} == experts
+    for name, param in got.named_parameters():
+        if name in experts:
+            assert param.format is q2_k and param.logical_shape == want[name].shape, name
+            assert torch.equal(param.raw.flatten(0, -2), q2_k.quantize(want[name].flatten(0, -2))), name
+        else:
+            assert torch.equal(param, want[name]), name
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", isq="w2", num_blocks=32)
+    reference = LLM(model=str(folder), dtype="float32", device="cpu", num_blocks=32)
+    for name in experts:
+        module, leaf = name.rsplit(".", 1)
+        param = getattr(reference.engine.model.get_submodule(module), leaf)
+        replace_parameter(reference.engine.model, param, dict(got.named_parameters())[name].dequantize())
+    ids = prompt(21)
+    got_logits, expected = prefill_logits(llm.engine, ids), prefill_logits(reference.engine, ids)
+    torch.testing.assert_close(got_logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_w2_packs_a_gguf_files_experts_again_from_their_values(moe_gguf):
+    """A file whose experts are packed (Q8_0) or float: under ``--isq w2`` its experts take Q2_K, packed from the
+    file's values (decoded an expert at a time), and every other tensor is held as without ``--isq``."""
+    config = load_config(moe_gguf)
+    kept = dict(load_model(moe_gguf, config, CPU, FP32, "gguf").named_parameters())
+    got = load_model(moe_gguf, config, CPU, FP32, "gguf", "w2")
+    q2_k, experts = get_weight_format("q2_k"), stacked_experts(got)
+    assert experts
+    for name, param in got.named_parameters():
+        original = kept[name]
+        if name in experts:
+            values = original.dequantize() if isinstance(original, QuantizedTensor) else original.data
+            assert param.format is q2_k and param.logical_shape == values.shape, name
+            assert torch.equal(param.raw.flatten(0, -2), q2_k.quantize(values.flatten(0, -2))), name
+        elif isinstance(original, QuantizedTensor):
+            assert param.format is original.format and torch.equal(param.raw, original.raw), name
+        else:
+            assert torch.equal(param, original), name
+
+
 def held_as(model) -> dict[str, tuple]:
     """Each parameter's format (or dtype), shape and bytes."""
     return {name: (p.format.name if isinstance(p, QuantizedTensor) else p.dtype, tuple(p.shape), p.nbytes)
             for name, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
 
 
-@pytest.mark.parametrize("isq", [None, "q8_0"])
+@pytest.mark.parametrize("isq", [None, "q8_0", "w2"])
 def test_the_fit_check_counts_each_weight_of_a_gguf_file_as_loading_holds_it(moe_gguf, isq):
     """The model the fit check counts, from the file's header on the meta device, holds each weight (stacked
     experts packed by their loader, float ones quantized by --isq) as loading does."""

@@ -1,8 +1,7 @@
 """Files llama.cpp's own quantizer writes (``llama_model_quantize``: its K-quant mixes, as users download them),
 read by xinfer (Llama; Qwen2's biases and Qwen3's norms and tied table in two mixes): the reference path gives
 transformers' logits of the same file, and every weight the CPU backend repacks gives the reference's products
-and rows. Covers the block types no quantizer here writes (Q2_K, Q3_K, Q5_K) with the scales and mins llama.cpp
-chooses."""
+and rows. Covers every K type with the scales and mins llama.cpp's own quantizer chooses."""
 
 from __future__ import annotations
 

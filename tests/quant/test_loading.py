@@ -48,9 +48,9 @@ def test_isq_packs_every_linear_weight_and_generates(tiny_llama, float_logits, i
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_isq_to_a_format_without_a_quantizer_is_one_error(tiny_llama):
-    with pytest.raises(ValueError, match=r"isq \(--isq\) 'q3_k' is not a format .* choose one of .*q4_k"):
-        LLM(model=str(tiny_llama), dtype="float32", num_blocks=64, isq="q3_k")
+def test_isq_to_a_format_it_cannot_quantize_to_is_one_error_naming_those_it_can(tiny_llama):
+    with pytest.raises(ValueError, match=r"isq \(--isq\) 'iq2_xxs' is not a format .* choose one of .*q2_k.*, w2$"):
+        LLM(model=str(tiny_llama), dtype="float32", num_blocks=64, isq="iq2_xxs")
 
 
 def test_a_checkpoint_stored_quantized_is_refused_naming_its_method(tiny_llama, tmp_path):

@@ -25,7 +25,7 @@ from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, header_tensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
 from xinfer.model import CausalLM
-from xinfer.quant.isq import isq_format, load_quantizer, quantizing_at_load, unallocated_weights
+from xinfer.quant.isq import isq_mode, load_quantizer, quantizing_at_load, unallocated_weights
 
 
 def load_config(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
@@ -114,7 +114,7 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     if settings.load_format != "dummy" and not reads_gguf(path, settings.load_format):
         check_safetensors(path)
     if settings.isq is not None:
-        isq_format(settings.isq)
+        isq_mode(settings.isq)
     if (layers := getattr(config, "num_hidden_layers", 1)) < 1:
         raise ModelFileError(f"{path}: the config's num_hidden_layers is {layers}: a model has at least one layer")
     positions = config.max_position_embeddings
@@ -175,13 +175,15 @@ def load_model(
 ) -> CausalLM:
     """The model of ``config`` filled from ``path`` (or with dummy weights); with ``isq``, its weights
     quantized to that format as they load (:mod:`xinfer.quant.isq`)."""
-    fmt = isq_format(isq) if isq is not None else None  # a bad name fails before the weights load
-    with quantizing_at_load(fmt, device):
+    mode = isq_mode(isq) if isq is not None else None  # a bad name fails before the weights load
+    with quantizing_at_load(mode, device):
         model = build_model(config, device, dtype)
         if load_format == "dummy":
             init_dummy_weights(model)
         else:
             model.load_weights(_checkpoint_weights(path, load_format, model, dtype))
+        if (quantizer := load_quantizer()) is not None:
+            quantizer.finish(model)
     return model
 
 
@@ -204,15 +206,18 @@ def held_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, load_fo
     headers alone: each weight in ``dtype``, or packed where loading keeps the checkpoint's tensor packed (a GGUF
     type or a ``quantization_config`` with a weight format, a module that keeps it so) or ``isq`` packs it."""
     meta = torch.device("meta")
-    with _quiet(), quantizing_at_load(isq_format(isq) if isq is not None else None, meta):
+    with _quiet(), quantizing_at_load(isq_mode(isq) if isq is not None else None, meta):
         model = build_model(config, meta, dtype)
+        quantizer = load_quantizer()
         if load_format == "dummy":
-            if (quantizer := load_quantizer()) is not None:
+            if quantizer is not None:
                 for module, name in quantizer.targets(model):
                     quantizer.allocate(model, module, name)
                     quantizer.quantize(model, module, name)
         else:
             model.load_weights(_checkpoint_weights(path, load_format, model, dtype, read=False))
+        if quantizer is not None:
+            quantizer.finish(model)
     return model
 
 

@@ -1,5 +1,6 @@
 """llama.cpp's GGUF block formats in torch: each block's bytes to its values, vectorized over
-every block at once (and back, for the formats ``--isq`` quantizes to).
+every block at once, and back (``--isq``): the legacy types as llama.cpp rounds them, bit for bit; the K types'
+scales and mins fitted as its reference quantizers fit them (weighted least squares over candidate roundings).
 
 Layouts, per block (``f16``: an IEEE half; ``q``: the quantized values):
 
@@ -15,7 +16,8 @@ Layouts, per block (``f16``: an IEEE half; ``q``: the quantized values):
 - Q6_K  (256, 210): 128 bytes of low nibbles, 64 bytes of high 2 bits, 16 int8 scales, d
 
 In the K formats a super-block of 256 values has sub-blocks of 16 or 32, each with a 4-, 6- or
-8-bit scale (and min) relative to the super-block's f16 ``d`` (and ``dmin``).
+8-bit scale (and min) relative to the super-block's f16 ``d`` (and ``dmin``). Rows that are not whole
+super-blocks take the 32-value type llama.cpp's quantizer gives them (``fallback``: Q4_K's Q5_0, Q6_K's Q8_0...).
 """
 
 from __future__ import annotations
@@ -182,8 +184,82 @@ def _pack_high_bits(q: Tensor) -> Tensor:
     return (bits * weights).sum(-1).to(torch.uint8)
 
 
+def _least_squares_affine(x: Tensor, q: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """``scale`` and ``offset`` [..., 1] of ``scale * q + offset`` closest to ``x`` in the ``w``-weighted squared
+    error, the offset at most 0 (a K format stores it as a min subtracted)."""
+    sw, sq, sq2 = w.sum(-1, keepdim=True), (w * q).sum(-1, keepdim=True), (w * q * q).sum(-1, keepdim=True)
+    sx, sxq = (w * x).sum(-1, keepdim=True), (w * x * q).sum(-1, keepdim=True)
+    det = sw * sq2 - sq * sq
+    scale, offset = (sw * sxq - sx * sq) * _inverse(det), (sq2 * sx - sq * sxq) * _inverse(det)
+    positive = offset > 0
+    scale = torch.where(positive, sxq * _inverse(sq2), scale)
+    return scale, torch.where(positive, torch.zeros_like(offset), offset)
+
+
+def _fit_affine(x: Tensor, levels: int, w: Tensor, rmin: float, rdelta: float, steps: int) -> tuple[Tensor, Tensor]:
+    """Per sub-block (the last dim) of ``x``: ``scale`` and ``low`` >= 0 [...] with ``scale * q - low`` (``q`` in
+    0..levels) closest to ``x`` in the ``w``-weighted squared error. As llama.cpp's ``make_qkx2_quants``: the plain
+    min/max rounding, then ``x`` rounded over its span cut into ``levels + rmin + rdelta * i`` steps for each ``i``
+    up to ``steps``, each rounding least-squares fitted; the best kept."""
+    low = x.amin(-1, keepdim=True).clamp(max=0)
+    span = x.amax(-1, keepdim=True) - low
+    inv_span = _inverse(span)
+    best_scale, best_offset = divide(span, levels), low
+    q = torch.round(levels * inv_span * (x - low)).clamp(0, levels)
+    best_error = (w * (best_scale * q + low - x) ** 2).sum(-1, keepdim=True)
+    for i in range(steps + 1):
+        q = torch.round((levels + rmin + rdelta * i) * inv_span * (x - low)).clamp(0, levels)
+        scale, offset = _least_squares_affine(x, q, w)
+        error = (w * (scale * q + offset - x) ** 2).sum(-1, keepdim=True)
+        better = error < best_error
+        best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
+        best_error = torch.minimum(error, best_error)
+    return best_scale.squeeze(-1).clamp(min=0), -best_offset.squeeze(-1)
+
+
+def _fit_symmetric(x: Tensor, levels: int, w: Tensor, tries: int = 8, rounds: int = 2) -> Tensor:
+    """Per sub-block of ``x``: the signed ``scale`` [...] with ``scale * q`` (``q`` in ``-levels..levels - 1``)
+    closest to ``x`` in the ``w``-weighted squared error: the value of largest magnitude mapped to ``-levels``
+    (``-levels - 0.1 i`` for ``i < tries``), then ``rounds`` of rounding to the least-squares scale and back
+    (what llama.cpp's ``make_q3_quants`` searches element by element)."""
+    peak = _signed_absmax(x)
+    best_scale, best_error = torch.zeros_like(peak), (w * x * x).sum(-1, keepdim=True)
+    for i in range(tries):
+        scale = divide(-peak, levels + 0.1 * i)
+        for _ in range(rounds + 1):
+            q = _round_away(x * _inverse(scale)).clamp(-levels, levels - 1)
+            scale = (w * x * q).sum(-1, keepdim=True) * _inverse((w * q * q).sum(-1, keepdim=True))
+        error = (w * (scale * q - x) ** 2).sum(-1, keepdim=True)
+        better = error < best_error
+        best_scale, best_error = torch.where(better, scale, best_scale), torch.minimum(error, best_error)
+    return best_scale.squeeze(-1)
+
+
+def _two_level(scale: Tensor, bits_max: int) -> tuple[Tensor, Tensor]:
+    """Sub-block scales [B, S] (>= 0) as a super-block ``d`` [B, 1] (its f16 value) and integers 0..bits_max [B, S]."""
+    d = divide(scale.amax(-1, keepdim=True), bits_max).half().float()
+    return d, _round_away(scale * _inverse(d)).clamp(0, bits_max)
+
+
+def _affine_codes(sub: Tensor, step: Tensor, low: Tensor, levels: int) -> Tensor:
+    """``sub`` [B, S, n] as codes 0..levels of ``step * q - low`` (``step``, ``low`` [B, S])."""
+    return _round_away((sub + low.unsqueeze(-1)) * _inverse(step.unsqueeze(-1))).clamp(0, levels).to(torch.uint8)
+
+
+def _pack_2bit(q: Tensor) -> Tensor:
+    """256 codes < 4 [B, 256] -> 64 bytes [B, 64]: value ``128 h + 32 i + l`` at bits ``2 i`` of byte ``32 h + l``."""
+    q = q.reshape(-1, 2, 4, 32).to(torch.int32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).to(torch.uint8).flatten(1)
+
+
+def _sub_block_weights(sub: Tensor) -> Tensor:
+    """llama.cpp's importance of each value in its sub-block's fit: the sub-block's rms plus the value's magnitude."""
+    return (sub * sub).mean(-1, keepdim=True).sqrt() + sub.abs()
+
+
 class Q2_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q2_k", "Q2_K", QK_K, 84
+    fallback = "q4_0"
 
     def decode(self, blocks: Tensor) -> Tensor:
         scales, qs = blocks[:, :16], blocks[:, 16:80]
@@ -194,9 +270,18 @@ class Q2_K(GGUFBlockFormat):
         low = (dmin * (scales >> 4).float()).unsqueeze(-1)
         return (scale * q - low).flatten(1)
 
+    def encode(self, blocks: Tensor) -> Tensor:
+        sub = blocks.reshape(-1, 16, 16)
+        scale, low = _fit_affine(sub, 3, sub.abs(), -0.5, 0.1, 15)
+        (d, scales), (dmin, mins) = _two_level(scale, 15), _two_level(low, 15)
+        q = _affine_codes(sub, d * scales, dmin * mins, 3)
+        packed_scales = scales.to(torch.uint8) | (mins.to(torch.uint8) << 4)
+        return torch.cat([packed_scales, _pack_2bit(q), _half(d), _half(dmin)], dim=-1)
+
 
 class Q3_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q3_k", "Q3_K", QK_K, 110
+    fallback = "q4_0"
 
     def decode(self, blocks: Tensor) -> Tensor:
         hmask, qs, packed, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110])
@@ -207,6 +292,23 @@ class Q3_K(GGUFBlockFormat):
         high = _bits(hmask, 8)  # bit j of byte l: value 32 j + l
         q = low.float() - 4 * (1 - high.float())  # a clear high bit subtracts 4
         return (d * scales).repeat_interleave(16, dim=1) * q
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        sub = blocks.reshape(-1, 16, 16)
+        scale = _fit_symmetric(sub, 4, sub * sub)
+        # as llama.cpp: the scale of largest magnitude maps to -32
+        inverse = -32 * _inverse(_signed_absmax(scale))
+        scales = _round_away(scale * inverse).clamp(-32, 31)
+        d = _inverse(inverse).half().float()
+        step = (d * scales).unsqueeze(-1)
+        q = (_round_away(sub * _inverse(step)).clamp(-4, 3) + 4).to(torch.uint8).reshape(-1, 256)
+        bits = (q >> 2).reshape(-1, 8, 32).to(torch.int32)  # bit j of byte l: value 32 j + l
+        hmask = (bits << torch.arange(8, device=q.device, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
+        s = (scales + 32).to(torch.uint8)
+        low4 = s[:, :8] | ((s[:, 8:] & 0xF) << 4)
+        high2 = (s >> 4).reshape(-1, 4, 4)  # scale i: bits 2 (i // 4) of byte i % 4
+        high2 = high2[:, 0] | (high2[:, 1] << 2) | (high2[:, 2] << 4) | (high2[:, 3] << 6)
+        return torch.cat([hmask, _pack_2bit(q & 3), low4, high2, _half(d)], dim=-1)
 
 
 def _k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
@@ -234,32 +336,43 @@ def _k_nibbles(qs: Tensor) -> Tensor:
 
 class Q4_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q4_k", "Q4_K", QK_K, 144
+    fallback = "q5_0"
 
     def decode(self, blocks: Tensor) -> Tensor:
         q, scale, low = q4_k_parts(blocks)
         return (scale.unsqueeze(-1) * q.float() - low.unsqueeze(-1)).flatten(1)
 
     def encode(self, blocks: Tensor) -> Tensor:
-        sub = blocks.reshape(-1, 8, 32)
-        low = sub.amin(-1).clamp(max=0)  # each sub-block: x = scale*q - min, min >= 0
-        scale = divide(sub.amax(-1) - low, 15)
-        d, dmin = divide(scale.amax(-1, keepdim=True), 63), divide(-low.amin(-1, keepdim=True), 63)
-        d, dmin = d.half().float(), dmin.half().float()
-        scales = torch.round(scale * _inverse(d)).clamp(0, 63)
-        mins = torch.round(-low * _inverse(dmin)).clamp(0, 63)
-        step = (d * scales).unsqueeze(-1)
-        q = torch.round((sub + (dmin * mins).unsqueeze(-1)) * _inverse(step)).clamp(0, 15).to(torch.uint8)
+        d, dmin, scales, mins, q = _k_fit(blocks, 15, -1.0, 20)
         chunks = q.reshape(-1, 4, 2, 32)
         nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).flatten(1)
         return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), nibbles], dim=-1)
 
 
+def _k_fit(blocks: Tensor, levels: int, rmin: float, steps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Q4_K's and Q5_K's fit of super-blocks [B, 256]: ``d``, ``dmin`` [B, 1], the 6-bit scales and mins [B, 8] and
+    the codes [B, 8, 32] (0..levels) of ``d * scale * q - dmin * min``."""
+    sub = blocks.reshape(-1, 8, 32)
+    scale, low = _fit_affine(sub, levels, _sub_block_weights(sub), rmin, 0.1, steps)
+    (d, scales), (dmin, mins) = _two_level(scale, 63), _two_level(low, 63)
+    return d, dmin, scales, mins, _affine_codes(sub, d * scales, dmin * mins, levels)
+
+
 class Q5_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q5_k", "Q5_K", QK_K, 176
+    fallback = "q5_1"
 
     def decode(self, blocks: Tensor) -> Tensor:
         q, scale, low = q5_k_parts(blocks)
         return (scale.unsqueeze(-1) * q.float() - low.unsqueeze(-1)).flatten(1)
+
+    def encode(self, blocks: Tensor) -> Tensor:
+        d, dmin, scales, mins, q = _k_fit(blocks, 31, -0.5, 15)
+        bits = (q >> 4).to(torch.int32)  # sub-block j: bit j of the 32 bytes
+        high = (bits << torch.arange(8, device=q.device, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
+        chunks = (q & 0xF).reshape(-1, 4, 2, 32)
+        nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).flatten(1)
+        return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), high, nibbles], dim=-1)
 
 
 def q4_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -281,6 +394,7 @@ def q5_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 class Q6_K(GGUFBlockFormat):
     name, ggml_type, block_values, block_bytes = "q6_k", "Q6_K", QK_K, 210
+    fallback = "q8_0"
 
     def decode(self, blocks: Tensor) -> Tensor:
         q, scale = q6_k_parts(blocks)

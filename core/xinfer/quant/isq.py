@@ -1,6 +1,10 @@
 """In-situ quantization (``--isq``): a float checkpoint's weights quantized at load, into the same
 packed formats GGUF files keep (their ``quantize``), so they run through the same kernels.
 
+``--isq w2`` is xInfer's 2-bit mode for MoE models: the routed experts' stacked weights alone, in Q2_K (2.625 bits a
+value), those a checkpoint already packs in another format (MXFP4, a GGUF file's types) re-packed, an expert at a
+time, once loaded; every other weight stays as the checkpoint has it.
+
 Each weight is quantized as soon as it is whole, so the float model is never all in memory: a model
 built within :func:`quantizing_at_load` leaves the weights the format quantizes unallocated (on the
 meta device); loading allocates each in float when its first tensor arrives (:meth:`LoadQuantizer.allocate`)
@@ -12,9 +16,11 @@ layer's stacked experts.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -22,12 +28,47 @@ from torch import Tensor, nn
 from xinfer.quant.dispatch import replace_parameter
 from xinfer.quant.tensor import QuantizedTensor, WeightFormat, get_weight_format, weight_formats
 
+log = logging.getLogger("xinfer")
 ROWS_AT_ONCE = 4096  # rows quantized per call: the float32 copy of a chunk, not of the whole weight
+
+
+EXPERT_MODES = {"w2": "q2_k"}  # the modes that pack the routed experts alone, and into which format
+
+
+@dataclass(frozen=True)
+class IsqMode:
+    """What ``--isq`` packs, into ``fmt``: every float weight a module declares quantizable, or with
+    ``experts_only`` the routed experts' stacked weights alone (packed ones in another format too)."""
+
+    fmt: WeightFormat
+    experts_only: bool = False
+
+    def format_for(self, module: nn.Module, name: str, param: object) -> WeightFormat | None:
+        """The format module ``module``'s parameter ``name`` is packed in, or None: a weight its module declares may
+        be quantized (``quantized_weights``: linear layers, embeddings, stacked experts), float, or with
+        ``experts_only`` a stacked experts' one (3-D) not yet in ``fmt``; in ``fmt``, or where its rows are not
+        whole blocks of ``fmt``, in ``fmt.fallback`` (None where they are not whole blocks of that either)."""
+        if name not in getattr(module, "quantized_weights", ()) or not isinstance(param, Tensor):
+            return None
+        packed_in = param.format if isinstance(param, QuantizedTensor) else None
+        shape = param.logical_shape if isinstance(param, QuantizedTensor) else param.shape
+        if self.experts_only:
+            if len(shape) != 3 or packed_in is self.fmt:
+                return None
+        elif len(shape) < 2 or packed_in is not None:
+            return None
+        fallback = get_weight_format(self.fmt.fallback) if self.fmt.fallback else None
+        return next((fmt for fmt in (self.fmt, fallback) if fmt and shape[-1] % fmt.block_values == 0), None)
 
 
 def isq_formats() -> list[str]:
     """The registered formats weights can be quantized to at load."""
     return sorted(name for name, fmt in weight_formats().items() if _quantizes(fmt))
+
+
+def isq_names() -> list[str]:
+    """What ``--isq`` takes: :func:`isq_formats` and the experts' modes."""
+    return isq_formats() + sorted(EXPERT_MODES)
 
 
 def _quantizes(fmt: WeightFormat) -> bool:
@@ -38,65 +79,91 @@ def _quantizes(fmt: WeightFormat) -> bool:
     return True
 
 
-def isq_format(name: str) -> WeightFormat:
-    """The format ``--isq name`` quantizes to; an unknown one, or one without a quantizer, is one error."""
-    known = isq_formats()
+def isq_mode(name: str) -> IsqMode:
+    """What ``--isq name`` packs; an unknown name, or a format without a quantizer, is one error."""
+    known = isq_names()
     if name not in known:
         raise ValueError(f"isq (--isq) {name!r} is not a format weights can be quantized to at load; "
                          f"choose one of {', '.join(known)}")  # fmt: skip
-    return get_weight_format(name)
-
-
-def quantizes(fmt: WeightFormat, module: nn.Module, name: str, param: object) -> bool:
-    """Whether ``--isq`` to ``fmt`` packs ``param``, module ``module``'s parameter ``name``: a float weight its
-    module declares may be quantized (``quantized_weights``: linear layers, embeddings, stacked experts)
-    whose rows are whole blocks. Weights already packed stay as they are."""
-    return (name in getattr(module, "quantized_weights", ()) and isinstance(param, Tensor)
-            and not isinstance(param, QuantizedTensor) and param.dim() >= 2
-            and param.shape[-1] % fmt.block_values == 0)  # fmt: skip
+    if name in EXPERT_MODES:
+        return IsqMode(get_weight_format(EXPERT_MODES[name]), experts_only=True)
+    return IsqMode(get_weight_format(name))
 
 
 def packed(weight: Tensor, fmt: WeightFormat) -> QuantizedTensor:
-    """``weight`` [..., N, K] quantized to ``fmt``."""
-    rows = weight.data.flatten(0, -2).split(ROWS_AT_ONCE)
-    raw = torch.cat([fmt.quantize(chunk.float()) for chunk in rows])
-    return QuantizedTensor(raw.reshape(*weight.shape[:-1], -1), fmt, weight.shape)
+    """``weight`` [..., N, K], float or packed in another format, quantized to ``fmt``."""
+    shape = weight.logical_shape if isinstance(weight, QuantizedTensor) else weight.shape
+    raw = torch.cat([fmt.quantize(rows.float()) for rows in _row_chunks(weight)])
+    return QuantizedTensor(raw.reshape(*shape[:-1], -1), fmt, shape)
+
+
+def _row_chunks(weight: Tensor) -> Iterator[Tensor]:
+    """``weight``'s rows [rows, K], up to :data:`ROWS_AT_ONCE` at a time (a packed one decoded an expert at a time:
+    the float copy is of one chunk, not of the whole weight)."""
+    if not isinstance(weight, QuantizedTensor):
+        yield from weight.data.flatten(0, -2).split(ROWS_AT_ONCE)
+    elif len(weight.logical_shape) == 3:
+        for expert in range(weight.logical_shape[0]):
+            yield from weight.select(expert).dequantize().split(ROWS_AT_ONCE)
+    else:
+        yield from weight.dequantize().split(ROWS_AT_ONCE)
 
 
 class LoadQuantizer:
-    """``--isq`` to ``fmt`` of a model loading onto ``device`` (see the module's docstring)."""
+    """``--isq`` in ``mode`` of a model loading onto ``device`` (see the module's docstring)."""
 
-    def __init__(self, fmt: WeightFormat, device: torch.device):
-        self.fmt, self.device = fmt, device
+    def __init__(self, mode: IsqMode, device: torch.device):
+        self.mode, self.device = mode, device
+        self.fallbacks = 0  # weights packed in the mode's format's fallback
         # the weights it allocated, until it packs them (not held: one the checkpoint fills packed goes)
         self._filling: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
     def targets(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
         """The weights it packs in ``module`` and the modules under it, as (owner, name)."""
         return [(owner, name) for owner in module.modules() for name, param in owner.named_parameters(recurse=False)
-                if quantizes(self.fmt, owner, name, param)]  # fmt: skip
+                if self.mode.format_for(owner, name, param)]  # fmt: skip
 
     def allocate(self, model: nn.Module, module: nn.Module, name: str) -> None:
         """``module.name`` in float on the device, to be filled, where it was left unallocated (a tied weight
         is filled once: :mod:`xinfer.loading.tied`)."""
         param = getattr(module, name)
-        if id(param) in self._filling or not param.is_meta:
-            return
+        if id(param) in self._filling or not param.is_meta or isinstance(param, QuantizedTensor):
+            return  # (a packed one on the meta device: the fit check's model, loaded from the files' headers)
         allocated = replace_parameter(model, param, torch.empty(param.shape, dtype=param.dtype, device=self.device))
         self._filling[id(allocated)] = allocated
 
     def quantize(self, model: nn.Module, module: nn.Module, name: str) -> None:
-        """``module.name`` packed, where ``fmt`` packs it and it has been allocated."""
+        """``module.name`` packed, where the mode packs it and it has been allocated."""
         param = getattr(module, name)
-        if id(param) not in self._filling or not quantizes(self.fmt, module, name, param):
+        fmt = self.mode.format_for(module, name, param)
+        if id(param) not in self._filling or fmt is None:
             return
         del self._filling[id(param)]
-        replace_parameter(model, param, packed(param, self.fmt))
+        replace_parameter(model, param, packed(param, fmt))
+        self.fallbacks += fmt is not self.mode.fmt
+
+    def finish(self, model: nn.Module) -> None:
+        """Once the model is loaded: the weights loading left packed in another format that the mode packs
+        (``--isq w2``'s experts of an MXFP4 checkpoint or a GGUF file) packed again, and a line on the weights
+        packed in the fallback format."""
+        for module, name in self.targets(model):
+            param = getattr(module, name)
+            if isinstance(param, QuantizedTensor) and (fmt := self.mode.format_for(module, name, param)):
+                replace_parameter(model, param, packed(param, fmt))
+                self.fallbacks += fmt is not self.mode.fmt
+        if self.fallbacks:
+            log.info("--isq: %d weights whose rows are not whole blocks of %d values are in %s", self.fallbacks,
+                     self.mode.fmt.block_values, self.mode.fmt.fallback)  # fmt: skip
 
     def leave_unallocated(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-        """A parameter registration hook (``torch.nn.modules.module``): a weight ``fmt`` packs is put on the
+        """A parameter registration hook (``torch.nn.modules.module``): a weight the mode packs is put on the
         meta device as the model is built (by this thread: the hook is global)."""
-        if param is None or param.is_meta or _loading.get() is not self or not quantizes(self.fmt, module, name, param):
+        if (
+            param is None
+            or param.is_meta
+            or _loading.get() is not self
+            or self.mode.format_for(module, name, param) is None
+        ):
             return None
         return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
 
@@ -105,9 +172,9 @@ _loading: ContextVar[LoadQuantizer | None] = ContextVar("isq", default=None)
 
 
 @contextlib.contextmanager
-def quantizing_at_load(fmt: WeightFormat | None, device: torch.device) -> Iterator[None]:
-    """Models built and loaded inside are quantized to ``fmt`` as their weights load (nothing if None)."""
-    token = _loading.set(LoadQuantizer(fmt, device) if fmt is not None else None)
+def quantizing_at_load(mode: IsqMode | None, device: torch.device) -> Iterator[None]:
+    """Models built and loaded inside are quantized in ``mode`` as their weights load (nothing if None)."""
+    token = _loading.set(LoadQuantizer(mode, device) if mode is not None else None)
     try:
         yield
     finally:

@@ -35,6 +35,7 @@ class WeightFormat:
     block_values: int
     block_bytes: int
     kernels: ClassVar[Mapping[str, str]] = {}
+    fallback: ClassVar[str | None] = None  # the format ``--isq`` packs rows that are not whole blocks of this one in
 
     def dequantize(self, raw: Tensor) -> Tensor:
         """``raw`` uint8 [..., n * block_bytes] -> float32 [..., n * block_values]."""

@@ -141,7 +141,8 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                        "or dummy (random weights of the right shapes, for benchmarks: no weight file needed)")
     model.add_argument("--isq", metavar="TYPE",
                        help="quantize a float checkpoint's weights at load into a packed format, run as quantized "
-                       "checkpoints are: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k, fp8, mxfp4, nvfp4")
+                       "checkpoints are: q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k, fp8, mxfp4, nvfp4; "
+                       "or w2, the MoE experts alone in q2_k (2.625 bits a value)")
 
     device = p.add_argument_group("device")
     device.add_argument("--d", dest="devices", metavar="IDS", type=_device_ids,
