@@ -11,6 +11,7 @@ Modes:
 
     python benchmarks/quant_decode.py --kernels      # each layer shape and format alone: GB/s
     python benchmarks/quant_decode.py --linears      # every linear of a decode step in a graph
+    python benchmarks/quant_decode.py --dequant      # the planes' dequantize kernel alone, per tile: GB/s
     python benchmarks/quant_decode.py --model        # xinfer on a GGUF of the shape (written first)
     python benchmarks/quant_decode.py --model --llama-cpp BIN   # and llama.cpp's benchmarks on it
     python benchmarks/quant_decode.py --fp8          # FP8 (--isq fp8 of dummy weights) against bf16
@@ -226,6 +227,46 @@ def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list
     return records
 
 
+DEQUANT_TILES = [
+    (block_n, values, warps)
+    for block_n in (4, 16, 64)
+    for values in (256, 1024, 4096)
+    for warps in (4, 8)
+    if block_n * values <= 16384  # (the program's values are in registers)
+]
+
+
+def dequants(device: torch.device, bandwidth: float, smoke: bool) -> list[dict]:
+    """The planes' dequantize kernel alone (what more than 16 rows multiply densely after), for each of
+    :data:`DEQUANT_TILES` (rows a program, values of a row a program, warps): its bytes read and written a second
+    against the copy bandwidth."""
+    from xinfer_cuda.linear import graph_time, l2_overflowing_copies
+
+    records = []
+    for fmt, (n, k) in [(fmt, shape) for fmt in ("Q8_0", "Q4_K", "Q6_K") for shape in ((14336, 4096), (4096, 14336))]:
+        if smoke:
+            n, k = 32, 512
+        planes = to_planes(random_packed(n, k, FORMATS[fmt], device=device), LAYOUTS[fmt])
+        copies = [planes] if smoke else l2_overflowing_copies(planes)
+        moved = planes.numel() + 2 * n * k
+        for block_n, values, warps in DEQUANT_TILES[:2] if smoke else DEQUANT_TILES:
+            tiles = max(1, values // LAYOUTS[fmt].tile)
+
+            def call(w, block_n=block_n, tiles=tiles, warps=warps) -> object:
+                return plane_dequantize(w, fmt, n, k, torch.bfloat16, block_n, tiles, warps)  # noqa: B023
+
+            record = {"mode": "dequant", "format": fmt, "n": n, "k": k, "block_n": block_n, "tiles": tiles,
+                      "num_warps": warps}  # fmt: skip
+            try:
+                seconds = wall_seconds(lambda: call(planes)) if smoke else graph_time(call, copies)  # noqa: B023
+            except Exception as error:  # noqa: BLE001 (a tile that does not compile or fit: the others still run)
+                records.append(emit(record | {"error": f"{type(error).__name__}: {error}"[:200]}))
+                continue
+            record |= {"us": round(seconds * 1e6, 2), "of_bandwidth": round(moved / seconds / bandwidth, 3)}
+            records.append(emit(record))
+    return records
+
+
 def linears(config, device: torch.device, bandwidth: float, smoke: bool, batches: list[int]) -> list[dict]:
     records = []
     for scheme in KERNEL_SCHEMES:
@@ -401,6 +442,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", action="store_true", help="time each (layer shape, format) alone")
     parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
+    parser.add_argument("--dequant", action="store_true", help="time the planes' dequantize kernel's tiles alone")
     parser.add_argument("--model", action="store_true", help="xinfer on a GGUF of the shape (batch 1 and --batches)")
     parser.add_argument("--llama-cpp", type=Path, metavar="BIN",
                         help="llama.cpp's build folder of llama-bench and llama-batched-bench: run on the same GGUFs")  # fmt: skip
@@ -413,7 +455,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the records to this JSON file")
     args = parser.parse_args()
     chosen = [flag for flag in ISQ_RUNS if getattr(args, flag)]
-    if not (args.kernels or args.linears or args.model or args.llama_cpp or chosen):
+    if not (args.kernels or args.linears or args.dequant or args.model or args.llama_cpp or chosen):
         args.kernels = args.linears = True
     if args.smoke:
         config, device, bandwidth = tiny_config(), torch.device("cpu"), 1e9
@@ -429,6 +471,8 @@ def main() -> None:
         records += kernels(config, device, bandwidth, args.smoke)
     if args.linears:
         records += linears(config, device, bandwidth, args.smoke, args.batches)
+    if args.dequant:
+        records += dequants(device, bandwidth, args.smoke)
     if args.model:
         records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches, "float32" if args.smoke else "bfloat16")
     if args.llama_cpp:
@@ -442,6 +486,9 @@ def main() -> None:
         if r["mode"] == "kernel":
             what = f"{r['format']} {r['n']}x{r['k']} rows {r['rows']} (cuBLAS bf16 {r['cublas_bf16_us']} us)"
             print(f"{what:44} {r['packed_us']:>10} {r['packed_GBps']:>14} {r['of_bandwidth']:>9}")
+        elif r["mode"] == "dequant":
+            what = f"dequantize {r['format']} {r['n']}x{r['k']} {r['block_n']} rows, {r['tiles']} tiles, {r['num_warps']} warps"
+            print(f"{what:44} {r.get('us', r.get('error')):>10} {'':>14} {r.get('of_bandwidth', ''):>9}")
         elif r["mode"] == "linears":
             what = f"{r['scheme']} linears of a step, batch {r['batch']}"
             print(f"{what:44} {r['step_ms']:>10} {r['tok_s']:>14} {r.get('of_limit', ''):>9}")

@@ -6,7 +6,9 @@ A linear's weight in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K is re-laid once 
 (``prepare``) into planes (:mod:`xinfer_cuda.kernels.gguf_planes`: the same bytes, codes as
 aligned words apart from the scales), a :class:`GgufPlanes` weight whose kernels
 (:class:`PlaneKernels`, :mod:`xinfer_cuda.kernels.plane_linear`) decode a value in a few
-instructions; rows of a weight that are looked up (an embedding) and stacked experts keep the
+instructions, or for a few rows (and types with scales per 32 values) multiply its codes on the integer
+tensor cores with the activations rounded to 8 bits per 32 (:mod:`xinfer_cuda.kernels.plane_i8_dot`, as
+llama.cpp's batched decode does), where measured faster; rows of a weight that are looked up (an embedding) and stacked experts keep the
 file's blocks, as the other types do.
 
 Linears over the file's blocks go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
@@ -36,6 +38,8 @@ from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, from_planes, to_planes
+from xinfer_cuda.kernels.plane_i8_dot import FORMATS as I8_DOT_FORMATS
+from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
 from xinfer_cuda.kernels.plane_linear import (
     PlaneDotConfig,
     PlaneGemvConfig,
@@ -58,7 +62,7 @@ from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies, time_ea
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
-Tile = QGemvConfig | QDotConfig | PlaneGemvConfig | PlaneDotConfig | Dequantized
+Tile = QGemvConfig | QDotConfig | PlaneGemvConfig | PlaneDotConfig | PlaneI8DotConfig | Dequantized
 Run = Callable[[Tensor, Tensor, str, Tensor | None, Tile | None], Tensor]  # x, weight bytes, type, bias, tile
 
 
@@ -122,12 +126,22 @@ ONE_ROW_PLANE_TILES = tuple(
 )
 
 
+# The int8 dots tried (block_n, warps, split): the activations' rows in one tile (16 at the least)
+I8_DOTS = ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))
+
+
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES`, past it :func:`dot_candidates` and the dequantized weight."""
+    of :data:`ONE_ROW_PLANE_TILES`, past it :func:`dot_candidates`, the int8 dots of :data:`I8_DOTS` where
+    the type has one, and the dequantized weight."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES
-    return (*dot_candidates(rows, PlaneDotConfig, 1), DEQUANTIZED)
+    i8 = (
+        tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s) for n, w, s in I8_DOTS)
+        if layout.name in I8_DOT_FORMATS
+        else ()
+    )
+    return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
 
 
 class MeasuredTiles:

@@ -35,6 +35,7 @@ the kernel that writes ``x`` (programmatic dependent launch: they overlap its ta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,9 @@ from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, planes
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.quant_linear import MAX_PACKED_ROWS, Dequantized
 from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
+
+if TYPE_CHECKING:
+    from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
 
 MAGIC = 0x4B000000  # the bits of 2**23: an integer below 2**23 or-ed in is added (passed at run time: one register
 # holds it, the masks stay immediates, where two constants would be rematerialized in the loop)
@@ -483,15 +487,17 @@ def plane_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = N
     return sum_splits(partial, bias, y)
 
 
-def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype, block_n: int = 16) -> Tensor:
-    """The weight [n, k] whose planes are ``raw``, in ``dtype``."""
+def plane_dequantize(raw: Tensor, name: str, n: int, k: int, dtype: torch.dtype, block_n: int = 16,
+                     tiles: int | None = None, num_warps: int = 4) -> Tensor:  # fmt: skip
+    """The weight [n, k] whose planes are ``raw``, in ``dtype``: a program decodes ``block_n`` rows of ``tiles``
+    tiles (256 values a row by default)."""
     layout = plane_layout(name, k)
     out = torch.empty(n, k, dtype=dtype, device=raw.device)
-    tiles = max(1, 256 // layout.tile)
+    tiles = tiles or max(1, 256 // layout.tile)
     if n:
         grid = (triton.cdiv(n, block_n), triton.cdiv(k // layout.tile, tiles))
         _plane_dequant_kernel[grid](*_plane_views(raw, layout, n, k), out, n, k, MAGIC, BLOCK_N=block_n, TILES=tiles,
-                                    num_warps=4, **_format_args(layout), **launch.pdl(raw.device))  # fmt: skip
+                                    num_warps=num_warps, **_format_args(layout), **launch.pdl(raw.device))  # fmt: skip
     return out
 
 
@@ -500,14 +506,18 @@ def plane_rows(
     raw: Tensor,
     name: str,
     bias: Tensor | None = None,
-    config: PlaneGemvConfig | PlaneDotConfig | Dequantized | None = None,
+    config: PlaneGemvConfig | PlaneDotConfig | PlaneI8DotConfig | Dequantized | None = None,
 ) -> Tensor:
-    """``x`` [M, K] times the weight whose planes are ``raw`` in ``config``'s kernel and tile;
-    without one, the GEMV for one row, the dot kernel up to ``MAX_PACKED_ROWS`` rows, past them
-    the weight dequantized for the call (prefill)."""
+    """``x`` [M, K] times the weight whose planes are ``raw`` in ``config``'s kernel and tile (the int8 dot's
+    :mod:`~xinfer_cuda.kernels.plane_i8_dot`); without one, the GEMV for one row, the dot kernel up to
+    ``MAX_PACKED_ROWS`` rows, past them the weight dequantized for the call (prefill)."""
+    from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig, plane_i8_dot  # (which imports this module)
+
     k = x.shape[1]
     layout = plane_layout(name, k)
     n = raw.numel() // (k // layout.tile * sum(layout.tile_bytes()))
+    if isinstance(config, PlaneI8DotConfig):
+        return plane_i8_dot(x, raw, name, n, bias, config)
     if isinstance(config, Dequantized) or (config is None and x.shape[0] > MAX_PACKED_ROWS):
         return F.linear(x, plane_dequantize(raw, name, n, k, x.dtype), bias)
     if isinstance(config, PlaneGemvConfig) or (config is None and x.shape[0] == 1):

@@ -1,0 +1,152 @@
+"""Linear ``y = x W^T (+ bias)`` over a GGUF weight in planes on the integer tensor cores, for a few
+rows of ``x`` (decode batches): what llama.cpp's batched decode does (its MMQ kernels).
+
+The activations are quantized per block of 32 columns (:func:`quantize_blocks`: ``x ~ d_x q_x``, int8
+``q_x``, and each block's exact sum ``s_x``); the weight's codes go to the dot as they are stored, as int8
+(Q8_0's less the 128 they are stored plus). A block of 32 columns is then one int8 dot of the activations'
+codes with the weight rows' codes, and with ``value = scale * code + bias`` per (weight row, block)
+(:func:`~xinfer_cuda.kernels.plane_linear._scale_bias`):
+
+    sum over the block of x w = d_x * scale * (q_x . code) + s_x * bias   (up to x's rounding to q_x).
+
+In a tile of the planes the block ``2 p + h`` of 32 columns is fields ``2 p`` and ``2 p + 1`` of words
+``16 h .. 16 h + 15``, interleaved (column ``2 w + f % 2``): joined, the two fields' codes are the block's
+codes in column order. The formats whose scales are per 32 values or coarser: Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1 and Q4_K (Q6_K's sub-blocks are 16 values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.gguf_blocks import _load
+from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernels.plane_linear import _format_args, _plane_views, _scale_bias, plane_layout
+from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
+
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+BLOCK = 32  # columns of an activation block: one scale, one sum
+
+
+@dataclass(frozen=True)
+class PlaneI8DotConfig:
+    block_m: int  # rows of x per program (16: the smallest tensor-core tile)
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split: int = 1  # programs along K a tile of [block_m, block_n] outputs
+
+
+@triton.jit
+def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
+    m = tl.program_id(0)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    col = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + m.to(tl.int64) * stride_x + col, mask=(b < blocks)[:, None], other=0.0).to(tl.float32)
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    q = x / tl.where(d == 0.0, 1.0, d)[:, None]
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # to the nearest, halves away from 0
+    out = m.to(tl.int64) * blocks + b
+    tl.store(q_ptr + out[:, None] * 32 + tl.arange(0, 32)[None, :], q.to(tl.int8), mask=(b < blocks)[:, None])
+    tl.store(d_ptr + out, d, mask=b < blocks)
+    tl.store(s_ptr + out, tl.sum(x, axis=1), mask=b < blocks)
+
+
+def quantize_blocks(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``x`` [M, K] (K a multiple of 32) as int8 codes [M, K], a scale per block of 32 [M, K / 32] (``x ~ d q``,
+    the block's largest magnitude at 127) and each block's sum of ``x`` [M, K / 32], both fp32."""
+    m, k = x.shape
+    blocks = k // BLOCK
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    d = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(d)
+    per_program = 16
+    if m:
+        _quantize_blocks_kernel[(m, triton.cdiv(blocks, per_program))](
+            x, q, d, s, blocks, x.stride(0), BLOCKS=per_program, num_warps=4, **launch.pdl(x.device)
+        )
+    return q, d, s
+
+
+@triton.jit
+def _codes(FMT: tl.constexpr, F: tl.constexpr, word, high):
+    """Field ``F``'s codes as stored (Q8_0's less 128), int32."""
+    if FMT == "Q8_0":
+        return ((word >> (8 * F)) & 0xFF) - 128
+    elif FMT == "Q5_0" or FMT == "Q5_1":
+        return ((word >> (4 * F)) & 0xF) | (((high >> F) & 1) << 4)
+    else:
+        return (word >> (4 * F)) & 0xF
+
+
+@triton.jit
+def _plane_i8_dot_kernel(
+    q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_y,
+    tiles_per_split,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = ms < M, rows < N
+    n = rows.to(tl.int64)
+    num_tiles, blocks = K // (32 * FIELDS), K // 32
+    words = tl.arange(0, 16)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = tl.program_id(2) * tiles_per_split
+    for t in range(first, tl.minimum(first + tiles_per_split, num_tiles)):
+        at = n[:, None] * (num_tiles * 32) + t * 32 + words
+        scales = scales_ptr + n * (num_tiles * PER_TILE) + t * PER_TILE
+        supers = supers_ptr + n * num_tiles + t
+        for h in tl.static_range(2):
+            word = _load(codes_ptr + at + 16 * h, n_mask[:, None])
+            high = _load(high_ptr + at + 16 * h, n_mask[:, None]).to(tl.int32) if HIGH else word
+            for p in tl.static_range(FIELDS // 2):
+                codes = tl.join(_codes(FMT, 2 * p, word, high), _codes(FMT, 2 * p + 1, word, high))
+                codes = tl.reshape(codes, (BLOCK_N, 32)).to(tl.int8)
+                block = t * FIELDS + 2 * p + h
+                xb = ms.to(tl.int64) * blocks + block
+                xq = tl.load(q_ptr + xb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
+                dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
+                scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
+                if FMT == "Q8_0":  # the codes were taken less the 128 the bias takes off
+                    bias = bias + 128.0 * scale
+                x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
+                x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
+                acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :]) + x_sum[:, None] * bias[None, :]
+    if HAS_BIAS and not PARTIAL:
+        acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def plane_i8_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
+                 config: PlaneI8DotConfig | None = None) -> Tensor:  # fmt: skip
+    """``x`` [M, K] times the weight [n, K] whose planes are ``raw`` (a type of :data:`FORMATS`), its activations
+    quantized to int8 per block of 32: [M, n] in ``x``'s dtype."""
+    (m, k) = x.shape
+    layout = plane_layout(name, k)
+    if name not in FORMATS:
+        raise ValueError(f"no int8 dot for GGUF type {name!r}: its scales are per fewer than 32 values")
+    config = config or PlaneI8DotConfig(16, 64, 4, 3)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    q, d, s = quantize_blocks(x.contiguous())
+    per_split, split = k_splits(k // layout.tile, config.split, 1)
+    partial = partial_sums(y, split)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), split)
+    _plane_i8_dot_kernel[grid](
+        q, d, s, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, m, n, k, n, per_split,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
+    )  # fmt: skip
+    return sum_splits(partial, bias, y)
