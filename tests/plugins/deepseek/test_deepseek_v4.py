@@ -32,7 +32,7 @@ from tests.plugins.hf_parity import (
 )
 from tests.tiny_models import COMMON, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
-from xinfer.quant import QuantizedTensor
+from xinfer.quant import QuantizedTensor, get_weight_format
 from xinfer_deepseek import compressed_ops
 from xinfer_deepseek.checkpoint_v4 import decode_e2m1, dequantize, hf_name, hf_names
 
@@ -223,18 +223,18 @@ def quantize_mxfp4(weight: torch.Tensor, generator: torch.Generator) -> tuple[to
     return packed, scales
 
 
-def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, caplog):
-    """DeepSeek's names without transformers' ``model.`` prefix, the routed experts in MXFP4 (a hidden
-    size of 64: two scale blocks per row of gate and up, one of down), an MTP tensor: the experts stay packed and compute
-    what transformers computes with their values, and the MTP tensor is kept."""
+def mxfp4_checkpoint(folder):
+    """DeepSeek's own checkpoint of a tiny V4 in ``folder``: its names without transformers' ``model.`` prefix, the
+    routed experts in MXFP4 (a hidden size of 64: two scale blocks per row of gate and up, one of down), an MTP
+    tensor; and transformers' model with the experts' values."""
     config = deepseek_v4_config(num_hidden_layers=2, layer_types=["sliding_attention", CSA])
     config.mlp_layer_types = ["hash_moe", "moe"]
-    hf = save_tiny_model(config, tmp_path)
+    hf = save_tiny_model(config, folder)
     randomize_v4(hf)
     tensors = {}
     generator = torch.Generator().manual_seed(3)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    for name, tensor in load_file(tmp_path / "model.safetensors").items():
+    hf.save_pretrained(folder, safe_serialization=True)
+    for name, tensor in load_file(folder / "model.safetensors").items():
         name = name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("hc_head.hc_", "hc_head_")
         if ".experts." in name and name.endswith(("w1.weight", "w2.weight", "w3.weight")):
             packed, scales = quantize_mxfp4(tensor, generator)
@@ -249,7 +249,14 @@ def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, 
             tensors[name] = tensor
     tensors["mtp.0.emb.weight"] = torch.ones(3)
     assert "norm.weight" in tensors and "head.weight" in tensors and "hc_head_fn" in tensors
-    save_file(tensors, tmp_path / "model.safetensors")
+    save_file(tensors, folder / "model.safetensors")
+    return hf
+
+
+def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, caplog):
+    """The experts stay packed and compute what transformers computes with their values, and the MTP tensor is
+    kept."""
+    hf = mxfp4_checkpoint(tmp_path)
     with caplog.at_level("INFO"):
         llm = llm_of(tmp_path)
     assert "kept 48 MXFP4 weights packed" in caplog.text
@@ -260,6 +267,27 @@ def test_deepseeks_own_checkpoint_with_mxfp4_experts_and_an_mtp_layer(tmp_path, 
     tokens = prompt(40, seed=2)
     out = llm.generate([tokens], GREEDY)[0].outputs[0]
     assert_output_matches_hf(hf, tokens, out, NEW_TOKENS)
+
+
+def test_isq_w2_packs_the_mxfp4_experts_again_from_their_values(tmp_path):
+    """``--isq w2`` re-packs the MXFP4 experts once loaded, from their values (rows of 64 and 32 values: not whole
+    Q2_K super-blocks, so in Q4_0, llama.cpp's fallback); every other weight is as without it; the model runs."""
+    mxfp4_checkpoint(tmp_path)
+    kept = dict(llm_of(tmp_path).engine.model.named_parameters())
+    llm = llm_of(tmp_path, isq="w2")
+    repacked = 0
+    for name, weight in llm.engine.model.named_parameters():
+        original = kept[name]
+        if isinstance(original, QuantizedTensor) and original.format.name == "mxfp4":
+            assert weight.format.name == "q4_0" and weight.logical_shape == original.logical_shape, name
+            want = torch.cat([get_weight_format("q4_0").quantize(original.select(e).dequantize())
+                              for e in range(original.logical_shape[0])])  # fmt: skip
+            assert torch.equal(weight.raw.flatten(0, -2), want), name
+            repacked += 1
+        else:
+            assert type(weight) is type(original) and torch.equal(weight, original), name
+    assert repacked == 2 * 2  # w13 and w2 of both layers' experts
+    assert len(llm.generate([prompt(12)], GREEDY)[0].outputs[0].token_ids) == NEW_TOKENS
 
 
 def _expert_of(name: str) -> tuple[int, int, str]:
