@@ -126,21 +126,20 @@ ONE_ROW_PLANE_TILES = tuple(
 )
 
 
-# The int8 dots tried (block_n, warps, split): the activations' rows in one tile (16 at the least)
-I8_DOTS = ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))
+# The int8 dots tried (block_n, warps, split), the activations' rows in one tile: up to 16 rows, and past them (8
+# warps: with 4, or 128 columns, a 64-row tile spills registers in the sm_90 build)
+I8_FEW_ROWS_DOTS = ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))
+I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4))
 
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES`, past it :func:`dot_candidates`, the int8 dots of :data:`I8_DOTS` where
-    the type has one, and the dequantized weight."""
+    of :data:`ONE_ROW_PLANE_TILES`, past it :func:`dot_candidates`, the int8 dots (:data:`I8_FEW_ROWS_DOTS`,
+    :data:`I8_MANY_ROWS_DOTS`) where the type has one, and the dequantized weight."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES
-    i8 = (
-        tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s) for n, w, s in I8_DOTS)
-        if layout.name in I8_DOT_FORMATS
-        else ()
-    )
+    i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if layout.name in I8_DOT_FORMATS else ()
+    i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s) for n, w, s in i8_tiles)
     return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
 
 

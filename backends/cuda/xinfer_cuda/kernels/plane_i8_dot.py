@@ -102,26 +102,26 @@ def _plane_i8_dot_kernel(
     words = tl.arange(0, 16)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(2) * tiles_per_split
-    for t in range(first, tl.minimum(first + tiles_per_split, num_tiles)):
-        at = n[:, None] * (num_tiles * 32) + t * 32 + words
+    for half in range(2 * first, 2 * tl.minimum(first + tiles_per_split, num_tiles)):  # (tile, its half of words)
+        t, h = half // 2, half % 2
+        at = n[:, None] * (num_tiles * 32) + t * 32 + 16 * h + words
         scales = scales_ptr + n * (num_tiles * PER_TILE) + t * PER_TILE
         supers = supers_ptr + n * num_tiles + t
-        for h in tl.static_range(2):
-            word = _load(codes_ptr + at + 16 * h, n_mask[:, None])
-            high = _load(high_ptr + at + 16 * h, n_mask[:, None]).to(tl.int32) if HIGH else word
-            for p in tl.static_range(FIELDS // 2):
-                codes = tl.join(_codes(FMT, 2 * p, word, high), _codes(FMT, 2 * p + 1, word, high))
-                codes = tl.reshape(codes, (BLOCK_N, 32)).to(tl.int8)
-                block = t * FIELDS + 2 * p + h
-                xb = ms.to(tl.int64) * blocks + block
-                xq = tl.load(q_ptr + xb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
-                dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
-                scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
-                if FMT == "Q8_0":  # the codes were taken less the 128 the bias takes off
-                    bias = bias + 128.0 * scale
-                x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
-                x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
-                acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :]) + x_sum[:, None] * bias[None, :]
+        word = _load(codes_ptr + at, n_mask[:, None])
+        high = _load(high_ptr + at, n_mask[:, None]).to(tl.int32) if HIGH else word
+        for p in tl.static_range(FIELDS // 2):
+            codes = tl.join(_codes(FMT, 2 * p, word, high), _codes(FMT, 2 * p + 1, word, high))
+            codes = tl.reshape(codes, (BLOCK_N, 32)).to(tl.int8)
+            block = t * FIELDS + 2 * p + h
+            xb = ms.to(tl.int64) * blocks + block
+            xq = tl.load(q_ptr + xb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
+            dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
+            scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
+            if FMT == "Q8_0":  # the codes were taken less the 128 the bias takes off
+                bias = bias + 128.0 * scale
+            x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
+            x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
+            acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :]) + x_sum[:, None] * bias[None, :]
     if HAS_BIAS and not PARTIAL:
         acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
