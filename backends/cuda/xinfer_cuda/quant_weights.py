@@ -38,7 +38,6 @@ from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, from_planes, to_planes
-from xinfer_cuda.kernels.plane_i8_dot import FORMATS as I8_DOT_FORMATS
 from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
 from xinfer_cuda.kernels.plane_linear import (
     PlaneDotConfig,
@@ -134,12 +133,12 @@ I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4))
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES`, past it :func:`dot_candidates`, the int8 dots (:data:`I8_FEW_ROWS_DOTS`,
-    :data:`I8_MANY_ROWS_DOTS`) where the type has one, and the dequantized weight."""
+    of :data:`ONE_ROW_PLANE_TILES` and the int8 dots of a 16-row tile, past it :func:`dot_candidates`, the int8 dots
+    (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`) and the dequantized weight."""
+    i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s)
+               for n, w, s in (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS))  # fmt: skip
     if rows == 1:
-        return ONE_ROW_PLANE_TILES
-    i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if layout.name in I8_DOT_FORMATS else ()
-    i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s) for n, w, s in i8_tiles)
+        return (*ONE_ROW_PLANE_TILES, *i8)
     return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
 
 

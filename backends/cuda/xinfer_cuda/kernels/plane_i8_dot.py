@@ -11,8 +11,8 @@ codes with the weight rows' codes, and with ``value = scale * code + bias`` per 
 
 In a tile of the planes the block ``2 p + h`` of 32 columns is fields ``2 p`` and ``2 p + 1`` of words
 ``16 h .. 16 h + 15``, interleaved (column ``2 w + f % 2``): joined, the two fields' codes are the block's
-codes in column order. The formats whose scales are per 32 values or coarser: Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1 and Q4_K (Q6_K's sub-blocks are 16 values).
+codes in column order. Q6_K's sub-blocks are 16 values, each with its scale: its codes go less the 32 they
+are stored plus (no bias), and a block is two dots, each with the activations of the other half zeroed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.plane_linear import _format_args, _plane_views, _scale_bias, plane_layout
 from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
 BLOCK = 32  # columns of an activation block: one scale, one sum
 
 
@@ -77,9 +76,11 @@ def quantize_blocks(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @triton.jit
 def _codes(FMT: tl.constexpr, F: tl.constexpr, word, high):
-    """Field ``F``'s codes as stored (Q8_0's less 128), int32."""
+    """Field ``F``'s codes as stored (Q8_0's less 128, Q6_K's less 32), int32."""
     if FMT == "Q8_0":
         return ((word >> (8 * F)) & 0xFF) - 128
+    elif FMT == "Q6_K":
+        return (((word >> (4 * F)) & 0xF) | (((high >> (2 * F)) & 3) << 4)) - 32
     elif FMT == "Q5_0" or FMT == "Q5_1":
         return ((word >> (4 * F)) & 0xF) | (((high >> F) & 1) << 4)
     else:
@@ -115,13 +116,22 @@ def _plane_i8_dot_kernel(
             block = t * FIELDS + 2 * p + h
             xb = ms.to(tl.int64) * blocks + block
             xq = tl.load(q_ptr + xb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
-            dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
-            scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
-            if FMT == "Q8_0":  # the codes were taken less the 128 the bias takes off
-                bias = bias + 128.0 * scale
             x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
-            x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
-            acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :]) + x_sum[:, None] * bias[None, :]
+            if FMT == "Q6_K":  # sub-blocks 2 h and 2 h + 1 of 16, one dot each (the codes less 32: no bias)
+                first_half = tl.arange(0, 32)[None, :] < 16
+                low = tl.dot(tl.where(first_half, xq, 0).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
+                high_dot = tl.dot(tl.where(first_half, 0, xq).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
+                low_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h, n_mask)
+                high_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h + 1, n_mask)
+                both = low.to(tl.float32) * low_scale[None, :] + high_dot.to(tl.float32) * high_scale[None, :]
+                acc += x_scale[:, None] * both
+            else:
+                dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
+                scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
+                if FMT == "Q8_0":  # the codes were taken less the 128 the bias takes off
+                    bias = bias + 128.0 * scale
+                x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
+                acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :]) + x_sum[:, None] * bias[None, :]
     if HAS_BIAS and not PARTIAL:
         acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
@@ -130,12 +140,10 @@ def _plane_i8_dot_kernel(
 
 def plane_i8_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
                  config: PlaneI8DotConfig | None = None) -> Tensor:  # fmt: skip
-    """``x`` [M, K] times the weight [n, K] whose planes are ``raw`` (a type of :data:`FORMATS`), its activations
+    """``x`` [M, K] times the weight [n, K] whose planes are ``raw``, its activations
     quantized to int8 per block of 32: [M, n] in ``x``'s dtype."""
     (m, k) = x.shape
     layout = plane_layout(name, k)
-    if name not in FORMATS:
-        raise ValueError(f"no int8 dot for GGUF type {name!r}: its scales are per fewer than 32 values")
     config = config or PlaneI8DotConfig(16, 64, 4, 3)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
