@@ -6,6 +6,7 @@ Every weight F32 and the KV cache F32, llama.cpp computes in fp32 on the CPU, so
 
 from __future__ import annotations
 
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,28 @@ def llama_cpp_module():
     return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install llama-cpp-python")
 
 
+def llama_cpp_llama(path: Path, **options):
+    """llama.cpp's ``Llama`` of ``path`` with its plain CPU kernels: without the extra buffer types (AMX and the
+    repacked layouts, which change only speed; on a Sapphire Rapids CPU llama-cpp-python 0.3.36's AMX matmul
+    crashes in embedding mode, SIGSEGV in ``ggml_backend_amx_mul_mat``), or a skip saying why there is none."""
+    llama_cpp = llama_cpp_module()
+    low_level = llama_cpp.llama_cpp  # (the bindings the high-level Llama calls)
+    defaults = low_level.llama_model_default_params
+
+    def plain_params():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    with unittest.mock.patch.object(low_level, "llama_model_default_params", plain_params):
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **options)
+
+
 def llama_cpp_model(path: Path, n_ctx: int = 128):
     """llama.cpp's model of ``path`` (one thread, every position's logits), or a skip saying why there is none."""
-    llama_cpp = llama_cpp_module()
-    return llama_cpp.Llama(
-        model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, n_threads_batch=1,
-        logits_all=True, type_k=_GGML_TYPE_F32, type_v=_GGML_TYPE_F32, verbose=False,
+    return llama_cpp_llama(
+        path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, n_threads_batch=1, logits_all=True,
+        type_k=_GGML_TYPE_F32, type_v=_GGML_TYPE_F32,
     )  # fmt: skip
 
 

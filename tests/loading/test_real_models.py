@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from tests.llama_cpp_oracle import llama_cpp_module
+from tests.llama_cpp_oracle import llama_cpp_llama
 from tests.loading.gguf_models import MODELS, gguf_path, hf_model, reference_llm
 from tests.tiny_models import prefill_logits
 from xinfer import LLM
@@ -71,8 +71,7 @@ def test_llama_cpp_greedy_tokens_are_our_first_choices(model):
     differ from these fp32 ones by a few percent (measured: 3 to 7 % of the largest logit) and a near-tie can go
     either way (measured: up to 0.18 nats apart); a wrong weight puts its tokens nats below ours."""
     name, llm = model
-    llama_cpp = llama_cpp_module()
-    reference = llama_cpp.Llama(model_path=str(gguf_path(name)), n_ctx=256, n_threads=2, verbose=False)
+    reference = llama_cpp_llama(gguf_path(name), n_ctx=256, n_threads=2)
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)
         assert ids == reference.tokenize(prompt.encode(), add_bos=llm.tokenizer.bos_token_id in ids[:1])

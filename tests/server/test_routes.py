@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from tests.llama_cpp_oracle import llama_cpp_llama
 from tests.server.conftest import MAX_MODEL_LEN
 from xinfer.loading.resolve import default_model_path
 
@@ -201,8 +202,7 @@ def test_embeddings_are_llama_cpps(server, model):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the GGUF oracle)")
     text = "The cat sat on the mat."
     for pooling, kind in [("mean", llama_cpp.LLAMA_POOLING_TYPE_MEAN), ("last", llama_cpp.LLAMA_POOLING_TYPE_LAST)]:
-        reference = llama_cpp.Llama(model_path=str(default_model_path()), embedding=True, pooling_type=kind,
-                                    n_ctx=64, n_threads=1, verbose=False)  # fmt: skip
+        reference = llama_cpp_llama(default_model_path(), embedding=True, pooling_type=kind, n_ctx=64, n_threads=1)
         expected = reference.embed(text)
         body = {"model": model, "input": text, "pooling": pooling, "normalize": False}
         got = server.post("/v1/embeddings", body).json()["data"][0]["embedding"]
