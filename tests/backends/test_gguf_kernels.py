@@ -221,9 +221,9 @@ def test_many_rows_multiply_the_dequantized_weight(monkeypatch):
 
 
 def test_measured_tiles_take_the_fastest_candidate_once_per_shape():
-    """Each (format, shape, power-of-two row count) is timed once over every candidate (the fake
-    timer's order: the third is fastest for one row, the last, the dequantized weight, for 3 and 4 rows), and the chosen
-    tile computes the product."""
+    """Each (format, shape, row count: 1, up to 16, then powers of two) is timed once over every candidate (the fake
+    timer's order: the third is fastest for one row, the last, the dequantized weight, for 3, 4 and 9 rows, all of
+    them 16-row tiles), and the chosen tile computes the product."""
     measured = []
 
     def timer(call, weights):
@@ -234,7 +234,7 @@ def test_measured_tiles_take_the_fastest_candidate_once_per_shape():
 
     tiles = MeasuredTiles(timer, copies=lambda w: [w])
     packed = random_packed(8, 256, FORMATS["Q4_K"], device=DEVICE)
-    for rows in (1, 3, 4, 1):
+    for rows in (1, 3, 4, 9, 1):
         x = torch.randn(rows, 256, device=DEVICE)
         tile = tiles(x, packed, "Q4_K", None)
         check(linear_rows(x, packed, "Q4_K", None, tile), x.cpu() @ reference_weight(packed, "Q4_K").T, torch.float32)

@@ -13,7 +13,7 @@ file's blocks, as the other types do.
 
 Linears over the file's blocks go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
 more: the dot kernel or the weight dequantized for the call, whichever is faster). For up to
-:data:`MEASURED_ROWS` rows (decode steps) the tile is measured per (format, weight shape, row count rounded up to a power of two) the first time
+:data:`MEASURED_ROWS` rows (decode steps) the tile is measured per (format, weight shape, row count: 1, up to 16, 32, 64) the first time
 one comes up outside a CUDA graph capture (the step graphs' warm-up runs), as
 :class:`xinfer_cuda.linear.SmallBatchLinear` does for float weights; past
 them (prefill) the weight is dequantized for the call and multiplied densely. Stacked experts go to
@@ -86,7 +86,7 @@ def dot_candidates(rows: int, config: type[QDotConfig] | type[PlaneDotConfig], s
 
 
 def candidates(fmt: BlockFormat, rows: int) -> tuple[Tile, ...]:
-    """The tiles tried for ``rows`` rows (a power of two) of ``fmt``: GEMVs of 2 to 16 weight
+    """The tiles tried for ``rows`` rows (:func:`measured_rows`) of ``fmt``: GEMVs of 2 to 16 weight
     rows a program and 1 or 2 loop steps' blocks for one row, :func:`dot_candidates` past it,
     and the dequantized weight."""
     if rows == 1:
@@ -132,7 +132,7 @@ I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4))
 
 
 def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
-    """The tiles tried for ``rows`` rows (a power of two) of a weight in planes: for one row the GEMVs
+    """The tiles tried for ``rows`` rows (:func:`measured_rows`) of a weight in planes: for one row the GEMVs
     of :data:`ONE_ROW_PLANE_TILES` and the int8 dots of a 16-row tile, past it :func:`dot_candidates`, the int8 dots
     (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`) and the dequantized weight."""
     i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s)
@@ -142,8 +142,14 @@ def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
     return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
 
 
+def measured_rows(rows: int) -> int:
+    """The row count a measurement stands for: 1, 16 for 2 to 16 (every candidate's tile there is 16 rows, its time
+    the same for any of them), past that the power of two above."""
+    return 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
+
+
 class MeasuredTiles:
-    """The fastest of the candidate tiles per (format, weight shape, power-of-two row count,
+    """The fastest of the candidate tiles per (format, weight shape, row count (:func:`measured_rows`),
     dtype), measured once (``timer`` over ``copies`` of the weight that overflow the L2): the
     file's blocks' (:func:`candidates`, run by ``linear_rows``), or with ``planes`` the planes'
     (:func:`plane_candidates`, run by ``plane_rows``)."""
@@ -159,7 +165,7 @@ class MeasuredTiles:
         self.choice: dict[tuple, Tile] = {}
 
     def __call__(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None) -> Tile:
-        rows = 1 << (x.shape[0] - 1).bit_length()
+        rows = measured_rows(x.shape[0])
         key = (fmt_name, rows, tuple(packed.shape), x.shape[1], x.dtype, bias is not None, x.device)
         if key not in self.choice:
             if (
