@@ -25,6 +25,7 @@ from xinfer.quant.dispatch import prepare_weights
 from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, from_planes, to_planes
+from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
 from xinfer_cuda.kernels.plane_linear import (
     PlaneDotConfig,
     PlaneGemvConfig,
@@ -192,7 +193,7 @@ def test_measured_tiles_time_the_plane_candidates():
     def timer(call, weights):
         y = call(weights[0])
         measured.append(y.shape[0])
-        fastest = 1 if y.shape[0] == 1 else len(plane_candidates(LAYOUTS["Q8_0"], 4)) - 1
+        fastest = 1 if y.shape[0] == 1 else len(plane_candidates(LAYOUTS["Q8_0"], 4, int8_activations=False)) - 1
         return 1.0 if measured.count(y.shape[0]) - 1 == fastest else 2.0
 
     tiles = MeasuredTiles(timer, copies=lambda w: [w], planes=True)
@@ -201,7 +202,10 @@ def test_measured_tiles_time_the_plane_candidates():
         x = torch.randn(rows, k, device=DEVICE)
         tile = tiles(x, planes, "Q8_0", None)
         check(plane_rows(x, planes, "Q8_0", None, tile), x.cpu() @ reference_weight(packed, "Q8_0").T, torch.float32)
-    one, few = plane_candidates(LAYOUTS["Q8_0"], 1), plane_candidates(LAYOUTS["Q8_0"], 4)
+    # fp32 activations: no int8 dot among them
+    one, few = (plane_candidates(LAYOUTS["Q8_0"], rows, int8_activations=False) for rows in (1, 4))
+    assert not any(isinstance(tile, PlaneI8DotConfig) for tile in one + few)
+    assert any(isinstance(tile, PlaneI8DotConfig) for tile in plane_candidates(LAYOUTS["Q8_0"], 4))  # 16-bit ones
     assert measured == [1] * len(one) + [3] * len(few)
     assert list(tiles.choice.values()) == [one[1], few[-1]]
 

@@ -131,12 +131,13 @@ I8_FEW_ROWS_DOTS = ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))
 I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4))
 
 
-def plane_candidates(layout: PlaneLayout, rows: int) -> tuple[Tile, ...]:
+def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = True) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (:func:`measured_rows`) of a weight in planes: for one row the GEMVs
     of :data:`ONE_ROW_PLANE_TILES` and the int8 dots of a 16-row tile, past it :func:`dot_candidates`, the int8 dots
-    (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`) and the dequantized weight."""
-    i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s)
-               for n, w, s in (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS))  # fmt: skip
+    (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`) and the dequantized weight. The int8 dots round the
+    activations to 8 bits: none without ``int8_activations`` (fp32 activations keep their precision)."""
+    i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if int8_activations else ()
+    i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s) for n, w, s in i8_tiles)
     if rows == 1:
         return (*ONE_ROW_PLANE_TILES, *i8)
     return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
@@ -172,11 +173,13 @@ class MeasuredTiles:
                 x.is_cuda and torch.cuda.is_current_stream_capturing()
             ):  # not measured: the capture's warm-up did not see it
                 return self.default(fmt_name, rows, x.shape[1])
-            self.choice[key] = self.fastest(x, packed, fmt_name, bias, self.candidates(fmt_name, rows))
+            self.choice[key] = self.fastest(x, packed, fmt_name, bias, self.candidates(fmt_name, rows, x.dtype))
         return self.choice[key]
 
-    def candidates(self, fmt_name: str, rows: int) -> tuple[Tile, ...]:
-        return plane_candidates(LAYOUTS[fmt_name], rows) if self.planes else candidates(FORMATS[fmt_name], rows)
+    def candidates(self, fmt_name: str, rows: int, dtype: torch.dtype) -> tuple[Tile, ...]:
+        if self.planes:
+            return plane_candidates(LAYOUTS[fmt_name], rows, int8_activations=dtype != torch.float32)
+        return candidates(FORMATS[fmt_name], rows)
 
     def default(self, fmt_name: str, rows: int, k: int) -> Tile:
         if self.planes:
