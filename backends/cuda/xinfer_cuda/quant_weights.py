@@ -58,6 +58,7 @@ from xinfer_cuda.kernels.quant_linear import (
     linear_rows,
 )
 from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies, time_each
+from xinfer_cuda.tile_cache import TileCache, default_tile_cache
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
@@ -151,29 +152,38 @@ def measured_rows(rows: int) -> int:
 
 class MeasuredTiles:
     """The fastest of the candidate tiles per (format, weight shape, row count (:func:`measured_rows`),
-    dtype), measured once (``timer`` over ``copies`` of the weight that overflow the L2): the
-    file's blocks' (:func:`candidates`, run by ``linear_rows``), or with ``planes`` the planes'
-    (:func:`plane_candidates`, run by ``plane_rows``)."""
+    dtype), measured once (``timer`` over ``copies`` of the weight that overflow the L2), or taken from
+    ``cache`` where an earlier start measured it: the file's blocks' (:func:`candidates`, run by
+    ``linear_rows``), or with ``planes`` the planes' (:func:`plane_candidates`, run by ``plane_rows``)."""
 
     def __init__(
         self,
         timer: Timer = graph_time,
         copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies,
         planes: bool = False,
+        cache: TileCache | None = None,
     ):
-        self.timer, self.copies, self.planes = timer, copies, planes
+        self.timer, self.copies, self.planes, self.cache = timer, copies, planes, cache
         self.run: Run = plane_rows if planes else linear_rows
         self.choice: dict[tuple, Tile] = {}
 
     def __call__(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None) -> Tile:
         rows = measured_rows(x.shape[0])
-        key = (fmt_name, rows, tuple(packed.shape), x.shape[1], x.dtype, bias is not None, x.device)
+        measured = (fmt_name, rows, tuple(packed.shape), x.shape[1], x.dtype, bias is not None)
+        key = (*measured, x.device)
         if key not in self.choice:
             if (
                 x.is_cuda and torch.cuda.is_current_stream_capturing()
             ):  # not measured: the capture's warm-up did not see it
                 return self.default(fmt_name, rows, x.shape[1])
-            self.choice[key] = self.fastest(x, packed, fmt_name, bias, self.candidates(fmt_name, rows, x.dtype))
+            tiles = self.candidates(fmt_name, rows, x.dtype)
+            stored = self.cache.key(x.device, "planes" if self.planes else "blocks", *measured) if self.cache else ""
+            tile = self.cache.get(stored, tiles) if self.cache else None
+            if tile is None:
+                tile = self.fastest(x, packed, fmt_name, bias, tiles)
+                if self.cache:
+                    self.cache.put(stored, tile)
+            self.choice[key] = tile
         return self.choice[key]
 
     def candidates(self, fmt_name: str, rows: int, dtype: torch.dtype) -> tuple[Tile, ...]:
@@ -204,7 +214,7 @@ class MeasuredTiles:
 
 class GgufKernels(WeightKernels):
     def __init__(self) -> None:
-        self.tiles = MeasuredTiles()  # one per process: engines reuse its measurements
+        self.tiles = MeasuredTiles(cache=default_tile_cache())  # one per process: engines reuse its measurements
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         """A linear's weight of a type that has planes, in them (others as they are)."""
@@ -257,7 +267,7 @@ class GgufPlanes(WeightFormat):
 
 class PlaneKernels(WeightKernels):
     def __init__(self) -> None:
-        self.tiles = MeasuredTiles(planes=True)
+        self.tiles = MeasuredTiles(planes=True, cache=default_tile_cache())
 
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
         fmt = weight.format
