@@ -14,7 +14,7 @@ import xinfer_cuda.tile_cache
 from tests.backends.test_gguf_planes import weight
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS
 from xinfer_cuda.quant_weights import MeasuredTiles, plane_candidates
-from xinfer_cuda.tile_cache import TileCache, default_tile_cache
+from xinfer_cuda.tile_cache import TileCache, default_tile_cache, remembered
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ROWS = (1, 3)
@@ -80,3 +80,17 @@ def test_the_cache_file_is_the_one_the_environment_names(tmp_path, monkeypatch, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     cache = default_tile_cache()
     assert (cache.path if cache else None) == (expected and tmp_path.joinpath(expected.format(tmp=tmp_path)))
+
+
+def test_a_baseline_choice_is_kept_too(tmp_path):
+    """None (cuBLAS, the heuristic's tiles: what the float linears and the experts choose where no tile beats it)
+    is an option like the tiles."""
+    measured: list[int] = []
+
+    def measure() -> None:
+        measured.append(1)
+
+    for _ in range(2):  # two starts
+        cache = TileCache(tmp_path / "tiles.json")
+        assert remembered(cache, torch.device("cpu"), ("linear", 4), ("a tile", None), measure) is None
+    assert measured == [1]

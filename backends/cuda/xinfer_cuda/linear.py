@@ -28,6 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, gemv
 from xinfer_cuda.kernels.norm_linear import norm_linear, norm_route
+from xinfer_cuda.tile_cache import TileCache, remembered
 
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
@@ -158,9 +159,11 @@ class SmallBatchLinear:
     cuBLAS); and a norm fused into that linear (:meth:`norm_linear`), measured against
     the norm's kernel followed by the linear (``choice``: None for those two)."""
 
-    def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies):
+    def __init__(self, timer: Timer = graph_time, copies: Callable[[Tensor], list[Tensor]] = l2_overflowing_copies,
+                 cache: TileCache | None = None):  # fmt: skip
         self.timer = timer
         self.copies = copies
+        self.cache = cache  # earlier starts' choices
         self.choice: dict[tuple, Tile | None] = {}
         self.measuring_s = 0.0  # since the last report
         self.reported = 0  # choices in the last report
@@ -238,7 +241,8 @@ class SmallBatchLinear:
             tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
             start = time.perf_counter()
             tiles = (candidates(_pow2(x.shape[0]), tensor_cores) if tiles is None else tiles) + more
-            self.choice[key] = self.fastest(key, weight, baseline, tile_call, tiles)
+            self.choice[key] = remembered(self.cache, x.device, ("linear", *key[:-1]), (*tiles, None),
+                                          lambda: self.fastest(key, weight, baseline, tile_call, tiles))  # fmt: skip
             self.measuring_s += time.perf_counter() - start
         return self.choice[key]
 

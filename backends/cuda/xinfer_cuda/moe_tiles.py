@@ -25,6 +25,7 @@ from torch import Tensor
 from xinfer_cuda.kernels import moe
 from xinfer_cuda.kernels.moe import SlotTiles
 from xinfer_cuda.linear import MARGIN, graph_time, time_each
+from xinfer_cuda.tile_cache import TileCache, remembered
 
 log = logging.getLogger("xinfer")
 
@@ -51,9 +52,10 @@ class SmallBatchMoE:
     """The per-slot tiles for a step of a few tokens (``choice``: per key, None for the
     heuristic's), measured on the key's first call."""
 
-    def __init__(self, timer: Timer = graph_time, routings: int = ROUTINGS):
+    def __init__(self, timer: Timer = graph_time, routings: int = ROUTINGS, cache: TileCache | None = None):
         self.timer = timer
         self.routings = routings
+        self.cache = cache  # earlier starts' choices
         self.choice: dict[tuple, SlotTiles | None] = {}
         self.measuring_s = 0.0  # since the last report
         self.reported = 0  # choices in the last report
@@ -67,7 +69,8 @@ class SmallBatchMoE:
                 return default  # not measured: the capture's warm-up did not see it
             start = time.perf_counter()
             candidates = moe.slot_candidates(num_tokens, top_k, x)
-            self.choice[key] = self.fastest(x, w13, w2, top_k, activation, default, candidates)
+            self.choice[key] = remembered(self.cache, x.device, ("experts", *key[:-1]), (*candidates, None),
+                                          lambda: self.fastest(x, w13, w2, top_k, activation, default, candidates))  # fmt: skip
             self.measuring_s += time.perf_counter() - start
         return self.choice[key] or default
 

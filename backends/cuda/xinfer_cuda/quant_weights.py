@@ -58,7 +58,7 @@ from xinfer_cuda.kernels.quant_linear import (
     linear_rows,
 )
 from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies, time_each
-from xinfer_cuda.tile_cache import TileCache, default_tile_cache
+from xinfer_cuda.tile_cache import TileCache, default_tile_cache, remembered
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
@@ -177,13 +177,8 @@ class MeasuredTiles:
             ):  # not measured: the capture's warm-up did not see it
                 return self.default(fmt_name, rows, x.shape[1])
             tiles = self.candidates(fmt_name, rows, x.dtype)
-            stored = self.cache.key(x.device, "planes" if self.planes else "blocks", *measured) if self.cache else ""
-            tile = self.cache.get(stored, tiles) if self.cache else None
-            if tile is None:
-                tile = self.fastest(x, packed, fmt_name, bias, tiles)
-                if self.cache:
-                    self.cache.put(stored, tile)
-            self.choice[key] = tile
+            self.choice[key] = remembered(self.cache, x.device, ("planes" if self.planes else "blocks", *measured),
+                                          tiles, lambda: self.fastest(x, packed, fmt_name, bias, tiles))  # fmt: skip
         return self.choice[key]
 
     def candidates(self, fmt_name: str, rows: int, dtype: torch.dtype) -> tuple[Tile, ...]:

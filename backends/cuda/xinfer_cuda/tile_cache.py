@@ -1,6 +1,7 @@
 """Measured tile choices kept on disk: a later start on the same GPU, with the same kernels and software, takes
 the tiles an earlier one measured instead of compiling and timing every candidate again (for an 8B GGUF model on
-an H100, most of a start's minute).
+an H100, most of a start's minute): the packed weights' (:class:`~xinfer_cuda.quant_weights.MeasuredTiles`), the
+float weights' (:class:`~xinfer_cuda.linear.SmallBatchLinear`) and the experts' (``SmallBatchMoE``).
 
 One JSON file (``$XINFER_TILE_CACHE``, by default ``~/.cache/xinfer/tiles.json``; ``off`` keeps nothing) maps a
 measurement's key to the chosen tile's ``repr``. A key names the GPU, the Triton and torch versions and a digest of
@@ -16,7 +17,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import TypeVar
@@ -60,10 +61,11 @@ class TileCache:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return repr((name, triton.__version__, torch.__version__, kernels_digest(), *parts))
 
-    def get(self, key: str, candidates: Sequence[T]) -> T | None:
-        """The candidate stored for ``key``, if it is one of ``candidates``."""
+    def find(self, key: str, options: Sequence[T]) -> list[T]:
+        """The option stored for ``key`` (None may be one: the baseline), as a list of one; none where nothing is
+        stored or what is stored is not among ``options``."""
         stored = self.choices.get(key)
-        return next((tile for tile in candidates if repr(tile) == stored), None)
+        return [option for option in options if repr(option) == stored][:1]
 
     def put(self, key: str, tile: object) -> None:
         self.choices[key] = repr(tile)
@@ -75,6 +77,21 @@ class TileCache:
             os.replace(f.name, self.path)
         except OSError as error:  # a read-only home: measured again next start, nothing lost now
             log.debug("tile cache %s not written: %s", self.path, error)
+
+
+def remembered(cache: TileCache | None, device: torch.device, parts: tuple, options: Sequence[T],
+               measure: Callable[[], T]) -> T:  # fmt: skip
+    """The option of ``options`` an earlier start chose for the measurement ``parts`` on ``device`` (kept in
+    ``cache``), else what ``measure`` chooses now, then kept."""
+    if cache is None:
+        return measure()
+    key = cache.key(device, *parts)
+    found = cache.find(key, options)
+    if found:
+        return found[0]
+    choice = measure()
+    cache.put(key, choice)
+    return choice
 
 
 def default_tile_cache() -> TileCache | None:
