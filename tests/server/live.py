@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json as jsonlib
 import os
 import signal
@@ -17,14 +16,6 @@ import openai
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = float(os.environ.get("XINFER_TEST_STARTUP_TIMEOUT", "300"))
-
-
-def die_with_parent() -> None:
-    """A server subprocess's ``preexec_fn``: on Linux it is sent SIGTERM when the test process that started it dies,
-    killed included (a pytest worker that crashes or is killed for memory leaves no server behind holding it)."""
-    if sys.platform == "linux":
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -51,8 +42,7 @@ class LiveServer:
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         self.log = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     preexec_fn=die_with_parent)  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -38,8 +38,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.live import die_with_parent
-
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 expect = sync_api.expect
 
@@ -149,7 +147,7 @@ def server():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "xinfer.server", "--ui-server", "--port", str(port)]
     cmd += shlex.split(os.environ.get("XINFER_UI_TEST_SERVER_ARGS", ""))
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     srv = Server(f"http://127.0.0.1:{port + 1}/", f"http://127.0.0.1:{port}/")
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
