@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -67,12 +68,29 @@ def xinfer_concurrent(llm: LLM, requests: int, tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for batch in outs for o in batch) / elapsed
 
 
+def amx() -> bool:
+    """Whether this CPU has AMX: llama-cpp-python 0.3.36's AMX matmul segfaults (``ggml_backend_amx_mul_mat``) on
+    the prompt of a Q4_1 file, so there llama.cpp runs without its extra buffer types (AMX and repacked layouts)."""
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def llama_cpp_batch1(path: Path, tokens: int, threads: int) -> float | None:
     try:
         import llama_cpp
     except ImportError:
         return None
-    model = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():  # llama.cpp's AMX matmul crashes (llama-cpp-python 0.3.36): on such a CPU, its other kernels
+        made = defaults()
+        made.use_extra_bufts = not amx()
+        return made
+
+    with unittest.mock.patch.object(llama_cpp.llama_cpp, "llama_model_default_params", params):
+        model = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
     ids = model.tokenize(PROMPT.encode())
     list(zip(range(4), model.generate(ids, top_k=1, temp=0.0)))  # warm
     model.reset()
@@ -106,7 +124,13 @@ def main() -> None:
         ours = xinfer_batch1(llm, args.output_len)
         emit(figure="batch1", engine="xinfer", tok_s=round(ours, 1), threads=args.threads)
         if theirs is not None:
-            emit(figure="batch1", engine="llama.cpp", tok_s=round(theirs, 1), threads=args.threads)
+            emit(
+                figure="batch1",
+                engine="llama.cpp",
+                tok_s=round(theirs, 1),
+                threads=args.threads,
+                extra_buffer_types=not amx(),
+            )
             emit(figure="batch1_ratio", xinfer_over_llama_cpp=round(ours / theirs, 3), target=0.5)
             theirs_all.append(theirs)
             ratios.append(ours / theirs)
