@@ -49,8 +49,9 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     col = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m.to(tl.int64) * stride_x + col, mask=(b < blocks)[:, None], other=0.0).to(tl.float32)
-    d = tl.max(tl.abs(x), axis=1) / 127.0
-    q = x / tl.where(d == 0.0, 1.0, d)[:, None]
+    # (divisions rounded to nearest, as torch's: Triton's own fp32 division is approximate on the GPU)
+    d = tl.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+    q = tl.div_rn(x, tl.where(d == 0.0, 1.0, d)[:, None])
     q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # to the nearest, halves away from 0
     out = m.to(tl.int64) * blocks + b
     tl.store(q_ptr + out[:, None] * 32 + tl.arange(0, 32)[None, :], q.to(tl.int8), mask=(b < blocks)[:, None])
