@@ -14,7 +14,7 @@ import xinfer_cuda.tile_cache
 from tests.backends.test_gguf_planes import weight
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS
 from xinfer_cuda.quant_weights import MeasuredTiles, plane_candidates
-from xinfer_cuda.tile_cache import TileCache, default_tile_cache, remembered
+from xinfer_cuda.tile_cache import NotMeasured, TileCache, default_tile_cache, remembered
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ROWS = (1, 3)
@@ -94,3 +94,18 @@ def test_a_baseline_choice_is_kept_too(tmp_path):
         cache = TileCache(tmp_path / "tiles.json")
         assert remembered(cache, torch.device("cpu"), ("linear", 4), ("a tile", None), measure) is None
     assert measured == [1]
+
+
+def test_a_choice_made_without_measuring_is_not_kept(tmp_path):
+    """Out of memory, a measurement falls back on its first option (:class:`NotMeasured`): taken now, measured
+    again next start."""
+
+    def out_of_memory() -> str:
+        raise NotMeasured("first tile")
+
+    cache = TileCache(tmp_path / "tiles.json")
+    assert remembered(cache, torch.device("cpu"), ("linear", 2), ("first tile", "best tile"), out_of_memory) == (
+        "first tile"
+    )
+    assert cache.choices == {} and not (tmp_path / "tiles.json").exists()
+    assert remembered(None, torch.device("cpu"), ("linear", 2), ("first tile",), out_of_memory) == "first tile"

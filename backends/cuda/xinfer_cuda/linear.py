@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, gemv
 from xinfer_cuda.kernels.norm_linear import norm_linear, norm_route
-from xinfer_cuda.tile_cache import TileCache, remembered
+from xinfer_cuda.tile_cache import NotMeasured, TileCache, remembered
 
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
@@ -255,8 +255,8 @@ class SmallBatchLinear:
             weights = self.copies(weight)
             base = self.timer(baseline, weights)
             times = time_each(self.timer, {tile: tile_call(tile) for tile in tiles}, weights, weight.device)
-        except torch.OutOfMemoryError:
-            return None
+        except torch.OutOfMemoryError as error:
+            raise NotMeasured(None) from error
         if not times:
             return None
         best = min(times, key=times.__getitem__)

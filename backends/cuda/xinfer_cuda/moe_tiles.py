@@ -25,7 +25,7 @@ from torch import Tensor
 from xinfer_cuda.kernels import moe
 from xinfer_cuda.kernels.moe import SlotTiles
 from xinfer_cuda.linear import MARGIN, graph_time, time_each
-from xinfer_cuda.tile_cache import TileCache, remembered
+from xinfer_cuda.tile_cache import NotMeasured, TileCache, remembered
 
 log = logging.getLogger("xinfer")
 
@@ -94,8 +94,8 @@ class SmallBatchMoE:
             steps = random_steps(x, w2.shape[0], top_k, self.routings)
             base = self.timer(run(default), steps)
             times = time_each(self.timer, {tiles: run(tiles) for tiles in candidates}, steps, x.device)
-        except torch.OutOfMemoryError:
-            return None
+        except torch.OutOfMemoryError as error:
+            raise NotMeasured(None) from error
         if not times:
             return None
         best = min(times, key=times.__getitem__)

@@ -58,7 +58,7 @@ from xinfer_cuda.kernels.quant_linear import (
     linear_rows,
 )
 from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies, time_each
-from xinfer_cuda.tile_cache import TileCache, default_tile_cache, remembered
+from xinfer_cuda.tile_cache import NotMeasured, TileCache, default_tile_cache, remembered
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
@@ -192,13 +192,12 @@ class MeasuredTiles:
         return default_gemv(FORMATS[fmt_name]) if rows == 1 else default_dot(FORMATS[fmt_name], rows)
 
     def fastest(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None, tiles: tuple[Tile, ...]) -> Tile:
-        times: dict[Tile, float] = {}
         try:
             copies = self.copies(packed)
             calls = {tile: lambda w, t=tile: self.run(x, w, fmt_name, bias, t) for tile in tiles}
             times = time_each(self.timer, calls, copies, x.device)
-        except torch.OutOfMemoryError:
-            pass
+        except torch.OutOfMemoryError as error:
+            raise NotMeasured(tiles[0]) from error
         if not times:
             return tiles[0]
         best = min(times, key=times.__getitem__)

@@ -79,18 +79,29 @@ class TileCache:
             log.debug("tile cache %s not written: %s", self.path, error)
 
 
+class NotMeasured(Exception):
+    """What a measurement raises where it could not time the candidates now (out of memory): its ``choice`` is
+    taken, not kept."""
+
+    def __init__(self, choice: object):
+        super().__init__(choice)
+        self.choice = choice
+
+
 def remembered(cache: TileCache | None, device: torch.device, parts: tuple, options: Sequence[T],
                measure: Callable[[], T]) -> T:  # fmt: skip
     """The option of ``options`` an earlier start chose for the measurement ``parts`` on ``device`` (kept in
-    ``cache``), else what ``measure`` chooses now, then kept."""
-    if cache is None:
-        return measure()
-    key = cache.key(device, *parts)
-    found = cache.find(key, options)
+    ``cache``), else what ``measure`` chooses now, then kept (unless it raised :class:`NotMeasured`)."""
+    key = cache.key(device, *parts) if cache is not None else ""
+    found = cache.find(key, options) if cache is not None else []
     if found:
         return found[0]
-    choice = measure()
-    cache.put(key, choice)
+    try:
+        choice = measure()
+    except NotMeasured as unmeasured:
+        return unmeasured.choice  # type: ignore[no-any-return]
+    if cache is not None:
+        cache.put(key, choice)
     return choice
 
 
