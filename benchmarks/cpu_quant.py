@@ -77,16 +77,16 @@ def amx() -> bool:
         return False
 
 
-def llama_cpp_batch1(path: Path, tokens: int, threads: int) -> float | None:
+def llama_cpp_batch1(path: Path, tokens: int, threads: int, extra_buffer_types: bool) -> float | None:
     try:
         import llama_cpp
     except ImportError:
         return None
     defaults = llama_cpp.llama_cpp.llama_model_default_params
 
-    def params():  # llama.cpp's AMX matmul crashes (llama-cpp-python 0.3.36): on such a CPU, its other kernels
+    def params():
         made = defaults()
-        made.use_extra_bufts = not amx()
+        made.use_extra_bufts = extra_buffer_types
         return made
 
     with unittest.mock.patch.object(llama_cpp.llama_cpp, "llama_model_default_params", params):
@@ -119,8 +119,9 @@ def main() -> None:
     weights = sum(p.nbytes for p in llm.engine.model.parameters())
     emit(figure="weights", bytes=weights, file_bytes=path.stat().st_size)
     theirs_all, ratios = [], []
+    extra_buffer_types = not amx()  # (llama.cpp's AMX matmul crashes: on such a CPU, its other kernels)
     for _ in range(args.repeats):
-        theirs = llama_cpp_batch1(path, args.output_len, args.threads)
+        theirs = llama_cpp_batch1(path, args.output_len, args.threads, extra_buffer_types)
         ours = xinfer_batch1(llm, args.output_len)
         emit(figure="batch1", engine="xinfer", tok_s=round(ours, 1), threads=args.threads)
         if theirs is not None:
@@ -129,7 +130,7 @@ def main() -> None:
                 engine="llama.cpp",
                 tok_s=round(theirs, 1),
                 threads=args.threads,
-                extra_buffer_types=not amx(),
+                extra_buffer_types=extra_buffer_types,
             )
             emit(figure="batch1_ratio", xinfer_over_llama_cpp=round(ours / theirs, 3), target=0.5)
             theirs_all.append(theirs)

@@ -37,7 +37,7 @@ from xinfer_cuda.kernels.gemv import MAX_ROWS
 from xinfer_cuda.linear import SmallBatchLinear
 from xinfer_cuda.moe_tiles import SmallBatchMoE
 from xinfer_cuda.quant_weights import WEIGHT_KERNELS
-from xinfer_cuda.tile_cache import default_tile_cache
+from xinfer_cuda.tile_cache import TILE_CACHE
 
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
@@ -53,8 +53,8 @@ class CudaOps(TorchOps):
     weight_kernels = WEIGHT_KERNELS  # the GGUF block formats, read packed
     expert_activations = frozenset(GATED_OPS)  # the MoE kernels' (kernels/activation.py)
 
-    small_batch_linear = SmallBatchLinear(cache=default_tile_cache())  # one per process: engines reuse its measurements
-    small_batch_moe = SmallBatchMoE(cache=default_tile_cache())  # likewise
+    small_batch_linear = SmallBatchLinear(cache=TILE_CACHE)  # one per process: engines reuse its measurements
+    small_batch_moe = SmallBatchMoE(cache=TILE_CACHE)  # likewise
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)  # copied to the GPU without waiting

@@ -6,9 +6,9 @@ A linear's weight in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K is re-laid once 
 (``prepare``) into planes (:mod:`xinfer_cuda.kernels.gguf_planes`: the same bytes, codes as
 aligned words apart from the scales), a :class:`GgufPlanes` weight whose kernels
 (:class:`PlaneKernels`, :mod:`xinfer_cuda.kernels.plane_linear`) decode a value in a few
-instructions, or for a few rows (and types with scales per 32 values) multiply its codes on the integer
-tensor cores with the activations rounded to 8 bits per 32 (:mod:`xinfer_cuda.kernels.plane_i8_dot`, as
-llama.cpp's batched decode does), where measured faster; rows of a weight that are looked up (an embedding) and stacked experts keep the
+instructions, or, for 16-bit activations, multiply its codes on the integer tensor cores with the
+activations rounded to 8 bits per 32 (:mod:`xinfer_cuda.kernels.plane_i8_dot`, as llama.cpp's batched decode
+does), where measured faster; rows of a weight that are looked up (an embedding) and stacked experts keep the
 file's blocks, as the other types do.
 
 Linears over the file's blocks go to :func:`xinfer_cuda.kernels.quant_linear.linear_rows` (one row: the GEMV;
@@ -58,7 +58,7 @@ from xinfer_cuda.kernels.quant_linear import (
     linear_rows,
 )
 from xinfer_cuda.linear import Timer, graph_time, l2_overflowing_copies, time_each
-from xinfer_cuda.tile_cache import NotMeasured, TileCache, default_tile_cache, remembered
+from xinfer_cuda.tile_cache import TILE_CACHE, NotMeasured, TileCache, remembered
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
@@ -208,7 +208,7 @@ class MeasuredTiles:
 
 class GgufKernels(WeightKernels):
     def __init__(self) -> None:
-        self.tiles = MeasuredTiles(cache=default_tile_cache())  # one per process: engines reuse its measurements
+        self.tiles = MeasuredTiles(cache=TILE_CACHE)  # one per process: engines reuse its measurements
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
         """A linear's weight of a type that has planes, in them (others as they are)."""
@@ -261,7 +261,7 @@ class GgufPlanes(WeightFormat):
 
 class PlaneKernels(WeightKernels):
     def __init__(self) -> None:
-        self.tiles = MeasuredTiles(planes=True, cache=default_tile_cache())
+        self.tiles = MeasuredTiles(planes=True, cache=TILE_CACHE)
 
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
         fmt = weight.format

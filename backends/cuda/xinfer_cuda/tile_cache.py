@@ -112,3 +112,6 @@ def default_tile_cache() -> TileCache | None:
         return None
     xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return TileCache(Path(setting) if setting else xdg / "xinfer" / "tiles.json")
+
+
+TILE_CACHE = default_tile_cache()  # the process's one: the packed, the float weights' and the experts' choices

@@ -302,8 +302,7 @@ class Q3_K(GGUFBlockFormat):
         d = _inverse(inverse).half().float()
         step = (d * scales).unsqueeze(-1)
         q = (_round_away(sub * _inverse(step)).clamp(-4, 3) + 4).to(torch.uint8).reshape(-1, 256)
-        bits = (q >> 2).reshape(-1, 8, 32).to(torch.int32)  # bit j of byte l: value 32 j + l
-        hmask = (bits << torch.arange(8, device=q.device, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
+        hmask = _pack_bit_planes((q >> 2).reshape(-1, 8, 32))  # bit j of byte l: value 32 j + l
         s = (scales + 32).to(torch.uint8)
         low4 = s[:, :8] | ((s[:, 8:] & 0xF) << 4)
         high2 = (s >> 4).reshape(-1, 4, 4)  # scale i: bits 2 (i // 4) of byte i % 4
@@ -328,6 +327,18 @@ def _pack_k_scales(scales: Tensor, mins: Tensor) -> Tensor:
     return torch.cat([first, second, third], dim=-1)
 
 
+def _pack_k_nibbles(q: Tensor) -> Tensor:
+    """Inverse of :func:`_k_nibbles`: codes < 16 [B, 8, 32] -> 128 bytes [B, 128]."""
+    chunks = q.reshape(-1, 4, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).flatten(1)
+
+
+def _pack_bit_planes(bits: Tensor) -> Tensor:
+    """Inverse of :func:`_bits` over 32 bytes: bits [B, 8, 32] -> [B, 32], bit ``j`` of byte ``l`` from ``bits[:, j, l]``."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.int32)[:, None]
+    return (bits.to(torch.int32) << shifts).sum(1).to(torch.uint8)
+
+
 def _k_nibbles(qs: Tensor) -> Tensor:
     """128 bytes -> 256 values in 8 sub-blocks of 32: chunk c of 32 bytes holds sub-block 2c in its
     low nibbles and 2c + 1 in its high ones."""
@@ -344,9 +355,7 @@ class Q4_K(GGUFBlockFormat):
 
     def encode(self, blocks: Tensor) -> Tensor:
         d, dmin, scales, mins, q = _k_fit(blocks, 15, -1.0, 20)
-        chunks = q.reshape(-1, 4, 2, 32)
-        nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).flatten(1)
-        return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), nibbles], dim=-1)
+        return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), _pack_k_nibbles(q)], dim=-1)
 
 
 def _k_fit(blocks: Tensor, levels: int, rmin: float, steps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -368,11 +377,8 @@ class Q5_K(GGUFBlockFormat):
 
     def encode(self, blocks: Tensor) -> Tensor:
         d, dmin, scales, mins, q = _k_fit(blocks, 31, -0.5, 15)
-        bits = (q >> 4).to(torch.int32)  # sub-block j: bit j of the 32 bytes
-        high = (bits << torch.arange(8, device=q.device, dtype=torch.int32)[:, None]).sum(1).to(torch.uint8)
-        chunks = (q & 0xF).reshape(-1, 4, 2, 32)
-        nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).flatten(1)
-        return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), high, nibbles], dim=-1)
+        high = _pack_bit_planes(q >> 4)  # sub-block j: bit j of the 32 bytes
+        return torch.cat([_half(d), _half(dmin), _pack_k_scales(scales, mins), high, _pack_k_nibbles(q & 0xF)], dim=-1)
 
 
 def q4_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
