@@ -1,8 +1,11 @@
 #!/bin/bash
-# #37's GPU figures in three calls on one warm GPU machine (carry `.whl` and `.ab`), each under 600 s:
-#   bash benchmarks/gguf_gpu.sh kernels   # the kernel table and the dequantize sweep, while llama.cpp builds
+# #37's GPU figures in a few calls on one warm GPU machine (carry `.whl` and `.ab`), each under 600 s:
+#   bash benchmarks/gguf_gpu.sh kernels   # the kernel table, while llama.cpp builds
+#   bash benchmarks/gguf_gpu.sh dequant   # the dequantize kernel's tiles alone
 #   bash benchmarks/gguf_gpu.sh models    # llama.cpp's llama-bench / llama-batched-bench, then xinfer, same GGUFs
-#   bash benchmarks/gguf_gpu.sh tests     # the packed-weight GPU tests (llama-cpp-python CPU-only for the mixes)
+#   bash benchmarks/gguf_gpu.sh tiles     # every candidate tile of the planes at 16 and 64 rows
+#   bash benchmarks/gguf_gpu.sh planes    # the plane and block kernels' tests
+#   bash benchmarks/gguf_gpu.sh packed    # the packed-weight model tests (llama-cpp-python CPU-only for the mixes)
 # Prepare here: ../shared/gpu/wheels.sh diskcache (into .whl), and llama.cpp's source under the carry limit:
 #   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lsd && cd /tmp/lsd && tar xzf llama_*.tar.gz
 #   cd llama_cpp_python-0.3.36/vendor/llama.cpp && rm -rf docs models/*.gguf* media benches \
@@ -40,20 +43,27 @@ kernels)
 for s in q.SCHEMES: q.gguf_file(q.SHAPES["llama-3.1-8b"](), s, Path("/tmp/quant_decode"))') > "$OUT/ggufs.log" 2>&1 &
   ggufs=$!
   timed kernels 300 python3 benchmarks/quant_decode.py --kernels --out "$OUT/kernels.json"
-  timed dequant 120 python3 benchmarks/quant_decode.py --dequant --out "$OUT/dequant.json"
-  grep -h '^{' "$OUT/kernels.txt" "$OUT/dequant.txt"
+  grep -h '^{' "$OUT/kernels.txt"
   wait $ggufs; tail -2 "$OUT/ggufs.log"; wait $build; tail -2 "$OUT/build.log" ;;
+dequant)
+  timed dequant 150 python3 benchmarks/quant_decode.py --dequant --out "$OUT/dequant.json"
+  grep -h '^{' "$OUT/dequant.txt" ;;
 models)
   timed llama_cpp 120 python3 benchmarks/quant_decode.py --llama-cpp /tmp/lcb/bin --batches 1 16 64 \
     --out "$OUT/llama_cpp.json"
   timed xinfer 440 python3 benchmarks/quant_decode.py --model --batches 1 16 64 --out "$OUT/xinfer.json"
   grep -h '^{' "$OUT/llama_cpp.txt" "$OUT/xinfer.txt" ;;
-tests)
-  pytest="python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs"
-  timed planes 270 $pytest tests/backends/test_plane_i8_dot.py tests/backends/test_gguf_planes.py \
-    tests/backends/test_gguf_kernels.py
-  timed packed 200 $pytest tests/gpu/test_gguf_packed.py tests/gpu/test_packed_weights_cuda.py \
-    tests/gpu/test_llama_cpp_mixes_cuda.py
-  tail -n 4 "$OUT/planes.txt" "$OUT/packed.txt" ;;
-*) echo "usage: bash benchmarks/gguf_gpu.sh kernels|models|tests"; exit 2 ;;
+tiles)
+  timed tiles 300 python3 benchmarks/quant_decode.py --tiles --batches 16 64 --out "$OUT/tiles.json"
+  tail -n 160 "$OUT/tiles.txt" | grep -v '^{' ;;
+planes)
+  timed planes 270 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
+    tests/backends/test_plane_i8_dot.py tests/backends/test_gguf_planes.py tests/backends/test_gguf_kernels.py
+  tail -n 4 "$OUT/planes.txt" ;;
+packed)
+  timed packed 330 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
+    tests/gpu/test_gguf_packed.py tests/gpu/test_packed_weights_cuda.py \
+    $([ -e /tmp/lcpy ] && echo tests/gpu/test_llama_cpp_mixes_cuda.py)
+  tail -n 4 "$OUT/packed.txt" ;;
+*) echo "usage: bash benchmarks/gguf_gpu.sh kernels|dequant|tiles|models|planes|packed"; exit 2 ;;
 esac

@@ -12,6 +12,7 @@ Modes:
     python benchmarks/quant_decode.py --kernels      # each layer shape and format alone: GB/s
     python benchmarks/quant_decode.py --linears      # every linear of a decode step in a graph
     python benchmarks/quant_decode.py --dequant      # the planes' dequantize kernel alone, per tile: GB/s
+    python benchmarks/quant_decode.py --tiles --batches 16 64   # every candidate tile of the planes' weights
     python benchmarks/quant_decode.py --model        # xinfer on a GGUF of the shape (written first)
     python benchmarks/quant_decode.py --model --llama-cpp BIN   # and llama.cpp's benchmarks on it
     python benchmarks/quant_decode.py --fp8          # FP8 (--isq fp8 of dummy weights) against bf16
@@ -76,7 +77,7 @@ from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, to_planes
 from xinfer_cuda.kernels.plane_linear import plane_dequantize, plane_rows
 from xinfer_cuda.kernels.quant_linear import dequantize, linear_rows
-from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS, PLANE_KERNELS
+from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS, PLANE_KERNELS, measured_rows
 
 SCHEMES = ("Q8_0", "Q4_K_M")  # GGUF files
 KERNEL_SCHEMES = (*SCHEMES, "FP8", "MXFP4", "NVFP4")
@@ -227,11 +228,39 @@ def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list
     return records
 
 
+def tile_times(config, device: torch.device, bandwidth: float, smoke: bool, batches: list[int]) -> list[dict]:
+    """Every candidate tile of :class:`MeasuredTiles` for each weight in planes of the shape, at each of
+    ``batches`` rows: what the measurement chose among, and by how much."""
+    from xinfer_cuda.linear import graph_time, l2_overflowing_copies, time_each
+
+    shapes = sorted({(w.n, w.k, w.fmt) for scheme in KERNEL_SCHEMES for w in weights(config, scheme)})
+    records = []
+    for n, k, fmt in shapes:
+        held = Held.of(fmt, k)
+        if not held.planes:
+            continue
+        if smoke:
+            n, k = 32, 2 * LAYOUTS[fmt].tile
+        packed = held.bytes_of(random_packed(n, k, FORMATS[fmt], device=device))
+        copies = [packed] if smoke else l2_overflowing_copies(packed)
+        for rows in batches:
+            x = torch.randn(rows, k, device=device, dtype=torch.float32 if smoke else torch.bfloat16)
+            tiles = PLANE_KERNELS.tiles.candidates(fmt, measured_rows(rows), x.dtype)
+            calls = {tile: lambda w, x=x, tile=tile, held=held: held.linear(x, w, tile) for tile in tiles}
+            timer = (lambda call, inputs: wall_seconds(lambda: call(inputs[0]))) if smoke else graph_time
+            for tile, seconds in time_each(timer, calls, copies, device).items():
+                records.append(emit({"mode": "tile", "format": fmt, "n": n, "k": k, "rows": rows, "tile": str(tile),
+                                     "us": round(seconds * 1e6, 2),
+                                     "of_bandwidth": round(packed.numel() / seconds / bandwidth, 3)}))  # fmt: skip
+        del copies
+    return records
+
+
 DEQUANT_TILES = [
     (block_n, values, warps)
-    for block_n in (4, 16, 64)
-    for values in (256, 1024, 4096)
-    for warps in (4, 8)
+    for block_n in (1, 2, 4, 16)
+    for values in (256, 1024)
+    for warps in (2, 4, 8)
     if block_n * values <= 16384  # (the program's values are in registers)
 ]
 
@@ -443,6 +472,7 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="time each (layer shape, format) alone")
     parser.add_argument("--linears", action="store_true", help="time a decode step's linears in a CUDA graph")
     parser.add_argument("--dequant", action="store_true", help="time the planes' dequantize kernel's tiles alone")
+    parser.add_argument("--tiles", action="store_true", help="time every candidate tile of the planes at --batches")
     parser.add_argument("--model", action="store_true", help="xinfer on a GGUF of the shape (batch 1 and --batches)")
     parser.add_argument("--llama-cpp", type=Path, metavar="BIN",
                         help="llama.cpp's build folder of llama-bench and llama-batched-bench: run on the same GGUFs")  # fmt: skip
@@ -455,7 +485,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the records to this JSON file")
     args = parser.parse_args()
     chosen = [flag for flag in ISQ_RUNS if getattr(args, flag)]
-    if not (args.kernels or args.linears or args.dequant or args.model or args.llama_cpp or chosen):
+    if not (args.kernels or args.linears or args.dequant or args.tiles or args.model or args.llama_cpp or chosen):
         args.kernels = args.linears = True
     if args.smoke:
         config, device, bandwidth = tiny_config(), torch.device("cpu"), 1e9
@@ -473,6 +503,8 @@ def main() -> None:
         records += linears(config, device, bandwidth, args.smoke, args.batches)
     if args.dequant:
         records += dequants(device, bandwidth, args.smoke)
+    if args.tiles:
+        records += tile_times(config, device, bandwidth, args.smoke, args.batches)
     if args.model:
         records += xinfer_model(config, args.gguf_dir, bandwidth, args.batches, "float32" if args.smoke else "bfloat16")
     if args.llama_cpp:
@@ -486,6 +518,9 @@ def main() -> None:
         if r["mode"] == "kernel":
             what = f"{r['format']} {r['n']}x{r['k']} rows {r['rows']} (cuBLAS bf16 {r['cublas_bf16_us']} us)"
             print(f"{what:44} {r['packed_us']:>10} {r['packed_GBps']:>14} {r['of_bandwidth']:>9}")
+        elif r["mode"] == "tile":
+            what = f"{r['format']} {r['n']}x{r['k']} rows {r['rows']} {r['tile']}"
+            print(f"{what:44} {r['us']:>10} {'':>14} {r['of_bandwidth']:>9}")
         elif r["mode"] == "dequant":
             what = f"dequantize {r['format']} {r['n']}x{r['k']} {r['block_n']} rows, {r['tiles']} tiles, {r['num_warps']} warps"
             print(f"{what:44} {r.get('us', r.get('error')):>10} {'':>14} {r.get('of_bandwidth', ''):>9}")

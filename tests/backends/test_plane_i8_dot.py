@@ -42,12 +42,12 @@ def test_activations_are_quantized_per_block_of_32_as_llama_cpps_q8_blocks():
 
 def block_constants(planes: torch.Tensor, name: str, n: int, k: int) -> torch.Tensor:
     """Each (row, block)'s part of the weight its codes do not carry: the weight with every code at the value the
-    kernel takes as 0 (Q8_0's 128, Q6_K's 32, the others' 0)."""
+    kernel takes as 0 (Q8_0's 128, Q6_K's 32, Q5_0's 16, Q4_0's 8, the affine types' 0)."""
     zeroed = planes.clone()
     views = plane_views(zeroed, LAYOUTS[name], n, k)
-    views[0].fill_(0x80 if name == "Q8_0" else 0)
-    if LAYOUTS[name].high_bits:
-        views[1].fill_(0xAA if name == "Q6_K" else 0)  # Q6_K's 2 high bits a code: 32 = 0b10 << 4
+    views[0].fill_({"Q8_0": 0x80, "Q4_0": 0x88}.get(name, 0))
+    if LAYOUTS[name].high_bits:  # Q6_K's 2 high bits a code: 32 = 0b10 << 4; Q5_0's one: 16 = 1 << 4
+        views[1].fill_({"Q6_K": 0xAA, "Q5_0": 0xFF}.get(name, 0))
     return reference_weight(from_planes(zeroed.cpu(), LAYOUTS[name], n, k), name).double()
 
 
@@ -58,15 +58,24 @@ def test_int8_dot_is_the_weight_times_the_quantized_activations(name):
     n, k = 20, 3 * LAYOUTS[name].tile
     packed = random_packed(n, k, FORMATS[name], device=DEVICE)
     planes = to_planes(packed, LAYOUTS[name])
+    x, bias = torch.randn(5, k, device=DEVICE).to(DTYPE), torch.randn(n, device=DEVICE).to(DTYPE)
+    want, plain = (product + bias.cpu().double() for product in int8_products(x, packed, planes, name))
+    for config in (PlaneI8DotConfig(16, 16, 4, 2), PlaneI8DotConfig(16, 16, 4, 2, split=3)):
+        check_int8(plane_i8_dot(x, planes, name, n, bias, config), want, plain)
+
+
+def int8_products(x: torch.Tensor, packed: torch.Tensor, planes: torch.Tensor, name: str):
+    """``x`` times the weight as the int8 dot computes it (the codes' part with the activations quantized, each
+    block's constant with the exact ones), and the plain product, both in float64 on the CPU."""
+    (m, k), n = x.shape, packed.shape[0]
     weight = reference_weight(packed, name).double()
     constants = block_constants(planes, name, n, k)
-    x, bias = torch.randn(5, k, device=DEVICE).to(DTYPE), torch.randn(n, device=DEVICE).to(DTYPE)
     q, d, _ = (t.cpu() for t in quantize_blocks(x))
-    x_quantized = (q.double().reshape(5, -1, 32) * d.double()[..., None]).reshape(5, k)
+    x_quantized = (q.double().reshape(m, -1, 32) * d.double()[..., None]).reshape(m, k)
     exact_x = x.cpu().double()
-    want = x_quantized @ (weight - constants).T + exact_x @ constants.T + bias.cpu().double()
-    for config in (PlaneI8DotConfig(16, 16, 4, 2), PlaneI8DotConfig(16, 16, 4, 2, split=3)):
-        out = plane_i8_dot(x, planes, name, n, bias, config)
-        check(out, want, DTYPE)
-        plain = exact_x @ weight.T + bias.cpu().double()
-        assert ((out.cpu().double() - plain).norm() / plain.norm()) < 2e-2, "8-bit activations cost more than 2 %"
+    return x_quantized @ (weight - constants).T + exact_x @ constants.T, exact_x @ weight.T
+
+
+def check_int8(out: torch.Tensor, want: torch.Tensor, plain: torch.Tensor) -> None:
+    check(out, want, out.dtype)
+    assert ((out.cpu().double() - plain).norm() / plain.norm()) < 2e-2, "8-bit activations cost more than 2 %"

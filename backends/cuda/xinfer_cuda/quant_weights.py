@@ -129,7 +129,7 @@ ONE_ROW_PLANE_TILES = tuple(
 # The int8 dots tried (block_n, warps, split), the activations' rows in one tile: up to 16 rows, and past them (8
 # warps: with 4, or 128 columns, a 64-row tile spills registers in the sm_90 build)
 I8_FEW_ROWS_DOTS = ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))
-I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4))
+I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4), (32, 4, 1), (32, 4, 2))
 
 
 def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = True) -> tuple[Tile, ...]:

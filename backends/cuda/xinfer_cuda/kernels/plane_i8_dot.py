@@ -7,12 +7,14 @@ The activations are quantized per block of 32 columns (:func:`quantize_blocks`: 
 codes with the weight rows' codes, and with ``value = scale * code + bias`` per (weight row, block)
 (:func:`~xinfer_cuda.kernels.plane_linear._scale_bias`):
 
-    sum over the block of x w = d_x * scale * (q_x . code) + s_x * bias   (up to x's rounding to q_x).
+    sum over the block of x w = d_x * scale * (q_x . code) + s_x * bias   (up to x's rounding to q_x),
+
+where a symmetric type's codes are taken less the code of 0 (its bias then 0: Q8_0, Q4_0, Q5_0, Q6_K).
 
 In a tile of the planes the block ``2 p + h`` of 32 columns is fields ``2 p`` and ``2 p + 1`` of words
 ``16 h .. 16 h + 15``, interleaved (column ``2 w + f % 2``): joined, the two fields' codes are the block's
-codes in column order. Q6_K's sub-blocks are 16 values, each with its scale: its codes go less the 32 they
-are stored plus (no bias), and a block is two dots, each with the activations of the other half zeroed.
+codes in column order. Q6_K's sub-blocks are 16 values, each with its scale: a block is two dots, each with
+the activations of the other half zeroed.
 """
 
 from __future__ import annotations
@@ -77,13 +79,18 @@ def quantize_blocks(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @triton.jit
 def _codes(FMT: tl.constexpr, F: tl.constexpr, word, high):
-    """Field ``F``'s codes as stored (Q8_0's less 128, Q6_K's less 32), int32."""
+    """Field ``F``'s codes, int32: a symmetric type's less the code of 0 (Q8_0's 128, Q6_K's 32, Q5_0's 16, Q4_0's
+    8), so that its blocks add nothing; an affine type's as stored."""
     if FMT == "Q8_0":
         return ((word >> (8 * F)) & 0xFF) - 128
     elif FMT == "Q6_K":
         return (((word >> (4 * F)) & 0xF) | (((high >> (2 * F)) & 3) << 4)) - 32
-    elif FMT == "Q5_0" or FMT == "Q5_1":
+    elif FMT == "Q5_0":
+        return (((word >> (4 * F)) & 0xF) | (((high >> F) & 1) << 4)) - 16
+    elif FMT == "Q5_1":
         return ((word >> (4 * F)) & 0xF) | (((high >> F) & 1) << 4)
+    elif FMT == "Q4_0":
+        return ((word >> (4 * F)) & 0xF) - 8
     else:
         return (word >> (4 * F)) & 0xF
 
@@ -129,10 +136,10 @@ def _plane_i8_dot_kernel(
             else:
                 dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
                 scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
-                if FMT == "Q8_0":  # the codes were taken less the 128 the bias takes off
-                    bias = bias + 128.0 * scale
-                x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
-                acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :]) + x_sum[:, None] * bias[None, :]
+                acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :])
+                if FMT == "Q4_1" or FMT == "Q5_1" or FMT == "Q4_K":  # affine: the block's sum of x times its bias
+                    x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
+                    acc += x_sum[:, None] * bias[None, :]
     if HAS_BIAS and not PARTIAL:
         acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
