@@ -11,7 +11,7 @@
 #   cd llama_cpp_python-0.3.36/vendor/llama.cpp && rm -rf docs models/*.gguf* media benches \
 #     ggml/src/ggml-{et,metal,hexagon,sycl,vulkan,opencl,cann,musa,webgpu,zdnn,openvino}
 #   cd /tmp/lsd && tar czf $REPO/.ab/llama_cpp_python-0.3.36-slim.tar.gz llama_cpp_python-0.3.36   # (49 MB)
-# Writes its logs and JSON under $OUT; prints the JSON lines and the tests' last lines.
+# LIMIT=SECONDS caps a mode's runs (each has its own default). Writes its logs and JSON under $OUT; prints the JSON lines and the tests' last lines.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
@@ -42,26 +42,26 @@ kernels)
   (cd benchmarks && python3 -c 'from pathlib import Path; import quant_decode as q
 for s in q.SCHEMES: q.gguf_file(q.SHAPES["llama-3.1-8b"](), s, Path("/tmp/quant_decode"))') > "$OUT/ggufs.log" 2>&1 &
   ggufs=$!
-  timed kernels 300 python3 benchmarks/quant_decode.py --kernels --out "$OUT/kernels.json"
+  timed kernels ${LIMIT:-300} python3 benchmarks/quant_decode.py --kernels --out "$OUT/kernels.json"
   grep -h '^{' "$OUT/kernels.txt"
   wait $ggufs; tail -2 "$OUT/ggufs.log"; wait $build; tail -2 "$OUT/build.log" ;;
 dequant)
-  timed dequant 150 python3 benchmarks/quant_decode.py --dequant --out "$OUT/dequant.json"
+  timed dequant ${LIMIT:-150} python3 benchmarks/quant_decode.py --dequant --out "$OUT/dequant.json"
   grep -h '^{' "$OUT/dequant.txt" ;;
 models)
-  timed llama_cpp 120 python3 benchmarks/quant_decode.py --llama-cpp /tmp/lcb/bin --batches 1 16 64 \
+  timed llama_cpp ${LIMIT:-120} python3 benchmarks/quant_decode.py --llama-cpp /tmp/lcb/bin --batches 1 16 64 \
     --out "$OUT/llama_cpp.json"
-  timed xinfer 440 python3 benchmarks/quant_decode.py --model --batches 1 16 64 --out "$OUT/xinfer.json"
+  timed xinfer ${LIMIT:-440} python3 benchmarks/quant_decode.py --model --batches 1 16 64 --out "$OUT/xinfer.json"
   grep -h '^{' "$OUT/llama_cpp.txt" "$OUT/xinfer.txt" ;;
 tiles)
-  timed tiles 300 python3 benchmarks/quant_decode.py --tiles --batches 16 64 --out "$OUT/tiles.json"
+  timed tiles ${LIMIT:-300} python3 benchmarks/quant_decode.py --tiles --batches 16 64 --out "$OUT/tiles.json"
   tail -n 160 "$OUT/tiles.txt" | grep -v '^{' ;;
 planes)
-  timed planes 270 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
+  timed planes ${LIMIT:-270} python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
     tests/backends/test_plane_i8_dot.py tests/backends/test_gguf_planes.py tests/backends/test_gguf_kernels.py
   tail -n 4 "$OUT/planes.txt" ;;
 packed)
-  timed packed 330 python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
+  timed packed ${LIMIT:-330} python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
     tests/gpu/test_gguf_packed.py tests/gpu/test_packed_weights_cuda.py \
     $([ -e /tmp/lcpy ] && echo tests/gpu/test_llama_cpp_mixes_cuda.py)
   tail -n 4 "$OUT/packed.txt" ;;
