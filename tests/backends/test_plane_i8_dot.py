@@ -53,14 +53,21 @@ def block_constants(planes: torch.Tensor, name: str, n: int, k: int) -> torch.Te
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_int8_dot_is_the_weight_times_the_quantized_activations(name):
-    """5 rows of x in a 16-row tile, 20 rows of the weight over two tiles of 16, 3 tiles of a row (with a bias);
-    then split along K in 3 programs, their partial sums and the bias added by the second kernel."""
+    """5 rows of x in a 16-row tile, 20 rows of the weight over two tiles of 16, 3 tiles of a row (with a bias), a half
+    tile a loop step and a whole one, the weight's rows as the MMA's first operand; then split along K in 3 programs,
+    their partial sums and the bias added by the second kernel."""
     n, k = 20, 3 * LAYOUTS[name].tile
     packed = random_packed(n, k, FORMATS[name], device=DEVICE)
     planes = to_planes(packed, LAYOUTS[name])
     x, bias = torch.randn(5, k, device=DEVICE).to(DTYPE), torch.randn(n, device=DEVICE).to(DTYPE)
     want, plain = (product + bias.cpu().double() for product in int8_products(x, packed, planes, name))
-    for config in (PlaneI8DotConfig(16, 16, 4, 2), PlaneI8DotConfig(16, 16, 4, 2, split=3)):
+    configs = (
+        PlaneI8DotConfig(16, 16, 4, 2),
+        PlaneI8DotConfig(16, 16, 4, 2, halves=2),
+        PlaneI8DotConfig(16, 16, 4, 2, weight_rows_first=True),
+        PlaneI8DotConfig(16, 16, 4, 2, split=3),
+    )
+    for config in configs:
         check_int8(plane_i8_dot(x, planes, name, n, bias, config), want, plain)
 
 

@@ -128,8 +128,18 @@ ONE_ROW_PLANE_TILES = tuple(
 
 # The int8 dots tried (block_n, warps, split), the activations' rows in one tile: up to 16 rows, and past them (8
 # warps: with 4, or 128 columns, a 64-row tile spills registers in the sm_90 build)
-I8_FEW_ROWS_DOTS = ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))
-I8_MANY_ROWS_DOTS = ((64, 8, 1), (64, 8, 2), (64, 8, 4), (32, 4, 1), (32, 4, 2))
+I8_FEW_ROWS_DOTS: tuple[dict, ...] = (
+    *(dict(block_n=n, num_warps=w, split=s) for n, w, s in ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))),
+    dict(block_n=64, num_warps=4, split=1, halves=2),
+    dict(block_n=64, num_warps=4, split=4, weight_rows_first=True),
+)
+I8_MANY_ROWS_DOTS: tuple[dict, ...] = (
+    *(
+        dict(block_n=n, num_warps=w, split=s)
+        for n, w, s in ((64, 8, 1), (64, 8, 2), (64, 8, 4), (32, 4, 1), (32, 4, 2))
+    ),
+    dict(block_n=64, num_warps=8, split=1, weight_rows_first=True),
+)
 
 
 def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = True) -> tuple[Tile, ...]:
@@ -141,7 +151,7 @@ def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = Tr
     if rows == 1:
         return ONE_ROW_PLANE_TILES
     i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if int8_activations else ()
-    i8 = tuple(PlaneI8DotConfig(max(16, rows), n, w, 3, s) for n, w, s in i8_tiles)
+    i8 = tuple(PlaneI8DotConfig(block_m=max(16, rows), num_stages=3, **tile) for tile in i8_tiles)
     return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
 
 

@@ -15,6 +15,13 @@ In a tile of the planes the block ``2 p + h`` of 32 columns is fields ``2 p`` an
 ``16 h .. 16 h + 15``, interleaved (column ``2 w + f % 2``): joined, the two fields' codes are the block's
 codes in column order. Q6_K's sub-blocks are 16 values, each with its scale: a block is two dots, each with
 the activations of the other half zeroed.
+
+Each block's dot is consumed (scaled into the fp32 accumulator) as soon as it is made. In the sm_90 build a
+tile of 64 activation rows goes to wgmma with the decoded codes stored to shared memory first (a fence and two
+barriers a block); with ``weight_rows_first`` the weight's rows are the MMA's M and its codes its first operand,
+which wgmma reads from registers (one barrier fewer a block; the accumulator is then [outputs, rows]). ``halves``
+2 makes a loop step a whole tile, so that the scales of both halves are loaded together (the scale loads are not
+pipelined as the codes are, and each step waits for them).
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class PlaneI8DotConfig:
     num_warps: int
     num_stages: int
     split: int = 1  # programs along K a tile of [block_m, block_n] outputs
+    weight_rows_first: bool = False  # the weight's rows as the MMA's M (wgmma with its codes in registers)
+    halves: int = 1  # half tiles a loop step (2: a whole tile, the scales of both halves loaded at once)
 
 
 @triton.jit
@@ -96,11 +105,34 @@ def _codes(FMT: tl.constexpr, F: tl.constexpr, word, high):
 
 
 @triton.jit
+def _along_rows(v, WEIGHT_ROWS_FIRST: tl.constexpr):
+    """A vector over x's rows broadcast along the accumulator's."""
+    return v[None, :] if WEIGHT_ROWS_FIRST else v[:, None]
+
+
+@triton.jit
+def _along_outputs(v, WEIGHT_ROWS_FIRST: tl.constexpr):
+    """A vector over the weight's rows (the outputs) broadcast along the accumulator's."""
+    return v[:, None] if WEIGHT_ROWS_FIRST else v[None, :]
+
+
+@triton.jit
+def _block_dot(xq, codes, WEIGHT_ROWS_FIRST: tl.constexpr):
+    """A block's int32 dot in the accumulator's orientation: the weight's codes as the MMA's first operand (from
+    registers, as Hopper's wgmma takes it) or the activations'."""
+    if WEIGHT_ROWS_FIRST:
+        return tl.dot(codes, tl.trans(xq), out_dtype=tl.int32)
+    else:
+        return tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
+
+
+@triton.jit
 def _plane_i8_dot_kernel(
     q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, M, N, K, stride_y,
     tiles_per_split,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALVES: tl.constexpr, WEIGHT_ROWS_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_entry(PDL)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,41 +141,49 @@ def _plane_i8_dot_kernel(
     n = rows.to(tl.int64)
     num_tiles, blocks = K // (32 * FIELDS), K // 32
     words = tl.arange(0, 16)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if WEIGHT_ROWS_FIRST else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = tl.program_id(2) * tiles_per_split
-    for half in range(2 * first, 2 * tl.minimum(first + tiles_per_split, num_tiles)):  # (tile, its half of words)
-        t, h = half // 2, half % 2
-        at = n[:, None] * (num_tiles * 32) + t * 32 + 16 * h + words
-        scales = scales_ptr + n * (num_tiles * PER_TILE) + t * PER_TILE
-        supers = supers_ptr + n * num_tiles + t
-        word = _load(codes_ptr + at, n_mask[:, None])
-        high = _load(high_ptr + at, n_mask[:, None]).to(tl.int32) if HIGH else word
-        for p in tl.static_range(FIELDS // 2):
-            codes = tl.join(_codes(FMT, 2 * p, word, high), _codes(FMT, 2 * p + 1, word, high))
-            codes = tl.reshape(codes, (BLOCK_N, 32)).to(tl.int8)
-            block = t * FIELDS + 2 * p + h
-            xb = ms.to(tl.int64) * blocks + block
-            xq = tl.load(q_ptr + xb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
-            x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
-            if FMT == "Q6_K":  # sub-blocks 2 h and 2 h + 1 of 16, one dot each (the codes less 32: no bias)
-                first_half = tl.arange(0, 32)[None, :] < 16
-                low = tl.dot(tl.where(first_half, xq, 0).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
-                high_dot = tl.dot(tl.where(first_half, 0, xq).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
-                low_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h, n_mask)
-                high_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h + 1, n_mask)
-                both = low.to(tl.float32) * low_scale[None, :] + high_dot.to(tl.float32) * high_scale[None, :]
-                acc += x_scale[:, None] * both
-            else:
-                dot = tl.dot(xq, tl.trans(codes), out_dtype=tl.int32)
-                scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
-                acc += dot.to(tl.float32) * (x_scale[:, None] * scale[None, :])
-                if FMT == "Q4_1" or FMT == "Q5_1" or FMT == "Q4_K":  # affine: the block's sum of x times its bias
-                    x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
-                    acc += x_sum[:, None] * bias[None, :]
+    last = tl.minimum(first + tiles_per_split, num_tiles)
+    for step in range(2 * first // HALVES, 2 * last // HALVES):
+        for j in tl.static_range(HALVES):
+            half = step * HALVES + j  # (tile, its half of words)
+            t, h = half // 2, half % 2
+            at = n[:, None] * (num_tiles * 32) + t * 32 + 16 * h + words
+            scales = scales_ptr + n * (num_tiles * PER_TILE) + t * PER_TILE
+            supers = supers_ptr + n * num_tiles + t
+            word = _load(codes_ptr + at, n_mask[:, None])
+            high = _load(high_ptr + at, n_mask[:, None]).to(tl.int32) if HIGH else word
+            for p in tl.static_range(FIELDS // 2):
+                codes = tl.join(_codes(FMT, 2 * p, word, high), _codes(FMT, 2 * p + 1, word, high))
+                codes = tl.reshape(codes, (BLOCK_N, 32)).to(tl.int8)
+                block = t * FIELDS + 2 * p + h
+                xb = ms.to(tl.int64) * blocks + block
+                xq = tl.load(q_ptr + xb[:, None] * 32 + tl.arange(0, 32)[None, :], mask=m_mask[:, None], other=0)
+                x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
+                if FMT == "Q6_K":  # sub-blocks 2 h and 2 h + 1 of 16, one dot each (the codes less 32: no bias)
+                    first_half = tl.arange(0, 32)[None, :] < 16
+                    low = _block_dot(tl.where(first_half, xq, 0).to(tl.int8), codes, WEIGHT_ROWS_FIRST)
+                    high_dot = _block_dot(tl.where(first_half, 0, xq).to(tl.int8), codes, WEIGHT_ROWS_FIRST)
+                    low_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h, n_mask)
+                    high_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h + 1, n_mask)
+                    both = low.to(tl.float32) * _along_outputs(low_scale, WEIGHT_ROWS_FIRST) + high_dot.to(
+                        tl.float32
+                    ) * _along_outputs(high_scale, WEIGHT_ROWS_FIRST)
+                    acc += _along_rows(x_scale, WEIGHT_ROWS_FIRST) * both
+                else:
+                    dot = _block_dot(xq, codes, WEIGHT_ROWS_FIRST)
+                    scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
+                    scales_product = _along_rows(x_scale, WEIGHT_ROWS_FIRST) * _along_outputs(scale, WEIGHT_ROWS_FIRST)
+                    acc += dot.to(tl.float32) * scales_product
+                    if FMT == "Q4_1" or FMT == "Q5_1" or FMT == "Q4_K":  # affine: the block's sum of x times its bias
+                        x_sum = tl.load(s_ptr + xb, mask=m_mask, other=0.0)
+                        acc += _along_rows(x_sum, WEIGHT_ROWS_FIRST) * _along_outputs(bias, WEIGHT_ROWS_FIRST)
     if HAS_BIAS and not PARTIAL:
-        acc += tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + tl.program_id(2) * M * N + ms[:, None].to(tl.int64) * stride_y + rows[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += _along_outputs(tl.load(bias_ptr + rows, mask=n_mask, other=0.0).to(tl.float32), WEIGHT_ROWS_FIRST)
+    at_rows = _along_rows(ms.to(tl.int64) * stride_y, WEIGHT_ROWS_FIRST)
+    y = y_ptr + tl.program_id(2) * M * N + at_rows + _along_outputs(rows, WEIGHT_ROWS_FIRST)
+    mask = _along_rows(m_mask, WEIGHT_ROWS_FIRST) & _along_outputs(n_mask, WEIGHT_ROWS_FIRST)
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def plane_i8_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
@@ -163,6 +203,7 @@ def plane_i8_dot(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None 
     _plane_i8_dot_kernel[grid](
         q, d, s, *_plane_views(raw, layout, n, k), bias if bias is not None else x, partial, m, n, k, n, per_split,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
+        HALVES=config.halves, WEIGHT_ROWS_FIRST=config.weight_rows_first, num_warps=config.num_warps,
+        num_stages=config.num_stages, **_format_args(layout), **launch.pdl(x.device),
     )  # fmt: skip
     return sum_splits(partial, bias, y)
