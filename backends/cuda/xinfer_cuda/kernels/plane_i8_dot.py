@@ -162,14 +162,13 @@ def _plane_i8_dot_kernel(
                 x_scale = tl.load(d_ptr + xb, mask=m_mask, other=0.0)
                 if FMT == "Q6_K":  # sub-blocks 2 h and 2 h + 1 of 16, one dot each (the codes less 32: no bias)
                     first_half = tl.arange(0, 32)[None, :] < 16
-                    low = _block_dot(tl.where(first_half, xq, 0).to(tl.int8), codes, WEIGHT_ROWS_FIRST)
+                    low_dot = _block_dot(tl.where(first_half, xq, 0).to(tl.int8), codes, WEIGHT_ROWS_FIRST)
                     high_dot = _block_dot(tl.where(first_half, 0, xq).to(tl.int8), codes, WEIGHT_ROWS_FIRST)
                     low_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h, n_mask)
                     high_scale, _ = _scale_bias(FMT, 2 * p, scales, supers, 2 * h + 1, n_mask)
-                    both = low.to(tl.float32) * _along_outputs(low_scale, WEIGHT_ROWS_FIRST) + high_dot.to(
-                        tl.float32
-                    ) * _along_outputs(high_scale, WEIGHT_ROWS_FIRST)
-                    acc += _along_rows(x_scale, WEIGHT_ROWS_FIRST) * both
+                    low_part = low_dot.to(tl.float32) * _along_outputs(low_scale, WEIGHT_ROWS_FIRST)
+                    high_part = high_dot.to(tl.float32) * _along_outputs(high_scale, WEIGHT_ROWS_FIRST)
+                    acc += _along_rows(x_scale, WEIGHT_ROWS_FIRST) * (low_part + high_part)
                 else:
                     dot = _block_dot(xq, codes, WEIGHT_ROWS_FIRST)
                     scale, bias = _scale_bias(FMT, 2 * p, scales, supers, h, n_mask)
