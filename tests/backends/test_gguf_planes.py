@@ -35,6 +35,7 @@ from xinfer_cuda.kernels.plane_linear import (
     plane_gemv,
     plane_rows,
 )
+from xinfer_cuda.kernels.quant_linear import DEQUANTIZED
 from xinfer_cuda.ops import CudaOps
 from xinfer_cuda.quant_weights import GGUF_KERNELS, GgufPlanes, MeasuredTiles, plane_candidates
 
@@ -213,6 +214,10 @@ def test_measured_tiles_time_the_plane_candidates():
     one, few = (plane_candidates(LAYOUTS["Q8_0"], rows, int8_activations=False) for rows in (1, 4))
     assert not any(isinstance(tile, PlaneI8DotConfig) for tile in one + few)
     assert any(isinstance(tile, PlaneI8DotConfig) for tile in plane_candidates(LAYOUTS["Q8_0"], 4))  # 16-bit ones
+    # from 64 rows 16-bit activations take the int8 dots or the dequantized weight; fp32 ones keep the bf16 dots
+    many, many_fp32 = plane_candidates(LAYOUTS["Q8_0"], 64), plane_candidates(LAYOUTS["Q8_0"], 64, False)
+    assert not any(isinstance(tile, PlaneDotConfig) for tile in many) and DEQUANTIZED in many
+    assert any(isinstance(tile, PlaneDotConfig) for tile in many_fp32)
     assert measured == [1] * len(one) + [3] * len(few)
     assert list(tiles.choice.values()) == [one[1], few[-1]]
 

@@ -147,12 +147,14 @@ def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = Tr
     of :data:`ONE_ROW_PLANE_TILES` (on an H100 they beat the int8 dot's 16-row tile at every Llama-3.1-8B shape
     and type), past it :func:`dot_candidates`, the int8 dots (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`)
     and the dequantized weight. The int8 dots round the activations to 8 bits: none without ``int8_activations``
-    (fp32 activations keep their precision)."""
+    (fp32 activations keep their precision); with them, from 64 rows no bf16 dot (on the H100 the int8 dot or
+    the dequantized weight won every Llama-3.1-8B shape and type there)."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES
     i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if int8_activations else ()
     i8 = tuple(PlaneI8DotConfig(block_m=max(16, rows), num_stages=3, **tile) for tile in i8_tiles)
-    return (*dot_candidates(rows, PlaneDotConfig, 1), *i8, DEQUANTIZED)
+    dots = dot_candidates(rows, PlaneDotConfig, 1) if rows < 64 or not i8 else ()
+    return (*dots, *i8, DEQUANTIZED)
 
 
 def measured_rows(rows: int) -> int:
