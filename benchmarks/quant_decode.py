@@ -189,12 +189,16 @@ class Held:
         return (PLANE_KERNELS if self.planes else GGUF_KERNELS).tiles(x, w, self.fmt, None)
 
 
+def kernel_shapes(config) -> list[tuple[int, int, str]]:
+    """Each distinct (rows, columns, format) of the weights a decode step of :data:`KERNEL_SCHEMES` reads."""
+    return sorted({(w.n, w.k, w.fmt) for scheme in KERNEL_SCHEMES for w in weights(config, scheme)})
+
+
 def kernels(config, device: torch.device, bandwidth: float, smoke: bool) -> list[dict]:
     from xinfer_cuda.linear import graph_time, l2_overflowing_copies
 
-    shapes = sorted({(w.n, w.k, w.fmt) for scheme in KERNEL_SCHEMES for w in weights(config, scheme)})
     records = []
-    for n, k, fmt in shapes:
+    for n, k, fmt in kernel_shapes(config):
         held = Held.of(fmt, k)
         packed = held.bytes_of(random_packed(n, k, FORMATS[fmt], device=device))
         copies = [packed] if smoke else l2_overflowing_copies(packed)
@@ -233,9 +237,8 @@ def tile_times(config, device: torch.device, bandwidth: float, smoke: bool, batc
     ``batches`` rows: what the measurement chose among, and by how much."""
     from xinfer_cuda.linear import graph_time, l2_overflowing_copies, time_each
 
-    shapes = sorted({(w.n, w.k, w.fmt) for scheme in KERNEL_SCHEMES for w in weights(config, scheme)})
     records = []
-    for n, k, fmt in shapes:
+    for n, k, fmt in kernel_shapes(config):
         held = Held.of(fmt, k)
         if not held.planes:
             continue

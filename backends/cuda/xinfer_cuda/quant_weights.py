@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -126,19 +127,24 @@ ONE_ROW_PLANE_TILES = tuple(
 )
 
 
-# The int8 dots tried (block_n, warps, split), the activations' rows in one tile: up to 16 rows, and past them (8
-# warps: with 4, or 128 columns, a 64-row tile spills registers in the sm_90 build)
-I8_FEW_ROWS_DOTS: tuple[dict, ...] = (
-    *(dict(block_n=n, num_warps=w, split=s) for n, w, s in ((64, 4, 1), (128, 8, 1), (64, 4, 4), (128, 8, 4))),
-    dict(block_n=64, num_warps=4, split=1, halves=2),
-    dict(block_n=64, num_warps=4, split=4, weight_rows_first=True),
+# The int8 dots tried, their block_m (16 here) replaced by the activations' rows in one tile: up to 16 rows, and
+# past them (64 columns with 8 warps or 32 with 4: 64x64 with 4 warps, or 64x128, spills registers in the sm_90
+# build); ``halves`` and ``weight_rows_first`` are loop shapes to measure beside the others (not timed yet)
+I8_FEW_ROWS_DOTS = (
+    PlaneI8DotConfig(16, 64, 4, 3),
+    PlaneI8DotConfig(16, 128, 8, 3),
+    PlaneI8DotConfig(16, 64, 4, 3, split=4),
+    PlaneI8DotConfig(16, 128, 8, 3, split=4),
+    PlaneI8DotConfig(16, 64, 4, 3, halves=2),
+    PlaneI8DotConfig(16, 64, 4, 3, split=4, weight_rows_first=True),
 )
-I8_MANY_ROWS_DOTS: tuple[dict, ...] = (
-    *(
-        dict(block_n=n, num_warps=w, split=s)
-        for n, w, s in ((64, 8, 1), (64, 8, 2), (64, 8, 4), (32, 4, 1), (32, 4, 2))
-    ),
-    dict(block_n=64, num_warps=8, split=1, weight_rows_first=True),
+I8_MANY_ROWS_DOTS = (
+    PlaneI8DotConfig(16, 64, 8, 3),
+    PlaneI8DotConfig(16, 64, 8, 3, split=2),
+    PlaneI8DotConfig(16, 64, 8, 3, split=4),
+    PlaneI8DotConfig(16, 32, 4, 3),
+    PlaneI8DotConfig(16, 32, 4, 3, split=2),
+    PlaneI8DotConfig(16, 64, 8, 3, weight_rows_first=True),
 )
 
 
@@ -152,7 +158,7 @@ def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = Tr
     if rows == 1:
         return ONE_ROW_PLANE_TILES
     i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if int8_activations else ()
-    i8 = tuple(PlaneI8DotConfig(block_m=max(16, rows), num_stages=3, **tile) for tile in i8_tiles)
+    i8 = tuple(replace(tile, block_m=max(16, rows)) for tile in i8_tiles)
     dots = dot_candidates(rows, PlaneDotConfig, 1) if rows < 64 or not i8 else ()
     return (*dots, *i8, DEQUANTIZED)
 
@@ -182,15 +188,14 @@ class MeasuredTiles:
 
     def __call__(self, x: Tensor, packed: Tensor, fmt_name: str, bias: Tensor | None) -> Tile:
         rows = measured_rows(x.shape[0])
-        measured = (fmt_name, rows, tuple(packed.shape), x.shape[1], x.dtype, bias is not None)
-        key = (*measured, x.device)
+        key = (fmt_name, rows, tuple(packed.shape), x.shape[1], x.dtype, bias is not None, x.device)
         if key not in self.choice:
             if (
                 x.is_cuda and torch.cuda.is_current_stream_capturing()
             ):  # not measured: the capture's warm-up did not see it
                 return self.default(fmt_name, rows, x.shape[1])
             tiles = self.candidates(fmt_name, rows, x.dtype)
-            self.choice[key] = remembered(self.cache, x.device, ("planes" if self.planes else "blocks", *measured),
+            self.choice[key] = remembered(self.cache, x.device, ("planes" if self.planes else "blocks", *key[:-1]),
                                           tiles, lambda: self.fastest(x, packed, fmt_name, bias, tiles))  # fmt: skip
         return self.choice[key]
 

@@ -92,17 +92,23 @@ def remembered(cache: TileCache | None, device: torch.device, parts: tuple, opti
                measure: Callable[[], T]) -> T:  # fmt: skip
     """The option of ``options`` an earlier start chose for the measurement ``parts`` on ``device`` (kept in
     ``cache``), else what ``measure`` chooses now, then kept (unless it raised :class:`NotMeasured`)."""
-    key = cache.key(device, *parts) if cache is not None else ""
-    found = cache.find(key, options) if cache is not None else []
-    if found:
-        return found[0]
-    try:
-        choice = measure()
-    except NotMeasured as unmeasured:
-        return unmeasured.choice  # type: ignore[no-any-return]
-    if cache is not None:
+    if cache is None:
+        return _measured(measure)[0]
+    key = cache.key(device, *parts)
+    for found in cache.find(key, options):
+        return found
+    choice, kept = _measured(measure)
+    if kept:
         cache.put(key, choice)
     return choice
+
+
+def _measured(measure: Callable[[], T]) -> tuple[T, bool]:
+    """What ``measure`` chooses, and whether to keep it (not where it raised :class:`NotMeasured`)."""
+    try:
+        return measure(), True
+    except NotMeasured as unmeasured:
+        return unmeasured.choice, False  # type: ignore[return-value]
 
 
 def default_tile_cache() -> TileCache | None:
