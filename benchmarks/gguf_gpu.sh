@@ -2,7 +2,7 @@
 # #37's GPU figures in a few calls on one warm GPU machine (carry `.whl` and `.ab`), each under 600 s:
 #   bash benchmarks/gguf_gpu.sh kernels   # the kernel table, while llama.cpp builds
 #   bash benchmarks/gguf_gpu.sh dequant   # the dequantize kernel's tiles alone
-#   bash benchmarks/gguf_gpu.sh models    # llama.cpp's llama-bench / llama-batched-bench, then xinfer, same GGUFs
+#   bash benchmarks/gguf_gpu.sh models    # llama.cpp's llama-bench / llama-batched-bench (when built), then xinfer
 #   bash benchmarks/gguf_gpu.sh tiles     # every candidate tile of the planes at 16 and 64 rows
 #   bash benchmarks/gguf_gpu.sh planes    # the plane and block kernels' tests
 #   bash benchmarks/gguf_gpu.sh packed    # the packed-weight model tests (llama-cpp-python CPU-only for the mixes)
@@ -11,7 +11,7 @@
 #   cd llama_cpp_python-0.3.36/vendor/llama.cpp && rm -rf docs models/*.gguf* media benches \
 #     ggml/src/ggml-{et,metal,hexagon,sycl,vulkan,opencl,cann,musa,webgpu,zdnn,openvino}
 #   cd /tmp/lsd && tar czf $REPO/.ab/llama_cpp_python-0.3.36-slim.tar.gz llama_cpp_python-0.3.36   # (49 MB)
-# LIMIT=SECONDS caps a mode's runs (each has its own default). Writes its logs and JSON under $OUT; prints the JSON lines and the tests' last lines.
+# LIMIT=SECONDS caps a mode's runs (each has its own default); BATCHES="1 16 64" the batch sizes of tiles and models. Writes its logs and JSON under $OUT; prints the JSON lines and the tests' last lines.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
@@ -49,16 +49,18 @@ dequant)
   timed dequant ${LIMIT:-150} python3 benchmarks/quant_decode.py --dequant --out "$OUT/dequant.json"
   grep -h '^{' "$OUT/dequant.txt" ;;
 models)
-  timed llama_cpp ${LIMIT:-120} python3 benchmarks/quant_decode.py --llama-cpp /tmp/lcb/bin --batches 1 16 64 \
-    --out "$OUT/llama_cpp.json"
-  timed xinfer ${LIMIT:-440} python3 benchmarks/quant_decode.py --model --batches 1 16 64 --out "$OUT/xinfer.json"
-  grep -h '^{' "$OUT/llama_cpp.txt" "$OUT/xinfer.txt" ;;
+  [ -e /tmp/lcb/bin ] && timed llama_cpp ${LIMIT:-120} python3 benchmarks/quant_decode.py --llama-cpp /tmp/lcb/bin \
+    --batches ${BATCHES:-1 16 64} --out "$OUT/llama_cpp.json"
+  timed xinfer ${LIMIT:-440} python3 benchmarks/quant_decode.py --model --batches ${BATCHES:-1 16 64} \
+    --out "$OUT/xinfer.json"
+  grep -h '^{' "$OUT"/llama_cpp.txt "$OUT/xinfer.txt" 2>/dev/null ;;
 tiles)
-  timed tiles ${LIMIT:-300} python3 benchmarks/quant_decode.py --tiles --batches 16 64 --out "$OUT/tiles.json"
+  timed tiles ${LIMIT:-300} python3 benchmarks/quant_decode.py --tiles --batches ${BATCHES:-16 64} --out "$OUT/tiles.json"
   tail -n 160 "$OUT/tiles.txt" | grep -v '^{' ;;
 planes)
   timed planes ${LIMIT:-270} python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \
-    tests/backends/test_plane_i8_dot.py tests/backends/test_gguf_planes.py tests/backends/test_gguf_kernels.py
+    tests/backends/test_plane_i8_gemv.py tests/backends/test_plane_i8_dot.py tests/backends/test_gguf_planes.py \
+    tests/backends/test_gguf_kernels.py
   tail -n 4 "$OUT/planes.txt" ;;
 packed)
   timed packed ${LIMIT:-330} python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=250 -rs \

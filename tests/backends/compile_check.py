@@ -48,6 +48,7 @@ from xinfer_cuda.kernels import (
     norm,
     norm_linear,
     plane_i8_dot,
+    plane_i8_gemv,
     plane_linear,
     quant_linear,
     quant_moe,
@@ -78,7 +79,7 @@ MODULES = (
     rotary,
     sampling,
 )
-MODULES += (plane_i8_dot, plane_linear, quant_linear, quant_moe, splits, token_bitmask)
+MODULES += (plane_i8_dot, plane_i8_gemv, plane_linear, quant_linear, quant_moe, splits, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
 MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, mla_rows, sparse_mla, indexer)

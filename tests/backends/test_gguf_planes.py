@@ -27,6 +27,7 @@ from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, from_planes, to_planes
 from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
+from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig
 from xinfer_cuda.kernels.plane_linear import (
     PlaneDotConfig,
     PlaneGemvConfig,
@@ -154,7 +155,7 @@ def test_real_shapes_in_every_candidate_tile(name, shape):
     int8 = None
     for tile in plane_candidates(LAYOUTS[name], m):
         out = plane_rows(x, planes, name, None, tile)
-        if isinstance(tile, PlaneI8DotConfig):  # its error is the quantized activations': checked as theirs
+        if isinstance(tile, (PlaneI8DotConfig, PlaneI8GemvConfig)):  # the quantized activations' error: as theirs
             int8 = int8 or int8_products(x, packed, planes, name)
             check_int8(out, *int8)
         else:
@@ -210,10 +211,11 @@ def test_measured_tiles_time_the_plane_candidates():
         x = torch.randn(rows, k, device=DEVICE)
         tile = tiles(x, planes, "Q8_0", None)
         check(plane_rows(x, planes, "Q8_0", None, tile), x.cpu() @ reference_weight(packed, "Q8_0").T, torch.float32)
-    # fp32 activations: no int8 dot among them
+    # fp32 activations: no int8 kernel among them
     one, few = (plane_candidates(LAYOUTS["Q8_0"], rows, int8_activations=False) for rows in (1, 4))
-    assert not any(isinstance(tile, PlaneI8DotConfig) for tile in one + few)
+    assert not any(isinstance(tile, (PlaneI8DotConfig, PlaneI8GemvConfig)) for tile in one + few)
     assert any(isinstance(tile, PlaneI8DotConfig) for tile in plane_candidates(LAYOUTS["Q8_0"], 4))  # 16-bit ones
+    assert any(isinstance(tile, PlaneI8GemvConfig) for tile in plane_candidates(LAYOUTS["Q8_0"], 1))
     # from 64 rows 16-bit activations take the int8 dots or the dequantized weight; fp32 ones keep the bf16 dots
     many, many_fp32 = plane_candidates(LAYOUTS["Q8_0"], 64), plane_candidates(LAYOUTS["Q8_0"], 64, False)
     assert not any(isinstance(tile, PlaneDotConfig) for tile in many) and DEQUANTIZED in many

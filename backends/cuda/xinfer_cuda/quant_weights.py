@@ -40,6 +40,7 @@ from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, from_planes, to_planes
 from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
+from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig
 from xinfer_cuda.kernels.plane_linear import (
     PlaneDotConfig,
     PlaneGemvConfig,
@@ -63,7 +64,7 @@ from xinfer_cuda.tile_cache import TILE_CACHE, NotMeasured, TileCache, remembere
 
 log = logging.getLogger("xinfer")
 MEASURED_ROWS = MAX_PACKED_ROWS
-Tile = QGemvConfig | QDotConfig | PlaneGemvConfig | PlaneDotConfig | PlaneI8DotConfig | Dequantized
+Tile = QGemvConfig | QDotConfig | PlaneGemvConfig | PlaneDotConfig | PlaneI8GemvConfig | PlaneI8DotConfig | Dequantized
 Run = Callable[[Tensor, Tensor, str, Tensor | None, Tile | None], Tensor]  # x, weight bytes, type, bias, tile
 
 
@@ -127,6 +128,17 @@ ONE_ROW_PLANE_TILES = tuple(
 )
 
 
+# The one-row int8 GEMVs tried: 1, 2 or 4 rows in a thread's registers (sharing its activations), 4 or 8 warps
+I8_ONE_ROW_GEMVS = (
+    PlaneI8GemvConfig(4, 4),
+    PlaneI8GemvConfig(8, 4),
+    PlaneI8GemvConfig(16, 4),
+    PlaneI8GemvConfig(8, 8),
+    PlaneI8GemvConfig(16, 8),
+    PlaneI8GemvConfig(8, 4, split=2),
+)
+
+
 # The int8 dots tried, their block_m (16 here) replaced by the activations' rows in one tile: up to 16 rows, and
 # past them (64 columns with 8 warps or 32 with 4: 64x64 with 4 warps, or 64x128, spills registers in the sm_90
 # build); ``halves`` and ``weight_rows_first`` are loop shapes to measure beside the others (not timed yet)
@@ -150,13 +162,13 @@ I8_MANY_ROWS_DOTS = (
 
 def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = True) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (:func:`measured_rows`) of a weight in planes: for one row the GEMVs
-    of :data:`ONE_ROW_PLANE_TILES` (on an H100 they beat the int8 dot's 16-row tile at every Llama-3.1-8B shape
-    and type), past it :func:`dot_candidates`, the int8 dots (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`)
-    and the dequantized weight. The int8 dots round the activations to 8 bits: none without ``int8_activations``
-    (fp32 activations keep their precision); with them, from 64 rows no bf16 dot (on the H100 the int8 dot or
-    the dequantized weight won every Llama-3.1-8B shape and type there)."""
+    of :data:`ONE_ROW_PLANE_TILES` and the int8 GEMVs (:data:`I8_ONE_ROW_GEMVS`), past it :func:`dot_candidates`,
+    the int8 dots (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`) and the dequantized weight. The int8
+    kernels round the activations to 8 bits: none without ``int8_activations`` (fp32 activations keep their
+    precision); with them, from 64 rows no bf16 dot (on the H100 the int8 dot or the dequantized weight won every
+    Llama-3.1-8B shape and type there)."""
     if rows == 1:
-        return ONE_ROW_PLANE_TILES
+        return ONE_ROW_PLANE_TILES + (I8_ONE_ROW_GEMVS if int8_activations else ())
     i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if int8_activations else ()
     i8 = tuple(replace(tile, block_m=max(16, rows)) for tile in i8_tiles)
     dots = dot_candidates(rows, PlaneDotConfig, 1) if rows < 64 or not i8 else ()

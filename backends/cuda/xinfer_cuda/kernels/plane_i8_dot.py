@@ -54,7 +54,29 @@ class PlaneI8DotConfig:
 
 
 @triton.jit
-def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+def _stored_at(col, ORDER: tl.constexpr):
+    """Where the code of column ``col`` is stored: in column order, or (``ORDER`` a planes type's fields a word)
+    in the order the one-row int8 GEMV reads a tile's codes (:mod:`~xinfer_cuda.kernels.plane_i8_gemv`): per
+    16-byte load ``c`` (4 words) of half ``h`` of a tile, 4 words of 4 codes that share a block (of columns
+    ``32 h + 8 c ..``). 8 fields (nibbles): word ``(parity, j)`` holds columns ``64 j + 32 h + 8 c + 2 i + parity``,
+    ``i = 0..3``; 4 fields (bytes): word ``k`` columns ``64 (k % 2) + 32 h + 8 c + 4 (k // 2) + i``."""
+    if ORDER == 0:
+        return col
+    else:
+        tile, at = col // (32 * ORDER), col % (32 * ORDER)
+        load = 4 * ((at // 32) % 2) + (at // 8) % 4  # 4 h + c
+        if ORDER == 8:
+            word = 4 * (at % 2) + at // 64
+            byte = (at // 2) % 4
+        else:
+            word = 2 * ((at // 4) % 2) + at // 64
+            byte = at % 4
+        return tile * (32 * ORDER) + 4 * ORDER * load + 4 * word + byte
+
+
+@triton.jit
+def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS: tl.constexpr, ORDER: tl.constexpr,
+                            PDL: tl.constexpr):  # fmt: skip
     pdl_entry(PDL)
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -65,23 +87,25 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS
     q = tl.div_rn(x, tl.where(d == 0.0, 1.0, d)[:, None])
     q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # to the nearest, halves away from 0
     out = m.to(tl.int64) * blocks + b
-    tl.store(q_ptr + out[:, None] * 32 + tl.arange(0, 32)[None, :], q.to(tl.int8), mask=(b < blocks)[:, None])
+    tl.store(q_ptr + m.to(tl.int64) * (32 * blocks) + _stored_at(col, ORDER), q.to(tl.int8), mask=(b < blocks)[:, None])
     tl.store(d_ptr + out, d, mask=b < blocks)
     tl.store(s_ptr + out, tl.sum(x, axis=1), mask=b < blocks)
 
 
-def quantize_blocks(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_blocks(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """``x`` [M, K] (K a multiple of 32) as int8 codes [M, K], a scale per block of 32 [M, K / 32] (``x ~ d q``,
-    the block's largest magnitude at 127) and each block's sum of ``x`` [M, K / 32], both fp32."""
+    the block's largest magnitude at 127) and each block's sum of ``x`` [M, K / 32], both fp32; the codes in
+    column order, or with ``order`` (a planes type's fields a word; K then a multiple of its tile) in the one-row
+    int8 GEMV's."""
     m, k = x.shape
     blocks = k // BLOCK
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     d = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
     s = torch.empty_like(d)
-    per_program = 16
+    per_program = 16  # 512 columns: whole tiles of every type
     if m:
         _quantize_blocks_kernel[(m, triton.cdiv(blocks, per_program))](
-            x, q, d, s, blocks, x.stride(0), BLOCKS=per_program, num_warps=4, **launch.pdl(x.device)
+            x, q, d, s, blocks, x.stride(0), BLOCKS=per_program, ORDER=order, num_warps=4, **launch.pdl(x.device)
         )
     return q, d, s
 

@@ -52,6 +52,7 @@ from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
 
 if TYPE_CHECKING:
     from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
+    from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig
 
 MAGIC = 0x4B000000  # the bits of 2**23: an integer below 2**23 or-ed in is added (passed at run time: one register
 # holds it, the masks stay immediates, where two constants would be rematerialized in the loop)
@@ -507,18 +508,21 @@ def plane_rows(
     raw: Tensor,
     name: str,
     bias: Tensor | None = None,
-    config: PlaneGemvConfig | PlaneDotConfig | PlaneI8DotConfig | Dequantized | None = None,
+    config: PlaneGemvConfig | PlaneDotConfig | PlaneI8GemvConfig | PlaneI8DotConfig | Dequantized | None = None,
 ) -> Tensor:
-    """``x`` [M, K] times the weight whose planes are ``raw`` in ``config``'s kernel and tile (the int8 dot's
-    :mod:`~xinfer_cuda.kernels.plane_i8_dot`); without one, the GEMV for one row, the dot kernel up to
+    """``x`` [M, K] times the weight whose planes are ``raw`` in ``config``'s kernel and tile (the int8 kernels':
+    :mod:`~xinfer_cuda.kernels.plane_i8_gemv`, :mod:`~xinfer_cuda.kernels.plane_i8_dot`); without one, the GEMV for one row, the dot kernel up to
     ``MAX_PACKED_ROWS`` rows, past them the weight dequantized for the call (prefill)."""
-    from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig, plane_i8_dot  # (which imports this module)
+    from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig, plane_i8_dot  # (they import this module)
+    from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig, plane_i8_gemv
 
     k = x.shape[1]
     layout = plane_layout(name, k)
     n = raw.numel() // (k // layout.tile * sum(layout.tile_bytes()))
     if isinstance(config, PlaneI8DotConfig):
         return plane_i8_dot(x, raw, name, n, bias, config)
+    if isinstance(config, PlaneI8GemvConfig):
+        return plane_i8_gemv(x, raw, name, n, bias, config)
     if isinstance(config, Dequantized) or (config is None and x.shape[0] > MAX_PACKED_ROWS):
         return F.linear(x, plane_dequantize(raw, name, n, k, x.dtype), bias)
     if isinstance(config, PlaneGemvConfig) or (config is None and x.shape[0] == 1):
