@@ -44,7 +44,7 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.gguf_blocks import _load
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks
-from xinfer_cuda.kernels.plane_linear import _format_args, _plane_views, _scale_bias, plane_layout
+from xinfer_cuda.kernels.plane_linear import _format_args, _plane_views, _scale_bias, _store_row_sums, plane_layout
 from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
 
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
@@ -276,12 +276,7 @@ def _plane_i8_gemv_kernel(
         acc = _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles,
                     last, FMT, FIELDS, PER_TILE, EVEN, R, W, False)  # fmt: skip
     y = tl.reshape(tl.sum(tl.sum(acc, axis=4), axis=3), (R, W))
-    if PARTIAL:
-        tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    _store_row_sums(y, y_ptr, bias_ptr, rows, N, HAS_BIAS, PARTIAL)
 
 
 def plane_i8_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,

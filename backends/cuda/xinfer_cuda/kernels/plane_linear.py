@@ -298,6 +298,17 @@ def _gemv_step(acc, t0, x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows
 
 
 @triton.jit
+def _store_row_sums(y, y_ptr, bias_ptr, rows, N, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """A GEMV's sums ``y`` of its ``rows``: this split's partial sums (fp32), or the outputs (plus the bias)."""
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
 def _plane_gemv_kernel(
     x_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split, magic,
     FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
@@ -330,12 +341,7 @@ def _plane_gemv_kernel(
         y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=5), axis=4), axis=3), axis=0)  # [R, W]
     else:
         y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
-    if PARTIAL:
-        tl.store(y_ptr + tl.program_id(1) * N + rows, y, mask=rows < N)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+    _store_row_sums(y, y_ptr, bias_ptr, rows, N, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
