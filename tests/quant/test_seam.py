@@ -116,6 +116,21 @@ def test_same_format_rows_merge_into_one_tensor() -> None:
     torch.testing.assert_close(merged.dequantize(), torch.cat([gate.dequantize(), up.dequantize()]))
 
 
+def test_neighbouring_rows_of_one_format_join_into_one_part() -> None:
+    """Q4_K_M's q and k in Q4_K, its v in Q6_K: two parts, q and k one (one kernel call for them); a part that
+    joins an earlier merge's joins too, and parts of one format that are not neighbours stay apart."""
+    q, k, v = packed("q4_k", (16, 256)), packed("q4_k", (8, 256), seed=1), packed("q6_k", (8, 256), seed=2)
+    merged = cat_rows([q, k, v])
+    assert [(p.format.name, p.logical_shape) for p in merged.parts or ()] == [("q4_k", (24, 256)), ("q6_k", (8, 256))]
+    expected = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    torch.testing.assert_close(merged.dequantize(), expected, rtol=0, atol=0)
+    more = cat_rows([merged, packed("q6_k", (4, 256), seed=3), q])
+    assert [(p.format.name, p.logical_shape[0]) for p in more.parts or ()] == [("q4_k", 24), ("q6_k", 12), ("q4_k", 16)]
+    x = torch.randn(3, 256)
+    with ops.use(TorchOps()):
+        torch.testing.assert_close(ops.linear(x, more), x @ more.dequantize().T, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("move", [lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.to(torch.device("meta"))])
 def test_moving_a_packed_weight_keeps_its_format(move) -> None:
     weight = cat_rows([packed("q5_0", (64, 256)), packed("q8_0", (32, 256), seed=1)])

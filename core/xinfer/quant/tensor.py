@@ -179,7 +179,9 @@ def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
         return QuantizedTensor(torch.cat([t.raw for t in tensors], dim=-2), first.format, shape)
     if len(shape) != 2:
         raise ValueError("stacked weights in different formats are not merged: dequantize them")
-    flat = [p for t in tensors for p in (t.parts or (t,))]
+    flat = _joined_runs([p for t in tensors for p in (t.parts or (t,))])
+    if len(flat) == 1:
+        return flat[0]
     starts, end = [], 0
     for p in flat:
         starts.append(-(-end // PART_ALIGNMENT) * PART_ALIGNMENT)
@@ -190,6 +192,24 @@ def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
     parts = [QuantizedTensor(storage[start : start + p.nbytes].view(p.raw.shape), p.format, p.logical_shape)
              for p, start in zip(flat, starts)]  # fmt: skip
     return QuantizedTensor(storage, _STACKED, shape, parts)
+
+
+def _joined_runs(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """``parts`` with each run of neighbours in one format whose bytes are rows ([rows, bytes a row]) joined into one
+    part: one kernel call for them (a Q4_K_M file's q and k beside its Q6_K v)."""
+    joined = [parts[0]]
+    for p in parts[1:]:
+        last = joined[-1]
+        if p.format.name == last.format.name and _row_major(p) and _row_major(last):
+            shape = (last.logical_shape[0] + p.logical_shape[0], last.logical_shape[1])
+            joined[-1] = QuantizedTensor(torch.cat([last.raw, p.raw]), last.format, shape)
+        else:
+            joined.append(p)
+    return joined
+
+
+def _row_major(tensor: QuantizedTensor) -> bool:
+    return tensor.raw.dim() == 2 and tensor.raw.shape[0] == tensor.logical_shape[0]
 
 
 def permute_rows(tensor: QuantizedTensor, convert: Any) -> QuantizedTensor | None:
