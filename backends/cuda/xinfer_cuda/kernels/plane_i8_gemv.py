@@ -78,7 +78,8 @@ def _byte(word, j):
 
 @triton.jit
 def _transpose_bytes(w0, w1, w2, w3):
-    """Byte ``j`` of the four words as word ``j`` (``w0``'s byte lowest)."""
+    """Byte ``j`` of the four words as word ``j`` (``w0``'s byte lowest): the bytes of ``w0, w1`` and of ``w2, w3``
+    interleaved, then the 16-bit halves of those pairs."""
     if PTX:
         return tl.inline_asm_elementwise(
             """
@@ -110,8 +111,9 @@ def _transpose_bytes(w0, w1, w2, w3):
 
 @triton.jit
 def _less_zero(codes, ZERO: tl.constexpr):
-    """Four codes (bytes below 128) less ``ZERO`` each, as signed bytes: the top bits set keep the subtraction
-    from borrowing across bytes, and are then cleared."""
+    """Four codes (bytes below 128) less ``ZERO`` each, as signed bytes: with each byte's top bit set the
+    subtraction borrows across no byte, and flipping the top bits back makes each ``128 + code - ZERO`` the
+    signed byte ``code - ZERO``."""
     return ((codes | HIGH_BITS) - ZERO * 0x01010101) ^ HIGH_BITS
 
 
