@@ -465,9 +465,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 def norm_linear(
     x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if isinstance(weight, QuantizedTensor):  # the norm, then the quantized weight's linear
-        normed, h = (rms_norm(x, norm_weight, eps), x) if residual is None else rms_norm(x, norm_weight, eps, residual)
-        return linear(normed, weight, bias), normed, h
+    if isinstance(weight, QuantizedTensor):
+        return quantized.norm_linear(current(), x, residual, norm_weight, eps, weight, bias)
     return current().norm_linear(x, residual, norm_weight, eps, weight, bias)
 
 

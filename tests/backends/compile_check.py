@@ -134,6 +134,9 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     norm.rms_norm(t(4, 4096), t(4096), 1e-6)
     norm.rms_norm(t(4, 4096), t(4096), 1e-6, t(4, 4096))
     norm.layer_norm(t(4, 1152), t(1152), t(1152), 1e-6)  # vision towers
+    for order in (4, 8):  # the norm quantizing its output for the int8 GEMV
+        quantized = plane_i8_dot.quantized_blocks(1, 4096, torch.device("cpu"))
+        norm.rms_norm(t(1, 4096), t(4096), 1e-6, t(1, 4096), quantized=quantized, order=order)
     norm.layer_norm(t(4, 1152), t(1152), t(1152), 1e-6, t(4, 1152))
     for head_dim in (72, 128):  # Qwen3-VL's and SigLIP's encoders; a power of two
         tiles = (

@@ -21,11 +21,12 @@ from tests.backends.test_gguf_kernels import check, reference_weight
 from tests.backends.test_plane_i8_dot import check_int8, int8_products
 from xinfer import ops
 from xinfer.layers.embedding import VocabEmbedding
-from xinfer.quant import cat_rows, get_weight_format, quantized
+from xinfer.quant import QuantizedTensor, cat_rows, get_weight_format, quantized
 from xinfer.quant.dispatch import prepare_weights
 from xinfer_cuda.kernels import quant_linear as quant_linear_module
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, from_planes, to_planes
+from xinfer_cuda.kernels.norm import rms_norm
 from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
 from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig
 from xinfer_cuda.kernels.plane_linear import (
@@ -38,7 +39,7 @@ from xinfer_cuda.kernels.plane_linear import (
 )
 from xinfer_cuda.kernels.quant_linear import DEQUANTIZED
 from xinfer_cuda.ops import CudaOps
-from xinfer_cuda.quant_weights import GGUF_KERNELS, GgufPlanes, MeasuredTiles, plane_candidates
+from xinfer_cuda.quant_weights import GGUF_KERNELS, GgufPlanes, MeasuredTiles, PlaneKernels, plane_candidates
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 ON_GPU = DEVICE.type == "cuda"
@@ -222,6 +223,29 @@ def test_measured_tiles_time_the_plane_candidates():
     assert any(isinstance(tile, PlaneDotConfig) for tile in many_fp32)
     assert measured == [1] * len(one) + [3] * len(few)
     assert list(tiles.choice.values()) == [one[1], few[-1]]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float-gemv", "int8-gemv"])
+def test_norm_linear_quantizes_in_the_norms_kernel_where_the_int8_gemv_is_measured_fastest(int8):
+    """PlaneKernels.norm_linear of one row: where the measurement (a fake timer here) picks the int8 GEMV, the norm's
+    kernel quantizes its output and the GEMV reads that: the result is the int8 GEMV of the normed row; else the
+    norm, then the measured linear. On the CPU (interpreter) no tile is measured: the norm, then the linear."""
+    _, planes, k = weight("Q4_K", n=8, tiles=2)
+    kernels = PlaneKernels()
+
+    def timer(call, weights):  # (MeasuredTiles' calls take their tile as a default argument)
+        return 1.0 if isinstance(call.__defaults__[0], PlaneI8GemvConfig) == int8 else 2.0
+
+    kernels.tiles = MeasuredTiles(timer, copies=lambda w: [w], planes=True)
+    w = QuantizedTensor(planes, GgufPlanes(get_weight_format("q4_k"), 8, k), (8, k))
+    x, residual = (torch.randn(1, k, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    norm_weight, bias = torch.rand(k, device=DEVICE).to(torch.bfloat16) + 0.5, torch.randn(8, device=DEVICE)
+    y, normed, h = kernels.norm_linear(x, residual, norm_weight, 1e-6, w, bias.to(torch.bfloat16))
+    want_normed, want_h = rms_norm(x, norm_weight, 1e-6, residual)
+    assert torch.equal(normed, want_normed) and torch.equal(h, want_h)
+    tile = next(iter(kernels.tiles.choice.values()), None)  # the one measured (none on the CPU)
+    assert isinstance(tile, PlaneI8GemvConfig) == (int8 and ON_GPU)
+    assert torch.equal(y, plane_rows(normed, planes, "Q4_K", bias.to(torch.bfloat16), tile))
 
 
 def test_a_merged_weight_in_parts_of_several_formats_runs_each_part_in_its_planes():

@@ -15,8 +15,9 @@ import torch
 from tests.backends.test_plane_i8_dot import check_int8, int8_products
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, to_planes
-from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks
-from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig, plane_i8_gemv
+from xinfer_cuda.kernels.norm import rms_norm
+from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks, quantized_blocks
+from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig, plane_i8_gemv, quantized_gemv
 
 DEVICE = torch.device(os.environ["XINFER_KERNEL_DEVICE"])
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -70,3 +71,27 @@ def test_int8_gemv_is_the_weight_times_the_quantized_activations(name):
     check_int8(
         plane_i8_gemv(x, planes, name, n, None, PlaneI8GemvConfig(8, 4)), *int8_products(x, packed, planes, name)
     )
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])  # 4 fields a word, 8
+@pytest.mark.parametrize("with_residual", [False, True], ids=["alone", "residual"])
+def test_the_norms_kernel_quantizes_its_output_for_the_int8_gemv(name, with_residual):
+    """The RMSNorm kernel with ``quantized``: its output and new residual as without, the output's codes, scales and
+    sums those of quantize_blocks of that output (rounded to its dtype) in the GEMV's order, bit for bit, and the
+    int8 GEMV of them that of the output."""
+    fields, k = LAYOUTS[name].fields, 2 * LAYOUTS[name].tile
+    x, weight = torch.randn(1, k, device=DEVICE).to(DTYPE), (torch.rand(k, device=DEVICE) + 0.5).to(DTYPE)
+    residual = torch.randn(1, k, device=DEVICE).to(DTYPE) if with_residual else None
+    quantized = quantized_blocks(1, k, DEVICE)
+    done = rms_norm(x, weight, 1e-6, residual, quantized=quantized, order=fields)
+    plain = rms_norm(x, weight, 1e-6, residual)
+    if residual is not None:
+        (out, h), (plain, plain_h) = done, plain
+        assert torch.equal(h, plain_h)
+    else:
+        out = done
+    assert torch.equal(out, plain)
+    for got, want in zip(quantized, quantize_blocks(out, order=fields), strict=True):
+        assert torch.equal(got, want)
+    planes = to_planes(random_packed(8, k, FORMATS[name], device=DEVICE), LAYOUTS[name])
+    assert torch.equal(quantized_gemv(quantized, planes, name, 8, out.dtype), plane_i8_gemv(out, planes, name, 8))

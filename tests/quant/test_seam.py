@@ -240,10 +240,17 @@ class Int8Rows(WeightFormat):
 
 class CountingKernels(WeightKernels):
     calls = 0
+    norm_calls = 0
 
     def linear(self, x, weight, bias):
         CountingKernels.calls += 1
         return F.linear(x, weight.dequantize(x.dtype), bias)
+
+    def norm_linear(self, x, residual, norm_weight, eps, weight, bias):
+        CountingKernels.norm_calls += 1
+        h = x if residual is None else x + residual
+        normed = TorchOps().rms_norm(h, norm_weight, eps)
+        return F.linear(normed, weight.dequantize(x.dtype), bias), normed, h
 
 
 @hookimpl
@@ -267,3 +274,33 @@ def test_a_plugin_format_registers_through_the_hook_and_brings_its_kernels(monke
     with ops.use(TorchOps()):  # no kernels under the reference backend's name: the reference
         ops.linear(x, weight)
     assert CountingKernels.calls == 1
+
+
+def test_a_formats_norm_linear_kernel_runs_the_norm_and_its_linear(monkeypatch) -> None:
+    """ops.norm_linear over a format whose kernels have a norm_linear runs it (as one op: a backend may prepare the
+    activations in the norm's pass); a weight in parts, or a backend without the format's kernels, gets the norm and
+    then the linear."""
+    found = registry.discover(["cpu"], modules={"int8-rows": sys.modules[__name__]})
+    monkeypatch.setattr(registry, "discovery", lambda: found)
+    fmt = get_weight_format("int8-rows")
+    weight = quantized(fmt.quantize(torch.randn(8, 64)), fmt, (8, 64))
+    x, residual, norm_weight, bias = torch.randn(2, 64), torch.randn(2, 64), torch.rand(64) + 0.5, torch.randn(8)
+    h = x + residual
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+    want = normed @ weight.dequantize().T + bias
+    CountingKernels.norm_calls = 0
+    with ops.use(CpuOps()):
+        y, got_normed, got_h = ops.norm_linear(x, residual, norm_weight, 1e-6, weight, bias)
+    assert CountingKernels.norm_calls == 1
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(got_normed, normed)
+    torch.testing.assert_close(got_h, h)
+    merged = cat_rows([weight, packed("q8_0", (32, 64), seed=1)])
+    with ops.use(CpuOps()):
+        y, _, _ = ops.norm_linear(x, residual, norm_weight, 1e-6, merged)
+    assert CountingKernels.norm_calls == 1  # in parts: the norm, then each part's linear
+    torch.testing.assert_close(y, normed @ merged.dequantize().T, rtol=2e-2, atol=2e-2)
+    with ops.use(TorchOps()):
+        y, _, _ = ops.norm_linear(x, None, norm_weight, 1e-6, weight, bias)
+    assert CountingKernels.norm_calls == 1
+    torch.testing.assert_close(y, TorchOps().rms_norm(x, norm_weight, 1e-6) @ weight.dequantize().T + bias)

@@ -39,8 +39,9 @@ from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 from xinfer_cuda.kernels import quant_moe
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, BlockFormat
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, PlaneLayout, from_planes, to_planes
-from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig
-from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig
+from xinfer_cuda.kernels.norm import rms_norm
+from xinfer_cuda.kernels.plane_i8_dot import PlaneI8DotConfig, quantized_blocks
+from xinfer_cuda.kernels.plane_i8_gemv import PlaneI8GemvConfig, quantized_gemv
 from xinfer_cuda.kernels.plane_linear import (
     PlaneDotConfig,
     PlaneGemvConfig,
@@ -302,6 +303,21 @@ class PlaneKernels(WeightKernels):
             tile = self.tiles(rows, weight.raw, name, bias) if rows.is_cuda and rows.shape[0] else None
             y = plane_rows(rows, weight.raw, name, bias, tile)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def norm_linear(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+                    weight: QuantizedTensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """:meth:`xinfer.ops.Ops.norm_linear`: where one row's measured tile is the int8 GEMV, the norm's kernel
+        also quantizes its output for it (one launch fewer than the norm, the quantization and the GEMV)."""
+        fmt = weight.format
+        assert isinstance(fmt, GgufPlanes)
+        one_row = x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+        tile = self.tiles(x, weight.raw, fmt.layout.name, bias) if one_row else None
+        quantized = quantized_blocks(1, fmt.cols, x.device) if isinstance(tile, PlaneI8GemvConfig) else None
+        done = rms_norm(x, norm_weight, eps, residual, quantized=quantized, order=fmt.layout.fields)
+        normed, h = (done, x) if residual is None else done
+        if quantized is None:
+            return self.linear(normed, weight, bias), normed, h
+        return quantized_gemv(quantized, weight.raw, fmt.layout.name, fmt.rows, x.dtype, bias, tile), normed, h
 
 
 GGUF_KERNELS = GgufKernels()

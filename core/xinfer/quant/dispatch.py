@@ -49,6 +49,27 @@ def linear(backend: Any, x: Tensor, weight: QuantizedTensor, bias: Tensor | None
     return backend.linear(x, weight.dequantize(x.dtype), bias)
 
 
+def norm_linear(
+    backend: Any,
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight: QuantizedTensor,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:meth:`xinfer.ops.Ops.norm_linear` for a quantized ``weight``: the format's kernel where it has one (a weight
+    in parts has none), else the backend's norm, then :func:`linear`."""
+    kernels = None if weight.parts else _kernels(backend, weight)
+    if kernels is not None and kernels.norm_linear is not None:
+        return kernels.norm_linear(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        normed, h = backend.rms_norm(x, norm_weight, eps), x
+    else:
+        normed, h = backend.rms_norm(x, norm_weight, eps, residual)
+    return linear(backend, normed, weight, bias), normed, h
+
+
 def fused_moe(
     backend: Any, x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
     limit: float | None = None,

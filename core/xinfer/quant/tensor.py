@@ -239,6 +239,8 @@ class WeightKernels:
     """What a backend runs for one weight format, each optional (None: the reference):
 
     - ``linear(x, weight, bias) -> Tensor``: ``x`` [T, K] @ weight.T (+ bias), in ``x``'s dtype;
+    - ``norm_linear(x, residual, norm_weight, eps, weight, bias) -> (y, normed, h)``: as
+      :meth:`xinfer.ops.Ops.norm_linear` (a kernel may prepare the activations in the norm's pass);
     - ``fused_moe(x, w13, w2, topk_weights, topk_ids, activation) -> Tensor``: as
       :meth:`xinfer.ops.Ops.fused_moe`, called where ``w13`` and ``w2`` both have this format;
     - ``prepare(weight) -> QuantizedTensor``: a one-time repack at load into the layout the
@@ -249,6 +251,7 @@ class WeightKernels:
     """
 
     linear: Any = None
+    norm_linear: Any = None
     fused_moe: Any = None
     prepare: Any = None
     prepare_rows: Any = None

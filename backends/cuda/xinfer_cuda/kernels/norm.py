@@ -1,4 +1,5 @@
-"""RMSNorm, alone or fused with the residual add that precedes it."""
+"""RMSNorm, alone or fused with the residual add that precedes it; its output also quantized to int8 per block of
+32 where an int8 kernel reads it next (:func:`~xinfer_cuda.kernels.plane_i8_dot.quantize_blocks`'s codes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import Tensor
 
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.launch import pdl_entry
+from xinfer_cuda.kernels.plane_i8_dot import store_blocks
 
 
 @triton.jit
@@ -18,6 +20,9 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     new_residual_ptr,
+    q_ptr,
+    d_ptr,
+    s_ptr,
     stride_x,
     stride_residual,
     stride_out,
@@ -25,6 +30,8 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    ORDER: tl.constexpr,  # the codes' (quantize_blocks')
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -44,7 +51,12 @@ def _rms_norm_kernel(
         tl.store(new_residual_ptr + row * stride_new_residual + cols, x, mask=mask)
     x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(out_ptr + row * stride_out + cols, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (x * inv_rms * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if QUANTIZE:  # the codes of the output as stored (rounded to its dtype)
+        blocks = tl.arange(0, BLOCK // 32)
+        store_blocks(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), q_ptr, d_ptr, s_ptr, row, blocks, n_cols // 32,
+                     ORDER)  # fmt: skip
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -61,9 +73,14 @@ def rms_norm(
     residual: Tensor | None = None,
     out: Tensor | None = None,
     new_residual: Tensor | None = None,
+    quantized: tuple[Tensor, Tensor, Tensor] | None = None,
+    order: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm over the last dim of ``x``; with ``residual``, of ``x + residual``,
-    returning ``(out, x + residual)``."""
+    returning ``(out, x + residual)``. With ``quantized`` (where
+    :func:`~xinfer_cuda.kernels.plane_i8_dot.quantized_blocks` puts them; columns a multiple of
+    32) also the output's int8 codes per block of 32 in ``order``, as
+    :func:`~xinfer_cuda.kernels.plane_i8_dot.quantize_blocks` makes them."""
     n_cols = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
@@ -77,14 +94,18 @@ def rms_norm(
         r2 = nr2 = x2  # unused
     if x2.shape[0] == 0:
         return out if residual is None else (out, new_residual)
-    block = triton.next_power_of_2(n_cols)
+    block = max(32, triton.next_power_of_2(n_cols))
     num_warps = min(max(block // 512, 1), 16)
+    q, d, s = quantized if quantized is not None else (out2,) * 3  # (unused)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
         r2,
         weight.contiguous(),
         out2,
         nr2,
+        q,
+        d,
+        s,
         x2.stride(0),
         r2.stride(0),
         out2.stride(0),
@@ -92,6 +113,8 @@ def rms_norm(
         n_cols,
         eps,
         HAS_RESIDUAL=residual is not None,
+        QUANTIZE=quantized is not None,
+        ORDER=order,
         BLOCK=block,
         num_warps=num_warps,
         **launch.pdl(x.device),
@@ -107,6 +130,9 @@ def _layer_norm_kernel(
     bias_ptr,
     out_ptr,
     new_residual_ptr,
+    q_ptr,
+    d_ptr,
+    s_ptr,
     stride_x,
     stride_residual,
     stride_out,

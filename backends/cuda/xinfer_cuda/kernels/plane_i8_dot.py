@@ -75,6 +75,20 @@ def _stored_at(col, ORDER: tl.constexpr):
 
 
 @triton.jit
+def store_blocks(x, q_ptr, d_ptr, s_ptr, m, b, blocks, ORDER: tl.constexpr):
+    """Row ``m``'s blocks ``b`` of 32 columns, ``x`` [B, 32] fp32: their int8 codes (in ``ORDER``), scales and
+    exact sums stored where :func:`quantize_blocks` puts them."""
+    # (divisions rounded to nearest, as torch's: Triton's own fp32 division is approximate on the GPU)
+    d = tl.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+    q = tl.div_rn(x, tl.where(d == 0.0, 1.0, d)[:, None])
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # to the nearest, halves away from 0
+    col = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(q_ptr + m * (32 * blocks) + _stored_at(col, ORDER), q.to(tl.int8), mask=(b < blocks)[:, None])
+    tl.store(d_ptr + m * blocks + b, d, mask=b < blocks)
+    tl.store(s_ptr + m * blocks + b, tl.sum(x, axis=1), mask=b < blocks)
+
+
+@triton.jit
 def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS: tl.constexpr, ORDER: tl.constexpr,
                             PDL: tl.constexpr):  # fmt: skip
     pdl_entry(PDL)
@@ -82,14 +96,14 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, d_ptr, s_ptr, blocks, stride_x, BLOCKS
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     col = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + m.to(tl.int64) * stride_x + col, mask=(b < blocks)[:, None], other=0.0).to(tl.float32)
-    # (divisions rounded to nearest, as torch's: Triton's own fp32 division is approximate on the GPU)
-    d = tl.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
-    q = tl.div_rn(x, tl.where(d == 0.0, 1.0, d)[:, None])
-    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # to the nearest, halves away from 0
-    out = m.to(tl.int64) * blocks + b
-    tl.store(q_ptr + m.to(tl.int64) * (32 * blocks) + _stored_at(col, ORDER), q.to(tl.int8), mask=(b < blocks)[:, None])
-    tl.store(d_ptr + out, d, mask=b < blocks)
-    tl.store(s_ptr + out, tl.sum(x, axis=1), mask=b < blocks)
+    store_blocks(x, q_ptr, d_ptr, s_ptr, m.to(tl.int64), b, blocks, ORDER)
+
+
+def quantized_blocks(m: int, k: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Where :func:`quantize_blocks` of [m, k] puts its codes, scales and sums."""
+    q = torch.empty(m, k, dtype=torch.int8, device=device)
+    d = torch.empty(m, k // BLOCK, dtype=torch.float32, device=device)
+    return q, d, torch.empty_like(d)
 
 
 def quantize_blocks(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,9 +113,7 @@ def quantize_blocks(x: Tensor, order: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     int8 GEMV's."""
     m, k = x.shape
     blocks = k // BLOCK
-    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    d = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
-    s = torch.empty_like(d)
+    q, d, s = quantized_blocks(m, k, x.device)
     per_program = 16  # 512 columns: whole tiles of every type
     if m:
         _quantize_blocks_kernel[(m, triton.cdiv(blocks, per_program))](

@@ -285,22 +285,31 @@ def plane_i8_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None
                   config: PlaneI8GemvConfig | None = None) -> Tensor:  # fmt: skip
     """``x`` [1, K] times the weight [n, K] whose planes are ``raw``, its activations quantized to int8 per block
     of 32: [1, n] in ``x``'s dtype."""
-    k = x.shape[1]
+    layout = plane_layout(name, x.shape[1])
+    quantized = quantize_blocks(x.contiguous(), order=layout.fields)
+    return quantized_gemv(quantized, raw, name, n, x.dtype, bias, config)
+
+
+def quantized_gemv(quantized: tuple[Tensor, Tensor, Tensor], raw: Tensor, name: str, n: int, dtype: torch.dtype,
+                   bias: Tensor | None = None, config: PlaneI8GemvConfig | None = None) -> Tensor:  # fmt: skip
+    """:func:`plane_i8_gemv` of activations already quantized (``quantize_blocks(x, order=fields)``, or the norm's
+    kernel that made ``x``): [1, n] in ``dtype``."""
+    q, d, s = quantized
+    k = q.shape[1]
     layout = plane_layout(name, k)
     config = config or PlaneI8GemvConfig(4, 4)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=dtype, device=q.device)
     if n == 0:
         return y
-    q, d, s = quantize_blocks(x.contiguous(), order=layout.fields)
     num_tiles = k // layout.tile
     per_split, split = k_splits(num_tiles, config.split, TILES.value)
     even = n % config.block_n == 0 and num_tiles % per_split == 0
     partial = partial_sums(y, split)
     codes, high, scales, supers = _plane_views(raw, layout, n, k)
     _plane_i8_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
-        q.view(torch.int32), d, s, codes, high.view(torch.int32), scales, supers, bias if bias is not None else x,
+        q.view(torch.int32), d, s, codes, high.view(torch.int32), scales, supers, bias if bias is not None else y,
         partial, n, k, per_split, HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even,
         R=config.block_n // config.num_warps, W=config.num_warps, num_warps=config.num_warps, **_format_args(layout),
-        **launch.pdl(x.device),
+        **launch.pdl(q.device),
     )  # fmt: skip
     return sum_splits(partial, bias, y)
