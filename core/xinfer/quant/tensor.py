@@ -172,16 +172,14 @@ def quantized(raw: Tensor, format: WeightFormat, logical_shape: Sequence[int], n
 
 def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
     """The rows of ``tensors`` one after another (their last-but-one dimension), as one weight:
-    their bytes concatenated where they share a format, else in parts."""
+    their bytes concatenated where neighbours share a format, else in parts."""
     first = tensors[0]
     shape = (*first.logical_shape[:-2], sum(t.logical_shape[-2] for t in tensors), first.logical_shape[-1])
-    if all(t.format.name == first.format.name and not t.parts for t in tensors):
-        return QuantizedTensor(torch.cat([t.raw for t in tensors], dim=-2), first.format, shape)
-    if len(shape) != 2:
-        raise ValueError("stacked weights in different formats are not merged: dequantize them")
     flat = _joined_runs([p for t in tensors for p in (t.parts or (t,))])
     if len(flat) == 1:
         return flat[0]
+    if len(shape) != 2:
+        raise ValueError("stacked weights in different formats are not merged: dequantize them")
     starts, end = [], 0
     for p in flat:
         starts.append(-(-end // PART_ALIGNMENT) * PART_ALIGNMENT)
@@ -195,21 +193,22 @@ def cat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
 
 
 def _joined_runs(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
-    """``parts`` with each run of neighbours in one format whose bytes are rows ([rows, bytes a row]) joined into one
-    part: one kernel call for them (a Q4_K_M file's q and k beside its Q6_K v)."""
+    """``parts`` with each run of neighbours in one format whose bytes are rows ([..., rows, bytes a row]) joined
+    into one: one kernel call for them (a Q4_K_M file's q and k beside its Q6_K v)."""
     joined = [parts[0]]
     for p in parts[1:]:
         last = joined[-1]
         if p.format.name == last.format.name and _row_major(p) and _row_major(last):
-            shape = (last.logical_shape[0] + p.logical_shape[0], last.logical_shape[1])
-            joined[-1] = QuantizedTensor(torch.cat([last.raw, p.raw]), last.format, shape)
+            rows = last.logical_shape[-2] + p.logical_shape[-2]
+            shape = (*last.logical_shape[:-2], rows, last.logical_shape[-1])
+            joined[-1] = QuantizedTensor(torch.cat([last.raw, p.raw], dim=-2), last.format, shape)
         else:
             joined.append(p)
     return joined
 
 
 def _row_major(tensor: QuantizedTensor) -> bool:
-    return tensor.raw.dim() == 2 and tensor.raw.shape[0] == tensor.logical_shape[0]
+    return tuple(tensor.raw.shape[:-1]) == tuple(tensor.logical_shape[:-1])
 
 
 def permute_rows(tensor: QuantizedTensor, convert: Any) -> QuantizedTensor | None:

@@ -44,8 +44,15 @@ from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.gguf_blocks import _load
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks
-from xinfer_cuda.kernels.plane_linear import _format_args, _plane_views, _scale_bias, _store_row_sums, plane_layout
-from xinfer_cuda.kernels.splits import k_splits, partial_sums, sum_splits
+from xinfer_cuda.kernels.plane_linear import (
+    _format_args,
+    _plane_views,
+    _scale_bias,
+    _store_row_sums,
+    gemv_splits,
+    plane_layout,
+)
+from xinfer_cuda.kernels.splits import partial_sums, sum_splits
 
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 TILES = tl.constexpr(16)  # tiles a warp's step: 16 tiles' 2 halves, a thread each
@@ -202,7 +209,7 @@ def _gathered_high(FMT: tl.constexpr, high_ptr, at, mask):
     elif FMT == "Q5_0" or FMT == "Q5_1":
         high = _load(high_ptr + at, mask)
         return high, high
-    else:
+    else:  # (no high bits: unused)
         return at, at
 
 
@@ -302,8 +309,7 @@ def quantized_gemv(quantized: tuple[Tensor, Tensor, Tensor], raw: Tensor, name: 
     if n == 0:
         return y
     num_tiles = k // layout.tile
-    per_split, split = k_splits(num_tiles, config.split, TILES.value)
-    even = n % config.block_n == 0 and num_tiles % per_split == 0
+    per_split, split, even = gemv_splits(n, num_tiles, config.block_n, config.split, TILES.value)
     partial = partial_sums(y, split)
     codes, high, scales, supers = _plane_views(raw, layout, n, k)
     _plane_i8_gemv_kernel[(triton.cdiv(n, config.block_n), split)](

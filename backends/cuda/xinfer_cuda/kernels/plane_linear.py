@@ -447,6 +447,13 @@ def _row_warps(config: PlaneGemvConfig, layout: PlaneLayout) -> int:
     return min(config.block_n, max(1, config.num_warps // on_tiles)) if config.groups else 1
 
 
+def gemv_splits(n: int, num_tiles: int, block_n: int, split: int, per_step: int) -> tuple[int, int, bool]:
+    """A GEMV's tiles a program along K (whole steps of ``per_step``), the programs a tile of ``block_n`` rows
+    takes (at most ``split``), and whether no tile of rows or of K is cut (the kernel's ``EVEN``)."""
+    per_split, split = k_splits(num_tiles, split, per_step)
+    return per_split, split, n % block_n == 0 and num_tiles % per_split == 0
+
+
 def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
                config: PlaneGemvConfig | None = None) -> Tensor:  # fmt: skip
     """``x`` [1, K] times the weight [n, K] whose planes are ``raw``: [1, n] in ``x``'s dtype."""
@@ -458,8 +465,7 @@ def plane_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = 
     if n == 0:
         return y
     num_tiles = k // layout.tile
-    per_split, split = k_splits(num_tiles, config.split, config.tiles)
-    even = n % config.block_n == 0 and num_tiles % per_split == 0
+    per_split, split, even = gemv_splits(n, num_tiles, config.block_n, config.split, config.tiles)
     partial = partial_sums(y, split)
     chain = launch.pdl(x.device)
     words = x.view(torch.int32) if x.dtype in X_WORDS else x
