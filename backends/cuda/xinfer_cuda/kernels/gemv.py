@@ -59,9 +59,11 @@ def _weight_tile(w_rows, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _x_tile(x_ptr, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K tile at ``k`` of the row ``x``: [BLOCK_K]."""
-    cols = k + tl.arange(0, BLOCK_K)
+def _x_tile(x_ptr, rows, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at ``k`` of the row ``x``, a copy for each of the ``rows``: [BLOCK_N, BLOCK_K]. Loaded in the
+    weight tile's shape, it gets the weight tile's layout, and each thread loads the columns it multiplies (from
+    L1) instead of a [BLOCK_K] tile being moved into that layout through shared memory, two barriers a tile."""
+    cols = k + tl.arange(0, BLOCK_K)[None, :] + 0 * rows[:, None]
     if EVEN:
         return tl.load(x_ptr + cols)
     return tl.load(x_ptr + cols, mask=cols < K, other=0.0)
@@ -90,12 +92,12 @@ def _gemv_kernel(
     # the kernel that writes x (pdl_entry), the others after it.
     w = _weight_tile(w_rows, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
-    x = _x_tile(x_ptr, 0, K, EVEN_K, BLOCK_K)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    x = _x_tile(x_ptr, rows, 0, K, EVEN_K, BLOCK_K)
+    acc = w.to(tl.float32) * x.to(tl.float32)
     for k in tl.range(BLOCK_K, K, BLOCK_K, loop_unroll_factor=UNROLL):
         w = _weight_tile(w_rows, rows, k, N, K, EVEN_N and EVEN_K, BLOCK_K)
-        x = _x_tile(x_ptr, k, K, EVEN_K, BLOCK_K)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = _x_tile(x_ptr, rows, k, K, EVEN_K, BLOCK_K)
+        acc += w.to(tl.float32) * x.to(tl.float32)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
