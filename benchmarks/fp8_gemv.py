@@ -1,6 +1,7 @@
 """FP8 weights (xinfer.quant.fp8_format) at one row on Llama-3.1-8B's shapes, on the GPU: the weight-only GEMV
 with e4m3 decoded by integer operations (the SM70 path) against the hardware's conversion (SM89 and up), each the
-best of the backend's one-row tiles, beside bf16 cuBLAS; times from CUDA graphs over copies that overflow the L2,
+best of the backend's one-row tiles, and the GEMV over the tensor cores' layout (xinfer_cuda.kernels.fp8_gemv) and
+that layout's padded block-scaled product, beside bf16 cuBLAS; times from CUDA graphs over copies that overflow the L2,
 and the packed bytes per second against the copy bandwidth measured in the same run. Then which row counts
 cuBLASLt's block-scaled FP8 (the XINFER_FP8_MATMUL=tensor-cores path) accepts. One JSON line per figure.
 
@@ -16,8 +17,15 @@ import torch.nn.functional as F
 from bandwidth import copy_bandwidth
 
 from xinfer.quant import get_weight_format, quantized
-from xinfer_cuda.fp8_tensor_cores import TENSOR_CORE_KERNELS, to_tensor_core_layout
+from xinfer_cuda.fp8_tensor_cores import (
+    GEMV_WARPS,
+    TENSOR_CORE_KERNELS,
+    split,
+    tensor_core_product,
+    to_tensor_core_layout,
+)
 from xinfer_cuda.kernels import quant_linear
+from xinfer_cuda.kernels.fp8_gemv import fp8_gemv
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.linear import graph_time, l2_overflowing_copies
 from xinfer_cuda.quant_weights import candidates
@@ -41,15 +49,22 @@ def gemv_figures(bandwidth: float) -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         packed = random_packed(n, k, FP8, device="cuda")
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        tensor_cores = to_tensor_core_layout(quantized(packed, get_weight_format("fp8"), (n, k))).raw
         seconds = {
             "integer_decode": one_row_seconds(x, packed, False),
             "e4m3_conversion": one_row_seconds(x, packed, True),
+            **{f"tensor_cores_layout_gemv_{warps}_warps": graph_time(lambda w, x=x, warps=warps:
+                                                                     fp8_gemv(x, *split(w), None, warps),
+                                                                     l2_overflowing_copies(tensor_cores))
+               for warps in GEMV_WARPS},
+            "tensor_cores_padded": graph_time(lambda w, x=x: tensor_core_product(x, *split(w), None),
+                                              l2_overflowing_copies(tensor_cores)),
             "bf16_cublas": graph_time(lambda w, x=x: F.linear(x, w), l2_overflowing_copies(dense)),
-        }
+        }  # fmt: skip
         limit = packed.numel() / bandwidth
         print(json.dumps({"shape": name, "n": n, "k": k, **{f"{path}_us": round(s * 1e6, 2) for path, s in seconds.items()},
-                          "fp8_of_bytes_limit": {path: round(limit / seconds[path], 3)
-                                                 for path in ("integer_decode", "e4m3_conversion")}}), flush=True)  # fmt: skip
+                          "fp8_of_bytes_limit": {path: round(limit / s, 3) for path, s in seconds.items()
+                                                 if path != "bf16_cublas"}}), flush=True)  # fmt: skip
 
 
 def tensor_core_rows() -> None:

@@ -48,7 +48,8 @@ float32 scale per block), MXFP4 and NVFP4 (:mod:`xinfer.quant.fp4_formats`: e2m1
 scales per 32, or e4m3 scales per 16 and a float32 per block of 128), all through the weight-only
 kernels. ``--fp8`` runs benchmarks/offline.py on the shape's dummy weights in bf16 and quantized at
 load to FP8 (``--isq fp8``: the layout an FP8 block-scaled checkpoint loads into), through the
-weight-only kernels and through the tensor cores (``XINFER_FP8_MATMUL=tensor-cores``, SM90): batch-1
+weight-only kernels and through the tensor cores (``XINFER_FP8_MATMUL=tensor-cores``, SM90; one row there the
+GEMV over the tensor cores' layout where it measures faster): batch-1
 decode tok/s and the output tok/s of ``--requests`` concurrent requests (256). ``--mxfp4`` and
 ``--nvfp4`` do the same with ``--isq mxfp4`` / ``--isq nvfp4`` (the layouts MXFP4 and NVFP4
 checkpoints load into; software decoding, no FP4 tensor cores).

@@ -34,10 +34,12 @@ from xinfer.kv import get_format
 from xinfer.layers.moe import Routing
 from xinfer.ops import AttentionMetadata, HeadNorms, Rotation, ShadowPages
 from xinfer.sampling import SampledRow, SamplingBatch, SamplingParams
+from xinfer_cuda.fp8_tensor_cores import GEMV_WARPS
 from xinfer_cuda.kernels import (
     activation,
     attention,
     encoder_attention,
+    fp8_gemv,
     gemv,
     kv_codes,
     kv_quant_write,
@@ -79,7 +81,7 @@ MODULES = (
     rotary,
     sampling,
 )
-MODULES += (plane_i8_dot, plane_i8_gemv, plane_linear, quant_linear, quant_moe, splits, token_bitmask)
+MODULES += (fp8_gemv, plane_i8_dot, plane_i8_gemv, plane_linear, quant_linear, quant_moe, splits, token_bitmask)
 # the plugins' kernels: qwen's Gated DeltaNet (and its prefill form), deepseek's latent attention, sparse (V3.2)
 # too, and its indexer
 MODULES += (conv1d, delta_rule, fla_prefill, gated_norm, mla, mla_rows, sparse_mla, indexer)
@@ -104,7 +106,7 @@ POINTER_TYPES = {
 LAUNCHES: list = []
 # kernels written so that their tensors need no layout conversion: each barrier past these (the output's store)
 # is a conversion through shared memory that a Triton release chose (plane_i8_gemv.py says how it is kept out)
-BARRIERS = {"_plane_i8_gemv_kernel": 1}
+BARRIERS = {"_plane_i8_gemv_kernel": 1, "_fp8_gemv_kernel": 1}
 
 
 class _Recorder:
@@ -227,6 +229,14 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     # prefill's tiles, dequantization, and the MoE per-slot kernels at Qwen3-30B-A3B's sizes; FP8 decoded
     # as the target does (through its e4m3 conversion from SM89)
     quant_linear.converts_e4m3 = lambda device: cc >= 89
+    if cc >= 89:  # FP8 weights in the tensor cores' layout at one row (its GEMV converts e4m3 in hardware)
+        for warps in GEMV_WARPS:
+            fp8_gemv.fp8_gemv(
+                t(1, 4096), torch.empty(6144, 4096, dtype=torch.uint8), torch.empty(32, 6144), None, warps
+            )
+            fp8_gemv.fp8_gemv(
+                t(1, 4224), torch.empty(6142, 4224, dtype=torch.uint8), torch.empty(33, 6142), t(6142), warps
+            )
     for fmt in FORMATS.values():
         packed = torch.empty(6144, fmt.row_bytes(4096), dtype=torch.uint8)
         for tokens in (1, 4, 300):

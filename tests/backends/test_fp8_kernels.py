@@ -15,8 +15,16 @@ from torch import Tensor
 from tests.backends.test_gguf_kernels import _seed, check  # noqa: F401 (the same kernels, bounds and seeds)
 from xinfer import ops
 from xinfer.quant import get_weight_format, quantized
-from xinfer_cuda.fp8_tensor_cores import FP8_KERNELS, quantize_activations, to_tensor_core_layout
+from xinfer_cuda.fp8_tensor_cores import (
+    FP8_KERNELS,
+    GEMV_WARPS,
+    TENSOR_CORE_KERNELS,
+    quantize_activations,
+    split,
+    to_tensor_core_layout,
+)
 from xinfer_cuda.kernels import quant_linear as quant_linear_module
+from xinfer_cuda.kernels.fp8_gemv import fp8_gemv
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.quant_linear import QDotConfig, QGemvConfig, dequantize, quant_linear
 from xinfer_cuda.ops import CudaOps
@@ -104,6 +112,20 @@ def test_activations_quantize_per_token_and_128_columns():
     assert torch.allclose(back.unflatten(1, (2, 128)).abs().amax(-1), x.unflatten(1, (2, 128)).abs().amax(-1))
 
 
+@pytest.mark.skipif(ON_GPU and torch.cuda.get_device_capability() < (8, 9), reason="e4m3 conversion: SM89 and up")
+@pytest.mark.parametrize("n, k", [(13, 384), (8, 4096), (5, 4224)])  # rows no warp count divides, steps cut short
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_row_gemv_reads_the_tensor_cores_layout(n, k, dtype):
+    weight = quantized(random_packed(n, k, FP8, device=DEVICE), CORE, (n, k))
+    codes, scales = split(to_tensor_core_layout(weight).raw)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    ref = x.cpu().float() @ reference(weight.raw).T
+    for warps in GEMV_WARPS:
+        check(fp8_gemv(x, codes, scales, None, warps), ref, dtype)
+        check(fp8_gemv(x, codes, scales, bias, warps), ref + bias.cpu().float(), dtype)
+
+
 SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -121,4 +143,6 @@ def test_tensor_cores_match_the_weight_times_quantized_activations(rows, monkeyp
         out = ops.linear(x, prepared, None)
     codes, scales = quantize_activations(x)
     meant = codes.float() * scales.repeat_interleave(128, dim=1)
+    if rows == 1 and TENSOR_CORE_KERNELS.one_row_warps(x, prepared.raw, None):  # the GEMV measured faster
+        meant = x.float()
     check(out, meant.cpu() @ reference(weight.raw).T, torch.bfloat16)

@@ -6,12 +6,16 @@ At load each 2-D weight is repacked, in its own bytes, into what ``torch.nn.func
 1x128 x 1x128 block scaling reads: the e4m3 codes [N, K] row-major, then the float32 scales
 [K / 128, N] (the same values: :class:`Fp8TensorCoreLayout`). Each call quantizes the activations to
 e4m3 per token and 128 columns (the scale taking each group's largest magnitude to 448) and multiplies
-in FP8 with fp32 accumulation. Stacked experts keep the weight-only layout and kernels.
+in FP8 with fp32 accumulation; one row takes a GEMV over the same bytes where it measures faster
+(:mod:`xinfer_cuda.kernels.fp8_gemv`: cuBLAS has no one-row block-scaled product, and padded to 16 rows
+it reads as much as a GEMV but quantizes the activations first). Stacked experts keep the weight-only
+layout and kernels.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,8 @@ from torch import Tensor
 
 from xinfer.quant import QuantizedTensor, WeightFormat, WeightKernels
 from xinfer.quant.fp8_format import BLOCK, E4M3_MAX
+from xinfer_cuda.kernels.fp8_gemv import fp8_gemv
+from xinfer_cuda.linear import graph_time, l2_overflowing_copies, time_each
 from xinfer_cuda.quant_weights import GgufKernels
 
 SELECT = "XINFER_FP8_MATMUL"  # "weight-only" (the default) or "tensor-cores"
@@ -74,14 +80,47 @@ MIN_ROWS = 16
 
 
 class Fp8TensorCores(WeightKernels):
+    """Many rows through ``scaled_mm``; one row (decode at batch 1) through :func:`~xinfer_cuda.kernels.fp8_gemv.fp8_gemv`
+    over the same bytes where it measures faster than the tensor cores' product padded to 16 rows (timed once per
+    weight shape, outside a CUDA graph capture; a capture that meets an unmeasured shape takes the GEMV)."""
+
+    def __init__(self) -> None:
+        self.one_row: dict[tuple, int] = {}  # the GEMV's warps, or 0: the tensor cores
+
     def linear(self, x: Tensor, weight: QuantizedTensor, bias: Tensor | None = None) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        padded = F.pad(rows, (0, 0, 0, MIN_ROWS - rows.shape[0])) if rows.shape[0] < MIN_ROWS else rows
         codes, scales = split(weight.raw)
-        x_codes, x_scales = quantize_activations(padded)
-        recipe = F.ScalingType.BlockWise1x128
-        y = F.scaled_mm(x_codes, codes.t(), x_scales, recipe, scales.t(), recipe, bias=bias, output_dtype=x.dtype)
-        return y[: rows.shape[0]].reshape(*x.shape[:-1], y.shape[-1])
+        warps = self.one_row_warps(rows, weight.raw, bias) if rows.shape[0] == 1 and rows.is_cuda else 0
+        y = fp8_gemv(rows, codes, scales, bias, warps) if warps else tensor_core_product(rows, codes, scales, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def one_row_warps(self, x: Tensor, raw: Tensor, bias: Tensor | None) -> int:
+        key = (tuple(raw.shape), x.shape[1], x.dtype, bias is not None, x.device)
+        if key not in self.one_row:
+            if torch.cuda.is_current_stream_capturing():
+                return GEMV_WARPS[0]
+
+            def call(warps: int) -> Callable[[Tensor], Tensor]:
+                if warps:
+                    return lambda w: fp8_gemv(x, *split(w), bias, warps)
+                return lambda w: tensor_core_product(x, *split(w), bias)
+
+            times = time_each(graph_time, {w: call(w) for w in (*GEMV_WARPS, 0)}, l2_overflowing_copies(raw), x.device)
+            self.one_row[key] = min(times, key=times.__getitem__)
+        return self.one_row[key]
+
+
+GEMV_WARPS = (4, 8)
+
+
+def tensor_core_product(rows: Tensor, codes: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """``rows`` [M, K] times the weight through ``scaled_mm``, the activations quantized per token and 128
+    columns (fewer than :data:`MIN_ROWS` rows padded with zeros)."""
+    padded = F.pad(rows, (0, 0, 0, MIN_ROWS - rows.shape[0])) if rows.shape[0] < MIN_ROWS else rows
+    x_codes, x_scales = quantize_activations(padded)
+    recipe = F.ScalingType.BlockWise1x128
+    y = F.scaled_mm(x_codes, codes.t(), x_scales, recipe, scales.t(), recipe, bias=bias, output_dtype=rows.dtype)
+    return y[: rows.shape[0]]
 
 
 class Fp8Kernels(GgufKernels):
