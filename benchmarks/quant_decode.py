@@ -76,7 +76,8 @@ from shapes import SHAPES
 
 from xinfer_cuda.kernels.gguf_blocks import FORMATS, random_packed
 from xinfer_cuda.kernels.gguf_planes import LAYOUTS, to_planes
-from xinfer_cuda.kernels.plane_linear import plane_dequantize, plane_rows
+from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks
+from xinfer_cuda.kernels.plane_linear import plane_dequantize, plane_layout, plane_rows
 from xinfer_cuda.kernels.quant_linear import dequantize, linear_rows
 from xinfer_cuda.quant_weights import GGUF_KERNELS, MEASURED_ROWS, PLANE_KERNELS, measured_rows
 
@@ -256,6 +257,12 @@ def tile_times(config, device: torch.device, bandwidth: float, smoke: bool, batc
                 records.append(emit({"mode": "tile", "format": fmt, "n": n, "k": k, "rows": rows, "tile": str(tile),
                                      "us": round(seconds * 1e6, 2),
                                      "of_bandwidth": round(packed.numel() / seconds / bandwidth, 3)}))  # fmt: skip
+            if rows == 1 and not smoke:  # the int8 GEMV's times include its activations' quantization: alone
+                fields = plane_layout(fmt, k).fields
+                quantize = graph_time(
+                    lambda x, fields=fields: quantize_blocks(x, order=fields), [x.clone() for _ in range(8)]
+                )
+                records.append(emit({"mode": "quantize", "format": fmt, "k": k, "us": round(quantize * 1e6, 2)}))
         del copies
     return records
 
