@@ -278,8 +278,8 @@ def test_a_plugin_format_registers_through_the_hook_and_brings_its_kernels(monke
 
 def test_a_formats_norm_linear_kernel_runs_the_norm_and_its_linear(monkeypatch) -> None:
     """ops.norm_linear over a format whose kernels have a norm_linear runs it (as one op: a backend may prepare the
-    activations in the norm's pass); a weight in parts, or a backend without the format's kernels, gets the norm and
-    then the linear."""
+    activations in the norm's pass); a weight in parts runs its first part's, the other parts multiplying the normed
+    rows; a first part, or a backend, without such a kernel gets the norm and then the linear."""
     found = registry.discover(["cpu"], modules={"int8-rows": sys.modules[__name__]})
     monkeypatch.setattr(registry, "discovery", lambda: found)
     fmt = get_weight_format("int8-rows")
@@ -297,10 +297,17 @@ def test_a_formats_norm_linear_kernel_runs_the_norm_and_its_linear(monkeypatch) 
     torch.testing.assert_close(got_h, h)
     merged = cat_rows([weight, packed("q8_0", (32, 64), seed=1)])
     with ops.use(CpuOps()):
+        y, got_normed, got_h = ops.norm_linear(x, residual, norm_weight, 1e-6, merged, torch.ones(40))
+    assert CountingKernels.norm_calls == 2  # in parts: the first part's kernel, then the other part's linear
+    torch.testing.assert_close(y, normed @ merged.dequantize().T + 1, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_normed, normed)
+    torch.testing.assert_close(got_h, h)
+    merged = cat_rows([packed("q8_0", (32, 64), seed=1), weight])
+    with ops.use(CpuOps()):
         y, _, _ = ops.norm_linear(x, residual, norm_weight, 1e-6, merged)
-    assert CountingKernels.norm_calls == 1  # in parts: the norm, then each part's linear
+    assert CountingKernels.norm_calls == 2  # a first part without the kernel: the norm, then each part's linear
     torch.testing.assert_close(y, normed @ merged.dequantize().T, rtol=2e-2, atol=2e-2)
     with ops.use(TorchOps()):
         y, _, _ = ops.norm_linear(x, None, norm_weight, 1e-6, weight, bias)
-    assert CountingKernels.norm_calls == 1
+    assert CountingKernels.norm_calls == 2
     torch.testing.assert_close(y, TorchOps().rms_norm(x, norm_weight, 1e-6) @ weight.dequantize().T + bias)

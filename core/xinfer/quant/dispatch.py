@@ -59,10 +59,16 @@ def norm_linear(
     bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:meth:`xinfer.ops.Ops.norm_linear` for a quantized ``weight``: the format's kernel where it has one (a weight
-    in parts has none), else the backend's norm, then :func:`linear`."""
-    kernels = None if weight.parts else _kernels(backend, weight)
+    in parts: its first part's, the other parts then multiplying the normed rows), else the backend's norm, then
+    :func:`linear`."""
+    first = weight.parts[0] if weight.parts else weight
+    kernels = _kernels(backend, first)
     if kernels is not None and kernels.norm_linear is not None:
-        return kernels.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        if not weight.parts:
+            return kernels.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        y, normed, h = kernels.norm_linear(x, residual, norm_weight, eps, first, None)
+        out = torch.cat([y, *(linear(backend, normed, part, None) for part in weight.parts[1:])], dim=-1)
+        return (out if bias is None else out + bias), normed, h
     if residual is None:
         normed, h = backend.rms_norm(x, norm_weight, eps), x
     else:
