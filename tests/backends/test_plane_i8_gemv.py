@@ -55,14 +55,20 @@ def test_activations_are_stored_in_the_gemvs_order(fields):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_int8_gemv_is_the_weight_times_the_quantized_activations(name):
     """21 rows of the weight (tiles of 2, 4 and 8 rows: the last cut), 3 tiles a row (a loop step of 16 cut), with
-    a bias, 1 to 4 warps; then split along K (2 programs, their partial sums and the bias added by a second
-    kernel); then 8 rows of 16 tiles, no step cut."""
+    a bias, 1 to 4 warps, a row or two a thread; then split along K (2 programs, their partial sums and the bias
+    added by a second kernel); then 8 rows of 16 tiles, no step cut."""
     n, k = 21, 3 * LAYOUTS[name].tile
     packed = random_packed(n, k, FORMATS[name], device=DEVICE)
     planes = to_planes(packed, LAYOUTS[name])
     x, bias = torch.randn(1, k, device=DEVICE).to(DTYPE), torch.randn(n, device=DEVICE).to(DTYPE)
     want, plain = (product + bias.cpu().double() for product in int8_products(x, packed, planes, name))
-    for config in (PlaneI8GemvConfig(2, 1), PlaneI8GemvConfig(4, 2), PlaneI8GemvConfig(8, 4, split=2)):
+    configs = (
+        PlaneI8GemvConfig(2, 1),
+        PlaneI8GemvConfig(4, 2),
+        PlaneI8GemvConfig(4, 4),
+        PlaneI8GemvConfig(8, 4, split=2),
+    )
+    for config in configs:
         check_int8(plane_i8_gemv(x, planes, name, n, bias, config), want, plain)
     n, k = 8, 16 * LAYOUTS[name].tile
     packed = random_packed(n, k, FORMATS[name], device=DEVICE)
