@@ -189,6 +189,19 @@ def _scaled(FMT: tl.constexpr, F: tl.constexpr, sums, scales, supers, g, d_ptr, 
 
 
 @triton.jit
+def _blocks(acc, FMT: tl.constexpr, FIELDS: tl.constexpr, s0, s1, s2, s3, scales, supers, g, d_ptr, s_ptr, x_block,
+            mask, x_mask):  # fmt: skip
+    """``acc`` plus the scaled integer sums of a half tile's blocks (Q6_K: sub-blocks ``g``) of fields 0, 2, 4 and 6
+    (Q8_0's: 0 and 2, in ``s0`` and ``s1``)."""
+    acc += _scaled(FMT, 0, s0, scales, supers, g, d_ptr, s_ptr, x_block, mask, x_mask)
+    acc += _scaled(FMT, 2, s1, scales, supers, g, d_ptr, s_ptr, x_block + 2, mask, x_mask)
+    if FIELDS == 8:
+        acc += _scaled(FMT, 4, s2, scales, supers, g, d_ptr, s_ptr, x_block + 4, mask, x_mask)
+        acc += _scaled(FMT, 6, s3, scales, supers, g, d_ptr, s_ptr, x_block + 6, mask, x_mask)
+    return acc
+
+
+@triton.jit
 def _high_words(FMT: tl.constexpr, high_ptr, at, mask):
     """The high bits of a load's 4 code words [S]: Q5's high bytes (a word), Q6_K's high halves (two words, [S, 2])."""
     if FMT == "Q6_K":
@@ -262,20 +275,11 @@ def _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_
             s2 = _nibble_sums(FMT, 2, gathered[2], high_up, xs[2], odd[2], s2)
             s3 = _nibble_sums(FMT, 3, gathered[3], high_up, xs[3], odd[3], s3)
         if FMT == "Q6_K" and c % 2 == 1:  # sub-block 4 (F // 2) + 2 h + c // 2 of 16 ends: a scale each
-            g = 2 * h + c // 2
-            acc += _scaled(FMT, 0, s0, scales, supers, g, d_ptr, s_ptr, x_block, mask, x_mask)
-            acc += _scaled(FMT, 2, s1, scales, supers, g, d_ptr, s_ptr, x_block + 2, mask, x_mask)
-            acc += _scaled(FMT, 4, s2, scales, supers, g, d_ptr, s_ptr, x_block + 4, mask, x_mask)
-            acc += _scaled(FMT, 6, s3, scales, supers, g, d_ptr, s_ptr, x_block + 6, mask, x_mask)
+            acc = _blocks(acc, FMT, FIELDS, s0, s1, s2, s3, scales, supers, 2 * h + c // 2, d_ptr, s_ptr, x_block,
+                          mask, x_mask)  # fmt: skip
             s0, s1, s2, s3 = zero, zero, zero, zero
-    if FIELDS == 4:
-        acc += _scaled(FMT, 0, s0, scales, supers, h, d_ptr, s_ptr, x_block, mask, x_mask)
-        acc += _scaled(FMT, 2, s1, scales, supers, h, d_ptr, s_ptr, x_block + 2, mask, x_mask)
-    elif FMT != "Q6_K":
-        acc += _scaled(FMT, 0, s0, scales, supers, h, d_ptr, s_ptr, x_block, mask, x_mask)
-        acc += _scaled(FMT, 2, s1, scales, supers, h, d_ptr, s_ptr, x_block + 2, mask, x_mask)
-        acc += _scaled(FMT, 4, s2, scales, supers, h, d_ptr, s_ptr, x_block + 4, mask, x_mask)
-        acc += _scaled(FMT, 6, s3, scales, supers, h, d_ptr, s_ptr, x_block + 6, mask, x_mask)
+    if FMT != "Q6_K":
+        acc = _blocks(acc, FMT, FIELDS, s0, s1, s2, s3, scales, supers, h, d_ptr, s_ptr, x_block, mask, x_mask)
     return acc
 
 
