@@ -26,6 +26,7 @@ from xinfer.quant.fp8_format import BLOCK, E4M3_MAX
 from xinfer_cuda.kernels.fp8_gemv import fp8_gemv
 from xinfer_cuda.linear import graph_time, l2_overflowing_copies, time_each
 from xinfer_cuda.quant_weights import GgufKernels
+from xinfer_cuda.tile_cache import TILE_CACHE, NotMeasured, remembered
 
 SELECT = "XINFER_FP8_MATMUL"  # "weight-only" (the default) or "tensor-cores"
 
@@ -82,7 +83,8 @@ MIN_ROWS = 16
 class Fp8TensorCores(WeightKernels):
     """Many rows through ``scaled_mm``; one row (decode at batch 1) through :func:`~xinfer_cuda.kernels.fp8_gemv.fp8_gemv`
     over the same bytes where it measures faster than the tensor cores' product padded to 16 rows (timed once per
-    weight shape, outside a CUDA graph capture; a capture that meets an unmeasured shape takes the GEMV)."""
+    weight shape, outside a CUDA graph capture, and kept in the tile cache as the other measured tiles are; a
+    capture that meets an unmeasured shape takes the GEMV)."""
 
     def __init__(self) -> None:
         self.one_row: dict[tuple, int] = {}  # the GEMV's warps, or 0: the tensor cores
@@ -95,19 +97,27 @@ class Fp8TensorCores(WeightKernels):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def one_row_warps(self, x: Tensor, raw: Tensor, bias: Tensor | None) -> int:
-        key = (tuple(raw.shape), x.shape[1], x.dtype, bias is not None, x.device)
+        key = (tuple(raw.shape), x.dtype, bias is not None, x.device)
         if key not in self.one_row:
             if torch.cuda.is_current_stream_capturing():
                 return GEMV_WARPS[0]
-
-            def call(warps: int) -> Callable[[Tensor], Tensor]:
-                if warps:
-                    return lambda w: fp8_gemv(x, *split(w), bias, warps)
-                return lambda w: tensor_core_product(x, *split(w), bias)
-
-            times = time_each(graph_time, {w: call(w) for w in (*GEMV_WARPS, 0)}, l2_overflowing_copies(raw), x.device)
-            self.one_row[key] = min(times, key=times.__getitem__) if times else 0  # (none fit: the tensor cores)
+            options = (*GEMV_WARPS, 0)
+            self.one_row[key] = remembered(TILE_CACHE, x.device, ("fp8-one-row", *key[:-1]), options,
+                                           lambda: self.fastest(x, raw, bias, options))  # fmt: skip
         return self.one_row[key]
+
+    @staticmethod
+    def fastest(x: Tensor, raw: Tensor, bias: Tensor | None, options: tuple[int, ...]) -> int:
+        def call(warps: int) -> Callable[[Tensor], Tensor]:
+            if warps:
+                return lambda w: fp8_gemv(x, *split(w), bias, warps)
+            return lambda w: tensor_core_product(x, *split(w), bias)
+
+        try:
+            times = time_each(graph_time, {w: call(w) for w in options}, l2_overflowing_copies(raw), x.device)
+        except torch.OutOfMemoryError as error:
+            raise NotMeasured(options[0]) from error
+        return min(times, key=times.__getitem__) if times else 0  # (none fit: the tensor cores)
 
 
 GEMV_WARPS = (4, 8)
