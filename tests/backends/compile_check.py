@@ -105,8 +105,8 @@ POINTER_TYPES = {
 
 LAUNCHES: list = []
 # kernels written so that their tensors need no layout conversion: each barrier past these (the output's store)
-# is a conversion through shared memory that a Triton release chose (plane_i8_gemv.py says how it is kept out)
-BARRIERS = {"_plane_i8_gemv_kernel": 1, "_fp8_gemv_kernel": 1}
+# is a conversion through shared memory that a Triton release chose (fp8_gemv.py)
+BARRIERS = {"_fp8_gemv_kernel": 1}
 
 
 class _Recorder:

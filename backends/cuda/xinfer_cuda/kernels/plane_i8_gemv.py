@@ -19,21 +19,15 @@ tile of bytes (Q8_0, 4 fields) words ``w`` and ``w + 1`` hold columns ``2 w .. 2
 ``64 + 2 w ..`` in their high halves: one ``prmt`` each. Q5's and Q6_K's high bits join the nibbles as bytes
 (Q6_K's high halves of the four words regathered byte by byte first).
 
-A thread holds a half tile (4 loads) of a row: the products of a block (Q6_K: of a sub-block of 16) are summed as
-integers in the thread over its loads, then scaled once; the lanes of a warp are 16 tiles' halves, the warps rows
-(and ``R`` rows a thread in its registers). The kernel indexes these slots with one flat index: given a dimension
-each, Triton chooses which dimensions get the lanes by an order that changed between releases, and both 3.6 and
-3.9 chose badly for one of two orders (block sums over shuffles, the activations' scales through shared memory
-with a barrier each; on an H100 under ncu, Q4_K 14336x4096 at 51 % of the DRAM bandwidth with 18.5 cycles between a
-warp's instructions). The first step's code words are loaded before the wait on the kernel that quantizes the
-activations, so that they overlap it. Under the Triton interpreter, which runs no PTX, the byte permutes and
-``dp4a`` are computed from shifts and masks.
+A thread holds a half tile (4 loads) of ``R`` rows: the products of a block (Q6_K: of a sub-block of 16) are summed
+as integers in the thread, then scaled once; the threads of a warp are 16 tiles' halves, the warps rows. The first
+step's code words are loaded before the wait on the kernel that quantizes the activations, so that they overlap it.
+Under the Triton interpreter, which runs no PTX, the byte permutes and ``dp4a`` are computed from shifts and masks.
 
-A step's loop is 2.1 SASS instructions a Q4_K value, 2.0 a Q8_0 and 3.4 a Q6_K one in the sm_90 build with
-Triton 3.6 or 3.9, and no barrier (``compile_check.py`` fails on one). On an H100 with the layout Triton 3.6 chose
-before the flat index (3.3, 3.5 and 4.3 instructions a value), ``quant_decode.py --tiles --batches 1`` (the
-quantization included) timed it 1.14-1.42x faster than the fastest float GEMV at every Llama-3.1-8B shape but Q8_0's
-1024x4096, reading Q8_0 at 0.60-1.01 of the copy kernel's bandwidth, Q4_K at 0.21-0.56, Q6_K at 0.25-0.76.
+In the sm_90 build that is about 2 SASS instructions a Q4_K or Q8_0 value and 3.6 a Q6_K one (the float GEMV: 6.0,
+5.5 and 9). On an H100 (``quant_decode.py --tiles --batches 1``, the quantization included) it was 1.14-1.42x faster
+than the fastest float GEMV at every Llama-3.1-8B shape but Q8_0's 1024x4096, and reads Q8_0 at 0.60-1.01 of the
+copy kernel's bandwidth, Q4_K at 0.21-0.56, Q6_K at 0.25-0.76.
 """
 
 from __future__ import annotations
@@ -154,18 +148,18 @@ def _halves(a, b, AT: tl.constexpr):
 
 @triton.jit
 def _four(v):
-    """The 4 words of each of ``v``'s loads [S, 4] (16 bytes a thread) as 4 tensors [S]."""
-    even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+    """The 4 entries of ``v``'s last dimension (a thread's 16-byte load) as 4 tensors."""
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], v.shape[3], v.shape[4], 2, 2)))
     first, third = tl.split(even)
     second, fourth = tl.split(odd)
     return first, second, third, fourth
 
 
 @triton.jit
-def _nibble_sums(FMT: tl.constexpr, J: tl.constexpr, rows_bytes, high, x_even, x_odd, acc):
-    """``acc`` plus the two ``dp4a`` of byte ``J`` of the four words (gathered in ``rows_bytes``): its low nibbles
-    (the even columns) with ``x_even``, its high nibbles with ``x_odd``, each with its high bits (Q5's ``high``:
-    the words' high bytes; Q6_K's: the gathered byte ``J // 2`` of their high bits)."""
+def _nibble_sums(FMT: tl.constexpr, J: tl.constexpr, rows_bytes, high, x_even, x_odd):
+    """The two ``dp4a`` of byte ``J`` of the four words (gathered in ``rows_bytes``): its low nibbles (the even
+    columns) with ``x_even``, its high nibbles with ``x_odd``, each with its high bits (Q5's ``high``: the words'
+    high bytes; Q6_K's: the gathered byte ``J // 2`` of their high bits)."""
     low = rows_bytes & 0x0F0F0F0F
     up = (rows_bytes >> 4) & 0x0F0F0F0F
     if FMT == "Q5_0" or FMT == "Q5_1":  # bit f of the word's high byte
@@ -174,112 +168,100 @@ def _nibble_sums(FMT: tl.constexpr, J: tl.constexpr, rows_bytes, high, x_even, x
     elif FMT == "Q6_K":  # bits 2 f, 2 f + 1 of the word's high half; byte J // 2 of it gathered in high
         low |= ((high >> (4 * (J % 2))) & 0x03030303) << 4
         up |= ((high >> (4 * (J % 2) + 2)) & 0x03030303) << 4
-    return _dp4a(_signed(FMT, up), x_odd, _dp4a(_signed(FMT, low), x_even, acc))
+    return _dp4a(_signed(FMT, up), x_odd, _dp4a(_signed(FMT, low), x_even, tl.zeros_like(low)))
 
 
 @triton.jit
-def _scaled(FMT: tl.constexpr, F: tl.constexpr, sums, scales, supers, g, d_ptr, s_ptr, x_block, mask, x_mask):
-    """The float sum of field ``F``'s block (Q6_K: sub-block) ``g`` of a half tile from its integer sums: times the
-    weight's and the activations' scales, plus an affine type's bias times the activations' exact sum."""
+def _block_sum(FMT: tl.constexpr, sums):
+    """A block's integer sum of a thread's 4 loads [4, ...] (Q6_K: of each sub-block of 16, two loads each)."""
+    if FMT == "Q6_K":
+        return tl.sum(tl.reshape(sums, (2, 2, sums.shape[1], sums.shape[2], sums.shape[3], sums.shape[4])), axis=1)
+    else:
+        return tl.sum(sums, axis=0, keep_dims=True)
+
+
+@triton.jit
+def _scaled(FMT: tl.constexpr, F: tl.constexpr, sums, scales, supers, h, d_ptr, s_ptr, x_block, mask, x_mask):
+    """The float sum of field ``F``'s block of half ``h`` from its integer sums: times the weight's and the
+    activations' scales, plus an affine type's bias times the activations' exact sum."""
+    if FMT == "Q6_K":  # sub-blocks 4 (F // 2) + 2 h + c // 2 of 16: a scale each
+        g = 2 * h + tl.arange(0, 2)[:, None, None, None, None]
+    else:
+        g = h
     scale, bias = _scale_bias(FMT, F, scales, supers, g, mask)
-    total = sums.to(tl.float32) * scale * _load(d_ptr + x_block, x_mask)
+    x_scale = _load(d_ptr + x_block, x_mask)
+    total = tl.sum(_block_sum(FMT, sums).to(tl.float32) * scale, axis=0, keep_dims=True) * x_scale
     if FMT == "Q4_1" or FMT == "Q5_1" or FMT == "Q4_K":
         total += _load(s_ptr + x_block, x_mask) * bias
     return total
 
 
 @triton.jit
-def _blocks(acc, FMT: tl.constexpr, FIELDS: tl.constexpr, s0, s1, s2, s3, scales, supers, g, d_ptr, s_ptr, x_block,
-            mask, x_mask):  # fmt: skip
-    """``acc`` plus the scaled integer sums of a half tile's blocks (Q6_K: sub-blocks ``g``) of fields 0, 2, 4 and 6
-    (Q8_0's: 0 and 2, in ``s0`` and ``s1``)."""
-    acc += _scaled(FMT, 0, s0, scales, supers, g, d_ptr, s_ptr, x_block, mask, x_mask)
-    acc += _scaled(FMT, 2, s1, scales, supers, g, d_ptr, s_ptr, x_block + 2, mask, x_mask)
-    if FIELDS == 8:
-        acc += _scaled(FMT, 4, s2, scales, supers, g, d_ptr, s_ptr, x_block + 4, mask, x_mask)
-        acc += _scaled(FMT, 6, s3, scales, supers, g, d_ptr, s_ptr, x_block + 6, mask, x_mask)
-    return acc
-
-
-@triton.jit
-def _high_words(FMT: tl.constexpr, high_ptr, at, mask):
-    """The high bits of a load's 4 code words [S]: Q5's high bytes (a word), Q6_K's high halves (two words, [S, 2])."""
+def _gathered_high(FMT: tl.constexpr, high_ptr, at, mask):
+    """The high bits of a thread's 4 words: Q5's high bytes (one word), Q6_K's high halves with byte ``b`` of
+    the four gathered into word ``b`` (two ``prmt``: the loads' bytes 0, 2, 4, 6 and 1, 3, 5, 7)."""
     if FMT == "Q6_K":
-        return _load(high_ptr + 2 * at[:, None] + tl.arange(0, 2)[None, :], None if mask is None else mask[:, None])
-    elif FMT == "Q5_0" or FMT == "Q5_1":
-        return _load(high_ptr + at, mask)
-    else:  # (no high bits: unused)
-        return at
-
-
-@triton.jit
-def _gathered_high(FMT: tl.constexpr, high):
-    """What :func:`_nibble_sums` takes of a load's high bits for bytes 0-1 and 2-3 of its words: Q5's word as it
-    is, Q6_K's high halves with byte ``b`` of the four gathered into word ``b`` (the bytes 0, 2, 4, 6 and 1, 3, 5, 7
-    of the two words)."""
-    if FMT == "Q6_K":
-        first, second = tl.split(high)
+        pair_mask = None if mask is None else _last(mask)
+        first, second = tl.split(_load(high_ptr + 2 * _last(at) + tl.arange(0, 2), pair_mask))
         low = (first & 0xFF) | ((first >> 8) & 0xFF00) | ((second & 0xFF) << 16) | ((second << 8) & -0x1000000)
         up = ((first >> 8) & 0xFF) | ((first >> 16) & 0xFF00) | ((second << 8) & 0xFF0000) | (second & -0x1000000)
         return low, up
-    else:
+    elif FMT == "Q5_0" or FMT == "Q5_1":
+        high = _load(high_ptr + at, mask)
         return high, high
+    else:  # (no high bits: unused)
+        return at, at
 
 
 @triton.jit
-def _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, slot_rows, slot_tiles, h, N,
-          num_tiles, last, FMT: tl.constexpr, FIELDS: tl.constexpr, PER_TILE: tl.constexpr, EVEN: tl.constexpr,
-          WAIT: tl.constexpr):  # fmt: skip
-    """``acc`` [S] plus the products of tiles ``t0 ..`` in each slot (a thread's half tile ``h`` of tile ``t0 +
-    slot_tiles`` of row ``slot_rows``): 4 loads of 16 bytes, a block's (Q6_K: sub-block's) products summed as
-    integers over them, then scaled; ``WAIT``: the chain's wait for the kernel that writes the activations,
-    between the weight's loads and theirs."""
-    n = slot_rows.to(tl.int64)
-    tile = t0 + slot_tiles
+def _last(v):
+    """A 5-D ``v`` with a last dimension of 1, to broadcast along a load's words."""
+    return v[:, :, :, :, :, None]
+
+
+@triton.jit
+def _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles, last,
+          FMT: tl.constexpr, FIELDS: tl.constexpr, PER_TILE: tl.constexpr, EVEN: tl.constexpr, R: tl.constexpr,
+          W: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
+    """``acc`` [1, R, W, TILES, 2] plus the products of tiles ``t0 ..`` of the rows [R, W]: in a thread, 4 loads
+    of each of R rows' codes (dimensions [4 loads c, R rows, W warps, TILES tiles, 2 halves h], a load's 4 words
+    a sixth); ``WAIT``: the chain's wait for the kernel that writes the activations between the weight's loads and
+    theirs."""
+    n = rows[None, :, :, None, None].to(tl.int64)
+    c = tl.arange(0, 4)[:, None, None, None, None]
+    h = tl.arange(0, 2)[None, None, None, None, :]
+    e = tl.arange(0, 4)
+    warp = tl.arange(0, W)[None, None, :, None, None] * 0  # the activations loaded a copy a warp
+    shape: tl.constexpr = (1, R, W, TILES, 2)
+    tile = t0 + tl.arange(0, TILES)[None, None, None, :, None]
     row_tile = n * num_tiles + tile
-    mask = None if EVEN else (n < N) & (tile < last)
-    x_mask = None if EVEN else tile < last
-    words_mask = None if EVEN else mask[:, None]
-    x_words_mask = None if EVEN else x_mask[:, None]
-    e = tl.arange(0, 4)[None, :]
-    first = 4 * h  # the slot's first load of the tile's 8 (of 16 bytes each)
-    codes = (_load(codes_ptr + (row_tile * 32 + 4 * first)[:, None] + e, words_mask),
-             _load(codes_ptr + (row_tile * 32 + 4 * first + 4)[:, None] + e, words_mask),
-             _load(codes_ptr + (row_tile * 32 + 4 * first + 8)[:, None] + e, words_mask),
-             _load(codes_ptr + (row_tile * 32 + 4 * first + 12)[:, None] + e, words_mask))  # fmt: skip
-    high = (_high_words(FMT, high_ptr, row_tile * 8 + first, mask),
-            _high_words(FMT, high_ptr, row_tile * 8 + first + 1, mask),
-            _high_words(FMT, high_ptr, row_tile * 8 + first + 2, mask),
-            _high_words(FMT, high_ptr, row_tile * 8 + first + 3, mask))  # fmt: skip
-    scales = scales_ptr + row_tile * PER_TILE
-    supers = supers_ptr + row_tile
+    mask = None if EVEN else tl.broadcast_to((n < N) & (tile < last), shape)
+    x_mask = None if EVEN else tl.broadcast_to(tile < last, (1, 1, W, TILES, 2))
+    words_mask = None if EVEN else tl.broadcast_to(mask, (4, R, W, TILES, 2))
+    load_mask = None if EVEN else _last(words_mask)
+    load = 4 * h + c  # a thread's 16 bytes of each row's codes
+    w0, w1, w2, w3 = _four(_load(codes_ptr + _last(row_tile * 32 + 4 * load) + e, load_mask))
+    high_low, high_up = _gathered_high(FMT, high_ptr, row_tile * 8 + load, words_mask)
+    scales = tl.broadcast_to(scales_ptr + row_tile * PER_TILE, shape)
+    supers = tl.broadcast_to(supers_ptr + row_tile, shape)
     pdl_entry(WAIT)
     # the activations' words in quantize_blocks' order: FIELDS a load of codes (8 fields: the even columns' 4,
-    # then the odd ones'); their block of field 0 of half h (field F's: + 2 (F // 2))
-    x_at = tile * (8 * FIELDS) + first * FIELDS
-    x_block = tile * FIELDS + h
-    zero = tl.zeros_like(h)
-    s0, s1, s2, s3 = zero, zero, zero, zero  # a block's integer sums (Q8_0: fields 0 and 2 in s0 and s1)
-    for c in tl.static_range(4):
-        w0, w1, w2, w3 = _four(codes[c])
-        xs = _four(_load(q_ptr + (x_at + c * FIELDS)[:, None] + e, x_words_mask))
-        if FIELDS == 4:  # Q8_0's bytes: words (w0, w1) and (w2, w3), their low halves block h, high ones 2 + h
-            s0 = _dp4a(_halves(w2, w3, 0), xs[2], _dp4a(_halves(w0, w1, 0), xs[0], s0))
-            s1 = _dp4a(_halves(w2, w3, 16), xs[3], _dp4a(_halves(w0, w1, 16), xs[1], s1))
-        else:
-            odd = _four(_load(q_ptr + (x_at + c * FIELDS + 4)[:, None] + e, x_words_mask))
-            gathered = _transpose_bytes(w0, w1, w2, w3)
-            high_low, high_up = _gathered_high(FMT, high[c])
-            s0 = _nibble_sums(FMT, 0, gathered[0], high_low, xs[0], odd[0], s0)
-            s1 = _nibble_sums(FMT, 1, gathered[1], high_low, xs[1], odd[1], s1)
-            s2 = _nibble_sums(FMT, 2, gathered[2], high_up, xs[2], odd[2], s2)
-            s3 = _nibble_sums(FMT, 3, gathered[3], high_up, xs[3], odd[3], s3)
-        if FMT == "Q6_K" and c % 2 == 1:  # sub-block 4 (F // 2) + 2 h + c // 2 of 16 ends: a scale each
-            acc = _blocks(acc, FMT, FIELDS, s0, s1, s2, s3, scales, supers, 2 * h + c // 2, d_ptr, s_ptr, x_block,
-                          mask, x_mask)  # fmt: skip
-            s0, s1, s2, s3 = zero, zero, zero, zero
-    if FMT != "Q6_K":
-        acc = _blocks(acc, FMT, FIELDS, s0, s1, s2, s3, scales, supers, h, d_ptr, s_ptr, x_block, mask, x_mask)
+    # then the odd ones')
+    x_at = _last(tile * (8 * FIELDS) + load * FIELDS + warp) + e
+    x_load_mask = None if EVEN else _last(tl.broadcast_to(x_mask, (4, 1, W, TILES, 2)))
+    xs = _four(_load(q_ptr + x_at, x_load_mask))
+    x_block = tile * FIELDS + h + warp  # the activations' block of field 0 of half h; field F's: + 2 (F // 2)
+    if FIELDS == 4:  # Q8_0's bytes: words (w0, w1) and (w2, w3), their low halves block h, high ones 2 + h
+        low = _dp4a(_halves(w2, w3, 0), xs[2], _dp4a(_halves(w0, w1, 0), xs[0], tl.zeros_like(w0)))
+        up = _dp4a(_halves(w2, w3, 16), xs[3], _dp4a(_halves(w0, w1, 16), xs[1], tl.zeros_like(w0)))
+        acc += _scaled(FMT, 0, low, scales, supers, h, d_ptr, s_ptr, x_block, mask, x_mask)
+        acc += _scaled(FMT, 2, up, scales, supers, h, d_ptr, s_ptr, x_block + 2, mask, x_mask)
+    else:
+        odd = _four(_load(q_ptr + x_at + 4, x_load_mask))
+        gathered = _transpose_bytes(w0, w1, w2, w3)
+        for j in tl.static_range(4):
+            sums = _nibble_sums(FMT, j, gathered[j], high_low if j < 2 else high_up, xs[j], odd[j])
+            acc += _scaled(FMT, 2 * j, sums, scales, supers, h, d_ptr, s_ptr, x_block + 2 * j, mask, x_mask)
     return acc
 
 
@@ -290,25 +272,20 @@ def _plane_i8_gemv_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    # one flat index of slots (the module's docstring says why flat), a thread's half tile each: slot ((r W + w) 2 +
-    # h) TILES + t is half h of tile t of row r W + w of the program's; its low 5 bits the lanes, then the warps
-    slot = tl.arange(0, R * W * 2 * TILES)
-    slot_rows = tl.program_id(0) * (R * W) + slot // (2 * TILES)
-    slot_tiles = slot % TILES
-    h = (slot // TILES) % 2
+    # row r W + w of the program's: R rows in a thread's registers, the warps on rows
+    rows = tl.program_id(0) * (R * W) + tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
     num_tiles = K // (32 * FIELDS)
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
     # the first step's code words in flight before the wait on the activations' quantization (every program has
     # a step): they overlap it
-    acc = _step(tl.zeros((R * W * 2 * TILES,), dtype=tl.float32), first, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr,
-                scales_ptr, supers_ptr, slot_rows, slot_tiles, h, N, num_tiles, last, FMT, FIELDS, PER_TILE, EVEN,
-                PDL)  # fmt: skip
+    acc = _step(tl.zeros((1, R, W, TILES, 2), dtype=tl.float32), first, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr,
+                scales_ptr, supers_ptr, rows, N, num_tiles, last, FMT, FIELDS, PER_TILE, EVEN, R, W, PDL)  # fmt: skip
     for t0 in range(first + TILES, last, TILES):
-        acc = _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, slot_rows,
-                    slot_tiles, h, N, num_tiles, last, FMT, FIELDS, PER_TILE, EVEN, False)  # fmt: skip
-    rows = tl.program_id(0) * (R * W) + tl.arange(0, R * W)
-    _store_row_sums(tl.sum(tl.reshape(acc, (R * W, 2 * TILES)), axis=1), y_ptr, bias_ptr, rows, N, HAS_BIAS, PARTIAL)
+        acc = _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, rows, N, num_tiles,
+                    last, FMT, FIELDS, PER_TILE, EVEN, R, W, False)  # fmt: skip
+    y = tl.reshape(tl.sum(tl.sum(acc, axis=4), axis=3), (R, W))
+    _store_row_sums(y, y_ptr, bias_ptr, rows, N, HAS_BIAS, PARTIAL)
 
 
 def plane_i8_gemv(x: Tensor, raw: Tensor, name: str, n: int, bias: Tensor | None = None,
