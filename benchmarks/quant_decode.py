@@ -535,6 +535,9 @@ def main() -> None:
         elif r["mode"] == "dequant":
             what = f"dequantize {r['format']} {r['n']}x{r['k']} {r['block_n']} rows, {r['tiles']} tiles, {r['num_warps']} warps"
             print(f"{what:44} {r.get('us', r.get('error')):>10} {'':>14} {r.get('of_bandwidth', ''):>9}")
+        elif r["mode"] == "quantize":
+            what = f"quantize one row of {r['k']} for {r['format']}"
+            print(f"{what:44} {r['us']:>10}")
         elif r["mode"] == "linears":
             what = f"{r['scheme']} linears of a step, batch {r['batch']}"
             print(f"{what:44} {r['step_ms']:>10} {r['tok_s']:>14} {r.get('of_limit', ''):>9}")
