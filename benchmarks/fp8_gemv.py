@@ -3,7 +3,7 @@ with e4m3 decoded by integer operations (the SM70 path) against the hardware's c
 best of the backend's one-row tiles, and the GEMV over the tensor cores' layout (xinfer_cuda.kernels.fp8_gemv) and
 that layout's padded block-scaled product, beside bf16 cuBLAS; times from CUDA graphs over copies that overflow the L2,
 and the packed bytes per second against the copy bandwidth measured in the same run. Then which row counts
-cuBLASLt's block-scaled FP8 (the XINFER_FP8_MATMUL=tensor-cores path) accepts. One JSON line per figure.
+cuBLASLt's block-scaled FP8 (the SM90 default path) accepts. One JSON line per figure.
 
     python benchmarks/fp8_gemv.py
 """

@@ -91,7 +91,7 @@ def test_real_shapes(shape):
     run_case(*shape, torch.bfloat16)
 
 
-# --- the tensor-core path (XINFER_FP8_MATMUL=tensor-cores, SM90) ---------------------------------------
+# --- the tensor-core path (SM90's default, XINFER_FP8_MATMUL to override) ------------------------------------
 
 
 def test_tensor_core_layout_holds_the_same_values_in_the_same_bytes():
@@ -127,6 +127,22 @@ def test_one_row_gemv_reads_the_tensor_cores_layout(n, k, dtype):
 
 
 SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("selected", [None, "auto", "weight-only", "tensor-cores", "fastest"])
+def test_the_tensor_cores_are_the_default_on_sm90_only(selected, monkeypatch):
+    if selected is None:
+        monkeypatch.delenv("XINFER_FP8_MATMUL", raising=False)
+    else:
+        monkeypatch.setenv("XINFER_FP8_MATMUL", selected)
+    weight = quantized(random_packed(8, 256, FP8, device=DEVICE), CORE, (8, 256))
+    if selected == "fastest" or (selected == "tensor-cores" and not SM90):
+        with pytest.raises(ValueError, match="XINFER_FP8_MATMUL"):
+            FP8_KERNELS.prepare(weight)
+        return
+    tensor_cores = SM90 and selected != "weight-only"
+    expected = "fp8_tensor_cores" if tensor_cores else weight.format.name
+    assert FP8_KERNELS.prepare(weight).format.name == expected
 
 
 @pytest.mark.skipif(not SM90, reason="FP8 tensor cores with 1x128 block scales: SM90 (Hopper) only")

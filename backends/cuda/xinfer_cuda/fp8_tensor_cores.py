@@ -1,6 +1,7 @@
-"""FP8 weights (:mod:`xinfer.quant.fp8_format`) through Hopper's FP8 tensor cores, the alternative to
-the weight-only kernels (which decode e4m3 in registers on any GPU) that ``XINFER_FP8_MATMUL=tensor-cores``
-selects on SM90 so that both can be timed (``benchmarks/quant_decode.py --fp8``).
+"""FP8 weights (:mod:`xinfer.quant.fp8_format`) through Hopper's FP8 tensor cores: the default on SM90,
+where it measured faster than the weight-only kernels (which decode e4m3 in registers on any GPU) at one
+row and at 256 (``benchmarks/quant_decode.py --fp8``, which times both: ``XINFER_FP8_MATMUL=weight-only``
+or ``tensor-cores`` overrides the choice).
 
 At load each 2-D weight is repacked, in its own bytes, into what ``torch.nn.functional.scaled_mm``'s
 1x128 x 1x128 block scaling reads: the e4m3 codes [N, K] row-major, then the float32 scales
@@ -28,7 +29,7 @@ from xinfer_cuda.linear import graph_time, l2_overflowing_copies, time_each
 from xinfer_cuda.quant_weights import GgufKernels
 from xinfer_cuda.tile_cache import TILE_CACHE, NotMeasured, remembered
 
-SELECT = "XINFER_FP8_MATMUL"  # "weight-only" (the default) or "tensor-cores"
+SELECT = "XINFER_FP8_MATMUL"  # "auto" (the default: tensor cores on SM90), "weight-only" or "tensor-cores"
 
 
 class Fp8TensorCoreLayout(WeightFormat):
@@ -134,17 +135,18 @@ def tensor_core_product(rows: Tensor, codes: Tensor, scales: Tensor, bias: Tenso
 
 
 class Fp8Kernels(GgufKernels):
-    """The weight-only kernels, and the repack for the tensor cores where selected."""
+    """The weight-only kernels, and the repack for the tensor cores on SM90 (unless told otherwise)."""
 
     def prepare(self, weight: QuantizedTensor) -> QuantizedTensor:
-        selected = os.environ.get(SELECT, "weight-only")
-        if selected not in ("weight-only", "tensor-cores"):
-            raise ValueError(f"{SELECT}={selected!r}: choose weight-only or tensor-cores")
+        selected = os.environ.get(SELECT, "auto")
+        if selected not in ("auto", "weight-only", "tensor-cores"):
+            raise ValueError(f"{SELECT}={selected!r}: choose auto, weight-only or tensor-cores")
         if selected == "weight-only" or weight.dim() != 2 or weight.is_meta:  # meta: the fit check's, same bytes
             return weight
-        if not weight.is_cuda or torch.cuda.get_device_capability(weight.device)[0] != 9:
+        hopper = weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9
+        if not hopper and selected == "tensor-cores":
             raise ValueError(f"{SELECT}=tensor-cores runs on SM90 GPUs (Hopper) only")
-        return to_tensor_core_layout(weight)
+        return to_tensor_core_layout(weight) if hopper else weight
 
 
 FP8_KERNELS = Fp8Kernels()
