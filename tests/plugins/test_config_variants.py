@@ -16,6 +16,7 @@ from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     GlmConfig,
+    LlamaConfig,
     MiniMaxM2Config,
     MistralConfig,
     PretrainedConfig,
@@ -248,6 +249,11 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
         lambda: gemma4_config(num_attention_heads=3),
         "num_attention_heads 3 is not a multiple of num_key_value_heads 2",
     ),
+    # transformers scores a group by its best two experts: an index out of range
+    "glm4-moe groups of one expert": (
+        lambda: Glm4MoeConfig(**{**GLM_MOE, "n_group": 16, "topk_group": 1, "num_experts_per_tok": 1}),
+        "n_group 16 leaves one of the 16 experts a group",
+    ),
 }
 
 
@@ -290,6 +296,40 @@ def test_the_reference_caches_a_window_of_1_wrongly(tmp_path):
             uncached.append(int(hf(torch.tensor([uncached])).logits[0, -1].argmax()))
     assert cached[0] == uncached[len(tokens)]  # the prompt's step has no cache
     assert cached != uncached[len(tokens) :]
+
+
+UNREAD_WINDOWS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": lambda: LlamaConfig(**SMALL, sliding_window=8, architectures=["LlamaForCausalLM"]),
+    "glm4": lambda: glm4(sliding_window=8),
+    "glm4-moe": lambda: Glm4MoeConfig(**{**GLM_MOE, "sliding_window": 8}),
+    "minimax-m2": lambda: MiniMaxM2Config(**{**MINIMAX, "sliding_window": 8}),
+}
+
+
+@pytest.mark.parametrize("name", UNREAD_WINDOWS)
+def test_a_window_the_attention_does_not_read_is_not_applied(name, tmp_path, caplog):
+    """A prompt longer than the sliding_window gives transformers' logits: its attention has no window."""
+    hf, llm = randomized_model(UNREAD_WINDOWS[name](), tmp_path)
+    assert "sliding_window 8 is not read" in caplog.text
+    assert_prefill_logits_match(hf, llm, 29)
+
+
+def test_the_reference_windows_only_while_generating(tmp_path):
+    """Why greedy tokens are not compared there: transformers' forward attends to every earlier token, while
+    generate's cache (built from the config) keeps only the last window - 1 keys."""
+    config = LlamaConfig(**SMALL, sliding_window=4, architectures=["LlamaForCausalLM"])
+    hf = save_tiny_model(config, tmp_path)
+    randomize(hf)
+    tokens = prompt(13, seed=1)
+    _, cached = hf_greedy(hf, tokens, 4)
+    uncached, whole = list(tokens), []
+    with torch.inference_mode():
+        for _ in range(4):
+            logits = hf(torch.tensor([uncached])).logits[0, -1]
+            whole.append(torch.log_softmax(logits, dim=-1).max().item())
+            uncached.append(int(logits.argmax()))
+    assert cached[0] == pytest.approx(whole[0], abs=1e-5)  # the prompt's step has no cache
+    assert cached[1:] != pytest.approx(whole[1:], abs=1e-3)
 
 
 # sweepb (one field at a time): values transformers fails on as it builds the model

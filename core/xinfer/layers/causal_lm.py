@@ -4,6 +4,7 @@ whatever is truly its own."""
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,6 +18,8 @@ from xinfer.layers.norm import RMSNorm
 from xinfer.layers.rotary import RotaryEmbedding, rope_parameters
 from xinfer.layers.self_attention import SelfAttention
 from xinfer.model import HF_QKV_GATE_UP, CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class DecoderSpec:
     # a sequence that outgrows LongRoPE's trained context is recomputed with the long factors, as transformers'
     # Phi-3 generate does (CausalLM.context_switch); else the keys cached before stay as they were
     longrope_recompute: bool = False
+    # the config's sliding_window windows the attention (Mistral, Phi-3, Qwen, Gemma); where transformers' attention
+    # has none, a window the config sets anyway is not read either (see log_unread_window)
+    sliding_window: bool = True
 
 
 class DecoderForCausalLM(CausalLM):
@@ -56,6 +62,8 @@ class DecoderForCausalLM(CausalLM):
 
     def __init__(self, config: Any):
         super().__init__(config)
+        if not self.spec.sliding_window:
+            log_unread_window(config, type(self).__name__)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         rotary = {
@@ -104,7 +112,7 @@ class DecoderForCausalLM(CausalLM):
             o_bias=bias if self.spec.o_bias is None else self.spec.o_bias,
             qk_norm=self.rms_norm if self.spec.qk_norm else None,
             scale=scalar**-0.5,
-            window=sliding_window(config, index),
+            window=sliding_window(config, index) if self.spec.sliding_window else None,
             interleaved_rotary=self.spec.interleaved_rotary,
             output_gate=self.spec.output_gate,
         )
@@ -141,3 +149,13 @@ def sliding_window(config: Any, index: int) -> int | None:
         # transformers fails on a window of 0 and, caching the last window - 1 keys, keeps every key at 1
         raise ValueError(f"sliding_window {window} is not supported: a window holds at least 2 tokens")
     return window
+
+
+def log_unread_window(config: Any, architecture: str) -> None:
+    """Says once at load that ``architecture`` attends to every earlier token whatever ``sliding_window`` says, as
+    its transformers attention does. (transformers' ``generate`` alone reads the field: the cache it builds from a
+    config without ``layer_types`` keeps only the last window - 1 keys, so it departs from its own forward once a
+    sequence outgrows the window.)"""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "layer_types", None) is None and window < config.max_position_embeddings:
+        log.warning("sliding_window %d is not read: %s attends to every earlier token", window, architecture)

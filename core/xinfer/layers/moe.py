@@ -76,6 +76,9 @@ class Router(nn.Module):
             raise ValueError(
                 f"n_group {routing.num_groups} and topk_group {routing.topk_groups} do not fit {num_experts} experts"
             )
+        if routing.num_groups > 1 and num_experts // routing.num_groups < 2:  # a group scores by its best two
+            raise ValueError(f"n_group {routing.num_groups} leaves one of the {num_experts} experts a group: a group's "
+                             f"score is the sum of its best two")  # fmt: skip
         self.routing = routing
         dtype = torch.float32 if routing.fp32_logits else None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))

@@ -28,7 +28,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     into. The MTP layers after the decoder's are skipped. No MLP has biases, whatever ``mlp_bias`` says
     (V3.2's config has the field; transformers' V3, V3.2 and GLM-4.7-Flash ignore it)."""
 
-    spec = DecoderSpec(mlp_bias=False)
+    spec = DecoderSpec(mlp_bias=False, sliding_window=False)
     packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}
     # transformers' own default rope table spans qk_rope_head_dim whatever partial_rotary_factor says
     default_rope_ignores_partial = True
@@ -91,7 +91,7 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     scores alone (``topk_method`` greedy, as V2-Lite), their weights scaled, not renormalized; the dense and
     shared experts' projections with biases where ``mlp_bias``."""
 
-    spec = DecoderSpec()
+    spec = DecoderSpec(sliding_window=False)
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         return LatentAttention(config, rotary, interleaved_rotary=True)
