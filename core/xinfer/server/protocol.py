@@ -106,7 +106,31 @@ class ChatMessage(RequestBody):
             self.content = self.refusal
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise FieldError("content", f"a message of role {self.role!r} needs content")
+        if self.content == []:  # OpenAI's: content parts are a list of at least one
+            raise FieldError("content", "content must be a string or a list of at least one part, got []")
         return self
+
+
+def check_tool_turns(messages: list[ChatMessage]) -> None:
+    """OpenAI's pairing of calls and results: the tool messages right after an assistant turn's ``tool_calls``
+    answer each of its calls, and a tool message answers one of them."""
+    calls: list[str] = []  # the ids of the calls that the tool messages now read answer
+    answered: set[str] = set()
+    caller = 0
+    for i, message in enumerate([*messages, None]):  # None: the end, where the last calls must be answered
+        if message is not None and message.role == "tool":
+            call_id = message.tool_call_id
+            if call_id is None or call_id not in calls:
+                raise FieldError(f"messages.{i}", f"a tool message must answer a call of the assistant message "
+                                 f"before it, and none there has the id {call_id!r}")  # fmt: skip
+            answered.add(call_id)
+            continue
+        missing = [call for call in calls if call not in answered]
+        if missing:
+            raise FieldError(f"messages.{caller}", "an assistant message with tool_calls must be followed by tool "
+                             f"messages answering each call; none answers {', '.join(missing)}")  # fmt: skip
+        calls = [call.id for call in message.tool_calls or []] if message is not None else []
+        answered, caller = set(), i
 
 
 class StreamOptions(RequestBody):
@@ -314,6 +338,7 @@ class ChatCompletionRequest(SamplingFields):
             check_tool_choice(self.tool_choice, self.tools)
         if self.continue_final_message and self.add_generation_prompt:
             raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
+        check_tool_turns(self.messages)
         return self
 
     @property

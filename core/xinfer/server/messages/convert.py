@@ -78,7 +78,57 @@ def chat_messages(body: CountTokensRequest, takes_images: bool) -> list[dict[str
         messages.append({"role": "system", "content": block_text(body.system, "system")})
     for i, message in enumerate(body.messages):
         messages += turn(message, f"messages.{i}.content", takes_images)
+    check_turns(body.messages)  # after each turn's blocks are checked
     return messages
+
+
+def check_turns(turns: list[Message]) -> None:
+    """Anthropic's rules on the turns: content in each (a final assistant turn, the prefill, may be empty but not
+    end in whitespace), and each ``tool_use`` answered by a ``tool_result`` in the next turn, each result
+    answering one."""
+    for i, message in enumerate(turns):
+        check_text(message, f"messages.{i}", prefill=i == len(turns) - 1 and message.role == "assistant")
+        asked, answered = tool_use_ids(turns[i - 1]) if i > 0 else set(), set()
+        for j, block in enumerate(blocks(message)):
+            if block.type == "tool_result" and block.tool_use_id is not None:
+                if block.tool_use_id not in asked:
+                    raise bad_request(f"unexpected tool_use_id found in tool_result blocks: {block.tool_use_id}. "
+                                      "Each tool_result block must have a corresponding tool_use block in the previous "
+                                      "message", param=f"messages.{i}.content.{j}")  # fmt: skip
+                answered.add(block.tool_use_id)
+        check_answered(asked - answered, i - 1)
+    check_answered(tool_use_ids(turns[-1]), len(turns) - 1)
+
+
+def check_answered(unanswered: set[str], index: int) -> None:
+    if unanswered:
+        raise bad_request(f"tool_use ids were found without tool_result blocks immediately after: "
+                          f"{', '.join(sorted(unanswered))}. Each tool_use block must have a corresponding "
+                          "tool_result block in the next message", param=f"messages.{index}")  # fmt: skip
+
+
+def check_text(message: Message, param: str, prefill: bool) -> None:
+    content = message.content
+    if not prefill and not (content.strip() if isinstance(content, str) else content):
+        raise bad_request("all messages must have non-empty content except for the optional final assistant "
+                          "message", param=param)  # fmt: skip
+    for j, block in enumerate(blocks(message)):
+        if block.type == "text" and block.text is not None and not block.text.strip():
+            raise bad_request("text content blocks must contain non-whitespace text", param=f"{param}.content.{j}")
+    last = content if isinstance(content, str) else (content[-1].text if content and content[-1].type == "text" else "")
+    if prefill and last and last != last.rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace", param=param)
+
+
+def blocks(message: Message) -> list[Block]:
+    return message.content if isinstance(message.content, list) else []
+
+
+def tool_use_ids(message: Message) -> set[str]:
+    """The ids of an assistant turn's ``tool_use`` blocks."""
+    if message.role != "assistant":
+        return set()
+    return {block.id for block in blocks(message) if block.type == "tool_use" and block.id is not None}
 
 
 def turn(message: Message, param: str, takes_images: bool) -> list[dict[str, Any]]:
