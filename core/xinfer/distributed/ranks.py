@@ -68,6 +68,8 @@ class Ranks:
     def __init__(self, parallel: ParallelConfig, rank: int, device: torch.device, processes: list[BaseProcess]):
         self.parallel, self.processes = parallel, processes
         self.failure: str | None = None
+        # one thread reaps a process at a time: the other's waitpid would fail (ECHILD) and leave it no exit code
+        self._reaping = threading.RLock()
         backend = dist.get_default_backend_for_device(device)
         if device.index is not None:  # the rank's accelerator is the current one (NCCL's communicators bind to it)
             torch.accelerator.set_device_index(device.index)
@@ -149,19 +151,21 @@ class Ranks:
                     self._died(process)
 
     def _watch_once(self) -> None:
-        for process in self.processes:
-            if not process.is_alive() and not self._closing:
-                self._died(process)
+        with self._reaping:
+            for process in self.processes:
+                if not process.is_alive() and not self._closing:
+                    self._died(process)
 
     def _died(self, process: BaseProcess) -> None:
         # reaped, so that its exit code is known: its sentinel is ready once it closed its files, and a large
         # process can take seconds more to be torn down on a busy machine
-        process.join(10.0)
-        code = "" if process.exitcode is None else f" with code {process.exitcode}"
-        if self.failure is None:
-            self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited{code}: "
-                            "the engine cannot step")  # fmt: skip
-            log.error("%s", self.failure)
+        with self._reaping:
+            process.join(10.0)
+            code = "" if process.exitcode is None else f" with code {process.exitcode}"
+            if self.failure is None:
+                self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited{code}: "
+                                "the engine cannot step")  # fmt: skip
+                log.error("%s", self.failure)
 
     _closing = False
 
