@@ -154,6 +154,9 @@ def test_bodies_and_events_are_the_clients_types(server, model, options):
 IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
 
 
+UNANSWERED_CALL = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
@@ -165,6 +168,7 @@ IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=
             "input.0.content.1",
         ),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input.0"),  # no such call
+        ({"input": [{"role": "user", "content": "Hi."}, UNANSWERED_CALL]}, "input.1"),  # no output answers it
         ({"input": [{"type": "item_reference", "id": "fc_1"}]}, "input.0"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context

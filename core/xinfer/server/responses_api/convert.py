@@ -98,6 +98,7 @@ def input_messages(given: str | list[InputItem], takes_images: bool) -> list[dic
     if not given:
         raise bad_request("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []
+    unanswered: dict[str, int] = {}  # call_id: the input item of a function_call no output answers yet
     for i, item in enumerate(given):
         param = f"input.{i}"
         if item.type == "message":
@@ -112,12 +113,14 @@ def input_messages(given: str | list[InputItem], takes_images: bool) -> list[dic
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
             assistant_turn(messages).setdefault("tool_calls", []).append(call)
+            unanswered[item.call_id] = i
         elif item.type == "function_call_output":
             if item.call_id is None or item.output is None:
                 raise bad_request("a function_call_output item needs a call_id and an output", param=param)
             if not any(call["id"] == item.call_id for turn in messages for call in turn.get("tool_calls", [])):
                 raise bad_request(f"no function_call before it has the call_id {item.call_id!r}", param=param)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output_text(item.output, param)})
+            unanswered.pop(item.call_id, None)
         elif item.type == "reasoning":
             parts = item.content or []
             text = parts if isinstance(parts, str) else "".join(part.text or "" for part in parts)
@@ -128,6 +131,8 @@ def input_messages(given: str | list[InputItem], takes_images: bool) -> list[dic
                 "function_call and function_call_output",
                 param=param,
             )
+    for call_id, i in unanswered.items():
+        raise bad_request(f"no function_call_output answers the function_call {call_id!r}", param=f"input.{i}")
     for turn in messages:
         if turn["role"] == "assistant" and turn["content"] is None and "tool_calls" not in turn:
             turn["content"] = ""  # reasoning given back without the message or call that followed it
