@@ -34,6 +34,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (after the first)
     skip_special_tokens: bool = True
+    # vLLM's: a fast tokenizer's decode (xinfer's) joins special tokens as its decoder does, and vLLM's fast path
+    # ignores it too; taken for vLLM's callers
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: no text (token ids only), as vLLM's
     structured_outputs: StructuredOutputs | None = None  # a dict of its fields is taken too
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
 
@@ -63,6 +67,8 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         _check(all(self.stop), "stop strings must not be empty")
+        _check(self.detokenize or not self.stop, "stop strings need detokenize=True (they match the text)")
+        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
         _check(
             self.prompt_logprobs is None or self.prompt_logprobs >= 0,

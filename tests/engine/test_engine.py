@@ -277,11 +277,11 @@ def inject_fault(llm: LLM, monkeypatch, where: str, after: int) -> None:
             def __init__(self, stream):
                 self.stream, self.num_tokens = stream, 0
 
-            def push(self, token_ids):
+            def push(self, token_ids, stop_token=False):
                 self.num_tokens += len(token_ids)
                 if self.num_tokens > after:
                     raise InjectedFault("detokenizing")
-                return self.stream.push(token_ids)
+                return self.stream.push(token_ids, stop_token)
 
             def finish(self):
                 return self.stream.finish()

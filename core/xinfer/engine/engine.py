@@ -58,6 +58,9 @@ class StepOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None  # why the engine failed it (finish reason "error")
+    # ended by its last token, a stop token id or EOS: vLLM leaves that token's text out (but for
+    # include_stop_str_in_output)
+    stop_token: bool = False
 
     @property
     def finished(self) -> bool:
@@ -179,6 +182,7 @@ class LLMEngine:
                 f"the prompt must be shorter to leave room for at least one generated token"
             )
         self._check_vocab(prompt_token_ids)
+        self._check_top_n("logprobs", params.logprobs)
         if params.logit_bias and max(params.logit_bias) >= self.hf_config.vocab_size:
             raise ValueError(f"logit_bias token ids must be below the vocabulary's {self.hf_config.vocab_size}")
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
@@ -233,6 +237,7 @@ class LLMEngine:
         def score(batch: HostBatch, start: int, end: int) -> list[dict[int, float]]:
             return self.runner.prompt_logprobs(batch, token_ids[start + 1 : end + 1], top_n)
 
+        self._check_top_n("prompt_logprobs", top_n)
         entries: list[dict[int, float] | None] = [None]
         for step in self._in_steps(token_ids, multimodal, score):
             entries += step
@@ -278,6 +283,12 @@ class LLMEngine:
         vocab_size = self.hf_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(token_ids)}..{max(token_ids)}")
+
+    def _check_top_n(self, name: str, top_n: int | None) -> None:
+        """Refuses more alternatives per token than the vocabulary has."""
+        vocab_size = self.hf_config.vocab_size
+        if top_n is not None and top_n > vocab_size:
+            raise ValueError(f"{name} must be at most the vocabulary's {vocab_size} tokens, got {top_n}")
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -371,26 +382,28 @@ class LLMEngine:
         seq.token_ids[-1] = token
         if seq.constraint is not None:
             seq.constraint.accept(token)
-        reason, stop_reason = self._finish_reason(seq, token)
+        reason, stop_reason, stop_token = self._finish_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
         token_logprobs = [logprobs] if logprobs is not None else []
-        return StepOutput(seq.request_id, [token], token_logprobs, seq.num_cached_tokens, reason, stop_reason)
+        return StepOutput(seq.request_id, [token], token_logprobs, seq.num_cached_tokens, reason, stop_reason,
+                          stop_token=stop_token)  # fmt: skip
 
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
-        """Why ``token`` ends ``seq``, if it does; stop strings are the output processor's."""
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None, bool]:
+        """Why ``token`` ends ``seq``, if it does, and whether it is a stop token (a stop token id or
+        EOS); stop strings are the output processor's."""
         params = seq.params
         if seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
-                return "stop", token
+                return "stop", token, True
             if token in seq.eos_token_ids and not params.ignore_eos:
-                return "stop", None
+                return "stop", None, True
         if seq.constraint is not None and seq.constraint.done:  # the grammar allows nothing more
-            return "stop", None
+            return "stop", None, False
         if seq.at_limit:  # max_tokens or the context
-            return "length", None
-        return None, None
+            return "length", None, False
+        return None, None, False
 
 
 def _picklable(tokenizer: Any) -> Any:

@@ -148,7 +148,7 @@ class OutputProcessor:
         header = choice.header
         finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
         try:
-            text, stop_string = choice.text.push(out.token_ids)
+            text, stop_string = choice.text.push(out.token_ids, out.stop_token)
             if stop_string is not None:
                 if not out.finished:
                     self.engine.abort(out.request_id)
@@ -173,5 +173,8 @@ class OutputProcessor:
 
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
         tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens
-        detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
+        if tokenizer is None or not params.detokenize:
+            detokenizer = None
+        else:
+            detokenizer = IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
         return TextStream(detokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)

@@ -24,10 +24,14 @@ class TextStream:
         self.num_tokens = 0
         self.min_text = 0  # the length of the first min_tokens tokens' text, once they are all in
 
-    def push(self, token_ids: list[int]) -> tuple[str, str | None]:
-        """Adds tokens; returns the new text safe to emit and the stop string hit, if any."""
+    def push(self, token_ids: list[int], stop_token: bool = False) -> tuple[str, str | None]:
+        """Adds tokens; returns the new text safe to emit and the stop string hit, if any.
+        ``stop_token``: the last one ended the sequence (a stop token id or EOS); as in vLLM, its
+        text is left out but for ``include_stop``."""
         if self.detokenizer is None:
             return "", None
+        if stop_token and not self.include_stop:
+            token_ids = token_ids[:-1]
         if not self.stop:  # nothing held back, nothing kept: the text of a long answer is not copied each token
             return "".join([self.detokenizer.push(token) for token in token_ids]), None
         previous = len(self.text)

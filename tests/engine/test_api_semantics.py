@@ -1,0 +1,98 @@
+"""vLLM's offline ``LLM.generate`` semantics on a tiny Llama: the text of a stop token, refused requests,
+and ``detokenize``. Expected texts come from the tokenizer's own decode of the generated ids."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from transformers import LlamaConfig
+
+from tests.tiny_models import COMMON, prompt, save_tiny_model
+from xinfer import LLM, SamplingParams
+
+VOCAB = COMMON["vocab_size"]
+PROMPT = prompt(20, seed=5)
+
+
+class LetterTokenizer:
+    """Token ``i`` reads as one letter; ``eos_token_ids`` as given."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = ()):
+        self.eos_token_ids = eos_token_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("llama")
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder)
+    return str(folder)
+
+
+def make_llm(model_dir: str, eos_token_ids: tuple[int, ...] = ()) -> LLM:
+    return LLM(model=model_dir, tokenizer=LetterTokenizer(eos_token_ids), dtype="float32", num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return make_llm(model_dir)
+
+
+def greedy(llm: LLM, **options) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **options)
+    return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_stop_token_id_ends_the_choice_without_its_text_unless_asked(llm):
+    """vLLM: a stop token id is in ``token_ids`` and is the ``stop_reason``; its text is left out of ``text``
+    unless ``include_stop_str_in_output``."""
+    free = greedy(llm)
+    stop = free[2]
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[:3]
+    assert (out.text, out.finish_reason, out.stop_reason) == (LetterTokenizer().decode(free[:2]), "stop", stop)
+    assert "".join(delta.outputs[0].text for delta in llm.stream([PROMPT], params)) == out.text
+    kept = llm.generate([PROMPT], replace(params, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert (kept.token_ids, kept.text) == (free[:3], LetterTokenizer().decode(free[:3]))
+
+
+def test_eos_decoded_with_special_tokens_is_left_out_of_the_text(model_dir, llm):
+    """vLLM: EOS ends a choice with ``stop_reason`` None and, even with ``skip_special_tokens=False``, without
+    its text; with ``ignore_eos`` it is an ordinary token."""
+    free = greedy(llm)
+    with_eos = make_llm(model_dir, eos_token_ids=(free[3],))
+    params = SamplingParams(temperature=0, max_tokens=8, skip_special_tokens=False)
+    out = with_eos.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[:4], "stop", None)
+    assert out.text == LetterTokenizer().decode(free[:3])
+    ignored = with_eos.generate([PROMPT], replace(params, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert ignored.text == LetterTokenizer().decode(free)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_alternatives_than_the_vocabulary_is_refused_and_the_engine_serves_on(llm, field):
+    with pytest.raises(ValueError, match=f"{field} must be at most the vocabulary's {VOCAB} tokens, got 1000"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: 1000}), use_tqdm=False)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: VOCAB}), use_tqdm=False)[0]
+    entries = out.outputs[0].logprobs if field == "logprobs" else out.prompt_logprobs[1:]
+    assert entries and all(len(entry) == VOCAB for entry in entries)
+    assert all(pool.num_free_blocks == pool.num_blocks for pool in llm.engine.cache.pools)
+
+
+def test_a_negative_stop_token_id_is_refused():
+    # it would index the logits from the end: another row's last token masked under min_tokens
+    with pytest.raises(ValueError, match=r"stop_token_ids must be >= 0, got \[-1\]"):
+        SamplingParams(stop_token_ids=[-1], min_tokens=2)
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    """vLLM's ``detokenize=False``: token ids only; stop strings, which match the text, are refused."""
+    assert greedy(llm, detokenize=False, spaces_between_special_tokens=False) == greedy(llm)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+    assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop=["ab"])
