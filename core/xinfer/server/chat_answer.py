@@ -46,14 +46,6 @@ class ChatAnswer(Answer):
         self.tags, self.inside = tags, inside
         self.tools = tools or ToolUse()
         self.call_streams: list[ToolCallStream | None] = []  # each streamed choice's calls
-        # an answer decoded with its special tokens (for a parser's markers) ends with the end-of-sequence token's
-        self.stop_texts = serving.stop_texts() if not body.skip_special_tokens else []
-
-    def _without_stop_text(self, text: str) -> str:
-        for stop in self.stop_texts:
-            if stop and text.endswith(stop):
-                return text[: -len(stop)]
-        return text
 
     def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
         if not self.body.logprobs or entries is None:
@@ -64,8 +56,7 @@ class ChatAnswer(Answer):
         )
 
     def choice(self, index: int, output: CompletionOutput) -> ChatChoice:
-        text = self._without_stop_text(output.text)
-        reasoning, answer = split(text, self.tags, self.inside) if self.tags else (None, text)
+        reasoning, answer = split(output.text, self.tags, self.inside) if self.tags else (None, output.text)
         content: str | None = answer
         calls: list[ToolCallItem] | None = None
         parser = self.tools.parser
@@ -114,11 +105,10 @@ class ChatAnswer(Answer):
         calls = self.call_streams = [parser.stream() if parser is not None else None for _ in range(self.body.n)]
         async for index, out in self.serving.engine.stream(self.handle):
             logprobs = self.logprobs(out.token_ids, out.logprobs) if out.token_ids else None
-            text = self._without_stop_text(out.text) if out.finished else out.text
-            reasoning, content = "", text
+            reasoning, content = "", out.text
             stream = splits[index]
             if stream is not None:
-                reasoning, content = stream.push(text)
+                reasoning, content = stream.push(out.text)
                 if out.finished:
                     more_reasoning, more_content = stream.finish()
                     reasoning, content = reasoning + more_reasoning, content + more_content

@@ -3,7 +3,7 @@ shared by ``/v1/chat/completions`` and the Messages API."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -27,14 +27,6 @@ class ChatPrompt:
     tags: ReasoningTags | None  # the model's reasoning tags, where its reasoning is split out
     inside: bool  # the prompt opened a reasoning block: the output starts inside it
     tools: ToolUse = field(default_factory=ToolUse)  # the tools the template got, and the parser of the answer's calls
-    stop_texts: tuple[str, ...] = ()  # end-of-sequence texts an answer decoded with special tokens ends with
-
-    def answer_text(self, text: str) -> str:
-        """A finished output's text without the end-of-sequence token's text."""
-        for stop in self.stop_texts:
-            if stop and text.endswith(stop):
-                return text[: -len(stop)]
-        return text
 
     @property
     def tool_parser(self) -> ToolParser | None:
@@ -87,8 +79,6 @@ async def submit_chat(
     # a model that reasons here: a constraint waits for the block's end
     end_id = serving.tokenizer.token_to_id(prompt.tags.end) if prompt.tags is not None and prompt.thinks else None
     handle = await serving.submit(request, body, [prompt.token_ids], prompt.multimodal, after_token_id=end_id)
-    if not body.skip_special_tokens:
-        prompt = replace(prompt, stop_texts=tuple(serving.stop_texts()))
     return handle, prompt, body
 
 

@@ -69,10 +69,6 @@ class Serving:
         template = getattr(self.tokenizer, "chat_template", None)
         return detect_tool_parser(getattr(template, "source", None))
 
-    def stop_texts(self) -> list[str]:
-        """The text of the end-of-sequence tokens, which an answer decoded with its special tokens ends with."""
-        return [self.token_text(token) for token in sorted(self.llm.eos_token_ids)]
-
     @property
     def llm(self) -> LLMEngine:
         if self.engine.engine is None:

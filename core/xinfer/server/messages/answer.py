@@ -71,7 +71,7 @@ class MessageAnswer:
     @staticmethod
     def read(prompt: ChatPrompt, output: CompletionOutput) -> tuple[list[ContentBlock], list[Call]]:
         """A finished output's blocks (thinking, text, tool calls) and its tool calls."""
-        tags, text = prompt.tags, prompt.answer_text(output.text)
+        tags, text = prompt.tags, output.text
         reasoning, text = split(text, tags, prompt.inside) if tags else (None, text)
         text, calls = read_calls(prompt, text)
         content: list[ContentBlock] = [ThinkingBlock(thinking=reasoning)] if reasoning is not None else []
@@ -108,7 +108,7 @@ class MessageAnswer:
                 if not started:
                     started = True
                     yield self.start_event()
-                reasoning, text = "", prompt.answer_text(out.text) if out.finished else out.text
+                reasoning, text = "", out.text
                 if split_stream is not None:
                     reasoning, text = split_stream.push(text)
                     if out.finished:
