@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -31,29 +32,90 @@ SPM_SPACE = "\u2581"
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",  # CJK ideographs, hiragana, katakana
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}")
+# llama.cpp's spelling of upper- and lower-case runs: its regex engine sees a non-ASCII letter as either
+_UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SEED_CODER_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BAILING_SPLIT = (
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 )
 
 
-def _regex_split(pattern: str) -> tuple[pre_tokenizers.PreTokenizer]:
-    return (pre_tokenizers.Split(Regex(pattern), behavior="isolated"),)
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp splits text before byte-level BPE for one ``tokenizer.ggml.pre`` (``llama_vocab::load``)."""
+
+    splits: tuple[str, ...] = ()  # regexes applied in turn, each to the pieces of the one before; (): GPT-2's
+    ignore_merges: bool = False  # a piece that is a token is that token, whatever the merges say
+    add_bos: bool = False  # llama.cpp's default where the file has no tokenizer.ggml.add_bos_token
+    bos: bool = True  # False: no BOS token unless the file names one (ChatGLM's)
 
 
-# tokenizer.ggml.pre -> the splits llama.cpp applies before byte-level BPE
-_PRE_SPLITS: dict[str, tuple[pre_tokenizers.PreTokenizer, ...]] = {
-    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo", "jais"), ()),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-                    (pre_tokenizers.Digits(individual_digits=True),)),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral", "dbrx"),
-                    _regex_split(_LLAMA3_SPLIT)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _regex_split(_QWEN2_SPLIT)),
+_GPT2 = PreTokenizer()
+# llama.cpp's splits for a file that names no pre-tokenizer, or "default"
+_DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]"))
+_LLAMA3 = PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2_SPLIT))
+_QWEN2 = PreTokenizer((_QWEN2_SPLIT,))
+_GPT4O = PreTokenizer((_GPT4O_SPLIT,))
+_DEEPSEEK3 = PreTokenizer(_DEEPSEEK3_SPLITS)
+
+# tokenizer.ggml.pre -> how llama.cpp pre-tokenizes that vocabulary
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "default": _DEFAULT,
+    **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo", "jais", "phi-2", "jina-es", "jina-de", "gigachat",
+                     "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "exaone4", "trillion",
+                     "granite-docling"), _GPT2),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    _DIGITS_THEN_GPT2),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), _LLAMA3),
+    **dict.fromkeys(("smaug-bpe", "dbrx"), PreTokenizer((_LLAMA3_SPLIT,))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+                     "grok-2"), _QWEN2),
+    "qwen35": PreTokenizer((_QWEN35_SPLIT,)),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK3),
+    "deepseek-coder": PreTokenizer(_DEEPSEEK_CODER_SPLITS),
+    "chatglm-bpe": PreTokenizer((_LLAMA3_SPLIT,), bos=False),
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, bos=False)),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
+    "tekken": PreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),
+    "seed-coder": PreTokenizer((_SEED_CODER_SPLIT,)),
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((_BAILING_SPLIT,))),
 }  # fmt: skip
+
+
+def pre_tokenizer(meta: Mapping[str, Any]) -> PreTokenizer:
+    """llama.cpp's pre-tokenizer of a byte-level BPE vocabulary; its default, with a warning, for a name not known
+    here (which llama.cpp refuses)."""
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    if pre not in PRE_TOKENIZERS:
+        log.warning("GGUF pre-tokenizer %r is not supported here; splitting as llama.cpp's default", pre)
+    return PRE_TOKENIZERS.get(pre, _DEFAULT)
 
 
 # Texts of the tokens llama.cpp ends generation on, besides the ids the metadata names (llama-vocab.cpp)
@@ -75,7 +137,9 @@ def end_of_generation_ids(meta: Mapping[str, Any]) -> set[int]:
     """The tokens llama.cpp stops generating on: EOS, EOT and EOM, the fill-in-the-middle ends, and the tokens
     spelled as a turn or text end."""
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    ids = {i for key in ("eos", "eot", "eom") if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None}
+    ids = {i for key in ("eot", "eom") if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None}
+    if (eos := special_token_id(meta, "eos")) is not None:
+        ids.add(eos)
     for key, spellings in _FIM_END_TEXTS.items():
         declared = meta.get(f"tokenizer.ggml.{key}_token_id")
         found = declared if declared is not None else next((i for i, t in enumerate(tokens) if t in spellings), None)
@@ -99,15 +163,46 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     for i in end_of_generation_ids(meta):
         types[i] = CONTROL
     if kind == "gpt2":
-        tok = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges", [])), meta.get("tokenizer.ggml.pre"))
+        tok = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges", [])), pre_tokenizer(meta))
     elif kind == "llama":
         scores = [float(s) for s in meta["tokenizer.ggml.scores"]]
-        unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+        unk_id = special_token_id(meta, "unknown")
         tok = _sentencepiece_bpe(tokens, scores, types, unk_id, _space_prefix(meta))
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
     _add_special_tokens(tok, tokens, types)
     return tok
+
+
+# llama.cpp's BOS, EOS and UNK ids of a vocabulary kind whose file names none
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unknown": 0}, "gpt2": {"bos": 11, "eos": 11}}
+
+
+def special_token_id(meta: Mapping[str, Any], name: str) -> int | None:
+    """The id llama.cpp gives ``tokenizer.ggml.<name>_token_id`` (bos, eos, unknown): the file's, else the vocabulary
+    kind's default; an id past the vocabulary is no token (llama.cpp warns and keeps the default)."""
+    n_tokens = len(meta["tokenizer.ggml.tokens"])
+    kind = meta.get("tokenizer.ggml.model")
+    default = _DEFAULT_IDS.get(kind or "", {}).get(name)
+    if name == "bos" and kind == "gpt2" and not pre_tokenizer(meta).bos:
+        default = None
+    if default is not None and default >= n_tokens:
+        default = None
+    declared = meta.get(f"tokenizer.ggml.{name}_token_id")
+    if declared is None:
+        return default
+    if not 0 <= int(declared) < n_tokens:
+        log.warning("GGUF tokenizer.ggml.%s_token_id %d is past the %d-token vocabulary; using %s",
+                    name, declared, n_tokens, default)  # fmt: skip
+        return default
+    return int(declared)
+
+
+def adds_bos_by_default(meta: Mapping[str, Any]) -> bool:
+    """Whether llama.cpp adds BOS to a prompt when the file has no ``tokenizer.ggml.add_bos_token``: for
+    SentencePiece vocabularies, and byte-level BPE ones whose pre-tokenizer says so (Llama 3's, Tekken)."""
+    kind = meta.get("tokenizer.ggml.model")
+    return kind == "llama" or (kind == "gpt2" and pre_tokenizer(meta).add_bos)
 
 
 class ByteTokenDecoder:
@@ -166,16 +261,12 @@ def _vocab(tokens: Sequence[str]) -> dict[str, int]:
     return vocab
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: PreTokenizer) -> Tokenizer:
     pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
     vocab = _vocab(tokens)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
-    splits = _PRE_SPLITS.get(pre or "default")
-    if splits is None:
-        log.warning("unknown GGUF pre-tokenizer %r; splitting like GPT-2", pre)
-        splits = ()
-    uses_own_regex = any(isinstance(s, pre_tokenizers.Split) for s in splits)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not uses_own_regex)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in pre.splits]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not splits)
     # a byte the vocabulary lacks is dropped, but, as in llama.cpp, no merge joins its two neighbours
     missing = "".join(sorted(c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab))
     holes = [pre_tokenizers.Split(Regex(f"[{re.escape(missing)}]"), behavior="removed")] if missing else []

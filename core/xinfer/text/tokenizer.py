@@ -15,11 +15,13 @@ from xinfer.text.chat_template import ChatTemplate
 from xinfer.text.gguf_vocab import (
     BYTE_PIECE,
     ByteTokenDecoder,
+    adds_bos_by_default,
     build_tokenizer,
     byte_token_decoder,
     end_of_generation_ids,
     piece_bytes,
     post_processor,
+    special_token_id,
 )
 
 
@@ -95,11 +97,10 @@ class Tokenizer:
         meta = gguf.metadata
         backend = build_tokenizer(meta)
         tokens = meta["tokenizer.ggml.tokens"]
-        bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        bos_id, eos_id = special_token_id(meta, "bos"), special_token_id(meta, "eos")
         bos = tokens[bos_id] if bos_id is not None else None
         eos = tokens[eos_id] if eos_id is not None else None
-        sentencepiece = meta.get("tokenizer.ggml.model") == "llama"  # llama.cpp adds BOS there by default
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", adds_bos_by_default(meta)))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         backend.post_processor = post_processor(bos, bos_id, eos, eos_id, add_bos, add_eos)
         source = meta.get("tokenizer.chat_template")
