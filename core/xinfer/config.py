@@ -26,7 +26,7 @@ class ModelConfig(_Config):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     isq: str | None = None  # quantize float weights at load to this packed format (q8_0, q4_k, ...)
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes
     # models that take images: encoder outputs kept for images seen again (LRU), in embedding rows in all
     # (a Gemma 3 image is 256)
     encoder_cache_size: int = Field(8192, ge=0)

@@ -27,10 +27,27 @@ def resolve_model_path(m: str | None, gguf_file: str | None = None) -> Path:
     folder or repository. ``None`` is the embedded default, SmolLM2-135M-Instruct."""
     if m is None:
         return default_model_path() if gguf_file is None else local_model_path(Path(gguf_file).expanduser())
+    if not m.strip():  # Path("") is the working directory: say what is wrong instead of looking there
+        raise ModelNotFoundError(f"model {m!r} is empty: give a hub id (org/name), an HF folder or a .gguf file")
     path = Path(m).expanduser()
     if path.exists() or not is_repo_id(m):
-        return local_model_path(path if gguf_file is None else path / gguf_file)
+        if gguf_file is None or not path.exists():
+            return local_model_path(path)
+        return local_model_path(_picked(path, gguf_file))
     return hub_model_path(m, gguf_file)
+
+
+def _picked(path: Path, gguf_file: str) -> Path:
+    """The file ``--f`` names inside the folder ``path``, which must be there."""
+    picked = path / gguf_file
+    if picked.exists():
+        return picked
+    if path.is_file():
+        raise ModelNotFoundError(f"--f {gguf_file} picks a file inside a folder, and {path} is a file: give it alone")
+    ggufs = ", ".join(p.name for p in sorted(path.glob("*.gguf")))
+    raise ModelNotFoundError(
+        f"--f {gguf_file}: no such file in {path}{f' (its .gguf files: {ggufs})' if ggufs else ''}"
+    )
 
 
 def is_repo_id(m: str) -> bool:

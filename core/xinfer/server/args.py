@@ -30,7 +30,7 @@ def _at_least(kind: type, minimum: float) -> Callable[[str], Any]:
 
     def parse(text: str) -> Any:
         value = kind(text)
-        if value < minimum:
+        if not value >= minimum:  # nan too
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
         return value
 

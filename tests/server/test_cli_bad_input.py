@@ -1,0 +1,73 @@
+"""Bad command-line input and bad ``LLM(...)`` arguments: refused at once in one line naming what is wrong
+(tests/server/test_cli.py has the rest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from xinfer import LLM
+from xinfer.config import EngineConfig
+from xinfer.loading.resolve import ModelNotFoundError, resolve_model_path
+from xinfer.server.args import parse_args
+from xinfer.server.launch import engine_config, one_line, prepare
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line ``xinfer argv`` is refused with (before anything loads)."""
+    with pytest.raises(SystemExit) as exit_:
+        prepare(parse_args(argv))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--shutdown-timeout", "--health-stall-timeout", "--mcp-timeout", "--pd-timeout"])
+def test_a_nan_duration_is_refused(flag, capsys):
+    """nan compares false with everything, so a bare ``value < minimum`` let it through."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, "nan"])
+    assert exit_.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(-(2**63) - 1)])
+def test_a_seed_torch_cannot_take_is_refused_naming_the_flag(seed):
+    """It failed only once the server was up: "the model could not be loaded: Overflow when unpacking long long"."""
+    with pytest.raises(ValidationError) as error:
+        engine_config(parse_args(["--seed", seed, "--cpu"]), Path("model"))
+    assert one_line(error.value).startswith(f"--seed {seed}: input should be")
+    with pytest.raises(ValueError, match="seed"):
+        LLM(model="/no/such/model", seed=int(seed))
+
+
+def test_the_widest_seeds_are_taken():
+    for seed in (2**64 - 1, -(2**63)):
+        assert EngineConfig.from_kwargs(seed=seed).model.seed == seed
+
+
+def test_an_empty_model_is_refused_instead_of_reading_the_working_directory(capsys, monkeypatch):
+    """``--m ""`` (or ``XINFER_MODEL=``) said ". has neither config.json nor a .gguf file"."""
+    assert refused(["--m", ""], capsys) == (
+        "xinfer: model '' is empty: give a hub id (org/name), an HF folder or a .gguf file"
+    )
+    monkeypatch.setenv("XINFER_MODEL", "")
+    assert refused([], capsys).startswith("xinfer: model '' is empty")
+    with pytest.raises(ModelNotFoundError, match="is empty"):
+        LLM(model="")
+
+
+def test_a_missing_f_file_is_named_as_f(tmp_path, capsys):
+    """It said "model '<folder>/x.gguf' is neither a local folder, a .gguf file nor a hub id"."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    assert refused(["--m", str(tmp_path), "--f", "x.gguf"], capsys) == (
+        f"xinfer: --f x.gguf: no such file in {tmp_path} (its .gguf files: a.gguf)"
+    )
+    file = tmp_path / "a.gguf"
+    assert refused(["--m", str(file), "--f", "x.gguf"], capsys) == (
+        f"xinfer: --f x.gguf picks a file inside a folder, and {file} is a file: give it alone"
+    )
+    assert resolve_model_path(str(tmp_path), "a.gguf") == file  # the file that is there is still picked
+    assert "'/no/such/dir' is neither" in refused(["--m", "/no/such/dir", "--f", "x.gguf"], capsys)
