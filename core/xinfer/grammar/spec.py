@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from xinfer.grammar.closed_objects import closed_objects
+
 # JSON is written as json.dumps writes it (", " and ": "), with no other whitespace: a
 # model cannot pad an answer with blanks forever, and the grammar ends with the document.
 JSON_OPTIONS: dict[str, Any] = {
@@ -81,7 +83,7 @@ class StructuredOutputs:
             if not isinstance(schema, dict):
                 raise ValueError(f"invalid JSON schema: must be an object, got {type(schema).__name__}")
             options: Any = {**JSON_OPTIONS, "lenient": not self.strict}
-            return grammar_of.grammar_from_json_schema(schema, overrides=options)
+            return grammar_of.grammar_from_json_schema(closed_objects(schema), overrides=options)
         if self.regex is not None:
             return grammar_of.grammar_from_regex(self.regex)
         if self.choice is not None:

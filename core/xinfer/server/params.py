@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from xinfer.grammar import StructuredOutputs
 from xinfer.sampling import SamplingParams
@@ -46,7 +44,7 @@ def structured_outputs(body: GenerationRequest, after_token_id: int | None = Non
                           param="structured_outputs")  # fmt: skip
     # the forced call is the whole answer: response_format governs a message's text, which it has none of
     try:
-        return StructuredOutputs(json=closed_objects(schema), strict=False, after_token_id=after_token_id)
+        return StructuredOutputs(json=schema, strict=False, after_token_id=after_token_id)
     except ValueError as error:
         raise bad_request(str(error), param="tools", code="invalid_structured_output") from None
 
@@ -61,10 +59,10 @@ def format_constraint(body: GenerationRequest, after_token_id: int | None) -> St
         if fmt is not None and fmt.type == "json_schema":
             assert fmt.json_schema is not None and fmt.json_schema.json_schema is not None
             schema, strict = fmt.json_schema.json_schema, bool(fmt.json_schema.strict)
-            return StructuredOutputs(json=closed_objects(schema), strict=strict, after_token_id=after_token_id)
+            return StructuredOutputs(json=schema, strict=strict, after_token_id=after_token_id)
         if given is not None:
             return StructuredOutputs(
-                json=closed_objects(given.json_schema),
+                json=given.json_schema,
                 json_object=bool(given.json_object),
                 regex=given.regex,
                 choice=given.choice,
@@ -74,47 +72,6 @@ def format_constraint(body: GenerationRequest, after_token_id: int | None) -> St
     except ValueError as error:
         raise bad_request(str(error), param=param, code="invalid_structured_output") from None
     return None
-
-
-# a schema's keywords whose value is a subschema, or subschemas by name
-SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames", "unevaluatedItems")
-SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-# beside these, an object's properties may come from elsewhere (another branch, a reference): it is left open
-OPEN_ENDED = ("additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref", "if",
-              "dependentSchemas")  # fmt: skip
-
-
-def closed_objects(schema: Any, close: bool = True) -> Any:
-    """A JSON schema (or its JSON text) whose objects hold only the properties they list unless they say otherwise:
-    ``additionalProperties: false`` where an object lists its properties and says nothing of others, as OpenAI's
-    strict schemas have it and vLLM's grammars read a schema. Left open, a grammar lets the model add keys until
-    its tokens run out (an answer cut mid-JSON), or write a key twice. ``close``: this object itself may be closed
-    (not a branch that adds to its parent's properties)."""
-    if isinstance(schema, str):
-        try:
-            return closed_objects(json.loads(schema))
-        except json.JSONDecodeError:
-            return schema  # the grammar tells what is wrong with it
-    if not isinstance(schema, dict):
-        return schema
-    closed = dict(schema)
-    for key in SUBSCHEMA:
-        if isinstance(closed.get(key), dict):
-            closed[key] = closed_objects(closed[key])
-    for key in ("items", "prefixItems"):
-        if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(item) for item in closed[key]]
-    for key in ("anyOf", "oneOf", "allOf"):
-        if isinstance(closed.get(key), list):
-            # allOf's branches, or branches beside the object's own properties, add to other properties: left open
-            alone = key != "allOf" and "properties" not in closed
-            closed[key] = [closed_objects(item, close=alone) for item in closed[key]]
-    for key in SUBSCHEMA_MAPS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_objects(item) for name, item in closed[key].items()}
-    if close and isinstance(closed.get("properties"), dict) and not any(key in closed for key in OPEN_ENDED):
-        closed["additionalProperties"] = False
-    return closed
 
 
 def request_params(
