@@ -110,12 +110,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 
 
 def pre_tokenizer(meta: Mapping[str, Any]) -> PreTokenizer:
-    """llama.cpp's pre-tokenizer of a byte-level BPE vocabulary; its default, with a warning, for a name not known
-    here (which llama.cpp refuses)."""
-    pre = meta.get("tokenizer.ggml.pre") or "default"
-    if pre not in PRE_TOKENIZERS:
-        log.warning("GGUF pre-tokenizer %r is not supported here; splitting as llama.cpp's default", pre)
-    return PRE_TOKENIZERS.get(pre, _DEFAULT)
+    """llama.cpp's pre-tokenizer of a byte-level BPE vocabulary; its default for a name not known here (which
+    llama.cpp refuses: :func:`build_tokenizer` warns)."""
+    return PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre") or "default", _DEFAULT)
 
 
 # Texts of the tokens llama.cpp ends generation on, besides the ids the metadata names (llama-vocab.cpp)
@@ -163,6 +160,8 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     for i in end_of_generation_ids(meta):
         types[i] = CONTROL
     if kind == "gpt2":
+        if (pre := meta.get("tokenizer.ggml.pre") or "default") not in PRE_TOKENIZERS:
+            log.warning("GGUF pre-tokenizer %r is not supported here; splitting as llama.cpp's default", pre)
         tok = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges", [])), pre_tokenizer(meta))
     elif kind == "llama":
         scores = [float(s) for s in meta["tokenizer.ggml.scores"]]
