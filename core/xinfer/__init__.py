@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from xinfer.api import LLM, CompletionOutput, RequestOutput
+    from xinfer.logprob import Logprob
     from xinfer.sampling import SamplingParams
 
 _LAZY = {
@@ -15,6 +16,7 @@ _LAZY = {
     "RequestOutput": "xinfer.api",
     "CompletionOutput": "xinfer.api",
     "SamplingParams": "xinfer.sampling",
+    "Logprob": "xinfer.logprob",
 }
 
 
@@ -26,4 +28,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'xinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

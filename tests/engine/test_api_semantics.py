@@ -3,6 +3,7 @@ and ``detokenize``. Expected texts come from the tokenizer's own decode of the g
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -96,3 +97,20 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
     assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text == ""
     with pytest.raises(ValueError, match="stop strings need detokenize=True"):
         SamplingParams(detokenize=False, stop=["ab"])
+
+
+def test_logprobs_decoded_token_is_each_tokens_own_text_unless_not_detokenized(llm):
+    """vLLM's ``Logprob.decoded_token``: the token decoded alone (sampled, alternatives and prompt tokens); ``None``
+    with ``detokenize=False``. Entries keep their fields through pickling (tensor-parallel and PD hand them on)."""
+    letter = LetterTokenizer().decode
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    entries = out.outputs[0].logprobs + out.prompt_logprobs[1:]
+    assert all(lp.decoded_token == letter([t]) for entry in entries for t, lp in entry.items())
+    assert [entry[t].rank for t, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)] == [1] * 4  # greedy
+    copy = pickle.loads(pickle.dumps(entries[0]))
+    assert {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in copy.items()} == {
+        t: (float(lp), lp.rank, lp.decoded_token) for t, lp in entries[0].items()
+    }
+    bare = llm.generate([PROMPT], replace(params, detokenize=False), use_tqdm=False)[0]
+    assert all(lp.decoded_token is None for entry in bare.outputs[0].logprobs for lp in entry.values())

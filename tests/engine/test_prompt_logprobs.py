@@ -74,3 +74,28 @@ def test_vllm_keywords_and_the_cumulative_logprob(models, capsys):
     assert quiet.outputs[0].cumulative_logprob is None
     assert "Generating" not in capsys.readouterr().err
     assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_entries_read_as_vllm_logprobs_ranked_in_the_whole_vocabulary(models):
+    """Each entry is a float that also reads as vLLM's ``Logprob``: ``.logprob`` and ``.rank``, the count of the
+    vocabulary's tokens at least as likely there (transformers' log-softmax), for prompt and sampled tokens alike;
+    without a tokenizer ``.decoded_token`` is None."""
+    hf, llm = models
+    tokens = prompt(9, seed=6)
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=6, logprobs=2, prompt_logprobs=2)
+    out = llm.generate([tokens], params, use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    expected = expected_logprobs(hf, tokens + generated)
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert len(entries) == len(tokens) - 1 + len(generated)
+    ranks_of_chosen = []
+    for position, (token, entry) in enumerate(zip(tokens[1:] + generated, entries)):
+        row = expected[position]
+        for candidate, logprob in entry.items():
+            assert isinstance(logprob, float) and logprob.logprob == float(logprob)
+            assert logprob.logprob == pytest.approx(row[candidate].item(), abs=1e-4)
+            assert logprob.rank == int((row >= row[candidate]).sum()), (position, candidate)
+            assert logprob.decoded_token is None
+        ranks_of_chosen.append(entry[token].rank)
+        assert {1, 2} <= {logprob.rank for logprob in entry.values()}  # the two likeliest
+    assert max(ranks_of_chosen) > 2  # a temperature of 1.5 over random weights draws tokens below the top two

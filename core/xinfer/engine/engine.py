@@ -17,6 +17,7 @@ from xinfer.engine.failures import RequestFailed, log_failure
 from xinfer.engine.sampler import SampledTokens
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
+from xinfer.logprob import Logprob
 from xinfer.multimodal.encoder_cache import EncoderCache
 from xinfer.multimodal.inputs import MultiModalModel, MultiModalProcessor, PlaceholderRange, expand_prompt
 from xinfer.ops import HostBatch
@@ -53,7 +54,7 @@ class StepOutput:
 
     request_id: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -229,16 +230,16 @@ class LLMEngine:
     @torch.inference_mode()
     def prompt_logprobs(
         self, token_ids: list[int], top_n: int, multimodal: list[PlaceholderRange] | None = None
-    ) -> list[dict[int, float] | None]:
+    ) -> list[dict[int, Logprob] | None]:
         """Each token's log-probability after the tokens before it (``None`` for the first), with
         the ``top_n`` likeliest tokens there: the logprobs of a prompt echoed back; ``multimodal``:
         where its images' embeddings go, as :meth:`add_request`'s."""
 
-        def score(batch: HostBatch, start: int, end: int) -> list[dict[int, float]]:
+        def score(batch: HostBatch, start: int, end: int) -> list[dict[int, Logprob]]:
             return self.runner.prompt_logprobs(batch, token_ids[start + 1 : end + 1], top_n)
 
         self._check_top_n("prompt_logprobs", top_n)
-        entries: list[dict[int, float] | None] = [None]
+        entries: list[dict[int, Logprob] | None] = [None]
         for step in self._in_steps(token_ids, multimodal, score):
             entries += step
         return entries
@@ -377,7 +378,7 @@ class LLMEngine:
                 outputs.append(self._fail(seq, error))
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> StepOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> StepOutput:
         assert seq.token_ids[-1] == PENDING
         seq.token_ids[-1] = token
         if seq.constraint is not None:

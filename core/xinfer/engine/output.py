@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from xinfer.engine.engine import LLMEngine, StepOutput
 from xinfer.engine.failures import log_failure
 from xinfer.engine.stop import TextStream
+from xinfer.logprob import Logprob
 from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.sampling import SamplingParams
 from xinfer.text.detokenizer import IncrementalDetokenizer
@@ -28,7 +29,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None  # None: not asked for
+    logprobs: list[dict[int, Logprob]] | None = None  # None: not asked for
     error: str | None = None  # why the engine failed this choice (finish reason "error")
 
     @property
@@ -53,7 +54,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @classmethod
     def empty(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -95,6 +96,7 @@ class OutputProcessor:
         self.engine = engine
         self._requests: dict[str, list[str]] = {}  # request id -> its choices' sequence ids
         self._choices: dict[str, _Choice] = {}  # by sequence id
+        self._token_texts: dict[int, str] = {}  # each token's own text, for its logprobs' decoded_token
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             prompt: str | None = None, multimodal: list[PlaceholderRange] | None = None) -> RequestOutput:  # fmt: skip
@@ -105,6 +107,8 @@ class OutputProcessor:
         output = RequestOutput.empty(request_id, prompt_token_ids, params, prompt)
         if params.prompt_logprobs is not None:
             output.prompt_logprobs = self.engine.prompt_logprobs(prompt_token_ids, params.prompt_logprobs, multimodal)
+            if self._decodes(params):
+                self._decode_tokens(output.prompt_logprobs)
         header = replace(output, outputs=[], prompt_logprobs=None)
         self._requests[request_id] = sequence_ids = []
         try:
@@ -165,15 +169,30 @@ class OutputProcessor:
         if finished:
             del self._requests[header.request_id]
         header.num_cached_tokens = max(header.num_cached_tokens, out.num_cached_tokens)
+        if out.logprobs and choice.text.detokenizer is not None:
+            self._decode_tokens(out.logprobs)
         delta = CompletionOutput(choice.index, text, out.token_ids, finish_reason, stop_reason, out.logprobs or None,
                                  error)  # fmt: skip
         # not dataclasses.replace: this runs for every sequence every step, and replace costs ~5 µs
         return RequestOutput(header.request_id, header.prompt, header.prompt_token_ids, [delta], finished,
                              header.num_cached_tokens)  # fmt: skip
 
+    def _decodes(self, params: SamplingParams) -> bool:
+        return self.engine.tokenizer is not None and params.detokenize
+
+    def _decode_tokens(self, entries: list[dict[int, Logprob]] | list[dict[int, Logprob] | None]) -> None:
+        """Sets each logprob's ``decoded_token``: its token alone decoded, special tokens kept (vLLM's)."""
+        tokenizer, texts = self.engine.tokenizer, self._token_texts
+        assert tokenizer is not None
+        for entry in entries:
+            for token, logprob in (entry or {}).items():
+                if token not in texts:
+                    texts[token] = tokenizer.decode([token], skip_special_tokens=False)
+                logprob.decoded_token = texts[token]
+
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
         tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens
-        if tokenizer is None or not params.detokenize:
+        if tokenizer is None or not self._decodes(params):
             detokenizer = None
         else:
             detokenizer = IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from xinfer import ops
+from xinfer import logprob, ops
 from xinfer.engine.failures import RequestFailed
 from xinfer.engine.sampler import SampledTokens, Sampler
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING
 from xinfer.forward_context import forward_context
+from xinfer.logprob import Logprob
 from xinfer.model import CausalLM
 from xinfer.multimodal.encoder_cache import EncoderCache
 from xinfer.multimodal.step import MultiModalEmbeddings, MultiModalSlice, gather_embeddings, slices_of
@@ -99,23 +100,25 @@ class ModelRunner:
                 return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, batch: HostBatch, following: list[int], top_n: int) -> list[dict[int, float]]:
+    def prompt_logprobs(self, batch: HostBatch, following: list[int], top_n: int) -> list[dict[int, Logprob]]:
         """For ``batch``, a step of one sequence: the log-probability of each token of ``following`` (the
         token after each row, as far as the sequence goes) after its row, with the ``top_n`` likeliest
         tokens there. The logits are taken ``LOGPROB_ROWS`` rows at a time (a long step's [T, vocab]
         would not fit)."""
         with ops.use(self.backend), self._leading(("logprobs", batch, following, top_n)):
             input_ids, positions, step = self.to_device(batch)
-            entries: list[dict[int, float]] = []
+            entries: list[dict[int, Logprob]] = []
             with forward_context(step):
                 hidden = self.model(input_ids, positions)
                 for start in range(0, len(following), LOGPROB_ROWS):
                     tokens = following[start : start + LOGPROB_ROWS]
                     logprobs = self.model.compute_logits(hidden[start : start + len(tokens)]).float().log_softmax(-1)
-                    chosen = logprobs.gather(1, self._tensor(tokens, torch.int64)[:, None])[:, 0].tolist()
+                    chosen = logprobs.gather(1, self._tensor(tokens, torch.int64)[:, None])
+                    ranks = (logprobs >= chosen).sum(1).tolist()
                     top = logprobs.topk(top_n)  # (top_n 0: empty rows)
-                    for token, value, ids, values in zip(tokens, chosen, top.indices.tolist(), top.values.tolist()):
-                        entries.append({token: value, **dict(zip(ids, values))})
+                    for token, value, rank, ids, values in zip(tokens, chosen[:, 0].tolist(), ranks,
+                                                               top.indices.tolist(), top.values.tolist()):  # fmt: skip
+                        entries.append(logprob.entry(token, value, rank, ids, values))
             return entries
 
     @torch.inference_mode()

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from xinfer import ops
+from xinfer import logprob, ops
 from xinfer.engine.sequence import Sequence
+from xinfer.logprob import Logprob
 from xinfer.sampling import SampledRow, SamplingBatch
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # chosen token and the top-N, per row
+    logprobs: list[dict[int, Logprob] | None]  # chosen token and the top-N, per row
 
 
 class SampledTokens:
@@ -49,7 +50,8 @@ class SampledTokens:
         self.num_top = [s.params.logprobs for s in seqs]
         found = [tokens]
         if logprobs is not None:
-            found.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            chosen = logprobs.gather(1, tokens[:, None])
+            found += [chosen.squeeze(1), (logprobs >= chosen).sum(1)]  # and its rank (vLLM's: ties rank above)
             most = max(n or 0 for n in self.num_top)
             if most:
                 top = logprobs.topk(most)
@@ -63,15 +65,13 @@ class SampledTokens:
         if self._copied is not None:
             self._copied.synchronize()
         token_ids, *found = [t.tolist() for t in self._host]
-        logprobs: list[dict[int, float] | None] = [None] * len(token_ids)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
         if found:
-            chosen, *top = found
+            chosen, ranks, *top = found
             for row, n in enumerate(self.num_top):
                 if n is not None:
-                    entry = {token_ids[row]: chosen[row]}
-                    if n:
-                        entry.update(zip(top[0][row][:n], top[1][row][:n]))
-                    logprobs[row] = entry
+                    top_ids, top_values = (top[0][row][:n], top[1][row][:n]) if n else ([], [])
+                    logprobs[row] = logprob.entry(token_ids[row], chosen[row], ranks[row], top_ids, top_values)
         return SamplerOutput(token_ids, logprobs)
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
+from xinfer.logprob import Logprob
 from xinfer.server.logprobs import chat_logprobs
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses import (
@@ -47,7 +48,7 @@ class ChatAnswer(Answer):
         self.tools = tools or ToolUse()
         self.call_streams: list[ToolCallStream | None] = []  # each streamed choice's calls
 
-    def logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs | None:
+    def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> ChatLogprobs | None:
         if not self.body.logprobs or entries is None:
             return None
         n = self.body.top_logprobs or 0

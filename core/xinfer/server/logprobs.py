@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from xinfer.logprob import Logprob
 from xinfer.server.responses import CompletionLogprobs, PromptLogprob, PromptLogprobs, TokenLogprob, TopLogprob
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
 
 
-def top_n(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+def top_n(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:n]
 
 
 def chat_logprobs(
-    token_ids: list[int], entries: list[dict[int, float]], n: int, text: TokenText, raw: TokenBytes
+    token_ids: list[int], entries: list[dict[int, Logprob]], n: int, text: TokenText, raw: TokenBytes
 ) -> list[TokenLogprob]:
     """Each token's text, bytes (those of a part of a character too: joined, they are the answer's) and logprob."""
 
@@ -35,7 +36,7 @@ def chat_logprobs(
 def extend_completion_logprobs(
     result: CompletionLogprobs,
     token_ids: list[int],
-    entries: list[dict[int, float] | None],
+    entries: list[dict[int, Logprob] | None],
     n: int,
     text: TokenText,
     offset: int,
@@ -49,7 +50,7 @@ def extend_completion_logprobs(
         if entry is None:
             result.top_logprobs.append(None)
         else:
-            top = {text(t): lp for t, lp in top_n(entry, n)}
+            top: dict[str, float] = {text(t): lp for t, lp in top_n(entry, n)}
             top.setdefault(piece, entry[token])
             result.top_logprobs.append(top)
         result.text_offset.append(offset)
@@ -57,16 +58,10 @@ def extend_completion_logprobs(
     return offset
 
 
-def prompt_logprobs(entries: list[dict[int, float] | None], n: int, text: TokenText) -> PromptLogprobs:
-    """vLLM's ``prompt_logprobs``: per prompt token, its own score and the ``n`` likeliest tokens' there, ranked (a
-    prompt token below those ``n`` has no known rank)."""
-    result: PromptLogprobs = []
-    for entry in entries:
-        if entry is None:
-            result.append(None)
-            continue
-        ranks = {t: rank for rank, (t, _) in enumerate(top_n(entry, n), start=1)}
-        result.append(
-            {str(t): PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=text(t)) for t, lp in entry.items()}
-        )
-    return result
+def prompt_logprobs(entries: list[dict[int, Logprob] | None], text: TokenText) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, its own score and the likeliest tokens' there, ranked."""
+    return [
+        None if entry is None
+        else {str(t): PromptLogprob(logprob=lp, rank=lp.rank, decoded_token=text(t)) for t, lp in entry.items()}
+        for entry in entries
+    ]  # fmt: skip

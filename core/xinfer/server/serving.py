@@ -13,6 +13,7 @@ from PIL import Image
 
 from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle, TooManySequences
 from xinfer.engine.engine import KVCacheFull, LLMEngine
+from xinfer.logprob import Logprob
 from xinfer.multimodal.inputs import PlaceholderRange
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import APIError, bad_request
@@ -158,7 +159,7 @@ class Serving:
 
     async def prompt_logprobs(
         self, request: Request, prompts: list[list[int]], top_n: int
-    ) -> list[list[dict[int, float] | None]]:
+    ) -> list[list[dict[int, Logprob] | None]]:
         """Each prompt token's log-probability and ``top_n`` alternatives (``None`` for a prompt's first)."""
         return await self._ask(
             request, self.engine.call(lambda engine: [engine.prompt_logprobs(p, top_n) for p in prompts])

@@ -100,7 +100,7 @@ class Answer(ABC):
         output, top = self.handle.outputs[position], self.body.prompt_logprobs
         if top is None or output.prompt_logprobs is None:
             return None
-        return prompt_logprobs(output.prompt_logprobs, top, self.serving.token_text)
+        return prompt_logprobs(output.prompt_logprobs, self.serving.token_text)
 
     def usage(self) -> Usage:
         handle = self.handle

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.engine.output import CompletionOutput
+from xinfer.logprob import Logprob
 from xinfer.server.body import parse_body
 from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import extend_completion_logprobs, prompt_logprobs
@@ -50,8 +51,8 @@ def echo_only(
     serving: Serving,
     body: CompletionRequest,
     prompts: list[list[int]],
-    echoed: list[list[dict[int, float] | None]] | None,
-    scored: list[list[dict[int, float] | None]] | None = None,
+    echoed: list[list[dict[int, Logprob] | None]] | None,
+    scored: list[list[dict[int, Logprob] | None]] | None = None,
 ) -> Response:
     """The answer to ``echo`` with ``max_tokens`` 0: each prompt given back (with its logprobs where
     asked), nothing generated."""
@@ -68,7 +69,7 @@ def echo_only(
                 extend_completion_logprobs(logprobs, prompt, echoed[i], body.logprobs or 0, serving.token_text, 0)
             scores = None
             if scored is not None:
-                scores = prompt_logprobs(scored[i], body.prompt_logprobs or 0, serving.token_text)
+                scores = prompt_logprobs(scored[i], serving.token_text)
             choices.append(CompletionChoice(index=i * body.n + j, text=text, logprobs=logprobs, finish_reason="length",
                                             prompt_logprobs=scores))  # fmt: skip
     answer = Completion(
@@ -92,7 +93,7 @@ class CompletionAnswer(Answer):
         serving: Serving,
         body: CompletionRequest,
         handle: RequestHandle,
-        echoed: list[list[dict[int, float] | None]] | None = None,
+        echoed: list[list[dict[int, Logprob] | None]] | None = None,
     ):
         super().__init__(serving, body, handle)
         self.echoed = echoed
