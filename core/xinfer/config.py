@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from xinfer.kv.formats import get_format
 
@@ -18,6 +18,22 @@ DTYPES = {
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: object, info: ValidationInfo) -> object:
+        """pydantic takes ``True`` for the number 1 (``max_model_len=True``): a bool only where a field is one."""
+        annotation = cls.model_fields[str(info.field_name)].annotation
+        if isinstance(value, bool) and annotation is not bool and bool not in get_args(annotation):
+            raise ValueError(f"must be {_type_name(annotation)}, got {value!r}")
+        return value
+
+
+def _type_name(annotation: object) -> str:
+    kinds = [a for a in get_args(annotation) or (annotation,) if a is not type(None)]
+    return " or ".join(getattr(kind, "__name__", str(kind)) for kind in kinds) + (
+        " or None" if type(None) in get_args(annotation) else ""
+    )
 
 
 class ModelConfig(_Config):

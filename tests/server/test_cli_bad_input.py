@@ -47,6 +47,14 @@ def test_the_widest_seeds_are_taken():
         assert EngineConfig.from_kwargs(seed=seed).model.seed == seed
 
 
+@pytest.mark.parametrize("field", ["max_model_len", "seed", "kv_fraction", "max_num_seqs", "dtype"])
+def test_a_bool_is_not_taken_for_a_number_or_a_name(field):
+    """pydantic's lax mode read ``LLM(max_model_len=True)`` as a context of 1 token."""
+    with pytest.raises(ValueError, match=f"{field}\n.*must be .*, got True"):
+        LLM(model="/no/such/model", **{field: True})
+    assert EngineConfig.from_kwargs(enforce_eager=True).device.enforce_eager is True
+
+
 def test_an_empty_model_is_refused_instead_of_reading_the_working_directory(capsys, monkeypatch):
     """``--m ""`` (or ``XINFER_MODEL=``) said ". has neither config.json nor a .gguf file"."""
     assert refused(["--m", ""], capsys) == (
