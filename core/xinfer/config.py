@@ -61,7 +61,7 @@ class CacheConfig(_Config):
     # GPU: share of the device's total memory this engine may use for weights, activations, CUDA graphs and KV
     # cache, the KV cache getting what is left (default 0.9); CPU: share of the free RAM after loading the weights
     # that the KV cache gets (default: a quarter, at most 2 GiB)
-    kv_fraction: float | None = Field(None, gt=0, le=1)
+    kv_fraction: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     # auto: the model dtype; fp8: rotated e4m3 K, e4m3 V; turbo8: rotated 8-bit K, 4-bit V; turbo4/turbo3: rotated
     # 4-/3-bit K, 4-bit V (-lm: Lloyd-Max levels for the rotated keys); see docs/kv-cache.md
     kv_cache_dtype: str = "auto"
@@ -70,7 +70,7 @@ class CacheConfig(_Config):
     kv_recent_window: int = Field(0, ge=0)
     # models with recurrent layers (Gated DeltaNet, Mamba): share of the cache memory their per-sequence states get,
     # which bounds how many sequences run at once; default: enough for max_num_seqs, at most half
-    mamba_fraction: float | None = Field(None, gt=0, lt=1)
+    mamba_fraction: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
     enable_prefix_caching: bool = True
     state_snapshot_interval: int = Field(
         1024,

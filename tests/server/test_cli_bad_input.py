@@ -32,6 +32,20 @@ def test_a_nan_duration_is_refused(flag, capsys):
     assert exit_.value.code == 2 and f"argument {flag}: must be at least" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("field", ["kv_fraction", "mamba_fraction"])
+def test_a_nan_fraction_is_refused_as_not_finite(field):
+    """nan failed the upper bound's check, with "should be less than or equal to 1"."""
+    with pytest.raises(ValueError, match=f"{field}\n.*finite number"):
+        LLM(model="/no/such/model", **{field: float("nan")})
+
+
+def test_a_nan_kv_fraction_is_one_line_naming_the_flag(capsys):
+    assert (
+        refused(["--kv-fraction", "nan", "--cpu"], capsys)
+        == "xinfer: --kv-fraction nan: input should be a finite number"
+    )
+
+
 @pytest.mark.parametrize("seed", [str(2**64), str(-(2**63) - 1)])
 def test_a_seed_torch_cannot_take_is_refused_naming_the_flag(seed):
     """It failed only once the server was up: "the model could not be loaded: Overflow when unpacking long long"."""
