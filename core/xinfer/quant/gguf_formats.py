@@ -200,7 +200,9 @@ def _fit_affine(x: Tensor, levels: int, w: Tensor, rmin: float, rdelta: float, s
     """Per sub-block (the last dim) of ``x``: ``scale`` and ``low`` >= 0 [...] with ``scale * q - low`` (``q`` in
     0..levels) closest to ``x`` in the ``w``-weighted squared error. As llama.cpp's ``make_qkx2_quants``: the plain
     min/max rounding, then ``x`` rounded over its span cut into ``levels + rmin + rdelta * i`` steps for each ``i``
-    up to ``steps``, each rounding least-squares fitted; the best kept."""
+    up to ``steps``, each rounding least-squares fitted; the best kept. In float64: candidates whose errors are
+    within float32's rounding of each other would be told apart by the order of each device's sums."""
+    x, w = x.double(), w.double()
     low = x.amin(-1, keepdim=True).clamp(max=0)
     span = x.amax(-1, keepdim=True) - low
     inv_span = _inverse(span)
@@ -214,14 +216,15 @@ def _fit_affine(x: Tensor, levels: int, w: Tensor, rmin: float, rdelta: float, s
         better = error < best_error
         best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
         best_error = torch.minimum(error, best_error)
-    return best_scale.squeeze(-1).clamp(min=0), -best_offset.squeeze(-1)
+    return best_scale.squeeze(-1).clamp(min=0).float(), -best_offset.squeeze(-1).float()
 
 
 def _fit_symmetric(x: Tensor, levels: int, w: Tensor, tries: int = 8, rounds: int = 2) -> Tensor:
     """Per sub-block of ``x``: the signed ``scale`` [...] with ``scale * q`` (``q`` in ``-levels..levels - 1``)
     closest to ``x`` in the ``w``-weighted squared error: the value of largest magnitude mapped to ``-levels``
     (``-levels - 0.1 i`` for ``i < tries``), then ``rounds`` of rounding to the least-squares scale and back
-    (what llama.cpp's ``make_q3_quants`` searches element by element)."""
+    (what llama.cpp's ``make_q3_quants`` searches element by element). In float64, as :func:`_fit_affine`."""
+    x, w = x.double(), w.double()
     peak = _signed_absmax(x)
     best_scale, best_error = torch.zeros_like(peak), (w * x * x).sum(-1, keepdim=True)
     for i in range(tries):
@@ -232,7 +235,7 @@ def _fit_symmetric(x: Tensor, levels: int, w: Tensor, tries: int = 8, rounds: in
         error = (w * (scale * q - x) ** 2).sum(-1, keepdim=True)
         better = error < best_error
         best_scale, best_error = torch.where(better, scale, best_scale), torch.minimum(error, best_error)
-    return best_scale.squeeze(-1)
+    return best_scale.squeeze(-1).float()
 
 
 def _two_level(scale: Tensor, bits_max: int) -> tuple[Tensor, Tensor]:
@@ -253,7 +256,9 @@ def _pack_2bit(q: Tensor) -> Tensor:
 
 
 def _sub_block_weights(sub: Tensor) -> Tensor:
-    """llama.cpp's importance of each value in its sub-block's fit: the sub-block's rms plus the value's magnitude."""
+    """llama.cpp's importance of each value in its sub-block's fit: the sub-block's rms plus the value's magnitude
+    (float64: a sum, as :func:`_fit_affine`'s)."""
+    sub = sub.double()
     return (sub * sub).mean(-1, keepdim=True).sqrt() + sub.abs()
 
 
