@@ -76,9 +76,7 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     return codes, column_major.copy_(scales)
 
 
-# cuBLAS (12.x on an H100, 2026-12-05) finds no algorithm for a one-row block-scaled product
-# (CUBLAS_STATUS_NOT_SUPPORTED from its heuristic); 16 and 300 rows ran: fewer rows are padded with zeros
-MIN_ROWS = 16
+MIN_ROWS = 16  # see padded_rows
 
 
 class Fp8TensorCores(WeightKernels):
@@ -126,12 +124,20 @@ GEMV_WARPS = (4, 8)
 
 def tensor_core_product(rows: Tensor, codes: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """``rows`` [M, K] times the weight through ``scaled_mm``, the activations quantized per token and 128
-    columns (fewer than :data:`MIN_ROWS` rows padded with zeros)."""
-    padded = F.pad(rows, (0, 0, 0, MIN_ROWS - rows.shape[0])) if rows.shape[0] < MIN_ROWS else rows
+    columns (the rows padded with zeros to :func:`padded_rows`)."""
+    m = rows.shape[0]
+    padded = F.pad(rows, (0, 0, 0, padded_rows(m) - m)) if padded_rows(m) > m else rows
     x_codes, x_scales = quantize_activations(padded)
     recipe = F.ScalingType.BlockWise1x128
     y = F.scaled_mm(x_codes, codes.t(), x_scales, recipe, scales.t(), recipe, bias=bias, output_dtype=rows.dtype)
-    return y[: rows.shape[0]]
+    return y[:m]
+
+
+def padded_rows(m: int) -> int:
+    """cuBLAS (12.x, H100 and H200, 2026-12) finds no algorithm for a block-scaled product of fewer than
+    :data:`MIN_ROWS` rows or of a row count that is not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED from its
+    heuristic: 17 and 37 rows refused, 16, 20, 36, 40 and 300 taken)."""
+    return max(MIN_ROWS, -(-m // 4) * 4)
 
 
 class Fp8Kernels(GgufKernels):
