@@ -108,6 +108,12 @@ def main() -> None:
         help="also list the N kernels that took the most device time (torch profiler)",
     )
     parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="launch kernels without programmatic dependent launch (CUDA): with --kernels, each kernel's own time, "
+        "not its wait for the one before",
+    )
+    parser.add_argument(
         "--sizes-per-octave",
         type=int,
         default=None,
@@ -129,6 +135,10 @@ def main() -> None:
             parser.error(why)
     if args.num_requests is None:
         args.num_requests = 1000 if args.workload == "sharegpt" else 1
+    if args.no_pdl:
+        from xinfer_cuda.kernels import launch
+
+        launch.pdl = lambda device: {"PDL": False, "launch_pdl": False}
     if args.sizes_per_octave:
         from xinfer_cuda import static_step
 
