@@ -184,11 +184,19 @@ def _pack_high_bits(q: Tensor) -> Tensor:
     return (bits * weights).sum(-1).to(torch.uint8)
 
 
+def _sum(x: Tensor) -> Tensor:
+    """The sum over the last dim (a power of two) [..., 1], added in pairs in a fixed order: every device rounds it
+    alike, so a fit picks the same candidate on a GPU as on the CPU (torch's ``sum`` orders its additions per
+    device, and near-equal candidates were told apart differently: an H200 packed ``--isq q4_k`` otherwise)."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x
+
+
 def _least_squares_affine(x: Tensor, q: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     """``scale`` and ``offset`` [..., 1] of ``scale * q + offset`` closest to ``x`` in the ``w``-weighted squared
     error, the offset at most 0 (a K format stores it as a min subtracted)."""
-    sw, sq, sq2 = w.sum(-1, keepdim=True), (w * q).sum(-1, keepdim=True), (w * q * q).sum(-1, keepdim=True)
-    sx, sxq = (w * x).sum(-1, keepdim=True), (w * x * q).sum(-1, keepdim=True)
+    sw, sq, sq2, sx, sxq = _sum(w), _sum(w * q), _sum(w * q * q), _sum(w * x), _sum(w * x * q)
     det = sw * sq2 - sq * sq
     scale, offset = (sw * sxq - sx * sq) * _inverse(det), (sq2 * sx - sq * sxq) * _inverse(det)
     positive = offset > 0
@@ -200,42 +208,39 @@ def _fit_affine(x: Tensor, levels: int, w: Tensor, rmin: float, rdelta: float, s
     """Per sub-block (the last dim) of ``x``: ``scale`` and ``low`` >= 0 [...] with ``scale * q - low`` (``q`` in
     0..levels) closest to ``x`` in the ``w``-weighted squared error. As llama.cpp's ``make_qkx2_quants``: the plain
     min/max rounding, then ``x`` rounded over its span cut into ``levels + rmin + rdelta * i`` steps for each ``i``
-    up to ``steps``, each rounding least-squares fitted; the best kept. In float64: candidates whose errors are
-    within float32's rounding of each other would be told apart by the order of each device's sums."""
-    x, w = x.double(), w.double()
+    up to ``steps``, each rounding least-squares fitted; the best kept."""
     low = x.amin(-1, keepdim=True).clamp(max=0)
     span = x.amax(-1, keepdim=True) - low
     inv_span = _inverse(span)
     best_scale, best_offset = divide(span, levels), low
     q = torch.round(levels * inv_span * (x - low)).clamp(0, levels)
-    best_error = (w * (best_scale * q + low - x) ** 2).sum(-1, keepdim=True)
+    best_error = _sum(w * (best_scale * q + low - x) ** 2)
     for i in range(steps + 1):
         q = torch.round((levels + rmin + rdelta * i) * inv_span * (x - low)).clamp(0, levels)
         scale, offset = _least_squares_affine(x, q, w)
-        error = (w * (scale * q + offset - x) ** 2).sum(-1, keepdim=True)
+        error = _sum(w * (scale * q + offset - x) ** 2)
         better = error < best_error
         best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
         best_error = torch.minimum(error, best_error)
-    return best_scale.squeeze(-1).clamp(min=0).float(), -best_offset.squeeze(-1).float()
+    return best_scale.squeeze(-1).clamp(min=0), -best_offset.squeeze(-1)
 
 
 def _fit_symmetric(x: Tensor, levels: int, w: Tensor, tries: int = 8, rounds: int = 2) -> Tensor:
     """Per sub-block of ``x``: the signed ``scale`` [...] with ``scale * q`` (``q`` in ``-levels..levels - 1``)
     closest to ``x`` in the ``w``-weighted squared error: the value of largest magnitude mapped to ``-levels``
     (``-levels - 0.1 i`` for ``i < tries``), then ``rounds`` of rounding to the least-squares scale and back
-    (what llama.cpp's ``make_q3_quants`` searches element by element). In float64, as :func:`_fit_affine`."""
-    x, w = x.double(), w.double()
+    (what llama.cpp's ``make_q3_quants`` searches element by element)."""
     peak = _signed_absmax(x)
-    best_scale, best_error = torch.zeros_like(peak), (w * x * x).sum(-1, keepdim=True)
+    best_scale, best_error = torch.zeros_like(peak), _sum(w * x * x)
     for i in range(tries):
         scale = divide(-peak, levels + 0.1 * i)
         for _ in range(rounds + 1):
             q = _round_away(x * _inverse(scale)).clamp(-levels, levels - 1)
-            scale = (w * x * q).sum(-1, keepdim=True) * _inverse((w * q * q).sum(-1, keepdim=True))
-        error = (w * (scale * q - x) ** 2).sum(-1, keepdim=True)
+            scale = _sum(w * x * q) * _inverse(_sum(w * q * q))
+        error = _sum(w * (scale * q - x) ** 2)
         better = error < best_error
         best_scale, best_error = torch.where(better, scale, best_scale), torch.minimum(error, best_error)
-    return best_scale.squeeze(-1).float()
+    return best_scale.squeeze(-1)
 
 
 def _two_level(scale: Tensor, bits_max: int) -> tuple[Tensor, Tensor]:
@@ -256,10 +261,8 @@ def _pack_2bit(q: Tensor) -> Tensor:
 
 
 def _sub_block_weights(sub: Tensor) -> Tensor:
-    """llama.cpp's importance of each value in its sub-block's fit: the sub-block's rms plus the value's magnitude
-    (float64: a sum, as :func:`_fit_affine`'s)."""
-    sub = sub.double()
-    return (sub * sub).mean(-1, keepdim=True).sqrt() + sub.abs()
+    """llama.cpp's importance of each value in its sub-block's fit: the sub-block's rms plus the value's magnitude."""
+    return divide(_sum(sub * sub), sub.shape[-1]).sqrt() + sub.abs()
 
 
 class Q2_K(GGUFBlockFormat):
