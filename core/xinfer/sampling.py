@@ -31,8 +31,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs per generated token
-    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (after the first)
+    logprobs: int | None = None  # top-N logprobs per generated token (-1: every token's)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (after the first; -1: every token's)
     skip_special_tokens: bool = True
     # vLLM's: a fast tokenizer's decode (xinfer's) joins special tokens as its decoder does, and vLLM's fast path
     # ignores it too; taken for vLLM's callers
@@ -69,11 +69,9 @@ class SamplingParams:
         _check(all(self.stop), "stop strings must not be empty")
         _check(self.detokenize or not self.stop, "stop strings need detokenize=True (they match the text)")
         _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        _check(self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}")
-        _check(
-            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-            f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM's)
+            value = getattr(self, name)
+            _check(value is None or value >= -1, f"{name} must be >= 0, or -1 for the whole vocabulary, got {value}")
         if self.logit_bias:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             _check(min(self.logit_bias) >= 0, f"logit_bias token ids must be >= 0, got {min(self.logit_bias)}")

@@ -53,8 +53,22 @@ def test_without_alternatives_only_the_prompt_token_and_none_unasked(models):
 
 
 def test_negative_prompt_logprobs_is_refused():
-    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
-        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0, or -1 for the whole vocabulary, got -2"):
+        SamplingParams(prompt_logprobs=-2)
+
+
+def test_minus_one_asks_for_every_token_of_the_vocabulary(models):
+    """vLLM's ``logprobs=-1`` / ``prompt_logprobs=-1``: every token's log-probability, each ranked."""
+    hf, llm = models
+    tokens = prompt(5, seed=7)
+    out = llm.generate([tokens], SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)[0]
+    expected = expected_logprobs(hf, tokens + out.outputs[0].token_ids)
+    vocab = COMMON["vocab_size"]
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert [len(entry) for entry in entries] == [vocab] * (len(tokens) + 1)
+    for position, entry in enumerate(entries):
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
+        assert [entry[t] for t in range(vocab)] == pytest.approx(expected[position].tolist(), abs=1e-4)
 
 
 def test_vllm_keywords_and_the_cumulative_logprob(models, capsys):

@@ -183,7 +183,8 @@ class LLMEngine:
                 f"the prompt must be shorter to leave room for at least one generated token"
             )
         self._check_vocab(prompt_token_ids)
-        self._check_top_n("logprobs", params.logprobs)
+        if params.logprobs is not None:
+            params = replace(params, logprobs=self._top_n("logprobs", params.logprobs))
         if params.logit_bias and max(params.logit_bias) >= self.hf_config.vocab_size:
             raise ValueError(f"logit_bias token ids must be below the vocabulary's {self.hf_config.vocab_size}")
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
@@ -232,13 +233,13 @@ class LLMEngine:
         self, token_ids: list[int], top_n: int, multimodal: list[PlaceholderRange] | None = None
     ) -> list[dict[int, Logprob] | None]:
         """Each token's log-probability after the tokens before it (``None`` for the first), with
-        the ``top_n`` likeliest tokens there: the logprobs of a prompt echoed back; ``multimodal``:
+        the ``top_n`` likeliest tokens there (-1: all): the logprobs of a prompt echoed back; ``multimodal``:
         where its images' embeddings go, as :meth:`add_request`'s."""
+        top_n = self._top_n("prompt_logprobs", top_n)
 
         def score(batch: HostBatch, start: int, end: int) -> list[dict[int, Logprob]]:
             return self.runner.prompt_logprobs(batch, token_ids[start + 1 : end + 1], top_n)
 
-        self._check_top_n("prompt_logprobs", top_n)
         entries: list[dict[int, Logprob] | None] = [None]
         for step in self._in_steps(token_ids, multimodal, score):
             entries += step
@@ -285,11 +286,13 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(token_ids)}..{max(token_ids)}")
 
-    def _check_top_n(self, name: str, top_n: int | None) -> None:
-        """Refuses more alternatives per token than the vocabulary has."""
+    def _top_n(self, name: str, top_n: int) -> int:
+        """How many alternatives per token ``top_n`` asks for (-1: the whole vocabulary); more than the vocabulary
+        has is refused."""
         vocab_size = self.hf_config.vocab_size
-        if top_n is not None and top_n > vocab_size:
+        if top_n > vocab_size:
             raise ValueError(f"{name} must be at most the vocabulary's {vocab_size} tokens, got {top_n}")
+        return vocab_size if top_n == -1 else top_n
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
