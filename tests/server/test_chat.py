@@ -211,6 +211,20 @@ def test_an_assistant_refusal_given_back_is_what_it_said(server, client, model, 
     assert reply.usage.prompt_tokens == len(prompt)
 
 
+def test_a_developer_message_is_a_system_message_where_the_template_knows_no_developer(server, client, model):
+    """OpenAI's developer role replaced system; SmolLM2's template knows only system (and writes a default system
+    prompt before a conversation that does not start with one)."""
+    rule = "Answer in French."
+    as_developer = [{"role": "developer", "content": rule}, *QUESTION]
+    prompt = server.post("/tokenize", {"messages": as_developer}).json()["tokens"]
+    assert (
+        prompt
+        == server.post("/tokenize", {"messages": [{"role": "system", "content": rule}, *QUESTION]}).json()["tokens"]
+    )
+    reply = client.chat.completions.create(model=model, messages=as_developer, temperature=0, max_tokens=2)
+    assert reply.usage.prompt_tokens == len(prompt)
+
+
 def test_logit_bias_forces_and_bans_tokens(server, client, model):
     """OpenAI's logit_bias: +100 makes a token certain even when sampling, -100 rules it out."""
     forced = client.chat.completions.create(

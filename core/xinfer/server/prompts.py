@@ -76,7 +76,10 @@ def render_chat(
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         raise bad_request("this model has no chat template: use /v1/completions with a plain prompt")
-    dicts, _ = message_dicts(messages)
+    # OpenAI's developer role took the system role's place; a template that knows only the system role would
+    # write "developer" as it is, or refuse it (Qwen3.6's)
+    as_system = "developer" not in getattr(template, "source", "")
+    dicts = _with_roles(message_dicts(messages)[0], as_system)
     try:
         try:
             text = template.render(
@@ -90,7 +93,7 @@ def render_chat(
             if not any(m.tool_calls for m in messages):
                 raise
             # templates that join arguments as text (DeepSeek's: '...' + arguments) take them as the client sent them
-            dicts, _ = message_dicts(messages, arguments_as_objects=False)
+            dicts = _with_roles(message_dicts(messages, arguments_as_objects=False)[0], as_system)
             text = template.render(
                 dicts,
                 add_generation_prompt=add_generation_prompt,
@@ -103,6 +106,12 @@ def render_chat(
     except TypeError as error:  # an unknown keyword in chat_template_kwargs
         raise bad_request(f"chat_template_kwargs: {error}", param="chat_template_kwargs") from None
     return text
+
+
+def _with_roles(dicts: list[dict[str, Any]], developer_as_system: bool) -> list[dict[str, Any]]:
+    if not developer_as_system:
+        return dicts
+    return [{**d, "role": "system"} if d.get("role") == "developer" else d for d in dicts]
 
 
 def encode_prompts(
