@@ -8,7 +8,7 @@ choice), finish reasons, logprobs and prompt tokens found in the prefix cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from xinfer.engine.engine import LLMEngine, StepOutput
@@ -180,7 +180,7 @@ class OutputProcessor:
     def _decodes(self, params: SamplingParams) -> bool:
         return self.engine.tokenizer is not None and params.detokenize
 
-    def _decode_tokens(self, entries: list[dict[int, Logprob]] | list[dict[int, Logprob] | None]) -> None:
+    def _decode_tokens(self, entries: Sequence[dict[int, Logprob] | None]) -> None:
         """Sets each logprob's ``decoded_token``: its token alone decoded, special tokens kept (vLLM's)."""
         tokenizer, texts = self.engine.tokenizer, self._token_texts
         assert tokenizer is not None
@@ -192,8 +192,5 @@ class OutputProcessor:
 
     def _text(self, params: SamplingParams, prompt_token_ids: list[int]) -> TextStream:
         tokenizer, skip = self.engine.tokenizer, params.skip_special_tokens
-        if tokenizer is None or not self._decodes(params):
-            detokenizer = None
-        else:
-            detokenizer = IncrementalDetokenizer(tokenizer, skip, prompt_token_ids)
+        detokenizer = IncrementalDetokenizer(tokenizer, skip, prompt_token_ids) if self._decodes(params) else None
         return TextStream(detokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
