@@ -309,3 +309,60 @@ def test_text_then_calls_accumulate_in_the_clients_stream_state():
         ("call_2", "get_time", "{}"),
     ]
     assert response.output_text == "Let me check."
+
+
+def test_previous_response_id_continues_its_conversation_without_its_instructions(client, model):
+    """OpenAI's ``previous_response_id``: the response continued is given again (its input, then its output as the
+    items a client would send back); its ``instructions`` are not carried over. Greedy, so the continuation is
+    the answer to the whole conversation sent as items."""
+    first = client.responses.create(model=model, input=TURNS[0]["content"], instructions=INSTRUCTIONS,
+                                    max_output_tokens=8, temperature=0)  # fmt: skip
+    second = client.responses.create(model=model, previous_response_id=first.id, input=TURNS[2]["content"],
+                                     max_output_tokens=8, temperature=0)  # fmt: skip
+    assert second.instructions is None
+    spelled_out = [TURNS[0], {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+                   TURNS[2]]  # fmt: skip
+    expected = client.responses.create(model=model, input=spelled_out, max_output_tokens=8, temperature=0)
+    assert second.output_text == expected.output_text
+    assert second.usage.input_tokens == expected.usage.input_tokens
+    third = client.responses.create(model=model, previous_response_id=second.id, input="And a third?",
+                                    max_output_tokens=2, temperature=0)  # fmt: skip
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens  # the chain, whole
+
+
+def test_a_function_call_is_answered_by_continuing_its_response(client, model):
+    """The Responses API's tool loop: the call's output sent with ``previous_response_id`` instead of the call."""
+    called = client.responses.create(model=model, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=30,
+                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0)  # fmt: skip
+    [call] = [item for item in called.output if item.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer = client.responses.create(model=model, previous_response_id=called.id, input=[output], tools=[WEATHER],
+                                     max_output_tokens=8, temperature=0)  # fmt: skip
+    given_back = [{"role": "user", "content": "Weather in Paris?"},
+                  {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                  output]  # fmt: skip
+    expected = client.responses.create(model=model, input=given_back, tools=[WEATHER], max_output_tokens=8,
+                                       temperature=0)  # fmt: skip
+    assert (answer.output_text, answer.usage.input_tokens) == (expected.output_text, expected.usage.input_tokens)
+
+
+def test_kept_responses_are_read_back_and_deleted_and_store_false_keeps_none(client, model):
+    streamed_id = ""
+    with client.responses.stream(model=model, input="Hi.", max_output_tokens=3, temperature=0) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                streamed_id = event.response.id
+    whole = client.responses.create(model=model, input="Hi.", max_output_tokens=3, temperature=0)
+    read = client.responses.retrieve(whole.id)
+    assert (read.id, read.status, read.output_text, read.usage) == (whole.id, whole.status, whole.output_text,
+                                                                    whole.usage)  # fmt: skip
+    streamed = client.responses.retrieve(streamed_id)  # kept at its end, as the one not streamed
+    assert (streamed.status, streamed.output_text) == (whole.status, whole.output_text)
+    client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    with pytest.raises(openai.BadRequestError, match="previous response with id"):
+        client.responses.create(model=model, previous_response_id=whole.id, input="Hi.", max_output_tokens=2)
+    unkept = client.responses.create(model=model, input="Hi.", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)

@@ -11,6 +11,7 @@ from xinfer.server.auth import APIKeyMiddleware
 from xinfer.server.body import DEFAULT_MAX_BODY_BYTES
 from xinfer.server.disconnect import ClientDisconnected
 from xinfer.server.errors import install_error_handlers
+from xinfer.server.responses_api.store import ResponseStore
 from xinfer.server.routes import ROUTERS
 from xinfer.server.serving import Serving, unavailable
 
@@ -22,6 +23,7 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="xinfer", version=__version__, docs_url="/docs", redoc_url=None)
     app.state.serving = serving
+    app.state.responses = ResponseStore()
     app.state.max_body_bytes = max_body_bytes
     install_error_handlers(app)
 

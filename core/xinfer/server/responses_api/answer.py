@@ -53,8 +53,10 @@ MessageLogprobs = Callable[[str, bool], list[TokenLogprob]]
 
 
 class ResponseAnswer:
-    def __init__(self, body: ResponsesRequest, chat: ChatAnswer):
-        self.body, self.chat = body, chat
+    """``keep``: called with the finished response (completed or incomplete), to keep it."""
+
+    def __init__(self, body: ResponsesRequest, chat: ChatAnswer, keep: Callable[[Response], None] | None = None):
+        self.body, self.chat, self.keep = body, chat, keep
         self.id, self.created_at = item_id("resp"), now()
         self.sequence_number = 0
 
@@ -78,7 +80,10 @@ class ResponseAnswer:
         status = STATUS.get(finish_reason, "failed")
         events = items.finish("completed" if status == "completed" else "incomplete")
         error = None if status != "failed" else f"the answer ended early ({finish_reason})"
-        return self.response(status, items.items, error), events
+        response = self.response(status, items.items, error)
+        if self.keep is not None and status != "failed":
+            self.keep(response)
+        return response, events
 
     async def respond(self, request: Request) -> HTTPResponse:
         engine, handle = self.chat.serving.engine, self.chat.handle

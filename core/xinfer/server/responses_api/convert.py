@@ -1,7 +1,8 @@
 """A Responses request as the chat request the engine runs:
 
-- ``instructions`` becomes the first, system message;
-- ``input`` (a string: one user message; or items) becomes the messages: message items with
+- ``instructions`` becomes the first, system message (a previous response's are not carried over, as OpenAI's);
+- ``input`` (a string: one user message; or items), after a ``previous_response_id``'s conversation
+  (:mod:`xinfer.server.responses_api.store`), becomes the messages: message items with
   ``input_text`` and ``output_text`` parts as text, ``input_image`` parts as ``image_url`` parts
   (refused where the model takes text only); ``function_call`` items as the assistant's
   ``tool_calls`` (with the assistant message or reasoning just before them), ``function_call_output``
@@ -31,12 +32,13 @@ from xinfer.server.tools import check_functions, check_tool_choice
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 
 
-def chat_request(body: ResponsesRequest, takes_images: bool) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest, given: list[InputItem], takes_images: bool) -> ChatCompletionRequest:
+    """``given``: the input items (those of the response it continues first)."""
     field = body.unsupported_field()
     if field is not None:
         raise bad_request(f"{field} is not supported by this server's /v1/responses", param=field)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += input_messages(body.input, takes_images)
+    messages += input_messages(given, takes_images)
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens}
     fields |= {"temperature": body.temperature, "top_p": body.top_p}
     if body.tools:
@@ -92,9 +94,7 @@ def chat_tool_choice(tool_choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-def input_messages(given: str | list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
-    if isinstance(given, str):
-        return [{"role": "user", "content": given}]
+def input_messages(given: list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
     if not given:
         raise bad_request("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []

@@ -2,7 +2,7 @@
 
 Parsed as the other bodies are (strict JSON), except that a field this server does not
 implement is refused, naming it (:func:`unsupported_field`), where the chat routes ignore
-unknown fields: ignoring ``previous_response_id`` would change the answer without saying so.
+unknown fields: ignoring ``conversation`` would change the answer without saying so.
 Fields that only change bookkeeping are accepted and ignored.
 """
 
@@ -15,8 +15,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from xinfer.server.errors import FieldError
 from xinfer.server.protocol import MAX_TOP_LOGPROBS, ReasoningEffort, RequestBody, asks_nothing
 
-# fields accepted and not read: they change no answer (no response is stored, the server runs no tool)
-IGNORED_FIELDS = frozenset({"store", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
+# fields accepted and not read: they change no answer (the server runs no tool)
+IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
                             "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options"})  # fmt: skip
 # the values of other fields that ask for nothing beyond what this server does (their defaults)
 NEUTRAL_VALUES = {"truncation": ("disabled",)}
@@ -98,6 +98,8 @@ class ResponsesRequest(RequestBody):
     parallel_tool_calls: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives of each output_text token
+    store: bool = True  # kept for previous_response_id and GET /v1/responses/{id} (responses_api/store.py)
+    previous_response_id: str | None = None
 
     @field_validator("include")
     @classmethod
@@ -106,6 +108,10 @@ class ResponsesRequest(RequestBody):
         if unknown is not None:
             raise ValueError(f"{unknown!r} is not one of {', '.join(INCLUDABLE)}")
         return include
+
+    def input_items(self) -> list[InputItem]:
+        """``input`` as items (a string: one user message)."""
+        return [InputItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
 
     @property
     def output_logprobs(self) -> bool:

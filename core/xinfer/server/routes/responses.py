@@ -1,17 +1,18 @@
-"""OpenAI's Responses API: ``POST /v1/responses``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
 
 A Responses body is translated into the chat request it means (the same template, sampling
 and engine as ``/v1/chat/completions``, :mod:`xinfer.server.responses_api.convert`), and its
 answer written as a ``response`` object or the Responses API's events. Function tools are the
-chat route's (the client runs the calls and sends their ``function_call_output`` back). Nothing
-is stored: a field that needs a stored response (``previous_response_id``), a built-in tool, or
-another feature this server does not implement is a 400 naming it.
+chat route's (the client runs the calls and sends their ``function_call_output`` back). A response
+is kept (``store``, true by default) so that another can continue it (``previous_response_id``) and a
+client can read it back (:mod:`xinfer.server.responses_api.store`). A built-in tool, or another feature
+this server does not implement, is a 400 naming it.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from xinfer.server.body import parse_body
 from xinfer.server.chat_answer import ChatAnswer
@@ -19,6 +20,7 @@ from xinfer.server.chat_run import submit_chat
 from xinfer.server.responses_api.answer import ResponseAnswer
 from xinfer.server.responses_api.convert import chat_request
 from xinfer.server.responses_api.protocol import ResponsesRequest
+from xinfer.server.responses_api.store import ResponseStore
 from xinfer.server.serving import Serving
 
 router = APIRouter()
@@ -27,8 +29,27 @@ router = APIRouter()
 @router.post("/v1/responses", response_model=None)
 async def create_response(request: Request) -> Response:
     serving: Serving = request.app.state.serving
+    store: ResponseStore = request.app.state.responses
     body = await parse_body(request, ResponsesRequest)
     serving.check_model(body.model)
-    handle, prompt, chat = await submit_chat(request, serving, chat_request(body, bool(serving.llm.modalities)))
+    given = body.input_items()
+    if body.previous_response_id is not None:
+        given = [*store.conversation(body.previous_response_id), *given]
+    chat_body = chat_request(body, given, bool(serving.llm.modalities))
+    handle, prompt, chat = await submit_chat(request, serving, chat_body)
     answer = ChatAnswer(serving, chat, handle, prompt.tags, prompt.inside, prompt.tools)
-    return await ResponseAnswer(body, answer).respond(request)
+    keep = (lambda response: store.keep(response, given)) if body.store else None
+    return await ResponseAnswer(body, answer, keep).respond(request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
+    store: ResponseStore = request.app.state.responses
+    return JSONResponse(store.get(response_id).model_dump())
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    store: ResponseStore = request.app.state.responses
+    store.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
