@@ -1,5 +1,6 @@
 """Responses kept for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, as OpenAI keeps them
-(``store``, true by default): in memory, the last :data:`CAPACITY` used, lost when the server stops.
+(``store``, true by default): in memory, the last :data:`CAPACITY` used and at most :data:`MAX_BYTES` of their own
+text (images' data URLs included), lost when the server stops.
 
 A kept response holds its conversation as input items: the items it was given (those of the response it
 continued first) and its own output as the items a client would give back (its message as an assistant
@@ -16,24 +17,30 @@ from xinfer.server.responses_api.objects import FunctionCallItem, OutputItem, Ou
 from xinfer.server.responses_api.protocol import InputItem, InputPart
 
 CAPACITY = 1000
+MAX_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
 class Kept:
     response: Response
     conversation: list[InputItem]
+    size: int  # the characters of its own input and output (those of the response it continues are that one's)
 
 
 class ResponseStore:
-    def __init__(self, capacity: int = CAPACITY):
-        self.capacity = capacity
+    def __init__(self, capacity: int = CAPACITY, max_bytes: int = MAX_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._kept: OrderedDict[str, Kept] = OrderedDict()
+        self._size = 0
 
-    def keep(self, response: Response, given: list[InputItem]) -> None:
-        self._kept[response.id] = Kept(response, [*given, *map(as_input, response.output)])
-        self._kept.move_to_end(response.id)
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+    def keep(self, response: Response, given: list[InputItem], own: list[InputItem]) -> None:
+        """``given``: every input item the response had; ``own``: those of its request (not of the one it continued)."""
+        output = [as_input(item) for item in response.output]
+        self.delete(response.id, missing_ok=True)
+        kept = self._kept[response.id] = Kept(response, [*given, *output], sum(map(_size, [*own, *output])))
+        self._size += kept.size
+        while self._kept and (len(self._kept) > self.capacity or self._size > self.max_bytes):
+            self._size -= self._kept.popitem(last=False)[1].size
 
     def conversation(self, previous_response_id: str) -> list[InputItem]:
         """The items a response continuing ``previous_response_id`` is given before its own input."""
@@ -51,9 +58,19 @@ class ResponseStore:
             raise APIError(404, f"no response with id {response_id!r} is kept", param="response_id", code="not_found")
         return kept.response
 
-    def delete(self, response_id: str) -> None:
+    def delete(self, response_id: str, missing_ok: bool = False) -> None:
+        if response_id not in self._kept and missing_ok:
+            return
         self.get(response_id)
-        del self._kept[response_id]
+        self._size -= self._kept.pop(response_id).size
+
+
+def _size(item: InputItem) -> int:
+    parts = item.content if isinstance(item.content, list) else []
+    texts = [item.content if isinstance(item.content, str) else "", item.arguments or "",
+             item.output if isinstance(item.output, str) else ""]  # fmt: skip
+    texts += [part.text or part.image_url or "" for part in parts]
+    return sum(map(len, texts))
 
 
 def as_input(item: OutputItem) -> InputItem:
