@@ -131,7 +131,8 @@ def input_messages(given: list[InputItem], takes_images: bool) -> list[dict[str,
                 "function_call and function_call_output",
                 param=param,
             )
-    for call_id, i in unanswered.items():
+    if unanswered:
+        call_id, i = next(iter(unanswered.items()))
         raise bad_request(f"no function_call_output answers the function_call {call_id!r}", param=f"input.{i}")
     for turn in messages:
         if turn["role"] == "assistant" and turn["content"] is None and "tool_calls" not in turn:

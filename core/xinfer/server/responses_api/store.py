@@ -36,7 +36,6 @@ class ResponseStore:
     def keep(self, response: Response, given: list[InputItem], own: list[InputItem]) -> None:
         """``given``: every input item the response had; ``own``: those of its request (not of the one it continued)."""
         output = [as_input(item) for item in response.output]
-        self.delete(response.id, missing_ok=True)
         kept = self._kept[response.id] = Kept(response, [*given, *output], sum(map(_size, [*own, *output])))
         self._size += kept.size
         while self._kept and (len(self._kept) > self.capacity or self._size > self.max_bytes):
@@ -47,7 +46,7 @@ class ResponseStore:
         kept = self._kept.get(previous_response_id)
         if kept is None:
             raise bad_request(f"previous response with id {previous_response_id!r} not found (responses are kept "
-                              f"in memory, the last {self.capacity}, with store true)",
+                              "in memory, the last used while there is room, with store true)",
                               param="previous_response_id", code="previous_response_not_found")  # fmt: skip
         self._kept.move_to_end(previous_response_id)
         return kept.conversation
@@ -58,9 +57,7 @@ class ResponseStore:
             raise APIError(404, f"no response with id {response_id!r} is kept", param="response_id", code="not_found")
         return kept.response
 
-    def delete(self, response_id: str, missing_ok: bool = False) -> None:
-        if response_id not in self._kept and missing_ok:
-            return
+    def delete(self, response_id: str) -> None:
         self.get(response_id)
         self._size -= self._kept.pop(response_id).size
 
