@@ -33,20 +33,19 @@ def kept(store: ResponseStore) -> list[str]:
 
 def test_the_least_recently_used_go_first_past_the_count():
     store = ResponseStore(capacity=2)
-    store.keep(answered("a", "1"), ask("x"), ask("x"))
-    store.keep(answered("b", "2"), ask("y"), ask("y"))
+    store.keep(answered("a", "1"), [], ask("x"))
+    store.keep(answered("b", "2"), [], ask("y"))
     store.conversation("a")  # continued: used last
-    store.keep(answered("c", "3"), ask("z"), ask("z"))
+    store.keep(answered("c", "3"), [], ask("z"))
     assert kept(store) == ["a", "c"]
 
 
 def test_past_the_size_of_their_own_text_the_oldest_go():
     store = ResponseStore(max_bytes=20)
-    store.keep(answered("a", "12345"), ask("12345"), ask("12345"))  # 10 characters
-    continued = [*store.conversation("a"), *ask("123")]
-    store.keep(answered("b", "1234567"), continued, ask("123"))  # its own: 10, not the 20 it was given
+    store.keep(answered("a", "12345"), [], ask("12345"))  # 10 characters
+    store.keep(answered("b", "1234567"), store.conversation("a"), ask("123"))  # its own: 10, not the 20 it was given
     assert kept(store) == ["a", "b"]
-    store.keep(answered("c", "1"), ask("1"), ask("1"))  # 22 in all: "a" goes
+    store.keep(answered("c", "1"), [], ask("1"))  # 22 in all: "a" goes
     assert kept(store) == ["b", "c"]
     store.delete("b")
     with pytest.raises(APIError) as error:
@@ -59,7 +58,7 @@ def test_a_conversation_is_the_input_then_the_output_as_items_given_back():
     call = FunctionCallItem(id="fc_1", call_id="call_1", name="f", arguments="{}", status="completed")
     response = answered("a", "hi")
     response.output.append(call)
-    store.keep(response, ask("q"), ask("q"))
+    store.keep(response, [], ask("q"))
     question, message, function_call = store.conversation("a")
     assert (question.role, question.content) == ("user", "q")
     assert (message.type, message.role, [(p.type, p.text) for p in message.content]) == (

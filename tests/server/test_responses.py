@@ -366,3 +366,17 @@ def test_kept_responses_are_read_back_and_deleted_and_store_false_keeps_none(cli
     unkept = client.responses.create(model=model, input="Hi.", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unkept.id)
+
+
+def test_an_error_in_a_continued_response_names_the_requests_own_item(server, client, model):
+    """Items are numbered within the request's ``input``; an unanswered call of the continued response is named by
+    ``previous_response_id``."""
+    called = client.responses.create(model=model, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=30,
+                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0)  # fmt: skip
+    base = {"model": model, "previous_response_id": called.id, "tools": [WEATHER], "max_output_tokens": 4}
+    for given, param in [
+        ("Thanks.", "previous_response_id"),  # the call is left unanswered
+        ([{"type": "item_reference", "id": "x"}], "input.0"),
+    ]:
+        response = server.post("/v1/responses", json=base | {"input": given})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -32,13 +32,13 @@ from xinfer.server.tools import check_functions, check_tool_choice
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 
 
-def chat_request(body: ResponsesRequest, given: list[InputItem], takes_images: bool) -> ChatCompletionRequest:
-    """``given``: the input items (those of the response it continues first)."""
+def chat_request(body: ResponsesRequest, previous: list[InputItem], takes_images: bool) -> ChatCompletionRequest:
+    """``previous``: the conversation of the response it continues (``previous_response_id``), before its input."""
     field = body.unsupported_field()
     if field is not None:
         raise bad_request(f"{field} is not supported by this server's /v1/responses", param=field)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += input_messages(given, takes_images)
+    messages += input_messages(previous, body.input_items(), takes_images)
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens}
     fields |= {"temperature": body.temperature, "top_p": body.top_p}
     if body.tools:
@@ -94,13 +94,15 @@ def chat_tool_choice(tool_choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-def input_messages(given: list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
-    if not given:
+def input_messages(previous: list[InputItem], own: list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
+    """The chat messages of ``previous`` (a continued response's items) then ``own`` (the request's ``input``); an
+    error names its item (``input.N``, or ``previous_response_id``)."""
+    if not own:
         raise bad_request("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []
-    unanswered: dict[str, int] = {}  # call_id: the input item of a function_call no output answers yet
-    for i, item in enumerate(given):
-        param = f"input.{i}"
+    unanswered: dict[str, str] = {}  # call_id: the item (its param) of a function_call no output answers yet
+    for i, item in enumerate([*previous, *own]):
+        param = f"input.{i - len(previous)}" if i >= len(previous) else "previous_response_id"
         if item.type == "message":
             turn = message(item, param, takes_images)
             if turn["role"] == "assistant" and reasoning_only(messages):
@@ -113,7 +115,7 @@ def input_messages(given: list[InputItem], takes_images: bool) -> list[dict[str,
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
             assistant_turn(messages).setdefault("tool_calls", []).append(call)
-            unanswered[item.call_id] = i
+            unanswered[item.call_id] = param
         elif item.type == "function_call_output":
             if item.call_id is None or item.output is None:
                 raise bad_request("a function_call_output item needs a call_id and an output", param=param)
@@ -132,8 +134,8 @@ def input_messages(given: list[InputItem], takes_images: bool) -> list[dict[str,
                 param=param,
             )
     if unanswered:
-        call_id, i = next(iter(unanswered.items()))
-        raise bad_request(f"no function_call_output answers the function_call {call_id!r}", param=f"input.{i}")
+        call_id, param = next(iter(unanswered.items()))
+        raise bad_request(f"no function_call_output answers the function_call {call_id!r}", param=param)
     for turn in messages:
         if turn["role"] == "assistant" and turn["content"] is None and "tool_calls" not in turn:
             turn["content"] = ""  # reasoning given back without the message or call that followed it

@@ -33,10 +33,10 @@ class ResponseStore:
         self._kept: OrderedDict[str, Kept] = OrderedDict()
         self._size = 0
 
-    def keep(self, response: Response, given: list[InputItem], own: list[InputItem]) -> None:
-        """``given``: every input item the response had; ``own``: those of its request (not of the one it continued)."""
-        output = [as_input(item) for item in response.output]
-        kept = self._kept[response.id] = Kept(response, [*given, *output], sum(map(_size, [*own, *output])))
+    def keep(self, response: Response, previous: list[InputItem], own: list[InputItem]) -> None:
+        """``previous``: the conversation of the response it continued; ``own``: its request's input items."""
+        mine = [*own, *(as_input(item) for item in response.output)]
+        kept = self._kept[response.id] = Kept(response, [*previous, *mine], sum(map(_size, mine)))
         self._size += kept.size
         while self._kept and (len(self._kept) > self.capacity or self._size > self.max_bytes):
             self._size -= self._kept.popitem(last=False)[1].size

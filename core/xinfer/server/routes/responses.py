@@ -32,13 +32,12 @@ async def create_response(request: Request) -> Response:
     store: ResponseStore = request.app.state.responses
     body = await parse_body(request, ResponsesRequest)
     serving.check_model(body.model)
-    own = body.input_items()
     previous = [] if body.previous_response_id is None else store.conversation(body.previous_response_id)
-    given = [*previous, *own]
-    chat_body = chat_request(body, given, bool(serving.llm.modalities))
-    handle, prompt, chat = await submit_chat(request, serving, chat_body)
+    handle, prompt, chat = await submit_chat(
+        request, serving, chat_request(body, previous, bool(serving.llm.modalities))
+    )
     answer = ChatAnswer(serving, chat, handle, prompt.tags, prompt.inside, prompt.tools)
-    keep = (lambda response: store.keep(response, given, own)) if body.store else None
+    keep = (lambda response: store.keep(response, previous, body.input_items())) if body.store else None
     return await ResponseAnswer(body, answer, keep).respond(request)
 
 
