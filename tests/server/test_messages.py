@@ -239,6 +239,11 @@ def document_turn(source: dict) -> dict:
         ({"container": "container_1"}, "container: "),
         ({"mcp_servers": [{"type": "url", "url": "https://example.com/sse", "name": "x"}]}, "mcp_servers: "),
         ({"thinking": {"type": "sometimes"}}, "thinking.type: "),  # Anthropic's ThinkingConfigParam types
+        # Anthropic's bounds of a thinking budget: given where enabled, at least 1024, below max_tokens
+        ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens: Field required"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1023}, "max_tokens": 2000}, "thinking.budget_tokens: "),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "max_tokens: must be greater than thinking.budget"),
+        ({"tools": [{"name": "weather", "description": "no schema"}]}, "tools.0.input_schema: Field required"),
         ({"output_config": {"effort": "extreme"}}, "output_config.effort: "),
         (  # a search_result block (its source a string) is a block this server does not read
             {"messages": [{"role": "user", "content": [SEARCH_RESULT]}]},
@@ -261,16 +266,19 @@ def test_bad_requests_are_400_in_anthropic_shape(server, claude, model, change, 
 def test_bookkeeping_fields_leave_the_answer_as_it_is(claude, model):
     """Anthropic's fields that change no answer here: caching hints (the prefix cache is automatic), metadata,
     service tier, speed, region, diagnostics, the caller's ids, effort and a thinking budget (a local model thinks
-    as its template lets it)."""
+    as its template lets it; the budget is only checked against Anthropic's bounds, so it goes to count_tokens,
+    which has no max_tokens to exceed it)."""
     plain = claude.messages.create(model=model, max_tokens=8, messages=TURNS, extra_body=GREEDY)
     fields = {
         "cache_control": {"type": "ephemeral"}, "metadata": {"user_id": "u"}, "service_tier": "auto",
         "speed": "standard", "inference_geo": "us", "diagnostics": {"previous_message_id": "msg_1"},
         "user_profile_id": "u", "workspace_id": "w", "output_config": {"effort": "xhigh"},
-        "thinking": {"type": "enabled", "budget_tokens": 1024}, **GREEDY,
+        **GREEDY,
     }  # fmt: skip
     message = claude.messages.create(model=model, max_tokens=8, messages=TURNS, extra_body=fields)
     assert message.content[0].text == plain.content[0].text and message.stop_reason == plain.stop_reason
+    budget = claude.messages.count_tokens(model=model, messages=TURNS, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert budget.input_tokens == claude.messages.count_tokens(model=model, messages=TURNS).input_tokens
 
 
 def test_unknown_model_and_route_errors(server, claude):

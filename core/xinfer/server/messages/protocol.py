@@ -21,6 +21,7 @@ UNSUPPORTED_FIELDS = {
     "container": "containers (code execution, skills) are not run by this server",
     "mcp_servers": "remote MCP servers are not called by this server: its own (--mcp-*) are offered with mcp: true",
 }
+MIN_THINKING_BUDGET = 1024
 
 
 class Source(RequestBody):
@@ -58,8 +59,14 @@ class Message(RequestBody):
 class Tool(RequestBody):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    input_schema: dict[str, Any] | None = None  # required of a custom tool; server tools have none
     type: str | None = None  # "custom" or absent; Anthropic's server tools (web_search_..., bash_...) are refused
+
+    @model_validator(mode="after")
+    def _custom_tools_have_a_schema(self) -> Tool:
+        if self.type in (None, "custom") and self.input_schema is None:
+            raise FieldError("input_schema", "Field required")
+        return self
 
 
 class ToolChoice(RequestBody):
@@ -72,7 +79,13 @@ class Thinking(RequestBody):
     # "enabled", "adaptive", "between_tools": the model thinks as its template lets it (no budget: budget_tokens is
     # not read); "disabled": the template is asked not to think
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(None, ge=MIN_THINKING_BUDGET)  # Anthropic's bounds, checked as its API does
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> Thinking:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise FieldError("budget_tokens", "Field required where thinking is enabled")
+        return self
 
 
 class OutputFormat(RequestBody):
@@ -108,6 +121,13 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _thinking_within_max_tokens(self) -> MessagesRequest:
+        budget = self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
+        if budget is not None and budget >= self.max_tokens:
+            raise FieldError("max_tokens", f"must be greater than thinking.budget_tokens ({budget})")
+        return self
 
     @model_validator(mode="before")
     @classmethod
