@@ -74,6 +74,9 @@ class LiveServer:
         kwargs.setdefault("timeout", 120)
         return httpx.post(self.url + path, json=json, headers=headers, **kwargs)
 
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.url + path, headers={**self.headers, **kwargs.pop("headers", {})}, timeout=120, **kwargs)
+
     def events(self, path: str, json: dict) -> list[tuple[str | None, dict]]:
         """A streamed answer's server-sent events: (``event:`` name or None, JSON data), ``[DONE]`` left out."""
         events, name = [], None

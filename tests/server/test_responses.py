@@ -368,6 +368,37 @@ def test_kept_responses_are_read_back_and_deleted_and_store_false_keeps_none(cli
         client.responses.retrieve(unkept.id)
 
 
+def test_input_items_list_what_a_response_was_given_a_page_at_a_time(server, client, model):
+    """``client.responses.input_items.list``: the items of the conversation continued, then the request's own, as
+    the client's ``ResponseItem`` types, newest first unless ``order="asc"``; pages follow ``after``."""
+    called = client.responses.create(model=model, input=[{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": "Weather in Paris?"}],
+                                     tools=[WEATHER], max_output_tokens=30,
+                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0)  # fmt: skip
+    [call] = [item for item in called.output if item.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer = client.responses.create(model=model, previous_response_id=called.id, input=[output], tools=[WEATHER],
+                                     max_output_tokens=4, temperature=0)  # fmt: skip
+    items = list(client.responses.input_items.list(answer.id, order="asc"))
+    assert [(item.type, getattr(item, "role", None)) for item in items] == [
+        ("message", "system"), ("message", "user"), ("function_call", None), ("function_call_output", None)
+    ]  # fmt: skip
+    assert items[1].content[0].type == "input_text" and items[1].content[0].text == "Weather in Paris?"
+    assert items[2].id == call.id and (items[2].call_id, items[2].arguments) == (call.call_id, call.arguments)
+    assert items[3].call_id == call.call_id and items[3].output == "sunny"
+    assert len({item.id for item in items}) == 4
+    newest_first = list(client.responses.input_items.list(answer.id, limit=1))  # (the client follows the pages)
+    assert [item.id for item in newest_first] == [item.id for item in reversed(items)]
+    page = client.responses.input_items.list(answer.id, limit=3, order="asc")
+    assert [item.id for item in page.data] == [item.id for item in items[:3]] and page.has_more
+    assert [item.id for item in client.responses.input_items.list(called.id, order="asc")] == [i.id for i in items[:2]]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=msg_unknown", "after")]:
+        response = server.get(f"/v1/responses/{answer.id}/input_items?{query}")
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_an_error_in_a_continued_response_names_the_requests_own_item(server, client, model):
     """Items are numbered within the request's ``input``; an unanswered call of the continued response is named by
     ``previous_response_id``."""

@@ -145,6 +145,8 @@ class AnswersUnexpectedErrors:
 def from_validation(error: ValidationError | RequestValidationError) -> APIError:
     """The first problem pydantic found, as ``field.path: what is wrong``."""
     problems = error.errors()
+    if isinstance(error, RequestValidationError):  # FastAPI's: each location starts with where (query, path)
+        problems = [problem | {"loc": tuple(problem.get("loc", ()))[1:]} for problem in problems]
     paths = [path(problem) for problem in problems]
     deepest = max(range(len(problems)), key=lambda i: len(paths[i]))
     first, loc = problems[0], paths[0]

@@ -44,8 +44,10 @@ class InputPart(RequestBody):
 class InputItem(RequestBody):
     """An item of ``input``: a message (``type`` ``message`` or absent); a ``function_call`` the
     model made (``call_id``, ``name``, ``arguments``) and its ``function_call_output``
-    (``call_id``, ``output``); or a ``reasoning`` item given back (its ``content``'s text)."""
+    (``call_id``, ``output``); or a ``reasoning`` item given back (its ``content``'s text). ``id``: an output
+    item's given back, or one the store gives it (the model never reads it)."""
 
+    id: str | None = None
     type: str = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputPart] | None = None

@@ -5,25 +5,30 @@ text (images' data URLs included), lost when the server stops.
 A kept response holds its conversation as input items: the items it was given (those of the response it
 continued first) and its own output as the items a client would give back (its message as an assistant
 message, its reasoning, its function calls), so that continuing it is giving the model all of them again.
+Every item has an id (an output item's own; one given here to an input item sent without), so that the items
+a response was given can be listed a page at a time (``GET /v1/responses/{id}/input_items``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from xinfer.server.errors import APIError, bad_request
-from xinfer.server.responses_api.objects import FunctionCallItem, OutputItem, OutputMessage, Response
+from xinfer.server.responses_api.objects import FunctionCallItem, OutputItem, OutputMessage, Response, item_id
 from xinfer.server.responses_api.protocol import InputItem, InputPart
 
 CAPACITY = 1000
 MAX_BYTES = 256 * 2**20
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 @dataclass(frozen=True)
 class Kept:
     response: Response
     conversation: list[InputItem]
+    given: int  # the conversation's first items, those the response was given (the rest are its output)
     size: int  # the characters of its own input and output (those of the response it continues are that one's)
 
 
@@ -35,8 +40,9 @@ class ResponseStore:
 
     def keep(self, response: Response, previous: list[InputItem], own: list[InputItem]) -> None:
         """``previous``: the conversation of the response it continued; ``own``: its request's input items."""
-        mine = [*own, *(as_input(item) for item in response.output)]
-        kept = self._kept[response.id] = Kept(response, [*previous, *mine], sum(map(_size, mine)))
+        mine = [*map(_with_id, own), *(as_input(item) for item in response.output)]
+        given = len(previous) + len(own)
+        kept = self._kept[response.id] = Kept(response, [*previous, *mine], given, sum(map(_size, mine)))
         self._size += kept.size
         while self._kept and (len(self._kept) > self.capacity or self._size > self.max_bytes):
             self._size -= self._kept.popitem(last=False)[1].size
@@ -52,14 +58,26 @@ class ResponseStore:
         return kept.conversation
 
     def get(self, response_id: str) -> Response:
+        return self._get(response_id).response
+
+    def input_items(self, response_id: str) -> list[InputItem]:
+        """The items ``response_id`` was given, in order: those of the conversation it continued, then its own."""
+        kept = self._get(response_id)
+        return kept.conversation[: kept.given]
+
+    def delete(self, response_id: str) -> None:
+        self._get(response_id)
+        self._size -= self._kept.pop(response_id).size
+
+    def _get(self, response_id: str) -> Kept:
         kept = self._kept.get(response_id)
         if kept is None:
             raise APIError(404, f"no response with id {response_id!r} is kept", param="response_id", code="not_found")
-        return kept.response
+        return kept
 
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        self._size -= self._kept.pop(response_id).size
+
+def _with_id(item: InputItem) -> InputItem:
+    return item if item.id is not None else item.model_copy(update={"id": item_id(ID_PREFIXES.get(item.type, "item"))})
 
 
 def _size(item: InputItem) -> int:
@@ -74,9 +92,26 @@ def as_input(item: OutputItem) -> InputItem:
     """An output item as the input item a client gives back for it."""
     if isinstance(item, OutputMessage):
         parts = [InputPart(type="output_text", text=part.text) for part in item.content]
-        return InputItem(type="message", role="assistant", content=parts)
+        return InputItem(id=item.id, type="message", role="assistant", content=parts)
     if isinstance(item, FunctionCallItem):
-        return InputItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
+        return InputItem(id=item.id, type="function_call", call_id=item.call_id, name=item.name,
+                         arguments=item.arguments)  # fmt: skip
     return InputItem(
-        type="reasoning", content=[InputPart(type="reasoning_text", text=part.text) for part in item.content]
+        id=item.id, type="reasoning", content=[InputPart(type="reasoning_text", text=part.text) for part in item.content]
     )
+
+
+def listed(item: InputItem) -> dict[str, Any]:
+    """A kept item as the Responses API lists it (its ``ResponseItem`` shape): a message's text parts as
+    ``input_text`` (``output_text`` in an assistant turn), completed."""
+    fields = item.model_dump(exclude_none=True)
+    if item.type == "message":
+        text_type = "output_text" if item.role == "assistant" else "input_text"
+        parts = [InputPart(type=text_type, text=item.content)] if isinstance(item.content, str) else item.content or []
+        fields["content"] = [
+            part.model_dump(exclude_none=True) | ({"annotations": []} if part.type == "output_text" else {})
+            for part in parts
+        ]
+    if item.type == "reasoning":
+        fields["summary"] = []
+    return fields | {"status": "completed"}

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``.
 
 A Responses body is translated into the chat request it means (the same template, sampling
 and engine as ``/v1/chat/completions``, :mod:`xinfer.server.responses_api.convert`), and its
@@ -11,7 +12,9 @@ this server does not implement, is a 400 naming it.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from xinfer.server.body import parse_body
@@ -20,7 +23,8 @@ from xinfer.server.chat_run import submit_chat
 from xinfer.server.responses_api.answer import ResponseAnswer
 from xinfer.server.responses_api.convert import chat_request
 from xinfer.server.responses_api.protocol import ResponsesRequest
-from xinfer.server.responses_api.store import ResponseStore
+from xinfer.server.errors import bad_request
+from xinfer.server.responses_api.store import ResponseStore, listed
 from xinfer.server.serving import Serving
 
 router = APIRouter()
@@ -45,6 +49,31 @@ async def create_response(request: Request) -> Response:
 async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
     store: ResponseStore = request.app.state.responses
     return JSONResponse(store.get(response_id).model_dump())
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    request: Request,
+    response_id: str,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> JSONResponse:
+    """The items a kept response was given, a page of ``limit`` after the item ``after``, newest first by default."""
+    store: ResponseStore = request.app.state.responses
+    items = store.input_items(response_id)
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        ids = [item.id for item in items]
+        if after not in ids:
+            raise bad_request(f"no input item with id {after!r} in response {response_id!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = [listed(item) for item in items[:limit]]
+    return JSONResponse({
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit,
+    })  # fmt: skip
 
 
 @router.delete("/v1/responses/{response_id}")
