@@ -277,7 +277,9 @@ def test_bookkeeping_fields_leave_the_answer_as_it_is(claude, model):
     }  # fmt: skip
     message = claude.messages.create(model=model, max_tokens=8, messages=TURNS, extra_body=fields)
     assert message.content[0].text == plain.content[0].text and message.stop_reason == plain.stop_reason
-    budget = claude.messages.count_tokens(model=model, messages=TURNS, thinking={"type": "enabled", "budget_tokens": 1024})
+    budget = claude.messages.count_tokens(
+        model=model, messages=TURNS, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
     assert budget.input_tokens == claude.messages.count_tokens(model=model, messages=TURNS).input_tokens
 
 

@@ -97,7 +97,9 @@ def as_input(item: OutputItem) -> InputItem:
         return InputItem(id=item.id, type="function_call", call_id=item.call_id, name=item.name,
                          arguments=item.arguments)  # fmt: skip
     return InputItem(
-        id=item.id, type="reasoning", content=[InputPart(type="reasoning_text", text=part.text) for part in item.content]
+        id=item.id,
+        type="reasoning",
+        content=[InputPart(type="reasoning_text", text=part.text) for part in item.content],
     )
 
 

@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from xinfer.server.body import parse_body
 from xinfer.server.chat_answer import ChatAnswer
 from xinfer.server.chat_run import submit_chat
+from xinfer.server.errors import bad_request
 from xinfer.server.responses_api.answer import ResponseAnswer
 from xinfer.server.responses_api.convert import chat_request
 from xinfer.server.responses_api.protocol import ResponsesRequest
-from xinfer.server.errors import bad_request
 from xinfer.server.responses_api.store import ResponseStore, listed
 from xinfer.server.serving import Serving
 
