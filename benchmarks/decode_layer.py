@@ -1,7 +1,8 @@
 """The small ops of one batch-1 decode layer at Qwen3-30B-A3B's shapes, each alone, the path
 before the fusions of issues #31/#32 beside the one now taken; one JSON line per (op, path).
 
-    python benchmarks/decode_layer.py [--contexts 140 1024 8192] [--max-context 40960] [--no-pdl]
+    python benchmarks/decode_layer.py [--ops attention rotary router qkv experts] [--contexts 140 1024 8192]
+                                      [--max-context 40960] [--no-pdl] [--one-tile-splits]
     python benchmarks/decode_layer.py --smoke   # tiny shapes on the CPU under the Triton interpreter
 
 Ops and paths:
@@ -9,11 +10,12 @@ Ops and paths:
 - ``attention``: decode attention of one query (32 heads, 4 KV heads of 128, bf16 cache of
   16-token blocks) over ``--contexts`` keys, in a grid sized for ``--max-context`` as a CUDA
   graph captured for the engine's longest context is (``graph grid``), beside the grid a graph
-  captured for that context alone would have (``context grid``). Before the change the graph
-  grid ran every one of its splits and merged them all (8.5 us at 140 keys in the brief's
-  profile); now a short context runs the splits it fills, so the two should be close.
-  ``--one-tile-splits`` adds the graph grid with splits of one key tile (a candidate: the
-  engine's splits take at least two, ``attention._min_split``).
+  captured for that context alone would have (``context grid``); a short context runs only the
+  splits it fills, so the two should be close. Each also without the L2 prefetch of the split's
+  keys before the wait for the kernel before (``no prefetch``: the path before it; with PDL
+  only), and the context grid in one split (no merge). ``--one-tile-splits`` adds the graph grid
+  with splits of one key tile (a candidate: the engine's splits take at least two,
+  ``attention._min_split``).
 - ``rotary+kv write``: q/k norms and rotary of one token, and its K/V stored into the paged
   cache: ``rotary, write_kv`` (two launches, the rotated k written and read back) against
   ``rotary_write_kv`` (one launch, k rotated straight into the cache).
@@ -134,23 +136,33 @@ def attention_case(setup: Setup, context: int, max_context: int, one_tile_splits
         for _ in range(setup.copies)
     ]  # fmt: skip
     q = rand(setup, 1, s["heads"], head_dim)
-    paths = {"graph grid": meta, "context grid": replace(meta, block_tables=table[:, :blocks])}
-    outs = {p: attention.paged_attention_cache(q, caches[0], m, head_dim**-0.5) for p, m in paths.items()}
-    agree(outs["graph grid"], outs["context grid"], "attention")
+    context_meta = replace(meta, block_tables=table[:, :blocks])
+    paths = {  # name: (metadata, attention's overrides)
+        "graph grid": (meta, {}),
+        "context grid": (context_meta, {}),
+        "graph grid, no prefetch": (meta, dict(prefetch=False)),
+        "context grid, no prefetch": (context_meta, dict(prefetch=False)),
+        "context grid, one split": (context_meta, dict(num_splits=1)),
+    }
+    reference = attention.paged_attention_cache(q, caches[0], context_meta, head_dim**-0.5, prefetch=False)
     nbytes = 2 * context * kv_heads * head_dim * q.element_size() + 2 * q.numel() * q.element_size()
-    for path, m in paths.items():
-        calls = [lambda c=c, m=m: attention.paged_attention_cache(q, c, m, head_dim**-0.5) for c in caches]
+    for path, (m, overrides) in paths.items():
+        calls = [lambda c=c, m=m, o=overrides: attention.paged_attention_cache(q, c, m, head_dim**-0.5, **o)
+                 for c in caches]  # fmt: skip
+        agree(calls[0](), reference, f"attention ({path})")
         report("attention", path, per_call_us(calls, setup), nbytes, context=context, max_context=max_context)
     if one_tile_splits:  # a candidate, not the engine's: splits of one key tile (two today), shorter chains
         two_tiles = attention._min_split
         attention._min_split = lambda cfg: cfg.block_n
         try:
-            calls = [lambda c=c: attention.paged_attention_cache(q, c, meta, head_dim**-0.5) for c in caches]
-            agree(calls[0](), outs["graph grid"], "attention in one-tile splits")
-            us = per_call_us(calls, setup)
+            for path, overrides in (("graph grid, one-tile splits", {}),
+                                    ("graph grid, one-tile splits, no prefetch", dict(prefetch=False))):  # fmt: skip
+                calls = [lambda c=c, o=overrides: attention.paged_attention_cache(q, c, meta, head_dim**-0.5, **o)
+                         for c in caches]  # fmt: skip
+                agree(calls[0](), reference, f"attention ({path})")
+                report("attention", path, per_call_us(calls, setup), nbytes, context=context, max_context=max_context)
         finally:
             attention._min_split = two_tiles
-        report("attention", "graph grid, one-tile splits", us, nbytes, context=context, max_context=max_context)
 
 
 def rotary_case(setup: Setup) -> None:
@@ -283,6 +295,15 @@ def experts_case(setup: Setup) -> None:
         report("experts", path, times[best], nbytes, tile=str(best))
 
 
+CASES: dict[str, Callable[[Setup], None] | None] = {
+    "attention": None,  # (over each of --contexts)
+    "rotary": rotary_case,
+    "router": router_case,
+    "qkv": qkv_case,
+    "experts": experts_case,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[140, 1024, 8192])
@@ -290,6 +311,7 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     parser.add_argument("--one-tile-splits", action="store_true", help="also time decode splits of one key tile")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU, Triton interpreter (times meaningless)")
+    parser.add_argument("--ops", nargs="+", choices=list(CASES), default=list(CASES), help="the ops timed (all)")
     args = parser.parse_args()
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter is chosen when triton is imported
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "TRITON_INTERPRET": "1"})
@@ -308,12 +330,12 @@ def main() -> None:
         setup = Setup(QWEN3_30B_A3B, torch.device("cuda"), torch.bfloat16, False, COPIES)
         contexts, max_context = args.contexts, args.max_context
     torch.manual_seed(0)
-    for context in contexts:
-        attention_case(setup, context, max_context, args.one_tile_splits)
-    rotary_case(setup)
-    router_case(setup)
-    qkv_case(setup)
-    experts_case(setup)
+    for op in args.ops:
+        if op == "attention":
+            for context in contexts:
+                attention_case(setup, context, max_context, args.one_tile_splits)
+        else:
+            CASES[op](setup)
 
 
 if __name__ == "__main__":

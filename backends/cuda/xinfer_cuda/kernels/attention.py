@@ -71,7 +71,7 @@ from xinfer_cuda.kernels.kv_codes import (
 )
 from xinfer_cuda.kernels.kv_quant_write import rotate_queries
 from xinfer_cuda.kernels.launch import pdl_entry
-from xinfer_cuda.kernels.shared import NEG_BIG, tile_owner
+from xinfer_cuda.kernels.shared import NEG_BIG, prefetch_l2, tile_owner
 from xinfer_cuda.kernels.three_bit_keys import three_bit_scores
 
 MASK_NONE: tl.constexpr = tl.constexpr(0)  # every key of the range is visible to every row
@@ -592,6 +592,41 @@ def _split_len(num_keys, num_splits, MIN_SPLIT: tl.constexpr):
     return tl.maximum(split_len, MIN_SPLIT)
 
 
+@triton.jit
+def _prefetch_split(
+    k_head_ptr, v_head_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, seq, split, num_splits, window,
+    stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+    HAS_WINDOW: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KEYS: tl.constexpr,
+):  # fmt: skip
+    """The K and V rows of the first ``KEYS`` keys of a decode split (of a plain cache, with
+    no exact part) prefetched into L2 before the wait for the kernel before (``pdl_entry``):
+    the past keys were written by earlier steps and the block table and lengths by the host,
+    so their loads overlap that kernel's tail. A hint only: the split's own loads follow
+    after the wait (the metadata read here past L1, so that no stale line is kept for them)."""
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1, cache_modifier=".cg") - tl.load(cu_seqlens_q_ptr + seq,
+                                                                                 cache_modifier=".cg")  # fmt: skip
+    seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    split_len = _split_len(seq_len - lo, num_splits, MIN_SPLIT)
+    start = lo + split * split_len
+    if q_len == 1 and start < seq_len:  # (a graph's grid has many splits past a short context: they skip it)
+        keys = start + tl.arange(0, KEYS)
+        read = keys < tl.minimum(start + split_len, seq_len)
+        block = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=read, other=0, cache_modifier=".cg").to(tl.int64)
+        slot = keys % BLOCK_SIZE
+        BITS: tl.constexpr = k_head_ptr.dtype.element_ty.primitive_bitwidth
+        LINE: tl.constexpr = 1024 // BITS  # elements of a 128-byte line
+        LINES: tl.constexpr = triton.next_power_of_2(triton.cdiv(HEAD_DIM, LINE))
+        at = tl.minimum(tl.arange(0, LINES) * LINE, HEAD_DIM - 1)[None, :]
+        k_rows = k_head_ptr + (block * stride_k_block + slot * stride_k_slot)[:, None] + at
+        v_rows = v_head_ptr + (block * stride_v_block + slot * stride_v_slot)[:, None] + at
+        prefetch_l2(tl.where(read[:, None], k_rows, k_head_ptr))
+        prefetch_l2(tl.where(read[:, None], v_rows, v_head_ptr))
+
+
 @triton.jit(do_not_specialize=["num_splits", "merged_parts"])  # (one compile whatever the counts)
 def _decode_kernel(
     q_ptr,
@@ -667,12 +702,18 @@ def _decode_kernel(
     ROTATION_CHUNK: tl.constexpr,
     EXACT: tl.constexpr,
     EXACT_PART: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_entry(PDL)
     kv_head = tl.program_id(0)  # fastest: every KV head of a sequence before the next one
     seq = tl.program_id(1)
     split = tl.program_id(2)
+    if PREFETCH:
+        _prefetch_split(k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head,
+                        block_tables_ptr + seq.to(tl.int64) * stride_bt, cu_seqlens_q_ptr, seq_lens_ptr, seq, split,
+                        num_splits, window, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                        HAS_WINDOW, MIN_SPLIT, BLOCK_SIZE, HEAD_DIM, MIN_SPLIT)  # fmt: skip
+    pdl_entry(PDL)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
@@ -1095,10 +1136,12 @@ def attend_sides(
     decode: int | None = None,
     halves: bool | None = None,
     exact: ExactWindow | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:
     """Attention of ``q`` over the sides' caches as they are stored: queries already in
     the keys' basis, and with ``out_basis`` (the rotation's signs, for rotated values)
-    the output rotated back."""
+    the output rotated back. ``prefetch`` overrides whether decode splits prefetch their
+    keys before waiting for the kernel before (:func:`_prefetch_split`), for A/B timing."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     k_cache, v_cache = k_side.data, v_side.data
@@ -1198,8 +1241,10 @@ def attend_sides(
     cfg = decode_tiles or decode_config(head_dim, q, long_tiles)
     block_m = max(cfg.block_m, triton.next_power_of_2(group))
     min_split = _min_split(cfg)
+    if prefetch is None:  # (where there is a kernel before to overlap, and plain rows)
+        prefetch = pdl["PDL"] and not quantized and exact is None
     decode_constexprs = dict(
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, MIN_SPLIT=min_split, PREFETCH=prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **_row_split(block_d, decode_halves),
     )  # fmt: skip
 

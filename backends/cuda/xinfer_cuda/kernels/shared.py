@@ -42,4 +42,12 @@ def fp8_value(bits):
     return h.to(tl.float16, bitcast=True)
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Each of ``ptrs``' 128-byte lines fetched into L2, a hint that returns at once: loads
+    whose addresses are known before a kernel may read its inputs (``pdl_entry``)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
 HELPERS = KernelHelpers(tile_owner=tile_owner, fp8_value=fp8_value)
