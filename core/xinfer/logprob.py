@@ -3,6 +3,8 @@ take it as one) with the fields of vLLM's ``Logprob``, so that code written for 
 
 from __future__ import annotations
 
+from torch import Tensor
+
 
 class Logprob(float):
     """``logprob``; ``rank``: 1 + how many tokens of the vocabulary are more likely (vLLM's:
@@ -35,3 +37,10 @@ def entry(chosen: int, logprob: float, rank: int, top_ids: list[int], top_values
     found = {chosen: Logprob(logprob, rank)}
     found.update((t, Logprob(v, r)) for r, (t, v) in enumerate(zip(top_ids, top_values), start=1))
     return found
+
+
+def chosen_and_ranks(logprobs: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's log-probability of its token in ``tokens`` [R] and that token's rank (vLLM's: 1 + the tokens at
+    least as likely, ties ranking above), both [R], on the logprobs' device."""
+    chosen = logprobs.gather(1, tokens[:, None])
+    return chosen[:, 0], (logprobs >= chosen).sum(1)

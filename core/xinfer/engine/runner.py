@@ -113,10 +113,9 @@ class ModelRunner:
                 for start in range(0, len(following), LOGPROB_ROWS):
                     tokens = following[start : start + LOGPROB_ROWS]
                     logprobs = self.model.compute_logits(hidden[start : start + len(tokens)]).float().log_softmax(-1)
-                    chosen = logprobs.gather(1, self._tensor(tokens, torch.int64)[:, None])
-                    ranks = (logprobs >= chosen).sum(1).tolist()
+                    chosen, ranks = logprob.chosen_and_ranks(logprobs, self._tensor(tokens, torch.int64))
                     top = logprobs.topk(top_n)  # (top_n 0: empty rows)
-                    for token, value, rank, ids, values in zip(tokens, chosen[:, 0].tolist(), ranks,
+                    for token, value, rank, ids, values in zip(tokens, chosen.tolist(), ranks.tolist(),
                                                                top.indices.tolist(), top.values.tolist()):  # fmt: skip
                         entries.append(logprob.entry(token, value, rank, ids, values))
             return entries

@@ -50,8 +50,7 @@ class SampledTokens:
         self.num_top = [s.params.logprobs for s in seqs]
         found = [tokens]
         if logprobs is not None:
-            chosen = logprobs.gather(1, tokens[:, None])
-            found += [chosen.squeeze(1), (logprobs >= chosen).sum(1)]  # and its rank (vLLM's: ties rank above)
+            found += logprob.chosen_and_ranks(logprobs, tokens)
             most = max(n or 0 for n in self.num_top)
             if most:
                 top = logprobs.topk(most)

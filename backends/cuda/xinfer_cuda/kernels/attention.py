@@ -593,6 +593,14 @@ def _split_len(num_keys, num_splits, MIN_SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _first_key(seq_len, window, HAS_WINDOW: tl.constexpr):
+    """The first key a sequence's next query sees: ``window`` keys back where there is one."""
+    if HAS_WINDOW:
+        return tl.maximum(seq_len - window, 0)
+    return seq_len * 0
+
+
+@triton.jit
 def _prefetch_split(
     k_head_ptr, v_head_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, seq, split, num_splits, window,
     stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
@@ -607,9 +615,7 @@ def _prefetch_split(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1, cache_modifier=".cg") - tl.load(cu_seqlens_q_ptr + seq,
                                                                                  cache_modifier=".cg")  # fmt: skip
     seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
-    lo = seq_len * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
+    lo = _first_key(seq_len, window, HAS_WINDOW)
     split_len = _split_len(seq_len - lo, num_splits, MIN_SPLIT)
     start = lo + split * split_len
     if q_len == 1 and start < seq_len:  # (a graph's grid has many splits past a short context: they skip it)
@@ -719,10 +725,7 @@ def _decode_kernel(
     if q_len != 1:  # padding, or a prompt chunk: the prefill kernel's
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    else:
-        lo = seq_len * 0
+    lo = _first_key(seq_len, window, HAS_WINDOW)
     # With a recent window (EXACT) the splits share the plain keys between them and a
     # launch of its own (EXACT_PART, the part after the splits that ran) reads the exact
     # spans (the first block, the last ``recent`` keys): in the splits' launch its tiles

@@ -27,8 +27,7 @@ ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": 
 @dataclass(frozen=True)
 class Kept:
     response: Response
-    conversation: list[InputItem]
-    given: int  # the conversation's first items, those the response was given (the rest are its output)
+    conversation: list[InputItem]  # what it was given, then its output items (one input item each)
     size: int  # the characters of its own input and output (those of the response it continues are that one's)
 
 
@@ -41,8 +40,7 @@ class ResponseStore:
     def keep(self, response: Response, previous: list[InputItem], own: list[InputItem]) -> None:
         """``previous``: the conversation of the response it continued; ``own``: its request's input items."""
         mine = [*map(_with_id, own), *(as_input(item) for item in response.output)]
-        given = len(previous) + len(own)
-        kept = self._kept[response.id] = Kept(response, [*previous, *mine], given, sum(map(_size, mine)))
+        kept = self._kept[response.id] = Kept(response, [*previous, *mine], sum(map(_size, mine)))
         self._size += kept.size
         while self._kept and (len(self._kept) > self.capacity or self._size > self.max_bytes):
             self._size -= self._kept.popitem(last=False)[1].size
@@ -63,7 +61,7 @@ class ResponseStore:
     def input_items(self, response_id: str) -> list[InputItem]:
         """The items ``response_id`` was given, in order: those of the conversation it continued, then its own."""
         kept = self._get(response_id)
-        return kept.conversation[: kept.given]
+        return kept.conversation[: len(kept.conversation) - len(kept.response.output)]
 
     def delete(self, response_id: str) -> None:
         self._get(response_id)
