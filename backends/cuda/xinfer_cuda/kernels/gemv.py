@@ -68,14 +68,15 @@ def _weight_tile(w_rows, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def prefetch_rows(w_ptr, rows, N, K, stride_w, columns, PDL: tl.constexpr):
-    """The first ``columns`` of the weight ``rows`` [N, K] fetched into L2, 1 KB of a row at a
+def prefetch_rows(w_ptr, rows, N, K, stride_w, start, stop, PDL: tl.constexpr):
+    """Columns ``start .. stop`` of the weight ``rows`` [N, K] fetched into L2, 1 KB of a row at a
     time, where a kernel waits for the one before (``PDL``): before the wait."""
     if PDL:
         LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
         w_rows = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * stride_w
-        for k in range(0, columns, 8 * LINE):
-            prefetch_l2(w_rows + tl.minimum(k + tl.arange(0, 8) * LINE, K - 1)[None, :])
+        last = tl.minimum(stop, K) - 1
+        for k in range(start, stop, 8 * LINE):
+            prefetch_l2(w_rows + tl.minimum(k + tl.arange(0, 8) * LINE, last)[None, :])
 
 
 def prefetch_columns(weight: Tensor, pdl: bool) -> int:
@@ -122,7 +123,7 @@ def _gemv_kernel(
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     # No kernel writes the weights: they are prefetched and the first tile's loads go out
     # before the wait for the kernel that writes x (pdl_entry), the others after it.
-    prefetch_rows(w_ptr, rows, N, K, stride_w, prefetch_k, PDL)
+    prefetch_rows(w_ptr, rows, N, K, stride_w, 0, prefetch_k, PDL)
     w = _weight_tile(w_rows, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
     x = _x_tile(x_ptr, rows, 0, K, EVEN_K, BLOCK_K)
@@ -159,7 +160,7 @@ def _dot_kernel(
     PDL: tl.constexpr,
 ):
     outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
-    prefetch_rows(w_ptr, outs, N, K, stride_w, prefetch_k, PDL)
+    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     pdl_entry(PDL)
     rows = tl.arange(0, 16)  # of x and y
     w_cols = w_ptr + outs[None, :].to(tl.int64) * stride_w  # W^T tiles [BLOCK_K, BLOCK_N]

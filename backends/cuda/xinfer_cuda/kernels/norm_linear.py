@@ -95,7 +95,7 @@ def _norm_gemv_rows(
     w_rows = w_ptr + outs[:, None].to(tl.int64) * stride_w
     # No kernel writes the weights: they are prefetched and the first tile's loads go out
     # before the wait for the kernel that writes x (pdl_entry), the others after it.
-    prefetch_rows(w_ptr, outs, N, K, stride_w, prefetch_k, PDL)
+    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     w = _weight_tile(w_rows, outs, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
     row = tl.arange(0, 1)
@@ -134,7 +134,7 @@ def _one_pass_rows(
     pid = tl.program_id(0)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + outs[:, None].to(tl.int64) * stride_w
-    prefetch_rows(w_ptr, outs, N, K, stride_w, prefetch_k, PDL)
+    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     w = _weight_tile(w_rows, outs, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
     row = tl.arange(0, 1)
@@ -185,7 +185,8 @@ def _norm_gemv_kernel(
 ):
     if ONE_PASS:
         y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                                 prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
+                                 prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK,
+                                 PDL)  # fmt: skip
     else:
         y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
                                   prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
@@ -207,7 +208,8 @@ def _norm_route_kernel(
     unfused op's are), and the last program to finish routes from them all."""
     if ONE_PASS:
         y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                                 prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
+                                 prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK,
+                                 PDL)  # fmt: skip
     else:
         y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
                                   prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
@@ -250,7 +252,7 @@ def _norm_dot_kernel(
 ):
     pid = tl.program_id(0)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
-    prefetch_rows(w_ptr, outs, N, K, stride_w, prefetch_k, PDL)
+    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     pdl_entry(PDL)
     rows = tl.arange(0, 16)  # of x and y
     w_cols = w_ptr + outs[None, :].to(tl.int64) * stride_w  # W^T tiles [BLOCK_K, BLOCK_N]
@@ -305,7 +307,8 @@ def norm_linear(
     if isinstance(config, GemvConfig):
         assert m == 1, m
         _norm_gemv_kernel[grid](x, r, norm_weight, weight, bias_arg, y, normed, h, n, k, weight.stride(0), eps,
-                                prefetch_k, UNROLL=config.unroll, **_pass_options(config, x, weight, grid[0]), **common)  # fmt: skip
+                                prefetch_k, UNROLL=config.unroll, **_pass_options(config, x, weight, grid[0]),
+                                **common)  # fmt: skip
     else:
         assert m <= MAX_ROWS, m
         _norm_dot_kernel[grid](

@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer_cuda.kernels import gemv, launch
+from xinfer_cuda.kernels import launch
+from xinfer_cuda.kernels.gemv import prefetch_columns, prefetch_rows
 from xinfer_cuda.kernels.gguf_blocks import _load
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks
@@ -53,13 +54,11 @@ from xinfer_cuda.kernels.plane_linear import (
     gemv_splits,
     plane_layout,
 )
-from xinfer_cuda.kernels.shared import prefetch_l2
 from xinfer_cuda.kernels.splits import partial_sums, sum_splits
 
 PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 TILES = tl.constexpr(16)  # tiles a warp's step: 16 tiles' 2 halves, a thread each
 HIGH_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: every byte's top bit
-_CODE_BYTES_PER_TILE = 128  # 32 words of a row's codes
 
 
 @dataclass(frozen=True)
@@ -269,20 +268,11 @@ def _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_
 
 
 @triton.jit
-def _prefetch_codes(codes_ptr, rows, N, num_tiles, first, last):
-    """The code words of tiles ``first .. last`` of ``rows`` (clamped to ``N``) fetched into L2: a tile's are one
-    128-byte line, a row's tiles consecutive."""
-    row_start = tl.minimum(rows, N - 1).to(tl.int64)[:, None] * num_tiles
-    for t in range(first, last, 8):
-        prefetch_l2(codes_ptr + (row_start + tl.minimum(t + tl.arange(0, 8), last - 1)[None, :]) * 32)
-
-
-@triton.jit
 def _plane_i8_gemv_kernel(
     q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split,
-    prefetch_tiles, FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    PDL: tl.constexpr,
+    prefetch_words, FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr,
+    PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, R: tl.constexpr,
+    W: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # row r W + w of the program's: R rows in a thread's registers, the warps on rows
     rows = tl.program_id(0) * (R * W) + tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
@@ -291,9 +281,9 @@ def _plane_i8_gemv_kernel(
     last = tl.minimum(first + tiles_per_split, num_tiles)
     # the codes prefetched into L2 and the first step's code words in flight before the wait on the activations'
     # quantization (every program has a step): they overlap it
-    if PDL:
-        _prefetch_codes(codes_ptr, tl.reshape(rows, (R * W,)), N, num_tiles, first,
-                        tl.minimum(last, first + prefetch_tiles))  # fmt: skip
+    row_words = 32 * num_tiles
+    prefetch_rows(codes_ptr, tl.reshape(rows, (R * W,)), N, row_words, row_words, 32 * first,
+                  tl.minimum(32 * last, 32 * first + prefetch_words), PDL)  # fmt: skip
     acc = _step(tl.zeros((1, R, W, TILES, 2), dtype=tl.float32), first, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr,
                 scales_ptr, supers_ptr, rows, N, num_tiles, last, FMT, FIELDS, PER_TILE, EVEN, R, W, PDL)  # fmt: skip
     for t0 in range(first + TILES, last, TILES):
@@ -327,11 +317,11 @@ def quantized_gemv(quantized: tuple[Tensor, Tensor, Tensor], raw: Tensor, name: 
     per_split, split, even = gemv_splits(n, num_tiles, config.block_n, config.split, TILES.value)
     partial = partial_sums(y, split)
     codes, high, scales, supers = _plane_views(raw, layout, n, k)
-    prefetch_tiles = gemv.PREFETCH_BYTES // (n * _CODE_BYTES_PER_TILE)  # a launch's codes within the budget
+    pdl = launch.pdl(q.device)
     _plane_i8_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         q.view(torch.int32), d, s, codes, high.view(torch.int32), scales, supers, bias if bias is not None else y,
-        partial, n, k, per_split, prefetch_tiles, HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even,
-        R=config.block_n // config.num_warps, W=config.num_warps, num_warps=config.num_warps, **_format_args(layout),
-        **launch.pdl(q.device),
+        partial, n, k, per_split, prefetch_columns(codes, pdl["PDL"]), HAS_BIAS=bias is not None,
+        PARTIAL=split > 1, EVEN=even, R=config.block_n // config.num_warps, W=config.num_warps,
+        num_warps=config.num_warps, **_format_args(layout), **pdl,
     )  # fmt: skip
     return sum_splits(partial, bias, y)
