@@ -114,12 +114,6 @@ def main() -> None:
         "not its wait for the one before",
     )
     parser.add_argument(
-        "--no-weight-prefetch",
-        action="store_true",
-        help="projections do not prefetch their weights into L2 before waiting for the kernel before (CUDA; for A/B "
-        "runs)",
-    )
-    parser.add_argument(
         "--sizes-per-octave",
         type=int,
         default=None,
@@ -145,10 +139,6 @@ def main() -> None:
         from xinfer_cuda.kernels import launch
 
         launch.pdl = lambda device: {"PDL": False, "launch_pdl": False}
-    if args.no_weight_prefetch:
-        from xinfer_cuda.kernels import gemv
-
-        gemv.PREFETCH_BYTES = 0
     if args.sizes_per_octave:
         from xinfer_cuda import static_step
 

@@ -122,18 +122,6 @@ def test_gemv(shape, dtype):
         check(out, CPU.linear(ref32(x), ref32(weight), None if b is None else ref32(b)), dtype)
 
 
-def test_gemv_prefetches_its_rows_within_the_budget():
-    """With programmatic dependent launch a GEMV prefetches its rows into L2 before it waits, in 1 KB chunks: whole
-    rows where the weight fits the budget (the last chunk clamped to the row by the kernel), else as many chunks of
-    each as fit; nothing where it does not wait."""
-    small = torch.empty(64, 1000, dtype=torch.bfloat16, device="meta")
-    large = torch.empty(4096, 14336, dtype=torch.bfloat16, device="meta")
-    assert gemv.prefetch_columns(small, pdl=True) == 1024
-    assert gemv.prefetch_columns(small, pdl=False) == 0
-    columns = gemv.prefetch_columns(large, pdl=True)
-    assert columns % 512 == 0 and 4096 * columns * 2 <= gemv.PREFETCH_BYTES < 4096 * (columns + 512) * 2
-
-
 def test_small_batch_linear_takes_a_kernel_only_where_measured_faster():
     """Each weight shape and power-of-two row count is measured once: cuBLAS first,
     then each candidate tile (the fake timer's order); a tile replaces cuBLAS only

@@ -338,12 +338,11 @@ class MoE(nn.Module):
 
     def mix(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The experts' weighted outputs for ``x`` [T, H] routed to ``ids``, and the shared
-        experts' and the dense MLP's. The shared experts run first: their weights do not
-        depend on the routing, so their loads can start while the router still runs."""
-        shared = getattr(self, self.shared_name, None)
-        y = shared(x) if shared is not None else None
+        experts' and the dense MLP's."""
         out = self.experts(x, weights, ids)
-        if y is not None:
+        shared = getattr(self, self.shared_name, None)
+        if shared is not None:
+            y = shared(x)
             if self.shared_expert_gate is None:
                 out = out + y
             else:

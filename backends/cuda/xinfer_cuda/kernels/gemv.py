@@ -13,12 +13,6 @@ kernel's job is to keep enough of them in flight. Two kernels, each program owni
 
 Which tile shape is fastest (or whether cuBLAS is) depends on the shape and the GPU;
 :mod:`xinfer_cuda.linear` measures.
-
-No kernel writes the weights, so with programmatic dependent launch a program fetches
-the first :func:`prefetch_columns` of its rows into L2 before it waits for the kernel
-that writes x (:func:`prefetch_rows`): a projection after a kernel that moves few bytes
-(o_proj after decode attention, a router, a norm) streams its weights while that kernel
-runs, and then reads them from L2.
 """
 
 from __future__ import annotations
@@ -32,11 +26,8 @@ from torch import Tensor
 
 from xinfer_cuda.kernels import launch
 from xinfer_cuda.kernels.launch import pdl_entry
-from xinfer_cuda.kernels.shared import prefetch_l2
 
 MAX_ROWS = 16  # the dot's smallest M
-PREFETCH_BYTES = 24 << 20  # weights a launch prefetches before its wait: about half an H100's or H200's L2 (0: none)
-_LINE_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -68,29 +59,6 @@ def _weight_tile(w_rows, rows, k, N, K, EVEN: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def prefetch_rows(w_ptr, rows, N, K, stride_w, start, stop, PDL: tl.constexpr):
-    """Columns ``start .. stop`` of the weight ``rows`` [N, K] fetched into L2, 1 KB of a row at a
-    time, where a kernel waits for the one before (``PDL``): before the wait."""
-    if PDL:
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
-        w_rows = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * stride_w
-        last = tl.minimum(stop, K) - 1
-        for k in range(start, stop, 8 * LINE):
-            prefetch_l2(w_rows + tl.minimum(k + tl.arange(0, 8) * LINE, last)[None, :])
-
-
-def prefetch_columns(weight: Tensor, pdl: bool) -> int:
-    """The columns of each row of ``weight`` [N, K] that :func:`prefetch_rows` fetches: all of
-    them, or the 1 KB chunks of each row that keep the launch within :data:`PREFETCH_BYTES`
-    (the rest would evict the first); none without a wait to overlap."""
-    if not pdl:
-        return 0
-    chunk = 8 * _LINE_BYTES // weight.element_size()
-    per_row = PREFETCH_BYTES // (weight.shape[0] * weight.element_size())
-    return min(triton.cdiv(weight.shape[1], chunk) * chunk, per_row // chunk * chunk)
-
-
-@triton.jit
 def _x_tile(x_ptr, rows, k, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K tile at ``k`` of the row ``x``, a copy for each of the ``rows``: [BLOCK_N, BLOCK_K]. Loaded in the
     weight tile's shape, it gets the weight tile's layout, and each thread loads the columns it multiplies (from
@@ -110,7 +78,6 @@ def _gemv_kernel(
     N,
     K,
     stride_w,
-    prefetch_k,
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -121,9 +88,8 @@ def _gemv_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    # No kernel writes the weights: they are prefetched and the first tile's loads go out
-    # before the wait for the kernel that writes x (pdl_entry), the others after it.
-    prefetch_rows(w_ptr, rows, N, K, stride_w, 0, prefetch_k, PDL)
+    # No kernel writes the weights: the first tile's loads go out before the wait for
+    # the kernel that writes x (pdl_entry), the others after it.
     w = _weight_tile(w_rows, rows, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
     x = _x_tile(x_ptr, rows, 0, K, EVEN_K, BLOCK_K)
@@ -150,7 +116,6 @@ def _dot_kernel(
     stride_x,
     stride_w,
     stride_y,
-    prefetch_k,
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -159,10 +124,9 @@ def _dot_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
-    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     pdl_entry(PDL)
     rows = tl.arange(0, 16)  # of x and y
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
     w_cols = w_ptr + outs[None, :].to(tl.int64) * stride_w  # W^T tiles [BLOCK_K, BLOCK_N]
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -191,19 +155,17 @@ def gemv(
     x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     grid = (triton.cdiv(n, config.block_n),)
-    pdl = launch.pdl(x.device)
     common = dict(HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
-                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **pdl)  # fmt: skip
+                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                  **launch.pdl(x.device))  # fmt: skip
     bias_arg = bias if bias is not None else weight
-    prefetch_k = prefetch_columns(weight, pdl["PDL"])
     if isinstance(config, GemvConfig):
         assert m == 1, m
-        _gemv_kernel[grid](x, weight, bias_arg, y, n, k, weight.stride(0), prefetch_k, UNROLL=config.unroll,
-                           **common)  # fmt: skip
+        _gemv_kernel[grid](x, weight, bias_arg, y, n, k, weight.stride(0), UNROLL=config.unroll, **common)
     else:
         assert m <= MAX_ROWS, m
         _dot_kernel[grid](
-            x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), prefetch_k,
+            x, weight, bias_arg, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_stages=config.num_stages, **common,
         )  # fmt: skip
     return y

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from xinfer_cuda.kernels import arrivals, launch
 from xinfer_cuda.kernels.arrivals import last_to_arrive
-from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, _weight_tile, prefetch_columns, prefetch_rows
+from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, _weight_tile
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.moe_routing import route_constexprs, route_row
 
@@ -85,7 +85,7 @@ def _normed_tile(x_ptr, r_ptr, norm_w_ptr, normed_ptr, new_r_ptr, rows, inv_rms,
 
 @triton.jit
 def _norm_gemv_rows(
-    x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps, prefetch_k,
+    x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
     HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -93,9 +93,8 @@ def _norm_gemv_rows(
     pid = tl.program_id(0)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + outs[:, None].to(tl.int64) * stride_w
-    # No kernel writes the weights: they are prefetched and the first tile's loads go out
-    # before the wait for the kernel that writes x (pdl_entry), the others after it.
-    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
+    # No kernel writes the weights: the first tile's loads go out before the wait for
+    # the kernel that writes x (pdl_entry), the others after it.
     w = _weight_tile(w_rows, outs, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
     row = tl.arange(0, 1)
@@ -122,7 +121,7 @@ def _scaled_tile(x_ptr, r_ptr, norm_w_ptr, k, K, HAS_RESIDUAL: tl.constexpr, BLO
 
 @triton.jit
 def _one_pass_rows(
-    x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps, prefetch_k,
+    x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
     HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -134,7 +133,6 @@ def _one_pass_rows(
     pid = tl.program_id(0)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + outs[:, None].to(tl.int64) * stride_w
-    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     w = _weight_tile(w_rows, outs, 0, N, K, EVEN_N and EVEN_K, BLOCK_K)
     pdl_entry(PDL)
     row = tl.arange(0, 1)
@@ -171,7 +169,6 @@ def _norm_gemv_kernel(
     K,
     stride_w,
     eps,
-    prefetch_k,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -185,11 +182,10 @@ def _norm_gemv_kernel(
 ):
     if ONE_PASS:
         y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                                 prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK,
-                                 PDL)  # fmt: skip
+                                 HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
     else:
         y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                                  prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
+                                  HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
     if HAS_BIAS:
         y += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + outs, y.to(y_ptr.dtype.element_ty), mask=outs < N)
@@ -198,7 +194,7 @@ def _norm_gemv_kernel(
 @triton.jit
 def _norm_route_kernel(
     x_ptr, r_ptr, norm_w_ptr, w_ptr, logits_ptr, normed_ptr, new_r_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr,
-    N, K, stride_w, eps, prefetch_k, group_size, scaling_factor,
+    N, K, stride_w, eps, group_size, scaling_factor,
     HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
@@ -208,11 +204,10 @@ def _norm_route_kernel(
     unfused op's are), and the last program to finish routes from them all."""
     if ONE_PASS:
         y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                                 prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK,
-                                 PDL)  # fmt: skip
+                                 HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
     else:
         y, outs = _norm_gemv_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
-                                  prefetch_k, HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
+                                  HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, PDL)  # fmt: skip
     tl.store(logits_ptr + outs, y.to(logits_ptr.dtype.element_ty), mask=outs < N)
     if last_to_arrive(counter_ptr, tl.num_programs(0)):
         experts = tl.arange(0, BLOCK_E)
@@ -240,7 +235,6 @@ def _norm_dot_kernel(
     stride_w,
     stride_y,
     eps,
-    prefetch_k,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -250,11 +244,10 @@ def _norm_dot_kernel(
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
-    prefetch_rows(w_ptr, outs, N, K, stride_w, 0, prefetch_k, PDL)
     pdl_entry(PDL)
+    pid = tl.program_id(0)
     rows = tl.arange(0, 16)  # of x and y
+    outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of W, columns of y
     w_cols = w_ptr + outs[None, :].to(tl.int64) * stride_w  # W^T tiles [BLOCK_K, BLOCK_N]
     writes = M * (pid == 0).to(tl.int32)  # rows written: all in program 0
     inv_rms = _inverse_rms(x_ptr, r_ptr, rows, stride_x, stride_r, M, K, eps, HAS_RESIDUAL, 16, BLOCK_K)
@@ -296,24 +289,21 @@ def norm_linear(
     y = torch.empty(m, n, dtype=weight.dtype, device=x.device)
     normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
     h = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    pdl = launch.pdl(x.device)
     common = dict(HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_N=n % config.block_n == 0,
                   EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                  num_warps=config.num_warps, **pdl)  # fmt: skip
-    prefetch_k = prefetch_columns(weight, pdl["PDL"])
+                  num_warps=config.num_warps, **launch.pdl(x.device))  # fmt: skip
     r = residual if residual is not None else x  # (unused without a residual)
     bias_arg = bias if bias is not None else weight
     grid = (triton.cdiv(n, config.block_n),)
     if isinstance(config, GemvConfig):
         assert m == 1, m
         _norm_gemv_kernel[grid](x, r, norm_weight, weight, bias_arg, y, normed, h, n, k, weight.stride(0), eps,
-                                prefetch_k, UNROLL=config.unroll, **_pass_options(config, x, weight, grid[0]),
-                                **common)  # fmt: skip
+                                UNROLL=config.unroll, **_pass_options(config, x, weight, grid[0]), **common)  # fmt: skip
     else:
         assert m <= MAX_ROWS, m
         _norm_dot_kernel[grid](
             x, r, norm_weight, weight, bias_arg, y, normed, h, m, n, k, x.stride(0), r.stride(0), normed.stride(0),
-            weight.stride(0), y.stride(0), eps, prefetch_k,
+            weight.stride(0), y.stride(0), eps,
             PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", num_stages=config.num_stages, **common,
         )  # fmt: skip
     return y, normed, h
@@ -348,14 +338,12 @@ def norm_route(
     ids = torch.empty(m, routing.top_k, dtype=torch.int32, device=x.device)
     route = route_constexprs(routing, n, correction_bias is not None)
     bias = correction_bias if correction_bias is not None else weights  # (unread)
-    pdl = launch.pdl(x.device)
     _norm_route_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, logits, normed, h, bias, weights, ids, counter,
-        n, k, weight.stride(0), eps, prefetch_columns(weight, pdl["PDL"]), n // routing.num_groups,
-        routing.scaling_factor,
+        n, k, weight.stride(0), eps, n // routing.num_groups, routing.scaling_factor,
         HAS_RESIDUAL=residual is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UNROLL=config.unroll, num_warps=config.num_warps,
-        **route, **_pass_options(config, x, weight, triton.cdiv(n, config.block_n)), **pdl,
+        **route, **_pass_options(config, x, weight, triton.cdiv(n, config.block_n)), **launch.pdl(x.device),
     )  # fmt: skip
     return weights, ids, normed, h
 

@@ -21,8 +21,7 @@ tile of bytes (Q8_0, 4 fields) words ``w`` and ``w + 1`` hold columns ``2 w .. 2
 
 A thread holds a half tile (4 loads) of ``R`` rows: the products of a block (Q6_K: of a sub-block of 16) are summed
 as integers in the thread, then scaled once; the threads of a warp are 16 tiles' halves, the warps rows. The first
-step's code words are loaded, and the program's codes prefetched into L2, before the wait on the kernel that quantizes
-the activations, so that they overlap it.
+step's code words are loaded before the wait on the kernel that quantizes the activations, so that they overlap it.
 Under the Triton interpreter, which runs no PTX, the byte permutes and ``dp4a`` are computed from shifts and masks.
 
 In the sm_90 build that is about 2 SASS instructions a Q4_K or Q8_0 value and 3.6 a Q6_K one (the float GEMV: 6.0,
@@ -42,7 +41,6 @@ import triton.language as tl
 from torch import Tensor
 
 from xinfer_cuda.kernels import launch
-from xinfer_cuda.kernels.gemv import prefetch_columns, prefetch_rows
 from xinfer_cuda.kernels.gguf_blocks import _load
 from xinfer_cuda.kernels.launch import pdl_entry
 from xinfer_cuda.kernels.plane_i8_dot import quantize_blocks
@@ -270,20 +268,17 @@ def _step(acc, t0, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_
 @triton.jit
 def _plane_i8_gemv_kernel(
     q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr, scales_ptr, supers_ptr, bias_ptr, y_ptr, N, K, tiles_per_split,
-    prefetch_words, FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr,
-    PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, R: tl.constexpr,
-    W: tl.constexpr, PDL: tl.constexpr,
+    FMT: tl.constexpr, FIELDS: tl.constexpr, HIGH: tl.constexpr, SUB: tl.constexpr, PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # row r W + w of the program's: R rows in a thread's registers, the warps on rows
     rows = tl.program_id(0) * (R * W) + tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
     num_tiles = K // (32 * FIELDS)
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
-    # the codes prefetched into L2 and the first step's code words in flight before the wait on the activations'
-    # quantization (every program has a step): they overlap it
-    row_words = 32 * num_tiles
-    prefetch_rows(codes_ptr, tl.reshape(rows, (R * W,)), N, row_words, row_words, 32 * first,
-                  tl.minimum(32 * last, 32 * first + prefetch_words), PDL)  # fmt: skip
+    # the first step's code words in flight before the wait on the activations' quantization (every program has
+    # a step): they overlap it
     acc = _step(tl.zeros((1, R, W, TILES, 2), dtype=tl.float32), first, q_ptr, d_ptr, s_ptr, codes_ptr, high_ptr,
                 scales_ptr, supers_ptr, rows, N, num_tiles, last, FMT, FIELDS, PER_TILE, EVEN, R, W, PDL)  # fmt: skip
     for t0 in range(first + TILES, last, TILES):
@@ -317,11 +312,10 @@ def quantized_gemv(quantized: tuple[Tensor, Tensor, Tensor], raw: Tensor, name: 
     per_split, split, even = gemv_splits(n, num_tiles, config.block_n, config.split, TILES.value)
     partial = partial_sums(y, split)
     codes, high, scales, supers = _plane_views(raw, layout, n, k)
-    pdl = launch.pdl(q.device)
     _plane_i8_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
         q.view(torch.int32), d, s, codes, high.view(torch.int32), scales, supers, bias if bias is not None else y,
-        partial, n, k, per_split, prefetch_columns(codes, pdl["PDL"]), HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, EVEN=even, R=config.block_n // config.num_warps, W=config.num_warps,
-        num_warps=config.num_warps, **_format_args(layout), **pdl,
+        partial, n, k, per_split, HAS_BIAS=bias is not None, PARTIAL=split > 1, EVEN=even,
+        R=config.block_n // config.num_warps, W=config.num_warps, num_warps=config.num_warps, **_format_args(layout),
+        **launch.pdl(q.device),
     )  # fmt: skip
     return sum_splits(partial, bias, y)
