@@ -63,6 +63,21 @@ class LoadsCheckpoint(Protocol):
         ...
 
 
+@runtime_checkable
+class FinishesLoading(Protocol):
+    """A module that lays its weights out anew once every checkpoint tensor is in (and ``--isq``
+    has packed them), for its kernels."""
+
+    def finish_loading(self) -> None: ...
+
+
+def finish_loading(model: nn.Module) -> None:
+    """:meth:`FinishesLoading.finish_loading` of every module of ``model`` that has it."""
+    for module in list(model.modules()):
+        if isinstance(module, FinishesLoading):
+            module.finish_loading()
+
+
 class CausalLM(nn.Module):
     """A decoder over a flat batch of tokens (no batch dimension).
 

@@ -253,7 +253,12 @@ class Ops(DeviceHooks, Protocol):
         alone, the group limit, renormalization and the scaling factor, as
         :mod:`xinfer.layers.moe` writes them. Returns the weights [T, k] (fp32) and the
         ids [T, k] (an integer dtype), best first. A fixed table and a per-expert scale
-        are the router's own (``routing.fixed_table`` and ``per_expert_scale`` are ignored)."""
+        are the router's own (``routing.fixed_table`` and ``per_expert_scale`` are ignored).
+
+        With ``routing.shared_experts`` n, each token's k routed experts are followed by experts
+        E .. E + n - 1, weighted 1, or, with ``routing.shared_gate``, by the sigmoid of the token's
+        last logit (``logits`` is then [T, E + 1], the last column no expert's): [T, k + n] each
+        (:func:`xinfer.torch_ops.with_shared_experts`)."""
 
     def attention(
         self,

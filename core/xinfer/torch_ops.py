@@ -164,9 +164,9 @@ class TorchOps:
         return out.to(x.dtype)
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
-        scores = SCORING[routing.scoring](logits.float())
+        scores = SCORING[routing.scoring](logits[:, : logits.shape[1] - routing.shared_gate].float())
         ids = top_experts(scores, routing, correction_bias)
-        return expert_weights(scores, ids, routing), ids
+        return with_shared_experts(expert_weights(scores, ids, routing), ids, logits, routing)
 
     def write_kv(self, k: Tensor, v: Tensor, cache: LayerKVCache, slot_mapping: Tensor) -> None:
         """The storing half of :meth:`attention` (benchmarks and tests fill caches with it)."""
@@ -375,6 +375,19 @@ def top_experts(scores: Tensor, routing: Routing, correction_bias: Tensor | None
         kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         choice = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
     return choice.topk(routing.top_k, dim=-1).indices
+
+
+def with_shared_experts(weights: Tensor, ids: Tensor, logits: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
+    """The routed ``weights`` and ``ids`` [T, k] followed by the ``routing.shared_experts`` experts every
+    token takes (those after the routed ones of ``logits`` [T, E (+ 1)]), weighted 1, or, with
+    ``routing.shared_gate``, the sigmoid of each token's last logit."""
+    if not routing.shared_experts:
+        return weights, ids
+    tokens, first = ids.shape[0], logits.shape[1] - routing.shared_gate
+    shared_ids = torch.arange(first, first + routing.shared_experts, dtype=ids.dtype, device=ids.device)
+    gate = logits[:, -1:].float().sigmoid() if routing.shared_gate else weights.new_ones(tokens, 1)
+    shared_weights = gate.expand(tokens, routing.shared_experts)
+    return torch.cat((weights, shared_weights), dim=1), torch.cat((ids, shared_ids.expand(tokens, -1)), dim=1)
 
 
 def expert_weights(scores: Tensor, ids: Tensor, routing: Routing) -> Tensor:

@@ -186,9 +186,13 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     moe_routing.moe_route(t(4, 128), Routing(top_k=8, renormalize=True), None)
     grouped = Routing(8, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=4)
     moe_routing.moe_route(t(4, 256), grouped, t(256, dt=torch.float32))
+    moe_routing.moe_route(t(4, 256), replace(grouped, shared_experts=2), t(256, dt=torch.float32))  # DeepSeek-V3's
+    shared_gate = Routing(top_k=8, renormalize=True, shared_experts=1, shared_gate=True)  # Qwen3.6-35B-A3B's
+    moe_routing.moe_route(t(4, 257), shared_gate, None)
     for tile in ONE_ROW_TILES[:2] + ONE_PASS_TILES[::3]:  # the router's norm, GEMV and routing in one launch
         norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(128, 2048), Routing(top_k=8, renormalize=True),
                                None, tile)  # fmt: skip
+        norm_linear.norm_route(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(257, 2048), shared_gate, None, tile)
     for tile in ONE_ROW_TILES[:1] + ONE_PASS_TILES[::3]:  # a norm fused into the qkv projection (Qwen3-30B-A3B)
         norm_linear.norm_linear(t(1, 2048), t(1, 2048), t(2048), 1e-6, t(5120, 2048), None, tile)
     # Gated DeltaNet at Qwen3.6-35B-A3B's sizes (16 key heads, 32 value heads of 128): a decode

@@ -137,7 +137,25 @@ ROUTINGS = {  # (experts, routing)
     "glm4": (64, GLM4),
     "minimax": (32, Routing(top_k=3, scoring="sigmoid", renormalize=True, correction_bias=True)),
     "deepseek-v4": (64, Routing(4, "sqrtsoftplus", renormalize=True, correction_bias=True, scaling_factor=1.5)),
+    # shared experts run as routed ones (MoE.finish_loading): two after DeepSeek-V3's routing, one gated after Qwen3.6's
+    "deepseek-v3-shared": (64, Routing(8, "sigmoid", True, True, 8, 4, scaling_factor=2.5, shared_experts=2)),
+    "qwen3.6-shared-gate": (64, Routing(top_k=8, renormalize=True, shared_experts=1, shared_gate=True)),
 }
+
+
+def router_columns(experts: int, routing: Routing) -> int:
+    """The router's rows: the experts', and the shared experts' gate's where gated."""
+    return experts + routing.shared_gate
+
+
+def assert_shared_experts_follow(weights: torch.Tensor, ids: torch.Tensor, experts: int, routing: Routing,
+                                 logits: torch.Tensor) -> None:  # fmt: skip
+    """The shared experts come after each token's routed ones, weighted by the gate's logit (or 1)."""
+    shared = slice(routing.top_k, None)
+    assert torch.equal(ids[:, shared].cpu().long(), torch.arange(experts, experts + routing.shared_experts).expand(
+        len(ids), -1))  # fmt: skip
+    gate = logits[:, -1:].float().sigmoid() if routing.shared_gate else torch.ones(len(ids), 1)
+    torch.testing.assert_close(weights[:, shared].cpu(), gate.expand(-1, routing.shared_experts), rtol=2e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -146,16 +164,20 @@ def test_moe_route_matches_the_reference(name, dtype):
     experts, routing = ROUTINGS[name]
     generator = torch.Generator().manual_seed(experts)
     # distinct logits, exact in every dtype (multiples of 1/16 up to 8), so that no tie blurs the choice
-    logits = torch.stack([torch.randperm(experts, generator=generator) - experts // 2 for _ in range(23)]) / 16
+    columns = router_columns(experts, routing)
+    logits = torch.stack([torch.randperm(columns, generator=generator) - columns // 2 for _ in range(23)]) / 16
     bias = torch.randn(experts, generator=generator) * 0.05 if routing.correction_bias else None
     expected_weights, expected_ids = TorchOps().moe_route(logits, routing, bias)
     weights, ids = moe_routing.moe_route(logits.to(DEVICE, dtype), routing, None if bias is None else bias.to(DEVICE))
-    assert weights.dtype == torch.float32 and ids.shape == (23, routing.top_k)
+    assert weights.dtype == torch.float32 and ids.shape == (23, routing.top_k + routing.shared_experts)
     assert torch.equal(ids.cpu().long(), expected_ids)
     torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
     if routing.num_groups > 1:
         ungrouped = Routing(**{**routing.__dict__, "num_groups": 1, "topk_groups": 1})
-        assert not torch.equal(TorchOps().moe_route(logits, ungrouped, bias)[1], ids.cpu().long())
+        assert not torch.equal(TorchOps().moe_route(logits, ungrouped, bias)[1][:, : routing.top_k],
+                               ids[:, : routing.top_k].cpu().long())  # fmt: skip
+    if routing.shared_experts:
+        assert_shared_experts_follow(weights, ids, experts, routing, logits)
 
 
 @pytest.mark.parametrize("name", ROUTINGS)
@@ -163,14 +185,14 @@ def test_moe_route_names_an_expert_for_nan_and_infinite_logits(name):
     """A padded row of a captured step routes whatever its buffer holds; fused_moe then reads
     the weights of the ids it is given, so each must name an expert."""
     experts, routing = ROUTINGS[name]
-    logits = torch.randn(4, experts, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(4, router_columns(experts, routing), generator=torch.Generator().manual_seed(1))
     logits[0] = float("nan")
     logits[1, ::2] = float("nan")
     logits[2] = float("inf")
     logits[3] = -float("inf")
     bias = torch.zeros(experts, device=DEVICE) if routing.correction_bias else None
     _, ids = moe_routing.moe_route(logits.to(DEVICE), routing, bias)
-    assert ((ids >= 0) & (ids < experts)).all()
+    assert ((ids >= 0) & (ids < experts + routing.shared_experts)).all()
 
 
 def test_moe_route_leaves_groups_not_in_a_power_of_two_to_the_reference():
@@ -222,7 +244,8 @@ def test_norm_route_matches_the_reference(name, with_residual):
     def randn(*shape):
         return torch.randn(*shape, generator=generator)
 
-    x, norm_weight, weight = randn(1, hidden), randn(hidden), randn(experts, hidden) * hidden**-0.5
+    x, norm_weight = randn(1, hidden), randn(hidden)
+    weight = randn(router_columns(experts, routing), hidden) * hidden**-0.5
     residual = randn(1, hidden) if with_residual else None
     bias = randn(experts) * 0.05 if routing.correction_bias else None
     expected = TorchOps().norm_route(x, residual, norm_weight, 1e-6, weight, routing, bias)
@@ -234,6 +257,9 @@ def test_norm_route_matches_the_reference(name, with_residual):
         torch.testing.assert_close(normed.cpu(), expected[2], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(h.cpu(), expected[3], rtol=0, atol=0)
         assert int(arrivals.counters(DEVICE, "norm_route", 1).abs().sum()) == 0
+    if routing.shared_experts:
+        logits = TorchOps().norm_linear(x, residual, norm_weight, 1e-6, weight)[0]
+        assert_shared_experts_follow(weights, ids, experts, routing, logits)
 
 
 def test_norm_route_rounds_logits_to_the_router_dtype():

@@ -24,8 +24,9 @@ from tests.plugins.qwen.test_qwen_moe import CONFIGS as MOE_CONFIGS
 from tests.quant.test_quantized_checkpoint import BLOCKS, ROWS, write_fp8_checkpoint
 from tests.tiny_models import COMMON, save_tiny_model
 from xinfer.distributed.group import Slice, TensorParallel, building_for
-from xinfer.loading.loader import load_config, load_model
+from xinfer.loading.loader import build_model, load_config, load_model
 from xinfer.loading.stored import StoredTensor
+from xinfer.model import finish_loading
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 CONFIGS = {
@@ -136,8 +137,9 @@ def test_what_a_rank_reads_is_its_part_of_the_whole_tensors(checkpoint, monkeypa
     for rank in (0, 1):
         sliced = dict(load_rank(folder, rank, monkeypatch, {}).state_dict())
         with building_for(TensorParallel(rank=rank, size=2)):
-            model = load_model(folder, load_config(folder), CPU, FP32, "dummy")
+            model = build_model(load_config(folder), CPU, FP32)
             model.load_weights(tensors.items())
+            finish_loading(model)
         for name, expected in model.state_dict().items():
             torch.testing.assert_close(sliced[name], expected, rtol=0, atol=0, msg=name)
 

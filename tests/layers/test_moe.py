@@ -63,6 +63,17 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 SIZES = dict(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, hidden_act="silu")
 
 
+def assert_runs_shared_as_routed(ours: MoE, x: torch.Tensor, expected: torch.Tensor, shared_experts: int) -> None:
+    """After loading, the shared MLP runs as ``shared_experts`` more experts that every token takes, and the
+    block's output stays ``expected``."""
+    ours.finish_loading()
+    assert ours.gate.routing.shared_experts == shared_experts
+    assert ours.experts.w13.shape[0] == EXPERTS + shared_experts and ours.shared_expert_gate is None
+    assert not hasattr(ours, ours.shared_name)
+    assert (ours.gate(x)[1][:, -shared_experts:] == torch.arange(EXPERTS, EXPERTS + shared_experts)).all()
+    assert_close(ours(x), expected)
+
+
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_softmax_top_k_with_sigmoid_gated_shared_expert_matches_qwen2_moe(renormalize):
     config = Qwen2MoeConfig(**SIZES, num_experts=EXPERTS, num_experts_per_tok=4, norm_topk_prob=renormalize,
@@ -74,7 +85,21 @@ def test_softmax_top_k_with_sigmoid_gated_shared_expert_matches_qwen2_moe(renorm
     load_hf_block(ours, hf)
     x = hidden()
     assert spread(ours.gate(x)[1]) >= EXPERTS // 2
-    assert_close(ours(x), hf(x.unsqueeze(0))[0])
+    expected = hf(x.unsqueeze(0))[0]
+    assert_close(ours(x), expected)
+    assert_runs_shared_as_routed(ours, x, expected, shared_experts=2)
+
+
+@pytest.mark.parametrize("bias, shared_size", [(False, 40), (True, 48)], ids=["rows-not-a-multiple", "biased"])
+def test_shared_experts_that_cannot_run_as_routed_ones_stay_apart(bias, shared_size):
+    ours = MoE(HIDDEN, EXPERTS, INTERMEDIATE, Routing(top_k=4), shared_intermediate_size=shared_size,
+               shared_name="shared_experts", shared_bias=bias)  # fmt: skip
+    randomize(ours)
+    x = hidden()
+    expected = ours(x)
+    ours.finish_loading()
+    assert ours.gate.routing.shared_experts == 0 and ours.experts.w13.shape[0] == EXPERTS
+    assert_close(ours(x), expected)
 
 
 def test_sigmoid_with_correction_bias_groups_and_scaling_matches_glm4_moe():
@@ -93,7 +118,9 @@ def test_sigmoid_with_correction_bias_groups_and_scaling_matches_glm4_moe():
     ungrouped.load_state_dict(ours.gate.state_dict())
     assert spread(ids) >= EXPERTS // 2
     assert (ids.sort().values != ungrouped(x)[1].sort().values).any(), "the group limit changes no token's choice"
-    assert_close(ours(x), hf(x.unsqueeze(0))[0])
+    expected = hf(x.unsqueeze(0))[0]
+    assert_close(ours(x), expected)
+    assert_runs_shared_as_routed(ours, x, expected, shared_experts=1)
 
 
 def test_sigmoid_with_correction_bias_matches_minimax_m2():

@@ -24,7 +24,7 @@ any activation xinfer knows (:data:`xinfer.activations.ACTIVATIONS`); start-up r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -56,6 +56,10 @@ class Routing:
     per_expert_scale: bool = False  # a learned scale per expert on its weight
     fixed_table: bool = False  # experts from a token-id table (tid2eid) instead of the scores
     fp32_logits: bool = False  # the router's GEMM in fp32 (its weight kept in fp32)
+    # set at load where the shared experts run as routed ones (MoE.fuse_shared_experts): every token also takes
+    # experts E .. E + shared_experts - 1, weighted 1, or sigmoid of the router's last logit where shared_gate
+    shared_experts: int = 0
+    shared_gate: bool = False
 
     def __post_init__(self):
         if self.scoring not in SCORING:
@@ -335,6 +339,44 @@ class MoE(nn.Module):
         ``h + residual``."""
         weights, ids, x, residual = self.gate.forward_norm(norm, h, residual, token_ids)
         return self.mix(x, weights, ids), residual
+
+    def finish_loading(self) -> None:
+        """Run the shared experts as routed experts that every token takes, where every weight
+        involved is plain float (:class:`~xinfer.model.FinishesLoading`). A gated MLP is a sum over
+        its intermediate rows, so the shared MLP's rows split into ``n`` experts of the routed
+        experts' size and stacked after them in ``w13`` and ``w2`` give the same output; its gate's
+        row goes after the router's. The routing then adds them to each token's experts
+        (``Routing.shared_experts``, ``shared_gate``): one expert launch where a batch-1 step had
+        the shared MLP's two projections, its activation and the sum (or gated sum) besides."""
+        shared = getattr(self, self.shared_name, None)
+        if shared is None or not self._fuses(shared):
+            return
+        experts, router = self.experts, self.gate
+        gate, up = shared.gate_up_proj.weight.unflatten(0, (2, -1, experts.intermediate_size))  # [n, I, H] each
+        down = shared.down_proj.weight.unflatten(1, (-1, experts.intermediate_size)).transpose(0, 1)  # [n, H, I]
+        experts.w13 = nn.Parameter(torch.cat((experts.w13, torch.cat((gate, up), dim=1))), requires_grad=False)
+        experts.w2 = nn.Parameter(torch.cat((experts.w2, down)), requires_grad=False)
+        if self.shared_expert_gate is not None:
+            gate_row = self.shared_expert_gate.weight.to(router.weight.dtype)
+            router.weight = nn.Parameter(torch.cat((router.weight, gate_row)), requires_grad=False)
+        router.routing = replace(router.routing, shared_experts=gate.shape[0],
+                                 shared_gate=self.shared_expert_gate is not None)  # fmt: skip
+        delattr(self, self.shared_name)
+        self.shared_expert_gate = None
+
+    def _fuses(self, shared: GatedMLP) -> bool:
+        """Whether the shared MLP can run as routed experts: unbiased, its intermediate rows a
+        multiple of the experts', no routing the kernels leave to the router (a fixed table, a
+        per-expert scale), and every weight involved float in the experts' dtype."""
+        routing, experts = self.gate.routing, self.experts
+        weights = [experts.w13, experts.w2, shared.gate_up_proj.weight, shared.down_proj.weight, self.gate.weight]
+        return (
+            shared.gate_up_proj.bias is None and shared.down_proj.bias is None
+            and shared.down_proj.weight.shape[1] % experts.intermediate_size == 0
+            and not (routing.fixed_table or routing.per_expert_scale or routing.shared_experts)
+            and not any(isinstance(w, QuantizedTensor) for w in weights)
+            and all(w.dtype == experts.w13.dtype for w in weights[1:4])
+        )  # fmt: skip
 
     def mix(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The experts' weighted outputs for ``x`` [T, H] routed to ``ids``, and the shared

@@ -24,7 +24,7 @@ from xinfer.loading.model_types import check_model_type
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, header_tensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
-from xinfer.model import CausalLM
+from xinfer.model import CausalLM, finish_loading
 from xinfer.quant.isq import isq_mode, load_quantizer, quantizing_at_load, unallocated_weights
 
 
@@ -184,6 +184,7 @@ def load_model(
             model.load_weights(_checkpoint_weights(path, load_format, model, dtype))
         if (quantizer := load_quantizer()) is not None:
             quantizer.finish(model)
+    finish_loading(model)
     return model
 
 
@@ -218,6 +219,7 @@ def held_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, load_fo
             model.load_weights(_checkpoint_weights(path, load_format, model, dtype, read=False))
         if quantizer is not None:
             quantizer.finish(model)
+    finish_loading(model)
     return model
 
 

@@ -42,7 +42,8 @@ HYBRID = dict(
     linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
 )
-EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+# a shared expert of an expert's size, as Qwen3.6-35B-A3B's: run as one more routed expert, gated (MoE.finish_loading)
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 CONFIGS = {
     "qwen3.5": lambda: Qwen3_5TextConfig(**HYBRID, architectures=["Qwen3_5ForCausalLM"]),
     "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(

@@ -19,9 +19,10 @@ CONFIGS = {
         **{**COMMON, **EXPERTS}, head_dim=32, norm_topk_prob=True, mlp_only_layers=[1],
         tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
     ),
-    # every other layer sparse (decoder_sparse_step 2); raw top-k; a gated shared expert
+    # every other layer sparse (decoder_sparse_step 2); raw top-k; a gated shared expert of twice an expert's
+    # size, run as two more routed experts (MoE.finish_loading; the GGUF configs below keep one that is not)
     "qwen2-moe": lambda: Qwen2MoeConfig(
-        **{**COMMON, **EXPERTS}, decoder_sparse_step=2, norm_topk_prob=False, shared_expert_intermediate_size=48,
+        **{**COMMON, **EXPERTS}, decoder_sparse_step=2, norm_topk_prob=False, shared_expert_intermediate_size=64,
         tie_word_embeddings=False, architectures=["Qwen2MoeForCausalLM"],
     ),
 }  # fmt: skip

@@ -34,12 +34,13 @@ def _argmax(values, index):
 
 @triton.jit
 def route_row(
-    logits, experts, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, scaling_factor,
+    logits, experts, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size, scaling_factor, shared_weight,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
 ):  # fmt: skip
     """One token's routing from its logits [BLOCK_E] (fp32, -inf past ``num_experts``):
-    its weights and ids stored at ``weights_ptr`` and ``ids_ptr`` [TOP_K]."""
+    its weights and ids stored at ``weights_ptr`` and ``ids_ptr`` [TOP_K + SHARED], the
+    ``SHARED`` experts after the routed ones (``num_experts`` on) weighted ``shared_weight``."""
     valid = experts < num_experts
     if SCORING == "softmax":
         exp = tl.exp(logits - tl.max(logits, axis=0))
@@ -90,6 +91,18 @@ def route_row(
     weights *= scaling_factor
     tl.store(ids_ptr + rank, experts, mask=chosen)
     tl.store(weights_ptr + rank, weights, mask=chosen)
+    for j in tl.static_range(SHARED):
+        tl.store(ids_ptr + TOP_K + j, num_experts + j)
+        tl.store(weights_ptr + TOP_K + j, shared_weight)
+
+
+@triton.jit
+def shared_weight_of(logits_ptr, num_experts, SHARED_GATE: tl.constexpr):
+    """The shared experts' weight of a token whose logits are at ``logits_ptr``: the sigmoid of
+    the logit after its experts' where gated, else 1."""
+    if SHARED_GATE:
+        return tl.sigmoid(tl.load(logits_ptr + num_experts).to(tl.float32))
+    return 1.0
 
 
 @triton.jit
@@ -97,15 +110,18 @@ def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
     num_experts, group_size, stride_logits, scaling_factor,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, SHARED_GATE: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_entry(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_logits + experts, mask=valid, other=-float("inf")).to(tl.float32)
-    route_row(logits, experts, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, num_experts,
-              group_size, scaling_factor, SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K)  # fmt: skip
+    row = logits_ptr + token * stride_logits
+    logits = tl.load(row + experts, mask=experts < num_experts, other=-float("inf")).to(tl.float32)
+    width = TOP_K + SHARED
+    route_row(logits, experts, bias_ptr, weights_ptr + token * width, ids_ptr + token * width, num_experts,
+              group_size, scaling_factor, shared_weight_of(row, num_experts, SHARED_GATE), SCORING, HAS_BIAS,
+              RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K, SHARED)  # fmt: skip
 
 
 def covers(routing: Routing) -> bool:
@@ -115,11 +131,12 @@ def covers(routing: Routing) -> bool:
 
 
 def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """:meth:`xinfer.ops.Ops.moe_route` in one launch: weights [T, k] fp32, ids [T, k] int32."""
-    num_tokens, num_experts = logits.shape
-    top_k = routing.top_k
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    """:meth:`xinfer.ops.Ops.moe_route` in one launch: weights [T, k + n] fp32, ids [T, k + n] int32
+    (n: the shared experts)."""
+    num_tokens, num_experts = logits.shape[0], logits.shape[1] - routing.shared_gate
+    width = routing.top_k + routing.shared_experts
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -133,8 +150,10 @@ def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) 
 
 
 def route_constexprs(routing: Routing, num_experts: int, has_bias: bool) -> dict:
-    """The constexprs of :func:`route_row` (and ``BLOCK_E``) for ``routing``."""
+    """The constexprs of :func:`route_row` and :func:`shared_weight_of` (and ``BLOCK_E``) for
+    ``routing`` over ``num_experts`` routed experts."""
     return dict(
         SCORING=routing.scoring, HAS_BIAS=has_bias, RENORMALIZE=routing.renormalize, NUM_GROUPS=routing.num_groups,
-        TOPK_GROUPS=routing.topk_groups, TOP_K=routing.top_k, BLOCK_E=triton.next_power_of_2(num_experts),
+        TOPK_GROUPS=routing.topk_groups, TOP_K=routing.top_k, SHARED=routing.shared_experts,
+        SHARED_GATE=routing.shared_gate, BLOCK_E=triton.next_power_of_2(num_experts),
     )  # fmt: skip

@@ -36,7 +36,7 @@ from xinfer_cuda.kernels import arrivals, launch
 from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, _weight_tile
 from xinfer_cuda.kernels.launch import pdl_entry
-from xinfer_cuda.kernels.moe_routing import route_constexprs, route_row
+from xinfer_cuda.kernels.moe_routing import route_constexprs, route_row, shared_weight_of
 
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
@@ -198,10 +198,12 @@ def _norm_route_kernel(
     HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, ONE_PASS: tl.constexpr, WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_GATE: tl.constexpr, BLOCK_E: tl.constexpr, ONE_PASS: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """A router's logits of one row (rounded to ``logits_ptr``'s dtype, the weight's, as the
-    unfused op's are), and the last program to finish routes from them all."""
+    unfused op's are), and the last program to finish routes from them all (the ``N`` rows being
+    the experts' and, where ``SHARED_GATE``, the shared experts' gate's)."""
     if ONE_PASS:
         y, outs = _one_pass_rows(x_ptr, r_ptr, norm_w_ptr, w_ptr, normed_ptr, new_r_ptr, N, K, stride_w, eps,
                                  HAS_RESIDUAL, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K, UNROLL, WRITE_BLOCK, PDL)  # fmt: skip
@@ -211,9 +213,11 @@ def _norm_route_kernel(
     tl.store(logits_ptr + outs, y.to(logits_ptr.dtype.element_ty), mask=outs < N)
     if last_to_arrive(counter_ptr, tl.num_programs(0)):
         experts = tl.arange(0, BLOCK_E)
-        logits = tl.load(logits_ptr + experts, mask=experts < N, other=-float("inf"), cache_modifier=".cg")
-        route_row(logits.to(tl.float32), experts, bias_ptr, weights_ptr, ids_ptr, N, group_size, scaling_factor,
-                  SCORING, HAS_BIAS, RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K)  # fmt: skip
+        num_experts = N - SHARED_GATE
+        logits = tl.load(logits_ptr + experts, mask=experts < num_experts, other=-float("inf"), cache_modifier=".cg")
+        route_row(logits.to(tl.float32), experts, bias_ptr, weights_ptr, ids_ptr, num_experts, group_size,
+                  scaling_factor, shared_weight_of(logits_ptr, num_experts, SHARED_GATE), SCORING, HAS_BIAS,
+                  RENORMALIZE, NUM_GROUPS, TOPK_GROUPS, TOP_K, SHARED)  # fmt: skip
 
 
 @triton.jit
@@ -334,13 +338,14 @@ def norm_route(
     logits = torch.empty(n, dtype=weight.dtype, device=x.device)
     normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
     h = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    weights = torch.empty(m, routing.top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(m, routing.top_k, dtype=torch.int32, device=x.device)
-    route = route_constexprs(routing, n, correction_bias is not None)
+    weights = torch.empty(m, routing.top_k + routing.shared_experts, dtype=torch.float32, device=x.device)
+    ids = torch.empty(m, routing.top_k + routing.shared_experts, dtype=torch.int32, device=x.device)
+    num_experts = n - routing.shared_gate
+    route = route_constexprs(routing, num_experts, correction_bias is not None)
     bias = correction_bias if correction_bias is not None else weights  # (unread)
     _norm_route_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, logits, normed, h, bias, weights, ids, counter,
-        n, k, weight.stride(0), eps, n // routing.num_groups, routing.scaling_factor,
+        n, k, weight.stride(0), eps, num_experts // routing.num_groups, routing.scaling_factor,
         HAS_RESIDUAL=residual is not None, EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, UNROLL=config.unroll, num_warps=config.num_warps,
         **route, **_pass_options(config, x, weight, triton.cdiv(n, config.block_n)), **launch.pdl(x.device),
