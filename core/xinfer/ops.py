@@ -231,6 +231,7 @@ class Ops(DeviceHooks, Protocol):
         topk_ids: Tensor,
         activation: str,
         limit: float | None = None,
+        shared_experts: int = 0,
     ) -> Tensor:
         """The routed experts of a mixture-of-experts block: token ``t`` of ``x`` [T, H] goes
         through experts ``topk_ids[t]`` [k] and their outputs are summed, weighted by
@@ -245,7 +246,11 @@ class Ops(DeviceHooks, Protocol):
         ``activation`` names ``act`` as HF configs do: a key of :data:`xinfer.activations.ACTIVATIONS`, of
         ``expert_activations`` where the backend declares them (start-up refuses the others).
         The sum is in fp32; returns [T, H] in the dtype of ``x``. No host syncs on CUDA,
-        so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert."""
+        so that it is captured in CUDA graphs; every id in ``topk_ids`` is a valid expert.
+
+        ``shared_experts`` n: the last n experts are every token's, its last n slots
+        (``Routing.shared_experts``). The result is the same; a backend may compute them apart
+        (the CUDA backend's grouped path: as dense GEMMs over all the tokens)."""
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
         """Each token's ``routing.top_k`` experts and their weights from its router logits
@@ -534,13 +539,14 @@ def add_gated(base: Tensor, y: Tensor, x: Tensor, gate_weight: Tensor) -> Tensor
 
 def fused_moe(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, activation: str,
-    limit: float | None = None,
+    limit: float | None = None, shared_experts: int = 0,
 ) -> Tensor:  # fmt: skip
     if isinstance(w13, QuantizedTensor) or isinstance(w2, QuantizedTensor):
         return quantized.fused_moe(current(), x, w13, w2, topk_weights, topk_ids, activation, limit)
-    if limit is None:  # (backends whose fused_moe predates the clamp)
-        return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
-    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
+    extras: dict[str, Any] = {"limit": limit} if limit is not None else {}  # (older backends' take neither)
+    if shared_experts:
+        extras["shared_experts"] = shared_experts
+    return current().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, **extras)
 
 
 def sample(logits: Tensor, params: SamplingBatch) -> Tensor:

@@ -147,6 +147,7 @@ class TorchOps:
         topk_ids: Tensor,
         activation: str,
         limit: float | None = None,
+        shared_experts: int = 0,  # (every slot alike here)
     ) -> Tensor:
         gated = act_and_mul_of(self, activation)
 

@@ -102,6 +102,29 @@ def test_per_slot_variants_match_the_reference(shape, variant):
         assert not arrivals.counters(DEVICE, "fused_moe", 1).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [3, 37, 130], ids=["per-slot", "grouped", "grouped-more-rows"])
+@pytest.mark.parametrize("shared", [1, 2])
+def test_shared_experts_every_token_takes_match_the_reference(shared, tokens, dtype):
+    """Shared experts run as routed ones (MoE.finish_loading): the last experts, in every token's last
+    slots, weighted by a gate; the grouped path computes them as dense GEMMs, the per-slot path as slots."""
+    experts, top_k, hidden, inter = 16, 4, 64, 48
+    generator = torch.Generator().manual_seed(tokens + shared)
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = torch.randn(experts + shared, 2 * inter, hidden, generator=generator) * hidden**-0.5
+    w2 = torch.randn(experts + shared, hidden, inter, generator=generator) * inter**-0.5
+    routed_weights, routed_ids = routing(tokens, experts, top_k, generator)
+    gate = torch.rand(tokens, 1, generator=generator).expand(-1, shared)
+    weights = torch.cat((routed_weights, gate), dim=1)
+    ids = torch.cat((routed_ids, torch.arange(experts, experts + shared).expand(tokens, -1)), dim=1)
+    expected = TorchOps().fused_moe(*(t.to(dtype).float() for t in (x, w13, w2)), weights, ids, "silu")
+    on = [t.to(DEVICE, dtype) for t in (x, w13, w2)]
+    got = moe.fused_moe(*on, weights.to(DEVICE), ids.to(DEVICE, torch.int32), "silu", shared_experts=shared)
+    assert got.dtype == dtype
+    error = (got.cpu().double() - expected.double()).norm() / expected.double().norm()
+    assert error <= TOL[dtype], f"relative error {error:.2e}"
+
+
 @pytest.mark.parametrize("tokens", [3, 37], ids=["per-slot", "grouped"])
 def test_fused_moe_takes_the_int32_ids_the_router_kernel_gives(tokens):
     generator = torch.Generator().manual_seed(tokens)

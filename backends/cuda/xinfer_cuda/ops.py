@@ -143,13 +143,14 @@ class CudaOps(TorchOps):
         topk_ids: Tensor,
         activation: str,
         limit: float | None = None,
+        shared_experts: int = 0,
     ) -> Tensor:
         if limit is not None:  # the kernels have no clamp yet: the reference (DeepSeek V4's experts)
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, activation, limit)
         tiles = None
         if x.is_cuda and 0 < topk_ids.numel() <= moe.MAX_SLOTS_PER_SLOT_PATH:  # small decode batches: measured
             tiles = self.small_batch_moe.tiles(x, w13, w2, topk_ids.shape[1], activation)
-        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, tiles)
+        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, tiles, shared_experts)
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
         if not moe_routing.covers(routing):

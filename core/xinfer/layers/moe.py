@@ -168,9 +168,11 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
         self.activation = activation_name(activation, activation_field)
         self.activation_field = activation_field  # the config's name of it, for start-up's one error
+        self.shared_experts = 0  # the last experts of w13 / w2, every token's (MoE.finish_loading)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit))
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit, self.shared_experts)
+        return self.tp.all_reduce(out)
 
     def checkpoint_parts(self) -> set[str]:
         return {f"{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJECTIONS}
@@ -356,6 +358,7 @@ class MoE(nn.Module):
         down = shared.down_proj.weight.unflatten(1, (-1, experts.intermediate_size)).transpose(0, 1)  # [n, H, I]
         experts.w13 = nn.Parameter(torch.cat((experts.w13, torch.cat((gate, up), dim=1))), requires_grad=False)
         experts.w2 = nn.Parameter(torch.cat((experts.w2, down)), requires_grad=False)
+        experts.shared_experts = gate.shape[0]
         if self.shared_expert_gate is not None:
             gate_row = self.shared_expert_gate.weight.to(router.weight.dtype)
             router.weight = nn.Parameter(torch.cat((router.weight, gate_row)), requires_grad=False)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from xinfer import activations
 from xinfer_cuda.kernels import arrivals, launch
 from xinfer_cuda.kernels.activation import ACTIVATIONS, act
 from xinfer_cuda.kernels.arrivals import last_to_arrive
@@ -209,7 +210,31 @@ def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int
     return {**tiles, "BLOCK_N": 128 if block_m == 64 else 64, "num_warps": 8}
 
 
-def _grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+def _grouped(
+    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str, shared_experts: int
+) -> Tensor:
+    """The grouped kernels for the routed experts, and the ``shared_experts`` that every token takes
+    (the last experts and slots) as dense GEMMs over all the tokens: grouped, each would be a
+    block per ``BLOCK_M`` tokens, every block reading all of its weights."""
+    if not shared_experts:
+        return _grouped_sums(x, w13, w2, weights, topk_ids, activation).to(x.dtype)
+    routed, top_k = w13.shape[0] - shared_experts, topk_ids.shape[1] - shared_experts
+    out = _grouped_sums(x, w13[:routed], w2[:routed], weights[:, :top_k].contiguous(),
+                        topk_ids[:, :top_k].contiguous(), activation)  # fmt: skip
+    return (out + _every_tokens(x, w13[routed:], w2[routed:], weights[:, top_k:], activation)).to(x.dtype)
+
+
+def _every_tokens(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, activation: str) -> Tensor:
+    """``sum_j weights[:, j] * expert_j(x)`` [T, H] in fp32 over experts ``w13`` [n, 2I, H], ``w2``
+    [n, H, I] that every token of ``x`` [T, H] takes, their ``h`` rounded to x's dtype as the
+    kernels store it."""
+    gate, up = torch.matmul(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [n, T, I] each
+    h = (activations.ACTIVATIONS[activation](gate.float()) * up.float()).to(x.dtype)
+    return torch.einsum("nth,tn->th", torch.matmul(h, w2.transpose(1, 2)).float(), weights.float())
+
+
+def _grouped_sums(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
+    """The grouped kernels' weighted sums [T, H] in fp32."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     num_slots = num_tokens * top_k
@@ -227,7 +252,7 @@ def _grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tens
         h, w2, weights, out, block_slots, block_experts, num_slots, top_k, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **options,
     )  # fmt: skip
-    return out.to(x.dtype)
+    return out
 
 
 # ---- per slot: a GEMV over the chosen expert's rows ---------------------------------------------------------
@@ -592,16 +617,18 @@ def fused_moe(
     topk_ids: Tensor,
     activation: str,
     tiles: SlotTiles | None = None,
+    shared_experts: int = 0,
 ) -> Tensor:
     """:meth:`xinfer.ops.Ops.fused_moe` in two launches (and, for larger batches, the
-    three that group the slots by expert and the output's zeroing and cast). ``tiles``
-    takes the per-slot path with those tiles, whatever the batch (benchmarks/moe_kernels.py
-    times the alternatives)."""
+    three that group the slots by expert and the output's zeroing and cast, and the dense
+    GEMMs of the ``shared_experts``). ``tiles`` takes the per-slot path with those tiles,
+    whatever the batch (benchmarks/moe_kernels.py times the alternatives); there a shared
+    expert is one more slot of each token's."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()  # (no copies where they are, as models hold them)
     weights, ids = topk_weights.contiguous(), topk_ids.contiguous()
     if tiles is None and num_tokens * top_k > MAX_SLOTS_PER_SLOT_PATH:
-        return _grouped(x, w13, w2, weights, ids, activation)
+        return _grouped(x, w13, w2, weights, ids, activation, shared_experts)
     return _per_slot(x, w13, w2, weights, ids, activation, tiles or slot_tiles(num_tokens, top_k, x))
