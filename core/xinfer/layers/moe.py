@@ -16,7 +16,8 @@ up projection to within it before ``act(gate) * up``, the shared experts' too.
 
 The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
 [E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`); the router's math but the
-fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`). The experts' ``act`` is
+fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`). Once loaded, float shared
+experts join the routed ones (:meth:`MoE.finish_loading`): the routing hands every token them too. The experts' ``act`` is
 any activation xinfer knows (:data:`xinfer.activations.ACTIVATIONS`); start-up refuses one that the backend's
 ``fused_moe`` lacks (:func:`check_experts_run_on`).
 """
@@ -56,7 +57,7 @@ class Routing:
     per_expert_scale: bool = False  # a learned scale per expert on its weight
     fixed_table: bool = False  # experts from a token-id table (tid2eid) instead of the scores
     fp32_logits: bool = False  # the router's GEMM in fp32 (its weight kept in fp32)
-    # set at load where the shared experts run as routed ones (MoE.fuse_shared_experts): every token also takes
+    # set at load where the shared experts run as routed ones (MoE.finish_loading): every token also takes
     # experts E .. E + shared_experts - 1, weighted 1, or sigmoid of the router's last logit where shared_gate
     shared_experts: int = 0
     shared_gate: bool = False
