@@ -16,9 +16,10 @@ up projection to within it before ``act(gate) * up``, the shared experts' too.
 
 The experts' weights are stacked at load, ``w13`` [E, 2I, H] (gate then up) and ``w2``
 [E, H, I], and run as one op (:func:`xinfer.ops.fused_moe`); the router's math but the
-fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`). Once loaded, float shared
-experts join the routed ones (:meth:`MoE.finish_loading`): the routing hands every token them too. The experts' ``act`` is
-any activation xinfer knows (:data:`xinfer.activations.ACTIVATIONS`); start-up refuses one that the backend's
+fixed table and the per-expert scale is one op too (:func:`xinfer.ops.moe_route`). Once
+loaded, float shared experts join the routed ones, and the routing hands every token them
+too (:meth:`MoE.finish_loading`). The experts' ``act`` is any activation xinfer knows
+(:data:`xinfer.activations.ACTIVATIONS`); start-up refuses one that the backend's
 ``fused_moe`` lacks (:func:`check_experts_run_on`).
 """
 
