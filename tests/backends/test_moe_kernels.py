@@ -136,21 +136,26 @@ def test_fused_moe_takes_the_int32_ids_the_router_kernel_gives(tokens):
     torch.testing.assert_close(got.cpu(), expected, rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("shared", [0, 2])
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [(37, 16, 4, 16), (64, 20, 4, 32), (5, 128, 8, 16)])
-def test_align_blocks_puts_every_slot_once_in_the_fewest_blocks_of_its_expert(tokens, experts, top_k, block_m):
+def test_align_blocks_puts_every_slot_once_in_the_fewest_blocks_of_its_expert(tokens, experts, top_k, block_m,
+                                                                               shared):  # fmt: skip
+    """Slots of the ``shared`` experts after the ``experts`` (every token's last slots, computed apart) are in no
+    block."""
     generator = torch.Generator().manual_seed(tokens)
     _, ids = routing(tokens, experts, top_k, generator)
-    block_slots, block_experts = moe.align_blocks(ids.to(DEVICE), experts, block_m)
+    with_shared = torch.cat((ids, torch.arange(experts, experts + shared).expand(tokens, -1)), dim=1)
+    block_slots, block_experts = moe.align_blocks(with_shared.to(DEVICE), experts, block_m)
     block_slots, block_experts = block_slots.cpu().view(len(block_experts), block_m), block_experts.cpu()
-    flat = ids.flatten()
+    flat = with_shared.flatten()
     real = block_slots[block_experts >= 0]
-    assert sorted(real[real < flat.numel()].tolist()) == list(range(flat.numel()))
+    assert sorted(real[real < flat.numel()].tolist()) == (flat < experts).nonzero().flatten().tolist()
     for slots, expert in zip(block_slots, block_experts.tolist()):
         slots = slots[slots < flat.numel()]
         assert expert >= 0 or slots.numel() == 0
         assert (flat[slots.long()] == expert).all()
     blocks = torch.bincount(block_experts[block_experts >= 0].long(), minlength=experts)
-    assert torch.equal(blocks, (torch.bincount(flat, minlength=experts) + block_m - 1) // block_m)
+    assert torch.equal(blocks, (torch.bincount(flat[flat < experts], minlength=experts) + block_m - 1) // block_m)
 
 
 GLM4 = Routing(6, "sigmoid", renormalize=True, correction_bias=True, num_groups=8, topk_groups=3, scaling_factor=2.5)

@@ -50,7 +50,9 @@ def _act_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, (act(gate, ACTIVATION) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _act_and_mul(x: Tensor, activation: str, out: Tensor | None) -> Tensor:
+def act_and_mul(x: Tensor, activation: str, out: Tensor | None = None) -> Tensor:
+    """``act(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n], ``act`` by its kernel name (a value of
+    :data:`ACTIVATIONS`)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     n = x.shape[-1] // 2
@@ -71,17 +73,17 @@ def _act_and_mul(x: Tensor, activation: str, out: Tensor | None) -> Tensor:
 
 def silu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``silu(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
-    return _act_and_mul(x, "silu", out)
+    return act_and_mul(x, "silu", out)
 
 
 def gelu_tanh_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``gelu_tanh(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n]."""
-    return _act_and_mul(x, "gelu_tanh", out)
+    return act_and_mul(x, "gelu_tanh", out)
 
 
 def gelu_and_mul(x: Tensor, out: Tensor | None = None) -> Tensor:
     """``gelu(x[..., :n]) * x[..., n:]`` for ``x`` [..., 2n], the exact (erf) gelu."""
-    return _act_and_mul(x, "gelu", out)
+    return act_and_mul(x, "gelu", out)
 
 
 @triton.jit

@@ -35,13 +35,13 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer import activations
 from xinfer_cuda.kernels import arrivals, launch
-from xinfer_cuda.kernels.activation import ACTIVATIONS, act
+from xinfer_cuda.kernels.activation import ACTIVATIONS, act, act_and_mul
 from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.launch import pdl_entry
 
@@ -114,12 +114,14 @@ def _grouped_down_kernel(
 
 
 @triton.jit
-def _rank_slots_kernel(ids_ptr, counts_ptr, ranks_ptr, num_slots, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+def _rank_slots_kernel(
+    ids_ptr, counts_ptr, ranks_ptr, num_slots, num_experts, BLOCK_S: tl.constexpr, PDL: tl.constexpr
+):
     """Each slot's rank among its expert's slots (in no set order), and the experts' counts."""
     pdl_entry(PDL)
     slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    valid = slots < num_slots
-    experts = tl.load(ids_ptr + slots, mask=valid, other=0)
+    experts = tl.load(ids_ptr + slots, mask=slots < num_slots, other=num_experts)
+    valid = experts < num_experts
     ranks = tl.atomic_add(counts_ptr + experts, 1, mask=valid, sem="relaxed")
     tl.store(ranks_ptr + slots, ranks, mask=valid)
 
@@ -140,8 +142,8 @@ def _place_slots_kernel(
     first_block = end_block - blocks
 
     slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = slots < num_slots
-    slot_experts = tl.load(ids_ptr + slots, mask=valid, other=0)
+    slot_experts = tl.load(ids_ptr + slots, mask=slots < num_slots, other=num_experts)
+    valid = slot_experts < num_experts
     before = experts[None, :] < slot_experts[:, None]
     slot_first_block = tl.sum(tl.where(before, blocks[None, :], 0), axis=1)
     position = slot_first_block * BLOCK_M + tl.load(ranks_ptr + slots, mask=valid, other=0)
@@ -162,8 +164,9 @@ def _place_slots_kernel(
 def align_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """The slots grouped by expert in blocks of ``block_m`` slots of one expert: the slots of
     each block [num_blocks * block_m] (``T*k`` pads a block) and each block's expert
-    [num_blocks] (-1: no block). ``num_blocks`` bounds every routing of these shapes, so
-    nothing here waits for the device; two launches after a memset of the counts."""
+    [num_blocks] (-1: no block); a slot whose id is ``num_experts`` or more is in none (an
+    expert computed apart). ``num_blocks`` bounds every routing of these shapes, so nothing
+    here waits for the device; two launches after a memset of the counts."""
     ids = topk_ids.flatten()
     num_slots = ids.numel()
     num_blocks = triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
@@ -173,7 +176,9 @@ def align_blocks(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tens
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
     pdl = launch.pdl(ids.device)
     block_s = 256
-    _rank_slots_kernel[(triton.cdiv(num_slots, block_s),)](ids, counts, ranks, num_slots, BLOCK_S=block_s, **pdl)
+    _rank_slots_kernel[(triton.cdiv(num_slots, block_s),)](
+        ids, counts, ranks, num_slots, num_experts, BLOCK_S=block_s, **pdl
+    )
     block_e = triton.next_power_of_2(num_experts)
     block = max(16, 8192 // block_e)  # [block, BLOCK_E] tiles
     _place_slots_kernel[(triton.cdiv(max(num_slots, num_blocks), block),)](
@@ -213,33 +218,15 @@ def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int
 def _grouped(
     x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str, shared_experts: int
 ) -> Tensor:
-    """The grouped kernels for the routed experts, and the ``shared_experts`` that every token takes
-    (the last experts and slots) as dense GEMMs over all the tokens: grouped, each would be a
-    block per ``BLOCK_M`` tokens, every block reading all of its weights."""
-    if not shared_experts:
-        return _grouped_sums(x, w13, w2, weights, topk_ids, activation).to(x.dtype)
-    routed, top_k = w13.shape[0] - shared_experts, topk_ids.shape[1] - shared_experts
-    out = _grouped_sums(x, w13[:routed], w2[:routed], weights[:, :top_k].contiguous(),
-                        topk_ids[:, :top_k].contiguous(), activation)  # fmt: skip
-    return (out + _every_tokens(x, w13[routed:], w2[routed:], weights[:, top_k:], activation)).to(x.dtype)
-
-
-def _every_tokens(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, activation: str) -> Tensor:
-    """``sum_j weights[:, j] * expert_j(x)`` [T, H] in fp32 over experts ``w13`` [n, 2I, H], ``w2``
-    [n, H, I] that every token of ``x`` [T, H] takes, their ``h`` rounded to x's dtype as the
-    kernels store it."""
-    gate, up = torch.matmul(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [n, T, I] each
-    h = (activations.ACTIVATIONS[activation](gate.float()) * up.float()).to(x.dtype)
-    return torch.einsum("nth,tn->th", torch.matmul(h, w2.transpose(1, 2)).float(), weights.float())
-
-
-def _grouped_sums(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str) -> Tensor:
-    """The grouped kernels' weighted sums [T, H] in fp32."""
+    """The grouped kernels for the routed experts; the ``shared_experts`` that every token takes
+    (the last experts and slots) as dense GEMMs over all the tokens beside them: grouped, each
+    would be a block per ``BLOCK_M`` tokens, every block reading all of its weights."""
     num_tokens, top_k = topk_ids.shape
-    num_experts, hidden, inter = w2.shape
+    _, hidden, inter = w2.shape
+    num_experts, routed_k = w2.shape[0] - shared_experts, top_k - shared_experts
     num_slots = num_tokens * top_k
-    tiles = _grouped_tiles(num_slots, num_experts, x)
-    block_slots, block_experts = align_blocks(topk_ids, num_experts, tiles["BLOCK_M"])
+    tiles = _grouped_tiles(num_tokens * routed_k, num_experts, x)
+    block_slots, block_experts = align_blocks(topk_ids, num_experts, tiles["BLOCK_M"])  # (shared slots in none)
     num_blocks = block_experts.numel()
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
@@ -252,7 +239,22 @@ def _grouped_sums(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids:
         h, w2, weights, out, block_slots, block_experts, num_slots, top_k, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **options,
     )  # fmt: skip
-    return out
+    for j, y in enumerate(_every_tokens(x, w13[num_experts:], w2[num_experts:], activation)):
+        out.addcmul_(y, weights[:, routed_k + j, None])
+    return out.to(x.dtype)
+
+
+def _every_tokens(x: Tensor, w13: Tensor, w2: Tensor, activation: str) -> Tensor:
+    """Each of the experts ``w13`` [n, 2I, H], ``w2`` [n, H, I] on all of ``x`` [T, H], as
+    cuBLAS GEMMs (gate/up of all n in one): [n, T, H] in x's dtype (none for n = 0)."""
+    n, two_inter, hidden = w13.shape
+    if n == 0:
+        return x.new_empty(0, *x.shape)
+    gate_up = F.linear(x, w13.reshape(n * two_inter, hidden)).unflatten(1, (n, two_inter))  # [T, n, 2I]
+    h = act_and_mul(gate_up, ACTIVATIONS[activation])  # [T, n, I]
+    if n == 1:
+        return F.linear(h[:, 0], w2[0])[None]
+    return torch.bmm(h.transpose(0, 1), w2.transpose(1, 2))
 
 
 # ---- per slot: a GEMV over the chosen expert's rows ---------------------------------------------------------
