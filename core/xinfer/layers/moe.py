@@ -170,7 +170,11 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
         self.activation = activation_name(activation, activation_field)
         self.activation_field = activation_field  # the config's name of it, for start-up's one error
-        self.shared_experts = 0  # the last experts of w13 / w2, every token's (MoE.finish_loading)
+
+    @property
+    def shared_experts(self) -> int:
+        """The experts of ``w13`` / ``w2`` past the routed ones: every token's (:meth:`MoE.finish_loading`)."""
+        return self.w13.shape[0] - self.num_experts
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.limit, self.shared_experts)
@@ -360,7 +364,6 @@ class MoE(nn.Module):
         down = shared.down_proj.weight.unflatten(1, (-1, experts.intermediate_size)).transpose(0, 1)  # [n, H, I]
         experts.w13 = nn.Parameter(torch.cat((experts.w13, torch.cat((gate, up), dim=1))), requires_grad=False)
         experts.w2 = nn.Parameter(torch.cat((experts.w2, down)), requires_grad=False)
-        experts.shared_experts = gate.shape[0]
         if self.shared_expert_gate is not None:
             gate_row = self.shared_expert_gate.weight.to(router.weight.dtype)
             router.weight = nn.Parameter(torch.cat((router.weight, gate_row)), requires_grad=False)
@@ -374,13 +377,13 @@ class MoE(nn.Module):
         multiple of the experts', no routing the kernels leave to the router (a fixed table, a
         per-expert scale), and every weight involved float in the experts' dtype."""
         routing, experts = self.gate.routing, self.experts
-        weights = [experts.w13, experts.w2, shared.gate_up_proj.weight, shared.down_proj.weight, self.gate.weight]
+        stacked = [experts.w13, experts.w2, shared.gate_up_proj.weight, shared.down_proj.weight]
         return (
             shared.gate_up_proj.bias is None and shared.down_proj.bias is None
             and shared.down_proj.weight.shape[1] % experts.intermediate_size == 0
             and not (routing.fixed_table or routing.per_expert_scale or routing.shared_experts)
-            and not any(isinstance(w, QuantizedTensor) for w in weights)
-            and all(w.dtype == experts.w13.dtype for w in weights[1:4])
+            and not any(isinstance(w, QuantizedTensor) for w in [*stacked, self.gate.weight])
+            and len({w.dtype for w in stacked}) == 1
         )  # fmt: skip
 
     def mix(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:

@@ -239,17 +239,16 @@ def _grouped(
         h, w2, weights, out, block_slots, block_experts, num_slots, top_k, hidden, inter,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **options,
     )  # fmt: skip
-    for j, y in enumerate(_every_tokens(x, w13[num_experts:], w2[num_experts:], activation)):
-        out.addcmul_(y, weights[:, routed_k + j, None])
+    if shared_experts:
+        for j, y in enumerate(_every_tokens(x, w13[num_experts:], w2[num_experts:], activation)):
+            out.addcmul_(y, weights[:, routed_k + j, None])
     return out.to(x.dtype)
 
 
 def _every_tokens(x: Tensor, w13: Tensor, w2: Tensor, activation: str) -> Tensor:
     """Each of the experts ``w13`` [n, 2I, H], ``w2`` [n, H, I] on all of ``x`` [T, H], as
-    cuBLAS GEMMs (gate/up of all n in one): [n, T, H] in x's dtype (none for n = 0)."""
+    cuBLAS GEMMs (gate/up of all n in one): [n, T, H] in x's dtype."""
     n, two_inter, hidden = w13.shape
-    if n == 0:
-        return x.new_empty(0, *x.shape)
     gate_up = F.linear(x, w13.reshape(n * two_inter, hidden)).unflatten(1, (n, two_inter))  # [T, n, 2I]
     h = act_and_mul(gate_up, ACTIVATIONS[activation])  # [T, n, I]
     if n == 1:

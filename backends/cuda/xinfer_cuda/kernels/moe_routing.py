@@ -134,9 +134,7 @@ def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) 
     """:meth:`xinfer.ops.Ops.moe_route` in one launch: weights [T, k + n] fp32, ids [T, k + n] int32
     (n: the shared experts)."""
     num_tokens, num_experts = logits.shape[0], logits.shape[1] - routing.shared_gate
-    width = routing.top_k + routing.shared_experts
-    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(num_tokens, width, dtype=torch.int32, device=logits.device)
+    weights, ids = routed(num_tokens, routing, logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -147,6 +145,14 @@ def moe_route(logits: Tensor, routing: Routing, correction_bias: Tensor | None) 
         num_warps=4 if num_experts <= 256 else 8, **launch.pdl(logits.device),
     )  # fmt: skip
     return weights, ids
+
+
+def routed(num_tokens: int, routing: Routing, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The routing's outputs for ``num_tokens`` tokens, to fill: weights (fp32) and ids (int32), each
+    [T, k + n] (n: the shared experts)."""
+    width = routing.top_k + routing.shared_experts
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=device)
+    return weights, torch.empty(num_tokens, width, dtype=torch.int32, device=device)
 
 
 def route_constexprs(routing: Routing, num_experts: int, has_bias: bool) -> dict:

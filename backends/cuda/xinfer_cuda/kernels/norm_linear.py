@@ -36,7 +36,7 @@ from xinfer_cuda.kernels import arrivals, launch
 from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.gemv import MAX_ROWS, DotConfig, GemvConfig, _weight_tile
 from xinfer_cuda.kernels.launch import pdl_entry
-from xinfer_cuda.kernels.moe_routing import route_constexprs, route_row, shared_weight_of
+from xinfer_cuda.kernels.moe_routing import route_constexprs, route_row, routed, shared_weight_of
 
 if TYPE_CHECKING:
     from xinfer.layers.moe import Routing
@@ -338,8 +338,7 @@ def norm_route(
     logits = torch.empty(n, dtype=weight.dtype, device=x.device)
     normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
     h = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    weights = torch.empty(m, routing.top_k + routing.shared_experts, dtype=torch.float32, device=x.device)
-    ids = torch.empty(m, routing.top_k + routing.shared_experts, dtype=torch.int32, device=x.device)
+    weights, ids = routed(m, routing, x.device)
     num_experts = n - routing.shared_gate
     route = route_constexprs(routing, num_experts, correction_bias is not None)
     bias = correction_bias if correction_bias is not None else weights  # (unread)
