@@ -71,11 +71,16 @@ class FinishesLoading(Protocol):
     def finish_loading(self) -> None: ...
 
 
-def finish_loading(model: nn.Module) -> None:
-    """:meth:`FinishesLoading.finish_loading` of every module of ``model`` that has it."""
+def finish_loading(model: nn.Module, release_cached: Callable[[], None] | None = None) -> None:
+    """:meth:`FinishesLoading.finish_loading` of every module of ``model`` that has it, ``release_cached``
+    (the device's, :meth:`xinfer.backend.DeviceMemory.release_cached`) after each. A module's new layout
+    is a little larger than the tensors it frees: cached, those would be split by the next module's
+    allocations and strand the rest, some 20 GiB over the layers of a 35B MoE model."""
     for module in list(model.modules()):
         if isinstance(module, FinishesLoading):
             module.finish_loading()
+            if release_cached is not None:
+                release_cached()
 
 
 class CausalLM(nn.Module):

@@ -4,6 +4,7 @@ fused-MoE op's torch reference against a plain loop over tokens."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import DeepseekV4Config, Gemma4TextConfig, Glm4MoeConfig, MiniMaxM2Config, Qwen2MoeConfig
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
@@ -13,6 +14,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 
 from xinfer import ops
 from xinfer.layers.moe import MoE, Router, Routing
+from xinfer.model import finish_loading
 from xinfer.torch_ops import TorchOps
 
 HIDDEN, EXPERTS, INTERMEDIATE, TOKENS = 32, 16, 24, 40
@@ -88,6 +90,14 @@ def test_softmax_top_k_with_sigmoid_gated_shared_expert_matches_qwen2_moe(renorm
     expected = hf(x.unsqueeze(0))[0]
     assert_close(ours(x), expected)
     assert_runs_shared_as_routed(ours, x, expected, shared_experts=2)
+
+
+def test_the_devices_cache_is_released_after_each_block_lays_out_its_experts():
+    blocks = [MoE(HIDDEN, EXPERTS, INTERMEDIATE, Routing(top_k=4), shared_intermediate_size=2 * INTERMEDIATE)
+              for _ in range(3)]  # fmt: skip
+    held_after_each = []
+    finish_loading(nn.Sequential(*blocks), lambda: held_after_each.append(sum(b.experts.w13.shape[0] for b in blocks)))
+    assert held_after_each == [EXPERTS * 3 + 2, EXPERTS * 3 + 4, EXPERTS * 3 + 6]
 
 
 @pytest.mark.parametrize("bias, shared_size", [(False, 40), (True, 48)], ids=["rows-not-a-multiple", "biased"])

@@ -84,7 +84,8 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
     torch.manual_seed(config.model.seed)
     with building_for(tp), _weights_must_fit(path, config, device, memory, splits_memory(spec)):
-        model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq)
+        release_cached = memory.release_cached if memory is not None else None
+        model = load_model(path, hf_config, device, dtype, config.model.load_format, config.model.isq, release_cached)
     prepare_weights(model, ops)
     if not model.cuda_graphs and not config.device.enforce_eager:
         log.info("%s runs without step graphs: its ops read the step's metadata on the host", type(model).__name__)

@@ -362,8 +362,9 @@ class MoE(nn.Module):
         experts, router = self.experts, self.gate
         gate, up = shared.gate_up_proj.weight.unflatten(0, (2, -1, experts.intermediate_size))  # [n, I, H] each
         down = shared.down_proj.weight.unflatten(1, (-1, experts.intermediate_size)).transpose(0, 1)  # [n, H, I]
-        experts.w13 = nn.Parameter(torch.cat((experts.w13, torch.cat((gate, up), dim=1))), requires_grad=False)
-        experts.w2 = nn.Parameter(torch.cat((experts.w2, down)), requires_grad=False)
+        # both new tensors before either old one goes: the old w13's cached block would take the new w2
+        w13, w2 = torch.cat((experts.w13, torch.cat((gate, up), dim=1))), torch.cat((experts.w2, down))
+        experts.w13, experts.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         if self.shared_expert_gate is not None:
             gate_row = self.shared_expert_gate.weight.to(router.weight.dtype)
             router.weight = nn.Parameter(torch.cat((router.weight, gate_row)), requires_grad=False)

@@ -6,7 +6,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +172,11 @@ def load_model(
     dtype: torch.dtype,
     load_format: str,
     isq: str | None = None,
+    release_cached: Callable[[], None] | None = None,
 ) -> CausalLM:
     """The model of ``config`` filled from ``path`` (or with dummy weights); with ``isq``, its weights
-    quantized to that format as they load (:mod:`xinfer.quant.isq`)."""
+    quantized to that format as they load (:mod:`xinfer.quant.isq`). ``release_cached``: the device's
+    (:func:`~xinfer.model.finish_loading`)."""
     mode = isq_mode(isq) if isq is not None else None  # a bad name fails before the weights load
     with quantizing_at_load(mode, device):
         model = build_model(config, device, dtype)
@@ -184,7 +186,7 @@ def load_model(
             model.load_weights(_checkpoint_weights(path, load_format, model, dtype))
         if (quantizer := load_quantizer()) is not None:
             quantizer.finish(model)
-    finish_loading(model)
+    finish_loading(model, release_cached)
     return model
 
 
