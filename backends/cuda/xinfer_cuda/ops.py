@@ -150,7 +150,8 @@ class CudaOps(TorchOps):
         tiles = None
         if x.is_cuda and 0 < topk_ids.numel() <= moe.MAX_SLOTS_PER_SLOT_PATH:  # small decode batches: measured
             tiles = self.small_batch_moe.tiles(x, w13, w2, topk_ids.shape[1], activation)
-        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, tiles, shared_experts)
+        # the shared experts of larger batches by the linears' measured kernels, as a separate MLP's
+        return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation, tiles, shared_experts, self.linear)
 
     def moe_route(self, logits: Tensor, routing: Routing, correction_bias: Tensor | None) -> tuple[Tensor, Tensor]:
         if not moe_routing.covers(routing):

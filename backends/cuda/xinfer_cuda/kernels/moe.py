@@ -32,6 +32,7 @@ slots fused, so that no [T*k, H] buffer is written and read back.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -46,6 +47,7 @@ from xinfer_cuda.kernels.arrivals import last_to_arrive
 from xinfer_cuda.kernels.launch import pdl_entry
 
 MAX_SLOTS_PER_SLOT_PATH = 32
+Linear = Callable[[Tensor, Tensor], Tensor]  # x [T, K], weight [N, K] -> [T, N]
 
 
 # ---- grouped: blocks of slots of one expert -------------------------------------------------------------------
@@ -216,11 +218,18 @@ def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int
 
 
 def _grouped(
-    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str, shared_experts: int
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    weights: Tensor,
+    topk_ids: Tensor,
+    activation: str,
+    shared_experts: int,
+    linear: Linear,
 ) -> Tensor:
     """The grouped kernels for the routed experts; the ``shared_experts`` that every token takes
-    (the last experts and slots) as dense GEMMs over all the tokens beside them: grouped, each
-    would be a block per ``BLOCK_M`` tokens, every block reading all of its weights."""
+    (the last experts and slots) as dense GEMMs (``linear``) over all the tokens beside them:
+    grouped, each would be a block per ``BLOCK_M`` tokens, every block reading all of its weights."""
     num_tokens, top_k = topk_ids.shape
     _, hidden, inter = w2.shape
     num_experts, routed_k = w2.shape[0] - shared_experts, top_k - shared_experts
@@ -240,19 +249,20 @@ def _grouped(
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **options,
     )  # fmt: skip
     if shared_experts:
-        for j, y in enumerate(_every_tokens(x, w13[num_experts:], w2[num_experts:], activation)):
+        for j, y in enumerate(_every_tokens(x, w13[num_experts:], w2[num_experts:], activation, linear)):
             out.addcmul_(y, weights[:, routed_k + j, None])
     return out.to(x.dtype)
 
 
-def _every_tokens(x: Tensor, w13: Tensor, w2: Tensor, activation: str) -> Tensor:
+def _every_tokens(x: Tensor, w13: Tensor, w2: Tensor, activation: str, linear: Linear) -> Tensor:
     """Each of the experts ``w13`` [n, 2I, H], ``w2`` [n, H, I] on all of ``x`` [T, H], as
-    cuBLAS GEMMs (gate/up of all n in one): [n, T, H] in x's dtype."""
+    ``linear`` GEMMs (gate/up of all n in one; the down projections of several in a cuBLAS
+    bmm): [n, T, H] in x's dtype."""
     n, two_inter, hidden = w13.shape
-    gate_up = F.linear(x, w13.reshape(n * two_inter, hidden)).unflatten(1, (n, two_inter))  # [T, n, 2I]
+    gate_up = linear(x, w13.reshape(n * two_inter, hidden)).unflatten(1, (n, two_inter))  # [T, n, 2I]
     h = act_and_mul(gate_up, ACTIVATIONS[activation])  # [T, n, I]
     if n == 1:
-        return F.linear(h[:, 0], w2[0])[None]
+        return linear(h[:, 0], w2[0])[None]
     return torch.bmm(h.transpose(0, 1), w2.transpose(1, 2))
 
 
@@ -619,17 +629,18 @@ def fused_moe(
     activation: str,
     tiles: SlotTiles | None = None,
     shared_experts: int = 0,
+    linear: Linear = F.linear,
 ) -> Tensor:
     """:meth:`xinfer.ops.Ops.fused_moe` in two launches (and, for larger batches, the
     three that group the slots by expert and the output's zeroing and cast, and the dense
-    GEMMs of the ``shared_experts``). ``tiles`` takes the per-slot path with those tiles,
-    whatever the batch (benchmarks/moe_kernels.py times the alternatives); there a shared
-    expert is one more slot of each token's."""
+    GEMMs of the ``shared_experts`` by ``linear``). ``tiles`` takes the per-slot path with
+    those tiles, whatever the batch (benchmarks/moe_kernels.py times the alternatives);
+    there a shared expert is one more slot of each token's."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()  # (no copies where they are, as models hold them)
     weights, ids = topk_weights.contiguous(), topk_ids.contiguous()
     if tiles is None and num_tokens * top_k > MAX_SLOTS_PER_SLOT_PATH:
-        return _grouped(x, w13, w2, weights, ids, activation, shared_experts)
+        return _grouped(x, w13, w2, weights, ids, activation, shared_experts, linear)
     return _per_slot(x, w13, w2, weights, ids, activation, tiles or slot_tiles(num_tokens, top_k, x))
