@@ -217,16 +217,8 @@ def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int
     return {**tiles, "BLOCK_N": 128 if block_m == 64 else 64, "num_warps": 8}
 
 
-def _grouped(
-    x: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    weights: Tensor,
-    topk_ids: Tensor,
-    activation: str,
-    shared_experts: int,
-    linear: Linear,
-) -> Tensor:
+def _grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str,
+             shared_experts: int, linear: Linear) -> Tensor:  # fmt: skip
     """The grouped kernels for the routed experts; the ``shared_experts`` that every token takes
     (the last experts and slots) as dense GEMMs (``linear``) over all the tokens beside them:
     grouped, each would be a block per ``BLOCK_M`` tokens, every block reading all of its weights."""
