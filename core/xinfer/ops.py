@@ -109,6 +109,12 @@ class KernelHelpers:
     # include ``tile``, where sequence b's tiles start at cu_seqlens_q[b] // Q_PER_TILE + b
     tile_owner: Any
     fp8_value: Any  # (e4m3fn bits) -> their value / 256 as fp16
+    # (counter_ptr, total) -> whether this program is the last of the ``total`` that count at ``counter_ptr``
+    # (which it then resets): it goes on with what they stored before counting (read with cache_modifier=".cg")
+    last_to_arrive: Any
+    # (device, user, count) -> ``count`` zeroed counters for last_to_arrive, left at zero by the kernels; None
+    # inside a graph capture that needs more than were allocated before it (the caller launches a kernel more)
+    counters: Callable[[torch.device, str, int], Tensor | None]
 
 
 class DeviceHooks(Protocol):

@@ -209,6 +209,10 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
             t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), gates[:, 32:], gates[:, :32], t(32),
             t(32), t(4, 32, 128, 128, dt=torch.float32), meta, slots,
         )  # fmt: skip
+        delta_rule.gated_delta_rule_norm(  # with q_len 1 in one launch, the norm in the recurrent kernel
+            t(2 * q_len, 16, 128), t(2 * q_len, 16, 128), t(2 * q_len, 32, 128), gates[:, 32:], gates[:, :32], t(32),
+            t(32), t(4, 32, 128, 128, dt=torch.float32), meta, slots, t(2 * q_len, 32, 128), t(128), 1e-6,
+        )  # fmt: skip
         gated_norm.gated_rms_norm(t(2 * q_len, 32, 128), t(2 * q_len, 32, 128), t(128), 1e-6)
         # fla's prefill behind the op: our gather and write-back around fla's call (fla's own kernels are not ours)
         fla_prefill.chunk_rule = lambda **call: (call["v"], call["initial_state"])

@@ -13,7 +13,7 @@ import torch
 from xinfer import kernel_api, ops
 from xinfer.ops import KernelHelpers
 from xinfer.torch_ops import TorchOps
-from xinfer_cuda.kernels import launch, shared
+from xinfer_cuda.kernels import arrivals, launch, shared
 from xinfer_cuda.ops import CudaOps
 
 CPU = torch.device("cpu")
@@ -49,7 +49,8 @@ def test_the_cuda_backend_chains_plugin_kernels_where_the_gpu_launches_dependent
 
 def test_the_cuda_backend_lends_its_own_kernels_helpers():
     with ops.use(CudaOps()):
-        assert kernel_api.helpers() == KernelHelpers(tile_owner=shared.tile_owner, fp8_value=shared.fp8_value)
+        assert kernel_api.helpers() == KernelHelpers(tile_owner=shared.tile_owner, fp8_value=shared.fp8_value,
+                                                     last_to_arrive=arrivals.last_to_arrive, counters=arrivals.counters)  # fmt: skip
 
 
 def test_decode_splits_fill_two_waves_in_powers_of_two_up_to_the_limit():

@@ -1,7 +1,7 @@
 """The ops of a Gated DeltaNet layer, in plain torch: the causal depthwise conv1d over each
 sequence's stream and the gated delta rule (its gates computed from the projections), both
 carrying a recurrent state per sequence in a slot of a state tensor, and the gated RMSNorm
-of its output.
+of its output (the op the layer calls, :func:`gated_delta_rule_norm`, is the rule and the norm).
 
 Shapes are flat over the step's tokens as :class:`xinfer.ops.AttentionMetadata` lays them
 out: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, the last ``q_len``
@@ -101,6 +101,26 @@ def gated_delta_rule(
     """:func:`delta_rule` with the decays and write strengths of :func:`gates` (one op, so
     that a decode kernel computes them where it reads them)."""
     return delta_rule(q, k, v, *gates(a, b, A_log, dt_bias), state, meta, slots)
+
+
+def gated_delta_rule_norm(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+    z: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+) -> Tensor:
+    """:func:`gated_rms_norm` (``z`` [T, Hv, Dv], ``norm_weight``, ``eps``) of :func:`gated_delta_rule`'s
+    output, [T, Hv * Dv]: one op, so that a decode kernel normalizes each head where it finishes it."""
+    return gated_rms_norm(gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, meta, slots), z, norm_weight, eps)
 
 
 def delta_rule(

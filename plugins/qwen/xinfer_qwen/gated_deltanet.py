@@ -104,8 +104,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj.split(projected)
         qkv = ops.call("causal_conv1d", qkv, self.conv1d.weight, None, self.cache["conv"], meta, slots, self.activation)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        o = ops.call(
-            "gated_delta_rule",
+        normed = ops.call(
+            "gated_delta_rule_norm",
             q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
             k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
             v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
@@ -116,6 +116,8 @@ class GatedDeltaNet(nn.Module):
             self.cache["ssm"],
             meta,
             slots,
+            z.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
+            self.norm.weight,
+            self.norm.eps,
         )
-        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-        return self.out_proj(ops.call("gated_rms_norm", o, z, self.norm.weight, self.norm.eps))
+        return self.out_proj(normed)

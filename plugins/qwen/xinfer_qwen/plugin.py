@@ -24,10 +24,8 @@ def xinfer_ops() -> list[OpSpec]:
         OpSpec("causal_conv1d", "xinfer_qwen.deltanet_ops:causal_conv1d",
                {"cuda": "xinfer_qwen.kernels.conv1d:causal_conv1d"},
                activations={"cuda": frozenset({"silu"})}),  # the kernel's SILU switch (kernels/conv1d.py)
-        OpSpec("gated_delta_rule", "xinfer_qwen.deltanet_ops:gated_delta_rule",
-               {"cuda": "xinfer_qwen.kernels.delta_rule:gated_delta_rule"}),
-        OpSpec("gated_rms_norm", "xinfer_qwen.deltanet_ops:gated_rms_norm",
-               {"cuda": "xinfer_qwen.kernels.gated_norm:gated_rms_norm"}),
+        OpSpec("gated_delta_rule_norm", "xinfer_qwen.deltanet_ops:gated_delta_rule_norm",
+               {"cuda": "xinfer_qwen.kernels.delta_rule:gated_delta_rule_norm"}),
     ]  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from xinfer.ops import AttentionMetadata
+from xinfer_cuda.kernels import arrivals
 from xinfer_qwen import deltanet_ops
 from xinfer_qwen.kernels import conv1d, delta_rule, fla_prefill, gated_norm
 
@@ -256,38 +257,82 @@ DELTA_CASES = [
 ]
 
 
+def step_inputs(case, dtype):
+    """A step's q, k and v (views of the conv's output), its projection (``a`` and ``b`` columns of
+    it, ``z`` too), A_log, dt_bias, the state, the metadata and the slots."""
+    _, batch, k_heads, v_heads, dk, dv = case
+    generator = torch.Generator().manual_seed(len(batch))
+    slots = SLOTS[: len(batch)]
+    tokens = sum(q for q, _ in batch)
+    mixed = torch.randn(tokens, (2 * k_heads * dk + v_heads * dv), generator=generator).to(dtype)
+    q, k, v = mixed.split([k_heads * dk, k_heads * dk, v_heads * dv], dim=1)
+    q, k, v = q.view(tokens, k_heads, dk), k.view(tokens, k_heads, dk), v.view(tokens, v_heads, dv)
+    # z | b | a, b and a past softplus' 20 too
+    projected = (torch.randn(tokens, v_heads * dv + 2 * v_heads + 3, generator=generator) * 3).to(dtype)
+    A_log = (torch.randn(v_heads, generator=generator) / 2).to(dtype)
+    dt_bias = torch.randn(v_heads, generator=generator).to(dtype)
+    state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
+    meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
+    return (q, k, v), projected, A_log, dt_bias, state, meta, slot_tensor
+
+
+def split_projection(projected: torch.Tensor, v_heads: int, dv: int) -> tuple[torch.Tensor, ...]:
+    """``z`` [T, Hv, Dv], ``b`` and ``a`` [T, Hv]: views of the projection, as the layer splits it."""
+    z = projected[:, 1 : 1 + v_heads * dv].unflatten(-1, (v_heads, dv))
+    b = projected[:, 1 + v_heads * dv : 1 + v_heads * dv + v_heads]
+    return z, b, projected[:, 1 + v_heads * dv + v_heads : 1 + v_heads * dv + 2 * v_heads]
+
+
+def assert_state_close(got_state: torch.Tensor, expected_state: torch.Tensor, tol: float) -> None:
+    error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()
+    assert error <= tol, f"state: relative error {error:.2e}"
+    assert got_state.cpu().isnan().equal(expected_state.isnan())  # slots of no sequence untouched
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", DELTA_CASES, ids=lambda c: c[0])
 def test_gated_delta_rule_kernel_matches_the_reference(case, dtype):
     """The op with its gates: decode steps through the recurrent kernel (the gates computed in
     it), others through the gates' kernel and the chunked form."""
-    _, batch, k_heads, v_heads, dk, dv = case
-    generator = torch.Generator().manual_seed(len(batch))
-    slots = SLOTS[: len(batch)]
-    tokens = sum(q for q, _ in batch)
-    # q, k and v as views of the conv's output, a and b of the projection, as the layer splits them
-    mixed = torch.randn(tokens, (2 * k_heads * dk + v_heads * dv), generator=generator).to(dtype)
-    q, k, v = mixed.split([k_heads * dk, k_heads * dk, v_heads * dv], dim=1)
-    q, k, v = q.view(tokens, k_heads, dk), k.view(tokens, k_heads, dk), v.view(tokens, v_heads, dv)
-    projected = (torch.randn(tokens, 2 * v_heads + 3, generator=generator) * 3).to(dtype)  # past softplus' 20 too
-    b, a = projected[:, 1 : 1 + v_heads], projected[:, 1 + v_heads : 1 + 2 * v_heads]
-    A_log = (torch.randn(v_heads, generator=generator) / 2).to(dtype)
-    dt_bias = torch.randn(v_heads, generator=generator).to(dtype)
-    state = random_state((8, v_heads, dk, dv), generator, slots, batch) / dk**0.5
-    meta, slot_tensor = metadata([q for q, _ in batch], [b for _, b in batch]), torch.tensor(slots, dtype=torch.int32)
+    v_heads, dv = case[3], case[5]
+    (q, k, v), projected, A_log, dt_bias, state, meta, slots = step_inputs(case, dtype)
+    _, b, a = split_projection(projected, v_heads, dv)
     expected_state, got_state = state.clone(), state.to(DEVICE)
-    expected = deltanet_ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, expected_state, meta, slot_tensor)
-    device_projected = projected.to(DEVICE)  # (a and b stay views of it)
+    expected = deltanet_ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, expected_state, meta, slots)
+    _, device_b, device_a = split_projection(projected.to(DEVICE), v_heads, dv)  # (views of it, as the layer's)
     got = delta_rule.gated_delta_rule(
-        *(t.to(DEVICE) for t in (q, k, v)), device_projected[:, 1 + v_heads : 1 + 2 * v_heads],
-        device_projected[:, 1 : 1 + v_heads], A_log.to(DEVICE), dt_bias.to(DEVICE), got_state,
-        to_device(meta, DEVICE), slot_tensor.to(DEVICE),
+        *(t.to(DEVICE) for t in (q, k, v)), device_a, device_b, A_log.to(DEVICE), dt_bias.to(DEVICE), got_state,
+        to_device(meta, DEVICE), slots.to(DEVICE),
     )  # fmt: skip
     assert got.dtype == dtype and got.shape == v.shape
     assert_close_on_rows(got, expected, meta, TOL[dtype])
-    error = (got_state.cpu() - expected_state).nan_to_num().norm() / expected_state.nan_to_num().norm()
-    assert error <= TOL[dtype], f"state: relative error {error:.2e}"
-    assert got_state.cpu().isnan().equal(expected_state.isnan())  # slots of no sequence untouched
+    assert_state_close(got_state, expected_state, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES, ids=str)
+# decode over heads of three Dv tiles (the last of the three to finish normalizes), then a mixed step
+@pytest.mark.parametrize("case", [("decode-tiles", [(1, 5), (1, 0), (0, 0), (1, 9)], 1, 2, 32, 96), DELTA_CASES[1]],
+                         ids=lambda c: c[0])  # fmt: skip
+def test_gated_delta_rule_norm_matches_the_reference(case, dtype):
+    """The rule and the gated norm in one op: a decode step in the recurrent kernel, the last of a
+    head's Dv tiles normalizing it (its counters left at zero for the next step); a step with
+    prompts through the rule's kernels, then the norm's."""
+    v_heads, dv = case[3], case[5]
+    (q, k, v), projected, A_log, dt_bias, state, meta, slots = step_inputs(case, dtype)
+    z, b, a = split_projection(projected, v_heads, dv)
+    norm_weight = (1 + torch.randn(dv, generator=torch.Generator().manual_seed(11)) / 4).to(dtype)
+    expected_state, got_state = state.clone(), state.to(DEVICE)
+    expected = deltanet_ops.gated_delta_rule_norm(q, k, v, a, b, A_log, dt_bias, expected_state, meta, slots, z,
+                                                  norm_weight, 1e-6)  # fmt: skip
+    device_z, device_b, device_a = split_projection(projected.to(DEVICE), v_heads, dv)
+    got = delta_rule.gated_delta_rule_norm(
+        *(t.to(DEVICE) for t in (q, k, v)), device_a, device_b, A_log.to(DEVICE), dt_bias.to(DEVICE), got_state,
+        to_device(meta, DEVICE), slots.to(DEVICE), device_z, norm_weight.to(DEVICE), 1e-6,
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == (v.shape[0], v_heads * dv)
+    assert_close_on_rows(got, expected, meta, TOL[dtype])
+    assert_state_close(got_state, expected_state, TOL[dtype])
+    assert not arrivals.counters(DEVICE, "gated_delta_rule_norm", 1).any()
 
 
 def test_gates_kernel_matches_the_reference():

@@ -9,6 +9,7 @@ import triton.language as tl
 from xinfer import kernel_api
 from xinfer.kv.codes import FP8_MAX
 from xinfer.ops import KernelHelpers
+from xinfer_cuda.kernels import arrivals
 
 NEG_BIG: tl.constexpr = tl.constexpr(kernel_api.NEG_BIG)
 FP8_MAX_C: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -50,4 +51,5 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)  # fmt: skip
 
 
-HELPERS = KernelHelpers(tile_owner=tile_owner, fp8_value=fp8_value)
+HELPERS = KernelHelpers(tile_owner=tile_owner, fp8_value=fp8_value, last_to_arrive=arrivals.last_to_arrive,
+                        counters=arrivals.counters)  # fmt: skip

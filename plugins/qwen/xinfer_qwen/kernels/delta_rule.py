@@ -33,9 +33,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from xinfer.kernel_api import launch_chain
+from xinfer.kernel_api import helpers, launch_chain
 from xinfer.ops import AttentionMetadata
 from xinfer_qwen.kernels import fla_prefill
+from xinfer_qwen.kernels.gated_norm import gated_rms_norm, gated_rms_norm_head
 
 CHUNK = 64
 RECURRENT_BLOCK_V = 32
@@ -82,8 +83,12 @@ def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr, cu_seqlens_ptr, seq_lens_ptr,
     slots_ptr, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
     stride_o_t, stride_o_h, stride_s_slot, stride_s_h, stride_s_k, dim_k, dim_v, scale,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, ENTER: tl.constexpr,
+    z_ptr, norm_weight_ptr, normed_ptr, counters_ptr, stride_z_t, stride_z_h, eps,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, NORM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    LAST_TO_ARRIVE: tl.constexpr, ENTER: tl.constexpr,
 ):  # fmt: skip
+    """One (sequence, value head, Dv tile); with ``NORM`` (one row a sequence) the last of a head's
+    tiles to store its output reads the whole head back and stores its gated RMSNorm in ``normed``."""
     ENTER()
     seq, head = tl.program_id(0), tl.program_id(1)
     lo, hi = tl.load(cu_seqlens_ptr + seq).to(tl.int64), tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
@@ -113,6 +118,18 @@ def _recurrent_kernel(
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + t * stride_o_t + head * stride_o_h + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
     tl.store(state_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+    if NORM:  # noqa: SIM102 (a constexpr: no atomic is compiled without it)
+        if LAST_TO_ARRIVE(counters_ptr + seq * tl.num_programs(1) + head, tl.num_programs(2)):
+            cols = tl.arange(0, BLOCK_DV)
+            mask = cols < dim_v
+            x = tl.load(
+                out_ptr + lo * stride_o_t + head * stride_o_h + cols, mask=mask, other=0.0, cache_modifier=".cg"
+            )
+            z = tl.load(z_ptr + lo * stride_z_t + head * stride_z_h + cols, mask=mask, other=0.0).to(tl.float32)
+            weight = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            normed = gated_rms_norm_head(x, z, weight, dim_v, eps)
+            tl.store(normed_ptr + (lo * tl.num_programs(1) + head) * dim_v + cols,
+                     normed.to(normed_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 @triton.jit
@@ -241,23 +258,74 @@ def gated_delta_rule(
     step's) are left unwritten. ``a`` and ``b`` [T, Hv] may be views with a row stride (columns
     of the layer's projection)."""
     q, k, v, a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, a, b))
-    assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
-    tokens, v_heads, dim_v = v.shape
-    dim_k = k.shape[-1]
     out = torch.empty_like(v)
-    if tokens == 0 or meta.num_seqs == 0:
+    if v.shape[0] == 0 or meta.num_seqs == 0:
         return out
     if meta.max_seqlen_q > 1:
         return delta_rule(q, k, v, *gates(a, b, A_log, dt_bias), state, meta, slots, out)
+    _recurrent(q, k, v, a, b, A_log, dt_bias, state, meta, slots, out)
+    return out
+
+
+def gated_delta_rule_norm(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+    z: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+) -> Tensor:
+    """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule_norm`. A decode step in one launch: the
+    last of a head's Dv tiles to finish normalizes the head (at batch 1 the norm's own launch costs
+    more than its work); a step with prompts through the rule's kernels, then the norm's."""
+    counters = None
+    if meta.max_seqlen_q <= 1 and v.shape[0] and meta.num_seqs:
+        counters = helpers().counters(v.device, "gated_delta_rule_norm", meta.num_seqs * v.shape[1])
+    if counters is None:
+        return gated_rms_norm(gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, meta, slots), z, norm_weight, eps)
+    q, k, v, a, b, z = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, a, b, z))
+    out, normed = torch.empty_like(v), torch.empty(v.shape[0], v.shape[1] * v.shape[2], dtype=v.dtype, device=v.device)
+    _recurrent(q, k, v, a, b, A_log, dt_bias, state, meta, slots, out, (z, norm_weight, eps, normed, counters))
+    return normed
+
+
+def _recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    meta: AttentionMetadata,
+    slots: Tensor,
+    out: Tensor,
+    norm: tuple[Tensor, Tensor, float, Tensor, Tensor] | None = None,
+) -> None:
+    """The recurrent kernel over a decode step's rows (last dims contiguous) into ``out``; with
+    ``norm`` = (z, its weight, eps, normed, counters) the gated RMSNorm of each head into ``normed``."""
+    assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
+    v_heads, dim_v = v.shape[1:]
+    dim_k = k.shape[-1]
+    z, norm_weight, eps, normed, counters = norm if norm is not None else (v, A_log, 0.0, out, slots)  # (unused)
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], a.stride(0), b.stride(0), *out.stride()[:2],
                *state.stride()[:3])  # fmt: skip
     grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
     _recurrent_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state, out, meta.cu_seqlens_q, meta.seq_lens, slots, *strides, dim_k, dim_v,
-        dim_k**-0.5, GROUP=v_heads // k.shape[1], BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=RECURRENT_BLOCK_V,
-        num_warps=4, **launch_chain(v.device),
+        dim_k**-0.5, z, norm_weight, normed, counters, *z.stride()[:2], eps, GROUP=v_heads // k.shape[1],
+        BLOCK_K=triton.next_power_of_2(dim_k), BLOCK_V=RECURRENT_BLOCK_V, NORM=norm is not None,
+        BLOCK_DV=triton.next_power_of_2(dim_v), LAST_TO_ARRIVE=helpers().last_to_arrive, num_warps=4,
+        **launch_chain(v.device),
     )  # fmt: skip
-    return out
 
 
 def gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -288,6 +356,7 @@ def delta_rule(
     """See :func:`xinfer_qwen.deltanet_ops.delta_rule`: the chunked form (or fla's), for steps
     with prompts, into ``out`` (rows of no sequence left unwritten)."""
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    assert state.stride(-1) == 1, "delta_rule: the state's rows must be contiguous"
     tokens, v_heads, dim_v = v.shape
     dim_k = k.shape[-1]
     out = torch.empty_like(v) if out is None else out

@@ -13,6 +13,15 @@ from xinfer.kernel_api import launch_chain
 
 
 @triton.jit
+def gated_rms_norm_head(x, z, weight, dim, eps):
+    """``rms_norm(x) * silu(z)`` of one head's values ``x`` [D] (zeros past ``dim``), ``z`` and
+    ``weight`` in fp32: the norm rounded to the dtype of ``x`` first, as the reference."""
+    x32 = x.to(tl.float32)
+    normed = (x32 * tl.rsqrt(tl.sum(x32 * x32, axis=0) / dim + eps)).to(x.dtype).to(tl.float32)
+    return weight * normed * (z * tl.sigmoid(z))
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, weight_ptr, out_ptr, stride_x_t, stride_x_h, stride_z_t, stride_z_h, heads, dim, eps,
     BLOCK: tl.constexpr, ENTER: tl.constexpr,
@@ -25,9 +34,7 @@ def _gated_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x_t + head * stride_x_h + cols, mask=mask, other=0.0)
     z = tl.load(z_ptr + row * stride_z_t + head * stride_z_h + cols, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    x32 = x.to(tl.float32)
-    normed = (x32 * tl.rsqrt(tl.sum(x32 * x32, axis=0) / dim + eps)).to(x.dtype).to(tl.float32)
-    out = weight * normed * (z * tl.sigmoid(z))
+    out = gated_rms_norm_head(x, z, weight, dim, eps)
     tl.store(out_ptr + (row * heads + head) * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
