@@ -103,21 +103,9 @@ def gated_delta_rule(
     return delta_rule(q, k, v, *gates(a, b, A_log, dt_bias), state, meta, slots)
 
 
-def gated_delta_rule_norm(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    a: Tensor,
-    b: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    state: Tensor,
-    meta: AttentionMetadata,
-    slots: Tensor,
-    z: Tensor,
-    norm_weight: Tensor,
-    eps: float,
-) -> Tensor:
+def gated_delta_rule_norm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+                          state: Tensor, meta: AttentionMetadata, slots: Tensor, z: Tensor, norm_weight: Tensor,
+                          eps: float) -> Tensor:  # fmt: skip
     """:func:`gated_rms_norm` (``z`` [T, Hv, Dv], ``norm_weight``, ``eps``) of :func:`gated_delta_rule`'s
     output, [T, Hv * Dv]: one op, so that a decode kernel normalizes each head where it finishes it."""
     return gated_rms_norm(gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, meta, slots), z, norm_weight, eps)

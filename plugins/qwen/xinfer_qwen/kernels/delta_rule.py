@@ -267,21 +267,9 @@ def gated_delta_rule(
     return out
 
 
-def gated_delta_rule_norm(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    a: Tensor,
-    b: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    state: Tensor,
-    meta: AttentionMetadata,
-    slots: Tensor,
-    z: Tensor,
-    norm_weight: Tensor,
-    eps: float,
-) -> Tensor:
+def gated_delta_rule_norm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+                          state: Tensor, meta: AttentionMetadata, slots: Tensor, z: Tensor, norm_weight: Tensor,
+                          eps: float) -> Tensor:  # fmt: skip
     """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule_norm`. A decode step in one launch: the
     last of a head's Dv tiles to finish normalizes the head (at batch 1 the norm's own launch costs
     more than its work); a step with prompts through the rule's kernels, then the norm's."""
@@ -296,20 +284,9 @@ def gated_delta_rule_norm(
     return normed
 
 
-def _recurrent(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    a: Tensor,
-    b: Tensor,
-    A_log: Tensor,
-    dt_bias: Tensor,
-    state: Tensor,
-    meta: AttentionMetadata,
-    slots: Tensor,
-    out: Tensor,
-    norm: tuple[Tensor, Tensor, float, Tensor, Tensor] | None = None,
-) -> None:
+def _recurrent(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
+               meta: AttentionMetadata, slots: Tensor, out: Tensor,
+               norm: tuple[Tensor, Tensor, float, Tensor, Tensor] | None = None) -> None:  # fmt: skip
     """The recurrent kernel over a decode step's rows (last dims contiguous) into ``out``; with
     ``norm`` = (z, its weight, eps, normed, counters) the gated RMSNorm of each head into ``normed``."""
     assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
