@@ -257,7 +257,6 @@ def gated_delta_rule(
     """See :func:`xinfer_qwen.deltanet_ops.gated_delta_rule`; rows of no sequence (a padded
     step's) are left unwritten. ``a`` and ``b`` [T, Hv] may be views with a row stride (columns
     of the layer's projection)."""
-    q, k, v, a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, a, b))
     out = torch.empty_like(v)
     if v.shape[0] == 0 or meta.num_seqs == 0:
         return out
@@ -278,7 +277,6 @@ def gated_delta_rule_norm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
         counters = helpers().counters(v.device, "gated_delta_rule_norm", meta.num_seqs * v.shape[1])
     if counters is None:
         return gated_rms_norm(gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, meta, slots), z, norm_weight, eps)
-    q, k, v, a, b, z = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, a, b, z))
     out, normed = torch.empty_like(v), torch.empty(v.shape[0], v.shape[1] * v.shape[2], dtype=v.dtype, device=v.device)
     _recurrent(q, k, v, a, b, A_log, dt_bias, state, meta, slots, out, (z, norm_weight, eps, normed, counters))
     return normed
@@ -287,12 +285,13 @@ def gated_delta_rule_norm(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
 def _recurrent(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, state: Tensor,
                meta: AttentionMetadata, slots: Tensor, out: Tensor,
                norm: tuple[Tensor, Tensor, float, Tensor, Tensor] | None = None) -> None:  # fmt: skip
-    """The recurrent kernel over a decode step's rows (last dims contiguous) into ``out``; with
-    ``norm`` = (z, its weight, eps, normed, counters) the gated RMSNorm of each head into ``normed``."""
+    """The recurrent kernel over a decode step's rows into ``out``; with ``norm`` = (z, its weight,
+    eps, normed, counters) the gated RMSNorm of each head into ``normed``."""
     assert state.stride(-1) == 1, "gated_delta_rule: the state's rows must be contiguous"
     v_heads, dim_v = v.shape[1:]
     dim_k = k.shape[-1]
     z, norm_weight, eps, normed, counters = norm if norm is not None else (v, A_log, 0.0, out, slots)  # (unused)
+    q, k, v, a, b, z = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, a, b, z))
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], a.stride(0), b.stride(0), *out.stride()[:2],
                *state.stride()[:3])  # fmt: skip
     grid = (meta.num_seqs, v_heads, triton.cdiv(dim_v, RECURRENT_BLOCK_V))
@@ -307,6 +306,7 @@ def _recurrent(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
 
 def gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """See :func:`xinfer_qwen.deltanet_ops.gates`: ``g``, ``beta`` [T, Hv] (fp32) in one launch."""
+    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     tokens, heads = a.shape
     g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
