@@ -18,8 +18,8 @@ Ops and paths (16 heads of 128 + 64 query/key dims and 128 value dims, a 512-val
   decode and the reduce up-projecting (two launches).
 - ``block``: both, as a layer runs them.
 - ``block+projections``: the block between the layer's projections, as a batch-1 step runs it: the input
-  norm in ``q_proj``'s GEMV, ``kv_a_proj_with_mqa``, the block, ``o_proj`` (the backend's small-batch
-  linears, each measured per shape as the engine does).
+  norm in the GEMV of ``q_proj`` and ``kv_a_proj_with_mqa`` merged (``qkv_a_proj``), the block, ``o_proj``
+  (the backend's small-batch linears, each measured per shape as the engine does).
 
 The before path runs today's decode and reduce kernels: the reduce reads only the splits a context reaches
 (before this change it read all 32, empty ones too: 6.6 us a call in the brief's profile of a whole step).
@@ -54,8 +54,7 @@ class Layer:
     w_uk: torch.Tensor  # [H, N, R]
     w_uv: torch.Tensor  # [H, V, R]
     input_norm: torch.Tensor  # [hidden]
-    q_proj: torch.Tensor  # [H * (N + P), hidden]
-    kv_a_proj: torch.Tensor  # [R + P, hidden]
+    qkv_a_proj: torch.Tensor  # [H * (N + P) + R + P, hidden]: q_proj's rows, then kv_a_proj_with_mqa's
     o_proj: torch.Tensor  # [hidden, H * V]
 
 
@@ -84,8 +83,8 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
     layers = [
         Layer(rand(setup, blocks, block_size, rank + rope), 1 + rand(setup, rank, scale=0.1),
               rand(setup, heads, nope, rank, scale=0.05), rand(setup, heads, v_dim, rank, scale=0.05),
-              1 + rand(setup, hidden, scale=0.1), rand(setup, heads * (nope + rope), hidden, scale=0.02),
-              rand(setup, rank + rope, hidden, scale=0.02), rand(setup, hidden, heads * v_dim, scale=0.02))
+              1 + rand(setup, hidden, scale=0.1), rand(setup, heads * (nope + rope) + rank + rope, hidden, scale=0.02),
+              rand(setup, hidden, heads * v_dim, scale=0.02))
         for _ in range(setup.copies)
     ]  # fmt: skip
     h, residual = rand(setup, 1, hidden), rand(setup, 1, hidden)
@@ -116,8 +115,8 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
         return mla.mla_attention(q_latent, q_rope, None, layer.cache, meta, scale, layer.w_uv)
 
     def with_projections(block: Callable[[Layer, torch.Tensor, torch.Tensor], torch.Tensor], layer: Layer):
-        q_flat, x, _ = ops.norm_linear(h, residual, layer.input_norm, EPS, layer.q_proj)
-        kv_a = ops.linear(x, layer.kv_a_proj)
+        projected, _, _ = ops.norm_linear(h, residual, layer.input_norm, EPS, layer.qkv_a_proj)
+        q_flat, kv_a = projected.split([heads * (nope + rope), rank + rope], dim=-1)
         return ops.linear(block(layer, q_flat.view(1, heads, nope + rope), kv_a), layer.o_proj)
 
     def block_before(layer: Layer, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -140,7 +139,7 @@ def mla_case(setup: Setup, context: int, max_context: int) -> None:
     rows_nbytes = (q.numel() + kv.numel() + rank + heads * (rank + rope) + 2 * (rank + rope)) * element + weight_bytes
     attention_nbytes = context * row_bytes + heads * (rank + rope + s["v_dim"]) * element + weight_bytes
     inputs = now  # (the attention's: any layer's do)
-    projection_nbytes = sum(w.numel() for w in (first.q_proj, first.kv_a_proj, first.o_proj)) * element
+    projection_nbytes = sum(w.numel() for w in (first.qkv_a_proj, first.o_proj)) * element
     paths = {
         "rows": ((rows_before, "q_rope.contiguous, rotary, rms_norm, cat, bmm"), (rows_now, "mla_rows"),
                  rows_nbytes, lambda fn, layer: fn(layer, q, kv)),

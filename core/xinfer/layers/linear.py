@@ -10,6 +10,7 @@ and sums its output over the ranks. Each names the slice of a checkpoint tensor 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import ClassVar
 
 import torch
@@ -64,17 +65,23 @@ class RowLinear(Linear):
 
 class MergedLinear(Linear):
     """Outputs of the checkpoint's projections ``shards`` (their full sizes) stacked in that order;
-    of each, this rank's part where ``parts`` names one (whole elsewhere).
-
-    A checkpoint tensor of one shard is loaded with ``load_shard(name, tensor)``.
+    of each, this rank's part where ``parts`` names one (whole elsewhere). ``bias``: every shard has
+    one (True), none (False), or the shards named (the others' rows of the bias stay zero).
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool | Collection[str] = False,
                  parts: dict[str, Part] | None = None):  # fmt: skip
         self.parts = {name: (parts or {}).get(name, WHOLE) for name in shards}
         self.full_sizes = dict(shards)
         self.shard_sizes = {name: self.parts[name].size(size) for name, size in shards.items()}
-        super().__init__(in_features, sum(self.shard_sizes.values()), bias)
+        self.biased = tuple(shards) if bias is True else tuple(name for name in shards if name in (bias or ()))
+        super().__init__(in_features, sum(self.shard_sizes.values()), bool(self.biased))
+        if self.bias is not None and len(self.biased) < len(shards):
+            nn.init.zeros_(self.bias)
+
+    def shards_of(self, leaf: str) -> tuple[str, ...]:
+        """The shards the checkpoint holds parameter ``leaf`` (weight, bias) of."""
+        return self.biased if leaf == "bias" else tuple(self.shard_sizes)
 
     def split(self, y: Tensor) -> tuple[Tensor, ...]:
         return y.split_with_sizes(list(self.shard_sizes.values()), dim=-1)  # (Tensor.split: two Python calls more)

@@ -106,7 +106,7 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
                     tensor = tensor.dequantize()
                 _copy(param.data[offset : offset + size], tensor, name)
         loaded.add(target if shard is None else f"{target}:{shard}")
-        if isq and (shard is None or all(f"{target}:{s}" in loaded for s in module.shard_sizes)):
+        if isq and (shard is None or all(f"{target}:{s}" in loaded for s in module.shards_of(leaf))):
             isq.quantize(model, module, leaf)  # whole: every shard of a merged projection is in
     for target, shards in packed_shards.items():  # incomplete: what arrived, as floats
         owner, _, leaf = target.rpartition(".")
@@ -171,7 +171,7 @@ def _check_complete(model: CausalLM, loaded: set[str]) -> None:
         if loader_of(name, loaders) is not None:
             continue
         if isinstance(module, MergedLinear) and name in shard_names:
-            expected = {f"{name}:{s}" for s in module.shard_sizes}
+            expected = {f"{name}:{s}" for s in module.shards_of(name.rsplit(".", 1)[1])}
             missing += sorted(expected - loaded)
         elif id(param) not in loaded_ids:
             missing.append(name)

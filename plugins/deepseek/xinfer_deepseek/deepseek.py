@@ -13,7 +13,7 @@ from xinfer.layers import DecoderForCausalLM, DecoderSpec, MoE, RotaryEmbedding,
 from xinfer.loading.mtp import without_mtp_layers
 from xinfer.loading.stored import StoredTensor, Weights
 from xinfer.model import HF_QKV_GATE_UP
-from xinfer_deepseek.latent_attention import LatentAttention
+from xinfer_deepseek.latent_attention import PACKED_MODULES, LatentAttention
 
 # kv_b_proj's halves as llama.cpp's converter names them, and as the module that loads them does
 _CONVERTED_HALF = re.compile(r"\.self_attn\.(k_b_proj|v_b_proj)\.weight$")
@@ -29,7 +29,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     (V3.2's config has the field; transformers' V3, V3.2 and GLM-4.7-Flash ignore it)."""
 
     spec = DecoderSpec(mlp_bias=False, sliding_window=False)
-    packed_modules = {part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}
+    packed_modules = {**{part: HF_QKV_GATE_UP[part] for part in ("gate_proj", "up_proj")}, **PACKED_MODULES}
     # transformers' own default rope table spans qk_rope_head_dim whatever partial_rotary_factor says
     default_rope_ignores_partial = True
 

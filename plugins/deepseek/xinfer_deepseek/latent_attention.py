@@ -30,7 +30,15 @@ from xinfer.cache.specs import TokenVectorSpec
 from xinfer.distributed import current
 from xinfer.distributed.group import WHOLE, Part
 from xinfer.forward_context import attention_metadata
-from xinfer.layers import ColumnLinear, Linear, RMSNorm, RotaryEmbedding, RowLinear, pairs_to_halves, rope_parameters
+from xinfer.layers import (
+    ColumnLinear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowLinear,
+    pairs_to_halves,
+    rope_parameters,
+)
 from xinfer.layers.rotary import yarn_mscale
 from xinfer.loading.stored import StoredTensor, part_of
 from xinfer_deepseek.mla_ops import expand, fp8_row_bytes
@@ -39,6 +47,9 @@ from xinfer_deepseek.mla_ops import expand, fp8_row_bytes
 # rms_norm_eps (GLM-4.7-Flash's 1e-5), as transformers' DeepSeek-V2/V3/V3.2 and GLM-4.7-Flash do, unless the
 # config's latent_norm_eps says otherwise (a GGUF's: llama.cpp normalizes them with rms_norm_eps)
 LATENT_NORM_EPS = 1e-6
+# the checkpoint's projections of a layer's input, stored as the shards of LatentAttention.qkv_a_proj
+PACKED_MODULES = {"q_a_proj": ("qkv_a_proj", "q"), "q_proj": ("qkv_a_proj", "q"),
+                  "kv_a_proj_with_mqa": ("qkv_a_proj", "kv")}  # fmt: skip
 
 
 class UpProjection(nn.Module):
@@ -100,7 +111,10 @@ class LatentAttention(nn.Module):
     """The attention block of a DeepSeek-style layer (HF names): queries through ``q_a_proj``,
     ``q_a_layernorm`` and ``q_b_proj`` (q-LoRA) or one ``q_proj`` (``q_lora_rank`` null); the latent
     and rope key through ``kv_a_proj_with_mqa``, the latent normed by ``kv_a_layernorm``; ``kv_b_proj``
-    split at load (:class:`UpProjection`); ``o_proj``.
+    split at load (:class:`UpProjection`); ``o_proj``. The two projections of the layer's input
+    (``q_a_proj`` or ``q_proj``, and ``kv_a_proj_with_mqa``) are one GEMM, ``qkv_a_proj`` (shards
+    ``q`` and ``kv``, :data:`PACKED_MODULES`): at batch 1 the latent's own GEMV (2.4 MB in
+    Moonlight-16B-A3B) cost a launch more than its bytes.
 
     ``interleaved_rotary``: the checkpoint rotates adjacent pairs of the rope dims (``rope_interleave``);
     those rows of the query and rope-key projections are reordered at load into the halves
@@ -126,13 +140,14 @@ class LatentAttention(nn.Module):
         self.num_heads = part.size(heads)
         q_size = heads * (self.nope_dim + self.rope_dim)
         latent_eps = getattr(config, "latent_norm_eps", LATENT_NORM_EPS)
+        shards = {"q": self.q_lora_rank or q_size, "kv": self.kv_lora_rank + self.rope_dim}
+        # (q_proj has no bias whatever attention_bias says, as in transformers; q_a_proj has)
+        biased = ("q", "kv") if self.q_lora_rank else ("kv",)
+        self.qkv_a_proj = MergedLinear(hidden, shards, biased if bias else False,
+                                       parts={} if self.q_lora_rank else {"q": part})  # fmt: skip
         if self.q_lora_rank:
-            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, latent_eps)
             self.q_b_proj = ColumnLinear(self.q_lora_rank, q_size, part=part)
-        else:
-            self.q_proj = ColumnLinear(hidden, q_size, part=part)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, latent_eps)
         self.kv_b_proj = UpProjection(heads, self.kv_lora_rank, self.nope_dim, config.v_head_dim, part)
         self.o_proj = RowLinear(heads * config.v_head_dim, hidden, bias, part)
@@ -148,20 +163,15 @@ class LatentAttention(nn.Module):
         return TokenVectorSpec(self.kv_lora_rank + self.rope_dim, encoded={"fp8": fp8})
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
-        return self.attend(positions, x, self.project(positions, x, self.first_projection(x)))
+        return self.attend(positions, x, self.project(positions, self.qkv_a_proj(x)))
 
     def forward_norm(
         self, positions: Tensor, norm: RMSNorm, h: Tensor, residual: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`forward` of ``norm(h + residual)``, the norm in the first query projection (which
-        also writes the normalized rows the others read), and ``h + residual``."""
-        first = self.q_a_proj if self.q_lora_rank else self.q_proj
-        q_first, x, residual = norm.project(h, residual, first.weight, first.bias)
-        return self.attend(positions, x, self.project(positions, x, q_first)), residual
-
-    def first_projection(self, x: Tensor) -> Tensor:
-        """``q_a_proj(x)``, or ``q_proj(x)`` without q-LoRA."""
-        return self.q_a_proj(x) if self.q_lora_rank else self.q_proj(x)
+        """:meth:`forward` of ``norm(h + residual)``, the norm in ``qkv_a_proj`` (which also writes the
+        normalized rows, for subclasses), and ``h + residual``."""
+        projected, x, residual = norm.project(h, residual, self.qkv_a_proj.weight, self.qkv_a_proj.bias)
+        return self.attend(positions, x, self.project(positions, projected)), residual
 
     def attend(self, positions: Tensor, x: Tensor, projected: tuple[Tensor, Tensor, Tensor, Tensor | None]) -> Tensor:
         """The output from :meth:`project`'s tensors (``x``, the normalized input, for subclasses)."""
@@ -178,17 +188,18 @@ class LatentAttention(nn.Module):
         assert self.cache is not None, "the engine binds the latent cache before the first forward"
         return None if self.cache.dtype == torch.uint8 else self.cache
 
-    def project(self, positions: Tensor, x: Tensor, q_first: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def project(self, positions: Tensor, projected: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The absorbed queries [T, H, R], their rotated rope parts [T, H, P], this step's latent rows
         [T, R + P] (normalised latent || rotated rope key; all three the op ``mla_rows``, which also stores
-        the rows into :meth:`rows_cache`), and the q-LoRA latent (None without q-LoRA), from ``x`` and its
-        :meth:`first_projection` ``q_first``. ``q_a_layernorm`` runs in ``q_b_proj``'s prologue."""
+        the rows into :meth:`rows_cache`), and the q-LoRA latent (None without q-LoRA), from ``qkv_a_proj``'s
+        output ``projected``. ``q_a_layernorm`` runs in ``q_b_proj``'s prologue."""
+        q_first, kv = self.qkv_a_proj.split(projected)
         if self.q_lora_rank:
             q, q_resid, _ = self.q_a_layernorm.project(q_first, None, self.q_b_proj.weight, self.q_b_proj.bias)
         else:
             q, q_resid = q_first, None
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
-        kv, norm = self.kv_a_proj_with_mqa(x), self.kv_a_layernorm
+        norm = self.kv_a_layernorm
         rotation, cache = self.rotary_emb.rotation(positions), self.rows_cache()
         slots = attention_metadata(self.page_group).slot_mapping if cache is not None else None
         q_latent, q_rope, rows = ops.call(

@@ -109,3 +109,12 @@ def test_a_missing_up_projection_is_named(tmp_path):
     save_tiny_model(deepseek_v3_config(), tmp_path)
     dropped = "model.layers.1.self_attn.kv_b_proj.weight"
     assert_missing_tensor_is_named(tmp_path, dropped, "model.layers.1.self_attn.kv_b_proj.k_b_proj.weight")
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16], ids=["q_proj", "q-LoRA"])
+def test_a_missing_latent_projection_bias_is_named(tmp_path, q_lora_rank):
+    """The latent's projection and the first query projection are one GEMM (qkv_a_proj): a bias the checkpoint
+    lacks is named; q_proj's, which transformers never has, is not asked for."""
+    save_tiny_model(deepseek_v3_config(q_lora_rank=q_lora_rank, attention_bias=True), tmp_path)
+    dropped = "model.layers.1.self_attn.kv_a_proj_with_mqa.bias"
+    assert_missing_tensor_is_named(tmp_path, dropped, "model.layers.1.self_attn.qkv_a_proj.bias")
