@@ -12,7 +12,7 @@ from xinfer import LLM
 from xinfer.config import EngineConfig
 from xinfer.loading.resolve import ModelNotFoundError, resolve_model_path
 from xinfer.server.args import parse_args
-from xinfer.server.launch import engine_config, one_line, prepare
+from xinfer.server.launch import engine_config, listeners, one_line, prepare
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -93,3 +93,13 @@ def test_a_missing_f_file_is_named_as_f(tmp_path, capsys):
     )
     assert resolve_model_path(str(tmp_path), "a.gguf") == file  # the file that is there is still picked
     assert "'/no/such/dir' is neither" in refused(["--m", "/no/such/dir", "--f", "x.gguf"], capsys)
+
+
+def test_a_ui_port_that_is_the_api_port_is_named(capsys):
+    """It said "Address already in use; another process listens there": the clash is the command's own two ports."""
+    with pytest.raises(SystemExit) as exit_:
+        listeners(parse_args(["--ui-server", "--port", "8102", "--ui-port", "8102"]))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "xinfer: --ui-port 8102 is the API's --port: the chat UI needs a port of its own"
+    )

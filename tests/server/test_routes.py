@@ -289,3 +289,21 @@ def test_completion_bodies_and_chunks_are_the_clients_types(server, model):
     assert sorted(finished) == [0, 1, 2, 3]
     usage = Completion.model_validate(events[-1][1])
     assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_browser_on_another_origin_may_call_the_api(server):
+    """CORS, every origin by default as vLLM's and llama.cpp's servers: the preflight is answered without the API
+    key (browsers send none with it), and the answers carry the origin header."""
+    origin = {"Origin": "http://app.example"}
+    preflight = httpx.options(
+        server.url + "/v1/chat/completions",
+        headers={**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"},
+    )  # fmt: skip
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    answer = server.get("/v1/models", headers=origin)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(server.url + "/v1/models", headers=origin)  # without the key: 401, still readable
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"

@@ -1,9 +1,12 @@
-"""The FastAPI application: routes, error shapes, API key, body limit."""
+"""The FastAPI application: routes, error shapes, API key, body limit, CORS."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.middleware.cors import CORSMiddleware
 
 from xinfer import __version__
 from xinfer.engine.async_engine import EngineUnavailable
@@ -19,8 +22,14 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 
 
 def build_app(
-    serving: Serving, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, with_ui: bool = False
+    serving: Serving,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    with_ui: bool = False,
+    allowed_origins: Sequence[str] = ("*",),
 ) -> FastAPI:
+    """The app serving ``serving``; browsers on ``allowed_origins`` (as vLLM's and llama.cpp's servers, every
+    one by default) may call it from their pages' scripts."""
     app = FastAPI(title="xinfer", version=__version__, docs_url="/docs", redoc_url=None)
     app.state.serving = serving
     app.state.responses = ResponseStore()
@@ -43,4 +52,8 @@ def build_app(
         mount_ui(app, api_key)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_origins:  # outside the key check (added last): a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     return app

@@ -230,6 +230,9 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
     serving.add_argument("--api-key", metavar="KEY",
                          help="require this key on every request, sent as Authorization: Bearer KEY or x-api-key: KEY "
                          "(default: no key)")
+    serving.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
+                         help="origins whose pages' scripts may call the API (CORS), e.g. https://app.example.com "
+                         "(default: every origin, *; none given: no CORS headers)")
     serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256, metavar="N",
                          help="sequences waiting to start beyond which a new request gets 429; also the most one "
                          "request may ask for (its prompts times n), beyond which it gets 400")

@@ -296,6 +296,8 @@ def async_engine(args: argparse.Namespace, config: EngineConfig) -> AsyncEngine:
 def listeners(args: argparse.Namespace) -> list[list[socket.socket]]:
     """The API's sockets, and with ``--ui-server`` the UI's; an address that cannot be had ends the command."""
     ports = [args.port] + ([args.ui_port or (args.port + 1 if args.port else 0)] if args.ui_server else [])
+    if len(ports) == 2 and ports[0] and ports[0] == ports[1]:
+        refuse(ValueError(f"--ui-port {ports[1]} is the API's --port: the chat UI needs a port of its own"))
     sockets: list[list[socket.socket]] = []
     try:
         for port in ports:
@@ -323,12 +325,13 @@ async def serve(
     serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
                       reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
                       tool_parser=args.enforce_parser, mcp=mcp)  # fmt: skip
-    app = build_app(serving, args.api_key, args.max_body_bytes)
+    app = build_app(serving, args.api_key, args.max_body_bytes, allowed_origins=args.allowed_origins)
     if args.pd_server:
         from xinfer.distributed.pd import PrefillServer
 
         app.include_router(PrefillServer(engine, args.pd_timeout, args.pd_transport).router())
-    apps = [app] + ([build_app(serving, args.api_key, args.max_body_bytes, with_ui=True)] if args.ui_server else [])
+    ui = [build_app(serving, args.api_key, args.max_body_bytes, True, args.allowed_origins)] if args.ui_server else []
+    apps = [app, *ui]
     servers = [_Server(uvicorn_config(each, args)) for each in apps]
     shutdown = GracefulShutdown(engine, servers, args.shutdown_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
