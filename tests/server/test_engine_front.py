@@ -259,6 +259,38 @@ def test_submit_refuses_more_sequences_than_the_queue_holds_whoever_calls_it():
     assert [choice.text for choice in accepted] == ["aa"] * 4
 
 
+def test_a_request_the_engine_took_is_counted_once_against_max_waiting():
+    """The engine thread had set ``stats`` (the request among its waiting sequences) before the event loop heard
+    that it took the request (still counted as being added): a request checked in between counted it twice ("8
+    sequences are waiting (limit 4)" under a burst, and a 429 too early). A request checked there now sees it
+    once: the thread's stats reach the loop after its answers."""
+
+    class Waiting(ScriptedEngine):  # the requests it takes wait: none is stepped
+        def has_unfinished(self):
+            return False
+
+        def stats(self):
+            return EngineStats(0, len(self.live), 0.0, 0, 0, 0)
+
+    async def body():
+        engine = AsyncEngine(Waiting, max_waiting=2)
+        engine.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+            first = asyncio.ensure_future(engine.submit([([1, 2, 3], SamplingParams(max_tokens=2))]))
+            await asyncio.sleep(0)  # sent to the engine thread
+            while not engine.engine.live:  # taken by it; the loop held, so it has not heard yet
+                time.sleep(0.001)
+            second = engine.submit([([1, 2, 3], SamplingParams(max_tokens=2))])
+            second.send(None)  # the queue check, at this very point (then it awaits the engine's answer)
+            second.close()
+            await first
+        finally:
+            engine.stop(timeout=5)
+
+    asyncio.run(body())  # (QueueFull: "2 sequences are waiting (limit 2)")
+
+
 def stream_through_openai(factory, **fields):
     """The text chunks of a streamed completion read by the official client, and the error it raised."""
 

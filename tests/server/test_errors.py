@@ -268,6 +268,8 @@ ROWS = [
         "",
     ),
     ("embedding of nothing", "/v1/embeddings", {"input": []}, {}, 400, "input", "empty"),
+    ("embedding input too long", "/v1/embeddings", {"input": LONG_TEXT}, {}, 400, "input", str(MAX_MODEL_LEN)),
+    ("responses input too long", "/v1/responses", {"input": LONG_TEXT}, {}, 400, "input", str(MAX_MODEL_LEN)),
     (
         "tokenize with prompt and messages",
         "/tokenize",
@@ -388,6 +390,30 @@ def test_bad_request(server, row):
         assert error["param"] == param, error
     if status == 401:
         assert response.headers["WWW-Authenticate"] == "Bearer"
+    if "too long" in row[0]:
+        assert error["code"] == "context_length_exceeded", error
+
+
+def test_an_empty_model_name_is_the_served_model(server, model):
+    """As vLLM takes it (an absent field is too)."""
+    response = server.post(CHAT, chat(model=""))
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+
+
+def test_a_body_nested_past_the_json_parsers_depth_is_parsed_and_its_deep_schema_named(server):
+    """pydantic's JSON parser stops at about 200 levels, Python's (FastAPI's, so vLLM's) does not: such a body is
+    valid JSON, and the error names what is too deep for the grammar engine (a tool's parameters nested 150
+    objects deep), not the body as invalid JSON."""
+    schema: dict = {"type": "string"}
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "deep", "parameters": schema}}
+    response = server.post(CHAT, chat(tools=[tool]))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "tools[0].function.parameters" in error["message"], error
+    assert "not valid JSON" not in error["message"]
 
 
 def test_wrong_method(server):

@@ -190,9 +190,8 @@ class AsyncEngine:
         handle.accepted = self._event_loop.create_future()
         for position, output in enumerate(handle.outputs):
             self._handles[output.request_id] = (handle, position)
+        self._num_adding += len(handle.choices)  # until the engine thread's answer reaches the loop (_resolve)
         self._send("add", (handle, prompts))
-        num_sequences = len(handle.choices)
-        self._num_adding += num_sequences
         try:
             await handle.accepted
         except BaseException:
@@ -200,8 +199,6 @@ class AsyncEngine:
             for output in handle.outputs:
                 self._handles.pop(output.request_id, None)
             raise
-        finally:
-            self._num_adding -= num_sequences
         return handle
 
     def check_sequences(self, num_sequences: int) -> None:
@@ -331,7 +328,7 @@ class AsyncEngine:
                 self._step_started = time.monotonic()
                 outputs = processor.step()
                 self._step_started = None
-                self.stats = engine.stats()
+                self._publish_stats(engine)
                 if outputs:
                     self._event_loop.call_soon_threadsafe(self._deliver, outputs)
 
@@ -345,9 +342,9 @@ class AsyncEngine:
             except Exception as error:  # noqa: BLE001 - the request fails, the loop goes on
                 for output in handle.outputs:
                     processor.abort(output.request_id)
-                self._resolve(handle.accepted, error=error)
+                self._resolve(handle.accepted, error=error, added=len(handle.choices))
             else:
-                self._resolve(handle.accepted, result=None)
+                self._resolve(handle.accepted, result=None, added=len(handle.choices))
         elif command == "abort":
             for request_id in payload:
                 processor.abort(request_id)
@@ -363,10 +360,22 @@ class AsyncEngine:
                 self._resolve(future, result=work(engine))
             except Exception as error:  # noqa: BLE001 - the caller's error; the loop goes on
                 self._resolve(future, error=error)
-        self.stats = engine.stats()
+        self._publish_stats(engine)
 
-    def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    def _publish_stats(self, engine: LLMEngine) -> None:
+        """``stats`` set on the event loop, after the answers to the commands before it: a request the engine has
+        queued is counted once, in its waiting sequences, never also as being added (``_num_adding``)."""
+        stats = engine.stats()
+        self._event_loop.call_soon_threadsafe(setattr, self, "stats", stats)
+
+    def _resolve(
+        self, future: asyncio.Future, result: Any = None, error: BaseException | None = None, added: int = 0
+    ) -> None:
+        """``future``'s outcome set on the event loop; ``added``: the sequences of a request the engine took
+        (or refused), no longer being added once it is."""
+
         def set_outcome() -> None:
+            self._num_adding -= added
             if future.done():
                 return
             if error is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TypeVar
 
 from fastapi import Request
@@ -26,7 +27,21 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
+        if not too_deep(error):
+            raise from_validation(error) from None
+    # pydantic's JSON parser stops at a fixed depth (about 200 levels: a deep JSON schema in response_format or
+    # tools reaches it); Python's parser, which vLLM's FastAPI bodies go through, goes as deep as its stack
+    try:
+        data = json.loads(raw)
+        return model.model_validate(data)
+    except RecursionError:
+        raise bad_request("the body nests too deeply to parse") from None
+    except ValidationError as error:
         raise from_validation(error) from None
+
+
+def too_deep(error: ValidationError) -> bool:
+    return any(e["type"] == "json_invalid" and "recursion limit" in e["msg"] for e in error.errors())
 
 
 async def read_limited(request: Request, limit: int) -> bytes:

@@ -87,7 +87,7 @@ def request_params(
         raise bad_request(
             f"the prompt has {num_prompt_tokens} tokens, the model's context is {max_model_len} tokens: "
             f"shorten the prompt to leave room for at least one generated token",
-            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            param=body.prompt_name,
             code="context_length_exceeded",
         )
     token_limit = body.token_limit

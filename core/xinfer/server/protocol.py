@@ -230,14 +230,20 @@ class SamplingFields(RequestBody):
     structured_outputs: StructuredOutputsBody | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep a prompt's last tokens (-1: as many as the context holds)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: score each prompt token
-    # the field a client set the token limit by, for errors (a route that translates its own body renames it)
+    # the fields a client set the token limit and the prompt by, for errors (a route that translates its own body
+    # renames them)
     _token_limit_name: str = PrivateAttr("max_tokens")
+    _prompt_name: str = PrivateAttr("prompt")
     # the token limit of a request that gives none (None: the rest of the context), unless --max-tokens is set
     default_max_tokens: ClassVar[int | None] = None
 
     @property
     def token_limit_name(self) -> str:
         return self._token_limit_name
+
+    @property
+    def prompt_name(self) -> str:
+        return self._prompt_name
 
     @model_validator(mode="before")
     @classmethod
@@ -304,6 +310,8 @@ class SamplingFields(RequestBody):
 
 
 class ChatCompletionRequest(SamplingFields):
+    _prompt_name: str = PrivateAttr("messages")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -92,7 +92,8 @@ class Serving:
         return self.llm.hf_config.vocab_size
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name and name not in self.aliases:
+        """A request may name this server's model or an alias, or none (no field, or "", as vLLM takes it)."""
+        if name and name != self.model_name and name not in self.aliases:
             message = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
             raise APIError(404, message, param="model", code="model_not_found")
 

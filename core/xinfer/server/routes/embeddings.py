@@ -24,6 +24,10 @@ async def create_embeddings(request: Request) -> JSONResponse:
     body = await parse_body(request, EmbeddingRequest)
     serving.check_model(body.model)
     inputs = encode_prompts(lambda: serving.tokenizer, body.input, serving.vocab_size, "input")
+    for tokens in inputs:
+        if len(tokens) > serving.max_model_len:
+            message = f"the input has {len(tokens)} tokens, the model's context is {serving.max_model_len} tokens"
+            raise bad_request(message, param="input", code="context_length_exceeded")
     hidden_size = serving.llm.hf_config.hidden_size
     if body.dimensions is not None and body.dimensions != hidden_size:
         raise bad_request(f"this model's embeddings have {hidden_size} dimensions", param="dimensions")
