@@ -4,6 +4,8 @@ exceed one layer's; and the start-up fit check counts the weights packed."""
 
 from __future__ import annotations
 
+import logging
+
 import gguf
 import pytest
 import torch
@@ -164,9 +166,16 @@ def moe_gguf(request, tmp_path_factory):
     return path
 
 
-def test_a_gguf_file_quantizes_its_float_weights_as_they_load_and_keeps_its_packed_ones(moe_gguf):
-    got = load_model(moe_gguf, load_config(moe_gguf), CPU, FP32, "gguf", "q8_0")
-    assert_same_tensors(got, load_then_quantize(moe_gguf, "gguf", "q8_0"))
+def test_a_gguf_file_quantizes_its_float_weights_as_they_load_and_keeps_its_packed_ones(moe_gguf, caplog):
+    """... and says so once, naming the formats kept (``xinfer --isq q4_k`` on a Q4_1 file was silently the file)."""
+    with caplog.at_level(logging.WARNING, logger="xinfer"):
+        got = load_model(moe_gguf, load_config(moe_gguf), CPU, FP32, "gguf", "q4_0")
+    assert_same_tensors(got, load_then_quantize(moe_gguf, "gguf", "q4_0"))
+    kept = sorted({p.format.name for p in got.parameters() if isinstance(p, QuantizedTensor)} - {"q4_0"})
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--isq")]
+    expected = [f"--isq q4_0: the weights the checkpoint holds packed ({', '.join(kept)}) stay as they are: --isq "
+                "packs float weights"] if kept else []  # fmt: skip
+    assert warnings == expected
 
 
 @pytest.mark.parametrize("isq, fallback", [("q2_k", "q4_0"), ("q3_k", "q4_0"), ("q4_k", "q5_0"), ("q5_k", "q5_1"),

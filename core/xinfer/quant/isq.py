@@ -115,6 +115,7 @@ class LoadQuantizer:
     def __init__(self, mode: IsqMode, device: torch.device):
         self.mode, self.device = mode, device
         self.fallbacks = 0  # weights packed in the mode's format's fallback
+        self._packed: set[int] = set()  # ids of the weights it packed
         # the weights it allocated, until it packs them (not held: one the checkpoint fills packed goes)
         self._filling: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
@@ -139,21 +140,36 @@ class LoadQuantizer:
         if id(param) not in self._filling or fmt is None:
             return
         del self._filling[id(param)]
-        replace_parameter(model, param, packed(param, fmt))
+        self._packed.add(id(replace_parameter(model, param, packed(param, fmt))))
         self.fallbacks += fmt is not self.mode.fmt
 
     def finish(self, model: nn.Module) -> None:
         """Once the model is loaded: the weights loading left packed in another format that the mode packs
-        (``--isq w2``'s experts of an MXFP4 checkpoint or a GGUF file) packed again, and a line on the weights
-        packed in the fallback format."""
+        (``--isq w2``'s experts of an MXFP4 checkpoint or a GGUF file) packed again, a line on the weights
+        packed in the fallback format, and a warning naming the formats of those the checkpoint held packed, which
+        a mode of every weight leaves as they are (a GGUF file's)."""
         for module, name in self.targets(model):
             param = getattr(module, name)
             if isinstance(param, QuantizedTensor) and (fmt := self.mode.format_for(module, name, param)):
-                replace_parameter(model, param, packed(param, fmt))
+                self._packed.add(id(replace_parameter(model, param, packed(param, fmt))))
                 self.fallbacks += fmt is not self.mode.fmt
         if self.fallbacks:
             log.info("--isq: %d weights whose rows are not whole blocks of %d values are in %s", self.fallbacks,
                      self.mode.fmt.block_values, self.mode.fmt.fallback)  # fmt: skip
+        kept = sorted(
+            {part.format.name for param in self._packed_by_checkpoint(model) for part in param.parts or [param]}
+        )
+        if kept:
+            log.warning("--isq %s: the weights the checkpoint holds packed (%s) stay as they are: --isq packs float "
+                        "weights", self.mode.fmt.name, ", ".join(kept))  # fmt: skip
+
+    def _packed_by_checkpoint(self, model: nn.Module) -> list[QuantizedTensor]:
+        """The quantizable weights the checkpoint held packed and a mode of every weight left so."""
+        if self.mode.experts_only:
+            return []
+        return [param for module in model.modules() for name, param in module.named_parameters(recurse=False)
+                if name in getattr(module, "quantized_weights", ()) and isinstance(param, QuantizedTensor)
+                and id(param) not in self._packed]  # fmt: skip
 
     def leave_unallocated(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         """A parameter registration hook (``torch.nn.modules.module``): a weight the mode packs is put on the
