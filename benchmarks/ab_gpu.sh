@@ -10,8 +10,8 @@ ROUNDS=${ROUNDS:-2}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || exit 1
 export PYTHONUNBUFFERED=1
 install() {
-  (cd "$1" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/llama -e plugins/qwen \
-    -e plugins/gemma -e backends/cpu -e backends/cuda > "$OUT/install-$2.log" 2>&1) || { tail "$OUT/install-$2.log"; exit 1; }
+  (cd "$1" && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . $(printf -- "-e %s " plugins/*) \
+    -e backends/cpu -e backends/cuda > "$OUT/install-$2.log" 2>&1) || { tail "$OUT/install-$2.log"; exit 1; }
 }
 for round in $(seq "$ROUNDS"); do
   for tree in old new; do

@@ -108,6 +108,9 @@ def steps(gpt_fast_dir: str) -> dict[str, list[str]]:
         # attention block's launches before the fusions beside today's, per op, in CUDA graphs
         "mla-moonlight": [PY, str(HERE / "mla.py")],
         "mla-layer": [PY, str(HERE / "mla_layer.py")],
+        # issue #34: Qwen3.6-35B-A3B (Gated DeltaNet + attention, MoE): batch-1 decode against its bandwidth limit
+        # (a 4,096-token engine: the config's 262,144 do not fit beside 67 GB of weights on an H100)
+        "hybrid-qwen3.6": [PY, str(HERE / "hybrid.py"), "--max-model-len", "4096", "--skip-throughput"],
         # issue #36: DeepSeek-V4-Flash's layers, 8 of its 43 (108 GB of bf16): batch-1 decode against its bandwidth
         # limit (torch references, no step graphs), the cache's tokens per GiB at 128k against an MLA cache
         "deepseek-v4-flash": [PY, str(HERE / "deepseek_v4.py")],

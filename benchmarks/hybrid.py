@@ -12,6 +12,7 @@ and the attention layers' KV at the mean context length.
 
     python benchmarks/hybrid.py [--shape qwen3.6-35b-a3b] [--input-len 128] [--output-len 256]
     python benchmarks/hybrid.py --shape qwen3.6-27b
+    python benchmarks/hybrid.py --max-model-len 4096 --skip-throughput   # batch 1 alone, on an 80 GB GPU
     python benchmarks/hybrid.py --smoke   # checks the script on the CPU (a tiny Qwen3.6-MoE shape, fp32)
 
 Qwen3.6-35B-A3B's shape, one bf16 decode step at context 0 (h = 2048; 10 attention layers of
@@ -100,12 +101,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--max-model-len", type=int, help="the engine's (default the config's: 262,144 needs an H200)")
     parser.add_argument(
         "--smoke", action="store_true", help="check this script on the CPU: a tiny Qwen3.6-MoE shape, fp32, short runs"
     )
     args = parser.parse_args()
     shape = SMOKE_SHAPE if args.smoke else args.shape
-    result = decode_against_limit(shape, args.smoke, args.input_len, args.output_len, decode_bytes_per_token)
+    result = decode_against_limit(shape, args.smoke, args.input_len, args.output_len, decode_bytes_per_token,
+                                  args.max_model_len)  # fmt: skip
     config, itemsize = SHAPES[shape](), 4 if args.smoke else 2
     input_len, output_len = (16, 8) if args.smoke else (args.input_len, args.output_len)
     result["bytes_per_token"] = {

@@ -92,16 +92,19 @@ def decode_against_limit(
     input_len: int,
     output_len: int,
     bytes_per_token: Callable[[PretrainedConfig, float, int], float],
+    max_model_len: int | None = None,
 ) -> dict:
     """Batch-1 decode of ``shape`` (bf16; fp32 on the CPU with ``smoke``, short) against the copy bandwidth over
-    the bytes a token moves at the run's mean context (``bytes_per_token(config, context, itemsize)``)."""
+    the bytes a token moves at the run's mean context (``bytes_per_token(config, context, itemsize)``);
+    ``max_model_len``: the engine's, where the config's does not fit beside the weights (Qwen3.6-35B-A3B's 262,144
+    on an 80 GB GPU)."""
     dtype, itemsize, device = ("float32", 4, "cpu") if smoke else ("bfloat16", 2, "auto")
     input_len, output_len = (16, 8) if smoke else (input_len, output_len)
     # steps of at most the prompt: the memory plan keeps no room for 8,192-token steps (DeepSeek V4's 8 layers
     # leave too little beside its 108 GB of weights)
     decode = offline(shape, dtype, "--device", device, "--batch", "1", "--input-len", str(input_len), "--output-len",
                      str(output_len), "--max-num-seqs", "1", "--max-num-batched-tokens", str(input_len),
-                     "--profile")  # fmt: skip
+                     *(["--max-model-len", str(max_model_len)] if max_model_len else []), "--profile")  # fmt: skip
     bandwidth = float("nan") if smoke else copy_bandwidth()  # after the run: its 8 GiB of buffers would crowd it
     limit = bandwidth / bytes_per_token(SHAPES[shape](), input_len + output_len / 2, itemsize)
     return {
