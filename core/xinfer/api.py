@@ -33,10 +33,14 @@ class LLM:
     ``LLM(model="path", dtype="bfloat16", block_size=16, ...)`` takes any option of
     :class:`xinfer.config.EngineConfig` by name; ``tensor_parallel_size=2`` splits the model
     over two processes (docs/distributed.md). ``tokenizer``: one that encodes, or the path of an HF
-    folder or ``.gguf`` file holding one (default: the model's own).
+    folder or ``.gguf`` file holding one (default: the model's own). vLLM's ``gpu_memory_utilization``
+    is ``kv_fraction``; its ``max_logprobs`` bounds a request's ``logprobs`` and ``prompt_logprobs``
+    (default, or -1: no bound but the vocabulary); its ``trust_remote_code`` changes nothing (no model code
+    is ever loaded from a checkpoint) and ``tokenizer_mode`` takes "auto" alone.
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **options: Any):
+        options, self.max_logprobs = _vllm_options(options)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options), tokenizer)
         self.processor = OutputProcessor(self.engine)
         self.tokenizer = self.engine.tokenizer
@@ -56,37 +60,47 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: Params = None,
-        *,
+        use_tqdm: bool = True,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
-        use_tqdm: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
-        **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates. A message's
-        content may be a list of parts: ``{"type": "text", "text": ...}`` and, for a model that
-        takes images, ``{"type": "image_pil", "image_pil": PIL image}`` (vLLM's name; ``"image"``
-        with the image under ``"image"`` too), which the template receives as ``{"type": "image"}``.
+        """Renders each conversation with the model's chat template (or ``chat_template``, a template's
+        source), then generates; vLLM's signature. A message's content may be a list of parts:
+        ``{"type": "text", "text": ...}`` and, for a model that takes images, ``{"type": "image_pil",
+        "image_pil": PIL image}`` (vLLM's name; ``"image"`` with the image under ``"image"`` too), which the
+        template receives as ``{"type": "image"}``. ``chat_template_content_format``: "auto" gives the
+        template a message of text parts alone as one string, the parts joined by newlines, as the server
+        does (most templates write ``content`` as a string); "string" always; "openai" never.
         ``continue_final_message``: the prompt ends with the final message's text (with
-        ``add_generation_prompt=False``), which the answer goes on with. The template's own variables
-        come as ``chat_template_kwargs`` (vLLM's way) or as keywords."""
+        ``add_generation_prompt=False``), which the answer goes on with. The template's own variables come
+        as ``chat_template_kwargs``."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: one of "
+                             f"{', '.join(CONTENT_FORMATS)}")  # fmt: skip
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
-        template_kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         conversations = _conversations(messages)
-        tokenizer, template = self.tokenizer, getattr(self.tokenizer, "chat_template", None)
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token ids to generate()")
+        template = tokenizer.template_from(chat_template) if chat_template is not None else tokenizer.chat_template
         if template is None:
-            raise ValueError("this model has no chat template")
+            raise ValueError("this model has no chat template: pass chat_template, or prompts to generate()")
         prompts = []
         for conversation in conversations:
-            conversation, images = _images_apart(conversation)
+            conversation, images = _images_apart(conversation, chat_template_content_format)
             text = template.render(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 continue_final_message=continue_final_message,
-                **template_kwargs,
+                **(chat_template_kwargs or {}),
             )
             # the template writes BOS itself
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
@@ -94,10 +108,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None, use_tqdm: bool = True
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: Params = None,
+        use_tqdm: bool = True,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in the order of ``prompts``. ``use_tqdm``: a
         progress bar of the finished requests (on stderr)."""
+        _no_lora(lora_request)
         outputs = self._add(prompts, sampling_params)
         with tqdm(total=len(outputs), desc="Generating", unit="request", disable=not use_tqdm) as bar:
             for delta in self.processor.run(outputs):
@@ -118,6 +137,8 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else _params_list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in params:
+            self._check_logprobs(p)
         outputs = []
         try:
             for prompt, p in zip(prompts, params):
@@ -130,6 +151,14 @@ class LLM:
                 self.processor.abort(output.request_id)
             raise
         return outputs
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if self.max_logprobs not in (None, -1) and asked is not None and not 0 <= asked <= self.max_logprobs:
+                raise ValueError(
+                    f"{name} {asked} is more than max_logprobs {self.max_logprobs} (LLM(max_logprobs=...))"
+                )
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -149,6 +178,30 @@ class LLM:
 
 
 PROMPT_FORMS = "a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def _vllm_options(options: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """``options`` with vLLM's names of xinfer's options renamed and those that change nothing here taken out,
+    and ``max_logprobs`` (see :class:`LLM`)."""
+    options = dict(options)
+    if "gpu_memory_utilization" in options:
+        if "kv_fraction" in options:
+            raise TypeError("give gpu_memory_utilization (vLLM's name) or kv_fraction, not both")
+        options["kv_fraction"] = options.pop("gpu_memory_utilization")
+    options.pop("trust_remote_code", None)
+    mode = options.pop("tokenizer_mode", "auto")
+    if mode != "auto":
+        raise ValueError(f"tokenizer_mode {mode!r}: only 'auto' (the checkpoint's tokenizer.json or GGUF vocabulary)")
+    max_logprobs = options.pop("max_logprobs", None)
+    if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)):
+        raise WrongTypeError(f"max_logprobs must be an integer, got {_described(max_logprobs)}")
+    return options, max_logprobs
+
+
+def _no_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: xinfer serves no LoRA adapters; merge the adapter into the weights")
 
 
 def _prompt_list(prompts: Any) -> list[Any]:
@@ -194,8 +247,11 @@ def _all_dicts(conversation: Any) -> bool:
     return isinstance(conversation, list) and all(isinstance(message, dict) for message in conversation)
 
 
-def _images_apart(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The conversation with each image part as ``{"type": "image"}``, and the images in order."""
+def _images_apart(
+    conversation: list[dict[str, Any]], content_format: str = "auto"
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation with each image part as ``{"type": "image"}``, and the images in order; a message of
+    text parts alone as one string (``content_format`` "auto" or "string"; see :meth:`LLM.chat`)."""
     images: list[Any] = []
     messages = []
     for message in conversation:
@@ -208,7 +264,9 @@ def _images_apart(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, An
                     images.append(part[kind])
                     part = {"type": "image"}
                 parts.append(part)
-            message = {**message, "content": parts}
+            texts = all(part.get("type") == "text" for part in parts)
+            joined = content_format == "string" or (content_format == "auto" and texts)
+            message = {**message, "content": "\n".join(p.get("text", "") for p in parts) if joined else parts}
         messages.append(message)
     return messages, images
 

@@ -95,6 +95,8 @@ class SamplingParams:
             raise WrongTypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not (self.stop_token_ids is None or _all_of(self.stop_token_ids, numbers.Integral)):
             raise WrongTypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if not (self.logit_bias is None or isinstance(self.logit_bias, dict)):
+            raise WrongTypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
 
     @property
     def greedy(self) -> bool:

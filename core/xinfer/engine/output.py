@@ -32,8 +32,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # None: not asked for
     error: str | None = None  # why the engine failed this choice (finish reason "error")
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's (RequestOutput.finished is a field, as vLLM's)
         return self.finish_reason is not None
 
     @property
@@ -79,7 +78,7 @@ class RequestOutput:
                 choice.logprobs += new.logprobs or []
             choice.finish_reason, choice.stop_reason, choice.error = new.finish_reason, new.stop_reason, new.error
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        self.finished = all(o.finished for o in self.outputs)
+        self.finished = all(o.finished() for o in self.outputs)
 
 
 @dataclass

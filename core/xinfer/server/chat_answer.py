@@ -110,18 +110,18 @@ class ChatAnswer(Answer):
             stream = splits[index]
             if stream is not None:
                 reasoning, content = stream.push(out.text)
-                if out.finished:
+                if out.finished():
                     more_reasoning, more_content = stream.finish()
                     reasoning, content = reasoning + more_reasoning, content + more_content
             pieces: list[ToolCallDeltaItem] = []
             call_stream = calls[index]
             if call_stream is not None:
-                content, pieces = self._tool_deltas(call_stream, content, out.finished)
-            if not reasoning and not content and not pieces and not out.finished and logprobs is None:
+                content, pieces = self._tool_deltas(call_stream, content, out.finished())
+            if not reasoning and not content and not pieces and not out.finished() and logprobs is None:
                 continue  # text held back (a possible stop string, tag or call, an unfinished character)
             delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
             called = call_stream is not None and bool(call_stream.calls)
-            reason = finish_reason(out.finish_reason, called) if out.finished else None
+            reason = finish_reason(out.finish_reason, called) if out.finished() else None
             yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
     def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:

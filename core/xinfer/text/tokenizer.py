@@ -42,7 +42,10 @@ def has_tokenizer(path: Path) -> bool:
 
 
 class Tokenizer:
-    """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS and the chat template."""
+    """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS and the chat template. It answers
+    what code written for the HF tokenizer that vLLM's ``get_tokenizer()`` returns asks of one most
+    (``tok(text)``, ``len(tok)``, ``eos_token_id``, ``batch_decode``, ``apply_chat_template(...,
+    tokenize=False)``, ``convert_ids_to_tokens``, ``get_vocab``)."""
 
     def __init__(
         self,
@@ -52,12 +55,15 @@ class Tokenizer:
         extra_eos_ids: Iterable[int] = (),
         chat_template: ChatTemplate | None = None,
         byte_tokens: ByteTokenDecoder | None = None,
+        pad_token: str | None = None,
     ):
         self.backend = backend
         self.byte_tokens = byte_tokens
-        self.bos_token, self.eos_token = bos_token, eos_token
-        self.bos_token_id = _id(backend, bos_token)
-        declared = {_id(backend, eos_token)} | set(extra_eos_ids)
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (
+            _id(backend, t) for t in (bos_token, eos_token, pad_token)
+        )
+        declared = {self.eos_token_id} | set(extra_eos_ids)
         self.eos_token_ids: set[int] = {i for i in declared if i is not None}
         self.chat_template = chat_template
 
@@ -80,8 +86,9 @@ class Tokenizer:
             raise ModelFileError(f"{folder / 'tokenizer.json'}: not a tokenizer ({first_line(error)})") from None
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
-        bos = _token_text(config.get("bos_token", special_map.get("bos_token")))
-        eos = _token_text(config.get("eos_token", special_map.get("eos_token")))
+        bos, eos, pad = (
+            _token_text(config.get(key, special_map.get(key))) for key in ("bos_token", "eos_token", "pad_token")
+        )
         # tokenizer.json's post-processor already adds what the model wants; the config's
         # add_bos/add_eos flags only fill in for a tokenizer.json that has none
         if backend.post_processor is None:
@@ -89,7 +96,7 @@ class Tokenizer:
             backend.post_processor = post_processor(bos, _id(backend, bos), eos, _id(backend, eos), add_bos, add_eos)
         # generation stops on every EOS the model declares, not only the tokenizer's own
         template = _folder_chat_template(folder, config, bos, eos)
-        return cls(backend, bos, eos, declared_eos_ids(folder), template)
+        return cls(backend, bos, eos, declared_eos_ids(folder), template, pad_token=pad)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -98,14 +105,16 @@ class Tokenizer:
         backend = build_tokenizer(meta)
         tokens = meta["tokenizer.ggml.tokens"]
         bos_id, eos_id = special_token_id(meta, "bos"), special_token_id(meta, "eos")
-        bos = tokens[bos_id] if bos_id is not None else None
-        eos = tokens[eos_id] if eos_id is not None else None
+        pad_id = meta.get("tokenizer.ggml.padding_token_id")
+        bos, eos, pad = (
+            tokens[i] if i is not None and 0 <= i < len(tokens) else None for i in (bos_id, eos_id, pad_id)
+        )
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", adds_bos_by_default(meta)))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         backend.post_processor = post_processor(bos, bos_id, eos, eos_id, add_bos, add_eos)
         source = meta.get("tokenizer.chat_template")
         template = ChatTemplate(source, f"GGUF metadata of {gguf.path}", bos, eos) if source else None
-        return cls(backend, bos, eos, end_of_generation_ids(meta), template, byte_token_decoder(meta, backend))
+        return cls(backend, bos, eos, end_of_generation_ids(meta), template, byte_token_decoder(meta, backend), pad)
 
     # -- text <-> ids -------------------------------------------------------------------
 
@@ -131,25 +140,55 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
 
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """HF's ``tok(text)`` (``input_ids``, ``attention_mask``; of each text for a list of them)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        rows = [self.encode(t, add_special_tokens) for t in text]
+        return {"input_ids": rows, "attention_mask": [[1] * len(row) for row in rows]}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
     def apply_chat_template(
         self,
         messages: Sequence[Any],
         add_generation_prompt: bool = True,
         tools: Sequence[Any] | None = None,
+        tokenize: bool = True,
+        chat_template: str | None = None,
         **extra: Any,
-    ) -> list[int]:
-        """Render with the model's template, then encode without adding BOS again (the
-        template writes it where the model wants it)."""
-        if self.chat_template is None:
+    ) -> list[int] | str:
+        """Render with the model's template (or ``chat_template``, a template's source), then, with
+        ``tokenize``, encode without adding BOS again (the template writes it where the model wants it)."""
+        template = self.chat_template if chat_template is None else self.template_from(chat_template)
+        if template is None:
             raise ValueError("this model has no chat template; use plain prompts")
-        text = self.chat_template.render(messages, add_generation_prompt, tools, **extra)
-        return self.encode(text, add_special_tokens=False)
+        text = template.render(messages, add_generation_prompt, tools, **extra)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def template_from(self, source: str) -> ChatTemplate:
+        """A chat template given by its source, with this tokenizer's BOS and EOS."""
+        return ChatTemplate(source, "the chat_template argument", self.bos_token, self.eos_token)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str | None] | None:
+        return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | list[int | None] | None:
+        return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
 
     @property
     def vocab_size(self) -> int:

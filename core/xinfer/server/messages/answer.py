@@ -111,12 +111,12 @@ class MessageAnswer:
                 reasoning, text = "", out.text
                 if split_stream is not None:
                     reasoning, text = split_stream.push(text)
-                    if out.finished:
+                    if out.finished():
                         more_reasoning, more_text = split_stream.finish()
                         reasoning, text = reasoning + more_reasoning, text + more_text
                 pieces: list[ToolCallDelta] = []
                 if call_stream is not None:
-                    deltas = [call_stream.push(text)] + ([call_stream.finish()] if out.finished else [])
+                    deltas = [call_stream.push(text)] + ([call_stream.finish()] if out.finished() else [])
                     text = "".join(d.content for d in deltas)
                     pieces = [
                         piece for d in deltas for piece in d.tool_calls if prompt.tools.parallel or piece.index == 0
@@ -126,7 +126,7 @@ class MessageAnswer:
                 for piece in pieces:
                     for event in blocks.write_call(piece):
                         yield event
-                last = out if out.finished else last
+                last = out if out.finished() else last
         except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
             yield typed_sse_event("error", server_failure(error, "a messages stream").body(ANTHROPIC_PATHS))
             return

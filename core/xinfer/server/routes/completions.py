@@ -140,5 +140,5 @@ class CompletionAnswer(Answer):
                 yield self.text_chunk(index, self.echo(index))
         async for index, out in self.serving.engine.stream(self.handle):
             self.add_logprobs(index, out.token_ids, out.logprobs)
-            if out.text or out.finished or self.logprobs[index] is not None:
-                yield self.text_chunk(index, out.text, out.finish_reason if out.finished else None)
+            if out.text or out.finished() or self.logprobs[index] is not None:
+                yield self.text_chunk(index, out.text, out.finish_reason if out.finished() else None)

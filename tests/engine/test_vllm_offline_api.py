@@ -1,0 +1,84 @@
+"""What code written for vLLM's offline API asks of ``LLM`` beyond generating (a QA pass with vLLM's documented
+calls found each of these missing): the tokenizer ``get_tokenizer()`` returns answering as the HF one vLLM
+returns, ``chat``'s own template and its text parts, ``CompletionOutput.finished()``, vLLM's engine options, and
+bad values refused naming the field. On the embedded default model (SmolLM2-135M-Instruct Q4_1), whose
+tokenizer transformers also reads from the GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.loading.gguf_models import SMOLLM, hf_tokenizer
+from xinfer import LLM, SamplingParams
+from xinfer.errors import WrongTypeError
+
+HI = [{"role": "user", "content": "What is 2+2?"}]
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+PLAIN_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_blocks=64, max_model_len=256)
+
+
+def test_the_tokenizer_answers_as_the_hf_one(llm):
+    tok, hf = llm.get_tokenizer(), hf_tokenizer(SMOLLM)
+    text = "Hello, world! 2+2=4"
+    assert tok(text)["input_ids"] == hf(text)["input_ids"]
+    assert tok([text, "hi"])["input_ids"] == hf([text, "hi"])["input_ids"]
+    assert (tok.eos_token_id, tok.bos_token_id) == (hf.eos_token_id, hf.bos_token_id)
+    assert len(tok) == len(hf)
+    ids = hf(text)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+    assert tok.convert_tokens_to_ids(hf.convert_ids_to_tokens(ids)) == ids
+    assert tok.batch_decode([ids, ids[:2]]) == hf.batch_decode([ids, ids[:2]])
+    assert tok.get_vocab() == hf.get_vocab()
+    rendered = tok.apply_chat_template(HI, tokenize=False, add_generation_prompt=True)
+    assert rendered == hf.apply_chat_template(HI, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(HI) == tok.encode(rendered, add_special_tokens=False)
+
+
+def test_chat_renders_with_the_template_it_is_given(llm):
+    out = llm.chat(HI, GREEDY, use_tqdm=False, chat_template=PLAIN_TEMPLATE)[0]
+    assert out.prompt == "[user] What is 2+2?\n[assistant] "
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+
+
+def test_text_parts_reach_a_string_template_as_one_string(llm):
+    """SmolLM2's template adds ``content`` to strings: a message of text parts is their text, joined by newlines, as
+    vLLM's "auto" content format and the server give it ("openai" keeps the parts, which that template cannot
+    write)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}]
+    joined = [{"role": "user", "content": "What is\n2+2?"}]
+    got = llm.chat(parts, GREEDY, use_tqdm=False)[0]
+    assert got.prompt == llm.chat(joined, GREEDY, use_tqdm=False)[0].prompt
+    assert got.outputs[0].finished() and got.finished  # a method of a choice, a field of the request (vLLM's)
+    with pytest.raises(ValueError, match="chat_template_content_format 'json'"):
+        llm.chat(parts, GREEDY, chat_template_content_format="json")
+
+
+def test_bad_values_are_refused_naming_them(llm):
+    with pytest.raises(TypeError):  # a misspelled keyword is not a template variable
+        llm.chat(HI, GREEDY, add_generation_promt=False)
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.generate("Hi", GREEDY, lora_request=object())
+    with pytest.raises(WrongTypeError, match="logit_bias must be a dict"):
+        SamplingParams(logit_bias=[1, 2])
+
+
+def test_vllm_engine_options(tmp_path):
+    """``gpu_memory_utilization`` is ``kv_fraction``; ``trust_remote_code`` changes nothing; ``tokenizer_mode`` takes
+    "auto"; ``max_logprobs`` bounds the logprobs a request asks for."""
+    llm = LLM(num_blocks=16, max_model_len=64, gpu_memory_utilization=0.5, trust_remote_code=True,
+              tokenizer_mode="auto", max_logprobs=3)  # fmt: skip
+    assert llm.engine.config.cache.kv_fraction == 0.5
+    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2, logprobs=3), use_tqdm=False)[0]
+    assert all(len(entry) >= 3 for entry in out.outputs[0].logprobs)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} 4 is more than max_logprobs 3"):
+            llm.generate("Hi", SamplingParams(max_tokens=2, **{field: 4}), use_tqdm=False)
+    with pytest.raises(ValueError, match="tokenizer_mode 'slow'"):
+        LLM(tokenizer_mode="slow")
+    with pytest.raises(TypeError, match="not both"):
+        LLM(gpu_memory_utilization=0.5, kv_fraction=0.5)
