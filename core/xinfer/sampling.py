@@ -40,6 +40,7 @@ class SamplingParams:
     detokenize: bool = True  # False: no text (token ids only), as vLLM's
     structured_outputs: StructuredOutputs | None = None  # a dict of its fields is taken too
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may generate
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -72,6 +73,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM's)
             value = getattr(self, name)
             _check(value is None or value >= -1, f"{name} must be >= 0, or -1 for the whole vocabulary, got {value}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted({int(token) for token in self.allowed_token_ids})
+            _check(bool(self.allowed_token_ids), "allowed_token_ids must not be empty")
+            _check(self.allowed_token_ids[0] >= 0, f"allowed_token_ids must be >= 0, got {self.allowed_token_ids[0]}")
         if self.logit_bias:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
             _check(min(self.logit_bias) >= 0, f"logit_bias token ids must be >= 0, got {min(self.logit_bias)}")
@@ -97,6 +102,8 @@ class SamplingParams:
             raise WrongTypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if not (self.logit_bias is None or isinstance(self.logit_bias, dict)):
             raise WrongTypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        if not (self.allowed_token_ids is None or _all_of(self.allowed_token_ids, numbers.Integral)):
+            raise WrongTypeError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

@@ -82,3 +82,20 @@ def test_vllm_engine_options(tmp_path):
         LLM(tokenizer_mode="slow")
     with pytest.raises(TypeError, match="not both"):
         LLM(gpu_memory_utilization=0.5, kv_fraction=0.5)
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(llm):
+    """vLLM's ``allowed_token_ids``: greedy takes the likeliest of them (by the unconstrained step's log-probabilities),
+    and sampling never leaves them."""
+    first = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1, logprobs=-1),
+                         use_tqdm=False)[0].outputs[0].logprobs[0]  # fmt: skip
+    ranked = sorted(first, key=lambda token: -first[token])
+    allowed = [ranked[8], ranked[4]]
+    greedy = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed)
+    assert llm.generate("The capital of France is", greedy, use_tqdm=False)[0].outputs[0].token_ids == [ranked[4]]
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(llm.generate("Hi", sampled, use_tqdm=False)[0].outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids token ids must be below the vocabulary's"):
+        llm.generate("Hi", SamplingParams(allowed_token_ids=[10**9]), use_tqdm=False)

@@ -268,6 +268,16 @@ ROWS = [
         "",
     ),
     ("embedding of nothing", "/v1/embeddings", {"input": []}, {}, 400, "input", "empty"),
+    (
+        "allowed token ids past the vocabulary",
+        CHAT,
+        chat(allowed_token_ids=[10**9]),
+        {},
+        400,
+        "allowed_token_ids",
+        "token ids",
+    ),
+    ("allowed token ids empty", CHAT, chat(allowed_token_ids=[]), {}, 400, "allowed_token_ids", "at least 1"),
     ("embedding input too long", "/v1/embeddings", {"input": LONG_TEXT}, {}, 400, "input", str(MAX_MODEL_LEN)),
     ("responses input too long", "/v1/responses", {"input": LONG_TEXT}, {}, 400, "input", str(MAX_MODEL_LEN)),
     (

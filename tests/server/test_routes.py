@@ -307,3 +307,14 @@ def test_a_browser_on_another_origin_may_call_the_api(server):
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
     refused = httpx.get(server.url + "/v1/models", headers=origin)  # without the key: 401, still readable
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_allowed_token_ids_are_the_only_tokens_a_completion_takes(server):
+    """vLLM's extra parameter ``allowed_token_ids``."""
+    allowed = server.post("/tokenize", {"prompt": " yes no", "add_special_tokens": False}).json()["tokens"]
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 1.0, "seed": 1, "logprobs": 0,
+            "ignore_eos": True, "allowed_token_ids": allowed}  # fmt: skip
+    reply = server.post("/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 6 and set(tokens) <= {" yes", " no"}, tokens

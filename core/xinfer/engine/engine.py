@@ -185,8 +185,9 @@ class LLMEngine:
         self._check_vocab(prompt_token_ids)
         if params.logprobs is not None:
             params = replace(params, logprobs=self._top_n("logprobs", params.logprobs))
-        if params.logit_bias and max(params.logit_bias) >= self.hf_config.vocab_size:
-            raise ValueError(f"logit_bias token ids must be below the vocabulary's {self.hf_config.vocab_size}")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and max(ids) >= self.hf_config.vocab_size:
+                raise ValueError(f"{name} token ids must be below the vocabulary's {self.hf_config.vocab_size}")
         max_num_tokens = min(self.max_model_len, num_prompt + (params.max_tokens or self.max_model_len))
         if params.seed is None:  # every request draws from a seed of its own (see engine/sampler.py)
             params = replace(params, seed=self.runner.sampler.new_seed())

@@ -110,7 +110,8 @@ class Sampler:
         raw_logprobs = logits.float().log_softmax(-1) if wants_logprobs else None
         if any(adjusts_logits(s) for s in seqs):
             logits = logits.to(torch.float32, copy=True)
-            logits = mask_stop_tokens_before_min_tokens(apply_penalties(apply_logit_bias(logits, seqs), seqs), seqs)
+            logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
+            logits = keep_allowed_tokens(mask_stop_tokens_before_min_tokens(logits, seqs), seqs)
             tokens = None
         constrained = [(row, s.constraint) for row, s in enumerate(seqs) if s.constraint is not None and wants_mask(s)]
         if constrained:
@@ -174,7 +175,8 @@ def apply_grammar_masks(logits: Tensor, constrained: list[tuple[int, Constraint]
 
 def adjusts_logits(seq: Sequence) -> bool:
     p = seq.params
-    return p.has_penalties or bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens
+    return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None
+            or seq.num_output_tokens < p.min_tokens)  # fmt: skip
 
 
 def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -212,6 +214,17 @@ def apply_logit_bias(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         logits.view(-1).index_add_(
             0, torch.tensor(index, device=logits.device), torch.tensor(bias, dtype=logits.dtype, device=logits.device)
         )
+    return logits
+
+
+def keep_allowed_tokens(logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    """Each row with ``allowed_token_ids``: every other token's logit -inf (one row at a time: a rare option)."""
+    for row, seq in enumerate(seqs):
+        if seq.params.allowed_token_ids is not None:
+            allowed = torch.tensor(seq.params.allowed_token_ids, device=logits.device)
+            kept = logits[row, allowed]
+            logits[row] = float("-inf")
+            logits[row, allowed] = kept
     return logits
 
 

@@ -118,6 +118,7 @@ def request_params(
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=constraint,
             logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
+            allowed_token_ids=body.allowed_token_ids,
         )
     except ValueError as error:
         raise bad_request(str(error)) from None

@@ -225,6 +225,7 @@ class SamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: the only tokens it may generate
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None

@@ -112,8 +112,9 @@ class Serving:
         if body.logit_bias and max(map(int, body.logit_bias)) >= self.vocab_size:
             raise bad_request(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}, got "
                               f"{max(map(int, body.logit_bias))}", param="logit_bias")  # fmt: skip
-        if body.stop_token_ids:
-            check_token_ids(body.stop_token_ids, self.vocab_size, "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if getattr(body, name):
+                check_token_ids(getattr(body, name), self.vocab_size, name)
         constraint = structured_outputs(body, after_token_id)
         entries: list[Any] = [
             (prompt, request_params(body, self.defaults, len(prompt), self.max_model_len, constraint))
