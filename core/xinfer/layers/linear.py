@@ -74,7 +74,7 @@ class MergedLinear(Linear):
         self.parts = {name: (parts or {}).get(name, WHOLE) for name in shards}
         self.full_sizes = dict(shards)
         self.shard_sizes = {name: self.parts[name].size(size) for name, size in shards.items()}
-        self.biased = tuple(shards) if bias is True else tuple(name for name in shards if name in (bias or ()))
+        self.biased = tuple(name for name in shards if bias is True or name in (bias or ()))
         super().__init__(in_features, sum(self.shard_sizes.values()), bool(self.biased))
         if self.bias is not None and len(self.biased) < len(shards):
             nn.init.zeros_(self.bias)
