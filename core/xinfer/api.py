@@ -13,7 +13,7 @@ from xinfer.config import EngineConfig
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.errors import WrongTypeError
-from xinfer.sampling import SamplingParams
+from xinfer.sampling import SamplingParams, check_generation_config, recommended_sampling
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
@@ -37,11 +37,19 @@ class LLM:
     is ``kv_fraction``; its ``max_logprobs`` bounds a request's ``logprobs`` and ``prompt_logprobs``
     (default, or -1: no bound but the vocabulary); its ``trust_remote_code`` changes nothing (no model code
     is ever loaded from a checkpoint) and ``tokenizer_mode`` takes "auto" alone.
+
+    ``generation_config``: where requests without sampling params take their defaults from, as vLLM's: "auto"
+    (default) the model folder's ``generation_config.json`` (its temperature, top_k, top_p, min_p,
+    repetition_penalty and max_new_tokens; Qwen3's: temperature 0.6, top_k 20, top_p 0.95), "none" (or vLLM's
+    "vllm") :class:`SamplingParams`' own defaults, or a folder holding a ``generation_config.json``.
     """
 
     def __init__(self, model: str | None = None, tokenizer: Any = None, **options: Any):
         options, self.max_logprobs = _vllm_options(options)
+        generation_config = options.pop("generation_config", "auto")
+        check_generation_config(generation_config)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options), tokenizer)
+        self.recommended_sampling = recommended_sampling(generation_config, self.engine.model_path)
         self.processor = OutputProcessor(self.engine)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -131,9 +139,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given none: the model's recommended sampling (see
+        ``generation_config``), else :class:`SamplingParams`' defaults."""
+        return SamplingParams(**self.recommended_sampling)
+
     def _add(self, prompts, params) -> list[RequestOutput]:
         prompts = _prompt_list(prompts)
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else _params_list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

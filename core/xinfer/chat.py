@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.tokenizer.chat_template is None and not args.prompts:
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2
-    params = SamplingParams(**asdict(sampling_defaults(args)) | {"max_tokens": args.max_tokens or 1024})
+    defaults = sampling_defaults(args, path)
+    params = SamplingParams(**asdict(defaults) | {"max_tokens": defaults.max_tokens or 1024})
     if args.prompts:
         prompts = split_prompts(args.prompts)
         try:

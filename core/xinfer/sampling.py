@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import numbers
 import struct
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from xinfer.errors import WrongTypeError
 from xinfer.grammar.spec import StructuredOutputs
+
+log = logging.getLogger("xinfer")
 
 
 @dataclass
@@ -120,6 +125,50 @@ GREEDY_BELOW = 1e-5
 INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
 OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 REALS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+# generation_config.json's fields a request's sampling takes its defaults from (vLLM's), as SamplingParams names them
+RECOMMENDED_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+GENERATION_CONFIG = "generation_config.json"
+GENERATION_CONFIG_CHOICES = "'auto' (the model's folder), 'none' (vLLM's 'vllm') or a folder holding one"
+
+
+def recommended_sampling(generation_config: str, model_path: Path) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's authors recommend, as vLLM applies them: the values of
+    :data:`RECOMMENDED_FIELDS` in ``generation_config.json`` (``max_new_tokens`` as ``max_tokens``).
+    ``generation_config``: "auto" reads the one in ``model_path`` (an HF folder; a .gguf file has none), "none"
+    (or vLLM's "vllm") reads none, anything else is a folder holding one. A value that
+    :class:`SamplingParams` refuses is left out with a warning: a checkpoint's file should not stop a start."""
+    check_generation_config(generation_config)
+    if generation_config in ("none", "vllm"):
+        return {}
+    file = (model_path if generation_config == "auto" else Path(generation_config).expanduser()) / GENERATION_CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        log.warning("%s: not read (%s); no recommended sampling", file, error)
+        return {}
+    recommended = {}
+    for key, name in RECOMMENDED_FIELDS.items():
+        value = config.get(key) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as error:
+            log.warning("%s: %s %r left out: %s", file, key, value, error)
+            continue
+        recommended[name] = value
+    return recommended
+
+
+def check_generation_config(generation_config: str) -> None:
+    """Refuses a ``generation_config`` that is no choice and no folder (before a model loads)."""
+    if generation_config not in ("auto", "none", "vllm") and not Path(generation_config).expanduser().is_dir():
+        raise ValueError(f"generation_config {generation_config!r}: not a folder; {GENERATION_CONFIG_CHOICES}")
 
 
 def _all_of(values: object, kind: type) -> bool:

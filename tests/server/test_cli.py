@@ -306,6 +306,12 @@ def test_ctrl_c_while_the_model_loads_ends_in_one_line_without_a_traceback(monke
         (["--top-k", "-2"], "--top-k -2: top_k must be -1, 0 (off) or positive, got -2"),
         (["--max-tokens", "0"], "--max-tokens 0: max_tokens must be at least 1, got 0"),
         (["--frequency-penalty", "2.5"], "--frequency-penalty 2.5: frequency_penalty must be in [-2, 2], got 2.5"),
+        (["--repetition-penalty", "0"], "--repetition-penalty 0.0: repetition_penalty must be > 0, got 0.0"),
+        (
+            ["--generation-config", "/no/such"],
+            "--generation-config '/no/such': not a folder; 'auto' (the model's "
+            "folder), 'none' (vLLM's 'vllm') or a folder holding one",
+        ),
         (["--prompts", " | "], "--prompts holds no prompt (prompts are separated by |)"),
     ],
 )

@@ -60,6 +60,7 @@ class EngineParts:
     """What start-up hands the engine, finished."""
 
     config: EngineConfig  # with the planned max_num_seqs
+    model_path: Path  # the model's files: an HF folder or a .gguf file
     hf_config: Any
     tokenizer: Any
     eos_token_ids: frozenset[int]
@@ -125,7 +126,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     scheduler = Scheduler(scheduler_config, cache_manager, runner.model.context_switch,
                           runner.model.recompute_past_switch)  # fmt: skip
     eos_token_ids = _eos_ids(path, hf_config, tokenizer)
-    return EngineParts(config, hf_config, tokenizer, eos_token_ids, max_model_len, dtype, kv_format, runner,
+    return EngineParts(config, path, hf_config, tokenizer, eos_token_ids, max_model_len, dtype, kv_format, runner,
                        cache_manager, scheduler)  # fmt: skip
 
 

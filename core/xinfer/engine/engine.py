@@ -83,6 +83,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self.config = parts.config
+        self.model_path = parts.model_path
         self.hf_config = parts.hf_config
         self.tokenizer = parts.tokenizer
         self.max_model_len = parts.max_model_len

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from xinfer.kv.formats import formats
-from xinfer.sampling import SamplingParams
+from xinfer.sampling import SamplingParams, check_generation_config
 from xinfer.text.reasoning import PARSERS
 from xinfer.toolcalls import PARSERS as TOOL_PARSERS
 
@@ -203,17 +203,32 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                        help="image encoder outputs kept for images seen again, in embedding rows (a Gemma 3 image: "
                        "256)")
 
-    sampling = p.add_argument_group("sampling defaults (a request's own values win)")
-    sampling.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                          help="divides the logits before sampling; 0: greedy (the likeliest token)")
-    sampling.add_argument("--top-k", type=int, default=0, metavar="K",
-                          help="sample among the K likeliest tokens; 0: all")
-    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                          help="sample among the likeliest tokens whose probabilities add up to P (nucleus); 1: all")
-    sampling.add_argument("--frequency-penalty", type=float, default=0.0, metavar="VALUE",
-                          help="-2 to 2: subtracted from a token's logit once per time it was generated; 0: off")
-    sampling.add_argument("--presence-penalty", type=float, default=0.0, metavar="VALUE",
-                          help="-2 to 2: subtracted from the logit of every token generated at least once; 0: off")
+    sampling = p.add_argument_group(
+        "sampling defaults (a request's own values win; a flag not given takes the model's recommendation, "
+        "--generation-config, else the value below)"
+    )
+    sampling.add_argument("--generation-config", default="auto", metavar="SOURCE",
+                          help="where the recommended sampling comes from: auto (the model folder's "
+                          "generation_config.json: its temperature, top_k, top_p, min_p, repetition_penalty and "
+                          "max_new_tokens, as vLLM applies them), none (these flags' defaults; vLLM's 'vllm' too), or "
+                          "a folder holding a generation_config.json")
+    sampling.add_argument("--temperature", type=float, metavar="T",
+                          help="divides the logits before sampling; 0: greedy (the likeliest token) (default: 1)")
+    sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens; 0: all (default)")
+    sampling.add_argument("--top-p", type=float, metavar="P",
+                          help="sample among the likeliest tokens whose probabilities add up to P (nucleus); 1: all "
+                          "(default)")
+    sampling.add_argument("--min-p", type=float, metavar="P",
+                          help="sample among tokens at least P times as likely as the likeliest; 0: all (default)")
+    sampling.add_argument("--repetition-penalty", type=float, metavar="VALUE",
+                          help="divides a positive logit (multiplies a negative one) of every token of the prompt or "
+                          "the answer so far; 1: off (default)")
+    sampling.add_argument("--frequency-penalty", type=float, metavar="VALUE",
+                          help="-2 to 2: subtracted from a token's logit once per time it was generated; 0: off "
+                          "(default)")
+    sampling.add_argument("--presence-penalty", type=float, metavar="VALUE",
+                          help="-2 to 2: subtracted from the logit of every token generated at least once; 0: off "
+                          "(default)")
     sampling.add_argument("--max-tokens", type=int, metavar="N",
                           help="tokens generated for a request that sets no max_tokens (default: 16 on "
                           "/v1/completions, as OpenAI's; the rest of the context on the other routes; 1024 in the "
@@ -352,17 +367,24 @@ def flags_problem(args: argparse.Namespace) -> str | None:
     return sampling_problem(args) or nodes_problem(args) or pd_problem(args) or terminal_problem(args)
 
 
-SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "frequency_penalty", "presence_penalty", "max_tokens")
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty", "max_tokens")  # fmt: skip
 
 
 def sampling_problem(args: argparse.Namespace) -> str | None:
-    """A sampling default out of the range a request's own value must be in (the same check)."""
+    """A sampling default out of the range a request's own value must be in (the same check), or a
+    ``--generation-config`` that is no choice and no folder."""
     for name in SAMPLING_FLAGS:
         value = getattr(args, name)
         try:
-            SamplingParams(**{name: value})
+            if value is not None:
+                SamplingParams(**{name: value})
         except ValueError as error:
             return f"--{name.replace('_', '-')} {value}: {error}"
+    try:
+        check_generation_config(args.generation_config)
+    except ValueError as error:
+        return f"--{error}".replace("generation_config", "generation-config", 1)
     return None
 
 

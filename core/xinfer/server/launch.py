@@ -29,6 +29,7 @@ from xinfer.config import EngineConfig
 from xinfer.engine.async_engine import AsyncEngine, EngineState
 from xinfer.engine.engine import LLMEngine
 from xinfer.loading.errors import first_line
+from xinfer.sampling import recommended_sampling
 from xinfer.server.app import build_app
 from xinfer.server.args import parse_args
 from xinfer.server.mcp.config import MCPSettings, ServerSpec, server_specs
@@ -220,9 +221,15 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
     return MediaPolicy(local, args.allow_remote_media, limits, args.max_image_pixels)
 
 
-def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
-    """``--temperature``, ``--top-k``, ... (each flag named as its field)."""
-    return SamplingDefaults(**{field.name: getattr(args, field.name) for field in fields(SamplingDefaults)})
+def sampling_defaults(args: argparse.Namespace, path: Path) -> SamplingDefaults:
+    """``--temperature``, ``--top-k``, ... (each flag named as its field) where given, else the model's
+    recommended sampling (``--generation-config``), else :class:`SamplingDefaults`'."""
+    recommended = recommended_sampling(args.generation_config, path)
+    if recommended:
+        log.info("sampling defaults from the model's generation config: %s (flags and requests override them)",
+                 ", ".join(f"{name}={value}" for name, value in recommended.items()))  # fmt: skip
+    given = {field.name: getattr(args, field.name) for field in fields(SamplingDefaults)}
+    return SamplingDefaults(**recommended | {name: value for name, value in given.items() if value is not None})
 
 
 class _Server(uvicorn.Server):
@@ -322,7 +329,7 @@ async def serve(
     engine.on_request_done = metrics.request_done
     name, aliases = served_names(args, path)
     mcp = mcp_settings(args, list(mcp_specs))
-    serving = Serving(engine, name, str(path), sampling_defaults(args), metrics, aliases, media=media_policy(args),
+    serving = Serving(engine, name, str(path), sampling_defaults(args, path), metrics, aliases, media=media_policy(args),
                       reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
                       tool_parser=args.enforce_parser, mcp=mcp)  # fmt: skip
     app = build_app(serving, args.api_key, args.max_body_bytes, allowed_origins=args.allowed_origins)

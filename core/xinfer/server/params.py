@@ -17,11 +17,14 @@ OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "frequency_penalty"
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """Set by ``--temperature``, ``--top-k``, ... and used where a request says nothing."""
+    """Set by ``--temperature``, ``--top-k``, ... or the model's generation config, and used where a request says
+    nothing."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
