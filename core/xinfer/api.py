@@ -13,7 +13,7 @@ from xinfer.config import EngineConfig
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.errors import WrongTypeError
-from xinfer.sampling import SamplingParams, check_generation_config, recommended_sampling
+from xinfer.sampling import SamplingParams, check_generation_config, recommended_sampling, truncated
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
@@ -157,6 +157,10 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 text, token_ids = self._tokenize(prompt)
                 data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+                if p.truncate_prompt_tokens is not None:
+                    if data:
+                        raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+                    token_ids = truncated(token_ids, p.truncate_prompt_tokens, self.engine.max_model_len)
                 token_ids, multimodal = self.engine.multimodal_prompt(token_ids, data)
                 outputs.append(self.processor.add(str(next(self._ids)), token_ids, p, text, multimodal))
         except Exception:

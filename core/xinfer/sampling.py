@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import numbers
@@ -46,6 +47,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # a dict of its fields is taken too
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100 bans, 100 forces)
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens it may generate
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last N tokens run (-1: the context's worth)
+    bad_words: list[str] | None = None  # vLLM's: words never generated (their last token banned where it ends one)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -73,11 +76,18 @@ class SamplingParams:
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
         _check(all(self.stop), "stop strings must not be empty")
+        _check(all(word.strip() for word in self.bad_words or ()), "bad_words must not be empty or blank")
         _check(self.detokenize or not self.stop, "stop strings need detokenize=True (they match the text)")
         _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM's)
             value = getattr(self, name)
             _check(value is None or value >= -1, f"{name} must be >= 0, or -1 for the whole vocabulary, got {value}")
+        _check(
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens >= 1
+            or self.truncate_prompt_tokens == -1,
+            f"truncate_prompt_tokens must be -1 (the context) or at least 1, got {self.truncate_prompt_tokens}",
+        )
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = sorted({int(token) for token in self.allowed_token_ids})
             _check(bool(self.allowed_token_ids), "allowed_token_ids must not be empty")
@@ -107,8 +117,14 @@ class SamplingParams:
             raise WrongTypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if not (self.logit_bias is None or isinstance(self.logit_bias, dict)):
             raise WrongTypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        if not (self.bad_words is None or _all_of(self.bad_words, str)):
+            raise WrongTypeError(f"bad_words must be a list of strings, got {self.bad_words!r}")
         if not (self.allowed_token_ids is None or _all_of(self.allowed_token_ids, numbers.Integral)):
             raise WrongTypeError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -122,8 +138,8 @@ class SamplingParams:
 # vLLM's: a temperature below it is greedy (the draw is the argmax but for ties; near 1e-39, 1 / T overflows float32)
 GREEDY_BELOW = 1e-5
 
-INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs")
-OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 REALS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -169,6 +185,14 @@ def check_generation_config(generation_config: str) -> None:
     """Refuses a ``generation_config`` that is no choice and no folder (before a model loads)."""
     if generation_config not in ("auto", "none", "vllm") and not Path(generation_config).expanduser().is_dir():
         raise ValueError(f"generation_config {generation_config!r}: not a folder; {GENERATION_CONFIG_CHOICES}")
+
+
+def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """A prompt as ``truncate_prompt_tokens`` (``keep``) cuts it: its last ``keep`` tokens (-1: the context's
+    worth; None: all)."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len if keep == -1 else keep) :]
 
 
 def _all_of(values: object, kind: type) -> bool:

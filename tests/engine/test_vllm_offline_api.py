@@ -99,3 +99,49 @@ def test_allowed_token_ids_are_the_only_tokens_generated(llm):
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match="allowed_token_ids token ids must be below the vocabulary's"):
         llm.generate("Hi", SamplingParams(allowed_token_ids=[10**9]), use_tqdm=False)
+
+
+def contains(tokens: list[int], run: list[int]) -> bool:
+    return any(tokens[i : i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
+
+
+def test_bad_words_are_never_generated(llm):
+    """vLLM's ``bad_words``: the greedy answer without them holds a one-token word and a word of several tokens;
+    with them banned, neither token run appears, and greedy takes what it would have where no ban applies."""
+    tok = llm.get_tokenizer()
+    prompt = "The capital of France is"
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    runs = {w: tok.encode(" " + w, add_special_tokens=False) for w in plain.text.split()}
+    written = {w: run for w, run in runs.items() if contains(plain.token_ids, run)}  # after a space, as a word
+    single = next(w for w, run in written.items() if len(run) == 1)
+    multi = next(w for w, run in written.items() if len(run) >= 2)
+    for word in (single, multi):
+        banned = SamplingParams(temperature=0, max_tokens=12, bad_words=[word])
+        got = llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids
+        run = written[word]
+        assert not contains(got, run), word
+        first = plain.token_ids.index(run[-1]) if len(run) == 1 else None
+        if first is not None:  # the tokens before the first place the ban applies are the plain answer's
+            assert got[:first] == plain.token_ids[:first]
+    with pytest.raises(ValueError, match="bad_words must not be empty or blank"):
+        SamplingParams(bad_words=[" "])
+    with pytest.raises(WrongTypeError, match="bad_words must be a list of strings"):
+        SamplingParams(bad_words="Paris")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    tokens = llm.get_tokenizer().encode("one two three four five six seven eight")
+    cut = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3)
+    got = llm.generate([tokens], cut, use_tqdm=False)[0]
+    assert got.prompt_token_ids == tokens[-3:]
+    alone = llm.generate([tokens[-3:]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_clone_is_a_deep_copy():
+    params = SamplingParams(stop=["a"], logit_bias={1: 2.0})
+    copy = params.clone()
+    copy.stop.append("b")
+    assert copy == SamplingParams(stop=["a", "b"], logit_bias={1: 2.0}) and params.stop == ["a"]

@@ -278,6 +278,7 @@ ROWS = [
         "token ids",
     ),
     ("allowed token ids empty", CHAT, chat(allowed_token_ids=[]), {}, 400, "allowed_token_ids", "at least 1"),
+    ("a blank bad word", CHAT, chat(bad_words=["ok", " "]), {}, 400, "bad_words", "blank"),
     ("embedding input too long", "/v1/embeddings", {"input": LONG_TEXT}, {}, 400, "input", str(MAX_MODEL_LEN)),
     ("responses input too long", "/v1/responses", {"input": LONG_TEXT}, {}, 400, "input", str(MAX_MODEL_LEN)),
     (

@@ -318,3 +318,11 @@ def test_allowed_token_ids_are_the_only_tokens_a_completion_takes(server):
     assert reply.status_code == 200, reply.text
     tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
     assert len(tokens) == 6 and set(tokens) <= {" yes", " no"}, tokens
+
+
+def test_bad_words_are_not_in_a_completion(server):
+    """vLLM's extra parameter ``bad_words``: the greedy answer names Paris; banned, the word is not written."""
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    plain = server.post("/v1/completions", body).json()["choices"][0]["text"]
+    banned = server.post("/v1/completions", {**body, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
+    assert "Paris" in plain and "Paris" not in banned, (plain, banned)

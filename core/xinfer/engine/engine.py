@@ -14,7 +14,7 @@ from xinfer.config import EngineConfig
 from xinfer.distributed.group import SINGLE, TensorParallel
 from xinfer.engine.build import build_engine
 from xinfer.engine.failures import RequestFailed, log_failure
-from xinfer.engine.sampler import SampledTokens
+from xinfer.engine.sampler import SampledTokens, bad_word_token_ids, reads_earlier_tokens
 from xinfer.engine.scheduler import ScheduledSeq
 from xinfer.engine.sequence import PENDING, Sequence
 from xinfer.logprob import Logprob
@@ -197,6 +197,10 @@ class LLMEngine:
                        multimodal=list(multimodal or []), whole_items=whole_items)  # fmt: skip
         if params.structured_outputs is not None:
             seq.constraint = self.grammars().compile(params.structured_outputs)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer: this model has none")
+            seq.bad_word_ids = bad_word_token_ids(params.bad_words, self.tokenizer, self.hf_config.vocab_size)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -319,8 +323,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
         outputs: list[StepOutput] = []
-        if previous is not None and any(s.seq.params.has_penalties for s in scheduled):
-            outputs, previous = self._read_back(previous), None  # penalties count every earlier token
+        if previous is not None and any(reads_earlier_tokens(s.seq) for s in scheduled):
+            outputs, previous = self._read_back(previous), None
             scheduled = [s for s in scheduled if not s.seq.finished]  # stopped by that token: their blocks are freed
 
         def read_previous() -> None:  # on the host while the device runs the forward

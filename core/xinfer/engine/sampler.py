@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -111,7 +111,7 @@ class Sampler:
         if any(adjusts_logits(s) for s in seqs):
             logits = logits.to(torch.float32, copy=True)
             logits = apply_penalties(apply_logit_bias(logits, seqs), seqs)
-            logits = keep_allowed_tokens(mask_stop_tokens_before_min_tokens(logits, seqs), seqs)
+            logits = keep_allowed_tokens(mask_stop_tokens_before_min_tokens(ban_bad_words(logits, seqs), seqs), seqs)
             tokens = None
         constrained = [(row, s.constraint) for row, s in enumerate(seqs) if s.constraint is not None and wants_mask(s)]
         if constrained:
@@ -175,8 +175,14 @@ def apply_grammar_masks(logits: Tensor, constrained: list[tuple[int, Constraint]
 
 def adjusts_logits(seq: Sequence) -> bool:
     p = seq.params
-    return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None
+    return (p.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(seq.bad_word_ids)
             or seq.num_output_tokens < p.min_tokens)  # fmt: skip
+
+
+def reads_earlier_tokens(seq: Sequence) -> bool:
+    """Whether drawing its next token reads its tokens so far (penalties count them, a bad word's ban follows
+    them): its last token must be on the host before the draw, not pending on the device."""
+    return seq.params.has_penalties or bool(seq.bad_word_ids)
 
 
 def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:
@@ -214,6 +220,35 @@ def apply_logit_bias(logits: Tensor, seqs: list[Sequence]) -> Tensor:
         logits.view(-1).index_add_(
             0, torch.tensor(index, device=logits.device), torch.tensor(bias, dtype=logits.dtype, device=logits.device)
         )
+    return logits
+
+
+def bad_word_token_ids(words: list[str], tokenizer: Any, vocab_size: int) -> list[tuple[int, ...]]:
+    """The token sequences that write each of ``words`` (vLLM's ``bad_words``): the word alone, and after a space
+    where that is other tokens of the same count (a word inside a text is often one token with its space).
+    Sequences ending in a token the model cannot generate are left out."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return [ids for ids in sequences if ids and ids[-1] < vocab_size]
+
+
+def ban_bad_words(logits: Tensor, seqs: list[Sequence]) -> Tensor:
+    """Each row's bad words: the last token of each whose other tokens the output ends with, -inf (a one-token
+    word always)."""
+    vocab = logits.shape[-1]
+    banned = [
+        row * vocab + ids[-1]
+        for row, seq in enumerate(seqs)
+        for ids in seq.bad_word_ids
+        if len(ids) == 1 or tuple(seq.output_token_ids[-(len(ids) - 1) :]) == ids[:-1]
+    ]
+    if banned:
+        logits.view(-1)[torch.tensor(banned, device=logits.device)] = float("-inf")
     return logits
 
 

@@ -48,6 +48,7 @@ class Sequence:
     scheduled_once: bool = False
     queued_at_step: int = 0  # the scheduler's step count when it last joined the waiting queue
     constraint: Constraint | None = None  # its structured-output grammar, following its tokens
+    bad_word_ids: list[tuple[int, ...]] = field(default_factory=list)  # its params' bad_words, tokenized
     long_context: bool = False  # longer than the model's context switch when its KV was computed
 
     def __post_init__(self) -> None:

@@ -122,6 +122,7 @@ def request_params(
             structured_outputs=constraint,
             logit_bias={int(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
             allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
         )
     except ValueError as error:
         raise bad_request(str(error)) from None

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from xinfer.sampling import truncated
 from xinfer.server.errors import FieldError
 from xinfer.server.tools import check_tool_choice, check_tools
 
@@ -226,6 +227,7 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: the only tokens it may generate
+    bad_words: list[str] | None = None  # vLLM's: words it never generates
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -281,6 +283,13 @@ class SamplingFields(RequestBody):
             raise ValueError(f"logit_bias values must be in [-100, 100], got {max(bias.values(), key=abs)}")
         return bias
 
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, words: list[str] | None) -> list[str] | None:
+        if words and not all(word.strip() for word in words):
+            raise ValueError("bad_words must not be empty or blank")
+        return words
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _check_truncation(cls, keep: int | None) -> int | None:
@@ -290,10 +299,7 @@ class SamplingFields(RequestBody):
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """A prompt as ``truncate_prompt_tokens`` cuts it: its last tokens."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
-            return token_ids
-        return token_ids[-(max_model_len if keep == -1 else keep) :]
+        return truncated(token_ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def stop_strings(self) -> list[str]:
