@@ -139,6 +139,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: later prompts find no prefix computed before (a benchmark's cold runs)."""
+        self.engine.cache.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given none: the model's recommended sampling (see
         ``generation_config``), else :class:`SamplingParams`' defaults."""

@@ -120,6 +120,10 @@ def test_a_prefix_hit_gives_hf_tokens_and_prompt_logprobs(checkpoint, llm):
         assert out.outputs[0].token_ids == hf_greedy(hf, tokens, 6)[0]
         assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
         assert_logprob_entries_match(out.prompt_logprobs[1:], tokens[1:], hf_log_softmax(hf, tokens)[:-1])
+    llm.reset_prefix_cache()  # every block and state snapshot forgotten: the same prompts run cold, as before
+    again = llm.generate(second, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert again[0].num_cached_tokens == 0  # (the second prompt may hit the first's blocks of this call)
+    assert [out.outputs[0].token_ids for out in again] == [out.outputs[0].token_ids for out in outputs]
 
 
 @pytest.mark.parametrize("checkpoint", ["mistral-window-16"], indirect=True)

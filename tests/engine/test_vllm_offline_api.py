@@ -145,3 +145,13 @@ def test_clone_is_a_deep_copy():
     copy = params.clone()
     copy.stop.append("b")
     assert copy == SamplingParams(stop=["a", "b"], logit_bias={1: 2.0}) and params.stop == ["a"]
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_cold(llm):
+    prompt = " ".join(["a long prompt shared by every run"] * 8)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    cold = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens >= 32
+    llm.reset_prefix_cache()
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == cold.outputs[0].token_ids

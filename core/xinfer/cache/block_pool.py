@@ -123,6 +123,11 @@ class BlockPool:
                 block.hash, block.token_ids = hashes[index], block_key(start, start + self.block_size)
                 self.cached[hashes[index]] = block.id
 
+    def forget_free(self) -> None:
+        """Drop the prefix-cache entries of the blocks no sequence holds."""
+        for block_id in self.free:
+            self._forget(self.blocks[block_id])
+
     # ---- allocation --------------------------------------------------------------
 
     def can_allocate(self, table: PageTable, num_tokens: int) -> bool:

@@ -44,6 +44,13 @@ class CacheManager:
         """Share of the scarcest pool held by sequences."""
         return max([pool.usage for pool in self.pools] + ([self.states.usage] if self.states else []))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix that no sequence holds (blocks in use keep theirs) and every state snapshot."""
+        for pool in self.pools:
+            pool.forget_free()
+        if self.states is not None:
+            self.states.forget_snapshots()
+
     def tables(self, seq: Sequence) -> list[PageTable]:
         if len(seq.pages) != len(self.pools):
             seq.pages = [PageTable() for _ in self.pools]

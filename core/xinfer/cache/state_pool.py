@@ -78,6 +78,10 @@ class StatePool:
         self.free[target] = None
         self.snapshots[prefix_hash], self.hash_of[target] = target, prefix_hash
 
+    def forget_snapshots(self) -> None:
+        for slot in list(self.hash_of):
+            self._forget(slot)
+
     def _forget(self, slot: int) -> None:
         prefix_hash = self.hash_of.pop(slot, None)
         if prefix_hash is not None:
