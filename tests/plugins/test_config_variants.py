@@ -19,6 +19,7 @@ from transformers import (
     LlamaConfig,
     MiniMaxM2Config,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3_5TextConfig,
@@ -56,6 +57,7 @@ LONGROPE = dict(
     long_factor=[1.5, 3.0, 7.0, 15.0],
 )  # fmt: skip
 LINEAR = dict(rope_type="linear", rope_theta=10000.0, factor=2.0)
+DEFAULT_ROPE = dict(rope_type="default", rope_theta=10000.0)
 LLAMA3 = dict(
     rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
     original_max_position_embeddings=64,
@@ -118,6 +120,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         attention_bias=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0),
         tie_word_embeddings=True,
     ),
+    "glm4 no rotary (partial_rotary_factor 0)": lambda: glm4(rope_parameters={**DEFAULT_ROPE, "partial_rotary_factor": 0.0}),
     "glm4 head_dim 32, linear rope": lambda: glm4(
         head_dim=32,
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.5),
@@ -248,6 +251,18 @@ ERRORS: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "gemma4 3 query heads over 2 kv heads": (
         lambda: gemma4_config(num_attention_heads=3),
         "num_attention_heads 3 is not a multiple of num_key_value_heads 2",
+    ),
+    # transformers builds a rotation wider than the head, then fails on its shape (fuzzed by a QA pass)
+    "phi3 partial rotary factor above 1": (
+        lambda: Phi3Config(
+            **{**SMALL, "rope_parameters": {**DEFAULT_ROPE, "partial_rotary_factor": 2.0}},
+            architectures=["Phi3ForCausalLM"],
+        ),
+        r"partial_rotary_factor 2.0 is not supported: it rotates 16 dims of a 8-dim head",
+    ),
+    "minimax-m2 rotary_dim above head_dim": (
+        lambda: MiniMaxM2Config(**{**MINIMAX, "rotary_dim": 32}),
+        r"partial_rotary_factor 2.0 is not supported: it rotates 32 dims of a 16-dim head",
     ),
     # transformers scores a group by its best two experts: an index out of range
     "glm4-moe groups of one expert": (

@@ -151,6 +151,9 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[Tensor, 
     if rope_type not in _INV_FREQ:
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_INV_FREQ)}")
     partial = 1.0 if rope_type in _WHOLE_HEAD else params.get("partial_rotary_factor", 1.0)
+    if not 0 <= partial <= 1:  # transformers builds the model, then its rotation fails on a shape
+        raise ValueError(f"partial_rotary_factor {partial} is not supported: it rotates {int(head_dim * partial)} "
+                         f"dims of a {head_dim}-dim head (the share rotated is in [0, 1])")  # fmt: skip
     return _INV_FREQ[rope_type](params["rope_theta"], int(head_dim * partial), params)
 
 
