@@ -884,3 +884,378 @@ def test_an_attached_image_is_sent_as_a_data_url_content_part(page, tmp_path):
     expect(_last_reply(page).locator(".msg-content")).to_have_text("Without the picture.")
     assert all(isinstance(m["content"], str) for m in bodies[0]["messages"]), bodies[0]["messages"]
     expect(page.locator(".msg.user .msg-images img")).to_have_count(0)
+
+
+def _stored_conversations(pg) -> list[dict]:
+    return json.loads(pg.evaluate("localStorage.getItem('xinfer.ui.conversations.v1')") or "{}").get(
+        "conversations", []
+    )
+
+
+def _error_body(message: str, code: str | None = None, param: str | None = None) -> str:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}})
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_imported_or_stored_conversation_never_stops_the_page(page, tmp_path):
+    red = "data:image/png;base64,iVBORw0KGgo="
+    bad = {
+        "conversations": [
+            {
+                "id": "a",
+                "title": "<img src=x onerror=alert(1)>",
+                "updated": "soon",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "hi",
+                        "images": ["javascript:alert(1)", "https://example.invalid/x.png", red],
+                    },
+                    {
+                        "role": "assistant",
+                        "content": "<b>hello</b>",
+                        "stats": {"tps": "NaN", "ttftMs": None, "promptTokens": 7},
+                    },
+                    {"role": "system", "content": "dropped"},
+                    None,
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "parts"},
+                            {"type": "image_url", "image_url": {"url": red}},
+                        ],
+                    },
+                    {"role": "assistant", "content": {"not": "text"}},
+                    {"role": "assistant", "content": None, "error": 42, "stopped": "yes", "reasoning": ["x"]},
+                    {"role": "assistant", "content": "failed", "error": "boom"},
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    page.set_input_files("#import-file", str(path))
+    expect(page.locator(".toast")).to_contain_text("Imported 1 conversation")
+    expect(page.locator(".msg")).to_have_count(5)
+    assert page.locator(".msg.user .bubble").all_inner_texts() == ["hi", "parts"]
+    assert page.locator(".msg.user .msg-images img").evaluate_all("els => els.map(e => e.src)") == [red, red]
+    first = page.locator(".msg.assistant").first
+    expect(first.locator(".msg-content")).to_have_text("<b>hello</b>")
+    expect(first.locator(".stat-in")).to_have_text("7 in")
+    assert first.locator(".stat-tps").count() == 0
+    expect(page.locator(".msg.assistant").last.locator(".err-detail")).to_have_text("boom")
+    stored = _stored_conversations(page)[0]["messages"]
+    assert stored[1]["stats"] == {"promptTokens": 7}
+    assert "error" not in stored[3] and "stopped" not in stored[3] and "reasoning" not in stored[3]
+
+    # Whatever is in storage (written by an older page, or by hand) is cleaned the same way on load.
+    raw = json.dumps({"version": 1, "conversations": [bad["conversations"][0], "junk", {"messages": "no"}]})
+    page.evaluate("raw => localStorage.setItem('xinfer.ui.conversations.v1', raw)", raw)
+    page.reload()
+    _wait_ready(page)
+    expect(page.locator(".conv-item")).to_have_count(1)
+    page.locator(".conv-item .conv-open").click()
+    expect(page.locator(".msg")).to_have_count(5)
+    page.click("#new-chat")
+    expect(page.locator("#empty")).to_be_visible()
+    _mock_replies(page, ["Fine."])
+    _send(page, "still works")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Fine.")
+
+
+@pytest.mark.timeout(120)
+def test_a_conversation_that_outgrows_the_context_goes_on_without_its_oldest_turns(page):
+    context = 100  # tokens; one token per 4 characters
+    bodies: list[dict] = []
+
+    def tokens(messages) -> int:
+        return sum(len(m["content"]) for m in messages) // 4
+
+    def handle(route):
+        body = json.loads(route.request.post_data or "{}")
+        bodies.append(body)
+        n = tokens(body["messages"])
+        if n > context:
+            message = (
+                f"the prompt has {n} tokens, the model's context is {context} tokens: "
+                "shorten the prompt to leave room for at least one generated token"
+            )
+            route.fulfill(
+                status=400,
+                content_type="application/json",
+                body=_error_body(message, "context_length_exceeded", "messages"),
+            )
+        else:
+            _fulfill_sse(route, _sse([{"content": f"Reply {len(bodies)}."}]))
+
+    page.route("**/v1/chat/completions", handle)
+    questions = [f"Question {i}: " + "tell me about the sea " * 3 for i in range(1, 6)]  # 20 tokens each
+    for q in questions[:4]:
+        _send(page, q)
+        _wait_reply_done(page, 30_000)
+    assert len(bodies) == 4
+    # The fifth no longer fits with all the history: it goes out without the oldest turns.
+    _send(page, questions[4])
+    expect(_last_reply(page).locator(".msg-content")).to_have_text(re.compile(r"Reply \d+\."))
+    assert _last_reply(page).locator(".msg-content").inner_text() == f"Reply {len(bodies)}."
+    assert tokens(bodies[-1]["messages"]) <= context
+    assert bodies[-1]["messages"][-1]["content"] == questions[4].strip()
+    assert [m["content"] for m in bodies[-1]["messages"] if m["role"] == "user"] == [q.strip() for q in questions[-2:]]
+    expect(page.locator(".msg.user.omitted")).to_have_count(3)
+    expect(page.locator(".context-note")).to_contain_text("outgrew the model's context")
+    expect(page.locator(".msg.user.unsent")).to_have_count(0)
+    expect(page.locator(".msg-error:visible")).to_have_count(0)
+
+    # A message too long by itself is the one blamed, and the next one goes on without it.
+    _send(page, "A very long message. " * 40)
+    err = _last_reply(page).locator(".msg-error")
+    expect(err).to_contain_text("This message is too long for this model")
+    _send(page, "Short again")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text(re.compile(r"Reply \d+\."))
+    expect(page.locator(".msg.user.unsent")).to_have_count(1)
+    assert bodies[-1]["messages"][-1]["content"] == "Short again"
+
+
+@pytest.mark.timeout(120)
+def test_a_message_sent_while_the_model_loads_waits_and_goes_out_by_itself(page):
+    page.route(
+        "**/health",
+        lambda route: route.fulfill(status=503, content_type="application/json", body='{"status": "loading"}'),
+    )
+    page.reload()
+    _wait_ready(page)
+    expect(page.locator("#status-dot.loading")).to_have_count(1)
+    bodies = _mock_replies(page, ["Loaded."])
+    _send(page, "Hello early")
+    expect(_last_reply(page).locator(".msg-wait")).to_be_visible()
+    with page.expect_request("**/health"):  # the page looks again, and still holds the message
+        pass
+    expect(_last_reply(page).locator(".msg-wait")).to_be_visible()
+    assert bodies == [], "the message was sent to a server still loading its model"
+    page.unroute("**/health")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Loaded.")
+    assert len(bodies) == 1 and bodies[0]["messages"][-1]["content"] == "Hello early"
+    expect(page.locator(".msg-error:visible")).to_have_count(0)
+    page.unroute("**/v1/chat/completions")
+
+    # The same when only the chat request finds the model loading (the page thought it ready).
+    calls: list[int] = []
+
+    def loading_once(route):
+        calls.append(1)
+        if len(calls) == 1:
+            route.fulfill(
+                status=503, content_type="application/json", body=_error_body("the engine is loading", "unavailable")
+            )
+        else:
+            _fulfill_sse(route, _sse([{"content": "Now loaded."}]))
+
+    page.route("**/v1/chat/completions", loading_once)
+    _send(page, "Hello again")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Now loaded.")
+    assert len(calls) == 2
+    expect(page.locator(".msg-error:visible")).to_have_count(0)
+
+
+@pytest.mark.timeout(120)
+def test_the_status_dot_tells_a_server_gone_or_shutting_down(page):
+    # A 503 from a server shutting down: the dot and banner say so (not "Connected").
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=503,
+            content_type="application/json",
+            body=_error_body("the server is shutting down: the answer was cut off before it ended", "unavailable"),
+        ),
+    )
+    page.route(
+        "**/health",
+        lambda route: route.fulfill(status=503, content_type="application/json", body='{"status": "draining"}'),
+    )
+    _send(page, "hello")
+    expect(_last_reply(page).locator(".msg-error")).to_contain_text("shutting down")
+    expect(page.locator("#status-dot.loading")).to_have_count(1)
+    expect(page.locator("#banner")).to_contain_text("cannot take requests now (draining)")
+    page.unroute("**/health")
+    page.unroute("**/v1/chat/completions")
+
+    # A server killed while the page is idle shows within the page's periodic check.
+    page.clock.install()
+    page.reload()
+    _wait_ready(page)
+    expect(page.locator("#status-dot.online:not(.loading)")).to_have_count(1)
+    page.route("**/health", lambda route: route.abort("connectionrefused"))
+    page.route("**/v1/models", lambda route: route.abort("connectionrefused"))
+    page.clock.run_for(15_000)
+    expect(page.locator("#status-dot.offline")).to_have_count(1)
+    expect(page.locator("#banner")).to_contain_text("Cannot reach the xInfer server")
+    page.unroute("**/health")
+    page.unroute("**/v1/models")
+    page.clock.run_for(4_000)
+    expect(page.locator("#status-dot.online:not(.loading)")).to_have_count(1)
+    expect(page.locator("#banner")).to_be_hidden()
+
+
+@pytest.mark.timeout(120)
+def test_a_changed_api_key_is_fetched_again(page):
+    keys = {"page": "sk-one", "server": "sk-one"}
+    page.route(
+        "**/ui/config.json",
+        lambda route: route.fulfill(
+            status=200, content_type="application/json", body=json.dumps({"api_key": keys["page"]})
+        ),
+    )
+    page.reload()
+    _wait_ready(page)
+    auth: list[str | None] = []
+
+    def chat(route):
+        auth.append(route.request.headers.get("authorization"))
+        if auth[-1] == f"Bearer {keys['server']}":
+            _fulfill_sse(route, _sse([{"content": "Hello."}]))
+        else:
+            message = "a valid API key is required: send Authorization: Bearer <key> or x-api-key: <key>"
+            route.fulfill(status=401, content_type="application/json", body=_error_body(message, "invalid_api_key"))
+
+    page.route("**/v1/chat/completions", chat)
+    # The server restarted with another key, which the UI's config now gives: asked again with it.
+    keys.update(page="sk-two", server="sk-two")
+    _send(page, "hi")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Hello.")
+    assert auth == ["Bearer sk-one", "Bearer sk-two"]
+    # A key that still does not work: the user is told what to do.
+    keys.update(page="sk-three", server="sk-four")
+    _send(page, "hi again")
+    err = _last_reply(page).locator(".msg-error")
+    expect(err).to_contain_text("API key changed")
+    expect(err).to_contain_text("reload the page")
+    expect(err.locator("button", has_text="Reload")).to_be_visible()
+    assert auth[2:] == ["Bearer sk-two", "Bearer sk-three"]
+
+
+@pytest.mark.timeout(120)
+def test_a_long_streamed_reply_ends_drawn_whole(page):
+    page.evaluate(HELD_STREAMS)
+    _send(page, "Write a lot")
+    page.wait_for_function("() => window.__streams.length === 1")
+    words = ["word ", "**bold** ", "`code` ", "text, ", "\n\n", "- item ", "| a | b |\n", "more ", "[l](https://e.x) "]
+    pieces = [("\n\n```python\nx = 1\n```\n\n" if i % 97 == 0 else words[i % len(words)]) for i in range(3000)]
+    for k in range(0, len(pieces), 300):
+        page.evaluate("pieces => pieces.forEach((p) => window.__push(0, p))", pieces[k : k + 300])
+        page.wait_for_timeout(30)
+    # The last piece comes right before the end: the final drawing must have it.
+    page.evaluate("() => { window.__push(0, '\\n\\nThe **end**.'); window.__end(0); }")
+    _wait_reply_done(page, 30_000)
+    content = _last_reply(page).locator(".msg-content")
+    expect(content.locator("p").last).to_have_text("The end.")
+    streamed = content.inner_html()
+    page.reload()  # drawn at once from storage
+    _wait_ready(page)
+    assert content.inner_html() == streamed
+
+
+def test_right_to_left_text_reads_right_to_left(page):
+    arabic = "مرحبا، كيف حالك؟"
+    _mock_replies(page, ["أنا بخير، شكرا.\n\nEnglish paragraph.\n\n```\ncode()\n```"])
+    page.fill("#input", arabic)
+    assert page.eval_on_selector("#input", "e => e.matches(':dir(rtl)')")
+    page.press("#input", "Enter")
+    _wait_reply_done(page, 30_000)
+    assert page.eval_on_selector(".msg.user .bubble", "e => e.matches(':dir(rtl)')")
+    paragraphs = _last_reply(page).locator(".msg-content p")
+    assert paragraphs.evaluate_all("els => els.map(e => e.matches(':dir(rtl)'))") == [True, False]
+    assert _last_reply(page).locator(".code-block").evaluate("e => e.matches(':dir(ltr)')")
+
+
+def test_max_tokens_saves_whole_numbers_and_shows_what_is_saved(page):
+    def saved():
+        return json.loads(page.evaluate(f"localStorage.getItem({SETTINGS_KEY!r})"))["maxTokens"]
+
+    page.click("#open-settings")
+    box = page.locator("#set-max-tokens")
+    box.fill("1e3")
+    assert saved() == 1000
+    box.press("Tab")
+    expect(box).to_have_value("1000")
+    for wrong in ("1.5", "0", "-5"):
+        box.fill(wrong)
+        assert saved() == 1000, wrong
+        assert box.evaluate("e => !e.checkValidity()"), wrong
+        box.press("Tab")
+        expect(box).to_have_value("1000")
+    box.fill("")
+    assert saved() is None
+    box.fill("256")
+    page.click("#settings .settings-foot .primary")
+    assert saved() == 256
+
+
+@pytest.mark.timeout(120)
+def test_escape_stops_a_reply_from_anywhere_but_an_open_dialog(page):
+    page.evaluate(HELD_STREAMS)
+    _send(page, "Go on")
+    page.wait_for_function("() => window.__streams.length === 1")
+    page.evaluate("window.__push(0, 'Some text')")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Some text")
+    # Escape in the settings dialog closes it, and only that.
+    page.click("#open-settings")
+    expect(page.locator("#settings")).to_be_visible()
+    page.keyboard.press("Escape")
+    expect(page.locator("#settings")).to_be_hidden()
+    expect(page.locator("#stop")).to_be_visible()
+    # With the focus off the message box, Escape still stops the reply.
+    page.locator(".conv-item .conv-open").focus()
+    page.keyboard.press("Escape")
+    expect(_last_reply(page).locator(".stat-stopped")).to_be_visible()
+    expect(page.locator("#send")).to_be_visible()
+
+
+@pytest.mark.timeout(120)
+def test_a_full_browser_storage_is_said_until_saving_works_again(page):
+    big = "data:image/png;base64," + "A" * 200_000
+    old = {
+        "id": "old",
+        "title": "Old pictures",
+        "created": 1,
+        "updated": 1,
+        "messages": [{"id": "m1", "role": "user", "content": "look", "images": [big]}],
+    }
+    page.evaluate(
+        "c => localStorage.setItem('xinfer.ui.conversations.v1', JSON.stringify({version: 1, conversations: [c]}))", old
+    )
+    page.reload()
+    _wait_ready(page)
+    # Storage that takes 100,000 characters more (window.__room) than this: the old images do not fit.
+    page.evaluate(
+        """() => {
+          const real = Storage.prototype.setItem;
+          window.__room = 100000;
+          Storage.prototype.setItem = function (key, value) {
+            if (String(value).length > window.__room) throw new DOMException('full', 'QuotaExceededError');
+            return real.call(this, key, value);
+          };
+        }"""
+    )
+    page.click("#new-chat")
+    _mock_replies(page, ["Saved."])
+    _send(page, "hello")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Saved.")
+    expect(page.locator(".toast")).to_contain_text("images were removed from 1 older conversation")
+    expect(page.locator("#storage-banner")).to_be_hidden()
+    stored = _stored_conversations(page)
+    assert [c["title"] for c in stored] == ["hello", "Old pictures"]
+    assert "images" not in stored[1]["messages"][0] and stored[1]["messages"][0]["imagesRemoved"] == 1
+
+    # Nothing more to free: a lasting warning, until a save works again.
+    page.evaluate("window.__room = 100")
+    _send(page, "not saved")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Saved.")
+    banner = page.locator("#storage-banner")
+    expect(banner).to_contain_text("Browser storage is full")
+    expect(banner).to_contain_text("not saved")
+    page.evaluate("window.__room = 100000")
+    _send(page, "saved again")
+    expect(banner).to_be_hidden()
+    assert len(_stored_conversations(page)[0]["messages"]) == 6
+    page.locator(".conv-item", has_text="Old pictures").locator(".conv-open").click()
+    expect(page.locator(".images-removed")).to_have_text("1 image removed to free browser storage")

@@ -41,6 +41,11 @@ export class ApiError extends Error {
       /too long|context length|context window|maximum context|max_model_len|exceeds the model|too many tokens|context is \d+ tokens/.test(msg);
   }
 
+  /** The engine is still loading its model (it takes requests once it has). */
+  get modelLoading() {
+    return this.status === 503 && /\bis loading\b/i.test(this.message || ''); // not "dead: loading failed"
+  }
+
   /** An image in the conversation was refused (e.g. by a model that takes text only). */
   get imageRefused() {
     return this.status === 400 && /image/i.test(`${this.param || ''} ${this.message || ''}`);
@@ -53,13 +58,26 @@ function headers(extra = {}) {
   return h;
 }
 
-async function request(url, init = {}) {
+async function fetchOnce(url, init) {
   try {
     return await fetch(url, { ...init, headers: headers(init.headers) });
   } catch (e) {
     if (e && e.name === 'AbortError') throw e;
     throw new ServerDownError(e);
   }
+}
+
+/** Fetch `url`; a 401 is asked again once with the key the UI's config gives now (the server may have a new one). */
+async function request(url, init = {}) {
+  const res = await fetchOnce(url, init);
+  if (res.status !== 401) return res;
+  const before = apiKey;
+  try {
+    await loadConfig();
+  } catch {
+    return res;
+  }
+  return apiKey === before ? res : fetchOnce(url, init);
 }
 
 /** Build an ApiError from a failed Response: `{"error": {...}}`, FastAPI's `{"detail": ...}` or text. */
@@ -105,7 +123,7 @@ function plainText(text) {
 
 /** Load `/ui/config.json` (the API key, if any). */
 export async function loadConfig() {
-  const res = await request('ui/config.json', { cache: 'no-store' });
+  const res = await fetchOnce('ui/config.json', { cache: 'no-store' });
   if (!res.ok) throw await errorFromResponse(res);
   const cfg = await res.json();
   apiKey = cfg && cfg.api_key ? String(cfg.api_key) : null;

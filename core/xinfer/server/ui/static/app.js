@@ -9,7 +9,7 @@ import { icon } from './icons.js';
 import { renderMarkdown, splitThink } from './markdown.js';
 import {
   DEFAULT_SETTINGS, StorageError, isConversationsKey, isSettingsKey, loadConversations, loadCurrentId, loadSettings,
-  newConversation, parseImport, saveConversations, saveCurrentId, saveSettings, titleFrom,
+  maxTokensOf, newConversation, parseImport, saveConversations, saveCurrentId, saveSettings, titleFrom,
 } from './store.js';
 import { copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
 
@@ -22,7 +22,8 @@ const state = {
   models: [],
   model: null, // {id, maxModelLen}
   online: null, // null: unknown yet
-  gens: new Map(), // conversation id -> its running generation {msg, controller, frame}
+  serverStatus: null, // the engine's, from /health: 'ok', 'loading', 'draining', ...
+  gens: new Map(), // conversation id -> its running generation {msg, controller, frame, timer, waiting}
   editingId: null, // id of the user message being edited
   attachments: [], // data: URLs of the images for the next message
 };
@@ -46,6 +47,7 @@ const ui = {
   modelCtx: $('#model-ctx'),
   statusDot: $('#status-dot'),
   banner: $('#banner'),
+  storageBanner: $('#storage-banner'),
   jump: $('#jump'),
   settings: $('#settings'),
   toasts: $('#toasts'),
@@ -74,11 +76,7 @@ let saveTimer = null;
 function persist({ soon = false } = {}) {
   const write = () => {
     saveTimer = null;
-    try {
-      saveConversations(state.convs);
-    } catch (e) {
-      toast(e instanceof StorageError ? e.message : String(e), 'error');
-    }
+    saveAll();
   };
   if (soon) {
     if (!saveTimer) saveTimer = setTimeout(write, 750);
@@ -86,6 +84,42 @@ function persist({ soon = false } = {}) {
   }
   if (saveTimer) clearTimeout(saveTimer);
   write();
+}
+
+/** Save the conversations; when storage is full, drop the images of the oldest ones to make room. */
+function saveAll() {
+  let freed = 0;
+  for (;;) {
+    try {
+      saveConversations(state.convs);
+      break;
+    } catch (e) {
+      if (e instanceof StorageError && e.full && dropOldestImages()) { freed += 1; continue; }
+      setStorageWarning(e instanceof StorageError ? e.message : String(e));
+      return;
+    }
+  }
+  setStorageWarning(null);
+  if (freed) toast(`Browser storage was full: images were removed from ${freed} older conversation${freed > 1 ? 's' : ''} to make room.`);
+}
+
+/** Drop the images (the bulk of what is stored) of the least recent conversation that has some, but the open one. */
+function dropOldestImages() {
+  const withImages = state.convs.filter((c) => c.id !== state.currentId && !busy(c) && c.messages.some((m) => m.images));
+  const oldest = withImages.sort((a, b) => a.updated - b.updated)[0];
+  if (!oldest) return false;
+  for (const m of oldest.messages) {
+    if (!m.images) continue;
+    m.imagesRemoved = (m.imagesRemoved || 0) + m.images.length;
+    delete m.images;
+  }
+  return true;
+}
+
+/** A failed save stays on screen until a save succeeds: what is not saved is lost on reload. */
+function setStorageWarning(text) {
+  ui.storageBanner.hidden = !text;
+  if (text) ui.storageBanner.replaceChildren(icon('alert', 16), h('span', { text: `${text} New messages are not saved until then.` }));
 }
 
 function iconButton(name, title, onClick, extra = '') {
@@ -134,6 +168,8 @@ function setOnline(online) {
 /** The server answers but its engine may not take requests yet (loading the model) or any more. */
 function setReady(health) {
   const ready = health.ready;
+  state.serverStatus = health.status;
+  if (health.status !== 'loading') releaseHeldReplies();
   ui.statusDot.classList.toggle('loading', !ready);
   ui.statusDot.title = ready ? 'Connected' : `Server ${health.status}`;
   if (ready) {
@@ -155,7 +191,41 @@ function pollServer(delay = 3000) {
   pollTimer = setTimeout(() => { pollTimer = null; refreshModels(); }, delay);
 }
 
+const HEARTBEAT_MS = 12000;
+
+/**
+ * Whether the server is still there, while the page thinks it is fine (it polls by
+ * itself otherwise): a server that was killed or stopped tells nobody.
+ */
+async function checkServer() {
+  if (document.hidden || pollTimer || state.online !== true || state.serverStatus !== 'ok') return;
+  try {
+    setReady(await serverHealth());
+  } catch (e) {
+    if (e instanceof ServerDownError) setOnline(false);
+  }
+}
+
+const heldReplies = new Set(); // resolve functions of the replies waiting for the model to load
+
+/** Resolves once the server is not loading its model (at once if it is not); rejects when `signal` aborts. */
+function modelLoaded(signal) {
+  if (state.serverStatus !== 'loading') return Promise.resolve();
+  return new Promise((resolve, reject) => {
+    const release = () => { signal.removeEventListener('abort', abort); resolve(); };
+    const abort = () => { heldReplies.delete(release); reject(new DOMException('Stopped', 'AbortError')); };
+    heldReplies.add(release);
+    signal.addEventListener('abort', abort, { once: true });
+  });
+}
+
+function releaseHeldReplies() {
+  for (const release of heldReplies) release();
+  heldReplies.clear();
+}
+
 let configLoaded = false;
+const KEY_CHANGED = 'The server no longer accepts this page\'s API key (it was restarted with another?): reload the page.';
 
 /** Load config (once), the model list and the engine's health; returns true when the server is ready. */
 async function refreshModels() {
@@ -183,7 +253,7 @@ async function refreshModels() {
       ui.modelName.textContent = notReady ? 'Server starting…' : 'Model list unavailable';
       ui.modelName.title = e.message;
       if (notReady) pollServer(); // e.g. 503 while the model loads
-      if (e instanceof ApiError && e.status === 401) toast(`Unauthorized: ${e.message}`, 'error');
+      if (e instanceof ApiError && e.status === 401) toast(KEY_CHANGED, 'error');
     }
     return false;
   }
@@ -350,9 +420,30 @@ function renderMessages() {
   const conv = current();
   const msgs = conv ? conv.messages : [];
   ui.empty.hidden = msgs.length > 0;
-  ui.messages.replaceChildren(...msgs.map((m) => (m.role === 'user' ? userView(conv, m) : assistantView(conv, m))));
+  const views = msgs.map((m) => messageView(conv, m));
+  const lastOmitted = msgs.findLastIndex((m) => m.omitted);
+  if (lastOmitted !== -1) views.splice(lastOmitted + 1, 0, omittedNote());
+  ui.messages.replaceChildren(...views);
   document.title = conv && conv.messages.length ? `${conv.title} · xInfer` : 'xInfer';
   updateJump();
+}
+
+/** A message's view; one that cannot be drawn is said so, and does not stop the others (or the page). */
+function messageView(conv, msg) {
+  try {
+    return msg.role === 'user' ? userView(conv, msg) : assistantView(conv, msg);
+  } catch (e) {
+    console.error(e);
+    return h('div', { className: 'msg broken', text: 'This message could not be shown.', dataset: { msgId: msg.id } });
+  }
+}
+
+function omittedNote() {
+  const max = state.model && state.model.maxModelLen;
+  return h('div', { className: 'context-note', attrs: { role: 'note' } },
+    h('span', { text: `The conversation outgrew the model's context${max ? ` (${formatInt(max)} tokens)` : ''}: ` +
+      'the messages above are no longer sent with new ones.' }),
+    h('button', { className: 'btn small', text: 'New chat', attrs: { type: 'button' }, on: { click: newChat } }));
 }
 
 function renderAll() {
@@ -364,7 +455,7 @@ function renderAll() {
 function userView(conv, msg) {
   const node = h('div', { className: 'msg user', dataset: { msgId: msg.id, role: 'user' } });
   if (state.editingId === msg.id) {
-    const ta = h('textarea', { className: 'edit-box', attrs: { 'aria-label': 'Edit message', rows: '3' } });
+    const ta = h('textarea', { className: 'edit-box', attrs: { 'aria-label': 'Edit message', rows: '3', dir: 'auto' } });
     ta.value = msg.content;
     const cancel = h('button', { className: 'btn', text: 'Cancel', attrs: { type: 'button' }, on: { click: () => { state.editingId = null; renderMessages(); } } });
     const save = h('button', { className: 'btn primary', text: 'Send', attrs: { type: 'button' }, on: { click: () => submitEdit(conv, msg, ta.value) } });
@@ -377,12 +468,17 @@ function userView(conv, msg) {
     ta.addEventListener('input', () => autosize(ta, 400));
     return node;
   }
-  const bubble = h('div', { className: 'bubble', text: msg.content });
+  const bubble = h('div', { className: 'bubble', text: msg.content, attrs: { dir: 'auto' } });
   node.classList.toggle('unsent', !!msg.unsent);
+  node.classList.toggle('omitted', !!msg.omitted);
   const note = msg.unsent ? h('div', { className: 'unsent-note', text: 'Not sent again: too long for the model\'s context' }) : null;
   if (msg.images && msg.images.length) {
     const pictures = msg.images.map((url) => h('img', { attrs: { src: url, alt: 'attached image' } }));
     node.append(h('div', { className: 'msg-images' }, ...pictures));
+  }
+  if (msg.imagesRemoved) {
+    const n = msg.imagesRemoved;
+    node.append(h('div', { className: 'images-removed', text: `${n} image${n > 1 ? 's' : ''} removed to free browser storage` }));
   }
   const actions = h('div', { className: 'msg-actions' },
     copyButton(() => msg.content));
@@ -408,13 +504,14 @@ function assistantView(conv, msg) {
   const node = h('div', { className: 'msg assistant', dataset: { msgId: msg.id, role: 'assistant' } });
   const avatar = h('div', { className: 'avatar', attrs: { 'aria-hidden': 'true' }, text: 'x' });
   const summary = h('summary', {}, h('span', { className: 'reasoning-label', text: 'Reasoning' }));
-  const reasoning = h('details', { className: 'reasoning' }, summary, h('div', { className: 'reasoning-content md' }));
+  const reasoning = h('details', { className: 'reasoning' }, summary, h('div', { className: 'reasoning-content md', attrs: { dir: 'auto' } }));
   reasoning.hidden = true;
   const body = h('div', { className: 'msg-body' },
     reasoning,
-    h('div', { className: 'msg-content md' }),
+    h('div', { className: 'msg-content md', attrs: { dir: 'auto' } }),
     h('p', { className: 'msg-empty', text: 'The model returned an empty reply.' }),
     h('div', { className: 'typing', attrs: { 'aria-label': 'Waiting for the reply' } }, h('span'), h('span'), h('span')),
+    h('p', { className: 'msg-wait', text: 'Waiting for the server to finish loading the model: the message is sent then.' }),
     h('div', { className: 'msg-error', attrs: { role: 'alert' } }),
     h('div', { className: 'msg-footer' }, h('div', { className: 'stats', dataset: { testid: 'stats' } }), h('div', { className: 'msg-actions' })));
   node.append(avatar, body);
@@ -422,7 +519,13 @@ function assistantView(conv, msg) {
   return node;
 }
 
-const rendered = new WeakMap(); // .msg-content element -> the markdown it shows
+const rendered = new WeakMap(); // .msg-content or .reasoning-content element -> the markdown it shows
+
+function renderMarkdownOnce(src, container) {
+  if (rendered.get(container) === src) return;
+  rendered.set(container, src);
+  renderMarkdown(src, container);
+}
 
 /** Update an assistant message's node from `msg` (called for every streamed frame). */
 function updateAssistant(node, conv, msg) {
@@ -431,6 +534,7 @@ function updateAssistant(node, conv, msg) {
   const reasoningText = [msg.reasoning || '', parts.reasoning].filter((s) => s.trim()).join('\n\n');
   const thinking = streaming && (parts.thinking || (!!msg.reasoning && !parts.answer));
   node.classList.toggle('streaming', streaming);
+  node.classList.toggle('omitted', !!msg.omitted);
 
   const details = node.querySelector('.reasoning');
   details.hidden = !reasoningText.trim();
@@ -439,19 +543,18 @@ function updateAssistant(node, conv, msg) {
     const secs = msg.stats && msg.stats.thinkMs ? ` for ${formatSeconds(msg.stats.thinkMs)}` : '';
     label.textContent = thinking ? 'Thinking…' : `Reasoning${secs ? ` (thought${secs})` : ''}`;
     details.classList.toggle('thinking', thinking);
-    renderMarkdown(reasoningText.trim(), details.querySelector('.reasoning-content'));
+    renderMarkdownOnce(reasoningText.trim(), details.querySelector('.reasoning-content'));
   }
 
   const content = node.querySelector('.msg-content');
-  if (rendered.get(content) !== parts.answer) {
-    rendered.set(content, parts.answer);
-    renderMarkdown(parts.answer, content);
-  }
+  renderMarkdownOnce(parts.answer, content);
   content.hidden = !parts.answer;
   node.querySelector('.msg-empty').hidden = streaming || !!parts.answer || !!reasoningText || !!msg.error || !!msg.stopped;
 
   const waiting = streaming && !parts.answer && !reasoningText;
   node.querySelector('.typing').hidden = !waiting;
+  const gen = state.gens.get(conv.id);
+  node.querySelector('.msg-wait').hidden = !(streaming && gen && gen.msg === msg && gen.waiting);
 
   const errBox = node.querySelector('.msg-error');
   errBox.replaceChildren(...(msg.error ? errorView(msg) : []));
@@ -495,14 +598,30 @@ function errorView(msg) {
       canRetry ? h('div', { className: 'err-actions' }, clear) : null].filter(Boolean);
   }
   if (e.kind === 'overflow') {
-    const max = state.model && state.model.maxModelLen;
-    const newBtn = h('button', { className: 'btn primary', text: 'New chat', attrs: { type: 'button' }, on: { click: newChat } });
-    const hint = ' Start a new chat, edit your last message to make it shorter, or send another: this one is then left out.' +
-      (state.settings.maxTokens ? ` A lower "Max tokens" (now ${formatInt(state.settings.maxTokens)}) may help too.` : '');
+    const size = state.model && state.model.maxModelLen ? ` of ${formatInt(state.model.maxModelLen)} tokens` : '';
+    const newBtn = h('button', { className: 'btn', text: 'New chat', attrs: { type: 'button' }, on: { click: newChat } });
+    if (conv && sentTurns(conv, msg).length <= 1) {
+      // Older turns are left out as the conversation grows (leaveOutOldest): this message alone does not fit.
+      const sys = (state.settings.systemPrompt || '').trim() ? ' with the system prompt' : '';
+      return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'This message is too long for this model' })),
+        h('p', { text: `It does not fit in the model's context window${size}${sys}. Edit it to make it shorter, or send another: this one is then left out.` }),
+        h('p', { className: 'err-detail', text: e.message })];
+    }
+    const trim = h('button', {
+      className: 'btn primary', text: 'Continue without the earliest messages', attrs: { type: 'button' },
+      on: { click: () => { if (leaveOutOldest(conv, msg, e)) regenerate(conv); } },
+    });
     return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The conversation is too long for this model' })),
-      h('p', { text: `It does not fit in the model's context window${max ? ` of ${formatInt(max)} tokens` : ''}.${hint}` }),
+      h('p', { text: `It does not fit in the model's context window${size}. Go on without its earliest messages, or start a new chat.` }),
       h('p', { className: 'err-detail', text: e.message }),
-      h('div', { className: 'err-actions' }, newBtn)];
+      h('div', { className: 'err-actions' }, canRetry ? trim : null, newBtn)];
+  }
+  if (e.kind === 'auth') {
+    const reload = h('button', { className: 'btn primary', text: 'Reload the page', attrs: { type: 'button' }, on: { click: () => location.reload() } });
+    return [h('div', { className: 'err-title' }, icon('alert', 16), h('span', { text: 'The server\'s API key changed' })),
+      h('p', { text: KEY_CHANGED }),
+      h('p', { className: 'err-detail', text: e.message }),
+      h('div', { className: 'err-actions' }, reload)];
   }
   if (e.kind === 'images') {
     const textOnly = /text only|cannot read images|does not (take|accept|support) images/i.test(e.message);
@@ -530,13 +649,14 @@ function renderStats(box, msg) {
   const items = [];
   const stat = (key, text, title) => items.push(h('span', { className: `stat stat-${key}`, text, title, dataset: { stat: key } }));
   const approx = s.approx ? '~' : '';
-  if (s.tps !== undefined && s.tps !== null) stat('tps', `${approx}${s.tps.toFixed(1)} tok/s`, 'Generation speed (tokens per second after the first token)');
-  if (s.ttftMs !== undefined && s.ttftMs !== null) stat('ttft', `TTFT ${formatSeconds(s.ttftMs)}`, 'Time to first token');
-  if (s.promptTokens !== undefined && s.promptTokens !== null) {
+  const has = Number.isFinite;
+  if (has(s.tps)) stat('tps', `${approx}${s.tps.toFixed(1)} tok/s`, 'Generation speed (tokens per second after the first token)');
+  if (has(s.ttftMs)) stat('ttft', `TTFT ${formatSeconds(s.ttftMs)}`, 'Time to first token');
+  if (has(s.promptTokens)) {
     stat('in', `${formatInt(s.promptTokens)} in`, 'Prompt tokens');
-    if (s.cachedTokens !== undefined && s.cachedTokens !== null) stat('cached', `${formatInt(s.cachedTokens)} cached`, 'Prompt tokens served from the prefix cache');
+    if (has(s.cachedTokens)) stat('cached', `${formatInt(s.cachedTokens)} cached`, 'Prompt tokens served from the prefix cache');
   }
-  if (s.completionTokens !== undefined && s.completionTokens !== null) stat('out', `${approx}${formatInt(s.completionTokens)} out`, 'Completion tokens');
+  if (has(s.completionTokens)) stat('out', `${approx}${formatInt(s.completionTokens)} out`, 'Completion tokens');
   if (msg.stopped) stat('stopped', 'stopped', 'Generation was stopped');
   else if (s.finishReason === 'length') stat('length', 'max tokens reached', 'The reply hit the max-tokens limit');
   box.replaceChildren(...items);
@@ -581,7 +701,7 @@ function historyFor(conv, upTo) {
   if (sys) out.push({ role: 'system', content: sys });
   for (const m of conv.messages) {
     if (m === upTo) break;
-    if (m.unsent) continue;
+    if (m.unsent || m.omitted) continue;
     const text = m.role === 'assistant' ? splitThink(m.content).answer : m.content;
     const images = m.role === 'user' ? m.images : null;
     if (!text.trim() && !(images && images.length)) continue; // failed or empty replies are not sent back
@@ -602,21 +722,127 @@ function payloadFor(conv, msg) {
   if (state.model) p.model = state.model.id;
   if (Number.isFinite(s.temperature)) p.temperature = s.temperature;
   if (Number.isFinite(s.topP)) p.top_p = s.topP;
-  if (Number.isFinite(s.maxTokens) && s.maxTokens > 0) p.max_tokens = s.maxTokens;
+  if (maxTokensOf(s.maxTokens)) p.max_tokens = s.maxTokens;
   return p;
 }
 
+/**
+ * Draw `gen`'s reply on a coming frame. Drawing a reply costs more the longer it is (its
+ * markdown is parsed whole): the draws are spaced so that they take at most a fifth of the
+ * time, rather than every frame, which made long replies stream slower and slower.
+ */
 function scheduleUpdate(conv, gen) {
-  if (gen.frame) return;
-  const { msg } = gen;
-  gen.frame = requestAnimationFrame(() => {
-    gen.frame = 0;
-    if (conv.id !== state.currentId) return;
-    const wasStuck = nearBottom() || stick;
-    const node = ui.messages.querySelector(`[data-msg-id="${CSS.escape(msg.id)}"]`);
-    if (node) updateAssistant(node, conv, msg);
-    if (wasStuck) scrollToBottom();
-  });
+  if (gen.frame || gen.timer) return;
+  const draw = () => {
+    gen.timer = 0;
+    gen.frame = requestAnimationFrame(() => {
+      gen.frame = 0;
+      if (conv.id !== state.currentId) return;
+      const start = performance.now();
+      const wasStuck = nearBottom() || stick;
+      const node = ui.messages.querySelector(`[data-msg-id="${CSS.escape(gen.msg.id)}"]`);
+      if (node) updateAssistant(node, conv, gen.msg);
+      if (wasStuck) scrollToBottom();
+      gen.drawn = performance.now();
+      gen.drawMs = gen.drawn - start;
+    });
+  };
+  const wait = gen.drawn + 4 * gen.drawMs - performance.now();
+  if (wait > 0) gen.timer = setTimeout(draw, wait);
+  else draw();
+}
+
+function cancelUpdate(gen) {
+  if (gen.timer) clearTimeout(gen.timer);
+  if (gen.frame) cancelAnimationFrame(gen.frame);
+  gen.timer = gen.frame = 0;
+}
+
+/** Whether the error is a prompt longer than the context (not the reply's "Max tokens" that does not fit). */
+function promptOverflow(e) {
+  return e instanceof ApiError && e.contextOverflow && e.param !== 'max_tokens' && !/max_tokens/.test(e.message);
+}
+
+/** The prompt's and the context's sizes in tokens, as the server's error gives them (null if it does not). */
+function overflowSizes(message) {
+  const prompt = /prompt (?:has|is too long:?) (\d+) tokens|(\d+) (?:tokens )?in the messages/i.exec(message);
+  const context = /context (?:is|length is|window is) (\d+) tokens/i.exec(message);
+  if (!prompt || !context) return null;
+  return { prompt: Number(prompt[1] || prompt[2]), context: Number(context[1]) };
+}
+
+/** The turns (a user message and the replies after it) of `conv` that go with a request for `msg`. */
+function sentTurns(conv, msg) {
+  const turns = [];
+  for (const m of conv.messages) {
+    if (m === msg) break;
+    if (m.omitted || m.unsent) continue;
+    if (m.role === 'user' || !turns.length) turns.push([m]);
+    else turns[turns.length - 1].push(m);
+  }
+  return turns;
+}
+
+const sentLength = (m) => (m.role === 'assistant' ? splitThink(m.content).answer : m.content).length;
+
+/**
+ * Leave the oldest turns of `conv` out of its requests, enough for the prompt to fit the
+ * context with room for a reply (by the server's count, shared out by length); false when
+ * only the newest message is left: then it alone is too long.
+ */
+function leaveOutOldest(conv, msg, error) {
+  const turns = sentTurns(conv, msg);
+  const older = turns.slice(0, -1);
+  if (!older.length) return false;
+  const sizes = overflowSizes(error.message);
+  let drop = Math.ceil(older.length / 2);
+  if (sizes) {
+    const chars = turns.flat().reduce((n, m) => n + sentLength(m), (state.settings.systemPrompt || '').length);
+    const perChar = sizes.prompt / Math.max(chars, 1);
+    const reply = Math.min(sizes.context / 2, state.settings.maxTokens || Math.min(sizes.context / 4, 1024));
+    let excess = sizes.prompt - sizes.context + reply;
+    drop = 0;
+    while (drop < older.length && excess > 0) {
+      excess -= older[drop].reduce((n, m) => n + sentLength(m), 0) * perChar;
+      drop += 1;
+    }
+    drop = Math.max(drop, 1);
+  }
+  for (const turn of older.slice(0, drop)) for (const m of turn) m.omitted = true;
+  return true;
+}
+
+/**
+ * The chunks of the reply to `gen.msg`. A request that finds the model still loading waits
+ * for it and is sent again; one whose history outgrew the context is sent again without
+ * its oldest turns.
+ */
+async function* replyChunks(conv, gen) {
+  const { msg, controller } = gen;
+  for (;;) {
+    if (state.serverStatus === 'loading') {
+      gen.waiting = true;
+      scheduleUpdate(conv, gen);
+      await modelLoaded(controller.signal);
+      gen.waiting = false;
+      scheduleUpdate(conv, gen);
+    }
+    gen.t0 = performance.now();
+    try {
+      yield* streamChat(payloadFor(conv, msg), controller.signal);
+      return;
+    } catch (e) {
+      const nothingYet = !msg.content && !msg.reasoning;
+      if (nothingYet && e instanceof ApiError && e.modelLoading) {
+        setReady({ ready: false, status: 'loading', error: null });
+      } else if (nothingYet && promptOverflow(e) && leaveOutOldest(conv, msg, e)) {
+        persist();
+        if (conv.id === state.currentId) renderMessages();
+      } else {
+        throw e;
+      }
+    }
+  }
 }
 
 let leaving = false; // the page is being unloaded: a cut stream is not an error
@@ -628,7 +854,7 @@ async function generate(conv) {
   conv.messages.push(msg);
   conv.updated = Date.now();
   const controller = new AbortController();
-  const gen = { msg, controller, frame: 0 };
+  const gen = { msg, controller, frame: 0, timer: 0, drawn: 0, drawMs: 0, waiting: false, t0: performance.now() };
   state.gens.set(conv.id, gen);
   state.editingId = null;
   // Move the conversation to the top of the list.
@@ -637,7 +863,6 @@ async function generate(conv) {
   renderAll();
   scrollToBottom(true);
 
-  const t0 = performance.now();
   let tFirst = null;
   let tAnswer = null;
   let pieces = 0;
@@ -646,7 +871,7 @@ async function generate(conv) {
     if (!state.model) await refreshModels();
     if (state.model && !msg.model) msg.model = state.model.id;
     let answered = false;
-    for await (const chunk of streamChat(payloadFor(conv, msg), controller.signal)) {
+    for await (const chunk of replyChunks(conv, gen)) {
       if (!answered) { answered = true; setOnline(true); }
       if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices && chunk.choices[0];
@@ -664,7 +889,7 @@ async function generate(conv) {
           if (tAnswer === null && splitThink(msg.content).answer) tAnswer = now;
         }
         // Live speed and count while streaming (approximate: one chunk ~ one token).
-        msg.stats = { ...msg.stats, ttftMs: tFirst - t0, completionTokens: pieces, approx: true };
+        msg.stats = { ...msg.stats, ttftMs: tFirst - gen.t0, completionTokens: pieces, approx: true };
         if (pieces > 1 && now - tFirst > 250) msg.stats.tps = (pieces - 1) / ((now - tFirst) / 1000);
       }
       if (choice.finish_reason) msg.stats.finishReason = choice.finish_reason;
@@ -683,14 +908,17 @@ async function generate(conv) {
       msg.error = { kind: 'down', message: e.message };
       setOnline(false);
     } else if (e instanceof ApiError) {
-      const kind = e.contextOverflow ? 'overflow' : e.imageRefused ? 'images' : 'api';
+      const kind = e.status === 401 ? 'auth' : e.contextOverflow ? 'overflow' : e.imageRefused ? 'images' : 'api';
       msg.error = { kind, message: e.message, status: e.status || null, param: e.param || null };
-      setOnline(true);
+      // A 5xx may come from a server shutting down or broken: see what it says of itself.
+      if (e.status >= 500) refreshModels();
+      else setOnline(true);
     } else {
       msg.error = { kind: 'api', message: String((e && e.message) || e) };
       console.error(e);
     }
   } finally {
+    const { t0 } = gen;
     const tEnd = performance.now();
     const stats = { finishReason: msg.stats.finishReason };
     if (tFirst !== null) stats.ttftMs = tFirst - t0;
@@ -718,7 +946,7 @@ async function generate(conv) {
     if (state.gens.get(conv.id) === gen) state.gens.delete(conv.id);
     conv.updated = Date.now();
     persist();
-    if (gen.frame) cancelAnimationFrame(gen.frame);
+    cancelUpdate(gen);
     if (conv.id === state.currentId) {
       const wasStuck = nearBottom() || stick;
       renderMessages();
@@ -744,11 +972,12 @@ function send(text) {
   // A failed reply with no text is replaced by the next one.
   const last = conv.messages[conv.messages.length - 1];
   if (last && last.role === 'assistant' && last.error && !last.content) {
+    const alone = sentTurns(conv, last).length <= 1;
     conv.messages.pop();
-    // A message the context could not take stays in view but is not sent again (it
-    // would make every later request fail the same way).
+    // A message the context could not take by itself stays in view but is not sent again
+    // (it would make every later request fail the same way).
     const refused = conv.messages[conv.messages.length - 1];
-    if (last.error.kind === 'overflow' && last.error.param !== 'max_tokens' && refused && refused.role === 'user') {
+    if (last.error.kind === 'overflow' && last.error.param !== 'max_tokens' && alone && refused && refused.role === 'user') {
       refused.unsent = true;
     }
   }
@@ -775,6 +1004,7 @@ function submitEdit(conv, msg, text) {
   if (i === -1) return;
   msg.content = content;
   delete msg.unsent;
+  delete msg.omitted;
   conv.messages.splice(i + 1);
   if (i === 0) conv.title = titleFrom(content);
   state.editingId = null;
@@ -871,6 +1101,7 @@ function bindSettings() {
     f.temp.value = f.tempNum.value = String(s.temperature);
     f.topP.value = f.topPNum.value = String(s.topP);
     f.maxTokens.value = s.maxTokens ? String(s.maxTokens) : '';
+    f.maxTokens.setCustomValidity('');
     f.theme.value = s.theme || 'system';
     f.maxTokens.max = state.model && state.model.maxModelLen ? String(state.model.maxModelLen) : '';
     const ctx = $('#max-tokens-hint');
@@ -894,10 +1125,20 @@ function bindSettings() {
   };
   pair(f.temp, f.tempNum, 'temperature', 0, 2);
   pair(f.topP, f.topPNum, 'topP', 0.01, 1); // the API takes top_p in (0, 1]
+  // A whole number of tokens, or empty for Auto; anything else is not saved, and the box
+  // goes back to what is saved when left.
   f.maxTokens.addEventListener('input', () => {
-    const x = parseInt(f.maxTokens.value, 10);
-    state.settings.maxTokens = Number.isFinite(x) && x > 0 ? x : null;
+    const box = f.maxTokens;
+    const empty = !box.value && !box.validity.badInput;
+    const x = maxTokensOf(Number(box.value));
+    box.setCustomValidity(empty || x ? '' : 'A whole number of tokens (1 or more), or empty for Auto');
+    if (!empty && !x) return;
+    state.settings.maxTokens = x;
     save();
+  });
+  f.maxTokens.addEventListener('change', () => {
+    f.maxTokens.value = state.settings.maxTokens ? String(state.settings.maxTokens) : '';
+    f.maxTokens.setCustomValidity('');
   });
   f.theme.addEventListener('change', () => { state.settings.theme = f.theme.value; save(); });
   $('#settings-reset').addEventListener('click', () => {
@@ -943,17 +1184,25 @@ function bind() {
     if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && !composing && e.keyCode !== 229) {
       e.preventDefault();
       send(ui.input.value);
-    } else if (e.key === 'Escape' && busy(current())) {
-      e.preventDefault();
-      stop();
     }
+  });
+  // Escape stops the reply wherever the focus is, unless something else took the key
+  // (a rename box, the edit box) or a dialog is open (Escape closes it).
+  document.addEventListener('keydown', (e) => {
+    if (e.key !== 'Escape' || e.defaultPrevented || e.isComposing || ui.settings.open || !busy(current())) return;
+    e.preventDefault();
+    stop();
   });
   ui.stop.addEventListener('click', stop);
   $('#new-chat').addEventListener('click', newChat);
   $('#open-sidebar').addEventListener('click', () => ui.app.classList.add('sidebar-open'));
   $('#close-sidebar').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
   $('#backdrop').addEventListener('click', () => ui.app.classList.remove('sidebar-open'));
-  ui.sidebar.addEventListener('keydown', (e) => { if (e.key === 'Escape') ui.app.classList.remove('sidebar-open'); });
+  ui.sidebar.addEventListener('keydown', (e) => {
+    if (e.key !== 'Escape' || !ui.app.classList.contains('sidebar-open')) return;
+    e.preventDefault(); // the key closes the sidebar, it does not also stop a reply
+    ui.app.classList.remove('sidebar-open');
+  });
   $('#export-current').addEventListener('click', () => {
     const conv = current();
     if (!conv || !conv.messages.length) { toast('Nothing to export yet'); return; }
@@ -1012,9 +1261,15 @@ function bind() {
 function init() {
   bind();
   if (state.currentId && !current()) state.currentId = null;
-  renderAll();
-  scrollToBottom(true);
+  try {
+    renderAll();
+    scrollToBottom(true);
+  } catch (e) {
+    console.error(e); // what was stored cannot be drawn: the page still starts, to talk to the server
+  }
   refreshModels();
+  setInterval(checkServer, HEARTBEAT_MS);
+  document.addEventListener('visibilitychange', checkServer);
   ui.input.focus();
   document.documentElement.dataset.ready = 'true';
 }

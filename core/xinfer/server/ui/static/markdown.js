@@ -350,6 +350,7 @@ export function parseInline(s, depth = 0) {
 
 function codeBlock(code, lang) {
   const wrap = el('div', 'code-block');
+  wrap.dir = 'ltr'; // code reads left to right in a right-to-left reply too
   const head = el('div', 'code-head');
   head.appendChild(el('span', 'code-lang', lang || 'text'));
   const btn = el('button', 'code-copy', 'Copy');
@@ -482,6 +483,7 @@ function parseList(lines, start, depth) {
   }
   for (const itemLines of items) {
     const li = el('li');
+    li.dir = 'auto';
     const children = parseBlocks(itemLines, depth + 1);
     if (!loose) {
       // Tight list: unwrap paragraphs so items do not get paragraph margins.
@@ -530,6 +532,7 @@ export function parseBlocks(lines, depth = 0) {
     m = RE.heading.exec(line);
     if (m) {
       const h = el('h' + m[1].length);
+      h.dir = 'auto';
       h.append(...parseInline(m[2] || '', depth));
       out.push(h);
       i++;
@@ -582,6 +585,7 @@ export function parseBlocks(lines, depth = 0) {
       i++;
     }
     const p = el('p');
+    p.dir = 'auto'; // each paragraph its own direction: replies mix right-to-left and left-to-right text
     p.append(...parseInline(para.join('\n').replace(/[ \t]+$/, ''), depth));
     out.push(p);
   }

@@ -6,9 +6,13 @@
 //   xinfer.ui.settings.v1       Settings
 //
 // Conversation: {id, title, created, updated, messages: [Message, ...]}
-// Message: {id, role: "user"|"assistant", content, reasoning?, model?,
-//           stats?, error?: {kind, message, status}, stopped?,
-//           unsent? (a user message the context refused: shown, not sent again)}
+// Message: {id, role: "user"|"assistant", content, images? (data: URLs), reasoning?, model?,
+//           stats?, error?: {kind, message, status, param}, stopped?,
+//           unsent? (a user message the context refused: shown, not sent again),
+//           omitted? (left out of requests: the conversation outgrew the context),
+//           imagesRemoved? (how many images were dropped to free storage)}
+// What is read back (or imported) is cleaned to these fields and types: one bad
+// message must not stop the page from loading.
 
 import { uid } from './util.js';
 
@@ -33,48 +37,135 @@ function readJSON(key, fallback) {
   }
 }
 
-/** Thrown (and reported by the page) when localStorage is full or unavailable. */
-export class StorageError extends Error {}
+/** Thrown (and reported by the page) when localStorage is full (`full`) or unavailable. */
+export class StorageError extends Error {
+  constructor(full) {
+    super(full ? 'Browser storage is full: delete or export old conversations.' : 'Could not save to browser storage.');
+    this.full = full;
+  }
+}
 
 function writeJSON(key, value) {
   try {
     localStorage.setItem(key, JSON.stringify(value));
   } catch (e) {
-    throw new StorageError(e && e.name === 'QuotaExceededError'
-      ? 'Browser storage is full: delete or export old conversations.'
-      : 'Could not save to browser storage.');
+    throw new StorageError(!!e && (e.name === 'QuotaExceededError' || e.name === 'NS_ERROR_DOM_QUOTA_REACHED'));
   }
 }
 
-function validMessage(m) {
-  return m && (m.role === 'user' || m.role === 'assistant') && typeof m.content === 'string';
+const STAT_NUMBERS = ['tps', 'ttftMs', 'thinkMs', 'promptTokens', 'cachedTokens', 'completionTokens', 'durationMs'];
+const ERROR_KINDS = ['down', 'stream', 'api', 'overflow', 'images', 'auth'];
+
+const isText = (x) => typeof x === 'string';
+const isImageUrl = (x) => isText(x) && /^data:image\/[a-z0-9.+-]+[;,]/i.test(x); // never a URL the page would fetch
+
+/** A message's text and images from its content: a string, or OpenAI's content parts. */
+function contentOf(content) {
+  if (isText(content)) return { text: content, images: [] };
+  if (content === null || content === undefined) return { text: '', images: [] };
+  if (typeof content === 'number' || typeof content === 'boolean') return { text: String(content), images: [] };
+  if (!Array.isArray(content)) return null;
+  const parts = content.filter((p) => p && typeof p === 'object');
+  return {
+    text: parts.filter((p) => isText(p.text)).map((p) => p.text).join('\n\n'),
+    images: parts.map((p) => p.image_url && (isText(p.image_url) ? p.image_url : p.image_url.url)).filter(isImageUrl),
+  };
 }
 
-function fixMessage(m) {
-  const out = { ...m, id: typeof m.id === 'string' && m.id ? m.id : uid() };
-  if (out.pending) {
-    // Saved while streaming (page closed or reloaded mid-reply): the stream is gone.
-    delete out.pending;
-    out.stopped = true;
+function cleanStats(s) {
+  if (!s || typeof s !== 'object') return null;
+  const out = {};
+  for (const key of STAT_NUMBERS) if (Number.isFinite(s[key]) && s[key] >= 0) out[key] = s[key];
+  if (isText(s.finishReason)) out.finishReason = s.finishReason;
+  if (s.approx === true) out.approx = true;
+  return Object.keys(out).length ? out : null;
+}
+
+function cleanError(e) {
+  if (isText(e)) return { kind: 'api', message: e };
+  if (!e || typeof e !== 'object') return null;
+  return {
+    kind: ERROR_KINDS.includes(e.kind) ? e.kind : 'api',
+    message: isText(e.message) ? e.message : 'The request failed.',
+    status: Number.isInteger(e.status) ? e.status : null,
+    param: isText(e.param) ? e.param : null,
+  };
+}
+
+/** A stored or imported message with only the fields the page knows, each of its type; null if unusable. */
+function cleanMessage(m) {
+  if (!m || typeof m !== 'object' || (m.role !== 'user' && m.role !== 'assistant')) return null;
+  const content = contentOf(m.content);
+  if (!content) return null;
+  const out = { id: isText(m.id) && m.id ? m.id : uid(), role: m.role, content: content.text };
+  const images = content.images.concat(Array.isArray(m.images) ? m.images.filter(isImageUrl) : []);
+  if (m.role === 'user' && images.length) out.images = images;
+  if (m.role === 'user' && Number.isInteger(m.imagesRemoved) && m.imagesRemoved > 0) out.imagesRemoved = m.imagesRemoved;
+  if (m.role === 'assistant' && isText(m.reasoning)) out.reasoning = m.reasoning;
+  if (isText(m.model)) out.model = m.model;
+  const stats = cleanStats(m.stats);
+  if (stats) out.stats = stats;
+  const error = cleanError(m.error);
+  if (error && m.role === 'assistant') out.error = error;
+  // Saved while streaming (page closed or reloaded mid-reply): the stream is gone.
+  if (m.stopped === true || m.pending) out.stopped = true;
+  if (m.unsent === true) out.unsent = true;
+  if (m.omitted === true) out.omitted = true;
+  return out;
+}
+
+function cleanMessages(list) {
+  const out = [];
+  for (const m of list) {
+    try {
+      const clean = cleanMessage(m);
+      if (clean) out.push(clean);
+    } catch {
+      // one unusable message is left out, not the whole conversation
+    }
   }
   return out;
 }
 
+const timeOf = (x) => (Number.isFinite(Number(x)) && Number(x) > 0 ? Number(x) : null);
+
+/** A conversation from storage or a file, cleaned (see cleanMessage); null if it is none. */
 function normalise(c) {
   if (!c || typeof c !== 'object' || !Array.isArray(c.messages)) return null;
   const now = Date.now();
+  const created = timeOf(c.created) || now;
   return {
-    id: typeof c.id === 'string' && c.id ? c.id : uid(),
-    title: typeof c.title === 'string' && c.title.trim() ? c.title.slice(0, 200) : 'Untitled',
-    created: Number(c.created) || now,
-    updated: Number(c.updated) || Number(c.created) || now,
-    messages: c.messages.filter(validMessage).map(fixMessage),
+    id: isText(c.id) && c.id ? c.id : uid(),
+    title: isText(c.title) && c.title.trim() ? c.title.slice(0, 200) : 'Untitled',
+    created,
+    updated: timeOf(c.updated) || created,
+    messages: cleanMessages(c.messages),
   };
+}
+
+function normaliseAll(list) {
+  const out = [];
+  for (const c of list) {
+    try {
+      const clean = normalise(c);
+      if (clean) out.push(clean);
+    } catch {
+      // as for messages: the others still load
+    }
+  }
+  return out;
+}
+
+/** Max tokens as the API takes it: an integer >= 1, or null for "let the server decide". */
+export function maxTokensOf(x) {
+  return Number.isInteger(x) && x >= 1 ? x : null;
 }
 
 export function loadSettings() {
   const s = readJSON(SETTINGS_KEY, {});
-  return { ...DEFAULT_SETTINGS, ...(s && typeof s === 'object' ? s : {}) };
+  const settings = { ...DEFAULT_SETTINGS, ...(s && typeof s === 'object' ? s : {}) };
+  settings.maxTokens = maxTokensOf(settings.maxTokens);
+  return settings;
 }
 
 export function saveSettings(settings) {
@@ -84,7 +175,7 @@ export function saveSettings(settings) {
 export function loadConversations() {
   const data = readJSON(CONV_KEY, null);
   const list = data && Array.isArray(data.conversations) ? data.conversations : [];
-  return list.map(normalise).filter(Boolean).sort((a, b) => b.updated - a.updated);
+  return normaliseAll(list).sort((a, b) => b.updated - a.updated);
 }
 
 export function saveConversations(list) {
@@ -125,7 +216,7 @@ export function newConversation() {
 export function parseImport(text) {
   const data = JSON.parse(text);
   const list = Array.isArray(data) ? data : Array.isArray(data && data.conversations) ? data.conversations : [data];
-  const out = list.map(normalise).filter(Boolean);
+  const out = normaliseAll(list);
   if (!out.length) throw new Error('No conversations found in this file.');
   return out;
 }
