@@ -23,6 +23,7 @@ Environment:
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -187,16 +188,17 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(server, browser):
-    """A fresh browser profile (empty localStorage) with greedy, short replies by default."""
+@contextlib.contextmanager
+def _open_page(server, browser, settings: dict | None):
+    """The page in a fresh browser profile (empty localStorage), with `settings` saved unless None."""
     context = browser.new_context(viewport={"width": 1280, "height": 860}, color_scheme="light", accept_downloads=True)
-    # Only seeds settings when none are saved, so reloads keep what a test changed.
-    context.add_init_script(
-        f"if (!localStorage.getItem({SETTINGS_KEY!r})) localStorage.setItem({SETTINGS_KEY!r}, "
-        + json.dumps(json.dumps({"temperature": 0, "topP": 1, "maxTokens": 64}))
-        + ");"
-    )
+    if settings is not None:
+        # Only seeds settings when none are saved, so reloads keep what a test changed.
+        context.add_init_script(
+            f"if (!localStorage.getItem({SETTINGS_KEY!r})) localStorage.setItem({SETTINGS_KEY!r}, "
+            + json.dumps(json.dumps(settings))
+            + ");"
+        )
     pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -205,6 +207,20 @@ def page(server, browser):
     yield pg
     context.close()
     assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+@pytest.fixture
+def page(server, browser):
+    """A fresh browser profile (empty localStorage) with greedy, short replies by default."""
+    with _open_page(server, browser, {"temperature": 0, "topP": 1, "maxTokens": 64}) as pg:
+        yield pg
+
+
+@pytest.fixture
+def bare_page(server, browser):
+    """A fresh browser profile with the page's own default settings."""
+    with _open_page(server, browser, None) as pg:
+        yield pg
 
 
 def _wait_ready(pg) -> None:
@@ -1188,6 +1204,120 @@ def test_max_tokens_saves_whole_numbers_and_shows_what_is_saved(page):
     box.fill("256")
     page.click("#settings .settings-foot .primary")
     assert saved() == 256
+
+
+def _stored_settings(pg) -> dict:
+    return json.loads(pg.evaluate(f"localStorage.getItem({SETTINGS_KEY!r})"))
+
+
+def _sampling_sent(pg, bodies: list[dict], text: str) -> dict:
+    """Send `text` (answered by _mock_replies) and return the sampling fields of its request."""
+    n = len(bodies)
+    _send(pg, text)
+    expect(_last_reply(pg).locator(".msg-content")).to_have_text("Fine.")
+    assert len(bodies) == n + 1
+    return {key: bodies[-1][key] for key in ("temperature", "top_p") if key in bodies[-1]}
+
+
+def _expect_auto(pg, name: str, auto: bool) -> None:
+    """The settings dialog shows `name` (temperature, top-p) as Auto, or as a value, in all three controls."""
+    expect(pg.locator(f"#set-{name}-auto")).to_have_attribute("aria-pressed", "true" if auto else "false")
+    box = pg.locator(f"#set-{name}-num")
+    expect(box).to_have_attribute("placeholder", "Auto")
+    if auto:
+        expect(box).to_have_value("")
+        expect(pg.locator(f"#set-{name}")).to_have_class(re.compile(r"\bauto\b"))
+        expect(pg.locator(f"#set-{name}")).to_have_attribute("aria-valuetext", "Auto (server default)")
+    else:
+        expect(box).not_to_have_value("")
+        expect(pg.locator(f"#set-{name}")).not_to_have_class(re.compile(r"\bauto\b"))
+
+
+@pytest.mark.timeout(120)
+def test_temperature_and_top_p_are_auto_unless_set(bare_page):
+    """By default the page sends no temperature or top_p, so the server's default applies (its flags,
+    else the model's generation_config.json); a value set is sent, and cleared is Auto again."""
+    page = bare_page
+    bodies = _mock_replies(page, ["Fine."])
+    assert _sampling_sent(page, bodies, "hello") == {}
+    page.click("#open-settings")
+    _expect_auto(page, "temperature", True)
+    _expect_auto(page, "top-p", True)
+
+    page.fill("#set-temperature-num", "0.3")
+    _expect_auto(page, "temperature", False)
+    expect(page.locator("#set-temperature")).to_have_value("0.3")  # the range follows
+    _expect_auto(page, "top-p", True)
+    assert (_stored_settings(page)["temperature"], _stored_settings(page)["topP"]) == (0.3, None)
+    page.click("#settings .settings-foot .primary")
+    assert _sampling_sent(page, bodies, "set") == {"temperature": 0.3}
+
+    # Clearing the box is Auto again.
+    page.click("#open-settings")
+    expect(page.locator("#set-temperature-num")).to_have_value("0.3")
+    page.fill("#set-temperature-num", "")
+    _expect_auto(page, "temperature", True)
+    page.locator("#set-temperature-num").press("Tab")  # left empty: stays empty
+    expect(page.locator("#set-temperature-num")).to_have_value("")
+    assert _stored_settings(page)["temperature"] is None
+    page.click("#settings .settings-foot .primary")
+    assert _sampling_sent(page, bodies, "cleared") == {}
+
+    # From the keyboard: the range moves off Auto from where it rests (1); the toggle goes back
+    # to Auto, and off it to the value the range shows.
+    page.click("#open-settings")
+    page.focus("#set-temperature")
+    page.keyboard.press("ArrowLeft")
+    _expect_auto(page, "temperature", False)
+    expect(page.locator("#set-temperature-num")).to_have_value("0.95")
+    page.focus("#set-temperature-auto")
+    page.keyboard.press("Space")
+    _expect_auto(page, "temperature", True)
+    page.focus("#set-top-p-auto")
+    page.keyboard.press("Enter")
+    _expect_auto(page, "top-p", False)
+    expect(page.locator("#set-top-p-num")).to_have_value("1")
+    page.fill("#set-top-p-num", "0.5")
+    page.click("#settings .settings-foot .primary")
+    assert _sampling_sent(page, bodies, "toggled") == {"top_p": 0.5}
+
+    # A value set now is kept, even one of the old defaults; "Reset to defaults" is Auto.
+    page.click("#open-settings")
+    page.fill("#set-temperature-num", "0.7")
+    page.fill("#set-top-p-num", "0.95")
+    page.reload()
+    _wait_ready(page)
+    assert _sampling_sent(page, bodies, "kept") == {"temperature": 0.7, "top_p": 0.95}
+    page.click("#open-settings")
+    expect(page.locator("#set-temperature-num")).to_have_value("0.7")
+    page.click("#settings-reset")
+    _expect_auto(page, "temperature", True)
+    _expect_auto(page, "top-p", True)
+    page.click("#settings .settings-foot .primary")
+    assert _sampling_sent(page, bodies, "reset") == {}
+
+
+@pytest.mark.timeout(120)
+def test_settings_saved_with_the_old_default_sampling_load_as_auto(page):
+    """The page used to send temperature 0.7 and top_p 0.95 unless changed: those values, saved
+    without a version, load as Auto; others are kept (and cleaned)."""
+    bodies = _mock_replies(page, ["Fine."])
+    cases = [
+        ({"temperature": 0.7, "topP": 0.95}, {}),
+        ({"temperature": 1.2}, {"temperature": 1.2}),
+        ({"temperature": 0.3, "topP": 0.95}, {"temperature": 0.3}),
+        ({"temperature": 0.7, "topP": 0.9}, {"top_p": 0.9}),
+        ({"temperature": "hot", "topP": 7}, {"top_p": 1}),
+    ]
+    for stored, sent in cases:
+        page.evaluate("([key, s]) => localStorage.setItem(key, JSON.stringify(s))", [SETTINGS_KEY, stored])
+        page.reload()
+        _wait_ready(page)
+        assert _sampling_sent(page, bodies, "hello") == sent, stored
+    page.click("#open-settings")
+    _expect_auto(page, "temperature", True)
+    _expect_auto(page, "top-p", False)
+    expect(page.locator("#set-top-p-num")).to_have_value("1")
 
 
 @pytest.mark.timeout(120)

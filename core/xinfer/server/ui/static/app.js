@@ -9,7 +9,7 @@ import { icon } from './icons.js';
 import { renderMarkdown, splitThink } from './markdown.js';
 import {
   DEFAULT_SETTINGS, StorageError, isConversationsKey, isSettingsKey, loadConversations, loadCurrentId, loadSettings,
-  maxTokensOf, newConversation, parseImport, saveConversations, saveCurrentId, saveSettings, titleFrom,
+  maxTokensOf, newConversation, parseImport, samplingOf, saveConversations, saveCurrentId, saveSettings, titleFrom,
 } from './store.js';
 import { copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
 
@@ -1088,18 +1088,31 @@ function persistSettings() {
 function bindSettings() {
   const f = {
     system: $('#set-system'),
-    temp: $('#set-temperature'),
-    tempNum: $('#set-temperature-num'),
-    topP: $('#set-top-p'),
-    topPNum: $('#set-top-p-num'),
     maxTokens: $('#set-max-tokens'),
     theme: $('#set-theme'),
+  };
+  // Temperature and top-p: a range, a number box and an Auto toggle each. Auto (null) is not
+  // sent: the server's default applies. It shows as an empty box, a dimmed range and the toggle pressed.
+  const sampling = {
+    temperature: { range: $('#set-temperature'), box: $('#set-temperature-num'), auto: $('#set-temperature-auto') },
+    topP: { range: $('#set-top-p'), box: $('#set-top-p-num'), auto: $('#set-top-p-auto') },
+  };
+  const AUTO_AT = '1'; // where a range rests while Auto: the model's distribution as it is
+  const showSampling = (key, withBox) => {
+    const { range, box, auto } = sampling[key];
+    const x = state.settings[key];
+    const isAuto = !Number.isFinite(x);
+    if (withBox) box.value = isAuto ? '' : String(x);
+    range.value = isAuto ? AUTO_AT : String(x);
+    range.classList.toggle('auto', isAuto);
+    if (isAuto) range.setAttribute('aria-valuetext', 'Auto (server default)');
+    else range.removeAttribute('aria-valuetext');
+    auto.setAttribute('aria-pressed', String(isAuto));
   };
   const fill = () => {
     const s = state.settings;
     f.system.value = s.systemPrompt || '';
-    f.temp.value = f.tempNum.value = String(s.temperature);
-    f.topP.value = f.topPNum.value = String(s.topP);
+    for (const key of Object.keys(sampling)) showSampling(key, true);
     f.maxTokens.value = s.maxTokens ? String(s.maxTokens) : '';
     f.maxTokens.setCustomValidity('');
     f.theme.value = s.theme || 'system';
@@ -1110,21 +1123,21 @@ function bindSettings() {
       : 'Empty: the server decides.';
   };
   const save = persistSettings;
-  const num = (v, lo, hi) => {
-    const x = parseFloat(v);
-    return Number.isFinite(x) ? Math.min(hi, Math.max(lo, x)) : null;
-  };
   f.system.addEventListener('input', () => { state.settings.systemPrompt = f.system.value; save(); });
-  const pair = (range, box, key, lo, hi) => {
-    range.addEventListener('input', () => { box.value = range.value; state.settings[key] = num(range.value, lo, hi); save(); });
+  for (const key of Object.keys(sampling)) {
+    const { range, box, auto } = sampling[key];
+    const set = (x, withBox) => { state.settings[key] = x; showSampling(key, withBox); save(); };
+    range.addEventListener('input', () => set(samplingOf(key, parseFloat(range.value)), true));
+    // An empty box is Auto; a number out of range is saved at its nearest end (the API takes
+    // top_p in (0, 1]), and the box shows what is saved when left.
     box.addEventListener('input', () => {
-      const x = num(box.value, lo, hi);
-      if (x !== null) { range.value = String(x); state.settings[key] = x; save(); }
+      const x = samplingOf(key, parseFloat(box.value));
+      if (x !== null || (!box.value && !box.validity.badInput)) set(x, false);
     });
-    box.addEventListener('change', () => { box.value = String(state.settings[key] ?? DEFAULT_SETTINGS[key]); });
-  };
-  pair(f.temp, f.tempNum, 'temperature', 0, 2);
-  pair(f.topP, f.topPNum, 'topP', 0.01, 1); // the API takes top_p in (0, 1]
+    box.addEventListener('change', () => showSampling(key, true));
+    // Pressed: back to Auto; unpressed: the value the range shows, to change from there.
+    auto.addEventListener('click', () => set(Number.isFinite(state.settings[key]) ? null : samplingOf(key, parseFloat(range.value)), true));
+  }
   // A whole number of tokens, or empty for Auto; anything else is not saved, and the box
   // goes back to what is saved when left.
   f.maxTokens.addEventListener('input', () => {

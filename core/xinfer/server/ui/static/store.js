@@ -3,7 +3,7 @@
 // Keys:
 //   xinfer.ui.conversations.v1  {"version": 1, "conversations": [Conversation, ...]}
 //   xinfer.ui.current.v1        id of the open conversation
-//   xinfer.ui.settings.v1       Settings
+//   xinfer.ui.settings.v1       Settings, with version: SETTINGS_VERSION
 //
 // Conversation: {id, title, created, updated, messages: [Message, ...]}
 // Message: {id, role: "user"|"assistant", content, images? (data: URLs), reasoning?, model?,
@@ -22,8 +22,8 @@ const SETTINGS_KEY = 'xinfer.ui.settings.v1';
 
 export const DEFAULT_SETTINGS = Object.freeze({
   systemPrompt: '',
-  temperature: 0.7,
-  topP: 0.95,
+  temperature: null, // null: Auto, not sent (the server's default: its flags, else the model's generation_config.json)
+  topP: null, // the same
   maxTokens: null, // null: let the server decide (up to the context left)
   theme: 'system', // or 'light', 'dark' (theme.js applies it)
 });
@@ -161,15 +161,35 @@ export function maxTokensOf(x) {
   return Number.isInteger(x) && x >= 1 ? x : null;
 }
 
+/** The values each sampling setting can take (the API takes top_p in (0, 1]). */
+export const SAMPLING_RANGE = Object.freeze({ temperature: [0, 2], topP: [0.01, 1] });
+
+/** A sampling setting (`key` of SAMPLING_RANGE) as the API takes it: a number within its range, or null for Auto. */
+export function samplingOf(key, x) {
+  const [lo, hi] = SAMPLING_RANGE[key];
+  return Number.isFinite(x) ? Math.min(hi, Math.max(lo, x)) : null;
+}
+
+// Settings saved without a version (before 2) always had a temperature and a top-p, by
+// default 0.7 and 0.95: those two values, which hardly anyone chose, are read as Auto.
+const SETTINGS_VERSION = 2;
+const OLD_DEFAULTS = { temperature: 0.7, topP: 0.95 };
+
 export function loadSettings() {
   const s = readJSON(SETTINGS_KEY, {});
-  const settings = { ...DEFAULT_SETTINGS, ...(s && typeof s === 'object' ? s : {}) };
+  const stored = s && typeof s === 'object' ? s : {};
+  const settings = { ...DEFAULT_SETTINGS, ...stored };
+  for (const key of Object.keys(SAMPLING_RANGE)) {
+    const old = !(stored.version >= SETTINGS_VERSION) && settings[key] === OLD_DEFAULTS[key];
+    settings[key] = old ? null : samplingOf(key, settings[key]);
+  }
   settings.maxTokens = maxTokensOf(settings.maxTokens);
+  delete settings.version;
   return settings;
 }
 
 export function saveSettings(settings) {
-  writeJSON(SETTINGS_KEY, settings);
+  writeJSON(SETTINGS_KEY, { ...settings, version: SETTINGS_VERSION });
 }
 
 export function loadConversations() {
