@@ -17,7 +17,6 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import TextIO
 
 from xinfer.engine.engine import LLMEngine
@@ -137,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2
     defaults = sampling_defaults(args, path)
-    params = SamplingParams(**asdict(defaults) | {"max_tokens": defaults.max_tokens or 1024})
+    params = SamplingParams(**defaults.sampling() | {"max_tokens": defaults.token_limit(1024, engine.max_model_len)})
     if args.prompts:
         prompts = split_prompts(args.prompts)
         try:

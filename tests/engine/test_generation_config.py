@@ -67,7 +67,14 @@ def test_the_server_takes_the_recommendation_under_its_flags(folder):
     recommended = sampling_defaults(parse_args(["--m", str(folder), "--top-p", "0.5"]), folder)
     assert asdict(recommended) == {
         "temperature": 1.0, "top_k": 1, "top_p": 0.5, "min_p": 0.0, "repetition_penalty": 1.1,
-        "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": None, "max_tokens": 5,
+        "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": None, "max_tokens": None,
+        "recommended_max_tokens": 5,
     }  # fmt: skip
+    # max_new_tokens is the limit where a route has none of its own: /v1/completions keeps OpenAI's 16
+    assert (recommended.token_limit(None, 100), recommended.token_limit(16, 100), recommended.token_limit(None, 3)) == (
+        5, 16, 3,
+    )  # fmt: skip
+    flagged = sampling_defaults(parse_args(["--m", str(folder), "--max-tokens", "40"]), folder)
+    assert (flagged.token_limit(None, 100), flagged.token_limit(16, 100)) == (40, 40)
     plain = sampling_defaults(parse_args(["--m", str(folder), "--generation-config", "none"]), folder)
     assert plain == type(plain)()

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -228,7 +228,8 @@ def sampling_defaults(args: argparse.Namespace, path: Path) -> SamplingDefaults:
     if recommended:
         log.info("sampling defaults from the model's generation config: %s (flags and requests override them)",
                  ", ".join(f"{name}={value}" for name, value in recommended.items()))  # fmt: skip
-    given = {field.name: getattr(args, field.name) for field in fields(SamplingDefaults)}
+    recommended["recommended_max_tokens"] = recommended.pop("max_tokens", None)
+    given = {name: getattr(args, name) for name in SamplingDefaults.__dataclass_fields__ if hasattr(args, name)}
     return SamplingDefaults(**recommended | {name: value for name, value in given.items() if value is not None})
 
 

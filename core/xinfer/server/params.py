@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from xinfer.grammar import StructuredOutputs
 from xinfer.sampling import SamplingParams
@@ -28,7 +29,18 @@ class SamplingDefaults:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # --max-tokens: over a route's own default (OpenAI's 16 on /v1/completions)
+    recommended_max_tokens: int | None = None  # generation_config.json's max_new_tokens: under a route's default
+
+    def sampling(self) -> dict[str, Any]:
+        """The defaults as :class:`SamplingParams` fields (the token limit is the route's to settle)."""
+        fields = asdict(self)
+        del fields["recommended_max_tokens"]
+        return fields
+
+    def token_limit(self, route_default: int | None, room: int) -> int:
+        """The token limit of a request that sets none, within ``room``."""
+        return min(self.max_tokens or route_default or self.recommended_max_tokens or room, room)
 
 
 def structured_outputs(body: GenerationRequest, after_token_id: int | None = None) -> StructuredOutputs | None:
@@ -103,13 +115,13 @@ def request_params(
             code="context_length_exceeded",
         )
     given = {name: getattr(body, name) for name in OPTIONAL_FIELDS if getattr(body, name) is not None}
-    max_tokens = token_limit or min(defaults.max_tokens or body.default_max_tokens or room, room)
+    max_tokens = token_limit or defaults.token_limit(body.default_max_tokens, room)
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed the token limit ({max_tokens})",
                           param="min_tokens")  # fmt: skip
     try:
         return SamplingParams(
-            **(asdict(defaults) | given | {"max_tokens": max_tokens}),
+            **(defaults.sampling() | given | {"max_tokens": max_tokens}),
             n=body.n,
             min_tokens=body.min_tokens,
             stop=body.stop_strings,
