@@ -109,8 +109,8 @@ def test_per_slot_variants_match_the_reference(shape, variant):
 @pytest.mark.parametrize("shared", [1, 2])
 def test_shared_experts_every_token_takes_match_the_reference(shared, tokens, dtype):
     """Shared experts run as routed ones (MoE.finish_loading): the last experts, in every token's last
-    slots, weighted by a gate; the grouped path computes them as dense GEMMs (by the backend's linears,
-    at 12 rows its measured small-batch kernels on a GPU), the per-slot path as slots."""
+    slots, weighted by a gate; the grouped path computes them in its blocks where the tokens fit one (12
+    rows), else as dense GEMMs (by the backend's linears), the per-slot path as slots."""
     experts, top_k, hidden, inter = 16, 4, 64, 48
     generator = torch.Generator().manual_seed(tokens + shared)
     x = torch.randn(tokens, hidden, generator=generator)

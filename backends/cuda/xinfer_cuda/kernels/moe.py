@@ -220,14 +220,18 @@ def _grouped_tiles(num_slots: int, num_experts: int, x: Tensor) -> dict[str, int
 def _grouped(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, topk_ids: Tensor, activation: str,
              shared_experts: int, linear: Linear) -> Tensor:  # fmt: skip
     """The grouped kernels for the routed experts; the ``shared_experts`` that every token takes
-    (the last experts and slots) as dense GEMMs (``linear``) over all the tokens beside them:
-    grouped, each would be a block per ``BLOCK_M`` tokens, every block reading all of its weights."""
+    (the last experts and slots) too where the tokens fit one block (each shared expert's weights
+    read once, and no launch of their own), else as dense GEMMs (``linear``) over all the tokens
+    beside them: grouped, each would be a block per ``BLOCK_M`` tokens, every block reading all of
+    its weights."""
     num_tokens, top_k = topk_ids.shape
     _, hidden, inter = w2.shape
     num_experts, routed_k = w2.shape[0] - shared_experts, top_k - shared_experts
     num_slots = num_tokens * top_k
     tiles = _grouped_tiles(num_tokens * routed_k, num_experts, x)
-    block_slots, block_experts = align_blocks(topk_ids, num_experts, tiles["BLOCK_M"])  # (shared slots in none)
+    if num_tokens <= tiles["BLOCK_M"]:
+        num_experts, shared_experts = num_experts + shared_experts, 0
+    block_slots, block_experts = align_blocks(topk_ids, num_experts, tiles["BLOCK_M"])  # (slots computed apart in none)
     num_blocks = block_experts.numel()
     h = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
