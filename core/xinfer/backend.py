@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -48,7 +49,9 @@ def select_backend(config: DeviceConfig) -> tuple[BackendSpec, Ops, torch.device
     for the requested device type (any device type for ``auto``)."""
     specs = registry.backends()
     if not specs:
-        raise RuntimeError("no backend plugin is installed (from xinfer's repository: pip install ./backends/cpu)")
+        chosen = os.environ.get("XINFER_PLUGINS")
+        raise ValueError(f"no backend plugin is loaded: XINFER_PLUGINS={chosen} names none" if chosen else
+                         "no backend plugin is installed (from xinfer's repository: pip install ./backends/cpu)")  # fmt: skip
     wanted = None if config.device == "auto" else torch.device(config.device)
     if config.backend is not None:
         candidates = [s for s in specs if s.name == config.backend]

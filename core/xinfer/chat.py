@@ -17,13 +17,17 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from dataclasses import replace
+from typing import TYPE_CHECKING, TextIO
 
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import OutputProcessor
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
 from xinfer.text.tokenizer import has_tokenizer
+
+if TYPE_CHECKING:
+    from xinfer.server.params import SamplingDefaults
 
 log = logging.getLogger("xinfer")
 
@@ -46,8 +50,10 @@ class Conversation:
         return system + self.turns
 
     def prompt(self) -> list[int]:
-        """The conversation's tokens, dropping the oldest turns until an answer fits."""
-        room = self.engine.max_model_len - (self.params.max_tokens or 1)
+        """The conversation's tokens, dropping the oldest turns until an answer fits (an answer takes at most
+        half the context)."""
+        context = self.engine.max_model_len
+        room = context - min(self.params.max_tokens or 1, context // 2)
         while True:
             text = self.template.render(self.messages(), add_generation_prompt=True)
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -57,7 +63,9 @@ class Conversation:
 
     def reply(self, user_text: str, out: TextIO) -> str:
         self.turns.append({"role": "user", "content": user_text})
-        answer = self.processor.add(f"chat-{next(self._ids)}", self.prompt(), self.params)
+        prompt = self.prompt()
+        limit = min(self.params.max_tokens or self.engine.max_model_len, self.engine.max_model_len - len(prompt))
+        answer = self.processor.add(f"chat-{next(self._ids)}", prompt, replace(self.params, max_tokens=limit))
         try:
             for delta in self.processor.run([answer]):
                 out.write(delta.outputs[0].text)
@@ -93,7 +101,11 @@ def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO
         elif line == "/help" or line.startswith("/"):
             out.write(HELP + "\n")
         else:
-            conversation.reply(line, out)
+            try:
+                conversation.reply(line, out)
+            except ValueError as error:  # a turn the engine refuses: said in one line, the chat goes on without it
+                conversation.turns.pop()
+                out.write(f"xinfer: {first_line(error)}\n")
 
 
 def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, out: TextIO = sys.stdout) -> None:
@@ -118,7 +130,6 @@ def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, ou
 
 
 def run(args: argparse.Namespace) -> int:
-    from xinfer.server.args import split_prompts
     from xinfer.server.launch import prepare, sampling_defaults
 
     path, config = prepare(args)
@@ -132,10 +143,19 @@ def run(args: argparse.Namespace) -> int:
         log.debug("loading the model failed", exc_info=True)
         print(f"xinfer: loading the model failed: {first_line(error)}", file=sys.stderr)
         return 1
+    try:  # under tensor parallelism, the other ranks' processes end with the engine
+        return _answer(args, engine, sampling_defaults(args, path))
+    finally:
+        engine.shutdown()
+
+
+def _answer(args: argparse.Namespace, engine: LLMEngine, defaults: SamplingDefaults) -> int:
+    """``--prompts`` as one batch, else the chat."""
+    from xinfer.server.args import split_prompts
+
     if engine.tokenizer.chat_template is None and not args.prompts:
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2
-    defaults = sampling_defaults(args, path)
     params = SamplingParams(**defaults.sampling() | {"max_tokens": defaults.token_limit(1024, engine.max_model_len)})
     if args.prompts:
         prompts = split_prompts(args.prompts)

@@ -154,7 +154,7 @@ def recommended_sampling(generation_config: str, model_path: Path) -> dict[str, 
     """The sampling defaults a checkpoint's authors recommend, as vLLM applies them: the values of
     :data:`RECOMMENDED_FIELDS` in ``generation_config.json`` (``max_new_tokens`` as ``max_tokens``).
     ``generation_config``: "auto" reads the one in ``model_path`` (an HF folder; a .gguf file has none), "none"
-    (or vLLM's "vllm") reads none, anything else is a folder holding one. A value that
+    (or vLLM's "vllm") reads none, anything else is a folder holding one, which must be readable. A value that
     :class:`SamplingParams` refuses is left out with a warning: a checkpoint's file should not stop a start."""
     check_generation_config(generation_config)
     if generation_config in ("none", "vllm"):
@@ -165,6 +165,8 @@ def recommended_sampling(generation_config: str, model_path: Path) -> dict[str, 
     try:
         config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        if generation_config != "auto":  # the file asked for
+            raise ValueError(f"generation_config {generation_config!r}: {file} is not JSON ({error})") from None
         log.warning("%s: not read (%s); no recommended sampling", file, error)
         return {}
     recommended = {}
@@ -182,9 +184,14 @@ def recommended_sampling(generation_config: str, model_path: Path) -> dict[str, 
 
 
 def check_generation_config(generation_config: str) -> None:
-    """Refuses a ``generation_config`` that is no choice and no folder (before a model loads)."""
-    if generation_config not in ("auto", "none", "vllm") and not Path(generation_config).expanduser().is_dir():
+    """Refuses a ``generation_config`` that is no choice and no folder holding one (before a model loads)."""
+    if generation_config in ("auto", "none", "vllm"):
+        return
+    folder = Path(generation_config).expanduser()
+    if not folder.is_dir():
         raise ValueError(f"generation_config {generation_config!r}: not a folder; {GENERATION_CONFIG_CHOICES}")
+    if not (folder / GENERATION_CONFIG).is_file():
+        raise ValueError(f"generation_config {generation_config!r}: the folder holds no {GENERATION_CONFIG}")
 
 
 def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -61,6 +61,13 @@ def test_a_generation_config_elsewhere_and_a_bad_one(folder, tmp_path, caplog):
     assert "temperature -1 left out: temperature must be >= 0" in caplog.text
     with pytest.raises(ValueError, match="generation_config '/no/such/folder': not a folder"):
         LLM(str(folder), generation_config="/no/such/folder")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"the folder holds no generation_config\.json"):
+        LLM(str(folder), generation_config=str(empty))
+    (tmp_path / "generation_config.json").write_text("{not json")  # named, so it must be read: an error
+    with pytest.raises(ValueError, match=r"generation_config\.json is not JSON"):
+        LLM(str(folder), num_blocks=32, generation_config=str(tmp_path))
 
 
 def test_the_server_takes_the_recommendation_under_its_flags(folder):

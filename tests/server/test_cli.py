@@ -179,6 +179,15 @@ def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):
     assert parse_args(["--m", "/models/b"]).model == "/models/b"
 
 
+def test_a_list_flag_from_the_environment_is_split_into_its_values(monkeypatch):
+    """``--allowed-origins A B`` as ``XINFER_ALLOWED_ORIGINS``: separated by spaces or commas (it was split into
+    characters)."""
+    monkeypatch.setenv("XINFER_ALLOWED_ORIGINS", "https://a.com, https://b.org")
+    assert parse_args([]).allowed_origins == ["https://a.com", "https://b.org"]
+    monkeypatch.setenv("XINFER_ALLOWED_ORIGINS", "")
+    assert parse_args([]).allowed_origins == []
+
+
 def test_bad_environment_values_are_one_clear_error():
     result = xinfer(env={"XINFER_MAX_NUM_SEQS": "many"})
     assert result.returncode == 2 and "XINFER_MAX_NUM_SEQS='many'" in result.stderr
@@ -265,6 +274,9 @@ def test_a_port_in_use_or_a_host_not_here_is_one_line_before_the_model_loads(cap
             f"xinfer: cannot listen on 127.0.0.1:{port}: Address already in use; another process listens there "
             "(choose another --port)\n"
         )
+        with pytest.raises(SystemExit) as exit_:  # the chat UI's port: the flag to change is --ui-port
+            listeners(parse_args(["--port", "0", "--ui-server", "--ui-port", str(port)]))
+        assert exit_.value.code == 2 and capsys.readouterr().err.endswith("(choose another --ui-port)\n")
     with pytest.raises(SystemExit) as exit_:
         listeners(parse_args(["--host", "999.1.1.1"]))
     (line,) = capsys.readouterr().err.splitlines()
@@ -467,3 +479,19 @@ def test_the_doc_check_finds_a_flag_that_does_not_exist(tmp_path):
 def test_every_flag_has_a_help_text(parser):
     for action in parser._actions:
         assert action.help and action.help is not argparse.SUPPRESS and len(action.help) > 10, action.option_strings
+
+
+def test_python_m_xinfer_server_is_xinfer_itself():
+    """``python -m xinfer.server --prompts ...`` answers the prompts (it started a server, ignoring them)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "xinfer.server", "--prompts", "Hi", "--max-tokens", "2", "--max-model-len", "128"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("[0] Hi\n") and "1 requests, 2 tokens" in result.stdout
+
+
+def test_no_backend_loaded_is_one_line_naming_xinfer_plugins():
+    result = xinfer("--max-model-len", "64", env={"XINFER_PLUGINS": "llama"})
+    assert result.returncode == 2
+    assert result.stderr == "xinfer: no backend plugin is loaded: XINFER_PLUGINS=llama names none\n"

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 from openai.types.chat import ChatCompletionChunk
+from transformers import LlamaConfig
 
-from tests.server.live import LiveServer
+from tests.server.live import REPO, LiveServer
 
 # Long enough for in-flight streams to end even on a CPU shared with other jobs, where a
 # step of this model has taken seconds: the drain test must not depend on the machine's speed.
@@ -131,3 +134,29 @@ def test_sigterm_aborts_what_the_timeout_cuts_off_then_exits_0():
         assert all(ChatCompletionChunk.model_validate(chunk).choices[0].finish_reason is None for chunk in chunks)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_signal_while_the_model_loads_ends_the_server_at_once(sig, tmp_path):
+    """Nothing is in flight while the model loads, and a load cannot be cut short: the server ends at once
+    (128 + the signal), saying so in one line, instead of finishing the load first (it did, then exited 0)."""
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=8, architectures=["LlamaForCausalLM"])  # fmt: skip
+    config.save_pretrained(tmp_path)  # ~330M parameters of random weights: seconds to make on a CPU
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "xinfer.server", "--m", str(tmp_path), "--load-format", "dummy", "--cpu",
+               "--port", "0"]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving the API" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert "model loaded" not in log.read_text()
+        proc.send_signal(sig)
+        assert proc.wait(30) == 128 + sig
+        lines = log.read_text().splitlines()
+        assert lines[-1] == "xinfer: interrupted while loading the model" and "model loaded" not in log.read_text()
+    finally:
+        proc.kill()

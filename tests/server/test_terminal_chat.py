@@ -46,6 +46,9 @@ class FakeEngine:
     def step(self):
         return [self.pending.pop(0)]
 
+    def shutdown(self):
+        self.shut_down = True
+
 
 def test_conversation_keeps_history_and_drops_old_turns_when_full():
     engine = FakeEngine()
@@ -56,6 +59,20 @@ def test_conversation_keeps_history_and_drops_old_turns_when_full():
     assert out.getvalue().count("ok!\n") == 2
     chat_loop(conversation, io.StringIO("third\n"), io.StringIO())
     assert engine.prompts[-1].startswith("<user>second")  # the oldest turn made room
+
+
+def test_max_tokens_as_long_as_the_context_leaves_the_conversation_half():
+    """``--max-tokens`` at the context's length took all of it, and the prompt was then sent whole (refused)."""
+    engine = FakeEngine()
+    limits = []
+    add = engine.add_request
+    engine.add_request = lambda request_id, prompt, params, *_: (
+        limits.append(params.max_tokens),
+        add(request_id, prompt, params),
+    )
+    chat_loop(Conversation(engine, SamplingParams(max_tokens=64)), io.StringIO("a question " * 8 + "\n"), io.StringIO())
+    prompt = engine.prompts[0]
+    assert prompt.endswith("<assistant>") and len(prompt) == 32 and limits == [32]  # half the context each
 
 
 def test_python_m_xinfer_chat_streams_answers_and_exits(client, model):
@@ -112,8 +129,10 @@ def test_a_prompt_the_engine_refuses_is_one_line(capsys, monkeypatch):
         def add_request(self, request_id, prompt, params, multimodal=None):
             raise ValueError(f"the prompt has {len(prompt)} tokens, the model's context is 8 tokens: ...")
 
-    monkeypatch.setattr(xinfer.chat, "LLMEngine", lambda config: ShortEngine())
+    engine = ShortEngine()
+    monkeypatch.setattr(xinfer.chat, "LLMEngine", lambda config: engine)
     assert run(parse_args(["--cpu", "--prompts", "a long prompt"])) == 2
+    assert engine.shut_down  # under tensor parallelism, the other ranks end with it
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert (
         last == "xinfer: the prompt has 30 tokens, the model's context is 8 tokens: ..."

@@ -122,9 +122,10 @@ class AsyncEngine:
     def wait_loaded(self, timeout: float | None = None) -> bool:
         return self._loaded.wait(timeout)
 
-    def wait_stopped(self, timeout: float | None = None) -> None:
-        """Until the engine thread ends (stopped, or dead: see ``state``)."""
-        self._thread.join(timeout)
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread runs (it ends stopped, or dead: see ``state``)."""
+        return self._thread.is_alive()
 
     def health(self) -> tuple[bool, str]:
         """(healthy, status word); a step running longer than ``stall_timeout`` counts as stuck."""

@@ -1,7 +1,7 @@
-"""``python -m xinfer.server [flags]``: the same flags as ``xinfer``."""
+"""``python -m xinfer.server [flags]``: ``xinfer`` itself (its flags, ``--i`` and ``--prompts`` included)."""
 
 import sys
 
-from xinfer.server.launch import main
+from xinfer.cli import main
 
 sys.exit(main())

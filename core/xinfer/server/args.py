@@ -462,6 +462,12 @@ def _convert(parser: argparse.ArgumentParser, action: argparse.Action, name: str
         if word not in TRUE | FALSE:
             parser.error(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
         return word in TRUE
+    if action.nargs in ("*", "+"):  # a list: its values separated by spaces or commas
+        return [_value(parser, action, name, word) for word in raw.replace(",", " ").split()]
+    return _value(parser, action, name, raw)
+
+
+def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str) -> Any:
     convert = action.type
     try:
         value = convert(raw) if callable(convert) else raw

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,7 +32,6 @@ from xinfer.engine.engine import LLMEngine
 from xinfer.loading.errors import first_line
 from xinfer.sampling import recommended_sampling
 from xinfer.server.app import build_app
-from xinfer.server.args import parse_args
 from xinfer.server.mcp.config import MCPSettings, ServerSpec, server_specs
 from xinfer.server.media import MediaPolicy, parse_limits
 from xinfer.server.metrics import Metrics
@@ -72,7 +72,7 @@ def refuse(error: Exception) -> NoReturn:
     raise SystemExit(2) from None
 
 
-def listen(host: str, port: int) -> list[socket.socket]:
+def listen(host: str, port: int, flag: str = "--port") -> list[socket.socket]:
     """Sockets listening on ``host``'s addresses at ``port`` (0: a free one), bound before the model loads so
     that an address in use or a host that is not this machine's ends the command at once, in one line."""
     try:
@@ -93,7 +93,7 @@ def listen(host: str, port: int) -> list[socket.socket]:
     except OSError as error:
         for sock in sockets:
             sock.close()
-        why = "another process listens there (choose another --port)" if error.errno == errno.EADDRINUSE else ""
+        why = f"another process listens there (choose another {flag})" if error.errno == errno.EADDRINUSE else ""
         raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}{f'; {why}' if why else ''}") from None
     return sockets
 
@@ -251,6 +251,12 @@ class GracefulShutdown:
     task: asyncio.Task | None = None
 
     def trigger(self, sig: int | None = None) -> None:
+        if self.engine.state is EngineState.LOADING and sig is not None:
+            # nothing to drain, and a load cannot be cut short: end now, the loading thread with the process
+            self.exit_code, self.reason = 128 + sig, "interrupted while loading the model"
+            for server in self.servers:
+                server.should_exit = server.force_exit = True
+            return
         if self.task is None:
             log.info("shutting down: finishing in-flight requests (up to %.0f s)", self.timeout)
             self.task = asyncio.ensure_future(self.drain())
@@ -308,8 +314,8 @@ def listeners(args: argparse.Namespace) -> list[list[socket.socket]]:
         refuse(ValueError(f"--ui-port {ports[1]} is the API's --port: the chat UI needs a port of its own"))
     sockets: list[list[socket.socket]] = []
     try:
-        for port in ports:
-            sockets.append(listen(args.host, port))
+        for port, flag in zip(ports, ["--port", "--ui-port"]):
+            sockets.append(listen(args.host, port, flag))
     except ValueError as error:
         for sock in (sock for group in sockets for sock in group):
             sock.close()
@@ -355,24 +361,33 @@ async def serve(
         await asyncio.gather(*(server.serve(list(group)) for server, group in zip(servers, sockets)))
     finally:
         watcher.cancel()
-        engine.stop()
+        engine.stop(timeout=0 if engine.state is EngineState.LOADING else 10)
         if mcp is not None:
             assert connecting is not None
             connecting.cancel()
             await mcp.hub.close()
     if shutdown.reason is not None:  # after the servers' own lines: the last line says why
         print(f"xinfer: {shutdown.reason}", file=sys.stderr)
+    if engine.running:  # an interrupted load, which nothing stops: the interpreter's exit under it would abort
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(shutdown.exit_code)
     return shutdown.exit_code
 
 
 async def _exit_if_loading_fails(engine: AsyncEngine, shutdown: GracefulShutdown) -> None:
-    await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+    # polled, not awaited in an executor's thread: asyncio.run joins those at exit, so an interrupted load would
+    # hold the process until it ended
+    while not engine.wait_loaded(0):
+        await asyncio.sleep(0.1)
     if engine.state is EngineState.DEAD:  # the engine thread logged why
         why = first_line(engine.error or "").removeprefix("loading failed: ")
         shutdown.fail(1, f"the model could not be loaded: {why}")
         return
     log.info("model loaded; serving")
-    await asyncio.get_running_loop().run_in_executor(None, engine.wait_stopped)
+    while engine.running:
+        await asyncio.sleep(0.5)
     if engine.state is EngineState.DEAD:  # e.g. a tensor-parallel worker died: its requests have failed
         shutdown.fail(1, f"the engine died: {engine.error}")
 
@@ -386,7 +401,3 @@ def run(args: argparse.Namespace) -> int:
 
         return run_node(config)
     return asyncio.run(serve(args, path, config, listeners(args), specs))
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "python -m xinfer.server") -> int:
-    return run(parse_args(argv, prog))
