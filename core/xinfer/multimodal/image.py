@@ -62,10 +62,14 @@ def image_hash(image: Image.Image) -> int:
     return content_hash(image.mode, *image.size, image.tobytes(), palette, str(image.info.get("transparency")))
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, transparent pixels composited over white."""
+def to_rgb(image: Image.Image, convert: bool = True) -> Image.Image:
+    """RGB, transparent pixels composited over white; ``convert`` false (an image processor's ``do_convert_rgb``):
+    an image of another mode is refused, as transformers' encoders then fail on its channels."""
     if image.mode == "RGB":
         return image
+    if not convert:
+        raise ValueError(f"a {image.mode} image: this model takes RGB images alone (its image processor's "
+                         f"do_convert_rgb is false)")  # fmt: skip
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

@@ -79,6 +79,7 @@ class Gemma3ImageProcessor:
         refuse_unencodable_settings(preprocessor, self.image_size)
         refuse_another_image_length(processor_config(config), config.mm_tokens_per_image)
         self.resample = preprocessor.get("resample", "bilinear")
+        self.convert_rgb = preprocessor.get("do_convert_rgb", True)
         self.normalization = Normalization.from_preprocessor(preprocessor, SIGLIP)
         self.placeholders = {"image": config.boi_token_index}
         self.merges = newline_merges(tokenizer) if tokenizer is not None else {}
@@ -90,7 +91,9 @@ class Gemma3ImageProcessor:
     def process(self, modality: str, data: Any) -> MultiModalItem:
         if not isinstance(data, Image.Image):
             raise ValueError(f"an image must be a PIL image, got {type(data).__name__}")
-        pixels = self.normalization(resize(to_rgb(data), self.image_size, self.image_size, self.resample))
+        pixels = self.normalization(
+            resize(to_rgb(data, self.convert_rgb), self.image_size, self.image_size, self.resample)
+        )
         return MultiModalItem("image", image_hash(data), {"pixel_values": pixels}, self.config.mm_tokens_per_image)
 
     def replacement(self, item: MultiModalItem) -> tuple[list[int], int]:

@@ -254,6 +254,7 @@ class Gemma4ImageProcessor:
         self.positions = vision.position_embedding_size
         self.max_patches = int(preprocessor.get("max_soft_tokens", DEFAULT_MAX_SOFT_TOKENS)) * self.pool**2
         self.resample = preprocessor.get("resample", "bicubic")
+        self.convert_rgb = preprocessor.get("do_convert_rgb", True)
         self.normalization = Normalization.from_preprocessor(preprocessor, UNIT_PIXELS, normalize=False)
         self.placeholders = {"image": config.image_token_id}
         self.merges: dict[tuple[int, int], int] = {}
@@ -269,7 +270,7 @@ class Gemma4ImageProcessor:
                 f"a {data.width}x{data.height} image resizes to {width // p}x{height // p} patches, more per side "
                 f"than this model's vision position_embedding_size ({self.positions})"
             )
-        image = to_rgb(data)
+        image = to_rgb(data, self.convert_rgb)
         if (height, width) != (image.height, image.width):
             image = resize(image, height, width, self.resample)
         pixels = self.normalization(image).permute(1, 2, 0)  # [H, W, C]

@@ -105,11 +105,7 @@ def smart_resize(height: int, width: int, spec: ImageSpec) -> tuple[int, int]:
 
 def pixels(image: Image.Image, spec: ImageSpec) -> Tensor:
     """The image in RGB, resized (on 8-bit pixels as Pillow does), scaled and normalized: [3, H, W] fp32."""
-    if not spec.convert_rgb and image.mode != "RGB":
-        raise ValueError(
-            f"a {image.mode} image: this model takes RGB images alone (its preprocessor's do_convert_rgb is false)"
-        )
-    image = to_rgb(image)
+    image = to_rgb(image, spec.convert_rgb)
     if spec.resize:
         image = resize(image, *smart_resize(image.height, image.width, spec), spec.resample)
     elif image.height % spec.factor or image.width % spec.factor:

@@ -3,6 +3,7 @@ CPU): preprocessing of square and non-square images, greedy tokens and log-proba
 E-model (causal image tokens, per-layer embeddings) and the MoE variant (image tokens both ways in
 the sliding layers, clipped linears, standardized vision output), the encoder cache."""
 
+import copy
 import json
 
 import httpx
@@ -126,6 +127,23 @@ def test_a_checkpoint_with_its_own_activation_and_image_processor_matches_hf(tmp
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, max_num_batched_tokens=128)
     request = with_images(prompt(12, seed=1), image(1, (37, 29)))
     assert_matches_hf(hf, request, llm.generate(request, GREEDY)[0], **settings)
+
+
+@pytest.mark.parametrize("models", ["moe"], indirect=True)  # the processor's: one variant tells it
+def test_without_do_convert_rgb_only_rgb_images_are_taken(models):
+    """transformers keeps a gray image's one channel (its patches then fit no encoder) and refuses an RGBA one;
+    xinfer converted both (found by a QA pass). An RGB image is transformers' whatever the setting."""
+    processor = copy.copy(models[1].engine.mm_processor)
+    processor.convert_rgb = False
+    rgb = image(1, (37, 29))
+    expected = Gemma4ImageProcessorPil(**{**image_processor().to_dict(), "do_convert_rgb": False})(
+        [rgb], return_tensors="pt"
+    )
+    patches = processor.process("image", rgb).data["patches"]
+    torch.testing.assert_close(patches, expected["pixel_values"][0, : len(patches)], atol=1e-6, rtol=0)
+    for mode in ("L", "RGBA"):
+        with pytest.raises(ValueError, match=f"a {mode} image: this model takes RGB images alone"):
+            processor.process("image", rgb.convert(mode))
 
 
 @pytest.mark.parametrize("models", ["moe"], indirect=True)  # the processor's: one variant tells it
