@@ -114,14 +114,15 @@ function cleanMessage(m) {
   return out;
 }
 
-function cleanMessages(list) {
+/** `clean` of each item of `list`, leaving out those it rejects or fails on: one bad item never loses the rest. */
+function cleanEach(list, clean) {
   const out = [];
-  for (const m of list) {
+  for (const item of list) {
     try {
-      const clean = cleanMessage(m);
-      if (clean) out.push(clean);
+      const cleaned = clean(item);
+      if (cleaned) out.push(cleaned);
     } catch {
-      // one unusable message is left out, not the whole conversation
+      // left out
     }
   }
   return out;
@@ -139,22 +140,10 @@ function normalise(c) {
     title: isText(c.title) && c.title.trim() ? c.title.slice(0, 200) : 'Untitled',
     created,
     updated: timeOf(c.updated) || created,
-    messages: cleanMessages(c.messages),
+    messages: cleanEach(c.messages, cleanMessage),
   };
 }
 
-function normaliseAll(list) {
-  const out = [];
-  for (const c of list) {
-    try {
-      const clean = normalise(c);
-      if (clean) out.push(clean);
-    } catch {
-      // as for messages: the others still load
-    }
-  }
-  return out;
-}
 
 /** Max tokens as the API takes it: an integer >= 1, or null for "let the server decide". */
 export function maxTokensOf(x) {
@@ -195,7 +184,7 @@ export function saveSettings(settings) {
 export function loadConversations() {
   const data = readJSON(CONV_KEY, null);
   const list = data && Array.isArray(data.conversations) ? data.conversations : [];
-  return normaliseAll(list).sort((a, b) => b.updated - a.updated);
+  return cleanEach(list, normalise).sort((a, b) => b.updated - a.updated);
 }
 
 export function saveConversations(list) {
@@ -236,7 +225,7 @@ export function newConversation() {
 export function parseImport(text) {
   const data = JSON.parse(text);
   const list = Array.isArray(data) ? data : Array.isArray(data && data.conversations) ? data.conversations : [data];
-  const out = normaliseAll(list);
+  const out = cleanEach(list, normalise);
   if (!out.length) throw new Error('No conversations found in this file.');
   return out;
 }
