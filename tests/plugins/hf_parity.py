@@ -122,8 +122,8 @@ def router_outputs(model: torch.nn.Module, tokens: list[int]) -> list[tuple[torc
 
 
 def assert_missing_tensor_is_named(folder: Path, dropped: str, named: str) -> None:
-    """Loading ``folder``'s checkpoint without its tensor ``dropped`` is one error naming ``named``
-    (the model's name of the weight it would have filled)."""
+    """Loading ``folder``'s checkpoint without its tensor ``dropped`` is one error naming ``named`` (the
+    checkpoint's name where the model merges it into another weight; a module that loads its own, its part)."""
     tensors = load_file(folder / "model.safetensors")
     del tensors[dropped]
     save_file(tensors, folder / "model.safetensors")

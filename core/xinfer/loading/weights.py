@@ -157,9 +157,17 @@ def _copy(dst: Tensor, src: Tensor, name: str) -> None:
         dst.copy_(src)
 
 
+def _checkpoint_name(model: CausalLM, merged: str, shard: str) -> str:
+    """The checkpoint's name of shard ``shard`` of the merged weight ``merged`` (``...qkv_proj.weight``, "k":
+    ``...k_proj.weight``)."""
+    for part, (module, each) in model.packed_modules.items():
+        if each == shard and f".{module}." in merged:
+            return merged.replace(f".{module}.", f".{part}.")
+    return f"{merged}:{shard}"
+
+
 def _check_complete(model: CausalLM, loaded: set[str]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    shard_names = {n.rsplit(":", 1)[0] for n in loaded if ":" in n}
     loaded_ids = {id(params[n]) for n in loaded if n in params}
     modules = dict(model.named_modules())
     loaders = model.checkpoint_loaders()
@@ -170,10 +178,12 @@ def _check_complete(model: CausalLM, loaded: set[str]) -> None:
         module = modules.get(name.rsplit(".", 1)[0])
         if loader_of(name, loaders) is not None:
             continue
-        if isinstance(module, MergedLinear) and name in shard_names:
-            expected = {f"{name}:{s}" for s in module.shards_of(name.rsplit(".", 1)[1])}
-            missing += sorted(expected - loaded)
-        elif id(param) not in loaded_ids:
+        if id(param) in loaded_ids:  # whole
+            continue
+        if isinstance(module, MergedLinear):  # by its shards, the checkpoint's tensors
+            shards = module.shards_of(name.rsplit(".", 1)[1])
+            missing += sorted(_checkpoint_name(model, name, s) for s in shards if f"{name}:{s}" not in loaded)
+        else:
             missing.append(name)
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
