@@ -225,23 +225,23 @@ def held_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, load_fo
     return model
 
 
-class _InfoOfThread(logging.Filter):
-    """Drops the info lines (and below) that the thread which made it logs; other threads' pass."""
+class _LinesOfThread(logging.Filter):
+    """Drops the warning lines (and below) that the thread which made it logs; other threads' pass."""
 
     def __init__(self) -> None:
         super().__init__()
         self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.INFO or record.thread != self.thread
+        return record.levelno > logging.WARNING or record.thread != self.thread
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No info lines from this thread (what loading kept, skipped or decoded, from the core's loggers or a plugin's):
-    the load that reads the files says them. The filter sits on the root logger's handlers, where every logger's
-    lines arrive; the server's other threads (its requests, /health) still log meanwhile."""
-    quiet, handlers = _InfoOfThread(), list(logging.root.handlers)
+    """No info or warning lines from this thread (what loading kept, skipped or decoded, from the core's loggers or
+    a plugin's): the load that reads the files says them, once. The filter sits on the root logger's handlers, where
+    every logger's lines arrive; the server's other threads (its requests, /health) still log meanwhile."""
+    quiet, handlers = _LinesOfThread(), list(logging.root.handlers)
     for handler in handlers:
         handler.addFilter(quiet)
     try:
