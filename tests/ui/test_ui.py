@@ -257,6 +257,11 @@ def _sse(chunks: list[dict], usage: dict | None = None) -> str:
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
 
 
+def _answer_json(page, url: str, status: int, body: str) -> None:
+    """Requests to ``url`` answered ``status`` with the JSON ``body``, not by the server."""
+    page.route(url, lambda route: route.fulfill(status=status, content_type="application/json", body=body))
+
+
 def _fulfill_sse(route, body: str) -> None:
     route.fulfill(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}, body=body)
 
@@ -697,10 +702,7 @@ def test_error_states(page):
     page.unroute("**/v1/chat/completions")
     # The page keeps polling and comes back by itself: first to a server still loading
     # its model (/health 503), then to a ready one.
-    page.route(
-        "**/health",
-        lambda route: route.fulfill(status=503, content_type="application/json", body='{"status": "loading"}'),
-    )
+    _answer_json(page, "**/health", 503, '{"status": "loading"}')
     page.wait_for_selector("#status-dot.online.loading", timeout=15_000)
     expect(page.locator("#banner")).to_contain_text("loading the model")
     page.unroute("**/health")
@@ -723,10 +725,7 @@ def test_error_states(page):
 
 @pytest.mark.timeout(120)
 def test_settings_edit_regenerate_and_manage(page):
-    page.route(
-        "**/ui/config.json",
-        lambda route: route.fulfill(status=200, content_type="application/json", body='{"api_key": "sk-test-123"}'),
-    )
+    _answer_json(page, "**/ui/config.json", 200, '{"api_key": "sk-test-123"}')
     page.reload()
     _wait_ready(page)
     auth: list[str | None] = []
@@ -1034,10 +1033,7 @@ def test_a_conversation_that_outgrows_the_context_goes_on_without_its_oldest_tur
 
 @pytest.mark.timeout(120)
 def test_a_message_sent_while_the_model_loads_waits_and_goes_out_by_itself(page):
-    page.route(
-        "**/health",
-        lambda route: route.fulfill(status=503, content_type="application/json", body='{"status": "loading"}'),
-    )
+    _answer_json(page, "**/health", 503, '{"status": "loading"}')
     page.reload()
     _wait_ready(page)
     expect(page.locator("#status-dot.loading")).to_have_count(1)
@@ -1084,10 +1080,7 @@ def test_the_status_dot_tells_a_server_gone_or_shutting_down(page):
             body=_error_body("the server is shutting down: the answer was cut off before it ended", "unavailable"),
         ),
     )
-    page.route(
-        "**/health",
-        lambda route: route.fulfill(status=503, content_type="application/json", body='{"status": "draining"}'),
-    )
+    _answer_json(page, "**/health", 503, '{"status": "draining"}')
     _send(page, "hello")
     expect(_last_reply(page).locator(".msg-error")).to_contain_text("shutting down")
     expect(page.locator("#status-dot.loading")).to_have_count(1)

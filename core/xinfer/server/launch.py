@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -229,7 +229,7 @@ def sampling_defaults(args: argparse.Namespace, path: Path) -> SamplingDefaults:
         log.info("sampling defaults from the model's generation config: %s (flags and requests override them)",
                  ", ".join(f"{name}={value}" for name, value in recommended.items()))  # fmt: skip
     recommended["recommended_max_tokens"] = recommended.pop("max_tokens", None)
-    given = {name: getattr(args, name) for name in SamplingDefaults.__dataclass_fields__ if hasattr(args, name)}
+    given = {f.name: getattr(args, f.name, None) for f in fields(SamplingDefaults)}  # (no flag: recommended_*)
     return SamplingDefaults(**recommended | {name: value for name, value in given.items() if value is not None})
 
 

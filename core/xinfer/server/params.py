@@ -33,9 +33,9 @@ class SamplingDefaults:
     recommended_max_tokens: int | None = None  # generation_config.json's max_new_tokens: under a route's default
 
     def sampling(self) -> dict[str, Any]:
-        """The defaults as :class:`SamplingParams` fields (the token limit is the route's to settle)."""
+        """The defaults as :class:`SamplingParams` fields but the token limit (:meth:`token_limit`, the route's)."""
         fields = asdict(self)
-        del fields["recommended_max_tokens"]
+        del fields["max_tokens"], fields["recommended_max_tokens"]
         return fields
 
     def token_limit(self, route_default: int | None, room: int) -> int:
