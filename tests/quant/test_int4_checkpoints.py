@@ -136,3 +136,15 @@ def test_scales_that_contradict_the_packed_weight_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: awq tensors of shapes qweight "
                        r"\(160, 8\), qzeros \(5, 8\), scales \(5, 8\) do not make one 4-bit weight"):  # fmt: skip
         reference_llm(tmp_path, dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize("case", ["gptq", "awq"])
+def test_a_group_size_that_contradicts_the_scales_is_named(case, tmp_path):
+    """Scales of 32-column groups under a config that says 64: GPTQ's g_idx would still decode them, AWQ's
+    columns would read the first groups' scales; both are one error."""
+    write_int4_checkpoint(tmp_path, case)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields["quantization_config"]["group_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=rf"{case} tensors of shapes .* do not make one 4-bit weight in groups of 64"):
+        reference_llm(tmp_path, dtype="float32", num_blocks=64)

@@ -182,3 +182,59 @@ def test_packed_integer_checkpoint_computes_what_compressed_tensors_decompresses
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
     assert_prefill_logits_match(hf, llm, 29)
     assert_greedy_tokens_and_logprobs_match(hf, llm, 11)
+
+
+def test_packed_integer_rows_that_end_inside_a_word(tmp_path):
+    """down_proj's 100 columns take 13 words of eight 4-bit values, the last half empty: the weight is
+    ``weight_shape``'s 100 columns, from the start-up's header-only build on."""
+    config = LlamaConfig(**{**COMMON, "intermediate_size": 100}, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])  # fmt: skip
+    hf = save_tiny_model(config, tmp_path / "float")
+    randomize(hf)
+    hf = write_packed_integer_checkpoint(hf, tmp_path, packed_integer_scheme(4, None, False))
+    assert load_file(tmp_path / "model.safetensors")["model.layers.0.mlp.down_proj.weight_packed"].shape == (64, 13)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    assert_prefill_logits_match(hf, llm, 29)
+
+
+@pytest.fixture(scope="module")
+def w4_group16_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("w4")
+    hf = save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), folder / "float")
+    write_packed_integer_checkpoint(hf, folder, packed_integer_scheme(4, 16, False))
+    return folder
+
+
+def with_quantization(folder, tmp_path, edit) -> str:
+    for file in (f for f in folder.iterdir() if f.is_file()):
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    fields = json.loads((tmp_path / "config.json").read_text())
+    edit(fields["quantization_config"])
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    return str(tmp_path)
+
+
+def test_a_group_size_that_contradicts_the_packed_scales_is_named(w4_group16_folder, tmp_path):
+    def group_32(quantization):
+        quantization["config_groups"]["group_0"]["weights"]["group_size"] = 32
+
+    with pytest.raises(ValueError, match=r"down_proj\.weight: scales \(64, 10\) for \(64, 160\) values in groups of "
+                       r"32 columns: \(64, 5\) expected"):  # fmt: skip
+        LLM(model=with_quantization(w4_group16_folder, tmp_path, group_32), dtype="float32", num_blocks=64)
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), "num_bits 3"),
+        (lambda q: q.update(format="marlin-24"), "format 'marlin-24'"),
+        (
+            lambda q: q["config_groups"].update(group_1={"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}),
+            "2 config_groups of different weights schemes",
+        ),
+    ],
+    ids=["bits", "format", "two-schemes"],
+)
+def test_a_compressed_tensors_scheme_not_read_is_one_line_naming_it(w4_group16_folder, tmp_path, edit, named):
+    with pytest.raises(ValueError, match=rf"config\.json: quantization_config .*{named}.* is not read yet"):
+        LLM(model=with_quantization(w4_group16_folder, tmp_path, edit), dtype="float32", num_blocks=64)

@@ -133,30 +133,32 @@ class PackedIntegers(Decoder):
     def complete(self, parts: Mapping[str, Tensor]) -> bool:
         return self.required <= parts.keys()
 
-    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+    def shape(self, name: str, parts: Mapping[str, Tensor]) -> tuple[int, int]:
+        """The weight's rows and columns (``weight_shape``'s values); scales of another shape than they and the
+        group size make are one error."""
         rows, cols = (int(n) for n in parts["weight_shape"].tolist())
+        scale = parts["weight_scale"]
+        groups = -(-cols // self.group) if self.group else 1
+        if tuple(scale.shape) != (rows, groups):
+            raise ValueError(f"{name}: scales {tuple(scale.shape)} for {(rows, cols)} values in groups of "
+                             f"{self.group or cols} columns: {(rows, groups)} expected")  # fmt: skip
+        return rows, cols
+
+    def decode(self, name: str, parts: Mapping[str, Tensor]) -> Tensor:
+        rows, cols = self.shape(name, parts)
         q = unpack_rows(parts["weight_packed"], self.bits, cols)
         scale = parts["weight_scale"].float()
-        if scale.shape[0] != rows:
-            raise ValueError(f"{name}: {scale.shape[0]} rows of scales for {rows} rows")
         zero = parts.get("weight_zero_point")
         zeros = unpack_rows(zero.T.contiguous(), self.bits, rows).T if zero is not None else torch.zeros_like(scale)
         group = parts.get("weight_g_idx")
-        if group is None:
-            group = (
-                torch.arange(cols) // (self.group or cols)
-                if scale.shape[1] > 1
-                else torch.zeros(cols, dtype=torch.long)
-            )
-        group = group.long()
+        group = group.long() if group is not None else torch.arange(cols) // (self.group or cols)
         if int(group.max()) >= scale.shape[1]:
             raise ValueError(f"{name}: {scale.shape[1]} groups of scales for {cols} columns")
         return (q.float() - zeros[:, group].float()) * scale[:, group]
 
     def held(self, name: str, parts: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
-        """Decoded, at the shape its words hold (``weight_shape`` holds it as values, which are not read)."""
-        words = parts["weight_packed"]
-        return torch.empty(words.shape[0], words.shape[1] * 32 // self.bits, dtype=dtype, device="meta")
+        """Decoded (``weight_shape`` is read at the header stage too: :func:`~xinfer.loading.safetensors.header_tensors`)."""
+        return torch.empty(self.shape(name, parts), dtype=dtype, device="meta")
 
 
 def unpack_words(words: Tensor, bits: int) -> Tensor:
@@ -224,10 +226,10 @@ class GroupedInt4(Decoder):
         groups, rows = scales.shape
         if self.method == "gptq":
             q_rows, cols = qweight.shape[1], qweight.shape[0] * 8
-            indexed = tuple(parts["g_idx"].shape) == (cols,)
+            indexed = tuple(parts["g_idx"].shape) == (cols,) and -(-cols // self.group) == groups
         else:
             q_rows, cols = qweight.shape[1] * 8, qweight.shape[0]
-            indexed = (cols - 1) // self.group < groups
+            indexed = -(-cols // self.group) == groups
         if q_rows != rows or (qzeros.shape[0], qzeros.shape[1] * 8) != (groups, rows) or not indexed:
             raise self.contradiction(name, parts)
         return rows, cols
@@ -364,17 +366,30 @@ def decoder_for(quantization: Mapping[str, Any]) -> Decoder | None:
         return _modelopt({**quantization, **(quantization.get("quantization") or {})})
     if method != "compressed-tensors":
         return None
+    return _compressed_tensors(quantization)
+
+
+def _compressed_tensors(quantization: Mapping[str, Any]) -> Decoder | None:
+    """The decoder of a compressed-tensors config (None where no weights are quantized); a scheme not read yet
+    is one error naming its fields."""
+    fmt = quantization.get("format")
     weights = [group.get("weights") or {} for group in (quantization.get("config_groups") or {}).values()]
-    if not weights or any(w != weights[0] for w in weights):
-        return None  # several schemes in one checkpoint: not read yet
+    if not any(weights):
+        return None
+    if any(w != weights[0] for w in weights):
+        raise ValueError(f"quantization_config format {fmt!r} with {len(weights)} config_groups of different weights "
+                         "schemes is not read yet (one scheme for every quantized layer is)")  # fmt: skip
     w = weights[0]
     if w.get("type") == "float" and w.get("num_bits") == 8:
         return Fp8(_block(w.get("block_structure")))
-    if quantization.get("format") in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
-        return _compressed_fp4(quantization["format"], w)
-    if w.get("type") == "int" and quantization.get("format") == "pack-quantized" and 32 % int(w["num_bits"]) == 0:
+    if fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+        return _compressed_fp4(fmt, w)
+    if w.get("type") == "int" and fmt == "pack-quantized" and w.get("num_bits") in (2, 4, 8):
         return PackedIntegers(w)
-    return None
+    raise ValueError(
+        f"quantization_config format {fmt!r} with weights type {w.get('type')!r} num_bits {w.get('num_bits')!r} is "
+        "not read yet (pack-quantized int 2/4/8, float-quantized float 8, mxfp4- and nvfp4-pack-quantized are)"
+    )
 
 
 def _modelopt(quantization: Mapping[str, Any]) -> Fp4 | None:
@@ -443,7 +458,7 @@ def decoded(weights: Weights, decoder: Decoder, dtype: torch.dtype) -> Iterator[
         parts[part] = whole(tensor)  # quantized weights and their scales are read whole
         if decoder.complete(parts):
             del pending[weight]
-            if parts[part].is_meta:  # from the files' headers (xinfer.loading.loader.held_model)
+            if any(p.is_meta for p in parts.values()):  # from the files' headers (loader.held_model)
                 yield weight, decoder.held(weight, parts, dtype)
                 continue
             packed = decoder.packed(weight, parts)

@@ -65,9 +65,19 @@ def _opened(path: Path) -> safe_open:
 
 
 def header_tensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
-    """The checkpoint's tensors on the meta device, from the files' headers: their shapes and dtypes, no data."""
+    """The checkpoint's tensors on the meta device, from the files' headers: their shapes and dtypes, no data;
+    but those that may hold a shape are read (compressed-tensors' ``weight_shape``: the packed words leave a
+    row's last word part empty)."""
     for path in safetensors_files(folder):
         handle = _opened(path)
         for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
             stored = StoredTensor(handle, name)
-            yield name, torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+            if _may_hold_a_shape(stored):
+                yield name, stored.read()
+            else:
+                yield name, torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+
+
+def _may_hold_a_shape(stored: StoredTensor) -> bool:
+    """A vector of a few integers."""
+    return len(stored.shape) == 1 and stored.shape[0] <= 8 and not stored.dtype.is_floating_point
