@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.loading.gguf_models import MODELS, gguf_path, hf_tokenizer, llama_cpp_detokenize, llama_cpp_vocab
+from tests.loading.gguf_models import GEMMA, MODELS, gguf_path, hf_tokenizer, llama_cpp_detokenize, llama_cpp_vocab
 from xinfer.text.detokenizer import IncrementalDetokenizer
 from xinfer.text.tokenizer import Tokenizer
 
@@ -210,3 +210,43 @@ def test_a_trailing_incomplete_character_is_flushed_as_decode_gives_it(ours):
     text = "".join(stream.push(i) for i in ids[:partial])
     assert "\ufffd" not in text
     assert text + stream.flush() == ours.decode(ids[:partial])
+
+
+SPACE_PREFIX_TEXTS = [" Hello", "Hello  world", "<start_of_turn>user\nhi<end_of_turn>", "<bos>x", "a\tb", "\n\nx y"]
+
+
+@pytest.fixture(scope="module")
+def space_prefixed_vocabulary(tmp_path_factory):
+    """Gemma 3's SentencePiece vocabulary with ``add_space_prefix`` on, as Llama 2 and Mistral files have it (and
+    as llama.cpp reads a file without the key)."""
+    import gguf
+
+    from xinfer.loading.gguf_file import GGUFFile
+
+    meta = GGUFFile(gguf_path(GEMMA)).metadata
+    path = tmp_path_factory.mktemp("spm") / "vocab.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(list(meta["tokenizer.ggml.tokens"]))
+    writer.add_token_types([int(t) for t in meta["tokenizer.ggml.token_type"]])
+    writer.add_token_scores([float(s) for s in meta["tokenizer.ggml.scores"]])
+    for key in ("bos", "eos", "unknown", "padding"):
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", int(meta[f"tokenizer.ggml.{key}_token_id"]))
+    writer.add_add_bos_token(False)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("text", SPACE_PREFIX_TEXTS)
+def test_a_space_prefix_starts_every_piece_of_text_as_llama_cpps(space_prefixed_vocabulary, text):
+    """llama.cpp prefixes the space to the text's first piece even where it starts with a space, and to each
+    piece after a special or user-defined token."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional oracle)")
+    reference = llama_cpp.Llama(model_path=str(space_prefixed_vocabulary), vocab_only=True, verbose=False)
+    expected = reference.tokenize(text.encode(), add_bos=False, special=True)
+    assert Tokenizer.from_gguf(space_prefixed_vocabulary).encode(text) == expected

@@ -289,9 +289,9 @@ def _sentencepiece_bpe(
     tok.normalizer = normalizers.Replace(" ", SPM_SPACE)
     steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:
-        # llama.cpp prefixes a space only to the first piece of text, as Metaspace "first" does
-        tok.normalizer = None
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE, prepend_scheme="first", split=False)
+        # llama.cpp prefixes a space to every piece of text that starts the input or follows a token (a special or
+        # user-defined one: the pieces the normalizer sees one by one), even to one that starts with a space
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE), tok.normalizer])
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(steps)
     return tok
