@@ -124,6 +124,9 @@ def _bad_model(tmp_path, kind: str):
         return tmp_path / "text.gguf", "is not a GGUF file"
     if kind == "unknown GGUF architecture":
         return _gguf_of_architecture(tmp_path / "model.gguf", "nosucharch"), "GGUF architecture 'nosucharch' is known"
+    if kind == "GGUF without the sizes llama.cpp requires":  # (transformers' defaults must not stand in)
+        missing = "llama.context_length, llama.embedding_length, llama.attention.head_count, llama.attention."
+        return _gguf_of_architecture(tmp_path / "model.gguf", "llama"), f"the metadata has no {missing}layer_norm_rms"
     save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
     weights = tmp_path / "model.safetensors"
     if kind == "config without weights":
@@ -165,7 +168,7 @@ CONFIG_VALUES = {  # config.json fields transformers' config class or the model 
 
 BAD = [
     "truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture",
-    "unknown GGUF architecture", "config without weights", "truncated safetensors", "index naming a missing shard",
+    "unknown GGUF architecture", "GGUF without the sizes llama.cpp requires", "config without weights", "truncated safetensors", "index naming a missing shard",
     *CONFIG_VALUES,
 ]  # fmt: skip
 

@@ -53,6 +53,14 @@ _CONFIG_FIELDS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
+# keys without which llama.cpp refuses a file (or cannot size its tensors): a transformers default must not stand in
+_REQUIRED_KEYS = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "attention.head_count",
+    "attention.layer_norm_rms_epsilon",
+)
 # llama.cpp's divisor of each rotated pair's frequency, tensors read into the config: one at every context, or
 # LongRoPE's pair (Phi-3), of which llama.cpp applies one at every position, chosen by the context it serves
 ROPE_FREQS = "rope_freqs.weight"
@@ -143,6 +151,8 @@ def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> Pret
     adapter = gguf_adapter(arch)
     model_type = adapter.model_type or arch
     check_model_type(model_type, f"{file.path} (GGUF architecture {arch!r})")
+    if missing := [f"{arch}.{key}" for key in _REQUIRED_KEYS if f"{arch}.{key}" not in meta]:
+        raise ModelFileError(f"{file.path}: the metadata has no {', '.join(missing)}")
     fields: dict[str, Any] = {
         field: _plain(meta[f"{arch}.{key}"]) for key, field in _CONFIG_FIELDS.items() if f"{arch}.{key}" in meta
     }
