@@ -45,21 +45,28 @@ class Conversation:
         self.turns: list[dict[str, str]] = []
         self._ids = itertools.count()
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self, turns: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.turns
+        return system + (self.turns if turns is None else turns)
 
     def prompt(self) -> list[int]:
         """The conversation's tokens, dropping the oldest turns until an answer fits (an answer takes at most
-        half the context)."""
+        half the context); a last message that does not fit alone is refused, the history kept."""
         context = self.engine.max_model_len
         room = context - min(self.params.max_tokens or 1, context // 2)
+        turns = self.turns
         while True:
-            text = self.template.render(self.messages(), add_generation_prompt=True)
+            text = self.template.render(self.messages(turns), add_generation_prompt=True)
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(token_ids) <= room or len(self.turns) <= 1:
-                return token_ids[-room:]
-            self.turns = self.turns[2:]
+            if len(token_ids) <= room:
+                self.turns = turns
+                return token_ids
+            if len(turns) <= 1:
+                raise ValueError(
+                    f"the message takes {len(token_ids)} tokens with the chat template, over the {room} a prompt may "
+                    f"take in a context of {context} (--max-model-len) with room for the answer: shorten it"
+                )
+            turns = turns[2:]
 
     def reply(self, user_text: str, out: TextIO) -> str:
         self.turns.append({"role": "user", "content": user_text})

@@ -78,6 +78,8 @@ def list_plugins(as_json: bool = False) -> int:
 
 
 def describe(infos: list) -> str:
+    if not infos and (chosen := os.environ.get("XINFER_PLUGINS")):
+        return f"no plugin loaded: XINFER_PLUGINS={chosen} names none of those installed (unset it to list them)"
     if not infos:
         return "no plugins installed (from xinfer's repository: pip install ./backends/cpu ./plugins/llama)"
     lines = []

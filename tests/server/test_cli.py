@@ -153,6 +153,16 @@ def test_plugins_lists_name_version_hooks_and_registrations():
     assert f"backends: cuda ({cuda})" in result.stdout
 
 
+def test_plugins_says_when_xinfer_plugins_names_none_installed():
+    result = xinfer("plugins", env={"XINFER_PLUGINS": "nosuch"})
+    assert result.returncode == 0
+    assert (
+        result.stdout
+        == "no plugin loaded: XINFER_PLUGINS=nosuch names none of those installed (unset it to list them)\n"
+    )
+    assert "XINFER_PLUGINS names 'nosuch', which is not installed (installed: " in result.stderr
+
+
 def test_plugins_json_into_a_closed_pipe_ends_quietly():
     code = "import sys; from xinfer.cli import main; sys.exit(main())"
     reader_gone = subprocess.Popen([sys.executable, "-c", code, "plugins", "--json"], cwd=REPO,

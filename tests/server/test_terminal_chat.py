@@ -70,9 +70,22 @@ def test_max_tokens_as_long_as_the_context_leaves_the_conversation_half():
         limits.append(params.max_tokens),
         add(request_id, prompt, params),
     )
-    chat_loop(Conversation(engine, SamplingParams(max_tokens=64)), io.StringIO("a question " * 8 + "\n"), io.StringIO())
+    chat_loop(Conversation(engine, SamplingParams(max_tokens=64)), io.StringIO("a question\n"), io.StringIO())
     prompt = engine.prompts[0]
-    assert prompt.endswith("<assistant>") and len(prompt) == 32 and limits == [32]  # half the context each
+    assert prompt == "<user>a question<assistant>" and limits == [64 - len(prompt)]
+
+
+def test_a_message_too_long_for_the_context_is_refused_in_one_line_and_the_history_kept():
+    """It was cut from the left to fit (its start and the template's start lost, silently)."""
+    engine = FakeEngine()
+    conversation = Conversation(engine, SamplingParams(max_tokens=8))
+    out = io.StringIO()
+    chat_loop(conversation, io.StringIO("first\n" + "x" * 60 + "\nsecond\n"), out)
+    assert (
+        "xinfer: the message takes 77 tokens with the chat template, over the 56 a prompt may take in a context of 64"
+        in out.getvalue()
+    )
+    assert engine.prompts == ["<user>first<assistant>", "<user>first<assistant>ok!<user>second<assistant>"]
 
 
 def test_python_m_xinfer_chat_streams_answers_and_exits(client, model):
