@@ -81,9 +81,10 @@ class LLM:
         source), then generates; vLLM's signature. A message's content may be a list of parts:
         ``{"type": "text", "text": ...}`` and, for a model that takes images, ``{"type": "image_pil",
         "image_pil": PIL image}`` (vLLM's name; ``"image"`` with the image under ``"image"`` too), which the
-        template receives as ``{"type": "image"}``. ``chat_template_content_format``: "auto" gives the
-        template a message of text parts alone as one string, the parts joined by newlines, as the server
-        does (most templates write ``content`` as a string); "string" always; "openai" never.
+        template receives as ``{"type": "image"}``. ``chat_template_content_format``: "string" gives the
+        template a message of text parts alone as one string, the parts joined by newlines (most templates
+        write ``content`` as a string); "openai" the list of parts; "auto" (as the server does) the list
+        where the template loops over a message's content, else one string: vLLM's detection.
         ``continue_final_message``: the prompt ends with the final message's text (with
         ``add_generation_prompt=False``), which the answer goes on with. The template's own variables come
         as ``chat_template_kwargs``."""
@@ -97,12 +98,17 @@ class LLM:
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompts as token ids to generate()")
-        template = tokenizer.template_from(chat_template) if chat_template is not None else tokenizer.chat_template
+        template = (
+            tokenizer.template_from(chat_template) if chat_template is not None else tokenizer.chat_template_for(tools)
+        )
         if template is None:
             raise ValueError("this model has no chat template: pass chat_template, or prompts to generate()")
+        content_format = (
+            template.content_format if chat_template_content_format == "auto" else chat_template_content_format
+        )
         prompts = []
         for conversation in conversations:
-            conversation, images = _images_apart(conversation, chat_template_content_format)
+            conversation, images = _images_apart(conversation, content_format)
             text = template.render(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
@@ -268,11 +274,9 @@ def _all_dicts(conversation: Any) -> bool:
     return isinstance(conversation, list) and all(isinstance(message, dict) for message in conversation)
 
 
-def _images_apart(
-    conversation: list[dict[str, Any]], content_format: str = "auto"
-) -> tuple[list[dict[str, Any]], list[Any]]:
+def _images_apart(conversation: list[dict[str, Any]], content_format: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """The conversation with each image part as ``{"type": "image"}``, and the images in order; a message of
-    text parts alone as one string (``content_format`` "auto" or "string"; see :meth:`LLM.chat`)."""
+    text parts alone as one string, its parts joined by newlines, where ``content_format`` is "string"."""
     images: list[Any] = []
     messages = []
     for message in conversation:
@@ -285,8 +289,7 @@ def _images_apart(
                     images.append(part[kind])
                     part = {"type": "image"}
                 parts.append(part)
-            texts = all(part.get("type") == "text" for part in parts)
-            joined = content_format == "string" or (content_format == "auto" and texts)
+            joined = content_format == "string" and all(part.get("type") == "text" for part in parts)
             message = {**message, "content": "\n".join(p.get("text", "") for p in parts) if joined else parts}
         messages.append(message)
     return messages, images

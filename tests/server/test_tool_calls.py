@@ -192,6 +192,23 @@ def test_round_trip_through_the_template(qwen, client):
     assert '<|im_start|>user\n<tool_response>\n{"forecast": "sunny"}\n</tool_response><|im_end|>' in text
 
 
+def test_tokenize_renders_tools_and_a_continued_message_as_the_chat_does(qwen, client):
+    """/tokenize counts the prompt a chat completion runs: with the tools in it, and ending inside a final message."""
+    prefill = [*QUESTION, {"role": "assistant", "content": "Let me see"}]
+    cases = [
+        (dict(messages=QUESTION, tools=TOOLS), {}),
+        (dict(messages=prefill), {"add_generation_prompt": False, "continue_final_message": True}),
+    ]
+    for fields, flags in cases:
+        body = {**fields, **flags, "chat_template_kwargs": NO_THINKING}
+        tokens = httpx.post(qwen.url + "/tokenize", json=body, timeout=60).json()
+        reply = ask(client, **{"tools": None, **fields, "max_tokens": 1, "extra_body": flags})
+        assert tokens["count"] == reply.usage.prompt_tokens
+    with_tools = httpx.post(qwen.url + "/tokenize", json={"messages": QUESTION, "tools": TOOLS}, timeout=60).json()
+    text = httpx.post(qwen.url + "/detokenize", json={"tokens": with_tools["tokens"]}, timeout=60).json()["prompt"]
+    assert '"name": "get_weather"' in text
+
+
 def test_history_calls_whose_arguments_are_not_json_go_back_as_sent(qwen, client):
     """OpenAI takes a call's arguments as any string (its reference: the model may write invalid JSON) and null
     content beside tool_calls: they render through the template as the client sent them."""

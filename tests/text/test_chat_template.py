@@ -149,7 +149,7 @@ def test_template_features_match_transformers(smollm, add_generation_prompt):
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
     )
-    ours = ChatTemplate(FEATURES_TEMPLATE, "test", smollm.bos_token, smollm.eos_token)
+    ours = ChatTemplate(FEATURES_TEMPLATE, "test", smollm.special_tokens)
     assert ours.render(messages, add_generation_prompt=add_generation_prompt, tools=TOOLS) == expected
 
 
@@ -169,7 +169,7 @@ def test_continue_final_message_like_transformers(smollm, template, final):
     expected = hf_tokenizer(SMOLLM).apply_chat_template(
         messages, chat_template=source, tokenize=False, add_generation_prompt=False, continue_final_message=True
     )
-    ours = ChatTemplate(source, "test", smollm.bos_token, smollm.eos_token)
+    ours = ChatTemplate(source, "test", smollm.special_tokens)
     assert ours.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
 
 
@@ -188,7 +188,7 @@ def test_syntax_error_names_the_file(tmp_path):
 
 
 def test_raise_exception_names_the_gguf(smollm):
-    gemma_style = ChatTemplate(GEMMA_STYLE_TEMPLATE, f"GGUF metadata of {gguf_path(SMOLLM)}", "<bos>")
+    gemma_style = ChatTemplate(GEMMA_STYLE_TEMPLATE, f"GGUF metadata of {gguf_path(SMOLLM)}", {"bos_token": "<bos>"})
     with pytest.raises(ChatTemplateError, match="roles must alternate") as error:
         gemma_style.render([{"role": "assistant", "content": "first"}])
     assert f"GGUF metadata of {gguf_path(SMOLLM)}" in str(error.value)
@@ -204,3 +204,93 @@ def test_sandbox_refuses_python_internals():
     template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", "evil.gguf")
     with pytest.raises(ChatTemplateError, match=r"evil\.gguf"):
         template.render([{"role": "user", "content": "x"}])
+
+
+# a template that writes a message's content as a string or loops over its parts (Gemma 3's way), and one that
+# writes it as it is (ChatML's): text parts reach the first as a list, the second joined by newlines (vLLM's "auto")
+LOOPING_TEMPLATE = """{% for m in messages %}<{{ m.role }}>
+{%- if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}{{ part.text }}{% endfor %}
+{%- endif %}|{% endfor %}"""
+PLAIN_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}|{% endfor %}"
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}]
+
+
+def smollm_folder(folder, **config):
+    """SmolLM2's tokenizer saved by transformers, its config's fields replaced by ``config``."""
+    hf_tokenizer(SMOLLM).save_pretrained(folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config_file = folder / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    return folder
+
+
+@pytest.mark.parametrize("template, content_format", [(LOOPING_TEMPLATE, "openai"), (PLAIN_TEMPLATE, "string")])
+def test_text_parts_reach_the_template_as_it_reads_content(tmp_path, template, content_format):
+    from transformers import AutoTokenizer
+
+    from xinfer.server.prompts import render_chat
+    from xinfer.server.protocol import ChatMessage
+
+    ours = Tokenizer.from_folder(smollm_folder(tmp_path, chat_template=template))
+    assert ours.chat_template.content_format == content_format
+    joined = [{"role": "user", "content": "part one\npart two"}]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        PARTS if content_format == "openai" else joined, tokenize=False, add_generation_prompt=False
+    )
+    messages = [ChatMessage.model_validate(m) for m in PARTS]
+    assert render_chat(ours, messages, add_generation_prompt=False) == expected
+
+
+@pytest.mark.parametrize("layout", ["config list", "additional_chat_templates"])
+def test_tools_choose_the_tool_use_template_like_transformers(tmp_path, layout):
+    from transformers import AutoTokenizer
+
+    tool_use = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}" + PLAIN_TEMPLATE
+    if layout == "config list":
+        templates = [{"name": "default", "template": PLAIN_TEMPLATE}, {"name": "tool_use", "template": tool_use}]
+        smollm_folder(tmp_path, chat_template=templates)
+    else:
+        smollm_folder(tmp_path)
+        (tmp_path / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+        (tmp_path / "additional_chat_templates").mkdir()
+        (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    reference, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_folder(tmp_path)
+    for tools in (TOOLS, None):
+        expected = reference.apply_chat_template(TURNS, tools=tools, tokenize=False)
+        assert ours.apply_chat_template(TURNS, tools=tools, tokenize=False) == expected
+    assert "[get_weather]" in ours.apply_chat_template(TURNS, tools=TOOLS, tokenize=False)
+
+
+def test_templates_get_every_special_token_like_transformers(tmp_path):
+    template = "[{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}]" + PLAIN_TEMPLATE
+    from transformers import AutoTokenizer
+
+    smollm_folder(tmp_path, chat_template=template, pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(TURNS, tokenize=False)
+    assert Tokenizer.from_folder(tmp_path).apply_chat_template(TURNS, tokenize=False) == expected
+    assert expected.startswith("[<|im_start|>|<|im_end|>|<|im_end|>|<|endoftext|>]")
+
+
+def test_tokens_the_config_calls_special_are_skipped_like_transformers(tmp_path):
+    """``<think>`` plain in tokenizer.json, special in tokenizer_config.json's added_tokens_decoder."""
+    from transformers import AutoTokenizer
+
+    smollm_folder(tmp_path)
+    backend = json.loads((tmp_path / "tokenizer.json").read_text())
+    think = len(backend["model"]["vocab"])
+    backend["added_tokens"].append({"id": think, "content": "<think>", "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": False})  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(backend))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.setdefault("added_tokens_decoder", {})[str(think)] = {
+        "content": "<think>",
+        "special": True,
+        "normalized": False,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    reference, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_folder(tmp_path)
+    text = "<think>\nhm</think> ok"
+    assert ours.encode(text) == reference.encode(text) and think in ours.encode(text)
+    for skip in (True, False):
+        ids = ours.encode(text)
+        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)

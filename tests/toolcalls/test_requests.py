@@ -93,7 +93,7 @@ def test_assistant_calls_render_with_arguments_as_objects():
         ChatMessage(role="assistant", content=None, tool_calls=[call]),
         ChatMessage(role="tool", content="2", tool_call_id="call_1"),
     ]
-    text = render_chat(SimpleNamespace(chat_template=template), messages, add_generation_prompt=False)
+    text = render_chat(SimpleNamespace(chat_template_for=lambda tools: template), messages, add_generation_prompt=False)
     assert text == '[hi]f:{"a": 1};[][2]', "arguments once encoded, and null content as text"
     assert json.loads(call["function"]["arguments"]) == {"a": 1}  # the request's own message is left as it was
 
@@ -106,5 +106,5 @@ def test_templates_that_join_arguments_as_text_get_them_as_sent():
     )
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
     messages = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content=None, tool_calls=[call])]
-    text = render_chat(SimpleNamespace(chat_template=template), messages, add_generation_prompt=False)
+    text = render_chat(SimpleNamespace(chat_template_for=lambda tools: template), messages, add_generation_prompt=False)
     assert text == '<call>f {"a":1}'

@@ -11,11 +11,12 @@ from xinfer.server.protocol import ChatMessage, Prompt
 
 
 def message_dicts(
-    messages: list[ChatMessage], arguments_as_objects: bool = True
+    messages: list[ChatMessage], arguments_as_objects: bool = True, content_format: str = "string"
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """Messages as chat templates expect them: text parts joined into one string; where a message has
-    images, its content stays a list, each image an ``{"type": "image"}`` item (as HF templates read
-    them). Also each image's URL, in order, with the request field it came from.
+    """Messages as chat templates expect them: text parts joined into one string by newlines for a template
+    whose ``content_format`` is "string" (:class:`~xinfer.text.chat_template.ChatTemplate`), else kept a list;
+    where a message has images, its content stays a list, each image an ``{"type": "image"}`` item (as HF
+    templates read them). Also each image's URL, in order, with the request field it came from.
     ``arguments_as_objects``: assistant tool calls' arguments decoded from their JSON text."""
     result, images = [], []
     for i, message in enumerate(messages):
@@ -41,7 +42,8 @@ def message_dicts(
                         param=f"messages.{i}.content.{j}",
                     )
             has_image = any(p["type"] == "image" for p in parts)
-            item["content"] = parts if has_image else "\n".join(p["text"] for p in parts)
+            joined = content_format == "string" and not has_image
+            item["content"] = "\n".join(p["text"] for p in parts) if joined else parts
         if message.tool_calls:
             calls = item["tool_calls"]
             item["tool_calls"] = [_call_for_template(call) for call in calls] if arguments_as_objects else calls
@@ -73,13 +75,13 @@ def render_chat(
 ) -> str:
     from xinfer.text.chat_template import ChatTemplateError
 
-    template = getattr(tokenizer, "chat_template", None)
+    template = tokenizer.chat_template_for(tools)
     if template is None:
         raise bad_request("this model has no chat template: use /v1/completions with a plain prompt")
     # OpenAI's developer role took the system role's place; a template that knows only the system role would
     # write "developer" as it is, or refuse it (Qwen3.6's)
-    as_system = "developer" not in getattr(template, "source", "")
-    dicts = _with_roles(message_dicts(messages)[0], as_system)
+    as_system = "developer" not in template.source
+    dicts = _with_roles(message_dicts(messages, content_format=template.content_format)[0], as_system)
     try:
         try:
             text = template.render(
@@ -93,7 +95,7 @@ def render_chat(
             if not any(m.tool_calls for m in messages):
                 raise
             # templates that join arguments as text (DeepSeek's: '...' + arguments) take them as the client sent them
-            dicts = _with_roles(message_dicts(messages, arguments_as_objects=False)[0], as_system)
+            dicts = _with_roles(message_dicts(messages, False, template.content_format)[0], as_system)
             text = template.render(
                 dicts,
                 add_generation_prompt=add_generation_prompt,

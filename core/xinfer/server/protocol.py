@@ -432,11 +432,15 @@ class EmbeddingRequest(RequestBody):
 
 
 class TokenizeRequest(RequestBody):
+    """A prompt, or chat messages rendered as ``/v1/chat/completions`` renders them (vLLM's fields)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -445,6 +449,10 @@ class TokenizeRequest(RequestBody):
             raise FieldError(
                 "prompt" if self.messages is None else "messages", "give exactly one of prompt or messages"
             )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt=false")
+        if self.tools is not None:
+            check_tools(self.tools)
         return self
 
 

@@ -87,13 +87,20 @@ def _message(message: Any) -> dict[str, Any]:
 
 
 class ChatTemplate:
-    """A compiled chat template; ``origin`` names where it came from in every error."""
+    """A compiled chat template; ``origin`` names where it came from in every error. ``special_tokens``: the
+    variables transformers gives every template, the tokenizer's special tokens by role (``bos_token``,
+    ``eos_token``, ``unk_token``, ``pad_token``, ...).
 
-    def __init__(self, source: str, origin: str, bos_token: str | None = None, eos_token: str | None = None):
+    ``content_format``: how the template reads a message's content, as vLLM's "auto" detects it: "openai" where
+    it loops over a message's content (a list of parts), else "string" (text parts joined by newlines)."""
+
+    def __init__(self, source: str, origin: str, special_tokens: Mapping[str, Any] | None = None):
         self.source, self.origin = source, origin
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.special_tokens = {name: token for name, token in (special_tokens or {}).items() if token is not None}
+        environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment.from_string(source)
+            self.content_format = "openai" if _loops_over_content(environment.parse(source)) else "string"
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template from {origin} does not compile: {_describe(e)}") from e
 
@@ -129,7 +136,7 @@ class ChatTemplate:
         documents: Sequence[Any] | None,
         extra: dict[str, Any],
     ) -> str:
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **_plain(extra)}
+        context = {**self.special_tokens, **_plain(extra)}
         try:
             return self._template.render(
                 messages=messages,
@@ -145,6 +152,27 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r})"
+
+
+def _loops_over_content(template: jinja2.nodes.Template) -> bool:
+    """Whether a ``for`` loop of ``template`` goes over some ``X.content`` / ``X['content']`` (through filters,
+    or through a variable set to it)."""
+
+    def content_of(node: jinja2.nodes.Node | None, names: set[str]) -> bool:
+        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+            node = node.node
+        if isinstance(node, jinja2.nodes.Name):
+            return node.name in names
+        if isinstance(node, jinja2.nodes.Getattr):
+            return node.attr == "content"
+        return isinstance(node, jinja2.nodes.Getitem) and getattr(node.arg, "value", None) == "content"
+
+    names = {
+        target.name
+        for assign in template.find_all(jinja2.nodes.Assign)
+        if isinstance(target := assign.target, jinja2.nodes.Name) and content_of(assign.node, set())
+    }
+    return any(content_of(loop.iter, names) for loop in template.find_all(jinja2.nodes.For))
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,22 +50,34 @@ class Tokenizer:
     def __init__(
         self,
         backend: tokenizers.Tokenizer,
-        bos_token: str | None,
-        eos_token: str | None,
+        special_tokens: Mapping[str, str | None],
         extra_eos_ids: Iterable[int] = (),
         chat_template: ChatTemplate | None = None,
         byte_tokens: ByteTokenDecoder | None = None,
-        pad_token: str | None = None,
+        named_templates: Mapping[str, ChatTemplate] | None = None,
     ):
+        """``special_tokens``: the special tokens by role (``bos_token``, ``eos_token``, ``pad_token``, ...), as
+        templates read them; ``named_templates``: the templates besides the default, by name (``tool_use``)."""
         self.backend = backend
         self.byte_tokens = byte_tokens
-        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.special_tokens = dict(special_tokens)
+        self.bos_token, self.eos_token, self.pad_token = (
+            special_tokens.get(role) for role in ("bos_token", "eos_token", "pad_token")
+        )
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (
-            _id(backend, t) for t in (bos_token, eos_token, pad_token)
+            _id(backend, t) for t in (self.bos_token, self.eos_token, self.pad_token)
         )
         declared = {self.eos_token_id} | set(extra_eos_ids)
         self.eos_token_ids: set[int] = {i for i in declared if i is not None}
         self.chat_template = chat_template
+        self.named_templates = dict(named_templates or {})
+
+    def chat_template_for(self, tools: Sequence[Any] | None) -> ChatTemplate | None:
+        """The template a conversation renders with: the one named ``tool_use`` where there are tools and the
+        model has one (as transformers chooses), else the default."""
+        if tools and "tool_use" in self.named_templates:
+            return self.named_templates["tool_use"]
+        return self.chat_template
 
     # -- constructors -------------------------------------------------------------------
 
@@ -86,17 +98,17 @@ class Tokenizer:
             raise ModelFileError(f"{folder / 'tokenizer.json'}: not a tokenizer ({first_line(error)})") from None
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
-        bos, eos, pad = (
-            _token_text(config.get(key, special_map.get(key))) for key in ("bos_token", "eos_token", "pad_token")
-        )
+        specials = {role: _token_text(config.get(role, special_map.get(role))) for role in SPECIAL_TOKEN_ROLES}
+        bos, eos = specials["bos_token"], specials["eos_token"]
         # tokenizer.json's post-processor already adds what the model wants; the config's
         # add_bos/add_eos flags only fill in for a tokenizer.json that has none
         if backend.post_processor is None:
             add_bos, add_eos = bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
             backend.post_processor = post_processor(bos, _id(backend, bos), eos, _id(backend, eos), add_bos, add_eos)
+        _mark_special(backend, _configured_special_tokens(config, special_map))
+        default, named = _folder_chat_templates(folder, config, specials)
         # generation stops on every EOS the model declares, not only the tokenizer's own
-        template = _folder_chat_template(folder, config, bos, eos)
-        return cls(backend, bos, eos, declared_eos_ids(folder), template, pad_token=pad)
+        return cls(backend, specials, declared_eos_ids(folder), default, named_templates=named)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -112,9 +124,15 @@ class Tokenizer:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", adds_bos_by_default(meta)))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         backend.post_processor = post_processor(bos, bos_id, eos, eos_id, add_bos, add_eos)
-        source = meta.get("tokenizer.chat_template")
-        template = ChatTemplate(source, f"GGUF metadata of {gguf.path}", bos, eos) if source else None
-        return cls(backend, bos, eos, end_of_generation_ids(meta), template, byte_token_decoder(meta, backend), pad)
+        specials = {"bos_token": bos, "eos_token": eos, "pad_token": pad}
+        origin = f"GGUF metadata of {gguf.path}"
+        key = "tokenizer.chat_template"
+        source = meta.get(key)
+        template = ChatTemplate(source, origin, specials) if source else None
+        named = {k.removeprefix(f"{key}."): ChatTemplate(v, origin, specials) for k, v in meta.items()
+                 if k.startswith(f"{key}.") and isinstance(v, str)}  # fmt: skip
+        decoder = byte_token_decoder(meta, backend)
+        return cls(backend, specials, end_of_generation_ids(meta), template, decoder, named_templates=named)
 
     # -- text <-> ids -------------------------------------------------------------------
 
@@ -165,15 +183,15 @@ class Tokenizer:
     ) -> list[int] | str:
         """Render with the model's template (or ``chat_template``, a template's source), then, with
         ``tokenize``, encode without adding BOS again (the template writes it where the model wants it)."""
-        template = self.chat_template if chat_template is None else self.template_from(chat_template)
+        template = self.chat_template_for(tools) if chat_template is None else self.template_from(chat_template)
         if template is None:
             raise ValueError("this model has no chat template; use plain prompts")
         text = template.render(messages, add_generation_prompt, tools, **extra)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def template_from(self, source: str) -> ChatTemplate:
-        """A chat template given by its source, with this tokenizer's BOS and EOS."""
-        return ChatTemplate(source, "the chat_template argument", self.bos_token, self.eos_token)
+        """A chat template given by its source, with this tokenizer's special tokens."""
+        return ChatTemplate(source, "the chat_template argument", self.special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -228,15 +246,51 @@ def _as_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _folder_chat_template(
-    folder: Path, config: dict[str, Any], bos: str | None, eos: str | None
-) -> ChatTemplate | None:
+def _folder_chat_templates(
+    folder: Path, config: dict[str, Any], specials: Mapping[str, str | None]
+) -> tuple[ChatTemplate | None, dict[str, ChatTemplate]]:
+    """The default template and the named others: ``chat_template.jinja`` and ``additional_chat_templates/NAME.jinja``,
+    or tokenizer_config.json's ``chat_template`` (a source, or ``[{"name": ..., "template": ...}]`` whose
+    ``default`` is the default)."""
     jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), bos, eos)
+    config_file = str(folder / "tokenizer_config.json")
     source = config.get("chat_template")
-    if isinstance(source, list):  # [{"name": ..., "template": ...}], "default" is the chat one
-        source = {t["name"]: t["template"] for t in source}.get("default")
-    if not source:
-        return None
-    return ChatTemplate(source, str(folder / "tokenizer_config.json"), bos, eos)
+    sources = {t["name"]: (t["template"], config_file) for t in source} if isinstance(source, list) else {}
+    if isinstance(source, str):
+        sources["default"] = (source, config_file)
+    if jinja_file.is_file():
+        sources["default"] = (jinja_file.read_text(encoding="utf-8"), str(jinja_file))
+    for file in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+        sources[file.stem] = (file.read_text(encoding="utf-8"), str(file))
+    templates = {name: ChatTemplate(text, origin, specials) for name, (text, origin) in sources.items() if text}
+    return templates.pop("default", None), templates
+
+
+def _configured_special_tokens(config: dict[str, Any], special_map: dict[str, Any]) -> set[str]:
+    """The tokens tokenizer_config.json (or special_tokens_map.json) calls special beyond those of a role:
+    ``additional_special_tokens``, ``extra_special_tokens`` and ``added_tokens_decoder`` entries marked special."""
+    listed = [*special_map.get("additional_special_tokens", []), *config.get("additional_special_tokens", [])]
+    extra = config.get("extra_special_tokens") or []
+    listed += list(extra.values()) if isinstance(extra, dict) else list(extra)
+    decoder = config.get("added_tokens_decoder") or {}
+    listed += [entry for entry in decoder.values() if isinstance(entry, dict) and entry.get("special")]
+    return {text for token in listed if isinstance(text := _token_text(token), str)}
+
+
+def _mark_special(backend: tokenizers.Tokenizer, tokens: set[str]) -> None:
+    """``tokens`` (those the vocabulary has) special as transformers takes them: skipped by
+    ``skip_special_tokens``, their other flags kept."""
+    added = {token.content: token for token in backend.get_added_tokens_decoder().values()}
+    marked = []
+    for text in sorted(tokens):
+        token = added.get(text)
+        if backend.token_to_id(text) is None or (token is not None and token.special):
+            continue
+        flags = {flag: getattr(token, flag) for flag in _TOKEN_FLAGS} if token is not None else {"normalized": False}
+        marked.append(tokenizers.AddedToken(text, special=True, **flags))
+    if marked:
+        backend.add_special_tokens(marked)
+
+
+_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized")
+SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -10,6 +10,7 @@ from xinfer.server.prompts import check_token_ids, message_dicts, render_chat
 from xinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from xinfer.server.responses import DetokenizeResult, TokenizeResult
 from xinfer.server.serving import Serving
+from xinfer.server.tools import tool_use
 
 router = APIRouter()
 
@@ -22,9 +23,9 @@ async def tokenize(request: Request) -> JSONResponse:
     tokenizer = serving.tokenizer
     if body.messages is not None:
         serving.check_takes_images(message_dicts(body.messages)[1])  # as a chat completion refuses them
-        text = render_chat(
-            tokenizer, body.messages, body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
-        )
+        tools = tool_use(body.tools, None, None, serving.tool_family).template_tools
+        text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message, tools,
+                           body.chat_template_kwargs)  # fmt: skip
         special = bool(body.add_special_tokens)  # a template writes its own BOS
     else:
         assert body.prompt is not None  # the request's validator requires prompt or messages
