@@ -106,6 +106,7 @@ ELSEWHERE = {
     "generation_config.json",
     "preprocessor_config.json",
     "processor_config.json",
+    "tokenizer_config.json",
     "convert_hf_to_gguf.py",
 }  # a checkpoint's files, llama.cpp's converter
 
