@@ -124,6 +124,10 @@ def _bad_model(tmp_path, kind: str):
         return tmp_path / "text.gguf", "is not a GGUF file"
     if kind == "unknown GGUF architecture":
         return _gguf_of_architecture(tmp_path / "model.gguf", "nosucharch"), "GGUF architecture 'nosucharch' is known"
+    if kind == "GGUF of per-layer KV head counts that differ":
+        sizes = dict(context_length=64, embedding_length=32, head_count=4, layer_norm_rms_eps=1e-6, vocab_size=8)
+        path = _gguf_of_architecture(tmp_path / "model.gguf", "llama", head_count_kv=[2, 1], **sizes)
+        return path, "llama.attention.head_count_kv: per-layer values [2, 1] differ"
     if kind == "GGUF without the sizes llama.cpp requires":  # (transformers' defaults must not stand in)
         missing = "llama.context_length, llama.embedding_length, llama.attention.head_count, llama.attention."
         return _gguf_of_architecture(tmp_path / "model.gguf", "llama"), f"the metadata has no {missing}layer_norm_rms"
@@ -168,17 +172,21 @@ CONFIG_VALUES = {  # config.json fields transformers' config class or the model 
 
 BAD = [
     "truncated gguf", "empty gguf", "not a gguf", "invalid config.json", "unknown model_type", "unknown architecture",
-    "unknown GGUF architecture", "GGUF without the sizes llama.cpp requires", "config without weights", "truncated safetensors", "index naming a missing shard",
+    "unknown GGUF architecture", "GGUF without the sizes llama.cpp requires", "GGUF of per-layer KV head counts that differ",
+    "config without weights", "truncated safetensors", "index naming a missing shard",
     *CONFIG_VALUES,
 ]  # fmt: skip
 
 
-def _gguf_of_architecture(path, architecture: str):
+def _gguf_of_architecture(path, architecture: str, **metadata):
+    """A one-block file of ``architecture`` with one tensor and the ``metadata`` given (GGUFWriter's ``add_KEY``)."""
     import gguf
     import numpy as np
 
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(1)
+    writer.add_block_count(2 if "head_count_kv" in metadata else 1)
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

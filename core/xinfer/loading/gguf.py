@@ -82,6 +82,17 @@ DEEPSEEK_MOE_KEYS: dict[str, tuple[str, type]] = {
 }
 
 
+# llama.cpp's reading of a DeepSeek-style MoE key the file lacks (transformers' defaults differ: a routed scaling of
+# 2.5 and 3 dense layers for DeepSeek V3, renormalized weights and 1 dense layer for GLM-4.5)
+DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
+    "n_group": 1,  # no group limit
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "first_k_dense_replace": 0,
+}
+
+
 def read_fields(metadata: Mapping[str, Any], arch: str, keys: Mapping[str, tuple[str, type]]) -> dict[str, Any]:
     """The config fields of ``keys`` (field -> (key under ``arch``, type)) that the file writes."""
     return {
@@ -174,11 +185,28 @@ def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> Pret
         elif any(name in file.tensors for name in LONGROPE_FACTORS.values()):
             fields.update(_longrope_fields(file, fields, scaling, max_model_len or fields["max_position_embeddings"]))
         fields.update(adapter.config(meta, fields, file.tensors.keys()))
+        fields.update(_one_value_each(fields, arch))
     except ModelFileError as error:
         raise ModelFileError(f"{file.path}: {error}") from None
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _one_value_each(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The fields llama.cpp reads as one value or one per layer (head counts, feed-forward length) that the file
+    wrote per layer and no adapter took as such: one value where the layers agree, else one error naming the key."""
+    values = {}
+    for key in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
+        field = _CONFIG_FIELDS[key]
+        per_layer = fields.get(field)
+        if not isinstance(per_layer, list):
+            continue
+        if len(set(per_layer)) != 1:
+            raise ModelFileError(f"{arch}.{key}: per-layer values {per_layer} differ, which xinfer reads only for "
+                                 "architectures whose layers differ so (Gemma 4)")  # fmt: skip
+        values[field] = per_layer[0]
+    return values
 
 
 def _check_known(arch: str, path: Path) -> None:

@@ -6,7 +6,8 @@ llama.cpp's converter writes latent attention as multi-query attention over the 
 rope key are stored unchanged. Newer files hold ``kv_b_proj`` split per head into ``attn_k_b`` (transposed)
 and ``attn_v_b``, older ones whole as ``attn_kv_b``: the model loads either. YaRN's ``mscale_all_dim`` is
 written as ``yarn_log_multiplier`` = 0.1 * mscale_all_dim, its ``mscale`` not at all (DeepSeek's equal it).
-The MTP layers are left out of the file.
+The converter keeps the MTP layers (GLM-4.7-Flash's one), which ``block_count`` counts and
+``nextn_predict_layers`` says: they are skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from gguf import ExpertGatingFuncType
 
 from xinfer.loading.errors import ModelFileError
-from xinfer.loading.gguf import DEEPSEEK_MOE_KEYS, GGUFAdapter, read_fields
+from xinfer.loading.gguf import DEEPSEEK_MOE_DEFAULTS, DEEPSEEK_MOE_KEYS, GGUFAdapter, read_fields
 
 # config field -> "deepseek2.<key>", where the converter writes it: the latent's shape, then the experts'
 _KEYS = {
@@ -46,14 +47,12 @@ class DeepseekV2GGUF(GGUFAdapter):
                 f"{arch}.expert_gating_func: {arch} GGUF with softmax expert gating (DeepSeek-V2, V2.5) is not supported: xinfer reads "
                 "V3-style files (sigmoid gating); load V2 from its safetensors checkpoint"
             )
-        config = read_fields(metadata, arch, _KEYS)
+        config = DEEPSEEK_MOE_DEFAULTS | read_fields(metadata, arch, _KEYS)
         rope_dim = int(metadata[f"{arch}.rope.dimension_count"])
         config |= {
             "architectures": [self.architecture],
+            "num_hidden_layers": fields["num_hidden_layers"] - int(metadata.get(f"{arch}.nextn_predict_layers", 0)),
             "q_lora_rank": config.get("q_lora_rank"),  # none written: no q-LoRA
-            "n_group": config.get("n_group", 1),  # none written: no group limit, as llama.cpp reads it
-            "topk_group": config.get("topk_group", 1),
-            "norm_topk_prob": config.get("norm_topk_prob", False),
             "qk_rope_head_dim": rope_dim,
             "qk_nope_head_dim": int(metadata[f"{arch}.attention.key_length_mla"]) - rope_dim,
             "head_dim": rope_dim,
@@ -87,8 +86,8 @@ _INDEXER_KEYS = {
 
 class DeepseekV32GGUF(DeepseekV2GGUF):
     """``deepseek32`` (DeepSeek-V3.2): ``deepseek2``'s latent attention and experts, and each layer's lightning
-    indexer (``indexer.attn_q_b``, ``indexer.attn_k``, ``indexer.k_norm``, ``indexer.proj``). The converter keeps
-    the MTP layers, which ``block_count`` counts; the gguf package names the tensors as for ``glm-dsa``."""
+    indexer (``indexer.attn_q_b``, ``indexer.attn_k``, ``indexer.k_norm``, ``indexer.proj``). The gguf package
+    names the tensors as for ``glm-dsa``."""
 
     arch = "deepseek32"
     architecture = "DeepseekV32ForCausalLM"
@@ -102,6 +101,4 @@ class DeepseekV32GGUF(DeepseekV2GGUF):
         indexer = read_fields(metadata, self.arch, _INDEXER_KEYS)
         if missing := [f"{self.arch}.{key}" for field, (key, _) in _INDEXER_KEYS.items() if field not in indexer]:
             raise ModelFileError(f"{', '.join(missing)} missing: xinfer cannot read a DeepSeek-V3.2 file without it")
-        mtp_layers = int(metadata.get(f"{self.arch}.nextn_predict_layers", 0))
-        layers = fields["num_hidden_layers"] - mtp_layers
-        return super().config(metadata, fields, tensor_names) | indexer | {"num_hidden_layers": layers}
+        return super().config(metadata, fields, tensor_names) | indexer

@@ -33,6 +33,8 @@ class Gemma3GGUF(GGUFAdapter):
         # as llama.cpp: 27B scales queries by hidden/heads (168), every other size by head_dim
         scalar = fields["hidden_size"] // fields["num_attention_heads"] if layers == _GEMMA3_27B_LAYERS else head_dim
         sliding = _sliding_layers(metadata.get("gemma3.attention.sliding_window_pattern"), layers)
+        if "sliding_window" not in fields:  # none written, or 0: as llama.cpp, every layer global
+            sliding = [False] * layers
         return {
             "rope_local_base_freq": float(metadata.get("gemma3.rope.freq_base_swa", LOCAL_ROPE_BASE)),
             "query_pre_attn_scalar": scalar,

@@ -18,6 +18,7 @@ from xinfer.loading.gguf import GGUFAdapter
 
 ARCH = "gemma4"
 SLIDING_ROPE_BASE = 10_000.0
+FINAL_SOFTCAP = 30.0
 _UNROTATED = 1e29  # llama.cpp's converter writes 1e30 as the divisor of a pair it leaves unrotated
 
 
@@ -72,6 +73,8 @@ class Gemma4GGUF(GGUFAdapter):
                 or _proportional_rope(fields["rope_theta"], 1.0),
             },
             "architectures": ["Gemma4ForCausalLM"],
+            # llama.cpp's cap where the file writes none (transformers' default is no cap)
+            "final_logit_softcapping": fields.get("final_logit_softcapping", FINAL_SOFTCAP),
             **_experts(metadata),
         }
 

@@ -4,6 +4,7 @@ out, ``kv_b_proj`` split per head into ``attn_k_b`` transposed and ``attn_v_b`` 
 whole as older ones do), through the engine against transformers' modeling code of the model it came from."""
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -38,15 +39,19 @@ def split_up_projections(tensors: dict[str, torch.Tensor], config) -> dict[str, 
 
 def write_deepseek2_gguf(
     folder, config, path, split: bool, gating=gguf.ExpertGatingFuncType.SIGMOID, arch: str = "deepseek2",
-    names_as: gguf.MODEL_ARCH = gguf.MODEL_ARCH.DEEPSEEK2, add_metadata=None,
+    names_as: gguf.MODEL_ARCH = gguf.MODEL_ARCH.DEEPSEEK2, add_metadata=None, mtp: bool = False,
+    left_out: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
     """``arch``, ``names_as`` (the table naming the tensors), ``add_metadata(writer)``: an architecture that
-    llama.cpp's converter writes as ``deepseek2`` plus its own keys and tensors."""
+    llama.cpp's converter writes as ``deepseek2`` plus its own keys and tensors. ``mtp``: the checkpoint's MTP
+    layer kept, as the converter keeps GLM-4.7-Flash's; ``left_out``: the MoE keys the converter writes only
+    where the checkpoint's config has the field."""
     rope = config.rope_parameters
+    blocks = config.num_hidden_layers + mtp
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(blocks)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(1)
@@ -66,29 +71,35 @@ def write_deepseek2_gguf(
         if "mscale_all_dim" in rope:  # as the converter: only where the checkpoint has one
             writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    if "leading_dense_block_count" not in left_out:
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_expert_count(config.n_routed_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_shared_count(config.n_shared_experts)
     writer.add_expert_group_count(config.n_group)
     writer.add_expert_group_used_count(config.topk_group)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if "expert_weights_scale" not in left_out:
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if mtp:  # (llama.cpp loads the MTP layer's norms, which DeepSeek's checkpoint names as the converter maps)
+        writer.add_nextn_predict_layers(1)
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            writer.add_tensor(
+                f"blk.{config.num_hidden_layers}.nextn.{norm}.weight", np.ones(config.hidden_size, np.float32)
+            )
     if config.norm_topk_prob:
         writer.add_expert_weights_norm(True)
     writer.add_expert_gating_func(gating)
     if add_metadata is not None:
         add_metadata(writer)
     add_tiny_vocabulary(writer, config.vocab_size)
-    names = gguf.get_tensor_name_map(names_as, config.num_hidden_layers)
-    tensors = {n: t for n, t in checkpoint_tensors(folder).items()
-               if not n.startswith(f"model.layers.{config.num_hidden_layers}.")}  # fmt: skip
+    names = gguf.get_tensor_name_map(names_as, blocks)
+    tensors = {n: t for n, t in checkpoint_tensors(folder).items() if not n.startswith(f"model.layers.{blocks}.")}
     tensors = stacked_experts(split_up_projections(tensors, config) if split else tensors)
     for name, tensor in tensors.items():
         base, _, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rpartition(".")
-        writer.add_tensor(
-            f"{names.get_name(base)}.{suffix}", tensor.float().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32
-        )
+        gguf_name = names.get_name(base) or base.replace("model.layers.", "blk.").replace("eh_proj", "nextn.eh_proj")
+        writer.add_tensor(f"{gguf_name}.{suffix}", tensor.float().numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -158,6 +169,22 @@ def assert_llama_cpp_agrees_on(config, tmp_path):
     assert_llama_cpp_agrees(
         LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64), tmp_path / "tiny.gguf"
     )
+
+
+def test_a_file_with_its_mtp_layer_and_without_the_optional_moe_keys_reads_as_llama_cpp(tmp_path):
+    """GLM-4.7-Flash's file keeps its MTP layer (``block_count`` counts it, ``nextn_predict_layers`` says so),
+    skipped; a checkpoint without a routed scaling or dense layers gets no ``expert_weights_scale`` or
+    ``leading_dense_block_count``, which llama.cpp reads as 1 and 0 (transformers' defaults: 2.5 and 3)."""
+    hf = save_tiny_model(deepseek_v3_config(routed_scaling_factor=1.0, first_k_dense_replace=0), tmp_path)
+    randomize(hf)
+    spread_routing(hf)
+    save_with_mtp_layer(hf, tmp_path)
+    path = tmp_path / "tiny.gguf"
+    write_deepseek2_gguf(tmp_path, hf.config, path, split=True, mtp=True,
+                         left_out=("leading_dense_block_count", "expert_weights_scale"))  # fmt: skip
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    assert_prefill_logits_match(hf, llm, 29)
+    assert_llama_cpp_agrees(llm, path)
 
 
 def test_llama_cpp_reads_a_gguf_without_q_lora_alike(tmp_path):

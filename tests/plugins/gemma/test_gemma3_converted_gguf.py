@@ -35,7 +35,8 @@ def write_gemma3_gguf(model: torch.nn.Module, path: Path) -> None:
     if full_rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full_rope["factor"])
-    writer.add_sliding_window(config.sliding_window)
+    if "sliding_attention" in config.layer_types:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     add_tiny_vocabulary(writer, config.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
@@ -83,4 +84,20 @@ def test_llama_cpp_reads_the_gguf_alike(models):
     two agree to 5e-6). A misread tensor or setting (the norms' 1 + w, a rope base, the window, the query scale,
     gate and up swapped) is off by far more."""
     _, llm, path = models
+    assert_llama_cpp_agrees(llm, path, tolerance=5e-3)
+
+
+def test_a_gguf_without_a_window_runs_every_layer_global_as_llama_cpp(tmp_path):
+    """No ``sliding_window`` written (or 0): llama.cpp slides no layer, where its period of six would."""
+    torch.manual_seed(0)
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}  # fmt: skip
+    config = gemma3_config(num_hidden_layers=6, layer_types=["full_attention"] * 6, query_pre_attn_scalar=32,
+                           rope_parameters=rope)  # fmt: skip
+    hf = AutoModelForCausalLM.from_config(config).float().eval()
+    randomize(hf)
+    path = tmp_path / "tiny.gguf"
+    write_gemma3_gguf(hf, path)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    assert_prefill_logits_match(hf, llm, 40)
     assert_llama_cpp_agrees(llm, path, tolerance=5e-3)

@@ -25,7 +25,9 @@ from xinfer.loading.gguf import load_gguf_config
 UNROTATED = 1e30  # the converter's divisor of a pair the proportional rope leaves unrotated
 
 
-def write_gemma4_gguf(model: torch.nn.Module, path: Path, sliding_rotated_dims: int | None = None) -> None:
+def write_gemma4_gguf(
+    model: torch.nn.Module, path: Path, sliding_rotated_dims: int | None = None, softcap: bool = True
+) -> None:
     """``sliding_rotated_dims``: what the file says the sliding layers rotate (all their head dim unless given)."""
     config = model.config
     layers, kinds = config.num_hidden_layers, config.layer_types
@@ -54,7 +56,8 @@ def write_gemma4_gguf(model: torch.nn.Module, path: Path, sliding_rotated_dims: 
     writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     writer.add_rope_dimension_count(full.head_dim)
     writer.add_rope_dimension_count_swa(sliding_rotated_dims or swa.head_dim)
-    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if softcap:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_sliding_window(config.sliding_window)
     writer.add_sliding_window_pattern(sliding)
     writer.add_shared_kv_layers(config.num_kv_shared_layers)
@@ -128,3 +131,11 @@ def test_a_partly_rotated_sliding_rope_is_one_error_naming_its_key(models, tmp_p
     write_gemma4_gguf(hf, path, sliding_rotated_dims=8)
     with pytest.raises(ModelFileError, match=r"half-rotated-sliding\.gguf: gemma4\.rope\.dimension_count_swa = 8"):
         load_gguf_config(path)
+
+
+def test_a_gguf_without_a_final_softcap_caps_at_llama_cpps_30(models, tmp_path):
+    """llama.cpp's Gemma 4 keeps its default cap of 30 where the file writes none (transformers' default: no cap)."""
+    hf, _, _ = models
+    path = tmp_path / "no-softcap.gguf"
+    write_gemma4_gguf(hf, path, softcap=False)
+    assert load_gguf_config(path).final_logit_softcapping == 30.0

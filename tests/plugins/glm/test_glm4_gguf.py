@@ -17,24 +17,42 @@ from xinfer import LLM
 from xinfer.loading.gguf import load_gguf_config
 
 
-def write_glm4_gguf(model: torch.nn.Module, path: Path) -> None:
+def write_glm4_gguf(model: torch.nn.Module, path: Path, mtp: bool = False, per_layer: bool = False) -> None:
+    """``mtp``: an MTP layer after the decoder's (GLM-OCR's: a layer and its NextN projections), which
+    ``block_count`` counts; ``per_layer``: the head counts and feed-forward length one per layer, as llama.cpp
+    also reads them."""
     config = model.config
     rope = config.rope_parameters
+    layers = config.num_hidden_layers
+    blocks = layers + mtp
+
+    def each(value: int) -> int | list[int]:
+        return [value] * blocks if per_layer else value
+
     writer = gguf.GGUFWriter(path, "glm4")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_block_count(blocks)
+    writer.add_feed_forward_length(each(config.intermediate_size))
+    writer.add_head_count(each(config.num_attention_heads))
+    writer.add_head_count_kv(each(config.num_key_value_heads))
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     add_tiny_vocabulary(writer, config.vocab_size, pre="glm4")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, config.num_hidden_layers)
-    for hf_name, tensor in model.state_dict().items():
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, blocks)
+    tensors = model.state_dict()
+    if mtp:
+        writer.add_nextn_predict_layers(1)
+        last = f"model.layers.{layers - 1}."
+        tensors |= {n.replace(last, f"model.layers.{layers}."): t for n, t in tensors.items() if n.startswith(last)}
+        hidden = config.hidden_size
+        writer.add_tensor(f"blk.{layers}.nextn.eh_proj.weight", torch.randn(hidden, 2 * hidden).numpy())
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            writer.add_tensor(f"blk.{layers}.nextn.{norm}.weight", torch.ones(hidden).numpy())
+    for hf_name, tensor in tensors.items():
         base, _, suffix = hf_name.rpartition(".")
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.float().numpy())
     writer.write_header_to_file()
@@ -89,3 +107,17 @@ def test_a_gguf_without_attention_biases_runs_like_llama_cpp(tmp_path):
     write_glm4_gguf(hf, path)
     assert not load_gguf_config(path).attention_bias
     assert_llama_cpp_agrees(LLM(model=str(path), dtype="float32", num_blocks=64), path)
+
+
+def test_an_mtp_layer_and_per_layer_sizes_read_as_llama_cpp_reads_them(tmp_path):
+    """GLM-OCR's file keeps an MTP layer that ``block_count`` counts (``nextn_predict_layers``): skipped; head
+    counts and the feed-forward length written one per layer, all alike: read as one value each."""
+    torch.manual_seed(0)
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    hf = AutoModelForCausalLM.from_config(glm4_config(rope_parameters=rope)).float().eval()
+    randomize(hf)
+    path = tmp_path / "tiny.gguf"
+    write_glm4_gguf(hf, path, mtp=True, per_layer=True)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    assert_prefill_logits_match(hf, llm, 29)
+    assert_llama_cpp_agrees(llm, path)

@@ -20,7 +20,11 @@ from xinfer import LLM
 from xinfer.loading.gguf import load_gguf_config
 
 
-def write_glm4_moe_gguf(folder, config, path) -> None:
+def write_glm4_moe_gguf(
+    folder, config, path, left_out: tuple[str, ...] = (), gating=gguf.ExpertGatingFuncType.SIGMOID
+) -> None:
+    """``left_out``: keys the converter writes only where the checkpoint's config has the field (llama.cpp then
+    reads no dense layers, weights not renormalized, sigmoid gating)."""
     mtp_layers = config.num_nextn_predict_layers
 
     def metadata(writer: gguf.GGUFWriter) -> None:
@@ -28,10 +32,15 @@ def write_glm4_moe_gguf(folder, config, path) -> None:
         writer.add_expert_count(config.n_routed_experts)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_count(config.n_shared_experts)
-        writer.add_leading_dense_block_count(config.first_k_dense_replace)
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        optional = {
+            "leading_dense_block_count": lambda: writer.add_leading_dense_block_count(config.first_k_dense_replace),
+            "expert_gating_func": lambda: writer.add_expert_gating_func(gating),
+            "expert_weights_norm": lambda: writer.add_expert_weights_norm(config.norm_topk_prob),
+        }
+        for key, write in optional.items():
+            if key not in left_out:
+                write()
         writer.add_expert_weights_scale(config.routed_scaling_factor)
-        writer.add_expert_weights_norm(config.norm_topk_prob)
         writer.add_nextn_predict_layers(mtp_layers)
 
     block_count = config.num_hidden_layers + mtp_layers
@@ -40,20 +49,25 @@ def write_glm4_moe_gguf(folder, config, path) -> None:
 
 # llama.cpp's glm4moe routes without groups: the converter writes no n_group / topk_group
 CASES = {
-    "biases-and-qk-norms": dict(n_group=1, topk_group=1),
-    "neither": dict(n_group=1, topk_group=1, attention_bias=False, use_qk_norm=False, norm_topk_prob=False),
+    "biases-and-qk-norms": (dict(n_group=1, topk_group=1), ()),
+    "neither": (dict(n_group=1, topk_group=1, attention_bias=False, use_qk_norm=False, norm_topk_prob=False), ()),
+    "optional-keys-left-out": (
+        dict(n_group=1, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False),
+        ("leading_dense_block_count", "expert_gating_func", "expert_weights_norm"),
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def models(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"glm4-moe-gguf-{request.param}")
-    hf = save_tiny_model(glm4_moe_config(**CASES[request.param]), folder)
+    overrides, left_out = CASES[request.param]
+    hf = save_tiny_model(glm4_moe_config(**overrides), folder)
     randomize(hf)
     spread_routing(hf)
     save_with_mtp_layer(hf, folder)
     path = folder / "tiny.gguf"
-    write_glm4_moe_gguf(folder, hf.config, path)
+    write_glm4_moe_gguf(folder, hf.config, path, left_out)
     return hf, LLM(model=str(path), dtype="float32", num_blocks=64), path
 
 
@@ -81,3 +95,10 @@ def test_greedy_tokens_and_logprobs_match_hf(models):
 def test_llama_cpp_reads_the_gguf_alike(models):
     _, llm, path = models
     assert_llama_cpp_agrees(llm, path)
+
+
+def test_softmax_gating_is_one_clear_error(tmp_path):
+    hf = save_tiny_model(glm4_moe_config(n_group=1, topk_group=1), tmp_path)
+    write_glm4_moe_gguf(tmp_path, hf.config, tmp_path / "tiny.gguf", gating=gguf.ExpertGatingFuncType.SOFTMAX)
+    with pytest.raises(ValueError, match=r"tiny\.gguf: glm4moe\.expert_gating_func: softmax gating is not GLM-4\.5's"):
+        load_gguf_config(tmp_path / "tiny.gguf")
