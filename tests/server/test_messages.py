@@ -406,3 +406,35 @@ def test_bodies_and_events_are_the_clients_types(server, model, options):
     kinds = [data["type"] for _, data in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert events[-2][1]["delta"]["stop_reason"] == whole.stop_reason
+
+
+TWO_CALLS = (
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+)
+
+
+def read_with(parallel: bool, text: str):
+    from xinfer.server.chat_run import ChatPrompt
+    from xinfer.server.messages.calls import read_calls
+    from xinfer.server.tools import ToolUse
+    from xinfer.toolcalls import parser_for
+
+    prompt = ChatPrompt("", [], [], None, False, ToolUse([], parser_for("hermes")(), parallel))
+    text, calls = read_calls(prompt, text)
+    return text, [(call.name, call.input) for call in calls]
+
+
+def test_disable_parallel_tool_use_keeps_the_first_call_of_a_whole_answer():
+    """As the streamed answer does (and vLLM's serving_chat where parallel_tool_calls is false): one tool_use."""
+    assert read_with(False, TWO_CALLS) == ("Checking.\n", [("get_weather", {"city": "Paris"})])
+    assert read_with(True, TWO_CALLS)[1] == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+
+
+def test_a_call_whose_input_is_not_an_object_is_text():
+    """A tool_use block's input is an object: what vLLM's hermes parser cannot json.loads is the answer's text."""
+    for text in [
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
+    ]:
+        assert read_with(True, text) == (text, [])

@@ -45,7 +45,7 @@ CASES = {
         'I will look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
         '</tool_call>\n<tool_call>\n{"name": "write_file", "arguments": {"path": "a.txt", "text": "x </tool_call> y"}}'
         "\n</tool_call>",
-        "I will look that up.",
+        "I will look that up.\n\n",
         [("get_weather", {"city": "Paris", "days": 3}), ("write_file", {"path": "a.txt", "text": "x </tool_call> y"})],
     ),
     "hermes plain answer": ("hermes", "Paris is sunny today.\n", "Paris is sunny today.\n", []),
@@ -55,10 +55,10 @@ CASES = {
         None,
         [("get_weather", {"city": "Oslo"})],
     ),
-    "hermes text after the call": (
+    "hermes text after the call is not content": (
         "hermes",
         '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>\n\nDone.',
-        "Done.",
+        None,
         [("get_weather", {})],
     ),
     "hermes broken block is text": (
@@ -73,7 +73,7 @@ CASES = {
         "<parameter=text>\n# Title\n\nline one\nline two\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
         "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
         "<parameter=metric>\ntrue\n</parameter>\n<parameter=hours>\n[9, 12]\n</parameter>\n</function>\n</tool_call>",
-        "Writing it now.",
+        "Writing it now.\n",
         [
             ("write_file", {"path": "notes/a.md", "text": "# Title\n\nline one\nline two"}),
             ("get_weather", {"city": "Rome", "days": 2, "metric": True, "hours": [9, 12]}),
@@ -136,7 +136,7 @@ CASES = {
         "glm45",
         "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Hanoi</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>5</arg_value>\n</tool_call>",
-        "Let me check.",
+        "Let me check.\n",
         [("get_weather", {"city": "Hanoi", "days": 5})],
     ),
     "glm 4.7": (
@@ -153,7 +153,7 @@ CASES = {
         '<parameter name="days">7</parameter>\n</invoke>\n<invoke name="write_file">\n'
         '<parameter name="path">h</parameter>\n<parameter name="text">a\nb</parameter>\n</invoke>\n'
         "</minimax:tool_call>",
-        "Let me help.",
+        "Let me help.\n",
         [("get_weather", {"city": "Quito", "days": 7}), ("write_file", {"path": "h", "text": "a\nb"})],
     ),
     "pythonic": (
@@ -172,6 +172,29 @@ CASES = {
         [("get_weather", {"hours": [1, 2]})],
     ),
     "pythonic plain list is text": ("pythonic", "[1] is a footnote.", "[1] is a footnote.", []),
+    "qwen3 coder end tag inside a value": (
+        "qwen3_coder",
+        "<tool_call>\n<function=write_file>\n<parameter=text>\nx </tool_call> y\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [("write_file", {"text": "x </tool_call> y"})],
+    ),
+    "deepseek v3.2": (
+        "deepseek_v32",
+        'Let me check.\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'  # noqa: RUF001
+        '<｜DSML｜parameter name="city" string="true">2</｜DSML｜parameter>\n'  # noqa: RUF001
+        '<｜DSML｜parameter name="hours" string="false">[1, 2]</｜DSML｜parameter>\n</｜DSML｜invoke>\n'  # noqa: RUF001
+        '<｜DSML｜invoke name="write_file">\n<｜DSML｜parameter name="path" string="true">j</｜DSML｜parameter>\n'  # noqa: RUF001
+        "</｜DSML｜invoke>\n</｜DSML｜function_calls>",  # noqa: RUF001
+        "Let me check.\n\n",
+        [("get_weather", {"city": "2", "hours": [1, 2]}), ("write_file", {"path": "j"})],
+    ),
+    "minimax m1": (
+        "minimax",
+        'I will check.\n<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n'
+        '{"name": "write_file", "arguments": {"path": "k", "text": "}"}}\n</tool_calls>',
+        "I will check.\n",
+        [("get_weather", {"city": "Lima"}), ("write_file", {"path": "k", "text": "}"})],
+    ),
 }
 
 
@@ -239,6 +262,8 @@ def test_arguments_stream_before_the_call_ends():
         ("{{ '[TOOL_CALLS]' }}", "mistral"),
         ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
         ("{{- '<|python_start|>' }}", "pythonic"),
+        ("{{ '<｜DSML｜function_calls>\\n<｜DSML｜invoke name=\"' }}", "deepseek_v32"),  # noqa: RUF001
+        ("{{ '<tool_calls>\\n' + tool_call | tojson + '\\n</tool_calls>' }}", "minimax"),
     ],
 )
 def test_parser_detected_from_the_chat_template(source, expected):

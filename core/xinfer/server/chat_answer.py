@@ -73,7 +73,7 @@ class ChatAnswer(Answer):
             index=index,
             message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
             logprobs=self.logprobs(output.token_ids, output.logprobs),
-            finish_reason=finish_reason(output.finish_reason, bool(calls)),
+            finish_reason=finish_reason(output.finish_reason, bool(calls) and self.tools.finishes_with_calls),
             stop_reason=output.stop_reason,
         )
 
@@ -120,7 +120,7 @@ class ChatAnswer(Answer):
             if not reasoning and not content and not pieces and not out.finished() and logprobs is None:
                 continue  # text held back (a possible stop string, tag or call, an unfinished character)
             delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
-            called = call_stream is not None and bool(call_stream.calls)
+            called = call_stream is not None and bool(call_stream.calls) and self.tools.finishes_with_calls
             reason = finish_reason(out.finish_reason, called) if out.finished() else None
             yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
 

@@ -114,6 +114,12 @@ class ToolUse:
     parser: ToolParser | None = None
     parallel: bool = True
 
+    @property
+    def finishes_with_calls(self) -> bool:
+        """Whether an answer that called tools finishes with ``tool_calls``: not where the request named
+        the function, which OpenAI (and vLLM's serving_chat) finish with ``stop``."""
+        return not isinstance(self.parser, NamedFunctionParser)
+
 
 def tool_use(
     tools: list[dict[str, Any]] | None,
@@ -146,7 +152,8 @@ class Call:
 
     @classmethod
     def of(cls, id: str, name: str, arguments: str | None) -> Call:
-        """A call whose arguments are JSON text (a model's malformed arguments: kept whole, under ``_raw``)."""
+        """A call whose arguments are JSON text (malformed ones, which only a stream lets out: kept whole,
+        under ``_raw``)."""
         try:
             value = json.loads(arguments or "{}")
         except json.JSONDecodeError:

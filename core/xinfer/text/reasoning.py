@@ -11,8 +11,14 @@ in the prompt (Qwen3's ``enable_thinking=false``) leaves the whole output to the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+
+# Qwen3.5 may open a tool call inside its reasoning without closing it: as vLLM's
+# Qwen3ReasoningParser, a <tool_call> that a <function=...> follows ends the reasoning
+QWEN_CALL = re.compile(r"<tool_call>\s*<function[\s=]")
+QWEN_CALL_START, QWEN_FUNCTION = "<tool_call>", "<function"
 
 
 @dataclass(frozen=True)
@@ -70,12 +76,12 @@ class ReasoningStream:
         reasoning, content = [], []
         while text:
             if self.inside:
-                index = text.find(self.tags.end)
-                if index >= 0:
-                    reasoning.append(text[:index])
-                    text, self.inside, self.after_end = text[index + len(self.tags.end) :], False, True
+                stop, answer = _reasoning_end(text, self.tags.end)
+                if stop >= 0:
+                    reasoning.append(text[:stop])
+                    text, self.inside, self.after_end = text[answer:], False, True
                     continue
-                keep = _partial_suffix(text, self.tags.end)
+                keep = max(_partial_suffix(text, self.tags.end), _partial_call(text))
                 reasoning.append(text[: len(text) - keep])
                 self.pending = text[len(text) - keep :]
                 break
@@ -90,6 +96,16 @@ class ReasoningStream:
                     self.pending = text
                     break
                 self.at_start = False
+            if not self.seen:
+                # an end tag the prompt did not open (vLLM's Qwen3 and DeepSeek-R1 parsers): what
+                # comes before it is reasoning, as far as it is not sent as answer already
+                index = text.find(self.tags.end)
+                if index >= 0:
+                    reasoning.append(text[:index])
+                    text, self.seen, self.after_end = text[index + len(self.tags.end) :], True, True
+                    continue
+                keep = _partial_suffix(text, self.tags.end)
+                text, self.pending = text[: len(text) - keep], text[len(text) - keep :]
             if self.after_end:
                 text = text.lstrip()
                 self.after_end = not text
@@ -103,6 +119,24 @@ class ReasoningStream:
         if self.inside:
             return text, ""
         return "", text
+
+
+def _reasoning_end(text: str, end: str) -> tuple[int, int]:
+    """(where the reasoning in ``text`` stops, where the answer starts), or (-1, -1): the end
+    tag, or a Qwen tool call that the model opened before it (the answer starts with it)."""
+    index = text.find(end)
+    call = QWEN_CALL.search(text, 0, index if index >= 0 else len(text))
+    if call is not None:
+        return call.start(), call.start()
+    return (index, index + len(end)) if index >= 0 else (-1, -1)
+
+
+def _partial_call(text: str) -> int:
+    """The length of the tail of ``text`` that may still become a Qwen tool call's opening."""
+    index = text.rfind(QWEN_CALL_START)
+    if index >= 0 and QWEN_FUNCTION.startswith(text[index + len(QWEN_CALL_START) :].lstrip()):
+        return len(text) - index
+    return _partial_suffix(text, QWEN_CALL_START)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -25,11 +25,13 @@ from xinfer.toolcalls.base import (
     ToolParser,
 )
 from xinfer.toolcalls.deepseek import DeepSeekV3Parser
+from xinfer.toolcalls.deepseek_v32 import DeepSeekV32Parser
 from xinfer.toolcalls.forced import NamedFunctionParser, RequiredCallsParser, named_schema, required_schema
 from xinfer.toolcalls.glm import Glm45Parser
 from xinfer.toolcalls.hermes import HermesParser
 from xinfer.toolcalls.llama3 import Llama3JsonParser
 from xinfer.toolcalls.minimax import MiniMaxM2Parser
+from xinfer.toolcalls.minimax_m1 import MiniMaxM1Parser
 from xinfer.toolcalls.mistral import MistralParser
 from xinfer.toolcalls.pythonic import PythonicParser
 from xinfer.toolcalls.qwen3_coder import Qwen3CoderParser
@@ -42,7 +44,9 @@ FAMILIES: dict[str, type[ToolParser]] = {
         Llama3JsonParser,
         MistralParser,
         DeepSeekV3Parser,
+        DeepSeekV32Parser,
         Glm45Parser,
+        MiniMaxM1Parser,
         MiniMaxM2Parser,
         PythonicParser,
     )
@@ -55,11 +59,9 @@ ALIASES = {
     "llama3": "llama3_json",
     "deepseek_r1": "deepseek_v3",
     "deepseek_v31": "deepseek_v3",
-    "deepseek_v32": "deepseek_v3",
     "glm4_moe": "glm45",
     "glm46": "glm45",
     "glm47": "glm45",
-    "minimax": "minimax_m2",
     "llama4_pythonic": "pythonic",
 }
 PARSERS = sorted([*FAMILIES, *ALIASES])
@@ -67,6 +69,8 @@ PARSERS = sorted([*FAMILIES, *ALIASES])
 # what a chat template writes when it renders an assistant's tool calls, most specific first
 _SIGNATURES = (
     ("<minimax:tool_call>", "minimax_m2"),
+    ("<tool_calls>", "minimax"),
+    ("｜DSML｜function_calls", "deepseek_v32"),  # noqa: RUF001 (DeepSeek's markers use fullwidth bars)
     ("tool▁calls▁begin", "deepseek_v3"),
     ("<arg_key>", "glm45"),
     ("<function=", "qwen3_coder"),

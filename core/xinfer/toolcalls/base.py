@@ -5,19 +5,20 @@ A format is described by its markers (``starts``, ``end``) and one function,
 :meth:`ToolParser.calls`, that reads the calls of a block of text (from a start marker
 on, without its end marker), complete or still growing. Whole outputs and streams both go
 through :class:`ToolCallStream`, so the deltas of a stream cut anywhere concatenate to the
-whole output's parse as long as ``calls`` is monotone: a growing block's calls keep their
-names, and each call's arguments only grow (every partial value a prefix of the final one).
+whole output's parse as long as ``calls`` is monotone (a growing block's calls keep their
+names, and each call's arguments only grow, every partial value a prefix of the final one)
+and the calls are well formed: a stream cannot take back a call that turns out malformed,
+a whole output with one is text.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-WHITESPACE = " \t\r\n"
 
 
 @dataclass
@@ -80,7 +81,11 @@ class ToolParser(ABC):
     starts: ClassVar[tuple[str, ...]]  # markers that open a block of calls
     end: ClassVar[str | None] = None  # marker that closes it (None: the output's end)
     at_start_only: ClassVar[bool] = False  # a block may only open the output
+    # start markers that are also ordinary text: the block they open is held until the output ends
+    tentative_starts: ClassVar[tuple[str, ...]] = ()
     keeps_special_tokens: ClassVar[bool] = False  # the markers are special tokens: decode them
+    # a closed block whose calls are not each a name and a JSON object is text (False: the calls as read)
+    checks_calls: ClassVar[bool] = True
 
     def __init__(self, tools: list[dict[str, Any]] | None = None):
         self.tools = tools or []
@@ -99,17 +104,18 @@ class ToolParser(ABC):
         return "call_" + secrets.token_hex(12)
 
     def parse(self, text: str) -> ParsedOutput:
-        """A whole output's content and tool calls."""
+        """A whole output's content and tool calls: as vLLM's ``extract_tool_calls``, the text
+        before the first call (None where there is none) and the calls, or the whole output
+        as content where a block of calls is malformed or cut off."""
         stream = self.stream()
-        deltas = [stream.push(text), stream.finish()]
-        content = "".join(d.content for d in deltas)
-        if stream.calls and not content:
-            return ParsedOutput(None, stream.calls)
-        return ParsedOutput(content, stream.calls)
+        content = stream.push(text).content + stream.finish().content
+        if stream.broken or not stream.calls:
+            return ParsedOutput(text, [])
+        return ParsedOutput(content or None, stream.calls)
 
-    def stream(self) -> ToolCallStream:
-        """A parser of one output fed as text deltas."""
-        return ToolCallStream(self)
+    def stream(self, hold: bool = False) -> ToolCallStream:
+        """A parser of one output fed as text deltas (``hold``: see :class:`ToolCallStream`)."""
+        return ToolCallStream(self, hold)
 
     def parameters(self, function: str) -> dict[str, Any]:
         """The JSON schemas of ``function``'s parameters, by name (empty when unknown)."""
@@ -125,21 +131,23 @@ class ToolParser(ABC):
 class ToolCallStream:
     """Splits an output, pushed as text deltas, into answer text and tool-call deltas.
 
-    Text that may still become a start marker, and the blanks before one, are held back
-    until a later delta settles them; blanks right before and after a block of calls are
-    dropped (so that an output of calls alone has no content)."""
+    As vLLM's parsers answer a whole output, the content is the text before the first
+    block of calls, as written, and text after a block is not content. Text that may
+    still become a start marker is held back until a later delta settles it. A block
+    whose calls are malformed or cut off is text where none of its calls went out yet;
+    after calls went out it breaks the stream (:attr:`broken`), and :meth:`ToolParser.parse`
+    answers such an output as text. ``hold``: a block's calls go out only once it closed
+    and they all proved valid, so that every call streamed is one the whole output holds."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, hold: bool = False):
         self.parser = parser
+        self.hold = hold
         self.calls: list[ToolCall] = []  # calls as far as they were emitted
         self.pending = ""  # text not settled yet
-        self.in_block = False
-        self.marker_length = 0  # of the open block's start marker
+        self.marker: str | None = None  # the open block's start marker
         self.block_first = 0  # index of the open block's first call
-        self.markers_off = False  # a start-only format whose output began with text
-        self.after_block = False  # a block just closed: the next blanks are dropped
-        self.held_space = ""  # trailing blanks of the content, held back
-        self.dropped_space = ""  # the blanks before the open block (content again if it is not one)
+        self.markers_off = False  # no block opens any more (see _not_a_block, and at_start_only)
+        self.broken = False  # a block failed after calls went out: the rest is dropped
 
     def push(self, delta: str) -> StreamDelta:
         self.pending += delta
@@ -154,13 +162,14 @@ class ToolCallStream:
         return out
 
     def _advance(self, out: StreamDelta, final: bool) -> None:
-        while True:
-            if self.in_block:
+        while not self.broken:
+            if self.marker is not None:
                 if not self._block(out, final):
                     return
                 continue
             if not self._content_until_block(out, final):
                 return
+        self.pending = ""
 
     def _content_until_block(self, out: StreamDelta, final: bool) -> bool:
         """Emits content up to the next start marker; True where a block opens there."""
@@ -169,8 +178,7 @@ class ToolCallStream:
             stripped = text.lstrip()
             marker = next((m for m in starts if stripped.startswith(m)), None)
             if marker is not None:
-                blanks = len(text) - len(stripped)
-                return self._open(out, text[blanks:], text[:blanks], marker)
+                return self._open(out, stripped, "", marker)  # blanks before a call are no content
             if not final and any(m.startswith(stripped) for m in starts):
                 return False  # blanks, or the beginning of a marker: wait
             self.markers_off = True
@@ -182,63 +190,58 @@ class ToolCallStream:
             if not final:
                 keep = max((_partial_suffix(text, m) for m in starts), default=0)
                 self.pending = text[len(text) - keep :]
-                self._content(text[: len(text) - keep], out, final)
+                self._content(text[: len(text) - keep], out)
                 return False
         self.pending = ""
-        self._content(text, out, final)
+        self._content(text, out)
         return False
 
     def _open(self, out: StreamDelta, block: str, before: str, marker: str) -> bool:
-        self._content(before, out, final=False)
-        self.dropped_space, self.held_space = self.held_space, ""  # blanks before a block are dropped
-        self.pending, self.in_block, self.marker_length = block, True, len(marker)
-        self.block_first = len(self.calls)
+        self._content(before, out)
+        self.pending, self.marker, self.block_first = block, marker, len(self.calls)
         return True
 
     def _block(self, out: StreamDelta, final: bool) -> bool:
-        """Emits the open block's calls; True where the block closed (the rest is content again)."""
-        end, text = self.parser.end, self.pending
-        index = self.parser.find_end(text, self.marker_length)
-        if index >= 0:
-            block, rest, closed = text[:index], text[index + len(end or "") :], True
-        elif final:
-            block, rest, closed = text, "", True
-        else:
-            block, rest, closed = text[: len(text) - (_partial_suffix(text, end) if end else 0)], "", False
+        """Emits the open block's calls; True where the block closed (the rest is scanned again)."""
+        block, rest, closed = self._split_block(final)
+        if not closed and (self.hold or self.marker in self.parser.tentative_starts):
+            return False
         try:
             calls = self.parser.calls(block, final=closed)
+            if closed and self.parser.checks_calls:
+                _check(calls)
         except NotToolCalls:
-            if len(self.calls) > self.block_first:  # calls of this block already went out: keep them
-                calls = []
-            else:
-                return self._not_a_block(out)
+            if self.calls:
+                self.broken = True
+                return False
+            return self._not_a_block()
         self._emit(calls, out)
         if closed:
-            self.pending, self.in_block, self.after_block = rest, False, True
+            self.pending, self.marker = rest, None
             self.markers_off = self.parser.at_start_only  # such a block opens the output only
         return closed
 
-    def _not_a_block(self, out: StreamDelta) -> bool:
-        """A block that is ordinary text: its marker is content, and scanning goes on after it."""
-        self.in_block, self.held_space = False, self.dropped_space
-        if self.parser.at_start_only:
-            self.markers_off = True
-            return True
-        marker, self.pending = self.pending[: self.marker_length], self.pending[self.marker_length :]
-        self._content(marker, out, final=False)
+    def _split_block(self, final: bool) -> tuple[str, str, bool]:
+        """(the open block without its end marker, the text after it, whether it closed)."""
+        end, text, start = self.parser.end, self.pending, len(self.marker or "")
+        index = self.parser.find_end(text, start)
+        if index < 0 and final and end:
+            index = text.find(end, start)  # an end marker that find_end took for a value's text is the end after all
+        if index >= 0:
+            return text[:index], text[index + len(end or "") :], True
+        if final:
+            return text, "", True
+        return text[: len(text) - (_partial_suffix(text, end) if end else 0)], "", False
+
+    def _not_a_block(self) -> bool:
+        """A block that is ordinary text: it and the rest of the output are content (vLLM answers an
+        output with a block it cannot read as text)."""
+        self.marker, self.markers_off = None, True
         return True
 
-    def _content(self, text: str, out: StreamDelta, final: bool) -> None:
-        if self.after_block:
-            text = text.lstrip()
-            if not text:
-                return
-            self.after_block = False
-        text, self.held_space = self.held_space + text, ""
-        if not final:
-            body = text.rstrip(WHITESPACE)
-            text, self.held_space = body, text[len(body) :]
-        out.content += text
+    def _content(self, text: str, out: StreamDelta) -> None:
+        if not self.calls:  # text after calls is no content (vLLM's whole answers drop it)
+            out.content += text
 
     def _emit(self, calls: list[PartialCall], out: StreamDelta) -> None:
         for offset, call in enumerate(calls):
@@ -253,6 +256,21 @@ class ToolCallStream:
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
                 self.calls[index].arguments = call.arguments
                 out.tool_calls.append(ToolCallDelta(index, arguments=call.arguments[len(sent) :]))
+
+
+def _check(calls: list[PartialCall]) -> None:
+    """Raises NotToolCalls unless every call of a closed block has a name and a JSON object
+    of arguments (vLLM answers a call it cannot ``json.loads`` as text)."""
+    for call in calls:
+        if call.name is None or not is_json_object(call.arguments):
+            raise NotToolCalls(f"the arguments of {call.name!r} are not a JSON object: {call.arguments!r}")
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -48,7 +48,7 @@ class DeepSeekV3Parser(ToolParser):
         name, body = rest[:newline].strip(), rest[newline + 1 :]
         fence = body.find(FENCE)
         if fence < 0:
-            return PartialCall(name, "{}" if done else "")
+            return PartialCall(name)  # arguments not written (yet)
         start = skip_space(body, fence + len(FENCE))
         end = value_end(body, start)
         if end is not None:

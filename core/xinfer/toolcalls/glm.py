@@ -28,4 +28,6 @@ class Glm45Parser(ToolParser):
             raise NotToolCalls("a tool call without a function name")
         schemas = self.parameters(name)
         pairs = [(key.strip(), convert(value, schemas.get(key.strip()))) for key, value in PAIR.findall(body)]
+        if final and body.count("<arg_key>") > len(pairs):
+            raise NotToolCalls("a parameter cut off")
         return [PartialCall(name, arguments_json(pairs, final))]

@@ -26,5 +26,7 @@ class HermesParser(ToolParser):
             return []
         if block[at] != "{":
             raise NotToolCalls("a tool call is not a JSON object")
-        call, _ = object_call(block, at, final, strict=False)
+        call, end = object_call(block, at, final, strict=False)
+        if end is not None and block[end:].strip():
+            raise NotToolCalls("text after a tool call's object")
         return [call]

@@ -28,8 +28,8 @@ def object_call(text: str, start: int, final: bool, strict: bool = True) -> tupl
                 arguments = arguments.rstrip()
         elif strict and member.key not in ("type", "id"):
             raise NotToolCalls(f"a tool call has no member {member.key!r}")
-    if (end is not None or final) and not arguments:
-        arguments = "{}"
+    if end is not None and not arguments:
+        arguments = "{}"  # a call without arguments
     if final and name is None:
         raise NotToolCalls("a tool call without a name")
     return PartialCall(name, arguments), end
@@ -61,4 +61,4 @@ def raw_arguments(text: str, at: int, final: bool) -> str:
     if end is not None:
         return text[start:end]
     written = text[start:]
-    return (written.rstrip() or "{}") if final else written
+    return written.rstrip() if final else written

@@ -14,6 +14,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     starts = (PYTHON_TAG, "{")
     at_start_only = True
+    tentative_starts = ("{",)  # a JSON object may be the answer itself
     keeps_special_tokens = True  # <|python_tag|> is a special token
 
     def calls(self, block: str, final: bool) -> list[PartialCall]:

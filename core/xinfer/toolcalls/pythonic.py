@@ -21,6 +21,7 @@ class PythonicParser(ToolParser):
     starts = (PYTHON_START, "[")
     end = PYTHON_END
     at_start_only = True
+    tentative_starts = ("[",)  # a list may be the answer itself
     keeps_special_tokens = True  # <|python_start|> is a special token
 
     def calls(self, block: str, final: bool) -> list[PartialCall]:
@@ -31,31 +32,38 @@ class PythonicParser(ToolParser):
             return []
         if block[at] != "[":
             raise NotToolCalls("pythonic calls are a list")
-        calls: list[PartialCall] = []
-        at += 1
-        while True:
-            at = skip_space(block, at)
-            if at < len(block) and block[at] == ",":
-                at += 1
-                continue
-            if at >= len(block) or block[at] == "]":
-                break
-            name = NAME.match(block, at)
-            if name is None:
-                raise NotToolCalls("a list item that is not a call")
-            if name.end() >= len(block):
-                break  # the name may go on
-            if block[name.end()] != "(":
-                raise NotToolCalls("a list item that is not a call")
-            close = _closing(block, name.end())
-            if close is None:
-                calls.append(PartialCall(name.group()))
-                break
-            calls.append(PartialCall(name.group(), _arguments(block[at:close])))
-            at = close
-        if final and not calls:
-            raise NotToolCalls("no calls")
+        calls, end = _listed_calls(block, at + 1)
+        if end is not None and block[end:].strip():
+            raise NotToolCalls("text after the list of calls")
+        if final and (end is None or not calls):
+            raise NotToolCalls("no calls, or a list of calls cut off")
         return calls
+
+
+def _listed_calls(block: str, at: int) -> tuple[list[PartialCall], int | None]:
+    """The complete calls of the list whose items start at ``at``, and the end of the list (None while open)."""
+    calls: list[PartialCall] = []
+    while True:
+        at = skip_space(block, at)
+        if at < len(block) and block[at] == ",":
+            at += 1
+            continue
+        if at >= len(block):
+            return calls, None
+        if block[at] == "]":
+            return calls, at + 1
+        name = NAME.match(block, at)
+        if name is None:
+            raise NotToolCalls("a list item that is not a call")
+        if name.end() >= len(block):
+            return calls, None  # the name may go on
+        if block[name.end()] != "(":
+            raise NotToolCalls("a list item that is not a call")
+        close = _closing(block, name.end())
+        if close is None:
+            return calls, None  # its name goes out with its arguments, once they proved literals
+        calls.append(PartialCall(name.group(), _arguments(block[at:close])))
+        at = close
 
 
 def _closing(text: str, start: int) -> int | None:

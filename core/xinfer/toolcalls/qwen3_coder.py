@@ -17,6 +17,11 @@ class Qwen3CoderParser(ToolParser):
     starts = (START,)
     end = END
 
+    def find_end(self, text: str, start: int) -> int:
+        # a parameter's value may hold the end tag as text: the block ends after its function
+        function_end = text.find("</function>", start)
+        return text.find(END, function_end) if function_end >= 0 else -1
+
     def calls(self, block: str, final: bool) -> list[PartialCall]:
         body = block[len(START) :]
         calls = tagged_calls(self, body, final, FUNCTION, "</function>", PARAMETER, "</parameter>")

@@ -59,7 +59,8 @@ def tagged_calls(
     param_close: str,
 ) -> list[PartialCall]:
     """Calls opened by ``call_open`` (its group 1 the name) holding parameters opened by
-    ``param_open`` (group 1 the parameter's name). A parameter's value ends at
+    ``param_open`` (group 1 the parameter's name; a group ``string`` that reads ``true``: the
+    value is text whatever the schema says). A parameter's value ends at
     ``param_close``, or at the next parameter or the call's end where the model left the
     close out; one newline on each side of a value is the template's, not the value's."""
     calls = []
@@ -81,6 +82,7 @@ def tagged_calls(
             value = text[param.end() : end if end >= 0 else limit]
             value = value.removeprefix("\n").removesuffix("\n")
             name = param.group(1).strip()
-            pairs.append((name, convert(value, schemas.get(name))))
+            schema = {"type": "string"} if param.groupdict().get("string") == "true" else schemas.get(name)
+            pairs.append((name, convert(value, schema)))
         calls.append(PartialCall(match.group(1).strip(), arguments_json(pairs, closed)))
     return calls

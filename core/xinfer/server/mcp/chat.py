@@ -134,7 +134,10 @@ class ChatRounds:
                 ran = await rounds.run(content, calls)
                 yield self.chunk(Delta(mcp_calls=mcp_items(ran)))
                 handle, prompt = await rounds.submit()
-            yield self.chunk(Delta(tool_calls=held or None), finish_reason(reason, bool(calls)) if reason else None)
+            yield self.chunk(
+                Delta(tool_calls=held or None),
+                finish_reason(reason, bool(calls) and answer.tools.finishes_with_calls) if reason else None,
+            )
             if rounds.body.include_usage:
                 yield self.chunk(Delta(), with_usage=True)
         except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream

@@ -101,7 +101,8 @@ class MessageAnswer:
         prompt = self.prompt
         split_stream = ReasoningStream(prompt.tags, prompt.inside) if prompt.tags else None
         parser = prompt.tool_parser
-        call_stream = parser.stream() if parser is not None else None
+        # a tool_use block's input must be an object: a call goes out once its block proved valid
+        call_stream = parser.stream(hold=True) if parser is not None else None
         last: CompletionOutput | None = None
         try:
             async for _, out in self.serving.engine.stream(self.handle):

@@ -7,10 +7,11 @@ from xinfer.server.tools import Call
 
 
 def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
-    """(the answer's text without its calls, the calls); all text where the request's parser finds none."""
+    """(the answer's text without its calls, the calls: only the first where parallel calls are off); all
+    text where the request's parser finds none."""
     parser = prompt.tool_parser
     if parser is None:
         return text, []
     parsed = parser.parse(text)
-    calls = [Call.of(c.id, c.name, c.arguments) for c in parsed.tool_calls]
-    return (parsed.content or "" if calls else text), calls
+    found = parsed.tool_calls if prompt.tools.parallel else parsed.tool_calls[:1]
+    return parsed.content or "", [Call.of(c.id, c.name, c.arguments) for c in found]
