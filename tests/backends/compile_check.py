@@ -265,7 +265,7 @@ def record_launches(dtype: torch.dtype, shared_mem: int, cc: int) -> list:
     for layout in LAYOUTS.values():
         planes = torch.empty(6142 * 4096 // layout.tile * sum(layout.tile_bytes()), dtype=torch.uint8)
         for tokens in (1, 16, 64):
-            for tile in plane_candidates(layout, tokens):
+            for tile in plane_candidates(layout, tokens, int8_tensor_cores=cc >= 80):
                 if tile is not quant_linear.DEQUANTIZED:
                     plane_linear.plane_rows(t(tokens, 4096), planes, layout.name, None, tile)
         plane_linear.plane_rows(t(1, 4096), planes, layout.name, t(6142))

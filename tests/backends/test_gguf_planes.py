@@ -221,6 +221,13 @@ def test_measured_tiles_time_the_plane_candidates():
     many, many_fp32 = plane_candidates(LAYOUTS["Q8_0"], 64), plane_candidates(LAYOUTS["Q8_0"], 64, False)
     assert not any(isinstance(tile, PlaneDotConfig) for tile in many) and DEQUANTIZED in many
     assert any(isinstance(tile, PlaneDotConfig) for tile in many_fp32)
+    # before SM80 (no integer dot compiles there) no int8 dot, the bf16 dots at every row count; the one-row int8
+    # GEMV (dp4a) stays
+    few_sm75, many_sm75 = (plane_candidates(LAYOUTS["Q8_0"], rows, int8_tensor_cores=False) for rows in (4, 64))
+    assert not any(isinstance(tile, PlaneI8DotConfig) for tile in few_sm75 + many_sm75)
+    assert any(isinstance(tile, PlaneDotConfig) for tile in many_sm75)
+    one_sm75 = plane_candidates(LAYOUTS["Q8_0"], 1, int8_tensor_cores=False)
+    assert any(isinstance(tile, PlaneI8GemvConfig) for tile in one_sm75)
     assert measured == [1] * len(one) + [3] * len(few)
     assert list(tiles.choice.values()) == [one[1], few[-1]]
 

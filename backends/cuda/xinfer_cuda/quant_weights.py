@@ -160,16 +160,20 @@ I8_MANY_ROWS_DOTS = (
 )
 
 
-def plane_candidates(layout: PlaneLayout, rows: int, int8_activations: bool = True) -> tuple[Tile, ...]:
+def plane_candidates(
+    layout: PlaneLayout, rows: int, int8_activations: bool = True, int8_tensor_cores: bool = True
+) -> tuple[Tile, ...]:
     """The tiles tried for ``rows`` rows (:func:`measured_rows`) of a weight in planes: for one row the GEMVs
     of :data:`ONE_ROW_PLANE_TILES` and the int8 GEMVs (:data:`I8_ONE_ROW_GEMVS`), past it :func:`dot_candidates`,
     the int8 dots (:data:`I8_FEW_ROWS_DOTS`, :data:`I8_MANY_ROWS_DOTS`) and the dequantized weight. The int8
     kernels round the activations to 8 bits: none without ``int8_activations`` (fp32 activations keep their
     precision); with them, from 64 rows no bf16 dot (on the H100 the int8 dot or the dequantized weight won every
-    Llama-3.1-8B shape and type there)."""
+    Llama-3.1-8B shape and type there). The int8 dots need ``int8_tensor_cores`` (SM80 on: Triton compiles no
+    integer dot for SM70 and SM75)."""
     if rows == 1:
         return ONE_ROW_PLANE_TILES + (I8_ONE_ROW_GEMVS if int8_activations else ())
     i8_tiles = (I8_FEW_ROWS_DOTS if rows <= 16 else I8_MANY_ROWS_DOTS) if int8_activations else ()
+    i8_tiles = i8_tiles if int8_tensor_cores else ()
     i8 = tuple(replace(tile, block_m=max(16, rows)) for tile in i8_tiles)
     dots = dot_candidates(rows, PlaneDotConfig, 1) if rows < 64 or not i8 else ()
     return (*dots, *i8, DEQUANTIZED)
@@ -206,14 +210,15 @@ class MeasuredTiles:
                 x.is_cuda and torch.cuda.is_current_stream_capturing()
             ):  # not measured: the capture's warm-up did not see it
                 return self.default(fmt_name, rows, x.shape[1])
-            tiles = self.candidates(fmt_name, rows, x.dtype)
+            tiles = self.candidates(fmt_name, rows, x)
             self.choice[key] = remembered(self.cache, x.device, ("planes" if self.planes else "blocks", *key[:-1]),
                                           tiles, lambda: self.fastest(x, packed, fmt_name, bias, tiles))  # fmt: skip
         return self.choice[key]
 
-    def candidates(self, fmt_name: str, rows: int, dtype: torch.dtype) -> tuple[Tile, ...]:
+    def candidates(self, fmt_name: str, rows: int, x: Tensor) -> tuple[Tile, ...]:
         if self.planes:
-            return plane_candidates(LAYOUTS[fmt_name], rows, int8_activations=dtype != torch.float32)
+            int8_tensor_cores = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)
+            return plane_candidates(LAYOUTS[fmt_name], rows, x.dtype != torch.float32, int8_tensor_cores)
         return candidates(FORMATS[fmt_name], rows)
 
     def default(self, fmt_name: str, rows: int, k: int) -> Tile:
