@@ -93,6 +93,15 @@ def test_a_bad_constraint_is_a_one_line_value_error(llm):
     assert llm.generate(["hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
 
 
+def test_a_constraint_the_other_filters_leave_no_token_ends_with_an_error(llm):
+    """A choice whose only word bad_words bans: every token masked, the one drawn is none the grammar allows; the
+    request ends with finish reason "error", not a "stop" whose text breaks the constraint."""
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"choice": ["yes"]}, bad_words=["yes"])
+    (out,) = llm.generate([chat(llm, "Yes or no?")], params)
+    assert out.outputs[0].finish_reason == "error"
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
+
+
 @pytest.mark.parametrize("where", ["accept", "fill_bitmask"])
 def test_a_grammar_that_fails_ends_its_request_alone(llm, monkeypatch, where):
     """A matcher that raises (following a token, read back while the forward runs, or computing its mask before

@@ -22,6 +22,8 @@ from xinfer.torch_ops import TorchOps
         ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, r"^invalid JSON schema: .*nowhere"),
         ({"json": {"type": "string", "format": "no-such-format"}}, r"^invalid JSON schema: .*no-such-format"),
         ({"choice": []}, r"choice must be a non-empty list of strings"),
+        ({"choice": "yes"}, r"choice must be a non-empty list of strings"),  # (not the letters y, e, s)
+        ({"regex": "[^\\s\\S]"}, r"^invalid regex: it matches no text$"),
         ({}, r"exactly one of .* got none"),
         ({"regex": "a", "choice": ["b"]}, r"exactly one of .*\['regex', 'choice'\]"),
     ],
@@ -98,3 +100,10 @@ def test_a_constraint_after_a_token_is_dormant_until_that_token():
     assert constraint.wants_mask
     constraint.accept(6)
     assert matcher.consumed == [6]
+
+
+def test_an_object_that_requires_more_than_its_properties_stays_open():
+    """Closed to the listed properties (OpenAI's strict reading), it would admit no object at all."""
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]})
+    assert accepts(spec, '{"a": "x", "b": 1}')
+    assert not accepts(spec, '{"a": "x"}')

@@ -174,6 +174,8 @@ UNANSWERED_CALL = {"type": "function_call", "call_id": "c", "name": "f", "argume
         ({"max_output_tokens": 5000}, "max_output_tokens"),  # past the 1,024-token context
         ({"temperature": 2.5}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),  # not chat's field
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}}, "text.format"),
         ({"include": ["message.output_text.logprobs", "reasoning.summary"]}, "include"),  # not OpenAI's includable
         ({"include": "message.output_text.logprobs"}, "include"),  # a list
         ({"include": [OUTPUT_LOGPROBS], "top_logprobs": 21}, "top_logprobs"),  # OpenAI's 0 to 20

@@ -99,6 +99,13 @@ def test_choice_regex_grammar_and_json_object(client, model):
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format", "name"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a b!", "schema": {}}}},
+            "response_format",
+            "name",
+        ),
+        ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "matches no text"),
         ({"guided_json": {"type": "objectx"}}, "structured_outputs", "objectx"),
     ],
 )

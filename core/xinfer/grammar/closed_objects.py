@@ -36,6 +36,13 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     for key in SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
             closed[key] = {name: closed_objects(item) for name, item in closed[key].items()}
-    if close and isinstance(closed.get("properties"), dict) and not any(key in closed for key in OPEN_ENDED):
+    properties = closed.get("properties")
+    if close and isinstance(properties, dict) and not any(key in closed for key in OPEN_ENDED) and _fits(closed):
         closed["additionalProperties"] = False
     return closed
+
+
+def _fits(schema: dict[str, Any]) -> bool:
+    """Whether an object of ``schema``'s listed properties alone can satisfy it: it requires none besides them."""
+    required = schema.get("required", [])
+    return not isinstance(required, list) or all(name in schema["properties"] for name in required)

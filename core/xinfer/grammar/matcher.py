@@ -60,8 +60,11 @@ class Constraint:
         if not self.active:
             self.active = token == self.after_token_id
             return
-        if not self.matcher.is_stopped():
-            self.matcher.consume_token(token)
+        if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+            raise ValueError(
+                f"the constraint allows no token here (token {token} was drawn): the request's other token filters "
+                "(allowed_token_ids, bad_words, logit_bias) leave none of those it allows"
+            )
 
     @property
     def done(self) -> bool:

@@ -10,6 +10,7 @@ grammar the engine enforces; tool calling builds its constraints the same way
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -54,13 +55,18 @@ class StructuredOutputs:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(KINDS)}; got {given or 'none'}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+        choice = self.choice
+        if choice is not None and (
+            not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice)
+        ):
             raise ValueError("structured outputs: choice must be a non-empty list of strings")
         import llguidance  # imported where a constraint is made: the rest of xinfer runs without it
 
         problem = llguidance.LLMatcher.validate_grammar(self.lark_or_llguidance)
         if problem:
             raise ValueError(f"invalid {self.kind}: {one_line(problem)}")
+        if (self.regex is not None or self.grammar is not None) and not _admits_text(self.lark_or_llguidance):
+            raise ValueError(f"invalid {self.kind}: it matches no text")
 
     @property
     def kind(self) -> str:
@@ -93,6 +99,23 @@ class StructuredOutputs:
             return llguidance.grammar_from("grammar", self.grammar)  # Lark as it is, GBNF converted
         except ValueError as error:
             raise ValueError(f"invalid grammar: {one_line(str(error))}") from None
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer("byte")
+
+
+def _admits_text(grammar: str) -> bool:
+    """Whether ``grammar`` matches some text: over a vocabulary of single bytes, its matcher's first mask leaves it
+    in no error (a regex like ``[^\\s\\S]`` leaves nothing to start with)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    matcher.compute_logit_bias()
+    return not matcher.is_error()
 
 
 def one_line(problem: str) -> str:

@@ -67,7 +67,7 @@ def structured_outputs(body: GenerationRequest, after_token_id: int | None = Non
 def format_constraint(body: GenerationRequest, after_token_id: int | None) -> StructuredOutputs | None:
     """The constraint ``response_format`` or ``structured_outputs`` asks for, checked."""
     fmt, given = body.response_format, body.structured_outputs
-    param = "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+    param = body.format_name if fmt is not None and fmt.type != "text" else "structured_outputs"
     try:
         if fmt is not None and fmt.type == "json_object":
             return StructuredOutputs(json_object=True, after_token_id=after_token_id)

@@ -20,6 +20,7 @@ from xinfer.server.errors import FieldError
 from xinfer.server.tools import check_tool_choice, check_tools
 
 MAX_N = 128  # OpenAI's bound
+FORMAT_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # a json_schema format's name, as OpenAI checks it
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -140,7 +141,7 @@ class StreamOptions(RequestBody):
 
 
 class JSONSchemaFormat(RequestBody):
-    name: str = "response"
+    name: str = Field(pattern=FORMAT_NAME)  # required, as OpenAI's and vLLM's
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -237,6 +238,7 @@ class SamplingFields(RequestBody):
     # renames them)
     _token_limit_name: str = PrivateAttr("max_tokens")
     _prompt_name: str = PrivateAttr("prompt")
+    _format_name: str = PrivateAttr("response_format")
     # the token limit of a request that gives none (None: the rest of the context), unless --max-tokens is set
     default_max_tokens: ClassVar[int | None] = None
 
@@ -247,6 +249,10 @@ class SamplingFields(RequestBody):
     @property
     def prompt_name(self) -> str:
         return self._prompt_name
+
+    @property
+    def format_name(self) -> str:
+        return self._format_name
 
     @model_validator(mode="before")
     @classmethod

@@ -61,7 +61,7 @@ def chat_request(body: ResponsesRequest, previous: list[InputItem], takes_images
         request = ChatCompletionRequest.model_validate_json(json.dumps(fields))
     except ValidationError as error:
         raise from_validation(error) from None
-    request._token_limit_name, request._prompt_name = "max_output_tokens", "input"
+    request._token_limit_name, request._prompt_name, request._format_name = "max_output_tokens", "input", "text.format"
     return request
 
 

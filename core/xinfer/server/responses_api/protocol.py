@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from xinfer.server.errors import FieldError
-from xinfer.server.protocol import MAX_TOP_LOGPROBS, ReasoningEffort, RequestBody, asks_nothing
+from xinfer.server.protocol import FORMAT_NAME, MAX_TOP_LOGPROBS, ReasoningEffort, RequestBody, asks_nothing
 
 # fields accepted and not read: they change no answer (the server runs no tool)
 IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
@@ -59,7 +59,7 @@ class InputItem(RequestBody):
 
 class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
+    name: str | None = Field(None, pattern=FORMAT_NAME)  # required for json_schema, as OpenAI's
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
@@ -68,6 +68,8 @@ class TextFormat(RequestBody):
     def _has_schema(self) -> TextFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise FieldError("schema", "text.format of type json_schema needs a schema")
+        if self.type == "json_schema" and self.name is None:
+            raise FieldError("name", "text.format of type json_schema needs a name")
         return self
 
 
