@@ -23,6 +23,7 @@ from xinfer.torch_ops import TorchOps
         ({"json": {"type": "string", "format": "no-such-format"}}, r"^invalid JSON schema: .*no-such-format"),
         ({"choice": []}, r"choice must be a non-empty list of strings"),
         ({"choice": "yes"}, r"choice must be a non-empty list of strings"),  # (not the letters y, e, s)
+        ({"json": {"type": "integer", "maximum": 2**53 + 3}}, r"the bound 9007199254740995 is beyond 2\*\*53"),
         ({"regex": "[^\\s\\S]"}, r"^invalid regex: it matches no text$"),
         ({}, r"exactly one of .* got none"),
         ({"regex": "a", "choice": ["b"]}, r"exactly one of .*\['regex', 'choice'\]"),

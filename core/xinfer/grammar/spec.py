@@ -88,6 +88,9 @@ class StructuredOutputs:
                     raise ValueError(f"invalid JSON schema: not JSON ({error})") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"invalid JSON schema: must be an object, got {type(schema).__name__}")
+            if self.strict and (bound := _inexact_bound(schema)) is not None:
+                raise ValueError(f"invalid JSON schema: the bound {bound} is beyond 2**53, which the grammar engine "
+                                 "cannot hold exactly (strict: false ignores it)")  # fmt: skip
             options: Any = {**JSON_OPTIONS, "lenient": not self.strict}
             return grammar_of.grammar_from_json_schema(closed_objects(schema), overrides=options)
         if self.regex is not None:
@@ -99,6 +102,23 @@ class StructuredOutputs:
             return llguidance.grammar_from("grammar", self.grammar)  # Lark as it is, GBNF converted
         except ValueError as error:
             raise ValueError(f"invalid grammar: {one_line(str(error))}") from None
+
+
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _inexact_bound(schema: Any) -> int | None:
+    """A numeric bound of ``schema`` (or of a subschema) that a float64 does not hold exactly, if any."""
+    if isinstance(schema, list):
+        return next((b for item in schema if (b := _inexact_bound(item)) is not None), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in BOUNDS and isinstance(value, int) and abs(value) > 2**53:
+            return value
+        if isinstance(value, (dict, list)) and (bound := _inexact_bound(value)) is not None:
+            return bound
+    return None
 
 
 @functools.cache
