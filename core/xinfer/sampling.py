@@ -52,7 +52,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._check_types()

@@ -108,3 +108,14 @@ def test_an_object_that_requires_more_than_its_properties_stays_open():
     spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]})
     assert accepts(spec, '{"a": "x", "b": 1}')
     assert not accepts(spec, '{"a": "x"}')
+
+
+def test_a_dict_of_fields_takes_vllms_options_that_change_nothing_here_and_names_an_unknown_one():
+    from xinfer import SamplingParams
+
+    params = SamplingParams(
+        structured_outputs={"choice": ["a"], "disable_any_whitespace": True, "disable_fallback": True}
+    )
+    assert params.structured_outputs == StructuredOutputs(choice=["a"])
+    with pytest.raises(ValueError, match=r"structured outputs have no field 'jsn' \(they have "):
+        SamplingParams(structured_outputs={"jsn": {}})

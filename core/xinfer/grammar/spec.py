@@ -10,6 +10,7 @@ grammar the engine enforces; tool calling builds its constraints the same way
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,
 }
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's StructuredOutputsParams options that change nothing here: JSON is written without whitespace and objects
+# closed already, and there is one grammar engine, none to fall back to
+IGNORED_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties", "disable_fallback")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,15 @@ class StructuredOutputs:
             raise ValueError(f"invalid {self.kind}: {one_line(problem)}")
         if (self.regex is not None or self.grammar is not None) and not _admits_text(self.lark_or_llguidance):
             raise ValueError(f"invalid {self.kind}: it matches no text")
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> StructuredOutputs:
+        """From a dict of its fields, as vLLM's ``StructuredOutputsParams`` takes them (its options that change
+        nothing here left out); another key is a ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(fields) - known - set(IGNORED_OPTIONS)):
+            raise ValueError(f"structured outputs have no field {unknown[0]!r} (they have {', '.join(sorted(known))})")
+        return cls(**{name: value for name, value in fields.items() if name in known})
 
     @property
     def kind(self) -> str:
