@@ -170,6 +170,8 @@ def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> Pret
     if "vocab_size" not in fields and "tokenizer.ggml.tokens" not in meta:
         raise ModelFileError(f"{file.path}: the metadata has no tokenizer.ggml.tokens (nor {arch}.vocab_size)")
     fields.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
+    # the converter keeps a checkpoint's MTP layers after the decoder's, counted in block_count: skipped
+    fields["num_hidden_layers"] -= int(meta.get(f"{arch}.nextn_predict_layers", 0))
     if fields.get("sliding_window") == 0:  # llama.cpp's "no window" (its converter writes it so for Phi-4)
         del fields["sliding_window"]
     for field, name in _TOKEN_IDS.items():

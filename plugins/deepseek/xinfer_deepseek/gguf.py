@@ -6,8 +6,8 @@ llama.cpp's converter writes latent attention as multi-query attention over the 
 rope key are stored unchanged. Newer files hold ``kv_b_proj`` split per head into ``attn_k_b`` (transposed)
 and ``attn_v_b``, older ones whole as ``attn_kv_b``: the model loads either. YaRN's ``mscale_all_dim`` is
 written as ``yarn_log_multiplier`` = 0.1 * mscale_all_dim, its ``mscale`` not at all (DeepSeek's equal it).
-The converter keeps the MTP layers (GLM-4.7-Flash's one), which ``block_count`` counts and
-``nextn_predict_layers`` says: they are skipped.
+The converter keeps the MTP layers (GLM-4.7-Flash's one), which loading skips
+(:func:`xinfer.loading.gguf.load_gguf_config`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class DeepseekV2GGUF(GGUFAdapter):
         rope_dim = int(metadata[f"{arch}.rope.dimension_count"])
         config |= {
             "architectures": [self.architecture],
-            "num_hidden_layers": fields["num_hidden_layers"] - int(metadata.get(f"{arch}.nextn_predict_layers", 0)),
             "q_lora_rank": config.get("q_lora_rank"),  # none written: no q-LoRA
             "qk_rope_head_dim": rope_dim,
             "qk_nope_head_dim": int(metadata[f"{arch}.attention.key_length_mla"]) - rope_dim,

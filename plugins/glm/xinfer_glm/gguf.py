@@ -3,8 +3,7 @@
 llama.cpp rotates GLM-4's q/k over adjacent pairs as HF does, and GLM-4.5's over halves as HF
 does, so its converter stores the checkpoint's tensors unchanged (GLM-4's ``gate_up_proj`` fused
 as ``ffn_up``, GLM-4.5's experts stacked per projection); the rotated share of each head is
-``rope.dimension_count``. ``block_count`` counts the MTP layers too (``nextn_predict_layers``: GLM-4.5's,
-GLM-OCR's), which are skipped.
+``rope.dimension_count``. The MTP layers the converter keeps (GLM-4.5's, GLM-OCR's) loading skips.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ class Glm4GGUF(GGUFAdapter):
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
         return {
-            "num_hidden_layers": fields["num_hidden_layers"] - int(metadata.get("glm4.nextn_predict_layers", 0)),
             "partial_rotary_factor": _partial_rotary_factor("glm4", metadata, fields),
             "attention_bias": "blk.0.attn_q.bias" in tensor_names,  # q, k and v's; transformers' default: True
         }
@@ -51,10 +49,8 @@ class Glm4MoeGGUF(GGUFAdapter):
             raise ModelFileError(f"glm4moe.expert_gating_func: {ExpertGatingFuncType(int(gating)).name.lower()} "
                                  "gating is not GLM-4.5's (sigmoid), the only one xinfer reads for glm4moe")  # fmt: skip
         moe = DEEPSEEK_MOE_DEFAULTS | read_fields(metadata, "glm4moe", DEEPSEEK_MOE_KEYS)
-        mtp_layers = int(metadata.get("glm4moe.nextn_predict_layers", 0))
         return {
             **moe,
-            "num_hidden_layers": fields["num_hidden_layers"] - mtp_layers,
             "partial_rotary_factor": _partial_rotary_factor("glm4moe", metadata, fields),
             "attention_bias": "blk.0.attn_q.bias" in tensor_names,
             "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,

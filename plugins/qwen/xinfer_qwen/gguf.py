@@ -79,12 +79,10 @@ class QwenHybridAdapter(QwenMoeAdapter):
         ssm = {field: int(metadata[f"{self.arch}.{key}"]) for field, key in _SSM_KEYS.items()}
         ssm["linear_value_head_dim"] = int(metadata[f"{self.arch}.ssm.inner_size"]) // ssm["linear_num_value_heads"]
         head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
-        layers = fields["num_hidden_layers"] - int(metadata.get(f"{self.arch}.nextn_predict_layers", 0))
         return {
             **moe,
             **ssm,
-            "num_hidden_layers": layers,
-            "layer_types": self._layer_types(metadata, layers),
+            "layer_types": self._layer_types(metadata, fields["num_hidden_layers"]),
             "partial_rotary_factor": int(metadata[f"{self.arch}.rope.dimension_count"]) / head_dim,
         }
 
