@@ -41,7 +41,7 @@ from xinfer.layers import (
 )
 from xinfer.layers.rotary import yarn_mscale
 from xinfer.loading.stored import StoredTensor, part_of
-from xinfer_deepseek.mla_ops import expand, fp8_row_bytes
+from xinfer_deepseek.mla_ops import expand, fp8_row_bytes, fp8_row_fits
 
 # the latents' norms (q_a_layernorm, kv_a_layernorm) keep the reference's own epsilon whatever the config's
 # rms_norm_eps (GLM-4.7-Flash's 1e-5), as transformers' DeepSeek-V2/V3/V3.2 and GLM-4.7-Flash do, unless the
@@ -158,9 +158,10 @@ class LatentAttention(nn.Module):
         self.page_group = 0
 
     def cache_spec(self) -> TokenVectorSpec:
-        """R + P values in the model's dtype; under the KV format fp8, their fp8 row (uint8)."""
-        fp8 = TokenVectorSpec(fp8_row_bytes(self.kv_lora_rank, self.rope_dim), dtype=torch.uint8)
-        return TokenVectorSpec(self.kv_lora_rank + self.rope_dim, encoded={"fp8": fp8})
+        """R + P values in the model's dtype; under the KV format fp8, their fp8 row (uint8), where R has one."""
+        rank, rope = self.kv_lora_rank, self.rope_dim
+        fp8 = {"fp8": TokenVectorSpec(fp8_row_bytes(rank, rope), dtype=torch.uint8)} if fp8_row_fits(rank) else {}
+        return TokenVectorSpec(rank + rope, encoded=fp8)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         return self.attend(positions, x, self.project(positions, self.qkv_a_proj(x)))

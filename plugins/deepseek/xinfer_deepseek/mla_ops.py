@@ -164,9 +164,14 @@ def attend(
 
 
 def fp8_groups(rank: int) -> int:
-    groups = -(-rank // FP8_GROUP)
-    assert rank % groups == 0 and rank % 4 == 0, f"fp8 rows split R in {groups} equal groups, 4-aligned; R={rank}"
-    return groups
+    assert fp8_row_fits(rank), f"fp8 rows split R in equal groups of at most {FP8_GROUP}, 4-aligned; R={rank}"
+    return -(-rank // FP8_GROUP)
+
+
+def fp8_row_fits(rank: int) -> bool:
+    """Whether R splits into equal groups of at most 128 values, R a multiple of 4 (the fp32 scales follow the
+    codes): DeepSeek's 512 does; a rank such as 30 or 260 has no fp8 row."""
+    return rank % 4 == 0 and rank % -(-rank // FP8_GROUP) == 0
 
 
 def fp8_row_bytes(rank: int, rope: int) -> int:

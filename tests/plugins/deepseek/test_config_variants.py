@@ -25,6 +25,8 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "v3 no q-lora, yarn with mscale, NeoX rotary, biases": lambda: deepseek_v3_config(
         q_lora_rank=None, rope_parameters=YARN, rope_interleave=False, attention_bias=True
     ),
+    # a latent rank with no fp8 row (not a multiple of 4): the default format caches it as it is
+    "v3 kv_lora_rank 30": lambda: deepseek_v3_config(kv_lora_rank=30),
     "v3 2 dense of 3, one group, raw weights unscaled, v_head_dim 32, 2 shared": lambda: deepseek_v3_config(
         first_k_dense_replace=2, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
         v_head_dim=32, n_shared_experts=2,

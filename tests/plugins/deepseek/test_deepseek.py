@@ -105,6 +105,13 @@ def test_a_quantized_kv_format_is_refused_in_one_line(tmp_path, kv_cache_dtype):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64, kv_cache_dtype=kv_cache_dtype)
 
 
+@pytest.mark.parametrize("kv_lora_rank", [30, 260], ids=["not 4-aligned", "not in equal groups of 128"])
+def test_fp8_is_refused_for_a_latent_rank_with_no_fp8_row(tmp_path, kv_lora_rank):
+    save_tiny_model(deepseek_v3_config(kv_lora_rank=kv_lora_rank), tmp_path)
+    with pytest.raises(ValueError, match=r"'fp8' encodes attention K and V, which this model does not.*use auto$"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64, kv_cache_dtype="fp8")
+
+
 def test_a_missing_up_projection_is_named(tmp_path):
     save_tiny_model(deepseek_v3_config(), tmp_path)
     dropped = "model.layers.1.self_attn.kv_b_proj.weight"
