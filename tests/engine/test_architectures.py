@@ -156,6 +156,34 @@ def test_longrope_without_recompute_keeps_a_long_prompts_keys_long_in_chunks_and
     assert_output_matches_hf(hf, longer, out.outputs[0], 6)
 
 
+TOP_LEVEL_ROPES = {
+    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0),
+    "longrope": dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 10 for i in range(8)],
+                     long_factor=[1.5 + i for i in range(8)]),
+    "llama3": LLAMA3_ROPE,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", sorted(TOP_LEVEL_ROPES))
+def test_a_top_level_original_max_position_embeddings_wins_over_the_rope_parameters(tmp_path, rope):
+    """A config.json with the trained context at its top level only (as Phi-3 and other long-context checkpoints
+    write it): transformers takes it over the one its config loading puts in the rope parameters (512, the
+    max positions), and so does xinfer; the 40-token prompt passes it (LongRoPE's long factors)."""
+    config = LlamaConfig(**COMMON, rope_parameters=TOP_LEVEL_ROPES[rope], architectures=["LlamaForCausalLM"])
+    save_tiny_model(config, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["rope_parameters"].pop("original_max_position_embeddings")
+    (tmp_path / "config.json").write_text(json.dumps({**written, "original_max_position_embeddings": 16}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 16
+    tokens = prompt(40)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(LLM(model=str(tmp_path), dtype="float32", num_blocks=64).engine, tokens)
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-4, f"max|diff|/max|HF logit| = {error:.2e}"
+
+
 def test_generation_stops_at_every_eos_of_generation_config_without_a_tokenizer(tmp_path):
     """A checkpoint folder with no tokenizer whose generation_config.json lists two EOS ids (config.json
     none): xinfer's greedy generation stops where transformers' ``generate`` of that folder does."""

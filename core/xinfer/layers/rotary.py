@@ -21,7 +21,8 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     """The rope parameters of ``config`` (for ``layer_type`` where they differ per
     layer type), from ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
     params = getattr(config, "rope_parameters", None)
-    if params and layer_type in params:
+    per_layer_type = bool(params) and layer_type in params
+    if per_layer_type:
         # transformers reads YaRN's truncate from the top of a per-layer-type dict, where it never is: truncated
         params = {**params[layer_type], "truncate": params.get("truncate", True)}
     if not params:
@@ -30,11 +31,13 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     params = dict(params)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if params["rope_type"] in ("longrope", "yarn"):  # the context it was trained at, the ratio of the one it serves
-        trained = getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
-        params.setdefault("original_max_position_embeddings", trained)
-        if params.get("factor") is None:
-            params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
+    if params["rope_type"] in ("llama3", "longrope", "yarn"):  # the context it was trained at
+        trained = getattr(config, "original_max_position_embeddings", None)
+        if trained is not None and not per_layer_type:  # as transformers: a top-level value wins (Phi-3 writes it)
+            params["original_max_position_embeddings"] = trained
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if params["rope_type"] in ("longrope", "yarn") and params.get("factor") is None:  # the ratio of the one it serves
+        params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
     return params
 
 
@@ -154,7 +157,14 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[Tensor, 
     if not 0 <= partial <= 1:  # transformers builds the model, then its rotation fails on a shape
         raise ValueError(f"partial_rotary_factor {partial} is not supported: it rotates {int(head_dim * partial)} "
                          f"dims of a {head_dim}-dim head (the share rotated is in [0, 1])")  # fmt: skip
-    return _INV_FREQ[rope_type](params["rope_theta"], int(head_dim * partial), params)
+    base, factor = params["rope_theta"], params.get("factor")
+    if not base > 0 or (rope_type == "yarn" and base == 1):  # NaN frequencies; YaRN divides by ln(base)
+        raise ValueError(f"rope_theta {base} with rope_type {rope_type!r} is not supported: the rope's base is "
+                         f"positive{' and not 1 (YaRN divides by its logarithm)' if rope_type == 'yarn' else ''}")  # fmt: skip
+    if rope_type != "default" and factor is not None and not factor > 0:  # infinite or negative wavelengths
+        raise ValueError(f"rope_parameters factor {factor} with rope_type {rope_type!r} is not supported: "
+                         "the context's scaling factor is positive")  # fmt: skip
+    return _INV_FREQ[rope_type](base, int(head_dim * partial), params)
 
 
 def _cos_sin(inv_freq: Tensor, max_position: int, scale: float) -> Tensor:
