@@ -103,3 +103,43 @@ def test_a_ui_port_that_is_the_api_port_is_named(capsys):
     assert capsys.readouterr().err.strip() == (
         "xinfer: --ui-port 8102 is the API's --port: the chat UI needs a port of its own"
     )
+
+
+CONFIG_REFUSALS = {
+    # transformers' own check of the rope parameters raises a KeyError
+    "llama3 rope without low_freq_factor": (
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16}},
+        "config.json: Missing required keys in `rope_parameters` for 'rope_type'='llama3': {'low_freq_factor'}",
+    ),
+    # xinfer's refusals of values it does not serve (NotImplementedError)
+    "unknown rope type": ({"rope_parameters": {"rope_type": "foo", "rope_theta": 1e4}}, "rope_type 'foo' is not"),
+    "unknown activation": ({"hidden_act": "prelu"}, "hidden_act 'prelu' is not supported"),
+    # transformers divides by zero building the model; NaN logits for the next two
+    "yarn at base 1": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 4.0}},
+        "rope_theta 1.0 with rope_type 'yarn' is not supported",
+    ),
+    "base 0": ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, "rope_theta 0.0 with rope_type"),
+    "linear factor 0": (
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0.0}},
+        "rope_parameters factor 0.0 with rope_type 'linear' is not supported",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_REFUSALS))
+def test_a_config_value_not_served_is_one_line(tmp_path, capsys, case):
+    """Refusals other than ValueErrors ended the command in a traceback."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from tests.tiny_models import COMMON, save_tiny_model
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    edit, message = CONFIG_REFUSALS[case]
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    capsys.readouterr()  # (transformers' progress bar)
+    assert message in refused(["--m", str(tmp_path), "--cpu"], capsys)

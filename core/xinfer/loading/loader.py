@@ -85,9 +85,10 @@ def _hf_config(folder: Path) -> PretrainedConfig:
         check_model_type(model_type, str(file))
     try:
         config = AutoConfig.from_pretrained(folder)
-    except (ValueError, OSError, TypeError, ArithmeticError, StrictDataclassError) as error:  # a field's type or value
+    except (ValueError, OSError, TypeError, ArithmeticError, KeyError, StrictDataclassError) as error:  # a field
         kind = f"{type(error).__name__}: " if isinstance(error, ArithmeticError) else ""  # "division by zero" alone
-        raise ModelFileError(f"{file}: {kind}{' '.join(str(error).split())}") from error
+        text = error.args[0] if isinstance(error, KeyError) and error.args else error  # (KeyError quotes its str)
+        raise ModelFileError(f"{file}: {kind}{' '.join(str(text).split())}") from error
     modelopt = folder / "hf_quant_config.json"  # where ModelOpt's exports may name their quantization instead
     if modelopt.is_file() and not getattr(config, "quantization_config", None):
         quantization = json.loads(modelopt.read_text()).get("quantization") or {}

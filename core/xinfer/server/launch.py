@@ -61,7 +61,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, EngineConfig]:
         check_start(config)
         media_policy(args)  # a bad image flag ends here too
         return path, config
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, NotImplementedError) as error:  # the last: a config value not served
         refuse(error)
 
 
