@@ -60,8 +60,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's: unseeded
+            self.seed = None
         _check(self.n >= 1, f"n must be at least 1, got {self.n}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %s raised to %s (vLLM's floor: 1 / T overflows below it)", self.temperature,
+                        MIN_TEMPERATURE)  # fmt: skip
+            self.temperature = MIN_TEMPERATURE
         _check(self.top_k >= 0, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         _check(self.top_k < 2**63, f"top_k must be below 2**63 (an int64), got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -128,15 +134,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+        return self.temperature == 0
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-# vLLM's: a temperature below it is greedy (the draw is the argmax but for ties; near 1e-39, 1 / T overflows float32)
-GREEDY_BELOW = 1e-5
+# vLLM's: a temperature above 0 and below it samples at it (only 0 is greedy)
+MIN_TEMPERATURE = 0.01
 
 INTEGERS = ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
@@ -225,7 +231,7 @@ class SamplingBatch:
     of one byte buffer (:meth:`nbytes` of them): a batch travels to the device in one
     copy, alone (:meth:`to`) or as part of a recorded step's input buffer.
 
-    ``temperature`` 0 is greedy (a request's below :data:`GREEDY_BELOW` is written as 0);
+    ``temperature`` 0 is greedy;
     ``top_k`` 0 is off; ``seed`` and ``position`` (the index in its sequence of the token
     being drawn) key each row's noise. Rows past
     the ones written are greedy padding. Row ``i`` of a batch samples row ``i`` of

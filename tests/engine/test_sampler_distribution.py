@@ -85,12 +85,15 @@ def test_ties_at_a_boundary_are_kept_together():
     assert set(tokens.tolist()) == {0, 1, 2, 3}
 
 
-def test_a_temperature_below_vllm_s_epsilon_is_greedy():
-    # vLLM samples greedily below 1e-5; near 1e-39, 1 / T overflows float32 and would draw garbage
-    logits = torch.tensor([[0.0, 1.0, 3.0, -1.0, 2.5]])
+def test_a_temperature_below_vllm_s_floor_samples_at_it():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (near 1e-39, 1 / T overflows float32); only 0 is greedy. Two
+    tokens 0.003 apart in logits are drawn about 43 % / 57 % at 0.01, never the second at 1e-6 were it greedy."""
+    logits = torch.tensor([0.0, 3.0, 3.003, -1.0])
     for temperature in (1e-6, 1e-30, 1e-39, 1e-44):
-        rows = [SampledRow(SamplingParams(temperature=temperature), seed, 0) for seed in range(8)]
-        assert sample(logits.expand(8, -1), SamplingBatch.of(rows)).tolist() == [2] * 8, temperature
+        params = SamplingParams(temperature=temperature)
+        assert params.temperature == 0.01 and not params.greedy
+        tokens = draw(logits, params, n=2000)
+        assert set(tokens.tolist()) == {1, 2} and 0.35 < (tokens == 1).float().mean() < 0.51, temperature
 
 
 def test_greedy_rows_and_a_row_s_draw_do_not_depend_on_the_batch():

@@ -39,6 +39,10 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_the_batch(model_dir):
     unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     first, second = tokens(llm, [mine, mine], [unseeded, unseeded])
     assert first != second
+    minus_one = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=-1)  # vLLM's: no seed
+    assert minus_one.seed is None
+    first, second = tokens(llm, [mine], [minus_one]) + tokens(llm, [mine], [minus_one])
+    assert first != second
 
 
 def test_a_seeded_request_draws_the_same_tokens_after_preemption(model_dir):
