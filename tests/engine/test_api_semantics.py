@@ -74,6 +74,43 @@ def test_eos_decoded_with_special_tokens_is_left_out_of_the_text(model_dir, llm)
     assert ignored.text == LetterTokenizer().decode(free)
 
 
+class LetterTokenizerWithEos(LetterTokenizer):
+    def __init__(self, eos_token_id: int):
+        super().__init__((eos_token_id,))
+        self.eos_token_id = eos_token_id
+
+
+@pytest.mark.parametrize("tokenizers_eos", [True, False])
+def test_the_stop_reason_of_a_generation_config_eos_is_its_id_but_for_the_tokenizers(tmp_path, llm, tokenizers_eos):
+    """vLLM (SamplingParams.update_from_generation_config): the tokenizer's EOS ends a choice with stop_reason None;
+    the other EOS ids of generation_config.json are stop token ids, each the stop_reason of the choice it ends."""
+    free = greedy(llm)
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    (tmp_path / "generation_config.json").write_text(f'{{"eos_token_id": [{free[3]}, {VOCAB - 1}]}}')
+    tokenizer = LetterTokenizerWithEos(free[3] if tokenizers_eos else VOCAB - 1)
+    with_eos = LLM(model=str(tmp_path), tokenizer=tokenizer, dtype="float32", num_blocks=64)
+    out = with_eos.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (free[:4], "stop")
+    assert out.stop_reason == (None if tokenizers_eos else free[3])
+    assert out.text == LetterTokenizer().decode(free[:3])
+
+
+@pytest.mark.parametrize("stops, text, stop_reason", [
+    ((slice(2, 4), slice(0, 4)), slice(0, 2), slice(2, 4)),  # both end at the 4th letter: the first listed
+    ((slice(0, 4), slice(2, 4)), slice(0, 0), slice(0, 4)),
+    ((slice(0, 4), slice(1, 3)), slice(0, 1), slice(1, 3)),  # the one that ends first, though listed second
+])  # fmt: skip
+def test_of_the_stop_strings_one_step_completes_the_one_ending_first_wins_then_the_first_listed(
+    llm, stops, text, stop_reason
+):
+    """vLLM's check_stop_strings; xinfer took the one starting first (then the smallest string)."""
+    letters = LetterTokenizer().decode(greedy(llm))
+    assert len(set(letters[:4])) == 4, letters  # (no stop string occurs before the place meant)
+    params = SamplingParams(temperature=0, max_tokens=8, stop=[letters[s] for s in stops])
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.stop_reason) == (letters[text], letters[stop_reason])
+
+
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 def test_more_alternatives_than_the_vocabulary_is_refused_and_the_engine_serves_on(llm, field):
     with pytest.raises(ValueError, match=f"{field} must be at most the vocabulary's {VOCAB} tokens, got 1000"):

@@ -197,3 +197,5 @@ def test_generation_stops_at_every_eos_of_generation_config_without_a_tokenizer(
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
     out = llm.generate([tokens], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     assert len(expected) <= 6 and out.token_ids == expected.tolist() and out.finish_reason == "stop"
+    # vLLM: with no tokenizer's EOS, generation_config's are stop token ids, each the stop_reason
+    assert out.stop_reason == out.token_ids[-1]

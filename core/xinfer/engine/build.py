@@ -64,6 +64,7 @@ class EngineParts:
     hf_config: Any
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    tokenizer_eos_ids: frozenset[int]  # of eos_token_ids, those a finish names no stop_reason for (vLLM's)
     max_model_len: int
     dtype: torch.dtype
     kv_format: KVFormat
@@ -126,8 +127,8 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     scheduler = Scheduler(scheduler_config, cache_manager, runner.model.context_switch,
                           runner.model.recompute_past_switch)  # fmt: skip
     eos_token_ids = _eos_ids(path, hf_config, tokenizer)
-    return EngineParts(config, path, hf_config, tokenizer, eos_token_ids, max_model_len, dtype, kv_format, runner,
-                       cache_manager, scheduler)  # fmt: skip
+    return EngineParts(config, path, hf_config, tokenizer, eos_token_ids, _tokenizer_eos_ids(hf_config, tokenizer),
+                       max_model_len, dtype, kv_format, runner, cache_manager, scheduler)  # fmt: skip
 
 
 def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, Path, PretrainedConfig]:
@@ -230,6 +231,18 @@ def _eos_ids(path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
     if path.is_dir():
         ids.update(declared_eos_ids(path))
     return frozenset(ids)
+
+
+def _tokenizer_eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The EOS vLLM stops on with no ``stop_reason``: the tokenizer's ``eos_token_id`` (a tokenizer object
+    without one: the ids it declares; no tokenizer: the config's). vLLM makes the other EOS ids a model
+    declares stop token ids, each the ``stop_reason`` of the choices it ends."""
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        return frozenset([tokenizer.eos_token_id])
+    if tokenizer is not None:
+        return frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
+    eos = getattr(hf_config, "eos_token_id", None)
+    return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:

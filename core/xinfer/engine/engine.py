@@ -94,7 +94,7 @@ class LLMEngine:
         self.model, self.ops, self.device = self.runner.model, self.runner.backend, self.runner.device
         self.cache = parts.cache
         self.scheduler = parts.scheduler
-        self.eos_token_ids = parts.eos_token_ids
+        self.eos_token_ids, self.tokenizer_eos_ids = parts.eos_token_ids, parts.tokenizer_eos_ids
         self.mm_processor: MultiModalProcessor | None = None  # for a model that takes images
         if isinstance(self.model, MultiModalModel):
             self.mm_processor = self.model.multimodal_processor(self.tokenizer)
@@ -408,7 +408,7 @@ class LLMEngine:
             if token in params.stop_token_ids:
                 return "stop", token, True
             if token in seq.eos_token_ids and not params.ignore_eos:
-                return "stop", None, True
+                return "stop", None if token in self.tokenizer_eos_ids else token, True
         if seq.constraint is not None and seq.constraint.done:  # the grammar allows nothing more
             return "stop", None, False
         if seq.at_limit:  # max_tokens or the context

@@ -42,9 +42,11 @@ class TextStream:
                 self.min_text = len(self.text)
         if self.num_tokens <= self.min_tokens:
             return self._take(len(self.text) - self.hold), None
-        hits = [(i, stop) for stop in self.stop if (i := self._find(stop, previous)) != -1]
+        # as vLLM: the stop string that ends first, then the first listed
+        hits = [(i + len(stop), order, i, stop) for order, stop in enumerate(self.stop)
+                if (i := self._find(stop, previous)) != -1]  # fmt: skip
         if hits:
-            index, stop = min(hits)
+            _, _, index, stop = min(hits)
             end = index + len(stop) if self.include_stop else index
             self.text, self.stopped = self.text[:end], True
             return self._take(end), stop
