@@ -111,6 +111,34 @@ def test_reasoning_is_a_reasoning_item(tiny, tiny_client):
     assert [item.type for item in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0
 
 
+def test_a_named_call_streams_after_the_reasoning(tiny, tiny_client):
+    """A named function's call opens with the answer's first text, after the reasoning: streamed, the items are the
+    whole response's, in its order, one function_call item (the random model reasons until the token limit, so the
+    call is the grammar's empty start); on chat completions the call's first piece comes after the reasoning."""
+    model = tiny_client.models.list().data[0].id
+    turns = [{"role": "user", "content": "Think about the sea."}]
+    named = {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    whole = tiny_client.responses.create(model=model, input=turns, max_output_tokens=6, temperature=0, **named)
+    with tiny_client.responses.stream(model=model, input=turns, max_output_tokens=6, temperature=0, **named) as stream:
+        events = list(stream)
+    streamed = events[-1].response
+
+    def items(response: Response) -> list[tuple]:
+        return [(i.type, i.status, getattr(i, "name", None), getattr(i, "arguments", None)) for i in response.output]
+
+    assert items(streamed) == items(whole) and [i.type for i in whole.output] == ["reasoning", "function_call"]
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["reasoning", "function_call"]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    chunks = tiny_client.chat.completions.create(
+        model=model, messages=turns, max_tokens=6, temperature=0, stream=True, tools=chat_tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    reasoned = [i for i, delta in enumerate(deltas) if getattr(delta, "reasoning_content", None)]
+    called = [i for i, delta in enumerate(deltas) if delta.tool_calls]
+    assert reasoned and called and max(reasoned) <= min(called)
+
+
 def test_text_format_is_the_chat_response_format(client, model):
     schema = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
     text = {"format": {"type": "json_schema", "name": "fruit", "schema": schema, "strict": True}}

@@ -348,6 +348,33 @@ def test_the_messages_api_streams_a_call_in_tool_use_pieces(qwen, client):
     assert [json.loads(piece) for piece in json_pieces] == [whole.content[0].input]
 
 
+def test_the_messages_api_gives_a_forced_call_cut_by_max_tokens_as_the_client_reads_its_stream(qwen, client):
+    """A forced tool's call cut by max_tokens is an incomplete tool_use block (stop_reason max_tokens, as Anthropic
+    documents it), its input what the cut arguments hold: their partial-JSON parse, which Anthropic's client makes of
+    a cut stream. Whole and streamed alike; the stream's input_json_delta is that object (valid JSON)."""
+    import anthropic
+    import pydantic_core
+
+    claude = anthropic.Anthropic(base_url=qwen.url, api_key="unused", max_retries=0, timeout=300)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    kwargs = dict(model=client.models.list().data[0].id, max_tokens=8, messages=QUESTION, tools=tools,
+                  thinking={"type": "disabled"}, tool_choice={"type": "tool", "name": "get_weather"},
+                  extra_body={"temperature": 0})  # fmt: skip
+    whole = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        pieces = [event.partial_json for event in stream if event.type == "input_json"]
+        streamed = stream.get_final_message()
+    cut = ask(client, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=8).choices[0]
+    arguments = cut.message.tool_calls[0].function.arguments  # chat's arguments are the cut text, as vLLM's
+    assert cut.finish_reason == "length" and not arguments.endswith("}")
+    [use] = whole.content
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+    assert (use.type, use.name) == ("tool_use", "get_weather") and use.input
+    assert use.input == pydantic_core.from_json(arguments, allow_partial=True)
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [use.model_dump(exclude={"id"})]
+    assert [json.loads(piece) for piece in pieces] == [use.input]
+
+
 # OpenAI's Responses API: the same tools, flat ({"type": "function", "name": ...}), and the same answers
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 NO_REASONING = {"effort": "none"}

@@ -299,3 +299,15 @@ def test_forced_calls_whole_and_streamed(case):
     expected = ("", [(name, json.dumps(arguments)) for name, arguments in calls])
     for cut in range(len(text) + 1):
         assert streamed(parser, [text[:cut], text[cut:]]) == expected
+
+
+def test_a_named_call_opens_with_the_answers_first_text():
+    """A reasoning model's answer text is empty until its reasoning ends (the chat stream pushes ``""``): the named
+    function's call opens with its arguments' first text, after the reasoning, as vLLM's serving_chat sends it."""
+    stream = NamedFunctionParser("get_weather", TOOLS).stream()
+    assert stream.push("").tool_calls == [] and stream.push("\n\n").tool_calls == []
+    [call] = stream.push('{"city": "Oslo"').tool_calls
+    assert (call.index, call.name, call.arguments) == (0, "get_weather", '{"city": "Oslo"')
+    cut = NamedFunctionParser("get_weather", TOOLS).stream()  # the reasoning cut by the token limit: a call still
+    assert cut.push("").tool_calls == []
+    assert [(c.name, c.arguments) for c in cut.finish().tool_calls] == [("get_weather", "")]

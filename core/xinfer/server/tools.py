@@ -4,10 +4,11 @@ function) is held to."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import pydantic_core
 
 from xinfer.server.errors import FieldError
 from xinfer.toolcalls import NamedFunctionParser, RequiredCallsParser, ToolParser, named_schema, required_schema
@@ -152,10 +153,11 @@ class Call:
 
     @classmethod
     def of(cls, id: str, name: str, arguments: str | None) -> Call:
-        """A call whose arguments are JSON text (malformed ones, which only a stream lets out: kept whole,
-        under ``_raw``)."""
+        """A call whose arguments are JSON text. A forced call cut by the token limit holds what its cut text
+        holds (its partial-JSON parse, as Anthropic's client reads a cut ``tool_use`` stream); malformed
+        arguments, which only a stream lets out, are kept whole under ``_raw``."""
         try:
-            value = json.loads(arguments or "{}")
-        except json.JSONDecodeError:
+            value = pydantic_core.from_json(arguments or "{}", allow_partial=True)
+        except ValueError:
             return cls(id, name, {"_raw": arguments})
         return cls(id, name, value if isinstance(value, dict) else {"_raw": value})

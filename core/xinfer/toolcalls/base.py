@@ -177,7 +177,9 @@ class ToolCallStream:
         if not self.markers_off and self.parser.at_start_only:
             stripped = text.lstrip()
             marker = next((m for m in starts if stripped.startswith(m)), None)
-            if marker is not None:
+            # an empty marker (a block that is the whole output) waits for the output's first text: while a
+            # model reasons no answer text comes, and its call must not open before the reasoning ends
+            if marker is not None and (stripped or final):
                 return self._open(out, stripped, "", marker)  # blanks before a call are no content
             if not final and any(m.startswith(stripped) for m in starts):
                 return False  # blanks, or the beginning of a marker: wait

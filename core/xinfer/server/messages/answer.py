@@ -17,7 +17,7 @@ from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import ANTHROPIC_PATHS, server_failure
-from xinfer.server.messages.calls import read_calls
+from xinfer.server.messages.calls import calls_given, read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
     MessageResponse,
@@ -32,7 +32,6 @@ from xinfer.server.serving import Serving
 from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
 from xinfer.server.tools import Call
 from xinfer.text.reasoning import ReasoningStream, split
-from xinfer.toolcalls import ToolCallDelta
 
 # a block's empty start, and the delta type that extends it, by block type
 BLOCK_STARTS: dict[str, dict[str, Any]] = {"text": {"type": "text", "text": ""},
@@ -101,8 +100,9 @@ class MessageAnswer:
         prompt = self.prompt
         split_stream = ReasoningStream(prompt.tags, prompt.inside) if prompt.tags else None
         parser = prompt.tool_parser
-        # a tool_use block's input must be an object: a call goes out once its block proved valid
+        # a tool_use block's input must be an object: a call goes out whole, once its block closed and proved valid
         call_stream = parser.stream(hold=True) if parser is not None else None
+        sent = 0  # the calls that went out
         last: CompletionOutput | None = None
         try:
             async for _, out in self.serving.engine.stream(self.handle):
@@ -115,17 +115,16 @@ class MessageAnswer:
                     if out.finished():
                         more_reasoning, more_text = split_stream.finish()
                         reasoning, text = reasoning + more_reasoning, text + more_text
-                pieces: list[ToolCallDelta] = []
+                calls: list[Call] = []
                 if call_stream is not None:
                     deltas = [call_stream.push(text)] + ([call_stream.finish()] if out.finished() else [])
                     text = "".join(d.content for d in deltas)
-                    pieces = [
-                        piece for d in deltas for piece in d.tool_calls if prompt.tools.parallel or piece.index == 0
-                    ]
+                    given = calls_given(prompt, call_stream.calls)
+                    calls, sent = given[sent:], len(given)
                 for event in (*blocks.write("thinking", reasoning), *blocks.write("text", text)):
                     yield event
-                for piece in pieces:
-                    for event in blocks.write_call(piece):
+                for call in calls:
+                    for event in blocks.write_call(call):
                         yield event
                 last = out if out.finished() else last
         except Exception as error:  # noqa: BLE001 - the client gets an error event, not a cut stream
@@ -166,20 +165,14 @@ class BlockStream:
             ),
         ]
 
-    def write_call(self, piece: ToolCallDelta) -> list[str]:
-        """A piece of a tool call: its first opens a ``tool_use`` block, its arguments are ``input_json_delta``s."""
-        events = []
-        if piece.id is not None:
-            events += self.open(
-                "tool_use", {"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name, "input": {}}
-            )
-        if piece.arguments:
-            delta = {"type": "input_json_delta", "partial_json": piece.arguments}
-            events.append(
-                typed_sse_event(
-                    "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
-                )
-            )
+    def write_call(self, call: Call) -> list[str]:
+        """A whole tool call: a ``tool_use`` block whose input (the object the whole message gives) is one
+        ``input_json_delta``."""
+        events = self.open("tool_use", {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}})
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(call.input)}
+        events.append(
+            typed_sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        )
         return events
 
     def open(self, kind: str, block: dict[str, Any] | None = None) -> list[str]:

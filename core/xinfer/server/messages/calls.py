@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.tools import Call
+from xinfer.toolcalls import ToolCall
 
 
 def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
@@ -13,5 +14,9 @@ def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
     if parser is None:
         return text, []
     parsed = parser.parse(text)
-    found = parsed.tool_calls if prompt.tools.parallel else parsed.tool_calls[:1]
-    return parsed.content or "", [Call.of(c.id, c.name, c.arguments) for c in found]
+    return parsed.content or "", calls_given(prompt, parsed.tool_calls)
+
+
+def calls_given(prompt: ChatPrompt, found: list[ToolCall]) -> list[Call]:
+    """The calls an answer gives of those its parser found: only the first where parallel calls are off."""
+    return [Call.of(c.id, c.name, c.arguments) for c in (found if prompt.tools.parallel else found[:1])]
