@@ -63,7 +63,7 @@ def test_finish_reason_stop_length_and_stop_string(client, model):
     words = text.split()
     stop = " " + words[len(words) // 2]  # a stop string the greedy answer is known to contain
     cut = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=200, stop=[stop])
-    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop  # vLLM's
     assert cut.choices[0].message.content == text[: text.index(stop)]
     streamed = client.chat.completions.create(
         model=model, messages=QUESTION, temperature=0, max_tokens=200, stop=stop, stream=True
@@ -71,6 +71,8 @@ def test_finish_reason_stop_length_and_stop_string(client, model):
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[: text.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # vLLM's stop_reason, on the finishing chunk
+    assert [getattr(c.choices[0], "stop_reason", None) for c in chunks] == [None] * (len(chunks) - 1) + [stop]
     kept = client.chat.completions.create(  # vLLM's extra field
         model=model, messages=QUESTION, temperature=0, max_tokens=200, stop=[stop],
         extra_body={"include_stop_str_in_output": True},

@@ -79,6 +79,7 @@ def test_completion_echo_with_max_tokens_0_scores_the_prompt_alone(client, model
     scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     choice, num_prompt = scored.choices[0], scored.usage.prompt_tokens
     assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0  # as every answer's usage has it
     longer = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
     expected = longer.choices[0].logprobs
     assert choice.logprobs.tokens == expected.tokens[:num_prompt]
@@ -88,7 +89,22 @@ def test_completion_echo_with_max_tokens_0_scores_the_prompt_alone(client, model
     )
     chunks = list(stream)
     assert [(c.index, c.text) for chunk in chunks for c in chunk.choices] == [(0, prompt), (1, "Hi")]
-    assert chunks[-1].usage.completion_tokens == 0
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_stop_reason_is_on_the_finishing_chunk(client, model):
+    """vLLM's stop_reason (the stop string that ended a choice): on the whole choice, and streamed on the chunk that
+    finishes it."""
+    prompt = "The capital of France is"
+    words = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0).choices[0].text.split()
+    stop = words[len(words) // 2]
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].stop_reason == stop
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                            stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    reasons = [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in chunks]
+    assert reasons[-1] == ("stop", stop) and set(reasons[:-1]) == {(None, None)}
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, server):

@@ -122,7 +122,9 @@ class ChatAnswer(Answer):
             delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
             called = call_stream is not None and bool(call_stream.calls) and self.tools.finishes_with_calls
             reason = finish_reason(out.finish_reason, called) if out.finished() else None
-            yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
+            yield ChatChunkChoice(
+                index=index, delta=delta, logprobs=logprobs, finish_reason=reason, stop_reason=out.stop_reason
+            )
 
     def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:
         """The content and the pieces of tool calls that ``text`` settles (only the first

@@ -164,6 +164,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's, on the finishing chunk
 
 
 class ChatCompletionChunk(BaseModel):

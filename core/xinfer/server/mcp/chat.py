@@ -98,9 +98,14 @@ class ChatRounds:
         return ChatCompletion(id=self.id, model=self.serving.model_name, choices=[choice], usage=self.usage())
 
     def chunk(
-        self, delta: Delta, reason: str | None = None, with_usage: bool = False, logprobs: ChatLogprobs | None = None
+        self,
+        delta: Delta,
+        reason: str | None = None,
+        with_usage: bool = False,
+        logprobs: ChatLogprobs | None = None,
+        stop_reason: str | int | None = None,
     ) -> str:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason)
         choices = [choice] if not with_usage else []
         usage = self.usage() if with_usage else None
         return sse_event(ChatCompletionChunk(id=self.id, model=self.serving.model_name, choices=choices, usage=usage))
@@ -114,11 +119,12 @@ class ChatRounds:
                 try:
                     answer = self.answer(handle, prompt)
                     held: list[ToolCallDeltaItem] = []  # the round's call pieces, sent once it is known whose they are
-                    content, reason = "", None
+                    content, reason, stop_reason = "", None, None
                     async for choice in answer.deltas():
                         held += choice.delta.tool_calls or []
                         content += choice.delta.content or ""
-                        reason = choice.finish_reason or reason
+                        if choice.finish_reason is not None:
+                            reason, stop_reason = choice.finish_reason, choice.stop_reason
                         delta = choice.delta.model_copy(update={"tool_calls": None})
                         if delta.content or delta.reasoning_content or choice.logprobs is not None:
                             yield self.chunk(delta, logprobs=choice.logprobs)
@@ -137,6 +143,7 @@ class ChatRounds:
             yield self.chunk(
                 Delta(tool_calls=held or None),
                 finish_reason(reason, bool(calls) and answer.tools.finishes_with_calls) if reason else None,
+                stop_reason=stop_reason,
             )
             if rounds.body.include_usage:
                 yield self.chunk(Delta(), with_usage=True)

@@ -72,9 +72,9 @@ def echo_only(
                 scores = prompt_logprobs(scored[i], serving.token_text)
             choices.append(CompletionChoice(index=i * body.n + j, text=text, logprobs=logprobs, finish_reason="length",
                                             prompt_logprobs=scores))  # fmt: skip
-    answer = Completion(
-        id=new_id("cmpl"), model=serving.model_name, choices=choices, usage=usage(sum(map(len, prompts)), 0)
-    )
+    # the prompts are not run, or (scored) computed whole: none of their tokens is read from the prefix cache
+    answer = Completion(id=new_id("cmpl"), model=serving.model_name, choices=choices,
+                        usage=usage(sum(map(len, prompts)), 0, cached_tokens=0))  # fmt: skip
     if not body.stream:
         return JSONResponse(answer.model_dump())
     chunks = [answer.model_copy(update={"choices": [choice], "usage": None}) for choice in choices]
@@ -128,11 +128,16 @@ class CompletionAnswer(Answer):
             prompt_logprobs=self.prompt_logprobs(index // self.body.n),
         )
 
-    def text_chunk(self, index: int, text: str, finish_reason: str | None = None) -> str:
+    def text_chunk(
+        self, index: int, text: str, finish_reason: str | None = None, stop_reason: str | int | None = None
+    ) -> str:
         logprobs = self.logprobs[index]
         if logprobs is not None:
             self.logprobs[index] = CompletionLogprobs()  # each chunk carries only its own tokens
-        return self.chunk([CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)])
+        choice = CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+        )
+        return self.chunk([choice])
 
     async def events(self) -> AsyncIterator[str]:
         if self.body.echo:
@@ -141,4 +146,4 @@ class CompletionAnswer(Answer):
         async for index, out in self.serving.engine.stream(self.handle):
             self.add_logprobs(index, out.token_ids, out.logprobs)
             if out.text or out.finished() or self.logprobs[index] is not None:
-                yield self.text_chunk(index, out.text, out.finish_reason if out.finished() else None)
+                yield self.text_chunk(index, out.text, out.finish_reason, out.stop_reason)
