@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
 from xinfer.multimodal.inputs import content_hash
@@ -26,7 +26,7 @@ RESAMPLE = {
 
 def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
     """The image encoded in ``data`` (PNG, JPEG, WebP, ... whatever Pillow reads), fully
-    decoded; ``ValueError`` for data that is not an image, is truncated or corrupt, or has
+    decoded and turned upright by its EXIF orientation; ``ValueError`` for data that is not an image, is truncated or corrupt, or has
     more than ``max_pixels`` pixels (checked before decoding the pixels)."""
     try:
         image = Image.open(io.BytesIO(data))
@@ -43,7 +43,7 @@ def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
         image.load()
     except Exception as error:  # noqa: BLE001 - as above, for the pixel data
         raise ValueError(f"the image data is truncated or corrupt ({type(error).__name__}: {error})") from None
-    return image
+    return ImageOps.exif_transpose(image)  # upright, as viewers show it (and transformers' load_image reads it)
 
 
 def check_pixels(image: Image.Image, max_pixels: int | None) -> None:
