@@ -187,3 +187,23 @@ def test_an_image_block_on_the_messages_api(vision_server, vision_client):
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.usage.prompt_tokens
     counted = claude.messages.count_tokens(model="tiny-vision", messages=turns)
     assert counted.input_tokens == expected.usage.prompt_tokens
+
+
+def test_a_bad_image_on_the_responses_and_messages_apis_names_their_own_field(vision_server, vision_client):
+    """Those routes translate their bodies into a chat's: an image error named the chat's field
+    (messages.1.content.1.image_url, counting the instructions as a message)."""
+    import anthropic
+
+    bad = "data:image/png;base64,@@@"
+    parts = [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": bad}]
+    with pytest.raises(openai.BadRequestError) as error:
+        vision_client.responses.create(model="tiny-vision", instructions="be brief", max_output_tokens=2,
+                                       input=[{"role": "user", "content": "hi"}, {"role": "user", "content": parts}])  # fmt: skip
+    assert error.value.body["param"] == "input.1.content.1.image_url"
+    claude = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0, timeout=120)
+    source = {"type": "base64", "media_type": "image/png", "data": "@@@"}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model="tiny-vision", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image", "source": source}]}
+        ])  # fmt: skip
+    assert refused.value.body["error"]["message"].startswith("messages.0.content.1.source: ")

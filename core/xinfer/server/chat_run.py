@@ -49,7 +49,7 @@ def with_tools(serving: Serving, body: ChatCompletionRequest) -> tuple[ChatCompl
 async def chat_prompt(serving: Serving, body: ChatCompletionRequest, tools: ToolUse | None = None) -> ChatPrompt:
     """``tools``: as :func:`with_tools` found them (None: no tools go to the template)."""
     tools = tools or ToolUse()
-    _, urls = message_dicts(body.messages)
+    urls = body.with_image_fields(message_dicts(body.messages)[1])
     images = await serving.images(urls) if urls else []
     text = render_chat(
         serving.tokenizer,
@@ -66,7 +66,9 @@ async def chat_prompt(serving: Serving, body: ChatCompletionRequest, tools: Tool
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
         token_ids = body.truncated(token_ids, serving.max_model_len)
     tags = serving.reasoning_tags
-    token_ids, multimodal = await serving.multimodal_prompt(token_ids, images) if images else (token_ids, [])
+    token_ids, multimodal = (
+        await serving.multimodal_prompt(token_ids, images, body.prompt_name) if images else (token_ids, [])
+    )
     return ChatPrompt(text, token_ids, multimodal, tags, tags is not None and opens_reasoning(text, tags), tools)
 
 

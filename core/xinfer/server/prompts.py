@@ -52,6 +52,17 @@ def message_dicts(
     return result, images
 
 
+# the key under which a route that translates its body into a chat body marks each image part with the field of
+# its own body the image came from (the chat body's validation ignores it): for errors naming the client's field
+FIELD = "client_field"
+
+
+def image_fields(messages: list[dict[str, Any]]) -> list[str]:
+    """The client's fields of the translated ``messages``' images, in order."""
+    return [part[FIELD] for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if part.get("type") == "image_url"]  # fmt: skip
+
+
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant's tool call with its arguments as an object, not JSON text: templates
     write them with ``tojson`` (Llama, Mistral) or as they are (Qwen, which takes either)."""

@@ -324,6 +324,8 @@ class SamplingFields(RequestBody):
 
 class ChatCompletionRequest(SamplingFields):
     _prompt_name: str = PrivateAttr("messages")
+    # where a route translated its own body into this one: the fields its images came from, in order
+    _image_fields: list[str] | None = PrivateAttr(None)
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -369,6 +371,12 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_limit_name(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else self._token_limit_name
+
+    def with_image_fields(self, urls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The messages' image URLs with the fields of the client's own body they came from."""
+        if self._image_fields is None:
+            return urls
+        return [(url, field) for (url, _), field in zip(urls, self._image_fields, strict=True)]
 
     @property
     def num_logprobs(self) -> int | None:

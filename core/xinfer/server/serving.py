@@ -148,13 +148,14 @@ class Serving:
         return await asyncio.to_thread(lambda: [self.media.load_image(url, param) for url, param in urls])
 
     async def multimodal_prompt(
-        self, token_ids: list[int], images: list[Image.Image]
+        self, token_ids: list[int], images: list[Image.Image], param: str = "messages"
     ) -> tuple[list[int], list[PlaceholderRange]]:
-        """``token_ids`` with each image's placeholder expanded (the model's processor, off the event loop)."""
+        """``token_ids`` with each image's placeholder expanded (the model's processor, off the event loop);
+        ``param``: the field of the prompt, for errors."""
         try:
             return await asyncio.to_thread(self.llm.multimodal_prompt, token_ids, {"image": images})
         except ValueError as error:
-            raise bad_request(str(error), param="messages") from None
+            raise bad_request(str(error), param=param) from None
 
     async def embed(self, request: Request, token_ids: list[list[int]]) -> list[Any]:
         return await self._ask(request, self.engine.embed(token_ids))

@@ -31,6 +31,7 @@ from xinfer.server.messages.protocol import (
     Tool,
     ToolChoice,
 )
+from xinfer.server.prompts import FIELD, image_fields
 from xinfer.server.protocol import ChatCompletionRequest
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -67,9 +68,11 @@ def chat_request(
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
     try:
         # through JSON, so that the chat body is checked exactly as one sent over HTTP
-        return ChatCompletionRequest.model_validate_json(json.dumps(fields))
+        request = ChatCompletionRequest.model_validate_json(json.dumps(fields))
     except ValidationError as error:
         raise from_validation(error) from None
+    request._image_fields = image_fields(messages)
+    return request
 
 
 def chat_messages(body: CountTokensRequest, takes_images: bool) -> list[dict[str, Any]]:
@@ -209,7 +212,7 @@ def image_part(block: Block, param: str) -> dict[str, Any]:
         url = source.url
     else:
         raise bad_request("an image source is {type: base64, media_type, data} or {type: url, url}", param=param)
-    return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": url}, FIELD: f"{param}.source"}
 
 
 def document_text(block: Block, param: str) -> str:

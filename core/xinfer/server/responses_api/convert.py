@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from xinfer.server.errors import bad_request, from_validation
+from xinfer.server.prompts import FIELD, image_fields
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.responses_api.protocol import InputItem, InputPart, ResponsesRequest, TextFormat
 from xinfer.server.tools import check_functions, check_tool_choice
@@ -62,6 +63,7 @@ def chat_request(body: ResponsesRequest, previous: list[InputItem], takes_images
     except ValidationError as error:
         raise from_validation(error) from None
     request._token_limit_name, request._prompt_name, request._format_name = "max_output_tokens", "input", "text.format"
+    request._image_fields = image_fields(messages)
     return request
 
 
@@ -183,7 +185,7 @@ def content_part(part: InputPart, param: str, takes_images: bool) -> dict[str, A
         if not takes_images:
             raise bad_request("this model takes text only: it cannot read images", param=param)
         image_url = {"url": part.image_url} | ({"detail": part.detail} if part.detail else {})
-        return {"type": "image_url", "image_url": image_url}
+        return {"type": "image_url", "image_url": image_url, FIELD: f"{param}.image_url"}
     raise bad_request(
         f"content part of type {part.type!r} is not supported: parts are input_text, output_text, refusal or "
         "input_image with an image_url",
