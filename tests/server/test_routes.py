@@ -92,6 +92,37 @@ def test_completion_echo_with_max_tokens_0_scores_the_prompt_alone(client, model
     assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_completion_echo_gives_the_prompt_as_sent_where_the_tokenizer_adds_a_bos(tmp_path):
+    """vLLM echoes a text prompt as the client sent it (prompt_text + output.text) and token ids decoded; the BOS
+    its tokenizer adds is the first of the logprobs' tokens. xinfer echoed '<|im_start|>Hello world'."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import LlamaConfig
+
+    from tests.server.live import LiveServer
+    from tests.tiny_models import save_tiny_model
+    from xinfer.text.tokenizer import Tokenizer
+
+    backend = Tokenizer.from_gguf(default_model_path()).backend
+    bos = backend.token_to_id("<|im_start|>")
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    (tmp_path / "tokenizer.json").write_text(backend.to_str())
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}')
+    save_tiny_model(LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                architectures=["LlamaForCausalLM"]), tmp_path)  # fmt: skip
+    live = LiveServer("--m", str(tmp_path), "--max-model-len", "128", "--cpu", name="bos").start()
+    try:
+        answer = live.post("/v1/completions", {"prompt": "Hello world", "echo": True, "max_tokens": 2, "logprobs": 0})
+        choice = answer.json()["choices"][0]
+        assert choice["text"].startswith("Hello world") and choice["logprobs"]["tokens"][0] == "<|im_start|>"
+        scored = live.post("/v1/completions", {"prompt": "Hello world", "echo": True, "max_tokens": 0}).json()
+        assert scored["choices"][0]["text"] == "Hello world"
+        ids = live.post("/v1/completions", {"prompt": [bos, 19556], "echo": True, "max_tokens": 0}).json()
+        assert ids["choices"][0]["text"] == backend.decode([bos, 19556], skip_special_tokens=False)
+    finally:
+        live.stop()
+
+
 def test_completion_stop_reason_is_on_the_finishing_chunk(client, model):
     """vLLM's stop_reason (the stop string that ended a choice): on the whole choice, and streamed on the chunk that
     finishes it."""

@@ -132,14 +132,19 @@ def encode_prompts(
 ) -> list[list[int]]:
     """A completion or embedding prompt (a string, strings, token ids, or lists of them) as checked token ids.
     ``tokenizer`` is asked for only when there is text to encode (token ids need none)."""
-    one = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
-    prompts = cast("list[str | list[int]]", [prompt] if one else prompt)
     token_ids = [
-        tokenizer().encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p) for p in prompts
+        tokenizer().encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
+        for p in prompt_list(prompt)
     ]
     for i, ids in enumerate(token_ids):
         check_token_ids(ids, vocab_size, param if len(token_ids) == 1 else f"{param}.{i}")
     return token_ids
+
+
+def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+    """The prompts of a completion or embedding request, each a string or token ids."""
+    one = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
+    return cast("list[str | list[int]]", [prompt] if one else prompt)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

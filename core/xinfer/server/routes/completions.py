@@ -16,7 +16,7 @@ from xinfer.logprob import Logprob
 from xinfer.server.body import parse_body
 from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import extend_completion_logprobs, prompt_logprobs
-from xinfer.server.prompts import encode_prompts
+from xinfer.server.prompts import encode_prompts, prompt_list
 from xinfer.server.protocol import CompletionRequest
 from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs, new_id, usage
 from xinfer.server.serving import Serving
@@ -34,7 +34,11 @@ async def create_completion(request: Request) -> Response:
     prompts = encode_prompts(
         lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
     )
-    prompts = [body.truncated(prompt, serving.max_model_len) for prompt in prompts]
+    cut = [body.truncated(prompt, serving.max_model_len) for prompt in prompts]
+    # echo gives each prompt back as sent (vLLM's prompt text); token ids, and a prompt cut, decoded
+    texts = [sent if isinstance(sent, str) and len(c) == len(p) else None
+             for sent, p, c in zip(prompt_list(body.prompt), prompts, cut)]  # fmt: skip
+    prompts = cut
     echoed = None  # the prompts' logprobs, when echoed with logprobs
     if body.echo and body.logprobs is not None:
         echoed = await serving.prompt_logprobs(request, prompts, body.logprobs)
@@ -42,15 +46,16 @@ async def create_completion(request: Request) -> Response:
         scored = None  # vLLM's prompt_logprobs, where asked for
         if body.prompt_logprobs is not None:
             scored = await serving.prompt_logprobs(request, prompts, body.prompt_logprobs)
-        return echo_only(serving, body, prompts, echoed, scored)
+        return echo_only(serving, body, prompts, texts, echoed, scored)
     handle = await serving.submit(request, body, prompts)
-    return await CompletionAnswer(serving, body, handle, echoed).respond(request)
+    return await CompletionAnswer(serving, body, handle, texts, echoed).respond(request)
 
 
 def echo_only(
     serving: Serving,
     body: CompletionRequest,
     prompts: list[list[int]],
+    texts: list[str | None],
     echoed: list[list[dict[int, Logprob] | None]] | None,
     scored: list[list[dict[int, Logprob] | None]] | None = None,
 ) -> Response:
@@ -61,7 +66,7 @@ def echo_only(
         if len(prompt) > serving.max_model_len:
             message = f"the prompt has {len(prompt)} tokens, the model's context is {serving.max_model_len} tokens"
             raise bad_request(message, param="prompt", code="context_length_exceeded")
-        text = serving.tokenizer.decode(prompt, skip_special_tokens=False)
+        text = echo_text(serving, prompt, texts[i])
         for j in range(body.n):
             logprobs = None
             if echoed is not None:
@@ -84,6 +89,11 @@ def echo_only(
     return StreamingResponse(iter(events), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+def echo_text(serving: Serving, prompt: list[int], text: str | None) -> str:
+    """The text ``echo`` gives back: the prompt as sent, else its tokens decoded (special tokens included)."""
+    return text if text is not None else serving.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
 class CompletionAnswer(Answer):
     id_prefix, whole_type, chunk_type = "cmpl", Completion, Completion
     body: CompletionRequest
@@ -93,9 +103,11 @@ class CompletionAnswer(Answer):
         serving: Serving,
         body: CompletionRequest,
         handle: RequestHandle,
+        texts: list[str | None],
         echoed: list[list[dict[int, Logprob] | None]] | None = None,
     ):
         super().__init__(serving, body, handle)
+        self.texts = texts  # the prompts as sent (None: as token ids)
         self.echoed = echoed
         num_choices = len(handle.choices)
         self.offsets = [0] * num_choices
@@ -105,9 +117,10 @@ class CompletionAnswer(Answer):
         """The prompt's text, for ``echo``; its tokens enter the logprobs first."""
         if not self.body.echo:
             return ""
-        prompt = self.handle.outputs[index // self.body.n].prompt_token_ids
-        self.add_logprobs(index, prompt, self.echoed[index // self.body.n] if self.echoed else None)
-        return self.serving.tokenizer.decode(prompt, skip_special_tokens=False)
+        i = index // self.body.n
+        prompt = self.handle.outputs[i].prompt_token_ids
+        self.add_logprobs(index, prompt, self.echoed[i] if self.echoed else None)
+        return echo_text(self.serving, prompt, self.texts[i])
 
     def add_logprobs(self, index: int, token_ids: list[int], entries: list | None) -> None:
         result = self.logprobs[index]
