@@ -25,7 +25,23 @@ from transformers import PretrainedConfig
 from xinfer.loading.gguf import GGUFAdapter
 
 QWEN2 = GGUFAdapter(model_type="qwen2")
-QWEN3 = GGUFAdapter(model_type="qwen3")
+
+
+class BiasedAdapter(GGUFAdapter):
+    """An architecture whose attention biases a config field switches: on where the file has them (llama.cpp
+    refuses a ``qwen3`` file with them, transformers applies them; a reader that dropped them ran another model)."""
+
+    def __init__(self, model_type: str, bias_field: str):
+        super().__init__(model_type)
+        self.bias_field = bias_field
+
+    def config(
+        self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
+    ) -> dict[str, Any]:
+        return {self.bias_field: "blk.0.attn_q.bias" in tensor_names}
+
+
+QWEN3 = BiasedAdapter("qwen3", "attention_bias")
 
 _MOE_KEYS = {
     "num_experts": "expert_count",
@@ -35,23 +51,24 @@ _MOE_KEYS = {
 }
 
 
-class QwenMoeAdapter(GGUFAdapter):
-    def __init__(self, arch: str, model_type: str, norm_topk_prob: bool):
-        super().__init__(model_type)
+class QwenMoeAdapter(BiasedAdapter):
+    def __init__(self, arch: str, model_type: str, norm_topk_prob: bool, bias_field: str = "attention_bias"):
+        super().__init__(model_type, bias_field)
         self.arch, self.norm_topk_prob = arch, norm_topk_prob
 
     def config(
         self, metadata: Mapping[str, Any], fields: dict[str, Any], tensor_names: Collection[str]
     ) -> dict[str, Any]:
         present = {field: f"{self.arch}.{key}" for field, key in _MOE_KEYS.items() if f"{self.arch}.{key}" in metadata}
-        return {**{field: int(metadata[key]) for field, key in present.items()}, "norm_topk_prob": self.norm_topk_prob}
+        moe = {field: int(metadata[key]) for field, key in present.items()}
+        return {**super().config(metadata, fields, tensor_names), **moe, "norm_topk_prob": self.norm_topk_prob}
 
     def undo_conversion(self, hf_name: str, tensor: Tensor, config: PretrainedConfig) -> Tensor:
         # llama.cpp reads the shared expert's gate as a vector; HF's is a [1, H] projection
         return tensor.reshape(1, -1) if hf_name.endswith("shared_expert_gate.weight") else tensor
 
 
-QWEN2_MOE = QwenMoeAdapter("qwen2moe", "qwen2_moe", norm_topk_prob=False)
+QWEN2_MOE = QwenMoeAdapter("qwen2moe", "qwen2_moe", norm_topk_prob=False, bias_field="qkv_bias")
 QWEN3_MOE = QwenMoeAdapter("qwen3moe", "qwen3_moe", norm_topk_prob=True)
 
 

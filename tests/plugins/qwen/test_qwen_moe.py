@@ -137,10 +137,11 @@ def write_moe_gguf(model, arch: str, path) -> None:
 
 GGUF_CONFIGS = {
     # llama.cpp has no mlp_only_layers or decoder_sparse_step, and hard-codes norm_topk_prob (qwen3moe: on)
-    "qwen3moe": lambda: Qwen3MoeConfig(**{**COMMON, **EXPERTS}, head_dim=32, norm_topk_prob=True,
-                                       architectures=["Qwen3MoeForCausalLM"]),
-    "qwen2moe": lambda: Qwen2MoeConfig(**{**COMMON, **EXPERTS}, norm_topk_prob=False,
-                                       shared_expert_intermediate_size=48, architectures=["Qwen2MoeForCausalLM"]),
+    "qwen3moe": lambda **o: Qwen3MoeConfig(**{**COMMON, **EXPERTS, "head_dim": 32, "norm_topk_prob": True,
+                                             "architectures": ["Qwen3MoeForCausalLM"], **o}),
+    "qwen2moe": lambda **o: Qwen2MoeConfig(**{**COMMON, **EXPERTS, "norm_topk_prob": False,
+                                             "shared_expert_intermediate_size": 48,
+                                             "architectures": ["Qwen2MoeForCausalLM"], **o}),
 }  # fmt: skip
 
 
@@ -166,3 +167,25 @@ def test_gguf_with_stacked_experts_runs_like_the_original(gguf_models):
 def test_llama_cpp_reads_the_gguf_alike(gguf_models):
     _, llm, path = gguf_models
     assert_llama_cpp_agrees(llm, path)
+
+
+BIASED = {
+    "qwen3moe with attention biases": ("qwen3moe", {"attention_bias": True}),
+    "qwen2moe without q/k/v biases": ("qwen2moe", {"qkv_bias": False}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BIASED))
+def test_a_gguf_s_attention_biases_are_read_from_its_tensors(tmp_path, case):
+    """A config field switches them in transformers; a GGUF shows them as tensors present or not. xinfer ran a
+    qwen3moe file with biases without them (llama.cpp refuses it: more tensors than it expects)."""
+    arch, overrides = BIASED[case]
+    hf = save_tiny_model(GGUF_CONFIGS[arch](**overrides), tmp_path / "hf")
+    randomize(hf)
+    spread_routing(hf)
+    write_moe_gguf(hf, arch, tmp_path / "tiny.gguf")
+    llm = LLM(model=str(tmp_path / "tiny.gguf"), dtype="float32", num_blocks=64)
+    tokens = prompt(29)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0].log_softmax(-1)
+    assert (prefill_logits(llm.engine, tokens).float().log_softmax(-1) - expected).abs().max() <= 1e-4
