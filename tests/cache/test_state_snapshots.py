@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 from tests.tiny_models import COMMON, prompt
 from xinfer import LLM, SamplingParams, registry
 from xinfer.cache.specs import RecurrentStateSpec, TokenVectorSpec
-from xinfer.cache.state_pool import StatePool
+from xinfer.cache.state_pool import StatePool, copy_slots
 from xinfer.forward_context import attention_metadata, state_slots
 from xinfer.model import CausalLM
 
@@ -28,7 +28,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def test_snapshots_copy_slots_and_are_evicted_least_recently_used():
     state = torch.zeros(4, 3)
-    pool = StatePool(num_slots=2, num_snapshots=2, caches=[{"s": state}])
+    pool = StatePool(
+        num_slots=2, num_snapshots=2, copy=lambda source, target: copy_slots([{"s": state}], [(source, target)])
+    )
     seq = pool.acquire()
     state[seq] = 1.0
     pool.take(seq, prefix_hash=11)

@@ -97,6 +97,27 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(name, checkpoints, ranks):
             assert abs(x[token] - y[token]) <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3-next"])
+def test_a_hybrid_s_prefix_hit_and_preemptions_give_one_ranks_tokens(name, checkpoints, ranks):
+    """A prefix hit restores a recurrent state snapshot, snapshots are taken at block boundaries and a preempted
+    sequence gives its slot back: copies between state slots that the first rank's scheduler decides, which the
+    other ranks did not make (their share of the Gated DeltaNet heads went on from another state)."""
+    shared = prompt(40, seed=3)
+    prompts = [shared + prompt(5, seed=4), prompt(12, seed=5), shared + prompt(9, seed=6)]
+    options = dict(model=str(checkpoints(name)), dtype="float32", max_num_batched_tokens=32, device=DEVICE)
+    one = LLM(**options, num_blocks=64)
+    expected = [one.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]  # the last hits the first's
+    with LLM(**options, num_blocks=64, tensor_parallel_size=2) as llm:
+        outputs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    assert outputs[2].num_cached_tokens > 0
+    assert [out.outputs[0].token_ids for out in outputs] == expected
+    small = dict(options, num_blocks=7, max_model_len=96)
+    expected = [out.outputs[0].token_ids for out in LLM(**small).generate(prompts * 2, GREEDY)]
+    with LLM(**small, tensor_parallel_size=2) as llm:
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts * 2, GREEDY)] == expected
+        assert llm.engine.stats().num_preemptions > 0
+
+
 def test_heads_that_do_not_split_are_refused_in_one_line(tmp_path, checkpoints, ranks):
     three_heads = {**COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
     save_tiny_model(LlamaConfig(**three_heads, architectures=["LlamaForCausalLM"]), tmp_path)

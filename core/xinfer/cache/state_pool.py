@@ -8,24 +8,39 @@ evicted least recently used, as cached blocks are; a slot given back without a s
 is reused before any snapshot.
 
 A copy between slots is a device copy enqueued when the host decides it: the step in
-flight was launched before it and the next step after, so the host's order is the device's.
+flight was launched before it and the next step after, so the host's order is the device's
+(under tensor parallelism, the other ranks make it before their next forward:
+:meth:`xinfer.engine.runner.ModelRunner.copy_state_slot`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
+SlotCopy = Callable[[int, int], None]  # (source, target)
+
+
+@torch.no_grad()
+def copy_slots(caches: list[dict[str, Tensor]], copies: Iterable[tuple[int, int]]) -> None:
+    """Each ``(source, target)`` of ``copies`` in turn: slot ``target`` of every state tensor of ``caches`` (each
+    recurrent layer's, [slots, ...]) takes slot ``source``'s value."""
+    for source, target in copies:
+        for cache in caches:
+            for state in cache.values():
+                state[target].copy_(state[source])
+
 
 class StatePool:
-    def __init__(self, num_slots: int, num_snapshots: int = 0, caches: list[dict[str, Tensor]] | None = None):
-        """``num_slots`` for sequences and ``num_snapshots`` more, over the state tensors
-        ``caches`` (each recurrent layer's, [num_slots + num_snapshots, ...])."""
+    def __init__(self, num_slots: int, num_snapshots: int = 0, copy: SlotCopy | None = None):
+        """``num_slots`` for sequences and ``num_snapshots`` more; ``copy`` copies one slot's
+        state into another (over every recurrent layer)."""
         self.num_slots = num_slots
         self.num_snapshots = num_snapshots
-        self.caches = caches or []
+        self.copy = copy
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_slots + num_snapshots))
         self.snapshots: dict[int, int] = {}  # prefix hash -> slot
         self.hash_of: dict[int, int] = {}  # slot -> prefix hash
@@ -87,9 +102,6 @@ class StatePool:
         if prefix_hash is not None:
             del self.snapshots[prefix_hash]
 
-    @torch.no_grad()
     def _copy(self, source: int, target: int) -> None:
-        if source != target:
-            for cache in self.caches:
-                for state in cache.values():
-                    state[target].copy_(state[source])
+        if source != target and self.copy is not None:
+            self.copy(source, target)

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from xinfer import ops
+from xinfer.cache.state_pool import copy_slots
 from xinfer.config import DeviceConfig, EngineConfig, ParallelConfig
 from xinfer.distributed.ranks import Ranks, device_of, rank_device
 from xinfer.engine.runner import ModelRunner
@@ -56,16 +57,17 @@ def follow(ranks: Ranks, device: DeviceConfig) -> None:
                 runner.ranks = ranks
             except Exception as error:  # noqa: BLE001 - the first rank fails alike, and says so
                 log.warning("building the engine failed: %s", first_line(error))
-        elif kind == "step":
-            assert runner is not None, "a step before the engine was built"
-            batch, has_pending = payload
-            _step(runner, batch, has_pending)
-        elif kind == "hidden":
+        else:  # a forward, after the state copies the first rank made since the last one
             assert runner is not None, "a forward before the engine was built"
-            runner.hidden_states(payload[0])
-        elif kind == "logprobs":
-            assert runner is not None, "a forward before the engine was built"
-            runner.prompt_logprobs(*payload)
+            *payload, state_copies = payload
+            copy_slots(runner.state_caches, state_copies)
+            if kind == "step":
+                _step(runner, *payload)
+            elif kind == "hidden":
+                runner.hidden_states(*payload)
+            else:
+                assert kind == "logprobs", kind
+                runner.prompt_logprobs(*payload)
 
 
 @torch.inference_mode()

@@ -21,7 +21,7 @@ from xinfer.cache.block_pool import BlockPool
 from xinfer.cache.manager import CacheManager
 from xinfer.cache.recent_window import RecentWindow
 from xinfer.cache.specs import TokenVectorSpec
-from xinfer.cache.state_pool import StatePool
+from xinfer.cache.state_pool import SlotCopy, StatePool
 from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
 from xinfer.distributed.group import SINGLE, TensorParallel, building_for
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
@@ -119,7 +119,8 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     )  # fmt: skip
     scheduler_config = config.scheduler.model_copy(update={"max_num_seqs": plan.max_num_seqs})
     config = config.model_copy(update={"scheduler": scheduler_config})
-    cache_manager = _cache_manager(plan, cache, layout.state_caches())
+    runner.state_caches = layout.state_caches()
+    cache_manager = _cache_manager(plan, cache, runner.copy_state_slot)
     log.info("%s, KV cache format %s", plan.describe(), kv_format.name)
     if not config.device.enforce_eager:
         runner.capture_graphs(plan.max_num_seqs, scheduler_config.max_num_batched_tokens, max_model_len,
@@ -200,14 +201,14 @@ def _refuse_a_format_no_layer_stores(kv_format: KVFormat, layout: CacheLayout) -
     )
 
 
-def _cache_manager(plan: MemoryPlan, cache: CacheConfig, states: list[dict[str, Tensor]]) -> CacheManager:
+def _cache_manager(plan: MemoryPlan, cache: CacheConfig, copy_slot: SlotCopy) -> CacheManager:
     """The planned pools, each given its recent window's shadows where it has them, and state slots
-    over the recurrent layers' ``states``."""
+    whose states ``copy_slot`` copies."""
     pools = []
     for pool in plan.pools:
         shadows = RecentWindow(pool.num_shadows, cache.kv_recent_window, cache.block_size) if pool.num_shadows else None
         pools.append(BlockPool(pool.num_blocks, cache.block_size, pool.window, shadows))
-    slots = StatePool(plan.num_state_slots, plan.num_snapshot_slots, states) if plan.num_state_slots else None
+    slots = StatePool(plan.num_state_slots, plan.num_snapshot_slots, copy_slot) if plan.num_state_slots else None
     return CacheManager(pools, cache.enable_prefix_caching, slots, cache.state_snapshot_interval, cache.block_size)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from xinfer import logprob, ops
+from xinfer.cache.state_pool import copy_slots
 from xinfer.engine.failures import RequestFailed
 from xinfer.engine.sampler import SampledTokens, Sampler
 from xinfer.engine.scheduler import ScheduledSeq
@@ -64,6 +65,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.graphs: StepRunner | None = None
         self.ranks: Ranks | None = None  # under tensor parallelism, once built
+        self.state_caches: list[dict[str, Tensor]] = []  # each recurrent layer's state tensors, once allocated
+        self.state_copies: list[tuple[int, int]] = []  # under tensor parallelism: the other ranks' to make
         self.encoder_cache = EncoderCache(encoder_cache_size)
 
     @torch.inference_mode()
@@ -158,14 +161,24 @@ class ModelRunner:
             self.ranks.share(input_ids)
         return self.forward(input_ids, positions, step, rows)
 
+    def copy_state_slot(self, source: int, target: int) -> None:
+        """State slot ``source`` copied into ``target`` over every recurrent layer: here now (on the device, after
+        the step in flight), on the other ranks before their next forward (the first rank's scheduler decides
+        every rank's slots)."""
+        copy_slots(self.state_caches, [(source, target)])
+        if self.ranks is not None:
+            self.state_copies.append((source, target))
+
     @contextlib.contextmanager
     def _leading(self, message: tuple) -> Iterator[None]:
         """Under tensor parallelism, on the first rank: the other ranks are sent ``message`` (what to run
-        alongside), and a rank that fails meanwhile raises :class:`~xinfer.distributed.WorkerFailed`."""
+        alongside) and the state copies to make first, and a rank that fails meanwhile raises
+        :class:`~xinfer.distributed.WorkerFailed`."""
         if self.ranks is None or not self.ranks.tp.first:
             yield
             return
-        self.ranks.send(message)
+        self.ranks.send((*message, self.state_copies))
+        self.state_copies = []
         with self.ranks.failing_as_workers():
             yield
 
