@@ -45,6 +45,26 @@ def test_a_killed_worker_fails_the_request_under_way_and_the_next(llama):
             llm.generate([prompt(3)], LONG)
 
 
+def test_a_hung_worker_is_given_up_after_the_timeout(llama):
+    """A rank that stops answering (stopped, deadlocked) fails the step after ``timeout`` as the layers'
+    collectives do: the first rank waited on the step's message to it for ever (the host messages' group had
+    no timeout, so that idle ranks may wait)."""
+    with LLM(model=str(llama), dtype="float32", num_blocks=64, tensor_parallel_size=2, timeout=3) as llm:
+        stream = llm.stream([prompt(5)], LONG)
+        next(stream)
+        assert llm.engine.ranks is not None
+        worker = llm.engine.ranks.processes[0].pid
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(WorkerFailed, match="Timed out"):
+                for _ in stream:
+                    pass
+            assert time.monotonic() - started < 30
+        finally:
+            os.kill(worker, signal.SIGKILL)
+
+
 def test_the_server_fails_its_streams_and_exits_non_zero(llama):
     server = LiveServer("--m", str(llama), "--cpu", "--d", "0,1", "--dtype", "f32", name="tp-worker-death").start()
     try:

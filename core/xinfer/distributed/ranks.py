@@ -9,7 +9,8 @@ exits fails the engine's next step (or the one under way) with :class:`WorkerFai
 leaving it waiting.
 
 Two groups: the layers' collectives on the device's backend (NCCL on CUDA, gloo on the CPU),
-with ``timeout``, and the host messages on gloo, without one (an idle engine sends nothing).
+with ``timeout``, and the host messages on gloo, with ``timeout`` on the first rank, which sends them,
+and none on the others, which wait for them (an idle engine sends nothing).
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ class Ranks:
             backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}", rank=rank,
             world_size=parallel.tensor_parallel_size, timeout=datetime.timedelta(seconds=parallel.timeout),
         )  # fmt: skip
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # the other ranks wait for the next message as long as the engine idles; the first rank's sends give up on
+        # a rank that hangs after the group's timeout, as its collectives do (gloo's timeouts are each process's)
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel.timeout) if rank == 0
+                                 else IDLE_TIMEOUT)  # fmt: skip
         self.tp = TensorParallel(rank, parallel.tensor_parallel_size, dist.group.WORLD, control)
         self._watcher = threading.Thread(target=self._watch, name="xinfer-ranks", daemon=True)
         self._watcher.start()
