@@ -295,6 +295,35 @@ def test_a_request_the_engine_took_is_counted_once_against_max_waiting():
     asyncio.run(body())  # (QueueFull: "2 sequences are waiting (limit 2)")
 
 
+def test_a_burst_the_running_batch_has_room_for_is_not_refused():
+    """--max-waiting counts sequences waiting to start: 32 requests at once to an idle engine with room for 64
+    got 16 429s at a limit of 16 (those about to start counted as waiting). Beyond the batch's room they still
+    are: a burst of 64 + 16 takes 64 + 16 sequences and refuses the rest."""
+    from xinfer.engine.async_engine import QueueFull
+
+    class Roomy(ScriptedEngine):  # room for 64 sequences; the requests it takes wait (none is stepped)
+        def has_unfinished(self):
+            return False
+
+        def stats(self):
+            return EngineStats(0, len(self.live), 0.0, 0, 0, 0, num_free_seqs=64)
+
+    async def body():
+        engine = AsyncEngine(Roomy, max_waiting=16)
+        engine.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+            outcomes = await asyncio.gather(
+                *(engine.submit([([1, 2, 3], SamplingParams(max_tokens=2))]) for _ in range(96)),
+                return_exceptions=True,
+            )
+            return sum(isinstance(outcome, QueueFull) for outcome in outcomes)
+        finally:
+            engine.stop(timeout=5)
+
+    assert asyncio.run(body()) == 96 - 64 - 16
+
+
 def stream_through_openai(factory, **fields):
     """The text chunks of a streamed completion read by the official client, and the error it raised."""
 

@@ -181,7 +181,8 @@ class AsyncEngine:
         """
         self.check_sequences(sum(entry[1].n for entry in prompts))
         self._check_available()
-        waiting = self.stats.num_waiting + self._num_adding
+        # the sequences that wait to start: those queued or being added beyond the running batch's room
+        waiting = self.stats.num_waiting + self._num_adding - self.stats.num_free_seqs
         if waiting >= self.max_waiting:
             raise QueueFull(f"{waiting} sequences are waiting (limit {self.max_waiting}); retry later")
         request_id = f"req-{next(self._ids)}"
@@ -299,6 +300,7 @@ class AsyncEngine:
             self._loaded.set()
             return
         self.engine = engine
+        self.stats = engine.stats()  # the batch's room, before the first request is taken (none is yet)
         if self.state is EngineState.LOADING:
             self.state = EngineState.READY
         self._loaded.set()

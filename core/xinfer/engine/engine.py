@@ -46,6 +46,7 @@ class EngineStats:
     num_steps: int = 0
     num_step_sequences: int = 0  # summed over the steps: over num_steps, the mean batch
     num_step_tokens: int = 0  # computed (prompt and generated), summed over the steps
+    num_free_seqs: int = 0  # sequences the running batch has room for (max_num_seqs less those running)
 
 
 @dataclass
@@ -312,7 +313,7 @@ class LLMEngine:
         scheduler, cache = self.scheduler, self.cache
         return EngineStats(len(scheduler.running), len(scheduler.waiting), cache.usage, cache.queries, cache.hits,
                            scheduler.num_preemptions, scheduler.num_steps, scheduler.num_step_sequences,
-                           scheduler.num_step_tokens)  # fmt: skip
+                           scheduler.num_step_tokens, max(0, scheduler.max_num_seqs - len(scheduler.running)))  # fmt: skip
 
     def step(self) -> list[StepOutput]:
         """Launches the next step, then reads back the one before it and returns what it

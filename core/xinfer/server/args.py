@@ -249,8 +249,9 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                          help="origins whose pages' scripts may call the API (CORS), e.g. https://app.example.com "
                          "(default: every origin, *; none given: no CORS headers)")
     serving.add_argument("--max-waiting", type=_at_least(int, 1), default=256, metavar="N",
-                         help="sequences waiting to start beyond which a new request gets 429; also the most one "
-                         "request may ask for (its prompts times n), beyond which it gets 400")
+                         help="sequences waiting to start (beyond the running batch's room) past which a new request "
+                         "gets 429; also the most one request may ask for (its prompts times n), beyond which it "
+                         "gets 400")
     serving.add_argument("--shutdown-timeout", type=_at_least(float, 0), default=30.0, metavar="SECONDS",
                          help="seconds in-flight requests may take to finish after SIGTERM")
     serving.add_argument("--max-body-bytes", type=_at_least(int, 1), default=16 << 20, metavar="BYTES",
