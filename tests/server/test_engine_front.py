@@ -112,6 +112,27 @@ def test_health_is_503_while_loading_then_200():
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "aaa"
 
 
+def test_prompts_are_tokenized_off_the_event_loop():
+    """A prompt of megabytes takes seconds to tokenize: on the event loop, /health, /metrics and every stream
+    stalled that long (a load balancer's probe would call the server dead)."""
+    threads: list[threading.Thread] = []
+
+    def factory():
+        engine = ScriptedEngine()
+        encode = engine.tokenizer.encode
+        engine.tokenizer.encode = lambda text, **options: threads.append(threading.current_thread()) or encode(text)
+        return engine
+
+    async def body(http, engine):
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+        answers = [await http.post("/v1/completions", json={"prompt": "a long text", "max_tokens": 2}),
+                   await http.post("/tokenize", json={"prompt": "a long text"})]  # fmt: skip
+        return [answer.status_code for answer in answers], threading.current_thread()
+
+    statuses, event_loop = asyncio.run(with_app(factory, body))
+    assert statuses == [200, 200] and len(threads) == 2 and event_loop not in threads
+
+
 def test_a_dead_engine_loop_fails_requests_and_health():
     def explode():
         raise RuntimeError("device lost")

@@ -3,6 +3,7 @@ shared by ``/v1/chat/completions`` and the Messages API."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,15 +52,19 @@ async def chat_prompt(serving: Serving, body: ChatCompletionRequest, tools: Tool
     tools = tools or ToolUse()
     urls = body.with_image_fields(message_dicts(body.messages)[1])
     images = await serving.images(urls) if urls else []
-    text = render_chat(
-        serving.tokenizer,
-        body.messages,
-        body.add_generation_prompt,
-        body.continue_final_message,
-        tools.template_tools,
-        template_kwargs(body, serving.disable_reasoning),
-    )
-    token_ids = serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+
+    def rendered() -> tuple[str, list[int]]:
+        text = render_chat(
+            serving.tokenizer,
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            tools.template_tools,
+            template_kwargs(body, serving.disable_reasoning),
+        )
+        return text, serving.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+
+    text, token_ids = await asyncio.to_thread(rendered)  # (seconds for megabytes: off the event loop)
     check_token_ids(token_ids, serving.vocab_size, "messages")
     if body.truncate_prompt_tokens is not None:
         if images:

@@ -5,6 +5,7 @@ Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as in OpenAI's API.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -31,8 +32,8 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     serving.check_model(body.model)
     serving.check_sequences(body.num_prompts, body.n)  # before any prompt is encoded or scored
-    prompts = encode_prompts(
-        lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
+    prompts = await asyncio.to_thread(  # (seconds for megabytes: off the event loop)
+        encode_prompts, lambda: serving.tokenizer, body.prompt, serving.vocab_size, "prompt", body.add_special_tokens
     )
     cut = [body.truncated(prompt, serving.max_model_len) for prompt in prompts]
     # echo gives each prompt back as sent (vLLM's prompt text); token ids, and a prompt cut, decoded

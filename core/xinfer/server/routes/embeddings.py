@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import torch
@@ -23,7 +24,7 @@ async def create_embeddings(request: Request) -> JSONResponse:
     serving: Serving = request.app.state.serving
     body = await parse_body(request, EmbeddingRequest)
     serving.check_model(body.model)
-    inputs = encode_prompts(lambda: serving.tokenizer, body.input, serving.vocab_size, "input")
+    inputs = await asyncio.to_thread(encode_prompts, lambda: serving.tokenizer, body.input, serving.vocab_size, "input")
     for tokens in inputs:
         if len(tokens) > serving.max_model_len:
             message = f"the input has {len(tokens)} tokens, the model's context is {serving.max_model_len} tokens"

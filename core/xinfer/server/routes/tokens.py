@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -30,7 +32,7 @@ async def tokenize(request: Request) -> JSONResponse:
     else:
         assert body.prompt is not None  # the request's validator requires prompt or messages
         text, special = body.prompt, body.add_special_tokens is not False
-    tokens = tokenizer.encode(text, add_special_tokens=special)
+    tokens = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=special)  # (off the event loop)
     result = TokenizeResult(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len)
     return JSONResponse(result.model_dump())
 
