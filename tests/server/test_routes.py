@@ -373,3 +373,14 @@ def test_bad_words_are_not_in_a_completion(server):
     plain = server.post("/v1/completions", body).json()["choices"][0]["text"]
     banned = server.post("/v1/completions", {**body, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
     assert "Paris" in plain and "Paris" not in banned, (plain, banned)
+
+
+def test_embedding_inputs_are_counted_as_openai_reads_them():
+    """A list of token ids is one input (OpenAI's); 300 of them were refused as 300 inputs."""
+    from pydantic import ValidationError
+
+    from xinfer.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest
+
+    assert EmbeddingRequest.model_validate({"input": list(range(300))}).input == list(range(300))
+    with pytest.raises(ValidationError, match=f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got 257"):
+        EmbeddingRequest.model_validate({"input": ["a"] * 257})

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from xinfer.server.errors import bad_request
-from xinfer.server.protocol import ChatMessage, Prompt
+from xinfer.server.protocol import ChatMessage, Prompt, prompt_list
 
 
 def message_dicts(
@@ -139,12 +139,6 @@ def encode_prompts(
     for i, ids in enumerate(token_ids):
         check_token_ids(ids, vocab_size, param if len(token_ids) == 1 else f"{param}.{i}")
     return token_ids
-
-
-def prompt_list(prompt: Prompt) -> list[str | list[int]]:
-    """The prompts of a completion or embedding request, each a string or token ids."""
-    one = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
-    return cast("list[str | list[int]]", [prompt] if one else prompt)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

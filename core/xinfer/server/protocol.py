@@ -11,7 +11,7 @@ one request from costing the server more than a client should be able to ask.
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
@@ -386,6 +386,12 @@ class ChatCompletionRequest(SamplingFields):
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
+def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+    """The prompts of a completion or embedding request, each a string or token ids (a list of ids is one)."""
+    one = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
+    return cast("list[str | list[int]]", [prompt] if one else prompt)
+
+
 class CompletionRequest(SamplingFields):
     default_max_tokens: ClassVar[int] = 16  # OpenAI's legacy completions (and vLLM's) stop there unless told
 
@@ -411,9 +417,7 @@ class CompletionRequest(SamplingFields):
 
     @property
     def num_prompts(self) -> int:
-        """One for a string or a list of token ids, else the list's length."""
-        prompt = self.prompt
-        return 1 if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt) else len(prompt)
+        return len(prompt_list(self.prompt))
 
     @property
     def token_limit(self) -> int | None:
@@ -440,8 +444,8 @@ class EmbeddingRequest(RequestBody):
     def _check_inputs(self) -> EmbeddingRequest:
         if self.input in ("", [], [[]]):
             raise FieldError("input", "input must not be empty")
-        if isinstance(self.input, list) and len(self.input) > MAX_EMBEDDING_INPUTS:
-            raise FieldError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(self.input)}")
+        if (count := len(prompt_list(self.input))) > MAX_EMBEDDING_INPUTS:  # (a list of token ids is one)
+            raise FieldError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {count}")
         return self
 
 

@@ -17,8 +17,8 @@ from xinfer.logprob import Logprob
 from xinfer.server.body import parse_body
 from xinfer.server.errors import bad_request
 from xinfer.server.logprobs import extend_completion_logprobs, prompt_logprobs
-from xinfer.server.prompts import encode_prompts, prompt_list
-from xinfer.server.protocol import CompletionRequest
+from xinfer.server.prompts import encode_prompts
+from xinfer.server.protocol import CompletionRequest, prompt_list
 from xinfer.server.responses import Completion, CompletionChoice, CompletionLogprobs, new_id, usage
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import SSE_DONE, SSE_HEADERS, Answer, sse_event
