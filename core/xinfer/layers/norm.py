@@ -31,7 +31,9 @@ class RMSNorm(nn.Module):
         return ops.norm_linear(x, residual, self.weight, self.eps, weight, bias)
 
     def from_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
-        return tensor + self.weight_offset if self.weight_offset else tensor
+        # in fp32, as the references add it at run time: 1 + w rounded in a bf16 checkpoint's dtype is off by up to
+        # 2**-8 (the model's dtype rounds it once more where it is not fp32)
+        return tensor.float() + self.weight_offset if self.weight_offset else tensor
 
 
 class LayerNorm(nn.Module):
