@@ -238,9 +238,10 @@ def test_a_model_of_deltanet_layers_alone_gives_its_states_and_snapshots_the_who
     save_tiny_model(deltanet_alone(CONFIGS["qwen3.5"]()), tmp_path)
     budget = 1 << 20
     monkeypatch.setattr(memory_plan, "host_kv_budget", lambda fraction: budget)
-    states = LLM(model=str(tmp_path), dtype="float32", max_num_seqs=1024).engine.cache.states
+    engine = LLM(model=str(tmp_path), dtype="float32", max_num_seqs=1024).engine
+    states = engine.cache.states
     assert states is not None
-    slot_bytes = sum(t[0].nbytes for cache in states.caches for t in cache.values())
+    slot_bytes = sum(t[0].nbytes for cache in engine.runner.state_caches for t in cache.values())
     held = (states.num_slots + states.num_snapshots) * slot_bytes
     assert budget - 2 * slot_bytes < held <= budget
     assert states.num_snapshots == -(-states.num_slots // 4)
