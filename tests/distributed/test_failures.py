@@ -49,7 +49,7 @@ def test_a_hung_worker_is_given_up_after_the_timeout(llama):
     """A rank that stops answering (stopped, deadlocked) fails the step after ``timeout`` as the layers'
     collectives do: the first rank waited on the step's message to it for ever (the host messages' group had
     no timeout, so that idle ranks may wait)."""
-    with LLM(model=str(llama), dtype="float32", num_blocks=64, tensor_parallel_size=2, timeout=3) as llm:
+    with LLM(model=str(llama), dtype="float32", num_blocks=64, tensor_parallel_size=2, timeout=15) as llm:
         stream = llm.stream([prompt(5)], LONG)
         next(stream)
         assert llm.engine.ranks is not None
