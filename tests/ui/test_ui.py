@@ -1382,3 +1382,293 @@ def test_a_full_browser_storage_is_said_until_saving_works_again(page):
     assert len(_stored_conversations(page)[0]["messages"]) == 6
     page.locator(".conv-item", has_text="Old pictures").locator(".conv-open").click()
     expect(page.locator(".images-removed")).to_have_text("1 image removed to free browser storage")
+
+
+@pytest.mark.timeout(120)
+def test_stored_settings_of_the_wrong_type_load_as_defaults(server, browser):
+    """Settings written by hand or by another page are read field by field: a system prompt that is not text
+    broke every message (its reply stayed "streaming" for ever, and Stop could not end it)."""
+    stored = {"systemPrompt": 5, "theme": ["dark"], "temperature": "hot", "topP": {}, "maxTokens": "many"}
+    with _open_page(server, browser, stored) as page:
+        bodies = _mock_replies(page, ["Fine."])
+        expect(page.locator("#sys-indicator")).to_be_hidden()
+        _send(page, "hello")
+        expect(_last_reply(page).locator(".msg-content")).to_have_text("Fine.")
+        assert bodies[0]["messages"] == [{"role": "user", "content": "hello"}]
+        assert not {"temperature", "top_p", "max_tokens"} & bodies[0].keys(), bodies[0]
+        page.click("#open-settings")
+        expect(page.locator("#set-system")).to_have_value("")
+        expect(page.locator("#set-theme")).to_have_value("system")
+        page.click("#settings .settings-foot .primary")
+
+        # A reply that cannot be drawn (here the sidebar, once) still ends: the conversation is not left busy.
+        page.eval_on_selector(
+            "#conv-list",
+            "list => { list.replaceChildren = () => { delete list.replaceChildren; throw new Error('draw failed'); }; }",
+        )
+        _send(page, "again")
+        expect(_last_reply(page).locator(".msg-error")).to_contain_text("draw failed")
+        expect(page.locator("#send")).to_be_visible()
+        _send(page, "once more")
+        expect(_last_reply(page).locator(".msg-content")).to_have_text("Fine.")
+
+
+def test_a_code_block_named_like_an_object_property_is_shown(page):
+    """A fence's language is looked up among the highlighter's own names only: "constructor" found
+    Object.prototype's, and the whole reply was replaced by "This message could not be shown"."""
+    names = ["constructor", "__proto__", "toString", "hasOwnProperty"]
+    _mock_replies(page, ["The answer.\n\n" + "".join(f"```{name}\nx = 1\n```\n\n" for name in names)])
+    _send(page, "some code")
+    reply = _last_reply(page)
+    expect(reply.locator(".code-lang")).to_have_text(names)
+    expect(reply.locator(".msg-content p")).to_have_text("The answer.")
+    expect(reply.locator(".regen-btn")).to_be_attached()
+    expect(page.locator(".msg.broken")).to_have_count(0)
+
+
+# Milliseconds renderMarkdown takes on each of `cases` ({name: markdown}), into a reply's container.
+RENDER_TIMES = """async (cases) => {
+  const { renderMarkdown } = await import(new URL('ui/static/markdown.js', document.baseURI).href);
+  const times = {};
+  for (const [name, src] of Object.entries(cases)) {
+    const box = document.createElement('div');
+    box.dir = 'auto';
+    const start = performance.now();
+    renderMarkdown(src, box);
+    times[name] = performance.now() - start;
+  }
+  return times;
+}"""
+
+
+@pytest.mark.timeout(300)
+def test_markdown_renders_long_and_unclosed_text_in_linear_time(page):
+    """Each of these took 1.5 to 40 s (the tab frozen, on each redraw and each load of the page): dir=auto
+    set on an element before its children went in or out (Chromium works its direction out again for each
+    one), and each opener that never closes searched for to the end of the text. Now well under a second."""
+    n = 20_000
+    cases = {
+        "one-word lines": "word\n" * n,
+        "paragraphs": "word\n\n" * n,
+        "a list item of many lines": "- word\n" + "  word\n" * n,
+        "unclosed bold": " **a" * n,
+        "unclosed italic": " _a" * n,
+        "unclosed strike": " ~~a" * n,
+        "unclosed bold italic": "***a " * n,
+        "unclosed math": "\\(" * 2 * n,
+        "unclosed link targets": "[a](" * n,
+        "unclosed brackets": "![" * n,
+        "URLs without a host": "http:///" * n,
+        "a URL ending in parentheses": "https://a.example/" + ")" * n,
+    }
+    times = page.evaluate(RENDER_TIMES, cases)
+    slow = {name: round(ms) for name, ms in times.items() if ms > 1000}
+    assert not slow, f"renderMarkdown took (ms): {slow}"
+
+
+@pytest.mark.timeout(120)
+def test_an_import_with_repeated_ids_keeps_its_conversations_apart(page, tmp_path):
+    """Ids were made unique only against the conversations already here: two of one file with the same id
+    showed the same messages (and were deleted together), and messages with one id opened one edit box each."""
+
+    def messages(name: str) -> list[dict]:
+        return [
+            {"id": "m", "role": "user", "content": f"first of {name}"},
+            {"id": "m", "role": "assistant", "content": f"reply of {name}"},
+            {"id": "m", "role": "user", "content": f"second of {name}"},
+        ]
+
+    data = [
+        {"id": "same", "title": "Chat A", "updated": 5, "messages": messages("A")},
+        {"id": "same", "title": "Chat B", "updated": 4, "messages": messages("B")},
+    ]
+    path = tmp_path / "repeated.json"
+    path.write_text(json.dumps(data))
+    page.set_input_files("#import-file", str(path))
+    expect(page.locator(".toast")).to_contain_text("Imported 2 conversations")
+    page.locator(".conv-item", has_text="Chat B").locator(".conv-open").click()
+    expect(page.locator(".msg.user .bubble")).to_have_text(["first of B", "second of B"])
+    page.locator(".msg.user").last.locator(".edit-btn").click()
+    expect(page.locator(".edit-box")).to_have_count(1)
+    expect(page.locator(".edit-box")).to_have_value("second of B")
+    page.press(".edit-box", "Escape")
+    for conv in _stored_conversations(page):
+        ids = [m["id"] for m in conv["messages"]]
+        assert len(set(ids)) == 3, (conv["title"], ids)
+
+    item = page.locator(".conv-item", has_text="Chat A")
+    item.hover()
+    item.locator("button[title='Delete']").click()
+    item.locator("button[title='Click again to delete']").click()
+    expect(page.locator(".conv-item")).to_have_text(["Chat B"])
+
+
+# The ids of the messages whose node, or whose markdown's nodes, were drawn after the nodes were tagged.
+REDRAWN = """() => [...document.querySelectorAll('#messages .msg')]
+  .filter((m) => !m.__drawn || [...m.querySelectorAll('.msg-content *')].some((n) => !n.__drawn))
+  .map((m) => m.dataset.msgId)"""
+
+
+@pytest.mark.timeout(120)
+def test_a_long_conversation_draws_again_only_the_messages_that_change(page):
+    """Each change drew every message again, its markdown parsed again: about a second at 500 turns when a
+    reply started and ended, and when an edit box opened or closed."""
+    reply = "An answer with **bold**, `code`, a [link](https://example.com) and a list:\n\n- one\n- two\n\n```python\nx = 1\n```"
+    messages = []
+    for i in range(60):
+        messages += [
+            {"id": f"u{i}", "role": "user", "content": f"Question {i}?"},
+            {"id": f"a{i}", "role": "assistant", "content": reply},
+        ]
+    conv = {"id": "long", "title": "Long", "created": 1, "updated": 2, "messages": messages}
+    page.evaluate(
+        """c => {
+          localStorage.setItem('xinfer.ui.conversations.v1', JSON.stringify({version: 1, conversations: [c]}));
+          localStorage.setItem('xinfer.ui.current.v1', c.id);
+        }""",
+        conv,
+    )
+    page.reload()
+    _wait_ready(page)
+    expect(page.locator(".msg")).to_have_count(120)
+    page.evaluate("() => document.querySelectorAll('#messages *').forEach((n) => { n.__drawn = true; })")
+
+    _mock_replies(page, ["Fine."])
+    _send(page, "One more")
+    _wait_reply_done(page, 30_000)
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Fine.")
+    # The new exchange, and the question before it (no longer the last one, its buttons are no longer kept in view).
+    redrawn = page.evaluate(REDRAWN)
+    assert len(redrawn) == 3 and redrawn[0] == "u59", redrawn
+
+    page.focus("[data-msg-id='u30'] .edit-btn")
+    page.keyboard.press("Enter")
+    expect(page.locator(".edit-box")).to_be_focused()
+    page.keyboard.press("Escape")
+    expect(page.locator(".edit-box")).to_have_count(0)
+    assert page.evaluate(REDRAWN)[:2] == ["u30", "u59"]
+    assert len(page.evaluate(REDRAWN)) == 4
+
+
+@pytest.mark.timeout(120)
+def test_the_model_card_is_read_again_once_the_model_has_loaded(page):
+    """A model that finished loading between the page's /v1/models and /health kept the card the server gave
+    while loading (no context size, text only) until a reload: no attach button for a model that reads images."""
+    listed: list[int] = []
+
+    def models(route):
+        response = route.fetch()
+        body = response.json()
+        for card in body["data"]:
+            if listed:
+                card["input_modalities"] = ["text", "image"]  # a model that reads images, loaded
+            else:
+                card["max_model_len"] = None  # the card while it loads
+                card["input_modalities"] = ["text"]
+        listed.append(1)  # ... and it has loaded right after
+        route.fulfill(response=response, json=body)
+
+    def health(route):
+        if listed:
+            route.continue_()
+        else:
+            route.fulfill(status=503, content_type="application/json", body='{"status": "loading"}')
+
+    page.route("**/v1/models", models)
+    page.route("**/health", health)
+    page.reload()
+    _wait_ready(page)
+    expect(page.locator("#model-ctx")).to_be_visible()
+    expect(page.locator("#attach")).to_be_visible()
+
+
+@pytest.mark.timeout(120)
+def test_keyboard_focus_goes_to_the_message_box_when_its_button_goes(page):
+    """Regenerate, Retry, a suggestion, and the edit box's Enter and Escape take away the element that had the
+    focus: it fell to the page (Tab started again at the top), where Send and Stop give it to the message box."""
+    message_box = page.locator("#input")
+
+    def press(selector: str) -> None:
+        page.focus(selector)
+        page.keyboard.press("Enter")
+
+    _mock_replies(page, ["Reply."])
+    press(".suggestion")
+    _wait_reply_done(page, 30_000)
+    expect(message_box).to_be_focused()
+    press(".regen-btn")
+    _wait_reply_done(page, 30_000)
+    expect(message_box).to_be_focused()
+    press(".msg.user .edit-btn")
+    expect(page.locator(".edit-box")).to_be_focused()
+    page.keyboard.press("Escape")
+    expect(message_box).to_be_focused()
+    press(".msg.user .edit-btn")
+    expect(page.locator(".edit-box")).to_be_focused()
+    page.keyboard.press("Enter")
+    _wait_reply_done(page, 30_000)
+    expect(message_box).to_be_focused()
+
+    page.unroute("**/v1/chat/completions")
+    _answer_json(page, "**/v1/chat/completions", 500, _error_body("boom"))
+    _send(page, "fail")
+    expect(_last_reply(page).locator(".msg-error")).to_contain_text("boom")
+    page.unroute("**/v1/chat/completions")
+    _mock_replies(page, ["Reply."])
+    press(".msg-error button")
+    expect(_last_reply(page).locator(".msg-content")).to_have_text("Reply.")
+    expect(message_box).to_be_focused()
+
+
+def test_a_wide_table_scrolls_sideways_on_a_phone(page):
+    """Table cells kept the replies' overflow-wrap: anywhere, which let a wide table squeeze its words
+    letter by letter ("C/o/u/n/t/r/y") instead of scrolling in its wrapper."""
+    page.set_viewport_size({"width": 360, "height": 740})
+    header = ["Name", "Country", "Population", "Capital", "Language", "Currency", "Continent", "Timezone"]
+    row = ["Switzerland", "Confederation", "8,700,000", "Bern", "Multilingual", "Franc", "Europe", "CET"]
+    _mock_replies(page, ["| " + " | ".join(header) + " |\n|" + "---|" * 8 + "\n| " + " | ".join(row) + " |"])
+    _send(page, "a table")
+    wrap = _last_reply(page).locator(".table-wrap")
+    expect(wrap.locator("td")).to_have_count(8)
+    lines = wrap.locator("th, td").evaluate_all(
+        "cells => cells.map((c) => { const r = document.createRange(); r.selectNodeContents(c); return r.getClientRects().length; })"
+    )
+    assert lines == [1] * 16, f"lines of each cell's one word: {lines}"
+    assert wrap.evaluate("w => w.scrollWidth > w.clientWidth"), "the table does not scroll"
+
+
+def test_titles_and_the_system_prompt_note_are_cut_between_characters(page):
+    """Cut at 57 UTF-16 units, an emoji there lost its second half: a lone surrogate, shown as U+FFFD
+    in the sidebar and the tab's title, and saved so."""
+    family = "👨‍👩‍👧"  # one character: five code points, eight UTF-16 units
+    page.click("#open-settings")
+    page.fill("#set-system", "b" * 56 + family + " and more")
+    page.click("#settings .settings-foot .primary")
+    expect(page.locator("#sys-indicator")).to_have_text("System prompt: " + "b" * 56 + family + "…")
+
+    _mock_replies(page, ["Fine."])
+    _send(page, "a" * 56 + "😀 and the rest of a long first message")
+    title = "a" * 56 + "😀…"
+    expect(page.locator(".conv-item.active .conv-title")).to_have_text(title)
+    expect(page).to_have_title(f"{title} · xInfer")
+    assert _stored_conversations(page)[0]["title"] == title
+
+
+def test_a_link_in_a_links_text_is_shown_as_text(page):
+    """Links may not hold links (CommonMark): the text of one made nested <a> elements."""
+    _mock_replies(
+        page,
+        [
+            "[[inner](https://a.example/)](https://b.example/), [**x [y](https://c.example/)**](https://d.example/)"
+            " and [see https://e.example/](https://f.example/)"
+        ],
+    )
+    _send(page, "links")
+    content = _last_reply(page).locator(".msg-content")
+    expect(content).to_have_text("inner, x y and see https://e.example/")
+    links = content.locator("a").evaluate_all("els => els.map((a) => [a.getAttribute('href'), a.textContent])")
+    assert links == [
+        ["https://b.example/", "inner"],
+        ["https://d.example/", "x y"],
+        ["https://f.example/", "see https://e.example/"],
+    ], links

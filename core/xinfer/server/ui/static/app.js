@@ -11,7 +11,7 @@ import {
   DEFAULT_SETTINGS, StorageError, isConversationsKey, isSettingsKey, loadConversations, loadCurrentId, loadSettings,
   maxTokensOf, newConversation, parseImport, samplingOf, saveConversations, saveCurrentId, saveSettings, titleFrom,
 } from './store.js';
-import { copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
+import { clip, copyText, formatContext, formatInt, formatSeconds, h, relativeTime, uid } from './util.js';
 
 const $ = (sel) => document.querySelector(sel);
 
@@ -234,14 +234,16 @@ async function refreshModels() {
       await loadConfig();
       configLoaded = true;
     }
-    const models = await listModels();
+    // Health first: a card listed once the server is ready is the loaded model's (one listed
+    // while it loads has no context size or modalities yet, and a poll follows).
     const health = await serverHealth();
+    const models = await listModels();
     state.models = models;
     const keep = state.model && models.find((m) => m.id === state.model.id);
     state.model = keep || models[0] || null;
     renderModel();
     setOnline(true);
-    setReady(health); // the model card gets its context size and modalities once the model is loaded
+    setReady(health);
     return health.ready;
   } catch (e) {
     if (e instanceof ServerDownError) {
@@ -416,22 +418,81 @@ function isLast(conv, msg, role) {
   return false;
 }
 
+// The open conversation's message views, kept between redraws: a message is drawn again only
+// when what its view shows changed (drawing them all again took a second at 500 turns).
+let viewsOf = null; // the conversation they show
+let views = new WeakMap(); // message -> {node, key}: see viewKey
+
 function renderMessages() {
   const conv = current();
   const msgs = conv ? conv.messages : [];
+  const active = document.activeElement;
+  const focused = ui.messages.contains(active) || ui.empty.contains(active) ? active : null;
+  if (conv !== viewsOf) {
+    viewsOf = conv;
+    views = new WeakMap();
+  }
   ui.empty.hidden = msgs.length > 0;
-  const views = msgs.map((m) => messageView(conv, m));
+  ui.messages.classList.toggle('busy', busy(conv)); // hides the edit buttons (style.css)
+  const nodes = msgs.map((m) => viewOf(conv, m));
   const lastOmitted = msgs.findLastIndex((m) => m.omitted);
-  if (lastOmitted !== -1) views.splice(lastOmitted + 1, 0, omittedNote());
-  ui.messages.replaceChildren(...views);
+  if (lastOmitted !== -1) nodes.splice(lastOmitted + 1, 0, omittedNote());
+  placeChildren(ui.messages, nodes);
   document.title = conv && conv.messages.length ? `${conv.title} · xInfer` : 'xInfer';
   updateJump();
+  // Keyboard focus on a button the redraw took away (Regenerate, Retry, the edit box, a
+  // suggestion) goes to the message box, as after Send: else it falls to the page's start.
+  if (focused && (!focused.isConnected || !focused.getClientRects().length)) ui.input.focus();
 }
 
-/** A message's view; one that cannot be drawn is said so, and does not stop the others (or the page). */
-function messageView(conv, msg) {
+/** Make `nodes` the children of `parent`, leaving in place those already there (each change costs a layout). */
+function placeChildren(parent, nodes) {
+  const keep = new Set(nodes);
+  for (const child of [...parent.children]) if (!keep.has(child)) child.remove();
+  let at = parent.firstElementChild;
+  for (const node of nodes) {
+    if (node === at) at = at.nextElementSibling;
+    else parent.insertBefore(node, at);
+  }
+}
+
+/**
+ * What the view of `msg` shows (the message's fields and the state it depends on), to
+ * compare with what it showed; null: draw it again anyway (an error's view depends on more).
+ */
+function viewKey(conv, msg) {
+  if (msg.role === 'user') {
+    return [msg.content, msg.images, msg.imagesRemoved, msg.unsent, msg.omitted, state.editingId === msg.id,
+      isLast(conv, msg, 'user')];
+  }
+  if (msg.error) return null;
+  const gen = state.gens.get(conv.id);
+  return [msg.content, msg.reasoning, msg.pending, msg.stopped, msg.omitted, msg.stats, canRegenerate(conv, msg),
+    !!(gen && gen.msg === msg && gen.waiting)];
+}
+
+const sameKey = (a, b) => !!a && !!b && a.length === b.length && a.every((x, i) => x === b[i]);
+
+/** The view of `msg`: the one drawn before if it still shows the same, else drawn again. */
+function viewOf(conv, msg) {
+  const key = viewKey(conv, msg);
+  const view = views.get(msg);
+  if (view && sameKey(view.key, key)) return view.node;
+  const node = messageView(conv, msg, view && view.node);
+  views.set(msg, { node, key });
+  return node;
+}
+
+/**
+ * A message's view (a reply's `old` one is updated: its markdown is parsed again only if it
+ * changed); one that cannot be drawn is said so, and does not stop the others (or the page).
+ */
+function messageView(conv, msg, old) {
   try {
-    return msg.role === 'user' ? userView(conv, msg) : assistantView(conv, msg);
+    if (msg.role === 'user') return userView(conv, msg);
+    if (!old || !old.classList.contains('assistant')) return assistantView(conv, msg);
+    updateAssistant(old, conv, msg);
+    return old;
   } catch (e) {
     console.error(e);
     return h('div', { className: 'msg broken', text: 'This message could not be shown.', dataset: { msgId: msg.id } });
@@ -480,13 +541,12 @@ function userView(conv, msg) {
     const n = msg.imagesRemoved;
     node.append(h('div', { className: 'images-removed', text: `${n} image${n > 1 ? 's' : ''} removed to free browser storage` }));
   }
+  // Any user message can be edited (not while a reply streams: style.css hides the button
+  // then): the turns after it are replaced by the new reply.
   const actions = h('div', { className: 'msg-actions' },
-    copyButton(() => msg.content));
-  if (!busy(conv)) {
-    // Any user message can be edited: the turns after it are replaced by the new reply.
-    actions.appendChild(iconButton('edit', 'Edit message', () => { state.editingId = msg.id; renderMessages(); }, 'edit-btn'));
-    actions.classList.toggle('always', isLast(conv, msg, 'user'));
-  }
+    copyButton(() => msg.content),
+    iconButton('edit', 'Edit message', () => { state.editingId = msg.id; renderMessages(); }, 'edit-btn'));
+  actions.classList.toggle('always', isLast(conv, msg, 'user'));
   node.append(...[bubble, note, actions].filter(Boolean));
   return node;
 }
@@ -566,14 +626,16 @@ function updateAssistant(node, conv, msg) {
   const list = [];
   if (!streaming) {
     if (msg.content) list.push(copyButton(() => splitThink(msg.content).answer || msg.content));
-    // A failed reply without text has its own buttons in the error box.
-    if (isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !busy(conv) &&
-        !(msg.error && !msg.content)) {
-      list.push(iconButton('regen', 'Regenerate reply', () => regenerate(conv), 'regen-btn'));
-    }
+    if (canRegenerate(conv, msg)) list.push(iconButton('regen', 'Regenerate reply', () => regenerate(conv), 'regen-btn'));
   }
   actions.replaceChildren(...list);
   actions.classList.toggle('always', list.some((b) => b.classList.contains('regen-btn')));
+}
+
+/** Whether `msg` is the conversation's last reply, done (a failed one without text has its own buttons in the error box). */
+function canRegenerate(conv, msg) {
+  return isLast(conv, msg, 'assistant') && conv.messages[conv.messages.length - 1] === msg && !busy(conv) &&
+    !(msg.error && !msg.content);
 }
 
 function errorView(msg) {
@@ -860,14 +922,15 @@ async function generate(conv) {
   // Move the conversation to the top of the list.
   state.convs = [conv, ...state.convs.filter((c) => c !== conv)];
   persist();
-  renderAll();
-  scrollToBottom(true);
 
   let tFirst = null;
   let tAnswer = null;
   let pieces = 0;
   let usage = null;
   try {
+    // Drawn in the try: a page that fails to draw still ends the reply (it would stay busy, unstoppable).
+    renderAll();
+    scrollToBottom(true);
     if (!state.model) await refreshModels();
     if (state.model && !msg.model) msg.model = state.model.id;
     let answered = false;
@@ -947,13 +1010,13 @@ async function generate(conv) {
     conv.updated = Date.now();
     persist();
     cancelUpdate(gen);
+    markStreaming();
+    renderComposer();
     if (conv.id === state.currentId) {
       const wasStuck = nearBottom() || stick;
       renderMessages();
       if (wasStuck) scrollToBottom();
     }
-    markStreaming();
-    renderComposer();
   }
 }
 
@@ -1068,7 +1131,7 @@ function renderComposer() {
   if ((focused === ui.send && streaming) || (focused === ui.stop && !streaming)) ui.input.focus();
   ui.send.disabled = !ui.input.value.trim() && !state.attachments.length;
   const sys = (state.settings.systemPrompt || '').trim();
-  ui.sysIndicator.textContent = sys ? `System prompt: ${sys.length > 60 ? `${sys.slice(0, 57)}…` : sys}` : '';
+  ui.sysIndicator.textContent = sys ? `System prompt: ${clip(sys, 60)}` : '';
   ui.sysIndicator.hidden = !sys;
   $('#open-settings').classList.toggle('has-dot', !!sys);
 }
@@ -1231,9 +1294,7 @@ function bind() {
     e.target.value = '';
     if (!file) return;
     try {
-      const list = parseImport(await file.text());
-      const ids = new Set(state.convs.map((c) => c.id));
-      for (const c of list) if (ids.has(c.id)) c.id = uid();
+      const list = parseImport(await file.text(), state.convs.map((c) => c.id));
       state.convs = [...list, ...state.convs].sort((a, b) => b.updated - a.updated);
       persist();
       openConversation(list[0].id);

@@ -151,9 +151,11 @@ function compile(name) {
   return result;
 }
 
+/** The LANGS name for a fence's language (the model's text): own keys only, so "constructor" is no language. */
 export function languageOf(lang) {
   const key = (lang || '').toLowerCase();
-  return ALIASES[key] || (LANGS[key] ? key : 'generic');
+  if (Object.hasOwn(ALIASES, key)) return ALIASES[key];
+  return Object.hasOwn(LANGS, key) ? key : 'generic';
 }
 
 /** Return a DocumentFragment holding `code` split into highlighted spans. */

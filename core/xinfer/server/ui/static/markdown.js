@@ -18,6 +18,9 @@ import { highlight } from './highlight.js';
 import { copyText } from './util.js';
 
 const MAX_DEPTH = 12;
+// Brackets of a link's text, or parentheses of its URL, nested deeper than this are no link
+// (as in cmark): each unclosed one would otherwise be searched to the end of the text.
+const MAX_LINK_NESTING = 32;
 
 const RE = {
   fence: /^( {0,3})(`{3,}|~{3,})[ \t]*([^`\s]*)[^`]*$/,
@@ -34,6 +37,23 @@ function el(tag, className, text) {
   if (className) node.className = className;
   if (text !== undefined) node.textContent = text;
   return node;
+}
+
+/**
+ * `node` with `children` and dir=auto, set after them: Chromium works a dir=auto element's
+ * direction out again for each child put in (or taken out), which is quadratic in a
+ * paragraph of many lines.
+ */
+function withAutoDir(node, children) {
+  node.append(...children);
+  node.dir = 'auto';
+  return node;
+}
+
+/** The children of paragraph `p`, to go in another element (its dir=auto off first: see withAutoDir). */
+function unwrap(p) {
+  p.removeAttribute('dir');
+  return [...p.childNodes];
 }
 
 function indentOf(line) {
@@ -97,7 +117,7 @@ function findClosingBracket(s, start) {
       const end = s.indexOf('`', i + 1);
       if (end !== -1) { i = end; continue; }
     }
-    if (ch === '[') depth++;
+    if (ch === '[') { depth++; if (depth > MAX_LINK_NESTING) return -1; }
     else if (ch === ']') { depth--; if (depth === 0) return i; }
   }
   return -1;
@@ -109,8 +129,10 @@ function parseLinkTarget(s, start) {
   while (s[i] === ' ') i++;
   let url = '';
   if (s[i] === '<') {
-    const close = s.indexOf('>', i);
-    if (close === -1) return null;
+    // <url>: on one line, with no other '<' in it (so an unclosed one is not searched to the end).
+    let close = i + 1;
+    while (close < s.length && !'<>\n'.includes(s[close])) close++;
+    if (s[close] !== '>') return null;
     url = s.slice(i + 1, close);
     i = close + 1;
   } else {
@@ -119,7 +141,7 @@ function parseLinkTarget(s, start) {
     for (; i < s.length; i++) {
       const ch = s[i];
       if (ch === '\\') { i++; continue; }
-      if (ch === '(') depth++;
+      if (ch === '(') { depth++; if (depth > MAX_LINK_NESTING) return null; }
       else if (ch === ')') { if (depth === 0) break; depth--; }
       else if (ch === ' ' || ch === '\n') break;
     }
@@ -137,14 +159,28 @@ function parseLinkTarget(s, start) {
 }
 
 /**
+ * `find(from)`: the index of the closer `key` at or after `from`, or -1. Where it found none
+ * is kept in `noneFrom` (a Map, one per text), and later searches from there on answer -1 at
+ * once: openers are met left to right, and without this each one that never closes would
+ * search to the end of the text again (quadratic). Only for closers that do not depend on
+ * where the search starts: none after `from` means none after any later point.
+ */
+function closerFrom(noneFrom, key, from, find) {
+  if (from >= (noneFrom.get(key) ?? Infinity)) return -1;
+  const j = find(from);
+  if (j === -1) noneFrom.set(key, from);
+  return j;
+}
+
+/**
  * The end of a TeX math span starting at s[i] ($$..$$, \\[..\\], \\(..\\), $..$), or -1.
  * A single $ follows pandoc's rule, so prices are not math: the opening $ has no space
  * after it, the closing one no space before it and no digit after it, on the same line.
  */
-function findMathEnd(s, i) {
+function findMathEnd(s, i, noneFrom) {
   for (const [open, close] of [['$$', '$$'], ['\\[', '\\]'], ['\\(', '\\)']]) {
     if (!s.startsWith(open, i)) continue;
-    const j = s.indexOf(close, i + 2);
+    const j = closerFrom(noneFrom, close, i + 2, (from) => s.indexOf(close, from));
     return j > i + 2 ? j + 2 : -1;
   }
   if (s[i] !== '$' || !s[i + 1] || /\s/.test(s[i + 1])) return -1;
@@ -181,8 +217,33 @@ function findEmphasisClose(s, from, delim) {
   return -1;
 }
 
-/** Parse inline markdown in `s` and return an array of DOM nodes. */
-export function parseInline(s, depth = 0) {
+function findCodeClose(s, from, fence) {
+  // The next run of exactly fence.length backticks at or after `from`, or -1.
+  let j = from;
+  while ((j = s.indexOf(fence, j)) !== -1) {
+    if (s[j + fence.length] !== '`' && s[j - 1] !== '`') return j;
+    while (s[j] === '`') j++;
+  }
+  return -1;
+}
+
+/** A bare URL without the punctuation that ends its sentence; a ")" is kept only when it closes a "(" in it. */
+function trimUrlEnd(url) {
+  const open = url.split('(').length - 1;
+  let close = url.split(')').length - 1;
+  for (;;) {
+    const last = url[url.length - 1];
+    if ('.,:;!?*_~]}'.includes(last)) url = url.slice(0, -1);
+    else if (last === ')' && open < close) { url = url.slice(0, -1); close--; }
+    else return url;
+  }
+}
+
+/**
+ * Parse inline markdown in `s` and return an array of DOM nodes. Inside a link's text
+ * (`inLink`) links are shown as their text: a link never holds another one.
+ */
+export function parseInline(s, depth = 0, inLink = false) {
   const out = [];
   let text = '';
   const flush = () => {
@@ -190,13 +251,15 @@ export function parseInline(s, depth = 0) {
     text = '';
   };
   if (depth > MAX_DEPTH) return [document.createTextNode(s)];
+  const noneFrom = new Map(); // see closerFrom
+  let noUrlBefore = 0;
 
   let i = 0;
   while (i < s.length) {
     const ch = s[i];
 
     // TeX math is shown as written: no emphasis or escapes inside it.
-    const mathEnd = ch === '$' || ch === '\\' ? findMathEnd(s, i) : -1;
+    const mathEnd = ch === '$' || ch === '\\' ? findMathEnd(s, i, noneFrom) : -1;
     if (mathEnd !== -1) {
       flush();
       out.push(el('span', 'math', s.slice(i, mathEnd)));
@@ -228,12 +291,7 @@ export function parseInline(s, depth = 0) {
       let n = 0;
       while (s[i + n] === '`') n++;
       const fence = '`'.repeat(n);
-      let j = i + n;
-      let close = -1;
-      while ((j = s.indexOf(fence, j)) !== -1) {
-        if (s[j + n] !== '`' && s[j - 1] !== '`') { close = j; break; }
-        while (s[j] === '`') j++;
-      }
+      const close = closerFrom(noneFrom, fence, i + n, (from) => findCodeClose(s, from, fence));
       if (close !== -1) {
         let code = s.slice(i + n, close).replace(/\n/g, ' ');
         if (/^ .* $/.test(code) && code.trim()) code = code.slice(1, -1);
@@ -248,7 +306,7 @@ export function parseInline(s, depth = 0) {
     }
 
     // Autolink <https://...>.
-    if (ch === '<') {
+    if (ch === '<' && !inLink) {
       const m = /^<(https?:\/\/[^\s<>]+)>/i.exec(s.slice(i));
       if (m) {
         const href = safeUrl(m[1]);
@@ -270,13 +328,13 @@ export function parseInline(s, depth = 0) {
         const target = parseLinkTarget(s, close + 1);
         if (target) {
           const label = s.slice(open + 1, close);
-          const href = safeUrl(target.url);
+          const href = inLink ? null : safeUrl(target.url);
           flush();
           const children = image
             ? [document.createTextNode(`[image: ${label || target.url}]`)]
-            : parseInline(label, depth + 1);
+            : parseInline(label, depth + 1, true);
           if (href) out.push(makeLink(href, children));
-          else out.push(...children); // unsafe or relative URL: text only
+          else out.push(...children); // unsafe or relative URL, or inside a link's text: text only
           i = target.end;
           continue;
         }
@@ -284,24 +342,19 @@ export function parseInline(s, depth = 0) {
     }
 
     // Bare URL.
-    if ((ch === 'h' || ch === 'H') && !isWordChar(s[i - 1])) {
+    if ((ch === 'h' || ch === 'H') && i >= noUrlBefore && !isWordChar(s[i - 1])) {
       const m = /^https?:\/\/[^\s<>"'`]+/i.exec(s.slice(i));
       if (m) {
-        let url = m[0];
-        // Drop trailing punctuation; keep a ")" only when it closes a "(" inside the URL.
-        for (;;) {
-          const last = url[url.length - 1];
-          if ('.,:;!?*_~]}'.includes(last)) url = url.slice(0, -1);
-          else if (last === ')' && url.split('(').length < url.split(')').length) url = url.slice(0, -1);
-          else break;
-        }
-        const href = /^https?:\/\/[^/?#\s]+/i.test(url) ? safeUrl(url) : null;
+        const url = trimUrlEnd(m[0]);
+        const href = !inLink && /^https?:\/\/[^/?#\s]+/i.test(url) ? safeUrl(url) : null;
         if (href) {
           flush();
           out.push(makeLink(href, [document.createTextNode(url)]));
           i += url.length;
           continue;
         }
+        // Not a link: no other one starts in its characters (each would be read to their end again).
+        noUrlBefore = i + m[0].length;
       }
     }
 
@@ -317,15 +370,15 @@ export function parseInline(s, depth = 0) {
         let done = false;
         for (const n of tries) {
           const delim = ch.repeat(n);
-          const close = findEmphasisClose(s, i + n, delim);
+          const close = closerFrom(noneFrom, delim, i + n, (from) => findEmphasisClose(s, from, delim));
           if (close !== -1) {
             const inner = s.slice(i + n, close);
             flush();
             let node;
             if (ch === '~') node = el('del');
-            else if (n === 3) { node = el('strong'); const em = el('em'); em.append(...parseInline(inner, depth + 1)); node.appendChild(em); }
+            else if (n === 3) { node = el('strong'); const em = el('em'); em.append(...parseInline(inner, depth + 1, inLink)); node.appendChild(em); }
             else node = el(n === 2 ? 'strong' : 'em');
-            if (n !== 3) node.append(...parseInline(inner, depth + 1));
+            if (n !== 3) node.append(...parseInline(inner, depth + 1, inLink));
             out.push(node);
             i = close + n;
             done = true;
@@ -482,19 +535,10 @@ function parseList(lines, start, depth) {
     break;
   }
   for (const itemLines of items) {
-    const li = el('li');
-    li.dir = 'auto';
-    const children = parseBlocks(itemLines, depth + 1);
-    if (!loose) {
-      // Tight list: unwrap paragraphs so items do not get paragraph margins.
-      for (const c of children) {
-        if (c.tagName === 'P') li.append(...c.childNodes);
-        else li.appendChild(c);
-      }
-    } else {
-      li.append(...children);
-    }
-    list.appendChild(li);
+    const blocks = parseBlocks(itemLines, depth + 1);
+    // Tight list: unwrap paragraphs so items do not get paragraph margins.
+    const children = loose ? blocks : blocks.flatMap((c) => (c.tagName === 'P' ? unwrap(c) : [c]));
+    list.appendChild(withAutoDir(el('li'), children));
   }
   return { node: list, next: i };
 }
@@ -531,10 +575,7 @@ export function parseBlocks(lines, depth = 0) {
 
     m = RE.heading.exec(line);
     if (m) {
-      const h = el('h' + m[1].length);
-      h.dir = 'auto';
-      h.append(...parseInline(m[2] || '', depth));
-      out.push(h);
+      out.push(withAutoDir(el('h' + m[1].length), parseInline(m[2] || '', depth)));
       i++;
       continue;
     }
@@ -584,10 +625,8 @@ export function parseBlocks(lines, depth = 0) {
       para.push(lines[i].replace(/^[ \t]+/, ''));
       i++;
     }
-    const p = el('p');
-    p.dir = 'auto'; // each paragraph its own direction: replies mix right-to-left and left-to-right text
-    p.append(...parseInline(para.join('\n').replace(/[ \t]+$/, ''), depth));
-    out.push(p);
+    // Each paragraph its own direction: replies mix right-to-left and left-to-right text.
+    out.push(withAutoDir(el('p'), parseInline(para.join('\n').replace(/[ \t]+$/, ''), depth)));
   }
   return out;
 }
@@ -595,7 +634,11 @@ export function parseBlocks(lines, depth = 0) {
 /** Render markdown `src` into `container`, replacing its children. */
 export function renderMarkdown(src, container) {
   const lines = (src || '').replace(/\r\n?/g, '\n').split('\n');
-  container.replaceChildren(...parseBlocks(lines));
+  const blocks = parseBlocks(lines);
+  const dir = container.getAttribute('dir'); // taken off while the blocks go in: see withAutoDir
+  container.removeAttribute('dir');
+  container.replaceChildren(...blocks);
+  if (dir !== null) container.setAttribute('dir', dir);
 }
 
 /**

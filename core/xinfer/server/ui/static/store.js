@@ -14,7 +14,7 @@
 // What is read back (or imported) is cleaned to these fields and types: one bad
 // message must not stop the page from loading.
 
-import { uid } from './util.js';
+import { clip, uid } from './util.js';
 
 const CONV_KEY = 'xinfer.ui.conversations.v1';
 const CURRENT_KEY = 'xinfer.ui.current.v1';
@@ -128,6 +128,15 @@ function cleanEach(list, clean) {
   return out;
 }
 
+/** `items`, each given a new id where an earlier one has its id: the page finds conversations and messages by id. */
+function withUniqueIds(items, taken = new Set()) {
+  for (const item of items) {
+    if (taken.has(item.id)) item.id = uid();
+    taken.add(item.id);
+  }
+  return items;
+}
+
 const timeOf = (x) => (Number.isFinite(Number(x)) && Number(x) > 0 ? Number(x) : null);
 
 /** A conversation from storage or a file, cleaned (see cleanMessage); null if it is none. */
@@ -137,10 +146,10 @@ function normalise(c) {
   const created = timeOf(c.created) || now;
   return {
     id: isText(c.id) && c.id ? c.id : uid(),
-    title: isText(c.title) && c.title.trim() ? c.title.slice(0, 200) : 'Untitled',
+    title: isText(c.title) && c.title.trim() ? clip(c.title, 200) : 'Untitled',
     created,
     updated: timeOf(c.updated) || created,
-    messages: cleanEach(c.messages, cleanMessage),
+    messages: withUniqueIds(cleanEach(c.messages, cleanMessage)),
   };
 }
 
@@ -164,16 +173,21 @@ export function samplingOf(key, x) {
 const SETTINGS_VERSION = 2;
 const OLD_DEFAULTS = { temperature: 0.7, topP: 0.95 };
 
+const THEMES = ['system', 'light', 'dark'];
+
+/** The saved settings, each field of its type, else its default: they may be written by hand or by an older page. */
 export function loadSettings() {
   const s = readJSON(SETTINGS_KEY, {});
   const stored = s && typeof s === 'object' ? s : {};
-  const settings = { ...DEFAULT_SETTINGS, ...stored };
+  const settings = {
+    systemPrompt: isText(stored.systemPrompt) ? stored.systemPrompt : DEFAULT_SETTINGS.systemPrompt,
+    maxTokens: maxTokensOf(stored.maxTokens),
+    theme: THEMES.includes(stored.theme) ? stored.theme : DEFAULT_SETTINGS.theme,
+  };
   for (const key of Object.keys(SAMPLING_RANGE)) {
-    const old = !(stored.version >= SETTINGS_VERSION) && settings[key] === OLD_DEFAULTS[key];
-    settings[key] = old ? null : samplingOf(key, settings[key]);
+    const old = !(stored.version >= SETTINGS_VERSION) && stored[key] === OLD_DEFAULTS[key];
+    settings[key] = old ? null : samplingOf(key, stored[key]);
   }
-  settings.maxTokens = maxTokensOf(settings.maxTokens);
-  delete settings.version;
   return settings;
 }
 
@@ -184,7 +198,7 @@ export function saveSettings(settings) {
 export function loadConversations() {
   const data = readJSON(CONV_KEY, null);
   const list = data && Array.isArray(data.conversations) ? data.conversations : [];
-  return cleanEach(list, normalise).sort((a, b) => b.updated - a.updated);
+  return withUniqueIds(cleanEach(list, normalise)).sort((a, b) => b.updated - a.updated);
 }
 
 export function saveConversations(list) {
@@ -221,16 +235,19 @@ export function newConversation() {
   return { id: uid(), title: 'New chat', created: now, updated: now, messages: [] };
 }
 
-/** Parse an exported file: one conversation, a list, or {conversations: [...]}. */
-export function parseImport(text) {
+/**
+ * Parse an exported file: one conversation, a list, or {conversations: [...]}. Ids are made
+ * unique within the file and against `taken` (those of the conversations already here).
+ */
+export function parseImport(text, taken = []) {
   const data = JSON.parse(text);
   const list = Array.isArray(data) ? data : Array.isArray(data && data.conversations) ? data.conversations : [data];
   const out = cleanEach(list, normalise);
   if (!out.length) throw new Error('No conversations found in this file.');
-  return out;
+  return withUniqueIds(out, new Set(taken));
 }
 
 export function titleFrom(text) {
   const line = (text || '').trim().split('\n')[0].replace(/\s+/g, ' ');
-  return line.length > 60 ? line.slice(0, 57).trimEnd() + '…' : line || 'New chat';
+  return clip(line, 60) || 'New chat';
 }

@@ -40,6 +40,25 @@ export function h(tag, opts = {}, ...children) {
   return node;
 }
 
+/** The characters of `text` as a reader counts them: an emoji of several code points is one. */
+function* characters(text) {
+  if (typeof Intl.Segmenter !== 'function') { yield* text; return; } // code points, at least
+  for (const { segment } of new Intl.Segmenter().segment(text)) yield segment;
+}
+
+/**
+ * `text` if it has at most `max` characters, else its first `max - 3` and "…". Cut by
+ * characters, not UTF-16 units: half an emoji would show as U+FFFD, and be saved so.
+ */
+export function clip(text, max) {
+  const kept = [];
+  for (const ch of characters(text)) {
+    if (kept.length === max) return `${kept.slice(0, max - 3).join('').trimEnd()}…`;
+    kept.push(ch);
+  }
+  return text;
+}
+
 export function formatInt(n) {
   return Number(n).toLocaleString('en-US');
 }
