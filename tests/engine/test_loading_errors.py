@@ -32,6 +32,18 @@ def test_missing_weight_is_named(tmp_path):
     assert "model.layers.1.self_attn.k_proj.weight" in str(error.value)  # the checkpoint's name, not the merged one
 
 
+def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path):
+    """Without an index every *.safetensors file is read (as vLLM does): a stray copy beside model.safetensors
+    replaced its weights without a word (transformers reads model.safetensors alone)."""
+    from xinfer.loading.errors import ModelFileError
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file({name: load_file(tmp_path / "model.safetensors")[name] * 2}, tmp_path / "extra.safetensors")
+    with pytest.raises(ModelFileError, match=rf"model\.safetensors: tensor {name} is in extra\.safetensors too"):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=16)
+
+
 def test_checkpoint_tensors_the_model_leaves_unread_are_named_in_one_line(tmp_path, caplog):
     """A field the model does not read (here MLP biases the Llama config does not ask for) is reported by
     pattern, not dropped without a word."""

@@ -36,10 +36,16 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def check_safetensors(folder: Path) -> None:
-    """Every file of the checkpoint is there and its header reads (a truncated file's does not): a bad
-    checkpoint fails before the model is built, in one line naming the file."""
+    """Every file of the checkpoint is there and its header reads (a truncated file's does not), and no tensor is
+    in two files (which one a model took would depend on the files' order: a stray copy beside
+    model.safetensors replaced its weights): a bad checkpoint fails before the model is built, in one line
+    naming the file."""
+    seen: dict[str, Path] = {}
     for path in safetensors_files(folder):
-        _opened(path)
+        for name in _opened(path).keys():  # noqa: SIM118 - a safetensors handle is not iterable
+            if (first := seen.setdefault(name, path)) != path:
+                raise ModelFileError(f"{path}: tensor {name} is in {first.name} too: which one is the model's? "
+                                     "(a safetensors index, model.safetensors.index.json, names one file a tensor)")  # fmt: skip
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, StoredTensor]]:
