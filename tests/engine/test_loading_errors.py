@@ -32,6 +32,16 @@ def test_missing_weight_is_named(tmp_path):
     assert "model.layers.1.self_attn.k_proj.weight" in str(error.value)  # the checkpoint's name, not the merged one
 
 
+def test_missing_weights_are_named_with_the_tensors_the_model_did_not_read(tmp_path):
+    """A checkpoint whose names lack the model's prefix: the error named the missing weights only, not the
+    same tensors there under other names."""
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({name.removeprefix("model."): t for name, t in tensors.items()}, tmp_path / "model.safetensors")
+    with pytest.raises(MissingWeightsError, match=r"; it has \d+ tensor\(s\) the model does not read: embed_tokens"):
+        LLM(model=str(tmp_path), dtype="float32")
+
+
 def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path):
     """Without an index every *.safetensors file is read (as vLLM does): a stray copy beside model.safetensors
     replaced its weights without a word (transformers reads model.safetensors alone)."""

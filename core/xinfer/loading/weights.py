@@ -115,7 +115,7 @@ def load_weights(model: CausalLM, weights: Weights) -> set[str]:
         for shard, values in shards.items():
             start, rows = module.shard_offset(shard)
             _copy(getattr(module, leaf).data[start : start + rows], values.dequantize(), f"{target}:{shard}")
-    _check_complete(model, loaded)
+    _check_complete(model, loaded, unused)
     _report_unused(unused)
     return loaded
 
@@ -125,12 +125,16 @@ def _numel(stored: Tensor | StoredTensor | QuantizedTensor) -> int:
 
 
 def _report_unused(names: list[str]) -> None:
-    """One line naming the checkpoint tensors no parameter took, by pattern (layer indexes as ``*``), as
-    transformers reports them: a field the model ignores, or one it should read and does not."""
+    """One line naming the checkpoint tensors no parameter took, by pattern, as transformers reports them: a
+    field the model ignores, or one it should read and does not."""
+    if names:
+        log.info("%d checkpoint tensor(s) not used by the model: %s", len(names), _patterns(names))
+
+
+def _patterns(names: list[str]) -> str:
+    """``names`` by pattern (layer indexes as ``*``), the first 8."""
     patterns = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in names})
-    if patterns:
-        shown = ", ".join(patterns[:8]) + (f" and {len(patterns) - 8} more" if len(patterns) > 8 else "")
-        log.info("%d checkpoint tensor(s) not used by the model: %s", len(names), shown)
+    return ", ".join(patterns[:8]) + (f" and {len(patterns) - 8} more" if len(patterns) > 8 else "")
 
 
 def _replace(model: CausalLM, param: nn.Parameter, tensor: QuantizedTensor, name: str) -> None:
@@ -166,7 +170,9 @@ def _checkpoint_name(model: CausalLM, merged: str, shard: str) -> str:
     return f"{merged}:{shard}"
 
 
-def _check_complete(model: CausalLM, loaded: set[str]) -> None:
+def _check_complete(model: CausalLM, loaded: set[str], unused: list[str]) -> None:
+    """Every parameter loaded, else one error naming the missing ones, and the checkpoint's tensors no
+    parameter took (``unused``: the missing ones under other names, say without the ``model.`` prefix)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded_ids = {id(params[n]) for n in loaded if n in params}
     modules = dict(model.named_modules())
@@ -190,4 +196,6 @@ def _check_complete(model: CausalLM, loaded: set[str]) -> None:
         hint = ""
         if "lm_head.weight" in missing and getattr(model.config, "tie_word_embeddings", None) is False:
             hint = " (config.json sets tie_word_embeddings false: if the LM head is the input embeddings, set it true)"
+        if unused:
+            hint += f"; it has {len(unused)} tensor(s) the model does not read: {_patterns(unused)}"
         raise MissingWeightsError(f"checkpoint lacks {len(missing)} weight(s) the model needs: {shown}{hint}")
