@@ -523,3 +523,16 @@ def test_the_command_line_refuses_a_model_that_cannot_fit_in_one_line(tmp_path):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("xinfer: the model does not fit in cpu's memory: its weights take ")
     assert "and 0.50 MiB are available" in line
+
+
+def test_dtype_auto_says_when_it_runs_the_checkpoint_in_another_dtype(tmp_path, caplog):
+    """On the CPU auto runs a bf16 checkpoint in fp32 (vLLM logs its casts; transformers keeps bf16): said in one
+    line, not only in --help."""
+    import logging
+
+    import torch
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"], dtype=torch.bfloat16), tmp_path)
+    with caplog.at_level(logging.INFO, logger="xinfer"):
+        LLM(model=str(tmp_path), num_blocks=16)
+    assert "dtype auto: the checkpoint's bfloat16 runs as float32 on the cpu (--dtype sets another)" in caplog.text

@@ -84,6 +84,10 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     memory = device_memory(spec, device)
     baseline = memory_baseline(memory)
     dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
+    saved = getattr(hf_config, "dtype", None)
+    if config.model.dtype == "auto" and saved is not None and _dtype_name(saved) != _dtype_name(dtype):
+        log.info("dtype auto: the checkpoint's %s runs as %s on the %s (--dtype sets another)", _dtype_name(saved),
+                 _dtype_name(dtype), device.type)  # fmt: skip
     torch.manual_seed(config.model.seed)
     with building_for(tp), _weights_must_fit(path, config, device, memory, splits_memory(spec)):
         release_cached = memory.release_cached if memory is not None else None
@@ -168,6 +172,10 @@ def _weights_must_fit(
             f"the model's weights do not fit in {device}'s memory: it ran out loading {path}{files}{held} "
             f"({first_line(error)}): {', '.join(remedies[:-1])}, or {remedies[-1]}"
         ) from None
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
