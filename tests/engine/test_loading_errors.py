@@ -536,3 +536,20 @@ def test_dtype_auto_says_when_it_runs_the_checkpoint_in_another_dtype(tmp_path, 
     with caplog.at_level(logging.INFO, logger="xinfer"):
         LLM(model=str(tmp_path), num_blocks=64)
     assert "dtype auto: the checkpoint's bfloat16 runs as float32 on the cpu (--dtype sets another)" in caplog.text
+
+
+def test_a_folder_with_a_slow_tokenizer_only_says_it_and_text_matching_options_are_refused(tmp_path, caplog):
+    """A folder with tokenizer.model and no tokenizer.json started without a tokenizer and without a word (text
+    prompts failed later); stop strings were taken and never matched (bad_words were refused)."""
+    import logging
+
+    from xinfer import SamplingParams
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"sentencepiece")
+    with caplog.at_level(logging.WARNING, logger="xinfer"):
+        llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64)
+    assert f"{tmp_path} has no tokenizer.json (xinfer does not read tokenizer.model)" in caplog.text
+    for options in (dict(stop=["ab"]), dict(bad_words=["ab"])):
+        with pytest.raises(ValueError, match="need the model's tokenizer: this model has none"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **options), use_tqdm=False)

@@ -254,5 +254,14 @@ def _tokenizer_eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
+# tokenizer files of the slow tokenizers, which xinfer does not read (their fast tokenizer.json it does)
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
 def _load_tokenizer(path: Path) -> Tokenizer | None:
-    return Tokenizer.from_path(path) if has_tokenizer(path) else None
+    if has_tokenizer(path):
+        return Tokenizer.from_path(path)
+    if slow := [name for name in SLOW_TOKENIZER_FILES if (path / name).is_file()]:
+        log.warning("%s has no tokenizer.json (xinfer does not read %s): prompts must be token ids; transformers' "
+                    "tokenizer.save_pretrained writes one", path, ", ".join(slow))  # fmt: skip
+    return None

@@ -198,9 +198,10 @@ class LLMEngine:
                        multimodal=list(multimodal or []), whole_items=whole_items)  # fmt: skip
         if params.structured_outputs is not None:
             seq.constraint = self.grammars().compile(params.structured_outputs)
+        for name, words in (("stop strings", params.stop), ("bad_words", params.bad_words)):
+            if words and self.tokenizer is None:  # (stop strings match the text, which only a tokenizer gives)
+                raise ValueError(f"{name} need the model's tokenizer: this model has none")
         if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need the model's tokenizer: this model has none")
             seq.bad_word_ids = bad_word_token_ids(params.bad_words, self.tokenizer, self.hf_config.vocab_size)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
