@@ -20,11 +20,11 @@ from xinfer.forward_context import step_context
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The rope parameters of ``config`` (for ``layer_type`` where they differ per
     layer type), from ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
-    params = getattr(config, "rope_parameters", None)
-    per_layer_type = bool(params) and layer_type in params
-    if per_layer_type:
+    params: dict[str, Any] = getattr(config, "rope_parameters", None) or {}
+    own = params.get(layer_type) if layer_type is not None else None  # where they differ per layer type
+    if own is not None:
         # transformers reads YaRN's truncate from the top of a per-layer-type dict, where it never is: truncated
-        params = {**params[layer_type], "truncate": params.get("truncate", True)}
+        params = {**own, "truncate": params.get("truncate", True)}
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -33,7 +33,7 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if params["rope_type"] in ("llama3", "longrope", "yarn"):  # the context it was trained at
         trained = getattr(config, "original_max_position_embeddings", None)
-        if trained is not None and not per_layer_type:  # as transformers: a top-level value wins (Phi-3 writes it)
+        if trained is not None and own is None:  # as transformers: a top-level value wins (Phi-3 writes it)
             params["original_max_position_embeddings"] = trained
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     if params["rope_type"] in ("longrope", "yarn") and params.get("factor") is None:  # the ratio of the one it serves
