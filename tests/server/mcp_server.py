@@ -10,8 +10,9 @@ import os
 import sys
 import time
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Audio, Image, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, EmbeddedResource, ResourceLink, TextResourceContents
 
 server = MCPServer("xinfer-test-tools")
 
@@ -45,6 +46,33 @@ def hang() -> str:
     """Never returns."""
     while True:
         time.sleep(60)
+
+
+@server.tool()
+def wait(seconds: float) -> str:
+    """Answers after ``seconds``."""
+    time.sleep(seconds)
+    return "waited"
+
+
+@server.tool()
+def pid() -> str:
+    """This server's process id."""
+    return str(os.getpid())
+
+
+@server.tool()
+def contents() -> list:
+    """Text, an image, audio, an embedded text resource and a resource link."""
+    note = EmbeddedResource(type="resource", resource=TextResourceContents(uri="file:///notes.txt", text="noted"))
+    link = ResourceLink(type="resource_link", uri="file:///report.pdf", name="report.pdf")
+    return ["before", Image(data=b"png", format="png"), Audio(data=b"wav", format="wav"), note, link, "after"]
+
+
+@server.tool()
+def structured() -> CallToolResult:
+    """A result with structuredContent only."""
+    return CallToolResult(content=[], structured_content={"city": "Paris", "temp_c": 21})
 
 
 if __name__ == "__main__":

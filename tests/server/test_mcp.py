@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,8 +20,13 @@ import openai
 import pytest
 
 from tests.server.live import REPO, LiveServer
+from xinfer.server.mcp.chat import mcp_items
 from xinfer.server.mcp.client import MCPHub, MCPUnavailable
 from xinfer.server.mcp.config import ServerSpec, read_config, server_specs
+from xinfer.server.mcp.loop import RanCall
+from xinfer.server.messages.convert import chat_messages
+from xinfer.server.messages.protocol import CountTokensRequest
+from xinfer.server.tools import Call
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 TIMEOUT_S = 8.0  # a Python MCP server starts in a few seconds on a busy 2-core machine
@@ -82,20 +89,50 @@ def test_calls_crashes_and_hangs():
         server = hub.servers["tools"]
         try:
             tools = await hub.tools(hub.check_names(None))
-            assert set(tools) == {"add", "shout", "refuse", "crash", "hang"}
+            assert set(tools) == {"add", "shout", "refuse", "crash", "hang", "wait", "pid", "contents", "structured"}
             assert tools["add"][1].input_schema["required"] == ["a", "b"]
             assert (await server.call("add", {"a": 2, "b": 3})).text == "5"
+            assert (await server.call("contents", {})).text.splitlines() == [
+                "before", "[image: image/png]", "[audio: audio/wav]", "noted",
+                "[resource link: report.pdf file:///report.pdf]", "after",
+            ]  # fmt: skip
+            assert json.loads((await server.call("structured", {})).text) == {"city": "Paris", "temp_c": 21}
             refused = await server.call("refuse", {"reason": "no"})
             assert refused.is_error and "refused: no" in refused.text
             with pytest.raises(MCPUnavailable, match="closed the connection while calling 'crash'") as crashed:
                 await server.call("crash", {})
             assert not crashed.value.timed_out
             assert (await server.call("shout", {"text": "back"})).text == "BACK"  # restarted
+            pid = (await server.call("pid", {})).text
             started = time.monotonic()
+            hang = asyncio.create_task(server.call("hang", {}))
+            await asyncio.sleep(TIMEOUT_S - 2)
+            # another request's call, still running when the hanging one times out: that one fails alone
+            assert (await server.call("wait", {"seconds": 3})).text == "waited"
             with pytest.raises(MCPUnavailable, match=r"did not answer the call of 'hang' within 8 s") as hung:
-                await server.call("hang", {})
+                await hang
             assert hung.value.timed_out and time.monotonic() - started < TIMEOUT_S + 10
+            assert (await server.call("pid", {})).text == pid  # the same process
             assert (await server.call("add", {"a": 1, "b": 1})).text == "2"
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_server_that_died_while_idle_is_started_again_before_the_call():
+    async def scenario():
+        hub = MCPHub([spec("tools")], TIMEOUT_S)
+        server = hub.servers["tools"]
+        try:
+            pid = int((await server.call("pid", {})).text)
+            os.kill(pid, signal.SIGKILL)
+            for _ in range(50):  # until the transport has seen the process's stdout end
+                if not server.connected:
+                    break
+                await asyncio.sleep(0.1)
+            assert not server.connected
+            assert int((await server.call("pid", {})).text) != pid
         finally:
             await hub.close()
 
@@ -225,7 +262,10 @@ def test_chat_runs_an_mcp_call_and_feeds_its_result_back(mcp_openai, mcp_model):
     chunks = list(streamed)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     [streamed_ran] = [item for d in deltas for item in (d.model_extra or {}).get("mcp_calls") or []]
-    assert {k: v for k, v in streamed_ran.items() if k != "id"} == {k: v for k, v in ran.items() if k != "id"}
+    assert streamed_ran["index"] == 0  # as a tool_calls entry's, which openai's stream() helper merges by
+    assert {k: v for k, v in streamed_ran.items() if k not in ("id", "index")} == {
+        k: v for k, v in ran.items() if k != "id"
+    }
     assert "".join(d.content or "" for d in deltas) == message.content  # greedy: the same final answer
     assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
     # every round's reasoning tokens, as a chat completion counts its own (none: SmolLM2 does not reason)
@@ -245,7 +285,7 @@ def test_chat_mcp_errors(mcp_openai, mcp_model):
     with pytest.raises(openai.APIError, match="closed the connection while calling 'crash'"):
         list(stream)
     # the server is started again for the next request
-    again = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=ADD,
+    again = mcp_openai.chat.completions.create(model=mcp_model, max_tokens=16, messages=TURNS, tool_choice=ADD,
                                                extra_body={"mcp": ["tools"]})  # fmt: skip
     assert again.choices[0].message.mcp_calls[0]["name"] == "add"
     with pytest.raises(openai.BadRequestError, match="no MCP server named 'nope'") as refused:
@@ -254,6 +294,71 @@ def test_chat_mcp_errors(mcp_openai, mcp_model):
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, n=2,
                                            extra_body={"mcp": ["tools"]})  # fmt: skip
+    own_add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.name 'add' is also an MCP server's tool"):
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, tools=[own_add],
+                                           extra_body={"mcp": ["tools"]})  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="'other', which is not in tools"):
         mcp_openai.chat.completions.create(model=mcp_model, max_tokens=4, messages=TURNS, extra_body={"mcp": ["tools"]},
                                            tool_choice={"type": "function", "function": {"name": "other"}})  # fmt: skip
+
+
+def test_a_call_cut_by_max_tokens_is_not_run(mcp_openai, mcp_claude, mcp_model):
+    """A round that ran out of tokens may end inside a call's arguments: its calls come back as they are."""
+    answer = mcp_openai.chat.completions.create(
+        model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=ADD, temperature=0, extra_body={"mcp": ["tools"]}
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.mcp_calls
+    [cut] = choice.message.tool_calls
+    assert cut.function.name == "add"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.function.arguments)  # cut short, as the model wrote it
+    streamed = mcp_openai.chat.completions.create(
+        model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=ADD, temperature=0, stream=True,
+        extra_body={"mcp": ["tools"]},
+    )  # fmt: skip
+    chunks = [c for c in streamed if c.choices]
+    assert not any((c.choices[0].delta.model_extra or {}).get("mcp_calls") for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    message = mcp_claude.messages.create(
+        model=mcp_model, max_tokens=8, messages=TURNS, tool_choice={"type": "tool", "name": "add"},
+        extra_body={"mcp": ["tools"], "temperature": 0},
+    )  # fmt: skip
+    assert message.stop_reason == "max_tokens"
+    assert [block.type for block in message.content] == ["tool_use"]
+
+
+def test_a_messages_answer_with_mcp_blocks_can_be_sent_back(mcp_claude, mcp_model):
+    answer = mcp_claude.messages.create(
+        model=mcp_model, max_tokens=24, messages=TURNS, tool_choice={"type": "tool", "name": "add"},
+        extra_body={"mcp": ["tools"], "temperature": 0},
+    )  # fmt: skip
+    assert answer.content[0].type == "mcp_tool_use"
+    assistant = [block.model_dump() for block in answer.content]
+    turns = [*TURNS, {"role": "assistant", "content": assistant}, {"role": "user", "content": "And 4 + 4?"}]
+    # the model reads the calls and their results as it did when the server ran them
+    body = CountTokensRequest.model_validate({"messages": turns})
+    use, result = answer.content[0], answer.content[1]
+    converted = chat_messages(body, takes_images=False)
+    assert converted[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": json.dumps(use.input)}
+    assert converted[2] == {"role": "tool", "tool_call_id": use.id, "content": result.content[0]["text"]}
+    assert [m["role"] for m in converted] == ["user", "assistant", "tool", "assistant", "user"]
+    again = mcp_claude.messages.create(model=mcp_model, max_tokens=4, messages=turns, extra_body={"mcp": ["tools"]})
+    assert again.content
+
+
+def test_streamed_mcp_calls_count_on_across_rounds():
+    """openai's chat.completions.stream() merges every delta's ``mcp_calls`` into one list, by index."""
+    from openai.lib.streaming._deltas import accumulate_delta
+
+    def ran(name: str) -> RanCall:
+        return RanCall(Call(f"call_{name}", name, {}), "tools", "out", False)
+
+    first = mcp_items([ran("a"), ran("b")], first_index=0)
+    second = mcp_items([ran("c")], first_index=len(first))
+    merged: dict = {}
+    for items in (first, second):
+        merged = accumulate_delta(merged, {"mcp_calls": [item.model_dump() for item in items]})
+    assert [item["name"] for item in merged["mcp_calls"]] == ["a", "b", "c"]
+    assert "index" not in mcp_items([ran("a")])[0].model_dump()  # a whole answer's list has no index

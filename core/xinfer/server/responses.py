@@ -88,6 +88,7 @@ class ToolCallItem(BaseModel):
 class MCPCallItem(BaseModel):
     """An MCP tool call the server ran (xinfer's extra), with its result."""
 
+    index: int | None = Field(default=None, exclude_if=lambda value: value is None)  # streamed: as tool_calls' entries
     id: str
     type: Literal["mcp"] = "mcp"
     server_name: str

@@ -44,9 +44,12 @@ async def chat_with_mcp(rounds: MCPRounds, stream: bool) -> Response:
     return JSONResponse((await ChatRounds(rounds).whole(first)).model_dump())
 
 
-def mcp_items(ran: list[RanCall]) -> list[MCPCallItem]:
-    return [MCPCallItem(id=r.call.id, server_name=r.server, name=r.call.name, arguments=json.dumps(r.call.input),
-                        output=r.output, is_error=r.is_error) for r in ran]  # fmt: skip
+def mcp_items(ran: list[RanCall], first_index: int | None = None) -> list[MCPCallItem]:
+    """The calls run; streamed, each numbered (from ``first_index``, counting on across rounds) as a
+    ``tool_calls`` delta's entries are, which is how clients merge a list sent over several deltas."""
+    return [MCPCallItem(index=None if first_index is None else first_index + i, id=r.call.id, server_name=r.server,
+                        name=r.call.name, arguments=json.dumps(r.call.input), output=r.output, is_error=r.is_error)
+            for i, r in enumerate(ran)]  # fmt: skip
 
 
 class ChatRounds:
@@ -82,7 +85,7 @@ class ChatRounds:
             contents.append(message.content or "")
             reasonings += [message.reasoning_content] if message.reasoning_content is not None else []
             calls = [Call.of(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
-            if not rounds.runs([c.name for c in calls]):
+            if not rounds.runs([c.name for c in calls], output.finish_reason):
                 break
             ran += await rounds.run(message.content or "", calls)
             handle, prompt = await rounds.submit()
@@ -113,6 +116,7 @@ class ChatRounds:
     async def events(self, first: tuple[RequestHandle, ChatPrompt]) -> AsyncIterator[str]:
         rounds, engine = self.rounds, self.serving.engine
         handle, prompt = first
+        sent = 0  # the MCP calls streamed so far
         yield self.chunk(Delta(role="assistant", content=""))
         try:
             while True:
@@ -135,10 +139,11 @@ class ChatRounds:
                 streamed = answer.call_streams[0]
                 found = streamed.calls if streamed is not None else []
                 calls = [Call.of(c.id, c.name, c.arguments) for c in (found if answer.tools.parallel else found[:1])]
-                if not rounds.runs([c.name for c in calls]):
+                if not rounds.runs([c.name for c in calls], reason):
                     break
                 ran = await rounds.run(content, calls)
-                yield self.chunk(Delta(mcp_calls=mcp_items(ran)))
+                yield self.chunk(Delta(mcp_calls=mcp_items(ran, first_index=sent)))
+                sent += len(ran)
                 handle, prompt = await rounds.submit()
             yield self.chunk(
                 Delta(tool_calls=held or None),

@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from anyio.streams.memory import MemoryObjectReceiveStream
 from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
-from mcp.types import CONNECTION_CLOSED, TextContent, Tool
+from mcp.types import (
+    CONNECTION_CLOSED,
+    REQUEST_TIMEOUT,
+    CallToolResult,
+    ContentBlock,
+    EmbeddedResource,
+    ResourceLink,
+    TextContent,
+    TextResourceContents,
+    Tool,
+)
 
 from xinfer.server.mcp.config import ServerSpec
 
@@ -45,6 +57,7 @@ class MCPServer:
         self.timeout = timeout
         self.tools: list[Tool] = []
         self._session: ClientSession | None = None
+        self._read: MemoryObjectReceiveStream | None = None  # the session's messages from the subprocess
         self._task: asyncio.Task | None = None
         self._closing = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -55,13 +68,17 @@ class MCPServer:
 
     @property
     def connected(self) -> bool:
-        return self._session is not None and self._task is not None and not self._task.done()
+        running = self._session is not None and self._task is not None and not self._task.done()
+        return running and self._read is not None and not transport_ended(self._read)
 
     async def connect(self) -> None:
-        """Starts the server (again, if it failed) and lists its tools; MCPUnavailable if that fails or times out."""
+        """Starts the server (again, if it failed or exited) and lists its tools; MCPUnavailable if that
+        fails or times out."""
         async with self._lock:
             if self.connected:
                 return
+            if self._task is not None:
+                log.warning("MCP server %r is gone: starting it again", self.name)
             await self._stop()
             ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._closing = asyncio.Event()
@@ -78,21 +95,23 @@ class MCPServer:
                 raise MCPUnavailable(f"MCP server {self.name!r} failed to start: {describe(error)}") from None
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
-        """Runs ``tool``; its own errors (``isError``, a JSON-RPC error) are a result the model reads,
-        a server that crashes or hangs is MCPUnavailable (and restarted by the next request)."""
+        """Runs ``tool``; its own errors (``isError``, a JSON-RPC error) are a result the model reads;
+        a call past ``--mcp-timeout`` is MCPUnavailable (the server kept), a server that crashes is
+        MCPUnavailable (and restarted by the next request)."""
         await self.connect()
         session = self._session
         assert session is not None
         try:
-            result = await asyncio.wait_for(session.call_tool(tool, arguments), self.timeout)
-        except asyncio.TimeoutError:
-            await self.reset()
-            raise MCPUnavailable(
-                f"MCP server {self.name!r} did not answer the call of {tool!r} within {self.timeout:g} s "
-                "(--mcp-timeout)",
-                timed_out=True,
-            ) from None
+            # the SDK's per-request timeout fails this call only (and tells the server to cancel it);
+            # the session and the other requests' calls on it go on
+            result = await session.call_tool(tool, arguments, read_timeout_seconds=self.timeout)
         except MCPError as error:
+            if error.code == REQUEST_TIMEOUT:
+                raise MCPUnavailable(
+                    f"MCP server {self.name!r} did not answer the call of {tool!r} within {self.timeout:g} s "
+                    "(--mcp-timeout)",
+                    timed_out=True,
+                ) from None
             if error.code != CONNECTION_CLOSED:  # the server answered: the call itself failed
                 return ToolResult(f"Error: {error.message}", is_error=True)
             await self.reset()
@@ -100,8 +119,7 @@ class MCPServer:
         except Exception as error:  # noqa: BLE001 - a broken connection, however the SDK reports it
             await self.reset()
             raise MCPUnavailable(f"MCP server {self.name!r} failed while calling {tool!r}: {describe(error)}") from None
-        texts = [block.text for block in result.content if isinstance(block, TextContent)]
-        return ToolResult("\n".join(texts), bool(result.is_error))
+        return ToolResult(result_text(result), bool(result.is_error))
 
     async def reset(self, graceful: bool = False) -> None:
         async with self._lock:
@@ -114,7 +132,8 @@ class MCPServer:
             async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
                 await session.initialize()
                 self.tools = list((await session.list_tools()).tools)
-                self._session = session
+                # (stdio_client's read stream is anyio's memory stream, which its protocol type does not say)
+                self._session, self._read = session, cast(MemoryObjectReceiveStream, read)
                 log.info(
                     "MCP server %r: %d tools (%s)", self.name, len(self.tools), ", ".join(t.name for t in self.tools)
                 )
@@ -126,12 +145,12 @@ class MCPServer:
             else:
                 log.warning("MCP server %r stopped: %s", self.name, describe(error))
         finally:
-            self._session = None
+            self._session = self._read = None
 
     async def _stop(self, graceful: bool = False) -> None:
         """Ends the session's task, which ends the subprocess: ``graceful``, by closing the session
         (cancelled if that takes too long); else (a server that failed) by cancelling it now."""
-        task, self._task, self._session = self._task, None, None
+        task, self._task, self._session, self._read = self._task, None, None, None
         if task is None or task.done():
             return
         self._closing.set()
@@ -177,6 +196,33 @@ class MCPHub:
 
     async def close(self) -> None:
         await asyncio.gather(*(s.reset(graceful=True) for s in self.servers.values()), return_exceptions=True)
+
+
+def result_text(result: CallToolResult) -> str:
+    """A tool result as the text the model reads: each content block's text, or a note of what it is
+    (binary data is not shown); a result with ``structuredContent`` only, that as JSON."""
+    if not result.content and result.structured_content is not None:
+        return json.dumps(result.structured_content, ensure_ascii=False)
+    return "\n".join(block_text(block) for block in result.content)
+
+
+def block_text(block: ContentBlock) -> str:
+    if isinstance(block, TextContent):
+        return block.text
+    if isinstance(block, EmbeddedResource):
+        resource = block.resource
+        if isinstance(resource, TextResourceContents):
+            return resource.text
+        return f"[resource: {resource.uri} ({resource.mime_type or 'binary'})]"
+    if isinstance(block, ResourceLink):
+        return f"[resource link: {block.name} {block.uri}]"
+    return f"[{block.type}: {block.mime_type}]"  # image, audio
+
+
+def transport_ended(read: MemoryObjectReceiveStream) -> bool:
+    """Whether the stdio transport stopped sending: the subprocess's stdout ended (it exited or died,
+    possibly while idle, which the session itself only notices on its next request)."""
+    return read.statistics().open_send_streams == 0
 
 
 def function_tool(tool: Tool) -> dict[str, Any]:

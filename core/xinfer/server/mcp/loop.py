@@ -59,9 +59,12 @@ class MCPRounds:
         self.output_tokens += handle.num_generated
         self.cached_tokens += handle.num_cached_tokens
 
-    def runs(self, names: list[str]) -> bool:
-        """Whether the server runs calls of these tools: all are MCP tools offered, and rounds are left."""
-        return bool(names) and all(n in self.offered for n in names) and self.rounds_run < self.settings.max_rounds
+    def runs(self, names: list[str], reason: str | None) -> bool:
+        """Whether the server runs a round's calls of these tools: all are MCP tools offered, rounds are
+        left, and the round ended by itself (``reason`` "length": the last call may be cut short, its
+        arguments unfinished, so no call of that round is run)."""
+        offered = bool(names) and all(n in self.offered for n in names)
+        return offered and reason != "length" and self.rounds_run < self.settings.max_rounds
 
     async def run(self, text: str, calls: list[Call]) -> list[RanCall]:
         """Runs ``calls`` one after another (502/504 for a server that fails) and adds the assistant

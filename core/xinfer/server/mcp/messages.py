@@ -30,7 +30,7 @@ async def message_with_mcp(rounds: MCPRounds) -> MessageResponse:
             engine.release(handle)
         rounds.count(handle)
         blocks, calls = MessageAnswer.read(prompt, output)
-        if not rounds.runs([c.name for c in calls]):
+        if not rounds.runs([c.name for c in calls], output.finish_reason):
             content += blocks
             break
         content += [

@@ -6,6 +6,8 @@ what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` resu
   as Anthropic's API does; an empty one is left out;
 - a user turn's ``tool_result`` blocks become ``tool`` messages, in order, before its other content;
 - an assistant turn's ``tool_use`` blocks become its ``tool_calls``, its ``thinking`` its ``reasoning_content``;
+- an assistant turn's ``mcp_tool_use`` / ``mcp_tool_result`` blocks (the MCP calls xinfer ran, sent back)
+  become, round by round, an assistant message with those ``tool_calls`` and the ``tool`` results after it;
 - ``image`` blocks become ``image_url`` parts (data URLs), refused where the model takes text only;
 - ``document`` blocks of plain text become text parts, the document (its title and context too)
   between tags as Anthropic's prompting guide lays documents out; PDFs and other sources are refused;
@@ -138,15 +140,39 @@ def turn(message: Message, param: str, takes_images: bool) -> list[dict[str, Any
     """The chat messages of one Anthropic turn."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    numbered = list(enumerate(message.content))
+    if message.role == "user":
+        return round_messages("user", numbered, param, takes_images)
+    return [m for part in mcp_rounds(numbered) for m in round_messages("assistant", part, param, takes_images)]
+
+
+def mcp_rounds(numbered: list[tuple[int, Block]]) -> list[list[tuple[int, Block]]]:
+    """An assistant turn's blocks by round: a turn xinfer answered after running MCP calls holds each
+    round's text and ``mcp_tool_use`` blocks, then their ``mcp_tool_result`` blocks, then the next round's."""
+    parts: list[list[tuple[int, Block]]] = [[]]
+    for j, block in numbered:
+        if parts[-1] and parts[-1][-1][1].type == "mcp_tool_result" and block.type != "mcp_tool_result":
+            parts.append([])
+        parts[-1].append((j, block))
+    return parts
+
+
+def round_messages(
+    role: str, numbered: list[tuple[int, Block]], param: str, takes_images: bool
+) -> list[dict[str, Any]]:
+    """The chat messages of a user turn, or of one round of an assistant turn (see :func:`mcp_rounds`):
+    a user's tool results go before its message, the MCP results of an assistant round after it,
+    as the model read them when the server ran the calls."""
     results: list[dict[str, Any]] = []  # tool messages
     parts: list[dict[str, Any]] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(message.content):
+    for j, block in numbered:
         where = f"{param}.{j}"
-        allowed = USER_BLOCKS if message.role == "user" else ASSISTANT_BLOCKS
+        allowed = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
         if block.type not in allowed:
-            raise bad_request(f"a {message.role} turn cannot hold a content block of type {block.type!r}", param=where)
+            article = "an" if role == "assistant" else "a"
+            raise bad_request(f"{article} {role} turn cannot hold a content block of type {block.type!r}", param=where)
         if block.type == "text":
             parts.append({"type": "text", "text": required(block.text, where, "text")})
         elif block.type == "image":
@@ -155,31 +181,31 @@ def turn(message: Message, param: str, takes_images: bool) -> list[dict[str, Any
             parts.append(image_part(block, where))
         elif block.type == "document":
             parts.append({"type": "text", "text": document_text(block, where)})
-        elif block.type == "tool_result":
+        elif block.type in ("tool_result", "mcp_tool_result"):
             content = block_text(block.content or "", f"{where}.content")
-            if block.is_error:
+            if block.is_error and block.type == "tool_result":  # an MCP result's text is the one the model read
                 content = f"Error: {content}"
             results.append({"role": "tool", "tool_call_id": required(block.tool_use_id, where, "tool_use_id"),
                             "content": content})  # fmt: skip
-        elif block.type == "tool_use":
+        elif block.type in ("tool_use", "mcp_tool_use"):
             arguments = json.dumps(block.input or {}, ensure_ascii=False)
             calls.append({"id": required(block.id, where, "id"), "type": "function",
                           "function": {"name": required(block.name, where, "name"), "arguments": arguments}})  # fmt: skip
         elif block.type == "thinking" and block.thinking:
             reasoning.append(block.thinking)
-    messages = results
+    messages: list[dict[str, Any]] = []
     if parts or calls or reasoning or not results:
-        chat: dict[str, Any] = {"role": message.role, "content": joined(parts)}
+        chat: dict[str, Any] = {"role": role, "content": joined(parts)}
         if calls:
             chat["tool_calls"] = calls
         if reasoning:
             chat["reasoning_content"] = "\n".join(reasoning)
         messages.append(chat)
-    return messages
+    return [*results, *messages] if role == "user" else [*messages, *results]
 
 
 USER_BLOCKS = frozenset({"text", "image", "document", "tool_result"})
-ASSISTANT_BLOCKS = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
+ASSISTANT_BLOCKS = frozenset({"text", "tool_use", "thinking", "redacted_thinking", "mcp_tool_use", "mcp_tool_result"})
 
 
 def joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:

@@ -44,9 +44,21 @@ def with_extra_tools(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -
         check_tools(tools)
     except ValueError as error:
         raise bad_request(f"an MCP server's tool: {error}", param="mcp") from None
+    check_own_names(body.tools or [], tools)
     all_tools = [*(body.tools or []), *tools]
     try:
         check_tool_choice(body.tool_choice, all_tools)
     except FieldError as error:
         raise bad_request(str(error), param=error.param) from None
     return body.model_copy(update={"tools": all_tools})
+
+
+def check_own_names(own: list[dict[str, Any]], mcp: list[dict[str, Any]]) -> None:
+    """A 400 for a request tool named like an offered MCP tool: the model's call of that name would be
+    run on the MCP server, never reach the client."""
+    mcp_names = {tool["function"]["name"] for tool in mcp}
+    for i, tool in enumerate(own):  # checked as function tools when the body was read
+        name = tool["function"]["name"]
+        if name in mcp_names:
+            raise bad_request(f"tools[{i}].function.name {name!r} is also an MCP server's tool (mcp): "
+                              "give the request's tool another name", param=f"tools[{i}].function.name")  # fmt: skip
