@@ -83,6 +83,19 @@ def test_a_bad_config_is_one_line_naming_the_problem(tmp_path, content, named):
     assert result.returncode == 2 and len(lines) == 1 and named in lines[0], result.stderr
 
 
+def test_a_non_utf8_config_an_unbalanced_quote_and_an_empty_command_are_named(tmp_path):
+    """A config file that is not UTF-8 and an unbalanced quote in --mcp-args gave lines naming no flag; an empty
+    --mcp-command started the server without MCP, without a word."""
+    path = tmp_path / "mcp.json"
+    path.write_bytes(b'\xff\xfe{"mcpServers": {}}')
+    with pytest.raises(ValueError, match=rf"^--mcp-config {path}: not UTF-8 text$"):
+        read_config(path)
+    with pytest.raises(ValueError, match=r"^--mcp-args \"'unbalanced\": no closing quotation"):
+        server_specs(sys.executable, "'unbalanced", None)
+    with pytest.raises(ValueError, match=r"^--mcp-command: empty"):
+        server_specs("", None, None)
+
+
 def test_calls_crashes_and_hangs():
     async def scenario():
         hub = MCPHub([spec("tools")], TIMEOUT_S)

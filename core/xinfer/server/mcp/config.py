@@ -44,11 +44,17 @@ def server_specs(command: str | None, args: str | None, config: str | None) -> l
     specs = read_config(Path(config)) if config else []
     if args and not command:
         raise ValueError("--mcp-args needs --mcp-command")
-    if command:
+    if command is not None:
+        if not command.strip():
+            raise ValueError("--mcp-command: empty (the program an MCP server runs)")
         if any(spec.name == COMMAND_SERVER_NAME for spec in specs):
             raise ValueError(f"--mcp-config names a server {COMMAND_SERVER_NAME!r}, the name of --mcp-command's")
         check_program(command, "--mcp-command")
-        specs.append(ServerSpec(COMMAND_SERVER_NAME, command, shlex.split(args or "")))
+        try:
+            arguments = shlex.split(args or "")
+        except ValueError as error:  # an unbalanced quote
+            raise ValueError(f"--mcp-args {args!r}: {str(error).lower()} (split as a shell would)") from None
+        specs.append(ServerSpec(COMMAND_SERVER_NAME, command, arguments))
     return specs
 
 
@@ -64,6 +70,8 @@ def read_config(path: Path) -> list[ServerSpec]:
         data = json.loads(path.read_text())
     except OSError as error:
         raise ValueError(f"{where}: cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: not UTF-8 text") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not valid JSON ({error})") from None
     servers = data.get("mcpServers") if isinstance(data, dict) else None
