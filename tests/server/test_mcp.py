@@ -96,6 +96,22 @@ def test_a_non_utf8_config_an_unbalanced_quote_and_an_empty_command_are_named(tm
         server_specs("", None, None)
 
 
+def test_a_tool_no_model_can_call_is_left_out_with_a_warning_and_the_others_offered(caplog):
+    """MCP allows tool names of 128 characters, OpenAI's function tools 64: such a tool, offered, made every
+    request asking for its server's tools a 400 blaming the client."""
+    import logging
+
+    from mcp.types import Tool
+
+    from xinfer.server.mcp.client import usable_tools
+
+    long_name, schema = "t" * 70, {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tools = [Tool(name=long_name, input_schema=schema), Tool(name="add", input_schema=schema)]
+    with caplog.at_level(logging.WARNING, logger="xinfer"):
+        assert [tool.name for tool in usable_tools("calc", tools)] == ["add"]
+    assert f"MCP server 'calc': tool '{long_name}' left out" in caplog.text
+
+
 def test_calls_crashes_and_hangs():
     async def scenario():
         hub = MCPHub([spec("tools")], TIMEOUT_S)

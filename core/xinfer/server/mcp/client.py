@@ -31,6 +31,7 @@ from mcp.types import (
 )
 
 from xinfer.server.mcp.config import ServerSpec
+from xinfer.server.tools import check_tools
 
 log = logging.getLogger("xinfer.mcp")
 
@@ -131,7 +132,7 @@ class MCPServer:
         try:
             async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
                 await session.initialize()
-                self.tools = list((await session.list_tools()).tools)
+                self.tools = usable_tools(self.name, (await session.list_tools()).tools)
                 # (stdio_client's read stream is anyio's memory stream, which its protocol type does not say)
                 self._session, self._read = session, cast(MemoryObjectReceiveStream, read)
                 log.info(
@@ -223,6 +224,22 @@ def transport_ended(read: MemoryObjectReceiveStream) -> bool:
     """Whether the stdio transport stopped sending: the subprocess's stdout ended (it exited or died,
     possibly while idle, which the session itself only notices on its next request)."""
     return read.statistics().open_send_streams == 0
+
+
+def usable_tools(server: str, tools: list[Tool]) -> list[Tool]:
+    """The tools a request may be offered: those that make an OpenAI function tool. One that does not (a name
+    past 64 characters, which MCP allows up to 128; a schema that is not an object's) is left out with a warning:
+    offered, it failed every request that asked for the server's tools."""
+    usable = []
+    for tool in tools:
+        try:
+            check_tools([function_tool(tool)])
+        except ValueError as error:
+            log.warning("MCP server %r: tool %r left out, not a function tool a model can call: %s", server,
+                        tool.name, error)  # fmt: skip
+        else:
+            usable.append(tool)
+    return usable
 
 
 def function_tool(tool: Tool) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from xinfer.server.errors import FieldError, bad_request
 from xinfer.server.mcp.requests import function_tools, offered_tools
 from xinfer.server.protocol import ChatCompletionRequest
 from xinfer.server.serving import Serving
-from xinfer.server.tools import check_tool_choice, check_tools
+from xinfer.server.tools import check_tool_choice
 
 router = APIRouter()
 
@@ -39,11 +39,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def with_extra_tools(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """``body`` with ``tools`` (the MCP servers') offered beside its own."""
-    try:
-        check_tools(tools)
-    except ValueError as error:
-        raise bad_request(f"an MCP server's tool: {error}", param="mcp") from None
+    """``body`` with ``tools`` (the MCP servers', each checked as they were listed) offered beside its own."""
     check_own_names(body.tools or [], tools)
     all_tools = [*(body.tools or []), *tools]
     try:
