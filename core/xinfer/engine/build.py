@@ -47,7 +47,7 @@ from xinfer.loading.loader import check_model, checkpoint_bytes, held_model, loa
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
-from xinfer.text.tokenizer import Tokenizer, declared_eos_ids, has_tokenizer
+from xinfer.text.tokenizer import Tokenizer, as_ids, declared_eos_ids, has_tokenizer
 
 if TYPE_CHECKING:
     from xinfer.model import CausalLM
@@ -235,8 +235,7 @@ def _eos_ids(path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
     """Every EOS the model declares: its tokenizer's, its config's, and (tokenizer or not) its folder's
     ``generation_config.json``'s, where transformers' ``generate`` takes them from."""
     ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    ids.update(as_ids(getattr(hf_config, "eos_token_id", None)))
     if path.is_dir():
         ids.update(declared_eos_ids(path))
     return frozenset(ids)
@@ -250,8 +249,7 @@ def _tokenizer_eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
         return frozenset([tokenizer.eos_token_id])
     if tokenizer is not None:
         return frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
-    eos = getattr(hf_config, "eos_token_id", None)
-    return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(as_ids(getattr(hf_config, "eos_token_id", None)))
 
 
 # tokenizer files of the slow tokenizers, which xinfer does not read (their fast tokenizer.json it does)

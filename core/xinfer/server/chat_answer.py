@@ -63,7 +63,7 @@ class ChatAnswer(Answer):
         parser = self.tools.parser
         if parser is not None:
             parsed = parser.parse(answer)
-            found = parsed.tool_calls[:1] if not self.tools.parallel else parsed.tool_calls
+            found = self.tools.given(parsed.tool_calls)
             if found:
                 content = parsed.content
                 calls = [

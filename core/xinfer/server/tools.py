@@ -11,7 +11,14 @@ from typing import Any
 import pydantic_core
 
 from xinfer.server.errors import FieldError
-from xinfer.toolcalls import NamedFunctionParser, RequiredCallsParser, ToolParser, named_schema, required_schema
+from xinfer.toolcalls import (
+    NamedFunctionParser,
+    RequiredCallsParser,
+    ToolCall,
+    ToolParser,
+    named_schema,
+    required_schema,
+)
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 CHOICES = ("none", "auto", "required")
@@ -115,6 +122,10 @@ class ToolUse:
     parser: ToolParser | None = None
     parallel: bool = True
 
+    def given(self, found: list[ToolCall]) -> list[ToolCall]:
+        """The calls an answer gives of those its parser found: only the first where parallel calls are off."""
+        return found if self.parallel else found[:1]
+
     @property
     def finishes_with_calls(self) -> bool:
         """Whether an answer that called tools finishes with ``tool_calls``: not where the request named
@@ -161,3 +172,8 @@ class Call:
         except ValueError:
             return cls(id, name, {"_raw": arguments})
         return cls(id, name, value if isinstance(value, dict) else {"_raw": value})
+
+
+def calls_given(tools: ToolUse, found: list[ToolCall]) -> list[Call]:
+    """The calls an answer gives of those its parser found (:meth:`ToolUse.given`), their inputs objects."""
+    return [Call.of(c.id, c.name, c.arguments) for c in tools.given(found)]

@@ -236,11 +236,12 @@ def declared_eos_ids(folder: Path) -> list[int]:
     return [
         i
         for name in ("generation_config.json", "config.json")
-        for i in _as_ids(_read_json(folder / name).get("eos_token_id"))
+        for i in as_ids(_read_json(folder / name).get("eos_token_id"))
     ]
 
 
-def _as_ids(value: int | list[int] | None) -> list[int]:
+def as_ids(value: int | list[int] | None) -> list[int]:
+    """A config's token id field (``eos_token_id``: one id, a list, or none) as a list."""
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)

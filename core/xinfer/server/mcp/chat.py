@@ -34,7 +34,7 @@ from xinfer.server.responses import (
     usage,
 )
 from xinfer.server.streaming import SSE_DONE, SSE_HEADERS, sse_event
-from xinfer.server.tools import Call
+from xinfer.server.tools import Call, calls_given
 
 
 async def chat_with_mcp(rounds: MCPRounds, stream: bool) -> Response:
@@ -138,7 +138,7 @@ class ChatRounds:
                 self.reasoning_tokens += answer.reasoning_tokens()
                 streamed = answer.call_streams[0]
                 found = streamed.calls if streamed is not None else []
-                calls = [Call.of(c.id, c.name, c.arguments) for c in (found if answer.tools.parallel else found[:1])]
+                calls = calls_given(answer.tools, found)
                 if not rounds.runs([c.name for c in calls], reason):
                     break
                 ran = await rounds.run(content, calls)

@@ -17,7 +17,7 @@ from xinfer.engine.output import CompletionOutput
 from xinfer.server.chat_run import ChatPrompt
 from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import ANTHROPIC_PATHS, server_failure
-from xinfer.server.messages.calls import calls_given, read_calls
+from xinfer.server.messages.calls import read_calls
 from xinfer.server.messages.responses import (
     ContentBlock,
     MessageResponse,
@@ -30,7 +30,7 @@ from xinfer.server.messages.responses import (
 )
 from xinfer.server.serving import Serving
 from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
-from xinfer.server.tools import Call
+from xinfer.server.tools import Call, calls_given
 from xinfer.text.reasoning import ReasoningStream, split
 
 # a block's empty start, and the delta type that extends it, by block type
@@ -119,7 +119,7 @@ class MessageAnswer:
                 if call_stream is not None:
                     deltas = [call_stream.push(text)] + ([call_stream.finish()] if out.finished() else [])
                     text = "".join(d.content for d in deltas)
-                    given = calls_given(prompt, call_stream.calls)
+                    given = calls_given(prompt.tools, call_stream.calls)
                     calls, sent = given[sent:], len(given)
                 for event in (*blocks.write("thinking", reasoning), *blocks.write("text", text)):
                     yield event

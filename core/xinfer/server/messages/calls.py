@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from xinfer.server.chat_run import ChatPrompt
-from xinfer.server.tools import Call
-from xinfer.toolcalls import ToolCall
+from xinfer.server.tools import Call, calls_given
 
 
 def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
@@ -14,9 +13,4 @@ def read_calls(prompt: ChatPrompt, text: str) -> tuple[str, list[Call]]:
     if parser is None:
         return text, []
     parsed = parser.parse(text)
-    return parsed.content or "", calls_given(prompt, parsed.tool_calls)
-
-
-def calls_given(prompt: ChatPrompt, found: list[ToolCall]) -> list[Call]:
-    """The calls an answer gives of those its parser found: only the first where parallel calls are off."""
-    return [Call.of(c.id, c.name, c.arguments) for c in (found if prompt.tools.parallel else found[:1])]
+    return parsed.content or "", calls_given(prompt.tools, parsed.tool_calls)

@@ -193,15 +193,14 @@ def round_messages(
                           "function": {"name": required(block.name, where, "name"), "arguments": arguments}})  # fmt: skip
         elif block.type == "thinking" and block.thinking:
             reasoning.append(block.thinking)
-    messages: list[dict[str, Any]] = []
-    if parts or calls or reasoning or not results:
-        chat: dict[str, Any] = {"role": role, "content": joined(parts)}
-        if calls:
-            chat["tool_calls"] = calls
-        if reasoning:
-            chat["reasoning_content"] = "\n".join(reasoning)
-        messages.append(chat)
-    return [*results, *messages] if role == "user" else [*messages, *results]
+    if results and not (parts or calls or reasoning):  # tool results alone
+        return results
+    chat: dict[str, Any] = {"role": role, "content": joined(parts)}
+    if calls:
+        chat["tool_calls"] = calls
+    if reasoning:
+        chat["reasoning_content"] = "\n".join(reasoning)
+    return [*results, chat] if role == "user" else [chat, *results]
 
 
 USER_BLOCKS = frozenset({"text", "image", "document", "tool_result"})
