@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -42,6 +42,7 @@ class ModelConfig(_Config):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     isq: str | None = None  # quantize float weights at load to this packed format (q8_0, q4_k, ...)
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
+    hf_overrides: dict[str, Any] | None = None  # config.json fields replaced (a sub-config's: merged), as vLLM's
     seed: int = Field(0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes
     # models that take images: encoder outputs kept for images seen again (LRU), in embedding rows in all
     # (a Gemma 3 image is 256)

@@ -199,3 +199,35 @@ def test_generation_stops_at_every_eos_of_generation_config_without_a_tokenizer(
     assert len(expected) <= 6 and out.token_ids == expected.tolist() and out.finish_reason == "stop"
     # vLLM: with no tokenizer's EOS, generation_config's are stop token ids, each the stop_reason
     assert out.stop_reason == out.token_ids[-1]
+
+
+YARN_4X = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_hf_overrides_yarn_serves_past_max_position_embeddings(tmp_path):
+    """Qwen3's YaRN recipe through ``hf_overrides`` (vLLM's flag), config.json untouched: a model of 64 positions
+    scaled 4 times serves 256 (as vLLM derives it, the trained context times the factor), with transformers'
+    logits for the same config at a prompt past its 64 positions."""
+    config = Qwen3Config(**{**COMMON, "max_position_embeddings": 64}, head_dim=16, architectures=["Qwen3ForCausalLM"])
+    save_tiny_model(config, tmp_path / "model")
+    llm = LLM(model=str(tmp_path / "model"), dtype="float32", num_blocks=64, hf_overrides={"rope_scaling": YARN_4X})
+    assert llm.engine.max_model_len == 256
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / "model.safetensors").symlink_to(tmp_path / "model" / "model.safetensors")
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    written["rope_parameters"] = {**written["rope_parameters"], **YARN_4X}
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(written))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "edited", dtype=torch.float32, attn_implementation="eager")
+    tokens = prompt(200)
+    with torch.inference_mode():
+        expected = hf.eval()(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-4, f"max|diff|/max|HF logit| = {error:.2e}"
+
+
+def test_a_max_model_len_past_yarns_context_is_refused_naming_it(tmp_path):
+    config = Qwen3Config(**{**COMMON, "max_position_embeddings": 64}, head_dim=16, architectures=["Qwen3ForCausalLM"])
+    save_tiny_model(config, tmp_path)
+    with pytest.raises(ValueError, match=r"max_model_len 257 is more than the model's context under YaRN \(256: "):
+        LLM(model=str(tmp_path), dtype="float32", max_model_len=257, hf_overrides={"rope_scaling": YARN_4X})

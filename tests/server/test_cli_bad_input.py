@@ -143,3 +143,19 @@ def test_a_config_value_not_served_is_one_line(tmp_path, capsys, case):
     (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
     capsys.readouterr()  # (transformers' progress bar)
     assert message in refused(["--m", str(tmp_path), "--cpu"], capsys)
+
+
+@pytest.mark.parametrize(
+    "text, message", [("{rope", "not valid JSON"), ("[1]", "expected a JSON object of config fields")]
+)
+def test_hf_overrides_that_are_not_a_json_object_are_refused(text, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--hf-overrides", text])
+    assert exit_.value.code == 2 and f"argument --hf-overrides: {message}" in capsys.readouterr().err
+
+
+def test_hf_overrides_reach_the_model_config():
+    config = engine_config(
+        parse_args(["--hf-overrides", '{"rope_scaling": {"rope_type": "yarn"}}', "--cpu"]), Path("m")
+    )
+    assert config.model.hf_overrides == {"rope_scaling": {"rope_type": "yarn"}}

@@ -42,6 +42,7 @@ from xinfer.hooks import BackendSpec
 from xinfer.kv import KVFormat, get_format
 from xinfer.layers.activation import check_op_activations_run_on
 from xinfer.layers.moe import check_experts_run_on
+from xinfer.layers.rotary import context_limit
 from xinfer.loading.errors import first_line
 from xinfer.loading.loader import check_model, checkpoint_bytes, held_model, load_model
 from xinfer.loading.resolve import resolve_model_path
@@ -180,7 +181,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
     """The longest sequence: the one asked for, else the model's (check_model checked the one asked for)."""
-    return config.model.max_model_len or hf_config.max_position_embeddings
+    return config.model.max_model_len or context_limit(hf_config)
 
 
 def _step_past_context_switch(config: EngineConfig, model: CausalLM, max_model_len: int) -> EngineConfig:

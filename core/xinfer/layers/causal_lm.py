@@ -15,7 +15,7 @@ from xinfer.layers.decoder_layer import DecoderLayer, SandwichDecoderLayer
 from xinfer.layers.embedding import LMHead
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm
-from xinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from xinfer.layers.rotary import RotaryEmbedding, context_limit, rope_parameters
 from xinfer.layers.self_attention import SelfAttention
 from xinfer.model import HF_QKV_GATE_UP, CausalLM
 
@@ -67,7 +67,7 @@ class DecoderForCausalLM(CausalLM):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
         rotary = {
-            kind: RotaryEmbedding(self.head_dim, config.max_position_embeddings, self.rope_parameters(config, kind))
+            kind: RotaryEmbedding(self.head_dim, context_limit(config), self.rope_parameters(config, kind))
             for kind in dict.fromkeys(layer_types)  # (in layer order: a refusal names the first layer type)
         }
         self.model = DecoderModel(

@@ -41,6 +41,16 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
     return params
 
 
+def context_limit(config: Any) -> int:
+    """The longest sequence the model's positions serve: its ``max_position_embeddings``, or where its rope is
+    YaRN's, the context it was trained at times YaRN's factor if longer (as vLLM derives it: Qwen3's YaRN
+    recipe scales a 32,768-token context 4 times, past its 40,960 positions)."""
+    params = rope_parameters(config)
+    if params["rope_type"] == "yarn" and params.get("factor") is not None:
+        return max(config.max_position_embeddings, int(params["original_max_position_embeddings"] * params["factor"]))
+    return config.max_position_embeddings
+
+
 def _default(base: float, dim: int, params: dict) -> tuple[Tensor, float]:
     # fp32 like the reference implementations, so positions rotate identically
     return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim), 1.0

@@ -32,6 +32,7 @@ from xinfer import registry
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf_file import GGUFFile
 from xinfer.loading.model_types import check_model_type
+from xinfer.loading.overrides import overridden
 from xinfer.model import convert
 from xinfer.quant import WeightFormat, quantized, weight_formats
 
@@ -152,9 +153,12 @@ def gguf_adapter(architecture: str) -> GGUFAdapter:
     return adapter() if isinstance(adapter, type) else adapter
 
 
-def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> PretrainedConfig:
-    """The HF config of the GGUF file at ``path``, served with a context of ``max_model_len`` tokens a
-    sequence (None: the file's context_length), which decides the rope of a file with LongRoPE's factors."""
+def load_gguf_config(
+    path: str | Path, max_model_len: int | None = None, overrides: dict[str, Any] | None = None
+) -> PretrainedConfig:
+    """The HF config of the GGUF file at ``path`` (its fields in ``overrides`` replaced), served with a context of
+    ``max_model_len`` tokens a sequence (None: the file's context_length), which decides the rope of a file with
+    LongRoPE's factors."""
     registry.register_config_classes()
     file = GGUFFile(path)
     meta, arch = file.metadata, file.architecture
@@ -192,7 +196,7 @@ def load_gguf_config(path: str | Path, max_model_len: int | None = None) -> Pret
         raise ModelFileError(f"{file.path}: {error}") from None
     if "architectures" not in fields:
         fields["architectures"] = [_causal_lm_class(model_type, file.path)]
-    return AutoConfig.for_model(model_type, **fields)
+    return AutoConfig.for_model(model_type, **overridden(fields, overrides or {}))
 
 
 def _one_value_each(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:

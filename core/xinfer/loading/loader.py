@@ -16,11 +16,13 @@ from transformers import AutoConfig, PretrainedConfig
 
 from xinfer import registry
 from xinfer.config import ModelConfig
+from xinfer.layers.rotary import context_limit
 from xinfer.loading.base_model import BaseModel, as_head_checkpoint, base_model, check_head
 from xinfer.loading.errors import ModelFileError
 from xinfer.loading.gguf import iter_gguf_weights, load_gguf_config
 from xinfer.loading.legacy_names import current_names
 from xinfer.loading.model_types import check_model_type
+from xinfer.loading.overrides import overridden
 from xinfer.loading.quantized_checkpoint import decoded, decoder_for
 from xinfer.loading.safetensors import check_safetensors, header_tensors, iter_safetensors, safetensors_files
 from xinfer.loading.stored import Weights
@@ -28,12 +30,14 @@ from xinfer.model import CausalLM, finish_loading
 from xinfer.quant.isq import isq_mode, load_quantizer, quantizing_at_load, unallocated_weights
 
 
-def load_config(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
-    """The model's config; ``max_model_len``: the context it serves a sequence, which a GGUF's LongRoPE
-    factors are chosen by (None: the model's own)."""
+def load_config(
+    path: Path, max_model_len: int | None = None, overrides: dict[str, Any] | None = None
+) -> PretrainedConfig:
+    """The model's config with the fields of ``overrides`` replaced (:func:`overridden`); ``max_model_len``: the
+    context it serves a sequence, which a GGUF's LongRoPE factors are chosen by (None: the model's own)."""
     if path.suffix == ".gguf":
-        return load_gguf_config(path, max_model_len)
-    config = _hf_config(path)
+        return load_gguf_config(path, max_model_len, overrides)
+    config = _hf_config(path, overrides)
     _refuse_quantized_checkpoint(config, path)
     if not _is_wrapper(config):
         return config
@@ -72,7 +76,7 @@ def _refuse_quantized_checkpoint(config: PretrainedConfig, folder: Path) -> None
     )
 
 
-def _hf_config(folder: Path) -> PretrainedConfig:
+def _hf_config(folder: Path, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
     registry.register_config_classes()
     file = folder / "config.json"
     try:
@@ -85,6 +89,8 @@ def _hf_config(folder: Path) -> PretrainedConfig:
         check_model_type(model_type, str(file))
     try:
         config = AutoConfig.from_pretrained(folder)
+        if overrides:
+            config = type(config).from_dict(overridden(fields, overrides, type(config)))
     except (ValueError, OSError, TypeError, ArithmeticError, KeyError, StrictDataclassError) as error:  # a field
         kind = f"{type(error).__name__}: " if isinstance(error, ArithmeticError) else ""  # "division by zero" alone
         text = error.args[0] if isinstance(error, KeyError) and error.args else error  # (KeyError quotes its str)
@@ -101,7 +107,7 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     it is run with possible (the context length, the ``isq`` format): everything short of building the model
     and reading the weights, so that a bad model or setting fails in one line before anything starts."""
     settings = settings or ModelConfig()
-    config = load_config(path, settings.max_model_len)
+    config = load_config(path, settings.max_model_len, settings.hf_overrides)
     try:
         registry.model_class(architecture_of(config))
         if (saved_base := _base_model_of(config)) is not None:
@@ -118,10 +124,14 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
         isq_mode(settings.isq)
     if (layers := getattr(config, "num_hidden_layers", 1)) < 1:
         raise ModelFileError(f"{path}: the config's num_hidden_layers is {layers}: a model has at least one layer")
-    positions = config.max_position_embeddings
-    if settings.max_model_len is not None and settings.max_model_len > positions:
-        raise ValueError(f"max_model_len {settings.max_model_len} is more than the model's max_position_embeddings "
-                         f"({positions}): its positions go no further (--max-model-len)")  # fmt: skip
+    if settings.max_model_len is not None and settings.max_model_len > (limit := context_limit(config)):
+        context = (
+            f"max_position_embeddings ({limit})"
+            if limit == config.max_position_embeddings
+            else f"context under YaRN ({limit}: its original_max_position_embeddings times its factor)"
+        )
+        raise ValueError(f"max_model_len {settings.max_model_len} is more than the model's {context}: its positions "
+                         "go no further (--max-model-len; a YaRN rope_scaling set with --hf-overrides scales them)")  # fmt: skip
     return config
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import sys
 from argparse import SUPPRESS
@@ -139,6 +140,11 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="how to read the weights: auto (a GGUF file as GGUF, else the safetensors), safetensors, gguf, "
                        "or dummy (random weights of the right shapes, for benchmarks: no weight file needed)")
+    model.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+                       help="fields of the model's config.json replaced, as a JSON object (a sub-config's, such as "
+                       "text_config, merged field by field), e.g. Qwen3's YaRN recipe for 131,072 tokens: "
+                       "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                       "\"original_max_position_embeddings\": 32768}}'")
     model.add_argument("--isq", metavar="TYPE",
                        help="quantize a float checkpoint's weights at load into a packed format, run as quantized "
                        "checkpoints are: q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k, fp8, mxfp4, nvfp4; "
@@ -433,6 +439,17 @@ def later_feature(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if action.default is argparse.SUPPRESS and action.dest in vars(args):
             return f"{action.option_strings[0]} ({(action.help or '').removesuffix(' [later]')})"
     return None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of config fields, got {text!r}")
+    return value
 
 
 def _device_ids(text: str) -> list[int]:

@@ -184,6 +184,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         dtype=args.dtype,
         load_format=args.load_format,
         isq=args.isq,
+        hf_overrides=args.hf_overrides,
         max_model_len=args.max_model_len,
         seed=args.seed if args.seed is not None else 0,
         kv_fraction=args.kv_fraction,
