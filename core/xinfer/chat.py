@@ -163,7 +163,9 @@ def _answer(args: argparse.Namespace, engine: LLMEngine, defaults: SamplingDefau
     if engine.tokenizer.chat_template is None and not args.prompts:
         print("xinfer: this model has no chat template; the terminal chat needs one", file=sys.stderr)
         return 2
-    params = SamplingParams(**defaults.sampling() | {"max_tokens": defaults.token_limit(1024, engine.max_model_len)})
+    params = SamplingParams(
+        **defaults.sampling() | {"max_tokens": defaults.token_limit(None, 1024, engine.max_model_len)}
+    )
     if args.prompts:
         prompts = split_prompts(args.prompts)
         try:

@@ -77,11 +77,13 @@ def test_the_server_takes_the_recommendation_under_its_flags(folder):
         "frequency_penalty": 0.0, "presence_penalty": 0.0, "seed": None, "max_tokens": None,
         "recommended_max_tokens": 5,
     }  # fmt: skip
-    # max_new_tokens is the limit where a route has none of its own: /v1/completions keeps OpenAI's 16
-    assert (recommended.token_limit(None, 100), recommended.token_limit(16, 100), recommended.token_limit(None, 3)) == (
-        5, 16, 3,
-    )  # fmt: skip
-    flagged = sampling_defaults(parse_args(["--m", str(folder), "--max-tokens", "40"]), folder)
-    assert (flagged.token_limit(None, 100), flagged.token_limit(16, 100)) == (40, 40)
+    # max_new_tokens is the limit of a request that sets none, and as vLLM's get_max_tokens takes it, a cap on
+    # what a request or a route's default (OpenAI's 16 on /v1/completions) asks for; within the context's room
+    limits = [recommended.token_limit(*args) for args in ((None, None, 100), (None, 16, 100), (50, None, 100),
+                                                          (2, None, 100), (None, None, 3))]  # fmt: skip
+    assert limits == [5, 5, 5, 2, 3]
+    flagged = sampling_defaults(parse_args(["--m", str(folder), "--max-tokens", "40"]), folder)  # the flag wins
+    assert (flagged.token_limit(None, None, 100), flagged.token_limit(None, 16, 100)) == (40, 40)
+    assert flagged.token_limit(60, None, 100) == 60
     plain = sampling_defaults(parse_args(["--m", str(folder), "--generation-config", "none"]), folder)
     assert plain == type(plain)()

@@ -227,9 +227,10 @@ def sampling_defaults(args: argparse.Namespace, path: Path) -> SamplingDefaults:
     recommended sampling (``--generation-config``), else :class:`SamplingDefaults`'."""
     recommended = recommended_sampling(args.generation_config, path)
     if recommended:
-        log.info("sampling defaults from the model's generation config: %s (flags and requests override them)",
-                 ", ".join(f"{name}={value}" for name, value in recommended.items()))  # fmt: skip
-    recommended["recommended_max_tokens"] = recommended.pop("max_tokens", None)
+        log.info("sampling defaults from the model's generation config: %s (flags and requests override them%s)",
+                 ", ".join(f"{name}={value}" for name, value in recommended.items()),
+                 "; max_tokens also caps what a request asks for, as vLLM" if "max_tokens" in recommended else "")  # fmt: skip
+    recommended["recommended_max_tokens"] = recommended.pop("max_tokens", None) if args.max_tokens is None else None
     given = {f.name: getattr(args, f.name, None) for f in fields(SamplingDefaults)}  # (no flag: recommended_*)
     return SamplingDefaults(**recommended | {name: value for name, value in given.items() if value is not None})
 

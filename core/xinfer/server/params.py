@@ -30,7 +30,7 @@ class SamplingDefaults:
     presence_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int | None = None  # --max-tokens: over a route's own default (OpenAI's 16 on /v1/completions)
-    recommended_max_tokens: int | None = None  # generation_config.json's max_new_tokens: under a route's default
+    recommended_max_tokens: int | None = None  # generation_config.json's max_new_tokens: under a route's default, a cap
 
     def sampling(self) -> dict[str, Any]:
         """The defaults as :class:`SamplingParams` fields but the token limit (:meth:`token_limit`, the route's)."""
@@ -38,9 +38,11 @@ class SamplingDefaults:
         del fields["max_tokens"], fields["recommended_max_tokens"]
         return fields
 
-    def token_limit(self, route_default: int | None, room: int) -> int:
-        """The token limit of a request that sets none, within ``room``."""
-        return min(self.max_tokens or route_default or self.recommended_max_tokens or room, room)
+    def token_limit(self, requested: int | None, route_default: int | None, room: int) -> int:
+        """The token limit of a request asking for ``requested`` (None: the defaults'), within ``room`` and, as
+        vLLM caps it, the generation config's ``max_new_tokens``."""
+        wanted = requested or self.max_tokens or route_default or self.recommended_max_tokens or room
+        return min(wanted, self.recommended_max_tokens or room, room)
 
 
 def structured_outputs(body: GenerationRequest, after_token_id: int | None = None) -> StructuredOutputs | None:
@@ -115,7 +117,7 @@ def request_params(
             code="context_length_exceeded",
         )
     given = {name: getattr(body, name) for name in OPTIONAL_FIELDS if getattr(body, name) is not None}
-    max_tokens = token_limit or defaults.token_limit(body.default_max_tokens, room)
+    max_tokens = defaults.token_limit(token_limit, body.default_max_tokens, room)
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed the token limit ({max_tokens})",
                           param="min_tokens")  # fmt: skip
