@@ -100,6 +100,8 @@ class CausalLM(nn.Module):
     # True: ``load_weights`` decodes the checkpoint's quantized tensors itself (names of its own); else
     # quantized ones are decoded before it sees them (xinfer.loading.quantized_checkpoint)
     decodes_quantized_checkpoint: ClassVar[bool] = False
+    # dtypes the architecture does not run in, each with why: refused when asked for, never chosen by ``auto``
+    unstable_dtypes: ClassVar[dict[torch.dtype, str]] = {}
 
     def __init__(self, config: Any):
         super().__init__()

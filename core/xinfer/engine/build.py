@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from xinfer import registry
 from xinfer.backend import DeviceMemory, check_support, device_memory, select_backend, splits_memory
 from xinfer.cache.allocate import CacheLayout, allocate_caches
 from xinfer.cache.block_pool import BlockPool
@@ -44,7 +45,7 @@ from xinfer.layers.activation import check_op_activations_run_on
 from xinfer.layers.moe import check_experts_run_on
 from xinfer.layers.rotary import context_limit
 from xinfer.loading.errors import first_line
-from xinfer.loading.loader import check_model, checkpoint_bytes, held_model, load_model
+from xinfer.loading.loader import architecture_of, check_model, checkpoint_bytes, held_model, load_model
 from xinfer.loading.resolve import resolve_model_path
 from xinfer.ops import HostBatch, Ops
 from xinfer.quant.dispatch import prepare_weights
@@ -84,7 +85,7 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     cache = config.cache
     memory = device_memory(spec, device)
     baseline = memory_baseline(memory)
-    dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
+    dtype = model_dtype(config, hf_config, device.type)
     saved = getattr(hf_config, "dtype", None)
     if config.model.dtype == "auto" and saved is not None and _dtype_name(saved) != _dtype_name(dtype):
         log.info("dtype auto: the checkpoint's %s runs as %s on the %s (--dtype sets another)", _dtype_name(saved),
@@ -145,7 +146,7 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
     check_support(spec, ops, config)
     path = resolve_model_path(config.model.model)
     hf_config = check_model(path, config.model)
-    dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device.type)
+    dtype = model_dtype(config, hf_config, device.type)
     with building_for(TensorParallel(0, config.parallel.tensor_parallel_size)):  # one rank's part
         model = held_model(path, hf_config, dtype, config.model.load_format, config.model.isq)
     check_experts_run_on(model, ops)
@@ -155,6 +156,18 @@ def check_start(config: EngineConfig) -> tuple[BackendSpec, Ops, torch.device, P
     available = available_bytes(device_memory(spec, device))
     check_fits(model, config, max_model_len, dtype, available, f"{device}'s memory", splits_memory(spec))
     return spec, ops, device, path, hf_config
+
+
+def model_dtype(config: EngineConfig, hf_config: PretrainedConfig, device_type: str) -> torch.dtype:
+    """The dtype the model runs in (:func:`resolve_dtype`), never one its architecture does not run in
+    (``CausalLM.unstable_dtypes``): asked for, it is refused in one line; ``auto`` takes bf16 instead (as vLLM)."""
+    dtype = resolve_dtype(config.model.dtype, getattr(hf_config, "dtype", None), device_type)
+    model_class = registry.model_class(architecture_of(hf_config))
+    if (why := getattr(model_class, "unstable_dtypes", {}).get(dtype)) is None:
+        return dtype
+    if config.model.dtype != "auto":
+        raise ValueError(f"{model_class.__name__} does not run in {_dtype_name(dtype)}: {why} (--dtype bf16 or f32)")
+    return torch.bfloat16
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@ own rope base (``layer_types`` and the per-type rope parameters of the config)."
 
 from typing import Any
 
+import torch
+
 from xinfer.layers import DecoderForCausalLM, DecoderSpec
 
 
@@ -17,6 +19,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     """
 
     spec = DecoderSpec(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True)
+    unstable_dtypes = {torch.float16: "its activations outgrow float16's range (vLLM refuses it too)"}
 
     def __init__(self, config: Any):
         if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder

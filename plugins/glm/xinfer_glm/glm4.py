@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from xinfer.layers import RMSNorm, RotaryEmbedding
@@ -14,6 +15,8 @@ from xinfer_glm.glm import GlmForCausalLM
 
 class Glm4ForCausalLM(GlmForCausalLM):
     """GLM's attention and MLP in the sandwich layer below."""
+
+    unstable_dtypes = {torch.float16: "its activations outgrow float16's range (vLLM refuses it too)"}
 
     def layer(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         norm = functools.partial(self.rms_norm, config.hidden_size)

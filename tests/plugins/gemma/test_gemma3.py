@@ -73,3 +73,18 @@ def test_the_rope_fields_of_transformers_4_turn_each_layer_as_transformers_5_rea
     assert not torch.equal(expected[0][:, :8], expected[1][:, :8])  # a sliding layer and a global one turn apart
     for got, want in zip(tables(as_transformers_4), expected, strict=True):
         assert torch.equal(got, want)
+
+
+def test_float16_is_refused_when_asked_for_and_auto_takes_bf16_for_a_float16_checkpoint(tmp_path):
+    """Gemma 3's activations outgrow float16 (vLLM refuses it the same way): asked for, one line before anything
+    loads; under ``auto``, a checkpoint saved in float16 runs in bf16 on a GPU, as vLLM picks it."""
+    from xinfer.config import EngineConfig
+    from xinfer.engine.build import model_dtype
+
+    config = gemma3_config()
+    save_tiny_model(config, tmp_path)
+    with pytest.raises(ValueError, match=r"^Gemma3ForCausalLM does not run in float16: its activations outgrow"):
+        LLM(model=str(tmp_path), dtype="float16")
+    config.dtype = torch.float16
+    assert model_dtype(EngineConfig.from_kwargs(model=str(tmp_path)), config, "cuda") == torch.bfloat16
+    assert model_dtype(EngineConfig.from_kwargs(model=str(tmp_path)), config, "cpu") == torch.float32
