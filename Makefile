@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 # torch is pinned so that pip takes a CPU build where one is at hand instead of
-# pulling a multi-GB CUDA build; any torch >= 2.4 works.
+# pulling a multi-GB CUDA build; any torch >= 2.6 works (pyproject.toml's floor).
 TORCH ?= torch==2.13.0
 PLUGINS := $(foreach p,$(wildcard plugins/*/pyproject.toml backends/*/pyproject.toml),-e $(dir $(p)))
 

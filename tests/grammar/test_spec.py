@@ -117,5 +117,9 @@ def test_a_dict_of_fields_takes_vllms_options_that_change_nothing_here_and_names
         structured_outputs={"choice": ["a"], "disable_any_whitespace": True, "disable_fallback": True}
     )
     assert params.structured_outputs == StructuredOutputs(choice=["a"])
+    # and as keywords, as code written for vLLM's StructuredOutputsParams passes them (a TypeError before)
+    assert StructuredOutputs(json_object=True, disable_any_whitespace=True, whitespace_pattern=r"[ ]?") == (
+        StructuredOutputs(json_object=True)
+    )
     with pytest.raises(ValueError, match=r"structured outputs have no field 'jsn' \(they have "):
         SamplingParams(structured_outputs={"jsn": {}})

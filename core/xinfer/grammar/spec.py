@@ -27,9 +27,6 @@ JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False,
 }
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# vLLM's StructuredOutputsParams options that change nothing here: JSON is written without whitespace and objects
-# closed already, and there is one grammar engine, none to fall back to
-IGNORED_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties", "disable_fallback")
 
 
 @dataclass(frozen=True)
@@ -54,6 +51,12 @@ class StructuredOutputs:
     grammar: str | None = None
     strict: bool = True
     after_token_id: int | None = field(default=None, compare=False)
+    # vLLM's StructuredOutputsParams options, taken and changing nothing: JSON is written without whitespace and
+    # objects closed already, and there is one grammar engine, none to fall back to
+    disable_any_whitespace: bool = field(default=False, compare=False)
+    whitespace_pattern: str | None = field(default=None, compare=False)
+    disable_additional_properties: bool = field(default=False, compare=False)
+    disable_fallback: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -74,12 +77,12 @@ class StructuredOutputs:
 
     @classmethod
     def of(cls, fields: dict[str, Any]) -> StructuredOutputs:
-        """From a dict of its fields, as vLLM's ``StructuredOutputsParams`` takes them (its options that change
-        nothing here left out); another key is a ValueError naming it."""
+        """From a dict of its fields, as vLLM's ``StructuredOutputsParams`` takes them; another key is a ValueError
+        naming it."""
         known = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(fields) - known - set(IGNORED_OPTIONS)):
+        if unknown := sorted(set(fields) - known):
             raise ValueError(f"structured outputs have no field {unknown[0]!r} (they have {', '.join(sorted(known))})")
-        return cls(**{name: value for name, value in fields.items() if name in known})
+        return cls(**fields)
 
     @property
     def kind(self) -> str:
