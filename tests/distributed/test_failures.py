@@ -88,3 +88,32 @@ def _worker(pid: int) -> int:
     tasks = Path(f"/proc/{pid}/task")
     children = [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
     return next(child for child in children if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes())
+
+
+def _exit_at_once() -> None:
+    os._exit(3)
+
+
+def test_a_worker_that_exits_before_the_ranks_meet_fails_start_up_at_once():
+    """The rendezvous waited the whole timeout (300 s by default) for a rank whose process was already gone."""
+    import multiprocessing
+
+    from xinfer.config import EngineConfig
+    from xinfer.distributed.ranks import _met, free_port
+
+    parallel = EngineConfig.from_kwargs(tensor_parallel_size=2, master_port=free_port(), timeout=120).parallel
+    worker = multiprocessing.get_context("spawn").Process(target=_exit_at_once, name="xinfer-rank-1")
+    worker.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match=r"worker xinfer-rank-1 \(pid \d+\) exited with code 3 before the ranks met"):
+        _met(parallel, 0, [worker])
+    assert time.monotonic() - started < 30
+
+
+def test_ranks_that_do_not_meet_in_the_timeout_are_named():
+    from xinfer.config import EngineConfig
+    from xinfer.distributed.ranks import _met, free_port
+
+    parallel = EngineConfig.from_kwargs(tensor_parallel_size=3, master_port=free_port(), timeout=1).parallel
+    with pytest.raises(WorkerFailed, match=r"^1 of 3 tensor-parallel ranks met at 127\.0\.0\.1:\d+ in 1 s"):
+        _met(parallel, 0, [])

@@ -38,6 +38,7 @@ log = logging.getLogger("xinfer")
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 DEATH_GRACE_SECONDS = 5.0  # host messages: a worker waits as long as the engine idles
+JOINED = "xinfer/joined"  # the store's count of the ranks that joined it
 
 
 def free_port() -> int:
@@ -75,8 +76,8 @@ class Ranks:
         if device.index is not None:  # the rank's accelerator is the current one (NCCL's communicators bind to it)
             torch.accelerator.set_device_index(device.index)
         dist.init_process_group(
-            backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}", rank=rank,
-            world_size=parallel.tensor_parallel_size, timeout=datetime.timedelta(seconds=parallel.timeout),
+            backend, store=_met(parallel, rank, processes), rank=rank, world_size=parallel.tensor_parallel_size,
+            timeout=datetime.timedelta(seconds=parallel.timeout),
         )  # fmt: skip
         # the other ranks wait for the next message as long as the engine idles; the first rank's sends give up on
         # a rank that hangs after the group's timeout, as its collectives do (gloo's timeouts are each process's)
@@ -187,6 +188,28 @@ class Ranks:
             dist.destroy_process_group()
         if Ranks.active is self:
             Ranks.active = None
+
+
+def _met(parallel: ParallelConfig, rank: int, processes: list[BaseProcess]) -> dist.Store:
+    """The group's store (a TCP store the first rank holds, as ``torchrun``'s), once every rank has joined it.
+    Until then this node's ``processes`` are watched: one that exits first fails start-up at once, naming it,
+    where the rendezvous would wait for it the whole timeout."""
+    assert parallel.master_port is not None, "Ranks.start picks a free port"
+    size, timeout = parallel.tensor_parallel_size, datetime.timedelta(seconds=parallel.timeout)
+    store = dist.TCPStore(parallel.master_addr, parallel.master_port, size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)  # fmt: skip
+    joined, deadline = store.add(JOINED, 1), time.monotonic() + parallel.timeout
+    while joined < size:
+        if dead := next((process for process in processes if not process.is_alive()), None):
+            dead.join(10.0)
+            raise WorkerFailed(f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
+                               f"{dead.exitcode} before the ranks met")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise WorkerFailed(f"{joined} of {size} tensor-parallel ranks met at {parallel.master_addr}:"
+                               f"{parallel.master_port} in {parallel.timeout:g} s (--tp-timeout)")  # fmt: skip
+        time.sleep(0.05)
+        joined = store.add(JOINED, 0)
+    return store
 
 
 def device_of(device: DeviceConfig) -> torch.device:
