@@ -27,6 +27,7 @@ CONFIGS = {
     "qwen3-window": lambda: Qwen3Config(
         **WIDE,
         head_dim=64,
+        use_sliding_window=True,  # without it transformers' config drops the window, and sliding layers fail
         sliding_window=24,
         layer_types=["sliding_attention", "full_attention"],
         architectures=["Qwen3ForCausalLM"],
