@@ -21,6 +21,22 @@ THINKING_TEMPLATE = (
 )
 
 
+def assert_usage_so_far(chunks: list, prompt_tokens: list[int], n: int, streamed_tokens) -> None:
+    """vLLM's continuous usage: a choice's chunk counts its own prompt's tokens and the tokens of that choice
+    streamed up to it (``streamed_tokens``: how many a chunk's choice holds); the last chunk, the whole request's."""
+    *streamed, last = chunks
+    so_far: dict[int, int] = {}
+    for chunk in streamed:
+        [choice] = chunk.choices
+        so_far[choice.index] = so_far.get(choice.index, 0) + streamed_tokens(choice)
+        prompt = prompt_tokens[choice.index // n]
+        usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens)
+        assert usage == (prompt, so_far[choice.index], prompt + so_far[choice.index]), (choice.index, usage)
+    assert sorted(so_far) == list(range(len(prompt_tokens) * n))
+    assert last.choices == [] and last.usage.prompt_tokens == sum(prompt_tokens)
+    assert last.usage.completion_tokens == sum(so_far.values())
+
+
 @pytest.fixture(scope="session")
 def server():
     """The embedded default model behind an API key."""

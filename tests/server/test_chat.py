@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.server.conftest import assert_usage_so_far
+
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
@@ -252,6 +254,51 @@ def test_streaming_n_2_interleaves_choices(client, model):
             texts[choice.index] += choice.delta.content or ""
     assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_continuous_usage_stats_on_every_chunk(server, client, model, n):
+    """vLLM's stream_options.continuous_usage_stats: each chunk (the role's too) carries its choice's usage so far,
+    never ahead of the tokens streamed, never summed over the choices."""
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=QUESTION, n=n, max_tokens=12, seed=1, stream=True, logprobs=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    prompt_tokens = len(server.post("/tokenize", json={"model": model, "messages": QUESTION}).json()["tokens"])
+    assert_usage_so_far(
+        chunks, [prompt_tokens], n, lambda choice: len(choice.logprobs.content or []) if choice.logprobs else 0
+    )
+    assert chunks[-1].usage.completion_tokens == n * 12
+
+
+def test_token_ids_returned_as_vllm_returns_them(server, model):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" (the byte pieces of "你好" are all
+    U+FFFD by their text), the chosen token's bytes its own, an alternative's its name's, as vLLM gives them;
+    return_token_ids: the response's prompt_token_ids (streamed: on each choice's first chunk) and each choice's."""
+    body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "allowed_token_ids": [18645, 250, 48392, 138], "return_token_ids": True}  # fmt: skip
+    by_text = server.post("/v1/chat/completions", body).json()
+    by_ids = server.post("/v1/chat/completions", body | {"return_tokens_as_token_ids": True}).json()
+    assert by_ids["prompt_token_ids"] == server.post("/tokenize", {"messages": QUESTION}).json()["tokens"]
+    [choice] = by_ids["choices"]
+    content, text_content = choice["logprobs"]["content"], by_text["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert [entry["bytes"] for entry in content] == [entry["bytes"] for entry in text_content]
+    assert {entry["token"] for entry in text_content} == {"\ufffd"}
+    alternatives = [top for entry in content for top in entry["top_logprobs"]]
+    assert len(alternatives) == 2 * len(content)
+    assert all(top["token"].startswith("token_id:") and bytes(top["bytes"]) == top["token"].encode()
+               for top in alternatives)  # fmt: skip
+    streamed = body | {"stream": True, "return_tokens_as_token_ids": True}
+    chunks = [data["choices"][0] | {"prompt_token_ids": data.get("prompt_token_ids")}
+              for _, data in server.events("/v1/chat/completions", streamed)]  # fmt: skip
+    assert [c["prompt_token_ids"] for c in chunks] == [by_ids["prompt_token_ids"]] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c.get("token_ids", [])] == choice["token_ids"]
+    assert [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == content
+    plain = server.post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 1}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
 def test_prompt_logprobs_on_the_response(server, client, model):

@@ -175,7 +175,27 @@ ROWS = [
         "stream_options",
         "stream",
     ),
+    (
+        "stream_options asking for nothing more without stream",  # vLLM's: only {} is taken without stream
+        CHAT,
+        chat(stream_options={"include_usage": False}),
+        {},
+        400,
+        "stream_options",
+        "stream",
+    ),
     ("logit_bias key not a token id", CHAT, chat(logit_bias={"a": 5}), {}, 400, "logit_bias", "logit_bias"),
+    # "²" is a digit to str.isdigit, not to int()
+    ("logit_bias key a superscript digit", CHAT, chat(logit_bias={"²": 5}), {}, 400, "logit_bias", "²"),
+    (
+        "streamed completion logit_bias key a superscript digit",
+        COMPLETIONS,
+        {"prompt": "a", "max_tokens": 1, "stream": True, "logit_bias": {"¹": 5}},
+        {},
+        400,
+        "logit_bias",
+        "¹",
+    ),
     ("logit_bias above 100", CHAT, chat(logit_bias={"1": 101}), {}, 400, "logit_bias", "101"),
     (
         "logit_bias token outside the vocabulary",
@@ -216,8 +236,53 @@ ROWS = [
         str(MAX_MODEL_LEN),
     ),
     ("completion prompt too long", COMPLETIONS, {"prompt": LONG_TEXT}, {}, 400, "prompt", str(MAX_MODEL_LEN)),
+    (
+        "completion prompt too long, echoed with logprobs",  # checked before the prompt is scored
+        COMPLETIONS,
+        {"prompt": LONG_TEXT, "echo": True, "logprobs": 1},
+        {},
+        400,
+        "prompt",
+        str(MAX_MODEL_LEN),
+    ),
+    (
+        "completion prompt too long, echoed alone with logprobs",
+        COMPLETIONS,
+        {"prompt": LONG_TEXT, "echo": True, "logprobs": 1, "max_tokens": 0},
+        {},
+        400,
+        "prompt",
+        str(MAX_MODEL_LEN),
+    ),
+    (
+        "logit_bias outside the vocabulary, checked before an echoed prompt is scored",
+        COMPLETIONS,
+        {"prompt": LONG_TEXT, "echo": True, "logprobs": 1, "logit_bias": {str(10**7): 1}},
+        {},
+        400,
+        "logit_bias",
+        str(10**7),
+    ),
     ("completion without prompt", COMPLETIONS, {"max_tokens": 2}, {}, 400, "prompt", "required"),
     ("truncate_prompt_tokens 0", CHAT, chat(truncate_prompt_tokens=0), {}, 400, "truncate_prompt_tokens", "-1"),
+    (
+        "truncate_prompt_tokens above the context",  # vLLM's message
+        CHAT,
+        chat(truncate_prompt_tokens=MAX_MODEL_LEN + 1),
+        {},
+        400,
+        "truncate_prompt_tokens",
+        f"truncate_prompt_tokens value ({MAX_MODEL_LEN + 1}) is greater than max_model_len ({MAX_MODEL_LEN})",
+    ),
+    (
+        "completion truncate_prompt_tokens above the context",
+        COMPLETIONS,
+        {"prompt": "a", "truncate_prompt_tokens": MAX_MODEL_LEN + 1},
+        {},
+        400,
+        "truncate_prompt_tokens",
+        "greater than max_model_len",
+    ),
     (
         "completion max_tokens 0 without echo",
         COMPLETIONS,
@@ -403,6 +468,13 @@ def test_bad_request(server, row):
         assert response.headers["WWW-Authenticate"] == "Bearer"
     if "too long" in row[0]:
         assert error["code"] == "context_length_exceeded", error
+
+
+@pytest.mark.parametrize("path, body", [(CHAT, chat()), (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})])
+def test_empty_stream_options_need_no_stream(server, path, body):
+    """As vLLM's: stream_options that ask for nothing ({}) are taken without stream."""
+    response = server.post(path, body | {"stream_options": {}})
+    assert response.status_code == 200, response.text
 
 
 def test_an_empty_model_name_is_the_served_model(server, model):

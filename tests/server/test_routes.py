@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.llama_cpp_oracle import llama_cpp_llama
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.conftest import MAX_MODEL_LEN, assert_usage_so_far
 from xinfer.loading.resolve import default_model_path
 
 
@@ -152,6 +152,29 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model, server):
         extra_body={"truncate_prompt_tokens": 8},
     )  # fmt: skip
     assert chat.usage.prompt_tokens == 8
+    whole = {"truncate_prompt_tokens": -1}  # as many as the context holds: here, the whole short prompt
+    assert (
+        client.completions.create(model=model, prompt=ids[:8], max_tokens=1, extra_body=whole).usage.prompt_tokens == 8
+    )
+
+
+@pytest.mark.parametrize("max_tokens", [0, 2])
+def test_echo_with_logprobs_gives_the_prompt_logprobs(server, client, model, max_tokens):
+    """vLLM's: echo with logprobs N and no prompt_logprobs scores each choice's prompt as prompt_logprobs N does."""
+    prompts = ["The capital of France is", "Hi there"]
+    lengths = [len(server.post("/tokenize", {"prompt": p}).json()["tokens"]) for p in prompts]
+    ask = dict(model=model, prompt=prompts, n=2, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0)
+    echoed = client.completions.create(**ask).choices
+    asked = client.completions.create(**ask, extra_body={"prompt_logprobs": 2}).choices
+    assert [len(c.prompt_logprobs) for c in echoed] == [len(c.prompt_logprobs) for c in asked]
+    assert [len(c.prompt_logprobs) for c in echoed] == [lengths[0]] * 2 + [lengths[1]] * 2
+    for by_echo, by_field in zip(echoed, asked):
+        assert by_echo.prompt_logprobs[0] is None
+        for entry, expected in zip(by_echo.prompt_logprobs[1:], by_field.prompt_logprobs[1:]):
+            assert entry.keys() == expected.keys()
+            for token, scores in entry.items():
+                assert scores["logprob"] == pytest.approx(expected[token]["logprob"], abs=1e-4)
+                assert scores["decoded_token"] == expected[token]["decoded_token"]
 
 
 def test_completion_max_tokens_defaults_to_16(client, model):
@@ -176,16 +199,48 @@ def test_streamed_completion_equals_whole(client, model):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_continuous_usage_stats_on_every_completion_chunk(client, model):
-    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (completions too)."""
+@pytest.mark.parametrize(("prompts", "n"), [(["Once upon a time"], 1), (["Hello", "The sky is"], 2)])
+def test_continuous_usage_stats_on_every_completion_chunk(server, client, model, prompts, n):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries its choice's usage so far (completions too),
+    never ahead of the tokens streamed, never summed over the choices or prompts."""
     chunks = list(
         client.completions.create(
-            model=model, prompt="Once upon a time", max_tokens=4, stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            model=model, prompt=prompts, n=n, max_tokens=8, stream=True, logprobs=0, seed=1,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
         )
     )  # fmt: skip
-    counts = [chunk.usage.completion_tokens for chunk in chunks]
-    assert counts == sorted(counts) and counts[-1] == 4 and all(c.usage.prompt_tokens > 0 for c in chunks)
+    prompt_tokens = [len(server.post("/tokenize", {"prompt": p}).json()["tokens"]) for p in prompts]
+    assert_usage_so_far(chunks, prompt_tokens, n, lambda choice: len(choice.logprobs.tokens))
+    assert chunks[-1].usage.completion_tokens == len(prompts) * n * 8
+
+
+# the byte pieces of "你好": four token ids whose text is U+FFFD alike, told apart by their ids alone
+PIECES = [18645, 250, 48392, 138]
+
+
+def test_token_ids_returned_as_vllm_returns_them(server):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" (the echoed prompt's too);
+    return_token_ids: each choice's prompt_token_ids and token_ids (streamed: the prompt's on the first chunk)."""
+    prompt = "Say hello"
+    prompt_ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2, "allowed_token_ids": PIECES,
+            "return_tokens_as_token_ids": True, "return_token_ids": True}  # fmt: skip
+    [choice] = server.post("/v1/completions", body).json()["choices"]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 4
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for name, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert top[name] == logprob and len(top) >= 2 and all(key.startswith("token_id:") for key in top)
+    chunks = [data["choices"][0] for _, data in server.events("/v1/completions", body | {"stream": True})]
+    assert [c.get("prompt_token_ids") for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    assert [t for c in chunks for t in c["logprobs"]["tokens"]] == logprobs["tokens"]
+    [echoed] = server.post("/v1/completions", body | {"echo": True}).json()["choices"]
+    assert echoed["logprobs"]["tokens"] == [f"token_id:{t}" for t in prompt_ids + choice["token_ids"]]
+    assert echoed["token_ids"] == choice["token_ids"]
+    [plain] = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 0}).json()["choices"]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    assert not plain["logprobs"]["tokens"][0].startswith("token_id:")
 
 
 def test_prompt_logprobs_as_vllm_gives_them(server, client, model):

@@ -51,10 +51,10 @@ class ChatAnswer(Answer):
     def logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> ChatLogprobs | None:
         if not self.body.logprobs or entries is None:
             return None
-        n = self.body.top_logprobs or 0
-        return ChatLogprobs(
-            content=chat_logprobs(token_ids, entries, n, self.serving.token_text, self.serving.token_bytes)
-        )
+        body, serving = self.body, self.serving
+        n = body.top_logprobs or 0
+        return ChatLogprobs(content=chat_logprobs(token_ids, entries, n, serving.token_text, serving.token_bytes,
+                                                  body.return_tokens_as_token_ids))  # fmt: skip
 
     def choice(self, index: int, output: CompletionOutput) -> ChatChoice:
         reasoning, answer = split(output.text, self.tags, self.inside) if self.tags else (None, output.text)
@@ -75,11 +75,16 @@ class ChatAnswer(Answer):
             logprobs=self.logprobs(output.token_ids, output.logprobs),
             finish_reason=finish_reason(output.finish_reason, bool(calls) and self.tools.finishes_with_calls),
             stop_reason=output.stop_reason,
+            token_ids=self.body.returned_ids(output.token_ids),
         )
 
     def whole(self, choices: list[ChatChoice]) -> ChatCompletion:
         return ChatCompletion(id=self.id, model=self.serving.model_name, choices=choices, usage=self.usage(),
-                              prompt_logprobs=self.prompt_logprobs(0))  # fmt: skip
+                              prompt_logprobs=self.prompt_logprobs(0),
+                              prompt_token_ids=self.prompt_token_ids())  # fmt: skip
+
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.body.returned_ids(self.handle.outputs[0].prompt_token_ids)
 
     def reasoning_tokens(self) -> int:
         """As OpenAI counts them on every chat completion: 0 where the model does not reason."""
@@ -94,10 +99,11 @@ class ChatAnswer(Answer):
         return reasoning_token_count(token_ids, start, end, self.inside)
 
     async def events(self) -> AsyncIterator[str]:
-        for index in range(self.body.n):
-            yield self.chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
+        for index in range(self.body.n):  # (each with the prompt's token ids where asked for, as vLLM's)
+            role = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+            yield self.chunk(role, self.prompt_token_ids())
         async for choice in self.deltas():
-            yield self.chunk([choice])
+            yield self.chunk(choice)
 
     async def deltas(self) -> AsyncIterator[ChatChunkChoice]:
         """The streamed choices' deltas (the first, with the role, not among them)."""
@@ -117,14 +123,14 @@ class ChatAnswer(Answer):
             call_stream = calls[index]
             if call_stream is not None:
                 content, pieces = self._tool_deltas(call_stream, content, out.finished())
-            if not reasoning and not content and not pieces and not out.finished() and logprobs is None:
+            token_ids = self.body.returned_ids(out.token_ids)
+            if not (reasoning or content or pieces or out.finished() or logprobs is not None or token_ids):
                 continue  # text held back (a possible stop string, tag or call, an unfinished character)
             delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=pieces or None)
             called = call_stream is not None and bool(call_stream.calls) and self.tools.finishes_with_calls
             reason = finish_reason(out.finish_reason, called) if out.finished() else None
-            yield ChatChunkChoice(
-                index=index, delta=delta, logprobs=logprobs, finish_reason=reason, stop_reason=out.stop_reason
-            )
+            yield ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                                  stop_reason=out.stop_reason, token_ids=token_ids)  # fmt: skip
 
     def _tool_deltas(self, stream: ToolCallStream, text: str, finished: bool) -> tuple[str, list[ToolCallDeltaItem]]:
         """The content and the pieces of tool calls that ``text`` settles (only the first

@@ -85,7 +85,8 @@ async def submit_chat(
     prompt = await chat_prompt(serving, body, tools)
     # a model that reasons here: a constraint waits for the block's end
     end_id = serving.tokenizer.token_to_id(prompt.tags.end) if prompt.tags is not None and prompt.thinks else None
-    handle = await serving.submit(request, body, [prompt.token_ids], prompt.multimodal, after_token_id=end_id)
+    entries = serving.engine_entries(body, [prompt.token_ids], prompt.multimodal, after_token_id=end_id)
+    handle = await serving.submit(request, entries)
     return handle, prompt, body
 
 

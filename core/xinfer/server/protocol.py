@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from xinfer.sampling import truncated
-from xinfer.server.errors import FieldError
+from xinfer.server.errors import FieldError, bad_request
 from xinfer.server.tools import check_tool_choice, check_tools
 
 MAX_N = 128  # OpenAI's bound
@@ -234,6 +234,8 @@ class SamplingFields(RequestBody):
     structured_outputs: StructuredOutputsBody | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep a prompt's last tokens (-1: as many as the context holds)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: score each prompt token
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>", not by their text
+    return_token_ids: bool = False  # vLLM's: the answer carries the prompt's and each choice's token ids
     # the fields a client set the token limit and the prompt by, for errors (a route that translates its own body
     # renames them)
     _token_limit_name: str = PrivateAttr("max_tokens")
@@ -264,12 +266,18 @@ class SamplingFields(RequestBody):
         guided = {GUIDED_FIELDS[name]: data[name] for name in GUIDED_FIELDS if data.get(name) is not None}
         return {key: value for key, value in data.items() if key not in GUIDED_FIELDS} | {"structured_outputs": guided}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, data: Any) -> Any:
+        # vLLM's rule, read on the body as sent: stream_options that are empty ({}) ask for nothing
+        if isinstance(data, dict) and data.get("stream_options") and data.get("stream") is not True:
+            raise FieldError("stream_options", "stream_options needs stream=true")
+        return data
+
     @model_validator(mode="after")
     def _check_shared(self) -> SamplingFields:
         if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
             raise FieldError("structured_outputs", "give response_format or structured_outputs, not both")
-        if self.stream_options is not None and not self.stream:
-            raise FieldError("stream_options", "stream_options needs stream=true")
         if self.prompt_logprobs and self.stream:  # vLLM's rule: they come with the whole answer only
             raise FieldError("prompt_logprobs", "prompt_logprobs are not available with stream=true")
         return self
@@ -283,8 +291,9 @@ class SamplingFields(RequestBody):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias and not all(key.isdigit() for key in bias):
-            raise ValueError(f"logit_bias keys must be token ids, got {next(k for k in bias if not k.isdigit())!r}")
+        # isdecimal, not isdigit: int() reads every decimal digit ("٣"), and no other ("²")
+        if bias and not all(key.isdecimal() for key in bias):
+            raise ValueError(f"logit_bias keys must be token ids, got {next(k for k in bias if not k.isdecimal())!r}")
         if bias and not all(-100 <= value <= 100 for value in bias.values()):  # OpenAI's range
             raise ValueError(f"logit_bias values must be in [-100, 100], got {max(bias.values(), key=abs)}")
         return bias
@@ -304,8 +313,18 @@ class SamplingFields(RequestBody):
         return keep
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """A prompt as ``truncate_prompt_tokens`` cuts it: its last tokens."""
-        return truncated(token_ids, self.truncate_prompt_tokens, max_model_len)
+        """A prompt as ``truncate_prompt_tokens`` cuts it: its last tokens (more than the context holds: a 400, as
+        vLLM's)."""
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep > max_model_len:
+            raise bad_request(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                              f"({max_model_len}). Please, select a smaller truncation size.",
+                              param="truncate_prompt_tokens")  # fmt: skip
+        return truncated(token_ids, keep, max_model_len)
+
+    def returned_ids(self, token_ids: list[int]) -> list[int] | None:
+        """``token_ids`` where vLLM's ``return_token_ids`` asks for them, else None (left out of the answer)."""
+        return token_ids if self.return_token_ids else None
 
     @property
     def stop_strings(self) -> list[str]:

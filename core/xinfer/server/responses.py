@@ -125,6 +125,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda value: value is None)  # vLLM's
 
 
 class ChatCompletion(BaseModel):
@@ -135,6 +136,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda value: value is None)  # vLLM's
 
 
 class FunctionCallDelta(BaseModel):
@@ -166,6 +168,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's, on the finishing chunk
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda value: value is None)  # vLLM's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -175,6 +178,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # vLLM's, on a choice's first chunk (where asked): after usage, as a chunk's JSON is written up to its choices once
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class CompletionLogprobs(BaseModel):
@@ -191,6 +196,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's return_token_ids: the prompt's (streamed: on the choice's first chunk) and the tokens generated
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda value: value is None)
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class Completion(BaseModel):

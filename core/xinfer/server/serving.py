@@ -97,17 +97,17 @@ class Serving:
             message = f"the model {name!r} does not exist; this server serves {self.model_name!r}"
             raise APIError(404, message, param="model", code="model_not_found")
 
-    async def submit(
+    def engine_entries(
         self,
-        request: Request,
         body: GenerationRequest,
         prompts: list[list[int]],
         multimodal: list[PlaceholderRange] | None = None,
         after_token_id: int | None = None,
-    ) -> RequestHandle:
-        """Queues a request's prompts, each with the body's ``n`` choices (``multimodal``: where the
-        images of a one-prompt request go); a constraint (structured outputs) applies after
-        ``after_token_id`` where one is given."""
+    ) -> list[Any]:
+        """A request's prompts, each with the sampling of the body's ``n`` choices, as :meth:`submit` queues them,
+        the request checked as far as it can be without running the model (a 400 naming the field at fault).
+        ``multimodal``: where the images of a one-prompt request go; a constraint (structured outputs) applies
+        after ``after_token_id`` where one is given."""
         self.check_sequences(len(prompts), body.n)
         if body.logit_bias and max(map(int, body.logit_bias)) >= self.vocab_size:
             raise bad_request(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}, got "
@@ -122,6 +122,10 @@ class Serving:
         ]
         if multimodal:
             entries = [(*entries[0], multimodal)]
+        return entries
+
+    async def submit(self, request: Request, entries: list[Any]) -> RequestHandle:
+        """Queues what :meth:`engine_entries` made of a request."""
         return await self._ask(request, self.engine.submit(entries))
 
     def check_sequences(self, num_prompts: int, n: int) -> None:

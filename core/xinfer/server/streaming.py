@@ -19,12 +19,13 @@ from xinfer.server.disconnect import unless_disconnected
 from xinfer.server.errors import server_failure
 from xinfer.server.logprobs import prompt_logprobs
 from xinfer.server.protocol import SamplingFields
-from xinfer.server.responses import PromptLogprobs, Usage, new_id, usage
+from xinfer.server.responses import ChatChunkChoice, CompletionChoice, PromptLogprobs, Usage, new_id, usage
 from xinfer.server.serving import Serving
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _NO_CHOICES = '[],"usage":null}'  # how a chunk's JSON without choices or usage ends
+StreamedChoice = CompletionChoice | ChatChunkChoice
 
 
 def sse_event(payload: BaseModel | dict) -> str:
@@ -70,7 +71,7 @@ class Answer(ABC):
         # every chunk's JSON up to its choices, written once (one `created` for all chunks, as OpenAI's): a chunk
         # per token serializes only its choices and usage, not the whole chunk model again
         envelope = self.chunk_type(id=self.id, model=serving.model_name, choices=[], usage=None).model_dump_json()
-        assert envelope.endswith(_NO_CHOICES), "chunk_type's choices and usage are its last fields"
+        assert envelope.endswith(_NO_CHOICES), "chunk_type's last fields are choices and usage (but those left out)"
         self._chunk_head = "data: " + envelope.removesuffix(_NO_CHOICES) + "["
 
     @abstractmethod
@@ -110,11 +111,22 @@ class Answer(ABC):
         """Output tokens spent reasoning (``completion_tokens_details``); None: not counted (a completion)."""
         return None
 
-    def chunk(self, choices: list[BaseModel], with_usage: bool = False) -> str:
-        """``chunk_type``'s event of ``choices`` (and the usage so far, where asked)."""
-        usage = self.usage().model_dump_json() if with_usage or self.body.continuous_usage else "null"
-        listed = ",".join(choice.model_dump_json() for choice in choices)
-        return f'{self._chunk_head}{listed}],"usage":{usage}}}\n\n'
+    def streamed_usage(self, index: int) -> Usage:
+        """vLLM's continuous usage on a chunk of choice ``index``: its own prompt's tokens and the tokens it has
+        streamed (those the engine made since are not yet counted)."""
+        output = self.handle.outputs[index // self.body.n]
+        return usage(len(output.prompt_token_ids), len(output.outputs[index % self.body.n].token_ids))
+
+    def chunk(self, choice: StreamedChoice, prompt_token_ids: list[int] | None = None) -> str:
+        """``chunk_type``'s event of ``choice`` (with the choice's usage so far where continuous usage is asked;
+        ``prompt_token_ids``: chat's, on a choice's first chunk)."""
+        usage = self.streamed_usage(choice.index).model_dump_json() if self.body.continuous_usage else "null"
+        ids = f',"prompt_token_ids":{json.dumps(prompt_token_ids)}' if prompt_token_ids is not None else ""
+        return f'{self._chunk_head}{choice.model_dump_json()}],"usage":{usage}{ids}}}\n\n'
+
+    def usage_chunk(self) -> str:
+        """The last chunk: no choices, the whole request's usage."""
+        return f'{self._chunk_head}],"usage":{self.usage().model_dump_json()}}}\n\n'
 
     async def _stream(self) -> AsyncIterator[str]:
         try:
@@ -124,5 +136,5 @@ class Answer(ABC):
             yield sse_event(server_failure(error, f"a {self.id_prefix} stream").body())
         else:
             if self.body.include_usage:
-                yield self.chunk([], with_usage=True)
+                yield self.usage_chunk()
         yield SSE_DONE
