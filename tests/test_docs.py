@@ -164,3 +164,20 @@ def test_every_keyword_a_page_gives_llm_is_an_engine_option(doc):
         assert listed, "the README's list of LLM's keywords moved: update this test"
         keywords |= set(re.findall(r"`(\w+)", listed.group(1)))
     assert keywords - engine_options() - {"model", "tokenizer", "generation_config"} == set()
+
+
+def test_the_readmes_architecture_line_counts_are_those_of_the_files():
+    """The plugin table's counts (``xinfer_plugin/file.py`` N) are the files' code lines as benchmarks/code_lines.py counts
+    them: they went stale as the plugins grew. Every architecture file of a plugin is in the table."""
+    from benchmarks.code_lines import code_lines
+
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| architecture | model | GGUF adapter |") :].split("\n\n", 1)[0]
+    counted = {name: int(count) for name, count in re.findall(r"`(xinfer_\w+/\w+\.py)` (\d+)", table)}
+    files = {name: REPO / "plugins" / name.split("/")[0].removeprefix("xinfer_") / name for name in counted}
+    assert {name: code_lines(path.read_text()) for name, path in files.items()} == counted
+    not_architecture = {"__init__.py", "plugin.py"}
+    listed = {path.resolve() for path in files.values()}
+    unlisted = [path.relative_to(REPO) for path in sorted(REPO.glob("plugins/*/xinfer_*/*.py"))
+                if path.name not in not_architecture and path.resolve() not in listed]  # fmt: skip
+    assert unlisted == []

@@ -249,8 +249,9 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
     serving.add_argument("--ui-server", action="store_true", help="also serve the chat UI on --ui-port")
     serving.add_argument("--ui-port", type=_port(0), metavar="PORT", help="port of the chat UI (default: --port + 1)")
     serving.add_argument("--api-key", metavar="KEY",
-                         help="require this key on every request, sent as Authorization: Bearer KEY or x-api-key: KEY "
-                         "(default: no key)")
+                         help="require this key on every API request, sent as Authorization: Bearer KEY or x-api-key: "
+                         "KEY (default: no key); /health, /metrics and the chat UI's files stay open, and the UI port "
+                         "hands the key to its page")
     serving.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
                          help="origins whose pages' scripts may call the API (CORS), e.g. https://app.example.com "
                          "(default: every origin, *; none given: no CORS headers)")
