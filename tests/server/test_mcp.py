@@ -391,3 +391,49 @@ def test_streamed_mcp_calls_count_on_across_rounds():
         merged = accumulate_delta(merged, {"mcp_calls": [item.model_dump() for item in items]})
     assert [item["name"] for item in merged["mcp_calls"]] == ["a", "b", "c"]
     assert "index" not in mcp_items([ran("a")])[0].model_dump()  # a whole answer's list has no index
+
+
+def test_paged_tools_a_changed_list_and_a_result_its_schema_refuses():
+    """Tools after the first page of tools/list were never offered; a server's notifications/tools/list_changed
+    was dropped (the list frozen at start); a structuredContent failing the tool's outputSchema reset a healthy
+    server (502) where it is the tool's error, which the model reads."""
+    lowlevel = ServerSpec("low", sys.executable, [str(Path(__file__).with_name("mcp_lowlevel_server.py"))])
+
+    async def scenario():
+        hub = MCPHub([lowlevel], TIMEOUT_S)
+        server = hub.servers["low"]
+        try:
+            assert set(await hub.tools(hub.check_names(None))) == {"alpha", "grow", "beta", "badout"}
+            assert (await server.call("beta", {})).text == "beta ran"
+            assert (await server.call("grow", {})).text == "grown"
+            for _ in range(50):  # the list is fetched again apart from the call
+                if "sprout" in await hub.tools([server]):
+                    break
+                await asyncio.sleep(0.1)
+            assert (await server.call("sprout", {})).text == "sprout ran"
+            session = server._session
+            bad = await server.call("badout", {})
+            assert bad.is_error and "Invalid structured content returned by tool badout" in bad.text
+            assert server._session is session and (await server.call("alpha", {})).text == "alpha ran"  # kept
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+
+
+def test_two_servers_with_a_tool_of_one_name_are_warned_of(caplog):
+    import logging
+
+    async def scenario():
+        hub = MCPHub([spec("one"), spec("two")], TIMEOUT_S)
+        try:
+            with caplog.at_level(logging.WARNING, logger="xinfer"):
+                tools = await hub.tools(hub.check_names(["two", "one"]))
+                await hub.tools(hub.check_names(["two", "one"]))
+            assert tools["add"][0].name == "two"
+        finally:
+            await hub.close()
+
+    asyncio.run(scenario())
+    warned = [r.getMessage() for r in caplog.records if "both have a tool 'add'" in r.getMessage()]
+    assert warned == ["MCP servers 'two' and 'one' both have a tool 'add': the first named, 'two', serves it"]

@@ -24,10 +24,12 @@ from mcp.types import (
     CallToolResult,
     ContentBlock,
     EmbeddedResource,
+    PaginatedRequestParams,
     ResourceLink,
     TextContent,
     TextResourceContents,
     Tool,
+    ToolListChangedNotification,
 )
 
 from xinfer.server.mcp.config import ServerSpec
@@ -62,6 +64,7 @@ class MCPServer:
         self._task: asyncio.Task | None = None
         self._closing = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._listing: asyncio.Task | None = None  # a tools/list the server asked for (list_changed)
 
     @property
     def name(self) -> str:
@@ -118,6 +121,8 @@ class MCPServer:
             await self.reset()
             raise MCPUnavailable(f"MCP server {self.name!r} closed the connection while calling {tool!r}") from None
         except Exception as error:  # noqa: BLE001 - a broken connection, however the SDK reports it
+            if self.connected:  # the server answered, wrongly (a structuredContent its outputSchema refuses)
+                return ToolResult(f"Error: {describe(error)}", is_error=True)
             await self.reset()
             raise MCPUnavailable(f"MCP server {self.name!r} failed while calling {tool!r}: {describe(error)}") from None
         return ToolResult(result_text(result), bool(result.is_error))
@@ -130,14 +135,15 @@ class MCPServer:
         spec = self.spec
         params = StdioServerParameters(command=spec.command, args=spec.args, env=spec.env)
         try:
-            async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            handler = self._on_message
+            async with (
+                stdio_client(params) as (read, write),
+                ClientSession(read, write, message_handler=handler) as session,
+            ):
                 await session.initialize()
-                self.tools = usable_tools(self.name, (await session.list_tools()).tools)
+                await self._list_tools(session)
                 # (stdio_client's read stream is anyio's memory stream, which its protocol type does not say)
                 self._session, self._read = session, cast(MemoryObjectReceiveStream, read)
-                log.info(
-                    "MCP server %r: %d tools (%s)", self.name, len(self.tools), ", ".join(t.name for t in self.tools)
-                )
                 ready.set_result(None)
                 await self._closing.wait()
         except Exception as error:  # noqa: BLE001 - reported to the waiting request, or logged
@@ -147,6 +153,23 @@ class MCPServer:
                 log.warning("MCP server %r stopped: %s", self.name, describe(error))
         finally:
             self._session = self._read = None
+
+    async def _list_tools(self, session: ClientSession) -> None:
+        """The server's tools, every page of them."""
+        listed, cursor = [], None
+        while True:
+            page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+            listed += page.tools
+            if not (cursor := page.next_cursor):
+                break
+        self.tools = usable_tools(self.name, listed)
+        log.info("MCP server %r: %d tools (%s)", self.name, len(self.tools), ", ".join(t.name for t in self.tools))
+
+    async def _on_message(self, message: object) -> None:
+        """A server whose tools changed (``notifications/tools/list_changed``) is listed again, apart from the
+        session's reading of messages, which the listing waits on."""
+        if isinstance(message, ToolListChangedNotification) and self._session is not None:
+            self._listing = asyncio.create_task(self._list_tools(self._session), name=f"mcp-{self.name}-tools")
 
     async def _stop(self, graceful: bool = False) -> None:
         """Ends the session's task, which ends the subprocess: ``graceful``, by closing the session
@@ -165,10 +188,12 @@ class MCPServer:
 
 
 class MCPHub:
-    """The configured servers and their tools, by tool name (a name two servers share: the first's)."""
+    """The configured servers and their tools, by tool name (a name two servers share: the first's, in the order
+    a request names them, with a warning)."""
 
     def __init__(self, specs: list[ServerSpec], timeout: float):
         self.servers = {spec.name: MCPServer(spec, timeout) for spec in specs}
+        self._warned: set[tuple[str, ...]] = set()
 
     async def start(self) -> None:
         """Connects every server; failures are logged (a request that needs the server tries again)."""
@@ -192,7 +217,11 @@ class MCPHub:
         found: dict[str, tuple[MCPServer, Tool]] = {}
         for server in servers:
             for tool in server.tools:
-                found.setdefault(tool.name, (server, tool))
+                first, _ = found.setdefault(tool.name, (server, tool))
+                if first is not server and (clash := (tool.name, first.name, server.name)) not in self._warned:
+                    self._warned.add(clash)
+                    log.warning("MCP servers %r and %r both have a tool %r: the first named, %r, serves it",
+                                first.name, server.name, tool.name, first.name)  # fmt: skip
         return found
 
     async def close(self) -> None:
