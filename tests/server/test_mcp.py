@@ -437,3 +437,18 @@ def test_two_servers_with_a_tool_of_one_name_are_warned_of(caplog):
     asyncio.run(scenario())
     warned = [r.getMessage() for r in caplog.records if "both have a tool 'add'" in r.getMessage()]
     assert warned == ["MCP servers 'two' and 'one' both have a tool 'add': the first named, 'two', serves it"]
+
+
+def test_once_the_rounds_are_spent_the_model_answers_with_no_tools():
+    """At --mcp-max-rounds the next round's MCP calls went to the client as its own calls, which it cannot run."""
+    from xinfer.server.mcp.config import MCPSettings
+    from xinfer.server.mcp.loop import MCPRounds
+    from xinfer.server.protocol import ChatCompletionRequest
+
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": TURNS, "tools": [ADD], "tool_choice": "auto"}
+    )
+    rounds = MCPRounds(None, None, MCPSettings(MCPHub([], TIMEOUT_S), max_rounds=2), chat, {})  # type: ignore[arg-type]
+    assert rounds.next_request().tool_choice == "auto"
+    rounds.rounds_run = 2
+    assert rounds.next_request().tool_choice == "none" and rounds.chat.tool_choice == "auto"

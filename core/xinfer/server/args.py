@@ -287,8 +287,8 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                      help="server: run the model's calls of MCP tools and feed their results back until it answers; "
                      "client: return them to the client as tool calls")
     mcp.add_argument("--mcp-max-rounds", type=_at_least(int, 1), default=8, metavar="N",
-                     help="with --mcp-tool-calls server: rounds of tool calls per request before the answer is "
-                     "returned as it stands")
+                     help="with --mcp-tool-calls server: rounds of tool calls per request, after which the model "
+                     "answers with no tools")
     mcp.add_argument("--mcp-timeout", type=_at_least(float, 0.1), default=30.0, metavar="SECONDS",
                      help="seconds an MCP server may take to start or to answer a call (then the request fails)")
 

@@ -2,8 +2,9 @@
 ``/v1/chat/completions`` and ``/v1/messages``: the model answers; where every call it makes
 is to an offered MCP tool (and rounds are left), the calls are run, the assistant turn and the
 results are added to the conversation, and the model answers again, up to
-``--mcp-max-rounds`` rounds. Each route reads a round's answer (whole or streamed) and writes
-the calls run in its own shape.
+``--mcp-max-rounds`` rounds, after which the model answers with no tools (``tool_choice: "none"``): its
+MCP calls are never handed to the client, who cannot run them. Each route reads a round's answer (whole or
+streamed) and writes the calls run in its own shape.
 
 A forced ``tool_choice`` applies to the first round only (a call is forced once; then the model
 may answer). Usage adds up every round's prompt and output tokens.
@@ -50,8 +51,14 @@ class MCPRounds:
         self.prompt_tokens = self.output_tokens = self.cached_tokens = 0
 
     async def submit(self) -> tuple[RequestHandle, ChatPrompt]:
-        handle, prompt, self.body = await submit_chat(self.request, self.serving, self.chat)
+        handle, prompt, self.body = await submit_chat(self.request, self.serving, self.next_request())
         return handle, prompt
+
+    def next_request(self) -> ChatCompletionRequest:
+        """The next round's request: the conversation so far, with no tools once the rounds are spent."""
+        if self.rounds_run < self.settings.max_rounds:
+            return self.chat
+        return self.chat.model_copy(update={"tool_choice": "none"})
 
     def count(self, handle: RequestHandle) -> None:
         """Adds a finished round's tokens to the usage."""
