@@ -62,6 +62,12 @@ def pid() -> str:
 
 
 @server.tool()
+def flood() -> str:
+    """More words than a small model's context holds."""
+    return "word " * 20_000
+
+
+@server.tool()
 def contents() -> list:
     """Text, an image, audio, an embedded text resource and a resource link."""
     note = EmbeddedResource(type="resource", resource=TextResourceContents(uri="file:///notes.txt", text="noted"))

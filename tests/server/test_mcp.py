@@ -118,7 +118,18 @@ def test_calls_crashes_and_hangs():
         server = hub.servers["tools"]
         try:
             tools = await hub.tools(hub.check_names(None))
-            assert set(tools) == {"add", "shout", "refuse", "crash", "hang", "wait", "pid", "contents", "structured"}
+            assert set(tools) == {
+                "add",
+                "shout",
+                "refuse",
+                "crash",
+                "hang",
+                "wait",
+                "pid",
+                "flood",
+                "contents",
+                "structured",
+            }
             assert tools["add"][1].input_schema["required"] == ["a", "b"]
             assert (await server.call("add", {"a": 2, "b": 3})).text == "5"
             assert (await server.call("contents", {})).text.splitlines() == [
@@ -303,6 +314,13 @@ def test_chat_runs_an_mcp_call_and_feeds_its_result_back(mcp_openai, mcp_model):
 
 
 def test_chat_mcp_errors(mcp_openai, mcp_model):
+    flood = {"type": "function", "function": {"name": "flood"}}
+    with pytest.raises(openai.BadRequestError) as flooded:  # the tool's result, not the client's messages, too long
+        mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=flood,
+                                           extra_body={"mcp": ["tools"]})  # fmt: skip
+    error = flooded.value.body
+    assert error["message"].startswith("the MCP tools' results (characters: flood 100,000) make the conversation")
+    assert error["code"] == "context_length_exceeded" and error["param"] is None
     crash = {"type": "function", "function": {"name": "crash"}}
     with pytest.raises(openai.APIStatusError) as crashed:
         mcp_openai.chat.completions.create(model=mcp_model, max_tokens=8, messages=TURNS, tool_choice=crash,

@@ -20,6 +20,7 @@ from fastapi import Request
 
 from xinfer.engine.async_engine import RequestHandle
 from xinfer.server.chat_run import ChatPrompt, submit_chat
+from xinfer.server.errors import APIError
 from xinfer.server.mcp.client import MCPUnavailable
 from xinfer.server.mcp.config import MCPSettings
 from xinfer.server.mcp.requests import Offered, mcp_error
@@ -48,10 +49,19 @@ class MCPRounds:
         self.chat, self.offered = chat, offered
         self.body = chat  # the body the last round ran with (see submit_chat)
         self.rounds_run = 0
+        self.ran: list[RanCall] = []  # every round's
         self.prompt_tokens = self.output_tokens = self.cached_tokens = 0
 
     async def submit(self) -> tuple[RequestHandle, ChatPrompt]:
-        handle, prompt, self.body = await submit_chat(self.request, self.serving, self.next_request())
+        try:
+            handle, prompt, self.body = await submit_chat(self.request, self.serving, self.next_request())
+        except APIError as error:
+            if error.code != "context_length_exceeded" or not self.ran:
+                raise
+            # the conversation outgrew the context through the tools' results, not the client's messages
+            results = ", ".join(f"{r.call.name} {len(r.output):,}" for r in self.ran)
+            raise APIError(error.status, f"the MCP tools' results (characters: {results}) make the conversation "
+                                         f"longer than the model's context: {error.message}", None, error.code) from None  # fmt: skip
         return handle, prompt
 
     def next_request(self) -> ChatCompletionRequest:
@@ -84,6 +94,7 @@ class MCPRounds:
             except MCPUnavailable as error:
                 raise mcp_error(error) from None
             ran.append(RanCall(call, server.name, result.text, result.is_error))
+        self.ran += ran
         self.chat = next_round(self.chat, text, ran)
         self.rounds_run += 1
         return ran
