@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 from mcp.server.mcpserver import Audio, Image, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -53,6 +54,14 @@ def wait(seconds: float) -> str:
     """Answers after ``seconds``."""
     time.sleep(seconds)
     return "waited"
+
+
+@server.tool()
+def slow() -> str:
+    """Touches the file $MCP_TEST_STARTED names, then answers after 4 s."""
+    Path(os.environ["MCP_TEST_STARTED"]).touch()
+    time.sleep(4)
+    return "slept"
 
 
 @server.tool()

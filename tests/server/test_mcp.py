@@ -118,18 +118,8 @@ def test_calls_crashes_and_hangs():
         server = hub.servers["tools"]
         try:
             tools = await hub.tools(hub.check_names(None))
-            assert set(tools) == {
-                "add",
-                "shout",
-                "refuse",
-                "crash",
-                "hang",
-                "wait",
-                "pid",
-                "flood",
-                "contents",
-                "structured",
-            }
+            tools_listed = {"add", "shout", "refuse", "crash", "hang", "wait", "slow", "pid", "flood", "contents"}
+            assert set(tools) == tools_listed | {"structured"}
             assert tools["add"][1].input_schema["required"] == ["a", "b"]
             assert (await server.call("add", {"a": 2, "b": 3})).text == "5"
             assert (await server.call("contents", {})).text.splitlines() == [
@@ -470,3 +460,34 @@ def test_once_the_rounds_are_spent_the_model_answers_with_no_tools():
     assert rounds.next_request().tool_choice == "auto"
     rounds.rounds_run = 2
     assert rounds.next_request().tool_choice == "none" and rounds.chat.tool_choice == "auto"
+
+
+def test_sigterm_waits_for_a_request_whose_mcp_call_runs(tmp_path):
+    """The drain waited for the engine's work only: a request waiting on a tool had none, so the server exited at
+    once and the client got a bare 500. Now the call's result is fed back, the answer comes, then the server
+    exits 0."""
+    started = tmp_path / "started"
+    config = tmp_path / "mcp.json"
+    tools = {"command": sys.executable, "args": [SERVER], "env": {"MCP_TEST_STARTED": str(started)}}
+    config.write_text(json.dumps({"mcpServers": {"tools": tools}}))
+    live = LiveServer("--max-model-len", "1024", "--mcp-config", str(config), name="mcp-drain").start()
+    try:
+        client = live.client(timeout=120)
+        model = client.models.list().data[0].id
+        slow = {"type": "function", "function": {"name": "slow"}}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.chat.completions.create, model=model, max_tokens=4, messages=TURNS,
+                                 tool_choice=slow, extra_body={"mcp": ["tools"]})  # fmt: skip
+            for _ in range(600):
+                if started.exists():
+                    break
+                time.sleep(0.05)
+            live.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(openai.APIConnectionError):  # no new connections while draining
+                live.client().models.list()
+            [ran] = answer.result().choices[0].message.mcp_calls
+        assert ran["name"] == "slow" and ran["output"] == "slept"
+        assert live.proc.wait(60) == 0
+    finally:
+        live.stop()

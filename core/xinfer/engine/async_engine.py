@@ -271,7 +271,9 @@ class AsyncEngine:
         return self.loop
 
     def _check_available(self) -> None:
-        if self.state is not EngineState.READY:
+        # draining, the server refuses new requests (xinfer.server.in_flight); those it is answering go on, with
+        # their later rounds (MCP tool calls)
+        if self.state not in (EngineState.READY, EngineState.DRAINING):
             detail = f": {self.error}" if self.error else ""
             raise EngineUnavailable(f"the engine is {self.state.value}{detail}")
 

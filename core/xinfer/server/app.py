@@ -14,6 +14,7 @@ from xinfer.server.auth import APIKeyMiddleware
 from xinfer.server.body import DEFAULT_MAX_BODY_BYTES
 from xinfer.server.disconnect import ClientDisconnected
 from xinfer.server.errors import install_error_handlers
+from xinfer.server.in_flight import InFlight, InFlightMiddleware
 from xinfer.server.responses_api.store import ResponseStore
 from xinfer.server.routes import ROUTERS
 from xinfer.server.serving import Serving, unavailable
@@ -27,9 +28,11 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     with_ui: bool = False,
     allowed_origins: Sequence[str] = ("*",),
+    in_flight: InFlight | None = None,
 ) -> FastAPI:
     """The app serving ``serving``; browsers on ``allowed_origins`` (as vLLM's and llama.cpp's servers, every
-    one by default) may call it from their pages' scripts."""
+    one by default) may call it from their pages' scripts. ``in_flight``: the requests it is answering, counted
+    with other apps' (the API's and the chat UI's), for a shutdown to wait for."""
     app = FastAPI(title="xinfer", version=__version__, docs_url="/docs", redoc_url=None)
     app.state.serving = serving
     app.state.responses = ResponseStore()
@@ -50,6 +53,7 @@ def build_app(
         from xinfer.server.ui import mount_ui
 
         mount_ui(app, api_key)
+    app.add_middleware(InFlightMiddleware, in_flight=in_flight or InFlight())
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if allowed_origins:  # outside the key check (added last): a browser's preflight carries no key

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -32,6 +33,7 @@ from xinfer.engine.engine import LLMEngine
 from xinfer.loading.errors import first_line
 from xinfer.sampling import recommended_sampling
 from xinfer.server.app import build_app
+from xinfer.server.in_flight import InFlight
 from xinfer.server.mcp.config import MCPSettings, ServerSpec, server_specs
 from xinfer.server.media import MediaPolicy, parse_limits
 from xinfer.server.metrics import Metrics
@@ -246,6 +248,7 @@ class _Server(uvicorn.Server):
 @dataclass
 class GracefulShutdown:
     engine: AsyncEngine
+    in_flight: InFlight  # the HTTP requests being answered: a request between MCP rounds is not the engine's
     servers: Sequence[uvicorn.Server]
     timeout: float
     exit_code: int = 0
@@ -270,10 +273,13 @@ class GracefulShutdown:
 
     async def drain(self) -> None:
         self.engine.begin_drain()
+        self.in_flight.begin_drain()
         for server in self.servers:
             for listener in getattr(server, "servers", []):
                 listener.close()
-        if not await self.engine.wait_idle(self.timeout):
+        deadline = time.monotonic() + self.timeout
+        answered = await self.in_flight.wait_idle(self.timeout)
+        if not answered or not await self.engine.wait_idle(max(0.0, deadline - time.monotonic())):
             log.warning("shutdown timeout: aborting %d request(s)", self.engine.num_in_flight)
             self.engine.abort_all()
             await self.engine.wait_idle(STREAM_FLUSH_SECONDS)
@@ -341,15 +347,18 @@ async def serve(
     serving = Serving(engine, name, str(path), sampling_defaults(args, path), metrics, aliases, media=media_policy(args),
                       reasoning_parser=args.reasoning_parser, disable_reasoning=args.disable_reasoning,
                       tool_parser=args.enforce_parser, mcp=mcp)  # fmt: skip
-    app = build_app(serving, args.api_key, args.max_body_bytes, allowed_origins=args.allowed_origins)
+    in_flight = InFlight()
+    app = build_app(serving, args.api_key, args.max_body_bytes, allowed_origins=args.allowed_origins,
+                    in_flight=in_flight)  # fmt: skip
     if args.pd_server:
         from xinfer.distributed.pd import PrefillServer
 
         app.include_router(PrefillServer(engine, args.pd_timeout, args.pd_transport).router())
-    ui = [build_app(serving, args.api_key, args.max_body_bytes, True, args.allowed_origins)] if args.ui_server else []
-    apps = [app, *ui]
+    apps = [app]
+    if args.ui_server:
+        apps.append(build_app(serving, args.api_key, args.max_body_bytes, True, args.allowed_origins, in_flight))
     servers = [_Server(uvicorn_config(each, args)) for each in apps]
-    shutdown = GracefulShutdown(engine, servers, args.shutdown_timeout)
+    shutdown = GracefulShutdown(engine, in_flight, servers, args.shutdown_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, shutdown.trigger, sig)
     log.info("loading %s", path)
