@@ -95,18 +95,28 @@ def test_the_stop_reason_of_a_generation_config_eos_is_its_id_but_for_the_tokeni
     assert out.text == LetterTokenizer().decode(free[:3])
 
 
-@pytest.mark.parametrize("stops, text, stop_reason", [
-    ((slice(2, 4), slice(0, 4)), slice(0, 2), slice(2, 4)),  # both end at the 4th letter: the first listed
-    ((slice(0, 4), slice(2, 4)), slice(0, 0), slice(0, 4)),
-    ((slice(0, 4), slice(1, 3)), slice(0, 1), slice(1, 3)),  # the one that ends first, though listed second
+class PairTokenizer(LetterTokenizer):
+    """Token ``i`` reads as two letters: one token can complete two stop strings ending at different places."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) + chr(ord("a") + (i + 7) % 26) for i in ids)
+
+
+@pytest.mark.parametrize("stops, include, text, stop_reason", [
+    ((slice(2, 4), slice(0, 4)), False, slice(0, 2), slice(2, 4)),  # both end at the 4th letter: the first listed
+    ((slice(0, 4), slice(2, 4)), False, slice(0, 0), slice(0, 4)),
+    ((slice(1, 4), slice(2, 3)), False, slice(0, 1), slice(1, 4)),  # the first listed, though the other ends first
+    ((slice(1, 4), slice(2, 3)), True, slice(0, 4), slice(1, 4)),
+    ((slice(2, 3), slice(1, 4)), True, slice(0, 3), slice(2, 3)),
 ])  # fmt: skip
-def test_of_the_stop_strings_one_step_completes_the_one_ending_first_wins_then_the_first_listed(
-    llm, stops, text, stop_reason
-):
-    """vLLM's check_stop_strings; xinfer took the one starting first (then the smallest string)."""
-    letters = LetterTokenizer().decode(greedy(llm))
+def test_of_the_stop_strings_a_step_completes_the_first_listed_wins(model_dir, stops, include, text, stop_reason):
+    """vLLM's check_stop_strings: the first listed of those the new text completes. xinfer took the one ending
+    first (a "\n\n" token with stop=["\n\n", "\n"] stopped at "\n"), before that the one starting first."""
+    llm = LLM(model=model_dir, tokenizer=PairTokenizer(), dtype="float32", num_blocks=64)
+    letters = PairTokenizer().decode(greedy(llm))
     assert len(set(letters[:4])) == 4, letters  # (no stop string occurs before the place meant)
-    params = SamplingParams(temperature=0, max_tokens=8, stop=[letters[s] for s in stops])
+    params = SamplingParams(temperature=0, max_tokens=8, stop=[letters[s] for s in stops],
+                            include_stop_str_in_output=include)  # fmt: skip
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert (out.text, out.stop_reason) == (letters[text], letters[stop_reason])
 

@@ -470,7 +470,8 @@ def test_sigterm_waits_for_a_request_whose_mcp_call_runs(tmp_path):
     config = tmp_path / "mcp.json"
     tools = {"command": sys.executable, "args": [SERVER], "env": {"MCP_TEST_STARTED": str(started)}}
     config.write_text(json.dumps({"mcpServers": {"tools": tools}}))
-    live = LiveServer("--max-model-len", "1024", "--mcp-config", str(config), name="mcp-drain").start()
+    live = LiveServer("--max-model-len", "1024", "--mcp-config", str(config), "--shutdown-timeout", "120",
+                      name="mcp-drain").start()  # fmt: skip
     try:
         client = live.client(timeout=120)
         model = client.models.list().data[0].id
@@ -478,10 +479,11 @@ def test_sigterm_waits_for_a_request_whose_mcp_call_runs(tmp_path):
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(client.chat.completions.create, model=model, max_tokens=4, messages=TURNS,
                                  tool_choice=slow, extra_body={"mcp": ["tools"]})  # fmt: skip
-            for _ in range(600):
+            for _ in range(2400):
                 if started.exists():
                     break
                 time.sleep(0.05)
+            assert started.exists(), live.log_tail()
             live.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             with pytest.raises(openai.APIConnectionError):  # no new connections while draining

@@ -42,14 +42,13 @@ class TextStream:
                 self.min_text = len(self.text)
         if self.num_tokens <= self.min_tokens:
             return self._take(len(self.text) - self.hold), None
-        # as vLLM: the stop string that ends first, then the first listed
-        hits = [(i + len(stop), order, i, stop) for order, stop in enumerate(self.stop)
-                if (i := self._find(stop, previous)) != -1]  # fmt: skip
-        if hits:
-            _, _, index, stop = min(hits)
-            end = index + len(stop) if self.include_stop else index
-            self.text, self.stopped = self.text[:end], True
-            return self._take(end), stop
+        # as vLLM's check_stop_strings: the first listed of those the new text completes (a "\n\n" token completes
+        # both stop=["\n\n", "\n"]: "\n\n" is the stop string)
+        for stop in self.stop:
+            if (index := self._find(stop, previous)) != -1:
+                end = index + len(stop) if self.include_stop else index
+                self.text, self.stopped = self.text[:end], True
+                return self._take(end), stop
         return self._take(len(self.text) - self.hold), None
 
     def _find(self, stop: str, previous: int) -> int:
