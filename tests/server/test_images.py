@@ -197,7 +197,7 @@ def test_a_bad_image_on_the_responses_and_messages_apis_names_their_own_field(vi
     bad = "data:image/png;base64,@@@"
     parts = [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": bad}]
     with pytest.raises(openai.BadRequestError) as error:
-        vision_client.responses.create(model="tiny-vision", instructions="be brief", max_output_tokens=2,
+        vision_client.responses.create(model="tiny-vision", instructions="be brief", max_output_tokens=16,
                                        input=[{"role": "user", "content": "hi"}, {"role": "user", "content": parts}])  # fmt: skip
     assert error.value.body["param"] == "input.1.content.1.image_url"
     claude = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0, timeout=120)

@@ -84,6 +84,38 @@ def test_a_final_assistant_turn_is_continued(claude, client, model):
     assert empty.content[0].text == openai_answer(client, model, turns[:1], 2).choices[0].message.content
 
 
+def test_consecutive_messages_of_one_role_are_one_turn(claude, model):
+    """As Anthropic's API combines them: two user messages are the turn of one message with both texts as its
+    blocks, and a prefill split over two assistant messages is continued as one (whole and counted)."""
+    file, ask = {"type": "text", "text": "Here is a file."}, {"type": "text", "text": "Summarize it."}
+    two_users = [{"role": "user", "content": file["text"]}, {"role": "user", "content": [ask]}]
+    one_user = [{"role": "user", "content": [file, ask]}]
+    count = claude.messages.count_tokens
+    assert count(model=model, messages=two_users).input_tokens == count(model=model, messages=one_user).input_tokens
+    count_to_ten = {"role": "user", "content": "Count to ten."}
+    split = [count_to_ten, {"role": "assistant", "content": "1, 2,"}, {"role": "assistant", "content": " 3,"}]
+    whole = [count_to_ten, {"role": "assistant", "content": "1, 2, 3,"}]
+    continued = claude.messages.create(model=model, max_tokens=8, messages=split, extra_body=GREEDY)
+    expected = claude.messages.create(model=model, max_tokens=8, messages=whole, extra_body=GREEDY)
+    assert continued.content[0].text == expected.content[0].text
+    assert count(model=model, messages=split).input_tokens == count(model=model, messages=whole).input_tokens
+
+
+def test_a_tool_use_is_answered_by_the_next_turn_of_combined_messages(claude, model):
+    use = {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [use]},
+        {"role": "assistant", "content": "Let me check."},
+        {"role": "user", "content": [result]},
+        {"role": "user", "content": "Be brief."},
+    ]
+    tools = [{"name": "weather", "input_schema": {"type": "object"}}]
+    message = claude.messages.create(model=model, max_tokens=4, tools=tools, messages=turns, extra_body=GREEDY)
+    assert message.stop_reason in ("end_turn", "max_tokens")
+
+
 def test_count_tokens_is_the_chat_prompt(claude, client, model):
     counted = claude.messages.count_tokens(model=model, system=SYSTEM, messages=TURNS)
     usage = client.chat.completions.create(

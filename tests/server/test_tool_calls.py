@@ -438,10 +438,10 @@ def test_responses_named_function_and_none(client):
     jsonschema.validate(json.loads(call.arguments), TIME)
     assert response.tool_choice.type == "function" and response.tool_choice.name == "get_time"
     # none: the template is not told of the tools, and the answer is text as chat's is
-    text = respond(client, tool_choice="none", max_output_tokens=8)
-    chat = ask(client, tool_choice="none", max_tokens=8).choices[0].message
+    text = respond(client, tool_choice="none", max_output_tokens=16)
+    chat = ask(client, tool_choice="none", max_tokens=16).choices[0].message
     assert [item.type for item in text.output] == ["message"] and text.output_text == chat.content
-    assert text.usage.input_tokens == ask(client, tool_choice="none", max_tokens=8).usage.prompt_tokens
+    assert text.usage.input_tokens == ask(client, tool_choice="none", max_tokens=16).usage.prompt_tokens
 
 
 def test_responses_round_trip_with_function_call_output(client):
@@ -452,11 +452,11 @@ def test_responses_round_trip_with_function_call_output(client):
     result = '{"forecast": "sunny"}'
     followed = respond(client, input=[*QUESTION, *response.output,
                                       {"type": "function_call_output", "call_id": call.call_id, "output": result}],
-                       max_output_tokens=5)  # fmt: skip
+                       max_output_tokens=16)  # fmt: skip
     chat_call = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [chat_call]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": result}]  # fmt: skip
-    chat = ask(client, messages=messages, max_tokens=5)
+    chat = ask(client, messages=messages, max_tokens=16)
     assert followed.usage.input_tokens == chat.usage.prompt_tokens
     assert followed.output_text == chat.choices[0].message.content and followed.output[-1].type == "message"
 

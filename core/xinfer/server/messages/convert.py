@@ -2,6 +2,8 @@
 what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` results).
 
 - ``system`` (a string or text blocks) becomes the first, system message;
+- consecutive messages of one role are one turn, as Anthropic's API combines them: their blocks in order,
+  their texts joined as one message's text blocks are;
 - a final assistant turn is a prefill: the answer continues its text (``continue_final_message``),
   as Anthropic's API does; an empty one is left out;
 - a user turn's ``tool_result`` blocks become ``tool`` messages, in order, before its other content;
@@ -19,6 +21,7 @@ what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` resu
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -81,35 +84,66 @@ def chat_messages(body: CountTokensRequest, takes_images: bool) -> list[dict[str
     messages = []
     if body.system:
         messages.append({"role": "system", "content": block_text(body.system, "system")})
-    for i, message in enumerate(body.messages):
-        messages += turn(message, f"messages.{i}.content", takes_images)
-    check_turns(body.messages)  # after each turn's blocks are checked
+    conversation = turns(body.messages)
+    for turn in conversation:
+        messages += chat_turn(turn, takes_images)
+    check_turns(body.messages, conversation)  # after each turn's blocks are checked
     return messages
 
 
-def check_turns(turns: list[Message]) -> None:
-    """Anthropic's rules on the turns: content in each (a final assistant turn, the prefill, may be empty but not
+@dataclass(frozen=True)
+class Turn:
+    """Consecutive messages of one role: one turn, as Anthropic's API combines them; each message with its
+    index in the request, which errors name."""
+
+    role: str
+    messages: list[tuple[int, Message]]
+
+    def blocks(self) -> list[tuple[str, Block]]:
+        """The turn's blocks in order, each with where it is in the request (a string content: one text block)."""
+        placed = []
+        for i, message in self.messages:
+            if isinstance(message.content, str):
+                placed.append((f"messages.{i}.content", Block(type="text", text=message.content)))
+            else:
+                placed += [(f"messages.{i}.content.{j}", block) for j, block in enumerate(message.content)]
+        return placed
+
+
+def turns(messages: list[Message]) -> list[Turn]:
+    conversation: list[Turn] = []
+    for i, message in enumerate(messages):
+        if not conversation or conversation[-1].role != message.role:
+            conversation.append(Turn(message.role, []))
+        conversation[-1].messages.append((i, message))
+    return conversation
+
+
+def check_turns(messages: list[Message], conversation: list[Turn]) -> None:
+    """Anthropic's rules: content in each message (a final assistant one, the prefill, may be empty but not
     end in whitespace), and each ``tool_use`` answered by a ``tool_result`` in the next turn, each result
     answering one."""
-    for i, message in enumerate(turns):
-        check_text(message, f"messages.{i}", prefill=i == len(turns) - 1 and message.role == "assistant")
-        asked, answered = tool_use_ids(turns[i - 1]) if i > 0 else set(), set()
-        for j, block in enumerate(blocks(message)):
+    for i, message in enumerate(messages):
+        check_text(message, f"messages.{i}", prefill=i == len(messages) - 1 and message.role == "assistant")
+    for k, turn in enumerate(conversation):
+        asked, answered = tool_uses(conversation[k - 1]) if k > 0 else {}, set()
+        for where, block in turn.blocks():
             if block.type == "tool_result" and block.tool_use_id is not None:
                 if block.tool_use_id not in asked:
                     raise bad_request(f"unexpected tool_use_id found in tool_result blocks: {block.tool_use_id}. "
                                       "Each tool_result block must have a corresponding tool_use block in the previous "
-                                      "message", param=f"messages.{i}.content.{j}")  # fmt: skip
+                                      "message", param=where)  # fmt: skip
                 answered.add(block.tool_use_id)
-        check_answered(asked - answered, i - 1)
-    check_answered(tool_use_ids(turns[-1]), len(turns) - 1)
+        check_answered({use: i for use, i in asked.items() if use not in answered})
+    check_answered(tool_uses(conversation[-1]))
 
 
-def check_answered(unanswered: set[str], index: int) -> None:
+def check_answered(unanswered: dict[str, int]) -> None:
+    """``unanswered``: tool_use ids, each with the index of the message that holds it."""
     if unanswered:
         raise bad_request(f"tool_use ids were found without tool_result blocks immediately after: "
                           f"{', '.join(sorted(unanswered))}. Each tool_use block must have a corresponding "
-                          "tool_result block in the next message", param=f"messages.{index}")  # fmt: skip
+                          "tool_result block in the next message", param=f"messages.{min(unanswered.values())}")  # fmt: skip
 
 
 def check_text(message: Message, param: str, prefill: bool) -> None:
@@ -129,37 +163,34 @@ def blocks(message: Message) -> list[Block]:
     return message.content if isinstance(message.content, list) else []
 
 
-def tool_use_ids(message: Message) -> set[str]:
-    """The ids of an assistant turn's ``tool_use`` blocks."""
-    if message.role != "assistant":
-        return set()
-    return {block.id for block in blocks(message) if block.type == "tool_use" and block.id is not None}
+def tool_uses(turn: Turn) -> dict[str, int]:
+    """The ids of an assistant turn's ``tool_use`` blocks, each with the index of the message that holds it."""
+    if turn.role != "assistant":
+        return {}
+    return {block.id: i for i, message in turn.messages for block in blocks(message)
+            if block.type == "tool_use" and block.id is not None}  # fmt: skip
 
 
-def turn(message: Message, param: str, takes_images: bool) -> list[dict[str, Any]]:
-    """The chat messages of one Anthropic turn."""
-    if isinstance(message.content, str):
-        return [{"role": message.role, "content": message.content}]
-    numbered = list(enumerate(message.content))
-    if message.role == "user":
-        return round_messages("user", numbered, param, takes_images)
-    return [m for part in mcp_rounds(numbered) for m in round_messages("assistant", part, param, takes_images)]
+def chat_turn(turn: Turn, takes_images: bool) -> list[dict[str, Any]]:
+    """The chat messages of one turn."""
+    placed = turn.blocks()
+    if turn.role == "user":
+        return round_messages("user", placed, takes_images)
+    return [m for part in mcp_rounds(placed) for m in round_messages("assistant", part, takes_images)]
 
 
-def mcp_rounds(numbered: list[tuple[int, Block]]) -> list[list[tuple[int, Block]]]:
+def mcp_rounds(placed: list[tuple[str, Block]]) -> list[list[tuple[str, Block]]]:
     """An assistant turn's blocks by round: a turn xinfer answered after running MCP calls holds each
     round's text and ``mcp_tool_use`` blocks, then their ``mcp_tool_result`` blocks, then the next round's."""
-    parts: list[list[tuple[int, Block]]] = [[]]
-    for j, block in numbered:
+    parts: list[list[tuple[str, Block]]] = [[]]
+    for where, block in placed:
         if parts[-1] and parts[-1][-1][1].type == "mcp_tool_result" and block.type != "mcp_tool_result":
             parts.append([])
-        parts[-1].append((j, block))
+        parts[-1].append((where, block))
     return parts
 
 
-def round_messages(
-    role: str, numbered: list[tuple[int, Block]], param: str, takes_images: bool
-) -> list[dict[str, Any]]:
+def round_messages(role: str, placed: list[tuple[str, Block]], takes_images: bool) -> list[dict[str, Any]]:
     """The chat messages of a user turn, or of one round of an assistant turn (see :func:`mcp_rounds`):
     a user's tool results go before its message, the MCP results of an assistant round after it,
     as the model read them when the server ran the calls."""
@@ -167,8 +198,7 @@ def round_messages(
     parts: list[dict[str, Any]] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in numbered:
-        where = f"{param}.{j}"
+    for where, block in placed:
         allowed = USER_BLOCKS if role == "user" else ASSISTANT_BLOCKS
         if block.type not in allowed:
             article = "an" if role == "assistant" else "a"

@@ -27,6 +27,7 @@ from xinfer.server.responses import TokenLogprob, now
 from xinfer.server.responses_api.objects import (
     FunctionCallItem,
     IncompleteDetails,
+    ItemStatus,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -38,7 +39,7 @@ from xinfer.server.responses_api.objects import (
     Status,
     item_id,
 )
-from xinfer.server.responses_api.protocol import ResponsesRequest
+from xinfer.server.responses_api.protocol import Reasoning, ResponsesRequest, TextConfig
 from xinfer.server.streaming import EngineStreamResponse, typed_sse_event
 
 Kind = Literal["reasoning", "message", "function_call"]
@@ -62,17 +63,13 @@ class ResponseAnswer:
 
     def response(self, status: Status = "in_progress", output: list[OutputItem] | None = None,
                  error: str | None = None) -> Response:  # fmt: skip
-        body, done = self.body, status != "in_progress"
+        done = status != "in_progress"
         return Response(
             id=self.id, created_at=self.created_at, status=status, model=self.chat.serving.model_name,
             output=output or [], usage=ResponseUsage.of(self.chat.usage()) if done else None,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-            error=ResponseError(message=error) if error is not None else None, instructions=body.instructions,
-            max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_logprobs=body.top_logprobs, metadata=body.metadata or {},
-            completed_at=now() if status == "completed" else None,
-            tools=body.tools or [], tool_choice=body.tool_choice or "auto",
-            parallel_tool_calls=body.parallel_tool_calls is not False,
+            error=ResponseError(message=error) if error is not None else None,
+            completed_at=now() if status == "completed" else None, **request_fields(self.body),
         )  # fmt: skip
 
     def finished(self, items: ItemStream, finish_reason: str | None) -> tuple[Response, list[str]]:
@@ -153,6 +150,23 @@ class ResponseAnswer:
         yield self.event(f"response.{response.status}", response=response.model_dump())
 
 
+def request_fields(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's fields a response repeats, as OpenAI's does: those left out as their defaults."""
+    text = body.text or TextConfig()
+    text_format = text.format.model_dump(by_alias=True, exclude_none=True) if text.format else {"type": "text"}
+    return {
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
+        "metadata": body.metadata or {}, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "text": {"format": text_format, "verbosity": text.verbosity or "medium"},
+        "reasoning": (body.reasoning or Reasoning()).model_dump(), "store": body.store, "user": body.user,
+        "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_retention": body.prompt_cache_retention, "max_tool_calls": body.max_tool_calls,
+    }  # fmt: skip
+
+
 class ItemStream:
     """Output items written as events: an item opens with its first text (a function call with its
     name) and is done when another item opens or the answer ends; an answer without any item gets
@@ -194,7 +208,7 @@ class ItemStream:
         part = self.event("response.content_part.added", **self.where(), part=self.part("").model_dump())
         return [*events, added, part]
 
-    def close(self, status: Status, last: bool = False) -> list[str]:
+    def close(self, status: ItemStatus, last: bool = False) -> list[str]:
         """``last``: the output ends with this item (its tokens are all the rest)."""
         if self.kind is None:
             return []
@@ -215,7 +229,7 @@ class ItemStream:
         self.kind = None
         return events
 
-    def finish(self, status: Status) -> list[str]:
+    def finish(self, status: ItemStatus) -> list[str]:
         return [*(self.open("message") if not self.items and self.kind is None else []), *self.close(status, last=True)]
 
     def where(self) -> dict[str, Any]:
@@ -239,7 +253,7 @@ class ItemStream:
             return OutputText(text=text, logprobs=self.token_logprobs)
         return ReasoningText(text=text)
 
-    def item(self, status: Status) -> OutputItem:
+    def item(self, status: ItemStatus) -> OutputItem:
         """The open item: empty while in progress, then with its whole text."""
         text = "".join(self.texts)
         if self.kind == "function_call":

@@ -76,11 +76,13 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"tools[{i}] is of type {tool['type']!r}, which this server does not run: tools are functions",
                 param="tools",
             )
+    # a null field is one left out, as the request's own are (the client's FunctionToolParam allows null)
+    functions = [{k: v for k, v in tool.items() if k != "type" and v is not None} for tool in tools]
     try:
-        check_functions([(f"tools[{i}]", tool) for i, tool in enumerate(tools)])
+        check_functions([(f"tools[{i}]", function) for i, function in enumerate(functions)])
     except ValueError as error:
         raise bad_request(str(error), param="tools") from None
-    return [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}} for tool in tools]
+    return [{"type": "function", "function": function} for function in functions]
 
 
 def chat_tool_choice(tool_choice: str | dict[str, Any]) -> str | dict[str, Any]:

@@ -9,7 +9,8 @@ from pydantic import BaseModel, Field
 
 from xinfer.server.responses import CompletionTokensDetails, PromptTokensDetails, TokenLogprob, Usage
 
-Status = Literal["in_progress", "completed", "incomplete", "failed"]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]  # an output item's
+Status = Literal[ItemStatus, "failed"]  # a response's
 
 
 def item_id(prefix: str) -> str:
@@ -36,7 +37,7 @@ class OutputMessage(BaseModel):
     type: Literal["message"] = "message"
     id: str
     role: Literal["assistant"] = "assistant"
-    status: Status
+    status: ItemStatus
     content: list[OutputText]
 
 
@@ -45,7 +46,7 @@ class ReasoningItem(BaseModel):
 
     type: Literal["reasoning"] = "reasoning"
     id: str
-    status: Status
+    status: ItemStatus
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningText]
 
@@ -58,7 +59,7 @@ class FunctionCallItem(BaseModel):
     call_id: str
     name: str
     arguments: str
-    status: Status
+    status: ItemStatus
 
 
 OutputItem = OutputMessage | ReasoningItem | FunctionCallItem
@@ -121,3 +122,16 @@ class Response(BaseModel):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     completed_at: int | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    # what is done where a request could ask for more: refused (truncation auto, background) or the one tier there is
+    truncation: Literal["disabled"] = "disabled"
+    background: bool = False
+    service_tier: Literal["default"] = "default"
+    store: bool = True
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    max_tool_calls: int | None = None

@@ -8,18 +8,23 @@ Fields that only change bookkeeping are accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from xinfer.server.errors import FieldError
 from xinfer.server.protocol import FORMAT_NAME, MAX_TOP_LOGPROBS, ReasoningEffort, RequestBody, asks_nothing
+from xinfer.server.responses_api.objects import ItemStatus
 
-# fields accepted and not read: they change no answer (the server runs no tool)
-IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
-                            "prompt_cache_retention", "service_tier", "max_tool_calls", "stream_options"})  # fmt: skip
+# fields accepted and not read: they change no answer (the server runs no tool); those the response repeats are
+# ResponsesRequest's own fields
+IGNORED_FIELDS = frozenset({"prompt_cache_options", "service_tier", "stream_options"})
 # the values of other fields that ask for nothing beyond what this server does (their defaults)
 NEUTRAL_VALUES = {"truncation": ("disabled",)}
+# OpenAI's limits on metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512
+MAX_METADATA_PAIRS = 16
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 # OpenAI's values of include (its ResponseIncludable); all but OUTPUT_LOGPROBS are accepted and ignored: the
 # outputs of hosted tools this server does not run, input image URLs of a response it does not store, and
@@ -45,9 +50,10 @@ class InputItem(RequestBody):
     """An item of ``input``: a message (``type`` ``message`` or absent); a ``function_call`` the
     model made (``call_id``, ``name``, ``arguments``) and its ``function_call_output``
     (``call_id``, ``output``); or a ``reasoning`` item given back (its ``content``'s text). ``id``: an output
-    item's given back, or one the store gives it (the model never reads it)."""
+    item's given back, or one the store gives it; ``status``: an output item's (the model reads neither)."""
 
     id: str | None = None
+    status: ItemStatus | None = None
     type: str = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputPart] | None = None
@@ -90,13 +96,13 @@ class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)  # (OpenAI's least is 16; vLLM's 1, as here)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=MAX_METADATA_PAIRS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -104,6 +110,12 @@ class ResponsesRequest(RequestBody):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives of each output_text token
     store: bool = True  # kept for previous_response_id and GET /v1/responses/{id} (responses_api/store.py)
     previous_response_id: str | None = None
+    # bookkeeping: not read, repeated on the response
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    max_tool_calls: int | None = None
 
     @field_validator("include")
     @classmethod

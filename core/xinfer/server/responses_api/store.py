@@ -90,12 +90,13 @@ def as_input(item: OutputItem) -> InputItem:
     """An output item as the input item a client gives back for it."""
     if isinstance(item, OutputMessage):
         parts = [InputPart(type="output_text", text=part.text) for part in item.content]
-        return InputItem(id=item.id, type="message", role="assistant", content=parts)
+        return InputItem(id=item.id, status=item.status, type="message", role="assistant", content=parts)
     if isinstance(item, FunctionCallItem):
-        return InputItem(id=item.id, type="function_call", call_id=item.call_id, name=item.name,
+        return InputItem(id=item.id, status=item.status, type="function_call", call_id=item.call_id, name=item.name,
                          arguments=item.arguments)  # fmt: skip
     return InputItem(
         id=item.id,
+        status=item.status,
         type="reasoning",
         content=[InputPart(type="reasoning_text", text=part.text) for part in item.content],
     )
@@ -103,7 +104,7 @@ def as_input(item: OutputItem) -> InputItem:
 
 def listed(item: InputItem) -> dict[str, Any]:
     """A kept item as the Responses API lists it (its ``ResponseItem`` shape): a message's text parts as
-    ``input_text`` (``output_text`` in an assistant turn), completed."""
+    ``input_text`` (``output_text`` in an assistant turn), with its status (an output item's own, else completed)."""
     fields = item.model_dump(exclude_none=True)
     if item.type == "message":
         text_type = "output_text" if item.role == "assistant" else "input_text"
@@ -114,4 +115,4 @@ def listed(item: InputItem) -> dict[str, Any]:
         ]
     if item.type == "reasoning":
         fields["summary"] = []
-    return fields | {"status": "completed"}
+    return {"status": "completed"} | fields

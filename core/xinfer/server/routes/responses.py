@@ -1,5 +1,5 @@
 """OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
-/v1/responses/{id}/input_items``.
+/v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` (refused: no response runs in the background).
 
 A Responses body is translated into the chat request it means (the same template, sampling
 and engine as ``/v1/chat/completions``, :mod:`xinfer.server.responses_api.convert`), and its
@@ -74,6 +74,15 @@ async def list_input_items(
         "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit,
     })  # fmt: skip
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str) -> JSONResponse:
+    """Only a background response can be cancelled, as on OpenAI's API; this server runs none (``background`` is
+    refused), so a kept response is refused as OpenAI refuses one that was not."""
+    store: ResponseStore = request.app.state.responses
+    store.get(response_id)  # an id not kept: a 404, as GET's
+    raise bad_request("Cannot cancel a synchronous response.")
 
 
 @router.delete("/v1/responses/{response_id}")
