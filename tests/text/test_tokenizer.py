@@ -250,3 +250,25 @@ def test_a_space_prefix_starts_every_piece_of_text_as_llama_cpps(space_prefixed_
     reference = llama_cpp.Llama(model_path=str(space_prefixed_vocabulary), vocab_only=True, verbose=False)
     expected = reference.tokenize(text.encode(), add_bos=False, special=True)
     assert Tokenizer.from_gguf(space_prefixed_vocabulary).encode(text) == expected
+
+
+def test_token_bytes_keep_a_sentencepiece_words_leading_space(tmp_path):
+    """Decoded alone, a Llama-2-style tokenizer strips the space ``▁`` stands for (transformers' decode([id]) gives
+    "Hello"), which left a logprob's ``bytes`` short of the text's, and the byte piece ``<0x20>`` empty; llama.cpp's
+    pieces are " Hello" and " "."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x20>": 3, "▁Hello": 4, "▁": 5, "world": 6, "<0x0A>": 7}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours = Tokenizer.from_folder(tmp_path)
+    assert ours.decode([4]) == "Hello"  # as transformers decodes it alone
+    assert [ours.token_bytes(i) for i in (4, 3, 5, 6, 7)] == [b" Hello", b" ", b" ", b"world", b"\n"]

@@ -14,6 +14,7 @@ from xinfer.loading.gguf_file import GGUFFile
 from xinfer.text.chat_template import ChatTemplate
 from xinfer.text.gguf_vocab import (
     BYTE_PIECE,
+    SPM_SPACE,
     ByteTokenDecoder,
     adds_bos_by_default,
     build_tokenizer,
@@ -147,14 +148,17 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, also where they are only part of a character (its text,
-        decoded alone, then has U+FFFD in their place)."""
+        decoded alone, then has U+FFFD in their place), and a SentencePiece word's leading space, which
+        decoding it alone strips (``▁Hello``: `` Hello``; the byte piece ``<0x20>``: a space, not nothing)."""
         text = self.decode([token_id], skip_special_tokens=False)
         piece = self.id_to_token(token_id)
-        if "\ufffd" not in text or piece is None:
+        if piece is None:
             return text.encode()
         if BYTE_PIECE.fullmatch(piece):
             return piece_bytes(piece)
-        if all(c in _BYTE_LEVEL for c in piece):
+        if piece.startswith(SPM_SPACE) and not text.startswith(" "):
+            return b" " + text.encode()
+        if "\ufffd" in text and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
 
