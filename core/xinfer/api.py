@@ -14,6 +14,7 @@ from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.errors import WrongTypeError
 from xinfer.sampling import SamplingParams, check_generation_config, recommended_sampling, truncated
+from xinfer.text.chat_messages import TEXT_PART_FIELDS, render_messages
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
@@ -78,44 +79,51 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template (or ``chat_template``, a template's
-        source), then generates; vLLM's signature. A message's content may be a list of parts:
-        ``{"type": "text", "text": ...}`` and, for a model that takes images, ``{"type": "image_pil",
-        "image_pil": PIL image}`` (vLLM's name; ``"image"`` with the image under ``"image"`` too), which the
-        template receives as ``{"type": "image"}``. ``chat_template_content_format``: "string" gives the
+        source), then generates; vLLM's signature. Messages are OpenAI's, converted as the server converts
+        them: null content as "", assistant tool calls' arguments (JSON text) as objects. A message's content
+        may be a list of parts: ``{"type": "text", "text": ...}`` (vLLM's ``input_text``, ``output_text``,
+        ``refusal`` and ``thinking`` parts are read as text too) and, for a model that takes images,
+        ``{"type": "image_pil", "image_pil": PIL image}`` (vLLM's name; ``"image"`` with the image under
+        ``"image"`` too), which the template receives as ``{"type": "image"}``; a model that takes text only
+        refuses an image part. ``chat_template_content_format``: "string" gives the
         template a message of text parts alone as one string, the parts joined by newlines (most templates
         write ``content`` as a string); "openai" the list of parts; "auto" (as the server does) the list
         where the template loops over a message's content, else one string: vLLM's detection.
         ``continue_final_message``: the prompt ends with the final message's text (with
         ``add_generation_prompt=False``), which the answer goes on with. The template's own variables come
-        as ``chat_template_kwargs``."""
+        as ``chat_template_kwargs``, whose values win over the arguments they name, as vLLM's."""
         _no_lora(lora_request)
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: one of "
                              f"{', '.join(CONTENT_FORMATS)}")  # fmt: skip
-        if continue_final_message and add_generation_prompt:
+        # vLLM's: chat_template_kwargs win over the arguments they name
+        options = {
+            "chat_template": chat_template,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            **(chat_template_kwargs or {}),
+        }
+        if options["continue_final_message"] and options["add_generation_prompt"]:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
-        conversations = _conversations(messages)
+        conversations, fields = _conversations(messages)
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompts as token ids to generate()")
+        source = options.pop("chat_template")
         template = (
-            tokenizer.template_from(chat_template) if chat_template is not None else tokenizer.chat_template_for(tools)
+            tokenizer.template_from(source) if source is not None else tokenizer.chat_template_for(options["tools"])
         )
         if template is None:
             raise ValueError("this model has no chat template: pass chat_template, or prompts to generate()")
         content_format = (
             template.content_format if chat_template_content_format == "auto" else chat_template_content_format
         )
+        takes_images = bool(self.engine.modalities)
         prompts = []
-        for conversation in conversations:
-            conversation, images = _images_apart(conversation, content_format)
-            text = template.render(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
-            )
+        for conversation, field in zip(conversations, fields):
+            conversation, images = _conversation_for_template(conversation, content_format, takes_images, field)
+            text = render_messages(template, conversation, **options)
             # the template writes BOS itself
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
             prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
@@ -206,6 +214,7 @@ class LLM:
 
 PROMPT_FORMS = "a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'"
 CONTENT_FORMATS = ("auto", "string", "openai")
+IMAGE_PARTS = ("image_pil", "image", "image_url", "input_image")  # vLLM's names of a content part holding an image
 
 
 def _vllm_options(options: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -259,13 +268,13 @@ def _described(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
-    """``messages`` as a list of conversations (one conversation is a list of one)."""
-    conversations = (
-        [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else messages
-    )
-    if isinstance(conversations, list) and all(_all_dicts(c) for c in conversations):
-        return conversations
+def _conversations(messages: Any) -> tuple[list[list[dict[str, Any]]], list[str]]:
+    """``messages`` as a list of conversations (one conversation is a list of one), and where each is in
+    ``messages``, as errors name it: ``messages`` itself, or ``messages.N`` of a list of conversations."""
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict) and _all_dicts(messages):
+        return [messages], ["messages"]
+    if isinstance(messages, list) and all(_all_dicts(c) for c in messages):
+        return messages, [f"messages.{c}" for c in range(len(messages))]
     raise WrongTypeError(f"messages: a list of message dicts ({{'role': ..., 'content': ...}}), or a list of such "
                          f"lists; got {_described(messages)}")  # fmt: skip
 
@@ -274,25 +283,43 @@ def _all_dicts(conversation: Any) -> bool:
     return isinstance(conversation, list) and all(isinstance(message, dict) for message in conversation)
 
 
-def _images_apart(conversation: list[dict[str, Any]], content_format: str) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The conversation with each image part as ``{"type": "image"}``, and the images in order; a message of
-    text parts alone as one string, its parts joined by newlines, where ``content_format`` is "string"."""
+def _conversation_for_template(
+    conversation: list[dict[str, Any]], content_format: str, takes_images: bool, field: str
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation with its content parts as templates read them (:func:`_part_for_template`), and the
+    images in order; a message of text parts alone as one string, its parts joined by newlines, where
+    ``content_format`` is "string". ``field``: where the conversation is in ``chat``'s ``messages``."""
     images: list[Any] = []
     messages = []
-    for message in conversation:
+    for i, message in enumerate(conversation):
         content = message.get("content")
         if isinstance(content, list):
             parts = []
-            for part in content:
-                kind = part.get("type")
-                if kind in ("image_pil", "image") and part.get(kind) is not None:
-                    images.append(part[kind])
-                    part = {"type": "image"}
+            for j, part in enumerate(content):
+                part, image = _part_for_template(part, takes_images, f"{field}.{i}.content.{j}")
                 parts.append(part)
+                if image is not None:
+                    images.append(image)
             joined = content_format == "string" and all(part.get("type") == "text" for part in parts)
-            message = {**message, "content": "\n".join(p.get("text", "") for p in parts) if joined else parts}
+            message = {**message, "content": "\n".join(p["text"] for p in parts) if joined else parts}
         messages.append(message)
     return messages, images
+
+
+def _part_for_template(part: dict[str, Any], takes_images: bool, field: str) -> tuple[dict[str, Any], Any]:
+    """A content part as templates read it, and its image: a part vLLM reads as text (:data:`TEXT_PART_FIELDS`)
+    as ``{"type": "text", "text": ...}``, an image part (``image_pil``, ``image``) as ``{"type": "image"}``."""
+    kind = part.get("type")
+    if kind in TEXT_PART_FIELDS:
+        text = part.get(TEXT_PART_FIELDS[kind])
+        if not isinstance(text, str):
+            raise ValueError(f"{field}: a part of type {kind!r} needs its {TEXT_PART_FIELDS[kind]!r} (a string)")
+        return {"type": "text", "text": text}, None
+    if kind in IMAGE_PARTS and not takes_images:
+        raise ValueError(f"{field}: an image part ({kind!r}), but the model takes text only: it cannot read images")
+    if kind in ("image_pil", "image") and part.get(kind) is not None:
+        return {"type": "image"}, part[kind]
+    return part, None
 
 
 def _is_token_list(prompts: Any) -> bool:

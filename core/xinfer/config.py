@@ -38,15 +38,27 @@ def _type_name(annotation: object) -> str:
 
 class ModelConfig(_Config):
     model: str | None = None  # HF folder, .gguf file or folder holding one; None: the embedded default
-    dtype: str = "auto"  # auto, bfloat16/bf16, float16/f16, float32/f32
+    dtype: str = "auto"  # auto, bfloat16/bf16, float16/f16, float32/f32; a torch.dtype is taken as its name
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     isq: str | None = None  # quantize float weights at load to this packed format (q8_0, q4_k, ...)
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
     hf_overrides: dict[str, Any] | None = None  # config.json fields replaced (a sub-config's: merged), as vLLM's
-    seed: int = Field(0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes
+    seed: int = Field(0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes; None (vLLM's): 0
     # models that take images: encoder outputs kept for images seen again (LRU), in embedding rows in all
     # (a Gemma 3 image is 256)
     encoder_cache_size: int = Field(8192, ge=0)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, dtype: object) -> object:
+        """vLLM's ``dtype=torch.bfloat16``: the name its string form gives."""
+        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_none_is_zero(cls, seed: object) -> object:
+        """vLLM's older default ``seed=None``, which its V1 engine (and ours) runs as 0."""
+        return 0 if seed is None else seed
 
     @field_validator("dtype")
     @classmethod

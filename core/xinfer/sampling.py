@@ -55,6 +55,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("logprobs", "prompt_logprobs"):
+            setattr(self, name, _logprobs_of_bool(getattr(self, name)))
         self._check_types()
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -139,6 +141,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _logprobs_of_bool(value: Any) -> Any:
+    """vLLM's ``logprobs=True`` (OpenAI's habit) is 1; ``False``, which vLLM leaves a bool, is None: no logprobs,
+    as OpenAI's ``false``."""
+    if isinstance(value, bool):
+        return 1 if value else None
+    return value
 
 
 # vLLM's: a temperature above 0 and below it samples at it (only 0 is greedy)

@@ -155,3 +155,124 @@ def test_reset_prefix_cache_makes_the_next_prompt_cold(llm):
     llm.reset_prefix_cache()
     again = llm.generate(prompt, params, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+# an agent loop's history, as OpenAI clients send it: the assistant's content null beside its calls, whose
+# arguments are JSON text
+TOOL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]  # fmt: skip
+TOJSON_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m['content'] }}{% for c in m.tool_calls or [] %}"
+    "<call {{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}{% endfor %}[assistant] "
+)
+RESULT = "[tool] sunny[assistant] "
+
+
+def test_chat_converts_tool_call_history_as_the_server_does(llm):
+    """vLLM's (and the server's): arguments reach the template as an object, so ``tojson`` writes them once, and a
+    null content as "" (SmolLM2's template adds ``content`` to a string)."""
+    from xinfer.server.prompts import render_chat
+    from xinfer.server.protocol import ChatMessage
+
+    out = llm.chat(TOOL_HISTORY, GREEDY, use_tqdm=False, chat_template=TOJSON_TEMPLATE)[0]
+    assert out.prompt == '[user] Weather in Paris?[assistant] <call get_weather {"city": "Paris"}>' + RESULT
+    server = render_chat(llm.get_tokenizer(), [ChatMessage.model_validate(m) for m in TOOL_HISTORY])
+    assert llm.chat(TOOL_HISTORY, GREEDY, use_tqdm=False)[0].prompt == server
+    assert TOOL_HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's, as it was
+
+
+def test_logprobs_true_is_one(llm):
+    """vLLM's ``SamplingParams`` takes ``logprobs=True`` (OpenAI's habit) as 1, ``prompt_logprobs`` too; ``False``
+    is no logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=True, prompt_logprobs=True)
+    got = llm.generate("The capital of France is", params, use_tqdm=False)[0]
+    one = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3, logprobs=1,
+                                                                   prompt_logprobs=1), use_tqdm=False)[0]  # fmt: skip
+    assert got.outputs[0].finish_reason == "length" and got.outputs[0].logprobs == one.outputs[0].logprobs
+    assert got.prompt_logprobs == one.prompt_logprobs
+    assert SamplingParams(logprobs=False, prompt_logprobs=False) == SamplingParams()
+
+
+def test_the_tokenizer_returns_hf_batch_encodings(llm):
+    """``tok(text)`` and ``apply_chat_template(..., return_dict=True)`` as transformers' ``BatchEncoding``:
+    ``.input_ids`` as well as ``["input_ids"]``, and torch tensors with ``return_tensors="pt"``, batched as HF's."""
+    import torch
+    from transformers import BatchEncoding
+
+    tok, hf = llm.get_tokenizer(), hf_tokenizer(SMOLLM)
+    text = "Hello, world! 2+2=4"
+    encoding = tok(text)
+    assert isinstance(encoding, BatchEncoding)
+    assert (encoding.input_ids, encoding.attention_mask) == (hf(text).input_ids, hf(text).attention_mask)
+    for texts in (text, [text, text]):
+        ours, theirs = tok(texts, return_tensors="pt"), hf(texts, return_tensors="pt")
+        assert torch.equal(ours.input_ids, theirs.input_ids)
+        assert torch.equal(ours["attention_mask"], theirs["attention_mask"])
+    chat = tok.apply_chat_template(HI, return_dict=True)
+    theirs = hf.apply_chat_template(HI, add_generation_prompt=True, return_dict=True)
+    assert isinstance(chat, BatchEncoding) and chat.input_ids == theirs["input_ids"] == tok.apply_chat_template(HI)
+    assert chat["attention_mask"] == [1] * len(chat.input_ids)
+    as_tensor = tok.apply_chat_template(HI, return_tensors="pt")
+    assert torch.equal(as_tensor, hf.apply_chat_template(HI, add_generation_prompt=True, return_tensors="pt",
+                                                         return_dict=False))  # fmt: skip
+
+
+def test_vllm_constructor_values():
+    """vLLM's ``dtype`` may be a ``torch.dtype``, named as its string form; ``seed=None`` (its older default) is
+    the seed 0 its V1 engine runs with."""
+    import torch
+
+    from xinfer.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(dtype=torch.bfloat16).model.dtype == "bfloat16"
+    assert EngineConfig.from_kwargs(dtype=torch.float16).model.dtype == "float16"
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        EngineConfig.from_kwargs(dtype=torch.int8)
+    llm = LLM(num_blocks=16, max_model_len=64, dtype=torch.float32, seed=None)
+    assert (llm.engine.config.model.dtype, llm.engine.config.model.seed) == ("float32", 0)
+    assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_chat_template_kwargs_win_over_the_arguments_they_name(llm):
+    """vLLM's ``LLM.chat`` updates its template arguments with ``chat_template_kwargs``."""
+    without_prompt = llm.chat(HI, GREEDY, use_tqdm=False, add_generation_prompt=False)[0].prompt
+    got = llm.chat(HI, GREEDY, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert got.prompt == without_prompt and not got.prompt.endswith("assistant\n")
+    assert llm.chat(HI, GREEDY, use_tqdm=False, chat_template_kwargs={"tools": None})[0].prompt.endswith("assistant\n")
+    continued = [*HI, {"role": "assistant", "content": "It is"}]
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True}
+    assert llm.chat(continued, GREEDY, use_tqdm=False, chat_template_kwargs=kwargs)[0].prompt.endswith("It is")
+    templated = llm.chat(HI, GREEDY, use_tqdm=False, chat_template_kwargs={"chat_template": PLAIN_TEMPLATE})[0]
+    assert templated.prompt == "[user] What is 2+2?\n[assistant] "
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
+        llm.chat(continued, GREEDY, chat_template_kwargs={"continue_final_message": True})
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "input_text", "text": "Hi"},
+        {"type": "output_text", "text": "Hi"},
+        {"type": "refusal", "refusal": "Hi"},
+        {"type": "thinking", "thinking": "Hi"},
+    ],
+)
+def test_parts_vllm_reads_as_text_are_text(llm, part):
+    as_text = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)[0].prompt
+    assert llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)[0].prompt == as_text
+
+
+def test_an_image_part_for_a_text_only_model_is_refused_naming_it(llm):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    message = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}
+    with pytest.raises(ValueError, match=r"^messages\.1\.content\.1: an image part \('image_url'\), but the model "
+                                         r"takes text only"):  # fmt: skip
+        llm.chat([{"role": "system", "content": "Be brief."}, message], GREEDY)
+    with pytest.raises(ValueError, match=r"^messages\.1\.0\.content\.1: an image part \('image_pil'\)"):
+        llm.chat([HI, [{"role": "user", "content": [{"type": "text", "text": "?"}, {"type": "image_pil",
+                                                                                     "image_pil": object()}]}]], GREEDY)  # fmt: skip

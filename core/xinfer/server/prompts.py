@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt, prompt_list
+from xinfer.text.chat_messages import render_messages
 
 
 def message_dicts(
-    messages: list[ChatMessage], arguments_as_objects: bool = True, content_format: str = "string"
+    messages: list[ChatMessage], content_format: str = "string"
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """Messages as chat templates expect them: text parts joined into one string by newlines for a template
     whose ``content_format`` is "string" (:class:`~xinfer.text.chat_template.ChatTemplate`), else kept a list;
     where a message has images, its content stays a list, each image an ``{"type": "image"}`` item (as HF
-    templates read them). Also each image's URL, in order, with the request field it came from.
-    ``arguments_as_objects``: assistant tool calls' arguments decoded from their JSON text."""
+    templates read them). Also each image's URL, in order, with the request field it came from. Tool calls and
+    null content are left to :func:`~xinfer.text.chat_messages.render_messages`."""
     result, images = [], []
     for i, message in enumerate(messages):
         # templates read reasoning_content; a refusal given back is already the content
@@ -44,10 +44,6 @@ def message_dicts(
             has_image = any(p["type"] == "image" for p in parts)
             joined = content_format == "string" and not has_image
             item["content"] = "\n".join(p["text"] for p in parts) if joined else parts
-        if message.tool_calls:
-            calls = item["tool_calls"]
-            item["tool_calls"] = [_call_for_template(call) for call in calls] if arguments_as_objects else calls
-            item.setdefault("content", "")  # clients send null; templates read it as text (Qwen3: '</think>' in ...)
         result.append(item)
     return result, images
 
@@ -61,19 +57,6 @@ def image_fields(messages: list[dict[str, Any]]) -> list[str]:
     """The client's fields of the translated ``messages``' images, in order."""
     return [part[FIELD] for message in messages if isinstance(message.get("content"), list)
             for part in message["content"] if part.get("type") == "image_url"]  # fmt: skip
-
-
-def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant's tool call with its arguments as an object, not JSON text: templates
-    write them with ``tojson`` (Llama, Mistral) or as they are (Qwen, which takes either)."""
-    function = call["function"]
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def render_chat(
@@ -92,28 +75,16 @@ def render_chat(
     # OpenAI's developer role took the system role's place; a template that knows only the system role would
     # write "developer" as it is, or refuse it (Qwen3.6's)
     as_system = "developer" not in template.source
-    dicts = _with_roles(message_dicts(messages, content_format=template.content_format)[0], as_system)
+    dicts = _with_roles(message_dicts(messages, template.content_format)[0], as_system)
     try:
-        try:
-            text = template.render(
-                dicts,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
-        except ChatTemplateError:
-            if not any(m.tool_calls for m in messages):
-                raise
-            # templates that join arguments as text (DeepSeek's: '...' + arguments) take them as the client sent them
-            dicts = _with_roles(message_dicts(messages, False, template.content_format)[0], as_system)
-            text = template.render(
-                dicts,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
+        text = render_messages(
+            template,
+            dicts,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
     except ChatTemplateError as error:
         raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from None
     except TypeError as error:  # an unknown keyword in chat_template_kwargs

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
+from transformers import BatchEncoding
 
 from xinfer.loading.errors import ModelFileError, first_line
 from xinfer.loading.gguf_file import GGUFFile
@@ -24,6 +25,9 @@ from xinfer.text.gguf_vocab import (
     post_processor,
     special_token_id,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -45,8 +49,8 @@ def has_tokenizer(path: Path) -> bool:
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs: BOS/EOS and the chat template. It answers
     what code written for the HF tokenizer that vLLM's ``get_tokenizer()`` returns asks of one most
-    (``tok(text)``, ``len(tok)``, ``eos_token_id``, ``batch_decode``, ``apply_chat_template(...,
-    tokenize=False)``, ``convert_ids_to_tokens``, ``get_vocab``)."""
+    (``tok(text)`` as transformers' ``BatchEncoding``, ``len(tok)``, ``eos_token_id``, ``batch_decode``,
+    ``apply_chat_template``, ``convert_ids_to_tokens``, ``get_vocab``)."""
 
     def __init__(
         self,
@@ -162,13 +166,17 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, Any]:
-        """HF's ``tok(text)`` (``input_ids``, ``attention_mask``; of each text for a list of them)."""
+    def __call__(
+        self, text: str | Sequence[str], add_special_tokens: bool = True, return_tensors: str | None = None
+    ) -> BatchEncoding:
+        """HF's ``tok(text)``: its ``BatchEncoding`` of ``input_ids`` and ``attention_mask`` (of each text for a
+        list of them); ``return_tensors="pt"``: as torch tensors, one text as a batch of one, as HF's."""
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            return _encoding(self.encode(text, add_special_tokens), return_tensors)
         rows = [self.encode(t, add_special_tokens) for t in text]
-        return {"input_ids": rows, "attention_mask": [[1] * len(row) for row in rows]}
+        return BatchEncoding(
+            {"input_ids": rows, "attention_mask": [[1] * len(row) for row in rows]}, tensor_type=return_tensors
+        )
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -183,15 +191,22 @@ class Tokenizer:
         tools: Sequence[Any] | None = None,
         tokenize: bool = True,
         chat_template: str | None = None,
+        return_dict: bool = False,
+        return_tensors: str | None = None,
         **extra: Any,
-    ) -> list[int] | str:
+    ) -> str | list[int] | torch.Tensor | BatchEncoding:
         """Render with the model's template (or ``chat_template``, a template's source), then, with
-        ``tokenize``, encode without adding BOS again (the template writes it where the model wants it)."""
+        ``tokenize``, encode without adding BOS again (the template writes it where the model wants it): the
+        token ids, or with ``return_dict`` their ``BatchEncoding``, as ``tok(text)``'s (HF's default is
+        ``return_dict=True`` from transformers 5 on)."""
         template = self.chat_template_for(tools) if chat_template is None else self.template_from(chat_template)
         if template is None:
             raise ValueError("this model has no chat template; use plain prompts")
         text = template.render(messages, add_generation_prompt, tools, **extra)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        encoding = _encoding(self.encode(text, add_special_tokens=False), return_tensors)
+        return encoding if return_dict else encoding["input_ids"]
 
     def template_from(self, source: str) -> ChatTemplate:
         """A chat template given by its source, with this tokenizer's special tokens."""
@@ -215,6 +230,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+def _encoding(ids: list[int], return_tensors: str | None) -> BatchEncoding:
+    """One text's ``BatchEncoding``; as tensors, a batch of one (HF's)."""
+    return BatchEncoding(
+        {"input_ids": ids, "attention_mask": [1] * len(ids)}, tensor_type=return_tensors, prepend_batch_axis=True
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
