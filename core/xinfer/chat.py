@@ -2,7 +2,8 @@
 
 The engine runs in this process. Answers stream as they are generated; the
 conversation is kept (oldest turns dropped when it outgrows the context).
-Commands: ``/exit`` (or Ctrl+D), ``/clear``, ``/system TEXT``, ``/help``.
+Commands: ``/exit`` (or Ctrl+D), ``/clear``, ``/system TEXT``, ``/help``; another line starting with a ``/``
+word is an unknown command.
 Ctrl+C stops the answer being written.
 
 ``xinfer --prompts "a|b" [--batch N]`` answers the prompts (N copies of them as
@@ -35,12 +36,14 @@ HELP = "commands: /exit, /clear (forget the conversation), /system TEXT (set a s
 
 
 class Conversation:
-    def __init__(self, engine: LLMEngine, params: SamplingParams):
-        """``engine``'s tokenizer has a chat template (:func:`run` checks)."""
+    def __init__(self, engine: LLMEngine, params: SamplingParams, think: bool = True):
+        """``engine``'s tokenizer has a chat template (:func:`run` checks). ``think``: False asks the template
+        not to think (``enable_thinking=false``, as ``--disable-reasoning`` does on the server)."""
         self.engine = engine
         self.tokenizer, self.template = engine.tokenizer, engine.tokenizer.chat_template
         self.processor = OutputProcessor(engine)
         self.params = params
+        self.template_kwargs = {} if think else {"enable_thinking": False}
         self.system: str | None = None
         self.turns: list[dict[str, str]] = []
         self._ids = itertools.count()
@@ -56,7 +59,7 @@ class Conversation:
         room = context - min(self.params.max_tokens or 1, context // 2)
         turns = self.turns
         while True:
-            text = self.template.render(self.messages(turns), add_generation_prompt=True)
+            text = self.template.render(self.messages(turns), add_generation_prompt=True, **self.template_kwargs)
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(token_ids) <= room:
                 self.turns = turns
@@ -86,33 +89,48 @@ class Conversation:
         return text
 
 
-def chat_loop(conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
+def chat_loop(
+    conversation: Conversation, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> None:
+    """The chat: answers on ``out`` (so that ``echo hi | xinfer --i > answer.txt`` keeps the answer alone), the
+    banner and what is refused on ``err``."""
     interactive = stdin.isatty()
-    out.write(f"xinfer chat ({HELP})\n")
+    err.write(f"xinfer chat ({HELP})\n")
     while True:
         if interactive:
             out.write(">>> ")
             out.flush()
         line = stdin.readline()
         if not line:
+            if interactive:  # Ctrl+D: the shell's prompt on a line of its own
+                out.write("\n")
             break
-        line = line.strip()
+        line = as_text(line).strip()
+        command, _, argument = line.partition(" ")
         if not line:
             continue
-        if line in ("/exit", "/quit", "/bye"):
+        if command in ("/exit", "/quit", "/bye"):
             break
-        if line == "/clear":
+        if command == "/clear":
             conversation.turns.clear()
-        elif line.startswith("/system"):
-            conversation.system = line.removeprefix("/system").strip() or None
-        elif line == "/help" or line.startswith("/"):
-            out.write(HELP + "\n")
+        elif command == "/system":
+            conversation.system = argument.strip() or None
+        elif command == "/help":
+            err.write(HELP + "\n")
+        elif command.startswith("/"):
+            err.write(f"unknown command {command} ({HELP})\n")
         else:
             try:
                 conversation.reply(line, out)
             except ValueError as error:  # a turn the engine refuses: said in one line, the chat goes on without it
                 conversation.turns.pop()
-                out.write(f"xinfer: {first_line(error)}\n")
+                err.write(f"xinfer: {first_line(error)}\n")
+
+
+def as_text(line: str) -> str:
+    """Terminal input as text: bytes that are not UTF-8 (which Python's reading keeps as lone surrogates, which
+    the tokenizer refuses) as U+FFFD."""
+    return line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, out: TextIO = sys.stdout) -> None:
@@ -167,7 +185,7 @@ def _answer(args: argparse.Namespace, engine: LLMEngine, defaults: SamplingDefau
         **defaults.sampling() | {"max_tokens": defaults.token_limit(None, 1024, engine.max_model_len)}
     )
     if args.prompts:
-        prompts = split_prompts(args.prompts)
+        prompts = split_prompts(as_text(args.prompts))
         try:
             answer_all(engine, prompts * (args.batch or 1), params)
         except ValueError as error:  # a prompt the engine refuses (longer than the context, ...)
@@ -175,7 +193,7 @@ def _answer(args: argparse.Namespace, engine: LLMEngine, defaults: SamplingDefau
             return 2
         return 0
     try:
-        chat_loop(Conversation(engine, params))
+        chat_loop(Conversation(engine, params, think=not args.disable_reasoning))
     except KeyboardInterrupt:
         print()
     return 0

@@ -61,6 +61,31 @@ def test_conversation_keeps_history_and_drops_old_turns_when_full():
     assert engine.prompts[-1].startswith("<user>second")  # the oldest turn made room
 
 
+class KeywordTemplate(FakeTemplate):
+    def render(self, messages, add_generation_prompt=True, **kwargs):
+        return super().render(messages, add_generation_prompt) + "".join(f"[{k}={v}]" for k, v in kwargs.items())
+
+
+def test_commands_other_lines_starting_with_a_slash_and_bytes_that_are_not_utf8():
+    """/systemd set the system prompt to "d"; another /word was answered with the help, saying nothing of it; a
+    line of Latin-1 bytes was a traceback (the tokenizer refused its lone surrogates) and the chat lost."""
+    engine = FakeEngine()
+    conversation = Conversation(engine, SamplingParams(max_tokens=8))
+    err = io.StringIO()
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")
+    chat_loop(conversation, io.StringIO(f"/systemd is slow\n/system be brief\n{latin1}\n"), io.StringIO(), err)
+    assert "unknown command /systemd (commands:" in err.getvalue()
+    assert engine.prompts == ["<system>be brief<user>caf\ufffd<assistant>"]
+
+
+def test_disable_reasoning_asks_the_template_not_to_think():
+    """--disable-reasoning was read by the server only: the chat's template still opened a thinking block."""
+    engine = FakeEngine()
+    engine.tokenizer.chat_template = KeywordTemplate()
+    chat_loop(Conversation(engine, SamplingParams(max_tokens=8), think=False), io.StringIO("hi\n"), io.StringIO())
+    assert engine.prompts == ["<user>hi<assistant>[enable_thinking=False]"]
+
+
 def test_max_tokens_as_long_as_the_context_leaves_the_conversation_half():
     """``--max-tokens`` at the context's length took all of it, and the prompt was then sent whole (refused)."""
     engine = FakeEngine()
@@ -79,11 +104,11 @@ def test_a_message_too_long_for_the_context_is_refused_in_one_line_and_the_histo
     """It was cut from the left to fit (its start and the template's start lost, silently)."""
     engine = FakeEngine()
     conversation = Conversation(engine, SamplingParams(max_tokens=8))
-    out = io.StringIO()
-    chat_loop(conversation, io.StringIO("first\n" + "x" * 60 + "\nsecond\n"), out)
+    err = io.StringIO()
+    chat_loop(conversation, io.StringIO("first\n" + "x" * 60 + "\nsecond\n"), io.StringIO(), err)
     assert (
         "xinfer: the message takes 77 tokens with the chat template, over the 56 a prompt may take in a context of 64"
-        in out.getvalue()
+        in err.getvalue()
     )
     assert engine.prompts == ["<user>first<assistant>", "<user>first<assistant>ok!<user>second<assistant>"]
 
@@ -108,7 +133,9 @@ def test_python_m_xinfer_chat_streams_answers_and_exits(client, model):
         for question in questions
     ]
     answers = [reply.choices[0].message.content for reply in replies]
-    assert result.stdout == f"xinfer chat ({HELP})\n" + "".join(f"{answer}\n" for answer in answers)
+    # the answers alone on stdout (echo ... | xinfer --i > answer.txt), the banner on stderr
+    assert result.stdout == "".join(f"{answer}\n" for answer in answers)
+    assert f"xinfer chat ({HELP})\n" in result.stderr
 
 
 def test_an_engine_that_cannot_be_built_is_one_line_not_a_traceback(capsys, monkeypatch):
