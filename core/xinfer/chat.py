@@ -72,20 +72,27 @@ class Conversation:
             turns = turns[2:]
 
     def reply(self, user_text: str, out: TextIO) -> str:
+        """Streams the answer to ``user_text``; Ctrl+C stops it (the chat goes on: with the part answered, or
+        without the turn where nothing was)."""
         self.turns.append({"role": "user", "content": user_text})
-        prompt = self.prompt()
-        limit = min(self.params.max_tokens or self.engine.max_model_len, self.engine.max_model_len - len(prompt))
-        answer = self.processor.add(f"chat-{next(self._ids)}", prompt, replace(self.params, max_tokens=limit))
+        answer = None
         try:
+            prompt = self.prompt()
+            limit = min(self.params.max_tokens or self.engine.max_model_len, self.engine.max_model_len - len(prompt))
+            answer = self.processor.add(f"chat-{next(self._ids)}", prompt, replace(self.params, max_tokens=limit))
             for delta in self.processor.run([answer]):
                 out.write(delta.outputs[0].text)
                 out.flush()
         except KeyboardInterrupt:
-            self.processor.abort(answer.request_id)
+            if answer is not None:
+                self.processor.abort(answer.request_id)
             out.write(" [stopped]")
         out.write("\n")
-        text = answer.outputs[0].text
-        self.turns.append({"role": "assistant", "content": text})
+        text = answer.outputs[0].text if answer is not None else ""
+        if text:
+            self.turns.append({"role": "assistant", "content": text})
+        else:  # stopped before its first token: a question left unanswered would be answered with the next
+            self.turns.pop()
         return text
 
 

@@ -177,3 +177,23 @@ def test_a_prompt_the_engine_refuses_is_one_line(capsys, monkeypatch):
     assert (
         last == "xinfer: the prompt has 30 tokens, the model's context is 8 tokens: ..."
     )  # <user>a long prompt<assistant>
+
+
+def test_ctrl_c_before_the_first_token_drops_the_turn_and_the_chat_goes_on():
+    """Ctrl+C while the prompt was built ended the whole chat; one before the first token kept the question with
+    an empty answer, which the model then answered with the next question."""
+    engine = FakeEngine()
+    conversation = Conversation(engine, SamplingParams(max_tokens=8))
+    render = engine.tokenizer.chat_template.render
+    calls = []
+
+    def interrupted_once(messages, add_generation_prompt=True):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return render(messages, add_generation_prompt)
+
+    engine.tokenizer.chat_template.render = interrupted_once
+    out = io.StringIO()
+    chat_loop(conversation, io.StringIO("stopped\nasked\n"), out, io.StringIO())
+    assert " [stopped]\n" in out.getvalue() and engine.prompts == ["<user>asked<assistant>"]
