@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
 from xinfer.engine.engine import LLMEngine
-from xinfer.engine.output import OutputProcessor
+from xinfer.engine.output import OutputProcessor, RequestOutput
 from xinfer.loading.errors import first_line
 from xinfer.sampling import SamplingParams
 from xinfer.text.tokenizer import has_tokenizer
@@ -152,13 +152,22 @@ def answer_all(engine: LLMEngine, prompts: list[str], params: SamplingParams, ou
             prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         answers.append(processor.add(str(i), tokenizer.encode(prompt, add_special_tokens=template is None), params))
     start = time.perf_counter()
-    for _ in processor.run(answers):
-        pass
+    try:
+        for _ in processor.run(answers):
+            pass
+    except KeyboardInterrupt:  # the answers so far, the unfinished marked, before the interrupt ends the command
+        write_answers(prompts, answers, out)
+        raise
     seconds = time.perf_counter() - start
     num_tokens = sum(a.usage["completion_tokens"] for a in answers)
-    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
-        out.write(f"[{i}] {prompt}\n{answer.outputs[0].text.strip()}\n\n")
+    write_answers(prompts, answers, out)
     out.write(f"{len(prompts)} requests, {num_tokens} tokens in {seconds:.2f} s: {num_tokens / seconds:.1f} tok/s\n")
+
+
+def write_answers(prompts: list[str], answers: list[RequestOutput], out: TextIO) -> None:
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        stopped = "" if answer.finished else " [stopped]"
+        out.write(f"[{i}] {prompt}\n{answer.outputs[0].text.strip()}{stopped}\n\n")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -197,3 +197,38 @@ def test_ctrl_c_before_the_first_token_drops_the_turn_and_the_chat_goes_on():
     out = io.StringIO()
     chat_loop(conversation, io.StringIO("stopped\nasked\n"), out, io.StringIO())
     assert " [stopped]\n" in out.getvalue() and engine.prompts == ["<user>asked<assistant>"]
+
+
+class InterruptedEngine(FakeEngine):
+    """Finishes the first request's answer, then Ctrl+C comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.steps = [], 0
+
+    def add_request(self, request_id, prompt, params, multimodal=None):
+        self.ids.append(request_id)
+
+    def has_unfinished(self):
+        return True
+
+    def abort(self, sequence_id):
+        pass
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 1:
+            return [StepOutput(self.ids[0], list(b"done"), finish_reason="stop"), StepOutput(self.ids[1], list(b"ha"))]
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_prompts_mode_prints_the_answers_so_far():
+    """--prompts printed nothing until every answer ended, and Ctrl+C threw the finished ones away."""
+    from xinfer.chat import answer_all
+
+    engine = InterruptedEngine()
+    engine.tokenizer.chat_template = None
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        answer_all(engine, ["first", "second"], SamplingParams(max_tokens=8), out)
+    assert out.getvalue() == "[0] first\ndone\n\n[1] second\nha [stopped]\n\n"
