@@ -113,9 +113,9 @@ def chat_loop(
                 out.write("\n")
             break
         line = as_text(line).strip()
-        command, _, argument = line.partition(" ")
         if not line:
             continue
+        command, _, argument = line.partition(" ")
         if command in ("/exit", "/quit", "/bye"):
             break
         if command == "/clear":

@@ -52,7 +52,7 @@ class ModelConfig(_Config):
     @classmethod
     def _dtype_name(cls, dtype: object) -> object:
         """vLLM's ``dtype=torch.bfloat16``: the name its string form gives."""
-        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+        return dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -175,6 +175,11 @@ class EngineConfig(_Config):
                 raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
             values[owner][key] = value
         return cls(**{g: c(**values[g]) for g, c in groups.items()})
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` as ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_dtype(name: str, config_dtype: torch.dtype | str | None, device_type: str) -> torch.dtype:

@@ -35,6 +35,10 @@ log = logging.getLogger("xinfer")
 IDLE_CHECK_SECONDS = 1.0
 
 
+# a prompt's token ids and sampling, and where its image embeddings go (a one-prompt request with images)
+EngineEntry = tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, list[Any]]
+
+
 class EngineState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
@@ -168,9 +172,7 @@ class AsyncEngine:
 
     # ---- requests (event-loop side) ---------------------------------------------
 
-    async def submit(
-        self, prompts: Sequence[tuple[list[int], SamplingParams] | tuple[list[int], SamplingParams, list[Any]]]
-    ) -> RequestHandle:
+    async def submit(self, prompts: Sequence[EngineEntry]) -> RequestHandle:
         """Queues one request: an engine request per (prompt token ids, params) entry,
         each with the ``n`` choices of its params; a third element, where the prompt's image
         embeddings go (:meth:`LLMEngine.multimodal_prompt`).

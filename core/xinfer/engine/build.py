@@ -23,7 +23,7 @@ from xinfer.cache.manager import CacheManager
 from xinfer.cache.recent_window import RecentWindow
 from xinfer.cache.specs import TokenVectorSpec
 from xinfer.cache.state_pool import SlotCopy, StatePool
-from xinfer.config import CacheConfig, EngineConfig, resolve_dtype
+from xinfer.config import CacheConfig, EngineConfig, dtype_name, resolve_dtype
 from xinfer.distributed.group import SINGLE, TensorParallel, building_for
 from xinfer.engine.kv_calibration import calibrate_keys, calibration_ids
 from xinfer.engine.memory_plan import (
@@ -87,9 +87,9 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     baseline = memory_baseline(memory)
     dtype = model_dtype(config, hf_config, device.type)
     saved = getattr(hf_config, "dtype", None)
-    if config.model.dtype == "auto" and saved is not None and _dtype_name(saved) != _dtype_name(dtype):
-        log.info("dtype auto: the checkpoint's %s runs as %s on the %s (--dtype sets another)", _dtype_name(saved),
-                 _dtype_name(dtype), device.type)  # fmt: skip
+    if config.model.dtype == "auto" and saved is not None and dtype_name(saved) != dtype_name(dtype):
+        log.info("dtype auto: the checkpoint's %s runs as %s on the %s (--dtype sets another)", dtype_name(saved),
+                 dtype_name(dtype), device.type)  # fmt: skip
     torch.manual_seed(config.model.seed)
     with building_for(tp), _weights_must_fit(path, config, device, memory, splits_memory(spec)):
         release_cached = memory.release_cached if memory is not None else None
@@ -166,7 +166,7 @@ def model_dtype(config: EngineConfig, hf_config: PretrainedConfig, device_type: 
     if (why := getattr(model_class, "unstable_dtypes", {}).get(dtype)) is None:
         return dtype
     if config.model.dtype != "auto":
-        raise ValueError(f"{model_class.__name__} does not run in {_dtype_name(dtype)}: {why} (--dtype bf16 or f32)")
+        raise ValueError(f"{model_class.__name__} does not run in {dtype_name(dtype)}: {why} (--dtype bf16 or f32)")
     return torch.bfloat16
 
 
@@ -186,10 +186,6 @@ def _weights_must_fit(
             f"the model's weights do not fit in {device}'s memory: it ran out loading {path}{files}{held} "
             f"({first_line(error)}): {', '.join(remedies[:-1])}, or {remedies[-1]}"
         ) from None
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -11,7 +11,14 @@ from typing import Any, TypeVar
 from fastapi import Request
 from PIL import Image
 
-from xinfer.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull, RequestHandle, TooManySequences
+from xinfer.engine.async_engine import (
+    AsyncEngine,
+    EngineEntry,
+    EngineUnavailable,
+    QueueFull,
+    RequestHandle,
+    TooManySequences,
+)
 from xinfer.engine.engine import KVCacheFull, LLMEngine
 from xinfer.logprob import Logprob
 from xinfer.multimodal.inputs import PlaceholderRange
@@ -103,7 +110,7 @@ class Serving:
         prompts: list[list[int]],
         multimodal: list[PlaceholderRange] | None = None,
         after_token_id: int | None = None,
-    ) -> list[Any]:
+    ) -> list[EngineEntry]:
         """A request's prompts, each with the sampling of the body's ``n`` choices, as :meth:`submit` queues them,
         the request checked as far as it can be without running the model (a 400 naming the field at fault).
         ``multimodal``: where the images of a one-prompt request go; a constraint (structured outputs) applies
@@ -124,7 +131,7 @@ class Serving:
             entries = [(*entries[0], multimodal)]
         return entries
 
-    async def submit(self, request: Request, entries: list[Any]) -> RequestHandle:
+    async def submit(self, request: Request, entries: list[EngineEntry]) -> RequestHandle:
         """Queues what :meth:`engine_entries` made of a request."""
         return await self._ask(request, self.engine.submit(entries))
 

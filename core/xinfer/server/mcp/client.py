@@ -175,6 +175,9 @@ class MCPServer:
         """Ends the session's task, which ends the subprocess: ``graceful``, by closing the session
         (cancelled if that takes too long); else (a server that failed) by cancelling it now."""
         task, self._task, self._session, self._read = self._task, None, None, None
+        if self._listing is not None:  # a listing of the session that ends (it would fail on the closed session)
+            self._listing.cancel()
+            self._listing = None
         if task is None or task.done():
             return
         self._closing.set()
