@@ -215,6 +215,26 @@ def test_an_assistant_refusal_given_back_is_what_it_said(server, client, model, 
     assert reply.usage.prompt_tokens == len(prompt)
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "input_text", "text": "Hi"},
+        {"type": "output_text", "text": "Hi"},
+        {"type": "thinking", "thinking": "Hi"},
+    ],
+    ids=lambda part: part["type"],
+)
+def test_parts_vllm_reads_as_text_are_text(server, part):
+    """vLLM's chat parser reads Responses-style ``input_text`` / ``output_text`` parts and ``thinking`` parts as
+    text parts (its MM_PARSER_MAP), as the offline ``LLM.chat`` does here: they were a 400."""
+    as_text = server.post("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+    given = server.post("/tokenize", {"messages": [{"role": "user", "content": [part]}]})
+    assert given.status_code == 200, given.text
+    assert given.json()["tokens"] == as_text.json()["tokens"]
+    empty = server.post("/tokenize", {"messages": [{"role": "user", "content": [{"type": part["type"]}]}]})
+    assert empty.status_code == 400 and "needs its" in empty.json()["error"]["message"]
+
+
 def test_a_developer_message_is_a_system_message_where_the_template_knows_no_developer(server, client, model):
     """OpenAI's developer role replaced system; SmolLM2's template knows only system (and writes a default system
     prompt before a conversation that does not start with one)."""

@@ -189,6 +189,33 @@ def test_an_image_block_on_the_messages_api(vision_server, vision_client):
     assert counted.input_tokens == expected.usage.prompt_tokens
 
 
+def test_an_image_in_a_tool_result_is_the_tool_messages_image(vision_server, vision_client):
+    """A tool_result's image block (a screenshot tool, say) is read as an image of the tool message, as OpenAI's
+    tool message with an image part is: the same prompt, the same answer (it was refused as not text)."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0, timeout=120)
+    url = data_url(image(3))
+    source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+        {"type": "text", "text": "look"}, {"type": "image", "source": source}]}  # fmt: skip
+    turns = [{"role": "user", "content": "look"}, {"role": "assistant", "content": [call]},
+             {"role": "user", "content": [result]}]  # fmt: skip
+    message = claude.messages.create(model="tiny-vision", max_tokens=4, messages=turns, extra_body={"temperature": 0})
+    openai_call = {"id": "toolu_1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    expected = vision_client.chat.completions.create(model="tiny-vision", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "look"}, {"role": "assistant", "content": "", "tool_calls": [openai_call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": [
+            {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]},
+    ])  # fmt: skip
+    assert message.content[0].text == expected.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    text_only = claude.messages.count_tokens(model="tiny-vision", messages=[*turns[:2], {"role": "user", "content": [
+        {**result, "content": [{"type": "text", "text": "look"}]}]}])  # fmt: skip
+    assert expected.usage.prompt_tokens - text_only.input_tokens >= TOKENS_PER_IMAGE
+
+
 def test_a_bad_image_on_the_responses_and_messages_apis_names_their_own_field(vision_server, vision_client):
     """Those routes translate their bodies into a chat's: an image error named the chat's field
     (messages.1.content.1.image_url, counting the instructions as a message)."""

@@ -263,6 +263,28 @@ def document_turn(source: dict) -> dict:
             },
             "messages.0.content.1: this model takes text only",
         ),
+        (  # an image a tool returned, to a text-only model
+            {
+                "messages": [
+                    {"role": "user", "content": "Look"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "shot", "input": {}}]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": [
+                                    {"type": "text", "text": "here"},
+                                    {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}},
+                                ],
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages.2.content.0.content.1: this model takes text only",
+        ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
         ({"stop_sequences": [""]}, "stop_sequences: stop strings"),
         ({"temperature": 1.5}, "temperature"),

@@ -7,7 +7,7 @@ from typing import Any
 
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt, prompt_list
-from xinfer.text.chat_messages import render_messages
+from xinfer.text.chat_messages import TEXT_PART_FIELDS, render_messages
 
 
 def message_dicts(
@@ -25,22 +25,17 @@ def message_dicts(
         if isinstance(message.content, list):
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(message.content):
-                if part.type == "text" and part.text is not None:
-                    parts.append({"type": "text", "text": part.text})
-                elif part.type == "refusal" and part.refusal is not None:  # what the assistant said
-                    parts.append({"type": "text", "text": part.refusal})
-                elif part.type == "image_url" and part.image_url is not None:
+                field = TEXT_PART_FIELDS.get(part.type, "image_url" if part.type == "image_url" else None)
+                if field is None:
+                    raise bad_request(f"content part of type {part.type!r} is not supported: parts are image_url or "
+                                      f"text ({', '.join(TEXT_PART_FIELDS)})", param=f"messages.{i}.content.{j}")  # fmt: skip
+                if getattr(part, field) is None:
+                    raise bad_request(f"a {part.type} part needs its {field} field", param=f"messages.{i}.content.{j}")
+                if field == "image_url" and part.image_url is not None:
                     parts.append({"type": "image"})
                     images.append((part.image_url.url, f"messages.{i}.content.{j}.image_url"))
-                elif part.type in ("text", "image_url", "refusal"):
-                    raise bad_request(
-                        f"a {part.type} part needs its {part.type} field", param=f"messages.{i}.content.{j}"
-                    )
                 else:
-                    raise bad_request(
-                        f"content part of type {part.type!r} is not supported: parts are text, image_url or refusal",
-                        param=f"messages.{i}.content.{j}",
-                    )
+                    parts.append({"type": "text", "text": getattr(part, field)})
             has_image = any(p["type"] == "image" for p in parts)
             joined = content_format == "string" and not has_image
             item["content"] = "\n".join(p["text"] for p in parts) if joined else parts

@@ -54,12 +54,14 @@ class ImageURL(RequestBody):
 
 class ContentPart(RequestBody):
     """A part of a message's content: ``{"type": "text", "text": ...}``, ``{"type": "image_url",
-    "image_url": {"url": ...}}``, or an assistant's ``{"type": "refusal", "refusal": ...}`` (read as its text)."""
+    "image_url": {"url": ...}}``, or one vLLM reads as text (:data:`~xinfer.text.chat_messages.TEXT_PART_FIELDS`:
+    an assistant's ``{"type": "refusal", "refusal": ...}``, ``input_text``, ``thinking``, ...)."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
     refusal: str | None = None
+    thinking: str | None = None
 
 
 class CalledFunction(RequestBody):

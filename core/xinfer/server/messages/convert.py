@@ -10,7 +10,8 @@ what chat templates read (``tool_calls`` on assistant turns, ``role: tool`` resu
 - an assistant turn's ``tool_use`` blocks become its ``tool_calls``, its ``thinking`` its ``reasoning_content``;
 - an assistant turn's ``mcp_tool_use`` / ``mcp_tool_result`` blocks (the MCP calls xinfer ran, sent back)
   become, round by round, an assistant message with those ``tool_calls`` and the ``tool`` results after it;
-- ``image`` blocks become ``image_url`` parts (data URLs), refused where the model takes text only;
+- ``image`` blocks (a tool result's too) become ``image_url`` parts (data URLs), refused where the model takes
+  text only;
 - ``document`` blocks of plain text become text parts, the document (its title and context too)
   between tags as Anthropic's prompting guide lays documents out; PDFs and other sources are refused;
 - ``tools`` become function tools, ``tool_choice`` OpenAI's (``any``: required, ``tool``: that function);
@@ -212,9 +213,9 @@ def round_messages(role: str, placed: list[tuple[str, Block]], takes_images: boo
         elif block.type == "document":
             parts.append({"type": "text", "text": document_text(block, where)})
         elif block.type in ("tool_result", "mcp_tool_result"):
-            content = block_text(block.content or "", f"{where}.content")
+            content = result_content(block.content or "", f"{where}.content", takes_images)
             if block.is_error and block.type == "tool_result":  # an MCP result's text is the one the model read
-                content = f"Error: {content}"
+                content = f"Error: {content}" if isinstance(content, str) else [ERROR_PART, *content]
             results.append({"role": "tool", "tool_call_id": required(block.tool_use_id, where, "tool_use_id"),
                             "content": content})  # fmt: skip
         elif block.type in ("tool_use", "mcp_tool_use"):
@@ -255,6 +256,30 @@ def block_text(content: str | list[Block], param: str) -> str:
             raise bad_request(f"only text blocks are supported here, not {block.type!r}", param=f"{param}.{j}")
         texts.append(required(block.text, f"{param}.{j}", "text"))
     return "\n".join(texts)
+
+
+def result_content(content: str | list[Block], param: str, takes_images: bool) -> str | list[dict[str, Any]]:
+    """A tool result's content: its text, or, where it holds images, its text, image and document blocks as
+    parts (an image refused where the model takes text only)."""
+    if isinstance(content, str) or all(block.type == "text" for block in content):
+        return block_text(content, param)
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{param}.{j}"
+        if block.type == "text":
+            parts.append({"type": "text", "text": required(block.text, where, "text")})
+        elif block.type == "document":
+            parts.append({"type": "text", "text": document_text(block, where)})
+        elif block.type != "image":
+            raise bad_request(f"a tool_result holds text, image and document blocks, not {block.type!r}", param=where)
+        elif not takes_images:
+            raise bad_request("this model takes text only: it cannot read images", param=where)
+        else:
+            parts.append(image_part(block, where))
+    return joined(parts)
+
+
+ERROR_PART = {"type": "text", "text": "Error: "}
 
 
 def image_part(block: Block, param: str) -> dict[str, Any]:
