@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, TextIO
 
+from xinfer.cli import exit_at_next_interrupt
 from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import OutputProcessor, RequestOutput
 from xinfer.loading.errors import first_line
@@ -210,7 +211,8 @@ def _answer(args: argparse.Namespace, engine: LLMEngine, defaults: SamplingDefau
         return 0
     try:
         chat_loop(Conversation(engine, params, think=not args.disable_reasoning))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the chat ends
+        exit_at_next_interrupt()
         print()
     return 0
 
@@ -219,7 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m xinfer.chat``: ``xinfer chat``, its logging and its one-line Ctrl+C included."""
     from xinfer.cli import main as xinfer
 
-    return xinfer(["chat", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return xinfer(["chat", *(sys.argv[1:] if argv is None else argv)])
+    finally:
+        if argv is None:
+            exit_at_next_interrupt()
 
 
 if __name__ == "__main__":

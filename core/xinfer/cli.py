@@ -10,20 +10,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The program (``argv`` None: the command line's) or a command run in-process (``argv`` given)."""
     try:
         return _run(list(sys.argv[1:] if argv is None else argv))
     except BrokenPipeError:  # the reader went away (xinfer plugins --json | head): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush stays quiet
         return 0
     except KeyboardInterrupt:  # Ctrl+C while the model loads or the prompts run (the server handles its own)
+        if argv is None:
+            exit_at_next_interrupt()
         print("\nxinfer: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if argv is None:
+            exit_at_next_interrupt()
+
+
+def exit_at_next_interrupt() -> None:
+    """The program's exit (its threads joined, the engine's memory freed) takes a moment: a Ctrl+C in it, often
+    the second of a double Ctrl+C, ends the process at once instead of printing a traceback from the interpreter.
+    Only the main thread can set a signal handler: elsewhere (a command run in-process) nothing changes."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 
 COMMANDS = ("serve", "chat", "plugins")

@@ -232,3 +232,42 @@ def test_ctrl_c_in_prompts_mode_prints_the_answers_so_far():
     with pytest.raises(KeyboardInterrupt):
         answer_all(engine, ["first", "second"], SamplingParams(max_tokens=8), out)
     assert out.getvalue() == "[0] first\ndone\n\n[1] second\nha [stopped]\n\n"
+
+
+@pytest.mark.parametrize("gap", [0.02, 0.3])
+def test_a_double_ctrl_c_ends_the_chat_without_a_traceback(gap):
+    """Ctrl+C at the prompt ends the chat; a second one while the program exits (threads joined, memory freed)
+    printed a traceback from the interpreter's exit. Now it ends at once: with 130, or, in the interpreter's last
+    teardown (its handlers back to the default), by the signal, as a shell shows 130 too."""
+    import os
+    import pty
+    import select
+    import signal
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the chat, on a terminal
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-m", "xinfer.chat", "--max-model-len", "256"])
+    seen = b""
+
+    def read_until(done, timeout: float) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while not done() and time.monotonic() < end:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:  # the chat exited: the terminal closed
+                    return
+
+    read_until(lambda: b">>> " in seen, 300)
+    assert b">>> " in seen, seen[-2000:]
+    os.write(fd, b"\x03")
+    time.sleep(gap)
+    os.write(fd, b"\x03")
+    read_until(lambda: False, 3)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert b"Traceback" not in seen, seen.decode(errors="replace")[-2000:]
+    assert os.waitstatus_to_exitcode(status) in (130, -signal.SIGINT)
