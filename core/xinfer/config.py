@@ -43,6 +43,9 @@ class ModelConfig(_Config):
     isq: str | None = None  # quantize float weights at load to this packed format (q8_0, q4_k, ...)
     max_model_len: int | None = Field(None, gt=0)  # context limit; default: the model's
     hf_overrides: dict[str, Any] | None = None  # config.json fields replaced (a sub-config's: merged), as vLLM's
+    # models that take images: their image processor's settings (preprocessor_config.json's fields) replaced, as
+    # vLLM's: Qwen-VL's max_pixels / min_pixels, Gemma 4's max_soft_tokens, ...
+    mm_processor_kwargs: dict[str, Any] | None = None
     seed: int = Field(0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes; None (vLLM's): 0
     # models that take images: encoder outputs kept for images seen again (LRU), in embedding rows in all
     # (a Gemma 3 image is 256)

@@ -166,6 +166,7 @@ NEUTRAL_FIELDS = {
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"},
     "prediction": {"type": "content", "content": "Paris"},  # an OpenAI speed-up: the answer is the same without
     "modalities": ["text"], "verbosity": "medium", "web_search_options": None, "audio": None, "functions": [],
+    "mm_processor_kwargs": {},  # vLLM's: nothing to change
 }  # fmt: skip
 
 

@@ -145,17 +145,18 @@ def test_a_config_value_not_served_is_one_line(tmp_path, capsys, case):
     assert message in refused(["--m", str(tmp_path), "--cpu"], capsys)
 
 
-@pytest.mark.parametrize(
-    "text, message", [("{rope", "not valid JSON"), ("[1]", "expected a JSON object of config fields")]
-)
-def test_hf_overrides_that_are_not_a_json_object_are_refused(text, message, capsys):
+@pytest.mark.parametrize("flag", ["--hf-overrides", "--mm-processor-kwargs"])
+@pytest.mark.parametrize("text, message", [("{rope", "not valid JSON"), ("[1]", "expected a JSON object of fields")])
+def test_json_flags_that_are_not_a_json_object_are_refused(flag, text, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["--hf-overrides", text])
-    assert exit_.value.code == 2 and f"argument --hf-overrides: {message}" in capsys.readouterr().err
+        parse_args([flag, text])
+    assert exit_.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
 
 
-def test_hf_overrides_reach_the_model_config():
+def test_hf_overrides_and_mm_processor_kwargs_reach_the_model_config():
     config = engine_config(
-        parse_args(["--hf-overrides", '{"rope_scaling": {"rope_type": "yarn"}}', "--cpu"]), Path("m")
-    )
+        parse_args(["--hf-overrides", '{"rope_scaling": {"rope_type": "yarn"}}', "--mm-processor-kwargs",
+                    '{"max_pixels": 802816}', "--cpu"]), Path("m"),
+    )  # fmt: skip
     assert config.model.hf_overrides == {"rope_scaling": {"rope_type": "yarn"}}
+    assert config.model.mm_processor_kwargs == {"max_pixels": 802816}

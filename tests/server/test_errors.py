@@ -429,6 +429,15 @@ ROWS = [
     ("moderation", CHAT, chat(moderation={"model": "omni-moderation-latest"}), {}, 400, "moderation", "moderation"),
     ("web search", CHAT, chat(web_search_options={}), {}, 400, "web_search_options", "web search"),
     ("verbosity", CHAT, chat(verbosity="low"), {}, 400, "verbosity", "medium"),
+    (  # vLLM takes them per request; here the image processor is the server's
+        "image processor settings",
+        CHAT,
+        chat(mm_processor_kwargs={"max_pixels": 1024}),
+        {},
+        400,
+        "mm_processor_kwargs",
+        "--mm-processor-kwargs",
+    ),
     (
         "deprecated function_call in history",
         CHAT,

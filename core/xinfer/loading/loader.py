@@ -108,6 +108,10 @@ def check_model(path: Path, settings: ModelConfig | None = None) -> PretrainedCo
     and reading the weights, so that a bad model or setting fails in one line before anything starts."""
     settings = settings or ModelConfig()
     config = load_config(path, settings.max_model_len, settings.hf_overrides)
+    if settings.mm_processor_kwargs:
+        if getattr(config, "multimodal_config", None) is None:
+            raise ValueError(f"{path}: the model takes no images: mm_processor_kwargs has no image processor to set")
+        config.multimodal_config.mm_processor_kwargs = dict(settings.mm_processor_kwargs)
     try:
         registry.model_class(architecture_of(config))
         if (saved_base := _base_model_of(config)) is not None:

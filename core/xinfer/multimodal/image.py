@@ -147,6 +147,10 @@ def processor_config(config: Any) -> dict[str, Any]:
 def preprocessor_config(config: Any) -> dict[str, Any]:
     """The checkpoint's image processor settings beside its ``config.json``: the ``image_processor``
     part of ``processor_config.json`` (as transformers 5 saves a processor), else
-    ``preprocessor_config.json``; ``{}`` without either."""
+    ``preprocessor_config.json``; ``{}`` without either. Fields the run replaces (``mm_processor_kwargs``,
+    which the loader puts on the wrapper config) win."""
     settings = processor_config(config)
-    return settings["image_processor"] if "image_processor" in settings else _beside(config, "preprocessor_config.json")
+    saved = (
+        settings["image_processor"] if "image_processor" in settings else _beside(config, "preprocessor_config.json")
+    )
+    return {**saved, **(getattr(config, "mm_processor_kwargs", None) or {})}

@@ -145,6 +145,10 @@ def build_parser(prog: str = "xinfer", description: str = SERVE) -> argparse.Arg
                        "text_config, merged field by field), e.g. Qwen3's YaRN recipe for 131,072 tokens: "
                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                        "\"original_max_position_embeddings\": 32768}}'")
+    model.add_argument("--mm-processor-kwargs", type=_json_object, metavar="JSON",
+                       help="a model that takes images: its image processor's settings (preprocessor_config.json's "
+                       "fields) replaced, as a JSON object, e.g. fewer tokens an image for Qwen-VL: "
+                       "'{\"max_pixels\": 802816}', or Gemma 4's '{\"max_soft_tokens\": 140}'")
     model.add_argument("--isq", metavar="TYPE",
                        help="quantize a float checkpoint's weights at load into a packed format, run as quantized "
                        "checkpoints are: q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1, q4_0, q3_k, q2_k, fp8, mxfp4, nvfp4; "
@@ -449,7 +453,7 @@ def _json_object(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object of config fields, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object of fields, got {text!r}")
     return value
 
 

@@ -187,6 +187,7 @@ def engine_config(args: argparse.Namespace, path: Path) -> EngineConfig:
         load_format=args.load_format,
         isq=args.isq,
         hf_overrides=args.hf_overrides,
+        mm_processor_kwargs=args.mm_processor_kwargs,
         max_model_len=args.max_model_len,
         seed=args.seed if args.seed is not None else 0,
         kv_fraction=args.kv_fraction,

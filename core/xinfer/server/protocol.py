@@ -196,9 +196,12 @@ UNSUPPORTED_CHAT_FIELDS = {
     "verbosity": "only 'medium' is supported: the model's answers are as long as it makes them",
     "functions": "the deprecated functions are not supported: give them as tools",
     "function_call": "the deprecated function_call is not supported: give tool_choice",
+    # vLLM's extra: the image processor is built once, from the server's --mm-processor-kwargs
+    "mm_processor_kwargs": "image processor settings are the server's, not a request's: start it with "
+    "--mm-processor-kwargs",
 }
 NEUTRAL_CHAT_VALUES: dict[str, tuple[Any, ...]] = {"modalities": (["text"],), "verbosity": ("medium",),
-                                                   "functions": ([],)}  # fmt: skip
+                                                   "functions": ([],), "mm_processor_kwargs": ({},)}  # fmt: skip
 
 
 def asks_nothing(value: Any, neutral: tuple[Any, ...] = ()) -> bool:

@@ -47,6 +47,27 @@ def test_chunked_prefill_cutting_through_the_image_matches_transformers(models):
     assert_matches_hf(hf, chunked, ids, [synthetic_image(48, 32, seed=3)])
 
 
+def test_mm_processor_kwargs_replace_the_image_processors_settings(models):
+    """vLLM's mm_processor_kwargs: a lower max_pixels (the usual way to spend fewer tokens on an image) resizes
+    the image as transformers' processor given it does; the saved preprocessor config's bound is 4x higher."""
+    hf, _, folder = models
+    fewer = LLM(model=str(folder), dtype="float32", num_blocks=96, mm_processor_kwargs={"max_pixels": 8 * 8 * 6})
+    ids = with_images(text(4, 8), "image", text(3, 9))
+    image = synthetic_image(48, 32, seed=4)
+    assert_matches_hf(hf, fewer, ids, [image], max_pixels=8 * 8 * 6)
+    assert len(hf_inputs(ids, [image])[0]) > len(hf_inputs(ids, [image], max_pixels=8 * 8 * 6)[0])
+
+
+def test_mm_processor_kwargs_for_a_model_that_takes_no_images_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    from tests.tiny_models import COMMON, save_tiny_model
+
+    save_tiny_model(LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]), tmp_path)
+    with pytest.raises(ValueError, match="takes no images: mm_processor_kwargs"):
+        LLM(model=str(tmp_path), dtype="float32", mm_processor_kwargs={"max_pixels": 1024})
+
+
 def test_same_image_twice_in_a_batch_gives_the_tokens_alone_and_hits_the_encoder_cache(models):
     _, llm, _ = models
     image = synthetic_image(32, 32, seed=4)

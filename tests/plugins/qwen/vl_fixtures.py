@@ -97,9 +97,11 @@ def with_images(*pieces: list[int] | str) -> list[int]:
     return ids
 
 
-def hf_inputs(ids: list[int], images) -> tuple[list[int], dict]:
-    """transformers' processor's expansion of the placeholders and its model inputs."""
-    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in PREPROCESSOR.items()})
+def hf_inputs(ids: list[int], images, **processor_kwargs) -> tuple[list[int], dict]:
+    """transformers' processor's expansion of the placeholders and its model inputs; ``processor_kwargs``: its
+    settings replaced."""
+    # (a copy of the size: transformers' processor changes the one it is given)
+    processor = Qwen2VLImageProcessorPil(**{**PREPROCESSOR, "size": dict(PREPROCESSOR["size"]), **processor_kwargs})
     inputs = processor(images, return_tensors="pt")
     counts = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
     expanded: list[int] = []
@@ -110,8 +112,8 @@ def hf_inputs(ids: list[int], images) -> tuple[list[int], dict]:
                       "mm_token_type_ids": type_ids}  # fmt: skip
 
 
-def assert_matches_hf(hf, llm, ids, images, params=GREEDY, atol=1e-4):
+def assert_matches_hf(hf, llm, ids, images, params=GREEDY, atol=1e-4, **processor_kwargs):
     out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], params)[0]
-    expanded, inputs = hf_inputs(ids, images)
+    expanded, inputs = hf_inputs(ids, images, **processor_kwargs)
     assert out.prompt_token_ids == expanded
     assert_output_matches_hf(hf, expanded, out.outputs[0], params.max_tokens, atol, **inputs)
