@@ -21,8 +21,10 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     PretrainedConfig,
+    Qwen2Config,
     Qwen2MoeConfig,
     Qwen3_5TextConfig,
+    Qwen3Config,
     Qwen3MoeConfig,
 )
 
@@ -370,3 +372,30 @@ def test_a_value_transformers_cannot_build_is_one_error_naming_the_field(name, t
     config().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         LLM(model=str(tmp_path), dtype="float32", num_blocks=64, load_format="dummy")
+
+
+# fields an architecture's transformers code does not read, set anyway (configs converted or merged from another
+# family carry them): each changed the output or asked the checkpoint for biases transformers never made
+UNREAD = dict(final_logit_softcapping=0.5, query_pre_attn_scalar=4, hidden_activation="relu", qkv_bias=True)
+NOT_READ: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama: another family's softcap, query scalar, activation field, qkv_bias": lambda: LlamaConfig(
+        **SMALL, **UNREAD, architectures=["LlamaForCausalLM"]
+    ),
+    "mistral: biases too": lambda: MistralConfig(
+        **SMALL, **UNREAD, attention_bias=True, mlp_bias=True, architectures=["MistralForCausalLM"]
+    ),
+    "phi3: biases too": lambda: phi3_longrope_config(**UNREAD, attention_bias=True, mlp_bias=True),
+    "qwen2: an o and MLP bias": lambda: Qwen2Config(
+        **SMALL, **UNREAD, attention_bias=True, mlp_bias=True, architectures=["Qwen2ForCausalLM"]
+    ),
+    "qwen3: an MLP bias": lambda: Qwen3Config(**SMALL, **UNREAD, mlp_bias=True, architectures=["Qwen3ForCausalLM"]),
+    "qwen3-moe dense layer: an MLP bias": lambda: qwen3_moe(**UNREAD, mlp_bias=True, mlp_only_layers=[1]),
+    "glm: an MLP bias": lambda: glm(**UNREAD, mlp_bias=True),
+    "gemma3: hidden_act and biases": lambda: gemma3_config(hidden_act="relu", qkv_bias=True, mlp_bias=True),
+    "minimax-m2: biases": lambda: MiniMaxM2Config(**{**MINIMAX, **UNREAD, "attention_bias": True, "mlp_bias": True}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(NOT_READ))
+def test_fields_the_architecture_does_not_read_change_nothing(name, tmp_path):
+    assert_prefill_logits_match(*randomized_model(NOT_READ[name](), tmp_path), 29)

@@ -24,15 +24,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """How an architecture departs from Llama. Sizes and the options HF configs spell alike
-    come from the config: ``attention_bias`` (``qkv_bias`` where set apart), ``mlp_bias``,
-    ``hidden_act``/``hidden_activation``, ``head_dim``, ``layer_types`` and ``sliding_window``,
-    the rope parameters (per layer type; partial where ``partial_rotary``), ``query_pre_attn_scalar``,
-    ``final_logit_softcapping``, ``tie_word_embeddings``."""
+    """How an architecture departs from Llama. Sizes come from the config (``head_dim``, ``layer_types``,
+    ``sliding_window``, the rope parameters per layer type, ``tie_word_embeddings``), and the options below
+    from the config fields they name, where the architecture's transformers code reads them: a field it does
+    not read (a bias or a softcap a config carries anyway) changes nothing, as there."""
 
-    qkv_bias: bool | None = None  # None: the config's qkv_bias, else its attention_bias
-    o_bias: bool | None = None  # None: the config's attention_bias
-    mlp_bias: bool | None = None  # None: the config's mlp_bias
+    # biases: True or False as the architecture fixes them, or the config field that says (Llama's: all of them)
+    qkv_bias: bool | str = "attention_bias"
+    o_bias: bool | str = "attention_bias"
+    mlp_bias: bool | str = "mlp_bias"
+    activation: str = "hidden_act"  # the config field naming the MLP's activation (Gemma: hidden_activation)
+    query_pre_attn_scalar: bool = False  # scores scaled by the config's query_pre_attn_scalar**-0.5 (Gemma)
+    final_logit_softcapping: bool = False  # logits capped by the config's final_logit_softcapping (Gemma)
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
     norm_weight_offset: float = 0.0  # norms multiply by offset + w (Gemma: 1)
@@ -77,7 +80,8 @@ class DecoderForCausalLM(CausalLM):
             self.rms_norm(config.hidden_size),
             embed_scale=config.hidden_size**0.5 if self.spec.scale_embeddings else None,
         )
-        self.lm_head = LMHead.of(config, self.model.embed_tokens, getattr(config, "final_logit_softcapping", None))
+        softcap = getattr(config, "final_logit_softcapping", None) if self.spec.final_logit_softcapping else None
+        self.lm_head = LMHead.of(config, self.model.embed_tokens, softcap)
         switches = [table.trained_context for table in rotary.values() if table.trained_context is not None]
         self.context_switch = min(switches, default=None)
         self.recompute_past_switch = self.spec.longrope_recompute
@@ -100,16 +104,15 @@ class DecoderForCausalLM(CausalLM):
         return layer(self.attention(config, index, rotary), self.mlp(config, index), norm)
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
-        bias = getattr(config, "attention_bias", False)
-        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
+        scalar = (self.spec.query_pre_attn_scalar and getattr(config, "query_pre_attn_scalar", None)) or self.head_dim
         return SelfAttention(
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
             self.head_dim,
             rotary,
-            qkv_bias=getattr(config, "qkv_bias", bias) if self.spec.qkv_bias is None else self.spec.qkv_bias,
-            o_bias=bias if self.spec.o_bias is None else self.spec.o_bias,
+            qkv_bias=setting(config, self.spec.qkv_bias),
+            o_bias=setting(config, self.spec.o_bias),
             qk_norm=self.rms_norm if self.spec.qk_norm else None,
             scale=scalar**-0.5,
             window=sliding_window(config, index) if self.spec.sliding_window else None,
@@ -118,12 +121,11 @@ class DecoderForCausalLM(CausalLM):
         )
 
     def mlp(self, config: Any, index: int) -> nn.Module:
-        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        activation = getattr(config, self.spec.activation)
         return GatedMLP(config.hidden_size, config.intermediate_size, activation, self.mlp_bias(config))
 
     def mlp_bias(self, config: Any) -> bool:
-        """Whether the MLPs' projections have biases: the spec's ``mlp_bias``, else the config's."""
-        return getattr(config, "mlp_bias", False) if self.spec.mlp_bias is None else self.spec.mlp_bias
+        return setting(config, self.spec.mlp_bias)
 
     def rms_norm(self, dim: int) -> RMSNorm:
         return RMSNorm(dim, self.config.rms_norm_eps, self.spec.norm_weight_offset)
@@ -133,6 +135,11 @@ class DecoderForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
+
+
+def setting(config: Any, value: bool | str) -> bool:
+    """A spec's switch: ``value`` itself, or the config field it names (absent or null: off)."""
+    return bool(getattr(config, value, None)) if isinstance(value, str) else value
 
 
 def sliding_window(config: Any, index: int) -> int | None:

@@ -18,7 +18,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     llama.cpp applies it even when a config still carries the Gemma 2 value.
     """
 
-    spec = DecoderSpec(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True)
+    spec = DecoderSpec(
+        mlp_bias=False, activation="hidden_activation", query_pre_attn_scalar=True, final_logit_softcapping=True,
+        qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
+    )  # fmt: skip
     unstable_dtypes = {torch.float16: "its activations outgrow float16's range (vLLM refuses it too)"}
 
     def __init__(self, config: Any):

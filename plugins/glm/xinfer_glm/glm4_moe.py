@@ -19,7 +19,7 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
     groups, their weights renormalized (``norm_topk_prob``) and scaled by ``routed_scaling_factor``;
     shared experts see every token. The MTP layers after the decoder's are skipped."""
 
-    spec = DecoderSpec(partial_rotary=True, sliding_window=False)
+    spec = DecoderSpec(mlp_bias=False, partial_rotary=True, sliding_window=False)
 
     def attention(self, config: Any, index: int, rotary: RotaryEmbedding) -> nn.Module:
         return SelfAttention(

@@ -12,4 +12,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(DecoderForCausalLM):
-    """Llama with a sliding window on every layer (``config.sliding_window``)."""
+    """Llama with a sliding window on every layer (``config.sliding_window``), and no biases."""
+
+    spec = DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False)

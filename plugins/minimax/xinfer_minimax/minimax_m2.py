@@ -38,7 +38,7 @@ class MiniMaxM2ForCausalLM(DecoderForCausalLM):
     scores plus a correction bias, their weights renormalized; no shared experts. MTP layers after
     the decoder's are skipped."""
 
-    spec = DecoderSpec(partial_rotary=True, sliding_window=False)
+    spec = DecoderSpec(qkv_bias=False, o_bias=False, mlp_bias=False, partial_rotary=True, sliding_window=False)
 
     def rope_parameters(self, config: Any, layer_type: str | None) -> dict[str, Any]:
         params = super().rope_parameters(config, layer_type)

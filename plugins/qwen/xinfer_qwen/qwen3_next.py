@@ -45,7 +45,7 @@ class DeltaNetDecoderLayer(nn.Module):
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """Qwen3.5 / Qwen3.6 dense (the text model of ``Qwen3_5ForConditionalGeneration``)."""
 
-    spec = DecoderSpec(qk_norm=True, norm_weight_offset=1.0, output_gate=True, partial_rotary=True)
+    spec = DecoderSpec(qk_norm=True, mlp_bias=False, norm_weight_offset=1.0, output_gate=True, partial_rotary=True)
     packed_modules = {
         **HF_QKV_GATE_UP,
         "in_proj_qkv": ("in_proj", "qkv"),

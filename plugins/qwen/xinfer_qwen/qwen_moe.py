@@ -46,7 +46,7 @@ class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
     """Qwen2 attention (q/k/v biases where ``qkv_bias``, the default); a shared expert on every
     token, gated by a sigmoid."""
 
-    spec = DecoderSpec(o_bias=False)
+    spec = DecoderSpec(qkv_bias="qkv_bias", o_bias=False, mlp_bias=False)
 
     def shared_expert(self, config: Any) -> dict[str, Any]:
         return {"shared_intermediate_size": config.shared_expert_intermediate_size, "shared_expert_gate": True}
@@ -55,4 +55,4 @@ class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
 class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
     """Qwen3 attention (per-head q/k norms); no shared expert."""
 
-    spec = DecoderSpec(qk_norm=True)
+    spec = DecoderSpec(qk_norm=True, mlp_bias=False)
