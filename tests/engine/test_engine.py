@@ -5,6 +5,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from tests.tiny_models import COMMON, prompt, save_tiny_model
@@ -358,6 +359,47 @@ def test_the_async_engine_serves_on_after_a_step_whose_every_draw_failed(llm, mo
 
     assert asyncio.run(asyncio.wait_for(serve(), 60)) == (expected, (True, "ready"))
     assert_all_blocks_free(llm)
+
+
+def test_prompt_logprobs_and_embeddings_wait_for_the_blocks_the_running_batch_holds(model_dir):
+    """A request's whole-prompt forward (prompt logprobs, embeddings) borrows blocks between steps: with the running
+    batch holding them it was refused ("the KV cache is full; retry later": a 503) where a plain request queues.
+    Now it waits, in order with later requests, for the blocks the running sequences free; an add its client
+    aborted while it waited never happens."""
+    small = LLM(model=model_dir, dtype="float32", num_blocks=8, max_model_len=128, max_num_batched_tokens=64)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+    question = prompt(40, seed=5)
+    expected = small.generate([question], scored)[0]
+    expected_hidden = small.engine.hidden_states(question)
+
+    async def serve():
+        engine = AsyncEngine(lambda: small.engine)
+        engine.start()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.wait_loaded)
+            busy = await engine.submit([(prompt(40, seed=90 + i), long) for i in range(2)])
+            while engine.stats.num_running < 2:  # the two hold 6 of the 8 blocks, and grow
+                await asyncio.sleep(0.01)
+            waiting = asyncio.create_task(engine.submit([(question, scored)]))
+            embedding = asyncio.create_task(engine.embed([question]))
+            gone = asyncio.create_task(engine.submit([(question, scored)]))
+            await asyncio.sleep(0.05)
+            gone.cancel()  # its client left while it waited
+            handle = await waiting
+            answer = await engine.collect(handle)
+            await engine.collect(busy)
+            return handle.outputs[0].prompt_logprobs, answer[0].token_ids, (await embedding)[0]
+        finally:
+            engine.stop(timeout=5)
+
+    prompt_logprobs, token_ids, hidden = asyncio.run(asyncio.wait_for(serve(), 120))
+    assert token_ids == expected.outputs[0].token_ids
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(expected.prompt_logprobs)
+    for got, alone in zip(prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+        assert {t: v.logprob for t, v in got.items()} == pytest.approx({t: v.logprob for t, v in alone.items()})
+    assert torch.allclose(hidden, expected_hidden.float(), atol=1e-5)
+    assert_all_blocks_free(small)
 
 
 @pytest.mark.parametrize("num_prompts", [1, 4])

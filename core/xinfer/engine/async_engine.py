@@ -320,9 +320,12 @@ class AsyncEngine:
             engine.shutdown()
 
     def _loop(self, engine: LLMEngine, processor: OutputProcessor) -> None:
+        # adds and embeds whose whole-prompt forward (prompt logprobs, hidden states) found no free blocks: they
+        # wait, in order, for those the running sequences free; later adds and embeds wait behind them
+        blocked: deque[tuple[str, Any]] = deque()
         while True:
             with self._wake:
-                while not self._commands and not engine.has_unfinished():
+                while not self._commands and not engine.has_unfinished() and not blocked:
                     self._wake.wait(IDLE_CHECK_SECONDS)
                     engine.check_ranks()  # a tensor-parallel rank that died while idle ends the engine too
                 commands = list(self._commands)
@@ -330,7 +333,13 @@ class AsyncEngine:
             for command, payload in commands:
                 if command == "stop":
                     return
-                self._handle_command(engine, processor, command, payload)
+                if command == "abort":
+                    blocked = deque(c for c in blocked if not self._aborted(c, set(payload)))
+                waits = command in ("add", "embed") and bool(blocked)
+                if waits or not self._handle_command(engine, processor, command, payload):
+                    blocked.append((command, payload))
+            while blocked and self._handle_command(engine, processor, *blocked[0]):
+                blocked.popleft()
             if engine.has_unfinished():
                 self._step_started = time.monotonic()
                 outputs = processor.step()
@@ -339,7 +348,8 @@ class AsyncEngine:
                 if outputs:
                     self._event_loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _handle_command(self, engine: LLMEngine, processor: OutputProcessor, command: str, payload: Any) -> None:
+    def _handle_command(self, engine: LLMEngine, processor: OutputProcessor, command: str, payload: Any) -> bool:
+        """Runs ``command``; False where it must wait for blocks the running sequences hold (see ``_loop``)."""
         if command == "add":
             handle, prompts = payload
             try:
@@ -349,6 +359,8 @@ class AsyncEngine:
             except Exception as error:  # noqa: BLE001 - the request fails, the loop goes on
                 for output in handle.outputs:
                     processor.abort(output.request_id)
+                if isinstance(error, KVCacheFull) and engine.has_unfinished():
+                    return False
                 self._resolve(handle.accepted, error=error, added=len(handle.choices))
             else:
                 self._resolve(handle.accepted, result=None, added=len(handle.choices))
@@ -359,7 +371,11 @@ class AsyncEngine:
             token_ids, future = payload
             try:
                 self._resolve(future, result=[engine.hidden_states(ids).float().cpu() for ids in token_ids])
-            except (ValueError, KVCacheFull, RequestFailed) as error:
+            except KVCacheFull as error:
+                if engine.has_unfinished():
+                    return False
+                self._resolve(future, error=error)
+            except (ValueError, RequestFailed) as error:
                 self._resolve(future, error=error)
         elif command == "call":
             work, future = payload
@@ -368,6 +384,18 @@ class AsyncEngine:
             except Exception as error:  # noqa: BLE001 - the caller's error; the loop goes on
                 self._resolve(future, error=error)
         self._publish_stats(engine)
+        return True
+
+    def _aborted(self, command: tuple[str, Any], request_ids: set[str]) -> bool:
+        """Whether an abort of ``request_ids`` ends a waiting ``command``: an add of those requests (its client
+        left), which then never happens."""
+        kind, payload = command
+        if kind != "add" or not any(output.request_id in request_ids for output in payload[0].outputs):
+            return False
+        self._resolve(
+            payload[0].accepted, error=EngineUnavailable("the request was aborted"), added=len(payload[0].choices)
+        )
+        return True
 
     def _publish_stats(self, engine: LLMEngine) -> None:
         """``stats`` set on the event loop, after the answers to the commands before it: a request the engine has
