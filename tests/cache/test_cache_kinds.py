@@ -311,3 +311,6 @@ def test_recurrent_states_get_their_memory_share(toy_model_dir, monkeypatch):
     uncached = LLM(**options, mamba_fraction=0.25, enable_prefix_caching=False).engine
     assert uncached.cache.states.num_slots == shared.cache.states.num_slots and not uncached.cache.states.num_snapshots
     assert uncached.cache.pools[0].num_blocks > shared.cache.pools[0].num_blocks
+    # a share too small for one state says how much one takes and how much the share is ("0.00 GiB" said nothing)
+    with pytest.raises(ValueError, match=r"recurrent state \(0.02 MiB\) in its share of the cache \(0.01 MiB\)"):
+        LLM(**{**options, "hf_overrides": {"hidden_size": 5120}}, mamba_fraction=0.01)

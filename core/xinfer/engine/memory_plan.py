@@ -267,9 +267,10 @@ def plan_memory(
         if cache.mamba_fraction is None:
             num_slots = min(num_slots, wanted_seqs)
         if num_slots == 0:
+            assert budget is not None  # (without a budget there are as many slots as sequences)
             raise ValueError(
-                f"no room for one sequence's recurrent state ({gib(slot_bytes)}): raise --mamba-fraction "
-                f"or give the cache more memory (--kv-fraction)"
+                f"no room for one sequence's recurrent state ({readable(per_slot)}) in its share of the cache "
+                f"({readable(budget * share)}): raise --mamba-fraction or give the cache more memory (--kv-fraction)"
             )
     blocks = blocks_beside(num_slots)
 
