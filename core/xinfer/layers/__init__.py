@@ -9,7 +9,7 @@ from xinfer.layers.causal_lm import DecoderForCausalLM, DecoderSpec
 from xinfer.layers.decoder import DecoderModel
 from xinfer.layers.decoder_layer import DecoderLayer, NormsItsInput, SandwichDecoderLayer, normed_block
 from xinfer.layers.embedding import LMHead, VocabEmbedding
-from xinfer.layers.linear import ColumnLinear, Linear, MergedLinear, RowLinear
+from xinfer.layers.linear import ColumnLinear, FloatLinear, Linear, MergedLinear, RowLinear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.moe import MoE, Router, Routing
 from xinfer.layers.norm import LayerNorm, RMSNorm, SplitRMSNorm, head_norms
@@ -28,6 +28,7 @@ __all__ = [
     "GeluTanhAndMul",
     "LMHead",
     "LayerNorm",
+    "FloatLinear",
     "Linear",
     "MergedLinear",
     "MoE",

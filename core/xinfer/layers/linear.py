@@ -34,6 +34,13 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
+class FloatLinear(Linear):
+    """A linear whose few bytes stay float, read as such (a gate, an indexer's head weights): a packed checkpoint's
+    weight is dequantized once at load, and ``--isq`` never packs it."""
+
+    quantized_weights: ClassVar[tuple[str, ...]] = ()
+
+
 class ColumnLinear(Linear):
     """This rank's ``part`` of the output rows (by default an even split over the ranks)."""
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from xinfer import ops
 from xinfer.distributed.group import Slice, current
 from xinfer.layers.activation import activation_name, refuse_uncomputed
-from xinfer.layers.linear import Linear
+from xinfer.layers.linear import FloatLinear
 from xinfer.layers.mlp import GatedMLP
 from xinfer.layers.norm import RMSNorm
 from xinfer.loading.stored import StoredTensor, part_of
@@ -291,13 +291,6 @@ def check_experts_run_on(model: nn.Module, backend: ops.Ops) -> None:
                           backend)  # fmt: skip
 
 
-class SharedExpertGate(Linear):
-    """The shared experts' one-row gate (``ops.add_gated`` reads its weight): its few bytes stay
-    float, a packed checkpoint's dequantized once at load and never quantized by ``--isq``."""
-
-    quantized_weights: ClassVar[tuple[str, ...]] = ()
-
-
 class MoE(nn.Module):
     """The MLP block of an MoE layer: routed experts, plus (where given) shared experts
     (``shared_expert``: a gated MLP on every token, scaled by ``sigmoid(shared_expert_gate(x))``
@@ -333,7 +326,8 @@ class MoE(nn.Module):
         if shared_intermediate_size:
             shared = GatedMLP(hidden_size, shared_intermediate_size, activation, shared_bias, swiglu_limit)
             setattr(self, shared_name, shared)
-        self.shared_expert_gate = SharedExpertGate(hidden_size, 1) if shared_expert_gate else None
+        # one row, whose weight ops.add_gated reads as it is
+        self.shared_expert_gate = FloatLinear(hidden_size, 1) if shared_expert_gate else None
         self.dense_mlp = GatedMLP(hidden_size, dense_intermediate_size, activation) if dense_intermediate_size else None
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from xinfer import ops
 from xinfer.cache.specs import TokenVectorSpec
 from xinfer.forward_context import attention_metadata
-from xinfer.layers import Linear, RotaryEmbedding
+from xinfer.layers import FloatLinear, Linear, RotaryEmbedding
 
 
 class Indexer(nn.Module):
@@ -30,7 +30,7 @@ class Indexer(nn.Module):
         self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim)
         self.wk = Linear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = Linear(config.hidden_size, self.num_heads)
+        self.weights_proj = FloatLinear(config.hidden_size, self.num_heads)  # read in fp32, as the reference
         self.rotary_emb = rotary
         self.scale = self.head_dim**-0.5
         self.cache: Tensor | None = None

@@ -24,8 +24,9 @@ from tests.plugins.hf_parity import (
     randomize,
     spread_routing,
 )
-from tests.tiny_models import prompt, save_tiny_model
+from tests.tiny_models import prefill_logits, prompt, save_tiny_model
 from xinfer import LLM, SamplingParams, ops
+from xinfer.quant import QuantizedTensor
 from xinfer_deepseek import indexer_ops
 from xinfer_deepseek.kernels import indexer, sparse_mla
 from xinfer_deepseek.sparse_mla_ops import sparse_mla_attention
@@ -120,6 +121,29 @@ def test_preempted_sequences_match_hf(checkpoint):
     hf, folder = checkpoint
     llm = LLM(model=str(folder), dtype="float32", num_blocks=7, max_model_len=96, max_num_batched_tokens=CHUNK)
     assert_preempted_sequences_match_hf(hf, llm, GREEDY)
+
+
+# the logits' relative distance from the float model's each format keeps within (fp8's blocks of 128 values fit
+# none of these rows)
+ISQ_ERRORS = {"q8_0": 0.1, "q4_0": 0.5}
+
+
+@pytest.mark.parametrize("isq", sorted(ISQ_ERRORS))
+def test_quantized_at_load_the_indexers_head_weights_stay_float(checkpoint, isq):
+    """--isq packed the indexer's weights_proj too, which the indexer reads as a float matrix: the first step failed
+    (mat1 and mat2 shapes cannot be multiplied). It stays float now, as routers and gates do, and the packed
+    model's logits stay near the float model's."""
+    hf, folder = checkpoint
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, max_num_batched_tokens=CHUNK, isq=isq)
+    indexers = [m for m in llm.engine.model.modules() if type(m).__name__ == "Indexer"]
+    assert indexers and not any(isinstance(m.weights_proj.weight, QuantizedTensor) for m in indexers)
+    assert isinstance(indexers[0].wk.weight, QuantizedTensor)  # what is a whole number of blocks is packed
+    tokens = prompt(40)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    got = prefill_logits(llm.engine, tokens)
+    assert (got - expected).norm() / expected.norm() < ISQ_ERRORS[isq]
+    assert llm.generate([tokens], GREEDY)[0].outputs[0].token_ids
 
 
 def test_the_fp8_latent_format_is_refused_in_one_line(checkpoint):
