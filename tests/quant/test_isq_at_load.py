@@ -194,6 +194,24 @@ def test_rows_that_are_not_whole_k_blocks_take_the_type_llama_cpp_gives_them(tmp
     assert {fmt for name, fmt in formats.items() if "down_proj" in name} == {isq}
 
 
+def test_weights_no_block_fits_stay_float_and_a_line_says_so(tmp_path, caplog):
+    """Hidden 48: no row is a whole number of Q8_0's 32 values but down's (intermediate 256). They stayed float
+    without a word; a warning names them now. ``--isq w2`` on a dense model packs nothing: a warning says why."""
+    save_tiny_model(LlamaConfig(**dict(WIDE, hidden_size=48, head_dim=12), tie_word_embeddings=False), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="xinfer"):
+        got = load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors", "q8_0")
+    left = sorted(name for name, p in got.named_parameters() if p.dim() == 2 and not isinstance(p, QuantizedTensor))
+    assert left and all("down_proj" not in name for name in left)
+    [line] = [r.getMessage() for r in caplog.records if "stay float" in r.getMessage()]
+    assert line.startswith(f"--isq q8_0: {len(left)} weights stay float, their rows not whole blocks of 32 values (")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xinfer"):
+        load_model(tmp_path, load_config(tmp_path), CPU, FP32, "safetensors", "w2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "--isq w2 packs the routed experts alone: this model has none, so no weight is packed"
+    ]
+
+
 def stacked_experts(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if len(getattr(p, "logical_shape", p.shape)) == 3}
 

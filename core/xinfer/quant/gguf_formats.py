@@ -17,7 +17,8 @@ Layouts, per block (``f16``: an IEEE half; ``q``: the quantized values):
 
 In the K formats a super-block of 256 values has sub-blocks of 16 or 32, each with a 4-, 6- or
 8-bit scale (and min) relative to the super-block's f16 ``d`` (and ``dmin``). Rows that are not whole
-super-blocks take the 32-value type llama.cpp's quantizer gives them (``fallback``: Q4_K's Q5_0, Q6_K's Q8_0...).
+super-blocks take the 32-value type llama.cpp's quantizer gives them (``fallback``: Q4_K's Q5_0, Q6_K's Q8_0...;
+Q2_K's and Q3_K's Q4_0, where llama.cpp's is IQ4_NL, which xinfer does not pack).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ class IsqMode:
     """What ``--isq`` packs, into ``fmt``: every float weight a module declares quantizable, or with
     ``experts_only`` the routed experts' stacked weights alone (packed ones in another format too)."""
 
+    name: str  # what --isq was given
     fmt: WeightFormat
     experts_only: bool = False
 
@@ -86,8 +87,8 @@ def isq_mode(name: str) -> IsqMode:
         raise ValueError(f"isq (--isq) {name!r} is not a format weights can be quantized to at load; "
                          f"choose one of {', '.join(known)}")  # fmt: skip
     if name in EXPERT_MODES:
-        return IsqMode(get_weight_format(EXPERT_MODES[name]), experts_only=True)
-    return IsqMode(get_weight_format(name))
+        return IsqMode(name, get_weight_format(EXPERT_MODES[name]), experts_only=True)
+    return IsqMode(name, get_weight_format(name))
 
 
 def packed(weight: Tensor, fmt: WeightFormat) -> QuantizedTensor:
@@ -156,12 +157,39 @@ class LoadQuantizer:
         if self.fallbacks:
             log.info("--isq: %d weights whose rows are not whole blocks of %d values are in %s", self.fallbacks,
                      self.mode.fmt.block_values, self.mode.fmt.fallback)  # fmt: skip
+        if unfit := self._left_float(model):
+            sizes = f"{self.mode.fmt.block_values}" + (
+                f" or {fallback.block_values}" if (fallback := self._fallback()) else ""
+            )
+            log.warning("--isq %s: %d weights stay float, their rows not whole blocks of %s values (%s%s)",
+                        self.mode.name, len(unfit), sizes, ", ".join(unfit[:3]), ", ..." if len(unfit) > 3 else "")  # fmt: skip
+        if self.mode.experts_only and not self._has_experts(model):
+            log.warning("--isq %s packs the routed experts alone: this model has none, so no weight is packed",
+                        self.mode.name)  # fmt: skip
         kept = sorted(
             {part.format.name for param in self._packed_by_checkpoint(model) for part in param.parts or [param]}
         )
         if kept:
             log.warning("--isq %s: the weights the checkpoint holds packed (%s) stay as they are: --isq packs float "
-                        "weights", self.mode.fmt.name, ", ".join(kept))  # fmt: skip
+                        "weights", self.mode.name, ", ".join(kept))  # fmt: skip
+
+    @staticmethod
+    def _has_experts(model: nn.Module) -> bool:
+        """Whether ``model`` has stacked experts' weights (3-D, float or packed)."""
+        return any(len(param.logical_shape if isinstance(param, QuantizedTensor) else param.shape) == 3
+                   for module in model.modules() for name, param in module.named_parameters(recurse=False)
+                   if name in getattr(module, "quantized_weights", ()))  # fmt: skip
+
+    def _fallback(self) -> WeightFormat | None:
+        return get_weight_format(self.mode.fmt.fallback) if self.mode.fmt.fallback else None
+
+    def _left_float(self, model: nn.Module) -> list[str]:
+        """The float weights the mode would pack but for their rows, which are whole blocks of no format of it."""
+        rank = 3 if self.mode.experts_only else 2
+        return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+                for name, param in module.named_parameters(recurse=False)
+                if name in getattr(module, "quantized_weights", ()) and not isinstance(param, QuantizedTensor)
+                and param.dim() >= rank and self.mode.format_for(module, name, param) is None]  # fmt: skip
 
     def _packed_by_checkpoint(self, model: nn.Module) -> list[QuantizedTensor]:
         """The quantizable weights the checkpoint held packed and a mode of every weight left so."""
