@@ -416,12 +416,19 @@ class Q6_K(GGUFBlockFormat):
         return (scale.unsqueeze(-1) * q.float()).flatten(1)
 
     def encode(self, blocks: Tensor) -> Tensor:
+        """llama.cpp's ``quantize_row_q6_K_ref``: each sub-block's scale searched (:func:`_symmetric_scale`), the
+        super-block's ``d`` from the scale of largest magnitude (its code -128), then every value coded again
+        against its sub-block's scale as stored."""
         sub = blocks.reshape(-1, 16, 16)
-        scale = divide(_signed_absmax(sub).squeeze(-1), -32)  # each sub-block: x = scale*q, q in [-32, 31]
-        d = divide(scale.abs().amax(-1, keepdim=True), 127).half().float()
-        scales = _round_away(scale * _inverse(d)).clamp(-128, 127)
+        scale, codes = _symmetric_scale(sub.reshape(-1, 16), 32)
+        scale, codes = scale.reshape(-1, 16), codes.reshape(-1, 16, 16)
+        largest = _signed_absmax(scale)
+        iscale = torch.where(largest.abs() < GROUP_MAX_EPS, 0.0, -128 / largest)
+        d = torch.where(iscale == 0, 0.0, 1 / iscale).half().float()
+        scales = torch.round(iscale * scale).clamp(max=127)
         step = (d * scales).unsqueeze(-1)
-        q = (_round_away(sub * _inverse(step)).clamp(-32, 31) + 32).to(torch.uint8).reshape(-1, 2, 4, 32)
+        recoded = torch.round(sub / step).clamp(-32, 31) + 32
+        q = torch.where(step == 0, codes, recoded).to(torch.uint8).reshape(-1, 2, 4, 32)
         # half h holds values 128 h + 32 i + l: low nibbles of i = 0, 1 / 2, 3 share bytes; high bits of all four
         low = q & 0xF
         low_bytes = (low[:, :, :2] | (low[:, :, 2:] << 4)).flatten(1)
@@ -431,6 +438,41 @@ class Q6_K(GGUFBlockFormat):
         )
         scale_bytes = scales.to(torch.int8).view(torch.uint8)
         return torch.cat([low_bytes, high_bytes.flatten(1), scale_bytes, _half(d)], dim=-1)
+
+
+GROUP_MAX_EPS = 1e-15  # llama.cpp's: a group whose largest magnitude is below it is all zeros
+
+
+def _symmetric_scale(x: Tensor, nmax: int) -> tuple[Tensor, Tensor]:
+    """llama.cpp's ``make_qx_quants`` (weights ``x**2``) for each row of ``x`` [N, n]: codes ``l + nmax``, ``l`` in
+    [-nmax, nmax), and the least-squares scale, the best of the roundings at ``-(nmax + i/10) / max`` for i in -9..9
+    (``max``: the value of largest magnitude), as ``sum(l x w)**2 / sum(l l w)``; rows below GROUP_MAX_EPS: 0, codes
+    0. Rounded half to even (its ``nearest_int``) and compared in its order, so that the choices are its own."""
+    largest = _signed_absmax(x)
+    zero = largest.abs() < GROUP_MAX_EPS
+    weights = x * x
+    weighted = weights * x
+
+    def iscale(i: int) -> Tensor:
+        return -(nmax + torch.tensor(0.1, dtype=torch.float32) * i) / torch.where(zero, 1.0, largest)
+
+    def levels(i: Tensor | int) -> Tensor:
+        return torch.mul(x, iscale(i) if isinstance(i, int) else i).round_().clamp_(-nmax, nmax - 1)
+
+    def sums(i: int) -> tuple[Tensor, Tensor]:  # (summed alike on every device: the same choices there)
+        at = levels(i)
+        return _sum(weighted * at), _sum(weights * at * at)
+
+    sum_lx, sum_l2 = sums(0)  # the first rounding: its scale whatever it scores
+    scale = torch.where(sum_l2 > 0, sum_lx / sum_l2, 0.0)
+    best, chosen = scale * sum_lx, iscale(0)
+    for i in (*range(-9, 0), *range(1, 10)):
+        sum_lx, sum_l2 = sums(i)
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        scale = torch.where(better, sum_lx / sum_l2, scale)
+        best = torch.where(better, scale * sum_lx, best)
+        chosen = torch.where(better, iscale(i), chosen)
+    return torch.where(zero, 0.0, scale).squeeze(-1), torch.where(zero, 0.0, levels(chosen) + nmax)
 
 
 def q6_k_parts(blocks: Tensor) -> tuple[Tensor, Tensor]:
