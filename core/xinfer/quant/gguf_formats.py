@@ -246,13 +246,16 @@ def _fit_symmetric(x: Tensor, levels: int, w: Tensor, tries: int = 8, rounds: in
 
 def _two_level(scale: Tensor, bits_max: int) -> tuple[Tensor, Tensor]:
     """Sub-block scales [B, S] (>= 0) as a super-block ``d`` [B, 1] (its f16 value) and integers 0..bits_max [B, S]."""
-    d = divide(scale.amax(-1, keepdim=True), bits_max).half().float()
-    return d, _round_away(scale * _inverse(d)).clamp(0, bits_max)
+    top = scale.amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, bits_max) / torch.where(top > 0, top, 1.0), 0.0)
+    return divide(top, bits_max).half().float(), torch.round(scale * inverse).clamp(0, bits_max)
 
 
 def _affine_codes(sub: Tensor, step: Tensor, low: Tensor, levels: int) -> Tensor:
     """``sub`` [B, S, n] as codes 0..levels of ``step * q - low`` (``step``, ``low`` [B, S])."""
-    return _round_away((sub + low.unsqueeze(-1)) * _inverse(step.unsqueeze(-1))).clamp(0, levels).to(torch.uint8)
+    step = step.unsqueeze(-1)
+    codes = torch.round((sub + low.unsqueeze(-1)) / torch.where(step == 0, 1.0, step)).clamp(0, levels)
+    return torch.where(step == 0, 0.0, codes).to(torch.uint8)
 
 
 def _pack_2bit(q: Tensor) -> Tensor:
