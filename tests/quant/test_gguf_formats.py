@@ -80,10 +80,13 @@ def test_k_quantizers_err_no_more_than_llama_cpps(name: str, tails: str) -> None
     assert rms_error(ours, values) <= 1.08 * rms_error(theirs, values), name
 
 
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", ["integers", "clipped", "outliers"])
-def test_q6_k_searches_each_scale_as_llama_cpp_does(rows: str) -> None:
-    """Q6_K took each sub-block's largest value as its scale: on rows of few distinct values it erred up to 2.2x
-    llama.cpp's, which tries 19 roundings a sub-block (make_qx_quants). The same search gives its error."""
+def test_k_quantizers_err_as_llama_cpps_on_rows_of_few_values(name: str, rows: str) -> None:
+    """On rows of few distinct values Q6_K erred up to 2.2x llama.cpp's (it took each sub-block's largest value as
+    its scale, where llama.cpp tries 19 roundings) and Q5_K 1.8x on integers (its candidate roundings multiplied by
+    the span's inverse, so a step of exactly .5 rounded up where the reference's division gives .5, half to
+    even: the exact fit was missed). Now within 5 % (the rest: the order of float sums at near-ties)."""
     generator = torch.Generator().manual_seed(5)
     values = torch.randn(32, 768, generator=generator)
     if rows == "integers":
@@ -92,9 +95,9 @@ def test_q6_k_searches_each_scale_as_llama_cpp_does(rows: str) -> None:
         values = values.clamp(-1, 1)
     else:
         values = values * torch.where(torch.rand(32, 768, generator=generator) < 0.01, 20.0, 1.0)
-    fmt = get_weight_format("q6_k")
-    theirs = fmt.dequantize(llama_cpp_quantized(values, int(gguf.GGMLQuantizationType.Q6_K)))
-    assert rms_error(fmt.dequantize(fmt.quantize(values)), values) <= 1.01 * rms_error(theirs, values)
+    fmt = get_weight_format(name)
+    theirs = fmt.dequantize(llama_cpp_quantized(values, int(gguf.GGMLQuantizationType[name.upper()])))
+    assert rms_error(fmt.dequantize(fmt.quantize(values)), values) <= 1.05 * rms_error(theirs, values)
 
 
 def rms_error(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -194,15 +194,18 @@ def _sum(x: Tensor) -> Tensor:
     return x
 
 
-def _least_squares_affine(x: Tensor, q: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+def _least_squares_affine(x: Tensor, q: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``scale`` and ``offset`` [..., 1] of ``scale * q + offset`` closest to ``x`` in the ``w``-weighted squared
-    error, the offset at most 0 (a K format stores it as a min subtracted)."""
+    error, the offset at most 0 (a K format stores it as a min subtracted), and where they exist (the system's
+    determinant positive: ``q`` not constant)."""
     sw, sq, sq2, sx, sxq = _sum(w), _sum(w * q), _sum(w * q * q), _sum(w * x), _sum(w * x * q)
     det = sw * sq2 - sq * sq
-    scale, offset = (sw * sxq - sx * sq) * _inverse(det), (sq2 * sx - sq * sxq) * _inverse(det)
+    exists = det > 0
+    det = torch.where(exists, det, 1.0)
+    scale, offset = (sw * sxq - sx * sq) / det, (sq2 * sx - sq * sxq) / det
     positive = offset > 0
-    scale = torch.where(positive, sxq * _inverse(sq2), scale)
-    return scale, torch.where(positive, torch.zeros_like(offset), offset)
+    scale = torch.where(positive, sxq / torch.where(sq2 > 0, sq2, 1.0), scale)
+    return scale, torch.where(positive, torch.zeros_like(offset), offset), exists
 
 
 def _fit_affine(x: Tensor, levels: int, w: Tensor, rmin: float, rdelta: float, steps: int) -> tuple[Tensor, Tensor]:
@@ -212,17 +215,24 @@ def _fit_affine(x: Tensor, levels: int, w: Tensor, rmin: float, rdelta: float, s
     up to ``steps``, each rounding least-squares fitted; the best kept."""
     low = x.amin(-1, keepdim=True).clamp(max=0)
     span = x.amax(-1, keepdim=True) - low
-    inv_span = _inverse(span)
-    best_scale, best_offset = divide(span, levels), low
-    q = torch.round(levels * inv_span * (x - low)).clamp(0, levels)
+    nonzero_span = torch.where(span > 0, span, 1.0)
+
+    def rounding(steps_over_span: Tensor) -> Tensor:  # as the reference: (steps / span) * (x - low), half to even
+        return torch.round(steps_over_span * (x - low)).clamp(0, levels)
+
+    iscale = torch.where(span > 0, levels / nonzero_span, 0.0)
+    best_scale, best_offset = torch.where(span > 0, 1 / torch.where(iscale > 0, iscale, 1.0), 0.0), low
+    q = rounding(iscale)
     best_error = _sum(w * (best_scale * q + low - x) ** 2)
     for i in range(steps + 1):
-        q = torch.round((levels + rmin + rdelta * i) * inv_span * (x - low)).clamp(0, levels)
-        scale, offset = _least_squares_affine(x, q, w)
+        # the reference's float arithmetic: (rmin + rdelta * i) + levels, then / span
+        step_count = torch.tensor(rmin, dtype=torch.float32) + torch.tensor(rdelta, dtype=torch.float32) * i + levels
+        q = rounding(torch.where(span > 0, step_count.to(x.device) / nonzero_span, 0.0))
+        scale, offset, exists = _least_squares_affine(x, q, w)
         error = _sum(w * (scale * q + offset - x) ** 2)
-        better = error < best_error
+        better = exists & (error < best_error)
         best_scale, best_offset = torch.where(better, scale, best_scale), torch.where(better, offset, best_offset)
-        best_error = torch.minimum(error, best_error)
+        best_error = torch.where(better, error, best_error)
     return best_scale.squeeze(-1).clamp(min=0), -best_offset.squeeze(-1)
 
 
