@@ -70,3 +70,19 @@ def test_default_model_still_knows_the_capital_of_france(fmt):
     llm = LLM(kv_cache_dtype=fmt)
     out = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=32))[0]
     assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "turbo4"])
+def test_a_rotating_format_on_heads_of_no_power_of_two_dims_is_refused_in_one_line(tmp_path, fmt):
+    """Phi-3-mini's heads have 96 dims: the formats rotate each head by a Walsh-Hadamard transform, which takes a
+    power of two. It failed on the first step with a bare AssertionError ('96'); now start-up refuses it."""
+    from transformers import LlamaConfig
+
+    from tests.tiny_models import COMMON, save_tiny_model
+
+    save_tiny_model(LlamaConfig(**dict(COMMON, head_dim=96), architectures=["LlamaForCausalLM"]), tmp_path)
+    with pytest.raises(
+        ValueError, match=rf"'{fmt}' rotates each head .* power-of-two head dim; this model's .* 96 dims"
+    ):
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=64, kv_cache_dtype=fmt)
+    assert LLM(model=str(tmp_path), dtype="float32", num_blocks=64).generate([prompt(5)])[0].outputs[0].token_ids
