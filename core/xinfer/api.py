@@ -14,7 +14,7 @@ from xinfer.engine.engine import LLMEngine
 from xinfer.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from xinfer.errors import WrongTypeError
 from xinfer.sampling import SamplingParams, check_generation_config, recommended_sampling, truncated
-from xinfer.text.chat_messages import TEXT_PART_FIELDS, render_messages
+from xinfer.text.chat_messages import TEXT_PART_FIELDS, render_messages, template_content
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "Prompt"]
 
@@ -300,8 +300,7 @@ def _conversation_for_template(
                 parts.append(part)
                 if image is not None:
                     images.append(image)
-            joined = content_format == "string" and all(part.get("type") == "text" for part in parts)
-            message = {**message, "content": "\n".join(p["text"] for p in parts) if joined else parts}
+            message = {**message, "content": template_content(parts, content_format)}
         messages.append(message)
     return messages, images
 

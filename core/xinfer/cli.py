@@ -25,8 +25,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush stays quiet
         return 0
     except KeyboardInterrupt:  # Ctrl+C while the model loads or the prompts run (the server handles its own)
-        if argv is None:
-            exit_at_next_interrupt()
         print("\nxinfer: interrupted", file=sys.stderr)
         return 130
     finally:

@@ -104,7 +104,9 @@ def build_engine(config: EngineConfig, tokenizer: Any = None, tp: TensorParallel
     kv_format = get_format(cache.kv_cache_dtype)
     layout = CacheLayout.of(model)
     _refuse_a_format_no_layer_stores(kv_format, layout)
-    _refuse_a_rotation_no_head_takes(kv_format, layout)
+    kv_format.refuse_head_dims(
+        {kind.head_dim for layer in layout.layers if isinstance(kind := layer.cache_spec(), AttentionSpec)}
+    )
     runner = ModelRunner(model, ops, cache.block_size, device, config.model.seed,
                          len(layout.groups), bool(layout.state_layers), config.model.encoder_cache_size)  # fmt: skip
     key_transforms = None
@@ -218,20 +220,6 @@ def _refuse_a_format_no_layer_stores(kv_format: KVFormat, layout: CacheLayout) -
         f"cache (its layers cache one vector per token, as multi-head latent attention's latent): use "
         f"{' or '.join([*sorted(encodings), 'auto'])}"
     )
-
-
-def _refuse_a_rotation_no_head_takes(kv_format: KVFormat, layout: CacheLayout) -> None:
-    """A format that rotates keys or values (a Walsh-Hadamard transform) takes power-of-two head dims only."""
-    if not (kv_format.rotate_keys or kv_format.rotate_values):
-        return
-    dims = {spec.head_dim for layer in layout.layers if isinstance(spec := layer.cache_spec(), AttentionSpec)}
-    odd = sorted(n for n in dims if n & (n - 1))
-    if odd:
-        raise ValueError(
-            f"kv_cache_dtype (--kvcache-dtype) {kv_format.name!r} rotates each head by a Walsh-Hadamard transform, "
-            f"which takes a power-of-two head dim; this model's attention heads have {', '.join(map(str, odd))} "
-            "dims: use auto"
-        )
 
 
 def _cache_manager(plan: MemoryPlan, cache: CacheConfig, copy_slot: SlotCopy) -> CacheManager:

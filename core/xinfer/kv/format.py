@@ -22,6 +22,17 @@ class KVFormat:
     rotate_keys: bool = False
     rotate_values: bool = False
 
+    def refuse_head_dims(self, head_dims: set[int]) -> None:
+        """One error where a side is rotated (a Walsh-Hadamard transform: powers of two only) and a head dim is not
+        a power of two."""
+        odd = sorted(n for n in head_dims if n & (n - 1))
+        if odd and (self.rotate_keys or self.rotate_values):
+            raise ValueError(
+                f"kv_cache_dtype (--kvcache-dtype) {self.name!r} rotates each head by a Walsh-Hadamard transform, "
+                f"which takes a power-of-two head dim; this model's attention heads have {', '.join(map(str, odd))} "
+                "dims: use auto"
+            )
+
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, Field]:
         """Stored tensors by name ("k", "k_scale", "v", ...)."""
         named = {"k" + f.suffix: f for f in self.key.fields(head_dim, dtype)}

@@ -469,22 +469,24 @@ def _symmetric_scale(x: Tensor, nmax: int) -> tuple[Tensor, Tensor]:
     def iscale(i: int) -> Tensor:
         return -(nmax + torch.tensor(0.1, dtype=torch.float32) * i) / torch.where(zero, 1.0, largest)
 
-    def levels(i: Tensor | int) -> Tensor:
-        return torch.mul(x, iscale(i) if isinstance(i, int) else i).round_().clamp_(-nmax, nmax - 1)
+    def levels(inverse_scale: Tensor) -> Tensor:
+        return torch.mul(x, inverse_scale).round_().clamp_(-nmax, nmax - 1)
 
-    def sums(i: int) -> tuple[Tensor, Tensor]:  # (summed alike on every device: the same choices there)
-        at = levels(i)
+    def sums(inverse_scale: Tensor) -> tuple[Tensor, Tensor]:  # (summed alike on every device: the same choices)
+        at = levels(inverse_scale)
         return _sum(weighted * at), _sum(weights * at * at)
 
-    sum_lx, sum_l2 = sums(0)  # the first rounding: its scale whatever it scores
+    chosen = iscale(0)
+    sum_lx, sum_l2 = sums(chosen)  # the first rounding: its scale whatever it scores
     scale = torch.where(sum_l2 > 0, sum_lx / sum_l2, 0.0)
-    best, chosen = scale * sum_lx, iscale(0)
+    best = scale * sum_lx
     for i in (*range(-9, 0), *range(1, 10)):
-        sum_lx, sum_l2 = sums(i)
+        candidate = iscale(i)
+        sum_lx, sum_l2 = sums(candidate)
         better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
         scale = torch.where(better, sum_lx / sum_l2, scale)
         best = torch.where(better, scale * sum_lx, best)
-        chosen = torch.where(better, iscale(i), chosen)
+        chosen = torch.where(better, candidate, chosen)
     return torch.where(zero, 0.0, scale).squeeze(-1), torch.where(zero, 0.0, levels(chosen) + nmax)
 
 

@@ -58,8 +58,12 @@ class IsqMode:
                 return None
         elif len(shape) < 2 or packed_in is not None:
             return None
-        fallback = get_weight_format(self.fmt.fallback) if self.fmt.fallback else None
-        return next((fmt for fmt in (self.fmt, fallback) if fmt and shape[-1] % fmt.block_values == 0), None)
+        return next((fmt for fmt in self.formats if shape[-1] % fmt.block_values == 0), None)
+
+    @property
+    def formats(self) -> list[WeightFormat]:
+        """``fmt``, then its fallback where it has one."""
+        return [self.fmt, *([get_weight_format(self.fmt.fallback)] if self.fmt.fallback else [])]
 
 
 def isq_formats() -> list[str]:
@@ -158,9 +162,7 @@ class LoadQuantizer:
             log.info("--isq: %d weights whose rows are not whole blocks of %d values are in %s", self.fallbacks,
                      self.mode.fmt.block_values, self.mode.fmt.fallback)  # fmt: skip
         if unfit := self._left_float(model):
-            sizes = f"{self.mode.fmt.block_values}" + (
-                f" or {fallback.block_values}" if (fallback := self._fallback()) else ""
-            )
+            sizes = " or ".join(str(fmt.block_values) for fmt in self.mode.formats)
             log.warning("--isq %s: %d weights stay float, their rows not whole blocks of %s values (%s%s)",
                         self.mode.name, len(unfit), sizes, ", ".join(unfit[:3]), ", ..." if len(unfit) > 3 else "")  # fmt: skip
         if self.mode.experts_only and not self._has_experts(model):
@@ -179,9 +181,6 @@ class LoadQuantizer:
         return any(len(param.logical_shape if isinstance(param, QuantizedTensor) else param.shape) == 3
                    for module in model.modules() for name, param in module.named_parameters(recurse=False)
                    if name in getattr(module, "quantized_weights", ()))  # fmt: skip
-
-    def _fallback(self) -> WeightFormat | None:
-        return get_weight_format(self.mode.fmt.fallback) if self.mode.fmt.fallback else None
 
     def _left_float(self, model: nn.Module) -> list[str]:
         """The float weights the mode would pack but for their rows, which are whole blocks of no format of it."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from xinfer.server.errors import bad_request
 from xinfer.server.protocol import ChatMessage, Prompt, prompt_list
-from xinfer.text.chat_messages import TEXT_PART_FIELDS, render_messages
+from xinfer.text.chat_messages import TEXT_PART_FIELDS, render_messages, template_content
 
 
 def message_dicts(
@@ -36,9 +36,7 @@ def message_dicts(
                     images.append((part.image_url.url, f"messages.{i}.content.{j}.image_url"))
                 else:
                     parts.append({"type": "text", "text": getattr(part, field)})
-            has_image = any(p["type"] == "image" for p in parts)
-            joined = content_format == "string" and not has_image
-            item["content"] = "\n".join(p["text"] for p in parts) if joined else parts
+            item["content"] = template_content(parts, content_format)
         result.append(item)
     return result, images
 

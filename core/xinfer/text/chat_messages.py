@@ -19,6 +19,14 @@ TEXT_PART_FIELDS = {
 }
 
 
+def template_content(parts: list[dict[str, Any]], content_format: str) -> str | list[dict[str, Any]]:
+    """A message's content parts (text parts as ``{"type": "text", "text": ...}``) as a template whose
+    ``content_format`` is "string" reads text alone: one string, the parts joined by newlines; else the parts."""
+    if content_format == "string" and all(part.get("type") == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    return parts
+
+
 def render_messages(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
     """Renders ``messages`` (their content as the template reads it) with :func:`message_for_template`'s changes;
     a template that fails on tool calls' arguments as objects gets them as the JSON text the client sent

@@ -204,14 +204,8 @@ def round_messages(role: str, placed: list[tuple[str, Block]], takes_images: boo
         if block.type not in allowed:
             article = "an" if role == "assistant" else "a"
             raise bad_request(f"{article} {role} turn cannot hold a content block of type {block.type!r}", param=where)
-        if block.type == "text":
-            parts.append({"type": "text", "text": required(block.text, where, "text")})
-        elif block.type == "image":
-            if not takes_images:  # here, where the block's place in the Anthropic body is known
-                raise bad_request("this model takes text only: it cannot read images", param=where)
-            parts.append(image_part(block, where))
-        elif block.type == "document":
-            parts.append({"type": "text", "text": document_text(block, where)})
+        if block.type in CONTENT_BLOCKS:
+            parts.append(content_part(block, where, takes_images))
         elif block.type in ("tool_result", "mcp_tool_result"):
             content = result_content(block.content or "", f"{where}.content", takes_images)
             if block.is_error and block.type == "tool_result":  # an MCP result's text is the one the model read
@@ -258,24 +252,31 @@ def block_text(content: str | list[Block], param: str) -> str:
     return "\n".join(texts)
 
 
+CONTENT_BLOCKS = frozenset({"text", "image", "document"})  # what a message's content and a tool result's hold
+
+
+def content_part(block: Block, where: str, takes_images: bool) -> dict[str, Any]:
+    """A text, image or document block as a chat content part; an image refused where the model takes text only
+    (here, where the block's place in the Anthropic body is known)."""
+    if block.type == "text":
+        return {"type": "text", "text": required(block.text, where, "text")}
+    if block.type == "document":
+        return {"type": "text", "text": document_text(block, where)}
+    if not takes_images:
+        raise bad_request("this model takes text only: it cannot read images", param=where)
+    return image_part(block, where)
+
+
 def result_content(content: str | list[Block], param: str, takes_images: bool) -> str | list[dict[str, Any]]:
-    """A tool result's content: its text, or, where it holds images, its text, image and document blocks as
-    parts (an image refused where the model takes text only)."""
+    """A tool result's content: its text, or, where it holds images, its blocks as parts."""
     if isinstance(content, str) or all(block.type == "text" for block in content):
         return block_text(content, param)
-    parts: list[dict[str, Any]] = []
+    parts = []
     for j, block in enumerate(content):
-        where = f"{param}.{j}"
-        if block.type == "text":
-            parts.append({"type": "text", "text": required(block.text, where, "text")})
-        elif block.type == "document":
-            parts.append({"type": "text", "text": document_text(block, where)})
-        elif block.type != "image":
-            raise bad_request(f"a tool_result holds text, image and document blocks, not {block.type!r}", param=where)
-        elif not takes_images:
-            raise bad_request("this model takes text only: it cannot read images", param=where)
-        else:
-            parts.append(image_part(block, where))
+        if block.type not in CONTENT_BLOCKS:
+            raise bad_request(f"a tool_result holds text, image and document blocks, not {block.type!r}",
+                              param=f"{param}.{j}")  # fmt: skip
+        parts.append(content_part(block, f"{param}.{j}", takes_images))
     return joined(parts)
 
 
